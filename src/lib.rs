@@ -1,0 +1,23 @@
+//! sparse-mla: sparse MLA decode (DeepSeek-V3.2, GLM-5) over a virtual block table, written
+//! once in a small kernel description language ([`kir`]) and printed as WGSL (run through
+//! wgpu) and as self-contained CUDA C (compiled at run time by NVRTC).
+//!
+//! Layout, bottom up:
+//! - [`kir`]: the kernel description language (scalar IR + tile ops) and its lowerings;
+//! - [`emit`]: WGSL and CUDA C printers of lowered kir (they know nothing about MLA);
+//! - [`kernels`]: each kernel described once (sparse MLA decode split + combine, ...);
+//! - [`reference`]: plain-Rust float64 references of every kernel;
+//! - [`runtime`]: CPU reference, wgpu and CUDA behind one small trait;
+//! - [`model`]: GLM-5 / DeepSeek-V3.2 forward pass.
+
+pub mod emit;
+pub mod error;
+pub mod kernels;
+pub mod kir;
+pub mod mla;
+pub mod model;
+pub mod reference;
+pub mod runtime;
+pub mod util;
+
+pub use error::{Error, Result};

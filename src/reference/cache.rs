@@ -1,0 +1,101 @@
+//! Cache rows (DESIGN §4): encode a token's `[latent | rope]` into a row, and decode a row
+//! back to `d_qk` f32 values.
+//!
+//! `fp8_ds_mla` (production widths only), 656 bytes:
+//! `[0, 512)` e4m3 latent · `[512, 528)` 4 × f32 LE scales, one per 128 values ·
+//! `[528, 656)` 64 × bf16 LE rope. Dequant: `c[i] = e4m3(byte[i]) × scale[i / 128]`.
+
+use super::numerics::{bf16_bits, bf16_from_bits, e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+use crate::mla::{CacheFormat, MlaDims, ScaleFlavour, FP8_TILE};
+
+/// Decode one row into `d_qk` values (latent then rope).
+pub fn decode_row(format: CacheFormat, dims: MlaDims, row: &[u8]) -> Vec<f32> {
+    let d = dims.d_qk() as usize;
+    assert_eq!(row.len(), format.row_bytes(dims) as usize);
+    match format {
+        CacheFormat::Bf16 => (0..d)
+            .map(|i| bf16_from_bits(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])))
+            .collect(),
+        CacheFormat::Fp8DsMla => {
+            let latent = dims.latent as usize;
+            let tiles = latent / FP8_TILE as usize;
+            let scale = |t: usize| {
+                let o = latent + 4 * t;
+                f32::from_le_bytes([row[o], row[o + 1], row[o + 2], row[o + 3]])
+            };
+            let rope_at = latent + 4 * tiles;
+            let mut v = Vec::with_capacity(d);
+            for (i, &b) in row.iter().take(latent).enumerate() {
+                v.push(e4m3_to_f32(b) * scale(i / FP8_TILE as usize));
+            }
+            for i in 0..dims.rope as usize {
+                let o = rope_at + 2 * i;
+                v.push(bf16_from_bits(u16::from_le_bytes([row[o], row[o + 1]])));
+            }
+            v
+        }
+    }
+}
+
+/// The smallest normal f32: the floor of an fp8 tile scale (an all-zero tile must not give 0).
+pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
+
+/// The fp8 scale of one 128-value tile: `amax / 448`, floored at the smallest normal f32,
+/// rounded up to a power of two for [`ScaleFlavour::Pow2`].
+pub fn fp8_tile_scale(tile: &[f32], flavour: ScaleFlavour) -> f32 {
+    let amax = tile.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let s = (amax / E4M3_MAX).max(MIN_SCALE);
+    match flavour {
+        ScaleFlavour::Arbitrary => s,
+        ScaleFlavour::Pow2 => pow2_ceil(s),
+    }
+}
+
+/// Smallest power of two ≥ `s` (s a positive normal f32): exact, by bits.
+pub fn pow2_ceil(s: f32) -> f32 {
+    let bits = s.to_bits();
+    let exp = bits & 0x7F80_0000;
+    if bits & 0x007F_FFFF == 0 {
+        s
+    } else {
+        f32::from_bits(exp + 0x0080_0000)
+    }
+}
+
+/// Encode one token. `latent` and `rope` hold bf16-representable values.
+/// `flavour` only matters for `fp8_ds_mla`.
+pub fn encode_row(
+    format: CacheFormat,
+    dims: MlaDims,
+    latent: &[f32],
+    rope: &[f32],
+    flavour: ScaleFlavour,
+) -> Vec<u8> {
+    assert_eq!(latent.len(), dims.latent as usize);
+    assert_eq!(rope.len(), dims.rope as usize);
+    let mut row = Vec::with_capacity(format.row_bytes(dims) as usize);
+    match format {
+        CacheFormat::Bf16 => {
+            for &v in latent.iter().chain(rope) {
+                row.extend_from_slice(&bf16_bits(v).to_le_bytes());
+            }
+        }
+        CacheFormat::Fp8DsMla => {
+            let scales: Vec<f32> = latent
+                .chunks(FP8_TILE as usize)
+                .map(|t| fp8_tile_scale(t, flavour))
+                .collect();
+            for (i, &v) in latent.iter().enumerate() {
+                row.push(f32_to_e4m3(v / scales[i / FP8_TILE as usize]));
+            }
+            for s in &scales {
+                row.extend_from_slice(&s.to_le_bytes());
+            }
+            for &v in rope {
+                row.extend_from_slice(&bf16_bits(v).to_le_bytes());
+            }
+        }
+    }
+    debug_assert_eq!(row.len(), format.row_bytes(dims) as usize);
+    row
+}

@@ -1,0 +1,6 @@
+//! Plain-Rust references of every kernel, in float64 where the kernel accumulates in f32.
+//! Each function documents the shapes it takes; conventions live in [`crate::mla`].
+
+pub mod cache;
+pub mod numerics;
+pub mod sparse_mla;
