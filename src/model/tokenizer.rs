@@ -1,0 +1,81 @@
+//! `tokenizer.json` through the `tokenizers` crate, and a streaming decoder that prints text
+//! as tokens arrive without splitting a UTF-8 character across two prints.
+
+use std::path::Path;
+
+use crate::{Error, Result};
+
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl TextTokenizer {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| Error::Model(format!("{}: cannot load tokenizer: {e}", path.display())))?;
+        Ok(TextTokenizer { inner })
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds
+    /// (what transformers' tokenizer call does by default).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| Error::Model(format!("cannot tokenize the prompt: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| Error::Model(format!("cannot decode token ids: {e}")))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
+
+/// Decodes a growing id list and hands out only the text that is new and complete.
+pub struct TextStream<'a> {
+    tok: &'a TextTokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl<'a> TextStream<'a> {
+    pub fn new(tok: &'a TextTokenizer) -> Self {
+        TextStream {
+            tok,
+            ids: Vec::new(),
+            printed: 0,
+        }
+    }
+
+    /// Adds one token; returns the text it completes (possibly empty while a multi-byte
+    /// character is still partial).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}')
+            || text.len() < self.printed
+            || !text.is_char_boundary(self.printed)
+        {
+            return Ok(String::new());
+        }
+        let new = text[self.printed..].to_string();
+        self.printed = text.len();
+        Ok(new)
+    }
+
+    /// Whatever is left (a dangling partial character comes out as U+FFFD).
+    pub fn finish(&mut self) -> Result<String> {
+        let text = self.tok.decode(&self.ids)?;
+        let new = text.get(self.printed..).unwrap_or("").to_string();
+        self.printed = text.len();
+        Ok(new)
+    }
+}
