@@ -695,8 +695,8 @@ fn mlp_layer_types(k: &Keys, layers: usize) -> Result<Vec<MlpKind>> {
 
 fn indexer_types(k: &Keys, arch: Arch, layers: usize) -> Result<Vec<IndexerKind>> {
     let parse = |key: &str, s: &str| match s {
-        "full" | "F" => Ok(IndexerKind::Full),
-        "shared" | "S" => Ok(IndexerKind::Shared),
+        "full" => Ok(IndexerKind::Full),
+        "shared" => Ok(IndexerKind::Shared),
         other => Err(k.err(
             key,
             format!("holds \"{other}\"; expected \"full\" or \"shared\""),
@@ -711,7 +711,14 @@ fn indexer_types(k: &Keys, arch: Arch, layers: usize) -> Result<Vec<IndexerKind>
         match v {
             Value::String(s) => s
                 .chars()
-                .map(|c| parse("index_topk_pattern", &c.to_string()))
+                .map(|c| match c {
+                    'F' => Ok(IndexerKind::Full),
+                    'S' => Ok(IndexerKind::Shared),
+                    other => Err(k.err(
+                        "index_topk_pattern",
+                        format!("holds '{other}'; expected 'F' or 'S'"),
+                    )),
+                })
                 .collect::<Result<_>>()?,
             _ => k
                 .opt_str_list("index_topk_pattern")?

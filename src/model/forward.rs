@@ -120,11 +120,13 @@ pub enum Logits {
     All,
 }
 
-/// What a forward selected, for tests and debugging: per full-indexer layer, the logical
-/// positions each query token attended to (`[tokens, k]`, −1 padded).
+/// What a forward decided, for tests and debugging, as `(layer, k, [tokens, k] rows)`:
+/// per full-indexer layer the logical positions each query token attended to (−1 padded),
+/// per MoE layer the experts each token was routed to.
 #[derive(Clone, Debug, Default)]
 pub struct ForwardTrace {
     pub selected: Vec<(usize, usize, Vec<i32>)>,
+    pub routed: Vec<(usize, usize, Vec<i32>)>,
 }
 
 /// A loaded model on a backend.
@@ -260,7 +262,7 @@ impl<B: ModelBackend> Model<B> {
             )?;
             h = b.add(&h, &attn)?;
             let x = b.rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
-            let y = self.mlp(&layer.mlp, &x)?;
+            let y = self.mlp(l, &layer.mlp, &x, trace.as_deref_mut())?;
             h = b.add(&h, &y)?;
         }
         seq.len = end;
@@ -408,7 +410,13 @@ impl<B: ModelBackend> Model<B> {
         b.indexer_topk(&q, &weights, cache, seq.table(), positions, call)
     }
 
-    fn mlp(&self, mlp: &MlpWeights<B::Tensor>, x: &B::Tensor) -> Result<B::Tensor> {
+    fn mlp(
+        &self,
+        l: usize,
+        mlp: &MlpWeights<B::Tensor>,
+        x: &B::Tensor,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<B::Tensor> {
         let b = &self.backend;
         let c = &self.config;
         match mlp {
@@ -431,6 +439,9 @@ impl<B: ModelBackend> Model<B> {
                     routed_scaling_factor: c.routed_scaling_factor,
                 };
                 let (ids, weights) = b.moe_route(&logits, bias, routing)?;
+                if let Some(tr) = trace {
+                    tr.routed.push((l, routing.top_k, b.download_index(&ids)?));
+                }
                 let y = b.moe_experts(x, &ids, &weights, experts)?;
                 match shared {
                     Some(s) => {

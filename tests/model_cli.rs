@@ -1,0 +1,128 @@
+//! `mla-run` as a user runs it: no arguments, JSON output, ids without a tokenizer, and the
+//! errors a user can hit.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn mla_run(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_mla-run"))
+        .args(args)
+        .output()
+        .expect("mla-run runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn no_arguments_runs_the_tiny_glm5_and_reports_speed() {
+    let out = mla_run(&[]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("glm_moe_dsa-tiny"),
+        "says which model it runs: {stderr}"
+    );
+    let last = stdout.lines().last().unwrap_or("");
+    for word in ["prompt", "prefill", "decode", "tok/s", "peak memory"] {
+        assert!(last.contains(word), "last line lacks `{word}`: {last}");
+    }
+}
+
+#[test]
+fn json_output_is_one_object_per_token_and_a_summary() {
+    let out = mla_run(&[
+        "-n",
+        "5",
+        "--output",
+        "json",
+        "--kv-cache",
+        "fp8",
+        "--temperature",
+        "0.7",
+        "--seed",
+        "9",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let (tokens, summary) = lines.split_at(lines.len() - 1);
+    assert!(!tokens.is_empty() && tokens.len() <= 5);
+    for t in tokens {
+        assert!(
+            t["id"].is_u64() && t["text"].is_string() && t["logprob"].as_f64().unwrap() <= 0.0,
+            "{t}"
+        );
+    }
+    assert_eq!(
+        summary[0]["generated_tokens"].as_u64().unwrap() as usize,
+        tokens.len()
+    );
+    assert!(summary[0]["decode_tok_s"].is_number());
+}
+
+#[test]
+fn prompt_ids_work_without_a_tokenizer() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/deepseek_v32-tiny");
+    let dir = std::env::temp_dir().join(format!("mla-run-notok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), dir.join(f)).unwrap();
+    }
+    let d = dir.to_str().unwrap();
+    let out = mla_run(&[
+        "--model",
+        d,
+        "--prompt-ids",
+        "3,1,4,1,5,9,2,6",
+        "-n",
+        "4",
+        "--output",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let first: serde_json::Value =
+        serde_json::from_str(text(&out.stdout).lines().next().unwrap()).unwrap();
+    assert!(first["id"].is_u64() && first["text"].is_null(), "{first}");
+
+    let out = mla_run(&["--model", d, "--prompt", "hello"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("tokenizer.json"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let out = mla_run(&["--model", d, "--prompt-ids", "1,2"]);
+    assert!(
+        text(&out.stderr).contains("model.safetensors"),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn user_errors_are_one_line_not_panics() {
+    for (args, needle) in [
+        (vec!["--device", "cuda:0"], "not implemented"),
+        (
+            vec!["--prompt-ids", "1,2,3,4,5,6", "--max-seq-len", "5"],
+            "max-seq-len",
+        ),
+        (vec!["--prompt-ids", "999999"], "vocabulary"),
+        (vec!["--model", "/no/such/dir"], "does not exist"),
+    ] {
+        let out = mla_run(&args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        let err_lines: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+        assert_eq!(err_lines.len(), 1, "{args:?}: {stderr}");
+        assert!(err_lines[0].contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
