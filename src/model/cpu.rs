@@ -12,7 +12,7 @@ use super::backend::{
 use super::config::RopeStyle;
 use super::rope::{rotate, RopeTable};
 use crate::mla::{CacheFormat, DecodeShape, MlaDims, ScaleFlavour};
-use crate::reference::cache::{decode_row, encode_row};
+use crate::reference::cache::encode_row;
 use crate::reference::numerics::{bf16_bits, bf16_from_bits, round_bf16};
 use crate::reference::sparse_mla::{decode, DecodeInputs};
 use crate::{Error, Result};
@@ -665,20 +665,6 @@ impl ModelBackend for CpuBackend {
             data: out,
         })
     }
-}
-
-/// Decoded rows of a latent cache, for tests that look inside (`[slots.len(), latent + rope]`).
-pub fn read_latent_rows(
-    cache: &CpuCache,
-    slots: &[usize],
-    format: CacheFormat,
-    dims: MlaDims,
-) -> Vec<Vec<f32>> {
-    let rb = cache.layout.row_bytes;
-    slots
-        .iter()
-        .map(|&s| decode_row(format, dims, &cache.bytes[s * rb..(s + 1) * rb]))
-        .collect()
 }
 
 #[cfg(test)]
