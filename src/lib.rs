@@ -10,6 +10,7 @@
 //! - [`runtime`]: CPU reference, wgpu and CUDA behind one small trait;
 //! - [`model`]: GLM-5 / DeepSeek-V3.2 forward pass.
 
+pub mod conformance;
 pub mod emit;
 pub mod error;
 pub mod kernels;

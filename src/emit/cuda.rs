@@ -1,0 +1,369 @@
+//! CUDA C printer. The output is self-contained: no `#include`, so NVRTC compiles it with no
+//! CUDA headers installed. bf16 rounding goes through inline PTX (`cvt.rn.bf16x2.f32`,
+//! sm_80+); everything else is plain C.
+//!
+//! Calling convention: `extern "C" __global__ void <name>(<name>_params p, buffers...)`,
+//! the parameter struct by value, then one pointer per buffer in declaration order.
+
+use super::{f32_literal, header, special_f32};
+use crate::kir::ir::*;
+use crate::{Error, Result};
+
+/// Print a lowered kernel as a CUDA C translation unit with one `extern "C"` kernel.
+pub fn emit(kernel: &Kernel) -> Result<String> {
+    if !kernel.is_lowered() {
+        return Err(Error::Kir {
+            kernel: kernel.name.clone(),
+            message: "CUDA emitter given a kernel with tile ops; lower it first".into(),
+        });
+    }
+    let mut p = Printer {
+        out: String::new(),
+        indent: 0,
+        kernel,
+    };
+    p.unit();
+    Ok(p.out)
+}
+
+/// The C declaration of a kernel's parameter struct (also used for the integrators' header).
+pub fn params_struct(kernel: &Kernel) -> String {
+    let mut s = format!("struct {}_params {{\n", kernel.name);
+    for p in &kernel.params {
+        s.push_str(&format!("    {} {}; // {}\n", c_ty(p.ty), p.name, p.doc));
+    }
+    if kernel.params.is_empty() {
+        s.push_str("    unsigned unused;\n");
+    }
+    s.push_str("};\n");
+    s
+}
+
+/// The C parameter list of the kernel's buffers (for documentation and headers).
+pub fn buffer_params(kernel: &Kernel) -> Vec<String> {
+    kernel
+        .buffers
+        .iter()
+        .map(|b| {
+            let (cst, restrict) = match b.access {
+                Access::Read => ("const ", " __restrict__"),
+                Access::ReadWrite => ("", " __restrict__"),
+            };
+            format!("{cst}{}*{restrict} {}", c_elem(b.elem), b.name)
+        })
+        .collect()
+}
+
+fn c_ty(t: Ty) -> &'static str {
+    match t {
+        Ty::F32 => "float",
+        Ty::I32 => "int",
+        Ty::U32 => "unsigned",
+        Ty::Bool => "bool",
+        Ty::Bf16 => "unsigned short",
+        Ty::F8E4M3 => "unsigned char",
+    }
+}
+
+fn c_elem(e: Elem) -> &'static str {
+    match e {
+        Elem::F32 => "float",
+        Elem::I32 => "int",
+        Elem::U32 => "unsigned",
+        Elem::Bf16 => "unsigned short",
+        Elem::U8 => "unsigned char",
+    }
+}
+
+const HELPERS: &str = r#"// bf16 bits -> f32: bf16 is the top half of an f32.
+static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+    return __uint_as_float(((unsigned)bits) << 16);
+}
+
+// Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
+static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448.
+static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+    const unsigned b = bits;
+    if ((b & 0x7fu) == 0x7fu) {
+        return __uint_as_float(0x7fc00000u | ((b & 0x80u) << 24));
+    }
+    const unsigned e = (b >> 3) & 0xfu;
+    const unsigned m = b & 7u;
+    // normal: exponent rebias 7 -> 127 and mantissa into place; subnormal: m * 2^-9
+    const float mag = e == 0u ? (float)m * (1.0f / 512.0f)
+                              : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (b & 0x80u) ? -mag : mag;
+}
+"#;
+
+struct Printer<'k> {
+    out: String,
+    indent: usize,
+    kernel: &'k Kernel,
+}
+
+impl Printer<'_> {
+    fn line(&mut self, s: &str) {
+        if s.is_empty() {
+            self.out.push('\n');
+            return;
+        }
+        for _ in 0..self.indent {
+            self.out.push_str("    ");
+        }
+        self.out.push_str(s);
+        self.out.push('\n');
+    }
+
+    fn unit(&mut self) {
+        let k = self.kernel;
+        for l in header(k, "CUDA C", "kernel arguments after the parameter struct") {
+            if l.is_empty() {
+                self.line("//");
+            } else {
+                self.line(&format!("// {l}"));
+            }
+        }
+        self.line(&format!(
+            "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.",
+            k.workgroup_size
+        ));
+        self.line("// Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).");
+        self.line("");
+        self.out.push_str(&params_struct(k));
+        self.line("");
+        self.out.push_str(HELPERS);
+        self.line("");
+        let args = buffer_params(k).join(", ");
+        self.line(&format!(
+            "extern \"C\" __global__ void __launch_bounds__({}) {}(const {}_params p, {args}) {{",
+            k.workgroup_size, k.name, k.name
+        ));
+        self.indent += 1;
+        for s in &k.shared {
+            let l = format!("__shared__ {} {}[{}];", c_ty(s.ty), s.name, s.len);
+            self.line(&l);
+        }
+        for pv in &k.privates {
+            let l = format!("{} {}[{}];", c_ty(pv.ty), pv.name, pv.len);
+            self.line(&l);
+        }
+        for s in &k.body {
+            self.stmt(s);
+        }
+        self.indent -= 1;
+        self.line("}");
+    }
+
+    fn stmt(&mut self, s: &Stmt) {
+        match s {
+            Stmt::Comment(c) => {
+                self.line("");
+                self.line(&format!("// {c}"));
+            }
+            Stmt::Let { name, value } => {
+                let l = format!("const {} {name} = {};", c_ty(value.ty()), self.expr(value));
+                self.line(&l);
+            }
+            Stmt::Var { name, value } => {
+                let l = format!("{} {name} = {};", c_ty(value.ty()), self.expr(value));
+                self.line(&l);
+            }
+            Stmt::Assign { name, value } => {
+                let l = format!("{name} = {};", self.expr(value));
+                self.line(&l);
+            }
+            Stmt::Store { buf, index, value } => {
+                let l = format!("{buf}[{}] = {};", self.expr(index), self.expr(value));
+                self.line(&l);
+            }
+            Stmt::StoreWord { buf, index, value } => {
+                let l = format!(
+                    "((unsigned*){buf})[{}] = {};",
+                    self.expr(index),
+                    self.expr(value)
+                );
+                self.line(&l);
+            }
+            Stmt::SharedStore { arr, index, value } | Stmt::PrivateStore { arr, index, value } => {
+                let l = format!("{arr}[{}] = {};", self.expr(index), self.expr(value));
+                self.line(&l);
+            }
+            Stmt::If { cond, then, els } => {
+                let l = format!("if ({}) {{", self.expr(cond));
+                self.line(&l);
+                self.block(then);
+                if els.is_empty() {
+                    self.line("}");
+                } else {
+                    self.line("} else {");
+                    self.block(els);
+                    self.line("}");
+                }
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                // Small constant trip counts are unrolled so private arrays stay in registers.
+                if let (Expr::U32(a), Expr::U32(b), Expr::U32(c)) = (start, end, step) {
+                    if *c > 0 && b.saturating_sub(*a).div_ceil(*c) <= 64 {
+                        self.line("#pragma unroll");
+                    }
+                }
+                let l = format!(
+                    "for ({} {var} = {}; {var} < {}; {var} += {}) {{",
+                    c_ty(start.ty()),
+                    self.expr(start),
+                    self.expr(end),
+                    self.expr(step)
+                );
+                self.line(&l);
+                self.block(body);
+                self.line("}");
+            }
+            Stmt::Barrier => self.line("__syncthreads();"),
+            Stmt::Tile(_) => self.line("// (unlowered tile op)"),
+        }
+    }
+
+    fn block(&mut self, stmts: &[Stmt]) {
+        self.indent += 1;
+        for s in stmts {
+            self.stmt(s);
+        }
+        self.indent -= 1;
+    }
+
+    fn operand(&self, e: &Expr) -> String {
+        let s = self.expr(e);
+        match e {
+            Expr::Bin(..) | Expr::Un(..) | Expr::Select(..) => format!("({s})"),
+            Expr::F32(v) if *v < 0.0 => format!("({s})"),
+            Expr::I32(v) if *v < 0 => format!("({s})"),
+            _ => s,
+        }
+    }
+
+    fn expr(&self, e: &Expr) -> String {
+        match e {
+            Expr::F32(v) => match special_f32(*v) {
+                Some(bits) => format!("__uint_as_float({bits:#010x}u)"),
+                None => format!("{}f", f32_literal(*v)),
+            },
+            Expr::I32(v) => {
+                if *v == i32::MIN {
+                    "(-2147483647 - 1)".into()
+                } else {
+                    v.to_string()
+                }
+            }
+            Expr::U32(v) => format!("{v}u"),
+            Expr::Bool(v) => v.to_string(),
+            Expr::Var(n, _) => n.clone(),
+            Expr::Param(n, _) => format!("p.{n}"),
+            Expr::Builtin(b) => match b {
+                Builtin::LocalId => "threadIdx.x".into(),
+                Builtin::WorkgroupId(a) => format!("blockIdx.{}", axis(*a)),
+                Builtin::NumWorkgroups(a) => format!("gridDim.{}", axis(*a)),
+            },
+            Expr::Un(op, a) => {
+                let a = self.operand(a);
+                match op {
+                    UnOp::Neg => format!("-{a}"),
+                    UnOp::Not => format!("!{a}"),
+                    UnOp::BitNot => format!("~{a}"),
+                }
+            }
+            Expr::Bin(op, a, b) => {
+                let (x, y) = (self.operand(a), self.operand(b));
+                let float = a.ty() == Ty::F32;
+                let sym = match op {
+                    BinOp::Min if float => return format!("fminf({x}, {y})"),
+                    BinOp::Max if float => return format!("fmaxf({x}, {y})"),
+                    BinOp::Min => return format!("({x} < {y} ? {x} : {y})"),
+                    BinOp::Max => return format!("({x} > {y} ? {x} : {y})"),
+                    BinOp::Add => "+",
+                    BinOp::Sub => "-",
+                    BinOp::Mul => "*",
+                    BinOp::Div => "/",
+                    BinOp::Rem => "%",
+                    BinOp::Lt => "<",
+                    BinOp::Le => "<=",
+                    BinOp::Gt => ">",
+                    BinOp::Ge => ">=",
+                    BinOp::Eq => "==",
+                    BinOp::Ne => "!=",
+                    BinOp::And => "&&",
+                    BinOp::Or => "||",
+                    BinOp::BitAnd => "&",
+                    BinOp::BitOr => "|",
+                    BinOp::BitXor => "^",
+                    BinOp::Shl => "<<",
+                    BinOp::Shr => ">>",
+                };
+                format!("{x} {sym} {y}")
+            }
+            Expr::Select(c, a, b) => format!(
+                "{} ? {} : {}",
+                self.operand(c),
+                self.operand(a),
+                self.operand(b)
+            ),
+            Expr::Cvt(t, a) => {
+                let from = a.ty();
+                let x = self.expr(a);
+                match (from, t) {
+                    (Ty::Bf16, Ty::F32) => format!("bf16_to_f32({x})"),
+                    (Ty::F8E4M3, Ty::F32) => format!("e4m3_to_f32({x})"),
+                    (f, t) if f == *t => x,
+                    (_, t) => format!("(({}){})", c_ty(*t), self.operand(a)),
+                }
+            }
+            Expr::Call(func, args) => {
+                let a: Vec<String> = args.iter().map(|x| self.expr(x)).collect();
+                match func {
+                    Func::Exp => format!("expf({})", a[0]),
+                    Func::Log => format!("logf({})", a[0]),
+                    Func::Sqrt => format!("sqrtf({})", a[0]),
+                    Func::Abs => format!("fabsf({})", a[0]),
+                    Func::Fma => format!("fmaf({}, {}, {})", a[0], a[1], a[2]),
+                    Func::PackBf16x2 => format!("pack_bf16x2({}, {})", a[0], a[1]),
+                    Func::F32Bits => format!("__float_as_uint({})", a[0]),
+                    Func::F32FromBits => format!("__uint_as_float({})", a[0]),
+                }
+            }
+            Expr::Load { buf, elem, index } => {
+                let i = self.expr(index);
+                match elem {
+                    Elem::U8 => format!("((unsigned){buf}[{i}])"),
+                    _ => format!("{buf}[{i}]"),
+                }
+            }
+            Expr::LoadWord { buf, index } => {
+                format!("((const unsigned*){buf})[{}]", self.expr(index))
+            }
+            Expr::SharedLoad { arr, index, .. } | Expr::PrivateLoad { arr, index, .. } => {
+                format!("{arr}[{}]", self.expr(index))
+            }
+            Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0f"),
+        }
+    }
+}
+
+fn axis(a: u8) -> &'static str {
+    match a {
+        0 => "x",
+        1 => "y",
+        _ => "z",
+    }
+}

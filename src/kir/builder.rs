@@ -1,0 +1,749 @@
+//! A builder that makes kernel descriptions read like the algorithm: expressions with
+//! ordinary operators, nested blocks through closures, typed handles for buffers, shared
+//! arrays and tiles. Mistakes in a description (a type mismatch, a tile shape that does not
+//! fit) are collected and returned by [`KernelBuilder::finish`] as one error.
+
+use super::ir::*;
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::ops;
+
+// ---------------------------------------------------------------- expression sugar
+
+/// f32 literal.
+pub fn f(v: f32) -> Expr {
+    Expr::F32(v)
+}
+/// u32 literal.
+pub fn u(v: u32) -> Expr {
+    Expr::U32(v)
+}
+/// i32 literal.
+pub fn i(v: i32) -> Expr {
+    Expr::I32(v)
+}
+/// Thread index within the workgroup.
+pub fn local_id() -> Expr {
+    Expr::Builtin(Builtin::LocalId)
+}
+/// Workgroup index along axis 0, 1, 2 (x, y, z).
+pub fn workgroup_id(axis: u8) -> Expr {
+    Expr::Builtin(Builtin::WorkgroupId(axis))
+}
+
+pub fn select(cond: Expr, a: Expr, b: Expr) -> Expr {
+    Expr::Select(Box::new(cond), Box::new(a), Box::new(b))
+}
+pub fn exp(x: Expr) -> Expr {
+    Expr::Call(Func::Exp, vec![x])
+}
+pub fn log(x: Expr) -> Expr {
+    Expr::Call(Func::Log, vec![x])
+}
+pub fn sqrt(x: Expr) -> Expr {
+    Expr::Call(Func::Sqrt, vec![x])
+}
+pub fn abs(x: Expr) -> Expr {
+    Expr::Call(Func::Abs, vec![x])
+}
+pub fn fma(a: Expr, b: Expr, c: Expr) -> Expr {
+    Expr::Call(Func::Fma, vec![a, b, c])
+}
+/// Two f32 → one u32 of two bf16 (round to nearest even), `lo` in the low half.
+pub fn pack_bf16x2(lo: Expr, hi: Expr) -> Expr {
+    Expr::Call(Func::PackBf16x2, vec![lo, hi])
+}
+pub fn f32_bits(x: Expr) -> Expr {
+    Expr::Call(Func::F32Bits, vec![x])
+}
+pub fn f32_from_bits(x: Expr) -> Expr {
+    Expr::Call(Func::F32FromBits, vec![x])
+}
+
+impl Expr {
+    fn bin(self, op: BinOp, rhs: Expr) -> Expr {
+        Expr::Bin(op, Box::new(self), Box::new(rhs))
+    }
+    pub fn lt(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Lt, rhs)
+    }
+    pub fn le(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Le, rhs)
+    }
+    pub fn gt(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Gt, rhs)
+    }
+    pub fn ge(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Ge, rhs)
+    }
+    pub fn eq_(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Eq, rhs)
+    }
+    pub fn ne_(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Ne, rhs)
+    }
+    pub fn and(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::And, rhs)
+    }
+    pub fn or(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Or, rhs)
+    }
+    pub fn min(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Min, rhs)
+    }
+    pub fn max(self, rhs: Expr) -> Expr {
+        self.bin(BinOp::Max, rhs)
+    }
+    pub fn not(self) -> Expr {
+        Expr::Un(UnOp::Not, Box::new(self))
+    }
+    /// Numeric conversion (or storage-type decode) to `ty`.
+    pub fn cvt(self, ty: Ty) -> Expr {
+        Expr::Cvt(ty, Box::new(self))
+    }
+    pub fn as_u32(self) -> Expr {
+        self.cvt(Ty::U32)
+    }
+    pub fn as_i32(self) -> Expr {
+        self.cvt(Ty::I32)
+    }
+    pub fn as_f32(self) -> Expr {
+        self.cvt(Ty::F32)
+    }
+}
+
+macro_rules! binop {
+    ($tr:ident, $m:ident, $op:expr) => {
+        impl ops::$tr for Expr {
+            type Output = Expr;
+            fn $m(self, rhs: Expr) -> Expr {
+                Expr::Bin($op, Box::new(self), Box::new(rhs))
+            }
+        }
+        impl ops::$tr<&Expr> for &Expr {
+            type Output = Expr;
+            fn $m(self, rhs: &Expr) -> Expr {
+                Expr::Bin($op, Box::new(self.clone()), Box::new(rhs.clone()))
+            }
+        }
+        impl ops::$tr<Expr> for &Expr {
+            type Output = Expr;
+            fn $m(self, rhs: Expr) -> Expr {
+                Expr::Bin($op, Box::new(self.clone()), Box::new(rhs))
+            }
+        }
+        impl ops::$tr<&Expr> for Expr {
+            type Output = Expr;
+            fn $m(self, rhs: &Expr) -> Expr {
+                Expr::Bin($op, Box::new(self), Box::new(rhs.clone()))
+            }
+        }
+    };
+}
+binop!(Add, add, BinOp::Add);
+binop!(Sub, sub, BinOp::Sub);
+binop!(Mul, mul, BinOp::Mul);
+binop!(Div, div, BinOp::Div);
+binop!(Rem, rem, BinOp::Rem);
+binop!(BitAnd, bitand, BinOp::BitAnd);
+binop!(BitOr, bitor, BinOp::BitOr);
+binop!(BitXor, bitxor, BinOp::BitXor);
+binop!(Shl, shl, BinOp::Shl);
+binop!(Shr, shr, BinOp::Shr);
+
+impl ops::Neg for Expr {
+    type Output = Expr;
+    fn neg(self) -> Expr {
+        Expr::Un(UnOp::Neg, Box::new(self))
+    }
+}
+
+// ---------------------------------------------------------------- handles
+
+/// A storage buffer of the kernel.
+#[derive(Clone, Debug)]
+pub struct Buf {
+    pub name: String,
+    pub elem: Elem,
+}
+
+impl Buf {
+    /// Element `index` (u32), typed per [`Elem::value_ty`].
+    pub fn at(&self, index: Expr) -> Expr {
+        Expr::Load {
+            buf: self.name.clone(),
+            elem: self.elem,
+            index: Box::new(index),
+        }
+    }
+    /// 32-bit word `index` as u32.
+    pub fn word(&self, index: Expr) -> Expr {
+        Expr::LoadWord {
+            buf: self.name.clone(),
+            index: Box::new(index),
+        }
+    }
+}
+
+/// A shared (workgroup) array.
+#[derive(Clone, Debug)]
+pub struct Shared {
+    pub name: String,
+    pub ty: Ty,
+    pub len: u32,
+}
+
+impl Shared {
+    pub fn at(&self, index: Expr) -> Expr {
+        Expr::SharedLoad {
+            arr: self.name.clone(),
+            ty: self.ty,
+            index: Box::new(index),
+        }
+    }
+}
+
+/// A shared tile `[rows, cols]`.
+#[derive(Clone, Debug)]
+pub struct STile {
+    pub name: String,
+    pub elem: TileElem,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+impl STile {
+    /// The whole tile as a matmul operand.
+    pub fn all(&self) -> TileView {
+        self.view(0, 0, self.rows, self.cols)
+    }
+    /// A window `[rows, cols]` starting at (row0, col0).
+    pub fn view(&self, row0: u32, col0: u32, rows: u32, cols: u32) -> TileView {
+        TileView {
+            tile: self.name.clone(),
+            row0,
+            col0,
+            rows,
+            cols,
+        }
+    }
+    /// Columns `[col0, col0 + cols)` of every row.
+    pub fn cols(&self, col0: u32, cols: u32) -> TileView {
+        self.view(0, col0, self.rows, cols)
+    }
+    /// Element (row, col): f32 for F32 / Bf16 tiles, u32 for U8 tiles.
+    pub fn at(&self, row: Expr, col: Expr) -> Expr {
+        Expr::TileLoad {
+            tile: self.name.clone(),
+            elem: self.elem,
+            row: Box::new(row),
+            col: Box::new(col),
+        }
+    }
+}
+
+/// An f32 accumulator tile `[rows, cols]` in registers.
+#[derive(Clone, Debug)]
+pub struct Acc {
+    pub name: String,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// What [`KernelBuilder::acc_for_each`] binds for its body.
+pub struct Elems {
+    /// Row of the pair (u32).
+    pub row: Expr,
+    /// Column of the first element of the pair (u32, even).
+    pub col: Expr,
+    /// The value at (row, col); assign to it with [`KernelBuilder::set`].
+    pub v0: Expr,
+    /// The value at (row, col + 1).
+    pub v1: Expr,
+}
+
+// ---------------------------------------------------------------- builder
+
+pub struct KernelBuilder {
+    kernel: Kernel,
+    blocks: Vec<Vec<Stmt>>,
+    names: HashMap<String, u32>,
+    errors: Vec<String>,
+}
+
+impl KernelBuilder {
+    pub fn new(name: impl Into<String>, workgroup_size: u32) -> Self {
+        KernelBuilder {
+            kernel: Kernel {
+                name: name.into(),
+                doc: Vec::new(),
+                workgroup_size,
+                params: Vec::new(),
+                buffers: Vec::new(),
+                shared: Vec::new(),
+                privates: Vec::new(),
+                shared_tiles: Vec::new(),
+                acc_tiles: Vec::new(),
+                body: Vec::new(),
+            },
+            blocks: vec![Vec::new()],
+            names: HashMap::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// A line for the generated file's header.
+    pub fn doc(&mut self, line: impl Into<String>) {
+        self.kernel.doc.push(line.into());
+    }
+
+    /// A fresh identifier based on `base` (unique in the kernel).
+    pub fn fresh(&mut self, base: &str) -> String {
+        let n = self.names.entry(base.to_string()).or_insert(0);
+        let name = if *n == 0 {
+            base.to_string()
+        } else {
+            format!("{base}_{n}")
+        };
+        *n += 1;
+        name
+    }
+
+    fn error(&mut self, msg: String) {
+        self.errors.push(msg);
+    }
+
+    fn push(&mut self, s: Stmt) {
+        self.blocks.last_mut().expect("block stack").push(s);
+    }
+
+    fn block(&mut self, f: impl FnOnce(&mut Self)) -> Vec<Stmt> {
+        self.blocks.push(Vec::new());
+        f(self);
+        self.blocks.pop().expect("block stack")
+    }
+
+    fn check_bin(&mut self, e: &Expr) {
+        e.visit(&mut |x| {
+            if let Expr::Bin(op, a, b) = x {
+                let (ta, tb) = (a.ty(), b.ty());
+                let ok = match op {
+                    BinOp::Shl | BinOp::Shr => tb == Ty::U32,
+                    _ => ta == tb,
+                };
+                if !ok {
+                    self.errors
+                        .push(format!("operands of {op:?} differ: {ta} vs {tb}"));
+                }
+            }
+        });
+    }
+
+    // --- declarations
+
+    pub fn param(&mut self, name: &str, ty: Ty, doc: &str) -> Expr {
+        self.names.insert(name.to_string(), 1);
+        self.kernel.params.push(ParamDecl {
+            name: name.into(),
+            ty,
+            doc: doc.into(),
+        });
+        Expr::Param(name.into(), ty)
+    }
+
+    pub fn buffer(&mut self, name: &str, elem: Elem, access: Access, doc: &str) -> Buf {
+        self.names.insert(name.to_string(), 1);
+        self.kernel.buffers.push(BufferDecl {
+            name: name.into(),
+            elem,
+            access,
+            doc: doc.into(),
+        });
+        Buf {
+            name: name.into(),
+            elem,
+        }
+    }
+
+    pub fn shared(&mut self, name: &str, ty: Ty, len: u32) -> Shared {
+        let name = self.fresh(name);
+        self.kernel.shared.push(SharedDecl {
+            name: name.clone(),
+            ty,
+            len,
+        });
+        Shared { name, ty, len }
+    }
+
+    pub fn shared_tile(&mut self, name: &str, elem: TileElem, rows: u32, cols: u32) -> STile {
+        let name = self.fresh(name);
+        if elem == TileElem::Bf16 && cols % 2 != 0 || elem == TileElem::U8 && cols % 4 != 0 {
+            self.error(format!(
+                "tile {name}: {cols} columns do not fill whole words"
+            ));
+        }
+        self.kernel.shared_tiles.push(SharedTileDecl {
+            name: name.clone(),
+            elem,
+            rows,
+            cols,
+        });
+        STile {
+            name,
+            elem,
+            rows,
+            cols,
+        }
+    }
+
+    pub fn acc_tile(&mut self, name: &str, rows: u32, cols: u32) -> Acc {
+        let name = self.fresh(name);
+        if cols % 2 != 0 {
+            self.error(format!(
+                "accumulator {name}: columns must be even, got {cols}"
+            ));
+        }
+        self.kernel.acc_tiles.push(AccTileDecl {
+            name: name.clone(),
+            rows,
+            cols,
+        });
+        Acc { name, rows, cols }
+    }
+
+    // --- scalar statements
+
+    pub fn comment(&mut self, text: impl Into<String>) {
+        self.push(Stmt::Comment(text.into()));
+    }
+
+    /// Immutable binding; returns the variable.
+    pub fn let_(&mut self, name: &str, value: Expr) -> Expr {
+        self.check_bin(&value);
+        let name = self.fresh(name);
+        let ty = value.ty();
+        self.push(Stmt::Let {
+            name: name.clone(),
+            value,
+        });
+        Expr::Var(name, ty)
+    }
+
+    /// Mutable variable; returns it (assign with [`Self::set`]).
+    pub fn var(&mut self, name: &str, value: Expr) -> Expr {
+        self.check_bin(&value);
+        let name = self.fresh(name);
+        let ty = value.ty();
+        self.push(Stmt::Var {
+            name: name.clone(),
+            value,
+        });
+        Expr::Var(name, ty)
+    }
+
+    pub fn set(&mut self, var: &Expr, value: Expr) {
+        self.check_bin(&value);
+        match var {
+            Expr::Var(name, ty) => {
+                if *ty != value.ty() {
+                    self.error(format!("assigning {} to {name}: {ty}", value.ty()));
+                }
+                self.push(Stmt::Assign {
+                    name: name.clone(),
+                    value,
+                })
+            }
+            other => self.error(format!("assignment to a non-variable {other:?}")),
+        }
+    }
+
+    pub fn store(&mut self, buf: &Buf, index: Expr, value: Expr) {
+        self.check_bin(&value);
+        if !matches!(buf.elem, Elem::F32 | Elem::I32 | Elem::U32) {
+            self.error(format!(
+                "store to {} ({}): use store_word for packed elements",
+                buf.name,
+                buf.elem.name()
+            ));
+        } else if value.ty() != buf.elem.value_ty() {
+            self.error(format!("store of {} into {}", value.ty(), buf.name));
+        }
+        self.push(Stmt::Store {
+            buf: buf.name.clone(),
+            index,
+            value,
+        });
+    }
+
+    pub fn store_word(&mut self, buf: &Buf, index: Expr, value: Expr) {
+        self.check_bin(&value);
+        if value.ty() != Ty::U32 {
+            self.error(format!("store_word into {} needs u32", buf.name));
+        }
+        self.push(Stmt::StoreWord {
+            buf: buf.name.clone(),
+            index,
+            value,
+        });
+    }
+
+    pub fn shared_store(&mut self, arr: &Shared, index: Expr, value: Expr) {
+        self.check_bin(&value);
+        if value.ty() != arr.ty {
+            self.error(format!(
+                "shared store of {} into {} ({})",
+                value.ty(),
+                arr.name,
+                arr.ty
+            ));
+        }
+        self.push(Stmt::SharedStore {
+            arr: arr.name.clone(),
+            index,
+            value,
+        });
+    }
+
+    pub fn if_(&mut self, cond: Expr, then: impl FnOnce(&mut Self)) {
+        self.if_else(cond, then, |_| {});
+    }
+
+    pub fn if_else(
+        &mut self,
+        cond: Expr,
+        then: impl FnOnce(&mut Self),
+        els: impl FnOnce(&mut Self),
+    ) {
+        self.check_bin(&cond);
+        if cond.ty() != Ty::Bool {
+            self.error(format!("if condition is {}", cond.ty()));
+        }
+        let then = self.block(then);
+        let els = self.block(els);
+        self.push(Stmt::If { cond, then, els });
+    }
+
+    /// `for (var = start; var < end; var += step) body(var)`.
+    pub fn for_(
+        &mut self,
+        name: &str,
+        start: Expr,
+        end: Expr,
+        step: Expr,
+        body: impl FnOnce(&mut Self, Expr),
+    ) {
+        let var = self.fresh(name);
+        let ty = start.ty();
+        if end.ty() != ty || step.ty() != ty {
+            self.error(format!("loop {var}: bounds of mixed types"));
+        }
+        let v = Expr::Var(var.clone(), ty);
+        let body = self.block(|b| body(b, v));
+        self.push(Stmt::For {
+            var,
+            start,
+            end,
+            step,
+            body,
+        });
+    }
+
+    /// A block-strided loop: each thread takes `local_id, local_id + W, ...` below `end` (u32).
+    pub fn for_threads(&mut self, name: &str, end: Expr, body: impl FnOnce(&mut Self, Expr)) {
+        let w = u(self.kernel.workgroup_size);
+        self.for_(name, local_id(), end, w, body);
+    }
+
+    pub fn barrier(&mut self) {
+        self.push(Stmt::Barrier);
+    }
+
+    // --- tile ops
+
+    /// See [`TileOp::GatherRows`]. `src_word(row)` gives the first word of the row in `src`
+    /// as i32, negative for "no row" (zero-filled, not read).
+    pub fn gather_rows(
+        &mut self,
+        dst: &STile,
+        dst_word0: u32,
+        words: u32,
+        src: &Buf,
+        src_word: impl FnOnce(&mut Self, Expr) -> Expr,
+    ) {
+        let row = self.fresh("row");
+        let e = src_word(self, Expr::Var(row.clone(), Ty::U32));
+        if e.ty() != Ty::I32 {
+            self.error(format!("gather into {}: src_word must be i32", dst.name));
+        }
+        let row_words = dst.cols * dst.elem.bytes() / 4;
+        if dst_word0 + words > row_words {
+            self.error(format!(
+                "gather into {}: words {}..{} exceed the row's {} words",
+                dst.name,
+                dst_word0,
+                dst_word0 + words,
+                row_words
+            ));
+        }
+        self.push(Stmt::Tile(TileOp::GatherRows {
+            dst: dst.name.clone(),
+            dst_word0,
+            words,
+            src: src.name.clone(),
+            row,
+            src_word: e,
+        }));
+    }
+
+    pub fn acc_fill(&mut self, acc: &Acc, value: f32) {
+        self.push(Stmt::Tile(TileOp::AccFill {
+            acc: acc.name.clone(),
+            value,
+        }));
+    }
+
+    /// `acc += a · b` (see [`TileOp::Mma`]).
+    pub fn mma(&mut self, acc: &Acc, a: TileView, b: TileView, b_layout: BLayout) {
+        let (bn, bk) = match b_layout {
+            BLayout::NK => (b.rows, b.cols),
+            BLayout::KN => (b.cols, b.rows),
+        };
+        if a.rows != acc.rows || bn != acc.cols || a.cols != bk {
+            self.error(format!(
+                "mma into {} [{}x{}]: A is [{}x{}], B gives N={} K={}",
+                acc.name, acc.rows, acc.cols, a.rows, a.cols, bn, bk
+            ));
+        }
+        for v in [&a, &b] {
+            match self.kernel.shared_tile(&v.tile) {
+                Some(t) if v.row0 + v.rows <= t.rows && v.col0 + v.cols <= t.cols => {}
+                _ => self.error(format!("mma operand view {v:?} is outside its tile")),
+            }
+        }
+        self.push(Stmt::Tile(TileOp::Mma {
+            acc: acc.name.clone(),
+            a,
+            b,
+            b_layout,
+        }));
+    }
+
+    /// Run `body` on every element pair of `acc` (see [`TileOp::AccForEach`]).
+    pub fn acc_for_each(&mut self, acc: &Acc, body: impl FnOnce(&mut Self, &Elems)) {
+        let (row, col, v0, v1) = (
+            self.fresh("row"),
+            self.fresh("col"),
+            self.fresh("v0"),
+            self.fresh("v1"),
+        );
+        let elems = Elems {
+            row: Expr::Var(row.clone(), Ty::U32),
+            col: Expr::Var(col.clone(), Ty::U32),
+            v0: Expr::Var(v0.clone(), Ty::F32),
+            v1: Expr::Var(v1.clone(), Ty::F32),
+        };
+        let body = self.block(|b| body(b, &elems));
+        self.push(Stmt::Tile(TileOp::AccForEach {
+            acc: acc.name.clone(),
+            row,
+            col,
+            v0,
+            v1,
+            body,
+        }));
+    }
+
+    pub fn acc_row_reduce(&mut self, acc: &Acc, op: Reduce, dst: &Shared) {
+        if dst.len < acc.rows || dst.ty != Ty::F32 {
+            self.error(format!(
+                "row reduce of {} into {}: needs f32 × {}",
+                acc.name, dst.name, acc.rows
+            ));
+        }
+        self.push(Stmt::Tile(TileOp::AccRowReduce {
+            acc: acc.name.clone(),
+            op,
+            dst: dst.name.clone(),
+        }));
+    }
+
+    pub fn acc_to_shared(&mut self, acc: &Acc, dst: &STile) {
+        if acc.rows != dst.rows || acc.cols != dst.cols || dst.elem == TileElem::U8 {
+            self.error(format!(
+                "acc {} [{}x{}] to shared {} [{}x{}] {:?}",
+                acc.name, acc.rows, acc.cols, dst.name, dst.rows, dst.cols, dst.elem
+            ));
+        }
+        self.push(Stmt::Tile(TileOp::AccToShared {
+            acc: acc.name.clone(),
+            dst: dst.name.clone(),
+        }));
+    }
+
+    /// `dst[r, c] = value(r, c)` for the whole shared tile.
+    pub fn shared_map(&mut self, dst: &STile, value: impl FnOnce(&mut Self, Expr, Expr) -> Expr) {
+        let (row, col) = (self.fresh("row"), self.fresh("col"));
+        let v = value(
+            self,
+            Expr::Var(row.clone(), Ty::U32),
+            Expr::Var(col.clone(), Ty::U32),
+        );
+        let want = if dst.elem == TileElem::U8 {
+            Ty::U32
+        } else {
+            Ty::F32
+        };
+        if v.ty() != want {
+            self.error(format!(
+                "shared_map into {}: value must be {want}",
+                dst.name
+            ));
+        }
+        self.push(Stmt::Tile(TileOp::SharedMap {
+            dst: dst.name.clone(),
+            row,
+            col,
+            value: v,
+        }));
+    }
+
+    /// A two-stage loop over `count` steps (see [`TileOp::Pipeline`]).
+    pub fn pipeline(
+        &mut self,
+        name: &str,
+        count: Expr,
+        load: impl FnOnce(&mut Self, Expr),
+        compute: impl FnOnce(&mut Self, Expr),
+    ) {
+        let var = self.fresh(name);
+        let v = Expr::Var(var.clone(), Ty::U32);
+        let load = self.block(|b| load(b, v.clone()));
+        if load
+            .iter()
+            .any(|s| !matches!(s, Stmt::Tile(TileOp::GatherRows { .. }) | Stmt::Comment(_)))
+        {
+            self.error(format!(
+                "pipeline {var}: the load stage may hold only gather_rows"
+            ));
+        }
+        let compute = self.block(|b| compute(b, v));
+        self.push(Stmt::Tile(TileOp::Pipeline {
+            var,
+            count,
+            load,
+            compute,
+        }));
+    }
+
+    /// The finished description, or every mistake found while building it.
+    pub fn finish(mut self) -> Result<Kernel> {
+        self.kernel.body = self.blocks.pop().unwrap_or_default();
+        if !self.errors.is_empty() {
+            return Err(Error::Kir {
+                kernel: self.kernel.name,
+                message: self.errors.join("; "),
+            });
+        }
+        Ok(self.kernel)
+    }
+}

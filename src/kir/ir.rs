@@ -1,0 +1,603 @@
+//! The kernel description language: types, expressions, statements and the tile ops.
+//!
+//! A [`Kernel`] is one compute entry point with a 1-D workgroup. It reads scalar
+//! parameters (a uniform struct in WGSL, a by-value struct in CUDA), binds storage buffers
+//! and declares workgroup (shared) arrays. Its body mixes scalar statements with
+//! [`TileOp`]s. Tile ops say *what* happens to a tile; a lowering pass
+//! ([`super::lower_scalar`], later a tensor-core one) rewrites them into scalar statements
+//! (and, for CUDA, target intrinsics) before an emitter prints the result. Emitters never
+//! see a tile op, and nothing here knows about MLA.
+
+use std::fmt;
+
+/// Scalar value types.
+///
+/// `Bf16` and `F8E4M3` are storage types: a value of one of them is the raw bits, and the only
+/// things to do with it are [`Expr::Cvt`] to `F32` (and back for bf16, via
+/// [`Func::PackBf16x2`]). In WGSL they are carried as `u32`, in CUDA as `unsigned short` /
+/// `unsigned char`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ty {
+    F32,
+    I32,
+    U32,
+    Bool,
+    Bf16,
+    F8E4M3,
+}
+
+impl fmt::Display for Ty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Ty::F32 => "f32",
+            Ty::I32 => "i32",
+            Ty::U32 => "u32",
+            Ty::Bool => "bool",
+            Ty::Bf16 => "bf16",
+            Ty::F8E4M3 => "e4m3",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Element type of a storage buffer. `Bf16` packs two elements per 32-bit word and `U8`
+/// four (little-endian), which is how WGSL sees them; CUDA sees them as `unsigned short*`
+/// and `unsigned char*`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    F32,
+    I32,
+    U32,
+    Bf16,
+    U8,
+}
+
+impl Elem {
+    pub fn bytes(&self) -> u32 {
+        match self {
+            Elem::F32 | Elem::I32 | Elem::U32 => 4,
+            Elem::Bf16 => 2,
+            Elem::U8 => 1,
+        }
+    }
+
+    /// The type [`Expr::Load`] yields for this element.
+    pub fn value_ty(&self) -> Ty {
+        match self {
+            Elem::F32 => Ty::F32,
+            Elem::I32 => Ty::I32,
+            Elem::U32 => Ty::U32,
+            Elem::Bf16 => Ty::Bf16,
+            Elem::U8 => Ty::U32,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::I32 => "i32",
+            Elem::U32 => "u32",
+            Elem::Bf16 => "bf16",
+            Elem::U8 => "u8",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    ReadWrite,
+}
+
+/// A storage buffer binding. `doc` carries the shape, e.g. `[tokens, heads, 576]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BufferDecl {
+    pub name: String,
+    pub elem: Elem,
+    pub access: Access,
+    pub doc: String,
+}
+
+/// A scalar kernel parameter (4 bytes each, in declaration order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamDecl {
+    pub name: String,
+    pub ty: Ty,
+    pub doc: String,
+}
+
+/// A workgroup-shared array of 32-bit elements (`F32`, `I32` or `U32`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharedDecl {
+    pub name: String,
+    pub ty: Ty,
+    pub len: u32,
+}
+
+/// A per-thread (private / register) array.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrivateDecl {
+    pub name: String,
+    pub ty: Ty,
+    pub len: u32,
+}
+
+/// Element type of a shared tile. Physical layout (strides, padding, swizzle) belongs to the
+/// lowering, so a description reaches a tile's elements only through tile ops and
+/// [`Expr::TileLoad`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TileElem {
+    F32,
+    Bf16,
+    /// Raw bytes (e.g. fp8 rows as they sit in the cache).
+    U8,
+}
+
+impl TileElem {
+    pub fn bytes(&self) -> u32 {
+        match self {
+            TileElem::F32 => 4,
+            TileElem::Bf16 => 2,
+            TileElem::U8 => 1,
+        }
+    }
+}
+
+/// A 2-D tile in workgroup memory, `[rows, cols]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharedTileDecl {
+    pub name: String,
+    pub elem: TileElem,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// A 2-D f32 accumulator tile held in registers, spread over the workgroup's threads. Which
+/// thread holds which element is the lowering's choice; a description reaches elements
+/// only through [`TileOp::AccForEach`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AccTileDecl {
+    pub name: String,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Builtin {
+    /// Thread index within the workgroup (`local_invocation_index` / `threadIdx.x`).
+    LocalId,
+    /// Workgroup index along an axis (0 = x, 1 = y, 2 = z).
+    WorkgroupId(u8),
+    /// Workgroup count along an axis.
+    NumWorkgroups(u8),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnOp {
+    Neg,
+    Not,
+    BitNot,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Rem,
+    Min,
+    Max,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+    And,
+    Or,
+    BitAnd,
+    BitOr,
+    BitXor,
+    Shl,
+    Shr,
+}
+
+impl BinOp {
+    pub fn is_comparison(&self) -> bool {
+        matches!(
+            self,
+            BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne
+        )
+    }
+}
+
+/// Built-in functions. Each emitter prints its own spelling; the conversions of storage types
+/// are here so that their lowering (software in WGSL, inline PTX in CUDA) stays in the emitter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Func {
+    /// Natural exponential, f32.
+    Exp,
+    /// Natural logarithm, f32.
+    Log,
+    Sqrt,
+    Abs,
+    /// `fma(a, b, c) = a·b + c`.
+    Fma,
+    /// Pack two f32 into a u32 holding two bf16 (round to nearest even; `a` in the low half).
+    PackBf16x2,
+    /// Reinterpret bits: f32 → u32.
+    F32Bits,
+    /// Reinterpret bits: u32 → f32.
+    F32FromBits,
+}
+
+/// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    F32(f32),
+    I32(i32),
+    U32(u32),
+    Bool(bool),
+    /// A local variable, by name.
+    Var(String, Ty),
+    /// A kernel parameter, by name.
+    Param(String, Ty),
+    Builtin(Builtin),
+    Un(UnOp, Box<Expr>),
+    Bin(BinOp, Box<Expr>, Box<Expr>),
+    /// `if cond { a } else { b }`, both evaluated.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// Numeric conversion between f32 / i32 / u32, and storage-type decode (bf16 / e4m3 → f32).
+    Cvt(Ty, Box<Expr>),
+    Call(Func, Vec<Expr>),
+    /// Element `index` of a buffer, typed by the buffer's element ([`Elem::value_ty`]).
+    Load {
+        buf: String,
+        elem: Elem,
+        index: Box<Expr>,
+    },
+    /// The 32-bit word `index` of any buffer (packed elements included), as u32.
+    LoadWord {
+        buf: String,
+        index: Box<Expr>,
+    },
+    /// Element of a shared array.
+    SharedLoad {
+        arr: String,
+        ty: Ty,
+        index: Box<Expr>,
+    },
+    /// Element of a private array.
+    PrivateLoad {
+        arr: String,
+        ty: Ty,
+        index: Box<Expr>,
+    },
+    /// Element (row, col) of a shared tile: f32 for F32 and Bf16 tiles, u32 for U8 tiles.
+    /// Removed by lowering.
+    TileLoad {
+        tile: String,
+        elem: TileElem,
+        row: Box<Expr>,
+        col: Box<Expr>,
+    },
+}
+
+impl Expr {
+    pub fn ty(&self) -> Ty {
+        match self {
+            Expr::F32(_) => Ty::F32,
+            Expr::I32(_) => Ty::I32,
+            Expr::U32(_) => Ty::U32,
+            Expr::Bool(_) => Ty::Bool,
+            Expr::Var(_, t) | Expr::Param(_, t) => *t,
+            Expr::Builtin(_) => Ty::U32,
+            Expr::Un(UnOp::Not, _) => Ty::Bool,
+            Expr::Un(_, a) => a.ty(),
+            Expr::Bin(op, a, _) => {
+                if op.is_comparison() {
+                    Ty::Bool
+                } else {
+                    a.ty()
+                }
+            }
+            Expr::Select(_, a, _) => a.ty(),
+            Expr::Cvt(t, _) => *t,
+            Expr::Call(f, args) => match f {
+                Func::PackBf16x2 | Func::F32Bits => Ty::U32,
+                Func::F32FromBits => Ty::F32,
+                _ => args.first().map(|a| a.ty()).unwrap_or(Ty::F32),
+            },
+            Expr::Load { elem, .. } => elem.value_ty(),
+            Expr::LoadWord { .. } => Ty::U32,
+            Expr::SharedLoad { ty, .. } | Expr::PrivateLoad { ty, .. } => *ty,
+            Expr::TileLoad { elem, .. } => match elem {
+                TileElem::U8 => Ty::U32,
+                _ => Ty::F32,
+            },
+        }
+    }
+
+    /// Calls `f` on this node and every sub-expression, parents first.
+    pub fn visit(&self, f: &mut dyn FnMut(&Expr)) {
+        f(self);
+        match self {
+            Expr::Un(_, a) | Expr::Cvt(_, a) => a.visit(f),
+            Expr::Bin(_, a, b) => {
+                a.visit(f);
+                b.visit(f);
+            }
+            Expr::Select(c, a, b) => {
+                c.visit(f);
+                a.visit(f);
+                b.visit(f);
+            }
+            Expr::Call(_, args) => args.iter().for_each(|a| a.visit(f)),
+            Expr::Load { index, .. }
+            | Expr::LoadWord { index, .. }
+            | Expr::SharedLoad { index, .. }
+            | Expr::PrivateLoad { index, .. } => index.visit(f),
+            Expr::TileLoad { row, col, .. } => {
+                row.visit(f);
+                col.visit(f);
+            }
+            _ => {}
+        }
+    }
+
+    /// Rebuilds the expression bottom-up, letting `f` replace any node.
+    pub fn map(self, f: &mut dyn FnMut(Expr) -> Expr) -> Expr {
+        let e = match self {
+            Expr::Un(op, a) => Expr::Un(op, Box::new(a.map(f))),
+            Expr::Cvt(t, a) => Expr::Cvt(t, Box::new(a.map(f))),
+            Expr::Bin(op, a, b) => Expr::Bin(op, Box::new(a.map(f)), Box::new(b.map(f))),
+            Expr::Select(c, a, b) => {
+                Expr::Select(Box::new(c.map(f)), Box::new(a.map(f)), Box::new(b.map(f)))
+            }
+            Expr::Call(func, args) => {
+                Expr::Call(func, args.into_iter().map(|a| a.map(f)).collect())
+            }
+            Expr::Load { buf, elem, index } => Expr::Load {
+                buf,
+                elem,
+                index: Box::new(index.map(f)),
+            },
+            Expr::LoadWord { buf, index } => Expr::LoadWord {
+                buf,
+                index: Box::new(index.map(f)),
+            },
+            Expr::SharedLoad { arr, ty, index } => Expr::SharedLoad {
+                arr,
+                ty,
+                index: Box::new(index.map(f)),
+            },
+            Expr::PrivateLoad { arr, ty, index } => Expr::PrivateLoad {
+                arr,
+                ty,
+                index: Box::new(index.map(f)),
+            },
+            Expr::TileLoad {
+                tile,
+                elem,
+                row,
+                col,
+            } => Expr::TileLoad {
+                tile,
+                elem,
+                row: Box::new(row.map(f)),
+                col: Box::new(col.map(f)),
+            },
+            other => other,
+        };
+        f(e)
+    }
+}
+
+/// A rectangular window of a shared tile, used as a matmul operand.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TileView {
+    pub tile: String,
+    pub row0: u32,
+    pub col0: u32,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+/// How the B operand of [`TileOp::Mma`] is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BLayout {
+    /// The view is `[N, K]` (each output column's K values contiguous): `C += A · viewᵀ`.
+    NK,
+    /// The view is `[K, N]`: `C += A · view`.
+    KN,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Max,
+    Sum,
+}
+
+/// Tile-level operations. Each is defined by its effect on whole tiles; lowerings choose the
+/// thread mapping. Unless noted, a tile op is a workgroup-wide collective: every thread of the
+/// workgroup reaches it (uniform control flow) and its results are visible to all threads
+/// afterwards.
+#[derive(Clone, Debug, PartialEq)]
+pub enum TileOp {
+    /// Gather rows of 32-bit words from a buffer into a shared tile:
+    /// for each tile row `r < dst.rows`, with `row` bound to `r`:
+    /// if `src_word(r)` is `>= 0` (i32), `dst[r, words starting at dst_word0]` =
+    /// `src[src_word(r) .. + words]`, else those words are zero-filled and `src` is not read.
+    /// Widths in 32-bit words; `dst_word0 + words` fits the tile's row.
+    GatherRows {
+        dst: String,
+        dst_word0: u32,
+        words: u32,
+        src: String,
+        row: String,
+        src_word: Expr,
+    },
+    /// `acc = value` everywhere.
+    AccFill { acc: String, value: f32 },
+    /// `acc[M, N] += A[M, K] · B` with f32 accumulation; `a` a `[M, K]` view, `b` a `[N, K]` or
+    /// `[K, N]` view per `b_layout`. Operands F32 or Bf16 tiles.
+    Mma {
+        acc: String,
+        a: TileView,
+        b: TileView,
+        b_layout: BLayout,
+    },
+    /// For every pair of adjacent elements `(row, col)`, `(row, col + 1)` of `acc` (`col`
+    /// even), run `body` with the named variables bound: `row`, `col` (u32) and the mutable
+    /// f32 `v0`, `v1` holding the two values; what the body leaves in `v0`, `v1` is written back.
+    /// The body runs per thread, not collectively: no barriers or tile ops inside.
+    AccForEach {
+        acc: String,
+        row: String,
+        col: String,
+        v0: String,
+        v1: String,
+        body: Vec<Stmt>,
+    },
+    /// `dst[r] = reduce_c acc[r, c]` for every row `r` (`dst` a shared f32 array, len ≥ rows).
+    AccRowReduce {
+        acc: String,
+        op: Reduce,
+        dst: String,
+    },
+    /// Write the accumulator into a shared tile of the same shape (bf16 tiles round to nearest).
+    AccToShared { acc: String, dst: String },
+    /// `dst[r, c] = value` for every element of the shared tile, with `row`, `col` bound.
+    SharedMap {
+        dst: String,
+        row: String,
+        col: String,
+        value: Expr,
+    },
+    /// A loop over `count` (uniform) steps in two stages: `load` (only `GatherRows`) brings
+    /// step `var`'s tiles into shared memory, then `compute` consumes them. A lowering may run
+    /// the load of later steps ahead of the compute of earlier ones (a multi-stage ring); the
+    /// scalar lowering runs them in order. Shared tiles written by `load` are read only by
+    /// the `compute` of the same step.
+    Pipeline {
+        var: String,
+        count: Expr,
+        load: Vec<Stmt>,
+        compute: Vec<Stmt>,
+    },
+}
+
+/// A statement.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stmt {
+    /// A comment printed in the generated code: one per phase.
+    Comment(String),
+    /// Immutable binding.
+    Let {
+        name: String,
+        value: Expr,
+    },
+    /// Mutable variable.
+    Var {
+        name: String,
+        value: Expr,
+    },
+    Assign {
+        name: String,
+        value: Expr,
+    },
+    /// `buf[index] = value` (F32 / I32 / U32 buffers).
+    Store {
+        buf: String,
+        index: Expr,
+        value: Expr,
+    },
+    /// Word `index` of any buffer `= value` (u32): how packed bf16 / u8 data is written.
+    StoreWord {
+        buf: String,
+        index: Expr,
+        value: Expr,
+    },
+    SharedStore {
+        arr: String,
+        index: Expr,
+        value: Expr,
+    },
+    PrivateStore {
+        arr: String,
+        index: Expr,
+        value: Expr,
+    },
+    If {
+        cond: Expr,
+        then: Vec<Stmt>,
+        els: Vec<Stmt>,
+    },
+    /// `for (var = start; var < end; var += step)`, var typed like `start`.
+    For {
+        var: String,
+        start: Expr,
+        end: Expr,
+        step: Expr,
+        body: Vec<Stmt>,
+    },
+    /// Workgroup barrier with workgroup-memory ordering. Uniform control flow only.
+    Barrier,
+    Tile(TileOp),
+}
+
+/// One compute kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Kernel {
+    /// Entry-point name (a C identifier).
+    pub name: String,
+    /// Lines for the generated file's header: what it computes, shapes, launch grid.
+    pub doc: Vec<String>,
+    /// Threads per workgroup (1-D).
+    pub workgroup_size: u32,
+    pub params: Vec<ParamDecl>,
+    pub buffers: Vec<BufferDecl>,
+    pub shared: Vec<SharedDecl>,
+    pub privates: Vec<PrivateDecl>,
+    pub shared_tiles: Vec<SharedTileDecl>,
+    pub acc_tiles: Vec<AccTileDecl>,
+    pub body: Vec<Stmt>,
+}
+
+impl Kernel {
+    /// Bytes of workgroup memory the (lowered) kernel declares.
+    pub fn shared_bytes(&self) -> u64 {
+        self.shared.iter().map(|s| s.len as u64 * 4).sum()
+    }
+
+    pub fn buffer(&self, name: &str) -> Option<&BufferDecl> {
+        self.buffers.iter().find(|b| b.name == name)
+    }
+
+    pub fn shared_tile(&self, name: &str) -> Option<&SharedTileDecl> {
+        self.shared_tiles.iter().find(|t| t.name == name)
+    }
+
+    pub fn acc_tile(&self, name: &str) -> Option<&AccTileDecl> {
+        self.acc_tiles.iter().find(|t| t.name == name)
+    }
+
+    /// Has every tile op been lowered away?
+    pub fn is_lowered(&self) -> bool {
+        fn any_tile(stmts: &[Stmt]) -> bool {
+            stmts.iter().any(|s| match s {
+                Stmt::Tile(_) => true,
+                Stmt::If { then, els, .. } => any_tile(then) || any_tile(els),
+                Stmt::For { body, .. } => any_tile(body),
+                _ => false,
+            })
+        }
+        !any_tile(&self.body) && self.shared_tiles.is_empty() && self.acc_tiles.is_empty()
+    }
+
+    /// Byte size of the parameter block (4 bytes per parameter, no padding).
+    pub fn params_bytes(&self) -> usize {
+        self.params.len() * 4
+    }
+}

@@ -1,0 +1,133 @@
+//! The CPU backend: buffers in host memory, operations by the float64 references in
+//! [`crate::reference`] (outputs rounded to their storage types).
+
+use super::{
+    check_decode_buffers, Backend, BackendKind, Buffer, DecodeBuffers, DecodeOptions, DecodeRun,
+};
+use crate::mla::DecodeShape;
+use crate::reference::numerics::bf16_bits;
+use crate::reference::sparse_mla::{decode, DecodeInputs};
+use crate::{Error, Result};
+use std::sync::Mutex;
+
+pub struct CpuBackend {
+    id: u64,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend {
+            id: super::next_backend_id(),
+        }
+    }
+
+    fn bytes(&self, buf: &Buffer, arg: &str) -> Result<Vec<u8>> {
+        let m: &Mutex<Vec<u8>> = buf.get(self.id, arg)?;
+        Ok(m.lock().map_err(|_| poisoned())?.clone())
+    }
+
+    fn put(&self, buf: &Buffer, arg: &str, bytes: &[u8]) -> Result<()> {
+        let m: &Mutex<Vec<u8>> = buf.get(self.id, arg)?;
+        let mut v = m.lock().map_err(|_| poisoned())?;
+        if bytes.len() > v.len() {
+            return Err(Error::arg(
+                arg,
+                format!("at most {} bytes", v.len()),
+                bytes.len(),
+            ));
+        }
+        v[..bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+fn poisoned() -> Error {
+    Error::runtime("cpu", "buffer lock poisoned by an earlier panic")
+}
+
+fn i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+impl Backend for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn device_name(&self) -> String {
+        "CPU reference (float64)".into()
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<Buffer> {
+        Ok(Buffer::new(
+            self.id,
+            bytes.len() as u64,
+            Mutex::new(bytes.to_vec()),
+        ))
+    }
+
+    fn alloc(&self, len: u64) -> Result<Buffer> {
+        let n = usize::try_from(len).map_err(|_| Error::arg("len", "a host-sized length", len))?;
+        Ok(Buffer::new(self.id, len, Mutex::new(vec![0u8; n])))
+    }
+
+    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()> {
+        self.put(buf, "buf", bytes)
+    }
+
+    fn download(&self, buf: &Buffer) -> Result<Vec<u8>> {
+        self.bytes(buf, "buf")
+    }
+
+    fn sparse_mla_decode(
+        &self,
+        shape: &DecodeShape,
+        bufs: &DecodeBuffers<'_>,
+        _opts: &DecodeOptions,
+    ) -> Result<DecodeRun> {
+        check_decode_buffers(shape, bufs)?;
+        let q: Vec<f32> = self
+            .bytes(bufs.q, "q")?
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect();
+        let cache = self.bytes(bufs.kv_cache, "kv_cache")?;
+        let indices = i32s(&self.bytes(bufs.indices, "indices")?);
+        let topk_length = match bufs.topk_length {
+            Some(b) => Some(i32s(&self.bytes(b, "topk_length")?)),
+            None => None,
+        };
+        let r = decode(&DecodeInputs {
+            shape: *shape,
+            q: &q,
+            cache: &cache,
+            indices: &indices,
+            topk_length: topk_length.as_deref(),
+        });
+        let out: Vec<u8> = r
+            .out
+            .iter()
+            .flat_map(|&v| bf16_bits(v as f32).to_le_bytes())
+            .collect();
+        let lse: Vec<u8> = r
+            .lse
+            .iter()
+            .flat_map(|&v| (v as f32).to_le_bytes())
+            .collect();
+        self.put(bufs.out, "out", &out)?;
+        self.put(bufs.lse, "lse", &lse)?;
+        Ok(DecodeRun {
+            splits: 1,
+            p_bf16: false,
+            kernels: vec!["reference::sparse_mla::decode".into()],
+        })
+    }
+}

@@ -1,0 +1,405 @@
+//! CUDA backend: NVRTC compiles the emitted CUDA C for the GPU that is present (cached on
+//! disk by source hash + arch), the driver API runs it. Both libraries are loaded at run time;
+//! when either is missing this module returns an [`Error::Unavailable`] that says what to
+//! install, never a panic.
+
+use super::gpu::Device;
+use super::BackendKind;
+use crate::emit::cuda as emit_cuda;
+use crate::kernels::sparse_mla_decode::DecodeConfig;
+use crate::kir::Kernel;
+use crate::mla::{CacheFormat, MlaDims};
+use crate::{Error, Result};
+use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaSlice, CudaStream};
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::ffi::{c_void, CStr, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+const NAME: &str = "cuda";
+
+/// Why NVRTC cannot be used here, if it cannot.
+pub fn nvrtc_unavailable() -> Option<String> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    let present = *PRESENT.get_or_init(|| unsafe { nvrtc_sys::is_culib_present() });
+    if present {
+        None
+    } else {
+        Some(
+            "NVRTC (libnvrtc.so) not found: install it, e.g. \
+             `pip install --target DIR nvidia-cuda-nvrtc-cu12==12.8.*`, and add \
+             DIR/nvidia/cuda_nvrtc/lib to LD_LIBRARY_PATH"
+                .into(),
+        )
+    }
+}
+
+/// Why the CUDA driver cannot be used here, if it cannot.
+pub fn driver_unavailable() -> Option<String> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    let present = *PRESENT.get_or_init(|| unsafe { drv_sys::is_culib_present() });
+    if present {
+        None
+    } else {
+        Some(
+            "the CUDA driver (libcuda.so) is not installed: no NVIDIA GPU driver on this machine"
+                .into(),
+        )
+    }
+}
+
+/// NVRTC's version, e.g. (12, 8).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    if let Some(why) = nvrtc_unavailable() {
+        return Err(Error::unavailable("nvrtc", why));
+    }
+    let (mut major, mut minor) = (0, 0);
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::runtime("nvrtc", format!("nvrtcVersion: {e:?}")))?;
+    Ok((major, minor))
+}
+
+/// The output of one NVRTC compilation.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub ptx: String,
+    /// Machine code for the real arch asked for.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log, including ptxas's resource report when asked for.
+    pub log: String,
+}
+
+/// Compile CUDA C with NVRTC for `arch` (e.g. "sm_120"), all the way to machine code, so
+/// that inline PTX is checked by ptxas too. `ptxas_verbose` adds the register / shared
+/// memory / spill report to the log.
+pub fn compile(name: &str, source: &str, arch: &str, ptxas_verbose: bool) -> Result<Compiled> {
+    if let Some(why) = nvrtc_unavailable() {
+        return Err(Error::unavailable("nvrtc", why));
+    }
+    let fail = |log: String| Error::Compile {
+        kernel: name.into(),
+        target: format!("CUDA {arch} (NVRTC)"),
+        log,
+    };
+    let src = CString::new(source).map_err(|_| fail("source contains a NUL byte".into()))?;
+    let cname = CString::new(format!("{name}.cu")).map_err(|_| fail("bad kernel name".into()))?;
+    let prog = nvrtc::create_program(&src, Some(&cname))
+        .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
+    let mut opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ];
+    if ptxas_verbose {
+        opts.push("--ptxas-options=-v".into());
+    }
+    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|raw| {
+            unsafe { CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .unwrap_or_default();
+    let result = match compiled {
+        Err(e) => Err(fail(format!("{e:?}\n{log}"))),
+        Ok(()) => {
+            let ptx = unsafe { nvrtc::get_ptx(prog) }
+                .map(|raw| {
+                    unsafe { CStr::from_ptr(raw.as_ptr()) }
+                        .to_string_lossy()
+                        .into_owned()
+                })
+                .map_err(|e| fail(format!("nvrtcGetPTX: {e:?}")))?;
+            let mut size = 0usize;
+            let mut cubin = Vec::new();
+            unsafe {
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
+                cubin.resize(size, 0u8);
+                nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _)
+                    .result()
+                    .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
+            }
+            Ok(Compiled { ptx, cubin, log })
+        }
+    };
+    unsafe {
+        let _ = nvrtc::destroy_program(prog);
+    }
+    result
+}
+
+/// 64-bit FNV-1a: a stable hash for the on-disk cache key (std's hasher is not stable).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Where compiled kernels are cached: `$SPARSE_MLA_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/sparse-mla/nvrtc`, else `~/.cache/sparse-mla/nvrtc`.
+pub fn cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("SPARSE_MLA_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("sparse-mla").join("nvrtc"))
+}
+
+/// Compile through the on-disk cache keyed by (source hash, arch, NVRTC version).
+pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    let (major, minor) = nvrtc_version()?;
+    let key = format!(
+        "{name}-{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
+        fnv1a(source.as_bytes())
+    );
+    let path = cache_dir().map(|d| d.join(&key));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            log::debug!("NVRTC cache hit: {}", p.display());
+            return Ok(bytes);
+        }
+    }
+    let compiled = compile(name, source, arch, false)?;
+    if let Some(p) = &path {
+        let written = p
+            .parent()
+            .map(std::fs::create_dir_all)
+            .transpose()
+            .and_then(|_| {
+                // write then rename, so a concurrent reader never sees half a file
+                let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+                std::fs::write(&tmp, &compiled.cubin)?;
+                std::fs::rename(&tmp, p)
+            });
+        if let Err(e) = written {
+            log::warn!("could not write the NVRTC cache at {}: {e}", p.display());
+        }
+    }
+    Ok(compiled.cubin)
+}
+
+/// One CUDA device with its primary context and a stream.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    name: String,
+    arch: String,
+    sm_count: u32,
+}
+
+pub struct CudaModule {
+    _module: Arc<cudarc::driver::CudaModule>,
+    function: cudarc::driver::CudaFunction,
+}
+
+fn drv_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::runtime(NAME, format!("{what}: {e:?}"))
+}
+
+impl CudaDevice {
+    /// Every CUDA device, each opened or with its reason; `Err` when CUDA cannot run at all
+    /// (no driver, no device, or no NVRTC).
+    pub fn all() -> Result<Vec<Result<CudaDevice>>> {
+        if let Some(why) = driver_unavailable() {
+            return Err(Error::unavailable(NAME, why));
+        }
+        if let Some(why) = nvrtc_unavailable() {
+            return Err(Error::unavailable(NAME, why));
+        }
+        let n = CudaContext::device_count().map_err(|e| {
+            Error::unavailable(NAME, format!("cuInit / device count failed: {e:?}"))
+        })?;
+        if n == 0 {
+            return Err(Error::unavailable(
+                NAME,
+                "the driver reports no CUDA device",
+            ));
+        }
+        Ok((0..n as usize).map(Self::open).collect())
+    }
+
+    pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| Error::unavailable(NAME, format!("device {ordinal}: {e:?}")))?;
+        // One stream, ordered: no need for cudarc's per-buffer event tracking.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let name = ctx.name().map_err(|e| drv_err("device name", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| drv_err("compute capability", e))?;
+        let sm_count = ctx
+            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| drv_err("SM count", e))? as u32;
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            name,
+            arch: format!("sm_{major}{minor}"),
+            sm_count,
+        })
+    }
+
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| drv_err("synchronize", e))
+    }
+}
+
+/// The parameter block as a kernel argument: the driver copies as many bytes as the
+/// kernel's parameter struct has.
+#[repr(C, align(16))]
+struct ParamBlock([u8; 256]);
+
+impl Device for CudaDevice {
+    type Buf = CudaSlice<u8>;
+    type Module = CudaModule;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn name(&self) -> String {
+        format!("{} ({}, {} SMs)", self.name, self.arch, self.sm_count)
+    }
+
+    fn decode_config(&self, dims: MlaDims, format: CacheFormat) -> DecodeConfig {
+        DecodeConfig::cuda_scalar(dims, format)
+    }
+
+    fn target_workgroups(&self) -> u32 {
+        self.sm_count * 2
+    }
+
+    fn compile(&self, kernel: &Kernel) -> Result<CudaModule> {
+        const STATIC_SHARED: u64 = 48 * 1024;
+        if kernel.shared_bytes() > STATIC_SHARED {
+            return Err(Error::ResourceLimit {
+                kernel: kernel.name.clone(),
+                resource: "static shared memory (bytes)".into(),
+                needed: kernel.shared_bytes(),
+                limit: STATIC_SHARED,
+            });
+        }
+        let source = emit_cuda::emit(kernel)?;
+        let cubin = compile_cached(&kernel.name, &source, &self.arch)?;
+        let module = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| drv_err(&format!("loading {}", kernel.name), e))?;
+        let function = module
+            .load_function(&kernel.name)
+            .map_err(|e| drv_err(&format!("finding {}", kernel.name), e))?;
+        Ok(CudaModule {
+            _module: module,
+            function,
+        })
+    }
+
+    fn alloc(&self, len: u64) -> Result<CudaSlice<u8>> {
+        self.stream
+            .alloc_zeros::<u8>(len.max(4) as usize)
+            .map_err(|e| drv_err(&format!("allocating {len} bytes"), e))
+    }
+
+    fn write(&self, buf: &CudaSlice<u8>, bytes: &[u8]) -> Result<()> {
+        self.synchronize()?;
+        let ptr = raw_ptr(buf, &self.stream);
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        unsafe { drv::memcpy_htod_sync(ptr, bytes) }.map_err(|e| drv_err("copy to device", e))
+    }
+
+    fn read(&self, buf: &CudaSlice<u8>, len: u64) -> Result<Vec<u8>> {
+        self.synchronize()?;
+        let ptr = raw_ptr(buf, &self.stream);
+        let mut out = vec![0u8; len as usize];
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        unsafe { drv::memcpy_dtoh_sync(&mut out, ptr) }.map_err(|e| drv_err("copy to host", e))?;
+        Ok(out)
+    }
+
+    fn launch(
+        &self,
+        module: &CudaModule,
+        kernel: &Kernel,
+        grid: [u32; 3],
+        params: &[u8],
+        bufs: &[&CudaSlice<u8>],
+    ) -> Result<()> {
+        if grid[1] > 65535 || grid[2] > 65535 {
+            return Err(Error::ResourceLimit {
+                kernel: kernel.name.clone(),
+                resource: "grid y / z".into(),
+                needed: grid[1].max(grid[2]) as u64,
+                limit: 65535,
+            });
+        }
+        if grid.contains(&0) {
+            return Ok(());
+        }
+        if params.len() > 256 {
+            return Err(Error::Kir {
+                kernel: kernel.name.clone(),
+                message: format!("parameter block of {} bytes (max 256)", params.len()),
+            });
+        }
+        let mut block = ParamBlock([0u8; 256]);
+        block.0[..params.len()].copy_from_slice(params);
+        let mut ptrs: Vec<drv_sys::CUdeviceptr> =
+            bufs.iter().map(|b| raw_ptr(b, &self.stream)).collect();
+        let mut args: Vec<*mut c_void> = Vec::with_capacity(1 + ptrs.len());
+        args.push(&mut block as *mut ParamBlock as *mut c_void);
+        for p in ptrs.iter_mut() {
+            args.push(p as *mut drv_sys::CUdeviceptr as *mut c_void);
+        }
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        unsafe {
+            drv::launch_kernel(
+                module.function.cu_function(),
+                (grid[0], grid[1], grid[2]),
+                (kernel.workgroup_size, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(|e| drv_err(&format!("launching {}", kernel.name), e))?;
+        if std::env::var_os("SPARSE_MLA_SYNC_LAUNCH").is_some() {
+            self.synchronize()
+                .map_err(|e| Error::runtime(NAME, format!("after {}: {e}", kernel.name)))?;
+        }
+        Ok(())
+    }
+}
+
+fn raw_ptr(buf: &CudaSlice<u8>, stream: &CudaStream) -> drv_sys::CUdeviceptr {
+    use cudarc::driver::DevicePtr;
+    let (ptr, _sync) = buf.device_ptr(stream);
+    ptr
+}

@@ -1,0 +1,194 @@
+//! The part of every GPU backend that is the same for wgpu and CUDA: choose a plan, get the
+//! lowered kernels, compile each once, bind buffers by name and launch.
+
+use super::{
+    check_decode_buffers, Backend, BackendKind, Buffer, DecodeBuffers, DecodeOptions, DecodeRun,
+};
+use crate::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan};
+use crate::kernels::Launch;
+use crate::kir::Kernel;
+use crate::mla::{CacheFormat, DecodeShape, MlaDims};
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// What a GPU runtime provides: compile a lowered kernel, launch it, move bytes.
+pub trait Device: Send + Sync + 'static {
+    type Buf: Send + Sync + 'static;
+    type Module: Send + Sync + 'static;
+    fn kind(&self) -> BackendKind;
+    fn name(&self) -> String;
+    /// The decode configuration this device runs best (it must fit the device's limits).
+    fn decode_config(&self, dims: MlaDims, format: CacheFormat) -> DecodeConfig;
+    /// Workgroups that fill the device (the split heuristic aims for this many).
+    fn target_workgroups(&self) -> u32;
+    /// The most `block_n` steps one decode workgroup may loop over, if the device limits it.
+    fn max_steps_per_workgroup(&self) -> Option<u32> {
+        None
+    }
+    /// Compile a lowered kernel. Refuses kernels that exceed the device's limits.
+    fn compile(&self, kernel: &Kernel) -> Result<Self::Module>;
+    fn alloc(&self, len: u64) -> Result<Self::Buf>;
+    fn write(&self, buf: &Self::Buf, bytes: &[u8]) -> Result<()>;
+    fn read(&self, buf: &Self::Buf, len: u64) -> Result<Vec<u8>>;
+    /// Launch with buffers in the kernel's declaration order.
+    fn launch(
+        &self,
+        module: &Self::Module,
+        kernel: &Kernel,
+        grid: [u32; 3],
+        params: &[u8],
+        bufs: &[&Self::Buf],
+    ) -> Result<()>;
+}
+
+/// A [`Backend`] over any [`Device`].
+pub struct GpuBackend<D: Device> {
+    dev: D,
+    id: u64,
+    modules: Mutex<HashMap<String, Arc<D::Module>>>,
+    /// Split-K partials, grown as needed: (o_part, lse_part).
+    workspace: Mutex<Option<(Buffer, Buffer)>>,
+}
+
+impl<D: Device> GpuBackend<D> {
+    pub fn new(dev: D) -> Self {
+        GpuBackend {
+            dev,
+            id: super::next_backend_id(),
+            modules: Mutex::new(HashMap::new()),
+            workspace: Mutex::new(None),
+        }
+    }
+
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    fn module(&self, kernel: &Kernel) -> Result<Arc<D::Module>> {
+        let mut m = self.modules.lock().map_err(|_| poisoned())?;
+        if let Some(module) = m.get(&kernel.name) {
+            return Ok(module.clone());
+        }
+        let module = Arc::new(self.dev.compile(kernel)?);
+        m.insert(kernel.name.clone(), module.clone());
+        Ok(module)
+    }
+
+    fn buf<'a>(&self, b: &'a Buffer, arg: &str) -> Result<&'a D::Buf> {
+        b.get::<D::Buf>(self.id, arg)
+    }
+
+    /// Run `launch`, binding the kernel's buffers by name from `named`.
+    fn run(&self, launch: &Launch, named: &[(&str, &D::Buf)]) -> Result<()> {
+        let module = self.module(&launch.kernel)?;
+        let mut bufs = Vec::with_capacity(launch.kernel.buffers.len());
+        for decl in &launch.kernel.buffers {
+            let b = named
+                .iter()
+                .find(|(n, _)| *n == decl.name)
+                .map(|(_, b)| *b)
+                .ok_or_else(|| Error::Kir {
+                    kernel: launch.kernel.name.clone(),
+                    message: format!("no buffer bound for `{}`", decl.name),
+                })?;
+            bufs.push(b);
+        }
+        self.dev
+            .launch(&module, &launch.kernel, launch.grid, &launch.params, &bufs)
+    }
+
+    /// The decode plan this backend would use for `shape`.
+    pub fn decode_plan(&self, shape: &DecodeShape, opts: &DecodeOptions) -> Result<DecodePlan> {
+        let config = self.dev.decode_config(shape.dims, shape.format);
+        DecodePlan::new(
+            config,
+            shape,
+            self.dev.target_workgroups(),
+            opts.splits,
+            self.dev.max_steps_per_workgroup(),
+        )
+    }
+}
+
+fn poisoned() -> Error {
+    Error::runtime("gpu", "lock poisoned by an earlier panic")
+}
+
+impl<D: Device> Backend for GpuBackend<D> {
+    fn kind(&self) -> BackendKind {
+        self.dev.kind()
+    }
+
+    fn device_name(&self) -> String {
+        self.dev.name()
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<Buffer> {
+        let b = self.dev.alloc(bytes.len() as u64)?;
+        self.dev.write(&b, bytes)?;
+        Ok(Buffer::new(self.id, bytes.len() as u64, b))
+    }
+
+    fn alloc(&self, len: u64) -> Result<Buffer> {
+        Ok(Buffer::new(self.id, len, self.dev.alloc(len)?))
+    }
+
+    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()> {
+        if bytes.len() as u64 > buf.len() {
+            return Err(Error::arg(
+                "bytes",
+                format!("at most {} bytes", buf.len()),
+                bytes.len(),
+            ));
+        }
+        self.dev.write(self.buf(buf, "buf")?, bytes)
+    }
+
+    fn download(&self, buf: &Buffer) -> Result<Vec<u8>> {
+        self.dev.read(self.buf(buf, "buf")?, buf.len())
+    }
+
+    fn sparse_mla_decode(
+        &self,
+        shape: &DecodeShape,
+        b: &DecodeBuffers<'_>,
+        opts: &DecodeOptions,
+    ) -> Result<DecodeRun> {
+        check_decode_buffers(shape, b)?;
+        let plan = self.decode_plan(shape, opts)?;
+        let launches = launches(shape, &plan)?;
+        // Kernels always bind a topk_length buffer; without one, the indices stand in
+        // (never read: has_topk_length = 0 makes the kernel read element 0 and ignore it).
+        let topk_length = b.topk_length.unwrap_or(b.indices);
+        let mut named: Vec<(&str, &D::Buf)> = vec![
+            ("q", self.buf(b.q, "q")?),
+            ("kv_cache", self.buf(b.kv_cache, "kv_cache")?),
+            ("indices", self.buf(b.indices, "indices")?),
+            ("topk_length", self.buf(topk_length, "topk_length")?),
+            ("out", self.buf(b.out, "out")?),
+            ("lse", self.buf(b.lse, "lse")?),
+        ];
+        let mut ws = self.workspace.lock().map_err(|_| poisoned())?;
+        if !plan.config.final_output {
+            let rows = shape.tokens as u64 * shape.heads as u64 * plan.splits as u64;
+            let (o_len, l_len) = (rows * shape.dims.d_v() as u64 * 4, rows * 4);
+            let fits = matches!(&*ws, Some((o, l)) if o.len() >= o_len && l.len() >= l_len);
+            if !fits {
+                *ws = Some((self.alloc(o_len)?, self.alloc(l_len)?));
+            }
+            if let Some((o, l)) = ws.as_ref() {
+                named.push(("o_part", self.buf(o, "o_part")?));
+                named.push(("lse_part", self.buf(l, "lse_part")?));
+            }
+        }
+        for l in &launches {
+            self.run(l, &named)?;
+        }
+        Ok(DecodeRun {
+            splits: plan.splits,
+            p_bf16: plan.config.p_elem == crate::kir::ir::TileElem::Bf16,
+            kernels: launches.iter().map(|l| l.kernel.name.clone()).collect(),
+        })
+    }
+}

@@ -1,0 +1,55 @@
+//! Shared by the integration tests: one backend per kind per test process, and the rule
+//! for a backend that is absent (skip with the reason, unless SPARSE_MLA_REQUIRE names it).
+
+#![allow(dead_code)]
+
+use sparse_mla::runtime::{discover, Backend, BackendKind};
+use std::sync::OnceLock;
+
+/// Kinds that must be present (comma list in `SPARSE_MLA_REQUIRE`, e.g. `wgpu,nvrtc`): CI
+/// sets it so that a missing lavapipe or NVRTC fails instead of skipping.
+pub fn required(what: &str) -> bool {
+    std::env::var("SPARSE_MLA_REQUIRE")
+        .map(|v| v.split(',').any(|k| k.trim() == what))
+        .unwrap_or(false)
+}
+
+/// Report a skipped backend; panics when it is required.
+pub fn skip(what: &str, reason: &str) {
+    if required(what) {
+        panic!("{what} is required (SPARSE_MLA_REQUIRE) but unavailable: {reason}");
+    }
+    eprintln!("SKIPPED {what}: {reason}");
+}
+
+type Shared = Result<Box<dyn Backend>, String>;
+
+fn first(kind: BackendKind) -> Shared {
+    let mut reasons = Vec::new();
+    for (_, b) in discover(&[kind]) {
+        match b {
+            Ok(b) => return Ok(b),
+            Err(e) => reasons.push(e.to_string()),
+        }
+    }
+    Err(reasons.join("; "))
+}
+
+/// The first backend of `kind` on this machine, shared by all tests of the process.
+pub fn backend(kind: BackendKind) -> Option<&'static dyn Backend> {
+    static CPU: OnceLock<Shared> = OnceLock::new();
+    static WGPU: OnceLock<Shared> = OnceLock::new();
+    static CUDA: OnceLock<Shared> = OnceLock::new();
+    let cell = match kind {
+        BackendKind::Cpu => &CPU,
+        BackendKind::Wgpu => &WGPU,
+        BackendKind::Cuda => &CUDA,
+    };
+    match cell.get_or_init(|| first(kind)) {
+        Ok(b) => Some(b.as_ref()),
+        Err(reason) => {
+            skip(kind.name(), reason);
+            None
+        }
+    }
+}

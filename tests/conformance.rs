@@ -1,0 +1,65 @@
+//! The conformance suite on every backend present. Each test is written once (in
+//! `sparse_mla::conformance`) and instantiated per backend below; an absent backend is
+//! reported as skipped with its reason (or fails, when SPARSE_MLA_REQUIRE names it).
+
+mod common;
+
+use sparse_mla::conformance::{decode_cases, run_decode_case};
+use sparse_mla::runtime::BackendKind;
+use sparse_mla::util::Rng;
+
+fn sparse_decode_suite(kind: BackendKind) {
+    let Some(backend) = common::backend(kind) else {
+        return;
+    };
+    let mut failed = Vec::new();
+    for case in decode_cases() {
+        let seed = Rng::fresh_seed();
+        match run_decode_case(backend, &case, seed) {
+            Ok(o) => {
+                eprintln!(
+                    "{:<6} {:<34} rel_l2 {:.2e} lse_err {:.2e} splits {:>2} {:>8.1} ms {}",
+                    kind.name(),
+                    o.case,
+                    o.rel_l2,
+                    o.lse_err,
+                    o.splits,
+                    o.seconds * 1e3,
+                    if o.passed() { "ok" } else { "FAIL" }
+                );
+                if !o.passed() {
+                    failed.push(format!(
+                        "{} (seed {seed}): {}",
+                        o.case,
+                        o.failures.join("; ")
+                    ));
+                }
+            }
+            Err(e) => failed.push(format!("{} (seed {seed}): error: {e}", case.name)),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} on {}:\n{}",
+        kind.name(),
+        backend.device_name(),
+        failed.join("\n")
+    );
+}
+
+macro_rules! backend_tests {
+    ($($name:ident => $kind:expr),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                sparse_decode_suite($kind);
+            }
+        )*
+    };
+}
+
+backend_tests! {
+    sparse_decode_cpu => BackendKind::Cpu,
+    sparse_decode_wgpu => BackendKind::Wgpu,
+    sparse_decode_cuda => BackendKind::Cuda,
+}
