@@ -52,7 +52,7 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
         return sign | q;
     }
     let e = a.log2().floor() as i32; // -6..=8
-    // Guard against log2 rounding at exact powers of two.
+                                     // Guard against log2 rounding at exact powers of two.
     let e = if (2.0f32).powi(e) > a {
         e - 1
     } else if (2.0f32).powi(e + 1) <= a {
