@@ -17,6 +17,33 @@ use crate::util::{rel_l2, Rng};
 use crate::Result;
 use std::collections::HashSet;
 
+/// One conformance case: a name and a check on a backend. Every kernel's cases join the one
+/// list in [`all_cases`], so `cargo test` and `mla-check` run the same suite everywhere.
+pub trait Case: Send + Sync {
+    fn name(&self) -> String;
+    /// Run on `backend` with inputs drawn from `seed`, and judge against the reference.
+    fn run(&self, backend: &dyn Backend, seed: u64) -> Result<Outcome>;
+}
+
+/// Every conformance case of every kernel.
+pub fn all_cases() -> Vec<Box<dyn Case>> {
+    let mut cases: Vec<Box<dyn Case>> = Vec::new();
+    for c in decode_cases() {
+        cases.push(Box::new(c));
+    }
+    cases
+}
+
+impl Case for DecodeCase {
+    fn name(&self) -> String {
+        format!("decode/{}", self.name)
+    }
+
+    fn run(&self, backend: &dyn Backend, seed: u64) -> Result<Outcome> {
+        run_decode_case(backend, self, seed)
+    }
+}
+
 /// How a case fills its index lists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IndexPattern {
@@ -231,10 +258,15 @@ impl DecodeData {
 pub struct Outcome {
     pub case: String,
     pub seed: u64,
+    /// Relative L2 error of the main output vs the reference (0 for byte-exact checks).
     pub rel_l2: f64,
+    /// Largest absolute element error of the main output.
     pub max_abs: f64,
+    /// Largest lse error (decode cases; 0 elsewhere).
     pub lse_err: f64,
-    pub splits: u32,
+    /// What the backend chose, for the report (e.g. `splits 4`).
+    pub detail: String,
+    /// Wall time of the call including the download of its output.
     pub seconds: f64,
     /// Empty when the case passed; otherwise what failed.
     pub failures: Vec<String>,
@@ -345,12 +377,12 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
     }
     failures.truncate(8);
     Ok(Outcome {
-        case: case.name.clone(),
+        case: format!("decode/{}", case.name),
         seed,
         rel_l2: rel,
         max_abs,
         lse_err,
-        splits: run.splits,
+        detail: format!("splits {}", run.splits),
         seconds,
         failures,
     })

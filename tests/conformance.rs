@@ -4,26 +4,26 @@
 
 mod common;
 
-use sparse_mla::conformance::{decode_cases, run_decode_case};
+use sparse_mla::conformance::all_cases;
 use sparse_mla::runtime::BackendKind;
 use sparse_mla::util::Rng;
 
-fn sparse_decode_suite(kind: BackendKind) {
+fn suite(kind: BackendKind) {
     let Some(backend) = common::backend(kind) else {
         return;
     };
     let mut failed = Vec::new();
-    for case in decode_cases() {
+    for case in all_cases() {
         let seed = Rng::fresh_seed();
-        match run_decode_case(backend, &case, seed) {
+        match case.run(backend, seed) {
             Ok(o) => {
                 eprintln!(
-                    "{:<6} {:<34} rel_l2 {:.2e} lse_err {:.2e} splits {:>2} {:>8.1} ms {}",
+                    "{:<6} {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>8.1} ms {}",
                     kind.name(),
                     o.case,
                     o.rel_l2,
                     o.lse_err,
-                    o.splits,
+                    o.detail,
                     o.seconds * 1e3,
                     if o.passed() { "ok" } else { "FAIL" }
                 );
@@ -35,7 +35,7 @@ fn sparse_decode_suite(kind: BackendKind) {
                     ));
                 }
             }
-            Err(e) => failed.push(format!("{} (seed {seed}): error: {e}", case.name)),
+            Err(e) => failed.push(format!("{} (seed {seed}): error: {e}", case.name())),
         }
     }
     assert!(
@@ -52,14 +52,14 @@ macro_rules! backend_tests {
         $(
             #[test]
             fn $name() {
-                sparse_decode_suite($kind);
+                suite($kind);
             }
         )*
     };
 }
 
 backend_tests! {
-    sparse_decode_cpu => BackendKind::Cpu,
-    sparse_decode_wgpu => BackendKind::Wgpu,
-    sparse_decode_cuda => BackendKind::Cuda,
+    conformance_cpu => BackendKind::Cpu,
+    conformance_wgpu => BackendKind::Wgpu,
+    conformance_cuda => BackendKind::Cuda,
 }

@@ -60,3 +60,65 @@ pub struct Launch {
     pub grid: [u32; 3],
     pub params: Vec<u8>,
 }
+
+/// Which language a standard kernel is exported in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    Wgsl,
+    Cuda,
+}
+
+impl Target {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Target::Wgsl => "wgsl",
+            Target::Cuda => "cuda",
+        }
+    }
+}
+
+/// One kernel of the standard export set: lowered for its target, with a one-line note for
+/// the index of the exported files.
+pub struct StandardKernel {
+    pub target: Target,
+    pub kernel: Kernel,
+    pub note: String,
+}
+
+/// The standard configurations, each kernel lowered the way the backend of its target runs
+/// it. `mla-export --all` writes these to `shaders/` (WGSL) and `cuda/` (CUDA C), and the
+/// freshness test compares the checked-in files with them. Heads, topk, page size, tokens
+/// and splits are run-time parameters of these kernels, so one file serves every H.
+pub fn standard_set() -> Result<Vec<StandardKernel>> {
+    use crate::mla::{CacheFormat, MlaDims};
+    use sparse_mla_decode::{combine_kernel, split_kernel, DecodeConfig};
+    let mut out = Vec::new();
+    let dims = MlaDims::PRODUCTION;
+    for (target, base) in [
+        (Target::Wgsl, DecodeConfig::portable(dims, CacheFormat::Bf16)),
+        (Target::Cuda, DecodeConfig::cuda_scalar(dims, CacheFormat::Bf16)),
+    ] {
+        for final_output in [false, true] {
+            let config = DecodeConfig {
+                final_output,
+                ..base
+            };
+            let note = if final_output {
+                "sparse decode, one split: writes out and lse directly"
+            } else {
+                "sparse decode, split stage: writes per-split partials for the combine"
+            };
+            out.push(StandardKernel {
+                target,
+                kernel: crate::kir::lower(&split_kernel(&config)?, config.lowering)?,
+                note: note.into(),
+            });
+        }
+        out.push(StandardKernel {
+            target,
+            kernel: crate::kir::lower(&combine_kernel(&base)?, base.lowering)?,
+            note: "sparse decode, combine stage: merges the split partials".into(),
+        });
+    }
+    Ok(out)
+}
