@@ -13,6 +13,7 @@
 pub mod conformance;
 pub mod emit;
 pub mod error;
+pub mod export;
 pub mod kernels;
 pub mod kir;
 pub mod mla;

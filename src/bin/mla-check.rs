@@ -1,0 +1,178 @@
+//! mla-check: the conformance suite on every backend this machine has.
+
+use clap::Parser;
+use sparse_mla::conformance::{all_cases, Outcome};
+use sparse_mla::runtime::{discover, BackendKind};
+use sparse_mla::util::Rng;
+use std::process::ExitCode;
+
+/// Run the sparse-mla conformance suite on every backend found: each wgpu adapter
+/// (Vulkan / Metal / DX12, and lavapipe on the CPU), each CUDA device, and the CPU
+/// reference. Every case draws fresh random inputs, poisons the outputs and compares with
+/// a float64 reference (DESIGN §3 tolerances).
+///
+/// Exits 1 when any case fails, and when no GPU (or lavapipe) backend could run at all,
+/// so a green run always means kernels ran somewhere real. Absent backends are listed as
+/// skipped with the reason.
+///
+/// Environment: WGPU_BACKEND (e.g. vulkan), WGPU_ADAPTER_NAME (substring), and for CUDA,
+/// libnvrtc on LD_LIBRARY_PATH.
+#[derive(Parser, Debug)]
+#[command(version, verbatim_doc_comment)]
+struct Args {
+    /// Only these backends (repeatable): cpu, wgpu, cuda.
+    #[arg(long = "backend", value_name = "KIND")]
+    backends: Vec<String>,
+    /// Only cases whose name contains this.
+    #[arg(long)]
+    case: Option<String>,
+    /// Seed for the inputs (default: fresh each run; printed in the table).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// List the cases and exit.
+    #[arg(long)]
+    list: bool,
+}
+
+struct Row {
+    backend: String,
+    device: String,
+    outcome: Result<Outcome, String>,
+    case: String,
+}
+
+fn main() -> ExitCode {
+    env_logger::init();
+    let args = Args::parse();
+    let cases: Vec<_> = all_cases()
+        .into_iter()
+        .filter(|c| args.case.as_ref().is_none_or(|f| c.name().contains(f.as_str())))
+        .collect();
+    if args.list {
+        for c in &cases {
+            println!("{}", c.name());
+        }
+        return ExitCode::SUCCESS;
+    }
+    let kinds: Vec<BackendKind> = if args.backends.is_empty() {
+        vec![BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda]
+    } else {
+        match args.backends.iter().map(|b| BackendKind::parse(b)).collect() {
+            Ok(k) => k,
+            Err(e) => {
+                eprintln!("mla-check: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    if cases.is_empty() {
+        eprintln!("mla-check: no case matches --case {:?}", args.case.unwrap_or_default());
+        return ExitCode::from(2);
+    }
+    let mut rows = Vec::new();
+    let mut skipped = Vec::new();
+    let mut gpu_ran = false;
+    for (kind, backend) in discover(&kinds) {
+        let backend = match backend {
+            Ok(b) => b,
+            Err(e) => {
+                skipped.push(format!("{kind}: {e}"));
+                continue;
+            }
+        };
+        if backend.kind() != BackendKind::Cpu {
+            gpu_ran = true;
+        }
+        let device = backend.device_name();
+        eprintln!("== {kind}: {device}");
+        for case in &cases {
+            let seed = args.seed.unwrap_or_else(Rng::fresh_seed);
+            let outcome = case.run(backend.as_ref(), seed).map_err(|e| e.to_string());
+            match &outcome {
+                Ok(o) => eprintln!(
+                    "   {:<44} {}",
+                    o.case,
+                    if o.passed() { "ok" } else { "FAIL" }
+                ),
+                Err(e) => eprintln!("   {:<44} ERROR {e}", case.name()),
+            }
+            rows.push(Row {
+                backend: kind.clone(),
+                device: device.clone(),
+                outcome,
+                case: case.name(),
+            });
+        }
+    }
+    print_table(&rows);
+    for s in &skipped {
+        println!("SKIPPED {s}");
+    }
+    let failures: Vec<&Row> = rows
+        .iter()
+        .filter(|r| !matches!(&r.outcome, Ok(o) if o.passed()))
+        .collect();
+    for r in &failures {
+        match &r.outcome {
+            Ok(o) => println!(
+                "FAILED {} on {} (seed {}): {}",
+                r.case,
+                r.backend,
+                o.seed,
+                o.failures.join("; ")
+            ),
+            Err(e) => println!("FAILED {} on {}: {e}", r.case, r.backend),
+        }
+    }
+    let passed = rows.len() - failures.len();
+    println!("{passed} passed, {} failed, {} backends skipped", failures.len(), skipped.len());
+    if !failures.is_empty() {
+        return ExitCode::FAILURE;
+    }
+    let cpu_only_asked = kinds == [BackendKind::Cpu];
+    if !gpu_ran && !cpu_only_asked {
+        println!("no GPU or lavapipe backend could run: nothing was checked on a real device");
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "| {:<6} | {:<40} | {:<44} | {:>9} | {:>9} | {:>9} | {:<10} | {:<6} | {:>9} |",
+        "backend", "device", "case", "rel L2", "max abs", "lse err", "detail", "result", "ms"
+    );
+    println!(
+        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
+        "-".repeat(8),
+        "-".repeat(42),
+        "-".repeat(46),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(11),
+        "-".repeat(12),
+        "-".repeat(8),
+        "-".repeat(11)
+    );
+    for r in rows {
+        let device: String = r.device.chars().take(40).collect();
+        match &r.outcome {
+            Ok(o) => println!(
+                "| {:<6} | {:<40} | {:<44} | {:>9.2e} | {:>9.2e} | {:>9.2e} | {:<10} | {:<6} | {:>9.1} |",
+                r.backend,
+                device,
+                o.case,
+                o.rel_l2,
+                o.max_abs,
+                o.lse_err,
+                o.detail,
+                if o.passed() { "ok" } else { "FAIL" },
+                o.seconds * 1e3
+            ),
+            Err(_) => println!(
+                "| {:<6} | {:<40} | {:<44} | {:>9} | {:>9} | {:>9} | {:<10} | {:<6} | {:>9} |",
+                r.backend, device, r.case, "-", "-", "-", "-", "ERROR", "-"
+            ),
+        }
+    }
+}
