@@ -60,7 +60,8 @@ pub fn standard_files() -> Result<Vec<ExportFile>> {
         });
         let line = format!(
             "| `{name}` | {} | {} | {} B |\n",
-            k.note, k.kernel.workgroup_size,
+            k.note,
+            k.kernel.workgroup_size,
             k.kernel.shared_bytes()
         );
         match k.target {
@@ -198,7 +199,12 @@ pub fn config_files(
     Ok(files)
 }
 
-fn launch_header(shape: &DecodeShape, plan: &DecodePlan, kernels: &[std::sync::Arc<Kernel>], sms: u32) -> String {
+fn launch_header(
+    shape: &DecodeShape,
+    plan: &DecodePlan,
+    kernels: &[std::sync::Arc<Kernel>],
+    sms: u32,
+) -> String {
     let mut h = format!(
         "// Launch parameters for sparse MLA decode: heads {}, topk {}, page size {}, cache {},\n\
          // tokens {} (grid z; change it per call), splits {} (chosen for {sms} SMs unless given).\n\

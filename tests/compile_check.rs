@@ -22,7 +22,11 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     let mut count = 0;
     for k in set.iter().filter(|k| k.target == Target::Cuda) {
         let src = cuda::emit(&k.kernel).expect("emit");
-        assert!(!src.contains("#include"), "{}: CUDA C must be self-contained", k.kernel.name);
+        assert!(
+            !src.contains("#include"),
+            "{}: CUDA C must be self-contained",
+            k.kernel.name
+        );
         for arch in ARCHS {
             match compile(&k.kernel.name, &src, arch, true) {
                 Ok(c) => {
@@ -34,7 +38,11 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                         .filter(|l| l.contains("registers") || l.contains("spill"))
                         .map(str::trim)
                         .collect();
-                    eprintln!("NVRTC {major}.{minor} {arch} {}: {}", k.kernel.name, report.join(" | "));
+                    eprintln!(
+                        "NVRTC {major}.{minor} {arch} {}: {}",
+                        k.kernel.name,
+                        report.join(" | ")
+                    );
                 }
                 Err(e) => failures.push(format!("{arch} {}: {e}", k.kernel.name)),
             }
@@ -71,8 +79,13 @@ fn a_compile_error_carries_nvrtc_log() {
         common::skip("nvrtc", &why);
         return;
     }
-    let err = compile("broken", "extern \"C\" __global__ void broken() { undeclared = 1; }", "sm_90", false)
-        .expect_err("must not compile");
+    let err = compile(
+        "broken",
+        "extern \"C\" __global__ void broken() { undeclared = 1; }",
+        "sm_90",
+        false,
+    )
+    .expect_err("must not compile");
     let msg = err.to_string();
     assert!(msg.contains("undeclared"), "NVRTC log missing from: {msg}");
 }

@@ -35,7 +35,10 @@ fn no_hand_written_kernels_anywhere() {
             let p = e.path();
             let name = e.file_name().to_string_lossy().to_string();
             if p.is_dir() {
-                if !matches!(name.as_str(), "target" | ".git" | ".venv" | ".gl" | ".whl" | "examples") {
+                if !matches!(
+                    name.as_str(),
+                    "target" | ".git" | ".venv" | ".gl" | ".whl" | "examples"
+                ) {
                     stack.push(p);
                 }
             } else if (name.ends_with(".wgsl") || name.ends_with(".cu") || name.ends_with(".cuh"))

@@ -46,7 +46,11 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let cases: Vec<_> = all_cases()
         .into_iter()
-        .filter(|c| args.case.as_ref().is_none_or(|f| c.name().contains(f.as_str())))
+        .filter(|c| {
+            args.case
+                .as_ref()
+                .is_none_or(|f| c.name().contains(f.as_str()))
+        })
         .collect();
     if args.list {
         for c in &cases {
@@ -57,7 +61,12 @@ fn main() -> ExitCode {
     let kinds: Vec<BackendKind> = if args.backends.is_empty() {
         vec![BackendKind::Cpu, BackendKind::Wgpu, BackendKind::Cuda]
     } else {
-        match args.backends.iter().map(|b| BackendKind::parse(b)).collect() {
+        match args
+            .backends
+            .iter()
+            .map(|b| BackendKind::parse(b))
+            .collect()
+        {
             Ok(k) => k,
             Err(e) => {
                 eprintln!("mla-check: {e}");
@@ -66,7 +75,10 @@ fn main() -> ExitCode {
         }
     };
     if cases.is_empty() {
-        eprintln!("mla-check: no case matches --case {:?}", args.case.unwrap_or_default());
+        eprintln!(
+            "mla-check: no case matches --case {:?}",
+            args.case.unwrap_or_default()
+        );
         return ExitCode::from(2);
     }
     let mut rows = Vec::new();
@@ -125,7 +137,11 @@ fn main() -> ExitCode {
         }
     }
     let passed = rows.len() - failures.len();
-    println!("{passed} passed, {} failed, {} backends skipped", failures.len(), skipped.len());
+    println!(
+        "{passed} passed, {} failed, {} backends skipped",
+        failures.len(),
+        skipped.len()
+    );
     if !failures.is_empty() {
         return ExitCode::FAILURE;
     }

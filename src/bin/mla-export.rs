@@ -2,7 +2,7 @@
 //! parameters, for integrators.
 
 use clap::{Parser, ValueEnum};
-use sparse_mla::export::{config_files, standard_files, stale_files, write_files, Lang};
+use sparse_mla::export::{config_files, stale_files, standard_files, write_files, Lang};
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -91,7 +91,11 @@ fn run(args: &Args) -> sparse_mla::Result<ExitCode> {
         if args.check {
             let stale = stale_files(&root, &files);
             if stale.is_empty() {
-                println!("{} generated files under {} are up to date", files.len(), root.display());
+                println!(
+                    "{} generated files under {} are up to date",
+                    files.len(),
+                    root.display()
+                );
                 return Ok(ExitCode::SUCCESS);
             }
             for s in &stale {
