@@ -95,8 +95,14 @@ pub fn standard_set() -> Result<Vec<StandardKernel>> {
     let mut out = Vec::new();
     let dims = MlaDims::PRODUCTION;
     for (target, base) in [
-        (Target::Wgsl, DecodeConfig::portable(dims, CacheFormat::Bf16)),
-        (Target::Cuda, DecodeConfig::cuda_scalar(dims, CacheFormat::Bf16)),
+        (
+            Target::Wgsl,
+            DecodeConfig::portable(dims, CacheFormat::Bf16),
+        ),
+        (
+            Target::Cuda,
+            DecodeConfig::cuda_scalar(dims, CacheFormat::Bf16),
+        ),
     ] {
         for final_output in [false, true] {
             let config = DecodeConfig {
