@@ -5,7 +5,8 @@
 #   - NVRTC 12.8 from PyPI (into target/nvrtc), so every emitted CUDA kernel is compiled
 #     for sm_80, sm_89, sm_90 and sm_120 — no GPU needed.
 # Then it runs every test with both required (SPARSE_MLA_REQUIRE=wgpu,nvrtc): a missing
-# piece fails the run instead of being skipped. Extra arguments go to `cargo test`.
+# piece fails the run instead of being skipped. Extra arguments go to `cargo test` (before
+# its `--`), e.g. `tools/test.sh --test conformance`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,4 +36,6 @@ export SPARSE_MLA_REQUIRE=${SPARSE_MLA_REQUIRE:-wgpu,nvrtc}
 if cargo fmt --version >/dev/null 2>&1; then
     cargo fmt --check
 fi
-cargo test --release "$@"
+# --nocapture: the log then shows each backend's conformance table, the NVRTC ptxas reports
+# and any SKIPPED line, so a reader can see what really ran.
+cargo test --release "$@" -- --nocapture
