@@ -1,0 +1,82 @@
+//! The description language refuses what it cannot print, with errors that say why.
+
+use sparse_mla::emit::{cuda, wgsl};
+use sparse_mla::kir::builder::*;
+use sparse_mla::kir::ir::*;
+use sparse_mla::kir::{lower, Lowering};
+use sparse_mla::Error;
+
+#[test]
+fn type_mismatch_is_reported_by_finish() {
+    let mut b = KernelBuilder::new("bad_types", 64);
+    let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[1]");
+    let x = b.let_("x", u(1) + f(2.0));
+    b.store(&out, u(0), x.as_f32());
+    match b.finish() {
+        Err(Error::Kir { kernel, message }) => {
+            assert_eq!(kernel, "bad_types");
+            assert!(message.contains("u32 vs f32"), "{message}");
+        }
+        other => panic!("expected a kir error, got {other:?}"),
+    }
+}
+
+#[test]
+fn mma_shape_mismatch_is_reported() {
+    let mut b = KernelBuilder::new("bad_mma", 64);
+    let a = b.shared_tile("a", TileElem::Bf16, 16, 32);
+    let bt = b.shared_tile("b", TileElem::Bf16, 8, 16);
+    let acc = b.acc_tile("acc", 16, 8);
+    b.mma(&acc, a.all(), bt.all(), BLayout::NK);
+    let err = b
+        .finish()
+        .expect_err("K 32 vs 16 must be refused")
+        .to_string();
+    assert!(err.contains("mma into acc"), "{err}");
+}
+
+#[test]
+fn emitters_refuse_unlowered_kernels() {
+    let mut b = KernelBuilder::new("unlowered", 64);
+    let acc = b.acc_tile("acc", 2, 2);
+    b.acc_fill(&acc, 1.0);
+    let k = b.finish().expect("valid description");
+    assert!(wgsl::emit(&k).is_err());
+    assert!(cuda::emit(&k).is_err());
+    let lowered = lower(&k, Lowering::Scalar).expect("lowers");
+    assert!(lowered.is_lowered());
+    wgsl::validate(&lowered.name, &wgsl::emit(&lowered).expect("emits")).expect("naga accepts it");
+}
+
+#[test]
+fn workgroup_memory_over_the_portable_limit_is_refused() {
+    let mut b = KernelBuilder::new("too_big", 64);
+    let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[1]");
+    let big = b.shared("big", Ty::F32, 5000); // 20000 B > 16 KiB
+    b.shared_store(&big, local_id(), f(1.0));
+    b.barrier();
+    b.store(&out, u(0), big.at(u(0)));
+    let k = lower(&b.finish().expect("valid"), Lowering::Scalar).expect("lowers");
+    match wgsl::check_portable_limits(&k) {
+        Err(Error::ResourceLimit { needed, limit, .. }) => {
+            assert_eq!(needed, 20000);
+            assert_eq!(limit, 16384);
+        }
+        other => panic!("expected a resource-limit error, got {other:?}"),
+    }
+}
+
+#[test]
+fn non_finite_constants_print_on_both_targets() {
+    // WGSL literals must be finite: +inf comes from bits; CUDA spells it from bits too.
+    let mut b = KernelBuilder::new("inf_store", 64);
+    let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[1]");
+    b.if_(local_id().eq_(u(0)), |b| {
+        b.store(&out, u(0), f(f32::INFINITY))
+    });
+    let k = lower(&b.finish().expect("valid"), Lowering::Scalar).expect("lowers");
+    let w = wgsl::emit(&k).expect("wgsl");
+    wgsl::validate(&k.name, &w).expect("naga accepts the non-finite constant");
+    assert!(w.contains("0x7f800000"));
+    assert!(cuda::emit(&k).expect("cuda").contains("0x7f800000"));
+}
