@@ -1,6 +1,7 @@
 //! CUDA C printer. The output is self-contained: no `#include`, so NVRTC compiles it with no
 //! CUDA headers installed. bf16 rounding goes through inline PTX (`cvt.rn.bf16x2.f32`,
-//! sm_80+); everything else is plain C.
+//! sm_80+), e4m3 decode through `cvt.rn.f16x2.e4m3x2` on sm_89+ (bit manipulation before);
+//! everything else is plain C.
 //!
 //! Calling convention: `extern "C" __global__ void <name>(<name>_params p, buffers...)`,
 //! the parameter struct by value, then one pointer per buffer in declaration order.
@@ -87,8 +88,16 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448.
+// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
+// convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
 static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+#else
     const unsigned b = bits;
     if ((b & 0x7fu) == 0x7fu) {
         return __uint_as_float(0x7fc00000u | ((b & 0x80u) << 24));
@@ -99,6 +108,7 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
     const float mag = e == 0u ? (float)m * (1.0f / 512.0f)
                               : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -mag : mag;
+#endif
 }
 "#;
 
@@ -340,6 +350,7 @@ impl Printer<'_> {
                     Func::PackBf16x2 => format!("pack_bf16x2({}, {})", a[0], a[1]),
                     Func::F32Bits => format!("__float_as_uint({})", a[0]),
                     Func::F32FromBits => format!("__uint_as_float({})", a[0]),
+                    Func::Clz => format!("((unsigned)__clz((int)({})))", a[0]),
                 }
             }
             Expr::Load { buf, elem, index } => {
@@ -356,6 +367,7 @@ impl Printer<'_> {
                 format!("{arr}[{}]", self.expr(index))
             }
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0f"),
+            Expr::TileWord { tile, .. } => format!("/* unlowered tile word {tile} */ 0u"),
         }
     }
 }

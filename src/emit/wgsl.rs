@@ -345,6 +345,7 @@ impl Printer<'_> {
                     Func::PackBf16x2 => format!("pack_bf16x2({}, {})", a[0], a[1]),
                     Func::F32Bits => format!("bitcast<u32>({})", a[0]),
                     Func::F32FromBits => format!("bitcast<f32>({})", a[0]),
+                    Func::Clz => format!("countLeadingZeros({})", a[0]),
                 }
             }
             Expr::Load { buf, elem, index } => {
@@ -369,6 +370,7 @@ impl Printer<'_> {
                 format!("{arr}[{}]", self.expr(index))
             }
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0"),
+            Expr::TileWord { tile, .. } => format!("/* unlowered tile word {tile} */ 0u"),
         }
     }
 }

@@ -30,6 +30,10 @@ pub fn local_id() -> Expr {
 pub fn workgroup_id(axis: u8) -> Expr {
     Expr::Builtin(Builtin::WorkgroupId(axis))
 }
+/// Number of workgroups in the grid along axis 0, 1, 2 (x, y, z).
+pub fn num_workgroups(axis: u8) -> Expr {
+    Expr::Builtin(Builtin::NumWorkgroups(axis))
+}
 
 pub fn select(cond: Expr, a: Expr, b: Expr) -> Expr {
     Expr::Select(Box::new(cond), Box::new(a), Box::new(b))
@@ -58,6 +62,10 @@ pub fn f32_bits(x: Expr) -> Expr {
 }
 pub fn f32_from_bits(x: Expr) -> Expr {
     Expr::Call(Func::F32FromBits, vec![x])
+}
+/// Leading zero bits of a u32 (32 for 0).
+pub fn clz(x: Expr) -> Expr {
+    Expr::Call(Func::Clz, vec![x])
 }
 
 impl Expr {
@@ -94,6 +102,7 @@ impl Expr {
     pub fn max(self, rhs: Expr) -> Expr {
         self.bin(BinOp::Max, rhs)
     }
+    #[allow(clippy::should_implement_trait)]
     pub fn not(self) -> Expr {
         Expr::Un(UnOp::Not, Box::new(self))
     }
@@ -238,6 +247,14 @@ impl STile {
             elem: self.elem,
             row: Box::new(row),
             col: Box::new(col),
+        }
+    }
+    /// The 32-bit word `word` of row `row` as u32 (see [`Expr::TileWord`]).
+    pub fn word(&self, row: Expr, word: Expr) -> Expr {
+        Expr::TileWord {
+            tile: self.name.clone(),
+            row: Box::new(row),
+            word: Box::new(word),
         }
     }
 }
@@ -682,12 +699,25 @@ impl KernelBuilder {
 
     /// `dst[r, c] = value(r, c)` for the whole shared tile.
     pub fn shared_map(&mut self, dst: &STile, value: impl FnOnce(&mut Self, Expr, Expr) -> Expr) {
+        self.shared_map_cols(dst, 0, dst.cols, value);
+    }
+
+    /// `dst[r, c] = value(r, c)` for columns `col0 .. col0 + cols` of every row; the other
+    /// columns are left as they are. The window must cover whole 32-bit words.
+    pub fn shared_map_cols(
+        &mut self,
+        dst: &STile,
+        col0: u32,
+        cols: u32,
+        value: impl FnOnce(&mut Self, Expr, Expr) -> Expr,
+    ) {
         let (row, col) = (self.fresh("row"), self.fresh("col"));
         let v = value(
             self,
             Expr::Var(row.clone(), Ty::U32),
             Expr::Var(col.clone(), Ty::U32),
         );
+        self.check_bin(&v);
         let want = if dst.elem == TileElem::U8 {
             Ty::U32
         } else {
@@ -699,10 +729,21 @@ impl KernelBuilder {
                 dst.name
             ));
         }
+        let per_word = 4 / dst.elem.bytes();
+        if col0 + cols > dst.cols || col0 % per_word != 0 || cols % per_word != 0 {
+            self.error(format!(
+                "shared_map into {}: columns {col0}..{} are not whole words of its {} columns",
+                dst.name,
+                col0 + cols,
+                dst.cols
+            ));
+        }
         self.push(Stmt::Tile(TileOp::SharedMap {
             dst: dst.name.clone(),
             row,
             col,
+            col0,
+            cols,
             value: v,
         }));
     }

@@ -230,6 +230,8 @@ pub enum Func {
     F32Bits,
     /// Reinterpret bits: u32 → f32.
     F32FromBits,
+    /// Count of leading zero bits of a u32 (32 for 0).
+    Clz,
 }
 
 /// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
@@ -282,6 +284,14 @@ pub enum Expr {
         row: Box<Expr>,
         col: Box<Expr>,
     },
+    /// The 32-bit word `word` of tile row `row`, as u32: bytes `4·word .. 4·word + 4` of the
+    /// row, little-endian (two bf16, four bytes, or one f32's bits). How packed data that is
+    /// not one element wide (an f32 scale inside a byte row) is read. Removed by lowering.
+    TileWord {
+        tile: String,
+        row: Box<Expr>,
+        word: Box<Expr>,
+    },
 }
 
 impl Expr {
@@ -316,6 +326,7 @@ impl Expr {
                 TileElem::U8 => Ty::U32,
                 _ => Ty::F32,
             },
+            Expr::TileWord { .. } => Ty::U32,
         }
     }
 
@@ -341,6 +352,10 @@ impl Expr {
             Expr::TileLoad { row, col, .. } => {
                 row.visit(f);
                 col.visit(f);
+            }
+            Expr::TileWord { row, word, .. } => {
+                row.visit(f);
+                word.visit(f);
             }
             _ => {}
         }
@@ -387,6 +402,11 @@ impl Expr {
                 elem,
                 row: Box::new(row.map(f)),
                 col: Box::new(col.map(f)),
+            },
+            Expr::TileWord { tile, row, word } => Expr::TileWord {
+                tile,
+                row: Box::new(row.map(f)),
+                word: Box::new(word.map(f)),
             },
             other => other,
         };
@@ -468,11 +488,15 @@ pub enum TileOp {
     },
     /// Write the accumulator into a shared tile of the same shape (bf16 tiles round to nearest).
     AccToShared { acc: String, dst: String },
-    /// `dst[r, c] = value` for every element of the shared tile, with `row`, `col` bound.
+    /// `dst[r, c] = value` for every row `r` and every column `c` in `col0 .. col0 + cols`
+    /// (the whole row unless a window is given), with `row`, `col` bound. Columns outside the
+    /// window are left as they are. The window covers whole 32-bit words of the tile.
     SharedMap {
         dst: String,
         row: String,
         col: String,
+        col0: u32,
+        cols: u32,
         value: Expr,
     },
     /// A loop over `count` (uniform) steps in two stages: `load` (only `GatherRows`) brings

@@ -285,6 +285,13 @@ impl<'k> Cx<'k> {
                     Expr::F32(0.0)
                 }
             },
+            Expr::TileWord { tile, row, word } => match self.tile(&tile) {
+                Ok(info) => tile_word(info, *row, *word),
+                Err(err) => {
+                    failure = Some(err);
+                    Expr::U32(0)
+                }
+            },
             other => other,
         });
         match failure {
@@ -450,8 +457,10 @@ impl<'k> Cx<'k> {
                 dst,
                 row,
                 col,
+                col0,
+                cols,
                 value,
-            } => self.shared_map(dst, row, col, value, out)?,
+            } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
             TileOp::Pipeline {
                 var: v,
                 count,
@@ -787,17 +796,27 @@ impl<'k> Cx<'k> {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn shared_map(
         &mut self,
         dst: &str,
         row: &str,
         col: &str,
+        (col0, cols): (u32, u32),
         value: &Expr,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let info = self.tile(dst)?;
-        let (rows, cols, stride, elem) =
-            (info.decl.rows, info.decl.cols, info.stride, info.decl.elem);
+        let (rows, stride, elem) = (info.decl.rows, info.stride, info.decl.elem);
+        // One thread per 32-bit word of the window.
+        let per_word = 4 / elem.bytes();
+        if col0 % per_word != 0 || cols % per_word != 0 || col0 + cols > info.decl.cols {
+            return Err(self.err(format!(
+                "shared_map into {dst}: columns {col0}..{} are not whole words",
+                col0 + cols
+            )));
+        }
+        let (word0, words_per_row) = (col0 / per_word, cols / per_word);
         let value = self.expr(value)?;
         let col_plus = |k: u32| {
             let c = col.to_string();
@@ -806,9 +825,6 @@ impl<'k> Cx<'k> {
                 other => other,
             })
         };
-        // One thread per 32-bit word of the tile.
-        let per_word = 4 / elem.bytes();
-        let words_per_row = stride;
         let idx = self.fresh("word_i");
         let iv = var(&idx, Ty::U32);
         let word_value = match elem {
@@ -823,7 +839,8 @@ impl<'k> Cx<'k> {
                 w
             }
         };
-        debug_assert_eq!(words_per_row * per_word, cols);
+        let (r, w) = (self.fresh("r"), self.fresh("w"));
+        let (rv, wv) = (var(&r, Ty::U32), var(&w, Ty::U32));
         out.push(Stmt::Barrier);
         out.push(Stmt::For {
             var: idx,
@@ -832,16 +849,24 @@ impl<'k> Cx<'k> {
             step: u(self.w),
             body: vec![
                 Stmt::Let {
-                    name: row.into(),
+                    name: r,
                     value: bin(BinOp::Div, iv.clone(), u(words_per_row)),
                 },
                 Stmt::Let {
+                    name: w,
+                    value: add(bin(BinOp::Rem, iv, u(words_per_row)), u(word0)),
+                },
+                Stmt::Let {
+                    name: row.into(),
+                    value: rv.clone(),
+                },
+                Stmt::Let {
                     name: col.into(),
-                    value: mul(bin(BinOp::Rem, iv.clone(), u(words_per_row)), u(per_word)),
+                    value: mul(wv.clone(), u(per_word)),
                 },
                 Stmt::SharedStore {
                     arr: dst.into(),
-                    index: iv,
+                    index: add(mul(rv, u(stride)), wv),
                     value: word_value,
                 },
             ],
@@ -887,6 +912,16 @@ fn tile_elem(info: &TileInfo, row: Expr, col: Expr) -> Expr {
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(3)), u(8));
             bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF))
         }
+    }
+}
+
+/// Word `word` of row `row` of a shared tile, as u32.
+fn tile_word(info: &TileInfo, row: Expr, word: Expr) -> Expr {
+    let name = &info.decl.name;
+    let at = add(mul(row, u(info.stride)), word);
+    match info.decl.elem {
+        TileElem::F32 => Expr::Call(Func::F32Bits, vec![shared_load(name, Ty::F32, at)]),
+        _ => shared_load(name, Ty::U32, at),
     }
 }
 

@@ -3,6 +3,7 @@
 //! - [`ir`]: types, expressions, statements and tile ops;
 //! - [`builder`]: how descriptions are written;
 //! - [`ops`]: composite tile ops (online softmax, split combine);
+//! - [`numeric`]: bit-exact number routines in integer ops (f32 division, e4m3 encode);
 //! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory.
 //!
 //! Lowerings are chosen per target by [`Lowering`]; emitters print lowered kernels only.
@@ -10,6 +11,7 @@
 pub mod builder;
 pub mod ir;
 pub mod lower_scalar;
+pub mod numeric;
 pub mod ops;
 
 pub use ir::Kernel;
