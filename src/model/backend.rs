@@ -45,16 +45,7 @@ impl BlockTableRef<'_> {
     /// The physical slot of a logical position; −1 when `pos < 0`, past the table, or the
     /// page is unassigned.
     pub fn slot(&self, pos: i32) -> i32 {
-        if pos < 0 {
-            return -1;
-        }
-        let p = pos as usize;
-        match self.block_table.get(p / self.page_size) {
-            Some(&page) if page >= 0 => {
-                (page as usize * self.page_size + p % self.page_size) as i32
-            }
-            _ => -1,
-        }
+        crate::reference::vbt::slot(self.block_table, self.page_size as u32, pos)
     }
 }
 

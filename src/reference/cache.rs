@@ -6,7 +6,7 @@
 //! `[528, 656)` 64 × bf16 LE rope. Dequant: `c[i] = e4m3(byte[i]) × scale[i / 128]`.
 
 use super::numerics::{bf16_bits, bf16_from_bits, e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
-use crate::mla::{CacheFormat, MlaDims, ScaleFlavour, FP8_TILE};
+use crate::mla::{CacheFormat, CacheWriteShape, MlaDims, ScaleFlavour, FP8_TILE};
 
 /// Decode one row into `d_qk` values (latent then rope).
 pub fn decode_row(format: CacheFormat, dims: MlaDims, row: &[u8]) -> Vec<f32> {
@@ -98,4 +98,74 @@ pub fn encode_row(
     }
     debug_assert_eq!(row.len(), format.row_bytes(dims) as usize);
     row
+}
+
+/// The cache-write kernel's reference: for every token `t` whose `slot_mapping[t]` is in
+/// `[0, num_slots)`, encode `latent [t, :]` and `rope [t, :]` (bf16 bits) with
+/// [`encode_row`] and store the row at the slot's offset in `cache`; every other byte of
+/// `cache` is left as it is. `cache` must hold at least the geometry's `min_bytes`.
+pub fn write_rows(
+    shape: &CacheWriteShape,
+    latent: &[u16],
+    rope: &[u16],
+    slot_mapping: &[i32],
+    cache: &mut [u8],
+) -> crate::Result<()> {
+    let g = shape.validate()?;
+    let (t_n, l, r) = (
+        shape.tokens as usize,
+        shape.dims.latent as usize,
+        shape.dims.rope as usize,
+    );
+    for (arg, len, want) in [
+        ("latent", latent.len(), t_n * l),
+        ("rope", rope.len(), t_n * r),
+        ("slot_mapping", slot_mapping.len(), t_n),
+    ] {
+        if len != want {
+            return Err(crate::Error::arg(arg, format!("{want} elements"), len));
+        }
+    }
+    if (cache.len() as u64) < g.min_bytes() {
+        return Err(crate::Error::arg(
+            "kv_cache",
+            format!("at least {} bytes", g.min_bytes()),
+            cache.len(),
+        ));
+    }
+    for t in 0..t_n {
+        let slot = slot_mapping[t];
+        if slot < 0 || slot as u64 >= g.num_slots() {
+            continue;
+        }
+        let rope_bits: Vec<u8> = rope[t * r..(t + 1) * r]
+            .iter()
+            .flat_map(|b| b.to_le_bytes())
+            .collect();
+        let row = match shape.format {
+            // The bits are copied: a NaN payload survives (an f32 round trip may change it).
+            CacheFormat::Bf16 => latent[t * l..(t + 1) * l]
+                .iter()
+                .flat_map(|b| b.to_le_bytes())
+                .chain(rope_bits)
+                .collect(),
+            CacheFormat::Fp8DsMla => {
+                let lat: Vec<f32> = latent[t * l..(t + 1) * l]
+                    .iter()
+                    .map(|&b| bf16_from_bits(b))
+                    .collect();
+                let rp: Vec<f32> = rope[t * r..(t + 1) * r]
+                    .iter()
+                    .map(|&b| bf16_from_bits(b))
+                    .collect();
+                let mut row = encode_row(shape.format, shape.dims, &lat, &rp, shape.flavour);
+                let tail = row.len() - rope_bits.len();
+                row[tail..].copy_from_slice(&rope_bits);
+                row
+            }
+        };
+        let at = g.row_offset(slot as u64) as usize;
+        cache[at..at + row.len()].copy_from_slice(&row);
+    }
+    Ok(())
 }

@@ -4,3 +4,4 @@
 pub mod cache;
 pub mod numerics;
 pub mod sparse_mla;
+pub mod vbt;

@@ -18,7 +18,9 @@ pub struct DecodeInputs<'a> {
     pub topk_length: Option<&'a [i32]>,
 }
 
-/// Outputs in float64: `out [T, H, d_v]`, `lse [T, H]`.
+/// Outputs in float64: `out [T, H, d_v]`, `lse [T, H]` (token-major; with `T = B · s_q`
+/// these are `[B, s_q, H, d_v]` and `[B, s_q, H]`: see [`crate::mla::LseLayout`] for
+/// FlashMLA's `[B, H, s_q]`).
 #[derive(Clone, Debug)]
 pub struct DecodeOutputs {
     pub out: Vec<f64>,
