@@ -1,6 +1,7 @@
 //! The conformance suite on every backend present. Each test is written once (in
 //! `sparse_mla::conformance`) and instantiated per backend below; an absent backend is
 //! reported as skipped with its reason (or fails, when SPARSE_MLA_REQUIRE names it).
+//! Decode, cache-write and block-table cases all run, each line printing its errors.
 
 mod common;
 
@@ -17,11 +18,14 @@ fn suite(kind: BackendKind) {
         let seed = Rng::fresh_seed();
         match case.run(backend, seed) {
             Ok(o) => {
+                // max_abs: the largest output error vs the float64 reference (decode), or
+                // the number of differing bytes / entries (cache write, conversion).
                 eprintln!(
-                    "{:<6} {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>8.1} ms {}",
+                    "{:<6} {:<52} rel_l2 {:.2e} max_abs {:.2e} lse_err {:.2e} {:<18} {:>8.1} ms {}",
                     kind.name(),
                     o.case,
                     o.rel_l2,
+                    o.max_abs,
                     o.lse_err,
                     o.detail,
                     o.seconds * 1e3,

@@ -2,7 +2,9 @@
 //! knobs and block sizes), documents its buffers and launch grid in the header it generates,
 //! and has a float64 reference in [`crate::reference`].
 
+pub mod cache_write;
 pub mod sparse_mla_decode;
+pub mod vbt;
 
 use crate::kir::ir::{Kernel, Ty};
 use crate::{Error, Result};
@@ -87,43 +89,68 @@ pub struct StandardKernel {
 
 /// The standard configurations, each kernel lowered the way the backend of its target runs
 /// it. `mla-export --all` writes these to `shaders/` (WGSL) and `cuda/` (CUDA C), and the
-/// freshness test compares the checked-in files with them. Heads, topk, page size, tokens
-/// and splits are run-time parameters of these kernels, so one file serves every H.
+/// freshness test compares the checked-in files with them. Heads, topk, page size, tokens,
+/// splits, strides and the lse layout are run-time parameters of these kernels, so one file
+/// serves every H; per target the set is: decode split / one-split / combine for bf16 and
+/// `fp8_ds_mla` rows (the combine is the same for both), the cache write for both row
+/// formats, and the block-table conversion.
 pub fn standard_set() -> Result<Vec<StandardKernel>> {
+    use crate::kir::{lower, Lowering};
     use crate::mla::{CacheFormat, MlaDims};
     use sparse_mla_decode::{combine_kernel, split_kernel, DecodeConfig};
     let mut out = Vec::new();
     let dims = MlaDims::PRODUCTION;
-    for (target, base) in [
-        (
-            Target::Wgsl,
-            DecodeConfig::portable(dims, CacheFormat::Bf16),
-        ),
-        (
-            Target::Cuda,
-            DecodeConfig::cuda_scalar(dims, CacheFormat::Bf16),
-        ),
-    ] {
-        for final_output in [false, true] {
-            let config = DecodeConfig {
-                final_output,
-                ..base
+    for target in [Target::Wgsl, Target::Cuda] {
+        for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+            let base = match target {
+                Target::Wgsl => DecodeConfig::portable(dims, format),
+                Target::Cuda => DecodeConfig::cuda_scalar(dims, format),
             };
-            let note = if final_output {
-                "sparse decode, one split: writes out and lse directly"
-            } else {
-                "sparse decode, split stage: writes per-split partials for the combine"
-            };
+            for final_output in [false, true] {
+                let config = DecodeConfig {
+                    final_output,
+                    ..base
+                };
+                let note = if final_output {
+                    format!(
+                        "sparse decode, {} cache, one split: writes out and lse directly",
+                        format.name()
+                    )
+                } else {
+                    format!(
+                        "sparse decode, {} cache, split stage: writes per-split partials for the combine",
+                        format.name()
+                    )
+                };
+                out.push(StandardKernel {
+                    target,
+                    kernel: lower(&split_kernel(&config)?, config.lowering)?,
+                    note,
+                });
+            }
+            if format == CacheFormat::Bf16 {
+                out.push(StandardKernel {
+                    target,
+                    kernel: lower(&combine_kernel(&base)?, base.lowering)?,
+                    note:
+                        "sparse decode, combine stage: merges the split partials (any cache format)"
+                            .into(),
+                });
+            }
+            let cw = cache_write::CacheWriteConfig { dims, format };
             out.push(StandardKernel {
                 target,
-                kernel: crate::kir::lower(&split_kernel(&config)?, config.lowering)?,
-                note: note.into(),
+                kernel: lower(&cache_write::kernel(&cw)?, Lowering::Scalar)?,
+                note: format!(
+                    "cache write: latent + rope (bf16) -> {} rows at a slot mapping",
+                    format.name()
+                ),
             });
         }
         out.push(StandardKernel {
             target,
-            kernel: crate::kir::lower(&combine_kernel(&base)?, base.lowering)?,
-            note: "sparse decode, combine stage: merges the split partials".into(),
+            kernel: lower(&vbt::kernel()?, Lowering::Scalar)?,
+            note: "virtual block table: logical top-k positions -> physical slots".into(),
         });
     }
     Ok(out)

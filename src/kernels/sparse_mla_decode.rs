@@ -17,7 +17,7 @@ use crate::kir::builder::*;
 use crate::kir::ir::{Access, BLayout, Elem, Expr, Kernel, TileElem, Ty};
 use crate::kir::ops::{combine_lse, is_masked, online_softmax_update, SoftmaxState, MASKED};
 use crate::kir::Lowering;
-use crate::mla::{CacheFormat, DecodeShape, MlaDims};
+use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims, FP8_TILE};
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -41,12 +41,17 @@ pub struct DecodeConfig {
 
 impl DecodeConfig {
     /// The portable configuration: fits WebGPU's 16 KiB of workgroup memory and 256 threads.
+    /// fp8 rows need a byte tile for the raw rows next to the f32 tile of dequantised ones,
+    /// so fp8 takes 2 slots per step (15432 B) where bf16 takes 4 (14256 B).
     pub fn portable(dims: MlaDims, format: CacheFormat) -> Self {
         DecodeConfig {
             dims,
             format,
             block_h: 8,
-            block_n: 4,
+            block_n: match format {
+                CacheFormat::Bf16 => 4,
+                CacheFormat::Fp8DsMla => 2,
+            },
             threads: 128,
             p_elem: TileElem::F32,
             final_output: false,
@@ -54,13 +59,17 @@ impl DecodeConfig {
         }
     }
 
-    /// The scalar CUDA configuration (48 KB of static shared memory is always available).
+    /// The scalar CUDA configuration (48 KB of static shared memory is always available):
+    /// 16 slots per step for bf16 (39296 B), 8 for fp8 (43488 B with the raw-row tile).
     pub fn cuda_scalar(dims: MlaDims, format: CacheFormat) -> Self {
         DecodeConfig {
             dims,
             format,
             block_h: 16,
-            block_n: 16,
+            block_n: match format {
+                CacheFormat::Bf16 => 16,
+                CacheFormat::Fp8DsMla => 8,
+            },
             threads: 128,
             p_elem: TileElem::F32,
             final_output: false,
@@ -218,11 +227,17 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         "Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read."
             .to_string(),
     );
+    b.doc("Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.".to_string());
+    if cfg.format == CacheFormat::Fp8DsMla {
+        b.doc("fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.".to_string());
+        b.doc("Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.".to_string());
+    }
     if cfg.final_output {
         b.doc(
             "One split: writes out (bf16) and lse (f32; +inf for a row with no valid index)."
                 .to_string(),
         );
+        b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
     } else {
         b.doc("Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).".to_string());
     }
@@ -239,6 +254,24 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     );
     let has_len = b.param("has_topk_length", Ty::U32, "1: topk_length is given");
     let scale = b.param("scale", Ty::F32, "softmax scale");
+    let page_size = b.param("page_size", Ty::U32, "slots per page");
+    let row_stride = b.param(
+        "row_stride_w",
+        Ty::U32,
+        "32-bit words from one cache row to the next",
+    );
+    let page_stride = b.param(
+        "page_stride_w",
+        Ty::U32,
+        "32-bit words from one cache page to the next",
+    );
+    let lse_s_q = cfg.final_output.then(|| {
+        b.param(
+            "lse_s_q",
+            Ty::U32,
+            "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]",
+        )
+    });
     let _ = tokens;
 
     let q = b.buffer(
@@ -256,7 +289,7 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         cache_elem,
         Access::Read,
         &format!(
-            "[num_slots, {}] {} rows",
+            "[num_pages, page_size, {}] {} rows (strided)",
             cfg.format.row_bytes(cfg.dims),
             cfg.format.name()
         ),
@@ -276,7 +309,12 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
                 Access::ReadWrite,
                 &format!("[tokens, heads, {dv}]"),
             ),
-            b.buffer("lse", Elem::F32, Access::ReadWrite, "[tokens, heads]"),
+            b.buffer(
+                "lse",
+                Elem::F32,
+                Access::ReadWrite,
+                "[tokens / lse_s_q, heads, lse_s_q]",
+            ),
         )
     } else {
         (
@@ -296,7 +334,19 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     };
 
     let q_tile = b.shared_tile("q_tile", TileElem::Bf16, cfg.block_h, d);
-    let kv_tile = b.shared_tile("kv_tile", TileElem::Bf16, cfg.block_n, d);
+    // bf16 rows are gathered straight into the K/V tile. fp8 rows are gathered raw into a
+    // byte tile and dequantised into an f32 K/V tile: e4m3 × an arbitrary f32 scale is not a
+    // bf16 value, and an f32 tile keeps the dequantised cache exact.
+    let (kv_tile, raw_tile) = match cfg.format {
+        CacheFormat::Bf16 => (
+            b.shared_tile("kv_tile", TileElem::Bf16, cfg.block_n, d),
+            None,
+        ),
+        CacheFormat::Fp8DsMla => (
+            b.shared_tile("kv_tile", TileElem::F32, cfg.block_n, d),
+            Some(b.shared_tile("raw_rows", TileElem::U8, cfg.block_n, row_words * 4)),
+        ),
+    };
     let p_tile = b.shared_tile("p_tile", cfg.p_elem, cfg.block_h, cfg.block_n);
     let s = b.acc_tile("scores", cfg.block_h, cfg.block_n);
     let o = b.acc_tile("o_acc", cfg.block_h, dv);
@@ -360,13 +410,20 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         steps,
         |b, step| {
             b.comment("gather this step's cache rows by slot (invalid slots: zero rows, not read)");
-            b.gather_rows(&kv_tile, 0, row_words, &cache, |_, r| {
+            let dst = raw_tile.as_ref().unwrap_or(&kv_tile);
+            b.gather_rows(dst, 0, row_words, &cache, |_, r| {
                 let j = j_begin.clone() + step.clone() * u(cfg.block_n) + r;
                 let (valid, idx) = slot_of(j);
-                select(valid, (idx.as_u32() * u(row_words)).as_i32(), i(-1))
+                let slot = idx.as_u32();
+                let word = slot.clone() / page_size.clone() * page_stride.clone()
+                    + slot % page_size.clone() * row_stride.clone();
+                select(valid, word.as_i32(), i(-1))
             });
         },
         |b, step| {
+            if let Some(raw) = &raw_tile {
+                dequant_fp8_rows(b, cfg.dims, raw, &kv_tile);
+            }
             b.comment("scores S = q . K^T over the full d_qk");
             b.acc_fill(&s, 0.0);
             b.mma(&s, q_tile.all(), kv_tile.cols(0, d), BLayout::NK);
@@ -420,8 +477,10 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
                 st.m.at(r) + log(l.max(f(1e-30))),
                 empty,
             );
-            if cfg.final_output {
-                b.store(&lse_out, t.clone() * heads.clone() + h, v);
+            if let Some(s_q) = &lse_s_q {
+                let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
+                    + t.clone() % s_q.clone();
+                b.store(&lse_out, at, v);
             } else {
                 b.store(
                     &lse_out,
@@ -434,6 +493,27 @@ pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     b.finish()
 }
 
+/// Dequantise gathered `fp8_ds_mla` rows (`raw`, bytes) into the f32 K/V tile `kv`:
+/// latent column `c` is `e4m3(byte c) × scale[c / 128]` (the scale being the f32 in word
+/// `latent / 4 + c / 128` of the row), rope column `latent + i` the bf16 at byte
+/// `latent + 4·tiles + 2i`. A zero-filled row (an invalid slot) dequantises to zeros.
+fn dequant_fp8_rows(b: &mut KernelBuilder, dims: MlaDims, raw: &STile, kv: &STile) {
+    let (latent, rope) = (dims.latent, dims.rope);
+    let tiles = latent / FP8_TILE;
+    b.comment("dequantise the fp8 rows: latent = e4m3 x its tile's f32 scale, rope = bf16");
+    b.shared_map_cols(kv, 0, latent, |_, r, c| {
+        let byte = raw.at(r.clone(), c.clone()).cvt(Ty::F8E4M3).as_f32();
+        let scale = f32_from_bits(raw.word(r, u(latent / 4) + c / u(FP8_TILE)));
+        byte * scale
+    });
+    b.shared_map_cols(kv, latent, rope, |_, r, c| {
+        let i = c - u(latent);
+        let word = raw.word(r, u(latent / 4 + tiles) + i.clone() / u(2));
+        let half = (word >> ((i & u(1)) * u(16))) & u(0xFFFF);
+        f32_from_bits(half << u(16))
+    });
+}
+
 /// The combine kernel: one workgroup per (head, token).
 pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     let dv = cfg.dims.d_v();
@@ -443,8 +523,14 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     ));
     b.doc("Grid: x = heads, y = tokens.".to_string());
     b.doc("lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.".to_string());
+    b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
     let heads = b.param("heads", Ty::U32, "H");
     let splits = b.param("splits", Ty::U32, "S");
+    let lse_s_q = b.param(
+        "lse_s_q",
+        Ty::U32,
+        "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]",
+    );
     let o_part = b.buffer(
         "o_part",
         Elem::F32,
@@ -463,11 +549,20 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         Access::ReadWrite,
         &format!("[tokens, heads, {dv}]"),
     );
-    let lse_out = b.buffer("lse", Elem::F32, Access::ReadWrite, "[tokens, heads]");
+    let lse_out = b.buffer(
+        "lse",
+        Elem::F32,
+        Access::ReadWrite,
+        "[tokens / lse_s_q, heads, lse_s_q]",
+    );
 
     let h = b.let_("h", workgroup_id(0));
     let t = b.let_("t", workgroup_id(1));
-    let row = b.let_("row", t * heads + h);
+    let row = b.let_("row", t.clone() * heads.clone() + h.clone());
+    let lse_at = b.let_(
+        "lse_at",
+        (t.clone() / lse_s_q.clone() * heads + h) * lse_s_q.clone() + t % lse_s_q,
+    );
     let (lse, empty) = combine_lse(&mut b, splits.clone(), |_, s| {
         lse_part.at(row.clone() * splits.clone() + s)
     });
@@ -495,7 +590,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     b.if_(local_id().eq_(u(0)), |b| {
         b.store(
             &lse_out,
-            row.clone(),
+            lse_at.clone(),
             select(empty.clone(), f(f32::INFINITY), lse.clone()),
         );
     });
@@ -504,9 +599,22 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
 
 /// The kernels and launches of one decode call. Buffers are bound by name: `q`, `kv_cache`,
 /// `indices`, `topk_length`, then `out`, `lse` (one split) or `o_part`, `lse_part` and the
-/// combine's `o_part`, `lse_part`, `out`, `lse`.
-pub fn launches(shape: &DecodeShape, plan: &DecodePlan) -> Result<Vec<Launch>> {
+/// combine's `o_part`, `lse_part`, `out`, `lse`. `layout` gives the cache strides and the lse
+/// layout (see [`DecodeLayout`]).
+pub fn launches(
+    shape: &DecodeShape,
+    layout: &DecodeLayout,
+    plan: &DecodePlan,
+) -> Result<Vec<Launch>> {
     check_shape(shape, &plan.config)?;
+    let geometry = CacheGeometry::new(
+        shape.format,
+        shape.dims,
+        shape.num_pages,
+        shape.page_size,
+        layout.cache,
+    )?;
+    layout.lse.check(shape.tokens)?;
     let (split, combine) = lowered_kernels(&plan.config)?;
     let split_params = pack_params(
         &split,
@@ -522,6 +630,13 @@ pub fn launches(shape: &DecodeShape, plan: &DecodePlan) -> Result<Vec<Launch>> {
                 ParamValue::U32(shape.has_topk_length as u32),
             ),
             ("scale", ParamValue::F32(shape.scale)),
+            ("page_size", ParamValue::U32(shape.page_size)),
+            ("row_stride_w", ParamValue::U32(geometry.row_stride_words())),
+            (
+                "page_stride_w",
+                ParamValue::U32(geometry.page_stride_words()),
+            ),
+            ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
         ],
     )?;
     let mut out = vec![Launch {
@@ -535,6 +650,7 @@ pub fn launches(shape: &DecodeShape, plan: &DecodePlan) -> Result<Vec<Launch>> {
             &[
                 ("heads", ParamValue::U32(shape.heads)),
                 ("splits", ParamValue::U32(plan.splits)),
+                ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
             ],
         )?;
         out.push(Launch {

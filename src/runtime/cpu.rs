@@ -2,11 +2,14 @@
 //! [`crate::reference`] (outputs rounded to their storage types).
 
 use super::{
-    check_decode_buffers, Backend, BackendKind, Buffer, DecodeBuffers, DecodeOptions, DecodeRun,
+    check_cache_write_buffers, check_decode_buffers, check_vbt_buffers, Backend, BackendKind,
+    Buffer, CacheWriteBuffers, DecodeBuffers, DecodeOptions, DecodeRun, VbtBuffers,
 };
-use crate::mla::DecodeShape;
+use crate::mla::{CacheGeometry, CacheWriteShape, DecodeShape, VbtShape};
+use crate::reference::cache::write_rows;
 use crate::reference::numerics::bf16_bits;
 use crate::reference::sparse_mla::{decode, DecodeInputs};
+use crate::reference::vbt;
 use crate::{Error, Result};
 use std::sync::Mutex;
 
@@ -100,6 +103,25 @@ impl Backend for CpuBackend {
             .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect();
         let cache = self.bytes(bufs.kv_cache, "kv_cache")?;
+        // The reference reads packed rows: repack a strided cache.
+        let geometry = CacheGeometry::new(
+            shape.format,
+            shape.dims,
+            shape.num_pages,
+            shape.page_size,
+            bufs.layout.cache,
+        )?;
+        let cache = if geometry.is_packed() {
+            cache
+        } else {
+            let rb = geometry.row_bytes as usize;
+            (0..geometry.num_slots())
+                .flat_map(|s| {
+                    let at = geometry.row_offset(s) as usize;
+                    cache[at..at + rb].iter().copied()
+                })
+                .collect()
+        };
         let indices = i32s(&self.bytes(bufs.indices, "indices")?);
         let topk_length = match bufs.topk_length {
             Some(b) => Some(i32s(&self.bytes(b, "topk_length")?)),
@@ -117,11 +139,15 @@ impl Backend for CpuBackend {
             .iter()
             .flat_map(|&v| bf16_bits(v as f32).to_le_bytes())
             .collect();
-        let lse: Vec<u8> = r
-            .lse
-            .iter()
-            .flat_map(|&v| (v as f32).to_le_bytes())
-            .collect();
+        let (t_n, h_n) = (shape.tokens as u64, shape.heads as u64);
+        let mut lse = vec![0u8; r.lse.len() * 4];
+        for t in 0..t_n {
+            for h in 0..h_n {
+                let at = bufs.layout.lse.index(t, h, h_n) as usize * 4;
+                let v = r.lse[(t * h_n + h) as usize] as f32;
+                lse[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            }
+        }
         self.put(bufs.out, "out", &out)?;
         self.put(bufs.lse, "lse", &lse)?;
         Ok(DecodeRun {
@@ -129,5 +155,32 @@ impl Backend for CpuBackend {
             p_bf16: false,
             kernels: vec!["reference::sparse_mla::decode".into()],
         })
+    }
+
+    fn cache_write(&self, shape: &CacheWriteShape, bufs: &CacheWriteBuffers<'_>) -> Result<()> {
+        check_cache_write_buffers(shape, bufs)?;
+        let u16s = |b: Vec<u8>| -> Vec<u16> {
+            b.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        let latent = u16s(self.bytes(bufs.latent, "latent")?);
+        let rope = u16s(self.bytes(bufs.rope, "rope")?);
+        let slots = i32s(&self.bytes(bufs.slot_mapping, "slot_mapping")?);
+        let m: &Mutex<Vec<u8>> = bufs.kv_cache.get(self.id, "kv_cache")?;
+        let mut cache = m.lock().map_err(|_| poisoned())?;
+        write_rows(shape, &latent, &rope, &slots, &mut cache)
+    }
+
+    fn positions_to_slots(&self, shape: &VbtShape, bufs: &VbtBuffers<'_>) -> Result<()> {
+        check_vbt_buffers(shape, bufs)?;
+        let slots = vbt::positions_to_slots(
+            shape,
+            &i32s(&self.bytes(bufs.positions, "positions")?),
+            &i32s(&self.bytes(bufs.block_table, "block_table")?),
+            &i32s(&self.bytes(bufs.req_of_token, "req_of_token")?),
+        );
+        let out: Vec<u8> = slots.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.put(bufs.slots, "slots", &out)
     }
 }

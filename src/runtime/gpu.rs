@@ -2,12 +2,13 @@
 //! lowered kernels, compile each once, bind buffers by name and launch.
 
 use super::{
-    check_decode_buffers, Backend, BackendKind, Buffer, DecodeBuffers, DecodeOptions, DecodeRun,
+    check_cache_write_buffers, check_decode_buffers, check_vbt_buffers, Backend, BackendKind,
+    Buffer, CacheWriteBuffers, DecodeBuffers, DecodeOptions, DecodeRun, VbtBuffers,
 };
 use crate::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan};
-use crate::kernels::Launch;
+use crate::kernels::{cache_write, vbt, Launch};
 use crate::kir::Kernel;
-use crate::mla::{CacheFormat, DecodeShape, MlaDims};
+use crate::mla::{CacheFormat, CacheWriteShape, DecodeShape, MlaDims, VbtShape};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -157,7 +158,7 @@ impl<D: Device> Backend for GpuBackend<D> {
     ) -> Result<DecodeRun> {
         check_decode_buffers(shape, b)?;
         let plan = self.decode_plan(shape, opts)?;
-        let launches = launches(shape, &plan)?;
+        let launches = launches(shape, &b.layout, &plan)?;
         // Kernels always bind a topk_length buffer; without one, the indices stand in
         // (never read: has_topk_length = 0 makes the kernel read element 0 and ignore it).
         let topk_length = b.topk_length.unwrap_or(b.indices);
@@ -190,5 +191,33 @@ impl<D: Device> Backend for GpuBackend<D> {
             p_bf16: plan.config.p_elem == crate::kir::ir::TileElem::Bf16,
             kernels: launches.iter().map(|l| l.kernel.name.clone()).collect(),
         })
+    }
+
+    fn cache_write(&self, shape: &CacheWriteShape, b: &CacheWriteBuffers<'_>) -> Result<()> {
+        let geometry = check_cache_write_buffers(shape, b)?;
+        let launch = cache_write::launch(shape, &geometry)?;
+        self.run(
+            &launch,
+            &[
+                ("latent", self.buf(b.latent, "latent")?),
+                ("rope", self.buf(b.rope, "rope")?),
+                ("slot_mapping", self.buf(b.slot_mapping, "slot_mapping")?),
+                ("kv_cache", self.buf(b.kv_cache, "kv_cache")?),
+            ],
+        )
+    }
+
+    fn positions_to_slots(&self, shape: &VbtShape, b: &VbtBuffers<'_>) -> Result<()> {
+        check_vbt_buffers(shape, b)?;
+        let launch = vbt::launch(shape)?;
+        self.run(
+            &launch,
+            &[
+                ("positions", self.buf(b.positions, "positions")?),
+                ("block_table", self.buf(b.block_table, "block_table")?),
+                ("req_of_token", self.buf(b.req_of_token, "req_of_token")?),
+                ("slots", self.buf(b.slots, "slots")?),
+            ],
+        )
     }
 }

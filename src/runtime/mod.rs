@@ -11,7 +11,7 @@ pub mod cuda;
 pub mod gpu;
 pub mod wgpu;
 
-use crate::mla::DecodeShape;
+use crate::mla::{CacheGeometry, CacheWriteShape, DecodeLayout, DecodeShape, VbtShape};
 use crate::{Error, Result};
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -103,8 +103,34 @@ pub struct DecodeBuffers<'a> {
     pub topk_length: Option<&'a Buffer>,
     /// `[tokens, heads, d_v]` bf16, written.
     pub out: &'a Buffer,
-    /// `[tokens, heads]` f32, written.
+    /// `[tokens, heads]` f32 (or `[batch, heads, s_q]`, per `layout.lse`), written.
     pub lse: &'a Buffer,
+    /// Cache strides and the lse layout; the default is packed rows and `[tokens, heads]`.
+    pub layout: DecodeLayout,
+}
+
+/// The buffers of one cache-write call (shapes in [`CacheWriteShape`]).
+pub struct CacheWriteBuffers<'a> {
+    /// `[tokens, latent]` bf16.
+    pub latent: &'a Buffer,
+    /// `[tokens, rope]` bf16.
+    pub rope: &'a Buffer,
+    /// `[tokens]` i32 slots; −1 (or any slot outside the cache) writes nothing.
+    pub slot_mapping: &'a Buffer,
+    /// The paged cache, rows written in place; every other byte is left as it is.
+    pub kv_cache: &'a Buffer,
+}
+
+/// The buffers of one virtual-block-table conversion (shapes in [`VbtShape`]).
+pub struct VbtBuffers<'a> {
+    /// `[tokens, topk]` i32 logical positions (−1: none).
+    pub positions: &'a Buffer,
+    /// `[requests, max_pages]` i32 block ids (−1: none).
+    pub block_table: &'a Buffer,
+    /// `[tokens]` i32: the block-table row of each token.
+    pub req_of_token: &'a Buffer,
+    /// `[tokens, topk]` i32 physical slots, written.
+    pub slots: &'a Buffer,
 }
 
 /// Knobs of a decode call.
@@ -144,6 +170,12 @@ pub trait Backend: Send + Sync {
         bufs: &DecodeBuffers<'_>,
         opts: &DecodeOptions,
     ) -> Result<DecodeRun>;
+    /// Write cache rows (DESIGN §4): each token's latent and rope at its slot, bf16 or
+    /// `fp8_ds_mla` (quantised per the shape's scale flavour). Bytes are identical on every
+    /// backend.
+    fn cache_write(&self, shape: &CacheWriteShape, bufs: &CacheWriteBuffers<'_>) -> Result<()>;
+    /// Logical top-k positions → physical slots through a block table (DESIGN §3).
+    fn positions_to_slots(&self, shape: &VbtShape, bufs: &VbtBuffers<'_>) -> Result<()>;
 }
 
 fn expect_len(arg: &str, buf: &Buffer, want: u64, what: &str) -> Result<()> {
@@ -157,10 +189,38 @@ fn expect_len(arg: &str, buf: &Buffer, want: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
+fn expect_cache(arg: &str, buf: &Buffer, g: &CacheGeometry, what: &str) -> Result<()> {
+    let need = g.min_bytes();
+    if buf.len() < need {
+        return Err(Error::arg(
+            arg,
+            format!(
+                "at least {need} bytes ({} pages x {} slots of {} B {what} rows, row stride {} B, page stride {} B)",
+                g.num_pages, g.page_size, g.row_bytes, g.row_stride, g.page_stride
+            ),
+            format!("{} bytes", buf.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks every buffer of a decode call against the shape. Errors name the argument,
 /// the expected and the actual size.
+///
+/// Only sizes can be checked here: the contents of device buffers are not seen on the
+/// host. Whatever they hold, the kernels never read out of bounds: an index outside
+/// `[0, num_slots)` is masked, `topk_length[t]` is clamped to `[0, topk]` (a length above
+/// topk means all of the row, a negative one none of it).
 pub fn check_decode_buffers(shape: &DecodeShape, b: &DecodeBuffers<'_>) -> Result<()> {
     shape.validate()?;
+    b.layout.lse.check(shape.tokens)?;
+    let geometry = CacheGeometry::new(
+        shape.format,
+        shape.dims,
+        shape.num_pages,
+        shape.page_size,
+        b.layout.cache,
+    )?;
     let (t, h, k) = (shape.tokens as u64, shape.heads as u64, shape.topk as u64);
     let (d, dv) = (shape.dims.d_qk() as u64, shape.dims.d_v() as u64);
     expect_len("q", b.q, t * h * d * 2, &format!("[{t}, {h}, {d}] bf16"))?;
@@ -172,19 +232,7 @@ pub fn check_decode_buffers(shape: &DecodeShape, b: &DecodeBuffers<'_>) -> Resul
         &format!("[{t}, {h}, {dv}] bf16"),
     )?;
     expect_len("lse", b.lse, t * h * 4, &format!("[{t}, {h}] f32"))?;
-    let cache = shape.cache_bytes();
-    if b.kv_cache.len() < cache {
-        return Err(Error::arg(
-            "kv_cache",
-            format!(
-                "at least {cache} bytes ({} pages x {} slots x {} B rows)",
-                shape.num_pages,
-                shape.page_size,
-                shape.row_bytes()
-            ),
-            format!("{} bytes", b.kv_cache.len()),
-        ));
-    }
+    expect_cache("kv_cache", b.kv_cache, &geometry, shape.format.name())?;
     match (shape.has_topk_length, b.topk_length) {
         (true, Some(tl)) => expect_len("topk_length", tl, t * 4, &format!("[{t}] i32"))?,
         (true, None) => {
@@ -202,6 +250,65 @@ pub fn check_decode_buffers(shape: &DecodeShape, b: &DecodeBuffers<'_>) -> Resul
             ))
         }
         (false, None) => {}
+    }
+    Ok(())
+}
+
+/// Checks a cache-write call: the shape, the geometry of the cache and every buffer's
+/// size. Slot values are not seen on the host; the kernel writes nothing for a slot
+/// outside `[0, num_slots)`.
+pub fn check_cache_write_buffers(
+    shape: &CacheWriteShape,
+    b: &CacheWriteBuffers<'_>,
+) -> Result<CacheGeometry> {
+    let g = shape.validate()?;
+    let (t, l, r) = (
+        shape.tokens as u64,
+        shape.dims.latent as u64,
+        shape.dims.rope as u64,
+    );
+    expect_len("latent", b.latent, t * l * 2, &format!("[{t}, {l}] bf16"))?;
+    expect_len("rope", b.rope, t * r * 2, &format!("[{t}, {r}] bf16"))?;
+    expect_len("slot_mapping", b.slot_mapping, t * 4, &format!("[{t}] i32"))?;
+    expect_cache("kv_cache", b.kv_cache, &g, shape.format.name())?;
+    Ok(g)
+}
+
+/// Checks a block-table conversion: the shape and every buffer's size. Table contents are
+/// not seen on the host; the kernel gives −1 for anything that would address outside the
+/// table (see [`VbtShape`]).
+pub fn check_vbt_buffers(shape: &VbtShape, b: &VbtBuffers<'_>) -> Result<()> {
+    shape.validate()?;
+    let (t, k) = (shape.tokens as u64, shape.topk as u64);
+    let (rq, m) = (shape.requests as u64, shape.max_pages as u64);
+    expect_len(
+        "positions",
+        b.positions,
+        t * k * 4,
+        &format!("[{t}, {k}] i32"),
+    )?;
+    expect_len(
+        "block_table",
+        b.block_table,
+        rq * m * 4,
+        &format!("[{rq}, {m}] i32"),
+    )?;
+    expect_len("req_of_token", b.req_of_token, t * 4, &format!("[{t}] i32"))?;
+    expect_len("slots", b.slots, t * k * 4, &format!("[{t}, {k}] i32"))?;
+    Ok(())
+}
+
+/// Checks `topk_length` values held on the host (a device buffer's contents cannot be
+/// checked; there the kernel clamps them to `[0, topk]`): each must be in `[0, topk]`.
+pub fn check_topk_length(values: &[i32], topk: u32) -> Result<()> {
+    for (t, &v) in values.iter().enumerate() {
+        if v < 0 || v as u32 > topk {
+            return Err(Error::arg(
+                format!("topk_length[{t}]"),
+                format!("in [0, topk = {topk}]"),
+                v,
+            ));
+        }
     }
     Ok(())
 }

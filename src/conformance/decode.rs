@@ -1,38 +1,28 @@
-//! The conformance suite, written once and run on every backend: by `cargo test`
-//! (tests/conformance.rs instantiates it per backend) and by `mla-check`.
+//! Sparse MLA decode cases.
 //!
-//! Every case draws fresh random inputs (the seed is reported so a failure can be replayed),
-//! fills every cache row that no valid index references with NaN, poisons the outputs with
-//! NaN before the call, and compares with the float64 reference:
+//! Every case fills every cache row (and every stride gap) that no valid index references
+//! with NaN, poisons the outputs with NaN before the call, and compares with the float64
+//! reference of the (dequantised) cache:
 //! - `out`: relative L2 error ≤ 1e-2 (a bf16 path, DESIGN §3); on the scalar (f32) lowering
 //!   every element must also be within one bf16 rounding step of the reference;
 //! - `lse`: absolute error ≤ 1e-3; rows with no valid index: `out == 0` and `lse == +inf`;
 //! - NaN anywhere fails.
+//!
+//! `fp8_ds_mla` rows are built by hand from the published layout (random e4m3 bytes, f32
+//! scales of either flavour, bf16 rope), not by the encoder, so the decode is checked
+//! independently of the cache write.
 
-use crate::mla::{CacheFormat, DecodeShape, MlaDims};
+use super::{i32_bytes, within, Case, Outcome};
+use crate::mla::{
+    CacheFormat, CacheGeometry, CacheStrides, DecodeLayout, DecodeShape, LseLayout, MlaDims,
+    ScaleFlavour, FP8_TILE,
+};
 use crate::reference::numerics::{bf16_bits, bf16_from_bits, round_bf16};
 use crate::reference::sparse_mla::{decode, slot_of, DecodeInputs};
 use crate::runtime::{Backend, DecodeBuffers, DecodeOptions};
 use crate::util::{rel_l2, Rng};
 use crate::Result;
 use std::collections::HashSet;
-
-/// One conformance case: a name and a check on a backend. Every kernel's cases join the one
-/// list in [`all_cases`], so `cargo test` and `mla-check` run the same suite everywhere.
-pub trait Case: Send + Sync {
-    fn name(&self) -> String;
-    /// Run on `backend` with inputs drawn from `seed`, and judge against the reference.
-    fn run(&self, backend: &dyn Backend, seed: u64) -> Result<Outcome>;
-}
-
-/// Every conformance case of every kernel.
-pub fn all_cases() -> Vec<Box<dyn Case>> {
-    let mut cases: Vec<Box<dyn Case>> = Vec::new();
-    for c in decode_cases() {
-        cases.push(Box::new(c));
-    }
-    cases
-}
 
 impl Case for DecodeCase {
     fn name(&self) -> String {
@@ -65,9 +55,18 @@ pub struct DecodeCase {
     pub page_size: u32,
     pub num_pages: u32,
     pub format: CacheFormat,
+    /// How the hand-built fp8 rows' scales are drawn.
+    pub flavour: ScaleFlavour,
     pub pattern: IndexPattern,
+    /// Pass `topk_length` (including values above topk and negative ones, which the
+    /// kernels clamp to `[0, topk]`).
     pub topk_length: bool,
     pub splits: Option<u32>,
+    /// Multi-token decode: `tokens = batch · s_q`, lse written in FlashMLA's
+    /// `[batch, heads, s_q]` layout. 1: one token per request, lse `[tokens, heads]`.
+    pub s_q: u32,
+    /// Rows and pages of the cache padded (strides larger than packed).
+    pub strided: bool,
 }
 
 impl DecodeCase {
@@ -82,30 +81,76 @@ impl DecodeCase {
         topk_length: bool,
         splits: Option<u32>,
     ) -> Self {
-        let mut name = format!("t{tokens}_h{heads}_k{topk}_p{page_size}");
-        match pattern {
-            IndexPattern::Valid => {}
-            IndexPattern::Mixed => name.push_str("_mixed"),
-            IndexPattern::SomeRowsEmpty => name.push_str("_empty_rows"),
-        }
-        if topk_length {
-            name.push_str("_len");
-        }
-        if let Some(s) = splits {
-            name.push_str(&format!("_s{s}"));
-        }
         DecodeCase {
-            name,
+            name: String::new(),
             tokens,
             heads,
             topk,
             page_size,
             num_pages,
             format: CacheFormat::Bf16,
+            flavour: ScaleFlavour::Arbitrary,
             pattern,
             topk_length,
             splits,
+            s_q: 1,
+            strided: false,
         }
+        .named()
+    }
+
+    fn fp8(self, flavour: ScaleFlavour) -> Self {
+        DecodeCase {
+            format: CacheFormat::Fp8DsMla,
+            flavour,
+            ..self
+        }
+        .named()
+    }
+
+    fn mtp(self, s_q: u32) -> Self {
+        DecodeCase { s_q, ..self }.named()
+    }
+
+    fn strided(self) -> Self {
+        DecodeCase {
+            strided: true,
+            ..self
+        }
+        .named()
+    }
+
+    fn named(mut self) -> Self {
+        let mut name = String::new();
+        if self.format == CacheFormat::Fp8DsMla {
+            name.push_str(match self.flavour {
+                ScaleFlavour::Pow2 => "fp8_pow2_",
+                ScaleFlavour::Arbitrary => "fp8_",
+            });
+        }
+        name.push_str(&format!(
+            "t{}_h{}_k{}_p{}",
+            self.tokens, self.heads, self.topk, self.page_size
+        ));
+        if self.s_q > 1 {
+            name.push_str(&format!("_sq{}", self.s_q));
+        }
+        match self.pattern {
+            IndexPattern::Valid => {}
+            IndexPattern::Mixed => name.push_str("_mixed"),
+            IndexPattern::SomeRowsEmpty => name.push_str("_empty_rows"),
+        }
+        if self.topk_length {
+            name.push_str("_len");
+        }
+        if self.strided {
+            name.push_str("_strided");
+        }
+        if let Some(s) = self.splits {
+            name.push_str(&format!("_s{s}"));
+        }
+        self.name = name;
+        self
     }
 
     pub fn shape(&self, scale: f32) -> DecodeShape {
@@ -121,14 +166,38 @@ impl DecodeCase {
             has_topk_length: self.topk_length,
         }
     }
+
+    /// The buffer layout of the case: padded strides when `strided`, FlashMLA's lse layout
+    /// when `s_q > 1`.
+    pub fn layout(&self) -> DecodeLayout {
+        let row_bytes = self.format.row_bytes(MlaDims::PRODUCTION) as u64;
+        let cache = if self.strided {
+            let row = row_bytes + 16;
+            CacheStrides {
+                row,
+                page: row * self.page_size as u64 + 64,
+            }
+        } else {
+            CacheStrides::default()
+        };
+        let lse = if self.s_q > 1 {
+            LseLayout::BatchHeadsSq { s_q: self.s_q }
+        } else {
+            LseLayout::TokensHeads
+        };
+        DecodeLayout { cache, lse }
+    }
 }
 
 /// The standard sparse-decode cases: H ∈ {1, 3, 8, 16, 64, 128}, topk ∈ {1, 7, 64, 2048},
 /// page sizes {1, 16, 64}, T up to 64, invalid and duplicate indices, empty rows,
-/// `topk_length`, forced and heuristic splits. Sized so the whole suite runs in seconds on
+/// `topk_length`, forced and heuristic splits; the same for hand-built `fp8_ds_mla` rows
+/// with both scale flavours; multi-token decode with s_q = 2 (FlashMLA's lse layout, one
+/// split and several); padded cache strides. Sized so the whole suite runs in seconds on
 /// lavapipe.
 pub fn decode_cases() -> Vec<DecodeCase> {
     use IndexPattern::*;
+    use ScaleFlavour::*;
     vec![
         DecodeCase::new(4, 1, 1, 1, 64, Valid, false, None),
         DecodeCase::new(5, 3, 7, 16, 4, Mixed, false, None),
@@ -144,23 +213,71 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         DecodeCase::new(1, 128, 2048, 64, 40, Valid, false, None),
         DecodeCase::new(2, 16, 2048, 16, 160, Mixed, true, Some(7)),
         DecodeCase::new(3, 3, 2048, 1, 3000, Valid, false, Some(1)),
+        // fp8_ds_mla rows
+        DecodeCase::new(4, 1, 1, 1, 64, Valid, false, None).fp8(Pow2),
+        DecodeCase::new(5, 3, 7, 16, 4, Mixed, false, None).fp8(Arbitrary),
+        DecodeCase::new(8, 16, 64, 16, 16, Mixed, true, None).fp8(Pow2),
+        DecodeCase::new(6, 16, 64, 1, 300, SomeRowsEmpty, true, Some(3)).fp8(Arbitrary),
+        DecodeCase::new(2, 128, 64, 64, 2, Mixed, false, Some(1)).fp8(Arbitrary),
+        DecodeCase::new(2, 8, 2048, 64, 40, Mixed, false, None).fp8(Arbitrary),
+        DecodeCase::new(1, 64, 2048, 64, 40, Valid, false, None).fp8(Pow2),
+        // multi-token decode (MTP): tokens = batch · s_q, lse [batch, heads, s_q]
+        DecodeCase::new(4, 16, 64, 16, 16, Mixed, true, None).mtp(2),
+        DecodeCase::new(6, 8, 128, 64, 8, Mixed, false, Some(1)).mtp(2),
+        DecodeCase::new(6, 8, 128, 64, 8, Mixed, true, Some(3))
+            .fp8(Pow2)
+            .mtp(2),
+        // padded row and page strides
+        DecodeCase::new(5, 8, 64, 16, 8, Mixed, false, None).strided(),
+        DecodeCase::new(5, 8, 64, 16, 8, Mixed, true, Some(2))
+            .fp8(Arbitrary)
+            .strided(),
     ]
 }
 
-/// Inputs of one case, on the host.
+/// Inputs of one case, on the host. `cache` holds packed rows (what the reference reads);
+/// `device_cache` the same rows at the case's strides, NaN in the gaps.
 pub struct DecodeData {
     pub shape: DecodeShape,
+    pub layout: DecodeLayout,
     pub q: Vec<f32>,
     pub cache: Vec<u8>,
+    pub device_cache: Vec<u8>,
     pub indices: Vec<i32>,
     pub topk_length: Option<Vec<i32>>,
 }
 
+/// One `fp8_ds_mla` row built from the published layout: 512 random e4m3 bytes (never the
+/// NaN codes 0x7F / 0xFF), four f32 scales of the flavour, 64 random bf16 rope values.
+fn hand_built_fp8_row(rng: &mut Rng, flavour: ScaleFlavour) -> Vec<u8> {
+    let dims = MlaDims::PRODUCTION;
+    let mut row = Vec::with_capacity(CacheFormat::Fp8DsMla.row_bytes(dims) as usize);
+    for _ in 0..dims.latent {
+        let mut b = rng.below(256) as u8;
+        while b & 0x7F == 0x7F {
+            b = rng.below(256) as u8;
+        }
+        row.push(b);
+    }
+    for _ in 0..dims.latent / FP8_TILE {
+        let s = match flavour {
+            ScaleFlavour::Pow2 => (2.0f32).powi(-9 + rng.below(3) as i32),
+            ScaleFlavour::Arbitrary => rng.uniform(0.001, 0.006),
+        };
+        row.extend_from_slice(&s.to_le_bytes());
+    }
+    for _ in 0..dims.rope {
+        row.extend_from_slice(&bf16_bits(rng.normal()).to_le_bytes());
+    }
+    row
+}
+
 /// Draw a case's inputs from `seed`. Unreferenced cache rows hold NaN.
-pub fn make_inputs(case: &DecodeCase, seed: u64) -> DecodeData {
+pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
     let mut rng = Rng::new(seed);
     let scale = rng.uniform(0.03, 0.1);
     let shape = case.shape(scale);
+    let layout = case.layout();
     let (t_n, k_n) = (case.tokens as usize, case.topk as usize);
     let slots = shape.num_slots();
     let q: Vec<f32> = (0..shape.q_elems())
@@ -199,46 +316,76 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> DecodeData {
             }
         }
     }
+    // Lengths in range, plus ones the kernels must clamp: above topk and negative.
     let topk_length = case.topk_length.then(|| {
         (0..t_n)
-            .map(|t| match t % 4 {
+            .map(|t| match t % 6 {
                 0 => 0,
                 1 => k_n as i32,
+                2 => k_n as i32 + 1 + rng.below(1000) as i32,
+                3 => -(1 + rng.below(5) as i32),
                 _ => rng.below(k_n as u64 + 1) as i32,
             })
             .collect::<Vec<i32>>()
     });
-    // Random rows, then NaN in every row no valid entry references.
     let row_bytes = shape.row_bytes() as usize;
     let mut cache = Vec::with_capacity(slots as usize * row_bytes);
-    for _ in 0..slots as usize * row_bytes / 2 {
-        cache.extend_from_slice(&bf16_bits(rng.normal()).to_le_bytes());
+    for _ in 0..slots {
+        match case.format {
+            CacheFormat::Bf16 => {
+                for _ in 0..row_bytes / 2 {
+                    cache.extend_from_slice(&bf16_bits(rng.normal()).to_le_bytes());
+                }
+            }
+            CacheFormat::Fp8DsMla => cache.extend(hand_built_fp8_row(&mut rng, case.flavour)),
+        }
     }
-    let data = DecodeData {
-        shape,
-        q,
-        cache,
-        indices,
-        topk_length,
-    };
-    let inputs = data.inputs();
+    // NaN in every row that no valid entry references: 0xFF bytes are NaN as e4m3, as f32
+    // scales and as bf16.
     let mut used = HashSet::new();
-    for t in 0..t_n {
-        for j in 0..k_n {
-            if let Some(s) = slot_of(&inputs, t, j) {
-                used.insert(s);
+    {
+        let inputs = DecodeInputs {
+            shape,
+            q: &q,
+            cache: &cache,
+            indices: &indices,
+            topk_length: topk_length.as_deref(),
+        };
+        for t in 0..t_n {
+            for j in 0..k_n {
+                if let Some(s) = slot_of(&inputs, t, j) {
+                    used.insert(s);
+                }
             }
         }
     }
-    let mut cache = data.cache.clone();
     for s in 0..slots as usize {
         if !used.contains(&s) {
-            for c in cache[s * row_bytes..(s + 1) * row_bytes].chunks_exact_mut(2) {
-                c.copy_from_slice(&0x7FC0u16.to_le_bytes());
-            }
+            cache[s * row_bytes..(s + 1) * row_bytes].fill(0xFF);
         }
     }
-    DecodeData { cache, ..data }
+    let g = CacheGeometry::new(
+        shape.format,
+        shape.dims,
+        shape.num_pages,
+        shape.page_size,
+        layout.cache,
+    )?;
+    let mut device_cache = vec![0xFFu8; g.min_bytes() as usize];
+    for s in 0..slots {
+        let at = g.row_offset(s) as usize;
+        let src = &cache[s as usize * row_bytes..(s as usize + 1) * row_bytes];
+        device_cache[at..at + row_bytes].copy_from_slice(src);
+    }
+    Ok(DecodeData {
+        shape,
+        layout,
+        q,
+        cache,
+        device_cache,
+        indices,
+        topk_length,
+    })
 }
 
 impl DecodeData {
@@ -253,38 +400,9 @@ impl DecodeData {
     }
 }
 
-/// The result of one case on one backend.
-#[derive(Clone, Debug)]
-pub struct Outcome {
-    pub case: String,
-    pub seed: u64,
-    /// Relative L2 error of the main output vs the reference (0 for byte-exact checks).
-    pub rel_l2: f64,
-    /// Largest absolute element error of the main output.
-    pub max_abs: f64,
-    /// Largest lse error (decode cases; 0 elsewhere).
-    pub lse_err: f64,
-    /// What the backend chose, for the report (e.g. `splits 4`).
-    pub detail: String,
-    /// Wall time of the call including the download of its output.
-    pub seconds: f64,
-    /// Empty when the case passed; otherwise what failed.
-    pub failures: Vec<String>,
-}
-
-impl Outcome {
-    pub fn passed(&self) -> bool {
-        self.failures.is_empty()
-    }
-}
-
-fn i32_bytes(v: &[i32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
 /// Run one case on a backend and judge it against the float64 reference.
 pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> Result<Outcome> {
-    let data = make_inputs(case, seed);
+    let data = make_inputs(case, seed)?;
     let shape = data.shape;
     let reference = decode(&data.inputs());
     let q: Vec<u8> = data
@@ -293,7 +411,7 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
         .flat_map(|&v| bf16_bits(v).to_le_bytes())
         .collect();
     let qb = backend.upload(&q)?;
-    let cb = backend.upload(&data.cache)?;
+    let cb = backend.upload(&data.device_cache)?;
     let ib = backend.upload(&i32_bytes(&data.indices))?;
     let tl = match &data.topk_length {
         Some(v) => Some(backend.upload(&i32_bytes(v))?),
@@ -312,6 +430,7 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
             topk_length: tl.as_ref(),
             out: &ob,
             lse: &lb,
+            layout: data.layout,
         },
         &DecodeOptions {
             splits: case.splits,
@@ -324,9 +443,14 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
         .chunks_exact(2)
         .map(|c| bf16_from_bits(u16::from_le_bytes([c[0], c[1]])) as f64)
         .collect();
-    let lse: Vec<f64> = lse_bytes
+    let lse_raw: Vec<f64> = lse_bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+        .collect();
+    // Back to [tokens, heads] order from the case's lse layout.
+    let h_n = shape.heads as u64;
+    let lse: Vec<f64> = (0..shape.tokens as u64 * h_n)
+        .map(|i| lse_raw[data.layout.lse.index(i / h_n, i % h_n, h_n) as usize])
         .collect();
 
     let mut failures = Vec::new();
@@ -335,7 +459,7 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
         failures.push(format!("{nan} NaN (unwritten or poisoned) output elements"));
     }
     let rel = rel_l2(&out, &reference.out);
-    if !(rel <= 1e-2) {
+    if !within(rel, 1e-2) {
         failures.push(format!("out rel L2 {rel:.3e} > 1e-2"));
     }
     let mut max_abs = 0.0f64;
@@ -349,7 +473,7 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
         }
         // one bf16 ulp of the value (ulp > |r|·2^-8), plus slack for f32 accumulation
         let step = r.abs() / 256.0 + 1e-5;
-        if strict && !(d <= step) {
+        if strict && !within(d, step) {
             off_by_more += 1;
         }
     }
@@ -369,7 +493,7 @@ pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> R
             }
         } else {
             let e = (l - r).abs();
-            if !(e <= 1e-3) {
+            if !within(e, 1e-3) {
                 failures.push(format!("row {i}: lse {l} vs {r} (error {e:.3e} > 1e-3)"));
             }
             lse_err = lse_err.max(if e.is_nan() { f64::INFINITY } else { e });
