@@ -22,11 +22,12 @@
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 16 slots per step, scalar lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //   threads per block: 128
 //   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
-//     kv_cache     [num_slots, 1152] bf16 rows
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     o_part       [tokens, heads, splits, 512]
@@ -40,21 +41,26 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned chunk; // top-k entries per split (multiple of block_n)
     unsigned has_topk_length; // 1: topk_length is given
     float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
 };
 
 // sparse_mla_decode_split_bf16_d576_scalar_h16n16_final
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 16 slots per step, scalar lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 128
 //   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
-//     kv_cache     [num_slots, 1152] bf16 rows
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512]
-//     lse          [tokens, heads]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
 struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -64,20 +70,151 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params {
     unsigned chunk; // top-k entries per split (multiple of block_n)
     unsigned has_topk_length; // 1: topk_length is given
     float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 };
 
 // sparse_mla_decode_combine_d512_t128
 //   Sparse MLA decode, combine stage: merges S normalised partials of width 512.
 //   Grid: x = heads, y = tokens.
 //   lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 128
 //   arguments: (sparse_mla_decode_combine_d512_t128_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     o_part       [tokens, heads, splits, 512]
 //     lse_part     [tokens, heads, splits]
 //     out          [tokens, heads, 512]
-//     lse          [tokens, heads]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
 struct sparse_mla_decode_combine_d512_t128_params {
     unsigned heads; // H
     unsigned splits; // S
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// cache_write_bf16_d576
+//   Cache write: latent [tokens, 512] + rope [tokens, 64] (bf16) -> one bf16 row (1152 B) per token at slot_mapping[t].
+//   Grid: x = min(tokens, 65535); each workgroup takes tokens x, x + grid_x, ...
+//   A slot outside [0, num_slots) (-1 = padding) writes nothing; no other row's bytes are touched.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w.
+//   bf16 row: 576 x bf16, latent then rope, little-endian.
+//   threads per block: 128
+//   arguments: (cache_write_bf16_d576_params p, const unsigned short* __restrict__ latent, const unsigned short* __restrict__ rope, const int* __restrict__ slot_mapping, unsigned short* __restrict__ kv_cache)
+//     latent       [tokens, 512] bf16
+//     rope         [tokens, 64] bf16
+//     slot_mapping [tokens] i32 slots (-1: skip)
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+struct cache_write_bf16_d576_params {
+    unsigned tokens; // T, tokens to write
+    unsigned num_slots; // num_pages x page_size
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one row to the next
+    unsigned page_stride_w; // 32-bit words from one page to the next
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 8 slots per step, scalar lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   threads per block: 128
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 8 slots per step, scalar lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   threads per block: 128
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// cache_write_fp8_ds_mla_d576
+//   Cache write: latent [tokens, 512] + rope [tokens, 64] (bf16) -> one fp8_ds_mla row (656 B) per token at slot_mapping[t].
+//   Grid: x = min(tokens, 65535); each workgroup takes tokens x, x + grid_x, ...
+//   A slot outside [0, num_slots) (-1 = padding) writes nothing; no other row's bytes are touched.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128]. Quantisation: scale = max(amax / 448, 2^-126), rounded up to a power of two when pow2_scales = 1; byte = e4m3(v / scale), nearest even, saturating at +-448.
+//   Bit-exact on every target: the divisions and the rounding are integer code (kir::numeric), equal to IEEE f32 division.
+//   threads per block: 128
+//   arguments: (cache_write_fp8_ds_mla_d576_params p, const unsigned short* __restrict__ latent, const unsigned short* __restrict__ rope, const int* __restrict__ slot_mapping, unsigned char* __restrict__ kv_cache)
+//     latent       [tokens, 512] bf16
+//     rope         [tokens, 64] bf16
+//     slot_mapping [tokens] i32 slots (-1: skip)
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+struct cache_write_fp8_ds_mla_d576_params {
+    unsigned tokens; // T, tokens to write
+    unsigned num_slots; // num_pages x page_size
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one row to the next
+    unsigned page_stride_w; // 32-bit words from one page to the next
+    unsigned pow2_scales; // 1: scales rounded up to a power of two (DeepSeek), 0: amax / 448 as is (GLM)
+};
+
+// vbt_positions_to_slots
+//   Virtual block table: logical top-k positions -> physical slots (vLLM's block table).
+//   slots[t, j] = block_table[r, pos / page_size] * page_size + pos % page_size, r = req_of_token[t], pos = positions[t, j];
+//   -1 when pos < 0, pos / page_size >= max_pages, the block id < 0, r outside [0, requests), or block id > max_block.
+//   Grid: x = min(ceil(tokens * topk / 256), 65535); a grid-stride loop covers the rest.
+//   threads per block: 256
+//   arguments: (vbt_positions_to_slots_params p, const int* __restrict__ positions, const int* __restrict__ block_table, const int* __restrict__ req_of_token, int* __restrict__ slots)
+//     positions    [tokens, topk] logical positions (-1: none)
+//     block_table  [requests, max_pages] block ids (-1: none)
+//     req_of_token [tokens] block_table row of each token
+//     slots        [tokens, topk] physical slots (-1: invalid)
+struct vbt_positions_to_slots_params {
+    unsigned entries; // tokens x topk
+    unsigned topk; // entries per token
+    unsigned requests; // rows of block_table
+    unsigned max_pages; // columns of block_table
+    unsigned page_size; // slots per page (>= 1)
+    unsigned max_block; // largest block id whose slots fit in an i32: (2^31 - page_size) / page_size
 };
 

@@ -4,24 +4,27 @@
 // Sparse MLA decode, combine stage: merges S normalised partials of width 512.
 // Grid: x = heads, y = tokens.
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 0 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   heads            u32  H
 //   splits           u32  S
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  o_part         f32   read       [tokens, heads, splits, 512]
 //   1  lse_part       f32   read       [tokens, heads, splits]
 //   2  out            bf16  read_write [tokens, heads, 512]
-//   3  lse            f32   read_write [tokens, heads]
+//   3  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Launch: blockDim = (128, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct sparse_mla_decode_combine_d512_t128_params {
     unsigned heads; // H
     unsigned splits; // S
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -36,8 +39,16 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448.
+// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
+// convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
 static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+#else
     const unsigned b = bits;
     if ((b & 0x7fu) == 0x7fu) {
         return __uint_as_float(0x7fc00000u | ((b & 0x80u) << 24));
@@ -48,12 +59,14 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
     const float mag = e == 0u ? (float)m * (1.0f / 512.0f)
                               : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -mag : mag;
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512_t128(const sparse_mla_decode_combine_d512_t128_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse) {
     const unsigned h = blockIdx.x;
     const unsigned t = blockIdx.y;
     const unsigned row = (t * p.heads) + h;
+    const unsigned lse_at = ((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q);
 
     // split combine: lse = logsumexp over the splits
     float lse_max = -3e38f;
@@ -88,6 +101,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
         ((unsigned*)out)[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
     }
     if (threadIdx.x == 0u) {
-        lse[row] = all_empty ? __uint_as_float(0x7f800000u) : lse_1;
+        lse[lse_at] = all_empty ? __uint_as_float(0x7f800000u) : lse_1;
     }
 }

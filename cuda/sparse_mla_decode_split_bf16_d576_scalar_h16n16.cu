@@ -4,6 +4,7 @@
 // Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 16 slots per step, scalar lowering.
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+// Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 39296 bytes.
@@ -17,10 +18,13 @@
 //   chunk            u32  top-k entries per split (multiple of block_n)
 //   has_topk_length  u32  1: topk_length is given
 //   scale            f32  softmax scale
+//   page_size        u32  slots per page
+//   row_stride_w     u32  32-bit words from one cache row to the next
+//   page_stride_w    u32  32-bit words from one cache page to the next
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  q              bf16  read       [tokens, heads, 576]
-//   1  kv_cache       bf16  read       [num_slots, 1152] bf16 rows
+//   1  kv_cache       bf16  read       [num_pages, page_size, 1152] bf16 rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  o_part         f32   read_write [tokens, heads, splits, 512]
@@ -37,6 +41,9 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned chunk; // top-k entries per split (multiple of block_n)
     unsigned has_topk_length; // 1: topk_length is given
     float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -51,8 +58,16 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448.
+// e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
+// convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
 static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+#else
     const unsigned b = bits;
     if ((b & 0x7fu) == 0x7fu) {
         return __uint_as_float(0x7fc00000u | ((b & 0x80u) << 24));
@@ -63,6 +78,7 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
     const float mag = e == 0u ? (float)m * (1.0f / 512.0f)
                               : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -mag : mag;
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d576_scalar_h16n16(const sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
@@ -122,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         // gather this step's cache rows by slot (invalid slots: zero rows, not read)
         __syncthreads();
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
-            kv_tile_src8[row_1] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) * 288u)) : (-1);
+            kv_tile_src8[row_1] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
         }
         __syncthreads();
         for (unsigned word_i9 = threadIdx.x; word_i9 < 4608u; word_i9 += 128u) {

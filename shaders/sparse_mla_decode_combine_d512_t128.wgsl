@@ -4,24 +4,26 @@
 // Sparse MLA decode, combine stage: merges S normalised partials of width 512.
 // Grid: x = heads, y = tokens.
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 0 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   heads            u32  H
 //   splits           u32  S
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  o_part         f32   read       [tokens, heads, splits, 512]
 //   1  lse_part       f32   read       [tokens, heads, splits]
 //   2  out            bf16  read_write [tokens, heads, 512]
-//   3  lse            f32   read_write [tokens, heads]
+//   3  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
 
 struct Params {
     heads: u32,
     splits: u32,
-    pad2: u32,
+    lse_s_q: u32,
     pad3: u32,
 }
 
@@ -29,7 +31,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> o_part: array<f32>; // f32 [tokens, heads, splits, 512]
 @group(0) @binding(2) var<storage, read> lse_part: array<f32>; // f32 [tokens, heads, splits]
 @group(0) @binding(3) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512]
-@group(0) @binding(4) var<storage, read_write> lse: array<f32>; // f32 [tokens, heads]
+@group(0) @binding(4) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q]
 
 
 // bf16 bits (low 16 of a u32) -> f32: bf16 is the top half of an f32.
@@ -75,6 +77,7 @@ fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id
     let h: u32 = wg_id.x;
     let t: u32 = wg_id.y;
     let row: u32 = (t * params.heads) + h;
+    let lse_at: u32 = ((((t / params.lse_s_q) * params.heads) + h) * params.lse_s_q) + (t % params.lse_s_q);
 
     // split combine: lse = logsumexp over the splits
     var lse_max: f32 = -3e38;
@@ -109,6 +112,6 @@ fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id
         out[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
     }
     if (local_id == 0u) {
-        lse[row] = select(lse_1, f32_from_const_bits(0x7f800000u), all_empty);
+        lse[lse_at] = select(lse_1, f32_from_const_bits(0x7f800000u), all_empty);
     }
 }

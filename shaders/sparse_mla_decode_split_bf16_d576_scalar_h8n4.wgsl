@@ -4,6 +4,7 @@
 // Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 8 heads x 4 slots per step, scalar lowering.
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+// Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 14256 bytes.
@@ -17,10 +18,13 @@
 //   chunk            u32  top-k entries per split (multiple of block_n)
 //   has_topk_length  u32  1: topk_length is given
 //   scale            f32  softmax scale
+//   page_size        u32  slots per page
+//   row_stride_w     u32  32-bit words from one cache row to the next
+//   page_stride_w    u32  32-bit words from one cache page to the next
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  q              bf16  read       [tokens, heads, 576]
-//   1  kv_cache       bf16  read       [num_slots, 1152] bf16 rows
+//   1  kv_cache       bf16  read       [num_pages, page_size, 1152] bf16 rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  o_part         f32   read_write [tokens, heads, splits, 512]
@@ -36,11 +40,15 @@ struct Params {
     chunk: u32,
     has_topk_length: u32,
     scale: f32,
+    page_size: u32,
+    row_stride_w: u32,
+    page_stride_w: u32,
+    pad11: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> q: array<u32>; // bf16 [tokens, heads, 576]
-@group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // bf16 [num_slots, 1152] bf16 rows
+@group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // bf16 [num_pages, page_size, 1152] bf16 rows (strided)
 @group(0) @binding(3) var<storage, read> indices: array<i32>; // i32 [tokens, topk] slots
 @group(0) @binding(4) var<storage, read> topk_length: array<i32>; // i32 [tokens] (any 1-element buffer when has_topk_length = 0)
 @group(0) @binding(5) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512]
@@ -142,7 +150,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
         // gather this step's cache rows by slot (invalid slots: zero rows, not read)
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 4u; row_1 = row_1 + 128u) {
-            kv_tile_src8[row_1] = select(-1i, i32(u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) * 288u), (((((j_begin + (step * 4u)) + row_1) < j_end) && (((j_begin + (step * 4u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)), (((((j_begin + (step * 4u)) + row_1) < j_end) && (((j_begin + (step * 4u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
         }
         workgroupBarrier();
         for (var word_i9: u32 = local_id; word_i9 < 1152u; word_i9 = word_i9 + 128u) {

@@ -4,7 +4,9 @@
 // Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 8 heads x 4 slots per step, scalar lowering.
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+// Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 14256 bytes.
 //
@@ -17,14 +19,18 @@
 //   chunk            u32  top-k entries per split (multiple of block_n)
 //   has_topk_length  u32  1: topk_length is given
 //   scale            f32  softmax scale
+//   page_size        u32  slots per page
+//   row_stride_w     u32  32-bit words from one cache row to the next
+//   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  q              bf16  read       [tokens, heads, 576]
-//   1  kv_cache       bf16  read       [num_slots, 1152] bf16 rows
+//   1  kv_cache       bf16  read       [num_pages, page_size, 1152] bf16 rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
-//   5  lse            f32   read_write [tokens, heads]
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
 
 struct Params {
@@ -36,15 +42,19 @@ struct Params {
     chunk: u32,
     has_topk_length: u32,
     scale: f32,
+    page_size: u32,
+    row_stride_w: u32,
+    page_stride_w: u32,
+    lse_s_q: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> q: array<u32>; // bf16 [tokens, heads, 576]
-@group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // bf16 [num_slots, 1152] bf16 rows
+@group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // bf16 [num_pages, page_size, 1152] bf16 rows (strided)
 @group(0) @binding(3) var<storage, read> indices: array<i32>; // i32 [tokens, topk] slots
 @group(0) @binding(4) var<storage, read> topk_length: array<i32>; // i32 [tokens] (any 1-element buffer when has_topk_length = 0)
 @group(0) @binding(5) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512]
-@group(0) @binding(6) var<storage, read_write> lse: array<f32>; // f32 [tokens, heads]
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q]
 
 var<workgroup> row_max: array<f32, 8>;
 var<workgroup> row_sum: array<f32, 8>;
@@ -142,7 +152,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
         // gather this step's cache rows by slot (invalid slots: zero rows, not read)
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 4u; row_1 = row_1 + 128u) {
-            kv_tile_src8[row_1] = select(-1i, i32(u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) * 288u), (((((j_begin + (step * 4u)) + row_1) < j_end) && (((j_begin + (step * 4u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)), (((((j_begin + (step * 4u)) + row_1) < j_end) && (((j_begin + (step * 4u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
         }
         workgroupBarrier();
         for (var word_i9: u32 = local_id; word_i9 < 1152u; word_i9 = word_i9 + 128u) {
@@ -403,7 +413,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
         let h_1: u32 = h0 + r_3;
         if (h_1 < params.heads) {
             let l_1: f32 = row_sum[r_3];
-            lse[(t * params.heads) + h_1] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
+            lse[((((t / params.lse_s_q) * params.heads) + h_1) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
         }
     }
 }
