@@ -19,11 +19,12 @@ pub const E4M3_MAX_BITS: u32 = 0x43E0_0000;
 
 /// `a / d` rounded to nearest even, on f32 bit patterns (u32 in, u32 out).
 ///
-/// Domain: `a` any finite f32 (zeros and subnormals included; NaN gives NaN bits is not
-/// promised), `d` a positive normal finite f32. The result is exact IEEE division with one
-/// exception: a quotient below the smallest normal (2^-126) is flushed to a zero of `a`'s
-/// sign, where IEEE would round to a subnormal or to 2^-126. Callers here only compare such
-/// quotients with thresholds far above (e4m3's smallest step is 2^-9), where both agree.
+/// Domain: `a` any finite f32 (zeros and subnormals included), `d` a positive normal finite
+/// f32; a non-finite `a` gives unspecified bits (callers test for NaN and infinity first).
+/// The result is exact IEEE division with one exception: a quotient below the smallest
+/// normal (2^-126) is flushed to a zero of `a`'s sign, where IEEE would round to a subnormal
+/// or to 2^-126. Callers here only compare such quotients with thresholds far above (e4m3's
+/// smallest step is 2^-9), where both agree. A quotient past f32's range gives infinity.
 ///
 /// Method: with `a = A·2^ea`, `d = D·2^ed` and 24-bit significands `A`, `D` (a subnormal `a`
 /// normalised first), long division in three 8-bit steps gives `Q = ⌊A·2^24 / D⌋` and its

@@ -1,10 +1,12 @@
 //! Backends behind one small trait: the CPU reference, wgpu (WGSL) and CUDA (NVRTC).
 //!
 //! [`Backend`] is what tests, `mla-check` and the model use: device buffers and the
-//! kernel-level operations. GPU backends share one implementation ([`gpu::GpuBackend`]) over
-//! a lower-level [`gpu::Device`] (compile a lowered kernel, launch it, move bytes); the CPU
-//! backend runs the float64 references. Shapes are checked here, at the boundary, before any
-//! backend sees them.
+//! kernel-level operations (sparse decode, cache write, block-table conversion). GPU
+//! backends share one implementation ([`gpu::GpuBackend`]) over a lower-level
+//! [`gpu::Device`] (compile a lowered kernel, launch it, move bytes); the CPU backend runs
+//! the float64 references. Shapes and buffer sizes are checked here, at the boundary, before
+//! any backend sees them; the contents of device buffers cannot be, so the kernels clamp
+//! every index they read (see each `check_*` function for what that means).
 
 pub mod cpu;
 pub mod cuda;
