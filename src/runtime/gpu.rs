@@ -23,8 +23,10 @@ pub trait Device: Send + Sync + 'static {
     fn decode_config(&self, dims: MlaDims, format: CacheFormat) -> DecodeConfig;
     /// Workgroups that fill the device (the split heuristic aims for this many).
     fn target_workgroups(&self) -> u32;
-    /// The most `block_n` steps one decode workgroup may loop over, if the device limits it.
-    fn max_steps_per_workgroup(&self) -> Option<u32> {
+    /// The most `block_n` steps one decode workgroup of `config` may loop over, if the device
+    /// limits it.
+    fn max_steps_per_workgroup(&self, config: &DecodeConfig) -> Option<u32> {
+        let _ = config;
         None
     }
     /// Compile a lowered kernel. Refuses kernels that exceed the device's limits.
@@ -107,7 +109,7 @@ impl<D: Device> GpuBackend<D> {
             shape,
             self.dev.target_workgroups(),
             opts.splits,
-            self.dev.max_steps_per_workgroup(),
+            self.dev.max_steps_per_workgroup(&config),
         )
     }
 }

@@ -140,12 +140,16 @@ impl Device for WgpuDevice {
         }
     }
 
-    fn max_steps_per_workgroup(&self) -> Option<u32> {
+    fn max_steps_per_workgroup(&self, config: &DecodeConfig) -> Option<u32> {
         // llvmpipe (lavapipe) stops every loop of an invocation once 65535 iterations have run
-        // in total, over all loops: results are silently wrong past that. The decode step costs
-        // about 80 iterations, so a workgroup may take at most 512 steps there (failures were
-        // seen from ~800).
-        (self.info.device_type == wgpu::DeviceType::Cpu).then_some(512)
+        // in total, over all loops: results are silently wrong past that. A bf16 decode step
+        // costs about 80 iterations (failures were seen from ~800 steps), an fp8_ds_mla step
+        // about 113 (its dequant loops): keep both at ~2/3 of the limit.
+        let per_step = match config.format {
+            CacheFormat::Bf16 => 80,
+            CacheFormat::Fp8DsMla => 113,
+        };
+        (self.info.device_type == wgpu::DeviceType::Cpu).then_some(44_000 / per_step)
     }
 
     fn compile(&self, kernel: &Kernel) -> Result<WgpuModule> {
