@@ -12,6 +12,38 @@ use crate::{Error, Result};
 
 /// Print a lowered kernel as a CUDA C translation unit with one `extern "C"` kernel.
 pub fn emit(kernel: &Kernel) -> Result<String> {
+    emit_with_helpers(kernel, None)
+}
+
+/// Static shared memory is limited to 48 KiB; a kernel that needs more takes all of its
+/// shared memory dynamically (opt-in attribute, up to the device's limit).
+pub const STATIC_SHARED_LIMIT: u64 = 48 * 1024;
+
+/// Bytes of dynamic shared memory the kernel must be launched with: 0 when its shared
+/// arrays are static (at most [`STATIC_SHARED_LIMIT`]), else all of them, 16-byte aligned.
+pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
+    let (_, total) = crate::kir::lower_mma::shared_layout(&kernel.shared);
+    if total > STATIC_SHARED_LIMIT {
+        total as u32
+    } else {
+        0
+    }
+}
+
+/// The helper functions a kernel's code calls (bf16 / e4m3 conversion, and for kernels with
+/// target intrinsics the PTX wrappers), so that a host emulator can substitute its own.
+pub fn helpers(kernel: &Kernel) -> String {
+    let mut h = HELPERS.to_string();
+    if kernel.uses_intrinsics() {
+        h.push('\n');
+        h.push_str(MMA_HELPERS);
+    }
+    h
+}
+
+/// [`emit`], with `helpers` printed in place of [`helpers`] when given (for a host emulator of
+/// the PTX instructions).
+pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<String> {
     if !kernel.is_lowered() {
         return Err(Error::Kir {
             kernel: kernel.name.clone(),
@@ -23,7 +55,10 @@ pub fn emit(kernel: &Kernel) -> Result<String> {
         indent: 0,
         kernel,
     };
-    p.unit();
+    let h = helpers_text
+        .map(str::to_string)
+        .unwrap_or_else(|| helpers(kernel));
+    p.unit(&h);
     Ok(p.out)
 }
 
@@ -112,6 +147,73 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 "#;
 
+const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
+// common set: no wgmma, tcgen05 or clusters).
+
+// Generic -> shared-window address, as the PTX shared-memory instructions take it.
+static __device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte async copy global -> shared; when !valid nothing is read and 16 zero bytes land.
+static __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// 4-byte async copy (rows that are not 16-byte aligned), zero-filled when !valid.
+static __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+static __device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Wait until at most N of this thread's copy groups are in flight.
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// Four / two 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of
+// matrix l / 8.
+static __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
+}
+
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
+static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The value of lane (lane ^ mask) of this warp.
+static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
+    float r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(mask));
+    return r;
+}
+"#;
+
 struct Printer<'k> {
     out: String,
     indent: usize,
@@ -131,7 +233,7 @@ impl Printer<'_> {
         self.out.push('\n');
     }
 
-    fn unit(&mut self) {
+    fn unit(&mut self, helpers: &str) {
         let k = self.kernel;
         for l in header(k, "CUDA C", "kernel arguments after the parameter struct") {
             if l.is_empty() {
@@ -140,15 +242,24 @@ impl Printer<'_> {
                 self.line(&format!("// {l}"));
             }
         }
-        self.line(&format!(
-            "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.",
-            k.workgroup_size
-        ));
+        let dynamic = dynamic_shared_bytes(k);
+        if dynamic > 0 {
+            self.line(&format!(
+                "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory {dynamic} bytes",
+                k.workgroup_size
+            ));
+            self.line("// (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).");
+        } else {
+            self.line(&format!(
+                "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.",
+                k.workgroup_size
+            ));
+        }
         self.line("// Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).");
         self.line("");
         self.out.push_str(&params_struct(k));
         self.line("");
-        self.out.push_str(HELPERS);
+        self.out.push_str(helpers);
         self.line("");
         let args = buffer_params(k).join(", ");
         self.line(&format!(
@@ -156,9 +267,27 @@ impl Printer<'_> {
             k.workgroup_size, k.name, k.name
         ));
         self.indent += 1;
-        for s in &k.shared {
-            let l = format!("__shared__ {} {}[{}];", c_ty(s.ty), s.name, s.len);
-            self.line(&l);
+        if dynamic > 0 {
+            self.line("extern __shared__ __align__(16) unsigned char dyn_smem[];");
+            let (offsets, _) = crate::kir::lower_mma::shared_layout(&k.shared);
+            for (s, off) in k.shared.iter().zip(offsets) {
+                let t = c_ty(s.ty);
+                let l = format!(
+                    "{t}* const {} = ({t}*)(dyn_smem + {off}); // [{}]",
+                    s.name, s.len
+                );
+                self.line(&l);
+            }
+        } else {
+            for s in &k.shared {
+                let l = format!(
+                    "__shared__ __align__(16) {} {}[{}];",
+                    c_ty(s.ty),
+                    s.name,
+                    s.len
+                );
+                self.line(&l);
+            }
         }
         for pv in &k.privates {
             let l = format!("{} {}[{}];", c_ty(pv.ty), pv.name, pv.len);
@@ -242,8 +371,64 @@ impl Printer<'_> {
                 self.line("}");
             }
             Stmt::Barrier => self.line("__syncthreads();"),
+            Stmt::Intrinsic(i) => self.intrinsic(i),
             Stmt::Tile(_) => self.line("// (unlowered tile op)"),
         }
+    }
+
+    fn intrinsic(&mut self, i: &Intrinsic) {
+        let l = match i {
+            Intrinsic::CpAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                valid,
+            } => format!(
+                "cp_async_{bytes}(&{dst}[{}], (const unsigned*){src} + ({}), {});",
+                self.expr(dst_word),
+                self.expr(src_word),
+                self.expr(valid)
+            ),
+            Intrinsic::CpAsyncCommit => "cp_async_commit();".into(),
+            Intrinsic::CpAsyncWait { pending } => format!("cp_async_wait<{pending}>();"),
+            Intrinsic::LdMatrix {
+                count,
+                trans,
+                arr,
+                word,
+                dst,
+                dst0,
+            } => format!(
+                "ldmatrix_x{count}{}(&{dst}[{}], &{arr}[{}]);",
+                if *trans { "_trans" } else { "" },
+                self.expr(dst0),
+                self.expr(word)
+            ),
+            Intrinsic::MmaBf16 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => format!(
+                "mma_bf16_16816(&{c}[{}], &{a}[{}], &{b}[{}]);",
+                self.expr(c0),
+                self.expr(a0),
+                self.expr(b0)
+            ),
+            Intrinsic::ShflXor {
+                dst,
+                value,
+                lane_mask,
+            } => format!(
+                "const float {dst} = shfl_xor_f32({}, {lane_mask});",
+                self.expr(value)
+            ),
+        };
+        self.line(&l);
     }
 
     fn block(&mut self, stmts: &[Stmt]) {

@@ -15,6 +15,14 @@ pub fn emit(kernel: &Kernel) -> Result<String> {
             message: "WGSL emitter given a kernel with tile ops; lower it first".into(),
         });
     }
+    if kernel.uses_intrinsics() {
+        return Err(Error::Kir {
+            kernel: kernel.name.clone(),
+            message: "WGSL has no async copies, warp matrix ops or shuffles: this kernel was \
+                      lowered for CUDA (tensor-core lowering); lower it with Lowering::Scalar"
+                .into(),
+        });
+    }
     let mut p = Printer {
         out: String::new(),
         indent: 0,
@@ -242,6 +250,7 @@ impl Printer<'_> {
             }
             Stmt::Barrier => self.line("workgroupBarrier();"),
             Stmt::Tile(_) => self.line("// (unlowered tile op)"),
+            Stmt::Intrinsic(_) => self.line("// (CUDA intrinsic: rejected by emit)"),
         }
     }
 

@@ -77,17 +77,44 @@ impl DecodeConfig {
         }
     }
 
+    /// The tensor-core configuration (CUDA, [`Lowering::Mma`]) for `heads` query heads. Every
+    /// one fits SM120's 101376 bytes of shared memory per block (the lowering checks):
+    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, 4 warps, a 2-deep ring of
+    ///   gathered rows (2 x 37 KB) next to the q tile (18 KB);
+    /// - H > 16: 32 heads x 16 slots, 8 warps, a 3-deep ring: fewer CTAs read each row.
+    pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+        let (block_h, block_n, threads, stages) = if heads <= 16 {
+            (16, 32, 128, 2)
+        } else {
+            (32, 16, 256, 3)
+        };
+        DecodeConfig {
+            dims,
+            format,
+            block_h,
+            block_n,
+            threads,
+            p_elem: TileElem::Bf16,
+            final_output: false,
+            lowering: Lowering::Mma { stages },
+        }
+    }
+
     /// 32-bit words per cache row.
     pub fn row_words(&self) -> u32 {
         self.format.row_bytes(self.dims) / 4
     }
 
     fn suffix(&self) -> String {
+        let lowering = match self.lowering {
+            Lowering::Scalar => "scalar".to_string(),
+            Lowering::Mma { stages } => format!("mma{stages}w{}", self.threads / 32),
+        };
         format!(
             "{}_d{}_{}_h{}n{}{}",
             self.format.name(),
             self.dims.d_qk(),
-            self.lowering.name(),
+            lowering,
             self.block_h,
             self.block_n,
             if self.final_output { "_final" } else { "" }
@@ -161,6 +188,50 @@ impl DecodePlan {
             splits,
             chunk,
         })
+    }
+
+    /// The tensor-core plan ([`DecodeConfig::tensor_core`]) with splits from a cost model of
+    /// the GPU: `resident` split workgroups run at once (multiprocessors x workgroups per
+    /// multiprocessor). `splits` overrides the model.
+    ///
+    /// Time is counted in workgroup steps (one `block_n` gather + its math): a split count
+    /// `s` costs `waves(s) x (steps(s) + FIXED)` plus, when `s > 1`, the combine (a launch,
+    /// about a step, and the partials written and read again, in step-sized byte units).
+    /// Small batches thus split until the GPU is full; large ones stay whole, with no combine.
+    pub fn tensor_core(shape: &DecodeShape, resident: u32, splits: Option<u32>) -> Result<Self> {
+        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        let splits = match splits {
+            Some(s) => Some(s),
+            None => Some(Self::model_splits(&config, shape, resident)),
+        };
+        Self::new(config, shape, resident, splits, None)
+    }
+
+    /// The split count the cost model of [`Self::tensor_core`] picks.
+    pub fn model_splits(config: &DecodeConfig, shape: &DecodeShape, resident: u32) -> u32 {
+        // Per-workgroup cost outside the step loop: q load, pipeline fill, epilogue.
+        const FIXED: f64 = 2.0;
+        let resident = resident.max(1) as u64;
+        let blocks = shape.topk.div_ceil(config.block_n).max(1);
+        let base = shape.tokens as u64 * shape.heads.div_ceil(config.block_h) as u64;
+        let step_bytes =
+            resident as f64 * (config.block_n * config.format.row_bytes(config.dims)) as f64;
+        let rows = shape.tokens as f64 * shape.heads as f64;
+        let mut best = (f64::MAX, 1);
+        for s in 1..=blocks.min(128) {
+            let steps = blocks.div_ceil(s) as f64;
+            let waves = (base * s as u64).div_ceil(resident) as f64;
+            let mut t = waves * (steps + FIXED);
+            if s > 1 {
+                let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
+                t += 1.0 + partial_bytes / step_bytes;
+            }
+            // a smaller count wins ties: less combine traffic for the same time
+            if t < best.0 - 1e-9 {
+                best = (t, s);
+            }
+        }
+        best.1
     }
 
     pub fn grid_split(&self, shape: &DecodeShape) -> [u32; 3] {

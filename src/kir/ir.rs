@@ -512,6 +512,60 @@ pub enum TileOp {
     },
 }
 
+/// Target intrinsics that a target-specific lowering ([`super::lower_mma`]) emits: async
+/// copies, warp-collective matrix loads and products, warp shuffles. Only the CUDA emitter
+/// prints them (each as a call of a small helper that holds one PTX instruction); the WGSL
+/// emitter rejects a kernel that contains any. "Warp-collective" ops must be reached by all 32
+/// lanes of a warp together.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Intrinsic {
+    /// Asynchronous copy of `bytes` (4 or 16) from word `src_word` of buffer `src` into shared
+    /// array `dst` at word `dst_word` (both `bytes`-aligned). When `valid` is false nothing is
+    /// read and the destination is zero-filled. Visible after [`Intrinsic::CpAsyncWait`] and a
+    /// barrier.
+    CpAsync {
+        bytes: u32,
+        dst: String,
+        dst_word: Expr,
+        src: String,
+        src_word: Expr,
+        valid: Expr,
+    },
+    /// Close the group of this thread's copies issued since the last commit.
+    CpAsyncCommit,
+    /// Wait until at most `pending` of this thread's committed groups are still in flight.
+    CpAsyncWait { pending: u32 },
+    /// Warp-collective `ldmatrix`: `count` (1, 2 or 4) 8x8 matrices of 16-bit elements from
+    /// shared array `arr`; each lane gives one matrix row, starting at word `word` (16-byte
+    /// aligned). Lane `l` receives, per matrix `m`, one u32 in `dst[dst0 + m]`: elements
+    /// (row l/4, cols 2(l%4), 2(l%4)+1), or with `trans` (rows 2(l%4), 2(l%4)+1, col l/4).
+    LdMatrix {
+        count: u32,
+        trans: bool,
+        arr: String,
+        word: Expr,
+        dst: String,
+        dst0: Expr,
+    },
+    /// Warp-collective `mma.sync` m16n8k16, bf16 operands, f32 accumulate:
+    /// `c[c0..c0+4] += a[a0..a0+4] · b[b0..b0+2]` in the PTX fragment layouts (c, a: private
+    /// arrays of f32 / u32, b: u32).
+    MmaBf16 {
+        c: String,
+        c0: Expr,
+        a: String,
+        a0: Expr,
+        b: String,
+        b0: Expr,
+    },
+    /// Warp-collective: `let dst = value` of lane `lane ^ lane_mask` (f32).
+    ShflXor {
+        dst: String,
+        value: Expr,
+        lane_mask: u32,
+    },
+}
+
 /// A statement.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stmt {
@@ -569,6 +623,8 @@ pub enum Stmt {
     /// Workgroup barrier with workgroup-memory ordering. Uniform control flow only.
     Barrier,
     Tile(TileOp),
+    /// A target intrinsic (CUDA only), left by a target lowering.
+    Intrinsic(Intrinsic),
 }
 
 /// One compute kernel.
@@ -618,6 +674,19 @@ impl Kernel {
             })
         }
         !any_tile(&self.body) && self.shared_tiles.is_empty() && self.acc_tiles.is_empty()
+    }
+
+    /// Does the kernel use target intrinsics (so only the CUDA emitter can print it)?
+    pub fn uses_intrinsics(&self) -> bool {
+        fn any(stmts: &[Stmt]) -> bool {
+            stmts.iter().any(|s| match s {
+                Stmt::Intrinsic(_) => true,
+                Stmt::If { then, els, .. } => any(then) || any(els),
+                Stmt::For { body, .. } => any(body),
+                _ => false,
+            })
+        }
+        any(&self.body)
     }
 
     /// Byte size of the parameter block (4 bytes per parameter, no padding).

@@ -269,7 +269,7 @@ impl<'k> Cx<'k> {
                 index: self.expr(index)?,
                 value: self.expr(value)?,
             }),
-            Stmt::Comment(_) | Stmt::Barrier => out.push(s.clone()),
+            Stmt::Comment(_) | Stmt::Barrier | Stmt::Intrinsic(_) => out.push(s.clone()),
         }
         Ok(())
     }
@@ -949,7 +949,7 @@ fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr)
     }
 }
 
-fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
+pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
     for s in stmts {
         match s {
             Stmt::Let { name, .. } | Stmt::Var { name, .. } => {

@@ -4,12 +4,14 @@
 //! - [`builder`]: how descriptions are written;
 //! - [`ops`]: composite tile ops (online softmax, split combine);
 //! - [`numeric`]: bit-exact number routines in integer ops (f32 division, e4m3 encode);
-//! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory.
+//! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory;
+//! - [`lower_mma`]: the CUDA tensor-core lowering (`mma.sync`, `ldmatrix`, `cp.async`).
 //!
 //! Lowerings are chosen per target by [`Lowering`]; emitters print lowered kernels only.
 
 pub mod builder;
 pub mod ir;
+pub mod lower_mma;
 pub mod lower_scalar;
 pub mod numeric;
 pub mod ops;
@@ -21,12 +23,18 @@ pub use ir::Kernel;
 pub enum Lowering {
     /// Loops over workgroup memory: every target.
     Scalar,
+    /// CUDA tensor cores: `mma.sync` m16n8k16 bf16 fed by `ldmatrix`, gathers by `cp.async`
+    /// into a ring of `stages` shared-memory buffers inside a pipeline. Only the SM120 common
+    /// instruction set (sm_80 and later); at most [`lower_mma::MAX_SHARED_BYTES`] of shared
+    /// memory per block.
+    Mma { stages: u32 },
 }
 
 impl Lowering {
     pub fn name(&self) -> &'static str {
         match self {
             Lowering::Scalar => "scalar",
+            Lowering::Mma { .. } => "mma",
         }
     }
 }
@@ -35,5 +43,6 @@ impl Lowering {
 pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
     match lowering {
         Lowering::Scalar => lower_scalar::lower(kernel),
+        Lowering::Mma { stages } => lower_mma::lower(kernel, stages),
     }
 }

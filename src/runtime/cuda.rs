@@ -6,15 +6,16 @@
 use super::gpu::Device;
 use super::BackendKind;
 use crate::emit::cuda as emit_cuda;
-use crate::kernels::sparse_mla_decode::DecodeConfig;
+use crate::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
 use crate::kir::Kernel;
-use crate::mla::{CacheFormat, MlaDims};
+use crate::mla::{CacheFormat, DecodeShape, MlaDims};
 use crate::{Error, Result};
 use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaSlice, CudaStream};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 const NAME: &str = "cuda";
 
@@ -194,11 +195,15 @@ pub struct CudaDevice {
     name: String,
     arch: String,
     sm_count: u32,
+    /// Workgroups of a kernel resident per multiprocessor (occupancy), by kernel name.
+    occupancy: Mutex<HashMap<String, u32>>,
 }
 
 pub struct CudaModule {
     _module: Arc<cudarc::driver::CudaModule>,
     function: cudarc::driver::CudaFunction,
+    /// Dynamic shared memory to launch with (0: the kernel's arrays are static).
+    dynamic_shared: u32,
 }
 
 fn drv_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -246,6 +251,7 @@ impl CudaDevice {
             name,
             arch: format!("sm_{major}{minor}"),
             sm_count,
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 
@@ -263,6 +269,34 @@ impl CudaDevice {
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// How many workgroups of `kernel` the whole device runs at once (multiprocessors x
+    /// occupancy, from the driver's occupancy calculator on the compiled kernel).
+    pub fn resident_workgroups(&self, kernel: &Kernel) -> Result<u32> {
+        if let Some(n) = self
+            .occupancy
+            .lock()
+            .map_err(|_| Error::runtime(NAME, "occupancy cache lock poisoned"))?
+            .get(&kernel.name)
+        {
+            return Ok(n * self.sm_count);
+        }
+        let module = self.compile(kernel)?;
+        let per_sm = unsafe {
+            drv::occupancy::max_active_block_per_multiprocessor(
+                module.function.cu_function(),
+                kernel.workgroup_size as i32,
+                module.dynamic_shared as usize,
+            )
+        }
+        .map_err(|e| drv_err(&format!("occupancy of {}", kernel.name), e))?
+        .max(1) as u32;
+        self.occupancy
+            .lock()
+            .map_err(|_| Error::runtime(NAME, "occupancy cache lock poisoned"))?
+            .insert(kernel.name.clone(), per_sm);
+        Ok(per_sm * self.sm_count)
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -289,8 +323,19 @@ impl Device for CudaDevice {
         format!("{} ({}, {} SMs)", self.name, self.arch, self.sm_count)
     }
 
+    /// The tensor-core configuration (of the smaller head range; [`Self::decode_plan`]
+    /// picks the one for the call's head count).
     fn decode_config(&self, dims: MlaDims, format: CacheFormat) -> DecodeConfig {
-        DecodeConfig::cuda_scalar(dims, format)
+        DecodeConfig::tensor_core(dims, format, 1)
+    }
+
+    /// Tensor-core config for the head count, splits from the cost model over the
+    /// workgroups this GPU runs at once.
+    fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
+        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        let (split, _) = lowered_kernels(&config)?;
+        let resident = self.resident_workgroups(&split)?;
+        DecodePlan::tensor_core(shape, resident, splits)
     }
 
     fn target_workgroups(&self) -> u32 {
@@ -298,15 +343,18 @@ impl Device for CudaDevice {
     }
 
     fn compile(&self, kernel: &Kernel) -> Result<CudaModule> {
-        const STATIC_SHARED: u64 = 48 * 1024;
-        if kernel.shared_bytes() > STATIC_SHARED {
+        // SM120's per-block limit, enforced on every GPU so that what passes here runs there.
+        let limit = crate::kir::lower_mma::MAX_SHARED_BYTES;
+        let (_, shared) = crate::kir::lower_mma::shared_layout(&kernel.shared);
+        if shared > limit {
             return Err(Error::ResourceLimit {
                 kernel: kernel.name.clone(),
-                resource: "static shared memory (bytes)".into(),
-                needed: kernel.shared_bytes(),
-                limit: STATIC_SHARED,
+                resource: "shared memory per block (bytes)".into(),
+                needed: shared,
+                limit,
             });
         }
+        let dynamic_shared = emit_cuda::dynamic_shared_bytes(kernel);
         let source = emit_cuda::emit(kernel)?;
         let cubin = compile_cached(&kernel.name, &source, &self.arch)?;
         let module = self
@@ -316,9 +364,29 @@ impl Device for CudaDevice {
         let function = module
             .load_function(&kernel.name)
             .map_err(|e| drv_err(&format!("finding {}", kernel.name), e))?;
+        if dynamic_shared > 0 {
+            // Above 48 KB a kernel must opt in to its dynamic shared memory.
+            unsafe {
+                drv::function::set_function_attribute(
+                    function.cu_function(),
+                    drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dynamic_shared as i32,
+                )
+            }
+            .map_err(|e| {
+                drv_err(
+                    &format!(
+                        "allowing {} {dynamic_shared} bytes of dynamic shared memory",
+                        kernel.name
+                    ),
+                    e,
+                )
+            })?;
+        }
         Ok(CudaModule {
             _module: module,
             function,
+            dynamic_shared,
         })
     }
 
@@ -384,7 +452,7 @@ impl Device for CudaDevice {
                 module.function.cu_function(),
                 (grid[0], grid[1], grid[2]),
                 (kernel.workgroup_size, 1, 1),
-                0,
+                module.dynamic_shared,
                 self.stream.cu_stream(),
                 &mut args,
             )

@@ -29,6 +29,18 @@ pub trait Device: Send + Sync + 'static {
         let _ = config;
         None
     }
+    /// The decode plan (config and splits) for `shape`; `splits` overrides the heuristic. The
+    /// default uses [`Self::decode_config`] and fills [`Self::target_workgroups`].
+    fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
+        let config = self.decode_config(shape.dims, shape.format);
+        DecodePlan::new(
+            config,
+            shape,
+            self.target_workgroups(),
+            splits,
+            self.max_steps_per_workgroup(&config),
+        )
+    }
     /// Compile a lowered kernel. Refuses kernels that exceed the device's limits.
     fn compile(&self, kernel: &Kernel) -> Result<Self::Module>;
     fn alloc(&self, len: u64) -> Result<Self::Buf>;
@@ -103,14 +115,7 @@ impl<D: Device> GpuBackend<D> {
 
     /// The decode plan this backend would use for `shape`.
     pub fn decode_plan(&self, shape: &DecodeShape, opts: &DecodeOptions) -> Result<DecodePlan> {
-        let config = self.dev.decode_config(shape.dims, shape.format);
-        DecodePlan::new(
-            config,
-            shape,
-            self.dev.target_workgroups(),
-            opts.splits,
-            self.dev.max_steps_per_workgroup(&config),
-        )
+        self.dev.decode_plan(shape, opts.splits)
     }
 }
 

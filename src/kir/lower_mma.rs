@@ -1,0 +1,1347 @@
+//! The CUDA tensor-core lowering of tile ops: the same semantics as [`super::lower_scalar`]
+//! (which is the definition to compare with), mapped onto warps and the PTX instructions of
+//! the SM120 common set (sm_80 and later): `mma.sync` m16n8k16 bf16 → f32, `ldmatrix`,
+//! `cp.async`, `shfl.sync`. No wgmma, tcgen05 or clusters.
+//!
+//! Layouts chosen here:
+//! - **shared tiles**: row-major, each row padded to an odd number of 16-byte chunks, so the 8
+//!   rows an `ldmatrix` reads fall in 8 different bank groups (conflict-free). A tile that a
+//!   pipeline's load stage gathers into is a ring of `stages` such tiles.
+//! - **accumulators** `[M, N]` (M a multiple of 16, N of 8) are a grid of m16n8 fragments,
+//!   split over a `gm x gn` grid of warps; each warp holds a rectangle of fragments in the
+//!   PTX C layout: lane `l` holds rows `l/4` and `l/4 + 8`, columns `2(l%4)`, `2(l%4)+1`
+//!   of each fragment, i.e. two element pairs per fragment.
+//! - **mma**: the warp owning an accumulator fragment computes it; A fragments through
+//!   `ldmatrix.x4`, B through `ldmatrix.x4` (`[N, K]` storage) or `ldmatrix.x4.trans`
+//!   (`[K, N]` storage).
+//! - **row reductions**: within a thread, then the four lanes of a row (`shfl.xor` 1, 2), then
+//!   across the warps of a row through shared memory.
+//! - **gathers**: 16-byte `cp.async.cg` with zero-fill (src-size 0) for rows without a source;
+//!   a few consecutive threads per row so each row is read in contiguous runs. Inside a
+//!   pipeline the loads of the next `stages - 1` steps are in flight while a step computes.
+
+use super::ir::*;
+use super::lower_scalar::{collect_names, visit_tile_ops};
+use crate::{Error, Result};
+use std::collections::{HashMap, HashSet};
+
+/// Shared memory per block on SM120 (RTX PRO 6000, RTX 5090): 99 KB. Every kernel this
+/// lowering produces must fit it, whatever GPU it is compiled for.
+pub const MAX_SHARED_BYTES: u64 = 101_376;
+
+const WARP: u32 = 32;
+
+/// Byte offsets of each shared array (16-byte aligned, in declaration order) and the total.
+pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
+    let mut offsets = Vec::with_capacity(shared.len());
+    let mut at = 0u64;
+    for s in shared {
+        offsets.push(at);
+        at += (s.len as u64 * 4).div_ceil(16) * 16;
+    }
+    (offsets, at)
+}
+
+/// Lower every tile op of `kernel` for tensor cores, with `stages` ring buffers per pipelined
+/// gather.
+pub fn lower(kernel: &Kernel, stages: u32) -> Result<Kernel> {
+    let mut cx = Cx::new(kernel, stages)?;
+    let body = cx.stmts(&kernel.body)?;
+    let mut out = kernel.clone();
+    let mut full = std::mem::take(&mut cx.prelude);
+    full.extend(body);
+    out.body = full;
+    out.shared_tiles.clear();
+    out.acc_tiles.clear();
+    out.shared.extend(cx.new_shared);
+    out.privates.extend(cx.new_privates);
+    let (_, bytes) = shared_layout(&out.shared);
+    if bytes > MAX_SHARED_BYTES {
+        return Err(Error::ResourceLimit {
+            kernel: kernel.name.clone(),
+            resource: "shared memory per block (SM120 limit, bytes)".into(),
+            needed: bytes,
+            limit: MAX_SHARED_BYTES,
+        });
+    }
+    Ok(out)
+}
+
+#[derive(Clone)]
+struct TileInfo {
+    decl: SharedTileDecl,
+    /// 32-bit words per (padded) row.
+    stride: u32,
+    /// Written by a pipeline's load stage: `stages` copies, addressed by the step's stage.
+    ringed: bool,
+}
+
+impl TileInfo {
+    fn words(&self) -> u32 {
+        self.stride * self.decl.rows
+    }
+}
+
+#[derive(Clone)]
+struct AccInfo {
+    decl: AccTileDecl,
+    /// Warp grid over the fragment grid: `gm` warps along M, `gn` along N.
+    gn: u32,
+    /// Fragments per warp along M and N.
+    fmw: u32,
+    fnw: u32,
+    /// Warps that hold fragments (`gm · gn`); the others hold none.
+    used: u32,
+    /// First row / column of this warp's rectangle (u32 variables).
+    row0: Expr,
+    col0: Expr,
+    /// Column-block index of this warp (`warp % gn`).
+    wn: Expr,
+}
+
+impl AccInfo {
+    fn frags(&self) -> u32 {
+        self.fmw * self.fnw
+    }
+}
+
+/// Per-lane values every warp-level op uses, bound once at the top of the kernel.
+struct Lane {
+    warp: Expr,
+    /// `lane / 4`: row of the lane's elements within a fragment.
+    group: Expr,
+    /// `lane % 4`: column pair of the lane's elements within a fragment.
+    quad: Expr,
+    /// `lane % 16`: the row this lane addresses for an A fragment (and the k row of a
+    /// `[K, N]` B pair).
+    r16: Expr,
+    /// `(lane / 16) · 8`: the column block this lane addresses for an A fragment (and the n
+    /// block of a `[K, N]` B pair).
+    c8: Expr,
+    /// `lane % 8 + (lane / 16) · 8`: the n row this lane addresses for an `[N, K]` B pair.
+    n_nk: Expr,
+    /// `lane & 8`: the k column block this lane addresses for an `[N, K]` B pair.
+    k_nk: Expr,
+}
+
+struct Cx<'k> {
+    kernel: &'k Kernel,
+    w: u32,
+    warps: u32,
+    stages: u32,
+    tiles: HashMap<String, TileInfo>,
+    accs: HashMap<String, AccInfo>,
+    used: HashSet<String>,
+    counter: u32,
+    new_shared: Vec<SharedDecl>,
+    new_privates: Vec<PrivateDecl>,
+    prelude: Vec<Stmt>,
+    lane: Lane,
+    reduce_scratch: Option<String>,
+    /// The ring stage of the step being loaded or computed, inside a pipeline.
+    stage: Option<Expr>,
+}
+
+fn var(name: &str, ty: Ty) -> Expr {
+    Expr::Var(name.to_string(), ty)
+}
+fn u(v: u32) -> Expr {
+    Expr::U32(v)
+}
+fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
+    Expr::Bin(op, Box::new(a), Box::new(b))
+}
+/// `a + b`, folding zeros so generated addresses stay readable.
+fn add(a: Expr, b: Expr) -> Expr {
+    match (&a, &b) {
+        (_, Expr::U32(0)) => a,
+        (Expr::U32(0), _) => b,
+        (Expr::U32(x), Expr::U32(y)) => u(x + y),
+        _ => bin(BinOp::Add, a, b),
+    }
+}
+/// `a · b`, folding ones and zeros.
+fn mul(a: Expr, b: Expr) -> Expr {
+    match (&a, &b) {
+        (_, Expr::U32(1)) => a,
+        (Expr::U32(1), _) => b,
+        (_, Expr::U32(0)) | (Expr::U32(0), _) => u(0),
+        (Expr::U32(x), Expr::U32(y)) => u(x * y),
+        _ => bin(BinOp::Mul, a, b),
+    }
+}
+fn lt(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Lt, a, b)
+}
+fn local_id() -> Expr {
+    Expr::Builtin(Builtin::LocalId)
+}
+fn shared_load(arr: &str, ty: Ty, index: Expr) -> Expr {
+    Expr::SharedLoad {
+        arr: arr.into(),
+        ty,
+        index: Box::new(index),
+    }
+}
+fn priv_load(arr: &str, index: Expr) -> Expr {
+    Expr::PrivateLoad {
+        arr: arr.into(),
+        ty: Ty::F32,
+        index: Box::new(index),
+    }
+}
+fn bits_to_f32(bits: Expr) -> Expr {
+    Expr::Call(Func::F32FromBits, vec![bits])
+}
+fn let_(name: &str, value: Expr) -> Stmt {
+    Stmt::Let {
+        name: name.into(),
+        value,
+    }
+}
+fn for_const(var: &str, end: u32, body: Vec<Stmt>) -> Stmt {
+    Stmt::For {
+        var: var.into(),
+        start: u(0),
+        end: u(end),
+        step: u(1),
+        body,
+    }
+}
+fn intr(i: Intrinsic) -> Stmt {
+    Stmt::Intrinsic(i)
+}
+fn floor_pow2(x: u32) -> u32 {
+    if x == 0 {
+        0
+    } else {
+        1 << (31 - x.leading_zeros())
+    }
+}
+
+/// Padded row stride in words: whole 16-byte chunks, an odd number of them.
+fn padded_stride(row_bytes: u32) -> u32 {
+    let chunks = row_bytes.div_ceil(16);
+    let chunks = if chunks % 2 == 0 { chunks + 1 } else { chunks };
+    chunks * 4
+}
+
+/// The warp grid for an `[m, n]` accumulator: as many warps busy as the fragment grid
+/// allows, then the fewest shared-memory bytes per k step (A is re-read by each warp along
+/// N, B by each warp along M).
+fn warp_grid(fm: u32, fn_: u32, warps: u32) -> (u32, u32) {
+    let mut best = (1, 1);
+    let mut best_key = (0u32, u64::MAX);
+    for gm in (1..=fm).filter(|g| fm % g == 0) {
+        for gn in (1..=fn_).filter(|g| fn_ % g == 0) {
+            if gm * gn > warps {
+                continue;
+            }
+            let bytes = gn as u64 * fm as u64 * 512 + gm as u64 * fn_ as u64 * 256;
+            let key = (gm * gn, bytes);
+            if key.0 > best_key.0 || (key.0 == best_key.0 && key.1 < best_key.1) {
+                best = (gm, gn);
+                best_key = key;
+            }
+        }
+    }
+    best
+}
+
+impl<'k> Cx<'k> {
+    fn new(kernel: &'k Kernel, stages: u32) -> Result<Self> {
+        let err = |message: String| Error::Kir {
+            kernel: kernel.name.clone(),
+            message,
+        };
+        let w = kernel.workgroup_size;
+        if w == 0 || w % WARP != 0 {
+            return Err(err(format!(
+                "the mma lowering needs whole warps: workgroup size {w} is not a multiple of 32"
+            )));
+        }
+        if stages == 0 {
+            return Err(err(
+                "the mma lowering needs at least 1 pipeline stage".into()
+            ));
+        }
+        let mut used = HashSet::new();
+        collect_names(&kernel.body, &mut used);
+        for n in kernel
+            .params
+            .iter()
+            .map(|p| &p.name)
+            .chain(kernel.buffers.iter().map(|b| &b.name))
+            .chain(kernel.shared.iter().map(|s| &s.name))
+            .chain(kernel.privates.iter().map(|s| &s.name))
+            .chain(kernel.shared_tiles.iter().map(|s| &s.name))
+            .chain(kernel.acc_tiles.iter().map(|s| &s.name))
+        {
+            used.insert(n.clone());
+        }
+        let placeholder = || u(0);
+        let mut cx = Cx {
+            kernel,
+            w,
+            warps: w / WARP,
+            stages,
+            tiles: HashMap::new(),
+            accs: HashMap::new(),
+            used,
+            counter: 0,
+            new_shared: Vec::new(),
+            new_privates: Vec::new(),
+            prelude: Vec::new(),
+            lane: Lane {
+                warp: placeholder(),
+                group: placeholder(),
+                quad: placeholder(),
+                r16: placeholder(),
+                c8: placeholder(),
+                n_nk: placeholder(),
+                k_nk: placeholder(),
+            },
+            reduce_scratch: None,
+            stage: None,
+        };
+        cx.bind_lane();
+
+        // Tiles a pipeline's load stage writes become rings.
+        let mut ringed = HashSet::new();
+        visit_tile_ops(&kernel.body, &mut |op| {
+            if let TileOp::Pipeline { load, .. } = op {
+                visit_tile_ops(load, &mut |inner| {
+                    if let TileOp::GatherRows { dst, .. } = inner {
+                        ringed.insert(dst.clone());
+                    }
+                });
+            }
+        });
+        for t in &kernel.shared_tiles {
+            let row_bytes = t.cols * t.elem.bytes();
+            if row_bytes % 4 != 0 {
+                return Err(cx.err(format!("tile {} rows are not whole words", t.name)));
+            }
+            let info = TileInfo {
+                decl: t.clone(),
+                stride: padded_stride(row_bytes),
+                ringed: ringed.contains(&t.name),
+            };
+            let copies = if info.ringed { stages } else { 1 };
+            cx.new_shared.push(SharedDecl {
+                name: t.name.clone(),
+                ty: if t.elem == TileElem::F32 {
+                    Ty::F32
+                } else {
+                    Ty::U32
+                },
+                len: info.words() * copies,
+            });
+            cx.tiles.insert(t.name.clone(), info);
+        }
+        for a in &kernel.acc_tiles {
+            if a.rows % 16 != 0 || a.cols % 8 != 0 {
+                return Err(cx.err(format!(
+                    "accumulator {} is [{}x{}]: the mma lowering needs rows a multiple of 16 \
+                     and columns of 8 (m16n8 fragments)",
+                    a.name, a.rows, a.cols
+                )));
+            }
+            let (fm, fn_) = (a.rows / 16, a.cols / 8);
+            let (gm, gn) = warp_grid(fm, fn_, cx.warps);
+            let (fmw, fnw) = (fm / gm, fn_ / gn);
+            let wn = cx.fresh(&format!("{}_wn", a.name));
+            let row0 = cx.fresh(&format!("{}_row0", a.name));
+            let col0 = cx.fresh(&format!("{}_col0", a.name));
+            let warp = cx.lane.warp.clone();
+            cx.prelude
+                .push(let_(&wn, bin(BinOp::Rem, warp.clone(), u(gn))));
+            cx.prelude
+                .push(let_(&row0, mul(bin(BinOp::Div, warp, u(gn)), u(fmw * 16))));
+            cx.prelude
+                .push(let_(&col0, mul(var(&wn, Ty::U32), u(fnw * 8))));
+            let info = AccInfo {
+                decl: a.clone(),
+                gn,
+                fmw,
+                fnw,
+                used: gm * gn,
+                row0: var(&row0, Ty::U32),
+                col0: var(&col0, Ty::U32),
+                wn: var(&wn, Ty::U32),
+            };
+            cx.new_privates.push(PrivateDecl {
+                name: a.name.clone(),
+                ty: Ty::F32,
+                len: 4 * info.frags(),
+            });
+            cx.accs.insert(a.name.clone(), info);
+        }
+        let mut reduce_len = 0;
+        visit_tile_ops(&kernel.body, &mut |op| {
+            if let TileOp::AccRowReduce { acc, .. } = op {
+                if let Some(a) = cx.accs.get(acc) {
+                    reduce_len = reduce_len.max(a.gn * a.decl.rows);
+                }
+            }
+        });
+        if reduce_len > 0 {
+            let name = cx.fresh("reduce_scratch");
+            cx.new_shared.push(SharedDecl {
+                name: name.clone(),
+                ty: Ty::F32,
+                len: reduce_len,
+            });
+            cx.reduce_scratch = Some(name);
+        }
+        Ok(cx)
+    }
+
+    fn bind_lane(&mut self) {
+        let bind = |cx: &mut Self, base: &str, value: Expr| {
+            let n = cx.fresh(base);
+            cx.prelude.push(let_(&n, value));
+            var(&n, Ty::U32)
+        };
+        self.prelude.push(Stmt::Comment(
+            "warp and lane of this thread (tensor-core lowering)".into(),
+        ));
+        let warp = bind(self, "warp", bin(BinOp::Div, local_id(), u(WARP)));
+        let lane = bind(self, "lane", bin(BinOp::Rem, local_id(), u(WARP)));
+        let group = bind(self, "lane_group", bin(BinOp::Shr, lane.clone(), u(2)));
+        let quad = bind(self, "lane_quad", bin(BinOp::BitAnd, lane.clone(), u(3)));
+        let r16 = bind(self, "lane_r16", bin(BinOp::BitAnd, lane.clone(), u(15)));
+        let c8 = bind(
+            self,
+            "lane_c8",
+            bin(BinOp::Shl, bin(BinOp::Shr, lane.clone(), u(4)), u(3)),
+        );
+        let n_nk = bind(
+            self,
+            "lane_n8",
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, lane.clone(), u(7)),
+                c8.clone(),
+            ),
+        );
+        let k_nk = bind(self, "lane_k8", bin(BinOp::BitAnd, lane.clone(), u(8)));
+        self.lane = Lane {
+            warp,
+            group,
+            quad,
+            r16,
+            c8,
+            n_nk,
+            k_nk,
+        };
+    }
+
+    fn err(&self, message: String) -> Error {
+        Error::Kir {
+            kernel: self.kernel.name.clone(),
+            message,
+        }
+    }
+
+    fn fresh(&mut self, base: &str) -> String {
+        if self.used.insert(base.to_string()) {
+            return base.to_string();
+        }
+        loop {
+            let name = format!("{base}{}", self.counter);
+            self.counter += 1;
+            if self.used.insert(name.clone()) {
+                return name;
+            }
+        }
+    }
+
+    fn private(&mut self, base: &str, ty: Ty, len: u32) -> String {
+        let name = self.fresh(base);
+        self.new_privates.push(PrivateDecl {
+            name: name.clone(),
+            ty,
+            len: len.max(1),
+        });
+        name
+    }
+
+    fn tile(&self, name: &str) -> Result<&TileInfo> {
+        self.tiles
+            .get(name)
+            .ok_or_else(|| self.err(format!("no shared tile `{name}`")))
+    }
+
+    fn acc(&self, name: &str) -> Result<&AccInfo> {
+        self.accs
+            .get(name)
+            .ok_or_else(|| self.err(format!("no accumulator tile `{name}`")))
+    }
+
+    /// Word offset of the current ring stage of a tile (0 for an ordinary tile).
+    fn tile_base(&self, t: &TileInfo) -> Result<Expr> {
+        if !t.ringed || self.stages == 1 {
+            return Ok(u(0));
+        }
+        match &self.stage {
+            Some(s) => Ok(mul(s.clone(), u(t.words()))),
+            None => Err(self.err(format!(
+                "tile {} is gathered by a pipeline's load stage, so it may only be used inside \
+                 that pipeline",
+                t.decl.name
+            ))),
+        }
+    }
+
+    /// Wrap warp-level code so that only the warps holding fragments of `acc` run it.
+    fn for_used_warps(&self, acc: &AccInfo, body: Vec<Stmt>) -> Vec<Stmt> {
+        if acc.used == self.warps {
+            body
+        } else {
+            vec![Stmt::If {
+                cond: lt(self.lane.warp.clone(), u(acc.used)),
+                then: body,
+                els: vec![],
+            }]
+        }
+    }
+
+    fn stmts(&mut self, stmts: &[Stmt]) -> Result<Vec<Stmt>> {
+        let mut out = Vec::new();
+        for s in stmts {
+            self.stmt(s, &mut out)?;
+        }
+        Ok(out)
+    }
+
+    fn stmt(&mut self, s: &Stmt, out: &mut Vec<Stmt>) -> Result<()> {
+        match s {
+            Stmt::Tile(op) => self.tile_op(op, out)?,
+            Stmt::If { cond, then, els } => out.push(Stmt::If {
+                cond: self.expr(cond)?,
+                then: self.stmts(then)?,
+                els: self.stmts(els)?,
+            }),
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => out.push(Stmt::For {
+                var: var.clone(),
+                start: self.expr(start)?,
+                end: self.expr(end)?,
+                step: self.expr(step)?,
+                body: self.stmts(body)?,
+            }),
+            Stmt::Let { name, value } => out.push(Stmt::Let {
+                name: name.clone(),
+                value: self.expr(value)?,
+            }),
+            Stmt::Var { name, value } => out.push(Stmt::Var {
+                name: name.clone(),
+                value: self.expr(value)?,
+            }),
+            Stmt::Assign { name, value } => out.push(Stmt::Assign {
+                name: name.clone(),
+                value: self.expr(value)?,
+            }),
+            Stmt::Store { buf, index, value } => out.push(Stmt::Store {
+                buf: buf.clone(),
+                index: self.expr(index)?,
+                value: self.expr(value)?,
+            }),
+            Stmt::StoreWord { buf, index, value } => out.push(Stmt::StoreWord {
+                buf: buf.clone(),
+                index: self.expr(index)?,
+                value: self.expr(value)?,
+            }),
+            Stmt::SharedStore { arr, index, value } => out.push(Stmt::SharedStore {
+                arr: arr.clone(),
+                index: self.expr(index)?,
+                value: self.expr(value)?,
+            }),
+            Stmt::PrivateStore { arr, index, value } => out.push(Stmt::PrivateStore {
+                arr: arr.clone(),
+                index: self.expr(index)?,
+                value: self.expr(value)?,
+            }),
+            Stmt::Comment(_) | Stmt::Barrier | Stmt::Intrinsic(_) => out.push(s.clone()),
+        }
+        Ok(())
+    }
+
+    /// Replace tile element loads by shared-array loads in this lowering's layout.
+    fn expr(&self, e: &Expr) -> Result<Expr> {
+        let mut failure = None;
+        let lowered = e.clone().map(&mut |x| match x {
+            Expr::TileLoad { tile, row, col, .. } => {
+                match self.tile(&tile).and_then(|t| Ok((t, self.tile_base(t)?))) {
+                    Ok((info, base)) => tile_elem(info, base, *row, *col),
+                    Err(err) => {
+                        failure = Some(err);
+                        Expr::F32(0.0)
+                    }
+                }
+            }
+            other => other,
+        });
+        match failure {
+            Some(err) => Err(err),
+            None => Ok(lowered),
+        }
+    }
+
+    /// For each element pair this thread holds of `acc`: `body(pair index into the private
+    /// array, row, col)`. Pairs are (c0, c1) and (c2, c3) of each fragment.
+    fn for_each_pair(
+        &mut self,
+        acc: &str,
+        row: &str,
+        col: &str,
+        body: impl FnOnce(&mut Self, Expr) -> Result<Vec<Stmt>>,
+    ) -> Result<Vec<Stmt>> {
+        let info = self.acc(acc)?.clone();
+        let (f, h) = (self.fresh("frag"), self.fresh("half"));
+        let (fv, hv) = (var(&f, Ty::U32), var(&h, Ty::U32));
+        let at = add(mul(fv.clone(), u(4)), mul(hv.clone(), u(2)));
+        let mut inner = vec![
+            let_(
+                row,
+                add(
+                    add(
+                        info.row0.clone(),
+                        mul(bin(BinOp::Div, fv.clone(), u(info.fnw)), u(16)),
+                    ),
+                    add(mul(hv, u(8)), self.lane.group.clone()),
+                ),
+            ),
+            let_(
+                col,
+                add(
+                    add(
+                        info.col0.clone(),
+                        mul(bin(BinOp::Rem, fv, u(info.fnw)), u(8)),
+                    ),
+                    mul(self.lane.quad.clone(), u(2)),
+                ),
+            ),
+        ];
+        inner.extend(body(self, at)?);
+        let lp = for_const(&f, info.frags(), vec![for_const(&h, 2, inner)]);
+        Ok(self.for_used_warps(&info, vec![lp]))
+    }
+
+    fn tile_op(&mut self, op: &TileOp, out: &mut Vec<Stmt>) -> Result<()> {
+        match op {
+            TileOp::AccFill { acc, value } => {
+                let len = 4 * self.acc(acc)?.frags();
+                let i = self.fresh("fill_i");
+                out.push(for_const(
+                    &i,
+                    len,
+                    vec![Stmt::PrivateStore {
+                        arr: acc.clone(),
+                        index: var(&i, Ty::U32),
+                        value: Expr::F32(*value),
+                    }],
+                ));
+            }
+            TileOp::GatherRows {
+                dst,
+                dst_word0,
+                words,
+                src,
+                row,
+                src_word,
+            } => {
+                out.push(Stmt::Barrier);
+                self.gather(dst, *dst_word0, *words, src, row, src_word, out)?;
+                out.push(intr(Intrinsic::CpAsyncCommit));
+                out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+                out.push(Stmt::Barrier);
+            }
+            TileOp::Mma {
+                acc,
+                a,
+                b,
+                b_layout,
+            } => self.mma(acc, a, b, *b_layout, out)?,
+            TileOp::AccForEach {
+                acc,
+                row,
+                col,
+                v0,
+                v1,
+                body,
+            } => {
+                let body = self.stmts(body)?;
+                let acc_name = acc.clone();
+                let (v0, v1) = (v0.clone(), v1.clone());
+                let s = self.for_each_pair(acc, row, col, |_, at| {
+                    let at1 = add(at.clone(), u(1));
+                    let mut s = vec![
+                        Stmt::Var {
+                            name: v0.clone(),
+                            value: priv_load(&acc_name, at.clone()),
+                        },
+                        Stmt::Var {
+                            name: v1.clone(),
+                            value: priv_load(&acc_name, at1.clone()),
+                        },
+                    ];
+                    s.extend(body);
+                    s.push(Stmt::PrivateStore {
+                        arr: acc_name.clone(),
+                        index: at,
+                        value: var(&v0, Ty::F32),
+                    });
+                    s.push(Stmt::PrivateStore {
+                        arr: acc_name.clone(),
+                        index: at1,
+                        value: var(&v1, Ty::F32),
+                    });
+                    Ok(s)
+                })?;
+                out.extend(s);
+            }
+            TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
+            TileOp::AccToShared { acc, dst } => {
+                let info = self.tile(dst)?.clone();
+                if info.ringed {
+                    return Err(self.err(format!(
+                        "accumulator {acc} written into {dst}, a tile a pipeline gathers into"
+                    )));
+                }
+                let (stride, elem) = (info.stride, info.decl.elem);
+                let (row, col) = (self.fresh("row"), self.fresh("col"));
+                let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
+                let acc_name = acc.clone();
+                let dst_name = dst.clone();
+                let s = self.for_each_pair(acc, &row, &col, |_, at| {
+                    let v0 = priv_load(&acc_name, at.clone());
+                    let v1 = priv_load(&acc_name, add(at, u(1)));
+                    Ok(match elem {
+                        TileElem::Bf16 => vec![Stmt::SharedStore {
+                            arr: dst_name.clone(),
+                            index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
+                            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
+                        }],
+                        _ => {
+                            let at = add(mul(rv.clone(), u(stride)), cv);
+                            vec![
+                                Stmt::SharedStore {
+                                    arr: dst_name.clone(),
+                                    index: at.clone(),
+                                    value: v0,
+                                },
+                                Stmt::SharedStore {
+                                    arr: dst_name.clone(),
+                                    index: add(at, u(1)),
+                                    value: v1,
+                                },
+                            ]
+                        }
+                    })
+                })?;
+                out.push(Stmt::Barrier);
+                out.extend(s);
+                out.push(Stmt::Barrier);
+            }
+            TileOp::SharedMap {
+                dst,
+                row,
+                col,
+                value,
+            } => self.shared_map(dst, row, col, value, out)?,
+            TileOp::Pipeline {
+                var: v,
+                count,
+                load,
+                compute,
+            } => self.pipeline(v, count, load, compute, out)?,
+        }
+        Ok(())
+    }
+
+    /// The ring pipeline: loads of steps `step + 1 .. step + stages - 1` are in flight while
+    /// step `step` computes. One commit group per step (empty past the end), so
+    /// `wait_group(stages - 1)` always means "this step's copies have landed".
+    fn pipeline(
+        &mut self,
+        v: &str,
+        count: &Expr,
+        load: &[Stmt],
+        compute: &[Stmt],
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let s = self.stages;
+        let count_name = self.fresh(&format!("{v}_count"));
+        out.push(let_(&count_name, self.expr(count)?));
+        let count = var(&count_name, Ty::U32);
+        // The load of step `at` into its ring stage, inside `if (at < count)`.
+        let load_step = |cx: &mut Self, at: Expr| -> Result<Vec<Stmt>> {
+            let stage_name = cx.fresh("load_stage");
+            let mut body = vec![let_(v, at.clone())];
+            if s > 1 {
+                body.push(let_(&stage_name, bin(BinOp::Rem, var(v, Ty::U32), u(s))));
+            }
+            let saved = cx.stage.replace(var(&stage_name, Ty::U32));
+            for st in load {
+                match st {
+                    Stmt::Tile(TileOp::GatherRows {
+                        dst,
+                        dst_word0,
+                        words,
+                        src,
+                        row,
+                        src_word,
+                    }) => cx.gather(dst, *dst_word0, *words, src, row, src_word, &mut body)?,
+                    Stmt::Comment(c) => body.push(Stmt::Comment(c.clone())),
+                    other => {
+                        return Err(cx.err(format!(
+                            "pipeline {v}: the load stage may hold only gathers, found {other:?}"
+                        )))
+                    }
+                }
+            }
+            cx.stage = saved;
+            Ok(vec![
+                Stmt::If {
+                    cond: lt(at, count.clone()),
+                    then: body,
+                    els: vec![],
+                },
+                intr(Intrinsic::CpAsyncCommit),
+            ])
+        };
+        out.push(Stmt::Comment(format!(
+            "pipeline {v}: {s}-stage ring of cp.async gathers; first load the steps ahead"
+        )));
+        // Barrier: the ring may still be read by earlier code (write-after-read).
+        out.push(Stmt::Barrier);
+        if s > 1 {
+            let pre = self.fresh("prefetch");
+            let body = load_step(self, var(&pre, Ty::U32))?;
+            out.push(for_const(&pre, s - 1, body));
+        }
+        let it = self.fresh(&format!("{v}_i"));
+        let itv = var(&it, Ty::U32);
+        let mut body = vec![Stmt::Comment(format!(
+            "pipeline {v}: issue the load {} steps ahead, wait for this step's",
+            s - 1
+        ))];
+        body.extend(load_step(self, add(itv.clone(), u(s - 1)))?);
+        body.push(intr(Intrinsic::CpAsyncWait { pending: s - 1 }));
+        body.push(Stmt::Barrier);
+        body.push(Stmt::Comment(format!("pipeline {v}: compute")));
+        body.push(let_(v, itv.clone()));
+        let stage_name = self.fresh("stage");
+        if s > 1 {
+            body.push(let_(&stage_name, bin(BinOp::Rem, itv, u(s))));
+        }
+        let saved = self.stage.replace(var(&stage_name, Ty::U32));
+        body.extend(self.stmts(compute)?);
+        self.stage = saved;
+        // Barrier: the next iteration's load overwrites the stage computed on one step ago.
+        body.push(Stmt::Barrier);
+        out.push(Stmt::For {
+            var: it,
+            start: u(0),
+            end: count,
+            step: u(1),
+            body,
+        });
+        out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+        Ok(())
+    }
+
+    /// Issue the copies of one `GatherRows` (no commit, no wait). `tpr` consecutive threads
+    /// share a row, each taking every `tpr`-th 16-byte chunk, so a warp reads contiguous runs.
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &mut self,
+        dst: &str,
+        dst_word0: u32,
+        words: u32,
+        src: &str,
+        row: &str,
+        src_word: &Expr,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.tile(dst)?.clone();
+        let base = self.tile_base(&info)?;
+        let rows = info.decl.rows;
+        if dst_word0 + words > info.stride {
+            return Err(self.err(format!(
+                "gather into {dst}: words {dst_word0}..{} exceed the row",
+                dst_word0 + words
+            )));
+        }
+        let chunks = words / 4;
+        let tpr = floor_pow2((self.w / rows).max(1)).min(chunks.max(1).next_power_of_two());
+        let rows_per_pass = self.w / tpr;
+        let passes = rows.div_ceil(rows_per_pass);
+        let r = self.fresh("gather_row");
+        let rv = var(&r, Ty::U32);
+        let (sw, valid, dbase) = (
+            self.fresh("src_word"),
+            self.fresh("src_valid"),
+            self.fresh("dst_word"),
+        );
+        let (swv, validv, dbv) = (
+            var(&sw, Ty::U32),
+            var(&valid, Ty::Bool),
+            var(&dbase, Ty::U32),
+        );
+        let src_i = self.fresh("src_i32");
+        let sub = bin(BinOp::Rem, local_id(), u(tpr));
+        // copies of `bytes` for element indices c = sub, sub + tpr, ... < n, at word offset w0
+        let copy_loop = |cx: &mut Self, bytes: u32, n: u32, w0: u32| -> Stmt {
+            let c = cx.fresh("chunk");
+            let cv = var(&c, Ty::U32);
+            let step = bytes / 4;
+            Stmt::For {
+                var: c,
+                start: sub.clone(),
+                end: u(n),
+                step: u(tpr),
+                body: vec![intr(Intrinsic::CpAsync {
+                    bytes,
+                    dst: dst.to_string(),
+                    dst_word: add(dbv.clone(), add(u(w0), mul(cv.clone(), u(step)))),
+                    src: src.to_string(),
+                    src_word: add(swv.clone(), add(u(w0), mul(cv, u(step)))),
+                    valid: validv.clone(),
+                })],
+            }
+        };
+        let mut row_body = vec![
+            let_(row, rv.clone()),
+            let_(&src_i, self.expr(src_word)?),
+            let_(&valid, bin(BinOp::Ge, var(&src_i, Ty::I32), Expr::I32(0))),
+            let_(
+                &sw,
+                Expr::Select(
+                    Box::new(validv.clone()),
+                    Box::new(Expr::Cvt(Ty::U32, Box::new(var(&src_i, Ty::I32)))),
+                    Box::new(u(0)),
+                ),
+            ),
+            let_(
+                &dbase,
+                add(add(base, mul(rv.clone(), u(info.stride))), u(dst_word0)),
+            ),
+        ];
+        let words_path = copy_loop(self, 4, words, 0);
+        if chunks > 0 && dst_word0 % 4 == 0 {
+            // 16-byte copies when the source row is 16-byte aligned, else 4-byte ones.
+            let mut fast = vec![copy_loop(self, 16, chunks, 0)];
+            if words % 4 != 0 {
+                let tail = copy_loop(self, 4, words % 4, chunks * 4);
+                fast.push(tail);
+            }
+            row_body.push(Stmt::If {
+                cond: bin(BinOp::Eq, bin(BinOp::BitAnd, swv.clone(), u(3)), u(0)),
+                then: fast,
+                els: vec![words_path],
+            });
+        } else {
+            row_body.push(words_path);
+        }
+        let p = self.fresh("gather_pass");
+        let row_of = add(
+            bin(BinOp::Div, local_id(), u(tpr)),
+            mul(var(&p, Ty::U32), u(rows_per_pass)),
+        );
+        let body = vec![
+            let_(&r, row_of),
+            Stmt::If {
+                cond: lt(rv, u(rows)),
+                then: row_body,
+                els: vec![],
+            },
+        ];
+        out.push(for_const(&p, passes, body));
+        Ok(())
+    }
+
+    fn mma(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        layout: BLayout,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        let ta = self.tile(&a.tile)?.clone();
+        let tb = self.tile(&b.tile)?.clone();
+        for t in [&ta, &tb] {
+            if t.decl.elem != TileElem::Bf16 {
+                return Err(self.err(format!(
+                    "mma into {acc}: the tensor-core lowering multiplies bf16 tiles; {} is {:?} \
+                     (use a bf16 tile, e.g. p_elem = Bf16)",
+                    t.decl.name, t.decl.elem
+                )));
+            }
+        }
+        let k_len = a.cols;
+        if k_len % 16 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: K = {k_len} is not a multiple of 16 (m16n8k16)"
+            )));
+        }
+        let (b_n0, b_k0) = match layout {
+            BLayout::NK => (b.row0, b.col0),
+            BLayout::KN => (b.col0, b.row0),
+        };
+        if a.col0 % 8 != 0 || b.col0 % 8 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: operand column offsets ({}, {}) must be multiples of 8 \
+                 (16-byte ldmatrix rows)",
+                a.col0, b.col0
+            )));
+        }
+        let (sa, sb) = (ta.stride, tb.stride);
+        let (fmw, fnw) = (info.fmw, info.fnw);
+        let ab = self.tile_base(&ta)?;
+        let bb = self.tile_base(&tb)?;
+        let af = self.private("a_frag", Ty::U32, 4 * fmw);
+        let bf = self.private("b_frag", Ty::U32, 2 * fnw);
+        let (a_base, b_base) = (self.fresh("a_lane_word"), self.fresh("b_lane_word"));
+        let l = &self.lane;
+        // Word of the first row this lane addresses, at k = 0.
+        let a_word = add(
+            add(
+                ab,
+                mul(add(add(u(a.row0), info.row0.clone()), l.r16.clone()), u(sa)),
+            ),
+            bin(BinOp::Shr, add(u(a.col0), l.c8.clone()), u(1)),
+        );
+        let b_word = match layout {
+            BLayout::NK => add(
+                add(
+                    bb,
+                    mul(add(add(u(b_n0), info.col0.clone()), l.n_nk.clone()), u(sb)),
+                ),
+                bin(BinOp::Shr, add(u(b_k0), l.k_nk.clone()), u(1)),
+            ),
+            BLayout::KN => add(
+                add(bb, mul(add(u(b_k0), l.r16.clone()), u(sb))),
+                bin(
+                    BinOp::Shr,
+                    add(add(u(b_n0), info.col0.clone()), l.c8.clone()),
+                    u(1),
+                ),
+            ),
+        };
+        let (kk, i, jp, j) = (
+            self.fresh("kk"),
+            self.fresh("mi"),
+            self.fresh("nj"),
+            self.fresh("nj"),
+        );
+        let (kkv, iv, jpv, jv) = (
+            var(&kk, Ty::U32),
+            var(&i, Ty::U32),
+            var(&jp, Ty::U32),
+            var(&j, Ty::U32),
+        );
+        let trans = layout == BLayout::KN;
+        let mut kbody = vec![for_const(
+            &i,
+            fmw,
+            vec![intr(Intrinsic::LdMatrix {
+                count: 4,
+                trans: false,
+                arr: a.tile.clone(),
+                word: add(
+                    var(&a_base, Ty::U32),
+                    add(mul(iv.clone(), u(16 * sa)), mul(kkv.clone(), u(8))),
+                ),
+                dst: af.clone(),
+                dst0: mul(iv.clone(), u(4)),
+            })],
+        )];
+        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4, an odd last one in .x2
+        let b_at = |n_tile: Expr| -> Expr {
+            match layout {
+                BLayout::NK => add(
+                    var(&b_base, Ty::U32),
+                    add(mul(n_tile, u(8 * sb)), mul(kkv.clone(), u(8))),
+                ),
+                BLayout::KN => add(
+                    var(&b_base, Ty::U32),
+                    add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4))),
+                ),
+            }
+        };
+        if fnw >= 2 {
+            kbody.push(for_const(
+                &jp,
+                fnw / 2,
+                vec![intr(Intrinsic::LdMatrix {
+                    count: 4,
+                    trans,
+                    arr: b.tile.clone(),
+                    word: b_at(mul(jpv.clone(), u(2))),
+                    dst: bf.clone(),
+                    dst0: mul(jpv, u(4)),
+                })],
+            ));
+        }
+        if fnw % 2 == 1 {
+            kbody.push(intr(Intrinsic::LdMatrix {
+                count: 2,
+                trans,
+                arr: b.tile.clone(),
+                word: b_at(u(fnw - 1)),
+                dst: bf.clone(),
+                dst0: u(2 * (fnw - 1)),
+            }));
+        }
+        kbody.push(for_const(
+            &i,
+            fmw,
+            vec![for_const(
+                &j,
+                fnw,
+                vec![intr(Intrinsic::MmaBf16 {
+                    c: acc.to_string(),
+                    c0: mul(add(mul(iv.clone(), u(fnw)), jv.clone()), u(4)),
+                    a: af.clone(),
+                    a0: mul(iv.clone(), u(4)),
+                    b: bf.clone(),
+                    b0: mul(jv, u(2)),
+                })],
+            )],
+        ));
+        let body = vec![
+            let_(&a_base, a_word),
+            let_(&b_base, b_word),
+            for_const(&kk, k_len / 16, kbody),
+        ];
+        out.extend(self.for_used_warps(&info, body));
+        Ok(())
+    }
+
+    fn row_reduce(&mut self, acc: &str, op: Reduce, dst: &str, out: &mut Vec<Stmt>) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        let rows = info.decl.rows;
+        let scratch = self
+            .reduce_scratch
+            .clone()
+            .ok_or_else(|| self.err("row reduce without scratch".into()))?;
+        let combine = match op {
+            Reduce::Max => BinOp::Max,
+            Reduce::Sum => BinOp::Add,
+        };
+        let (i, h) = (self.fresh("mi"), self.fresh("half"));
+        let (iv, hv) = (var(&i, Ty::U32), var(&h, Ty::U32));
+        let x = self.fresh("red");
+        let xv = var(&x, Ty::F32);
+        // element k of the thread's row (i, h): fragments (i, j), values 2h, 2h + 1
+        let elem = |j: u32, e: u32| {
+            priv_load(
+                acc,
+                add(
+                    mul(add(mul(iv.clone(), u(info.fnw)), u(j)), u(4)),
+                    add(mul(hv.clone(), u(2)), u(e)),
+                ),
+            )
+        };
+        let mut inner = vec![Stmt::Var {
+            name: x.clone(),
+            value: bin(combine, elem(0, 0), elem(0, 1)),
+        }];
+        for j in 1..info.fnw {
+            for e in 0..2 {
+                inner.push(Stmt::Assign {
+                    name: x.clone(),
+                    value: bin(combine, xv.clone(), elem(j, e)),
+                });
+            }
+        }
+        for mask in [1, 2] {
+            let o = self.fresh("other");
+            inner.push(intr(Intrinsic::ShflXor {
+                dst: o.clone(),
+                value: xv.clone(),
+                lane_mask: mask,
+            }));
+            inner.push(Stmt::Assign {
+                name: x.clone(),
+                value: bin(combine, xv.clone(), var(&o, Ty::F32)),
+            });
+        }
+        let row = add(
+            add(info.row0.clone(), mul(iv, u(16))),
+            add(mul(hv, u(8)), self.lane.group.clone()),
+        );
+        inner.push(Stmt::If {
+            cond: bin(BinOp::Eq, self.lane.quad.clone(), u(0)),
+            then: vec![Stmt::SharedStore {
+                arr: scratch.clone(),
+                index: add(mul(info.wn.clone(), u(rows)), row),
+                value: xv,
+            }],
+            els: vec![],
+        });
+        let per_warp = for_const(&i, info.fmw, vec![for_const(&h, 2, inner)]);
+        out.extend(self.for_used_warps(&info, vec![per_warp]));
+        out.push(Stmt::Barrier);
+        // across the warps that share rows
+        let (r, g, y) = (self.fresh("r"), self.fresh("g"), self.fresh("red"));
+        let (r_v, g_v, y_v) = (var(&r, Ty::U32), var(&g, Ty::U32), var(&y, Ty::F32));
+        let mut final_body = vec![Stmt::Var {
+            name: y.clone(),
+            value: shared_load(&scratch, Ty::F32, r_v.clone()),
+        }];
+        if info.gn > 1 {
+            final_body.push(Stmt::For {
+                var: g.clone(),
+                start: u(1),
+                end: u(info.gn),
+                step: u(1),
+                body: vec![Stmt::Assign {
+                    name: y.clone(),
+                    value: bin(
+                        combine,
+                        y_v.clone(),
+                        shared_load(&scratch, Ty::F32, add(mul(g_v, u(rows)), r_v.clone())),
+                    ),
+                }],
+            });
+        }
+        final_body.push(Stmt::SharedStore {
+            arr: dst.into(),
+            index: r_v,
+            value: y_v,
+        });
+        out.push(Stmt::For {
+            var: r,
+            start: local_id(),
+            end: u(rows),
+            step: u(self.w),
+            body: final_body,
+        });
+        out.push(Stmt::Barrier);
+        Ok(())
+    }
+
+    fn shared_map(
+        &mut self,
+        dst: &str,
+        row: &str,
+        col: &str,
+        value: &Expr,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.tile(dst)?.clone();
+        let base = self.tile_base(&info)?;
+        let (rows, cols, stride, elem) =
+            (info.decl.rows, info.decl.cols, info.stride, info.decl.elem);
+        let value = self.expr(value)?;
+        let col_plus = |k: u32| {
+            let c = col.to_string();
+            value.clone().map(&mut |x| match x {
+                Expr::Var(ref n, Ty::U32) if *n == c => add(x, u(k)),
+                other => other,
+            })
+        };
+        // One thread per 32-bit word of the tile (padding excluded).
+        let per_word = 4 / elem.bytes();
+        let words_per_row = cols / per_word;
+        let idx = self.fresh("word_i");
+        let iv = var(&idx, Ty::U32);
+        let word_value = match elem {
+            TileElem::F32 => col_plus(0),
+            TileElem::Bf16 => Expr::Call(Func::PackBf16x2, vec![col_plus(0), col_plus(1)]),
+            TileElem::U8 => {
+                let mut w = bin(BinOp::BitAnd, col_plus(0), u(0xFF));
+                for k in 1..4 {
+                    let byte = bin(BinOp::BitAnd, col_plus(k), u(0xFF));
+                    w = bin(BinOp::BitOr, w, bin(BinOp::Shl, byte, u(8 * k)));
+                }
+                w
+            }
+        };
+        let rv = var(row, Ty::U32);
+        let cw = self.fresh("col_word");
+        out.push(Stmt::Barrier);
+        out.push(Stmt::For {
+            var: idx,
+            start: local_id(),
+            end: u(rows * words_per_row),
+            step: u(self.w),
+            body: vec![
+                let_(row, bin(BinOp::Div, iv.clone(), u(words_per_row))),
+                let_(&cw, bin(BinOp::Rem, iv, u(words_per_row))),
+                let_(col, mul(var(&cw, Ty::U32), u(per_word))),
+                Stmt::SharedStore {
+                    arr: dst.into(),
+                    index: add(add(base, mul(rv, u(stride))), var(&cw, Ty::U32)),
+                    value: word_value,
+                },
+            ],
+        });
+        out.push(Stmt::Barrier);
+        Ok(())
+    }
+}
+
+/// Element (row, col) of a shared tile in this lowering's layout.
+fn tile_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Expr {
+    let name = &info.decl.name;
+    let row_word = add(base, mul(row, u(info.stride)));
+    match info.decl.elem {
+        TileElem::F32 => shared_load(name, Ty::F32, add(row_word, col)),
+        TileElem::Bf16 => {
+            let word = shared_load(
+                name,
+                Ty::U32,
+                add(row_word, bin(BinOp::Shr, col.clone(), u(1))),
+            );
+            let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
+            bits_to_f32(bin(
+                BinOp::Shl,
+                bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFFFF)),
+                u(16),
+            ))
+        }
+        TileElem::U8 => {
+            let word = shared_load(
+                name,
+                Ty::U32,
+                add(row_word, bin(BinOp::Shr, col.clone(), u(2))),
+            );
+            let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(3)), u(8));
+            bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn padded_rows_are_an_odd_number_of_chunks() {
+        assert_eq!(padded_stride(1152), 73 * 4);
+        assert_eq!(padded_stride(64), 5 * 4);
+        assert_eq!(padded_stride(48), 3 * 4);
+    }
+
+    #[test]
+    fn warp_grid_keeps_warps_busy_and_reads_little() {
+        // O [16 x 512] over 4 warps: each warp a 16 x 128 strip
+        assert_eq!(warp_grid(1, 64, 4), (1, 4));
+        // O [32 x 512] over 8 warps: m32 x n64 per warp re-reads the least
+        assert_eq!(warp_grid(2, 64, 8), (1, 8));
+        // S [32 x 16] over 8 warps: 4 fragments, one per warp
+        assert_eq!(warp_grid(2, 2, 8), (2, 2));
+    }
+}
