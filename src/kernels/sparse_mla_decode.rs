@@ -81,12 +81,17 @@ impl DecodeConfig {
     /// one fits SM120's 101376 bytes of shared memory per block (the lowering checks):
     /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, 4 warps, a 2-deep ring of
     ///   gathered rows (2 x 37 KB) next to the q tile (18 KB);
-    /// - H > 16: 32 heads x 16 slots, 8 warps, a 3-deep ring: fewer CTAs read each row.
+    /// - H > 16: 32 heads x 16 slots, 8 warps, a 3-deep ring: fewer CTAs read each row;
+    /// - fp8_ds_mla: the same head blocks with rings of raw rows sized to fit beside the
+    ///   dequantised tile.
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
-        let (block_h, block_n, threads, stages) = if heads <= 16 {
-            (16, 32, 128, 2)
-        } else {
-            (32, 16, 256, 3)
+        // fp8: a ring of raw 656-byte rows, plus the tile they are dequantised into, which
+        // the mma lowering holds as two bf16 planes (hi + lo) of the f32 values.
+        let (block_h, block_n, threads, stages) = match (heads <= 16, format) {
+            (true, CacheFormat::Bf16) => (16, 32, 128, 2),
+            (true, CacheFormat::Fp8DsMla) => (16, 16, 128, 4),
+            (false, CacheFormat::Bf16) => (32, 16, 256, 3),
+            (false, CacheFormat::Fp8DsMla) => (32, 16, 256, 2),
         };
         DecodeConfig {
             dims,

@@ -6,7 +6,11 @@
 //! Layouts chosen here:
 //! - **shared tiles**: row-major, each row padded to an odd number of 16-byte chunks, so the 8
 //!   rows an `ldmatrix` reads fall in 8 different bank groups (conflict-free). A tile that a
-//!   pipeline's load stage gathers into is a ring of `stages` such tiles.
+//!   pipeline's load stage gathers into is a ring of `stages` such tiles. An f32 tile that is
+//!   an mma operand (e.g. fp8 rows dequantised by a `SharedMap`: e4m3 x an arbitrary f32
+//!   scale is not a bf16 value) is stored as two bf16 planes, `hi + lo`, and multiplied
+//!   twice, so the product keeps ~16 bits instead of bf16's 8 (scores accurate enough for
+//!   the lse tolerance).
 //! - **accumulators** `[M, N]` (M a multiple of 16, N of 8) are a grid of m16n8 fragments,
 //!   split over a `gm x gn` grid of warps; each warp holds a rectangle of fragments in the
 //!   PTX C layout: lane `l` holds rows `l/4` and `l/4 + 8`, columns `2(l%4)`, `2(l%4)+1`
@@ -70,6 +74,13 @@ pub fn lower(kernel: &Kernel, stages: u32) -> Result<Kernel> {
 #[derive(Clone)]
 struct TileInfo {
     decl: SharedTileDecl,
+    /// How elements are stored: the declared element, except that an F32 tile that feeds an
+    /// mma is kept as bf16 (see `split`).
+    store: TileElem,
+    /// An f32 mma operand held as two bf16 planes, `hi = bf16(v)` then `lo = bf16(v - hi)`
+    /// (`plane_words` apart): about 16 significant bits, so products with it stay close to
+    /// f32. Each mma with it is two tensor-core products.
+    split: bool,
     /// 32-bit words per (padded) row.
     stride: u32,
     /// Written by a pipeline's load stage: `stages` copies, addressed by the step's stage.
@@ -77,8 +88,13 @@ struct TileInfo {
 }
 
 impl TileInfo {
+    /// Words of one plane of one ring stage.
     fn words(&self) -> u32 {
         self.stride * self.decl.rows
+    }
+    /// Word offset of the `lo` plane of a split tile.
+    fn plane_words(&self) -> u32 {
+        self.words()
     }
 }
 
@@ -317,20 +333,44 @@ impl<'k> Cx<'k> {
                 });
             }
         });
+        // F32 tiles that are mma operands, and tiles anything gathers raw words into.
+        let (mut operands, mut gathered) = (HashSet::new(), HashSet::new());
+        visit_tile_ops(&kernel.body, &mut |op| match op {
+            TileOp::Mma { a, b, .. } => {
+                operands.insert(a.tile.clone());
+                operands.insert(b.tile.clone());
+            }
+            TileOp::GatherRows { dst, .. } => {
+                gathered.insert(dst.clone());
+            }
+            _ => {}
+        });
         for t in &kernel.shared_tiles {
-            let row_bytes = t.cols * t.elem.bytes();
+            let narrow = t.elem == TileElem::F32 && operands.contains(&t.name);
+            if narrow && gathered.contains(&t.name) {
+                return Err(cx.err(format!(
+                    "tile {} is f32, an mma operand and gathered into: the mma lowering keeps \
+                     f32 operand tiles in bf16, so it cannot take raw f32 words; gather bf16 \
+                     rows or convert them with a shared_map first",
+                    t.name
+                )));
+            }
+            let store = if narrow { TileElem::Bf16 } else { t.elem };
+            let row_bytes = t.cols * store.bytes();
             if row_bytes % 4 != 0 {
                 return Err(cx.err(format!("tile {} rows are not whole words", t.name)));
             }
             let info = TileInfo {
                 decl: t.clone(),
+                store,
+                split: narrow,
                 stride: padded_stride(row_bytes),
                 ringed: ringed.contains(&t.name),
             };
-            let copies = if info.ringed { stages } else { 1 };
+            let copies = if info.ringed { stages } else { 1 } * if narrow { 2 } else { 1 };
             cx.new_shared.push(SharedDecl {
                 name: t.name.clone(),
-                ty: if t.elem == TileElem::F32 {
+                ty: if store == TileElem::F32 {
                     Ty::F32
                 } else {
                     Ty::U32
@@ -586,6 +626,15 @@ impl<'k> Cx<'k> {
                     }
                 }
             }
+            Expr::TileWord { tile, row, word } => {
+                match self.tile(&tile).and_then(|t| Ok((t, self.tile_base(t)?))) {
+                    Ok((info, base)) => tile_word(info, base, *row, *word),
+                    Err(err) => {
+                        failure = Some(err);
+                        Expr::U32(0)
+                    }
+                }
+            }
             other => other,
         });
         match failure {
@@ -715,7 +764,10 @@ impl<'k> Cx<'k> {
                         "accumulator {acc} written into {dst}, a tile a pipeline gathers into"
                     )));
                 }
-                let (stride, elem) = (info.stride, info.decl.elem);
+                let (stride, elem, plane) = (info.stride, info.store, info.plane_words());
+                let split = info
+                    .split
+                    .then(|| ["x0", "x1", "hi"].map(|n| self.fresh(n)));
                 let (row, col) = (self.fresh("row"), self.fresh("col"));
                 let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
                 let acc_name = acc.clone();
@@ -724,6 +776,11 @@ impl<'k> Cx<'k> {
                     let v0 = priv_load(&acc_name, at.clone());
                     let v1 = priv_load(&acc_name, add(at, u(1)));
                     Ok(match elem {
+                        TileElem::Bf16 if split.is_some() => {
+                            let at = add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1)));
+                            let names = split.clone().unwrap_or_default();
+                            split_store(&dst_name, at, plane, v0, v1, &names)
+                        }
                         TileElem::Bf16 => vec![Stmt::SharedStore {
                             arr: dst_name.clone(),
                             index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
@@ -754,8 +811,10 @@ impl<'k> Cx<'k> {
                 dst,
                 row,
                 col,
+                col0,
+                cols,
                 value,
-            } => self.shared_map(dst, row, col, value, out)?,
+            } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
             TileOp::Pipeline {
                 var: v,
                 count,
@@ -980,7 +1039,7 @@ impl<'k> Cx<'k> {
         let ta = self.tile(&a.tile)?.clone();
         let tb = self.tile(&b.tile)?.clone();
         for t in [&ta, &tb] {
-            if t.decl.elem != TileElem::Bf16 {
+            if t.store != TileElem::Bf16 {
                 return Err(self.err(format!(
                     "mma into {acc}: the tensor-core lowering multiplies bf16 tiles; {} is {:?} \
                      (use a bf16 tile, e.g. p_elem = Bf16)",
@@ -1009,8 +1068,26 @@ impl<'k> Cx<'k> {
         let (fmw, fnw) = (info.fmw, info.fnw);
         let ab = self.tile_base(&ta)?;
         let bb = self.tile_base(&tb)?;
-        let af = self.private("a_frag", Ty::U32, 4 * fmw);
-        let bf = self.private("b_frag", Ty::U32, 2 * fnw);
+        // Split (hi + lo) operands: one product per plane pair, the lo x lo term dropped.
+        let a_planes: Vec<u32> = if ta.split {
+            vec![0, ta.plane_words()]
+        } else {
+            vec![0]
+        };
+        let b_planes: Vec<u32> = if tb.split {
+            vec![0, tb.plane_words()]
+        } else {
+            vec![0]
+        };
+        let mut products = vec![(0usize, 0usize)];
+        if tb.split {
+            products.push((0, 1));
+        }
+        if ta.split {
+            products.push((1, 0));
+        }
+        let af = self.private("a_frag", Ty::U32, 4 * fmw * a_planes.len() as u32);
+        let bf = self.private("b_frag", Ty::U32, 2 * fnw * b_planes.len() as u32);
         let (a_base, b_base) = (self.fresh("a_lane_word"), self.fresh("b_lane_word"));
         let l = &self.lane;
         // Word of the first row this lane addresses, at k = 0.
@@ -1051,74 +1128,78 @@ impl<'k> Cx<'k> {
             var(&j, Ty::U32),
         );
         let trans = layout == BLayout::KN;
-        let mut kbody = vec![for_const(
-            &i,
-            fmw,
-            vec![intr(Intrinsic::LdMatrix {
-                count: 4,
-                trans: false,
-                arr: a.tile.clone(),
-                word: add(
-                    var(&a_base, Ty::U32),
-                    add(mul(iv.clone(), u(16 * sa)), mul(kkv.clone(), u(8))),
-                ),
-                dst: af.clone(),
-                dst0: mul(iv.clone(), u(4)),
-            })],
-        )];
-        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4, an odd last one in .x2
-        let b_at = |n_tile: Expr| -> Expr {
-            match layout {
-                BLayout::NK => add(
-                    var(&b_base, Ty::U32),
-                    add(mul(n_tile, u(8 * sb)), mul(kkv.clone(), u(8))),
-                ),
-                BLayout::KN => add(
-                    var(&b_base, Ty::U32),
-                    add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4))),
-                ),
-            }
-        };
-        if fnw >= 2 {
+        let mut kbody = Vec::new();
+        for (p, plane) in a_planes.iter().enumerate() {
+            let p = p as u32;
             kbody.push(for_const(
-                &jp,
-                fnw / 2,
+                &i,
+                fmw,
                 vec![intr(Intrinsic::LdMatrix {
                     count: 4,
-                    trans,
-                    arr: b.tile.clone(),
-                    word: b_at(mul(jpv.clone(), u(2))),
-                    dst: bf.clone(),
-                    dst0: mul(jpv, u(4)),
+                    trans: false,
+                    arr: a.tile.clone(),
+                    word: add(
+                        add(var(&a_base, Ty::U32), u(*plane)),
+                        add(mul(iv.clone(), u(16 * sa)), mul(kkv.clone(), u(8))),
+                    ),
+                    dst: af.clone(),
+                    dst0: add(mul(iv.clone(), u(4)), u(4 * fmw * p)),
                 })],
             ));
         }
-        if fnw % 2 == 1 {
-            kbody.push(intr(Intrinsic::LdMatrix {
-                count: 2,
-                trans,
-                arr: b.tile.clone(),
-                word: b_at(u(fnw - 1)),
-                dst: bf.clone(),
-                dst0: u(2 * (fnw - 1)),
-            }));
+        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4, an odd last one in .x2
+        let b_at = |n_tile: Expr, plane: u32| -> Expr {
+            let base = add(var(&b_base, Ty::U32), u(plane));
+            match layout {
+                BLayout::NK => add(base, add(mul(n_tile, u(8 * sb)), mul(kkv.clone(), u(8)))),
+                BLayout::KN => add(base, add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4)))),
+            }
+        };
+        for (q, plane) in b_planes.iter().enumerate() {
+            let q0 = 2 * fnw * q as u32;
+            if fnw >= 2 {
+                kbody.push(for_const(
+                    &jp,
+                    fnw / 2,
+                    vec![intr(Intrinsic::LdMatrix {
+                        count: 4,
+                        trans,
+                        arr: b.tile.clone(),
+                        word: b_at(mul(jpv.clone(), u(2)), *plane),
+                        dst: bf.clone(),
+                        dst0: add(mul(jpv.clone(), u(4)), u(q0)),
+                    })],
+                ));
+            }
+            if fnw % 2 == 1 {
+                kbody.push(intr(Intrinsic::LdMatrix {
+                    count: 2,
+                    trans,
+                    arr: b.tile.clone(),
+                    word: b_at(u(fnw - 1), *plane),
+                    dst: bf.clone(),
+                    dst0: u(q0 + 2 * (fnw - 1)),
+                }));
+            }
         }
-        kbody.push(for_const(
-            &i,
-            fmw,
-            vec![for_const(
-                &j,
-                fnw,
-                vec![intr(Intrinsic::MmaBf16 {
-                    c: acc.to_string(),
-                    c0: mul(add(mul(iv.clone(), u(fnw)), jv.clone()), u(4)),
-                    a: af.clone(),
-                    a0: mul(iv.clone(), u(4)),
-                    b: bf.clone(),
-                    b0: mul(jv, u(2)),
-                })],
-            )],
-        ));
+        for (p, q) in products {
+            kbody.push(for_const(
+                &i,
+                fmw,
+                vec![for_const(
+                    &j,
+                    fnw,
+                    vec![intr(Intrinsic::MmaBf16 {
+                        c: acc.to_string(),
+                        c0: mul(add(mul(iv.clone(), u(fnw)), jv.clone()), u(4)),
+                        a: af.clone(),
+                        a0: add(mul(iv.clone(), u(4)), u(4 * fmw * p as u32)),
+                        b: bf.clone(),
+                        b0: add(mul(jv.clone(), u(2)), u(2 * fnw * q as u32)),
+                    })],
+                )],
+            ));
+        }
         let body = vec![
             let_(&a_base, a_word),
             let_(&b_base, b_word),
@@ -1232,18 +1313,32 @@ impl<'k> Cx<'k> {
         Ok(())
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn shared_map(
         &mut self,
         dst: &str,
         row: &str,
         col: &str,
+        (col0, cols): (u32, u32),
         value: &Expr,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let info = self.tile(dst)?.clone();
         let base = self.tile_base(&info)?;
-        let (rows, cols, stride, elem) =
-            (info.decl.rows, info.decl.cols, info.stride, info.decl.elem);
+        let (rows, stride, elem) = (info.decl.rows, info.stride, info.store);
+        let per_word = 4 / elem.bytes();
+        if col0 % per_word != 0 || cols % per_word != 0 || col0 + cols > info.decl.cols {
+            return Err(self.err(format!(
+                "shared_map into {dst}: columns {col0}..{} are not whole words of its {} storage",
+                col0 + cols,
+                if info.store != info.decl.elem {
+                    "bf16"
+                } else {
+                    "row"
+                }
+            )));
+        }
+        let (word0, words_per_row) = (col0 / per_word, cols / per_word);
         let value = self.expr(value)?;
         let col_plus = |k: u32| {
             let c = col.to_string();
@@ -1252,9 +1347,7 @@ impl<'k> Cx<'k> {
                 other => other,
             })
         };
-        // One thread per 32-bit word of the tile (padding excluded).
-        let per_word = 4 / elem.bytes();
-        let words_per_row = cols / per_word;
+        // One thread per 32-bit word of the window (padding excluded).
         let idx = self.fresh("word_i");
         let iv = var(&idx, Ty::U32);
         let word_value = match elem {
@@ -1271,33 +1364,97 @@ impl<'k> Cx<'k> {
         };
         let rv = var(row, Ty::U32);
         let cw = self.fresh("col_word");
+        let at = add(add(base, mul(rv.clone(), u(stride))), var(&cw, Ty::U32));
+        let store = if info.split {
+            let names = ["x0", "x1", "hi"].map(|n| self.fresh(n));
+            split_store(
+                dst,
+                at,
+                info.plane_words(),
+                col_plus(0),
+                col_plus(1),
+                &names,
+            )
+        } else {
+            vec![Stmt::SharedStore {
+                arr: dst.into(),
+                index: at,
+                value: word_value,
+            }]
+        };
         out.push(Stmt::Barrier);
         out.push(Stmt::For {
             var: idx,
             start: local_id(),
             end: u(rows * words_per_row),
             step: u(self.w),
-            body: vec![
-                let_(row, bin(BinOp::Div, iv.clone(), u(words_per_row))),
-                let_(&cw, bin(BinOp::Rem, iv, u(words_per_row))),
-                let_(col, mul(var(&cw, Ty::U32), u(per_word))),
-                Stmt::SharedStore {
-                    arr: dst.into(),
-                    index: add(add(base, mul(rv, u(stride))), var(&cw, Ty::U32)),
-                    value: word_value,
-                },
-            ],
+            body: [
+                vec![
+                    let_(row, bin(BinOp::Div, iv.clone(), u(words_per_row))),
+                    let_(&cw, add(bin(BinOp::Rem, iv, u(words_per_row)), u(word0))),
+                    let_(col, mul(var(&cw, Ty::U32), u(per_word))),
+                ],
+                store,
+            ]
+            .concat(),
         });
         out.push(Stmt::Barrier);
         Ok(())
     }
 }
 
+/// `hi` then `lo` words of two f32 values in a split tile: `hi = bf16x2(v0, v1)`,
+/// `lo = bf16x2(v0 - hi0, v1 - hi1)`. `names`: fresh names for v0, v1 and hi.
+fn split_store(
+    arr: &str,
+    at: Expr,
+    plane: u32,
+    v0: Expr,
+    v1: Expr,
+    names: &[String; 3],
+) -> Vec<Stmt> {
+    let [x0, x1, hi] = names;
+    let (x0v, x1v, hiv) = (var(x0, Ty::F32), var(x1, Ty::F32), var(hi, Ty::U32));
+    let hi0 = bits_to_f32(bin(BinOp::Shl, hiv.clone(), u(16)));
+    let hi1 = bits_to_f32(bin(BinOp::BitAnd, hiv.clone(), u(0xFFFF_0000)));
+    vec![
+        let_(x0, v0),
+        let_(x1, v1),
+        let_(
+            hi,
+            Expr::Call(Func::PackBf16x2, vec![x0v.clone(), x1v.clone()]),
+        ),
+        Stmt::SharedStore {
+            arr: arr.into(),
+            index: at.clone(),
+            value: hiv,
+        },
+        Stmt::SharedStore {
+            arr: arr.into(),
+            index: add(at, u(plane)),
+            value: Expr::Call(
+                Func::PackBf16x2,
+                vec![bin(BinOp::Sub, x0v, hi0), bin(BinOp::Sub, x1v, hi1)],
+            ),
+        },
+    ]
+}
+
 /// Element (row, col) of a shared tile in this lowering's layout.
 fn tile_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Expr {
+    if info.split {
+        let hi = bf16_elem(info, base.clone(), row.clone(), col.clone());
+        let lo = bf16_elem(info, add(base, u(info.plane_words())), row, col);
+        return bin(BinOp::Add, hi, lo);
+    }
+    bf16_elem(info, base, row, col)
+}
+
+/// Element (row, col) of one plane of a shared tile.
+fn bf16_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Expr {
     let name = &info.decl.name;
     let row_word = add(base, mul(row, u(info.stride)));
-    match info.decl.elem {
+    match info.store {
         TileElem::F32 => shared_load(name, Ty::F32, add(row_word, col)),
         TileElem::Bf16 => {
             let word = shared_load(
@@ -1321,6 +1478,24 @@ fn tile_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Expr {
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(3)), u(8));
             bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF))
         }
+    }
+}
+
+/// Word `word` of row `row` of a shared tile, as u32 (for an f32 tile kept in split bf16
+/// planes: the bits of `hi + lo`).
+fn tile_word(info: &TileInfo, base: Expr, row: Expr, word: Expr) -> Expr {
+    let name = &info.decl.name;
+    let row_word = add(base, mul(row, u(info.stride)));
+    match (info.decl.elem, info.store) {
+        (TileElem::F32, TileElem::F32) => Expr::Call(
+            Func::F32Bits,
+            vec![shared_load(name, Ty::F32, add(row_word, word))],
+        ),
+        (TileElem::F32, _) => {
+            // f32 element `word` is column `word` of the split planes
+            Expr::Call(Func::F32Bits, vec![tile_elem(info, row_word, u(0), word)])
+        }
+        _ => shared_load(name, Ty::U32, add(row_word, word)),
     }
 }
 

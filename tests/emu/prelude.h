@@ -146,6 +146,7 @@ static inline float __uint_as_float(unsigned u) {
     memcpy(&f, &u, 4);
     return f;
 }
+static inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 static inline unsigned __float_as_uint(float f) {
     unsigned u;
     memcpy(&u, &f, 4);
