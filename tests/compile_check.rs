@@ -1,11 +1,14 @@
 //! Every kernel of the standard set compiles: CUDA C through NVRTC all the way to machine code
 //! (so ptxas checks the inline PTX) for sm_80, sm_89, sm_90 and sm_120; WGSL through naga's
-//! full validation, within the portable 16 KiB of workgroup memory and 256 invocations.
+//! full validation, within the portable 16 KiB of workgroup memory and 256 invocations. Every
+//! CUDA kernel prints its ptxas report and must not spill or need more than SM120's 101376 B
+//! of shared memory per block.
 
 mod common;
 
 use sparse_mla::emit::{cuda, wgsl};
 use sparse_mla::kernels::{standard_set, Target};
+use sparse_mla::kir::lower_mma::{shared_layout, MAX_SHARED_BYTES};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
@@ -38,11 +41,28 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                         .filter(|l| l.contains("registers") || l.contains("spill"))
                         .map(str::trim)
                         .collect();
+                    let (_, smem) = shared_layout(&k.kernel.shared);
                     eprintln!(
-                        "NVRTC {major}.{minor} {arch} {}: {}",
+                        "NVRTC {major}.{minor} {arch} {}: {} | shared {smem} B",
                         k.kernel.name,
                         report.join(" | ")
                     );
+                    if report.iter().any(|l| {
+                        l.contains("spill")
+                            && !l.contains("0 bytes spill stores, 0 bytes spill loads")
+                    }) {
+                        failures.push(format!(
+                            "{arch} {}: spills: {}",
+                            k.kernel.name,
+                            report.join(" | ")
+                        ));
+                    }
+                    if smem > MAX_SHARED_BYTES {
+                        failures.push(format!(
+                            "{arch} {}: {smem} B of shared memory > {MAX_SHARED_BYTES} (SM120)",
+                            k.kernel.name
+                        ));
+                    }
                 }
                 Err(e) => failures.push(format!("{arch} {}: {e}", k.kernel.name)),
             }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the binaries that tools/gpu-check.sh runs on a GPU machine (which has no cargo),
-# stripped, into target/gpu/: mla-check, mla-run, and the GPU test binaries.
+# stripped, into target/gpu/: mla-check, mla-run, mla-bench, and the GPU test binaries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --profile gpu --bin mla-check --bin mla-run
-ls -la target/gpu/mla-check target/gpu/mla-run
+cargo build --profile gpu --bin mla-check --bin mla-run --bin mla-bench
+ls -la target/gpu/mla-check target/gpu/mla-run target/gpu/mla-bench

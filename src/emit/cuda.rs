@@ -200,7 +200,8 @@ static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
 static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    // not volatile: a pure function of its registers, which the compiler may schedule
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
@@ -264,7 +265,13 @@ impl Printer<'_> {
         let args = buffer_params(k).join(", ");
         self.line(&format!(
             "extern \"C\" __global__ void __launch_bounds__({}) {}(const {}_params p, {args}) {{",
-            k.workgroup_size, k.name, k.name
+            if k.min_workgroups > 0 {
+                format!("{}, {}", k.workgroup_size, k.min_workgroups)
+            } else {
+                k.workgroup_size.to_string()
+            },
+            k.name,
+            k.name
         ));
         self.indent += 1;
         if dynamic > 0 {

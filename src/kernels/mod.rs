@@ -153,5 +153,39 @@ pub fn standard_set() -> Result<Vec<StandardKernel>> {
             note: "virtual block table: logical top-k positions -> physical slots".into(),
         });
     }
+    out.extend(tensor_core_set()?);
+    Ok(out)
+}
+
+/// The tensor-core split kernels the CUDA backend runs (both head ranges, both formats, with
+/// and without the combine); their combine is the scalar set's.
+fn tensor_core_set() -> Result<Vec<StandardKernel>> {
+    use crate::kir::lower;
+    use crate::mla::{CacheFormat, MlaDims};
+    use sparse_mla_decode::{split_kernel, DecodeConfig};
+    let mut out = Vec::new();
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {
+            for final_output in [false, true] {
+                let config = DecodeConfig {
+                    final_output,
+                    ..DecodeConfig::tensor_core(MlaDims::PRODUCTION, format, heads)
+                };
+                out.push(StandardKernel {
+                    target: Target::Cuda,
+                    kernel: lower(&split_kernel(&config)?, config.lowering)?,
+                    note: format!(
+                        "sparse decode, {} cache, tensor cores ({range}), {}",
+                        format.name(),
+                        if final_output {
+                            "one split: writes out and lse directly"
+                        } else {
+                            "split stage: writes per-split partials for the combine"
+                        }
+                    ),
+                });
+            }
+        }
+    }
     Ok(out)
 }

@@ -302,6 +302,7 @@ impl KernelBuilder {
                 shared_tiles: Vec::new(),
                 acc_tiles: Vec::new(),
                 body: Vec::new(),
+                min_workgroups: 0,
             },
             blocks: vec![Vec::new()],
             names: HashMap::new(),

@@ -643,6 +643,9 @@ pub struct Kernel {
     pub shared_tiles: Vec<SharedTileDecl>,
     pub acc_tiles: Vec<AccTileDecl>,
     pub body: Vec<Stmt>,
+    /// Register-allocation hint: at least this many workgroups should fit one multiprocessor
+    /// (CUDA's `__launch_bounds__(threads, n)`); 0 leaves it to the compiler.
+    pub min_workgroups: u32,
 }
 
 impl Kernel {

@@ -1087,7 +1087,7 @@ impl<'k> Cx<'k> {
             products.push((1, 0));
         }
         let af = self.private("a_frag", Ty::U32, 4 * fmw * a_planes.len() as u32);
-        let bf = self.private("b_frag", Ty::U32, 2 * fnw * b_planes.len() as u32);
+        let bf = self.private("b_frag", Ty::U32, 4 * b_planes.len() as u32);
         let (a_base, b_base) = (self.fresh("a_lane_word"), self.fresh("b_lane_word"));
         let l = &self.lane;
         // Word of the first row this lane addresses, at k = 0.
@@ -1147,7 +1147,8 @@ impl<'k> Cx<'k> {
                 })],
             ));
         }
-        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4, an odd last one in .x2
+        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4 (an odd last one in .x2),
+        // each pair used by its mma right away so only 4 B registers per plane stay live.
         let b_at = |n_tile: Expr, plane: u32| -> Expr {
             let base = add(var(&b_base, Ty::U32), u(plane));
             match layout {
@@ -1155,50 +1156,52 @@ impl<'k> Cx<'k> {
                 BLayout::KN => add(base, add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4)))),
             }
         };
-        for (q, plane) in b_planes.iter().enumerate() {
-            let q0 = 2 * fnw * q as u32;
-            if fnw >= 2 {
-                kbody.push(for_const(
-                    &jp,
-                    fnw / 2,
-                    vec![intr(Intrinsic::LdMatrix {
-                        count: 4,
-                        trans,
-                        arr: b.tile.clone(),
-                        word: b_at(mul(jpv.clone(), u(2)), *plane),
-                        dst: bf.clone(),
-                        dst0: add(mul(jpv.clone(), u(4)), u(q0)),
-                    })],
-                ));
-            }
-            if fnw % 2 == 1 {
-                kbody.push(intr(Intrinsic::LdMatrix {
-                    count: 2,
+        // (first n tile, tiles in this group, its loop variable if any)
+        let mut groups: Vec<(Expr, u32)> = Vec::new();
+        if fnw >= 2 {
+            groups.push((mul(jpv.clone(), u(2)), 2));
+        }
+        if fnw % 2 == 1 {
+            groups.push((u(fnw - 1), 1));
+        }
+        for (gi, (n0, count)) in groups.into_iter().enumerate() {
+            let mut body = Vec::new();
+            for (q, plane) in b_planes.iter().enumerate() {
+                body.push(intr(Intrinsic::LdMatrix {
+                    count: 2 * count,
                     trans,
                     arr: b.tile.clone(),
-                    word: b_at(u(fnw - 1), *plane),
+                    word: b_at(n0.clone(), *plane),
                     dst: bf.clone(),
-                    dst0: u(q0 + 2 * (fnw - 1)),
+                    dst0: u(4 * q as u32),
                 }));
             }
-        }
-        for (p, q) in products {
-            kbody.push(for_const(
-                &i,
-                fmw,
-                vec![for_const(
-                    &j,
-                    fnw,
-                    vec![intr(Intrinsic::MmaBf16 {
-                        c: acc.to_string(),
-                        c0: mul(add(mul(iv.clone(), u(fnw)), jv.clone()), u(4)),
-                        a: af.clone(),
-                        a0: add(mul(iv.clone(), u(4)), u(4 * fmw * p as u32)),
-                        b: bf.clone(),
-                        b0: add(mul(jv.clone(), u(2)), u(2 * fnw * q as u32)),
-                    })],
-                )],
-            ));
+            for &(p, q) in &products {
+                body.push(for_const(
+                    &i,
+                    fmw,
+                    vec![for_const(
+                        &j,
+                        count,
+                        vec![intr(Intrinsic::MmaBf16 {
+                            c: acc.to_string(),
+                            c0: mul(
+                                add(mul(iv.clone(), u(fnw)), add(n0.clone(), jv.clone())),
+                                u(4),
+                            ),
+                            a: af.clone(),
+                            a0: add(mul(iv.clone(), u(4)), u(4 * fmw * p as u32)),
+                            b: bf.clone(),
+                            b0: add(mul(jv.clone(), u(2)), u(4 * q as u32)),
+                        })],
+                    )],
+                ));
+            }
+            if gi == 0 && fnw >= 2 {
+                kbody.push(for_const(&jp, fnw / 2, body));
+            } else {
+                kbody.extend(body);
+            }
         }
         let body = vec![
             let_(&a_base, a_word),

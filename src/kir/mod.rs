@@ -27,7 +27,8 @@ pub enum Lowering {
     /// into a ring of `stages` shared-memory buffers inside a pipeline. Only the SM120 common
     /// instruction set (sm_80 and later); at most [`lower_mma::MAX_SHARED_BYTES`] of shared
     /// memory per block.
-    Mma { stages: u32 },
+    /// `min_workgroups`: the register-allocation hint of the lowered kernel (0: none).
+    Mma { stages: u32, min_workgroups: u32 },
 }
 
 impl Lowering {
@@ -43,6 +44,13 @@ impl Lowering {
 pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
     match lowering {
         Lowering::Scalar => lower_scalar::lower(kernel),
-        Lowering::Mma { stages } => lower_mma::lower(kernel, stages),
+        Lowering::Mma {
+            stages,
+            min_workgroups,
+        } => {
+            let mut k = lower_mma::lower(kernel, stages)?;
+            k.min_workgroups = min_workgroups;
+            Ok(k)
+        }
     }
 }

@@ -1,0 +1,820 @@
+//! mla-bench: sparse MLA decode on the CUDA GPU, against the roofline (DESIGN §8), the scalar
+//! lowering and a PyTorch peer, every timed row next to its correctness check on the same
+//! inputs.
+
+use clap::Parser;
+use cudarc::driver::{result as drv, sys as drv_sys, CudaEvent, CudaSlice};
+use sparse_mla::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan};
+use sparse_mla::kernels::{pack_params, Launch, ParamValue};
+use sparse_mla::kir::builder::*;
+use sparse_mla::kir::ir::{Access, Elem, Kernel, Ty};
+use sparse_mla::kir::Lowering;
+use sparse_mla::mla::{CacheFormat, DecodeLayout, DecodeShape, MlaDims};
+use sparse_mla::reference::numerics::{bf16_bits, bf16_from_bits};
+use sparse_mla::reference::sparse_mla::{decode as reference_decode, DecodeInputs};
+use sparse_mla::runtime::cuda::CudaDevice;
+use sparse_mla::runtime::gpu::Device;
+use sparse_mla::util::{rel_l2, Rng};
+use sparse_mla::{Error, Result};
+use std::collections::HashMap;
+use std::process::ExitCode;
+
+/// Time sparse MLA decode (topk 2048, page 64) over a cache of random rows at random distinct
+/// slots (≥ 2 GiB), with CUDA events around each call, L2 flushed before each, input sets
+/// rotated; report the median against the roofline (4.3 TB/s, 645 TFLOP/s mma.sync bf16),
+/// beside the scalar lowering and a PyTorch peer (tools/peer_bench.py) on the same shapes.
+/// Each row carries a check of that run's output against the float64 reference (a few
+/// tokens, all heads).
+#[derive(Parser, Debug)]
+#[command(version, verbatim_doc_comment)]
+struct Args {
+    /// Head counts.
+    #[arg(long, value_delimiter = ',', default_value = "8,16,64,128")]
+    heads: Vec<u32>,
+    /// Token counts (batch x s_q).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128")]
+    tokens: Vec<u32>,
+    /// Cache formats: bf16, fp8_ds_mla.
+    #[arg(long, value_delimiter = ',', default_value = "bf16,fp8_ds_mla")]
+    cache: Vec<String>,
+    #[arg(long, default_value_t = 2048)]
+    topk: u32,
+    /// Timed repetitions per row (median reported).
+    #[arg(long, default_value_t = 50)]
+    reps: usize,
+    /// Untimed runs before timing.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Cache size in GiB per format (random slots are drawn over all of it).
+    #[arg(long, default_value_t = 2.25)]
+    cache_gib: f64,
+    /// Tokens checked against the float64 reference per row.
+    #[arg(long, default_value_t = 2)]
+    check_tokens: u32,
+    /// Skip the scalar-lowering rows.
+    #[arg(long)]
+    no_scalar: bool,
+    /// Skip the PyTorch peer.
+    #[arg(long)]
+    no_peer: bool,
+    /// The peer script.
+    #[arg(long, default_value = "tools/peer_bench.py")]
+    peer: String,
+    /// Force the split count of the tensor-core rows (default: the heuristic).
+    #[arg(long)]
+    splits: Option<u32>,
+    /// Time these split counts for every row instead (tensor-core only), e.g. 1,2,4,8.
+    #[arg(long, value_delimiter = ',')]
+    sweep_splits: Vec<u32>,
+    /// Override the tensor-core config: block_h x block_n x warps x stages [x min workgroups
+    /// per SM], e.g. 16x32x4x2.
+    #[arg(long)]
+    config: Option<String>,
+}
+
+const ROOF_BYTES: f64 = 4.3e12;
+const ROOF_FLOPS: f64 = 645e12;
+const PAGE: u32 = 64;
+/// Words of junk written before each timed call so the cache rows are not in L2 (60 MB).
+const FLUSH_BYTES: usize = 256 << 20;
+/// Input sets (q, indices) rotated between repetitions.
+const SETS: usize = 4;
+
+/// DESIGN §8: best peer on the H200 (bf16, topk 2048), µs.
+fn design_best_peer(h: u32, t: u32) -> Option<f64> {
+    match (h, t) {
+        (8, 1) => Some(23.1),
+        (8, 32) => Some(45.2),
+        (8, 128) => Some(127.9),
+        (16, 128) => Some(131.6),
+        (64, 32) => Some(120.7),
+        (64, 128) => Some(428.1),
+        (128, 8) => Some(65.5),
+        (128, 32) => Some(213.8),
+        (128, 128) => Some(838.1),
+        _ => None,
+    }
+}
+
+fn main() -> ExitCode {
+    env_logger::init();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mla-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ---------------------------------------------------------------- random cache rows
+
+/// lowbias32: a stateless 32-bit hash, the same on the GPU (fill kernel) and the host (check).
+fn hash_host(x: u32) -> u32 {
+    let mut x = x;
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+fn hash_expr(b: &mut KernelBuilder, x: sparse_mla::kir::ir::Expr) -> sparse_mla::kir::ir::Expr {
+    let x = b.let_("h", x.clone() ^ (x >> u(16)));
+    let x = b.let_("h", x * u(0x7feb_352d));
+    let x = b.let_("h", x.clone() ^ (x >> u(15)));
+    let x = b.let_("h", x * u(0x846c_a68b));
+    b.let_("h", x.clone() ^ (x >> u(16)))
+}
+
+/// Uniform in [-1, 1), exact in f32 (so bf16 rounding agrees on host and GPU).
+fn unit_host(h: u32) -> f32 {
+    f32::from_bits(0x3F80_0000 | (h >> 9)) * 2.0 - 3.0
+}
+
+/// An e4m3fn byte with exponent field 4..=11 (magnitudes 2^-3 .. 30): never NaN.
+fn e4m3_byte_host(h: u32) -> u32 {
+    (h & 0x87) | ((4 + ((h >> 3) & 7)) << 3)
+}
+
+/// Word `i` of the cache (all rows packed) as the fill kernel writes it.
+fn cache_word_host(format: CacheFormat, seed: u32, i: u32) -> u32 {
+    let pair = |i: u32| {
+        let lo = bf16_bits(unit_host(hash_host((2 * i) ^ seed))) as u32;
+        let hi = bf16_bits(unit_host(hash_host((2 * i + 1) ^ seed))) as u32;
+        lo | (hi << 16)
+    };
+    match format {
+        CacheFormat::Bf16 => pair(i),
+        CacheFormat::Fp8DsMla => {
+            let w = i % 164;
+            if w < 128 {
+                (0..4)
+                    .map(|k| e4m3_byte_host(hash_host((4 * i + k) ^ seed)) << (8 * k))
+                    .fold(0, |a, b| a | b)
+            } else if w < 132 {
+                // scale in [1/16, 1/8)
+                (f32::from_bits(0x3F80_0000 | (hash_host(i ^ seed) >> 9)) * 0.0625).to_bits()
+            } else {
+                pair(i)
+            }
+        }
+    }
+}
+
+/// The kir kernel that fills a cache buffer with [`cache_word_host`]'s words.
+fn fill_kernel(format: CacheFormat) -> Result<Kernel> {
+    let mut b = KernelBuilder::new(format!("bench_fill_cache_{}", format.name()), 256);
+    b.doc(
+        "Benchmark input: cache words from a stateless hash (mla-bench checks them on the host).",
+    );
+    let n = b.param("n_words", Ty::U32, "words to write");
+    let seed = b.param("seed", Ty::U32, "hash seed");
+    let cache = b.buffer("cache", Elem::U32, Access::ReadWrite, "[n_words]");
+    let start = b.let_("start", workgroup_id(0) * u(256) + local_id());
+    let stride = b.let_("stride", num_workgroups(0) * u(256));
+    b.for_("i", start, n, stride, |b, i| {
+        let unit = |b: &mut KernelBuilder, k: sparse_mla::kir::ir::Expr| {
+            let h = hash_expr(b, k ^ seed.clone());
+            f32_from_bits(u(0x3F80_0000) | (h >> u(9))) * f(2.0) - f(3.0)
+        };
+        let pair = |b: &mut KernelBuilder| {
+            let lo = unit(b, u(2) * i.clone());
+            let lo = b.let_("lo", lo);
+            let hi = unit(b, u(2) * i.clone() + u(1));
+            let hi = b.let_("hi", hi);
+            pack_bf16x2(lo, hi)
+        };
+        match format {
+            CacheFormat::Bf16 => {
+                let w = pair(b);
+                b.store(&cache, i.clone(), w);
+            }
+            CacheFormat::Fp8DsMla => {
+                let w = b.let_("w", i.clone() % u(164));
+                b.if_else(
+                    w.clone().lt(u(128)),
+                    |b| {
+                        let word = b.var("word", u(0));
+                        for k in 0..4 {
+                            let h = hash_expr(b, (u(4) * i.clone() + u(k)) ^ seed.clone());
+                            let byte =
+                                (h.clone() & u(0x87)) | ((u(4) + ((h >> u(3)) & u(7))) << u(3));
+                            b.set(&word, word.clone() | (byte << u(8 * k)));
+                        }
+                        b.store(&cache, i.clone(), word);
+                    },
+                    |b| {
+                        b.if_else(
+                            w.lt(u(132)),
+                            |b| {
+                                let h = hash_expr(b, i.clone() ^ seed.clone());
+                                let s = f32_from_bits(u(0x3F80_0000) | (h >> u(9))) * f(0.0625);
+                                b.store(&cache, i.clone(), f32_bits(s));
+                            },
+                            |b| {
+                                let w = pair(b);
+                                b.store(&cache, i.clone(), w);
+                            },
+                        );
+                    },
+                );
+            }
+        }
+    });
+    let k = b.finish()?;
+    sparse_mla::kir::lower(&k, Lowering::Scalar)
+}
+
+// ---------------------------------------------------------------- GPU plumbing
+
+struct Gpu {
+    dev: CudaDevice,
+    modules: HashMap<String, sparse_mla::runtime::cuda::CudaModule>,
+}
+
+impl Gpu {
+    fn run(&mut self, l: &Launch, named: &[(&str, &CudaSlice<u8>)]) -> Result<()> {
+        if !self.modules.contains_key(&l.kernel.name) {
+            let m = self.dev.compile(&l.kernel)?;
+            self.modules.insert(l.kernel.name.clone(), m);
+        }
+        let module = &self.modules[&l.kernel.name];
+        let mut bufs = Vec::new();
+        for decl in &l.kernel.buffers {
+            let b = named
+                .iter()
+                .find(|(n, _)| *n == decl.name)
+                .map(|(_, b)| *b)
+                .ok_or_else(|| Error::runtime("bench", format!("no buffer `{}`", decl.name)))?;
+            bufs.push(b);
+        }
+        self.dev.launch(module, &l.kernel, l.grid, &l.params, &bufs)
+    }
+
+    fn event(&self) -> Result<CudaEvent> {
+        self.dev
+            .context()
+            .new_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| Error::runtime("bench", format!("event: {e:?}")))
+    }
+
+    fn flush(&self, buf: &CudaSlice<u8>, value: u8) -> Result<()> {
+        use cudarc::driver::DevicePtr;
+        let stream = self.dev.stream();
+        let (ptr, _g) = buf.device_ptr(stream);
+        unsafe { drv::memset_d8_async(ptr, value, FLUSH_BYTES, stream.cu_stream()) }
+            .map_err(|e| Error::runtime("bench", format!("memset: {e:?}")))
+    }
+}
+
+fn bytes_of_i32(v: &[i32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+struct Inputs {
+    q: Vec<CudaSlice<u8>>,
+    indices: Vec<CudaSlice<u8>>,
+    /// Set 0 on the host, for the check.
+    q0: Vec<f32>,
+    idx0: Vec<i32>,
+}
+
+struct Timing {
+    median_us: f64,
+    splits: u32,
+    check: Check,
+}
+
+#[derive(Clone, Copy)]
+struct Check {
+    rel_l2: f64,
+    lse_err: f64,
+    ok: bool,
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {:.1e}/{:.0e}",
+            if self.ok { "ok" } else { "FAIL" },
+            self.rel_l2,
+            self.lse_err
+        )
+    }
+}
+
+/// The reference of set 0 for the checked tokens: (tokens, out, lse).
+struct Reference {
+    tokens: Vec<u32>,
+    out: Vec<f64>,
+    lse: Vec<f64>,
+}
+
+fn reference(
+    shape: &DecodeShape,
+    seed: u32,
+    inputs: &Inputs,
+    check_tokens: u32,
+) -> Result<Reference> {
+    let t_n = shape.tokens;
+    let mut tokens: Vec<u32> = (0..check_tokens.min(t_n))
+        .map(|i| {
+            if i == 0 {
+                0
+            } else {
+                (t_n - 1) * i / (check_tokens - 1).max(1)
+            }
+        })
+        .collect();
+    tokens.dedup();
+    let (h_n, k_n, d) = (
+        shape.heads as usize,
+        shape.topk as usize,
+        shape.dims.d_qk() as usize,
+    );
+    let row_words = shape.row_bytes() / 4;
+    let results: Vec<(Vec<f64>, Vec<f64>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = tokens
+            .iter()
+            .map(|&t| {
+                s.spawn(move || {
+                    // a one-token problem over a compact cache of this token's rows
+                    let mut cache = Vec::with_capacity(k_n * row_words as usize * 4);
+                    let mut idx = Vec::with_capacity(k_n);
+                    for j in 0..k_n {
+                        let slot = inputs.idx0[t as usize * k_n + j] as u32;
+                        for w in 0..row_words {
+                            cache.extend_from_slice(
+                                &cache_word_host(shape.format, seed, slot * row_words + w)
+                                    .to_le_bytes(),
+                            );
+                        }
+                        idx.push(j as i32);
+                    }
+                    let q = &inputs.q0[t as usize * h_n * d..(t as usize + 1) * h_n * d];
+                    let one = DecodeShape {
+                        tokens: 1,
+                        num_pages: (k_n as u32).div_ceil(PAGE),
+                        page_size: PAGE,
+                        ..*shape
+                    };
+                    cache.resize(one.cache_bytes() as usize, 0);
+                    let r = reference_decode(&DecodeInputs {
+                        shape: one,
+                        q,
+                        cache: &cache,
+                        indices: &idx,
+                        topk_length: None,
+                    });
+                    (r.out, r.lse)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_default())
+            .collect()
+    });
+    let mut out = Vec::new();
+    let mut lse = Vec::new();
+    for (o, l) in results {
+        out.extend(o);
+        lse.extend(l);
+    }
+    Ok(Reference { tokens, out, lse })
+}
+
+fn check(shape: &DecodeShape, r: &Reference, out_bytes: &[u8], lse_bytes: &[u8]) -> Check {
+    let (h_n, dv) = (shape.heads as usize, shape.dims.d_v() as usize);
+    let mut got = Vec::new();
+    let mut lse_err = 0.0f64;
+    let mut nan = false;
+    for (ci, &t) in r.tokens.iter().enumerate() {
+        let t = t as usize;
+        for v in out_bytes[t * h_n * dv * 2..(t + 1) * h_n * dv * 2].chunks_exact(2) {
+            let x = bf16_from_bits(u16::from_le_bytes([v[0], v[1]])) as f64;
+            nan |= x.is_nan();
+            got.push(x);
+        }
+        for h in 0..h_n {
+            let b = &lse_bytes[(t * h_n + h) * 4..(t * h_n + h + 1) * 4];
+            let l = f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64;
+            let e = (l - r.lse[ci * h_n + h]).abs();
+            if e.is_nan() {
+                nan = true;
+            } else {
+                lse_err = lse_err.max(e);
+            }
+        }
+    }
+    let rel = rel_l2(&got, &r.out);
+    Check {
+        rel_l2: rel,
+        lse_err,
+        ok: !nan && rel <= 1e-2 && lse_err <= 1e-3,
+    }
+}
+
+struct Bench<'a> {
+    args: &'a Args,
+    gpu: Gpu,
+    flush: CudaSlice<u8>,
+}
+
+struct Row<'a> {
+    shape: DecodeShape,
+    cache: &'a CudaSlice<u8>,
+    inputs: &'a Inputs,
+    out: &'a CudaSlice<u8>,
+    lse: &'a CudaSlice<u8>,
+    o_part: &'a CudaSlice<u8>,
+    lse_part: &'a CudaSlice<u8>,
+    dummy_len: &'a CudaSlice<u8>,
+    reference: &'a Reference,
+}
+
+impl Bench<'_> {
+    fn time(&mut self, row: &Row, plan: &DecodePlan) -> Result<Timing> {
+        let shape = &row.shape;
+        let ls = launches(shape, &DecodeLayout::default(), plan)?;
+        let named = |set: usize| -> Vec<(&str, &CudaSlice<u8>)> {
+            vec![
+                ("q", &row.inputs.q[set]),
+                ("kv_cache", row.cache),
+                ("indices", &row.inputs.indices[set]),
+                ("topk_length", row.dummy_len),
+                ("out", row.out),
+                ("lse", row.lse),
+                ("o_part", row.o_part),
+                ("lse_part", row.lse_part),
+            ]
+        };
+        for w in 0..self.args.warmup {
+            for l in &ls {
+                self.gpu.run(l, &named(w % SETS))?;
+            }
+        }
+        let reps = self.args.reps;
+        let mut events = Vec::with_capacity(reps);
+        for r in 0..reps {
+            self.gpu.flush(&self.flush, (r % 251) as u8)?;
+            let (a, b) = (self.gpu.event()?, self.gpu.event()?);
+            a.record(self.gpu.dev.stream())
+                .map_err(|e| Error::runtime("bench", format!("{e:?}")))?;
+            for l in &ls {
+                self.gpu.run(l, &named(r % SETS))?;
+            }
+            b.record(self.gpu.dev.stream())
+                .map_err(|e| Error::runtime("bench", format!("{e:?}")))?;
+            events.push((a, b));
+        }
+        self.gpu.dev.synchronize()?;
+        let mut us: Vec<f64> = events
+            .iter()
+            .map(|(a, b)| a.elapsed_ms(b).map(|ms| ms as f64 * 1e3))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::runtime("bench", format!("elapsed: {e:?}")))?;
+        us.sort_by(|a, b| a.total_cmp(b));
+        // the check: poisoned outputs, set 0, same plan
+        self.gpu
+            .dev
+            .write(row.out, &vec![0xFF; shape.out_elems() as usize * 2])?;
+        self.gpu.dev.write(
+            row.lse,
+            &vec![0xFF; (shape.tokens * shape.heads) as usize * 4],
+        )?;
+        for l in &ls {
+            self.gpu.run(l, &named(0))?;
+        }
+        let out = self.gpu.dev.read(row.out, shape.out_elems() * 2)?;
+        let lse = self
+            .gpu
+            .dev
+            .read(row.lse, (shape.tokens * shape.heads) as u64 * 4)?;
+        Ok(Timing {
+            median_us: us[us.len() / 2],
+            splits: plan.splits,
+            check: check(shape, row.reference, &out, &lse),
+        })
+    }
+}
+
+fn parse_config(s: &str, base: DecodeConfig) -> Result<DecodeConfig> {
+    let v: Vec<u32> = s
+        .split('x')
+        .map(|p| p.parse::<u32>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| Error::arg("config", "BHxBNxWARPSxSTAGES, e.g. 16x32x4x2", s))?;
+    if v.len() != 4 {
+        return Err(Error::arg(
+            "config",
+            "BHxBNxWARPSxSTAGES, e.g. 16x32x4x2",
+            s,
+        ));
+    }
+    Ok(DecodeConfig {
+        block_h: v[0],
+        block_n: v[1],
+        threads: v[2] * 32,
+        lowering: Lowering::Mma {
+            stages: v[3],
+            min_workgroups: v.get(4).copied().unwrap_or(0),
+        },
+        ..base
+    })
+}
+
+struct PeerRow {
+    us: f64,
+    rel: f64,
+}
+
+fn run_peer(args: &Args, format: CacheFormat) -> HashMap<(u32, u32), PeerRow> {
+    let mut out = HashMap::new();
+    if args.no_peer {
+        return out;
+    }
+    let shapes: Vec<String> = args
+        .heads
+        .iter()
+        .flat_map(|h| args.tokens.iter().map(move |t| format!("{h}x{t}")))
+        .collect();
+    let res = std::process::Command::new("python3")
+        .env("PYTHONUNBUFFERED", "1")
+        .arg(&args.peer)
+        .args(["--shapes", &shapes.join(",")])
+        .args(["--cache", format.name()])
+        .args(["--reps", &args.reps.to_string()])
+        .args(["--topk", &args.topk.to_string()])
+        .args(["--cache-gib", &args.cache_gib.to_string()])
+        .output();
+    match res {
+        Ok(o) => {
+            for line in String::from_utf8_lossy(&o.stdout).lines() {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                    continue;
+                };
+                let (Some(h), Some(t), Some(us)) =
+                    (v["H"].as_u64(), v["T"].as_u64(), v["us"].as_f64())
+                else {
+                    continue;
+                };
+                let rel = v["rel_l2"].as_f64().unwrap_or(f64::NAN);
+                out.insert((h as u32, t as u32), PeerRow { us, rel });
+            }
+            if !o.status.success() {
+                eprintln!(
+                    "peer ({}) failed: {}",
+                    args.peer,
+                    String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                );
+            }
+        }
+        Err(e) => eprintln!("peer: cannot run python3 {}: {e}", args.peer),
+    }
+    out
+}
+
+fn run(args: &Args) -> Result<()> {
+    let dev = CudaDevice::open(0)?;
+    println!("device: {}", dev.name());
+    let flush = dev.alloc(FLUSH_BYTES as u64)?;
+    let mut bench = Bench {
+        args,
+        gpu: Gpu {
+            dev,
+            modules: HashMap::new(),
+        },
+        flush,
+    };
+    let dims = MlaDims::PRODUCTION;
+    let mut table = Vec::new();
+    let mut failed = false;
+    for fmt in &args.cache {
+        let format = CacheFormat::parse(fmt)?;
+        let row_bytes = format.row_bytes(dims) as u64;
+        let slots_wanted = (args.cache_gib * (1u64 << 30) as f64 / row_bytes as f64) as u64;
+        let num_pages = slots_wanted.div_ceil(PAGE as u64) as u32;
+        let num_slots = num_pages as u64 * PAGE as u64;
+        let seed = 0x5eed_0000 ^ (row_bytes as u32);
+        // fill the cache on the GPU
+        let words = num_slots * row_bytes / 4;
+        let cache = bench.gpu.dev.alloc(words * 4)?;
+        let fill = std::sync::Arc::new(fill_kernel(format)?);
+        let params = pack_params(
+            &fill,
+            &[
+                ("n_words", ParamValue::U32(words as u32)),
+                ("seed", ParamValue::U32(seed)),
+            ],
+        )?;
+        bench.gpu.run(
+            &Launch {
+                kernel: fill,
+                grid: [4096, 1, 1],
+                params,
+            },
+            &[("cache", &cache)],
+        )?;
+        bench.gpu.dev.synchronize()?;
+        println!(
+            "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets",
+            format.name(),
+            num_slots,
+            row_bytes,
+            (num_slots * row_bytes) as f64 / (1u64 << 30) as f64,
+            args.topk,
+            args.reps
+        );
+        let peer = run_peer(args, format);
+        let mut rng = Rng::new(0xbe_4c_0001 ^ row_bytes);
+        for &h in &args.heads {
+            for &t in &args.tokens {
+                let shape = DecodeShape {
+                    tokens: t,
+                    heads: h,
+                    topk: args.topk,
+                    num_pages,
+                    page_size: PAGE,
+                    dims,
+                    format,
+                    scale: 0.0625,
+                    has_topk_length: false,
+                };
+                let mut q = Vec::new();
+                let mut indices = Vec::new();
+                let mut q0 = Vec::new();
+                let mut idx0 = Vec::new();
+                for set in 0..SETS {
+                    let qf: Vec<f32> = (0..shape.q_elems())
+                        .map(|_| bf16_from_bits(bf16_bits(rng.normal())))
+                        .collect();
+                    let qb: Vec<u8> = qf
+                        .iter()
+                        .flat_map(|&v| bf16_bits(v).to_le_bytes())
+                        .collect();
+                    let mut idx = Vec::with_capacity((t * args.topk) as usize);
+                    for _ in 0..t {
+                        idx.extend(
+                            rng.distinct(num_slots, args.topk as usize)
+                                .into_iter()
+                                .map(|s| s as i32),
+                        );
+                    }
+                    let qd = bench.gpu.dev.alloc(qb.len() as u64)?;
+                    bench.gpu.dev.write(&qd, &qb)?;
+                    let id = bench.gpu.dev.alloc(idx.len() as u64 * 4)?;
+                    bench.gpu.dev.write(&id, &bytes_of_i32(&idx))?;
+                    q.push(qd);
+                    indices.push(id);
+                    if set == 0 {
+                        q0 = qf;
+                        idx0 = idx;
+                    }
+                }
+                let inputs = Inputs {
+                    q,
+                    indices,
+                    q0,
+                    idx0,
+                };
+                let reference = reference(&shape, seed, &inputs, args.check_tokens)?;
+                let max_splits = 128u64;
+                let rows = (t * h) as u64;
+                let out = bench.gpu.dev.alloc(rows * dims.d_v() as u64 * 2)?;
+                let lse = bench.gpu.dev.alloc(rows * 4)?;
+                let o_part = bench
+                    .gpu
+                    .dev
+                    .alloc(rows * max_splits * dims.d_v() as u64 * 4)?;
+                let lse_part = bench.gpu.dev.alloc(rows * max_splits * 4)?;
+                let dummy_len = bench.gpu.dev.alloc(4)?;
+                let row = Row {
+                    shape,
+                    cache: &cache,
+                    inputs: &inputs,
+                    out: &out,
+                    lse: &lse,
+                    o_part: &o_part,
+                    lse_part: &lse_part,
+                    dummy_len: &dummy_len,
+                    reference: &reference,
+                };
+                let mut config = DecodeConfig::tensor_core(dims, format, h);
+                if let Some(c) = &args.config {
+                    config = parse_config(c, config)?;
+                }
+                let split_kernel =
+                    sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
+                let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
+                let bytes = t as f64 * args.topk as f64 * row_bytes as f64
+                    + shape.q_elems() as f64 * 2.0
+                    + shape.out_elems() as f64 * 2.0;
+                let flops = 2.0
+                    * t as f64
+                    * h as f64
+                    * args.topk as f64
+                    * (dims.d_qk() + dims.d_v()) as f64;
+                let roof_us = (bytes / ROOF_BYTES).max(flops / ROOF_FLOPS) * 1e6;
+                if !args.sweep_splits.is_empty() {
+                    let mut cells = Vec::new();
+                    for &s in &args.sweep_splits {
+                        let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
+                        let tm = bench.time(&row, &plan)?;
+                        failed |= !tm.check.ok;
+                        cells.push(format!(
+                            "s{}:{:.1}{}",
+                            tm.splits,
+                            tm.median_us,
+                            if tm.check.ok { "" } else { "!" }
+                        ));
+                    }
+                    let model = DecodePlan::model_splits(&config, &shape, resident);
+                    let line = format!(
+                        "sweep {:<10} H {:>3} T {:>3} roof {:>6.1} us  model s{:<3} {}",
+                        format.name(),
+                        h,
+                        t,
+                        roof_us,
+                        model,
+                        cells.join("  ")
+                    );
+                    println!("{line}");
+                    table.push(line);
+                    continue;
+                }
+                let plan = match args.splits {
+                    Some(s) => DecodePlan::new(config, &shape, resident, Some(s), None)?,
+                    None => {
+                        let s = DecodePlan::model_splits(&config, &shape, resident);
+                        DecodePlan::new(config, &shape, resident, Some(s), None)?
+                    }
+                };
+                let tc = bench.time(&row, &plan)?;
+                failed |= !tc.check.ok;
+                let scalar = if args.no_scalar {
+                    None
+                } else {
+                    let sc = DecodeConfig::cuda_scalar(dims, format);
+                    let plan =
+                        DecodePlan::new(sc, &shape, bench.gpu.dev.sm_count() * 2, None, None)?;
+                    let r = bench.time(&row, &plan)?;
+                    failed |= !r.check.ok;
+                    Some(r)
+                };
+                let pr = peer.get(&(h, t));
+                let best = design_best_peer(h, t);
+                let line = format!(
+                    "| {:<10} | {:>3} | {:>3} | {:>3} | {:>8.1} | {:>6.0} | {:>6.1} | {:>5.1}% | {:<16} | {} | {} | {} |",
+                    format.name(),
+                    h,
+                    t,
+                    tc.splits,
+                    tc.median_us,
+                    bytes / tc.median_us * 1e-3,
+                    flops / tc.median_us * 1e-6,
+                    roof_us / tc.median_us * 100.0,
+                    tc.check.to_string(),
+                    scalar
+                        .as_ref()
+                        .map(|s| format!(
+                            "{:>8.1} {:>5.1}% s{:<2} {:<16}",
+                            s.median_us,
+                            roof_us / s.median_us * 100.0,
+                            s.splits,
+                            s.check.to_string()
+                        ))
+                        .unwrap_or_else(|| format!("{:>36}", "-")),
+                    pr.map(|p| format!("{:>8.1} {:.0e}", p.us, p.rel))
+                        .unwrap_or_else(|| format!("{:>14}", "n/a")),
+                    best.map(|b| format!("{b:>6.1} {:>4.1}x", b / tc.median_us))
+                        .unwrap_or_else(|| format!("{:>12}", "-")),
+                );
+                println!("{line}");
+                table.push(line);
+            }
+        }
+    }
+    println!();
+    println!("roofline: max(bytes / 4.3 TB/s, FLOPs / 645 TFLOP/s); bytes = T*topk*row + q + out, FLOPs = 2*T*H*topk*1088");
+    println!(
+        "check: rel L2 of out / max |lse error| vs float64 (first and last tokens, all heads)"
+    );
+    println!("| cache      |   H |   T |  s  |  mma us  |  GB/s  | TFLOP/s| %roof  | check            | scalar us  %roof split check           | torch us  err | peer(§8) us speedup |");
+    for l in &table {
+        println!("{l}");
+    }
+    if failed {
+        return Err(Error::runtime(
+            "bench",
+            "a correctness check failed (see FAIL rows)",
+        ));
+    }
+    Ok(())
+}
