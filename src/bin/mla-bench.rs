@@ -633,7 +633,7 @@ fn run(args: &Args) -> Result<()> {
             args.reps
         );
         let peer = run_peer(args, format);
-        let mut rng = Rng::new(0xbe_4c_0001 ^ row_bytes);
+        let mut rng = Rng::new(0xbe4c_0001 ^ row_bytes);
         for &h in &args.heads {
             for &t in &args.tokens {
                 let shape = DecodeShape {
