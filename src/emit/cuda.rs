@@ -360,11 +360,19 @@ impl Printer<'_> {
                 step,
                 body,
             } => {
-                // Small constant trip counts are unrolled so private arrays stay in registers.
-                if let (Expr::U32(a), Expr::U32(b), Expr::U32(c)) = (start, end, step) {
-                    if *c > 0 && b.saturating_sub(*a).div_ceil(*c) <= 64 {
-                        self.line("#pragma unroll");
+                // Small constant trip counts are unrolled so private arrays stay in registers;
+                // other small loops by 4, so that the loads of 4 iterations are in flight
+                // together (e.g. the combine's walk over the splits).
+                let constant = match (start, end, step) {
+                    (Expr::U32(a), Expr::U32(b), Expr::U32(c)) => {
+                        Some(*c > 0 && b.saturating_sub(*a).div_ceil(*c) <= 64)
                     }
+                    _ => None,
+                };
+                match constant {
+                    Some(true) => self.line("#pragma unroll"),
+                    None if body.iter().all(straight_line) => self.line("#pragma unroll 4"),
+                    _ => {}
                 }
                 let l = format!(
                     "for ({} {var} = {}; {var} < {}; {var} += {}) {{",
@@ -561,6 +569,17 @@ impl Printer<'_> {
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0f"),
             Expr::TileWord { tile, .. } => format!("/* unlowered tile word {tile} */ 0u"),
         }
+    }
+}
+
+/// A statement with no loop, barrier or intrinsic in it (cheap to unroll).
+fn straight_line(s: &Stmt) -> bool {
+    match s {
+        Stmt::For { .. } | Stmt::Barrier | Stmt::Intrinsic(_) | Stmt::Tile(_) => false,
+        Stmt::If { then, els, .. } => {
+            then.iter().all(straight_line) && els.iter().all(straight_line)
+        }
+        _ => true,
     }
 }
 

@@ -87,12 +87,10 @@ impl DecodeConfig {
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         // fp8: a ring of raw 656-byte rows, plus the tile they are dequantised into, which
         // the mma lowering holds as two bf16 planes (hi + lo) of the f32 values.
-        // min_workgroups 2: the 8-warp bf16 kernel fits two per multiprocessor (128 registers,
-        // 2 x 94 KB of shared memory on an H100/H200) without spilling; the fp8 one does not.
         let (block_h, block_n, threads, stages, min_workgroups) = match (heads <= 16, format) {
             (true, CacheFormat::Bf16) => (16, 32, 128, 2, 0),
             (true, CacheFormat::Fp8DsMla) => (16, 16, 128, 4, 0),
-            (false, CacheFormat::Bf16) => (32, 16, 256, 3, 2),
+            (false, CacheFormat::Bf16) => (32, 16, 256, 3, 0),
             (false, CacheFormat::Fp8DsMla) => (32, 16, 256, 2, 0),
         };
         DecodeConfig {

@@ -54,7 +54,7 @@ pub fn lower(kernel: &Kernel, stages: u32) -> Result<Kernel> {
     let mut out = kernel.clone();
     let mut full = std::mem::take(&mut cx.prelude);
     full.extend(body);
-    out.body = full;
+    out.body = dedupe_barriers(full);
     out.shared_tiles.clear();
     out.acc_tiles.clear();
     out.shared.extend(cx.new_shared);
@@ -96,6 +96,13 @@ impl TileInfo {
     fn plane_words(&self) -> u32 {
         self.words()
     }
+}
+
+struct GatherPlan {
+    rows: u32,
+    tpr: u32,
+    rows_per_pass: u32,
+    passes: u32,
 }
 
 #[derive(Clone)]
@@ -156,6 +163,9 @@ struct Cx<'k> {
     reduce_scratch: Option<String>,
     /// The ring stage of the step being loaded or computed, inside a pipeline.
     stage: Option<Expr>,
+    /// Tiles gathered outside a pipeline whose copies are committed but not yet waited for:
+    /// the wait (and barrier) comes just before the first statement that uses them.
+    pending: Vec<String>,
 }
 
 fn var(name: &str, ty: Ty) -> Expr {
@@ -319,6 +329,7 @@ impl<'k> Cx<'k> {
             },
             reduce_scratch: None,
             stage: None,
+            pending: Vec::new(),
         };
         cx.bind_lane();
 
@@ -556,6 +567,11 @@ impl<'k> Cx<'k> {
     }
 
     fn stmt(&mut self, s: &Stmt, out: &mut Vec<Stmt>) -> Result<()> {
+        if !self.pending.is_empty() && stmt_mentions(s, &self.pending) {
+            out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+            out.push(Stmt::Barrier);
+            self.pending.clear();
+        }
         match s {
             Stmt::Tile(op) => self.tile_op(op, out)?,
             Stmt::If { cond, then, els } => out.push(Stmt::If {
@@ -706,11 +722,17 @@ impl<'k> Cx<'k> {
                 row,
                 src_word,
             } => {
+                // Barrier: earlier readers of the tile (write-after-read). The wait comes
+                // when something first uses the tile, so other work overlaps the copies.
                 out.push(Stmt::Barrier);
                 self.gather(dst, *dst_word0, *words, src, row, src_word, out)?;
                 out.push(intr(Intrinsic::CpAsyncCommit));
-                out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
-                out.push(Stmt::Barrier);
+                if self.stage.is_some() {
+                    out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+                    out.push(Stmt::Barrier);
+                } else {
+                    self.pending.push(dst.clone());
+                }
             }
             TileOp::Mma {
                 acc,
@@ -820,14 +842,25 @@ impl<'k> Cx<'k> {
                 count,
                 load,
                 compute,
-            } => self.pipeline(v, count, load, compute, out)?,
+            } => {
+                // Tiles still in flight are older than the ring's groups, so the first
+                // step's wait covers them; after the loop (which may not run) wait for all.
+                let in_flight = !self.pending.is_empty();
+                self.pending.clear();
+                self.pipeline(v, count, load, compute, out)?;
+                if in_flight {
+                    out.push(Stmt::Barrier);
+                }
+            }
         }
         Ok(())
     }
 
     /// The ring pipeline: loads of steps `step + 1 .. step + stages - 1` are in flight while
     /// step `step` computes. One commit group per step (empty past the end), so
-    /// `wait_group(stages - 1)` always means "this step's copies have landed".
+    /// `wait_group(stages - 1)` always means "this step's copies have landed". The source
+    /// addresses of each load are computed one iteration before its copies are issued, so
+    /// the index loads they need are off the critical path.
     fn pipeline(
         &mut self,
         v: &str,
@@ -840,41 +873,84 @@ impl<'k> Cx<'k> {
         let count_name = self.fresh(&format!("{v}_count"));
         out.push(let_(&count_name, self.expr(count)?));
         let count = var(&count_name, Ty::U32);
-        // The load of step `at` into its ring stage, inside `if (at < count)`.
-        let load_step = |cx: &mut Self, at: Expr| -> Result<Vec<Stmt>> {
-            let stage_name = cx.fresh("load_stage");
-            let mut body = vec![let_(v, at.clone())];
-            if s > 1 {
-                body.push(let_(&stage_name, bin(BinOp::Rem, var(v, Ty::U32), u(s))));
-            }
-            let saved = cx.stage.replace(var(&stage_name, Ty::U32));
-            for st in load {
-                match st {
-                    Stmt::Tile(TileOp::GatherRows {
+        // the gathers of the load stage, each with its source-word registers
+        struct G<'a> {
+            plan: GatherPlan,
+            srcs: String,
+            dst: &'a str,
+            dst_word0: u32,
+            words: u32,
+            src: &'a str,
+            row: &'a str,
+            src_word: &'a Expr,
+            comment: Option<String>,
+        }
+        let mut gathers = Vec::new();
+        let mut comment = None;
+        for st in load {
+            match st {
+                Stmt::Tile(TileOp::GatherRows {
+                    dst,
+                    dst_word0,
+                    words,
+                    src,
+                    row,
+                    src_word,
+                }) => {
+                    let plan = self.gather_plan(dst, *dst_word0, *words)?;
+                    let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
+                    gathers.push(G {
+                        plan,
+                        srcs,
                         dst,
-                        dst_word0,
-                        words,
+                        dst_word0: *dst_word0,
+                        words: *words,
                         src,
                         row,
                         src_word,
-                    }) => cx.gather(dst, *dst_word0, *words, src, row, src_word, &mut body)?,
-                    Stmt::Comment(c) => body.push(Stmt::Comment(c.clone())),
-                    other => {
-                        return Err(cx.err(format!(
-                            "pipeline {v}: the load stage may hold only gathers, found {other:?}"
-                        )))
-                    }
+                        comment: comment.take(),
+                    });
+                }
+                Stmt::Comment(c) => comment = Some(c.clone()),
+                other => {
+                    return Err(self.err(format!(
+                        "pipeline {v}: the load stage may hold only gathers, found {other:?}"
+                    )))
                 }
             }
+        }
+        // address phase of step `at`, if it exists
+        let addr = |cx: &mut Self, at: Expr| -> Result<Stmt> {
+            let mut body = vec![let_(v, at.clone())];
+            for g in &gathers {
+                body.push(cx.gather_addr(&g.plan, g.row, g.src_word, &g.srcs)?);
+            }
+            Ok(Stmt::If {
+                cond: lt(at, count.clone()),
+                then: body,
+                els: vec![],
+            })
+        };
+        // copy phase of step `at` into its ring stage, if it exists
+        let copy = |cx: &mut Self, at: Expr| -> Result<Stmt> {
+            let stage_name = cx.fresh("load_stage");
+            let mut body = Vec::new();
+            if s > 1 {
+                body.push(let_(&stage_name, bin(BinOp::Rem, at.clone(), u(s))));
+            }
+            let saved = cx.stage.replace(var(&stage_name, Ty::U32));
+            for g in &gathers {
+                if let Some(c) = &g.comment {
+                    body.push(Stmt::Comment(c.clone()));
+                }
+                body.push(cx.gather_copy(&g.plan, g.dst, g.dst_word0, g.words, g.src, &g.srcs)?);
+            }
             cx.stage = saved;
-            Ok(vec![
-                Stmt::If {
-                    cond: lt(at, count.clone()),
-                    then: body,
-                    els: vec![],
-                },
-                intr(Intrinsic::CpAsyncCommit),
-            ])
+            Ok(Stmt::If {
+                cond: lt(at, count.clone()),
+                then: body,
+                els: vec![],
+            })
         };
         out.push(Stmt::Comment(format!(
             "pipeline {v}: {s}-stage ring of cp.async gathers; first load the steps ahead"
@@ -883,16 +959,23 @@ impl<'k> Cx<'k> {
         out.push(Stmt::Barrier);
         if s > 1 {
             let pre = self.fresh("prefetch");
-            let body = load_step(self, var(&pre, Ty::U32))?;
+            let body = vec![
+                addr(self, var(&pre, Ty::U32))?,
+                copy(self, var(&pre, Ty::U32))?,
+                intr(Intrinsic::CpAsyncCommit),
+            ];
             out.push(for_const(&pre, s - 1, body));
         }
+        out.push(addr(self, u(s - 1))?);
         let it = self.fresh(&format!("{v}_i"));
         let itv = var(&it, Ty::U32);
         let mut body = vec![Stmt::Comment(format!(
-            "pipeline {v}: issue the load {} steps ahead, wait for this step's",
+            "pipeline {v}: copy the rows {} steps ahead, then the addresses of the step after",
             s - 1
         ))];
-        body.extend(load_step(self, add(itv.clone(), u(s - 1)))?);
+        body.push(copy(self, add(itv.clone(), u(s - 1)))?);
+        body.push(addr(self, add(itv.clone(), u(s)))?);
+        body.push(intr(Intrinsic::CpAsyncCommit));
         body.push(intr(Intrinsic::CpAsyncWait { pending: s - 1 }));
         body.push(Stmt::Barrier);
         body.push(Stmt::Comment(format!("pipeline {v}: compute")));
@@ -917,21 +1000,11 @@ impl<'k> Cx<'k> {
         Ok(())
     }
 
-    /// Issue the copies of one `GatherRows` (no commit, no wait). `tpr` consecutive threads
-    /// share a row, each taking every `tpr`-th 16-byte chunk, so a warp reads contiguous runs.
-    #[allow(clippy::too_many_arguments)]
-    fn gather(
-        &mut self,
-        dst: &str,
-        dst_word0: u32,
-        words: u32,
-        src: &str,
-        row: &str,
-        src_word: &Expr,
-        out: &mut Vec<Stmt>,
-    ) -> Result<()> {
-        let info = self.tile(dst)?.clone();
-        let base = self.tile_base(&info)?;
+    /// How a gather spreads over the threads: `tpr` consecutive threads share a row, each
+    /// taking every `tpr`-th 16-byte chunk (so a warp reads contiguous runs); `passes` rounds
+    /// of `W / tpr` rows.
+    fn gather_plan(&self, dst: &str, dst_word0: u32, words: u32) -> Result<GatherPlan> {
+        let info = self.tile(dst)?;
         let rows = info.decl.rows;
         if dst_word0 + words > info.stride {
             return Err(self.err(format!(
@@ -942,7 +1015,68 @@ impl<'k> Cx<'k> {
         let chunks = words / 4;
         let tpr = floor_pow2((self.w / rows).max(1)).min(chunks.max(1).next_power_of_two());
         let rows_per_pass = self.w / tpr;
-        let passes = rows.div_ceil(rows_per_pass);
+        Ok(GatherPlan {
+            rows,
+            tpr,
+            rows_per_pass,
+            passes: rows.div_ceil(rows_per_pass),
+        })
+    }
+
+    /// `row` of pass `p` for this thread.
+    fn gather_row(plan: &GatherPlan, p: Expr) -> Expr {
+        add(
+            bin(BinOp::Div, local_id(), u(plan.tpr)),
+            mul(p, u(plan.rows_per_pass)),
+        )
+    }
+
+    /// The address phase of a gather: each thread's source word (or −1) per pass into the
+    /// private array `srcs`. Its global loads (e.g. of top-k indices) complete while other
+    /// work runs, when the copies are issued later.
+    fn gather_addr(
+        &mut self,
+        plan: &GatherPlan,
+        row: &str,
+        src_word: &Expr,
+        srcs: &str,
+    ) -> Result<Stmt> {
+        let p = self.fresh("gather_pass");
+        let r = self.fresh("gather_row");
+        let rv = var(&r, Ty::U32);
+        let store = |value: Expr| Stmt::PrivateStore {
+            arr: srcs.into(),
+            index: var(&p, Ty::U32),
+            value,
+        };
+        let body = vec![
+            let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
+            Stmt::If {
+                cond: lt(rv.clone(), u(plan.rows)),
+                then: vec![let_(row, rv), store(self.expr(src_word)?)],
+                els: vec![store(Expr::I32(-1))],
+            },
+        ];
+        Ok(for_const(&p, plan.passes, body))
+    }
+
+    /// The copy phase of a gather: issue the copies (no commit, no wait) from the source
+    /// words in `srcs`.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_copy(
+        &mut self,
+        plan: &GatherPlan,
+        dst: &str,
+        dst_word0: u32,
+        words: u32,
+        src: &str,
+        srcs: &str,
+    ) -> Result<Stmt> {
+        let info = self.tile(dst)?.clone();
+        let base = self.tile_base(&info)?;
+        let tpr = plan.tpr;
+        let chunks = words / 4;
+        let p = self.fresh("gather_pass");
         let r = self.fresh("gather_row");
         let rv = var(&r, Ty::U32);
         let (sw, valid, dbase) = (
@@ -978,8 +1112,14 @@ impl<'k> Cx<'k> {
             }
         };
         let mut row_body = vec![
-            let_(row, rv.clone()),
-            let_(&src_i, self.expr(src_word)?),
+            let_(
+                &src_i,
+                Expr::PrivateLoad {
+                    arr: srcs.into(),
+                    ty: Ty::I32,
+                    index: Box::new(var(&p, Ty::U32)),
+                },
+            ),
             let_(&valid, bin(BinOp::Ge, var(&src_i, Ty::I32), Expr::I32(0))),
             let_(
                 &sw,
@@ -1010,20 +1150,33 @@ impl<'k> Cx<'k> {
         } else {
             row_body.push(words_path);
         }
-        let p = self.fresh("gather_pass");
-        let row_of = add(
-            bin(BinOp::Div, local_id(), u(tpr)),
-            mul(var(&p, Ty::U32), u(rows_per_pass)),
-        );
         let body = vec![
-            let_(&r, row_of),
+            let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
             Stmt::If {
-                cond: lt(rv, u(rows)),
+                cond: lt(rv, u(plan.rows)),
                 then: row_body,
                 els: vec![],
             },
         ];
-        out.push(for_const(&p, passes, body));
+        Ok(for_const(&p, plan.passes, body))
+    }
+
+    /// Issue the copies of one `GatherRows` (no commit, no wait).
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &mut self,
+        dst: &str,
+        dst_word0: u32,
+        words: u32,
+        src: &str,
+        row: &str,
+        src_word: &Expr,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let plan = self.gather_plan(dst, dst_word0, words)?;
+        let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
+        out.push(self.gather_addr(&plan, row, src_word, &srcs)?);
+        out.push(self.gather_copy(&plan, dst, dst_word0, words, src, &srcs)?);
         Ok(())
     }
 
@@ -1121,93 +1274,141 @@ impl<'k> Cx<'k> {
             self.fresh("nj"),
             self.fresh("nj"),
         );
-        let (kkv, iv, jpv, jv) = (
-            var(&kk, Ty::U32),
-            var(&i, Ty::U32),
-            var(&jp, Ty::U32),
-            var(&j, Ty::U32),
-        );
+        let (iv, jpv, jv) = (var(&i, Ty::U32), var(&jp, Ty::U32), var(&j, Ty::U32));
         let trans = layout == BLayout::KN;
-        let mut kbody = Vec::new();
-        for (p, plane) in a_planes.iter().enumerate() {
-            let p = p as u32;
-            kbody.push(for_const(
-                &i,
-                fmw,
-                vec![intr(Intrinsic::LdMatrix {
-                    count: 4,
-                    trans: false,
-                    arr: a.tile.clone(),
-                    word: add(
-                        add(var(&a_base, Ty::U32), u(*plane)),
-                        add(mul(iv.clone(), u(16 * sa)), mul(kkv.clone(), u(8))),
-                    ),
-                    dst: af.clone(),
-                    dst0: add(mul(iv.clone(), u(4)), u(4 * fmw * p)),
-                })],
-            ));
-        }
-        // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4 (an odd last one in .x2),
-        // each pair used by its mma right away so only 4 B registers per plane stay live.
-        let b_at = |n_tile: Expr, plane: u32| -> Expr {
-            let base = add(var(&b_base, Ty::U32), u(plane));
-            match layout {
-                BLayout::NK => add(base, add(mul(n_tile, u(8 * sb)), mul(kkv.clone(), u(8)))),
-                BLayout::KN => add(base, add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4)))),
-            }
-        };
-        // (first n tile, tiles in this group, its loop variable if any)
-        let mut groups: Vec<(Expr, u32)> = Vec::new();
-        if fnw >= 2 {
-            groups.push((mul(jpv.clone(), u(2)), 2));
-        }
-        if fnw % 2 == 1 {
-            groups.push((u(fnw - 1), 1));
-        }
-        for (gi, (n0, count)) in groups.into_iter().enumerate() {
-            let mut body = Vec::new();
-            for (q, plane) in b_planes.iter().enumerate() {
-                body.push(intr(Intrinsic::LdMatrix {
-                    count: 2 * count,
-                    trans,
-                    arr: b.tile.clone(),
-                    word: b_at(n0.clone(), *plane),
-                    dst: bf.clone(),
-                    dst0: u(4 * q as u32),
-                }));
-            }
-            for &(p, q) in &products {
-                body.push(for_const(
+        // One k step (16 deep) of every fragment this warp owns, accumulated into `target`.
+        let kstep = |kkv: Expr, target: &str| -> Vec<Stmt> {
+            let mut kbody = Vec::new();
+            for (p, plane) in a_planes.iter().enumerate() {
+                let p = p as u32;
+                kbody.push(for_const(
                     &i,
                     fmw,
-                    vec![for_const(
-                        &j,
-                        count,
-                        vec![intr(Intrinsic::MmaBf16 {
-                            c: acc.to_string(),
-                            c0: mul(
-                                add(mul(iv.clone(), u(fnw)), add(n0.clone(), jv.clone())),
-                                u(4),
-                            ),
-                            a: af.clone(),
-                            a0: add(mul(iv.clone(), u(4)), u(4 * fmw * p as u32)),
-                            b: bf.clone(),
-                            b0: add(mul(jv.clone(), u(2)), u(4 * q as u32)),
-                        })],
-                    )],
+                    vec![intr(Intrinsic::LdMatrix {
+                        count: 4,
+                        trans: false,
+                        arr: a.tile.clone(),
+                        word: add(
+                            add(var(&a_base, Ty::U32), u(*plane)),
+                            add(mul(iv.clone(), u(16 * sa)), mul(kkv.clone(), u(8))),
+                        ),
+                        dst: af.clone(),
+                        dst0: add(mul(iv.clone(), u(4)), u(4 * fmw * p)),
+                    })],
                 ));
             }
-            if gi == 0 && fnw >= 2 {
-                kbody.push(for_const(&jp, fnw / 2, body));
-            } else {
-                kbody.extend(body);
+            // B fragments of n tiles (2jp, 2jp + 1) in one ldmatrix.x4 (an odd last one in .x2),
+            // each pair used by its mma right away so only 4 B registers per plane stay live.
+            let b_at = |n_tile: Expr, plane: u32| -> Expr {
+                let base = add(var(&b_base, Ty::U32), u(plane));
+                match layout {
+                    BLayout::NK => add(base, add(mul(n_tile, u(8 * sb)), mul(kkv.clone(), u(8)))),
+                    BLayout::KN => add(base, add(mul(kkv.clone(), u(16 * sb)), mul(n_tile, u(4)))),
+                }
+            };
+            // (first n tile, tiles in this group, its loop variable if any)
+            let mut groups: Vec<(Expr, u32)> = Vec::new();
+            if fnw >= 2 {
+                groups.push((mul(jpv.clone(), u(2)), 2));
             }
+            if fnw % 2 == 1 {
+                groups.push((u(fnw - 1), 1));
+            }
+            for (gi, (n0, count)) in groups.into_iter().enumerate() {
+                let mut body = Vec::new();
+                for (q, plane) in b_planes.iter().enumerate() {
+                    body.push(intr(Intrinsic::LdMatrix {
+                        count: 2 * count,
+                        trans,
+                        arr: b.tile.clone(),
+                        word: b_at(n0.clone(), *plane),
+                        dst: bf.clone(),
+                        dst0: u(4 * q as u32),
+                    }));
+                }
+                for &(p, q) in &products {
+                    body.push(for_const(
+                        &i,
+                        fmw,
+                        vec![for_const(
+                            &j,
+                            count,
+                            vec![intr(Intrinsic::MmaBf16 {
+                                c: target.to_string(),
+                                c0: mul(
+                                    add(mul(iv.clone(), u(fnw)), add(n0.clone(), jv.clone())),
+                                    u(4),
+                                ),
+                                a: af.clone(),
+                                a0: add(mul(iv.clone(), u(4)), u(4 * fmw * p as u32)),
+                                b: bf.clone(),
+                                b0: add(mul(jv.clone(), u(2)), u(4 * q as u32)),
+                            })],
+                        )],
+                    ));
+                }
+                if gi == 0 && fnw >= 2 {
+                    kbody.push(for_const(&jp, fnw / 2, body));
+                } else {
+                    kbody.extend(body);
+                }
+            }
+            kbody
+        };
+        // A long chain of mma into the same few fragments waits on each result: with few
+        // fragments per warp, alternate k steps between `chains` accumulators (the first is
+        // `acc` itself, the others start at zero) and add them up at the end.
+        let ks = k_len / 16;
+        let frags = fmw * fnw;
+        let chains = if ks >= 8 { (4 / frags).clamp(1, 4) } else { 1 };
+        let mut body = vec![let_(&a_base, a_word), let_(&b_base, b_word)];
+        if chains == 1 {
+            body.push(for_const(&kk, ks, kstep(var(&kk, Ty::U32), acc)));
+        } else {
+            let parts: Vec<String> = (1..chains)
+                .map(|_| self.private(&format!("{acc}_chain"), Ty::F32, 4 * frags))
+                .collect();
+            let e = self.fresh("e");
+            for part in &parts {
+                body.push(for_const(
+                    &e,
+                    4 * frags,
+                    vec![Stmt::PrivateStore {
+                        arr: part.clone(),
+                        index: var(&e, Ty::U32),
+                        value: Expr::F32(0.0),
+                    }],
+                ));
+            }
+            let mut round = Vec::new();
+            for c in 0..chains {
+                let at = add(mul(var(&kk, Ty::U32), u(chains)), u(c));
+                let target = if c == 0 {
+                    acc
+                } else {
+                    parts[c as usize - 1].as_str()
+                };
+                round.extend(kstep(at, target));
+            }
+            body.push(for_const(&kk, ks / chains, round));
+            for k in (ks / chains) * chains..ks {
+                body.extend(kstep(u(k), acc));
+            }
+            let sum = parts
+                .iter()
+                .fold(priv_load(acc, var(&e, Ty::U32)), |x, part| {
+                    bin(BinOp::Add, x, priv_load(part, var(&e, Ty::U32)))
+                });
+            body.push(for_const(
+                &e,
+                4 * frags,
+                vec![Stmt::PrivateStore {
+                    arr: acc.to_string(),
+                    index: var(&e, Ty::U32),
+                    value: sum,
+                }],
+            ));
         }
-        let body = vec![
-            let_(&a_base, a_word),
-            let_(&b_base, b_word),
-            for_const(&kk, k_len / 16, kbody),
-        ];
         out.extend(self.for_used_warps(&info, body));
         Ok(())
     }
@@ -1404,6 +1605,87 @@ impl<'k> Cx<'k> {
         out.push(Stmt::Barrier);
         Ok(())
     }
+}
+
+/// Does `s` use any of the shared tiles `names` (a pipeline: only through its load stage,
+/// whose first wait covers older copies)?
+fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
+    let hit = |n: &String| names.contains(n);
+    let expr_hit = |e: &Expr| {
+        let mut found = false;
+        e.visit(&mut |x| match x {
+            Expr::TileLoad { tile, .. } | Expr::TileWord { tile, .. } => found |= hit(tile),
+            _ => {}
+        });
+        found
+    };
+    let all = |v: &[Stmt]| v.iter().any(|s| stmt_mentions(s, names));
+    match s {
+        Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
+            expr_hit(value)
+        }
+        Stmt::Store { index, value, .. }
+        | Stmt::StoreWord { index, value, .. }
+        | Stmt::SharedStore { index, value, .. }
+        | Stmt::PrivateStore { index, value, .. } => expr_hit(index) || expr_hit(value),
+        Stmt::If { cond, then, els } => expr_hit(cond) || all(then) || all(els),
+        Stmt::For {
+            start,
+            end,
+            step,
+            body,
+            ..
+        } => expr_hit(start) || expr_hit(end) || expr_hit(step) || all(body),
+        Stmt::Comment(_) | Stmt::Barrier => false,
+        Stmt::Intrinsic(_) => true,
+        Stmt::Tile(op) => match op {
+            TileOp::GatherRows { dst, src_word, .. } => hit(dst) || expr_hit(src_word),
+            TileOp::AccFill { .. } | TileOp::AccRowReduce { .. } => false,
+            TileOp::Mma { a, b, .. } => hit(&a.tile) || hit(&b.tile),
+            TileOp::AccForEach { body, .. } => all(body),
+            TileOp::AccToShared { dst, .. } => hit(dst),
+            TileOp::SharedMap { dst, value, .. } => hit(dst) || expr_hit(value),
+            TileOp::Pipeline { load, .. } => all(load),
+        },
+    }
+}
+
+/// Drop a barrier that directly follows another (comments between them aside), in every
+/// block: two in a row order nothing more than one.
+fn dedupe_barriers(stmts: Vec<Stmt>) -> Vec<Stmt> {
+    let mut out: Vec<Stmt> = Vec::with_capacity(stmts.len());
+    let mut last_barrier = false;
+    for s in stmts {
+        let s = match s {
+            Stmt::If { cond, then, els } => Stmt::If {
+                cond,
+                then: dedupe_barriers(then),
+                els: dedupe_barriers(els),
+            },
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body: dedupe_barriers(body),
+            },
+            other => other,
+        };
+        match s {
+            Stmt::Barrier if last_barrier => continue,
+            Stmt::Barrier => last_barrier = true,
+            Stmt::Comment(_) => {}
+            _ => last_barrier = false,
+        }
+        out.push(s);
+    }
+    out
 }
 
 /// `hi` then `lo` words of two f32 values in a split tile: `hi = bf16x2(v0, v1)`,
