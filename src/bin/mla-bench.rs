@@ -508,10 +508,10 @@ fn parse_config(s: &str, base: DecodeConfig) -> Result<DecodeConfig> {
         .map(|p| p.parse::<u32>())
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::arg("config", "BHxBNxWARPSxSTAGES, e.g. 16x32x4x2", s))?;
-    if v.len() != 4 {
+    if v.len() != 4 && v.len() != 5 {
         return Err(Error::arg(
             "config",
-            "BHxBNxWARPSxSTAGES, e.g. 16x32x4x2",
+            "BHxBNxWARPSxSTAGES[xMIN_WORKGROUPS], e.g. 16x32x8x2",
             s,
         ));
     }

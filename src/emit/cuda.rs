@@ -150,11 +150,10 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
-// Generic -> shared-window address, as the PTX shared-memory instructions take it.
+// Generic -> shared-window address, as the PTX shared-memory instructions take it (a
+// builtin, not asm, so that constant offsets fold into the instructions' immediates).
 static __device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
+    return (unsigned)__cvta_generic_to_shared(p);
 }
 
 // 16-byte async copy global -> shared; when !valid nothing is read and 16 zero bytes land.
@@ -401,9 +400,9 @@ impl Printer<'_> {
                 src_word,
                 valid,
             } => format!(
-                "cp_async_{bytes}(&{dst}[{}], (const unsigned*){src} + ({}), {});",
-                self.expr(dst_word),
-                self.expr(src_word),
+                "cp_async_{bytes}({dst}{}, (const unsigned*){src}{}, {});",
+                self.pointer_terms(dst_word),
+                self.pointer_terms(src_word),
                 self.expr(valid)
             ),
             Intrinsic::CpAsyncCommit => "cp_async_commit();".into(),
@@ -416,10 +415,10 @@ impl Printer<'_> {
                 dst,
                 dst0,
             } => format!(
-                "ldmatrix_x{count}{}(&{dst}[{}], &{arr}[{}]);",
+                "ldmatrix_x{count}{}(&{dst}[{}], {arr}{});",
                 if *trans { "_trans" } else { "" },
                 self.expr(dst0),
-                self.expr(word)
+                self.pointer_terms(word)
             ),
             Intrinsic::MmaBf16 {
                 c,
@@ -444,6 +443,26 @@ impl Printer<'_> {
             ),
         };
         self.line(&l);
+    }
+
+    /// ` + (a) + (b)...` for the terms of an index that is a sum: added to a pointer one by
+    /// one, so that 32-bit wrap-around of the sum does not stop the compiler from folding
+    /// constant terms into the instruction's immediate offset.
+    fn pointer_terms(&self, index: &Expr) -> String {
+        fn terms<'e>(e: &'e Expr, out: &mut Vec<&'e Expr>) {
+            match e {
+                Expr::Bin(BinOp::Add, a, b) if e.ty() == Ty::U32 => {
+                    terms(a, out);
+                    terms(b, out);
+                }
+                other => out.push(other),
+            }
+        }
+        let mut t = Vec::new();
+        terms(index, &mut t);
+        t.iter()
+            .map(|e| format!(" + {}", self.operand(e)))
+            .collect()
     }
 
     fn block(&mut self, stmts: &[Stmt]) {

@@ -79,19 +79,24 @@ impl DecodeConfig {
 
     /// The tensor-core configuration (CUDA, [`Lowering::Mma`]) for `heads` query heads. Every
     /// one fits SM120's 101376 bytes of shared memory per block (the lowering checks):
-    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, 4 warps, a 2-deep ring of
-    ///   gathered rows (2 x 37 KB) next to the q tile (18 KB);
-    /// - H > 16: 32 heads x 16 slots, 8 warps, a 3-deep ring: fewer CTAs read each row;
+    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of gathered rows
+    ///   (2 x 37 KB) next to the q tile (18 KB);
+    /// - H > 16: 32 heads x 32 slots in one stage: fewer CTAs read each row;
     /// - fp8_ds_mla: the same head blocks with rings of raw rows sized to fit beside the
     ///   dequantised tile.
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
-        // fp8: a ring of raw 656-byte rows, plus the tile they are dequantised into, which
-        // the mma lowering holds as two bf16 planes (hi + lo) of the f32 values.
+        // Measured on the H200 (benches/NOTES.md): the kernel is bound by per-step latency
+        // (barriers, the online softmax), so few, large steps win over deep rings. 8 warps;
+        // two workgroups per multiprocessor (<= 128 registers, <= 99 KB shared memory each
+        // on an H100/H200; SM120 fits one). fp8 adds a ring of raw 656-byte rows beside the
+        // tile they are dequantised into (two bf16 planes, hi + lo, of the f32 values).
+        // H > 16, bf16: 32 slots per step in a single stage (75 KB) beat 16 in a 3-deep ring
+        // by 1.3x; the other workgroup on the multiprocessor covers the gather latency.
         let (block_h, block_n, threads, stages, min_workgroups) = match (heads <= 16, format) {
-            (true, CacheFormat::Bf16) => (16, 32, 128, 2, 0),
-            (true, CacheFormat::Fp8DsMla) => (16, 16, 128, 4, 0),
-            (false, CacheFormat::Bf16) => (32, 16, 256, 3, 0),
-            (false, CacheFormat::Fp8DsMla) => (32, 16, 256, 2, 0),
+            (true, CacheFormat::Bf16) => (16, 32, 256, 2, 0),
+            (true, CacheFormat::Fp8DsMla) => (16, 16, 256, 4, 0),
+            (false, CacheFormat::Bf16) => (32, 32, 256, 1, 2),
+            (false, CacheFormat::Fp8DsMla) => (32, 16, 256, 2, 2),
         };
         DecodeConfig {
             dims,
@@ -241,8 +246,10 @@ impl DecodePlan {
             let waves = (base * s as u64).div_ceil(resident) as f64;
             let mut t = waves * (steps + FIXED);
             if s > 1 {
+                // the combine: a launch, a dependent walk over the splits (4 in flight at a
+                // time), and the partials written and read back
                 let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
-                t += 1.0 + partial_bytes / step_bytes;
+                t += 1.0 + s as f64 / 16.0 + partial_bytes / step_bytes;
             }
             // a smaller count wins ties: less combine traffic for the same time
             if t < best.0 - 1e-9 {

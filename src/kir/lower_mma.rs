@@ -47,11 +47,13 @@ pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
 }
 
 /// Lower every tile op of `kernel` for tensor cores, with `stages` ring buffers per pipelined
-/// gather.
-pub fn lower(kernel: &Kernel, stages: u32) -> Result<Kernel> {
+/// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint).
+pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel> {
     let mut cx = Cx::new(kernel, stages)?;
+    cx.min_workgroups = min_workgroups;
     let body = cx.stmts(&kernel.body)?;
     let mut out = kernel.clone();
+    out.min_workgroups = min_workgroups;
     let mut full = std::mem::take(&mut cx.prelude);
     full.extend(body);
     out.body = dedupe_barriers(full);
@@ -163,6 +165,8 @@ struct Cx<'k> {
     reduce_scratch: Option<String>,
     /// The ring stage of the step being loaded or computed, inside a pipeline.
     stage: Option<Expr>,
+    /// Workgroups per multiprocessor the kernel is compiled for (0: no hint).
+    min_workgroups: u32,
     /// Tiles gathered outside a pipeline whose copies are committed but not yet waited for:
     /// the wait (and barrier) comes just before the first statement that uses them.
     pending: Vec<String>,
@@ -329,6 +333,7 @@ impl<'k> Cx<'k> {
             },
             reduce_scratch: None,
             stage: None,
+            min_workgroups: 0,
             pending: Vec::new(),
         };
         cx.bind_lane();
@@ -486,6 +491,11 @@ impl<'k> Cx<'k> {
             n_nk,
             k_nk,
         };
+    }
+
+    /// Registers per thread the compiler may use under the occupancy hint.
+    fn register_budget(&self) -> u32 {
+        (65536 / (self.w * self.min_workgroups.max(1))).min(255)
     }
 
     fn err(&self, message: String) -> Error {
@@ -1091,25 +1101,36 @@ impl<'k> Cx<'k> {
         );
         let src_i = self.fresh("src_i32");
         let sub = bin(BinOp::Rem, local_id(), u(tpr));
-        // copies of `bytes` for element indices c = sub, sub + tpr, ... < n, at word offset w0
+        // copies of `bytes` for element indices c = sub + i·tpr < n, at word offset w0: a
+        // constant trip count, so the loop unrolls and each copy's offset is an immediate
         let copy_loop = |cx: &mut Self, bytes: u32, n: u32, w0: u32| -> Stmt {
-            let c = cx.fresh("chunk");
+            let (i, c) = (cx.fresh("copy_i"), cx.fresh("chunk"));
             let cv = var(&c, Ty::U32);
             let step = bytes / 4;
-            Stmt::For {
-                var: c,
-                start: sub.clone(),
-                end: u(n),
-                step: u(tpr),
-                body: vec![intr(Intrinsic::CpAsync {
-                    bytes,
-                    dst: dst.to_string(),
-                    dst_word: add(dbv.clone(), add(u(w0), mul(cv.clone(), u(step)))),
-                    src: src.to_string(),
-                    src_word: add(swv.clone(), add(u(w0), mul(cv, u(step)))),
-                    valid: validv.clone(),
-                })],
-            }
+            // this thread's first element is `sub`; the rest are constant offsets from it,
+            // printed as separate pointer terms so they become instruction immediates
+            let lane0 = mul(sub.clone(), u(step));
+            let off = add(u(w0), mul(var(&i, Ty::U32), u(tpr * step)));
+            let copy = intr(Intrinsic::CpAsync {
+                bytes,
+                dst: dst.to_string(),
+                dst_word: bin(BinOp::Add, add(dbv.clone(), lane0.clone()), off.clone()),
+                src: src.to_string(),
+                src_word: bin(BinOp::Add, add(swv.clone(), lane0), off),
+                valid: validv.clone(),
+            });
+            let body = if n % tpr == 0 {
+                vec![copy]
+            } else {
+                vec![Stmt::If {
+                    cond: lt(cv.clone(), u(n)),
+                    then: vec![copy],
+                    els: vec![],
+                }]
+            };
+            let mut full = vec![let_(&c, add(sub.clone(), mul(var(&i, Ty::U32), u(tpr))))];
+            full.extend(body);
+            for_const(&i, n.div_ceil(tpr), full)
         };
         let mut row_body = vec![
             let_(
@@ -1360,7 +1381,19 @@ impl<'k> Cx<'k> {
         // `acc` itself, the others start at zero) and add them up at the end.
         let ks = k_len / 16;
         let frags = fmw * fnw;
-        let chains = if ks >= 8 { (4 / frags).clamp(1, 4) } else { 1 };
+        // More chains cost 4 registers per fragment each: 2 at most within a 128-register
+        // budget (two 256-thread workgroups per multiprocessor), else 4, and 4 when split
+        // operands already put two dependent products in every k step.
+        let most = if self.register_budget() <= 128 && products.len() == 1 {
+            2
+        } else {
+            4
+        };
+        let chains = if ks >= 8 {
+            (most / frags).clamp(1, most)
+        } else {
+            1
+        };
         let mut body = vec![let_(&a_base, a_word), let_(&b_base, b_word)];
         if chains == 1 {
             body.push(for_const(&kk, ks, kstep(var(&kk, Ty::U32), acc)));

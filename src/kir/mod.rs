@@ -47,10 +47,6 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
         Lowering::Mma {
             stages,
             min_workgroups,
-        } => {
-            let mut k = lower_mma::lower(kernel, stages)?;
-            k.min_workgroups = min_workgroups;
-            Ok(k)
-        }
+        } => lower_mma::lower(kernel, stages, min_workgroups),
     }
 }
