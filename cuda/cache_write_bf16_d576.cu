@@ -78,9 +78,11 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_bf16_d576(const ca
 
         // bf16 row: latent then rope words, copied
         if (valid) {
+            #pragma unroll 4
             for (unsigned w = threadIdx.x; w < 256u; w += 128u) {
                 ((unsigned*)kv_cache)[row_base + w] = ((const unsigned*)latent)[(tok * 256u) + w];
             }
+            #pragma unroll 4
             for (unsigned w_1 = threadIdx.x; w_1 < 32u; w_1 += 128u) {
                 ((unsigned*)kv_cache)[(row_base + 256u) + w_1] = ((const unsigned*)rope)[(tok * 32u) + w_1];
             }

@@ -72,8 +72,8 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(const cache_write_fp8_ds_mla_d576_params p, const unsigned short* __restrict__ latent, const unsigned short* __restrict__ rope, const int* __restrict__ slot_mapping, unsigned char* __restrict__ kv_cache) {
-    __shared__ unsigned amax_part[128];
-    __shared__ unsigned tile_scale[4];
+    __shared__ __align__(16) unsigned amax_part[128];
+    __shared__ __align__(16) unsigned tile_scale[4];
     for (unsigned tok = blockIdx.x; tok < p.tokens; tok += gridDim.x) {
 
         // this token's slot, and where its row starts (in 32-bit words)
@@ -342,6 +342,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             }
 
             // rope: bf16 words copied unchanged
+            #pragma unroll 4
             for (unsigned w = threadIdx.x; w < 32u; w += 128u) {
                 ((unsigned*)kv_cache)[(row_base + 132u) + w] = ((const unsigned*)rope)[(tok * 32u) + w];
             }

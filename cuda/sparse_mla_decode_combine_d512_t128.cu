@@ -70,10 +70,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
 
     // split combine: lse = logsumexp over the splits
     float lse_max = -3e38f;
+    #pragma unroll 4
     for (unsigned s = 0u; s < p.splits; s += 1u) {
         lse_max = fmaxf(lse_max, lse_part[(row * p.splits) + s]);
     }
     float lse_sum = 0.0f;
+    #pragma unroll 4
     for (unsigned s_1 = 0u; s_1 < p.splits; s_1 += 1u) {
         const float part_lse = lse_part[(row * p.splits) + s_1];
         if (!(part_lse < (-1e38f))) {
@@ -88,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
         const unsigned c = c2 * 2u;
         float acc0 = 0.0f;
         float acc1 = 0.0f;
+        #pragma unroll 4
         for (unsigned s_2 = 0u; s_2 < p.splits; s_2 += 1u) {
             const unsigned part = (row * p.splits) + s_2;
             const float part_lse_1 = lse_part[part];

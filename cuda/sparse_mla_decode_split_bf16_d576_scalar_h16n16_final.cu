@@ -85,16 +85,16 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d576_scalar_h16n16_final(const sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
-    __shared__ float row_max[16];
-    __shared__ float row_sum[16];
-    __shared__ float row_rescale[16];
-    __shared__ float block_reduce[16];
-    __shared__ unsigned q_tile[4608];
-    __shared__ unsigned kv_tile[4608];
-    __shared__ float p_tile[256];
-    __shared__ float reduce_scratch0[256];
-    __shared__ int q_tile_src1[16];
-    __shared__ int kv_tile_src8[16];
+    __shared__ __align__(16) float row_max[16];
+    __shared__ __align__(16) float row_sum[16];
+    __shared__ __align__(16) float row_rescale[16];
+    __shared__ __align__(16) float block_reduce[16];
+    __shared__ __align__(16) unsigned q_tile[4608];
+    __shared__ __align__(16) unsigned kv_tile[4608];
+    __shared__ __align__(16) float p_tile[256];
+    __shared__ __align__(16) float reduce_scratch0[256];
+    __shared__ __align__(16) int q_tile_src1[16];
+    __shared__ __align__(16) int kv_tile_src8[16];
     float scores[2];
     float o_acc[64];
 
@@ -110,10 +110,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
+    #pragma unroll 4
     for (unsigned row = threadIdx.x; row < 16u; row += 128u) {
         q_tile_src1[row] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
     }
     __syncthreads();
+    #pragma unroll 4
     for (unsigned word_i2 = threadIdx.x; word_i2 < 4608u; word_i2 += 128u) {
         const unsigned r3 = word_i2 / 288u;
         const unsigned w4 = word_i2 % 288u;
@@ -125,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         q_tile[((r3 * 288u) + 0u) + w4] = word6;
     }
     __syncthreads();
+    #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 128u) {
         row_max[r] = -3e38f;
         row_sum[r] = 0.0f;
@@ -140,10 +143,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
 
         // gather this step's cache rows by slot (invalid slots: zero rows, not read)
         __syncthreads();
+        #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
             kv_tile_src8[row_1] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned word_i9 = threadIdx.x; word_i9 < 4608u; word_i9 += 128u) {
             const unsigned r10 = word_i9 / 288u;
             const unsigned w11 = word_i9 % 288u;
@@ -283,6 +288,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             block_reduce[r76] = red78;
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned r_1 = threadIdx.x; r_1 < 16u; r_1 += 128u) {
             const float m_old = row_max[r_1];
             const float m_new = fmaxf(m_old, block_reduce[r_1]);
@@ -326,6 +332,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             block_reduce[r85] = red87;
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned r_2 = threadIdx.x; r_2 < 16u; r_2 += 128u) {
             row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
         }
@@ -460,6 +467,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             o_acc[(pair_i149 * 2u) + 1u] = v1_3;
         }
     }
+    #pragma unroll 4
     for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 128u) {
         const unsigned h_1 = h0 + r_3;
         if (h_1 < p.heads) {

@@ -84,17 +84,17 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8(const sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
-    __shared__ float row_max[16];
-    __shared__ float row_sum[16];
-    __shared__ float row_rescale[16];
-    __shared__ float block_reduce[16];
-    __shared__ unsigned q_tile[4608];
-    __shared__ float kv_tile[4608];
-    __shared__ unsigned raw_rows[1312];
-    __shared__ float p_tile[128];
-    __shared__ float reduce_scratch0[128];
-    __shared__ int q_tile_src1[16];
-    __shared__ int raw_rows_src8[8];
+    __shared__ __align__(16) float row_max[16];
+    __shared__ __align__(16) float row_sum[16];
+    __shared__ __align__(16) float row_rescale[16];
+    __shared__ __align__(16) float block_reduce[16];
+    __shared__ __align__(16) unsigned q_tile[4608];
+    __shared__ __align__(16) float kv_tile[4608];
+    __shared__ __align__(16) unsigned raw_rows[1312];
+    __shared__ __align__(16) float p_tile[128];
+    __shared__ __align__(16) float reduce_scratch0[128];
+    __shared__ __align__(16) int q_tile_src1[16];
+    __shared__ __align__(16) int raw_rows_src8[8];
     float scores[2];
     float o_acc[64];
 
@@ -110,10 +110,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
+    #pragma unroll 4
     for (unsigned row = threadIdx.x; row < 16u; row += 128u) {
         q_tile_src1[row] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
     }
     __syncthreads();
+    #pragma unroll 4
     for (unsigned word_i2 = threadIdx.x; word_i2 < 4608u; word_i2 += 128u) {
         const unsigned r3 = word_i2 / 288u;
         const unsigned w4 = word_i2 % 288u;
@@ -125,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         q_tile[((r3 * 288u) + 0u) + w4] = word6;
     }
     __syncthreads();
+    #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 128u) {
         row_max[r] = -3e38f;
         row_sum[r] = 0.0f;
@@ -140,10 +143,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
 
         // gather this step's cache rows by slot (invalid slots: zero rows, not read)
         __syncthreads();
+        #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 8u; row_1 += 128u) {
             raw_rows_src8[row_1] = ((((((j_begin + (step * 8u)) + row_1) < j_end) && (((j_begin + (step * 8u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 8u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 8u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 8u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 8u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 8u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 8u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 8u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 8u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned word_i9 = threadIdx.x; word_i9 < 1312u; word_i9 += 128u) {
             const unsigned r10 = word_i9 / 164u;
             const unsigned w11 = word_i9 % 164u;
@@ -160,6 +165,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
 
         // dequantise the fp8 rows: latent = e4m3 x its tile's f32 scale, rope = bf16
         __syncthreads();
+        #pragma unroll 4
         for (unsigned word_i14 = threadIdx.x; word_i14 < 4096u; word_i14 += 128u) {
             const unsigned r15 = word_i14 / 512u;
             const unsigned w16 = (word_i14 % 512u) + 0u;
@@ -169,6 +175,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         }
         __syncthreads();
         __syncthreads();
+        #pragma unroll 4
         for (unsigned word_i17 = threadIdx.x; word_i17 < 512u; word_i17 += 128u) {
             const unsigned r18 = word_i17 / 64u;
             const unsigned w19 = (word_i17 % 64u) + 512u;
@@ -303,6 +310,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             block_reduce[r82] = red84;
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned r_1 = threadIdx.x; r_1 < 16u; r_1 += 128u) {
             const float m_old = row_max[r_1];
             const float m_new = fmaxf(m_old, block_reduce[r_1]);
@@ -346,6 +354,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             block_reduce[r91] = red93;
         }
         __syncthreads();
+        #pragma unroll 4
         for (unsigned r_2 = threadIdx.x; r_2 < 16u; r_2 += 128u) {
             row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
         }
@@ -450,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             o_acc[(pair_i131 * 2u) + 1u] = v1_3;
         }
     }
+    #pragma unroll 4
     for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 128u) {
         const unsigned h_1 = h0 + r_3;
         if (h_1 < p.heads) {

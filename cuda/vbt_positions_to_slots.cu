@@ -70,6 +70,7 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 
 extern "C" __global__ void __launch_bounds__(256) vbt_positions_to_slots(const vbt_positions_to_slots_params p, const int* __restrict__ positions, const int* __restrict__ block_table, const int* __restrict__ req_of_token, int* __restrict__ slots) {
     const unsigned stride = gridDim.x * 256u;
+    #pragma unroll 4
     for (unsigned e = (blockIdx.x * 256u) + threadIdx.x; e < p.entries; e += stride) {
         const unsigned t = e / p.topk;
         const int r = req_of_token[t];
