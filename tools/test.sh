@@ -3,8 +3,9 @@
 # tests need and does not find:
 #   - lavapipe (Mesa's Vulkan on the CPU), so the wgpu conformance tests really run;
 #   - NVRTC 12.8 from PyPI (into target/nvrtc), so every emitted CUDA kernel is compiled
-#     for sm_80, sm_89, sm_90 and sm_120 — no GPU needed.
-# Then it runs every test with both required (SPARSE_MLA_REQUIRE=wgpu,nvrtc): a missing
+#     for sm_80, sm_89, sm_90 and sm_120 — no GPU needed;
+#   - g++, so the tensor-core CUDA C runs on the CPU warp emulator (tests/mma_emulated.rs).
+# Then it runs every test with all three required (SPARSE_MLA_REQUIRE=wgpu,nvrtc,g++): a missing
 # piece fails the run instead of being skipped. Extra arguments go to `cargo test` (before
 # its `--`), e.g. `tools/test.sh --test conformance`.
 set -euo pipefail
@@ -20,6 +21,12 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null
 fi
 
+if ! command -v g++ >/dev/null 2>&1; then
+    echo "== installing g++ (runs the tensor-core CUDA C on the CPU warp emulator)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+fi
+
 NVRTC_DIR=${SPARSE_MLA_NVRTC_DIR:-$PWD/target/nvrtc}
 NVRTC_LIB=$NVRTC_DIR/nvidia/cuda_nvrtc/lib
 if [ ! -e "$NVRTC_LIB/libnvrtc.so.12" ]; then
@@ -31,7 +38,7 @@ if [ ! -e "$NVRTC_LIB/libnvrtc.so.12" ]; then
     python3 -m pip install --quiet --disable-pip-version-check --target "$NVRTC_DIR" "nvidia-cuda-nvrtc-cu12==12.8.*"
 fi
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export SPARSE_MLA_REQUIRE=${SPARSE_MLA_REQUIRE:-wgpu,nvrtc}
+export SPARSE_MLA_REQUIRE=${SPARSE_MLA_REQUIRE:-wgpu,nvrtc,g++}
 
 if cargo fmt --version >/dev/null 2>&1; then
     cargo fmt --check
