@@ -6,7 +6,7 @@
 //! Calling convention: `extern "C" __global__ void <name>(<name>_params p, buffers...)`,
 //! the parameter struct by value, then one pointer per buffer in declaration order.
 
-use super::{f32_literal, header, special_f32};
+use super::{f32_literal, header, special_f32, Dialect, Writer};
 use crate::kir::ir::*;
 use crate::{Error, Result};
 
@@ -50,16 +50,10 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
             message: "CUDA emitter given a kernel with tile ops; lower it first".into(),
         });
     }
-    let mut p = Printer {
-        out: String::new(),
-        indent: 0,
-        kernel,
-    };
     let h = helpers_text
         .map(str::to_string)
         .unwrap_or_else(|| helpers(kernel));
-    p.unit(&h);
-    Ok(p.out)
+    Ok(Printer { kernel }.unit(&h))
 }
 
 /// The C declaration of a kernel's parameter struct (also used for the integrators' header).
@@ -215,54 +209,41 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
 "#;
 
 struct Printer<'k> {
-    out: String,
-    indent: usize,
     kernel: &'k Kernel,
 }
 
 impl Printer<'_> {
-    fn line(&mut self, s: &str) {
-        if s.is_empty() {
-            self.out.push('\n');
-            return;
-        }
-        for _ in 0..self.indent {
-            self.out.push_str("    ");
-        }
-        self.out.push_str(s);
-        self.out.push('\n');
-    }
-
-    fn unit(&mut self, helpers: &str) {
+    fn unit(&self, helpers: &str) -> String {
+        let mut w = Writer::default();
         let k = self.kernel;
         for l in header(k, "CUDA C", "kernel arguments after the parameter struct") {
             if l.is_empty() {
-                self.line("//");
+                w.line("//");
             } else {
-                self.line(&format!("// {l}"));
+                w.line(&format!("// {l}"));
             }
         }
         let dynamic = dynamic_shared_bytes(k);
         if dynamic > 0 {
-            self.line(&format!(
+            w.line(&format!(
                 "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory {dynamic} bytes",
                 k.workgroup_size
             ));
-            self.line("// (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).");
+            w.line("// (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).");
         } else {
-            self.line(&format!(
+            w.line(&format!(
                 "// Launch: blockDim = ({}, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.",
                 k.workgroup_size
             ));
         }
-        self.line("// Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).");
-        self.line("");
-        self.out.push_str(&params_struct(k));
-        self.line("");
-        self.out.push_str(helpers);
-        self.line("");
+        w.line("// Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).");
+        w.line("");
+        w.out.push_str(&params_struct(k));
+        w.line("");
+        w.out.push_str(helpers);
+        w.line("");
         let args = buffer_params(k).join(", ");
-        self.line(&format!(
+        w.line(&format!(
             "extern \"C\" __global__ void __launch_bounds__({}) {}(const {}_params p, {args}) {{",
             if k.min_workgroups > 0 {
                 format!("{}, {}", k.workgroup_size, k.min_workgroups)
@@ -272,9 +253,9 @@ impl Printer<'_> {
             k.name,
             k.name
         ));
-        self.indent += 1;
+        w.indent += 1;
         if dynamic > 0 {
-            self.line("extern __shared__ __align__(16) unsigned char dyn_smem[];");
+            w.line("extern __shared__ __align__(16) unsigned char dyn_smem[];");
             let (offsets, _) = crate::kir::lower_mma::shared_layout(&k.shared);
             for (s, off) in k.shared.iter().zip(offsets) {
                 let t = c_ty(s.ty);
@@ -282,7 +263,7 @@ impl Printer<'_> {
                     "{t}* const {} = ({t}*)(dyn_smem + {off}); // [{}]",
                     s.name, s.len
                 );
-                self.line(&l);
+                w.line(&l);
             }
         } else {
             for s in &k.shared {
@@ -292,106 +273,23 @@ impl Printer<'_> {
                     s.name,
                     s.len
                 );
-                self.line(&l);
+                w.line(&l);
             }
         }
         for pv in &k.privates {
             let l = format!("{} {}[{}];", c_ty(pv.ty), pv.name, pv.len);
-            self.line(&l);
+            w.line(&l);
         }
         for s in &k.body {
-            self.stmt(s);
+            w.stmt(self, s);
         }
-        self.indent -= 1;
-        self.line("}");
+        w.indent -= 1;
+        w.line("}");
+        w.out
     }
 
-    fn stmt(&mut self, s: &Stmt) {
-        match s {
-            Stmt::Comment(c) => {
-                self.line("");
-                self.line(&format!("// {c}"));
-            }
-            Stmt::Let { name, value } => {
-                let l = format!("const {} {name} = {};", c_ty(value.ty()), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Var { name, value } => {
-                let l = format!("{} {name} = {};", c_ty(value.ty()), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Assign { name, value } => {
-                let l = format!("{name} = {};", self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Store { buf, index, value } => {
-                let l = format!("{buf}[{}] = {};", self.expr(index), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::StoreWord { buf, index, value } => {
-                let l = format!(
-                    "((unsigned*){buf})[{}] = {};",
-                    self.expr(index),
-                    self.expr(value)
-                );
-                self.line(&l);
-            }
-            Stmt::SharedStore { arr, index, value } | Stmt::PrivateStore { arr, index, value } => {
-                let l = format!("{arr}[{}] = {};", self.expr(index), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::If { cond, then, els } => {
-                let l = format!("if ({}) {{", self.expr(cond));
-                self.line(&l);
-                self.block(then);
-                if els.is_empty() {
-                    self.line("}");
-                } else {
-                    self.line("} else {");
-                    self.block(els);
-                    self.line("}");
-                }
-            }
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => {
-                // Small constant trip counts are unrolled so private arrays stay in registers;
-                // other small loops by 4, so that the loads of 4 iterations are in flight
-                // together (e.g. the combine's walk over the splits).
-                let constant = match (start, end, step) {
-                    (Expr::U32(a), Expr::U32(b), Expr::U32(c)) => {
-                        Some(*c > 0 && b.saturating_sub(*a).div_ceil(*c) <= 64)
-                    }
-                    _ => None,
-                };
-                match constant {
-                    Some(true) => self.line("#pragma unroll"),
-                    None if body.iter().all(straight_line) => self.line("#pragma unroll 4"),
-                    _ => {}
-                }
-                let l = format!(
-                    "for ({} {var} = {}; {var} < {}; {var} += {}) {{",
-                    c_ty(start.ty()),
-                    self.expr(start),
-                    self.expr(end),
-                    self.expr(step)
-                );
-                self.line(&l);
-                self.block(body);
-                self.line("}");
-            }
-            Stmt::Barrier => self.line("__syncthreads();"),
-            Stmt::Intrinsic(i) => self.intrinsic(i),
-            Stmt::Tile(_) => self.line("// (unlowered tile op)"),
-        }
-    }
-
-    fn intrinsic(&mut self, i: &Intrinsic) {
-        let l = match i {
+    fn intrinsic_line(&self, i: &Intrinsic) -> String {
+        match i {
             Intrinsic::CpAsync {
                 bytes,
                 dst,
@@ -441,8 +339,7 @@ impl Printer<'_> {
                 "const float {dst} = shfl_xor_f32({}, {lane_mask});",
                 self.expr(value)
             ),
-        };
-        self.line(&l);
+        }
     }
 
     /// ` + (a) + (b)...` for the terms of an index that is a sum: added to a pointer one by
@@ -463,14 +360,6 @@ impl Printer<'_> {
         t.iter()
             .map(|e| format!(" + {}", self.operand(e)))
             .collect()
-    }
-
-    fn block(&mut self, stmts: &[Stmt]) {
-        self.indent += 1;
-        for s in stmts {
-            self.stmt(s);
-        }
-        self.indent -= 1;
     }
 
     fn operand(&self, e: &Expr) -> String {
@@ -588,6 +477,66 @@ impl Printer<'_> {
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0f"),
             Expr::TileWord { tile, .. } => format!("/* unlowered tile word {tile} */ 0u"),
         }
+    }
+}
+
+impl Dialect for Printer<'_> {
+    fn expr(&self, e: &Expr) -> String {
+        Printer::expr(self, e)
+    }
+
+    fn decl(&self, name: &str, value: &Expr, mutable: bool) -> String {
+        let konst = if mutable { "" } else { "const " };
+        format!("{konst}{} {name} = {};", c_ty(value.ty()), self.expr(value))
+    }
+
+    fn store_word(&self, buf: &str, index: &Expr, value: &Expr) -> String {
+        format!(
+            "((unsigned*){buf})[{}] = {};",
+            self.expr(index),
+            self.expr(value)
+        )
+    }
+
+    fn for_head(
+        &self,
+        var: &str,
+        start: &Expr,
+        end: &Expr,
+        step: &Expr,
+        body: &[Stmt],
+    ) -> Vec<String> {
+        let mut lines = Vec::new();
+        // Small constant trip counts are unrolled so private arrays stay in registers;
+        // other small loops by 4, so that the loads of 4 iterations are in flight
+        // together (e.g. the combine's walk over the splits).
+        let constant = match (start, end, step) {
+            (Expr::U32(a), Expr::U32(b), Expr::U32(c)) => {
+                Some(*c > 0 && b.saturating_sub(*a).div_ceil(*c) <= 64)
+            }
+            _ => None,
+        };
+        match constant {
+            Some(true) => lines.push("#pragma unroll".to_string()),
+            None if body.iter().all(straight_line) => lines.push("#pragma unroll 4".to_string()),
+            _ => {}
+        }
+        lines.push(format!(
+            "for ({} {var} = {}; {var} < {}; {var} += {}) {{",
+            c_ty(start.ty()),
+            self.expr(start),
+            self.expr(end),
+            self.expr(step)
+        ));
+        lines
+    }
+
+    fn barrier(&self) -> &'static str {
+        "__syncthreads();"
+    }
+
+    fn intrinsic(&self, i: &Intrinsic) -> String {
+        self.intrinsic_line(i)
     }
 }
 

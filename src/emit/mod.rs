@@ -73,3 +73,97 @@ pub(crate) fn f32_literal(v: f32) -> String {
         format!("{s}.0")
     }
 }
+
+/// What differs between the C-like targets when printing statements; [`Writer::stmt`]
+/// prints everything else (blocks, ifs, stores, comments) the same way for both.
+pub(crate) trait Dialect {
+    fn expr(&self, e: &Expr) -> String;
+    /// `let` (immutable) or `var` (mutable) declaration with its initial value.
+    fn decl(&self, name: &str, value: &Expr, mutable: bool) -> String;
+    /// Store of a u32 word into any buffer (packed elements included).
+    fn store_word(&self, buf: &str, index: &Expr, value: &Expr) -> String;
+    /// The line(s) opening a `for` loop (pragmas included).
+    fn for_head(
+        &self,
+        var: &str,
+        start: &Expr,
+        end: &Expr,
+        step: &Expr,
+        body: &[Stmt],
+    ) -> Vec<String>;
+    fn barrier(&self) -> &'static str;
+    fn intrinsic(&self, i: &Intrinsic) -> String;
+}
+
+/// Indented output of a generated file.
+#[derive(Default)]
+pub(crate) struct Writer {
+    pub out: String,
+    pub indent: usize,
+}
+
+impl Writer {
+    pub fn line(&mut self, s: &str) {
+        if !s.is_empty() {
+            for _ in 0..self.indent {
+                self.out.push_str("    ");
+            }
+            self.out.push_str(s);
+        }
+        self.out.push('\n');
+    }
+
+    pub fn block(&mut self, d: &dyn Dialect, stmts: &[Stmt]) {
+        self.indent += 1;
+        for s in stmts {
+            self.stmt(d, s);
+        }
+        self.indent -= 1;
+    }
+
+    pub fn stmt(&mut self, d: &dyn Dialect, s: &Stmt) {
+        match s {
+            Stmt::Comment(c) => {
+                self.line("");
+                self.line(&format!("// {c}"));
+            }
+            Stmt::Let { name, value } => self.line(&d.decl(name, value, false)),
+            Stmt::Var { name, value } => self.line(&d.decl(name, value, true)),
+            Stmt::Assign { name, value } => self.line(&format!("{name} = {};", d.expr(value))),
+            Stmt::Store { buf, index, value } => {
+                self.line(&format!("{buf}[{}] = {};", d.expr(index), d.expr(value)))
+            }
+            Stmt::StoreWord { buf, index, value } => self.line(&d.store_word(buf, index, value)),
+            Stmt::SharedStore { arr, index, value } | Stmt::PrivateStore { arr, index, value } => {
+                self.line(&format!("{arr}[{}] = {};", d.expr(index), d.expr(value)))
+            }
+            Stmt::If { cond, then, els } => {
+                self.line(&format!("if ({}) {{", d.expr(cond)));
+                self.block(d, then);
+                if els.is_empty() {
+                    self.line("}");
+                } else {
+                    self.line("} else {");
+                    self.block(d, els);
+                    self.line("}");
+                }
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                for l in d.for_head(var, start, end, step, body) {
+                    self.line(&l);
+                }
+                self.block(d, body);
+                self.line("}");
+            }
+            Stmt::Barrier => self.line(d.barrier()),
+            Stmt::Intrinsic(i) => self.line(&d.intrinsic(i)),
+            Stmt::Tile(_) => self.line("// (unlowered tile op)"),
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! `array<u32>` (two bf16 / four bytes per word, little-endian); WGSL has no 16- or 8-bit
 //! storage types, so packed data is written a whole word at a time.
 
-use super::{f32_literal, header, special_f32};
+use super::{f32_literal, header, special_f32, Dialect, Writer};
 use crate::kir::ir::*;
 use crate::{Error, Result};
 
@@ -23,13 +23,7 @@ pub fn emit(kernel: &Kernel) -> Result<String> {
                 .into(),
         });
     }
-    let mut p = Printer {
-        out: String::new(),
-        indent: 0,
-        kernel,
-    };
-    p.module();
-    Ok(p.out)
+    Ok(Printer { kernel }.module())
 }
 
 /// The WGSL type a buffer of `elem` is declared as.
@@ -90,25 +84,12 @@ fn f32_from_const_bits(bits: u32) -> f32 {
 "#;
 
 struct Printer<'k> {
-    out: String,
-    indent: usize,
     kernel: &'k Kernel,
 }
 
 impl Printer<'_> {
-    fn line(&mut self, s: &str) {
-        if s.is_empty() {
-            self.out.push('\n');
-            return;
-        }
-        for _ in 0..self.indent {
-            self.out.push_str("    ");
-        }
-        self.out.push_str(s);
-        self.out.push('\n');
-    }
-
-    fn module(&mut self) {
+    fn module(&self) -> String {
+        let mut w = Writer::default();
         let k = self.kernel;
         for l in header(
             k,
@@ -116,31 +97,31 @@ impl Printer<'_> {
             "group 0; binding 0 is `params`, buffer i is binding i + 1",
         ) {
             if l.is_empty() {
-                self.line("//");
+                w.line("//");
             } else {
-                self.line(&format!("// {l}"));
+                w.line(&format!("// {l}"));
             }
         }
         let groups = "x, y, z";
-        self.line(&format!(
+        w.line(&format!(
             "// Dispatch: workgroup ids ({groups}) as described above; one invocation per thread."
         ));
-        self.line("");
+        w.line("");
         // Parameter block, padded to 16 bytes as uniform buffers require.
-        self.line("struct Params {");
-        self.indent += 1;
+        w.line("struct Params {");
+        w.indent += 1;
         for prm in &k.params {
             let line = format!("{}: {},", prm.name, ty(prm.ty));
-            self.line(&line);
+            w.line(&line);
         }
         let padded = k.params.len().div_ceil(4).max(1) * 4;
         for i in k.params.len()..padded {
-            self.line(&format!("pad{i}: u32,"));
+            w.line(&format!("pad{i}: u32,"));
         }
-        self.indent -= 1;
-        self.line("}");
-        self.line("");
-        self.line("@group(0) @binding(0) var<uniform> params: Params;");
+        w.indent -= 1;
+        w.line("}");
+        w.line("");
+        w.line("@group(0) @binding(0) var<uniform> params: Params;");
         for (i, b) in k.buffers.iter().enumerate() {
             let access = match b.access {
                 Access::Read => "read",
@@ -154,112 +135,32 @@ impl Printer<'_> {
                 b.elem.name(),
                 b.doc
             );
-            self.line(&line);
+            w.line(&line);
         }
-        self.line("");
+        w.line("");
         for s in &k.shared {
             let line = format!("var<workgroup> {}: array<{}, {}>;", s.name, ty(s.ty), s.len);
-            self.line(&line);
+            w.line(&line);
         }
-        self.line("");
-        self.out.push_str(HELPERS);
-        self.line("");
-        self.line(&format!("@compute @workgroup_size({})", k.workgroup_size));
-        self.line(&format!(
+        w.line("");
+        w.out.push_str(HELPERS);
+        w.line("");
+        w.line(&format!("@compute @workgroup_size({})", k.workgroup_size));
+        w.line(&format!(
             "fn {}(@builtin(local_invocation_index) local_id: u32, @builtin(workgroup_id) wg_id: vec3<u32>, @builtin(num_workgroups) wg_count: vec3<u32>) {{",
             k.name
         ));
-        self.indent += 1;
+        w.indent += 1;
         for pv in &k.privates {
             let line = format!("var {}: array<{}, {}>;", pv.name, ty(pv.ty), pv.len);
-            self.line(&line);
+            w.line(&line);
         }
         for s in &k.body {
-            self.stmt(s);
+            w.stmt(self, s);
         }
-        self.indent -= 1;
-        self.line("}");
-    }
-
-    fn stmt(&mut self, s: &Stmt) {
-        match s {
-            Stmt::Comment(c) => {
-                self.line("");
-                self.line(&format!("// {c}"));
-            }
-            Stmt::Let { name, value } => {
-                let l = format!("let {name}: {} = {};", ty(value.ty()), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Var { name, value } => {
-                let l = format!("var {name}: {} = {};", ty(value.ty()), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Assign { name, value } => {
-                let l = format!("{name} = {};", self.expr(value));
-                self.line(&l);
-            }
-            Stmt::Store { buf, index, value } => {
-                let l = format!("{buf}[{}] = {};", self.expr(index), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::StoreWord { buf, index, value } => {
-                let elem = self.kernel.buffer(buf).map(|b| b.elem).unwrap_or(Elem::U32);
-                let v = self.expr(value);
-                let v = match elem {
-                    Elem::F32 => format!("bitcast<f32>({v})"),
-                    Elem::I32 => format!("bitcast<i32>({v})"),
-                    _ => v,
-                };
-                let l = format!("{buf}[{}] = {v};", self.expr(index));
-                self.line(&l);
-            }
-            Stmt::SharedStore { arr, index, value } | Stmt::PrivateStore { arr, index, value } => {
-                let l = format!("{arr}[{}] = {};", self.expr(index), self.expr(value));
-                self.line(&l);
-            }
-            Stmt::If { cond, then, els } => {
-                let l = format!("if ({}) {{", self.expr(cond));
-                self.line(&l);
-                self.block(then);
-                if els.is_empty() {
-                    self.line("}");
-                } else {
-                    self.line("} else {");
-                    self.block(els);
-                    self.line("}");
-                }
-            }
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => {
-                let t = ty(start.ty());
-                let l = format!(
-                    "for (var {var}: {t} = {}; {var} < {}; {var} = {var} + {}) {{",
-                    self.expr(start),
-                    self.expr(end),
-                    self.expr(step)
-                );
-                self.line(&l);
-                self.block(body);
-                self.line("}");
-            }
-            Stmt::Barrier => self.line("workgroupBarrier();"),
-            Stmt::Tile(_) => self.line("// (unlowered tile op)"),
-            Stmt::Intrinsic(_) => self.line("// (CUDA intrinsic: rejected by emit)"),
-        }
-    }
-
-    fn block(&mut self, stmts: &[Stmt]) {
-        self.indent += 1;
-        for s in stmts {
-            self.stmt(s);
-        }
-        self.indent -= 1;
+        w.indent -= 1;
+        w.line("}");
+        w.out
     }
 
     /// An operand: parenthesised unless atomic.
@@ -381,6 +282,53 @@ impl Printer<'_> {
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0"),
             Expr::TileWord { tile, .. } => format!("/* unlowered tile word {tile} */ 0u"),
         }
+    }
+}
+
+impl Dialect for Printer<'_> {
+    fn expr(&self, e: &Expr) -> String {
+        Printer::expr(self, e)
+    }
+
+    fn decl(&self, name: &str, value: &Expr, mutable: bool) -> String {
+        let kw = if mutable { "var" } else { "let" };
+        format!("{kw} {name}: {} = {};", ty(value.ty()), self.expr(value))
+    }
+
+    fn store_word(&self, buf: &str, index: &Expr, value: &Expr) -> String {
+        let elem = self.kernel.buffer(buf).map(|b| b.elem).unwrap_or(Elem::U32);
+        let v = self.expr(value);
+        let v = match elem {
+            Elem::F32 => format!("bitcast<f32>({v})"),
+            Elem::I32 => format!("bitcast<i32>({v})"),
+            _ => v,
+        };
+        format!("{buf}[{}] = {v};", self.expr(index))
+    }
+
+    fn for_head(
+        &self,
+        var: &str,
+        start: &Expr,
+        end: &Expr,
+        step: &Expr,
+        _body: &[Stmt],
+    ) -> Vec<String> {
+        vec![format!(
+            "for (var {var}: {} = {}; {var} < {}; {var} = {var} + {}) {{",
+            ty(start.ty()),
+            self.expr(start),
+            self.expr(end),
+            self.expr(step)
+        )]
+    }
+
+    fn barrier(&self) -> &'static str {
+        "workgroupBarrier();"
+    }
+
+    fn intrinsic(&self, _: &Intrinsic) -> String {
+        "// (CUDA intrinsic: rejected by emit)".into()
     }
 }
 
