@@ -698,6 +698,50 @@ impl KernelBuilder {
         }));
     }
 
+    /// One online-softmax step as a single tile op (see [`TileOp::OnlineSoftmax`]): `expansion`
+    /// writes its definition in primitive statements, which lowerings without a native form
+    /// of the op lower instead. Used by [`super::ops::online_softmax_update`].
+    pub fn online_softmax(
+        &mut self,
+        s: &Acc,
+        (m, l): (&Shared, &Shared),
+        outs: &[&Acc],
+        p_tile: &STile,
+        expansion: impl FnOnce(&mut Self),
+    ) {
+        for arr in [m, l] {
+            if arr.ty != Ty::F32 || arr.len < s.rows {
+                self.error(format!(
+                    "online softmax of {}: state {} must be f32 × {}",
+                    s.name, arr.name, s.rows
+                ));
+            }
+        }
+        for o in outs {
+            if o.rows != s.rows {
+                self.error(format!(
+                    "online softmax of {} [{} rows]: accumulator {} has {} rows",
+                    s.name, s.rows, o.name, o.rows
+                ));
+            }
+        }
+        if p_tile.rows != s.rows || p_tile.cols != s.cols || p_tile.elem == TileElem::U8 {
+            self.error(format!(
+                "online softmax of {} [{}x{}]: P tile {} is [{}x{}] {:?}",
+                s.name, s.rows, s.cols, p_tile.name, p_tile.rows, p_tile.cols, p_tile.elem
+            ));
+        }
+        let expansion = self.block(expansion);
+        self.push(Stmt::Tile(TileOp::OnlineSoftmax {
+            s: s.name.clone(),
+            m: m.name.clone(),
+            l: l.name.clone(),
+            outs: outs.iter().map(|o| o.name.clone()).collect(),
+            p_tile: p_tile.name.clone(),
+            expansion,
+        }));
+    }
+
     /// `dst[r, c] = value(r, c)` for the whole shared tile.
     pub fn shared_map(&mut self, dst: &STile, value: impl FnOnce(&mut Self, Expr, Expr) -> Expr) {
         self.shared_map_cols(dst, 0, dst.cols, value);

@@ -499,6 +499,27 @@ pub enum TileOp {
         cols: u32,
         value: Expr,
     },
+    /// One step of the online softmax over the scores `s [rows, n]` (scaled; masked elements
+    /// below `ops::MASKED_BELOW`), with the running row max `m` and row sum `l` in shared f32
+    /// arrays (`len ≥ rows`):
+    /// `m_new = max(m, rowmax(s))`, `alpha = exp(m − m_new)`, `p = exp(s − m_new)` (0 where
+    /// masked), `l = l·alpha + rowsum(p)`, every accumulator of `outs` (`[rows, *]`) scaled
+    /// by `alpha` row by row, `m = m_new`; `p` is left in `s` and in the shared tile `p_tile`
+    /// (`[rows, n]`, as [`TileOp::AccToShared`] writes it).
+    ///
+    /// `expansion` is the definition in primitive statements (written by
+    /// `kir::ops::online_softmax_update`; it may use scratch shared arrays of its own, whose
+    /// contents afterwards are unspecified): a lowering without a native form of the op lowers
+    /// it instead. Afterwards `m` and `l` hold the new state for every thread, as after any
+    /// tile op.
+    OnlineSoftmax {
+        s: String,
+        m: String,
+        l: String,
+        outs: Vec<String>,
+        p_tile: String,
+        expansion: Vec<Stmt>,
+    },
     /// A loop over `count` (uniform) steps in two stages: `load` (only `GatherRows`) brings
     /// step `var`'s tiles into shared memory, then `compute` consumes them. A lowering may run
     /// the load of later steps ahead of the compute of earlier ones (a multi-stage ring); the

@@ -847,6 +847,11 @@ impl<'k> Cx<'k> {
                 cols,
                 value,
             } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
+            TileOp::OnlineSoftmax { expansion, .. } => {
+                for s in expansion {
+                    self.stmt(s, out)?;
+                }
+            }
             TileOp::Pipeline {
                 var: v,
                 count,
@@ -1679,6 +1684,7 @@ fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
             TileOp::AccToShared { dst, .. } => hit(dst),
             TileOp::SharedMap { dst, value, .. } => hit(dst) || expr_hit(value),
             TileOp::Pipeline { load, .. } => all(load),
+            TileOp::OnlineSoftmax { expansion, .. } => all(expansion),
         },
     }
 }

@@ -416,6 +416,12 @@ impl<'k> Cx<'k> {
                 out.push(s);
             }
             TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
+            // The definition itself: shared row state, loops between barriers.
+            TileOp::OnlineSoftmax { expansion, .. } => {
+                for s in expansion {
+                    self.stmt(s, out)?;
+                }
+            }
             TileOp::AccToShared { acc, dst } => {
                 let info = self.tile(dst)?;
                 let (stride, elem) = (info.stride, info.decl.elem);
@@ -991,6 +997,7 @@ pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
                     collect_names(load, used);
                     collect_names(compute, used);
                 }
+                TileOp::OnlineSoftmax { expansion, .. } => collect_names(expansion, used),
                 _ => {}
             },
             _ => {}
@@ -998,22 +1005,33 @@ pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
     }
 }
 
-/// Calls `f` on every tile op, nested ones included.
+/// Calls `f` on every tile op, nested ones included (the ops of a composite op's
+/// expansion too).
 pub fn visit_tile_ops(stmts: &[Stmt], f: &mut dyn FnMut(&TileOp)) {
+    visit_tile_ops_with(stmts, true, f);
+}
+
+/// [`visit_tile_ops`], entering the expansions of composite ops
+/// ([`TileOp::OnlineSoftmax`]) only when `expansions` is true: a lowering with a native
+/// form of them never lowers what is inside.
+pub fn visit_tile_ops_with(stmts: &[Stmt], expansions: bool, f: &mut dyn FnMut(&TileOp)) {
     for s in stmts {
         match s {
             Stmt::If { then, els, .. } => {
-                visit_tile_ops(then, f);
-                visit_tile_ops(els, f);
+                visit_tile_ops_with(then, expansions, f);
+                visit_tile_ops_with(els, expansions, f);
             }
-            Stmt::For { body, .. } => visit_tile_ops(body, f),
+            Stmt::For { body, .. } => visit_tile_ops_with(body, expansions, f),
             Stmt::Tile(op) => {
                 f(op);
                 match op {
-                    TileOp::AccForEach { body, .. } => visit_tile_ops(body, f),
+                    TileOp::AccForEach { body, .. } => visit_tile_ops_with(body, expansions, f),
                     TileOp::Pipeline { load, compute, .. } => {
-                        visit_tile_ops(load, f);
-                        visit_tile_ops(compute, f);
+                        visit_tile_ops_with(load, expansions, f);
+                        visit_tile_ops_with(compute, expansions, f);
+                    }
+                    TileOp::OnlineSoftmax { expansion, .. } if expansions => {
+                        visit_tile_ops_with(expansion, expansions, f)
                     }
                     _ => {}
                 }

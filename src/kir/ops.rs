@@ -14,7 +14,9 @@ pub const MASKED: f32 = -3.0e38;
 /// Anything below this is [`MASKED`].
 pub const MASKED_BELOW: f32 = -1.0e38;
 
-/// Row state of an online softmax over `rows` rows, in shared memory.
+/// Row state of an online softmax over `rows` rows, in shared memory: what the code around
+/// the updates reads and writes (a lowering may hold it elsewhere while a loop of updates
+/// runs, as the tensor-core one keeps it in registers).
 pub struct SoftmaxState {
     /// Running max of the scores seen so far (`MASKED` before any).
     pub m: Shared,
@@ -67,6 +69,10 @@ pub fn is_masked(score: Expr) -> Expr {
 /// ```
 ///
 /// Leaves `p` in `s` and in the shared tile `p_tile` (the A operand of the next `P · V`).
+///
+/// One tile op ([`TileOp::OnlineSoftmax`]) whose definition is the code below: the scalar
+/// lowering runs exactly that, through the shared row state; the tensor-core lowering keeps
+/// the row state in registers instead (`lower_mma`).
 pub fn online_softmax_update(
     b: &mut KernelBuilder,
     st: &SoftmaxState,
@@ -75,37 +81,39 @@ pub fn online_softmax_update(
     p_tile: &STile,
 ) {
     b.comment("online softmax: new row max, rescale factor, probabilities, row sum");
-    b.acc_row_reduce(s, Reduce::Max, &st.block);
-    b.for_threads("r", u(st.rows), |b, r| {
-        let m_old = b.let_("m_old", st.m.at(r.clone()));
-        let m_new = b.let_("m_new", m_old.clone().max(st.block.at(r.clone())));
-        b.shared_store(&st.alpha, r.clone(), exp(m_old - m_new.clone()));
-        b.shared_store(&st.m, r, m_new);
-    });
-    b.barrier();
-    b.acc_for_each(s, |b, e| {
-        let m = b.let_("m", st.m.at(e.row.clone()));
-        for v in [&e.v0, &e.v1] {
-            b.set(
-                v,
-                select(is_masked(v.clone()), f(0.0), exp(v.clone() - m.clone())),
-            );
-        }
-    });
-    b.acc_row_reduce(s, Reduce::Sum, &st.block);
-    b.for_threads("r", u(st.rows), |b, r| {
-        let l = st.l.at(r.clone()) * st.alpha.at(r.clone()) + st.block.at(r.clone());
-        b.shared_store(&st.l, r, l);
-    });
-    b.barrier();
-    for o in outs {
-        b.acc_for_each(o, |b, e| {
-            let a = b.let_("alpha", st.alpha.at(e.row.clone()));
-            b.set(&e.v0, e.v0.clone() * a.clone());
-            b.set(&e.v1, e.v1.clone() * a);
+    b.online_softmax(s, (&st.m, &st.l), outs, p_tile, |b| {
+        b.acc_row_reduce(s, Reduce::Max, &st.block);
+        b.for_threads("r", u(st.rows), |b, r| {
+            let m_old = b.let_("m_old", st.m.at(r.clone()));
+            let m_new = b.let_("m_new", m_old.clone().max(st.block.at(r.clone())));
+            b.shared_store(&st.alpha, r.clone(), exp(m_old - m_new.clone()));
+            b.shared_store(&st.m, r, m_new);
         });
-    }
-    b.acc_to_shared(s, p_tile);
+        b.barrier();
+        b.acc_for_each(s, |b, e| {
+            let m = b.let_("m", st.m.at(e.row.clone()));
+            for v in [&e.v0, &e.v1] {
+                b.set(
+                    v,
+                    select(is_masked(v.clone()), f(0.0), exp(v.clone() - m.clone())),
+                );
+            }
+        });
+        b.acc_row_reduce(s, Reduce::Sum, &st.block);
+        b.for_threads("r", u(st.rows), |b, r| {
+            let l = st.l.at(r.clone()) * st.alpha.at(r.clone()) + st.block.at(r.clone());
+            b.shared_store(&st.l, r, l);
+        });
+        b.barrier();
+        for o in outs {
+            b.acc_for_each(o, |b, e| {
+                let a = b.let_("alpha", st.alpha.at(e.row.clone()));
+                b.set(&e.v0, e.v0.clone() * a.clone());
+                b.set(&e.v1, e.v1.clone() * a);
+            });
+        }
+        b.acc_to_shared(s, p_tile);
+    });
 }
 
 /// Split-K combine weights: given `n` partial results with log-sum-exps `lse_part(s)`
