@@ -8,7 +8,7 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 78336 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 78464 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -31,7 +31,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 78336 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 78464 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -160,16 +160,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
     unsigned* const q_tile = (unsigned*)(dyn_smem + 512); // [9344]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 37888); // [9344]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75264); // [640]
-    float* const reduce_scratch = (float*)(dyn_smem + 77824); // [128]
+    float* const row_exchange = (float*)(dyn_smem + 77824); // [160]
     float scores[4];
     float o_acc[64];
     int q_tile_src[1];
     int kv_tile_src[1];
+    float row_alpha[2];
+    float row_alpha5[4];
+    float row_max_reg[2];
+    float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     float scores_chain[4];
-    unsigned a_frag42[8];
-    unsigned b_frag43[4];
+    unsigned a_frag48[8];
+    unsigned b_frag49[4];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -247,16 +251,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
 
     // pipeline step: 1-stage ring of cp.async gathers; first load the steps ahead
     __syncthreads();
+
+    // online softmax: row state row_max / row_sum into registers
+    #pragma unroll
+    for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+        #pragma unroll
+        for (unsigned half = 0u; half < 2u; half += 1u) {
+            row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+        }
+    }
+    #pragma unroll
+    for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
+        #pragma unroll
+        for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
+            row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
+        }
+    }
     if (0u < step_count) {
         const unsigned step = 0u;
         #pragma unroll
-        for (unsigned gather_pass5 = 0u; gather_pass5 < 1u; gather_pass5 += 1u) {
-            const unsigned gather_row6 = (threadIdx.x / 8u) + (gather_pass5 * 32u);
-            if (gather_row6 < 32u) {
-                const unsigned row_1 = gather_row6;
-                kv_tile_src[gather_pass5] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+        for (unsigned gather_pass8 = 0u; gather_pass8 < 1u; gather_pass8 += 1u) {
+            const unsigned gather_row9 = (threadIdx.x / 8u) + (gather_pass8 * 32u);
+            if (gather_row9 < 32u) {
+                const unsigned row_1 = gather_row9;
+                kv_tile_src[gather_pass8] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
-                kv_tile_src[gather_pass5] = -1;
+                kv_tile_src[gather_pass8] = -1;
             }
         }
     }
@@ -267,24 +287,24 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
-                const unsigned gather_row8 = (threadIdx.x / 8u) + (gather_pass7 * 32u);
-                if (gather_row8 < 32u) {
-                    const int src_i3212 = kv_tile_src[gather_pass7];
-                    const bool src_valid10 = src_i3212 >= 0;
-                    const unsigned src_word9 = src_valid10 ? ((unsigned)src_i3212) : 0u;
-                    const unsigned dst_word11 = gather_row8 * 292u;
-                    if ((src_word9 & 3u) == 0u) {
+            for (unsigned gather_pass10 = 0u; gather_pass10 < 1u; gather_pass10 += 1u) {
+                const unsigned gather_row11 = (threadIdx.x / 8u) + (gather_pass10 * 32u);
+                if (gather_row11 < 32u) {
+                    const int src_i3215 = kv_tile_src[gather_pass10];
+                    const bool src_valid13 = src_i3215 >= 0;
+                    const unsigned src_word12 = src_valid13 ? ((unsigned)src_i3215) : 0u;
+                    const unsigned dst_word14 = gather_row11 * 292u;
+                    if ((src_word12 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i15 = 0u; copy_i15 < 9u; copy_i15 += 1u) {
-                            const unsigned chunk16 = (threadIdx.x % 8u) + (copy_i15 * 8u);
-                            cp_async_16(kv_tile + dst_word11 + ((threadIdx.x % 8u) * 4u) + (copy_i15 * 32u), (const unsigned*)kv_cache + src_word9 + ((threadIdx.x % 8u) * 4u) + (copy_i15 * 32u), src_valid10);
+                        for (unsigned copy_i18 = 0u; copy_i18 < 9u; copy_i18 += 1u) {
+                            const unsigned chunk19 = (threadIdx.x % 8u) + (copy_i18 * 8u);
+                            cp_async_16(kv_tile + dst_word14 + ((threadIdx.x % 8u) * 4u) + (copy_i18 * 32u), (const unsigned*)kv_cache + src_word12 + ((threadIdx.x % 8u) * 4u) + (copy_i18 * 32u), src_valid13);
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i13 = 0u; copy_i13 < 36u; copy_i13 += 1u) {
-                            const unsigned chunk14 = (threadIdx.x % 8u) + (copy_i13 * 8u);
-                            cp_async_4(kv_tile + dst_word11 + (threadIdx.x % 8u) + (copy_i13 * 8u), (const unsigned*)kv_cache + src_word9 + (threadIdx.x % 8u) + (copy_i13 * 8u), src_valid10);
+                        for (unsigned copy_i16 = 0u; copy_i16 < 36u; copy_i16 += 1u) {
+                            const unsigned chunk17 = (threadIdx.x % 8u) + (copy_i16 * 8u);
+                            cp_async_4(kv_tile + dst_word14 + (threadIdx.x % 8u) + (copy_i16 * 8u), (const unsigned*)kv_cache + src_word12 + (threadIdx.x % 8u) + (copy_i16 * 8u), src_valid13);
                         }
                     }
                 }
@@ -293,13 +313,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         if ((step_i + 1u) < step_count) {
             const unsigned step = step_i + 1u;
             #pragma unroll
-            for (unsigned gather_pass17 = 0u; gather_pass17 < 1u; gather_pass17 += 1u) {
-                const unsigned gather_row18 = (threadIdx.x / 8u) + (gather_pass17 * 32u);
-                if (gather_row18 < 32u) {
-                    const unsigned row_1 = gather_row18;
-                    kv_tile_src[gather_pass17] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass20 = 0u; gather_pass20 < 1u; gather_pass20 += 1u) {
+                const unsigned gather_row21 = (threadIdx.x / 8u) + (gather_pass20 * 32u);
+                if (gather_row21 < 32u) {
+                    const unsigned row_1 = gather_row21;
+                    kv_tile_src[gather_pass20] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    kv_tile_src[gather_pass17] = -1;
+                    kv_tile_src[gather_pass20] = -1;
                 }
             }
         }
@@ -312,8 +332,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i19 = 0u; fill_i19 < 4u; fill_i19 += 1u) {
-            scores[fill_i19] = 0.0f;
+        for (unsigned fill_i22 = 0u; fill_i22 < 4u; fill_i22 += 1u) {
+            scores[fill_i22] = 0.0f;
         }
         const unsigned a_lane_word = ((scores_row0 + lane_r16) * 292u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((scores_col0 + lane_n8) * 292u) + (lane_k8 >> 1u);
@@ -324,27 +344,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned kk = 0u; kk < 18u; kk += 1u) {
             #pragma unroll
-            for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + ((kk * 2u) * 8u));
+            for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
+                ldmatrix_x4(&a_frag[mi23 * 4u], q_tile + a_lane_word + (mi23 * 4672u) + ((kk * 2u) * 8u));
             }
             ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 2u) * 8u));
             #pragma unroll
-            for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+            for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
                 #pragma unroll
-                for (unsigned nj20 = 0u; nj20 < 1u; nj20 += 1u) {
-                    mma_bf16_16816(&scores[(mi + nj20) * 4u], &a_frag[mi * 4u], &b_frag[nj20 * 2u]);
+                for (unsigned nj24 = 0u; nj24 < 1u; nj24 += 1u) {
+                    mma_bf16_16816(&scores[(mi23 + nj24) * 4u], &a_frag[mi23 * 4u], &b_frag[nj24 * 2u]);
                 }
             }
             #pragma unroll
-            for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 2u) + 1u) * 8u));
+            for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
+                ldmatrix_x4(&a_frag[mi23 * 4u], q_tile + a_lane_word + (mi23 * 4672u) + (((kk * 2u) + 1u) * 8u));
             }
             ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 2u) + 1u) * 8u));
             #pragma unroll
-            for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+            for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
                 #pragma unroll
-                for (unsigned nj20 = 0u; nj20 < 1u; nj20 += 1u) {
-                    mma_bf16_16816(&scores_chain[(mi + nj20) * 4u], &a_frag[mi * 4u], &b_frag[nj20 * 2u]);
+                for (unsigned nj24 = 0u; nj24 < 1u; nj24 += 1u) {
+                    mma_bf16_16816(&scores_chain[(mi23 + nj24) * 4u], &a_frag[mi23 * 4u], &b_frag[nj24 * 2u]);
                 }
             }
         }
@@ -357,141 +377,127 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned half = 0u; half < 2u; half += 1u) {
-                const unsigned row_2 = (scores_row0 + ((frag / 1u) * 16u)) + ((half * 8u) + lane_group);
+            for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
+                const unsigned row_2 = (scores_row0 + ((frag / 1u) * 16u)) + ((half25 * 8u) + lane_group);
                 const unsigned col = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
-                float v0 = scores[(frag * 4u) + (half * 2u)];
-                float v1 = scores[((frag * 4u) + (half * 2u)) + 1u];
+                float v0 = scores[(frag * 4u) + (half25 * 2u)];
+                float v1 = scores[((frag * 4u) + (half25 * 2u)) + 1u];
                 const unsigned j = ((j_begin + (step * 32u)) + col) + 0u;
                 v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                 const unsigned j_1 = ((j_begin + (step * 32u)) + col) + 1u;
                 v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
-                scores[(frag * 4u) + (half * 2u)] = v0;
-                scores[((frag * 4u) + (half * 2u)) + 1u] = v1;
+                scores[(frag * 4u) + (half25 * 2u)] = v0;
+                scores[((frag * 4u) + (half25 * 2u)) + 1u] = v1;
             }
         }
 
         // online softmax: new row max, rescale factor, probabilities, row sum
+
+        // online softmax (registers): row max of this thread's scores and its quad
         #pragma unroll
-        for (unsigned mi21 = 0u; mi21 < 1u; mi21 += 1u) {
-            #pragma unroll
-            for (unsigned half22 = 0u; half22 < 2u; half22 += 1u) {
-                float red = fmaxf(scores[(mi21 * 4u) + (half22 * 2u)], scores[(mi21 * 4u) + ((half22 * 2u) + 1u)]);
-                const float other = shfl_xor_f32(red, 1);
-                red = fmaxf(red, other);
-                const float other23 = shfl_xor_f32(red, 2);
-                red = fmaxf(red, other23);
-                if (lane_quad == 0u) {
-                    reduce_scratch[(scores_wn * 32u) + ((scores_row0 + (mi21 * 16u)) + ((half22 * 8u) + lane_group))] = red;
-                }
-            }
-        }
-        __syncthreads();
-        for (unsigned r24 = threadIdx.x; r24 < 32u; r24 += 256u) {
-            float red25 = reduce_scratch[r24];
-            #pragma unroll
-            for (unsigned g = 1u; g < 4u; g += 1u) {
-                red25 = fmaxf(red25, reduce_scratch[(g * 32u) + r24]);
-            }
-            block_reduce[r24] = red25;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_1 = threadIdx.x; r_1 < 32u; r_1 += 256u) {
-            const float m_old = row_max[r_1];
-            const float m_new = fmaxf(m_old, block_reduce[r_1]);
-            row_rescale[r_1] = expf(m_old - m_new);
-            row_max[r_1] = m_new;
-        }
-        __syncthreads();
-        #pragma unroll
-        for (unsigned frag26 = 0u; frag26 < 1u; frag26 += 1u) {
+        for (unsigned mi26 = 0u; mi26 < 1u; mi26 += 1u) {
             #pragma unroll
             for (unsigned half27 = 0u; half27 < 2u; half27 += 1u) {
-                const unsigned row_3 = (scores_row0 + ((frag26 / 1u) * 16u)) + ((half27 * 8u) + lane_group);
-                const unsigned col_1 = (scores_col0 + ((frag26 % 1u) * 8u)) + (lane_quad * 2u);
-                float v0_1 = scores[(frag26 * 4u) + (half27 * 2u)];
-                float v1_1 = scores[((frag26 * 4u) + (half27 * 2u)) + 1u];
-                const float m = row_max[row_3];
-                v0_1 = (v0_1 < (-1e38f)) ? 0.0f : expf(v0_1 - m);
-                v1_1 = (v1_1 < (-1e38f)) ? 0.0f : expf(v1_1 - m);
-                scores[(frag26 * 4u) + (half27 * 2u)] = v0_1;
-                scores[((frag26 * 4u) + (half27 * 2u)) + 1u] = v1_1;
-            }
-        }
-        #pragma unroll
-        for (unsigned mi28 = 0u; mi28 < 1u; mi28 += 1u) {
-            #pragma unroll
-            for (unsigned half29 = 0u; half29 < 2u; half29 += 1u) {
-                float red30 = scores[(mi28 * 4u) + (half29 * 2u)] + scores[(mi28 * 4u) + ((half29 * 2u) + 1u)];
-                const float other31 = shfl_xor_f32(red30, 1);
-                red30 = red30 + other31;
-                const float other32 = shfl_xor_f32(red30, 2);
-                red30 = red30 + other32;
+                float row_max_part = fmaxf(scores[(mi26 * 4u) + (half27 * 2u)], scores[(mi26 * 4u) + ((half27 * 2u) + 1u)]);
+                const float other = shfl_xor_f32(row_max_part, 1);
+                row_max_part = fmaxf(row_max_part, other);
+                const float other28 = shfl_xor_f32(row_max_part, 2);
+                row_max_part = fmaxf(row_max_part, other28);
                 if (lane_quad == 0u) {
-                    reduce_scratch[(scores_wn * 32u) + ((scores_row0 + (mi28 * 16u)) + ((half29 * 8u) + lane_group))] = red30;
+                    row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 5u) + scores_wn] = row_max_part;
+                    if (scores_wn == 0u) {
+                        row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 5u) + 4u] = row_max_reg[(mi26 * 2u) + half27];
+                    }
                 }
             }
         }
         __syncthreads();
-        for (unsigned r33 = threadIdx.x; r33 < 32u; r33 += 256u) {
-            float red35 = reduce_scratch[r33];
-            #pragma unroll
-            for (unsigned g34 = 1u; g34 < 4u; g34 += 1u) {
-                red35 = red35 + reduce_scratch[(g34 * 32u) + r33];
-            }
-            block_reduce[r33] = red35;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_2 = threadIdx.x; r_2 < 32u; r_2 += 256u) {
-            row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
-        }
-        __syncthreads();
+
+        // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned frag36 = 0u; frag36 < 16u; frag36 += 1u) {
+        for (unsigned mi31 = 0u; mi31 < 1u; mi31 += 1u) {
             #pragma unroll
-            for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
-                const unsigned row_4 = (o_acc_row0 + ((frag36 / 8u) * 16u)) + ((half37 * 8u) + lane_group);
-                const unsigned col_2 = (o_acc_col0 + ((frag36 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_2 = o_acc[(frag36 * 4u) + (half37 * 2u)];
-                float v1_2 = o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u];
-                const float alpha = row_rescale[row_4];
-                v0_2 = v0_2 * alpha;
-                v1_2 = v1_2 * alpha;
-                o_acc[(frag36 * 4u) + (half37 * 2u)] = v0_2;
-                o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u] = v1_2;
+            for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
+                const float m_old29 = row_max_reg[(mi31 * 2u) + half32];
+                float m_new30 = m_old29;
+                m_new30 = fmaxf(m_new30, row_exchange[((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u]);
+                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 1u]);
+                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 2u]);
+                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 3u]);
+                row_alpha[(mi31 * 2u) + half32] = expf(m_old29 - m_new30);
+                row_max_reg[(mi31 * 2u) + half32] = m_new30;
             }
         }
-        __syncthreads();
         #pragma unroll
-        for (unsigned frag40 = 0u; frag40 < 1u; frag40 += 1u) {
+        for (unsigned mi35 = 0u; mi35 < 2u; mi35 += 1u) {
             #pragma unroll
-            for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
-                const unsigned row38 = (scores_row0 + ((frag40 / 1u) * 16u)) + ((half41 * 8u) + lane_group);
-                const unsigned col39 = (scores_col0 + ((frag40 % 1u) * 8u)) + (lane_quad * 2u);
-                p_tile[(row38 * 20u) + (col39 >> 1u)] = pack_bf16x2(scores[(frag40 * 4u) + (half41 * 2u)], scores[((frag40 * 4u) + (half41 * 2u)) + 1u]);
+            for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                const float m_old33 = row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 4u];
+                float m_new34 = m_old33;
+                m_new34 = fmaxf(m_new34, row_exchange[((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u]);
+                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 1u]);
+                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 2u]);
+                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 3u]);
+                row_alpha5[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+            }
+        }
+
+        // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
+        #pragma unroll
+        for (unsigned mi39 = 0u; mi39 < 1u; mi39 += 1u) {
+            #pragma unroll
+            for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
+                float p_sum = 0.0f;
+                #pragma unroll
+                for (unsigned nj37 = 0u; nj37 < 1u; nj37 += 1u) {
+                    #pragma unroll
+                    for (unsigned e38 = 0u; e38 < 2u; e38 += 1u) {
+                        const unsigned at = ((mi39 + nj37) * 4u) + ((half40 * 2u) + e38);
+                        const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi39 * 2u) + half40]);
+                        scores[at] = p;
+                        p_sum = p_sum + p;
+                    }
+                }
+                row_sum_part[(mi39 * 2u) + half40] = (row_sum_part[(mi39 * 2u) + half40] * row_alpha[(mi39 * 2u) + half40]) + p_sum;
+            }
+        }
+        #pragma unroll
+        for (unsigned frag41 = 0u; frag41 < 16u; frag41 += 1u) {
+            #pragma unroll
+            for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
+                const float alpha43 = row_alpha5[((frag41 / 8u) * 2u) + half42];
+                o_acc[(frag41 * 4u) + (half42 * 2u)] = o_acc[(frag41 * 4u) + (half42 * 2u)] * alpha43;
+                o_acc[((frag41 * 4u) + (half42 * 2u)) + 1u] = o_acc[((frag41 * 4u) + (half42 * 2u)) + 1u] * alpha43;
+            }
+        }
+        #pragma unroll
+        for (unsigned frag46 = 0u; frag46 < 1u; frag46 += 1u) {
+            #pragma unroll
+            for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
+                const unsigned row44 = (scores_row0 + ((frag46 / 1u) * 16u)) + ((half47 * 8u) + lane_group);
+                const unsigned col45 = (scores_col0 + ((frag46 % 1u) * 8u)) + (lane_quad * 2u);
+                p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[(frag46 * 4u) + (half47 * 2u)], scores[((frag46 * 4u) + (half47 * 2u)) + 1u]);
             }
         }
         __syncthreads();
 
         // O += P . V, V = the first d_v columns of the gathered rows
-        const unsigned a_lane_word44 = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        const unsigned b_lane_word45 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
+        const unsigned a_lane_word50 = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned b_lane_word51 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk46 = 0u; kk46 < 2u; kk46 += 1u) {
+        for (unsigned kk52 = 0u; kk52 < 2u; kk52 += 1u) {
             #pragma unroll
-            for (unsigned mi47 = 0u; mi47 < 2u; mi47 += 1u) {
-                ldmatrix_x4(&a_frag42[mi47 * 4u], p_tile + a_lane_word44 + (mi47 * 320u) + (kk46 * 8u));
+            for (unsigned mi53 = 0u; mi53 < 2u; mi53 += 1u) {
+                ldmatrix_x4(&a_frag48[mi53 * 4u], p_tile + a_lane_word50 + (mi53 * 320u) + (kk52 * 8u));
             }
             #pragma unroll
-            for (unsigned nj48 = 0u; nj48 < 4u; nj48 += 1u) {
-                ldmatrix_x4_trans(&b_frag43[0u], kv_tile + b_lane_word45 + (kk46 * 4672u) + ((nj48 * 2u) * 4u));
+            for (unsigned nj54 = 0u; nj54 < 4u; nj54 += 1u) {
+                ldmatrix_x4_trans(&b_frag49[0u], kv_tile + b_lane_word51 + (kk52 * 4672u) + ((nj54 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi47 = 0u; mi47 < 2u; mi47 += 1u) {
+                for (unsigned mi53 = 0u; mi53 < 2u; mi53 += 1u) {
                     #pragma unroll
-                    for (unsigned nj49 = 0u; nj49 < 2u; nj49 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi47 * 8u) + ((nj48 * 2u) + nj49)) * 4u], &a_frag42[mi47 * 4u], &b_frag43[nj49 * 2u]);
+                    for (unsigned nj55 = 0u; nj55 < 2u; nj55 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi53 * 8u) + ((nj54 * 2u) + nj55)) * 4u], &a_frag48[mi53 * 4u], &b_frag49[nj55 * 2u]);
                     }
                 }
             }
@@ -499,25 +505,56 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         __syncthreads();
     }
     cp_async_wait<0>();
+
+    // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
+    #pragma unroll
+    for (unsigned mi57 = 0u; mi57 < 1u; mi57 += 1u) {
+        #pragma unroll
+        for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
+            float row_sum56 = row_sum_part[(mi57 * 2u) + half58];
+            const float other59 = shfl_xor_f32(row_sum56, 1);
+            row_sum56 = row_sum56 + other59;
+            const float other60 = shfl_xor_f32(row_sum56, 2);
+            row_sum56 = row_sum56 + other60;
+            if (lane_quad == 0u) {
+                row_exchange[(((scores_row0 + (mi57 * 16u)) + ((half58 * 8u) + lane_group)) * 5u) + scores_wn] = row_sum56;
+            }
+        }
+    }
+    __syncthreads();
+    #pragma unroll
+    for (unsigned mi62 = 0u; mi62 < 1u; mi62 += 1u) {
+        #pragma unroll
+        for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
+            if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                float row_sum61 = row_exchange[((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 5u];
+                row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 5u) + 1u];
+                row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 5u) + 2u];
+                row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 5u) + 3u];
+                row_sum[(scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)] = row_sum61;
+                row_max[(scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)] = row_max_reg[(mi62 * 2u) + half63];
+            }
+        }
+    }
     __syncthreads();
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag50 = 0u; frag50 < 16u; frag50 += 1u) {
+    for (unsigned frag64 = 0u; frag64 < 16u; frag64 += 1u) {
         #pragma unroll
-        for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag50 / 8u) * 16u)) + ((half51 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag50 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag50 * 4u) + (half51 * 2u)];
-            float v1_3 = o_acc[((frag50 * 4u) + (half51 * 2u)) + 1u];
+        for (unsigned half65 = 0u; half65 < 2u; half65 += 1u) {
+            const unsigned row_5 = (o_acc_row0 + ((frag64 / 8u) * 16u)) + ((half65 * 8u) + lane_group);
+            const unsigned col_3 = (o_acc_col0 + ((frag64 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag64 * 4u) + (half65 * 2u)];
+            float v1_3 = o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u];
             const unsigned h = h0 + row_5;
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                 ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
-            o_acc[(frag50 * 4u) + (half51 * 2u)] = v0_3;
-            o_acc[((frag50 * 4u) + (half51 * 2u)) + 1u] = v1_3;
+            o_acc[(frag64 * 4u) + (half65 * 2u)] = v0_3;
+            o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

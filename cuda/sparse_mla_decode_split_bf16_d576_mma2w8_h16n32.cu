@@ -157,18 +157,21 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
     unsigned* const q_tile = (unsigned*)(dyn_smem + 256); // [4672]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 18944); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 93696); // [320]
-    float* const reduce_scratch = (float*)(dyn_smem + 94976); // [64]
+    float* const row_exchange = (float*)(dyn_smem + 94976); // [64]
     float scores[4];
     float o_acc[32];
     int q_tile_src[1];
     int kv_tile_src[1];
+    float row_alpha[2];
+    float row_max_reg[2];
+    float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     float scores_chain[4];
-    float scores_chain34[4];
-    float scores_chain35[4];
-    unsigned a_frag57[4];
-    unsigned b_frag58[4];
+    float scores_chain37[4];
+    float scores_chain38[4];
+    unsigned a_frag59[4];
+    unsigned b_frag60[4];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -248,18 +251,36 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
 
     // pipeline step: 2-stage ring of cp.async gathers; first load the steps ahead
     __syncthreads();
+
+    // online softmax: row state row_max / row_sum into registers
+    #pragma unroll
+    for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+        #pragma unroll
+        for (unsigned half = 0u; half < 2u; half += 1u) {
+            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+        }
+    }
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
+            #pragma unroll
+            for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
+                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+            }
+        }
+    }
     #pragma unroll
     for (unsigned prefetch = 0u; prefetch < 1u; prefetch += 1u) {
         if (prefetch < step_count) {
             const unsigned step = prefetch;
             #pragma unroll
-            for (unsigned gather_pass5 = 0u; gather_pass5 < 1u; gather_pass5 += 1u) {
-                const unsigned gather_row6 = (threadIdx.x / 8u) + (gather_pass5 * 32u);
-                if (gather_row6 < 32u) {
-                    const unsigned row_1 = gather_row6;
-                    kv_tile_src[gather_pass5] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
+                const unsigned gather_row8 = (threadIdx.x / 8u) + (gather_pass7 * 32u);
+                if (gather_row8 < 32u) {
+                    const unsigned row_1 = gather_row8;
+                    kv_tile_src[gather_pass7] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    kv_tile_src[gather_pass5] = -1;
+                    kv_tile_src[gather_pass7] = -1;
                 }
             }
         }
@@ -268,24 +289,24 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
-                const unsigned gather_row8 = (threadIdx.x / 8u) + (gather_pass7 * 32u);
-                if (gather_row8 < 32u) {
-                    const int src_i3212 = kv_tile_src[gather_pass7];
-                    const bool src_valid10 = src_i3212 >= 0;
-                    const unsigned src_word9 = src_valid10 ? ((unsigned)src_i3212) : 0u;
-                    const unsigned dst_word11 = (load_stage * 9344u) + (gather_row8 * 292u);
-                    if ((src_word9 & 3u) == 0u) {
+            for (unsigned gather_pass9 = 0u; gather_pass9 < 1u; gather_pass9 += 1u) {
+                const unsigned gather_row10 = (threadIdx.x / 8u) + (gather_pass9 * 32u);
+                if (gather_row10 < 32u) {
+                    const int src_i3214 = kv_tile_src[gather_pass9];
+                    const bool src_valid12 = src_i3214 >= 0;
+                    const unsigned src_word11 = src_valid12 ? ((unsigned)src_i3214) : 0u;
+                    const unsigned dst_word13 = (load_stage * 9344u) + (gather_row10 * 292u);
+                    if ((src_word11 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i15 = 0u; copy_i15 < 9u; copy_i15 += 1u) {
-                            const unsigned chunk16 = (threadIdx.x % 8u) + (copy_i15 * 8u);
-                            cp_async_16(kv_tile + dst_word11 + ((threadIdx.x % 8u) * 4u) + (copy_i15 * 32u), (const unsigned*)kv_cache + src_word9 + ((threadIdx.x % 8u) * 4u) + (copy_i15 * 32u), src_valid10);
+                        for (unsigned copy_i17 = 0u; copy_i17 < 9u; copy_i17 += 1u) {
+                            const unsigned chunk18 = (threadIdx.x % 8u) + (copy_i17 * 8u);
+                            cp_async_16(kv_tile + dst_word13 + ((threadIdx.x % 8u) * 4u) + (copy_i17 * 32u), (const unsigned*)kv_cache + src_word11 + ((threadIdx.x % 8u) * 4u) + (copy_i17 * 32u), src_valid12);
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i13 = 0u; copy_i13 < 36u; copy_i13 += 1u) {
-                            const unsigned chunk14 = (threadIdx.x % 8u) + (copy_i13 * 8u);
-                            cp_async_4(kv_tile + dst_word11 + (threadIdx.x % 8u) + (copy_i13 * 8u), (const unsigned*)kv_cache + src_word9 + (threadIdx.x % 8u) + (copy_i13 * 8u), src_valid10);
+                        for (unsigned copy_i15 = 0u; copy_i15 < 36u; copy_i15 += 1u) {
+                            const unsigned chunk16 = (threadIdx.x % 8u) + (copy_i15 * 8u);
+                            cp_async_4(kv_tile + dst_word13 + (threadIdx.x % 8u) + (copy_i15 * 8u), (const unsigned*)kv_cache + src_word11 + (threadIdx.x % 8u) + (copy_i15 * 8u), src_valid12);
                         }
                     }
                 }
@@ -296,13 +317,13 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
     if (1u < step_count) {
         const unsigned step = 1u;
         #pragma unroll
-        for (unsigned gather_pass17 = 0u; gather_pass17 < 1u; gather_pass17 += 1u) {
-            const unsigned gather_row18 = (threadIdx.x / 8u) + (gather_pass17 * 32u);
-            if (gather_row18 < 32u) {
-                const unsigned row_1 = gather_row18;
-                kv_tile_src[gather_pass17] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+        for (unsigned gather_pass19 = 0u; gather_pass19 < 1u; gather_pass19 += 1u) {
+            const unsigned gather_row20 = (threadIdx.x / 8u) + (gather_pass19 * 32u);
+            if (gather_row20 < 32u) {
+                const unsigned row_1 = gather_row20;
+                kv_tile_src[gather_pass19] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
-                kv_tile_src[gather_pass17] = -1;
+                kv_tile_src[gather_pass19] = -1;
             }
         }
     }
@@ -310,28 +331,28 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
 
         // pipeline step: copy the rows 1 steps ahead, then the addresses of the step after
         if ((step_i + 1u) < step_count) {
-            const unsigned load_stage19 = (step_i + 1u) % 2u;
+            const unsigned load_stage21 = (step_i + 1u) % 2u;
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass20 = 0u; gather_pass20 < 1u; gather_pass20 += 1u) {
-                const unsigned gather_row21 = (threadIdx.x / 8u) + (gather_pass20 * 32u);
-                if (gather_row21 < 32u) {
-                    const int src_i3225 = kv_tile_src[gather_pass20];
-                    const bool src_valid23 = src_i3225 >= 0;
-                    const unsigned src_word22 = src_valid23 ? ((unsigned)src_i3225) : 0u;
-                    const unsigned dst_word24 = (load_stage19 * 9344u) + (gather_row21 * 292u);
-                    if ((src_word22 & 3u) == 0u) {
+            for (unsigned gather_pass22 = 0u; gather_pass22 < 1u; gather_pass22 += 1u) {
+                const unsigned gather_row23 = (threadIdx.x / 8u) + (gather_pass22 * 32u);
+                if (gather_row23 < 32u) {
+                    const int src_i3227 = kv_tile_src[gather_pass22];
+                    const bool src_valid25 = src_i3227 >= 0;
+                    const unsigned src_word24 = src_valid25 ? ((unsigned)src_i3227) : 0u;
+                    const unsigned dst_word26 = (load_stage21 * 9344u) + (gather_row23 * 292u);
+                    if ((src_word24 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i28 = 0u; copy_i28 < 9u; copy_i28 += 1u) {
-                            const unsigned chunk29 = (threadIdx.x % 8u) + (copy_i28 * 8u);
-                            cp_async_16(kv_tile + dst_word24 + ((threadIdx.x % 8u) * 4u) + (copy_i28 * 32u), (const unsigned*)kv_cache + src_word22 + ((threadIdx.x % 8u) * 4u) + (copy_i28 * 32u), src_valid23);
+                        for (unsigned copy_i30 = 0u; copy_i30 < 9u; copy_i30 += 1u) {
+                            const unsigned chunk31 = (threadIdx.x % 8u) + (copy_i30 * 8u);
+                            cp_async_16(kv_tile + dst_word26 + ((threadIdx.x % 8u) * 4u) + (copy_i30 * 32u), (const unsigned*)kv_cache + src_word24 + ((threadIdx.x % 8u) * 4u) + (copy_i30 * 32u), src_valid25);
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i26 = 0u; copy_i26 < 36u; copy_i26 += 1u) {
-                            const unsigned chunk27 = (threadIdx.x % 8u) + (copy_i26 * 8u);
-                            cp_async_4(kv_tile + dst_word24 + (threadIdx.x % 8u) + (copy_i26 * 8u), (const unsigned*)kv_cache + src_word22 + (threadIdx.x % 8u) + (copy_i26 * 8u), src_valid23);
+                        for (unsigned copy_i28 = 0u; copy_i28 < 36u; copy_i28 += 1u) {
+                            const unsigned chunk29 = (threadIdx.x % 8u) + (copy_i28 * 8u);
+                            cp_async_4(kv_tile + dst_word26 + (threadIdx.x % 8u) + (copy_i28 * 8u), (const unsigned*)kv_cache + src_word24 + (threadIdx.x % 8u) + (copy_i28 * 8u), src_valid25);
                         }
                     }
                 }
@@ -340,13 +361,13 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
         if ((step_i + 2u) < step_count) {
             const unsigned step = step_i + 2u;
             #pragma unroll
-            for (unsigned gather_pass30 = 0u; gather_pass30 < 1u; gather_pass30 += 1u) {
-                const unsigned gather_row31 = (threadIdx.x / 8u) + (gather_pass30 * 32u);
-                if (gather_row31 < 32u) {
-                    const unsigned row_1 = gather_row31;
-                    kv_tile_src[gather_pass30] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass32 = 0u; gather_pass32 < 1u; gather_pass32 += 1u) {
+                const unsigned gather_row33 = (threadIdx.x / 8u) + (gather_pass32 * 32u);
+                if (gather_row33 < 32u) {
+                    const unsigned row_1 = gather_row33;
+                    kv_tile_src[gather_pass32] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    kv_tile_src[gather_pass30] = -1;
+                    kv_tile_src[gather_pass32] = -1;
                 }
             }
         }
@@ -360,8 +381,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i32 = 0u; fill_i32 < 4u; fill_i32 += 1u) {
-            scores[fill_i32] = 0.0f;
+        for (unsigned fill_i34 = 0u; fill_i34 < 4u; fill_i34 += 1u) {
+            scores[fill_i34] = 0.0f;
         }
         if (warp < 4u) {
             const unsigned a_lane_word = ((scores_row0 + lane_r16) * 292u) + (lane_c8 >> 1u);
@@ -372,66 +393,66 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain34[e] = 0.0f;
+                scores_chain37[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain35[e] = 0.0f;
+                scores_chain38[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk = 0u; kk < 9u; kk += 1u) {
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + ((kk * 4u) * 8u));
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
+                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + ((kk * 4u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                     #pragma unroll
-                    for (unsigned nj33 = 0u; nj33 < 1u; nj33 += 1u) {
-                        mma_bf16_16816(&scores[(mi + nj33) * 4u], &a_frag[mi * 4u], &b_frag[nj33 * 2u]);
+                    for (unsigned nj36 = 0u; nj36 < 1u; nj36 += 1u) {
+                        mma_bf16_16816(&scores[(mi35 + nj36) * 4u], &a_frag[mi35 * 4u], &b_frag[nj36 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 1u) * 8u));
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
+                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + (((kk * 4u) + 1u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 1u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                     #pragma unroll
-                    for (unsigned nj33 = 0u; nj33 < 1u; nj33 += 1u) {
-                        mma_bf16_16816(&scores_chain[(mi + nj33) * 4u], &a_frag[mi * 4u], &b_frag[nj33 * 2u]);
+                    for (unsigned nj36 = 0u; nj36 < 1u; nj36 += 1u) {
+                        mma_bf16_16816(&scores_chain[(mi35 + nj36) * 4u], &a_frag[mi35 * 4u], &b_frag[nj36 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 2u) * 8u));
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
+                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + (((kk * 4u) + 2u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 2u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                     #pragma unroll
-                    for (unsigned nj33 = 0u; nj33 < 1u; nj33 += 1u) {
-                        mma_bf16_16816(&scores_chain34[(mi + nj33) * 4u], &a_frag[mi * 4u], &b_frag[nj33 * 2u]);
+                    for (unsigned nj36 = 0u; nj36 < 1u; nj36 += 1u) {
+                        mma_bf16_16816(&scores_chain37[(mi35 + nj36) * 4u], &a_frag[mi35 * 4u], &b_frag[nj36 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 3u) * 8u));
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
+                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + (((kk * 4u) + 3u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 3u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                     #pragma unroll
-                    for (unsigned nj33 = 0u; nj33 < 1u; nj33 += 1u) {
-                        mma_bf16_16816(&scores_chain35[(mi + nj33) * 4u], &a_frag[mi * 4u], &b_frag[nj33 * 2u]);
+                    for (unsigned nj36 = 0u; nj36 < 1u; nj36 += 1u) {
+                        mma_bf16_16816(&scores_chain38[(mi35 + nj36) * 4u], &a_frag[mi35 * 4u], &b_frag[nj36 * 2u]);
                     }
                 }
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain34[e]) + scores_chain35[e];
+                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain37[e]) + scores_chain38[e];
             }
         }
 
@@ -440,150 +461,118 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
             #pragma unroll
             for (unsigned frag = 0u; frag < 1u; frag += 1u) {
                 #pragma unroll
-                for (unsigned half = 0u; half < 2u; half += 1u) {
-                    const unsigned row_2 = (scores_row0 + ((frag / 1u) * 16u)) + ((half * 8u) + lane_group);
+                for (unsigned half39 = 0u; half39 < 2u; half39 += 1u) {
+                    const unsigned row_2 = (scores_row0 + ((frag / 1u) * 16u)) + ((half39 * 8u) + lane_group);
                     const unsigned col = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag * 4u) + (half * 2u)];
-                    float v1 = scores[((frag * 4u) + (half * 2u)) + 1u];
+                    float v0 = scores[(frag * 4u) + (half39 * 2u)];
+                    float v1 = scores[((frag * 4u) + (half39 * 2u)) + 1u];
                     const unsigned j = ((j_begin + (step * 32u)) + col) + 0u;
                     v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 32u)) + col) + 1u;
                     v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag * 4u) + (half * 2u)] = v0;
-                    scores[((frag * 4u) + (half * 2u)) + 1u] = v1;
+                    scores[(frag * 4u) + (half39 * 2u)] = v0;
+                    scores[((frag * 4u) + (half39 * 2u)) + 1u] = v1;
                 }
             }
         }
 
         // online softmax: new row max, rescale factor, probabilities, row sum
+
+        // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi36 = 0u; mi36 < 1u; mi36 += 1u) {
+            for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                 #pragma unroll
-                for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
-                    float red = fmaxf(scores[(mi36 * 4u) + (half37 * 2u)], scores[(mi36 * 4u) + ((half37 * 2u) + 1u)]);
-                    const float other = shfl_xor_f32(red, 1);
-                    red = fmaxf(red, other);
-                    const float other38 = shfl_xor_f32(red, 2);
-                    red = fmaxf(red, other38);
+                for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi40 * 4u) + (half41 * 2u)], scores[(mi40 * 4u) + ((half41 * 2u) + 1u)]);
+                    const float other = shfl_xor_f32(row_max_part, 1);
+                    row_max_part = fmaxf(row_max_part, other);
+                    const float other42 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other42);
                     if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 16u) + ((scores_row0 + (mi36 * 16u)) + ((half37 * 8u) + lane_group))] = red;
+                        row_exchange[(((scores_row0 + (mi40 * 16u)) + ((half41 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
         }
         __syncthreads();
-        for (unsigned r39 = threadIdx.x; r39 < 16u; r39 += 256u) {
-            float red40 = reduce_scratch[r39];
-            #pragma unroll
-            for (unsigned g = 1u; g < 4u; g += 1u) {
-                red40 = fmaxf(red40, reduce_scratch[(g * 16u) + r39]);
-            }
-            block_reduce[r39] = red40;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_1 = threadIdx.x; r_1 < 16u; r_1 += 256u) {
-            const float m_old = row_max[r_1];
-            const float m_new = fmaxf(m_old, block_reduce[r_1]);
-            row_rescale[r_1] = expf(m_old - m_new);
-            row_max[r_1] = m_new;
-        }
-        __syncthreads();
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned frag41 = 0u; frag41 < 1u; frag41 += 1u) {
-                #pragma unroll
-                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
-                    const unsigned row_3 = (scores_row0 + ((frag41 / 1u) * 16u)) + ((half42 * 8u) + lane_group);
-                    const unsigned col_1 = (scores_col0 + ((frag41 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0_1 = scores[(frag41 * 4u) + (half42 * 2u)];
-                    float v1_1 = scores[((frag41 * 4u) + (half42 * 2u)) + 1u];
-                    const float m = row_max[row_3];
-                    v0_1 = (v0_1 < (-1e38f)) ? 0.0f : expf(v0_1 - m);
-                    v1_1 = (v1_1 < (-1e38f)) ? 0.0f : expf(v1_1 - m);
-                    scores[(frag41 * 4u) + (half42 * 2u)] = v0_1;
-                    scores[((frag41 * 4u) + (half42 * 2u)) + 1u] = v1_1;
-                }
-            }
-        }
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned mi43 = 0u; mi43 < 1u; mi43 += 1u) {
-                #pragma unroll
-                for (unsigned half44 = 0u; half44 < 2u; half44 += 1u) {
-                    float red45 = scores[(mi43 * 4u) + (half44 * 2u)] + scores[(mi43 * 4u) + ((half44 * 2u) + 1u)];
-                    const float other46 = shfl_xor_f32(red45, 1);
-                    red45 = red45 + other46;
-                    const float other47 = shfl_xor_f32(red45, 2);
-                    red45 = red45 + other47;
-                    if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 16u) + ((scores_row0 + (mi43 * 16u)) + ((half44 * 8u) + lane_group))] = red45;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        for (unsigned r48 = threadIdx.x; r48 < 16u; r48 += 256u) {
-            float red50 = reduce_scratch[r48];
-            #pragma unroll
-            for (unsigned g49 = 1u; g49 < 4u; g49 += 1u) {
-                red50 = red50 + reduce_scratch[(g49 * 16u) + r48];
-            }
-            block_reduce[r48] = red50;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_2 = threadIdx.x; r_2 < 16u; r_2 += 256u) {
-            row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
-        }
-        __syncthreads();
+
+        // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned frag51 = 0u; frag51 < 8u; frag51 += 1u) {
+        for (unsigned mi45 = 0u; mi45 < 1u; mi45 += 1u) {
             #pragma unroll
-            for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
-                const unsigned row_4 = (o_acc_row0 + ((frag51 / 8u) * 16u)) + ((half52 * 8u) + lane_group);
-                const unsigned col_2 = (o_acc_col0 + ((frag51 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_2 = o_acc[(frag51 * 4u) + (half52 * 2u)];
-                float v1_2 = o_acc[((frag51 * 4u) + (half52 * 2u)) + 1u];
-                const float alpha = row_rescale[row_4];
-                v0_2 = v0_2 * alpha;
-                v1_2 = v1_2 * alpha;
-                o_acc[(frag51 * 4u) + (half52 * 2u)] = v0_2;
-                o_acc[((frag51 * 4u) + (half52 * 2u)) + 1u] = v1_2;
+            for (unsigned half46 = 0u; half46 < 2u; half46 += 1u) {
+                const float m_old43 = row_max_reg[(mi45 * 2u) + half46];
+                float m_new44 = m_old43;
+                m_new44 = fmaxf(m_new44, row_exchange[((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u]);
+                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi45 * 2u) + half46] = expf(m_old43 - m_new44);
+                row_max_reg[(mi45 * 2u) + half46] = m_new44;
             }
         }
-        __syncthreads();
+
+        // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag55 = 0u; frag55 < 1u; frag55 += 1u) {
+            for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
                 #pragma unroll
-                for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
-                    const unsigned row53 = (scores_row0 + ((frag55 / 1u) * 16u)) + ((half56 * 8u) + lane_group);
-                    const unsigned col54 = (scores_col0 + ((frag55 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row53 * 20u) + (col54 >> 1u)] = pack_bf16x2(scores[(frag55 * 4u) + (half56 * 2u)], scores[((frag55 * 4u) + (half56 * 2u)) + 1u]);
+                for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
+                    float p_sum = 0.0f;
+                    #pragma unroll
+                    for (unsigned nj47 = 0u; nj47 < 1u; nj47 += 1u) {
+                        #pragma unroll
+                        for (unsigned e48 = 0u; e48 < 2u; e48 += 1u) {
+                            const unsigned at49 = ((mi50 + nj47) * 4u) + ((half51 * 2u) + e48);
+                            const float p = (scores[at49] < (-1e38f)) ? 0.0f : expf(scores[at49] - row_max_reg[(mi50 * 2u) + half51]);
+                            scores[at49] = p;
+                            p_sum = p_sum + p;
+                        }
+                    }
+                    row_sum_part[(mi50 * 2u) + half51] = (row_sum_part[(mi50 * 2u) + half51] * row_alpha[(mi50 * 2u) + half51]) + p_sum;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag52 = 0u; frag52 < 8u; frag52 += 1u) {
+            #pragma unroll
+            for (unsigned half53 = 0u; half53 < 2u; half53 += 1u) {
+                const float alpha54 = row_alpha[((frag52 / 8u) * 2u) + half53];
+                o_acc[(frag52 * 4u) + (half53 * 2u)] = o_acc[(frag52 * 4u) + (half53 * 2u)] * alpha54;
+                o_acc[((frag52 * 4u) + (half53 * 2u)) + 1u] = o_acc[((frag52 * 4u) + (half53 * 2u)) + 1u] * alpha54;
+            }
+        }
+        if (warp < 4u) {
+            #pragma unroll
+            for (unsigned frag57 = 0u; frag57 < 1u; frag57 += 1u) {
+                #pragma unroll
+                for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
+                    const unsigned row55 = (scores_row0 + ((frag57 / 1u) * 16u)) + ((half58 * 8u) + lane_group);
+                    const unsigned col56 = (scores_col0 + ((frag57 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row55 * 20u) + (col56 >> 1u)] = pack_bf16x2(scores[(frag57 * 4u) + (half58 * 2u)], scores[((frag57 * 4u) + (half58 * 2u)) + 1u]);
                 }
             }
         }
         __syncthreads();
 
         // O += P . V, V = the first d_v columns of the gathered rows
-        const unsigned a_lane_word59 = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        const unsigned b_lane_word60 = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
+        const unsigned a_lane_word61 = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned b_lane_word62 = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk61 = 0u; kk61 < 2u; kk61 += 1u) {
+        for (unsigned kk63 = 0u; kk63 < 2u; kk63 += 1u) {
             #pragma unroll
-            for (unsigned mi62 = 0u; mi62 < 1u; mi62 += 1u) {
-                ldmatrix_x4(&a_frag57[mi62 * 4u], p_tile + a_lane_word59 + (mi62 * 320u) + (kk61 * 8u));
+            for (unsigned mi64 = 0u; mi64 < 1u; mi64 += 1u) {
+                ldmatrix_x4(&a_frag59[mi64 * 4u], p_tile + a_lane_word61 + (mi64 * 320u) + (kk63 * 8u));
             }
             #pragma unroll
-            for (unsigned nj63 = 0u; nj63 < 4u; nj63 += 1u) {
-                ldmatrix_x4_trans(&b_frag58[0u], kv_tile + b_lane_word60 + (kk61 * 4672u) + ((nj63 * 2u) * 4u));
+            for (unsigned nj65 = 0u; nj65 < 4u; nj65 += 1u) {
+                ldmatrix_x4_trans(&b_frag60[0u], kv_tile + b_lane_word62 + (kk63 * 4672u) + ((nj65 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi62 = 0u; mi62 < 1u; mi62 += 1u) {
+                for (unsigned mi64 = 0u; mi64 < 1u; mi64 += 1u) {
                     #pragma unroll
-                    for (unsigned nj64 = 0u; nj64 < 2u; nj64 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi62 * 8u) + ((nj63 * 2u) + nj64)) * 4u], &a_frag57[mi62 * 4u], &b_frag58[nj64 * 2u]);
+                    for (unsigned nj66 = 0u; nj66 < 2u; nj66 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi64 * 8u) + ((nj65 * 2u) + nj66)) * 4u], &a_frag59[mi64 * 4u], &b_frag60[nj66 * 2u]);
                     }
                 }
             }
@@ -591,17 +580,52 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
         __syncthreads();
     }
     cp_async_wait<0>();
+
+    // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
+            #pragma unroll
+            for (unsigned half69 = 0u; half69 < 2u; half69 += 1u) {
+                float row_sum67 = row_sum_part[(mi68 * 2u) + half69];
+                const float other70 = shfl_xor_f32(row_sum67, 1);
+                row_sum67 = row_sum67 + other70;
+                const float other71 = shfl_xor_f32(row_sum67, 2);
+                row_sum67 = row_sum67 + other71;
+                if (lane_quad == 0u) {
+                    row_exchange[(((scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum67;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi73 = 0u; mi73 < 1u; mi73 += 1u) {
+            #pragma unroll
+            for (unsigned half74 = 0u; half74 < 2u; half74 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum72 = row_exchange[((scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)) * 4u];
+                    row_sum72 = row_sum72 + row_exchange[(((scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum72 = row_sum72 + row_exchange[(((scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum72 = row_sum72 + row_exchange[(((scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)] = row_sum72;
+                    row_max[(scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)] = row_max_reg[(mi73 * 2u) + half74];
+                }
+            }
+        }
+    }
     __syncthreads();
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag65 = 0u; frag65 < 8u; frag65 += 1u) {
+    for (unsigned frag75 = 0u; frag75 < 8u; frag75 += 1u) {
         #pragma unroll
-        for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag65 / 8u) * 16u)) + ((half66 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag65 * 4u) + (half66 * 2u)];
-            float v1_3 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
+        for (unsigned half76 = 0u; half76 < 2u; half76 += 1u) {
+            const unsigned row_5 = (o_acc_row0 + ((frag75 / 8u) * 16u)) + ((half76 * 8u) + lane_group);
+            const unsigned col_3 = (o_acc_col0 + ((frag75 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag75 * 4u) + (half76 * 2u)];
+            float v1_3 = o_acc[((frag75 * 4u) + (half76 * 2u)) + 1u];
             const unsigned h = h0 + row_5;
             if (h < p.heads) {
                 const float l = row_sum[row_5];
@@ -610,8 +634,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_split_bf16_d
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }
-            o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_3;
-            o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_3;
+            o_acc[(frag75 * 4u) + (half76 * 2u)] = v0_3;
+            o_acc[((frag75 * 4u) + (half76 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

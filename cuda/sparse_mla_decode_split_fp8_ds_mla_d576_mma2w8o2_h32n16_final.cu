@@ -10,7 +10,7 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 98048 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 98176 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -33,7 +33,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 98048 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 98176 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -163,18 +163,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 37888); // [9344]
     unsigned* const raw_rows = (unsigned*)(dyn_smem + 75264); // [5248]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 96256); // [384]
-    float* const reduce_scratch = (float*)(dyn_smem + 97792); // [64]
+    float* const row_exchange = (float*)(dyn_smem + 97792); // [96]
     float scores[4];
     float o_acc[64];
     int q_tile_src[1];
     int raw_rows_src[1];
+    float row_alpha[2];
+    float row_alpha5[4];
+    float row_max_reg[2];
+    float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[8];
     float scores_chain[4];
-    float scores_chain39[4];
-    float scores_chain40[4];
-    unsigned a_frag62[8];
-    unsigned b_frag63[8];
+    float scores_chain43[4];
+    float scores_chain44[4];
+    unsigned a_frag68[8];
+    unsigned b_frag69[8];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -252,18 +256,38 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
     // pipeline step: 2-stage ring of cp.async gathers; first load the steps ahead
     __syncthreads();
+
+    // online softmax: row state row_max / row_sum into registers
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+            #pragma unroll
+            for (unsigned half = 0u; half < 2u; half += 1u) {
+                row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+            }
+        }
+    }
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
+            #pragma unroll
+            for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
+                row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
+            }
+        }
+    }
     #pragma unroll
     for (unsigned prefetch = 0u; prefetch < 1u; prefetch += 1u) {
         if (prefetch < step_count) {
             const unsigned step = prefetch;
             #pragma unroll
-            for (unsigned gather_pass5 = 0u; gather_pass5 < 1u; gather_pass5 += 1u) {
-                const unsigned gather_row6 = (threadIdx.x / 16u) + (gather_pass5 * 16u);
-                if (gather_row6 < 16u) {
-                    const unsigned row_1 = gather_row6;
-                    raw_rows_src[gather_pass5] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass8 = 0u; gather_pass8 < 1u; gather_pass8 += 1u) {
+                const unsigned gather_row9 = (threadIdx.x / 16u) + (gather_pass8 * 16u);
+                if (gather_row9 < 16u) {
+                    const unsigned row_1 = gather_row9;
+                    raw_rows_src[gather_pass8] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    raw_rows_src[gather_pass5] = -1;
+                    raw_rows_src[gather_pass8] = -1;
                 }
             }
         }
@@ -272,27 +296,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
-                const unsigned gather_row8 = (threadIdx.x / 16u) + (gather_pass7 * 16u);
-                if (gather_row8 < 16u) {
-                    const int src_i3212 = raw_rows_src[gather_pass7];
-                    const bool src_valid10 = src_i3212 >= 0;
-                    const unsigned src_word9 = src_valid10 ? ((unsigned)src_i3212) : 0u;
-                    const unsigned dst_word11 = (load_stage * 2624u) + (gather_row8 * 164u);
-                    if ((src_word9 & 3u) == 0u) {
+            for (unsigned gather_pass10 = 0u; gather_pass10 < 1u; gather_pass10 += 1u) {
+                const unsigned gather_row11 = (threadIdx.x / 16u) + (gather_pass10 * 16u);
+                if (gather_row11 < 16u) {
+                    const int src_i3215 = raw_rows_src[gather_pass10];
+                    const bool src_valid13 = src_i3215 >= 0;
+                    const unsigned src_word12 = src_valid13 ? ((unsigned)src_i3215) : 0u;
+                    const unsigned dst_word14 = (load_stage * 2624u) + (gather_row11 * 164u);
+                    if ((src_word12 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i15 = 0u; copy_i15 < 3u; copy_i15 += 1u) {
-                            const unsigned chunk16 = (threadIdx.x % 16u) + (copy_i15 * 16u);
-                            if (chunk16 < 41u) {
-                                cp_async_16(raw_rows + dst_word11 + ((threadIdx.x % 16u) * 4u) + (copy_i15 * 64u), (const unsigned*)kv_cache + src_word9 + ((threadIdx.x % 16u) * 4u) + (copy_i15 * 64u), src_valid10);
+                        for (unsigned copy_i18 = 0u; copy_i18 < 3u; copy_i18 += 1u) {
+                            const unsigned chunk19 = (threadIdx.x % 16u) + (copy_i18 * 16u);
+                            if (chunk19 < 41u) {
+                                cp_async_16(raw_rows + dst_word14 + ((threadIdx.x % 16u) * 4u) + (copy_i18 * 64u), (const unsigned*)kv_cache + src_word12 + ((threadIdx.x % 16u) * 4u) + (copy_i18 * 64u), src_valid13);
                             }
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i13 = 0u; copy_i13 < 11u; copy_i13 += 1u) {
-                            const unsigned chunk14 = (threadIdx.x % 16u) + (copy_i13 * 16u);
-                            if (chunk14 < 164u) {
-                                cp_async_4(raw_rows + dst_word11 + (threadIdx.x % 16u) + (copy_i13 * 16u), (const unsigned*)kv_cache + src_word9 + (threadIdx.x % 16u) + (copy_i13 * 16u), src_valid10);
+                        for (unsigned copy_i16 = 0u; copy_i16 < 11u; copy_i16 += 1u) {
+                            const unsigned chunk17 = (threadIdx.x % 16u) + (copy_i16 * 16u);
+                            if (chunk17 < 164u) {
+                                cp_async_4(raw_rows + dst_word14 + (threadIdx.x % 16u) + (copy_i16 * 16u), (const unsigned*)kv_cache + src_word12 + (threadIdx.x % 16u) + (copy_i16 * 16u), src_valid13);
                             }
                         }
                     }
@@ -304,13 +328,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     if (1u < step_count) {
         const unsigned step = 1u;
         #pragma unroll
-        for (unsigned gather_pass17 = 0u; gather_pass17 < 1u; gather_pass17 += 1u) {
-            const unsigned gather_row18 = (threadIdx.x / 16u) + (gather_pass17 * 16u);
-            if (gather_row18 < 16u) {
-                const unsigned row_1 = gather_row18;
-                raw_rows_src[gather_pass17] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+        for (unsigned gather_pass20 = 0u; gather_pass20 < 1u; gather_pass20 += 1u) {
+            const unsigned gather_row21 = (threadIdx.x / 16u) + (gather_pass20 * 16u);
+            if (gather_row21 < 16u) {
+                const unsigned row_1 = gather_row21;
+                raw_rows_src[gather_pass20] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
-                raw_rows_src[gather_pass17] = -1;
+                raw_rows_src[gather_pass20] = -1;
             }
         }
     }
@@ -318,31 +342,31 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
         // pipeline step: copy the rows 1 steps ahead, then the addresses of the step after
         if ((step_i + 1u) < step_count) {
-            const unsigned load_stage19 = (step_i + 1u) % 2u;
+            const unsigned load_stage22 = (step_i + 1u) % 2u;
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass20 = 0u; gather_pass20 < 1u; gather_pass20 += 1u) {
-                const unsigned gather_row21 = (threadIdx.x / 16u) + (gather_pass20 * 16u);
-                if (gather_row21 < 16u) {
-                    const int src_i3225 = raw_rows_src[gather_pass20];
-                    const bool src_valid23 = src_i3225 >= 0;
-                    const unsigned src_word22 = src_valid23 ? ((unsigned)src_i3225) : 0u;
-                    const unsigned dst_word24 = (load_stage19 * 2624u) + (gather_row21 * 164u);
-                    if ((src_word22 & 3u) == 0u) {
+            for (unsigned gather_pass23 = 0u; gather_pass23 < 1u; gather_pass23 += 1u) {
+                const unsigned gather_row24 = (threadIdx.x / 16u) + (gather_pass23 * 16u);
+                if (gather_row24 < 16u) {
+                    const int src_i3228 = raw_rows_src[gather_pass23];
+                    const bool src_valid26 = src_i3228 >= 0;
+                    const unsigned src_word25 = src_valid26 ? ((unsigned)src_i3228) : 0u;
+                    const unsigned dst_word27 = (load_stage22 * 2624u) + (gather_row24 * 164u);
+                    if ((src_word25 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i28 = 0u; copy_i28 < 3u; copy_i28 += 1u) {
-                            const unsigned chunk29 = (threadIdx.x % 16u) + (copy_i28 * 16u);
-                            if (chunk29 < 41u) {
-                                cp_async_16(raw_rows + dst_word24 + ((threadIdx.x % 16u) * 4u) + (copy_i28 * 64u), (const unsigned*)kv_cache + src_word22 + ((threadIdx.x % 16u) * 4u) + (copy_i28 * 64u), src_valid23);
+                        for (unsigned copy_i31 = 0u; copy_i31 < 3u; copy_i31 += 1u) {
+                            const unsigned chunk32 = (threadIdx.x % 16u) + (copy_i31 * 16u);
+                            if (chunk32 < 41u) {
+                                cp_async_16(raw_rows + dst_word27 + ((threadIdx.x % 16u) * 4u) + (copy_i31 * 64u), (const unsigned*)kv_cache + src_word25 + ((threadIdx.x % 16u) * 4u) + (copy_i31 * 64u), src_valid26);
                             }
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i26 = 0u; copy_i26 < 11u; copy_i26 += 1u) {
-                            const unsigned chunk27 = (threadIdx.x % 16u) + (copy_i26 * 16u);
-                            if (chunk27 < 164u) {
-                                cp_async_4(raw_rows + dst_word24 + (threadIdx.x % 16u) + (copy_i26 * 16u), (const unsigned*)kv_cache + src_word22 + (threadIdx.x % 16u) + (copy_i26 * 16u), src_valid23);
+                        for (unsigned copy_i29 = 0u; copy_i29 < 11u; copy_i29 += 1u) {
+                            const unsigned chunk30 = (threadIdx.x % 16u) + (copy_i29 * 16u);
+                            if (chunk30 < 164u) {
+                                cp_async_4(raw_rows + dst_word27 + (threadIdx.x % 16u) + (copy_i29 * 16u), (const unsigned*)kv_cache + src_word25 + (threadIdx.x % 16u) + (copy_i29 * 16u), src_valid26);
                             }
                         }
                     }
@@ -352,13 +376,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         if ((step_i + 2u) < step_count) {
             const unsigned step = step_i + 2u;
             #pragma unroll
-            for (unsigned gather_pass30 = 0u; gather_pass30 < 1u; gather_pass30 += 1u) {
-                const unsigned gather_row31 = (threadIdx.x / 16u) + (gather_pass30 * 16u);
-                if (gather_row31 < 16u) {
-                    const unsigned row_1 = gather_row31;
-                    raw_rows_src[gather_pass30] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass33 = 0u; gather_pass33 < 1u; gather_pass33 += 1u) {
+                const unsigned gather_row34 = (threadIdx.x / 16u) + (gather_pass33 * 16u);
+                if (gather_row34 < 16u) {
+                    const unsigned row_1 = gather_row34;
+                    raw_rows_src[gather_pass33] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    raw_rows_src[gather_pass30] = -1;
+                    raw_rows_src[gather_pass33] = -1;
                 }
             }
         }
@@ -385,22 +409,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll 4
-        for (unsigned word_i32 = threadIdx.x; word_i32 < 512u; word_i32 += 256u) {
-            const unsigned row_3 = word_i32 / 32u;
-            const unsigned col_word33 = (word_i32 % 32u) + 256u;
-            const unsigned col_1 = col_word33 * 2u;
-            const float x034 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const float x135 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const unsigned hi36 = pack_bf16x2(x034, x135);
-            kv_tile[(row_3 * 292u) + col_word33] = hi36;
-            kv_tile[((row_3 * 292u) + col_word33) + 4672u] = pack_bf16x2(x034 - __uint_as_float(hi36 << 16u), x135 - __uint_as_float(hi36 & 4294901760u));
+        for (unsigned word_i35 = threadIdx.x; word_i35 < 512u; word_i35 += 256u) {
+            const unsigned row_3 = word_i35 / 32u;
+            const unsigned col_word36 = (word_i35 % 32u) + 256u;
+            const unsigned col_1 = col_word36 * 2u;
+            const float x037 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x138 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const unsigned hi39 = pack_bf16x2(x037, x138);
+            kv_tile[(row_3 * 292u) + col_word36] = hi39;
+            kv_tile[((row_3 * 292u) + col_word36) + 4672u] = pack_bf16x2(x037 - __uint_as_float(hi39 << 16u), x138 - __uint_as_float(hi39 & 4294901760u));
         }
         __syncthreads();
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i37 = 0u; fill_i37 < 4u; fill_i37 += 1u) {
-            scores[fill_i37] = 0.0f;
+        for (unsigned fill_i40 = 0u; fill_i40 < 4u; fill_i40 += 1u) {
+            scores[fill_i40] = 0.0f;
         }
         if (warp < 4u) {
             const unsigned a_lane_word = ((scores_row0 + lane_r16) * 292u) + (lane_c8 >> 1u);
@@ -411,98 +435,98 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain39[e] = 0.0f;
+                scores_chain43[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain40[e] = 0.0f;
+                scores_chain44[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk = 0u; kk < 9u; kk += 1u) {
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + ((kk * 4u) * 8u));
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + ((kk * 4u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[nj42 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[(nj42 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 1u) * 8u));
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 1u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 1u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 1u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[nj42 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[(nj42 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 2u) * 8u));
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 2u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 2u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 2u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain39[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain43[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[nj42 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain39[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain43[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[(nj42 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 3u) * 8u));
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 3u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 3u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 3u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain40[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain44[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[nj42 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain40[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj42 = 0u; nj42 < 1u; nj42 += 1u) {
+                        mma_bf16_16816(&scores_chain44[(mi41 + nj42) * 4u], &a_frag[mi41 * 4u], &b_frag[(nj42 * 2u) + 4u]);
                     }
                 }
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain39[e]) + scores_chain40[e];
+                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain43[e]) + scores_chain44[e];
             }
         }
 
@@ -511,158 +535,140 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned frag = 0u; frag < 1u; frag += 1u) {
                 #pragma unroll
-                for (unsigned half = 0u; half < 2u; half += 1u) {
-                    const unsigned row_4 = (scores_row0 + ((frag / 1u) * 16u)) + ((half * 8u) + lane_group);
+                for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
+                    const unsigned row_4 = (scores_row0 + ((frag / 1u) * 16u)) + ((half45 * 8u) + lane_group);
                     const unsigned col_2 = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag * 4u) + (half * 2u)];
-                    float v1 = scores[((frag * 4u) + (half * 2u)) + 1u];
+                    float v0 = scores[(frag * 4u) + (half45 * 2u)];
+                    float v1 = scores[((frag * 4u) + (half45 * 2u)) + 1u];
                     const unsigned j = ((j_begin + (step * 16u)) + col_2) + 0u;
                     v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
                     v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag * 4u) + (half * 2u)] = v0;
-                    scores[((frag * 4u) + (half * 2u)) + 1u] = v1;
+                    scores[(frag * 4u) + (half45 * 2u)] = v0;
+                    scores[((frag * 4u) + (half45 * 2u)) + 1u] = v1;
                 }
             }
         }
 
         // online softmax: new row max, rescale factor, probabilities, row sum
+
+        // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
-                #pragma unroll
-                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
-                    float red = fmaxf(scores[(mi41 * 4u) + (half42 * 2u)], scores[(mi41 * 4u) + ((half42 * 2u) + 1u)]);
-                    const float other = shfl_xor_f32(red, 1);
-                    red = fmaxf(red, other);
-                    const float other43 = shfl_xor_f32(red, 2);
-                    red = fmaxf(red, other43);
-                    if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 32u) + ((scores_row0 + (mi41 * 16u)) + ((half42 * 8u) + lane_group))] = red;
-                    }
-                }
-            }
-        }
-        __syncthreads();
-        for (unsigned r44 = threadIdx.x; r44 < 32u; r44 += 256u) {
-            float red45 = reduce_scratch[r44];
-            #pragma unroll
-            for (unsigned g = 1u; g < 2u; g += 1u) {
-                red45 = fmaxf(red45, reduce_scratch[(g * 32u) + r44]);
-            }
-            block_reduce[r44] = red45;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_1 = threadIdx.x; r_1 < 32u; r_1 += 256u) {
-            const float m_old = row_max[r_1];
-            const float m_new = fmaxf(m_old, block_reduce[r_1]);
-            row_rescale[r_1] = expf(m_old - m_new);
-            row_max[r_1] = m_new;
-        }
-        __syncthreads();
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned frag46 = 0u; frag46 < 1u; frag46 += 1u) {
+            for (unsigned mi46 = 0u; mi46 < 1u; mi46 += 1u) {
                 #pragma unroll
                 for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
-                    const unsigned row_5 = (scores_row0 + ((frag46 / 1u) * 16u)) + ((half47 * 8u) + lane_group);
-                    const unsigned col_3 = (scores_col0 + ((frag46 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0_1 = scores[(frag46 * 4u) + (half47 * 2u)];
-                    float v1_1 = scores[((frag46 * 4u) + (half47 * 2u)) + 1u];
-                    const float m = row_max[row_5];
-                    v0_1 = (v0_1 < (-1e38f)) ? 0.0f : expf(v0_1 - m);
-                    v1_1 = (v1_1 < (-1e38f)) ? 0.0f : expf(v1_1 - m);
-                    scores[(frag46 * 4u) + (half47 * 2u)] = v0_1;
-                    scores[((frag46 * 4u) + (half47 * 2u)) + 1u] = v1_1;
-                }
-            }
-        }
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned mi48 = 0u; mi48 < 1u; mi48 += 1u) {
-                #pragma unroll
-                for (unsigned half49 = 0u; half49 < 2u; half49 += 1u) {
-                    float red50 = scores[(mi48 * 4u) + (half49 * 2u)] + scores[(mi48 * 4u) + ((half49 * 2u) + 1u)];
-                    const float other51 = shfl_xor_f32(red50, 1);
-                    red50 = red50 + other51;
-                    const float other52 = shfl_xor_f32(red50, 2);
-                    red50 = red50 + other52;
+                    float row_max_part = fmaxf(scores[(mi46 * 4u) + (half47 * 2u)], scores[(mi46 * 4u) + ((half47 * 2u) + 1u)]);
+                    const float other = shfl_xor_f32(row_max_part, 1);
+                    row_max_part = fmaxf(row_max_part, other);
+                    const float other48 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other48);
                     if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 32u) + ((scores_row0 + (mi48 * 16u)) + ((half49 * 8u) + lane_group))] = red50;
+                        row_exchange[(((scores_row0 + (mi46 * 16u)) + ((half47 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        if (scores_wn == 0u) {
+                            row_exchange[(((scores_row0 + (mi46 * 16u)) + ((half47 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi46 * 2u) + half47];
+                        }
                     }
                 }
             }
         }
         __syncthreads();
-        for (unsigned r53 = threadIdx.x; r53 < 32u; r53 += 256u) {
-            float red55 = reduce_scratch[r53];
-            #pragma unroll
-            for (unsigned g54 = 1u; g54 < 2u; g54 += 1u) {
-                red55 = red55 + reduce_scratch[(g54 * 32u) + r53];
-            }
-            block_reduce[r53] = red55;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_2 = threadIdx.x; r_2 < 32u; r_2 += 256u) {
-            row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
-        }
-        __syncthreads();
-        #pragma unroll
-        for (unsigned frag56 = 0u; frag56 < 16u; frag56 += 1u) {
-            #pragma unroll
-            for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag56 / 8u) * 16u)) + ((half57 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag56 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_2 = o_acc[(frag56 * 4u) + (half57 * 2u)];
-                float v1_2 = o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u];
-                const float alpha = row_rescale[row_6];
-                v0_2 = v0_2 * alpha;
-                v1_2 = v1_2 * alpha;
-                o_acc[(frag56 * 4u) + (half57 * 2u)] = v0_2;
-                o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u] = v1_2;
-            }
-        }
-        __syncthreads();
+
+        // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag60 = 0u; frag60 < 1u; frag60 += 1u) {
+            for (unsigned mi51 = 0u; mi51 < 1u; mi51 += 1u) {
                 #pragma unroll
-                for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
-                    const unsigned row58 = (scores_row0 + ((frag60 / 1u) * 16u)) + ((half61 * 8u) + lane_group);
-                    const unsigned col59 = (scores_col0 + ((frag60 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row58 * 12u) + (col59 >> 1u)] = pack_bf16x2(scores[(frag60 * 4u) + (half61 * 2u)], scores[((frag60 * 4u) + (half61 * 2u)) + 1u]);
+                for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
+                    const float m_old49 = row_max_reg[(mi51 * 2u) + half52];
+                    float m_new50 = m_old49;
+                    m_new50 = fmaxf(m_new50, row_exchange[((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u]);
+                    m_new50 = fmaxf(m_new50, row_exchange[(((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi51 * 2u) + half52] = expf(m_old49 - m_new50);
+                    row_max_reg[(mi51 * 2u) + half52] = m_new50;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned mi55 = 0u; mi55 < 2u; mi55 += 1u) {
+            #pragma unroll
+            for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
+                const float m_old53 = row_exchange[(((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new54 = m_old53;
+                m_new54 = fmaxf(m_new54, row_exchange[((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u]);
+                m_new54 = fmaxf(m_new54, row_exchange[(((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha5[(mi55 * 2u) + half56] = expf(m_old53 - m_new54);
+            }
+        }
+
+        // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
+        if (warp < 4u) {
+            #pragma unroll
+            for (unsigned mi59 = 0u; mi59 < 1u; mi59 += 1u) {
+                #pragma unroll
+                for (unsigned half60 = 0u; half60 < 2u; half60 += 1u) {
+                    float p_sum = 0.0f;
+                    #pragma unroll
+                    for (unsigned nj57 = 0u; nj57 < 1u; nj57 += 1u) {
+                        #pragma unroll
+                        for (unsigned e58 = 0u; e58 < 2u; e58 += 1u) {
+                            const unsigned at = ((mi59 + nj57) * 4u) + ((half60 * 2u) + e58);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi59 * 2u) + half60]);
+                            scores[at] = p;
+                            p_sum = p_sum + p;
+                        }
+                    }
+                    row_sum_part[(mi59 * 2u) + half60] = (row_sum_part[(mi59 * 2u) + half60] * row_alpha[(mi59 * 2u) + half60]) + p_sum;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag61 = 0u; frag61 < 16u; frag61 += 1u) {
+            #pragma unroll
+            for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+                const float alpha63 = row_alpha5[((frag61 / 8u) * 2u) + half62];
+                o_acc[(frag61 * 4u) + (half62 * 2u)] = o_acc[(frag61 * 4u) + (half62 * 2u)] * alpha63;
+                o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u] = o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u] * alpha63;
+            }
+        }
+        if (warp < 4u) {
+            #pragma unroll
+            for (unsigned frag66 = 0u; frag66 < 1u; frag66 += 1u) {
+                #pragma unroll
+                for (unsigned half67 = 0u; half67 < 2u; half67 += 1u) {
+                    const unsigned row64 = (scores_row0 + ((frag66 / 1u) * 16u)) + ((half67 * 8u) + lane_group);
+                    const unsigned col65 = (scores_col0 + ((frag66 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row64 * 12u) + (col65 >> 1u)] = pack_bf16x2(scores[(frag66 * 4u) + (half67 * 2u)], scores[((frag66 * 4u) + (half67 * 2u)) + 1u]);
                 }
             }
         }
         __syncthreads();
 
         // O += P . V, V = the first d_v columns of the gathered rows
-        const unsigned a_lane_word64 = ((o_acc_row0 + lane_r16) * 12u) + (lane_c8 >> 1u);
-        const unsigned b_lane_word65 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
+        const unsigned a_lane_word70 = ((o_acc_row0 + lane_r16) * 12u) + (lane_c8 >> 1u);
+        const unsigned b_lane_word71 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk66 = 0u; kk66 < 1u; kk66 += 1u) {
+        for (unsigned kk72 = 0u; kk72 < 1u; kk72 += 1u) {
             #pragma unroll
-            for (unsigned mi67 = 0u; mi67 < 2u; mi67 += 1u) {
-                ldmatrix_x4(&a_frag62[mi67 * 4u], p_tile + a_lane_word64 + (mi67 * 192u) + (kk66 * 8u));
+            for (unsigned mi73 = 0u; mi73 < 2u; mi73 += 1u) {
+                ldmatrix_x4(&a_frag68[mi73 * 4u], p_tile + a_lane_word70 + (mi73 * 192u) + (kk72 * 8u));
             }
             #pragma unroll
-            for (unsigned nj68 = 0u; nj68 < 4u; nj68 += 1u) {
-                ldmatrix_x4_trans(&b_frag63[0u], kv_tile + b_lane_word65 + (kk66 * 4672u) + ((nj68 * 2u) * 4u));
-                ldmatrix_x4_trans(&b_frag63[4u], kv_tile + b_lane_word65 + 4672u + (kk66 * 4672u) + ((nj68 * 2u) * 4u));
+            for (unsigned nj74 = 0u; nj74 < 4u; nj74 += 1u) {
+                ldmatrix_x4_trans(&b_frag69[0u], kv_tile + b_lane_word71 + (kk72 * 4672u) + ((nj74 * 2u) * 4u));
+                ldmatrix_x4_trans(&b_frag69[4u], kv_tile + b_lane_word71 + 4672u + (kk72 * 4672u) + ((nj74 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 2u; mi67 += 1u) {
+                for (unsigned mi73 = 0u; mi73 < 2u; mi73 += 1u) {
                     #pragma unroll
-                    for (unsigned nj69 = 0u; nj69 < 2u; nj69 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi67 * 8u) + ((nj68 * 2u) + nj69)) * 4u], &a_frag62[mi67 * 4u], &b_frag63[nj69 * 2u]);
+                    for (unsigned nj75 = 0u; nj75 < 2u; nj75 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi73 * 8u) + ((nj74 * 2u) + nj75)) * 4u], &a_frag68[mi73 * 4u], &b_frag69[nj75 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 2u; mi67 += 1u) {
+                for (unsigned mi73 = 0u; mi73 < 2u; mi73 += 1u) {
                     #pragma unroll
-                    for (unsigned nj69 = 0u; nj69 < 2u; nj69 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi67 * 8u) + ((nj68 * 2u) + nj69)) * 4u], &a_frag62[mi67 * 4u], &b_frag63[(nj69 * 2u) + 4u]);
+                    for (unsigned nj75 = 0u; nj75 < 2u; nj75 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi73 * 8u) + ((nj74 * 2u) + nj75)) * 4u], &a_frag68[mi73 * 4u], &b_frag69[(nj75 * 2u) + 4u]);
                     }
                 }
             }
@@ -670,25 +676,58 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         __syncthreads();
     }
     cp_async_wait<0>();
+
+    // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi77 = 0u; mi77 < 1u; mi77 += 1u) {
+            #pragma unroll
+            for (unsigned half78 = 0u; half78 < 2u; half78 += 1u) {
+                float row_sum76 = row_sum_part[(mi77 * 2u) + half78];
+                const float other79 = shfl_xor_f32(row_sum76, 1);
+                row_sum76 = row_sum76 + other79;
+                const float other80 = shfl_xor_f32(row_sum76, 2);
+                row_sum76 = row_sum76 + other80;
+                if (lane_quad == 0u) {
+                    row_exchange[(((scores_row0 + (mi77 * 16u)) + ((half78 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum76;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi82 = 0u; mi82 < 1u; mi82 += 1u) {
+            #pragma unroll
+            for (unsigned half83 = 0u; half83 < 2u; half83 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum81 = row_exchange[((scores_row0 + (mi82 * 16u)) + ((half83 * 8u) + lane_group)) * 3u];
+                    row_sum81 = row_sum81 + row_exchange[(((scores_row0 + (mi82 * 16u)) + ((half83 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi82 * 16u)) + ((half83 * 8u) + lane_group)] = row_sum81;
+                    row_max[(scores_row0 + (mi82 * 16u)) + ((half83 * 8u) + lane_group)] = row_max_reg[(mi82 * 2u) + half83];
+                }
+            }
+        }
+    }
     __syncthreads();
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag70 = 0u; frag70 < 16u; frag70 += 1u) {
+    for (unsigned frag84 = 0u; frag84 < 16u; frag84 += 1u) {
         #pragma unroll
-        for (unsigned half71 = 0u; half71 < 2u; half71 += 1u) {
-            const unsigned row_7 = (o_acc_row0 + ((frag70 / 8u) * 16u)) + ((half71 * 8u) + lane_group);
-            const unsigned col_5 = (o_acc_col0 + ((frag70 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag70 * 4u) + (half71 * 2u)];
-            float v1_3 = o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u];
+        for (unsigned half85 = 0u; half85 < 2u; half85 += 1u) {
+            const unsigned row_7 = (o_acc_row0 + ((frag84 / 8u) * 16u)) + ((half85 * 8u) + lane_group);
+            const unsigned col_5 = (o_acc_col0 + ((frag84 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag84 * 4u) + (half85 * 2u)];
+            float v1_3 = o_acc[((frag84 * 4u) + (half85 * 2u)) + 1u];
             const unsigned h = h0 + row_7;
             if (h < p.heads) {
                 const float l = row_sum[row_7];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                 ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_5) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
-            o_acc[(frag70 * 4u) + (half71 * 2u)] = v0_3;
-            o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u] = v1_3;
+            o_acc[(frag84 * 4u) + (half85 * 2u)] = v0_3;
+            o_acc[((frag84 * 4u) + (half85 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

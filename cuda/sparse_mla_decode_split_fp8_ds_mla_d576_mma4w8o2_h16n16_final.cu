@@ -163,18 +163,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 18944); // [9344]
     unsigned* const raw_rows = (unsigned*)(dyn_smem + 56320); // [10496]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 98304); // [192]
-    float* const reduce_scratch = (float*)(dyn_smem + 99072); // [32]
+    float* const row_exchange = (float*)(dyn_smem + 99072); // [32]
     float scores[4];
     float o_acc[32];
     int q_tile_src[1];
     int raw_rows_src[1];
+    float row_alpha[2];
+    float row_max_reg[2];
+    float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[8];
     float scores_chain[4];
-    float scores_chain39[4];
-    float scores_chain40[4];
-    unsigned a_frag62[4];
-    unsigned b_frag63[8];
+    float scores_chain42[4];
+    float scores_chain43[4];
+    unsigned a_frag63[4];
+    unsigned b_frag64[8];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -254,18 +257,36 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
     // pipeline step: 4-stage ring of cp.async gathers; first load the steps ahead
     __syncthreads();
+
+    // online softmax: row state row_max / row_sum into registers
+    #pragma unroll
+    for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+        #pragma unroll
+        for (unsigned half = 0u; half < 2u; half += 1u) {
+            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+        }
+    }
+    if (warp < 2u) {
+        #pragma unroll
+        for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
+            #pragma unroll
+            for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
+                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+            }
+        }
+    }
     #pragma unroll
     for (unsigned prefetch = 0u; prefetch < 3u; prefetch += 1u) {
         if (prefetch < step_count) {
             const unsigned step = prefetch;
             #pragma unroll
-            for (unsigned gather_pass5 = 0u; gather_pass5 < 1u; gather_pass5 += 1u) {
-                const unsigned gather_row6 = (threadIdx.x / 16u) + (gather_pass5 * 16u);
-                if (gather_row6 < 16u) {
-                    const unsigned row_1 = gather_row6;
-                    raw_rows_src[gather_pass5] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
+                const unsigned gather_row8 = (threadIdx.x / 16u) + (gather_pass7 * 16u);
+                if (gather_row8 < 16u) {
+                    const unsigned row_1 = gather_row8;
+                    raw_rows_src[gather_pass7] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    raw_rows_src[gather_pass5] = -1;
+                    raw_rows_src[gather_pass7] = -1;
                 }
             }
         }
@@ -274,27 +295,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass7 = 0u; gather_pass7 < 1u; gather_pass7 += 1u) {
-                const unsigned gather_row8 = (threadIdx.x / 16u) + (gather_pass7 * 16u);
-                if (gather_row8 < 16u) {
-                    const int src_i3212 = raw_rows_src[gather_pass7];
-                    const bool src_valid10 = src_i3212 >= 0;
-                    const unsigned src_word9 = src_valid10 ? ((unsigned)src_i3212) : 0u;
-                    const unsigned dst_word11 = (load_stage * 2624u) + (gather_row8 * 164u);
-                    if ((src_word9 & 3u) == 0u) {
+            for (unsigned gather_pass9 = 0u; gather_pass9 < 1u; gather_pass9 += 1u) {
+                const unsigned gather_row10 = (threadIdx.x / 16u) + (gather_pass9 * 16u);
+                if (gather_row10 < 16u) {
+                    const int src_i3214 = raw_rows_src[gather_pass9];
+                    const bool src_valid12 = src_i3214 >= 0;
+                    const unsigned src_word11 = src_valid12 ? ((unsigned)src_i3214) : 0u;
+                    const unsigned dst_word13 = (load_stage * 2624u) + (gather_row10 * 164u);
+                    if ((src_word11 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i15 = 0u; copy_i15 < 3u; copy_i15 += 1u) {
-                            const unsigned chunk16 = (threadIdx.x % 16u) + (copy_i15 * 16u);
-                            if (chunk16 < 41u) {
-                                cp_async_16(raw_rows + dst_word11 + ((threadIdx.x % 16u) * 4u) + (copy_i15 * 64u), (const unsigned*)kv_cache + src_word9 + ((threadIdx.x % 16u) * 4u) + (copy_i15 * 64u), src_valid10);
+                        for (unsigned copy_i17 = 0u; copy_i17 < 3u; copy_i17 += 1u) {
+                            const unsigned chunk18 = (threadIdx.x % 16u) + (copy_i17 * 16u);
+                            if (chunk18 < 41u) {
+                                cp_async_16(raw_rows + dst_word13 + ((threadIdx.x % 16u) * 4u) + (copy_i17 * 64u), (const unsigned*)kv_cache + src_word11 + ((threadIdx.x % 16u) * 4u) + (copy_i17 * 64u), src_valid12);
                             }
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i13 = 0u; copy_i13 < 11u; copy_i13 += 1u) {
-                            const unsigned chunk14 = (threadIdx.x % 16u) + (copy_i13 * 16u);
-                            if (chunk14 < 164u) {
-                                cp_async_4(raw_rows + dst_word11 + (threadIdx.x % 16u) + (copy_i13 * 16u), (const unsigned*)kv_cache + src_word9 + (threadIdx.x % 16u) + (copy_i13 * 16u), src_valid10);
+                        for (unsigned copy_i15 = 0u; copy_i15 < 11u; copy_i15 += 1u) {
+                            const unsigned chunk16 = (threadIdx.x % 16u) + (copy_i15 * 16u);
+                            if (chunk16 < 164u) {
+                                cp_async_4(raw_rows + dst_word13 + (threadIdx.x % 16u) + (copy_i15 * 16u), (const unsigned*)kv_cache + src_word11 + (threadIdx.x % 16u) + (copy_i15 * 16u), src_valid12);
                             }
                         }
                     }
@@ -306,13 +327,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     if (3u < step_count) {
         const unsigned step = 3u;
         #pragma unroll
-        for (unsigned gather_pass17 = 0u; gather_pass17 < 1u; gather_pass17 += 1u) {
-            const unsigned gather_row18 = (threadIdx.x / 16u) + (gather_pass17 * 16u);
-            if (gather_row18 < 16u) {
-                const unsigned row_1 = gather_row18;
-                raw_rows_src[gather_pass17] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+        for (unsigned gather_pass19 = 0u; gather_pass19 < 1u; gather_pass19 += 1u) {
+            const unsigned gather_row20 = (threadIdx.x / 16u) + (gather_pass19 * 16u);
+            if (gather_row20 < 16u) {
+                const unsigned row_1 = gather_row20;
+                raw_rows_src[gather_pass19] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
-                raw_rows_src[gather_pass17] = -1;
+                raw_rows_src[gather_pass19] = -1;
             }
         }
     }
@@ -320,31 +341,31 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
 
         // pipeline step: copy the rows 3 steps ahead, then the addresses of the step after
         if ((step_i + 3u) < step_count) {
-            const unsigned load_stage19 = (step_i + 3u) % 4u;
+            const unsigned load_stage21 = (step_i + 3u) % 4u;
 
             // gather this step's cache rows by slot (invalid slots: zero rows, not read)
             #pragma unroll
-            for (unsigned gather_pass20 = 0u; gather_pass20 < 1u; gather_pass20 += 1u) {
-                const unsigned gather_row21 = (threadIdx.x / 16u) + (gather_pass20 * 16u);
-                if (gather_row21 < 16u) {
-                    const int src_i3225 = raw_rows_src[gather_pass20];
-                    const bool src_valid23 = src_i3225 >= 0;
-                    const unsigned src_word22 = src_valid23 ? ((unsigned)src_i3225) : 0u;
-                    const unsigned dst_word24 = (load_stage19 * 2624u) + (gather_row21 * 164u);
-                    if ((src_word22 & 3u) == 0u) {
+            for (unsigned gather_pass22 = 0u; gather_pass22 < 1u; gather_pass22 += 1u) {
+                const unsigned gather_row23 = (threadIdx.x / 16u) + (gather_pass22 * 16u);
+                if (gather_row23 < 16u) {
+                    const int src_i3227 = raw_rows_src[gather_pass22];
+                    const bool src_valid25 = src_i3227 >= 0;
+                    const unsigned src_word24 = src_valid25 ? ((unsigned)src_i3227) : 0u;
+                    const unsigned dst_word26 = (load_stage21 * 2624u) + (gather_row23 * 164u);
+                    if ((src_word24 & 3u) == 0u) {
                         #pragma unroll
-                        for (unsigned copy_i28 = 0u; copy_i28 < 3u; copy_i28 += 1u) {
-                            const unsigned chunk29 = (threadIdx.x % 16u) + (copy_i28 * 16u);
-                            if (chunk29 < 41u) {
-                                cp_async_16(raw_rows + dst_word24 + ((threadIdx.x % 16u) * 4u) + (copy_i28 * 64u), (const unsigned*)kv_cache + src_word22 + ((threadIdx.x % 16u) * 4u) + (copy_i28 * 64u), src_valid23);
+                        for (unsigned copy_i30 = 0u; copy_i30 < 3u; copy_i30 += 1u) {
+                            const unsigned chunk31 = (threadIdx.x % 16u) + (copy_i30 * 16u);
+                            if (chunk31 < 41u) {
+                                cp_async_16(raw_rows + dst_word26 + ((threadIdx.x % 16u) * 4u) + (copy_i30 * 64u), (const unsigned*)kv_cache + src_word24 + ((threadIdx.x % 16u) * 4u) + (copy_i30 * 64u), src_valid25);
                             }
                         }
                     } else {
                         #pragma unroll
-                        for (unsigned copy_i26 = 0u; copy_i26 < 11u; copy_i26 += 1u) {
-                            const unsigned chunk27 = (threadIdx.x % 16u) + (copy_i26 * 16u);
-                            if (chunk27 < 164u) {
-                                cp_async_4(raw_rows + dst_word24 + (threadIdx.x % 16u) + (copy_i26 * 16u), (const unsigned*)kv_cache + src_word22 + (threadIdx.x % 16u) + (copy_i26 * 16u), src_valid23);
+                        for (unsigned copy_i28 = 0u; copy_i28 < 11u; copy_i28 += 1u) {
+                            const unsigned chunk29 = (threadIdx.x % 16u) + (copy_i28 * 16u);
+                            if (chunk29 < 164u) {
+                                cp_async_4(raw_rows + dst_word26 + (threadIdx.x % 16u) + (copy_i28 * 16u), (const unsigned*)kv_cache + src_word24 + (threadIdx.x % 16u) + (copy_i28 * 16u), src_valid25);
                             }
                         }
                     }
@@ -354,13 +375,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         if ((step_i + 4u) < step_count) {
             const unsigned step = step_i + 4u;
             #pragma unroll
-            for (unsigned gather_pass30 = 0u; gather_pass30 < 1u; gather_pass30 += 1u) {
-                const unsigned gather_row31 = (threadIdx.x / 16u) + (gather_pass30 * 16u);
-                if (gather_row31 < 16u) {
-                    const unsigned row_1 = gather_row31;
-                    raw_rows_src[gather_pass30] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            for (unsigned gather_pass32 = 0u; gather_pass32 < 1u; gather_pass32 += 1u) {
+                const unsigned gather_row33 = (threadIdx.x / 16u) + (gather_pass32 * 16u);
+                if (gather_row33 < 16u) {
+                    const unsigned row_1 = gather_row33;
+                    raw_rows_src[gather_pass32] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
-                    raw_rows_src[gather_pass30] = -1;
+                    raw_rows_src[gather_pass32] = -1;
                 }
             }
         }
@@ -387,22 +408,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll 4
-        for (unsigned word_i32 = threadIdx.x; word_i32 < 512u; word_i32 += 256u) {
-            const unsigned row_3 = word_i32 / 32u;
-            const unsigned col_word33 = (word_i32 % 32u) + 256u;
-            const unsigned col_1 = col_word33 * 2u;
-            const float x034 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const float x135 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const unsigned hi36 = pack_bf16x2(x034, x135);
-            kv_tile[(row_3 * 292u) + col_word33] = hi36;
-            kv_tile[((row_3 * 292u) + col_word33) + 4672u] = pack_bf16x2(x034 - __uint_as_float(hi36 << 16u), x135 - __uint_as_float(hi36 & 4294901760u));
+        for (unsigned word_i34 = threadIdx.x; word_i34 < 512u; word_i34 += 256u) {
+            const unsigned row_3 = word_i34 / 32u;
+            const unsigned col_word35 = (word_i34 % 32u) + 256u;
+            const unsigned col_1 = col_word35 * 2u;
+            const float x036 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x137 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const unsigned hi38 = pack_bf16x2(x036, x137);
+            kv_tile[(row_3 * 292u) + col_word35] = hi38;
+            kv_tile[((row_3 * 292u) + col_word35) + 4672u] = pack_bf16x2(x036 - __uint_as_float(hi38 << 16u), x137 - __uint_as_float(hi38 & 4294901760u));
         }
         __syncthreads();
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i37 = 0u; fill_i37 < 4u; fill_i37 += 1u) {
-            scores[fill_i37] = 0.0f;
+        for (unsigned fill_i39 = 0u; fill_i39 < 4u; fill_i39 += 1u) {
+            scores[fill_i39] = 0.0f;
         }
         if (warp < 2u) {
             const unsigned a_lane_word = ((scores_row0 + lane_r16) * 292u) + (lane_c8 >> 1u);
@@ -413,98 +434,98 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain39[e] = 0.0f;
+                scores_chain42[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores_chain40[e] = 0.0f;
+                scores_chain43[e] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk = 0u; kk < 9u; kk += 1u) {
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + ((kk * 4u) * 8u));
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + ((kk * 4u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[nj41 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[(nj41 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 1u) * 8u));
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 1u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 1u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 1u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[nj41 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[(nj41 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 2u) * 8u));
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 2u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 2u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 2u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain39[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain42[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[nj41 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain39[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain42[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[(nj41 * 2u) + 4u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
-                    ldmatrix_x4(&a_frag[mi * 4u], q_tile + a_lane_word + (mi * 4672u) + (((kk * 4u) + 3u) * 8u));
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 3u) * 8u));
                 }
                 ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 3u) * 8u));
                 ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 3u) * 8u));
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain40[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[nj38 * 2u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain43[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[nj41 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi = 0u; mi < 1u; mi += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
-                        mma_bf16_16816(&scores_chain40[(mi + nj38) * 4u], &a_frag[mi * 4u], &b_frag[(nj38 * 2u) + 4u]);
+                    for (unsigned nj41 = 0u; nj41 < 1u; nj41 += 1u) {
+                        mma_bf16_16816(&scores_chain43[(mi40 + nj41) * 4u], &a_frag[mi40 * 4u], &b_frag[(nj41 * 2u) + 4u]);
                     }
                 }
             }
             #pragma unroll
             for (unsigned e = 0u; e < 4u; e += 1u) {
-                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain39[e]) + scores_chain40[e];
+                scores[e] = ((scores[e] + scores_chain[e]) + scores_chain42[e]) + scores_chain43[e];
             }
         }
 
@@ -513,158 +534,124 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned frag = 0u; frag < 1u; frag += 1u) {
                 #pragma unroll
-                for (unsigned half = 0u; half < 2u; half += 1u) {
-                    const unsigned row_4 = (scores_row0 + ((frag / 1u) * 16u)) + ((half * 8u) + lane_group);
+                for (unsigned half44 = 0u; half44 < 2u; half44 += 1u) {
+                    const unsigned row_4 = (scores_row0 + ((frag / 1u) * 16u)) + ((half44 * 8u) + lane_group);
                     const unsigned col_2 = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag * 4u) + (half * 2u)];
-                    float v1 = scores[((frag * 4u) + (half * 2u)) + 1u];
+                    float v0 = scores[(frag * 4u) + (half44 * 2u)];
+                    float v1 = scores[((frag * 4u) + (half44 * 2u)) + 1u];
                     const unsigned j = ((j_begin + (step * 16u)) + col_2) + 0u;
                     v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
                     v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag * 4u) + (half * 2u)] = v0;
-                    scores[((frag * 4u) + (half * 2u)) + 1u] = v1;
+                    scores[(frag * 4u) + (half44 * 2u)] = v0;
+                    scores[((frag * 4u) + (half44 * 2u)) + 1u] = v1;
                 }
             }
         }
 
         // online softmax: new row max, rescale factor, probabilities, row sum
+
+        // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+            for (unsigned mi45 = 0u; mi45 < 1u; mi45 += 1u) {
                 #pragma unroll
-                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
-                    float red = fmaxf(scores[(mi41 * 4u) + (half42 * 2u)], scores[(mi41 * 4u) + ((half42 * 2u) + 1u)]);
-                    const float other = shfl_xor_f32(red, 1);
-                    red = fmaxf(red, other);
-                    const float other43 = shfl_xor_f32(red, 2);
-                    red = fmaxf(red, other43);
+                for (unsigned half46 = 0u; half46 < 2u; half46 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi45 * 4u) + (half46 * 2u)], scores[(mi45 * 4u) + ((half46 * 2u) + 1u)]);
+                    const float other = shfl_xor_f32(row_max_part, 1);
+                    row_max_part = fmaxf(row_max_part, other);
+                    const float other47 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other47);
                     if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 16u) + ((scores_row0 + (mi41 * 16u)) + ((half42 * 8u) + lane_group))] = red;
+                        row_exchange[(((scores_row0 + (mi45 * 16u)) + ((half46 * 8u) + lane_group)) * 2u) + scores_wn] = row_max_part;
                     }
                 }
             }
         }
         __syncthreads();
-        for (unsigned r44 = threadIdx.x; r44 < 16u; r44 += 256u) {
-            float red45 = reduce_scratch[r44];
+
+        // online softmax: new row max and rescale, in every thread that holds the row
+        #pragma unroll
+        for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
             #pragma unroll
-            for (unsigned g = 1u; g < 2u; g += 1u) {
-                red45 = fmaxf(red45, reduce_scratch[(g * 16u) + r44]);
-            }
-            block_reduce[r44] = red45;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_1 = threadIdx.x; r_1 < 16u; r_1 += 256u) {
-            const float m_old = row_max[r_1];
-            const float m_new = fmaxf(m_old, block_reduce[r_1]);
-            row_rescale[r_1] = expf(m_old - m_new);
-            row_max[r_1] = m_new;
-        }
-        __syncthreads();
-        if (warp < 2u) {
-            #pragma unroll
-            for (unsigned frag46 = 0u; frag46 < 1u; frag46 += 1u) {
-                #pragma unroll
-                for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
-                    const unsigned row_5 = (scores_row0 + ((frag46 / 1u) * 16u)) + ((half47 * 8u) + lane_group);
-                    const unsigned col_3 = (scores_col0 + ((frag46 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0_1 = scores[(frag46 * 4u) + (half47 * 2u)];
-                    float v1_1 = scores[((frag46 * 4u) + (half47 * 2u)) + 1u];
-                    const float m = row_max[row_5];
-                    v0_1 = (v0_1 < (-1e38f)) ? 0.0f : expf(v0_1 - m);
-                    v1_1 = (v1_1 < (-1e38f)) ? 0.0f : expf(v1_1 - m);
-                    scores[(frag46 * 4u) + (half47 * 2u)] = v0_1;
-                    scores[((frag46 * 4u) + (half47 * 2u)) + 1u] = v1_1;
-                }
+            for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
+                const float m_old48 = row_max_reg[(mi50 * 2u) + half51];
+                float m_new49 = m_old48;
+                m_new49 = fmaxf(m_new49, row_exchange[((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u]);
+                m_new49 = fmaxf(m_new49, row_exchange[(((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u) + 1u]);
+                row_alpha[(mi50 * 2u) + half51] = expf(m_old48 - m_new49);
+                row_max_reg[(mi50 * 2u) + half51] = m_new49;
             }
         }
+
+        // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi48 = 0u; mi48 < 1u; mi48 += 1u) {
+            for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
                 #pragma unroll
-                for (unsigned half49 = 0u; half49 < 2u; half49 += 1u) {
-                    float red50 = scores[(mi48 * 4u) + (half49 * 2u)] + scores[(mi48 * 4u) + ((half49 * 2u) + 1u)];
-                    const float other51 = shfl_xor_f32(red50, 1);
-                    red50 = red50 + other51;
-                    const float other52 = shfl_xor_f32(red50, 2);
-                    red50 = red50 + other52;
-                    if (lane_quad == 0u) {
-                        reduce_scratch[(scores_wn * 16u) + ((scores_row0 + (mi48 * 16u)) + ((half49 * 8u) + lane_group))] = red50;
+                for (unsigned half55 = 0u; half55 < 2u; half55 += 1u) {
+                    float p_sum = 0.0f;
+                    #pragma unroll
+                    for (unsigned nj52 = 0u; nj52 < 1u; nj52 += 1u) {
+                        #pragma unroll
+                        for (unsigned e53 = 0u; e53 < 2u; e53 += 1u) {
+                            const unsigned at = ((mi54 + nj52) * 4u) + ((half55 * 2u) + e53);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi54 * 2u) + half55]);
+                            scores[at] = p;
+                            p_sum = p_sum + p;
+                        }
                     }
+                    row_sum_part[(mi54 * 2u) + half55] = (row_sum_part[(mi54 * 2u) + half55] * row_alpha[(mi54 * 2u) + half55]) + p_sum;
                 }
             }
         }
-        __syncthreads();
-        for (unsigned r53 = threadIdx.x; r53 < 16u; r53 += 256u) {
-            float red55 = reduce_scratch[r53];
-            #pragma unroll
-            for (unsigned g54 = 1u; g54 < 2u; g54 += 1u) {
-                red55 = red55 + reduce_scratch[(g54 * 16u) + r53];
-            }
-            block_reduce[r53] = red55;
-        }
-        __syncthreads();
-        #pragma unroll 4
-        for (unsigned r_2 = threadIdx.x; r_2 < 16u; r_2 += 256u) {
-            row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
-        }
-        __syncthreads();
         #pragma unroll
         for (unsigned frag56 = 0u; frag56 < 8u; frag56 += 1u) {
             #pragma unroll
             for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag56 / 8u) * 16u)) + ((half57 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag56 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_2 = o_acc[(frag56 * 4u) + (half57 * 2u)];
-                float v1_2 = o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u];
-                const float alpha = row_rescale[row_6];
-                v0_2 = v0_2 * alpha;
-                v1_2 = v1_2 * alpha;
-                o_acc[(frag56 * 4u) + (half57 * 2u)] = v0_2;
-                o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u] = v1_2;
+                const float alpha58 = row_alpha[((frag56 / 8u) * 2u) + half57];
+                o_acc[(frag56 * 4u) + (half57 * 2u)] = o_acc[(frag56 * 4u) + (half57 * 2u)] * alpha58;
+                o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u] = o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u] * alpha58;
             }
         }
-        __syncthreads();
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag60 = 0u; frag60 < 1u; frag60 += 1u) {
+            for (unsigned frag61 = 0u; frag61 < 1u; frag61 += 1u) {
                 #pragma unroll
-                for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
-                    const unsigned row58 = (scores_row0 + ((frag60 / 1u) * 16u)) + ((half61 * 8u) + lane_group);
-                    const unsigned col59 = (scores_col0 + ((frag60 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row58 * 12u) + (col59 >> 1u)] = pack_bf16x2(scores[(frag60 * 4u) + (half61 * 2u)], scores[((frag60 * 4u) + (half61 * 2u)) + 1u]);
+                for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+                    const unsigned row59 = (scores_row0 + ((frag61 / 1u) * 16u)) + ((half62 * 8u) + lane_group);
+                    const unsigned col60 = (scores_col0 + ((frag61 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row59 * 12u) + (col60 >> 1u)] = pack_bf16x2(scores[(frag61 * 4u) + (half62 * 2u)], scores[((frag61 * 4u) + (half62 * 2u)) + 1u]);
                 }
             }
         }
         __syncthreads();
 
         // O += P . V, V = the first d_v columns of the gathered rows
-        const unsigned a_lane_word64 = ((o_acc_row0 + lane_r16) * 12u) + (lane_c8 >> 1u);
-        const unsigned b_lane_word65 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
+        const unsigned a_lane_word65 = ((o_acc_row0 + lane_r16) * 12u) + (lane_c8 >> 1u);
+        const unsigned b_lane_word66 = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk66 = 0u; kk66 < 1u; kk66 += 1u) {
+        for (unsigned kk67 = 0u; kk67 < 1u; kk67 += 1u) {
             #pragma unroll
-            for (unsigned mi67 = 0u; mi67 < 1u; mi67 += 1u) {
-                ldmatrix_x4(&a_frag62[mi67 * 4u], p_tile + a_lane_word64 + (mi67 * 192u) + (kk66 * 8u));
+            for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
+                ldmatrix_x4(&a_frag63[mi68 * 4u], p_tile + a_lane_word65 + (mi68 * 192u) + (kk67 * 8u));
             }
             #pragma unroll
-            for (unsigned nj68 = 0u; nj68 < 4u; nj68 += 1u) {
-                ldmatrix_x4_trans(&b_frag63[0u], kv_tile + b_lane_word65 + (kk66 * 4672u) + ((nj68 * 2u) * 4u));
-                ldmatrix_x4_trans(&b_frag63[4u], kv_tile + b_lane_word65 + 4672u + (kk66 * 4672u) + ((nj68 * 2u) * 4u));
+            for (unsigned nj69 = 0u; nj69 < 4u; nj69 += 1u) {
+                ldmatrix_x4_trans(&b_frag64[0u], kv_tile + b_lane_word66 + (kk67 * 4672u) + ((nj69 * 2u) * 4u));
+                ldmatrix_x4_trans(&b_frag64[4u], kv_tile + b_lane_word66 + 4672u + (kk67 * 4672u) + ((nj69 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 1u; mi67 += 1u) {
+                for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
                     #pragma unroll
-                    for (unsigned nj69 = 0u; nj69 < 2u; nj69 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi67 * 8u) + ((nj68 * 2u) + nj69)) * 4u], &a_frag62[mi67 * 4u], &b_frag63[nj69 * 2u]);
+                    for (unsigned nj70 = 0u; nj70 < 2u; nj70 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi68 * 8u) + ((nj69 * 2u) + nj70)) * 4u], &a_frag63[mi68 * 4u], &b_frag64[nj70 * 2u]);
                     }
                 }
                 #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 1u; mi67 += 1u) {
+                for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
                     #pragma unroll
-                    for (unsigned nj69 = 0u; nj69 < 2u; nj69 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi67 * 8u) + ((nj68 * 2u) + nj69)) * 4u], &a_frag62[mi67 * 4u], &b_frag63[(nj69 * 2u) + 4u]);
+                    for (unsigned nj70 = 0u; nj70 < 2u; nj70 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi68 * 8u) + ((nj69 * 2u) + nj70)) * 4u], &a_frag63[mi68 * 4u], &b_frag64[(nj70 * 2u) + 4u]);
                     }
                 }
             }
@@ -672,25 +659,58 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         __syncthreads();
     }
     cp_async_wait<0>();
+
+    // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
+    if (warp < 2u) {
+        #pragma unroll
+        for (unsigned mi72 = 0u; mi72 < 1u; mi72 += 1u) {
+            #pragma unroll
+            for (unsigned half73 = 0u; half73 < 2u; half73 += 1u) {
+                float row_sum71 = row_sum_part[(mi72 * 2u) + half73];
+                const float other74 = shfl_xor_f32(row_sum71, 1);
+                row_sum71 = row_sum71 + other74;
+                const float other75 = shfl_xor_f32(row_sum71, 2);
+                row_sum71 = row_sum71 + other75;
+                if (lane_quad == 0u) {
+                    row_exchange[(((scores_row0 + (mi72 * 16u)) + ((half73 * 8u) + lane_group)) * 2u) + scores_wn] = row_sum71;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 2u) {
+        #pragma unroll
+        for (unsigned mi77 = 0u; mi77 < 1u; mi77 += 1u) {
+            #pragma unroll
+            for (unsigned half78 = 0u; half78 < 2u; half78 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum76 = row_exchange[((scores_row0 + (mi77 * 16u)) + ((half78 * 8u) + lane_group)) * 2u];
+                    row_sum76 = row_sum76 + row_exchange[(((scores_row0 + (mi77 * 16u)) + ((half78 * 8u) + lane_group)) * 2u) + 1u];
+                    row_sum[(scores_row0 + (mi77 * 16u)) + ((half78 * 8u) + lane_group)] = row_sum76;
+                    row_max[(scores_row0 + (mi77 * 16u)) + ((half78 * 8u) + lane_group)] = row_max_reg[(mi77 * 2u) + half78];
+                }
+            }
+        }
+    }
     __syncthreads();
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag70 = 0u; frag70 < 8u; frag70 += 1u) {
+    for (unsigned frag79 = 0u; frag79 < 8u; frag79 += 1u) {
         #pragma unroll
-        for (unsigned half71 = 0u; half71 < 2u; half71 += 1u) {
-            const unsigned row_7 = (o_acc_row0 + ((frag70 / 8u) * 16u)) + ((half71 * 8u) + lane_group);
-            const unsigned col_5 = (o_acc_col0 + ((frag70 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag70 * 4u) + (half71 * 2u)];
-            float v1_3 = o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u];
+        for (unsigned half80 = 0u; half80 < 2u; half80 += 1u) {
+            const unsigned row_7 = (o_acc_row0 + ((frag79 / 8u) * 16u)) + ((half80 * 8u) + lane_group);
+            const unsigned col_5 = (o_acc_col0 + ((frag79 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag79 * 4u) + (half80 * 2u)];
+            float v1_3 = o_acc[((frag79 * 4u) + (half80 * 2u)) + 1u];
             const unsigned h = h0 + row_7;
             if (h < p.heads) {
                 const float l = row_sum[row_7];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                 ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_5) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
-            o_acc[(frag70 * 4u) + (half71 * 2u)] = v0_3;
-            o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u] = v1_3;
+            o_acc[(frag79 * 4u) + (half80 * 2u)] = v0_3;
+            o_acc[((frag79 * 4u) + (half80 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

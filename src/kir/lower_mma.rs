@@ -20,13 +20,16 @@
 //!   (`[K, N]` storage).
 //! - **row reductions**: within a thread, then the four lanes of a row (`shfl.xor` 1, 2), then
 //!   across the warps of a row through shared memory.
+//! - **online softmax**: row state in registers, one exchange of row maxima between the warps
+//!   and one barrier per step (see [`softmax`]).
 //! - **gathers**: 16-byte `cp.async.cg` with zero-fill (src-size 0) for rows without a source;
 //!   a few consecutive threads per row so each row is read in contiguous runs. Inside a
 //!   pipeline the loads of the next `stages - 1` steps are in flight while a step computes.
 
 use super::ir::*;
-use super::lower_scalar::{collect_names, visit_tile_ops};
+use super::lower_scalar::{collect_names, visit_tile_ops_with};
 use crate::{Error, Result};
+use softmax::SoftmaxRegs;
 use std::collections::{HashMap, HashSet};
 
 /// Shared memory per block on SM120 (RTX PRO 6000, RTX 5090): 99 KB. Every kernel this
@@ -34,6 +37,8 @@ use std::collections::{HashMap, HashSet};
 pub const MAX_SHARED_BYTES: u64 = 101_376;
 
 const WARP: u32 = 32;
+
+mod softmax;
 
 /// Byte offsets of each shared array (16-byte aligned, in declaration order) and the total.
 pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
@@ -170,6 +175,11 @@ struct Cx<'k> {
     /// Tiles gathered outside a pipeline whose copies are committed but not yet waited for:
     /// the wait (and barrier) comes just before the first statement that uses them.
     pending: Vec<String>,
+    /// Shared table through which the warps of an online softmax exchange row values.
+    softmax_table: Option<String>,
+    /// Online-softmax states held in registers across the steps of the pipeline being
+    /// lowered, by the name of their row-max array.
+    resident: HashMap<String, SoftmaxRegs>,
 }
 
 fn var(name: &str, ty: Ty) -> Expr {
@@ -335,14 +345,16 @@ impl<'k> Cx<'k> {
             stage: None,
             min_workgroups: 0,
             pending: Vec::new(),
+            softmax_table: None,
+            resident: HashMap::new(),
         };
         cx.bind_lane();
 
         // Tiles a pipeline's load stage writes become rings.
         let mut ringed = HashSet::new();
-        visit_tile_ops(&kernel.body, &mut |op| {
+        visit_tile_ops_with(&kernel.body, false, &mut |op| {
             if let TileOp::Pipeline { load, .. } = op {
-                visit_tile_ops(load, &mut |inner| {
+                visit_tile_ops_with(load, false, &mut |inner| {
                     if let TileOp::GatherRows { dst, .. } = inner {
                         ringed.insert(dst.clone());
                     }
@@ -351,7 +363,7 @@ impl<'k> Cx<'k> {
         });
         // F32 tiles that are mma operands, and tiles anything gathers raw words into.
         let (mut operands, mut gathered) = (HashSet::new(), HashSet::new());
-        visit_tile_ops(&kernel.body, &mut |op| match op {
+        visit_tile_ops_with(&kernel.body, false, &mut |op| match op {
             TileOp::Mma { a, b, .. } => {
                 operands.insert(a.tile.clone());
                 operands.insert(b.tile.clone());
@@ -434,7 +446,7 @@ impl<'k> Cx<'k> {
             cx.accs.insert(a.name.clone(), info);
         }
         let mut reduce_len = 0;
-        visit_tile_ops(&kernel.body, &mut |op| {
+        visit_tile_ops_with(&kernel.body, false, &mut |op| {
             if let TileOp::AccRowReduce { acc, .. } = op {
                 if let Some(a) = cx.accs.get(acc) {
                     reduce_len = reduce_len.max(a.gn * a.decl.rows);
@@ -450,6 +462,7 @@ impl<'k> Cx<'k> {
             });
             cx.reduce_scratch = Some(name);
         }
+        cx.declare_softmax_table()?;
         Ok(cx)
     }
 
@@ -790,55 +803,19 @@ impl<'k> Cx<'k> {
             }
             TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
             TileOp::AccToShared { acc, dst } => {
-                let info = self.tile(dst)?.clone();
-                if info.ringed {
-                    return Err(self.err(format!(
-                        "accumulator {acc} written into {dst}, a tile a pipeline gathers into"
-                    )));
-                }
-                let (stride, elem, plane) = (info.stride, info.store, info.plane_words());
-                let split = info
-                    .split
-                    .then(|| ["x0", "x1", "hi"].map(|n| self.fresh(n)));
-                let (row, col) = (self.fresh("row"), self.fresh("col"));
-                let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
-                let acc_name = acc.clone();
-                let dst_name = dst.clone();
-                let s = self.for_each_pair(acc, &row, &col, |_, at| {
-                    let v0 = priv_load(&acc_name, at.clone());
-                    let v1 = priv_load(&acc_name, add(at, u(1)));
-                    Ok(match elem {
-                        TileElem::Bf16 if split.is_some() => {
-                            let at = add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1)));
-                            let names = split.clone().unwrap_or_default();
-                            split_store(&dst_name, at, plane, v0, v1, &names)
-                        }
-                        TileElem::Bf16 => vec![Stmt::SharedStore {
-                            arr: dst_name.clone(),
-                            index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
-                            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
-                        }],
-                        _ => {
-                            let at = add(mul(rv.clone(), u(stride)), cv);
-                            vec![
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: at.clone(),
-                                    value: v0,
-                                },
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: add(at, u(1)),
-                                    value: v1,
-                                },
-                            ]
-                        }
-                    })
-                })?;
+                let stores = self.acc_to_shared_stores(acc, dst)?;
                 out.push(Stmt::Barrier);
-                out.extend(s);
+                out.extend(stores);
                 out.push(Stmt::Barrier);
             }
+            TileOp::OnlineSoftmax {
+                s,
+                m,
+                l,
+                outs,
+                p_tile,
+                ..
+            } => self.online_softmax(s, (m, l), outs, p_tile, out)?,
             TileOp::SharedMap {
                 dst,
                 row,
@@ -847,11 +824,6 @@ impl<'k> Cx<'k> {
                 cols,
                 value,
             } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
-            TileOp::OnlineSoftmax { expansion, .. } => {
-                for s in expansion {
-                    self.stmt(s, out)?;
-                }
-            }
             TileOp::Pipeline {
                 var: v,
                 count,
@@ -869,6 +841,57 @@ impl<'k> Cx<'k> {
             }
         }
         Ok(())
+    }
+
+    /// The stores of [`TileOp::AccToShared`] (no barriers): each thread writes the element
+    /// pairs it holds.
+    fn acc_to_shared_stores(&mut self, acc: &str, dst: &str) -> Result<Vec<Stmt>> {
+        let info = self.tile(dst)?.clone();
+        if info.ringed {
+            return Err(self.err(format!(
+                "accumulator {acc} written into {dst}, a tile a pipeline gathers into"
+            )));
+        }
+        let (stride, elem, plane) = (info.stride, info.store, info.plane_words());
+        let split = info
+            .split
+            .then(|| ["x0", "x1", "hi"].map(|n| self.fresh(n)));
+        let (row, col) = (self.fresh("row"), self.fresh("col"));
+        let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
+        let acc_name = acc.to_string();
+        let dst_name = dst.to_string();
+        let s = self.for_each_pair(acc, &row, &col, |_, at| {
+            let v0 = priv_load(&acc_name, at.clone());
+            let v1 = priv_load(&acc_name, add(at, u(1)));
+            Ok(match elem {
+                TileElem::Bf16 if split.is_some() => {
+                    let at = add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1)));
+                    let names = split.clone().unwrap_or_default();
+                    split_store(&dst_name, at, plane, v0, v1, &names)
+                }
+                TileElem::Bf16 => vec![Stmt::SharedStore {
+                    arr: dst_name.clone(),
+                    index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
+                    value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
+                }],
+                _ => {
+                    let at = add(mul(rv.clone(), u(stride)), cv);
+                    vec![
+                        Stmt::SharedStore {
+                            arr: dst_name.clone(),
+                            index: at.clone(),
+                            value: v0,
+                        },
+                        Stmt::SharedStore {
+                            arr: dst_name.clone(),
+                            index: add(at, u(1)),
+                            value: v1,
+                        },
+                    ]
+                }
+            })
+        })?;
+        Ok(s)
     }
 
     /// The ring pipeline: loads of steps `step + 1 .. step + stages - 1` are in flight while
@@ -972,6 +995,12 @@ impl<'k> Cx<'k> {
         )));
         // Barrier: the ring may still be read by earlier code (write-after-read).
         out.push(Stmt::Barrier);
+        // Online-softmax row state that lives in registers while the loop runs.
+        let resident = self.resident_softmax(load, compute)?;
+        for r in &resident {
+            out.extend(self.softmax_load(r)?);
+            self.resident.insert(r.m.clone(), r.clone());
+        }
         if s > 1 {
             let pre = self.fresh("prefetch");
             let body = vec![
@@ -1012,6 +1041,10 @@ impl<'k> Cx<'k> {
             body,
         });
         out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+        for r in &resident {
+            self.resident.remove(&r.m);
+            out.extend(self.softmax_store(r)?);
+        }
         Ok(())
     }
 
@@ -1684,7 +1717,7 @@ fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
             TileOp::AccToShared { dst, .. } => hit(dst),
             TileOp::SharedMap { dst, value, .. } => hit(dst) || expr_hit(value),
             TileOp::Pipeline { load, .. } => all(load),
-            TileOp::OnlineSoftmax { expansion, .. } => all(expansion),
+            TileOp::OnlineSoftmax { p_tile, .. } => hit(p_tile),
         },
     }
 }
