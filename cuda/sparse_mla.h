@@ -218,21 +218,21 @@ struct vbt_positions_to_slots_params {
     unsigned max_block; // largest block id whose slots fit in an i32: (2^31 - page_size) / page_size
 };
 
-// sparse_mla_decode_split_bf16_d576_mma2w8_h16n32
+// sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //   threads per block: 256
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     o_part       [tokens, heads, splits, 512]
 //     lse_part     [tokens, heads, splits]
-struct sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_params {
+struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -246,7 +246,7 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_params {
     unsigned page_stride_w; // 32-bit words from one cache page to the next
 };
 
-// sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_final
+// sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -254,14 +254,14 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_params {
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512]
 //     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_mma2w8_h16n32_final_params {
+struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
