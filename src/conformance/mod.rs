@@ -9,7 +9,10 @@
 //!   cache untouched) and the virtual-block-table conversion (exact).
 
 pub mod decode;
+pub mod elementwise;
 pub mod formats;
+pub mod linear;
+pub mod ops;
 
 pub use decode::{
     decode_cases, make_inputs, run_decode_case, DecodeCase, DecodeData, IndexPattern,
@@ -39,7 +42,18 @@ pub fn all_cases() -> Vec<Box<dyn Case>> {
     for c in vbt_cases() {
         cases.push(Box::new(c));
     }
+    for c in model_op_cases() {
+        cases.push(Box::new(c));
+    }
     cases
+}
+
+/// The cases of every model operation (linear layers, norms, RoPE, routing, top-k, ...).
+pub fn model_op_cases() -> Vec<ops::OpCase> {
+    let mut v = Vec::new();
+    v.extend(linear::linear_cases());
+    v.extend(elementwise::elementwise_cases());
+    v
 }
 
 /// The result of one case on one backend.

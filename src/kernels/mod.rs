@@ -2,9 +2,15 @@
 //! knobs and block sizes), documents its buffers and launch grid in the header it generates,
 //! and has a float64 reference in [`crate::reference`].
 
+pub mod blocks;
 pub mod cache_write;
+pub mod elementwise;
+pub mod linear;
+pub mod norm;
+pub mod rope;
 pub mod sparse_mla_decode;
 pub mod vbt;
+pub mod view;
 
 use crate::kir::ir::{Kernel, Ty};
 use crate::{Error, Result};
@@ -53,6 +59,37 @@ pub fn pack_params(kernel: &Kernel, values: &[(&str, ParamValue)]) -> Result<Vec
         });
     }
     Ok(out)
+}
+
+/// [`pack_params`] with owned names (the model kernels build some names at run time).
+pub fn pack(kernel: &Kernel, values: &[(String, ParamValue)]) -> Result<Vec<u8>> {
+    let refs: Vec<(&str, ParamValue)> = values.iter().map(|(n, v)| (n.as_str(), *v)).collect();
+    pack_params(kernel, &refs)
+}
+
+/// A per-config cache of lowered (scalar) kernels: each config is described and lowered once
+/// per process.
+pub type KernelCache<C> =
+    std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<C, std::sync::Arc<Kernel>>>>;
+
+/// The lowered kernel of `cfg`, from `cache` or built by `build` (scalar lowering).
+pub fn lowered<C: Copy + Eq + std::hash::Hash + Send + 'static>(
+    cache: &'static KernelCache<C>,
+    cfg: C,
+    build: impl FnOnce(&C) -> Result<Kernel>,
+) -> Result<std::sync::Arc<Kernel>> {
+    let map = cache.get_or_init(Default::default);
+    if let Some(k) = map.lock().ok().and_then(|m| m.get(&cfg).cloned()) {
+        return Ok(k);
+    }
+    let k = std::sync::Arc::new(crate::kir::lower(
+        &build(&cfg)?,
+        crate::kir::Lowering::Scalar,
+    )?);
+    if let Ok(mut m) = map.lock() {
+        m.insert(cfg, k.clone());
+    }
+    Ok(k)
 }
 
 /// One kernel launch: which kernel, the workgroup grid, and its parameter block.

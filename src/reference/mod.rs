@@ -2,6 +2,10 @@
 //! Each function documents the shapes it takes; conventions live in [`crate::mla`].
 
 pub mod cache;
+pub mod linear;
+pub mod norm;
 pub mod numerics;
+pub mod rope;
 pub mod sparse_mla;
+pub mod tensor;
 pub mod vbt;

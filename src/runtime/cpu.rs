@@ -1,9 +1,11 @@
 //! The CPU backend: buffers in host memory, operations by the float64 references in
 //! [`crate::reference`] (outputs rounded to their storage types).
 
+use super::op::check_bindings;
 use super::{
     check_cache_write_buffers, check_decode_buffers, check_vbt_buffers, Backend, BackendKind,
-    Buffer, CacheWriteBuffers, DecodeBuffers, DecodeOptions, DecodeRun, VbtBuffers,
+    Buffer, CacheWriteBuffers, DecodeBuffers, DecodeOptions, DecodeRun, HostBuffers, Op,
+    VbtBuffers,
 };
 use crate::mla::{CacheGeometry, CacheWriteShape, DecodeShape, VbtShape};
 use crate::reference::cache::write_rows;
@@ -15,6 +17,7 @@ use std::sync::Mutex;
 
 pub struct CpuBackend {
     id: u64,
+    allocations: std::sync::atomic::AtomicU64,
 }
 
 impl Default for CpuBackend {
@@ -27,6 +30,7 @@ impl CpuBackend {
     pub fn new() -> Self {
         CpuBackend {
             id: super::next_backend_id(),
+            allocations: Default::default(),
         }
     }
 
@@ -50,6 +54,17 @@ impl CpuBackend {
     }
 }
 
+/// (MemAvailable, MemTotal) from /proc/meminfo, where there is one.
+pub fn host_memory() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    };
+    Some((field("MemAvailable:")?, field("MemTotal:")?))
+}
+
 fn poisoned() -> Error {
     Error::runtime("cpu", "buffer lock poisoned by an earlier panic")
 }
@@ -70,6 +85,8 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<Buffer> {
+        self.allocations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Buffer::new(
             self.id,
             bytes.len() as u64,
@@ -79,15 +96,67 @@ impl Backend for CpuBackend {
 
     fn alloc(&self, len: u64) -> Result<Buffer> {
         let n = usize::try_from(len).map_err(|_| Error::arg("len", "a host-sized length", len))?;
-        Ok(Buffer::new(self.id, len, Mutex::new(vec![0u8; n])))
+        let mut v = Vec::new();
+        v.try_reserve_exact(n).map_err(|_| {
+            Error::runtime("cpu", format!("out of host memory allocating {len} bytes"))
+        })?;
+        v.resize(n, 0u8);
+        self.allocations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Buffer::new(self.id, len, Mutex::new(v)))
     }
 
-    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()> {
-        self.put(buf, "buf", bytes)
+    fn write_at(&self, buf: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        super::check_range("bytes", buf.len(), offset, bytes.len() as u64, false)?;
+        let m: &Mutex<Vec<u8>> = buf.get(self.id, "buf")?;
+        let mut v = m.lock().map_err(|_| poisoned())?;
+        let at = offset as usize;
+        v[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
     }
 
-    fn download(&self, buf: &Buffer) -> Result<Vec<u8>> {
-        self.bytes(buf, "buf")
+    fn download_range(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        super::check_range("range", buf.len(), offset, len, false)?;
+        let m: &Mutex<Vec<u8>> = buf.get(self.id, "buf")?;
+        let v = m.lock().map_err(|_| poisoned())?;
+        Ok(v[offset as usize..(offset + len) as usize].to_vec())
+    }
+
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        host_memory()
+    }
+
+    fn allocations(&self) -> u64 {
+        self.allocations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
+        check_bindings(op, &super::binding_info(bufs))?;
+        let written: Vec<bool> = bufs
+            .iter()
+            .map(|(n, _)| op.bindings().iter().any(|b| b.name == *n && b.written))
+            .collect();
+        // Distinct buffers (checked above): one lock each.
+        let mut guards = Vec::with_capacity(bufs.len());
+        for (n, b) in bufs {
+            let m: &Mutex<Vec<u8>> = b.get(self.id, n)?;
+            guards.push(m.lock().map_err(|_| poisoned())?);
+        }
+        let mut host = HostBuffers::new();
+        for ((g, (n, _)), w) in guards.iter_mut().zip(bufs).zip(&written) {
+            let name = op
+                .bindings()
+                .into_iter()
+                .find(|b| b.name == *n)
+                .map(|b| b.name)
+                .unwrap_or("?");
+            if *w {
+                host.add_write(name, g.as_mut_slice());
+            } else {
+                host.add_read(name, g.as_slice());
+            }
+        }
+        op.reference(&mut host)
     }
 
     fn sparse_mla_decode(

@@ -396,20 +396,29 @@ impl Device for CudaDevice {
             .map_err(|e| drv_err(&format!("allocating {len} bytes"), e))
     }
 
-    fn write(&self, buf: &CudaSlice<u8>, bytes: &[u8]) -> Result<()> {
-        self.synchronize()?;
-        let ptr = raw_ptr(buf, &self.stream);
+    fn write_at(&self, buf: &CudaSlice<u8>, offset: u64, bytes: &[u8]) -> Result<()> {
+        CudaDevice::synchronize(self)?;
+        let ptr = raw_ptr(buf, &self.stream) + offset;
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
         unsafe { drv::memcpy_htod_sync(ptr, bytes) }.map_err(|e| drv_err("copy to device", e))
     }
 
-    fn read(&self, buf: &CudaSlice<u8>, len: u64) -> Result<Vec<u8>> {
-        self.synchronize()?;
-        let ptr = raw_ptr(buf, &self.stream);
+    fn read_at(&self, buf: &CudaSlice<u8>, offset: u64, len: u64) -> Result<Vec<u8>> {
+        CudaDevice::synchronize(self)?;
+        let ptr = raw_ptr(buf, &self.stream) + offset;
         let mut out = vec![0u8; len as usize];
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
         unsafe { drv::memcpy_dtoh_sync(&mut out, ptr) }.map_err(|e| drv_err("copy to host", e))?;
         Ok(out)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        CudaDevice::synchronize(self)
+    }
+
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        self.ctx.bind_to_thread().ok()?;
+        drv::mem_get_info().ok().map(|(f, t)| (f as u64, t as u64))
     }
 
     fn launch(

@@ -44,8 +44,24 @@ pub trait Device: Send + Sync + 'static {
     /// Compile a lowered kernel. Refuses kernels that exceed the device's limits.
     fn compile(&self, kernel: &Kernel) -> Result<Self::Module>;
     fn alloc(&self, len: u64) -> Result<Self::Buf>;
-    fn write(&self, buf: &Self::Buf, bytes: &[u8]) -> Result<()>;
-    fn read(&self, buf: &Self::Buf, len: u64) -> Result<Vec<u8>>;
+    /// Copy `bytes` into `buf` from byte `offset` (range checked by the caller).
+    fn write_at(&self, buf: &Self::Buf, offset: u64, bytes: &[u8]) -> Result<()>;
+    /// `len` bytes of `buf` from byte `offset` (range checked by the caller).
+    fn read_at(&self, buf: &Self::Buf, offset: u64, len: u64) -> Result<Vec<u8>>;
+    /// Copy `bytes` to the start of `buf`.
+    fn write(&self, buf: &Self::Buf, bytes: &[u8]) -> Result<()> {
+        self.write_at(buf, 0, bytes)
+    }
+    /// The first `len` bytes of `buf`.
+    fn read(&self, buf: &Self::Buf, len: u64) -> Result<Vec<u8>> {
+        self.read_at(buf, 0, len)
+    }
+    /// Waits for all submitted work.
+    fn synchronize(&self) -> Result<()>;
+    /// (free, total) device memory, where the API says.
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Launch with buffers in the kernel's declaration order.
     fn launch(
         &self,
@@ -61,6 +77,7 @@ pub trait Device: Send + Sync + 'static {
 pub struct GpuBackend<D: Device> {
     dev: D,
     id: u64,
+    allocations: std::sync::atomic::AtomicU64,
     modules: Mutex<HashMap<String, Arc<D::Module>>>,
     /// Split-K partials, grown as needed: (o_part, lse_part).
     workspace: Mutex<Option<(Buffer, Buffer)>>,
@@ -71,6 +88,7 @@ impl<D: Device> GpuBackend<D> {
         GpuBackend {
             dev,
             id: super::next_backend_id(),
+            allocations: Default::default(),
             modules: Mutex::new(HashMap::new()),
             workspace: Mutex::new(None),
         }
@@ -133,28 +151,58 @@ impl<D: Device> Backend for GpuBackend<D> {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<Buffer> {
-        let b = self.dev.alloc(bytes.len() as u64)?;
-        self.dev.write(&b, bytes)?;
-        Ok(Buffer::new(self.id, bytes.len() as u64, b))
+        let b = self.alloc(bytes.len() as u64)?;
+        self.dev.write_at(self.buf(&b, "buf")?, 0, bytes)?;
+        Ok(b)
     }
 
     fn alloc(&self, len: u64) -> Result<Buffer> {
+        self.allocations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Buffer::new(self.id, len, self.dev.alloc(len)?))
     }
 
-    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()> {
-        if bytes.len() as u64 > buf.len() {
-            return Err(Error::arg(
-                "bytes",
-                format!("at most {} bytes", buf.len()),
-                bytes.len(),
-            ));
+    fn write_at(&self, buf: &Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        super::check_range("bytes", buf.len(), offset, bytes.len() as u64, true)?;
+        if bytes.is_empty() {
+            return Ok(());
         }
-        self.dev.write(self.buf(buf, "buf")?, bytes)
+        self.dev.write_at(self.buf(buf, "buf")?, offset, bytes)
     }
 
-    fn download(&self, buf: &Buffer) -> Result<Vec<u8>> {
-        self.dev.read(self.buf(buf, "buf")?, buf.len())
+    fn download_range(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        super::check_range("range", buf.len(), offset, len, true)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        self.dev.read_at(self.buf(buf, "buf")?, offset, len)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.dev.synchronize()
+    }
+
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        self.dev.memory_info()
+    }
+
+    fn allocations(&self) -> u64 {
+        self.allocations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn run_op(&self, op: &dyn super::Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
+        super::op::check_bindings(op, &super::binding_info(bufs))?;
+        let mut named: Vec<(&str, &D::Buf)> = Vec::with_capacity(bufs.len());
+        for (n, b) in bufs {
+            named.push((n, self.buf(b, n)?));
+        }
+        for l in op.launches()? {
+            if l.grid.contains(&0) {
+                continue;
+            }
+            self.run(&l, &named)?;
+        }
+        Ok(())
     }
 
     fn sparse_mla_decode(

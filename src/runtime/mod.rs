@@ -11,7 +11,10 @@
 pub mod cpu;
 pub mod cuda;
 pub mod gpu;
+pub mod op;
 pub mod wgpu;
+
+pub use op::{Binding, HostBuffers, Op};
 
 use crate::mla::{CacheGeometry, CacheWriteShape, DecodeLayout, DecodeShape, VbtShape};
 use crate::{Error, Result};
@@ -46,6 +49,7 @@ impl BackendKind {
 }
 
 static NEXT_BACKEND_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh identifier tying buffers to the backend that made them.
 pub(crate) fn next_backend_id() -> u64 {
@@ -57,6 +61,7 @@ pub(crate) fn next_backend_id() -> u64 {
 pub struct Buffer {
     len: u64,
     owner: u64,
+    id: u64,
     inner: Box<dyn Any + Send + Sync>,
 }
 
@@ -65,8 +70,14 @@ impl Buffer {
         Buffer {
             len,
             owner,
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
             inner: Box::new(inner),
         }
+    }
+
+    /// A process-unique identity (two bindings of one op must not share a buffer).
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Size in bytes, as requested at allocation.
@@ -162,9 +173,36 @@ pub trait Backend: Send + Sync {
     /// A new buffer of `len` bytes with unspecified contents.
     fn alloc(&self, len: u64) -> Result<Buffer>;
     /// Overwrite the start of `buf` with `bytes`.
-    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()>;
+    fn write(&self, buf: &Buffer, bytes: &[u8]) -> Result<()> {
+        self.write_at(buf, 0, bytes)
+    }
+    /// Overwrite `bytes.len()` bytes of `buf` from byte `offset`; the rest is left as it is.
+    /// GPU buffers are written in whole 32-bit words: `offset` must be a multiple of 4, and so
+    /// must the length unless the write reaches the end of the buffer.
+    fn write_at(&self, buf: &Buffer, offset: u64, bytes: &[u8]) -> Result<()>;
     /// The whole contents of `buf` (waits for pending work).
-    fn download(&self, buf: &Buffer) -> Result<Vec<u8>>;
+    fn download(&self, buf: &Buffer) -> Result<Vec<u8>> {
+        self.download_range(buf, 0, buf.len())
+    }
+    /// `len` bytes of `buf` from byte `offset` (waits for pending work); both multiples of 4
+    /// on GPU backends unless the range ends at the buffer's end.
+    fn download_range(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Vec<u8>>;
+    /// Waits until all work submitted so far has finished.
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    /// (free, total) bytes of the memory buffers come from, where the device says.
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        None
+    }
+    /// Device allocations made so far (buffers created), for checks that a steady-state
+    /// decode step allocates nothing.
+    fn allocations(&self) -> u64 {
+        0
+    }
+    /// Runs a model operation ([`Op`]): its kernels on a GPU, its reference on the CPU.
+    /// `bufs` binds every buffer the op names; sizes are checked first.
+    fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()>;
     /// Sparse MLA decode (DESIGN §3).
     fn sparse_mla_decode(
         &self,
@@ -178,6 +216,34 @@ pub trait Backend: Send + Sync {
     fn cache_write(&self, shape: &CacheWriteShape, bufs: &CacheWriteBuffers<'_>) -> Result<()>;
     /// Logical top-k positions → physical slots through a block table (DESIGN §3).
     fn positions_to_slots(&self, shape: &VbtShape, bufs: &VbtBuffers<'_>) -> Result<()>;
+}
+
+/// Checks a write or read of `len` bytes at `offset` against a buffer of `size` bytes, and
+/// (for GPU backends, `words`) the 32-bit alignment the copies need.
+pub(crate) fn check_range(arg: &str, size: u64, offset: u64, len: u64, words: bool) -> Result<()> {
+    let end = offset.checked_add(len).unwrap_or(u64::MAX);
+    if end > size {
+        return Err(Error::arg(
+            arg,
+            format!("a range within the buffer's {size} bytes"),
+            format!("bytes {offset}..{end}"),
+        ));
+    }
+    if words && (offset % 4 != 0 || (len % 4 != 0 && end != size)) {
+        return Err(Error::arg(
+            arg,
+            "an offset and length in whole 32-bit words (or a range ending at the buffer's end)",
+            format!("bytes {offset}..{end}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The `(name, (identity, length))` pairs [`op::check_bindings`] takes.
+pub(crate) fn binding_info<'a>(bufs: &[(&'a str, &Buffer)]) -> Vec<(&'a str, (usize, u64))> {
+    bufs.iter()
+        .map(|(n, b)| (*n, (b.id() as usize, b.len())))
+        .collect()
 }
 
 fn expect_len(arg: &str, buf: &Buffer, want: u64, what: &str) -> Result<()> {

@@ -253,22 +253,26 @@ impl Device for WgpuDevice {
         })
     }
 
-    fn write(&self, buf: &wgpu::Buffer, bytes: &[u8]) -> Result<()> {
-        // Copies must be whole words: pad the tail with what the buffer already holds is not
-        // possible without a read, so pad with zeros (only the unaligned tail is affected).
+    fn write_at(&self, buf: &wgpu::Buffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        // Copies are whole words. A write that ends at the buffer's end may have an unaligned
+        // tail (the buffer is allocated in whole words): pad it with zeros, past the end.
         if bytes.len() % 4 == 0 {
-            self.queue.write_buffer(buf, 0, bytes);
+            self.queue.write_buffer(buf, offset, bytes);
         } else {
             let mut v = bytes.to_vec();
             v.resize(bytes.len().next_multiple_of(4), 0);
-            self.queue.write_buffer(buf, 0, &v);
+            self.queue.write_buffer(buf, offset, &v);
         }
         self.queue.submit([]);
         Ok(())
     }
 
-    fn read(&self, buf: &wgpu::Buffer, len: u64) -> Result<Vec<u8>> {
-        let size = buf.size();
+    fn synchronize(&self) -> Result<()> {
+        self.wait()
+    }
+
+    fn read_at(&self, buf: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let size = len.next_multiple_of(4).min(buf.size() - offset);
         let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size,
@@ -278,7 +282,7 @@ impl Device for WgpuDevice {
         let mut enc = self
             .device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
+        enc.copy_buffer_to_buffer(buf, offset, &staging, 0, size);
         self.queue.submit([enc.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {

@@ -1,0 +1,272 @@
+//! Cases of the linear kernels: dense and grouped, f32 / bf16 / block-scaled FP8 weights,
+//! f32 and bf16 activations, strided views with NaN around them, the token-tile variants
+//! (T = 1, 3, 11), adding into the output, stacked FP8 groups whose block grid restarts,
+//! expert ids out of range.
+
+use super::ops::{
+    bf16_bytes, f32_bytes, i32_bytes, normals, view_buffer, Compare, Instance, OpCase,
+};
+use crate::kernels::linear::{GroupSelect, GroupedLinearOp, LinearOp};
+use crate::kernels::view::{DType, View, WeightLayout, WeightType};
+use crate::util::Rng;
+use crate::Result;
+
+/// f32 paths on bf16-exact inputs, f32 accumulation over up to a few thousand terms.
+const TOL: f64 = 1e-5;
+
+/// Random weights of `layout` and (FP8) their scales.
+pub fn random_weight(rng: &mut Rng, l: &WeightLayout) -> (Vec<u8>, Option<Vec<u8>>) {
+    let n = l.rows as usize * l.cols as usize;
+    let scale = (l.cols as f32).powf(-0.5);
+    match l.wtype {
+        WeightType::F32 => (f32_bytes(&normals(rng, n, scale)), None),
+        WeightType::Bf16 => (bf16_bytes(&normals(rng, n, scale)), None),
+        WeightType::Fp8 { .. } => {
+            let q: Vec<u8> = (0..n)
+                .map(|_| loop {
+                    let b = rng.below(256) as u8;
+                    if b & 0x7F != 0x7F {
+                        break b;
+                    }
+                })
+                .collect();
+            let s_n = (l.scale_bytes() / 4) as usize;
+            // Scales over a few binades, as real block scales spread.
+            let s: Vec<f32> = (0..s_n)
+                .map(|_| {
+                    scale / 64.0 * (2.0f32).powi(rng.below(5) as i32 - 2) * rng.uniform(0.5, 1.0)
+                })
+                .collect();
+            (q, Some(f32_bytes(&s)))
+        }
+    }
+}
+
+fn act_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => f32_bytes(v),
+        DType::Bf16 => bf16_bytes(v),
+    }
+}
+
+/// A strided view of `rows x cols` with some padding on both sides.
+fn padded(rows: u32, cols: u32, pad: u32) -> (View, usize) {
+    let v = View {
+        offset: pad as u64 + 3,
+        rows,
+        cols,
+        stride: cols + pad,
+    };
+    (v, v.end() as usize + pad as usize)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dense_case(
+    name: &str,
+    tokens: u32,
+    k: u32,
+    n: u32,
+    wtype: WeightType,
+    group_rows: u32,
+    x_dtype: DType,
+    accumulate: bool,
+) -> OpCase {
+    OpCase::new(
+        format!("linear/{name}"),
+        move |rng: &mut Rng| -> Result<Instance> {
+            let (xv, xlen) = padded(tokens, k, 5);
+            let (yv, ylen) = padded(tokens, n, 7);
+            let w = WeightLayout {
+                wtype,
+                rows: n,
+                cols: k,
+                group_rows,
+            };
+            let x = view_buffer(rng, xlen, &xv, 1.0);
+            let y0 = if accumulate {
+                view_buffer(rng, ylen, &yv, 1.0)
+            } else {
+                vec![f32::NAN; ylen]
+            };
+            let (wb, sb) = random_weight(rng, &w);
+            let mut buffers = vec![
+                ("x", act_bytes(&x, x_dtype)),
+                ("w", wb),
+                ("y", f32_bytes(&y0)),
+            ];
+            if let Some(s) = sb {
+                buffers.push(("w_scale", s));
+            }
+            Ok(Instance {
+                op: Box::new(LinearOp {
+                    x: xv,
+                    x_dtype,
+                    w,
+                    y: yv,
+                    accumulate,
+                }),
+                buffers,
+                outputs: vec![("y", Compare::F32 { rel_l2: TOL })],
+                detail: format!("T{tokens} K{k} N{n}"),
+            })
+        },
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn grouped_case(
+    name: &str,
+    rows: u32,
+    x_div: u32,
+    k: u32,
+    n: u32,
+    groups: u32,
+    wtype: WeightType,
+    select: GroupSelect,
+    combine: Option<u32>,
+    accumulate: bool,
+) -> OpCase {
+    OpCase::new(
+        format!("linear/{name}"),
+        move |rng: &mut Rng| -> Result<Instance> {
+            let x_rows = rows.div_ceil(x_div);
+            let (xv, xlen) = padded(x_rows, k, 4);
+            let out_rows = rows / combine.unwrap_or(1);
+            let (yv, ylen) = padded(out_rows, n, 2);
+            // Experts' blocks restart per group (gate | up of one expert are two groups).
+            let w = WeightLayout::stacked(wtype, groups * 2, n / 2, k);
+            let x = view_buffer(rng, xlen, &xv, 1.0);
+            let y0 = if accumulate {
+                view_buffer(rng, ylen, &yv, 1.0)
+            } else {
+                vec![f32::NAN; ylen]
+            };
+            let (wb, sb) = random_weight(rng, &w);
+            let mut buffers = vec![("x", f32_bytes(&x)), ("w", wb), ("y", f32_bytes(&y0))];
+            if let Some(s) = sb {
+                buffers.push(("w_scale", s));
+            }
+            if select == GroupSelect::Experts {
+                let ids: Vec<i32> = (0..rows)
+                    .map(|r| match r % 7 {
+                        5 => -1,
+                        6 if r % 2 == 0 => groups as i32,
+                        _ => rng.below(groups as u64) as i32,
+                    })
+                    .collect();
+                buffers.push(("ids", i32_bytes(&ids)));
+            }
+            if combine.is_some() {
+                let rw: Vec<f32> = (0..rows).map(|_| rng.uniform(0.1, 2.5)).collect();
+                buffers.push(("route_w", f32_bytes(&rw)));
+            }
+            Ok(Instance {
+                op: Box::new(GroupedLinearOp {
+                    x: xv,
+                    x_dtype: DType::F32,
+                    x_div,
+                    w,
+                    n_out: n,
+                    select,
+                    groups,
+                    rows,
+                    combine,
+                    y: yv,
+                    accumulate,
+                }),
+                buffers,
+                outputs: vec![("y", Compare::F32 { rel_l2: TOL })],
+                detail: format!("R{rows} K{k} N{n} G{groups}"),
+            })
+        },
+    )
+}
+
+/// Every linear case.
+pub fn linear_cases() -> Vec<OpCase> {
+    let fp8 = WeightType::Fp8 { block: [128, 128] };
+    vec![
+        dense_case(
+            "bf16_t1",
+            1,
+            576,
+            100,
+            WeightType::Bf16,
+            100,
+            DType::F32,
+            false,
+        ),
+        dense_case(
+            "bf16_t11_acc",
+            11,
+            300,
+            37,
+            WeightType::Bf16,
+            37,
+            DType::F32,
+            true,
+        ),
+        dense_case("f32_t3", 3, 64, 24, WeightType::F32, 24, DType::F32, false),
+        dense_case(
+            "bf16_xbf16_t2",
+            2,
+            512,
+            40,
+            WeightType::Bf16,
+            40,
+            DType::Bf16,
+            false,
+        ),
+        // Two stacked groups of 100 rows: the second group's scales start a new block row.
+        dense_case("fp8_t5_groups_acc", 5, 320, 200, fp8, 100, DType::F32, true),
+        dense_case("fp8_t1", 1, 1024, 130, fp8, 130, DType::F32, false),
+        grouped_case(
+            "heads_bf16",
+            12,
+            1,
+            48,
+            64,
+            4,
+            WeightType::Bf16,
+            GroupSelect::Heads,
+            None,
+            false,
+        ),
+        grouped_case(
+            "experts_fp8_gate_up",
+            12,
+            3,
+            128,
+            64,
+            6,
+            fp8,
+            GroupSelect::Experts,
+            None,
+            false,
+        ),
+        grouped_case(
+            "experts_bf16_down_combine_acc",
+            12,
+            1,
+            96,
+            40,
+            5,
+            WeightType::Bf16,
+            GroupSelect::Experts,
+            Some(3),
+            true,
+        ),
+        grouped_case(
+            "experts_fp8_down_combine",
+            8,
+            1,
+            260,
+            32,
+            3,
+            fp8,
+            GroupSelect::Experts,
+            Some(2),
+            false,
+        ),
+    ]
+}

@@ -1,0 +1,859 @@
+//! Linear layers (`y = x · Wᵀ`, nn.Linear's layout) with weights in their checkpoint dtype:
+//! f32, bf16 or block-scaled e4m3 (`W = e4m3(q) × scale_inv[row / br, col / bc]`), activations
+//! f32 (or bf16) in, f32 out, f32 accumulation. Described once; the scalar lowering runs it
+//! on every target.
+//!
+//! - [`LinearOp`]: a dense linear, `y[t, n] (+)= Σ_k x[t, k] · W[n, k]`. Optionally adds into
+//!   `y` (the residual add of the decoder folds into o_proj and down_proj this way).
+//! - [`GroupedLinearOp`]: every output row picks its own block of weight rows — head
+//!   `r % heads` (the absorbed W_UK and W_UV), or expert `ids[r]` (the routed experts, all of a
+//!   layer's experts stacked in one buffer) — and, for experts, the `k` rows of a token are
+//!   summed with their routing weights into one output row.
+//!
+//! Work split (decode is GEMV-shaped: the weights are the bytes): a workgroup of 256 threads
+//! owns 8 output columns `n` (weight rows), 32 lanes per row reading consecutive 32-bit words
+//! of it, and `TB` tokens that share each weight word it reads; K is walked in chunks of 256
+//! with the chunk of `x` staged in workgroup memory. Lane partial sums are reduced at the end.
+
+use super::view::{load_f32, DType, View, ViewArgs, WeightLayout, WeightType};
+use super::{lowered, pack, KernelCache, Launch, ParamValue};
+use crate::kir::builder::*;
+use crate::kir::ir::{Access, Elem, Expr, Kernel, Ty};
+use crate::reference::linear::{grouped_linear, linear, RowSelect};
+use crate::reference::tensor::{f32s, i32s, read_view, write_view, HostWeight};
+use crate::runtime::op::{Binding, HostBuffers, Op};
+use crate::{Error, Result};
+
+/// Threads per workgroup.
+pub const THREADS: u32 = 256;
+/// Lanes that share one weight row.
+const LANES: u32 = 32;
+/// Weight rows (output columns) per workgroup.
+pub const ROWS_PER_WG: u32 = THREADS / LANES;
+/// Elements of K staged per step (one per thread).
+const KC: u32 = THREADS;
+
+/// Compile-time knobs of the dense linear kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LinearConfig {
+    /// Storage of W (FP8 block sizes are run-time parameters).
+    pub w: WeightType,
+    pub x: DType,
+    /// Tokens per workgroup (1, 4 or 8): each weight word read serves that many tokens.
+    pub tokens_per_wg: u32,
+    /// `y += x · Wᵀ` instead of `y = x · Wᵀ`.
+    pub accumulate: bool,
+}
+
+impl LinearConfig {
+    pub fn name(&self) -> String {
+        format!(
+            "linear_x{}_w{}_t{}{}",
+            self.x.name(),
+            self.w.name(),
+            self.tokens_per_wg,
+            if self.accumulate { "_acc" } else { "" }
+        )
+    }
+}
+
+/// The FP8 scale parameters and buffer of a kernel.
+struct Fp8Args {
+    scale: Buf,
+    group_rows: Expr,
+    scale_group_rows: Expr,
+    scale_cols: Expr,
+    block_rows: Expr,
+    block_cols: Expr,
+}
+
+fn declare_weight(b: &mut KernelBuilder, wt: WeightType) -> (Buf, Option<Fp8Args>) {
+    let w = b.buffer(
+        "w",
+        wt.elem(),
+        Access::Read,
+        &format!("[rows, k_in] {} weights (nn.Linear's [out, in])", wt.name()),
+    );
+    let fp8 = matches!(wt, WeightType::Fp8 { .. }).then(|| Fp8Args {
+        scale: b.buffer(
+            "w_scale",
+            Elem::F32,
+            Access::Read,
+            "[groups * scale_group_rows, scale_cols] f32 inverse block scales",
+        ),
+        group_rows: b.param("group_rows", Ty::U32, "weight rows per stacked matrix"),
+        scale_group_rows: b.param(
+            "scale_group_rows",
+            Ty::U32,
+            "scale rows per stacked matrix: ceil(group_rows / block_rows)",
+        ),
+        scale_cols: b.param("scale_cols", Ty::U32, "ceil(k_in / block_cols)"),
+        block_rows: b.param("block_rows", Ty::U32, "rows of an FP8 scale block"),
+        block_cols: b.param(
+            "block_cols",
+            Ty::U32,
+            "columns of an FP8 scale block (a multiple of 4)",
+        ),
+    });
+    (w, fp8)
+}
+
+/// First element of the scale row that weight row `wrow` uses.
+fn scale_row_base(b: &mut KernelBuilder, f: &Fp8Args, wrow: &Expr) -> Expr {
+    let g = wrow.clone() / f.group_rows.clone();
+    let rr = wrow.clone() % f.group_rows.clone();
+    b.let_(
+        "scale_base",
+        (g * f.scale_group_rows.clone() + rr / f.block_rows.clone()) * f.scale_cols.clone(),
+    )
+}
+
+/// The element values of one weight word.
+fn word_values(wt: WeightType, word: &Expr) -> Vec<Expr> {
+    match wt {
+        WeightType::F32 => vec![f32_from_bits(word.clone())],
+        WeightType::Bf16 => vec![
+            f32_from_bits(word.clone() << u(16)),
+            f32_from_bits(word.clone() & u(0xffff_0000)),
+        ],
+        WeightType::Fp8 { .. } => (0..4)
+            .map(|e| {
+                ((word.clone() >> u(8 * e)) & u(0xff))
+                    .cvt(Ty::F8E4M3)
+                    .as_f32()
+            })
+            .collect(),
+    }
+}
+
+/// This thread's share of one K chunk: for each of its words of weight row `wbase`,
+/// `acc[t] += Σ_e W · xs[t, e]` (times the word's block scale for FP8). `kc` is the chunk's
+/// first element; `row_words` bounds the row.
+#[allow(clippy::too_many_arguments)]
+fn chunk_dot(
+    b: &mut KernelBuilder,
+    wt: WeightType,
+    w: &Buf,
+    fp8: Option<(&Fp8Args, &Expr)>,
+    wbase: &Expr,
+    kc: &Expr,
+    row_words: &Expr,
+    xs: &Shared,
+    lane: &Expr,
+    acc: &[Expr],
+) {
+    let pw = wt.per_word();
+    b.for_("wi", lane.clone(), u(KC / pw), u(LANES), |b, wi| {
+        let gw = b.let_("gw", kc.clone() / u(pw) + wi.clone());
+        b.if_(gw.clone().lt(row_words.clone()), |b| {
+            let word = b.let_("word", w.word(wbase.clone() + gw.clone()));
+            let vals: Vec<Expr> = word_values(wt, &word)
+                .into_iter()
+                .enumerate()
+                .map(|(e, v)| b.let_(&format!("w{e}"), v))
+                .collect();
+            let scale = fp8.map(|(f, sbase)| {
+                let col = kc.clone() + wi.clone() * u(pw);
+                b.let_("s", f.scale.at(sbase.clone() + col / f.block_cols.clone()))
+            });
+            for (t, a) in acc.iter().enumerate() {
+                let mut part: Option<Expr> = None;
+                for (e, v) in vals.iter().enumerate() {
+                    let xv = xs.at(u(t as u32 * KC) + wi.clone() * u(pw) + u(e as u32));
+                    part = Some(match part {
+                        None => v.clone() * xv,
+                        Some(p) => fma(v.clone(), xv, p),
+                    });
+                }
+                let part = part.unwrap_or_else(|| f(0.0));
+                let part = match &scale {
+                    Some(s) => part * s.clone(),
+                    None => part,
+                };
+                b.set(a, a.clone() + part);
+            }
+        });
+    });
+}
+
+/// The dense linear kernel.
+pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
+    let tb = cfg.tokens_per_wg;
+    if !(1..=LANES).contains(&tb) {
+        return Err(Error::arg("tokens_per_wg", "1 to 32", tb));
+    }
+    let mut b = KernelBuilder::new(cfg.name(), THREADS);
+    b.doc(format!(
+        "Linear: y[t, n] {}= sum_k x[t, k] * W[n, k]; x {} (strided view), W {} [n_out, k_in], y f32 (strided view), f32 accumulation.",
+        if cfg.accumulate { "+" } else { "" },
+        cfg.x.name(),
+        cfg.w.name()
+    ));
+    b.doc(format!(
+        "Grid: x = ceil(n_out / {ROWS_PER_WG}), y = ceil(tokens / {tb}). Each workgroup: {ROWS_PER_WG} weight rows x {LANES} lanes over 32-bit words, {tb} tokens per weight word."
+    ));
+    if matches!(cfg.w, WeightType::Fp8 { .. }) {
+        b.doc("FP8: W[n, k] = e4m3(w[n, k]) * w_scale[(n / group_rows) * scale_group_rows + (n % group_rows) / block_rows, k / block_cols].".to_string());
+    }
+    let tokens = b.param("tokens", Ty::U32, "T, rows of x and y");
+    let n_out = b.param("n_out", Ty::U32, "N, weight rows = columns of y");
+    let k_in = b.param("k_in", Ty::U32, "K, weight columns = columns of x");
+    let xv = ViewArgs::declare(&mut b, "x", "x [T, K]");
+    let yv = ViewArgs::declare(&mut b, "y", "y [T, N]");
+    let x = b.buffer(
+        "x",
+        cfg.x.elem(),
+        Access::Read,
+        &format!("[T, K] {} activations (view x_off, x_stride)", cfg.x.name()),
+    );
+    let (w, fp8) = declare_weight(&mut b, cfg.w);
+    let y = b.buffer(
+        "y",
+        Elem::F32,
+        Access::ReadWrite,
+        "[T, N] f32 outputs (view y_off, y_stride)",
+    );
+    let xs = b.shared("xs", Ty::F32, tb * KC);
+
+    let lane = b.let_("lane", local_id() % u(LANES));
+    let rsub = b.let_("rsub", local_id() / u(LANES));
+    let n = b.let_("n", workgroup_id(0) * u(ROWS_PER_WG) + rsub.clone());
+    let t0 = b.let_("t0", workgroup_id(1) * u(tb));
+    let n_ok = b.let_("n_ok", n.clone().lt(n_out.clone()));
+    let pw = cfg.w.per_word();
+    let row_words = b.let_("row_words", k_in.clone() / u(pw));
+    let wbase = b.let_(
+        "wbase",
+        select(n_ok.clone(), n.clone(), u(0)) * row_words.clone(),
+    );
+    let sbase = fp8
+        .as_ref()
+        .map(|f| scale_row_base(&mut b, f, &select(n_ok.clone(), n.clone(), u(0))));
+    let acc: Vec<Expr> = (0..tb).map(|t| b.var(&format!("acc{t}"), f(0.0))).collect();
+
+    b.comment("walk K in chunks: stage x[t0 .. t0 + TB, chunk] in workgroup memory, then each lane takes every 32nd word of its weight row");
+    b.for_("kc", u(0), k_in.clone(), u(KC), |b, kc| {
+        b.barrier();
+        let k = b.let_("k", kc.clone() + local_id());
+        for t in 0..tb {
+            let tt = t0.clone() + u(t);
+            let ok = tt
+                .clone()
+                .lt(tokens.clone())
+                .and(k.clone().lt(k_in.clone()));
+            let dst = u(t * KC) + local_id();
+            b.if_else(
+                ok,
+                |b| {
+                    let v = load_f32(&x, cfg.x, xv.at(tt.clone(), k.clone()));
+                    b.shared_store(&xs, dst.clone(), v)
+                },
+                |b| b.shared_store(&xs, dst.clone(), f(0.0)),
+            );
+        }
+        b.barrier();
+        b.if_(n_ok.clone(), |b| {
+            chunk_dot(
+                b,
+                cfg.w,
+                &w,
+                fp8.as_ref().zip(sbase.as_ref()),
+                &wbase,
+                &kc,
+                &row_words,
+                &xs,
+                &lane,
+                &acc,
+            );
+        });
+    });
+
+    b.comment("reduce the 32 lane partials of each (row, token) through workgroup memory");
+    b.barrier();
+    for (t, a) in acc.iter().enumerate() {
+        b.shared_store(
+            &xs,
+            (rsub.clone() * u(LANES) + lane.clone()) * u(tb) + u(t as u32),
+            a.clone(),
+        );
+    }
+    b.barrier();
+    let tt = b.let_("tt", t0.clone() + lane.clone());
+    b.if_(
+        lane.clone()
+            .lt(u(tb))
+            .and(n_ok.clone())
+            .and(tt.clone().lt(tokens.clone())),
+        |b| {
+            let sum = b.var("sum", f(0.0));
+            b.for_("l", u(0), u(LANES), u(1), |b, l| {
+                let v = xs.at((rsub.clone() * u(LANES) + l) * u(tb) + lane.clone());
+                b.set(&sum, sum.clone() + v);
+            });
+            let yi = b.let_("yi", yv.at(tt.clone(), n.clone()));
+            let out = if cfg.accumulate {
+                y.at(yi.clone()) + sum.clone()
+            } else {
+                sum.clone()
+            };
+            b.store(&y, yi, out);
+        },
+    );
+    b.finish()
+}
+
+/// How a grouped linear picks the weight rows of output row `r`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GroupSelect {
+    /// Head `r % heads`.
+    Heads,
+    /// Expert `ids[r]` (an i32 buffer); ids outside `[0, groups)` contribute nothing.
+    Experts,
+}
+
+/// Compile-time knobs of the grouped linear kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GroupedConfig {
+    pub w: WeightType,
+    pub x: DType,
+    pub select: GroupSelect,
+    /// Sum the rows of a token with their routing weights (experts' down projection).
+    pub combine: bool,
+    pub accumulate: bool,
+}
+
+impl GroupedConfig {
+    pub fn name(&self) -> String {
+        format!(
+            "grouped_linear_x{}_w{}_{}{}{}",
+            self.x.name(),
+            self.w.name(),
+            match self.select {
+                GroupSelect::Heads => "heads",
+                GroupSelect::Experts => "experts",
+            },
+            if self.combine { "_combine" } else { "" },
+            if self.accumulate { "_acc" } else { "" }
+        )
+    }
+}
+
+/// The grouped linear kernel.
+pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
+    let mut b = KernelBuilder::new(cfg.name(), THREADS);
+    b.doc(format!(
+        "Grouped linear: z[r, n] = sum_k x[r / x_div, k] * W[g(r) * n_out + n, k], g(r) = {}; x {}, W {}, f32 accumulation.",
+        match cfg.select {
+            GroupSelect::Heads => "r % heads",
+            GroupSelect::Experts => "ids[r] (ids outside [0, groups) contribute nothing)",
+        },
+        cfg.x.name(),
+        cfg.w.name()
+    ));
+    if cfg.combine {
+        b.doc(format!(
+            "Combine: y[t, n] {}= sum_(j < per_token) route_w[t * per_token + j] * z[t * per_token + j, n].",
+            if cfg.accumulate { "+" } else { "" }
+        ));
+        b.doc(format!(
+            "Grid: x = ceil(n_out / {ROWS_PER_WG}), y = rows / per_token."
+        ));
+    } else {
+        b.doc(format!(
+            "y[r, n] {}= z[r, n]. Grid: x = ceil(n_out / {ROWS_PER_WG}), y = rows.",
+            if cfg.accumulate { "+" } else { "" }
+        ));
+    }
+    let rows = b.param("rows", Ty::U32, "R, output rows before combining");
+    let n_out = b.param("n_out", Ty::U32, "N, weight rows per group = columns of y");
+    let k_in = b.param("k_in", Ty::U32, "K, weight columns = columns of x");
+    let x_div = b.param("x_div", Ty::U32, "output rows per row of x");
+    let groups = b.param("groups", Ty::U32, "weight groups (heads or experts)");
+    let per_token = b.param(
+        "per_token",
+        Ty::U32,
+        "rows summed into one output row (1 without combine)",
+    );
+    let xv = ViewArgs::declare(&mut b, "x", "x [R / x_div, K]");
+    let yv = ViewArgs::declare(&mut b, "y", "y");
+    let x = b.buffer(
+        "x",
+        cfg.x.elem(),
+        Access::Read,
+        &format!("[R / x_div, K] {} activations", cfg.x.name()),
+    );
+    let (w, fp8) = declare_weight(&mut b, cfg.w);
+    let ids = (cfg.select == GroupSelect::Experts)
+        .then(|| b.buffer("ids", Elem::I32, Access::Read, "[R] i32 expert of each row"));
+    let route_w = cfg.combine.then(|| {
+        b.buffer(
+            "route_w",
+            Elem::F32,
+            Access::Read,
+            "[R] f32 routing weight of each row",
+        )
+    });
+    let y = b.buffer("y", Elem::F32, Access::ReadWrite, "f32 outputs");
+    let xs = b.shared("xs", Ty::F32, KC);
+
+    let lane = b.let_("lane", local_id() % u(LANES));
+    let rsub = b.let_("rsub", local_id() / u(LANES));
+    let n = b.let_("n", workgroup_id(0) * u(ROWS_PER_WG) + rsub.clone());
+    let out_row = b.let_("out_row", workgroup_id(1));
+    let n_ok = b.let_("n_ok", n.clone().lt(n_out.clone()));
+    let pw = cfg.w.per_word();
+    let row_words = b.let_("row_words", k_in.clone() / u(pw));
+    let acc = b.var("acc", f(0.0));
+
+    b.for_("j", u(0), per_token.clone(), u(1), |b, j| {
+        let r = b.let_("r", out_row.clone() * per_token.clone() + j);
+        let (g, valid) = match &ids {
+            None => (r.clone() % groups.clone(), Expr::Bool(true)),
+            Some(ids) => {
+                let id = b.let_("id", ids.at(r.clone()));
+                let valid = b.let_(
+                    "valid",
+                    id.clone()
+                        .ge(i(0))
+                        .and(id.clone().as_u32().lt(groups.clone())),
+                );
+                (select(valid.clone(), id.as_u32(), u(0)), valid)
+            }
+        };
+        let g = b.let_("g", g);
+        let xrow = b.let_("xrow", r.clone() / x_div.clone());
+        let wrow = b.let_(
+            "wrow",
+            g * n_out.clone() + select(n_ok.clone(), n.clone(), u(0)),
+        );
+        let wbase = b.let_("wbase", wrow.clone() * row_words.clone());
+        let sbase = fp8.as_ref().map(|fa| scale_row_base(b, fa, &wrow));
+        let part = b.var("part", f(0.0));
+        b.for_("kc", u(0), k_in.clone(), u(KC), |b, kc| {
+            b.barrier();
+            let k = b.let_("k", kc.clone() + local_id());
+            b.if_else(
+                k.clone().lt(k_in.clone()),
+                |b| {
+                    let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k.clone()));
+                    b.shared_store(&xs, local_id(), v)
+                },
+                |b| b.shared_store(&xs, local_id(), f(0.0)),
+            );
+            b.barrier();
+            b.if_(n_ok.clone().and(valid.clone()), |b| {
+                chunk_dot(
+                    b,
+                    cfg.w,
+                    &w,
+                    fp8.as_ref().zip(sbase.as_ref()),
+                    &wbase,
+                    &kc,
+                    &row_words,
+                    &xs,
+                    &lane,
+                    std::slice::from_ref(&part),
+                );
+            });
+        });
+        let weight = match &route_w {
+            Some(rw) => select(valid.clone(), rw.at(r.clone()), f(0.0)),
+            None => f(1.0),
+        };
+        b.set(&acc, acc.clone() + weight * part.clone());
+    });
+
+    b.comment("reduce the 32 lane partials of each row through workgroup memory");
+    b.barrier();
+    b.shared_store(&xs, local_id(), acc.clone());
+    b.barrier();
+    b.if_(lane.clone().eq_(u(0)).and(n_ok.clone()), |b| {
+        let sum = b.var("sum", f(0.0));
+        b.for_("l", u(0), u(LANES), u(1), |b, l| {
+            b.set(&sum, sum.clone() + xs.at(rsub.clone() * u(LANES) + l));
+        });
+        let yi = b.let_("yi", yv.at(out_row.clone(), n.clone()));
+        let out = if cfg.accumulate {
+            y.at(yi.clone()) + sum.clone()
+        } else {
+            sum.clone()
+        };
+        b.store(&y, yi, out);
+    });
+    let _ = rows;
+    b.finish()
+}
+
+fn fp8_params(l: &WeightLayout) -> Vec<(String, ParamValue)> {
+    match l.wtype {
+        WeightType::Fp8 { block } => {
+            let (sr, sc) = l.scale_grid();
+            vec![
+                ("group_rows".into(), ParamValue::U32(l.group_rows)),
+                ("scale_group_rows".into(), ParamValue::U32(sr)),
+                ("scale_cols".into(), ParamValue::U32(sc)),
+                ("block_rows".into(), ParamValue::U32(block[0])),
+                ("block_cols".into(), ParamValue::U32(block[1])),
+            ]
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn weight_bindings(l: &WeightLayout) -> Vec<Binding> {
+    let mut v = vec![Binding::read(
+        "w",
+        l.bytes(),
+        format!("[{}, {}] {} weights", l.rows, l.cols, l.wtype.name()),
+    )];
+    if l.scale_bytes() > 0 {
+        v.push(Binding::read(
+            "w_scale",
+            l.scale_bytes(),
+            "f32 FP8 block scales",
+        ));
+    }
+    v
+}
+
+fn host_weight<'a>(bufs: &'a HostBuffers<'_>, l: &WeightLayout) -> Result<HostWeight<'a>> {
+    let w = HostWeight {
+        layout: *l,
+        values: bufs.get("w")?,
+        scales: if l.scale_bytes() > 0 {
+            Some(bufs.get("w_scale")?)
+        } else {
+            None
+        },
+    };
+    w.check("w")?;
+    Ok(w)
+}
+
+/// A dense linear: `y [T, N] (+)= x [T, K] · W [N, K]ᵀ`. Buffers: `x`, `w`, `w_scale` (FP8),
+/// `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearOp {
+    pub x: View,
+    pub x_dtype: DType,
+    pub w: WeightLayout,
+    pub y: View,
+    pub accumulate: bool,
+}
+
+impl LinearOp {
+    fn validate(&self) -> Result<()> {
+        self.x.validate("x")?;
+        self.y.validate("y")?;
+        self.w.validate("w")?;
+        if self.x.cols != self.w.cols {
+            return Err(Error::arg(
+                "x",
+                format!("{} columns (the weight's in-features)", self.w.cols),
+                self.x.cols,
+            ));
+        }
+        if self.y.cols != self.w.rows || self.y.rows != self.x.rows {
+            return Err(Error::arg(
+                "y",
+                format!("[{}, {}]", self.x.rows, self.w.rows),
+                format!("[{}, {}]", self.y.rows, self.y.cols),
+            ));
+        }
+        Ok(())
+    }
+
+    fn config(&self) -> LinearConfig {
+        LinearConfig {
+            w: match self.w.wtype {
+                WeightType::Fp8 { .. } => WeightType::Fp8 { block: [0, 0] },
+                other => other,
+            },
+            x: self.x_dtype,
+            tokens_per_wg: match self.x.rows {
+                0..=1 => 1,
+                2..=4 => 4,
+                _ => 8,
+            },
+            accumulate: self.accumulate,
+        }
+    }
+}
+
+impl Op for LinearOp {
+    fn name(&self) -> String {
+        format!(
+            "linear [{}, {}] x [{}, {}] {}",
+            self.x.rows,
+            self.x.cols,
+            self.w.rows,
+            self.w.cols,
+            self.w.wtype.name()
+        )
+    }
+
+    fn bindings(&self) -> Vec<Binding> {
+        let mut v = vec![Binding::read(
+            "x",
+            self.x.min_bytes(self.x_dtype),
+            format!(
+                "x [{}, {}] {}",
+                self.x.rows,
+                self.x.cols,
+                self.x_dtype.name()
+            ),
+        )];
+        v.extend(weight_bindings(&self.w));
+        v.push(Binding::write(
+            "y",
+            self.y.min_bytes(DType::F32),
+            format!("y [{}, {}] f32", self.y.rows, self.y.cols),
+        ));
+        v
+    }
+
+    fn launches(&self) -> Result<Vec<Launch>> {
+        self.validate()?;
+        static K: KernelCache<LinearConfig> = KernelCache::new();
+        let cfg = self.config();
+        let k = lowered(&K, cfg, linear_kernel)?;
+        let mut p: Vec<(String, ParamValue)> = vec![
+            ("tokens".into(), ParamValue::U32(self.x.rows)),
+            ("n_out".into(), ParamValue::U32(self.w.rows)),
+            ("k_in".into(), ParamValue::U32(self.w.cols)),
+        ];
+        p.extend(self.x.params("x"));
+        p.extend(self.y.params("y"));
+        p.extend(fp8_params(&self.w));
+        let params = pack(&k, &p)?;
+        let grid = [
+            self.w.rows.div_ceil(ROWS_PER_WG),
+            self.x.rows.div_ceil(cfg.tokens_per_wg),
+            1,
+        ];
+        Ok(vec![Launch {
+            kernel: k,
+            grid,
+            params,
+        }])
+    }
+
+    fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
+        self.validate()?;
+        let x = read_view(bufs.get("x")?, self.x_dtype, &self.x, "x")?;
+        let mut y = linear(&x, self.x.rows as usize, &host_weight(bufs, &self.w)?);
+        let out = bufs.get_mut("y")?;
+        if self.accumulate {
+            let old = read_view(out, DType::F32, &self.y, "y")?;
+            y.iter_mut().zip(&old).for_each(|(a, b)| *a += b);
+        }
+        write_view(out, DType::F32, &self.y, &y, "y")
+    }
+}
+
+/// A grouped linear (see the module doc). Buffers: `x`, `w`, `w_scale` (FP8), `ids`
+/// (experts: `[rows]` i32), `route_w` (combine: `[rows]` f32), `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct GroupedLinearOp {
+    pub x: View,
+    pub x_dtype: DType,
+    /// Output rows per row of x.
+    pub x_div: u32,
+    pub w: WeightLayout,
+    /// Weight rows per group, the width of the output.
+    pub n_out: u32,
+    pub select: GroupSelect,
+    /// Heads (for [`GroupSelect::Heads`]) or experts.
+    pub groups: u32,
+    /// Output rows before combining.
+    pub rows: u32,
+    /// `Some(k)`: sum every `k` rows with their routing weights.
+    pub combine: Option<u32>,
+    pub y: View,
+    pub accumulate: bool,
+}
+
+impl GroupedLinearOp {
+    fn validate(&self) -> Result<()> {
+        self.x.validate("x")?;
+        self.y.validate("y")?;
+        self.w.validate("w")?;
+        if self.x_div == 0 || self.groups == 0 || self.n_out == 0 || self.rows == 0 {
+            return Err(Error::arg(
+                "grouped linear",
+                "x_div, groups, n_out and rows of at least 1",
+                format!(
+                    "{} / {} / {} / {}",
+                    self.x_div, self.groups, self.n_out, self.rows
+                ),
+            ));
+        }
+        if self.x.cols != self.w.cols {
+            return Err(Error::arg(
+                "x",
+                format!("{} columns (the weight's in-features)", self.w.cols),
+                self.x.cols,
+            ));
+        }
+        if self.x.rows != self.rows.div_ceil(self.x_div) {
+            return Err(Error::arg(
+                "x",
+                format!("{} rows (rows / x_div)", self.rows.div_ceil(self.x_div)),
+                self.x.rows,
+            ));
+        }
+        if self.w.rows as u64 != self.groups as u64 * self.n_out as u64 {
+            return Err(Error::arg(
+                "w",
+                format!("{} x {} rows", self.groups, self.n_out),
+                self.w.rows,
+            ));
+        }
+        let k = self.combine.unwrap_or(1);
+        if k == 0 || self.rows % k != 0 {
+            return Err(Error::arg(
+                "combine",
+                format!("a divisor of rows = {}", self.rows),
+                k,
+            ));
+        }
+        if self.combine.is_some() && self.select != GroupSelect::Experts {
+            return Err(Error::arg("combine", "only with expert selection", "heads"));
+        }
+        if self.y.rows != self.rows / k || self.y.cols != self.n_out {
+            return Err(Error::arg(
+                "y",
+                format!("[{}, {}]", self.rows / k, self.n_out),
+                format!("[{}, {}]", self.y.rows, self.y.cols),
+            ));
+        }
+        if self.y.rows > 65535 {
+            return Err(Error::arg(
+                "y",
+                "at most 65535 rows per call (one workgroup row each)",
+                self.y.rows,
+            ));
+        }
+        Ok(())
+    }
+
+    fn config(&self) -> GroupedConfig {
+        GroupedConfig {
+            w: match self.w.wtype {
+                WeightType::Fp8 { .. } => WeightType::Fp8 { block: [0, 0] },
+                other => other,
+            },
+            x: self.x_dtype,
+            select: self.select,
+            combine: self.combine.is_some(),
+            accumulate: self.accumulate,
+        }
+    }
+}
+
+impl Op for GroupedLinearOp {
+    fn name(&self) -> String {
+        format!(
+            "grouped linear {} rows x [{} x {}, {}] {}",
+            self.rows,
+            self.groups,
+            self.n_out,
+            self.w.cols,
+            self.w.wtype.name()
+        )
+    }
+
+    fn bindings(&self) -> Vec<Binding> {
+        let mut v = vec![Binding::read(
+            "x",
+            self.x.min_bytes(self.x_dtype),
+            format!(
+                "x [{}, {}] {}",
+                self.x.rows,
+                self.x.cols,
+                self.x_dtype.name()
+            ),
+        )];
+        v.extend(weight_bindings(&self.w));
+        if self.select == GroupSelect::Experts {
+            v.push(Binding::read(
+                "ids",
+                self.rows as u64 * 4,
+                format!("[{}] i32 expert ids", self.rows),
+            ));
+        }
+        if self.combine.is_some() {
+            v.push(Binding::read(
+                "route_w",
+                self.rows as u64 * 4,
+                format!("[{}] f32 routing weights", self.rows),
+            ));
+        }
+        v.push(Binding::write(
+            "y",
+            self.y.min_bytes(DType::F32),
+            format!("y [{}, {}] f32", self.y.rows, self.y.cols),
+        ));
+        v
+    }
+
+    fn launches(&self) -> Result<Vec<Launch>> {
+        self.validate()?;
+        static K: KernelCache<GroupedConfig> = KernelCache::new();
+        let k = lowered(&K, self.config(), grouped_kernel)?;
+        let per_token = self.combine.unwrap_or(1);
+        let mut p: Vec<(String, ParamValue)> = vec![
+            ("rows".into(), ParamValue::U32(self.rows)),
+            ("n_out".into(), ParamValue::U32(self.n_out)),
+            ("k_in".into(), ParamValue::U32(self.w.cols)),
+            ("x_div".into(), ParamValue::U32(self.x_div)),
+            ("groups".into(), ParamValue::U32(self.groups)),
+            ("per_token".into(), ParamValue::U32(per_token)),
+        ];
+        p.extend(self.x.params("x"));
+        p.extend(self.y.params("y"));
+        p.extend(fp8_params(&self.w));
+        let params = pack(&k, &p)?;
+        let grid = [self.n_out.div_ceil(ROWS_PER_WG), self.rows / per_token, 1];
+        Ok(vec![Launch {
+            kernel: k,
+            grid,
+            params,
+        }])
+    }
+
+    fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
+        self.validate()?;
+        let x = read_view(bufs.get("x")?, self.x_dtype, &self.x, "x")?;
+        let ids = match self.select {
+            GroupSelect::Experts => i32s(bufs.get("ids")?),
+            GroupSelect::Heads => Vec::new(),
+        };
+        let route_w = match self.combine {
+            Some(_) => f32s(bufs.get("route_w")?),
+            None => Vec::new(),
+        };
+        let select = match self.select {
+            GroupSelect::Heads => RowSelect::Heads(self.groups),
+            GroupSelect::Experts => RowSelect::Experts {
+                ids: &ids,
+                groups: self.groups,
+            },
+        };
+        let mut y = grouped_linear(
+            &x,
+            self.x_div as usize,
+            &host_weight(bufs, &self.w)?,
+            self.n_out as usize,
+            self.rows as usize,
+            select,
+            self.combine.map(|k| (k as usize, route_w.as_slice())),
+        );
+        let out = bufs.get_mut("y")?;
+        if self.accumulate {
+            let old = read_view(out, DType::F32, &self.y, "y")?;
+            y.iter_mut().zip(&old).for_each(|(a, b)| *a += b);
+        }
+        write_view(out, DType::F32, &self.y, &y, "y")
+    }
+}
