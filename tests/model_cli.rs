@@ -109,7 +109,7 @@ fn prompt_ids_work_without_a_tokenizer() {
 #[test]
 fn user_errors_are_one_line_not_panics() {
     for (args, needle) in [
-        (vec!["--device", "cuda:0"], "not implemented"),
+        (vec!["--device", "cuda:0"], "unavailable"),
         (
             vec!["--prompt-ids", "1,2,3,4,5,6", "--max-seq-len", "5"],
             "max-seq-len",

@@ -18,11 +18,15 @@
 //! The fp8_ds_mla cache rounds the latent to e4m3 (3 mantissa bits): a smoke bound of
 //! relative L2 ≤ 0.25 (measured 0.048 GLM, 0.080 DeepSeek); tokens not required equal.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use safetensors::{Dtype, SafeTensors};
 use sparse_mla::mla::CacheFormat;
-use sparse_mla::model::{CacheOptions, ForwardTrace, Logits, Model, ModelBackend};
+use sparse_mla::model::{CacheOptions, ForwardTrace, Logits, Model};
+use sparse_mla::runtime::{Backend, BackendKind};
 use sparse_mla::util::rel_l2;
 
 pub const ARCHS: [&str; 2] = ["glm_moe_dsa-tiny", "deepseek_v32-tiny"];
@@ -92,7 +96,7 @@ pub struct Comparison {
 
 /// Prefill the golden prompt, then feed the golden greedy tokens one by one (so a single
 /// diverging token cannot derail every later row), comparing every logit row.
-pub fn compare<B: ModelBackend>(backend: B, name: &str, opts: CacheOptions) -> Comparison {
+pub fn compare(backend: Arc<dyn Backend>, name: &str, opts: CacheOptions) -> Comparison {
     let dir = fixture_dir(name);
     let g = load_golden(&dir);
     let model =
@@ -179,11 +183,12 @@ fn first_mismatch(
 }
 
 /// bf16 cache: the tolerances of the module doc.
-pub fn check_bf16<B: ModelBackend>(backend: B, name: &str) {
+pub fn check_bf16(backend: Arc<dyn Backend>, name: &str) {
     let opts = CacheOptions {
         format: CacheFormat::Bf16,
         page_size: 4,
         max_seq_len: 64,
+        ..Default::default()
     };
     let c = compare(backend, name, opts);
     eprintln!(
@@ -208,11 +213,12 @@ pub fn check_bf16<B: ModelBackend>(backend: B, name: &str) {
 }
 
 /// fp8_ds_mla cache: e4m3 latent, so only a loose closeness is asserted.
-pub fn check_fp8<B: ModelBackend>(backend: B, name: &str) {
+pub fn check_fp8(backend: Arc<dyn Backend>, name: &str) {
     let opts = CacheOptions {
         format: CacheFormat::Fp8DsMla,
         page_size: 16,
         max_seq_len: 64,
+        ..Default::default()
     };
     let c = compare(backend, name, opts);
     eprintln!(
@@ -227,25 +233,31 @@ pub fn check_fp8<B: ModelBackend>(backend: B, name: &str) {
 }
 
 macro_rules! golden_tests {
-    ($($backend:ident => $make:expr;)*) => {
+    ($($backend:ident => $kind:expr;)*) => {
         $(
             mod $backend {
                 use super::*;
+                fn run(check: fn(Arc<dyn Backend>, &str), arch: &str) {
+                    if let Some(b) = common::backend_arc($kind) {
+                        eprintln!("{}: {}", stringify!($backend), b.device_name());
+                        check(b, arch);
+                    }
+                }
                 #[test]
                 fn glm5_bf16_cache() {
-                    check_bf16($make, ARCHS[0]);
+                    run(check_bf16, ARCHS[0]);
                 }
                 #[test]
                 fn deepseek_v32_bf16_cache() {
-                    check_bf16($make, ARCHS[1]);
+                    run(check_bf16, ARCHS[1]);
                 }
                 #[test]
                 fn glm5_fp8_cache() {
-                    check_fp8($make, ARCHS[0]);
+                    run(check_fp8, ARCHS[0]);
                 }
                 #[test]
                 fn deepseek_v32_fp8_cache() {
-                    check_fp8($make, ARCHS[1]);
+                    run(check_fp8, ARCHS[1]);
                 }
             }
         )*
@@ -253,5 +265,7 @@ macro_rules! golden_tests {
 }
 
 golden_tests! {
-    cpu => sparse_mla::model::CpuBackend::new();
+    cpu => BackendKind::Cpu;
+    wgpu => BackendKind::Wgpu;
+    cuda => BackendKind::Cuda;
 }

@@ -11,7 +11,12 @@ use sparse_mla::model::rope::RopeTable;
 use sparse_mla::model::weights::{
     dequant_fp8_blocks, quantize_fp8_blocks, write_checkpoint, Checkpoint,
 };
-use sparse_mla::model::{CacheOptions, CpuBackend, Logits, Model};
+use sparse_mla::model::{CacheOptions, Logits, Model};
+use sparse_mla::runtime::cpu::CpuBackend;
+
+fn cpu() -> std::sync::Arc<dyn sparse_mla::runtime::Backend> {
+    std::sync::Arc::new(CpuBackend::new())
+}
 use sparse_mla::util::rel_l2;
 
 type Tensors = Vec<(String, Dtype, Vec<usize>, Vec<u8>)>;
@@ -64,7 +69,7 @@ fn bf16_to_f32(b: &[u8]) -> Vec<f32> {
 
 /// Greedy prompt logits of the model in `dir` (all prefill rows).
 fn prefill_logits(dir: &Path, opts: CacheOptions) -> Vec<f32> {
-    let model = Model::load(dir, CpuBackend::new(), &mut |_, _| {}).unwrap();
+    let model = Model::load(dir, cpu(), &mut |_, _| {}).unwrap();
     let mut seq = model.new_sequence(opts).unwrap();
     let prompt: Vec<u32> = (0..20)
         .map(|i| (i * 37 + 5) % model.config.vocab_size as u32)
@@ -77,6 +82,7 @@ fn opts() -> CacheOptions {
         format: CacheFormat::Bf16,
         page_size: 4,
         max_seq_len: 64,
+        ..Default::default()
     }
 }
 
@@ -98,7 +104,7 @@ fn sharded_checkpoint_missing_shard_is_named() {
     write_checkpoint(&tmp.0, &read_tensors(&src), 2).unwrap();
     copy_config(&src, &tmp.0);
     std::fs::remove_file(tmp.0.join("model-00002-of-00002.safetensors")).unwrap();
-    let e = Model::load(&tmp.0, CpuBackend::new(), &mut |_, _| {})
+    let e = Model::load(&tmp.0, cpu(), &mut |_, _| {})
         .err()
         .unwrap()
         .to_string();
@@ -175,7 +181,7 @@ fn fp8_block_scaled_weights_are_dequantised_on_load() {
 
     // Without quantization_config the FP8 tensors are refused, by name.
     copy_config(&src, &tmp.0);
-    let e = Model::load(&tmp.0, CpuBackend::new(), &mut |_, _| {})
+    let e = Model::load(&tmp.0, cpu(), &mut |_, _| {})
         .err()
         .unwrap()
         .to_string();
@@ -193,7 +199,7 @@ fn load_error(tag: &str, edit: impl FnOnce(&mut Tensors)) -> String {
     edit(&mut t);
     write_checkpoint(&tmp.0, &t, 1).unwrap();
     copy_config(&src, &tmp.0);
-    match Model::load(&tmp.0, CpuBackend::new(), &mut |_, _| {}) {
+    match Model::load(&tmp.0, cpu(), &mut |_, _| {}) {
         Ok(_) => String::new(),
         Err(e) => e.to_string(),
     }
@@ -286,7 +292,7 @@ fn rope_tables_match_transformers() {
 fn prefill_equals_decode_and_page_size_does_not_matter() {
     for name in ["glm_moe_dsa-tiny", "deepseek_v32-tiny"] {
         let dir = fixture(name);
-        let model = Model::load(&dir, CpuBackend::new(), &mut |_, _| {}).unwrap();
+        let model = Model::load(&dir, cpu(), &mut |_, _| {}).unwrap();
         let v = model.config.vocab_size;
         let tokens: Vec<u32> = (0..24).map(|i| (i * 53 + 11) % v as u32).collect();
 
@@ -324,12 +330,7 @@ fn prefill_equals_decode_and_page_size_does_not_matter() {
 
 #[test]
 fn sequence_longer_than_max_seq_len_is_an_error() {
-    let model = Model::load(
-        &fixture("glm_moe_dsa-tiny"),
-        CpuBackend::new(),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let model = Model::load(&fixture("glm_moe_dsa-tiny"), cpu(), &mut |_, _| {}).unwrap();
     let mut seq = model
         .new_sequence(CacheOptions {
             max_seq_len: 4,

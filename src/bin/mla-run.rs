@@ -7,18 +7,24 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use sparse_mla::mla::CacheFormat;
+use sparse_mla::model::memory::{gib, plan as memory_plan};
 use sparse_mla::model::sampler::log_prob;
 use sparse_mla::model::tokenizer::{TextStream, TOKENIZER_FILE};
+use sparse_mla::model::weights::Checkpoint;
 use sparse_mla::model::{
-    CacheOptions, CpuBackend, Logits, Model, ModelConfig, Sampler, SamplerConfig, TextTokenizer,
+    CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, TextTokenizer,
 };
+use sparse_mla::runtime::{open_device, Backend, BackendKind, DeviceSpec};
 use sparse_mla::{Error, Result};
+use std::sync::Arc;
 
 /// The checked-in tiny GLM-5 (random weights) used when no --model is given.
 const DEFAULT_FIXTURE: &str = "tests/fixtures/glm_moe_dsa-tiny";
 const DEFAULT_PROMPT: &str = "The lightning indexer scores every earlier token";
 /// Tokens per cache page (vLLM's and FlashMLA's MLA page size).
 const PAGE_SIZE: usize = 64;
+/// The prompt is run in steps of at most this many tokens (bounds the activations).
+const PREFILL_CHUNK: usize = 256;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -76,8 +82,10 @@ struct Cli {
     #[arg(long, value_name = "S", default_value_t = 0)]
     seed: u64,
 
-    /// Where the model runs: cpu, or cuda:N (the CUDA model backend is not implemented yet).
-    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    /// Where the model runs: auto (a CUDA GPU, else a wgpu GPU adapter, else the CPU),
+    /// cpu (the float64 reference of every op), wgpu (WGPU_BACKEND / WGPU_ADAPTER_NAME choose
+    /// the adapter; lavapipe counts), cuda or cuda:N.
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
     device: String,
 
     /// KV cache row format: bf16 (1152 B/token) or fp8 (fp8_ds_mla, 656 B/token).
@@ -106,24 +114,6 @@ enum Output {
     Json,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Device {
-    Cpu,
-    Cuda(u32),
-}
-
-fn parse_device(s: &str) -> Result<Device> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        _ => s
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| Error::arg("--device", "cpu, cuda or cuda:N", s)),
-    }
-}
-
 /// Peak resident memory of this process in bytes (VmHWM), where /proc has it.
 fn peak_memory_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -144,18 +134,11 @@ struct Plan {
     prompt: Vec<u32>,
     cache: CacheOptions,
     sampler: SamplerConfig,
+    device: DeviceSpec,
 }
 
 fn plan(cli: &Cli) -> Result<Plan> {
-    match parse_device(&cli.device)? {
-        Device::Cpu => {}
-        Device::Cuda(n) => {
-            return Err(Error::unavailable(
-                format!("cuda:{n}"),
-                "the CUDA model backend is not implemented yet; use --device cpu",
-            ))
-        }
-    }
+    let device = DeviceSpec::parse(&cli.device)?;
     let dir = match &cli.model {
         Some(d) => d.clone(),
         None => {
@@ -247,13 +230,66 @@ fn plan(cli: &Cli) -> Result<Plan> {
             format,
             page_size: PAGE_SIZE,
             max_seq_len: cli.max_seq_len,
+            ..Default::default()
         },
         sampler,
+        device,
     })
 }
 
-fn load(plan: &Plan) -> Result<Model<CpuBackend>> {
-    let total = Model::<CpuBackend>::tensor_count(&plan.config) as u64;
+/// Opens the device and checks the run fits it, before a weight is read.
+fn open(plan: &Plan) -> Result<(Arc<dyn Backend>, Checkpoint)> {
+    let (backend, why) = open_device(plan.device)?;
+    if why.is_empty() {
+        eprintln!("mla-run: device {}", backend.device_name());
+    } else {
+        eprintln!("mla-run: device {} ({why})", backend.device_name());
+    }
+    let c = &plan.config;
+    log::info!(
+        "config: {} ({}), {} layers, hidden {}, {} heads, {} routed experts ({} per token), index_topk {}, vocab {}{}",
+        plan.dir.display(),
+        c.arch.model_type(),
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        c.index_topk,
+        c.vocab_size,
+        match c.fp8 {
+            Some(f) => format!(", FP8 weights in {:?} blocks", f.block),
+            None => String::new(),
+        }
+    );
+    let ckpt = Checkpoint::open(&plan.dir, plan.config.fp8.map(|f| f.block))?;
+    let mem = memory_plan(
+        &plan.config,
+        &ckpt,
+        &plan.cache,
+        PREFILL_CHUNK.min(plan.prompt.len().max(1)) as u64,
+    );
+    log::info!(
+        "memory plan: weights {}, caches {} ({} positions, {} cache), activations {}",
+        gib(mem.weights),
+        gib(mem.caches),
+        plan.cache.max_seq_len,
+        plan.cache.format.name(),
+        gib(mem.activations)
+    );
+    if let Some((free, total)) = backend.memory_info() {
+        log::info!("device memory: {} free of {}", gib(free), gib(total));
+        let what = match backend.kind() {
+            BackendKind::Cpu => "host",
+            _ => "device",
+        };
+        mem.check(free, what)?;
+    }
+    Ok((backend, ckpt))
+}
+
+fn load(plan: &Plan, backend: Arc<dyn Backend>, ckpt: &Checkpoint) -> Result<Model> {
+    let total = Model::tensor_count(&plan.config) as u64;
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -261,11 +297,19 @@ fn load(plan: &Plan) -> Result<Model<CpuBackend>> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let model = Model::load(&plan.dir, CpuBackend::new(), &mut |done, _| {
+    let t0 = Instant::now();
+    let model = Model::from_checkpoint(plan.config.clone(), ckpt, backend, &mut |done, _| {
         bar.set_position(done as u64)
     });
     bar.finish_and_clear();
-    model
+    let model = model?;
+    log::info!(
+        "loaded {} of weights in {:.2} s ({} on the device)",
+        gib(model.loaded_bytes()),
+        t0.elapsed().as_secs_f64(),
+        gib(model.weight_bytes())
+    );
+    Ok(model)
 }
 
 struct Summary {
@@ -279,7 +323,9 @@ struct Summary {
 
 fn run(cli: &Cli) -> Result<()> {
     let plan = plan(cli)?;
-    let model = load(&plan)?;
+    let (backend, ckpt) = open(&plan)?;
+    let model = load(&plan, backend, &ckpt)?;
+    drop(ckpt);
     let mut sampler = Sampler::new(plan.sampler)?;
     let mut seq = model.new_sequence(plan.cache)?;
     let out = std::io::stdout();
@@ -299,7 +345,10 @@ fn run(cli: &Cli) -> Result<()> {
     }
 
     let t0 = Instant::now();
-    let mut logits = model.forward(&mut seq, &plan.prompt, Logits::Last)?;
+    let mut logits = Vec::new();
+    for chunk in plan.prompt.chunks(PREFILL_CHUNK) {
+        logits = model.forward(&mut seq, chunk, Logits::Last)?;
+    }
     let prefill_s = t0.elapsed().as_secs_f64();
 
     let mut summary = Summary {
@@ -426,14 +475,16 @@ mod tests {
 
     #[test]
     fn devices_parse() {
-        assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
-        assert_eq!(parse_device("cuda").unwrap(), Device::Cuda(0));
-        assert_eq!(parse_device("cuda:3").unwrap(), Device::Cuda(3));
-        assert!(parse_device("gpu")
+        assert_eq!(DeviceSpec::parse("cpu").unwrap(), DeviceSpec::Cpu);
+        assert_eq!(DeviceSpec::parse("auto").unwrap(), DeviceSpec::Auto);
+        assert_eq!(DeviceSpec::parse("wgpu").unwrap(), DeviceSpec::Wgpu);
+        assert_eq!(DeviceSpec::parse("cuda").unwrap(), DeviceSpec::Cuda(0));
+        assert_eq!(DeviceSpec::parse("cuda:3").unwrap(), DeviceSpec::Cuda(3));
+        assert!(DeviceSpec::parse("gpu")
             .unwrap_err()
             .to_string()
             .contains("--device"));
-        assert!(parse_device("cuda:x").is_err());
+        assert!(DeviceSpec::parse("cuda:x").is_err());
     }
 
     #[test]
@@ -445,13 +496,6 @@ mod tests {
         assert_eq!(c.kv_cache, KvCache::Fp8);
         assert!(cli(&["--prompt-ids", "1,x"]).is_err());
         assert!(cli(&["--kv-cache", "int4"]).is_err());
-    }
-
-    #[test]
-    fn cuda_is_a_clear_error_not_a_panic() {
-        let c = cli(&["--device", "cuda:0"]).unwrap();
-        let e = plan(&c).err().unwrap().to_string();
-        assert!(e.contains("cuda:0") && e.contains("not implemented"), "{e}");
     }
 
     #[test]

@@ -60,9 +60,13 @@ fn norm_case(kind: NormKind, rows: u32, cols: u32) -> OpCase {
     )
 }
 
-fn rope_case(layout: RopeLayout, tokens: u32, group: u32, width: u32) -> OpCase {
+fn rope_case(layout: RopeLayout, tokens: u32, group: u32, width: u32, in_place: bool) -> OpCase {
     OpCase::new(
-        format!("rope/{layout:?}_t{tokens}_g{group}_w{width}").to_lowercase(),
+        format!(
+            "rope/{layout:?}_t{tokens}_g{group}_w{width}{}",
+            if in_place { "_in_place" } else { "" }
+        )
+        .to_lowercase(),
         move |rng: &mut Rng| -> Result<Instance> {
             let rows = tokens * group;
             // The rope part of a wider row (as q's rope columns), into another wide row.
@@ -100,6 +104,7 @@ fn rope_case(layout: RopeLayout, tokens: u32, group: u32, width: u32) -> OpCase 
                     y: yv,
                     group,
                     table_rows,
+                    in_place: false,
                 }),
                 buffers: vec![
                     ("x", f32_bytes(&x)),
@@ -247,9 +252,11 @@ pub fn elementwise_cases() -> Vec<OpCase> {
         norm_case(NormKind::Rms, 5, 64),
         norm_case(NormKind::Rms, 3, 1536),
         norm_case(NormKind::Layer, 6, 128),
-        rope_case(RopeLayout::Interleaved, 5, 4, 64),
-        rope_case(RopeLayout::HalfSplit, 3, 8, 64),
-        rope_case(RopeLayout::Interleaved, 7, 1, 64),
+        rope_case(RopeLayout::Interleaved, 5, 4, 64, false),
+        rope_case(RopeLayout::HalfSplit, 3, 8, 64, false),
+        rope_case(RopeLayout::Interleaved, 7, 1, 64, false),
+        rope_case(RopeLayout::HalfSplit, 4, 8, 64, true),
+        rope_case(RopeLayout::Interleaved, 3, 1, 64, true),
         silu_case(6, 96),
         cast_case(DType::Bf16, 4, 576),
         cast_case(DType::F32, 5, 37),

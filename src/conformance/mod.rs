@@ -11,6 +11,7 @@
 pub mod decode;
 pub mod elementwise;
 pub mod formats;
+pub mod indexer;
 pub mod linear;
 pub mod ops;
 
@@ -53,6 +54,7 @@ pub fn model_op_cases() -> Vec<ops::OpCase> {
     let mut v = Vec::new();
     v.extend(linear::linear_cases());
     v.extend(elementwise::elementwise_cases());
+    v.extend(indexer::indexer_cases());
     v
 }
 

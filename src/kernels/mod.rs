@@ -5,10 +5,12 @@
 pub mod blocks;
 pub mod cache_write;
 pub mod elementwise;
+pub mod indexer;
 pub mod linear;
 pub mod norm;
 pub mod rope;
 pub mod sparse_mla_decode;
+pub mod topk;
 pub mod vbt;
 pub mod view;
 

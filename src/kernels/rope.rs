@@ -25,10 +25,16 @@ pub enum RopeLayout {
     HalfSplit,
 }
 
-fn rope_kernel(layout: &RopeLayout) -> Result<Kernel> {
+fn rope_kernel(cfg: &(RopeLayout, bool)) -> Result<Kernel> {
+    let (layout, in_place) = (&cfg.0, cfg.1);
     let name = match layout {
         RopeLayout::Interleaved => "rope_interleaved",
         RopeLayout::HalfSplit => "rope_half_split",
+    };
+    let name = if in_place {
+        format!("{name}_in_place")
+    } else {
+        name.to_string()
     };
     let mut b = KernelBuilder::new(name, THREADS);
     b.doc(match layout {
@@ -46,7 +52,8 @@ fn rope_kernel(layout: &RopeLayout) -> Result<Kernel> {
     let table_rows = b.param("table_rows", Ty::U32, "positions the table covers");
     let xv = ViewArgs::declare(&mut b, "x", "x [rows, 2 * half]");
     let yv = ViewArgs::declare(&mut b, "y", "y [rows, 2 * half]");
-    let x = b.buffer("x", Elem::F32, Access::Read, "[rows, 2 * half] f32 (view)");
+    let x =
+        (!in_place).then(|| b.buffer("x", Elem::F32, Access::Read, "[rows, 2 * half] f32 (view)"));
     let positions = b.buffer(
         "positions",
         Elem::I32,
@@ -63,8 +70,13 @@ fn rope_kernel(layout: &RopeLayout) -> Result<Kernel> {
         "y",
         Elem::F32,
         Access::ReadWrite,
-        "[rows, 2 * half] f32 (view)",
+        if in_place {
+            "[rows, 2 * half] f32 (view), rotated in place (x_off / x_stride equal y's)"
+        } else {
+            "[rows, 2 * half] f32 (view)"
+        },
     );
+    let src = x.as_ref().unwrap_or(&y).clone();
     let total = b.let_("total", rows * half.clone());
     let stride = b.let_("stride", num_workgroups(0) * u(THREADS));
     b.for_(
@@ -99,8 +111,8 @@ fn rope_kernel(layout: &RopeLayout) -> Result<Kernel> {
                 RopeLayout::Interleaved => (i_.clone() * u(2), i_.clone() * u(2) + u(1)),
                 RopeLayout::HalfSplit => (i_.clone(), i_.clone() + half.clone()),
             };
-            let xa = b.let_("xa", x.at(xv.at(r.clone(), ca.clone())));
-            let xb = b.let_("xb", x.at(xv.at(r.clone(), cb.clone())));
+            let xa = b.let_("xa", src.at(xv.at(r.clone(), ca.clone())));
+            let xb = b.let_("xb", src.at(xv.at(r.clone(), cb.clone())));
             b.store(
                 &y,
                 yv.at(r.clone(), ca),
@@ -112,13 +124,15 @@ fn rope_kernel(layout: &RopeLayout) -> Result<Kernel> {
     b.finish()
 }
 
-/// RoPE of `x` into `y`. Buffers: `x`, `positions` (`[rows / group]` i32), `table`
-/// (`[table_rows, 2, half]` f32: cos, then sin), `y`.
+/// RoPE of `x` into `y`. Buffers: `x` (not when in place), `positions` (`[rows / group]`
+/// i32), `table` (`[table_rows, 2, half]` f32: cos, then sin), `y`.
 #[derive(Clone, Copy, Debug)]
 pub struct RopeOp {
     pub layout: RopeLayout,
     pub x: View,
     pub y: View,
+    /// Rotate `y` in place (`x` must then be the same view; no `x` buffer is bound).
+    pub in_place: bool,
     /// Rows per position.
     pub group: u32,
     pub table_rows: u32,
@@ -133,6 +147,13 @@ impl RopeOp {
                 "y",
                 format!("[{}, {}] like x, an even width", self.x.rows, self.x.cols),
                 format!("[{}, {}]", self.y.rows, self.y.cols),
+            ));
+        }
+        if self.in_place && self.x != self.y {
+            return Err(Error::arg(
+                "x",
+                "the same view as y (in place)",
+                "another view",
             ));
         }
         if self.group == 0 || self.x.rows % self.group != 0 {
@@ -152,8 +173,11 @@ impl Op for RopeOp {
     }
 
     fn bindings(&self) -> Vec<Binding> {
-        vec![
-            Binding::read("x", self.x.min_bytes(DType::F32), "x f32"),
+        let mut v = Vec::new();
+        if !self.in_place {
+            v.push(Binding::read("x", self.x.min_bytes(DType::F32), "x f32"));
+        }
+        v.extend([
             Binding::read(
                 "positions",
                 (self.x.rows / self.group.max(1)) as u64 * 4,
@@ -165,13 +189,14 @@ impl Op for RopeOp {
                 "[positions, 2, half] f32 cos / sin",
             ),
             Binding::write("y", self.y.min_bytes(DType::F32), "y f32"),
-        ]
+        ]);
+        v
     }
 
     fn launches(&self) -> Result<Vec<Launch>> {
         self.validate()?;
-        static K: KernelCache<RopeLayout> = KernelCache::new();
-        let k = lowered(&K, self.layout, rope_kernel)?;
+        static K: KernelCache<(RopeLayout, bool)> = KernelCache::new();
+        let k = lowered(&K, (self.layout, self.in_place), rope_kernel)?;
         let half = self.x.cols / 2;
         let mut p: Vec<(String, ParamValue)> = vec![
             ("rows".into(), ParamValue::U32(self.x.rows)),
@@ -191,7 +216,8 @@ impl Op for RopeOp {
 
     fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
         self.validate()?;
-        let x = read_view(bufs.get("x")?, DType::F32, &self.x, "x")?;
+        let src = if self.in_place { "y" } else { "x" };
+        let x = read_view(bufs.get(src)?, DType::F32, &self.x, "x")?;
         let pos = i32s(bufs.get("positions")?);
         let table = f32s(bufs.get("table")?);
         let (w, half) = (self.x.cols as usize, self.x.cols as usize / 2);

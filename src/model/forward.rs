@@ -1,122 +1,46 @@
-//! The GLM-5 / DeepSeek-V3.2 forward pass, written once against [`ModelBackend`].
+//! The GLM-5 / DeepSeek-V3.2 forward pass, written once over [`Device`] — so over every
+//! runtime backend: the CPU reference, wgpu and CUDA run the same op sequence.
 //!
 //! Per layer (absorbed MLA, DESIGN §6):
 //! ```text
 //! x = rmsnorm(h)
-//! q_resid = rmsnorm(q_a(x)); q = q_b(q_resid) → per head [nope | rope]; RoPE(q_rope)
-//! [c | k_rope] = kv_a(x); c = rmsnorm(c); RoPE(k_rope); cache[slot] = [c | k_rope]
-//! q_lat = W_UKᵀ q_nope (per head); out = sparse_mla([q_lat | q_rope], cache, top-k slots)
+//! q_resid = rmsnorm(q_a(x)); q = q_b(q_resid) → per head [nope | rope]
+//! q_full = [W_UKᵀ q_nope | RoPE(q_rope)] (per head), as bf16
+//! [c | k_rope] = kv_a(x); cache[slot] = [rmsnorm(c) | RoPE(k_rope)]   (the cache-write kernel)
+//! top-k slots: the layer's lightning indexer (its own key cache), or the nearest earlier
+//!              full layer's on a GLM "shared" layer; logical positions → slots (block table)
+//! out = sparse_mla_decode(q_full, cache, slots)                         (the decode kernel)
 //! h += o_proj(W_UV out)
 //! h += mlp(rmsnorm(h))            (dense SwiGLU, or routed experts + shared expert)
 //! ```
-//! The top-k slots come from the layer's lightning indexer (its own key cache) or, on a
-//! GLM "shared" layer, from the nearest earlier full layer. While a sequence holds no more
-//! than `index_topk` positions every position is selected, so sparse equals dense there.
-//!
-//! A prefill of T tokens is T query tokens in one call, each with its own causal top-k.
+//! A step takes any number of sequences, each with any number of new tokens (a prefill, one
+//! decode token, or several for speculative decode): `T` query tokens in all, each with its
+//! own position, causal top-k and cache slot. While a sequence holds no more than
+//! `index_topk` positions every position is selected, so sparse equals dense there.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use super::backend::{BlockTableRef, CacheLayout, IndexerCall, MlaCall, ModelBackend, Routing};
-use super::config::{ModelConfig, INDEXER_NORM_EPS, LATENT_NORM_EPS};
-use super::params::{check_checkpoint, upload_weights, LayerWeights, MlpWeights, ModelWeights};
+use super::cache::{CacheOptions, KvCache, SeqId};
+use super::config::{ModelConfig, RopeStyle, INDEXER_NORM_EPS, LATENT_NORM_EPS};
+use super::device::{BlockTables, Device, Index, Tensor};
+use super::params::{
+    check_checkpoint, upload_weights, LayerWeights, Mlp, MlpWeights, ModelWeights,
+};
 use super::rope::RopeTable;
 use super::weights::Checkpoint;
-use crate::mla::CacheFormat;
+use crate::kernels::rope::RopeLayout;
+use crate::kernels::view::DType;
+use crate::mla::{CacheWriteShape, DecodeLayout, DecodeShape, VbtShape};
+use crate::runtime::{Backend, CacheWriteBuffers, DecodeBuffers, DecodeOptions, VbtBuffers};
 use crate::{Error, Result};
 
-/// How a sequence's caches are laid out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CacheOptions {
-    pub format: CacheFormat,
-    /// Tokens per page.
-    pub page_size: usize,
-    /// Positions the sequence may hold (prompt + generated).
-    pub max_seq_len: usize,
-}
-
-impl Default for CacheOptions {
-    fn default() -> Self {
-        CacheOptions {
-            format: CacheFormat::Bf16,
-            page_size: 64,
-            max_seq_len: 4096,
-        }
-    }
-}
-
-/// One sequence's state: per-layer latent caches, per-full-layer indexer key caches, and the
-/// block table they share (one slot per position, the same slot in every layer).
-pub struct Sequence<B: ModelBackend> {
-    latent: Vec<B::Cache>,
-    index_keys: Vec<Option<B::Cache>>,
-    block_table: Vec<i32>,
-    /// Physical pages not yet given to this sequence; handed out from the end, so the
-    /// logical → physical map is not the identity and the block table is really exercised.
-    free_pages: Vec<i32>,
-    options: CacheOptions,
-    len: usize,
-}
-
-impl<B: ModelBackend> Sequence<B> {
-    /// Positions written so far.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn options(&self) -> CacheOptions {
-        self.options
-    }
-
-    /// The block table (`[max_pages]`, −1 for pages not yet assigned).
-    pub fn block_table(&self) -> &[i32] {
-        &self.block_table
-    }
-
-    /// The latent cache of a layer (for tests that read rows back).
-    pub fn latent_cache(&self, layer: usize) -> Option<&B::Cache> {
-        self.latent.get(layer)
-    }
-
-    fn table(&self) -> BlockTableRef<'_> {
-        BlockTableRef {
-            block_table: &self.block_table,
-            page_size: self.options.page_size,
-        }
-    }
-
-    /// Assigns pages for positions up to `new_len` and returns the slots of `len..new_len`.
-    fn reserve(&mut self, new_len: usize) -> Result<Vec<i32>> {
-        if new_len > self.options.max_seq_len {
-            return Err(Error::arg(
-                "sequence length",
-                format!("at most max_seq_len = {}", self.options.max_seq_len),
-                new_len,
-            ));
-        }
-        let ps = self.options.page_size;
-        for page in self.len.div_ceil(ps)..new_len.div_ceil(ps) {
-            let phys = self
-                .free_pages
-                .pop()
-                .ok_or_else(|| Error::Model("out of cache pages".into()))?;
-            self.block_table[page] = phys;
-        }
-        let table = self.table();
-        Ok((self.len..new_len).map(|p| table.slot(p as i32)).collect())
-    }
-}
-
-/// Which rows of the logits a forward returns.
+/// Which rows of the logits a step returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
-    /// `[1, vocab]` for the last token.
+    /// One row per sequence of the step: its last token.
     Last,
-    /// `[tokens, vocab]`, one row per input token.
+    /// One row per input token.
     All,
 }
 
@@ -129,19 +53,75 @@ pub struct ForwardTrace {
     pub routed: Vec<(usize, usize, Vec<i32>)>,
 }
 
-/// A loaded model on a backend.
-pub struct Model<B: ModelBackend> {
-    pub config: ModelConfig,
-    backend: B,
-    weights: ModelWeights<B::Tensor>,
-    rope: RopeTable,
+/// One sequence's share of a step: its new tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
 }
 
-impl<B: ModelBackend> Model<B> {
-    /// Loads `dir/config.json` and the safetensors checkpoint in `dir`. Every tensor the config
-    /// implies is checked (presence, dtype, shape) before anything is uploaded.
-    /// `progress(done, total)` is called after each tensor.
-    pub fn load(dir: &Path, backend: B, progress: &mut dyn FnMut(usize, usize)) -> Result<Self> {
+/// A cache with one sequence in it: the single-stream API of `mla-run` and the tests.
+pub struct Sequence {
+    pub cache: KvCache,
+    pub id: SeqId,
+}
+
+impl Sequence {
+    /// Positions written so far.
+    pub fn len(&self) -> usize {
+        self.cache.len(self.id).unwrap_or(0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn options(&self) -> CacheOptions {
+        self.cache.options()
+    }
+}
+
+/// A loaded model on a device.
+pub struct Model {
+    pub config: ModelConfig,
+    device: Device,
+    weights: ModelWeights,
+    rope: RopeTable,
+    loaded_bytes: u64,
+}
+
+/// The per-step index inputs, on the device.
+struct StepIndex {
+    ids: Index,
+    positions: Index,
+    req_of_token: Index,
+    slots: Index,
+    /// Row of the last token of each sequence of the step.
+    last: Index,
+    /// Positions each token sees (`positions + 1`), largest.
+    max_seen: u32,
+}
+
+fn rope_layout(s: RopeStyle) -> RopeLayout {
+    match s {
+        RopeStyle::Interleaved => RopeLayout::Interleaved,
+        RopeStyle::HalfSplit => RopeLayout::HalfSplit,
+    }
+}
+
+fn u32_of(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::arg(what, "a value below 2^32", v))
+}
+
+impl Model {
+    /// Loads `dir/config.json` and the safetensors checkpoint in `dir` onto `backend`. Every
+    /// tensor the config implies is checked (presence, dtype, shape) before anything is
+    /// uploaded. `progress(done, total)` is called after each tensor.
+    pub fn load(
+        dir: &Path,
+        backend: Arc<dyn Backend>,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(Error::Model(format!(
@@ -158,22 +138,34 @@ impl<B: ModelBackend> Model<B> {
     pub fn from_checkpoint(
         config: ModelConfig,
         ckpt: &Checkpoint,
-        backend: B,
+        backend: Arc<dyn Backend>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         check_checkpoint(&config, ckpt)?;
-        let weights = upload_weights(&config, ckpt, &backend, progress)?;
+        let device = Device::new(backend);
+        let (weights, loaded_bytes) = upload_weights(&config, ckpt, &device, progress)?;
         let rope = RopeTable::new(&config.rope, config.qk_rope_head_dim);
         Ok(Model {
             config,
-            backend,
+            device,
             weights,
             rope,
+            loaded_bytes,
         })
     }
 
-    pub fn backend(&self) -> &B {
-        &self.backend
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Device bytes of the weights.
+    pub fn weight_bytes(&self) -> u64 {
+        self.weights.bytes()
+    }
+
+    /// Checkpoint bytes read at load.
+    pub fn loaded_bytes(&self) -> u64 {
+        self.loaded_bytes
     }
 
     /// Number of tensors [`Model::load`] reads (for progress bars).
@@ -181,276 +173,453 @@ impl<B: ModelBackend> Model<B> {
         super::params::expected_tensors(config).len()
     }
 
-    /// An empty sequence with caches for `opts.max_seq_len` positions.
-    pub fn new_sequence(&self, opts: CacheOptions) -> Result<Sequence<B>> {
-        if opts.page_size == 0 || opts.max_seq_len == 0 {
-            return Err(Error::arg("page_size / max_seq_len", "at least 1", 0));
-        }
+    /// Caches for `opts` (every layer's latent cache, the indexer key caches, the page pool,
+    /// the block table, the RoPE table).
+    pub fn new_cache(&self, opts: CacheOptions) -> Result<KvCache> {
+        opts.validate()?;
         let c = &self.config;
         opts.format.check_dims(c.mla_dims())?;
-        let num_pages = opts.max_seq_len.div_ceil(opts.page_size);
-        let latent_layout = CacheLayout {
-            num_pages,
-            page_size: opts.page_size,
-            row_bytes: opts.format.row_bytes(c.mla_dims()) as usize,
-        };
-        let key_layout = CacheLayout {
-            row_bytes: 2 * c.index_head_dim,
-            ..latent_layout
-        };
-        let mut latent = Vec::with_capacity(c.num_hidden_layers);
-        let mut index_keys = Vec::with_capacity(c.num_hidden_layers);
-        for layer in &self.weights.layers {
-            latent.push(self.backend.alloc_cache(latent_layout)?);
-            index_keys.push(match layer.indexer {
-                Some(_) => Some(self.backend.alloc_cache(key_layout)?),
-                None => None,
-            });
+        let half = self.rope.inv_freq.len();
+        let mut table = Vec::with_capacity(opts.max_seq_len * 2 * half);
+        for p in 0..opts.max_seq_len {
+            let (cos, sin) = self.rope.cos_sin(p as u32);
+            table.extend(cos);
+            table.extend(sin);
         }
-        Ok(Sequence {
-            latent,
-            index_keys,
-            block_table: vec![-1; num_pages],
-            free_pages: (0..num_pages as i32).collect(),
-            options: opts,
-            len: 0,
-        })
+        let has_keys: Vec<bool> = self
+            .weights
+            .layers
+            .iter()
+            .map(|l| l.indexer.is_some())
+            .collect();
+        KvCache::new(
+            &self.device,
+            opts,
+            opts.format.row_bytes(c.mla_dims()) as usize,
+            c.index_head_dim,
+            &has_keys,
+            table,
+            half,
+        )
     }
 
-    /// Runs `tokens` at the next positions of `seq` and returns logits (row-major
-    /// `[rows, vocab]`, rows per `which`).
-    pub fn forward(
-        &self,
-        seq: &mut Sequence<B>,
-        tokens: &[u32],
-        which: Logits,
-    ) -> Result<Vec<f32>> {
+    /// A cache holding one empty sequence.
+    pub fn new_sequence(&self, opts: CacheOptions) -> Result<Sequence> {
+        let mut cache = self.new_cache(CacheOptions {
+            max_seqs: 1,
+            ..opts
+        })?;
+        let id = cache.add_sequence()?;
+        Ok(Sequence { cache, id })
+    }
+
+    /// Runs `tokens` at the next positions of `seq`; returns the logits row-major
+    /// (`[rows, vocab]`, rows per `which`).
+    pub fn forward(&self, seq: &mut Sequence, tokens: &[u32], which: Logits) -> Result<Vec<f32>> {
         self.forward_traced(seq, tokens, which, None)
     }
 
-    /// [`Model::forward`], recording the indexer's selections into `trace`.
+    /// [`Model::forward`], recording the indexer's selections and the routing into `trace`.
     pub fn forward_traced(
         &self,
-        seq: &mut Sequence<B>,
+        seq: &mut Sequence,
         tokens: &[u32],
         which: Logits,
-        mut trace: Option<&mut ForwardTrace>,
+        trace: Option<&mut ForwardTrace>,
     ) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::arg("tokens", "at least one token", 0));
-        }
-        let b = &self.backend;
-        let c = &self.config;
-        let start = seq.len;
-        let end = start + tokens.len();
-        let slots = seq.reserve(end)?;
-        let positions: Vec<u32> = (start as u32..end as u32).collect();
+        let input = [StepInput {
+            seq: seq.id,
+            tokens,
+        }];
+        let logits = self.step(&mut seq.cache, &input, which, trace)?;
+        self.device.download(&logits)
+    }
 
-        let mut h = b.embedding(&self.weights.embed, tokens)?;
-        let mut selected: Option<B::Index> = None;
+    /// One step over several sequences: every input's tokens at its sequence's next positions.
+    /// Returns the logits on the device (`[rows, vocab]` f32, rows per `which`: one per input
+    /// for [`Logits::Last`], in input order). On an error no sequence has changed.
+    pub fn step(
+        &self,
+        cache: &mut KvCache,
+        inputs: &[StepInput],
+        which: Logits,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
+        if inputs.is_empty() || inputs.iter().any(|i| i.tokens.is_empty()) {
+            return Err(Error::arg("tokens", "at least one token per sequence", 0));
+        }
+        for (n, i) in inputs.iter().enumerate() {
+            if inputs[..n].iter().any(|j| j.seq == i.seq) {
+                return Err(Error::arg(
+                    "inputs",
+                    "each sequence at most once per step",
+                    i.seq.0,
+                ));
+            }
+            if let Some(&bad) = i
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.config.vocab_size)
+            {
+                return Err(Error::arg(
+                    "token id",
+                    format!("below the vocabulary size {}", self.config.vocab_size),
+                    bad,
+                ));
+            }
+        }
+        let grow: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
+        let reservation = cache.reserve(&grow)?;
+        match self.step_reserved(cache, inputs, which, trace) {
+            Ok(l) => Ok(l),
+            Err(e) => {
+                cache.rollback(reservation);
+                Err(e)
+            }
+        }
+    }
+
+    fn step_index(&self, cache: &KvCache, inputs: &[StepInput]) -> Result<StepIndex> {
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut req = Vec::new();
+        let mut slots = Vec::new();
+        let mut last = Vec::new();
+        for i in inputs {
+            let end = cache.len(i.seq)?;
+            let start = end - i.tokens.len();
+            for (k, &t) in i.tokens.iter().enumerate() {
+                ids.push(t as i32);
+                positions.push((start + k) as i32);
+                req.push(i.seq.0 as i32);
+                slots.push(cache.slot(i.seq, start + k)?);
+            }
+            last.push(ids.len() as i32 - 1);
+        }
+        let t = u32_of(ids.len(), "tokens in a step")?;
+        let d = &self.device;
+        let max_seen = positions.iter().map(|&p| p as u32 + 1).max().unwrap_or(1);
+        Ok(StepIndex {
+            ids: d.index_from(t, 1, &ids)?,
+            positions: d.index_from(t, 1, &positions)?,
+            req_of_token: d.index_from(t, 1, &req)?,
+            slots: d.index_from(t, 1, &slots)?,
+            last: d.index_from(last.len() as u32, 1, &last)?,
+            max_seen,
+        })
+    }
+
+    fn step_reserved(
+        &self,
+        cache: &mut KvCache,
+        inputs: &[StepInput],
+        which: Logits,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
+        let d = &self.device;
+        let c = &self.config;
+        cache.sync_table(d)?;
+        let idx = self.step_index(cache, inputs)?;
+        let h = d.gather_rows(&self.weights.embed, &idx.ids)?;
+        let mut selected: Option<Index> = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            let x = b.rms_norm(&h, &layer.input_norm, c.rms_norm_eps)?;
-            let attn = self.attention(
+            let x = d.rms_norm(&h, &layer.input_norm, c.rms_norm_eps)?;
+            self.attention(
                 l,
                 layer,
                 &x,
-                seq,
-                &slots,
-                &positions,
+                &h,
+                cache,
+                &idx,
                 &mut selected,
                 trace.as_deref_mut(),
             )?;
-            h = b.add(&h, &attn)?;
-            let x = b.rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
-            let y = self.mlp(l, &layer.mlp, &x, trace.as_deref_mut())?;
-            h = b.add(&h, &y)?;
+            let x = d.rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
+            self.mlp(l, &layer.mlp, &x, &h, trace.as_deref_mut())?;
         }
-        seq.len = end;
-
         let h = match which {
             Logits::All => h,
-            Logits::Last => b.slice_rows(&h, tokens.len() - 1, 1)?,
+            Logits::Last => d.select_rows(&h, &idx.last)?,
         };
-        let h = b.rms_norm(&h, &self.weights.norm, c.rms_norm_eps)?;
+        let h = d.rms_norm(&h, &self.weights.norm, c.rms_norm_eps)?;
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
-        b.download(&b.linear(&h, head)?)
+        d.linear(&h, head)
     }
 
+    fn tables<'a>(&self, cache: &'a KvCache, idx: &'a StepIndex) -> BlockTables<'a> {
+        BlockTables {
+            buf: &cache.table,
+            requests: cache.opts.max_seqs as u32,
+            max_pages: cache.opts.max_pages_per_seq() as u32,
+            page_size: cache.opts.page_size as u32,
+            req_of_token: &idx.req_of_token,
+            positions: &idx.positions,
+        }
+    }
+
+    /// Attention of layer `l`: adds `o_proj(W_UV · sparse_mla(...))` into `h`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         l: usize,
-        layer: &LayerWeights<B::Tensor>,
-        x: &B::Tensor,
-        seq: &mut Sequence<B>,
-        slots: &[i32],
-        positions: &[u32],
-        selected: &mut Option<B::Index>,
+        layer: &LayerWeights,
+        x: &Tensor,
+        h: &Tensor,
+        cache: &mut KvCache,
+        idx: &StepIndex,
+        selected: &mut Option<Index>,
         trace: Option<&mut ForwardTrace>,
-    ) -> Result<B::Tensor> {
-        let b = &self.backend;
+    ) -> Result<()> {
+        let d = &self.device;
         let c = &self.config;
         let w = &layer.attn;
-        let t = positions.len();
-        let heads = c.num_attention_heads;
-        let (nope, rope, lat) = (c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank);
+        let t = x.rows();
+        let heads = c.num_attention_heads as u32;
+        let (nope, rope, lat) = (
+            c.qk_nope_head_dim as u32,
+            c.qk_rope_head_dim as u32,
+            c.kv_lora_rank as u32,
+        );
+        let mla_rope = rope_layout(c.mla_rope_style);
 
-        // Query: [nope | rope] per head; q_lat = W_UKᵀ q_nope.
-        let q_resid = b.rms_norm(&b.linear(x, &w.q_a)?, &w.q_a_norm, LATENT_NORM_EPS)?;
-        let q = b.reshape(b.linear(&q_resid, &w.q_b)?, t * heads, nope + rope)?;
-        let q_rope = b.rope(
-            &b.slice_cols(&q, nope, rope)?,
-            0,
-            positions,
-            &self.rope,
-            c.mla_rope_style,
+        // Query: [nope | rope] per head; q_full = [W_UKᵀ q_nope | RoPE(q_rope)].
+        let q_resid = d.rms_norm(&d.linear(x, &w.q_a)?, &w.q_a_norm, LATENT_NORM_EPS)?;
+        let q = d
+            .linear(&q_resid, &w.q_b)?
+            .reshape(t * heads, nope + rope)?;
+        let q_full = d.empty(t * heads, lat + rope, DType::F32)?;
+        d.head_linear_into(
+            &q.cols_slice(0, nope)?,
+            &w.w_uk_t,
+            heads,
+            &q_full.cols_slice(0, lat)?,
         )?;
-        let q_nope = b.reshape(b.slice_cols(&q, 0, nope)?, t, heads * nope)?;
-        let q_lat = b.reshape(b.head_linear(&q_nope, &w.w_uk_t, heads)?, t * heads, lat)?;
-        let q_full = b.reshape(b.concat_cols(&q_lat, &q_rope)?, t, heads * (lat + rope))?;
+        d.rope_into(
+            &q.cols_slice(nope, rope)?,
+            &q_full.cols_slice(lat, rope)?,
+            heads,
+            &idx.positions,
+            &cache.rope,
+            mla_rope,
+        )?;
+        let q_bf16 = d.cast(&q_full, DType::Bf16)?;
 
-        // This token's cache row: [rmsnorm(c) | RoPE(k_rope)].
-        let kv = b.linear(x, &w.kv_a)?;
-        let latent = b.rms_norm(&b.slice_cols(&kv, 0, lat)?, &w.kv_a_norm, LATENT_NORM_EPS)?;
-        let k_rope = b.rope(
-            &b.slice_cols(&kv, lat, rope)?,
-            0,
-            positions,
-            &self.rope,
-            c.mla_rope_style,
+        // This token's cache row: [rmsnorm(c) | RoPE(k_rope)], written by the cache-write kernel.
+        let kv = d.linear(x, &w.kv_a)?;
+        let latent = d.rms_norm(&kv.cols_slice(0, lat)?, &w.kv_a_norm, LATENT_NORM_EPS)?;
+        let k_rope = d.empty(t, rope, DType::F32)?;
+        d.rope_into(
+            &kv.cols_slice(lat, rope)?,
+            &k_rope,
+            1,
+            &idx.positions,
+            &cache.rope,
+            mla_rope,
         )?;
-        let row = b.concat_cols(&latent, &k_rope)?;
-        let fmt = seq.options.format;
-        b.write_latent_rows(
-            &mut seq.latent[l],
-            &row,
-            slots,
-            fmt,
-            c.mla_dims(),
-            c.cache_scale_flavour(),
+        let latent_bf16 = d.cast(&latent, DType::Bf16)?;
+        let rope_bf16 = d.cast(&k_rope, DType::Bf16)?;
+        let opts = cache.opts;
+        let write = CacheWriteShape {
+            tokens: t,
+            num_pages: opts.pages() as u32,
+            page_size: opts.page_size as u32,
+            dims: c.mla_dims(),
+            format: opts.format,
+            flavour: c.cache_scale_flavour(),
+            strides: Default::default(),
+        };
+        d.backend().cache_write(
+            &write,
+            &CacheWriteBuffers {
+                latent: latent_bf16.buffer(),
+                rope: rope_bf16.buffer(),
+                slot_mapping: idx.slots.buffer(),
+                kv_cache: &cache.latent[l],
+            },
         )?;
 
         if let Some(iw) = &layer.indexer {
-            let logical = self.indexer(l, iw, x, &q_resid, seq, slots, positions)?;
+            let logical = self.indexer(l, iw, x, &q_resid, cache, idx)?;
             if let Some(tr) = trace {
-                let k = b.download_index(&logical)?;
-                tr.selected.push((l, k.len() / t, k));
+                tr.selected
+                    .push((l, logical.cols as usize, d.download_index(&logical)?));
             }
-            *selected = Some(b.positions_to_slots(&logical, seq.table())?);
+            let slots = d.empty_index(t, logical.cols)?;
+            let shape = VbtShape {
+                tokens: t,
+                topk: logical.cols,
+                requests: opts.max_seqs as u32,
+                max_pages: opts.max_pages_per_seq() as u32,
+                page_size: opts.page_size as u32,
+            };
+            d.backend().positions_to_slots(
+                &shape,
+                &VbtBuffers {
+                    positions: logical.buffer(),
+                    block_table: &cache.table,
+                    req_of_token: idx.req_of_token.buffer(),
+                    slots: slots.buffer(),
+                },
+            )?;
+            *selected = Some(slots);
         }
         let slots_k = selected.as_ref().ok_or_else(|| {
             Error::Model(format!(
                 "layer {l} is a shared-indexer layer with no earlier full layer"
             ))
         })?;
-        let call = MlaCall {
+
+        let shape = DecodeShape {
+            tokens: t,
             heads,
+            topk: slots_k.cols,
+            num_pages: opts.pages() as u32,
+            page_size: opts.page_size as u32,
             dims: c.mla_dims(),
-            format: fmt,
+            format: opts.format,
             scale: c.softmax_scale(),
+            has_topk_length: false,
         };
-        let out = b.sparse_mla(&q_full, &seq.latent[l], slots_k, call)?;
-        let o = b.head_linear(&out, &w.w_uv, heads)?;
-        b.linear(&o, &w.o_proj)
+        let out = d.empty(t * heads, lat, DType::Bf16)?;
+        let lse = d.empty(t, heads, DType::F32)?;
+        d.backend().sparse_mla_decode(
+            &shape,
+            &DecodeBuffers {
+                q: q_bf16.buffer(),
+                kv_cache: &cache.latent[l],
+                indices: slots_k.buffer(),
+                topk_length: None,
+                out: out.buffer(),
+                lse: lse.buffer(),
+                layout: DecodeLayout::default(),
+            },
+            &DecodeOptions::default(),
+        )?;
+        let v = c.v_head_dim as u32;
+        let o = d.empty(t * heads, v, DType::F32)?;
+        d.head_linear_into(&out, &w.w_uv, heads, &o)?;
+        d.linear_into(&o.reshape(t, heads * v)?, &w.o_proj, h, true)
     }
 
     /// Writes this layer's indexer keys and returns the logical top-k positions `[T, K]`.
-    #[allow(clippy::too_many_arguments)]
     fn indexer(
         &self,
         l: usize,
-        w: &super::params::IndexerWeights<B::Tensor>,
-        x: &B::Tensor,
-        q_resid: &B::Tensor,
-        seq: &mut Sequence<B>,
-        slots: &[i32],
-        positions: &[u32],
-    ) -> Result<B::Index> {
-        let b = &self.backend;
+        w: &super::params::IndexerWeights,
+        x: &Tensor,
+        q_resid: &Tensor,
+        cache: &KvCache,
+        idx: &StepIndex,
+    ) -> Result<Index> {
+        let d = &self.device;
         let c = &self.config;
-        let t = positions.len();
-        let (hi, d) = (c.index_n_heads, c.index_head_dim);
-        let k = b.layer_norm(
-            &b.linear(x, &w.wk)?,
+        let t = x.rows();
+        let (hi, dim) = (c.index_n_heads as u32, c.index_head_dim as u32);
+        let rope = c.qk_rope_head_dim as u32;
+        let style = rope_layout(c.indexer_rope_style);
+        let keys = cache.keys[l]
+            .as_ref()
+            .ok_or_else(|| Error::Model(format!("layer {l}: no indexer key cache")))?;
+        let num_slots = (cache.opts.pages() * cache.opts.page_size) as u32;
+        // Keys: LayerNorm(wk x), RoPE on the first qk_rope columns, stored as bf16 rows.
+        let k = d.layer_norm(
+            &d.linear(x, &w.wk)?,
             &w.k_norm_w,
             &w.k_norm_b,
             INDEXER_NORM_EPS,
         )?;
-        let k = b.rope(&k, 0, positions, &self.rope, c.indexer_rope_style)?;
-        let cache = seq.index_keys[l]
-            .as_mut()
-            .ok_or_else(|| Error::Model(format!("layer {l}: no indexer key cache")))?;
-        b.write_index_keys(cache, &k, slots)?;
+        d.rope_in_place(
+            &k.cols_slice(0, rope)?,
+            1,
+            &idx.positions,
+            &cache.rope,
+            style,
+        )?;
+        d.write_keys(&k, &idx.slots, keys, num_slots)?;
 
-        let total = positions.last().map(|&p| p as usize + 1).unwrap_or(0);
-        let topk = c.index_topk.min(total);
-        if total <= c.index_topk {
-            // Every earlier-or-equal position is selected: no scores needed.
-            let mut idx = vec![-1i32; t * topk];
-            for (r, &p) in positions.iter().enumerate() {
-                for s in 0..=p as usize {
-                    idx[r * topk + s] = s as i32;
-                }
-            }
-            return b.upload_index(t, topk, &idx);
-        }
-        let q = b.reshape(b.linear(q_resid, &w.wq_b)?, t * hi, d)?;
-        let q = b.rope(&q, 0, positions, &self.rope, c.indexer_rope_style)?;
-        let weights = b.linear(x, &w.weights_proj)?;
-        let call = IndexerCall {
-            heads: hi,
-            head_dim: d,
-            softmax_scale: (d as f32).powf(-0.5),
-            weight_scale: (hi as f32).powf(-0.5),
-            topk,
+        let columns = idx.max_seen;
+        let topk = (c.index_topk as u32).min(columns);
+        let tables = self.tables(cache, idx);
+        let scores = if columns <= c.index_topk as u32 {
+            // Every earlier-or-equal position is selected: the scores are not read.
+            d.empty_with_capacity(
+                t,
+                columns,
+                super::device::score_capacity(columns),
+                DType::F32,
+            )?
+        } else {
+            let q = d.linear(q_resid, &w.wq_b)?.reshape(t * hi, dim)?;
+            d.rope_in_place(
+                &q.cols_slice(0, rope)?,
+                hi,
+                &idx.positions,
+                &cache.rope,
+                style,
+            )?;
+            let weights = d.linear(x, &w.weights_proj)?;
+            d.indexer_scores(
+                &q,
+                &weights,
+                hi,
+                keys,
+                num_slots,
+                &tables,
+                columns,
+                (dim as f32).powf(-0.5),
+                (hi as f32).powf(-0.5),
+            )?
         };
-        let cache = seq.index_keys[l]
-            .as_ref()
-            .ok_or_else(|| Error::Model(format!("layer {l}: no indexer key cache")))?;
-        b.indexer_topk(&q, &weights, cache, seq.table(), positions, call)
+        d.topk(&scores, &idx.positions, topk)
     }
 
+    /// The MLP of layer `l`, added into `h`.
     fn mlp(
         &self,
         l: usize,
-        mlp: &MlpWeights<B::Tensor>,
-        x: &B::Tensor,
+        mlp: &MlpWeights,
+        x: &Tensor,
+        h: &Tensor,
         trace: Option<&mut ForwardTrace>,
-    ) -> Result<B::Tensor> {
-        let b = &self.backend;
+    ) -> Result<()> {
+        let d = &self.device;
         let c = &self.config;
         match mlp {
-            MlpWeights::Dense(m) => {
-                let hmid = b.silu_mul(&b.linear(x, &m.gate)?, &b.linear(x, &m.up)?)?;
-                b.linear(&hmid, &m.down)
-            }
+            MlpWeights::Dense(m) => self.swiglu_into(m, x, h),
             MlpWeights::Moe {
                 router,
                 bias,
+                experts_gate_up,
+                experts_down,
                 experts,
+                inter,
                 shared,
             } => {
-                let logits = b.linear(x, router)?;
-                let routing = Routing {
-                    top_k: c.num_experts_per_tok,
-                    n_group: c.n_group,
-                    topk_group: c.topk_group,
-                    norm_topk_prob: c.norm_topk_prob,
-                    routed_scaling_factor: c.routed_scaling_factor,
-                };
-                let (ids, weights) = b.moe_route(&logits, bias, routing)?;
+                let logits = d.linear(x, router)?;
+                let (ids, weights) = d.moe_route(&logits, bias, c)?;
                 if let Some(tr) = trace {
-                    tr.routed.push((l, routing.top_k, b.download_index(&ids)?));
+                    tr.routed
+                        .push((l, ids.cols as usize, d.download_index(&ids)?));
                 }
-                let y = b.moe_experts(x, &ids, &weights, experts)?;
+                let gu = d.expert_linear(x, experts_gate_up, *experts, &ids)?;
+                let a = d.silu_mul(&gu.cols_slice(0, *inter)?, &gu.cols_slice(*inter, *inter)?)?;
+                d.expert_linear_combine(&a, experts_down, *experts, &ids, &weights, h)?;
                 match shared {
-                    Some(s) => {
-                        let hmid = b.silu_mul(&b.linear(x, &s.gate)?, &b.linear(x, &s.up)?)?;
-                        b.add(&y, &b.linear(&hmid, &s.down)?)
-                    }
-                    None => Ok(y),
+                    Some(s) => self.swiglu_into(s, x, h),
+                    None => Ok(()),
                 }
             }
         }
+    }
+
+    /// `h += down(silu(gate x) ⊙ up x)`.
+    fn swiglu_into(&self, m: &Mlp, x: &Tensor, h: &Tensor) -> Result<()> {
+        let d = &self.device;
+        let gu = d.linear(x, &m.gate_up)?;
+        let a = d.silu_mul(
+            &gu.cols_slice(0, m.inter)?,
+            &gu.cols_slice(m.inter, m.inter)?,
+        )?;
+        d.linear_into(&a, &m.down, h, true)
     }
 }

@@ -3,9 +3,13 @@
 
 use std::collections::HashSet;
 
-use super::backend::{Mlp, ModelBackend};
+use safetensors::Dtype;
+
 use super::config::{IndexerKind, MlpKind, ModelConfig};
-use super::weights::Checkpoint;
+use super::device::{Device, Vector, Weight};
+use super::weights::{plain_to_f32, Checkpoint, SCALE_INV_SUFFIX};
+use crate::kernels::view::{WeightLayout, WeightType};
+use crate::reference::numerics::bf16_bits;
 use crate::{Error, Result};
 
 /// One expected tensor.
@@ -140,125 +144,302 @@ pub fn check_checkpoint(c: &ModelConfig, ckpt: &Checkpoint) -> Result<Vec<Tensor
 }
 
 /// Attention weights of one layer, in the absorbed form's layout.
-pub struct AttentionWeights<T> {
-    pub q_a: T,
-    pub q_a_norm: T,
-    pub q_b: T,
-    pub kv_a: T,
-    pub kv_a_norm: T,
-    /// W_UKᵀ per head: `[heads · kv_lora, qk_nope]` (q_lat_h = W_UK_hᵀ q_nope_h).
-    pub w_uk_t: T,
-    /// W_UV per head: `[heads · v_head, kv_lora]` (o_h = W_UV_h out_h).
-    pub w_uv: T,
-    pub o_proj: T,
+pub struct AttentionWeights {
+    pub q_a: Weight,
+    pub q_a_norm: Vector,
+    pub q_b: Weight,
+    pub kv_a: Weight,
+    pub kv_a_norm: Vector,
+    /// W_UKᵀ per head, bf16 `[heads · kv_lora, qk_nope]`: `q_lat_h = W_UK_hᵀ q_nope_h`.
+    pub w_uk_t: Weight,
+    /// W_UV per head, bf16 `[heads · v_head, kv_lora]`: `o_h = W_UV_h out_h`.
+    pub w_uv: Weight,
+    pub o_proj: Weight,
 }
 
-pub struct IndexerWeights<T> {
-    pub wq_b: T,
-    pub wk: T,
-    pub k_norm_w: T,
-    pub k_norm_b: T,
-    pub weights_proj: T,
+pub struct IndexerWeights {
+    pub wq_b: Weight,
+    pub wk: Weight,
+    pub k_norm_w: Vector,
+    pub k_norm_b: Vector,
+    pub weights_proj: Weight,
 }
 
-pub enum MlpWeights<T> {
-    Dense(Mlp<T>),
+/// A SwiGLU MLP with gate and up stacked into one `[2 · inter, hidden]` weight (two groups):
+/// `down(silu(x · gateᵀ) ⊙ (x · upᵀ))`.
+pub struct Mlp {
+    pub gate_up: Weight,
+    pub down: Weight,
+    pub inter: u32,
+}
+
+pub enum MlpWeights {
+    Dense(Mlp),
     Moe {
-        router: T,
-        bias: T,
-        experts: Vec<Mlp<T>>,
-        shared: Option<Mlp<T>>,
+        router: Weight,
+        bias: Vector,
+        /// Every routed expert's gate and up: `[experts · 2 · inter, hidden]`, groups of `inter`.
+        experts_gate_up: Weight,
+        /// Every routed expert's down: `[experts · hidden, inter]`, groups of `hidden`.
+        experts_down: Weight,
+        experts: u32,
+        inter: u32,
+        shared: Option<Mlp>,
     },
 }
 
-pub struct LayerWeights<T> {
-    pub input_norm: T,
-    pub post_norm: T,
-    pub attn: AttentionWeights<T>,
-    pub indexer: Option<IndexerWeights<T>>,
-    pub mlp: MlpWeights<T>,
+pub struct LayerWeights {
+    pub input_norm: Vector,
+    pub post_norm: Vector,
+    pub attn: AttentionWeights,
+    pub indexer: Option<IndexerWeights>,
+    pub mlp: MlpWeights,
 }
 
-pub struct ModelWeights<T> {
-    pub embed: T,
-    pub layers: Vec<LayerWeights<T>>,
-    pub norm: T,
+pub struct ModelWeights {
+    pub embed: Weight,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vector,
     /// `None` when tied to the embedding.
-    pub lm_head: Option<T>,
+    pub lm_head: Option<Weight>,
 }
 
-/// Reads tensors from the checkpoint and uploads them; `progress(done, total)` after each.
-struct Uploader<'a, B: ModelBackend> {
-    backend: &'a B,
+impl ModelWeights {
+    /// Device bytes of every weight (scales included).
+    pub fn bytes(&self) -> u64 {
+        let mlp = |m: &Mlp| m.gate_up.bytes() + m.down.bytes();
+        let mut total = self.embed.bytes() + self.lm_head.as_ref().map(|w| w.bytes()).unwrap_or(0);
+        for l in &self.layers {
+            let a = &l.attn;
+            total += a.q_a.bytes() + a.q_b.bytes() + a.kv_a.bytes() + a.w_uk_t.bytes();
+            total += a.w_uv.bytes() + a.o_proj.bytes();
+            if let Some(i) = &l.indexer {
+                total += i.wq_b.bytes() + i.wk.bytes() + i.weights_proj.bytes();
+            }
+            total += match &l.mlp {
+                MlpWeights::Dense(m) => mlp(m),
+                MlpWeights::Moe {
+                    router,
+                    experts_gate_up,
+                    experts_down,
+                    shared,
+                    ..
+                } => {
+                    router.bytes()
+                        + experts_gate_up.bytes()
+                        + experts_down.bytes()
+                        + shared.as_ref().map(mlp).unwrap_or(0)
+                }
+            };
+        }
+        total
+    }
+}
+
+/// How a checkpoint tensor is stored on the device.
+fn weight_type(ckpt: &Checkpoint, name: &str, dtype: Dtype) -> Result<WeightType> {
+    Ok(match dtype {
+        Dtype::BF16 => WeightType::Bf16,
+        // f16 has no kernel of its own: widened to f32 (exact).
+        Dtype::F32 | Dtype::F16 => WeightType::F32,
+        Dtype::F8_E4M3 => {
+            let b = ckpt.fp8_block(name)?;
+            let block = [
+                u32_of(b[0], "weight_block_size")?,
+                u32_of(b[1], "weight_block_size")?,
+            ];
+            WeightType::Fp8 { block }
+        }
+        other => {
+            return Err(Error::Model(format!(
+                "tensor `{name}`: dtype {other:?} is not a weight dtype (BF16, F16, F32, F8_E4M3)"
+            )))
+        }
+    })
+}
+
+fn u32_of(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v)
+        .map_err(|_| Error::Model(format!("{what} {v} does not fit the kernels' 32-bit sizes")))
+}
+
+/// Reads checkpoint tensors and puts them on the device in their dtype; `progress(done,
+/// total)` after each tensor.
+struct Uploader<'a> {
+    device: &'a Device,
     ckpt: &'a Checkpoint,
     done: usize,
     total: usize,
+    bytes: u64,
     progress: &'a mut dyn FnMut(usize, usize),
 }
 
-impl<B: ModelBackend> Uploader<'_, B> {
-    fn host(&mut self, name: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let data = self.ckpt.read_f32(name)?;
-        let shape = self
-            .ckpt
-            .meta(name)
-            .map(|m| m.shape.clone())
-            .ok_or_else(|| Error::Model(format!("tensor `{name}` not found")))?;
+impl Uploader<'_> {
+    fn tick(&mut self, bytes: u64) {
         self.done += 1;
+        self.bytes += bytes;
         (self.progress)(self.done, self.total);
-        Ok((data, shape))
     }
 
-    /// A 1-D tensor becomes `[1, n]`, a 2-D one keeps its shape.
-    fn get(&mut self, name: &str) -> Result<B::Tensor> {
-        let (data, shape) = self.host(name)?;
-        let (rows, cols) = match shape.as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
+    /// The bytes of tensor `name` as the device stores them (f16 widened to f32), and the
+    /// f32 bytes of its FP8 scales.
+    fn device_bytes(&self, name: &str, wtype: WeightType) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
+        let (dtype, _, data) = self.ckpt.raw(name)?;
+        let values = match (dtype, wtype) {
+            (Dtype::F16, _) => f32_bytes(&plain_to_f32(dtype, data).unwrap_or_default()),
+            _ => data.to_vec(),
+        };
+        let scales = match wtype {
+            WeightType::Fp8 { .. } => {
+                let s = self.ckpt.read_f32(&format!("{name}{SCALE_INV_SUFFIX}"))?;
+                Some(f32_bytes(&s))
+            }
+            _ => None,
+        };
+        Ok((values, scales))
+    }
+
+    /// A 2-D weight as stored.
+    fn weight(&mut self, name: &str) -> Result<Weight> {
+        self.stacked(&[name.to_string()])
+    }
+
+    /// Several `[rows, cols]` tensors of one dtype stacked along the rows into one weight
+    /// (groups of `rows`; FP8 block grids restart per group).
+    fn stacked(&mut self, names: &[String]) -> Result<Weight> {
+        let first = &names[0];
+        let (dtype, shape, _) = self.ckpt.raw(first)?;
+        let [rows, cols] = match shape.as_slice() {
+            [r, c] => [*r, *c],
             other => {
                 return Err(Error::Model(format!(
-                    "tensor `{name}`: expected 1-D or 2-D, found {other:?}"
+                    "tensor `{first}`: expected a 2-D weight, found shape {other:?}"
                 )))
             }
         };
-        self.backend.upload(rows, cols, &data)
+        let wtype = weight_type(self.ckpt, first, dtype)?;
+        let layout = WeightLayout::stacked(
+            wtype,
+            u32_of(names.len(), "stacked tensors")?,
+            u32_of(rows, first)?,
+            u32_of(cols, first)?,
+        );
+        layout
+            .validate(first)
+            .map_err(|e| Error::Model(format!("tensor `{first}`: {e}")))?;
+        let values = self.device.backend().alloc(layout.bytes())?;
+        let scales = match layout.scale_bytes() {
+            0 => None,
+            n => Some(self.device.backend().alloc(n)?),
+        };
+        let per_values = layout.bytes() / names.len() as u64;
+        let per_scales = layout.scale_bytes() / names.len() as u64;
+        for (g, name) in names.iter().enumerate() {
+            let (d, s, _) = self.ckpt.raw(name)?;
+            if d != dtype || s != shape {
+                return Err(Error::Model(format!(
+                    "tensor `{name}` is {d:?} {s:?}, but `{first}`, stacked with it, is {dtype:?} {shape:?}"
+                )));
+            }
+            let (v, sc) = self.device_bytes(name, wtype)?;
+            self.device
+                .backend()
+                .write_at(&values, g as u64 * per_values, &v)?;
+            if let (Some(buf), Some(sc)) = (&scales, sc) {
+                self.device
+                    .backend()
+                    .write_at(buf, g as u64 * per_scales, &sc)?;
+            }
+            self.tick(v.len() as u64);
+        }
+        Ok(Weight {
+            layout,
+            values,
+            scales,
+        })
     }
 
-    fn mlp(&mut self, prefix: &str) -> Result<Mlp<B::Tensor>> {
+    /// A 1-D parameter as f32.
+    fn vector(&mut self, name: &str) -> Result<Vector> {
+        let v = self.ckpt.read_f32(name)?;
+        let buf = self.device.backend().upload(&f32_bytes(&v))?;
+        self.tick(v.len() as u64 * 4);
+        Ok(Vector {
+            len: u32_of(v.len(), name)?,
+            buf,
+        })
+    }
+
+    /// A bf16 weight built on the host (the absorbed W_UK / W_UV).
+    fn host_bf16(&mut self, rows: usize, cols: usize, values: &[f32]) -> Result<Weight> {
+        let layout = WeightLayout::new(
+            WeightType::Bf16,
+            u32_of(rows, "rows")?,
+            u32_of(cols, "cols")?,
+        );
+        layout.validate("absorbed attention weight")?;
+        let bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|v| bf16_bits(*v).to_le_bytes())
+            .collect();
+        Ok(Weight {
+            layout,
+            values: self.device.backend().upload(&bytes)?,
+            scales: None,
+        })
+    }
+
+    fn mlp(&mut self, prefix: &str) -> Result<Mlp> {
+        let gate_up = self.stacked(&[
+            format!("{prefix}.gate_proj.weight"),
+            format!("{prefix}.up_proj.weight"),
+        ])?;
+        let inter = gate_up.layout.group_rows;
         Ok(Mlp {
-            gate: self.get(&format!("{prefix}.gate_proj.weight"))?,
-            up: self.get(&format!("{prefix}.up_proj.weight"))?,
-            down: self.get(&format!("{prefix}.down_proj.weight"))?,
+            gate_up,
+            down: self.weight(&format!("{prefix}.down_proj.weight"))?,
+            inter,
         })
     }
 }
 
-/// Uploads every weight (the checkpoint must have passed [`check_checkpoint`]).
-pub fn upload_weights<B: ModelBackend>(
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Puts every weight on the device (the checkpoint must have passed [`check_checkpoint`]).
+/// Matrices keep their checkpoint dtype (bf16, f32, block-scaled FP8; f16 is widened to f32);
+/// 1-D parameters become f32; kv_b_proj becomes the absorbed W_UKᵀ and W_UV in bf16 (from an
+/// FP8 kv_b_proj: dequantised, then rounded, as vLLM does for its absorbed MLA). Returns the
+/// weights and the bytes read.
+pub fn upload_weights(
     c: &ModelConfig,
     ckpt: &Checkpoint,
-    backend: &B,
+    device: &Device,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<ModelWeights<B::Tensor>> {
+) -> Result<(ModelWeights, u64)> {
     let total = expected_tensors(c).len();
     let mut up = Uploader {
-        backend,
+        device,
         ckpt,
         done: 0,
         total,
+        bytes: 0,
         progress,
     };
-    let embed = up.get("model.embed_tokens.weight")?;
+    let embed = up.weight("model.embed_tokens.weight")?;
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     let heads = c.num_attention_heads;
     let (nope, v, lat) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
         let a = format!("{p}.self_attn");
-        let input_norm = up.get(&format!("{p}.input_layernorm.weight"))?;
-        let post_norm = up.get(&format!("{p}.post_attention_layernorm.weight"))?;
+        let input_norm = up.vector(&format!("{p}.input_layernorm.weight"))?;
+        let post_norm = up.vector(&format!("{p}.post_attention_layernorm.weight"))?;
         // kv_b_proj is [heads · (nope + v), latent]: head h's rows are [W_UK_h (nope) | W_UV_h (v)].
-        let (kv_b, _) = up.host(&format!("{a}.kv_b_proj.weight"))?;
+        let kv_b_name = format!("{a}.kv_b_proj.weight");
+        let kv_b = ckpt.read_f32(&kv_b_name)?;
+        up.tick(kv_b.len() as u64 * 2);
         let mut w_uk_t = Vec::with_capacity(heads * lat * nope);
         let mut w_uv = Vec::with_capacity(heads * v * lat);
         for h in 0..heads {
@@ -269,24 +450,24 @@ pub fn upload_weights<B: ModelBackend>(
             w_uv.extend_from_slice(&kv_b[(base + nope) * lat..(base + nope + v) * lat]);
         }
         let attn = AttentionWeights {
-            q_a: up.get(&format!("{a}.q_a_proj.weight"))?,
-            q_a_norm: up.get(&format!("{a}.q_a_layernorm.weight"))?,
-            q_b: up.get(&format!("{a}.q_b_proj.weight"))?,
-            kv_a: up.get(&format!("{a}.kv_a_proj_with_mqa.weight"))?,
-            kv_a_norm: up.get(&format!("{a}.kv_a_layernorm.weight"))?,
-            w_uk_t: backend.upload(heads * lat, nope, &w_uk_t)?,
-            w_uv: backend.upload(heads * v, lat, &w_uv)?,
-            o_proj: up.get(&format!("{a}.o_proj.weight"))?,
+            q_a: up.weight(&format!("{a}.q_a_proj.weight"))?,
+            q_a_norm: up.vector(&format!("{a}.q_a_layernorm.weight"))?,
+            q_b: up.weight(&format!("{a}.q_b_proj.weight"))?,
+            kv_a: up.weight(&format!("{a}.kv_a_proj_with_mqa.weight"))?,
+            kv_a_norm: up.vector(&format!("{a}.kv_a_layernorm.weight"))?,
+            w_uk_t: up.host_bf16(heads * lat, nope, &w_uk_t)?,
+            w_uv: up.host_bf16(heads * v, lat, &w_uv)?,
+            o_proj: up.weight(&format!("{a}.o_proj.weight"))?,
         };
         let indexer = match c.indexer_types[l] {
             IndexerKind::Full => {
                 let i = format!("{a}.indexer");
                 Some(IndexerWeights {
-                    wq_b: up.get(&format!("{i}.wq_b.weight"))?,
-                    wk: up.get(&format!("{i}.wk.weight"))?,
-                    k_norm_w: up.get(&format!("{i}.k_norm.weight"))?,
-                    k_norm_b: up.get(&format!("{i}.k_norm.bias"))?,
-                    weights_proj: up.get(&format!("{i}.weights_proj.weight"))?,
+                    wq_b: up.weight(&format!("{i}.wq_b.weight"))?,
+                    wk: up.weight(&format!("{i}.wk.weight"))?,
+                    k_norm_w: up.vector(&format!("{i}.k_norm.weight"))?,
+                    k_norm_b: up.vector(&format!("{i}.k_norm.bias"))?,
+                    weights_proj: up.weight(&format!("{i}.weights_proj.weight"))?,
                 })
             }
             IndexerKind::Shared => None,
@@ -295,11 +476,22 @@ pub fn upload_weights<B: ModelBackend>(
         let mlp = match c.mlp_layer_types[l] {
             MlpKind::Dense => MlpWeights::Dense(up.mlp(&m)?),
             MlpKind::Moe => {
-                let router = up.get(&format!("{m}.gate.weight"))?;
-                let bias = up.get(&format!("{m}.gate.e_score_correction_bias"))?;
-                let experts = (0..c.n_routed_experts)
-                    .map(|e| up.mlp(&format!("{m}.experts.{e}")))
-                    .collect::<Result<Vec<_>>>()?;
+                let router = up.weight(&format!("{m}.gate.weight"))?;
+                let bias = up.vector(&format!("{m}.gate.e_score_correction_bias"))?;
+                let e_n = c.n_routed_experts;
+                let gate_up: Vec<String> = (0..e_n)
+                    .flat_map(|e| {
+                        [
+                            format!("{m}.experts.{e}.gate_proj.weight"),
+                            format!("{m}.experts.{e}.up_proj.weight"),
+                        ]
+                    })
+                    .collect();
+                let down: Vec<String> = (0..e_n)
+                    .map(|e| format!("{m}.experts.{e}.down_proj.weight"))
+                    .collect();
+                let experts_gate_up = up.stacked(&gate_up)?;
+                let experts_down = up.stacked(&down)?;
                 let shared = if c.n_shared_experts > 0 {
                     Some(up.mlp(&format!("{m}.shared_experts"))?)
                 } else {
@@ -308,7 +500,10 @@ pub fn upload_weights<B: ModelBackend>(
                 MlpWeights::Moe {
                     router,
                     bias,
-                    experts,
+                    inter: experts_gate_up.layout.group_rows,
+                    experts_gate_up,
+                    experts_down,
+                    experts: u32_of(e_n, "n_routed_experts")?,
                     shared,
                 }
             }
@@ -321,16 +516,20 @@ pub fn upload_weights<B: ModelBackend>(
             mlp,
         });
     }
-    let norm = up.get("model.norm.weight")?;
+    let norm = up.vector("model.norm.weight")?;
     let lm_head = if c.tie_word_embeddings {
         None
     } else {
-        Some(up.get("lm_head.weight")?)
+        Some(up.weight("lm_head.weight")?)
     };
-    Ok(ModelWeights {
-        embed,
-        layers,
-        norm,
-        lm_head,
-    })
+    let bytes = up.bytes;
+    Ok((
+        ModelWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        },
+        bytes,
+    ))
 }

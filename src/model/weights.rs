@@ -197,6 +197,22 @@ impl Checkpoint {
         Ok(block)
     }
 
+    /// The tensor's bytes as stored (little-endian, row-major), with its dtype and shape.
+    pub fn raw(&self, name: &str) -> Result<(Dtype, Vec<usize>, &[u8])> {
+        let (info, data) = self.bytes(name)?;
+        Ok((info.dtype, info.shape.clone(), data))
+    }
+
+    /// The FP8 block size of a checked `F8_E4M3` weight.
+    pub fn fp8_block(&self, name: &str) -> Result<[usize; 2]> {
+        let shape = self
+            .tensors
+            .get(name)
+            .map(|m| m.shape.clone())
+            .ok_or_else(|| Error::Model(format!("tensor `{name}` not found in the checkpoint")))?;
+        self.check_scale_inv(name, &shape)
+    }
+
     /// The tensor as f32 values, row-major. FP8 weights are dequantised with their scales.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>> {
         let (info, data) = self.bytes(name)?;

@@ -165,11 +165,16 @@ pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
     let path = cache_dir().map(|d| d.join(&key));
     if let Some(p) = &path {
         if let Ok(bytes) = std::fs::read(p) {
-            log::debug!("NVRTC cache hit: {}", p.display());
+            log::info!("kernel {name}: NVRTC cache hit ({})", p.display());
             return Ok(bytes);
         }
     }
+    let t0 = std::time::Instant::now();
     let compiled = compile(name, source, arch, false)?;
+    log::info!(
+        "kernel {name}: compiled for {arch} by NVRTC {major}.{minor} in {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
     if let Some(p) = &path {
         let written = p
             .parent()
@@ -394,6 +399,14 @@ impl Device for CudaDevice {
         self.stream
             .alloc_zeros::<u8>(len.max(4) as usize)
             .map_err(|e| drv_err(&format!("allocating {len} bytes"), e))
+    }
+
+    fn write(&self, buf: &CudaSlice<u8>, bytes: &[u8]) -> Result<()> {
+        self.write_at(buf, 0, bytes)
+    }
+
+    fn read(&self, buf: &CudaSlice<u8>, len: u64) -> Result<Vec<u8>> {
+        self.read_at(buf, 0, len)
     }
 
     fn write_at(&self, buf: &CudaSlice<u8>, offset: u64, bytes: &[u8]) -> Result<()> {

@@ -44,20 +44,36 @@ pub trait Device: Send + Sync + 'static {
     /// Compile a lowered kernel. Refuses kernels that exceed the device's limits.
     fn compile(&self, kernel: &Kernel) -> Result<Self::Module>;
     fn alloc(&self, len: u64) -> Result<Self::Buf>;
-    /// Copy `bytes` into `buf` from byte `offset` (range checked by the caller).
-    fn write_at(&self, buf: &Self::Buf, offset: u64, bytes: &[u8]) -> Result<()>;
-    /// `len` bytes of `buf` from byte `offset` (range checked by the caller).
-    fn read_at(&self, buf: &Self::Buf, offset: u64, len: u64) -> Result<Vec<u8>>;
     /// Copy `bytes` to the start of `buf`.
-    fn write(&self, buf: &Self::Buf, bytes: &[u8]) -> Result<()> {
-        self.write_at(buf, 0, bytes)
-    }
+    fn write(&self, buf: &Self::Buf, bytes: &[u8]) -> Result<()>;
     /// The first `len` bytes of `buf`.
-    fn read(&self, buf: &Self::Buf, len: u64) -> Result<Vec<u8>> {
-        self.read_at(buf, 0, len)
+    fn read(&self, buf: &Self::Buf, len: u64) -> Result<Vec<u8>>;
+    /// Copy `bytes` into `buf` from byte `offset` (range checked by the caller). The default
+    /// handles offset 0 only.
+    fn write_at(&self, buf: &Self::Buf, offset: u64, bytes: &[u8]) -> Result<()> {
+        if offset == 0 {
+            return self.write(buf, bytes);
+        }
+        Err(Error::runtime(
+            self.name(),
+            "writes at an offset are not supported here",
+        ))
+    }
+    /// `len` bytes of `buf` from byte `offset` (range checked by the caller). The default
+    /// handles offset 0 only.
+    fn read_at(&self, buf: &Self::Buf, offset: u64, len: u64) -> Result<Vec<u8>> {
+        if offset == 0 {
+            return self.read(buf, len);
+        }
+        Err(Error::runtime(
+            self.name(),
+            "reads at an offset are not supported here",
+        ))
     }
     /// Waits for all submitted work.
-    fn synchronize(&self) -> Result<()>;
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
     /// (free, total) device memory, where the API says.
     fn memory_info(&self) -> Option<(u64, u64)> {
         None

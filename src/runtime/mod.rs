@@ -422,3 +422,85 @@ pub fn discover(kinds: &[BackendKind]) -> Vec<(String, Result<Box<dyn Backend>>)
     }
     out
 }
+
+/// Where a program asks to run: `cpu`, `wgpu` (the first adapter wgpu finds; `WGPU_BACKEND`
+/// and `WGPU_ADAPTER_NAME` choose), `cuda` / `cuda:N`, or `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    Auto,
+    Cpu,
+    Wgpu,
+    Cuda(usize),
+}
+
+impl DeviceSpec {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(DeviceSpec::Auto),
+            "cpu" => Ok(DeviceSpec::Cpu),
+            "wgpu" => Ok(DeviceSpec::Wgpu),
+            "cuda" => Ok(DeviceSpec::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceSpec::Cuda)
+                .ok_or_else(|| Error::arg("--device", "auto, cpu, wgpu, cuda or cuda:N", s)),
+        }
+    }
+}
+
+/// Opens the backend `spec` names. `Auto` takes the best present: a CUDA GPU, else a wgpu
+/// adapter that is a real GPU, else the CPU reference (a CPU wgpu adapter such as lavapipe is
+/// slower than the CPU backend). Returns the backend and, for `Auto`, why it was chosen.
+pub fn open_device(spec: DeviceSpec) -> Result<(std::sync::Arc<dyn Backend>, String)> {
+    use std::sync::Arc;
+    let cuda = |n: usize| -> Result<Arc<dyn Backend>> {
+        let mut devs = cuda::CudaDevice::all()?;
+        let count = devs.len();
+        if n >= count {
+            return Err(Error::arg(
+                "--device",
+                format!(
+                    "cuda:0 .. cuda:{} ({count} CUDA devices)",
+                    count.saturating_sub(1)
+                ),
+                format!("cuda:{n}"),
+            ));
+        }
+        let dev = devs.swap_remove(n)?;
+        Ok(Arc::new(gpu::GpuBackend::new(dev)))
+    };
+    let wgpu_first = |gpu_only: bool| -> Result<Arc<dyn Backend>> {
+        for d in wgpu::WgpuDevice::all()? {
+            match d {
+                Ok(dev) => {
+                    if gpu_only && dev.info().device_type == ::wgpu::DeviceType::Cpu {
+                        continue;
+                    }
+                    return Ok(Arc::new(gpu::GpuBackend::new(dev)));
+                }
+                Err(e) if !gpu_only => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Err(Error::unavailable("wgpu", "no usable GPU adapter"))
+    };
+    match spec {
+        DeviceSpec::Cpu => Ok((Arc::new(cpu::CpuBackend::new()), String::new())),
+        DeviceSpec::Cuda(n) => Ok((cuda(n)?, String::new())),
+        DeviceSpec::Wgpu => Ok((wgpu_first(false)?, String::new())),
+        DeviceSpec::Auto => {
+            let why_cuda = match cuda(0) {
+                Ok(b) => return Ok((b, "the first CUDA GPU".into())),
+                Err(e) => e.to_string(),
+            };
+            match wgpu_first(true) {
+                Ok(b) => Ok((b, format!("a wgpu GPU adapter (no CUDA: {why_cuda})"))),
+                Err(e) => Ok((
+                    Arc::new(cpu::CpuBackend::new()),
+                    format!("the CPU (no CUDA: {why_cuda}; no wgpu GPU: {e})"),
+                )),
+            }
+        }
+    }
+}

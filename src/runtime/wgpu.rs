@@ -28,10 +28,33 @@ fn err(message: impl ToString) -> Error {
     Error::runtime(NAME, message)
 }
 
+/// Mesa's Vulkan loader prints an `error: XDG_RUNTIME_DIR is invalid` line on every start when
+/// the variable is unset (it wants it for window-system sockets compute never uses). Point it
+/// at a private directory then, so that a user's stderr holds only our own errors.
+fn quiet_mesa_runtime_dir() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("sparse-mla-xdg-{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_ok() {
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+            }
+            // Before any other thread of ours reads the environment (wgpu is not running yet).
+            std::env::set_var("XDG_RUNTIME_DIR", &dir);
+        }
+    });
+}
+
 impl WgpuDevice {
     /// Every adapter wgpu finds (filtered by `WGPU_BACKEND` / `WGPU_ADAPTER_NAME`), each
     /// opened or with the reason it could not be. `Err` when there is none at all.
     pub fn all() -> Result<Vec<Result<WgpuDevice>>> {
+        quiet_mesa_runtime_dir();
         // GL (a secondary backend) is left out unless asked for: its compute path is slow and
         // adds nothing a primary backend does not cover.
         let backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
@@ -171,6 +194,7 @@ impl Device for WgpuDevice {
                 limit: self.limits.max_compute_invocations_per_workgroup as u64,
             });
         }
+        let t0 = std::time::Instant::now();
         let source = wgsl::emit(kernel)?;
         wgsl::validate(&kernel.name, &source)?;
         let mut entries = vec![wgpu::BindGroupLayoutEntry {
@@ -228,6 +252,14 @@ impl Device for WgpuDevice {
                 });
             WgpuModule { pipeline, layout }
         })
+        .inspect(|_| {
+            log::info!(
+                "kernel {}: WGSL validated and compiled on {} in {:.0} ms",
+                kernel.name,
+                self.info.name,
+                t0.elapsed().as_secs_f64() * 1e3
+            )
+        })
     }
 
     fn alloc(&self, len: u64) -> Result<wgpu::Buffer> {
@@ -251,6 +283,14 @@ impl Device for WgpuDevice {
                 mapped_at_creation: false,
             })
         })
+    }
+
+    fn write(&self, buf: &wgpu::Buffer, bytes: &[u8]) -> Result<()> {
+        self.write_at(buf, 0, bytes)
+    }
+
+    fn read(&self, buf: &wgpu::Buffer, len: u64) -> Result<Vec<u8>> {
+        self.read_at(buf, 0, len)
     }
 
     fn write_at(&self, buf: &wgpu::Buffer, offset: u64, bytes: &[u8]) -> Result<()> {

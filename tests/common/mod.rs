@@ -53,3 +53,24 @@ pub fn backend(kind: BackendKind) -> Option<&'static dyn Backend> {
         }
     }
 }
+
+type SharedArc = Result<std::sync::Arc<dyn Backend>, String>;
+
+/// [`backend`] as a shared handle (what `Model` takes).
+pub fn backend_arc(kind: BackendKind) -> Option<std::sync::Arc<dyn Backend>> {
+    static CPU: OnceLock<SharedArc> = OnceLock::new();
+    static WGPU: OnceLock<SharedArc> = OnceLock::new();
+    static CUDA: OnceLock<SharedArc> = OnceLock::new();
+    let cell = match kind {
+        BackendKind::Cpu => &CPU,
+        BackendKind::Wgpu => &WGPU,
+        BackendKind::Cuda => &CUDA,
+    };
+    match cell.get_or_init(|| first(kind).map(std::sync::Arc::from)) {
+        Ok(b) => Some(b.clone()),
+        Err(reason) => {
+            skip(kind.name(), reason);
+            None
+        }
+    }
+}

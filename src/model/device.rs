@@ -1,0 +1,756 @@
+//! The model's handle on a runtime backend: device tensors from a buffer pool, weights in
+//! their checkpoint dtype, and one method per model op — each a call of
+//! [`Backend::run_op`] (or of the decode / cache-write / block-table calls `mla-check` tests),
+//! so the forward is written once and runs on the CPU reference, wgpu and CUDA alike.
+//!
+//! Activations are f32 (bf16 where a kernel takes bf16: the attention query, its output and
+//! the cache rows). Every tensor is a strided [`View`] of a pooled buffer: slicing columns or
+//! rows is free. Buffers come back to the pool when the last tensor of one is dropped, and
+//! the pool hands them out again by (exact) size, so after the first decode step a step of
+//! the same shape allocates nothing on the device ([`Device::allocations`] counts what is
+//! made).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::kernels::elementwise::{CastOp, EmbeddingOp, KeyWriteOp, SiluMulOp};
+use crate::kernels::indexer::IndexerScoresOp;
+use crate::kernels::linear::{GroupSelect, GroupedLinearOp, LinearOp};
+use crate::kernels::norm::{NormKind, NormOp};
+use crate::kernels::rope::{RopeLayout, RopeOp};
+use crate::kernels::topk::TopkOp;
+use crate::kernels::view::{DType, View, WeightLayout, WeightType};
+use crate::runtime::{Backend, Buffer, Op};
+use crate::{Error, Result};
+
+struct PoolInner {
+    free: HashMap<u64, Vec<Buffer>>,
+    /// Bytes held by free buffers.
+    idle: u64,
+}
+
+/// A pooled device buffer: back to the pool when dropped.
+pub struct PoolBuf {
+    buf: Option<Buffer>,
+    pool: Arc<Mutex<PoolInner>>,
+    class: u64,
+}
+
+impl PoolBuf {
+    pub fn buffer(&self) -> &Buffer {
+        self.buf
+            .as_ref()
+            .expect("a pooled buffer is present until it is dropped")
+    }
+}
+
+impl Drop for PoolBuf {
+    fn drop(&mut self) {
+        if let (Some(b), Ok(mut p)) = (self.buf.take(), self.pool.lock()) {
+            p.idle += self.class;
+            p.free.entry(self.class).or_default().push(b);
+        }
+    }
+}
+
+/// A device tensor: a strided view of a pooled buffer.
+#[derive(Clone)]
+pub struct Tensor {
+    buf: Arc<PoolBuf>,
+    pub dtype: DType,
+    pub view: View,
+}
+
+impl Tensor {
+    pub fn rows(&self) -> u32 {
+        self.view.rows
+    }
+
+    pub fn cols(&self) -> u32 {
+        self.view.cols
+    }
+
+    pub fn buffer(&self) -> &Buffer {
+        self.buf.buffer()
+    }
+
+    /// Columns `start .. start + len`, no copy.
+    pub fn cols_slice(&self, start: u32, len: u32) -> Result<Tensor> {
+        Ok(Tensor {
+            view: self.view.cols(start, len)?,
+            ..self.clone()
+        })
+    }
+
+    /// Rows `start .. start + len`, no copy.
+    pub fn rows_slice(&self, start: u32, len: u32) -> Result<Tensor> {
+        Ok(Tensor {
+            view: self.view.rows(start, len)?,
+            ..self.clone()
+        })
+    }
+
+    /// The same (packed) elements as `[rows, cols]`.
+    pub fn reshape(&self, rows: u32, cols: u32) -> Result<Tensor> {
+        Ok(Tensor {
+            view: self.view.reshape(rows, cols)?,
+            ..self.clone()
+        })
+    }
+}
+
+/// A weight matrix on the device, in its checkpoint dtype.
+pub struct Weight {
+    pub layout: WeightLayout,
+    pub values: Buffer,
+    /// FP8: the f32 block scales.
+    pub scales: Option<Buffer>,
+}
+
+impl Weight {
+    pub fn bytes(&self) -> u64 {
+        self.layout.bytes() + self.layout.scale_bytes()
+    }
+}
+
+/// An f32 vector on the device (norm weights, biases).
+pub struct Vector {
+    pub len: u32,
+    pub buf: Buffer,
+}
+
+/// A device index matrix `[rows, cols]` i32 (top-k positions, slots, expert ids).
+#[derive(Clone)]
+pub struct Index {
+    buf: Arc<PoolBuf>,
+    pub rows: u32,
+    pub cols: u32,
+}
+
+impl Index {
+    pub fn buffer(&self) -> &Buffer {
+        self.buf.buffer()
+    }
+}
+
+/// The model's device: a backend, a buffer pool and the model ops.
+pub struct Device {
+    backend: Arc<dyn Backend>,
+    pool: Arc<Mutex<PoolInner>>,
+}
+
+fn poisoned() -> Error {
+    Error::runtime("model", "buffer pool lock poisoned by an earlier panic")
+}
+
+impl Device {
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Device {
+            backend,
+            pool: Arc::new(Mutex::new(PoolInner {
+                free: HashMap::new(),
+                idle: 0,
+            })),
+        }
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        self.backend.as_ref()
+    }
+
+    pub fn backend_arc(&self) -> Arc<dyn Backend> {
+        self.backend.clone()
+    }
+
+    /// Device buffers created so far (pool misses, weights and caches included).
+    pub fn allocations(&self) -> u64 {
+        self.backend.allocations()
+    }
+
+    /// Bytes held idle by the pool.
+    pub fn pooled_bytes(&self) -> u64 {
+        self.pool.lock().map(|p| p.idle).unwrap_or(0)
+    }
+
+    fn pooled(&self, bytes: u64) -> Result<Arc<PoolBuf>> {
+        // Exact sizes: the kernels' boundary checks see the tensor's own size, and a decode step
+        // asks for the same sizes as the step before it.
+        let class = bytes;
+        let reused = {
+            let mut p = self.pool.lock().map_err(|_| poisoned())?;
+            let b = p.free.get_mut(&class).and_then(|v| v.pop());
+            if b.is_some() {
+                p.idle -= class;
+            }
+            b
+        };
+        let buf = match reused {
+            Some(b) => b,
+            None => self.backend.alloc(class)?,
+        };
+        Ok(Arc::new(PoolBuf {
+            buf: Some(buf),
+            pool: self.pool.clone(),
+            class,
+        }))
+    }
+
+    /// A new packed `[rows, cols]` tensor with unspecified contents.
+    pub fn empty(&self, rows: u32, cols: u32, dtype: DType) -> Result<Tensor> {
+        let view = View::packed(rows, cols);
+        Ok(Tensor {
+            buf: self.pooled(view.min_bytes(dtype))?,
+            dtype,
+            view,
+        })
+    }
+
+    /// [`Device::empty`] in a buffer of at least `capacity_cols` columns: for tensors that grow
+    /// step by step (the indexer's score rows), so that their buffer comes from the pool.
+    pub fn empty_with_capacity(
+        &self,
+        rows: u32,
+        cols: u32,
+        capacity_cols: u32,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let view = View::packed(rows, cols);
+        let cap = View::packed(rows, capacity_cols.max(cols));
+        Ok(Tensor {
+            buf: self.pooled(cap.min_bytes(dtype))?,
+            dtype,
+            view,
+        })
+    }
+
+    /// A new `[rows, cols]` i32 index matrix with unspecified contents.
+    pub fn empty_index(&self, rows: u32, cols: u32) -> Result<Index> {
+        Ok(Index {
+            buf: self.pooled(rows as u64 * cols as u64 * 4)?,
+            rows,
+            cols,
+        })
+    }
+
+    /// An index matrix holding `values` (row-major `[rows, cols]`).
+    pub fn index_from(&self, rows: u32, cols: u32, values: &[i32]) -> Result<Index> {
+        if values.len() != rows as usize * cols as usize {
+            return Err(Error::arg(
+                "index values",
+                format!("{rows} x {cols}"),
+                values.len(),
+            ));
+        }
+        let idx = self.empty_index(rows, cols)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.backend.write(idx.buffer(), &bytes)?;
+        Ok(idx)
+    }
+
+    /// A packed f32 tensor holding `values`.
+    pub fn tensor_from(&self, rows: u32, cols: u32, values: &[f32]) -> Result<Tensor> {
+        if values.len() != rows as usize * cols as usize {
+            return Err(Error::arg(
+                "tensor values",
+                format!("{rows} x {cols}"),
+                values.len(),
+            ));
+        }
+        let t = self.empty(rows, cols, DType::F32)?;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.backend.write(t.buffer(), &bytes)?;
+        Ok(t)
+    }
+
+    /// The tensor's values, row by row, as f32 (waits for the device).
+    pub fn download(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let bytes = self.backend.download(t.buffer())?;
+        crate::reference::tensor::read_view(&bytes, t.dtype, &t.view, "tensor")
+            .map(|v| v.into_iter().map(|x| x as f32).collect())
+    }
+
+    pub fn download_index(&self, idx: &Index) -> Result<Vec<i32>> {
+        let n = idx.rows as u64 * idx.cols as u64 * 4;
+        let bytes = self.backend.download_range(idx.buffer(), 0, n)?;
+        Ok(crate::reference::tensor::i32s(&bytes))
+    }
+
+    fn run(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
+        self.backend.run_op(op, bufs).map_err(|e| match e {
+            Error::InvalidArgument {
+                arg,
+                expected,
+                actual,
+            } => Error::InvalidArgument {
+                arg: format!("{arg} (in {})", op.name()),
+                expected,
+                actual,
+            },
+            other => other,
+        })
+    }
+
+    fn weight_bufs<'a>(w: &'a Weight, into: &mut Vec<(&'static str, &'a Buffer)>) {
+        into.push(("w", &w.values));
+        if let Some(s) = &w.scales {
+            into.push(("w_scale", s));
+        }
+    }
+
+    // ------------------------------------------------------------------ dense math
+
+    /// `x · Wᵀ` into a new `[T, N]` f32 tensor.
+    pub fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
+        let y = self.empty(x.rows(), w.layout.rows, DType::F32)?;
+        self.linear_into(x, w, &y, false)?;
+        Ok(y)
+    }
+
+    /// `y (+)= x · Wᵀ` into an existing view.
+    pub fn linear_into(&self, x: &Tensor, w: &Weight, y: &Tensor, accumulate: bool) -> Result<()> {
+        let op = LinearOp {
+            x: x.view,
+            x_dtype: x.dtype,
+            w: w.layout,
+            y: y.view,
+            accumulate,
+        };
+        let mut b = vec![("x", x.buffer())];
+        Self::weight_bufs(w, &mut b);
+        b.push(("y", y.buffer()));
+        self.run(&op, &b)
+    }
+
+    /// Per-head linear: row `r` of `x [T·heads, K]` times head `r % heads`'s `[N, K]` block of
+    /// `w`, into `y [T·heads, N]`.
+    pub fn head_linear_into(&self, x: &Tensor, w: &Weight, heads: u32, y: &Tensor) -> Result<()> {
+        let op = GroupedLinearOp {
+            x: x.view,
+            x_dtype: x.dtype,
+            x_div: 1,
+            w: w.layout,
+            n_out: w.layout.rows / heads.max(1),
+            select: GroupSelect::Heads,
+            groups: heads,
+            rows: x.rows(),
+            combine: None,
+            y: y.view,
+            accumulate: false,
+        };
+        let mut b = vec![("x", x.buffer())];
+        Self::weight_bufs(w, &mut b);
+        b.push(("y", y.buffer()));
+        self.run(&op, &b)
+    }
+
+    /// Routed experts, first half: `z[t·k + j] = x[t] · W[ids[t, j]]ᵀ` → `[T·k, N]`.
+    pub fn expert_linear(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        experts: u32,
+        ids: &Index,
+    ) -> Result<Tensor> {
+        let k = ids.cols;
+        let n = w.layout.rows / experts.max(1);
+        let y = self.empty(x.rows() * k, n, DType::F32)?;
+        let op = GroupedLinearOp {
+            x: x.view,
+            x_dtype: x.dtype,
+            x_div: k,
+            w: w.layout,
+            n_out: n,
+            select: GroupSelect::Experts,
+            groups: experts,
+            rows: x.rows() * k,
+            combine: None,
+            y: y.view,
+            accumulate: false,
+        };
+        let mut b = vec![("x", x.buffer())];
+        Self::weight_bufs(w, &mut b);
+        b.push(("ids", ids.buffer()));
+        b.push(("y", y.buffer()));
+        self.run(&op, &b)?;
+        Ok(y)
+    }
+
+    /// Routed experts, second half: `y[t] += Σ_j weights[t, j] · (x[t·k + j] · W[ids[t, j]]ᵀ)`.
+    pub fn expert_linear_combine(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        experts: u32,
+        ids: &Index,
+        weights: &Tensor,
+        y: &Tensor,
+    ) -> Result<()> {
+        let op = GroupedLinearOp {
+            x: x.view,
+            x_dtype: x.dtype,
+            x_div: 1,
+            w: w.layout,
+            n_out: w.layout.rows / experts.max(1),
+            select: GroupSelect::Experts,
+            groups: experts,
+            rows: x.rows(),
+            combine: Some(ids.cols),
+            y: y.view,
+            accumulate: true,
+        };
+        if weights.view.offset != 0 || weights.view.stride != weights.view.cols {
+            return Err(Error::arg(
+                "routing weights",
+                "a packed tensor",
+                "a strided view",
+            ));
+        }
+        let mut b = vec![("x", x.buffer())];
+        Self::weight_bufs(w, &mut b);
+        b.push(("ids", ids.buffer()));
+        b.push(("route_w", weights.buffer()));
+        b.push(("y", y.buffer()));
+        self.run(&op, &b)
+    }
+
+    fn norm(
+        &self,
+        kind: NormKind,
+        x: &Tensor,
+        w: &Vector,
+        b: Option<&Vector>,
+        eps: f32,
+        y: &Tensor,
+    ) -> Result<()> {
+        let op = NormOp {
+            kind,
+            x: x.view,
+            y: y.view,
+            eps,
+        };
+        let mut bufs = vec![("x", x.buffer()), ("w", &w.buf)];
+        if let Some(b) = b {
+            bufs.push(("bias", &b.buf));
+        }
+        bufs.push(("y", y.buffer()));
+        self.run(&op, &bufs)
+    }
+
+    pub fn rms_norm(&self, x: &Tensor, w: &Vector, eps: f32) -> Result<Tensor> {
+        let y = self.empty(x.rows(), x.cols(), DType::F32)?;
+        self.norm(NormKind::Rms, x, w, None, eps, &y)?;
+        Ok(y)
+    }
+
+    pub fn layer_norm(&self, x: &Tensor, w: &Vector, b: &Vector, eps: f32) -> Result<Tensor> {
+        let y = self.empty(x.rows(), x.cols(), DType::F32)?;
+        self.norm(NormKind::Layer, x, w, Some(b), eps, &y)?;
+        Ok(y)
+    }
+
+    /// RoPE of `x` into `y` (another buffer); row `r` at `positions[r / group]`.
+    pub fn rope_into(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        group: u32,
+        positions: &Index,
+        table: &RopeTableBuf,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        let op = RopeOp {
+            layout,
+            x: x.view,
+            y: y.view,
+            group,
+            table_rows: table.rows,
+            in_place: false,
+        };
+        self.run(
+            &op,
+            &[
+                ("x", x.buffer()),
+                ("positions", positions.buffer()),
+                ("table", &table.buf),
+                ("y", y.buffer()),
+            ],
+        )
+    }
+
+    /// RoPE of `x` where it is.
+    pub fn rope_in_place(
+        &self,
+        x: &Tensor,
+        group: u32,
+        positions: &Index,
+        table: &RopeTableBuf,
+        layout: RopeLayout,
+    ) -> Result<()> {
+        let op = RopeOp {
+            layout,
+            x: x.view,
+            y: x.view,
+            group,
+            table_rows: table.rows,
+            in_place: true,
+        };
+        self.run(
+            &op,
+            &[
+                ("positions", positions.buffer()),
+                ("table", &table.buf),
+                ("y", x.buffer()),
+            ],
+        )
+    }
+
+    /// `silu(g) ⊙ u` for `g`, `u` two views of one tensor's buffer.
+    pub fn silu_mul(&self, g: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if !Arc::ptr_eq(&g.buf, &up.buf) {
+            return Err(Error::arg(
+                "silu_mul",
+                "gate and up as views of one buffer",
+                "two buffers",
+            ));
+        }
+        let y = self.empty(g.rows(), g.cols(), DType::F32)?;
+        let op = SiluMulOp {
+            g: g.view,
+            u: up.view,
+            y: y.view,
+        };
+        self.run(&op, &[("x", g.buffer()), ("y", y.buffer())])?;
+        Ok(y)
+    }
+
+    /// `x` as `to`, into `y`.
+    pub fn cast_into(&self, x: &Tensor, y: &Tensor) -> Result<()> {
+        let op = CastOp {
+            x: x.view,
+            y: y.view,
+            to: y.dtype,
+        };
+        if x.dtype == y.dtype {
+            return Err(Error::arg("cast", "two different dtypes", x.dtype.name()));
+        }
+        self.run(&op, &[("x", x.buffer()), ("y", y.buffer())])
+    }
+
+    pub fn cast(&self, x: &Tensor, to: DType) -> Result<Tensor> {
+        let y = self.empty(x.rows(), x.cols(), to)?;
+        self.cast_into(x, &y)?;
+        Ok(y)
+    }
+
+    /// Rows of `table` (an embedding table, or any packed matrix) picked by `ids`.
+    pub fn gather_rows(&self, table: &Weight, ids: &Index) -> Result<Tensor> {
+        let y = self.empty(ids.rows * ids.cols, table.layout.cols, DType::F32)?;
+        let op = EmbeddingOp {
+            table: table.layout,
+            tokens: ids.rows * ids.cols,
+            y: y.view,
+        };
+        self.run(
+            &op,
+            &[
+                ("table", &table.values),
+                ("ids", ids.buffer()),
+                ("y", y.buffer()),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// Rows of a packed f32 tensor picked by `ids` (the last token of each sequence).
+    pub fn select_rows(&self, x: &Tensor, ids: &Index) -> Result<Tensor> {
+        if x.dtype != DType::F32 || x.view.offset != 0 || x.view.stride != x.view.cols {
+            return Err(Error::arg(
+                "select_rows",
+                "a packed f32 tensor",
+                "a strided view",
+            ));
+        }
+        let y = self.empty(ids.rows * ids.cols, x.cols(), DType::F32)?;
+        let op = EmbeddingOp {
+            table: WeightLayout::new(WeightType::F32, x.rows(), x.cols()),
+            tokens: ids.rows * ids.cols,
+            y: y.view,
+        };
+        self.run(
+            &op,
+            &[
+                ("table", x.buffer()),
+                ("ids", ids.buffer()),
+                ("y", y.buffer()),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    /// Stores `x [T, width]` as bf16 rows of `cache` at `slots`.
+    pub fn write_keys(
+        &self,
+        x: &Tensor,
+        slots: &Index,
+        cache: &Buffer,
+        num_slots: u32,
+    ) -> Result<()> {
+        let op = KeyWriteOp {
+            x: x.view,
+            num_slots,
+        };
+        self.run(
+            &op,
+            &[
+                ("x", x.buffer()),
+                ("slot_mapping", slots.buffer()),
+                ("cache", cache),
+            ],
+        )
+    }
+
+    /// Indexer scores `[T, columns]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn indexer_scores(
+        &self,
+        q: &Tensor,
+        w: &Tensor,
+        heads: u32,
+        keys: &Buffer,
+        num_slots: u32,
+        table: &BlockTables,
+        columns: u32,
+        scale: f32,
+        weight_scale: f32,
+    ) -> Result<Tensor> {
+        let tokens = w.rows();
+        let scores =
+            self.empty_with_capacity(tokens, columns, score_capacity(columns), DType::F32)?;
+        let op = IndexerScoresOp {
+            tokens,
+            heads,
+            head_dim: q.cols(),
+            q: q.view,
+            w: w.view,
+            columns,
+            num_slots,
+            page_size: table.page_size,
+            requests: table.requests,
+            max_pages: table.max_pages,
+            scale,
+            weight_scale,
+        };
+        self.run(
+            &op,
+            &[
+                ("q", q.buffer()),
+                ("w", w.buffer()),
+                ("keys", keys),
+                ("block_table", &table.buf),
+                ("req_of_token", table.req_of_token.buffer()),
+                ("positions", table.positions.buffer()),
+                ("scores", scores.buffer()),
+            ],
+        )?;
+        Ok(scores)
+    }
+
+    /// The exact top-k positions of each score row (`scores` may be unread when every row
+    /// holds at most `topk` positions).
+    pub fn topk(&self, scores: &Tensor, positions: &Index, topk: u32) -> Result<Index> {
+        let out = self.empty_index(scores.rows(), topk)?;
+        let op = TopkOp {
+            tokens: scores.rows(),
+            columns: scores.cols(),
+            topk,
+        };
+        self.run(
+            &op,
+            &[
+                ("scores", scores.buffer()),
+                ("positions", positions.buffer()),
+                ("indices", out.buffer()),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    pub fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
+        self.run(op, bufs)
+    }
+
+    /// noaux_tc routing of `logits [T, experts]`: (`ids [T, top_k]`, `weights [T, top_k]`).
+    pub fn moe_route(
+        &self,
+        logits: &Tensor,
+        bias: &Vector,
+        c: &crate::model::ModelConfig,
+    ) -> Result<(Index, Tensor)> {
+        // TEMPORARY host routing until the routing kernel lands.
+        let l = self.download(logits)?;
+        let b = crate::reference::tensor::f32s(&self.backend.download(&bias.buf)?);
+        let e = logits.cols() as usize;
+        let per_group = e / c.n_group;
+        let top = |mut v: Vec<(f32, usize)>, k: usize| -> Vec<usize> {
+            v.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            v.into_iter().take(k).map(|x| x.1).collect()
+        };
+        let (mut ids, mut ws) = (Vec::new(), Vec::new());
+        for t in 0..logits.rows() as usize {
+            let s: Vec<f32> = l[t * e..(t + 1) * e]
+                .iter()
+                .map(|&x| 1.0 / (1.0 + (-x).exp()))
+                .collect();
+            let ch: Vec<f32> = s.iter().zip(&b).map(|(s, b)| s + b).collect();
+            let gs: Vec<(f32, usize)> = (0..c.n_group)
+                .map(|g| {
+                    let mut v = ch[g * per_group..(g + 1) * per_group].to_vec();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    (v[0] + v.get(1).copied().unwrap_or(0.0), g)
+                })
+                .collect();
+            let groups = top(gs, c.topk_group);
+            let cand: Vec<(f32, usize)> = (0..e)
+                .filter(|i| groups.contains(&(i / per_group)))
+                .map(|i| (ch[i], i))
+                .collect();
+            let chosen = top(cand, c.num_experts_per_tok);
+            let mut w: Vec<f32> = chosen.iter().map(|&i| s[i]).collect();
+            if c.norm_topk_prob {
+                let sum = w.iter().sum::<f32>() + 1e-20;
+                w.iter_mut().for_each(|x| *x /= sum);
+            }
+            ids.extend(chosen.iter().map(|&i| i as i32));
+            ws.extend(w.iter().map(|x| x * c.routed_scaling_factor));
+        }
+        let k = c.num_experts_per_tok as u32;
+        Ok((
+            self.index_from(logits.rows(), k, &ids)?,
+            self.tensor_from(logits.rows(), k, &ws)?,
+        ))
+    }
+}
+
+/// Columns of score buffer kept for a row of `columns` positions: the next multiple of 1024
+/// up to 8 K, then of 8 K — so that a growing context reuses one buffer for many steps.
+pub fn score_capacity(columns: u32) -> u32 {
+    let grain = if columns <= 8192 { 1024 } else { 8192 };
+    columns.div_ceil(grain).saturating_mul(grain)
+}
+
+/// A RoPE cos / sin table on the device: `[rows, 2, half]` f32.
+pub struct RopeTableBuf {
+    pub rows: u32,
+    pub buf: Buffer,
+}
+
+/// The per-step block-table inputs of the kernels: the table of every sequence slot
+/// (`[requests, max_pages]` i32), and for the step's tokens their table row and position.
+pub struct BlockTables<'a> {
+    pub buf: &'a Buffer,
+    pub requests: u32,
+    pub max_pages: u32,
+    pub page_size: u32,
+    pub req_of_token: &'a Index,
+    pub positions: &'a Index,
+}
