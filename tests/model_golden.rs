@@ -1,22 +1,27 @@
-//! Whole-model goldens: the forward pass on a backend against logits that Hugging Face
-//! transformers computed for the same tiny checkpoints (tools/make_fixtures.py; versions and
-//! margins in each fixture's golden.json).
+//! Whole-model goldens: the forward pass on every backend (CPU reference, wgpu, CUDA)
+//! against logits that Hugging Face transformers computed for the same tiny checkpoints
+//! (tools/make_fixtures.py; versions, seeds and every top-k decision's margin in each
+//! fixture's golden.json).
 //!
-//! Written once, generic over [`ModelBackend`]: a backend joins with one line in
-//! `golden_tests!` at the bottom.
+//! The goldens are float32 runs of the bf16 weights, so the rounding between us and them is
+//! the kernel's own: q, cache rows and out in bf16 (or the latent in e4m3), indexer q and keys
+//! in bf16 (about 2^-9 relative each). That rounding can flip a top-k decision whose margin
+//! is that small — these random tiny models take many close decisions (the smallest margins
+//! are 1e-3 to 3e-3, and stricter seeds do not exist in thousands of tries) — so decisions
+//! are judged against their recorded margins:
+//! - **bf16 cache** ([`BF16`]): tokens are walked in order; every indexer set and routed
+//!   expert set must equal transformers', except a decision within its margin tolerance
+//!   (indexer 2e-2 relative, router 1e-2), which may flip and then ends the comparison (the
+//!   rows from that token on follow another, equally valid, path). Over the compared rows
+//!   (at least half): max |Δlogit| ≤ 5e-2 and relative L2 ≤ 1e-2 (measured worst 7e-3 and
+//!   3e-3, logits within ±2.4); greedy tokens equal wherever the golden top-2 gap ≥ 5e-2.
+//! - **fp8_ds_mla cache** ([`FP8`], e4m3 latent): near-ties flip from the first token on, so
+//!   every row is compared under bounds set from measurement (relative L2 ≤ 0.12, measured
+//!   0.054 / 0.080; max |Δ log p(golden token)| ≤ 0.15 per decode step, measured 0.075;
+//!   max |Δlogit| ≤ 0.6, measured 0.41) and every decision beyond its margin (indexer 0.1
+//!   relative, router 5e-2) must still agree.
 //!
-//! Tolerances (bf16 cache): max |logit − golden| ≤ 3e-2 and relative L2 ≤ 1e-2 over all
-//! prefill and decode logits (measured on the CPU backend: GLM 4.9e-3 / 2.5e-3, DeepSeek
-//! 7.6e-3 / 3.1e-3, with logits within ±2.4); the greedy tokens must be identical, and so
-//! must every indexer top-k set and every token's routed experts. The goldens are float32
-//! runs of the bf16 weights, so the only rounding between us and them is the kernel's own:
-//! q, cache rows and out in bf16, indexer q and keys in bf16 (about 2^-9 relative each). For
-//! scale, transformers itself run in bf16 moves these logits by up to 0.12 (GLM) and 1.7
-//! (DeepSeek) (`hf_bf16_vs_f32_max_abs` in golden.json). The fixtures were chosen so that
-//! no top-k decision is closer than the margins recorded in golden.json.
-//!
-//! The fp8_ds_mla cache rounds the latent to e4m3 (3 mantissa bits): a smoke bound of
-//! relative L2 ≤ 0.25 (measured 0.048 GLM, 0.080 DeepSeek); tokens not required equal.
+//! Written once: a backend joins with one line in `golden_tests!` at the bottom.
 
 mod common;
 
@@ -81,22 +86,101 @@ pub fn load_golden(dir: &Path) -> Golden {
     }
 }
 
+/// The decision tolerances of one cache format: a top-k decision whose golden margin is
+/// below these may be flipped by our rounding (bf16 / fp8 cache rows, bf16 q and out); one
+/// above them must agree with transformers.
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerances {
+    /// Indexer: gap between the k-th and (k+1)-th score over the row's largest |score|.
+    pub indexer_rel: f64,
+    /// Router: gap in sigmoid-score space (bias included).
+    pub router: f64,
+    /// Greedy: gap between the two largest golden logits for the token to be required equal.
+    pub greedy_gap: f64,
+    /// Largest |logit − golden| over the compared rows.
+    pub max_abs: f64,
+    /// Relative L2 of the compared rows.
+    pub rel_l2: f64,
+    /// Stop comparing at the first near-tie that flipped (bf16: the rest follows another
+    /// path). Otherwise (fp8, whose rounding flips near-ties from the first token on) every
+    /// row is compared under loose bounds and only decisions beyond their margin must agree.
+    pub stop_at_near_tie: bool,
+    /// Largest |log p(golden token) − golden's| over the decode steps (None: not checked).
+    pub logprob: Option<f64>,
+}
+
+/// bf16 cache: measured worst (CPU, wgpu): max |Δlogit| 7e-3, rel L2 3e-3 (logits within
+/// ±2.4); a flipped router decision was seen at margin 3.7e-3.
+pub const BF16: Tolerances = Tolerances {
+    indexer_rel: 0.02,
+    router: 0.01,
+    greedy_gap: 0.05,
+    max_abs: 0.05,
+    rel_l2: 1e-2,
+    stop_at_near_tie: true,
+    logprob: None,
+};
+
+/// fp8_ds_mla cache (e4m3 latent, 3 mantissa bits).
+pub const FP8: Tolerances = Tolerances {
+    indexer_rel: 0.1,
+    router: 0.05,
+    greedy_gap: 0.5,
+    max_abs: 0.6,
+    rel_l2: 0.12,
+    stop_at_near_tie: false,
+    logprob: Some(0.15),
+};
+
 /// What a run measured against a golden.
 #[derive(Debug)]
 pub struct Comparison {
+    /// Over the compared rows.
     pub max_abs: f64,
     pub rel_l2: f64,
-    pub tokens: Vec<u32>,
-    pub golden_tokens: Vec<u32>,
-    /// First (layer, token, ours, transformers') whose indexer top-k set differs, if any.
-    pub first_selection_mismatch: Option<(usize, usize, Vec<i64>, Vec<i64>)>,
-    /// First (layer, token, ours, transformers') whose routed experts differ, if any.
-    pub first_routing_mismatch: Option<(usize, usize, Vec<i64>, Vec<i64>)>,
+    /// Logit rows compared (all, unless a near-tie flipped: the rows from that token on
+    /// follow a different, equally valid, path).
+    pub rows_compared: usize,
+    pub rows: usize,
+    /// The near-tie that ended the comparison: (kind, layer, token, golden margin).
+    pub near_tie: Option<(&'static str, usize, usize, f64)>,
+    /// Decisions that differ from transformers where the golden margin says they must not:
+    /// (kind, layer, token, ours, theirs, margin).
+    pub real_mismatches: Vec<(&'static str, usize, usize, Vec<i64>, Vec<i64>, Option<f64>)>,
+    /// Greedy tokens that differ at rows whose golden gap requires them equal: (row, ours, theirs).
+    pub token_mismatches: Vec<(usize, u32, u32)>,
+    /// Decisions compared.
+    pub decisions: usize,
+    /// Largest |log p(golden token)| difference over the compared decode rows.
+    pub logprob: f64,
+}
+
+/// Per layer, per token: our sorted decision (positions or experts).
+fn per_token(
+    trace: &[(usize, usize, Vec<i32>)],
+) -> std::collections::BTreeMap<usize, Vec<Vec<i64>>> {
+    let mut m: std::collections::BTreeMap<usize, Vec<Vec<i64>>> = Default::default();
+    for (layer, k, rows) in trace {
+        for r in rows.chunks(*k) {
+            let mut s: Vec<i64> = r.iter().filter(|&&p| p >= 0).map(|&p| p as i64).collect();
+            s.sort();
+            m.entry(*layer).or_default().push(s);
+        }
+    }
+    m
 }
 
 /// Prefill the golden prompt, then feed the golden greedy tokens one by one (so a single
-/// diverging token cannot derail every later row), comparing every logit row.
-pub fn compare(backend: Arc<dyn Backend>, name: &str, opts: CacheOptions) -> Comparison {
+/// diverging token cannot derail every later row). Decisions are checked token by token in
+/// order; the first one that differs ends the comparison if its golden margin is within
+/// `tol` (a near-tie our rounding may flip), else it is a real mismatch. Logits are compared
+/// over the rows before that token.
+pub fn compare(
+    backend: Arc<dyn Backend>,
+    name: &str,
+    opts: CacheOptions,
+    tol: Tolerances,
+) -> Comparison {
     let dir = fixture_dir(name);
     let g = load_golden(&dir);
     let model =
@@ -118,71 +202,171 @@ pub fn compare(backend: Arc<dyn Backend>, name: &str, opts: CacheOptions) -> Com
         tokens.push(sparse_mla::model::sampler::argmax(&row));
         ours.extend(row);
     }
-    let golden: Vec<f64> = g
-        .prefill
-        .iter()
-        .chain(&g.decode)
-        .map(|&x| x as f64)
-        .collect();
-    let ours: Vec<f64> = ours.iter().map(|&x| x as f64).collect();
+    let golden: Vec<f32> = g.prefill.iter().chain(&g.decode).copied().collect();
     assert_eq!(ours.len(), golden.len());
-    let max_abs = ours
+    let rows = golden.len() / vocab;
+
+    let ours_sel = per_token(&trace.selected);
+    let ours_routed = per_token(&trace.routed);
+    let margins = &g.meta["decision_margins"];
+    let mut near_tie = None;
+    let mut real = Vec::new();
+    let mut decisions = 0;
+    'tokens: for t in 0..rows {
+        for (kind, ours_map, golden_key, limit) in [
+            ("indexer", &ours_sel, "indexer_selected", tol.indexer_rel),
+            ("router", &ours_routed, "experts_routed", tol.router),
+        ] {
+            let Some(layers) = g.meta[golden_key].as_object() else {
+                continue;
+            };
+            for (layer, per_tok) in layers {
+                let l: usize = layer.parse().unwrap();
+                let theirs: Vec<i64> = per_tok[t]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|v| v.as_i64())
+                    .collect();
+                let mine = ours_map
+                    .get(&l)
+                    .and_then(|r| r.get(t))
+                    .cloned()
+                    .unwrap_or_default();
+                let margin = margins[kind][layer][t].as_f64();
+                decisions += 1;
+                if mine == theirs {
+                    continue;
+                }
+                match margin {
+                    Some(m) if m < limit => {
+                        if near_tie.is_none() {
+                            near_tie = Some((kind, l, t, m));
+                        }
+                        if tol.stop_at_near_tie {
+                            break 'tokens;
+                        }
+                    }
+                    _ => real.push((kind, l, t, mine, theirs, margin)),
+                }
+            }
+        }
+    }
+    let rows_compared = match near_tie {
+        Some((_, _, t, _)) if tol.stop_at_near_tie => t,
+        _ => rows,
+    };
+    let n = rows_compared * vocab;
+    let a: Vec<f64> = ours[..n].iter().map(|&x| x as f64).collect();
+    let b: Vec<f64> = golden[..n].iter().map(|&x| x as f64).collect();
+    let max_abs = a
         .iter()
-        .zip(&golden)
-        .map(|(a, b)| {
-            if a.is_nan() {
+        .zip(&b)
+        .map(|(x, y)| {
+            if x.is_nan() {
                 f64::INFINITY
             } else {
-                (a - b).abs()
+                (x - y).abs()
             }
         })
+        .fold(0.0, |m: f64, v| if v.is_nan() || v > m { v } else { m });
+    // Greedy token i comes from logit row prompt - 1 + i.
+    let gaps = g.meta["greedy_logit_gaps"].as_array().unwrap();
+    let first_row = g.prompt_ids.len() - 1;
+    let token_mismatches = tokens
+        .iter()
+        .zip(&g.generated)
+        .enumerate()
+        .filter(|(i, (a, b))| {
+            first_row + i < rows_compared
+                && a != b
+                && gaps[*i].as_f64().unwrap_or(0.0) >= tol.greedy_gap
+        })
+        .map(|(i, (a, b))| (first_row + i, *a, *b))
+        .collect();
+    // log p(golden token) of each decode step's input row, ours vs transformers'.
+    let logprob = (first_row..rows_compared.saturating_sub(1))
+        .map(|r| {
+            let id = g.generated[r - first_row];
+            let lp = |v: &[f32]| sparse_mla::model::sampler::log_prob(v, id) as f64;
+            (lp(&ours[r * vocab..(r + 1) * vocab]) - lp(&golden[r * vocab..(r + 1) * vocab])).abs()
+        })
         .fold(0.0, f64::max);
-
-    let first_selection_mismatch = first_mismatch(&trace.selected, g.meta.get("indexer_selected"));
-    let first_routing_mismatch = first_mismatch(&trace.routed, g.meta.get("experts_routed"));
     Comparison {
         max_abs,
-        rel_l2: rel_l2(&ours, &golden),
-        tokens,
-        golden_tokens: g.generated.clone(),
-        first_selection_mismatch,
-        first_routing_mismatch,
+        logprob,
+        rel_l2: rel_l2(&a, &b),
+        rows_compared,
+        rows,
+        near_tie,
+        real_mismatches: real,
+        token_mismatches,
+        decisions,
     }
 }
 
-/// The first (layer, token) whose decision (a set of positions or experts) differs from
-/// transformers' (`golden`: layer → one sorted list per token).
-fn first_mismatch(
-    ours: &[(usize, usize, Vec<i32>)],
-    golden: Option<&serde_json::Value>,
-) -> Option<(usize, usize, Vec<i64>, Vec<i64>)> {
-    let golden = golden?.as_object()?;
-    let mut per_layer: std::collections::BTreeMap<usize, Vec<Vec<i64>>> = Default::default();
-    for (layer, k, rows) in ours {
-        for r in rows.chunks(*k) {
-            let mut s: Vec<i64> = r.iter().filter(|&&p| p >= 0).map(|&p| p as i64).collect();
-            s.sort();
-            per_layer.entry(*layer).or_default().push(s);
+/// Runs the comparison and asserts the tolerances.
+fn check(backend: Arc<dyn Backend>, name: &str, opts: CacheOptions, tol: Tolerances) {
+    let c = compare(backend, name, opts, tol);
+    eprintln!(
+        "{name} ({} cache): max |Δlogit| = {:.3e}, rel L2 = {:.3e}, max |Δ log p| = {:.3e} over {} of {} rows, {} decisions, {} beyond margin{}",
+        opts.format.name(),
+        c.max_abs,
+        c.rel_l2,
+        c.logprob,
+        c.rows_compared,
+        c.rows,
+        c.decisions,
+        c.real_mismatches.len(),
+        match c.near_tie {
+            Some((k, l, t, m)) if tol.stop_at_near_tie => format!(
+                "; near-tie flipped: {k} layer {l} token {t} (golden margin {m:.2e}), rows from {t} not compared"
+            ),
+            Some((k, l, t, m)) => format!(
+                "; first near-tie flipped: {k} layer {l} token {t} (golden margin {m:.2e})"
+            ),
+            None => String::new(),
         }
+    );
+    assert!(
+        c.real_mismatches.is_empty(),
+        "{name}: decisions differ from transformers beyond their margins (kind, layer, token, ours, theirs, margin): {:?}",
+        c.real_mismatches
+    );
+    assert!(
+        c.token_mismatches.is_empty(),
+        "{name}: greedy tokens differ where the golden gap is >= {}: {:?}",
+        tol.greedy_gap,
+        c.token_mismatches
+    );
+    assert!(
+        c.rows_compared * 2 >= c.rows,
+        "{name}: a near-tie at row {} leaves fewer than half of the {} rows compared",
+        c.rows_compared,
+        c.rows
+    );
+    assert!(
+        c.max_abs <= tol.max_abs,
+        "{name}: max |Δlogit| {} > {}",
+        c.max_abs,
+        tol.max_abs
+    );
+    assert!(
+        c.rel_l2 <= tol.rel_l2,
+        "{name}: relative L2 {} > {}",
+        c.rel_l2,
+        tol.rel_l2
+    );
+    if let Some(lp) = tol.logprob {
+        assert!(
+            c.logprob <= lp,
+            "{name}: max |Δ log p(golden token)| {} > {lp}",
+            c.logprob
+        );
     }
-    for (layer, rows) in golden {
-        let layer: usize = layer.parse().ok()?;
-        for (t, hf) in rows.as_array()?.iter().enumerate() {
-            let hf: Vec<i64> = hf.as_array()?.iter().filter_map(|v| v.as_i64()).collect();
-            let ours = per_layer
-                .get(&layer)
-                .and_then(|r| r.get(t))
-                .cloned()
-                .unwrap_or_default();
-            if ours != hf {
-                return Some((layer, t, ours, hf));
-            }
-        }
-    }
-    None
 }
 
-/// bf16 cache: the tolerances of the module doc.
+/// bf16 cache.
 pub fn check_bf16(backend: Arc<dyn Backend>, name: &str) {
     let opts = CacheOptions {
         format: CacheFormat::Bf16,
@@ -190,29 +374,10 @@ pub fn check_bf16(backend: Arc<dyn Backend>, name: &str) {
         max_seq_len: 64,
         ..Default::default()
     };
-    let c = compare(backend, name, opts);
-    eprintln!(
-        "{name} (bf16 cache): max |Δlogit| = {:.3e}, rel L2 = {:.3e}",
-        c.max_abs, c.rel_l2
-    );
-    assert_eq!(
-        c.first_routing_mismatch, None,
-        "{name}: routed experts differ from transformers (layer, token, ours, theirs)"
-    );
-    assert_eq!(
-        c.first_selection_mismatch, None,
-        "{name}: indexer top-k differs from transformers"
-    );
-    assert!(
-        c.max_abs <= 0.05,
-        "{name}: max |Δlogit| {} > 0.05",
-        c.max_abs
-    );
-    assert!(c.rel_l2 <= 1e-2, "{name}: relative L2 {} > 1e-2", c.rel_l2);
-    assert_eq!(c.tokens, c.golden_tokens, "{name}: greedy tokens differ");
+    check(backend, name, opts, BF16);
 }
 
-/// fp8_ds_mla cache: e4m3 latent, so only a loose closeness is asserted.
+/// fp8_ds_mla cache.
 pub fn check_fp8(backend: Arc<dyn Backend>, name: &str) {
     let opts = CacheOptions {
         format: CacheFormat::Fp8DsMla,
@@ -220,16 +385,7 @@ pub fn check_fp8(backend: Arc<dyn Backend>, name: &str) {
         max_seq_len: 64,
         ..Default::default()
     };
-    let c = compare(backend, name, opts);
-    eprintln!(
-        "{name} (fp8_ds_mla cache): max |Δlogit| = {:.3e}, rel L2 = {:.3e}, tokens {:?} vs {:?}",
-        c.max_abs, c.rel_l2, c.tokens, c.golden_tokens
-    );
-    assert!(
-        c.rel_l2 <= 0.25,
-        "{name}: relative L2 {} > 0.25 with the fp8 cache",
-        c.rel_l2
-    );
+    check(backend, name, opts, FP8);
 }
 
 macro_rules! golden_tests {

@@ -206,14 +206,24 @@ class TopkRecorder:
         self.route_rows = []  # (scores row, k)
         self.selected = {}  # layer -> one sorted list of selected causal positions per query token
         self.routed = {}  # layer -> one sorted list of chosen experts per token
+        self.layer = None
+        # (kind, layer) -> {token: smallest margin of that token's top-k calls}; indexer margins
+        # relative to the row's largest |score|, router margins absolute (see min_margin).
+        self.decision = {}
         self._tensor_topk = torch.Tensor.topk
         self._topk = torch.topk
 
     def _record(self, x, k):
         rows = x.detach().float().reshape(-1, x.shape[-1])
         target = self.index_rows if self.where == "indexer" else self.route_rows
-        for r in rows:
+        done = self.selected if self.where == "indexer" else self.routed
+        start = len(done.get(self.layer, []))
+        per_token = self.decision.setdefault((self.where, self.layer), {})
+        for i, r in enumerate(rows):
             target.append((r.clone(), int(k)))
+            m = self.min_margin([(r, int(k))], relative=self.where == "indexer")
+            t = start + i
+            per_token[t] = min(per_token.get(t, math.inf), m)
 
     def install(self, model):
         rec = self
@@ -234,9 +244,12 @@ class TopkRecorder:
             kind = "indexer" if name.endswith("self_attn.indexer") else "router" if name.endswith("mlp.gate") else None
             if kind is None:
                 continue
-            m.register_forward_pre_hook(lambda _m, _a, kind=kind: setattr(rec, "where", kind))
-            m.register_forward_hook(lambda _m, _a, _o: setattr(rec, "where", None))
             layer = int(name.split(".")[2])
+            def enter(_m, _a, kind=kind, layer=layer):
+                rec.where, rec.layer = kind, layer  # returns None: the arguments stay as they are
+
+            m.register_forward_pre_hook(enter)
+            m.register_forward_hook(lambda _m, _a, _o: setattr(rec, "where", None))
             if kind == "indexer":
                 m.register_forward_hook(lambda _m, a, o, layer=layer: rec._selected(layer, a, o))
             else:
@@ -383,6 +396,23 @@ def build(name, seed, tok, out_dir):
             "greedy_min_logit_gap": MIN_LOGIT_GAP,
             "distinct_generated": MIN_DISTINCT_GENERATED,
         },
+        # Per layer, per token: the smallest margin of the top-k decisions taken for it (null:
+        # every candidate was selected, no decision). Tests use them to tell a near-tie that
+        # rounding may flip from a real disagreement.
+        "decision_margins": {
+            kind: {
+                str(layer): [
+                    None if not math.isfinite(per.get(t, math.inf)) else per[t]
+                    for t in range(PROMPT_TOKENS + DECODE_STEPS)
+                ]
+                for (k2, layer), per in sorted(rec.decision.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+                if k2 == kind
+            }
+            for kind in ("indexer", "router")
+        },
+        "greedy_logit_gaps": [
+            float(torch.topk(r, 2).values[0] - torch.topk(r, 2).values[1]) for r in [prefill[-1]] + list(decode)
+        ],
         "indexer_selected": {str(k): v for k, v in sorted(rec.selected.items())},
         "experts_routed": {str(k): v for k, v in sorted(rec.routed.items())},
         "hf_bf16_vs_f32_max_abs": bf16_drift,

@@ -479,3 +479,16 @@ impl Op for KeyWriteOp {
         Ok(())
     }
 }
+
+/// Every kernel of this module, lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    let scalar = crate::kir::Lowering::Scalar;
+    Ok(vec![
+        crate::kir::lower(&silu_mul_kernel(&())?, scalar)?,
+        crate::kir::lower(&cast_kernel(&DType::Bf16)?, scalar)?,
+        crate::kir::lower(&cast_kernel(&DType::F32)?, scalar)?,
+        crate::kir::lower(&embedding_kernel(&WeightType::Bf16)?, scalar)?,
+        crate::kir::lower(&embedding_kernel(&WeightType::F32)?, scalar)?,
+        crate::kir::lower(&key_write_kernel(&())?, scalar)?,
+    ])
+}

@@ -163,17 +163,25 @@ fn scores_kernel(cfg: &ScoresConfig) -> Result<Kernel> {
             let dots: Vec<_> = (0..HEAD_CHUNK)
                 .map(|h| b.var(&format!("dot{h}"), f(0.0)))
                 .collect();
-            b.for_("kw", u(0), u(d / 2), u(1), |b, kw| {
-                let word = b.let_("kword", keys.word(kbase.clone() + kw.clone()));
-                let k0 = b.let_("k0", f32_from_bits(word.clone() << u(16)));
-                let k1 = b.let_("k1", f32_from_bits(word & u(0xffff_0000)));
-                for (h, dot) in dots.iter().enumerate() {
-                    let base = u(h as u32 * d) + kw.clone() * u(2);
-                    let v = fma(k0.clone(), qs.at(base.clone()), dot.clone());
-                    let v = fma(k1.clone(), qs.at(base + u(1)), v);
-                    b.set(dot, v);
-                }
-            });
+            // Over the key's words (a loop from kbase, so the compiler does not unroll all of it).
+            b.for_(
+                "kw",
+                kbase.clone(),
+                kbase.clone() + u(d / 2),
+                u(1),
+                |b, kw| {
+                    let word = b.let_("kword", keys.word(kw.clone()));
+                    let k0 = b.let_("k0", f32_from_bits(word.clone() << u(16)));
+                    let k1 = b.let_("k1", f32_from_bits(word & u(0xffff_0000)));
+                    let c2 = b.let_("c2", (kw - kbase.clone()) * u(2));
+                    for (h, dot) in dots.iter().enumerate() {
+                        let base = u(h as u32 * d) + c2.clone();
+                        let v = fma(k0.clone(), qs.at(base.clone()), dot.clone());
+                        let v = fma(k1.clone(), qs.at(base + u(1)), v);
+                        b.set(dot, v);
+                    }
+                },
+            );
             for (h, dot) in dots.iter().enumerate() {
                 let relu = (dot.clone() * scale.clone()).max(f(0.0));
                 b.set(&score, fma(relu, ws.at(u(h as u32)), score.clone()));
@@ -373,4 +381,12 @@ impl Op for IndexerScoresOp {
         put_f32s(bufs.get_mut("scores")?, &out);
         Ok(())
     }
+}
+
+/// The kernel at the models' key width (128), lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    Ok(vec![crate::kir::lower(
+        &scores_kernel(&ScoresConfig { head_dim: 128 })?,
+        crate::kir::Lowering::Scalar,
+    )?])
 }

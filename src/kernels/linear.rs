@@ -857,3 +857,45 @@ impl Op for GroupedLinearOp {
         write_view(out, DType::F32, &self.y, &y, "y")
     }
 }
+
+/// Every variant of both kernels, lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    let ws = [
+        WeightType::F32,
+        WeightType::Bf16,
+        WeightType::Fp8 { block: [0, 0] },
+    ];
+    let mut v = Vec::new();
+    for w in ws {
+        for x in [DType::F32, DType::Bf16] {
+            for tokens_per_wg in [1, 4, 8] {
+                for accumulate in [false, true] {
+                    let k = linear_kernel(&LinearConfig {
+                        w,
+                        x,
+                        tokens_per_wg,
+                        accumulate,
+                    })?;
+                    v.push(crate::kir::lower(&k, crate::kir::Lowering::Scalar)?);
+                }
+            }
+            for (select, combine) in [
+                (GroupSelect::Heads, false),
+                (GroupSelect::Experts, false),
+                (GroupSelect::Experts, true),
+            ] {
+                for accumulate in [false, true] {
+                    let k = grouped_kernel(&GroupedConfig {
+                        w,
+                        x,
+                        select,
+                        combine,
+                        accumulate,
+                    })?;
+                    v.push(crate::kir::lower(&k, crate::kir::Lowering::Scalar)?);
+                }
+            }
+        }
+    }
+    Ok(v)
+}

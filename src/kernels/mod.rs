@@ -7,6 +7,7 @@ pub mod cache_write;
 pub mod elementwise;
 pub mod indexer;
 pub mod linear;
+pub mod model_set;
 pub mod norm;
 pub mod rope;
 pub mod sparse_mla_decode;

@@ -177,3 +177,11 @@ impl Op for NormOp {
         write_view(bufs.get_mut("y")?, DType::F32, &self.y, &y, "y")
     }
 }
+
+/// Both kernels, lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    [NormKind::Rms, NormKind::Layer]
+        .iter()
+        .map(|k| crate::kir::lower(&norm_kernel(k)?, crate::kir::Lowering::Scalar))
+        .collect()
+}

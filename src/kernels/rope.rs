@@ -239,3 +239,17 @@ impl Op for RopeOp {
         write_view(bufs.get_mut("y")?, DType::F32, &self.y, &y, "y")
     }
 }
+
+/// Every variant, lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    let mut v = Vec::new();
+    for layout in [RopeLayout::Interleaved, RopeLayout::HalfSplit] {
+        for in_place in [false, true] {
+            v.push(crate::kir::lower(
+                &rope_kernel(&(layout, in_place))?,
+                crate::kir::Lowering::Scalar,
+            )?);
+        }
+    }
+    Ok(v)
+}

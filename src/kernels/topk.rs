@@ -257,3 +257,11 @@ impl Op for TopkOp {
         Ok(())
     }
 }
+
+/// The kernel, lowered (for compile checks and exports).
+pub fn all_variants() -> Result<Vec<Kernel>> {
+    Ok(vec![crate::kir::lower(
+        &topk_kernel(&())?,
+        crate::kir::Lowering::Scalar,
+    )?])
+}

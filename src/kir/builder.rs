@@ -305,7 +305,8 @@ impl KernelBuilder {
                 min_workgroups: 0,
             },
             blocks: vec![Vec::new()],
-            names: HashMap::new(),
+            // `p` is the parameter block in the emitted CUDA C: no description variable may take it.
+            names: HashMap::from([("p".to_string(), 1)]),
             errors: Vec::new(),
         }
     }
