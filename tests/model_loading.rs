@@ -343,3 +343,19 @@ fn sequence_longer_than_max_seq_len_is_an_error() {
         .to_string();
     assert!(e.contains("max_seq_len"), "{e}");
 }
+
+/// The fixtures' prompt text encodes to the ids the Hugging Face tokenizer gave when the
+/// golden was made (golden.json `prompt_text`, golden.safetensors `prompt_ids`).
+#[test]
+fn prompt_text_encodes_to_the_golden_ids() {
+    use sparse_mla::conformance::model::load_golden;
+    use sparse_mla::model::TextTokenizer;
+    for name in ["glm_moe_dsa-tiny", "deepseek_v32-tiny"] {
+        let dir = fixture(name);
+        let g = load_golden(&dir).unwrap();
+        let text = g.meta["prompt_text"].as_str().unwrap();
+        let tok = TextTokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        assert_eq!(tok.encode(text).unwrap(), g.prompt_ids, "{name}: {text:?}");
+        assert_eq!(tok.decode(&g.prompt_ids).unwrap(), text, "{name}");
+    }
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the binaries that tools/gpu-check.sh runs on a GPU machine (which has no cargo),
-# stripped, into target/gpu/: mla-check, mla-run, mla-bench, and the GPU test binaries.
+# stripped, into target/gpu/: mla-check (kernel and whole-model conformance), mla-run and
+# mla-bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --profile gpu --bin mla-check --bin mla-run --bin mla-bench

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, with binaries built elsewhere (`tools/build-gpu.sh`
-# makes them): run the conformance suite on CUDA and on wgpu over Vulkan, then the GPU
-# benchmark when it exists, and print the tables last.
+# makes them): run the conformance suite (kernels and whole-model cases) on CUDA and on wgpu
+# over Vulkan, mla-run on the tiny fixtures (bf16 and FP8 weights, bf16 and fp8 caches), then
+# the GPU benchmark when it exists, and print the tables last.
 #
 #   tools/gpu-check.sh [BIN_DIR]        (default target/gpu)
 #
@@ -38,6 +39,7 @@ if ! ldconfig -p | grep -qE "libnvrtc\.so(\.12)? "; then
     fi
 fi
 export SPARSE_MLA_CACHE_DIR=${SPARSE_MLA_CACHE_DIR:-/tmp/sparse-mla-nvrtc}
+export SPARSE_MLA_FIXTURES=${SPARSE_MLA_FIXTURES:-$PWD/tests/fixtures}
 
 {
     date -u
@@ -50,6 +52,19 @@ echo "== mla-check on CUDA"
 "$BIN/mla-check" --backend cuda >"$L/cuda.txt" 2>"$L/cuda.err" || status=1
 echo "== mla-check on wgpu (Vulkan)"
 WGPU_BACKEND=vulkan "$BIN/mla-check" --backend wgpu >"$L/vulkan.txt" 2>"$L/vulkan.err" || status=1
+
+echo "== mla-run on the fixtures"
+: >"$L/run.txt"
+for dev in cuda wgpu; do
+    for m in glm_moe_dsa-tiny deepseek_v32-tiny glm_moe_dsa-tiny-fp8 deepseek_v32-tiny-fp8; do
+        for kv in bf16 fp8; do
+            [ "$dev" = wgpu ] && [ "$kv" = fp8 ] && continue
+            line=$(set -o pipefail; WGPU_BACKEND=vulkan "$BIN/mla-run" --device "$dev" --model "$SPARSE_MLA_FIXTURES/$m" \
+                --kv-cache "$kv" -n 24 2>>"$L/run.err" | tail -1) || { status=1; line="FAILED"; }
+            echo "$dev $m kv=$kv: $line" >>"$L/run.txt"
+        done
+    done
+done
 
 for t in "$BIN"/gpu-test-*; do
     [ -x "$t" ] || continue
@@ -68,6 +83,9 @@ for f in cuda vulkan; do
     grep -E "^\||^SKIPPED|^FAILED|passed," "$L/$f.txt" | cut -c1-200
     tail -3 "$L/$f.err"
 done
+echo "---- mla-run"
+cut -c1-260 "$L/run.txt"
+tail -3 "$L/run.err"
 for t in "$L"/gpu-test-*.txt; do
     [ -f "$t" ] && { echo "---- $(basename "$t")"; grep -E "^test |test result|panicked" "$t" | tail -20; }
 done

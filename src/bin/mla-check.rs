@@ -1,15 +1,23 @@
 //! mla-check: the conformance suite on every backend this machine has.
 
 use clap::Parser;
+use sparse_mla::conformance::model::{fixtures_dir, model_cases};
 use sparse_mla::conformance::{all_cases, Outcome};
 use sparse_mla::runtime::{discover, BackendKind};
 use sparse_mla::util::Rng;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 /// Run the sparse-mla conformance suite on every backend found: each wgpu adapter
 /// (Vulkan / Metal / DX12, and lavapipe on the CPU), each CUDA device, and the CPU
 /// reference. Every case draws fresh random inputs, poisons the outputs and compares with
 /// a float64 reference (DESIGN §3 tolerances).
+///
+/// Then the whole-model cases on each backend: the tiny GLM-5 and DeepSeek-V3.2 checkpoints
+/// (tests/fixtures) against transformers' goldens with bf16 and fp8_ds_mla caches, FP8 weights
+/// against their dequantised copy, batched steps against separate ones, a steady decode step
+/// with no device allocation, a failed step that changes nothing.
 ///
 /// Exits 1 when any case fails, and when no GPU (or lavapipe) backend could run at all,
 /// so a green run always means kernels ran somewhere real. Absent backends are listed as
@@ -32,6 +40,13 @@ struct Args {
     /// List the cases and exit.
     #[arg(long)]
     list: bool,
+    /// Skip the whole-model cases.
+    #[arg(long)]
+    no_model: bool,
+    /// Directory of the model fixtures (default: $SPARSE_MLA_FIXTURES, else tests/fixtures of
+    /// the source tree the binary was built from, else ./tests/fixtures).
+    #[arg(long, value_name = "DIR")]
+    fixtures: Option<PathBuf>,
 }
 
 struct Row {
@@ -52,9 +67,25 @@ fn main() -> ExitCode {
                 .is_none_or(|f| c.name().contains(f.as_str()))
         })
         .collect();
+    let models: Vec<_> = if args.no_model {
+        Vec::new()
+    } else {
+        model_cases()
+            .into_iter()
+            .filter(|c| {
+                args.case
+                    .as_ref()
+                    .is_none_or(|f| c.name.contains(f.as_str()))
+            })
+            .collect()
+    };
+    let fixtures = args.fixtures.clone().unwrap_or_else(fixtures_dir);
     if args.list {
         for c in &cases {
             println!("{}", c.name());
+        }
+        for c in &models {
+            println!("{}", c.name);
         }
         return ExitCode::SUCCESS;
     }
@@ -74,7 +105,7 @@ fn main() -> ExitCode {
             }
         }
     };
-    if cases.is_empty() {
+    if cases.is_empty() && models.is_empty() {
         eprintln!(
             "mla-check: no case matches --case {:?}",
             args.case.unwrap_or_default()
@@ -113,6 +144,36 @@ fn main() -> ExitCode {
                 device: device.clone(),
                 outcome,
                 case: case.name(),
+            });
+        }
+        if models.is_empty() {
+            continue;
+        }
+        if !fixtures.join("glm_moe_dsa-tiny").is_dir() {
+            skipped.push(format!(
+                "{kind} model cases: no fixtures at {} (give --fixtures DIR)",
+                fixtures.display()
+            ));
+            continue;
+        }
+        let shared: Arc<dyn sparse_mla::runtime::Backend> = Arc::from(backend);
+        for case in &models {
+            let outcome = case
+                .run(shared.clone(), &fixtures)
+                .map_err(|e| e.to_string());
+            match &outcome {
+                Ok(o) => eprintln!(
+                    "   {:<44} {}",
+                    o.case,
+                    if o.passed() { "ok" } else { "FAIL" }
+                ),
+                Err(e) => eprintln!("   {:<44} ERROR {e}", case.name),
+            }
+            rows.push(Row {
+                backend: kind.clone(),
+                device: device.clone(),
+                outcome,
+                case: case.name.clone(),
             });
         }
     }

@@ -122,8 +122,15 @@ fn peak_memory_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The tiny GLM-5 fixture: in this source tree, or under the current directory (a binary
+/// carried to another machine with the repository).
 fn default_model_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FIXTURE)
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FIXTURE);
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from(DEFAULT_FIXTURE)
+    }
 }
 
 /// Everything checked before loading a single weight.
@@ -313,6 +320,9 @@ fn load(plan: &Plan, backend: Arc<dyn Backend>, ckpt: &Checkpoint) -> Result<Mod
 }
 
 struct Summary {
+    /// Device bytes of the weights, the caches and the activation pool.
+    device_bytes: [u64; 3],
+    device: String,
     prompt_tokens: usize,
     generated: usize,
     prefill_s: f64,
@@ -352,6 +362,8 @@ fn run(cli: &Cli) -> Result<()> {
     let prefill_s = t0.elapsed().as_secs_f64();
 
     let mut summary = Summary {
+        device_bytes: [0; 3],
+        device: String::new(),
         prompt_tokens: plan.prompt.len(),
         generated: 0,
         prefill_s,
@@ -397,6 +409,12 @@ fn run(cli: &Cli) -> Result<()> {
     if let (Some(s), Output::Text) = (stream.as_mut(), cli.output) {
         write!(out, "{}", s.finish()?).map_err(io)?;
     }
+    summary.device_bytes = [
+        model.weight_bytes(),
+        seq.cache.bytes(),
+        model.device().pool_bytes(),
+    ];
+    summary.device = model.device().backend().device_name();
     report(&mut out, cli, &summary, &seq_note(&summary, &plan)).map_err(io)
 }
 
@@ -433,10 +451,16 @@ fn report(out: &mut impl Write, cli: &Cli, s: &Summary, note: &str) -> std::io::
                 .map(|b| format!("{:.1} MiB", b as f64 / (1024.0 * 1024.0)))
                 .unwrap_or_else(|| "n/a".into());
             writeln!(out)?;
+            let [w, c, a] = s.device_bytes;
             writeln!(
                 out,
-                "prompt {} tokens | prefill {prefill:.1} tok/s | decode {decode:.1} tok/s | {} generated | peak memory {mem}{note}",
-                s.prompt_tokens, s.generated
+                "prompt {} tokens | prefill {prefill:.1} tok/s | decode {decode:.1} tok/s | {} generated | device {}: weights {}, caches {}, activations {} | peak memory {mem}{note}",
+                s.prompt_tokens,
+                s.generated,
+                s.device,
+                gib(w),
+                gib(c),
+                gib(a)
             )
         }
         Output::Json => {
@@ -446,6 +470,10 @@ fn report(out: &mut impl Write, cli: &Cli, s: &Summary, note: &str) -> std::io::
                 "prefill_tok_s": prefill,
                 "decode_tok_s": decode,
                 "peak_memory_bytes": peak,
+                "device": s.device,
+                "device_weight_bytes": s.device_bytes[0],
+                "device_cache_bytes": s.device_bytes[1],
+                "device_activation_bytes": s.device_bytes[2],
                 "stop": s.stop,
             });
             writeln!(out, "{obj}")

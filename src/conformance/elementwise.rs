@@ -161,7 +161,7 @@ fn cast_case(to: DType, rows: u32, cols: u32) -> OpCase {
                 DType::Bf16 => (
                     f32_bytes(&x),
                     // bf16 NaN poison: 0x7fc0
-                    vec![0xc0u8, 0x7f].repeat(yv.end() as usize + 2),
+                    [0xc0u8, 0x7f].repeat(yv.end() as usize + 2),
                     Compare::Exact,
                 ),
                 DType::F32 => (

@@ -13,6 +13,7 @@ pub mod elementwise;
 pub mod formats;
 pub mod indexer;
 pub mod linear;
+pub mod model;
 pub mod ops;
 
 pub use decode::{

@@ -158,7 +158,7 @@ pub fn run_instance(
                         c.not_finite
                     ));
                 }
-                if !(c.rel_l2 <= *rel_l2) {
+                if !super::within(c.rel_l2, *rel_l2) {
                     outcome.failures.push(format!(
                         "{n}: relative L2 error {:.3e} > {rel_l2:.0e}",
                         c.rel_l2

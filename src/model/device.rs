@@ -137,6 +137,10 @@ impl Index {
 pub struct Device {
     backend: Arc<dyn Backend>,
     pool: Arc<Mutex<PoolInner>>,
+    /// Buffers the pool had to make (a miss: no free buffer of the size).
+    misses: std::sync::atomic::AtomicU64,
+    /// Bytes of every buffer the pool has made (it keeps them: its footprint).
+    pool_bytes: std::sync::atomic::AtomicU64,
 }
 
 fn poisoned() -> Error {
@@ -151,6 +155,8 @@ impl Device {
                 free: HashMap::new(),
                 idle: 0,
             })),
+            misses: Default::default(),
+            pool_bytes: Default::default(),
         }
     }
 
@@ -162,9 +168,16 @@ impl Device {
         self.backend.clone()
     }
 
-    /// Device buffers created so far (pool misses, weights and caches included).
+    /// Activation buffers the pool has had to allocate so far (a step whose tensors all come
+    /// back from the pool adds none). Weights and caches are allocated once, at load and cache
+    /// creation; the decode kernels' split workspace belongs to the backend and only grows.
     pub fn allocations(&self) -> u64 {
-        self.backend.allocations()
+        self.misses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Device bytes of the activation pool (every buffer it made; it keeps them for reuse).
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool_bytes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Bytes held idle by the pool.
@@ -186,7 +199,13 @@ impl Device {
         };
         let buf = match reused {
             Some(b) => b,
-            None => self.backend.alloc(class)?,
+            None => {
+                self.misses
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.pool_bytes
+                    .fetch_add(class, std::sync::atomic::Ordering::Relaxed);
+                self.backend.alloc(class)?
+            }
         };
         Ok(Arc::new(PoolBuf {
             buf: Some(buf),
@@ -646,7 +665,7 @@ impl Device {
                 ("q", q.buffer()),
                 ("w", w.buffer()),
                 ("keys", keys),
-                ("block_table", &table.buf),
+                ("block_table", table.buf),
                 ("req_of_token", table.req_of_token.buffer()),
                 ("positions", table.positions.buffer()),
                 ("scores", scores.buffer()),

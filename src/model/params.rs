@@ -173,6 +173,7 @@ pub struct Mlp {
     pub inter: u32,
 }
 
+#[allow(clippy::large_enum_variant)] // one per layer, never moved in a hot path
 pub enum MlpWeights {
     Dense(Mlp),
     Moe {

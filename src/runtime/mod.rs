@@ -221,7 +221,7 @@ pub trait Backend: Send + Sync {
 /// Checks a write or read of `len` bytes at `offset` against a buffer of `size` bytes, and
 /// (for GPU backends, `words`) the 32-bit alignment the copies need.
 pub(crate) fn check_range(arg: &str, size: u64, offset: u64, len: u64, words: bool) -> Result<()> {
-    let end = offset.checked_add(len).unwrap_or(u64::MAX);
+    let end = offset.saturating_add(len);
     if end > size {
         return Err(Error::arg(
             arg,
