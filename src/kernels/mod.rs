@@ -6,6 +6,7 @@ pub mod blocks;
 pub mod cache_write;
 pub mod elementwise;
 pub mod linear;
+pub mod moe_route;
 pub mod norm;
 pub mod rope;
 pub mod sparse_mla_decode;

@@ -3,6 +3,7 @@
 
 pub mod cache;
 pub mod linear;
+pub mod moe_route;
 pub mod norm;
 pub mod numerics;
 pub mod rope;
