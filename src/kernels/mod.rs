@@ -9,6 +9,7 @@ pub mod linear;
 pub mod moe_route;
 pub mod norm;
 pub mod rope;
+pub mod sampler;
 pub mod sparse_mla_decode;
 pub mod vbt;
 pub mod view;

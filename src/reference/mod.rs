@@ -7,6 +7,7 @@ pub mod moe_route;
 pub mod norm;
 pub mod numerics;
 pub mod rope;
+pub mod sampler;
 pub mod sparse_mla;
 pub mod tensor;
 pub mod vbt;
