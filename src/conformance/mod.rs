@@ -13,6 +13,7 @@ pub mod elementwise;
 pub mod formats;
 pub mod linear;
 pub mod ops;
+pub mod routing;
 
 pub use decode::{
     decode_cases, make_inputs, run_decode_case, DecodeCase, DecodeData, IndexPattern,
@@ -53,6 +54,7 @@ pub fn model_op_cases() -> Vec<ops::OpCase> {
     let mut v = Vec::new();
     v.extend(linear::linear_cases());
     v.extend(elementwise::elementwise_cases());
+    v.extend(routing::routing_cases());
     v
 }
 
