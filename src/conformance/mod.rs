@@ -15,6 +15,7 @@ pub mod indexer;
 pub mod linear;
 pub mod model;
 pub mod ops;
+pub mod routing;
 
 pub use decode::{
     decode_cases, make_inputs, run_decode_case, DecodeCase, DecodeData, IndexPattern,
@@ -56,6 +57,7 @@ pub fn model_op_cases() -> Vec<ops::OpCase> {
     v.extend(linear::linear_cases());
     v.extend(elementwise::elementwise_cases());
     v.extend(indexer::indexer_cases());
+    v.extend(routing::routing_cases());
     v
 }
 

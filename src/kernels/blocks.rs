@@ -159,3 +159,79 @@ pub fn zero(ty: Ty) -> Expr {
         _ => u(0),
     }
 }
+
+/// Several f32 sums over the workgroup at once, by one tree in `red` (at least
+/// `values.len() × threads` f32): the barriers of one reduction serve them all. Returns one
+/// variable per value, holding its sum in every thread.
+pub fn block_sums(b: &mut KernelBuilder, red: &Shared, threads: u32, values: &[Expr]) -> Vec<Expr> {
+    debug_assert!(threads.is_power_of_two() && red.len >= values.len() as u32 * threads);
+    b.barrier();
+    for (j, v) in values.iter().enumerate() {
+        b.shared_store(red, u(j as u32 * threads) + local_id(), v.clone());
+    }
+    b.barrier();
+    let mut s = threads / 2;
+    while s > 0 {
+        b.if_(local_id().lt(u(s)), |b| {
+            for j in 0..values.len() as u32 {
+                let at = u(j * threads) + local_id();
+                let v = red.at(at.clone()) + red.at(at.clone() + u(s));
+                b.shared_store(red, at, v);
+            }
+        });
+        b.barrier();
+        s /= 2;
+    }
+    let out = (0..values.len() as u32)
+        .map(|j| b.let_("sum", red.at(u(j * threads))))
+        .collect();
+    b.barrier();
+    out
+}
+
+/// The prefix sums of `value` (f32) in thread order, Hillis-Steele in `scan` (`threads`
+/// f32). Returns (exclusive, inclusive, total). The exclusive sum of thread `t` is the
+/// inclusive sum of thread `t − 1` bit for bit (0 for thread 0), so the intervals
+/// `[exclusive, inclusive)` of consecutive threads meet exactly; with rounding they need not
+/// be monotone, so a search over them must not assume it.
+pub fn block_scan_f32(
+    b: &mut KernelBuilder,
+    scan: &Shared,
+    threads: u32,
+    value: Expr,
+) -> (Expr, Expr, Expr) {
+    let mine = b.let_("scan_in", value);
+    b.barrier();
+    b.shared_store(scan, local_id(), mine);
+    b.barrier();
+    let mut d = 1;
+    while d < threads {
+        let v = b.var("scan_v", scan.at(local_id()));
+        b.if_(local_id().ge(u(d)), |b| {
+            b.set(&v, v.clone() + scan.at(local_id() - u(d)));
+        });
+        b.barrier();
+        b.shared_store(scan, local_id(), v);
+        b.barrier();
+        d *= 2;
+    }
+    let inclusive = b.let_("scan_incl", scan.at(local_id()));
+    let before = b.var("scan_excl", f(0.0));
+    b.if_(local_id().gt(u(0)), |b| {
+        b.set(&before, scan.at(local_id() - u(1)));
+    });
+    let total = b.let_("scan_total", scan.at(u(threads - 1)));
+    b.barrier();
+    (before, inclusive, total)
+}
+
+/// [`f32_order_key`] with −0 and +0 merged into +0's key, so that an order on keys ties the
+/// two zeros as `==` on floats does (the references compare values, where −0 = +0).
+pub fn f32_order_key_zeros_equal(b: &mut KernelBuilder, x: Expr) -> Expr {
+    let raw = b.let_("xbits", f32_bits(x));
+    let bits = b.let_("bits", select(raw.clone().eq_(u(0x8000_0000)), u(0), raw));
+    let nan = (bits.clone() & u(0x7fff_ffff)).gt(u(0x7f80_0000));
+    let neg = (bits.clone() >> u(31)).eq_(u(1));
+    let key = select(neg, bits.clone() ^ u(0xffff_ffff), bits | u(0x8000_0000));
+    b.let_("key", select(nan, u(0), key))
+}

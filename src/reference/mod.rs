@@ -3,9 +3,11 @@
 
 pub mod cache;
 pub mod linear;
+pub mod moe_route;
 pub mod norm;
 pub mod numerics;
 pub mod rope;
+pub mod sampler;
 pub mod sparse_mla;
 pub mod tensor;
 pub mod vbt;
