@@ -97,8 +97,8 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         if (threadIdx.x < 4u) {
             unsigned amax = 0u;
             #pragma unroll
-            for (unsigned p = 0u; p < 32u; p += 1u) {
-                amax = (amax > amax_part[(threadIdx.x * 32u) + p] ? amax : amax_part[(threadIdx.x * 32u) + p]);
+            for (unsigned p_1 = 0u; p_1 < 32u; p_1 += 1u) {
+                amax = (amax > amax_part[(threadIdx.x * 32u) + p_1] ? amax : amax_part[(threadIdx.x * 32u) + p_1]);
             }
             const unsigned div_a = amax << 16u;
             const unsigned div_d = 1138753536u;

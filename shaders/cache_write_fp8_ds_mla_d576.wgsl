@@ -108,8 +108,8 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up
         if (local_id < 4u) {
             var amax: u32 = 0u;
-            for (var p: u32 = 0u; p < 32u; p = p + 1u) {
-                amax = max(amax, amax_part[(local_id * 32u) + p]);
+            for (var p_1: u32 = 0u; p_1 < 32u; p_1 = p_1 + 1u) {
+                amax = max(amax, amax_part[(local_id * 32u) + p_1]);
             }
             let div_a: u32 = amax << 16u;
             let div_d: u32 = 1138753536u;

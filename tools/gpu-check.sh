@@ -71,7 +71,7 @@ for t in "$BIN"/gpu-test-*; do
     echo "== $(basename "$t")"
     SPARSE_MLA_REQUIRE=cuda "$t" --nocapture >"$L/$(basename "$t").txt" 2>&1 || status=1
 done
-if [ -x "$BIN/mla-bench" ]; then
+if [ -x "$BIN/mla-bench" ] && [ -z "${NO_BENCH:-}" ]; then
     echo "== mla-bench"
     "$BIN/mla-bench" >"$L/bench.txt" 2>"$L/bench.err" || status=1
 fi

@@ -8,7 +8,6 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use sparse_mla::mla::CacheFormat;
 use sparse_mla::model::memory::{gib, plan as memory_plan};
-use sparse_mla::model::sampler::log_prob;
 use sparse_mla::model::tokenizer::{TextStream, TOKENIZER_FILE};
 use sparse_mla::model::weights::Checkpoint;
 use sparse_mla::model::{
@@ -355,10 +354,12 @@ fn run(cli: &Cli) -> Result<()> {
     }
 
     let t0 = Instant::now();
-    let mut logits = Vec::new();
+    let mut logits = None;
     for chunk in plan.prompt.chunks(PREFILL_CHUNK) {
-        logits = model.forward(&mut seq, chunk, Logits::Last)?;
+        logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
     }
+    let mut logits =
+        logits.ok_or_else(|| Error::arg("prompt", "at least one token", "an empty prompt"))?;
     let prefill_s = t0.elapsed().as_secs_f64();
 
     let mut summary = Summary {
@@ -373,7 +374,10 @@ fn run(cli: &Cli) -> Result<()> {
     };
     let t1 = Instant::now();
     for i in 0..cli.n {
-        let id = sampler.sample(&logits);
+        let token = sampler
+            .sample(model.device(), &logits)
+            .map_err(|e| Error::Model(format!("step {i}: {e}")))?[0];
+        let id = token.id;
         summary.generated += 1;
         let text = match stream.as_mut() {
             Some(s) => Some(s.push(id)?),
@@ -385,8 +389,7 @@ fn run(cli: &Cli) -> Result<()> {
                 None => write!(out, " {id}").map_err(io)?,
             },
             Output::Json => {
-                let obj =
-                    serde_json::json!({ "id": id, "text": text, "logprob": log_prob(&logits, id) });
+                let obj = serde_json::json!({ "id": id, "text": text, "logprob": token.logprob });
                 writeln!(out, "{obj}").map_err(io)?;
             }
         }
@@ -402,7 +405,7 @@ fn run(cli: &Cli) -> Result<()> {
             summary.stop = "max_seq_len";
             break;
         }
-        logits = model.forward(&mut seq, &[id], Logits::Last)?;
+        logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
         summary.decode_steps += 1;
     }
     summary.decode_s = t1.elapsed().as_secs_f64();

@@ -16,8 +16,10 @@ use std::sync::{Arc, Mutex};
 use crate::kernels::elementwise::{CastOp, EmbeddingOp, KeyWriteOp, SiluMulOp};
 use crate::kernels::indexer::IndexerScoresOp;
 use crate::kernels::linear::{GroupSelect, GroupedLinearOp, LinearOp};
+use crate::kernels::moe_route::MoeRouteOp;
 use crate::kernels::norm::{NormKind, NormOp};
 use crate::kernels::rope::{RopeLayout, RopeOp};
+use crate::kernels::sampler::SampleOp;
 use crate::kernels::topk::TopkOp;
 use crate::kernels::view::{DType, View, WeightLayout, WeightType};
 use crate::runtime::{Backend, Buffer, Op};
@@ -698,55 +700,83 @@ impl Device {
         self.run(op, bufs)
     }
 
-    /// noaux_tc routing of `logits [T, experts]`: (`ids [T, top_k]`, `weights [T, top_k]`).
+    /// noaux_tc routing of `logits [T, experts]` with `bias [experts]`: (`ids [T, top_k]`,
+    /// `weights [T, top_k]`).
     pub fn moe_route(
         &self,
         logits: &Tensor,
         bias: &Vector,
         c: &crate::model::ModelConfig,
     ) -> Result<(Index, Tensor)> {
-        // TEMPORARY host routing until the routing kernel lands.
-        let l = self.download(logits)?;
-        let b = crate::reference::tensor::f32s(&self.backend.download(&bias.buf)?);
-        let e = logits.cols() as usize;
-        let per_group = e / c.n_group;
-        let top = |mut v: Vec<(f32, usize)>, k: usize| -> Vec<usize> {
-            v.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            v.into_iter().take(k).map(|x| x.1).collect()
+        let k = u32::try_from(c.num_experts_per_tok)
+            .map_err(|_| Error::arg("num_experts_per_tok", "a u32", c.num_experts_per_tok))?;
+        let op = MoeRouteOp {
+            logits: logits.view,
+            n_group: c.n_group as u32,
+            topk_group: c.topk_group as u32,
+            top_k: k,
+            norm_topk_prob: c.norm_topk_prob,
+            routed_scaling_factor: c.routed_scaling_factor,
         };
-        let (mut ids, mut ws) = (Vec::new(), Vec::new());
-        for t in 0..logits.rows() as usize {
-            let s: Vec<f32> = l[t * e..(t + 1) * e]
-                .iter()
-                .map(|&x| 1.0 / (1.0 + (-x).exp()))
-                .collect();
-            let ch: Vec<f32> = s.iter().zip(&b).map(|(s, b)| s + b).collect();
-            let gs: Vec<(f32, usize)> = (0..c.n_group)
-                .map(|g| {
-                    let mut v = ch[g * per_group..(g + 1) * per_group].to_vec();
-                    v.sort_by(|a, b| b.total_cmp(a));
-                    (v[0] + v.get(1).copied().unwrap_or(0.0), g)
-                })
-                .collect();
-            let groups = top(gs, c.topk_group);
-            let cand: Vec<(f32, usize)> = (0..e)
-                .filter(|i| groups.contains(&(i / per_group)))
-                .map(|i| (ch[i], i))
-                .collect();
-            let chosen = top(cand, c.num_experts_per_tok);
-            let mut w: Vec<f32> = chosen.iter().map(|&i| s[i]).collect();
-            if c.norm_topk_prob {
-                let sum = w.iter().sum::<f32>() + 1e-20;
-                w.iter_mut().for_each(|x| *x /= sum);
-            }
-            ids.extend(chosen.iter().map(|&i| i as i32));
-            ws.extend(w.iter().map(|x| x * c.routed_scaling_factor));
+        let ids = self.empty_index(logits.rows(), k)?;
+        let weights = self.empty(logits.rows(), k, DType::F32)?;
+        self.run(
+            &op,
+            &[
+                ("logits", logits.buffer()),
+                ("bias", &bias.buf),
+                ("ids", ids.buffer()),
+                ("weights", weights.buffer()),
+            ],
+        )?;
+        Ok((ids, weights))
+    }
+
+    /// Samples one token per row of `logits [R, V]` with `uniforms [R]` (host-drawn, in
+    /// [0, 1)): (`ids [R]`, `logprobs [R]`, `bad [R]` — the count of non-finite logits of the
+    /// row, whose id is then −1). Only these cross to the host.
+    pub fn sample(
+        &self,
+        logits: &Tensor,
+        uniforms: &[f32],
+        temperature: f32,
+        top_k: u32,
+        top_p: f32,
+    ) -> Result<Vec<(i32, f32, u32)>> {
+        let r = logits.rows();
+        if uniforms.len() != r as usize {
+            return Err(Error::arg(
+                "uniforms",
+                format!("{r} values"),
+                uniforms.len(),
+            ));
         }
-        let k = c.num_experts_per_tok as u32;
-        Ok((
-            self.index_from(logits.rows(), k, &ids)?,
-            self.tensor_from(logits.rows(), k, &ws)?,
-        ))
+        let op = SampleOp {
+            logits: logits.view,
+            temperature,
+            top_k,
+            top_p,
+        };
+        let u = self.tensor_from(r, 1, uniforms)?;
+        let ids = self.empty_index(r, 1)?;
+        let lp = self.empty(r, 1, DType::F32)?;
+        let bad = self.empty_index(r, 1)?;
+        self.run(
+            &op,
+            &[
+                ("logits", logits.buffer()),
+                ("uniforms", u.buffer()),
+                ("ids", ids.buffer()),
+                ("logprobs", lp.buffer()),
+                ("bad", bad.buffer()),
+            ],
+        )?;
+        let ids = self.download_index(&ids)?;
+        let lps = self.download(&lp)?;
+        let bads = self.download_index(&bad)?;
+        Ok((0..r as usize)
+            .map(|i| (ids[i], lps[i], bads[i] as u32))
+            .collect())
     }
 }
 

@@ -219,6 +219,21 @@ impl Model {
         self.forward_traced(seq, tokens, which, None)
     }
 
+    /// [`Model::forward`] with the logits left on the device (for the device sampler: only the
+    /// sampled id then crosses to the host).
+    pub fn forward_on_device(
+        &self,
+        seq: &mut Sequence,
+        tokens: &[u32],
+        which: Logits,
+    ) -> Result<Tensor> {
+        let input = [StepInput {
+            seq: seq.id,
+            tokens,
+        }];
+        self.step(&mut seq.cache, &input, which, None)
+    }
+
     /// [`Model::forward`], recording the indexer's selections and the routing into `trace`.
     pub fn forward_traced(
         &self,

@@ -1,6 +1,10 @@
-//! Next-token sampling: greedy, or temperature → top-k → top-p (the order transformers
-//! applies them), drawn with the project's seeded [`Rng`] so a run can be replayed.
+//! Next-token sampling on the device: greedy, or temperature → top-k → top-p (the order
+//! transformers applies them), one uniform per row drawn here with the project's seeded
+//! [`Rng`] so a run can be replayed. The definition (and its float64 reference, which the CPU
+//! backend runs) is in [`crate::reference::sampler`]; only the chosen id and its logprob come
+//! back to the host.
 
+use super::device::{Device, Tensor};
 use crate::util::Rng;
 use crate::{Error, Result};
 
@@ -69,6 +73,14 @@ pub fn log_prob(logits: &[f32], id: u32) -> f32 {
     (logits[id as usize] as f64 - lse) as f32
 }
 
+/// One sampled token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Token {
+    pub id: u32,
+    /// `log_softmax(logits)[id]` of the raw logits.
+    pub logprob: f32,
+}
+
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Result<Self> {
         cfg.validate()?;
@@ -78,85 +90,89 @@ impl Sampler {
         })
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.cfg.temperature == 0.0 || logits.len() < 2 {
-            return argmax(logits);
-        }
-        let t = self.cfg.temperature as f64;
-        let mut cand: Vec<(f64, u32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| !v.is_nan())
-            .map(|(i, &v)| (v as f64 / t, i as u32))
+    pub fn config(&self) -> SamplerConfig {
+        self.cfg
+    }
+
+    /// One token per row of `logits [R, vocab]`, on the logits' device. A row with a NaN or
+    /// infinite logit is an error naming the row (nothing is sampled from it).
+    pub fn sample(&mut self, device: &Device, logits: &Tensor) -> Result<Vec<Token>> {
+        let uniforms: Vec<f32> = (0..logits.rows())
+            .map(|_| (self.rng.unit() as f32).min(1.0 - f32::EPSILON / 2.0))
             .collect();
-        cand.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        if self.cfg.top_k > 0 {
-            cand.truncate(self.cfg.top_k);
-        }
-        let m = cand.first().map(|c| c.0).unwrap_or(0.0);
-        let mut probs: Vec<f64> = cand.iter().map(|c| (c.0 - m).exp()).collect();
-        let z: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= z);
-        if self.cfg.top_p < 1.0 {
-            // Keep tokens until the kept mass reaches top_p (the most likely is always kept).
-            let mut mass = 0.0;
-            let mut keep = probs.len();
-            for (i, p) in probs.iter().enumerate() {
-                mass += p;
-                if mass >= self.cfg.top_p as f64 {
-                    keep = i + 1;
-                    break;
+        let top_k = u32::try_from(self.cfg.top_k).unwrap_or(u32::MAX);
+        let out = device.sample(
+            logits,
+            &uniforms,
+            self.cfg.temperature,
+            top_k,
+            self.cfg.top_p,
+        )?;
+        out.into_iter()
+            .enumerate()
+            .map(|(row, (id, logprob, bad))| {
+                if bad > 0 || id < 0 {
+                    return Err(Error::Model(format!(
+                        "the logits of row {row} hold {bad} NaN or infinite values: nothing to sample"
+                    )));
                 }
-            }
-            probs.truncate(keep);
-            let z: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= z);
-        }
-        let u = self.rng.unit();
-        let mut acc = 0.0;
-        for (p, c) in probs.iter().zip(&cand) {
-            acc += p;
-            if u < acc {
-                return c.1;
-            }
-        }
-        cand[probs.len() - 1].1
+                Ok(Token {
+                    id: id as u32,
+                    logprob,
+                })
+            })
+            .collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::cpu::CpuBackend;
+    use std::sync::Arc;
+
+    fn device() -> Device {
+        Device::new(Arc::new(CpuBackend::new()))
+    }
+
+    fn draw(cfg: SamplerConfig, logits: &[f32], n: usize) -> Vec<u32> {
+        let d = device();
+        let t = d.tensor_from(1, logits.len() as u32, logits).unwrap();
+        let mut s = Sampler::new(cfg).unwrap();
+        (0..n).map(|_| s.sample(&d, &t).unwrap()[0].id).collect()
+    }
 
     #[test]
     fn greedy_is_argmax_with_low_ties() {
-        let mut s = Sampler::new(SamplerConfig::default()).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(
+            draw(SamplerConfig::default(), &[0.1, 3.0, 3.0, -1.0], 1),
+            vec![1]
+        );
+        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
     }
 
     #[test]
     fn top_k_and_top_p_restrict_the_support() {
         let logits = [5.0, 4.9, 0.0, -2.0, 4.8];
-        let mut s = Sampler::new(SamplerConfig {
+        let cfg = SamplerConfig {
             temperature: 1.0,
             top_k: 2,
             seed: 3,
             ..Default::default()
-        })
-        .unwrap();
-        for _ in 0..200 {
-            assert!([0, 1].contains(&s.sample(&logits)));
-        }
-        let mut s = Sampler::new(SamplerConfig {
+        };
+        let got = draw(cfg, &logits, 200);
+        assert!(got.iter().all(|i| [0, 1].contains(i)), "{got:?}");
+        assert!(
+            got.contains(&0) && got.contains(&1),
+            "both kept tokens are drawn"
+        );
+        let cfg = SamplerConfig {
             temperature: 1.0,
             top_p: 0.01,
             seed: 3,
             ..Default::default()
-        })
-        .unwrap();
-        for _ in 0..50 {
-            assert_eq!(s.sample(&logits), 0);
-        }
+        };
+        assert!(draw(cfg, &logits, 50).iter().all(|&i| i == 0));
     }
 
     #[test]
@@ -168,13 +184,18 @@ mod tests {
             top_k: 20,
             seed: 42,
         };
-        let a: Vec<u32> = {
-            let mut s = Sampler::new(cfg).unwrap();
-            (0..20).map(|_| s.sample(&logits)).collect()
-        };
-        let mut s = Sampler::new(cfg).unwrap();
-        let b: Vec<u32> = (0..20).map(|_| s.sample(&logits)).collect();
-        assert_eq!(a, b);
+        assert_eq!(draw(cfg, &logits, 20), draw(cfg, &logits, 20));
+    }
+
+    #[test]
+    fn non_finite_logits_are_an_error_naming_the_row() {
+        let d = device();
+        let t = d
+            .tensor_from(2, 3, &[1.0, 2.0, 3.0, 1.0, f32::NAN, 0.0])
+            .unwrap();
+        let mut s = Sampler::new(SamplerConfig::default()).unwrap();
+        let e = s.sample(&d, &t).unwrap_err().to_string();
+        assert!(e.contains("row 1") && e.contains("NaN"), "{e}");
     }
 
     #[test]
