@@ -126,3 +126,63 @@ fn user_errors_are_one_line_not_panics() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// `mla-run --device wgpu` (lavapipe in CI) on both fixtures gives transformers' greedy
+/// tokens for the golden prompt, up to the first step whose golden top-2 gap is under twice
+/// the largest logit error the bf16 path shows (≤ 1e-2 on every backend: a smaller gap could
+/// flip); from there an equally valid path may differ.
+#[test]
+fn mla_run_on_wgpu_gives_the_golden_tokens() {
+    use sparse_mla::conformance::model::{fixtures_dir, load_golden};
+    for name in ["glm_moe_dsa-tiny", "deepseek_v32-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let g = load_golden(&dir).unwrap();
+        let ids: Vec<String> = g.prompt_ids.iter().map(|i| i.to_string()).collect();
+        let n = g.generated.len().to_string();
+        let out = mla_run(&[
+            "--device",
+            "wgpu",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &ids.join(","),
+            "-n",
+            &n,
+            "--output",
+            "json",
+        ]);
+        let stderr = text(&out.stderr);
+        if !out.status.success() && stderr.contains("wgpu backend unavailable") {
+            // An absent backend is a skip (or a failure where CI requires it).
+            assert!(
+                !std::env::var("SPARSE_MLA_REQUIRE")
+                    .unwrap_or_default()
+                    .contains("wgpu"),
+                "wgpu required: {stderr}"
+            );
+            eprintln!("SKIPPED wgpu: {stderr}");
+            return;
+        }
+        assert!(out.status.success(), "{name}: {stderr}");
+        let got: Vec<u32> = text(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["id"].as_u64().map(|i| i as u32))
+            .collect();
+        let gaps = g.meta["greedy_logit_gaps"].as_array().unwrap();
+        let trusted = gaps
+            .iter()
+            .position(|v| v.as_f64().unwrap_or(0.0) < 0.02)
+            .unwrap_or(gaps.len());
+        assert!(
+            trusted >= 3,
+            "{name}: only {trusted} steps with a clear golden gap"
+        );
+        assert_eq!(
+            &got[..trusted],
+            &g.generated[..trusted],
+            "{name}: mla-run --device wgpu vs transformers' greedy tokens"
+        );
+        eprintln!("{name}: mla-run --device wgpu: {trusted} greedy tokens equal transformers'");
+    }
+}
