@@ -70,6 +70,7 @@ fn dense_case(
     group_rows: u32,
     x_dtype: DType,
     accumulate: bool,
+    splits: u32,
 ) -> OpCase {
     OpCase::new(
         format!("linear/{name}"),
@@ -97,6 +98,10 @@ fn dense_case(
             if let Some(s) = sb {
                 buffers.push(("w_scale", s));
             }
+            if splits > 1 {
+                let n_p = (splits * tokens * n) as usize;
+                buffers.push(("partials", f32_bytes(&vec![f32::NAN; n_p])));
+            }
             Ok(Instance {
                 op: Box::new(LinearOp {
                     x: xv,
@@ -104,10 +109,11 @@ fn dense_case(
                     w,
                     y: yv,
                     accumulate,
+                    splits,
                 }),
                 buffers,
                 outputs: vec![("y", Compare::F32 { rel_l2: TOL })],
-                detail: format!("T{tokens} K{k} N{n}"),
+                detail: format!("T{tokens} K{k} N{n} S{splits}"),
             })
         },
     )
@@ -185,54 +191,43 @@ fn grouped_case(
 /// Every linear case.
 pub fn linear_cases() -> Vec<OpCase> {
     let fp8 = WeightType::Fp8 { block: [128, 128] };
-    vec![
-        dense_case(
-            "bf16_t1",
-            1,
-            576,
-            100,
-            WeightType::Bf16,
-            100,
-            DType::F32,
-            false,
-        ),
-        dense_case(
-            "bf16_t11_acc",
-            11,
-            300,
-            37,
-            WeightType::Bf16,
-            37,
-            DType::F32,
-            true,
-        ),
-        dense_case("f32_t3", 3, 64, 24, WeightType::F32, 24, DType::F32, false),
-        dense_case(
-            "bf16_xbf16_t2",
-            2,
-            512,
-            40,
-            WeightType::Bf16,
-            40,
-            DType::Bf16,
-            false,
-        ),
+    let (bf16, f32w) = (WeightType::Bf16, WeightType::F32);
+    let (xf, xb) = (DType::F32, DType::Bf16);
+    // (name, T, K, N, weights, group rows, x, accumulate, splits)
+    let dense = [
+        ("bf16_t1", 1, 576, 100, bf16, 100, xf, false, 1),
+        ("bf16_t11_acc", 11, 300, 37, bf16, 37, xf, true, 1),
+        ("f32_t3", 3, 64, 24, f32w, 24, xf, false, 1),
+        ("bf16_xbf16_t2", 2, 512, 40, bf16, 40, xb, false, 1),
         // Two stacked groups of 100 rows: the second group's scales start a new block row.
-        dense_case("fp8_t5_groups_acc", 5, 320, 200, fp8, 100, DType::F32, true),
-        dense_case("fp8_t1", 1, 1024, 130, fp8, 130, DType::F32, false),
-        grouped_case(
+        ("fp8_t5_groups_acc", 5, 320, 200, fp8, 100, xf, true, 1),
+        ("fp8_t1", 1, 1024, 130, fp8, 130, xf, false, 1),
+        // Split K: 2048-element chunks (T = 1) over 3 splits, the last one short; into y.
+        ("fp8_t1_split3_acc", 1, 5000, 24, fp8, 24, xf, true, 3),
+        ("bf16_t3_split2", 3, 1100, 16, bf16, 16, xf, false, 2),
+        ("bf16_t9_split2_acc", 9, 700, 20, bf16, 20, xb, true, 2),
+    ];
+    let mut v: Vec<OpCase> = dense
+        .into_iter()
+        .map(|(name, t, k, n, w, g, x, acc, splits)| {
+            dense_case(name, t, k, n, w, g, x, acc, splits)
+        })
+        .collect();
+    // (name, rows, x_div, K, N, groups, weights, select, combine, accumulate)
+    let grouped = [
+        (
             "heads_bf16",
             12,
             1,
             48,
             64,
             4,
-            WeightType::Bf16,
+            bf16,
             GroupSelect::Heads,
             None,
             false,
         ),
-        grouped_case(
+        (
             "experts_fp8_gate_up",
             12,
             3,
@@ -244,23 +239,23 @@ pub fn linear_cases() -> Vec<OpCase> {
             None,
             false,
         ),
-        grouped_case(
+        (
             "experts_bf16_down_combine_acc",
             12,
             1,
             96,
             40,
             5,
-            WeightType::Bf16,
+            bf16,
             GroupSelect::Experts,
             Some(3),
             true,
         ),
-        grouped_case(
+        (
             "experts_fp8_down_combine",
             8,
             1,
-            260,
+            2600,
             32,
             3,
             fp8,
@@ -268,5 +263,13 @@ pub fn linear_cases() -> Vec<OpCase> {
             Some(2),
             false,
         ),
-    ]
+    ];
+    v.extend(
+        grouped
+            .into_iter()
+            .map(|(name, r, xd, k, n, g, w, sel, comb, acc)| {
+                grouped_case(name, r, xd, k, n, g, w, sel, comb, acc)
+            }),
+    );
+    v
 }

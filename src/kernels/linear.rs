@@ -30,8 +30,31 @@ pub const THREADS: u32 = 256;
 const LANES: u32 = 32;
 /// Weight rows (output columns) per workgroup.
 pub const ROWS_PER_WG: u32 = THREADS / LANES;
-/// Elements of K staged per step (one per thread).
-const KC: u32 = THREADS;
+/// Workgroup memory for the staged chunk of x, in f32 (8 KiB: within WebGPU's 16 KiB).
+const STAGE: u32 = 2048;
+
+/// Elements of K staged per barrier for `tokens_per_wg` tokens: the whole stage. Long chunks
+/// matter: each lane then has many independent weight loads between two barriers, which is
+/// what keeps a GEMV-shaped decode step at the memory's speed (v1 staged 256).
+pub fn chunk_for(tokens_per_wg: u32) -> u32 {
+    if BASELINE.load(std::sync::atomic::Ordering::Relaxed) {
+        return THREADS;
+    }
+    (STAGE / tokens_per_wg.max(1)).max(THREADS) / THREADS * THREADS
+}
+
+static BASELINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Benchmarks only: run the v1 configuration (256-element chunks, no split-K) so that one run
+/// can show the previous version beside this one.
+pub fn set_baseline(v1: bool) {
+    BASELINE.store(v1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Is the v1 configuration selected?
+pub fn baseline() -> bool {
+    BASELINE.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Compile-time knobs of the dense linear kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -43,16 +66,23 @@ pub struct LinearConfig {
     pub tokens_per_wg: u32,
     /// `y += x · Wᵀ` instead of `y = x · Wᵀ`.
     pub accumulate: bool,
+    /// Elements of K staged per barrier (a multiple of 256; `tokens_per_wg · chunk ≤ 2048`).
+    pub chunk: u32,
+    /// Split K over the grid's z: each split writes its partial sums to `partials`, and
+    /// [`split_reduce_kernel`] adds them up.
+    pub split: bool,
 }
 
 impl LinearConfig {
     pub fn name(&self) -> String {
         format!(
-            "linear_x{}_w{}_t{}{}",
+            "linear_x{}_w{}_t{}_c{}{}{}",
             self.x.name(),
             self.w.name(),
             self.tokens_per_wg,
-            if self.accumulate { "_acc" } else { "" }
+            self.chunk,
+            if self.accumulate { "_acc" } else { "" },
+            if self.split { "_split" } else { "" }
         )
     }
 }
@@ -139,11 +169,12 @@ fn chunk_dot(
     kc: &Expr,
     row_words: &Expr,
     xs: &Shared,
+    chunk: u32,
     lane: &Expr,
     acc: &[Expr],
 ) {
     let pw = wt.per_word();
-    b.for_("wi", lane.clone(), u(KC / pw), u(LANES), |b, wi| {
+    b.for_("wi", lane.clone(), u(chunk / pw), u(LANES), |b, wi| {
         let gw = b.let_("gw", kc.clone() / u(pw) + wi.clone());
         b.if_(gw.clone().lt(row_words.clone()), |b| {
             let word = b.let_("word", w.word(wbase.clone() + gw.clone()));
@@ -159,7 +190,7 @@ fn chunk_dot(
             for (t, a) in acc.iter().enumerate() {
                 let mut part: Option<Expr> = None;
                 for (e, v) in vals.iter().enumerate() {
-                    let xv = xs.at(u(t as u32 * KC) + wi.clone() * u(pw) + u(e as u32));
+                    let xv = xs.at(u(t as u32 * chunk) + wi.clone() * u(pw) + u(e as u32));
                     part = Some(match part {
                         None => v.clone() * xv,
                         Some(p) => fma(v.clone(), xv, p),
@@ -182,6 +213,14 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
     if !(1..=LANES).contains(&tb) {
         return Err(Error::arg("tokens_per_wg", "1 to 32", tb));
     }
+    let chunk = cfg.chunk;
+    if chunk == 0 || chunk % THREADS != 0 || tb * chunk > STAGE.max(tb * THREADS) {
+        return Err(Error::arg(
+            "chunk",
+            format!("a multiple of {THREADS} with tokens_per_wg x chunk <= {STAGE}"),
+            chunk,
+        ));
+    }
     let mut b = KernelBuilder::new(cfg.name(), THREADS);
     b.doc(format!(
         "Linear: y[t, n] {}= sum_k x[t, k] * W[n, k]; x {} (strided view), W {} [n_out, k_in], y f32 (strided view), f32 accumulation.",
@@ -190,7 +229,8 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
         cfg.w.name()
     ));
     b.doc(format!(
-        "Grid: x = ceil(n_out / {ROWS_PER_WG}), y = ceil(tokens / {tb}). Each workgroup: {ROWS_PER_WG} weight rows x {LANES} lanes over 32-bit words, {tb} tokens per weight word."
+        "Grid: x = ceil(n_out / {ROWS_PER_WG}), y = ceil(tokens / {tb}){}. Each workgroup: {ROWS_PER_WG} weight rows x {LANES} lanes over 32-bit words, {tb} tokens per weight word, K staged {chunk} at a time.",
+        if cfg.split { ", z = splits (split z takes K from z * k_split, and writes partials[z, t, n])" } else { "" }
     ));
     if matches!(cfg.w, WeightType::Fp8 { .. }) {
         b.doc("FP8: W[n, k] = e4m3(w[n, k]) * w_scale[(n / group_rows) * scale_group_rows + (n % group_rows) / block_rows, k / block_cols].".to_string());
@@ -198,6 +238,11 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
     let tokens = b.param("tokens", Ty::U32, "T, rows of x and y");
     let n_out = b.param("n_out", Ty::U32, "N, weight rows = columns of y");
     let k_in = b.param("k_in", Ty::U32, "K, weight columns = columns of x");
+    let k_split = b.param(
+        "k_split",
+        Ty::U32,
+        "columns of K per split (a multiple of the chunk; K when not split)",
+    );
     let xv = ViewArgs::declare(&mut b, "x", "x [T, K]");
     let yv = ViewArgs::declare(&mut b, "y", "y [T, N]");
     let x = b.buffer(
@@ -207,13 +252,22 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
         &format!("[T, K] {} activations (view x_off, x_stride)", cfg.x.name()),
     );
     let (w, fp8) = declare_weight(&mut b, cfg.w);
-    let y = b.buffer(
-        "y",
-        Elem::F32,
-        Access::ReadWrite,
-        "[T, N] f32 outputs (view y_off, y_stride)",
-    );
-    let xs = b.shared("xs", Ty::F32, tb * KC);
+    let y = if cfg.split {
+        b.buffer(
+            "partials",
+            Elem::F32,
+            Access::ReadWrite,
+            "[splits, T, N] f32 partial sums (packed)",
+        )
+    } else {
+        b.buffer(
+            "y",
+            Elem::F32,
+            Access::ReadWrite,
+            "[T, N] f32 outputs (view y_off, y_stride)",
+        )
+    };
+    let xs = b.shared("xs", Ty::F32, tb * chunk);
 
     let lane = b.let_("lane", local_id() % u(LANES));
     let rsub = b.let_("rsub", local_id() / u(LANES));
@@ -231,25 +285,26 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
         .map(|f| scale_row_base(&mut b, f, &select(n_ok.clone(), n.clone(), u(0))));
     let acc: Vec<Expr> = (0..tb).map(|t| b.var(&format!("acc{t}"), f(0.0))).collect();
 
+    let k0 = b.let_("k0", workgroup_id(2) * k_split.clone());
+    let k1 = b.let_("k1", (k0.clone() + k_split.clone()).min(k_in.clone()));
     b.comment("walk K in chunks: stage x[t0 .. t0 + TB, chunk] in workgroup memory, then each lane takes every 32nd word of its weight row");
-    b.for_("kc", u(0), k_in.clone(), u(KC), |b, kc| {
+    b.for_("kc", k0, k1.clone(), u(chunk), |b, kc| {
         b.barrier();
-        let k = b.let_("k", kc.clone() + local_id());
         for t in 0..tb {
             let tt = t0.clone() + u(t);
-            let ok = tt
-                .clone()
-                .lt(tokens.clone())
-                .and(k.clone().lt(k_in.clone()));
-            let dst = u(t * KC) + local_id();
-            b.if_else(
-                ok,
-                |b| {
-                    let v = load_f32(&x, cfg.x, xv.at(tt.clone(), k.clone()));
-                    b.shared_store(&xs, dst.clone(), v)
-                },
-                |b| b.shared_store(&xs, dst.clone(), f(0.0)),
-            );
+            b.for_threads("i", u(chunk), |b, i_| {
+                let k = b.let_("k", kc.clone() + i_.clone());
+                let ok = tt.clone().lt(tokens.clone()).and(k.clone().lt(k1.clone()));
+                let dst = u(t * chunk) + i_;
+                b.if_else(
+                    ok,
+                    |b| {
+                        let v = load_f32(&x, cfg.x, xv.at(tt.clone(), k.clone()));
+                        b.shared_store(&xs, dst.clone(), v)
+                    },
+                    |b| b.shared_store(&xs, dst.clone(), f(0.0)),
+                );
+            });
         }
         b.barrier();
         b.if_(n_ok.clone(), |b| {
@@ -262,6 +317,7 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
                 &kc,
                 &row_words,
                 &xs,
+                chunk,
                 &lane,
                 &acc,
             );
@@ -290,8 +346,61 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
                 let v = xs.at((rsub.clone() * u(LANES) + l) * u(tb) + lane.clone());
                 b.set(&sum, sum.clone() + v);
             });
-            let yi = b.let_("yi", yv.at(tt.clone(), n.clone()));
-            let out = if cfg.accumulate {
+            if cfg.split {
+                let pi =
+                    (workgroup_id(2) * tokens.clone() + tt.clone()) * n_out.clone() + n.clone();
+                b.store(&y, pi, sum.clone());
+            } else {
+                let yi = b.let_("yi", yv.at(tt.clone(), n.clone()));
+                let out = if cfg.accumulate {
+                    y.at(yi.clone()) + sum.clone()
+                } else {
+                    sum.clone()
+                };
+                b.store(&y, yi, out);
+            }
+        },
+    );
+    b.finish()
+}
+
+/// Adds up split-K partials: `y[t, n] (+)= Σ_z partials[z, t, n]`.
+pub fn split_reduce_kernel(accumulate: &bool) -> Result<Kernel> {
+    let mut b = KernelBuilder::new(
+        format!(
+            "linear_split_reduce{}",
+            if *accumulate { "_acc" } else { "" }
+        ),
+        THREADS,
+    );
+    b.doc(format!(
+        "Split-K reduction: y[t, n] {}= sum_z partials[z, t, n], in split order.",
+        if *accumulate { "+" } else { "" }
+    ));
+    b.doc("Grid: x = min(ceil(tokens * n_out / 256), 65535), grid-stride.".to_string());
+    let tokens = b.param("tokens", Ty::U32, "T");
+    let n_out = b.param("n_out", Ty::U32, "N");
+    let splits = b.param("splits", Ty::U32, "partial sums per output");
+    let yv = ViewArgs::declare(&mut b, "y", "y [T, N]");
+    let partials = b.buffer("partials", Elem::F32, Access::Read, "[splits, T, N] f32");
+    let y = b.buffer("y", Elem::F32, Access::ReadWrite, "[T, N] f32 (view)");
+    let total = b.let_("total", tokens.clone() * n_out.clone());
+    let stride = b.let_("stride", num_workgroups(0) * u(THREADS));
+    b.for_(
+        "e",
+        workgroup_id(0) * u(THREADS) + local_id(),
+        total.clone(),
+        stride,
+        |b, e| {
+            let sum = b.var("sum", f(0.0));
+            b.for_("z", u(0), splits.clone(), u(1), |b, z| {
+                b.set(
+                    &sum,
+                    sum.clone() + partials.at(z * total.clone() + e.clone()),
+                );
+            });
+            let yi = b.let_("yi", yv.at(e.clone() / n_out.clone(), e % n_out.clone()));
+            let out = if *accumulate {
                 y.at(yi.clone()) + sum.clone()
             } else {
                 sum.clone()
@@ -320,12 +429,14 @@ pub struct GroupedConfig {
     /// Sum the rows of a token with their routing weights (experts' down projection).
     pub combine: bool,
     pub accumulate: bool,
+    /// Elements of K staged per barrier (0: 2048).
+    pub chunk: u32,
 }
 
 impl GroupedConfig {
     pub fn name(&self) -> String {
         format!(
-            "grouped_linear_x{}_w{}_{}{}{}",
+            "grouped_linear_x{}_w{}_{}{}{}{}",
             self.x.name(),
             self.w.name(),
             match self.select {
@@ -333,7 +444,12 @@ impl GroupedConfig {
                 GroupSelect::Experts => "experts",
             },
             if self.combine { "_combine" } else { "" },
-            if self.accumulate { "_acc" } else { "" }
+            if self.accumulate { "_acc" } else { "" },
+            if self.chunk == 0 || self.chunk == STAGE {
+                String::new()
+            } else {
+                format!("_c{}", self.chunk)
+            }
         )
     }
 }
@@ -394,7 +510,8 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
         )
     });
     let y = b.buffer("y", Elem::F32, Access::ReadWrite, "f32 outputs");
-    let xs = b.shared("xs", Ty::F32, KC);
+    let chunk = if cfg.chunk == 0 { STAGE } else { cfg.chunk };
+    let xs = b.shared("xs", Ty::F32, chunk);
 
     let lane = b.let_("lane", local_id() % u(LANES));
     let rsub = b.let_("rsub", local_id() / u(LANES));
@@ -429,17 +546,19 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
         let wbase = b.let_("wbase", wrow.clone() * row_words.clone());
         let sbase = fp8.as_ref().map(|fa| scale_row_base(b, fa, &wrow));
         let part = b.var("part", f(0.0));
-        b.for_("kc", u(0), k_in.clone(), u(KC), |b, kc| {
+        b.for_("kc", u(0), k_in.clone(), u(chunk), |b, kc| {
             b.barrier();
-            let k = b.let_("k", kc.clone() + local_id());
-            b.if_else(
-                k.clone().lt(k_in.clone()),
-                |b| {
-                    let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k.clone()));
-                    b.shared_store(&xs, local_id(), v)
-                },
-                |b| b.shared_store(&xs, local_id(), f(0.0)),
-            );
+            b.for_threads("i", u(chunk), |b, i_| {
+                let k = b.let_("k", kc.clone() + i_.clone());
+                b.if_else(
+                    k.clone().lt(k_in.clone()),
+                    |b| {
+                        let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k.clone()));
+                        b.shared_store(&xs, i_.clone(), v)
+                    },
+                    |b| b.shared_store(&xs, i_.clone(), f(0.0)),
+                );
+            });
             b.barrier();
             b.if_(n_ok.clone().and(valid.clone()), |b| {
                 chunk_dot(
@@ -451,6 +570,7 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
                     &kc,
                     &row_words,
                     &xs,
+                    chunk,
                     &lane,
                     std::slice::from_ref(&part),
                 );
@@ -531,7 +651,7 @@ fn host_weight<'a>(bufs: &'a HostBuffers<'_>, l: &WeightLayout) -> Result<HostWe
 }
 
 /// A dense linear: `y [T, N] (+)= x [T, K] · W [N, K]ᵀ`. Buffers: `x`, `w`, `w_scale` (FP8),
-/// `y`.
+/// `y`, and with `splits > 1` `partials` (`[splits, T, N]` f32 scratch).
 #[derive(Clone, Copy, Debug)]
 pub struct LinearOp {
     pub x: View,
@@ -539,6 +659,8 @@ pub struct LinearOp {
     pub w: WeightLayout,
     pub y: View,
     pub accumulate: bool,
+    /// Split K over this many workgroup layers (1: none). [`LinearOp::splits_for`] picks it.
+    pub splits: u32,
 }
 
 impl LinearOp {
@@ -570,13 +692,45 @@ impl LinearOp {
                 other => other,
             },
             x: self.x_dtype,
-            tokens_per_wg: match self.x.rows {
-                0..=1 => 1,
-                2..=4 => 4,
-                _ => 8,
-            },
+            tokens_per_wg: self.tokens_per_wg(),
             accumulate: self.accumulate,
+            chunk: chunk_for(self.tokens_per_wg()),
+            split: self.splits > 1,
         }
+    }
+
+    fn tokens_per_wg(&self) -> u32 {
+        match self.x.rows {
+            0..=1 => 1,
+            2..=4 => 4,
+            _ => 8,
+        }
+    }
+
+    /// How many splits of K fill `workgroups` workgroups (the device's parallelism) for this
+    /// shape: 1 when the outputs alone fill it, at most 16, at least one chunk per split.
+    pub fn splits_for(x_rows: u32, w: &WeightLayout, workgroups: u32) -> u32 {
+        if baseline() {
+            return 1;
+        }
+        let tb = match x_rows {
+            0..=1 => 1,
+            2..=4 => 4,
+            _ => 8,
+        };
+        let wgs = w.rows.div_ceil(ROWS_PER_WG) * x_rows.div_ceil(tb);
+        if wgs >= workgroups {
+            return 1;
+        }
+        let chunks = w.cols.div_ceil(chunk_for(tb));
+        workgroups.div_ceil(wgs.max(1)).min(16).min(chunks).max(1)
+    }
+
+    /// K columns per split (whole chunks).
+    fn k_split(&self) -> u32 {
+        let chunk = chunk_for(self.tokens_per_wg());
+        let chunks = self.w.cols.div_ceil(chunk);
+        chunks.div_ceil(self.splits.max(1)) * chunk
     }
 }
 
@@ -604,6 +758,16 @@ impl Op for LinearOp {
             ),
         )];
         v.extend(weight_bindings(&self.w));
+        if self.splits > 1 {
+            v.push(Binding::write(
+                "partials",
+                self.splits as u64 * self.x.rows as u64 * self.w.rows as u64 * 4,
+                format!(
+                    "[{}, {}, {}] f32 split-K partials",
+                    self.splits, self.x.rows, self.w.rows
+                ),
+            ));
+        }
         v.push(Binding::write(
             "y",
             self.y.min_bytes(DType::F32),
@@ -614,6 +778,9 @@ impl Op for LinearOp {
 
     fn launches(&self) -> Result<Vec<Launch>> {
         self.validate()?;
+        if self.splits == 0 || self.splits > 65535 {
+            return Err(Error::arg("splits", "1 to 65535", self.splits));
+        }
         static K: KernelCache<LinearConfig> = KernelCache::new();
         let cfg = self.config();
         let k = lowered(&K, cfg, linear_kernel)?;
@@ -621,21 +788,51 @@ impl Op for LinearOp {
             ("tokens".into(), ParamValue::U32(self.x.rows)),
             ("n_out".into(), ParamValue::U32(self.w.rows)),
             ("k_in".into(), ParamValue::U32(self.w.cols)),
+            (
+                "k_split".into(),
+                ParamValue::U32(if cfg.split {
+                    self.k_split()
+                } else {
+                    self.w.cols
+                }),
+            ),
         ];
         p.extend(self.x.params("x"));
         p.extend(self.y.params("y"));
         p.extend(fp8_params(&self.w));
         let params = pack(&k, &p)?;
+        let splits = if cfg.split {
+            self.w.cols.div_ceil(self.k_split())
+        } else {
+            1
+        };
         let grid = [
             self.w.rows.div_ceil(ROWS_PER_WG),
             self.x.rows.div_ceil(cfg.tokens_per_wg),
-            1,
+            splits,
         ];
-        Ok(vec![Launch {
+        let mut v = vec![Launch {
             kernel: k,
             grid,
             params,
-        }])
+        }];
+        if cfg.split {
+            static R: KernelCache<bool> = KernelCache::new();
+            let r = lowered(&R, self.accumulate, split_reduce_kernel)?;
+            let mut p: Vec<(String, ParamValue)> = vec![
+                ("tokens".into(), ParamValue::U32(self.x.rows)),
+                ("n_out".into(), ParamValue::U32(self.w.rows)),
+                ("splits".into(), ParamValue::U32(splits)),
+            ];
+            p.extend(self.y.params("y"));
+            let total = self.x.rows as u64 * self.w.rows as u64;
+            v.push(Launch {
+                params: pack(&r, &p)?,
+                kernel: r,
+                grid: [total.div_ceil(THREADS as u64).min(65535) as u32, 1, 1],
+            });
+        }
+        Ok(v)
     }
 
     fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
@@ -747,6 +944,7 @@ impl GroupedLinearOp {
             select: self.select,
             combine: self.combine.is_some(),
             accumulate: self.accumulate,
+            chunk: if baseline() { THREADS } else { 0 },
         }
     }
 }
@@ -858,25 +1056,38 @@ impl Op for GroupedLinearOp {
     }
 }
 
-/// Every variant of both kernels, lowered (for compile checks and exports).
+/// Every variant of the kernels, lowered (for compile checks and exports).
 pub fn all_variants() -> Result<Vec<Kernel>> {
     let ws = [
         WeightType::F32,
         WeightType::Bf16,
         WeightType::Fp8 { block: [0, 0] },
     ];
+    let lower = |k: Kernel| crate::kir::lower(&k, crate::kir::Lowering::Scalar);
     let mut v = Vec::new();
     for w in ws {
         for x in [DType::F32, DType::Bf16] {
             for tokens_per_wg in [1, 4, 8] {
+                let chunk = (STAGE / tokens_per_wg).max(THREADS) / THREADS * THREADS;
                 for accumulate in [false, true] {
-                    let k = linear_kernel(&LinearConfig {
-                        w,
-                        x,
-                        tokens_per_wg,
-                        accumulate,
-                    })?;
-                    v.push(crate::kir::lower(&k, crate::kir::Lowering::Scalar)?);
+                    // v1's 256-element chunk, this version's, and its split-K form (which writes
+                    // partials: the reduction does the adding).
+                    for (chunk, split) in [(THREADS, false), (chunk, false), (chunk, true)] {
+                        if split && accumulate {
+                            continue;
+                        }
+                        let cfg = LinearConfig {
+                            w,
+                            x,
+                            tokens_per_wg,
+                            accumulate,
+                            chunk,
+                            split,
+                        };
+                        if !v.iter().any(|k: &Kernel| k.name == cfg.name()) {
+                            v.push(lower(linear_kernel(&cfg)?)?);
+                        }
+                    }
                 }
             }
             for (select, combine) in [
@@ -885,17 +1096,23 @@ pub fn all_variants() -> Result<Vec<Kernel>> {
                 (GroupSelect::Experts, true),
             ] {
                 for accumulate in [false, true] {
-                    let k = grouped_kernel(&GroupedConfig {
-                        w,
-                        x,
-                        select,
-                        combine,
-                        accumulate,
-                    })?;
-                    v.push(crate::kir::lower(&k, crate::kir::Lowering::Scalar)?);
+                    for chunk in [0, THREADS] {
+                        let cfg = GroupedConfig {
+                            w,
+                            x,
+                            select,
+                            combine,
+                            accumulate,
+                            chunk,
+                        };
+                        v.push(lower(grouped_kernel(&cfg)?)?);
+                    }
                 }
             }
         }
+    }
+    for accumulate in [false, true] {
+        v.push(lower(split_reduce_kernel(&accumulate)?)?);
     }
     Ok(v)
 }

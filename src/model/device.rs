@@ -329,15 +329,25 @@ impl Device {
 
     /// `y (+)= x · Wᵀ` into an existing view.
     pub fn linear_into(&self, x: &Tensor, w: &Weight, y: &Tensor, accumulate: bool) -> Result<()> {
+        let splits = LinearOp::splits_for(x.rows(), &w.layout, self.backend.parallelism());
         let op = LinearOp {
             x: x.view,
             x_dtype: x.dtype,
             w: w.layout,
             y: y.view,
             accumulate,
+            splits,
+        };
+        let partials = if splits > 1 {
+            Some(self.empty(splits * x.rows(), w.layout.rows, DType::F32)?)
+        } else {
+            None
         };
         let mut b = vec![("x", x.buffer())];
         Self::weight_bufs(w, &mut b);
+        if let Some(p) = &partials {
+            b.push(("partials", p.buffer()));
+        }
         b.push(("y", y.buffer()));
         self.run(&op, &b)
     }

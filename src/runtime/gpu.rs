@@ -206,6 +206,10 @@ impl<D: Device> Backend for GpuBackend<D> {
         self.allocations.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    fn parallelism(&self) -> u32 {
+        self.dev.target_workgroups()
+    }
+
     fn run_op(&self, op: &dyn super::Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
         super::op::check_bindings(op, &super::binding_info(bufs))?;
         let mut named: Vec<(&str, &D::Buf)> = Vec::with_capacity(bufs.len());

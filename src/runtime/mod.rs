@@ -195,6 +195,11 @@ pub trait Backend: Send + Sync {
     fn memory_info(&self) -> Option<(u64, u64)> {
         None
     }
+    /// Workgroups that fill the device (what kernels that split their work aim for); 1 on the
+    /// CPU reference.
+    fn parallelism(&self) -> u32 {
+        1
+    }
     /// Device allocations made so far (buffers created), for checks that a steady-state
     /// decode step allocates nothing.
     fn allocations(&self) -> u64 {
