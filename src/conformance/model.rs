@@ -24,7 +24,8 @@
 //! - `model/fp8_weights/<arch>`: the block-scaled FP8 fixture keeps 1 byte per FP8 weight on
 //!   the device and equals its dequantised f32 copy (exactly on the CPU reference).
 //! - `model/batch/<arch>`: three sequences in one step equal each run alone.
-//! - `model/steady_decode/<arch>`: a decode step after warm-up allocates no device buffer.
+//! - `model/steady_decode/<arch>`: a decode step after warm-up allocates no device buffer
+//!   and (on a GPU) waits for the device once, to read the sampled id.
 //! - `model/failed_step/<arch>`: a step that fails leaves its sequence as it was.
 
 use std::path::{Path, PathBuf};
@@ -632,23 +633,34 @@ pub fn steady_decode_case(
     for t in 0..6 {
         model.forward(&mut seq, &[10 + t], Logits::Last)?;
     }
+    // The mla-run step: logits stay on the device, the sampler's id is the only read.
+    let mut sampler = crate::model::Sampler::new(crate::model::SamplerConfig::default())?;
     let before = model.device().allocations();
-    for t in 0..3 {
-        model.forward(&mut seq, &[20 + t], Logits::Last)?;
+    let syncs = model.device().backend().host_syncs();
+    let mut id = 20;
+    for _ in 0..3 {
+        let logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+        id = sampler.sample(model.device(), &logits)?[0].id;
     }
     let made = model.device().allocations() - before;
-    let failures = if made == 0 {
-        Vec::new()
-    } else {
-        vec![format!(
+    let waits = model.device().backend().host_syncs() - syncs;
+    let mut failures = Vec::new();
+    if made > 0 {
+        failures.push(format!(
             "{made} device buffers allocated in 3 steady decode steps"
-        )]
-    };
+        ));
+    }
+    // GPU backends count every wait for the device: one per step, the read of the sampled id.
+    if model.device().backend().kind() != BackendKind::Cpu && waits > 3 {
+        failures.push(format!(
+            "{waits} host waits for the GPU in 3 decode steps (1 each expected)"
+        ));
+    }
     Ok(outcome(
         format!("model/steady_decode/{arch}"),
         t0,
         0.0,
-        format!("{made} allocations"),
+        format!("{made} allocations, {waits} waits / 3 steps"),
         failures,
     ))
 }

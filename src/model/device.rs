@@ -781,9 +781,13 @@ impl Device {
                 ("bad", bad.buffer()),
             ],
         )?;
-        let ids = self.download_index(&ids)?;
-        let lps = self.download(&lp)?;
-        let bads = self.download_index(&bad)?;
+        // One wait for the device: the only one of a decode step.
+        let got = self
+            .backend
+            .download_many(&[ids.buffer(), lp.buffer(), bad.buffer()])?;
+        let ids = crate::reference::tensor::i32s(&got[0]);
+        let lps = crate::reference::tensor::f32s(&got[1]);
+        let bads = crate::reference::tensor::i32s(&got[2]);
         Ok((0..r as usize)
             .map(|i| (ids[i], lps[i], bads[i] as u32))
             .collect())

@@ -202,6 +202,8 @@ pub struct CudaDevice {
     sm_count: u32,
     /// Workgroups of a kernel resident per multiprocessor (occupancy), by kernel name.
     occupancy: Mutex<HashMap<String, u32>>,
+    /// Host waits on the stream so far.
+    syncs: std::sync::atomic::AtomicU64,
 }
 
 pub struct CudaModule {
@@ -257,6 +259,7 @@ impl CudaDevice {
             arch: format!("sm_{major}{minor}"),
             sm_count,
             occupancy: Mutex::new(HashMap::new()),
+            syncs: Default::default(),
         })
     }
 
@@ -305,9 +308,16 @@ impl CudaDevice {
     }
 
     pub fn synchronize(&self) -> Result<()> {
+        self.syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream
             .synchronize()
             .map_err(|e| drv_err("synchronize", e))
+    }
+
+    /// Times the host has waited for the GPU (synchronisations, reads).
+    pub fn host_syncs(&self) -> u64 {
+        self.syncs.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -409,11 +419,14 @@ impl Device for CudaDevice {
         self.read_at(buf, 0, len)
     }
 
+    /// Ordered on the stream after the work before it, and no host synchronisation: from
+    /// pageable memory the driver stages `bytes` before returning (so the caller may drop
+    /// them), the DMA runs when the stream reaches it.
     fn write_at(&self, buf: &CudaSlice<u8>, offset: u64, bytes: &[u8]) -> Result<()> {
-        CudaDevice::synchronize(self)?;
         let ptr = raw_ptr(buf, &self.stream) + offset;
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
-        unsafe { drv::memcpy_htod_sync(ptr, bytes) }.map_err(|e| drv_err("copy to device", e))
+        unsafe { drv::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }
+            .map_err(|e| drv_err("copy to device", e))
     }
 
     fn read_at(&self, buf: &CudaSlice<u8>, offset: u64, len: u64) -> Result<Vec<u8>> {
@@ -427,6 +440,24 @@ impl Device for CudaDevice {
 
     fn synchronize(&self) -> Result<()> {
         CudaDevice::synchronize(self)
+    }
+
+    fn host_syncs(&self) -> u64 {
+        CudaDevice::host_syncs(self)
+    }
+
+    fn read_many(&self, reads: &[(&CudaSlice<u8>, u64)]) -> Result<Vec<Vec<u8>>> {
+        CudaDevice::synchronize(self)?;
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        let mut out = Vec::with_capacity(reads.len());
+        for (buf, len) in reads {
+            let mut v = vec![0u8; *len as usize];
+            // The stream is idle: these copies wait for nothing.
+            unsafe { drv::memcpy_dtoh_sync(&mut v, raw_ptr(buf, &self.stream)) }
+                .map_err(|e| drv_err("copy to host", e))?;
+            out.push(v);
+        }
+        Ok(out)
     }
 
     fn memory_info(&self) -> Option<(u64, u64)> {

@@ -74,9 +74,20 @@ pub trait Device: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// Several reads with one wait (the default reads one by one).
+    fn read_many(&self, reads: &[(&Self::Buf, u64)]) -> Result<Vec<Vec<u8>>> {
+        reads
+            .iter()
+            .map(|(b, len)| self.read_at(b, 0, *len))
+            .collect()
+    }
     /// (free, total) device memory, where the API says.
     fn memory_info(&self) -> Option<(u64, u64)> {
         None
+    }
+    /// Times the host has waited for the device so far (synchronisations, reads back).
+    fn host_syncs(&self) -> u64 {
+        0
     }
     /// Launch with buffers in the kernel's declaration order.
     fn launch(
@@ -198,6 +209,14 @@ impl<D: Device> Backend for GpuBackend<D> {
         self.dev.synchronize()
     }
 
+    fn download_many(&self, bufs: &[&Buffer]) -> Result<Vec<Vec<u8>>> {
+        let mut reads = Vec::with_capacity(bufs.len());
+        for b in bufs {
+            reads.push((self.buf(b, "buf")?, b.len()));
+        }
+        self.dev.read_many(&reads)
+    }
+
     fn memory_info(&self) -> Option<(u64, u64)> {
         self.dev.memory_info()
     }
@@ -208,6 +227,10 @@ impl<D: Device> Backend for GpuBackend<D> {
 
     fn parallelism(&self) -> u32 {
         self.dev.target_workgroups()
+    }
+
+    fn host_syncs(&self) -> u64 {
+        self.dev.host_syncs()
     }
 
     fn run_op(&self, op: &dyn super::Op, bufs: &[(&str, &Buffer)]) -> Result<()> {

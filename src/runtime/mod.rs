@@ -187,6 +187,10 @@ pub trait Backend: Send + Sync {
     /// `len` bytes of `buf` from byte `offset` (waits for pending work); both multiples of 4
     /// on GPU backends unless the range ends at the buffer's end.
     fn download_range(&self, buf: &Buffer, offset: u64, len: u64) -> Result<Vec<u8>>;
+    /// Several whole buffers at once, with one wait for the device (a decode step's results).
+    fn download_many(&self, bufs: &[&Buffer]) -> Result<Vec<Vec<u8>>> {
+        bufs.iter().map(|b| self.download(b)).collect()
+    }
     /// Waits until all work submitted so far has finished.
     fn synchronize(&self) -> Result<()> {
         Ok(())
@@ -194,6 +198,12 @@ pub trait Backend: Send + Sync {
     /// (free, total) bytes of the memory buffers come from, where the device says.
     fn memory_info(&self) -> Option<(u64, u64)> {
         None
+    }
+    /// Times the host has waited for the device so far (synchronisations and reads back; 0
+    /// where the backend does not count them): a decode step should add one, the read of the
+    /// sampled id.
+    fn host_syncs(&self) -> u64 {
+        0
     }
     /// Workgroups that fill the device (what kernels that split their work aim for); 1 on the
     /// CPU reference.

@@ -17,6 +17,8 @@ pub struct WgpuDevice {
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
+    /// Host waits on the device so far.
+    waits: std::sync::atomic::AtomicU64,
 }
 
 pub struct WgpuModule {
@@ -103,6 +105,7 @@ impl WgpuDevice {
             queue,
             info,
             limits,
+            waits: Default::default(),
         })
     }
 
@@ -128,6 +131,8 @@ impl WgpuDevice {
     }
 
     fn wait(&self) -> Result<()> {
+        self.waits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.device
             .poll(wgpu::PollType::Wait {
                 submission_index: None,
@@ -135,6 +140,52 @@ impl WgpuDevice {
             })
             .map(|_| ())
             .map_err(|e| err(format!("waiting for the device: {e}")))
+    }
+}
+
+impl WgpuDevice {
+    /// Copies every range into a mappable buffer in one submission and waits once.
+    fn read_ranges(&self, ranges: &[(&wgpu::Buffer, u64, u64)]) -> Result<Vec<Vec<u8>>> {
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        let mut staging = Vec::with_capacity(ranges.len());
+        for (buf, offset, len) in ranges {
+            let size = len.next_multiple_of(4).min(buf.size() - offset).max(4);
+            let st = self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("readback"),
+                size,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            if *len > 0 {
+                enc.copy_buffer_to_buffer(buf, *offset, &st, 0, size);
+            }
+            staging.push(st);
+        }
+        self.queue.submit([enc.finish()]);
+        let mut results = Vec::with_capacity(staging.len());
+        for st in &staging {
+            let (tx, rx) = std::sync::mpsc::channel();
+            st.map_async(wgpu::MapMode::Read, .., move |r| {
+                let _ = tx.send(r);
+            });
+            results.push(rx);
+        }
+        self.wait()?;
+        let mut out = Vec::with_capacity(staging.len());
+        for ((st, rx), (_, _, len)) in staging.iter().zip(results).zip(ranges) {
+            rx.recv()
+                .map_err(|_| err("readback callback never ran"))?
+                .map_err(|e| err(format!("mapping the readback buffer: {e}")))?;
+            let data = st
+                .get_mapped_range(..)
+                .map_err(|e| err(format!("reading the readback buffer: {e:?}")))?
+                .to_vec();
+            st.unmap();
+            out.push(data[..*len as usize].to_vec());
+        }
+        Ok(out)
     }
 }
 
@@ -311,33 +362,19 @@ impl Device for WgpuDevice {
         self.wait()
     }
 
+    fn host_syncs(&self) -> u64 {
+        self.waits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     fn read_at(&self, buf: &wgpu::Buffer, offset: u64, len: u64) -> Result<Vec<u8>> {
-        let size = len.next_multiple_of(4).min(buf.size() - offset);
-        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        enc.copy_buffer_to_buffer(buf, offset, &staging, 0, size);
-        self.queue.submit([enc.finish()]);
-        let (tx, rx) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| {
-            let _ = tx.send(r);
-        });
-        self.wait()?;
-        rx.recv()
-            .map_err(|_| err("readback callback never ran"))?
-            .map_err(|e| err(format!("mapping the readback buffer: {e}")))?;
-        let data = staging
-            .get_mapped_range(..)
-            .map_err(|e| err(format!("reading the readback buffer: {e:?}")))?
-            .to_vec();
-        staging.unmap();
-        Ok(data[..len as usize].to_vec())
+        let mut v = self.read_ranges(&[(buf, offset, len)])?;
+        Ok(v.pop().unwrap_or_default())
+    }
+
+    fn read_many(&self, reads: &[(&wgpu::Buffer, u64)]) -> Result<Vec<Vec<u8>>> {
+        let ranges: Vec<(&wgpu::Buffer, u64, u64)> =
+            reads.iter().map(|(b, l)| (*b, 0, *l)).collect();
+        self.read_ranges(&ranges)
     }
 
     fn launch(
