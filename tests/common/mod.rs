@@ -74,3 +74,15 @@ pub fn backend_arc(kind: BackendKind) -> Option<std::sync::Arc<dyn Backend>> {
         }
     }
 }
+
+/// A backend of `kind` of its own (not shared with the other tests of the process): for
+/// checks that read its counters.
+pub fn fresh_backend_arc(kind: BackendKind) -> Option<std::sync::Arc<dyn Backend>> {
+    match first(kind) {
+        Ok(b) => Some(std::sync::Arc::from(b)),
+        Err(reason) => {
+            skip(kind.name(), &reason);
+            None
+        }
+    }
+}
