@@ -246,6 +246,45 @@ fn key_write_case() -> OpCase {
     )
 }
 
+fn fill_case(mode: crate::kernels::fill::FillMode, tag: &'static str) -> OpCase {
+    OpCase::new(
+        format!("elementwise/fill_{tag}"),
+        move |rng: &mut Rng| -> Result<Instance> {
+            let words = 70_000 + rng.below(1000) as u32;
+            Ok(Instance {
+                op: Box::new(crate::kernels::fill::FillOp {
+                    words,
+                    mode,
+                    seed: rng.below(1 << 32) as u32,
+                }),
+                // One word past the fill stays as it was.
+                buffers: vec![("dst", vec![0xa5u8; (words as usize + 1) * 4])],
+                outputs: vec![("dst", Compare::Exact)],
+                detail: format!("{words} words"),
+            })
+        },
+    )
+}
+
+fn copy_case() -> OpCase {
+    OpCase::new(
+        "elementwise/copy_words",
+        move |rng: &mut Rng| -> Result<Instance> {
+            let words = 50_000 + rng.below(1000) as u32;
+            let src: Vec<u8> = (0..words * 4).map(|_| rng.below(256) as u8).collect();
+            Ok(Instance {
+                op: Box::new(crate::kernels::fill::CopyOp { words }),
+                buffers: vec![
+                    ("src", src),
+                    ("dst", vec![0x5au8; (words as usize + 3) * 4]),
+                ],
+                outputs: vec![("dst", Compare::Exact)],
+                detail: format!("{words} words"),
+            })
+        },
+    )
+}
+
 /// Every case of this module.
 pub fn elementwise_cases() -> Vec<OpCase> {
     vec![
@@ -263,5 +302,13 @@ pub fn elementwise_cases() -> Vec<OpCase> {
         embedding_case(WeightType::Bf16),
         embedding_case(WeightType::F32),
         key_write_case(),
+        fill_case(crate::kernels::fill::FillMode::E4m3, "e4m3"),
+        // Powers of two: a + b · u is exact with or without a fused multiply-add (NVRTC fuses).
+        fill_case(crate::kernels::fill::FillMode::Bf16 { scale: 0.03125 }, "bf16"),
+        fill_case(
+            crate::kernels::fill::FillMode::F32 { lo: 0.5, hi: 1.5 },
+            "f32",
+        ),
+        copy_case(),
     ]
 }

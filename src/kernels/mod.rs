@@ -5,6 +5,7 @@
 pub mod blocks;
 pub mod cache_write;
 pub mod elementwise;
+pub mod fill;
 pub mod indexer;
 pub mod linear;
 pub mod model_set;

@@ -15,6 +15,7 @@ pub fn model_kernels() -> Result<Vec<Kernel>> {
     v.extend(super::elementwise::all_variants()?);
     v.extend(super::indexer::all_variants()?);
     v.extend(super::topk::all_variants()?);
+    v.extend(super::fill::all_variants()?);
     v.push(crate::kir::lower(
         &super::moe_route::moe_route_kernel()?,
         crate::kir::Lowering::Scalar,
