@@ -299,6 +299,23 @@ impl CudaDevice {
         Ok(per_sm * self.sm_count)
     }
 
+    /// Decode-kernel tuning (mla-bench `--sm120-occupancy`): the preferred shared-memory
+    /// carve-out of a compiled kernel, in percent of the multiprocessor's unified L1 /
+    /// shared memory (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`; -1 restores the
+    /// driver's default). On an H200, 44 leaves 100 KB of shared memory per multiprocessor:
+    /// SM120's budget, so one 99 KB workgroup per multiprocessor.
+    pub fn set_shared_carveout(&self, module: &CudaModule, percent: i32) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        unsafe {
+            drv::function::set_function_attribute(
+                module.function.cu_function(),
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent,
+            )
+        }
+        .map_err(|e| drv_err(&format!("shared-memory carve-out {percent}%"), e))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()
