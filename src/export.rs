@@ -159,7 +159,7 @@ pub fn config_files(
     lang: Lang,
     arch: &str,
 ) -> Result<Vec<ExportFile>> {
-    // CUDA: the tensor-core kernels the CUDA backend runs (one workgroup per multiprocessor)
+    // CUDA: the tensor-core kernels the CUDA backend runs (two workgroups per multiprocessor)
     let plan = match lang {
         Lang::Wgsl => DecodePlan::new(
             DecodeConfig::portable(shape.dims, shape.format),
@@ -168,7 +168,7 @@ pub fn config_files(
             splits,
             None,
         )?,
-        Lang::Cuda | Lang::Ptx => DecodePlan::tensor_core(shape, sm_count, splits)?,
+        Lang::Cuda | Lang::Ptx => DecodePlan::tensor_core(shape, sm_count * 2, splits)?,
     };
     crate::kernels::sparse_mla_decode::check_shape(shape, &plan.config)?;
     let (split, combine) = lowered_kernels(&plan.config)?;

@@ -1,9 +1,10 @@
 //! The tensor-core lowering, run on the CPU: every kernel the CUDA backend would launch is
 //! printed as CUDA C, compiled by g++ against an emulator of CUDA and of the PTX
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
-//! against the float64 reference — twice: with the sm_90 helper paths and copies landing as
-//! late as allowed, and with the sm_80 paths and copies landing at issue, each under a
-//! random warp schedule and the shared-memory race detector. Fragment layouts, ldmatrix
+//! against the float64 reference — three times: the v7 kernels with the sm_90 helper paths
+//! and copies landing as late as allowed, v7 with the sm_80 paths and copies landing at
+//! issue, and the v6 kernels (the CUDA backend's default), each under a random warp schedule
+//! and the shared-memory race detector. Fragment layouts, ldmatrix
 //! addressing, helper operand orders, the copy pipeline and its synchronisation are all
 //! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
 //! picks cases by name.
@@ -23,7 +24,7 @@ fn conformance_on_the_emulated_tensor_core_lowering() {
     }
     let filter = std::env::var("SPARSE_MLA_EMU_CASE").ok();
     let mut failed = Vec::new();
-    for mode in 0..2 {
+    for mode in 0..3 {
         let seed = test_seed();
         let config = emu::EmuConfig::mode(mode, seed);
         eprintln!("emu run {mode}: {}", config.describe());

@@ -867,7 +867,7 @@ fn run(args: &Args) -> Result<()> {
                             ok: tm.check.ok,
                         })
                     };
-                let config = DecodeConfig::tensor_core(dims, format, h);
+                let config = DecodeConfig::tensor_core_v7(dims, format, h);
                 if !args.sweep_splits.is_empty() {
                     let split_kernel =
                         sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;

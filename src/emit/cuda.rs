@@ -276,9 +276,10 @@ static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
     }
 }
 
-// `bytes` from global to shared memory, completing on `bar` (see copy_arrive): one bulk copy
-// with a transaction count when both ends and the size are 16-byte aligned (sm_90 and
-// later), else cp.async copies of 16 or 4 bytes.
+// `bytes` from global to shared memory, completing on `bar` (see copy_arrive). sm_90 and
+// later: one bulk copy with a transaction count when both ends and the size are 16-byte
+// aligned, else plain loads and stores (made visible by copy_arrive's release); before
+// sm_90: cp.async copies of 16 or 4 bytes, which copy_arrive ties to the mbarrier.
 static __device__ __forceinline__ void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
     const unsigned align = smem_addr(dst) | (unsigned)(unsigned long long)src;
 #if __CUDA_ARCH__ >= 900
@@ -287,9 +288,12 @@ static __device__ __forceinline__ void copy_async(void* dst, const void* src, un
                      :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-        return;
+    } else {
+        for (unsigned o = 0; o < bytes; o += 4) {
+            ((unsigned*)dst)[o / 4] = ((const unsigned*)src)[o / 4];
+        }
     }
-#endif
+#else
     if (((align | bytes) & 15u) == 0) {
         for (unsigned o = 0; o < bytes; o += 16) {
             cp_async_16((char*)dst + o, (const char*)src + o, true);
@@ -299,12 +303,17 @@ static __device__ __forceinline__ void copy_async(void* dst, const void* src, un
             cp_async_4((char*)dst + o, (const char*)src + o, true);
         }
     }
+    (void)bar;
+#endif
 }
 
-// One arrival on `bar` once this thread's earlier copies have landed (cp.async through the
-// mbarrier's arrive-on, bulk copies through their transaction count).
+// One arrival on `bar` once this thread's earlier copies have landed: bulk copies complete
+// through their transaction count (sm_90 and later), cp.async through the mbarrier's
+// arrive-on (before); the arrival releases this thread's plain shared-memory writes.
 static __device__ __forceinline__ void copy_arrive(void* bar) {
+#if __CUDA_ARCH__ < 900
     asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+#endif
     mbar_arrive(bar);
 }
 

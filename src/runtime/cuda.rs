@@ -323,6 +323,24 @@ impl CudaDevice {
     }
 }
 
+/// The decode kernel the CUDA backend runs: v6 (the measured faster one on the H200), or v7
+/// with `SPARSE_MLA_DECODE_KERNEL=v7`.
+fn decode_kernel_choice(shape: &DecodeShape) -> Result<DecodeConfig> {
+    match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
+        Err(_) | Ok("") | Ok("v6") => Ok(DecodeConfig::tensor_core(
+            shape.dims,
+            shape.format,
+            shape.heads,
+        )),
+        Ok("v7") => Ok(DecodeConfig::tensor_core_v7(
+            shape.dims,
+            shape.format,
+            shape.heads,
+        )),
+        Ok(other) => Err(Error::arg("SPARSE_MLA_DECODE_KERNEL", "v6 or v7", other)),
+    }
+}
+
 /// The parameter block as a kernel argument: the driver copies as many bytes as the
 /// kernel's parameter struct has.
 #[repr(C, align(16))]
@@ -349,10 +367,10 @@ impl Device for CudaDevice {
     /// Tensor-core config for the head count, splits from the cost model over the
     /// workgroups this GPU runs at once.
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
-        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        let config = decode_kernel_choice(shape)?;
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
-        DecodePlan::tensor_core(shape, resident, splits)
+        DecodePlan::with_config(config, shape, resident, splits)
     }
 
     fn target_workgroups(&self) -> u32 {

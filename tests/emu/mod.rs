@@ -33,21 +33,26 @@ pub struct EmuConfig {
     pub land_at_issue: bool,
     /// Seed of the warp schedule.
     pub seed: u64,
+    /// The decode kernel planned for: v7 (the mbarrier ring) or v6.
+    pub v7: bool,
 }
 
 impl EmuConfig {
-    /// Both copy modes and both helper paths, by a run index: (900, lazy), (800, at issue).
+    /// Both copy modes and both helper paths, by a run index: v7 (900, late), v7 (800, at
+    /// issue), v6 (900, late).
     pub fn mode(i: u32, seed: u64) -> Self {
         EmuConfig {
             arch: if i % 2 == 0 { 900 } else { 800 },
             land_at_issue: i % 2 == 1,
             seed,
+            v7: i < 2,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "sm_{} helpers, copies land {}, schedule seed {}",
+            "{} kernel, sm_{} helpers, copies land {}, schedule seed {}",
+            if self.v7 { "v7" } else { "v6" },
             self.arch / 10,
             if self.land_at_issue {
                 "at issue"
@@ -160,9 +165,13 @@ impl Device for EmuDevice {
     }
 
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
-        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        let config = if self.config.v7 {
+            DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads)
+        } else {
+            DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
+        };
         lowered_kernels(&config)?;
-        DecodePlan::tensor_core(shape, self.resident, splits)
+        DecodePlan::with_config(config, shape, self.resident, splits)
     }
 
     fn compile(&self, kernel: &Kernel) -> Result<EmuModule> {

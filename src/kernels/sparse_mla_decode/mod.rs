@@ -63,7 +63,12 @@ impl DecodeConfig {
         DecodeConfig {
             dims,
             format,
-            block_h: 16,
+            // fp8: four 128-column output accumulators; 8 heads per workgroup keep them in
+            // registers (16 spilled 16 B on sm_80, 256 threads spilled more)
+            block_h: match format {
+                CacheFormat::Bf16 => 16,
+                CacheFormat::Fp8DsMla => 8,
+            },
             block_n: match format {
                 CacheFormat::Bf16 => 16,
                 CacheFormat::Fp8DsMla => 8,
@@ -75,14 +80,15 @@ impl DecodeConfig {
         }
     }
 
-    /// The tensor-core configuration (CUDA, [`Lowering::MmaWs`], v7) for `heads` query heads:
-    /// 8 consumer warps and a producer warp, one workgroup per multiprocessor (SM120's
-    /// budget: everything fits 101376 bytes of shared memory, the lowering checks):
+    /// The v7 tensor-core configuration (CUDA, [`Lowering::MmaWs`]) for `heads` query heads:
+    /// 8 warps, the last also issuing the ring's copies; one workgroup per multiprocessor
+    /// (registers: 160-255 per thread; SM120's budget: everything fits 101376 bytes of shared
+    /// memory, the lowering checks):
     /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of bf16 rows
     ///   (2 x 37 KB), or 4-deep of fp8_ds_mla rows (4 x 22 KB: the row as it is);
     /// - H > 16: 32 heads x 32 slots, the same rings (3-deep for fp8).
     /// q lives in registers (each warp its K slice of the split-K score product).
-    pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+    pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         let (block_h, stages) = match (heads <= 16, format) {
             (true, CacheFormat::Bf16) => (16, 2),
             (true, CacheFormat::Fp8DsMla) => (16, 4),
@@ -90,6 +96,14 @@ impl DecodeConfig {
             (false, CacheFormat::Fp8DsMla) => (32, 3),
         };
         Self::tensor_core_custom(dims, format, block_h, 32, stages)
+    }
+
+    /// The tensor-core configuration the CUDA backend runs for `heads` query heads: v6
+    /// ([`Self::tensor_core_v6`]). v7 ([`Self::tensor_core_v7`]) measured slower on the H200 at
+    /// its default occupancy (benches/NOTES.md, v7), so it is opt-in
+    /// (`SPARSE_MLA_DECODE_KERNEL=v7` in the CUDA backend).
+    pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+        Self::tensor_core_v6(dims, format, heads)
     }
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
@@ -263,6 +277,16 @@ impl DecodePlan {
     /// Small batches thus split until the GPU is full; large ones stay whole, with no combine.
     pub fn tensor_core(shape: &DecodeShape, resident: u32, splits: Option<u32>) -> Result<Self> {
         let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        Self::with_config(config, shape, resident, splits)
+    }
+
+    /// [`Self::tensor_core`] for a given tensor-core configuration (v6 or v7).
+    pub fn with_config(
+        config: DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        splits: Option<u32>,
+    ) -> Result<Self> {
         let splits = match splits {
             Some(s) => Some(s),
             None => Some(Self::model_splits(&config, shape, resident)),

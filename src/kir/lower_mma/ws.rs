@@ -468,9 +468,14 @@ impl Cx<'_> {
         body.push(Stmt::Comment(format!(
             "pipeline {v}: release the stage to the producer"
         )));
+        // only a stage the producer will fill again is released (every arrival is waited for)
         body.push(intr(Intrinsic::SyncWarp));
         body.push(Stmt::If {
-            cond: bin(BinOp::Eq, self.lane.lane.clone(), u(0)),
+            cond: bin(
+                BinOp::And,
+                bin(BinOp::Eq, self.lane.lane.clone(), u(0)),
+                lt(add(itv.clone(), u(s)), countv.clone()),
+            ),
             then: vec![intr(Intrinsic::MbarArrive {
                 bars: info.bars.clone(),
                 index: add(u(s), stage),
