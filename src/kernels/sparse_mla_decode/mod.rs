@@ -87,6 +87,7 @@ impl DecodeConfig {
     /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of bf16 rows
     ///   (2 x 37 KB), or 4-deep of fp8_ds_mla rows (4 x 22 KB: the row as it is);
     /// - H > 16: 32 heads x 32 slots, the same rings (3-deep for fp8).
+    ///
     /// q lives in registers (each warp its K slice of the split-K score product).
     pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         let (block_h, stages) = match (heads <= 16, format) {

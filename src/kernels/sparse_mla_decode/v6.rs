@@ -105,7 +105,7 @@ pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
     };
 
     b.comment("load the q rows of this head block (rows past `heads` are zeros)");
-    b.gather_rows(&q_tile, 0, d / 2, &q, |_, r| {
+    b.gather_rows(&q_tile, 0, d / 2, q, |_, r| {
         let h = h0.clone() + r;
         select(
             h.clone().lt(heads.clone()),
@@ -122,7 +122,7 @@ pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
         |b, step| {
             b.comment("gather this step's cache rows by slot (invalid slots: zero rows, not read)");
             let dst = raw_tile.as_ref().unwrap_or(&kv_tile);
-            b.gather_rows(dst, 0, row_words, &cache, |_, r| {
+            b.gather_rows(dst, 0, row_words, cache, |_, r| {
                 let j = j_begin.clone() + step.clone() * u(cfg.block_n) + r;
                 let (valid, idx) = slot_of(j);
                 let slot = idx.as_u32();

@@ -309,7 +309,7 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
     let mut scratch = 0;
     for n in names {
         let a = cx.accs[&n].clone();
-        let ks = a.ksplit.clone().unwrap_or_else(|| unreachable_split());
+        let ks = a.ksplit.clone().unwrap_or_else(unreachable_split);
         let fm = a.decl.rows / 16;
         let len = fm * ks.ng * 4;
         let part = cx.private(&format!("{n}_part"), Ty::F32, len);

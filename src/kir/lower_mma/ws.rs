@@ -10,6 +10,7 @@
 //!   `full[stage]` once they are in flight; the source words of the step after (its top-k
 //!   index loads) are computed right away, so they are in flight during the compute;
 //! - every warp waits on `full[stage]`, computes, and releases the stage.
+//!
 //! No workgroup barrier orders a stage; the compute's own barriers (online softmax, split-K
 //! sums) remain. A dedicated producer warp was tried first: a ninth warp makes ptxas allocate
 //! registers for twelve (168 per thread), and the split-K product with q in registers spilled.
