@@ -113,23 +113,24 @@ struct cache_write_bf16_d576_params {
     unsigned page_stride_w; // 32-bit words from one page to the next
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 8 slots per step, scalar lowering.
+// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 8 heads x 8 slots per step, scalar lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   threads per block: 128
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     o_part       [tokens, heads, splits, 512]
 //     lse_part     [tokens, heads, splits]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -143,8 +144,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params {
     unsigned page_stride_w; // 32-bit words from one cache page to the next
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 8 slots per step, scalar lowering.
+// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 8 heads x 8 slots per step, scalar lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
@@ -152,15 +153,16 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_params {
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   threads per block: 128
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512]
 //     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h16n8_final_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -216,6 +218,23 @@ struct vbt_positions_to_slots_params {
     unsigned max_pages; // columns of block_table
     unsigned page_size; // slots per page (>= 1)
     unsigned max_block; // largest block id whose slots fit in an i32: (2^31 - page_size) / page_size
+};
+
+// sparse_mla_decode_combine_d512_t256
+//   Sparse MLA decode, combine stage: merges S normalised partials of width 512.
+//   Grid: x = heads, y = tokens.
+//   lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_combine_d512_t256_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_combine_d512_t256_params {
+    unsigned heads; // H
+    unsigned splits; // S
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 };
 
 // sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
@@ -444,6 +463,258 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //     out          [tokens, heads, 512]
 //     lse          [tokens / lse_s_q, heads, lse_s_q]
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
+//   mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
+//   mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
+//   mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     o_part       [tokens, heads, splits, 512]
+//     lse_part     [tokens, heads, splits]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
+//   mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512]
+//     lse          [tokens / lse_s_q, heads, lse_s_q]
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

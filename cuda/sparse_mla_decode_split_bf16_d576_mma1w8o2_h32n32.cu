@@ -131,6 +131,14 @@ static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
+static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
 static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
@@ -548,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_3;
+                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_3 + 0u);
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }

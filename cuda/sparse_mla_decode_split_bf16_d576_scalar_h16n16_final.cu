@@ -8,7 +8,7 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 128 threads (1-D); workgroup memory: 39296 bytes.
+// Workgroup: 128 threads (1-D); workgroup memory: 39360 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -90,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
     __shared__ __align__(16) float row_rescale[16];
     __shared__ __align__(16) float block_reduce[16];
     __shared__ __align__(16) unsigned q_tile[4608];
+    __shared__ __align__(16) float row_valid[16];
     __shared__ __align__(16) unsigned kv_tile[4608];
     __shared__ __align__(16) float p_tile[256];
     __shared__ __align__(16) float reduce_scratch0[256];
@@ -102,11 +103,11 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
-    const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk);
-    const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned j_begin = split * p.chunk;
+    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
@@ -141,11 +142,12 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
 
         // pipeline step step: load
 
-        // gather this step's cache rows by slot (invalid slots: zero rows, not read)
+        // gather this step's cache rows by slot, each row's validity recorded once
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
-            kv_tile_src8[row_1] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            kv_tile_src8[row_1] = (((((j_begin + (step * 16u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+            row_valid[row_1] = (kv_tile_src8[row_1] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();
         #pragma unroll 4
@@ -248,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             }
         }
 
-        // scale, and mask invalid entries
+        // scale, and mask the entries whose rows had no source
         #pragma unroll
         for (unsigned pair_i70 = 0u; pair_i70 < 1u; pair_i70 += 1u) {
             const unsigned pair71 = threadIdx.x + (pair_i70 * 128u);
@@ -257,10 +259,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 const unsigned col = (pair71 * 2u) % 16u;
                 float v0 = scores[pair_i70 * 2u];
                 float v1 = scores[(pair_i70 * 2u) + 1u];
-                const unsigned j = ((j_begin + (step * 16u)) + col) + 0u;
-                v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
-                const unsigned j_1 = ((j_begin + (step * 16u)) + col) + 1u;
-                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                v0 = (row_valid[(0u * 16u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                v1 = (row_valid[(0u * 16u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                 scores[pair_i70 * 2u] = v0;
                 scores[(pair_i70 * 2u) + 1u] = v1;
             }
@@ -461,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_3 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
             o_acc[pair_i149 * 2u] = v0_3;
             o_acc[(pair_i149 * 2u) + 1u] = v1_3;

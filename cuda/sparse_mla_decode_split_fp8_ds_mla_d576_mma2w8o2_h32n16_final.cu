@@ -136,6 +136,14 @@ static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
+static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
 static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
@@ -724,7 +732,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             if (h < p.heads) {
                 const float l = row_sum[row_7];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_5) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_5 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
             o_acc[(frag84 * 4u) + (half85 * 2u)] = v0_3;
             o_acc[((frag84 * 4u) + (half85 * 2u)) + 1u] = v1_3;

@@ -8,7 +8,7 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 128 threads (1-D); workgroup memory: 14256 bytes.
+// Workgroup: 128 threads (1-D); workgroup memory: 14272 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -61,6 +61,7 @@ var<workgroup> row_sum: array<f32, 8>;
 var<workgroup> row_rescale: array<f32, 8>;
 var<workgroup> block_reduce: array<f32, 8>;
 var<workgroup> q_tile: array<u32, 2304>;
+var<workgroup> row_valid: array<f32, 4>;
 var<workgroup> kv_tile: array<u32, 1152>;
 var<workgroup> p_tile: array<f32, 32>;
 var<workgroup> reduce_scratch0: array<f32, 32>;
@@ -114,11 +115,11 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
     let t: u32 = wg_id.z;
     let split: u32 = wg_id.y;
     let h0: u32 = wg_id.x * 8u;
-    let j_begin: u32 = split * params.chunk;
-    let j_end: u32 = min((j_begin + params.chunk), params.topk);
-    let steps: u32 = select(0u, ((j_end - j_begin) + 3u) / 4u, j_end > j_begin);
     let len_raw: i32 = topk_length[select(0u, t, params.has_topk_length != 0u)];
     let valid_len: u32 = select(params.topk, min(u32(max(len_raw, 0i)), params.topk), params.has_topk_length != 0u);
+    let j_begin: u32 = split * params.chunk;
+    let j_end: u32 = min((min((j_begin + params.chunk), params.topk)), valid_len);
+    let steps: u32 = select(0u, ((j_end - j_begin) + 3u) / 4u, j_end > j_begin);
 
     // load the q rows of this head block (rows past `heads` are zeros)
     workgroupBarrier();
@@ -149,10 +150,11 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
 
         // pipeline step step: load
 
-        // gather this step's cache rows by slot (invalid slots: zero rows, not read)
+        // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 4u; row_1 = row_1 + 128u) {
-            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)), (((((j_begin + (step * 4u)) + row_1) < j_end) && (((j_begin + (step * 4u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            kv_tile_src8[row_1] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 0u), ((((j_begin + (step * 4u)) + row_1) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            row_valid[row_1] = select(0.0, 1.0, kv_tile_src8[row_1] >= 0i);
         }
         workgroupBarrier();
         for (var word_i9: u32 = local_id; word_i9 < 1152u; word_i9 = word_i9 + 128u) {
@@ -251,7 +253,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
             }
         }
 
-        // scale, and mask invalid entries
+        // scale, and mask the entries whose rows had no source
         for (var pair_i70: u32 = 0u; pair_i70 < 1u; pair_i70 = pair_i70 + 1u) {
             let pair71: u32 = local_id + (pair_i70 * 128u);
             if (pair71 < 16u) {
@@ -259,10 +261,8 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
                 let col: u32 = (pair71 * 2u) % 4u;
                 var v0: f32 = scores[pair_i70 * 2u];
                 var v1: f32 = scores[(pair_i70 * 2u) + 1u];
-                let j: u32 = ((j_begin + (step * 4u)) + col) + 0u;
-                v0 = select(-3e38, v0 * params.scale, (((j < j_end) && (j < valid_len)) && (indices[(t * params.topk) + (min(j, (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(j, (params.topk - 1u)))]) < params.num_slots));
-                let j_1: u32 = ((j_begin + (step * 4u)) + col) + 1u;
-                v1 = select(-3e38, v1 * params.scale, (((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * params.topk) + (min(j_1, (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(j_1, (params.topk - 1u)))]) < params.num_slots));
+                v0 = select(-3e38, v0 * params.scale, row_valid[(0u * 4u) + (col + 0u)] > 0.5);
+                v1 = select(-3e38, v1 * params.scale, row_valid[(0u * 4u) + (col + 1u)] > 0.5);
                 scores[pair_i70 * 2u] = v0;
                 scores[(pair_i70 * 2u) + 1u] = v1;
             }
@@ -403,7 +403,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
             if (h < params.heads) {
                 let l: f32 = row_sum[row_5];
                 let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
-                out[((((t * params.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                out[((((t * params.heads) + h) * 512u) + (col_3 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
             o_acc[pair_i113 * 2u] = v0_3;
             o_acc[(pair_i113 * 2u) + 1u] = v1_3;

@@ -8,8 +8,9 @@
 // fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //
-// Workgroup: 128 threads (1-D); workgroup memory: 15432 bytes.
+// Workgroup: 128 threads (1-D); workgroup memory: 10848 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -61,12 +62,16 @@ var<workgroup> row_sum: array<f32, 8>;
 var<workgroup> row_rescale: array<f32, 8>;
 var<workgroup> block_reduce: array<f32, 8>;
 var<workgroup> q_tile: array<u32, 2304>;
-var<workgroup> kv_tile: array<f32, 1152>;
-var<workgroup> raw_rows: array<u32, 328>;
+var<workgroup> row_valid: array<f32, 2>;
+var<workgroup> kv_latent: array<u32, 256>;
+var<workgroup> kv_scales: array<f32, 8>;
+var<workgroup> kv_rope: array<u32, 64>;
 var<workgroup> p_tile: array<f32, 16>;
 var<workgroup> reduce_scratch0: array<f32, 16>;
 var<workgroup> q_tile_src1: array<i32, 8>;
-var<workgroup> raw_rows_src8: array<i32, 2>;
+var<workgroup> kv_latent_src11: array<i32, 2>;
+var<workgroup> kv_scales_src17: array<i32, 2>;
+var<workgroup> kv_rope_src23: array<i32, 2>;
 
 // bf16 bits (low 16 of a u32) -> f32: bf16 is the top half of an f32.
 fn bf16_to_f32(bits: u32) -> f32 {
@@ -109,17 +114,20 @@ fn f32_from_const_bits(bits: u32) -> f32 {
 @compute @workgroup_size(128)
 fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation_index) local_id: u32, @builtin(workgroup_id) wg_id: vec3<u32>, @builtin(num_workgroups) wg_count: vec3<u32>) {
     var scores: array<f32, 2>;
-    var o_acc: array<f32, 32>;
+    var o_acc: array<f32, 8>;
+    var o_acc_1: array<f32, 8>;
+    var o_acc_2: array<f32, 8>;
+    var o_acc_3: array<f32, 8>;
 
     // which token, split and head block this workgroup owns
     let t: u32 = wg_id.z;
     let split: u32 = wg_id.y;
     let h0: u32 = wg_id.x * 8u;
-    let j_begin: u32 = split * params.chunk;
-    let j_end: u32 = min((j_begin + params.chunk), params.topk);
-    let steps: u32 = select(0u, ((j_end - j_begin) + 1u) / 2u, j_end > j_begin);
     let len_raw: i32 = topk_length[select(0u, t, params.has_topk_length != 0u)];
     let valid_len: u32 = select(params.topk, min(u32(max(len_raw, 0i)), params.topk), params.has_topk_length != 0u);
+    let j_begin: u32 = split * params.chunk;
+    let j_end: u32 = min((min((j_begin + params.chunk), params.topk)), valid_len);
+    let steps: u32 = select(0u, ((j_end - j_begin) + 1u) / 2u, j_end > j_begin);
 
     // load the q rows of this head block (rows past `heads` are zeros)
     workgroupBarrier();
@@ -143,170 +151,500 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         row_sum[r] = 0.0;
     }
     workgroupBarrier();
-    for (var fill_i7: u32 = 0u; fill_i7 < 32u; fill_i7 = fill_i7 + 1u) {
+    for (var fill_i7: u32 = 0u; fill_i7 < 8u; fill_i7 = fill_i7 + 1u) {
         o_acc[fill_i7] = 0.0;
+    }
+    for (var fill_i8: u32 = 0u; fill_i8 < 8u; fill_i8 = fill_i8 + 1u) {
+        o_acc_1[fill_i8] = 0.0;
+    }
+    for (var fill_i9: u32 = 0u; fill_i9 < 8u; fill_i9 = fill_i9 + 1u) {
+        o_acc_2[fill_i9] = 0.0;
+    }
+    for (var fill_i10: u32 = 0u; fill_i10 < 8u; fill_i10 = fill_i10 + 1u) {
+        o_acc_3[fill_i10] = 0.0;
     }
     for (var step: u32 = 0u; step < steps; step = step + 1u) {
 
         // pipeline step step: load
 
-        // gather this step's cache rows by slot (invalid slots: zero rows, not read)
+        // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 2u; row_1 = row_1 + 128u) {
-            raw_rows_src8[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)), (((((j_begin + (step * 2u)) + row_1) < j_end) && (((j_begin + (step * 2u)) + row_1) < valid_len)) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            kv_latent_src11[row_1] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 0u), ((((j_begin + (step * 2u)) + row_1) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            row_valid[row_1] = select(0.0, 1.0, kv_latent_src11[row_1] >= 0i);
         }
         workgroupBarrier();
-        for (var word_i9: u32 = local_id; word_i9 < 328u; word_i9 = word_i9 + 128u) {
-            let r10: u32 = word_i9 / 164u;
-            let w11: u32 = word_i9 % 164u;
-            let base12: i32 = raw_rows_src8[r10];
-            var word13: u32 = 0u;
-            if (base12 >= 0i) {
-                word13 = kv_cache[u32(base12) + w11];
+        for (var word_i12: u32 = local_id; word_i12 < 256u; word_i12 = word_i12 + 128u) {
+            let r13: u32 = word_i12 / 128u;
+            let w14: u32 = word_i12 % 128u;
+            let base15: i32 = kv_latent_src11[r13];
+            var word16: u32 = 0u;
+            if (base15 >= 0i) {
+                word16 = kv_cache[u32(base15) + w14];
             }
-            raw_rows[((r10 * 164u) + 0u) + w11] = word13;
+            kv_latent[((r13 * 128u) + 0u) + w14] = word16;
+        }
+        workgroupBarrier();
+        workgroupBarrier();
+        for (var row_2: u32 = local_id; row_2 < 2u; row_2 = row_2 + 128u) {
+            kv_scales_src17[row_2] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 128u), ((((j_begin + (step * 2u)) + row_2) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) < params.num_slots));
+            row_valid[row_2] = select(0.0, 1.0, kv_scales_src17[row_2] >= 0i);
+        }
+        workgroupBarrier();
+        for (var word_i18: u32 = local_id; word_i18 < 8u; word_i18 = word_i18 + 128u) {
+            let r19: u32 = word_i18 / 4u;
+            let w20: u32 = word_i18 % 4u;
+            let base21: i32 = kv_scales_src17[r19];
+            var word22: u32 = 0u;
+            if (base21 >= 0i) {
+                word22 = kv_cache[u32(base21) + w20];
+            }
+            kv_scales[((r19 * 4u) + 0u) + w20] = bitcast<f32>(word22);
+        }
+        workgroupBarrier();
+        workgroupBarrier();
+        for (var row_3: u32 = local_id; row_3 < 2u; row_3 = row_3 + 128u) {
+            kv_rope_src23[row_3] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 132u), ((((j_begin + (step * 2u)) + row_3) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) < params.num_slots));
+            row_valid[row_3] = select(0.0, 1.0, kv_rope_src23[row_3] >= 0i);
+        }
+        workgroupBarrier();
+        for (var word_i24: u32 = local_id; word_i24 < 64u; word_i24 = word_i24 + 128u) {
+            let r25: u32 = word_i24 / 32u;
+            let w26: u32 = word_i24 % 32u;
+            let base27: i32 = kv_rope_src23[r25];
+            var word28: u32 = 0u;
+            if (base27 >= 0i) {
+                word28 = kv_cache[u32(base27) + w26];
+            }
+            kv_rope[((r25 * 32u) + 0u) + w26] = word28;
         }
         workgroupBarrier();
 
         // pipeline step step: compute
 
-        // dequantise the fp8 rows: latent = e4m3 x its tile's f32 scale, rope = bf16
-        workgroupBarrier();
-        for (var word_i14: u32 = local_id; word_i14 < 1024u; word_i14 = word_i14 + 128u) {
-            let r15: u32 = word_i14 / 512u;
-            let w16: u32 = (word_i14 % 512u) + 0u;
-            let row_2: u32 = r15;
-            let col: u32 = w16 * 1u;
-            kv_tile[(r15 * 576u) + w16] = e4m3_to_f32(((raw_rows[(row_2 * 164u) + ((col + 0u) >> 2u)] >> (((col + 0u) & 3u) * 8u)) & 255u & 0xffu)) * bitcast<f32>(raw_rows[(row_2 * 164u) + (128u + ((col + 0u) / 128u))]);
-        }
-        workgroupBarrier();
-        workgroupBarrier();
-        for (var word_i17: u32 = local_id; word_i17 < 128u; word_i17 = word_i17 + 128u) {
-            let r18: u32 = word_i17 / 64u;
-            let w19: u32 = (word_i17 % 64u) + 512u;
-            let row_3: u32 = r18;
-            let col_1: u32 = w19 * 1u;
-            kv_tile[(r18 * 576u) + w19] = bitcast<f32>(((raw_rows[(row_3 * 164u) + (132u + (((col_1 + 0u) - 512u) / 2u))] >> ((((col_1 + 0u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
-        }
-        workgroupBarrier();
-
         // scores S = q . K^T over the full d_qk
-        for (var fill_i20: u32 = 0u; fill_i20 < 2u; fill_i20 = fill_i20 + 1u) {
-            scores[fill_i20] = 0.0;
+        for (var fill_i29: u32 = 0u; fill_i29 < 2u; fill_i29 = fill_i29 + 1u) {
+            scores[fill_i29] = 0.0;
         }
-        for (var pair_i74: u32 = 0u; pair_i74 < 1u; pair_i74 = pair_i74 + 1u) {
-            let pair75: u32 = local_id + (pair_i74 * 128u);
-            if (pair75 < 8u) {
-                let row21: u32 = (pair75 * 2u) / 2u;
-                let col22: u32 = (pair75 * 2u) % 2u;
-                var dot023: f32 = scores[pair_i74 * 2u];
-                var dot124: f32 = scores[(pair_i74 * 2u) + 1u];
-                for (var k25: u32 = 0u; k25 < 576u; k25 = k25 + 16u) {
-                    let op26: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 0u)) >> 1u)] << 16u);
-                    let op27: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 0u)) >> 1u)] & 4294901760u);
-                    let op28: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 0u))];
-                    let op29: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 0u))];
-                    let op30: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 0u))) + 1u];
-                    let op31: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 0u))) + 1u];
-                    dot023 = fma(op27, op30, fma(op26, op28, dot023));
-                    dot124 = fma(op27, op31, fma(op26, op29, dot124));
-                    let op32: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 2u)) >> 1u)] << 16u);
-                    let op33: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 2u)) >> 1u)] & 4294901760u);
-                    let op34: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 2u))];
-                    let op35: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 2u))];
-                    let op36: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 2u))) + 1u];
-                    let op37: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 2u))) + 1u];
-                    dot023 = fma(op33, op36, fma(op32, op34, dot023));
-                    dot124 = fma(op33, op37, fma(op32, op35, dot124));
-                    let op38: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 4u)) >> 1u)] << 16u);
-                    let op39: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 4u)) >> 1u)] & 4294901760u);
-                    let op40: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 4u))];
-                    let op41: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 4u))];
-                    let op42: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 4u))) + 1u];
-                    let op43: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 4u))) + 1u];
-                    dot023 = fma(op39, op42, fma(op38, op40, dot023));
-                    dot124 = fma(op39, op43, fma(op38, op41, dot124));
-                    let op44: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 6u)) >> 1u)] << 16u);
-                    let op45: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 6u)) >> 1u)] & 4294901760u);
-                    let op46: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 6u))];
-                    let op47: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 6u))];
-                    let op48: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 6u))) + 1u];
-                    let op49: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 6u))) + 1u];
-                    dot023 = fma(op45, op48, fma(op44, op46, dot023));
-                    dot124 = fma(op45, op49, fma(op44, op47, dot124));
-                    let op50: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 8u)) >> 1u)] << 16u);
-                    let op51: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 8u)) >> 1u)] & 4294901760u);
-                    let op52: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 8u))];
-                    let op53: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 8u))];
-                    let op54: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 8u))) + 1u];
-                    let op55: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 8u))) + 1u];
-                    dot023 = fma(op51, op54, fma(op50, op52, dot023));
-                    dot124 = fma(op51, op55, fma(op50, op53, dot124));
-                    let op56: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 10u)) >> 1u)] << 16u);
-                    let op57: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 10u)) >> 1u)] & 4294901760u);
-                    let op58: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 10u))];
-                    let op59: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 10u))];
-                    let op60: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 10u))) + 1u];
-                    let op61: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 10u))) + 1u];
-                    dot023 = fma(op57, op60, fma(op56, op58, dot023));
-                    dot124 = fma(op57, op61, fma(op56, op59, dot124));
-                    let op62: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 12u)) >> 1u)] << 16u);
-                    let op63: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 12u)) >> 1u)] & 4294901760u);
-                    let op64: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 12u))];
-                    let op65: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 12u))];
-                    let op66: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 12u))) + 1u];
-                    let op67: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 12u))) + 1u];
-                    dot023 = fma(op63, op66, fma(op62, op64, dot023));
-                    dot124 = fma(op63, op67, fma(op62, op65, dot124));
-                    let op68: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 14u)) >> 1u)] << 16u);
-                    let op69: f32 = bitcast<f32>(q_tile[((0u + row21) * 288u) + ((0u + (k25 + 14u)) >> 1u)] & 4294901760u);
-                    let op70: f32 = kv_tile[((0u + col22) * 576u) + (0u + (k25 + 14u))];
-                    let op71: f32 = kv_tile[((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 14u))];
-                    let op72: f32 = kv_tile[(((0u + col22) * 576u) + (0u + (k25 + 14u))) + 1u];
-                    let op73: f32 = kv_tile[(((0u + (col22 + 1u)) * 576u) + (0u + (k25 + 14u))) + 1u];
-                    dot023 = fma(op69, op72, fma(op68, op70, dot023));
-                    dot124 = fma(op69, op73, fma(op68, op71, dot124));
+        for (var pair_i83: u32 = 0u; pair_i83 < 1u; pair_i83 = pair_i83 + 1u) {
+            let pair84: u32 = local_id + (pair_i83 * 128u);
+            if (pair84 < 8u) {
+                let row30: u32 = (pair84 * 2u) / 2u;
+                let col31: u32 = (pair84 * 2u) % 2u;
+                var dot032: f32 = scores[pair_i83 * 2u];
+                var dot133: f32 = scores[(pair_i83 * 2u) + 1u];
+                for (var k34: u32 = 0u; k34 < 128u; k34 = k34 + 16u) {
+                    let op35: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 0u)) >> 1u)] << 16u);
+                    let op36: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 0u)) >> 1u)] & 4294901760u);
+                    let op37: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 0u)) >> 2u)] >> (((0u + (k34 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op38: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 0u)) >> 2u)] >> (((0u + (k34 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op39: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 0u)) >> 2u)] >> (((0u + (k34 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op40: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 0u)) >> 2u)] >> (((0u + (k34 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op36, op39, fma(op35, op37, dot032));
+                    dot133 = fma(op36, op40, fma(op35, op38, dot133));
+                    let op41: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 2u)) >> 1u)] << 16u);
+                    let op42: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 2u)) >> 1u)] & 4294901760u);
+                    let op43: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 2u)) >> 2u)] >> (((0u + (k34 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op44: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 2u)) >> 2u)] >> (((0u + (k34 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op45: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 2u)) >> 2u)] >> (((0u + (k34 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op46: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 2u)) >> 2u)] >> (((0u + (k34 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op42, op45, fma(op41, op43, dot032));
+                    dot133 = fma(op42, op46, fma(op41, op44, dot133));
+                    let op47: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 4u)) >> 1u)] << 16u);
+                    let op48: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 4u)) >> 1u)] & 4294901760u);
+                    let op49: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 4u)) >> 2u)] >> (((0u + (k34 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op50: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 4u)) >> 2u)] >> (((0u + (k34 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op51: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 4u)) >> 2u)] >> (((0u + (k34 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op52: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 4u)) >> 2u)] >> (((0u + (k34 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op48, op51, fma(op47, op49, dot032));
+                    dot133 = fma(op48, op52, fma(op47, op50, dot133));
+                    let op53: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 6u)) >> 1u)] << 16u);
+                    let op54: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 6u)) >> 1u)] & 4294901760u);
+                    let op55: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 6u)) >> 2u)] >> (((0u + (k34 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op56: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 6u)) >> 2u)] >> (((0u + (k34 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op57: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 6u)) >> 2u)] >> (((0u + (k34 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op58: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 6u)) >> 2u)] >> (((0u + (k34 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op54, op57, fma(op53, op55, dot032));
+                    dot133 = fma(op54, op58, fma(op53, op56, dot133));
+                    let op59: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 8u)) >> 1u)] << 16u);
+                    let op60: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 8u)) >> 1u)] & 4294901760u);
+                    let op61: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 8u)) >> 2u)] >> (((0u + (k34 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op62: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 8u)) >> 2u)] >> (((0u + (k34 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op63: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 8u)) >> 2u)] >> (((0u + (k34 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op64: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 8u)) >> 2u)] >> (((0u + (k34 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op60, op63, fma(op59, op61, dot032));
+                    dot133 = fma(op60, op64, fma(op59, op62, dot133));
+                    let op65: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 10u)) >> 1u)] << 16u);
+                    let op66: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 10u)) >> 1u)] & 4294901760u);
+                    let op67: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 10u)) >> 2u)] >> (((0u + (k34 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op68: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 10u)) >> 2u)] >> (((0u + (k34 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op69: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 10u)) >> 2u)] >> (((0u + (k34 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op70: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 10u)) >> 2u)] >> (((0u + (k34 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op66, op69, fma(op65, op67, dot032));
+                    dot133 = fma(op66, op70, fma(op65, op68, dot133));
+                    let op71: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 12u)) >> 1u)] << 16u);
+                    let op72: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 12u)) >> 1u)] & 4294901760u);
+                    let op73: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 12u)) >> 2u)] >> (((0u + (k34 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op74: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 12u)) >> 2u)] >> (((0u + (k34 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op75: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 12u)) >> 2u)] >> (((0u + (k34 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op76: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 12u)) >> 2u)] >> (((0u + (k34 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op72, op75, fma(op71, op73, dot032));
+                    dot133 = fma(op72, op76, fma(op71, op74, dot133));
+                    let op77: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 14u)) >> 1u)] << 16u);
+                    let op78: f32 = bitcast<f32>(q_tile[((0u + row30) * 288u) + ((0u + (k34 + 14u)) >> 1u)] & 4294901760u);
+                    let op79: f32 = e4m3_to_f32(((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 14u)) >> 2u)] >> (((0u + (k34 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op80: f32 = e4m3_to_f32(((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 14u)) >> 2u)] >> (((0u + (k34 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    let op81: f32 = e4m3_to_f32((((kv_latent[((0u + col31) * 128u) + ((0u + (k34 + 14u)) >> 2u)] >> (((0u + (k34 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col31) * 4u) + 0u];
+                    let op82: f32 = e4m3_to_f32((((kv_latent[((0u + (col31 + 1u)) * 128u) + ((0u + (k34 + 14u)) >> 2u)] >> (((0u + (k34 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col31 + 1u)) * 4u) + 0u];
+                    dot032 = fma(op78, op81, fma(op77, op79, dot032));
+                    dot133 = fma(op78, op82, fma(op77, op80, dot133));
                 }
-                scores[pair_i74 * 2u] = dot023;
-                scores[(pair_i74 * 2u) + 1u] = dot124;
+                scores[pair_i83 * 2u] = dot032;
+                scores[(pair_i83 * 2u) + 1u] = dot133;
+            }
+        }
+        for (var pair_i138: u32 = 0u; pair_i138 < 1u; pair_i138 = pair_i138 + 1u) {
+            let pair139: u32 = local_id + (pair_i138 * 128u);
+            if (pair139 < 8u) {
+                let row85: u32 = (pair139 * 2u) / 2u;
+                let col86: u32 = (pair139 * 2u) % 2u;
+                var dot087: f32 = scores[pair_i138 * 2u];
+                var dot188: f32 = scores[(pair_i138 * 2u) + 1u];
+                for (var k89: u32 = 0u; k89 < 128u; k89 = k89 + 16u) {
+                    let op90: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 0u)) >> 1u)] << 16u);
+                    let op91: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 0u)) >> 1u)] & 4294901760u);
+                    let op92: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 0u)) >> 2u)] >> (((128u + (k89 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op93: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 0u)) >> 2u)] >> (((128u + (k89 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op94: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 0u)) >> 2u)] >> (((128u + (k89 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op95: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 0u)) >> 2u)] >> (((128u + (k89 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op91, op94, fma(op90, op92, dot087));
+                    dot188 = fma(op91, op95, fma(op90, op93, dot188));
+                    let op96: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 2u)) >> 1u)] << 16u);
+                    let op97: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 2u)) >> 1u)] & 4294901760u);
+                    let op98: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 2u)) >> 2u)] >> (((128u + (k89 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op99: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 2u)) >> 2u)] >> (((128u + (k89 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op100: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 2u)) >> 2u)] >> (((128u + (k89 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op101: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 2u)) >> 2u)] >> (((128u + (k89 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op97, op100, fma(op96, op98, dot087));
+                    dot188 = fma(op97, op101, fma(op96, op99, dot188));
+                    let op102: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 4u)) >> 1u)] << 16u);
+                    let op103: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 4u)) >> 1u)] & 4294901760u);
+                    let op104: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 4u)) >> 2u)] >> (((128u + (k89 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op105: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 4u)) >> 2u)] >> (((128u + (k89 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op106: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 4u)) >> 2u)] >> (((128u + (k89 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op107: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 4u)) >> 2u)] >> (((128u + (k89 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op103, op106, fma(op102, op104, dot087));
+                    dot188 = fma(op103, op107, fma(op102, op105, dot188));
+                    let op108: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 6u)) >> 1u)] << 16u);
+                    let op109: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 6u)) >> 1u)] & 4294901760u);
+                    let op110: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 6u)) >> 2u)] >> (((128u + (k89 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op111: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 6u)) >> 2u)] >> (((128u + (k89 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op112: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 6u)) >> 2u)] >> (((128u + (k89 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op113: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 6u)) >> 2u)] >> (((128u + (k89 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op109, op112, fma(op108, op110, dot087));
+                    dot188 = fma(op109, op113, fma(op108, op111, dot188));
+                    let op114: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 8u)) >> 1u)] << 16u);
+                    let op115: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 8u)) >> 1u)] & 4294901760u);
+                    let op116: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 8u)) >> 2u)] >> (((128u + (k89 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op117: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 8u)) >> 2u)] >> (((128u + (k89 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op118: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 8u)) >> 2u)] >> (((128u + (k89 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op119: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 8u)) >> 2u)] >> (((128u + (k89 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op115, op118, fma(op114, op116, dot087));
+                    dot188 = fma(op115, op119, fma(op114, op117, dot188));
+                    let op120: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 10u)) >> 1u)] << 16u);
+                    let op121: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 10u)) >> 1u)] & 4294901760u);
+                    let op122: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 10u)) >> 2u)] >> (((128u + (k89 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op123: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 10u)) >> 2u)] >> (((128u + (k89 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op124: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 10u)) >> 2u)] >> (((128u + (k89 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op125: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 10u)) >> 2u)] >> (((128u + (k89 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op121, op124, fma(op120, op122, dot087));
+                    dot188 = fma(op121, op125, fma(op120, op123, dot188));
+                    let op126: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 12u)) >> 1u)] << 16u);
+                    let op127: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 12u)) >> 1u)] & 4294901760u);
+                    let op128: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 12u)) >> 2u)] >> (((128u + (k89 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op129: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 12u)) >> 2u)] >> (((128u + (k89 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op130: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 12u)) >> 2u)] >> (((128u + (k89 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op131: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 12u)) >> 2u)] >> (((128u + (k89 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op127, op130, fma(op126, op128, dot087));
+                    dot188 = fma(op127, op131, fma(op126, op129, dot188));
+                    let op132: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 14u)) >> 1u)] << 16u);
+                    let op133: f32 = bitcast<f32>(q_tile[((0u + row85) * 288u) + ((128u + (k89 + 14u)) >> 1u)] & 4294901760u);
+                    let op134: f32 = e4m3_to_f32(((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 14u)) >> 2u)] >> (((128u + (k89 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op135: f32 = e4m3_to_f32(((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 14u)) >> 2u)] >> (((128u + (k89 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    let op136: f32 = e4m3_to_f32((((kv_latent[((0u + col86) * 128u) + ((128u + (k89 + 14u)) >> 2u)] >> (((128u + (k89 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col86) * 4u) + 1u];
+                    let op137: f32 = e4m3_to_f32((((kv_latent[((0u + (col86 + 1u)) * 128u) + ((128u + (k89 + 14u)) >> 2u)] >> (((128u + (k89 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col86 + 1u)) * 4u) + 1u];
+                    dot087 = fma(op133, op136, fma(op132, op134, dot087));
+                    dot188 = fma(op133, op137, fma(op132, op135, dot188));
+                }
+                scores[pair_i138 * 2u] = dot087;
+                scores[(pair_i138 * 2u) + 1u] = dot188;
+            }
+        }
+        for (var pair_i193: u32 = 0u; pair_i193 < 1u; pair_i193 = pair_i193 + 1u) {
+            let pair194: u32 = local_id + (pair_i193 * 128u);
+            if (pair194 < 8u) {
+                let row140: u32 = (pair194 * 2u) / 2u;
+                let col141: u32 = (pair194 * 2u) % 2u;
+                var dot0142: f32 = scores[pair_i193 * 2u];
+                var dot1143: f32 = scores[(pair_i193 * 2u) + 1u];
+                for (var k144: u32 = 0u; k144 < 128u; k144 = k144 + 16u) {
+                    let op145: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 0u)) >> 1u)] << 16u);
+                    let op146: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 0u)) >> 1u)] & 4294901760u);
+                    let op147: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 0u)) >> 2u)] >> (((256u + (k144 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op148: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 0u)) >> 2u)] >> (((256u + (k144 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op149: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 0u)) >> 2u)] >> (((256u + (k144 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op150: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 0u)) >> 2u)] >> (((256u + (k144 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op146, op149, fma(op145, op147, dot0142));
+                    dot1143 = fma(op146, op150, fma(op145, op148, dot1143));
+                    let op151: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 2u)) >> 1u)] << 16u);
+                    let op152: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 2u)) >> 1u)] & 4294901760u);
+                    let op153: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 2u)) >> 2u)] >> (((256u + (k144 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op154: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 2u)) >> 2u)] >> (((256u + (k144 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op155: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 2u)) >> 2u)] >> (((256u + (k144 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op156: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 2u)) >> 2u)] >> (((256u + (k144 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op152, op155, fma(op151, op153, dot0142));
+                    dot1143 = fma(op152, op156, fma(op151, op154, dot1143));
+                    let op157: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 4u)) >> 1u)] << 16u);
+                    let op158: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 4u)) >> 1u)] & 4294901760u);
+                    let op159: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 4u)) >> 2u)] >> (((256u + (k144 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op160: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 4u)) >> 2u)] >> (((256u + (k144 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op161: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 4u)) >> 2u)] >> (((256u + (k144 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op162: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 4u)) >> 2u)] >> (((256u + (k144 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op158, op161, fma(op157, op159, dot0142));
+                    dot1143 = fma(op158, op162, fma(op157, op160, dot1143));
+                    let op163: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 6u)) >> 1u)] << 16u);
+                    let op164: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 6u)) >> 1u)] & 4294901760u);
+                    let op165: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 6u)) >> 2u)] >> (((256u + (k144 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op166: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 6u)) >> 2u)] >> (((256u + (k144 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op167: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 6u)) >> 2u)] >> (((256u + (k144 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op168: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 6u)) >> 2u)] >> (((256u + (k144 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op164, op167, fma(op163, op165, dot0142));
+                    dot1143 = fma(op164, op168, fma(op163, op166, dot1143));
+                    let op169: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 8u)) >> 1u)] << 16u);
+                    let op170: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 8u)) >> 1u)] & 4294901760u);
+                    let op171: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 8u)) >> 2u)] >> (((256u + (k144 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op172: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 8u)) >> 2u)] >> (((256u + (k144 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op173: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 8u)) >> 2u)] >> (((256u + (k144 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op174: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 8u)) >> 2u)] >> (((256u + (k144 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op170, op173, fma(op169, op171, dot0142));
+                    dot1143 = fma(op170, op174, fma(op169, op172, dot1143));
+                    let op175: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 10u)) >> 1u)] << 16u);
+                    let op176: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 10u)) >> 1u)] & 4294901760u);
+                    let op177: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 10u)) >> 2u)] >> (((256u + (k144 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op178: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 10u)) >> 2u)] >> (((256u + (k144 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op179: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 10u)) >> 2u)] >> (((256u + (k144 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op180: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 10u)) >> 2u)] >> (((256u + (k144 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op176, op179, fma(op175, op177, dot0142));
+                    dot1143 = fma(op176, op180, fma(op175, op178, dot1143));
+                    let op181: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 12u)) >> 1u)] << 16u);
+                    let op182: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 12u)) >> 1u)] & 4294901760u);
+                    let op183: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 12u)) >> 2u)] >> (((256u + (k144 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op184: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 12u)) >> 2u)] >> (((256u + (k144 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op185: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 12u)) >> 2u)] >> (((256u + (k144 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op186: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 12u)) >> 2u)] >> (((256u + (k144 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op182, op185, fma(op181, op183, dot0142));
+                    dot1143 = fma(op182, op186, fma(op181, op184, dot1143));
+                    let op187: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 14u)) >> 1u)] << 16u);
+                    let op188: f32 = bitcast<f32>(q_tile[((0u + row140) * 288u) + ((256u + (k144 + 14u)) >> 1u)] & 4294901760u);
+                    let op189: f32 = e4m3_to_f32(((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 14u)) >> 2u)] >> (((256u + (k144 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op190: f32 = e4m3_to_f32(((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 14u)) >> 2u)] >> (((256u + (k144 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    let op191: f32 = e4m3_to_f32((((kv_latent[((0u + col141) * 128u) + ((256u + (k144 + 14u)) >> 2u)] >> (((256u + (k144 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col141) * 4u) + 2u];
+                    let op192: f32 = e4m3_to_f32((((kv_latent[((0u + (col141 + 1u)) * 128u) + ((256u + (k144 + 14u)) >> 2u)] >> (((256u + (k144 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col141 + 1u)) * 4u) + 2u];
+                    dot0142 = fma(op188, op191, fma(op187, op189, dot0142));
+                    dot1143 = fma(op188, op192, fma(op187, op190, dot1143));
+                }
+                scores[pair_i193 * 2u] = dot0142;
+                scores[(pair_i193 * 2u) + 1u] = dot1143;
+            }
+        }
+        for (var pair_i248: u32 = 0u; pair_i248 < 1u; pair_i248 = pair_i248 + 1u) {
+            let pair249: u32 = local_id + (pair_i248 * 128u);
+            if (pair249 < 8u) {
+                let row195: u32 = (pair249 * 2u) / 2u;
+                let col196: u32 = (pair249 * 2u) % 2u;
+                var dot0197: f32 = scores[pair_i248 * 2u];
+                var dot1198: f32 = scores[(pair_i248 * 2u) + 1u];
+                for (var k199: u32 = 0u; k199 < 128u; k199 = k199 + 16u) {
+                    let op200: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 0u)) >> 1u)] << 16u);
+                    let op201: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 0u)) >> 1u)] & 4294901760u);
+                    let op202: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 0u)) >> 2u)] >> (((384u + (k199 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op203: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 0u)) >> 2u)] >> (((384u + (k199 + 0u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op204: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 0u)) >> 2u)] >> (((384u + (k199 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op205: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 0u)) >> 2u)] >> (((384u + (k199 + 0u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op201, op204, fma(op200, op202, dot0197));
+                    dot1198 = fma(op201, op205, fma(op200, op203, dot1198));
+                    let op206: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 2u)) >> 1u)] << 16u);
+                    let op207: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 2u)) >> 1u)] & 4294901760u);
+                    let op208: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 2u)) >> 2u)] >> (((384u + (k199 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op209: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 2u)) >> 2u)] >> (((384u + (k199 + 2u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op210: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 2u)) >> 2u)] >> (((384u + (k199 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op211: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 2u)) >> 2u)] >> (((384u + (k199 + 2u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op207, op210, fma(op206, op208, dot0197));
+                    dot1198 = fma(op207, op211, fma(op206, op209, dot1198));
+                    let op212: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 4u)) >> 1u)] << 16u);
+                    let op213: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 4u)) >> 1u)] & 4294901760u);
+                    let op214: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 4u)) >> 2u)] >> (((384u + (k199 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op215: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 4u)) >> 2u)] >> (((384u + (k199 + 4u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op216: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 4u)) >> 2u)] >> (((384u + (k199 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op217: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 4u)) >> 2u)] >> (((384u + (k199 + 4u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op213, op216, fma(op212, op214, dot0197));
+                    dot1198 = fma(op213, op217, fma(op212, op215, dot1198));
+                    let op218: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 6u)) >> 1u)] << 16u);
+                    let op219: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 6u)) >> 1u)] & 4294901760u);
+                    let op220: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 6u)) >> 2u)] >> (((384u + (k199 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op221: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 6u)) >> 2u)] >> (((384u + (k199 + 6u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op222: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 6u)) >> 2u)] >> (((384u + (k199 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op223: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 6u)) >> 2u)] >> (((384u + (k199 + 6u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op219, op222, fma(op218, op220, dot0197));
+                    dot1198 = fma(op219, op223, fma(op218, op221, dot1198));
+                    let op224: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 8u)) >> 1u)] << 16u);
+                    let op225: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 8u)) >> 1u)] & 4294901760u);
+                    let op226: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 8u)) >> 2u)] >> (((384u + (k199 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op227: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 8u)) >> 2u)] >> (((384u + (k199 + 8u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op228: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 8u)) >> 2u)] >> (((384u + (k199 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op229: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 8u)) >> 2u)] >> (((384u + (k199 + 8u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op225, op228, fma(op224, op226, dot0197));
+                    dot1198 = fma(op225, op229, fma(op224, op227, dot1198));
+                    let op230: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 10u)) >> 1u)] << 16u);
+                    let op231: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 10u)) >> 1u)] & 4294901760u);
+                    let op232: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 10u)) >> 2u)] >> (((384u + (k199 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op233: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 10u)) >> 2u)] >> (((384u + (k199 + 10u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op234: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 10u)) >> 2u)] >> (((384u + (k199 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op235: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 10u)) >> 2u)] >> (((384u + (k199 + 10u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op231, op234, fma(op230, op232, dot0197));
+                    dot1198 = fma(op231, op235, fma(op230, op233, dot1198));
+                    let op236: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 12u)) >> 1u)] << 16u);
+                    let op237: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 12u)) >> 1u)] & 4294901760u);
+                    let op238: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 12u)) >> 2u)] >> (((384u + (k199 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op239: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 12u)) >> 2u)] >> (((384u + (k199 + 12u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op240: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 12u)) >> 2u)] >> (((384u + (k199 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op241: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 12u)) >> 2u)] >> (((384u + (k199 + 12u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op237, op240, fma(op236, op238, dot0197));
+                    dot1198 = fma(op237, op241, fma(op236, op239, dot1198));
+                    let op242: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 14u)) >> 1u)] << 16u);
+                    let op243: f32 = bitcast<f32>(q_tile[((0u + row195) * 288u) + ((384u + (k199 + 14u)) >> 1u)] & 4294901760u);
+                    let op244: f32 = e4m3_to_f32(((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 14u)) >> 2u)] >> (((384u + (k199 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op245: f32 = e4m3_to_f32(((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 14u)) >> 2u)] >> (((384u + (k199 + 14u)) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    let op246: f32 = e4m3_to_f32((((kv_latent[((0u + col196) * 128u) + ((384u + (k199 + 14u)) >> 2u)] >> (((384u + (k199 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + col196) * 4u) + 3u];
+                    let op247: f32 = e4m3_to_f32((((kv_latent[((0u + (col196 + 1u)) * 128u) + ((384u + (k199 + 14u)) >> 2u)] >> (((384u + (k199 + 14u)) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (col196 + 1u)) * 4u) + 3u];
+                    dot0197 = fma(op243, op246, fma(op242, op244, dot0197));
+                    dot1198 = fma(op243, op247, fma(op242, op245, dot1198));
+                }
+                scores[pair_i248 * 2u] = dot0197;
+                scores[(pair_i248 * 2u) + 1u] = dot1198;
+            }
+        }
+        for (var pair_i303: u32 = 0u; pair_i303 < 1u; pair_i303 = pair_i303 + 1u) {
+            let pair304: u32 = local_id + (pair_i303 * 128u);
+            if (pair304 < 8u) {
+                let row250: u32 = (pair304 * 2u) / 2u;
+                let col251: u32 = (pair304 * 2u) % 2u;
+                var dot0252: f32 = scores[pair_i303 * 2u];
+                var dot1253: f32 = scores[(pair_i303 * 2u) + 1u];
+                for (var k254: u32 = 0u; k254 < 64u; k254 = k254 + 16u) {
+                    let op255: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 0u)) >> 1u)] << 16u);
+                    let op256: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 0u)) >> 1u)] & 4294901760u);
+                    let op257: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 0u)) >> 1u)] << 16u);
+                    let op258: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 0u)) >> 1u)] << 16u);
+                    let op259: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 0u)) >> 1u)] & 4294901760u);
+                    let op260: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 0u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op256, op259, fma(op255, op257, dot0252));
+                    dot1253 = fma(op256, op260, fma(op255, op258, dot1253));
+                    let op261: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 2u)) >> 1u)] << 16u);
+                    let op262: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 2u)) >> 1u)] & 4294901760u);
+                    let op263: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 2u)) >> 1u)] << 16u);
+                    let op264: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 2u)) >> 1u)] << 16u);
+                    let op265: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 2u)) >> 1u)] & 4294901760u);
+                    let op266: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 2u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op262, op265, fma(op261, op263, dot0252));
+                    dot1253 = fma(op262, op266, fma(op261, op264, dot1253));
+                    let op267: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 4u)) >> 1u)] << 16u);
+                    let op268: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 4u)) >> 1u)] & 4294901760u);
+                    let op269: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 4u)) >> 1u)] << 16u);
+                    let op270: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 4u)) >> 1u)] << 16u);
+                    let op271: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 4u)) >> 1u)] & 4294901760u);
+                    let op272: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 4u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op268, op271, fma(op267, op269, dot0252));
+                    dot1253 = fma(op268, op272, fma(op267, op270, dot1253));
+                    let op273: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 6u)) >> 1u)] << 16u);
+                    let op274: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 6u)) >> 1u)] & 4294901760u);
+                    let op275: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 6u)) >> 1u)] << 16u);
+                    let op276: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 6u)) >> 1u)] << 16u);
+                    let op277: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 6u)) >> 1u)] & 4294901760u);
+                    let op278: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 6u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op274, op277, fma(op273, op275, dot0252));
+                    dot1253 = fma(op274, op278, fma(op273, op276, dot1253));
+                    let op279: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 8u)) >> 1u)] << 16u);
+                    let op280: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 8u)) >> 1u)] & 4294901760u);
+                    let op281: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 8u)) >> 1u)] << 16u);
+                    let op282: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 8u)) >> 1u)] << 16u);
+                    let op283: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 8u)) >> 1u)] & 4294901760u);
+                    let op284: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 8u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op280, op283, fma(op279, op281, dot0252));
+                    dot1253 = fma(op280, op284, fma(op279, op282, dot1253));
+                    let op285: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 10u)) >> 1u)] << 16u);
+                    let op286: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 10u)) >> 1u)] & 4294901760u);
+                    let op287: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 10u)) >> 1u)] << 16u);
+                    let op288: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 10u)) >> 1u)] << 16u);
+                    let op289: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 10u)) >> 1u)] & 4294901760u);
+                    let op290: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 10u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op286, op289, fma(op285, op287, dot0252));
+                    dot1253 = fma(op286, op290, fma(op285, op288, dot1253));
+                    let op291: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 12u)) >> 1u)] << 16u);
+                    let op292: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 12u)) >> 1u)] & 4294901760u);
+                    let op293: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 12u)) >> 1u)] << 16u);
+                    let op294: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 12u)) >> 1u)] << 16u);
+                    let op295: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 12u)) >> 1u)] & 4294901760u);
+                    let op296: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 12u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op292, op295, fma(op291, op293, dot0252));
+                    dot1253 = fma(op292, op296, fma(op291, op294, dot1253));
+                    let op297: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 14u)) >> 1u)] << 16u);
+                    let op298: f32 = bitcast<f32>(q_tile[((0u + row250) * 288u) + ((512u + (k254 + 14u)) >> 1u)] & 4294901760u);
+                    let op299: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 14u)) >> 1u)] << 16u);
+                    let op300: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 14u)) >> 1u)] << 16u);
+                    let op301: f32 = bitcast<f32>(kv_rope[((0u + col251) * 32u) + ((0u + (k254 + 14u)) >> 1u)] & 4294901760u);
+                    let op302: f32 = bitcast<f32>(kv_rope[((0u + (col251 + 1u)) * 32u) + ((0u + (k254 + 14u)) >> 1u)] & 4294901760u);
+                    dot0252 = fma(op298, op301, fma(op297, op299, dot0252));
+                    dot1253 = fma(op298, op302, fma(op297, op300, dot1253));
+                }
+                scores[pair_i303 * 2u] = dot0252;
+                scores[(pair_i303 * 2u) + 1u] = dot1253;
             }
         }
 
-        // scale, and mask invalid entries
-        for (var pair_i76: u32 = 0u; pair_i76 < 1u; pair_i76 = pair_i76 + 1u) {
-            let pair77: u32 = local_id + (pair_i76 * 128u);
-            if (pair77 < 8u) {
-                let row_4: u32 = (pair77 * 2u) / 2u;
-                let col_2: u32 = (pair77 * 2u) % 2u;
-                var v0: f32 = scores[pair_i76 * 2u];
-                var v1: f32 = scores[(pair_i76 * 2u) + 1u];
-                let j: u32 = ((j_begin + (step * 2u)) + col_2) + 0u;
-                v0 = select(-3e38, v0 * params.scale, (((j < j_end) && (j < valid_len)) && (indices[(t * params.topk) + (min(j, (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(j, (params.topk - 1u)))]) < params.num_slots));
-                let j_1: u32 = ((j_begin + (step * 2u)) + col_2) + 1u;
-                v1 = select(-3e38, v1 * params.scale, (((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * params.topk) + (min(j_1, (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(j_1, (params.topk - 1u)))]) < params.num_slots));
-                scores[pair_i76 * 2u] = v0;
-                scores[(pair_i76 * 2u) + 1u] = v1;
+        // scale, and mask the entries whose rows had no source
+        for (var pair_i305: u32 = 0u; pair_i305 < 1u; pair_i305 = pair_i305 + 1u) {
+            let pair306: u32 = local_id + (pair_i305 * 128u);
+            if (pair306 < 8u) {
+                let row_8: u32 = (pair306 * 2u) / 2u;
+                let col: u32 = (pair306 * 2u) % 2u;
+                var v0: f32 = scores[pair_i305 * 2u];
+                var v1: f32 = scores[(pair_i305 * 2u) + 1u];
+                v0 = select(-3e38, v0 * params.scale, row_valid[(0u * 2u) + (col + 0u)] > 0.5);
+                v1 = select(-3e38, v1 * params.scale, row_valid[(0u * 2u) + (col + 1u)] > 0.5);
+                scores[pair_i305 * 2u] = v0;
+                scores[(pair_i305 * 2u) + 1u] = v1;
             }
         }
 
         // online softmax: new row max, rescale factor, probabilities, row sum
         workgroupBarrier();
-        for (var pair_i80: u32 = 0u; pair_i80 < 1u; pair_i80 = pair_i80 + 1u) {
-            let pair81: u32 = local_id + (pair_i80 * 128u);
-            if (pair81 < 8u) {
-                let row78: u32 = (pair81 * 2u) / 2u;
-                let col79: u32 = (pair81 * 2u) % 2u;
-                reduce_scratch0[(row78 * 2u) + col79] = scores[pair_i80 * 2u];
-                reduce_scratch0[((row78 * 2u) + col79) + 1u] = scores[(pair_i80 * 2u) + 1u];
+        for (var pair_i309: u32 = 0u; pair_i309 < 1u; pair_i309 = pair_i309 + 1u) {
+            let pair310: u32 = local_id + (pair_i309 * 128u);
+            if (pair310 < 8u) {
+                let row307: u32 = (pair310 * 2u) / 2u;
+                let col308: u32 = (pair310 * 2u) % 2u;
+                reduce_scratch0[(row307 * 2u) + col308] = scores[pair_i309 * 2u];
+                reduce_scratch0[((row307 * 2u) + col308) + 1u] = scores[(pair_i309 * 2u) + 1u];
             }
         }
         workgroupBarrier();
-        for (var r82: u32 = local_id; r82 < 8u; r82 = r82 + 128u) {
-            var red84: f32 = reduce_scratch0[r82 * 2u];
-            for (var c83: u32 = 1u; c83 < 2u; c83 = c83 + 1u) {
-                red84 = max(red84, reduce_scratch0[(r82 * 2u) + c83]);
+        for (var r311: u32 = local_id; r311 < 8u; r311 = r311 + 128u) {
+            var red313: f32 = reduce_scratch0[r311 * 2u];
+            for (var c312: u32 = 1u; c312 < 2u; c312 = c312 + 1u) {
+                red313 = max(red313, reduce_scratch0[(r311 * 2u) + c312]);
             }
-            block_reduce[r82] = red84;
+            block_reduce[r311] = red313;
         }
         workgroupBarrier();
         for (var r_1: u32 = local_id; r_1 < 8u; r_1 = r_1 + 128u) {
@@ -316,119 +654,281 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
             row_max[r_1] = m_new;
         }
         workgroupBarrier();
-        for (var pair_i85: u32 = 0u; pair_i85 < 1u; pair_i85 = pair_i85 + 1u) {
-            let pair86: u32 = local_id + (pair_i85 * 128u);
-            if (pair86 < 8u) {
-                let row_5: u32 = (pair86 * 2u) / 2u;
-                let col_3: u32 = (pair86 * 2u) % 2u;
-                var v0_1: f32 = scores[pair_i85 * 2u];
-                var v1_1: f32 = scores[(pair_i85 * 2u) + 1u];
-                let m: f32 = row_max[row_5];
+        for (var pair_i314: u32 = 0u; pair_i314 < 1u; pair_i314 = pair_i314 + 1u) {
+            let pair315: u32 = local_id + (pair_i314 * 128u);
+            if (pair315 < 8u) {
+                let row_9: u32 = (pair315 * 2u) / 2u;
+                let col_1: u32 = (pair315 * 2u) % 2u;
+                var v0_1: f32 = scores[pair_i314 * 2u];
+                var v1_1: f32 = scores[(pair_i314 * 2u) + 1u];
+                let m: f32 = row_max[row_9];
                 v0_1 = select(exp(v0_1 - m), 0.0, v0_1 < (-1e38));
                 v1_1 = select(exp(v1_1 - m), 0.0, v1_1 < (-1e38));
-                scores[pair_i85 * 2u] = v0_1;
-                scores[(pair_i85 * 2u) + 1u] = v1_1;
+                scores[pair_i314 * 2u] = v0_1;
+                scores[(pair_i314 * 2u) + 1u] = v1_1;
             }
         }
         workgroupBarrier();
-        for (var pair_i89: u32 = 0u; pair_i89 < 1u; pair_i89 = pair_i89 + 1u) {
-            let pair90: u32 = local_id + (pair_i89 * 128u);
-            if (pair90 < 8u) {
-                let row87: u32 = (pair90 * 2u) / 2u;
-                let col88: u32 = (pair90 * 2u) % 2u;
-                reduce_scratch0[(row87 * 2u) + col88] = scores[pair_i89 * 2u];
-                reduce_scratch0[((row87 * 2u) + col88) + 1u] = scores[(pair_i89 * 2u) + 1u];
+        for (var pair_i318: u32 = 0u; pair_i318 < 1u; pair_i318 = pair_i318 + 1u) {
+            let pair319: u32 = local_id + (pair_i318 * 128u);
+            if (pair319 < 8u) {
+                let row316: u32 = (pair319 * 2u) / 2u;
+                let col317: u32 = (pair319 * 2u) % 2u;
+                reduce_scratch0[(row316 * 2u) + col317] = scores[pair_i318 * 2u];
+                reduce_scratch0[((row316 * 2u) + col317) + 1u] = scores[(pair_i318 * 2u) + 1u];
             }
         }
         workgroupBarrier();
-        for (var r91: u32 = local_id; r91 < 8u; r91 = r91 + 128u) {
-            var red93: f32 = 0.0;
-            for (var c92: u32 = 0u; c92 < 2u; c92 = c92 + 1u) {
-                red93 = red93 + reduce_scratch0[(r91 * 2u) + c92];
+        for (var r320: u32 = local_id; r320 < 8u; r320 = r320 + 128u) {
+            var red322: f32 = 0.0;
+            for (var c321: u32 = 0u; c321 < 2u; c321 = c321 + 1u) {
+                red322 = red322 + reduce_scratch0[(r320 * 2u) + c321];
             }
-            block_reduce[r91] = red93;
+            block_reduce[r320] = red322;
         }
         workgroupBarrier();
         for (var r_2: u32 = local_id; r_2 < 8u; r_2 = r_2 + 128u) {
             row_sum[r_2] = (row_sum[r_2] * row_rescale[r_2]) + block_reduce[r_2];
         }
         workgroupBarrier();
-        for (var pair_i94: u32 = 0u; pair_i94 < 16u; pair_i94 = pair_i94 + 1u) {
-            let pair95: u32 = local_id + (pair_i94 * 128u);
-            if (pair95 < 2048u) {
-                let row_6: u32 = (pair95 * 2u) / 512u;
-                let col_4: u32 = (pair95 * 2u) % 512u;
-                var v0_2: f32 = o_acc[pair_i94 * 2u];
-                var v1_2: f32 = o_acc[(pair_i94 * 2u) + 1u];
-                let alpha: f32 = row_rescale[row_6];
+        for (var pair_i323: u32 = 0u; pair_i323 < 4u; pair_i323 = pair_i323 + 1u) {
+            let pair324: u32 = local_id + (pair_i323 * 128u);
+            if (pair324 < 512u) {
+                let row_10: u32 = (pair324 * 2u) / 128u;
+                let col_2: u32 = (pair324 * 2u) % 128u;
+                var v0_2: f32 = o_acc[pair_i323 * 2u];
+                var v1_2: f32 = o_acc[(pair_i323 * 2u) + 1u];
+                let alpha: f32 = row_rescale[row_10];
                 v0_2 = v0_2 * alpha;
                 v1_2 = v1_2 * alpha;
-                o_acc[pair_i94 * 2u] = v0_2;
-                o_acc[(pair_i94 * 2u) + 1u] = v1_2;
+                o_acc[pair_i323 * 2u] = v0_2;
+                o_acc[(pair_i323 * 2u) + 1u] = v1_2;
+            }
+        }
+        for (var pair_i325: u32 = 0u; pair_i325 < 4u; pair_i325 = pair_i325 + 1u) {
+            let pair326: u32 = local_id + (pair_i325 * 128u);
+            if (pair326 < 512u) {
+                let row_11: u32 = (pair326 * 2u) / 128u;
+                let col_3: u32 = (pair326 * 2u) % 128u;
+                var v0_3: f32 = o_acc_1[pair_i325 * 2u];
+                var v1_3: f32 = o_acc_1[(pair_i325 * 2u) + 1u];
+                let alpha_1: f32 = row_rescale[row_11];
+                v0_3 = v0_3 * alpha_1;
+                v1_3 = v1_3 * alpha_1;
+                o_acc_1[pair_i325 * 2u] = v0_3;
+                o_acc_1[(pair_i325 * 2u) + 1u] = v1_3;
+            }
+        }
+        for (var pair_i327: u32 = 0u; pair_i327 < 4u; pair_i327 = pair_i327 + 1u) {
+            let pair328: u32 = local_id + (pair_i327 * 128u);
+            if (pair328 < 512u) {
+                let row_12: u32 = (pair328 * 2u) / 128u;
+                let col_4: u32 = (pair328 * 2u) % 128u;
+                var v0_4: f32 = o_acc_2[pair_i327 * 2u];
+                var v1_4: f32 = o_acc_2[(pair_i327 * 2u) + 1u];
+                let alpha_2: f32 = row_rescale[row_12];
+                v0_4 = v0_4 * alpha_2;
+                v1_4 = v1_4 * alpha_2;
+                o_acc_2[pair_i327 * 2u] = v0_4;
+                o_acc_2[(pair_i327 * 2u) + 1u] = v1_4;
+            }
+        }
+        for (var pair_i329: u32 = 0u; pair_i329 < 4u; pair_i329 = pair_i329 + 1u) {
+            let pair330: u32 = local_id + (pair_i329 * 128u);
+            if (pair330 < 512u) {
+                let row_13: u32 = (pair330 * 2u) / 128u;
+                let col_5: u32 = (pair330 * 2u) % 128u;
+                var v0_5: f32 = o_acc_3[pair_i329 * 2u];
+                var v1_5: f32 = o_acc_3[(pair_i329 * 2u) + 1u];
+                let alpha_3: f32 = row_rescale[row_13];
+                v0_5 = v0_5 * alpha_3;
+                v1_5 = v1_5 * alpha_3;
+                o_acc_3[pair_i329 * 2u] = v0_5;
+                o_acc_3[(pair_i329 * 2u) + 1u] = v1_5;
             }
         }
         workgroupBarrier();
-        for (var pair_i98: u32 = 0u; pair_i98 < 1u; pair_i98 = pair_i98 + 1u) {
-            let pair99: u32 = local_id + (pair_i98 * 128u);
-            if (pair99 < 8u) {
-                let row96: u32 = (pair99 * 2u) / 2u;
-                let col97: u32 = (pair99 * 2u) % 2u;
-                p_tile[(row96 * 2u) + col97] = scores[pair_i98 * 2u];
-                p_tile[((row96 * 2u) + col97) + 1u] = scores[(pair_i98 * 2u) + 1u];
+        for (var pair_i333: u32 = 0u; pair_i333 < 1u; pair_i333 = pair_i333 + 1u) {
+            let pair334: u32 = local_id + (pair_i333 * 128u);
+            if (pair334 < 8u) {
+                let row331: u32 = (pair334 * 2u) / 2u;
+                let col332: u32 = (pair334 * 2u) % 2u;
+                p_tile[(row331 * 2u) + col332] = scores[pair_i333 * 2u];
+                p_tile[((row331 * 2u) + col332) + 1u] = scores[(pair_i333 * 2u) + 1u];
             }
         }
         workgroupBarrier();
 
         // O += P . V, V = the first d_v columns of the gathered rows
-        for (var pair_i111: u32 = 0u; pair_i111 < 16u; pair_i111 = pair_i111 + 1u) {
-            let pair112: u32 = local_id + (pair_i111 * 128u);
-            if (pair112 < 2048u) {
-                let row100: u32 = (pair112 * 2u) / 512u;
-                let col101: u32 = (pair112 * 2u) % 512u;
-                var dot0102: f32 = o_acc[pair_i111 * 2u];
-                var dot1103: f32 = o_acc[(pair_i111 * 2u) + 1u];
-                for (var k104: u32 = 0u; k104 < 2u; k104 = k104 + 2u) {
-                    let op105: f32 = p_tile[((0u + row100) * 2u) + (0u + (k104 + 0u))];
-                    let op106: f32 = p_tile[(((0u + row100) * 2u) + (0u + (k104 + 0u))) + 1u];
-                    let op107: f32 = kv_tile[((0u + (k104 + 0u)) * 576u) + (0u + col101)];
-                    let op108: f32 = kv_tile[(((0u + (k104 + 0u)) * 576u) + (0u + col101)) + 1u];
-                    let op109: f32 = kv_tile[(((0u + (k104 + 0u)) + 1u) * 576u) + (0u + col101)];
-                    let op110: f32 = kv_tile[((((0u + (k104 + 0u)) + 1u) * 576u) + (0u + col101)) + 1u];
-                    dot0102 = fma(op106, op109, fma(op105, op107, dot0102));
-                    dot1103 = fma(op106, op110, fma(op105, op108, dot1103));
+        for (var pair_i346: u32 = 0u; pair_i346 < 4u; pair_i346 = pair_i346 + 1u) {
+            let pair347: u32 = local_id + (pair_i346 * 128u);
+            if (pair347 < 512u) {
+                let row335: u32 = (pair347 * 2u) / 128u;
+                let col336: u32 = (pair347 * 2u) % 128u;
+                var dot0337: f32 = o_acc[pair_i346 * 2u];
+                var dot1338: f32 = o_acc[(pair_i346 * 2u) + 1u];
+                for (var k339: u32 = 0u; k339 < 2u; k339 = k339 + 2u) {
+                    let op340: f32 = p_tile[((0u + row335) * 2u) + (0u + (k339 + 0u))];
+                    let op341: f32 = p_tile[(((0u + row335) * 2u) + (0u + (k339 + 0u))) + 1u];
+                    let op342: f32 = e4m3_to_f32(((kv_latent[((0u + (k339 + 0u)) * 128u) + ((0u + col336) >> 2u)] >> (((0u + col336) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (k339 + 0u)) * 4u) + 0u];
+                    let op343: f32 = e4m3_to_f32((((kv_latent[((0u + (k339 + 0u)) * 128u) + ((0u + col336) >> 2u)] >> (((0u + col336) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (k339 + 0u)) * 4u) + 0u];
+                    let op344: f32 = e4m3_to_f32(((kv_latent[(((0u + (k339 + 0u)) + 1u) * 128u) + ((0u + col336) >> 2u)] >> (((0u + col336) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[(((0u + (k339 + 0u)) + 1u) * 4u) + 0u];
+                    let op345: f32 = e4m3_to_f32((((kv_latent[(((0u + (k339 + 0u)) + 1u) * 128u) + ((0u + col336) >> 2u)] >> (((0u + col336) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[(((0u + (k339 + 0u)) + 1u) * 4u) + 0u];
+                    dot0337 = fma(op341, op344, fma(op340, op342, dot0337));
+                    dot1338 = fma(op341, op345, fma(op340, op343, dot1338));
                 }
-                o_acc[pair_i111 * 2u] = dot0102;
-                o_acc[(pair_i111 * 2u) + 1u] = dot1103;
+                o_acc[pair_i346 * 2u] = dot0337;
+                o_acc[(pair_i346 * 2u) + 1u] = dot1338;
+            }
+        }
+        for (var pair_i359: u32 = 0u; pair_i359 < 4u; pair_i359 = pair_i359 + 1u) {
+            let pair360: u32 = local_id + (pair_i359 * 128u);
+            if (pair360 < 512u) {
+                let row348: u32 = (pair360 * 2u) / 128u;
+                let col349: u32 = (pair360 * 2u) % 128u;
+                var dot0350: f32 = o_acc_1[pair_i359 * 2u];
+                var dot1351: f32 = o_acc_1[(pair_i359 * 2u) + 1u];
+                for (var k352: u32 = 0u; k352 < 2u; k352 = k352 + 2u) {
+                    let op353: f32 = p_tile[((0u + row348) * 2u) + (0u + (k352 + 0u))];
+                    let op354: f32 = p_tile[(((0u + row348) * 2u) + (0u + (k352 + 0u))) + 1u];
+                    let op355: f32 = e4m3_to_f32(((kv_latent[((0u + (k352 + 0u)) * 128u) + ((128u + col349) >> 2u)] >> (((128u + col349) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (k352 + 0u)) * 4u) + 1u];
+                    let op356: f32 = e4m3_to_f32((((kv_latent[((0u + (k352 + 0u)) * 128u) + ((128u + col349) >> 2u)] >> (((128u + col349) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (k352 + 0u)) * 4u) + 1u];
+                    let op357: f32 = e4m3_to_f32(((kv_latent[(((0u + (k352 + 0u)) + 1u) * 128u) + ((128u + col349) >> 2u)] >> (((128u + col349) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[(((0u + (k352 + 0u)) + 1u) * 4u) + 1u];
+                    let op358: f32 = e4m3_to_f32((((kv_latent[(((0u + (k352 + 0u)) + 1u) * 128u) + ((128u + col349) >> 2u)] >> (((128u + col349) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[(((0u + (k352 + 0u)) + 1u) * 4u) + 1u];
+                    dot0350 = fma(op354, op357, fma(op353, op355, dot0350));
+                    dot1351 = fma(op354, op358, fma(op353, op356, dot1351));
+                }
+                o_acc_1[pair_i359 * 2u] = dot0350;
+                o_acc_1[(pair_i359 * 2u) + 1u] = dot1351;
+            }
+        }
+        for (var pair_i372: u32 = 0u; pair_i372 < 4u; pair_i372 = pair_i372 + 1u) {
+            let pair373: u32 = local_id + (pair_i372 * 128u);
+            if (pair373 < 512u) {
+                let row361: u32 = (pair373 * 2u) / 128u;
+                let col362: u32 = (pair373 * 2u) % 128u;
+                var dot0363: f32 = o_acc_2[pair_i372 * 2u];
+                var dot1364: f32 = o_acc_2[(pair_i372 * 2u) + 1u];
+                for (var k365: u32 = 0u; k365 < 2u; k365 = k365 + 2u) {
+                    let op366: f32 = p_tile[((0u + row361) * 2u) + (0u + (k365 + 0u))];
+                    let op367: f32 = p_tile[(((0u + row361) * 2u) + (0u + (k365 + 0u))) + 1u];
+                    let op368: f32 = e4m3_to_f32(((kv_latent[((0u + (k365 + 0u)) * 128u) + ((256u + col362) >> 2u)] >> (((256u + col362) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (k365 + 0u)) * 4u) + 2u];
+                    let op369: f32 = e4m3_to_f32((((kv_latent[((0u + (k365 + 0u)) * 128u) + ((256u + col362) >> 2u)] >> (((256u + col362) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (k365 + 0u)) * 4u) + 2u];
+                    let op370: f32 = e4m3_to_f32(((kv_latent[(((0u + (k365 + 0u)) + 1u) * 128u) + ((256u + col362) >> 2u)] >> (((256u + col362) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[(((0u + (k365 + 0u)) + 1u) * 4u) + 2u];
+                    let op371: f32 = e4m3_to_f32((((kv_latent[(((0u + (k365 + 0u)) + 1u) * 128u) + ((256u + col362) >> 2u)] >> (((256u + col362) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[(((0u + (k365 + 0u)) + 1u) * 4u) + 2u];
+                    dot0363 = fma(op367, op370, fma(op366, op368, dot0363));
+                    dot1364 = fma(op367, op371, fma(op366, op369, dot1364));
+                }
+                o_acc_2[pair_i372 * 2u] = dot0363;
+                o_acc_2[(pair_i372 * 2u) + 1u] = dot1364;
+            }
+        }
+        for (var pair_i385: u32 = 0u; pair_i385 < 4u; pair_i385 = pair_i385 + 1u) {
+            let pair386: u32 = local_id + (pair_i385 * 128u);
+            if (pair386 < 512u) {
+                let row374: u32 = (pair386 * 2u) / 128u;
+                let col375: u32 = (pair386 * 2u) % 128u;
+                var dot0376: f32 = o_acc_3[pair_i385 * 2u];
+                var dot1377: f32 = o_acc_3[(pair_i385 * 2u) + 1u];
+                for (var k378: u32 = 0u; k378 < 2u; k378 = k378 + 2u) {
+                    let op379: f32 = p_tile[((0u + row374) * 2u) + (0u + (k378 + 0u))];
+                    let op380: f32 = p_tile[(((0u + row374) * 2u) + (0u + (k378 + 0u))) + 1u];
+                    let op381: f32 = e4m3_to_f32(((kv_latent[((0u + (k378 + 0u)) * 128u) + ((384u + col375) >> 2u)] >> (((384u + col375) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[((0u + (k378 + 0u)) * 4u) + 3u];
+                    let op382: f32 = e4m3_to_f32((((kv_latent[((0u + (k378 + 0u)) * 128u) + ((384u + col375) >> 2u)] >> (((384u + col375) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[((0u + (k378 + 0u)) * 4u) + 3u];
+                    let op383: f32 = e4m3_to_f32(((kv_latent[(((0u + (k378 + 0u)) + 1u) * 128u) + ((384u + col375) >> 2u)] >> (((384u + col375) & 2u) * 8u)) & 255u & 0xffu)) * kv_scales[(((0u + (k378 + 0u)) + 1u) * 4u) + 3u];
+                    let op384: f32 = e4m3_to_f32((((kv_latent[(((0u + (k378 + 0u)) + 1u) * 128u) + ((384u + col375) >> 2u)] >> (((384u + col375) & 2u) * 8u)) >> 8u) & 255u & 0xffu)) * kv_scales[(((0u + (k378 + 0u)) + 1u) * 4u) + 3u];
+                    dot0376 = fma(op380, op383, fma(op379, op381, dot0376));
+                    dot1377 = fma(op380, op384, fma(op379, op382, dot1377));
+                }
+                o_acc_3[pair_i385 * 2u] = dot0376;
+                o_acc_3[(pair_i385 * 2u) + 1u] = dot1377;
             }
         }
         workgroupBarrier();
     }
 
     // normalise and write this split's output rows
-    for (var pair_i113: u32 = 0u; pair_i113 < 16u; pair_i113 = pair_i113 + 1u) {
-        let pair114: u32 = local_id + (pair_i113 * 128u);
-        if (pair114 < 2048u) {
-            let row_7: u32 = (pair114 * 2u) / 512u;
-            let col_5: u32 = (pair114 * 2u) % 512u;
-            var v0_3: f32 = o_acc[pair_i113 * 2u];
-            var v1_3: f32 = o_acc[(pair_i113 * 2u) + 1u];
-            let h: u32 = h0 + row_7;
+    for (var pair_i387: u32 = 0u; pair_i387 < 4u; pair_i387 = pair_i387 + 1u) {
+        let pair388: u32 = local_id + (pair_i387 * 128u);
+        if (pair388 < 512u) {
+            let row_18: u32 = (pair388 * 2u) / 128u;
+            let col_6: u32 = (pair388 * 2u) % 128u;
+            var v0_6: f32 = o_acc[pair_i387 * 2u];
+            var v1_6: f32 = o_acc[(pair_i387 * 2u) + 1u];
+            let h: u32 = h0 + row_18;
             if (h < params.heads) {
-                let l: f32 = row_sum[row_7];
+                let l: f32 = row_sum[row_18];
                 let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
-                let at: u32 = (((((t * params.heads) + h) * params.splits) + split) * 512u) + col_5;
-                o_part[at] = v0_3 * inv_l;
-                o_part[at + 1u] = v1_3 * inv_l;
+                let at: u32 = (((((t * params.heads) + h) * params.splits) + split) * 512u) + (col_6 + 0u);
+                o_part[at] = v0_6 * inv_l;
+                o_part[at + 1u] = v1_6 * inv_l;
             }
-            o_acc[pair_i113 * 2u] = v0_3;
-            o_acc[(pair_i113 * 2u) + 1u] = v1_3;
+            o_acc[pair_i387 * 2u] = v0_6;
+            o_acc[(pair_i387 * 2u) + 1u] = v1_6;
+        }
+    }
+    for (var pair_i389: u32 = 0u; pair_i389 < 4u; pair_i389 = pair_i389 + 1u) {
+        let pair390: u32 = local_id + (pair_i389 * 128u);
+        if (pair390 < 512u) {
+            let row_19: u32 = (pair390 * 2u) / 128u;
+            let col_7: u32 = (pair390 * 2u) % 128u;
+            var v0_7: f32 = o_acc_1[pair_i389 * 2u];
+            var v1_7: f32 = o_acc_1[(pair_i389 * 2u) + 1u];
+            let h_1: u32 = h0 + row_19;
+            if (h_1 < params.heads) {
+                let l_1: f32 = row_sum[row_19];
+                let inv_l_1: f32 = select(0.0, 1.0 / l_1, l_1 > 0.0);
+                let at_1: u32 = (((((t * params.heads) + h_1) * params.splits) + split) * 512u) + (col_7 + 128u);
+                o_part[at_1] = v0_7 * inv_l_1;
+                o_part[at_1 + 1u] = v1_7 * inv_l_1;
+            }
+            o_acc_1[pair_i389 * 2u] = v0_7;
+            o_acc_1[(pair_i389 * 2u) + 1u] = v1_7;
+        }
+    }
+    for (var pair_i391: u32 = 0u; pair_i391 < 4u; pair_i391 = pair_i391 + 1u) {
+        let pair392: u32 = local_id + (pair_i391 * 128u);
+        if (pair392 < 512u) {
+            let row_20: u32 = (pair392 * 2u) / 128u;
+            let col_8: u32 = (pair392 * 2u) % 128u;
+            var v0_8: f32 = o_acc_2[pair_i391 * 2u];
+            var v1_8: f32 = o_acc_2[(pair_i391 * 2u) + 1u];
+            let h_2: u32 = h0 + row_20;
+            if (h_2 < params.heads) {
+                let l_2: f32 = row_sum[row_20];
+                let inv_l_2: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
+                let at_2: u32 = (((((t * params.heads) + h_2) * params.splits) + split) * 512u) + (col_8 + 256u);
+                o_part[at_2] = v0_8 * inv_l_2;
+                o_part[at_2 + 1u] = v1_8 * inv_l_2;
+            }
+            o_acc_2[pair_i391 * 2u] = v0_8;
+            o_acc_2[(pair_i391 * 2u) + 1u] = v1_8;
+        }
+    }
+    for (var pair_i393: u32 = 0u; pair_i393 < 4u; pair_i393 = pair_i393 + 1u) {
+        let pair394: u32 = local_id + (pair_i393 * 128u);
+        if (pair394 < 512u) {
+            let row_21: u32 = (pair394 * 2u) / 128u;
+            let col_9: u32 = (pair394 * 2u) % 128u;
+            var v0_9: f32 = o_acc_3[pair_i393 * 2u];
+            var v1_9: f32 = o_acc_3[(pair_i393 * 2u) + 1u];
+            let h_3: u32 = h0 + row_21;
+            if (h_3 < params.heads) {
+                let l_3: f32 = row_sum[row_21];
+                let inv_l_3: f32 = select(0.0, 1.0 / l_3, l_3 > 0.0);
+                let at_3: u32 = (((((t * params.heads) + h_3) * params.splits) + split) * 512u) + (col_9 + 384u);
+                o_part[at_3] = v0_9 * inv_l_3;
+                o_part[at_3 + 1u] = v1_9 * inv_l_3;
+            }
+            o_acc_3[pair_i393 * 2u] = v0_9;
+            o_acc_3[(pair_i393 * 2u) + 1u] = v1_9;
         }
     }
     for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
-        let h_1: u32 = h0 + r_3;
-        if (h_1 < params.heads) {
-            let l_1: f32 = row_sum[r_3];
-            lse_part[(((t * params.heads) + h_1) * params.splits) + split] = select(-3e38, row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
+        let h_4: u32 = h0 + r_3;
+        if (h_4 < params.heads) {
+            let l_4: f32 = row_sum[r_3];
+            lse_part[(((t * params.heads) + h_4) * params.splits) + split] = select(-3e38, row_max[r_3] + log(max(l_4, 1e-30)), l_4 > 0.0);
         }
     }
 }

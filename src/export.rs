@@ -159,11 +159,17 @@ pub fn config_files(
     lang: Lang,
     arch: &str,
 ) -> Result<Vec<ExportFile>> {
-    let base = match lang {
-        Lang::Wgsl => DecodeConfig::portable(shape.dims, shape.format),
-        Lang::Cuda | Lang::Ptx => DecodeConfig::cuda_scalar(shape.dims, shape.format),
+    // CUDA: the tensor-core kernels the CUDA backend runs (two workgroups per multiprocessor)
+    let plan = match lang {
+        Lang::Wgsl => DecodePlan::new(
+            DecodeConfig::portable(shape.dims, shape.format),
+            shape,
+            sm_count * 2,
+            splits,
+            None,
+        )?,
+        Lang::Cuda | Lang::Ptx => DecodePlan::tensor_core(shape, sm_count * 2, splits)?,
     };
-    let plan = DecodePlan::new(base, shape, sm_count * 2, splits, None)?;
     crate::kernels::sparse_mla_decode::check_shape(shape, &plan.config)?;
     let (split, combine) = lowered_kernels(&plan.config)?;
     let mut kernels = vec![split];
@@ -218,8 +224,12 @@ fn launch_header(
     );
     let grid = plan.grid_split(shape);
     h.push_str(&format!(
-        "// 1. {}: grid ({}, {}, tokens), block ({}, 1, 1)\n",
-        kernels[0].name, grid[0], grid[1], kernels[0].workgroup_size
+        "// 1. {}: grid ({}, {}, tokens), block ({}, 1, 1), dynamic shared memory {} bytes\n",
+        kernels[0].name,
+        grid[0],
+        grid[1],
+        kernels[0].workgroup_size,
+        cuda::dynamic_shared_bytes(&kernels[0])
     ));
     if kernels.len() > 1 {
         h.push_str(&format!(

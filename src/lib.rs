@@ -20,6 +20,7 @@ pub mod mla;
 pub mod model;
 pub mod reference;
 pub mod runtime;
+pub mod testing;
 pub mod util;
 
 pub use error::{Error, Result};

@@ -1,15 +1,20 @@
 //! The tensor-core lowering, run on the CPU: every kernel the CUDA backend would launch is
 //! printed as CUDA C, compiled by g++ against an emulator of CUDA and of the PTX
-//! instructions (tests/emu), and the whole conformance suite runs on it against the float64
-//! reference. Fragment layouts, ldmatrix addressing, the cp.async ring and the cross-warp
-//! reductions are all checked here without a GPU.
+//! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
+//! against the float64 reference — three times: the v7 kernels with the sm_90 helper paths
+//! and copies landing as late as allowed, v7 with the sm_80 paths and copies landing at
+//! issue, and the v6 kernels (the CUDA backend's default), each under a random warp schedule
+//! and the shared-memory race detector. Fragment layouts, ldmatrix
+//! addressing, helper operand orders, the copy pipeline and its synchronisation are all
+//! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
+//! picks cases by name.
 
 mod common;
 mod emu;
 
 use sparse_mla::conformance::all_cases;
 use sparse_mla::runtime::gpu::GpuBackend;
-use sparse_mla::util::Rng;
+use sparse_mla::testing::test_seed;
 
 #[test]
 fn conformance_on_the_emulated_tensor_core_lowering() {
@@ -17,39 +22,48 @@ fn conformance_on_the_emulated_tensor_core_lowering() {
         common::skip("g++", &why);
         return;
     }
-    // A small GPU: 6 resident workgroups, so the split heuristic splits small cases.
-    let backend = GpuBackend::new(emu::EmuDevice::new(6));
     let filter = std::env::var("SPARSE_MLA_EMU_CASE").ok();
     let mut failed = Vec::new();
-    for case in all_cases() {
-        if filter
-            .as_ref()
-            .is_some_and(|f| !case.name().contains(f.as_str()))
-        {
-            continue;
-        }
-        let seed = Rng::fresh_seed();
-        let start = std::time::Instant::now();
-        match case.run(&backend, seed) {
-            Ok(o) => {
-                eprintln!(
-                    "emu {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>6.1} s {}",
-                    o.case,
-                    o.rel_l2,
-                    o.lse_err,
-                    o.detail,
-                    start.elapsed().as_secs_f64(),
-                    if o.passed() { "ok" } else { "FAIL" }
-                );
-                if !o.passed() {
-                    failed.push(format!(
-                        "{} (seed {seed}): {}",
-                        o.case,
-                        o.failures.join("; ")
-                    ));
-                }
+    for mode in 0..3 {
+        let seed = test_seed();
+        let config = emu::EmuConfig::mode(mode, seed);
+        eprintln!("emu run {mode}: {}", config.describe());
+        // A small GPU: 6 resident workgroups, so the split heuristic splits small cases.
+        let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
+        for case in all_cases() {
+            if filter
+                .as_ref()
+                .is_some_and(|f| !case.name().contains(f.as_str()))
+            {
+                continue;
             }
-            Err(e) => failed.push(format!("{} (seed {seed}): error: {e}", case.name())),
+            let start = std::time::Instant::now();
+            match case.run(&backend, seed) {
+                Ok(o) => {
+                    eprintln!(
+                        "emu {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>6.1} s {}",
+                        o.case,
+                        o.rel_l2,
+                        o.lse_err,
+                        o.detail,
+                        start.elapsed().as_secs_f64(),
+                        if o.passed() { "ok" } else { "FAIL" }
+                    );
+                    if !o.passed() {
+                        failed.push(format!(
+                            "{} (SPARSE_MLA_SEED={seed}, {}): {}",
+                            o.case,
+                            config.describe(),
+                            o.failures.join("; ")
+                        ));
+                    }
+                }
+                Err(e) => failed.push(format!(
+                    "{} (SPARSE_MLA_SEED={seed}, {}): error: {e}",
+                    case.name(),
+                    config.describe()
+                )),
+            }
         }
     }
     assert!(failed.is_empty(), "{}", failed.join("\n"));

@@ -28,6 +28,9 @@ use std::process::ExitCode;
 #[derive(Parser, Debug)]
 #[command(version, verbatim_doc_comment)]
 struct Args {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
     /// Head counts.
     #[arg(long, value_delimiter = ',', default_value = "8,16,64,128")]
     heads: Vec<u32>,
@@ -51,29 +54,45 @@ struct Args {
     /// Tokens checked against the float64 reference per row.
     #[arg(long, default_value_t = 2)]
     check_tokens: u32,
-    /// Skip the scalar-lowering rows.
+    /// Also time the scalar lowering.
     #[arg(long)]
-    no_scalar: bool,
+    scalar: bool,
+    /// Skip the v6 kernel (the baseline timed beside the current one).
+    #[arg(long)]
+    no_baseline: bool,
+    /// Also time every kernel with the shared-memory carve-out at 44 % (100 KB per SM on an
+    /// H200: SM120's budget, one 99 KB workgroup per multiprocessor).
+    #[arg(long)]
+    sm120_occupancy: bool,
     /// Skip the PyTorch peer.
     #[arg(long)]
     no_peer: bool,
     /// The peer script.
     #[arg(long, default_value = "tools/peer_bench.py")]
     peer: String,
-    /// Force the split count of the tensor-core rows (default: the heuristic).
+    /// Force the split count of the tensor-core rows (default: the cost model).
     #[arg(long)]
     splits: Option<u32>,
-    /// Time these split counts for every row instead (tensor-core only), e.g. 1,2,4,8.
+    /// Time these split counts for every row instead (current kernel only), e.g. 1,2,4,8.
     #[arg(long, value_delimiter = ',')]
     sweep_splits: Vec<u32>,
-    /// Override the tensor-core config: block_h x block_n x warps x stages [x min workgroups
-    /// per SM], e.g. 16x32x4x2.
-    #[arg(long)]
-    config: Option<String>,
+    /// Also time these variants of the current kernel, BLOCK_H x BLOCK_N x STAGES each, e.g.
+    /// 16x16x4,32x16x4.
+    #[arg(long, value_delimiter = ',')]
+    variants: Vec<String>,
+    /// Output: table (comfy-table), json (one object per row), csv.
+    #[arg(long, default_value = "table")]
+    format: String,
 }
 
-const ROOF_BYTES: f64 = 4.3e12;
-const ROOF_FLOPS: f64 = 645e12;
+/// The bf16 `mma.sync` m16n8k16 peak (f32 accumulate) by GPU name: what the kernels' FLOP
+/// roofline is (they use no wgmma / tcgen05). H200: measured (DESIGN §5); SM120 parts:
+/// datasheet dense FP16/BF16 tensor rates with f32 accumulate, unmeasured.
+const MMA_PEAKS: &[(&str, f64, &str)] = &[
+    ("H200", 645e12, "measured"),
+    ("RTX PRO 6000", 500e12, "datasheet"),
+    ("RTX 5090", 209e12, "datasheet"),
+];
 const PAGE: u32 = 64;
 /// Words of junk written before each timed call so the cache rows are not in L2 (60 MB).
 const FLUSH_BYTES: usize = 256 << 20;
@@ -99,6 +118,22 @@ fn design_best_peer(h: u32, t: u32) -> Option<f64> {
 fn main() -> ExitCode {
     env_logger::init();
     let args = Args::parse();
+    if !matches!(args.format.as_str(), "table" | "json" | "csv") {
+        eprintln!(
+            "mla-bench: --format must be table, json or csv, not {}",
+            args.format
+        );
+        return ExitCode::from(2);
+    }
+    // before any cudarc call: without a driver cudarc would panic on first use
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        eprintln!("mla-bench: no CUDA driver (libcuda.so) on this machine: it needs an NVIDIA GPU");
+        return ExitCode::from(2);
+    }
+    if let Some(why) = sparse_mla::runtime::cuda::nvrtc_unavailable() {
+        eprintln!("mla-bench: {why}");
+        return ExitCode::from(2);
+    }
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -235,6 +270,16 @@ struct Gpu {
 }
 
 impl Gpu {
+    /// Compile (once) and set the kernel's shared-memory carve-out (percent; -1 default).
+    fn prepare(&mut self, l: &Launch, carveout: i32) -> Result<()> {
+        if !self.modules.contains_key(&l.kernel.name) {
+            let m = self.dev.compile(&l.kernel)?;
+            self.modules.insert(l.kernel.name.clone(), m);
+        }
+        self.dev
+            .set_shared_carveout(&self.modules[&l.kernel.name], carveout)
+    }
+
     fn run(&mut self, l: &Launch, named: &[(&str, &CudaSlice<u8>)]) -> Result<()> {
         if !self.modules.contains_key(&l.kernel.name) {
             let m = self.dev.compile(&l.kernel)?;
@@ -437,9 +482,12 @@ struct Row<'a> {
 }
 
 impl Bench<'_> {
-    fn time(&mut self, row: &Row, plan: &DecodePlan) -> Result<Timing> {
+    fn time(&mut self, row: &Row, plan: &DecodePlan, carveout: i32) -> Result<Timing> {
         let shape = &row.shape;
         let ls = launches(shape, &DecodeLayout::default(), plan)?;
+        for l in &ls {
+            self.gpu.prepare(l, carveout)?;
+        }
         let named = |set: usize| -> Vec<(&str, &CudaSlice<u8>)> {
             vec![
                 ("q", &row.inputs.q[set]),
@@ -502,33 +550,28 @@ impl Bench<'_> {
     }
 }
 
-fn parse_config(s: &str, base: DecodeConfig) -> Result<DecodeConfig> {
+/// A variant of the current kernel: `BLOCK_H x BLOCK_N x STAGES`.
+fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
     let v: Vec<u32> = s
         .split('x')
         .map(|p| p.parse::<u32>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::arg("config", "BHxBNxWARPSxSTAGES, e.g. 16x32x4x2", s))?;
-    if v.len() != 4 && v.len() != 5 {
+        .map_err(|_| Error::arg("variants", "BLOCK_HxBLOCK_NxSTAGES, e.g. 16x16x4", s))?;
+    if v.len() != 3 {
         return Err(Error::arg(
-            "config",
-            "BHxBNxWARPSxSTAGES[xMIN_WORKGROUPS], e.g. 16x32x8x2",
+            "variants",
+            "BLOCK_HxBLOCK_NxSTAGES, e.g. 16x16x4",
             s,
         ));
     }
-    Ok(DecodeConfig {
-        block_h: v[0],
-        block_n: v[1],
-        threads: v[2] * 32,
-        lowering: Lowering::Mma {
-            stages: v[3],
-            min_workgroups: v.get(4).copied().unwrap_or(0),
-        },
-        ..base
-    })
+    Ok(DecodeConfig::tensor_core_custom(
+        dims, format, v[0], v[1], v[2],
+    ))
 }
 
 struct PeerRow {
     us: f64,
+    eager_us: f64,
     rel: f64,
 }
 
@@ -563,7 +606,8 @@ fn run_peer(args: &Args, format: CacheFormat) -> HashMap<(u32, u32), PeerRow> {
                     continue;
                 };
                 let rel = v["rel_l2"].as_f64().unwrap_or(f64::NAN);
-                out.insert((h as u32, t as u32), PeerRow { us, rel });
+                let eager_us = v["eager_us"].as_f64().unwrap_or(f64::NAN);
+                out.insert((h as u32, t as u32), PeerRow { us, eager_us, rel });
             }
             if !o.status.success() {
                 eprintln!(
@@ -581,9 +625,70 @@ fn run_peer(args: &Args, format: CacheFormat) -> HashMap<(u32, u32), PeerRow> {
     out
 }
 
+/// Device-to-device copy bandwidth (bytes read + written per second), best of 5 copies of
+/// 1 GiB: the memory roof of this GPU as measured, not as the datasheet says.
+fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
+    use cudarc::driver::DevicePtr;
+    const BYTES: usize = 1 << 30;
+    let a = gpu.dev.alloc(BYTES as u64)?;
+    let b = gpu.dev.alloc(BYTES as u64)?;
+    let stream = gpu.dev.stream();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let (e0, e1) = (gpu.event()?, gpu.event()?);
+        e0.record(stream)
+            .map_err(|e| Error::runtime("bench", format!("{e:?}")))?;
+        {
+            let (pa, _ga) = a.device_ptr(stream);
+            let (pb, _gb) = b.device_ptr(stream);
+            unsafe { drv::memcpy_dtod_async(pb, pa, BYTES, stream.cu_stream()) }
+                .map_err(|e| Error::runtime("bench", format!("copy: {e:?}")))?;
+        }
+        e1.record(stream)
+            .map_err(|e| Error::runtime("bench", format!("{e:?}")))?;
+        gpu.dev.synchronize()?;
+        let ms = e0
+            .elapsed_ms(&e1)
+            .map_err(|e| Error::runtime("bench", format!("elapsed: {e:?}")))?;
+        best = best.min(ms as f64 * 1e-3);
+    }
+    Ok(2.0 * BYTES as f64 / best)
+}
+
+/// One timed kernel of a row.
+#[derive(serde::Serialize, Clone)]
+struct Timed {
+    kernel: String,
+    splits: u32,
+    us: f64,
+    /// The same with the carve-out at 44 % (`--sm120-occupancy`).
+    us_sm120: Option<f64>,
+    rel_l2: f64,
+    lse_err: f64,
+    ok: bool,
+}
+
+#[derive(serde::Serialize)]
+struct BenchRow {
+    cache: String,
+    heads: u32,
+    tokens: u32,
+    bytes: f64,
+    flops: f64,
+    roofline_us: f64,
+    current: Timed,
+    baseline: Option<Timed>,
+    scalar: Option<Timed>,
+    variants: Vec<Timed>,
+    peer_graph_us: Option<f64>,
+    peer_eager_us: Option<f64>,
+    peer_rel_l2: Option<f64>,
+    design_peer_us: Option<f64>,
+}
+
 fn run(args: &Args) -> Result<()> {
-    let dev = CudaDevice::open(0)?;
-    println!("device: {}", dev.name());
+    let dev = CudaDevice::open(args.device)?;
+    let name = dev.name();
     let flush = dev.alloc(FLUSH_BYTES as u64)?;
     let mut bench = Bench {
         args,
@@ -593,8 +698,23 @@ fn run(args: &Args) -> Result<()> {
         },
         flush,
     };
+    let copy_bw = copy_bandwidth(&bench.gpu)?;
+    let (mma_peak, peak_src) = MMA_PEAKS
+        .iter()
+        .find(|(n, _, _)| name.contains(n))
+        .map(|(_, p, s)| (*p, *s))
+        .unwrap_or((645e12, "unknown GPU: the H200's"));
+    let header = format!(
+        "device: {name}; measured device copy {:.2} TB/s; bf16 mma.sync peak {:.0} TFLOP/s ({peak_src})",
+        copy_bw * 1e-12,
+        mma_peak * 1e-12
+    );
+    if args.format == "table" {
+        println!("{header}");
+    }
     let dims = MlaDims::PRODUCTION;
-    let mut table = Vec::new();
+    let mut rows_out: Vec<BenchRow> = Vec::new();
+    let mut sweeps = Vec::new();
     let mut failed = false;
     for fmt in &args.cache {
         let format = CacheFormat::parse(fmt)?;
@@ -623,15 +743,17 @@ fn run(args: &Args) -> Result<()> {
             &[("cache", &cache)],
         )?;
         bench.gpu.dev.synchronize()?;
-        println!(
-            "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets",
-            format.name(),
-            num_slots,
-            row_bytes,
-            (num_slots * row_bytes) as f64 / (1u64 << 30) as f64,
-            args.topk,
-            args.reps
-        );
+        if args.format == "table" {
+            println!(
+                "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets",
+                format.name(),
+                num_slots,
+                row_bytes,
+                (num_slots * row_bytes) as f64 / (1u64 << 30) as f64,
+                args.topk,
+                args.reps
+            );
+        }
         let peer = run_peer(args, format);
         let mut rng = Rng::new(0xbe4c_0001 ^ row_bytes);
         for &h in &args.heads {
@@ -706,13 +828,6 @@ fn run(args: &Args) -> Result<()> {
                     dummy_len: &dummy_len,
                     reference: &reference,
                 };
-                let mut config = DecodeConfig::tensor_core(dims, format, h);
-                if let Some(c) = &args.config {
-                    config = parse_config(c, config)?;
-                }
-                let split_kernel =
-                    sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
-                let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
                 let bytes = t as f64 * args.topk as f64 * row_bytes as f64
                     + shape.q_elems() as f64 * 2.0
                     + shape.out_elems() as f64 * 2.0;
@@ -721,12 +836,46 @@ fn run(args: &Args) -> Result<()> {
                     * h as f64
                     * args.topk as f64
                     * (dims.d_qk() + dims.d_v()) as f64;
-                let roof_us = (bytes / ROOF_BYTES).max(flops / ROOF_FLOPS) * 1e6;
+                let roof_us = (bytes / copy_bw).max(flops / mma_peak) * 1e6;
+                // time a config: its cost-model splits (or --splits), default carve-out and,
+                // with --sm120-occupancy, SM120's
+                let mut time_config =
+                    |bench: &mut Bench, config: DecodeConfig, label: &str| -> Result<Timed> {
+                        let split_kernel =
+                            sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
+                        let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
+                        let s = args
+                            .splits
+                            .unwrap_or_else(|| DecodePlan::model_splits(&config, &shape, resident));
+                        let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
+                        let tm = bench.time(&row, &plan, -1)?;
+                        let sm120 = if args.sm120_occupancy {
+                            let t2 = bench.time(&row, &plan, 44)?;
+                            failed |= !t2.check.ok;
+                            Some(t2.median_us)
+                        } else {
+                            None
+                        };
+                        failed |= !tm.check.ok;
+                        Ok(Timed {
+                            kernel: label.to_string(),
+                            splits: tm.splits,
+                            us: tm.median_us,
+                            us_sm120: sm120,
+                            rel_l2: tm.check.rel_l2,
+                            lse_err: tm.check.lse_err,
+                            ok: tm.check.ok,
+                        })
+                    };
+                let config = DecodeConfig::tensor_core_v7(dims, format, h);
                 if !args.sweep_splits.is_empty() {
+                    let split_kernel =
+                        sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
+                    let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
                     let mut cells = Vec::new();
                     for &s in &args.sweep_splits {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
-                        let tm = bench.time(&row, &plan)?;
+                        let tm = bench.time(&row, &plan, -1)?;
                         failed |= !tm.check.ok;
                         cells.push(format!(
                             "s{}:{:.1}{}",
@@ -746,69 +895,89 @@ fn run(args: &Args) -> Result<()> {
                         cells.join("  ")
                     );
                     println!("{line}");
-                    table.push(line);
+                    sweeps.push(line);
                     continue;
                 }
-                let plan = match args.splits {
-                    Some(s) => DecodePlan::new(config, &shape, resident, Some(s), None)?,
-                    None => {
-                        let s = DecodePlan::model_splits(&config, &shape, resident);
-                        DecodePlan::new(config, &shape, resident, Some(s), None)?
-                    }
-                };
-                let tc = bench.time(&row, &plan)?;
-                failed |= !tc.check.ok;
-                let scalar = if args.no_scalar {
+                let current = time_config(&mut bench, config, &config.split_name())?;
+                let baseline = if args.no_baseline {
                     None
                 } else {
+                    let v6 = DecodeConfig::tensor_core_v6(dims, format, h);
+                    Some(time_config(&mut bench, v6, &v6.split_name())?)
+                };
+                let mut variants = Vec::new();
+                for v in &args.variants {
+                    let c = parse_variant(v, dims, format)?;
+                    match time_config(&mut bench, c, &format!("v7 {v}")) {
+                        Ok(tv) => variants.push(tv),
+                        Err(e) => eprintln!("variant {v} ({} H {h} T {t}): {e}", format.name()),
+                    }
+                }
+                let scalar = if args.scalar {
                     let sc = DecodeConfig::cuda_scalar(dims, format);
                     let plan =
                         DecodePlan::new(sc, &shape, bench.gpu.dev.sm_count() * 2, None, None)?;
-                    let r = bench.time(&row, &plan)?;
+                    let r = bench.time(&row, &plan, -1)?;
                     failed |= !r.check.ok;
-                    Some(r)
+                    Some(Timed {
+                        kernel: "scalar".into(),
+                        splits: r.splits,
+                        us: r.median_us,
+                        us_sm120: None,
+                        rel_l2: r.check.rel_l2,
+                        lse_err: r.check.lse_err,
+                        ok: r.check.ok,
+                    })
+                } else {
+                    None
                 };
                 let pr = peer.get(&(h, t));
-                let best = design_best_peer(h, t);
-                let line = format!(
-                    "| {:<10} | {:>3} | {:>3} | {:>3} | {:>8.1} | {:>6.0} | {:>6.1} | {:>5.1}% | {:<16} | {} | {} | {} |",
-                    format.name(),
-                    h,
-                    t,
-                    tc.splits,
-                    tc.median_us,
-                    bytes / tc.median_us * 1e-3,
-                    flops / tc.median_us * 1e-6,
-                    roof_us / tc.median_us * 100.0,
-                    tc.check.to_string(),
-                    scalar
-                        .as_ref()
-                        .map(|s| format!(
-                            "{:>8.1} {:>5.1}% s{:<2} {:<16}",
-                            s.median_us,
-                            roof_us / s.median_us * 100.0,
-                            s.splits,
-                            s.check.to_string()
-                        ))
-                        .unwrap_or_else(|| format!("{:>36}", "-")),
-                    pr.map(|p| format!("{:>8.1} {:.0e}", p.us, p.rel))
-                        .unwrap_or_else(|| format!("{:>14}", "n/a")),
-                    best.map(|b| format!("{b:>6.1} {:>4.1}x", b / tc.median_us))
-                        .unwrap_or_else(|| format!("{:>12}", "-")),
-                );
-                println!("{line}");
-                table.push(line);
+                let br = BenchRow {
+                    cache: format.name().to_string(),
+                    heads: h,
+                    tokens: t,
+                    bytes,
+                    flops,
+                    roofline_us: roof_us,
+                    current,
+                    baseline,
+                    scalar,
+                    variants,
+                    peer_graph_us: pr.map(|p| p.us),
+                    peer_eager_us: pr.map(|p| p.eager_us),
+                    peer_rel_l2: pr.map(|p| p.rel),
+                    design_peer_us: design_best_peer(h, t),
+                };
+                if args.format == "json" {
+                    println!(
+                        "{}",
+                        serde_json::to_string(&br)
+                            .map_err(|e| Error::runtime("bench", e.to_string()))?
+                    );
+                } else if args.format == "table" {
+                    eprintln!(
+                        "{} H {h} T {t}: {:.1} us ({})",
+                        format.name(),
+                        br.current.us,
+                        if br.current.ok { "ok" } else { "FAIL" }
+                    );
+                }
+                rows_out.push(br);
             }
         }
     }
-    println!();
-    println!("roofline: max(bytes / 4.3 TB/s, FLOPs / 645 TFLOP/s); bytes = T*topk*row + q + out, FLOPs = 2*T*H*topk*1088");
-    println!(
-        "check: rel L2 of out / max |lse error| vs float64 (first and last tokens, all heads)"
-    );
-    println!("| cache      |   H |   T |  s  |  mma us  |  GB/s  | TFLOP/s| %roof  | check            | scalar us  %roof split check           | torch us  err | peer(§8) us speedup |");
-    for l in &table {
-        println!("{l}");
+    match args.format.as_str() {
+        "csv" => print_csv(&rows_out),
+        "table" => {
+            println!();
+            println!("{header}");
+            println!("roofline: max(bytes / measured copy bandwidth, FLOPs / mma.sync peak); bytes = T*topk*row + q + out, FLOPs = 2*T*H*topk*1088; check: rel L2 of out / max |lse err| vs float64 (first and last tokens)");
+            println!("{}", table(&rows_out, args));
+            for l in &sweeps {
+                println!("{l}");
+            }
+        }
+        _ => {}
     }
     if failed {
         return Err(Error::runtime(
@@ -817,4 +986,139 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+fn fmt_us(t: Option<f64>) -> String {
+    t.filter(|v| v.is_finite())
+        .map(|v| format!("{v:.1}"))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn table(rows: &[BenchRow], args: &Args) -> String {
+    use comfy_table::{presets::ASCII_MARKDOWN, CellAlignment, Table};
+    let mut t = Table::new();
+    t.load_preset(ASCII_MARKDOWN);
+    let mut head = vec![
+        "cache", "H", "T", "roof us", "v7 us", "s", "% roof", "TFLOP/s", "check",
+    ];
+    if args.sm120_occupancy {
+        head.extend(["v7 sm120 us", "sm120 / default"]);
+    }
+    if !args.no_baseline {
+        head.extend(["v6 us", "v6 / v7"]);
+        if args.sm120_occupancy {
+            head.push("v6 sm120 us");
+        }
+    }
+    for v in &args.variants {
+        let _ = v;
+    }
+    let variant_names: Vec<String> = rows
+        .first()
+        .map(|r| r.variants.iter().map(|v| v.kernel.clone()).collect())
+        .unwrap_or_default();
+    let mut head: Vec<String> = head.into_iter().map(String::from).collect();
+    for v in &variant_names {
+        head.push(format!("{v} us"));
+    }
+    if args.scalar {
+        head.push("scalar us".into());
+    }
+    head.extend([
+        "torch graph us".to_string(),
+        "torch eager us".to_string(),
+        "v7 vs torch".to_string(),
+    ]);
+    t.set_header(head);
+    for r in rows {
+        let c = &r.current;
+        let mut cells = vec![
+            r.cache.clone(),
+            r.heads.to_string(),
+            r.tokens.to_string(),
+            format!("{:.1}", r.roofline_us),
+            format!("{:.1}", c.us),
+            c.splits.to_string(),
+            format!("{:.1}%", r.roofline_us / c.us * 100.0),
+            format!("{:.1}", r.flops / c.us * 1e-6),
+            format!(
+                "{} {:.1e}/{:.0e}",
+                if c.ok { "ok" } else { "FAIL" },
+                c.rel_l2,
+                c.lse_err
+            ),
+        ];
+        if args.sm120_occupancy {
+            cells.push(fmt_us(c.us_sm120));
+            cells.push(
+                c.us_sm120
+                    .map(|s| format!("{:.2}x", s / c.us))
+                    .unwrap_or_else(|| "-".into()),
+            );
+        }
+        if let Some(b) = &r.baseline {
+            cells.push(format!("{:.1}{}", b.us, if b.ok { "" } else { " FAIL" }));
+            cells.push(format!("{:.2}x", b.us / c.us));
+            if args.sm120_occupancy {
+                cells.push(fmt_us(b.us_sm120));
+            }
+        }
+        for v in &r.variants {
+            cells.push(format!(
+                "{:.1} s{}{}",
+                v.us,
+                v.splits,
+                if v.ok { "" } else { " FAIL" }
+            ));
+        }
+        if let Some(s) = &r.scalar {
+            cells.push(format!("{:.1}", s.us));
+        }
+        cells.push(fmt_us(r.peer_graph_us));
+        cells.push(fmt_us(r.peer_eager_us));
+        cells.push(
+            r.peer_graph_us
+                .map(|p| format!("{:.2}x", p / c.us))
+                .unwrap_or_else(|| "-".into()),
+        );
+        t.add_row(cells);
+    }
+    for i in 1..8 {
+        if let Some(col) = t.column_mut(i) {
+            col.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    t.to_string()
+}
+
+fn print_csv(rows: &[BenchRow]) {
+    println!("cache,heads,tokens,roofline_us,kernel,splits,us,us_sm120,rel_l2,lse_err,ok,peer_graph_us,peer_eager_us");
+    for r in rows {
+        let mut all = vec![&r.current];
+        all.extend(r.baseline.iter());
+        all.extend(r.variants.iter());
+        all.extend(r.scalar.iter());
+        for k in all {
+            println!(
+                "{},{},{},{:.2},{},{},{:.2},{},{:.3e},{:.3e},{},{},{}",
+                r.cache,
+                r.heads,
+                r.tokens,
+                r.roofline_us,
+                k.kernel,
+                k.splits,
+                k.us,
+                k.us_sm120.map(|v| format!("{v:.2}")).unwrap_or_default(),
+                k.rel_l2,
+                k.lse_err,
+                k.ok,
+                r.peer_graph_us
+                    .map(|v| format!("{v:.2}"))
+                    .unwrap_or_default(),
+                r.peer_eager_us
+                    .map(|v| format!("{v:.2}"))
+                    .unwrap_or_default()
+            );
+        }
+    }
 }

@@ -38,7 +38,31 @@ pub fn helpers(kernel: &Kernel) -> String {
         h.push('\n');
         h.push_str(MMA_HELPERS);
     }
+    if uses_ring_intrinsics(&kernel.body) {
+        h.push('\n');
+        h.push_str(RING_HELPERS);
+    }
     h
+}
+
+/// Does the kernel hand pipeline stages over with mbarriers (the producer/consumer form)?
+fn uses_ring_intrinsics(stmts: &[Stmt]) -> bool {
+    stmts.iter().any(|s| match s {
+        Stmt::Intrinsic(i) => matches!(
+            i,
+            Intrinsic::NamedBarrier { .. }
+                | Intrinsic::SyncWarp
+                | Intrinsic::MbarInit { .. }
+                | Intrinsic::MbarArrive { .. }
+                | Intrinsic::MbarWait { .. }
+                | Intrinsic::CopyAsync { .. }
+                | Intrinsic::CopyArrive { .. }
+                | Intrinsic::FenceProxyAsync
+        ),
+        Stmt::If { then, els, .. } => uses_ring_intrinsics(then) || uses_ring_intrinsics(els),
+        Stmt::For { body, .. } => uses_ring_intrinsics(body),
+        _ => false,
+    })
 }
 
 /// [`emit`], with `helpers` printed in place of [`helpers`] when given (for a host emulator of
@@ -190,6 +214,14 @@ static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
+static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
+static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
+                 : "=r"(r[0]) : "r"(smem_addr(p)));
+}
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
 static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
@@ -205,6 +237,91 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
     float r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(mask));
     return r;
+}
+"#;
+
+const RING_HELPERS: &str = r#"// Producer/consumer helpers: mbarriers (sm_80 and later), bulk copies with a transaction
+// count (sm_90 and later, cp.async before), named barriers.
+
+// A barrier among `threads` threads (whole warps) of the block, id 1..15.
+static __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// Arrive (release): this thread's earlier shared-memory writes are visible to the waiters.
+static __device__ __forceinline__ void mbar_arrive(void* bar) {
+    unsigned long long state;
+    asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(state) : "r"(smem_addr(bar)) : "memory");
+}
+
+// Has the phase of this parity completed? (acquire)
+static __device__ __forceinline__ bool mbar_test(void* bar, unsigned parity) {
+    unsigned done;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#else
+    asm volatile("{ .reg .pred p; mbarrier.test_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+    return done != 0;
+}
+
+static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
+    while (!mbar_test(bar, parity)) {
+    }
+}
+
+// `bytes` from global to shared memory, completing on `bar` (see copy_arrive). sm_90 and
+// later: one bulk copy with a transaction count when both ends and the size are 16-byte
+// aligned, else plain loads and stores (made visible by copy_arrive's release); before
+// sm_90: cp.async copies of 16 or 4 bytes, which copy_arrive ties to the mbarrier.
+static __device__ __forceinline__ void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
+    const unsigned align = smem_addr(dst) | (unsigned)(unsigned long long)src;
+#if __CUDA_ARCH__ >= 900
+    if (((align | bytes) & 15u) == 0) {
+        asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;"
+                     :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+    } else {
+        for (unsigned o = 0; o < bytes; o += 4) {
+            ((unsigned*)dst)[o / 4] = ((const unsigned*)src)[o / 4];
+        }
+    }
+#else
+    if (((align | bytes) & 15u) == 0) {
+        for (unsigned o = 0; o < bytes; o += 16) {
+            cp_async_16((char*)dst + o, (const char*)src + o, true);
+        }
+    } else {
+        for (unsigned o = 0; o < bytes; o += 4) {
+            cp_async_4((char*)dst + o, (const char*)src + o, true);
+        }
+    }
+    (void)bar;
+#endif
+}
+
+// One arrival on `bar` once this thread's earlier copies have landed: bulk copies complete
+// through their transaction count (sm_90 and later), cp.async through the mbarrier's
+// arrive-on (before); the arrival releases this thread's plain shared-memory writes.
+static __device__ __forceinline__ void copy_arrive(void* bar) {
+#if __CUDA_ARCH__ < 900
+    asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+#endif
+    mbar_arrive(bar);
+}
+
+// Generic-proxy shared-memory writes before async-proxy (bulk copy) writes to it.
+static __device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 "#;
 
@@ -339,6 +456,50 @@ impl Printer<'_> {
                 "const float {dst} = shfl_xor_f32({}, {lane_mask});",
                 self.expr(value)
             ),
+            Intrinsic::NamedBarrier { id, threads } => {
+                format!("named_barrier_sync({id}, {threads});")
+            }
+            Intrinsic::SyncWarp => "__syncwarp();".into(),
+            Intrinsic::MbarInit { bars, index, count } => format!(
+                "mbar_init({bars}{}, {count});",
+                self.pointer_terms(&mbar_word(index))
+            ),
+            Intrinsic::MbarArrive { bars, index } => {
+                format!(
+                    "mbar_arrive({bars}{});",
+                    self.pointer_terms(&mbar_word(index))
+                )
+            }
+            Intrinsic::MbarWait {
+                bars,
+                index,
+                parity,
+            } => format!(
+                "mbar_wait({bars}{}, {});",
+                self.pointer_terms(&mbar_word(index)),
+                self.expr(parity)
+            ),
+            Intrinsic::CopyAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                bars,
+                index,
+            } => format!(
+                "copy_async({dst}{}, (const unsigned*){src}{}, {bytes}u, {bars}{});",
+                self.pointer_terms(dst_word),
+                self.pointer_terms(src_word),
+                self.pointer_terms(&mbar_word(index))
+            ),
+            Intrinsic::CopyArrive { bars, index } => {
+                format!(
+                    "copy_arrive({bars}{});",
+                    self.pointer_terms(&mbar_word(index))
+                )
+            }
+            Intrinsic::FenceProxyAsync => "fence_proxy_async();".into(),
         }
     }
 
@@ -537,6 +698,14 @@ impl Dialect for Printer<'_> {
 
     fn intrinsic(&self, i: &Intrinsic) -> String {
         self.intrinsic_line(i)
+    }
+}
+
+/// Word of mbarrier `index` (two words each) in its array.
+fn mbar_word(index: &Expr) -> Expr {
+    match index {
+        Expr::U32(i) => Expr::U32(2 * i),
+        other => Expr::Bin(BinOp::Mul, Box::new(other.clone()), Box::new(Expr::U32(2))),
     }
 }
 

@@ -203,30 +203,47 @@ pub fn standard_set() -> Result<Vec<StandardKernel>> {
 /// The tensor-core split kernels the CUDA backend runs (both head ranges, both formats, with
 /// and without the combine); their combine is the scalar set's.
 fn tensor_core_set() -> Result<Vec<StandardKernel>> {
-    use crate::kir::lower;
+    use crate::kir::{lower, Lowering};
     use crate::mla::{CacheFormat, MlaDims};
-    use sparse_mla_decode::{split_kernel, DecodeConfig};
+    use sparse_mla_decode::{combine_kernel, split_kernel, DecodeConfig};
     let mut out = Vec::new();
-    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {
-            for final_output in [false, true] {
-                let config = DecodeConfig {
-                    final_output,
-                    ..DecodeConfig::tensor_core(MlaDims::PRODUCTION, format, heads)
-                };
-                out.push(StandardKernel {
-                    target: Target::Cuda,
-                    kernel: lower(&split_kernel(&config)?, config.lowering)?,
-                    note: format!(
-                        "sparse decode, {} cache, tensor cores ({range}), {}",
-                        format.name(),
-                        if final_output {
-                            "one split: writes out and lse directly"
-                        } else {
-                            "split stage: writes per-split partials for the combine"
-                        }
-                    ),
-                });
+    // the combine both tensor-core versions launch (256 threads)
+    let base = DecodeConfig::tensor_core_v6(MlaDims::PRODUCTION, CacheFormat::Bf16, 16);
+    out.push(StandardKernel {
+        target: Target::Cuda,
+        kernel: lower(&combine_kernel(&base)?, Lowering::Scalar)?,
+        note: "sparse decode, combine stage of the tensor-core kernels (256 threads)".into(),
+    });
+    type Choose = fn(MlaDims, CacheFormat, u32) -> DecodeConfig;
+    let versions: [(&str, Choose); 2] = [
+        (
+            "v6, the CUDA backend's default",
+            DecodeConfig::tensor_core_v6,
+        ),
+        ("v7, mbarrier ring", DecodeConfig::tensor_core_v7),
+    ];
+    for (version, choose) in versions {
+        for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+            for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {
+                for final_output in [false, true] {
+                    let config = DecodeConfig {
+                        final_output,
+                        ..choose(MlaDims::PRODUCTION, format, heads)
+                    };
+                    out.push(StandardKernel {
+                        target: Target::Cuda,
+                        kernel: lower(&split_kernel(&config)?, config.lowering)?,
+                        note: format!(
+                            "sparse decode, {} cache, tensor cores {version} ({range}), {}",
+                            format.name(),
+                            if final_output {
+                                "one split: writes out and lse directly"
+                            } else {
+                                "split stage: writes per-split partials for the combine"
+                            }
+                        ),
+                    });
+                }
             }
         }
     }

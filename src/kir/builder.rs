@@ -396,7 +396,9 @@ impl KernelBuilder {
 
     pub fn shared_tile(&mut self, name: &str, elem: TileElem, rows: u32, cols: u32) -> STile {
         let name = self.fresh(name);
-        if elem == TileElem::Bf16 && cols % 2 != 0 || elem == TileElem::U8 && cols % 4 != 0 {
+        if elem == TileElem::Bf16 && cols % 2 != 0
+            || matches!(elem, TileElem::U8 | TileElem::E4m3) && cols % 4 != 0
+        {
             self.error(format!(
                 "tile {name}: {cols} columns do not fill whole words"
             ));
@@ -589,6 +591,46 @@ impl KernelBuilder {
         src: &Buf,
         src_word: impl FnOnce(&mut Self, Expr) -> Expr,
     ) {
+        self.gather(dst, dst_word0, words, src, None, src_word);
+    }
+
+    /// [`Self::gather_rows`] that also records each row's validity in `flags` (an F32 tile
+    /// `[1, dst.rows]`: 1.0 for a row with a source, 0.0 without); a row without a source
+    /// then holds unspecified finite values (see [`TileOp::GatherRows`]).
+    pub fn gather_rows_flagged(
+        &mut self,
+        dst: &STile,
+        dst_word0: u32,
+        words: u32,
+        src: &Buf,
+        flags: &STile,
+        src_word: impl FnOnce(&mut Self, Expr) -> Expr,
+    ) {
+        if flags.elem != TileElem::F32 || flags.rows != 1 || flags.cols != dst.rows {
+            self.error(format!(
+                "gather into {}: flags {} must be an f32 tile [1, {}]",
+                dst.name, flags.name, dst.rows
+            ));
+        }
+        self.gather(
+            dst,
+            dst_word0,
+            words,
+            src,
+            Some(flags.name.clone()),
+            src_word,
+        );
+    }
+
+    fn gather(
+        &mut self,
+        dst: &STile,
+        dst_word0: u32,
+        words: u32,
+        src: &Buf,
+        flags: Option<String>,
+        src_word: impl FnOnce(&mut Self, Expr) -> Expr,
+    ) {
         let row = self.fresh("row");
         let e = src_word(self, Expr::Var(row.clone(), Ty::U32));
         if e.ty() != Ty::I32 {
@@ -611,6 +653,7 @@ impl KernelBuilder {
             src: src.name.clone(),
             row,
             src_word: e,
+            flags,
         }));
     }
 
@@ -645,6 +688,46 @@ impl KernelBuilder {
             b,
             b_layout,
         }));
+    }
+
+    /// `acc += a · (b with each storage row r scaled by scale(r))` (see
+    /// [`TileOp::MmaScaled`]).
+    pub fn mma_scaled(
+        &mut self,
+        acc: &Acc,
+        a: TileView,
+        b: TileView,
+        b_layout: BLayout,
+        scale: impl FnOnce(&mut Self, Expr) -> Expr,
+    ) {
+        let row = self.fresh("row");
+        let value = scale(self, Expr::Var(row.clone(), Ty::U32));
+        if value.ty() != Ty::F32 {
+            self.error(format!(
+                "mma_scaled into {}: the scale must be f32",
+                acc.name
+            ));
+        }
+        let before = self.errors.len();
+        self.mma(acc, a, b, b_layout);
+        if let Some(Stmt::Tile(TileOp::Mma {
+            acc,
+            a,
+            b,
+            b_layout,
+        })) = self.blocks.last_mut().and_then(|v| v.pop())
+        {
+            if self.errors.len() == before {
+                self.push(Stmt::Tile(TileOp::MmaScaled {
+                    acc,
+                    a,
+                    b,
+                    b_layout,
+                    row,
+                    scale: value,
+                }));
+            }
+        }
     }
 
     /// Run `body` on every element pair of `acc` (see [`TileOp::AccForEach`]).
@@ -687,7 +770,10 @@ impl KernelBuilder {
     }
 
     pub fn acc_to_shared(&mut self, acc: &Acc, dst: &STile) {
-        if acc.rows != dst.rows || acc.cols != dst.cols || dst.elem == TileElem::U8 {
+        if acc.rows != dst.rows
+            || acc.cols != dst.cols
+            || matches!(dst.elem, TileElem::U8 | TileElem::E4m3)
+        {
             self.error(format!(
                 "acc {} [{}x{}] to shared {} [{}x{}] {:?}",
                 acc.name, acc.rows, acc.cols, dst.name, dst.rows, dst.cols, dst.elem
@@ -726,7 +812,10 @@ impl KernelBuilder {
                 ));
             }
         }
-        if p_tile.rows != s.rows || p_tile.cols != s.cols || p_tile.elem == TileElem::U8 {
+        if p_tile.rows != s.rows
+            || p_tile.cols != s.cols
+            || matches!(p_tile.elem, TileElem::U8 | TileElem::E4m3)
+        {
             self.error(format!(
                 "online softmax of {} [{}x{}]: P tile {} is [{}x{}] {:?}",
                 s.name, s.rows, s.cols, p_tile.name, p_tile.rows, p_tile.cols, p_tile.elem
@@ -764,6 +853,12 @@ impl KernelBuilder {
             Expr::Var(col.clone(), Ty::U32),
         );
         self.check_bin(&v);
+        if dst.elem == TileElem::E4m3 {
+            self.error(format!(
+                "shared_map into {}: e4m3 tiles are filled by gathers only",
+                dst.name
+            ));
+        }
         let want = if dst.elem == TileElem::U8 {
             Ty::U32
         } else {

@@ -131,6 +131,10 @@ pub enum TileElem {
     Bf16,
     /// Raw bytes (e.g. fp8 rows as they sit in the cache).
     U8,
+    /// e4m3fn values, one byte each (no infinities, 0x7f / 0xff NaN, max 448): read as f32
+    /// by [`Expr::TileLoad`]; as an mma operand exact in bf16, so a product with it needs no
+    /// rounding of the tile.
+    E4m3,
 }
 
 impl TileElem {
@@ -138,7 +142,7 @@ impl TileElem {
         match self {
             TileElem::F32 => 4,
             TileElem::Bf16 => 2,
-            TileElem::U8 => 1,
+            TileElem::U8 | TileElem::E4m3 => 1,
         }
     }
 }
@@ -276,7 +280,7 @@ pub enum Expr {
         ty: Ty,
         index: Box<Expr>,
     },
-    /// Element (row, col) of a shared tile: f32 for F32 and Bf16 tiles, u32 for U8 tiles.
+    /// Element (row, col) of a shared tile: f32 for F32, Bf16 and E4m3 tiles, u32 for U8 tiles.
     /// Removed by lowering.
     TileLoad {
         tile: String,
@@ -450,6 +454,12 @@ pub enum TileOp {
     /// if `src_word(r)` is `>= 0` (i32), `dst[r, words starting at dst_word0]` =
     /// `src[src_word(r) .. + words]`, else those words are zero-filled and `src` is not read.
     /// Widths in 32-bit words; `dst_word0 + words` fits the tile's row.
+    ///
+    /// With `flags` (an F32 tile `[1, dst.rows]`): `flags[0, r]` = 1.0 when row `r` had a
+    /// source, else 0.0 — the row's validity, computed once where the gather is; and a row
+    /// without a source then holds unspecified *finite* values instead of zeros (what an
+    /// earlier gather of this workgroup left there, or zeros), so a reader must look at the
+    /// flag.
     GatherRows {
         dst: String,
         dst_word0: u32,
@@ -457,6 +467,7 @@ pub enum TileOp {
         src: String,
         row: String,
         src_word: Expr,
+        flags: Option<String>,
     },
     /// `acc = value` everywhere.
     AccFill { acc: String, value: f32 },
@@ -467,6 +478,19 @@ pub enum TileOp {
         a: TileView,
         b: TileView,
         b_layout: BLayout,
+    },
+    /// `acc += A · B'` as [`TileOp::Mma`], where `B'` is `b` with each of its storage rows `r`
+    /// (the rows of the tile `b` views: N for [`BLayout::NK`], K for [`BLayout::KN`])
+    /// multiplied by `scale` (f32, with `row` bound to `r` as u32): a per-row dequantisation
+    /// scale folded into the product (e4m3 values times their tile's scale), the operand
+    /// itself left as stored.
+    MmaScaled {
+        acc: String,
+        a: TileView,
+        b: TileView,
+        b_layout: BLayout,
+        row: String,
+        scale: Expr,
     },
     /// For every pair of adjacent elements `(row, col)`, `(row, col + 1)` of `acc` (`col`
     /// even), run `body` with the named variables bound: `row`, `col` (u32) and the mutable
@@ -585,6 +609,47 @@ pub enum Intrinsic {
         value: Expr,
         lane_mask: u32,
     },
+    /// `bar.sync id, threads`: a barrier among `threads` threads (whole warps) of the
+    /// workgroup, with workgroup-memory ordering; id 0 with every thread is [`Stmt::Barrier`].
+    NamedBarrier { id: u32, threads: u32 },
+    /// `__syncwarp()`: the warp's lanes meet, memory ordered among them.
+    SyncWarp,
+    /// Initialise mbarrier `index` of the shared array `bars` (two words each) for `count`
+    /// arrivals per phase.
+    MbarInit {
+        bars: String,
+        index: Expr,
+        count: u32,
+    },
+    /// Arrive on an mbarrier (release).
+    MbarArrive { bars: String, index: Expr },
+    /// Wait until the phase of parity `parity` (u32, 0 or 1) of an mbarrier has completed
+    /// (acquire).
+    MbarWait {
+        bars: String,
+        index: Expr,
+        parity: Expr,
+    },
+    /// Copy `bytes` (a multiple of 4) from word `src_word` of buffer `src` to shared array
+    /// `dst` at word `dst_word`, asynchronously; its completion is tied to mbarrier `index`
+    /// of `bars` by the next [`Intrinsic::CopyArrive`] of this thread. `cp.async.bulk` with a
+    /// transaction count where both ends are 16-byte aligned and the GPU has it (sm_90 and
+    /// later), `cp.async` copies otherwise.
+    CopyAsync {
+        bytes: u32,
+        dst: String,
+        dst_word: Expr,
+        src: String,
+        src_word: Expr,
+        bars: String,
+        index: Expr,
+    },
+    /// Arrive on an mbarrier once this thread's earlier [`Intrinsic::CopyAsync`] have landed
+    /// (and its earlier shared-memory writes are visible): one arrival per thread and phase.
+    CopyArrive { bars: String, index: Expr },
+    /// Order this thread's earlier generic shared-memory writes before later asynchronous
+    /// (bulk) copies into the same memory (`fence.proxy.async`, sm_90 and later).
+    FenceProxyAsync,
 }
 
 /// A statement.

@@ -38,7 +38,11 @@ pub const MAX_SHARED_BYTES: u64 = 101_376;
 
 const WARP: u32 = 32;
 
+mod ksplit;
 mod softmax;
+mod ws;
+
+pub use ws::lower_ws;
 
 /// Byte offsets of each shared array (16-byte aligned, in declaration order) and the total.
 pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
@@ -54,7 +58,7 @@ pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
 /// Lower every tile op of `kernel` for tensor cores, with `stages` ring buffers per pipelined
 /// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint).
 pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel> {
-    let mut cx = Cx::new(kernel, stages)?;
+    let mut cx = Cx::new(kernel, stages, false)?;
     cx.min_workgroups = min_workgroups;
     let body = cx.stmts(&kernel.body)?;
     let mut out = kernel.clone();
@@ -127,6 +131,12 @@ struct AccInfo {
     col0: Expr,
     /// Column-block index of this warp (`warp % gn`).
     wn: Expr,
+    /// Fragment pairs `(2j, 2j + 1)` of a warp cover 16 interleaved columns: fragment `2j`
+    /// holds the even ones, `2j + 1` the odd ones (the output of a `[K, N]` product with an
+    /// e4m3 operand, see `ksplit`).
+    interleave: bool,
+    /// The product into this accumulator is split along K over the warps (see `ksplit`).
+    ksplit: Option<ksplit::KSplit>,
 }
 
 impl AccInfo {
@@ -138,6 +148,8 @@ impl AccInfo {
 /// Per-lane values every warp-level op uses, bound once at the top of the kernel.
 struct Lane {
     warp: Expr,
+    /// `local_id % 32`.
+    lane: Expr,
     /// `lane / 4`: row of the lane's elements within a fragment.
     group: Expr,
     /// `lane % 4`: column pair of the lane's elements within a fragment.
@@ -168,6 +180,8 @@ struct Cx<'k> {
     prelude: Vec<Stmt>,
     lane: Lane,
     reduce_scratch: Option<String>,
+    /// Shared scratch of the split-K partial sums.
+    split_scratch: Option<String>,
     /// The ring stage of the step being loaded or computed, inside a pipeline.
     stage: Option<Expr>,
     /// Workgroups per multiprocessor the kernel is compiled for (0: no hint).
@@ -180,6 +194,12 @@ struct Cx<'k> {
     /// Online-softmax states held in registers across the steps of the pipeline being
     /// lowered, by the name of their row-max array.
     resident: HashMap<String, SoftmaxRegs>,
+    /// The producer/consumer form ([`lower_ws`]): `w` and `warps` count the consumers.
+    ws: Option<ws::WsInfo>,
+    /// Split-K accumulators whose partials hold products not yet summed.
+    partial_live: HashSet<String>,
+    /// A operands kept in registers (tile name -> per-op registers).
+    resident_a: HashMap<String, ksplit::ResidentA>,
 }
 
 fn var(name: &str, ty: Ty) -> Expr {
@@ -289,7 +309,7 @@ fn warp_grid(fm: u32, fn_: u32, warps: u32) -> (u32, u32) {
 }
 
 impl<'k> Cx<'k> {
-    fn new(kernel: &'k Kernel, stages: u32) -> Result<Self> {
+    fn new(kernel: &'k Kernel, stages: u32, ws_mode: bool) -> Result<Self> {
         let err = |message: String| Error::Kir {
             kernel: kernel.name.clone(),
             message,
@@ -334,6 +354,7 @@ impl<'k> Cx<'k> {
             prelude: Vec::new(),
             lane: Lane {
                 warp: placeholder(),
+                lane: placeholder(),
                 group: placeholder(),
                 quad: placeholder(),
                 r16: placeholder(),
@@ -342,21 +363,31 @@ impl<'k> Cx<'k> {
                 k_nk: placeholder(),
             },
             reduce_scratch: None,
+            split_scratch: None,
             stage: None,
             min_workgroups: 0,
             pending: Vec::new(),
             softmax_table: None,
             resident: HashMap::new(),
+            ws: None,
+            partial_live: HashSet::new(),
+            resident_a: HashMap::new(),
         };
         cx.bind_lane();
+        if ws_mode {
+            cx.ws = Some(ws::WsInfo::plan(&mut cx)?);
+        }
 
         // Tiles a pipeline's load stage writes become rings.
         let mut ringed = HashSet::new();
         visit_tile_ops_with(&kernel.body, false, &mut |op| {
             if let TileOp::Pipeline { load, .. } = op {
                 visit_tile_ops_with(load, false, &mut |inner| {
-                    if let TileOp::GatherRows { dst, .. } = inner {
+                    if let TileOp::GatherRows { dst, flags, .. } = inner {
                         ringed.insert(dst.clone());
+                        if let Some(f) = flags {
+                            ringed.insert(f.clone());
+                        }
                     }
                 });
             }
@@ -364,7 +395,7 @@ impl<'k> Cx<'k> {
         // F32 tiles that are mma operands, and tiles anything gathers raw words into.
         let (mut operands, mut gathered) = (HashSet::new(), HashSet::new());
         visit_tile_ops_with(&kernel.body, false, &mut |op| match op {
-            TileOp::Mma { a, b, .. } => {
+            TileOp::Mma { a, b, .. } | TileOp::MmaScaled { a, b, .. } => {
                 operands.insert(a.tile.clone());
                 operands.insert(b.tile.clone());
             }
@@ -373,7 +404,24 @@ impl<'k> Cx<'k> {
             }
             _ => {}
         });
+        let resident_tiles = ksplit::resident_candidates(&cx);
         for t in &kernel.shared_tiles {
+            if resident_tiles.contains(&t.name) {
+                // in registers (loaded from global memory by `ksplit`), no shared memory
+                let store = t.elem;
+                let row_bytes = t.cols * store.bytes();
+                cx.tiles.insert(
+                    t.name.clone(),
+                    TileInfo {
+                        decl: t.clone(),
+                        store,
+                        split: false,
+                        stride: padded_stride(row_bytes),
+                        ringed: false,
+                    },
+                );
+                continue;
+            }
             let narrow = t.elem == TileElem::F32 && operands.contains(&t.name);
             if narrow && gathered.contains(&t.name) {
                 return Err(cx.err(format!(
@@ -416,8 +464,22 @@ impl<'k> Cx<'k> {
                 )));
             }
             let (fm, fn_) = (a.rows / 16, a.cols / 8);
-            let (gm, gn) = warp_grid(fm, fn_, cx.warps);
+            let split = ksplit::plan_for(&cx, a);
+            // a split-K accumulator is summed into the warps that hold whole rows of it
+            let (gm, gn) = if split.is_some() {
+                (fm, 1)
+            } else {
+                warp_grid(fm, fn_, cx.warps)
+            };
             let (fmw, fnw) = (fm / gm, fn_ / gn);
+            let interleave = ksplit::interleaved(&cx, &a.name);
+            if interleave && fnw % 2 != 0 {
+                return Err(cx.err(format!(
+                    "accumulator {} is the output of an e4m3 [K, N] product: each warp needs an \
+                     even number of its n fragments, got {fnw}",
+                    a.name
+                )));
+            }
             let wn = cx.fresh(&format!("{}_wn", a.name));
             let row0 = cx.fresh(&format!("{}_row0", a.name));
             let col0 = cx.fresh(&format!("{}_col0", a.name));
@@ -437,6 +499,8 @@ impl<'k> Cx<'k> {
                 row0: var(&row0, Ty::U32),
                 col0: var(&col0, Ty::U32),
                 wn: var(&wn, Ty::U32),
+                interleave,
+                ksplit: split,
             };
             cx.new_privates.push(PrivateDecl {
                 name: a.name.clone(),
@@ -463,6 +527,7 @@ impl<'k> Cx<'k> {
             cx.reduce_scratch = Some(name);
         }
         cx.declare_softmax_table()?;
+        ksplit::declare(&mut cx)?;
         Ok(cx)
     }
 
@@ -497,6 +562,7 @@ impl<'k> Cx<'k> {
         let k_nk = bind(self, "lane_k8", bin(BinOp::BitAnd, lane.clone(), u(8)));
         self.lane = Lane {
             warp,
+            lane,
             group,
             quad,
             r16,
@@ -682,18 +748,62 @@ impl<'k> Cx<'k> {
         }
     }
 
-    /// For each element pair this thread holds of `acc`: `body(pair index into the private
-    /// array, row, col)`. Pairs are (c0, c1) and (c2, c3) of each fragment.
+    /// For each element pair this thread holds of `acc`: `body(private index of the first,
+    /// of the second)`, with `row`, `col` bound. Pairs are (c0, c1) and (c2, c3) of each
+    /// fragment; in an interleaved accumulator (see `ksplit`), value `e` of fragments `2j` and
+    /// `2j + 1`.
     fn for_each_pair(
         &mut self,
         acc: &str,
         row: &str,
         col: &str,
-        body: impl FnOnce(&mut Self, Expr) -> Result<Vec<Stmt>>,
+        body: impl FnOnce(&mut Self, Expr, Expr) -> Result<Vec<Stmt>>,
     ) -> Result<Vec<Stmt>> {
         let info = self.acc(acc)?.clone();
         let (f, h) = (self.fresh("frag"), self.fresh("half"));
         let (fv, hv) = (var(&f, Ty::U32), var(&h, Ty::U32));
+        if info.interleave {
+            let e = self.fresh("e");
+            let ev = var(&e, Ty::U32);
+            let half_n = info.fnw / 2;
+            // fragment pair `f`: fragments (f / half_n) * fnw + 2 (f % half_n) and the next
+            let fa = add(
+                mul(bin(BinOp::Div, fv.clone(), u(half_n)), u(info.fnw)),
+                mul(bin(BinOp::Rem, fv.clone(), u(half_n)), u(2)),
+            );
+            let v = add(mul(hv.clone(), u(2)), ev.clone());
+            let at0 = add(mul(fa.clone(), u(4)), v.clone());
+            let at1 = add(mul(add(fa, u(1)), u(4)), v);
+            let mut inner = vec![
+                let_(
+                    row,
+                    add(
+                        add(
+                            info.row0.clone(),
+                            mul(bin(BinOp::Div, fv.clone(), u(half_n)), u(16)),
+                        ),
+                        add(mul(hv, u(8)), self.lane.group.clone()),
+                    ),
+                ),
+                let_(
+                    col,
+                    add(
+                        add(
+                            info.col0.clone(),
+                            mul(bin(BinOp::Rem, fv, u(half_n)), u(16)),
+                        ),
+                        add(mul(self.lane.quad.clone(), u(4)), mul(ev, u(2))),
+                    ),
+                ),
+            ];
+            inner.extend(body(self, at0, at1)?);
+            let lp = for_const(
+                &f,
+                info.frags() / 2,
+                vec![for_const(&h, 2, vec![for_const(&e, 2, inner)])],
+            );
+            return Ok(self.for_used_warps(&info, vec![lp]));
+        }
         let at = add(mul(fv.clone(), u(4)), mul(hv.clone(), u(2)));
         let mut inner = vec![
             let_(
@@ -717,7 +827,8 @@ impl<'k> Cx<'k> {
                 ),
             ),
         ];
-        inner.extend(body(self, at)?);
+        let at1 = add(at.clone(), u(1));
+        inner.extend(body(self, at, at1)?);
         let lp = for_const(&f, info.frags(), vec![for_const(&h, 2, inner)]);
         Ok(self.for_used_warps(&info, vec![lp]))
     }
@@ -725,6 +836,7 @@ impl<'k> Cx<'k> {
     fn tile_op(&mut self, op: &TileOp, out: &mut Vec<Stmt>) -> Result<()> {
         match op {
             TileOp::AccFill { acc, value } => {
+                self.partial_live.remove(acc);
                 let len = 4 * self.acc(acc)?.frags();
                 let i = self.fresh("fill_i");
                 out.push(for_const(
@@ -744,11 +856,26 @@ impl<'k> Cx<'k> {
                 src,
                 row,
                 src_word,
+                flags,
             } => {
+                if self.resident_a.contains_key(dst) {
+                    let loads = self.resident_gather(dst, src, row, src_word)?;
+                    out.extend(loads);
+                    return Ok(());
+                }
                 // Barrier: earlier readers of the tile (write-after-read). The wait comes
                 // when something first uses the tile, so other work overlaps the copies.
                 out.push(Stmt::Barrier);
-                self.gather(dst, *dst_word0, *words, src, row, src_word, out)?;
+                self.gather(
+                    dst,
+                    *dst_word0,
+                    *words,
+                    src,
+                    row,
+                    src_word,
+                    flags.as_deref(),
+                    out,
+                )?;
                 out.push(intr(Intrinsic::CpAsyncCommit));
                 if self.stage.is_some() {
                     out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
@@ -762,7 +889,22 @@ impl<'k> Cx<'k> {
                 a,
                 b,
                 b_layout,
-            } => self.mma(acc, a, b, *b_layout, out)?,
+            } => self.mma(acc, a, b, *b_layout, None, out)?,
+            TileOp::MmaScaled {
+                acc,
+                a,
+                b,
+                b_layout,
+                row,
+                scale,
+            } => self.mma(
+                acc,
+                a,
+                b,
+                *b_layout,
+                Some((row.clone(), scale.clone())),
+                out,
+            )?,
             TileOp::AccForEach {
                 acc,
                 row,
@@ -771,11 +913,11 @@ impl<'k> Cx<'k> {
                 v1,
                 body,
             } => {
+                self.materialize(acc, out)?;
                 let body = self.stmts(body)?;
                 let acc_name = acc.clone();
                 let (v0, v1) = (v0.clone(), v1.clone());
-                let s = self.for_each_pair(acc, row, col, |_, at| {
-                    let at1 = add(at.clone(), u(1));
+                let s = self.for_each_pair(acc, row, col, |_, at, at1| {
                     let mut s = vec![
                         Stmt::Var {
                             name: v0.clone(),
@@ -801,8 +943,12 @@ impl<'k> Cx<'k> {
                 })?;
                 out.extend(s);
             }
-            TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
+            TileOp::AccRowReduce { acc, op, dst } => {
+                self.materialize(acc, out)?;
+                self.row_reduce(acc, *op, dst, out)?
+            }
             TileOp::AccToShared { acc, dst } => {
+                self.materialize(acc, out)?;
                 let stores = self.acc_to_shared_stores(acc, dst)?;
                 out.push(Stmt::Barrier);
                 out.extend(stores);
@@ -815,7 +961,13 @@ impl<'k> Cx<'k> {
                 outs,
                 p_tile,
                 ..
-            } => self.online_softmax(s, (m, l), outs, p_tile, out)?,
+            } => {
+                self.materialize(s, out)?;
+                for o in outs {
+                    self.materialize(o, out)?;
+                }
+                self.online_softmax(s, (m, l), outs, p_tile, out)?
+            }
             TileOp::SharedMap {
                 dst,
                 row,
@@ -830,6 +982,15 @@ impl<'k> Cx<'k> {
                 load,
                 compute,
             } => {
+                if self.ws.is_some() {
+                    // the q gather (cp.async) is waited for before the loop
+                    if !self.pending.is_empty() {
+                        out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+                        out.push(Stmt::Barrier);
+                        self.pending.clear();
+                    }
+                    return self.consumer_loop(v, count, load, compute, out);
+                }
                 // Tiles still in flight are older than the ring's groups, so the first
                 // step's wait covers them; after the loop (which may not run) wait for all.
                 let in_flight = !self.pending.is_empty();
@@ -860,9 +1021,9 @@ impl<'k> Cx<'k> {
         let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
         let acc_name = acc.to_string();
         let dst_name = dst.to_string();
-        let s = self.for_each_pair(acc, &row, &col, |_, at| {
-            let v0 = priv_load(&acc_name, at.clone());
-            let v1 = priv_load(&acc_name, add(at, u(1)));
+        let s = self.for_each_pair(acc, &row, &col, |_, at, at1| {
+            let v0 = priv_load(&acc_name, at);
+            let v1 = priv_load(&acc_name, at1);
             Ok(match elem {
                 TileElem::Bf16 if split.is_some() => {
                     let at = add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1)));
@@ -921,6 +1082,7 @@ impl<'k> Cx<'k> {
             src: &'a str,
             row: &'a str,
             src_word: &'a Expr,
+            flags: Option<&'a str>,
             comment: Option<String>,
         }
         let mut gathers = Vec::new();
@@ -934,6 +1096,7 @@ impl<'k> Cx<'k> {
                     src,
                     row,
                     src_word,
+                    flags,
                 }) => {
                     let plan = self.gather_plan(dst, *dst_word0, *words)?;
                     let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
@@ -946,6 +1109,7 @@ impl<'k> Cx<'k> {
                         src,
                         row,
                         src_word,
+                        flags: flags.as_deref(),
                         comment: comment.take(),
                     });
                 }
@@ -981,7 +1145,14 @@ impl<'k> Cx<'k> {
                 if let Some(c) = &g.comment {
                     body.push(Stmt::Comment(c.clone()));
                 }
-                body.push(cx.gather_copy(&g.plan, g.dst, g.dst_word0, g.words, g.src, &g.srcs)?);
+                body.push(cx.gather_copy(
+                    &g.plan,
+                    g.dst,
+                    (g.dst_word0, g.words),
+                    g.src,
+                    &g.srcs,
+                    g.flags,
+                )?);
             }
             cx.stage = saved;
             Ok(Stmt::If {
@@ -1115,12 +1286,19 @@ impl<'k> Cx<'k> {
         &mut self,
         plan: &GatherPlan,
         dst: &str,
-        dst_word0: u32,
-        words: u32,
+        (dst_word0, words): (u32, u32),
         src: &str,
         srcs: &str,
+        flags: Option<&str>,
     ) -> Result<Stmt> {
         let info = self.tile(dst)?.clone();
+        let flag_at = match flags {
+            Some(f) => {
+                let t = self.tile(f)?.clone();
+                Some((f.to_string(), self.tile_base(&t)?))
+            }
+            None => None,
+        };
         let base = self.tile_base(&info)?;
         let tpr = plan.tpr;
         let chunks = words / 4;
@@ -1193,6 +1371,21 @@ impl<'k> Cx<'k> {
                 add(add(base, mul(rv.clone(), u(info.stride))), u(dst_word0)),
             ),
         ];
+        if let Some((f, fbase)) = flag_at {
+            row_body.push(Stmt::If {
+                cond: bin(BinOp::Eq, sub.clone(), u(0)),
+                then: vec![Stmt::SharedStore {
+                    arr: f,
+                    index: add(fbase, rv.clone()),
+                    value: Expr::Select(
+                        Box::new(validv.clone()),
+                        Box::new(Expr::F32(1.0)),
+                        Box::new(Expr::F32(0.0)),
+                    ),
+                }],
+                els: vec![],
+            });
+        }
         let words_path = copy_loop(self, 4, words, 0);
         if chunks > 0 && dst_word0 % 4 == 0 {
             // 16-byte copies when the source row is 16-byte aligned, else 4-byte ones.
@@ -1230,12 +1423,13 @@ impl<'k> Cx<'k> {
         src: &str,
         row: &str,
         src_word: &Expr,
+        flags: Option<&str>,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let plan = self.gather_plan(dst, dst_word0, words)?;
         let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
         out.push(self.gather_addr(&plan, row, src_word, &srcs)?);
-        out.push(self.gather_copy(&plan, dst, dst_word0, words, src, &srcs)?);
+        out.push(self.gather_copy(&plan, dst, (dst_word0, words), src, &srcs, flags)?);
         Ok(())
     }
 
@@ -1245,11 +1439,24 @@ impl<'k> Cx<'k> {
         a: &TileView,
         b: &TileView,
         layout: BLayout,
+        scale: Option<(String, Expr)>,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let info = self.acc(acc)?.clone();
+        if info.ksplit.is_some() {
+            return self.mma_ksplit(acc, a, b, scale, out);
+        }
         let ta = self.tile(&a.tile)?.clone();
         let tb = self.tile(&b.tile)?.clone();
+        if tb.decl.elem == TileElem::E4m3 && layout == BLayout::KN && ta.store == TileElem::Bf16 {
+            return self.mma_e4m3_kn(acc, a, b, scale, out);
+        }
+        if scale.is_some() || tb.decl.elem == TileElem::E4m3 {
+            return Err(self.err(format!(
+                "mma into {acc}: scaled and e4m3 products are lowered as [K, N] products with a \
+                 bf16 A operand or as split-K [N, K] products (Lowering::MmaWs)"
+            )));
+        }
         for t in [&ta, &tb] {
             if t.store != TileElem::Bf16 {
                 return Err(self.err(format!(
@@ -1628,7 +1835,7 @@ impl<'k> Cx<'k> {
         let word_value = match elem {
             TileElem::F32 => col_plus(0),
             TileElem::Bf16 => Expr::Call(Func::PackBf16x2, vec![col_plus(0), col_plus(1)]),
-            TileElem::U8 => {
+            TileElem::U8 | TileElem::E4m3 => {
                 let mut w = bin(BinOp::BitAnd, col_plus(0), u(0xFF));
                 for k in 1..4 {
                     let byte = bin(BinOp::BitAnd, col_plus(k), u(0xFF));
@@ -1713,6 +1920,9 @@ fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
             TileOp::GatherRows { dst, src_word, .. } => hit(dst) || expr_hit(src_word),
             TileOp::AccFill { .. } | TileOp::AccRowReduce { .. } => false,
             TileOp::Mma { a, b, .. } => hit(&a.tile) || hit(&b.tile),
+            TileOp::MmaScaled { a, b, scale, .. } => {
+                hit(&a.tile) || hit(&b.tile) || expr_hit(scale)
+            }
             TileOp::AccForEach { body, .. } => all(body),
             TileOp::AccToShared { dst, .. } => hit(dst),
             TileOp::SharedMap { dst, value, .. } => hit(dst) || expr_hit(value),
@@ -1826,14 +2036,19 @@ fn bf16_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Expr {
                 u(16),
             ))
         }
-        TileElem::U8 => {
+        TileElem::U8 | TileElem::E4m3 => {
             let word = shared_load(
                 name,
                 Ty::U32,
                 add(row_word, bin(BinOp::Shr, col.clone(), u(2))),
             );
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(3)), u(8));
-            bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF))
+            let byte = bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF));
+            if info.store == TileElem::E4m3 {
+                crate::kir::lower_scalar::e4m3_value(byte)
+            } else {
+                byte
+            }
         }
     }
 }

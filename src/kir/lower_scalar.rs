@@ -369,13 +369,30 @@ impl<'k> Cx<'k> {
                 src,
                 row,
                 src_word,
-            } => self.gather(dst, *dst_word0, *words, src, row, src_word, out)?,
+                flags,
+            } => self.gather(
+                dst,
+                (*dst_word0, *words),
+                src,
+                row,
+                src_word,
+                flags.as_deref(),
+                out,
+            )?,
             TileOp::Mma {
                 acc,
                 a,
                 b,
                 b_layout,
-            } => self.mma(acc, a, b, *b_layout, out)?,
+            } => self.mma(acc, a, b, *b_layout, None, out)?,
+            TileOp::MmaScaled {
+                acc,
+                a,
+                b,
+                b_layout,
+                row,
+                scale,
+            } => self.mma(acc, a, b, *b_layout, Some((row, scale)), out)?,
             TileOp::AccForEach {
                 acc,
                 row,
@@ -494,11 +511,11 @@ impl<'k> Cx<'k> {
     fn gather(
         &mut self,
         dst: &str,
-        dst_word0: u32,
-        words: u32,
+        (dst_word0, words): (u32, u32),
         src: &str,
         row: &str,
         src_word: &Expr,
+        flags: Option<&str>,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let info = self.tile(dst)?;
@@ -512,16 +529,33 @@ impl<'k> Cx<'k> {
             len: rows,
         });
         out.push(Stmt::Barrier);
+        let mut resolve = vec![Stmt::SharedStore {
+            arr: offsets.clone(),
+            index: var(row, Ty::U32),
+            value: self.expr(src_word)?,
+        }];
+        if let Some(flags) = flags {
+            // the row's validity, once, next to its source word
+            resolve.push(Stmt::SharedStore {
+                arr: flags.into(),
+                index: var(row, Ty::U32),
+                value: Expr::Select(
+                    Box::new(bin(
+                        BinOp::Ge,
+                        shared_load(&offsets, Ty::I32, var(row, Ty::U32)),
+                        Expr::I32(0),
+                    )),
+                    Box::new(Expr::F32(1.0)),
+                    Box::new(Expr::F32(0.0)),
+                ),
+            });
+        }
         out.push(Stmt::For {
             var: row.into(),
             start: local_id(),
             end: u(rows),
             step: u(self.w),
-            body: vec![Stmt::SharedStore {
-                arr: offsets.clone(),
-                index: var(row, Ty::U32),
-                value: self.expr(src_word)?,
-            }],
+            body: resolve,
         });
         out.push(Stmt::Barrier);
         // Phase 2: all threads copy words; rows without a source become zeros.
@@ -587,15 +621,39 @@ impl<'k> Cx<'k> {
         Ok(())
     }
 
+    /// `acc += A · B`; with `scale = (row, value)`, each storage row `r` of B is first
+    /// multiplied by `value` (`row` bound to `r`), in f32 before the product, as the
+    /// dequantised operand would be.
     fn mma(
         &mut self,
         acc: &str,
         a: &TileView,
         b: &TileView,
         layout: BLayout,
+        scale: Option<(&String, &Expr)>,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         let k_len = a.cols;
+        if self.tile(&a.tile)?.decl.elem == TileElem::E4m3 {
+            return Err(self.err(format!(
+                "mma into {acc}: an e4m3 tile ({}) can only be the B operand",
+                a.tile
+            )));
+        }
+        let scale = match scale {
+            Some((row, value)) => Some((row.clone(), self.expr(value)?)),
+            None => None,
+        };
+        // the scale of B storage row `r`, as an expression
+        let scale_of = |r: Expr| -> Option<Expr> {
+            scale.as_ref().map(|(row, value)| {
+                let row = row.clone();
+                value.clone().map(&mut |x| match x {
+                    Expr::Var(ref n, Ty::U32) if *n == row => r.clone(),
+                    other => other,
+                })
+            })
+        };
         if k_len % 2 != 0 || a.col0 % 2 != 0 || b.col0 % 2 != 0 {
             return Err(self.err(format!(
                 "mma into {acc}: K ({k_len}) and operand column offsets must be even"
@@ -680,6 +738,29 @@ impl<'k> Cx<'k> {
                             add(u(b.col0), cv.clone()),
                         );
                         (x, y, z, w)
+                    }
+                };
+                // per-row scales: rows are columns (NK) or k (KN)
+                let (b00, b01, b10, b11) = match layout {
+                    BLayout::NK => {
+                        let r0 = add(u(b.row0), rv_col(&cv, 0));
+                        let r1 = add(u(b.row0), rv_col(&cv, 1));
+                        (
+                            scaled(b00, scale_of(r0.clone())),
+                            scaled(b01, scale_of(r1.clone())),
+                            scaled(b10, scale_of(r0)),
+                            scaled(b11, scale_of(r1)),
+                        )
+                    }
+                    BLayout::KN => {
+                        let k0 = add(u(b.row0), kk.clone());
+                        let k1 = add(k0.clone(), u(1));
+                        (
+                            scaled(b00, scale_of(k0.clone())),
+                            scaled(b01, scale_of(k0)),
+                            scaled(b10, scale_of(k1.clone())),
+                            scaled(b11, scale_of(k1)),
+                        )
                     }
                 };
                 let b00 = bind(&names[2], b00);
@@ -836,7 +917,7 @@ impl<'k> Cx<'k> {
         let word_value = match elem {
             TileElem::F32 => col_plus(0),
             TileElem::Bf16 => Expr::Call(Func::PackBf16x2, vec![col_plus(0), col_plus(1)]),
-            TileElem::U8 => {
+            TileElem::U8 | TileElem::E4m3 => {
                 let mut w = bin(BinOp::BitAnd, col_plus(0), u(0xFF));
                 for k in 1..4 {
                     let byte = bin(BinOp::BitAnd, col_plus(k), u(0xFF));
@@ -882,6 +963,13 @@ impl<'k> Cx<'k> {
     }
 }
 
+fn scaled(x: Expr, scale: Option<Expr>) -> Expr {
+    match scale {
+        Some(s) => bin(BinOp::Mul, x, s),
+        None => x,
+    }
+}
+
 fn rv_col(col: &Expr, k: u32) -> Expr {
     if k == 0 {
         col.clone()
@@ -909,16 +997,26 @@ fn tile_elem(info: &TileInfo, row: Expr, col: Expr) -> Expr {
                 u(16),
             ))
         }
-        TileElem::U8 => {
+        TileElem::U8 | TileElem::E4m3 => {
             let word = shared_load(
                 name,
                 Ty::U32,
                 add(mul(row, u(info.stride)), bin(BinOp::Shr, col.clone(), u(2))),
             );
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(3)), u(8));
-            bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF))
+            let byte = bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFF));
+            if info.decl.elem == TileElem::E4m3 {
+                e4m3_value(byte)
+            } else {
+                byte
+            }
         }
     }
+}
+
+/// The f32 value of an e4m3 byte (u32 holding the bits).
+pub(crate) fn e4m3_value(byte: Expr) -> Expr {
+    Expr::Cvt(Ty::F32, Box::new(Expr::Cvt(Ty::F8E4M3, Box::new(byte))))
 }
 
 /// Word `word` of row `row` of a shared tile, as u32.
@@ -934,6 +1032,20 @@ fn tile_word(info: &TileInfo, row: Expr, word: Expr) -> Expr {
 /// Elements (row, col) and (row, col + 1), `col` even: one word for bf16 tiles.
 fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr) -> (Expr, Expr) {
     match elem {
+        TileElem::E4m3 => {
+            let word = shared_load(
+                tile,
+                Ty::U32,
+                add(mul(row, u(stride)), bin(BinOp::Shr, col.clone(), u(2))),
+            );
+            // bytes 2·(col/2 % 2) and the next of the word
+            let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(2)), u(8));
+            let lo = bin(BinOp::Shr, word, shift);
+            (
+                e4m3_value(bin(BinOp::BitAnd, lo.clone(), u(0xFF))),
+                e4m3_value(bin(BinOp::BitAnd, bin(BinOp::Shr, lo, u(8)), u(0xFF))),
+            )
+        }
         TileElem::Bf16 => {
             let word = shared_load(
                 tile,
@@ -983,7 +1095,7 @@ pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
                     }
                     collect_names(body, used);
                 }
-                TileOp::GatherRows { row, .. } => {
+                TileOp::GatherRows { row, .. } | TileOp::MmaScaled { row, .. } => {
                     used.insert(row.clone());
                 }
                 TileOp::SharedMap { row, col, .. } => {

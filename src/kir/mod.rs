@@ -29,6 +29,13 @@ pub enum Lowering {
     /// memory per block.
     /// `min_workgroups`: the register-allocation hint of the lowered kernel (0: none).
     Mma { stages: u32, min_workgroups: u32 },
+    /// CUDA tensor cores with a producer warp (`v7`): one extra warp gathers each pipeline
+    /// step into a `stages`-deep ring (`cp.async.bulk` + mbarrier transaction counts on sm_90
+    /// and later, `cp.async` arriving on the mbarrier before), the other warps compute, stages
+    /// handed over with mbarriers instead of workgroup barriers; an S-like product is split
+    /// along K over the warps with its loop-invariant A operand in registers. One workgroup
+    /// per multiprocessor (SM120's shared-memory budget).
+    MmaWs { stages: u32 },
 }
 
 impl Lowering {
@@ -36,6 +43,7 @@ impl Lowering {
         match self {
             Lowering::Scalar => "scalar",
             Lowering::Mma { .. } => "mma",
+            Lowering::MmaWs { .. } => "mma-ws",
         }
     }
 }
@@ -48,5 +56,6 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             stages,
             min_workgroups,
         } => lower_mma::lower(kernel, stages, min_workgroups),
+        Lowering::MmaWs { stages } => lower_mma::lower_ws(kernel, stages),
     }
 }

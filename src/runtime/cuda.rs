@@ -307,6 +307,23 @@ impl CudaDevice {
         Ok(per_sm * self.sm_count)
     }
 
+    /// Decode-kernel tuning (mla-bench `--sm120-occupancy`): the preferred shared-memory
+    /// carve-out of a compiled kernel, in percent of the multiprocessor's unified L1 /
+    /// shared memory (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`; -1 restores the
+    /// driver's default). On an H200, 44 leaves 100 KB of shared memory per multiprocessor:
+    /// SM120's budget, so one 99 KB workgroup per multiprocessor.
+    pub fn set_shared_carveout(&self, module: &CudaModule, percent: i32) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        unsafe {
+            drv::function::set_function_attribute(
+                module.function.cu_function(),
+                drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                percent,
+            )
+        }
+        .map_err(|e| drv_err(&format!("shared-memory carve-out {percent}%"), e))
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         self.syncs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -318,6 +335,24 @@ impl CudaDevice {
     /// Times the host has waited for the GPU (synchronisations, reads).
     pub fn host_syncs(&self) -> u64 {
         self.syncs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The decode kernel the CUDA backend runs: v6 (the measured faster one on the H200), or v7
+/// with `SPARSE_MLA_DECODE_KERNEL=v7`.
+fn decode_kernel_choice(shape: &DecodeShape) -> Result<DecodeConfig> {
+    match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
+        Err(_) | Ok("") | Ok("v6") => Ok(DecodeConfig::tensor_core(
+            shape.dims,
+            shape.format,
+            shape.heads,
+        )),
+        Ok("v7") => Ok(DecodeConfig::tensor_core_v7(
+            shape.dims,
+            shape.format,
+            shape.heads,
+        )),
+        Ok(other) => Err(Error::arg("SPARSE_MLA_DECODE_KERNEL", "v6 or v7", other)),
     }
 }
 
@@ -347,10 +382,10 @@ impl Device for CudaDevice {
     /// Tensor-core config for the head count, splits from the cost model over the
     /// workgroups this GPU runs at once.
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
-        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        let config = decode_kernel_choice(shape)?;
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
-        DecodePlan::tensor_core(shape, resident, splits)
+        DecodePlan::with_config(config, shape, resident, splits)
     }
 
     fn target_workgroups(&self) -> u32 {

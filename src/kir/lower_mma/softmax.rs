@@ -751,11 +751,32 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             } => hit(arr) || expr(word) || expr(dst0),
             Intrinsic::MmaBf16 { c0, a0, b0, .. } => expr(c0) || expr(a0) || expr(b0),
             Intrinsic::ShflXor { value, .. } => expr(value),
-            Intrinsic::CpAsyncCommit | Intrinsic::CpAsyncWait { .. } => false,
+            Intrinsic::CopyAsync {
+                dst,
+                dst_word,
+                src_word,
+                bars,
+                index,
+                ..
+            } => hit(dst) || hit(bars) || expr(dst_word) || expr(src_word) || expr(index),
+            Intrinsic::MbarInit { bars, index, .. }
+            | Intrinsic::MbarArrive { bars, index }
+            | Intrinsic::CopyArrive { bars, index } => hit(bars) || expr(index),
+            Intrinsic::MbarWait {
+                bars,
+                index,
+                parity,
+            } => hit(bars) || expr(index) || expr(parity),
+            Intrinsic::CpAsyncCommit
+            | Intrinsic::CpAsyncWait { .. }
+            | Intrinsic::NamedBarrier { .. }
+            | Intrinsic::SyncWarp
+            | Intrinsic::FenceProxyAsync => false,
         },
         Stmt::Tile(op) => match op {
             TileOp::GatherRows { src_word, .. } => expr(src_word),
             TileOp::AccFill { .. } | TileOp::Mma { .. } | TileOp::AccToShared { .. } => false,
+            TileOp::MmaScaled { scale, .. } => expr(scale),
             TileOp::AccForEach { body, .. } => all(body),
             TileOp::AccRowReduce { dst, .. } => hit(dst),
             TileOp::SharedMap { value, .. } => expr(value),

@@ -1,0 +1,236 @@
+//! What both descriptions of the split kernel share: the header lines, parameters and
+//! buffers (the launch interface, fixed), and the epilogue that writes a split's rows.
+
+use super::DecodeConfig;
+use crate::kir::builder::*;
+use crate::kir::ir::{Access, Elem, Expr, Ty};
+use crate::kir::ops::{SoftmaxState, MASKED};
+use crate::mla::CacheFormat;
+
+/// The split kernel's parameters and buffers.
+pub(super) struct SplitIo {
+    pub heads: Expr,
+    pub topk: Expr,
+    pub num_slots: Expr,
+    pub splits: Expr,
+    pub chunk: Expr,
+    pub has_len: Expr,
+    pub scale: Expr,
+    pub page_size: Expr,
+    pub row_stride: Expr,
+    pub page_stride: Expr,
+    pub lse_s_q: Option<Expr>,
+    pub q: Buf,
+    pub cache: Buf,
+    pub indices: Buf,
+    pub topk_length: Buf,
+    pub out: Buf,
+    pub lse_out: Buf,
+}
+
+/// Header lines, parameters and buffers of the split kernel of `cfg`.
+pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
+    let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
+    b.doc(format!(
+        "Sparse MLA decode, split stage: cache {} ({} B/row), d_qk {d}, d_v {dv}, {} heads x {} slots per step, {} lowering.",
+        cfg.format.name(),
+        cfg.format.row_bytes(cfg.dims),
+        cfg.block_h,
+        cfg.block_n,
+        cfg.lowering.name()
+    ));
+    b.doc("Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.".to_string());
+    b.doc(
+        "Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read."
+            .to_string(),
+    );
+    b.doc("Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.".to_string());
+    if cfg.format == CacheFormat::Fp8DsMla {
+        b.doc("fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.".to_string());
+        b.doc("Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.".to_string());
+    }
+    if cfg.final_output {
+        b.doc(
+            "One split: writes out (bf16) and lse (f32; +inf for a row with no valid index)."
+                .to_string(),
+        );
+        b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
+    } else {
+        b.doc("Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).".to_string());
+    }
+
+    let tokens = b.param("tokens", Ty::U32, "T, query tokens (batch x s_q)");
+    let heads = b.param("heads", Ty::U32, "H, query heads");
+    let topk = b.param("topk", Ty::U32, "top-k entries per token");
+    let num_slots = b.param("num_slots", Ty::U32, "num_pages x page_size");
+    let splits = b.param("splits", Ty::U32, "S, splits of the top-k list");
+    let chunk = b.param(
+        "chunk",
+        Ty::U32,
+        "top-k entries per split (multiple of block_n)",
+    );
+    let has_len = b.param("has_topk_length", Ty::U32, "1: topk_length is given");
+    let scale = b.param("scale", Ty::F32, "softmax scale");
+    let page_size = b.param("page_size", Ty::U32, "slots per page");
+    let row_stride = b.param(
+        "row_stride_w",
+        Ty::U32,
+        "32-bit words from one cache row to the next",
+    );
+    let page_stride = b.param(
+        "page_stride_w",
+        Ty::U32,
+        "32-bit words from one cache page to the next",
+    );
+    let lse_s_q = cfg.final_output.then(|| {
+        b.param(
+            "lse_s_q",
+            Ty::U32,
+            "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]",
+        )
+    });
+    let _ = tokens;
+
+    let q = b.buffer(
+        "q",
+        Elem::Bf16,
+        Access::Read,
+        &format!("[tokens, heads, {d}]"),
+    );
+    let cache_elem = match cfg.format {
+        CacheFormat::Bf16 => Elem::Bf16,
+        CacheFormat::Fp8DsMla => Elem::U8,
+    };
+    let cache = b.buffer(
+        "kv_cache",
+        cache_elem,
+        Access::Read,
+        &format!(
+            "[num_pages, page_size, {}] {} rows (strided)",
+            cfg.format.row_bytes(cfg.dims),
+            cfg.format.name()
+        ),
+    );
+    let indices = b.buffer("indices", Elem::I32, Access::Read, "[tokens, topk] slots");
+    let topk_length = b.buffer(
+        "topk_length",
+        Elem::I32,
+        Access::Read,
+        "[tokens] (any 1-element buffer when has_topk_length = 0)",
+    );
+    let (out, lse_out) = if cfg.final_output {
+        (
+            b.buffer(
+                "out",
+                Elem::Bf16,
+                Access::ReadWrite,
+                &format!("[tokens, heads, {dv}]"),
+            ),
+            b.buffer(
+                "lse",
+                Elem::F32,
+                Access::ReadWrite,
+                "[tokens / lse_s_q, heads, lse_s_q]",
+            ),
+        )
+    } else {
+        (
+            b.buffer(
+                "o_part",
+                Elem::F32,
+                Access::ReadWrite,
+                &format!("[tokens, heads, splits, {dv}]"),
+            ),
+            b.buffer(
+                "lse_part",
+                Elem::F32,
+                Access::ReadWrite,
+                "[tokens, heads, splits]",
+            ),
+        )
+    };
+
+    SplitIo {
+        heads,
+        topk,
+        num_slots,
+        splits,
+        chunk,
+        has_len,
+        scale,
+        page_size,
+        row_stride,
+        page_stride,
+        lse_s_q,
+        q,
+        cache,
+        indices,
+        topk_length,
+        out,
+        lse_out,
+    }
+}
+
+/// Normalise the output accumulators (`(acc, first output column)`) and write this split's
+/// rows and lse.
+pub(super) fn write_outputs(
+    b: &mut KernelBuilder,
+    cfg: &DecodeConfig,
+    io: &SplitIo,
+    (t, split, h0): (&Expr, &Expr, &Expr),
+    st: &SoftmaxState,
+    outs: &[(&Acc, u32)],
+) {
+    let dv = cfg.dims.d_v();
+    let (heads, splits) = (&io.heads, &io.splits);
+    b.comment("normalise and write this split's output rows");
+    for (o, col0) in outs {
+        b.acc_for_each(o, |b, e| {
+            let h = b.let_("h", h0.clone() + e.row.clone());
+            b.if_(h.clone().lt(heads.clone()), |b| {
+                let l = b.let_("l", st.l.at(e.row.clone()));
+                let inv = b.let_("inv_l", select(l.clone().gt(f(0.0)), f(1.0) / l, f(0.0)));
+                let (y0, y1) = (e.v0.clone() * inv.clone(), e.v1.clone() * inv);
+                let col = e.col.clone() + u(*col0);
+                if cfg.final_output {
+                    let at = (t.clone() * heads.clone() + h) * u(dv) + col;
+                    b.store_word(&io.out, at / u(2), pack_bf16x2(y0, y1));
+                } else {
+                    let at = ((t.clone() * heads.clone() + h) * splits.clone() + split.clone())
+                        * u(dv)
+                        + col;
+                    let at = b.let_("at", at);
+                    b.store(&io.out, at.clone(), y0);
+                    b.store(&io.out, at + u(1), y1);
+                }
+            });
+        });
+    }
+    b.for_threads("r", u(cfg.block_h), |b, r| {
+        let h = b.let_("h", h0.clone() + r.clone());
+        b.if_(h.clone().lt(heads.clone()), |b| {
+            let l = b.let_("l", st.l.at(r.clone()));
+            let empty = if cfg.final_output {
+                f(f32::INFINITY)
+            } else {
+                f(MASKED)
+            };
+            let v = select(
+                l.clone().gt(f(0.0)),
+                st.m.at(r) + log(l.max(f(1e-30))),
+                empty,
+            );
+            if let Some(s_q) = &io.lse_s_q {
+                let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
+                    + t.clone() % s_q.clone();
+                b.store(&io.lse_out, at, v);
+            } else {
+                b.store(
+                    &io.lse_out,
+                    (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
+                    v,
+                );
+            }
+        });
+    });
+}

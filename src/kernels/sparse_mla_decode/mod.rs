@@ -1,0 +1,482 @@
+//! Sparse MLA decode over a virtual block table (DESIGN §3), described once.
+//!
+//! Two kernels:
+//! - **split**: workgroup (head block, split, token) attends its `block_h` heads of token `t`
+//!   over one chunk of the token's top-k list, `block_n` slots at a time: gather the rows,
+//!   `S = q · Kᵀ`, mask, online softmax, `O += P · V` (V = the first `d_v` columns of the
+//!   same rows). It writes either the final output (one split) or a normalised partial
+//!   `(o_s, lse_s)` per split.
+//! - **combine**: one workgroup per (token, head) merges the partials:
+//!   `lse = logsumexp_s lse_s`, `out = Σ_s exp(lse_s − lse) · o_s`.
+//!
+//! Conventions from [`crate::mla`]: invalid indices are masked and never read; a row with
+//! no valid index gets `out = 0`, `lse = +inf`; an empty split carries a masked lse.
+
+use super::{pack_params, Launch, ParamValue};
+use crate::kir::ir::{Kernel, TileElem};
+use crate::kir::Lowering;
+use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
+use crate::{Error, Result};
+use std::sync::Arc;
+
+/// Compile-time knobs of the decode kernels. Everything else (tokens, heads, topk, slots,
+/// splits, scale) is a run-time parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeConfig {
+    pub dims: MlaDims,
+    pub format: CacheFormat,
+    /// Heads per workgroup (rows of the q tile).
+    pub block_h: u32,
+    /// Top-k slots per step (rows of the gathered KV tile).
+    pub block_n: u32,
+    pub threads: u32,
+    /// Element type of P (the A operand of P · V): f32 keeps the scalar path exact to f32.
+    pub p_elem: TileElem,
+    /// The split kernel writes the final output (only valid with one split).
+    pub final_output: bool,
+    pub lowering: Lowering,
+}
+
+impl DecodeConfig {
+    /// The portable configuration: fits WebGPU's 16 KiB of workgroup memory and 256 threads.
+    /// fp8 rows need a byte tile for the raw rows next to the f32 tile of dequantised ones,
+    /// so fp8 takes 2 slots per step (15432 B) where bf16 takes 4 (14256 B).
+    pub fn portable(dims: MlaDims, format: CacheFormat) -> Self {
+        DecodeConfig {
+            dims,
+            format,
+            block_h: 8,
+            block_n: match format {
+                CacheFormat::Bf16 => 4,
+                CacheFormat::Fp8DsMla => 2,
+            },
+            threads: 128,
+            p_elem: TileElem::F32,
+            final_output: false,
+            lowering: Lowering::Scalar,
+        }
+    }
+
+    /// The scalar CUDA configuration (48 KB of static shared memory is always available):
+    /// 16 slots per step for bf16 (39296 B), 8 for fp8 (43488 B with the raw-row tile).
+    pub fn cuda_scalar(dims: MlaDims, format: CacheFormat) -> Self {
+        DecodeConfig {
+            dims,
+            format,
+            // fp8: four 128-column output accumulators; 8 heads per workgroup keep them in
+            // registers (16 spilled 16 B on sm_80, 256 threads spilled more)
+            block_h: match format {
+                CacheFormat::Bf16 => 16,
+                CacheFormat::Fp8DsMla => 8,
+            },
+            block_n: match format {
+                CacheFormat::Bf16 => 16,
+                CacheFormat::Fp8DsMla => 8,
+            },
+            threads: 128,
+            p_elem: TileElem::F32,
+            final_output: false,
+            lowering: Lowering::Scalar,
+        }
+    }
+
+    /// The v7 tensor-core configuration (CUDA, [`Lowering::MmaWs`]) for `heads` query heads:
+    /// 8 warps, the last also issuing the ring's copies; one workgroup per multiprocessor
+    /// (registers: 160-255 per thread; SM120's budget: everything fits 101376 bytes of shared
+    /// memory, the lowering checks):
+    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of bf16 rows
+    ///   (2 x 37 KB), or 4-deep of fp8_ds_mla rows (4 x 22 KB: the row as it is);
+    /// - H > 16: 32 heads x 32 slots, the same rings (3-deep for fp8).
+    ///
+    /// q lives in registers (each warp its K slice of the split-K score product).
+    pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+        let (block_h, stages) = match (heads <= 16, format) {
+            (true, CacheFormat::Bf16) => (16, 2),
+            (true, CacheFormat::Fp8DsMla) => (16, 4),
+            (false, CacheFormat::Bf16) => (32, 2),
+            (false, CacheFormat::Fp8DsMla) => (32, 3),
+        };
+        Self::tensor_core_custom(dims, format, block_h, 32, stages)
+    }
+
+    /// The tensor-core configuration the CUDA backend runs for `heads` query heads: v6
+    /// ([`Self::tensor_core_v6`]). v7 ([`Self::tensor_core_v7`]) measured slower on the H200 at
+    /// its default occupancy (benches/NOTES.md, v7), so it is opt-in
+    /// (`SPARSE_MLA_DECODE_KERNEL=v7` in the CUDA backend).
+    pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+        Self::tensor_core_v6(dims, format, heads)
+    }
+
+    /// A v7 tensor-core configuration with the given head block, step and ring depth.
+    pub fn tensor_core_custom(
+        dims: MlaDims,
+        format: CacheFormat,
+        block_h: u32,
+        block_n: u32,
+        stages: u32,
+    ) -> Self {
+        DecodeConfig {
+            dims,
+            format,
+            block_h,
+            block_n,
+            threads: 256,
+            p_elem: TileElem::Bf16,
+            final_output: false,
+            lowering: Lowering::MmaWs { stages },
+        }
+    }
+
+    /// The v6 tensor-core configuration (CUDA, [`Lowering::Mma`], the baseline) for `heads`
+    /// query heads. Every
+    /// one fits SM120's 101376 bytes of shared memory per block (the lowering checks):
+    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of gathered rows
+    ///   (2 x 37 KB) next to the q tile (18 KB);
+    /// - H > 16: 32 heads x 32 slots in one stage: fewer CTAs read each row;
+    /// - fp8_ds_mla: the same head blocks with rings of raw rows sized to fit beside the
+    ///   dequantised tile.
+    pub fn tensor_core_v6(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
+        // Measured on the H200 (benches/NOTES.md): the kernel is bound by per-step latency
+        // (barriers, the online softmax), so few, large steps win over deep rings. 8 warps;
+        // two workgroups per multiprocessor (<= 128 registers, <= 99 KB shared memory each
+        // on an H100/H200; SM120 fits one). fp8 adds a ring of raw 656-byte rows beside the
+        // tile they are dequantised into (two bf16 planes, hi + lo, of the f32 values).
+        // H > 16, bf16: 32 slots per step in a single stage (75 KB) beat 16 in a 3-deep ring
+        // by 1.3x; the other workgroup on the multiprocessor covers the gather latency.
+        // H <= 16: the hint of 2 per multiprocessor is what their 95-99 KB of shared memory
+        // allows anyway; without it ptxas aims at 3 (78-80 registers): fp8 then spilled on
+        // sm_80, and both ran 1.07x (bf16) to 1.17x (fp8) slower at T = 128 on the H200.
+        let (block_h, block_n, threads, stages, min_workgroups) = match (heads <= 16, format) {
+            (true, CacheFormat::Bf16) => (16, 32, 256, 2, 2),
+            (true, CacheFormat::Fp8DsMla) => (16, 16, 256, 4, 2),
+            (false, CacheFormat::Bf16) => (32, 32, 256, 1, 2),
+            (false, CacheFormat::Fp8DsMla) => (32, 16, 256, 2, 2),
+        };
+        DecodeConfig {
+            dims,
+            format,
+            block_h,
+            block_n,
+            threads,
+            p_elem: TileElem::Bf16,
+            final_output: false,
+            lowering: Lowering::Mma {
+                stages,
+                min_workgroups,
+            },
+        }
+    }
+
+    /// 32-bit words per cache row.
+    pub fn row_words(&self) -> u32 {
+        self.format.row_bytes(self.dims) / 4
+    }
+
+    fn suffix(&self) -> String {
+        let lowering = match self.lowering {
+            Lowering::Scalar => "scalar".to_string(),
+            Lowering::Mma {
+                stages,
+                min_workgroups,
+            } => {
+                let occupancy = if min_workgroups > 0 {
+                    format!("o{min_workgroups}")
+                } else {
+                    String::new()
+                };
+                format!("mma{stages}w{}{occupancy}", self.threads / 32)
+            }
+            Lowering::MmaWs { stages } => format!("ws{stages}w{}", self.threads / 32),
+        };
+        format!(
+            "{}_d{}_{}_h{}n{}{}",
+            self.format.name(),
+            self.dims.d_qk(),
+            lowering,
+            self.block_h,
+            self.block_n,
+            if self.final_output { "_final" } else { "" }
+        )
+    }
+
+    pub fn split_name(&self) -> String {
+        format!("sparse_mla_decode_split_{}", self.suffix())
+    }
+
+    pub fn combine_name(&self) -> String {
+        format!(
+            "sparse_mla_decode_combine_d{}_t{}",
+            self.dims.d_v(),
+            self.threads
+        )
+    }
+}
+
+/// A config plus the run-time choice of splits for one call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodePlan {
+    pub config: DecodeConfig,
+    pub splits: u32,
+    /// Top-k entries per split (a multiple of `block_n`).
+    pub chunk: u32,
+}
+
+impl DecodePlan {
+    /// Choose splits so that the grid has about `target_workgroups` workgroups (e.g. a few per
+    /// multiprocessor), never more splits than blocks of top-k; `splits` overrides.
+    /// `max_steps` caps the `block_n` steps one workgroup may take (a device limit, see
+    /// [`crate::runtime::gpu::Device::max_steps_per_workgroup`]); an override that breaks
+    /// it is an error, not silently changed.
+    pub fn new(
+        config: DecodeConfig,
+        shape: &DecodeShape,
+        target_workgroups: u32,
+        splits: Option<u32>,
+        max_steps: Option<u32>,
+    ) -> Result<Self> {
+        let head_blocks = shape.heads.div_ceil(config.block_h);
+        let blocks = shape.topk.div_ceil(config.block_n);
+        let min_splits = max_steps.map(|m| blocks.div_ceil(m.max(1))).unwrap_or(1);
+        let want = match splits {
+            Some(0) => return Err(Error::arg("splits", "at least 1", 0)),
+            Some(s) if s < min_splits => {
+                return Err(Error::arg(
+                    "splits",
+                    format!(
+                        "at least {min_splits} on this device (at most {} steps of {} slots per workgroup)",
+                        max_steps.unwrap_or(0),
+                        config.block_n
+                    ),
+                    s,
+                ))
+            }
+            Some(s) => s,
+            None => {
+                let base = shape.tokens.saturating_mul(head_blocks).max(1);
+                target_workgroups.div_ceil(base).clamp(1, 64).max(min_splits)
+            }
+        };
+        let want = want.min(blocks).max(1);
+        let chunk = blocks.div_ceil(want) * config.block_n;
+        let splits = shape.topk.div_ceil(chunk);
+        let mut config = config;
+        config.final_output = splits == 1;
+        Ok(DecodePlan {
+            config,
+            splits,
+            chunk,
+        })
+    }
+
+    /// The tensor-core plan ([`DecodeConfig::tensor_core`]) with splits from a cost model of
+    /// the GPU: `resident` split workgroups run at once (multiprocessors x workgroups per
+    /// multiprocessor). `splits` overrides the model.
+    ///
+    /// Time is counted in workgroup steps (one `block_n` gather + its math): a split count
+    /// `s` costs `waves(s) x (steps(s) + FIXED)` plus, when `s > 1`, the combine (a launch,
+    /// about a step, and the partials written and read again, in step-sized byte units).
+    /// Small batches thus split until the GPU is full; large ones stay whole, with no combine.
+    pub fn tensor_core(shape: &DecodeShape, resident: u32, splits: Option<u32>) -> Result<Self> {
+        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
+        Self::with_config(config, shape, resident, splits)
+    }
+
+    /// [`Self::tensor_core`] for a given tensor-core configuration (v6 or v7).
+    pub fn with_config(
+        config: DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        splits: Option<u32>,
+    ) -> Result<Self> {
+        let splits = match splits {
+            Some(s) => Some(s),
+            None => Some(Self::model_splits(&config, shape, resident)),
+        };
+        Self::new(config, shape, resident, splits, None)
+    }
+
+    /// The split count the cost model of [`Self::tensor_core`] picks.
+    pub fn model_splits(config: &DecodeConfig, shape: &DecodeShape, resident: u32) -> u32 {
+        // Per-workgroup cost outside the step loop: q load, pipeline fill, epilogue.
+        const FIXED: f64 = 2.0;
+        let resident = resident.max(1) as u64;
+        let blocks = shape.topk.div_ceil(config.block_n).max(1);
+        let base = shape.tokens as u64 * shape.heads.div_ceil(config.block_h) as u64;
+        let step_bytes =
+            resident as f64 * (config.block_n * config.format.row_bytes(config.dims)) as f64;
+        let rows = shape.tokens as f64 * shape.heads as f64;
+        let mut best = (f64::MAX, 1);
+        for s in 1..=blocks.min(128) {
+            let steps = blocks.div_ceil(s) as f64;
+            let waves = (base * s as u64).div_ceil(resident) as f64;
+            let mut t = waves * (steps + FIXED);
+            if s > 1 {
+                // the combine: a launch, a dependent walk over the splits (4 in flight at a
+                // time), and the partials written and read back
+                let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
+                t += 1.0 + s as f64 / 16.0 + partial_bytes / step_bytes;
+            }
+            // a smaller count wins ties: less combine traffic for the same time
+            if t < best.0 - 1e-9 {
+                best = (t, s);
+            }
+        }
+        best.1
+    }
+
+    pub fn grid_split(&self, shape: &DecodeShape) -> [u32; 3] {
+        [
+            shape.heads.div_ceil(self.config.block_h),
+            self.splits,
+            shape.tokens,
+        ]
+    }
+}
+
+/// Check the call's shape against what the kernels can address. Buffer sizes are checked by
+/// the backend that owns them.
+pub fn check_shape(shape: &DecodeShape, config: &DecodeConfig) -> Result<()> {
+    shape.validate()?;
+    if shape.dims != config.dims || shape.format != config.format {
+        return Err(Error::arg(
+            "config",
+            format!("{:?} {:?}", shape.dims, shape.format),
+            format!("{:?} {:?}", config.dims, config.format),
+        ));
+    }
+    if shape.tokens > 65535 {
+        return Err(Error::arg(
+            "tokens",
+            "at most 65535 per call (grid z limit)",
+            shape.tokens,
+        ));
+    }
+    let words = shape.num_slots() * config.row_words() as u64;
+    if words >= i32::MAX as u64 {
+        return Err(Error::arg(
+            "cache",
+            "fewer than 2^31 32-bit words per cache buffer (8 GiB); split the cache per layer",
+            format!("{} words", words),
+        ));
+    }
+    let q_words = shape.q_elems() / 2;
+    if q_words >= i32::MAX as u64 {
+        return Err(Error::arg(
+            "q",
+            "fewer than 2^31 words",
+            format!("{} words", q_words),
+        ));
+    }
+    Ok(())
+}
+
+mod combine;
+mod io;
+mod split;
+mod v6;
+
+pub use combine::combine_kernel;
+pub use split::split_kernel_v7;
+pub use v6::split_kernel_v6;
+
+/// The split kernel of a config: the v6 description for the v6 tensor-core configurations
+/// ([`Lowering::Mma`]), the current one for every other lowering.
+pub fn split_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
+    match cfg.lowering {
+        Lowering::Mma { .. } => split_kernel_v6(cfg),
+        _ => split_kernel_v7(cfg),
+    }
+}
+
+/// The kernels and launches of one decode call. Buffers are bound by name: `q`, `kv_cache`,
+/// `indices`, `topk_length`, then `out`, `lse` (one split) or `o_part`, `lse_part` and the
+/// combine's `o_part`, `lse_part`, `out`, `lse`. `layout` gives the cache strides and the lse
+/// layout (see [`DecodeLayout`]).
+pub fn launches(
+    shape: &DecodeShape,
+    layout: &DecodeLayout,
+    plan: &DecodePlan,
+) -> Result<Vec<Launch>> {
+    check_shape(shape, &plan.config)?;
+    let geometry = CacheGeometry::new(
+        shape.format,
+        shape.dims,
+        shape.num_pages,
+        shape.page_size,
+        layout.cache,
+    )?;
+    layout.lse.check(shape.tokens)?;
+    let (split, combine) = lowered_kernels(&plan.config)?;
+    let split_params = pack_params(
+        &split,
+        &[
+            ("tokens", ParamValue::U32(shape.tokens)),
+            ("heads", ParamValue::U32(shape.heads)),
+            ("topk", ParamValue::U32(shape.topk)),
+            ("num_slots", ParamValue::U32(shape.num_slots() as u32)),
+            ("splits", ParamValue::U32(plan.splits)),
+            ("chunk", ParamValue::U32(plan.chunk)),
+            (
+                "has_topk_length",
+                ParamValue::U32(shape.has_topk_length as u32),
+            ),
+            ("scale", ParamValue::F32(shape.scale)),
+            ("page_size", ParamValue::U32(shape.page_size)),
+            ("row_stride_w", ParamValue::U32(geometry.row_stride_words())),
+            (
+                "page_stride_w",
+                ParamValue::U32(geometry.page_stride_words()),
+            ),
+            ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
+        ],
+    )?;
+    let mut out = vec![Launch {
+        kernel: split,
+        grid: plan.grid_split(shape),
+        params: split_params,
+    }];
+    if !plan.config.final_output {
+        let params = pack_params(
+            &combine,
+            &[
+                ("heads", ParamValue::U32(shape.heads)),
+                ("splits", ParamValue::U32(plan.splits)),
+                ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
+            ],
+        )?;
+        out.push(Launch {
+            kernel: combine,
+            grid: [shape.heads, shape.tokens, 1],
+            params,
+        });
+    }
+    Ok(out)
+}
+
+type KernelPair = (Arc<Kernel>, Arc<Kernel>);
+
+/// The lowered split and combine kernels of a config, built once per process.
+pub fn lowered_kernels(config: &DecodeConfig) -> Result<KernelPair> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<DecodeConfig, KernelPair>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(k) = cache.lock().map_err(|_| poisoned())?.get(config) {
+        return Ok(k.clone());
+    }
+    let split = Arc::new(crate::kir::lower(&split_kernel(config)?, config.lowering)?);
+    let combine = Arc::new(crate::kir::lower(
+        &combine_kernel(config)?,
+        config.lowering,
+    )?);
+    let pair = (split, combine);
+    cache
+        .lock()
+        .map_err(|_| poisoned())?
+        .insert(*config, pair.clone());
+    Ok(pair)
+}
+
+fn poisoned() -> Error {
+    Error::runtime("kernels", "kernel cache lock poisoned by an earlier panic")
+}

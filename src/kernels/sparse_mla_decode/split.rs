@@ -1,0 +1,218 @@
+//! The split kernel (v7): attention of `block_h` heads of one token over one chunk of its
+//! top-k list, `block_n` slots per step.
+//!
+//! Per step: gather the step's cache rows by slot, with each row's validity recorded once
+//! beside them (`row_valid`); `S = q · Kᵀ`; mask by the recorded validity; online softmax;
+//! `O += P · V`. The chunk is cut at `topk_length[t]`, so steps past it are not taken.
+//!
+//! fp8_ds_mla is **one product**, its rows never dequantised into a tile: the e4m3 latent
+//! bytes are the operand (exact in bf16) and each 128-wide tile's scale is folded into the
+//! product, `S = Σ_tiles scale_tile · (q_tile · E_tileᵀ) + q_rope · ropeᵀ` and
+//! `O_tile += P · (E_tile · scale_tile)` ([`KernelBuilder::mma_scaled`]), so the scores stay
+//! f32-exact up to the accumulation and the bytes a step moves are the row's 656.
+
+use super::io::{declare, write_outputs};
+use super::DecodeConfig;
+use crate::kir::builder::*;
+use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
+use crate::kir::ops::{online_softmax_update, SoftmaxState, MASKED};
+use crate::mla::{CacheFormat, FP8_TILE};
+use crate::Result;
+
+/// The v7 split kernel.
+pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
+    let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
+    let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
+    let (bh, bn) = (cfg.block_h, cfg.block_n);
+    let mut b = KernelBuilder::new(cfg.split_name(), cfg.threads);
+    let io = declare(&mut b, cfg);
+    if cfg.format == CacheFormat::Fp8DsMla {
+        b.doc("fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.".to_string());
+    }
+
+    let q_tile = b.shared_tile("q_tile", TileElem::Bf16, bh, d);
+    let valid_flags = b.shared_tile("row_valid", TileElem::F32, 1, bn);
+    // bf16 rows: one tile. fp8_ds_mla rows: the three parts of the row, as they are.
+    enum Rows {
+        Bf16(STile),
+        Fp8 {
+            latent: STile,
+            scales: STile,
+            rope: STile,
+        },
+    }
+    let rows = match cfg.format {
+        CacheFormat::Bf16 => Rows::Bf16(b.shared_tile("kv_tile", TileElem::Bf16, bn, d)),
+        CacheFormat::Fp8DsMla => Rows::Fp8 {
+            latent: b.shared_tile("kv_latent", TileElem::E4m3, bn, latent),
+            scales: b.shared_tile("kv_scales", TileElem::F32, bn, latent / FP8_TILE),
+            rope: b.shared_tile("kv_rope", TileElem::Bf16, bn, rope),
+        },
+    };
+    let p_tile = b.shared_tile("p_tile", cfg.p_elem, bh, bn);
+    let s = b.acc_tile("scores", bh, bn);
+    let outs: Vec<(Acc, u32)> = match cfg.format {
+        CacheFormat::Bf16 => vec![(b.acc_tile("o_acc", bh, dv), 0)],
+        CacheFormat::Fp8DsMla => (0..latent / FP8_TILE)
+            .map(|k| (b.acc_tile("o_acc", bh, FP8_TILE), k * FP8_TILE))
+            .collect(),
+    };
+    let st = SoftmaxState::declare(&mut b, bh);
+
+    b.comment("which token, split and head block this workgroup owns");
+    let t = b.let_("t", workgroup_id(2));
+    let split = b.let_("split", workgroup_id(1));
+    let h0 = b.let_("h0", workgroup_id(0) * u(bh));
+    let (topk, has_len) = (io.topk.clone(), io.has_len.clone());
+    // topk_length[t] clamped to [0, topk]; read at index 0 of the dummy when absent.
+    let len_raw = b.let_(
+        "len_raw",
+        io.topk_length
+            .at(select(has_len.clone().ne_(u(0)), t.clone(), u(0))),
+    );
+    let valid_len = b.let_(
+        "valid_len",
+        select(
+            has_len.ne_(u(0)),
+            len_raw.max(i(0)).as_u32().min(topk.clone()),
+            topk.clone(),
+        ),
+    );
+    let j_begin = b.let_("j_begin", split.clone() * io.chunk.clone());
+    // entries past topk_length are invalid: the chunk stops there
+    let j_end = b.let_(
+        "j_end",
+        (j_begin.clone() + io.chunk.clone())
+            .min(topk.clone())
+            .min(valid_len),
+    );
+    let steps = b.let_(
+        "steps",
+        select(
+            j_end.clone().gt(j_begin.clone()),
+            (j_end.clone() - j_begin.clone() + u(bn - 1)) / u(bn),
+            u(0),
+        ),
+    );
+
+    // The one place the validity rule is written: the cache word of entry j of token t, or
+    // -1 when the entry is invalid (past the chunk or topk_length, negative, or >= num_slots).
+    let row_word = |j: Expr, offset: u32| -> Expr {
+        let jj = j.clone().min(topk.clone() - u(1));
+        let idx = io.indices.at(t.clone() * topk.clone() + jj);
+        let valid = j
+            .lt(j_end.clone())
+            .and(idx.clone().ge(i(0)))
+            .and(idx.clone().as_u32().lt(io.num_slots.clone()));
+        let slot = idx.as_u32();
+        let word = slot.clone() / io.page_size.clone() * io.page_stride.clone()
+            + slot % io.page_size.clone() * io.row_stride.clone()
+            + u(offset);
+        select(valid, word.as_i32(), i(-1))
+    };
+
+    b.comment("load the q rows of this head block (rows past `heads` are zeros)");
+    let (heads, q) = (io.heads.clone(), io.q.clone());
+    b.gather_rows(&q_tile, 0, d / 2, &q, |_, r| {
+        let h = h0.clone() + r;
+        select(
+            h.clone().lt(heads.clone()),
+            ((t.clone() * heads.clone() + h) * u(d / 2)).as_i32(),
+            i(-1),
+        )
+    });
+    st.init(&mut b);
+    for (o, _) in &outs {
+        b.acc_fill(o, 0.0);
+    }
+
+    let cache = io.cache.clone();
+    let scale = io.scale.clone();
+    b.pipeline(
+        "step",
+        steps,
+        |b, step| {
+            b.comment("gather this step's cache rows by slot, each row's validity recorded once");
+            let j_of = |r: Expr| j_begin.clone() + step.clone() * u(bn) + r;
+            match &rows {
+                Rows::Bf16(kv) => {
+                    let words = kv.cols / 2;
+                    b.gather_rows_flagged(kv, 0, words, &cache, &valid_flags, |_, r| {
+                        row_word(j_of(r), 0)
+                    });
+                }
+                Rows::Fp8 {
+                    latent: lt,
+                    scales,
+                    rope: rp,
+                } => {
+                    let (lat_w, sc_w) = (latent / 4, latent / FP8_TILE);
+                    b.gather_rows_flagged(lt, 0, lat_w, &cache, &valid_flags, |_, r| {
+                        row_word(j_of(r), 0)
+                    });
+                    b.gather_rows_flagged(scales, 0, sc_w, &cache, &valid_flags, |_, r| {
+                        row_word(j_of(r), lat_w)
+                    });
+                    b.gather_rows_flagged(rp, 0, rope / 2, &cache, &valid_flags, |_, r| {
+                        row_word(j_of(r), lat_w + sc_w)
+                    });
+                }
+            }
+        },
+        |b, _| {
+            b.comment("scores S = q . K^T over the full d_qk");
+            b.acc_fill(&s, 0.0);
+            match &rows {
+                Rows::Bf16(kv) => b.mma(&s, q_tile.all(), kv.cols(0, d), BLayout::NK),
+                Rows::Fp8 {
+                    latent: lt,
+                    scales,
+                    rope: rp,
+                } => {
+                    for k in 0..latent / FP8_TILE {
+                        let c0 = k * FP8_TILE;
+                        b.mma_scaled(
+                            &s,
+                            q_tile.cols(c0, FP8_TILE),
+                            lt.cols(c0, FP8_TILE),
+                            BLayout::NK,
+                            |_, r| scales.at(r, u(k)),
+                        );
+                    }
+                    b.mma(&s, q_tile.cols(latent, rope), rp.all(), BLayout::NK);
+                }
+            }
+            b.comment("scale, and mask the entries whose rows had no source");
+            b.acc_for_each(&s, |b, e| {
+                for (k, v) in [(0, &e.v0), (1, &e.v1)] {
+                    let valid = valid_flags.at(u(0), e.col.clone() + u(k)).gt(f(0.5));
+                    b.set(v, select(valid, v.clone() * scale.clone(), f(MASKED)));
+                }
+            });
+            let out_accs: Vec<&Acc> = outs.iter().map(|(o, _)| o).collect();
+            online_softmax_update(b, &st, &s, &out_accs, &p_tile);
+            b.comment("O += P . V, V = the first d_v columns of the gathered rows");
+            match &rows {
+                Rows::Bf16(kv) => b.mma(&outs[0].0, p_tile.all(), kv.cols(0, dv), BLayout::KN),
+                Rows::Fp8 {
+                    latent: lt, scales, ..
+                } => {
+                    for (k, (o, c0)) in outs.iter().enumerate() {
+                        b.mma_scaled(
+                            o,
+                            p_tile.all(),
+                            lt.cols(*c0, FP8_TILE),
+                            BLayout::KN,
+                            |_, r| scales.at(r, u(k as u32)),
+                        );
+                    }
+                }
+            }
+        },
+    );
+
+    let outs: Vec<(&Acc, u32)> = outs.iter().map(|(o, c)| (o, *c)).collect();
+    write_outputs(&mut b, cfg, &io, (&t, &split, &h0), &st, &outs);
+    let _ = Ty::U32;
+    b.finish()
+}

@@ -1,0 +1,1073 @@
+//! Split-K products, register-resident A operands and e4m3 operands (the producer/consumer
+//! form, [`super::lower_ws`]).
+//!
+//! **Split-K.** A product whose accumulator has fewer m16n8 fragments than there are warps
+//! (the scores `S = q · Kᵀ` of a decode step: `[heads, slots]`, K = 576) would leave most
+//! warps idle and every busy one with a chain of K/16 dependent mma. Here the warps form `G`
+//! groups over S's n fragments and `gk` slices of each product's K range: warp `w` computes,
+//! for group `w / gk` and slice `w % gk`, partial fragments in registers (`part`). The first
+//! op that reads S sums the partials: each warp stores its own to a shared scratch, one
+//! barrier, and the warps that hold S — in rows: warp `i` holds m fragment `i` and all n
+//! fragments — add them up.
+//!
+//! **Resident A.** When the A operand of such products is a tile gathered once before the
+//! pipeline and read by nothing else (q), each warp loads the A fragments of its own K slices
+//! straight from global memory into registers: no shared memory for it and no `ldmatrix` of
+//! it per step.
+//!
+//! **e4m3 operands.** An e4m3 tile is multiplied as bf16 (every e4m3 value is exact in bf16):
+//! `ldmatrix` reads its bytes as 16-bit pairs and each register is widened to two bf16x2.
+//! Read that way a lane holds 4 consecutive bytes, so the K order inside each 16-wide k step
+//! is permuted — logical k `2q, 2q+1` is stored k `4q, 4q+1` and `2q+8, 2q+9` is `4q+2, 4q+3`
+//! — and the A fragments are loaded with the same permutation (`[N, K]` products). In a
+//! `[K, N]` product (`P · V`) `ldmatrix.trans` gives each lane bytes of two columns: the
+//! accumulator is *interleaved*, its fragment pair `(2j, 2j+1)` holding the even and the odd
+//! columns of 16 (see [`interleaved`]).
+//!
+//! **Per-row scales** ([`TileOp::MmaScaled`]): `[N, K]` — each product into a temporary,
+//! added to the partial times the scale of its column; `[K, N]` — the A fragment (P) times
+//! the scale of its k column, rounded back to bf16.
+
+use super::{add, bin, for_const, intr, let_, lt, mul, priv_load, u, var, Cx, TileInfo};
+use crate::kir::ir::*;
+use crate::kir::lower_scalar::visit_tile_ops_with;
+use crate::Result;
+use std::collections::HashSet;
+
+/// Most registers per thread that resident A fragments may take.
+const A_REGISTER_BUDGET: u32 = 80;
+
+/// How a split-K accumulator is spread.
+#[derive(Clone, Debug)]
+pub(super) struct KSplit {
+    /// Slices of the K range (warps per group).
+    pub gk: u32,
+    /// n fragments per group.
+    pub ng: u32,
+    /// Private array of this warp's partial fragments `[fm, ng, 4]`.
+    pub part: String,
+    /// Temporary fragments of one scaled product.
+    pub temp: String,
+}
+
+/// The A fragments of one view of a resident tile, for this warp's slice.
+#[derive(Clone, Debug)]
+pub(super) struct ResidentView {
+    pub col0: u32,
+    pub cols: u32,
+    /// K order permuted for an e4m3 B operand.
+    pub permuted: bool,
+    /// Private array `[fm, k steps of the slice, 4]`.
+    pub regs: String,
+    pub gk: u32,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct ResidentA {
+    pub views: Vec<ResidentView>,
+}
+
+/// Every product (acc, A view, B tile, layout) inside the pipeline compute stages.
+fn pipeline_products(body: &[Stmt]) -> Vec<(String, TileView, TileView, BLayout)> {
+    let mut out = Vec::new();
+    visit_tile_ops_with(body, false, &mut |op| {
+        if let TileOp::Pipeline { compute, .. } = op {
+            visit_tile_ops_with(compute, false, &mut |inner| match inner {
+                TileOp::Mma {
+                    acc,
+                    a,
+                    b,
+                    b_layout,
+                }
+                | TileOp::MmaScaled {
+                    acc,
+                    a,
+                    b,
+                    b_layout,
+                    ..
+                } => out.push((acc.clone(), a.clone(), b.clone(), *b_layout)),
+                _ => {}
+            });
+        }
+    });
+    out
+}
+
+fn all_products(body: &[Stmt]) -> Vec<(String, TileView, TileView, BLayout)> {
+    let mut out = Vec::new();
+    visit_tile_ops_with(body, false, &mut |op| match op {
+        TileOp::Mma {
+            acc,
+            a,
+            b,
+            b_layout,
+        }
+        | TileOp::MmaScaled {
+            acc,
+            a,
+            b,
+            b_layout,
+            ..
+        } => out.push((acc.clone(), a.clone(), b.clone(), *b_layout)),
+        _ => {}
+    });
+    out
+}
+
+/// `(gk, ng)` for an accumulator whose products may be split along K, if any.
+fn split_shape(cx: &Cx, acc: &AccTileDecl) -> Option<(u32, u32)> {
+    cx.ws.as_ref()?;
+    let (fm, fn_) = (acc.rows / 16, acc.cols / 8);
+    if fm * fn_ > 2 * cx.warps {
+        return None;
+    }
+    let inside: Vec<_> = pipeline_products(&cx.kernel.body)
+        .into_iter()
+        .filter(|p| p.0 == acc.name)
+        .collect();
+    let everywhere = all_products(&cx.kernel.body)
+        .into_iter()
+        .filter(|p| p.0 == acc.name)
+        .count();
+    if inside.is_empty() || inside.len() != everywhere {
+        return None;
+    }
+    if inside
+        .iter()
+        .any(|p| p.3 != BLayout::NK || p.1.cols % 16 != 0)
+    {
+        return None;
+    }
+    for gk in [2u32, 4, 8] {
+        if cx.warps % gk != 0 {
+            continue;
+        }
+        let groups = cx.warps / gk;
+        if fn_ % groups != 0 {
+            continue;
+        }
+        if inside.iter().any(|p| (p.1.cols / 16) % gk != 0) {
+            continue;
+        }
+        let regs: u32 = inside.iter().map(|p| fm * (p.1.cols / 16 / gk) * 4).sum();
+        if regs <= A_REGISTER_BUDGET {
+            return Some((gk, fn_ / groups));
+        }
+    }
+    None
+}
+
+/// The split-K plan of an accumulator (registers named later by [`declare`]).
+pub(super) fn plan_for(cx: &Cx, acc: &AccTileDecl) -> Option<KSplit> {
+    split_shape(cx, acc).map(|(gk, ng)| KSplit {
+        gk,
+        ng,
+        part: String::new(),
+        temp: String::new(),
+    })
+}
+
+/// Is `acc` the output of a `[K, N]` product with an e4m3 B operand?
+pub(super) fn interleaved(cx: &Cx, acc: &str) -> bool {
+    all_products(&cx.kernel.body)
+        .iter()
+        .any(|(a, _, b, layout)| {
+            a == acc
+                && *layout == BLayout::KN
+                && cx
+                    .kernel
+                    .shared_tile(&b.tile)
+                    .is_some_and(|t| t.elem == TileElem::E4m3)
+        })
+}
+
+/// Tiles that can live in registers: bf16, gathered whole outside any pipeline, and used
+/// only as the A operand of split-K products.
+pub(super) fn resident_candidates(cx: &Cx) -> HashSet<String> {
+    let mut out = HashSet::new();
+    if cx.ws.is_none() {
+        return out;
+    }
+    let products = all_products(&cx.kernel.body);
+    'tiles: for t in &cx.kernel.shared_tiles {
+        if t.elem != TileElem::Bf16 {
+            continue;
+        }
+        let uses: Vec<_> = products
+            .iter()
+            .filter(|p| p.1.tile == t.name || p.2.tile == t.name)
+            .collect();
+        if uses.is_empty() {
+            continue;
+        }
+        let mut gk = None;
+        for (acc, a, b, _) in &uses {
+            if b.tile == t.name || a.tile != t.name {
+                continue 'tiles;
+            }
+            let Some(decl) = cx.kernel.acc_tile(acc) else {
+                continue 'tiles;
+            };
+            let Some((g, _)) = split_shape(cx, decl) else {
+                continue 'tiles;
+            };
+            if *gk.get_or_insert(g) != g {
+                continue 'tiles;
+            }
+        }
+        // written only by whole-row gathers outside pipelines, read by nothing else
+        let mut ok = true;
+        let row_words = t.cols / 2;
+        check_uses(&cx.kernel.body, &t.name, row_words, false, &mut ok);
+        if ok {
+            out.insert(t.name.clone());
+        }
+    }
+    out
+}
+
+fn check_uses(stmts: &[Stmt], tile: &str, row_words: u32, in_pipeline: bool, ok: &mut bool) {
+    let expr_uses = |e: &Expr| {
+        let mut hit = false;
+        e.visit(&mut |x| match x {
+            Expr::TileLoad { tile: t, .. } | Expr::TileWord { tile: t, .. } => hit |= t == tile,
+            _ => {}
+        });
+        hit
+    };
+    for s in stmts {
+        match s {
+            Stmt::If { cond, then, els } => {
+                *ok &= !expr_uses(cond);
+                check_uses(then, tile, row_words, in_pipeline, ok);
+                check_uses(els, tile, row_words, in_pipeline, ok);
+            }
+            Stmt::For {
+                start, end, body, ..
+            } => {
+                *ok &= !expr_uses(start) && !expr_uses(end);
+                check_uses(body, tile, row_words, in_pipeline, ok);
+            }
+            Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
+                *ok &= !expr_uses(value)
+            }
+            Stmt::Store { index, value, .. }
+            | Stmt::StoreWord { index, value, .. }
+            | Stmt::SharedStore { index, value, .. }
+            | Stmt::PrivateStore { index, value, .. } => {
+                *ok &= !expr_uses(index) && !expr_uses(value)
+            }
+            Stmt::Tile(op) => match op {
+                TileOp::GatherRows {
+                    dst,
+                    dst_word0,
+                    words,
+                    src_word,
+                    flags,
+                    ..
+                } => {
+                    *ok &= !expr_uses(src_word);
+                    if dst == tile {
+                        *ok &= !in_pipeline
+                            && *dst_word0 == 0
+                            && *words == row_words
+                            && flags.is_none();
+                    }
+                }
+                TileOp::AccForEach { body, .. } => {
+                    check_uses(body, tile, row_words, in_pipeline, ok)
+                }
+                TileOp::AccToShared { dst, .. } => *ok &= dst != tile,
+                TileOp::SharedMap { dst, value, .. } => *ok &= dst != tile && !expr_uses(value),
+                TileOp::OnlineSoftmax { p_tile, .. } => *ok &= p_tile != tile,
+                TileOp::MmaScaled { scale, .. } => *ok &= !expr_uses(scale),
+                TileOp::Pipeline {
+                    count,
+                    load,
+                    compute,
+                    ..
+                } => {
+                    *ok &= !expr_uses(count);
+                    check_uses(load, tile, row_words, true, ok);
+                    check_uses(compute, tile, row_words, true, ok);
+                }
+                TileOp::AccFill { .. } | TileOp::AccRowReduce { .. } | TileOp::Mma { .. } => {}
+            },
+            Stmt::Comment(_) | Stmt::Barrier | Stmt::Intrinsic(_) => {}
+        }
+    }
+}
+
+/// Registers and scratch of the split-K accumulators and the resident tiles.
+pub(super) fn declare(cx: &mut Cx) -> Result<()> {
+    let names: Vec<String> = cx
+        .accs
+        .iter()
+        .filter(|(_, a)| a.ksplit.is_some())
+        .map(|(n, _)| n.clone())
+        .collect();
+    let mut scratch = 0;
+    for n in names {
+        let a = cx.accs[&n].clone();
+        let ks = a.ksplit.clone().unwrap_or_else(unreachable_split);
+        let fm = a.decl.rows / 16;
+        let len = fm * ks.ng * 4;
+        let part = cx.private(&format!("{n}_part"), Ty::F32, len);
+        let temp = cx.private(&format!("{n}_term"), Ty::F32, len);
+        if let Some(k) = cx.accs.get_mut(&n).and_then(|a| a.ksplit.as_mut()) {
+            k.part = part;
+            k.temp = temp;
+        }
+        scratch = scratch.max(ks.gk * a.decl.rows * scratch_stride(a.decl.cols));
+    }
+    if scratch > 0 {
+        let name = cx.fresh("split_k_partials");
+        cx.new_shared.push(SharedDecl {
+            name: name.clone(),
+            ty: Ty::F32,
+            len: scratch,
+        });
+        cx.split_scratch = Some(name);
+    }
+    // resident A views
+    let products = all_products(&cx.kernel.body);
+    let tiles: Vec<String> = cx
+        .tiles
+        .iter()
+        .filter(|(n, t)| !t.ringed && is_resident_tile(cx, n))
+        .map(|(n, _)| n.clone())
+        .collect();
+    for t in tiles {
+        let mut r = ResidentA::default();
+        for (acc, a, b, _) in products.iter().filter(|p| p.1.tile == t) {
+            let permuted = cx.tile(&b.tile)?.decl.elem == TileElem::E4m3;
+            if r.views
+                .iter()
+                .any(|v| v.col0 == a.col0 && v.cols == a.cols && v.permuted == permuted)
+            {
+                continue;
+            }
+            let info = cx.acc(acc)?.clone();
+            let gk = info.ksplit.as_ref().map(|k| k.gk).unwrap_or(1);
+            let fm = info.decl.rows / 16;
+            let regs = cx.private(
+                &format!("{t}_a{}", r.views.len()),
+                Ty::U32,
+                fm * (a.cols / 16 / gk) * 4,
+            );
+            r.views.push(ResidentView {
+                col0: a.col0,
+                cols: a.cols,
+                permuted,
+                regs,
+                gk,
+            });
+        }
+        cx.resident_a.insert(t, r);
+    }
+    Ok(())
+}
+
+fn is_resident_tile(cx: &Cx, name: &str) -> bool {
+    // a tile registered without shared memory
+    !cx.new_shared.iter().any(|s| s.name == name) && cx.kernel.shared_tile(name).is_some()
+}
+
+#[cold]
+fn unreachable_split() -> KSplit {
+    KSplit {
+        gk: 1,
+        ng: 1,
+        part: String::new(),
+        temp: String::new(),
+    }
+}
+
+/// Row stride (f32) of the partials scratch: padded so a warp's stores spread over banks.
+pub(super) fn scratch_stride(cols: u32) -> u32 {
+    cols + 4
+}
+
+/// The widening of one register of 4 e4m3 bytes (`x`) into two bf16x2: bytes (0, 1) and
+/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3).
+fn widen(x: Expr, interleave: bool) -> (Expr, Expr) {
+    let byte = |k: u32| {
+        let shifted = if k == 0 {
+            x.clone()
+        } else {
+            bin(BinOp::Shr, x.clone(), u(8 * k))
+        };
+        crate::kir::lower_scalar::e4m3_value(bin(BinOp::BitAnd, shifted, u(0xFF)))
+    };
+    let pack = |a: u32, b: u32| Expr::Call(Func::PackBf16x2, vec![byte(a), byte(b)]);
+    if interleave {
+        (pack(0, 2), pack(1, 3))
+    } else {
+        (pack(0, 1), pack(2, 3))
+    }
+}
+
+/// A bf16x2 word times two f32 scales (low, high half), rounded back to bf16x2.
+fn scale_pair(w: Expr, lo: Expr, hi: Expr) -> Expr {
+    let lo_v = Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w.clone(), u(16))]);
+    let hi_v = Expr::Call(
+        Func::F32FromBits,
+        vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
+    );
+    Expr::Call(
+        Func::PackBf16x2,
+        vec![bin(BinOp::Mul, lo_v, lo), bin(BinOp::Mul, hi_v, hi)],
+    )
+}
+
+/// `scale` with its row variable bound to `row`.
+fn scale_at(scale: &(String, Expr), row: Expr) -> Expr {
+    let name = scale.0.clone();
+    scale.1.clone().map(&mut |x| match x {
+        Expr::Var(ref n, Ty::U32) if *n == name => row.clone(),
+        other => other,
+    })
+}
+
+impl Cx<'_> {
+    /// The resident registers of A view `a` (permuted or not), if the tile is resident.
+    pub(super) fn resident_view(&self, a: &TileView, permuted: bool) -> Option<ResidentView> {
+        self.resident_a.get(&a.tile).and_then(|r| {
+            r.views
+                .iter()
+                .find(|v| v.col0 == a.col0 && v.cols == a.cols && v.permuted == permuted)
+                .cloned()
+        })
+    }
+
+    /// Load this warp's A fragments of every view of a resident tile from global memory:
+    /// the tile's gather (`src_word(row)`, −1 for zeros) done straight into registers.
+    pub(super) fn resident_gather(
+        &mut self,
+        dst: &str,
+        src: &str,
+        row: &str,
+        src_word: &Expr,
+    ) -> Result<Vec<Stmt>> {
+        let r = self.resident_a.get(dst).cloned().unwrap_or_default();
+        let info = self.tile(dst)?.clone();
+        let fm = info.decl.rows / 16;
+        let mut out = vec![Stmt::Comment(format!(
+            "{dst}: this warp's A fragments straight from global memory into registers"
+        ))];
+        // source words of the lane's rows (g and g + 8 of each m fragment)
+        let src_word = self.expr(src_word)?;
+        let rows_sw: Vec<String> = (0..2 * fm)
+            .map(|_| self.fresh(&format!("{dst}_row_src")))
+            .collect();
+        for i in 0..fm {
+            for h in 0..2 {
+                let rv = add(u(16 * i + 8 * h), self.lane.group.clone());
+                let name = &rows_sw[(2 * i + h) as usize];
+                let bound = src_word.clone().map(&mut |x| match x {
+                    Expr::Var(ref n, Ty::U32) if n == row => rv.clone(),
+                    other => other,
+                });
+                out.push(let_(name, bound));
+            }
+        }
+        for v in &r.views {
+            let steps = v.cols / 16 / v.gk;
+            let slice = bin(BinOp::Rem, self.lane.warp.clone(), u(v.gk));
+            // first k step of this warp's slice within the view
+            let k0 = mul(slice, u(steps));
+            for i in 0..fm {
+                for kk in 0..steps {
+                    for reg in 0..4u32 {
+                        let h = reg % 2; // a0, a2: row g; a1, a3: row g + 8
+                        let hi_k = reg / 2; // a2, a3: k + 8
+                        let sw = var(&rows_sw[(2 * i + h) as usize], Ty::I32);
+                        // word of the k pair within the tile row
+                        let kstep_word = add(u(v.col0 / 2), mul(add(k0.clone(), u(kk)), u(8)));
+                        let word_in_step = if v.permuted {
+                            // logical pair q (or 4 + q) is stored word 2q (or 2q + 1)
+                            add(mul(self.lane.quad.clone(), u(2)), u(hi_k))
+                        } else {
+                            add(self.lane.quad.clone(), u(4 * hi_k))
+                        };
+                        let word = add(kstep_word, word_in_step);
+                        let load = Expr::LoadWord {
+                            buf: src.to_string(),
+                            index: Box::new(add(Expr::Cvt(Ty::U32, Box::new(sw.clone())), word)),
+                        };
+                        out.push(Stmt::PrivateStore {
+                            arr: v.regs.clone(),
+                            index: u((i * steps + kk) * 4 + reg),
+                            value: Expr::Select(
+                                Box::new(bin(BinOp::Ge, sw, Expr::I32(0))),
+                                Box::new(load),
+                                Box::new(u(0)),
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One split-K product `acc += A · B` (B `[N, K]`, optionally scaled per row).
+    pub(super) fn mma_ksplit(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        scale: Option<(String, Expr)>,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        let ks = info
+            .ksplit
+            .clone()
+            .ok_or_else(|| self.err(format!("{acc} is not split along K")))?;
+        let tb = self.tile(&b.tile)?.clone();
+        let e4m3 = tb.decl.elem == TileElem::E4m3;
+        if !(tb.store == TileElem::Bf16 || e4m3) {
+            return Err(self.err(format!(
+                "mma into {acc}: B tile {} must be bf16 or e4m3",
+                tb.decl.name
+            )));
+        }
+        let fm = info.decl.rows / 16;
+        let steps = a.cols / 16 / ks.gk;
+        let (gk, ng) = (ks.gk, ks.ng);
+        let warp = self.lane.warp.clone();
+        let slice = bin(BinOp::Rem, warp.clone(), u(gk));
+        let group = bin(BinOp::Div, warp, u(gk));
+        let mut body = Vec::new();
+        if !self.partial_live.contains(acc) {
+            let e = self.fresh("e");
+            body.push(for_const(
+                &e,
+                fm * ng * 4,
+                vec![Stmt::PrivateStore {
+                    arr: ks.part.clone(),
+                    index: var(&e, Ty::U32),
+                    value: Expr::F32(0.0),
+                }],
+            ));
+            self.partial_live.insert(acc.to_string());
+        }
+        let target = if scale.is_some() {
+            let e = self.fresh("e");
+            body.push(for_const(
+                &e,
+                fm * ng * 4,
+                vec![Stmt::PrivateStore {
+                    arr: ks.temp.clone(),
+                    index: var(&e, Ty::U32),
+                    value: Expr::F32(0.0),
+                }],
+            ));
+            ks.temp.clone()
+        } else {
+            ks.part.clone()
+        };
+        let resident = self.resident_view(a, e4m3);
+        let ta = self.tile(&a.tile)?.clone();
+        if resident.is_none() && (e4m3 || ta.store != TileElem::Bf16) {
+            return Err(self.err(format!(
+                "mma into {acc}: with an e4m3 B operand the A operand ({}) must be a \
+                 register-resident bf16 tile (gathered once before the pipeline, used by nothing \
+                 else)",
+                a.tile
+            )));
+        }
+        let bb = self.tile_base(&tb)?;
+        let ab = self.tile_base(&ta)?;
+        // first n row of this warp's group; first k step of its slice (within the view)
+        let n_first = self.fresh("n_first");
+        body.push(let_(
+            &n_first,
+            add(u(b.row0), mul(group.clone(), u(8 * ng))),
+        ));
+        let nf = var(&n_first, Ty::U32);
+        let k_first = self.fresh("k_first");
+        body.push(let_(&k_first, mul(slice, u(steps))));
+        let kf = var(&k_first, Ty::U32);
+        let af = self.private("a_frag", Ty::U32, 4);
+        let bf = self.private("b_frag", Ty::U32, 4);
+        let raw = self.private("b_raw", Ty::U32, 2);
+        let (kk, i, j) = (self.fresh("kk"), self.fresh("mi"), self.fresh("nj"));
+        let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
+        // B of n fragment j, k step kk (both relative): two u32 in bf[0..2]
+        let mut k_body = Vec::new();
+        let mut n_body = Vec::new();
+        let kstep = add(kf.clone(), kkv.clone());
+        if e4m3 {
+            // bytes: k step = 16 bytes; one 8x8 b16 matrix per n fragment (x1)
+            let word = add(
+                add(
+                    bb.clone(),
+                    mul(
+                        add(
+                            add(nf.clone(), mul(jv.clone(), u(8))),
+                            bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
+                        ),
+                        u(tb.stride),
+                    ),
+                ),
+                add(u(b.col0 / 4), mul(kstep.clone(), u(4))),
+            );
+            n_body.push(intr(Intrinsic::LdMatrix {
+                count: 1,
+                trans: false,
+                arr: b.tile.clone(),
+                word,
+                dst: raw.clone(),
+                dst0: u(0),
+            }));
+            let (lo, hi) = widen(priv_load_u(&raw, u(0)), false);
+            n_body.push(Stmt::PrivateStore {
+                arr: bf.clone(),
+                index: u(0),
+                value: lo,
+            });
+            n_body.push(Stmt::PrivateStore {
+                arr: bf.clone(),
+                index: u(1),
+                value: hi,
+            });
+        } else {
+            // bf16 [N, K]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15) via x2
+            let word = add(
+                add(
+                    bb.clone(),
+                    mul(
+                        add(
+                            add(nf.clone(), mul(jv.clone(), u(8))),
+                            bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
+                        ),
+                        u(tb.stride),
+                    ),
+                ),
+                add(
+                    u(b.col0 / 2),
+                    add(
+                        mul(kstep.clone(), u(8)),
+                        bin(BinOp::Shr, self.lane.k_nk.clone(), u(1)),
+                    ),
+                ),
+            );
+            n_body.push(intr(Intrinsic::LdMatrix {
+                count: 2,
+                trans: false,
+                arr: b.tile.clone(),
+                word,
+                dst: bf.clone(),
+                dst0: u(0),
+            }));
+        }
+        // A fragments of m fragment i at this k step, then the mma
+        let a_frag = |cx: &mut Cx, iv: Expr| -> Vec<Stmt> {
+            match &resident {
+                Some(v) => (0..4)
+                    .map(|r| Stmt::PrivateStore {
+                        arr: af.clone(),
+                        index: u(r),
+                        value: priv_load_u(
+                            &v.regs,
+                            add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
+                        ),
+                    })
+                    .collect(),
+                None => {
+                    let word = add(
+                        add(
+                            ab.clone(),
+                            mul(
+                                add(add(u(a.row0), mul(iv, u(16))), cx.lane.r16.clone()),
+                                u(ta.stride),
+                            ),
+                        ),
+                        add(
+                            u(a.col0 / 2),
+                            add(
+                                mul(add(kf.clone(), kkv.clone()), u(8)),
+                                bin(BinOp::Shr, cx.lane.c8.clone(), u(1)),
+                            ),
+                        ),
+                    );
+                    vec![intr(Intrinsic::LdMatrix {
+                        count: 4,
+                        trans: false,
+                        arr: a.tile.clone(),
+                        word,
+                        dst: af.clone(),
+                        dst0: u(0),
+                    })]
+                }
+            }
+        };
+        let mut m_body = a_frag(self, iv.clone());
+        m_body.push(intr(Intrinsic::MmaBf16 {
+            c: target.clone(),
+            c0: mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4)),
+            a: af.clone(),
+            a0: u(0),
+            b: bf.clone(),
+            b0: u(0),
+        }));
+        n_body.push(for_const(&i, fm, m_body));
+        k_body.push(for_const(&j, ng, n_body));
+        body.push(for_const(&kk, steps, k_body));
+        if let Some(sc) = &scale {
+            // partial += term x the scale of its column (B row)
+            let (f, e) = (self.fresh("frag"), self.fresh("e"));
+            let (fv, ev) = (var(&f, Ty::U32), var(&e, Ty::U32));
+            let n_of = add(
+                add(nf.clone(), mul(bin(BinOp::Rem, fv.clone(), u(ng)), u(8))),
+                add(
+                    mul(self.lane.quad.clone(), u(2)),
+                    bin(BinOp::BitAnd, ev.clone(), u(1)),
+                ),
+            );
+            let at = add(mul(fv, u(4)), ev);
+            let sc_name = self.fresh("row_scale");
+            body.push(for_const(
+                &f,
+                fm * ng,
+                vec![for_const(
+                    &e,
+                    4,
+                    vec![
+                        let_(&sc_name, self.expr(&scale_at(sc, n_of))?),
+                        Stmt::PrivateStore {
+                            arr: ks.part.clone(),
+                            index: at.clone(),
+                            value: Expr::Call(
+                                Func::Fma,
+                                vec![
+                                    priv_load(&ks.temp, at.clone()),
+                                    var(&sc_name, Ty::F32),
+                                    priv_load(&ks.part, at),
+                                ],
+                            ),
+                        },
+                    ],
+                )],
+            ));
+        }
+        out.extend(body);
+        Ok(())
+    }
+
+    /// Sum the partials of a split-K accumulator into it (if any are pending).
+    pub(super) fn materialize(&mut self, acc: &str, out: &mut Vec<Stmt>) -> Result<()> {
+        if !self.partial_live.remove(acc) {
+            return Ok(());
+        }
+        let info = self.acc(acc)?.clone();
+        let ks = info
+            .ksplit
+            .clone()
+            .ok_or_else(|| self.err(format!("{acc} is not split along K")))?;
+        let scratch = self
+            .split_scratch
+            .clone()
+            .ok_or_else(|| self.err("split-K without its scratch".into()))?;
+        let (rows, cols) = (info.decl.rows, info.decl.cols);
+        let stride = scratch_stride(cols);
+        let fm = rows / 16;
+        let warp = self.lane.warp.clone();
+        let slice = bin(BinOp::Rem, warp.clone(), u(ks.gk));
+        let group = bin(BinOp::Div, warp, u(ks.gk));
+        out.push(Stmt::Comment(format!(
+            "{acc}: split-K partials to shared memory, summed by the warps that hold its rows"
+        )));
+        // every warp stores its partial fragments
+        let (f, h, e) = (self.fresh("frag"), self.fresh("half"), self.fresh("e"));
+        let (fv, hv, ev) = (var(&f, Ty::U32), var(&h, Ty::U32), var(&e, Ty::U32));
+        let row = add(
+            add(
+                mul(bin(BinOp::Div, fv.clone(), u(ks.ng)), u(16)),
+                mul(hv.clone(), u(8)),
+            ),
+            self.lane.group.clone(),
+        );
+        let col = add(
+            add(
+                mul(group, u(8 * ks.ng)),
+                mul(bin(BinOp::Rem, fv.clone(), u(ks.ng)), u(8)),
+            ),
+            add(mul(self.lane.quad.clone(), u(2)), ev.clone()),
+        );
+        let at = add(mul(add(mul(slice, u(rows)), row), u(stride)), col);
+        out.push(for_const(
+            &f,
+            fm * ks.ng,
+            vec![for_const(
+                &h,
+                2,
+                vec![for_const(
+                    &e,
+                    2,
+                    vec![Stmt::SharedStore {
+                        arr: scratch.clone(),
+                        index: at,
+                        value: priv_load(&ks.part, add(add(mul(fv, u(4)), mul(hv, u(2))), ev)),
+                    }],
+                )],
+            )],
+        ));
+        out.push(Stmt::Barrier);
+        // the holders of S's rows add the slices into their fragments
+        let (f2, h2, e2, g2) = (
+            self.fresh("frag"),
+            self.fresh("half"),
+            self.fresh("e"),
+            self.fresh("g"),
+        );
+        let (fv2, hv2, ev2) = (var(&f2, Ty::U32), var(&h2, Ty::U32), var(&e2, Ty::U32));
+        let row2 = add(
+            add(info.row0.clone(), mul(hv2.clone(), u(8))),
+            self.lane.group.clone(),
+        );
+        let col2 = add(
+            add(info.col0.clone(), mul(fv2.clone(), u(8))),
+            add(mul(self.lane.quad.clone(), u(2)), ev2.clone()),
+        );
+        let idx = add(add(mul(fv2, u(4)), mul(hv2, u(2))), ev2);
+        let sum = self.fresh("sum");
+        let sv = var(&sum, Ty::F32);
+        let mut inner = vec![Stmt::Var {
+            name: sum.clone(),
+            value: priv_load(acc, idx.clone()),
+        }];
+        let cell = self.fresh("cell");
+        inner.push(let_(&cell, add(mul(row2, u(stride)), col2)));
+        inner.push(for_const(
+            &g2,
+            ks.gk,
+            vec![Stmt::Assign {
+                name: sum.clone(),
+                value: bin(
+                    BinOp::Add,
+                    sv.clone(),
+                    Expr::SharedLoad {
+                        arr: scratch.clone(),
+                        ty: Ty::F32,
+                        index: Box::new(add(
+                            mul(var(&g2, Ty::U32), u(rows * stride)),
+                            var(&cell, Ty::U32),
+                        )),
+                    },
+                ),
+            }],
+        ));
+        inner.push(Stmt::PrivateStore {
+            arr: acc.to_string(),
+            index: idx,
+            value: sv,
+        });
+        let lp = for_const(
+            &f2,
+            info.fnw,
+            vec![for_const(&h2, 2, vec![for_const(&e2, 2, inner)])],
+        );
+        out.extend(self.for_used_warps(&info, vec![lp]));
+        Ok(())
+    }
+
+    /// B fragments of an e4m3 `[K, N]` operand for n fragment pairs, and the A (P) scale:
+    /// see [`Cx::mma`].
+    pub(super) fn e4m3_kn_b(
+        &mut self,
+        tb: &TileInfo,
+        base: Expr,
+        k_row: Expr,
+        n_byte: Expr,
+        raw: &str,
+        bf: &str,
+    ) -> Vec<Stmt> {
+        // matrices (k 0-7, 16 columns), (k 8-15, same columns): lanes 0-15 give the rows
+        let word = add(
+            add(
+                base,
+                mul(
+                    add(k_row, bin(BinOp::BitAnd, self.lane.r16.clone(), u(15))),
+                    u(tb.stride),
+                ),
+            ),
+            bin(BinOp::Shr, n_byte, u(2)),
+        );
+        let mut out = vec![intr(Intrinsic::LdMatrix {
+            count: 2,
+            trans: true,
+            arr: tb.decl.name.clone(),
+            word,
+            dst: raw.to_string(),
+            dst0: u(0),
+        })];
+        // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
+        // odd fragment: bytes (1, 3)
+        let (e0, o0) = widen(priv_load_u(raw, u(0)), true);
+        let (e1, o1) = widen(priv_load_u(raw, u(1)), true);
+        for (k, v) in [(0, e0), (1, e1), (2, o0), (3, o1)] {
+            out.push(Stmt::PrivateStore {
+                arr: bf.to_string(),
+                index: u(k),
+                value: v,
+            });
+        }
+        out
+    }
+
+    /// The A fragment registers `af[0..4]` times the per-k scales of a `[K, N]` product's
+    /// rows `k0 + 2q + {0, 1, 8, 9}`.
+    pub(super) fn scale_a_frag(
+        &mut self,
+        af: &str,
+        a0: Expr,
+        scale: &(String, Expr),
+        k0: Expr,
+    ) -> Result<Vec<Stmt>> {
+        let q2 = mul(self.lane.quad.clone(), u(2));
+        let mut out = Vec::new();
+        let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
+        for (n, off) in names.iter().zip([0u32, 1, 8, 9]) {
+            let at = add(add(k0.clone(), q2.clone()), u(off));
+            out.push(let_(n, self.expr(&scale_at(scale, at))?));
+        }
+        let sv = |k: usize| var(&names[k], Ty::F32);
+        for r in 0..4u32 {
+            let (lo, hi) = if r < 2 {
+                (sv(0), sv(1))
+            } else {
+                (sv(2), sv(3))
+            };
+            let idx = add(a0.clone(), u(r));
+            out.push(Stmt::PrivateStore {
+                arr: af.to_string(),
+                index: idx.clone(),
+                value: scale_pair(priv_load_u(af, idx), lo, hi),
+            });
+        }
+        Ok(out)
+    }
+}
+
+impl Cx<'_> {
+    /// `acc += A · B` with B an e4m3 `[K, N]` view (optionally scaled per k row) and A bf16 in
+    /// shared memory: the accumulator is interleaved (fragment pair `(2j, 2j+1)` = 16
+    /// columns, even and odd).
+    pub(super) fn mma_e4m3_kn(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        scale: Option<(String, Expr)>,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        if !info.interleave {
+            return Err(self.err(format!(
+                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
+            )));
+        }
+        let ta = self.tile(&a.tile)?.clone();
+        let tb = self.tile(&b.tile)?.clone();
+        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
+            )));
+        }
+        let (fmw, fnw) = (info.fmw, info.fnw);
+        let ab = self.tile_base(&ta)?;
+        let bb = self.tile_base(&tb)?;
+        let af = self.private("a_frag", Ty::U32, 4 * fmw);
+        let bf = self.private("b_frag", Ty::U32, 4);
+        let raw = self.private("b_raw", Ty::U32, 2);
+        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
+        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
+        let a_base = self.fresh("a_lane_word");
+        let mut body = vec![let_(
+            &a_base,
+            add(
+                add(
+                    ab,
+                    mul(
+                        add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
+                        u(ta.stride),
+                    ),
+                ),
+                bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
+            ),
+        )];
+        let mut k_body = vec![for_const(
+            &i,
+            fmw,
+            vec![intr(Intrinsic::LdMatrix {
+                count: 4,
+                trans: false,
+                arr: a.tile.clone(),
+                word: add(
+                    var(&a_base, Ty::U32),
+                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
+                ),
+                dst: af.clone(),
+                dst0: mul(iv.clone(), u(4)),
+            })],
+        )];
+        let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
+        if let Some(sc) = &scale {
+            for m in 0..fmw {
+                let st = self.scale_a_frag(&af, u(4 * m), sc, k_row.clone())?;
+                k_body.extend(st);
+            }
+        }
+        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
+        let mut pair_body = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf);
+        for (half, b0) in [(0u32, 0u32), (1, 2)] {
+            pair_body.push(for_const(
+                &i,
+                fmw,
+                vec![intr(Intrinsic::MmaBf16 {
+                    c: acc.to_string(),
+                    c0: mul(
+                        add(
+                            mul(iv.clone(), u(fnw)),
+                            add(mul(jpv.clone(), u(2)), u(half)),
+                        ),
+                        u(4),
+                    ),
+                    a: af.clone(),
+                    a0: mul(iv.clone(), u(4)),
+                    b: bf.clone(),
+                    b0: u(b0),
+                })],
+            ));
+        }
+        k_body.push(for_const(&jp, fnw / 2, pair_body));
+        body.push(for_const(&kk, a.cols / 16, k_body));
+        out.extend(self.for_used_warps(&info, body));
+        Ok(())
+    }
+}
+
+fn priv_load_u(arr: &str, index: Expr) -> Expr {
+    Expr::PrivateLoad {
+        arr: arr.into(),
+        ty: Ty::U32,
+        index: Box::new(index),
+    }
+}
+
+#[allow(dead_code)]
+fn guard(cond: Expr, then: Vec<Stmt>) -> Stmt {
+    Stmt::If {
+        cond,
+        then,
+        els: vec![],
+    }
+}
+
+#[allow(dead_code)]
+fn lt_(a: Expr, b: Expr) -> Expr {
+    lt(a, b)
+}

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Mutation run over the kernels, emitters, lowerings and the tests that guard them: each
+# mutation below is one deliberate bug, applied alone to a clean tree, followed by the tests
+# that should catch it; a mutation "survives" when they still pass. Prints a table
+# (mutation | file | tests | killed?) and exits 1 if any survived.
+#
+#   tools/mutate.sh            the fast tests per mutation (the emulator on a subset of cases)
+#   tools/mutate.sh --full     tools/test.sh (the whole CI suite) after each mutation
+#   MUTATE_ONLY=text           only the mutations whose name contains it
+#
+# Needs a clean working tree for the mutated files (each is restored with `git checkout`).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FULL=0
+[ "${1:-}" = "--full" ] && FULL=1
+export LD_LIBRARY_PATH="$PWD/target/nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# the emulator cases a mutation run uses: long top-k lists (rings wrap), fp8, splits, masks
+export SPARSE_MLA_EMU_CASE=${SPARSE_MLA_EMU_CASE:-k2048}
+
+# name # file # python-literal old # python-literal new # tests (cargo test args)
+MUTATIONS=(
+  "pack_bf16x2 operands swapped#src/emit/cuda.rs#': \"=r\"(r) : \"f\"(hi), \"f\"(lo));'#': \"=r\"(r) : \"f\"(lo), \"f\"(hi));'#--test mma_emulated"
+  "v6 ring: no write-after-read barrier at the end of a step#src/kir/lower_mma.rs#'        // Barrier: the next iteration\\'s load overwrites the stage computed on one step ago.\n        body.push(Stmt::Barrier);'#'        // mutation'#--test mma_emulated"
+  "v7 ring: consumers wait for the wrong phase#src/kir/lower_mma/ws.rs#'parity: bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)),'#'parity: bin(BinOp::BitXor, bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)), u(1)),'#--test mma_emulated"
+  "v7 ring: the producer reuses a stage without waiting#src/kir/lower_mma/ws.rs#'cond: bin(BinOp::Ge, itv.clone(), u(1)),'#'cond: bin(BinOp::Ge, itv.clone(), u(1_000_000)),'#--test mma_emulated"
+  "e4m3 widening: bytes of the k pairs swapped#src/kir/lower_mma/ksplit.rs#'        (pack(0, 1), pack(2, 3))'#'        (pack(2, 3), pack(0, 1))'#--test mma_emulated"
+  "P x scale: the k+8 scales used for k#src/kir/lower_mma/ksplit.rs#'                (sv(0), sv(1))\n            } else {\n                (sv(2), sv(3))'#'                (sv(2), sv(3))\n            } else {\n                (sv(0), sv(1))'#--test mma_emulated"
+  "split-K sum drops the last slice#src/kir/lower_mma/ksplit.rs#'            &g2,\n            ks.gk,'#'            &g2,\n            ks.gk - 1,'#--test mma_emulated"
+  "mask ignores the recorded validity#src/kernels/sparse_mla_decode/split.rs#'.gt(f(0.5));'#'.gt(f(-0.5));'#--test mma_emulated --test conformance"
+  "lse never written (v7 description)#src/kernels/sparse_mla_decode/io.rs#'                b.store(&io.lse_out, at, v);'#'                let _ = (at, v);'#--test formats_fp8_decode --test mma_emulated"
+  "fp8 scale of tile k+1 used for tile k#src/kernels/sparse_mla_decode/split.rs#'|_, r| scales.at(r, u(k)),'#'|_, r| scales.at(r, u((k + 1) % 4)),'#--test mma_emulated --test conformance"
+  "e4m3 decode: exponent bias off by one#src/emit/cuda.rs#'__uint_as_float(((e + 120u) << 23) | (m << 20));'#'__uint_as_float(((e + 121u) << 23) | (m << 20));'#--test mma_emulated"
+)
+
+results=()
+survived=0
+for m in "${MUTATIONS[@]}"; do
+  IFS='#' read -r name file old new tests <<<"$m"
+  if [ -n "${MUTATE_ONLY:-}" ] && [[ "$name" != *"$MUTATE_ONLY"* ]]; then continue; fi
+  if ! git diff --quiet -- "$file"; then
+    echo "mutate: $file has local changes; commit or stash first" >&2
+    exit 2
+  fi
+  if ! python3 - "$file" "$old" "$new" <<'EOF'
+import ast, sys
+path, old, new = sys.argv[1], ast.literal_eval(sys.argv[2]), ast.literal_eval(sys.argv[3])
+s = open(path).read()
+if s.count(old) < 1:
+    sys.exit(f"mutation text not found in {path}: {old!r}")
+open(path, "w").write(s.replace(old, new, 1))
+EOF
+  then
+    results+=("| $name | $file | - | NOT APPLIED (text not found) |")
+    survived=$((survived + 1))
+    continue
+  fi
+  echo "== mutation: $name ($file)"
+  if [ $FULL = 1 ]; then
+    tools/test.sh >/tmp/mutate.log 2>&1
+  else
+    # shellcheck disable=SC2086
+    cargo test --release $tests -- --nocapture >/tmp/mutate.log 2>&1
+  fi
+  rc=$?
+  git checkout -q -- "$file"
+  if [ $rc -ne 0 ]; then
+    why=$(grep -m1 -oE "race|deadlock|FAIL|error\[E[0-9]+\]|panicked|rel_l2 [0-9.e+-]+ lse_err [0-9.e+-]+ [^ ]+ +[0-9.]+ s FAIL" /tmp/mutate.log | head -1)
+    results+=("| $name | $file | $tests | killed (${why:-tests failed}) |")
+  else
+    results+=("| $name | $file | $tests | **survived** |")
+    survived=$((survived + 1))
+  fi
+done
+echo
+echo "| mutation | file | tests | result |"
+echo "|---|---|---|---|"
+printf '%s\n' "${results[@]}"
+[ $survived -eq 0 ]
