@@ -304,7 +304,10 @@ pub fn elementwise_cases() -> Vec<OpCase> {
         key_write_case(),
         fill_case(crate::kernels::fill::FillMode::E4m3, "e4m3"),
         // Powers of two: a + b · u is exact with or without a fused multiply-add (NVRTC fuses).
-        fill_case(crate::kernels::fill::FillMode::Bf16 { scale: 0.03125 }, "bf16"),
+        fill_case(
+            crate::kernels::fill::FillMode::Bf16 { scale: 0.03125 },
+            "bf16",
+        ),
         fill_case(
             crate::kernels::fill::FillMode::F32 { lo: 0.5, hi: 1.5 },
             "f32",

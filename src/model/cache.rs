@@ -307,6 +307,16 @@ impl KvCache {
         Ok(())
     }
 
+    /// The latent cache of layer `l` (`[pages, page_size, row_bytes]`).
+    pub fn latent_buffer(&self, l: usize) -> Option<&Buffer> {
+        self.latent.get(l)
+    }
+
+    /// The indexer key cache of layer `l` (`[slots, key_dim]` bf16), if the layer has one.
+    pub fn key_buffer(&self, l: usize) -> Option<&Buffer> {
+        self.keys.get(l).and_then(|k| k.as_ref())
+    }
+
     /// Device bytes the caches hold.
     pub fn bytes(&self) -> u64 {
         self.latent.iter().map(|b| b.len()).sum::<u64>()

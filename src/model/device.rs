@@ -143,6 +143,17 @@ pub struct Device {
     misses: std::sync::atomic::AtomicU64,
     /// Bytes of every buffer the pool has made (it keeps them: its footprint).
     pool_bytes: std::sync::atomic::AtomicU64,
+    /// Phase timing, when on ([`Device::set_profiling`]).
+    profile: Mutex<Option<Profile>>,
+}
+
+/// Wall time per (layer, phase) of the steps run while profiling: each mark waits for the
+/// device, so the phases add up to the step (slower than an unprofiled step by the waits).
+#[derive(Clone, Debug, Default)]
+pub struct Profile {
+    last: Option<std::time::Instant>,
+    /// ((layer or none), phase) → (seconds, marks).
+    pub phases: std::collections::BTreeMap<(Option<usize>, &'static str), (f64, u64)>,
 }
 
 fn poisoned() -> Error {
@@ -159,6 +170,7 @@ impl Device {
             })),
             misses: Default::default(),
             pool_bytes: Default::default(),
+            profile: Mutex::new(None),
         }
     }
 
@@ -175,6 +187,38 @@ impl Device {
     /// creation; the decode kernels' split workspace belongs to the backend and only grows.
     pub fn allocations(&self) -> u64 {
         self.misses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Turns phase timing on (an empty profile) or off; returns the profile gathered so far.
+    pub fn set_profiling(&self, on: bool) -> Option<Profile> {
+        let mut p = self.profile.lock().ok()?;
+        std::mem::replace(&mut *p, on.then(Profile::default))
+    }
+
+    /// Starts timing a step's phases (waits for the device), when profiling.
+    pub fn phase_start(&self) -> Result<()> {
+        let mut p = self.profile.lock().map_err(|_| poisoned())?;
+        if let Some(p) = p.as_mut() {
+            self.backend.synchronize()?;
+            p.last = Some(std::time::Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Ends the phase `name` of `layer` (waits for the device), when profiling.
+    pub fn phase(&self, layer: Option<usize>, name: &'static str) -> Result<()> {
+        let mut p = self.profile.lock().map_err(|_| poisoned())?;
+        if let Some(p) = p.as_mut() {
+            self.backend.synchronize()?;
+            let now = std::time::Instant::now();
+            if let Some(last) = p.last {
+                let e = p.phases.entry((layer, name)).or_default();
+                e.0 += (now - last).as_secs_f64();
+                e.1 += 1;
+            }
+            p.last = Some(now);
+        }
+        Ok(())
     }
 
     /// Device bytes of the activation pool (every buffer it made; it keeps them for reuse).

@@ -154,6 +154,18 @@ impl Model {
         })
     }
 
+    /// A model from weights already on `device` (the synthetic benchmark models).
+    pub fn from_parts(config: ModelConfig, device: Device, weights: ModelWeights) -> Self {
+        let rope = RopeTable::new(&config.rope, config.qk_rope_head_dim);
+        Model {
+            config,
+            device,
+            weights,
+            rope,
+            loaded_bytes: 0,
+        }
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }
@@ -333,9 +345,11 @@ impl Model {
     ) -> Result<Tensor> {
         let d = &self.device;
         let c = &self.config;
+        d.phase_start()?;
         cache.sync_table(d)?;
         let idx = self.step_index(cache, inputs)?;
         let h = d.gather_rows(&self.weights.embed, &idx.ids)?;
+        d.phase(None, "other")?;
         let mut selected: Option<Index> = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let x = d.rms_norm(&h, &layer.input_norm, c.rms_norm_eps)?;
@@ -351,6 +365,7 @@ impl Model {
             )?;
             let x = d.rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
             self.mlp(l, &layer.mlp, &x, &h, trace.as_deref_mut())?;
+            d.phase(Some(l), "mlp")?;
         }
         let h = match which {
             Logits::All => h,
@@ -358,7 +373,9 @@ impl Model {
         };
         let h = d.rms_norm(&h, &self.weights.norm, c.rms_norm_eps)?;
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
-        d.linear(&h, head)
+        let logits = d.linear(&h, head)?;
+        d.phase(None, "other")?;
+        Ok(logits)
     }
 
     fn tables<'a>(&self, cache: &'a KvCache, idx: &'a StepIndex) -> BlockTables<'a> {
@@ -454,6 +471,7 @@ impl Model {
         )?;
 
         if let Some(iw) = &layer.indexer {
+            d.phase(Some(l), "attention")?;
             let logical = self.indexer(l, iw, x, &q_resid, cache, idx)?;
             if let Some(tr) = trace {
                 tr.selected
@@ -477,6 +495,7 @@ impl Model {
                 },
             )?;
             *selected = Some(slots);
+            d.phase(Some(l), "indexer")?;
         }
         let slots_k = selected.as_ref().ok_or_else(|| {
             Error::Model(format!(
@@ -513,7 +532,8 @@ impl Model {
         let v = c.v_head_dim as u32;
         let o = d.empty(t * heads, v, DType::F32)?;
         d.head_linear_into(&out, &w.w_uv, heads, &o)?;
-        d.linear_into(&o.reshape(t, heads * v)?, &w.o_proj, h, true)
+        d.linear_into(&o.reshape(t, heads * v)?, &w.o_proj, h, true)?;
+        d.phase(Some(l), "attention")
     }
 
     /// Writes this layer's indexer keys and returns the logical top-k positions `[T, K]`.

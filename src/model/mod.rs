@@ -22,6 +22,7 @@ pub mod memory;
 pub mod params;
 pub mod rope;
 pub mod sampler;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 
