@@ -4,5 +4,5 @@
 # mla-bench.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --profile gpu --bin mla-check --bin mla-run --bin mla-bench
-ls -la target/gpu/mla-check target/gpu/mla-run target/gpu/mla-bench
+cargo build --profile gpu --bin mla-check --bin mla-run --bin mla-bench --bin mla-model-bench
+ls -la target/gpu/mla-check target/gpu/mla-run target/gpu/mla-bench target/gpu/mla-model-bench

@@ -71,6 +71,10 @@ for t in "$BIN"/gpu-test-*; do
     echo "== $(basename "$t")"
     SPARSE_MLA_REQUIRE=cuda "$t" --nocapture >"$L/$(basename "$t").txt" 2>&1 || status=1
 done
+if [ -x "$BIN/mla-model-bench" ] && [ -z "${NO_MODEL_BENCH:-}" ]; then
+    echo "== mla-model-bench"
+    "$BIN/mla-model-bench" ${MODEL_BENCH_ARGS:-} >"$L/model-bench.txt" 2>"$L/model-bench.err" || status=1
+fi
 if [ -x "$BIN/mla-bench" ] && [ -z "${NO_BENCH:-}" ]; then
     echo "== mla-bench"
     "$BIN/mla-bench" >"$L/bench.txt" 2>"$L/bench.err" || status=1
@@ -90,4 +94,5 @@ for t in "$L"/gpu-test-*.txt; do
     [ -f "$t" ] && { echo "---- $(basename "$t")"; grep -E "^test |test result|panicked" "$t" | tail -20; }
 done
 [ -f "$L/bench.txt" ] && { echo "---- bench"; cat "$L/bench.txt"; }
+[ -f "$L/model-bench.txt" ] && { echo "---- model bench"; cat "$L/model-bench.txt"; tail -5 "$L/model-bench.err"; }
 exit $status

@@ -361,7 +361,11 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
             }
         },
     );
-    b.finish()
+    // ptxas otherwise trades registers for occupancy and spills on some targets; these
+    // kernels are bandwidth-bound with enough workgroups in flight either way.
+    let mut k = b.finish()?;
+    k.min_workgroups = 1;
+    Ok(k)
 }
 
 /// Adds up split-K partials: `y[t, n] (+)= Σ_z partials[z, t, n]`.
@@ -601,7 +605,11 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
         b.store(&y, yi, out);
     });
     let _ = rows;
-    b.finish()
+    // ptxas otherwise trades registers for occupancy and spills on some targets; these
+    // kernels are bandwidth-bound with enough workgroups in flight either way.
+    let mut k = b.finish()?;
+    k.min_workgroups = 1;
+    Ok(k)
 }
 
 fn fp8_params(l: &WeightLayout) -> Vec<(String, ParamValue)> {
