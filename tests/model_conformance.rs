@@ -76,6 +76,10 @@ macro_rules! model_tests {
                 fn failed_step_changes_nothing() {
                     run($kind, "model/failed_step/");
                 }
+                #[test]
+                fn graph_replays_equal_eager_steps() {
+                    run($kind, "model/graphs/");
+                }
             }
         )*
     };

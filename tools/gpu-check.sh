@@ -66,6 +66,17 @@ for dev in cuda wgpu; do
     done
 done
 
+echo "== mla-run --bench"
+: >"$L/run-bench.txt"
+for m in glm_moe_dsa-tiny deepseek_v32-tiny; do
+    for g in on off; do
+        "$BIN/mla-run" --device cuda --model "$SPARSE_MLA_FIXTURES/$m" --bench -n 64 --cuda-graphs $g \
+            >>"$L/run-bench.txt" 2>>"$L/run.err" || status=1
+    done
+    WGPU_BACKEND=vulkan "$BIN/mla-run" --device wgpu --model "$SPARSE_MLA_FIXTURES/$m" --bench -n 16 \
+        >>"$L/run-bench.txt" 2>>"$L/run.err" || status=1
+done
+
 for t in "$BIN"/gpu-test-*; do
     [ -x "$t" ] || continue
     echo "== $(basename "$t")"
@@ -89,6 +100,7 @@ for f in cuda vulkan; do
 done
 echo "---- mla-run"
 cut -c1-260 "$L/run.txt"
+cat "$L/run-bench.txt"
 tail -3 "$L/run.err"
 for t in "$L"/gpu-test-*.txt; do
     [ -f "$t" ] && { echo "---- $(basename "$t")"; grep -E "^test |test result|panicked" "$t" | tail -20; }

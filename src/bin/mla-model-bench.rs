@@ -236,6 +236,8 @@ fn step_bytes(model: &Model, batch: usize, context: usize, format: CacheFormat) 
 struct Row {
     step_s: f64,
     v1_s: Option<f64>,
+    /// With the decode step replayed from a CUDA graph.
+    graph_s: Option<f64>,
     phases: Vec<(String, f64)>,
     dense_s: f64,
     moe_s: f64,
@@ -310,6 +312,17 @@ fn run_row(
         set_baseline(false);
         Some(t?)
     };
+    // Graphs: the step is recorded on its second sight, then replayed.
+    model.set_graphs(true);
+    let before = model.graph_counts();
+    let graphed = time_steps(model, &mut cache, &seqs, 3, args.steps);
+    let after = model.graph_counts();
+    model.set_graphs(false);
+    let graph_s = match graphed {
+        Ok(t) if after.1 > before.1 => Some(t),
+        Ok(_) => None,
+        Err(e) => return Err(e),
+    };
     model.device().set_profiling(true);
     let profiled = time_steps(model, &mut cache, &seqs, 0, 3);
     let profile = model.device().set_profiling(false).unwrap_or_default();
@@ -340,6 +353,7 @@ fn run_row(
     Ok(Row {
         step_s,
         v1_s,
+        graph_s,
         phases: phases.into_iter().map(|(k, v)| (k, v * f)).collect(),
         dense_s: dense * f / n_dense.max(1) as f64,
         moe_s: moe * f / n_moe.max(1) as f64,
@@ -355,9 +369,9 @@ fn run(args: &Args) -> Result<()> {
     println!("copy bandwidth (read + write): {:.2} TB/s", bw / 1e12);
     let format = CacheFormat::parse(&args.kv_cache)?;
     println!(
-        "| shape | weights | ctx | batch | step ms | tok/s | roofline ms | % roof | v1 step ms | dense layer ms (% roof) | MoE layer ms (% roof) | other ms | indexer / attention / mlp / other ms | whole model tok/s |"
+        "| shape | weights | ctx | batch | step ms | tok/s | roofline ms | % roof | graph step ms (% roof) | v1 step ms | dense layer ms (% roof) | MoE layer ms (% roof) | other ms | indexer / attention / mlp / other ms | whole model tok/s (graph) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for shape in &args.shape {
         let shape = parse_shape(shape)?;
         for wt in &args.weights {
@@ -399,6 +413,8 @@ fn run(args: &Args) -> Result<()> {
                         .unwrap_or(0.0);
                     let (fd, fm) = shape.full_layers();
                     let whole = fd as f64 * row.dense_s + fm as f64 * row.moe_s + row.other_s;
+                    // The graph's saving, spread over the layers in proportion.
+                    let g = row.graph_s.map(|t| t / row.step_s).unwrap_or(1.0);
                     let phases: Vec<String> = ["indexer", "attention", "mlp", "other"]
                         .iter()
                         .map(|p| {
@@ -412,12 +428,15 @@ fn run(args: &Args) -> Result<()> {
                         })
                         .collect();
                     println!(
-                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} |",
+                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} ({:.1}) |",
                         shape.name(),
                         row.step_s * 1e3,
                         batch as f64 / row.step_s,
                         roof * 1e3,
                         100.0 * roof / row.step_s,
+                        row.graph_s
+                            .map(|t| format!("{:.2} ({:.0} %)", t * 1e3, 100.0 * roof / t))
+                            .unwrap_or_else(|| "-".into()),
                         row.v1_s.map(|t| format!("{:.2}", t * 1e3)).unwrap_or_else(|| "-".into()),
                         row.dense_s * 1e3,
                         100.0 * dense_b / bw / row.dense_s,
@@ -426,6 +445,7 @@ fn run(args: &Args) -> Result<()> {
                         row.other_s * 1e3,
                         phases.join(" / "),
                         batch as f64 / whole,
+                        batch as f64 / (whole * g),
                     );
                 }
             }

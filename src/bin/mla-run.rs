@@ -91,9 +91,19 @@ struct Cli {
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t = KvCache::Bf16)]
     kv_cache: KvCache,
 
+    /// Replay decode steps from CUDA graphs (CUDA only; other devices ignore it).
+    #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = Switch::On)]
+    cuda_graphs: Switch,
+
     /// Longest sequence (prompt + generated) the cache is sized for.
     #[arg(long, value_name = "L", default_value_t = 4096)]
     max_seq_len: usize,
+
+    /// Benchmark the decode loop instead of printing text: prefill, 3 untimed steps, then
+    /// -n timed steps of exactly what a generation runs (forward on the device + sampler);
+    /// prints the median step time, tokens/s and the host waits per step.
+    #[arg(long)]
+    bench: bool,
 
     /// text: the continuation as it is generated, then a speed line.
     /// json: one object per token ({"id", "text", "logprob"}) and a final summary object.
@@ -105,6 +115,12 @@ struct Cli {
 enum KvCache {
     Bf16,
     Fp8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -335,6 +351,10 @@ fn run(cli: &Cli) -> Result<()> {
     let (backend, ckpt) = open(&plan)?;
     let model = load(&plan, backend, &ckpt)?;
     drop(ckpt);
+    model.set_graphs(cli.cuda_graphs == Switch::On);
+    if cli.bench {
+        return bench(cli, &plan, &model);
+    }
     let mut sampler = Sampler::new(plan.sampler)?;
     let mut seq = model.new_sequence(plan.cache)?;
     let out = std::io::stdout();
@@ -419,6 +439,76 @@ fn run(cli: &Cli) -> Result<()> {
     ];
     summary.device = model.device().backend().device_name();
     report(&mut out, cli, &summary, &seq_note(&summary, &plan)).map_err(io)
+}
+
+/// `--bench`: the decode loop timed step by step.
+fn bench(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
+    let steps = cli.n.max(1);
+    let need = plan.prompt.len() + steps + 4;
+    if need > plan.cache.max_seq_len {
+        return Err(Error::arg(
+            "--max-seq-len",
+            format!("at least {need} for the prompt, 3 warm-up and {steps} timed steps"),
+            plan.cache.max_seq_len,
+        ));
+    }
+    let mut sampler = Sampler::new(plan.sampler)?;
+    let mut seq = model.new_sequence(plan.cache)?;
+    let t0 = Instant::now();
+    let mut logits = None;
+    for chunk in plan.prompt.chunks(PREFILL_CHUNK) {
+        logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
+    }
+    let mut logits = logits.ok_or_else(|| Error::arg("prompt", "at least one token", 0))?;
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let mut times = Vec::with_capacity(steps);
+    let backend = model.device().backend();
+    let mut waits = 0;
+    for i in 0..steps + 3 {
+        let t = Instant::now();
+        let w0 = backend.host_syncs();
+        let id = sampler.sample(model.device(), &logits)?[0].id;
+        logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+        if i >= 3 {
+            times.push(t.elapsed().as_secs_f64());
+            waits += backend.host_syncs() - w0;
+        }
+    }
+    // The last step's logits are not sampled: finish them before the clock stops mattering.
+    backend.synchronize()?;
+    times.sort_by(f64::total_cmp);
+    let q = |f: f64| times[((times.len() - 1) as f64 * f) as usize];
+    let (records, replays) = model.graph_counts();
+    let line = format!(
+        "decode bench on {}: {} prompt tokens ({:.1} tok/s prefill), {steps} steps: median {:.3} ms/token (p10 {:.3}, p90 {:.3}), {:.1} tok/s, {:.2} host waits per step, graphs recorded {records} / replayed {replays}",
+        backend.device_name(),
+        plan.prompt.len(),
+        plan.prompt.len() as f64 / prefill_s,
+        q(0.5) * 1e3,
+        q(0.1) * 1e3,
+        q(0.9) * 1e3,
+        1.0 / q(0.5),
+        waits as f64 / steps as f64
+    );
+    match cli.output {
+        Output::Text => println!("{line}"),
+        Output::Json => println!(
+            "{}",
+            serde_json::json!({
+                "device": backend.device_name(),
+                "prompt_tokens": plan.prompt.len(),
+                "steps": steps,
+                "median_ms_per_token": q(0.5) * 1e3,
+                "p10_ms": q(0.1) * 1e3,
+                "p90_ms": q(0.9) * 1e3,
+                "decode_tok_s": 1.0 / q(0.5),
+                "host_waits_per_step": waits as f64 / steps as f64,
+                "graphs_recorded": records,
+                "graphs_replayed": replays,
+            })
+        ),
+    }
+    Ok(())
 }
 
 fn seq_note(s: &Summary, plan: &Plan) -> String {

@@ -27,6 +27,8 @@
 //! - `model/steady_decode/<arch>`: a decode step after warm-up allocates no device buffer
 //!   and (on a GPU) waits for the device once, to read the sampled id.
 //! - `model/failed_step/<arch>`: a step that fails leaves its sequence as it was.
+//! - `model/graphs/<arch>`: decode steps replayed from a recorded CUDA graph equal the same
+//!   steps run eagerly, bit for bit.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -706,6 +708,67 @@ pub fn failed_step_case(backend: Arc<dyn Backend>, fixtures: &Path, arch: &str) 
     ))
 }
 
+/// Decode steps through recorded graphs (CUDA) equal the same steps run eagerly, bit for
+/// bit; on backends without graphs the steps run eagerly and the case says so.
+pub fn graphs_case(backend: Arc<dyn Backend>, fixtures: &Path, arch: &str) -> Result<Outcome> {
+    let t0 = Instant::now();
+    let model = Model::load(&fixtures.join(arch), backend, &mut |_, _| {})?;
+    let v_n = model.config.vocab_size as u32;
+    let run = |graphs: bool| -> Result<Vec<f32>> {
+        model.set_graphs(graphs);
+        let mut seq = model.new_sequence(CacheOptions {
+            page_size: 4,
+            max_seq_len: 48,
+            ..Default::default()
+        })?;
+        let prompt: Vec<u32> = (0..10).map(|i| (i * 13 + 5) % v_n).collect();
+        let mut out = model.device().download(&model.forward_on_device(
+            &mut seq,
+            &prompt,
+            Logits::Last,
+        )?)?;
+        for t in 0..8u32 {
+            let l = model.forward_on_device(&mut seq, &[(t * 29 + 3) % v_n], Logits::Last)?;
+            out.extend(model.device().download(&l)?);
+        }
+        model.set_graphs(false);
+        Ok(out)
+    };
+    let eager = run(false)?;
+    let before = model.graph_counts();
+    let graphed = run(true)?;
+    let (records, replays) = {
+        let after = model.graph_counts();
+        (after.0 - before.0, after.1 - before.1)
+    };
+    let mut failures = Vec::new();
+    if graphed != eager {
+        let a: Vec<f64> = graphed.iter().map(|&x| x as f64).collect();
+        let b: Vec<f64> = eager.iter().map(|&x| x as f64).collect();
+        failures.push(format!(
+            "graph replays differ from eager steps: rel L2 {:.3e}",
+            rel_l2(&a, &b)
+        ));
+    }
+    let gpu = model.device().backend().kind() == BackendKind::Cuda;
+    if gpu && (records == 0 || replays < 4) {
+        failures.push(format!(
+            "CUDA recorded {records} graphs and replayed {replays} times (1 and ≥ 4 expected)"
+        ));
+    }
+    Ok(outcome(
+        format!("model/graphs/{arch}"),
+        t0,
+        0.0,
+        if records == 0 {
+            "no graphs on this backend: eager".to_string()
+        } else {
+            format!("{records} recorded, {replays} replays")
+        },
+        failures,
+    ))
+}
+
 /// A whole-model case, run on a shared backend handle.
 type RunCase = dyn Fn(Arc<dyn Backend>, &Path) -> Result<Outcome> + Send + Sync;
 
@@ -732,11 +795,12 @@ pub fn model_cases() -> Vec<ModelCase> {
         }
     }
     type CaseFn = fn(Arc<dyn Backend>, &Path, &str) -> Result<Outcome>;
-    let others: [(&str, CaseFn); 4] = [
+    let others: [(&str, CaseFn); 5] = [
         ("fp8_weights", fp8_weights_case),
         ("batch", batch_case),
         ("steady_decode", steady_decode_case),
         ("failed_step", failed_step_case),
+        ("graphs", graphs_case),
     ];
     for (what, f) in others {
         for arch in ARCHS {

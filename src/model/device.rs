@@ -145,6 +145,9 @@ pub struct Device {
     pool_bytes: std::sync::atomic::AtomicU64,
     /// Phase timing, when on ([`Device::set_profiling`]).
     profile: Mutex<Option<Profile>>,
+    /// While a graph is being recorded: the ids of the buffers handed out (and no
+    /// allocation may happen).
+    recording: Mutex<Option<std::collections::HashSet<u64>>>,
 }
 
 /// Wall time per (layer, phase) of the steps run while profiling: each mark waits for the
@@ -171,6 +174,7 @@ impl Device {
             misses: Default::default(),
             pool_bytes: Default::default(),
             profile: Mutex::new(None),
+            recording: Mutex::new(None),
         }
     }
 
@@ -243,8 +247,15 @@ impl Device {
             }
             b
         };
+        let mut rec = self.recording.lock().map_err(|_| poisoned())?;
         let buf = match reused {
             Some(b) => b,
+            None if rec.is_some() => {
+                return Err(Error::runtime(
+                    "model",
+                    format!("a {bytes}-byte buffer would be allocated while a graph is recorded"),
+                ))
+            }
             None => {
                 self.misses
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -253,11 +264,61 @@ impl Device {
                 self.backend.alloc(class)?
             }
         };
+        if let Some(r) = rec.as_mut() {
+            r.insert(buf.id());
+        }
+        drop(rec);
         Ok(Arc::new(PoolBuf {
             buf: Some(buf),
             pool: self.pool.clone(),
             class,
         }))
+    }
+
+    /// Starts noting the buffers handed out (a graph is being recorded: they must stay its
+    /// own afterwards, and none may be allocated).
+    pub fn begin_recording(&self) -> Result<()> {
+        *self.recording.lock().map_err(|_| poisoned())? = Some(Default::default());
+        Ok(())
+    }
+
+    /// Ends the noting; returns the ids of the buffers handed out since the start.
+    pub fn end_recording(&self) -> Result<std::collections::HashSet<u64>> {
+        Ok(self
+            .recording
+            .lock()
+            .map_err(|_| poisoned())?
+            .take()
+            .unwrap_or_default())
+    }
+
+    /// Takes the buffers with these ids out of the pool (those a recorded graph reads and
+    /// writes, so that nothing else is handed them while the graph lives).
+    pub fn quarantine(&self, ids: &std::collections::HashSet<u64>) -> Result<Vec<(u64, Buffer)>> {
+        let mut p = self.pool.lock().map_err(|_| poisoned())?;
+        let mut held = Vec::new();
+        for (class, list) in p.free.iter_mut() {
+            let mut i = 0;
+            while i < list.len() {
+                if ids.contains(&list[i].id()) {
+                    held.push((*class, list.swap_remove(i)));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        p.idle -= held.iter().map(|(c, _)| c).sum::<u64>();
+        Ok(held)
+    }
+
+    /// Gives quarantined buffers back to the pool.
+    pub fn release(&self, held: Vec<(u64, Buffer)>) {
+        if let Ok(mut p) = self.pool.lock() {
+            for (class, b) in held {
+                p.idle += class;
+                p.free.entry(class).or_default().push(b);
+            }
+        }
     }
 
     /// A new packed `[rows, cols]` tensor with unspecified contents.

@@ -88,6 +88,7 @@ pub struct Model {
     weights: ModelWeights,
     rope: RopeTable,
     loaded_bytes: u64,
+    graphs: std::sync::Mutex<Graphs>,
 }
 
 /// The per-step index inputs, on the device.
@@ -100,6 +101,49 @@ struct StepIndex {
     last: Index,
     /// Positions each token sees (`positions + 1`), largest.
     max_seen: u32,
+    /// Columns of the indexer's score rows: `max_seen`, or (in a recorded graph, which must
+    /// serve many steps) `max_seen` rounded up to the score buffer's capacity.
+    columns: u32,
+}
+
+/// The host side of a step's index inputs.
+struct HostIndex {
+    ids: Vec<i32>,
+    positions: Vec<i32>,
+    req: Vec<i32>,
+    slots: Vec<i32>,
+    last: Vec<i32>,
+    max_seen: u32,
+}
+
+/// What a recorded decode step depends on: the same key, the same graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GraphKey {
+    seqs: Vec<usize>,
+    columns: u32,
+    which: Logits,
+}
+
+/// A decode step recorded as a CUDA graph, with everything it reads and writes kept out of
+/// the pool while it lives.
+struct RecordedStep {
+    key: GraphKey,
+    graph: Box<dyn crate::runtime::gpu::Graph>,
+    index: StepIndex,
+    logits: Tensor,
+    held: Vec<(u64, crate::runtime::Buffer)>,
+}
+
+/// The graph state of a model: off, the last eager key (a step seen twice is recorded), the
+/// recorded step.
+#[derive(Default)]
+struct Graphs {
+    on: bool,
+    seen: Option<GraphKey>,
+    recorded: Option<RecordedStep>,
+    /// Replays so far (for reports and tests).
+    replays: u64,
+    records: u64,
 }
 
 fn rope_layout(s: RopeStyle) -> RopeLayout {
@@ -151,6 +195,7 @@ impl Model {
             weights,
             rope,
             loaded_bytes,
+            graphs: Default::default(),
         })
     }
 
@@ -163,11 +208,36 @@ impl Model {
             weights,
             rope,
             loaded_bytes: 0,
+            graphs: Default::default(),
         }
     }
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Records decode steps as CUDA graphs and replays them (backends without graphs ignore
+    /// it). A step is recorded the second time its shape is seen — one token per sequence,
+    /// the same sequences, past `index_topk` positions (so the top-k width is fixed) — and
+    /// replayed while the shape holds; its inputs are written before each replay.
+    pub fn set_graphs(&self, on: bool) {
+        if let Ok(mut g) = self.graphs.lock() {
+            g.on = on;
+            if !on {
+                if let Some(r) = g.recorded.take() {
+                    self.device.release(r.held);
+                }
+                g.seen = None;
+            }
+        }
+    }
+
+    /// (recordings, replays) of decode-step graphs so far.
+    pub fn graph_counts(&self) -> (u64, u64) {
+        self.graphs
+            .lock()
+            .map(|g| (g.records, g.replays))
+            .unwrap_or((0, 0))
     }
 
     /// Device bytes of the weights.
@@ -297,7 +367,16 @@ impl Model {
         }
         let grow: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
         let reservation = cache.reserve(&grow)?;
-        match self.step_reserved(cache, inputs, which, trace) {
+        let result = if trace.is_none() {
+            self.step_graphed(cache, inputs, which)
+        } else {
+            None
+        };
+        let result = match result {
+            Some(r) => r,
+            None => self.step_reserved(cache, inputs, which, trace),
+        };
+        match result {
             Ok(l) => Ok(l),
             Err(e) => {
                 cache.rollback(reservation);
@@ -306,34 +385,151 @@ impl Model {
         }
     }
 
-    fn step_index(&self, cache: &KvCache, inputs: &[StepInput]) -> Result<StepIndex> {
-        let mut ids = Vec::new();
-        let mut positions = Vec::new();
-        let mut req = Vec::new();
-        let mut slots = Vec::new();
-        let mut last = Vec::new();
+    /// The step through a recorded graph, when graphs are on and the step qualifies; `None`
+    /// to run it eagerly.
+    fn step_graphed(
+        &self,
+        cache: &mut KvCache,
+        inputs: &[StepInput],
+        which: Logits,
+    ) -> Option<Result<Tensor>> {
+        let mut g = self.graphs.lock().ok()?;
+        if !g.on || inputs.iter().any(|i| i.tokens.len() != 1) {
+            return None;
+        }
+        let host = match self.host_index(cache, inputs) {
+            Ok(h) => h,
+            Err(e) => return Some(Err(e)),
+        };
+        if host.max_seen as usize <= self.config.index_topk {
+            return None;
+        }
+        let key = GraphKey {
+            seqs: inputs.iter().map(|i| i.seq.0).collect(),
+            columns: super::device::score_capacity(host.max_seen),
+            which,
+        };
+        if let Some(r) = g.recorded.as_ref().filter(|r| r.key == key) {
+            let replay = (|| {
+                cache.sync_table(&self.device)?;
+                self.write_index(&r.index, &host)?;
+                r.graph.replay()?;
+                Ok(r.logits.clone())
+            })();
+            if replay.is_ok() {
+                g.replays += 1;
+            }
+            return Some(replay);
+        }
+        if g.seen.as_ref() != Some(&key) {
+            // First sight of this shape: run it eagerly (which warms the pool for it).
+            g.seen = Some(key);
+            return None;
+        }
+        if let Some(old) = g.recorded.take() {
+            self.device.release(old.held);
+        }
+        let recorded = self.record(cache, &host, key);
+        match recorded {
+            Ok(Some(r)) => {
+                let logits = r.logits.clone();
+                g.recorded = Some(r);
+                g.records += 1;
+                Some(Ok(logits))
+            }
+            // No graphs on this backend: stay eager from now on.
+            Ok(None) => {
+                g.on = false;
+                None
+            }
+            Err(e) => {
+                log::warn!("recording the decode step as a graph failed ({e}); running eagerly");
+                g.on = false;
+                None
+            }
+        }
+    }
+
+    /// Records the step (its inputs already reserved) as a graph and runs it once.
+    fn record(
+        &self,
+        cache: &mut KvCache,
+        host: &HostIndex,
+        key: GraphKey,
+    ) -> Result<Option<RecordedStep>> {
+        let d = &self.device;
+        cache.sync_table(d)?;
+        let mut index = self.upload_index(host)?;
+        index.columns = key.columns;
+        if !d.backend().begin_capture()? {
+            return Ok(None);
+        }
+        d.begin_recording()?;
+        let logits = self.run_layers(cache, &index, key.which, None);
+        let ids = d.end_recording()?;
+        let graph = d.backend().end_capture();
+        let (logits, graph) = (logits?, graph?);
+        let Some(graph) = graph else {
+            return Ok(None);
+        };
+        let held = d.quarantine(&ids)?;
+        graph.replay()?;
+        Ok(Some(RecordedStep {
+            key,
+            graph,
+            index,
+            logits,
+            held,
+        }))
+    }
+
+    fn host_index(&self, cache: &KvCache, inputs: &[StepInput]) -> Result<HostIndex> {
+        let mut h = HostIndex {
+            ids: Vec::new(),
+            positions: Vec::new(),
+            req: Vec::new(),
+            slots: Vec::new(),
+            last: Vec::new(),
+            max_seen: 1,
+        };
         for i in inputs {
             let end = cache.len(i.seq)?;
             let start = end - i.tokens.len();
             for (k, &t) in i.tokens.iter().enumerate() {
-                ids.push(t as i32);
-                positions.push((start + k) as i32);
-                req.push(i.seq.0 as i32);
-                slots.push(cache.slot(i.seq, start + k)?);
+                h.ids.push(t as i32);
+                h.positions.push((start + k) as i32);
+                h.req.push(i.seq.0 as i32);
+                h.slots.push(cache.slot(i.seq, start + k)?);
             }
-            last.push(ids.len() as i32 - 1);
+            h.last.push(h.ids.len() as i32 - 1);
         }
-        let t = u32_of(ids.len(), "tokens in a step")?;
+        h.max_seen = h.positions.iter().map(|&p| p as u32 + 1).max().unwrap_or(1);
+        Ok(h)
+    }
+
+    fn upload_index(&self, h: &HostIndex) -> Result<StepIndex> {
+        let t = u32_of(h.ids.len(), "tokens in a step")?;
         let d = &self.device;
-        let max_seen = positions.iter().map(|&p| p as u32 + 1).max().unwrap_or(1);
         Ok(StepIndex {
-            ids: d.index_from(t, 1, &ids)?,
-            positions: d.index_from(t, 1, &positions)?,
-            req_of_token: d.index_from(t, 1, &req)?,
-            slots: d.index_from(t, 1, &slots)?,
-            last: d.index_from(last.len() as u32, 1, &last)?,
-            max_seen,
+            ids: d.index_from(t, 1, &h.ids)?,
+            positions: d.index_from(t, 1, &h.positions)?,
+            req_of_token: d.index_from(t, 1, &h.req)?,
+            slots: d.index_from(t, 1, &h.slots)?,
+            last: d.index_from(h.last.len() as u32, 1, &h.last)?,
+            max_seen: h.max_seen,
+            columns: h.max_seen,
         })
+    }
+
+    /// New values into a recorded step's index buffers (same shapes).
+    fn write_index(&self, idx: &StepIndex, h: &HostIndex) -> Result<()> {
+        let b = self.device.backend();
+        let bytes = |v: &[i32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+        b.write(idx.ids.buffer(), &bytes(&h.ids))?;
+        b.write(idx.positions.buffer(), &bytes(&h.positions))?;
+        b.write(idx.req_of_token.buffer(), &bytes(&h.req))?;
+        b.write(idx.slots.buffer(), &bytes(&h.slots))?;
+        b.write(idx.last.buffer(), &bytes(&h.last))
     }
 
     fn step_reserved(
@@ -341,13 +537,25 @@ impl Model {
         cache: &mut KvCache,
         inputs: &[StepInput],
         which: Logits,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
+        self.device.phase_start()?;
+        cache.sync_table(&self.device)?;
+        let host = self.host_index(cache, inputs)?;
+        let idx = self.upload_index(&host)?;
+        self.run_layers(cache, &idx, which, trace)
+    }
+
+    /// Every layer and the head, for a step whose index inputs are on the device.
+    fn run_layers(
+        &self,
+        cache: &mut KvCache,
+        idx: &StepIndex,
+        which: Logits,
         mut trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
         let d = &self.device;
         let c = &self.config;
-        d.phase_start()?;
-        cache.sync_table(d)?;
-        let idx = self.step_index(cache, inputs)?;
         let h = d.gather_rows(&self.weights.embed, &idx.ids)?;
         d.phase(None, "other")?;
         let mut selected: Option<Index> = None;
@@ -359,7 +567,7 @@ impl Model {
                 &x,
                 &h,
                 cache,
-                &idx,
+                idx,
                 &mut selected,
                 trace.as_deref_mut(),
             )?;
@@ -572,8 +780,8 @@ impl Model {
         )?;
         d.write_keys(&k, &idx.slots, keys, num_slots)?;
 
-        let columns = idx.max_seen;
-        let topk = (c.index_topk as u32).min(columns);
+        let columns = idx.columns;
+        let topk = (c.index_topk as u32).min(idx.max_seen);
         let tables = self.tables(cache, idx);
         let scores = if columns <= c.index_topk as u32 {
             // Every earlier-or-equal position is selected: the scores are not read.

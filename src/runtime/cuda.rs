@@ -244,7 +244,11 @@ impl CudaDevice {
             .map_err(|e| Error::unavailable(NAME, format!("device {ordinal}: {e:?}")))?;
         // One stream, ordered: no need for cudarc's per-buffer event tracking.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own (not the legacy default stream): CUDA graphs capture only
+        // from a created stream.
+        let stream = ctx.new_stream().map_err(|e| {
+            Error::unavailable(NAME, format!("device {ordinal}: creating a stream: {e:?}"))
+        })?;
         let name = ctx.name().map_err(|e| drv_err("device name", e))?;
         let (major, minor) = ctx
             .compute_capability()
@@ -481,6 +485,21 @@ impl Device for CudaDevice {
         CudaDevice::host_syncs(self)
     }
 
+    fn begin_capture(&self) -> Result<bool> {
+        self.stream
+            .begin_capture(drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| drv_err("beginning a graph capture", e))?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<Option<Box<dyn super::gpu::Graph>>> {
+        let g = self
+            .stream
+            .end_capture(drv_sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| drv_err("ending a graph capture", e))?;
+        Ok(g.map(|g| Box::new(CudaGraphExec(g)) as Box<dyn super::gpu::Graph>))
+    }
+
     fn read_many(&self, reads: &[(&CudaSlice<u8>, u64)]) -> Result<Vec<Vec<u8>>> {
         CudaDevice::synchronize(self)?;
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
@@ -551,6 +570,23 @@ impl Device for CudaDevice {
                 .map_err(|e| Error::runtime(NAME, format!("after {}: {e}", kernel.name)))?;
         }
         Ok(())
+    }
+}
+
+/// An instantiated CUDA graph of captured launches.
+struct CudaGraphExec(cudarc::driver::CudaGraph);
+
+// SAFETY: the graph is only replayed through `&self` from the thread that drives the model,
+// under the model's lock; CUDA forbids concurrent use of one graph object, which that lock
+// rules out.
+unsafe impl Send for CudaGraphExec {}
+unsafe impl Sync for CudaGraphExec {}
+
+impl super::gpu::Graph for CudaGraphExec {
+    fn replay(&self) -> Result<()> {
+        self.0
+            .launch()
+            .map_err(|e| drv_err("replaying a CUDA graph", e))
     }
 }
 

@@ -13,6 +13,11 @@ use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// A recorded sequence of launches that replays as one submission (a CUDA graph).
+pub trait Graph: Send + Sync {
+    fn replay(&self) -> Result<()>;
+}
+
 /// What a GPU runtime provides: compile a lowered kernel, launch it, move bytes.
 pub trait Device: Send + Sync + 'static {
     type Buf: Send + Sync + 'static;
@@ -74,6 +79,14 @@ pub trait Device: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// Starts recording launches instead of running them (false: not supported here).
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Ends a recording; the launches become a graph to replay.
+    fn end_capture(&self) -> Result<Option<Box<dyn Graph>>> {
+        Ok(None)
+    }
     /// Several reads with one wait (the default reads one by one).
     fn read_many(&self, reads: &[(&Self::Buf, u64)]) -> Result<Vec<Vec<u8>>> {
         reads
@@ -108,6 +121,8 @@ pub struct GpuBackend<D: Device> {
     modules: Mutex<HashMap<String, Arc<D::Module>>>,
     /// Split-K partials, grown as needed: (o_part, lse_part).
     workspace: Mutex<Option<(Buffer, Buffer)>>,
+    /// Workspaces outgrown: kept, since a recorded graph may still point at them.
+    retired: Mutex<Vec<(Buffer, Buffer)>>,
 }
 
 impl<D: Device> GpuBackend<D> {
@@ -118,6 +133,7 @@ impl<D: Device> GpuBackend<D> {
             allocations: Default::default(),
             modules: Mutex::new(HashMap::new()),
             workspace: Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
         }
     }
 
@@ -233,6 +249,14 @@ impl<D: Device> Backend for GpuBackend<D> {
         self.dev.host_syncs()
     }
 
+    fn begin_capture(&self) -> Result<bool> {
+        self.dev.begin_capture()
+    }
+
+    fn end_capture(&self) -> Result<Option<Box<dyn Graph>>> {
+        self.dev.end_capture()
+    }
+
     fn run_op(&self, op: &dyn super::Op, bufs: &[(&str, &Buffer)]) -> Result<()> {
         super::op::check_bindings(op, &super::binding_info(bufs))?;
         let mut named: Vec<(&str, &D::Buf)> = Vec::with_capacity(bufs.len());
@@ -274,7 +298,10 @@ impl<D: Device> Backend for GpuBackend<D> {
             let (o_len, l_len) = (rows * shape.dims.d_v() as u64 * 4, rows * 4);
             let fits = matches!(&*ws, Some((o, l)) if o.len() >= o_len && l.len() >= l_len);
             if !fits {
-                *ws = Some((self.alloc(o_len)?, self.alloc(l_len)?));
+                let new = (self.alloc(o_len)?, self.alloc(l_len)?);
+                if let Some(old) = ws.replace(new) {
+                    self.retired.lock().map_err(|_| poisoned())?.push(old);
+                }
             }
             if let Some((o, l)) = ws.as_ref() {
                 named.push(("o_part", self.buf(o, "o_part")?));

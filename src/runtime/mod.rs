@@ -215,6 +215,15 @@ pub trait Backend: Send + Sync {
     fn allocations(&self) -> u64 {
         0
     }
+    /// Starts recording the launches that follow into a graph instead of running them; false
+    /// where the backend has no graphs (then nothing changes).
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+    /// Ends a recording started by [`Backend::begin_capture`].
+    fn end_capture(&self) -> Result<Option<Box<dyn gpu::Graph>>> {
+        Ok(None)
+    }
     /// Runs a model operation ([`Op`]): its kernels on a GPU, its reference on the CPU.
     /// `bufs` binds every buffer the op names; sizes are checked first.
     fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()>;
