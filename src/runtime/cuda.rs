@@ -485,6 +485,14 @@ impl Device for CudaDevice {
         CudaDevice::host_syncs(self)
     }
 
+    fn copy(&self, src: &CudaSlice<u8>, dst: &CudaSlice<u8>, len: u64) -> Result<bool> {
+        self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+        let (s, d) = (raw_ptr(src, &self.stream), raw_ptr(dst, &self.stream));
+        unsafe { drv::memcpy_dtod_async(d, s, len as usize, self.stream.cu_stream()) }
+            .map_err(|e| drv_err("device copy", e))?;
+        Ok(true)
+    }
+
     fn begin_capture(&self) -> Result<bool> {
         self.stream
             .begin_capture(drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)

@@ -79,6 +79,11 @@ pub trait Device: Send + Sync + 'static {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+    /// Device-to-device copy (false: not supported here).
+    fn copy(&self, src: &Self::Buf, dst: &Self::Buf, len: u64) -> Result<bool> {
+        let _ = (src, dst, len);
+        Ok(false)
+    }
     /// Starts recording launches instead of running them (false: not supported here).
     fn begin_capture(&self) -> Result<bool> {
         Ok(false)
@@ -247,6 +252,13 @@ impl<D: Device> Backend for GpuBackend<D> {
 
     fn host_syncs(&self) -> u64 {
         self.dev.host_syncs()
+    }
+
+    fn device_copy(&self, src: &Buffer, dst: &Buffer, len: u64) -> Result<bool> {
+        super::check_range("src", src.len(), 0, len, false)?;
+        super::check_range("dst", dst.len(), 0, len, false)?;
+        self.dev
+            .copy(self.buf(src, "src")?, self.buf(dst, "dst")?, len)
     }
 
     fn begin_capture(&self) -> Result<bool> {

@@ -215,6 +215,12 @@ pub trait Backend: Send + Sync {
     fn allocations(&self) -> u64 {
         0
     }
+    /// `len` bytes from `src` to `dst` by the device's own copy engine, where it has one
+    /// exposed (false: not done). Benchmarks measure the memory bandwidth with it.
+    fn device_copy(&self, src: &Buffer, dst: &Buffer, len: u64) -> Result<bool> {
+        let _ = (src, dst, len);
+        Ok(false)
+    }
     /// Starts recording the launches that follow into a graph instead of running them; false
     /// where the backend has no graphs (then nothing changes).
     fn begin_capture(&self) -> Result<bool> {
