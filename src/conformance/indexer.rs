@@ -162,6 +162,8 @@ pub fn indexer_cases() -> Vec<OpCase> {
         topk_case(3, 1000, 64, Scores::Ties),
         topk_case(5, 200, 50, Scores::Special),
         topk_case(2, 20_000, 2048, Scores::Distinct),
+        // The models' widest rows: 2048 of 128 K positions.
+        topk_case(2, 131_072, 2048, Scores::Ties),
         topk_case(3, 16, 8, Scores::Ties),
     ]
 }

@@ -235,3 +235,36 @@ pub fn f32_order_key_zeros_equal(b: &mut KernelBuilder, x: Expr) -> Expr {
     let key = select(neg, bits.clone() ^ u(0xffff_ffff), bits | u(0x8000_0000));
     b.let_("key", select(nan, u(0), key))
 }
+
+/// Several u32 sums over the workgroup in one tree: `values[i]` of every thread summed, for
+/// each i. `red` holds `threads · values.len()` entries. Returns one variable per sum.
+pub fn block_sums_u32(
+    b: &mut KernelBuilder,
+    red: &Shared,
+    threads: u32,
+    values: &[Expr],
+) -> Vec<Expr> {
+    let n = values.len() as u32;
+    b.barrier();
+    for (i, v) in values.iter().enumerate() {
+        b.shared_store(red, u(i as u32 * threads) + local_id(), v.clone());
+    }
+    b.barrier();
+    let mut s = threads / 2;
+    while s > 0 {
+        b.if_(local_id().lt(u(s)), |b| {
+            for i in 0..n {
+                let a = u(i * threads) + local_id();
+                let v = red.at(a.clone()) + red.at(a.clone() + u(s));
+                b.shared_store(red, a, v);
+            }
+        });
+        b.barrier();
+        s /= 2;
+    }
+    let out = (0..n)
+        .map(|i| b.let_(&format!("sum{i}"), red.at(u(i * threads))))
+        .collect();
+    b.barrier();
+    out
+}

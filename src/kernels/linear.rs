@@ -156,9 +156,16 @@ fn word_values(wt: WeightType, word: &Expr) -> Vec<Expr> {
     }
 }
 
+/// Weight words a lane loads before it uses any of them: independent loads in flight, which
+/// is what a GEMV needs to reach the memory's bandwidth (v2 had one: each load's use stalled
+/// the warp before the next was issued).
+const UNROLL: u32 = 4;
+
 /// This thread's share of one K chunk: for each of its words of weight row `wbase`,
 /// `acc[t] += Σ_e W · xs[t, e]` (times the word's block scale for FP8). `kc` is the chunk's
-/// first element; `row_words` bounds the row.
+/// first element; `row_words` bounds the row. Words are taken [`UNROLL`] at a time, all
+/// loads first; a word past the chunk or the row reads as zero (its index clamped, never
+/// out of bounds).
 #[allow(clippy::too_many_arguments)]
 fn chunk_dot(
     b: &mut KernelBuilder,
@@ -174,37 +181,69 @@ fn chunk_dot(
     acc: &[Expr],
 ) {
     let pw = wt.per_word();
-    b.for_("wi", lane.clone(), u(chunk / pw), u(LANES), |b, wi| {
-        let gw = b.let_("gw", kc.clone() / u(pw) + wi.clone());
-        b.if_(gw.clone().lt(row_words.clone()), |b| {
-            let word = b.let_("word", w.word(wbase.clone() + gw.clone()));
-            let vals: Vec<Expr> = word_values(wt, &word)
-                .into_iter()
-                .enumerate()
-                .map(|(e, v)| b.let_(&format!("w{e}"), v))
-                .collect();
-            let scale = fp8.map(|(f, sbase)| {
-                let col = kc.clone() + wi.clone() * u(pw);
-                b.let_("s", f.scale.at(sbase.clone() + col / f.block_cols.clone()))
-            });
-            for (t, a) in acc.iter().enumerate() {
-                let mut part: Option<Expr> = None;
-                for (e, v) in vals.iter().enumerate() {
-                    let xv = xs.at(u(t as u32 * chunk) + wi.clone() * u(pw) + u(e as u32));
-                    part = Some(match part {
-                        None => v.clone() * xv,
-                        Some(p) => fma(v.clone(), xv, p),
-                    });
-                }
-                let part = part.unwrap_or_else(|| f(0.0));
-                let part = match &scale {
-                    Some(s) => part * s.clone(),
-                    None => part,
-                };
-                b.set(a, a.clone() + part);
+    let chunk_words = chunk / pw;
+    let unroll = if BASELINE.load(std::sync::atomic::Ordering::Relaxed) {
+        1
+    } else {
+        UNROLL
+    };
+    b.for_(
+        "wi",
+        lane.clone(),
+        u(chunk_words),
+        u(LANES * unroll),
+        |b, wi| {
+            let mut words = Vec::new();
+            for q in 0..unroll {
+                let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
+                let gw = kc.clone() / u(pw) + cw.clone();
+                let ok = b.let_(
+                    &format!("ok{q}"),
+                    cw.clone()
+                        .lt(u(chunk_words))
+                        .and(gw.clone().lt(row_words.clone())),
+                );
+                let idx = select(ok.clone(), wbase.clone() + gw, wbase.clone());
+                let raw = b.let_(&format!("raw{q}"), w.word(idx));
+                words.push((cw, ok, raw));
             }
-        });
-    });
+            for (q, (cw, ok, raw)) in words.into_iter().enumerate() {
+                let word = b.let_(&format!("word{q}"), select(ok.clone(), raw, u(0)));
+                let vals: Vec<Expr> = word_values(wt, &word)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(e, v)| b.let_(&format!("w{q}_{e}"), v))
+                    .collect();
+                let xcol = b.let_(
+                    &format!("xcol{q}"),
+                    select(ok.clone(), cw.clone() * u(pw), u(0)),
+                );
+                let scale = fp8.map(|(f, sbase)| {
+                    let col = kc.clone() + xcol.clone();
+                    b.let_(
+                        &format!("s{q}"),
+                        f.scale.at(sbase.clone() + col / f.block_cols.clone()),
+                    )
+                });
+                for (t, a) in acc.iter().enumerate() {
+                    let mut part: Option<Expr> = None;
+                    for (e, v) in vals.iter().enumerate() {
+                        let xv = xs.at(u(t as u32 * chunk) + xcol.clone() + u(e as u32));
+                        part = Some(match part {
+                            None => v.clone() * xv,
+                            Some(p) => fma(v.clone(), xv, p),
+                        });
+                    }
+                    let part = part.unwrap_or_else(|| f(0.0));
+                    let part = match &scale {
+                        Some(s) => part * s.clone(),
+                        None => part,
+                    };
+                    b.set(a, a.clone() + part);
+                }
+            }
+        },
+    );
 }
 
 /// The dense linear kernel.

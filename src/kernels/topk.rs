@@ -10,15 +10,19 @@
 //! lowest-positioned ones equal to it, are then compacted in order with two exclusive scans
 //! over per-thread contiguous ranges.
 
-use super::blocks::{block_exclusive_scan_u32, block_sum_u32, f32_order_key};
+use super::blocks::{block_exclusive_scan_u32, block_sums_u32, f32_order_key};
 use super::{lowered, pack, KernelCache, Launch, ParamValue};
 use crate::kir::builder::*;
-use crate::kir::ir::{Access, Elem, Kernel, Ty};
+use crate::kir::ir::{Access, Elem, Expr, Kernel, Ty};
 use crate::reference::tensor::{f32s, i32s, put_i32s};
 use crate::runtime::op::{Binding, HostBuffers, Op};
 use crate::{Error, Result};
 
 pub const THREADS: u32 = 256;
+/// Ways of the threshold search: one pass counts `WAYS - 1` thresholds at once.
+const WAYS: u32 = 8;
+/// Passes that narrow 2^32 keys to one: ceil(32 / log2(WAYS)).
+const PASSES: u32 = 11;
 
 fn topk_kernel(_: &()) -> Result<Kernel> {
     let mut b = KernelBuilder::new("topk_positions", THREADS);
@@ -42,7 +46,7 @@ fn topk_kernel(_: &()) -> Result<Kernel> {
         Access::ReadWrite,
         "[T, topk] i32 positions (-1: none)",
     );
-    let red = b.shared("red", Ty::U32, THREADS);
+    let red = b.shared("red", Ty::U32, THREADS * (WAYS - 1));
 
     let t = b.let_("t", workgroup_id(0));
     let pos = b.let_("pos", positions.at(t.clone()));
@@ -68,27 +72,53 @@ fn topk_kernel(_: &()) -> Result<Kernel> {
             });
         },
         |b| {
-            b.comment("the k-th largest key: the largest tau with count(key >= tau) >= k");
+            b.comment("the k-th largest key: the largest tau with count(key >= tau) >= k, by an 8-way search: each pass counts the keys at or above 7 thresholds spread over [lo, hi] at once, and keeps the eighth of the range that holds tau (11 passes for 32-bit keys)");
             let lo = b.var("lo", u(0));
             let hi = b.var("hi", u(0xffff_ffff));
-            b.for_("step", u(0), u(32), u(1), |b, _| {
-                let gap = b.let_("gap", hi.clone() - lo.clone());
-                let mid = b.let_(
-                    "mid",
-                    lo.clone() + (gap.clone() >> u(1)) + (gap.clone() & u(1)),
-                );
-                let cnt = b.var("cnt", u(0));
+            b.for_("pass", u(0), u(PASSES), u(1), |b, _| {
+                let span = b.let_("span", hi.clone() - lo.clone());
+                // WAYS * step > span, without overflow.
+                let step = b.let_("step", span.clone() / u(WAYS) + u(1));
+                let thresholds: Vec<Expr> = (1..WAYS)
+                    .map(|j| b.let_(&format!("m{j}"), lo.clone() + step.clone() * u(j)))
+                    .collect();
+                // A threshold past hi (j * step > span) counts nothing: it is never chosen.
+                let inside: Vec<Expr> = (1..WAYS)
+                    .map(|j| b.let_(&format!("in{j}"), (step.clone() * u(j)).le(span.clone())))
+                    .collect();
+                let counts: Vec<Expr> = (1..WAYS).map(|j| b.var(&format!("c{j}"), u(0))).collect();
                 b.for_threads("e", n.clone(), |b, e| {
                     let key = f32_order_key(b, scores.at(row.clone() + e));
-                    b.set(&cnt, cnt.clone() + select(key.ge(mid.clone()), u(1), u(0)));
+                    for ((m, c), ins) in thresholds.iter().zip(&counts).zip(&inside) {
+                        let hit = key.clone().ge(m.clone()).and(ins.clone());
+                        b.set(c, c.clone() + select(hit, u(1), u(0)));
+                    }
                 });
-                let total = block_sum_u32(b, &red, THREADS, cnt);
-                b.if_(gap.gt(u(0)), |b| {
-                    b.if_else(
-                        total.ge(k.clone()),
-                        |b| b.set(&lo, mid.clone()),
-                        |b| b.set(&hi, mid.clone() - u(1)),
-                    );
+                let totals = block_sums_u32(b, &red, THREADS, &counts);
+                b.if_(span.gt(u(0)), |b| {
+                    // The largest threshold that still has k keys at or above it is the new lo;
+                    // the next one, less one, the new hi.
+                    let new_lo = b.var("new_lo", lo.clone());
+                    let new_hi = b.var("new_hi", hi.clone());
+                    for j in (0..(WAYS - 1) as usize).rev() {
+                        let ok = inside[j].clone().and(totals[j].clone().ge(k.clone()));
+                        let above = if j + 1 < (WAYS - 1) as usize {
+                            select(inside[j + 1].clone(), thresholds[j + 1].clone() - u(1), hi.clone())
+                        } else {
+                            hi.clone()
+                        };
+                        b.if_(ok.and(new_lo.clone().eq_(lo.clone())), |b| {
+                            b.set(&new_lo, thresholds[j].clone());
+                            b.set(&new_hi, above);
+                        });
+                    }
+                    // No threshold has k keys: tau is below the first one.
+                    let first_fails = totals[0].clone().lt(k.clone()).or(inside[0].clone().not());
+                    b.if_(first_fails, |b| {
+                        b.set(&new_hi, select(inside[0].clone(), thresholds[0].clone() - u(1), hi.clone()));
+                    });
+                    b.set(&lo, new_lo.clone());
+                    b.set(&hi, new_hi.clone());
                 });
             });
             let tau = b.let_("tau", lo.clone());
