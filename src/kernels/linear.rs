@@ -156,10 +156,11 @@ fn word_values(wt: WeightType, word: &Expr) -> Vec<Expr> {
     }
 }
 
-/// Weight words a lane loads before it uses any of them: independent loads in flight, which
-/// is what a GEMV needs to reach the memory's bandwidth (v2 had one: each load's use stalled
-/// the warp before the next was issued).
-const UNROLL: u32 = 4;
+/// Weight words a lane loads before it uses any of them. Measured on the H200 (GLM-5 FP8
+/// stack, batch 1 / 8): 4 made the step 10 % / 26 % slower than 1 (registers: occupancy
+/// fell, and the FP8 path is bound by its per-byte e4m3 conversions, not by loads in flight),
+/// so 1 — with the body branch-free, which lets the CUDA compiler unroll the loop itself.
+const UNROLL: u32 = 1;
 
 /// This thread's share of one K chunk: for each of its words of weight row `wbase`,
 /// `acc[t] += Σ_e W · xs[t, e]` (times the word's block scale for FP8). `kc` is the chunk's
