@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned slot = valid ? ((unsigned)slot_raw) : 0u;
         const unsigned row_base = ((slot / p.page_size) * p.page_stride_w) + ((slot % p.page_size) * p.row_stride_w);
 
-        // four latent values per thread; amax over bf16 magnitudes as integers (NaN left out)
+        // four latent values per thread; amax over bf16 magnitudes as integers (NaN and inf left out)
         const unsigned lat_at = (tok * 256u) + (threadIdx.x * 2u);
         const unsigned lat_w0 = ((const unsigned*)latent)[lat_at];
         const unsigned lat_w1 = ((const unsigned*)latent)[lat_at + 1u];
@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned v1 = lat_w0 >> 16u;
         const unsigned v2 = lat_w1 & 65535u;
         const unsigned v3 = lat_w1 >> 16u;
-        amax_part[threadIdx.x] = (((((((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) > 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) > 32640u) ? 0u : (v2 & 32767u)))) > (((v3 & 32767u) > 32640u) ? 0u : (v3 & 32767u)) ? ((((((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) > 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) > 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) > 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) > 32640u) ? 0u : (v2 & 32767u)))) : (((v3 & 32767u) > 32640u) ? 0u : (v3 & 32767u)));
+        amax_part[threadIdx.x] = (((((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)))) > (((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u)) ? ((((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)))) : (((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u)));
         __syncthreads();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up
@@ -135,13 +135,12 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             const unsigned quotient = ((div_mag == 0u) || (div_exp <= 0)) ? div_sign : ((div_exp >= 255) ? (div_sign | 2139095040u) : ((div_sign | (((unsigned)((div_exp > 0 ? div_exp : 0))) << 23u)) | (div_sig24 & 8388607u)));
             const unsigned scale_bits = (quotient > 8388608u ? quotient : 8388608u);
             const unsigned scale_pow2 = ((scale_bits & 8388607u) != 0u) ? ((scale_bits & 2139095040u) + 8388608u) : scale_bits;
-            tile_scale[threadIdx.x] = (amax == 32640u) ? 2139095040u : ((p.pow2_scales != 0u) ? scale_pow2 : scale_bits);
+            tile_scale[threadIdx.x] = (p.pow2_scales != 0u) ? scale_pow2 : scale_bits;
         }
         __syncthreads();
 
         // quantise: byte = e4m3(v / scale), integer code bit-identical to IEEE
         const unsigned scale = tile_scale[threadIdx.x / 32u];
-        const bool scale_inf = scale == 2139095040u;
         const unsigned div_a_1 = v0 << 16u;
         const unsigned div_d_1 = scale;
         const unsigned div_sign_1 = div_a_1 & 2147483648u;
@@ -189,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned rne = rne_q + (((rne_rest > rne_half) || ((rne_rest == rne_half) && ((rne_q & 1u) != 0u))) ? 1u : 0u);
         const unsigned e4m3_code = ((((unsigned)(e4m3_e_eff + 7)) << 3u) + rne) - 8u;
         const unsigned e4m3 = (e4m3_mag > 2139095040u) ? 127u : (e4m3_sign | ((e4m3_mag >= 1138753536u) ? 126u : ((e4m3_mag < 8388608u) ? 0u : e4m3_code)));
-        const unsigned byte0 = ((v0 & 32767u) > 32640u) ? 127u : (scale_inf ? (((v0 & 32767u) == 32640u) ? 127u : ((v0 >> 8u) & 128u)) : e4m3);
+        const unsigned byte0 = ((v0 & 32767u) >= 32640u) ? 127u : e4m3;
         const unsigned div_a_2 = v1 << 16u;
         const unsigned div_d_2 = scale;
         const unsigned div_sign_2 = div_a_2 & 2147483648u;
@@ -237,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned rne_1 = rne_q_1 + (((rne_rest_1 > rne_half_1) || ((rne_rest_1 == rne_half_1) && ((rne_q_1 & 1u) != 0u))) ? 1u : 0u);
         const unsigned e4m3_code_1 = ((((unsigned)(e4m3_e_eff_1 + 7)) << 3u) + rne_1) - 8u;
         const unsigned e4m3_1 = (e4m3_mag_1 > 2139095040u) ? 127u : (e4m3_sign_1 | ((e4m3_mag_1 >= 1138753536u) ? 126u : ((e4m3_mag_1 < 8388608u) ? 0u : e4m3_code_1)));
-        const unsigned byte1 = ((v1 & 32767u) > 32640u) ? 127u : (scale_inf ? (((v1 & 32767u) == 32640u) ? 127u : ((v1 >> 8u) & 128u)) : e4m3_1);
+        const unsigned byte1 = ((v1 & 32767u) >= 32640u) ? 127u : e4m3_1;
         const unsigned div_a_3 = v2 << 16u;
         const unsigned div_d_3 = scale;
         const unsigned div_sign_3 = div_a_3 & 2147483648u;
@@ -285,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned rne_2 = rne_q_2 + (((rne_rest_2 > rne_half_2) || ((rne_rest_2 == rne_half_2) && ((rne_q_2 & 1u) != 0u))) ? 1u : 0u);
         const unsigned e4m3_code_2 = ((((unsigned)(e4m3_e_eff_2 + 7)) << 3u) + rne_2) - 8u;
         const unsigned e4m3_2 = (e4m3_mag_2 > 2139095040u) ? 127u : (e4m3_sign_2 | ((e4m3_mag_2 >= 1138753536u) ? 126u : ((e4m3_mag_2 < 8388608u) ? 0u : e4m3_code_2)));
-        const unsigned byte2 = ((v2 & 32767u) > 32640u) ? 127u : (scale_inf ? (((v2 & 32767u) == 32640u) ? 127u : ((v2 >> 8u) & 128u)) : e4m3_2);
+        const unsigned byte2 = ((v2 & 32767u) >= 32640u) ? 127u : e4m3_2;
         const unsigned div_a_4 = v3 << 16u;
         const unsigned div_d_4 = scale;
         const unsigned div_sign_4 = div_a_4 & 2147483648u;
@@ -333,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned rne_3 = rne_q_3 + (((rne_rest_3 > rne_half_3) || ((rne_rest_3 == rne_half_3) && ((rne_q_3 & 1u) != 0u))) ? 1u : 0u);
         const unsigned e4m3_code_3 = ((((unsigned)(e4m3_e_eff_3 + 7)) << 3u) + rne_3) - 8u;
         const unsigned e4m3_3 = (e4m3_mag_3 > 2139095040u) ? 127u : (e4m3_sign_3 | ((e4m3_mag_3 >= 1138753536u) ? 126u : ((e4m3_mag_3 < 8388608u) ? 0u : e4m3_code_3)));
-        const unsigned byte3 = ((v3 & 32767u) > 32640u) ? 127u : (scale_inf ? (((v3 & 32767u) == 32640u) ? 127u : ((v3 >> 8u) & 128u)) : e4m3_3);
+        const unsigned byte3 = ((v3 & 32767u) >= 32640u) ? 127u : e4m3_3;
         const unsigned packed = ((byte0 | (byte1 << 8u)) | (byte2 << 16u)) | (byte3 << 24u);
         if (valid) {
             ((unsigned*)kv_cache)[row_base + threadIdx.x] = packed;

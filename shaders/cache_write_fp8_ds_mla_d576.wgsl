@@ -94,7 +94,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let slot: u32 = select(0u, u32(slot_raw), valid);
         let row_base: u32 = ((slot / params.page_size) * params.page_stride_w) + ((slot % params.page_size) * params.row_stride_w);
 
-        // four latent values per thread; amax over bf16 magnitudes as integers (NaN left out)
+        // four latent values per thread; amax over bf16 magnitudes as integers (NaN and inf left out)
         let lat_at: u32 = (tok * 256u) + (local_id * 2u);
         let lat_w0: u32 = latent[lat_at];
         let lat_w1: u32 = latent[lat_at + 1u];
@@ -102,7 +102,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let v1: u32 = lat_w0 >> 16u;
         let v2: u32 = lat_w1 & 65535u;
         let v3: u32 = lat_w1 >> 16u;
-        amax_part[local_id] = max((max((max((max(0u, select(v0 & 32767u, 0u, (v0 & 32767u) > 32640u))), select(v1 & 32767u, 0u, (v1 & 32767u) > 32640u))), select(v2 & 32767u, 0u, (v2 & 32767u) > 32640u))), select(v3 & 32767u, 0u, (v3 & 32767u) > 32640u));
+        amax_part[local_id] = max((max((max((max(0u, select(v0 & 32767u, 0u, (v0 & 32767u) >= 32640u))), select(v1 & 32767u, 0u, (v1 & 32767u) >= 32640u))), select(v2 & 32767u, 0u, (v2 & 32767u) >= 32640u))), select(v3 & 32767u, 0u, (v3 & 32767u) >= 32640u));
         workgroupBarrier();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up
@@ -146,13 +146,12 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
             let quotient: u32 = select(select((div_sign | (u32(max(div_exp, 0i)) << 23u)) | (div_sig24 & 8388607u), div_sign | 2139095040u, div_exp >= 255i), div_sign, (div_mag == 0u) || (div_exp <= 0i));
             let scale_bits: u32 = max(quotient, 8388608u);
             let scale_pow2: u32 = select(scale_bits, (scale_bits & 2139095040u) + 8388608u, (scale_bits & 8388607u) != 0u);
-            tile_scale[local_id] = select(select(scale_bits, scale_pow2, params.pow2_scales != 0u), 2139095040u, amax == 32640u);
+            tile_scale[local_id] = select(scale_bits, scale_pow2, params.pow2_scales != 0u);
         }
         workgroupBarrier();
 
         // quantise: byte = e4m3(v / scale), integer code bit-identical to IEEE
         let scale: u32 = tile_scale[local_id / 32u];
-        let scale_inf: bool = scale == 2139095040u;
         let div_a_1: u32 = v0 << 16u;
         let div_d_1: u32 = scale;
         let div_sign_1: u32 = div_a_1 & 2147483648u;
@@ -200,7 +199,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let rne: u32 = rne_q + select(0u, 1u, (rne_rest > rne_half) || ((rne_rest == rne_half) && ((rne_q & 1u) != 0u)));
         let e4m3_code: u32 = ((u32(e4m3_e_eff + 7i) << 3u) + rne) - 8u;
         let e4m3: u32 = select(e4m3_sign | select(select(e4m3_code, 0u, e4m3_mag < 8388608u), 126u, e4m3_mag >= 1138753536u), 127u, e4m3_mag > 2139095040u);
-        let byte0: u32 = select(select(e4m3, select((v0 >> 8u) & 128u, 127u, (v0 & 32767u) == 32640u), scale_inf), 127u, (v0 & 32767u) > 32640u);
+        let byte0: u32 = select(e4m3, 127u, (v0 & 32767u) >= 32640u);
         let div_a_2: u32 = v1 << 16u;
         let div_d_2: u32 = scale;
         let div_sign_2: u32 = div_a_2 & 2147483648u;
@@ -248,7 +247,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let rne_1: u32 = rne_q_1 + select(0u, 1u, (rne_rest_1 > rne_half_1) || ((rne_rest_1 == rne_half_1) && ((rne_q_1 & 1u) != 0u)));
         let e4m3_code_1: u32 = ((u32(e4m3_e_eff_1 + 7i) << 3u) + rne_1) - 8u;
         let e4m3_1: u32 = select(e4m3_sign_1 | select(select(e4m3_code_1, 0u, e4m3_mag_1 < 8388608u), 126u, e4m3_mag_1 >= 1138753536u), 127u, e4m3_mag_1 > 2139095040u);
-        let byte1: u32 = select(select(e4m3_1, select((v1 >> 8u) & 128u, 127u, (v1 & 32767u) == 32640u), scale_inf), 127u, (v1 & 32767u) > 32640u);
+        let byte1: u32 = select(e4m3_1, 127u, (v1 & 32767u) >= 32640u);
         let div_a_3: u32 = v2 << 16u;
         let div_d_3: u32 = scale;
         let div_sign_3: u32 = div_a_3 & 2147483648u;
@@ -296,7 +295,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let rne_2: u32 = rne_q_2 + select(0u, 1u, (rne_rest_2 > rne_half_2) || ((rne_rest_2 == rne_half_2) && ((rne_q_2 & 1u) != 0u)));
         let e4m3_code_2: u32 = ((u32(e4m3_e_eff_2 + 7i) << 3u) + rne_2) - 8u;
         let e4m3_2: u32 = select(e4m3_sign_2 | select(select(e4m3_code_2, 0u, e4m3_mag_2 < 8388608u), 126u, e4m3_mag_2 >= 1138753536u), 127u, e4m3_mag_2 > 2139095040u);
-        let byte2: u32 = select(select(e4m3_2, select((v2 >> 8u) & 128u, 127u, (v2 & 32767u) == 32640u), scale_inf), 127u, (v2 & 32767u) > 32640u);
+        let byte2: u32 = select(e4m3_2, 127u, (v2 & 32767u) >= 32640u);
         let div_a_4: u32 = v3 << 16u;
         let div_d_4: u32 = scale;
         let div_sign_4: u32 = div_a_4 & 2147483648u;
@@ -344,7 +343,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let rne_3: u32 = rne_q_3 + select(0u, 1u, (rne_rest_3 > rne_half_3) || ((rne_rest_3 == rne_half_3) && ((rne_q_3 & 1u) != 0u)));
         let e4m3_code_3: u32 = ((u32(e4m3_e_eff_3 + 7i) << 3u) + rne_3) - 8u;
         let e4m3_3: u32 = select(e4m3_sign_3 | select(select(e4m3_code_3, 0u, e4m3_mag_3 < 8388608u), 126u, e4m3_mag_3 >= 1138753536u), 127u, e4m3_mag_3 > 2139095040u);
-        let byte3: u32 = select(select(e4m3_3, select((v3 >> 8u) & 128u, 127u, (v3 & 32767u) == 32640u), scale_inf), 127u, (v3 & 32767u) > 32640u);
+        let byte3: u32 = select(e4m3_3, 127u, (v3 & 32767u) >= 32640u);
         let packed: u32 = ((byte0 | (byte1 << 8u)) | (byte2 << 16u)) | (byte3 << 24u);
         if (valid) {
             kv_cache[row_base + local_id] = packed;

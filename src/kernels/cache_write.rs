@@ -13,9 +13,11 @@
 //! e4m3 rounding are computed by [`crate::kir::numeric`] in u32 arithmetic, which gives the
 //! correctly rounded IEEE results bit for bit (as vLLM's kernel does with CUDA's IEEE `/`
 //! and `cvt.rn.satfinite`). The reference, [`crate::reference::cache::write_rows`], uses
-//! Rust's IEEE f32 division, so agreement is a real check. NaN latents encode as 0x7F and
-//! do not count towards amax (CUDA's `fmaxf` ignores them too); an infinite amax gives an
-//! infinite scale (all bytes ±0, and 0x7F for the infinities), as IEEE arithmetic does.
+//! Rust's IEEE f32 division, so agreement is a real check. Non-finite latents (NaN, ±inf)
+//! do not count towards amax and encode as the e4m3 NaN 0x7F: the value stays non-finite
+//! when read back, and the other 127 values of its tile keep the scale of the finite ones.
+//! (Counting an infinity, as a plain IEEE `amax / 448` would, makes the scale infinite and
+//! every value of the tile NaN on read: one overflow would silently erase 128 values.)
 //!
 //! One workgroup per token (a grid-stride loop over tokens when there are more than
 //! 65535); 128 threads, one 32-bit output word of four e4m3 bytes each. WGSL cannot store
@@ -161,7 +163,7 @@ pub fn kernel(cfg: &CacheWriteConfig) -> Result<Kernel> {
         );
         match (cfg.format, &amax_part, &scales, &pow2) {
             (CacheFormat::Fp8DsMla, Some(amax_part), Some(scales), Some(pow2)) => {
-                b.comment("four latent values per thread; amax over bf16 magnitudes as integers (NaN left out)");
+                b.comment("four latent values per thread; amax over bf16 magnitudes as integers (NaN and inf left out)");
                 let at = b.let_("lat_at", tok.clone() * u(lat_words) + local_id() * u(2));
                 let w = [
                     b.let_("lat_w0", latent.word(at.clone())),
@@ -181,7 +183,7 @@ pub fn kernel(cfg: &CacheWriteConfig) -> Result<Kernel> {
                 let mut local = u(0);
                 for v in &bits {
                     let m = v.clone() & u(0x7FFF);
-                    local = local.max(select(m.clone().gt(u(0x7F80)), u(0), m));
+                    local = local.max(select(m.clone().ge(u(0x7F80)), u(0), m));
                 }
                 b.shared_store(amax_part, local_id(), local);
                 b.barrier();
@@ -203,29 +205,18 @@ pub fn kernel(cfg: &CacheWriteConfig) -> Result<Kernel> {
                         ),
                     );
                     let s = select(pow2.clone().ne_(u(0)), up, s);
-                    // An infinite amax: an infinite scale, as in IEEE arithmetic.
-                    let s = select(amax.eq_(u(0x7F80)), u(0x7F80_0000), s);
                     b.shared_store(scales, local_id(), s);
                 });
                 b.barrier();
                 b.comment("quantise: byte = e4m3(v / scale), integer code bit-identical to IEEE");
                 let s = b.let_("scale", scales.at(local_id() / u(threads_per_tile)));
-                let s_inf = b.let_("scale_inf", s.clone().eq_(u(0x7F80_0000)));
                 let mut word = u(0);
                 for (k, v) in bits.iter().enumerate() {
                     let q = div_rn(b, v.clone() << u(16), s.clone());
                     let e = f32_to_e4m3(b, q);
                     let mag = v.clone() & u(0x7FFF);
-                    // finite / inf = signed zero; inf / inf and NaN = NaN (0x7F)
-                    let byte = select(
-                        mag.clone().gt(u(0x7F80)),
-                        u(0x7F),
-                        select(
-                            s_inf.clone(),
-                            select(mag.eq_(u(0x7F80)), u(0x7F), (v.clone() >> u(8)) & u(0x80)),
-                            e,
-                        ),
-                    );
+                    // NaN and ±inf: the e4m3 NaN (the scale is finite: amax left them out)
+                    let byte = select(mag.ge(u(0x7F80)), u(0x7F), e);
                     let byte = b.let_(&format!("byte{k}"), byte);
                     word = if k == 0 {
                         byte

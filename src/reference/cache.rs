@@ -40,10 +40,13 @@ pub fn decode_row(format: CacheFormat, dims: MlaDims, row: &[u8]) -> Vec<f32> {
 /// The smallest normal f32: the floor of an fp8 tile scale (an all-zero tile must not give 0).
 pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
 
-/// The fp8 scale of one 128-value tile: `amax / 448`, floored at the smallest normal f32,
-/// rounded up to a power of two for [`ScaleFlavour::Pow2`].
+/// The fp8 scale of one 128-value tile: `amax / 448` over its finite values, floored at the
+/// smallest normal f32, rounded up to a power of two for [`ScaleFlavour::Pow2`].
 pub fn fp8_tile_scale(tile: &[f32], flavour: ScaleFlavour) -> f32 {
-    let amax = tile.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let amax = tile
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0.0f32, |m, v| m.max(v.abs()));
     let s = (amax / E4M3_MAX).max(MIN_SCALE);
     match flavour {
         ScaleFlavour::Arbitrary => s,
@@ -86,7 +89,12 @@ pub fn encode_row(
                 .map(|t| fp8_tile_scale(t, flavour))
                 .collect();
             for (i, &v) in latent.iter().enumerate() {
-                row.push(f32_to_e4m3(v / scales[i / FP8_TILE as usize]));
+                // NaN and ±inf become the e4m3 NaN; they took no part in the scale.
+                row.push(if v.is_finite() {
+                    f32_to_e4m3(v / scales[i / FP8_TILE as usize])
+                } else {
+                    0x7F
+                });
             }
             for s in &scales {
                 row.extend_from_slice(&s.to_le_bytes());
@@ -168,4 +176,72 @@ pub fn write_rows(
         cache[at..at + row.len()].copy_from_slice(&row);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::numerics::round_bf16;
+    use crate::util::Rng;
+
+    /// An overflow upstream (one ±inf or NaN in a tile) must not erase the tile: the other
+    /// values decode as if it were absent, and the bad value stays non-finite.
+    #[test]
+    fn a_non_finite_value_spoils_only_itself() {
+        let dims = MlaDims::PRODUCTION;
+        let mut rng = Rng::new(0x1f);
+        for flavour in [ScaleFlavour::Pow2, ScaleFlavour::Arbitrary] {
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                let latent: Vec<f32> = (0..dims.latent)
+                    .map(|_| round_bf16(rng.normal() * 3.0))
+                    .collect();
+                let rope: Vec<f32> = (0..dims.rope).map(|_| round_bf16(rng.normal())).collect();
+                let mut spoiled = latent.clone();
+                let at = 130; // tile 1
+                spoiled[at] = bad;
+                let clean = decode_row(
+                    CacheFormat::Fp8DsMla,
+                    dims,
+                    &encode_row(CacheFormat::Fp8DsMla, dims, &latent, &rope, flavour),
+                );
+                let got = decode_row(
+                    CacheFormat::Fp8DsMla,
+                    dims,
+                    &encode_row(CacheFormat::Fp8DsMla, dims, &spoiled, &rope, flavour),
+                );
+                assert!(got[at].is_nan(), "{bad} decoded as {}", got[at]);
+                // The tile's scale is that of its other values: at most the clean scale.
+                for (i, (&g, &c)) in got.iter().zip(&clean).enumerate() {
+                    if i == at {
+                        continue;
+                    }
+                    assert!(g.is_finite(), "value {i} became {g} ({bad} at {at})");
+                    if i / FP8_TILE as usize != at / FP8_TILE as usize {
+                        assert_eq!(g, c, "value {i} outside the tile changed");
+                    } else {
+                        let tile = &latent[128..256];
+                        let amax = tile
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| 128 + j != at)
+                            .fold(0.0f32, |m, (_, v)| m.max(v.abs()));
+                        // e4m3 has 3 mantissa bits: half an ulp is 1/16 of the value, and
+                        // the subnormal floor is amax/448 · 2^-9 · 2^6.
+                        let tol = latent[i].abs() / 16.0 + amax / 448.0 * 2.0f32.powi(-3);
+                        assert!(
+                            (g - latent[i]).abs()
+                                <= tol
+                                    * if flavour == ScaleFlavour::Pow2 {
+                                        2.0
+                                    } else {
+                                        1.0
+                                    },
+                            "value {i}: {g} for {} ({bad} at {at})",
+                            latent[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
