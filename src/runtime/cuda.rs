@@ -14,7 +14,7 @@ use cudarc::driver::{result as drv, sys as drv_sys, CudaContext, CudaSlice, Cuda
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 const NAME: &str = "cuda";
@@ -87,11 +87,7 @@ pub fn compile(name: &str, source: &str, arch: &str, ptxas_verbose: bool) -> Res
     let cname = CString::new(format!("{name}.cu")).map_err(|_| fail("bad kernel name".into()))?;
     let prog = nvrtc::create_program(&src, Some(&cname))
         .map_err(|e| fail(format!("nvrtcCreateProgram: {e:?}")))?;
-    let mut opts = vec![
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "-lineinfo".to_string(),
-    ];
+    let mut opts = nvrtc_options(arch);
     if ptxas_verbose {
         opts.push("--ptxas-options=-v".into());
     }
@@ -155,27 +151,140 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("sparse-mla").join("nvrtc"))
 }
 
-/// Compile through the on-disk cache keyed by (source hash, arch, NVRTC version).
-pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
-    let (major, minor) = nvrtc_version()?;
-    let key = format!(
-        "{name}-{arch}-nvrtc{major}.{minor}-{:016x}.cubin",
+/// The options every cached kernel is compiled with (part of the cache key).
+fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "-lineinfo".to_string(),
+    ]
+}
+
+/// First bytes of a cache entry (the format's version is the last byte).
+const CACHE_MAGIC: &[u8; 8] = b"SMLACUB\x01";
+
+/// Everything that decides a kernel's machine code: its name, the target, the compiler and
+/// its options, this crate's version and the whole source (hashed, with its length).
+fn cache_identity(name: &str, source: &str, arch: &str, nvrtc: (i32, i32)) -> String {
+    format!(
+        "{name}|{arch}|nvrtc {}.{}|{}|sparse-mla {}|source {} bytes fnv1a {:016x}",
+        nvrtc.0,
+        nvrtc.1,
+        nvrtc_options(arch).join(" "),
+        env!("CARGO_PKG_VERSION"),
+        source.len(),
         fnv1a(source.as_bytes())
-    );
-    let path = cache_dir().map(|d| d.join(&key));
+    )
+}
+
+/// A cache entry: magic, identity length (u32 LE), identity, payload length (u64 LE),
+/// payload FNV-1a (u64 LE), payload.
+fn cache_entry(identity: &str, cubin: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(32 + identity.len() + cubin.len());
+    v.extend_from_slice(CACHE_MAGIC);
+    v.extend_from_slice(&(identity.len() as u32).to_le_bytes());
+    v.extend_from_slice(identity.as_bytes());
+    v.extend_from_slice(&(cubin.len() as u64).to_le_bytes());
+    v.extend_from_slice(&fnv1a(cubin).to_le_bytes());
+    v.extend_from_slice(cubin);
+    v
+}
+
+/// The payload of a cache entry when it is whole and made for `identity`; otherwise why not.
+pub fn read_cache_entry(bytes: &[u8], identity: &str) -> std::result::Result<Vec<u8>, String> {
+    let take = |at: &mut usize, n: usize| -> std::result::Result<&[u8], String> {
+        let end = at
+            .checked_add(n)
+            .filter(|&e| e <= bytes.len())
+            .ok_or_else(|| format!("truncated ({} bytes)", bytes.len()))?;
+        let s = &bytes[*at..end];
+        *at = end;
+        Ok(s)
+    };
+    let mut at = 0;
+    if take(&mut at, 8)? != CACHE_MAGIC {
+        return Err("not a sparse-mla kernel cache entry (bad magic)".into());
+    }
+    let id_len = u32::from_le_bytes(take(&mut at, 4)?.try_into().unwrap()) as usize;
+    if take(&mut at, id_len)? != identity.as_bytes() {
+        return Err("made for another source, compiler or version".into());
+    }
+    let len = u64::from_le_bytes(take(&mut at, 8)?.try_into().unwrap());
+    let sum = u64::from_le_bytes(take(&mut at, 8)?.try_into().unwrap());
+    let payload = take(&mut at, usize::try_from(len).map_err(|_| "bad length")?)?;
+    if at != bytes.len() {
+        return Err(format!("{} bytes past the payload", bytes.len() - at));
+    }
+    if payload.is_empty() {
+        return Err("empty payload".into());
+    }
+    if fnv1a(payload) != sum {
+        return Err("checksum mismatch (corrupt)".into());
+    }
+    Ok(payload.to_vec())
+}
+
+/// Where the cache entry of a kernel lives.
+fn cache_path(name: &str, identity: &str, arch: &str) -> Option<PathBuf> {
+    cache_dir().map(|d| {
+        d.join(format!(
+            "{name}-{arch}-{:016x}.cubin",
+            fnv1a(identity.as_bytes())
+        ))
+    })
+}
+
+/// A compiled kernel and where its cache entry is (to drop it if the driver refuses it).
+pub struct CachedCubin {
+    pub cubin: Vec<u8>,
+    pub from_cache: Option<PathBuf>,
+}
+
+/// Compile through the on-disk cache. An entry is used only when its header matches (magic,
+/// identity: source, arch, NVRTC version and options, crate version) and its payload has the
+/// recorded length and checksum; anything else is recompiled and rewritten, with a warning
+/// naming the file.
+pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<CachedCubin> {
+    let (major, minor) = nvrtc_version()?;
+    let identity = cache_identity(name, source, arch, (major, minor));
+    let path = cache_path(name, &identity, arch);
     if let Some(p) = &path {
-        if let Ok(bytes) = std::fs::read(p) {
-            log::info!("kernel {name}: NVRTC cache hit ({})", p.display());
-            return Ok(bytes);
+        match std::fs::read(p) {
+            Ok(bytes) => match read_cache_entry(&bytes, &identity) {
+                Ok(cubin) => {
+                    log::info!("kernel {name}: NVRTC cache hit ({})", p.display());
+                    return Ok(CachedCubin {
+                        cubin,
+                        from_cache: Some(p.clone()),
+                    });
+                }
+                Err(why) => log::warn!(
+                    "kernel cache entry {} is unusable ({why}); recompiling",
+                    p.display()
+                ),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("cannot read the kernel cache entry {}: {e}", p.display()),
         }
     }
+    let cubin = compile_fresh(name, source, arch, path.as_deref())?;
+    Ok(CachedCubin {
+        cubin,
+        from_cache: None,
+    })
+}
+
+/// Compiles and (when a cache directory exists) stores the entry at `path`.
+pub fn compile_fresh(name: &str, source: &str, arch: &str, path: Option<&Path>) -> Result<Vec<u8>> {
+    let (major, minor) = nvrtc_version()?;
     let t0 = std::time::Instant::now();
     let compiled = compile(name, source, arch, false)?;
     log::info!(
         "kernel {name}: compiled for {arch} by NVRTC {major}.{minor} in {:.0} ms",
         t0.elapsed().as_secs_f64() * 1e3
     );
-    if let Some(p) = &path {
+    if let Some(p) = path {
+        let identity = cache_identity(name, source, arch, (major, minor));
         let written = p
             .parent()
             .map(std::fs::create_dir_all)
@@ -183,11 +292,14 @@ pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
             .and_then(|_| {
                 // write then rename, so a concurrent reader never sees half a file
                 let tmp = p.with_extension(format!("tmp{}", std::process::id()));
-                std::fs::write(&tmp, &compiled.cubin)?;
+                std::fs::write(&tmp, cache_entry(&identity, &compiled.cubin))?;
                 std::fs::rename(&tmp, p)
             });
         if let Err(e) = written {
-            log::warn!("could not write the NVRTC cache at {}: {e}", p.display());
+            log::warn!(
+                "could not write the kernel cache entry {}: {e}",
+                p.display()
+            );
         }
     }
     Ok(compiled.cubin)
@@ -240,6 +352,13 @@ impl CudaDevice {
     }
 
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        // cudarc panics when the libraries are missing: check before the first call.
+        if let Some(why) = driver_unavailable() {
+            return Err(Error::unavailable(NAME, why));
+        }
+        if let Some(why) = nvrtc_unavailable() {
+            return Err(Error::unavailable(NAME, why));
+        }
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| Error::unavailable(NAME, format!("device {ordinal}: {e:?}")))?;
         // One stream, ordered: no need for cudarc's per-buffer event tracking.
@@ -410,11 +529,38 @@ impl Device for CudaDevice {
         }
         let dynamic_shared = emit_cuda::dynamic_shared_bytes(kernel);
         let source = emit_cuda::emit(kernel)?;
-        let cubin = compile_cached(&kernel.name, &source, &self.arch)?;
-        let module = self
+        let cached = compile_cached(&kernel.name, &source, &self.arch)?;
+        let module = match self
             .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(|e| drv_err(&format!("loading {}", kernel.name), e))?;
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cached.cubin))
+        {
+            Ok(m) => m,
+            // A cached entry the driver refuses (whole and checksummed, yet unloadable: made
+            // by a driver-incompatible toolchain, say): drop it and compile afresh, once.
+            Err(e) if cached.from_cache.is_some() => {
+                let p = cached.from_cache.unwrap();
+                log::warn!(
+                    "the driver refused the cached {} ({e:?}); removing {} and recompiling",
+                    kernel.name,
+                    p.display()
+                );
+                let _ = std::fs::remove_file(&p);
+                let cubin = compile_fresh(&kernel.name, &source, &self.arch, Some(&p))?;
+                self.ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                    .map_err(|e| {
+                        drv_err(
+                            &format!(
+                                "loading {} (freshly compiled, cache {})",
+                                kernel.name,
+                                p.display()
+                            ),
+                            e,
+                        )
+                    })?
+            }
+            Err(e) => return Err(drv_err(&format!("loading {}", kernel.name), e)),
+        };
         let function = module
             .load_function(&kernel.name)
             .map_err(|e| drv_err(&format!("finding {}", kernel.name), e))?;
@@ -602,4 +748,58 @@ fn raw_ptr(buf: &CudaSlice<u8>, stream: &CudaStream) -> drv_sys::CUdeviceptr {
     use cudarc::driver::DevicePtr;
     let (ptr, _sync) = buf.device_ptr(stream);
     ptr
+}
+
+#[cfg(test)]
+mod cache_entry_tests {
+    use super::*;
+
+    /// The kernel cache uses an entry only when it is whole, uncorrupted and made for the
+    /// same source / compiler / options / version; every damaged form is refused with a reason.
+    #[test]
+    fn damaged_or_foreign_cache_entries_are_refused() {
+        let id = cache_identity("k", "extern \"C\" __global__ void k() {}", "sm_90", (12, 8));
+        let cubin: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let good = cache_entry(&id, &cubin);
+        assert_eq!(read_cache_entry(&good, &id).unwrap(), cubin);
+
+        let bad = |bytes: &[u8], id: &str| read_cache_entry(bytes, id).unwrap_err();
+        assert!(bad(&[], &id).contains("truncated"));
+        for cut in [1, 8, 12, good.len() / 2, good.len() - 1] {
+            assert!(bad(&good[..cut], &id).contains("truncated"), "cut at {cut}");
+        }
+        let mut flipped = good.clone();
+        let at = good.len() - 100;
+        flipped[at] ^= 0x10;
+        assert!(bad(&flipped, &id).contains("checksum"));
+        let mut magic = good.clone();
+        magic[0] = b'X';
+        assert!(bad(&magic, &id).contains("magic"));
+        let mut longer = good.clone();
+        longer.push(0);
+        assert!(bad(&longer, &id).contains("past the payload"));
+        assert!(bad(&cache_entry(&id, &[]), &id).contains("empty"));
+        // Another source, arch, compiler or crate version: another identity.
+        for other in [
+            cache_identity(
+                "k",
+                "extern \"C\" __global__ void k() { }",
+                "sm_90",
+                (12, 8),
+            ),
+            cache_identity(
+                "k",
+                "extern \"C\" __global__ void k() {}",
+                "sm_120",
+                (12, 8),
+            ),
+            cache_identity("k", "extern \"C\" __global__ void k() {}", "sm_90", (12, 9)),
+        ] {
+            assert!(bad(&good, &other).contains("another"));
+        }
+        // A plain cubin (the old cache format) is not an entry.
+        assert!(bad(&cubin, &id).contains("magic"));
+    }
 }
