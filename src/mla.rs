@@ -263,21 +263,34 @@ impl CacheGeometry {
                 format!("{row_stride} bytes"),
             ));
         }
+        // Strides come from the caller: every product is checked (a stride near u64::MAX
+        // must be refused, not wrapped into a small one).
+        let too_big = |what: &str, v: u64| {
+            Error::arg(
+                what,
+                "a cache whose byte offsets fit 64 bits",
+                format!("{v} bytes"),
+            )
+        };
+        let packed_page = row_stride
+            .checked_mul(page_size as u64)
+            .ok_or_else(|| too_big("row stride", row_stride))?;
         let page_stride = if strides.page == 0 {
-            row_stride * page_size as u64
+            packed_page
         } else {
             strides.page
         };
-        if page_stride % 4 != 0 || page_stride < row_stride * page_size as u64 {
+        if page_stride % 4 != 0 || page_stride < packed_page {
             return Err(Error::arg(
                 "page stride",
-                format!(
-                    "a multiple of 4 bytes, at least page_size x row stride = {}",
-                    row_stride * page_size as u64
-                ),
+                format!("a multiple of 4 bytes, at least page_size x row stride = {packed_page}"),
                 format!("{page_stride} bytes"),
             ));
         }
+        (num_pages as u64 - 1)
+            .checked_mul(page_stride)
+            .and_then(|x| x.checked_add(packed_page))
+            .ok_or_else(|| too_big("page stride", page_stride))?;
         let g = CacheGeometry {
             num_pages,
             page_size,

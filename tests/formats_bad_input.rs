@@ -275,6 +275,39 @@ fn cache_write_rejects_bad_shapes_and_buffers() {
             "page stride",
             &["at least page_size x row stride = 2624", "656 bytes"],
         );
+        // Strides near u64::MAX: refused, never wrapped into small offsets.
+        for strides in [
+            CacheStrides {
+                row: u64::MAX - 3,
+                page: 0,
+            },
+            CacheStrides {
+                row: 0,
+                page: u64::MAX - 3,
+            },
+            CacheStrides {
+                row: 1 << 62,
+                page: 0,
+            },
+        ] {
+            let huge = CacheWriteShape { strides, ..s };
+            let e = b
+                .cache_write(&huge, &bufs(&latent, &rope, &slots, &cache))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("stride"), "{strides:?}: {e}");
+        }
+        // A host-sized allocation the machine cannot give: an error with the number.
+        if b.kind() == BackendKind::Cpu {
+            let e = match b.alloc(u64::MAX) {
+                Ok(_) => panic!("a u64::MAX allocation succeeded"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains("18446744073709551615") || e.contains("host-sized"),
+                "{e}"
+            );
+        }
         let narrow = CacheWriteShape {
             dims: MlaDims {
                 latent: 256,

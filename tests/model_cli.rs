@@ -116,6 +116,24 @@ fn user_errors_are_one_line_not_panics() {
         ),
         (vec!["--prompt-ids", "999999"], "vocabulary"),
         (vec!["--model", "/no/such/dir"], "does not exist"),
+        (
+            vec![
+                "--model",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/tests/fixtures/glm_moe_dsa-tiny/config.json"
+                ),
+            ],
+            "is a file",
+        ),
+        (vec!["--temperature", "-1"], "--temperature"),
+        (vec!["--top-p", "0"], "--top-p"),
+        (vec!["--top-p", "1.5"], "--top-p"),
+        // 10^8 positions: ~500 GB of cache, refused by the memory plan before allocating
+        (
+            vec!["--device", "cpu", "--max-seq-len", "100000000"],
+            "lower --max-seq-len",
+        ),
     ] {
         let out = mla_run(&args);
         let stderr = text(&out.stderr);

@@ -359,3 +359,62 @@ fn prompt_text_encodes_to_the_golden_ids() {
         assert_eq!(tok.decode(&g.prompt_ids).unwrap(), text, "{name}");
     }
 }
+
+/// A config that claims more layers or experts than the checkpoint holds (within the
+/// config limits) is refused from the tensor count, before the expected-tensor list (tens
+/// of millions of names) is built.
+#[test]
+fn config_claiming_more_tensors_than_the_checkpoint_is_refused_at_once() {
+    let src = fixture("glm_moe_dsa-tiny");
+    let text = std::fs::read_to_string(src.join("config.json")).unwrap();
+    for (key, value) in [("num_hidden_layers", 1000u64), ("n_routed_experts", 4096)] {
+        let dir = TempDir::new(&format!("count-{key}"));
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v[key] = value.into();
+        if key == "num_hidden_layers" {
+            for k in ["mlp_layer_types", "indexer_types", "layer_types"] {
+                v.as_object_mut().unwrap().remove(k);
+            }
+        }
+        std::fs::write(dir.0.join("config.json"), v.to_string()).unwrap();
+        std::os::unix::fs::symlink(
+            src.join("model.safetensors"),
+            dir.0.join("model.safetensors"),
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let e = match Model::load(&dir.0, cpu(), &mut |_, _| {}) {
+            Ok(_) => panic!("{key} = {value} loaded"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("checkpoint holds only"), "{key}: {e}");
+        assert!(
+            t0.elapsed().as_secs_f64() < 2.0,
+            "{key}: took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+/// A failed forward (a token id past the vocabulary) leaves the sequence and the page pool
+/// exactly as they were: the next valid call works and gives the same logits as on a fresh
+/// sequence.
+#[test]
+fn failed_forward_leaks_nothing() {
+    let dir = fixture("glm_moe_dsa-tiny");
+    let model = Model::load(&dir, cpu(), &mut |_, _| {}).unwrap();
+    let small = CacheOptions {
+        max_seq_len: 64,
+        ..opts()
+    };
+    let mut seq = model.new_sequence(small).unwrap();
+    let vocab = model.config.vocab_size as u32;
+    for _ in 0..50 {
+        assert!(model.forward(&mut seq, &[1, vocab], Logits::Last).is_err());
+    }
+    assert_eq!(seq.len(), 0);
+    let got = model.forward(&mut seq, &[1, 2, 3], Logits::Last).unwrap();
+    let mut fresh = model.new_sequence(small).unwrap();
+    let want = model.forward(&mut fresh, &[1, 2, 3], Logits::Last).unwrap();
+    assert_eq!(got, want);
+}

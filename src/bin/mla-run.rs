@@ -66,11 +66,21 @@ struct Cli {
     n: usize,
 
     /// Sampling temperature; 0 is greedy (argmax).
-    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    #[arg(
+        long,
+        value_name = "T",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
     temperature: f32,
 
     /// Nucleus sampling: keep the most likely tokens up to this probability mass (1 = off).
-    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
     top_p: f32,
 
     /// Keep only the K most likely tokens (0 = off).
@@ -172,6 +182,12 @@ fn plan(cli: &Cli) -> Result<Plan> {
             d
         }
     };
+    if dir.is_file() {
+        return Err(Error::Model(format!(
+            "--model {} is a file; give the model directory that holds config.json and the safetensors",
+            dir.display()
+        )));
+    }
     if !dir.is_dir() {
         return Err(Error::Model(format!(
             "model directory {} does not exist",
@@ -242,6 +258,21 @@ fn plan(cli: &Cli) -> Result<Plan> {
         top_k: cli.top_k,
         seed: cli.seed,
     };
+    // The same checks as SamplerConfig::validate, named by the flags a user typed.
+    if !cli.temperature.is_finite() || cli.temperature < 0.0 {
+        return Err(Error::arg(
+            "--temperature",
+            "a finite value ≥ 0 (0 = greedy)",
+            cli.temperature,
+        ));
+    }
+    if !(cli.top_p > 0.0 && cli.top_p <= 1.0) {
+        return Err(Error::arg(
+            "--top-p",
+            "a value in (0, 1] (1 = off)",
+            cli.top_p,
+        ));
+    }
     sampler.validate()?;
     Ok(Plan {
         dir,
@@ -290,7 +321,7 @@ fn open(plan: &Plan) -> Result<(Arc<dyn Backend>, Checkpoint)> {
         &ckpt,
         &plan.cache,
         PREFILL_CHUNK.min(plan.prompt.len().max(1)) as u64,
-    );
+    )?;
     log::info!(
         "memory plan: weights {}, caches {} ({} positions, {} cache), activations {}",
         gib(mem.weights),

@@ -47,7 +47,7 @@ impl CacheOptions {
 
     pub fn pages(&self) -> usize {
         self.num_pages
-            .unwrap_or(self.max_seqs * self.max_pages_per_seq())
+            .unwrap_or(self.max_seqs.saturating_mul(self.max_pages_per_seq()))
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -61,7 +61,7 @@ impl CacheOptions {
                 return Err(Error::arg(n, "at least 1", 0));
             }
         }
-        let slots = self.pages() as u64 * self.page_size as u64;
+        let slots = (self.pages() as u64).saturating_mul(self.page_size as u64);
         if slots > i32::MAX as u64 {
             return Err(Error::arg(
                 "num_pages x page_size",
@@ -69,7 +69,8 @@ impl CacheOptions {
                 slots,
             ));
         }
-        if self.max_seqs as u64 * self.max_pages_per_seq() as u64 > i32::MAX as u64 {
+        if (self.max_seqs as u64).saturating_mul(self.max_pages_per_seq() as u64) > i32::MAX as u64
+        {
             return Err(Error::arg(
                 "max_seqs x pages per sequence",
                 "a block table under 2^31 entries",

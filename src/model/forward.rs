@@ -252,7 +252,7 @@ impl Model {
 
     /// Number of tensors [`Model::load`] reads (for progress bars).
     pub fn tensor_count(config: &ModelConfig) -> usize {
-        super::params::expected_tensors(config).len()
+        super::params::expected_tensor_count(config)
     }
 
     /// Caches for `opts` (every layer's latent cache, the indexer key caches, the page pool,

@@ -7,7 +7,7 @@ use safetensors::Dtype;
 
 use super::cache::CacheOptions;
 use super::config::{IndexerKind, ModelConfig};
-use super::params::expected_tensors;
+use super::params::{check_tensor_count, expected_tensors};
 use super::weights::{Checkpoint, SCALE_INV_SUFFIX};
 use crate::{Error, Result};
 
@@ -21,7 +21,9 @@ pub struct MemoryPlan {
 
 impl MemoryPlan {
     pub fn total(&self) -> u64 {
-        self.weights + self.caches + self.activations
+        self.weights
+            .saturating_add(self.caches)
+            .saturating_add(self.activations)
     }
 
     /// Refuses the plan when it needs more than `free` bytes of `what`.
@@ -60,7 +62,8 @@ fn elem_bytes(d: Dtype) -> u64 {
 }
 
 /// Device bytes of the weights of `c` from the checkpoint's dtypes.
-pub fn weight_bytes(c: &ModelConfig, ckpt: &Checkpoint) -> u64 {
+pub fn weight_bytes(c: &ModelConfig, ckpt: &Checkpoint) -> Result<u64> {
+    check_tensor_count(c, ckpt)?;
     let mut total = 0u64;
     for s in expected_tensors(c) {
         let n: u64 = s.shape.iter().map(|&d| d as u64).product();
@@ -83,22 +86,29 @@ pub fn weight_bytes(c: &ModelConfig, ckpt: &Checkpoint) -> u64 {
             }
         }
     }
-    total
+    Ok(total)
 }
 
-/// Cache bytes for `opts`.
+/// Cache bytes for `opts` (saturating: a request past `u64` reads as "too much", never wraps).
 pub fn cache_bytes(c: &ModelConfig, opts: &CacheOptions) -> u64 {
-    let slots = opts.pages() as u64 * opts.page_size as u64;
-    let latent = slots * opts.format.row_bytes(c.mla_dims()) as u64 * c.num_hidden_layers as u64;
+    let slots = (opts.pages() as u64).saturating_mul(opts.page_size as u64);
+    let latent = slots
+        .saturating_mul(opts.format.row_bytes(c.mla_dims()) as u64)
+        .saturating_mul(c.num_hidden_layers as u64);
     let full = c
         .indexer_types
         .iter()
         .filter(|k| **k == IndexerKind::Full)
         .count() as u64;
-    let keys = slots * c.index_head_dim as u64 * 2 * full;
-    let table = opts.max_seqs as u64 * opts.max_pages_per_seq() as u64 * 4;
-    let rope = opts.max_seq_len as u64 * c.qk_rope_head_dim as u64 * 4;
-    latent + keys + table + rope
+    let keys = slots.saturating_mul(c.index_head_dim as u64 * 2 * full);
+    let table = (opts.max_seqs as u64)
+        .saturating_mul(opts.max_pages_per_seq() as u64)
+        .saturating_mul(4);
+    let rope = (opts.max_seq_len as u64).saturating_mul(c.qk_rope_head_dim as u64 * 4);
+    latent
+        .saturating_add(keys)
+        .saturating_add(table)
+        .saturating_add(rope)
 }
 
 /// Activation bytes of a step of `tokens` tokens that see up to `context` positions (an
@@ -122,8 +132,8 @@ pub fn activation_bytes(c: &ModelConfig, tokens: u64, context: u64) -> u64 {
             + 2 * c.n_routed_experts as u64
             + 3 * c.index_topk.min(context as usize) as u64
             + c.vocab_size as u64);
-    let scores = tokens * context * 4;
-    tokens * per_token + scores
+    let scores = tokens.saturating_mul(context).saturating_mul(4);
+    tokens.saturating_mul(per_token).saturating_add(scores)
 }
 
 /// The whole plan.
@@ -132,10 +142,10 @@ pub fn plan(
     ckpt: &Checkpoint,
     opts: &CacheOptions,
     max_step_tokens: u64,
-) -> MemoryPlan {
-    MemoryPlan {
-        weights: weight_bytes(c, ckpt),
+) -> Result<MemoryPlan> {
+    Ok(MemoryPlan {
+        weights: weight_bytes(c, ckpt)?,
         caches: cache_bytes(c, opts),
         activations: activation_bytes(c, max_step_tokens, opts.max_seq_len as u64),
-    }
+    })
 }

@@ -122,9 +122,50 @@ pub fn expected_tensors(c: &ModelConfig) -> Vec<TensorSpec> {
     v
 }
 
+/// How many tensors [`expected_tensors`] lists, counted without building the list.
+pub fn expected_tensor_count(c: &ModelConfig) -> usize {
+    let mut n = 2 + usize::from(!c.tie_word_embeddings);
+    for l in 0..c.num_hidden_layers {
+        n += 9;
+        if c.indexer_types[l] == IndexerKind::Full {
+            n += 5;
+        }
+        n += match c.mlp_layer_types[l] {
+            MlpKind::Dense => 3,
+            MlpKind::Moe => 2 + 3 * c.n_routed_experts + 3 * usize::from(c.n_shared_experts > 0),
+        };
+    }
+    n
+}
+
+/// Refuses a config that implies more tensors than the checkpoint holds, before the list of
+/// expected tensors is built (a config claiming 10⁹ layers must fail here, at once, not after
+/// allocating names for all of them).
+pub fn check_tensor_count(c: &ModelConfig, ckpt: &Checkpoint) -> Result<()> {
+    let want = expected_tensor_count(c);
+    let have = ckpt.len();
+    if want > have && want <= 2 * have + 64 {
+        // Close to the checkpoint's size (a tensor or a layer missing): building the list
+        // costs no more than the checkpoint itself, and its first miss is the better message.
+        for s in expected_tensors(c) {
+            ckpt.check(&s.name, &s.shape)?;
+        }
+    }
+    if want > have {
+        return Err(Error::Model(format!(
+            "config.json implies {want} weight tensors ({} layers, {} routed experts per MoE layer) \
+             but the checkpoint holds only {have}: num_hidden_layers or n_routed_experts does not \
+             match the weights",
+            c.num_hidden_layers, c.n_routed_experts
+        )));
+    }
+    Ok(())
+}
+
 /// Checks presence, dtype and shape of every expected tensor (first mismatch is the error)
 /// and lists the extra ones at debug level.
 pub fn check_checkpoint(c: &ModelConfig, ckpt: &Checkpoint) -> Result<Vec<TensorSpec>> {
+    check_tensor_count(c, ckpt)?;
     let specs = expected_tensors(c);
     for s in &specs {
         ckpt.check(&s.name, &s.shape)?;

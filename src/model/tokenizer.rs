@@ -11,10 +11,37 @@ pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
 }
 
+/// Runs a call into the `tokenizers` crate, which panics (rather than returning an error) on
+/// some malformed `tokenizer.json` files (an `expect` in its decoder deserialisation, found
+/// by tests/fuzz_inputs.rs): the panic becomes an error naming `what`. The panic hook is
+/// silenced for the call so the user sees our message, not a backtrace; loading a tokenizer
+/// happens once, at start-up, so muting the hook briefly hides nothing else.
+fn no_panic<T>(what: &dyn Fn() -> String, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    r.unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Err(Error::Model(format!(
+            "{}: the tokenizers crate gave up on it ({msg}); the file is malformed",
+            what()
+        )))
+    })
+}
+
 impl TextTokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| Error::Model(format!("{}: cannot load tokenizer: {e}", path.display())))?;
+        let what = || format!("{}", path.display());
+        let inner = no_panic(&what, || {
+            tokenizers::Tokenizer::from_file(path).map_err(|e| {
+                Error::Model(format!("{}: cannot load tokenizer: {e}", path.display()))
+            })
+        })?;
         Ok(TextTokenizer { inner })
     }
 

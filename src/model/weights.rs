@@ -99,6 +99,15 @@ impl Checkpoint {
     }
 
     /// All tensor names, sorted.
+    /// Number of tensors in the checkpoint (every shard).
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tensors.keys().map(|s| s.as_str())
     }
@@ -276,6 +285,19 @@ fn shard_files(index: &Path) -> Result<Vec<PathBuf>> {
                 index.display()
             ))
         })?;
+        // A shard is a file next to the index, as every Hugging Face checkpoint has it: a
+        // name that leaves the directory (`../x`, `/etc/passwd`) or is not a safetensors
+        // file (`config.json`) is refused, not opened.
+        let plain = !file.is_empty()
+            && !file.contains(['/', '\\'])
+            && file != ".."
+            && file.ends_with(".safetensors");
+        if !plain {
+            return Err(Error::Model(format!(
+                "{}: weight_map entry of `{name}` is {file:?}; shards must be .safetensors files in the model directory (a plain file name)",
+                index.display()
+            )));
+        }
         if !files.iter().any(|f| f == file) {
             files.push(file.to_string());
         }

@@ -50,6 +50,41 @@ impl<'a> Keys<'a> {
         Ok(v)
     }
 
+    /// A positive integer no larger than `max` (see [`super::limits`]).
+    pub(super) fn bounded(&self, key: &str, max: usize) -> Result<usize> {
+        let v = self.positive(key)?;
+        self.at_most(key, v, max)
+    }
+
+    /// `v` (the value of `key`) no larger than `max`.
+    pub(super) fn at_most(&self, key: &str, v: usize, max: usize) -> Result<usize> {
+        if v > max {
+            return Err(self.err(
+                key,
+                format!("is {v}, more than this runner accepts ({max}); no GLM-5 or DeepSeek-V3.2 checkpoint comes near it"),
+            ));
+        }
+        Ok(v)
+    }
+
+    /// A finite number that stays finite (and non-zero when `nonzero`) as an f32.
+    pub(super) fn f32_of(&self, key: &str, v: f64, nonzero: bool) -> Result<f32> {
+        let x = v as f32;
+        if !x.is_finite() {
+            return Err(self.err(
+                key,
+                format!("is {v:e}, outside the f32 range the kernels compute in (|x| < 3.4e38)"),
+            ));
+        }
+        if nonzero && x == 0.0 {
+            return Err(self.err(
+                key,
+                format!("is {v:e}, which is 0 as an f32 (the kernels compute in f32; smallest normal 1.2e-38)"),
+            ));
+        }
+        Ok(x)
+    }
+
     pub(super) fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         self.get(key).map(|v| self.usize_of(key, v)).transpose()
     }

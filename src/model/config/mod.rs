@@ -130,6 +130,29 @@ pub struct ModelConfig {
     pub fp8: Option<Fp8Blocks>,
 }
 
+/// Upper bounds on the sizes and counts a `config.json` may declare. Each is far beyond any
+/// GLM-5 / DeepSeek-V3.2 checkpoint (the largest real values are in the comments) and small
+/// enough that every size derived from them (tensor elements, bytes, tensor counts) fits a
+/// `u64` without overflow and every index the kernels take fits a `u32`.
+pub mod limits {
+    /// Decoder layers (GLM-5: 78, DeepSeek-V3.2: 61).
+    pub const LAYERS: usize = 1024;
+    /// Attention heads and indexer heads (128 / 64).
+    pub const HEADS: usize = 1024;
+    /// Any width: hidden size, LoRA ranks, head dims, MLP widths (largest real: 18432).
+    pub const DIM: usize = 1 << 18;
+    /// Vocabulary (154880).
+    pub const VOCAB: usize = 1 << 24;
+    /// Routed experts, groups, experts per token (256).
+    pub const EXPERTS: usize = 4096;
+    /// Shared experts (1).
+    pub const SHARED_EXPERTS: usize = 64;
+    /// The indexer's top-k (2048).
+    pub const INDEX_TOPK: usize = 1 << 20;
+    /// Positions (token positions are 32-bit signed in the kernels).
+    pub const POSITIONS: usize = i32::MAX as usize;
+}
+
 /// Epsilon of q_a_layernorm and kv_a_layernorm (transformers builds them with the default).
 pub const LATENT_NORM_EPS: f32 = 1e-6;
 /// Epsilon of the indexer's key LayerNorm.
@@ -169,8 +192,8 @@ impl ModelConfig {
             None => return Err(k.err("model_type", "is missing")),
         };
 
-        let num_hidden_layers = k.positive("num_hidden_layers")?;
-        let num_attention_heads = k.positive("num_attention_heads")?;
+        let num_hidden_layers = k.bounded("num_hidden_layers", limits::LAYERS)?;
+        let num_attention_heads = k.bounded("num_attention_heads", limits::HEADS)?;
         if let Some(kv) = k.opt_usize("num_key_value_heads")? {
             if kv != num_attention_heads {
                 return Err(k.err(
@@ -185,8 +208,8 @@ impl ModelConfig {
                 "is null; the lightning indexer reads the q_a latent, so a q_lora_rank is required",
             ));
         }
-        let qk_nope_head_dim = k.positive("qk_nope_head_dim")?;
-        let qk_rope_head_dim = k.positive("qk_rope_head_dim")?;
+        let qk_nope_head_dim = k.bounded("qk_nope_head_dim", limits::DIM)?;
+        let qk_rope_head_dim = k.bounded("qk_rope_head_dim", limits::DIM)?;
         if qk_rope_head_dim % 2 != 0 {
             return Err(k.err(
                 "qk_rope_head_dim",
@@ -204,7 +227,7 @@ impl ModelConfig {
                 ));
             }
         }
-        let index_head_dim = k.positive("index_head_dim")?;
+        let index_head_dim = k.bounded("index_head_dim", limits::DIM)?;
         if index_head_dim < qk_rope_head_dim {
             return Err(k.err(
                 "index_head_dim",
@@ -274,9 +297,9 @@ impl ModelConfig {
         )?;
 
         let n_routed_experts = routed_experts(&k)?;
-        let n_group = k.positive("n_group")?;
-        let topk_group = k.positive("topk_group")?;
-        let num_experts_per_tok = k.positive("num_experts_per_tok")?;
+        let n_group = k.bounded("n_group", limits::EXPERTS)?;
+        let topk_group = k.bounded("topk_group", limits::EXPERTS)?;
+        let num_experts_per_tok = k.bounded("num_experts_per_tok", limits::EXPERTS)?;
         check_routing(
             &k,
             n_routed_experts,
@@ -285,38 +308,63 @@ impl ModelConfig {
             num_experts_per_tok,
         )?;
 
+        let vocab_size = k.bounded("vocab_size", limits::VOCAB)?;
+        let kv_lora_rank = k.bounded("kv_lora_rank", limits::DIM)?;
+        if kv_lora_rank % 8 != 0 {
+            return Err(k.err(
+                "kv_lora_rank",
+                format!("is {kv_lora_rank}; the cache kernels need a multiple of 8 (GLM-5 and DeepSeek-V3.2 use 512)"),
+            ));
+        }
+        if qk_rope_head_dim % 8 != 0 {
+            return Err(k.err(
+                "qk_rope_head_dim",
+                format!("is {qk_rope_head_dim}; the cache kernels need a multiple of 8 (GLM-5 and DeepSeek-V3.2 use 64)"),
+            ));
+        }
         let cfg = ModelConfig {
             arch,
-            vocab_size: k.positive("vocab_size")?,
-            hidden_size: k.positive("hidden_size")?,
+            vocab_size,
+            hidden_size: k.bounded("hidden_size", limits::DIM)?,
             num_hidden_layers,
             num_attention_heads,
-            q_lora_rank: k.positive("q_lora_rank")?,
-            kv_lora_rank: k.positive("kv_lora_rank")?,
+            q_lora_rank: k.bounded("q_lora_rank", limits::DIM)?,
+            kv_lora_rank,
             qk_nope_head_dim,
             qk_rope_head_dim,
-            v_head_dim: k.positive("v_head_dim")?,
-            intermediate_size: k.positive("intermediate_size")?,
-            moe_intermediate_size: k.positive("moe_intermediate_size")?,
+            v_head_dim: k.bounded("v_head_dim", limits::DIM)?,
+            intermediate_size: k.bounded("intermediate_size", limits::DIM)?,
+            moe_intermediate_size: k.bounded("moe_intermediate_size", limits::DIM)?,
             n_routed_experts,
-            n_shared_experts: k.usize("n_shared_experts")?,
+            n_shared_experts: k.at_most(
+                "n_shared_experts",
+                k.usize("n_shared_experts")?,
+                limits::SHARED_EXPERTS,
+            )?,
             num_experts_per_tok,
             n_group,
             topk_group,
-            routed_scaling_factor: k.f64("routed_scaling_factor")? as f32,
+            routed_scaling_factor: k.f32_of(
+                "routed_scaling_factor",
+                k.f64("routed_scaling_factor")?,
+                false,
+            )?,
             norm_topk_prob: k.bool("norm_topk_prob")?,
-            index_topk: k.positive("index_topk")?,
-            index_n_heads: k.positive("index_n_heads")?,
+            index_topk: k.bounded("index_topk", limits::INDEX_TOPK)?,
+            index_n_heads: k.bounded("index_n_heads", limits::HEADS)?,
             index_head_dim,
-            rms_norm_eps: positive_f64(&k, "rms_norm_eps")? as f32,
+            rms_norm_eps: k.f32_of("rms_norm_eps", positive_f64(&k, "rms_norm_eps")?, true)?,
             rope: rope_config(&k)?,
             mla_rope_style,
             indexer_rope_style,
             mlp_layer_types: mlp_layer_types(&k, num_hidden_layers)?,
             indexer_types: indexer_types(&k, arch, num_hidden_layers)?,
             tie_word_embeddings: k.opt_bool("tie_word_embeddings")?.unwrap_or(false),
-            eos_token_ids: eos_token_ids(&k)?,
-            max_position_embeddings: k.opt_usize("max_position_embeddings")?,
+            eos_token_ids: eos_token_ids(&k, vocab_size)?,
+            max_position_embeddings: k
+                .opt_usize("max_position_embeddings")?
+                .map(|v| k.at_most("max_position_embeddings", v, limits::POSITIONS))
+                .transpose()?,
             fp8: fp8_blocks(&k)?,
         };
         Ok(cfg)

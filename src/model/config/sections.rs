@@ -17,8 +17,14 @@ pub(super) fn positive_f64(k: &Keys, key: &str) -> Result<f64> {
 
 pub(super) fn routed_experts(k: &Keys) -> Result<usize> {
     // transformers re-routes the older `num_experts` to `n_routed_experts`.
-    let n = k.opt_usize("n_routed_experts")?;
-    let legacy = k.opt_usize("num_experts")?;
+    let n = k
+        .opt_usize("n_routed_experts")?
+        .map(|v| k.at_most("n_routed_experts", v, limits::EXPERTS))
+        .transpose()?;
+    let legacy = k
+        .opt_usize("num_experts")?
+        .map(|v| k.at_most("num_experts", v, limits::EXPERTS))
+        .transpose()?;
     match (n, legacy) {
         (Some(a), Some(b)) if a != b => {
             Err(k.err("num_experts", format!("is {b} but n_routed_experts is {a}")))
@@ -138,6 +144,14 @@ pub(super) fn rope_config(k: &Keys) -> Result<RopeConfig> {
     let scaling = match rope_type {
         "default" => RopeScaling::Default,
         "yarn" => {
+            if theta <= 1.0 {
+                return Err(k.err(
+                    "rope_theta",
+                    format!(
+                        "is {theta}; YaRN divides by ln(rope_theta), so it must be more than 1"
+                    ),
+                ));
+            }
             let factor = p.f64("factor")?;
             if factor <= 0.0 {
                 return Err(p.err("factor", format!("must be positive, found {factor}")));
@@ -288,18 +302,26 @@ pub(super) fn indexer_types(k: &Keys, arch: Arch, layers: usize) -> Result<Vec<I
     Ok(types)
 }
 
-pub(super) fn eos_token_ids(k: &Keys) -> Result<Vec<u32>> {
+pub(super) fn eos_token_ids(k: &Keys, vocab: usize) -> Result<Vec<u32>> {
+    let id = |v: &Value| -> Result<u32> {
+        let x = v.as_u64().ok_or_else(|| {
+            k.err(
+                "eos_token_id",
+                format!("must be a token id (a non-negative integer), found {v}"),
+            )
+        })?;
+        if x >= vocab as u64 {
+            return Err(k.err(
+                "eos_token_id",
+                format!("holds {x}, not a token id of this model (vocab_size is {vocab})"),
+            ));
+        }
+        Ok(x as u32)
+    };
     match k.get("eos_token_id") {
         None => Ok(Vec::new()),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .map(|x| x as u32)
-                    .ok_or_else(|| k.err("eos_token_id", format!("must hold integers, found {v}")))
-            })
-            .collect(),
-        Some(v) => Ok(vec![k.usize_of("eos_token_id", v)? as u32]),
+        Some(Value::Array(a)) => a.iter().map(id).collect(),
+        Some(v) => Ok(vec![id(v)?]),
     }
 }
 
@@ -339,10 +361,13 @@ pub(super) fn fp8_blocks(k: &Keys) -> Result<Option<Fp8Blocks>> {
                 .collect()
         })
         .unwrap_or_default();
-    if dims.len() != 2 || dims.contains(&0) {
+    if dims.len() != 2 || dims.contains(&0) || dims.iter().any(|&d| d > limits::DIM) {
         return Err(qk.err(
             "weight_block_size",
-            format!("must be two positive integers, found {block}"),
+            format!(
+                "must be two positive integers of at most {}, found {block}",
+                limits::DIM
+            ),
         ));
     }
     Ok(Some(Fp8Blocks {

@@ -212,3 +212,114 @@ fn not_json_names_the_file() {
         .to_string();
     assert!(e.contains("/m/config.json") && e.contains("JSON"), "{e}");
 }
+
+/// Huge integers, narrowing and non-finite f32s (the hardening issue's examples): each a
+/// clear error naming its key, never a wrapped size, a panic or an allocation.
+#[test]
+fn huge_and_narrowing_values_are_refused_by_key() {
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "num_attention_heads",
+            serde_json::json!((1u64 << 60) + 4),
+            "more than this runner accepts",
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(1_000_000_000u64),
+            "more than this runner accepts",
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!(1_000_000_000u64),
+            "more than this runner accepts",
+        ),
+        (
+            "n_routed_experts",
+            serde_json::json!((1u64 << 32) + 1),
+            "more than this runner accepts",
+        ),
+        (
+            "vocab_size",
+            serde_json::json!(1u64 << 40),
+            "more than this runner accepts",
+        ),
+        (
+            "hidden_size",
+            serde_json::json!(u64::MAX),
+            "more than this runner accepts",
+        ),
+        (
+            "kv_lora_rank",
+            serde_json::json!(1u64 << 32),
+            "more than this runner accepts",
+        ),
+        ("kv_lora_rank", serde_json::json!(7), "multiple of 8"),
+        (
+            "eos_token_id",
+            serde_json::json!(4_294_967_525u64),
+            "not a token id",
+        ),
+        (
+            "eos_token_id",
+            serde_json::json!([1, 154880]),
+            "not a token id",
+        ),
+        (
+            "routed_scaling_factor",
+            serde_json::json!(1e39),
+            "outside the f32 range",
+        ),
+        (
+            "rms_norm_eps",
+            serde_json::json!(1e300),
+            "outside the f32 range",
+        ),
+        ("rms_norm_eps", serde_json::json!(1e-300), "0 as an f32"),
+        (
+            "max_position_embeddings",
+            serde_json::json!(1u64 << 40),
+            "more than this runner accepts",
+        ),
+        (
+            "index_topk",
+            serde_json::json!(1u64 << 40),
+            "more than this runner accepts",
+        ),
+    ];
+    for (key, value, want) in cases {
+        let mut v = glm5_json();
+        v[key] = value.clone();
+        if key == "num_attention_heads" {
+            v["num_key_value_heads"] = value.clone();
+        }
+        let e = err_of(&v);
+        assert!(
+            e.contains(&format!("`{key}`")) && e.contains(want),
+            "{key} = {value}: {e}"
+        );
+    }
+}
+
+#[test]
+fn yarn_with_rope_theta_one_is_refused() {
+    let mut v = deepseek_json();
+    v["rope_theta"] = serde_json::json!(1);
+    let e = err_of(&v);
+    assert!(
+        e.contains("`rope_theta`") && e.contains("ln(rope_theta)"),
+        "{e}"
+    );
+}
+
+/// The largest values the limits allow still give sizes that fit a u64 (so the memory plan
+/// and the tensor count can be computed before anything is allocated).
+#[test]
+fn the_limits_keep_every_derived_size_in_u64() {
+    let l = |x: usize| x as u128;
+    let biggest_expert_stack = l(limits::EXPERTS) * 3 * l(limits::DIM) * l(limits::DIM) * 4;
+    let per_layer =
+        biggest_expert_stack + 16 * l(limits::DIM) * l(limits::DIM) * l(limits::HEADS) * 4;
+    assert!(per_layer * l(limits::LAYERS) < u64::MAX as u128);
+    assert!(l(limits::VOCAB) * l(limits::DIM) * 4 < u64::MAX as u128);
+    assert!(l(limits::HEADS) * l(limits::DIM) * 2 <= u32::MAX as u128);
+}
