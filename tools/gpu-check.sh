@@ -2,9 +2,16 @@
 # On a machine with an NVIDIA GPU, with binaries built elsewhere (`tools/build-gpu.sh`
 # makes them): run the conformance suite (kernels and whole-model cases) on CUDA and on wgpu
 # over Vulkan, mla-run on the tiny fixtures (bf16 and FP8 weights, bf16 and fp8 caches), then
-# the GPU benchmark when it exists, and print the tables last.
+# the four compute-sanitizer tools over the kernel suite, a kernel-cache corruption check,
+# the 10^4-launch stress run, the server load run (tools/serve-gpu.sh, when mla-serve was
+# built), the benchmarks when they exist, and print the tables last.
 #
 #   tools/gpu-check.sh [BIN_DIR]        (default target/gpu)
+#
+# SECTIONS picks parts (default all): check vulkan run sanitize cache stress serve bench
+# (e.g. SECTIONS="check stress"); NO_BENCH / NO_MODEL_BENCH skip a benchmark;
+# STRESS_N sets the stress launches (10000); SAN_TIMEOUT the seconds per sanitizer (150);
+# SAN_TOOLS the sanitizer tools (memcheck racecheck synccheck initcheck).
 #
 # Vulkan needs a loader: if `ldconfig -p` has no libvulkan, the script unpacks the Debian
 # packages in .gl/ (libvulkan1, libglvnd, ...) when they are there.
@@ -47,12 +54,74 @@ export SPARSE_MLA_FIXTURES=${SPARSE_MLA_FIXTURES:-$PWD/tests/fixtures}
     ldconfig -p | grep -E "libnvrtc|libcuda.so|libvulkan" 2>&1
 } >"$L/env.txt" 2>&1
 
+want() { case " ${SECTIONS:-all} " in *" all "* | *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 status=0
+summary=$L/summary.txt
+: >"$summary"
+if want check; then
 echo "== mla-check on CUDA"
 "$BIN/mla-check" --backend cuda >"$L/cuda.txt" 2>"$L/cuda.err" || status=1
+fi
+if want vulkan; then
 echo "== mla-check on wgpu (Vulkan)"
 WGPU_BACKEND=vulkan "$BIN/mla-check" --backend wgpu >"$L/vulkan.txt" 2>"$L/vulkan.err" || status=1
+fi
 
+if want sanitize; then
+    # Every kernel of the conformance suite (decode, cache write, block table, every model op)
+    # under each tool; 0 reports required. The NVRTC cache is warm from the run above.
+    SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for tool in ${SAN_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        echo "== compute-sanitizer --tool $tool"
+        extra=""
+        [ "$tool" = memcheck ] && extra="--leak-check no"
+        timeout ${SAN_TIMEOUT:-150} "$SAN" --tool $tool $extra --error-exitcode 7 --print-limit 20 \
+            "$BIN/mla-check" --backend cuda --no-model >"$L/san-$tool.txt" 2>&1
+        rc=$?
+        errs=$(grep -hoE "(ERROR|RACECHECK) SUMMARY: .*" "$L/san-$tool.txt" | tail -1)
+        case $rc in
+            0) verdict="ok" ;;
+            124) verdict="TIMEOUT after ${SAN_TIMEOUT:-150} s"; status=1 ;;
+            *) verdict="FAIL (exit $rc)"; status=1 ;;
+        esac
+        cases=$(grep -E "[0-9]+ passed" "$L/san-$tool.txt" | tail -1)
+        echo "sanitizer $tool: ${errs:-no summary}; suite: ${cases:-no result}; $verdict" >>"$summary"
+    done
+fi
+
+if want cache; then
+    # A damaged kernel cache must be noticed, named and rebuilt, never loaded.
+    echo "== kernel cache corruption"
+    n=0
+    for f in "$SPARSE_MLA_CACHE_DIR"/*.cubin; do
+        [ -f "$f" ] || continue
+        case $((n % 3)) in
+            0) truncate -s $(($(stat -c %s "$f") / 2)) "$f" ;;
+            1) printf '\x55' | dd of="$f" bs=1 seek=$(($(stat -c %s "$f") - 64)) conv=notrunc status=none ;;
+            2) : >"$f" ;;
+        esac
+        n=$((n + 1))
+    done
+    RUST_LOG=warn "$BIN/mla-check" --backend cuda --no-model >"$L/cache.txt" 2>"$L/cache.err"
+    rc=$?
+    warned=$(grep -c "is unusable" "$L/cache.err")
+    [ $rc -eq 0 ] && [ "$warned" -gt 0 ] || status=1
+    echo "kernel cache: $n entries damaged; the $warned the suite loads refused and rebuilt; suite exit $rc" >>"$summary"
+fi
+
+if want stress; then
+    echo "== stress: ${STRESS_N:-10000} random launches"
+    timeout 400 "$BIN/mla-check" --backend cuda --stress ${STRESS_N:-10000} --watchdog 30 \
+        >"$L/stress.txt" 2>"$L/stress.err" || status=1
+    grep "^stress" "$L/stress.txt" >>"$summary" || echo "stress: no result (exit, see stress.err)" >>"$summary"
+fi
+
+if want serve && [ -x "$BIN/mla-serve" ] && [ -f tools/serve-gpu.sh ]; then
+    echo "== server load"
+    timeout 150 bash tools/serve-gpu.sh "$BIN" >"$L/serve.txt" 2>"$L/serve.err" || status=1
+fi
+
+if want run; then
 echo "== mla-run on the fixtures"
 : >"$L/run.txt"
 for dev in cuda wgpu; do
@@ -76,17 +145,18 @@ for m in glm_moe_dsa-tiny deepseek_v32-tiny; do
     WGPU_BACKEND=vulkan "$BIN/mla-run" --device wgpu --model "$SPARSE_MLA_FIXTURES/$m" --bench -n 16 \
         >>"$L/run-bench.txt" 2>>"$L/run.err" || status=1
 done
+fi
 
 for t in "$BIN"/gpu-test-*; do
     [ -x "$t" ] || continue
     echo "== $(basename "$t")"
     SPARSE_MLA_REQUIRE=cuda "$t" --nocapture >"$L/$(basename "$t").txt" 2>&1 || status=1
 done
-if [ -x "$BIN/mla-model-bench" ] && [ -z "${NO_MODEL_BENCH:-}" ]; then
+if want bench && [ -x "$BIN/mla-model-bench" ] && [ -z "${NO_MODEL_BENCH:-}" ]; then
     echo "== mla-model-bench"
     "$BIN/mla-model-bench" ${MODEL_BENCH_ARGS:-} >"$L/model-bench.txt" 2>"$L/model-bench.err" || status=1
 fi
-if [ -x "$BIN/mla-bench" ] && [ -z "${NO_BENCH:-}" ]; then
+if want bench && [ -x "$BIN/mla-bench" ] && [ -z "${NO_BENCH:-}" ]; then
     echo "== mla-bench"
     "$BIN/mla-bench" >"$L/bench.txt" 2>"$L/bench.err" || status=1
 fi
@@ -94,17 +164,27 @@ fi
 tar -czf "$LOGS/gpu-check.tar.gz" -C "$LOGS" logs
 cat "$L/env.txt"
 for f in cuda vulkan; do
+    [ -f "$L/$f.txt" ] || continue
     echo "---- $f"
     grep -E "^\||^SKIPPED|^FAILED|passed," "$L/$f.txt" | cut -c1-200
     tail -3 "$L/$f.err"
 done
-echo "---- mla-run"
-cut -c1-260 "$L/run.txt"
-cat "$L/run-bench.txt"
-tail -3 "$L/run.err"
+if [ -f "$L/run.txt" ]; then
+    echo "---- mla-run"
+    cut -c1-260 "$L/run.txt"
+    cat "$L/run-bench.txt"
+    tail -3 "$L/run.err"
+fi
 for t in "$L"/gpu-test-*.txt; do
     [ -f "$t" ] && { echo "---- $(basename "$t")"; grep -E "^test |test result|panicked" "$t" | tail -20; }
 done
+for t in "$L"/san-*.txt; do
+    [ -f "$t" ] && { echo "---- $(basename "$t" .txt)"; grep -E "^=========|FAIL" "$t" | head -12; }
+done
+[ -f "$L/stress.err" ] && { echo "---- stress"; grep -E "FAIL|HANG|panicked" "$L/stress.err" | head -10; }
+[ -f "$L/serve.txt" ] && { echo "---- serve"; tail -25 "$L/serve.txt"; tail -5 "$L/serve.err"; }
 [ -f "$L/bench.txt" ] && { echo "---- bench"; cat "$L/bench.txt"; }
 [ -f "$L/model-bench.txt" ] && { echo "---- model bench"; cat "$L/model-bench.txt"; tail -5 "$L/model-bench.err"; }
+echo "---- summary"
+cat "$summary"
 exit $status

@@ -47,6 +47,84 @@ struct Args {
     /// the source tree the binary was built from, else ./tests/fixtures).
     #[arg(long, value_name = "DIR")]
     fixtures: Option<PathBuf>,
+    /// Instead of the suite: N random sparse-decode launches per backend (H 1-128, topk
+    /// 1-4096, T 1-256, page sizes, invalid indices, splits, both cache formats), each checked
+    /// against the float64 reference, under a watchdog (exit 3 on a hang).
+    #[arg(long, value_name = "N")]
+    stress: Option<usize>,
+    /// Stress: the largest T x H x topk of one launch (bounds the host reference's time).
+    #[arg(long, value_name = "PAIRS", default_value_t = 1 << 19)]
+    max_pairs: u64,
+    /// Stress: seconds one launch may take before it counts as a hang.
+    #[arg(long, value_name = "S", default_value_t = 60.0)]
+    watchdog: f64,
+}
+
+/// `--stress N`: the random-launch run on every backend asked for; exit 1 on any wrong
+/// output or refused launch (a hang exits 3 from the watchdog).
+fn stress(args: &Args, kinds: &[BackendKind], n: usize) -> ExitCode {
+    use sparse_mla::conformance::stress::{run, StressOptions};
+    if n == 0 || !args.watchdog.is_finite() || args.watchdog <= 0.0 || args.max_pairs == 0 {
+        eprintln!("mla-check: --stress, --max-pairs and --watchdog must be positive");
+        return ExitCode::from(2);
+    }
+    let mut ok = true;
+    let mut ran = false;
+    for (kind, backend) in discover(kinds) {
+        let backend = match backend {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("SKIPPED {kind}: {e}");
+                continue;
+            }
+        };
+        ran |= backend.kind() != BackendKind::Cpu;
+        let seed = args.seed.unwrap_or_else(Rng::fresh_seed);
+        eprintln!(
+            "== stress {kind}: {}: {n} launches, seed {seed}",
+            backend.device_name()
+        );
+        let opts = StressOptions {
+            launches: n,
+            seed,
+            max_pairs: args.max_pairs,
+            watchdog_s: args.watchdog,
+            threads: 0,
+        };
+        let step = (n / 10).max(1);
+        let r = run(backend.as_ref(), &opts, &mut |done| {
+            if done % step == 0 {
+                eprintln!("   {done}/{n}");
+            }
+        });
+        for f in &r.failures {
+            eprintln!("   FAIL {f}");
+        }
+        println!(
+            "stress {kind} | {} | launches {} | wrong {} | errors {} | hangs {} | splits refused {} | worst rel L2 {:.2e} | worst lse {:.2e} | slowest {:.3} s | {:.1} s | seed {seed} | {}",
+            backend.device_name(),
+            r.launches,
+            r.wrong,
+            r.errors,
+            r.hangs,
+            r.refused_splits,
+            r.worst_rel_l2,
+            r.worst_lse,
+            r.slowest_s,
+            r.seconds,
+            if r.passed() { "PASS" } else { "FAIL" }
+        );
+        ok &= r.passed();
+    }
+    if !ran {
+        eprintln!("mla-check: no GPU (or lavapipe) backend could run the stress");
+        return ExitCode::FAILURE;
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 struct Row {
@@ -105,6 +183,9 @@ fn main() -> ExitCode {
             }
         }
     };
+    if let Some(n) = args.stress {
+        return stress(&args, &kinds, n);
+    }
     if cases.is_empty() && models.is_empty() {
         eprintln!(
             "mla-check: no case matches --case {:?}",

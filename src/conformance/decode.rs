@@ -402,9 +402,37 @@ impl DecodeData {
 
 /// Run one case on a backend and judge it against the float64 reference.
 pub fn run_decode_case(backend: &dyn Backend, case: &DecodeCase, seed: u64) -> Result<Outcome> {
+    let prepared = prepare_decode_case(case, seed)?;
+    check_decode_case(backend, case, &prepared)
+}
+
+/// A case's inputs and its float64 reference (the slow half: the stress run computes these
+/// on worker threads while the device runs earlier cases).
+pub struct PreparedDecode {
+    pub seed: u64,
+    pub data: DecodeData,
+    pub reference: crate::reference::sparse_mla::DecodeOutputs,
+}
+
+pub fn prepare_decode_case(case: &DecodeCase, seed: u64) -> Result<PreparedDecode> {
     let data = make_inputs(case, seed)?;
-    let shape = data.shape;
     let reference = decode(&data.inputs());
+    Ok(PreparedDecode {
+        seed,
+        data,
+        reference,
+    })
+}
+
+/// Runs a prepared case on `backend` (outputs poisoned first) and compares every output
+/// with the reference.
+pub fn check_decode_case(
+    backend: &dyn Backend,
+    case: &DecodeCase,
+    prepared: &PreparedDecode,
+) -> Result<Outcome> {
+    let (data, reference, seed) = (&prepared.data, &prepared.reference, prepared.seed);
+    let shape = data.shape;
     let q: Vec<u8> = data
         .q
         .iter()

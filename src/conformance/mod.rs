@@ -16,6 +16,7 @@ pub mod linear;
 pub mod model;
 pub mod ops;
 pub mod routing;
+pub mod stress;
 
 pub use decode::{
     decode_cases, make_inputs, run_decode_case, DecodeCase, DecodeData, IndexPattern,
