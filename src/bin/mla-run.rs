@@ -330,6 +330,25 @@ fn open(plan: &Plan) -> Result<(Arc<dyn Backend>, Checkpoint)> {
         plan.cache.format.name(),
         gib(mem.activations)
     );
+    // Built on the host whatever the device (the RoPE table of every position).
+    let staging = sparse_mla::model::memory::host_staging_bytes(&plan.config, &plan.cache);
+    if let Some((free, _)) = sparse_mla::runtime::cpu::host_memory() {
+        if staging > free {
+            return Err(Error::Model(format!(
+                "the cache tables for --max-seq-len {} need {} of host memory while they are built, but {} is free; lower --max-seq-len",
+                plan.cache.max_seq_len,
+                gib(staging),
+                gib(free)
+            )));
+        }
+    }
+    if backend.memory_info().is_none() {
+        log::info!(
+            "{} does not report its memory: the plan ({}) is checked per buffer only",
+            backend.device_name(),
+            gib(mem.total())
+        );
+    }
     if let Some((free, total)) = backend.memory_info() {
         log::info!("device memory: {} free of {}", gib(free), gib(total));
         let what = match backend.kind() {

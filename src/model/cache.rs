@@ -61,6 +61,13 @@ impl CacheOptions {
                 return Err(Error::arg(n, "at least 1", 0));
             }
         }
+        if self.max_seq_len > i32::MAX as usize {
+            return Err(Error::arg(
+                "max_seq_len",
+                format!("at most {} (positions are i32 in the kernels)", i32::MAX),
+                self.max_seq_len,
+            ));
+        }
         let slots = (self.pages() as u64).saturating_mul(self.page_size as u64);
         if slots > i32::MAX as u64 {
             return Err(Error::arg(
@@ -135,17 +142,18 @@ impl KvCache {
                 None
             });
         }
-        let table_host = vec![-1i32; opts.max_seqs * opts.max_pages_per_seq()];
+        let table_host = try_filled(opts.max_seqs * opts.max_pages_per_seq(), -1i32, "block table")?;
         let table = b.upload(&i32_bytes(&table_host))?;
         let rows = rope_table.len() / (2 * rope_half.max(1));
         let rope = RopeTableBuf {
             rows: rows as u32,
-            buf: b.upload(
-                &rope_table
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect::<Vec<u8>>(),
-            )?,
+            buf: b.upload(&{
+                let mut bytes = try_filled(rope_table.len() * 4, 0u8, "RoPE table")?;
+                for (d, v) in bytes.chunks_exact_mut(4).zip(&rope_table) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+                bytes
+            })?,
         };
         Ok(KvCache {
             opts,
@@ -329,4 +337,18 @@ impl KvCache {
 
 fn i32_bytes(v: &[i32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `n` copies of `v` in a vector allocated fallibly: a size past what the host can give is
+/// an error naming `what` and the bytes, not an abort.
+pub(crate) fn try_filled<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(n).map_err(|_| {
+        Error::Model(format!(
+            "cannot allocate the {what} ({} bytes of host memory); lower --max-seq-len or the number of sequences",
+            n.saturating_mul(std::mem::size_of::<T>())
+        ))
+    })?;
+    out.resize(n, v);
+    Ok(out)
 }

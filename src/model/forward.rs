@@ -262,7 +262,15 @@ impl Model {
         let c = &self.config;
         opts.format.check_dims(c.mla_dims())?;
         let half = self.rope.inv_freq.len();
-        let mut table = Vec::with_capacity(opts.max_seq_len * 2 * half);
+        let mut table = super::cache::try_filled(0, 0.0f32, "RoPE table")?;
+        table
+            .try_reserve_exact(opts.max_seq_len.saturating_mul(2 * half))
+            .map_err(|_| {
+                Error::Model(format!(
+                    "cannot allocate the RoPE table of {} positions on the host; lower --max-seq-len",
+                    opts.max_seq_len
+                ))
+            })?;
         for p in 0..opts.max_seq_len {
             let (cos, sin) = self.rope.cos_sin(p as u32);
             table.extend(cos);

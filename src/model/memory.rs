@@ -111,6 +111,17 @@ pub fn cache_bytes(c: &ModelConfig, opts: &CacheOptions) -> u64 {
         .saturating_add(rope)
 }
 
+/// Host bytes a cache needs while it is built (the RoPE table of `max_seq_len` positions in
+/// f32 and as bytes for the upload, and the block table), whatever the device: checked
+/// against host memory even when the device cannot say how much memory it has.
+pub fn host_staging_bytes(c: &ModelConfig, opts: &CacheOptions) -> u64 {
+    let rope = (opts.max_seq_len as u64).saturating_mul(c.qk_rope_head_dim as u64 * 4 * 2);
+    let table = (opts.max_seqs as u64)
+        .saturating_mul(opts.max_pages_per_seq() as u64)
+        .saturating_mul(4 * 2);
+    rope.saturating_add(table)
+}
+
 /// Activation bytes of a step of `tokens` tokens that see up to `context` positions (an
 /// upper bound: every intermediate of one layer alive at once, plus the logits).
 pub fn activation_bytes(c: &ModelConfig, tokens: u64, context: u64) -> u64 {

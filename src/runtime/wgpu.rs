@@ -317,12 +317,14 @@ impl Device for WgpuDevice {
         let max = self.limits.max_buffer_size;
         let size = len.max(4).next_multiple_of(4);
         if size > max {
-            return Err(Error::ResourceLimit {
-                kernel: "(buffer)".into(),
-                resource: format!("buffer bytes on {}", self.info.name),
-                needed: size,
-                limit: max,
-            });
+            return Err(Error::runtime(
+                "wgpu",
+                format!(
+                    "a buffer of {size} bytes is larger than {} allows in one buffer ({max} bytes); \
+                     for a model run, a smaller --max-seq-len makes the caches smaller",
+                    self.info.name
+                ),
+            ));
         }
         self.scoped("allocating a buffer", || {
             self.device.create_buffer(&wgpu::BufferDescriptor {
