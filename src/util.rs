@@ -22,8 +22,16 @@ impl Rng {
         }
     }
 
-    /// A seed that differs between runs (time-based), for "fresh random inputs".
+    /// A seed that differs between runs (time-based), for "fresh random inputs" — or
+    /// `SPARSE_MLA_SEED` when it is set, so that any randomised test or `mla-check` run can
+    /// be replayed from the seed it printed.
     pub fn fresh_seed() -> u64 {
+        if let Some(seed) = std::env::var("SPARSE_MLA_SEED")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return seed;
+        }
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)

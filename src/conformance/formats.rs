@@ -303,6 +303,31 @@ pub fn run_vbt_case(backend: &dyn Backend, case: &VbtCase, seed: u64) -> Result<
             _ => rng.below(span) as i32,
         })
         .collect();
+    // Deterministic boundaries (random draws reach them rarely for pages past 1): token 0
+    // of request 0 reads the last slot that fits an i32 (page 1), the first that does not
+    // (page 2), the last position of its table and the first past it (block == max_block).
+    let mut positions = positions;
+    let mut req_of_token = req_of_token;
+    let mut block_table = block_table;
+    {
+        let ps = s.page_size as u64;
+        let fits = ((i32::MAX as u64 + 1) / ps - 1) as i32; // slots up to i32::MAX exactly
+        if m >= 3 {
+            block_table[1] = fits;
+            block_table[2] = fits.saturating_add(1);
+        }
+        req_of_token[0] = 0;
+        let edge = [
+            (ps + ps - 1).min(span - 1),
+            (2 * ps).min(span - 1),
+            span - 1,
+            span.min(i32::MAX as u64),
+            0,
+        ];
+        for (j, &p) in edge.iter().enumerate().take(k_n) {
+            positions[j] = p as i32;
+        }
+    }
     let want = positions_to_slots(&s, &positions, &block_table, &req_of_token);
 
     let pb = backend.upload(&i32_bytes(&positions))?;
