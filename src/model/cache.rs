@@ -142,7 +142,11 @@ impl KvCache {
                 None
             });
         }
-        let table_host = try_filled(opts.max_seqs * opts.max_pages_per_seq(), -1i32, "block table")?;
+        let table_host = try_filled(
+            opts.max_seqs * opts.max_pages_per_seq(),
+            -1i32,
+            "block table",
+        )?;
         let table = b.upload(&i32_bytes(&table_host))?;
         let rows = rope_table.len() / (2 * rope_half.max(1));
         let rope = RopeTableBuf {
