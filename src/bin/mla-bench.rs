@@ -1,4 +1,4 @@
-//! mla-bench: sparse MLA decode on the CUDA GPU, against the roofline (DESIGN §8), the scalar
+//! mla-bench: sparse MLA decode on the CUDA GPU, against the roofline (docs/performance.md), the scalar
 //! lowering and a PyTorch peer, every timed row next to its correctness check on the same
 //! inputs.
 
@@ -86,7 +86,7 @@ struct Args {
 }
 
 /// The bf16 `mma.sync` m16n8k16 peak (f32 accumulate) by GPU name: what the kernels' FLOP
-/// roofline is (they use no wgmma / tcgen05). H200: measured (DESIGN §5); SM120 parts:
+/// roofline is (they use no wgmma / tcgen05). H200: measured (docs/hardware.md); SM120 parts:
 /// datasheet dense FP16/BF16 tensor rates with f32 accumulate, unmeasured.
 const MMA_PEAKS: &[(&str, f64, &str)] = &[
     ("H200", 645e12, "measured"),
@@ -99,7 +99,7 @@ const FLUSH_BYTES: usize = 256 << 20;
 /// Input sets (q, indices) rotated between repetitions.
 const SETS: usize = 4;
 
-/// DESIGN §8: best peer on the H200 (bf16, topk 2048), µs.
+/// docs/performance.md: best peer on the H200 (bf16, topk 2048), µs.
 fn design_best_peer(h: u32, t: u32) -> Option<f64> {
     match (h, t) {
         (8, 1) => Some(23.1),

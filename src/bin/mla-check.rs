@@ -12,7 +12,7 @@ use std::sync::Arc;
 /// Run the sparse-mla conformance suite on every backend found: each wgpu adapter
 /// (Vulkan / Metal / DX12, and lavapipe on the CPU), each CUDA device, and the CPU
 /// reference. Every case draws fresh random inputs, poisons the outputs and compares with
-/// a float64 reference (DESIGN §3 tolerances).
+/// a float64 reference (docs/math.md tolerances).
 ///
 /// Then the whole-model cases on each backend: the tiny GLM-5 and DeepSeek-V3.2 checkpoints
 /// (tests/fixtures) against transformers' goldens with bf16 and fp8_ds_mla caches, FP8 weights
