@@ -3,11 +3,12 @@
  * helpers). Loads the kernels through the CUDA driver API, plans each call the way the
  * sparse-mla runtime does, launches, and checks out and lse against a CPU reference in double.
  *
- * Build and run (examples/c/README.md):
- *   for k in $(./decode --list); do nvcc -cubin -arch=sm_90 -o build/$k.cubin cuda/$k.cu; done
- *   cc -O2 -std=c99 -I cuda -I $CUDA_HOME/include examples/c/decode.c -o decode -lcuda -lm
+ * Build and run (docs/integration.md; tools/gpu-integrate.sh does this on a GPU machine):
+ *   cc -O2 -std=c99 -I cuda -I $CUDA_HOME/include examples/c/decode.c -o decode \
+ *      -L $CUDA_HOME/lib64/stubs -lcuda -lm
+ *   mkdir -p build
+ *   for k in $(./decode --list | sort -u); do nvcc -cubin -arch=sm_90 -o build/$k.cubin cuda/$k.cu; done
  *   ./decode build [seed]
- * KERNELS: `./decode --list` prints the kernel names it needs.
  */
 #include <cuda.h>
 #include <math.h>

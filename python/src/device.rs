@@ -64,29 +64,28 @@ fn with_device<T>(ordinal: usize, f: impl FnOnce(&mut Dev) -> Result<T>) -> Resu
     let mut map = devices()
         .lock()
         .map_err(|_| Error::runtime(NAME, "device table lock poisoned by an earlier panic"))?;
-    if !map.contains_key(&ordinal) {
-        let ctx = CudaContext::new(ordinal)
-            .map_err(|e| Error::unavailable(NAME, format!("device cuda:{ordinal}: {e:?}")))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| drv_err("compute capability", e))?;
-        let sms = ctx
-            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| drv_err("SM count", e))? as u32;
-        let name = ctx.name().map_err(|e| drv_err("device name", e))?;
-        map.insert(
-            ordinal,
-            Dev {
+    let dev = match map.entry(ordinal) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let ctx = CudaContext::new(ordinal)
+                .map_err(|e| Error::unavailable(NAME, format!("device cuda:{ordinal}: {e:?}")))?;
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(|e| drv_err("compute capability", e))?;
+            let sms = ctx
+                .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(|e| drv_err("SM count", e))? as u32;
+            let name = ctx.name().map_err(|e| drv_err("device name", e))?;
+            e.insert(Dev {
                 ctx,
                 name,
                 arch: format!("sm_{major}{minor}"),
                 sms,
                 kernels: HashMap::new(),
                 resident: HashMap::new(),
-            },
-        );
-    }
-    let dev = map.get_mut(&ordinal).expect("inserted above");
+            })
+        }
+    };
     dev.ctx
         .bind_to_thread()
         .map_err(|e| drv_err("binding the context", e))?;

@@ -671,6 +671,9 @@ struct Timed {
 #[derive(serde::Serialize)]
 struct BenchRow {
     cache: String,
+    /// Seed of the cache contents (hashed on the device) and of the slots and queries.
+    cache_seed: u32,
+    input_seed: u64,
     heads: u32,
     tokens: u32,
     bytes: f64,
@@ -723,6 +726,7 @@ fn run(args: &Args) -> Result<()> {
         let num_pages = slots_wanted.div_ceil(PAGE as u64) as u32;
         let num_slots = num_pages as u64 * PAGE as u64;
         let seed = 0x5eed_0000 ^ (row_bytes as u32);
+        let input_seed = 0xbe4c_0001 ^ row_bytes;
         // fill the cache on the GPU
         let words = num_slots * row_bytes / 4;
         let cache = bench.gpu.dev.alloc(words * 4)?;
@@ -745,7 +749,7 @@ fn run(args: &Args) -> Result<()> {
         bench.gpu.dev.synchronize()?;
         if args.format == "table" {
             println!(
-                "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets",
+                "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets; seeds: cache {seed:#x}, slots and q {input_seed:#x}",
                 format.name(),
                 num_slots,
                 row_bytes,
@@ -755,7 +759,7 @@ fn run(args: &Args) -> Result<()> {
             );
         }
         let peer = run_peer(args, format);
-        let mut rng = Rng::new(0xbe4c_0001 ^ row_bytes);
+        let mut rng = Rng::new(input_seed);
         for &h in &args.heads {
             for &t in &args.tokens {
                 let shape = DecodeShape {
@@ -934,6 +938,8 @@ fn run(args: &Args) -> Result<()> {
                 let pr = peer.get(&(h, t));
                 let br = BenchRow {
                     cache: format.name().to_string(),
+                    cache_seed: seed,
+                    input_seed,
                     heads: h,
                     tokens: t,
                     bytes,
