@@ -1,5 +1,5 @@
 //! The words of the problem, named once: MLA widths, cache row formats and the shape of a
-//! sparse decode call. Conventions (DESIGN §3), written here and nowhere else:
+//! sparse decode call. Conventions (docs/math.md), written here and nowhere else:
 //! - an index is **invalid** when `< 0`, `>= num_slots`, or `j >= topk_length[t]`;
 //!   an invalid slot is never read;
 //! - `lse` is the natural-log sum of exp of the scaled scores;
@@ -61,7 +61,7 @@ pub enum ScaleFlavour {
     Arbitrary,
 }
 
-/// Row format of the KV cache (DESIGN §4).
+/// Row format of the KV cache (docs/formats.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CacheFormat {
     /// `d_qk` × bf16: latent, then rope. 1152 bytes at production widths.
@@ -435,7 +435,7 @@ impl CacheWriteShape {
     }
 }
 
-/// One logical → physical conversion (DESIGN §3, vLLM's block table): for token `t` of
+/// One logical → physical conversion (docs/math.md, vLLM's block table): for token `t` of
 /// request `r = req_of_token[t]` and logical position `pos = positions[t, j]`,
 /// `slots[t, j] = block_table[r, pos / page_size] · page_size + pos % page_size`; −1 when
 /// `pos < 0`, `pos / page_size >= max_pages`, the block id is negative, `r` is outside

@@ -5,6 +5,8 @@
 #   - NVRTC 12.8 from PyPI (into target/nvrtc), so every emitted CUDA kernel is compiled
 #     for sm_80, sm_89, sm_90 and sm_120 — no GPU needed;
 #   - g++, so the tensor-core CUDA C runs on the CPU warp emulator (tests/mma_emulated.rs).
+#   - maturin from PyPI (into target/py-tools) and CUDA's C headers (nvidia-cuda-runtime-cu12,
+#     into target/cuda-headers), for the integration checks after the cargo tests.
 # Then it runs every test with all three required (SPARSE_MLA_REQUIRE=wgpu,nvrtc,g++): a missing
 # piece fails the run instead of being skipped. Extra arguments go to `cargo test` (before
 # its `--`), e.g. `tools/test.sh --test conformance`.
@@ -42,7 +44,37 @@ export SPARSE_MLA_REQUIRE=${SPARSE_MLA_REQUIRE:-wgpu,nvrtc,g++}
 
 if cargo fmt --version >/dev/null 2>&1; then
     cargo fmt --check
+    (cd python && cargo fmt --check)
 fi
 # --nocapture: the log then shows each backend's conformance table, the NVRTC ptxas reports
 # and any SKIPPED line, so a reader can see what really ran.
 cargo test --release "$@" -- --nocapture
+
+# Integration (skipped when arguments pick a subset of the cargo tests): the C example compiles
+# against cuda/sparse_mla.h and CUDA's own cuda.h; the Python wheel builds (its own cargo
+# workspace, python/), installs, imports and checks its arguments and the no-GPU error.
+if [ $# -eq 0 ]; then
+    HDR_DIR=$PWD/target/cuda-headers
+    if [ ! -e "$HDR_DIR/nvidia/cuda_runtime/include/cuda.h" ]; then
+        echo "== installing CUDA's C headers (nvidia-cuda-runtime-cu12) from PyPI into $HDR_DIR"
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps --target "$HDR_DIR" "nvidia-cuda-runtime-cu12==12.8.*"
+    fi
+    echo "== examples/c/decode.c against cuda/sparse_mla.h (compile only: no GPU here)"
+    cc -std=c99 -Wall -Wextra -Werror -I cuda -I "$HDR_DIR/nvidia/cuda_runtime/include" \
+        -c examples/c/decode.c -o target/decode-example.o
+
+    PY_TOOLS=$PWD/target/py-tools
+    if [ ! -x "$PY_TOOLS/bin/maturin" ]; then
+        echo "== installing maturin from PyPI into $PY_TOOLS"
+        python3 -m pip install --quiet --disable-pip-version-check --target "$PY_TOOLS" "maturin>=1.5,<2"
+    fi
+    echo "== the sparse_mla wheel (python/)"
+    t0=$(date +%s)
+    rm -rf target/wheels target/py-site
+    (cd python && CARGO_TARGET_DIR=../target "$PY_TOOLS/bin/maturin" build --release --strip \
+        -i python3 --out ../target/wheels)
+    python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index \
+        --target target/py-site target/wheels/sparse_mla-*.whl
+    (cd target && PYTHONPATH=$PWD/py-site python3 ../python/tests/test_no_gpu.py)
+    echo "== wheel built, installed and checked in $(( $(date +%s) - t0 )) s"
+fi

@@ -1,4 +1,4 @@
-//! mla-bench: sparse MLA decode on the CUDA GPU, against the roofline (DESIGN §8), the scalar
+//! mla-bench: sparse MLA decode on the CUDA GPU, against the roofline (docs/performance.md), the scalar
 //! lowering and a PyTorch peer, every timed row next to its correctness check on the same
 //! inputs.
 
@@ -86,7 +86,7 @@ struct Args {
 }
 
 /// The bf16 `mma.sync` m16n8k16 peak (f32 accumulate) by GPU name: what the kernels' FLOP
-/// roofline is (they use no wgmma / tcgen05). H200: measured (DESIGN §5); SM120 parts:
+/// roofline is (they use no wgmma / tcgen05). H200: measured (docs/hardware.md); SM120 parts:
 /// datasheet dense FP16/BF16 tensor rates with f32 accumulate, unmeasured.
 const MMA_PEAKS: &[(&str, f64, &str)] = &[
     ("H200", 645e12, "measured"),
@@ -99,7 +99,7 @@ const FLUSH_BYTES: usize = 256 << 20;
 /// Input sets (q, indices) rotated between repetitions.
 const SETS: usize = 4;
 
-/// DESIGN §8: best peer on the H200 (bf16, topk 2048), µs.
+/// docs/performance.md: best peer on the H200 (bf16, topk 2048), µs.
 fn design_best_peer(h: u32, t: u32) -> Option<f64> {
     match (h, t) {
         (8, 1) => Some(23.1),
@@ -671,6 +671,9 @@ struct Timed {
 #[derive(serde::Serialize)]
 struct BenchRow {
     cache: String,
+    /// Seed of the cache contents (hashed on the device) and of the slots and queries.
+    cache_seed: u32,
+    input_seed: u64,
     heads: u32,
     tokens: u32,
     bytes: f64,
@@ -723,6 +726,7 @@ fn run(args: &Args) -> Result<()> {
         let num_pages = slots_wanted.div_ceil(PAGE as u64) as u32;
         let num_slots = num_pages as u64 * PAGE as u64;
         let seed = 0x5eed_0000 ^ (row_bytes as u32);
+        let input_seed = 0xbe4c_0001 ^ row_bytes;
         // fill the cache on the GPU
         let words = num_slots * row_bytes / 4;
         let cache = bench.gpu.dev.alloc(words * 4)?;
@@ -745,7 +749,7 @@ fn run(args: &Args) -> Result<()> {
         bench.gpu.dev.synchronize()?;
         if args.format == "table" {
             println!(
-                "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets",
+                "cache {}: {} slots x {} B = {:.2} GiB, random rows; topk {}, page {PAGE}; {} reps (median), L2 flushed, {SETS} input sets; seeds: cache {seed:#x}, slots and q {input_seed:#x}",
                 format.name(),
                 num_slots,
                 row_bytes,
@@ -755,7 +759,7 @@ fn run(args: &Args) -> Result<()> {
             );
         }
         let peer = run_peer(args, format);
-        let mut rng = Rng::new(0xbe4c_0001 ^ row_bytes);
+        let mut rng = Rng::new(input_seed);
         for &h in &args.heads {
             for &t in &args.tokens {
                 let shape = DecodeShape {
@@ -934,6 +938,8 @@ fn run(args: &Args) -> Result<()> {
                 let pr = peer.get(&(h, t));
                 let br = BenchRow {
                     cache: format.name().to_string(),
+                    cache_seed: seed,
+                    input_seed,
                     heads: h,
                     tokens: t,
                     bytes,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 /// Run the sparse-mla conformance suite on every backend found: each wgpu adapter
 /// (Vulkan / Metal / DX12, and lavapipe on the CPU), each CUDA device, and the CPU
 /// reference. Every case draws fresh random inputs, poisons the outputs and compares with
-/// a float64 reference (DESIGN §3 tolerances).
+/// a float64 reference (docs/math.md tolerances).
 ///
 /// Then the whole-model cases on each backend: the tiny GLM-5 and DeepSeek-V3.2 checkpoints
 /// (tests/fixtures) against transformers' goldens with bf16 and fp8_ds_mla caches, FP8 weights
@@ -37,6 +37,9 @@ struct Args {
     /// Seed for the inputs (default: fresh each run; printed in the table).
     #[arg(long)]
     seed: Option<u64>,
+    /// Output: table (markdown, through comfy-table) or json (one object: rows, skipped, totals).
+    #[arg(long, value_enum, default_value = "table")]
+    format: OutputFormat,
     /// List the cases and exit.
     #[arg(long)]
     list: bool,
@@ -125,6 +128,12 @@ fn stress(args: &Args, kinds: &[BackendKind], n: usize) -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OutputFormat {
+    Table,
+    Json,
 }
 
 struct Row {
@@ -258,79 +267,132 @@ fn main() -> ExitCode {
             });
         }
     }
-    print_table(&rows);
-    for s in &skipped {
-        println!("SKIPPED {s}");
-    }
     let failures: Vec<&Row> = rows
         .iter()
         .filter(|r| !matches!(&r.outcome, Ok(o) if o.passed()))
         .collect();
-    for r in &failures {
-        match &r.outcome {
-            Ok(o) => println!(
-                "FAILED {} on {} (seed {}): {}",
-                r.case,
-                r.backend,
-                o.seed,
-                o.failures.join("; ")
-            ),
-            Err(e) => println!("FAILED {} on {}: {e}", r.case, r.backend),
+    let passed = rows.len() - failures.len();
+    let cpu_only_asked = kinds == [BackendKind::Cpu];
+    let nothing_real = !gpu_ran && !cpu_only_asked;
+    match args.format {
+        OutputFormat::Json => {
+            println!(
+                "{}",
+                report_json(&rows, &skipped, passed, failures.len(), nothing_real)
+            );
+        }
+        OutputFormat::Table => {
+            println!("{}", table(&rows));
+            for s in &skipped {
+                println!("SKIPPED {s}");
+            }
+            for r in &failures {
+                match &r.outcome {
+                    Ok(o) => println!(
+                        "FAILED {} on {} (seed {}): {}",
+                        r.case,
+                        r.backend,
+                        o.seed,
+                        o.failures.join("; ")
+                    ),
+                    Err(e) => println!("FAILED {} on {}: {e}", r.case, r.backend),
+                }
+            }
+            println!(
+                "{passed} passed, {} failed, {} backends skipped",
+                failures.len(),
+                skipped.len()
+            );
         }
     }
-    let passed = rows.len() - failures.len();
-    println!(
-        "{passed} passed, {} failed, {} backends skipped",
-        failures.len(),
-        skipped.len()
-    );
     if !failures.is_empty() {
         return ExitCode::FAILURE;
     }
-    let cpu_only_asked = kinds == [BackendKind::Cpu];
-    if !gpu_ran && !cpu_only_asked {
-        println!("no GPU or lavapipe backend could run: nothing was checked on a real device");
+    if nothing_real {
+        let why = "no GPU or lavapipe backend could run: nothing was checked on a real device";
+        match args.format {
+            OutputFormat::Table => println!("{why}"),
+            OutputFormat::Json => eprintln!("{why}"),
+        }
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
 }
 
-fn print_table(rows: &[Row]) {
-    println!(
-        "| {:<6} | {:<40} | {:<44} | {:>9} | {:>9} | {:>9} | {:<10} | {:<6} | {:>9} |",
-        "backend", "device", "case", "rel L2", "max abs", "lse err", "detail", "result", "ms"
-    );
-    println!(
-        "|{}|{}|{}|{}|{}|{}|{}|{}|{}|",
-        "-".repeat(8),
-        "-".repeat(42),
-        "-".repeat(46),
-        "-".repeat(11),
-        "-".repeat(11),
-        "-".repeat(11),
-        "-".repeat(12),
-        "-".repeat(8),
-        "-".repeat(11)
-    );
+/// The results as a markdown table: full device names, the seed of each case, the backend's
+/// choices (`detail`) in a column of their own, never cut.
+fn table(rows: &[Row]) -> comfy_table::Table {
+    use comfy_table::{presets::ASCII_MARKDOWN, CellAlignment, Table};
+    let mut t = Table::new();
+    t.load_preset(ASCII_MARKDOWN);
+    t.set_header([
+        "backend", "device", "case", "seed", "rel L2", "max abs", "lse err", "detail", "result",
+        "ms",
+    ]);
     for r in rows {
-        let device: String = r.device.chars().take(40).collect();
-        match &r.outcome {
-            Ok(o) => println!(
-                "| {:<6} | {:<40} | {:<44} | {:>9.2e} | {:>9.2e} | {:>9.2e} | {:<10} | {:<6} | {:>9.1} |",
-                r.backend,
-                device,
-                o.case,
-                o.rel_l2,
-                o.max_abs,
-                o.lse_err,
-                o.detail,
-                if o.passed() { "ok" } else { "FAIL" },
-                o.seconds * 1e3
-            ),
-            Err(_) => println!(
-                "| {:<6} | {:<40} | {:<44} | {:>9} | {:>9} | {:>9} | {:<10} | {:<6} | {:>9} |",
-                r.backend, device, r.case, "-", "-", "-", "-", "ERROR", "-"
-            ),
+        let cells: Vec<String> = match &r.outcome {
+            Ok(o) => vec![
+                r.backend.clone(),
+                r.device.clone(),
+                o.case.clone(),
+                o.seed.to_string(),
+                format!("{:.2e}", o.rel_l2),
+                format!("{:.2e}", o.max_abs),
+                format!("{:.2e}", o.lse_err),
+                o.detail.clone(),
+                if o.passed() { "ok" } else { "FAIL" }.into(),
+                format!("{:.1}", o.seconds * 1e3),
+            ],
+            Err(e) => vec![
+                r.backend.clone(),
+                r.device.clone(),
+                r.case.clone(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                e.lines().next().unwrap_or("").to_string(),
+                "ERROR".into(),
+                "-".into(),
+            ],
+        };
+        t.add_row(cells);
+    }
+    for i in [3, 4, 5, 6, 9] {
+        if let Some(c) = t.column_mut(i) {
+            c.set_cell_alignment(CellAlignment::Right);
         }
     }
+    t
+}
+
+/// The results as one JSON object (`--format json`).
+fn report_json(
+    rows: &[Row],
+    skipped: &[String],
+    passed: usize,
+    failed: usize,
+    nothing_real: bool,
+) -> String {
+    use serde_json::json;
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| match &r.outcome {
+            Ok(o) => json!({
+                "backend": r.backend, "device": r.device, "case": o.case, "seed": o.seed,
+                "rel_l2": o.rel_l2, "max_abs": o.max_abs, "lse_err": o.lse_err,
+                "detail": o.detail, "passed": o.passed(), "failures": o.failures,
+                "ms": o.seconds * 1e3,
+            }),
+            Err(e) => json!({
+                "backend": r.backend, "device": r.device, "case": r.case,
+                "passed": false, "error": e,
+            }),
+        })
+        .collect();
+    json!({
+        "rows": rows, "skipped": skipped, "passed": passed, "failed": failed,
+        "no_real_device": nothing_real,
+    })
+    .to_string()
 }

@@ -3,7 +3,7 @@
 //! Every case fills every cache row (and every stride gap) that no valid index references
 //! with NaN, poisons the outputs with NaN before the call, and compares with the float64
 //! reference of the (dequantised) cache:
-//! - `out`: relative L2 error ≤ 1e-2 (a bf16 path, DESIGN §3); on the scalar (f32) lowering
+//! - `out`: relative L2 error ≤ 1e-2 (a bf16 path, docs/math.md); on the scalar (f32) lowering
 //!   every element must also be within one bf16 rounding step of the reference;
 //! - `lse`: absolute error ≤ 1e-3; rows with no valid index: `out == 0` and `lse == +inf`;
 //! - NaN anywhere fails.

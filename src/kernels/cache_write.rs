@@ -1,4 +1,4 @@
-//! Cache write (DESIGN §4), described once: a token's latent and rope (bf16) become one
+//! Cache write (docs/formats.md), described once: a token's latent and rope (bf16) become one
 //! cache row at the slot its `slot_mapping` entry names, in either row format.
 //!
 //! - `bf16`: the row is the token's latent then rope bits, copied word by word.

@@ -1,4 +1,4 @@
-//! noaux_tc MoE routing (DeepSeek-V3 / GLM-5, DESIGN §6): router logits in, the chosen
+//! noaux_tc MoE routing (DeepSeek-V3 / GLM-5, docs/models.md): router logits in, the chosen
 //! experts and their weights out. The definition is in [`crate::reference::moe_route`].
 //!
 //! One workgroup per token (grid-stride over tokens), the token's choice values `c = s + bias`

@@ -1,4 +1,4 @@
-//! Virtual-block-table conversion (DESIGN §3), described once: logical top-k positions
+//! Virtual-block-table conversion (docs/math.md), described once: logical top-k positions
 //! become physical cache slots through vLLM's block table,
 //! `slot = block_table[r, pos / page_size] · page_size + pos % page_size` with
 //! `r = req_of_token[t]`; −1 when `pos < 0`, `pos / page_size >= max_pages`, the block id is

@@ -1,5 +1,5 @@
 //! The paged caches of a model on a device, shared by every sequence it serves: per layer a
-//! latent cache (`bf16` or `fp8_ds_mla` rows, DESIGN §4) and, for layers that run their own
+//! latent cache (`bf16` or `fp8_ds_mla` rows, docs/formats.md) and, for layers that run their own
 //! indexer, a bf16 key cache; one pool of pages handed to sequences as they grow; and the
 //! block table (vLLM's: `[sequences, max_pages]` i32, the same pages in every layer) on the
 //! device, rewritten when a sequence gains or gives back pages.

@@ -1,7 +1,7 @@
 //! The GLM-5 / DeepSeek-V3.2 forward pass, written once over [`Device`] — so over every
 //! runtime backend: the CPU reference, wgpu and CUDA run the same op sequence.
 //!
-//! Per layer (absorbed MLA, DESIGN §6):
+//! Per layer (absorbed MLA, docs/models.md):
 //! ```text
 //! x = rmsnorm(h)
 //! q_resid = rmsnorm(q_a(x)); q = q_b(q_resid) → per head [nope | rope]

@@ -1,4 +1,4 @@
-//! Cache rows (DESIGN §4): encode a token's `[latent | rope]` into a row, and decode a row
+//! Cache rows (docs/formats.md): encode a token's `[latent | rope]` into a row, and decode a row
 //! back to `d_qk` f32 values.
 //!
 //! `fp8_ds_mla` (production widths only), 656 bytes:

@@ -1,5 +1,5 @@
 //! Reference of noaux_tc MoE routing ([`crate::kernels::moe_route`]), DeepSeek-V3 / GLM-5
-//! (DESIGN §6), in float64.
+//! (docs/models.md), in float64.
 //!
 //! Per token: `s_e = sigmoid(logit_e)`, `c_e = s_e + bias_e`; experts form `n_group` groups of
 //! `E / n_group` consecutive ids; a group scores the sum of its two best `c` (its one `c`

@@ -1,4 +1,4 @@
-//! Float64 reference of sparse MLA decode (DESIGN §3).
+//! Float64 reference of sparse MLA decode (docs/math.md).
 //!
 //! For each token t and head h, over the valid j of `indices[t]`:
 //! `s_j = scale · q[t,h,:] · k_j`, `lse = ln Σ exp(s_j)`, `out = Σ exp(s_j − lse) · k_j[..d_v]`;

@@ -1,4 +1,4 @@
-//! Virtual block table (DESIGN §3, vLLM's semantics): logical positions → physical slots.
+//! Virtual block table (docs/math.md, vLLM's semantics): logical positions → physical slots.
 //!
 //! `slot = block_table[r][pos / page_size] · page_size + pos % page_size`, −1 when
 //! `pos < 0`, `pos / page_size >= max_pages`, or the block id is negative. Two more cases

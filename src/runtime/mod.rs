@@ -233,18 +233,18 @@ pub trait Backend: Send + Sync {
     /// Runs a model operation ([`Op`]): its kernels on a GPU, its reference on the CPU.
     /// `bufs` binds every buffer the op names; sizes are checked first.
     fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()>;
-    /// Sparse MLA decode (DESIGN §3).
+    /// Sparse MLA decode (docs/math.md).
     fn sparse_mla_decode(
         &self,
         shape: &DecodeShape,
         bufs: &DecodeBuffers<'_>,
         opts: &DecodeOptions,
     ) -> Result<DecodeRun>;
-    /// Write cache rows (DESIGN §4): each token's latent and rope at its slot, bf16 or
+    /// Write cache rows (docs/formats.md): each token's latent and rope at its slot, bf16 or
     /// `fp8_ds_mla` (quantised per the shape's scale flavour). Bytes are identical on every
     /// backend.
     fn cache_write(&self, shape: &CacheWriteShape, bufs: &CacheWriteBuffers<'_>) -> Result<()>;
-    /// Logical top-k positions → physical slots through a block table (DESIGN §3).
+    /// Logical top-k positions → physical slots through a block table (docs/math.md).
     fn positions_to_slots(&self, shape: &VbtShape, bufs: &VbtBuffers<'_>) -> Result<()>;
 }
 

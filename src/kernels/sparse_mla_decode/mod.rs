@@ -1,4 +1,4 @@
-//! Sparse MLA decode over a virtual block table (DESIGN §3), described once.
+//! Sparse MLA decode over a virtual block table (docs/math.md), described once.
 //!
 //! Two kernels:
 //! - **split**: workgroup (head block, split, token) attends its `block_h` heads of token `t`

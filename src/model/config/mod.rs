@@ -4,7 +4,7 @@
 //! Every value the forward pass uses is read from the file; none is guessed. A missing key, a
 //! value of the wrong type, an unsupported model type or a pair of keys that contradict each
 //! other is an [`Error::Model`] naming the key. What the config does not say, the model type
-//! decides, as in transformers 5.17 (DESIGN §6): the RoPE layout of MLA and of the indexer, and
+//! decides, as in transformers 5.17 (docs/models.md): the RoPE layout of MLA and of the indexer, and
 //! that DeepSeek-V3.2 has no "shared" indexer layers.
 
 use std::path::Path;
@@ -401,7 +401,7 @@ impl ModelConfig {
         scale as f32
     }
 
-    /// How fp8_ds_mla tile scales are chosen when this model writes its cache (DESIGN §4).
+    /// How fp8_ds_mla tile scales are chosen when this model writes its cache (docs/formats.md).
     pub fn cache_scale_flavour(&self) -> ScaleFlavour {
         match self.arch {
             Arch::DeepseekV32 => ScaleFlavour::Pow2,

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// A complete GLM-5-shaped config (production values from DESIGN §6) as JSON.
+/// A complete GLM-5-shaped config (production values from docs/models.md) as JSON.
 pub(crate) fn glm5_json() -> Value {
     serde_json::json!({
         "model_type": "glm_moe_dsa",

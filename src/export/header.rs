@@ -1,0 +1,691 @@
+//! The C side of an export: what a launch of the generated decode kernels needs, stated in the
+//! header (dynamic shared memory, grid, block, `block_n`, split rule, scratch sizes, strides,
+//! limits, the variant per head count) and computed by `static inline` helpers, so an
+//! integrator's C/C++ does what the CUDA backend (`runtime/cuda.rs`) does.
+//!
+//! Everything here is derived from the kernel configurations and the plan code of
+//! [`crate::kernels::sparse_mla_decode`]: the variant table comes from scanning
+//! [`DecodeConfig::tensor_core`] over head counts, the split rule is
+//! [`DecodePlan::model_splits`] written again in C (tests/export_header.rs compiles it with the
+//! host C compiler and compares it with the Rust plan over a grid of shapes).
+
+use crate::emit::cuda;
+use crate::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
+use crate::kir::{Kernel, Lowering};
+use crate::mla::{CacheFormat, DecodeShape, MlaDims};
+use crate::{Error, Result};
+use std::fmt::Write;
+use std::sync::Arc;
+
+/// Which lowering of the decode kernels an export carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExportLowering {
+    /// The tensor-core kernels the CUDA backend runs (`DecodeConfig::tensor_core`, v6).
+    Mma,
+    /// Loops over shared memory (`DecodeConfig::cuda_scalar` on CUDA, the portable
+    /// configuration on WGSL).
+    Scalar,
+}
+
+impl ExportLowering {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ExportLowering::Mma => "mma",
+            ExportLowering::Scalar => "scalar",
+        }
+    }
+}
+
+/// One decode kernel variant as the CUDA runtime picks it: the head range it serves, its
+/// configuration and its three lowered kernels.
+#[derive(Clone)]
+pub struct DecodeVariant {
+    pub format: CacheFormat,
+    /// Head counts `heads_min..=heads_max` (`None`: no upper bound).
+    pub heads_min: u32,
+    pub heads_max: Option<u32>,
+    pub config: DecodeConfig,
+    pub split: Arc<Kernel>,
+    pub last: Arc<Kernel>,
+    pub combine: Arc<Kernel>,
+}
+
+impl DecodeVariant {
+    pub fn contains(&self, heads: u32) -> bool {
+        heads >= self.heads_min && self.heads_max.is_none_or(|m| heads <= m)
+    }
+
+    pub fn range_text(&self) -> String {
+        match self.heads_max {
+            Some(m) if m == self.heads_min => format!("H = {m}"),
+            Some(m) => format!("{} <= H <= {m}", self.heads_min),
+            None if self.heads_min == 1 => "any H".into(),
+            None => format!("H >= {}", self.heads_min),
+        }
+    }
+
+    /// Dynamic shared memory of the split kernel (the one-split twin has the same layout).
+    pub fn dynamic_smem(&self) -> u32 {
+        cuda::dynamic_shared_bytes(&self.split)
+    }
+}
+
+/// The configuration the CUDA path uses for `heads` under `lowering`.
+pub fn cuda_config(lowering: ExportLowering, format: CacheFormat, heads: u32) -> DecodeConfig {
+    match lowering {
+        ExportLowering::Mma => DecodeConfig::tensor_core(MlaDims::PRODUCTION, format, heads),
+        ExportLowering::Scalar => DecodeConfig::cuda_scalar(MlaDims::PRODUCTION, format),
+    }
+}
+
+/// Head counts are scanned up to here for the points where the configuration changes; the
+/// last range is open-ended (the choice is a function of `heads <= N` comparisons).
+const SCAN_HEADS: u32 = 1024;
+
+/// Every variant of `lowering` for `format`, in head order, by scanning the configuration
+/// choice over head counts (so the table is the runtime's choice, not a copy of it).
+pub fn decode_variants(
+    lowering: ExportLowering,
+    format: CacheFormat,
+) -> Result<Vec<DecodeVariant>> {
+    let mut ranges: Vec<(u32, u32, DecodeConfig)> = Vec::new();
+    for h in 1..=SCAN_HEADS {
+        let c = cuda_config(lowering, format, h);
+        match ranges.last_mut() {
+            Some((_, hi, cfg)) if *cfg == c => *hi = h,
+            _ => ranges.push((h, h, c)),
+        }
+    }
+    let n = ranges.len();
+    ranges
+        .into_iter()
+        .enumerate()
+        .map(|(i, (lo, hi, config))| {
+            let (split, combine) = lowered_kernels(&config)?;
+            let last_cfg = DecodeConfig {
+                final_output: true,
+                ..config
+            };
+            let (last, _) = lowered_kernels(&last_cfg)?;
+            Ok(DecodeVariant {
+                format,
+                heads_min: lo,
+                heads_max: if i + 1 == n { None } else { Some(hi) },
+                config,
+                split,
+                last,
+                combine,
+            })
+        })
+        .collect()
+}
+
+/// Shared memory per multiprocessor of an arch (bytes), for the resident-workgroup estimate
+/// of an export made without the GPU (the runtime asks the driver instead).
+fn smem_per_sm(arch: &str) -> Option<u32> {
+    Some(match arch {
+        "sm_80" => 167_936,
+        "sm_86" | "sm_89" | "sm_120" => 102_400,
+        "sm_90" | "sm_100" => 233_472,
+        _ => return None,
+    })
+}
+
+/// Workgroups of the variant's split kernel one multiprocessor of `arch` holds, estimated
+/// from shared memory (1 KB reserved per block) and the register hint of the lowering. The
+/// CUDA backend reads the real number from the driver's occupancy calculator.
+pub fn estimate_per_sm(config: &DecodeConfig, split: &Kernel, arch: &str) -> u32 {
+    let Some(sm) = smem_per_sm(arch) else {
+        return 1;
+    };
+    let (_, smem) = crate::kir::lower_mma::shared_layout(&split.shared);
+    let by_smem = (sm as u64 / (smem + 1024)).max(1) as u32;
+    let by_regs = match config.lowering {
+        // __launch_bounds__(256, n): ptxas fits the registers of n workgroups, not more
+        Lowering::Mma { min_workgroups, .. } if min_workgroups > 0 => min_workgroups,
+        Lowering::Mma { .. } => 1,
+        Lowering::MmaWs { .. } => 1,
+        Lowering::Scalar => 2048 / config.threads,
+    };
+    by_smem.min(by_regs).max(1)
+}
+
+fn kernel_facts(k: &Kernel) -> String {
+    format!(
+        "{}: {} threads, dynamic shared memory {} B",
+        k.name,
+        k.workgroup_size,
+        cuda::dynamic_shared_bytes(k)
+    )
+}
+
+/// The comment block every C header of an export opens with: conventions, buffers, launch
+/// rules and limits, with the variant table of `variants`.
+fn launch_rules(variants: &[DecodeVariant]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "// WHICH KERNEL. The runtime picks the variant by cache format and head count H:"
+    );
+    for v in variants {
+        let _ = writeln!(
+            s,
+            "//   {:<10} {:<14} block_h {:>2}, block_n {:>2}: {} / {}",
+            v.format.name(),
+            v.range_text(),
+            v.config.block_h,
+            v.config.block_n,
+            v.split.name,
+            v.last.name
+        );
+    }
+    let mut combines: Vec<&str> = variants.iter().map(|v| v.combine.name.as_str()).collect();
+    combines.dedup();
+    let _ = writeln!(
+        s,
+        "//   and for splits > 1 the combine {}.",
+        combines.join(" / ")
+    );
+    s.push_str(
+        "//   Each variant has two split kernels: NAME (splits > 1: writes per-split partials) and\n\
+         //   NAME_final (one split: writes out and lse itself, no combine).\n\
+         //\n\
+         // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or\n\
+         // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).\n\
+         // Load with cuModuleLoadData and cuModuleGetFunction(NAME): names are extern \"C\".\n\
+         //\n\
+         // SHARED MEMORY. A kernel whose shared arrays exceed 48 KB takes all of them dynamically:\n\
+         // before its first launch call\n\
+         //   cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)\n\
+         //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))\n\
+         // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.\n",
+    );
+    for v in variants {
+        for k in [&v.split, &v.last] {
+            let _ = writeln!(s, "//   {}", kernel_facts(k));
+        }
+    }
+    for c in &combines {
+        if let Some(v) = variants.iter().find(|v| v.combine.name == *c) {
+            let _ = writeln!(s, "//   {}", kernel_facts(&v.combine));
+        }
+    }
+    s.push_str(
+        "//   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default\n\
+         //   unless listed above with a non-zero size.\n\
+         //\n\
+         // SPLITS. topk is cut into `splits` chunks of `chunk` entries (a multiple of block_n):\n\
+         //   blocks = ceil(topk / block_n); chunk = ceil(blocks / want) * block_n;\n\
+         //   splits = ceil(topk / chunk)      (so every split but the last is full).\n\
+         // `want` comes from a cost model over the workgroups the GPU runs at once:\n\
+         //   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME at\n\
+         //               its threads and SMEM) x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT\n\
+         //   (2 per SM on an H100/H200 for the tensor-core kernels, 1 on SM120 and sm_86/89);\n\
+         //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.\n\
+         //   Any splits in 1..blocks give the same result up to rounding; only speed differs.\n\
+         //\n\
+         // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):\n\
+         //   splits == 1: NAME_final, grid (ceil(H / block_h), 1, T), writes out and lse.\n\
+         //   splits  > 1: NAME, grid (ceil(H / block_h), splits, T), writes the partials\n\
+         //                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes)\n\
+         //                  lse_part f32 [T, H, splits]       (T*H*splits*4 bytes)\n\
+         //                then the combine, grid (H, T, 1), on the same stream: out and lse.\n\
+         //   Arguments: the kernel's NAME_params struct by value, then one device pointer per\n\
+         //   buffer in the order its comment lists (cuLaunchKernel's kernelParams).\n\
+         //   The partials are scratch: any memory of that size, reused per call, never read back.\n\
+         //\n\
+         // BUFFERS (row-major, no padding unless stated):\n\
+         //   q        bf16 [T, H, 576] contiguous, latent 512 then rope 64; 16-byte aligned.\n\
+         //   kv_cache [num_pages, page_size, row] rows of 1152 B (bf16) or 656 B (fp8_ds_mla);\n\
+         //            strided: row of slot s at word (s / page_size) * page_stride_w\n\
+         //            + (s % page_size) * row_stride_w; strides in 32-bit words (byte strides must\n\
+         //            be multiples of 4, >= the row, page >= page_size rows); 16-byte aligned base.\n\
+         //   indices  i32 [T, topk] contiguous physical slots (slot = page * page_size + offset).\n\
+         //   topk_length i32 [T] (optional; has_topk_length = 0 still needs a valid pointer to\n\
+         //            4 readable bytes: pass indices).\n\
+         //   out      bf16 [T, H, 512] contiguous.\n\
+         //   lse      f32, lse[t, h] at ((t / lse_s_q) * H + h) * lse_s_q + t % lse_s_q:\n\
+         //            lse_s_q = 1 gives [T, H]; lse_s_q = s_q gives FlashMLA's [batch, H, s_q].\n\
+         //   Multi-token decode (MTP): T = batch * s_q, token t = b * s_q + i, so q [b, s_q, H, 576],\n\
+         //   indices [b, s_q, topk] and out [b, s_q, H, 512] are FlashMLA's layouts unchanged.\n\
+         //\n\
+         // LIMITS (checked by sparse_mla_plan_decode / sparse_mla_cache_strides):\n\
+         //   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0;\n\
+         //   num_slots = num_pages * page_size <= 2^31 - 1 (slots are i32);\n\
+         //   a cache buffer spans fewer than 2^31 32-bit words (8 GiB): split the cache per layer;\n\
+         //   q spans fewer than 2^31 words.\n\
+         //\n\
+         // CONVENTIONS (docs/math.md): index j of token t is invalid when < 0, >= num_slots, or\n\
+         // j >= topk_length[t]; an invalid slot is never read (NaN in unreferenced rows cannot\n\
+         // reach the output); lse = ln sum_j exp(scale * q . k_j) (natural log, f32); a row with no\n\
+         // valid index gets out = 0 and lse = +inf.\n\
+         //\n\
+         // CACHE ROWS (docs/formats.md): bf16 = 576 x bf16 (latent 512, then rope 64), 1152 bytes.\n\
+         // fp8_ds_mla = [0,512) e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values |\n\
+         // [528,656) 64 x bf16 rope: 656 bytes; c[i] = e4m3(byte[i]) * scale[i / 128].\n",
+    );
+    s
+}
+
+/// The plan helpers in C: variant choice, split model, limits, cache strides. No CUDA headers.
+fn plan_code(variants: &[DecodeVariant]) -> Result<String> {
+    let first = variants
+        .first()
+        .ok_or_else(|| Error::arg("variants", "at least one", 0))?;
+    let dims = first.config.dims;
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"/* ---- the plan: which kernel, how many splits, what scratch (plain C, no CUDA headers) ---- */
+#ifdef SPARSE_MLA_PLAN_DEFINED
+#error "include one sparse-mla launch header per translation unit (sparse_mla.h or one per-configuration header)"
+#endif
+#define SPARSE_MLA_PLAN_DEFINED 1
+
+#define SPARSE_MLA_D_QK {d_qk}u
+#define SPARSE_MLA_D_V {d_v}u
+#define SPARSE_MLA_MAX_TOKENS 65535u
+#define SPARSE_MLA_MAX_SLOTS 2147483647ull
+#define SPARSE_MLA_MAX_WORDS 2147483647ull /* per cache buffer: 8 GiB */
+
+enum sparse_mla_cache_format {{ SPARSE_MLA_CACHE_BF16 = 0, SPARSE_MLA_CACHE_FP8_DS_MLA = 1 }};
+
+/* Bytes of one cache row. */
+static inline unsigned sparse_mla_row_bytes(int format) {{
+    return format == SPARSE_MLA_CACHE_FP8_DS_MLA ? {fp8}u : {bf16}u;
+}}
+
+typedef struct sparse_mla_decode_plan {{
+    const char* split_kernel;   /* NAME: splits > 1, writes o_part / lse_part */
+    const char* final_kernel;   /* NAME_final: splits == 1, writes out / lse */
+    const char* combine_kernel; /* merges the partials when splits > 1 */
+    const char* first_kernel;   /* the one to launch first: final_kernel or split_kernel */
+    unsigned block_h, block_n;
+    unsigned threads;           /* blockDim.x of the split kernels */
+    unsigned combine_threads;   /* blockDim.x of the combine */
+    unsigned dynamic_smem;      /* sharedMemBytes of the split kernels (and the attribute) */
+    unsigned splits, chunk;
+    unsigned grid[3];           /* of first_kernel */
+    unsigned combine_grid[3];   /* (H, T, 1); unused when splits == 1 */
+    unsigned long long o_part_bytes;   /* f32 [T, H, splits, 512]; 0 when splits == 1 */
+    unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
+}} sparse_mla_decode_plan;
+
+/* The variant for (format, heads): kernel names, block sizes, shared memory. Returns 0 on
+   success, else a message naming the argument. */
+static inline const char* sparse_mla_decode_variant(int format, unsigned heads, sparse_mla_decode_plan* p) {{
+    if (format != SPARSE_MLA_CACHE_BF16 && format != SPARSE_MLA_CACHE_FP8_DS_MLA)
+        return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
+    if (heads == 0) return "heads: expected at least 1";
+"#,
+        d_qk = dims.d_qk(),
+        d_v = dims.d_v(),
+        fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
+        bf16 = CacheFormat::Bf16.row_bytes(dims),
+    );
+    for v in variants {
+        let fmt = match v.format {
+            CacheFormat::Bf16 => "SPARSE_MLA_CACHE_BF16",
+            CacheFormat::Fp8DsMla => "SPARSE_MLA_CACHE_FP8_DS_MLA",
+        };
+        let mut cond = format!("format == {fmt} && heads >= {}u", v.heads_min);
+        if let Some(m) = v.heads_max {
+            let _ = write!(cond, " && heads <= {m}u");
+        }
+        let _ = write!(
+            s,
+            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->final_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
+            v.split.name,
+            v.last.name,
+            v.combine.name,
+            v.config.block_h,
+            v.config.block_n,
+            v.split.workgroup_size,
+            v.combine.workgroup_size,
+            v.dynamic_smem()
+        );
+    }
+    let ranges: Vec<String> = variants
+        .iter()
+        .map(|v| format!("{} {}", v.format.name(), v.range_text()))
+        .collect();
+    let _ = write!(
+        s,
+        r#"    return "heads: no kernel of this export serves this format and head count (exported: {ranges})";
+}}
+
+/* The split count of the runtime's cost model (DecodePlan::model_splits in
+   src/kernels/sparse_mla_decode/mod.rs): time in workgroup steps, waves x (steps + 2), plus
+   for splits > 1 the combine (a launch, a walk over the splits, the partials' bytes in
+   step-sized units); the smallest count wins ties. `resident`: workgroups the GPU runs at once. */
+static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, int format, unsigned heads,
+                                               unsigned tokens, unsigned topk, unsigned resident) {{
+    const double fixed = 2.0;
+    unsigned long long res = resident ? resident : 1u;
+    unsigned blocks = (topk + p->block_n - 1u) / p->block_n;
+    unsigned long long base = (unsigned long long)tokens * ((heads + p->block_h - 1u) / p->block_h);
+    double step_bytes = (double)res * (double)(p->block_n * sparse_mla_row_bytes(format));
+    double rows = (double)tokens * (double)heads;
+    double best_t = 1.7976931348623157e308;
+    unsigned best = 1u, s, max_s;
+    if (blocks == 0u) blocks = 1u;
+    max_s = blocks < 128u ? blocks : 128u;
+    for (s = 1u; s <= max_s; ++s) {{
+        double steps = (double)((blocks + s - 1u) / s);
+        double waves = (double)((base * s + res - 1u) / res);
+        double t = waves * (steps + fixed);
+        if (s > 1u) {{
+            double partial_bytes = rows * (double)s * ((double)SPARSE_MLA_D_V + 1.0) * 4.0 * 2.0;
+            t += 1.0 + (double)s / 16.0 + partial_bytes / step_bytes;
+        }}
+        if (t < best_t - 1e-9) {{ best_t = t; best = s; }}
+    }}
+    return best;
+}}
+
+/* Everything one decode call needs: variant, splits, chunk, grids, scratch sizes; limits checked.
+   splits = 0: the cost model for `resident` workgroups; else that many (capped at the blocks of
+   topk, as the runtime does). Returns 0 on success, else a message naming the argument. */
+static inline const char* sparse_mla_plan_decode(int format, unsigned heads, unsigned tokens, unsigned topk,
+                                                 unsigned long long num_slots, unsigned lse_s_q,
+                                                 unsigned resident, unsigned splits, sparse_mla_decode_plan* p) {{
+    const char* err = sparse_mla_decode_variant(format, heads, p);
+    unsigned blocks, want;
+    unsigned long long words;
+    if (err) return err;
+    if (tokens == 0u || tokens > SPARSE_MLA_MAX_TOKENS) return "tokens: expected 1..65535 (grid z)";
+    if (topk == 0u) return "topk: expected at least 1";
+    if (num_slots == 0ull) return "num_slots: expected at least 1";
+    if (num_slots > SPARSE_MLA_MAX_SLOTS) return "num_slots: expected at most 2^31 - 1 (slots are i32)";
+    words = num_slots * (sparse_mla_row_bytes(format) / 4u);
+    if (words >= SPARSE_MLA_MAX_WORDS) return "kv_cache: expected fewer than 2^31 32-bit words (8 GiB); split the cache per layer";
+    if ((unsigned long long)tokens * heads * SPARSE_MLA_D_QK / 2u >= SPARSE_MLA_MAX_WORDS) return "q: expected fewer than 2^31 32-bit words";
+    if (lse_s_q == 0u || tokens % lse_s_q != 0u) return "lse_s_q: expected a divisor of tokens (tokens = batch x s_q)";
+    blocks = (topk + p->block_n - 1u) / p->block_n;
+    want = splits ? splits : sparse_mla_model_splits(p, format, heads, tokens, topk, resident);
+    if (want > blocks) want = blocks;
+    if (want == 0u) want = 1u;
+    p->chunk = ((blocks + want - 1u) / want) * p->block_n;
+    p->splits = (topk + p->chunk - 1u) / p->chunk;
+    p->first_kernel = p->splits == 1u ? p->final_kernel : p->split_kernel;
+    p->grid[0] = (heads + p->block_h - 1u) / p->block_h;
+    p->grid[1] = p->splits;
+    p->grid[2] = tokens;
+    p->combine_grid[0] = heads;
+    p->combine_grid[1] = tokens;
+    p->combine_grid[2] = 1u;
+    if (p->splits > 1u) {{
+        unsigned long long rows = (unsigned long long)tokens * heads * p->splits;
+        p->o_part_bytes = rows * SPARSE_MLA_D_V * 4u;
+        p->lse_part_bytes = rows * 4u;
+    }} else {{
+        p->o_part_bytes = 0ull;
+        p->lse_part_bytes = 0ull;
+    }}
+    return 0;
+}}
+
+/* Cache strides in 32-bit words from byte strides (0: packed), checked as the runtime checks
+   them. Returns 0 on success, else a message naming the argument. */
+static inline const char* sparse_mla_cache_strides(int format, unsigned num_pages, unsigned page_size,
+                                                   unsigned long long row_stride_bytes,
+                                                   unsigned long long page_stride_bytes,
+                                                   unsigned* row_stride_w, unsigned* page_stride_w) {{
+    unsigned long long row = sparse_mla_row_bytes(format);
+    unsigned long long rs = row_stride_bytes ? row_stride_bytes : row;
+    unsigned long long ps;
+    unsigned long long last;
+    if (page_size == 0u) return "page_size: expected at least 1";
+    if (num_pages == 0u) return "num_pages: expected at least 1";
+    if (rs % 4u != 0u || rs < row) return "row stride: expected a multiple of 4 bytes, at least the row";
+    ps = page_stride_bytes ? page_stride_bytes : rs * page_size;
+    if (ps % 4u != 0u || ps < rs * page_size) return "page stride: expected a multiple of 4 bytes, at least page_size x row stride";
+    if ((unsigned long long)num_pages * page_size > SPARSE_MLA_MAX_SLOTS) return "num_pages x page_size: expected at most 2^31 - 1 slots";
+    last = (unsigned long long)(num_pages - 1u) * ps + (unsigned long long)(page_size - 1u) * rs + row;
+    if (last / 4u >= SPARSE_MLA_MAX_WORDS) return "kv_cache: expected fewer than 2^31 32-bit words (8 GiB); split the cache per layer";
+    *row_stride_w = (unsigned)(rs / 4u);
+    *page_stride_w = (unsigned)(ps / 4u);
+    return 0;
+}}
+"#,
+        ranges = ranges.join(", ")
+    );
+    s.push_str(&driver_code(variants)?);
+    Ok(s)
+}
+
+/// The generic parameter struct of the split kernels (the `_final` ones read one more field,
+/// `lse_s_q`, last), checked to be the same for every variant.
+fn split_params_struct(variants: &[DecodeVariant]) -> Result<String> {
+    let first = &variants[0];
+    let fields = |k: &Kernel| -> Vec<(String, crate::kir::ir::Ty)> {
+        k.params.iter().map(|p| (p.name.clone(), p.ty)).collect()
+    };
+    let last = fields(&first.last);
+    for v in variants {
+        let (s, l) = (fields(&v.split), fields(&v.last));
+        if l != last || !l.starts_with(&s) || s.len() + 1 != l.len() {
+            return Err(Error::Kir {
+                kernel: v.split.name.clone(),
+                message: "split kernels of one export must share one parameter list (the final one with lse_s_q last)".into(),
+            });
+        }
+    }
+    let body = cuda::params_struct(&first.last);
+    Ok(body
+        .replacen(
+            &format!("struct {}_params {{", first.last.name),
+            "typedef struct sparse_mla_decode_params {",
+            1,
+        )
+        .replacen("};\n", "} sparse_mla_decode_params;\n", 1))
+}
+
+/// Driver-API launch helpers, compiled only where `cuda.h` was included first.
+fn driver_code(variants: &[DecodeVariant]) -> Result<String> {
+    let params = split_params_struct(variants)?;
+    Ok(format!(
+        r#"
+/* ---- launching through the CUDA driver API: only when <cuda.h> was included first ---- */
+#if defined(CUDA_VERSION) && !defined(SPARSE_MLA_NO_DRIVER_HELPERS)
+
+/* Every split kernel's NAME_params, field for field (the _final kernels read lse_s_q, the others
+   stop before it: the driver copies only as many bytes as the kernel declares). */
+{params}
+/* The combine's parameters. */
+typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; }} sparse_mla_combine_params;
+
+/* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
+   kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
+   plan->lse_part_bytes, only when plan->splits > 1. */
+typedef struct sparse_mla_decode_buffers {{
+    CUdeviceptr q, kv_cache, indices, topk_length, out, lse, o_part, lse_part;
+}} sparse_mla_decode_buffers;
+
+/* Allow a kernel its dynamic shared memory (needed once per function, above 48 KB). */
+static inline CUresult sparse_mla_allow_smem(CUfunction f, unsigned dynamic_smem) {{
+    if (dynamic_smem == 0u) return CUDA_SUCCESS;
+    return cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)dynamic_smem);
+}}
+
+/* Workgroups of the split kernel `split` (plan->split_kernel, after sparse_mla_allow_smem)
+   the device runs at once: what the runtime feeds the split model. */
+static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_decode_plan* p, CUdevice dev,
+                                           unsigned* resident) {{
+    int per_sm = 0, sms = 0;
+    CUresult r = cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, split, (int)p->threads, (size_t)p->dynamic_smem);
+    if (r != CUDA_SUCCESS) return r;
+    r = cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    if (r != CUDA_SUCCESS) return r;
+    *resident = (unsigned)((per_sm > 0 ? per_sm : 1) * sms);
+    return CUDA_SUCCESS;
+}}
+
+/* Launch one decode call on `stream` as planned: `first` is the function of
+   plan->first_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
+   fields of `prm` that describe the call are read here; splits and chunk come from the plan. */
+static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction first, CUfunction combine,
+                                                sparse_mla_decode_params prm, const sparse_mla_decode_buffers* b,
+                                                CUstream stream) {{
+    CUdeviceptr len = b->topk_length ? b->topk_length : b->indices;
+    CUdeviceptr out0 = p->splits == 1u ? b->out : b->o_part;
+    CUdeviceptr out1 = p->splits == 1u ? b->lse : b->lse_part;
+    void* args[7];
+    CUresult r;
+    prm.splits = p->splits;
+    prm.chunk = p->chunk;
+    prm.has_topk_length = b->topk_length ? 1u : 0u;
+    args[0] = &prm; args[1] = (void*)&b->q; args[2] = (void*)&b->kv_cache; args[3] = (void*)&b->indices;
+    args[4] = &len; args[5] = &out0; args[6] = &out1;
+    r = cuLaunchKernel(first, p->grid[0], p->grid[1], p->grid[2], p->threads, 1, 1, p->dynamic_smem, stream, args, 0);
+    if (r != CUDA_SUCCESS || p->splits == 1u) return r;
+    {{
+        sparse_mla_combine_params c;
+        void* cargs[5];
+        c.heads = prm.heads; c.splits = p->splits; c.lse_s_q = prm.lse_s_q;
+        cargs[0] = &c; cargs[1] = (void*)&b->o_part; cargs[2] = (void*)&b->lse_part; cargs[3] = (void*)&b->out; cargs[4] = (void*)&b->lse;
+        return cuLaunchKernel(combine, p->combine_grid[0], p->combine_grid[1], p->combine_grid[2], p->combine_threads, 1, 1, 0,
+                              stream, cargs, 0);
+    }}
+}}
+#endif /* CUDA_VERSION */
+"#
+    ))
+}
+
+/// Every standard CUDA kernel's parameter struct with its buffers.
+fn kernel_structs(kernels: &[&Kernel]) -> String {
+    let mut h = String::new();
+    for k in kernels {
+        h.push_str(&format!("// {}\n", k.name));
+        for d in &k.doc {
+            h.push_str(&format!("//   {d}\n"));
+        }
+        h.push_str(&format!(
+            "//   threads per block: {}; dynamic shared memory: {} B\n",
+            k.workgroup_size,
+            cuda::dynamic_shared_bytes(k)
+        ));
+        h.push_str(&format!(
+            "//   arguments: ({}_params p, {})\n",
+            k.name,
+            cuda::buffer_params(k).join(", ")
+        ));
+        for b in &k.buffers {
+            h.push_str(&format!("//     {:<12} {}\n", b.name, b.doc));
+        }
+        h.push_str(&cuda::params_struct(k));
+        h.push('\n');
+    }
+    h
+}
+
+/// `cuda/sparse_mla.h`: launch rules of the production (tensor-core) decode kernels, the plan
+/// helpers, and the parameter struct of every standard CUDA kernel.
+pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
+    let mut variants = decode_variants(ExportLowering::Mma, CacheFormat::Bf16)?;
+    variants.extend(decode_variants(ExportLowering::Mma, CacheFormat::Fp8DsMla)?);
+    let mut h = String::from(
+        "// sparse_mla.h: how to launch the generated CUDA kernels in this folder.\n\
+         // Generated by `mla-export --all`; do not edit (change src/kernels/ and re-export).\n\
+         //\n\
+         // The production decode kernels are the tensor-core (mma.sync) ones below: the kernels\n\
+         // the CUDA backend of sparse-mla runs. The folder also holds the scalar lowering\n\
+         // (*_scalar_*: static shared memory, 128 threads) and the v7 mbarrier-ring kernels\n\
+         // (*_ws*: opt-in, SPARSE_MLA_DECODE_KERNEL=v7); both launch by the same rules with the\n\
+         // block_h x block_n in their names. Cache write and block-table conversion: see their\n\
+         // structs at the end.\n//\n",
+    );
+    h.push_str(&launch_rules(&variants));
+    h.push_str("\n#pragma once\n\n");
+    h.push_str(&plan_code(&variants)?);
+    h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");
+    h.push_str(&kernel_structs(kernels));
+    Ok(h)
+}
+
+/// The per-configuration launch header: this configuration's facts as macros, the launch rules,
+/// the plan helpers restricted to the exported variant, and its kernels' parameter structs.
+pub fn config_header(
+    shape: &DecodeShape,
+    lowering: ExportLowering,
+    variant: &DecodeVariant,
+    plan: &DecodePlan,
+    sms: u32,
+    per_sm: u32,
+    arch: &str,
+) -> Result<String> {
+    let grid = plan.grid_split(shape);
+    let first = if plan.splits == 1 {
+        &variant.last
+    } else {
+        &variant.split
+    };
+    let mut h = format!(
+        "// Launch header for sparse MLA decode: {} lowering, cache {}, {}, page size {}.\n\
+         // Generated by mla-export; do not edit (change src/kernels/ and re-export).\n\
+         //\n\
+         // The macros are this export's example call: heads {}, tokens {}, topk {}, with the\n\
+         // splits the runtime's model picks for {sms} SMs x {per_sm} resident workgroups each\n\
+         // (estimated for {arch}; on the GPU, take sparse_mla_resident() or the occupancy API) \n\
+         // {}. Heads, tokens, topk, page size and splits are run-time parameters: call\n\
+         // sparse_mla_plan_decode() per call shape.\n//\n",
+        lowering.name(),
+        shape.format.name(),
+        variant.range_text(),
+        shape.page_size,
+        shape.heads,
+        shape.tokens,
+        shape.topk,
+        if plan.splits == 1 {
+            "-> one split".to_string()
+        } else {
+            format!("-> {} splits", plan.splits)
+        }
+    );
+    h.push_str(&launch_rules(std::slice::from_ref(variant)));
+    h.push_str("\n#pragma once\n\n");
+    let _ = write!(
+        h,
+        "#define SPARSE_MLA_HEADS {}u\n#define SPARSE_MLA_TOPK {}u\n#define SPARSE_MLA_TOKENS {}u\n\
+         #define SPARSE_MLA_PAGE_SIZE {}u\n#define SPARSE_MLA_ROW_BYTES {}u\n\
+         #define SPARSE_MLA_BLOCK_H {}u\n#define SPARSE_MLA_BLOCK_N {}u\n\
+         #define SPARSE_MLA_SPLITS {}u\n#define SPARSE_MLA_CHUNK {}u\n\
+         #define SPARSE_MLA_GRID_X {}u\n#define SPARSE_MLA_GRID_Y {}u\n\
+         #define SPARSE_MLA_THREADS {}u\n#define SPARSE_MLA_DYNAMIC_SMEM {}u\n\
+         #define SPARSE_MLA_FIRST_KERNEL \"{}\"\n#define SPARSE_MLA_O_PART_BYTES {}ull\n\
+         #define SPARSE_MLA_LSE_PART_BYTES {}ull\n\n",
+        shape.heads,
+        shape.topk,
+        shape.tokens,
+        shape.page_size,
+        shape.row_bytes(),
+        plan.config.block_h,
+        plan.config.block_n,
+        plan.splits,
+        plan.chunk,
+        grid[0],
+        grid[1],
+        first.workgroup_size,
+        cuda::dynamic_shared_bytes(first),
+        first.name,
+        if plan.splits > 1 {
+            shape.tokens as u64 * shape.heads as u64 * plan.splits as u64 * shape.dims.d_v() as u64 * 4
+        } else {
+            0
+        },
+        if plan.splits > 1 {
+            shape.tokens as u64 * shape.heads as u64 * plan.splits as u64 * 4
+        } else {
+            0
+        },
+    );
+    h.push_str(&plan_code(std::slice::from_ref(variant))?);
+    h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
+    h.push_str(&kernel_structs(&[
+        &variant.split,
+        &variant.last,
+        &variant.combine,
+    ]));
+    Ok(h)
+}
