@@ -179,6 +179,15 @@ impl DecodeShape {
         if !self.scale.is_finite() || self.scale <= 0.0 {
             return Err(Error::arg("scale", "a finite positive f32", self.scale));
         }
+        // Indices are i32: a top-k list longer than i32::MAX cannot be addressed (and its
+        // chunk arithmetic would overflow u32).
+        if self.topk > i32::MAX as u32 {
+            return Err(Error::arg(
+                "topk",
+                format!("at most {} (indices are i32)", i32::MAX),
+                self.topk,
+            ));
+        }
         if self.num_slots() > i32::MAX as u64 {
             return Err(Error::arg(
                 "num_pages × page_size",

@@ -89,7 +89,7 @@ struct Args {
     /// sm_90, sm_100, sm_120).
     #[arg(long, default_value = "sm_120")]
     arch: String,
-    /// Output folder (default: the repository root for --all/--check, `.` otherwise).
+    /// Output folder (default: the current directory).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Replace existing files whose contents differ.
@@ -97,8 +97,12 @@ struct Args {
     force: bool,
 }
 
+/// Where `--all` / `--check` look without `--out`: the current directory. (It used to be the
+/// source tree the binary was built from, which wrote into a checkout a user never named.)
+/// From the repository root, `cargo run --bin mla-export -- --all` regenerates the checked-in
+/// `shaders/` and `cuda/`.
 fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(".")
 }
 
 fn main() -> ExitCode {

@@ -234,6 +234,7 @@ impl DecodePlan {
         splits: Option<u32>,
         max_steps: Option<u32>,
     ) -> Result<Self> {
+        shape.validate()?;
         let head_blocks = shape.heads.div_ceil(config.block_h);
         let blocks = shape.topk.div_ceil(config.block_n);
         let min_splits = max_steps.map(|m| blocks.div_ceil(m.max(1))).unwrap_or(1);
