@@ -308,7 +308,6 @@ pub fn run_vbt_case(backend: &dyn Backend, case: &VbtCase, seed: u64) -> Result<
     // (page 2), the last position of its table and the first past it (block == max_block).
     let mut positions = positions;
     let mut req_of_token = req_of_token;
-    let mut block_table = block_table;
     {
         let ps = s.page_size as u64;
         let fits = ((i32::MAX as u64 + 1) / ps - 1) as i32; // slots up to i32::MAX exactly
