@@ -191,6 +191,8 @@ fn grouped_case(
 /// Every linear case.
 pub fn linear_cases() -> Vec<OpCase> {
     let fp8 = WeightType::Fp8 { block: [128, 128] };
+    let fp8_odd = WeightType::Fp8 { block: [3, 20] };
+    let fp8_odd2 = WeightType::Fp8 { block: [16, 36] };
     let (bf16, f32w) = (WeightType::Bf16, WeightType::F32);
     let (xf, xb) = (DType::F32, DType::Bf16);
     // (name, T, K, N, weights, group rows, x, accumulate, splits)
@@ -204,6 +206,20 @@ pub fn linear_cases() -> Vec<OpCase> {
         ("fp8_t1", 1, 1024, 130, fp8, 130, xf, false, 1),
         // Split K: 2048-element chunks (T = 1) over 3 splits, the last one short; into y.
         ("fp8_t1_split3_acc", 1, 5000, 24, fp8, 24, xf, true, 3),
+        // Block widths that are not powers of two (the scale column is found through an f32
+        // reciprocal in the kernels): 3 x 20 blocks, K not a multiple of 20; 16 x 36 split.
+        ("fp8_b3x20_t3", 3, 700, 50, fp8_odd, 50, xf, false, 1),
+        (
+            "fp8_b16x36_t1_split2",
+            1,
+            3000,
+            20,
+            fp8_odd2,
+            20,
+            xb,
+            false,
+            2,
+        ),
         ("bf16_t3_split2", 3, 1100, 16, bf16, 16, xf, false, 2),
         ("bf16_t9_split2_acc", 9, 700, 20, bf16, 20, xb, true, 2),
     ];

@@ -339,12 +339,23 @@ impl WeightLayout {
                     format!("{block:?}"),
                 ));
             }
+            // The kernels find a column's scale as floor((col + 0.5) / block_cols) through an
+            // f32 reciprocal, exact below 2^22 columns (see kernels::linear).
+            if self.cols >= 1 << 22 {
+                return Err(Error::arg(
+                    arg,
+                    "an FP8 weight of fewer than 2^22 columns",
+                    self.cols,
+                ));
+            }
         }
         Ok(())
     }
 
     /// Index of the scale of element (`row`, `col`) in the f32 scale buffer.
     pub fn scale_index(&self, row: u32, col: u32) -> usize {
+        // (The kernels compute the column part through an f32 reciprocal; the test
+        // `scale_column_by_reciprocal_is_exact` in kernels::linear checks they agree.)
         let WeightType::Fp8 { block } = self.wtype else {
             return 0;
         };
