@@ -171,7 +171,11 @@ fn topk_kernel(_: &()) -> Result<Kernel> {
             });
         },
     );
-    b.finish()
+    let mut k = b.finish()?;
+    // One workgroup per token is the whole grid at decode batches, so occupancy is not the
+    // limit; without the bound, ptxas for sm_89 cut registers to 40 for occupancy and spilled.
+    k.min_workgroups = 1;
+    Ok(k)
 }
 
 /// Exact top-k of score rows. Buffers: `scores` (`[tokens, columns]` f32), `positions`
