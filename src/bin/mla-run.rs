@@ -1,27 +1,26 @@
 //! mla-run: generate text with GLM-5 / DeepSeek-V3.2 through sparse MLA decode.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use sparse_mla::mla::CacheFormat;
-use sparse_mla::model::memory::{gib, plan as memory_plan};
+use sparse_mla::cli::{
+    load_with_progress, model_dir_or_default, open_checked, read_model_dir, KvCacheArg as KvCache,
+    PAGE_SIZE,
+};
+use sparse_mla::model::memory::gib;
 use sparse_mla::model::tokenizer::{TextStream, TOKENIZER_FILE};
 use sparse_mla::model::weights::Checkpoint;
 use sparse_mla::model::{
     CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, TextTokenizer,
 };
-use sparse_mla::runtime::{open_device, Backend, BackendKind, DeviceSpec};
+use sparse_mla::runtime::{Backend, DeviceSpec};
 use sparse_mla::{Error, Result};
 use std::sync::Arc;
 
-/// The checked-in tiny GLM-5 (random weights) used when no --model is given.
-const DEFAULT_FIXTURE: &str = "tests/fixtures/glm_moe_dsa-tiny";
 const DEFAULT_PROMPT: &str = "The lightning indexer scores every earlier token";
-/// Tokens per cache page (vLLM's and FlashMLA's MLA page size).
-const PAGE_SIZE: usize = 64;
 /// The prompt is run in steps of at most this many tokens (bounds the activations).
 const PREFILL_CHUNK: usize = 256;
 
@@ -112,12 +111,6 @@ struct Cli {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum KvCache {
-    Bf16,
-    Fp8,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Switch {
     On,
     Off,
@@ -137,17 +130,6 @@ fn peak_memory_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// The tiny GLM-5 fixture: in this source tree, or under the current directory (a binary
-/// carried to another machine with the repository).
-fn default_model_dir() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FIXTURE);
-    if built.is_dir() {
-        built
-    } else {
-        PathBuf::from(DEFAULT_FIXTURE)
-    }
-}
-
 /// Everything checked before loading a single weight.
 struct Plan {
     dir: PathBuf,
@@ -161,37 +143,8 @@ struct Plan {
 
 fn plan(cli: &Cli) -> Result<Plan> {
     let device = DeviceSpec::parse(&cli.device)?;
-    let dir = match &cli.model {
-        Some(d) => d.clone(),
-        None => {
-            let d = default_model_dir();
-            eprintln!(
-                "mla-run: no --model given: running the tiny GLM-5 fixture at {} (random weights, so the text is gibberish)",
-                d.display()
-            );
-            d
-        }
-    };
-    if !dir.is_dir() {
-        return Err(Error::Model(format!(
-            "model directory {} does not exist",
-            dir.display()
-        )));
-    }
-    let config_path = dir.join("config.json");
-    if !config_path.is_file() {
-        return Err(Error::Model(format!(
-            "model directory {} has no config.json",
-            dir.display()
-        )));
-    }
-    let config = ModelConfig::from_file(&config_path)?;
-    let tok_path = dir.join(TOKENIZER_FILE);
-    let tokenizer = if tok_path.is_file() {
-        Some(TextTokenizer::from_file(&tok_path)?)
-    } else {
-        None
-    };
+    let dir = model_dir_or_default(cli.model.as_deref(), "mla-run");
+    let (config, tokenizer) = read_model_dir(&dir)?;
     let prompt = match (&cli.prompt_ids, &cli.prompt, &tokenizer) {
         (Some(ids), _, _) => ids.clone(),
         (None, text, Some(tok)) => tok.encode(text.as_deref().unwrap_or(DEFAULT_PROMPT))?,
@@ -231,10 +184,7 @@ fn plan(cli: &Cli) -> Result<Plan> {
             );
         }
     }
-    let format = match cli.kv_cache {
-        KvCache::Bf16 => CacheFormat::Bf16,
-        KvCache::Fp8 => CacheFormat::Fp8DsMla,
-    };
+    let format = cli.kv_cache.format();
     format.check_dims(config.mla_dims())?;
     let sampler = SamplerConfig {
         temperature: cli.temperature,
@@ -261,77 +211,18 @@ fn plan(cli: &Cli) -> Result<Plan> {
 
 /// Opens the device and checks the run fits it, before a weight is read.
 fn open(plan: &Plan) -> Result<(Arc<dyn Backend>, Checkpoint)> {
-    let (backend, why) = open_device(plan.device)?;
-    if why.is_empty() {
-        eprintln!("mla-run: device {}", backend.device_name());
-    } else {
-        eprintln!("mla-run: device {} ({why})", backend.device_name());
-    }
-    let c = &plan.config;
-    log::info!(
-        "config: {} ({}), {} layers, hidden {}, {} heads, {} routed experts ({} per token), index_topk {}, vocab {}{}",
-        plan.dir.display(),
-        c.arch.model_type(),
-        c.num_hidden_layers,
-        c.hidden_size,
-        c.num_attention_heads,
-        c.n_routed_experts,
-        c.num_experts_per_tok,
-        c.index_topk,
-        c.vocab_size,
-        match c.fp8 {
-            Some(f) => format!(", FP8 weights in {:?} blocks", f.block),
-            None => String::new(),
-        }
-    );
-    let ckpt = Checkpoint::open(&plan.dir, plan.config.fp8.map(|f| f.block))?;
-    let mem = memory_plan(
+    open_checked(
+        "mla-run",
+        plan.device,
+        &plan.dir,
         &plan.config,
-        &ckpt,
         &plan.cache,
         PREFILL_CHUNK.min(plan.prompt.len().max(1)) as u64,
-    );
-    log::info!(
-        "memory plan: weights {}, caches {} ({} positions, {} cache), activations {}",
-        gib(mem.weights),
-        gib(mem.caches),
-        plan.cache.max_seq_len,
-        plan.cache.format.name(),
-        gib(mem.activations)
-    );
-    if let Some((free, total)) = backend.memory_info() {
-        log::info!("device memory: {} free of {}", gib(free), gib(total));
-        let what = match backend.kind() {
-            BackendKind::Cpu => "host",
-            _ => "device",
-        };
-        mem.check(free, what)?;
-    }
-    Ok((backend, ckpt))
+    )
 }
 
 fn load(plan: &Plan, backend: Arc<dyn Backend>, ckpt: &Checkpoint) -> Result<Model> {
-    let total = Model::tensor_count(&plan.config) as u64;
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "loading weights {bar:40} {pos}/{len} tensors {elapsed}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let t0 = Instant::now();
-    let model = Model::from_checkpoint(plan.config.clone(), ckpt, backend, &mut |done, _| {
-        bar.set_position(done as u64)
-    });
-    bar.finish_and_clear();
-    let model = model?;
-    log::info!(
-        "loaded {} of weights in {:.2} s ({} on the device)",
-        gib(model.loaded_bytes()),
-        t0.elapsed().as_secs_f64(),
-        gib(model.weight_bytes())
-    );
-    Ok(model)
+    load_with_progress(&plan.config, backend, ckpt)
 }
 
 struct Summary {
