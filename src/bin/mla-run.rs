@@ -104,6 +104,18 @@ struct Cli {
     #[arg(long)]
     bench: bool,
 
+    /// Chat: read a message per line from stdin, answer it with the model's chat template
+    /// (tokenizer_config.json or chat_template.jinja), and keep the conversation's cache
+    /// between turns (only the new part of the prompt runs). -n caps each answer. Lines
+    /// /reset (forget the conversation) and /exit; Ctrl-D also ends. With --output json,
+    /// one object per turn.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids", "bench"])]
+    chat: bool,
+
+    /// System message that opens the --chat conversation.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
+
     /// text: the continuation as it is generated, then a speed line.
     /// json: one object per token ({"id", "text", "logprob"}) and a final summary object.
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t = Output::Text)]
@@ -245,6 +257,9 @@ fn run(cli: &Cli) -> Result<()> {
     model.set_graphs(cli.cuda_graphs == Switch::On);
     if cli.bench {
         return bench(cli, &plan, &model);
+    }
+    if cli.chat {
+        return chat::run(cli, &plan, &model);
     }
     let mut sampler = Sampler::new(plan.sampler)?;
     let mut seq = model.new_sequence(plan.cache)?;
@@ -462,6 +477,140 @@ fn report(out: &mut impl Write, cli: &Cli, s: &Summary, note: &str) -> std::io::
             });
             writeln!(out, "{obj}")
         }
+    }
+}
+
+mod chat {
+    //! `mla-run --chat`: the conversation is re-rendered through the template each turn,
+    //! and the cache keeps the longest prefix it shares with what is already there.
+
+    use super::*;
+    use sparse_mla::chat::{reusable_prefix, ChatMessage, ChatTemplate};
+    use std::io::BufRead;
+
+    pub fn run(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
+        let tok = plan.tokenizer.as_ref().ok_or_else(|| {
+            Error::Model(format!(
+                "--chat needs {TOKENIZER_FILE} in {}",
+                plan.dir.display()
+            ))
+        })?;
+        let template = ChatTemplate::from_model_dir(&plan.dir)?.ok_or_else(|| {
+            Error::Model(format!(
+                "--chat needs a chat template: {} has no chat_template in tokenizer_config.json and no chat_template.jinja",
+                plan.dir.display()
+            ))
+        })?;
+        let mut sampler = Sampler::new(plan.sampler)?;
+        let mut seq = model.new_sequence(plan.cache)?;
+        let opening: Vec<ChatMessage> = cli
+            .system
+            .iter()
+            .map(|s| ChatMessage::new("system", s))
+            .collect();
+        let mut messages = opening.clone();
+        // The tokens whose cache rows are written, in order.
+        let mut cached: Vec<u32> = Vec::new();
+        let json = cli.output == Output::Json;
+        let out = std::io::stdout();
+        let mut out = out.lock();
+        let io = |e: std::io::Error| Error::Io {
+            path: "stdout".into(),
+            source: e,
+        };
+        eprintln!(
+            "mla-run: chat with {} (one message per line; /reset forgets, /exit or Ctrl-D ends)",
+            plan.dir.display()
+        );
+        let stdin = std::io::stdin();
+        let mut turn = 0;
+        for line in stdin.lock().lines() {
+            let line = line.map_err(|e| Error::Io {
+                path: "stdin".into(),
+                source: e,
+            })?;
+            let text = line.trim();
+            match text {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    messages = opening.clone();
+                    cached.clear();
+                    seq.cache.truncate(seq.id, 0)?;
+                    eprintln!("mla-run: conversation reset");
+                    continue;
+                }
+                _ => {}
+            }
+            messages.push(ChatMessage::new("user", text));
+            let ids = tok.encode_with(&template.render(&messages, true)?, false)?;
+            if ids.len() >= plan.cache.max_seq_len {
+                messages.pop();
+                eprintln!(
+                    "mla-run: the conversation would be {} tokens, past --max-seq-len {}: /reset or a shorter message",
+                    ids.len(),
+                    plan.cache.max_seq_len
+                );
+                continue;
+            }
+            turn += 1;
+            let t0 = Instant::now();
+            let keep = reusable_prefix(&cached, &ids);
+            seq.cache.truncate(seq.id, keep)?;
+            cached.truncate(keep);
+            let mut logits = None;
+            for chunk in ids[keep..].chunks(PREFILL_CHUNK) {
+                logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
+            }
+            cached.extend_from_slice(&ids[keep..]);
+            let mut logits = logits.ok_or_else(|| Error::Model("nothing to run".into()))?;
+            let mut stream = TextStream::new(tok);
+            let mut reply_ids = Vec::new();
+            let mut reply = String::new();
+            for i in 0..cli.n {
+                let id = sampler.sample(model.device(), &logits)?[0].id;
+                if model.config.is_eos(id) {
+                    break;
+                }
+                reply_ids.push(id);
+                let piece = stream.push(id)?;
+                if !json {
+                    write!(out, "{piece}").map_err(io)?;
+                    out.flush().map_err(io)?;
+                }
+                reply.push_str(&piece);
+                if i + 1 == cli.n || seq.len() + 1 >= plan.cache.max_seq_len {
+                    break;
+                }
+                logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+                cached.push(id);
+            }
+            let rest = stream.finish()?;
+            reply.push_str(&rest);
+            let secs = t0.elapsed().as_secs_f64();
+            if json {
+                let obj = serde_json::json!({
+                    "turn": turn,
+                    "reply": reply,
+                    "ids": reply_ids,
+                    "prompt_tokens": ids.len(),
+                    "reused_tokens": keep,
+                    "seconds": secs,
+                });
+                writeln!(out, "{obj}").map_err(io)?;
+            } else {
+                writeln!(out, "{rest}").map_err(io)?;
+                eprintln!(
+                    "[turn {turn}: {} prompt tokens, {keep} reused from the cache, {} generated, {:.1} tok/s]",
+                    ids.len(),
+                    reply_ids.len(),
+                    rate(reply_ids.len(), secs)
+                );
+            }
+            out.flush().map_err(io)?;
+            messages.push(ChatMessage::new("assistant", &reply));
+        }
+        Ok(())
     }
 }
 
