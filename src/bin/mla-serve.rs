@@ -12,8 +12,8 @@ use sparse_mla::chat::ChatTemplate;
 use sparse_mla::cli::{
     load_with_progress, model_dir_or_default, open_checked, read_model_dir, KvCacheArg, PAGE_SIZE,
 };
-use sparse_mla::model::CacheOptions;
-use sparse_mla::runtime::DeviceSpec;
+use sparse_mla::model::{CacheOptions, Model, TextTokenizer};
+use sparse_mla::runtime::{open_device, DeviceSpec};
 use sparse_mla::serve::{EngineOptions, ServeOptions, Server};
 use sparse_mla::{Error, Result};
 
@@ -100,6 +100,20 @@ struct Cli {
     /// Replay decode steps from CUDA graphs (CUDA only; other devices ignore it).
     #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = Switch::On)]
     cuda_graphs: Switch,
+
+    /// Serve a true-width model with random weights made on the device instead of a
+    /// checkpoint: glm5 or deepseek-v32. For load runs at real size; there is no tokenizer,
+    /// so prompts are token ids (below the shape's vocabulary: 154880 / 129280).
+    #[arg(long, value_name = "SHAPE", conflicts_with = "model")]
+    synthetic: Option<String>,
+
+    /// Layers of the --synthetic model: DENSE,MOE.
+    #[arg(long, value_name = "D,M", value_delimiter = ',', default_value = "1,3")]
+    synthetic_layers: Vec<usize>,
+
+    /// Weights of the --synthetic model: fp8 (block-scaled e4m3, as the releases ship) or bf16.
+    #[arg(long, value_name = "fp8|bf16", default_value = "fp8")]
+    synthetic_weights: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -108,8 +122,57 @@ enum Switch {
     Off,
 }
 
+/// `--synthetic`: the shape's model on the device, no checkpoint.
+fn synthetic_load(
+    cli: &Cli,
+    shape: &str,
+    device: DeviceSpec,
+) -> Result<(String, Box<dyn FnOnce() -> Result<Model> + Send>)> {
+    use sparse_mla::model::synthetic::{self, Shape};
+    let shape = [Shape::Glm5, Shape::DeepseekV32]
+        .into_iter()
+        .find(|s| s.name() == shape)
+        .ok_or_else(|| Error::arg("--synthetic", "glm5 or deepseek-v32", shape))?;
+    let [dense, moe] = cli.synthetic_layers[..] else {
+        return Err(Error::arg(
+            "--synthetic-layers",
+            "DENSE,MOE (two counts)",
+            format!("{:?}", cli.synthetic_layers),
+        ));
+    };
+    let fp8 = match cli.synthetic_weights.as_str() {
+        "fp8" => true,
+        "bf16" => false,
+        other => return Err(Error::arg("--synthetic-weights", "fp8 or bf16", other)),
+    };
+    let (backend, why) = open_device(device)?;
+    eprintln!(
+        "mla-serve: device {}{}",
+        backend.device_name(),
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!(" ({why})")
+        }
+    );
+    let name = format!(
+        "{}-{}dense-{}moe-{}-random",
+        shape.name(),
+        dense,
+        moe,
+        cli.synthetic_weights
+    );
+    Ok((
+        name,
+        Box::new(move || synthetic::build(shape, dense, moe, fp8, backend, 0x5eed)),
+    ))
+}
+
 fn run(cli: Cli) -> Result<()> {
     let device = DeviceSpec::parse(&cli.device)?;
+    if let Some(shape) = cli.synthetic.clone() {
+        return serve_synthetic(&cli, &shape, device);
+    }
     let dir = model_dir_or_default(cli.model.as_deref(), "mla-serve");
     let (config, tokenizer) = read_model_dir(&dir)?;
     let chat = ChatTemplate::from_model_dir(&dir)?;
@@ -124,28 +187,8 @@ fn run(cli: Cli) -> Result<()> {
             dir.display()
         );
     }
-    let format = cli.kv_cache.format();
-    format.check_dims(config.mla_dims())?;
-    if !(cli.drain_timeout.is_finite() && cli.drain_timeout >= 0.0) {
-        return Err(Error::arg(
-            "--drain-timeout",
-            "seconds ≥ 0",
-            cli.drain_timeout,
-        ));
-    }
-    let cache = CacheOptions {
-        format,
-        page_size: PAGE_SIZE,
-        max_seq_len: cli.max_seq_len,
-        max_seqs: cli.max_batch,
-        num_pages: cli.cache_pages,
-    };
-    let engine = EngineOptions {
-        cache,
-        max_step_tokens: cli.max_step_tokens,
-        cuda_graphs: cli.cuda_graphs == Switch::On,
-    };
-    engine.validate()?;
+    cli.kv_cache.format().check_dims(config.mla_dims())?;
+    let engine = engine_options(&cli)?;
     let model_name = cli.served_model_name.clone().unwrap_or_else(|| {
         dir.file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -156,22 +199,68 @@ fn run(cli: Cli) -> Result<()> {
         device,
         &dir,
         &config,
-        &cache,
+        &engine.cache,
         cli.max_step_tokens as u64,
     )?;
-    let load_config = config.clone();
-    let load = Box::new(move || load_with_progress(&load_config, backend, &ckpt));
+    let load = Box::new(move || load_with_progress(&config, backend, &ckpt));
     let opts = ServeOptions {
         addr: SocketAddr::new(cli.host, cli.port),
-        model_name: model_name.clone(),
+        model_name,
         engine,
         max_queue: cli.max_queue,
         drain_timeout: Duration::from_secs_f64(cli.drain_timeout),
     };
+    serve(&cli, opts, load, tokenizer, chat)
+}
+
+fn serve_synthetic(cli: &Cli, shape: &str, device: DeviceSpec) -> Result<()> {
+    let engine = engine_options(cli)?;
+    let (name, load) = synthetic_load(cli, shape, device)?;
+    let opts = ServeOptions {
+        addr: SocketAddr::new(cli.host, cli.port),
+        model_name: cli.served_model_name.clone().unwrap_or(name),
+        engine,
+        max_queue: cli.max_queue,
+        drain_timeout: Duration::from_secs_f64(cli.drain_timeout),
+    };
+    serve(cli, opts, load, None, None)
+}
+
+fn engine_options(cli: &Cli) -> Result<EngineOptions> {
+    if !(cli.drain_timeout.is_finite() && cli.drain_timeout >= 0.0) {
+        return Err(Error::arg(
+            "--drain-timeout",
+            "seconds ≥ 0",
+            cli.drain_timeout,
+        ));
+    }
+    let engine = EngineOptions {
+        cache: CacheOptions {
+            format: cli.kv_cache.format(),
+            page_size: PAGE_SIZE,
+            max_seq_len: cli.max_seq_len,
+            max_seqs: cli.max_batch,
+            num_pages: cli.cache_pages,
+        },
+        max_step_tokens: cli.max_step_tokens,
+        cuda_graphs: cli.cuda_graphs == Switch::On,
+    };
+    engine.validate()?;
+    Ok(engine)
+}
+
+fn serve(
+    cli: &Cli,
+    opts: ServeOptions,
+    load: Box<dyn FnOnce() -> Result<Model> + Send>,
+    tokenizer: Option<TextTokenizer>,
+    chat: Option<ChatTemplate>,
+) -> Result<()> {
+    let (name, cache) = (opts.model_name.clone(), opts.engine.cache);
     let mut server = Server::start(opts, load, tokenizer.map(Arc::new), chat)?;
     server.stop_on_signals();
     eprintln!(
-        "mla-serve: serving `{model_name}` at {} (batch ≤ {}, context {} tokens, {} cache pages of {PAGE_SIZE})",
+        "mla-serve: serving `{name}` at {} (batch ≤ {}, context {} tokens, {} cache pages of {PAGE_SIZE})",
         server.url(),
         cli.max_batch,
         cli.max_seq_len,
