@@ -12,9 +12,9 @@ use sparse_mla::chat::ChatTemplate;
 use sparse_mla::cli::{
     load_with_progress, model_dir_or_default, open_checked, read_model_dir, KvCacheArg, PAGE_SIZE,
 };
-use sparse_mla::model::{CacheOptions, Model, TextTokenizer};
+use sparse_mla::model::{CacheOptions, TextTokenizer};
 use sparse_mla::runtime::{open_device, DeviceSpec};
-use sparse_mla::serve::{EngineOptions, ServeOptions, Server};
+use sparse_mla::serve::{EngineOptions, ModelLoader, ServeOptions, Server};
 use sparse_mla::{Error, Result};
 
 #[derive(Parser, Debug)]
@@ -123,11 +123,7 @@ enum Switch {
 }
 
 /// `--synthetic`: the shape's model on the device, no checkpoint.
-fn synthetic_load(
-    cli: &Cli,
-    shape: &str,
-    device: DeviceSpec,
-) -> Result<(String, Box<dyn FnOnce() -> Result<Model> + Send>)> {
+fn synthetic_load(cli: &Cli, shape: &str, device: DeviceSpec) -> Result<(String, ModelLoader)> {
     use sparse_mla::model::synthetic::{self, Shape};
     let shape = [Shape::Glm5, Shape::DeepseekV32]
         .into_iter()
@@ -252,7 +248,7 @@ fn engine_options(cli: &Cli) -> Result<EngineOptions> {
 fn serve(
     cli: &Cli,
     opts: ServeOptions,
-    load: Box<dyn FnOnce() -> Result<Model> + Send>,
+    load: ModelLoader,
     tokenizer: Option<TextTokenizer>,
     chat: Option<ChatTemplate>,
 ) -> Result<()> {

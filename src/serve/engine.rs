@@ -148,7 +148,7 @@ impl Engine {
     /// cache; returns once it is ready, or with the error that stopped it.
     pub fn spawn(
         opts: EngineOptions,
-        load: Box<dyn FnOnce() -> Result<Model> + Send>,
+        load: super::ModelLoader,
         metrics: Arc<Metrics>,
     ) -> Result<Engine> {
         opts.validate()?;

@@ -36,6 +36,9 @@ use crate::{Error, Result};
 pub use engine::{EngineOptions, Limits};
 pub use metrics::EngineStats;
 
+/// What loads the model; it runs on the engine thread, where the model then lives.
+pub type ModelLoader = Box<dyn FnOnce() -> Result<Model> + Send>;
+
 /// Everything the server is started with.
 #[derive(Clone, Debug)]
 pub struct ServeOptions {
@@ -63,7 +66,7 @@ impl Server {
     /// thread), binds the address and starts serving. Returns once requests can be served.
     pub fn start(
         opts: ServeOptions,
-        load: Box<dyn FnOnce() -> Result<Model> + Send>,
+        load: ModelLoader,
         tokenizer: Option<Arc<TextTokenizer>>,
         chat: Option<ChatTemplate>,
     ) -> Result<Server> {
