@@ -601,9 +601,10 @@ async fn drive(
                         reason: "stop",
                         completion_tokens: generated,
                     }
-                } else if shown.is_empty() && tok.is_some() {
-                    continue;
                 } else {
+                    // Sent even when the text is held back (a partial character, a possible
+                    // stop string): the client sees every token as it comes, for its timing
+                    // and its logprobs; the text follows when it is final.
                     Piece::Text {
                         index,
                         text: shown,
