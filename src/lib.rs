@@ -8,8 +8,13 @@
 //! - [`kernels`]: each kernel described once (sparse MLA decode split + combine, ...);
 //! - [`reference`]: plain-Rust float64 references of every kernel;
 //! - [`runtime`]: CPU reference, wgpu and CUDA behind one small trait;
-//! - [`model`]: GLM-5 / DeepSeek-V3.2 forward pass.
+//! - [`model`]: GLM-5 / DeepSeek-V3.2 forward pass;
+//! - [`chat`]: chat templates (Jinja, from the model's tokenizer_config.json);
+//! - [`serve`]: `mla-serve`, the OpenAI-compatible server with continuous batching;
+//! - [`cli`]: what the model binaries share (model directory, device, loading).
 
+pub mod chat;
+pub mod cli;
 pub mod conformance;
 pub mod emit;
 pub mod error;
@@ -20,6 +25,8 @@ pub mod mla;
 pub mod model;
 pub mod reference;
 pub mod runtime;
+#[cfg(feature = "serve")]
+pub mod serve;
 pub mod testing;
 pub mod util;
 

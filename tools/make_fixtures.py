@@ -77,6 +77,30 @@ Tests compare the logits of a tiny random model with the logits that transformer
 PROMPT_TEXT = "The lightning indexer scores every earlier token and the kernel reads only the slots it picks."
 
 
+# The fixtures' chat template (mla-serve's /v1/chat/completions, mla-run --chat): GLM-style role
+# markers as plain text, since the tiny tokenizer's only special token is <|endoftext|>.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown role: ' + m.role) }}{% endif %}"
+    "<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def write_tokenizer_config(out_dir: str) -> None:
+    cfg = {
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "model_max_length": 4096,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+
+
 def make_tokenizer(vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -366,6 +390,7 @@ def build(name, seed, tok, out_dir):
         shutil.copy(os.path.join(tmp, "config.json"), out_dir)
         shutil.copy(os.path.join(tmp, "model.safetensors"), out_dir)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
+    write_tokenizer_config(out_dir)
     save_file(
         {
             "prompt_ids": torch.tensor(prompt_ids, dtype=torch.int64),

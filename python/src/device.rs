@@ -7,7 +7,7 @@ use sparse_mla::emit::cuda as emit_cuda;
 use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
 use sparse_mla::kernels::Launch;
 use sparse_mla::kir::Kernel;
-use sparse_mla::runtime::cuda::{compile_cached, driver_unavailable, nvrtc_unavailable};
+use sparse_mla::runtime::cuda::{driver_unavailable, load_module_cached, nvrtc_unavailable};
 use sparse_mla::{Error, Result};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -99,11 +99,7 @@ impl Dev {
         }
         let dynamic_smem = emit_cuda::dynamic_shared_bytes(kernel);
         let source = emit_cuda::emit(kernel)?;
-        let cubin = compile_cached(&kernel.name, &source, &self.arch)?;
-        let module = self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .map_err(|e| drv_err(&format!("loading {}", kernel.name), e))?;
+        let module = load_module_cached(&self.ctx, &kernel.name, &source, &self.arch)?;
         let function = module
             .load_function(&kernel.name)
             .map_err(|e| drv_err(&format!("finding {}", kernel.name), e))?;

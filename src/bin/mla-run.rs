@@ -1,27 +1,26 @@
 //! mla-run: generate text with GLM-5 / DeepSeek-V3.2 through sparse MLA decode.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use sparse_mla::mla::CacheFormat;
-use sparse_mla::model::memory::{gib, plan as memory_plan};
+use sparse_mla::cli::{
+    load_with_progress, model_dir_or_default, open_checked, read_model_dir, KvCacheArg as KvCache,
+    PAGE_SIZE,
+};
+use sparse_mla::model::memory::gib;
 use sparse_mla::model::tokenizer::{TextStream, TOKENIZER_FILE};
 use sparse_mla::model::weights::Checkpoint;
 use sparse_mla::model::{
     CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, TextTokenizer,
 };
-use sparse_mla::runtime::{open_device, Backend, BackendKind, DeviceSpec};
+use sparse_mla::runtime::{Backend, DeviceSpec};
 use sparse_mla::{Error, Result};
 use std::sync::Arc;
 
-/// The checked-in tiny GLM-5 (random weights) used when no --model is given.
-const DEFAULT_FIXTURE: &str = "tests/fixtures/glm_moe_dsa-tiny";
 const DEFAULT_PROMPT: &str = "The lightning indexer scores every earlier token";
-/// Tokens per cache page (vLLM's and FlashMLA's MLA page size).
-const PAGE_SIZE: usize = 64;
 /// The prompt is run in steps of at most this many tokens (bounds the activations).
 const PREFILL_CHUNK: usize = 256;
 
@@ -115,16 +114,22 @@ struct Cli {
     #[arg(long)]
     bench: bool,
 
+    /// Chat: read a message per line from stdin, answer it with the model's chat template
+    /// (tokenizer_config.json or chat_template.jinja), and keep the conversation's cache
+    /// between turns (only the new part of the prompt runs). -n caps each answer. Lines
+    /// /reset (forget the conversation) and /exit; Ctrl-D also ends. With --output json,
+    /// one object per turn.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids", "bench"])]
+    chat: bool,
+
+    /// System message that opens the --chat conversation.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    system: Option<String>,
+
     /// text: the continuation as it is generated, then a speed line.
     /// json: one object per token ({"id", "text", "logprob"}) and a final summary object.
     #[arg(long, value_enum, value_name = "FORMAT", default_value_t = Output::Text)]
     output: Output,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum KvCache {
-    Bf16,
-    Fp8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -147,17 +152,6 @@ fn peak_memory_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// The tiny GLM-5 fixture: in this source tree, or under the current directory (a binary
-/// carried to another machine with the repository).
-fn default_model_dir() -> PathBuf {
-    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FIXTURE);
-    if built.is_dir() {
-        built
-    } else {
-        PathBuf::from(DEFAULT_FIXTURE)
-    }
-}
-
 /// Everything checked before loading a single weight.
 struct Plan {
     dir: PathBuf,
@@ -171,43 +165,8 @@ struct Plan {
 
 fn plan(cli: &Cli) -> Result<Plan> {
     let device = DeviceSpec::parse(&cli.device)?;
-    let dir = match &cli.model {
-        Some(d) => d.clone(),
-        None => {
-            let d = default_model_dir();
-            eprintln!(
-                "mla-run: no --model given: running the tiny GLM-5 fixture at {} (random weights, so the text is gibberish)",
-                d.display()
-            );
-            d
-        }
-    };
-    if dir.is_file() {
-        return Err(Error::Model(format!(
-            "--model {} is a file; give the model directory that holds config.json and the safetensors",
-            dir.display()
-        )));
-    }
-    if !dir.is_dir() {
-        return Err(Error::Model(format!(
-            "model directory {} does not exist",
-            dir.display()
-        )));
-    }
-    let config_path = dir.join("config.json");
-    if !config_path.is_file() {
-        return Err(Error::Model(format!(
-            "model directory {} has no config.json",
-            dir.display()
-        )));
-    }
-    let config = ModelConfig::from_file(&config_path)?;
-    let tok_path = dir.join(TOKENIZER_FILE);
-    let tokenizer = if tok_path.is_file() {
-        Some(TextTokenizer::from_file(&tok_path)?)
-    } else {
-        None
-    };
+    let dir = model_dir_or_default(cli.model.as_deref(), "mla-run");
+    let (config, tokenizer) = read_model_dir(&dir)?;
     let prompt = match (&cli.prompt_ids, &cli.prompt, &tokenizer) {
         (Some(ids), _, _) => ids.clone(),
         (None, text, Some(tok)) => tok.encode(text.as_deref().unwrap_or(DEFAULT_PROMPT))?,
@@ -247,10 +206,7 @@ fn plan(cli: &Cli) -> Result<Plan> {
             );
         }
     }
-    let format = match cli.kv_cache {
-        KvCache::Bf16 => CacheFormat::Bf16,
-        KvCache::Fp8 => CacheFormat::Fp8DsMla,
-    };
+    let format = cli.kv_cache.format();
     format.check_dims(config.mla_dims())?;
     let sampler = SamplerConfig {
         temperature: cli.temperature,
@@ -292,96 +248,18 @@ fn plan(cli: &Cli) -> Result<Plan> {
 
 /// Opens the device and checks the run fits it, before a weight is read.
 fn open(plan: &Plan) -> Result<(Arc<dyn Backend>, Checkpoint)> {
-    let (backend, why) = open_device(plan.device)?;
-    if why.is_empty() {
-        eprintln!("mla-run: device {}", backend.device_name());
-    } else {
-        eprintln!("mla-run: device {} ({why})", backend.device_name());
-    }
-    let c = &plan.config;
-    log::info!(
-        "config: {} ({}), {} layers, hidden {}, {} heads, {} routed experts ({} per token), index_topk {}, vocab {}{}",
-        plan.dir.display(),
-        c.arch.model_type(),
-        c.num_hidden_layers,
-        c.hidden_size,
-        c.num_attention_heads,
-        c.n_routed_experts,
-        c.num_experts_per_tok,
-        c.index_topk,
-        c.vocab_size,
-        match c.fp8 {
-            Some(f) => format!(", FP8 weights in {:?} blocks", f.block),
-            None => String::new(),
-        }
-    );
-    let ckpt = Checkpoint::open(&plan.dir, plan.config.fp8.map(|f| f.block))?;
-    let mem = memory_plan(
+    open_checked(
+        "mla-run",
+        plan.device,
+        &plan.dir,
         &plan.config,
-        &ckpt,
         &plan.cache,
         PREFILL_CHUNK.min(plan.prompt.len().max(1)) as u64,
-    )?;
-    log::info!(
-        "memory plan: weights {}, caches {} ({} positions, {} cache), activations {}",
-        gib(mem.weights),
-        gib(mem.caches),
-        plan.cache.max_seq_len,
-        plan.cache.format.name(),
-        gib(mem.activations)
-    );
-    // Built on the host whatever the device (the RoPE table of every position).
-    let staging = sparse_mla::model::memory::host_staging_bytes(&plan.config, &plan.cache);
-    if let Some((free, _)) = sparse_mla::runtime::cpu::host_memory() {
-        if staging > free {
-            return Err(Error::Model(format!(
-                "the cache tables for --max-seq-len {} need {} of host memory while they are built, but {} is free; lower --max-seq-len",
-                plan.cache.max_seq_len,
-                gib(staging),
-                gib(free)
-            )));
-        }
-    }
-    if backend.memory_info().is_none() {
-        log::info!(
-            "{} does not report its memory: the plan ({}) is checked per buffer only",
-            backend.device_name(),
-            gib(mem.total())
-        );
-    }
-    if let Some((free, total)) = backend.memory_info() {
-        log::info!("device memory: {} free of {}", gib(free), gib(total));
-        let what = match backend.kind() {
-            BackendKind::Cpu => "host",
-            _ => "device",
-        };
-        mem.check(free, what)?;
-    }
-    Ok((backend, ckpt))
+    )
 }
 
 fn load(plan: &Plan, backend: Arc<dyn Backend>, ckpt: &Checkpoint) -> Result<Model> {
-    let total = Model::tensor_count(&plan.config) as u64;
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "loading weights {bar:40} {pos}/{len} tensors {elapsed}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let t0 = Instant::now();
-    let model = Model::from_checkpoint(plan.config.clone(), ckpt, backend, &mut |done, _| {
-        bar.set_position(done as u64)
-    });
-    bar.finish_and_clear();
-    let model = model?;
-    log::info!(
-        "loaded {} of weights in {:.2} s ({} on the device)",
-        gib(model.loaded_bytes()),
-        t0.elapsed().as_secs_f64(),
-        gib(model.weight_bytes())
-    );
-    Ok(model)
+    load_with_progress(&plan.config, backend, ckpt)
 }
 
 struct Summary {
@@ -404,6 +282,9 @@ fn run(cli: &Cli) -> Result<()> {
     model.set_graphs(cli.cuda_graphs == Switch::On);
     if cli.bench {
         return bench(cli, &plan, &model);
+    }
+    if cli.chat {
+        return chat::run(cli, &plan, &model);
     }
     let mut sampler = Sampler::new(plan.sampler)?;
     let mut seq = model.new_sequence(plan.cache)?;
@@ -621,6 +502,140 @@ fn report(out: &mut impl Write, cli: &Cli, s: &Summary, note: &str) -> std::io::
             });
             writeln!(out, "{obj}")
         }
+    }
+}
+
+mod chat {
+    //! `mla-run --chat`: the conversation is re-rendered through the template each turn,
+    //! and the cache keeps the longest prefix it shares with what is already there.
+
+    use super::*;
+    use sparse_mla::chat::{reusable_prefix, ChatMessage, ChatTemplate};
+    use std::io::BufRead;
+
+    pub fn run(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
+        let tok = plan.tokenizer.as_ref().ok_or_else(|| {
+            Error::Model(format!(
+                "--chat needs {TOKENIZER_FILE} in {}",
+                plan.dir.display()
+            ))
+        })?;
+        let template = ChatTemplate::from_model_dir(&plan.dir)?.ok_or_else(|| {
+            Error::Model(format!(
+                "--chat needs a chat template: {} has no chat_template in tokenizer_config.json and no chat_template.jinja",
+                plan.dir.display()
+            ))
+        })?;
+        let mut sampler = Sampler::new(plan.sampler)?;
+        let mut seq = model.new_sequence(plan.cache)?;
+        let opening: Vec<ChatMessage> = cli
+            .system
+            .iter()
+            .map(|s| ChatMessage::new("system", s))
+            .collect();
+        let mut messages = opening.clone();
+        // The tokens whose cache rows are written, in order.
+        let mut cached: Vec<u32> = Vec::new();
+        let json = cli.output == Output::Json;
+        let out = std::io::stdout();
+        let mut out = out.lock();
+        let io = |e: std::io::Error| Error::Io {
+            path: "stdout".into(),
+            source: e,
+        };
+        eprintln!(
+            "mla-run: chat with {} (one message per line; /reset forgets, /exit or Ctrl-D ends)",
+            plan.dir.display()
+        );
+        let stdin = std::io::stdin();
+        let mut turn = 0;
+        for line in stdin.lock().lines() {
+            let line = line.map_err(|e| Error::Io {
+                path: "stdin".into(),
+                source: e,
+            })?;
+            let text = line.trim();
+            match text {
+                "" => continue,
+                "/exit" | "/quit" => break,
+                "/reset" => {
+                    messages = opening.clone();
+                    cached.clear();
+                    seq.cache.truncate(seq.id, 0)?;
+                    eprintln!("mla-run: conversation reset");
+                    continue;
+                }
+                _ => {}
+            }
+            messages.push(ChatMessage::new("user", text));
+            let ids = tok.encode_with(&template.render(&messages, true)?, false)?;
+            if ids.len() >= plan.cache.max_seq_len {
+                messages.pop();
+                eprintln!(
+                    "mla-run: the conversation would be {} tokens, past --max-seq-len {}: /reset or a shorter message",
+                    ids.len(),
+                    plan.cache.max_seq_len
+                );
+                continue;
+            }
+            turn += 1;
+            let t0 = Instant::now();
+            let keep = reusable_prefix(&cached, &ids);
+            seq.cache.truncate(seq.id, keep)?;
+            cached.truncate(keep);
+            let mut logits = None;
+            for chunk in ids[keep..].chunks(PREFILL_CHUNK) {
+                logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
+            }
+            cached.extend_from_slice(&ids[keep..]);
+            let mut logits = logits.ok_or_else(|| Error::Model("nothing to run".into()))?;
+            let mut stream = TextStream::new(tok);
+            let mut reply_ids = Vec::new();
+            let mut reply = String::new();
+            for i in 0..cli.n {
+                let id = sampler.sample(model.device(), &logits)?[0].id;
+                if model.config.is_eos(id) {
+                    break;
+                }
+                reply_ids.push(id);
+                let piece = stream.push(id)?;
+                if !json {
+                    write!(out, "{piece}").map_err(io)?;
+                    out.flush().map_err(io)?;
+                }
+                reply.push_str(&piece);
+                if i + 1 == cli.n || seq.len() + 1 >= plan.cache.max_seq_len {
+                    break;
+                }
+                logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+                cached.push(id);
+            }
+            let rest = stream.finish()?;
+            reply.push_str(&rest);
+            let secs = t0.elapsed().as_secs_f64();
+            if json {
+                let obj = serde_json::json!({
+                    "turn": turn,
+                    "reply": reply,
+                    "ids": reply_ids,
+                    "prompt_tokens": ids.len(),
+                    "reused_tokens": keep,
+                    "seconds": secs,
+                });
+                writeln!(out, "{obj}").map_err(io)?;
+            } else {
+                writeln!(out, "{rest}").map_err(io)?;
+                eprintln!(
+                    "[turn {turn}: {} prompt tokens, {keep} reused from the cache, {} generated, {:.1} tok/s]",
+                    ids.len(),
+                    reply_ids.len(),
+                    rate(reply_ids.len(), secs)
+                );
+            }
+            out.flush().map_err(io)?;
+            messages.push(ChatMessage::new("assistant", &reply));
+        }
+        Ok(())
     }
 }
 

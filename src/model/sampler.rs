@@ -73,6 +73,12 @@ pub fn log_prob(logits: &[f32], id: u32) -> f32 {
     (logits[id as usize] as f64 - lse) as f32
 }
 
+/// The uniform in [0, 1) a row's draw uses: one per sampled token, so a server that keeps a
+/// generator per request replays a single-stream run with the same seed.
+pub fn draw_uniform(rng: &mut Rng) -> f32 {
+    (rng.unit() as f32).min(1.0 - f32::EPSILON / 2.0)
+}
+
 /// One sampled token.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Token {
@@ -98,7 +104,7 @@ impl Sampler {
     /// infinite logit is an error naming the row (nothing is sampled from it).
     pub fn sample(&mut self, device: &Device, logits: &Tensor) -> Result<Vec<Token>> {
         let uniforms: Vec<f32> = (0..logits.rows())
-            .map(|_| (self.rng.unit() as f32).min(1.0 - f32::EPSILON / 2.0))
+            .map(|_| draw_uniform(&mut self.rng))
             .collect();
         let top_k = u32::try_from(self.cfg.top_k).unwrap_or(u32::MAX);
         let out = device.sample(

@@ -48,11 +48,27 @@ impl TextTokenizer {
     /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds
     /// (what transformers' tokenizer call does by default).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// Token ids of `text`; `add_special_tokens: false` for text that already holds them (a
+    /// rendered chat template, as transformers' `apply_chat_template` tokenizes it).
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .inner
-            .encode(text, true)
+            .encode(text, add_special_tokens)
             .map_err(|e| Error::Model(format!("cannot tokenize the prompt: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The `tokenizers` tokenizer itself (for its streaming decoder).
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// The id of a token spelled exactly `text` in the vocabulary (special tokens included).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {

@@ -274,6 +274,40 @@ pub fn compile_cached(name: &str, source: &str, arch: &str) -> Result<CachedCubi
     })
 }
 
+/// Compiles `source` through the on-disk cache and loads it into `ctx`. A cached entry the
+/// driver refuses (whole and checksummed, yet unloadable: made by a driver-incompatible
+/// toolchain, say) is removed and compiled afresh, once.
+pub fn load_module_cached(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    source: &str,
+    arch: &str,
+) -> Result<Arc<cudarc::driver::CudaModule>> {
+    let cached = compile_cached(name, source, arch)?;
+    let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cached.cubin)) {
+        Ok(m) => m,
+        Err(e) if cached.from_cache.is_some() => {
+            let p = cached.from_cache.unwrap();
+            log::warn!(
+                "the driver refused the cached {} ({e:?}); removing {} and recompiling",
+                name,
+                p.display()
+            );
+            let _ = std::fs::remove_file(&p);
+            let cubin = compile_fresh(name, source, arch, Some(&p))?;
+            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .map_err(|e| {
+                    drv_err(
+                        &format!("loading {} (freshly compiled, cache {})", name, p.display()),
+                        e,
+                    )
+                })?
+        }
+        Err(e) => return Err(drv_err(&format!("loading {}", name), e)),
+    };
+    Ok(module)
+}
+
 /// Compiles and (when a cache directory exists) stores the entry at `path`.
 pub fn compile_fresh(name: &str, source: &str, arch: &str, path: Option<&Path>) -> Result<Vec<u8>> {
     let (major, minor) = nvrtc_version()?;
@@ -529,38 +563,7 @@ impl Device for CudaDevice {
         }
         let dynamic_shared = emit_cuda::dynamic_shared_bytes(kernel);
         let source = emit_cuda::emit(kernel)?;
-        let cached = compile_cached(&kernel.name, &source, &self.arch)?;
-        let module = match self
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cached.cubin))
-        {
-            Ok(m) => m,
-            // A cached entry the driver refuses (whole and checksummed, yet unloadable: made
-            // by a driver-incompatible toolchain, say): drop it and compile afresh, once.
-            Err(e) if cached.from_cache.is_some() => {
-                let p = cached.from_cache.unwrap();
-                log::warn!(
-                    "the driver refused the cached {} ({e:?}); removing {} and recompiling",
-                    kernel.name,
-                    p.display()
-                );
-                let _ = std::fs::remove_file(&p);
-                let cubin = compile_fresh(&kernel.name, &source, &self.arch, Some(&p))?;
-                self.ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                    .map_err(|e| {
-                        drv_err(
-                            &format!(
-                                "loading {} (freshly compiled, cache {})",
-                                kernel.name,
-                                p.display()
-                            ),
-                            e,
-                        )
-                    })?
-            }
-            Err(e) => return Err(drv_err(&format!("loading {}", kernel.name), e)),
-        };
+        let module = load_module_cached(&self.ctx, &kernel.name, &source, &self.arch)?;
         let function = module
             .load_function(&kernel.name)
             .map_err(|e| drv_err(&format!("finding {}", kernel.name), e))?;
