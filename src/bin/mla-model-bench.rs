@@ -59,6 +59,10 @@ struct Args {
     /// Skip the v1 linear kernel (the previous version) rows.
     #[arg(long)]
     no_baseline: bool,
+    /// Force the dense linear's weight rows per warp (1 = before batch sharing of x reads,
+    /// 4), to compare with the default policy (1 at one token, 4 from four).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["1", "4"]))]
+    linear_rows: Option<String>,
 }
 
 fn parse_shape(s: &str) -> Result<Shape> {
@@ -371,6 +375,10 @@ fn run_row(
 
 fn run(args: &Args) -> Result<()> {
     let spec = DeviceSpec::parse(&args.device)?;
+    if let Some(r) = &args.linear_rows {
+        sparse_mla::kernels::linear::set_rows_per_warp(r.parse().unwrap_or(0));
+        println!("dense linear: {r} weight row(s) per warp at every batch (--linear-rows)");
+    }
     let (backend, _) = open_device(spec)?;
     println!("device: {}", backend.device_name());
     let bw = copy_bandwidth(backend.as_ref())?;

@@ -11,9 +11,11 @@
 //!   summed with their routing weights into one output row.
 //!
 //! Work split (decode is GEMV-shaped: the weights are the bytes): a workgroup of 256 threads
-//! owns 8 output columns `n` (weight rows), 32 lanes per row reading consecutive 32-bit words
-//! of it, and `TB` tokens that share each weight word it reads; K is walked in chunks of 256
-//! with the chunk of `x` staged in workgroup memory. Lane partial sums are reduced at the end.
+//! is 8 warps of 32 lanes; each warp owns 1 or 4 output columns `n` (weight rows), its lanes
+//! reading consecutive 32-bit words of each, and `TB` tokens share each weight word read; K is
+//! walked in chunks with the chunk of `x` staged in workgroup memory, and an x value a lane
+//! reads from there serves all of its warp's rows (at 8 tokens and one row per warp, those
+//! reads, one per FMA, bounded the kernel). Lane partial sums are reduced at the end.
 
 use super::view::{load_f32, DType, View, ViewArgs, WeightLayout, WeightType};
 use super::{lowered, pack, KernelCache, Launch, ParamValue};
@@ -45,6 +47,28 @@ pub fn chunk_for(tokens_per_wg: u32) -> u32 {
 
 static BASELINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Benchmarks only: 0 = the policy of [`rows_per_warp`], otherwise that many rows per warp.
+static ROWS_OVERRIDE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Benchmarks only: force the dense linear's rows per warp (1 or 4; 0 restores the policy),
+/// so one run can compare them.
+pub fn set_rows_per_warp(rows: u32) {
+    ROWS_OVERRIDE.store(rows, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Weight rows per warp of the dense linear for `tokens_per_wg` tokens: 1 at one token (the
+/// weight loads bound it), 4 from 4 tokens (the x reads from workgroup memory would).
+pub fn rows_per_warp(tokens_per_wg: u32) -> u32 {
+    if baseline() {
+        return 1;
+    }
+    match ROWS_OVERRIDE.load(std::sync::atomic::Ordering::Relaxed) {
+        r @ (1 | 4) => r,
+        _ if tokens_per_wg <= 1 => 1,
+        _ => 4,
+    }
+}
+
 /// Benchmarks only: run the v1 configuration (256-element chunks, no split-K) so that one run
 /// can show the previous version beside this one.
 pub fn set_baseline(v1: bool) {
@@ -71,16 +95,25 @@ pub struct LinearConfig {
     /// Split K over the grid's z: each split writes its partial sums to `partials`, and
     /// [`split_reduce_kernel`] adds them up.
     pub split: bool,
+    /// Weight rows each warp owns (1, 2 or 4; the policy uses 1 and 4): every x value a lane reads from workgroup
+    /// memory then serves that many rows, so at 4–8 tokens the shared-memory loads (one per
+    /// FMA at one row) stop bounding the kernel.
+    pub rows_per_warp: u32,
 }
 
 impl LinearConfig {
     pub fn name(&self) -> String {
         format!(
-            "linear_x{}_w{}_t{}_c{}{}{}",
+            "linear_x{}_w{}_t{}_c{}{}{}{}",
             self.x.name(),
             self.w.name(),
             self.tokens_per_wg,
             self.chunk,
+            if self.rows_per_warp > 1 {
+                format!("_r{}", self.rows_per_warp)
+            } else {
+                String::new()
+            },
             if self.accumulate { "_acc" } else { "" },
             if self.split { "_split" } else { "" }
         )
@@ -173,9 +206,10 @@ fn word_values(wt: WeightType, word: &Expr) -> Vec<Expr> {
 /// so 1 — with the body branch-free, which lets the CUDA compiler unroll the loop itself.
 const UNROLL: u32 = 1;
 
-/// This thread's share of one K chunk: for each of its words of weight row `wbase`,
-/// `acc[t] += Σ_e W · xs[t, e]` (times the word's block scale for FP8). `kc` is the chunk's
-/// first element; `row_words` bounds the row. Words are taken [`UNROLL`] at a time, all
+/// This thread's share of one K chunk: for each of its words of each weight row `r` (`rows[r]`
+/// = the row's first word and, for FP8, its scale row), `acc[r][t] += Σ_e W · xs[t, e]`
+/// (times the word's block scale for FP8), each x value read once for all the rows. `kc` is
+/// the chunk's first element; `row_words` bounds the row. Words are taken [`UNROLL`] at a time, all
 /// loads first; a word past the chunk or the row reads as zero (its index clamped, never
 /// out of bounds).
 #[allow(clippy::too_many_arguments)]
@@ -183,14 +217,14 @@ fn chunk_dot(
     b: &mut KernelBuilder,
     wt: WeightType,
     w: &Buf,
-    fp8: Option<(&Fp8Args, &Expr)>,
-    wbase: &Expr,
+    fp8: Option<&Fp8Args>,
+    rows: &[(Expr, Option<Expr>)],
     kc: &Expr,
     row_words: &Expr,
     xs: &Shared,
     chunk: u32,
     lane: &Expr,
-    acc: &[Expr],
+    acc: &[Vec<Expr>],
 ) {
     let pw = wt.per_word();
     let chunk_words = chunk / pw;
@@ -199,6 +233,7 @@ fn chunk_dot(
     } else {
         UNROLL
     };
+    let tb = acc[0].len() as u32;
     b.for_(
         "wi",
         lane.clone(),
@@ -208,57 +243,77 @@ fn chunk_dot(
             let mut words = Vec::new();
             for q in 0..unroll {
                 let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
-                let gw = kc.clone() / u(pw) + cw.clone();
+                let gw = b.let_(&format!("gw{q}"), kc.clone() / u(pw) + cw.clone());
                 let ok = b.let_(
                     &format!("ok{q}"),
                     cw.clone()
                         .lt(u(chunk_words))
                         .and(gw.clone().lt(row_words.clone())),
                 );
-                let idx = select(ok.clone(), wbase.clone() + gw, wbase.clone());
-                let raw = b.let_(&format!("raw{q}"), w.word(idx));
-                words.push((cw, ok, raw));
-            }
-            for (q, (cw, ok, raw)) in words.into_iter().enumerate() {
-                let word = b.let_(&format!("word{q}"), select(ok.clone(), raw, u(0)));
-                let vals: Vec<Expr> = word_values(wt, &word)
-                    .into_iter()
+                let raws: Vec<Expr> = rows
+                    .iter()
                     .enumerate()
-                    .map(|(e, v)| b.let_(&format!("w{q}_{e}"), v))
+                    .map(|(r, (wbase, _))| {
+                        let idx = select(ok.clone(), wbase.clone() + gw.clone(), wbase.clone());
+                        b.let_(&format!("raw{q}_{r}"), w.word(idx))
+                    })
                     .collect();
+                words.push((cw, ok, raws));
+            }
+            for (q, (cw, ok, raws)) in words.into_iter().enumerate() {
                 let xcol = b.let_(
                     &format!("xcol{q}"),
                     select(ok.clone(), cw.clone() * u(pw), u(0)),
                 );
-                let scale = fp8.map(|(f, sbase)| {
-                    let col = kc.clone() + xcol.clone();
-                    b.let_(
-                        &format!("s{q}"),
-                        f.scale.at(sbase.clone()
-                            + if baseline() {
-                                col / f.block_cols.clone()
-                            } else {
-                                ((col.as_f32() + crate::kir::builder::f(0.5))
-                                    * f.inv_block_cols.clone())
-                                .as_u32()
-                            }),
-                    )
-                });
-                for (t, a) in acc.iter().enumerate() {
-                    let mut part: Option<Expr> = None;
-                    for (e, v) in vals.iter().enumerate() {
-                        let xv = xs.at(u(t as u32 * chunk) + xcol.clone() + u(e as u32));
-                        part = Some(match part {
-                            None => v.clone() * xv,
-                            Some(p) => fma(v.clone(), xv, p),
-                        });
+                // x of this word's columns, read once for all the warp's rows
+                let xv: Vec<Vec<Expr>> = (0..tb)
+                    .map(|t| {
+                        (0..pw)
+                            .map(|e| {
+                                b.let_(
+                                    &format!("x{q}_{t}_{e}"),
+                                    xs.at(u(t * chunk) + xcol.clone() + u(e)),
+                                )
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for (r, ((_, sbase), raw)) in rows.iter().zip(raws).enumerate() {
+                    let word = b.let_(&format!("word{q}_{r}"), select(ok.clone(), raw, u(0)));
+                    let vals: Vec<Expr> = word_values(wt, &word)
+                        .into_iter()
+                        .enumerate()
+                        .map(|(e, v)| b.let_(&format!("w{q}_{r}_{e}"), v))
+                        .collect();
+                    let scale = fp8.zip(sbase.as_ref()).map(|(f, sbase)| {
+                        let col = kc.clone() + xcol.clone();
+                        b.let_(
+                            &format!("s{q}_{r}"),
+                            f.scale.at(sbase.clone()
+                                + if baseline() {
+                                    col / f.block_cols.clone()
+                                } else {
+                                    ((col.as_f32() + crate::kir::builder::f(0.5))
+                                        * f.inv_block_cols.clone())
+                                    .as_u32()
+                                }),
+                        )
+                    });
+                    for (t, a) in acc[r].iter().enumerate() {
+                        let mut part: Option<Expr> = None;
+                        for (v, x) in vals.iter().zip(&xv[t]) {
+                            part = Some(match part {
+                                None => v.clone() * x.clone(),
+                                Some(p) => fma(v.clone(), x.clone(), p),
+                            });
+                        }
+                        let part = part.unwrap_or_else(|| f(0.0));
+                        let part = match &scale {
+                            Some(s) => part * s.clone(),
+                            None => part,
+                        };
+                        b.set(a, a.clone() + part);
                     }
-                    let part = part.unwrap_or_else(|| f(0.0));
-                    let part = match &scale {
-                        Some(s) => part * s.clone(),
-                        None => part,
-                    };
-                    b.set(a, a.clone() + part);
                 }
             }
         },
@@ -279,6 +334,11 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
             chunk,
         ));
     }
+    let rpw = cfg.rows_per_warp;
+    if ![1, 2, 4].contains(&rpw) {
+        return Err(Error::arg("rows_per_warp", "1, 2 or 4", rpw));
+    }
+    let rows_wg = ROWS_PER_WG * rpw;
     let mut b = KernelBuilder::new(cfg.name(), THREADS);
     b.doc(format!(
         "Linear: y[t, n] {}= sum_k x[t, k] * W[n, k]; x {} (strided view), W {} [n_out, k_in], y f32 (strided view), f32 accumulation.",
@@ -287,7 +347,7 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
         cfg.w.name()
     ));
     b.doc(format!(
-        "Grid: x = ceil(n_out / {ROWS_PER_WG}), y = ceil(tokens / {tb}){}. Each workgroup: {ROWS_PER_WG} weight rows x {LANES} lanes over 32-bit words, {tb} tokens per weight word, K staged {chunk} at a time.",
+        "Grid: x = ceil(n_out / {rows_wg}), y = ceil(tokens / {tb}){}. Each workgroup: {rows_wg} weight rows ({rpw} per warp of {LANES} lanes over 32-bit words), {tb} tokens per weight word, K staged {chunk} at a time.",
         if cfg.split { ", z = splits (split z takes K from z * k_split, and writes partials[z, t, n])" } else { "" }
     ));
     if matches!(cfg.w, WeightType::Fp8 { .. }) {
@@ -329,19 +389,34 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
 
     let lane = b.let_("lane", local_id() % u(LANES));
     let rsub = b.let_("rsub", local_id() / u(LANES));
-    let n = b.let_("n", workgroup_id(0) * u(ROWS_PER_WG) + rsub.clone());
     let t0 = b.let_("t0", workgroup_id(1) * u(tb));
-    let n_ok = b.let_("n_ok", n.clone().lt(n_out.clone()));
     let pw = cfg.w.per_word();
     let row_words = b.let_("row_words", k_in.clone() / u(pw));
-    let wbase = b.let_(
-        "wbase",
-        select(n_ok.clone(), n.clone(), u(0)) * row_words.clone(),
+    // The warp's rows n_r = first + r; one past N reads row 0 (never stored).
+    let first = b.let_(
+        "n_first",
+        workgroup_id(0) * u(rows_wg) + rsub.clone() * u(rpw),
     );
-    let sbase = fp8
-        .as_ref()
-        .map(|f| scale_row_base(&mut b, f, &select(n_ok.clone(), n.clone(), u(0))));
-    let acc: Vec<Expr> = (0..tb).map(|t| b.var(&format!("acc{t}"), f(0.0))).collect();
+    let mut ns = Vec::new();
+    let mut n_oks = Vec::new();
+    let mut rows = Vec::new();
+    for r in 0..rpw {
+        let n = b.let_(&format!("n{r}"), first.clone() + u(r));
+        let n_ok = b.let_(&format!("n_ok{r}"), n.clone().lt(n_out.clone()));
+        let safe = select(n_ok.clone(), n.clone(), u(0));
+        let wbase = b.let_(&format!("wbase{r}"), safe.clone() * row_words.clone());
+        let sbase = fp8.as_ref().map(|f| scale_row_base(&mut b, f, &safe));
+        ns.push(n);
+        n_oks.push(n_ok);
+        rows.push((wbase, sbase));
+    }
+    let acc: Vec<Vec<Expr>> = (0..rpw)
+        .map(|r| {
+            (0..tb)
+                .map(|t| b.var(&format!("acc{r}_{t}"), f(0.0)))
+                .collect()
+        })
+        .collect();
 
     let k0 = b.let_("k0", workgroup_id(2) * k_split.clone());
     let k1 = b.let_("k1", (k0.clone() + k_split.clone()).min(k_in.clone()));
@@ -365,13 +440,13 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
             });
         }
         b.barrier();
-        b.if_(n_ok.clone(), |b| {
+        b.if_(n_oks[0].clone(), |b| {
             chunk_dot(
                 b,
                 cfg.w,
                 &w,
-                fp8.as_ref().zip(sbase.as_ref()),
-                &wbase,
+                fp8.as_ref(),
+                &rows,
                 &kc,
                 &row_words,
                 &xs,
@@ -382,43 +457,45 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
         });
     });
 
-    b.comment("reduce the 32 lane partials of each (row, token) through workgroup memory");
-    b.barrier();
-    for (t, a) in acc.iter().enumerate() {
-        b.shared_store(
-            &xs,
-            (rsub.clone() * u(LANES) + lane.clone()) * u(tb) + u(t as u32),
-            a.clone(),
+    b.comment("reduce the 32 lane partials of each (row, token) through workgroup memory, one of the warp's rows at a time");
+    let tt = b.let_("tt", t0.clone() + lane.clone());
+    for (r, (n, n_ok)) in ns.iter().zip(&n_oks).enumerate() {
+        b.barrier();
+        for (t, a) in acc[r].iter().enumerate() {
+            b.shared_store(
+                &xs,
+                (rsub.clone() * u(LANES) + lane.clone()) * u(tb) + u(t as u32),
+                a.clone(),
+            );
+        }
+        b.barrier();
+        b.if_(
+            lane.clone()
+                .lt(u(tb))
+                .and(n_ok.clone())
+                .and(tt.clone().lt(tokens.clone())),
+            |b| {
+                let sum = b.var("sum", f(0.0));
+                b.for_("l", u(0), u(LANES), u(1), |b, l| {
+                    let v = xs.at((rsub.clone() * u(LANES) + l) * u(tb) + lane.clone());
+                    b.set(&sum, sum.clone() + v);
+                });
+                if cfg.split {
+                    let pi =
+                        (workgroup_id(2) * tokens.clone() + tt.clone()) * n_out.clone() + n.clone();
+                    b.store(&y, pi, sum.clone());
+                } else {
+                    let yi = b.let_("yi", yv.at(tt.clone(), n.clone()));
+                    let out = if cfg.accumulate {
+                        y.at(yi.clone()) + sum.clone()
+                    } else {
+                        sum.clone()
+                    };
+                    b.store(&y, yi, out);
+                }
+            },
         );
     }
-    b.barrier();
-    let tt = b.let_("tt", t0.clone() + lane.clone());
-    b.if_(
-        lane.clone()
-            .lt(u(tb))
-            .and(n_ok.clone())
-            .and(tt.clone().lt(tokens.clone())),
-        |b| {
-            let sum = b.var("sum", f(0.0));
-            b.for_("l", u(0), u(LANES), u(1), |b, l| {
-                let v = xs.at((rsub.clone() * u(LANES) + l) * u(tb) + lane.clone());
-                b.set(&sum, sum.clone() + v);
-            });
-            if cfg.split {
-                let pi =
-                    (workgroup_id(2) * tokens.clone() + tt.clone()) * n_out.clone() + n.clone();
-                b.store(&y, pi, sum.clone());
-            } else {
-                let yi = b.let_("yi", yv.at(tt.clone(), n.clone()));
-                let out = if cfg.accumulate {
-                    y.at(yi.clone()) + sum.clone()
-                } else {
-                    sum.clone()
-                };
-                b.store(&y, yi, out);
-            }
-        },
-    );
     // ptxas otherwise trades registers for occupancy and spills on some targets; these
     // kernels are bandwidth-bound with enough workgroups in flight either way.
     let mut k = b.finish()?;
@@ -627,14 +704,14 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
                     b,
                     cfg.w,
                     &w,
-                    fp8.as_ref().zip(sbase.as_ref()),
-                    &wbase,
+                    fp8.as_ref(),
+                    &[(wbase.clone(), sbase.clone())],
                     &kc,
                     &row_words,
                     &xs,
                     chunk,
                     &lane,
-                    std::slice::from_ref(&part),
+                    &[vec![part.clone()]],
                 );
             });
         });
@@ -766,6 +843,7 @@ impl LinearOp {
             accumulate: self.accumulate,
             chunk: chunk_for(self.tokens_per_wg()),
             split: self.splits > 1,
+            rows_per_warp: rows_per_warp(self.tokens_per_wg()),
         }
     }
 
@@ -788,7 +866,7 @@ impl LinearOp {
             2..=4 => 4,
             _ => 8,
         };
-        let wgs = w.rows.div_ceil(ROWS_PER_WG) * x_rows.div_ceil(tb);
+        let wgs = w.rows.div_ceil(ROWS_PER_WG * rows_per_warp(tb)) * x_rows.div_ceil(tb);
         if wgs >= workgroups {
             return 1;
         }
@@ -877,7 +955,7 @@ impl Op for LinearOp {
             1
         };
         let grid = [
-            self.w.rows.div_ceil(ROWS_PER_WG),
+            self.w.rows.div_ceil(ROWS_PER_WG * cfg.rows_per_warp),
             self.x.rows.div_ceil(cfg.tokens_per_wg),
             splits,
         ];
@@ -1146,16 +1224,19 @@ pub fn all_variants() -> Result<Vec<Kernel>> {
                         if split && accumulate {
                             continue;
                         }
-                        let cfg = LinearConfig {
-                            w,
-                            x,
-                            tokens_per_wg,
-                            accumulate,
-                            chunk,
-                            split,
-                        };
-                        if !v.iter().any(|k: &Kernel| k.name == cfg.name()) {
-                            v.push(lower(linear_kernel(&cfg)?)?);
+                        for rows_per_warp in [1, 4] {
+                            let cfg = LinearConfig {
+                                w,
+                                x,
+                                tokens_per_wg,
+                                accumulate,
+                                chunk,
+                                split,
+                                rows_per_warp,
+                            };
+                            if !v.iter().any(|k: &Kernel| k.name == cfg.name()) {
+                                v.push(lower(linear_kernel(&cfg)?)?);
+                            }
                         }
                     }
                 }
