@@ -163,6 +163,35 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
     return (b & 0x80u) ? -mag : mag;
 #endif
 }
+
+// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+// its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
+// f16 -> f32); older archs keep the bytes and decode each by bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v;
+}
+#else
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+}
+#endif
 "#;
 
 const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
@@ -620,6 +649,9 @@ impl Printer<'_> {
                     Func::F32Bits => format!("__float_as_uint({})", a[0]),
                     Func::F32FromBits => format!("__uint_as_float({})", a[0]),
                     Func::Clz => format!("((unsigned)__clz((int)({})))", a[0]),
+                    Func::E4m3x2Prep => format!("e4m3x2_prep({})", a[0]),
+                    Func::E4m3x2Lo => format!("e4m3x2_lo({})", a[0]),
+                    Func::E4m3x2Hi => format!("e4m3x2_hi({})", a[0]),
                 }
             }
             Expr::Load { buf, elem, index } => {

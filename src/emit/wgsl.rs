@@ -256,6 +256,9 @@ impl Printer<'_> {
                     Func::F32Bits => format!("bitcast<u32>({})", a[0]),
                     Func::F32FromBits => format!("bitcast<f32>({})", a[0]),
                     Func::Clz => format!("countLeadingZeros({})", a[0]),
+                    Func::E4m3x2Prep => a[0].clone(),
+                    Func::E4m3x2Lo => format!("e4m3_to_f32(({}) & 0xffu)", a[0]),
+                    Func::E4m3x2Hi => format!("e4m3_to_f32((({}) >> 8u) & 0xffu)", a[0]),
                 }
             }
             Expr::Load { buf, elem, index } => {

@@ -67,6 +67,15 @@ pub fn f32_from_bits(x: Expr) -> Expr {
 pub fn clz(x: Expr) -> Expr {
     Expr::Call(Func::Clz, vec![x])
 }
+/// The two e4m3 values in bits 0..16 of a u32 as f32 (low byte first), converted as a pair
+/// (one instruction on CUDA sm_89 and later).
+pub fn e4m3x2_to_f32(b: &mut KernelBuilder, name: &str, pair: Expr) -> [Expr; 2] {
+    let prep = b.let_(name, Expr::Call(Func::E4m3x2Prep, vec![pair]));
+    [
+        Expr::Call(Func::E4m3x2Lo, vec![prep.clone()]),
+        Expr::Call(Func::E4m3x2Hi, vec![prep]),
+    ]
+}
 
 impl Expr {
     fn bin(self, op: BinOp, rhs: Expr) -> Expr {

@@ -236,6 +236,14 @@ pub enum Func {
     F32FromBits,
     /// Count of leading zero bits of a u32 (32 for 0).
     Clz,
+    /// Two e4m3 values (bits 0..16 of a u32) in the form [`Func::E4m3x2Lo`] / `Hi` read, a
+    /// u32 meaningful to nothing else: on CUDA sm_89+ the pair converted to two f16 in one
+    /// instruction, elsewhere the bytes unchanged.
+    E4m3x2Prep,
+    /// The first (low) of the two values of an [`Func::E4m3x2Prep`] result, as f32.
+    E4m3x2Lo,
+    /// The second (high) of the two values of an [`Func::E4m3x2Prep`] result, as f32.
+    E4m3x2Hi,
 }
 
 /// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
@@ -319,8 +327,8 @@ impl Expr {
             Expr::Select(_, a, _) => a.ty(),
             Expr::Cvt(t, _) => *t,
             Expr::Call(f, args) => match f {
-                Func::PackBf16x2 | Func::F32Bits => Ty::U32,
-                Func::F32FromBits => Ty::F32,
+                Func::PackBf16x2 | Func::F32Bits | Func::E4m3x2Prep => Ty::U32,
+                Func::F32FromBits | Func::E4m3x2Lo | Func::E4m3x2Hi => Ty::F32,
                 _ => args.first().map(|a| a.ty()).unwrap_or(Ty::F32),
             },
             Expr::Load { elem, .. } => elem.value_ty(),
