@@ -61,6 +61,10 @@ struct Args {
     /// Stress: seconds one launch may take before it counts as a hang.
     #[arg(long, value_name = "S", default_value_t = 60.0)]
     watchdog: f64,
+    /// Run the dense linear with this many weight rows per warp at every batch (default: the
+    /// policy, 1 at one token and 4 from four), to check a variant before it becomes the policy.
+    #[arg(long, value_name = "R", value_parser = clap::builder::PossibleValuesParser::new(["1", "4"]))]
+    linear_rows: Option<String>,
 }
 
 /// `--stress N`: the random-launch run on every backend asked for; exit 1 on any wrong
@@ -146,6 +150,10 @@ struct Row {
 fn main() -> ExitCode {
     env_logger::init();
     let args = Args::parse();
+    if let Some(r) = &args.linear_rows {
+        sparse_mla::kernels::linear::set_rows_per_warp(r.parse().unwrap_or(0));
+        eprintln!("mla-check: dense linear with {r} weight row(s) per warp at every batch");
+    }
     let cases: Vec<_> = all_cases()
         .into_iter()
         .filter(|c| {
