@@ -32,6 +32,7 @@ pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
 
 /// The helper functions a kernel's code calls (bf16 / e4m3 conversion, and for kernels with
 /// target intrinsics the PTX wrappers), so that a host emulator can substitute its own.
+/// [`emit`] adds the e4m3 pair conversion's helpers to the kernels whose body calls them.
 pub fn helpers(kernel: &Kernel) -> String {
     let mut h = HELPERS.to_string();
     if kernel.uses_intrinsics() {
@@ -74,10 +75,16 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
             message: "CUDA emitter given a kernel with tile ops; lower it first".into(),
         });
     }
-    let h = helpers_text
-        .map(str::to_string)
-        .unwrap_or_else(|| helpers(kernel));
-    Ok(Printer { kernel }.unit(&h))
+    if let Some(h) = helpers_text {
+        return Ok(Printer { kernel }.unit(h));
+    }
+    let h = helpers(kernel);
+    let unit = Printer { kernel }.unit(&h);
+    // The pair conversion's helpers only where the body calls them.
+    if unit.contains("e4m3x2_prep(") {
+        return Ok(Printer { kernel }.unit(&format!("{h}\n{PAIR_HELPERS}")));
+    }
+    Ok(unit)
 }
 
 /// The C declaration of a kernel's parameter struct (also used for the integrators' header).
@@ -163,8 +170,11 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
     return (b & 0x80u) ? -mag : mag;
 #endif
 }
+"#;
 
-// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+/// The e4m3 pair conversion ([`crate::kir::ir::Func::E4m3x2Prep`]), printed only into the
+/// kernels that call it.
+const PAIR_HELPERS: &str = r#"// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
 // its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
 // f16 -> f32); older archs keep the bytes and decode each by bits.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
