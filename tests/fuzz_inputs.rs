@@ -237,7 +237,8 @@ fn mutate_config(rng: &mut Rng, text: &str) -> Vec<u8> {
                 obj.remove(k);
             }
             1 | 2 => {
-                let old = obj[k].clone();
+                // (a key the first mutation removed is nudged from null)
+                let old = obj.get(k).cloned().unwrap_or(Value::Null);
                 obj.insert(k.clone(), nudge(rng, &old));
             }
             _ => {
