@@ -79,14 +79,7 @@ pub fn read_model_dir(dir: &Path) -> Result<(ModelConfig, Option<TextTokenizer>)
             dir.display()
         )));
     }
-    let config_path = dir.join("config.json");
-    if !config_path.is_file() {
-        return Err(Error::Model(format!(
-            "model directory {} has no config.json",
-            dir.display()
-        )));
-    }
-    let config = ModelConfig::from_file(&config_path)?;
+    let config = ModelConfig::from_dir(dir)?;
     let tok_path = dir.join(TOKENIZER_FILE);
     let tokenizer = if tok_path.is_file() {
         Some(TextTokenizer::from_file(&tok_path)?)

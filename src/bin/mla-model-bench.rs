@@ -9,7 +9,7 @@
 use clap::Parser;
 use sparse_mla::kernels::fill::{CopyOp, FillMode, FillOp};
 use sparse_mla::kernels::linear::set_baseline;
-use sparse_mla::mla::{CacheFormat, CacheWriteShape};
+use sparse_mla::mla::CacheFormat;
 use sparse_mla::model::config::MlpKind;
 use sparse_mla::model::memory::gib;
 use sparse_mla::model::synthetic::{self, Shape};
@@ -141,15 +141,7 @@ fn fill_caches(model: &Model, cache: &KvCache) -> Result<()> {
                 .flat_map(|s| (s as i32).to_le_bytes())
                 .collect();
             b.write(&slot_buf, &ids)?;
-            let shape = CacheWriteShape {
-                tokens: n,
-                num_pages: opts.pages() as u32,
-                page_size: opts.page_size as u32,
-                dims: c.mla_dims(),
-                format: opts.format,
-                flavour: c.cache_scale_flavour(),
-                strides: Default::default(),
-            };
+            let shape = cache.write_shape(c, n);
             // The buffers hold `chunk` rows; the last call writes fewer.
             let (l_view, r_view, s_view);
             let bufs = if n == chunk {

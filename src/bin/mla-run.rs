@@ -214,22 +214,7 @@ fn plan(cli: &Cli) -> Result<Plan> {
         top_k: cli.top_k,
         seed: cli.seed,
     };
-    // The same checks as SamplerConfig::validate, named by the flags a user typed.
-    if !cli.temperature.is_finite() || cli.temperature < 0.0 {
-        return Err(Error::arg(
-            "--temperature",
-            "a finite value ≥ 0 (0 = greedy)",
-            cli.temperature,
-        ));
-    }
-    if !(cli.top_p > 0.0 && cli.top_p <= 1.0) {
-        return Err(Error::arg(
-            "--top-p",
-            "a value in (0, 1] (1 = off)",
-            cli.top_p,
-        ));
-    }
-    sampler.validate()?;
+    sampler.validate_as("--temperature", "--top-p")?;
     Ok(Plan {
         dir,
         config,

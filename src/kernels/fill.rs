@@ -168,11 +168,7 @@ impl Op for FillOp {
         Ok(vec![Launch {
             params: pack(&k, &p)?,
             kernel: k,
-            grid: [
-                (self.words as u64).div_ceil(THREADS as u64).clamp(1, 65535) as u32,
-                1,
-                1,
-            ],
+            grid: stride_grid(self.words),
         }])
     }
 
@@ -187,6 +183,12 @@ impl Op for FillOp {
         }
         Ok(())
     }
+}
+
+/// The grid of a grid-stride loop over `words`: one thread per word, at most 65535 workgroups.
+fn stride_grid(words: u32) -> [u32; 3] {
+    let wgs = (words as u64).div_ceil(THREADS as u64).clamp(1, 65535) as u32;
+    [wgs, 1, 1]
 }
 
 fn copy_kernel(_: &()) -> Result<Kernel> {
@@ -233,11 +235,7 @@ impl Op for CopyOp {
         Ok(vec![Launch {
             params: pack(&k, &p)?,
             kernel: k,
-            grid: [
-                (self.words as u64).div_ceil(THREADS as u64).clamp(1, 65535) as u32,
-                1,
-                1,
-            ],
+            grid: stride_grid(self.words),
         }])
     }
 

@@ -56,6 +56,15 @@ pub fn set_rows_per_warp(rows: u32) {
     ROWS_OVERRIDE.store(rows, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Tokens per workgroup of the dense linear for `rows` rows of x: 1, 4 or 8.
+fn tokens_per_wg(rows: u32) -> u32 {
+    match rows {
+        0..=1 => 1,
+        2..=4 => 4,
+        _ => 8,
+    }
+}
+
 /// Weight rows per warp of the dense linear for `tokens_per_wg` tokens: 1 at one token (the
 /// weight loads bound it), 4 from 4 tokens (the x reads from workgroup memory would).
 pub fn rows_per_warp(tokens_per_wg: u32) -> u32 {
@@ -848,11 +857,7 @@ impl LinearOp {
     }
 
     fn tokens_per_wg(&self) -> u32 {
-        match self.x.rows {
-            0..=1 => 1,
-            2..=4 => 4,
-            _ => 8,
-        }
+        tokens_per_wg(self.x.rows)
     }
 
     /// How many splits of K fill `workgroups` workgroups (the device's parallelism) for this
@@ -861,11 +866,7 @@ impl LinearOp {
         if baseline() {
             return 1;
         }
-        let tb = match x_rows {
-            0..=1 => 1,
-            2..=4 => 4,
-            _ => 8,
-        };
+        let tb = tokens_per_wg(x_rows);
         let wgs = w.rows.div_ceil(ROWS_PER_WG * rows_per_warp(tb)) * x_rows.div_ceil(tb);
         if wgs >= workgroups {
             return 1;

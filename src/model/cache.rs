@@ -10,7 +10,7 @@
 //! [`KvCache::reserve`] / [`KvCache::rollback`]).
 
 use super::device::{Device, RopeTableBuf};
-use crate::mla::CacheFormat;
+use crate::mla::{CacheFormat, CacheWriteShape};
 use crate::runtime::Buffer;
 use crate::{Error, Result};
 
@@ -171,6 +171,19 @@ impl KvCache {
             free: (0..opts.pages() as i32).collect(),
             seqs: vec![None; opts.max_seqs],
         })
+    }
+
+    /// The shape of a cache-write call of `tokens` rows into one of this cache's layers.
+    pub fn write_shape(&self, config: &super::ModelConfig, tokens: u32) -> CacheWriteShape {
+        CacheWriteShape {
+            tokens,
+            num_pages: self.opts.pages() as u32,
+            page_size: self.opts.page_size as u32,
+            dims: config.mla_dims(),
+            format: self.opts.format,
+            flavour: config.cache_scale_flavour(),
+            strides: Default::default(),
+        }
     }
 
     pub fn options(&self) -> CacheOptions {

@@ -31,7 +31,7 @@ use super::rope::RopeTable;
 use super::weights::Checkpoint;
 use crate::kernels::rope::RopeLayout;
 use crate::kernels::view::DType;
-use crate::mla::{CacheWriteShape, DecodeLayout, DecodeShape, VbtShape};
+use crate::mla::{DecodeLayout, DecodeShape, VbtShape};
 use crate::runtime::{Backend, CacheWriteBuffers, DecodeBuffers, DecodeOptions, VbtBuffers};
 use crate::{Error, Result};
 
@@ -166,14 +166,7 @@ impl Model {
         backend: Arc<dyn Backend>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::Model(format!(
-                "model directory {} has no config.json",
-                dir.display()
-            )));
-        }
-        let config = ModelConfig::from_file(&config_path)?;
+        let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir, config.fp8.map(|f| f.block))?;
         Self::from_checkpoint(config, &ckpt, backend, progress)
     }
@@ -667,15 +660,7 @@ impl Model {
         let latent_bf16 = d.cast(&latent, DType::Bf16)?;
         let rope_bf16 = d.cast(&k_rope, DType::Bf16)?;
         let opts = cache.opts;
-        let write = CacheWriteShape {
-            tokens: t,
-            num_pages: opts.pages() as u32,
-            page_size: opts.page_size as u32,
-            dims: c.mla_dims(),
-            format: opts.format,
-            flavour: c.cache_scale_flavour(),
-            strides: Default::default(),
-        };
+        let write = cache.write_shape(c, t);
         d.backend().cache_write(
             &write,
             &CacheWriteBuffers {

@@ -32,15 +32,21 @@ impl Default for SamplerConfig {
 
 impl SamplerConfig {
     pub fn validate(&self) -> Result<()> {
+        self.validate_as("temperature", "top_p")
+    }
+
+    /// [`Self::validate`], the errors naming the fields as the caller's user spells them
+    /// (`--temperature`, `--top-p` for a command line).
+    pub fn validate_as(&self, temperature: &str, top_p: &str) -> Result<()> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return Err(Error::arg(
-                "temperature",
-                "a finite value ≥ 0",
+                temperature,
+                "a finite value ≥ 0 (0 = greedy)",
                 self.temperature,
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::arg("top_p", "a value in (0, 1]", self.top_p));
+            return Err(Error::arg(top_p, "a value in (0, 1] (1 = off)", self.top_p));
         }
         Ok(())
     }
@@ -62,15 +68,19 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// `log softmax(logits)[id]`, computed in f64.
-pub fn log_prob(logits: &[f32], id: u32) -> f32 {
+/// `log Σ exp(logits)`, computed in f64 from the largest value.
+pub fn log_sum_exp(logits: &[f32]) -> f64 {
     let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = m + logits
+    m + logits
         .iter()
         .map(|&x| (x as f64 - m).exp())
         .sum::<f64>()
-        .ln();
-    (logits[id as usize] as f64 - lse) as f32
+        .ln()
+}
+
+/// `log softmax(logits)[id]`, computed in f64.
+pub fn log_prob(logits: &[f32], id: u32) -> f32 {
+    (logits[id as usize] as f64 - log_sum_exp(logits)) as f32
 }
 
 /// The uniform in [0, 1) a row's draw uses: one per sampled token, so a server that keeps a

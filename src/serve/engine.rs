@@ -658,12 +658,7 @@ impl Scheduler {
 
 /// The `n` largest `log_softmax(logits)` entries, largest first (ties to the lower id).
 pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let lse = m + logits
-        .iter()
-        .map(|&x| (x as f64 - m).exp())
-        .sum::<f64>()
-        .ln();
+    let lse = crate::model::sampler::log_sum_exp(logits);
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let n = n.min(ids.len());
     let by = |a: &u32, b: &u32| {

@@ -159,6 +159,18 @@ pub const LATENT_NORM_EPS: f32 = 1e-6;
 pub const INDEXER_NORM_EPS: f32 = 1e-6;
 
 impl ModelConfig {
+    /// Reads and checks the `config.json` of a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        if !path.is_file() {
+            return Err(Error::Model(format!(
+                "model directory {} has no config.json",
+                dir.display()
+            )));
+        }
+        Self::from_file(&path)
+    }
+
     /// Reads and checks `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
