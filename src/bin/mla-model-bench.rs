@@ -11,6 +11,7 @@ use sparse_mla::kernels::fill::{CopyOp, FillMode, FillOp};
 use sparse_mla::kernels::linear::set_baseline;
 use sparse_mla::mla::CacheFormat;
 use sparse_mla::model::config::MlpKind;
+use sparse_mla::model::device::DenseGemm;
 use sparse_mla::model::memory::gib;
 use sparse_mla::model::synthetic::{self, Shape};
 use sparse_mla::model::{
@@ -63,6 +64,12 @@ struct Args {
     /// 4), to compare with the default policy (1 at one token, 4 from four).
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(["1", "4"]))]
     linear_rows: Option<String>,
+    /// Who runs the dense linears in the main rows (auto, kernels, cublas; see
+    /// `mla-run --help`). Each row is also timed with each fixed policy that differs from
+    /// it (kernels only; cuBLAS only where there is cuBLAS), so all are measured in one run.
+    #[arg(long, default_value = "auto",
+          value_parser = clap::builder::PossibleValuesParser::new(["auto", "kernels", "cublas"]))]
+    gemm: String,
 }
 
 fn parse_shape(s: &str) -> Result<Shape> {
@@ -239,12 +246,22 @@ fn step_bytes(model: &Model, batch: usize, context: usize, format: CacheFormat) 
 struct Row {
     step_s: f64,
     v1_s: Option<f64>,
+    /// The step with the project's kernels for every linear (no cuBLAS).
+    kernels_s: Option<f64>,
+    /// The step with cuBLAS for every dense linear.
+    vendor_s: Option<f64>,
     /// With the decode step replayed from a CUDA graph.
     graph_s: Option<f64>,
     phases: Vec<(String, f64)>,
     dense_s: f64,
     moe_s: f64,
     other_s: f64,
+}
+
+/// Milliseconds to 2 decimals, `-` for a row not timed.
+fn ms(t: Option<f64>) -> String {
+    t.map(|t| format!("{:.2}", t * 1e3))
+        .unwrap_or_else(|| "-".into())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -292,8 +309,10 @@ fn run_row(
     context: usize,
     batch: usize,
 ) -> Result<Row> {
-    // Eager, v1, graph and profiled passes each add their steps to every sequence.
-    let extra = 4 * (args.warmup + args.steps) + 32;
+    // Eager, kernels-only, cuBLAS-only, v1, graph and profiled passes each add their steps
+    // to every sequence.
+    let extra = 6 * (args.warmup + args.steps) + 32;
+    let vendor = model.device().backend().gemm_available().is_ok();
     let mut cache = model.new_cache(CacheOptions {
         format,
         page_size: 64,
@@ -308,6 +327,19 @@ fn run_row(
     cache.reserve(&grow)?;
     fill_caches(model, &cache)?;
     let step_s = time_steps(model, &mut cache, &seqs, args.warmup, args.steps)?;
+    // The same steps with each fixed policy, where it differs from the main one.
+    let gemm = model.device().dense_gemm();
+    let mut fixed = |other: DenseGemm| -> Result<Option<f64>> {
+        if other == gemm || (other == DenseGemm::Vendor && !vendor) {
+            return Ok(None);
+        }
+        model.device().set_dense_gemm(other)?;
+        let t = time_steps(model, &mut cache, &seqs, 1, args.steps.min(5));
+        model.device().set_dense_gemm(gemm)?;
+        t.map(Some)
+    };
+    let kernels_s = fixed(DenseGemm::Kernels)?;
+    let vendor_s = fixed(DenseGemm::Vendor)?;
     let v1_s = if args.no_baseline {
         None
     } else {
@@ -357,6 +389,8 @@ fn run_row(
     Ok(Row {
         step_s,
         v1_s,
+        kernels_s,
+        vendor_s,
         graph_s,
         phases: phases.into_iter().map(|(k, v)| (k, v * f)).collect(),
         dense_s: dense * f / n_dense.max(1) as f64,
@@ -373,13 +407,21 @@ fn run(args: &Args) -> Result<()> {
     }
     let (backend, _) = open_device(spec)?;
     println!("device: {}", backend.device_name());
+    println!(
+        "dense bf16 linears: --gemm {} (cuBLAS: {})",
+        args.gemm,
+        match backend.gemm_available() {
+            Ok(()) => "available".to_string(),
+            Err(why) => why,
+        }
+    );
     let bw = copy_bandwidth(backend.as_ref())?;
     println!("copy bandwidth (read + write): {:.2} TB/s", bw / 1e12);
     let format = CacheFormat::parse(&args.kv_cache)?;
     println!(
-        "| shape | weights | ctx | batch | step ms | tok/s | roofline ms | % roof | graph step ms (% roof) | v1 step ms | dense layer ms (% roof) | MoE layer ms (% roof) | other ms | indexer / attention / mlp / other ms | whole model tok/s (graph) |"
+        "| shape | weights | ctx | batch | step ms | tok/s | roofline ms | % roof | graph step ms (% roof) | kernels-only / cuBLAS-only step ms | v1 step ms | dense layer ms (% roof) | MoE layer ms (% roof) | other ms | indexer / attention / mlp / other ms | whole model tok/s (graph) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for shape in &args.shape {
         let shape = parse_shape(shape)?;
         for wt in &args.weights {
@@ -391,6 +433,9 @@ fn run(args: &Args) -> Result<()> {
             let t0 = Instant::now();
             let model =
                 synthetic::build(shape, args.dense, args.moe, fp8, backend.clone(), 0x5eed)?;
+            model
+                .device()
+                .set_dense_gemm(DenseGemm::parse("--gemm", &args.gemm)?)?;
             eprintln!(
                 "{} {wt}: {} of weights made on the device in {:.1} s",
                 shape.name(),
@@ -436,7 +481,7 @@ fn run(args: &Args) -> Result<()> {
                         })
                         .collect();
                     println!(
-                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} ({:.1}) |",
+                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {} | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} ({:.1}) |",
                         shape.name(),
                         row.step_s * 1e3,
                         batch as f64 / row.step_s,
@@ -445,6 +490,7 @@ fn run(args: &Args) -> Result<()> {
                         row.graph_s
                             .map(|t| format!("{:.2} ({:.0} %)", t * 1e3, 100.0 * roof / t))
                             .unwrap_or_else(|| "-".into()),
+                        format!("{} / {}", ms(row.kernels_s), ms(row.vendor_s)),
                         row.v1_s.map(|t| format!("{:.2}", t * 1e3)).unwrap_or_else(|| "-".into()),
                         row.dense_s * 1e3,
                         100.0 * dense_b / bw / row.dense_s,

@@ -104,6 +104,15 @@ struct Cli {
     #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = Switch::On)]
     cuda_graphs: Switch,
 
+    /// Who runs the dense linears: auto (on CUDA, cuBLAS from 2 tokens a step for bf16
+    /// weights and from 8 for FP8 ones, which it reads through a bf16 hi/lo dequant — where
+    /// the H200 measured it faster; the project's kernels otherwise), kernels (always ours),
+    /// cublas (always cuBLAS; an error without it). Per-head and expert linears always run
+    /// the project's kernels.
+    #[arg(long, value_name = "WHO", default_value = "auto",
+          value_parser = clap::builder::PossibleValuesParser::new(["auto", "kernels", "cublas"]))]
+    gemm: String,
+
     /// Longest sequence (prompt + generated) the cache is sized for.
     #[arg(long, value_name = "L", default_value_t = 4096)]
     max_seq_len: usize,
@@ -265,6 +274,11 @@ fn run(cli: &Cli) -> Result<()> {
     let model = load(&plan, backend, &ckpt)?;
     drop(ckpt);
     model.set_graphs(cli.cuda_graphs == Switch::On);
+    model
+        .device()
+        .set_dense_gemm(sparse_mla::model::device::DenseGemm::parse(
+            "--gemm", &cli.gemm,
+        )?)?;
     if cli.bench {
         return bench(cli, &plan, &model);
     }

@@ -189,6 +189,74 @@ fn grouped_case(
 }
 
 /// Every linear case.
+/// FP8 → bf16 dequant (the weights the vendor GEMM reads for FP8 checkpoints): bit-exact
+/// against the f32-product-then-round definition, over stacked groups and odd blocks.
+fn dequant_case(name: &str, rows: u32, cols: u32, group_rows: u32, block: [u32; 2]) -> OpCase {
+    OpCase::new(
+        format!("linear/dequant_{name}"),
+        move |rng: &mut Rng| -> Result<Instance> {
+            let w = WeightLayout {
+                wtype: WeightType::Fp8 { block },
+                rows,
+                cols,
+                group_rows,
+            };
+            let (wb, sb) = random_weight(rng, &w);
+            Ok(Instance {
+                op: Box::new(crate::kernels::linear::DequantOp { w }),
+                buffers: vec![
+                    ("w", wb),
+                    ("w_scale", sb.unwrap_or_default()),
+                    ("y", vec![0xA5; (rows * cols * 4) as usize]),
+                ],
+                outputs: vec![("y", Compare::Exact)],
+                detail: format!("[{rows}, {cols}] blocks {block:?} groups of {group_rows}"),
+            })
+        },
+    )
+}
+
+/// f32 activations to bf16 hi / lo rows (the vendor GEMM's x), bit-exact, from a strided view
+/// with NaN around it; and the reduction that adds the GEMM's partial terms into a view.
+fn split_cases() -> Vec<OpCase> {
+    let split = OpCase::new(
+        "linear/split_bf16_hilo",
+        |rng: &mut Rng| -> Result<Instance> {
+            let (xv, xlen) = padded(7, 96, 5);
+            let x = view_buffer(rng, xlen, &xv, 3.0);
+            Ok(Instance {
+                op: Box::new(crate::kernels::elementwise::SplitBf16Op { x: xv }),
+                buffers: vec![("x", f32_bytes(&x)), ("y", vec![0x5A; 7 * 96 * 4])],
+                outputs: vec![("y", Compare::Exact)],
+                detail: "T7 K96 strided".into(),
+            })
+        },
+    );
+    let reduce = OpCase::new(
+        "linear/split_reduce4_acc",
+        |rng: &mut Rng| -> Result<Instance> {
+            let (yv, ylen) = padded(5, 70, 3);
+            let p = normals(rng, 4 * 5 * 70, 1.0);
+            Ok(Instance {
+                op: Box::new(crate::kernels::linear::SplitReduceOp {
+                    tokens: 5,
+                    n_out: 70,
+                    splits: 4,
+                    y: yv,
+                    accumulate: true,
+                }),
+                buffers: vec![
+                    ("partials", f32_bytes(&p)),
+                    ("y", f32_bytes(&view_buffer(rng, ylen, &yv, 1.0))),
+                ],
+                outputs: vec![("y", Compare::F32 { rel_l2: TOL })],
+                detail: "T5 N70 4 terms".into(),
+            })
+        },
+    );
+    vec![split, reduce]
+}
+
 pub fn linear_cases() -> Vec<OpCase> {
     let fp8 = WeightType::Fp8 { block: [128, 128] };
     let fp8_odd = WeightType::Fp8 { block: [3, 20] };
@@ -229,6 +297,9 @@ pub fn linear_cases() -> Vec<OpCase> {
             dense_case(name, t, k, n, w, g, x, acc, splits)
         })
         .collect();
+    v.push(dequant_case("b128", 300, 640, 150, [128, 128]));
+    v.push(dequant_case("b3x20", 37, 120, 37, [3, 20]));
+    v.extend(split_cases());
     // (name, rows, x_div, K, N, groups, weights, select, combine, accumulate)
     let grouped = [
         (
@@ -288,4 +359,161 @@ pub fn linear_cases() -> Vec<OpCase> {
             }),
     );
     v
+}
+
+/// The vendor BLAS (`Backend::gemm_bf16`, cuBLAS on CUDA) on strided bf16 `x` and f32 `y`
+/// views with NaN around them, over and into `y`, at the batch sizes the model hands it
+/// (DenseGemm::Auto: from 8 tokens). The reference is float64 from the same bf16 values. On a
+/// backend without one the case checks that the call declines (`Ok(false)`) and writes
+/// nothing.
+pub struct VendorGemmCase {
+    pub tokens: u32,
+    pub k: u32,
+    pub n: u32,
+    pub accumulate: bool,
+}
+
+/// cuBLAS accumulates in f32 (CUBLAS_COMPUTE_32F); split-K adds a few more f32 roundings.
+const VENDOR_TOL: f64 = 2e-5;
+
+/// The weights start this many elements into their buffer (NaN before them): the model
+/// hands the GEMM the hi and lo halves of one dequantised buffer.
+const W_OFF: u64 = 6;
+
+pub fn vendor_gemm_cases() -> Vec<VendorGemmCase> {
+    vec![
+        VendorGemmCase {
+            tokens: 1,
+            k: 576,
+            n: 100,
+            accumulate: false,
+        },
+        VendorGemmCase {
+            tokens: 8,
+            k: 1040,
+            n: 333,
+            accumulate: true,
+        },
+        VendorGemmCase {
+            tokens: 33,
+            k: 2048,
+            n: 130,
+            accumulate: false,
+        },
+    ]
+}
+
+impl super::Case for VendorGemmCase {
+    fn name(&self) -> String {
+        format!(
+            "linear/cublas_bf16_t{}{}",
+            self.tokens,
+            if self.accumulate { "_acc" } else { "" }
+        )
+    }
+
+    fn run(&self, backend: &dyn crate::runtime::Backend, seed: u64) -> Result<super::Outcome> {
+        use crate::reference::numerics::round_bf16 as bf16_round;
+        let mut rng = Rng::new(seed);
+        let (t, k, n) = (self.tokens, self.k, self.n);
+        let (xv, xlen) = padded(t, k, 5);
+        let (yv, ylen) = padded(t, n, 7);
+        let x: Vec<f32> = view_buffer(&mut rng, xlen, &xv, 1.0)
+            .into_iter()
+            .map(|v| if v.is_nan() { v } else { bf16_round(v) })
+            .collect();
+        let wv: Vec<f32> = normals(&mut rng, (n * k) as usize, (k as f32).powf(-0.5))
+            .into_iter()
+            .map(bf16_round)
+            .collect();
+        let y0 = if self.accumulate {
+            view_buffer(&mut rng, ylen, &yv, 1.0)
+        } else {
+            vec![super::ops::POISON; ylen]
+        };
+        let mut expected = y0.clone();
+        for r in 0..t as u64 {
+            for j in 0..n as u64 {
+                let mut acc = 0.0f64;
+                for c in 0..k as u64 {
+                    acc += x[xv.index(r, c)] as f64 * wv[(j * k as u64 + c) as usize] as f64;
+                }
+                let e = &mut expected[yv.index(r, j)];
+                *e = if self.accumulate {
+                    (*e as f64 + acc) as f32
+                } else {
+                    acc as f32
+                };
+            }
+        }
+        let (xb, wb, yb) = (
+            backend.upload(&bf16_bytes(&x))?,
+            backend.upload(&bf16_bytes(
+                &[vec![f32::NAN; W_OFF as usize], wv.clone()].concat(),
+            ))?,
+            backend.upload(&f32_bytes(&y0))?,
+        );
+        let shape = crate::runtime::GemmShape {
+            m: t,
+            n,
+            k,
+            x_off: xv.offset,
+            x_stride: xv.stride,
+            w_off: W_OFF,
+            y_off: yv.offset,
+            y_stride: yv.stride,
+            accumulate: self.accumulate,
+        };
+        let t0 = std::time::Instant::now();
+        let ran = backend.gemm_bf16(&shape, &xb, &wb, &yb)?;
+        let got = backend.download(&yb)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        let mut outcome = super::Outcome {
+            case: self.name(),
+            seed,
+            rel_l2: 0.0,
+            max_abs: 0.0,
+            lse_err: 0.0,
+            detail: format!("T{t} K{k} N{n}"),
+            seconds,
+            failures: Vec::new(),
+        };
+        if !ran {
+            let why = backend.gemm_available().err().unwrap_or_default();
+            outcome.detail = format!("declined: {why}");
+            if backend.gemm_available().is_ok() {
+                outcome
+                    .failures
+                    .push("the backend says it has a vendor BLAS but declined the call".into());
+            }
+            if got != f32_bytes(&y0) {
+                outcome
+                    .failures
+                    .push("y changed although the call was declined".into());
+            }
+            return Ok(outcome);
+        }
+        let c = super::ops::compare_f32(&f32_bytes(&expected), &got);
+        outcome.rel_l2 = c.rel_l2;
+        outcome.max_abs = c.max_abs;
+        if c.untouched_changed > 0 {
+            outcome.failures.push(format!(
+                "y: {} elements outside the output view changed",
+                c.untouched_changed
+            ));
+        }
+        if c.not_finite > 0 {
+            outcome.failures.push(format!(
+                "y: {} outputs NaN or infinite (unwritten?)",
+                c.not_finite
+            ));
+        }
+        if !super::within(c.rel_l2, VENDOR_TOL) {
+            outcome.failures.push(format!(
+                "y: relative L2 error {:.3e} > {VENDOR_TOL:.0e}",
+                c.rel_l2
+            ));
+        }
+        Ok(outcome)
+    }
 }

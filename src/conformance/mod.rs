@@ -49,6 +49,9 @@ pub fn all_cases() -> Vec<Box<dyn Case>> {
     for c in model_op_cases() {
         cases.push(Box::new(c));
     }
+    for c in linear::vendor_gemm_cases() {
+        cases.push(Box::new(c));
+    }
     cases
 }
 

@@ -251,6 +251,102 @@ impl Op for CastOp {
     }
 }
 
+// ------------------------------------------------------------------ two-term bf16 split
+
+fn split_bf16_kernel(_: &()) -> Result<Kernel> {
+    let mut b = KernelBuilder::new("split_f32_to_bf16_hilo", THREADS);
+    b.doc("f32 x [T, cols] (view) to a two-term bf16 split, packed y [2T, cols]: y[t] = bf16(x[t]) (hi), y[T + t] = bf16(x[t] - hi) (lo), round to nearest even; hi + lo carries x to 2^-16 relative. The vendor's bf16 GEMM over all 2T rows then sees f32-accurate activations for the price of one read of the weights.".to_string());
+    b.doc("Grid: x = min(ceil(T * cols / 2 / 256), 65535), grid-stride; two elements (one word of each half) per item.".to_string());
+    let rows = b.param("rows", Ty::U32, "T");
+    let cols = b.param("cols", Ty::U32, "columns (even)");
+    let xv = ViewArgs::declare(&mut b, "x", "the input");
+    let x = b.buffer("x", Elem::F32, Access::Read, "x [T, cols] f32 (view)");
+    let y = b.buffer(
+        "y",
+        Elem::Bf16,
+        Access::ReadWrite,
+        "[2T, cols] bf16: hi rows, then lo rows",
+    );
+    let pairs = b.let_("pairs", cols.clone() / u(2));
+    let half = b.let_("half", rows.clone() * pairs.clone());
+    each(&mut b, half.clone(), |b, e| {
+        let r = b.let_("r", e.clone() / pairs.clone());
+        let c = b.let_("c", (e.clone() % pairs.clone()) * u(2));
+        let a = b.let_("a", x.at(xv.at(r.clone(), c.clone())));
+        let d = b.let_("d", x.at(xv.at(r, c + u(1))));
+        let hi = b.let_("hi", pack_bf16x2(a.clone(), d.clone()));
+        let lo = pack_bf16x2(
+            a - f32_from_bits(hi.clone() << u(16)),
+            d - f32_from_bits(hi.clone() & u(0xffff_0000)),
+        );
+        b.store_word(&y, e.clone(), hi);
+        b.store_word(&y, e + half.clone(), lo);
+    });
+    b.finish()
+}
+
+/// f32 `x` split into bf16 hi and lo rows (`y` packed `[2T, cols]`), for the vendor GEMM.
+/// Buffers: `x`, `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitBf16Op {
+    pub x: View,
+}
+
+impl Op for SplitBf16Op {
+    fn name(&self) -> String {
+        format!("split to bf16 hi/lo [{}, {}]", self.x.rows, self.x.cols)
+    }
+
+    fn bindings(&self) -> Vec<Binding> {
+        vec![
+            Binding::read("x", self.x.min_bytes(DType::F32), "x f32"),
+            Binding::write(
+                "y",
+                self.x.rows as u64 * self.x.cols as u64 * 4,
+                "[2T, cols] bf16 hi, lo",
+            ),
+        ]
+    }
+
+    fn launches(&self) -> Result<Vec<Launch>> {
+        self.x.validate("x")?;
+        if self.x.cols % 2 != 0 {
+            return Err(Error::arg(
+                "x",
+                "an even width (bf16 is written two elements per word)",
+                self.x.cols,
+            ));
+        }
+        static K: KernelCache<()> = KernelCache::new();
+        let k = lowered(&K, (), split_bf16_kernel)?;
+        let mut p: Vec<(String, ParamValue)> = vec![
+            ("rows".into(), ParamValue::U32(self.x.rows)),
+            ("cols".into(), ParamValue::U32(self.x.cols)),
+        ];
+        p.extend(self.x.params("x"));
+        Ok(vec![Launch {
+            params: pack(&k, &p)?,
+            kernel: k,
+            grid: grid_for(self.x.rows as u64 * self.x.cols as u64 / 2),
+        }])
+    }
+
+    fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
+        use crate::reference::numerics::round_bf16;
+        let x = read_view(bufs.get("x")?, DType::F32, &self.x, "x")?;
+        let n = x.len();
+        let y = bufs.get_mut("y")?;
+        for (i, &v) in x.iter().enumerate() {
+            let v = v as f32;
+            let hi = bf16_bits(v);
+            let lo = bf16_bits(v - round_bf16(v));
+            y[2 * i..2 * i + 2].copy_from_slice(&hi.to_le_bytes());
+            y[2 * (n + i)..2 * (n + i) + 2].copy_from_slice(&lo.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
 // ------------------------------------------------------------------------ embedding
 
 fn embedding_kernel(w: &WeightType) -> Result<Kernel> {
@@ -490,5 +586,6 @@ pub fn all_variants() -> Result<Vec<Kernel>> {
         crate::kir::lower(&embedding_kernel(&WeightType::Bf16)?, scalar)?,
         crate::kir::lower(&embedding_kernel(&WeightType::F32)?, scalar)?,
         crate::kir::lower(&key_write_kernel(&())?, scalar)?,
+        crate::kir::lower(&split_bf16_kernel(&())?, scalar)?,
     ])
 }

@@ -966,20 +966,16 @@ impl Op for LinearOp {
             params,
         }];
         if cfg.split {
-            static R: KernelCache<bool> = KernelCache::new();
-            let r = lowered(&R, self.accumulate, split_reduce_kernel)?;
-            let mut p: Vec<(String, ParamValue)> = vec![
-                ("tokens".into(), ParamValue::U32(self.x.rows)),
-                ("n_out".into(), ParamValue::U32(self.w.rows)),
-                ("splits".into(), ParamValue::U32(splits)),
-            ];
-            p.extend(self.y.params("y"));
-            let total = self.x.rows as u64 * self.w.rows as u64;
-            v.push(Launch {
-                params: pack(&r, &p)?,
-                kernel: r,
-                grid: [total.div_ceil(THREADS as u64).min(65535) as u32, 1, 1],
-            });
+            v.push(
+                SplitReduceOp {
+                    tokens: self.x.rows,
+                    n_out: self.w.rows,
+                    splits,
+                    y: self.y,
+                    accumulate: self.accumulate,
+                }
+                .launch()?,
+            );
         }
         Ok(v)
     }
@@ -1266,6 +1262,7 @@ pub fn all_variants() -> Result<Vec<Kernel>> {
     for accumulate in [false, true] {
         v.push(lower(split_reduce_kernel(&accumulate)?)?);
     }
+    v.push(lower(dequant_kernel(&())?)?);
     Ok(v)
 }
 
@@ -1295,5 +1292,220 @@ mod scale_column_tests {
                 edge += bc;
             }
         }
+    }
+}
+
+// ------------------------------------------------------------------ FP8 → bf16 dequant
+
+fn dequant_kernel(_: &()) -> Result<Kernel> {
+    let wt = WeightType::Fp8 { block: [1, 4] };
+    let mut b = KernelBuilder::new("dequant_fp8_to_bf16", ELEMENTWISE_THREADS);
+    b.doc("Block-scaled e4m3 weights to a two-term bf16 split: v = e4m3(w[n, k]) * w_scale[(n / group_rows) * scale_group_rows + (n % group_rows) / block_rows, k / block_cols] (f32), y[n, k] = bf16(v) (hi) and y[rows + n, k] = bf16(v - hi) (lo), round to nearest even: hi + lo carries v to 2^-16 relative.".to_string());
+    b.doc("For the vendor GEMM at decode batches where a tensor-core GEMM on bf16 beats the GEMV on FP8 (DenseGemm::Auto).".to_string());
+    b.doc("Grid: x = min(ceil(rows * k_in / 4 / 256), 65535), grid-stride; one weight word (4 values) per item.".to_string());
+    let words = b.param(
+        "words",
+        Ty::U32,
+        "rows * k_in / 4 (the lo half starts 2 * words words into y)",
+    );
+    let row_words = b.param("row_words", Ty::U32, "k_in / 4");
+    let (w, fp8) = declare_weight(&mut b, wt);
+    let fa = fp8.expect("an FP8 weight declares its scales");
+    let y = b.buffer(
+        "y",
+        Elem::Bf16,
+        Access::ReadWrite,
+        "[2 * rows, k_in] bf16 out: hi rows, then lo rows",
+    );
+    let stride = b.let_("stride", num_workgroups(0) * u(ELEMENTWISE_THREADS));
+    b.for_(
+        "e",
+        workgroup_id(0) * u(ELEMENTWISE_THREADS) + local_id(),
+        words.clone(),
+        stride,
+        |b, e| {
+            let row = b.let_("row", e.clone() / row_words.clone());
+            let col = b.let_("col", (e.clone() % row_words.clone()) * u(4));
+            let base = scale_row_base(b, &fa, &row);
+            let sc = b.let_(
+                "sc",
+                ((col.as_f32() + f(0.5)) * fa.inv_block_cols.clone()).as_u32(),
+            );
+            let s = b.let_("s", fa.scale.at(base + sc));
+            let word = b.let_("word", w.word(e.clone()));
+            let v = word_values(b, wt, &word, "");
+            let vals: Vec<Expr> = (0..4)
+                .map(|j| b.let_(&format!("v{j}"), v[j].clone() * s.clone()))
+                .collect();
+            for half in 0..2u32 {
+                let (a, c) = (&vals[2 * half as usize], &vals[2 * half as usize + 1]);
+                let hi = b.let_(&format!("hi{half}"), pack_bf16x2(a.clone(), c.clone()));
+                let lo = pack_bf16x2(
+                    a.clone() - f32_from_bits(hi.clone() << u(16)),
+                    c.clone() - f32_from_bits(hi.clone() & u(0xffff_0000)),
+                );
+                let at = e.clone() * u(2) + u(half);
+                b.store_word(&y, at.clone(), hi);
+                b.store_word(&y, at + words.clone() * u(2), lo);
+            }
+        },
+    );
+    b.finish()
+}
+
+const ELEMENTWISE_THREADS: u32 = 256;
+
+/// A block-scaled FP8 weight dequantised to a two-term bf16 split: `y` is `[2 * rows, cols]`
+/// packed bf16, the rounded values (hi) then what rounding left (lo), so that the vendor's
+/// bf16 GEMM over both sees the f32 dequantised weight to 2^-16. Buffers: `w`, `w_scale`, `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct DequantOp {
+    pub w: WeightLayout,
+}
+
+impl Op for DequantOp {
+    fn name(&self) -> String {
+        format!("dequant fp8 [{}, {}] to bf16", self.w.rows, self.w.cols)
+    }
+
+    fn bindings(&self) -> Vec<Binding> {
+        let mut v = weight_bindings(&self.w);
+        v.push(Binding::write(
+            "y",
+            self.w.rows as u64 * self.w.cols as u64 * 4,
+            "bf16 hi and lo copies of the weights",
+        ));
+        v
+    }
+
+    fn launches(&self) -> Result<Vec<Launch>> {
+        self.w.validate("w")?;
+        if !matches!(self.w.wtype, WeightType::Fp8 { .. }) {
+            return Err(Error::arg("w", "FP8 weights", self.w.wtype.name()));
+        }
+        static K: KernelCache<()> = KernelCache::new();
+        let k = lowered(&K, (), dequant_kernel)?;
+        let words = self.w.rows as u64 * (self.w.cols / 4) as u64;
+        let mut p: Vec<(String, ParamValue)> = vec![
+            ("words".into(), ParamValue::U32(words as u32)),
+            ("row_words".into(), ParamValue::U32(self.w.cols / 4)),
+        ];
+        p.extend(fp8_params(&self.w));
+        Ok(vec![Launch {
+            params: pack(&k, &p)?,
+            kernel: k,
+            grid: [
+                words.div_ceil(ELEMENTWISE_THREADS as u64).clamp(1, 65535) as u32,
+                1,
+                1,
+            ],
+        }])
+    }
+
+    fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
+        let l = self.w;
+        let (vals, scales) = (bufs.get("w")?.to_vec(), bufs.get("w_scale")?.to_vec());
+        let y = bufs.get_mut("y")?;
+        let f32_at = |b: &[u8], i: usize| {
+            f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
+        };
+        use crate::reference::numerics::{bf16_bits, e4m3_to_f32, round_bf16};
+        let n = l.rows as usize * l.cols as usize;
+        for r in 0..l.rows {
+            for c in 0..l.cols {
+                let i = r as usize * l.cols as usize + c as usize;
+                let v = e4m3_to_f32(vals[i]) * f32_at(&scales, l.scale_index(r, c));
+                let hi = bf16_bits(v);
+                let lo = bf16_bits(v - round_bf16(v));
+                y[2 * i..2 * i + 2].copy_from_slice(&hi.to_le_bytes());
+                y[2 * (n + i)..2 * (n + i) + 2].copy_from_slice(&lo.to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `y [T, N] (+)= Σ_z partials[z, T, N]` in split order (the split-K reduction of the linear,
+/// and the sum of the vendor GEMM's bf16 hi / lo terms). Buffers: `partials`, `y`.
+#[derive(Clone, Copy, Debug)]
+pub struct SplitReduceOp {
+    pub tokens: u32,
+    pub n_out: u32,
+    pub splits: u32,
+    pub y: View,
+    pub accumulate: bool,
+}
+
+impl SplitReduceOp {
+    fn launch(&self) -> Result<Launch> {
+        static R: KernelCache<bool> = KernelCache::new();
+        let r = lowered(&R, self.accumulate, split_reduce_kernel)?;
+        let mut p: Vec<(String, ParamValue)> = vec![
+            ("tokens".into(), ParamValue::U32(self.tokens)),
+            ("n_out".into(), ParamValue::U32(self.n_out)),
+            ("splits".into(), ParamValue::U32(self.splits)),
+        ];
+        p.extend(self.y.params("y"));
+        let total = self.tokens as u64 * self.n_out as u64;
+        Ok(Launch {
+            params: pack(&r, &p)?,
+            kernel: r,
+            grid: [total.div_ceil(THREADS as u64).clamp(1, 65535) as u32, 1, 1],
+        })
+    }
+
+    fn partial_words(&self) -> u64 {
+        self.splits as u64 * self.tokens as u64 * self.n_out as u64
+    }
+}
+
+impl Op for SplitReduceOp {
+    fn name(&self) -> String {
+        format!(
+            "sum of {} partials [{}, {}]",
+            self.splits, self.tokens, self.n_out
+        )
+    }
+
+    fn bindings(&self) -> Vec<Binding> {
+        vec![
+            Binding::read("partials", self.partial_words() * 4, "[splits, T, N] f32"),
+            Binding::write("y", self.y.min_bytes(DType::F32), "y [T, N] f32 (view)"),
+        ]
+    }
+
+    fn launches(&self) -> Result<Vec<Launch>> {
+        self.y.validate("y")?;
+        if self.y.rows != self.tokens || self.y.cols != self.n_out || self.splits == 0 {
+            return Err(Error::arg(
+                "y",
+                format!(
+                    "a [{}, {}] view and at least one partial",
+                    self.tokens, self.n_out
+                ),
+                format!(
+                    "[{}, {}], {} partials",
+                    self.y.rows, self.y.cols, self.splits
+                ),
+            ));
+        }
+        Ok(vec![self.launch()?])
+    }
+
+    fn reference(&self, bufs: &mut HostBuffers<'_>) -> Result<()> {
+        let p = f32s(bufs.get("partials")?);
+        let total = (self.tokens * self.n_out) as usize;
+        let mut sum = vec![0.0f64; total];
+        for z in 0..self.splits as usize {
+            for (e, s) in sum.iter_mut().enumerate() {
+                *s += p[z * total + e] as f64;
+            }
+        }
+        let out = bufs.get_mut("y")?;
+        if self.accumulate {
+            let old = read_view(out, DType::F32, &self.y, "y")?;
+            sum.iter_mut().zip(&old).for_each(|(a, b)| *a += b);
+        }
+        write_view(out, DType::F32, &self.y, &sum, "y")
     }
 }

@@ -13,16 +13,16 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::kernels::elementwise::{CastOp, EmbeddingOp, KeyWriteOp, SiluMulOp};
+use crate::kernels::elementwise::{CastOp, EmbeddingOp, KeyWriteOp, SiluMulOp, SplitBf16Op};
 use crate::kernels::indexer::IndexerScoresOp;
-use crate::kernels::linear::{GroupSelect, GroupedLinearOp, LinearOp};
+use crate::kernels::linear::{DequantOp, GroupSelect, GroupedLinearOp, LinearOp, SplitReduceOp};
 use crate::kernels::moe_route::MoeRouteOp;
 use crate::kernels::norm::{NormKind, NormOp};
 use crate::kernels::rope::{RopeLayout, RopeOp};
 use crate::kernels::sampler::SampleOp;
 use crate::kernels::topk::TopkOp;
 use crate::kernels::view::{DType, View, WeightLayout, WeightType};
-use crate::runtime::{Backend, Buffer, Op};
+use crate::runtime::{Backend, Buffer, GemmShape, Op};
 use crate::{Error, Result};
 
 struct PoolInner {
@@ -148,6 +148,11 @@ pub struct Device {
     /// While a graph is being recorded: the ids of the buffers handed out (and no
     /// allocation may happen).
     recording: Mutex<Option<std::collections::HashSet<u64>>>,
+    /// [`DenseGemm`] as a number (see [`Device::set_dense_gemm`]).
+    gemm: std::sync::atomic::AtomicU8,
+    /// bf16 copies of FP8 weights for the vendor GEMM: the newest (largest) is used; older
+    /// ones are kept, since a recorded graph may still point at them.
+    dequant: Mutex<Vec<Buffer>>,
 }
 
 /// Wall time per (layer, phase) of the steps run while profiling: each mark waits for the
@@ -163,6 +168,49 @@ fn poisoned() -> Error {
     Error::runtime("model", "buffer pool lock poisoned by an earlier panic")
 }
 
+/// Which code runs the dense `x · Wᵀ` of bf16 weights (`mla-run --gemm`, `mla-model-bench
+/// --gemm`). FP8 weights, per-head and expert linears always run the project's kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DenseGemm {
+    /// The project's linear kernel at every batch.
+    Kernels,
+    /// The vendor BLAS (cuBLAS) at every batch; an error where the backend has none.
+    Vendor,
+    /// cuBLAS from [`VENDOR_MIN_TOKENS`] tokens ([`VENDOR_MIN_TOKENS_FP8`] for FP8 weights)
+    /// where the backend has it, the project's kernel below that and elsewhere (the faster
+    /// of the two on the H200, benches/NOTES.md).
+    Auto,
+}
+
+impl DenseGemm {
+    pub fn parse(arg: &str, s: &str) -> Result<Self> {
+        match s {
+            "kernels" => Ok(DenseGemm::Kernels),
+            "cublas" => Ok(DenseGemm::Vendor),
+            "auto" => Ok(DenseGemm::Auto),
+            other => Err(Error::arg(arg, "auto, kernels or cublas", other)),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseGemm::Kernels => "kernels",
+            DenseGemm::Vendor => "cublas",
+            DenseGemm::Auto => "auto",
+        }
+    }
+}
+
+/// Tokens in a step from which [`DenseGemm::Auto`] hands bf16 linears to cuBLAS. Measured on
+/// the H200 (GLM-5 stack, 4 K context, `mla-model-bench --batch 1,2,4,8,16,32`): cuBLAS won
+/// from 2 tokens (4.19 → 3.71 ms a step at 2, 39.1 → 23.3 at 32) and lost at 1 (3.15 vs 3.19).
+pub const VENDOR_MIN_TOKENS: u32 = 2;
+
+/// The same for FP8 weights, which the vendor path first dequantises (reading 1 and writing 4
+/// bytes per weight): the GEMV on FP8 won up to 4 tokens (5.97 vs 6.05 ms), cuBLAS from 8
+/// (10.96 → 8.64 ms at 8, 38.0 → 23.7 at 32).
+pub const VENDOR_MIN_TOKENS_FP8: u32 = 8;
+
 impl Device {
     pub fn new(backend: Arc<dyn Backend>) -> Self {
         Device {
@@ -175,6 +223,51 @@ impl Device {
             pool_bytes: Default::default(),
             profile: Mutex::new(None),
             recording: Mutex::new(None),
+            gemm: std::sync::atomic::AtomicU8::new(DenseGemm::Auto as u8),
+            dequant: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Chooses who runs the dense bf16 linears from now on. [`DenseGemm::Vendor`] is refused
+    /// (with why) where the backend has no vendor BLAS.
+    pub fn set_dense_gemm(&self, g: DenseGemm) -> Result<()> {
+        if g == DenseGemm::Vendor {
+            if let Err(why) = self.backend.gemm_available() {
+                return Err(Error::arg(
+                    "--gemm",
+                    format!("a backend with cuBLAS for `cublas` ({why})"),
+                    "cublas",
+                ));
+            }
+        }
+        self.gemm
+            .store(g as u8, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn dense_gemm(&self) -> DenseGemm {
+        match self.gemm.load(std::sync::atomic::Ordering::Relaxed) {
+            x if x == DenseGemm::Kernels as u8 => DenseGemm::Kernels,
+            x if x == DenseGemm::Vendor as u8 => DenseGemm::Vendor,
+            _ => DenseGemm::Auto,
+        }
+    }
+
+    /// Whether `x · Wᵀ` of `tokens` rows goes to the vendor BLAS under the current policy.
+    fn vendor_linear(&self, tokens: u32, w: &Weight) -> bool {
+        if matches!(w.layout.wtype, WeightType::F32) {
+            return false;
+        }
+        match self.dense_gemm() {
+            DenseGemm::Kernels => false,
+            DenseGemm::Vendor => true,
+            DenseGemm::Auto => {
+                let min = match w.layout.wtype {
+                    WeightType::Bf16 => VENDOR_MIN_TOKENS,
+                    _ => VENDOR_MIN_TOKENS_FP8,
+                };
+                tokens >= min && self.backend.gemm_available().is_ok()
+            }
         }
     }
 
@@ -434,6 +527,9 @@ impl Device {
 
     /// `y (+)= x · Wᵀ` into an existing view.
     pub fn linear_into(&self, x: &Tensor, w: &Weight, y: &Tensor, accumulate: bool) -> Result<()> {
+        if self.vendor_linear(x.rows(), w) {
+            return self.vendor_linear_into(x, w, y, accumulate);
+        }
         let splits = LinearOp::splits_for(x.rows(), &w.layout, self.backend.parallelism());
         let op = LinearOp {
             x: x.view,
@@ -455,6 +551,130 @@ impl Device {
         }
         b.push(("y", y.buffer()));
         self.run(&op, &b)
+    }
+
+    /// `y (+)= x · Wᵀ` by the vendor BLAS. Both sides reach its bf16 GEMM as a two-term
+    /// split where they are not bf16 already — f32 `x` as hi and lo rows ([`SplitBf16Op`]),
+    /// FP8 `W` dequantised to hi and lo halves ([`DequantOp`]) — so the products keep f32
+    /// accuracy (2^-16 per operand) for the price of one more read of the small side; the
+    /// terms land in `[terms, T, N]` partials that one reduction adds into `y`.
+    fn vendor_linear_into(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        y: &Tensor,
+        accumulate: bool,
+    ) -> Result<()> {
+        let (t, n, k) = (x.rows(), w.layout.rows, w.layout.cols);
+        if x.view.cols != k || y.view.cols != n || y.rows() != t {
+            return Err(Error::arg(
+                "linear",
+                format!("x [T, {k}] and y [T, {n}] for a [{n}, {k}] weight"),
+                format!(
+                    "x [{}, {}], y [{}, {}]",
+                    t,
+                    x.view.cols,
+                    y.rows(),
+                    y.view.cols
+                ),
+            ));
+        }
+        if y.dtype != DType::F32 {
+            return Err(Error::arg("linear output", "f32", format!("{:?}", y.dtype)));
+        }
+        let xs = match x.dtype {
+            DType::Bf16 => x.clone(),
+            DType::F32 => {
+                let s = self.empty(2 * t, k, DType::Bf16)?;
+                self.run(
+                    &SplitBf16Op { x: x.view },
+                    &[("x", x.buffer()), ("y", s.buffer())],
+                )?;
+                s
+            }
+        };
+        let x_terms = xs.rows() / t;
+        let w_terms: u32 = match w.layout.wtype {
+            WeightType::Bf16 => 1,
+            _ => 2,
+        };
+        let terms = x_terms * w_terms;
+        let gemm = |values: &Buffer, half: u32, out: &Tensor, beta: bool| -> Result<()> {
+            let shape = GemmShape {
+                m: xs.rows(),
+                n,
+                k,
+                x_off: xs.view.offset,
+                x_stride: xs.view.stride,
+                w_off: half as u64 * n as u64 * k as u64,
+                y_off: out.view.offset + (half * xs.rows()) as u64 * out.view.stride as u64,
+                y_stride: out.view.stride,
+                accumulate: beta,
+            };
+            if self
+                .backend
+                .gemm_bf16(&shape, xs.buffer(), values, out.buffer())?
+            {
+                Ok(())
+            } else {
+                Err(Error::runtime(
+                    "model",
+                    format!(
+                        "{} has no vendor BLAS (--gemm cublas)",
+                        self.backend.device_name()
+                    ),
+                ))
+            }
+        };
+        if terms == 1 {
+            return gemm(&w.values, 0, y, accumulate);
+        }
+        let partials = self.empty(terms * t, n, DType::F32)?;
+        match w.layout.wtype {
+            WeightType::Bf16 => gemm(&w.values, 0, &partials, false)?,
+            _ => self.with_dequantized(w, |values| {
+                (0..w_terms).try_for_each(|h| gemm(values, h, &partials, false))
+            })?,
+        }
+        let op = SplitReduceOp {
+            tokens: t,
+            n_out: n,
+            splits: terms,
+            y: y.view,
+            accumulate,
+        };
+        self.run(&op, &[("partials", partials.buffer()), ("y", y.buffer())])
+    }
+
+    /// Runs `f` on a bf16 copy of FP8 weights `w`, made in the shared dequant buffer (one
+    /// buffer serves every weight: the launches on the stream are ordered).
+    fn with_dequantized<T>(&self, w: &Weight, f: impl FnOnce(&Buffer) -> Result<T>) -> Result<T> {
+        let bytes = w.layout.rows as u64 * w.layout.cols as u64 * 4;
+        let mut held = self.dequant.lock().map_err(|_| poisoned())?;
+        if held.last().is_none_or(|b| b.len() < bytes) {
+            if self.recording.lock().map_err(|_| poisoned())?.is_some() {
+                return Err(Error::runtime(
+                    "model",
+                    "the FP8 dequant buffer must grow while a graph is recorded (the eager step before it should have grown it)",
+                ));
+            }
+            log::info!(
+                "bf16 dequant buffer for the vendor GEMM of FP8 weights: {:.1} MiB",
+                bytes as f64 / (1u64 << 20) as f64
+            );
+            held.push(self.backend.alloc(bytes)?);
+            self.misses
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.pool_bytes
+                .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        }
+        let buf = held.last().expect("pushed above");
+        let op = DequantOp { w: w.layout };
+        let mut b = Vec::new();
+        Self::weight_bufs(w, &mut b);
+        b.push(("y", buf));
+        self.run(&op, &b)?;
+        f(buf)
     }
 
     /// Per-head linear: row `r` of `x [T·heads, K]` times head `r % heads`'s `[N, K]` block of

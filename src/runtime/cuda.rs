@@ -350,6 +350,36 @@ pub struct CudaDevice {
     occupancy: Mutex<HashMap<String, u32>>,
     /// Host waits on the stream so far.
     syncs: std::sync::atomic::AtomicU64,
+    /// cuBLAS on this device's stream, made at the first bf16 GEMM (`Err`: why it cannot be).
+    blas: Mutex<Option<std::result::Result<Blas, String>>>,
+}
+
+/// A cuBLAS handle bound to the device's stream, with a workspace of its own: cuBLAS then
+/// allocates nothing while a CUDA graph is being captured.
+struct Blas {
+    handle: cudarc::cublas::CudaBlas,
+    _workspace: CudaSlice<u8>,
+}
+
+/// cuBLAS workspace: NVIDIA recommends 32 MiB on Hopper and Blackwell for the split-K kernels.
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// Why cuBLAS cannot be used here, if it cannot (checked before the first call, since cudarc
+/// panics on a missing library).
+pub fn cublas_unavailable() -> Option<String> {
+    static WHY: OnceLock<Option<String>> = OnceLock::new();
+    WHY.get_or_init(|| {
+        if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            None
+        } else {
+            Some(
+                "libcublas was not found (install the CUDA toolkit's cuBLAS, or pip's \
+                 nvidia-cublas-cu12, and put its lib directory on LD_LIBRARY_PATH)"
+                    .into(),
+            )
+        }
+    })
+    .clone()
 }
 
 pub struct CudaModule {
@@ -417,6 +447,7 @@ impl CudaDevice {
             sm_count,
             occupancy: Mutex::new(HashMap::new()),
             syncs: Default::default(),
+            blas: Mutex::new(None),
         })
     }
 
@@ -479,6 +510,55 @@ impl CudaDevice {
             )
         }
         .map_err(|e| drv_err(&format!("shared-memory carve-out {percent}%"), e))
+    }
+
+    /// Makes the cuBLAS handle (once) and runs `f` with it.
+    fn with_blas<T>(&self, f: impl FnOnce(&Blas) -> Result<T>) -> Result<T> {
+        let mut slot = self
+            .blas
+            .lock()
+            .map_err(|_| Error::runtime(NAME, "cuBLAS lock poisoned"))?;
+        if slot.is_none() {
+            *slot = Some(self.make_blas());
+        }
+        match slot.as_ref() {
+            Some(Ok(b)) => f(b),
+            Some(Err(why)) => Err(Error::unavailable("cublas", why.clone())),
+            None => unreachable!("set above"),
+        }
+    }
+
+    fn make_blas(&self) -> std::result::Result<Blas, String> {
+        if let Some(why) = cublas_unavailable() {
+            return Err(why);
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| format!("bind: {e:?}"))?;
+        let handle = cudarc::cublas::CudaBlas::new(self.stream.clone())
+            .map_err(|e| format!("cublasCreate: {e:?}"))?;
+        let workspace = self
+            .stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE)
+            .map_err(|e| format!("cuBLAS workspace of {BLAS_WORKSPACE} B: {e:?}"))?;
+        let ptr = raw_ptr(&workspace, &self.stream);
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(
+                *handle.handle(),
+                ptr as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+            .result()
+        }
+        .map_err(|e| format!("cublasSetWorkspace: {e:?}"))?;
+        log::info!(
+            "cuBLAS ready on {} (workspace {BLAS_WORKSPACE} B)",
+            self.name
+        );
+        Ok(Blas {
+            handle,
+            _workspace: workspace,
+        })
     }
 
     pub fn synchronize(&self) -> Result<()> {
@@ -669,6 +749,74 @@ impl Device for CudaDevice {
             out.push(v);
         }
         Ok(out)
+    }
+
+    fn gemm_available(&self) -> std::result::Result<(), String> {
+        match cublas_unavailable() {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
+    }
+
+    fn gemm_bf16(
+        &self,
+        g: &super::GemmShape,
+        x: &CudaSlice<u8>,
+        w: &CudaSlice<u8>,
+        y: &CudaSlice<u8>,
+    ) -> Result<bool> {
+        use cudarc::cublas::sys as bs;
+        let int = |v: u64, what: &str| {
+            i32::try_from(v).map_err(|_| Error::arg(what, "below 2^31 for cuBLAS", v))
+        };
+        let (m, n, k) = (
+            int(g.n as u64, "n")?,
+            int(g.m as u64, "m")?,
+            int(g.k as u64, "k")?,
+        );
+        let (ldx, ldy) = (
+            int(g.x_stride as u64, "x stride")?,
+            int(g.y_stride as u64, "y stride")?,
+        );
+        self.with_blas(|b| {
+            self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
+            let xp = raw_ptr(x, &self.stream) + g.x_off * 2;
+            let wp = raw_ptr(w, &self.stream) + g.w_off * 2;
+            let yp = raw_ptr(y, &self.stream) + g.y_off * 4;
+            let alpha = 1.0f32;
+            let beta = if g.accumulate { 1.0f32 } else { 0.0 };
+            // Row-major y[T, N] is column-major yᵀ[N, T] = W · xᵀ: W (row-major [N, K], so a
+            // column-major [K, N] with ld K) transposed, xᵀ as it lies (ld = x's row stride).
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *b.handle.handle(),
+                    bs::cublasOperation_t::CUBLAS_OP_T,
+                    bs::cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    n,
+                    k,
+                    &alpha as *const f32 as *const c_void,
+                    wp as *const c_void,
+                    bs::cudaDataType::CUDA_R_16BF,
+                    k,
+                    xp as *const c_void,
+                    bs::cudaDataType::CUDA_R_16BF,
+                    ldx,
+                    &beta as *const f32 as *const c_void,
+                    yp as *mut c_void,
+                    bs::cudaDataType::CUDA_R_32F,
+                    ldy,
+                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| drv_err(&format!("cublasGemmEx {g:?}"), e))?;
+            if std::env::var_os("SPARSE_MLA_SYNC_LAUNCH").is_some() {
+                self.synchronize()
+                    .map_err(|e| Error::runtime(NAME, format!("after cublasGemmEx: {e}")))?;
+            }
+            Ok(true)
+        })
     }
 
     fn memory_info(&self) -> Option<(u64, u64)> {

@@ -107,6 +107,21 @@ pub trait Device: Send + Sync + 'static {
     fn host_syncs(&self) -> u64 {
         0
     }
+    /// [`Backend::gemm_bf16`] on this device (false: no vendor BLAS here).
+    fn gemm_bf16(
+        &self,
+        shape: &super::GemmShape,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        y: &Self::Buf,
+    ) -> Result<bool> {
+        let _ = (shape, x, w, y);
+        Ok(false)
+    }
+    /// Whether [`Device::gemm_bf16`] runs here (`Err`: why not).
+    fn gemm_available(&self) -> std::result::Result<(), String> {
+        Err(format!("{} has no vendor BLAS", self.name()))
+    }
     /// Launch with buffers in the kernel's declaration order.
     fn launch(
         &self,
@@ -267,6 +282,26 @@ impl<D: Device> Backend for GpuBackend<D> {
 
     fn end_capture(&self) -> Result<Option<Box<dyn Graph>>> {
         self.dev.end_capture()
+    }
+
+    fn gemm_bf16(
+        &self,
+        shape: &super::GemmShape,
+        x: &Buffer,
+        w: &Buffer,
+        y: &Buffer,
+    ) -> Result<bool> {
+        shape.check(x, w, y)?;
+        self.dev.gemm_bf16(
+            shape,
+            self.buf(x, "x")?,
+            self.buf(w, "w")?,
+            self.buf(y, "y")?,
+        )
+    }
+
+    fn gemm_available(&self) -> std::result::Result<(), String> {
+        self.dev.gemm_available()
     }
 
     fn run_op(&self, op: &dyn super::Op, bufs: &[(&str, &Buffer)]) -> Result<()> {

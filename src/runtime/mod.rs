@@ -230,6 +230,17 @@ pub trait Backend: Send + Sync {
     fn end_capture(&self) -> Result<Option<Box<dyn gpu::Graph>>> {
         Ok(None)
     }
+    /// `y (+)= x · Wᵀ` through the device vendor's BLAS (cuBLAS on CUDA) for bf16 `x` and a
+    /// packed bf16 `W`, into f32 `y` ([`GemmShape`]). `Ok(false)`: this backend has no such
+    /// library (the caller runs the project's own linear kernel instead).
+    fn gemm_bf16(&self, shape: &GemmShape, x: &Buffer, w: &Buffer, y: &Buffer) -> Result<bool> {
+        let _ = (shape, x, w, y);
+        Ok(false)
+    }
+    /// Whether [`Backend::gemm_bf16`] runs here (`Err`: why not).
+    fn gemm_available(&self) -> std::result::Result<(), String> {
+        Err(format!("{} has no vendor BLAS", self.device_name()))
+    }
     /// Runs a model operation ([`Op`]): its kernels on a GPU, its reference on the CPU.
     /// `bufs` binds every buffer the op names; sizes are checked first.
     fn run_op(&self, op: &dyn Op, bufs: &[(&str, &Buffer)]) -> Result<()>;
@@ -246,6 +257,61 @@ pub trait Backend: Send + Sync {
     fn cache_write(&self, shape: &CacheWriteShape, bufs: &CacheWriteBuffers<'_>) -> Result<()>;
     /// Logical top-k positions → physical slots through a block table (docs/math.md).
     fn positions_to_slots(&self, shape: &VbtShape, bufs: &VbtBuffers<'_>) -> Result<()>;
+}
+
+/// A dense `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` for [`Backend::gemm_bf16`]: `x` bf16 rows of
+/// `x_stride` elements from element `x_off`, `W` bf16 packed `[n, k]` from element `w_off`,
+/// `y` f32 rows of `y_stride` elements from element `y_off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub x_off: u64,
+    pub x_stride: u32,
+    pub w_off: u64,
+    pub y_off: u64,
+    pub y_stride: u32,
+    /// Add into `y` (beta = 1) instead of overwriting it.
+    pub accumulate: bool,
+}
+
+impl GemmShape {
+    /// Checks the shape against the three buffers (bytes needed by the last row of each).
+    pub fn check(&self, x: &Buffer, w: &Buffer, y: &Buffer) -> Result<()> {
+        if self.m == 0 || self.n == 0 || self.k == 0 {
+            return Err(Error::arg(
+                "gemm shape",
+                "m, n and k all at least 1",
+                format!("m {} n {} k {}", self.m, self.n, self.k),
+            ));
+        }
+        if self.x_stride < self.k || self.y_stride < self.n {
+            return Err(Error::arg(
+                "gemm strides",
+                format!("x stride >= k ({}) and y stride >= n ({})", self.k, self.n),
+                format!("x {} y {}", self.x_stride, self.y_stride),
+            ));
+        }
+        let last = |off: u64, stride: u32, cols: u32| {
+            off + (self.m as u64 - 1) * stride as u64 + cols as u64
+        };
+        let need = [
+            ("x", x, last(self.x_off, self.x_stride, self.k) * 2),
+            ("w", w, (self.w_off + self.n as u64 * self.k as u64) * 2),
+            ("y", y, last(self.y_off, self.y_stride, self.n) * 4),
+        ];
+        for (arg, buf, bytes) in need {
+            if buf.len() < bytes {
+                return Err(Error::arg(
+                    arg,
+                    format!("at least {bytes} bytes for the gemm {self:?}"),
+                    format!("{} bytes", buf.len()),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Checks a write or read of `len` bytes at `offset` against a buffer of `size` bytes, and
