@@ -457,7 +457,7 @@ fn generate<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
     }
     summary.device_bytes = model.device_bytes(&seq);
     summary.device = model.device().backend().device_name();
-    report(&mut out, cli, &summary, &seq_note(&summary, &plan)).map_err(io)
+    report(&mut out, cli, &summary, &seq_note(&summary, plan)).map_err(io)
 }
 
 /// `--bench`: the decode loop timed step by step.
