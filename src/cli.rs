@@ -11,7 +11,7 @@ use crate::mla::CacheFormat;
 use crate::model::memory::{gib, plan as memory_plan};
 use crate::model::tokenizer::TOKENIZER_FILE;
 use crate::model::weights::Checkpoint;
-use crate::model::{CacheOptions, Model, ModelConfig, TextTokenizer};
+use crate::model::{CacheOptions, Model, ModelConfig, ShardedModel, TextTokenizer};
 use crate::runtime::{open_device, Backend, BackendKind, DeviceSpec};
 use crate::{Error, Result};
 
@@ -164,13 +164,7 @@ pub fn open_checked(
     Ok((backend, ckpt))
 }
 
-/// Uploads the checkpoint to `backend` with a progress bar on stderr.
-pub fn load_with_progress(
-    config: &ModelConfig,
-    backend: Arc<dyn Backend>,
-    ckpt: &Checkpoint,
-) -> Result<Model> {
-    let total = Model::tensor_count(config) as u64;
+fn progress_bar(total: u64) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -178,6 +172,43 @@ pub fn load_with_progress(
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    bar
+}
+
+/// Uploads the checkpoint to `backend` split into `world` shards (`--tp`), all on that
+/// backend, with a progress bar on stderr.
+pub fn load_sharded_with_progress(
+    config: &ModelConfig,
+    backend: Arc<dyn Backend>,
+    ckpt: &Checkpoint,
+    world: usize,
+) -> Result<ShardedModel> {
+    let bar = progress_bar(ShardedModel::tensor_count(config, world) as u64);
+    let t0 = Instant::now();
+    let model = ShardedModel::from_checkpoint(
+        config.clone(),
+        ckpt,
+        vec![backend; world],
+        &mut |done, _| bar.set_position(done as u64),
+    );
+    bar.finish_and_clear();
+    let model = model?;
+    log::info!(
+        "loaded {} of weights in {:.2} s into {world} shards holding {:?} bytes",
+        gib(model.loaded_bytes()),
+        t0.elapsed().as_secs_f64(),
+        model.rank_weight_bytes()
+    );
+    Ok(model)
+}
+
+/// Uploads the checkpoint to `backend` with a progress bar on stderr.
+pub fn load_with_progress(
+    config: &ModelConfig,
+    backend: Arc<dyn Backend>,
+    ckpt: &Checkpoint,
+) -> Result<Model> {
+    let bar = progress_bar(Model::tensor_count(config) as u64);
     let t0 = Instant::now();
     let model = Model::from_checkpoint(config.clone(), ckpt, backend, &mut |done, _| {
         bar.set_position(done as u64)

@@ -129,6 +129,9 @@ fn user_errors_are_one_line_not_panics() {
         (vec!["--temperature", "-1"], "--temperature"),
         (vec!["--top-p", "0"], "--top-p"),
         (vec!["--top-p", "1.5"], "--top-p"),
+        (vec!["--tp", "0"], "--tp"),
+        // The tiny GLM-5 has 4 heads.
+        (vec!["--tp", "3"], "num_attention_heads"),
         // 10^8 positions: ~500 GB of cache, refused by the memory plan before allocating
         (
             vec!["--device", "cpu", "--max-seq-len", "100000000"],
@@ -142,6 +145,47 @@ fn user_errors_are_one_line_not_panics() {
         assert_eq!(err_lines.len(), 1, "{args:?}: {stderr}");
         assert!(err_lines[0].contains(needle), "{args:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// `mla-run --tp 2` and `--tp 4` (the shards on one device, sums through host memory) on the
+/// CPU reference generate the unsharded run's greedy tokens on both fixtures.
+#[test]
+fn tp_shards_generate_the_unsharded_tokens() {
+    use sparse_mla::conformance::model::fixtures_dir;
+    let ids = |out: &Output| -> Vec<u64> {
+        text(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v["id"].as_u64())
+            .collect()
+    };
+    for name in ["glm_moe_dsa-tiny", "deepseek_v32-tiny"] {
+        let dir = fixtures_dir().join(name);
+        let base = [
+            "--device",
+            "cpu",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            "5,17,3,99,250,8,1,42,7",
+            "-n",
+            "12",
+            "--output",
+            "json",
+        ];
+        let whole = mla_run(&base);
+        assert!(whole.status.success(), "{}", text(&whole.stderr));
+        let want = ids(&whole);
+        assert_eq!(want.len(), 12, "{name}");
+        for tp in ["2", "4"] {
+            let args: Vec<&str> = base.iter().copied().chain(["--tp", tp]).collect();
+            let out = mla_run(&args);
+            let stderr = text(&out.stderr);
+            assert!(out.status.success(), "{name} --tp {tp}: {stderr}");
+            assert!(stderr.contains(&format!("{tp} shards")), "{stderr}");
+            assert_eq!(ids(&out), want, "{name} --tp {tp}");
+        }
     }
 }
 

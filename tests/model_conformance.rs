@@ -1,7 +1,8 @@
 //! The whole-model conformance cases ([`sparse_mla::conformance::model`]) on every backend:
 //! transformers goldens of both tiny models with bf16 and fp8_ds_mla caches, FP8 weights
 //! against their dequantised copy, batched steps against separate ones, no device allocation
-//! in a steady decode step, failed steps that change nothing. An absent backend is skipped
+//! in a steady decode step, failed steps that change nothing, the model sharded 1, 2 and 4
+//! ways on one backend against itself unsharded. An absent backend is skipped
 //! with its reason (or fails when SPARSE_MLA_REQUIRE names it).
 
 mod common;
@@ -79,6 +80,10 @@ macro_rules! model_tests {
                 #[test]
                 fn graph_replays_equal_eager_steps() {
                     run($kind, "model/graphs/");
+                }
+                #[test]
+                fn sharded_equals_unsharded() {
+                    run($kind, "model/tp");
                 }
             }
         )*

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, with binaries built elsewhere (`tools/build-gpu.sh`
 # makes them): run the conformance suite (kernels and whole-model cases) on CUDA and on wgpu
-# over Vulkan, mla-run on the tiny fixtures (bf16 and FP8 weights, bf16 and fp8 caches), then
+# over Vulkan, mla-run on the tiny fixtures (bf16 and FP8 weights, bf16 and fp8 caches; and
+# --tp 2 / 4 against the unsharded run's ids), then
 # the four compute-sanitizer tools over the kernel suite, a kernel-cache corruption check,
 # the 10^4-launch stress run, the server load run (tools/serve-gpu.sh, when mla-serve was
 # built), the benchmarks when they exist, and print the tables last.
@@ -144,6 +145,23 @@ for m in glm_moe_dsa-tiny deepseek_v32-tiny; do
     done
     WGPU_BACKEND=vulkan "$BIN/mla-run" --device wgpu --model "$SPARSE_MLA_FIXTURES/$m" --bench -n 16 \
         >>"$L/run-bench.txt" 2>>"$L/run.err" || status=1
+done
+
+echo "== mla-run --tp (shards on the one GPU, docs/sharding.md)"
+# A report, not a gate (the gate is mla-check's model/tp* cases): greedy ids can part at a
+# near-tie, since the sharded sums round differently in f32.
+ids() { grep -o '"id":[0-9]*' | cut -d: -f2; }
+for m in glm_moe_dsa-tiny deepseek_v32-tiny; do
+    args=(--device cuda --model "$SPARSE_MLA_FIXTURES/$m" --prompt-ids 5,17,3,99,250,8,1,42,7 -n 16 --output json)
+    "$BIN/mla-run" "${args[@]}" 2>>"$L/run.err" | ids >"$L/tp-ids-1.txt" || status=1
+    for tp in 2 4; do
+        "$BIN/mla-run" "${args[@]}" --tp $tp 2>>"$L/run.err" | ids >"$L/tp-ids-$tp.txt" || status=1
+        same=$(paste -d' ' "$L/tp-ids-1.txt" "$L/tp-ids-$tp.txt" | awk '$1 != $2 {print NR; exit}')
+        n=$(wc -l <"$L/tp-ids-$tp.txt")
+        what="all equal to the unsharded run"
+        [ -n "$same" ] && what="the first to differ from the unsharded run is token $same"
+        echo "cuda $m --tp $tp: $n ids, $what" >>"$L/run.txt"
+    done
 done
 fi
 

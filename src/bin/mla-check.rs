@@ -17,7 +17,9 @@ use std::sync::Arc;
 /// Then the whole-model cases on each backend: the tiny GLM-5 and DeepSeek-V3.2 checkpoints
 /// (tests/fixtures) against transformers' goldens with bf16 and fp8_ds_mla caches, FP8 weights
 /// against their dequantised copy, batched steps against separate ones, a steady decode step
-/// with no device allocation, a failed step that changes nothing.
+/// with no device allocation, a failed step that changes nothing, and the model sharded 1, 2
+/// and 4 ways on the one device (model/tp*: heads, MLP width and experts split, the sums
+/// through host memory) against itself unsharded.
 ///
 /// Exits 1 when any case fails, and when no GPU (or lavapipe) backend could run at all,
 /// so a green run always means kernels ran somewhere real. Absent backends are listed as

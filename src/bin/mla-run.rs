@@ -7,14 +7,17 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use sparse_mla::cli::{
-    load_with_progress, model_dir_or_default, open_checked, read_model_dir, KvCacheArg as KvCache,
-    PAGE_SIZE,
+    load_sharded_with_progress, load_with_progress, model_dir_or_default, open_checked,
+    read_model_dir, KvCacheArg as KvCache, PAGE_SIZE,
 };
+use sparse_mla::model::device::{Device, Tensor};
 use sparse_mla::model::memory::gib;
+use sparse_mla::model::shard::plan::check_tp;
 use sparse_mla::model::tokenizer::{TextStream, TOKENIZER_FILE};
 use sparse_mla::model::weights::Checkpoint;
 use sparse_mla::model::{
-    CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, TextTokenizer,
+    CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, Sequence, ShardedModel,
+    ShardedSequence, TextTokenizer,
 };
 use sparse_mla::runtime::{Backend, DeviceSpec};
 use sparse_mla::{Error, Result};
@@ -36,7 +39,8 @@ gibberish, the point is that every stage runs), so it works on any machine.",
     after_help = "Examples:\n  \
 mla-run                                      tiny checked-in GLM-5, greedy, 32 tokens\n  \
 mla-run --model ~/models/GLM-5 --prompt \"Hello\" -n 64 --temperature 0.7 --top-p 0.95\n  \
-mla-run --model DIR --prompt-ids 1,2,3 --output json    ids in, one JSON object per token out\n\n\
+mla-run --model DIR --prompt-ids 1,2,3 --output json    ids in, one JSON object per token out\n  \
+mla-run --tp 2                               the same model split in 2 shards on one device\n\n\
 A model directory holds config.json, model.safetensors (or model.safetensors.index.json and its \
 shards) and, for text in and out, tokenizer.json.\n\
 The last line reports prompt tokens, prefill and decode speed (tokens/s) and peak memory."
@@ -112,6 +116,18 @@ struct Cli {
     #[arg(long, value_name = "WHO", default_value = "auto",
           value_parser = clap::builder::PossibleValuesParser::new(["auto", "kernels", "cublas"]))]
     gemm: String,
+
+    /// Split the model into N shards the way tensor and expert parallelism split it over N
+    /// GPUs — attention heads, the dense and shared-expert MLP width and the routed experts
+    /// divided between the shards; the latent cache, indexer and router on every shard —
+    /// and run all N on the one --device, their partial sums added through host memory
+    /// after every attention and MLP. For checking the sharding: the output should be the
+    /// unsharded run's (the sums differ only in f32 rounding), and it runs slower (eager
+    /// steps, no CUDA graphs, the caches N times over). Running the shards on several GPUs
+    /// (NCCL) is not built yet. N must divide num_attention_heads, n_routed_experts and the
+    /// MLP widths, and keep FP8 weights' 128 x 128 blocks whole. See docs/sharding.md.
+    #[arg(long, value_name = "N", conflicts_with = "chat")]
+    tp: Option<usize>,
 
     /// Longest sequence (prompt + generated) the cache is sized for.
     #[arg(long, value_name = "L", default_value_t = 4096)]
@@ -224,6 +240,9 @@ fn plan(cli: &Cli) -> Result<Plan> {
         seed: cli.seed,
     };
     sampler.validate_as("--temperature", "--top-p")?;
+    if let Some(n) = cli.tp {
+        check_tp(&config, None, n)?;
+    }
     Ok(Plan {
         dir,
         config,
@@ -256,6 +275,76 @@ fn load(plan: &Plan, backend: Arc<dyn Backend>, ckpt: &Checkpoint) -> Result<Mod
     load_with_progress(&plan.config, backend, ckpt)
 }
 
+/// What the generation and bench loops need of a model: the whole one, or the sharded one.
+trait Generator {
+    type Seq;
+    fn config(&self) -> &ModelConfig;
+    fn new_seq(&self, opts: CacheOptions) -> Result<Self::Seq>;
+    /// The tokens at the sequence's next positions: the last row's logits, on the device.
+    fn forward(&self, seq: &mut Self::Seq, tokens: &[u32]) -> Result<Tensor>;
+    fn seq_len(seq: &Self::Seq) -> usize;
+    /// Where the logits are (the sampler runs there).
+    fn device(&self) -> &Device;
+    /// Device bytes of the weights, the caches and the activation pools.
+    fn device_bytes(&self, seq: &Self::Seq) -> [u64; 3];
+    /// (recordings, replays) of CUDA graphs.
+    fn graph_counts(&self) -> (u64, u64);
+}
+
+impl Generator for Model {
+    type Seq = Sequence;
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn new_seq(&self, opts: CacheOptions) -> Result<Sequence> {
+        self.new_sequence(opts)
+    }
+    fn forward(&self, seq: &mut Sequence, tokens: &[u32]) -> Result<Tensor> {
+        self.forward_on_device(seq, tokens, Logits::Last)
+    }
+    fn seq_len(seq: &Sequence) -> usize {
+        seq.len()
+    }
+    fn device(&self) -> &Device {
+        Model::device(self)
+    }
+    fn device_bytes(&self, seq: &Sequence) -> [u64; 3] {
+        [
+            self.weight_bytes(),
+            seq.cache.bytes(),
+            Model::device(self).pool_bytes(),
+        ]
+    }
+    fn graph_counts(&self) -> (u64, u64) {
+        Model::graph_counts(self)
+    }
+}
+
+impl Generator for ShardedModel {
+    type Seq = ShardedSequence;
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn new_seq(&self, opts: CacheOptions) -> Result<ShardedSequence> {
+        self.new_sequence(opts)
+    }
+    fn forward(&self, seq: &mut ShardedSequence, tokens: &[u32]) -> Result<Tensor> {
+        self.forward_on_device(seq, tokens, Logits::Last)
+    }
+    fn seq_len(seq: &ShardedSequence) -> usize {
+        seq.len()
+    }
+    fn device(&self) -> &Device {
+        ShardedModel::device(self)
+    }
+    fn device_bytes(&self, seq: &ShardedSequence) -> [u64; 3] {
+        [self.weight_bytes(), seq.cache.bytes(), self.pool_bytes()]
+    }
+    fn graph_counts(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
 struct Summary {
     /// Device bytes of the weights, the caches and the activation pool.
     device_bytes: [u64; 3],
@@ -271,6 +360,19 @@ struct Summary {
 fn run(cli: &Cli) -> Result<()> {
     let plan = plan(cli)?;
     let (backend, ckpt) = open(&plan)?;
+    if let Some(n) = cli.tp {
+        let model = load_sharded_with_progress(&plan.config, backend, &ckpt, n)?;
+        drop(ckpt);
+        eprintln!(
+            "mla-run: {n} shards on {}, partial sums through {}; steps run eagerly",
+            model.device().backend().device_name(),
+            model.collective_name()
+        );
+        if cli.bench {
+            return bench(cli, &plan, &model);
+        }
+        return generate(cli, &plan, &model);
+    }
     let model = load(&plan, backend, &ckpt)?;
     drop(ckpt);
     model.set_graphs(cli.cuda_graphs == Switch::On);
@@ -285,8 +387,13 @@ fn run(cli: &Cli) -> Result<()> {
     if cli.chat {
         return chat::run(cli, &plan, &model);
     }
+    generate(cli, &plan, &model)
+}
+
+/// The plain run: the prompt, then up to -n sampled tokens, streamed.
+fn generate<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
     let mut sampler = Sampler::new(plan.sampler)?;
-    let mut seq = model.new_sequence(plan.cache)?;
+    let mut seq = model.new_seq(plan.cache)?;
     let out = std::io::stdout();
     let mut out = out.lock();
     let io = |e: std::io::Error| Error::Io {
@@ -306,7 +413,7 @@ fn run(cli: &Cli) -> Result<()> {
     let t0 = Instant::now();
     let mut logits = None;
     for chunk in plan.prompt.chunks(PREFILL_CHUNK) {
-        logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
+        logits = Some(model.forward(&mut seq, chunk)?);
     }
     let mut logits =
         logits.ok_or_else(|| Error::arg("prompt", "at least one token", "an empty prompt"))?;
@@ -344,35 +451,31 @@ fn run(cli: &Cli) -> Result<()> {
             }
         }
         out.flush().map_err(io)?;
-        if model.config.is_eos(id) {
+        if model.config().is_eos(id) {
             summary.stop = "eos";
             break;
         }
         if i + 1 == cli.n {
             break;
         }
-        if seq.len() >= plan.cache.max_seq_len {
+        if G::seq_len(&seq) >= plan.cache.max_seq_len {
             summary.stop = "max_seq_len";
             break;
         }
-        logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+        logits = model.forward(&mut seq, &[id])?;
         summary.decode_steps += 1;
     }
     summary.decode_s = t1.elapsed().as_secs_f64();
     if let (Some(s), Output::Text) = (stream.as_mut(), cli.output) {
         write!(out, "{}", s.finish()?).map_err(io)?;
     }
-    summary.device_bytes = [
-        model.weight_bytes(),
-        seq.cache.bytes(),
-        model.device().pool_bytes(),
-    ];
+    summary.device_bytes = model.device_bytes(&seq);
     summary.device = model.device().backend().device_name();
-    report(&mut out, cli, &summary, &seq_note(&summary, &plan)).map_err(io)
+    report(&mut out, cli, &summary, &seq_note(&summary, plan)).map_err(io)
 }
 
 /// `--bench`: the decode loop timed step by step.
-fn bench(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
+fn bench<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
     let steps = cli.n.max(1);
     let need = plan.prompt.len() + steps + 4;
     if need > plan.cache.max_seq_len {
@@ -383,11 +486,11 @@ fn bench(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
         ));
     }
     let mut sampler = Sampler::new(plan.sampler)?;
-    let mut seq = model.new_sequence(plan.cache)?;
+    let mut seq = model.new_seq(plan.cache)?;
     let t0 = Instant::now();
     let mut logits = None;
     for chunk in plan.prompt.chunks(PREFILL_CHUNK) {
-        logits = Some(model.forward_on_device(&mut seq, chunk, Logits::Last)?);
+        logits = Some(model.forward(&mut seq, chunk)?);
     }
     let mut logits = logits.ok_or_else(|| Error::arg("prompt", "at least one token", 0))?;
     let prefill_s = t0.elapsed().as_secs_f64();
@@ -398,7 +501,7 @@ fn bench(cli: &Cli, plan: &Plan, model: &Model) -> Result<()> {
         let t = Instant::now();
         let w0 = backend.host_syncs();
         let id = sampler.sample(model.device(), &logits)?[0].id;
-        logits = model.forward_on_device(&mut seq, &[id], Logits::Last)?;
+        logits = model.forward(&mut seq, &[id])?;
         if i >= 3 {
             times.push(t.elapsed().as_secs_f64());
             waits += backend.host_syncs() - w0;

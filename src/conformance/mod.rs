@@ -16,6 +16,7 @@ pub mod linear;
 pub mod model;
 pub mod ops;
 pub mod routing;
+pub mod sharded;
 pub mod stress;
 
 pub use decode::{

@@ -29,6 +29,8 @@
 //! - `model/failed_step/<arch>`: a step that fails leaves its sequence as it was.
 //! - `model/graphs/<arch>`: decode steps replayed from a recorded CUDA graph equal the same
 //!   steps run eagerly, bit for bit.
+//! - `model/tp<N>/<arch>`, `model/tp_refused/<arch>`: the model sharded N ways on one backend
+//!   ([`super::sharded`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -199,8 +201,39 @@ fn per_token(
     m
 }
 
+/// What one run over a golden's inputs produced.
+pub struct GoldenRun {
+    /// Every row's logits, `[prompt + steps, vocab]`.
+    pub logits: Vec<f32>,
+    /// The greedy choice of the last prefill row, then of each decode row.
+    pub tokens: Vec<u32>,
+    pub trace: ForwardTrace,
+}
+
+/// A forward over one sequence: `tokens` at its next positions, the logits of `which` rows,
+/// the decisions recorded into the trace.
+pub type Forward<'a> = dyn FnMut(&[u32], Logits, &mut ForwardTrace) -> Result<Vec<f32>> + 'a;
+
 /// Prefill the golden prompt, then feed the golden greedy tokens one by one (so a single
-/// diverging token cannot derail every later row), and compare (see the module doc).
+/// diverging token cannot derail every later row).
+pub fn run_golden(g: &Golden, vocab: usize, forward: &mut Forward) -> Result<GoldenRun> {
+    let mut trace = ForwardTrace::default();
+    let mut ours = forward(&g.prompt_ids, Logits::All, &mut trace)?;
+    let mut tokens = vec![argmax(&ours[ours.len() - vocab..])];
+    let steps = (g.logits.len() / vocab).saturating_sub(g.prompt_ids.len());
+    for i in 0..steps {
+        let row = forward(&[g.generated[i]], Logits::Last, &mut trace)?;
+        tokens.push(argmax(&row));
+        ours.extend(row);
+    }
+    Ok(GoldenRun {
+        logits: ours,
+        tokens,
+        trace,
+    })
+}
+
+/// The golden run of the model in `dir` on `backend`, compared (see the module doc).
 pub fn compare(
     backend: Arc<dyn Backend>,
     dir: &Path,
@@ -211,16 +244,20 @@ pub fn compare(
     let model = Model::load(dir, backend, &mut |_, _| {})?;
     let vocab = model.config.vocab_size;
     let mut seq = model.new_sequence(opts)?;
-    let mut trace = ForwardTrace::default();
-    let mut ours = model.forward_traced(&mut seq, &g.prompt_ids, Logits::All, Some(&mut trace))?;
-    let mut tokens = vec![argmax(&ours[ours.len() - vocab..])];
-    let steps = (g.logits.len() / vocab).saturating_sub(g.prompt_ids.len());
-    for i in 0..steps {
-        let row =
-            model.forward_traced(&mut seq, &[g.generated[i]], Logits::Last, Some(&mut trace))?;
-        tokens.push(argmax(&row));
-        ours.extend(row);
-    }
+    let run = run_golden(&g, vocab, &mut |t, w, tr| {
+        model.forward_traced(&mut seq, t, w, Some(tr))
+    })?;
+    compare_run(&g, vocab, &run, tol)
+}
+
+/// A run's logits and decisions against the golden's (see the module doc).
+pub fn compare_run(
+    g: &Golden,
+    vocab: usize,
+    run: &GoldenRun,
+    tol: Tolerances,
+) -> Result<Comparison> {
+    let (ours, tokens, trace) = (&run.logits, &run.tokens, &run.trace);
     if ours.len() != g.logits.len() {
         return Err(model_err(format!(
             "{} logits against a golden of {}",
@@ -359,6 +396,28 @@ pub fn golden_case(
     };
     let t0 = Instant::now();
     let c = compare(backend, &fixtures.join(arch), opts, tol)?;
+    let failures = golden_failures(&c, tol);
+    let mut detail = format!(
+        "{}/{} rows, {} decisions",
+        c.rows_compared, c.rows, c.decisions
+    );
+    if let Some((k, l, t, m)) = c.near_tie {
+        detail.push_str(&format!(", near-tie {k} L{l} t{t} ({m:.1e})"));
+    }
+    Ok(Outcome {
+        case: format!("golden/{arch}/{}", format.name()),
+        seed: 0,
+        rel_l2: c.rel_l2,
+        max_abs: c.max_abs,
+        lse_err: c.logprob,
+        detail,
+        seconds: t0.elapsed().as_secs_f64(),
+        failures,
+    })
+}
+
+/// What a comparison against a golden fails on, under `tol`.
+pub fn golden_failures(c: &Comparison, tol: Tolerances) -> Vec<String> {
     let mut failures = Vec::new();
     if !c.real_mismatches.is_empty() {
         failures.push(format!(
@@ -392,23 +451,7 @@ pub fn golden_case(
             ));
         }
     }
-    let mut detail = format!(
-        "{}/{} rows, {} decisions",
-        c.rows_compared, c.rows, c.decisions
-    );
-    if let Some((k, l, t, m)) = c.near_tie {
-        detail.push_str(&format!(", near-tie {k} L{l} t{t} ({m:.1e})"));
-    }
-    Ok(Outcome {
-        case: format!("golden/{arch}/{}", format.name()),
-        seed: 0,
-        rel_l2: c.rel_l2,
-        max_abs: c.max_abs,
-        lse_err: c.logprob,
-        detail,
-        seconds: t0.elapsed().as_secs_f64(),
-        failures,
-    })
+    failures
 }
 
 struct TempDir(PathBuf);
@@ -809,6 +852,21 @@ pub fn model_cases() -> Vec<ModelCase> {
                 run: Box::new(move |b, d| f(b, d, arch)),
             });
         }
+    }
+    // Both fixtures have 4 heads and experts, widths divisible by 4: 1, 2 and 4 shards.
+    for world in [1, 2, 4] {
+        for arch in ARCHS {
+            v.push(ModelCase {
+                name: format!("model/tp{world}/{arch}"),
+                run: Box::new(move |b, d| super::sharded::tp_case(b, d, arch, world)),
+            });
+        }
+    }
+    for arch in ARCHS {
+        v.push(ModelCase {
+            name: format!("model/tp_refused/{arch}"),
+            run: Box::new(move |b, d| super::sharded::tp_refused_case(b, d, arch)),
+        });
     }
     v
 }

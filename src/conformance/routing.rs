@@ -16,6 +16,7 @@
 //!   final CDF (at least 1e-3 wide, as the reference computes it).
 
 use super::ops::{f32_bytes, i32_bytes, Compare, Instance, OpCase};
+use crate::kernels::expert_shard::LocalExpertsOp;
 use crate::kernels::moe_route::MoeRouteOp;
 use crate::kernels::sampler::SampleOp;
 use crate::kernels::view::View;
@@ -117,6 +118,27 @@ fn moe_case(
                 ("weights", Compare::F32 { rel_l2: TOL }),
             ],
             detail: format!("T{tokens} E{experts} groups {topk_group}/{n_group} top {top_k}"),
+        })
+    })
+}
+
+/// Expert parallelism's id map: `n` ids drawn over `[-2, experts + 2)` (so negative ids, every
+/// rank's experts and ids past the last expert all occur) for the rank holding
+/// `[base, base + count)`; the words past `n` must stay as they were.
+fn local_experts_case(n: u32, experts: u32, base: u32, count: u32) -> OpCase {
+    let name = format!("local_experts/n{n}_e{experts}_{base}-{}", base + count);
+    OpCase::new(name, move |rng: &mut Rng| -> Result<Instance> {
+        let ids: Vec<i32> = (0..n)
+            .map(|_| rng.below(experts as u64 + 4) as i32 - 2)
+            .collect();
+        Ok(Instance {
+            op: Box::new(LocalExpertsOp { n, base, count }),
+            buffers: vec![
+                ("ids", i32_bytes(&ids)),
+                ("local", i32_bytes(&vec![ID_POISON; n as usize + 3])),
+            ],
+            outputs: vec![("local", Compare::Exact)],
+            detail: format!("{n} ids, rank experts {base}..{}", base + count),
         })
     })
 }
@@ -432,6 +454,10 @@ pub fn routing_cases() -> Vec<OpCase> {
         moe_case(3, 1024, (16, 3), 32, true, false),
         moe_case(6, 64, ds, 8, true, true),
         moe_case(3, 256, glm, 8, false, true),
+        local_experts_case(6, 8, 0, 4),
+        local_experts_case(24, 8, 6, 2),
+        // A decode batch of 300 tokens x 8: more ids than one workgroup's threads.
+        local_experts_case(2400, 256, 96, 32),
     ];
     let spec = |rows, vocab, temperature, top_k, top_p, logits| SampleSpec {
         rows,

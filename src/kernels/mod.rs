@@ -5,6 +5,7 @@
 pub mod blocks;
 pub mod cache_write;
 pub mod elementwise;
+pub mod expert_shard;
 pub mod fill;
 pub mod indexer;
 pub mod linear;

@@ -13,6 +13,7 @@ pub fn model_kernels() -> Result<Vec<Kernel>> {
     v.extend(super::norm::all_variants()?);
     v.extend(super::rope::all_variants()?);
     v.extend(super::elementwise::all_variants()?);
+    v.extend(super::expert_shard::all_variants()?);
     v.extend(super::indexer::all_variants()?);
     v.extend(super::topk::all_variants()?);
     v.extend(super::fill::all_variants()?);

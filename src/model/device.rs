@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::kernels::elementwise::{CastOp, EmbeddingOp, KeyWriteOp, SiluMulOp, SplitBf16Op};
+use crate::kernels::expert_shard::LocalExpertsOp;
 use crate::kernels::indexer::IndexerScoresOp;
 use crate::kernels::linear::{DequantOp, GroupSelect, GroupedLinearOp, LinearOp, SplitReduceOp};
 use crate::kernels::moe_route::MoeRouteOp;
@@ -464,6 +465,15 @@ impl Device {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.backend.write(idx.buffer(), &bytes)?;
         Ok(idx)
+    }
+
+    /// A packed `[rows, cols]` f32 tensor of zeros (written from the host: the sharded
+    /// forward's per-rank sublayer outputs, which its kernels accumulate into).
+    pub fn zeros(&self, rows: u32, cols: u32) -> Result<Tensor> {
+        let t = self.empty(rows, cols, DType::F32)?;
+        let bytes = vec![0u8; rows as usize * cols as usize * 4];
+        self.backend.write(t.buffer(), &bytes)?;
+        Ok(t)
     }
 
     /// A packed f32 tensor holding `values`.
@@ -1065,6 +1075,19 @@ impl Device {
             ],
         )?;
         Ok((ids, weights))
+    }
+
+    /// Expert ids `[T, k]` as the rank holding experts `[base, base + count)` sees them:
+    /// `id − base` for its own, −1 (skipped by [`Device::expert_linear`]) for the others.
+    pub fn local_experts(&self, ids: &Index, base: u32, count: u32) -> Result<Index> {
+        let out = self.empty_index(ids.rows, ids.cols)?;
+        let op = LocalExpertsOp {
+            n: ids.rows * ids.cols,
+            base,
+            count,
+        };
+        self.run(&op, &[("ids", ids.buffer()), ("local", out.buffer())])?;
+        Ok(out)
     }
 
     /// Samples one token per row of `logits [R, V]` with `uniforms [R]` (host-drawn, in

@@ -85,14 +85,14 @@ impl Sequence {
 pub struct Model {
     pub config: ModelConfig,
     device: Device,
-    weights: ModelWeights,
+    pub(super) weights: ModelWeights,
     rope: RopeTable,
     loaded_bytes: u64,
     graphs: std::sync::Mutex<Graphs>,
 }
 
 /// The per-step index inputs, on the device.
-struct StepIndex {
+pub(super) struct StepIndex {
     ids: Index,
     positions: Index,
     req_of_token: Index,
@@ -107,7 +107,8 @@ struct StepIndex {
 }
 
 /// The host side of a step's index inputs.
-struct HostIndex {
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct HostIndex {
     ids: Vec<i32>,
     positions: Vec<i32>,
     req: Vec<i32>,
@@ -343,6 +344,29 @@ impl Model {
         which: Logits,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
+        self.check_inputs(inputs)?;
+        let grow: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
+        let reservation = cache.reserve(&grow)?;
+        let result = if trace.is_none() {
+            self.step_graphed(cache, inputs, which)
+        } else {
+            None
+        };
+        let result = match result {
+            Some(r) => r,
+            None => self.step_reserved(cache, inputs, which, trace),
+        };
+        match result {
+            Ok(l) => Ok(l),
+            Err(e) => {
+                cache.rollback(reservation);
+                Err(e)
+            }
+        }
+    }
+
+    /// Refuses an empty step, a sequence twice in one step and tokens past the vocabulary.
+    pub(super) fn check_inputs(&self, inputs: &[StepInput]) -> Result<()> {
         if inputs.is_empty() || inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(Error::arg("tokens", "at least one token per sequence", 0));
         }
@@ -366,24 +390,7 @@ impl Model {
                 ));
             }
         }
-        let grow: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
-        let reservation = cache.reserve(&grow)?;
-        let result = if trace.is_none() {
-            self.step_graphed(cache, inputs, which)
-        } else {
-            None
-        };
-        let result = match result {
-            Some(r) => r,
-            None => self.step_reserved(cache, inputs, which, trace),
-        };
-        match result {
-            Ok(l) => Ok(l),
-            Err(e) => {
-                cache.rollback(reservation);
-                Err(e)
-            }
-        }
+        Ok(())
     }
 
     /// The step through a recorded graph, when graphs are on and the step qualifies; `None`
@@ -484,7 +491,7 @@ impl Model {
         }))
     }
 
-    fn host_index(&self, cache: &KvCache, inputs: &[StepInput]) -> Result<HostIndex> {
+    pub(super) fn host_index(&self, cache: &KvCache, inputs: &[StepInput]) -> Result<HostIndex> {
         let mut h = HostIndex {
             ids: Vec::new(),
             positions: Vec::new(),
@@ -508,7 +515,7 @@ impl Model {
         Ok(h)
     }
 
-    fn upload_index(&self, h: &HostIndex) -> Result<StepIndex> {
+    pub(super) fn upload_index(&self, h: &HostIndex) -> Result<StepIndex> {
         let t = u32_of(h.ids.len(), "tokens in a step")?;
         let d = &self.device;
         Ok(StepIndex {
@@ -555,32 +562,66 @@ impl Model {
         which: Logits,
         mut trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
-        let d = &self.device;
-        let c = &self.config;
-        let h = d.gather_rows(&self.weights.embed, &idx.ids)?;
-        d.phase(None, "other")?;
+        let h = self.embed(idx)?;
         let mut selected: Option<Index> = None;
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            let x = d.rms_norm(&h, &layer.input_norm, c.rms_norm_eps)?;
-            self.attention(
-                l,
-                layer,
-                &x,
-                &h,
-                cache,
-                idx,
-                &mut selected,
-                trace.as_deref_mut(),
-            )?;
-            let x = d.rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
-            self.mlp(l, &layer.mlp, &x, &h, trace.as_deref_mut())?;
-            d.phase(Some(l), "mlp")?;
+        for l in 0..self.weights.layers.len() {
+            self.attention_into(l, &h, &h, cache, idx, &mut selected, trace.as_deref_mut())?;
+            self.mlp_into(l, &h, &h, trace.as_deref_mut())?;
         }
+        self.head(h, idx, which)
+    }
+
+    /// The residual stream of a step's tokens: their embedding rows.
+    pub(super) fn embed(&self, idx: &StepIndex) -> Result<Tensor> {
+        let h = self.device.gather_rows(&self.weights.embed, &idx.ids)?;
+        self.device.phase(None, "other")?;
+        Ok(h)
+    }
+
+    /// Layer `l`'s attention of the residual stream `h`, added into `out` (`h` itself, or a
+    /// sharded rank's zeroed output).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_into(
+        &self,
+        l: usize,
+        h: &Tensor,
+        out: &Tensor,
+        cache: &mut KvCache,
+        idx: &StepIndex,
+        selected: &mut Option<Index>,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<()> {
+        let layer = &self.weights.layers[l];
+        let x = self
+            .device
+            .rms_norm(h, &layer.input_norm, self.config.rms_norm_eps)?;
+        self.attention(l, layer, &x, out, cache, idx, selected, trace)
+    }
+
+    /// Layer `l`'s MLP of the residual stream `h`, added into `out`.
+    pub(super) fn mlp_into(
+        &self,
+        l: usize,
+        h: &Tensor,
+        out: &Tensor,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<()> {
+        let layer = &self.weights.layers[l];
+        let x = self
+            .device
+            .rms_norm(h, &layer.post_norm, self.config.rms_norm_eps)?;
+        self.mlp(l, &layer.mlp, &x, out, trace)?;
+        self.device.phase(Some(l), "mlp")
+    }
+
+    /// The final norm and the LM head: logits `[rows, vocab]`, rows per `which`.
+    pub(super) fn head(&self, h: Tensor, idx: &StepIndex, which: Logits) -> Result<Tensor> {
+        let d = &self.device;
         let h = match which {
             Logits::All => h,
             Logits::Last => d.select_rows(&h, &idx.last)?,
         };
-        let h = d.rms_norm(&h, &self.weights.norm, c.rms_norm_eps)?;
+        let h = d.rms_norm(&h, &self.weights.norm, self.config.rms_norm_eps)?;
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.embed);
         let logits = d.linear(&h, head)?;
         d.phase(None, "other")?;
@@ -598,14 +639,14 @@ impl Model {
         }
     }
 
-    /// Attention of layer `l`: adds `o_proj(W_UV · sparse_mla(...))` into `h`.
+    /// Attention of layer `l`: adds `o_proj(W_UV · sparse_mla(...))` into `out`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         l: usize,
         layer: &LayerWeights,
         x: &Tensor,
-        h: &Tensor,
+        out: &Tensor,
         cache: &mut KvCache,
         idx: &StepIndex,
         selected: &mut Option<Index>,
@@ -715,7 +756,7 @@ impl Model {
             scale: c.softmax_scale(),
             has_topk_length: false,
         };
-        let out = d.empty(t * heads, lat, DType::Bf16)?;
+        let attn = d.empty(t * heads, lat, DType::Bf16)?;
         let lse = d.empty(t, heads, DType::F32)?;
         d.backend().sparse_mla_decode(
             &shape,
@@ -724,7 +765,7 @@ impl Model {
                 kv_cache: &cache.latent[l],
                 indices: slots_k.buffer(),
                 topk_length: None,
-                out: out.buffer(),
+                out: attn.buffer(),
                 lse: lse.buffer(),
                 layout: DecodeLayout::default(),
             },
@@ -732,8 +773,8 @@ impl Model {
         )?;
         let v = c.v_head_dim as u32;
         let o = d.empty(t * heads, v, DType::F32)?;
-        d.head_linear_into(&out, &w.w_uv, heads, &o)?;
-        d.linear_into(&o.reshape(t, heads * v)?, &w.o_proj, h, true)?;
+        d.head_linear_into(&attn, &w.w_uv, heads, &o)?;
+        d.linear_into(&o.reshape(t, heads * v)?, &w.o_proj, out, true)?;
         d.phase(Some(l), "attention")
     }
 
@@ -809,25 +850,26 @@ impl Model {
         d.topk(&scores, &idx.positions, topk)
     }
 
-    /// The MLP of layer `l`, added into `h`.
+    /// The MLP of layer `l`, added into `out`.
     fn mlp(
         &self,
         l: usize,
         mlp: &MlpWeights,
         x: &Tensor,
-        h: &Tensor,
+        out: &Tensor,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<()> {
         let d = &self.device;
         let c = &self.config;
         match mlp {
-            MlpWeights::Dense(m) => self.swiglu_into(m, x, h),
+            MlpWeights::Dense(m) => self.swiglu_into(m, x, out),
             MlpWeights::Moe {
                 router,
                 bias,
                 experts_gate_up,
                 experts_down,
                 experts,
+                expert_base,
                 inter,
                 shared,
             } => {
@@ -837,25 +879,34 @@ impl Model {
                     tr.routed
                         .push((l, ids.cols as usize, d.download_index(&ids)?));
                 }
-                let gu = d.expert_linear(x, experts_gate_up, *experts, &ids)?;
+                // Expert parallelism: the global ids as this rank's weights number them (the
+                // others' skipped). A model holding every expert needs no map.
+                let local;
+                let ids = if *experts == router.layout.rows {
+                    &ids
+                } else {
+                    local = d.local_experts(&ids, *expert_base, *experts)?;
+                    &local
+                };
+                let gu = d.expert_linear(x, experts_gate_up, *experts, ids)?;
                 let a = d.silu_mul(&gu.cols_slice(0, *inter)?, &gu.cols_slice(*inter, *inter)?)?;
-                d.expert_linear_combine(&a, experts_down, *experts, &ids, &weights, h)?;
+                d.expert_linear_combine(&a, experts_down, *experts, ids, &weights, out)?;
                 match shared {
-                    Some(s) => self.swiglu_into(s, x, h),
+                    Some(s) => self.swiglu_into(s, x, out),
                     None => Ok(()),
                 }
             }
         }
     }
 
-    /// `h += down(silu(gate x) ⊙ up x)`.
-    fn swiglu_into(&self, m: &Mlp, x: &Tensor, h: &Tensor) -> Result<()> {
+    /// `out += down(silu(gate x) ⊙ up x)`.
+    fn swiglu_into(&self, m: &Mlp, x: &Tensor, out: &Tensor) -> Result<()> {
         let d = &self.device;
         let gu = d.linear(x, &m.gate_up)?;
         let a = d.silu_mul(
             &gu.cols_slice(0, m.inter)?,
             &gu.cols_slice(m.inter, m.inter)?,
         )?;
-        d.linear_into(&a, &m.down, h, true)
+        d.linear_into(&a, &m.down, out, true)
     }
 }

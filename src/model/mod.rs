@@ -9,6 +9,8 @@
 //! - [`cache`]: the paged latent and indexer-key caches shared by the sequences, the block table;
 //! - [`forward`]: the forward pass, written once over [`device::Device`], for any number of
 //!   sequences per step;
+//! - [`shard`]: the same forward split over N ranks (heads, MLP width, experts), summed
+//!   through a collective;
 //! - [`rope`], [`sampler`], [`tokenizer`]: the pieces around it.
 //!
 //! The model runs on every runtime backend ([`crate::runtime::Backend`]): the CPU reference
@@ -22,6 +24,7 @@ pub mod memory;
 pub mod params;
 pub mod rope;
 pub mod sampler;
+pub mod shard;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
@@ -30,4 +33,5 @@ pub use cache::{CacheOptions, KvCache, SeqId};
 pub use config::{Arch, ModelConfig};
 pub use forward::{ForwardTrace, Logits, Model, Sequence, StepInput};
 pub use sampler::{Sampler, SamplerConfig};
+pub use shard::{ShardedCache, ShardedModel, ShardedSequence};
 pub use tokenizer::TextTokenizer;

@@ -7,6 +7,7 @@ use safetensors::Dtype;
 
 use super::config::{IndexerKind, MlpKind, ModelConfig};
 use super::device::{Device, Vector, Weight};
+use super::shard::plan::{check_cut, cut_bytes, cuts, Cut, ShardSpec};
 use super::weights::{plain_to_f32, Checkpoint, SCALE_INV_SUFFIX};
 use crate::kernels::view::{WeightLayout, WeightType};
 use crate::reference::numerics::bf16_bits;
@@ -220,11 +221,14 @@ pub enum MlpWeights {
     Moe {
         router: Weight,
         bias: Vector,
-        /// Every routed expert's gate and up: `[experts · 2 · inter, hidden]`, groups of `inter`.
+        /// The routed experts' gate and up: `[experts · 2 · inter, hidden]`, groups of `inter`.
         experts_gate_up: Weight,
-        /// Every routed expert's down: `[experts · hidden, inter]`, groups of `hidden`.
+        /// The routed experts' down: `[experts · hidden, inter]`, groups of `hidden`.
         experts_down: Weight,
+        /// Routed experts held: all of them, or (expert parallelism) the `experts` from
+        /// global id `expert_base` on.
         experts: u32,
+        expert_base: u32,
         inter: u32,
         shared: Option<Mlp>,
     },
@@ -310,6 +314,9 @@ fn u32_of(v: usize, what: &str) -> Result<u32> {
 struct Uploader<'a> {
     device: &'a Device,
     ckpt: &'a Checkpoint,
+    spec: ShardSpec,
+    /// The tensors split by rows or columns, with this rank's part (absent: whole).
+    cuts: std::collections::HashMap<String, Cut>,
     done: usize,
     total: usize,
     bytes: u64,
@@ -323,35 +330,49 @@ impl Uploader<'_> {
         (self.progress)(self.done, self.total);
     }
 
-    /// The bytes of tensor `name` as the device stores them (f16 widened to f32), and the
-    /// f32 bytes of its FP8 scales.
-    fn device_bytes(&self, name: &str, wtype: WeightType) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
+    /// The bytes of this rank's part of tensor `name` (`[rows, cols]`) as the device stores
+    /// them (f16 widened to f32), and the f32 bytes of the part's FP8 scales.
+    fn device_bytes(
+        &self,
+        name: &str,
+        wtype: WeightType,
+        shape: [usize; 2],
+        cut: Cut,
+    ) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
         let (dtype, _, data) = self.ckpt.raw(name)?;
         let values = match (dtype, wtype) {
-            (Dtype::F16, _) => f32_bytes(&plain_to_f32(dtype, data).unwrap_or_default()),
-            _ => data.to_vec(),
+            (Dtype::F16, _) => cut_bytes(
+                &f32_bytes(&plain_to_f32(dtype, data).unwrap_or_default()),
+                4,
+                shape,
+                cut,
+            ),
+            _ => cut_bytes(data, dtype.bitsize() / 8, shape, cut),
         };
         let scales = match wtype {
-            WeightType::Fp8 { .. } => {
+            WeightType::Fp8 { block } => {
                 let s = self.ckpt.read_f32(&format!("{name}{SCALE_INV_SUFFIX}"))?;
-                Some(f32_bytes(&s))
+                let block = [block[0] as usize, block[1] as usize];
+                check_cut(name, shape, cut, block, self.spec)?;
+                let grid = [shape[0].div_ceil(block[0]), shape[1].div_ceil(block[1])];
+                Some(cut_bytes(&f32_bytes(&s), 4, grid, cut.in_blocks(block)))
             }
             _ => None,
         };
         Ok((values, scales))
     }
 
-    /// A 2-D weight as stored.
+    /// A 2-D weight as stored (this rank's part of it).
     fn weight(&mut self, name: &str) -> Result<Weight> {
         self.stacked(&[name.to_string()])
     }
 
     /// Several `[rows, cols]` tensors of one dtype stacked along the rows into one weight
-    /// (groups of `rows`; FP8 block grids restart per group).
+    /// (groups of `rows`, or of this rank's part of them; FP8 block grids restart per group).
     fn stacked(&mut self, names: &[String]) -> Result<Weight> {
         let first = &names[0];
         let (dtype, shape, _) = self.ckpt.raw(first)?;
-        let [rows, cols] = match shape.as_slice() {
+        let full = match shape.as_slice() {
             [r, c] => [*r, *c],
             other => {
                 return Err(Error::Model(format!(
@@ -359,6 +380,8 @@ impl Uploader<'_> {
                 )))
             }
         };
+        let cut = self.cuts.get(first).copied().unwrap_or(Cut::Whole);
+        let [rows, cols] = cut.shape(full);
         let wtype = weight_type(self.ckpt, first, dtype)?;
         let layout = WeightLayout::stacked(
             wtype,
@@ -378,12 +401,13 @@ impl Uploader<'_> {
         let per_scales = layout.scale_bytes() / names.len() as u64;
         for (g, name) in names.iter().enumerate() {
             let (d, s, _) = self.ckpt.raw(name)?;
-            if d != dtype || s != shape {
+            let name_cut = self.cuts.get(name).copied().unwrap_or(Cut::Whole);
+            if d != dtype || s != shape || name_cut != cut {
                 return Err(Error::Model(format!(
                     "tensor `{name}` is {d:?} {s:?}, but `{first}`, stacked with it, is {dtype:?} {shape:?}"
                 )));
             }
-            let (v, sc) = self.device_bytes(name, wtype)?;
+            let (v, sc) = self.device_bytes(name, wtype, full, cut)?;
             self.device
                 .backend()
                 .write_at(&values, g as u64 * per_values, &v)?;
@@ -460,10 +484,41 @@ pub fn upload_weights(
     device: &Device,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<(ModelWeights, u64)> {
-    let total = expected_tensors(c).len();
+    upload_shard(c, ckpt, device, ShardSpec::WHOLE, true, progress)
+}
+
+/// Tensors [`upload_shard`] reads for rank `spec` (every tensor but the other ranks' routed
+/// experts, and lm_head unless `with_head`).
+pub fn shard_tensor_count(c: &ModelConfig, spec: ShardSpec, with_head: bool) -> usize {
+    let moe = c
+        .mlp_layer_types
+        .iter()
+        .filter(|&&k| k == MlpKind::Moe)
+        .count();
+    let others = c.n_routed_experts - spec.part(c.n_routed_experts).1;
+    expected_tensor_count(c) - 3 * others * moe - usize::from(!with_head && !c.tie_word_embeddings)
+}
+
+/// [`upload_weights`] for rank `spec` of a sharded model (docs/sharding.md): each tensor's
+/// part is read from the checkpoint (memory-mapped) and written straight to `device`, so no
+/// device holds more than its shard. `with_head`: whether this rank holds lm_head (only the
+/// rank that computes the logits needs it; without it the weights' `lm_head` is `None` and
+/// the rank must not compute logits). The config is the whole model's, checked by
+/// [`super::shard::plan::check_tp`].
+pub fn upload_shard(
+    c: &ModelConfig,
+    ckpt: &Checkpoint,
+    device: &Device,
+    spec: ShardSpec,
+    with_head: bool,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<(ModelWeights, u64)> {
+    let total = shard_tensor_count(c, spec, with_head);
     let mut up = Uploader {
         device,
         ckpt,
+        spec,
+        cuts: cuts(c, spec),
         done: 0,
         total,
         bytes: 0,
@@ -471,7 +526,7 @@ pub fn upload_weights(
     };
     let embed = up.weight("model.embed_tokens.weight")?;
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    let heads = c.num_attention_heads;
+    let (h0, heads) = spec.part(c.num_attention_heads);
     let (nope, v, lat) = (c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
@@ -479,12 +534,13 @@ pub fn upload_weights(
         let input_norm = up.vector(&format!("{p}.input_layernorm.weight"))?;
         let post_norm = up.vector(&format!("{p}.post_attention_layernorm.weight"))?;
         // kv_b_proj is [heads · (nope + v), latent]: head h's rows are [W_UK_h (nope) | W_UV_h (v)].
+        // Read whole on the host; only this rank's heads go to the device.
         let kv_b_name = format!("{a}.kv_b_proj.weight");
         let kv_b = ckpt.read_f32(&kv_b_name)?;
-        up.tick(kv_b.len() as u64 * 2);
+        up.tick((heads * (nope + v) * lat) as u64 * 2);
         let mut w_uk_t = Vec::with_capacity(heads * lat * nope);
         let mut w_uv = Vec::with_capacity(heads * v * lat);
-        for h in 0..heads {
+        for h in h0..h0 + heads {
             let base = h * (nope + v);
             for j in 0..lat {
                 w_uk_t.extend((0..nope).map(|i| kv_b[(base + i) * lat + j]));
@@ -520,8 +576,8 @@ pub fn upload_weights(
             MlpKind::Moe => {
                 let router = up.weight(&format!("{m}.gate.weight"))?;
                 let bias = up.vector(&format!("{m}.gate.e_score_correction_bias"))?;
-                let e_n = c.n_routed_experts;
-                let gate_up: Vec<String> = (0..e_n)
+                let (e0, e_n) = spec.part(c.n_routed_experts);
+                let gate_up: Vec<String> = (e0..e0 + e_n)
                     .flat_map(|e| {
                         [
                             format!("{m}.experts.{e}.gate_proj.weight"),
@@ -529,7 +585,7 @@ pub fn upload_weights(
                         ]
                     })
                     .collect();
-                let down: Vec<String> = (0..e_n)
+                let down: Vec<String> = (e0..e0 + e_n)
                     .map(|e| format!("{m}.experts.{e}.down_proj.weight"))
                     .collect();
                 let experts_gate_up = up.stacked(&gate_up)?;
@@ -546,6 +602,7 @@ pub fn upload_weights(
                     experts_gate_up,
                     experts_down,
                     experts: u32_of(e_n, "n_routed_experts")?,
+                    expert_base: u32_of(e0, "n_routed_experts")?,
                     shared,
                 }
             }
@@ -559,7 +616,7 @@ pub fn upload_weights(
         });
     }
     let norm = up.vector("model.norm.weight")?;
-    let lm_head = if c.tie_word_embeddings {
+    let lm_head = if c.tie_word_embeddings || !with_head {
         None
     } else {
         Some(up.weight("lm_head.weight")?)
@@ -574,4 +631,69 @@ pub fn upload_weights(
         },
         bytes,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::cpu::CpuBackend;
+
+    /// A [256, 384] FP8 weight in 128 × 128 blocks (a distinct scale per block, distinct bytes
+    /// per element), loaded through a shard's cut: the rank gets exactly its rows or columns
+    /// and the scales of its blocks; a cut inside a block is refused naming --tp.
+    #[test]
+    fn fp8_shards_take_their_blocks() {
+        let dir = std::env::temp_dir().join(format!("sparse-mla-fp8-cut-{}", std::process::id()));
+        let (rows, cols) = (256usize, 384usize);
+        let q: Vec<u8> = (0..rows * cols).map(|i| (i % 251) as u8 & 0x7e).collect();
+        let scales: Vec<f32> = (0..6).map(|i| 0.5 + i as f32).collect();
+        let f32b = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        super::super::weights::write_checkpoint(
+            &dir,
+            &[
+                ("w".into(), Dtype::F8_E4M3, vec![rows, cols], q.clone()),
+                ("w_scale_inv".into(), Dtype::F32, vec![2, 3], f32b(&scales)),
+            ],
+            1,
+        )
+        .unwrap();
+        let ckpt = Checkpoint::open(&dir, Some([128, 128])).unwrap();
+        let device = Device::new(std::sync::Arc::new(CpuBackend::new()));
+        let spec = ShardSpec { rank: 1, world: 2 };
+        let mut progress = |_: usize, _: usize| {};
+        let mut load = |cut: Cut| {
+            let mut up = Uploader {
+                device: &device,
+                ckpt: &ckpt,
+                spec,
+                cuts: [("w".to_string(), cut)].into_iter().collect(),
+                done: 0,
+                total: 1,
+                bytes: 0,
+                progress: &mut progress,
+            };
+            up.weight("w").map(|w| {
+                let b = device.backend();
+                let s = w.scales.as_ref().map(|s| b.download(s).unwrap());
+                (w.layout, b.download(&w.values).unwrap(), s.unwrap())
+            })
+        };
+        // Columns 128..384 (blocks 1 and 2 of each block row).
+        let (layout, v, s) = load(Cut::Cols(128, 256)).unwrap();
+        assert_eq!((layout.rows, layout.cols), (256, 256));
+        let want: Vec<u8> = (0..rows)
+            .flat_map(|r| q[r * cols + 128..r * cols + 384].to_vec())
+            .collect();
+        assert_eq!(v, want);
+        assert_eq!(s, f32b(&[1.5, 2.5, 4.5, 5.5]));
+        // Rows 128..256 (the second block row).
+        let (layout, v, s) = load(Cut::Rows(128, 128)).unwrap();
+        assert_eq!((layout.rows, layout.cols), (128, 384));
+        assert_eq!(v, q[128 * cols..].to_vec());
+        assert_eq!(s, f32b(&[3.5, 4.5, 5.5]));
+        // Columns 192..384 start inside block 1.
+        let e = load(Cut::Cols(192, 192)).err().unwrap().to_string();
+        assert!(e.contains("--tp") && e.contains("cut a block"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -287,6 +287,7 @@ pub fn build(
                     experts_gate_up: m.weight(2 * e, inter, h, true)?,
                     experts_down: m.weight(e, h, inter, true)?,
                     experts: e,
+                    expert_base: 0,
                     inter,
                     shared: Some(m.mlp(h, inter * u(c.n_shared_experts))?),
                 }

@@ -91,6 +91,22 @@ pub fn moe_route(logits: &[f64], bias: &[f64], p: &RouteParams) -> (Vec<i32>, Ve
     (ids, weights)
 }
 
+/// Expert parallelism: the ids of `ids` as the rank holding experts `[base, base + count)`
+/// sees them — `id − base` inside that range, −1 (an expert another rank holds) outside.
+pub fn local_expert_ids(ids: &[i32], base: u32, count: u32) -> Vec<i32> {
+    let (lo, hi) = (base as i64, base as i64 + count as i64);
+    ids.iter()
+        .map(|&id| {
+            let id = id as i64;
+            if (lo..hi).contains(&id) {
+                (id - lo) as i32
+            } else {
+                -1
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
