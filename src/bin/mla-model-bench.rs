@@ -408,7 +408,7 @@ fn run(args: &Args) -> Result<()> {
     let (backend, _) = open_device(spec)?;
     println!("device: {}", backend.device_name());
     println!(
-        "dense bf16 linears: --gemm {} (cuBLAS: {})",
+        "dense linears: --gemm {} (cuBLAS: {})",
         args.gemm,
         match backend.gemm_available() {
             Ok(()) => "available".to_string(),
