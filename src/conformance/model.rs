@@ -187,7 +187,7 @@ pub struct Comparison {
 }
 
 /// Per layer, per token: our sorted decision (positions or experts).
-fn per_token(
+pub(crate) fn per_token(
     trace: &[(usize, usize, Vec<i32>)],
 ) -> std::collections::BTreeMap<usize, Vec<Vec<i64>>> {
     let mut m: std::collections::BTreeMap<usize, Vec<Vec<i64>>> = Default::default();

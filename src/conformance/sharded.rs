@@ -15,7 +15,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::model::{compare_run, golden_failures, load_golden, run_golden, GoldenRun, BF16};
+use super::model::{
+    compare_run, golden_failures, load_golden, per_token, run_golden, Golden, GoldenRun, BF16,
+};
 use super::{within, Outcome};
 use crate::mla::CacheFormat;
 use crate::model::{CacheOptions, Model, ShardedModel};
@@ -50,44 +52,55 @@ fn cache_opts() -> CacheOptions {
     }
 }
 
-/// Where the decisions of two runs differ: per kind, how many traced calls and the first
-/// (layer, row).
-fn decision_diffs(a: &GoldenRun, b: &GoldenRun) -> Vec<String> {
-    let mut out = Vec::new();
-    for (kind, x, y) in [
-        ("indexer", &a.trace.selected, &b.trace.selected),
-        ("router", &a.trace.routed, &b.trace.routed),
+/// Where the decisions of the sharded run (`a`) differ from the unsharded one's (`b`), token
+/// by token: a difference is a failure unless golden.json records the decision as a near-tie
+/// (its margin under the bf16 tolerance: indexer 2e-2 relative, router 1e-2), where the
+/// sharded sums' f32 rounding may tip it either way (NVIDIA's Vulkan driver tipped one router
+/// choice of DeepSeek-V3.2 tp2 whose golden margin is that small). Returns (failures, near-ties
+/// that flipped).
+fn decision_diffs(a: &GoldenRun, b: &GoldenRun, g: &Golden) -> (Vec<String>, usize) {
+    let margins = &g.meta["decision_margins"];
+    let (mut out, mut ties) = (Vec::new(), 0);
+    for (kind, x, y, limit) in [
+        (
+            "indexer",
+            &a.trace.selected,
+            &b.trace.selected,
+            BF16.indexer_rel,
+        ),
+        ("router", &a.trace.routed, &b.trace.routed, BF16.router),
     ] {
-        if x.len() != y.len() {
+        let (px, py) = (per_token(x), per_token(y));
+        if px.keys().ne(py.keys()) {
             out.push(format!(
-                "{kind}: {} traced calls sharded, {} unsharded",
-                x.len(),
-                y.len()
+                "{kind}: traced layers differ from the unsharded model's"
             ));
             continue;
         }
-        let differ: Vec<(usize, usize)> = x
-            .iter()
-            .zip(y)
-            .filter(|((la, ka, ra), (lb, kb, rb))| (la, ka) != (lb, kb) || ra != rb)
-            .map(|((l, k, ra), (_, _, rb))| {
-                let row = ra
-                    .chunks((*k).max(1))
-                    .zip(rb.chunks((*k).max(1)))
-                    .position(|(p, q)| p != q)
-                    .unwrap_or(0);
-                (*l, row)
-            })
-            .collect();
-        if let Some((l, row)) = differ.first() {
-            out.push(format!(
-                "{kind}: {} of {} traced calls differ from the unsharded model's, first layer {l} row {row}",
-                differ.len(),
-                x.len()
-            ));
+        for (layer, rows) in &px {
+            let other = &py[layer];
+            if rows.len() != other.len() {
+                out.push(format!(
+                    "{kind}: layer {layer}: {} rows sharded, {} unsharded",
+                    rows.len(),
+                    other.len()
+                ));
+                continue;
+            }
+            for (t, (p, q)) in rows.iter().zip(other).enumerate() {
+                if p == q {
+                    continue;
+                }
+                match margins[kind][layer.to_string()][t].as_f64() {
+                    Some(m) if m < limit => ties += 1,
+                    m => out.push(format!(
+                        "{kind}: layer {layer} token {t} differs from the unsharded model's (golden margin {m:?})"
+                    )),
+                }
+            }
         }
     }
-    out
+    (out, ties)
 }
 
 /// Sharded `world` ways against unsharded, on one backend (see the module doc).
@@ -112,7 +125,7 @@ pub fn tp_case(
         sharded.forward_traced(&mut sseq, t, w, Some(tr))
     })?;
 
-    let mut failures = decision_diffs(&ours, &unsharded);
+    let (mut failures, ties) = decision_diffs(&ours, &unsharded, &g);
     let a: Vec<f64> = ours.logits.iter().map(|&x| x as f64).collect();
     let b: Vec<f64> = unsharded.logits.iter().map(|&x| x as f64).collect();
     let rel = rel_l2(&a, &b);
@@ -170,7 +183,7 @@ pub fn tp_case(
         // rel_l2 and max_abs: against the unsharded model (max_abs relative to max |logit|);
         // lse_err: the golden comparison's rel L2.
         detail: format!(
-            "{} rows, {} decisions vs golden; ranks hold {:?} B of {} B",
+            "{} rows, {} decisions vs golden, {ties} near-ties flipped vs unsharded; ranks hold {:?} B of {} B",
             c.rows,
             c.decisions,
             ranks,
