@@ -481,7 +481,7 @@ fn run(args: &Args) -> Result<()> {
                         })
                         .collect();
                     println!(
-                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {} | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} ({:.1}) |",
+                        "| {} | {wt} | {ctx} | {batch} | {:.2} | {:.0} | {:.2} | {:.0} % | {} | {} / {} | {} | {:.2} ({:.0} %) | {:.2} ({:.0} %) | {:.2} | {} | {:.1} ({:.1}) |",
                         shape.name(),
                         row.step_s * 1e3,
                         batch as f64 / row.step_s,
@@ -490,7 +490,8 @@ fn run(args: &Args) -> Result<()> {
                         row.graph_s
                             .map(|t| format!("{:.2} ({:.0} %)", t * 1e3, 100.0 * roof / t))
                             .unwrap_or_else(|| "-".into()),
-                        format!("{} / {}", ms(row.kernels_s), ms(row.vendor_s)),
+                        ms(row.kernels_s),
+                        ms(row.vendor_s),
                         row.v1_s.map(|t| format!("{:.2}", t * 1e3)).unwrap_or_else(|| "-".into()),
                         row.dense_s * 1e3,
                         100.0 * dense_b / bw / row.dense_s,

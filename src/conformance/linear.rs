@@ -371,6 +371,9 @@ pub struct VendorGemmCase {
     pub k: u32,
     pub n: u32,
     pub accumulate: bool,
+    /// 1: one dense GEMM; more: the per-head form, one strided-batched call where row
+    /// `t · heads + h` of x and y belongs to head `h`, whose weights are rows `h·n ..` of W.
+    pub heads: u32,
 }
 
 /// cuBLAS accumulates in f32 (CUBLAS_COMPUTE_32F); split-K adds a few more f32 roundings.
@@ -387,18 +390,28 @@ pub fn vendor_gemm_cases() -> Vec<VendorGemmCase> {
             k: 576,
             n: 100,
             accumulate: false,
+            heads: 1,
         },
         VendorGemmCase {
             tokens: 8,
             k: 1040,
             n: 333,
             accumulate: true,
+            heads: 1,
         },
         VendorGemmCase {
             tokens: 33,
             k: 2048,
             n: 130,
             accumulate: false,
+            heads: 1,
+        },
+        VendorGemmCase {
+            tokens: 3,
+            k: 192,
+            n: 72,
+            accumulate: false,
+            heads: 5,
         },
     ]
 }
@@ -406,8 +419,13 @@ pub fn vendor_gemm_cases() -> Vec<VendorGemmCase> {
 impl super::Case for VendorGemmCase {
     fn name(&self) -> String {
         format!(
-            "linear/cublas_bf16_t{}{}",
+            "linear/cublas_bf16_t{}{}{}",
             self.tokens,
+            if self.heads > 1 {
+                format!("_heads{}", self.heads)
+            } else {
+                String::new()
+            },
             if self.accumulate { "_acc" } else { "" }
         )
     }
@@ -415,14 +433,14 @@ impl super::Case for VendorGemmCase {
     fn run(&self, backend: &dyn crate::runtime::Backend, seed: u64) -> Result<super::Outcome> {
         use crate::reference::numerics::round_bf16 as bf16_round;
         let mut rng = Rng::new(seed);
-        let (t, k, n) = (self.tokens, self.k, self.n);
-        let (xv, xlen) = padded(t, k, 5);
-        let (yv, ylen) = padded(t, n, 7);
+        let (t, k, n, heads) = (self.tokens, self.k, self.n, self.heads);
+        let (xv, xlen) = padded(t * heads, k, 5);
+        let (yv, ylen) = padded(t * heads, n, 7);
         let x: Vec<f32> = view_buffer(&mut rng, xlen, &xv, 1.0)
             .into_iter()
             .map(|v| if v.is_nan() { v } else { bf16_round(v) })
             .collect();
-        let wv: Vec<f32> = normals(&mut rng, (n * k) as usize, (k as f32).powf(-0.5))
+        let wv: Vec<f32> = normals(&mut rng, (heads * n * k) as usize, (k as f32).powf(-0.5))
             .into_iter()
             .map(bf16_round)
             .collect();
@@ -432,11 +450,13 @@ impl super::Case for VendorGemmCase {
             vec![super::ops::POISON; ylen]
         };
         let mut expected = y0.clone();
-        for r in 0..t as u64 {
+        for r in 0..(t * heads) as u64 {
+            let h = r % heads as u64;
             for j in 0..n as u64 {
                 let mut acc = 0.0f64;
+                let wrow = (h * n as u64 + j) * k as u64;
                 for c in 0..k as u64 {
-                    acc += x[xv.index(r, c)] as f64 * wv[(j * k as u64 + c) as usize] as f64;
+                    acc += x[xv.index(r, c)] as f64 * wv[(wrow + c) as usize] as f64;
                 }
                 let e = &mut expected[yv.index(r, j)];
                 *e = if self.accumulate {
@@ -458,11 +478,15 @@ impl super::Case for VendorGemmCase {
             n,
             k,
             x_off: xv.offset,
-            x_stride: xv.stride,
+            x_stride: heads * xv.stride,
             w_off: W_OFF,
             y_off: yv.offset,
-            y_stride: yv.stride,
+            y_stride: heads * yv.stride,
             accumulate: self.accumulate,
+            batch: heads,
+            x_batch: xv.stride as u64,
+            w_batch: n as u64 * k as u64,
+            y_batch: yv.stride as u64,
         };
         let t0 = std::time::Instant::now();
         let ran = backend.gemm_bf16(&shape, &xb, &wb, &yb)?;
@@ -474,7 +498,7 @@ impl super::Case for VendorGemmCase {
             rel_l2: 0.0,
             max_abs: 0.0,
             lse_err: 0.0,
-            detail: format!("T{t} K{k} N{n}"),
+            detail: format!("T{t} K{k} N{n} heads {heads}"),
             seconds,
             failures: Vec::new(),
         };

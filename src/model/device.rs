@@ -620,6 +620,10 @@ impl Device {
                 y_off: out.view.offset + (half * xs.rows()) as u64 * out.view.stride as u64,
                 y_stride: out.view.stride,
                 accumulate: beta,
+                batch: 1,
+                x_batch: 0,
+                w_batch: 0,
+                y_batch: 0,
             };
             if self
                 .backend
@@ -690,6 +694,9 @@ impl Device {
     /// Per-head linear: row `r` of `x [T·heads, K]` times head `r % heads`'s `[N, K]` block of
     /// `w`, into `y [T·heads, N]`.
     pub fn head_linear_into(&self, x: &Tensor, w: &Weight, heads: u32, y: &Tensor) -> Result<()> {
+        if self.vendor_heads(w) && heads > 0 && x.rows() % heads == 0 {
+            return self.vendor_head_linear_into(x, w, heads, y);
+        }
         let op = GroupedLinearOp {
             x: x.view,
             x_dtype: x.dtype,
@@ -707,6 +714,103 @@ impl Device {
         Self::weight_bufs(w, &mut b);
         b.push(("y", y.buffer()));
         self.run(&op, &b)
+    }
+
+    /// Whether the per-head linears go to the vendor's batched GEMM: bf16 weights, under
+    /// `cublas` always and under `auto` at every batch — on the H200 our grouped kernel
+    /// re-read each head's block for every token, 8 of a 30.6 ms batch-32 step
+    /// (tools/gpu-profile-step.sh; benches/NOTES.md).
+    fn vendor_heads(&self, w: &Weight) -> bool {
+        w.layout.wtype == WeightType::Bf16
+            && match self.dense_gemm() {
+                DenseGemm::Kernels => false,
+                DenseGemm::Vendor => true,
+                DenseGemm::Auto => self.backend.gemm_available().is_ok(),
+            }
+    }
+
+    /// [`Device::head_linear_into`] as one strided-batched GEMM over the heads: row
+    /// `t · heads + h` of `x` times head `h`'s `[N, K]` block, f32 `x` split into bf16 hi / lo
+    /// rows as in [`Device::linear_into`].
+    fn vendor_head_linear_into(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        heads: u32,
+        y: &Tensor,
+    ) -> Result<()> {
+        let (rows, k) = (x.rows(), w.layout.cols);
+        let n = w.layout.rows / heads;
+        if x.view.cols != k || y.view.cols != n || y.rows() != rows || y.dtype != DType::F32 {
+            return Err(Error::arg(
+                "per-head linear",
+                format!("x [T·{heads}, {k}] and f32 y [T·{heads}, {n}]"),
+                format!(
+                    "x [{rows}, {}], y [{}, {}] {:?}",
+                    x.view.cols,
+                    y.rows(),
+                    y.view.cols,
+                    y.dtype
+                ),
+            ));
+        }
+        let tokens = rows / heads;
+        let xs = match x.dtype {
+            DType::Bf16 => x.clone(),
+            DType::F32 => {
+                let s = self.empty(2 * rows, k, DType::Bf16)?;
+                self.run(
+                    &SplitBf16Op { x: x.view },
+                    &[("x", x.buffer()), ("y", s.buffer())],
+                )?;
+                s
+            }
+        };
+        let terms = xs.rows() / rows;
+        let run = |out: &Tensor| -> Result<()> {
+            let shape = GemmShape {
+                m: terms * tokens,
+                n,
+                k,
+                x_off: xs.view.offset,
+                x_stride: heads * xs.view.stride,
+                w_off: 0,
+                y_off: out.view.offset,
+                y_stride: heads * out.view.stride,
+                accumulate: false,
+                batch: heads,
+                x_batch: xs.view.stride as u64,
+                w_batch: n as u64 * k as u64,
+                y_batch: out.view.stride as u64,
+            };
+            if self
+                .backend
+                .gemm_bf16(&shape, xs.buffer(), &w.values, out.buffer())?
+            {
+                Ok(())
+            } else {
+                Err(Error::runtime(
+                    "model",
+                    format!(
+                        "{} has no vendor BLAS (--gemm cublas)",
+                        self.backend.device_name()
+                    ),
+                ))
+            }
+        };
+        if terms == 1 {
+            return run(y);
+        }
+        let partials = self.empty(terms * rows, n, DType::F32)?;
+        run(&partials)?;
+        let op = SplitReduceOp {
+            tokens: rows,
+            n_out: n,
+            splits: terms,
+            y: y.view,
+            accumulate: false,
+        };
+        self.run(&op, &[("partials", partials.buffer()), ("y", y.buffer())])
     }
 
     /// Routed experts, first half: `z[t·k + j] = x[t] · W[ids[t, j]]ᵀ` → `[T·k, N]`.

@@ -787,30 +787,82 @@ impl Device for CudaDevice {
             let beta = if g.accumulate { 1.0f32 } else { 0.0 };
             // Row-major y[T, N] is column-major yᵀ[N, T] = W · xᵀ: W (row-major [N, K], so a
             // column-major [K, N] with ld K) transposed, xᵀ as it lies (ld = x's row stride).
-            unsafe {
-                cudarc::cublas::result::gemm_ex(
-                    *b.handle.handle(),
-                    bs::cublasOperation_t::CUBLAS_OP_T,
-                    bs::cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    n,
-                    k,
-                    &alpha as *const f32 as *const c_void,
-                    wp as *const c_void,
-                    bs::cudaDataType::CUDA_R_16BF,
-                    k,
-                    xp as *const c_void,
-                    bs::cudaDataType::CUDA_R_16BF,
-                    ldx,
-                    &beta as *const f32 as *const c_void,
-                    yp as *mut c_void,
-                    bs::cudaDataType::CUDA_R_32F,
-                    ldy,
-                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| drv_err(&format!("cublasGemmEx {g:?}"), e))?;
+            let (op_t, op_n) = (
+                bs::cublasOperation_t::CUBLAS_OP_T,
+                bs::cublasOperation_t::CUBLAS_OP_N,
+            );
+            let (bf, f) = (bs::cudaDataType::CUDA_R_16BF, bs::cudaDataType::CUDA_R_32F);
+            let (compute, algo) = (
+                bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            );
+            let (a, pb, pc) = (
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                yp as *mut c_void,
+            );
+            let status = if g.batch == 1 {
+                unsafe {
+                    cudarc::cublas::result::gemm_ex(
+                        *b.handle.handle(),
+                        op_t,
+                        op_n,
+                        m,
+                        n,
+                        k,
+                        a,
+                        wp as *const c_void,
+                        bf,
+                        k,
+                        xp as *const c_void,
+                        bf,
+                        ldx,
+                        pb,
+                        pc,
+                        f,
+                        ldy,
+                        compute,
+                        algo,
+                    )
+                }
+            } else {
+                let long = |v: u64, what: &str| {
+                    i64::try_from(v).map_err(|_| Error::arg(what, "below 2^63", v))
+                };
+                let (sw, sx, sy) = (
+                    long(g.w_batch, "w batch stride")?,
+                    long(g.x_batch, "x batch stride")?,
+                    long(g.y_batch, "y batch stride")?,
+                );
+                unsafe {
+                    cudarc::cublas::result::gemm_strided_batched_ex(
+                        *b.handle.handle(),
+                        op_t,
+                        op_n,
+                        m,
+                        n,
+                        k,
+                        a,
+                        wp as *const c_void,
+                        bf,
+                        k,
+                        sw,
+                        xp as *const c_void,
+                        bf,
+                        ldx,
+                        sx,
+                        pb,
+                        pc,
+                        f,
+                        ldy,
+                        sy,
+                        int(g.batch as u64, "batch")?,
+                        compute,
+                        algo,
+                    )
+                }
+            };
+            status.map_err(|e| drv_err(&format!("cublasGemmEx {g:?}"), e))?;
             if std::env::var_os("SPARSE_MLA_SYNC_LAUNCH").is_some() {
                 self.synchronize()
                     .map_err(|e| Error::runtime(NAME, format!("after cublasGemmEx: {e}")))?;

@@ -261,7 +261,9 @@ pub trait Backend: Send + Sync {
 
 /// A dense `y[m, n] (+)= x[m, k] · W[n, k]ᵀ` for [`Backend::gemm_bf16`]: `x` bf16 rows of
 /// `x_stride` elements from element `x_off`, `W` bf16 packed `[n, k]` from element `w_off`,
-/// `y` f32 rows of `y_stride` elements from element `y_off`.
+/// `y` f32 rows of `y_stride` elements from element `y_off`. With `batch > 1`, `batch` such
+/// products, the `b`-th with each operand's start moved by `b` times its `*_batch` elements
+/// (the per-head linears: one small GEMM per head, all in one call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmShape {
     pub m: u32,
@@ -274,16 +276,23 @@ pub struct GemmShape {
     pub y_stride: u32,
     /// Add into `y` (beta = 1) instead of overwriting it.
     pub accumulate: bool,
+    pub batch: u32,
+    pub x_batch: u64,
+    pub w_batch: u64,
+    pub y_batch: u64,
 }
 
 impl GemmShape {
     /// Checks the shape against the three buffers (bytes needed by the last row of each).
     pub fn check(&self, x: &Buffer, w: &Buffer, y: &Buffer) -> Result<()> {
-        if self.m == 0 || self.n == 0 || self.k == 0 {
+        if self.m == 0 || self.n == 0 || self.k == 0 || self.batch == 0 {
             return Err(Error::arg(
                 "gemm shape",
-                "m, n and k all at least 1",
-                format!("m {} n {} k {}", self.m, self.n, self.k),
+                "m, n, k and batch all at least 1",
+                format!(
+                    "m {} n {} k {} batch {}",
+                    self.m, self.n, self.k, self.batch
+                ),
             ));
         }
         if self.x_stride < self.k || self.y_stride < self.n {
@@ -293,13 +302,26 @@ impl GemmShape {
                 format!("x {} y {}", self.x_stride, self.y_stride),
             ));
         }
+        let b = self.batch as u64 - 1;
         let last = |off: u64, stride: u32, cols: u32| {
             off + (self.m as u64 - 1) * stride as u64 + cols as u64
         };
         let need = [
-            ("x", x, last(self.x_off, self.x_stride, self.k) * 2),
-            ("w", w, (self.w_off + self.n as u64 * self.k as u64) * 2),
-            ("y", y, last(self.y_off, self.y_stride, self.n) * 4),
+            (
+                "x",
+                x,
+                (last(self.x_off, self.x_stride, self.k) + b * self.x_batch) * 2,
+            ),
+            (
+                "w",
+                w,
+                (self.w_off + b * self.w_batch + self.n as u64 * self.k as u64) * 2,
+            ),
+            (
+                "y",
+                y,
+                (last(self.y_off, self.y_stride, self.n) + b * self.y_batch) * 4,
+            ),
         ];
         for (arg, buf, bytes) in need {
             if buf.len() < bytes {
