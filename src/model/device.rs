@@ -592,17 +592,7 @@ impl Device {
         if y.dtype != DType::F32 {
             return Err(Error::arg("linear output", "f32", format!("{:?}", y.dtype)));
         }
-        let xs = match x.dtype {
-            DType::Bf16 => x.clone(),
-            DType::F32 => {
-                let s = self.empty(2 * t, k, DType::Bf16)?;
-                self.run(
-                    &SplitBf16Op { x: x.view },
-                    &[("x", x.buffer()), ("y", s.buffer())],
-                )?;
-                s
-            }
-        };
+        let xs = self.vendor_operand(x)?;
         let x_terms = xs.rows() / t;
         let w_terms: u32 = match w.layout.wtype {
             WeightType::Bf16 => 1,
@@ -625,20 +615,7 @@ impl Device {
                 w_batch: 0,
                 y_batch: 0,
             };
-            if self
-                .backend
-                .gemm_bf16(&shape, xs.buffer(), values, out.buffer())?
-            {
-                Ok(())
-            } else {
-                Err(Error::runtime(
-                    "model",
-                    format!(
-                        "{} has no vendor BLAS (--gemm cublas)",
-                        self.backend.device_name()
-                    ),
-                ))
-            }
+            self.vendor_gemm(&shape, &xs, values, out)
         };
         if terms == 1 {
             return gemm(&w.values, 0, y, accumulate);
@@ -658,6 +635,38 @@ impl Device {
             accumulate,
         };
         self.run(&op, &[("partials", partials.buffer()), ("y", y.buffer())])
+    }
+
+    /// A vendor-GEMM operand from `x`: bf16 as it is, f32 split into bf16 hi rows then lo
+    /// rows (`[2T, K]` packed), so that the bf16 GEMM keeps f32 accuracy.
+    fn vendor_operand(&self, x: &Tensor) -> Result<Tensor> {
+        match x.dtype {
+            DType::Bf16 => Ok(x.clone()),
+            DType::F32 => {
+                let s = self.empty(2 * x.rows(), x.view.cols, DType::Bf16)?;
+                self.run(
+                    &SplitBf16Op { x: x.view },
+                    &[("x", x.buffer()), ("y", s.buffer())],
+                )?;
+                Ok(s)
+            }
+        }
+    }
+
+    /// One [`Backend::gemm_bf16`] call; a backend that declines it is an error here (the
+    /// policy chose the vendor path).
+    fn vendor_gemm(&self, shape: &GemmShape, x: &Tensor, w: &Buffer, y: &Tensor) -> Result<()> {
+        if self.backend.gemm_bf16(shape, x.buffer(), w, y.buffer())? {
+            Ok(())
+        } else {
+            Err(Error::runtime(
+                "model",
+                format!(
+                    "{} has no vendor BLAS (--gemm cublas)",
+                    self.backend.device_name()
+                ),
+            ))
+        }
     }
 
     /// Runs `f` on a bf16 copy of FP8 weights `w`, made in the shared dequant buffer (one
@@ -755,17 +764,7 @@ impl Device {
             ));
         }
         let tokens = rows / heads;
-        let xs = match x.dtype {
-            DType::Bf16 => x.clone(),
-            DType::F32 => {
-                let s = self.empty(2 * rows, k, DType::Bf16)?;
-                self.run(
-                    &SplitBf16Op { x: x.view },
-                    &[("x", x.buffer()), ("y", s.buffer())],
-                )?;
-                s
-            }
-        };
+        let xs = self.vendor_operand(x)?;
         let terms = xs.rows() / rows;
         let run = |out: &Tensor| -> Result<()> {
             let shape = GemmShape {
@@ -783,20 +782,7 @@ impl Device {
                 w_batch: n as u64 * k as u64,
                 y_batch: out.view.stride as u64,
             };
-            if self
-                .backend
-                .gemm_bf16(&shape, xs.buffer(), &w.values, out.buffer())?
-            {
-                Ok(())
-            } else {
-                Err(Error::runtime(
-                    "model",
-                    format!(
-                        "{} has no vendor BLAS (--gemm cublas)",
-                        self.backend.device_name()
-                    ),
-                ))
-            }
+            self.vendor_gemm(&shape, &xs, &w.values, out)
         };
         if terms == 1 {
             return run(y);
