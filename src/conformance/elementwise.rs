@@ -290,6 +290,9 @@ pub fn elementwise_cases() -> Vec<OpCase> {
     vec![
         norm_case(NormKind::Rms, 5, 64),
         norm_case(NormKind::Rms, 3, 1536),
+        // The model's width (4-column steps only) and a LayerNorm over 2 steps plus a tail.
+        norm_case(NormKind::Rms, 2, 6144),
+        norm_case(NormKind::Layer, 3, 2100),
         norm_case(NormKind::Layer, 6, 128),
         rope_case(RopeLayout::Interleaved, 5, 4, 64, false),
         rope_case(RopeLayout::HalfSplit, 3, 8, 64, false),

@@ -7,7 +7,7 @@ use super::blocks::block_sum;
 use super::view::{DType, View, ViewArgs};
 use super::{lowered, pack, KernelCache, Launch, ParamValue};
 use crate::kir::builder::*;
-use crate::kir::ir::{Access, Elem, Kernel, Ty};
+use crate::kir::ir::{Access, Elem, Expr, Kernel, Ty};
 use crate::reference::norm::{layer_norm, rms_norm};
 use crate::reference::tensor::{f32s, read_view, write_view};
 use crate::runtime::op::{Binding, HostBuffers, Op};
@@ -55,32 +55,33 @@ fn norm_kernel(kind: &NormKind) -> Result<Kernel> {
     let red = b.shared("red", Ty::F32, THREADS);
     let n = b.let_("n", cols.clone().as_f32());
 
+    // A row is walked 4 x THREADS columns per step, the 4 loads of a thread independent (and,
+    // in the sums, 4 accumulators), then the last partial step one column at a time: with one
+    // load per iteration, a 6144-wide row costs 24 dependent memory round trips per pass,
+    // which made each norm ~15 us at T = 1 on the H200 (tools/gpu-profile-step.sh).
+    let quad = b.let_("quad", (cols.clone() / u(4 * THREADS)) * u(4 * THREADS));
     b.for_("r", workgroup_id(0), rows, num_workgroups(0), |b, r| {
         let mean = match kind {
             NormKind::Rms => None,
             NormKind::Layer => {
-                let s = b.var("s", f(0.0));
-                b.for_threads("c", cols.clone(), |b, c| {
-                    b.set(&s, s.clone() + x.at(xv.at(r.clone(), c)));
+                let tot = row_sum(b, &red, &quad, &cols, |b, c| {
+                    b.let_("v", x.at(xv.at(r.clone(), c)))
                 });
-                let tot = block_sum(b, &red, THREADS, s);
                 Some(b.let_("mean", tot / n.clone()))
             }
         };
         b.comment("sum of squares (of deviations, for LayerNorm) over the row");
-        let ss = b.var("ss", f(0.0));
-        b.for_threads("c", cols.clone(), |b, c| {
+        let tot = row_sum(b, &red, &quad, &cols, |b, c| {
             let v = x.at(xv.at(r.clone(), c));
             let d = match &mean {
                 Some(m) => b.let_("d", v - m.clone()),
                 None => b.let_("d", v),
             };
-            b.set(&ss, fma(d.clone(), d, ss.clone()));
+            b.let_("sq", d.clone() * d)
         });
-        let tot = block_sum(b, &red, THREADS, ss);
         let inv = b.let_("inv", f(1.0) / sqrt(tot / n.clone() + eps.clone()));
-        b.for_threads("c", cols.clone(), |b, c| {
-            let v = x.at(xv.at(r.clone(), c.clone()));
+        row_each(b, &quad, &cols, |b, c| {
+            let v = b.let_("v", x.at(xv.at(r.clone(), c.clone())));
             let out = match (&mean, &bias) {
                 (Some(m), Some(bias)) => {
                     (v - m.clone()) * inv.clone() * w.at(c.clone()) + bias.at(c.clone())
@@ -91,6 +92,62 @@ fn norm_kernel(kind: &NormKind) -> Result<Kernel> {
         });
     });
     b.finish()
+}
+
+/// `body` at every column of a row: 4 columns per thread per step below `quad` (a multiple
+/// of 4 x THREADS), one per step from there to `cols`.
+fn row_each(
+    b: &mut KernelBuilder,
+    quad: &Expr,
+    cols: &Expr,
+    mut body: impl FnMut(&mut KernelBuilder, Expr),
+) {
+    b.for_("c4", local_id(), quad.clone(), u(4 * THREADS), |b, c| {
+        for j in 0..4 {
+            body(b, c.clone() + u(j * THREADS));
+        }
+    });
+    b.for_(
+        "c",
+        quad.clone() + local_id(),
+        cols.clone(),
+        u(THREADS),
+        |b, c| body(b, c),
+    );
+}
+
+/// The workgroup sum over a row of `term(column)`, with 4 accumulators per thread.
+fn row_sum(
+    b: &mut KernelBuilder,
+    red: &crate::kir::builder::Shared,
+    quad: &Expr,
+    cols: &Expr,
+    mut term: impl FnMut(&mut KernelBuilder, Expr) -> Expr,
+) -> Expr {
+    let acc: Vec<Expr> = (0..4).map(|j| b.var(&format!("acc{j}"), f(0.0))).collect();
+    b.for_("c4", local_id(), quad.clone(), u(4 * THREADS), |b, c| {
+        let terms: Vec<Expr> = (0..4)
+            .map(|j| term(b, c.clone() + u(j * THREADS)))
+            .collect();
+        for (a, t) in acc.iter().zip(terms) {
+            b.set(a, a.clone() + t);
+        }
+    });
+    b.for_(
+        "c",
+        quad.clone() + local_id(),
+        cols.clone(),
+        u(THREADS),
+        |b, c| {
+            let t = term(b, c);
+            b.set(&acc[0], acc[0].clone() + t);
+        },
+    );
+    let s = b.let_(
+        "part",
+        (acc[0].clone() + acc[1].clone()) + (acc[2].clone() + acc[3].clone()),
+    );
+    block_sum(b, red, THREADS, s)
 }
 
 /// A row normalisation. Buffers: `x`, `w` (`[cols]` f32), `bias` (LayerNorm), `y`.
