@@ -98,6 +98,21 @@ impl Rng {
     }
 }
 
+/// Largest |a − b| (b the reference); a NaN in `a` counts as infinitely far, a NaN
+/// difference otherwise wins the max, so a non-finite result never passes a bound.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            if x.is_nan() {
+                f64::INFINITY
+            } else {
+                (x - y).abs()
+            }
+        })
+        .fold(0.0, |m: f64, v| if v.is_nan() || v > m { v } else { m })
+}
+
 /// Relative L2 error ‖a − b‖ / ‖b‖ (b the reference). NaN anywhere gives NaN.
 pub fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());

@@ -319,17 +319,7 @@ pub fn compare_run(
     let n = rows_compared * vocab;
     let a: Vec<f64> = ours[..n].iter().map(|&x| x as f64).collect();
     let b: Vec<f64> = g.logits[..n].iter().map(|&x| x as f64).collect();
-    let max_abs = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| {
-            if x.is_nan() {
-                f64::INFINITY
-            } else {
-                (x - y).abs()
-            }
-        })
-        .fold(0.0, |m: f64, v| if v.is_nan() || v > m { v } else { m });
+    let max_abs = crate::util::max_abs_diff(&a, &b);
     let gaps = g.meta["greedy_logit_gaps"]
         .as_array()
         .cloned()
@@ -667,11 +657,7 @@ pub fn batch_case(backend: Arc<dyn Backend>, fixtures: &Path, arch: &str) -> Res
 /// rows whose top-2 logits in `theirs` are more than 1 % of the top logit apart: (rows
 /// judged, rows, failures).
 fn greedy_disagreements(ours: &[f32], theirs: &[f32], vocab: usize) -> (usize, usize, Vec<String>) {
-    let top = |v: &[f32]| {
-        (0..v.len())
-            .max_by(|&p, &q| v[p].total_cmp(&v[q]))
-            .unwrap_or(0)
-    };
+    use crate::reference::sampler::argmax as top;
     let (mut judged, mut rows, mut bad) = (0, 0, Vec::new());
     for (r, (x, y)) in ours.chunks(vocab).zip(theirs.chunks(vocab)).enumerate() {
         rows += 1;

@@ -130,17 +130,7 @@ pub fn tp_case(
     let b: Vec<f64> = unsharded.logits.iter().map(|&x| x as f64).collect();
     let rel = rel_l2(&a, &b);
     let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let max_abs = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| {
-            if x.is_nan() {
-                f64::INFINITY
-            } else {
-                (x - y).abs()
-            }
-        })
-        .fold(0.0f64, f64::max);
+    let max_abs = crate::util::max_abs_diff(&a, &b);
     let max_rel = max_abs / scale.max(f64::MIN_POSITIVE);
     if world == 1 {
         if ours.logits != unsharded.logits {

@@ -151,6 +151,8 @@ pub struct Device {
     recording: Mutex<Option<std::collections::HashSet<u64>>>,
     /// [`DenseGemm`] as a number (see [`Device::set_dense_gemm`]).
     gemm: std::sync::atomic::AtomicU8,
+    /// Whether the backend has a vendor BLAS (asked once: every linear consults it).
+    vendor: bool,
     /// bf16 copies of FP8 weights for the vendor GEMM: the newest (largest) is used; older
     /// ones are kept, since a recorded graph may still point at them.
     dequant: Mutex<Vec<Buffer>>,
@@ -214,6 +216,7 @@ pub const VENDOR_MIN_TOKENS_FP8: u32 = 8;
 
 impl Device {
     pub fn new(backend: Arc<dyn Backend>) -> Self {
+        let vendor = backend.gemm_available().is_ok();
         Device {
             backend,
             pool: Arc::new(Mutex::new(PoolInner {
@@ -225,6 +228,7 @@ impl Device {
             profile: Mutex::new(None),
             recording: Mutex::new(None),
             gemm: std::sync::atomic::AtomicU8::new(DenseGemm::Auto as u8),
+            vendor,
             dequant: Mutex::new(Vec::new()),
         }
     }
@@ -267,7 +271,7 @@ impl Device {
                     WeightType::Bf16 => VENDOR_MIN_TOKENS,
                     _ => VENDOR_MIN_TOKENS_FP8,
                 };
-                tokens >= min && self.backend.gemm_available().is_ok()
+                tokens >= min && self.vendor
             }
         }
     }
@@ -627,10 +631,16 @@ impl Device {
                 (0..w_terms).try_for_each(|h| gemm(values, h, &partials, false))
             })?,
         }
+        self.sum_terms(&partials, y, accumulate)
+    }
+
+    /// `y (+)= Σ_z partials[z]` over the `[terms · rows(y), cols(y)]` partials of a vendor
+    /// GEMM's hi / lo product terms.
+    fn sum_terms(&self, partials: &Tensor, y: &Tensor, accumulate: bool) -> Result<()> {
         let op = SplitReduceOp {
-            tokens: t,
-            n_out: n,
-            splits: terms,
+            tokens: y.rows(),
+            n_out: y.view.cols,
+            splits: partials.rows() / y.rows(),
             y: y.view,
             accumulate,
         };
@@ -734,7 +744,7 @@ impl Device {
             && match self.dense_gemm() {
                 DenseGemm::Kernels => false,
                 DenseGemm::Vendor => true,
-                DenseGemm::Auto => self.backend.gemm_available().is_ok(),
+                DenseGemm::Auto => self.vendor,
             }
     }
 
@@ -789,14 +799,7 @@ impl Device {
         }
         let partials = self.empty(terms * rows, n, DType::F32)?;
         run(&partials)?;
-        let op = SplitReduceOp {
-            tokens: rows,
-            n_out: n,
-            splits: terms,
-            y: y.view,
-            accumulate: false,
-        };
-        self.run(&op, &[("partials", partials.buffer()), ("y", y.buffer())])
+        self.sum_terms(&partials, y, false)
     }
 
     /// Routed experts, first half: `z[t·k + j] = x[t] · W[ids[t, j]]ᵀ` → `[T·k, N]`.
