@@ -76,8 +76,9 @@ struct Args {
     /// Time these split counts for every row instead (current kernel only), e.g. 1,2,4,8.
     #[arg(long, value_delimiter = ',')]
     sweep_splits: Vec<u32>,
-    /// Also time these variants of the current kernel, BLOCK_H x BLOCK_N x STAGES each, e.g.
-    /// 16x16x4,32x16x4.
+    /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
+    /// of the baseline (v6) as v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy
+    /// hint), e.g. 16x16x4,v6:16x16x2x2.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
@@ -550,23 +551,35 @@ impl Bench<'_> {
     }
 }
 
-/// A variant of the current kernel: `BLOCK_H x BLOCK_N x STAGES`.
+/// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
+/// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    let v: Vec<u32> = s
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES (v7) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, v6:16x16x2x2";
+    let (v6, body) = match s.strip_prefix("v6:") {
+        Some(rest) => (true, rest),
+        None => (false, s),
+    };
+    let v: Vec<u32> = body
         .split('x')
         .map(|p| p.parse::<u32>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::arg("variants", "BLOCK_HxBLOCK_NxSTAGES, e.g. 16x16x4", s))?;
-    if v.len() != 3 {
-        return Err(Error::arg(
-            "variants",
-            "BLOCK_HxBLOCK_NxSTAGES, e.g. 16x16x4",
-            s,
-        ));
+        .map_err(|_| Error::arg("variants", FORM, s))?;
+    match (v6, v.as_slice()) {
+        (false, &[h, n, stages]) => Ok(DecodeConfig::tensor_core_custom(
+            dims, format, h, n, stages,
+        )),
+        (true, &[h, n, stages, min_workgroups]) => {
+            let mut c = DecodeConfig::tensor_core_v6(dims, format, h);
+            c.block_h = h;
+            c.block_n = n;
+            c.lowering = Lowering::Mma {
+                stages,
+                min_workgroups,
+            };
+            Ok(c)
+        }
+        _ => Err(Error::arg("variants", FORM, s)),
     }
-    Ok(DecodeConfig::tensor_core_custom(
-        dims, format, v[0], v[1], v[2],
-    ))
 }
 
 struct PeerRow {
@@ -912,7 +925,12 @@ fn run(args: &Args) -> Result<()> {
                 let mut variants = Vec::new();
                 for v in &args.variants {
                     let c = parse_variant(v, dims, format)?;
-                    match time_config(&mut bench, c, &format!("v7 {v}")) {
+                    let label = if v.starts_with("v6:") {
+                        v.clone()
+                    } else {
+                        format!("v7 {v}")
+                    };
+                    match time_config(&mut bench, c, &label) {
                         Ok(tv) => variants.push(tv),
                         Err(e) => eprintln!("variant {v} ({} H {h} T {t}): {e}", format.name()),
                     }
