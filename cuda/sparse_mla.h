@@ -793,8 +793,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final_params {
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
-//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 81280 B
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 81472 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
@@ -823,8 +823,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 81280 B
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 81472 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
@@ -853,8 +853,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params {
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
-//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 96832 B
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 96960 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
@@ -883,8 +883,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 96832 B
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 96960 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
@@ -916,8 +916,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params {
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 94912 B
+//   mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 95104 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
@@ -949,8 +949,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 94912 B
+//   mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 95104 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
@@ -982,8 +982,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params {
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 //   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 88288 B
+//   mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 88416 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
@@ -1015,8 +1015,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
 //   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 88288 B
+//   mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 88416 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)

@@ -6,9 +6,9 @@
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
-// mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 81280 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 81472 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -30,7 +30,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  o_part         f32   read_write [tokens, heads, splits, 512]
 //   5  lse_part       f32   read_write [tokens, heads, splits]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 81280 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 81472 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -251,22 +251,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 288); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 576); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75328); // [320]
-    float* const row_exchange = (float*)(dyn_smem + 76608); // [16]
-    float* const split_k_partials = (float*)(dyn_smem + 76672); // [1152]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 76608); // [64]
+    float* const split_k_partials = (float*)(dyn_smem + 76864); // [1152]
+    float scores[4];
     float o_acc[32];
-    float scores_part[4];
-    float scores_term[4];
+    float scores_part[8];
+    float scores_term[8];
     unsigned q_tile_a0[72];
-    int kv_tile_src[1];
+    int kv_tile_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag41[4];
-    unsigned b_frag42[4];
+    unsigned a_frag43[4];
+    unsigned b_frag44[4];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -277,9 +277,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 4u;
+    const unsigned scores_row0 = (warp / 4u) * 16u;
+    const unsigned scores_col0 = scores_wn * 8u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
@@ -290,13 +290,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         kv_tile[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i54 = threadIdx.x; zero_i54 < 72u; zero_i54 += 256u) {
-        row_valid[zero_i54] = 0.0f;
+    for (unsigned zero_i59 = threadIdx.x; zero_i59 < 72u; zero_i59 += 256u) {
+        row_valid[zero_i59] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 6u, 8);
     }
     fence_proxy_async();
@@ -401,18 +401,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 2-stage mbarrier ring; the last warp issues the first 1 steps
-    if (warp == 7u) {
+    // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot] = -1;
+                    kv_tile_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
@@ -420,9 +418,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
             for (unsigned slot1 = 0u; slot1 < 1u; slot1 += 1u) {
-                const unsigned gather_row2 = lane + (slot1 * 32u);
+                const unsigned gather_row2 = ((warp - 4u) + (lane * 4u)) + (slot1 * 128u);
                 if (gather_row2 < 32u) {
-                    const int src_i32 = kv_tile_src[slot1];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row2;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot1] >= 0)) && (((unsigned)kv_tile_pre[slot1]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot1]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot1]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row2] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row2 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
@@ -435,12 +435,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = lane + (slot3 * 32u);
+                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
                 if (gather_row4 < 32u) {
                     const unsigned row_1 = gather_row4;
-                    kv_tile_src[slot3] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot3] = -1;
+                    kv_tile_pre[slot3] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
@@ -454,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
         }
     }
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
             #pragma unroll
@@ -464,9 +462,68 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 2u;
 
-        // pipeline step: the producer warp issues the rows 1 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 2u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i13 = 0u; fill_i13 < 4u; fill_i13 += 1u) {
+            scores[fill_i13] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 4u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        const unsigned n_first = (warp / 2u) * 8u;
+        const unsigned k_first = (warp % 2u) * 18u;
+        #pragma unroll
+        for (unsigned e15 = 0u; e15 < 4u; e15 += 1u) {
+            scores_part[4u + e15] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 1u; nj += 1u) {
+                    ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi14 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e16 = 0u; e16 < 4u; e16 += 1u) {
+            scores_part[e16] = scores_part[e16] + scores_part[4u + e16];
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
+            #pragma unroll
+            for (unsigned half17 = 0u; half17 < 2u; half17 += 1u) {
+                #pragma unroll
+                for (unsigned e18 = 0u; e18 < 2u; e18 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half17 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e18))] = scores_part[((frag * 4u) + (half17 * 2u)) + e18];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 1 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -475,9 +532,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned load_stage7 = ahead % 2u;
                 #pragma unroll
                 for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                    const unsigned gather_row9 = lane + (slot8 * 32u);
+                    const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                     if (gather_row9 < 32u) {
-                        const int src_i3210 = kv_tile_src[slot8];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row9;
+                        const int src_i3210 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot8] >= 0)) && (((unsigned)kv_tile_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot8]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
                         row_valid[(load_stage7 * 36u) + gather_row9] = (src_i3210 >= 0) ? 1.0f : 0.0f;
                         if (src_i3210 >= 0) {
                             copy_async(kv_tile + (load_stage7 * 9344u) + (gather_row9 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 1152u, ring_barriers + (load_stage7 * 2u));
@@ -489,95 +548,46 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                        const unsigned gather_row12 = lane + (slot11 * 32u);
+                        const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
                         if (gather_row12 < 32u) {
                             const unsigned row_1 = gather_row12;
-                            kv_tile_src[slot11] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_tile_src[slot11] = -1;
+                            kv_tile_pre[slot11] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 2u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 2u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i13 = 0u; fill_i13 < 16u; fill_i13 += 1u) {
-            scores[fill_i13] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 4u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        const unsigned n_first = (warp / 2u) * 8u;
-        const unsigned k_first = (warp % 2u) * 18u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 18u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+            for (unsigned frag19 = 0u; frag19 < 1u; frag19 += 1u) {
                 #pragma unroll
-                for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[(mi14 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
-            #pragma unroll
-            for (unsigned half15 = 0u; half15 < 2u; half15 += 1u) {
-                #pragma unroll
-                for (unsigned e16 = 0u; e16 < 2u; e16 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half15 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e16))] = scores_part[((frag * 4u) + (half15 * 2u)) + e16];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 1u) {
-            #pragma unroll
-            for (unsigned frag17 = 0u; frag17 < 4u; frag17 += 1u) {
-                #pragma unroll
-                for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
+                for (unsigned half20 = 0u; half20 < 2u; half20 += 1u) {
                     #pragma unroll
-                    for (unsigned e19 = 0u; e19 < 2u; e19 += 1u) {
-                        float sum = scores[((frag17 * 4u) + (half18 * 2u)) + e19];
-                        const unsigned cell = (((scores_row0 + (half18 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag17 * 8u)) + ((lane_quad * 2u) + e19));
+                    for (unsigned e21 = 0u; e21 < 2u; e21 += 1u) {
+                        float sum = scores[((frag19 * 4u) + (half20 * 2u)) + e21];
+                        const unsigned cell = (((scores_row0 + (half20 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag19 * 8u)) + ((lane_quad * 2u) + e21));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag17 * 4u) + (half18 * 2u)) + e19] = sum;
+                        scores[((frag19 * 4u) + (half20 * 2u)) + e21] = sum;
                     }
                 }
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag20 = 0u; frag20 < 4u; frag20 += 1u) {
+            for (unsigned frag22 = 0u; frag22 < 1u; frag22 += 1u) {
                 #pragma unroll
-                for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
-                    const unsigned row_2 = (scores_row0 + ((frag20 / 4u) * 16u)) + ((half21 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag20 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag20 * 4u) + (half21 * 2u)];
-                    float v1 = scores[((frag20 * 4u) + (half21 * 2u)) + 1u];
+                for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
+                    const unsigned row_2 = (scores_row0 + ((frag22 / 1u) * 16u)) + ((half23 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag22 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag22 * 4u) + (half23 * 2u)];
+                    float v1 = scores[((frag22 * 4u) + (half23 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag20 * 4u) + (half21 * 2u)] = v0;
-                    scores[((frag20 * 4u) + (half21 * 2u)) + 1u] = v1;
+                    scores[(frag22 * 4u) + (half23 * 2u)] = v0;
+                    scores[((frag22 * 4u) + (half23 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -585,24 +595,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi22 = 0u; mi22 < 1u; mi22 += 1u) {
+            for (unsigned mi24 = 0u; mi24 < 1u; mi24 += 1u) {
                 #pragma unroll
-                for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi22 * 4u) * 4u) + (half23 * 2u)], scores[((mi22 * 4u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 1u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 1u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 2u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 2u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 3u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 3u) * 4u) + ((half23 * 2u) + 1u)]);
+                for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi24 * 4u) + (half25 * 2u)], scores[(mi24 * 4u) + ((half25 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other24 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other24);
+                    const float other26 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other26);
                     if (lane_quad == 0u) {
-                        row_exchange[((scores_row0 + (mi22 * 16u)) + ((half23 * 8u) + lane_group)) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi24 * 16u)) + ((half25 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -611,55 +615,58 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi27 = 0u; mi27 < 1u; mi27 += 1u) {
+        for (unsigned mi29 = 0u; mi29 < 1u; mi29 += 1u) {
             #pragma unroll
-            for (unsigned half28 = 0u; half28 < 2u; half28 += 1u) {
-                const float m_old25 = row_max_reg[(mi27 * 2u) + half28];
-                float m_new26 = m_old25;
-                m_new26 = fmaxf(m_new26, row_exchange[(mi27 * 16u) + ((half28 * 8u) + lane_group)]);
-                row_alpha[(mi27 * 2u) + half28] = expf(m_old25 - m_new26);
-                row_max_reg[(mi27 * 2u) + half28] = m_new26;
+            for (unsigned half30 = 0u; half30 < 2u; half30 += 1u) {
+                const float m_old27 = row_max_reg[(mi29 * 2u) + half30];
+                float m_new28 = m_old27;
+                m_new28 = fmaxf(m_new28, row_exchange[((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi29 * 2u) + half30] = expf(m_old27 - m_new28);
+                row_max_reg[(mi29 * 2u) + half30] = m_new28;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi32 = 0u; mi32 < 1u; mi32 += 1u) {
+            for (unsigned mi34 = 0u; mi34 < 1u; mi34 += 1u) {
                 #pragma unroll
-                for (unsigned half33 = 0u; half33 < 2u; half33 += 1u) {
+                for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj29 = 0u; nj29 < 4u; nj29 += 1u) {
+                    for (unsigned nj31 = 0u; nj31 < 1u; nj31 += 1u) {
                         #pragma unroll
-                        for (unsigned e30 = 0u; e30 < 2u; e30 += 1u) {
-                            const unsigned at31 = (((mi32 * 4u) + nj29) * 4u) + ((half33 * 2u) + e30);
-                            const float p = (scores[at31] < (-1e38f)) ? 0.0f : expf(scores[at31] - row_max_reg[(mi32 * 2u) + half33]);
-                            scores[at31] = p;
+                        for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
+                            const unsigned at33 = ((mi34 + nj31) * 4u) + ((half35 * 2u) + e32);
+                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : expf(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
+                            scores[at33] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi32 * 2u) + half33] = (row_sum_part[(mi32 * 2u) + half33] * row_alpha[(mi32 * 2u) + half33]) + p_sum;
+                    row_sum_part[(mi34 * 2u) + half35] = (row_sum_part[(mi34 * 2u) + half35] * row_alpha[(mi34 * 2u) + half35]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag34 = 0u; frag34 < 8u; frag34 += 1u) {
+        for (unsigned frag36 = 0u; frag36 < 8u; frag36 += 1u) {
             #pragma unroll
-            for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
-                const float alpha36 = row_alpha[((frag34 / 8u) * 2u) + half35];
-                o_acc[(frag34 * 4u) + (half35 * 2u)] = o_acc[(frag34 * 4u) + (half35 * 2u)] * alpha36;
-                o_acc[((frag34 * 4u) + (half35 * 2u)) + 1u] = o_acc[((frag34 * 4u) + (half35 * 2u)) + 1u] * alpha36;
+            for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
+                const float alpha38 = row_alpha[((frag36 / 8u) * 2u) + half37];
+                o_acc[(frag36 * 4u) + (half37 * 2u)] = o_acc[(frag36 * 4u) + (half37 * 2u)] * alpha38;
+                o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u] = o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u] * alpha38;
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag39 = 0u; frag39 < 4u; frag39 += 1u) {
+            for (unsigned frag41 = 0u; frag41 < 1u; frag41 += 1u) {
                 #pragma unroll
-                for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
-                    const unsigned row37 = (scores_row0 + ((frag39 / 4u) * 16u)) + ((half40 * 8u) + lane_group);
-                    const unsigned col38 = (scores_col0 + ((frag39 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row37 * 20u) + (col38 >> 1u)] = pack_bf16x2(scores[(frag39 * 4u) + (half40 * 2u)], scores[((frag39 * 4u) + (half40 * 2u)) + 1u]);
+                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
+                    const unsigned row39 = (scores_row0 + ((frag41 / 1u) * 16u)) + ((half42 * 8u) + lane_group);
+                    const unsigned col40 = (scores_col0 + ((frag41 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row39 * 20u) + (col40 >> 1u)] = pack_bf16x2(scores[(frag41 * 4u) + (half42 * 2u)], scores[((frag41 * 4u) + (half42 * 2u)) + 1u]);
                 }
             }
         }
@@ -669,19 +676,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk43 = 0u; kk43 < 2u; kk43 += 1u) {
+        for (unsigned kk45 = 0u; kk45 < 2u; kk45 += 1u) {
             #pragma unroll
-            for (unsigned mi44 = 0u; mi44 < 1u; mi44 += 1u) {
-                ldmatrix_x4(&a_frag41[mi44 * 4u], p_tile + a_lane_word + (mi44 * 320u) + (kk43 * 8u));
+            for (unsigned mi46 = 0u; mi46 < 1u; mi46 += 1u) {
+                ldmatrix_x4(&a_frag43[mi46 * 4u], p_tile + a_lane_word + (mi46 * 320u) + (kk45 * 8u));
             }
             #pragma unroll
-            for (unsigned nj45 = 0u; nj45 < 4u; nj45 += 1u) {
-                ldmatrix_x4_trans(&b_frag42[0u], kv_tile + b_lane_word + (kk43 * 4672u) + ((nj45 * 2u) * 4u));
+            for (unsigned nj47 = 0u; nj47 < 4u; nj47 += 1u) {
+                ldmatrix_x4_trans(&b_frag44[0u], kv_tile + b_lane_word + (kk45 * 4672u) + ((nj47 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi44 = 0u; mi44 < 1u; mi44 += 1u) {
+                for (unsigned mi46 = 0u; mi46 < 1u; mi46 += 1u) {
                     #pragma unroll
-                    for (unsigned nj46 = 0u; nj46 < 2u; nj46 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi44 * 8u) + ((nj45 * 2u) + nj46)) * 4u], &a_frag41[mi44 * 4u], &b_frag42[nj46 * 2u]);
+                    for (unsigned nj48 = 0u; nj48 < 2u; nj48 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi46 * 8u) + ((nj47 * 2u) + nj48)) * 4u], &a_frag43[mi46 * 4u], &b_frag44[nj48 * 2u]);
                     }
                 }
             }
@@ -695,20 +702,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi48 = 0u; mi48 < 1u; mi48 += 1u) {
+        for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
             #pragma unroll
-            for (unsigned half49 = 0u; half49 < 2u; half49 += 1u) {
-                float row_sum47 = row_sum_part[(mi48 * 2u) + half49];
-                const float other50 = shfl_xor_f32(row_sum47, 1);
-                row_sum47 = row_sum47 + other50;
-                const float other51 = shfl_xor_f32(row_sum47, 2);
-                row_sum47 = row_sum47 + other51;
+            for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
+                float row_sum49 = row_sum_part[(mi50 * 2u) + half51];
+                const float other52 = shfl_xor_f32(row_sum49, 1);
+                row_sum49 = row_sum49 + other52;
+                const float other53 = shfl_xor_f32(row_sum49, 2);
+                row_sum49 = row_sum49 + other53;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi48 * 16u)) + ((half49 * 8u) + lane_group)] = row_sum47;
-                    row_max[(scores_row0 + (mi48 * 16u)) + ((half49 * 8u) + lane_group)] = row_max_reg[(mi48 * 2u) + half49];
+                    row_exchange[(((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum49;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi55 = 0u; mi55 < 1u; mi55 += 1u) {
+            #pragma unroll
+            for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum54 = row_exchange[((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u];
+                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)] = row_sum54;
+                    row_max[(scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)] = row_max_reg[(mi55 * 2u) + half56];
                 }
             }
         }
@@ -717,13 +739,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag52 = 0u; frag52 < 8u; frag52 += 1u) {
+    for (unsigned frag57 = 0u; frag57 < 8u; frag57 += 1u) {
         #pragma unroll
-        for (unsigned half53 = 0u; half53 < 2u; half53 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag52 / 8u) * 16u)) + ((half53 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag52 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag52 * 4u) + (half53 * 2u)];
-            float v1_3 = o_acc[((frag52 * 4u) + (half53 * 2u)) + 1u];
+        for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
+            const unsigned row_5 = (o_acc_row0 + ((frag57 / 8u) * 16u)) + ((half58 * 8u) + lane_group);
+            const unsigned col_3 = (o_acc_col0 + ((frag57 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag57 * 4u) + (half58 * 2u)];
+            float v1_3 = o_acc[((frag57 * 4u) + (half58 * 2u)) + 1u];
             const unsigned h = h0 + row_5;
             if (h < p.heads) {
                 const float l = row_sum[row_5];
@@ -732,8 +754,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }
-            o_acc[(frag52 * 4u) + (half53 * 2u)] = v0_3;
-            o_acc[((frag52 * 4u) + (half53 * 2u)) + 1u] = v1_3;
+            o_acc[(frag57 * 4u) + (half58 * 2u)] = v0_3;
+            o_acc[((frag57 * 4u) + (half58 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

@@ -7,9 +7,9 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-// mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 81280 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 81472 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -32,7 +32,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 81280 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 81472 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -254,22 +254,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 288); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 576); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75328); // [320]
-    float* const row_exchange = (float*)(dyn_smem + 76608); // [16]
-    float* const split_k_partials = (float*)(dyn_smem + 76672); // [1152]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 76608); // [64]
+    float* const split_k_partials = (float*)(dyn_smem + 76864); // [1152]
+    float scores[4];
     float o_acc[32];
-    float scores_part[4];
-    float scores_term[4];
+    float scores_part[8];
+    float scores_term[8];
     unsigned q_tile_a0[72];
-    int kv_tile_src[1];
+    int kv_tile_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag40[4];
-    unsigned b_frag41[4];
+    unsigned a_frag42[4];
+    unsigned b_frag43[4];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -280,9 +280,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 4u;
+    const unsigned scores_row0 = (warp / 4u) * 16u;
+    const unsigned scores_col0 = scores_wn * 8u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
@@ -293,13 +293,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         kv_tile[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i53 = threadIdx.x; zero_i53 < 72u; zero_i53 += 256u) {
-        row_valid[zero_i53] = 0.0f;
+    for (unsigned zero_i58 = threadIdx.x; zero_i58 < 72u; zero_i58 += 256u) {
+        row_valid[zero_i58] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 6u, 8);
     }
     fence_proxy_async();
@@ -404,18 +404,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 2-stage mbarrier ring; the last warp issues the first 1 steps
-    if (warp == 7u) {
+    // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot] = -1;
+                    kv_tile_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
@@ -423,9 +421,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
             for (unsigned slot1 = 0u; slot1 < 1u; slot1 += 1u) {
-                const unsigned gather_row2 = lane + (slot1 * 32u);
+                const unsigned gather_row2 = ((warp - 4u) + (lane * 4u)) + (slot1 * 128u);
                 if (gather_row2 < 32u) {
-                    const int src_i32 = kv_tile_src[slot1];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row2;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot1] >= 0)) && (((unsigned)kv_tile_pre[slot1]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot1]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot1]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row2] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row2 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
@@ -438,12 +438,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = lane + (slot3 * 32u);
+                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
                 if (gather_row4 < 32u) {
                     const unsigned row_1 = gather_row4;
-                    kv_tile_src[slot3] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot3] = -1;
+                    kv_tile_pre[slot3] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
@@ -457,7 +455,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
         }
     }
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
             #pragma unroll
@@ -467,9 +465,68 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 2u;
 
-        // pipeline step: the producer warp issues the rows 1 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 2u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i13 = 0u; fill_i13 < 4u; fill_i13 += 1u) {
+            scores[fill_i13] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 4u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        const unsigned n_first = (warp / 2u) * 8u;
+        const unsigned k_first = (warp % 2u) * 18u;
+        #pragma unroll
+        for (unsigned e15 = 0u; e15 < 4u; e15 += 1u) {
+            scores_part[4u + e15] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 1u; nj += 1u) {
+                    ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi14 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e16 = 0u; e16 < 4u; e16 += 1u) {
+            scores_part[e16] = scores_part[e16] + scores_part[4u + e16];
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
+            #pragma unroll
+            for (unsigned half17 = 0u; half17 < 2u; half17 += 1u) {
+                #pragma unroll
+                for (unsigned e18 = 0u; e18 < 2u; e18 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half17 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e18))] = scores_part[((frag * 4u) + (half17 * 2u)) + e18];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 1 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -478,9 +535,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned load_stage7 = ahead % 2u;
                 #pragma unroll
                 for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                    const unsigned gather_row9 = lane + (slot8 * 32u);
+                    const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                     if (gather_row9 < 32u) {
-                        const int src_i3210 = kv_tile_src[slot8];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row9;
+                        const int src_i3210 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot8] >= 0)) && (((unsigned)kv_tile_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot8]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
                         row_valid[(load_stage7 * 36u) + gather_row9] = (src_i3210 >= 0) ? 1.0f : 0.0f;
                         if (src_i3210 >= 0) {
                             copy_async(kv_tile + (load_stage7 * 9344u) + (gather_row9 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 1152u, ring_barriers + (load_stage7 * 2u));
@@ -492,95 +551,46 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                        const unsigned gather_row12 = lane + (slot11 * 32u);
+                        const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
                         if (gather_row12 < 32u) {
                             const unsigned row_1 = gather_row12;
-                            kv_tile_src[slot11] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_tile_src[slot11] = -1;
+                            kv_tile_pre[slot11] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 2u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 2u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i13 = 0u; fill_i13 < 16u; fill_i13 += 1u) {
-            scores[fill_i13] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 4u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        const unsigned n_first = (warp / 2u) * 8u;
-        const unsigned k_first = (warp % 2u) * 18u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 18u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+            for (unsigned frag19 = 0u; frag19 < 1u; frag19 += 1u) {
                 #pragma unroll
-                for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[(mi14 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
-            #pragma unroll
-            for (unsigned half15 = 0u; half15 < 2u; half15 += 1u) {
-                #pragma unroll
-                for (unsigned e16 = 0u; e16 < 2u; e16 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half15 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e16))] = scores_part[((frag * 4u) + (half15 * 2u)) + e16];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 1u) {
-            #pragma unroll
-            for (unsigned frag17 = 0u; frag17 < 4u; frag17 += 1u) {
-                #pragma unroll
-                for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
+                for (unsigned half20 = 0u; half20 < 2u; half20 += 1u) {
                     #pragma unroll
-                    for (unsigned e19 = 0u; e19 < 2u; e19 += 1u) {
-                        float sum = scores[((frag17 * 4u) + (half18 * 2u)) + e19];
-                        const unsigned cell = (((scores_row0 + (half18 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag17 * 8u)) + ((lane_quad * 2u) + e19));
+                    for (unsigned e21 = 0u; e21 < 2u; e21 += 1u) {
+                        float sum = scores[((frag19 * 4u) + (half20 * 2u)) + e21];
+                        const unsigned cell = (((scores_row0 + (half20 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag19 * 8u)) + ((lane_quad * 2u) + e21));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag17 * 4u) + (half18 * 2u)) + e19] = sum;
+                        scores[((frag19 * 4u) + (half20 * 2u)) + e21] = sum;
                     }
                 }
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag20 = 0u; frag20 < 4u; frag20 += 1u) {
+            for (unsigned frag22 = 0u; frag22 < 1u; frag22 += 1u) {
                 #pragma unroll
-                for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
-                    const unsigned row_2 = (scores_row0 + ((frag20 / 4u) * 16u)) + ((half21 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag20 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag20 * 4u) + (half21 * 2u)];
-                    float v1 = scores[((frag20 * 4u) + (half21 * 2u)) + 1u];
+                for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
+                    const unsigned row_2 = (scores_row0 + ((frag22 / 1u) * 16u)) + ((half23 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag22 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag22 * 4u) + (half23 * 2u)];
+                    float v1 = scores[((frag22 * 4u) + (half23 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag20 * 4u) + (half21 * 2u)] = v0;
-                    scores[((frag20 * 4u) + (half21 * 2u)) + 1u] = v1;
+                    scores[(frag22 * 4u) + (half23 * 2u)] = v0;
+                    scores[((frag22 * 4u) + (half23 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -588,24 +598,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi22 = 0u; mi22 < 1u; mi22 += 1u) {
+            for (unsigned mi24 = 0u; mi24 < 1u; mi24 += 1u) {
                 #pragma unroll
-                for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi22 * 4u) * 4u) + (half23 * 2u)], scores[((mi22 * 4u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 1u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 1u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 2u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 2u) * 4u) + ((half23 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 3u) * 4u) + (half23 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi22 * 4u) + 3u) * 4u) + ((half23 * 2u) + 1u)]);
+                for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi24 * 4u) + (half25 * 2u)], scores[(mi24 * 4u) + ((half25 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other24 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other24);
+                    const float other26 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other26);
                     if (lane_quad == 0u) {
-                        row_exchange[((scores_row0 + (mi22 * 16u)) + ((half23 * 8u) + lane_group)) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi24 * 16u)) + ((half25 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -614,55 +618,58 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi27 = 0u; mi27 < 1u; mi27 += 1u) {
+        for (unsigned mi29 = 0u; mi29 < 1u; mi29 += 1u) {
             #pragma unroll
-            for (unsigned half28 = 0u; half28 < 2u; half28 += 1u) {
-                const float m_old25 = row_max_reg[(mi27 * 2u) + half28];
-                float m_new26 = m_old25;
-                m_new26 = fmaxf(m_new26, row_exchange[(mi27 * 16u) + ((half28 * 8u) + lane_group)]);
-                row_alpha[(mi27 * 2u) + half28] = expf(m_old25 - m_new26);
-                row_max_reg[(mi27 * 2u) + half28] = m_new26;
+            for (unsigned half30 = 0u; half30 < 2u; half30 += 1u) {
+                const float m_old27 = row_max_reg[(mi29 * 2u) + half30];
+                float m_new28 = m_old27;
+                m_new28 = fmaxf(m_new28, row_exchange[((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi29 * 2u) + half30] = expf(m_old27 - m_new28);
+                row_max_reg[(mi29 * 2u) + half30] = m_new28;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi31 = 0u; mi31 < 1u; mi31 += 1u) {
+            for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
                 #pragma unroll
-                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
+                for (unsigned half34 = 0u; half34 < 2u; half34 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj29 = 0u; nj29 < 4u; nj29 += 1u) {
+                    for (unsigned nj31 = 0u; nj31 < 1u; nj31 += 1u) {
                         #pragma unroll
-                        for (unsigned e30 = 0u; e30 < 2u; e30 += 1u) {
-                            const unsigned at = (((mi31 * 4u) + nj29) * 4u) + ((half32 * 2u) + e30);
-                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi31 * 2u) + half32]);
+                        for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
+                            const unsigned at = ((mi33 + nj31) * 4u) + ((half34 * 2u) + e32);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi33 * 2u) + half34]);
                             scores[at] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi31 * 2u) + half32] = (row_sum_part[(mi31 * 2u) + half32] * row_alpha[(mi31 * 2u) + half32]) + p_sum;
+                    row_sum_part[(mi33 * 2u) + half34] = (row_sum_part[(mi33 * 2u) + half34] * row_alpha[(mi33 * 2u) + half34]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag33 = 0u; frag33 < 8u; frag33 += 1u) {
+        for (unsigned frag35 = 0u; frag35 < 8u; frag35 += 1u) {
             #pragma unroll
-            for (unsigned half34 = 0u; half34 < 2u; half34 += 1u) {
-                const float alpha35 = row_alpha[((frag33 / 8u) * 2u) + half34];
-                o_acc[(frag33 * 4u) + (half34 * 2u)] = o_acc[(frag33 * 4u) + (half34 * 2u)] * alpha35;
-                o_acc[((frag33 * 4u) + (half34 * 2u)) + 1u] = o_acc[((frag33 * 4u) + (half34 * 2u)) + 1u] * alpha35;
+            for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                const float alpha37 = row_alpha[((frag35 / 8u) * 2u) + half36];
+                o_acc[(frag35 * 4u) + (half36 * 2u)] = o_acc[(frag35 * 4u) + (half36 * 2u)] * alpha37;
+                o_acc[((frag35 * 4u) + (half36 * 2u)) + 1u] = o_acc[((frag35 * 4u) + (half36 * 2u)) + 1u] * alpha37;
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag38 = 0u; frag38 < 4u; frag38 += 1u) {
+            for (unsigned frag40 = 0u; frag40 < 1u; frag40 += 1u) {
                 #pragma unroll
-                for (unsigned half39 = 0u; half39 < 2u; half39 += 1u) {
-                    const unsigned row36 = (scores_row0 + ((frag38 / 4u) * 16u)) + ((half39 * 8u) + lane_group);
-                    const unsigned col37 = (scores_col0 + ((frag38 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row36 * 20u) + (col37 >> 1u)] = pack_bf16x2(scores[(frag38 * 4u) + (half39 * 2u)], scores[((frag38 * 4u) + (half39 * 2u)) + 1u]);
+                for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
+                    const unsigned row38 = (scores_row0 + ((frag40 / 1u) * 16u)) + ((half41 * 8u) + lane_group);
+                    const unsigned col39 = (scores_col0 + ((frag40 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row38 * 20u) + (col39 >> 1u)] = pack_bf16x2(scores[(frag40 * 4u) + (half41 * 2u)], scores[((frag40 * 4u) + (half41 * 2u)) + 1u]);
                 }
             }
         }
@@ -672,19 +679,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk42 = 0u; kk42 < 2u; kk42 += 1u) {
+        for (unsigned kk44 = 0u; kk44 < 2u; kk44 += 1u) {
             #pragma unroll
-            for (unsigned mi43 = 0u; mi43 < 1u; mi43 += 1u) {
-                ldmatrix_x4(&a_frag40[mi43 * 4u], p_tile + a_lane_word + (mi43 * 320u) + (kk42 * 8u));
+            for (unsigned mi45 = 0u; mi45 < 1u; mi45 += 1u) {
+                ldmatrix_x4(&a_frag42[mi45 * 4u], p_tile + a_lane_word + (mi45 * 320u) + (kk44 * 8u));
             }
             #pragma unroll
-            for (unsigned nj44 = 0u; nj44 < 4u; nj44 += 1u) {
-                ldmatrix_x4_trans(&b_frag41[0u], kv_tile + b_lane_word + (kk42 * 4672u) + ((nj44 * 2u) * 4u));
+            for (unsigned nj46 = 0u; nj46 < 4u; nj46 += 1u) {
+                ldmatrix_x4_trans(&b_frag43[0u], kv_tile + b_lane_word + (kk44 * 4672u) + ((nj46 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi43 = 0u; mi43 < 1u; mi43 += 1u) {
+                for (unsigned mi45 = 0u; mi45 < 1u; mi45 += 1u) {
                     #pragma unroll
-                    for (unsigned nj45 = 0u; nj45 < 2u; nj45 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi43 * 8u) + ((nj44 * 2u) + nj45)) * 4u], &a_frag40[mi43 * 4u], &b_frag41[nj45 * 2u]);
+                    for (unsigned nj47 = 0u; nj47 < 2u; nj47 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi45 * 8u) + ((nj46 * 2u) + nj47)) * 4u], &a_frag42[mi45 * 4u], &b_frag43[nj47 * 2u]);
                     }
                 }
             }
@@ -698,20 +705,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
+        for (unsigned mi49 = 0u; mi49 < 1u; mi49 += 1u) {
             #pragma unroll
-            for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
-                float row_sum46 = row_sum_part[(mi47 * 2u) + half48];
-                const float other49 = shfl_xor_f32(row_sum46, 1);
-                row_sum46 = row_sum46 + other49;
-                const float other50 = shfl_xor_f32(row_sum46, 2);
-                row_sum46 = row_sum46 + other50;
+            for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
+                float row_sum48 = row_sum_part[(mi49 * 2u) + half50];
+                const float other51 = shfl_xor_f32(row_sum48, 1);
+                row_sum48 = row_sum48 + other51;
+                const float other52 = shfl_xor_f32(row_sum48, 2);
+                row_sum48 = row_sum48 + other52;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi47 * 16u)) + ((half48 * 8u) + lane_group)] = row_sum46;
-                    row_max[(scores_row0 + (mi47 * 16u)) + ((half48 * 8u) + lane_group)] = row_max_reg[(mi47 * 2u) + half48];
+                    row_exchange[(((scores_row0 + (mi49 * 16u)) + ((half50 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum48;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
+            #pragma unroll
+            for (unsigned half55 = 0u; half55 < 2u; half55 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum53 = row_exchange[((scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)) * 4u];
+                    row_sum53 = row_sum53 + row_exchange[(((scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum53 = row_sum53 + row_exchange[(((scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum53 = row_sum53 + row_exchange[(((scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)] = row_sum53;
+                    row_max[(scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)] = row_max_reg[(mi54 * 2u) + half55];
                 }
             }
         }
@@ -720,21 +742,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag51 = 0u; frag51 < 8u; frag51 += 1u) {
+    for (unsigned frag56 = 0u; frag56 < 8u; frag56 += 1u) {
         #pragma unroll
-        for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag51 / 8u) * 16u)) + ((half52 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag51 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag51 * 4u) + (half52 * 2u)];
-            float v1_3 = o_acc[((frag51 * 4u) + (half52 * 2u)) + 1u];
+        for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
+            const unsigned row_5 = (o_acc_row0 + ((frag56 / 8u) * 16u)) + ((half57 * 8u) + lane_group);
+            const unsigned col_3 = (o_acc_col0 + ((frag56 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag56 * 4u) + (half57 * 2u)];
+            float v1_3 = o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u];
             const unsigned h = h0 + row_5;
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                 ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_3 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
-            o_acc[(frag51 * 4u) + (half52 * 2u)] = v0_3;
-            o_acc[((frag51 * 4u) + (half52 * 2u)) + 1u] = v1_3;
+            o_acc[(frag56 * 4u) + (half57 * 2u)] = v0_3;
+            o_acc[((frag56 * 4u) + (half57 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

@@ -7,9 +7,9 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-// mbarrier ring: 2 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 96832 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 96960 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -32,7 +32,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 96832 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 96960 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -254,14 +254,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 544); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 832); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75584); // [640]
-    float* const row_exchange = (float*)(dyn_smem + 78144); // [64]
-    float* const split_k_partials = (float*)(dyn_smem + 78400); // [4608]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 78144); // [96]
+    float* const split_k_partials = (float*)(dyn_smem + 78528); // [4608]
+    float scores[8];
     float o_acc[64];
-    float scores_part[16];
-    float scores_term[16];
+    float scores_part[32];
+    float scores_term[32];
     unsigned q_tile_a0[72];
-    int kv_tile_src[1];
+    int kv_tile_pre[1];
     float row_alpha[2];
     float row_alpha7[4];
     float row_max_reg[2];
@@ -281,9 +281,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 2u;
+    const unsigned scores_row0 = (warp / 2u) * 16u;
+    const unsigned scores_col0 = scores_wn * 16u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 32u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
@@ -294,13 +294,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         kv_tile[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i60 = threadIdx.x; zero_i60 < 72u; zero_i60 += 256u) {
-        row_valid[zero_i60] = 0.0f;
+    for (unsigned zero_i63 = threadIdx.x; zero_i63 < 72u; zero_i63 += 256u) {
+        row_valid[zero_i63] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 6u, 8);
     }
     fence_proxy_async();
@@ -407,18 +407,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 2-stage mbarrier ring; the last warp issues the first 1 steps
-    if (warp == 7u) {
+    // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot] = -1;
+                    kv_tile_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
@@ -426,9 +424,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
             for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = lane + (slot3 * 32u);
+                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
                 if (gather_row4 < 32u) {
-                    const int src_i32 = kv_tile_src[slot3];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row4;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row4] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row4 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
@@ -441,19 +441,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot5 = 0u; slot5 < 1u; slot5 += 1u) {
-                const unsigned gather_row6 = lane + (slot5 * 32u);
+                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot5 * 128u);
                 if (gather_row6 < 32u) {
                     const unsigned row_1 = gather_row6;
-                    kv_tile_src[slot5] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_tile_src[slot5] = -1;
+                    kv_tile_pre[slot5] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
         }
     }
 
     // online softmax: row state row_max / row_sum into registers
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
@@ -462,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             }
         }
     }
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi8 = 0u; mi8 < 1u; mi8 += 1u) {
             #pragma unroll
@@ -472,42 +470,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
-
-        // pipeline step: the producer warp issues the rows 1 steps ahead
-        if (warp == 7u) {
-            const unsigned ahead = step_i + 1u;
-            if (ahead < step_count) {
-                if (step_i >= 1u) {
-                    mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
-                }
-                const unsigned load_stage10 = ahead % 2u;
-                #pragma unroll
-                for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                    const unsigned gather_row12 = lane + (slot11 * 32u);
-                    if (gather_row12 < 32u) {
-                        const int src_i3213 = kv_tile_src[slot11];
-                        row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3213 >= 0) {
-                            copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
-                        }
-                    }
-                }
-                copy_arrive(ring_barriers + (load_stage10 * 2u));
-                if ((ahead + 1u) < step_count) {
-                    const unsigned step = ahead + 1u;
-                    #pragma unroll
-                    for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                        const unsigned gather_row15 = lane + (slot14 * 32u);
-                        if (gather_row15 < 32u) {
-                            const unsigned row_1 = gather_row15;
-                            kv_tile_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_tile_src[slot14] = -1;
-                        }
-                    }
-                }
-            }
-        }
         const unsigned step = step_i;
         const unsigned stage = step_i % 2u;
 
@@ -516,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i16 = 0u; fill_i16 < 16u; fill_i16 += 1u) {
+        for (unsigned fill_i16 = 0u; fill_i16 < 8u; fill_i16 += 1u) {
             scores[fill_i16] = 0.0f;
         }
         #pragma unroll
@@ -555,9 +517,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             }
         }
         __syncthreads();
-        if (warp < 2u) {
+
+        // pipeline step: the producer warps issue the rows 1 steps ahead
+        if (warp >= 4u) {
+            const unsigned ahead = step_i + 1u;
+            if (ahead < step_count) {
+                if (step_i >= 1u) {
+                    mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
+                }
+                const unsigned load_stage10 = ahead % 2u;
+                #pragma unroll
+                for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
+                    const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
+                    if (gather_row12 < 32u) {
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row12;
+                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3213 >= 0) {
+                            copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
+                        }
+                    }
+                }
+                copy_arrive(ring_barriers + (load_stage10 * 2u));
+                if ((ahead + 1u) < step_count) {
+                    const unsigned step = ahead + 1u;
+                    #pragma unroll
+                    for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
+                        const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
+                        if (gather_row15 < 32u) {
+                            const unsigned row_1 = gather_row15;
+                            kv_tile_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                        }
+                    }
+                }
+            }
+        }
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag20 = 0u; frag20 < 4u; frag20 += 1u) {
+            for (unsigned frag20 = 0u; frag20 < 2u; frag20 += 1u) {
                 #pragma unroll
                 for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
                     #pragma unroll
@@ -573,13 +571,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 }
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag23 = 0u; frag23 < 4u; frag23 += 1u) {
+            for (unsigned frag23 = 0u; frag23 < 2u; frag23 += 1u) {
                 #pragma unroll
                 for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
-                    const unsigned row_2 = (scores_row0 + ((frag23 / 4u) * 16u)) + ((half24 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag23 % 4u) * 8u)) + (lane_quad * 2u);
+                    const unsigned row_2 = (scores_row0 + ((frag23 / 2u) * 16u)) + ((half24 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag23 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
                     float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
@@ -593,26 +591,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
             for (unsigned mi25 = 0u; mi25 < 1u; mi25 += 1u) {
                 #pragma unroll
                 for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi25 * 4u) * 4u) + (half26 * 2u)], scores[((mi25 * 4u) * 4u) + ((half26 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 1u) * 4u) + (half26 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 1u) * 4u) + ((half26 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 2u) * 4u) + (half26 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 2u) * 4u) + ((half26 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 3u) * 4u) + (half26 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 4u) + 3u) * 4u) + ((half26 * 2u) + 1u)]);
+                    float row_max_part = fmaxf(scores[((mi25 * 2u) * 4u) + (half26 * 2u)], scores[((mi25 * 2u) * 4u) + ((half26 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 2u) + 1u) * 4u) + (half26 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 2u) + 1u) * 4u) + ((half26 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
                     const float other27 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other27);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 2u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 2u) + 1u] = row_max_reg[(mi25 * 2u) + half26];
+                            row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi25 * 2u) + half26];
                         }
                     }
                 }
@@ -621,14 +615,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         __syncthreads();
 
         // online softmax: new row max and rescale, in every thread that holds the row
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
             for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
                 #pragma unroll
                 for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
                     const float m_old28 = row_max_reg[(mi30 * 2u) + half31];
                     float m_new29 = m_old28;
-                    m_new29 = fmaxf(m_new29, row_exchange[((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 2u]);
+                    m_new29 = fmaxf(m_new29, row_exchange[((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u]);
+                    m_new29 = fmaxf(m_new29, row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + 1u]);
                     row_alpha[(mi30 * 2u) + half31] = expf(m_old28 - m_new29);
                     row_max_reg[(mi30 * 2u) + half31] = m_new29;
                 }
@@ -638,25 +633,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned mi34 = 0u; mi34 < 2u; mi34 += 1u) {
             #pragma unroll
             for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
-                const float m_old32 = row_exchange[(((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 2u) + 1u];
+                const float m_old32 = row_exchange[(((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u) + 2u];
                 float m_new33 = m_old32;
-                m_new33 = fmaxf(m_new33, row_exchange[((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 2u]);
+                m_new33 = fmaxf(m_new33, row_exchange[((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u]);
+                m_new33 = fmaxf(m_new33, row_exchange[(((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u) + 1u]);
                 row_alpha7[(mi34 * 2u) + half35] = expf(m_old32 - m_new33);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
             for (unsigned mi38 = 0u; mi38 < 1u; mi38 += 1u) {
                 #pragma unroll
                 for (unsigned half39 = 0u; half39 < 2u; half39 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj36 = 0u; nj36 < 4u; nj36 += 1u) {
+                    for (unsigned nj36 = 0u; nj36 < 2u; nj36 += 1u) {
                         #pragma unroll
                         for (unsigned e37 = 0u; e37 < 2u; e37 += 1u) {
-                            const unsigned at = (((mi38 * 4u) + nj36) * 4u) + ((half39 * 2u) + e37);
+                            const unsigned at = (((mi38 * 2u) + nj36) * 4u) + ((half39 * 2u) + e37);
                             const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi38 * 2u) + half39]);
                             scores[at] = p;
                             p_sum = p_sum + p;
@@ -675,13 +671,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 o_acc[((frag40 * 4u) + (half41 * 2u)) + 1u] = o_acc[((frag40 * 4u) + (half41 * 2u)) + 1u] * alpha42;
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag45 = 0u; frag45 < 4u; frag45 += 1u) {
+            for (unsigned frag45 = 0u; frag45 < 2u; frag45 += 1u) {
                 #pragma unroll
                 for (unsigned half46 = 0u; half46 < 2u; half46 += 1u) {
-                    const unsigned row43 = (scores_row0 + ((frag45 / 4u) * 16u)) + ((half46 * 8u) + lane_group);
-                    const unsigned col44 = (scores_col0 + ((frag45 % 4u) * 8u)) + (lane_quad * 2u);
+                    const unsigned row43 = (scores_row0 + ((frag45 / 2u) * 16u)) + ((half46 * 8u) + lane_group);
+                    const unsigned col44 = (scores_col0 + ((frag45 % 2u) * 8u)) + (lane_quad * 2u);
                     p_tile[(row43 * 20u) + (col44 >> 1u)] = pack_bf16x2(scores[(frag45 * 4u) + (half46 * 2u)], scores[((frag45 * 4u) + (half46 * 2u)) + 1u]);
                 }
             }
@@ -718,8 +714,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
             #pragma unroll
@@ -730,8 +725,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const float other57 = shfl_xor_f32(row_sum53, 2);
                 row_sum53 = row_sum53 + other57;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)] = row_sum53;
-                    row_max[(scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)] = row_max_reg[(mi54 * 2u) + half55];
+                    row_exchange[(((scores_row0 + (mi54 * 16u)) + ((half55 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum53;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi59 = 0u; mi59 < 1u; mi59 += 1u) {
+            #pragma unroll
+            for (unsigned half60 = 0u; half60 < 2u; half60 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum58 = row_exchange[((scores_row0 + (mi59 * 16u)) + ((half60 * 8u) + lane_group)) * 3u];
+                    row_sum58 = row_sum58 + row_exchange[(((scores_row0 + (mi59 * 16u)) + ((half60 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi59 * 16u)) + ((half60 * 8u) + lane_group)] = row_sum58;
+                    row_max[(scores_row0 + (mi59 * 16u)) + ((half60 * 8u) + lane_group)] = row_max_reg[(mi59 * 2u) + half60];
                 }
             }
         }
@@ -740,21 +749,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag58 = 0u; frag58 < 16u; frag58 += 1u) {
+    for (unsigned frag61 = 0u; frag61 < 16u; frag61 += 1u) {
         #pragma unroll
-        for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag58 / 8u) * 16u)) + ((half59 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag58 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag58 * 4u) + (half59 * 2u)];
-            float v1_3 = o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u];
+        for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+            const unsigned row_5 = (o_acc_row0 + ((frag61 / 8u) * 16u)) + ((half62 * 8u) + lane_group);
+            const unsigned col_3 = (o_acc_col0 + ((frag61 % 8u) * 8u)) + (lane_quad * 2u);
+            float v0_3 = o_acc[(frag61 * 4u) + (half62 * 2u)];
+            float v1_3 = o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u];
             const unsigned h = h0 + row_5;
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                 ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_3 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
-            o_acc[(frag58 * 4u) + (half59 * 2u)] = v0_3;
-            o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u] = v1_3;
+            o_acc[(frag61 * 4u) + (half62 * 2u)] = v0_3;
+            o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u] = v1_3;
         }
     }
     #pragma unroll 4

@@ -9,9 +9,9 @@
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-// mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 88288 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 88416 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -33,7 +33,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  o_part         f32   read_write [tokens, heads, splits, 512]
 //   5  lse_part       f32   read_write [tokens, heads, splits]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 88288 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 88416 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -256,23 +256,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)(dyn_smem + 51680); // [384]
     unsigned* const kv_rope = (unsigned*)(dyn_smem + 53216); // [3456]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 67040); // [640]
-    float* const row_exchange = (float*)(dyn_smem + 69600); // [64]
-    float* const split_k_partials = (float*)(dyn_smem + 69856); // [4608]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 69600); // [96]
+    float* const split_k_partials = (float*)(dyn_smem + 69984); // [4608]
+    float scores[8];
     float o_acc[16];
     float o_acc_1[16];
     float o_acc_2[16];
     float o_acc_3[16];
-    float scores_part[16];
-    float scores_term[16];
+    float scores_part[32];
+    float scores_term[32];
     unsigned q_tile_a0[16];
     unsigned q_tile_a1[16];
     unsigned q_tile_a2[16];
     unsigned q_tile_a3[16];
     unsigned q_tile_a4[8];
-    int kv_latent_src[1];
-    int kv_scales_src[1];
-    int kv_rope_src[1];
+    int kv_latent_pre[1];
+    int kv_scales_pre[1];
+    int kv_rope_pre[1];
     float row_alpha[2];
     float row_alpha32[4];
     float row_max_reg[2];
@@ -280,30 +280,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag54[4];
-    unsigned b_frag55[4];
-    unsigned b_raw56[2];
-    unsigned a_frag66[4];
-    unsigned b_frag67[4];
-    unsigned b_raw68[2];
-    unsigned a_frag78[4];
-    unsigned b_frag79[4];
-    unsigned b_raw80[2];
-    unsigned a_frag89[4];
-    unsigned b_frag90[4];
-    unsigned b_raw91[2];
-    unsigned a_frag135[8];
-    unsigned b_frag136[4];
-    unsigned b_raw137[2];
-    unsigned a_frag147[8];
-    unsigned b_frag148[4];
-    unsigned b_raw149[2];
-    unsigned a_frag162[8];
-    unsigned b_frag163[4];
-    unsigned b_raw164[2];
-    unsigned a_frag177[8];
-    unsigned b_frag178[4];
-    unsigned b_raw179[2];
+    unsigned a_frag56[4];
+    unsigned b_frag57[4];
+    unsigned b_raw58[2];
+    unsigned a_frag72[4];
+    unsigned b_frag73[4];
+    unsigned b_raw74[2];
+    unsigned a_frag88[4];
+    unsigned b_frag89[4];
+    unsigned b_raw90[2];
+    unsigned a_frag103[4];
+    unsigned b_frag104[4];
+    unsigned b_raw105[2];
+    unsigned a_frag151[8];
+    unsigned b_frag152[4];
+    unsigned b_raw153[2];
+    unsigned a_frag163[8];
+    unsigned b_frag164[4];
+    unsigned b_raw165[2];
+    unsigned a_frag178[8];
+    unsigned b_frag179[4];
+    unsigned b_raw180[2];
+    unsigned a_frag193[8];
+    unsigned b_frag194[4];
+    unsigned b_raw195[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -314,9 +314,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 2u;
+    const unsigned scores_row0 = (warp / 2u) * 16u;
+    const unsigned scores_col0 = scores_wn * 16u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 32u;
     const unsigned o_acc_col0 = o_acc_wn * 16u;
@@ -336,23 +336,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i209 = threadIdx.x; zero_i209 < 3456u; zero_i209 += 256u) {
-        kv_rope[zero_i209] = 0u;
+    for (unsigned zero_i228 = threadIdx.x; zero_i228 < 3456u; zero_i228 += 256u) {
+        kv_rope[zero_i228] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i210 = threadIdx.x; zero_i210 < 384u; zero_i210 += 256u) {
-        kv_scales[zero_i210] = 0.0f;
+    for (unsigned zero_i229 = threadIdx.x; zero_i229 < 384u; zero_i229 += 256u) {
+        kv_scales[zero_i229] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i211 = threadIdx.x; zero_i211 < 108u; zero_i211 += 256u) {
-        row_valid[zero_i211] = 0.0f;
+    for (unsigned zero_i230 = threadIdx.x; zero_i230 < 108u; zero_i230 += 256u) {
+        row_valid[zero_i230] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 6u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 8u, 8);
-        mbar_init(ring_barriers + 4u, 32);
+        mbar_init(ring_barriers + 4u, 128);
         mbar_init(ring_barriers + 10u, 8);
     }
     fence_proxy_async();
@@ -471,38 +471,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 3-stage mbarrier ring; the last warp issues the first 2 steps
-    if (warp == 7u) {
+    // pipeline step: 3-stage mbarrier ring; the producer warps issue the first 2 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot] = -1;
+                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = lane + (slot6 * 32u);
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_src[slot6] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot6] = -1;
+                    kv_scales_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = lane + (slot8 * 32u);
+                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_src[slot8] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot8] = -1;
+                    kv_rope_pre[slot8] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -510,11 +504,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage = 0u % 3u;
             #pragma unroll
             for (unsigned slot10 = 0u; slot10 < 1u; slot10 += 1u) {
-                const unsigned gather_row11 = lane + (slot10 * 32u);
+                const unsigned gather_row11 = ((warp - 4u) + (lane * 4u)) + (slot10 * 128u);
                 if (gather_row11 < 32u) {
-                    const int src_i32 = kv_latent_src[slot10];
-                    const int src_i3212 = kv_scales_src[slot10];
-                    const int src_i3213 = kv_rope_src[slot10];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row11;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row11;
+                    const int src_i3212 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot10] >= 0)) && (((unsigned)kv_scales_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot10]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row11;
+                    const int src_i3213 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot10] >= 0)) && (((unsigned)kv_rope_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot10]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row11] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_latent + (load_stage * 4224u) + (gather_row11 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
@@ -533,32 +531,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = lane + (slot14 * 32u);
+                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot14] = -1;
+                    kv_latent_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = lane + (slot16 * 32u);
+                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_src[slot16] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot16] = -1;
+                    kv_scales_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
-                const unsigned gather_row19 = lane + (slot18 * 32u);
+                const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_src[slot18] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot18] = -1;
+                    kv_rope_pre[slot18] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -566,11 +558,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage20 = 1u % 3u;
             #pragma unroll
             for (unsigned slot21 = 0u; slot21 < 1u; slot21 += 1u) {
-                const unsigned gather_row22 = lane + (slot21 * 32u);
+                const unsigned gather_row22 = ((warp - 4u) + (lane * 4u)) + (slot21 * 128u);
                 if (gather_row22 < 32u) {
-                    const int src_i3223 = kv_latent_src[slot21];
-                    const int src_i3224 = kv_scales_src[slot21];
-                    const int src_i3225 = kv_rope_src[slot21];
+                    const unsigned step = 1u;
+                    const unsigned row_1 = gather_row22;
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row22;
+                    const int src_i3224 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot21] >= 0)) && (((unsigned)kv_scales_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot21]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row22;
+                    const int src_i3225 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot21] >= 0)) && (((unsigned)kv_rope_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot21]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage20 * 36u) + gather_row22] = (src_i3223 >= 0) ? 1.0f : 0.0f;
                     if (src_i3223 >= 0) {
                         copy_async(kv_latent + (load_stage20 * 4224u) + (gather_row22 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3223), 512u, ring_barriers + (load_stage20 * 2u));
@@ -589,39 +585,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 2u;
             #pragma unroll
             for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = lane + (slot26 * 32u);
+                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_src[slot26] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot26] = -1;
+                    kv_latent_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = lane + (slot28 * 32u);
+                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_src[slot28] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot28] = -1;
+                    kv_scales_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot30 = 0u; slot30 < 1u; slot30 += 1u) {
-                const unsigned gather_row31 = lane + (slot30 * 32u);
+                const unsigned gather_row31 = ((warp - 4u) + (lane * 4u)) + (slot30 * 128u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_src[slot30] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot30] = -1;
+                    kv_rope_pre[slot30] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
     }
 
     // online softmax: row state row_max / row_sum into registers
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
@@ -630,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
     }
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
             #pragma unroll
@@ -640,9 +630,228 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 3u;
 
-        // pipeline step: the producer warp issues the rows 2 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 3u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i47 = 0u; fill_i47 < 8u; fill_i47 += 1u) {
+            scores[fill_i47] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 16u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e48 = 0u; e48 < 16u; e48 += 1u) {
+            scores_term[e48] = 0.0f;
+        }
+        const unsigned n_first = (warp / 4u) * 16u;
+        const unsigned k_first = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e50 = 0u; e50 < 16u; e50 += 1u) {
+            scores_term[16u + e50] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 2u; nj += 1u) {
+                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
+                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
+                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain * 16u) + (((mi49 * 2u) + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
+            scores_term[e51] = scores_term[e51] + scores_term[16u + e51];
+        }
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 4u; frag += 1u) {
+            #pragma unroll
+            for (unsigned e52 = 0u; e52 < 4u; e52 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e52 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e52] = fmaf(scores_term[(frag * 4u) + e52], row_scale, scores_part[(frag * 4u) + e52]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e53 = 0u; e53 < 16u; e53 += 1u) {
+            scores_term[e53] = 0.0f;
+        }
+        const unsigned n_first54 = (warp / 4u) * 16u;
+        const unsigned k_first55 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e64 = 0u; e64 < 16u; e64 += 1u) {
+            scores_term[16u + e64] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair62 = 0u; kk_pair62 < 1u; kk_pair62 += 1u) {
+            #pragma unroll
+            for (unsigned chain63 = 0u; chain63 < 2u; chain63 += 1u) {
+                const unsigned kk59 = (kk_pair62 * 2u) + chain63;
+                #pragma unroll
+                for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
+                    ldmatrix_x1(&b_raw58[0u], kv_latent + (stage * 4224u) + (((n_first54 + (nj61 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first55 + kk59) * 4u));
+                    b_frag57[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw58[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 8u) & 255u))));
+                    b_frag57[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi60 = 0u; mi60 < 2u; mi60 += 1u) {
+                        a_frag56[0u] = q_tile_a1[((mi60 * 2u) + kk59) * 4u];
+                        a_frag56[1u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 1u];
+                        a_frag56[2u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 2u];
+                        a_frag56[3u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain63 * 16u) + (((mi60 * 2u) + nj61) * 4u)], &a_frag56[0u], &b_frag57[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e65 = 0u; e65 < 16u; e65 += 1u) {
+            scores_term[e65] = scores_term[e65] + scores_term[16u + e65];
+        }
+        #pragma unroll
+        for (unsigned frag66 = 0u; frag66 < 4u; frag66 += 1u) {
+            #pragma unroll
+            for (unsigned e67 = 0u; e67 < 4u; e67 += 1u) {
+                const float row_scale68 = kv_scales[((stage * 128u) + (((n_first54 + ((frag66 % 2u) * 8u)) + ((lane_quad * 2u) + (e67 & 1u))) * 4u)) + 1u];
+                scores_part[(frag66 * 4u) + e67] = fmaf(scores_term[(frag66 * 4u) + e67], row_scale68, scores_part[(frag66 * 4u) + e67]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e69 = 0u; e69 < 16u; e69 += 1u) {
+            scores_term[e69] = 0.0f;
+        }
+        const unsigned n_first70 = (warp / 4u) * 16u;
+        const unsigned k_first71 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e80 = 0u; e80 < 16u; e80 += 1u) {
+            scores_term[16u + e80] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair78 = 0u; kk_pair78 < 1u; kk_pair78 += 1u) {
+            #pragma unroll
+            for (unsigned chain79 = 0u; chain79 < 2u; chain79 += 1u) {
+                const unsigned kk75 = (kk_pair78 * 2u) + chain79;
+                #pragma unroll
+                for (unsigned nj77 = 0u; nj77 < 2u; nj77 += 1u) {
+                    ldmatrix_x1(&b_raw74[0u], kv_latent + (stage * 4224u) + (((n_first70 + (nj77 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first71 + kk75) * 4u));
+                    b_frag73[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw74[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 8u) & 255u))));
+                    b_frag73[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi76 = 0u; mi76 < 2u; mi76 += 1u) {
+                        a_frag72[0u] = q_tile_a2[((mi76 * 2u) + kk75) * 4u];
+                        a_frag72[1u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 1u];
+                        a_frag72[2u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 2u];
+                        a_frag72[3u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain79 * 16u) + (((mi76 * 2u) + nj77) * 4u)], &a_frag72[0u], &b_frag73[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e81 = 0u; e81 < 16u; e81 += 1u) {
+            scores_term[e81] = scores_term[e81] + scores_term[16u + e81];
+        }
+        #pragma unroll
+        for (unsigned frag82 = 0u; frag82 < 4u; frag82 += 1u) {
+            #pragma unroll
+            for (unsigned e83 = 0u; e83 < 4u; e83 += 1u) {
+                const float row_scale84 = kv_scales[((stage * 128u) + (((n_first70 + ((frag82 % 2u) * 8u)) + ((lane_quad * 2u) + (e83 & 1u))) * 4u)) + 2u];
+                scores_part[(frag82 * 4u) + e83] = fmaf(scores_term[(frag82 * 4u) + e83], row_scale84, scores_part[(frag82 * 4u) + e83]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e85 = 0u; e85 < 16u; e85 += 1u) {
+            scores_term[e85] = 0.0f;
+        }
+        const unsigned n_first86 = (warp / 4u) * 16u;
+        const unsigned k_first87 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e96 = 0u; e96 < 16u; e96 += 1u) {
+            scores_term[16u + e96] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair94 = 0u; kk_pair94 < 1u; kk_pair94 += 1u) {
+            #pragma unroll
+            for (unsigned chain95 = 0u; chain95 < 2u; chain95 += 1u) {
+                const unsigned kk91 = (kk_pair94 * 2u) + chain95;
+                #pragma unroll
+                for (unsigned nj93 = 0u; nj93 < 2u; nj93 += 1u) {
+                    ldmatrix_x1(&b_raw90[0u], kv_latent + (stage * 4224u) + (((n_first86 + (nj93 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first87 + kk91) * 4u));
+                    b_frag89[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw90[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 8u) & 255u))));
+                    b_frag89[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi92 = 0u; mi92 < 2u; mi92 += 1u) {
+                        a_frag88[0u] = q_tile_a3[((mi92 * 2u) + kk91) * 4u];
+                        a_frag88[1u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 1u];
+                        a_frag88[2u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 2u];
+                        a_frag88[3u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain95 * 16u) + (((mi92 * 2u) + nj93) * 4u)], &a_frag88[0u], &b_frag89[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e97 = 0u; e97 < 16u; e97 += 1u) {
+            scores_term[e97] = scores_term[e97] + scores_term[16u + e97];
+        }
+        #pragma unroll
+        for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
+            #pragma unroll
+            for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
+                const float row_scale100 = kv_scales[((stage * 128u) + (((n_first86 + ((frag98 % 2u) * 8u)) + ((lane_quad * 2u) + (e99 & 1u))) * 4u)) + 3u];
+                scores_part[(frag98 * 4u) + e99] = fmaf(scores_term[(frag98 * 4u) + e99], row_scale100, scores_part[(frag98 * 4u) + e99]);
+            }
+        }
+        const unsigned n_first101 = (warp / 4u) * 16u;
+        const unsigned k_first102 = warp % 4u;
+        #pragma unroll
+        for (unsigned kk106 = 0u; kk106 < 1u; kk106 += 1u) {
+            #pragma unroll
+            for (unsigned nj108 = 0u; nj108 < 2u; nj108 += 1u) {
+                ldmatrix_x2(&b_frag104[0u], kv_rope + (stage * 1152u) + (((n_first101 + (nj108 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first102 + kk106) * 8u) + (lane_k8 >> 1u));
+                #pragma unroll
+                for (unsigned mi107 = 0u; mi107 < 2u; mi107 += 1u) {
+                    a_frag103[0u] = q_tile_a4[(mi107 + kk106) * 4u];
+                    a_frag103[1u] = q_tile_a4[((mi107 + kk106) * 4u) + 1u];
+                    a_frag103[2u] = q_tile_a4[((mi107 + kk106) * 4u) + 2u];
+                    a_frag103[3u] = q_tile_a4[((mi107 + kk106) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi107 * 2u) + nj108) * 4u], &a_frag103[0u], &b_frag104[0u]);
+                }
+            }
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag111 = 0u; frag111 < 4u; frag111 += 1u) {
+            #pragma unroll
+            for (unsigned half112 = 0u; half112 < 2u; half112 += 1u) {
+                #pragma unroll
+                for (unsigned e113 = 0u; e113 < 2u; e113 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag111 / 2u) * 16u) + (half112 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag111 % 2u) * 8u)) + ((lane_quad * 2u) + e113))] = scores_part[((frag111 * 4u) + (half112 * 2u)) + e113];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 2 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 2u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -651,11 +860,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned load_stage35 = ahead % 3u;
                 #pragma unroll
                 for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                    const unsigned gather_row37 = lane + (slot36 * 32u);
+                    const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
                     if (gather_row37 < 32u) {
-                        const int src_i3238 = kv_latent_src[slot36];
-                        const int src_i3239 = kv_scales_src[slot36];
-                        const int src_i3240 = kv_rope_src[slot36];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row37;
+                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const unsigned row_2 = gather_row37;
+                        const int src_i3239 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot36] >= 0)) && (((unsigned)kv_scales_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot36]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row37;
+                        const int src_i3240 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot36] >= 0)) && (((unsigned)kv_rope_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot36]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         row_valid[(load_stage35 * 36u) + gather_row37] = (src_i3238 >= 0) ? 1.0f : 0.0f;
                         if (src_i3238 >= 0) {
                             copy_async(kv_latent + (load_stage35 * 4224u) + (gather_row37 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3238), 512u, ring_barriers + (load_stage35 * 2u));
@@ -673,239 +886,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot41 = 0u; slot41 < 1u; slot41 += 1u) {
-                        const unsigned gather_row42 = lane + (slot41 * 32u);
+                        const unsigned gather_row42 = ((warp - 4u) + (lane * 4u)) + (slot41 * 128u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_src[slot41] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_latent_src[slot41] = -1;
+                            kv_latent_pre[slot41] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot43 = 0u; slot43 < 1u; slot43 += 1u) {
-                        const unsigned gather_row44 = lane + (slot43 * 32u);
+                        const unsigned gather_row44 = ((warp - 4u) + (lane * 4u)) + (slot43 * 128u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_src[slot43] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        } else {
-                            kv_scales_src[slot43] = -1;
+                            kv_scales_pre[slot43] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                        const unsigned gather_row46 = lane + (slot45 * 32u);
+                        const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_src[slot45] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        } else {
-                            kv_rope_src[slot45] = -1;
+                            kv_rope_pre[slot45] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 3u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 3u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i47 = 0u; fill_i47 < 16u; fill_i47 += 1u) {
-            scores[fill_i47] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 16u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e48 = 0u; e48 < 16u; e48 += 1u) {
-            scores_term[e48] = 0.0f;
-        }
-        const unsigned n_first = (warp / 4u) * 16u;
-        const unsigned k_first = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 2u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+            for (unsigned frag114 = 0u; frag114 < 2u; frag114 += 1u) {
                 #pragma unroll
-                for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi49 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 4u; frag += 1u) {
-            #pragma unroll
-            for (unsigned e50 = 0u; e50 < 4u; e50 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e50 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e50] = fmaf(scores_term[(frag * 4u) + e50], row_scale, scores_part[(frag * 4u) + e50]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
-            scores_term[e51] = 0.0f;
-        }
-        const unsigned n_first52 = (warp / 4u) * 16u;
-        const unsigned k_first53 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk57 = 0u; kk57 < 2u; kk57 += 1u) {
-            #pragma unroll
-            for (unsigned nj59 = 0u; nj59 < 2u; nj59 += 1u) {
-                ldmatrix_x1(&b_raw56[0u], kv_latent + (stage * 4224u) + (((n_first52 + (nj59 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first53 + kk57) * 4u));
-                b_frag55[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw56[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 8u) & 255u))));
-                b_frag55[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi58 = 0u; mi58 < 2u; mi58 += 1u) {
-                    a_frag54[0u] = q_tile_a1[((mi58 * 2u) + kk57) * 4u];
-                    a_frag54[1u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 1u];
-                    a_frag54[2u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 2u];
-                    a_frag54[3u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi58 * 2u) + nj59) * 4u], &a_frag54[0u], &b_frag55[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag60 = 0u; frag60 < 4u; frag60 += 1u) {
-            #pragma unroll
-            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
-                const float row_scale62 = kv_scales[((stage * 128u) + (((n_first52 + ((frag60 % 2u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)) + 1u];
-                scores_part[(frag60 * 4u) + e61] = fmaf(scores_term[(frag60 * 4u) + e61], row_scale62, scores_part[(frag60 * 4u) + e61]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e63 = 0u; e63 < 16u; e63 += 1u) {
-            scores_term[e63] = 0.0f;
-        }
-        const unsigned n_first64 = (warp / 4u) * 16u;
-        const unsigned k_first65 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk69 = 0u; kk69 < 2u; kk69 += 1u) {
-            #pragma unroll
-            for (unsigned nj71 = 0u; nj71 < 2u; nj71 += 1u) {
-                ldmatrix_x1(&b_raw68[0u], kv_latent + (stage * 4224u) + (((n_first64 + (nj71 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first65 + kk69) * 4u));
-                b_frag67[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw68[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 8u) & 255u))));
-                b_frag67[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi70 = 0u; mi70 < 2u; mi70 += 1u) {
-                    a_frag66[0u] = q_tile_a2[((mi70 * 2u) + kk69) * 4u];
-                    a_frag66[1u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 1u];
-                    a_frag66[2u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 2u];
-                    a_frag66[3u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi70 * 2u) + nj71) * 4u], &a_frag66[0u], &b_frag67[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag72 = 0u; frag72 < 4u; frag72 += 1u) {
-            #pragma unroll
-            for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
-                const float row_scale74 = kv_scales[((stage * 128u) + (((n_first64 + ((frag72 % 2u) * 8u)) + ((lane_quad * 2u) + (e73 & 1u))) * 4u)) + 2u];
-                scores_part[(frag72 * 4u) + e73] = fmaf(scores_term[(frag72 * 4u) + e73], row_scale74, scores_part[(frag72 * 4u) + e73]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e75 = 0u; e75 < 16u; e75 += 1u) {
-            scores_term[e75] = 0.0f;
-        }
-        const unsigned n_first76 = (warp / 4u) * 16u;
-        const unsigned k_first77 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk81 = 0u; kk81 < 2u; kk81 += 1u) {
-            #pragma unroll
-            for (unsigned nj83 = 0u; nj83 < 2u; nj83 += 1u) {
-                ldmatrix_x1(&b_raw80[0u], kv_latent + (stage * 4224u) + (((n_first76 + (nj83 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first77 + kk81) * 4u));
-                b_frag79[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw80[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 8u) & 255u))));
-                b_frag79[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi82 = 0u; mi82 < 2u; mi82 += 1u) {
-                    a_frag78[0u] = q_tile_a3[((mi82 * 2u) + kk81) * 4u];
-                    a_frag78[1u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 1u];
-                    a_frag78[2u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 2u];
-                    a_frag78[3u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi82 * 2u) + nj83) * 4u], &a_frag78[0u], &b_frag79[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag84 = 0u; frag84 < 4u; frag84 += 1u) {
-            #pragma unroll
-            for (unsigned e85 = 0u; e85 < 4u; e85 += 1u) {
-                const float row_scale86 = kv_scales[((stage * 128u) + (((n_first76 + ((frag84 % 2u) * 8u)) + ((lane_quad * 2u) + (e85 & 1u))) * 4u)) + 3u];
-                scores_part[(frag84 * 4u) + e85] = fmaf(scores_term[(frag84 * 4u) + e85], row_scale86, scores_part[(frag84 * 4u) + e85]);
-            }
-        }
-        const unsigned n_first87 = (warp / 4u) * 16u;
-        const unsigned k_first88 = warp % 4u;
-        #pragma unroll
-        for (unsigned kk92 = 0u; kk92 < 1u; kk92 += 1u) {
-            #pragma unroll
-            for (unsigned nj94 = 0u; nj94 < 2u; nj94 += 1u) {
-                ldmatrix_x2(&b_frag90[0u], kv_rope + (stage * 1152u) + (((n_first87 + (nj94 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first88 + kk92) * 8u) + (lane_k8 >> 1u));
-                #pragma unroll
-                for (unsigned mi93 = 0u; mi93 < 2u; mi93 += 1u) {
-                    a_frag89[0u] = q_tile_a4[(mi93 + kk92) * 4u];
-                    a_frag89[1u] = q_tile_a4[((mi93 + kk92) * 4u) + 1u];
-                    a_frag89[2u] = q_tile_a4[((mi93 + kk92) * 4u) + 2u];
-                    a_frag89[3u] = q_tile_a4[((mi93 + kk92) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi93 * 2u) + nj94) * 4u], &a_frag89[0u], &b_frag90[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag95 = 0u; frag95 < 4u; frag95 += 1u) {
-            #pragma unroll
-            for (unsigned half96 = 0u; half96 < 2u; half96 += 1u) {
-                #pragma unroll
-                for (unsigned e97 = 0u; e97 < 2u; e97 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag95 / 2u) * 16u) + (half96 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag95 % 2u) * 8u)) + ((lane_quad * 2u) + e97))] = scores_part[((frag95 * 4u) + (half96 * 2u)) + e97];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 2u) {
-            #pragma unroll
-            for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
-                #pragma unroll
-                for (unsigned half99 = 0u; half99 < 2u; half99 += 1u) {
+                for (unsigned half115 = 0u; half115 < 2u; half115 += 1u) {
                     #pragma unroll
-                    for (unsigned e100 = 0u; e100 < 2u; e100 += 1u) {
-                        float sum = scores[((frag98 * 4u) + (half99 * 2u)) + e100];
-                        const unsigned cell = (((scores_row0 + (half99 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag98 * 8u)) + ((lane_quad * 2u) + e100));
+                    for (unsigned e116 = 0u; e116 < 2u; e116 += 1u) {
+                        float sum = scores[((frag114 * 4u) + (half115 * 2u)) + e116];
+                        const unsigned cell = (((scores_row0 + (half115 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag114 * 8u)) + ((lane_quad * 2u) + e116));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag98 * 4u) + (half99 * 2u)) + e100] = sum;
+                        scores[((frag114 * 4u) + (half115 * 2u)) + e116] = sum;
                     }
                 }
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag101 = 0u; frag101 < 4u; frag101 += 1u) {
+            for (unsigned frag117 = 0u; frag117 < 2u; frag117 += 1u) {
                 #pragma unroll
-                for (unsigned half102 = 0u; half102 < 2u; half102 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag101 / 4u) * 16u)) + ((half102 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag101 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag101 * 4u) + (half102 * 2u)];
-                    float v1 = scores[((frag101 * 4u) + (half102 * 2u)) + 1u];
+                for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag117 / 2u) * 16u)) + ((half118 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
+                    float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag101 * 4u) + (half102 * 2u)] = v0;
-                    scores[((frag101 * 4u) + (half102 * 2u)) + 1u] = v1;
+                    scores[(frag117 * 4u) + (half118 * 2u)] = v0;
+                    scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -913,26 +949,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi103 = 0u; mi103 < 1u; mi103 += 1u) {
+            for (unsigned mi119 = 0u; mi119 < 1u; mi119 += 1u) {
                 #pragma unroll
-                for (unsigned half104 = 0u; half104 < 2u; half104 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi103 * 4u) * 4u) + (half104 * 2u)], scores[((mi103 * 4u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 1u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 1u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 2u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 2u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 3u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 3u) * 4u) + ((half104 * 2u) + 1u)]);
+                for (unsigned half120 = 0u; half120 < 2u; half120 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi119 * 2u) * 4u) + (half120 * 2u)], scores[((mi119 * 2u) * 4u) + ((half120 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + (half120 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + ((half120 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other105 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other105);
+                    const float other121 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other121);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi103 * 16u)) + ((half104 * 8u) + lane_group)) * 2u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi103 * 16u)) + ((half104 * 8u) + lane_group)) * 2u) + 1u] = row_max_reg[(mi103 * 2u) + half104];
+                            row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi119 * 2u) + half120];
                         }
                     }
                 }
@@ -941,95 +973,97 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         __syncthreads();
 
         // online softmax: new row max and rescale, in every thread that holds the row
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi108 = 0u; mi108 < 1u; mi108 += 1u) {
+            for (unsigned mi124 = 0u; mi124 < 1u; mi124 += 1u) {
                 #pragma unroll
-                for (unsigned half109 = 0u; half109 < 2u; half109 += 1u) {
-                    const float m_old106 = row_max_reg[(mi108 * 2u) + half109];
-                    float m_new107 = m_old106;
-                    m_new107 = fmaxf(m_new107, row_exchange[((scores_row0 + (mi108 * 16u)) + ((half109 * 8u) + lane_group)) * 2u]);
-                    row_alpha[(mi108 * 2u) + half109] = expf(m_old106 - m_new107);
-                    row_max_reg[(mi108 * 2u) + half109] = m_new107;
+                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
+                    const float m_old122 = row_max_reg[(mi124 * 2u) + half125];
+                    float m_new123 = m_old122;
+                    m_new123 = fmaxf(m_new123, row_exchange[((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u]);
+                    m_new123 = fmaxf(m_new123, row_exchange[(((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi124 * 2u) + half125] = expf(m_old122 - m_new123);
+                    row_max_reg[(mi124 * 2u) + half125] = m_new123;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi112 = 0u; mi112 < 2u; mi112 += 1u) {
+        for (unsigned mi128 = 0u; mi128 < 2u; mi128 += 1u) {
             #pragma unroll
-            for (unsigned half113 = 0u; half113 < 2u; half113 += 1u) {
-                const float m_old110 = row_exchange[(((mi112 * 16u) + ((half113 * 8u) + lane_group)) * 2u) + 1u];
-                float m_new111 = m_old110;
-                m_new111 = fmaxf(m_new111, row_exchange[((mi112 * 16u) + ((half113 * 8u) + lane_group)) * 2u]);
-                row_alpha32[(mi112 * 2u) + half113] = expf(m_old110 - m_new111);
+            for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
+                const float m_old126 = row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new127 = m_old126;
+                m_new127 = fmaxf(m_new127, row_exchange[((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u]);
+                m_new127 = fmaxf(m_new127, row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha32[(mi128 * 2u) + half129] = expf(m_old126 - m_new127);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi117 = 0u; mi117 < 1u; mi117 += 1u) {
+            for (unsigned mi133 = 0u; mi133 < 1u; mi133 += 1u) {
                 #pragma unroll
-                for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
+                for (unsigned half134 = 0u; half134 < 2u; half134 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj114 = 0u; nj114 < 4u; nj114 += 1u) {
+                    for (unsigned nj130 = 0u; nj130 < 2u; nj130 += 1u) {
                         #pragma unroll
-                        for (unsigned e115 = 0u; e115 < 2u; e115 += 1u) {
-                            const unsigned at116 = (((mi117 * 4u) + nj114) * 4u) + ((half118 * 2u) + e115);
-                            const float p = (scores[at116] < (-1e38f)) ? 0.0f : expf(scores[at116] - row_max_reg[(mi117 * 2u) + half118]);
-                            scores[at116] = p;
+                        for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
+                            const unsigned at132 = (((mi133 * 2u) + nj130) * 4u) + ((half134 * 2u) + e131);
+                            const float p = (scores[at132] < (-1e38f)) ? 0.0f : expf(scores[at132] - row_max_reg[(mi133 * 2u) + half134]);
+                            scores[at132] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi117 * 2u) + half118] = (row_sum_part[(mi117 * 2u) + half118] * row_alpha[(mi117 * 2u) + half118]) + p_sum;
+                    row_sum_part[(mi133 * 2u) + half134] = (row_sum_part[(mi133 * 2u) + half134] * row_alpha[(mi133 * 2u) + half134]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag119 = 0u; frag119 < 4u; frag119 += 1u) {
+        for (unsigned frag135 = 0u; frag135 < 4u; frag135 += 1u) {
             #pragma unroll
-            for (unsigned half120 = 0u; half120 < 2u; half120 += 1u) {
-                const float alpha121 = row_alpha32[((frag119 / 2u) * 2u) + half120];
-                o_acc[(frag119 * 4u) + (half120 * 2u)] = o_acc[(frag119 * 4u) + (half120 * 2u)] * alpha121;
-                o_acc[((frag119 * 4u) + (half120 * 2u)) + 1u] = o_acc[((frag119 * 4u) + (half120 * 2u)) + 1u] * alpha121;
+            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                const float alpha137 = row_alpha32[((frag135 / 2u) * 2u) + half136];
+                o_acc[(frag135 * 4u) + (half136 * 2u)] = o_acc[(frag135 * 4u) + (half136 * 2u)] * alpha137;
+                o_acc[((frag135 * 4u) + (half136 * 2u)) + 1u] = o_acc[((frag135 * 4u) + (half136 * 2u)) + 1u] * alpha137;
             }
         }
         #pragma unroll
-        for (unsigned frag122 = 0u; frag122 < 4u; frag122 += 1u) {
+        for (unsigned frag138 = 0u; frag138 < 4u; frag138 += 1u) {
             #pragma unroll
-            for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
-                const float alpha124 = row_alpha32[((frag122 / 2u) * 2u) + half123];
-                o_acc_1[(frag122 * 4u) + (half123 * 2u)] = o_acc_1[(frag122 * 4u) + (half123 * 2u)] * alpha124;
-                o_acc_1[((frag122 * 4u) + (half123 * 2u)) + 1u] = o_acc_1[((frag122 * 4u) + (half123 * 2u)) + 1u] * alpha124;
+            for (unsigned half139 = 0u; half139 < 2u; half139 += 1u) {
+                const float alpha140 = row_alpha32[((frag138 / 2u) * 2u) + half139];
+                o_acc_1[(frag138 * 4u) + (half139 * 2u)] = o_acc_1[(frag138 * 4u) + (half139 * 2u)] * alpha140;
+                o_acc_1[((frag138 * 4u) + (half139 * 2u)) + 1u] = o_acc_1[((frag138 * 4u) + (half139 * 2u)) + 1u] * alpha140;
             }
         }
         #pragma unroll
-        for (unsigned frag125 = 0u; frag125 < 4u; frag125 += 1u) {
+        for (unsigned frag141 = 0u; frag141 < 4u; frag141 += 1u) {
             #pragma unroll
-            for (unsigned half126 = 0u; half126 < 2u; half126 += 1u) {
-                const float alpha127 = row_alpha32[((frag125 / 2u) * 2u) + half126];
-                o_acc_2[(frag125 * 4u) + (half126 * 2u)] = o_acc_2[(frag125 * 4u) + (half126 * 2u)] * alpha127;
-                o_acc_2[((frag125 * 4u) + (half126 * 2u)) + 1u] = o_acc_2[((frag125 * 4u) + (half126 * 2u)) + 1u] * alpha127;
+            for (unsigned half142 = 0u; half142 < 2u; half142 += 1u) {
+                const float alpha143 = row_alpha32[((frag141 / 2u) * 2u) + half142];
+                o_acc_2[(frag141 * 4u) + (half142 * 2u)] = o_acc_2[(frag141 * 4u) + (half142 * 2u)] * alpha143;
+                o_acc_2[((frag141 * 4u) + (half142 * 2u)) + 1u] = o_acc_2[((frag141 * 4u) + (half142 * 2u)) + 1u] * alpha143;
             }
         }
         #pragma unroll
-        for (unsigned frag128 = 0u; frag128 < 4u; frag128 += 1u) {
+        for (unsigned frag144 = 0u; frag144 < 4u; frag144 += 1u) {
             #pragma unroll
-            for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
-                const float alpha130 = row_alpha32[((frag128 / 2u) * 2u) + half129];
-                o_acc_3[(frag128 * 4u) + (half129 * 2u)] = o_acc_3[(frag128 * 4u) + (half129 * 2u)] * alpha130;
-                o_acc_3[((frag128 * 4u) + (half129 * 2u)) + 1u] = o_acc_3[((frag128 * 4u) + (half129 * 2u)) + 1u] * alpha130;
+            for (unsigned half145 = 0u; half145 < 2u; half145 += 1u) {
+                const float alpha146 = row_alpha32[((frag144 / 2u) * 2u) + half145];
+                o_acc_3[(frag144 * 4u) + (half145 * 2u)] = o_acc_3[(frag144 * 4u) + (half145 * 2u)] * alpha146;
+                o_acc_3[((frag144 * 4u) + (half145 * 2u)) + 1u] = o_acc_3[((frag144 * 4u) + (half145 * 2u)) + 1u] * alpha146;
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag133 = 0u; frag133 < 4u; frag133 += 1u) {
+            for (unsigned frag149 = 0u; frag149 < 2u; frag149 += 1u) {
                 #pragma unroll
-                for (unsigned half134 = 0u; half134 < 2u; half134 += 1u) {
-                    const unsigned row131 = (scores_row0 + ((frag133 / 4u) * 16u)) + ((half134 * 8u) + lane_group);
-                    const unsigned col132 = (scores_col0 + ((frag133 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row131 * 20u) + (col132 >> 1u)] = pack_bf16x2(scores[(frag133 * 4u) + (half134 * 2u)], scores[((frag133 * 4u) + (half134 * 2u)) + 1u]);
+                for (unsigned half150 = 0u; half150 < 2u; half150 += 1u) {
+                    const unsigned row147 = (scores_row0 + ((frag149 / 2u) * 16u)) + ((half150 * 8u) + lane_group);
+                    const unsigned col148 = (scores_col0 + ((frag149 % 2u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row147 * 20u) + (col148 >> 1u)] = pack_bf16x2(scores[(frag149 * 4u) + (half150 * 2u)], scores[((frag149 * 4u) + (half150 * 2u)) + 1u]);
                 }
             }
         }
@@ -1038,161 +1072,161 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk138 = 0u; kk138 < 2u; kk138 += 1u) {
+        for (unsigned kk154 = 0u; kk154 < 2u; kk154 += 1u) {
             #pragma unroll
-            for (unsigned mi139 = 0u; mi139 < 2u; mi139 += 1u) {
-                ldmatrix_x4(&a_frag135[mi139 * 4u], p_tile + a_lane_word + (mi139 * 320u) + (kk138 * 8u));
+            for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
+                ldmatrix_x4(&a_frag151[mi155 * 4u], p_tile + a_lane_word + (mi155 * 320u) + (kk154 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk138 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale140 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale141 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale142 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag135[0u] = pack_bf16x2(__uint_as_float(a_frag135[0u] << 16u) * k_scale, __uint_as_float(a_frag135[0u] & 4294901760u) * k_scale140);
-            a_frag135[1u] = pack_bf16x2(__uint_as_float(a_frag135[1u] << 16u) * k_scale, __uint_as_float(a_frag135[1u] & 4294901760u) * k_scale140);
-            a_frag135[2u] = pack_bf16x2(__uint_as_float(a_frag135[2u] << 16u) * k_scale141, __uint_as_float(a_frag135[2u] & 4294901760u) * k_scale142);
-            a_frag135[3u] = pack_bf16x2(__uint_as_float(a_frag135[3u] << 16u) * k_scale141, __uint_as_float(a_frag135[3u] & 4294901760u) * k_scale142);
-            const float k_scale143 = kv_scales[(stage * 128u) + (((kk138 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale144 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale145 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale146 = kv_scales[(stage * 128u) + ((((kk138 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag135[4u] = pack_bf16x2(__uint_as_float(a_frag135[4u] << 16u) * k_scale143, __uint_as_float(a_frag135[4u] & 4294901760u) * k_scale144);
-            a_frag135[5u] = pack_bf16x2(__uint_as_float(a_frag135[5u] << 16u) * k_scale143, __uint_as_float(a_frag135[5u] & 4294901760u) * k_scale144);
-            a_frag135[6u] = pack_bf16x2(__uint_as_float(a_frag135[6u] << 16u) * k_scale145, __uint_as_float(a_frag135[6u] & 4294901760u) * k_scale146);
-            a_frag135[7u] = pack_bf16x2(__uint_as_float(a_frag135[7u] << 16u) * k_scale145, __uint_as_float(a_frag135[7u] & 4294901760u) * k_scale146);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk154 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale156 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale157 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale158 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag151[0u] = pack_bf16x2(__uint_as_float(a_frag151[0u] << 16u) * k_scale, __uint_as_float(a_frag151[0u] & 4294901760u) * k_scale156);
+            a_frag151[1u] = pack_bf16x2(__uint_as_float(a_frag151[1u] << 16u) * k_scale, __uint_as_float(a_frag151[1u] & 4294901760u) * k_scale156);
+            a_frag151[2u] = pack_bf16x2(__uint_as_float(a_frag151[2u] << 16u) * k_scale157, __uint_as_float(a_frag151[2u] & 4294901760u) * k_scale158);
+            a_frag151[3u] = pack_bf16x2(__uint_as_float(a_frag151[3u] << 16u) * k_scale157, __uint_as_float(a_frag151[3u] & 4294901760u) * k_scale158);
+            const float k_scale159 = kv_scales[(stage * 128u) + (((kk154 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale160 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale161 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale162 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag151[4u] = pack_bf16x2(__uint_as_float(a_frag151[4u] << 16u) * k_scale159, __uint_as_float(a_frag151[4u] & 4294901760u) * k_scale160);
+            a_frag151[5u] = pack_bf16x2(__uint_as_float(a_frag151[5u] << 16u) * k_scale159, __uint_as_float(a_frag151[5u] & 4294901760u) * k_scale160);
+            a_frag151[6u] = pack_bf16x2(__uint_as_float(a_frag151[6u] << 16u) * k_scale161, __uint_as_float(a_frag151[6u] & 4294901760u) * k_scale162);
+            a_frag151[7u] = pack_bf16x2(__uint_as_float(a_frag151[7u] << 16u) * k_scale161, __uint_as_float(a_frag151[7u] & 4294901760u) * k_scale162);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw137[0u], kv_latent + (stage * 4224u) + (((kk138 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag136[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw137[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw137[0u] >> 16u) & 255u))));
-                b_frag136[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw137[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw137[1u] >> 16u) & 255u))));
-                b_frag136[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw137[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw137[0u] >> 24u) & 255u))));
-                b_frag136[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw137[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw137[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw153[0u], kv_latent + (stage * 4224u) + (((kk154 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag152[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw153[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 16u) & 255u))));
+                b_frag152[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw153[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 16u) & 255u))));
+                b_frag152[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 24u) & 255u))));
+                b_frag152[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi139 = 0u; mi139 < 2u; mi139 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi139 * 2u) + (np * 2u)) * 4u], &a_frag135[mi139 * 4u], &b_frag136[0u]);
+                for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi155 * 2u) + (np * 2u)) * 4u], &a_frag151[mi155 * 4u], &b_frag152[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi139 = 0u; mi139 < 2u; mi139 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi139 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag135[mi139 * 4u], &b_frag136[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word153 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk150 = 0u; kk150 < 2u; kk150 += 1u) {
-            #pragma unroll
-            for (unsigned mi151 = 0u; mi151 < 2u; mi151 += 1u) {
-                ldmatrix_x4(&a_frag147[mi151 * 4u], p_tile + a_lane_word153 + (mi151 * 320u) + (kk150 * 8u));
-            }
-            const float k_scale154 = kv_scales[((stage * 128u) + (((kk150 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale155 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale156 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale157 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag147[0u] = pack_bf16x2(__uint_as_float(a_frag147[0u] << 16u) * k_scale154, __uint_as_float(a_frag147[0u] & 4294901760u) * k_scale155);
-            a_frag147[1u] = pack_bf16x2(__uint_as_float(a_frag147[1u] << 16u) * k_scale154, __uint_as_float(a_frag147[1u] & 4294901760u) * k_scale155);
-            a_frag147[2u] = pack_bf16x2(__uint_as_float(a_frag147[2u] << 16u) * k_scale156, __uint_as_float(a_frag147[2u] & 4294901760u) * k_scale157);
-            a_frag147[3u] = pack_bf16x2(__uint_as_float(a_frag147[3u] << 16u) * k_scale156, __uint_as_float(a_frag147[3u] & 4294901760u) * k_scale157);
-            const float k_scale158 = kv_scales[((stage * 128u) + (((kk150 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale159 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale160 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale161 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag147[4u] = pack_bf16x2(__uint_as_float(a_frag147[4u] << 16u) * k_scale158, __uint_as_float(a_frag147[4u] & 4294901760u) * k_scale159);
-            a_frag147[5u] = pack_bf16x2(__uint_as_float(a_frag147[5u] << 16u) * k_scale158, __uint_as_float(a_frag147[5u] & 4294901760u) * k_scale159);
-            a_frag147[6u] = pack_bf16x2(__uint_as_float(a_frag147[6u] << 16u) * k_scale160, __uint_as_float(a_frag147[6u] & 4294901760u) * k_scale161);
-            a_frag147[7u] = pack_bf16x2(__uint_as_float(a_frag147[7u] << 16u) * k_scale160, __uint_as_float(a_frag147[7u] & 4294901760u) * k_scale161);
-            #pragma unroll
-            for (unsigned np152 = 0u; np152 < 1u; np152 += 1u) {
-                ldmatrix_x2_trans(&b_raw149[0u], kv_latent + (stage * 4224u) + (((kk150 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np152 * 16u)) >> 2u));
-                b_frag148[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw149[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 16u) & 255u))));
-                b_frag148[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw149[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 16u) & 255u))));
-                b_frag148[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 24u) & 255u))));
-                b_frag148[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi151 = 0u; mi151 < 2u; mi151 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi151 * 2u) + (np152 * 2u)) * 4u], &a_frag147[mi151 * 4u], &b_frag148[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi151 = 0u; mi151 < 2u; mi151 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi151 * 2u) + ((np152 * 2u) + 1u)) * 4u], &a_frag147[mi151 * 4u], &b_frag148[2u]);
+                for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi155 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag151[mi155 * 4u], &b_frag152[2u]);
                 }
             }
         }
-        const unsigned a_lane_word168 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word169 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk165 = 0u; kk165 < 2u; kk165 += 1u) {
+        for (unsigned kk166 = 0u; kk166 < 2u; kk166 += 1u) {
             #pragma unroll
-            for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                ldmatrix_x4(&a_frag162[mi166 * 4u], p_tile + a_lane_word168 + (mi166 * 320u) + (kk165 * 8u));
+            for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
+                ldmatrix_x4(&a_frag163[mi167 * 4u], p_tile + a_lane_word169 + (mi167 * 320u) + (kk166 * 8u));
             }
-            const float k_scale169 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale170 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale172 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag162[0u] = pack_bf16x2(__uint_as_float(a_frag162[0u] << 16u) * k_scale169, __uint_as_float(a_frag162[0u] & 4294901760u) * k_scale170);
-            a_frag162[1u] = pack_bf16x2(__uint_as_float(a_frag162[1u] << 16u) * k_scale169, __uint_as_float(a_frag162[1u] & 4294901760u) * k_scale170);
-            a_frag162[2u] = pack_bf16x2(__uint_as_float(a_frag162[2u] << 16u) * k_scale171, __uint_as_float(a_frag162[2u] & 4294901760u) * k_scale172);
-            a_frag162[3u] = pack_bf16x2(__uint_as_float(a_frag162[3u] << 16u) * k_scale171, __uint_as_float(a_frag162[3u] & 4294901760u) * k_scale172);
-            const float k_scale173 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag162[4u] = pack_bf16x2(__uint_as_float(a_frag162[4u] << 16u) * k_scale173, __uint_as_float(a_frag162[4u] & 4294901760u) * k_scale174);
-            a_frag162[5u] = pack_bf16x2(__uint_as_float(a_frag162[5u] << 16u) * k_scale173, __uint_as_float(a_frag162[5u] & 4294901760u) * k_scale174);
-            a_frag162[6u] = pack_bf16x2(__uint_as_float(a_frag162[6u] << 16u) * k_scale175, __uint_as_float(a_frag162[6u] & 4294901760u) * k_scale176);
-            a_frag162[7u] = pack_bf16x2(__uint_as_float(a_frag162[7u] << 16u) * k_scale175, __uint_as_float(a_frag162[7u] & 4294901760u) * k_scale176);
+            const float k_scale170 = kv_scales[((stage * 128u) + (((kk166 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale172 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale173 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag163[0u] = pack_bf16x2(__uint_as_float(a_frag163[0u] << 16u) * k_scale170, __uint_as_float(a_frag163[0u] & 4294901760u) * k_scale171);
+            a_frag163[1u] = pack_bf16x2(__uint_as_float(a_frag163[1u] << 16u) * k_scale170, __uint_as_float(a_frag163[1u] & 4294901760u) * k_scale171);
+            a_frag163[2u] = pack_bf16x2(__uint_as_float(a_frag163[2u] << 16u) * k_scale172, __uint_as_float(a_frag163[2u] & 4294901760u) * k_scale173);
+            a_frag163[3u] = pack_bf16x2(__uint_as_float(a_frag163[3u] << 16u) * k_scale172, __uint_as_float(a_frag163[3u] & 4294901760u) * k_scale173);
+            const float k_scale174 = kv_scales[((stage * 128u) + (((kk166 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale177 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag163[4u] = pack_bf16x2(__uint_as_float(a_frag163[4u] << 16u) * k_scale174, __uint_as_float(a_frag163[4u] & 4294901760u) * k_scale175);
+            a_frag163[5u] = pack_bf16x2(__uint_as_float(a_frag163[5u] << 16u) * k_scale174, __uint_as_float(a_frag163[5u] & 4294901760u) * k_scale175);
+            a_frag163[6u] = pack_bf16x2(__uint_as_float(a_frag163[6u] << 16u) * k_scale176, __uint_as_float(a_frag163[6u] & 4294901760u) * k_scale177);
+            a_frag163[7u] = pack_bf16x2(__uint_as_float(a_frag163[7u] << 16u) * k_scale176, __uint_as_float(a_frag163[7u] & 4294901760u) * k_scale177);
             #pragma unroll
-            for (unsigned np167 = 0u; np167 < 1u; np167 += 1u) {
-                ldmatrix_x2_trans(&b_raw164[0u], kv_latent + (stage * 4224u) + (((kk165 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np167 * 16u)) >> 2u));
-                b_frag163[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 16u) & 255u))));
-                b_frag163[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 16u) & 255u))));
-                b_frag163[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 24u) & 255u))));
-                b_frag163[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 24u) & 255u))));
+            for (unsigned np168 = 0u; np168 < 1u; np168 += 1u) {
+                ldmatrix_x2_trans(&b_raw165[0u], kv_latent + (stage * 4224u) + (((kk166 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np168 * 16u)) >> 2u));
+                b_frag164[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw165[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 16u) & 255u))));
+                b_frag164[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw165[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 16u) & 255u))));
+                b_frag164[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 24u) & 255u))));
+                b_frag164[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi166 * 2u) + (np167 * 2u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[0u]);
+                for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi167 * 2u) + (np168 * 2u)) * 4u], &a_frag163[mi167 * 4u], &b_frag164[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi166 * 2u) + ((np167 * 2u) + 1u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[2u]);
+                for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi167 * 2u) + ((np168 * 2u) + 1u)) * 4u], &a_frag163[mi167 * 4u], &b_frag164[2u]);
                 }
             }
         }
-        const unsigned a_lane_word183 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word184 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
+        for (unsigned kk181 = 0u; kk181 < 2u; kk181 += 1u) {
             #pragma unroll
-            for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
+            for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
+                ldmatrix_x4(&a_frag178[mi182 * 4u], p_tile + a_lane_word184 + (mi182 * 320u) + (kk181 * 8u));
             }
-            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
-            a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
-            a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
-            a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
-            const float k_scale188 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale189 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale191 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag177[4u] = pack_bf16x2(__uint_as_float(a_frag177[4u] << 16u) * k_scale188, __uint_as_float(a_frag177[4u] & 4294901760u) * k_scale189);
-            a_frag177[5u] = pack_bf16x2(__uint_as_float(a_frag177[5u] << 16u) * k_scale188, __uint_as_float(a_frag177[5u] & 4294901760u) * k_scale189);
-            a_frag177[6u] = pack_bf16x2(__uint_as_float(a_frag177[6u] << 16u) * k_scale190, __uint_as_float(a_frag177[6u] & 4294901760u) * k_scale191);
-            a_frag177[7u] = pack_bf16x2(__uint_as_float(a_frag177[7u] << 16u) * k_scale190, __uint_as_float(a_frag177[7u] & 4294901760u) * k_scale191);
+            const float k_scale185 = kv_scales[((stage * 128u) + (((kk181 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale188 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag178[0u] = pack_bf16x2(__uint_as_float(a_frag178[0u] << 16u) * k_scale185, __uint_as_float(a_frag178[0u] & 4294901760u) * k_scale186);
+            a_frag178[1u] = pack_bf16x2(__uint_as_float(a_frag178[1u] << 16u) * k_scale185, __uint_as_float(a_frag178[1u] & 4294901760u) * k_scale186);
+            a_frag178[2u] = pack_bf16x2(__uint_as_float(a_frag178[2u] << 16u) * k_scale187, __uint_as_float(a_frag178[2u] & 4294901760u) * k_scale188);
+            a_frag178[3u] = pack_bf16x2(__uint_as_float(a_frag178[3u] << 16u) * k_scale187, __uint_as_float(a_frag178[3u] & 4294901760u) * k_scale188);
+            const float k_scale189 = kv_scales[((stage * 128u) + (((kk181 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale191 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale192 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag178[4u] = pack_bf16x2(__uint_as_float(a_frag178[4u] << 16u) * k_scale189, __uint_as_float(a_frag178[4u] & 4294901760u) * k_scale190);
+            a_frag178[5u] = pack_bf16x2(__uint_as_float(a_frag178[5u] << 16u) * k_scale189, __uint_as_float(a_frag178[5u] & 4294901760u) * k_scale190);
+            a_frag178[6u] = pack_bf16x2(__uint_as_float(a_frag178[6u] << 16u) * k_scale191, __uint_as_float(a_frag178[6u] & 4294901760u) * k_scale192);
+            a_frag178[7u] = pack_bf16x2(__uint_as_float(a_frag178[7u] << 16u) * k_scale191, __uint_as_float(a_frag178[7u] & 4294901760u) * k_scale192);
             #pragma unroll
-            for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
-                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np182 * 16u)) >> 2u));
-                b_frag178[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 16u) & 255u))));
-                b_frag178[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 16u) & 255u))));
-                b_frag178[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 24u) & 255u))));
-                b_frag178[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 24u) & 255u))));
+            for (unsigned np183 = 0u; np183 < 1u; np183 += 1u) {
+                ldmatrix_x2_trans(&b_raw180[0u], kv_latent + (stage * 4224u) + (((kk181 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np183 * 16u)) >> 2u));
+                b_frag179[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw180[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 16u) & 255u))));
+                b_frag179[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw180[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 16u) & 255u))));
+                b_frag179[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 24u) & 255u))));
+                b_frag179[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
+                for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi182 * 2u) + (np183 * 2u)) * 4u], &a_frag178[mi182 * 4u], &b_frag179[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi182 * 2u) + ((np183 * 2u) + 1u)) * 4u], &a_frag178[mi182 * 4u], &b_frag179[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word199 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk196 = 0u; kk196 < 2u; kk196 += 1u) {
+            #pragma unroll
+            for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
+                ldmatrix_x4(&a_frag193[mi197 * 4u], p_tile + a_lane_word199 + (mi197 * 320u) + (kk196 * 8u));
+            }
+            const float k_scale200 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale203 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag193[0u] = pack_bf16x2(__uint_as_float(a_frag193[0u] << 16u) * k_scale200, __uint_as_float(a_frag193[0u] & 4294901760u) * k_scale201);
+            a_frag193[1u] = pack_bf16x2(__uint_as_float(a_frag193[1u] << 16u) * k_scale200, __uint_as_float(a_frag193[1u] & 4294901760u) * k_scale201);
+            a_frag193[2u] = pack_bf16x2(__uint_as_float(a_frag193[2u] << 16u) * k_scale202, __uint_as_float(a_frag193[2u] & 4294901760u) * k_scale203);
+            a_frag193[3u] = pack_bf16x2(__uint_as_float(a_frag193[3u] << 16u) * k_scale202, __uint_as_float(a_frag193[3u] & 4294901760u) * k_scale203);
+            const float k_scale204 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale207 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag193[4u] = pack_bf16x2(__uint_as_float(a_frag193[4u] << 16u) * k_scale204, __uint_as_float(a_frag193[4u] & 4294901760u) * k_scale205);
+            a_frag193[5u] = pack_bf16x2(__uint_as_float(a_frag193[5u] << 16u) * k_scale204, __uint_as_float(a_frag193[5u] & 4294901760u) * k_scale205);
+            a_frag193[6u] = pack_bf16x2(__uint_as_float(a_frag193[6u] << 16u) * k_scale206, __uint_as_float(a_frag193[6u] & 4294901760u) * k_scale207);
+            a_frag193[7u] = pack_bf16x2(__uint_as_float(a_frag193[7u] << 16u) * k_scale206, __uint_as_float(a_frag193[7u] & 4294901760u) * k_scale207);
+            #pragma unroll
+            for (unsigned np198 = 0u; np198 < 1u; np198 += 1u) {
+                ldmatrix_x2_trans(&b_raw195[0u], kv_latent + (stage * 4224u) + (((kk196 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np198 * 16u)) >> 2u));
+                b_frag194[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw195[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 16u) & 255u))));
+                b_frag194[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw195[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 16u) & 255u))));
+                b_frag194[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 24u) & 255u))));
+                b_frag194[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 24u) & 255u))));
+                #pragma unroll
+                for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi197 * 2u) + (np198 * 2u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi197 * 2u) + ((np198 * 2u) + 1u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[2u]);
                 }
             }
         }
@@ -1205,20 +1239,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi193 = 0u; mi193 < 1u; mi193 += 1u) {
+        for (unsigned mi209 = 0u; mi209 < 1u; mi209 += 1u) {
             #pragma unroll
-            for (unsigned half194 = 0u; half194 < 2u; half194 += 1u) {
-                float row_sum192 = row_sum_part[(mi193 * 2u) + half194];
-                const float other195 = shfl_xor_f32(row_sum192, 1);
-                row_sum192 = row_sum192 + other195;
-                const float other196 = shfl_xor_f32(row_sum192, 2);
-                row_sum192 = row_sum192 + other196;
+            for (unsigned half210 = 0u; half210 < 2u; half210 += 1u) {
+                float row_sum208 = row_sum_part[(mi209 * 2u) + half210];
+                const float other211 = shfl_xor_f32(row_sum208, 1);
+                row_sum208 = row_sum208 + other211;
+                const float other212 = shfl_xor_f32(row_sum208, 2);
+                row_sum208 = row_sum208 + other212;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi193 * 16u)) + ((half194 * 8u) + lane_group)] = row_sum192;
-                    row_max[(scores_row0 + (mi193 * 16u)) + ((half194 * 8u) + lane_group)] = row_max_reg[(mi193 * 2u) + half194];
+                    row_exchange[(((scores_row0 + (mi209 * 16u)) + ((half210 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum208;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi214 = 0u; mi214 < 1u; mi214 += 1u) {
+            #pragma unroll
+            for (unsigned half215 = 0u; half215 < 2u; half215 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum213 = row_exchange[((scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)) * 3u];
+                    row_sum213 = row_sum213 + row_exchange[(((scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)] = row_sum213;
+                    row_max[(scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)] = row_max_reg[(mi214 * 2u) + half215];
                 }
             }
         }
@@ -1227,15 +1274,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag197 = 0u; frag197 < 2u; frag197 += 1u) {
+    for (unsigned frag216 = 0u; frag216 < 2u; frag216 += 1u) {
         #pragma unroll
-        for (unsigned half198 = 0u; half198 < 2u; half198 += 1u) {
+        for (unsigned half217 = 0u; half217 < 2u; half217 += 1u) {
             #pragma unroll
-            for (unsigned e199 = 0u; e199 < 2u; e199 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag197 / 1u) * 16u)) + ((half198 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag197 % 1u) * 16u)) + ((lane_quad * 4u) + (e199 * 2u));
-                float v0_6 = o_acc[((((frag197 / 1u) * 2u) + ((frag197 % 1u) * 2u)) * 4u) + ((half198 * 2u) + e199)];
-                float v1_6 = o_acc[(((((frag197 / 1u) * 2u) + ((frag197 % 1u) * 2u)) + 1u) * 4u) + ((half198 * 2u) + e199)];
+            for (unsigned e218 = 0u; e218 < 2u; e218 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag216 / 1u) * 16u)) + ((half217 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag216 % 1u) * 16u)) + ((lane_quad * 4u) + (e218 * 2u));
+                float v0_6 = o_acc[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)];
+                float v1_6 = o_acc[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
@@ -1244,21 +1291,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at] = v0_6 * inv_l;
                     o_part[at + 1u] = v1_6 * inv_l;
                 }
-                o_acc[((((frag197 / 1u) * 2u) + ((frag197 % 1u) * 2u)) * 4u) + ((half198 * 2u) + e199)] = v0_6;
-                o_acc[(((((frag197 / 1u) * 2u) + ((frag197 % 1u) * 2u)) + 1u) * 4u) + ((half198 * 2u) + e199)] = v1_6;
+                o_acc[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)] = v0_6;
+                o_acc[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag200 = 0u; frag200 < 2u; frag200 += 1u) {
+    for (unsigned frag219 = 0u; frag219 < 2u; frag219 += 1u) {
         #pragma unroll
-        for (unsigned half201 = 0u; half201 < 2u; half201 += 1u) {
+        for (unsigned half220 = 0u; half220 < 2u; half220 += 1u) {
             #pragma unroll
-            for (unsigned e202 = 0u; e202 < 2u; e202 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag200 / 1u) * 16u)) + ((half201 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag200 % 1u) * 16u)) + ((lane_quad * 4u) + (e202 * 2u));
-                float v0_7 = o_acc_1[((((frag200 / 1u) * 2u) + ((frag200 % 1u) * 2u)) * 4u) + ((half201 * 2u) + e202)];
-                float v1_7 = o_acc_1[(((((frag200 / 1u) * 2u) + ((frag200 % 1u) * 2u)) + 1u) * 4u) + ((half201 * 2u) + e202)];
+            for (unsigned e221 = 0u; e221 < 2u; e221 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag219 / 1u) * 16u)) + ((half220 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag219 % 1u) * 16u)) + ((lane_quad * 4u) + (e221 * 2u));
+                float v0_7 = o_acc_1[((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) * 4u) + ((half220 * 2u) + e221)];
+                float v1_7 = o_acc_1[(((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) + 1u) * 4u) + ((half220 * 2u) + e221)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
@@ -1267,21 +1314,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_1] = v0_7 * inv_l_1;
                     o_part[at_1 + 1u] = v1_7 * inv_l_1;
                 }
-                o_acc_1[((((frag200 / 1u) * 2u) + ((frag200 % 1u) * 2u)) * 4u) + ((half201 * 2u) + e202)] = v0_7;
-                o_acc_1[(((((frag200 / 1u) * 2u) + ((frag200 % 1u) * 2u)) + 1u) * 4u) + ((half201 * 2u) + e202)] = v1_7;
+                o_acc_1[((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) * 4u) + ((half220 * 2u) + e221)] = v0_7;
+                o_acc_1[(((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) + 1u) * 4u) + ((half220 * 2u) + e221)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag203 = 0u; frag203 < 2u; frag203 += 1u) {
+    for (unsigned frag222 = 0u; frag222 < 2u; frag222 += 1u) {
         #pragma unroll
-        for (unsigned half204 = 0u; half204 < 2u; half204 += 1u) {
+        for (unsigned half223 = 0u; half223 < 2u; half223 += 1u) {
             #pragma unroll
-            for (unsigned e205 = 0u; e205 < 2u; e205 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag203 / 1u) * 16u)) + ((half204 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag203 % 1u) * 16u)) + ((lane_quad * 4u) + (e205 * 2u));
-                float v0_8 = o_acc_2[((((frag203 / 1u) * 2u) + ((frag203 % 1u) * 2u)) * 4u) + ((half204 * 2u) + e205)];
-                float v1_8 = o_acc_2[(((((frag203 / 1u) * 2u) + ((frag203 % 1u) * 2u)) + 1u) * 4u) + ((half204 * 2u) + e205)];
+            for (unsigned e224 = 0u; e224 < 2u; e224 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag222 / 1u) * 16u)) + ((half223 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag222 % 1u) * 16u)) + ((lane_quad * 4u) + (e224 * 2u));
+                float v0_8 = o_acc_2[((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) * 4u) + ((half223 * 2u) + e224)];
+                float v1_8 = o_acc_2[(((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) + 1u) * 4u) + ((half223 * 2u) + e224)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
@@ -1290,21 +1337,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_2] = v0_8 * inv_l_2;
                     o_part[at_2 + 1u] = v1_8 * inv_l_2;
                 }
-                o_acc_2[((((frag203 / 1u) * 2u) + ((frag203 % 1u) * 2u)) * 4u) + ((half204 * 2u) + e205)] = v0_8;
-                o_acc_2[(((((frag203 / 1u) * 2u) + ((frag203 % 1u) * 2u)) + 1u) * 4u) + ((half204 * 2u) + e205)] = v1_8;
+                o_acc_2[((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) * 4u) + ((half223 * 2u) + e224)] = v0_8;
+                o_acc_2[(((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) + 1u) * 4u) + ((half223 * 2u) + e224)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag206 = 0u; frag206 < 2u; frag206 += 1u) {
+    for (unsigned frag225 = 0u; frag225 < 2u; frag225 += 1u) {
         #pragma unroll
-        for (unsigned half207 = 0u; half207 < 2u; half207 += 1u) {
+        for (unsigned half226 = 0u; half226 < 2u; half226 += 1u) {
             #pragma unroll
-            for (unsigned e208 = 0u; e208 < 2u; e208 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag206 / 1u) * 16u)) + ((half207 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag206 % 1u) * 16u)) + ((lane_quad * 4u) + (e208 * 2u));
-                float v0_9 = o_acc_3[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)];
-                float v1_9 = o_acc_3[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)];
+            for (unsigned e227 = 0u; e227 < 2u; e227 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag225 / 1u) * 16u)) + ((half226 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag225 % 1u) * 16u)) + ((lane_quad * 4u) + (e227 * 2u));
+                float v0_9 = o_acc_3[((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) * 4u) + ((half226 * 2u) + e227)];
+                float v1_9 = o_acc_3[(((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) + 1u) * 4u) + ((half226 * 2u) + e227)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
@@ -1313,8 +1360,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_3] = v0_9 * inv_l_3;
                     o_part[at_3 + 1u] = v1_9 * inv_l_3;
                 }
-                o_acc_3[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)] = v0_9;
-                o_acc_3[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)] = v1_9;
+                o_acc_3[((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) * 4u) + ((half226 * 2u) + e227)] = v0_9;
+                o_acc_3[(((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) + 1u) * 4u) + ((half226 * 2u) + e227)] = v1_9;
             }
         }
     }

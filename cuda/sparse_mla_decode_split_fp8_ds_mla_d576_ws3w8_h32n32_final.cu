@@ -10,9 +10,9 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-// mbarrier ring: 3 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 88288 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 88416 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -35,7 +35,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 88288 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 88416 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -259,23 +259,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)(dyn_smem + 51680); // [384]
     unsigned* const kv_rope = (unsigned*)(dyn_smem + 53216); // [3456]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 67040); // [640]
-    float* const row_exchange = (float*)(dyn_smem + 69600); // [64]
-    float* const split_k_partials = (float*)(dyn_smem + 69856); // [4608]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 69600); // [96]
+    float* const split_k_partials = (float*)(dyn_smem + 69984); // [4608]
+    float scores[8];
     float o_acc[16];
     float o_acc_1[16];
     float o_acc_2[16];
     float o_acc_3[16];
-    float scores_part[16];
-    float scores_term[16];
+    float scores_part[32];
+    float scores_term[32];
     unsigned q_tile_a0[16];
     unsigned q_tile_a1[16];
     unsigned q_tile_a2[16];
     unsigned q_tile_a3[16];
     unsigned q_tile_a4[8];
-    int kv_latent_src[1];
-    int kv_scales_src[1];
-    int kv_rope_src[1];
+    int kv_latent_pre[1];
+    int kv_scales_pre[1];
+    int kv_rope_pre[1];
     float row_alpha[2];
     float row_alpha32[4];
     float row_max_reg[2];
@@ -283,30 +283,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag54[4];
-    unsigned b_frag55[4];
-    unsigned b_raw56[2];
-    unsigned a_frag66[4];
-    unsigned b_frag67[4];
-    unsigned b_raw68[2];
-    unsigned a_frag78[4];
-    unsigned b_frag79[4];
-    unsigned b_raw80[2];
-    unsigned a_frag89[4];
-    unsigned b_frag90[4];
-    unsigned b_raw91[2];
-    unsigned a_frag134[8];
-    unsigned b_frag135[4];
-    unsigned b_raw136[2];
-    unsigned a_frag146[8];
-    unsigned b_frag147[4];
-    unsigned b_raw148[2];
-    unsigned a_frag161[8];
-    unsigned b_frag162[4];
-    unsigned b_raw163[2];
-    unsigned a_frag176[8];
-    unsigned b_frag177[4];
-    unsigned b_raw178[2];
+    unsigned a_frag56[4];
+    unsigned b_frag57[4];
+    unsigned b_raw58[2];
+    unsigned a_frag72[4];
+    unsigned b_frag73[4];
+    unsigned b_raw74[2];
+    unsigned a_frag88[4];
+    unsigned b_frag89[4];
+    unsigned b_raw90[2];
+    unsigned a_frag103[4];
+    unsigned b_frag104[4];
+    unsigned b_raw105[2];
+    unsigned a_frag150[8];
+    unsigned b_frag151[4];
+    unsigned b_raw152[2];
+    unsigned a_frag162[8];
+    unsigned b_frag163[4];
+    unsigned b_raw164[2];
+    unsigned a_frag177[8];
+    unsigned b_frag178[4];
+    unsigned b_raw179[2];
+    unsigned a_frag192[8];
+    unsigned b_frag193[4];
+    unsigned b_raw194[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -317,9 +317,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 2u;
+    const unsigned scores_row0 = (warp / 2u) * 16u;
+    const unsigned scores_col0 = scores_wn * 16u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 32u;
     const unsigned o_acc_col0 = o_acc_wn * 16u;
@@ -339,23 +339,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i208 = threadIdx.x; zero_i208 < 3456u; zero_i208 += 256u) {
-        kv_rope[zero_i208] = 0u;
+    for (unsigned zero_i227 = threadIdx.x; zero_i227 < 3456u; zero_i227 += 256u) {
+        kv_rope[zero_i227] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i209 = threadIdx.x; zero_i209 < 384u; zero_i209 += 256u) {
-        kv_scales[zero_i209] = 0.0f;
+    for (unsigned zero_i228 = threadIdx.x; zero_i228 < 384u; zero_i228 += 256u) {
+        kv_scales[zero_i228] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i210 = threadIdx.x; zero_i210 < 108u; zero_i210 += 256u) {
-        row_valid[zero_i210] = 0.0f;
+    for (unsigned zero_i229 = threadIdx.x; zero_i229 < 108u; zero_i229 += 256u) {
+        row_valid[zero_i229] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 6u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 8u, 8);
-        mbar_init(ring_barriers + 4u, 32);
+        mbar_init(ring_barriers + 4u, 128);
         mbar_init(ring_barriers + 10u, 8);
     }
     fence_proxy_async();
@@ -474,38 +474,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 3-stage mbarrier ring; the last warp issues the first 2 steps
-    if (warp == 7u) {
+    // pipeline step: 3-stage mbarrier ring; the producer warps issue the first 2 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot] = -1;
+                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = lane + (slot6 * 32u);
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_src[slot6] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot6] = -1;
+                    kv_scales_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = lane + (slot8 * 32u);
+                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_src[slot8] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot8] = -1;
+                    kv_rope_pre[slot8] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -513,11 +507,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage = 0u % 3u;
             #pragma unroll
             for (unsigned slot10 = 0u; slot10 < 1u; slot10 += 1u) {
-                const unsigned gather_row11 = lane + (slot10 * 32u);
+                const unsigned gather_row11 = ((warp - 4u) + (lane * 4u)) + (slot10 * 128u);
                 if (gather_row11 < 32u) {
-                    const int src_i32 = kv_latent_src[slot10];
-                    const int src_i3212 = kv_scales_src[slot10];
-                    const int src_i3213 = kv_rope_src[slot10];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row11;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row11;
+                    const int src_i3212 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot10] >= 0)) && (((unsigned)kv_scales_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot10]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row11;
+                    const int src_i3213 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot10] >= 0)) && (((unsigned)kv_rope_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot10]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row11] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_latent + (load_stage * 4224u) + (gather_row11 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
@@ -536,32 +534,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = lane + (slot14 * 32u);
+                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot14] = -1;
+                    kv_latent_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = lane + (slot16 * 32u);
+                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_src[slot16] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot16] = -1;
+                    kv_scales_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
-                const unsigned gather_row19 = lane + (slot18 * 32u);
+                const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_src[slot18] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot18] = -1;
+                    kv_rope_pre[slot18] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -569,11 +561,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage20 = 1u % 3u;
             #pragma unroll
             for (unsigned slot21 = 0u; slot21 < 1u; slot21 += 1u) {
-                const unsigned gather_row22 = lane + (slot21 * 32u);
+                const unsigned gather_row22 = ((warp - 4u) + (lane * 4u)) + (slot21 * 128u);
                 if (gather_row22 < 32u) {
-                    const int src_i3223 = kv_latent_src[slot21];
-                    const int src_i3224 = kv_scales_src[slot21];
-                    const int src_i3225 = kv_rope_src[slot21];
+                    const unsigned step = 1u;
+                    const unsigned row_1 = gather_row22;
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row22;
+                    const int src_i3224 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot21] >= 0)) && (((unsigned)kv_scales_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot21]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row22;
+                    const int src_i3225 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot21] >= 0)) && (((unsigned)kv_rope_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot21]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage20 * 36u) + gather_row22] = (src_i3223 >= 0) ? 1.0f : 0.0f;
                     if (src_i3223 >= 0) {
                         copy_async(kv_latent + (load_stage20 * 4224u) + (gather_row22 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3223), 512u, ring_barriers + (load_stage20 * 2u));
@@ -592,39 +588,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 2u;
             #pragma unroll
             for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = lane + (slot26 * 32u);
+                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_src[slot26] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot26] = -1;
+                    kv_latent_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = lane + (slot28 * 32u);
+                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_src[slot28] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot28] = -1;
+                    kv_scales_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot30 = 0u; slot30 < 1u; slot30 += 1u) {
-                const unsigned gather_row31 = lane + (slot30 * 32u);
+                const unsigned gather_row31 = ((warp - 4u) + (lane * 4u)) + (slot30 * 128u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_src[slot30] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot30] = -1;
+                    kv_rope_pre[slot30] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
     }
 
     // online softmax: row state row_max / row_sum into registers
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
@@ -633,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
     }
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
             #pragma unroll
@@ -643,9 +633,228 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 3u;
 
-        // pipeline step: the producer warp issues the rows 2 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 3u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i47 = 0u; fill_i47 < 8u; fill_i47 += 1u) {
+            scores[fill_i47] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 16u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e48 = 0u; e48 < 16u; e48 += 1u) {
+            scores_term[e48] = 0.0f;
+        }
+        const unsigned n_first = (warp / 4u) * 16u;
+        const unsigned k_first = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e50 = 0u; e50 < 16u; e50 += 1u) {
+            scores_term[16u + e50] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 2u; nj += 1u) {
+                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
+                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
+                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain * 16u) + (((mi49 * 2u) + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
+            scores_term[e51] = scores_term[e51] + scores_term[16u + e51];
+        }
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 4u; frag += 1u) {
+            #pragma unroll
+            for (unsigned e52 = 0u; e52 < 4u; e52 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e52 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e52] = fmaf(scores_term[(frag * 4u) + e52], row_scale, scores_part[(frag * 4u) + e52]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e53 = 0u; e53 < 16u; e53 += 1u) {
+            scores_term[e53] = 0.0f;
+        }
+        const unsigned n_first54 = (warp / 4u) * 16u;
+        const unsigned k_first55 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e64 = 0u; e64 < 16u; e64 += 1u) {
+            scores_term[16u + e64] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair62 = 0u; kk_pair62 < 1u; kk_pair62 += 1u) {
+            #pragma unroll
+            for (unsigned chain63 = 0u; chain63 < 2u; chain63 += 1u) {
+                const unsigned kk59 = (kk_pair62 * 2u) + chain63;
+                #pragma unroll
+                for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
+                    ldmatrix_x1(&b_raw58[0u], kv_latent + (stage * 4224u) + (((n_first54 + (nj61 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first55 + kk59) * 4u));
+                    b_frag57[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw58[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 8u) & 255u))));
+                    b_frag57[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi60 = 0u; mi60 < 2u; mi60 += 1u) {
+                        a_frag56[0u] = q_tile_a1[((mi60 * 2u) + kk59) * 4u];
+                        a_frag56[1u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 1u];
+                        a_frag56[2u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 2u];
+                        a_frag56[3u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain63 * 16u) + (((mi60 * 2u) + nj61) * 4u)], &a_frag56[0u], &b_frag57[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e65 = 0u; e65 < 16u; e65 += 1u) {
+            scores_term[e65] = scores_term[e65] + scores_term[16u + e65];
+        }
+        #pragma unroll
+        for (unsigned frag66 = 0u; frag66 < 4u; frag66 += 1u) {
+            #pragma unroll
+            for (unsigned e67 = 0u; e67 < 4u; e67 += 1u) {
+                const float row_scale68 = kv_scales[((stage * 128u) + (((n_first54 + ((frag66 % 2u) * 8u)) + ((lane_quad * 2u) + (e67 & 1u))) * 4u)) + 1u];
+                scores_part[(frag66 * 4u) + e67] = fmaf(scores_term[(frag66 * 4u) + e67], row_scale68, scores_part[(frag66 * 4u) + e67]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e69 = 0u; e69 < 16u; e69 += 1u) {
+            scores_term[e69] = 0.0f;
+        }
+        const unsigned n_first70 = (warp / 4u) * 16u;
+        const unsigned k_first71 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e80 = 0u; e80 < 16u; e80 += 1u) {
+            scores_term[16u + e80] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair78 = 0u; kk_pair78 < 1u; kk_pair78 += 1u) {
+            #pragma unroll
+            for (unsigned chain79 = 0u; chain79 < 2u; chain79 += 1u) {
+                const unsigned kk75 = (kk_pair78 * 2u) + chain79;
+                #pragma unroll
+                for (unsigned nj77 = 0u; nj77 < 2u; nj77 += 1u) {
+                    ldmatrix_x1(&b_raw74[0u], kv_latent + (stage * 4224u) + (((n_first70 + (nj77 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first71 + kk75) * 4u));
+                    b_frag73[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw74[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 8u) & 255u))));
+                    b_frag73[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi76 = 0u; mi76 < 2u; mi76 += 1u) {
+                        a_frag72[0u] = q_tile_a2[((mi76 * 2u) + kk75) * 4u];
+                        a_frag72[1u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 1u];
+                        a_frag72[2u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 2u];
+                        a_frag72[3u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain79 * 16u) + (((mi76 * 2u) + nj77) * 4u)], &a_frag72[0u], &b_frag73[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e81 = 0u; e81 < 16u; e81 += 1u) {
+            scores_term[e81] = scores_term[e81] + scores_term[16u + e81];
+        }
+        #pragma unroll
+        for (unsigned frag82 = 0u; frag82 < 4u; frag82 += 1u) {
+            #pragma unroll
+            for (unsigned e83 = 0u; e83 < 4u; e83 += 1u) {
+                const float row_scale84 = kv_scales[((stage * 128u) + (((n_first70 + ((frag82 % 2u) * 8u)) + ((lane_quad * 2u) + (e83 & 1u))) * 4u)) + 2u];
+                scores_part[(frag82 * 4u) + e83] = fmaf(scores_term[(frag82 * 4u) + e83], row_scale84, scores_part[(frag82 * 4u) + e83]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e85 = 0u; e85 < 16u; e85 += 1u) {
+            scores_term[e85] = 0.0f;
+        }
+        const unsigned n_first86 = (warp / 4u) * 16u;
+        const unsigned k_first87 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e96 = 0u; e96 < 16u; e96 += 1u) {
+            scores_term[16u + e96] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair94 = 0u; kk_pair94 < 1u; kk_pair94 += 1u) {
+            #pragma unroll
+            for (unsigned chain95 = 0u; chain95 < 2u; chain95 += 1u) {
+                const unsigned kk91 = (kk_pair94 * 2u) + chain95;
+                #pragma unroll
+                for (unsigned nj93 = 0u; nj93 < 2u; nj93 += 1u) {
+                    ldmatrix_x1(&b_raw90[0u], kv_latent + (stage * 4224u) + (((n_first86 + (nj93 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first87 + kk91) * 4u));
+                    b_frag89[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw90[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 8u) & 255u))));
+                    b_frag89[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi92 = 0u; mi92 < 2u; mi92 += 1u) {
+                        a_frag88[0u] = q_tile_a3[((mi92 * 2u) + kk91) * 4u];
+                        a_frag88[1u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 1u];
+                        a_frag88[2u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 2u];
+                        a_frag88[3u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain95 * 16u) + (((mi92 * 2u) + nj93) * 4u)], &a_frag88[0u], &b_frag89[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e97 = 0u; e97 < 16u; e97 += 1u) {
+            scores_term[e97] = scores_term[e97] + scores_term[16u + e97];
+        }
+        #pragma unroll
+        for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
+            #pragma unroll
+            for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
+                const float row_scale100 = kv_scales[((stage * 128u) + (((n_first86 + ((frag98 % 2u) * 8u)) + ((lane_quad * 2u) + (e99 & 1u))) * 4u)) + 3u];
+                scores_part[(frag98 * 4u) + e99] = fmaf(scores_term[(frag98 * 4u) + e99], row_scale100, scores_part[(frag98 * 4u) + e99]);
+            }
+        }
+        const unsigned n_first101 = (warp / 4u) * 16u;
+        const unsigned k_first102 = warp % 4u;
+        #pragma unroll
+        for (unsigned kk106 = 0u; kk106 < 1u; kk106 += 1u) {
+            #pragma unroll
+            for (unsigned nj108 = 0u; nj108 < 2u; nj108 += 1u) {
+                ldmatrix_x2(&b_frag104[0u], kv_rope + (stage * 1152u) + (((n_first101 + (nj108 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first102 + kk106) * 8u) + (lane_k8 >> 1u));
+                #pragma unroll
+                for (unsigned mi107 = 0u; mi107 < 2u; mi107 += 1u) {
+                    a_frag103[0u] = q_tile_a4[(mi107 + kk106) * 4u];
+                    a_frag103[1u] = q_tile_a4[((mi107 + kk106) * 4u) + 1u];
+                    a_frag103[2u] = q_tile_a4[((mi107 + kk106) * 4u) + 2u];
+                    a_frag103[3u] = q_tile_a4[((mi107 + kk106) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi107 * 2u) + nj108) * 4u], &a_frag103[0u], &b_frag104[0u]);
+                }
+            }
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag111 = 0u; frag111 < 4u; frag111 += 1u) {
+            #pragma unroll
+            for (unsigned half112 = 0u; half112 < 2u; half112 += 1u) {
+                #pragma unroll
+                for (unsigned e113 = 0u; e113 < 2u; e113 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag111 / 2u) * 16u) + (half112 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag111 % 2u) * 8u)) + ((lane_quad * 2u) + e113))] = scores_part[((frag111 * 4u) + (half112 * 2u)) + e113];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 2 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 2u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -654,11 +863,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned load_stage35 = ahead % 3u;
                 #pragma unroll
                 for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                    const unsigned gather_row37 = lane + (slot36 * 32u);
+                    const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
                     if (gather_row37 < 32u) {
-                        const int src_i3238 = kv_latent_src[slot36];
-                        const int src_i3239 = kv_scales_src[slot36];
-                        const int src_i3240 = kv_rope_src[slot36];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row37;
+                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const unsigned row_2 = gather_row37;
+                        const int src_i3239 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot36] >= 0)) && (((unsigned)kv_scales_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot36]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row37;
+                        const int src_i3240 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot36] >= 0)) && (((unsigned)kv_rope_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot36]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         row_valid[(load_stage35 * 36u) + gather_row37] = (src_i3238 >= 0) ? 1.0f : 0.0f;
                         if (src_i3238 >= 0) {
                             copy_async(kv_latent + (load_stage35 * 4224u) + (gather_row37 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3238), 512u, ring_barriers + (load_stage35 * 2u));
@@ -676,239 +889,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot41 = 0u; slot41 < 1u; slot41 += 1u) {
-                        const unsigned gather_row42 = lane + (slot41 * 32u);
+                        const unsigned gather_row42 = ((warp - 4u) + (lane * 4u)) + (slot41 * 128u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_src[slot41] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_latent_src[slot41] = -1;
+                            kv_latent_pre[slot41] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot43 = 0u; slot43 < 1u; slot43 += 1u) {
-                        const unsigned gather_row44 = lane + (slot43 * 32u);
+                        const unsigned gather_row44 = ((warp - 4u) + (lane * 4u)) + (slot43 * 128u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_src[slot43] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        } else {
-                            kv_scales_src[slot43] = -1;
+                            kv_scales_pre[slot43] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                        const unsigned gather_row46 = lane + (slot45 * 32u);
+                        const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_src[slot45] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        } else {
-                            kv_rope_src[slot45] = -1;
+                            kv_rope_pre[slot45] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 3u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 3u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i47 = 0u; fill_i47 < 16u; fill_i47 += 1u) {
-            scores[fill_i47] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 16u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e48 = 0u; e48 < 16u; e48 += 1u) {
-            scores_term[e48] = 0.0f;
-        }
-        const unsigned n_first = (warp / 4u) * 16u;
-        const unsigned k_first = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 2u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+            for (unsigned frag114 = 0u; frag114 < 2u; frag114 += 1u) {
                 #pragma unroll
-                for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi49 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 4u; frag += 1u) {
-            #pragma unroll
-            for (unsigned e50 = 0u; e50 < 4u; e50 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e50 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e50] = fmaf(scores_term[(frag * 4u) + e50], row_scale, scores_part[(frag * 4u) + e50]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
-            scores_term[e51] = 0.0f;
-        }
-        const unsigned n_first52 = (warp / 4u) * 16u;
-        const unsigned k_first53 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk57 = 0u; kk57 < 2u; kk57 += 1u) {
-            #pragma unroll
-            for (unsigned nj59 = 0u; nj59 < 2u; nj59 += 1u) {
-                ldmatrix_x1(&b_raw56[0u], kv_latent + (stage * 4224u) + (((n_first52 + (nj59 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first53 + kk57) * 4u));
-                b_frag55[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw56[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 8u) & 255u))));
-                b_frag55[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw56[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi58 = 0u; mi58 < 2u; mi58 += 1u) {
-                    a_frag54[0u] = q_tile_a1[((mi58 * 2u) + kk57) * 4u];
-                    a_frag54[1u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 1u];
-                    a_frag54[2u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 2u];
-                    a_frag54[3u] = q_tile_a1[(((mi58 * 2u) + kk57) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi58 * 2u) + nj59) * 4u], &a_frag54[0u], &b_frag55[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag60 = 0u; frag60 < 4u; frag60 += 1u) {
-            #pragma unroll
-            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
-                const float row_scale62 = kv_scales[((stage * 128u) + (((n_first52 + ((frag60 % 2u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)) + 1u];
-                scores_part[(frag60 * 4u) + e61] = fmaf(scores_term[(frag60 * 4u) + e61], row_scale62, scores_part[(frag60 * 4u) + e61]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e63 = 0u; e63 < 16u; e63 += 1u) {
-            scores_term[e63] = 0.0f;
-        }
-        const unsigned n_first64 = (warp / 4u) * 16u;
-        const unsigned k_first65 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk69 = 0u; kk69 < 2u; kk69 += 1u) {
-            #pragma unroll
-            for (unsigned nj71 = 0u; nj71 < 2u; nj71 += 1u) {
-                ldmatrix_x1(&b_raw68[0u], kv_latent + (stage * 4224u) + (((n_first64 + (nj71 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first65 + kk69) * 4u));
-                b_frag67[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw68[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 8u) & 255u))));
-                b_frag67[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw68[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi70 = 0u; mi70 < 2u; mi70 += 1u) {
-                    a_frag66[0u] = q_tile_a2[((mi70 * 2u) + kk69) * 4u];
-                    a_frag66[1u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 1u];
-                    a_frag66[2u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 2u];
-                    a_frag66[3u] = q_tile_a2[(((mi70 * 2u) + kk69) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi70 * 2u) + nj71) * 4u], &a_frag66[0u], &b_frag67[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag72 = 0u; frag72 < 4u; frag72 += 1u) {
-            #pragma unroll
-            for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
-                const float row_scale74 = kv_scales[((stage * 128u) + (((n_first64 + ((frag72 % 2u) * 8u)) + ((lane_quad * 2u) + (e73 & 1u))) * 4u)) + 2u];
-                scores_part[(frag72 * 4u) + e73] = fmaf(scores_term[(frag72 * 4u) + e73], row_scale74, scores_part[(frag72 * 4u) + e73]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e75 = 0u; e75 < 16u; e75 += 1u) {
-            scores_term[e75] = 0.0f;
-        }
-        const unsigned n_first76 = (warp / 4u) * 16u;
-        const unsigned k_first77 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned kk81 = 0u; kk81 < 2u; kk81 += 1u) {
-            #pragma unroll
-            for (unsigned nj83 = 0u; nj83 < 2u; nj83 += 1u) {
-                ldmatrix_x1(&b_raw80[0u], kv_latent + (stage * 4224u) + (((n_first76 + (nj83 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first77 + kk81) * 4u));
-                b_frag79[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw80[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 8u) & 255u))));
-                b_frag79[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw80[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi82 = 0u; mi82 < 2u; mi82 += 1u) {
-                    a_frag78[0u] = q_tile_a3[((mi82 * 2u) + kk81) * 4u];
-                    a_frag78[1u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 1u];
-                    a_frag78[2u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 2u];
-                    a_frag78[3u] = q_tile_a3[(((mi82 * 2u) + kk81) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[((mi82 * 2u) + nj83) * 4u], &a_frag78[0u], &b_frag79[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag84 = 0u; frag84 < 4u; frag84 += 1u) {
-            #pragma unroll
-            for (unsigned e85 = 0u; e85 < 4u; e85 += 1u) {
-                const float row_scale86 = kv_scales[((stage * 128u) + (((n_first76 + ((frag84 % 2u) * 8u)) + ((lane_quad * 2u) + (e85 & 1u))) * 4u)) + 3u];
-                scores_part[(frag84 * 4u) + e85] = fmaf(scores_term[(frag84 * 4u) + e85], row_scale86, scores_part[(frag84 * 4u) + e85]);
-            }
-        }
-        const unsigned n_first87 = (warp / 4u) * 16u;
-        const unsigned k_first88 = warp % 4u;
-        #pragma unroll
-        for (unsigned kk92 = 0u; kk92 < 1u; kk92 += 1u) {
-            #pragma unroll
-            for (unsigned nj94 = 0u; nj94 < 2u; nj94 += 1u) {
-                ldmatrix_x2(&b_frag90[0u], kv_rope + (stage * 1152u) + (((n_first87 + (nj94 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first88 + kk92) * 8u) + (lane_k8 >> 1u));
-                #pragma unroll
-                for (unsigned mi93 = 0u; mi93 < 2u; mi93 += 1u) {
-                    a_frag89[0u] = q_tile_a4[(mi93 + kk92) * 4u];
-                    a_frag89[1u] = q_tile_a4[((mi93 + kk92) * 4u) + 1u];
-                    a_frag89[2u] = q_tile_a4[((mi93 + kk92) * 4u) + 2u];
-                    a_frag89[3u] = q_tile_a4[((mi93 + kk92) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi93 * 2u) + nj94) * 4u], &a_frag89[0u], &b_frag90[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag95 = 0u; frag95 < 4u; frag95 += 1u) {
-            #pragma unroll
-            for (unsigned half96 = 0u; half96 < 2u; half96 += 1u) {
-                #pragma unroll
-                for (unsigned e97 = 0u; e97 < 2u; e97 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag95 / 2u) * 16u) + (half96 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag95 % 2u) * 8u)) + ((lane_quad * 2u) + e97))] = scores_part[((frag95 * 4u) + (half96 * 2u)) + e97];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 2u) {
-            #pragma unroll
-            for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
-                #pragma unroll
-                for (unsigned half99 = 0u; half99 < 2u; half99 += 1u) {
+                for (unsigned half115 = 0u; half115 < 2u; half115 += 1u) {
                     #pragma unroll
-                    for (unsigned e100 = 0u; e100 < 2u; e100 += 1u) {
-                        float sum = scores[((frag98 * 4u) + (half99 * 2u)) + e100];
-                        const unsigned cell = (((scores_row0 + (half99 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag98 * 8u)) + ((lane_quad * 2u) + e100));
+                    for (unsigned e116 = 0u; e116 < 2u; e116 += 1u) {
+                        float sum = scores[((frag114 * 4u) + (half115 * 2u)) + e116];
+                        const unsigned cell = (((scores_row0 + (half115 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag114 * 8u)) + ((lane_quad * 2u) + e116));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag98 * 4u) + (half99 * 2u)) + e100] = sum;
+                        scores[((frag114 * 4u) + (half115 * 2u)) + e116] = sum;
                     }
                 }
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag101 = 0u; frag101 < 4u; frag101 += 1u) {
+            for (unsigned frag117 = 0u; frag117 < 2u; frag117 += 1u) {
                 #pragma unroll
-                for (unsigned half102 = 0u; half102 < 2u; half102 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag101 / 4u) * 16u)) + ((half102 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag101 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag101 * 4u) + (half102 * 2u)];
-                    float v1 = scores[((frag101 * 4u) + (half102 * 2u)) + 1u];
+                for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag117 / 2u) * 16u)) + ((half118 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
+                    float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag101 * 4u) + (half102 * 2u)] = v0;
-                    scores[((frag101 * 4u) + (half102 * 2u)) + 1u] = v1;
+                    scores[(frag117 * 4u) + (half118 * 2u)] = v0;
+                    scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -916,26 +952,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi103 = 0u; mi103 < 1u; mi103 += 1u) {
+            for (unsigned mi119 = 0u; mi119 < 1u; mi119 += 1u) {
                 #pragma unroll
-                for (unsigned half104 = 0u; half104 < 2u; half104 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi103 * 4u) * 4u) + (half104 * 2u)], scores[((mi103 * 4u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 1u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 1u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 2u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 2u) * 4u) + ((half104 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 3u) * 4u) + (half104 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi103 * 4u) + 3u) * 4u) + ((half104 * 2u) + 1u)]);
+                for (unsigned half120 = 0u; half120 < 2u; half120 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi119 * 2u) * 4u) + (half120 * 2u)], scores[((mi119 * 2u) * 4u) + ((half120 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + (half120 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + ((half120 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other105 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other105);
+                    const float other121 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other121);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi103 * 16u)) + ((half104 * 8u) + lane_group)) * 2u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi103 * 16u)) + ((half104 * 8u) + lane_group)) * 2u) + 1u] = row_max_reg[(mi103 * 2u) + half104];
+                            row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi119 * 2u) + half120];
                         }
                     }
                 }
@@ -944,95 +976,97 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         __syncthreads();
 
         // online softmax: new row max and rescale, in every thread that holds the row
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi108 = 0u; mi108 < 1u; mi108 += 1u) {
+            for (unsigned mi124 = 0u; mi124 < 1u; mi124 += 1u) {
                 #pragma unroll
-                for (unsigned half109 = 0u; half109 < 2u; half109 += 1u) {
-                    const float m_old106 = row_max_reg[(mi108 * 2u) + half109];
-                    float m_new107 = m_old106;
-                    m_new107 = fmaxf(m_new107, row_exchange[((scores_row0 + (mi108 * 16u)) + ((half109 * 8u) + lane_group)) * 2u]);
-                    row_alpha[(mi108 * 2u) + half109] = expf(m_old106 - m_new107);
-                    row_max_reg[(mi108 * 2u) + half109] = m_new107;
+                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
+                    const float m_old122 = row_max_reg[(mi124 * 2u) + half125];
+                    float m_new123 = m_old122;
+                    m_new123 = fmaxf(m_new123, row_exchange[((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u]);
+                    m_new123 = fmaxf(m_new123, row_exchange[(((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi124 * 2u) + half125] = expf(m_old122 - m_new123);
+                    row_max_reg[(mi124 * 2u) + half125] = m_new123;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi112 = 0u; mi112 < 2u; mi112 += 1u) {
+        for (unsigned mi128 = 0u; mi128 < 2u; mi128 += 1u) {
             #pragma unroll
-            for (unsigned half113 = 0u; half113 < 2u; half113 += 1u) {
-                const float m_old110 = row_exchange[(((mi112 * 16u) + ((half113 * 8u) + lane_group)) * 2u) + 1u];
-                float m_new111 = m_old110;
-                m_new111 = fmaxf(m_new111, row_exchange[((mi112 * 16u) + ((half113 * 8u) + lane_group)) * 2u]);
-                row_alpha32[(mi112 * 2u) + half113] = expf(m_old110 - m_new111);
+            for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
+                const float m_old126 = row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new127 = m_old126;
+                m_new127 = fmaxf(m_new127, row_exchange[((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u]);
+                m_new127 = fmaxf(m_new127, row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha32[(mi128 * 2u) + half129] = expf(m_old126 - m_new127);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi116 = 0u; mi116 < 1u; mi116 += 1u) {
+            for (unsigned mi132 = 0u; mi132 < 1u; mi132 += 1u) {
                 #pragma unroll
-                for (unsigned half117 = 0u; half117 < 2u; half117 += 1u) {
+                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj114 = 0u; nj114 < 4u; nj114 += 1u) {
+                    for (unsigned nj130 = 0u; nj130 < 2u; nj130 += 1u) {
                         #pragma unroll
-                        for (unsigned e115 = 0u; e115 < 2u; e115 += 1u) {
-                            const unsigned at = (((mi116 * 4u) + nj114) * 4u) + ((half117 * 2u) + e115);
-                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi116 * 2u) + half117]);
+                        for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
+                            const unsigned at = (((mi132 * 2u) + nj130) * 4u) + ((half133 * 2u) + e131);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi132 * 2u) + half133]);
                             scores[at] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi116 * 2u) + half117] = (row_sum_part[(mi116 * 2u) + half117] * row_alpha[(mi116 * 2u) + half117]) + p_sum;
+                    row_sum_part[(mi132 * 2u) + half133] = (row_sum_part[(mi132 * 2u) + half133] * row_alpha[(mi132 * 2u) + half133]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag118 = 0u; frag118 < 4u; frag118 += 1u) {
+        for (unsigned frag134 = 0u; frag134 < 4u; frag134 += 1u) {
             #pragma unroll
-            for (unsigned half119 = 0u; half119 < 2u; half119 += 1u) {
-                const float alpha120 = row_alpha32[((frag118 / 2u) * 2u) + half119];
-                o_acc[(frag118 * 4u) + (half119 * 2u)] = o_acc[(frag118 * 4u) + (half119 * 2u)] * alpha120;
-                o_acc[((frag118 * 4u) + (half119 * 2u)) + 1u] = o_acc[((frag118 * 4u) + (half119 * 2u)) + 1u] * alpha120;
+            for (unsigned half135 = 0u; half135 < 2u; half135 += 1u) {
+                const float alpha136 = row_alpha32[((frag134 / 2u) * 2u) + half135];
+                o_acc[(frag134 * 4u) + (half135 * 2u)] = o_acc[(frag134 * 4u) + (half135 * 2u)] * alpha136;
+                o_acc[((frag134 * 4u) + (half135 * 2u)) + 1u] = o_acc[((frag134 * 4u) + (half135 * 2u)) + 1u] * alpha136;
             }
         }
         #pragma unroll
-        for (unsigned frag121 = 0u; frag121 < 4u; frag121 += 1u) {
+        for (unsigned frag137 = 0u; frag137 < 4u; frag137 += 1u) {
             #pragma unroll
-            for (unsigned half122 = 0u; half122 < 2u; half122 += 1u) {
-                const float alpha123 = row_alpha32[((frag121 / 2u) * 2u) + half122];
-                o_acc_1[(frag121 * 4u) + (half122 * 2u)] = o_acc_1[(frag121 * 4u) + (half122 * 2u)] * alpha123;
-                o_acc_1[((frag121 * 4u) + (half122 * 2u)) + 1u] = o_acc_1[((frag121 * 4u) + (half122 * 2u)) + 1u] * alpha123;
+            for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
+                const float alpha139 = row_alpha32[((frag137 / 2u) * 2u) + half138];
+                o_acc_1[(frag137 * 4u) + (half138 * 2u)] = o_acc_1[(frag137 * 4u) + (half138 * 2u)] * alpha139;
+                o_acc_1[((frag137 * 4u) + (half138 * 2u)) + 1u] = o_acc_1[((frag137 * 4u) + (half138 * 2u)) + 1u] * alpha139;
             }
         }
         #pragma unroll
-        for (unsigned frag124 = 0u; frag124 < 4u; frag124 += 1u) {
+        for (unsigned frag140 = 0u; frag140 < 4u; frag140 += 1u) {
             #pragma unroll
-            for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
-                const float alpha126 = row_alpha32[((frag124 / 2u) * 2u) + half125];
-                o_acc_2[(frag124 * 4u) + (half125 * 2u)] = o_acc_2[(frag124 * 4u) + (half125 * 2u)] * alpha126;
-                o_acc_2[((frag124 * 4u) + (half125 * 2u)) + 1u] = o_acc_2[((frag124 * 4u) + (half125 * 2u)) + 1u] * alpha126;
+            for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
+                const float alpha142 = row_alpha32[((frag140 / 2u) * 2u) + half141];
+                o_acc_2[(frag140 * 4u) + (half141 * 2u)] = o_acc_2[(frag140 * 4u) + (half141 * 2u)] * alpha142;
+                o_acc_2[((frag140 * 4u) + (half141 * 2u)) + 1u] = o_acc_2[((frag140 * 4u) + (half141 * 2u)) + 1u] * alpha142;
             }
         }
         #pragma unroll
-        for (unsigned frag127 = 0u; frag127 < 4u; frag127 += 1u) {
+        for (unsigned frag143 = 0u; frag143 < 4u; frag143 += 1u) {
             #pragma unroll
-            for (unsigned half128 = 0u; half128 < 2u; half128 += 1u) {
-                const float alpha129 = row_alpha32[((frag127 / 2u) * 2u) + half128];
-                o_acc_3[(frag127 * 4u) + (half128 * 2u)] = o_acc_3[(frag127 * 4u) + (half128 * 2u)] * alpha129;
-                o_acc_3[((frag127 * 4u) + (half128 * 2u)) + 1u] = o_acc_3[((frag127 * 4u) + (half128 * 2u)) + 1u] * alpha129;
+            for (unsigned half144 = 0u; half144 < 2u; half144 += 1u) {
+                const float alpha145 = row_alpha32[((frag143 / 2u) * 2u) + half144];
+                o_acc_3[(frag143 * 4u) + (half144 * 2u)] = o_acc_3[(frag143 * 4u) + (half144 * 2u)] * alpha145;
+                o_acc_3[((frag143 * 4u) + (half144 * 2u)) + 1u] = o_acc_3[((frag143 * 4u) + (half144 * 2u)) + 1u] * alpha145;
             }
         }
-        if (warp < 2u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag132 = 0u; frag132 < 4u; frag132 += 1u) {
+            for (unsigned frag148 = 0u; frag148 < 2u; frag148 += 1u) {
                 #pragma unroll
-                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
-                    const unsigned row130 = (scores_row0 + ((frag132 / 4u) * 16u)) + ((half133 * 8u) + lane_group);
-                    const unsigned col131 = (scores_col0 + ((frag132 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row130 * 20u) + (col131 >> 1u)] = pack_bf16x2(scores[(frag132 * 4u) + (half133 * 2u)], scores[((frag132 * 4u) + (half133 * 2u)) + 1u]);
+                for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
+                    const unsigned row146 = (scores_row0 + ((frag148 / 2u) * 16u)) + ((half149 * 8u) + lane_group);
+                    const unsigned col147 = (scores_col0 + ((frag148 % 2u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row146 * 20u) + (col147 >> 1u)] = pack_bf16x2(scores[(frag148 * 4u) + (half149 * 2u)], scores[((frag148 * 4u) + (half149 * 2u)) + 1u]);
                 }
             }
         }
@@ -1041,161 +1075,161 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk137 = 0u; kk137 < 2u; kk137 += 1u) {
+        for (unsigned kk153 = 0u; kk153 < 2u; kk153 += 1u) {
             #pragma unroll
-            for (unsigned mi138 = 0u; mi138 < 2u; mi138 += 1u) {
-                ldmatrix_x4(&a_frag134[mi138 * 4u], p_tile + a_lane_word + (mi138 * 320u) + (kk137 * 8u));
+            for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
+                ldmatrix_x4(&a_frag150[mi154 * 4u], p_tile + a_lane_word + (mi154 * 320u) + (kk153 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk137 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale139 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale140 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale141 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag134[0u] = pack_bf16x2(__uint_as_float(a_frag134[0u] << 16u) * k_scale, __uint_as_float(a_frag134[0u] & 4294901760u) * k_scale139);
-            a_frag134[1u] = pack_bf16x2(__uint_as_float(a_frag134[1u] << 16u) * k_scale, __uint_as_float(a_frag134[1u] & 4294901760u) * k_scale139);
-            a_frag134[2u] = pack_bf16x2(__uint_as_float(a_frag134[2u] << 16u) * k_scale140, __uint_as_float(a_frag134[2u] & 4294901760u) * k_scale141);
-            a_frag134[3u] = pack_bf16x2(__uint_as_float(a_frag134[3u] << 16u) * k_scale140, __uint_as_float(a_frag134[3u] & 4294901760u) * k_scale141);
-            const float k_scale142 = kv_scales[(stage * 128u) + (((kk137 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale143 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale144 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale145 = kv_scales[(stage * 128u) + ((((kk137 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag134[4u] = pack_bf16x2(__uint_as_float(a_frag134[4u] << 16u) * k_scale142, __uint_as_float(a_frag134[4u] & 4294901760u) * k_scale143);
-            a_frag134[5u] = pack_bf16x2(__uint_as_float(a_frag134[5u] << 16u) * k_scale142, __uint_as_float(a_frag134[5u] & 4294901760u) * k_scale143);
-            a_frag134[6u] = pack_bf16x2(__uint_as_float(a_frag134[6u] << 16u) * k_scale144, __uint_as_float(a_frag134[6u] & 4294901760u) * k_scale145);
-            a_frag134[7u] = pack_bf16x2(__uint_as_float(a_frag134[7u] << 16u) * k_scale144, __uint_as_float(a_frag134[7u] & 4294901760u) * k_scale145);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk153 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale155 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale156 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale157 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag150[0u] = pack_bf16x2(__uint_as_float(a_frag150[0u] << 16u) * k_scale, __uint_as_float(a_frag150[0u] & 4294901760u) * k_scale155);
+            a_frag150[1u] = pack_bf16x2(__uint_as_float(a_frag150[1u] << 16u) * k_scale, __uint_as_float(a_frag150[1u] & 4294901760u) * k_scale155);
+            a_frag150[2u] = pack_bf16x2(__uint_as_float(a_frag150[2u] << 16u) * k_scale156, __uint_as_float(a_frag150[2u] & 4294901760u) * k_scale157);
+            a_frag150[3u] = pack_bf16x2(__uint_as_float(a_frag150[3u] << 16u) * k_scale156, __uint_as_float(a_frag150[3u] & 4294901760u) * k_scale157);
+            const float k_scale158 = kv_scales[(stage * 128u) + (((kk153 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale159 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale160 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale161 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag150[4u] = pack_bf16x2(__uint_as_float(a_frag150[4u] << 16u) * k_scale158, __uint_as_float(a_frag150[4u] & 4294901760u) * k_scale159);
+            a_frag150[5u] = pack_bf16x2(__uint_as_float(a_frag150[5u] << 16u) * k_scale158, __uint_as_float(a_frag150[5u] & 4294901760u) * k_scale159);
+            a_frag150[6u] = pack_bf16x2(__uint_as_float(a_frag150[6u] << 16u) * k_scale160, __uint_as_float(a_frag150[6u] & 4294901760u) * k_scale161);
+            a_frag150[7u] = pack_bf16x2(__uint_as_float(a_frag150[7u] << 16u) * k_scale160, __uint_as_float(a_frag150[7u] & 4294901760u) * k_scale161);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw136[0u], kv_latent + (stage * 4224u) + (((kk137 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag135[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw136[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw136[0u] >> 16u) & 255u))));
-                b_frag135[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw136[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw136[1u] >> 16u) & 255u))));
-                b_frag135[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw136[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw136[0u] >> 24u) & 255u))));
-                b_frag135[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw136[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw136[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw152[0u], kv_latent + (stage * 4224u) + (((kk153 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag151[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw152[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 16u) & 255u))));
+                b_frag151[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw152[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 16u) & 255u))));
+                b_frag151[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 24u) & 255u))));
+                b_frag151[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi138 = 0u; mi138 < 2u; mi138 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi138 * 2u) + (np * 2u)) * 4u], &a_frag134[mi138 * 4u], &b_frag135[0u]);
+                for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi154 * 2u) + (np * 2u)) * 4u], &a_frag150[mi154 * 4u], &b_frag151[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi138 = 0u; mi138 < 2u; mi138 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi138 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag134[mi138 * 4u], &b_frag135[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word152 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk149 = 0u; kk149 < 2u; kk149 += 1u) {
-            #pragma unroll
-            for (unsigned mi150 = 0u; mi150 < 2u; mi150 += 1u) {
-                ldmatrix_x4(&a_frag146[mi150 * 4u], p_tile + a_lane_word152 + (mi150 * 320u) + (kk149 * 8u));
-            }
-            const float k_scale153 = kv_scales[((stage * 128u) + (((kk149 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale154 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale155 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale156 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag146[0u] = pack_bf16x2(__uint_as_float(a_frag146[0u] << 16u) * k_scale153, __uint_as_float(a_frag146[0u] & 4294901760u) * k_scale154);
-            a_frag146[1u] = pack_bf16x2(__uint_as_float(a_frag146[1u] << 16u) * k_scale153, __uint_as_float(a_frag146[1u] & 4294901760u) * k_scale154);
-            a_frag146[2u] = pack_bf16x2(__uint_as_float(a_frag146[2u] << 16u) * k_scale155, __uint_as_float(a_frag146[2u] & 4294901760u) * k_scale156);
-            a_frag146[3u] = pack_bf16x2(__uint_as_float(a_frag146[3u] << 16u) * k_scale155, __uint_as_float(a_frag146[3u] & 4294901760u) * k_scale156);
-            const float k_scale157 = kv_scales[((stage * 128u) + (((kk149 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale158 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale159 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale160 = kv_scales[((stage * 128u) + ((((kk149 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag146[4u] = pack_bf16x2(__uint_as_float(a_frag146[4u] << 16u) * k_scale157, __uint_as_float(a_frag146[4u] & 4294901760u) * k_scale158);
-            a_frag146[5u] = pack_bf16x2(__uint_as_float(a_frag146[5u] << 16u) * k_scale157, __uint_as_float(a_frag146[5u] & 4294901760u) * k_scale158);
-            a_frag146[6u] = pack_bf16x2(__uint_as_float(a_frag146[6u] << 16u) * k_scale159, __uint_as_float(a_frag146[6u] & 4294901760u) * k_scale160);
-            a_frag146[7u] = pack_bf16x2(__uint_as_float(a_frag146[7u] << 16u) * k_scale159, __uint_as_float(a_frag146[7u] & 4294901760u) * k_scale160);
-            #pragma unroll
-            for (unsigned np151 = 0u; np151 < 1u; np151 += 1u) {
-                ldmatrix_x2_trans(&b_raw148[0u], kv_latent + (stage * 4224u) + (((kk149 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np151 * 16u)) >> 2u));
-                b_frag147[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw148[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw148[0u] >> 16u) & 255u))));
-                b_frag147[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw148[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw148[1u] >> 16u) & 255u))));
-                b_frag147[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw148[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw148[0u] >> 24u) & 255u))));
-                b_frag147[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw148[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw148[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi150 = 0u; mi150 < 2u; mi150 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi150 * 2u) + (np151 * 2u)) * 4u], &a_frag146[mi150 * 4u], &b_frag147[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi150 = 0u; mi150 < 2u; mi150 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi150 * 2u) + ((np151 * 2u) + 1u)) * 4u], &a_frag146[mi150 * 4u], &b_frag147[2u]);
+                for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi154 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag150[mi154 * 4u], &b_frag151[2u]);
                 }
             }
         }
-        const unsigned a_lane_word167 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word168 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk164 = 0u; kk164 < 2u; kk164 += 1u) {
+        for (unsigned kk165 = 0u; kk165 < 2u; kk165 += 1u) {
             #pragma unroll
-            for (unsigned mi165 = 0u; mi165 < 2u; mi165 += 1u) {
-                ldmatrix_x4(&a_frag161[mi165 * 4u], p_tile + a_lane_word167 + (mi165 * 320u) + (kk164 * 8u));
+            for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
+                ldmatrix_x4(&a_frag162[mi166 * 4u], p_tile + a_lane_word168 + (mi166 * 320u) + (kk165 * 8u));
             }
-            const float k_scale168 = kv_scales[((stage * 128u) + (((kk164 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale169 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale170 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag161[0u] = pack_bf16x2(__uint_as_float(a_frag161[0u] << 16u) * k_scale168, __uint_as_float(a_frag161[0u] & 4294901760u) * k_scale169);
-            a_frag161[1u] = pack_bf16x2(__uint_as_float(a_frag161[1u] << 16u) * k_scale168, __uint_as_float(a_frag161[1u] & 4294901760u) * k_scale169);
-            a_frag161[2u] = pack_bf16x2(__uint_as_float(a_frag161[2u] << 16u) * k_scale170, __uint_as_float(a_frag161[2u] & 4294901760u) * k_scale171);
-            a_frag161[3u] = pack_bf16x2(__uint_as_float(a_frag161[3u] << 16u) * k_scale170, __uint_as_float(a_frag161[3u] & 4294901760u) * k_scale171);
-            const float k_scale172 = kv_scales[((stage * 128u) + (((kk164 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale173 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk164 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag161[4u] = pack_bf16x2(__uint_as_float(a_frag161[4u] << 16u) * k_scale172, __uint_as_float(a_frag161[4u] & 4294901760u) * k_scale173);
-            a_frag161[5u] = pack_bf16x2(__uint_as_float(a_frag161[5u] << 16u) * k_scale172, __uint_as_float(a_frag161[5u] & 4294901760u) * k_scale173);
-            a_frag161[6u] = pack_bf16x2(__uint_as_float(a_frag161[6u] << 16u) * k_scale174, __uint_as_float(a_frag161[6u] & 4294901760u) * k_scale175);
-            a_frag161[7u] = pack_bf16x2(__uint_as_float(a_frag161[7u] << 16u) * k_scale174, __uint_as_float(a_frag161[7u] & 4294901760u) * k_scale175);
+            const float k_scale169 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale170 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale172 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag162[0u] = pack_bf16x2(__uint_as_float(a_frag162[0u] << 16u) * k_scale169, __uint_as_float(a_frag162[0u] & 4294901760u) * k_scale170);
+            a_frag162[1u] = pack_bf16x2(__uint_as_float(a_frag162[1u] << 16u) * k_scale169, __uint_as_float(a_frag162[1u] & 4294901760u) * k_scale170);
+            a_frag162[2u] = pack_bf16x2(__uint_as_float(a_frag162[2u] << 16u) * k_scale171, __uint_as_float(a_frag162[2u] & 4294901760u) * k_scale172);
+            a_frag162[3u] = pack_bf16x2(__uint_as_float(a_frag162[3u] << 16u) * k_scale171, __uint_as_float(a_frag162[3u] & 4294901760u) * k_scale172);
+            const float k_scale173 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag162[4u] = pack_bf16x2(__uint_as_float(a_frag162[4u] << 16u) * k_scale173, __uint_as_float(a_frag162[4u] & 4294901760u) * k_scale174);
+            a_frag162[5u] = pack_bf16x2(__uint_as_float(a_frag162[5u] << 16u) * k_scale173, __uint_as_float(a_frag162[5u] & 4294901760u) * k_scale174);
+            a_frag162[6u] = pack_bf16x2(__uint_as_float(a_frag162[6u] << 16u) * k_scale175, __uint_as_float(a_frag162[6u] & 4294901760u) * k_scale176);
+            a_frag162[7u] = pack_bf16x2(__uint_as_float(a_frag162[7u] << 16u) * k_scale175, __uint_as_float(a_frag162[7u] & 4294901760u) * k_scale176);
             #pragma unroll
-            for (unsigned np166 = 0u; np166 < 1u; np166 += 1u) {
-                ldmatrix_x2_trans(&b_raw163[0u], kv_latent + (stage * 4224u) + (((kk164 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np166 * 16u)) >> 2u));
-                b_frag162[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw163[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw163[0u] >> 16u) & 255u))));
-                b_frag162[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw163[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw163[1u] >> 16u) & 255u))));
-                b_frag162[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw163[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw163[0u] >> 24u) & 255u))));
-                b_frag162[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw163[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw163[1u] >> 24u) & 255u))));
+            for (unsigned np167 = 0u; np167 < 1u; np167 += 1u) {
+                ldmatrix_x2_trans(&b_raw164[0u], kv_latent + (stage * 4224u) + (((kk165 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np167 * 16u)) >> 2u));
+                b_frag163[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 16u) & 255u))));
+                b_frag163[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 16u) & 255u))));
+                b_frag163[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 24u) & 255u))));
+                b_frag163[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi165 = 0u; mi165 < 2u; mi165 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi165 * 2u) + (np166 * 2u)) * 4u], &a_frag161[mi165 * 4u], &b_frag162[0u]);
+                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi166 * 2u) + (np167 * 2u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi165 = 0u; mi165 < 2u; mi165 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi165 * 2u) + ((np166 * 2u) + 1u)) * 4u], &a_frag161[mi165 * 4u], &b_frag162[2u]);
+                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi166 * 2u) + ((np167 * 2u) + 1u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[2u]);
                 }
             }
         }
-        const unsigned a_lane_word182 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word183 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk179 = 0u; kk179 < 2u; kk179 += 1u) {
+        for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
             #pragma unroll
-            for (unsigned mi180 = 0u; mi180 < 2u; mi180 += 1u) {
-                ldmatrix_x4(&a_frag176[mi180 * 4u], p_tile + a_lane_word182 + (mi180 * 320u) + (kk179 * 8u));
+            for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
+                ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
             }
-            const float k_scale183 = kv_scales[((stage * 128u) + (((kk179 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag176[0u] = pack_bf16x2(__uint_as_float(a_frag176[0u] << 16u) * k_scale183, __uint_as_float(a_frag176[0u] & 4294901760u) * k_scale184);
-            a_frag176[1u] = pack_bf16x2(__uint_as_float(a_frag176[1u] << 16u) * k_scale183, __uint_as_float(a_frag176[1u] & 4294901760u) * k_scale184);
-            a_frag176[2u] = pack_bf16x2(__uint_as_float(a_frag176[2u] << 16u) * k_scale185, __uint_as_float(a_frag176[2u] & 4294901760u) * k_scale186);
-            a_frag176[3u] = pack_bf16x2(__uint_as_float(a_frag176[3u] << 16u) * k_scale185, __uint_as_float(a_frag176[3u] & 4294901760u) * k_scale186);
-            const float k_scale187 = kv_scales[((stage * 128u) + (((kk179 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale188 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale189 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag176[4u] = pack_bf16x2(__uint_as_float(a_frag176[4u] << 16u) * k_scale187, __uint_as_float(a_frag176[4u] & 4294901760u) * k_scale188);
-            a_frag176[5u] = pack_bf16x2(__uint_as_float(a_frag176[5u] << 16u) * k_scale187, __uint_as_float(a_frag176[5u] & 4294901760u) * k_scale188);
-            a_frag176[6u] = pack_bf16x2(__uint_as_float(a_frag176[6u] << 16u) * k_scale189, __uint_as_float(a_frag176[6u] & 4294901760u) * k_scale190);
-            a_frag176[7u] = pack_bf16x2(__uint_as_float(a_frag176[7u] << 16u) * k_scale189, __uint_as_float(a_frag176[7u] & 4294901760u) * k_scale190);
+            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
+            a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
+            a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
+            a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
+            const float k_scale188 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale189 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale191 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag177[4u] = pack_bf16x2(__uint_as_float(a_frag177[4u] << 16u) * k_scale188, __uint_as_float(a_frag177[4u] & 4294901760u) * k_scale189);
+            a_frag177[5u] = pack_bf16x2(__uint_as_float(a_frag177[5u] << 16u) * k_scale188, __uint_as_float(a_frag177[5u] & 4294901760u) * k_scale189);
+            a_frag177[6u] = pack_bf16x2(__uint_as_float(a_frag177[6u] << 16u) * k_scale190, __uint_as_float(a_frag177[6u] & 4294901760u) * k_scale191);
+            a_frag177[7u] = pack_bf16x2(__uint_as_float(a_frag177[7u] << 16u) * k_scale190, __uint_as_float(a_frag177[7u] & 4294901760u) * k_scale191);
             #pragma unroll
-            for (unsigned np181 = 0u; np181 < 1u; np181 += 1u) {
-                ldmatrix_x2_trans(&b_raw178[0u], kv_latent + (stage * 4224u) + (((kk179 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np181 * 16u)) >> 2u));
-                b_frag177[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 16u) & 255u))));
-                b_frag177[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 16u) & 255u))));
-                b_frag177[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 24u) & 255u))));
-                b_frag177[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 24u) & 255u))));
+            for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
+                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np182 * 16u)) >> 2u));
+                b_frag178[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 16u) & 255u))));
+                b_frag178[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 16u) & 255u))));
+                b_frag178[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 24u) & 255u))));
+                b_frag178[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi180 = 0u; mi180 < 2u; mi180 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi180 * 2u) + (np181 * 2u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[0u]);
+                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi180 = 0u; mi180 < 2u; mi180 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi180 * 2u) + ((np181 * 2u) + 1u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[2u]);
+                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word198 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk195 = 0u; kk195 < 2u; kk195 += 1u) {
+            #pragma unroll
+            for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
+                ldmatrix_x4(&a_frag192[mi196 * 4u], p_tile + a_lane_word198 + (mi196 * 320u) + (kk195 * 8u));
+            }
+            const float k_scale199 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag192[0u] = pack_bf16x2(__uint_as_float(a_frag192[0u] << 16u) * k_scale199, __uint_as_float(a_frag192[0u] & 4294901760u) * k_scale200);
+            a_frag192[1u] = pack_bf16x2(__uint_as_float(a_frag192[1u] << 16u) * k_scale199, __uint_as_float(a_frag192[1u] & 4294901760u) * k_scale200);
+            a_frag192[2u] = pack_bf16x2(__uint_as_float(a_frag192[2u] << 16u) * k_scale201, __uint_as_float(a_frag192[2u] & 4294901760u) * k_scale202);
+            a_frag192[3u] = pack_bf16x2(__uint_as_float(a_frag192[3u] << 16u) * k_scale201, __uint_as_float(a_frag192[3u] & 4294901760u) * k_scale202);
+            const float k_scale203 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale204 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag192[4u] = pack_bf16x2(__uint_as_float(a_frag192[4u] << 16u) * k_scale203, __uint_as_float(a_frag192[4u] & 4294901760u) * k_scale204);
+            a_frag192[5u] = pack_bf16x2(__uint_as_float(a_frag192[5u] << 16u) * k_scale203, __uint_as_float(a_frag192[5u] & 4294901760u) * k_scale204);
+            a_frag192[6u] = pack_bf16x2(__uint_as_float(a_frag192[6u] << 16u) * k_scale205, __uint_as_float(a_frag192[6u] & 4294901760u) * k_scale206);
+            a_frag192[7u] = pack_bf16x2(__uint_as_float(a_frag192[7u] << 16u) * k_scale205, __uint_as_float(a_frag192[7u] & 4294901760u) * k_scale206);
+            #pragma unroll
+            for (unsigned np197 = 0u; np197 < 1u; np197 += 1u) {
+                ldmatrix_x2_trans(&b_raw194[0u], kv_latent + (stage * 4224u) + (((kk195 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np197 * 16u)) >> 2u));
+                b_frag193[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw194[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 16u) & 255u))));
+                b_frag193[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw194[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 16u) & 255u))));
+                b_frag193[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 24u) & 255u))));
+                b_frag193[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 24u) & 255u))));
+                #pragma unroll
+                for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi196 * 2u) + (np197 * 2u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi196 * 2u) + ((np197 * 2u) + 1u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[2u]);
                 }
             }
         }
@@ -1208,20 +1242,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 2u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
+        for (unsigned mi208 = 0u; mi208 < 1u; mi208 += 1u) {
             #pragma unroll
-            for (unsigned half193 = 0u; half193 < 2u; half193 += 1u) {
-                float row_sum191 = row_sum_part[(mi192 * 2u) + half193];
-                const float other194 = shfl_xor_f32(row_sum191, 1);
-                row_sum191 = row_sum191 + other194;
-                const float other195 = shfl_xor_f32(row_sum191, 2);
-                row_sum191 = row_sum191 + other195;
+            for (unsigned half209 = 0u; half209 < 2u; half209 += 1u) {
+                float row_sum207 = row_sum_part[(mi208 * 2u) + half209];
+                const float other210 = shfl_xor_f32(row_sum207, 1);
+                row_sum207 = row_sum207 + other210;
+                const float other211 = shfl_xor_f32(row_sum207, 2);
+                row_sum207 = row_sum207 + other211;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi192 * 16u)) + ((half193 * 8u) + lane_group)] = row_sum191;
-                    row_max[(scores_row0 + (mi192 * 16u)) + ((half193 * 8u) + lane_group)] = row_max_reg[(mi192 * 2u) + half193];
+                    row_exchange[(((scores_row0 + (mi208 * 16u)) + ((half209 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum207;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi213 = 0u; mi213 < 1u; mi213 += 1u) {
+            #pragma unroll
+            for (unsigned half214 = 0u; half214 < 2u; half214 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum212 = row_exchange[((scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)) * 3u];
+                    row_sum212 = row_sum212 + row_exchange[(((scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)] = row_sum212;
+                    row_max[(scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)] = row_max_reg[(mi213 * 2u) + half214];
                 }
             }
         }
@@ -1230,86 +1277,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag196 = 0u; frag196 < 2u; frag196 += 1u) {
+    for (unsigned frag215 = 0u; frag215 < 2u; frag215 += 1u) {
         #pragma unroll
-        for (unsigned half197 = 0u; half197 < 2u; half197 += 1u) {
+        for (unsigned half216 = 0u; half216 < 2u; half216 += 1u) {
             #pragma unroll
-            for (unsigned e198 = 0u; e198 < 2u; e198 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag196 / 1u) * 16u)) + ((half197 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag196 % 1u) * 16u)) + ((lane_quad * 4u) + (e198 * 2u));
-                float v0_6 = o_acc[((((frag196 / 1u) * 2u) + ((frag196 % 1u) * 2u)) * 4u) + ((half197 * 2u) + e198)];
-                float v1_6 = o_acc[(((((frag196 / 1u) * 2u) + ((frag196 % 1u) * 2u)) + 1u) * 4u) + ((half197 * 2u) + e198)];
+            for (unsigned e217 = 0u; e217 < 2u; e217 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag215 / 1u) * 16u)) + ((half216 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag215 % 1u) * 16u)) + ((lane_quad * 4u) + (e217 * 2u));
+                float v0_6 = o_acc[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)];
+                float v1_6 = o_acc[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_6 + 0u)) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
-                o_acc[((((frag196 / 1u) * 2u) + ((frag196 % 1u) * 2u)) * 4u) + ((half197 * 2u) + e198)] = v0_6;
-                o_acc[(((((frag196 / 1u) * 2u) + ((frag196 % 1u) * 2u)) + 1u) * 4u) + ((half197 * 2u) + e198)] = v1_6;
+                o_acc[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)] = v0_6;
+                o_acc[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag199 = 0u; frag199 < 2u; frag199 += 1u) {
+    for (unsigned frag218 = 0u; frag218 < 2u; frag218 += 1u) {
         #pragma unroll
-        for (unsigned half200 = 0u; half200 < 2u; half200 += 1u) {
+        for (unsigned half219 = 0u; half219 < 2u; half219 += 1u) {
             #pragma unroll
-            for (unsigned e201 = 0u; e201 < 2u; e201 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag199 / 1u) * 16u)) + ((half200 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag199 % 1u) * 16u)) + ((lane_quad * 4u) + (e201 * 2u));
-                float v0_7 = o_acc_1[((((frag199 / 1u) * 2u) + ((frag199 % 1u) * 2u)) * 4u) + ((half200 * 2u) + e201)];
-                float v1_7 = o_acc_1[(((((frag199 / 1u) * 2u) + ((frag199 % 1u) * 2u)) + 1u) * 4u) + ((half200 * 2u) + e201)];
+            for (unsigned e220 = 0u; e220 < 2u; e220 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag218 / 1u) * 16u)) + ((half219 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag218 % 1u) * 16u)) + ((lane_quad * 4u) + (e220 * 2u));
+                float v0_7 = o_acc_1[((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) * 4u) + ((half219 * 2u) + e220)];
+                float v1_7 = o_acc_1[(((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) + 1u) * 4u) + ((half219 * 2u) + e220)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
                     const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
-                o_acc_1[((((frag199 / 1u) * 2u) + ((frag199 % 1u) * 2u)) * 4u) + ((half200 * 2u) + e201)] = v0_7;
-                o_acc_1[(((((frag199 / 1u) * 2u) + ((frag199 % 1u) * 2u)) + 1u) * 4u) + ((half200 * 2u) + e201)] = v1_7;
+                o_acc_1[((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) * 4u) + ((half219 * 2u) + e220)] = v0_7;
+                o_acc_1[(((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) + 1u) * 4u) + ((half219 * 2u) + e220)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag202 = 0u; frag202 < 2u; frag202 += 1u) {
+    for (unsigned frag221 = 0u; frag221 < 2u; frag221 += 1u) {
         #pragma unroll
-        for (unsigned half203 = 0u; half203 < 2u; half203 += 1u) {
+        for (unsigned half222 = 0u; half222 < 2u; half222 += 1u) {
             #pragma unroll
-            for (unsigned e204 = 0u; e204 < 2u; e204 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag202 / 1u) * 16u)) + ((half203 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag202 % 1u) * 16u)) + ((lane_quad * 4u) + (e204 * 2u));
-                float v0_8 = o_acc_2[((((frag202 / 1u) * 2u) + ((frag202 % 1u) * 2u)) * 4u) + ((half203 * 2u) + e204)];
-                float v1_8 = o_acc_2[(((((frag202 / 1u) * 2u) + ((frag202 % 1u) * 2u)) + 1u) * 4u) + ((half203 * 2u) + e204)];
+            for (unsigned e223 = 0u; e223 < 2u; e223 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag221 / 1u) * 16u)) + ((half222 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag221 % 1u) * 16u)) + ((lane_quad * 4u) + (e223 * 2u));
+                float v0_8 = o_acc_2[((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) * 4u) + ((half222 * 2u) + e223)];
+                float v1_8 = o_acc_2[(((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) + 1u) * 4u) + ((half222 * 2u) + e223)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
                     const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
-                o_acc_2[((((frag202 / 1u) * 2u) + ((frag202 % 1u) * 2u)) * 4u) + ((half203 * 2u) + e204)] = v0_8;
-                o_acc_2[(((((frag202 / 1u) * 2u) + ((frag202 % 1u) * 2u)) + 1u) * 4u) + ((half203 * 2u) + e204)] = v1_8;
+                o_acc_2[((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) * 4u) + ((half222 * 2u) + e223)] = v0_8;
+                o_acc_2[(((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) + 1u) * 4u) + ((half222 * 2u) + e223)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag205 = 0u; frag205 < 2u; frag205 += 1u) {
+    for (unsigned frag224 = 0u; frag224 < 2u; frag224 += 1u) {
         #pragma unroll
-        for (unsigned half206 = 0u; half206 < 2u; half206 += 1u) {
+        for (unsigned half225 = 0u; half225 < 2u; half225 += 1u) {
             #pragma unroll
-            for (unsigned e207 = 0u; e207 < 2u; e207 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag205 / 1u) * 16u)) + ((half206 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag205 % 1u) * 16u)) + ((lane_quad * 4u) + (e207 * 2u));
-                float v0_9 = o_acc_3[((((frag205 / 1u) * 2u) + ((frag205 % 1u) * 2u)) * 4u) + ((half206 * 2u) + e207)];
-                float v1_9 = o_acc_3[(((((frag205 / 1u) * 2u) + ((frag205 % 1u) * 2u)) + 1u) * 4u) + ((half206 * 2u) + e207)];
+            for (unsigned e226 = 0u; e226 < 2u; e226 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag224 / 1u) * 16u)) + ((half225 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag224 % 1u) * 16u)) + ((lane_quad * 4u) + (e226 * 2u));
+                float v0_9 = o_acc_3[((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) * 4u) + ((half225 * 2u) + e226)];
+                float v1_9 = o_acc_3[(((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) + 1u) * 4u) + ((half225 * 2u) + e226)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
                     const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
-                o_acc_3[((((frag205 / 1u) * 2u) + ((frag205 % 1u) * 2u)) * 4u) + ((half206 * 2u) + e207)] = v0_9;
-                o_acc_3[(((((frag205 / 1u) * 2u) + ((frag205 % 1u) * 2u)) + 1u) * 4u) + ((half206 * 2u) + e207)] = v1_9;
+                o_acc_3[((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) * 4u) + ((half225 * 2u) + e226)] = v0_9;
+                o_acc_3[(((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) + 1u) * 4u) + ((half225 * 2u) + e226)] = v1_9;
             }
         }
     }

@@ -9,9 +9,9 @@
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
 // Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-// mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 94912 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 95104 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -33,7 +33,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  o_part         f32   read_write [tokens, heads, splits, 512]
 //   5  lse_part       f32   read_write [tokens, heads, splits]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 94912 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 95104 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -256,53 +256,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)(dyn_smem + 68480); // [512]
     unsigned* const kv_rope = (unsigned*)(dyn_smem + 70528); // [4608]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 88960); // [320]
-    float* const row_exchange = (float*)(dyn_smem + 90240); // [16]
-    float* const split_k_partials = (float*)(dyn_smem + 90304); // [1152]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 90240); // [64]
+    float* const split_k_partials = (float*)(dyn_smem + 90496); // [1152]
+    float scores[4];
     float o_acc[8];
     float o_acc_1[8];
     float o_acc_2[8];
     float o_acc_3[8];
-    float scores_part[4];
-    float scores_term[4];
+    float scores_part[8];
+    float scores_term[8];
     unsigned q_tile_a0[16];
     unsigned q_tile_a1[16];
     unsigned q_tile_a2[16];
     unsigned q_tile_a3[16];
     unsigned q_tile_a4[8];
-    int kv_latent_src[1];
-    int kv_scales_src[1];
-    int kv_rope_src[1];
+    int kv_latent_pre[1];
+    int kv_scales_pre[1];
+    int kv_rope_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag63[4];
-    unsigned b_frag64[4];
-    unsigned b_raw65[2];
-    unsigned a_frag75[4];
-    unsigned b_frag76[4];
-    unsigned b_raw77[2];
-    unsigned a_frag87[4];
-    unsigned b_frag88[4];
-    unsigned b_raw89[2];
-    unsigned a_frag98[4];
-    unsigned b_frag99[4];
-    unsigned b_raw100[2];
-    unsigned a_frag140[4];
-    unsigned b_frag141[4];
-    unsigned b_raw142[2];
-    unsigned a_frag148[4];
-    unsigned b_frag149[4];
-    unsigned b_raw150[2];
-    unsigned a_frag159[4];
-    unsigned b_frag160[4];
-    unsigned b_raw161[2];
-    unsigned a_frag170[4];
-    unsigned b_frag171[4];
-    unsigned b_raw172[2];
+    unsigned a_frag65[4];
+    unsigned b_frag66[4];
+    unsigned b_raw67[2];
+    unsigned a_frag81[4];
+    unsigned b_frag82[4];
+    unsigned b_raw83[2];
+    unsigned a_frag97[4];
+    unsigned b_frag98[4];
+    unsigned b_raw99[2];
+    unsigned a_frag112[4];
+    unsigned b_frag113[4];
+    unsigned b_raw114[2];
+    unsigned a_frag158[4];
+    unsigned b_frag159[4];
+    unsigned b_raw160[2];
+    unsigned a_frag166[4];
+    unsigned b_frag167[4];
+    unsigned b_raw168[2];
+    unsigned a_frag177[4];
+    unsigned b_frag178[4];
+    unsigned b_raw179[2];
+    unsigned a_frag188[4];
+    unsigned b_frag189[4];
+    unsigned b_raw190[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -313,9 +313,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 4u;
+    const unsigned scores_row0 = (warp / 4u) * 16u;
+    const unsigned scores_col0 = scores_wn * 8u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 16u;
@@ -335,25 +335,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i198 = threadIdx.x; zero_i198 < 4608u; zero_i198 += 256u) {
-        kv_rope[zero_i198] = 0u;
+    for (unsigned zero_i219 = threadIdx.x; zero_i219 < 4608u; zero_i219 += 256u) {
+        kv_rope[zero_i219] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i199 = threadIdx.x; zero_i199 < 512u; zero_i199 += 256u) {
-        kv_scales[zero_i199] = 0.0f;
+    for (unsigned zero_i220 = threadIdx.x; zero_i220 < 512u; zero_i220 += 256u) {
+        kv_scales[zero_i220] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i200 = threadIdx.x; zero_i200 < 144u; zero_i200 += 256u) {
-        row_valid[zero_i200] = 0.0f;
+    for (unsigned zero_i221 = threadIdx.x; zero_i221 < 144u; zero_i221 += 256u) {
+        row_valid[zero_i221] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 8u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 10u, 8);
-        mbar_init(ring_barriers + 4u, 32);
+        mbar_init(ring_barriers + 4u, 128);
         mbar_init(ring_barriers + 12u, 8);
-        mbar_init(ring_barriers + 6u, 32);
+        mbar_init(ring_barriers + 6u, 128);
         mbar_init(ring_barriers + 14u, 8);
     }
     fence_proxy_async();
@@ -470,38 +470,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 4-stage mbarrier ring; the last warp issues the first 3 steps
-    if (warp == 7u) {
+    // pipeline step: 4-stage mbarrier ring; the producer warps issue the first 3 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot] = -1;
+                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                const unsigned gather_row5 = lane + (slot4 * 32u);
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
                 if (gather_row5 < 32u) {
                     const unsigned row_2 = gather_row5;
-                    kv_scales_src[slot4] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot4] = -1;
+                    kv_scales_pre[slot4] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = lane + (slot6 * 32u);
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_3 = gather_row7;
-                    kv_rope_src[slot6] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot6] = -1;
+                    kv_rope_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -509,11 +503,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage = 0u % 4u;
             #pragma unroll
             for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = lane + (slot8 * 32u);
+                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
-                    const int src_i32 = kv_latent_src[slot8];
-                    const int src_i3210 = kv_scales_src[slot8];
-                    const int src_i3211 = kv_rope_src[slot8];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row9;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot8] >= 0)) && (((unsigned)kv_latent_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot8]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row9;
+                    const int src_i3210 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot8] >= 0)) && (((unsigned)kv_scales_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row9;
+                    const int src_i3211 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot8] >= 0)) && (((unsigned)kv_rope_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot8]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row9] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_latent + (load_stage * 4224u) + (gather_row9 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
@@ -532,32 +530,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                const unsigned gather_row13 = lane + (slot12 * 32u);
+                const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
                 if (gather_row13 < 32u) {
                     const unsigned row_1 = gather_row13;
-                    kv_latent_src[slot12] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot12] = -1;
+                    kv_latent_pre[slot12] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = lane + (slot14 * 32u);
+                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_2 = gather_row15;
-                    kv_scales_src[slot14] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot14] = -1;
+                    kv_scales_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = lane + (slot16 * 32u);
+                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_3 = gather_row17;
-                    kv_rope_src[slot16] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot16] = -1;
+                    kv_rope_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -565,11 +557,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage18 = 1u % 4u;
             #pragma unroll
             for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
-                const unsigned gather_row20 = lane + (slot19 * 32u);
+                const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
                 if (gather_row20 < 32u) {
-                    const int src_i3221 = kv_latent_src[slot19];
-                    const int src_i3222 = kv_scales_src[slot19];
-                    const int src_i3223 = kv_rope_src[slot19];
+                    const unsigned step = 1u;
+                    const unsigned row_1 = gather_row20;
+                    const int src_i3221 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot19] >= 0)) && (((unsigned)kv_latent_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot19]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row20;
+                    const int src_i3222 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot19] >= 0)) && (((unsigned)kv_scales_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot19]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row20;
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot19] >= 0)) && (((unsigned)kv_rope_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot19]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage18 * 36u) + gather_row20] = (src_i3221 >= 0) ? 1.0f : 0.0f;
                     if (src_i3221 >= 0) {
                         copy_async(kv_latent + (load_stage18 * 4224u) + (gather_row20 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3221), 512u, ring_barriers + (load_stage18 * 2u));
@@ -588,32 +584,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 2u;
             #pragma unroll
             for (unsigned slot24 = 0u; slot24 < 1u; slot24 += 1u) {
-                const unsigned gather_row25 = lane + (slot24 * 32u);
+                const unsigned gather_row25 = ((warp - 4u) + (lane * 4u)) + (slot24 * 128u);
                 if (gather_row25 < 32u) {
                     const unsigned row_1 = gather_row25;
-                    kv_latent_src[slot24] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot24] = -1;
+                    kv_latent_pre[slot24] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = lane + (slot26 * 32u);
+                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_2 = gather_row27;
-                    kv_scales_src[slot26] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot26] = -1;
+                    kv_scales_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = lane + (slot28 * 32u);
+                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_3 = gather_row29;
-                    kv_rope_src[slot28] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot28] = -1;
+                    kv_rope_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -621,11 +611,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage30 = 2u % 4u;
             #pragma unroll
             for (unsigned slot31 = 0u; slot31 < 1u; slot31 += 1u) {
-                const unsigned gather_row32 = lane + (slot31 * 32u);
+                const unsigned gather_row32 = ((warp - 4u) + (lane * 4u)) + (slot31 * 128u);
                 if (gather_row32 < 32u) {
-                    const int src_i3233 = kv_latent_src[slot31];
-                    const int src_i3234 = kv_scales_src[slot31];
-                    const int src_i3235 = kv_rope_src[slot31];
+                    const unsigned step = 2u;
+                    const unsigned row_1 = gather_row32;
+                    const int src_i3233 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot31] >= 0)) && (((unsigned)kv_latent_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot31]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row32;
+                    const int src_i3234 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot31] >= 0)) && (((unsigned)kv_scales_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot31]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row32;
+                    const int src_i3235 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot31] >= 0)) && (((unsigned)kv_rope_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot31]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage30 * 36u) + gather_row32] = (src_i3233 >= 0) ? 1.0f : 0.0f;
                     if (src_i3233 >= 0) {
                         copy_async(kv_latent + (load_stage30 * 4224u) + (gather_row32 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3233), 512u, ring_barriers + (load_stage30 * 2u));
@@ -644,32 +638,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 3u;
             #pragma unroll
             for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                const unsigned gather_row37 = lane + (slot36 * 32u);
+                const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
                 if (gather_row37 < 32u) {
                     const unsigned row_1 = gather_row37;
-                    kv_latent_src[slot36] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot36] = -1;
+                    kv_latent_pre[slot36] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot38 = 0u; slot38 < 1u; slot38 += 1u) {
-                const unsigned gather_row39 = lane + (slot38 * 32u);
+                const unsigned gather_row39 = ((warp - 4u) + (lane * 4u)) + (slot38 * 128u);
                 if (gather_row39 < 32u) {
                     const unsigned row_2 = gather_row39;
-                    kv_scales_src[slot38] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot38] = -1;
+                    kv_scales_pre[slot38] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot40 = 0u; slot40 < 1u; slot40 += 1u) {
-                const unsigned gather_row41 = lane + (slot40 * 32u);
+                const unsigned gather_row41 = ((warp - 4u) + (lane * 4u)) + (slot40 * 128u);
                 if (gather_row41 < 32u) {
                     const unsigned row_3 = gather_row41;
-                    kv_rope_src[slot40] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot40] = -1;
+                    kv_rope_pre[slot40] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -683,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
         }
     }
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi42 = 0u; mi42 < 1u; mi42 += 1u) {
             #pragma unroll
@@ -693,9 +681,240 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 4u;
 
-        // pipeline step: the producer warp issues the rows 3 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 4u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i56 = 0u; fill_i56 < 4u; fill_i56 += 1u) {
+            scores[fill_i56] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 4u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e57 = 0u; e57 < 4u; e57 += 1u) {
+            scores_term[e57] = 0.0f;
+        }
+        const unsigned n_first = (warp / 2u) * 8u;
+        const unsigned k_first = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e59 = 0u; e59 < 4u; e59 += 1u) {
+            scores_term[4u + e59] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 1u; nj += 1u) {
+                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
+                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
+                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain * 4u) + ((mi58 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
+            scores_term[e60] = scores_term[e60] + scores_term[4u + e60];
+        }
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
+            #pragma unroll
+            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e61] = fmaf(scores_term[(frag * 4u) + e61], row_scale, scores_part[(frag * 4u) + e61]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
+            scores_term[e62] = 0.0f;
+        }
+        const unsigned n_first63 = (warp / 2u) * 8u;
+        const unsigned k_first64 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
+            scores_term[4u + e73] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair71 = 0u; kk_pair71 < 2u; kk_pair71 += 1u) {
+            #pragma unroll
+            for (unsigned chain72 = 0u; chain72 < 2u; chain72 += 1u) {
+                const unsigned kk68 = (kk_pair71 * 2u) + chain72;
+                #pragma unroll
+                for (unsigned nj70 = 0u; nj70 < 1u; nj70 += 1u) {
+                    ldmatrix_x1(&b_raw67[0u], kv_latent + (stage * 4224u) + (((n_first63 + (nj70 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first64 + kk68) * 4u));
+                    b_frag66[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw67[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 8u) & 255u))));
+                    b_frag66[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi69 = 0u; mi69 < 1u; mi69 += 1u) {
+                        a_frag65[0u] = q_tile_a1[((mi69 * 4u) + kk68) * 4u];
+                        a_frag65[1u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 1u];
+                        a_frag65[2u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 2u];
+                        a_frag65[3u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain72 * 4u) + ((mi69 + nj70) * 4u)], &a_frag65[0u], &b_frag66[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e74 = 0u; e74 < 4u; e74 += 1u) {
+            scores_term[e74] = scores_term[e74] + scores_term[4u + e74];
+        }
+        #pragma unroll
+        for (unsigned frag75 = 0u; frag75 < 1u; frag75 += 1u) {
+            #pragma unroll
+            for (unsigned e76 = 0u; e76 < 4u; e76 += 1u) {
+                const float row_scale77 = kv_scales[((stage * 128u) + (((n_first63 + ((frag75 % 1u) * 8u)) + ((lane_quad * 2u) + (e76 & 1u))) * 4u)) + 1u];
+                scores_part[(frag75 * 4u) + e76] = fmaf(scores_term[(frag75 * 4u) + e76], row_scale77, scores_part[(frag75 * 4u) + e76]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e78 = 0u; e78 < 4u; e78 += 1u) {
+            scores_term[e78] = 0.0f;
+        }
+        const unsigned n_first79 = (warp / 2u) * 8u;
+        const unsigned k_first80 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e89 = 0u; e89 < 4u; e89 += 1u) {
+            scores_term[4u + e89] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair87 = 0u; kk_pair87 < 2u; kk_pair87 += 1u) {
+            #pragma unroll
+            for (unsigned chain88 = 0u; chain88 < 2u; chain88 += 1u) {
+                const unsigned kk84 = (kk_pair87 * 2u) + chain88;
+                #pragma unroll
+                for (unsigned nj86 = 0u; nj86 < 1u; nj86 += 1u) {
+                    ldmatrix_x1(&b_raw83[0u], kv_latent + (stage * 4224u) + (((n_first79 + (nj86 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first80 + kk84) * 4u));
+                    b_frag82[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw83[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 8u) & 255u))));
+                    b_frag82[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi85 = 0u; mi85 < 1u; mi85 += 1u) {
+                        a_frag81[0u] = q_tile_a2[((mi85 * 4u) + kk84) * 4u];
+                        a_frag81[1u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 1u];
+                        a_frag81[2u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 2u];
+                        a_frag81[3u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain88 * 4u) + ((mi85 + nj86) * 4u)], &a_frag81[0u], &b_frag82[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e90 = 0u; e90 < 4u; e90 += 1u) {
+            scores_term[e90] = scores_term[e90] + scores_term[4u + e90];
+        }
+        #pragma unroll
+        for (unsigned frag91 = 0u; frag91 < 1u; frag91 += 1u) {
+            #pragma unroll
+            for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
+                const float row_scale93 = kv_scales[((stage * 128u) + (((n_first79 + ((frag91 % 1u) * 8u)) + ((lane_quad * 2u) + (e92 & 1u))) * 4u)) + 2u];
+                scores_part[(frag91 * 4u) + e92] = fmaf(scores_term[(frag91 * 4u) + e92], row_scale93, scores_part[(frag91 * 4u) + e92]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
+            scores_term[e94] = 0.0f;
+        }
+        const unsigned n_first95 = (warp / 2u) * 8u;
+        const unsigned k_first96 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e105 = 0u; e105 < 4u; e105 += 1u) {
+            scores_term[4u + e105] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair103 = 0u; kk_pair103 < 2u; kk_pair103 += 1u) {
+            #pragma unroll
+            for (unsigned chain104 = 0u; chain104 < 2u; chain104 += 1u) {
+                const unsigned kk100 = (kk_pair103 * 2u) + chain104;
+                #pragma unroll
+                for (unsigned nj102 = 0u; nj102 < 1u; nj102 += 1u) {
+                    ldmatrix_x1(&b_raw99[0u], kv_latent + (stage * 4224u) + (((n_first95 + (nj102 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first96 + kk100) * 4u));
+                    b_frag98[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw99[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 8u) & 255u))));
+                    b_frag98[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi101 = 0u; mi101 < 1u; mi101 += 1u) {
+                        a_frag97[0u] = q_tile_a3[((mi101 * 4u) + kk100) * 4u];
+                        a_frag97[1u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 1u];
+                        a_frag97[2u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 2u];
+                        a_frag97[3u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain104 * 4u) + ((mi101 + nj102) * 4u)], &a_frag97[0u], &b_frag98[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
+            scores_term[e106] = scores_term[e106] + scores_term[4u + e106];
+        }
+        #pragma unroll
+        for (unsigned frag107 = 0u; frag107 < 1u; frag107 += 1u) {
+            #pragma unroll
+            for (unsigned e108 = 0u; e108 < 4u; e108 += 1u) {
+                const float row_scale109 = kv_scales[((stage * 128u) + (((n_first95 + ((frag107 % 1u) * 8u)) + ((lane_quad * 2u) + (e108 & 1u))) * 4u)) + 3u];
+                scores_part[(frag107 * 4u) + e108] = fmaf(scores_term[(frag107 * 4u) + e108], row_scale109, scores_part[(frag107 * 4u) + e108]);
+            }
+        }
+        const unsigned n_first110 = (warp / 2u) * 8u;
+        const unsigned k_first111 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e120 = 0u; e120 < 4u; e120 += 1u) {
+            scores_part[4u + e120] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair118 = 0u; kk_pair118 < 1u; kk_pair118 += 1u) {
+            #pragma unroll
+            for (unsigned chain119 = 0u; chain119 < 2u; chain119 += 1u) {
+                const unsigned kk115 = (kk_pair118 * 2u) + chain119;
+                #pragma unroll
+                for (unsigned nj117 = 0u; nj117 < 1u; nj117 += 1u) {
+                    ldmatrix_x2(&b_frag113[0u], kv_rope + (stage * 1152u) + (((n_first110 + (nj117 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first111 + kk115) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi116 = 0u; mi116 < 1u; mi116 += 1u) {
+                        a_frag112[0u] = q_tile_a4[((mi116 * 2u) + kk115) * 4u];
+                        a_frag112[1u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 1u];
+                        a_frag112[2u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 2u];
+                        a_frag112[3u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain119 * 4u) + ((mi116 + nj117) * 4u)], &a_frag112[0u], &b_frag113[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e121 = 0u; e121 < 4u; e121 += 1u) {
+            scores_part[e121] = scores_part[e121] + scores_part[4u + e121];
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag122 = 0u; frag122 < 1u; frag122 += 1u) {
+            #pragma unroll
+            for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
+                #pragma unroll
+                for (unsigned e124 = 0u; e124 < 2u; e124 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag122 / 1u) * 16u) + (half123 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag122 % 1u) * 8u)) + ((lane_quad * 2u) + e124))] = scores_part[((frag122 * 4u) + (half123 * 2u)) + e124];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 3 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 3u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -704,11 +923,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned load_stage44 = ahead % 4u;
                 #pragma unroll
                 for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                    const unsigned gather_row46 = lane + (slot45 * 32u);
+                    const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                     if (gather_row46 < 32u) {
-                        const int src_i3247 = kv_latent_src[slot45];
-                        const int src_i3248 = kv_scales_src[slot45];
-                        const int src_i3249 = kv_rope_src[slot45];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row46;
+                        const int src_i3247 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot45] >= 0)) && (((unsigned)kv_latent_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot45]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const unsigned row_2 = gather_row46;
+                        const int src_i3248 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot45] >= 0)) && (((unsigned)kv_scales_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot45]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row46;
+                        const int src_i3249 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot45] >= 0)) && (((unsigned)kv_rope_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot45]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         row_valid[(load_stage44 * 36u) + gather_row46] = (src_i3247 >= 0) ? 1.0f : 0.0f;
                         if (src_i3247 >= 0) {
                             copy_async(kv_latent + (load_stage44 * 4224u) + (gather_row46 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3247), 512u, ring_barriers + (load_stage44 * 2u));
@@ -726,239 +949,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot50 = 0u; slot50 < 1u; slot50 += 1u) {
-                        const unsigned gather_row51 = lane + (slot50 * 32u);
+                        const unsigned gather_row51 = ((warp - 4u) + (lane * 4u)) + (slot50 * 128u);
                         if (gather_row51 < 32u) {
                             const unsigned row_1 = gather_row51;
-                            kv_latent_src[slot50] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_latent_src[slot50] = -1;
+                            kv_latent_pre[slot50] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot52 = 0u; slot52 < 1u; slot52 += 1u) {
-                        const unsigned gather_row53 = lane + (slot52 * 32u);
+                        const unsigned gather_row53 = ((warp - 4u) + (lane * 4u)) + (slot52 * 128u);
                         if (gather_row53 < 32u) {
                             const unsigned row_2 = gather_row53;
-                            kv_scales_src[slot52] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        } else {
-                            kv_scales_src[slot52] = -1;
+                            kv_scales_pre[slot52] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot54 = 0u; slot54 < 1u; slot54 += 1u) {
-                        const unsigned gather_row55 = lane + (slot54 * 32u);
+                        const unsigned gather_row55 = ((warp - 4u) + (lane * 4u)) + (slot54 * 128u);
                         if (gather_row55 < 32u) {
                             const unsigned row_3 = gather_row55;
-                            kv_rope_src[slot54] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        } else {
-                            kv_rope_src[slot54] = -1;
+                            kv_rope_pre[slot54] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 4u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 4u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i56 = 0u; fill_i56 < 16u; fill_i56 += 1u) {
-            scores[fill_i56] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 4u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e57 = 0u; e57 < 4u; e57 += 1u) {
-            scores_term[e57] = 0.0f;
-        }
-        const unsigned n_first = (warp / 2u) * 8u;
-        const unsigned k_first = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 4u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+            for (unsigned frag125 = 0u; frag125 < 1u; frag125 += 1u) {
                 #pragma unroll
-                for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi58 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
-            #pragma unroll
-            for (unsigned e59 = 0u; e59 < 4u; e59 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e59 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e59] = fmaf(scores_term[(frag * 4u) + e59], row_scale, scores_part[(frag * 4u) + e59]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
-            scores_term[e60] = 0.0f;
-        }
-        const unsigned n_first61 = (warp / 2u) * 8u;
-        const unsigned k_first62 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk66 = 0u; kk66 < 4u; kk66 += 1u) {
-            #pragma unroll
-            for (unsigned nj68 = 0u; nj68 < 1u; nj68 += 1u) {
-                ldmatrix_x1(&b_raw65[0u], kv_latent + (stage * 4224u) + (((n_first61 + (nj68 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first62 + kk66) * 4u));
-                b_frag64[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw65[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 8u) & 255u))));
-                b_frag64[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 1u; mi67 += 1u) {
-                    a_frag63[0u] = q_tile_a1[((mi67 * 4u) + kk66) * 4u];
-                    a_frag63[1u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 1u];
-                    a_frag63[2u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 2u];
-                    a_frag63[3u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi67 + nj68) * 4u], &a_frag63[0u], &b_frag64[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag69 = 0u; frag69 < 1u; frag69 += 1u) {
-            #pragma unroll
-            for (unsigned e70 = 0u; e70 < 4u; e70 += 1u) {
-                const float row_scale71 = kv_scales[((stage * 128u) + (((n_first61 + ((frag69 % 1u) * 8u)) + ((lane_quad * 2u) + (e70 & 1u))) * 4u)) + 1u];
-                scores_part[(frag69 * 4u) + e70] = fmaf(scores_term[(frag69 * 4u) + e70], row_scale71, scores_part[(frag69 * 4u) + e70]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e72 = 0u; e72 < 4u; e72 += 1u) {
-            scores_term[e72] = 0.0f;
-        }
-        const unsigned n_first73 = (warp / 2u) * 8u;
-        const unsigned k_first74 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk78 = 0u; kk78 < 4u; kk78 += 1u) {
-            #pragma unroll
-            for (unsigned nj80 = 0u; nj80 < 1u; nj80 += 1u) {
-                ldmatrix_x1(&b_raw77[0u], kv_latent + (stage * 4224u) + (((n_first73 + (nj80 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first74 + kk78) * 4u));
-                b_frag76[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw77[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 8u) & 255u))));
-                b_frag76[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi79 = 0u; mi79 < 1u; mi79 += 1u) {
-                    a_frag75[0u] = q_tile_a2[((mi79 * 4u) + kk78) * 4u];
-                    a_frag75[1u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 1u];
-                    a_frag75[2u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 2u];
-                    a_frag75[3u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi79 + nj80) * 4u], &a_frag75[0u], &b_frag76[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag81 = 0u; frag81 < 1u; frag81 += 1u) {
-            #pragma unroll
-            for (unsigned e82 = 0u; e82 < 4u; e82 += 1u) {
-                const float row_scale83 = kv_scales[((stage * 128u) + (((n_first73 + ((frag81 % 1u) * 8u)) + ((lane_quad * 2u) + (e82 & 1u))) * 4u)) + 2u];
-                scores_part[(frag81 * 4u) + e82] = fmaf(scores_term[(frag81 * 4u) + e82], row_scale83, scores_part[(frag81 * 4u) + e82]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e84 = 0u; e84 < 4u; e84 += 1u) {
-            scores_term[e84] = 0.0f;
-        }
-        const unsigned n_first85 = (warp / 2u) * 8u;
-        const unsigned k_first86 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk90 = 0u; kk90 < 4u; kk90 += 1u) {
-            #pragma unroll
-            for (unsigned nj92 = 0u; nj92 < 1u; nj92 += 1u) {
-                ldmatrix_x1(&b_raw89[0u], kv_latent + (stage * 4224u) + (((n_first85 + (nj92 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first86 + kk90) * 4u));
-                b_frag88[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw89[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 8u) & 255u))));
-                b_frag88[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi91 = 0u; mi91 < 1u; mi91 += 1u) {
-                    a_frag87[0u] = q_tile_a3[((mi91 * 4u) + kk90) * 4u];
-                    a_frag87[1u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 1u];
-                    a_frag87[2u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 2u];
-                    a_frag87[3u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi91 + nj92) * 4u], &a_frag87[0u], &b_frag88[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag93 = 0u; frag93 < 1u; frag93 += 1u) {
-            #pragma unroll
-            for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
-                const float row_scale95 = kv_scales[((stage * 128u) + (((n_first85 + ((frag93 % 1u) * 8u)) + ((lane_quad * 2u) + (e94 & 1u))) * 4u)) + 3u];
-                scores_part[(frag93 * 4u) + e94] = fmaf(scores_term[(frag93 * 4u) + e94], row_scale95, scores_part[(frag93 * 4u) + e94]);
-            }
-        }
-        const unsigned n_first96 = (warp / 2u) * 8u;
-        const unsigned k_first97 = (warp % 2u) * 2u;
-        #pragma unroll
-        for (unsigned kk101 = 0u; kk101 < 2u; kk101 += 1u) {
-            #pragma unroll
-            for (unsigned nj103 = 0u; nj103 < 1u; nj103 += 1u) {
-                ldmatrix_x2(&b_frag99[0u], kv_rope + (stage * 1152u) + (((n_first96 + (nj103 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first97 + kk101) * 8u) + (lane_k8 >> 1u));
-                #pragma unroll
-                for (unsigned mi102 = 0u; mi102 < 1u; mi102 += 1u) {
-                    a_frag98[0u] = q_tile_a4[((mi102 * 2u) + kk101) * 4u];
-                    a_frag98[1u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 1u];
-                    a_frag98[2u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 2u];
-                    a_frag98[3u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[(mi102 + nj103) * 4u], &a_frag98[0u], &b_frag99[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag104 = 0u; frag104 < 1u; frag104 += 1u) {
-            #pragma unroll
-            for (unsigned half105 = 0u; half105 < 2u; half105 += 1u) {
-                #pragma unroll
-                for (unsigned e106 = 0u; e106 < 2u; e106 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag104 / 1u) * 16u) + (half105 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag104 % 1u) * 8u)) + ((lane_quad * 2u) + e106))] = scores_part[((frag104 * 4u) + (half105 * 2u)) + e106];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 1u) {
-            #pragma unroll
-            for (unsigned frag107 = 0u; frag107 < 4u; frag107 += 1u) {
-                #pragma unroll
-                for (unsigned half108 = 0u; half108 < 2u; half108 += 1u) {
+                for (unsigned half126 = 0u; half126 < 2u; half126 += 1u) {
                     #pragma unroll
-                    for (unsigned e109 = 0u; e109 < 2u; e109 += 1u) {
-                        float sum = scores[((frag107 * 4u) + (half108 * 2u)) + e109];
-                        const unsigned cell = (((scores_row0 + (half108 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag107 * 8u)) + ((lane_quad * 2u) + e109));
+                    for (unsigned e127 = 0u; e127 < 2u; e127 += 1u) {
+                        float sum = scores[((frag125 * 4u) + (half126 * 2u)) + e127];
+                        const unsigned cell = (((scores_row0 + (half126 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag125 * 8u)) + ((lane_quad * 2u) + e127));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag107 * 4u) + (half108 * 2u)) + e109] = sum;
+                        scores[((frag125 * 4u) + (half126 * 2u)) + e127] = sum;
                     }
                 }
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag110 = 0u; frag110 < 4u; frag110 += 1u) {
+            for (unsigned frag128 = 0u; frag128 < 1u; frag128 += 1u) {
                 #pragma unroll
-                for (unsigned half111 = 0u; half111 < 2u; half111 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag110 / 4u) * 16u)) + ((half111 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag110 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag110 * 4u) + (half111 * 2u)];
-                    float v1 = scores[((frag110 * 4u) + (half111 * 2u)) + 1u];
+                for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag128 / 1u) * 16u)) + ((half129 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag128 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag128 * 4u) + (half129 * 2u)];
+                    float v1 = scores[((frag128 * 4u) + (half129 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag110 * 4u) + (half111 * 2u)] = v0;
-                    scores[((frag110 * 4u) + (half111 * 2u)) + 1u] = v1;
+                    scores[(frag128 * 4u) + (half129 * 2u)] = v0;
+                    scores[((frag128 * 4u) + (half129 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -966,24 +1012,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi112 = 0u; mi112 < 1u; mi112 += 1u) {
+            for (unsigned mi130 = 0u; mi130 < 1u; mi130 += 1u) {
                 #pragma unroll
-                for (unsigned half113 = 0u; half113 < 2u; half113 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi112 * 4u) * 4u) + (half113 * 2u)], scores[((mi112 * 4u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 1u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 1u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 2u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 2u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 3u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 3u) * 4u) + ((half113 * 2u) + 1u)]);
+                for (unsigned half131 = 0u; half131 < 2u; half131 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi130 * 4u) + (half131 * 2u)], scores[(mi130 * 4u) + ((half131 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other114 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other114);
+                    const float other132 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other132);
                     if (lane_quad == 0u) {
-                        row_exchange[((scores_row0 + (mi112 * 16u)) + ((half113 * 8u) + lane_group)) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi130 * 16u)) + ((half131 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -992,82 +1032,85 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi117 = 0u; mi117 < 1u; mi117 += 1u) {
+        for (unsigned mi135 = 0u; mi135 < 1u; mi135 += 1u) {
             #pragma unroll
-            for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
-                const float m_old115 = row_max_reg[(mi117 * 2u) + half118];
-                float m_new116 = m_old115;
-                m_new116 = fmaxf(m_new116, row_exchange[(mi117 * 16u) + ((half118 * 8u) + lane_group)]);
-                row_alpha[(mi117 * 2u) + half118] = expf(m_old115 - m_new116);
-                row_max_reg[(mi117 * 2u) + half118] = m_new116;
+            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                const float m_old133 = row_max_reg[(mi135 * 2u) + half136];
+                float m_new134 = m_old133;
+                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
+                row_max_reg[(mi135 * 2u) + half136] = m_new134;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi122 = 0u; mi122 < 1u; mi122 += 1u) {
+            for (unsigned mi140 = 0u; mi140 < 1u; mi140 += 1u) {
                 #pragma unroll
-                for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
+                for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj119 = 0u; nj119 < 4u; nj119 += 1u) {
+                    for (unsigned nj137 = 0u; nj137 < 1u; nj137 += 1u) {
                         #pragma unroll
-                        for (unsigned e120 = 0u; e120 < 2u; e120 += 1u) {
-                            const unsigned at121 = (((mi122 * 4u) + nj119) * 4u) + ((half123 * 2u) + e120);
-                            const float p = (scores[at121] < (-1e38f)) ? 0.0f : expf(scores[at121] - row_max_reg[(mi122 * 2u) + half123]);
-                            scores[at121] = p;
+                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
+                            const unsigned at139 = ((mi140 + nj137) * 4u) + ((half141 * 2u) + e138);
+                            const float p = (scores[at139] < (-1e38f)) ? 0.0f : expf(scores[at139] - row_max_reg[(mi140 * 2u) + half141]);
+                            scores[at139] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi122 * 2u) + half123] = (row_sum_part[(mi122 * 2u) + half123] * row_alpha[(mi122 * 2u) + half123]) + p_sum;
+                    row_sum_part[(mi140 * 2u) + half141] = (row_sum_part[(mi140 * 2u) + half141] * row_alpha[(mi140 * 2u) + half141]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag124 = 0u; frag124 < 2u; frag124 += 1u) {
+        for (unsigned frag142 = 0u; frag142 < 2u; frag142 += 1u) {
             #pragma unroll
-            for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
-                const float alpha126 = row_alpha[((frag124 / 2u) * 2u) + half125];
-                o_acc[(frag124 * 4u) + (half125 * 2u)] = o_acc[(frag124 * 4u) + (half125 * 2u)] * alpha126;
-                o_acc[((frag124 * 4u) + (half125 * 2u)) + 1u] = o_acc[((frag124 * 4u) + (half125 * 2u)) + 1u] * alpha126;
+            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
+                const float alpha144 = row_alpha[((frag142 / 2u) * 2u) + half143];
+                o_acc[(frag142 * 4u) + (half143 * 2u)] = o_acc[(frag142 * 4u) + (half143 * 2u)] * alpha144;
+                o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] = o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] * alpha144;
             }
         }
         #pragma unroll
-        for (unsigned frag127 = 0u; frag127 < 2u; frag127 += 1u) {
+        for (unsigned frag145 = 0u; frag145 < 2u; frag145 += 1u) {
             #pragma unroll
-            for (unsigned half128 = 0u; half128 < 2u; half128 += 1u) {
-                const float alpha129 = row_alpha[((frag127 / 2u) * 2u) + half128];
-                o_acc_1[(frag127 * 4u) + (half128 * 2u)] = o_acc_1[(frag127 * 4u) + (half128 * 2u)] * alpha129;
-                o_acc_1[((frag127 * 4u) + (half128 * 2u)) + 1u] = o_acc_1[((frag127 * 4u) + (half128 * 2u)) + 1u] * alpha129;
+            for (unsigned half146 = 0u; half146 < 2u; half146 += 1u) {
+                const float alpha147 = row_alpha[((frag145 / 2u) * 2u) + half146];
+                o_acc_1[(frag145 * 4u) + (half146 * 2u)] = o_acc_1[(frag145 * 4u) + (half146 * 2u)] * alpha147;
+                o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] = o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] * alpha147;
             }
         }
         #pragma unroll
-        for (unsigned frag130 = 0u; frag130 < 2u; frag130 += 1u) {
+        for (unsigned frag148 = 0u; frag148 < 2u; frag148 += 1u) {
             #pragma unroll
-            for (unsigned half131 = 0u; half131 < 2u; half131 += 1u) {
-                const float alpha132 = row_alpha[((frag130 / 2u) * 2u) + half131];
-                o_acc_2[(frag130 * 4u) + (half131 * 2u)] = o_acc_2[(frag130 * 4u) + (half131 * 2u)] * alpha132;
-                o_acc_2[((frag130 * 4u) + (half131 * 2u)) + 1u] = o_acc_2[((frag130 * 4u) + (half131 * 2u)) + 1u] * alpha132;
+            for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
+                const float alpha150 = row_alpha[((frag148 / 2u) * 2u) + half149];
+                o_acc_2[(frag148 * 4u) + (half149 * 2u)] = o_acc_2[(frag148 * 4u) + (half149 * 2u)] * alpha150;
+                o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] = o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] * alpha150;
             }
         }
         #pragma unroll
-        for (unsigned frag133 = 0u; frag133 < 2u; frag133 += 1u) {
+        for (unsigned frag151 = 0u; frag151 < 2u; frag151 += 1u) {
             #pragma unroll
-            for (unsigned half134 = 0u; half134 < 2u; half134 += 1u) {
-                const float alpha135 = row_alpha[((frag133 / 2u) * 2u) + half134];
-                o_acc_3[(frag133 * 4u) + (half134 * 2u)] = o_acc_3[(frag133 * 4u) + (half134 * 2u)] * alpha135;
-                o_acc_3[((frag133 * 4u) + (half134 * 2u)) + 1u] = o_acc_3[((frag133 * 4u) + (half134 * 2u)) + 1u] * alpha135;
+            for (unsigned half152 = 0u; half152 < 2u; half152 += 1u) {
+                const float alpha153 = row_alpha[((frag151 / 2u) * 2u) + half152];
+                o_acc_3[(frag151 * 4u) + (half152 * 2u)] = o_acc_3[(frag151 * 4u) + (half152 * 2u)] * alpha153;
+                o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] = o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] * alpha153;
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag138 = 0u; frag138 < 4u; frag138 += 1u) {
+            for (unsigned frag156 = 0u; frag156 < 1u; frag156 += 1u) {
                 #pragma unroll
-                for (unsigned half139 = 0u; half139 < 2u; half139 += 1u) {
-                    const unsigned row136 = (scores_row0 + ((frag138 / 4u) * 16u)) + ((half139 * 8u) + lane_group);
-                    const unsigned col137 = (scores_col0 + ((frag138 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row136 * 20u) + (col137 >> 1u)] = pack_bf16x2(scores[(frag138 * 4u) + (half139 * 2u)], scores[((frag138 * 4u) + (half139 * 2u)) + 1u]);
+                for (unsigned half157 = 0u; half157 < 2u; half157 += 1u) {
+                    const unsigned row154 = (scores_row0 + ((frag156 / 1u) * 16u)) + ((half157 * 8u) + lane_group);
+                    const unsigned col155 = (scores_col0 + ((frag156 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row154 * 20u) + (col155 >> 1u)] = pack_bf16x2(scores[(frag156 * 4u) + (half157 * 2u)], scores[((frag156 * 4u) + (half157 * 2u)) + 1u]);
                 }
             }
         }
@@ -1076,129 +1119,129 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk143 = 0u; kk143 < 2u; kk143 += 1u) {
+        for (unsigned kk161 = 0u; kk161 < 2u; kk161 += 1u) {
             #pragma unroll
-            for (unsigned mi144 = 0u; mi144 < 1u; mi144 += 1u) {
-                ldmatrix_x4(&a_frag140[mi144 * 4u], p_tile + a_lane_word + (mi144 * 320u) + (kk143 * 8u));
+            for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
+                ldmatrix_x4(&a_frag158[mi162 * 4u], p_tile + a_lane_word + (mi162 * 320u) + (kk161 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk143 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale145 = kv_scales[(stage * 128u) + ((((kk143 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale146 = kv_scales[(stage * 128u) + ((((kk143 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale147 = kv_scales[(stage * 128u) + ((((kk143 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag140[0u] = pack_bf16x2(__uint_as_float(a_frag140[0u] << 16u) * k_scale, __uint_as_float(a_frag140[0u] & 4294901760u) * k_scale145);
-            a_frag140[1u] = pack_bf16x2(__uint_as_float(a_frag140[1u] << 16u) * k_scale, __uint_as_float(a_frag140[1u] & 4294901760u) * k_scale145);
-            a_frag140[2u] = pack_bf16x2(__uint_as_float(a_frag140[2u] << 16u) * k_scale146, __uint_as_float(a_frag140[2u] & 4294901760u) * k_scale147);
-            a_frag140[3u] = pack_bf16x2(__uint_as_float(a_frag140[3u] << 16u) * k_scale146, __uint_as_float(a_frag140[3u] & 4294901760u) * k_scale147);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale165 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag158[0u] = pack_bf16x2(__uint_as_float(a_frag158[0u] << 16u) * k_scale, __uint_as_float(a_frag158[0u] & 4294901760u) * k_scale163);
+            a_frag158[1u] = pack_bf16x2(__uint_as_float(a_frag158[1u] << 16u) * k_scale, __uint_as_float(a_frag158[1u] & 4294901760u) * k_scale163);
+            a_frag158[2u] = pack_bf16x2(__uint_as_float(a_frag158[2u] << 16u) * k_scale164, __uint_as_float(a_frag158[2u] & 4294901760u) * k_scale165);
+            a_frag158[3u] = pack_bf16x2(__uint_as_float(a_frag158[3u] << 16u) * k_scale164, __uint_as_float(a_frag158[3u] & 4294901760u) * k_scale165);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw142[0u], kv_latent + (stage * 4224u) + (((kk143 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag141[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw142[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw142[0u] >> 16u) & 255u))));
-                b_frag141[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw142[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw142[1u] >> 16u) & 255u))));
-                b_frag141[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw142[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw142[0u] >> 24u) & 255u))));
-                b_frag141[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw142[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw142[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw160[0u], kv_latent + (stage * 4224u) + (((kk161 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag159[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 16u) & 255u))));
+                b_frag159[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 16u) & 255u))));
+                b_frag159[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 24u) & 255u))));
+                b_frag159[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi144 = 0u; mi144 < 1u; mi144 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi144 * 2u) + (np * 2u)) * 4u], &a_frag140[mi144 * 4u], &b_frag141[0u]);
+                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi162 * 2u) + (np * 2u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi144 = 0u; mi144 < 1u; mi144 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi144 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag140[mi144 * 4u], &b_frag141[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word154 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk151 = 0u; kk151 < 2u; kk151 += 1u) {
-            #pragma unroll
-            for (unsigned mi152 = 0u; mi152 < 1u; mi152 += 1u) {
-                ldmatrix_x4(&a_frag148[mi152 * 4u], p_tile + a_lane_word154 + (mi152 * 320u) + (kk151 * 8u));
-            }
-            const float k_scale155 = kv_scales[((stage * 128u) + (((kk151 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale156 = kv_scales[((stage * 128u) + ((((kk151 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale157 = kv_scales[((stage * 128u) + ((((kk151 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale158 = kv_scales[((stage * 128u) + ((((kk151 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag148[0u] = pack_bf16x2(__uint_as_float(a_frag148[0u] << 16u) * k_scale155, __uint_as_float(a_frag148[0u] & 4294901760u) * k_scale156);
-            a_frag148[1u] = pack_bf16x2(__uint_as_float(a_frag148[1u] << 16u) * k_scale155, __uint_as_float(a_frag148[1u] & 4294901760u) * k_scale156);
-            a_frag148[2u] = pack_bf16x2(__uint_as_float(a_frag148[2u] << 16u) * k_scale157, __uint_as_float(a_frag148[2u] & 4294901760u) * k_scale158);
-            a_frag148[3u] = pack_bf16x2(__uint_as_float(a_frag148[3u] << 16u) * k_scale157, __uint_as_float(a_frag148[3u] & 4294901760u) * k_scale158);
-            #pragma unroll
-            for (unsigned np153 = 0u; np153 < 1u; np153 += 1u) {
-                ldmatrix_x2_trans(&b_raw150[0u], kv_latent + (stage * 4224u) + (((kk151 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np153 * 16u)) >> 2u));
-                b_frag149[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw150[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw150[0u] >> 16u) & 255u))));
-                b_frag149[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw150[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw150[1u] >> 16u) & 255u))));
-                b_frag149[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw150[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw150[0u] >> 24u) & 255u))));
-                b_frag149[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw150[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw150[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi152 = 0u; mi152 < 1u; mi152 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi152 * 2u) + (np153 * 2u)) * 4u], &a_frag148[mi152 * 4u], &b_frag149[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi152 = 0u; mi152 < 1u; mi152 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi152 * 2u) + ((np153 * 2u) + 1u)) * 4u], &a_frag148[mi152 * 4u], &b_frag149[2u]);
+                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi162 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[2u]);
                 }
             }
         }
-        const unsigned a_lane_word165 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word172 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk162 = 0u; kk162 < 2u; kk162 += 1u) {
+        for (unsigned kk169 = 0u; kk169 < 2u; kk169 += 1u) {
             #pragma unroll
-            for (unsigned mi163 = 0u; mi163 < 1u; mi163 += 1u) {
-                ldmatrix_x4(&a_frag159[mi163 * 4u], p_tile + a_lane_word165 + (mi163 * 320u) + (kk162 * 8u));
+            for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
+                ldmatrix_x4(&a_frag166[mi170 * 4u], p_tile + a_lane_word172 + (mi170 * 320u) + (kk169 * 8u));
             }
-            const float k_scale166 = kv_scales[((stage * 128u) + (((kk162 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale167 = kv_scales[((stage * 128u) + ((((kk162 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale168 = kv_scales[((stage * 128u) + ((((kk162 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale169 = kv_scales[((stage * 128u) + ((((kk162 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag159[0u] = pack_bf16x2(__uint_as_float(a_frag159[0u] << 16u) * k_scale166, __uint_as_float(a_frag159[0u] & 4294901760u) * k_scale167);
-            a_frag159[1u] = pack_bf16x2(__uint_as_float(a_frag159[1u] << 16u) * k_scale166, __uint_as_float(a_frag159[1u] & 4294901760u) * k_scale167);
-            a_frag159[2u] = pack_bf16x2(__uint_as_float(a_frag159[2u] << 16u) * k_scale168, __uint_as_float(a_frag159[2u] & 4294901760u) * k_scale169);
-            a_frag159[3u] = pack_bf16x2(__uint_as_float(a_frag159[3u] << 16u) * k_scale168, __uint_as_float(a_frag159[3u] & 4294901760u) * k_scale169);
+            const float k_scale173 = kv_scales[((stage * 128u) + (((kk169 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag166[0u] = pack_bf16x2(__uint_as_float(a_frag166[0u] << 16u) * k_scale173, __uint_as_float(a_frag166[0u] & 4294901760u) * k_scale174);
+            a_frag166[1u] = pack_bf16x2(__uint_as_float(a_frag166[1u] << 16u) * k_scale173, __uint_as_float(a_frag166[1u] & 4294901760u) * k_scale174);
+            a_frag166[2u] = pack_bf16x2(__uint_as_float(a_frag166[2u] << 16u) * k_scale175, __uint_as_float(a_frag166[2u] & 4294901760u) * k_scale176);
+            a_frag166[3u] = pack_bf16x2(__uint_as_float(a_frag166[3u] << 16u) * k_scale175, __uint_as_float(a_frag166[3u] & 4294901760u) * k_scale176);
             #pragma unroll
-            for (unsigned np164 = 0u; np164 < 1u; np164 += 1u) {
-                ldmatrix_x2_trans(&b_raw161[0u], kv_latent + (stage * 4224u) + (((kk162 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np164 * 16u)) >> 2u));
-                b_frag160[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw161[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw161[0u] >> 16u) & 255u))));
-                b_frag160[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw161[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw161[1u] >> 16u) & 255u))));
-                b_frag160[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw161[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw161[0u] >> 24u) & 255u))));
-                b_frag160[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw161[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw161[1u] >> 24u) & 255u))));
+            for (unsigned np171 = 0u; np171 < 1u; np171 += 1u) {
+                ldmatrix_x2_trans(&b_raw168[0u], kv_latent + (stage * 4224u) + (((kk169 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np171 * 16u)) >> 2u));
+                b_frag167[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw168[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 16u) & 255u))));
+                b_frag167[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw168[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 16u) & 255u))));
+                b_frag167[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 24u) & 255u))));
+                b_frag167[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi163 = 0u; mi163 < 1u; mi163 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi163 * 2u) + (np164 * 2u)) * 4u], &a_frag159[mi163 * 4u], &b_frag160[0u]);
+                for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi170 * 2u) + (np171 * 2u)) * 4u], &a_frag166[mi170 * 4u], &b_frag167[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi163 = 0u; mi163 < 1u; mi163 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi163 * 2u) + ((np164 * 2u) + 1u)) * 4u], &a_frag159[mi163 * 4u], &b_frag160[2u]);
+                for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi170 * 2u) + ((np171 * 2u) + 1u)) * 4u], &a_frag166[mi170 * 4u], &b_frag167[2u]);
                 }
             }
         }
-        const unsigned a_lane_word176 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word183 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk173 = 0u; kk173 < 2u; kk173 += 1u) {
+        for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
             #pragma unroll
-            for (unsigned mi174 = 0u; mi174 < 1u; mi174 += 1u) {
-                ldmatrix_x4(&a_frag170[mi174 * 4u], p_tile + a_lane_word176 + (mi174 * 320u) + (kk173 * 8u));
+            for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
+                ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
             }
-            const float k_scale177 = kv_scales[((stage * 128u) + (((kk173 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale178 = kv_scales[((stage * 128u) + ((((kk173 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale179 = kv_scales[((stage * 128u) + ((((kk173 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale180 = kv_scales[((stage * 128u) + ((((kk173 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag170[0u] = pack_bf16x2(__uint_as_float(a_frag170[0u] << 16u) * k_scale177, __uint_as_float(a_frag170[0u] & 4294901760u) * k_scale178);
-            a_frag170[1u] = pack_bf16x2(__uint_as_float(a_frag170[1u] << 16u) * k_scale177, __uint_as_float(a_frag170[1u] & 4294901760u) * k_scale178);
-            a_frag170[2u] = pack_bf16x2(__uint_as_float(a_frag170[2u] << 16u) * k_scale179, __uint_as_float(a_frag170[2u] & 4294901760u) * k_scale180);
-            a_frag170[3u] = pack_bf16x2(__uint_as_float(a_frag170[3u] << 16u) * k_scale179, __uint_as_float(a_frag170[3u] & 4294901760u) * k_scale180);
+            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
+            a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
+            a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
+            a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
             #pragma unroll
-            for (unsigned np175 = 0u; np175 < 1u; np175 += 1u) {
-                ldmatrix_x2_trans(&b_raw172[0u], kv_latent + (stage * 4224u) + (((kk173 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np175 * 16u)) >> 2u));
-                b_frag171[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw172[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw172[0u] >> 16u) & 255u))));
-                b_frag171[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw172[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw172[1u] >> 16u) & 255u))));
-                b_frag171[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw172[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw172[0u] >> 24u) & 255u))));
-                b_frag171[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw172[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw172[1u] >> 24u) & 255u))));
+            for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
+                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np182 * 16u)) >> 2u));
+                b_frag178[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 16u) & 255u))));
+                b_frag178[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 16u) & 255u))));
+                b_frag178[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 24u) & 255u))));
+                b_frag178[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi174 = 0u; mi174 < 1u; mi174 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi174 * 2u) + (np175 * 2u)) * 4u], &a_frag170[mi174 * 4u], &b_frag171[0u]);
+                for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi174 = 0u; mi174 < 1u; mi174 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi174 * 2u) + ((np175 * 2u) + 1u)) * 4u], &a_frag170[mi174 * 4u], &b_frag171[2u]);
+                for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word194 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk191 = 0u; kk191 < 2u; kk191 += 1u) {
+            #pragma unroll
+            for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
+                ldmatrix_x4(&a_frag188[mi192 * 4u], p_tile + a_lane_word194 + (mi192 * 320u) + (kk191 * 8u));
+            }
+            const float k_scale195 = kv_scales[((stage * 128u) + (((kk191 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale196 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale197 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale198 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag188[0u] = pack_bf16x2(__uint_as_float(a_frag188[0u] << 16u) * k_scale195, __uint_as_float(a_frag188[0u] & 4294901760u) * k_scale196);
+            a_frag188[1u] = pack_bf16x2(__uint_as_float(a_frag188[1u] << 16u) * k_scale195, __uint_as_float(a_frag188[1u] & 4294901760u) * k_scale196);
+            a_frag188[2u] = pack_bf16x2(__uint_as_float(a_frag188[2u] << 16u) * k_scale197, __uint_as_float(a_frag188[2u] & 4294901760u) * k_scale198);
+            a_frag188[3u] = pack_bf16x2(__uint_as_float(a_frag188[3u] << 16u) * k_scale197, __uint_as_float(a_frag188[3u] & 4294901760u) * k_scale198);
+            #pragma unroll
+            for (unsigned np193 = 0u; np193 < 1u; np193 += 1u) {
+                ldmatrix_x2_trans(&b_raw190[0u], kv_latent + (stage * 4224u) + (((kk191 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np193 * 16u)) >> 2u));
+                b_frag189[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw190[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 16u) & 255u))));
+                b_frag189[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw190[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 16u) & 255u))));
+                b_frag189[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 24u) & 255u))));
+                b_frag189[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 24u) & 255u))));
+                #pragma unroll
+                for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi192 * 2u) + (np193 * 2u)) * 4u], &a_frag188[mi192 * 4u], &b_frag189[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi192 * 2u) + ((np193 * 2u) + 1u)) * 4u], &a_frag188[mi192 * 4u], &b_frag189[2u]);
                 }
             }
         }
@@ -1211,20 +1254,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi182 = 0u; mi182 < 1u; mi182 += 1u) {
+        for (unsigned mi200 = 0u; mi200 < 1u; mi200 += 1u) {
             #pragma unroll
-            for (unsigned half183 = 0u; half183 < 2u; half183 += 1u) {
-                float row_sum181 = row_sum_part[(mi182 * 2u) + half183];
-                const float other184 = shfl_xor_f32(row_sum181, 1);
-                row_sum181 = row_sum181 + other184;
-                const float other185 = shfl_xor_f32(row_sum181, 2);
-                row_sum181 = row_sum181 + other185;
+            for (unsigned half201 = 0u; half201 < 2u; half201 += 1u) {
+                float row_sum199 = row_sum_part[(mi200 * 2u) + half201];
+                const float other202 = shfl_xor_f32(row_sum199, 1);
+                row_sum199 = row_sum199 + other202;
+                const float other203 = shfl_xor_f32(row_sum199, 2);
+                row_sum199 = row_sum199 + other203;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi182 * 16u)) + ((half183 * 8u) + lane_group)] = row_sum181;
-                    row_max[(scores_row0 + (mi182 * 16u)) + ((half183 * 8u) + lane_group)] = row_max_reg[(mi182 * 2u) + half183];
+                    row_exchange[(((scores_row0 + (mi200 * 16u)) + ((half201 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum199;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi205 = 0u; mi205 < 1u; mi205 += 1u) {
+            #pragma unroll
+            for (unsigned half206 = 0u; half206 < 2u; half206 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum204 = row_exchange[((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u];
+                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)] = row_sum204;
+                    row_max[(scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)] = row_max_reg[(mi205 * 2u) + half206];
                 }
             }
         }
@@ -1233,15 +1291,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag186 = 0u; frag186 < 1u; frag186 += 1u) {
+    for (unsigned frag207 = 0u; frag207 < 1u; frag207 += 1u) {
         #pragma unroll
-        for (unsigned half187 = 0u; half187 < 2u; half187 += 1u) {
+        for (unsigned half208 = 0u; half208 < 2u; half208 += 1u) {
             #pragma unroll
-            for (unsigned e188 = 0u; e188 < 2u; e188 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag186 / 1u) * 16u)) + ((half187 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag186 % 1u) * 16u)) + ((lane_quad * 4u) + (e188 * 2u));
-                float v0_6 = o_acc[((((frag186 / 1u) * 2u) + ((frag186 % 1u) * 2u)) * 4u) + ((half187 * 2u) + e188)];
-                float v1_6 = o_acc[(((((frag186 / 1u) * 2u) + ((frag186 % 1u) * 2u)) + 1u) * 4u) + ((half187 * 2u) + e188)];
+            for (unsigned e209 = 0u; e209 < 2u; e209 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag207 / 1u) * 16u)) + ((half208 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag207 % 1u) * 16u)) + ((lane_quad * 4u) + (e209 * 2u));
+                float v0_6 = o_acc[((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) * 4u) + ((half208 * 2u) + e209)];
+                float v1_6 = o_acc[(((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) + 1u) * 4u) + ((half208 * 2u) + e209)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
@@ -1250,21 +1308,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at] = v0_6 * inv_l;
                     o_part[at + 1u] = v1_6 * inv_l;
                 }
-                o_acc[((((frag186 / 1u) * 2u) + ((frag186 % 1u) * 2u)) * 4u) + ((half187 * 2u) + e188)] = v0_6;
-                o_acc[(((((frag186 / 1u) * 2u) + ((frag186 % 1u) * 2u)) + 1u) * 4u) + ((half187 * 2u) + e188)] = v1_6;
+                o_acc[((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) * 4u) + ((half208 * 2u) + e209)] = v0_6;
+                o_acc[(((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) + 1u) * 4u) + ((half208 * 2u) + e209)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag189 = 0u; frag189 < 1u; frag189 += 1u) {
+    for (unsigned frag210 = 0u; frag210 < 1u; frag210 += 1u) {
         #pragma unroll
-        for (unsigned half190 = 0u; half190 < 2u; half190 += 1u) {
+        for (unsigned half211 = 0u; half211 < 2u; half211 += 1u) {
             #pragma unroll
-            for (unsigned e191 = 0u; e191 < 2u; e191 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag189 / 1u) * 16u)) + ((half190 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag189 % 1u) * 16u)) + ((lane_quad * 4u) + (e191 * 2u));
-                float v0_7 = o_acc_1[((((frag189 / 1u) * 2u) + ((frag189 % 1u) * 2u)) * 4u) + ((half190 * 2u) + e191)];
-                float v1_7 = o_acc_1[(((((frag189 / 1u) * 2u) + ((frag189 % 1u) * 2u)) + 1u) * 4u) + ((half190 * 2u) + e191)];
+            for (unsigned e212 = 0u; e212 < 2u; e212 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag210 / 1u) * 16u)) + ((half211 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag210 % 1u) * 16u)) + ((lane_quad * 4u) + (e212 * 2u));
+                float v0_7 = o_acc_1[((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) * 4u) + ((half211 * 2u) + e212)];
+                float v1_7 = o_acc_1[(((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) + 1u) * 4u) + ((half211 * 2u) + e212)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
@@ -1273,21 +1331,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_1] = v0_7 * inv_l_1;
                     o_part[at_1 + 1u] = v1_7 * inv_l_1;
                 }
-                o_acc_1[((((frag189 / 1u) * 2u) + ((frag189 % 1u) * 2u)) * 4u) + ((half190 * 2u) + e191)] = v0_7;
-                o_acc_1[(((((frag189 / 1u) * 2u) + ((frag189 % 1u) * 2u)) + 1u) * 4u) + ((half190 * 2u) + e191)] = v1_7;
+                o_acc_1[((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) * 4u) + ((half211 * 2u) + e212)] = v0_7;
+                o_acc_1[(((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) + 1u) * 4u) + ((half211 * 2u) + e212)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag192 = 0u; frag192 < 1u; frag192 += 1u) {
+    for (unsigned frag213 = 0u; frag213 < 1u; frag213 += 1u) {
         #pragma unroll
-        for (unsigned half193 = 0u; half193 < 2u; half193 += 1u) {
+        for (unsigned half214 = 0u; half214 < 2u; half214 += 1u) {
             #pragma unroll
-            for (unsigned e194 = 0u; e194 < 2u; e194 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag192 / 1u) * 16u)) + ((half193 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag192 % 1u) * 16u)) + ((lane_quad * 4u) + (e194 * 2u));
-                float v0_8 = o_acc_2[((((frag192 / 1u) * 2u) + ((frag192 % 1u) * 2u)) * 4u) + ((half193 * 2u) + e194)];
-                float v1_8 = o_acc_2[(((((frag192 / 1u) * 2u) + ((frag192 % 1u) * 2u)) + 1u) * 4u) + ((half193 * 2u) + e194)];
+            for (unsigned e215 = 0u; e215 < 2u; e215 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag213 / 1u) * 16u)) + ((half214 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag213 % 1u) * 16u)) + ((lane_quad * 4u) + (e215 * 2u));
+                float v0_8 = o_acc_2[((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) * 4u) + ((half214 * 2u) + e215)];
+                float v1_8 = o_acc_2[(((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) + 1u) * 4u) + ((half214 * 2u) + e215)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
@@ -1296,21 +1354,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_2] = v0_8 * inv_l_2;
                     o_part[at_2 + 1u] = v1_8 * inv_l_2;
                 }
-                o_acc_2[((((frag192 / 1u) * 2u) + ((frag192 % 1u) * 2u)) * 4u) + ((half193 * 2u) + e194)] = v0_8;
-                o_acc_2[(((((frag192 / 1u) * 2u) + ((frag192 % 1u) * 2u)) + 1u) * 4u) + ((half193 * 2u) + e194)] = v1_8;
+                o_acc_2[((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) * 4u) + ((half214 * 2u) + e215)] = v0_8;
+                o_acc_2[(((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) + 1u) * 4u) + ((half214 * 2u) + e215)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag195 = 0u; frag195 < 1u; frag195 += 1u) {
+    for (unsigned frag216 = 0u; frag216 < 1u; frag216 += 1u) {
         #pragma unroll
-        for (unsigned half196 = 0u; half196 < 2u; half196 += 1u) {
+        for (unsigned half217 = 0u; half217 < 2u; half217 += 1u) {
             #pragma unroll
-            for (unsigned e197 = 0u; e197 < 2u; e197 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag195 / 1u) * 16u)) + ((half196 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag195 % 1u) * 16u)) + ((lane_quad * 4u) + (e197 * 2u));
-                float v0_9 = o_acc_3[((((frag195 / 1u) * 2u) + ((frag195 % 1u) * 2u)) * 4u) + ((half196 * 2u) + e197)];
-                float v1_9 = o_acc_3[(((((frag195 / 1u) * 2u) + ((frag195 % 1u) * 2u)) + 1u) * 4u) + ((half196 * 2u) + e197)];
+            for (unsigned e218 = 0u; e218 < 2u; e218 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag216 / 1u) * 16u)) + ((half217 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag216 % 1u) * 16u)) + ((lane_quad * 4u) + (e218 * 2u));
+                float v0_9 = o_acc_3[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)];
+                float v1_9 = o_acc_3[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
@@ -1319,8 +1377,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_3] = v0_9 * inv_l_3;
                     o_part[at_3 + 1u] = v1_9 * inv_l_3;
                 }
-                o_acc_3[((((frag195 / 1u) * 2u) + ((frag195 % 1u) * 2u)) * 4u) + ((half196 * 2u) + e197)] = v0_9;
-                o_acc_3[(((((frag195 / 1u) * 2u) + ((frag195 % 1u) * 2u)) + 1u) * 4u) + ((half196 * 2u) + e197)] = v1_9;
+                o_acc_3[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)] = v0_9;
+                o_acc_3[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)] = v1_9;
             }
         }
     }

@@ -10,9 +10,9 @@
 // One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-// mbarrier ring: 4 stages; warp 7 also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+// mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 94912 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 95104 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -35,7 +35,7 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512]
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 94912 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 95104 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -259,53 +259,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)(dyn_smem + 68480); // [512]
     unsigned* const kv_rope = (unsigned*)(dyn_smem + 70528); // [4608]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 88960); // [320]
-    float* const row_exchange = (float*)(dyn_smem + 90240); // [16]
-    float* const split_k_partials = (float*)(dyn_smem + 90304); // [1152]
-    float scores[16];
+    float* const row_exchange = (float*)(dyn_smem + 90240); // [64]
+    float* const split_k_partials = (float*)(dyn_smem + 90496); // [1152]
+    float scores[4];
     float o_acc[8];
     float o_acc_1[8];
     float o_acc_2[8];
     float o_acc_3[8];
-    float scores_part[4];
-    float scores_term[4];
+    float scores_part[8];
+    float scores_term[8];
     unsigned q_tile_a0[16];
     unsigned q_tile_a1[16];
     unsigned q_tile_a2[16];
     unsigned q_tile_a3[16];
     unsigned q_tile_a4[8];
-    int kv_latent_src[1];
-    int kv_scales_src[1];
-    int kv_rope_src[1];
+    int kv_latent_pre[1];
+    int kv_scales_pre[1];
+    int kv_rope_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag63[4];
-    unsigned b_frag64[4];
-    unsigned b_raw65[2];
-    unsigned a_frag75[4];
-    unsigned b_frag76[4];
-    unsigned b_raw77[2];
-    unsigned a_frag87[4];
-    unsigned b_frag88[4];
-    unsigned b_raw89[2];
-    unsigned a_frag98[4];
-    unsigned b_frag99[4];
-    unsigned b_raw100[2];
-    unsigned a_frag139[4];
-    unsigned b_frag140[4];
-    unsigned b_raw141[2];
-    unsigned a_frag147[4];
-    unsigned b_frag148[4];
-    unsigned b_raw149[2];
-    unsigned a_frag158[4];
-    unsigned b_frag159[4];
-    unsigned b_raw160[2];
-    unsigned a_frag169[4];
-    unsigned b_frag170[4];
-    unsigned b_raw171[2];
+    unsigned a_frag65[4];
+    unsigned b_frag66[4];
+    unsigned b_raw67[2];
+    unsigned a_frag81[4];
+    unsigned b_frag82[4];
+    unsigned b_raw83[2];
+    unsigned a_frag97[4];
+    unsigned b_frag98[4];
+    unsigned b_raw99[2];
+    unsigned a_frag112[4];
+    unsigned b_frag113[4];
+    unsigned b_raw114[2];
+    unsigned a_frag157[4];
+    unsigned b_frag158[4];
+    unsigned b_raw159[2];
+    unsigned a_frag165[4];
+    unsigned b_frag166[4];
+    unsigned b_raw167[2];
+    unsigned a_frag176[4];
+    unsigned b_frag177[4];
+    unsigned b_raw178[2];
+    unsigned a_frag187[4];
+    unsigned b_frag188[4];
+    unsigned b_raw189[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -316,9 +316,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned lane_c8 = (lane >> 4u) << 3u;
     const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
-    const unsigned scores_wn = warp % 1u;
-    const unsigned scores_row0 = (warp / 1u) * 16u;
-    const unsigned scores_col0 = scores_wn * 32u;
+    const unsigned scores_wn = warp % 4u;
+    const unsigned scores_row0 = (warp / 4u) * 16u;
+    const unsigned scores_col0 = scores_wn * 8u;
     const unsigned o_acc_wn = warp % 8u;
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 16u;
@@ -338,25 +338,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i197 = threadIdx.x; zero_i197 < 4608u; zero_i197 += 256u) {
-        kv_rope[zero_i197] = 0u;
+    for (unsigned zero_i218 = threadIdx.x; zero_i218 < 4608u; zero_i218 += 256u) {
+        kv_rope[zero_i218] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i198 = threadIdx.x; zero_i198 < 512u; zero_i198 += 256u) {
-        kv_scales[zero_i198] = 0.0f;
+    for (unsigned zero_i219 = threadIdx.x; zero_i219 < 512u; zero_i219 += 256u) {
+        kv_scales[zero_i219] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i199 = threadIdx.x; zero_i199 < 144u; zero_i199 += 256u) {
-        row_valid[zero_i199] = 0.0f;
+    for (unsigned zero_i220 = threadIdx.x; zero_i220 < 144u; zero_i220 += 256u) {
+        row_valid[zero_i220] = 0.0f;
     }
     if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 32);
+        mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 8u, 8);
-        mbar_init(ring_barriers + 2u, 32);
+        mbar_init(ring_barriers + 2u, 128);
         mbar_init(ring_barriers + 10u, 8);
-        mbar_init(ring_barriers + 4u, 32);
+        mbar_init(ring_barriers + 4u, 128);
         mbar_init(ring_barriers + 12u, 8);
-        mbar_init(ring_barriers + 6u, 32);
+        mbar_init(ring_barriers + 6u, 128);
         mbar_init(ring_barriers + 14u, 8);
     }
     fence_proxy_async();
@@ -473,38 +473,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     const unsigned step_count = steps;
 
-    // pipeline step: 4-stage mbarrier ring; the last warp issues the first 3 steps
-    if (warp == 7u) {
+    // pipeline step: 4-stage mbarrier ring; the producer warps issue the first 3 steps
+    if (warp >= 4u) {
         if (0u < step_count) {
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = lane + (slot * 32u);
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot] = -1;
+                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                const unsigned gather_row5 = lane + (slot4 * 32u);
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
                 if (gather_row5 < 32u) {
                     const unsigned row_2 = gather_row5;
-                    kv_scales_src[slot4] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot4] = -1;
+                    kv_scales_pre[slot4] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = lane + (slot6 * 32u);
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_3 = gather_row7;
-                    kv_rope_src[slot6] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot6] = -1;
+                    kv_rope_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -512,11 +506,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage = 0u % 4u;
             #pragma unroll
             for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = lane + (slot8 * 32u);
+                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
-                    const int src_i32 = kv_latent_src[slot8];
-                    const int src_i3210 = kv_scales_src[slot8];
-                    const int src_i3211 = kv_rope_src[slot8];
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row9;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot8] >= 0)) && (((unsigned)kv_latent_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot8]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row9;
+                    const int src_i3210 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot8] >= 0)) && (((unsigned)kv_scales_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row9;
+                    const int src_i3211 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot8] >= 0)) && (((unsigned)kv_rope_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot8]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage * 36u) + gather_row9] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_latent + (load_stage * 4224u) + (gather_row9 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
@@ -535,32 +533,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 1u;
             #pragma unroll
             for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                const unsigned gather_row13 = lane + (slot12 * 32u);
+                const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
                 if (gather_row13 < 32u) {
                     const unsigned row_1 = gather_row13;
-                    kv_latent_src[slot12] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot12] = -1;
+                    kv_latent_pre[slot12] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = lane + (slot14 * 32u);
+                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_2 = gather_row15;
-                    kv_scales_src[slot14] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot14] = -1;
+                    kv_scales_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = lane + (slot16 * 32u);
+                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_3 = gather_row17;
-                    kv_rope_src[slot16] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot16] = -1;
+                    kv_rope_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -568,11 +560,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage18 = 1u % 4u;
             #pragma unroll
             for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
-                const unsigned gather_row20 = lane + (slot19 * 32u);
+                const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
                 if (gather_row20 < 32u) {
-                    const int src_i3221 = kv_latent_src[slot19];
-                    const int src_i3222 = kv_scales_src[slot19];
-                    const int src_i3223 = kv_rope_src[slot19];
+                    const unsigned step = 1u;
+                    const unsigned row_1 = gather_row20;
+                    const int src_i3221 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot19] >= 0)) && (((unsigned)kv_latent_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot19]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row20;
+                    const int src_i3222 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot19] >= 0)) && (((unsigned)kv_scales_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot19]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row20;
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot19] >= 0)) && (((unsigned)kv_rope_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot19]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage18 * 36u) + gather_row20] = (src_i3221 >= 0) ? 1.0f : 0.0f;
                     if (src_i3221 >= 0) {
                         copy_async(kv_latent + (load_stage18 * 4224u) + (gather_row20 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3221), 512u, ring_barriers + (load_stage18 * 2u));
@@ -591,32 +587,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 2u;
             #pragma unroll
             for (unsigned slot24 = 0u; slot24 < 1u; slot24 += 1u) {
-                const unsigned gather_row25 = lane + (slot24 * 32u);
+                const unsigned gather_row25 = ((warp - 4u) + (lane * 4u)) + (slot24 * 128u);
                 if (gather_row25 < 32u) {
                     const unsigned row_1 = gather_row25;
-                    kv_latent_src[slot24] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot24] = -1;
+                    kv_latent_pre[slot24] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = lane + (slot26 * 32u);
+                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_2 = gather_row27;
-                    kv_scales_src[slot26] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot26] = -1;
+                    kv_scales_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = lane + (slot28 * 32u);
+                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_3 = gather_row29;
-                    kv_rope_src[slot28] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot28] = -1;
+                    kv_rope_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -624,11 +614,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned load_stage30 = 2u % 4u;
             #pragma unroll
             for (unsigned slot31 = 0u; slot31 < 1u; slot31 += 1u) {
-                const unsigned gather_row32 = lane + (slot31 * 32u);
+                const unsigned gather_row32 = ((warp - 4u) + (lane * 4u)) + (slot31 * 128u);
                 if (gather_row32 < 32u) {
-                    const int src_i3233 = kv_latent_src[slot31];
-                    const int src_i3234 = kv_scales_src[slot31];
-                    const int src_i3235 = kv_rope_src[slot31];
+                    const unsigned step = 2u;
+                    const unsigned row_1 = gather_row32;
+                    const int src_i3233 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot31] >= 0)) && (((unsigned)kv_latent_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot31]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const unsigned row_2 = gather_row32;
+                    const int src_i3234 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot31] >= 0)) && (((unsigned)kv_scales_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot31]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row32;
+                    const int src_i3235 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot31] >= 0)) && (((unsigned)kv_rope_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot31]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                     row_valid[(load_stage30 * 36u) + gather_row32] = (src_i3233 >= 0) ? 1.0f : 0.0f;
                     if (src_i3233 >= 0) {
                         copy_async(kv_latent + (load_stage30 * 4224u) + (gather_row32 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3233), 512u, ring_barriers + (load_stage30 * 2u));
@@ -647,32 +641,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 3u;
             #pragma unroll
             for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                const unsigned gather_row37 = lane + (slot36 * 32u);
+                const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
                 if (gather_row37 < 32u) {
                     const unsigned row_1 = gather_row37;
-                    kv_latent_src[slot36] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                } else {
-                    kv_latent_src[slot36] = -1;
+                    kv_latent_pre[slot36] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot38 = 0u; slot38 < 1u; slot38 += 1u) {
-                const unsigned gather_row39 = lane + (slot38 * 32u);
+                const unsigned gather_row39 = ((warp - 4u) + (lane * 4u)) + (slot38 * 128u);
                 if (gather_row39 < 32u) {
                     const unsigned row_2 = gather_row39;
-                    kv_scales_src[slot38] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                } else {
-                    kv_scales_src[slot38] = -1;
+                    kv_scales_pre[slot38] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                 }
             }
             #pragma unroll
             for (unsigned slot40 = 0u; slot40 < 1u; slot40 += 1u) {
-                const unsigned gather_row41 = lane + (slot40 * 32u);
+                const unsigned gather_row41 = ((warp - 4u) + (lane * 4u)) + (slot40 * 128u);
                 if (gather_row41 < 32u) {
                     const unsigned row_3 = gather_row41;
-                    kv_rope_src[slot40] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                } else {
-                    kv_rope_src[slot40] = -1;
+                    kv_rope_pre[slot40] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                 }
             }
         }
@@ -686,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
         }
     }
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
         for (unsigned mi42 = 0u; mi42 < 1u; mi42 += 1u) {
             #pragma unroll
@@ -696,9 +684,240 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
+        const unsigned step = step_i;
+        const unsigned stage = step_i % 4u;
 
-        // pipeline step: the producer warp issues the rows 3 steps ahead
-        if (warp == 7u) {
+        // pipeline step: wait for this step's rows, compute
+        mbar_wait(ring_barriers + (stage * 2u), (step_i / 4u) & 1u);
+
+        // scores S = q . K^T over the full d_qk
+        #pragma unroll
+        for (unsigned fill_i56 = 0u; fill_i56 < 4u; fill_i56 += 1u) {
+            scores[fill_i56] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e = 0u; e < 4u; e += 1u) {
+            scores_part[e] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned e57 = 0u; e57 < 4u; e57 += 1u) {
+            scores_term[e57] = 0.0f;
+        }
+        const unsigned n_first = (warp / 2u) * 8u;
+        const unsigned k_first = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e59 = 0u; e59 < 4u; e59 += 1u) {
+            scores_term[4u + e59] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
+            #pragma unroll
+            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                const unsigned kk = (kk_pair * 2u) + chain;
+                #pragma unroll
+                for (unsigned nj = 0u; nj < 1u; nj += 1u) {
+                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
+                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
+                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain * 4u) + ((mi58 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
+            scores_term[e60] = scores_term[e60] + scores_term[4u + e60];
+        }
+        #pragma unroll
+        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
+            #pragma unroll
+            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e61] = fmaf(scores_term[(frag * 4u) + e61], row_scale, scores_part[(frag * 4u) + e61]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
+            scores_term[e62] = 0.0f;
+        }
+        const unsigned n_first63 = (warp / 2u) * 8u;
+        const unsigned k_first64 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
+            scores_term[4u + e73] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair71 = 0u; kk_pair71 < 2u; kk_pair71 += 1u) {
+            #pragma unroll
+            for (unsigned chain72 = 0u; chain72 < 2u; chain72 += 1u) {
+                const unsigned kk68 = (kk_pair71 * 2u) + chain72;
+                #pragma unroll
+                for (unsigned nj70 = 0u; nj70 < 1u; nj70 += 1u) {
+                    ldmatrix_x1(&b_raw67[0u], kv_latent + (stage * 4224u) + (((n_first63 + (nj70 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first64 + kk68) * 4u));
+                    b_frag66[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw67[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 8u) & 255u))));
+                    b_frag66[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi69 = 0u; mi69 < 1u; mi69 += 1u) {
+                        a_frag65[0u] = q_tile_a1[((mi69 * 4u) + kk68) * 4u];
+                        a_frag65[1u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 1u];
+                        a_frag65[2u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 2u];
+                        a_frag65[3u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain72 * 4u) + ((mi69 + nj70) * 4u)], &a_frag65[0u], &b_frag66[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e74 = 0u; e74 < 4u; e74 += 1u) {
+            scores_term[e74] = scores_term[e74] + scores_term[4u + e74];
+        }
+        #pragma unroll
+        for (unsigned frag75 = 0u; frag75 < 1u; frag75 += 1u) {
+            #pragma unroll
+            for (unsigned e76 = 0u; e76 < 4u; e76 += 1u) {
+                const float row_scale77 = kv_scales[((stage * 128u) + (((n_first63 + ((frag75 % 1u) * 8u)) + ((lane_quad * 2u) + (e76 & 1u))) * 4u)) + 1u];
+                scores_part[(frag75 * 4u) + e76] = fmaf(scores_term[(frag75 * 4u) + e76], row_scale77, scores_part[(frag75 * 4u) + e76]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e78 = 0u; e78 < 4u; e78 += 1u) {
+            scores_term[e78] = 0.0f;
+        }
+        const unsigned n_first79 = (warp / 2u) * 8u;
+        const unsigned k_first80 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e89 = 0u; e89 < 4u; e89 += 1u) {
+            scores_term[4u + e89] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair87 = 0u; kk_pair87 < 2u; kk_pair87 += 1u) {
+            #pragma unroll
+            for (unsigned chain88 = 0u; chain88 < 2u; chain88 += 1u) {
+                const unsigned kk84 = (kk_pair87 * 2u) + chain88;
+                #pragma unroll
+                for (unsigned nj86 = 0u; nj86 < 1u; nj86 += 1u) {
+                    ldmatrix_x1(&b_raw83[0u], kv_latent + (stage * 4224u) + (((n_first79 + (nj86 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first80 + kk84) * 4u));
+                    b_frag82[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw83[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 8u) & 255u))));
+                    b_frag82[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi85 = 0u; mi85 < 1u; mi85 += 1u) {
+                        a_frag81[0u] = q_tile_a2[((mi85 * 4u) + kk84) * 4u];
+                        a_frag81[1u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 1u];
+                        a_frag81[2u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 2u];
+                        a_frag81[3u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain88 * 4u) + ((mi85 + nj86) * 4u)], &a_frag81[0u], &b_frag82[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e90 = 0u; e90 < 4u; e90 += 1u) {
+            scores_term[e90] = scores_term[e90] + scores_term[4u + e90];
+        }
+        #pragma unroll
+        for (unsigned frag91 = 0u; frag91 < 1u; frag91 += 1u) {
+            #pragma unroll
+            for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
+                const float row_scale93 = kv_scales[((stage * 128u) + (((n_first79 + ((frag91 % 1u) * 8u)) + ((lane_quad * 2u) + (e92 & 1u))) * 4u)) + 2u];
+                scores_part[(frag91 * 4u) + e92] = fmaf(scores_term[(frag91 * 4u) + e92], row_scale93, scores_part[(frag91 * 4u) + e92]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
+            scores_term[e94] = 0.0f;
+        }
+        const unsigned n_first95 = (warp / 2u) * 8u;
+        const unsigned k_first96 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e105 = 0u; e105 < 4u; e105 += 1u) {
+            scores_term[4u + e105] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair103 = 0u; kk_pair103 < 2u; kk_pair103 += 1u) {
+            #pragma unroll
+            for (unsigned chain104 = 0u; chain104 < 2u; chain104 += 1u) {
+                const unsigned kk100 = (kk_pair103 * 2u) + chain104;
+                #pragma unroll
+                for (unsigned nj102 = 0u; nj102 < 1u; nj102 += 1u) {
+                    ldmatrix_x1(&b_raw99[0u], kv_latent + (stage * 4224u) + (((n_first95 + (nj102 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first96 + kk100) * 4u));
+                    b_frag98[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw99[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 8u) & 255u))));
+                    b_frag98[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 24u) & 255u))));
+                    #pragma unroll
+                    for (unsigned mi101 = 0u; mi101 < 1u; mi101 += 1u) {
+                        a_frag97[0u] = q_tile_a3[((mi101 * 4u) + kk100) * 4u];
+                        a_frag97[1u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 1u];
+                        a_frag97[2u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 2u];
+                        a_frag97[3u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain104 * 4u) + ((mi101 + nj102) * 4u)], &a_frag97[0u], &b_frag98[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
+            scores_term[e106] = scores_term[e106] + scores_term[4u + e106];
+        }
+        #pragma unroll
+        for (unsigned frag107 = 0u; frag107 < 1u; frag107 += 1u) {
+            #pragma unroll
+            for (unsigned e108 = 0u; e108 < 4u; e108 += 1u) {
+                const float row_scale109 = kv_scales[((stage * 128u) + (((n_first95 + ((frag107 % 1u) * 8u)) + ((lane_quad * 2u) + (e108 & 1u))) * 4u)) + 3u];
+                scores_part[(frag107 * 4u) + e108] = fmaf(scores_term[(frag107 * 4u) + e108], row_scale109, scores_part[(frag107 * 4u) + e108]);
+            }
+        }
+        const unsigned n_first110 = (warp / 2u) * 8u;
+        const unsigned k_first111 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e120 = 0u; e120 < 4u; e120 += 1u) {
+            scores_part[4u + e120] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair118 = 0u; kk_pair118 < 1u; kk_pair118 += 1u) {
+            #pragma unroll
+            for (unsigned chain119 = 0u; chain119 < 2u; chain119 += 1u) {
+                const unsigned kk115 = (kk_pair118 * 2u) + chain119;
+                #pragma unroll
+                for (unsigned nj117 = 0u; nj117 < 1u; nj117 += 1u) {
+                    ldmatrix_x2(&b_frag113[0u], kv_rope + (stage * 1152u) + (((n_first110 + (nj117 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first111 + kk115) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi116 = 0u; mi116 < 1u; mi116 += 1u) {
+                        a_frag112[0u] = q_tile_a4[((mi116 * 2u) + kk115) * 4u];
+                        a_frag112[1u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 1u];
+                        a_frag112[2u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 2u];
+                        a_frag112[3u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain119 * 4u) + ((mi116 + nj117) * 4u)], &a_frag112[0u], &b_frag113[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e121 = 0u; e121 < 4u; e121 += 1u) {
+            scores_part[e121] = scores_part[e121] + scores_part[4u + e121];
+        }
+
+        // scale, and mask the entries whose rows had no source
+
+        // scores: split-K partials to shared memory, summed by the warps that hold its rows
+        #pragma unroll
+        for (unsigned frag122 = 0u; frag122 < 1u; frag122 += 1u) {
+            #pragma unroll
+            for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
+                #pragma unroll
+                for (unsigned e124 = 0u; e124 < 2u; e124 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag122 / 1u) * 16u) + (half123 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag122 % 1u) * 8u)) + ((lane_quad * 2u) + e124))] = scores_part[((frag122 * 4u) + (half123 * 2u)) + e124];
+                }
+            }
+        }
+        __syncthreads();
+
+        // pipeline step: the producer warps issue the rows 3 steps ahead
+        if (warp >= 4u) {
             const unsigned ahead = step_i + 3u;
             if (ahead < step_count) {
                 if (step_i >= 1u) {
@@ -707,11 +926,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned load_stage44 = ahead % 4u;
                 #pragma unroll
                 for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                    const unsigned gather_row46 = lane + (slot45 * 32u);
+                    const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                     if (gather_row46 < 32u) {
-                        const int src_i3247 = kv_latent_src[slot45];
-                        const int src_i3248 = kv_scales_src[slot45];
-                        const int src_i3249 = kv_rope_src[slot45];
+                        const unsigned step = ahead;
+                        const unsigned row_1 = gather_row46;
+                        const int src_i3247 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot45] >= 0)) && (((unsigned)kv_latent_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot45]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const unsigned row_2 = gather_row46;
+                        const int src_i3248 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot45] >= 0)) && (((unsigned)kv_scales_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot45]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row46;
+                        const int src_i3249 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot45] >= 0)) && (((unsigned)kv_rope_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot45]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         row_valid[(load_stage44 * 36u) + gather_row46] = (src_i3247 >= 0) ? 1.0f : 0.0f;
                         if (src_i3247 >= 0) {
                             copy_async(kv_latent + (load_stage44 * 4224u) + (gather_row46 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3247), 512u, ring_barriers + (load_stage44 * 2u));
@@ -729,239 +952,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = ahead + 1u;
                     #pragma unroll
                     for (unsigned slot50 = 0u; slot50 < 1u; slot50 += 1u) {
-                        const unsigned gather_row51 = lane + (slot50 * 32u);
+                        const unsigned gather_row51 = ((warp - 4u) + (lane * 4u)) + (slot50 * 128u);
                         if (gather_row51 < 32u) {
                             const unsigned row_1 = gather_row51;
-                            kv_latent_src[slot50] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
-                        } else {
-                            kv_latent_src[slot50] = -1;
+                            kv_latent_pre[slot50] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot52 = 0u; slot52 < 1u; slot52 += 1u) {
-                        const unsigned gather_row53 = lane + (slot52 * 32u);
+                        const unsigned gather_row53 = ((warp - 4u) + (lane * 4u)) + (slot52 * 128u);
                         if (gather_row53 < 32u) {
                             const unsigned row_2 = gather_row53;
-                            kv_scales_src[slot52] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        } else {
-                            kv_scales_src[slot52] = -1;
+                            kv_scales_pre[slot52] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
                         }
                     }
                     #pragma unroll
                     for (unsigned slot54 = 0u; slot54 < 1u; slot54 += 1u) {
-                        const unsigned gather_row55 = lane + (slot54 * 32u);
+                        const unsigned gather_row55 = ((warp - 4u) + (lane * 4u)) + (slot54 * 128u);
                         if (gather_row55 < 32u) {
                             const unsigned row_3 = gather_row55;
-                            kv_rope_src[slot54] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        } else {
-                            kv_rope_src[slot54] = -1;
+                            kv_rope_pre[slot54] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
                         }
                     }
                 }
             }
         }
-        const unsigned step = step_i;
-        const unsigned stage = step_i % 4u;
-
-        // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u), (step_i / 4u) & 1u);
-
-        // scores S = q . K^T over the full d_qk
-        #pragma unroll
-        for (unsigned fill_i56 = 0u; fill_i56 < 16u; fill_i56 += 1u) {
-            scores[fill_i56] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e = 0u; e < 4u; e += 1u) {
-            scores_part[e] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned e57 = 0u; e57 < 4u; e57 += 1u) {
-            scores_term[e57] = 0.0f;
-        }
-        const unsigned n_first = (warp / 2u) * 8u;
-        const unsigned k_first = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk = 0u; kk < 4u; kk += 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+            for (unsigned frag125 = 0u; frag125 < 1u; frag125 += 1u) {
                 #pragma unroll
-                for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi58 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag = 0u; frag < 1u; frag += 1u) {
-            #pragma unroll
-            for (unsigned e59 = 0u; e59 < 4u; e59 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e59 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e59] = fmaf(scores_term[(frag * 4u) + e59], row_scale, scores_part[(frag * 4u) + e59]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
-            scores_term[e60] = 0.0f;
-        }
-        const unsigned n_first61 = (warp / 2u) * 8u;
-        const unsigned k_first62 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk66 = 0u; kk66 < 4u; kk66 += 1u) {
-            #pragma unroll
-            for (unsigned nj68 = 0u; nj68 < 1u; nj68 += 1u) {
-                ldmatrix_x1(&b_raw65[0u], kv_latent + (stage * 4224u) + (((n_first61 + (nj68 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first62 + kk66) * 4u));
-                b_frag64[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw65[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 8u) & 255u))));
-                b_frag64[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw65[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi67 = 0u; mi67 < 1u; mi67 += 1u) {
-                    a_frag63[0u] = q_tile_a1[((mi67 * 4u) + kk66) * 4u];
-                    a_frag63[1u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 1u];
-                    a_frag63[2u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 2u];
-                    a_frag63[3u] = q_tile_a1[(((mi67 * 4u) + kk66) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi67 + nj68) * 4u], &a_frag63[0u], &b_frag64[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag69 = 0u; frag69 < 1u; frag69 += 1u) {
-            #pragma unroll
-            for (unsigned e70 = 0u; e70 < 4u; e70 += 1u) {
-                const float row_scale71 = kv_scales[((stage * 128u) + (((n_first61 + ((frag69 % 1u) * 8u)) + ((lane_quad * 2u) + (e70 & 1u))) * 4u)) + 1u];
-                scores_part[(frag69 * 4u) + e70] = fmaf(scores_term[(frag69 * 4u) + e70], row_scale71, scores_part[(frag69 * 4u) + e70]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e72 = 0u; e72 < 4u; e72 += 1u) {
-            scores_term[e72] = 0.0f;
-        }
-        const unsigned n_first73 = (warp / 2u) * 8u;
-        const unsigned k_first74 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk78 = 0u; kk78 < 4u; kk78 += 1u) {
-            #pragma unroll
-            for (unsigned nj80 = 0u; nj80 < 1u; nj80 += 1u) {
-                ldmatrix_x1(&b_raw77[0u], kv_latent + (stage * 4224u) + (((n_first73 + (nj80 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first74 + kk78) * 4u));
-                b_frag76[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw77[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 8u) & 255u))));
-                b_frag76[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw77[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi79 = 0u; mi79 < 1u; mi79 += 1u) {
-                    a_frag75[0u] = q_tile_a2[((mi79 * 4u) + kk78) * 4u];
-                    a_frag75[1u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 1u];
-                    a_frag75[2u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 2u];
-                    a_frag75[3u] = q_tile_a2[(((mi79 * 4u) + kk78) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi79 + nj80) * 4u], &a_frag75[0u], &b_frag76[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag81 = 0u; frag81 < 1u; frag81 += 1u) {
-            #pragma unroll
-            for (unsigned e82 = 0u; e82 < 4u; e82 += 1u) {
-                const float row_scale83 = kv_scales[((stage * 128u) + (((n_first73 + ((frag81 % 1u) * 8u)) + ((lane_quad * 2u) + (e82 & 1u))) * 4u)) + 2u];
-                scores_part[(frag81 * 4u) + e82] = fmaf(scores_term[(frag81 * 4u) + e82], row_scale83, scores_part[(frag81 * 4u) + e82]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e84 = 0u; e84 < 4u; e84 += 1u) {
-            scores_term[e84] = 0.0f;
-        }
-        const unsigned n_first85 = (warp / 2u) * 8u;
-        const unsigned k_first86 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned kk90 = 0u; kk90 < 4u; kk90 += 1u) {
-            #pragma unroll
-            for (unsigned nj92 = 0u; nj92 < 1u; nj92 += 1u) {
-                ldmatrix_x1(&b_raw89[0u], kv_latent + (stage * 4224u) + (((n_first85 + (nj92 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first86 + kk90) * 4u));
-                b_frag88[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw89[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 8u) & 255u))));
-                b_frag88[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw89[0u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi91 = 0u; mi91 < 1u; mi91 += 1u) {
-                    a_frag87[0u] = q_tile_a3[((mi91 * 4u) + kk90) * 4u];
-                    a_frag87[1u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 1u];
-                    a_frag87[2u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 2u];
-                    a_frag87[3u] = q_tile_a3[(((mi91 * 4u) + kk90) * 4u) + 3u];
-                    mma_bf16_16816(&scores_term[(mi91 + nj92) * 4u], &a_frag87[0u], &b_frag88[0u]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag93 = 0u; frag93 < 1u; frag93 += 1u) {
-            #pragma unroll
-            for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
-                const float row_scale95 = kv_scales[((stage * 128u) + (((n_first85 + ((frag93 % 1u) * 8u)) + ((lane_quad * 2u) + (e94 & 1u))) * 4u)) + 3u];
-                scores_part[(frag93 * 4u) + e94] = fmaf(scores_term[(frag93 * 4u) + e94], row_scale95, scores_part[(frag93 * 4u) + e94]);
-            }
-        }
-        const unsigned n_first96 = (warp / 2u) * 8u;
-        const unsigned k_first97 = (warp % 2u) * 2u;
-        #pragma unroll
-        for (unsigned kk101 = 0u; kk101 < 2u; kk101 += 1u) {
-            #pragma unroll
-            for (unsigned nj103 = 0u; nj103 < 1u; nj103 += 1u) {
-                ldmatrix_x2(&b_frag99[0u], kv_rope + (stage * 1152u) + (((n_first96 + (nj103 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first97 + kk101) * 8u) + (lane_k8 >> 1u));
-                #pragma unroll
-                for (unsigned mi102 = 0u; mi102 < 1u; mi102 += 1u) {
-                    a_frag98[0u] = q_tile_a4[((mi102 * 2u) + kk101) * 4u];
-                    a_frag98[1u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 1u];
-                    a_frag98[2u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 2u];
-                    a_frag98[3u] = q_tile_a4[(((mi102 * 2u) + kk101) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[(mi102 + nj103) * 4u], &a_frag98[0u], &b_frag99[0u]);
-                }
-            }
-        }
-
-        // scale, and mask the entries whose rows had no source
-
-        // scores: split-K partials to shared memory, summed by the warps that hold its rows
-        #pragma unroll
-        for (unsigned frag104 = 0u; frag104 < 1u; frag104 += 1u) {
-            #pragma unroll
-            for (unsigned half105 = 0u; half105 < 2u; half105 += 1u) {
-                #pragma unroll
-                for (unsigned e106 = 0u; e106 < 2u; e106 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag104 / 1u) * 16u) + (half105 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag104 % 1u) * 8u)) + ((lane_quad * 2u) + e106))] = scores_part[((frag104 * 4u) + (half105 * 2u)) + e106];
-                }
-            }
-        }
-        __syncthreads();
-        if (warp < 1u) {
-            #pragma unroll
-            for (unsigned frag107 = 0u; frag107 < 4u; frag107 += 1u) {
-                #pragma unroll
-                for (unsigned half108 = 0u; half108 < 2u; half108 += 1u) {
+                for (unsigned half126 = 0u; half126 < 2u; half126 += 1u) {
                     #pragma unroll
-                    for (unsigned e109 = 0u; e109 < 2u; e109 += 1u) {
-                        float sum = scores[((frag107 * 4u) + (half108 * 2u)) + e109];
-                        const unsigned cell = (((scores_row0 + (half108 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag107 * 8u)) + ((lane_quad * 2u) + e109));
+                    for (unsigned e127 = 0u; e127 < 2u; e127 += 1u) {
+                        float sum = scores[((frag125 * 4u) + (half126 * 2u)) + e127];
+                        const unsigned cell = (((scores_row0 + (half126 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag125 * 8u)) + ((lane_quad * 2u) + e127));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag107 * 4u) + (half108 * 2u)) + e109] = sum;
+                        scores[((frag125 * 4u) + (half126 * 2u)) + e127] = sum;
                     }
                 }
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag110 = 0u; frag110 < 4u; frag110 += 1u) {
+            for (unsigned frag128 = 0u; frag128 < 1u; frag128 += 1u) {
                 #pragma unroll
-                for (unsigned half111 = 0u; half111 < 2u; half111 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag110 / 4u) * 16u)) + ((half111 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag110 % 4u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag110 * 4u) + (half111 * 2u)];
-                    float v1 = scores[((frag110 * 4u) + (half111 * 2u)) + 1u];
+                for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag128 / 1u) * 16u)) + ((half129 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag128 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag128 * 4u) + (half129 * 2u)];
+                    float v1 = scores[((frag128 * 4u) + (half129 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag110 * 4u) + (half111 * 2u)] = v0;
-                    scores[((frag110 * 4u) + (half111 * 2u)) + 1u] = v1;
+                    scores[(frag128 * 4u) + (half129 * 2u)] = v0;
+                    scores[((frag128 * 4u) + (half129 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -969,24 +1015,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max, rescale factor, probabilities, row sum
 
         // online softmax (registers): row max of this thread's scores and its quad
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi112 = 0u; mi112 < 1u; mi112 += 1u) {
+            for (unsigned mi130 = 0u; mi130 < 1u; mi130 += 1u) {
                 #pragma unroll
-                for (unsigned half113 = 0u; half113 < 2u; half113 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi112 * 4u) * 4u) + (half113 * 2u)], scores[((mi112 * 4u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 1u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 1u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 2u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 2u) * 4u) + ((half113 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 3u) * 4u) + (half113 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi112 * 4u) + 3u) * 4u) + ((half113 * 2u) + 1u)]);
+                for (unsigned half131 = 0u; half131 < 2u; half131 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi130 * 4u) + (half131 * 2u)], scores[(mi130 * 4u) + ((half131 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other114 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other114);
+                    const float other132 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other132);
                     if (lane_quad == 0u) {
-                        row_exchange[((scores_row0 + (mi112 * 16u)) + ((half113 * 8u) + lane_group)) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi130 * 16u)) + ((half131 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -995,82 +1035,85 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi117 = 0u; mi117 < 1u; mi117 += 1u) {
+        for (unsigned mi135 = 0u; mi135 < 1u; mi135 += 1u) {
             #pragma unroll
-            for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
-                const float m_old115 = row_max_reg[(mi117 * 2u) + half118];
-                float m_new116 = m_old115;
-                m_new116 = fmaxf(m_new116, row_exchange[(mi117 * 16u) + ((half118 * 8u) + lane_group)]);
-                row_alpha[(mi117 * 2u) + half118] = expf(m_old115 - m_new116);
-                row_max_reg[(mi117 * 2u) + half118] = m_new116;
+            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                const float m_old133 = row_max_reg[(mi135 * 2u) + half136];
+                float m_new134 = m_old133;
+                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
+                row_max_reg[(mi135 * 2u) + half136] = m_new134;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi121 = 0u; mi121 < 1u; mi121 += 1u) {
+            for (unsigned mi139 = 0u; mi139 < 1u; mi139 += 1u) {
                 #pragma unroll
-                for (unsigned half122 = 0u; half122 < 2u; half122 += 1u) {
+                for (unsigned half140 = 0u; half140 < 2u; half140 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj119 = 0u; nj119 < 4u; nj119 += 1u) {
+                    for (unsigned nj137 = 0u; nj137 < 1u; nj137 += 1u) {
                         #pragma unroll
-                        for (unsigned e120 = 0u; e120 < 2u; e120 += 1u) {
-                            const unsigned at = (((mi121 * 4u) + nj119) * 4u) + ((half122 * 2u) + e120);
-                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi121 * 2u) + half122]);
+                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
+                            const unsigned at = ((mi139 + nj137) * 4u) + ((half140 * 2u) + e138);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi139 * 2u) + half140]);
                             scores[at] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi121 * 2u) + half122] = (row_sum_part[(mi121 * 2u) + half122] * row_alpha[(mi121 * 2u) + half122]) + p_sum;
+                    row_sum_part[(mi139 * 2u) + half140] = (row_sum_part[(mi139 * 2u) + half140] * row_alpha[(mi139 * 2u) + half140]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag123 = 0u; frag123 < 2u; frag123 += 1u) {
+        for (unsigned frag141 = 0u; frag141 < 2u; frag141 += 1u) {
             #pragma unroll
-            for (unsigned half124 = 0u; half124 < 2u; half124 += 1u) {
-                const float alpha125 = row_alpha[((frag123 / 2u) * 2u) + half124];
-                o_acc[(frag123 * 4u) + (half124 * 2u)] = o_acc[(frag123 * 4u) + (half124 * 2u)] * alpha125;
-                o_acc[((frag123 * 4u) + (half124 * 2u)) + 1u] = o_acc[((frag123 * 4u) + (half124 * 2u)) + 1u] * alpha125;
+            for (unsigned half142 = 0u; half142 < 2u; half142 += 1u) {
+                const float alpha143 = row_alpha[((frag141 / 2u) * 2u) + half142];
+                o_acc[(frag141 * 4u) + (half142 * 2u)] = o_acc[(frag141 * 4u) + (half142 * 2u)] * alpha143;
+                o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] = o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] * alpha143;
             }
         }
         #pragma unroll
-        for (unsigned frag126 = 0u; frag126 < 2u; frag126 += 1u) {
+        for (unsigned frag144 = 0u; frag144 < 2u; frag144 += 1u) {
             #pragma unroll
-            for (unsigned half127 = 0u; half127 < 2u; half127 += 1u) {
-                const float alpha128 = row_alpha[((frag126 / 2u) * 2u) + half127];
-                o_acc_1[(frag126 * 4u) + (half127 * 2u)] = o_acc_1[(frag126 * 4u) + (half127 * 2u)] * alpha128;
-                o_acc_1[((frag126 * 4u) + (half127 * 2u)) + 1u] = o_acc_1[((frag126 * 4u) + (half127 * 2u)) + 1u] * alpha128;
+            for (unsigned half145 = 0u; half145 < 2u; half145 += 1u) {
+                const float alpha146 = row_alpha[((frag144 / 2u) * 2u) + half145];
+                o_acc_1[(frag144 * 4u) + (half145 * 2u)] = o_acc_1[(frag144 * 4u) + (half145 * 2u)] * alpha146;
+                o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] = o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] * alpha146;
             }
         }
         #pragma unroll
-        for (unsigned frag129 = 0u; frag129 < 2u; frag129 += 1u) {
+        for (unsigned frag147 = 0u; frag147 < 2u; frag147 += 1u) {
             #pragma unroll
-            for (unsigned half130 = 0u; half130 < 2u; half130 += 1u) {
-                const float alpha131 = row_alpha[((frag129 / 2u) * 2u) + half130];
-                o_acc_2[(frag129 * 4u) + (half130 * 2u)] = o_acc_2[(frag129 * 4u) + (half130 * 2u)] * alpha131;
-                o_acc_2[((frag129 * 4u) + (half130 * 2u)) + 1u] = o_acc_2[((frag129 * 4u) + (half130 * 2u)) + 1u] * alpha131;
+            for (unsigned half148 = 0u; half148 < 2u; half148 += 1u) {
+                const float alpha149 = row_alpha[((frag147 / 2u) * 2u) + half148];
+                o_acc_2[(frag147 * 4u) + (half148 * 2u)] = o_acc_2[(frag147 * 4u) + (half148 * 2u)] * alpha149;
+                o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] = o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] * alpha149;
             }
         }
         #pragma unroll
-        for (unsigned frag132 = 0u; frag132 < 2u; frag132 += 1u) {
+        for (unsigned frag150 = 0u; frag150 < 2u; frag150 += 1u) {
             #pragma unroll
-            for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
-                const float alpha134 = row_alpha[((frag132 / 2u) * 2u) + half133];
-                o_acc_3[(frag132 * 4u) + (half133 * 2u)] = o_acc_3[(frag132 * 4u) + (half133 * 2u)] * alpha134;
-                o_acc_3[((frag132 * 4u) + (half133 * 2u)) + 1u] = o_acc_3[((frag132 * 4u) + (half133 * 2u)) + 1u] * alpha134;
+            for (unsigned half151 = 0u; half151 < 2u; half151 += 1u) {
+                const float alpha152 = row_alpha[((frag150 / 2u) * 2u) + half151];
+                o_acc_3[(frag150 * 4u) + (half151 * 2u)] = o_acc_3[(frag150 * 4u) + (half151 * 2u)] * alpha152;
+                o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] = o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] * alpha152;
             }
         }
-        if (warp < 1u) {
+        if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag137 = 0u; frag137 < 4u; frag137 += 1u) {
+            for (unsigned frag155 = 0u; frag155 < 1u; frag155 += 1u) {
                 #pragma unroll
-                for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
-                    const unsigned row135 = (scores_row0 + ((frag137 / 4u) * 16u)) + ((half138 * 8u) + lane_group);
-                    const unsigned col136 = (scores_col0 + ((frag137 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row135 * 20u) + (col136 >> 1u)] = pack_bf16x2(scores[(frag137 * 4u) + (half138 * 2u)], scores[((frag137 * 4u) + (half138 * 2u)) + 1u]);
+                for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
+                    const unsigned row153 = (scores_row0 + ((frag155 / 1u) * 16u)) + ((half156 * 8u) + lane_group);
+                    const unsigned col154 = (scores_col0 + ((frag155 % 1u) * 8u)) + (lane_quad * 2u);
+                    p_tile[(row153 * 20u) + (col154 >> 1u)] = pack_bf16x2(scores[(frag155 * 4u) + (half156 * 2u)], scores[((frag155 * 4u) + (half156 * 2u)) + 1u]);
                 }
             }
         }
@@ -1079,129 +1122,129 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk142 = 0u; kk142 < 2u; kk142 += 1u) {
+        for (unsigned kk160 = 0u; kk160 < 2u; kk160 += 1u) {
             #pragma unroll
-            for (unsigned mi143 = 0u; mi143 < 1u; mi143 += 1u) {
-                ldmatrix_x4(&a_frag139[mi143 * 4u], p_tile + a_lane_word + (mi143 * 320u) + (kk142 * 8u));
+            for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
+                ldmatrix_x4(&a_frag157[mi161 * 4u], p_tile + a_lane_word + (mi161 * 320u) + (kk160 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk142 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale144 = kv_scales[(stage * 128u) + ((((kk142 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale145 = kv_scales[(stage * 128u) + ((((kk142 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale146 = kv_scales[(stage * 128u) + ((((kk142 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag139[0u] = pack_bf16x2(__uint_as_float(a_frag139[0u] << 16u) * k_scale, __uint_as_float(a_frag139[0u] & 4294901760u) * k_scale144);
-            a_frag139[1u] = pack_bf16x2(__uint_as_float(a_frag139[1u] << 16u) * k_scale, __uint_as_float(a_frag139[1u] & 4294901760u) * k_scale144);
-            a_frag139[2u] = pack_bf16x2(__uint_as_float(a_frag139[2u] << 16u) * k_scale145, __uint_as_float(a_frag139[2u] & 4294901760u) * k_scale146);
-            a_frag139[3u] = pack_bf16x2(__uint_as_float(a_frag139[3u] << 16u) * k_scale145, __uint_as_float(a_frag139[3u] & 4294901760u) * k_scale146);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk160 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale162 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag157[0u] = pack_bf16x2(__uint_as_float(a_frag157[0u] << 16u) * k_scale, __uint_as_float(a_frag157[0u] & 4294901760u) * k_scale162);
+            a_frag157[1u] = pack_bf16x2(__uint_as_float(a_frag157[1u] << 16u) * k_scale, __uint_as_float(a_frag157[1u] & 4294901760u) * k_scale162);
+            a_frag157[2u] = pack_bf16x2(__uint_as_float(a_frag157[2u] << 16u) * k_scale163, __uint_as_float(a_frag157[2u] & 4294901760u) * k_scale164);
+            a_frag157[3u] = pack_bf16x2(__uint_as_float(a_frag157[3u] << 16u) * k_scale163, __uint_as_float(a_frag157[3u] & 4294901760u) * k_scale164);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw141[0u], kv_latent + (stage * 4224u) + (((kk142 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag140[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw141[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw141[0u] >> 16u) & 255u))));
-                b_frag140[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw141[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw141[1u] >> 16u) & 255u))));
-                b_frag140[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw141[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw141[0u] >> 24u) & 255u))));
-                b_frag140[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw141[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw141[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw159[0u], kv_latent + (stage * 4224u) + (((kk160 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag158[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw159[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 16u) & 255u))));
+                b_frag158[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw159[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 16u) & 255u))));
+                b_frag158[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 24u) & 255u))));
+                b_frag158[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi143 = 0u; mi143 < 1u; mi143 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi143 * 2u) + (np * 2u)) * 4u], &a_frag139[mi143 * 4u], &b_frag140[0u]);
+                for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi161 * 2u) + (np * 2u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi143 = 0u; mi143 < 1u; mi143 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi143 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag139[mi143 * 4u], &b_frag140[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word153 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk150 = 0u; kk150 < 2u; kk150 += 1u) {
-            #pragma unroll
-            for (unsigned mi151 = 0u; mi151 < 1u; mi151 += 1u) {
-                ldmatrix_x4(&a_frag147[mi151 * 4u], p_tile + a_lane_word153 + (mi151 * 320u) + (kk150 * 8u));
-            }
-            const float k_scale154 = kv_scales[((stage * 128u) + (((kk150 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale155 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale156 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale157 = kv_scales[((stage * 128u) + ((((kk150 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag147[0u] = pack_bf16x2(__uint_as_float(a_frag147[0u] << 16u) * k_scale154, __uint_as_float(a_frag147[0u] & 4294901760u) * k_scale155);
-            a_frag147[1u] = pack_bf16x2(__uint_as_float(a_frag147[1u] << 16u) * k_scale154, __uint_as_float(a_frag147[1u] & 4294901760u) * k_scale155);
-            a_frag147[2u] = pack_bf16x2(__uint_as_float(a_frag147[2u] << 16u) * k_scale156, __uint_as_float(a_frag147[2u] & 4294901760u) * k_scale157);
-            a_frag147[3u] = pack_bf16x2(__uint_as_float(a_frag147[3u] << 16u) * k_scale156, __uint_as_float(a_frag147[3u] & 4294901760u) * k_scale157);
-            #pragma unroll
-            for (unsigned np152 = 0u; np152 < 1u; np152 += 1u) {
-                ldmatrix_x2_trans(&b_raw149[0u], kv_latent + (stage * 4224u) + (((kk150 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np152 * 16u)) >> 2u));
-                b_frag148[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw149[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 16u) & 255u))));
-                b_frag148[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw149[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 16u) & 255u))));
-                b_frag148[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[0u] >> 24u) & 255u))));
-                b_frag148[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw149[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi151 = 0u; mi151 < 1u; mi151 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi151 * 2u) + (np152 * 2u)) * 4u], &a_frag147[mi151 * 4u], &b_frag148[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi151 = 0u; mi151 < 1u; mi151 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi151 * 2u) + ((np152 * 2u) + 1u)) * 4u], &a_frag147[mi151 * 4u], &b_frag148[2u]);
+                for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi161 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[2u]);
                 }
             }
         }
-        const unsigned a_lane_word164 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word171 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk161 = 0u; kk161 < 2u; kk161 += 1u) {
+        for (unsigned kk168 = 0u; kk168 < 2u; kk168 += 1u) {
             #pragma unroll
-            for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                ldmatrix_x4(&a_frag158[mi162 * 4u], p_tile + a_lane_word164 + (mi162 * 320u) + (kk161 * 8u));
+            for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                ldmatrix_x4(&a_frag165[mi169 * 4u], p_tile + a_lane_word171 + (mi169 * 320u) + (kk168 * 8u));
             }
-            const float k_scale165 = kv_scales[((stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale166 = kv_scales[((stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale167 = kv_scales[((stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale168 = kv_scales[((stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag158[0u] = pack_bf16x2(__uint_as_float(a_frag158[0u] << 16u) * k_scale165, __uint_as_float(a_frag158[0u] & 4294901760u) * k_scale166);
-            a_frag158[1u] = pack_bf16x2(__uint_as_float(a_frag158[1u] << 16u) * k_scale165, __uint_as_float(a_frag158[1u] & 4294901760u) * k_scale166);
-            a_frag158[2u] = pack_bf16x2(__uint_as_float(a_frag158[2u] << 16u) * k_scale167, __uint_as_float(a_frag158[2u] & 4294901760u) * k_scale168);
-            a_frag158[3u] = pack_bf16x2(__uint_as_float(a_frag158[3u] << 16u) * k_scale167, __uint_as_float(a_frag158[3u] & 4294901760u) * k_scale168);
+            const float k_scale172 = kv_scales[((stage * 128u) + (((kk168 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale173 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag165[0u] = pack_bf16x2(__uint_as_float(a_frag165[0u] << 16u) * k_scale172, __uint_as_float(a_frag165[0u] & 4294901760u) * k_scale173);
+            a_frag165[1u] = pack_bf16x2(__uint_as_float(a_frag165[1u] << 16u) * k_scale172, __uint_as_float(a_frag165[1u] & 4294901760u) * k_scale173);
+            a_frag165[2u] = pack_bf16x2(__uint_as_float(a_frag165[2u] << 16u) * k_scale174, __uint_as_float(a_frag165[2u] & 4294901760u) * k_scale175);
+            a_frag165[3u] = pack_bf16x2(__uint_as_float(a_frag165[3u] << 16u) * k_scale174, __uint_as_float(a_frag165[3u] & 4294901760u) * k_scale175);
             #pragma unroll
-            for (unsigned np163 = 0u; np163 < 1u; np163 += 1u) {
-                ldmatrix_x2_trans(&b_raw160[0u], kv_latent + (stage * 4224u) + (((kk161 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np163 * 16u)) >> 2u));
-                b_frag159[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 16u) & 255u))));
-                b_frag159[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 16u) & 255u))));
-                b_frag159[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 24u) & 255u))));
-                b_frag159[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 24u) & 255u))));
+            for (unsigned np170 = 0u; np170 < 1u; np170 += 1u) {
+                ldmatrix_x2_trans(&b_raw167[0u], kv_latent + (stage * 4224u) + (((kk168 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np170 * 16u)) >> 2u));
+                b_frag166[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw167[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 16u) & 255u))));
+                b_frag166[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw167[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 16u) & 255u))));
+                b_frag166[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 24u) & 255u))));
+                b_frag166[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi162 * 2u) + (np163 * 2u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[0u]);
+                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi169 * 2u) + (np170 * 2u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi162 * 2u) + ((np163 * 2u) + 1u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[2u]);
+                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi169 * 2u) + ((np170 * 2u) + 1u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[2u]);
                 }
             }
         }
-        const unsigned a_lane_word175 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word182 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk172 = 0u; kk172 < 2u; kk172 += 1u) {
+        for (unsigned kk179 = 0u; kk179 < 2u; kk179 += 1u) {
             #pragma unroll
-            for (unsigned mi173 = 0u; mi173 < 1u; mi173 += 1u) {
-                ldmatrix_x4(&a_frag169[mi173 * 4u], p_tile + a_lane_word175 + (mi173 * 320u) + (kk172 * 8u));
+            for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
+                ldmatrix_x4(&a_frag176[mi180 * 4u], p_tile + a_lane_word182 + (mi180 * 320u) + (kk179 * 8u));
             }
-            const float k_scale176 = kv_scales[((stage * 128u) + (((kk172 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale177 = kv_scales[((stage * 128u) + ((((kk172 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale178 = kv_scales[((stage * 128u) + ((((kk172 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale179 = kv_scales[((stage * 128u) + ((((kk172 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag169[0u] = pack_bf16x2(__uint_as_float(a_frag169[0u] << 16u) * k_scale176, __uint_as_float(a_frag169[0u] & 4294901760u) * k_scale177);
-            a_frag169[1u] = pack_bf16x2(__uint_as_float(a_frag169[1u] << 16u) * k_scale176, __uint_as_float(a_frag169[1u] & 4294901760u) * k_scale177);
-            a_frag169[2u] = pack_bf16x2(__uint_as_float(a_frag169[2u] << 16u) * k_scale178, __uint_as_float(a_frag169[2u] & 4294901760u) * k_scale179);
-            a_frag169[3u] = pack_bf16x2(__uint_as_float(a_frag169[3u] << 16u) * k_scale178, __uint_as_float(a_frag169[3u] & 4294901760u) * k_scale179);
+            const float k_scale183 = kv_scales[((stage * 128u) + (((kk179 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag176[0u] = pack_bf16x2(__uint_as_float(a_frag176[0u] << 16u) * k_scale183, __uint_as_float(a_frag176[0u] & 4294901760u) * k_scale184);
+            a_frag176[1u] = pack_bf16x2(__uint_as_float(a_frag176[1u] << 16u) * k_scale183, __uint_as_float(a_frag176[1u] & 4294901760u) * k_scale184);
+            a_frag176[2u] = pack_bf16x2(__uint_as_float(a_frag176[2u] << 16u) * k_scale185, __uint_as_float(a_frag176[2u] & 4294901760u) * k_scale186);
+            a_frag176[3u] = pack_bf16x2(__uint_as_float(a_frag176[3u] << 16u) * k_scale185, __uint_as_float(a_frag176[3u] & 4294901760u) * k_scale186);
             #pragma unroll
-            for (unsigned np174 = 0u; np174 < 1u; np174 += 1u) {
-                ldmatrix_x2_trans(&b_raw171[0u], kv_latent + (stage * 4224u) + (((kk172 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np174 * 16u)) >> 2u));
-                b_frag170[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw171[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw171[0u] >> 16u) & 255u))));
-                b_frag170[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw171[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw171[1u] >> 16u) & 255u))));
-                b_frag170[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw171[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw171[0u] >> 24u) & 255u))));
-                b_frag170[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw171[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw171[1u] >> 24u) & 255u))));
+            for (unsigned np181 = 0u; np181 < 1u; np181 += 1u) {
+                ldmatrix_x2_trans(&b_raw178[0u], kv_latent + (stage * 4224u) + (((kk179 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np181 * 16u)) >> 2u));
+                b_frag177[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 16u) & 255u))));
+                b_frag177[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 16u) & 255u))));
+                b_frag177[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 24u) & 255u))));
+                b_frag177[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 24u) & 255u))));
                 #pragma unroll
-                for (unsigned mi173 = 0u; mi173 < 1u; mi173 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi173 * 2u) + (np174 * 2u)) * 4u], &a_frag169[mi173 * 4u], &b_frag170[0u]);
+                for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi180 * 2u) + (np181 * 2u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi173 = 0u; mi173 < 1u; mi173 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi173 * 2u) + ((np174 * 2u) + 1u)) * 4u], &a_frag169[mi173 * 4u], &b_frag170[2u]);
+                for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi180 * 2u) + ((np181 * 2u) + 1u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word193 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk190 = 0u; kk190 < 2u; kk190 += 1u) {
+            #pragma unroll
+            for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
+                ldmatrix_x4(&a_frag187[mi191 * 4u], p_tile + a_lane_word193 + (mi191 * 320u) + (kk190 * 8u));
+            }
+            const float k_scale194 = kv_scales[((stage * 128u) + (((kk190 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale195 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale196 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale197 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag187[0u] = pack_bf16x2(__uint_as_float(a_frag187[0u] << 16u) * k_scale194, __uint_as_float(a_frag187[0u] & 4294901760u) * k_scale195);
+            a_frag187[1u] = pack_bf16x2(__uint_as_float(a_frag187[1u] << 16u) * k_scale194, __uint_as_float(a_frag187[1u] & 4294901760u) * k_scale195);
+            a_frag187[2u] = pack_bf16x2(__uint_as_float(a_frag187[2u] << 16u) * k_scale196, __uint_as_float(a_frag187[2u] & 4294901760u) * k_scale197);
+            a_frag187[3u] = pack_bf16x2(__uint_as_float(a_frag187[3u] << 16u) * k_scale196, __uint_as_float(a_frag187[3u] & 4294901760u) * k_scale197);
+            #pragma unroll
+            for (unsigned np192 = 0u; np192 < 1u; np192 += 1u) {
+                ldmatrix_x2_trans(&b_raw189[0u], kv_latent + (stage * 4224u) + (((kk190 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np192 * 16u)) >> 2u));
+                b_frag188[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw189[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 16u) & 255u))));
+                b_frag188[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw189[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 16u) & 255u))));
+                b_frag188[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 24u) & 255u))));
+                b_frag188[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 24u) & 255u))));
+                #pragma unroll
+                for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi191 * 2u) + (np192 * 2u)) * 4u], &a_frag187[mi191 * 4u], &b_frag188[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi191 * 2u) + ((np192 * 2u) + 1u)) * 4u], &a_frag187[mi191 * 4u], &b_frag188[2u]);
                 }
             }
         }
@@ -1214,20 +1257,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
-    __syncthreads();
-    if (warp < 1u) {
+    if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
+        for (unsigned mi199 = 0u; mi199 < 1u; mi199 += 1u) {
             #pragma unroll
-            for (unsigned half182 = 0u; half182 < 2u; half182 += 1u) {
-                float row_sum180 = row_sum_part[(mi181 * 2u) + half182];
-                const float other183 = shfl_xor_f32(row_sum180, 1);
-                row_sum180 = row_sum180 + other183;
-                const float other184 = shfl_xor_f32(row_sum180, 2);
-                row_sum180 = row_sum180 + other184;
+            for (unsigned half200 = 0u; half200 < 2u; half200 += 1u) {
+                float row_sum198 = row_sum_part[(mi199 * 2u) + half200];
+                const float other201 = shfl_xor_f32(row_sum198, 1);
+                row_sum198 = row_sum198 + other201;
+                const float other202 = shfl_xor_f32(row_sum198, 2);
+                row_sum198 = row_sum198 + other202;
                 if (lane_quad == 0u) {
-                    row_sum[(scores_row0 + (mi181 * 16u)) + ((half182 * 8u) + lane_group)] = row_sum180;
-                    row_max[(scores_row0 + (mi181 * 16u)) + ((half182 * 8u) + lane_group)] = row_max_reg[(mi181 * 2u) + half182];
+                    row_exchange[(((scores_row0 + (mi199 * 16u)) + ((half200 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum198;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp < 4u) {
+        #pragma unroll
+        for (unsigned mi204 = 0u; mi204 < 1u; mi204 += 1u) {
+            #pragma unroll
+            for (unsigned half205 = 0u; half205 < 2u; half205 += 1u) {
+                if ((scores_wn == 0u) && (lane_quad == 0u)) {
+                    float row_sum203 = row_exchange[((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u];
+                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)] = row_sum203;
+                    row_max[(scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)] = row_max_reg[(mi204 * 2u) + half205];
                 }
             }
         }
@@ -1236,86 +1294,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag185 = 0u; frag185 < 1u; frag185 += 1u) {
+    for (unsigned frag206 = 0u; frag206 < 1u; frag206 += 1u) {
         #pragma unroll
-        for (unsigned half186 = 0u; half186 < 2u; half186 += 1u) {
+        for (unsigned half207 = 0u; half207 < 2u; half207 += 1u) {
             #pragma unroll
-            for (unsigned e187 = 0u; e187 < 2u; e187 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag185 / 1u) * 16u)) + ((half186 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag185 % 1u) * 16u)) + ((lane_quad * 4u) + (e187 * 2u));
-                float v0_6 = o_acc[((((frag185 / 1u) * 2u) + ((frag185 % 1u) * 2u)) * 4u) + ((half186 * 2u) + e187)];
-                float v1_6 = o_acc[(((((frag185 / 1u) * 2u) + ((frag185 % 1u) * 2u)) + 1u) * 4u) + ((half186 * 2u) + e187)];
+            for (unsigned e208 = 0u; e208 < 2u; e208 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag206 / 1u) * 16u)) + ((half207 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag206 % 1u) * 16u)) + ((lane_quad * 4u) + (e208 * 2u));
+                float v0_6 = o_acc[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)];
+                float v1_6 = o_acc[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_6 + 0u)) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
-                o_acc[((((frag185 / 1u) * 2u) + ((frag185 % 1u) * 2u)) * 4u) + ((half186 * 2u) + e187)] = v0_6;
-                o_acc[(((((frag185 / 1u) * 2u) + ((frag185 % 1u) * 2u)) + 1u) * 4u) + ((half186 * 2u) + e187)] = v1_6;
+                o_acc[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)] = v0_6;
+                o_acc[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag188 = 0u; frag188 < 1u; frag188 += 1u) {
+    for (unsigned frag209 = 0u; frag209 < 1u; frag209 += 1u) {
         #pragma unroll
-        for (unsigned half189 = 0u; half189 < 2u; half189 += 1u) {
+        for (unsigned half210 = 0u; half210 < 2u; half210 += 1u) {
             #pragma unroll
-            for (unsigned e190 = 0u; e190 < 2u; e190 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag188 / 1u) * 16u)) + ((half189 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag188 % 1u) * 16u)) + ((lane_quad * 4u) + (e190 * 2u));
-                float v0_7 = o_acc_1[((((frag188 / 1u) * 2u) + ((frag188 % 1u) * 2u)) * 4u) + ((half189 * 2u) + e190)];
-                float v1_7 = o_acc_1[(((((frag188 / 1u) * 2u) + ((frag188 % 1u) * 2u)) + 1u) * 4u) + ((half189 * 2u) + e190)];
+            for (unsigned e211 = 0u; e211 < 2u; e211 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag209 / 1u) * 16u)) + ((half210 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag209 % 1u) * 16u)) + ((lane_quad * 4u) + (e211 * 2u));
+                float v0_7 = o_acc_1[((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) * 4u) + ((half210 * 2u) + e211)];
+                float v1_7 = o_acc_1[(((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) + 1u) * 4u) + ((half210 * 2u) + e211)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
                     const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
-                o_acc_1[((((frag188 / 1u) * 2u) + ((frag188 % 1u) * 2u)) * 4u) + ((half189 * 2u) + e190)] = v0_7;
-                o_acc_1[(((((frag188 / 1u) * 2u) + ((frag188 % 1u) * 2u)) + 1u) * 4u) + ((half189 * 2u) + e190)] = v1_7;
+                o_acc_1[((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) * 4u) + ((half210 * 2u) + e211)] = v0_7;
+                o_acc_1[(((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) + 1u) * 4u) + ((half210 * 2u) + e211)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag191 = 0u; frag191 < 1u; frag191 += 1u) {
+    for (unsigned frag212 = 0u; frag212 < 1u; frag212 += 1u) {
         #pragma unroll
-        for (unsigned half192 = 0u; half192 < 2u; half192 += 1u) {
+        for (unsigned half213 = 0u; half213 < 2u; half213 += 1u) {
             #pragma unroll
-            for (unsigned e193 = 0u; e193 < 2u; e193 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag191 / 1u) * 16u)) + ((half192 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag191 % 1u) * 16u)) + ((lane_quad * 4u) + (e193 * 2u));
-                float v0_8 = o_acc_2[((((frag191 / 1u) * 2u) + ((frag191 % 1u) * 2u)) * 4u) + ((half192 * 2u) + e193)];
-                float v1_8 = o_acc_2[(((((frag191 / 1u) * 2u) + ((frag191 % 1u) * 2u)) + 1u) * 4u) + ((half192 * 2u) + e193)];
+            for (unsigned e214 = 0u; e214 < 2u; e214 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag212 / 1u) * 16u)) + ((half213 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag212 % 1u) * 16u)) + ((lane_quad * 4u) + (e214 * 2u));
+                float v0_8 = o_acc_2[((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) * 4u) + ((half213 * 2u) + e214)];
+                float v1_8 = o_acc_2[(((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) + 1u) * 4u) + ((half213 * 2u) + e214)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
                     const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
-                o_acc_2[((((frag191 / 1u) * 2u) + ((frag191 % 1u) * 2u)) * 4u) + ((half192 * 2u) + e193)] = v0_8;
-                o_acc_2[(((((frag191 / 1u) * 2u) + ((frag191 % 1u) * 2u)) + 1u) * 4u) + ((half192 * 2u) + e193)] = v1_8;
+                o_acc_2[((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) * 4u) + ((half213 * 2u) + e214)] = v0_8;
+                o_acc_2[(((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) + 1u) * 4u) + ((half213 * 2u) + e214)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag194 = 0u; frag194 < 1u; frag194 += 1u) {
+    for (unsigned frag215 = 0u; frag215 < 1u; frag215 += 1u) {
         #pragma unroll
-        for (unsigned half195 = 0u; half195 < 2u; half195 += 1u) {
+        for (unsigned half216 = 0u; half216 < 2u; half216 += 1u) {
             #pragma unroll
-            for (unsigned e196 = 0u; e196 < 2u; e196 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag194 / 1u) * 16u)) + ((half195 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag194 % 1u) * 16u)) + ((lane_quad * 4u) + (e196 * 2u));
-                float v0_9 = o_acc_3[((((frag194 / 1u) * 2u) + ((frag194 % 1u) * 2u)) * 4u) + ((half195 * 2u) + e196)];
-                float v1_9 = o_acc_3[(((((frag194 / 1u) * 2u) + ((frag194 % 1u) * 2u)) + 1u) * 4u) + ((half195 * 2u) + e196)];
+            for (unsigned e217 = 0u; e217 < 2u; e217 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag215 / 1u) * 16u)) + ((half216 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag215 % 1u) * 16u)) + ((lane_quad * 4u) + (e217 * 2u));
+                float v0_9 = o_acc_3[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)];
+                float v1_9 = o_acc_3[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
                     const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
-                o_acc_3[((((frag194 / 1u) * 2u) + ((frag194 % 1u) * 2u)) * 4u) + ((half195 * 2u) + e196)] = v0_9;
-                o_acc_3[(((((frag194 / 1u) * 2u) + ((frag194 % 1u) * 2u)) + 1u) * 4u) + ((half195 * 2u) + e196)] = v1_9;
+                o_acc_3[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)] = v0_9;
+                o_acc_3[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)] = v1_9;
             }
         }
     }

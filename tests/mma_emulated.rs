@@ -3,8 +3,10 @@
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
 //! against the float64 reference — three times: the v7 kernels with the sm_90 helper paths
 //! and copies landing as late as allowed, v7 with the sm_80 paths and copies landing at
-//! issue, and the v6 kernels (the CUDA backend's default), each under a random warp schedule
-//! and the shared-memory race detector. Fragment layouts, ldmatrix
+//! issue, and the v6 kernels, each under a random warp schedule and the shared-memory race
+//! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
+//! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,
+//! which the emulator reports). Fragment layouts, ldmatrix
 //! addressing, helper operand orders, the copy pipeline and its synchronisation are all
 //! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
 //! picks cases by name.
@@ -12,7 +14,7 @@
 mod common;
 mod emu;
 
-use sparse_mla::conformance::all_cases;
+use sparse_mla::conformance::{all_cases, decode_cases, Case};
 use sparse_mla::runtime::gpu::GpuBackend;
 use sparse_mla::testing::test_seed;
 
@@ -24,13 +26,21 @@ fn conformance_on_the_emulated_tensor_core_lowering() {
     }
     let filter = std::env::var("SPARSE_MLA_EMU_CASE").ok();
     let mut failed = Vec::new();
-    for mode in 0..3 {
+    for mode in 0..4 {
         let seed = test_seed();
         let config = emu::EmuConfig::mode(mode, seed);
         eprintln!("emu run {mode}: {}", config.describe());
         // A small GPU: 6 resident workgroups, so the split heuristic splits small cases.
         let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
-        for case in all_cases() {
+        let cases: Vec<Box<dyn Case>> = if config.one_stage {
+            decode_cases()
+                .into_iter()
+                .map(|c| Box::new(c) as Box<dyn Case>)
+                .collect()
+        } else {
+            all_cases()
+        };
+        for case in cases {
             if filter
                 .as_ref()
                 .is_some_and(|f| !case.name().contains(f.as_str()))

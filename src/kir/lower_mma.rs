@@ -465,9 +465,13 @@ impl<'k> Cx<'k> {
             }
             let (fm, fn_) = (a.rows / 16, a.cols / 8);
             let split = ksplit::plan_for(&cx, a);
-            // a split-K accumulator is summed into the warps that hold whole rows of it
+            // A split-K accumulator is summed into its holders, which then run the softmax
+            // on it: spread over up to half the warps (v7 put whole rows on one warp, and the
+            // other seven waited at the next barrier for its serial sum, mask, row max and
+            // exp: 62 % of the step's stall samples, ncu on the H200). The other half — the
+            // producer warp among them — issues the next rows meanwhile (see `ws`).
             let (gm, gn) = if split.is_some() {
-                (fm, 1)
+                warp_grid(fm, fn_, (cx.warps / 2).max(1))
             } else {
                 warp_grid(fm, fn_, cx.warps)
             };

@@ -35,24 +35,34 @@ pub struct EmuConfig {
     pub seed: u64,
     /// The decode kernel planned for: v7 (the mbarrier ring) or v6.
     pub v7: bool,
+    /// v7 with a one-stage ring (the producers issue a step's own rows before its wait).
+    pub one_stage: bool,
 }
 
 impl EmuConfig {
     /// Both copy modes and both helper paths, by a run index: v7 (900, late), v7 (800, at
     /// issue), v6 (900, late).
+    /// Mode 3: v7 with a one-stage ring (900, late); the test runs it on the decode cases.
     pub fn mode(i: u32, seed: u64) -> Self {
         EmuConfig {
             arch: if i % 2 == 0 { 900 } else { 800 },
             land_at_issue: i % 2 == 1,
             seed,
-            v7: i < 2,
+            v7: i < 2 || i == 3,
+            one_stage: i == 3,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
             "{} kernel, sm_{} helpers, copies land {}, schedule seed {}",
-            if self.v7 { "v7" } else { "v6" },
+            if self.one_stage {
+                "v7 (one-stage ring)"
+            } else if self.v7 {
+                "v7"
+            } else {
+                "v6"
+            },
             self.arch / 10,
             if self.land_at_issue {
                 "at issue"
@@ -165,7 +175,10 @@ impl Device for EmuDevice {
     }
 
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
-        let config = if self.config.v7 {
+        let config = if self.config.one_stage {
+            let v7 = DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads);
+            DecodeConfig::tensor_core_custom(v7.dims, v7.format, v7.block_h, v7.block_n, 1)
+        } else if self.config.v7 {
             DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads)
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)

@@ -311,9 +311,10 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
         let a = cx.accs[&n].clone();
         let ks = a.ksplit.clone().unwrap_or_else(unreachable_split);
         let fm = a.decl.rows / 16;
+        // twice the fragments: the second half is the odd k steps' chain of one product
         let len = fm * ks.ng * 4;
-        let part = cx.private(&format!("{n}_part"), Ty::F32, len);
-        let temp = cx.private(&format!("{n}_term"), Ty::F32, len);
+        let part = cx.private(&format!("{n}_part"), Ty::F32, 2 * len);
+        let temp = cx.private(&format!("{n}_term"), Ty::F32, 2 * len);
         if let Some(k) = cx.accs.get_mut(&n).and_then(|a| a.ksplit.as_mut()) {
             k.part = part;
             k.temp = temp;
@@ -595,6 +596,25 @@ impl Cx<'_> {
         let raw = self.private("b_raw", Ty::U32, 2);
         let (kk, i, j) = (self.fresh("kk"), self.fresh("mi"), self.fresh("nj"));
         let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
+        // Two independent mma chains, even and odd k steps, into the two halves of the
+        // target (added at the end): one chain of `steps` dependent mma was the S product's
+        // latency (each waits for the previous one's accumulator).
+        let frags = fm * ng * 4;
+        let chains = if steps % 2 == 0 { 2 } else { 1 };
+        let (pair, par) = (self.fresh("kk_pair"), self.fresh("chain"));
+        let parv = var(&par, Ty::U32);
+        if chains == 2 {
+            let e = self.fresh("e");
+            body.push(for_const(
+                &e,
+                frags,
+                vec![Stmt::PrivateStore {
+                    arr: target.clone(),
+                    index: add(u(frags), var(&e, Ty::U32)),
+                    value: Expr::F32(0.0),
+                }],
+            ));
+        }
         // B of n fragment j, k step kk (both relative): two u32 in bf[0..2]
         let mut k_body = Vec::new();
         let mut n_body = Vec::new();
@@ -705,9 +725,14 @@ impl Cx<'_> {
             }
         };
         let mut m_body = a_frag(self, iv.clone());
+        let chain0 = if chains == 2 {
+            mul(parv.clone(), u(frags))
+        } else {
+            u(0)
+        };
         m_body.push(intr(Intrinsic::MmaBf16 {
             c: target.clone(),
-            c0: mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4)),
+            c0: add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
             a: af.clone(),
             a0: u(0),
             b: bf.clone(),
@@ -715,7 +740,31 @@ impl Cx<'_> {
         }));
         n_body.push(for_const(&i, fm, m_body));
         k_body.push(for_const(&j, ng, n_body));
-        body.push(for_const(&kk, steps, k_body));
+        if chains == 2 {
+            let mut inner = vec![let_(
+                &kk,
+                add(mul(var(&pair, Ty::U32), u(2)), parv.clone()),
+            )];
+            inner.extend(k_body);
+            body.push(for_const(&pair, steps / 2, vec![for_const(&par, 2, inner)]));
+            let e = self.fresh("e");
+            let ev = var(&e, Ty::U32);
+            body.push(for_const(
+                &e,
+                frags,
+                vec![Stmt::PrivateStore {
+                    arr: target.clone(),
+                    index: ev.clone(),
+                    value: bin(
+                        BinOp::Add,
+                        priv_load(&target, ev.clone()),
+                        priv_load(&target, add(u(frags), ev)),
+                    ),
+                }],
+            ));
+        } else {
+            body.push(for_const(&kk, steps, k_body));
+        }
         if let Some(sc) = &scale {
             // partial += term x the scale of its column (B row)
             let (f, e) = (self.fresh("frag"), self.fresh("e"));

@@ -2,13 +2,15 @@
 //!
 //! The kernel's one top-level pipeline becomes a ring of `stages` shared-memory stages
 //! handed over with mbarriers instead of workgroup barriers:
-//! - one warp — the last, which holds no rows of the small products — is also the *producer*:
-//!   at step `i` it waits until every warp has released the stage of step `i - 1`
-//!   (mbarrier `empty[stage]`, one arrival per warp), writes each row's validity flag for step
-//!   `i + stages - 1`, issues its row copies (`cp.async.bulk` with a transaction count on
-//!   sm_90 and later, `cp.async` before; the helper decides per row) and arrives on
-//!   `full[stage]` once they are in flight; the source words of the step after (its top-k
-//!   index loads) are computed right away, so they are in flight during the compute;
+//! - the upper half of the warps — which hold no rows of the split-K products — are also the
+//!   *producers* ([`producer_warps`]): at step `i`, right after the step's first workgroup
+//!   barrier (the split-K sum, while the lower half sums and runs the softmax), each waits
+//!   until every warp has released the stage of step `i - 1` (mbarrier `empty[stage]`, one
+//!   arrival per warp), writes its rows' validity flags for step `i + stages - 1`, issues
+//!   their copies (`cp.async.bulk` with a transaction count on sm_90 and later, `cp.async`
+//!   before; the helper decides per row) and arrives on `full[stage]` (one arrival per
+//!   producer lane); then it loads the top-k words of the step after, which are not used
+//!   until that step's copies are issued, a step later;
 //! - every warp waits on `full[stage]`, computes, and releases the stage.
 //!
 //! No workgroup barrier orders a stage; the compute's own barriers (online softmax, split-K
@@ -23,6 +25,14 @@ use super::{
 };
 use crate::kir::ir::*;
 use std::collections::HashSet;
+
+/// Warps that issue the ring's copies: the upper half (the split-K holders, which run the
+/// softmax while the copies are issued, are at most the lower half; see `Cx::new`). One warp
+/// issuing all rows was the step's critical path: `cp.async.bulk` takes uniform operands, so
+/// a warp issues its lanes' copies one lane at a time (32 per step; ncu on the H200).
+pub(super) fn producer_warps(warps: u32) -> u32 {
+    (warps / 2).max(1)
+}
 
 /// mbarrier bookkeeping of the producer/consumer form.
 #[derive(Clone, Debug)]
@@ -107,7 +117,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
         init.push(intr(Intrinsic::MbarInit {
             bars: info.bars.clone(),
             index: u(s),
-            count: WARP,
+            count: WARP * producer_warps(threads / WARP),
         }));
         init.push(intr(Intrinsic::MbarInit {
             bars: info.bars.clone(),
@@ -132,9 +142,11 @@ pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
     out.acc_tiles.clear();
     out.shared.extend(cx.new_shared);
     out.privates.extend(cx.new_privates);
+    let warps = threads / WARP;
     out.doc.push(format!(
-        "mbarrier ring: {stages} stages; warp {} also issues the gathers (cp.async.bulk on sm_90 and later, cp.async before).",
-        threads / WARP - 1
+        "mbarrier ring: {stages} stages; warps {}-{} also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).",
+        warps - producer_warps(warps),
+        warps - 1
     ));
     let (_, bytes) = shared_layout(&out.shared);
     if bytes > MAX_SHARED_BYTES {
@@ -166,6 +178,109 @@ fn nested_pipeline(stmts: &[Stmt]) -> bool {
     })
 }
 
+/// The global loads of `e` whose own index reads no buffer (each once, in order of
+/// appearance): what a gather's source expression can have in flight before it is needed.
+fn leaf_global_loads(e: &Expr, out: &mut Vec<Expr>) {
+    for_each_child(e, &mut |c| leaf_global_loads(c, out));
+    if let Expr::Load { index, .. } | Expr::LoadWord { index, .. } = e {
+        let mut inner = Vec::new();
+        leaf_global_loads(index, &mut inner);
+        if inner.is_empty() && !out.contains(e) {
+            out.push(e.clone());
+        }
+    }
+}
+
+/// Calls `f` on each direct operand of `e`.
+fn for_each_child(e: &Expr, f: &mut dyn FnMut(&Expr)) {
+    match e {
+        Expr::Un(_, a) | Expr::Cvt(_, a) => f(a),
+        Expr::Bin(_, a, b) => {
+            f(a);
+            f(b);
+        }
+        Expr::Select(c, a, b) => {
+            f(c);
+            f(a);
+            f(b);
+        }
+        Expr::Call(_, args) => args.iter().for_each(f),
+        Expr::Load { index, .. }
+        | Expr::LoadWord { index, .. }
+        | Expr::SharedLoad { index, .. }
+        | Expr::PrivateLoad { index, .. } => f(index),
+        Expr::TileLoad { row, col, .. } => {
+            f(row);
+            f(col);
+        }
+        Expr::TileWord { row, word, .. } => {
+            f(row);
+            f(word);
+        }
+        Expr::F32(_)
+        | Expr::I32(_)
+        | Expr::U32(_)
+        | Expr::Bool(_)
+        | Expr::Var(..)
+        | Expr::Param(..)
+        | Expr::Builtin(_) => {}
+    }
+}
+
+/// `e` with every occurrence of `from` replaced by `to`.
+fn replace_expr(e: &Expr, from: &Expr, to: &Expr) -> Expr {
+    if e == from {
+        return to.clone();
+    }
+    let r = |x: &Expr| Box::new(replace_expr(x, from, to));
+    match e {
+        Expr::Un(op, a) => Expr::Un(*op, r(a)),
+        Expr::Cvt(t, a) => Expr::Cvt(*t, r(a)),
+        Expr::Bin(op, a, b) => Expr::Bin(*op, r(a), r(b)),
+        Expr::Select(c, a, b) => Expr::Select(r(c), r(a), r(b)),
+        Expr::Call(f, args) => Expr::Call(
+            f.clone(),
+            args.iter().map(|a| replace_expr(a, from, to)).collect(),
+        ),
+        Expr::Load { buf, elem, index } => Expr::Load {
+            buf: buf.clone(),
+            elem: *elem,
+            index: r(index),
+        },
+        Expr::LoadWord { buf, index } => Expr::LoadWord {
+            buf: buf.clone(),
+            index: r(index),
+        },
+        Expr::SharedLoad { arr, ty, index } => Expr::SharedLoad {
+            arr: arr.clone(),
+            ty: *ty,
+            index: r(index),
+        },
+        Expr::PrivateLoad { arr, ty, index } => Expr::PrivateLoad {
+            arr: arr.clone(),
+            ty: *ty,
+            index: r(index),
+        },
+        Expr::TileLoad {
+            tile,
+            elem,
+            row,
+            col,
+        } => Expr::TileLoad {
+            tile: tile.clone(),
+            elem: *elem,
+            row: r(row),
+            col: r(col),
+        },
+        Expr::TileWord { tile, row, word } => Expr::TileWord {
+            tile: tile.clone(),
+            row: r(row),
+            word: r(word),
+        },
+        other => other.clone(),
+    }
+}
+
 struct Gather<'a> {
     dst: &'a str,
     dst_word0: u32,
@@ -174,7 +289,6 @@ struct Gather<'a> {
     row: &'a str,
     src_word: &'a Expr,
     flags: Option<&'a String>,
-    srcs: String,
 }
 
 impl Cx<'_> {
@@ -203,8 +317,6 @@ impl Cx<'_> {
                     src_word,
                     flags,
                 }) => {
-                    let rows = self.tile(dst)?.decl.rows;
-                    let srcs = self.private(&format!("{dst}_src"), Ty::I32, rows.div_ceil(WARP));
                     out.push(Gather {
                         dst,
                         dst_word0: *dst_word0,
@@ -213,7 +325,6 @@ impl Cx<'_> {
                         row,
                         src_word,
                         flags: flags.as_ref(),
-                        srcs,
                     });
                 }
                 Stmt::Comment(_) => {}
@@ -227,8 +338,8 @@ impl Cx<'_> {
         Ok(out)
     }
 
-    /// The ring loop: the producer warp's issue of step `i + stages - 1`, then every warp's
-    /// wait, compute and release of step `i`.
+    /// The ring loop: every warp's wait, compute and release of step `i`, with the producer
+    /// warps' issue of step `i + stages - 1` after the compute's first barrier.
     pub(super) fn consumer_loop(
         &mut self,
         v: &str,
@@ -247,35 +358,67 @@ impl Cx<'_> {
             Some(g) => self.tile(g.dst)?.decl.rows,
             None => return Err(self.err(format!("pipeline {v} gathers nothing"))),
         };
-        let slots = rows.div_ceil(WARP);
-        let lane = self.lane.lane.clone();
-        let producer = bin(BinOp::Eq, self.lane.warp.clone(), u(self.warps - 1));
+        let pw = producer_warps(self.warps);
+        let first_producer = self.warps - pw;
+        let slots = rows.div_ceil(pw * WARP);
+        let producer = bin(BinOp::Ge, self.lane.warp.clone(), u(first_producer));
+        // row of producer lane `lane` of producer warp `warp - first_producer`, slot `slot`:
+        // consecutive rows on consecutive warps, so each warp's lanes 0.. take rows / pw
+        let lane = add(
+            bin(BinOp::Sub, self.lane.warp.clone(), u(first_producer)),
+            mul(self.lane.lane.clone(), u(pw)),
+        );
+        let slot_rows = pw * WARP;
         let count_name = self.fresh(&format!("{v}_count"));
         out.push(let_(&count_name, self.expr(count)?));
         let countv = var(&count_name, Ty::U32);
 
-        // source words of step `at` (its index loads): each producer lane for rows
-        // lane + 32 * slot
+        // The index loads of step `at`, issued a step before its copies: each producer lane
+        // loads the raw words its rows' source expressions read (rows lane + 32 * slot) into
+        // registers and does not use them until the copies of step `at` are issued, a whole
+        // step later. Computing the source right after the load made the producer warp (a
+        // consumer too) wait for the load at every step, and the others wait at the next
+        // workgroup barrier.
+        let mut prefetched: Vec<Vec<(Expr, String)>> = Vec::new();
+        let mut src_exprs: Vec<Expr> = Vec::new();
+        for g in &gathers {
+            let e = self.expr(g.src_word)?;
+            let mut loads = Vec::new();
+            leaf_global_loads(&e, &mut loads);
+            let mut pairs = Vec::new();
+            for l in loads {
+                let arr = self.private(&format!("{}_pre", g.dst), l.ty(), slots);
+                pairs.push((l, arr));
+            }
+            src_exprs.push(e);
+            prefetched.push(pairs);
+        }
         let addr = |cx: &mut Cx, at: Expr| -> Result<Stmt> {
             let mut body = vec![let_(v, at.clone())];
-            for g in &gathers {
+            for (g, pairs) in gathers.iter().zip(&prefetched) {
+                if pairs.is_empty() {
+                    continue;
+                }
                 let slot = cx.fresh("slot");
                 let r = cx.fresh("gather_row");
                 let rv = var(&r, Ty::U32);
-                let store = |value: Expr| Stmt::PrivateStore {
-                    arr: g.srcs.clone(),
-                    index: var(&slot, Ty::U32),
-                    value,
-                };
+                let mut then = vec![let_(g.row, rv.clone())];
+                for (load, arr) in pairs {
+                    then.push(Stmt::PrivateStore {
+                        arr: arr.clone(),
+                        index: var(&slot, Ty::U32),
+                        value: load.clone(),
+                    });
+                }
                 body.push(for_const(
                     &slot,
                     slots,
                     vec![
-                        let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(WARP)))),
+                        let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows)))),
                         Stmt::If {
-                            cond: lt(rv.clone(), u(rows)),
-                            then: vec![let_(g.row, rv), store(cx.expr(g.src_word)?)],
-                            els: vec![store(Expr::I32(-1))],
+                            cond: lt(rv, u(rows)),
+                            then,
+                            els: vec![],
                         },
                     ],
                 ));
@@ -304,15 +447,23 @@ impl Cx<'_> {
             let rv = var(&r, Ty::U32);
             let mut row_body = Vec::new();
             let sw_names: Vec<String> = gathers.iter().map(|_| cx.fresh("src_i32")).collect();
-            for (g, n) in gathers.iter().zip(&sw_names) {
-                row_body.push(let_(
-                    n,
-                    Expr::PrivateLoad {
-                        arr: g.srcs.clone(),
-                        ty: Ty::I32,
-                        index: Box::new(var(&slot, Ty::U32)),
-                    },
-                ));
+            row_body.push(let_(v, at.clone()));
+            for (((g, n), e), pairs) in gathers.iter().zip(&sw_names).zip(&src_exprs).zip(&prefetched) {
+                // the source expression over the words prefetched a step ago
+                let mut src = e.clone();
+                for (load, arr) in pairs {
+                    src = replace_expr(
+                        &src,
+                        load,
+                        &Expr::PrivateLoad {
+                            arr: arr.clone(),
+                            ty: load.ty(),
+                            index: Box::new(var(&slot, Ty::U32)),
+                        },
+                    );
+                }
+                row_body.push(let_(g.row, rv.clone()));
+                row_body.push(let_(n, src));
             }
             let mut flagged = HashSet::new();
             for (g, n) in gathers.iter().zip(&sw_names) {
@@ -354,7 +505,7 @@ impl Cx<'_> {
                 &slot,
                 slots,
                 vec![
-                    let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(WARP)))),
+                    let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows)))),
                     Stmt::If {
                         cond: lt(rv, u(rows)),
                         then: row_body,
@@ -370,7 +521,7 @@ impl Cx<'_> {
         };
 
         out.push(Stmt::Comment(format!(
-            "pipeline {v}: {s}-stage mbarrier ring; the last warp issues the first {} steps",
+            "pipeline {v}: {s}-stage mbarrier ring; the producer warps issue the first {} steps",
             s - 1
         )));
         let mut first = Vec::new();
@@ -437,9 +588,9 @@ impl Cx<'_> {
             then: when,
             els: vec![],
         });
-        let mut body = vec![
+        let produce = vec![
             Stmt::Comment(format!(
-                "pipeline {v}: the producer warp issues the rows {} steps ahead",
+                "pipeline {v}: the producer warps issue the rows {} steps ahead",
                 s - 1
             )),
             Stmt::If {
@@ -447,6 +598,8 @@ impl Cx<'_> {
                 then: produce,
                 els: vec![],
             },
+        ];
+        let mut body = vec![
             let_(v, itv.clone()),
             let_(
                 &stage_name,
@@ -464,8 +617,31 @@ impl Cx<'_> {
             }),
         ];
         let saved = self.stage.replace(stage.clone());
-        body.extend(self.stmts(compute)?);
+        let computed = self.stmts(compute)?;
         self.stage = saved;
+        // The producer's issue goes right after the step's first workgroup barrier (the
+        // split-K sum): the warps that do not hold S — the producer among them — wait there
+        // for the holders' sum and softmax anyway. Issued at the top of the step instead, its
+        // 32 row copies (one lane at a time: cp.async.bulk is a uniform instruction) made the
+        // other warps wait at that barrier for the producer (ncu, H200). The stage it fills
+        // was released at the end of the previous step, so any point of the step is safe —
+        // except with one stage, where the rows it issues are this step's own, waited for at
+        // the top.
+        let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
+        match first_barrier.filter(|_| s > 1) {
+            Some(at) => {
+                body.extend(computed[..=at].iter().cloned());
+                body.extend(produce);
+                body.extend(computed[at + 1..].iter().cloned());
+            }
+            None => {
+                // before this step's wait (`body` so far: the step's names and the wait)
+                let mut top = produce;
+                top.append(&mut body);
+                body = top;
+                body.extend(computed);
+            }
+        }
         body.push(Stmt::Comment(format!(
             "pipeline {v}: release the stage to the producer"
         )));
