@@ -129,6 +129,11 @@ impl Dev {
     }
 }
 
+/// Multiprocessors of the device.
+pub fn sm_count(ordinal: usize) -> Result<u32> {
+    with_device(ordinal, |dev| Ok(dev.sms))
+}
+
 /// Workgroups of the split kernel of `config` the device runs at once (the driver's occupancy
 /// calculator x multiprocessors), as the CUDA backend feeds its split model.
 pub fn resident_workgroups(ordinal: usize, config: &DecodeConfig) -> Result<u32> {

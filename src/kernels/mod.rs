@@ -218,10 +218,13 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
     type Choose = fn(MlaDims, CacheFormat, u32) -> DecodeConfig;
     let versions: [(&str, Choose); 2] = [
         (
-            "v6, the CUDA backend's default",
+            "v6, the CUDA backend's bf16 default on H100/H200",
             DecodeConfig::tensor_core_v6,
         ),
-        ("v7, mbarrier ring", DecodeConfig::tensor_core_v7),
+        (
+            "v7, mbarrier ring, the CUDA backend's fp8 default (and bf16 on SM120)",
+            DecodeConfig::tensor_core_v7,
+        ),
     ];
     for (version, choose) in versions {
         for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {

@@ -575,21 +575,21 @@ impl CudaDevice {
     }
 }
 
-/// The decode kernel the CUDA backend runs: v6 (the measured faster one on the H200), or v7
-/// with `SPARSE_MLA_DECODE_KERNEL=v7`.
-fn decode_kernel_choice(shape: &DecodeShape) -> Result<DecodeConfig> {
+/// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::tensor_core_on`] with
+/// this GPU's occupancy of the bf16 v6 split kernel, or the version forced with
+/// `SPARSE_MLA_DECODE_KERNEL=v6|v7`.
+fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
+    let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
     match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
-        Err(_) | Ok("") | Ok("v6") => Ok(DecodeConfig::tensor_core(
-            shape.dims,
-            shape.format,
-            shape.heads,
-        )),
-        Ok("v7") => Ok(DecodeConfig::tensor_core_v7(
-            shape.dims,
-            shape.format,
-            shape.heads,
-        )),
-        Ok(other) => Err(Error::arg("SPARSE_MLA_DECODE_KERNEL", "v6 or v7", other)),
+        Err(_) | Ok("") | Ok("auto") => {
+            let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
+            let (split, _) = lowered_kernels(&v6)?;
+            let per_sm = dev.resident_workgroups(&split)? / dev.sm_count.max(1);
+            Ok(DecodeConfig::tensor_core_on(dims, format, heads, per_sm))
+        }
+        Ok("v6") => Ok(DecodeConfig::tensor_core_v6(dims, format, heads)),
+        Ok("v7") => Ok(DecodeConfig::tensor_core_v7(dims, format, heads)),
+        Ok(other) => Err(Error::arg("SPARSE_MLA_DECODE_KERNEL", "auto, v6 or v7", other)),
     }
 }
 
@@ -619,7 +619,7 @@ impl Device for CudaDevice {
     /// Tensor-core config for the head count, splits from the cost model over the
     /// workgroups this GPU runs at once.
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
-        let config = decode_kernel_choice(shape)?;
+        let config = decode_kernel_choice(self, shape)?;
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
         DecodePlan::with_config(config, shape, resident, splits)

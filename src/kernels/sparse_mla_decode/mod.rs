@@ -99,12 +99,26 @@ impl DecodeConfig {
         Self::tensor_core_custom(dims, format, block_h, 32, stages)
     }
 
-    /// The tensor-core configuration the CUDA backend runs for `heads` query heads: v6
-    /// ([`Self::tensor_core_v6`]). v7 ([`Self::tensor_core_v7`]) measured slower on the H200 at
-    /// its default occupancy (benches/NOTES.md, v7), so it is opt-in
-    /// (`SPARSE_MLA_DECODE_KERNEL=v7` in the CUDA backend).
+    /// The tensor-core configuration for `heads` query heads on a GPU that holds two v6
+    /// workgroups per multiprocessor (H100, H200): [`Self::tensor_core_on`] with 2. What
+    /// `mla-export` writes as the production kernels.
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
-        Self::tensor_core_v6(dims, format, heads)
+        Self::tensor_core_on(dims, format, heads, 2)
+    }
+
+    /// The tensor-core configuration the CUDA backend runs, given how many workgroups of the
+    /// bf16 v6 split kernel ([`Self::tensor_core_v6`]) the GPU holds per multiprocessor:
+    /// - fp8_ds_mla: v7 ([`Self::tensor_core_v7`]), faster than v6 on every measured row on
+    ///   the H200 at either occupancy (benches/NOTES.md, v8);
+    /// - bf16: v6 where two of its workgroups fit a multiprocessor (it hides its step's
+    ///   latency behind the other one), v7 where only one does (SM120: 100 KB of shared
+    ///   memory per multiprocessor). At the H200's default occupancy v6 was faster on most
+    ///   bf16 rows; held to SM120's occupancy, v7 on every row with T ≥ 8.
+    pub fn tensor_core_on(dims: MlaDims, format: CacheFormat, heads: u32, v6_per_sm: u32) -> Self {
+        match format {
+            CacheFormat::Bf16 if v6_per_sm >= 2 => Self::tensor_core_v6(dims, format, heads),
+            _ => Self::tensor_core_v7(dims, format, heads),
+        }
     }
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
