@@ -565,9 +565,9 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::arg("variants", FORM, s))?;
     match (v6, v.as_slice()) {
-        (false, &[h, n, stages]) => Ok(DecodeConfig::tensor_core_custom(
-            dims, format, h, n, stages,
-        )),
+        (false, &[h, n, stages]) => {
+            Ok(DecodeConfig::tensor_core_custom(dims, format, h, n, stages))
+        }
         (true, &[h, n, stages, min_workgroups]) => {
             let mut c = DecodeConfig::tensor_core_v6(dims, format, h);
             c.block_h = h;

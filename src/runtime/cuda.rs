@@ -589,7 +589,11 @@ fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeC
         }
         Ok("v6") => Ok(DecodeConfig::tensor_core_v6(dims, format, heads)),
         Ok("v7") => Ok(DecodeConfig::tensor_core_v7(dims, format, heads)),
-        Ok(other) => Err(Error::arg("SPARSE_MLA_DECODE_KERNEL", "auto, v6 or v7", other)),
+        Ok(other) => Err(Error::arg(
+            "SPARSE_MLA_DECODE_KERNEL",
+            "auto, v6 or v7",
+            other,
+        )),
     }
 }
 

@@ -741,10 +741,7 @@ impl Cx<'_> {
         n_body.push(for_const(&i, fm, m_body));
         k_body.push(for_const(&j, ng, n_body));
         if chains == 2 {
-            let mut inner = vec![let_(
-                &kk,
-                add(mul(var(&pair, Ty::U32), u(2)), parv.clone()),
-            )];
+            let mut inner = vec![let_(&kk, add(mul(var(&pair, Ty::U32), u(2)), parv.clone()))];
             inner.extend(k_body);
             body.push(for_const(&pair, steps / 2, vec![for_const(&par, 2, inner)]));
             let e = self.fresh("e");

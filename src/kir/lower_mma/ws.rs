@@ -238,10 +238,9 @@ fn replace_expr(e: &Expr, from: &Expr, to: &Expr) -> Expr {
         Expr::Cvt(t, a) => Expr::Cvt(*t, r(a)),
         Expr::Bin(op, a, b) => Expr::Bin(*op, r(a), r(b)),
         Expr::Select(c, a, b) => Expr::Select(r(c), r(a), r(b)),
-        Expr::Call(f, args) => Expr::Call(
-            f.clone(),
-            args.iter().map(|a| replace_expr(a, from, to)).collect(),
-        ),
+        Expr::Call(f, args) => {
+            Expr::Call(*f, args.iter().map(|a| replace_expr(a, from, to)).collect())
+        }
         Expr::Load { buf, elem, index } => Expr::Load {
             buf: buf.clone(),
             elem: *elem,
@@ -414,7 +413,10 @@ impl Cx<'_> {
                     &slot,
                     slots,
                     vec![
-                        let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows)))),
+                        let_(
+                            &r,
+                            add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
+                        ),
                         Stmt::If {
                             cond: lt(rv, u(rows)),
                             then,
@@ -448,7 +450,12 @@ impl Cx<'_> {
             let mut row_body = Vec::new();
             let sw_names: Vec<String> = gathers.iter().map(|_| cx.fresh("src_i32")).collect();
             row_body.push(let_(v, at.clone()));
-            for (((g, n), e), pairs) in gathers.iter().zip(&sw_names).zip(&src_exprs).zip(&prefetched) {
+            for (((g, n), e), pairs) in gathers
+                .iter()
+                .zip(&sw_names)
+                .zip(&src_exprs)
+                .zip(&prefetched)
+            {
                 // the source expression over the words prefetched a step ago
                 let mut src = e.clone();
                 for (load, arr) in pairs {
@@ -505,7 +512,10 @@ impl Cx<'_> {
                 &slot,
                 slots,
                 vec![
-                    let_(&r, add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows)))),
+                    let_(
+                        &r,
+                        add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
+                    ),
                     Stmt::If {
                         cond: lt(rv, u(rows)),
                         then: row_body,
