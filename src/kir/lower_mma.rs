@@ -32,6 +32,10 @@
 //! shared tiles), [`softmax`], [`ksplit`] (split-K products, A in registers), [`ws`] (the
 //! producer/consumer form) and [`barriers`].
 
+// the constructors ws.rs, ksplit.rs and softmax.rs take from here
+use super::expr::{
+    add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u, var,
+};
 use super::ir::*;
 use super::lower_scalar::{collect_names, visit_tile_ops_with};
 use crate::{Error, Result};
@@ -95,76 +99,6 @@ pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel
         });
     }
     Ok(out)
-}
-
-fn var(name: &str, ty: Ty) -> Expr {
-    Expr::Var(name.to_string(), ty)
-}
-fn u(v: u32) -> Expr {
-    Expr::U32(v)
-}
-fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
-    Expr::Bin(op, Box::new(a), Box::new(b))
-}
-/// `a + b`, folding zeros so generated addresses stay readable.
-fn add(a: Expr, b: Expr) -> Expr {
-    match (&a, &b) {
-        (_, Expr::U32(0)) => a,
-        (Expr::U32(0), _) => b,
-        (Expr::U32(x), Expr::U32(y)) => u(x + y),
-        _ => bin(BinOp::Add, a, b),
-    }
-}
-/// `a · b`, folding ones and zeros.
-fn mul(a: Expr, b: Expr) -> Expr {
-    match (&a, &b) {
-        (_, Expr::U32(1)) => a,
-        (Expr::U32(1), _) => b,
-        (_, Expr::U32(0)) | (Expr::U32(0), _) => u(0),
-        (Expr::U32(x), Expr::U32(y)) => u(x * y),
-        _ => bin(BinOp::Mul, a, b),
-    }
-}
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-fn local_id() -> Expr {
-    Expr::Builtin(Builtin::LocalId)
-}
-fn shared_load(arr: &str, ty: Ty, index: Expr) -> Expr {
-    Expr::SharedLoad {
-        arr: arr.into(),
-        ty,
-        index: Box::new(index),
-    }
-}
-fn priv_load(arr: &str, index: Expr) -> Expr {
-    Expr::PrivateLoad {
-        arr: arr.into(),
-        ty: Ty::F32,
-        index: Box::new(index),
-    }
-}
-fn bits_to_f32(bits: Expr) -> Expr {
-    Expr::Call(Func::F32FromBits, vec![bits])
-}
-fn let_(name: &str, value: Expr) -> Stmt {
-    Stmt::Let {
-        name: name.into(),
-        value,
-    }
-}
-fn for_const(var: &str, end: u32, body: Vec<Stmt>) -> Stmt {
-    Stmt::For {
-        var: var.into(),
-        start: u(0),
-        end: u(end),
-        step: u(1),
-        body,
-    }
-}
-fn intr(i: Intrinsic) -> Stmt {
-    Stmt::Intrinsic(i)
 }
 
 impl Cx<'_> {

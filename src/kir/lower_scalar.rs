@@ -11,6 +11,7 @@
 //! Every op that writes shared memory is fenced by a barrier before (write-after-read) and
 //! after (read-after-write).
 
+use super::expr::{add, bin, f32_from_bits, local_id, lt, mul, priv_load, shared_load, u, var};
 use super::ir::*;
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};
@@ -51,45 +52,6 @@ struct Cx<'k> {
     new_privates: Vec<PrivateDecl>,
     /// Shared scratch for row reductions, sized for the largest reduced accumulator.
     reduce_scratch: Option<String>,
-}
-
-fn var(name: &str, ty: Ty) -> Expr {
-    Expr::Var(name.to_string(), ty)
-}
-fn u(v: u32) -> Expr {
-    Expr::U32(v)
-}
-fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
-    Expr::Bin(op, Box::new(a), Box::new(b))
-}
-fn add(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Add, a, b)
-}
-fn mul(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Mul, a, b)
-}
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-fn local_id() -> Expr {
-    Expr::Builtin(Builtin::LocalId)
-}
-fn shared_load(arr: &str, ty: Ty, index: Expr) -> Expr {
-    Expr::SharedLoad {
-        arr: arr.into(),
-        ty,
-        index: Box::new(index),
-    }
-}
-fn priv_load(arr: &str, index: Expr) -> Expr {
-    Expr::PrivateLoad {
-        arr: arr.into(),
-        ty: Ty::F32,
-        index: Box::new(index),
-    }
-}
-fn bits_to_f32(bits: Expr) -> Expr {
-    Expr::Call(Func::F32FromBits, vec![bits])
 }
 
 impl<'k> Cx<'k> {
@@ -573,7 +535,7 @@ impl<'k> Cx<'k> {
             var(&val, Ty::U32),
         );
         let stored = if f32_tile {
-            bits_to_f32(vv.clone())
+            f32_from_bits(vv.clone())
         } else {
             vv.clone()
         };
@@ -991,7 +953,7 @@ fn tile_elem(info: &TileInfo, row: Expr, col: Expr) -> Expr {
             );
             // low half for even columns, high half for odd ones
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
-            bits_to_f32(bin(
+            f32_from_bits(bin(
                 BinOp::Shl,
                 bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFFFF)),
                 u(16),
@@ -1053,8 +1015,8 @@ fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr)
                 add(mul(row, u(stride)), bin(BinOp::Shr, col, u(1))),
             );
             (
-                bits_to_f32(bin(BinOp::Shl, word.clone(), u(16))),
-                bits_to_f32(bin(BinOp::BitAnd, word, u(0xFFFF_0000))),
+                f32_from_bits(bin(BinOp::Shl, word.clone(), u(16))),
+                f32_from_bits(bin(BinOp::BitAnd, word, u(0xFFFF_0000))),
             )
         }
         _ => {

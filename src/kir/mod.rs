@@ -2,6 +2,7 @@
 //!
 //! - [`ir`]: types, expressions, statements and tile ops;
 //! - [`builder`]: how descriptions are written;
+//! - [`expr`]: the expression and statement constructors the builder and the lowerings share;
 //! - [`ops`]: composite tile ops (online softmax, split combine);
 //! - [`numeric`]: bit-exact number routines in integer ops (f32 division, e4m3 encode);
 //! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory;
@@ -10,6 +11,7 @@
 //! Lowerings are chosen per target by [`Lowering`]; emitters print lowered kernels only.
 
 pub mod builder;
+pub mod expr;
 pub mod ir;
 pub mod lower_mma;
 pub mod lower_scalar;

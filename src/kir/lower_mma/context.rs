@@ -2,7 +2,8 @@
 //! and accumulator, the per-lane values, fresh names, and the declarations it adds.
 
 use super::softmax::SoftmaxRegs;
-use super::{ksplit, lt, mul, u, ws};
+use super::{ksplit, ws};
+use crate::kir::expr::{lt, mul, u};
 use crate::kir::ir::*;
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};

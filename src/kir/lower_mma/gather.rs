@@ -2,7 +2,7 @@
 //! address phase apart from the copy phase.
 
 use super::context::Cx;
-use super::{add, bin, for_const, intr, let_, local_id, lt, mul, u, var};
+use crate::kir::expr::{add, bin, for_const, intr, let_, local_id, lt, mul, u, var};
 use crate::kir::ir::*;
 use crate::Result;
 

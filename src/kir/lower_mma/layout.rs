@@ -5,10 +5,8 @@ use super::context::AccInfo;
 use super::context::Cx;
 use super::context::Lane;
 use super::context::TileInfo;
-use super::{
-    add, bin, bits_to_f32, collect_names, ksplit, let_, local_id, mul, shared_load, u, var,
-    visit_tile_ops_with, ws, WARP,
-};
+use super::{collect_names, ksplit, visit_tile_ops_with, ws, WARP};
+use crate::kir::expr::{add, bin, f32_from_bits, let_, local_id, mul, shared_load, u, var};
 use crate::kir::ir::*;
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};
@@ -330,7 +328,7 @@ pub(super) fn bf16_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Ex
                 add(row_word, bin(BinOp::Shr, col.clone(), u(1))),
             );
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
-            bits_to_f32(bin(
+            f32_from_bits(bin(
                 BinOp::Shl,
                 bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFFFF)),
                 u(16),

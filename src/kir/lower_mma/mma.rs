@@ -1,7 +1,7 @@
 //! Tensor-core products (`mma.sync` m16n8k16 fed by `ldmatrix`) into accumulators.
 
 use super::context::Cx;
-use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var};
+use crate::kir::expr::{add, bin, for_const, intr, let_, mul, priv_load, u, var};
 use crate::kir::ir::*;
 use crate::Result;
 

@@ -3,7 +3,7 @@
 
 use super::context::Cx;
 use super::gather::GatherPlan;
-use super::{add, bin, for_const, intr, let_, lt, u, var};
+use crate::kir::expr::{add, bin, for_const, intr, let_, lt, u, var};
 use crate::kir::ir::*;
 use crate::Result;
 

@@ -2,7 +2,7 @@
 //! the warps of a row through shared memory.
 
 use super::context::Cx;
-use super::{add, bin, for_const, intr, local_id, mul, priv_load, shared_load, u, var};
+use crate::kir::expr::{add, bin, for_const, intr, local_id, mul, priv_load, shared_load, u, var};
 use crate::kir::ir::*;
 use crate::Result;
 

@@ -2,7 +2,9 @@
 //! [`TileOp::AccForEach`]), [`TileOp::SharedMap`], and the split `hi + lo` bf16 planes.
 
 use super::context::Cx;
-use super::{add, bin, bits_to_f32, for_const, let_, local_id, mul, priv_load, u, var};
+use crate::kir::expr::{
+    add, bin, f32_from_bits, for_const, let_, local_id, mul, priv_load, u, var,
+};
 use crate::kir::ir::*;
 use crate::Result;
 
@@ -245,8 +247,8 @@ pub(super) fn split_store(
 ) -> Vec<Stmt> {
     let [x0, x1, hi] = names;
     let (x0v, x1v, hiv) = (var(x0, Ty::F32), var(x1, Ty::F32), var(hi, Ty::U32));
-    let hi0 = bits_to_f32(bin(BinOp::Shl, hiv.clone(), u(16)));
-    let hi1 = bits_to_f32(bin(BinOp::BitAnd, hiv.clone(), u(0xFFFF_0000)));
+    let hi0 = f32_from_bits(bin(BinOp::Shl, hiv.clone(), u(16)));
+    let hi1 = f32_from_bits(bin(BinOp::BitAnd, hiv.clone(), u(0xFFFF_0000)));
     vec![
         let_(x0, v0),
         let_(x1, v1),
