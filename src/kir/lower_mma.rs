@@ -26,18 +26,18 @@
 //!   a few consecutive threads per row so each row is read in contiguous runs. Inside a
 //!   pipeline the loads of the next `stages - 1` steps are in flight while a step computes.
 //!
-//! This file drives the lowering (the statement walk and which tile op goes where); each
-//! job has its file: [`context`] (the lowering's state), [`layout`] (where tiles and
-//! accumulators live), [`gather`], [`pipeline`], [`mma`], [`reduce`], [`store`] (writes into
-//! shared tiles), [`softmax`], [`ksplit`] (split-K products, A in registers), [`ws`] (the
-//! producer/consumer form) and [`barriers`].
+//! This file drives the lowering (a [`Rewrite`] pass: which tile op goes where, the waits for
+//! gathers in flight); each job has its file: [`context`] (the lowering's state), [`layout`]
+//! (where tiles and accumulators live), [`gather`], [`pipeline`], [`mma`], [`reduce`],
+//! [`store`] (writes into shared tiles), [`softmax`], [`ksplit`] (split-K products, A in
+//! registers), [`ws`] (the producer/consumer form) and [`barriers`].
 
 // the constructors ws.rs, ksplit.rs and softmax.rs take from here
 use super::expr::{
     add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u, var,
 };
 use super::ir::*;
-use super::lower_scalar::{collect_names, visit_tile_ops_with};
+use super::walk::{rewrite_expr, rewrite_stmts, visit_tile_ops_with, Rewrite};
 use crate::{Error, Result};
 use barriers::{dedupe_barriers, stmt_mentions};
 use context::{AccInfo, Cx, TileInfo};
@@ -103,103 +103,22 @@ pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel
 
 impl Cx<'_> {
     fn stmts(&mut self, stmts: &[Stmt]) -> Result<Vec<Stmt>> {
-        let mut out = Vec::new();
-        for s in stmts {
-            self.stmt(s, &mut out)?;
-        }
-        Ok(out)
+        rewrite_stmts(self, stmts)
     }
 
-    fn stmt(&mut self, s: &Stmt, out: &mut Vec<Stmt>) -> Result<()> {
+    fn expr(&self, e: &Expr) -> Result<Expr> {
+        rewrite_expr(self, e)
+    }
+}
+
+impl Rewrite for Cx<'_> {
+    /// A gather outside a pipeline is waited for just before the first statement that uses
+    /// its tile.
+    fn before_stmt(&mut self, s: &Stmt, out: &mut Vec<Stmt>) {
         if !self.pending.is_empty() && stmt_mentions(s, &self.pending) {
             out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
             out.push(Stmt::Barrier);
             self.pending.clear();
-        }
-        match s {
-            Stmt::Tile(op) => self.tile_op(op, out)?,
-            Stmt::If { cond, then, els } => out.push(Stmt::If {
-                cond: self.expr(cond)?,
-                then: self.stmts(then)?,
-                els: self.stmts(els)?,
-            }),
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => out.push(Stmt::For {
-                var: var.clone(),
-                start: self.expr(start)?,
-                end: self.expr(end)?,
-                step: self.expr(step)?,
-                body: self.stmts(body)?,
-            }),
-            Stmt::Let { name, value } => out.push(Stmt::Let {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Var { name, value } => out.push(Stmt::Var {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Assign { name, value } => out.push(Stmt::Assign {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Store { buf, index, value } => out.push(Stmt::Store {
-                buf: buf.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::StoreWord { buf, index, value } => out.push(Stmt::StoreWord {
-                buf: buf.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::SharedStore { arr, index, value } => out.push(Stmt::SharedStore {
-                arr: arr.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::PrivateStore { arr, index, value } => out.push(Stmt::PrivateStore {
-                arr: arr.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::Comment(_) | Stmt::Barrier | Stmt::Intrinsic(_) => out.push(s.clone()),
-        }
-        Ok(())
-    }
-
-    /// Replace tile element loads by shared-array loads in this lowering's layout.
-    fn expr(&self, e: &Expr) -> Result<Expr> {
-        let mut failure = None;
-        let lowered = e.clone().map(&mut |x| match x {
-            Expr::TileLoad { tile, row, col, .. } => {
-                match self.tile(&tile).and_then(|t| Ok((t, self.tile_base(t)?))) {
-                    Ok((info, base)) => tile_elem(info, base, *row, *col),
-                    Err(err) => {
-                        failure = Some(err);
-                        Expr::F32(0.0)
-                    }
-                }
-            }
-            Expr::TileWord { tile, row, word } => {
-                match self.tile(&tile).and_then(|t| Ok((t, self.tile_base(t)?))) {
-                    Ok((info, base)) => tile_word(info, base, *row, *word),
-                    Err(err) => {
-                        failure = Some(err);
-                        Expr::U32(0)
-                    }
-                }
-            }
-            other => other,
-        });
-        match failure {
-            Some(err) => Err(err),
-            None => Ok(lowered),
         }
     }
 
@@ -372,5 +291,20 @@ impl Cx<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Replace tile element loads by shared-array loads in this lowering's layout.
+    fn tile_read(&self, read: Expr) -> Result<Expr> {
+        Ok(match read {
+            Expr::TileLoad { tile, row, col, .. } => {
+                let info = self.tile(&tile)?;
+                tile_elem(info, self.tile_base(info)?, *row, *col)
+            }
+            Expr::TileWord { tile, row, word } => {
+                let info = self.tile(&tile)?;
+                tile_word(info, self.tile_base(info)?, *row, *word)
+            }
+            other => other,
+        })
     }
 }

@@ -5,6 +5,7 @@
 //! - [`expr`]: the expression and statement constructors the builder and the lowerings share;
 //! - [`ops`]: composite tile ops (online softmax, split combine);
 //! - [`numeric`]: bit-exact number routines in integer ops (f32 division, e4m3 encode);
+//! - [`walk`]: the rewrite every lowering is, and the visits over a body;
 //! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory;
 //! - [`lower_mma`]: the CUDA tensor-core lowering (`mma.sync`, `ldmatrix`, `cp.async`).
 //!
@@ -17,6 +18,7 @@ pub mod lower_mma;
 pub mod lower_scalar;
 pub mod numeric;
 pub mod ops;
+pub mod walk;
 
 pub use ir::Kernel;
 

@@ -5,9 +5,10 @@ use super::context::AccInfo;
 use super::context::Cx;
 use super::context::Lane;
 use super::context::TileInfo;
-use super::{collect_names, ksplit, visit_tile_ops_with, ws, WARP};
+use super::{ksplit, ws, WARP};
 use crate::kir::expr::{add, bin, f32_from_bits, let_, local_id, mul, shared_load, u, var};
 use crate::kir::ir::*;
+use crate::kir::walk::{collect_names, visit_tile_ops_with};
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};
 
