@@ -22,7 +22,7 @@ pub const STATIC_SHARED_LIMIT: u64 = 48 * 1024;
 /// Bytes of dynamic shared memory the kernel must be launched with: 0 when its shared
 /// arrays are static (at most [`STATIC_SHARED_LIMIT`]), else all of them, 16-byte aligned.
 pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
-    let (_, total) = crate::kir::lower_mma::shared_layout(&kernel.shared);
+    let (_, total) = crate::kir::shared_plan::shared_layout(&kernel.shared);
     if total > STATIC_SHARED_LIMIT {
         total as u32
     } else {
@@ -412,7 +412,7 @@ impl Printer<'_> {
         w.indent += 1;
         if dynamic > 0 {
             w.line("extern __shared__ __align__(16) unsigned char dyn_smem[];");
-            let (offsets, _) = crate::kir::lower_mma::shared_layout(&k.shared);
+            let (offsets, _) = crate::kir::shared_plan::shared_layout(&k.shared);
             for (s, off) in k.shared.iter().zip(offsets) {
                 let t = c_ty(s.ty);
                 let l = format!(

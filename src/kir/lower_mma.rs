@@ -37,15 +37,13 @@ use super::expr::{
     add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u, var,
 };
 use super::ir::*;
+// the plan ws.rs checks its kernels with
+use super::shared_plan::{self, shared_layout, MAX_SHARED_BYTES};
 use super::walk::{rewrite_expr, rewrite_stmts, visit_tile_ops_with, Rewrite};
 use crate::{Error, Result};
 use barriers::{dedupe_barriers, stmt_mentions};
 use context::{AccInfo, Cx, TileInfo};
 use layout::{tile_elem, tile_word};
-
-/// Shared memory per block on SM120 (RTX PRO 6000, RTX 5090): 99 KB. Every kernel this
-/// lowering produces must fit it, whatever GPU it is compiled for.
-pub const MAX_SHARED_BYTES: u64 = 101_376;
 
 const WARP: u32 = 32;
 
@@ -63,17 +61,6 @@ mod ws;
 
 pub use ws::lower_ws;
 
-/// Byte offsets of each shared array (16-byte aligned, in declaration order) and the total.
-pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
-    let mut offsets = Vec::with_capacity(shared.len());
-    let mut at = 0u64;
-    for s in shared {
-        offsets.push(at);
-        at += (s.len as u64 * 4).div_ceil(16) * 16;
-    }
-    (offsets, at)
-}
-
 /// Lower every tile op of `kernel` for tensor cores, with `stages` ring buffers per pipelined
 /// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint).
 pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel> {
@@ -89,15 +76,7 @@ pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel
     out.acc_tiles.clear();
     out.shared.extend(cx.new_shared);
     out.privates.extend(cx.new_privates);
-    let (_, bytes) = shared_layout(&out.shared);
-    if bytes > MAX_SHARED_BYTES {
-        return Err(Error::ResourceLimit {
-            kernel: kernel.name.clone(),
-            resource: "shared memory per block (SM120 limit, bytes)".into(),
-            needed: bytes,
-            limit: MAX_SHARED_BYTES,
-        });
-    }
+    shared_plan::check_fits(&out)?;
     Ok(out)
 }
 
