@@ -81,6 +81,10 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d576_scalar_h16n16(const sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     __shared__ __align__(16) float row_max[16];
     __shared__ __align__(16) float row_sum[16];
@@ -101,9 +105,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -143,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
-            kv_tile_src8[row_1] = (((((j_begin + (step * 16u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+            kv_tile_src8[row_1] = (((((j_begin + (step * 16u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
             row_valid[row_1] = (kv_tile_src8[row_1] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();

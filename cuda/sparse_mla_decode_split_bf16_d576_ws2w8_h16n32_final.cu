@@ -244,6 +244,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final(const sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
@@ -310,9 +314,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -413,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot] = -1;
                 }
@@ -441,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row4 = lane + (slot3 * 32u);
                 if (gather_row4 < 32u) {
                     const unsigned row_1 = gather_row4;
-                    kv_tile_src[slot3] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_tile_src[slot3] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot3] = -1;
                 }
@@ -495,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned gather_row12 = lane + (slot11 * 32u);
                         if (gather_row12 < 32u) {
                             const unsigned row_1 = gather_row12;
-                            kv_tile_src[slot11] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                            kv_tile_src[slot11] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_tile_src[slot11] = -1;
                         }

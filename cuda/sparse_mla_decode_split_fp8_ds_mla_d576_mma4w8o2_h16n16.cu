@@ -158,6 +158,10 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
     return r;
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16(const sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
@@ -205,10 +209,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk);
+    const unsigned j_end = min_u32(j_begin + p.chunk, p.topk);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
@@ -289,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row8 = (threadIdx.x / 16u) + (gather_pass7 * 16u);
                 if (gather_row8 < 16u) {
                     const unsigned row_1 = gather_row8;
-                    raw_rows_src[gather_pass7] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    raw_rows_src[gather_pass7] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass7] = -1;
                 }
@@ -336,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned gather_row20 = (threadIdx.x / 16u) + (gather_pass19 * 16u);
             if (gather_row20 < 16u) {
                 const unsigned row_1 = gather_row20;
-                raw_rows_src[gather_pass19] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                raw_rows_src[gather_pass19] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 raw_rows_src[gather_pass19] = -1;
             }
@@ -384,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row33 = (threadIdx.x / 16u) + (gather_pass32 * 16u);
                 if (gather_row33 < 16u) {
                     const unsigned row_1 = gather_row33;
-                    raw_rows_src[gather_pass32] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    raw_rows_src[gather_pass32] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass32] = -1;
                 }
@@ -545,9 +549,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     float v0 = scores[(frag * 4u) + (half44 * 2u)];
                     float v1 = scores[((frag * 4u) + (half44 * 2u)) + 1u];
                     const unsigned j = (j_begin + (step * 16u)) + col_2;
-                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + min_u32(j, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32(j, p.topk - 1u)]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
-                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag * 4u) + (half44 * 2u)] = v0;
                     scores[((frag * 4u) + (half44 * 2u)) + 1u] = v1;
                 }

@@ -244,6 +244,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32(const sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -363,9 +367,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -480,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot] = -1;
                 }
@@ -490,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = lane + (slot6 * 32u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_src[slot6] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot6] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot6] = -1;
                 }
@@ -500,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row9 = lane + (slot8 * 32u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_src[slot8] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot8] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot8] = -1;
                 }
@@ -536,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = lane + (slot14 * 32u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot14] = -1;
                 }
@@ -546,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = lane + (slot16 * 32u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_src[slot16] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot16] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot16] = -1;
                 }
@@ -556,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row19 = lane + (slot18 * 32u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_src[slot18] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot18] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot18] = -1;
                 }
@@ -592,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = lane + (slot26 * 32u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_src[slot26] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot26] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot26] = -1;
                 }
@@ -602,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = lane + (slot28 * 32u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_src[slot28] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot28] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot28] = -1;
                 }
@@ -612,7 +616,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row31 = lane + (slot30 * 32u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_src[slot30] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot30] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot30] = -1;
                 }
@@ -676,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row42 = lane + (slot41 * 32u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_src[slot41] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                            kv_latent_src[slot41] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_latent_src[slot41] = -1;
                         }
@@ -686,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row44 = lane + (slot43 * 32u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_src[slot43] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                            kv_scales_src[slot43] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         } else {
                             kv_scales_src[slot43] = -1;
                         }
@@ -696,7 +700,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row46 = lane + (slot45 * 32u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_src[slot45] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                            kv_rope_src[slot45] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         } else {
                             kv_rope_src[slot45] = -1;
                         }

@@ -247,6 +247,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final(const sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
@@ -367,9 +371,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -482,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot] = -1;
                 }
@@ -492,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row5 = lane + (slot4 * 32u);
                 if (gather_row5 < 32u) {
                     const unsigned row_2 = gather_row5;
-                    kv_scales_src[slot4] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot4] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot4] = -1;
                 }
@@ -502,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = lane + (slot6 * 32u);
                 if (gather_row7 < 32u) {
                     const unsigned row_3 = gather_row7;
-                    kv_rope_src[slot6] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot6] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot6] = -1;
                 }
@@ -538,7 +542,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row13 = lane + (slot12 * 32u);
                 if (gather_row13 < 32u) {
                     const unsigned row_1 = gather_row13;
-                    kv_latent_src[slot12] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot12] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot12] = -1;
                 }
@@ -548,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = lane + (slot14 * 32u);
                 if (gather_row15 < 32u) {
                     const unsigned row_2 = gather_row15;
-                    kv_scales_src[slot14] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot14] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot14] = -1;
                 }
@@ -558,7 +562,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = lane + (slot16 * 32u);
                 if (gather_row17 < 32u) {
                     const unsigned row_3 = gather_row17;
-                    kv_rope_src[slot16] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot16] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot16] = -1;
                 }
@@ -594,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row25 = lane + (slot24 * 32u);
                 if (gather_row25 < 32u) {
                     const unsigned row_1 = gather_row25;
-                    kv_latent_src[slot24] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot24] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot24] = -1;
                 }
@@ -604,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = lane + (slot26 * 32u);
                 if (gather_row27 < 32u) {
                     const unsigned row_2 = gather_row27;
-                    kv_scales_src[slot26] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot26] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot26] = -1;
                 }
@@ -614,7 +618,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = lane + (slot28 * 32u);
                 if (gather_row29 < 32u) {
                     const unsigned row_3 = gather_row29;
-                    kv_rope_src[slot28] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot28] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot28] = -1;
                 }
@@ -650,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row37 = lane + (slot36 * 32u);
                 if (gather_row37 < 32u) {
                     const unsigned row_1 = gather_row37;
-                    kv_latent_src[slot36] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    kv_latent_src[slot36] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot36] = -1;
                 }
@@ -660,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row39 = lane + (slot38 * 32u);
                 if (gather_row39 < 32u) {
                     const unsigned row_2 = gather_row39;
-                    kv_scales_src[slot38] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    kv_scales_src[slot38] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot38] = -1;
                 }
@@ -670,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row41 = lane + (slot40 * 32u);
                 if (gather_row41 < 32u) {
                     const unsigned row_3 = gather_row41;
-                    kv_rope_src[slot40] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    kv_rope_src[slot40] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot40] = -1;
                 }
@@ -732,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row51 = lane + (slot50 * 32u);
                         if (gather_row51 < 32u) {
                             const unsigned row_1 = gather_row51;
-                            kv_latent_src[slot50] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                            kv_latent_src[slot50] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_latent_src[slot50] = -1;
                         }
@@ -742,7 +746,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row53 = lane + (slot52 * 32u);
                         if (gather_row53 < 32u) {
                             const unsigned row_2 = gather_row53;
-                            kv_scales_src[slot52] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                            kv_scales_src[slot52] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         } else {
                             kv_scales_src[slot52] = -1;
                         }
@@ -752,7 +756,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row55 = lane + (slot54 * 32u);
                         if (gather_row55 < 32u) {
                             const unsigned row_3 = gather_row55;
-                            kv_rope_src[slot54] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                            kv_rope_src[slot54] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         } else {
                             kv_rope_src[slot54] = -1;
                         }

@@ -126,7 +126,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
     let len_raw: i32 = topk_length[select(0u, t, params.has_topk_length != 0u)];
     let valid_len: u32 = select(params.topk, min(u32(max(len_raw, 0i)), params.topk), params.has_topk_length != 0u);
     let j_begin: u32 = split * params.chunk;
-    let j_end: u32 = min((min((j_begin + params.chunk), params.topk)), valid_len);
+    let j_end: u32 = min(min(j_begin + params.chunk, params.topk), valid_len);
     let steps: u32 = select(0u, ((j_end - j_begin) + 1u) / 2u, j_end > j_begin);
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -170,7 +170,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 2u; row_1 = row_1 + 128u) {
-            kv_latent_src11[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)), ((((j_begin + (step * 2u)) + row_1) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            kv_latent_src11[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) % params.page_size) * params.row_stride_w)), ((((j_begin + (step * 2u)) + row_1) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) < params.num_slots));
             row_valid[row_1] = select(0.0, 1.0, kv_latent_src11[row_1] >= 0i);
         }
         workgroupBarrier();
@@ -187,7 +187,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         workgroupBarrier();
         workgroupBarrier();
         for (var row_2: u32 = local_id; row_2 < 2u; row_2 = row_2 + 128u) {
-            kv_scales_src17[row_2] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 128u), ((((j_begin + (step * 2u)) + row_2) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_2), (params.topk - 1u)))]) < params.num_slots));
+            kv_scales_src17[row_2] = select(-1i, i32((((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) % params.page_size) * params.row_stride_w)) + 128u), ((((j_begin + (step * 2u)) + row_2) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) < params.num_slots));
             row_valid[row_2] = select(0.0, 1.0, kv_scales_src17[row_2] >= 0i);
         }
         workgroupBarrier();
@@ -204,7 +204,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         workgroupBarrier();
         workgroupBarrier();
         for (var row_3: u32 = local_id; row_3 < 2u; row_3 = row_3 + 128u) {
-            kv_rope_src23[row_3] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 132u), ((((j_begin + (step * 2u)) + row_3) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 2u)) + row_3), (params.topk - 1u)))]) < params.num_slots));
+            kv_rope_src23[row_3] = select(-1i, i32((((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) % params.page_size) * params.row_stride_w)) + 132u), ((((j_begin + (step * 2u)) + row_3) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) < params.num_slots));
             row_valid[row_3] = select(0.0, 1.0, kv_rope_src23[row_3] >= 0i);
         }
         workgroupBarrier();
