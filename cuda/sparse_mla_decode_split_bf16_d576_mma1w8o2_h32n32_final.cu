@@ -286,7 +286,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             const unsigned gather_row9 = (threadIdx.x / 8u) + (gather_pass8 * 32u);
             if (gather_row9 < 32u) {
                 const unsigned row_1 = gather_row9;
-                kv_tile_src[gather_pass8] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                kv_tile_src[gather_pass8] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 kv_tile_src[gather_pass8] = -1;
             }
@@ -329,7 +331,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const unsigned gather_row21 = (threadIdx.x / 8u) + (gather_pass20 * 32u);
                 if (gather_row21 < 32u) {
                     const unsigned row_1 = gather_row21;
-                    kv_tile_src[gather_pass20] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_tile_src[gather_pass20] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[gather_pass20] = -1;
                 }
@@ -395,9 +399,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 float v0 = scores[(frag * 4u) + (half25 * 2u)];
                 float v1 = scores[((frag * 4u) + (half25 * 2u)) + 1u];
                 const unsigned j = (j_begin + (step * 32u)) + col;
-                v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + min_u32(j, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32(j, p.topk - 1u)]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                const unsigned sub4 = (t * p.topk) + min_u32(j, p.topk - 1u);
+                v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                 const unsigned j_1 = ((j_begin + (step * 32u)) + col) + 1u;
-                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                const unsigned sub5 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
+                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub5] >= 0)) && (((unsigned)indices[sub5]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
                 scores[(frag * 4u) + (half25 * 2u)] = v0;
                 scores[((frag * 4u) + (half25 * 2u)) + 1u] = v1;
             }
@@ -488,7 +494,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
                 const unsigned row44 = (scores_row0 + ((frag46 / 1u) * 16u)) + ((half47 * 8u) + lane_group);
                 const unsigned col45 = (scores_col0 + ((frag46 % 1u) * 8u)) + (lane_quad * 2u);
-                p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[(frag46 * 4u) + (half47 * 2u)], scores[((frag46 * 4u) + (half47 * 2u)) + 1u]);
+                const unsigned sub6 = (frag46 * 4u) + (half47 * 2u);
+                p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
             }
         }
         __syncthreads();

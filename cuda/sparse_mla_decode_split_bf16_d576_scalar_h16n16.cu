@@ -147,7 +147,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
-            kv_tile_src8[row_1] = (((((j_begin + (step * 16u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 16u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+            const unsigned sub1 = (j_begin + (step * 16u)) + row_1;
+            const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+            kv_tile_src8[row_1] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
             row_valid[row_1] = (kv_tile_src8[row_1] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();

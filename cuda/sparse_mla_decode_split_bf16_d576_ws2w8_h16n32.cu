@@ -414,7 +414,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    kv_tile_src[slot] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot] = -1;
                 }
@@ -442,7 +444,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row4 = lane + (slot3 * 32u);
                 if (gather_row4 < 32u) {
                     const unsigned row_1 = gather_row4;
-                    kv_tile_src[slot3] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_tile_src[slot3] = (((sub3 < j_end) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot3] = -1;
                 }
@@ -496,7 +500,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned gather_row12 = lane + (slot11 * 32u);
                         if (gather_row12 < 32u) {
                             const unsigned row_1 = gather_row12;
-                            kv_tile_src[slot11] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                            const unsigned sub5 = (j_begin + (step * 32u)) + row_1;
+                            const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                            kv_tile_src[slot11] = (((sub5 < j_end) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_tile_src[slot11] = -1;
                         }
@@ -663,7 +669,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
                     const unsigned row37 = (scores_row0 + ((frag39 / 4u) * 16u)) + ((half40 * 8u) + lane_group);
                     const unsigned col38 = (scores_col0 + ((frag39 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row37 * 20u) + (col38 >> 1u)] = pack_bf16x2(scores[(frag39 * 4u) + (half40 * 2u)], scores[((frag39 * 4u) + (half40 * 2u)) + 1u]);
+                    const unsigned sub6 = (frag39 * 4u) + (half40 * 2u);
+                    p_tile[(row37 * 20u) + (col38 >> 1u)] = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
                 }
             }
         }

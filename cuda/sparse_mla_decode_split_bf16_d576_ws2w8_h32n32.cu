@@ -417,7 +417,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    kv_tile_src[slot] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot] = -1;
                 }
@@ -445,7 +447,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row6 = lane + (slot5 * 32u);
                 if (gather_row6 < 32u) {
                     const unsigned row_1 = gather_row6;
-                    kv_tile_src[slot5] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_tile_src[slot5] = (((sub3 < j_end) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[slot5] = -1;
                 }
@@ -501,7 +505,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned gather_row15 = lane + (slot14 * 32u);
                         if (gather_row15 < 32u) {
                             const unsigned row_1 = gather_row15;
-                            kv_tile_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                            const unsigned sub5 = (j_begin + (step * 32u)) + row_1;
+                            const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                            kv_tile_src[slot14] = (((sub5 < j_end) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_tile_src[slot14] = -1;
                         }
@@ -683,7 +689,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
                     const unsigned row44 = (scores_row0 + ((frag46 / 4u) * 16u)) + ((half47 * 8u) + lane_group);
                     const unsigned col45 = (scores_col0 + ((frag46 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[(frag46 * 4u) + (half47 * 2u)], scores[((frag46 * 4u) + (half47 * 2u)) + 1u]);
+                    const unsigned sub6 = (frag46 * 4u) + (half47 * 2u);
+                    p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
                 }
             }
         }

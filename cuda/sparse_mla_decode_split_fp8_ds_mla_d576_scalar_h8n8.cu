@@ -169,7 +169,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 8u; row_1 += 128u) {
-            kv_latent_src11[row_1] = (((((j_begin + (step * 8u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+            const unsigned sub1 = (j_begin + (step * 8u)) + row_1;
+            const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+            kv_latent_src11[row_1] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
             row_valid[row_1] = (kv_latent_src11[row_1] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();
@@ -188,7 +190,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_2 = threadIdx.x; row_2 < 8u; row_2 += 128u) {
-            kv_scales_src17[row_2] = (((((j_begin + (step * 8u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+            const unsigned sub3 = (j_begin + (step * 8u)) + row_2;
+            const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+            kv_scales_src17[row_2] = (((sub3 < j_end) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
             row_valid[row_2] = (kv_scales_src17[row_2] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();
@@ -207,7 +211,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_3 = threadIdx.x; row_3 < 8u; row_3 += 128u) {
-            kv_rope_src23[row_3] = (((((j_begin + (step * 8u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 8u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+            const unsigned sub5 = (j_begin + (step * 8u)) + row_3;
+            const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+            kv_rope_src23[row_3] = (((sub5 < j_end) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
             row_valid[row_3] = (kv_rope_src23[row_3] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();

@@ -484,7 +484,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    kv_latent_src[slot] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot] = -1;
                 }
@@ -494,7 +496,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = lane + (slot6 * 32u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_src[slot6] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_scales_src[slot6] = (((sub3 < j_end) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot6] = -1;
                 }
@@ -504,7 +508,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row9 = lane + (slot8 * 32u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_src[slot8] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub5 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                    kv_rope_src[slot8] = (((sub5 < j_end) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot8] = -1;
                 }
@@ -540,7 +546,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = lane + (slot14 * 32u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_src[slot14] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub7 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub6 = (t * p.topk) + min_u32(sub7, p.topk - 1u);
+                    kv_latent_src[slot14] = (((sub7 < j_end) && (indices[sub6] >= 0)) && (((unsigned)indices[sub6]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub6]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub6]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot14] = -1;
                 }
@@ -550,7 +558,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = lane + (slot16 * 32u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_src[slot16] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub9 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub8 = (t * p.topk) + min_u32(sub9, p.topk - 1u);
+                    kv_scales_src[slot16] = (((sub9 < j_end) && (indices[sub8] >= 0)) && (((unsigned)indices[sub8]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub8]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot16] = -1;
                 }
@@ -560,7 +570,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row19 = lane + (slot18 * 32u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_src[slot18] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub11 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub10 = (t * p.topk) + min_u32(sub11, p.topk - 1u);
+                    kv_rope_src[slot18] = (((sub11 < j_end) && (indices[sub10] >= 0)) && (((unsigned)indices[sub10]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub10]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub10]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot18] = -1;
                 }
@@ -596,7 +608,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = lane + (slot26 * 32u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_src[slot26] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub13 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub12 = (t * p.topk) + min_u32(sub13, p.topk - 1u);
+                    kv_latent_src[slot26] = (((sub13 < j_end) && (indices[sub12] >= 0)) && (((unsigned)indices[sub12]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub12]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub12]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot26] = -1;
                 }
@@ -606,7 +620,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = lane + (slot28 * 32u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_src[slot28] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub15 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub14 = (t * p.topk) + min_u32(sub15, p.topk - 1u);
+                    kv_scales_src[slot28] = (((sub15 < j_end) && (indices[sub14] >= 0)) && (((unsigned)indices[sub14]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub14]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub14]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot28] = -1;
                 }
@@ -616,7 +632,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row31 = lane + (slot30 * 32u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_src[slot30] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub17 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub16 = (t * p.topk) + min_u32(sub17, p.topk - 1u);
+                    kv_rope_src[slot30] = (((sub17 < j_end) && (indices[sub16] >= 0)) && (((unsigned)indices[sub16]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub16]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub16]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot30] = -1;
                 }
@@ -680,7 +698,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row42 = lane + (slot41 * 32u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_src[slot41] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                            const unsigned sub19 = (j_begin + (step * 32u)) + row_1;
+                            const unsigned sub18 = (t * p.topk) + min_u32(sub19, p.topk - 1u);
+                            kv_latent_src[slot41] = (((sub19 < j_end) && (indices[sub18] >= 0)) && (((unsigned)indices[sub18]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub18]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub18]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_latent_src[slot41] = -1;
                         }
@@ -690,7 +710,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row44 = lane + (slot43 * 32u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_src[slot43] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                            const unsigned sub21 = (j_begin + (step * 32u)) + row_2;
+                            const unsigned sub20 = (t * p.topk) + min_u32(sub21, p.topk - 1u);
+                            kv_scales_src[slot43] = (((sub21 < j_end) && (indices[sub20] >= 0)) && (((unsigned)indices[sub20]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub20]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub20]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         } else {
                             kv_scales_src[slot43] = -1;
                         }
@@ -700,7 +722,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row46 = lane + (slot45 * 32u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_src[slot45] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                            const unsigned sub23 = (j_begin + (step * 32u)) + row_3;
+                            const unsigned sub22 = (t * p.topk) + min_u32(sub23, p.topk - 1u);
+                            kv_rope_src[slot45] = (((sub23 < j_end) && (indices[sub22] >= 0)) && (((unsigned)indices[sub22]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub22]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub22]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         } else {
                             kv_rope_src[slot45] = -1;
                         }
@@ -1033,7 +1057,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half134 = 0u; half134 < 2u; half134 += 1u) {
                     const unsigned row131 = (scores_row0 + ((frag133 / 4u) * 16u)) + ((half134 * 8u) + lane_group);
                     const unsigned col132 = (scores_col0 + ((frag133 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row131 * 20u) + (col132 >> 1u)] = pack_bf16x2(scores[(frag133 * 4u) + (half134 * 2u)], scores[((frag133 * 4u) + (half134 * 2u)) + 1u]);
+                    const unsigned sub24 = (frag133 * 4u) + (half134 * 2u);
+                    p_tile[(row131 * 20u) + (col132 >> 1u)] = pack_bf16x2(scores[sub24], scores[sub24 + 1u]);
                 }
             }
         }

@@ -483,7 +483,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = lane + (slot * 32u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_src[slot] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    kv_latent_src[slot] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot] = -1;
                 }
@@ -493,7 +495,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row5 = lane + (slot4 * 32u);
                 if (gather_row5 < 32u) {
                     const unsigned row_2 = gather_row5;
-                    kv_scales_src[slot4] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_scales_src[slot4] = (((sub3 < j_end) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot4] = -1;
                 }
@@ -503,7 +507,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = lane + (slot6 * 32u);
                 if (gather_row7 < 32u) {
                     const unsigned row_3 = gather_row7;
-                    kv_rope_src[slot6] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub5 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                    kv_rope_src[slot6] = (((sub5 < j_end) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot6] = -1;
                 }
@@ -539,7 +545,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row13 = lane + (slot12 * 32u);
                 if (gather_row13 < 32u) {
                     const unsigned row_1 = gather_row13;
-                    kv_latent_src[slot12] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub7 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub6 = (t * p.topk) + min_u32(sub7, p.topk - 1u);
+                    kv_latent_src[slot12] = (((sub7 < j_end) && (indices[sub6] >= 0)) && (((unsigned)indices[sub6]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub6]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub6]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot12] = -1;
                 }
@@ -549,7 +557,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = lane + (slot14 * 32u);
                 if (gather_row15 < 32u) {
                     const unsigned row_2 = gather_row15;
-                    kv_scales_src[slot14] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub9 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub8 = (t * p.topk) + min_u32(sub9, p.topk - 1u);
+                    kv_scales_src[slot14] = (((sub9 < j_end) && (indices[sub8] >= 0)) && (((unsigned)indices[sub8]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub8]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot14] = -1;
                 }
@@ -559,7 +569,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = lane + (slot16 * 32u);
                 if (gather_row17 < 32u) {
                     const unsigned row_3 = gather_row17;
-                    kv_rope_src[slot16] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub11 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub10 = (t * p.topk) + min_u32(sub11, p.topk - 1u);
+                    kv_rope_src[slot16] = (((sub11 < j_end) && (indices[sub10] >= 0)) && (((unsigned)indices[sub10]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub10]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub10]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot16] = -1;
                 }
@@ -595,7 +607,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row25 = lane + (slot24 * 32u);
                 if (gather_row25 < 32u) {
                     const unsigned row_1 = gather_row25;
-                    kv_latent_src[slot24] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub13 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub12 = (t * p.topk) + min_u32(sub13, p.topk - 1u);
+                    kv_latent_src[slot24] = (((sub13 < j_end) && (indices[sub12] >= 0)) && (((unsigned)indices[sub12]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub12]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub12]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot24] = -1;
                 }
@@ -605,7 +619,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = lane + (slot26 * 32u);
                 if (gather_row27 < 32u) {
                     const unsigned row_2 = gather_row27;
-                    kv_scales_src[slot26] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub15 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub14 = (t * p.topk) + min_u32(sub15, p.topk - 1u);
+                    kv_scales_src[slot26] = (((sub15 < j_end) && (indices[sub14] >= 0)) && (((unsigned)indices[sub14]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub14]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub14]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot26] = -1;
                 }
@@ -615,7 +631,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = lane + (slot28 * 32u);
                 if (gather_row29 < 32u) {
                     const unsigned row_3 = gather_row29;
-                    kv_rope_src[slot28] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub17 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub16 = (t * p.topk) + min_u32(sub17, p.topk - 1u);
+                    kv_rope_src[slot28] = (((sub17 < j_end) && (indices[sub16] >= 0)) && (((unsigned)indices[sub16]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub16]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub16]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot28] = -1;
                 }
@@ -651,7 +669,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row37 = lane + (slot36 * 32u);
                 if (gather_row37 < 32u) {
                     const unsigned row_1 = gather_row37;
-                    kv_latent_src[slot36] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub19 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub18 = (t * p.topk) + min_u32(sub19, p.topk - 1u);
+                    kv_latent_src[slot36] = (((sub19 < j_end) && (indices[sub18] >= 0)) && (((unsigned)indices[sub18]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub18]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub18]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_latent_src[slot36] = -1;
                 }
@@ -661,7 +681,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row39 = lane + (slot38 * 32u);
                 if (gather_row39 < 32u) {
                     const unsigned row_2 = gather_row39;
-                    kv_scales_src[slot38] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned sub21 = (j_begin + (step * 32u)) + row_2;
+                    const unsigned sub20 = (t * p.topk) + min_u32(sub21, p.topk - 1u);
+                    kv_scales_src[slot38] = (((sub21 < j_end) && (indices[sub20] >= 0)) && (((unsigned)indices[sub20]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub20]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub20]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                 } else {
                     kv_scales_src[slot38] = -1;
                 }
@@ -671,7 +693,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row41 = lane + (slot40 * 32u);
                 if (gather_row41 < 32u) {
                     const unsigned row_3 = gather_row41;
-                    kv_rope_src[slot40] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    const unsigned sub23 = (j_begin + (step * 32u)) + row_3;
+                    const unsigned sub22 = (t * p.topk) + min_u32(sub23, p.topk - 1u);
+                    kv_rope_src[slot40] = (((sub23 < j_end) && (indices[sub22] >= 0)) && (((unsigned)indices[sub22]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub22]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub22]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                 } else {
                     kv_rope_src[slot40] = -1;
                 }
@@ -733,7 +757,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row51 = lane + (slot50 * 32u);
                         if (gather_row51 < 32u) {
                             const unsigned row_1 = gather_row51;
-                            kv_latent_src[slot50] = (((((j_begin + (step * 32u)) + row_1) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)]) % p.page_size) * p.row_stride_w))) : (-1);
+                            const unsigned sub25 = (j_begin + (step * 32u)) + row_1;
+                            const unsigned sub24 = (t * p.topk) + min_u32(sub25, p.topk - 1u);
+                            kv_latent_src[slot50] = (((sub25 < j_end) && (indices[sub24] >= 0)) && (((unsigned)indices[sub24]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub24]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub24]) % p.page_size) * p.row_stride_w))) : (-1);
                         } else {
                             kv_latent_src[slot50] = -1;
                         }
@@ -743,7 +769,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row53 = lane + (slot52 * 32u);
                         if (gather_row53 < 32u) {
                             const unsigned row_2 = gather_row53;
-                            kv_scales_src[slot52] = (((((j_begin + (step * 32u)) + row_2) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                            const unsigned sub27 = (j_begin + (step * 32u)) + row_2;
+                            const unsigned sub26 = (t * p.topk) + min_u32(sub27, p.topk - 1u);
+                            kv_scales_src[slot52] = (((sub27 < j_end) && (indices[sub26] >= 0)) && (((unsigned)indices[sub26]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub26]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub26]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         } else {
                             kv_scales_src[slot52] = -1;
                         }
@@ -753,7 +781,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row55 = lane + (slot54 * 32u);
                         if (gather_row55 < 32u) {
                             const unsigned row_3 = gather_row55;
-                            kv_rope_src[slot54] = (((((j_begin + (step * 32u)) + row_3) < j_end) && (indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)] >= 0)) && (((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                            const unsigned sub29 = (j_begin + (step * 32u)) + row_3;
+                            const unsigned sub28 = (t * p.topk) + min_u32(sub29, p.topk - 1u);
+                            kv_rope_src[slot54] = (((sub29 < j_end) && (indices[sub28] >= 0)) && (((unsigned)indices[sub28]) < p.num_slots)) ? ((int)((((((unsigned)indices[sub28]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub28]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
                         } else {
                             kv_rope_src[slot54] = -1;
                         }
@@ -1071,7 +1101,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half139 = 0u; half139 < 2u; half139 += 1u) {
                     const unsigned row136 = (scores_row0 + ((frag138 / 4u) * 16u)) + ((half139 * 8u) + lane_group);
                     const unsigned col137 = (scores_col0 + ((frag138 % 4u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row136 * 20u) + (col137 >> 1u)] = pack_bf16x2(scores[(frag138 * 4u) + (half139 * 2u)], scores[((frag138 * 4u) + (half139 * 2u)) + 1u]);
+                    const unsigned sub30 = (frag138 * 4u) + (half139 * 2u);
+                    p_tile[(row136 * 20u) + (col137 >> 1u)] = pack_bf16x2(scores[sub30], scores[sub30 + 1u]);
                 }
             }
         }

@@ -151,7 +151,9 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
         // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 4u; row_1 = row_1 + 128u) {
-            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + min((j_begin + (step * 4u)) + row_1, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 4u)) + row_1, params.topk - 1u)]) % params.page_size) * params.row_stride_w)), ((((j_begin + (step * 4u)) + row_1) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 4u)) + row_1, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 4u)) + row_1, params.topk - 1u)]) < params.num_slots));
+            let sub1: u32 = (j_begin + (step * 4u)) + row_1;
+            let sub0: u32 = (t * params.topk) + min(sub1, params.topk - 1u);
+            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[sub0]) / params.page_size) * params.page_stride_w) + ((u32(indices[sub0]) % params.page_size) * params.row_stride_w)), ((sub1 < j_end) && (indices[sub0] >= 0i)) && (u32(indices[sub0]) < params.num_slots));
             row_valid[row_1] = select(0.0, 1.0, kv_tile_src8[row_1] >= 0i);
         }
         workgroupBarrier();

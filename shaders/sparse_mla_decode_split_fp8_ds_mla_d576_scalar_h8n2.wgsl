@@ -170,7 +170,9 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 2u; row_1 = row_1 + 128u) {
-            kv_latent_src11[row_1] = select(-1i, i32(((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) % params.page_size) * params.row_stride_w)), ((((j_begin + (step * 2u)) + row_1) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_1, params.topk - 1u)]) < params.num_slots));
+            let sub1: u32 = (j_begin + (step * 2u)) + row_1;
+            let sub0: u32 = (t * params.topk) + min(sub1, params.topk - 1u);
+            kv_latent_src11[row_1] = select(-1i, i32(((u32(indices[sub0]) / params.page_size) * params.page_stride_w) + ((u32(indices[sub0]) % params.page_size) * params.row_stride_w)), ((sub1 < j_end) && (indices[sub0] >= 0i)) && (u32(indices[sub0]) < params.num_slots));
             row_valid[row_1] = select(0.0, 1.0, kv_latent_src11[row_1] >= 0i);
         }
         workgroupBarrier();
@@ -187,7 +189,9 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         workgroupBarrier();
         workgroupBarrier();
         for (var row_2: u32 = local_id; row_2 < 2u; row_2 = row_2 + 128u) {
-            kv_scales_src17[row_2] = select(-1i, i32((((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) % params.page_size) * params.row_stride_w)) + 128u), ((((j_begin + (step * 2u)) + row_2) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_2, params.topk - 1u)]) < params.num_slots));
+            let sub3: u32 = (j_begin + (step * 2u)) + row_2;
+            let sub2: u32 = (t * params.topk) + min(sub3, params.topk - 1u);
+            kv_scales_src17[row_2] = select(-1i, i32((((u32(indices[sub2]) / params.page_size) * params.page_stride_w) + ((u32(indices[sub2]) % params.page_size) * params.row_stride_w)) + 128u), ((sub3 < j_end) && (indices[sub2] >= 0i)) && (u32(indices[sub2]) < params.num_slots));
             row_valid[row_2] = select(0.0, 1.0, kv_scales_src17[row_2] >= 0i);
         }
         workgroupBarrier();
@@ -204,7 +208,9 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         workgroupBarrier();
         workgroupBarrier();
         for (var row_3: u32 = local_id; row_3 < 2u; row_3 = row_3 + 128u) {
-            kv_rope_src23[row_3] = select(-1i, i32((((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) % params.page_size) * params.row_stride_w)) + 132u), ((((j_begin + (step * 2u)) + row_3) < j_end) && (indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)] >= 0i)) && (u32(indices[(t * params.topk) + min((j_begin + (step * 2u)) + row_3, params.topk - 1u)]) < params.num_slots));
+            let sub5: u32 = (j_begin + (step * 2u)) + row_3;
+            let sub4: u32 = (t * params.topk) + min(sub5, params.topk - 1u);
+            kv_rope_src23[row_3] = select(-1i, i32((((u32(indices[sub4]) / params.page_size) * params.page_stride_w) + ((u32(indices[sub4]) % params.page_size) * params.row_stride_w)) + 132u), ((sub5 < j_end) && (indices[sub4] >= 0i)) && (u32(indices[sub4]) < params.num_slots));
             row_valid[row_3] = select(0.0, 1.0, kv_rope_src23[row_3] >= 0i);
         }
         workgroupBarrier();

@@ -396,7 +396,7 @@ struct Printer<'k> {
 
 impl Printer<'_> {
     fn unit(&self, helpers: &str) -> String {
-        let mut w = Writer::default();
+        let mut w = Writer::new(self.kernel);
         let k = self.kernel;
         for l in header(k, "CUDA C", "kernel arguments after the parameter struct") {
             if l.is_empty() {

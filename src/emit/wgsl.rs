@@ -89,7 +89,7 @@ struct Printer<'k> {
 
 impl Printer<'_> {
     fn module(&self) -> String {
-        let mut w = Writer::default();
+        let mut w = Writer::new(self.kernel);
         let k = self.kernel;
         for l in header(
             k,
