@@ -71,6 +71,11 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_u32(a, b) ((a) > (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(const cache_write_fp8_ds_mla_d576_params p, const unsigned short* __restrict__ latent, const unsigned short* __restrict__ rope, const int* __restrict__ slot_mapping, unsigned char* __restrict__ kv_cache) {
     __shared__ __align__(16) unsigned amax_part[128];
     __shared__ __align__(16) unsigned tile_scale[4];
@@ -90,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned v1 = lat_w0 >> 16u;
         const unsigned v2 = lat_w1 & 65535u;
         const unsigned v3 = lat_w1 >> 16u;
-        amax_part[threadIdx.x] = (((((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)))) > (((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u)) ? ((((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) > (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)) ? ((((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) > (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)) ? ((0u > (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)) ? 0u : (((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)))) : (((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)))) : (((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)))) : (((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u)));
+        amax_part[threadIdx.x] = max_u32(max_u32(max_u32(max_u32(0u, ((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)), ((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)), ((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)), ((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u));
         __syncthreads();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up
@@ -98,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             unsigned amax = 0u;
             #pragma unroll
             for (unsigned p_1 = 0u; p_1 < 32u; p_1 += 1u) {
-                amax = (amax > amax_part[(threadIdx.x * 32u) + p_1] ? amax : amax_part[(threadIdx.x * 32u) + p_1]);
+                amax = max_u32(amax, amax_part[(threadIdx.x * 32u) + p_1]);
             }
             const unsigned div_a = amax << 16u;
             const unsigned div_d = 1138753536u;
@@ -107,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             const unsigned div_ea = div_mag >> 23u;
             const unsigned div_fa = div_mag & 8388607u;
             const bool div_sub = div_ea == 0u;
-            const unsigned div_sh = div_sub ? (((((((unsigned)__clz((int)(div_fa))) > 8u ? ((unsigned)__clz((int)(div_fa))) : 8u)) - 8u) < 23u ? (((((unsigned)__clz((int)(div_fa))) > 8u ? ((unsigned)__clz((int)(div_fa))) : 8u)) - 8u) : 23u)) : 0u;
+            const unsigned div_sh = div_sub ? min_u32(max_u32(((unsigned)__clz((int)(div_fa))), 8u) - 8u, 23u) : 0u;
             const unsigned div_sig_a = div_sub ? (div_fa << div_sh) : (div_fa | 8388608u);
             const int div_exp_a = div_sub ? (1 - ((int)div_sh)) : ((int)div_ea);
             const unsigned div_sig_d = (div_d & 8388607u) | 8388608u;
@@ -132,8 +137,8 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             const bool div_carry = div_rounded >= 16777216u;
             const int div_exp = (((div_exp_a - div_exp_d) + 127) + (div_big ? 0 : (-1))) + (div_carry ? 1 : 0);
             const unsigned div_sig24 = div_carry ? (div_rounded >> 1u) : div_rounded;
-            const unsigned quotient = ((div_mag == 0u) || (div_exp <= 0)) ? div_sign : ((div_exp >= 255) ? (div_sign | 2139095040u) : ((div_sign | (((unsigned)((div_exp > 0 ? div_exp : 0))) << 23u)) | (div_sig24 & 8388607u)));
-            const unsigned scale_bits = (quotient > 8388608u ? quotient : 8388608u);
+            const unsigned quotient = ((div_mag == 0u) || (div_exp <= 0)) ? div_sign : ((div_exp >= 255) ? (div_sign | 2139095040u) : ((div_sign | (((unsigned)max_i32(div_exp, 0)) << 23u)) | (div_sig24 & 8388607u)));
+            const unsigned scale_bits = max_u32(quotient, 8388608u);
             const unsigned scale_pow2 = ((scale_bits & 8388607u) != 0u) ? ((scale_bits & 2139095040u) + 8388608u) : scale_bits;
             tile_scale[threadIdx.x] = (p.pow2_scales != 0u) ? scale_pow2 : scale_bits;
         }
@@ -148,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned div_ea_1 = div_mag_1 >> 23u;
         const unsigned div_fa_1 = div_mag_1 & 8388607u;
         const bool div_sub_1 = div_ea_1 == 0u;
-        const unsigned div_sh_1 = div_sub_1 ? (((((((unsigned)__clz((int)(div_fa_1))) > 8u ? ((unsigned)__clz((int)(div_fa_1))) : 8u)) - 8u) < 23u ? (((((unsigned)__clz((int)(div_fa_1))) > 8u ? ((unsigned)__clz((int)(div_fa_1))) : 8u)) - 8u) : 23u)) : 0u;
+        const unsigned div_sh_1 = div_sub_1 ? min_u32(max_u32(((unsigned)__clz((int)(div_fa_1))), 8u) - 8u, 23u) : 0u;
         const unsigned div_sig_a_1 = div_sub_1 ? (div_fa_1 << div_sh_1) : (div_fa_1 | 8388608u);
         const int div_exp_a_1 = div_sub_1 ? (1 - ((int)div_sh_1)) : ((int)div_ea_1);
         const unsigned div_sig_d_1 = (div_d_1 & 8388607u) | 8388608u;
@@ -173,13 +178,13 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const bool div_carry_1 = div_rounded_1 >= 16777216u;
         const int div_exp_1 = (((div_exp_a_1 - div_exp_d_1) + 127) + (div_big_1 ? 0 : (-1))) + (div_carry_1 ? 1 : 0);
         const unsigned div_sig24_1 = div_carry_1 ? (div_rounded_1 >> 1u) : div_rounded_1;
-        const unsigned quotient_1 = ((div_mag_1 == 0u) || (div_exp_1 <= 0)) ? div_sign_1 : ((div_exp_1 >= 255) ? (div_sign_1 | 2139095040u) : ((div_sign_1 | (((unsigned)((div_exp_1 > 0 ? div_exp_1 : 0))) << 23u)) | (div_sig24_1 & 8388607u)));
+        const unsigned quotient_1 = ((div_mag_1 == 0u) || (div_exp_1 <= 0)) ? div_sign_1 : ((div_exp_1 >= 255) ? (div_sign_1 | 2139095040u) : ((div_sign_1 | (((unsigned)max_i32(div_exp_1, 0)) << 23u)) | (div_sig24_1 & 8388607u)));
         const unsigned e4m3_in = quotient_1;
         const unsigned e4m3_sign = (e4m3_in >> 24u) & 128u;
         const unsigned e4m3_mag = e4m3_in & 2147483647u;
         const int e4m3_e = ((int)(e4m3_mag >> 23u)) - 127;
-        const int e4m3_e_eff = (e4m3_e > (-6) ? e4m3_e : (-6));
-        const unsigned e4m3_shift = (((unsigned)((20 + e4m3_e_eff) - e4m3_e)) < 31u ? ((unsigned)((20 + e4m3_e_eff) - e4m3_e)) : 31u);
+        const int e4m3_e_eff = max_i32(e4m3_e, -6);
+        const unsigned e4m3_shift = min_u32(((unsigned)((20 + e4m3_e_eff) - e4m3_e)), 31u);
         const unsigned rne_x = (e4m3_mag & 8388607u) | 8388608u;
         const unsigned rne_s = e4m3_shift;
         const unsigned rne_q = rne_x >> rne_s;
@@ -196,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned div_ea_2 = div_mag_2 >> 23u;
         const unsigned div_fa_2 = div_mag_2 & 8388607u;
         const bool div_sub_2 = div_ea_2 == 0u;
-        const unsigned div_sh_2 = div_sub_2 ? (((((((unsigned)__clz((int)(div_fa_2))) > 8u ? ((unsigned)__clz((int)(div_fa_2))) : 8u)) - 8u) < 23u ? (((((unsigned)__clz((int)(div_fa_2))) > 8u ? ((unsigned)__clz((int)(div_fa_2))) : 8u)) - 8u) : 23u)) : 0u;
+        const unsigned div_sh_2 = div_sub_2 ? min_u32(max_u32(((unsigned)__clz((int)(div_fa_2))), 8u) - 8u, 23u) : 0u;
         const unsigned div_sig_a_2 = div_sub_2 ? (div_fa_2 << div_sh_2) : (div_fa_2 | 8388608u);
         const int div_exp_a_2 = div_sub_2 ? (1 - ((int)div_sh_2)) : ((int)div_ea_2);
         const unsigned div_sig_d_2 = (div_d_2 & 8388607u) | 8388608u;
@@ -221,13 +226,13 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const bool div_carry_2 = div_rounded_2 >= 16777216u;
         const int div_exp_2 = (((div_exp_a_2 - div_exp_d_2) + 127) + (div_big_2 ? 0 : (-1))) + (div_carry_2 ? 1 : 0);
         const unsigned div_sig24_2 = div_carry_2 ? (div_rounded_2 >> 1u) : div_rounded_2;
-        const unsigned quotient_2 = ((div_mag_2 == 0u) || (div_exp_2 <= 0)) ? div_sign_2 : ((div_exp_2 >= 255) ? (div_sign_2 | 2139095040u) : ((div_sign_2 | (((unsigned)((div_exp_2 > 0 ? div_exp_2 : 0))) << 23u)) | (div_sig24_2 & 8388607u)));
+        const unsigned quotient_2 = ((div_mag_2 == 0u) || (div_exp_2 <= 0)) ? div_sign_2 : ((div_exp_2 >= 255) ? (div_sign_2 | 2139095040u) : ((div_sign_2 | (((unsigned)max_i32(div_exp_2, 0)) << 23u)) | (div_sig24_2 & 8388607u)));
         const unsigned e4m3_in_1 = quotient_2;
         const unsigned e4m3_sign_1 = (e4m3_in_1 >> 24u) & 128u;
         const unsigned e4m3_mag_1 = e4m3_in_1 & 2147483647u;
         const int e4m3_e_1 = ((int)(e4m3_mag_1 >> 23u)) - 127;
-        const int e4m3_e_eff_1 = (e4m3_e_1 > (-6) ? e4m3_e_1 : (-6));
-        const unsigned e4m3_shift_1 = (((unsigned)((20 + e4m3_e_eff_1) - e4m3_e_1)) < 31u ? ((unsigned)((20 + e4m3_e_eff_1) - e4m3_e_1)) : 31u);
+        const int e4m3_e_eff_1 = max_i32(e4m3_e_1, -6);
+        const unsigned e4m3_shift_1 = min_u32(((unsigned)((20 + e4m3_e_eff_1) - e4m3_e_1)), 31u);
         const unsigned rne_x_1 = (e4m3_mag_1 & 8388607u) | 8388608u;
         const unsigned rne_s_1 = e4m3_shift_1;
         const unsigned rne_q_1 = rne_x_1 >> rne_s_1;
@@ -244,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned div_ea_3 = div_mag_3 >> 23u;
         const unsigned div_fa_3 = div_mag_3 & 8388607u;
         const bool div_sub_3 = div_ea_3 == 0u;
-        const unsigned div_sh_3 = div_sub_3 ? (((((((unsigned)__clz((int)(div_fa_3))) > 8u ? ((unsigned)__clz((int)(div_fa_3))) : 8u)) - 8u) < 23u ? (((((unsigned)__clz((int)(div_fa_3))) > 8u ? ((unsigned)__clz((int)(div_fa_3))) : 8u)) - 8u) : 23u)) : 0u;
+        const unsigned div_sh_3 = div_sub_3 ? min_u32(max_u32(((unsigned)__clz((int)(div_fa_3))), 8u) - 8u, 23u) : 0u;
         const unsigned div_sig_a_3 = div_sub_3 ? (div_fa_3 << div_sh_3) : (div_fa_3 | 8388608u);
         const int div_exp_a_3 = div_sub_3 ? (1 - ((int)div_sh_3)) : ((int)div_ea_3);
         const unsigned div_sig_d_3 = (div_d_3 & 8388607u) | 8388608u;
@@ -269,13 +274,13 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const bool div_carry_3 = div_rounded_3 >= 16777216u;
         const int div_exp_3 = (((div_exp_a_3 - div_exp_d_3) + 127) + (div_big_3 ? 0 : (-1))) + (div_carry_3 ? 1 : 0);
         const unsigned div_sig24_3 = div_carry_3 ? (div_rounded_3 >> 1u) : div_rounded_3;
-        const unsigned quotient_3 = ((div_mag_3 == 0u) || (div_exp_3 <= 0)) ? div_sign_3 : ((div_exp_3 >= 255) ? (div_sign_3 | 2139095040u) : ((div_sign_3 | (((unsigned)((div_exp_3 > 0 ? div_exp_3 : 0))) << 23u)) | (div_sig24_3 & 8388607u)));
+        const unsigned quotient_3 = ((div_mag_3 == 0u) || (div_exp_3 <= 0)) ? div_sign_3 : ((div_exp_3 >= 255) ? (div_sign_3 | 2139095040u) : ((div_sign_3 | (((unsigned)max_i32(div_exp_3, 0)) << 23u)) | (div_sig24_3 & 8388607u)));
         const unsigned e4m3_in_2 = quotient_3;
         const unsigned e4m3_sign_2 = (e4m3_in_2 >> 24u) & 128u;
         const unsigned e4m3_mag_2 = e4m3_in_2 & 2147483647u;
         const int e4m3_e_2 = ((int)(e4m3_mag_2 >> 23u)) - 127;
-        const int e4m3_e_eff_2 = (e4m3_e_2 > (-6) ? e4m3_e_2 : (-6));
-        const unsigned e4m3_shift_2 = (((unsigned)((20 + e4m3_e_eff_2) - e4m3_e_2)) < 31u ? ((unsigned)((20 + e4m3_e_eff_2) - e4m3_e_2)) : 31u);
+        const int e4m3_e_eff_2 = max_i32(e4m3_e_2, -6);
+        const unsigned e4m3_shift_2 = min_u32(((unsigned)((20 + e4m3_e_eff_2) - e4m3_e_2)), 31u);
         const unsigned rne_x_2 = (e4m3_mag_2 & 8388607u) | 8388608u;
         const unsigned rne_s_2 = e4m3_shift_2;
         const unsigned rne_q_2 = rne_x_2 >> rne_s_2;
@@ -292,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned div_ea_4 = div_mag_4 >> 23u;
         const unsigned div_fa_4 = div_mag_4 & 8388607u;
         const bool div_sub_4 = div_ea_4 == 0u;
-        const unsigned div_sh_4 = div_sub_4 ? (((((((unsigned)__clz((int)(div_fa_4))) > 8u ? ((unsigned)__clz((int)(div_fa_4))) : 8u)) - 8u) < 23u ? (((((unsigned)__clz((int)(div_fa_4))) > 8u ? ((unsigned)__clz((int)(div_fa_4))) : 8u)) - 8u) : 23u)) : 0u;
+        const unsigned div_sh_4 = div_sub_4 ? min_u32(max_u32(((unsigned)__clz((int)(div_fa_4))), 8u) - 8u, 23u) : 0u;
         const unsigned div_sig_a_4 = div_sub_4 ? (div_fa_4 << div_sh_4) : (div_fa_4 | 8388608u);
         const int div_exp_a_4 = div_sub_4 ? (1 - ((int)div_sh_4)) : ((int)div_ea_4);
         const unsigned div_sig_d_4 = (div_d_4 & 8388607u) | 8388608u;
@@ -317,13 +322,13 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const bool div_carry_4 = div_rounded_4 >= 16777216u;
         const int div_exp_4 = (((div_exp_a_4 - div_exp_d_4) + 127) + (div_big_4 ? 0 : (-1))) + (div_carry_4 ? 1 : 0);
         const unsigned div_sig24_4 = div_carry_4 ? (div_rounded_4 >> 1u) : div_rounded_4;
-        const unsigned quotient_4 = ((div_mag_4 == 0u) || (div_exp_4 <= 0)) ? div_sign_4 : ((div_exp_4 >= 255) ? (div_sign_4 | 2139095040u) : ((div_sign_4 | (((unsigned)((div_exp_4 > 0 ? div_exp_4 : 0))) << 23u)) | (div_sig24_4 & 8388607u)));
+        const unsigned quotient_4 = ((div_mag_4 == 0u) || (div_exp_4 <= 0)) ? div_sign_4 : ((div_exp_4 >= 255) ? (div_sign_4 | 2139095040u) : ((div_sign_4 | (((unsigned)max_i32(div_exp_4, 0)) << 23u)) | (div_sig24_4 & 8388607u)));
         const unsigned e4m3_in_3 = quotient_4;
         const unsigned e4m3_sign_3 = (e4m3_in_3 >> 24u) & 128u;
         const unsigned e4m3_mag_3 = e4m3_in_3 & 2147483647u;
         const int e4m3_e_3 = ((int)(e4m3_mag_3 >> 23u)) - 127;
-        const int e4m3_e_eff_3 = (e4m3_e_3 > (-6) ? e4m3_e_3 : (-6));
-        const unsigned e4m3_shift_3 = (((unsigned)((20 + e4m3_e_eff_3) - e4m3_e_3)) < 31u ? ((unsigned)((20 + e4m3_e_eff_3) - e4m3_e_3)) : 31u);
+        const int e4m3_e_eff_3 = max_i32(e4m3_e_3, -6);
+        const unsigned e4m3_shift_3 = min_u32(((unsigned)((20 + e4m3_e_eff_3) - e4m3_e_3)), 31u);
         const unsigned rne_x_3 = (e4m3_mag_3 & 8388607u) | 8388608u;
         const unsigned rne_s_3 = e4m3_shift_3;
         const unsigned rne_q_3 = rne_x_3 >> rne_s_3;

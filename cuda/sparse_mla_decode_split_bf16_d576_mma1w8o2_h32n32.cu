@@ -156,6 +156,10 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
     return r;
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32(const sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -201,10 +205,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk);
+    const unsigned j_end = min_u32(j_begin + p.chunk, p.topk);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
@@ -279,7 +283,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             const unsigned gather_row9 = (threadIdx.x / 8u) + (gather_pass8 * 32u);
             if (gather_row9 < 32u) {
                 const unsigned row_1 = gather_row9;
-                kv_tile_src[gather_pass8] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
+                const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                kv_tile_src[gather_pass8] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 kv_tile_src[gather_pass8] = -1;
             }
@@ -322,7 +328,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const unsigned gather_row21 = (threadIdx.x / 8u) + (gather_pass20 * 32u);
                 if (gather_row21 < 32u) {
                     const unsigned row_1 = gather_row21;
-                    kv_tile_src[gather_pass20] = ((((((j_begin + (step * 32u)) + row_1) < j_end) && (((j_begin + (step * 32u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub3 = (j_begin + (step * 32u)) + row_1;
+                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                    kv_tile_src[gather_pass20] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[gather_pass20] = -1;
                 }
@@ -387,10 +395,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const unsigned col = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
                 float v0 = scores[(frag * 4u) + (half25 * 2u)];
                 float v1 = scores[((frag * 4u) + (half25 * 2u)) + 1u];
-                const unsigned j = ((j_begin + (step * 32u)) + col) + 0u;
-                v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                const unsigned j = (j_begin + (step * 32u)) + col;
+                const unsigned sub4 = (t * p.topk) + min_u32(j, p.topk - 1u);
+                v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                 const unsigned j_1 = ((j_begin + (step * 32u)) + col) + 1u;
-                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                const unsigned sub5 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
+                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub5] >= 0)) && (((unsigned)indices[sub5]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
                 scores[(frag * 4u) + (half25 * 2u)] = v0;
                 scores[((frag * 4u) + (half25 * 2u)) + 1u] = v1;
             }
@@ -481,7 +491,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
                 const unsigned row45 = (scores_row0 + ((frag47 / 1u) * 16u)) + ((half48 * 8u) + lane_group);
                 const unsigned col46 = (scores_col0 + ((frag47 % 1u) * 8u)) + (lane_quad * 2u);
-                p_tile[(row45 * 20u) + (col46 >> 1u)] = pack_bf16x2(scores[(frag47 * 4u) + (half48 * 2u)], scores[((frag47 * 4u) + (half48 * 2u)) + 1u]);
+                const unsigned sub6 = (frag47 * 4u) + (half48 * 2u);
+                p_tile[(row45 * 20u) + (col46 >> 1u)] = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
             }
         }
         __syncthreads();
@@ -556,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_3 + 0u);
+                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_3;
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }

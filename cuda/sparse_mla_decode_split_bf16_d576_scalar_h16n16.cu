@@ -81,6 +81,10 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d576_scalar_h16n16(const sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     __shared__ __align__(16) float row_max[16];
     __shared__ __align__(16) float row_sum[16];
@@ -101,9 +105,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -122,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         if (base5 >= 0) {
             word6 = ((const unsigned*)q)[((unsigned)base5) + w4];
         }
-        q_tile[((r3 * 288u) + 0u) + w4] = word6;
+        q_tile[(r3 * 288u) + w4] = word6;
     }
     __syncthreads();
     #pragma unroll 4
@@ -143,7 +147,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         __syncthreads();
         #pragma unroll 4
         for (unsigned row_1 = threadIdx.x; row_1 < 16u; row_1 += 128u) {
-            kv_tile_src8[row_1] = (((((j_begin + (step * 16u)) + row_1) < j_end) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)((((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+            const unsigned sub1 = (j_begin + (step * 16u)) + row_1;
+            const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+            kv_tile_src8[row_1] = (((sub1 < j_end) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
             row_valid[row_1] = (kv_tile_src8[row_1] >= 0) ? 1.0f : 0.0f;
         }
         __syncthreads();
@@ -156,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (base12 >= 0) {
                 word13 = ((const unsigned*)kv_cache)[((unsigned)base12) + w11];
             }
-            kv_tile[((r10 * 288u) + 0u) + w11] = word13;
+            kv_tile[(r10 * 288u) + w11] = word13;
         }
         __syncthreads();
 
@@ -177,68 +183,68 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float dot118 = scores[(pair_i68 * 2u) + 1u];
                 #pragma unroll
                 for (unsigned k19 = 0u; k19 < 576u; k19 += 16u) {
-                    const float op20 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    const float op21 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
-                    const float op22 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    const float op23 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    const float op24 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
-                    const float op25 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
+                    const float op20 = __uint_as_float(q_tile[(row15 * 288u) + (k19 >> 1u)] << 16u);
+                    const float op21 = __uint_as_float(q_tile[(row15 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    const float op22 = __uint_as_float(kv_tile[(col16 * 288u) + (k19 >> 1u)] << 16u);
+                    const float op23 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] << 16u);
+                    const float op24 = __uint_as_float(kv_tile[(col16 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    const float op25 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] & 4294901760u);
                     dot017 = fmaf(op21, op24, fmaf(op20, op22, dot017));
                     dot118 = fmaf(op21, op25, fmaf(op20, op23, dot118));
-                    const float op26 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    const float op27 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
-                    const float op28 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    const float op29 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    const float op30 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
-                    const float op31 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
+                    const float op26 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op27 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    const float op28 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op29 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op30 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    const float op31 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op27, op30, fmaf(op26, op28, dot017));
                     dot118 = fmaf(op27, op31, fmaf(op26, op29, dot118));
-                    const float op32 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    const float op33 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
-                    const float op34 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    const float op35 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    const float op36 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
-                    const float op37 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
+                    const float op32 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op33 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    const float op34 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op35 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op36 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    const float op37 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op33, op36, fmaf(op32, op34, dot017));
                     dot118 = fmaf(op33, op37, fmaf(op32, op35, dot118));
-                    const float op38 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    const float op39 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
-                    const float op40 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    const float op41 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    const float op42 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
-                    const float op43 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
+                    const float op38 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op39 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    const float op40 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op41 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op42 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    const float op43 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op39, op42, fmaf(op38, op40, dot017));
                     dot118 = fmaf(op39, op43, fmaf(op38, op41, dot118));
-                    const float op44 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    const float op45 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
-                    const float op46 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    const float op47 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    const float op48 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
-                    const float op49 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
+                    const float op44 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op45 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    const float op46 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op47 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op48 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    const float op49 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op45, op48, fmaf(op44, op46, dot017));
                     dot118 = fmaf(op45, op49, fmaf(op44, op47, dot118));
-                    const float op50 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    const float op51 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
-                    const float op52 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    const float op53 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    const float op54 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
-                    const float op55 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
+                    const float op50 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op51 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    const float op52 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op53 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op54 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    const float op55 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op51, op54, fmaf(op50, op52, dot017));
                     dot118 = fmaf(op51, op55, fmaf(op50, op53, dot118));
-                    const float op56 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    const float op57 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
-                    const float op58 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    const float op59 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    const float op60 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
-                    const float op61 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
+                    const float op56 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op57 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    const float op58 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op59 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op60 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    const float op61 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op57, op60, fmaf(op56, op58, dot017));
                     dot118 = fmaf(op57, op61, fmaf(op56, op59, dot118));
-                    const float op62 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    const float op63 = __uint_as_float(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
-                    const float op64 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    const float op65 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    const float op66 = __uint_as_float(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
-                    const float op67 = __uint_as_float(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
+                    const float op62 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op63 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    const float op64 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op65 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op66 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    const float op67 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op63, op66, fmaf(op62, op64, dot017));
                     dot118 = fmaf(op63, op67, fmaf(op62, op65, dot118));
                 }
@@ -256,8 +262,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 const unsigned col = (pair71 * 2u) % 16u;
                 float v0 = scores[pair_i70 * 2u];
                 float v1 = scores[(pair_i70 * 2u) + 1u];
-                v0 = (row_valid[(0u * 16u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                v1 = (row_valid[(0u * 16u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                v0 = (row_valid[col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                v1 = (row_valid[col + 1u] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                 scores[pair_i70 * 2u] = v0;
                 scores[(pair_i70 * 2u) + 1u] = v1;
             }
@@ -373,68 +379,68 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float dot197 = o_acc[(pair_i147 * 2u) + 1u];
                 #pragma unroll
                 for (unsigned k98 = 0u; k98 < 16u; k98 += 16u) {
-                    const float op99 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 0u))];
-                    const float op100 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 0u))) + 1u];
-                    const float op101 = __uint_as_float(kv_tile[((0u + (k98 + 0u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op102 = __uint_as_float(kv_tile[((0u + (k98 + 0u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op103 = __uint_as_float(kv_tile[(((0u + (k98 + 0u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op104 = __uint_as_float(kv_tile[(((0u + (k98 + 0u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op99 = p_tile[(row94 * 16u) + k98];
+                    const float op100 = p_tile[((row94 * 16u) + k98) + 1u];
+                    const float op101 = __uint_as_float(kv_tile[(k98 * 288u) + (col95 >> 1u)] << 16u);
+                    const float op102 = __uint_as_float(kv_tile[(k98 * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op103 = __uint_as_float(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op104 = __uint_as_float(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op100, op103, fmaf(op99, op101, dot096));
                     dot197 = fmaf(op100, op104, fmaf(op99, op102, dot197));
-                    const float op105 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 2u))];
-                    const float op106 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 2u))) + 1u];
-                    const float op107 = __uint_as_float(kv_tile[((0u + (k98 + 2u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op108 = __uint_as_float(kv_tile[((0u + (k98 + 2u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op109 = __uint_as_float(kv_tile[(((0u + (k98 + 2u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op110 = __uint_as_float(kv_tile[(((0u + (k98 + 2u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op105 = p_tile[(row94 * 16u) + (k98 + 2u)];
+                    const float op106 = p_tile[((row94 * 16u) + (k98 + 2u)) + 1u];
+                    const float op107 = __uint_as_float(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op108 = __uint_as_float(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op109 = __uint_as_float(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op110 = __uint_as_float(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op106, op109, fmaf(op105, op107, dot096));
                     dot197 = fmaf(op106, op110, fmaf(op105, op108, dot197));
-                    const float op111 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 4u))];
-                    const float op112 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 4u))) + 1u];
-                    const float op113 = __uint_as_float(kv_tile[((0u + (k98 + 4u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op114 = __uint_as_float(kv_tile[((0u + (k98 + 4u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op115 = __uint_as_float(kv_tile[(((0u + (k98 + 4u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op116 = __uint_as_float(kv_tile[(((0u + (k98 + 4u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op111 = p_tile[(row94 * 16u) + (k98 + 4u)];
+                    const float op112 = p_tile[((row94 * 16u) + (k98 + 4u)) + 1u];
+                    const float op113 = __uint_as_float(kv_tile[((k98 + 4u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op114 = __uint_as_float(kv_tile[((k98 + 4u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op115 = __uint_as_float(kv_tile[(((k98 + 4u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op116 = __uint_as_float(kv_tile[(((k98 + 4u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op112, op115, fmaf(op111, op113, dot096));
                     dot197 = fmaf(op112, op116, fmaf(op111, op114, dot197));
-                    const float op117 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 6u))];
-                    const float op118 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 6u))) + 1u];
-                    const float op119 = __uint_as_float(kv_tile[((0u + (k98 + 6u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op120 = __uint_as_float(kv_tile[((0u + (k98 + 6u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op121 = __uint_as_float(kv_tile[(((0u + (k98 + 6u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op122 = __uint_as_float(kv_tile[(((0u + (k98 + 6u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op117 = p_tile[(row94 * 16u) + (k98 + 6u)];
+                    const float op118 = p_tile[((row94 * 16u) + (k98 + 6u)) + 1u];
+                    const float op119 = __uint_as_float(kv_tile[((k98 + 6u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op120 = __uint_as_float(kv_tile[((k98 + 6u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op121 = __uint_as_float(kv_tile[(((k98 + 6u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op122 = __uint_as_float(kv_tile[(((k98 + 6u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op118, op121, fmaf(op117, op119, dot096));
                     dot197 = fmaf(op118, op122, fmaf(op117, op120, dot197));
-                    const float op123 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 8u))];
-                    const float op124 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 8u))) + 1u];
-                    const float op125 = __uint_as_float(kv_tile[((0u + (k98 + 8u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op126 = __uint_as_float(kv_tile[((0u + (k98 + 8u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op127 = __uint_as_float(kv_tile[(((0u + (k98 + 8u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op128 = __uint_as_float(kv_tile[(((0u + (k98 + 8u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op123 = p_tile[(row94 * 16u) + (k98 + 8u)];
+                    const float op124 = p_tile[((row94 * 16u) + (k98 + 8u)) + 1u];
+                    const float op125 = __uint_as_float(kv_tile[((k98 + 8u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op126 = __uint_as_float(kv_tile[((k98 + 8u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op127 = __uint_as_float(kv_tile[(((k98 + 8u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op128 = __uint_as_float(kv_tile[(((k98 + 8u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op124, op127, fmaf(op123, op125, dot096));
                     dot197 = fmaf(op124, op128, fmaf(op123, op126, dot197));
-                    const float op129 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 10u))];
-                    const float op130 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 10u))) + 1u];
-                    const float op131 = __uint_as_float(kv_tile[((0u + (k98 + 10u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op132 = __uint_as_float(kv_tile[((0u + (k98 + 10u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op133 = __uint_as_float(kv_tile[(((0u + (k98 + 10u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op134 = __uint_as_float(kv_tile[(((0u + (k98 + 10u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op129 = p_tile[(row94 * 16u) + (k98 + 10u)];
+                    const float op130 = p_tile[((row94 * 16u) + (k98 + 10u)) + 1u];
+                    const float op131 = __uint_as_float(kv_tile[((k98 + 10u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op132 = __uint_as_float(kv_tile[((k98 + 10u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op133 = __uint_as_float(kv_tile[(((k98 + 10u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op134 = __uint_as_float(kv_tile[(((k98 + 10u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op130, op133, fmaf(op129, op131, dot096));
                     dot197 = fmaf(op130, op134, fmaf(op129, op132, dot197));
-                    const float op135 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 12u))];
-                    const float op136 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 12u))) + 1u];
-                    const float op137 = __uint_as_float(kv_tile[((0u + (k98 + 12u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op138 = __uint_as_float(kv_tile[((0u + (k98 + 12u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op139 = __uint_as_float(kv_tile[(((0u + (k98 + 12u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op140 = __uint_as_float(kv_tile[(((0u + (k98 + 12u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op135 = p_tile[(row94 * 16u) + (k98 + 12u)];
+                    const float op136 = p_tile[((row94 * 16u) + (k98 + 12u)) + 1u];
+                    const float op137 = __uint_as_float(kv_tile[((k98 + 12u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op138 = __uint_as_float(kv_tile[((k98 + 12u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op139 = __uint_as_float(kv_tile[(((k98 + 12u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op140 = __uint_as_float(kv_tile[(((k98 + 12u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op136, op139, fmaf(op135, op137, dot096));
                     dot197 = fmaf(op136, op140, fmaf(op135, op138, dot197));
-                    const float op141 = p_tile[((0u + row94) * 16u) + (0u + (k98 + 14u))];
-                    const float op142 = p_tile[(((0u + row94) * 16u) + (0u + (k98 + 14u))) + 1u];
-                    const float op143 = __uint_as_float(kv_tile[((0u + (k98 + 14u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op144 = __uint_as_float(kv_tile[((0u + (k98 + 14u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    const float op145 = __uint_as_float(kv_tile[(((0u + (k98 + 14u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    const float op146 = __uint_as_float(kv_tile[(((0u + (k98 + 14u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    const float op141 = p_tile[(row94 * 16u) + (k98 + 14u)];
+                    const float op142 = p_tile[((row94 * 16u) + (k98 + 14u)) + 1u];
+                    const float op143 = __uint_as_float(kv_tile[((k98 + 14u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op144 = __uint_as_float(kv_tile[((k98 + 14u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op145 = __uint_as_float(kv_tile[(((k98 + 14u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op146 = __uint_as_float(kv_tile[(((k98 + 14u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op142, op145, fmaf(op141, op143, dot096));
                     dot197 = fmaf(op142, op146, fmaf(op141, op144, dot197));
                 }
@@ -458,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_3 + 0u);
+                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_3;
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }

@@ -241,6 +241,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf16_d576_ws2w8_h32n32(const sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -308,9 +312,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -413,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_tile_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -425,7 +429,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (gather_row4 < 32u) {
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row4;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w))) : (-1);
                     row_valid[(load_stage * 36u) + gather_row4] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row4 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
@@ -441,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot5 * 128u);
                 if (gather_row6 < 32u) {
                     const unsigned row_1 = gather_row6;
-                    kv_tile_pre[slot5] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_tile_pre[slot5] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -529,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     if (gather_row12 < 32u) {
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row12;
-                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)((((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w))) : (-1);
                         row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
                         if (src_i3213 >= 0) {
                             copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
@@ -544,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                         if (gather_row15 < 32u) {
                             const unsigned row_1 = gather_row15;
-                            kv_tile_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                            kv_tile_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -577,7 +581,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned col = (scores_col0 + ((frag23 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
                     float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag23 * 4u) + (half24 * 2u)] = v0;
                     scores[((frag23 * 4u) + (half24 * 2u)) + 1u] = v1;
@@ -675,7 +679,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
                     const unsigned row44 = (scores_row0 + ((frag46 / 2u) * 16u)) + ((half47 * 8u) + lane_group);
                     const unsigned col45 = (scores_col0 + ((frag46 % 2u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[(frag46 * 4u) + (half47 * 2u)], scores[((frag46 * 4u) + (half47 * 2u)) + 1u]);
+                    const unsigned sub0 = (frag46 * 4u) + (half47 * 2u);
+                    p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -757,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             if (h < p.heads) {
                 const float l = row_sum[row_5];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_3 + 0u);
+                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_3;
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }

@@ -158,6 +158,10 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
     return r;
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16(const sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -206,10 +210,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk);
+    const unsigned j_end = min_u32(j_begin + p.chunk, p.topk);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
@@ -290,7 +294,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row9 = (threadIdx.x / 16u) + (gather_pass8 * 16u);
                 if (gather_row9 < 16u) {
                     const unsigned row_1 = gather_row9;
-                    raw_rows_src[gather_pass8] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 16u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    raw_rows_src[gather_pass8] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass8] = -1;
                 }
@@ -337,7 +343,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned gather_row21 = (threadIdx.x / 16u) + (gather_pass20 * 16u);
             if (gather_row21 < 16u) {
                 const unsigned row_1 = gather_row21;
-                raw_rows_src[gather_pass20] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                const unsigned sub3 = (j_begin + (step * 16u)) + row_1;
+                const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                raw_rows_src[gather_pass20] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 raw_rows_src[gather_pass20] = -1;
             }
@@ -385,7 +393,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row34 = (threadIdx.x / 16u) + (gather_pass33 * 16u);
                 if (gather_row34 < 16u) {
                     const unsigned row_1 = gather_row34;
-                    raw_rows_src[gather_pass33] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub5 = (j_begin + (step * 16u)) + row_1;
+                    const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                    raw_rows_src[gather_pass33] = ((((sub5 < j_end) && (sub5 < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass33] = -1;
                 }
@@ -406,8 +416,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned row_2 = word_i / 256u;
             const unsigned col_word = word_i % 256u;
             const unsigned col = col_word * 2u;
-            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[((stage * 2624u) + (row_2 * 164u)) + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[((stage * 2624u) + (row_2 * 164u)) + (128u + (col / 128u))]);
-            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[((stage * 2624u) + (row_2 * 164u)) + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[((stage * 2624u) + (row_2 * 164u)) + (128u + ((col + 1u) / 128u))]);
+            const unsigned sub6 = (stage * 2624u) + (row_2 * 164u);
+            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[sub6 + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub6 + (128u + (col / 128u))]);
+            const unsigned sub7 = (stage * 2624u) + (row_2 * 164u);
+            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[sub7 + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub7 + (128u + ((col + 1u) / 128u))]);
             const unsigned hi = pack_bf16x2(x0, x1);
             kv_tile[(row_2 * 292u) + col_word] = hi;
             kv_tile[((row_2 * 292u) + col_word) + 4672u] = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
@@ -545,10 +557,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const unsigned col_2 = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag * 4u) + (half45 * 2u)];
                     float v1 = scores[((frag * 4u) + (half45 * 2u)) + 1u];
-                    const unsigned j = ((j_begin + (step * 16u)) + col_2) + 0u;
-                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                    const unsigned j = (j_begin + (step * 16u)) + col_2;
+                    const unsigned sub8 = (t * p.topk) + min_u32(j, p.topk - 1u);
+                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub8] >= 0)) && (((unsigned)indices[sub8]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
-                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                    const unsigned sub9 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
+                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub9] >= 0)) && (((unsigned)indices[sub9]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag * 4u) + (half45 * 2u)] = v0;
                     scores[((frag * 4u) + (half45 * 2u)) + 1u] = v1;
                 }
@@ -643,7 +657,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 for (unsigned half68 = 0u; half68 < 2u; half68 += 1u) {
                     const unsigned row65 = (scores_row0 + ((frag67 / 1u) * 16u)) + ((half68 * 8u) + lane_group);
                     const unsigned col66 = (scores_col0 + ((frag67 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row65 * 12u) + (col66 >> 1u)] = pack_bf16x2(scores[(frag67 * 4u) + (half68 * 2u)], scores[((frag67 * 4u) + (half68 * 2u)) + 1u]);
+                    const unsigned sub10 = (frag67 * 4u) + (half68 * 2u);
+                    p_tile[(row65 * 12u) + (col66 >> 1u)] = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
                 }
             }
         }
@@ -729,7 +744,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             if (h < p.heads) {
                 const float l = row_sum[row_7];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_5 + 0u);
+                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_5;
                 o_part[at] = v0_3 * inv_l;
                 o_part[at + 1u] = v1_3 * inv_l;
             }

@@ -161,6 +161,10 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
     return r;
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final(const sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
@@ -208,10 +212,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk);
+    const unsigned j_end = min_u32(j_begin + p.chunk, p.topk);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 15u) / 16u) : 0u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
 
     // load the q rows of this head block (rows past `heads` are zeros)
     __syncthreads();
@@ -292,7 +296,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row8 = (threadIdx.x / 16u) + (gather_pass7 * 16u);
                 if (gather_row8 < 16u) {
                     const unsigned row_1 = gather_row8;
-                    raw_rows_src[gather_pass7] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub1 = (j_begin + (step * 16u)) + row_1;
+                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
+                    raw_rows_src[gather_pass7] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass7] = -1;
                 }
@@ -339,7 +345,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned gather_row20 = (threadIdx.x / 16u) + (gather_pass19 * 16u);
             if (gather_row20 < 16u) {
                 const unsigned row_1 = gather_row20;
-                raw_rows_src[gather_pass19] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                const unsigned sub3 = (j_begin + (step * 16u)) + row_1;
+                const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
+                raw_rows_src[gather_pass19] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 raw_rows_src[gather_pass19] = -1;
             }
@@ -387,7 +395,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const unsigned gather_row33 = (threadIdx.x / 16u) + (gather_pass32 * 16u);
                 if (gather_row33 < 16u) {
                     const unsigned row_1 = gather_row33;
-                    raw_rows_src[gather_pass32] = ((((((j_begin + (step * 16u)) + row_1) < j_end) && (((j_begin + (step * 16u)) + row_1) < valid_len)) && (indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) < p.num_slots)) ? ((int)(((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[(t * p.topk) + ((((j_begin + (step * 16u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 16u)) + row_1) : (p.topk - 1u)))]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned sub5 = (j_begin + (step * 16u)) + row_1;
+                    const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
+                    raw_rows_src[gather_pass32] = ((((sub5 < j_end) && (sub5 < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass32] = -1;
                 }
@@ -408,8 +418,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned row_2 = word_i / 256u;
             const unsigned col_word = word_i % 256u;
             const unsigned col = col_word * 2u;
-            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[((stage * 2624u) + (row_2 * 164u)) + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[((stage * 2624u) + (row_2 * 164u)) + (128u + (col / 128u))]);
-            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[((stage * 2624u) + (row_2 * 164u)) + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[((stage * 2624u) + (row_2 * 164u)) + (128u + ((col + 1u) / 128u))]);
+            const unsigned sub6 = (stage * 2624u) + (row_2 * 164u);
+            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[sub6 + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub6 + (128u + (col / 128u))]);
+            const unsigned sub7 = (stage * 2624u) + (row_2 * 164u);
+            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[sub7 + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub7 + (128u + ((col + 1u) / 128u))]);
             const unsigned hi = pack_bf16x2(x0, x1);
             kv_tile[(row_2 * 292u) + col_word] = hi;
             kv_tile[((row_2 * 292u) + col_word) + 4672u] = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
@@ -547,10 +559,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const unsigned col_2 = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag * 4u) + (half44 * 2u)];
                     float v1 = scores[((frag * 4u) + (half44 * 2u)) + 1u];
-                    const unsigned j = ((j_begin + (step * 16u)) + col_2) + 0u;
-                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j < (p.topk - 1u) ? j : (p.topk - 1u)))]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                    const unsigned j = (j_begin + (step * 16u)) + col_2;
+                    const unsigned sub8 = (t * p.topk) + min_u32(j, p.topk - 1u);
+                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub8] >= 0)) && (((unsigned)indices[sub8]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
-                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))] >= 0)) && (((unsigned)indices[(t * p.topk) + ((j_1 < (p.topk - 1u) ? j_1 : (p.topk - 1u)))]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                    const unsigned sub9 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
+                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub9] >= 0)) && (((unsigned)indices[sub9]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag * 4u) + (half44 * 2u)] = v0;
                     scores[((frag * 4u) + (half44 * 2u)) + 1u] = v1;
                 }
@@ -629,7 +643,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
                     const unsigned row59 = (scores_row0 + ((frag61 / 1u) * 16u)) + ((half62 * 8u) + lane_group);
                     const unsigned col60 = (scores_col0 + ((frag61 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row59 * 12u) + (col60 >> 1u)] = pack_bf16x2(scores[(frag61 * 4u) + (half62 * 2u)], scores[((frag61 * 4u) + (half62 * 2u)) + 1u]);
+                    const unsigned sub10 = (frag61 * 4u) + (half62 * 2u);
+                    p_tile[(row59 * 12u) + (col60 >> 1u)] = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
                 }
             }
         }
@@ -715,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             if (h < p.heads) {
                 const float l = row_sum[row_7];
                 const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_5 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_5) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
             o_acc[(frag79 * 4u) + (half80 * 2u)] = v0_3;
             o_acc[((frag79 * 4u) + (half80 * 2u)) + 1u] = v1_3;

@@ -244,6 +244,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32(const sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -363,9 +367,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -480,7 +484,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -488,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -496,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_pre[slot8] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot8] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -508,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row11 < 32u) {
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row11;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row11;
                     const int src_i3212 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot10] >= 0)) && (((unsigned)kv_scales_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot10]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row11;
@@ -534,7 +538,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -542,7 +546,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot16] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -550,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_pre[slot18] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot18] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -562,7 +566,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row22 < 32u) {
                     const unsigned step = 1u;
                     const unsigned row_1 = gather_row22;
-                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row22;
                     const int src_i3224 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot21] >= 0)) && (((unsigned)kv_scales_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot21]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row22;
@@ -588,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot26] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -596,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot28] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -604,7 +608,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row31 = ((warp - 4u) + (lane * 4u)) + (slot30 * 128u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_pre[slot30] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot30] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -864,7 +868,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     if (gather_row37 < 32u) {
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row37;
-                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w))) : (-1);
                         const unsigned row_2 = gather_row37;
                         const int src_i3239 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot36] >= 0)) && (((unsigned)kv_scales_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot36]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         const unsigned row_3 = gather_row37;
@@ -889,7 +893,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row42 = ((warp - 4u) + (lane * 4u)) + (slot41 * 128u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_pre[slot41] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                            kv_latent_pre[slot41] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -897,7 +901,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row44 = ((warp - 4u) + (lane * 4u)) + (slot43 * 128u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_pre[slot43] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                            kv_scales_pre[slot43] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -905,7 +909,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_pre[slot45] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                            kv_rope_pre[slot45] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                         }
                     }
                 }
@@ -938,7 +942,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
                     float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag117 * 4u) + (half118 * 2u)] = v0;
                     scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
@@ -1063,7 +1067,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half150 = 0u; half150 < 2u; half150 += 1u) {
                     const unsigned row147 = (scores_row0 + ((frag149 / 2u) * 16u)) + ((half150 * 8u) + lane_group);
                     const unsigned col148 = (scores_col0 + ((frag149 % 2u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row147 * 20u) + (col148 >> 1u)] = pack_bf16x2(scores[(frag149 * 4u) + (half150 * 2u)], scores[((frag149 * 4u) + (half150 * 2u)) + 1u]);
+                    const unsigned sub0 = (frag149 * 4u) + (half150 * 2u);
+                    p_tile[(row147 * 20u) + (col148 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1287,7 +1292,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                    const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + (col_6 + 0u);
+                    const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_6;
                     o_part[at] = v0_6 * inv_l;
                     o_part[at + 1u] = v1_6 * inv_l;
                 }

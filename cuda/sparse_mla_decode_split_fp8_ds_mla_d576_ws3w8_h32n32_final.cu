@@ -247,6 +247,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final(const sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
@@ -366,9 +370,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 32u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -483,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -491,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_2 = gather_row7;
-                    kv_scales_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -499,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
                 if (gather_row9 < 32u) {
                     const unsigned row_3 = gather_row9;
-                    kv_rope_pre[slot8] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot8] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -511,7 +515,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row11 < 32u) {
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row11;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row11;
                     const int src_i3212 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot10] >= 0)) && (((unsigned)kv_scales_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot10]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row11;
@@ -537,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_1 = gather_row15;
-                    kv_latent_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -545,7 +549,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_2 = gather_row17;
-                    kv_scales_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot16] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -553,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
                 if (gather_row19 < 32u) {
                     const unsigned row_3 = gather_row19;
-                    kv_rope_pre[slot18] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot18] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -565,7 +569,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row22 < 32u) {
                     const unsigned step = 1u;
                     const unsigned row_1 = gather_row22;
-                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row22;
                     const int src_i3224 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot21] >= 0)) && (((unsigned)kv_scales_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot21]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row22;
@@ -591,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_1 = gather_row27;
-                    kv_latent_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot26] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -599,7 +603,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_2 = gather_row29;
-                    kv_scales_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot28] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -607,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row31 = ((warp - 4u) + (lane * 4u)) + (slot30 * 128u);
                 if (gather_row31 < 32u) {
                     const unsigned row_3 = gather_row31;
-                    kv_rope_pre[slot30] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot30] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -867,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     if (gather_row37 < 32u) {
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row37;
-                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w))) : (-1);
                         const unsigned row_2 = gather_row37;
                         const int src_i3239 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot36] >= 0)) && (((unsigned)kv_scales_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot36]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         const unsigned row_3 = gather_row37;
@@ -892,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row42 = ((warp - 4u) + (lane * 4u)) + (slot41 * 128u);
                         if (gather_row42 < 32u) {
                             const unsigned row_1 = gather_row42;
-                            kv_latent_pre[slot41] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                            kv_latent_pre[slot41] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -900,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row44 = ((warp - 4u) + (lane * 4u)) + (slot43 * 128u);
                         if (gather_row44 < 32u) {
                             const unsigned row_2 = gather_row44;
-                            kv_scales_pre[slot43] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                            kv_scales_pre[slot43] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -908,7 +912,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
                         if (gather_row46 < 32u) {
                             const unsigned row_3 = gather_row46;
-                            kv_rope_pre[slot45] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                            kv_rope_pre[slot45] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                         }
                     }
                 }
@@ -941,7 +945,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
                     float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag117 * 4u) + (half118 * 2u)] = v0;
                     scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
@@ -1066,7 +1070,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
                     const unsigned row146 = (scores_row0 + ((frag148 / 2u) * 16u)) + ((half149 * 8u) + lane_group);
                     const unsigned col147 = (scores_col0 + ((frag148 % 2u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row146 * 20u) + (col147 >> 1u)] = pack_bf16x2(scores[(frag148 * 4u) + (half149 * 2u)], scores[((frag148 * 4u) + (half149 * 2u)) + 1u]);
+                    const unsigned sub0 = (frag148 * 4u) + (half149 * 2u);
+                    p_tile[(row146 * 20u) + (col147 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1290,7 +1295,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_6 + 0u)) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
                 o_acc[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)] = v0_6;
                 o_acc[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)] = v1_6;

@@ -247,6 +247,10 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final(const sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
@@ -367,9 +371,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
-    const unsigned valid_len = (p.has_topk_length != 0u) ? ((((unsigned)((len_raw > 0 ? len_raw : 0))) < p.topk ? ((unsigned)((len_raw > 0 ? len_raw : 0))) : p.topk)) : p.topk;
+    const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = ((((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) < valid_len ? (((j_begin + p.chunk) < p.topk ? (j_begin + p.chunk) : p.topk)) : valid_len);
+    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -482,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -490,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
                 if (gather_row5 < 32u) {
                     const unsigned row_2 = gather_row5;
-                    kv_scales_pre[slot4] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot4] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -498,7 +502,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
                 if (gather_row7 < 32u) {
                     const unsigned row_3 = gather_row7;
-                    kv_rope_pre[slot6] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -510,7 +514,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row9 < 32u) {
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row9;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot8] >= 0)) && (((unsigned)kv_latent_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot8]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot8] >= 0)) && (((unsigned)kv_latent_pre[slot8]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot8]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row9;
                     const int src_i3210 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot8] >= 0)) && (((unsigned)kv_scales_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row9;
@@ -536,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
                 if (gather_row13 < 32u) {
                     const unsigned row_1 = gather_row13;
-                    kv_latent_pre[slot12] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -544,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
                 if (gather_row15 < 32u) {
                     const unsigned row_2 = gather_row15;
-                    kv_scales_pre[slot14] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -552,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
                 if (gather_row17 < 32u) {
                     const unsigned row_3 = gather_row17;
-                    kv_rope_pre[slot16] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot16] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -564,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row20 < 32u) {
                     const unsigned step = 1u;
                     const unsigned row_1 = gather_row20;
-                    const int src_i3221 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot19] >= 0)) && (((unsigned)kv_latent_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot19]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i3221 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot19] >= 0)) && (((unsigned)kv_latent_pre[slot19]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot19]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row20;
                     const int src_i3222 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot19] >= 0)) && (((unsigned)kv_scales_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot19]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row20;
@@ -590,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row25 = ((warp - 4u) + (lane * 4u)) + (slot24 * 128u);
                 if (gather_row25 < 32u) {
                     const unsigned row_1 = gather_row25;
-                    kv_latent_pre[slot24] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot24] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -598,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
                 if (gather_row27 < 32u) {
                     const unsigned row_2 = gather_row27;
-                    kv_scales_pre[slot26] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot26] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -606,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
                 if (gather_row29 < 32u) {
                     const unsigned row_3 = gather_row29;
-                    kv_rope_pre[slot28] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot28] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -618,7 +622,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row32 < 32u) {
                     const unsigned step = 2u;
                     const unsigned row_1 = gather_row32;
-                    const int src_i3233 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot31] >= 0)) && (((unsigned)kv_latent_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot31]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                    const int src_i3233 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot31] >= 0)) && (((unsigned)kv_latent_pre[slot31]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot31]) % p.page_size) * p.row_stride_w))) : (-1);
                     const unsigned row_2 = gather_row32;
                     const int src_i3234 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot31] >= 0)) && (((unsigned)kv_scales_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot31]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                     const unsigned row_3 = gather_row32;
@@ -644,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
                 if (gather_row37 < 32u) {
                     const unsigned row_1 = gather_row37;
-                    kv_latent_pre[slot36] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                    kv_latent_pre[slot36] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -652,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row39 = ((warp - 4u) + (lane * 4u)) + (slot38 * 128u);
                 if (gather_row39 < 32u) {
                     const unsigned row_2 = gather_row39;
-                    kv_scales_pre[slot38] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                    kv_scales_pre[slot38] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
@@ -660,7 +664,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row41 = ((warp - 4u) + (lane * 4u)) + (slot40 * 128u);
                 if (gather_row41 < 32u) {
                     const unsigned row_3 = gather_row41;
-                    kv_rope_pre[slot40] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                    kv_rope_pre[slot40] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -930,7 +934,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     if (gather_row46 < 32u) {
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row46;
-                        const int src_i3247 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot45] >= 0)) && (((unsigned)kv_latent_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_latent_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot45]) % p.page_size) * p.row_stride_w)) + 0u)) : (-1);
+                        const int src_i3247 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot45] >= 0)) && (((unsigned)kv_latent_pre[slot45]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot45]) % p.page_size) * p.row_stride_w))) : (-1);
                         const unsigned row_2 = gather_row46;
                         const int src_i3248 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot45] >= 0)) && (((unsigned)kv_scales_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot45]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
                         const unsigned row_3 = gather_row46;
@@ -955,7 +959,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row51 = ((warp - 4u) + (lane * 4u)) + (slot50 * 128u);
                         if (gather_row51 < 32u) {
                             const unsigned row_1 = gather_row51;
-                            kv_latent_pre[slot50] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_1) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_1) : (p.topk - 1u)))];
+                            kv_latent_pre[slot50] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -963,7 +967,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row53 = ((warp - 4u) + (lane * 4u)) + (slot52 * 128u);
                         if (gather_row53 < 32u) {
                             const unsigned row_2 = gather_row53;
-                            kv_scales_pre[slot52] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_2) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_2) : (p.topk - 1u)))];
+                            kv_scales_pre[slot52] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
@@ -971,7 +975,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned gather_row55 = ((warp - 4u) + (lane * 4u)) + (slot54 * 128u);
                         if (gather_row55 < 32u) {
                             const unsigned row_3 = gather_row55;
-                            kv_rope_pre[slot54] = indices[(t * p.topk) + ((((j_begin + (step * 32u)) + row_3) < (p.topk - 1u) ? ((j_begin + (step * 32u)) + row_3) : (p.topk - 1u)))];
+                            kv_rope_pre[slot54] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                         }
                     }
                 }
@@ -1004,7 +1008,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag128 % 1u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag128 * 4u) + (half129 * 2u)];
                     float v1 = scores[((frag128 * 4u) + (half129 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + (col + 0u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag128 * 4u) + (half129 * 2u)] = v0;
                     scores[((frag128 * 4u) + (half129 * 2u)) + 1u] = v1;
@@ -1113,7 +1117,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
                     const unsigned row153 = (scores_row0 + ((frag155 / 1u) * 16u)) + ((half156 * 8u) + lane_group);
                     const unsigned col154 = (scores_col0 + ((frag155 % 1u) * 8u)) + (lane_quad * 2u);
-                    p_tile[(row153 * 20u) + (col154 >> 1u)] = pack_bf16x2(scores[(frag155 * 4u) + (half156 * 2u)], scores[((frag155 * 4u) + (half156 * 2u)) + 1u]);
+                    const unsigned sub0 = (frag155 * 4u) + (half156 * 2u);
+                    p_tile[(row153 * 20u) + (col154 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1307,7 +1312,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + (col_6 + 0u)) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
                 o_acc[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)] = v0_6;
                 o_acc[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)] = v1_6;

@@ -68,6 +68,9 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define max_i32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(256) vbt_positions_to_slots(const vbt_positions_to_slots_params p, const int* __restrict__ positions, const int* __restrict__ block_table, const int* __restrict__ req_of_token, int* __restrict__ slots) {
     const unsigned stride = gridDim.x * 256u;
     #pragma unroll 4
@@ -75,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(256) vbt_positions_to_slots(const v
         const unsigned t = e / p.topk;
         const int r = req_of_token[t];
         const int pos = positions[e];
-        const unsigned pos_u = ((unsigned)((pos > 0 ? pos : 0)));
+        const unsigned pos_u = ((unsigned)max_i32(pos, 0));
         const unsigned page = pos_u / p.page_size;
         const bool in_table = (((r >= 0) && (((unsigned)r) < p.requests)) && (pos >= 0)) && (page < p.max_pages);
 

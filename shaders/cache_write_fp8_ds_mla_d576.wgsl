@@ -102,7 +102,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let v1: u32 = lat_w0 >> 16u;
         let v2: u32 = lat_w1 & 65535u;
         let v3: u32 = lat_w1 >> 16u;
-        amax_part[local_id] = max((max((max((max(0u, select(v0 & 32767u, 0u, (v0 & 32767u) >= 32640u))), select(v1 & 32767u, 0u, (v1 & 32767u) >= 32640u))), select(v2 & 32767u, 0u, (v2 & 32767u) >= 32640u))), select(v3 & 32767u, 0u, (v3 & 32767u) >= 32640u));
+        amax_part[local_id] = max(max(max(max(0u, select(v0 & 32767u, 0u, (v0 & 32767u) >= 32640u)), select(v1 & 32767u, 0u, (v1 & 32767u) >= 32640u)), select(v2 & 32767u, 0u, (v2 & 32767u) >= 32640u)), select(v3 & 32767u, 0u, (v3 & 32767u) >= 32640u));
         workgroupBarrier();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up
@@ -118,7 +118,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
             let div_ea: u32 = div_mag >> 23u;
             let div_fa: u32 = div_mag & 8388607u;
             let div_sub: bool = div_ea == 0u;
-            let div_sh: u32 = select(0u, min(((max(countLeadingZeros(div_fa), 8u)) - 8u), 23u), div_sub);
+            let div_sh: u32 = select(0u, min(max(countLeadingZeros(div_fa), 8u) - 8u, 23u), div_sub);
             let div_sig_a: u32 = select(div_fa | 8388608u, div_fa << div_sh, div_sub);
             let div_exp_a: i32 = select(i32(div_ea), 1i - i32(div_sh), div_sub);
             let div_sig_d: u32 = (div_d & 8388607u) | 8388608u;
@@ -159,7 +159,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let div_ea_1: u32 = div_mag_1 >> 23u;
         let div_fa_1: u32 = div_mag_1 & 8388607u;
         let div_sub_1: bool = div_ea_1 == 0u;
-        let div_sh_1: u32 = select(0u, min(((max(countLeadingZeros(div_fa_1), 8u)) - 8u), 23u), div_sub_1);
+        let div_sh_1: u32 = select(0u, min(max(countLeadingZeros(div_fa_1), 8u) - 8u, 23u), div_sub_1);
         let div_sig_a_1: u32 = select(div_fa_1 | 8388608u, div_fa_1 << div_sh_1, div_sub_1);
         let div_exp_a_1: i32 = select(i32(div_ea_1), 1i - i32(div_sh_1), div_sub_1);
         let div_sig_d_1: u32 = (div_d_1 & 8388607u) | 8388608u;
@@ -189,7 +189,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let e4m3_sign: u32 = (e4m3_in >> 24u) & 128u;
         let e4m3_mag: u32 = e4m3_in & 2147483647u;
         let e4m3_e: i32 = i32(e4m3_mag >> 23u) - 127i;
-        let e4m3_e_eff: i32 = max(e4m3_e, (-6i));
+        let e4m3_e_eff: i32 = max(e4m3_e, -6i);
         let e4m3_shift: u32 = min(u32((20i + e4m3_e_eff) - e4m3_e), 31u);
         let rne_x: u32 = (e4m3_mag & 8388607u) | 8388608u;
         let rne_s: u32 = e4m3_shift;
@@ -207,7 +207,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let div_ea_2: u32 = div_mag_2 >> 23u;
         let div_fa_2: u32 = div_mag_2 & 8388607u;
         let div_sub_2: bool = div_ea_2 == 0u;
-        let div_sh_2: u32 = select(0u, min(((max(countLeadingZeros(div_fa_2), 8u)) - 8u), 23u), div_sub_2);
+        let div_sh_2: u32 = select(0u, min(max(countLeadingZeros(div_fa_2), 8u) - 8u, 23u), div_sub_2);
         let div_sig_a_2: u32 = select(div_fa_2 | 8388608u, div_fa_2 << div_sh_2, div_sub_2);
         let div_exp_a_2: i32 = select(i32(div_ea_2), 1i - i32(div_sh_2), div_sub_2);
         let div_sig_d_2: u32 = (div_d_2 & 8388607u) | 8388608u;
@@ -237,7 +237,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let e4m3_sign_1: u32 = (e4m3_in_1 >> 24u) & 128u;
         let e4m3_mag_1: u32 = e4m3_in_1 & 2147483647u;
         let e4m3_e_1: i32 = i32(e4m3_mag_1 >> 23u) - 127i;
-        let e4m3_e_eff_1: i32 = max(e4m3_e_1, (-6i));
+        let e4m3_e_eff_1: i32 = max(e4m3_e_1, -6i);
         let e4m3_shift_1: u32 = min(u32((20i + e4m3_e_eff_1) - e4m3_e_1), 31u);
         let rne_x_1: u32 = (e4m3_mag_1 & 8388607u) | 8388608u;
         let rne_s_1: u32 = e4m3_shift_1;
@@ -255,7 +255,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let div_ea_3: u32 = div_mag_3 >> 23u;
         let div_fa_3: u32 = div_mag_3 & 8388607u;
         let div_sub_3: bool = div_ea_3 == 0u;
-        let div_sh_3: u32 = select(0u, min(((max(countLeadingZeros(div_fa_3), 8u)) - 8u), 23u), div_sub_3);
+        let div_sh_3: u32 = select(0u, min(max(countLeadingZeros(div_fa_3), 8u) - 8u, 23u), div_sub_3);
         let div_sig_a_3: u32 = select(div_fa_3 | 8388608u, div_fa_3 << div_sh_3, div_sub_3);
         let div_exp_a_3: i32 = select(i32(div_ea_3), 1i - i32(div_sh_3), div_sub_3);
         let div_sig_d_3: u32 = (div_d_3 & 8388607u) | 8388608u;
@@ -285,7 +285,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let e4m3_sign_2: u32 = (e4m3_in_2 >> 24u) & 128u;
         let e4m3_mag_2: u32 = e4m3_in_2 & 2147483647u;
         let e4m3_e_2: i32 = i32(e4m3_mag_2 >> 23u) - 127i;
-        let e4m3_e_eff_2: i32 = max(e4m3_e_2, (-6i));
+        let e4m3_e_eff_2: i32 = max(e4m3_e_2, -6i);
         let e4m3_shift_2: u32 = min(u32((20i + e4m3_e_eff_2) - e4m3_e_2), 31u);
         let rne_x_2: u32 = (e4m3_mag_2 & 8388607u) | 8388608u;
         let rne_s_2: u32 = e4m3_shift_2;
@@ -303,7 +303,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let div_ea_4: u32 = div_mag_4 >> 23u;
         let div_fa_4: u32 = div_mag_4 & 8388607u;
         let div_sub_4: bool = div_ea_4 == 0u;
-        let div_sh_4: u32 = select(0u, min(((max(countLeadingZeros(div_fa_4), 8u)) - 8u), 23u), div_sub_4);
+        let div_sh_4: u32 = select(0u, min(max(countLeadingZeros(div_fa_4), 8u) - 8u, 23u), div_sub_4);
         let div_sig_a_4: u32 = select(div_fa_4 | 8388608u, div_fa_4 << div_sh_4, div_sub_4);
         let div_exp_a_4: i32 = select(i32(div_ea_4), 1i - i32(div_sh_4), div_sub_4);
         let div_sig_d_4: u32 = (div_d_4 & 8388607u) | 8388608u;
@@ -333,7 +333,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let e4m3_sign_3: u32 = (e4m3_in_3 >> 24u) & 128u;
         let e4m3_mag_3: u32 = e4m3_in_3 & 2147483647u;
         let e4m3_e_3: i32 = i32(e4m3_mag_3 >> 23u) - 127i;
-        let e4m3_e_eff_3: i32 = max(e4m3_e_3, (-6i));
+        let e4m3_e_eff_3: i32 = max(e4m3_e_3, -6i);
         let e4m3_shift_3: u32 = min(u32((20i + e4m3_e_eff_3) - e4m3_e_3), 31u);
         let rne_x_3: u32 = (e4m3_mag_3 & 8388607u) | 8388608u;
         let rne_s_3: u32 = e4m3_shift_3;

@@ -118,7 +118,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
     let len_raw: i32 = topk_length[select(0u, t, params.has_topk_length != 0u)];
     let valid_len: u32 = select(params.topk, min(u32(max(len_raw, 0i)), params.topk), params.has_topk_length != 0u);
     let j_begin: u32 = split * params.chunk;
-    let j_end: u32 = min((min((j_begin + params.chunk), params.topk)), valid_len);
+    let j_end: u32 = min(min(j_begin + params.chunk, params.topk), valid_len);
     let steps: u32 = select(0u, ((j_end - j_begin) + 3u) / 4u, j_end > j_begin);
 
     // load the q rows of this head block (rows past `heads` are zeros)
@@ -135,7 +135,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
         if (base5 >= 0i) {
             word6 = q[u32(base5) + w4];
         }
-        q_tile[((r3 * 288u) + 0u) + w4] = word6;
+        q_tile[(r3 * 288u) + w4] = word6;
     }
     workgroupBarrier();
     for (var r: u32 = local_id; r < 8u; r = r + 128u) {
@@ -153,7 +153,9 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
         // gather this step's cache rows by slot, each row's validity recorded once
         workgroupBarrier();
         for (var row_1: u32 = local_id; row_1 < 4u; row_1 = row_1 + 128u) {
-            kv_tile_src8[row_1] = select(-1i, i32((((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) / params.page_size) * params.page_stride_w) + ((u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) % params.page_size) * params.row_stride_w)) + 0u), ((((j_begin + (step * 4u)) + row_1) < j_end) && (indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))] >= 0i)) && (u32(indices[(t * params.topk) + (min(((j_begin + (step * 4u)) + row_1), (params.topk - 1u)))]) < params.num_slots));
+            let sub1: u32 = (j_begin + (step * 4u)) + row_1;
+            let sub0: u32 = (t * params.topk) + min(sub1, params.topk - 1u);
+            kv_tile_src8[row_1] = select(-1i, i32(((u32(indices[sub0]) / params.page_size) * params.page_stride_w) + ((u32(indices[sub0]) % params.page_size) * params.row_stride_w)), ((sub1 < j_end) && (indices[sub0] >= 0i)) && (u32(indices[sub0]) < params.num_slots));
             row_valid[row_1] = select(0.0, 1.0, kv_tile_src8[row_1] >= 0i);
         }
         workgroupBarrier();
@@ -165,7 +167,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
             if (base12 >= 0i) {
                 word13 = kv_cache[u32(base12) + w11];
             }
-            kv_tile[((r10 * 288u) + 0u) + w11] = word13;
+            kv_tile[(r10 * 288u) + w11] = word13;
         }
         workgroupBarrier();
 
@@ -183,68 +185,68 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
                 var dot017: f32 = scores[pair_i68 * 2u];
                 var dot118: f32 = scores[(pair_i68 * 2u) + 1u];
                 for (var k19: u32 = 0u; k19 < 576u; k19 = k19 + 16u) {
-                    let op20: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    let op21: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
-                    let op22: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    let op23: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 0u)) >> 1u)] << 16u);
-                    let op24: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
-                    let op25: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 0u)) >> 1u)] & 4294901760u);
+                    let op20: f32 = bitcast<f32>(q_tile[(row15 * 288u) + (k19 >> 1u)] << 16u);
+                    let op21: f32 = bitcast<f32>(q_tile[(row15 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    let op22: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + (k19 >> 1u)] << 16u);
+                    let op23: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] << 16u);
+                    let op24: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    let op25: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] & 4294901760u);
                     dot017 = fma(op21, op24, fma(op20, op22, dot017));
                     dot118 = fma(op21, op25, fma(op20, op23, dot118));
-                    let op26: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    let op27: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
-                    let op28: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    let op29: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 2u)) >> 1u)] << 16u);
-                    let op30: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
-                    let op31: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 2u)) >> 1u)] & 4294901760u);
+                    let op26: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    let op27: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    let op28: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    let op29: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    let op30: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    let op31: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
                     dot017 = fma(op27, op30, fma(op26, op28, dot017));
                     dot118 = fma(op27, op31, fma(op26, op29, dot118));
-                    let op32: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    let op33: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
-                    let op34: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    let op35: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 4u)) >> 1u)] << 16u);
-                    let op36: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
-                    let op37: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 4u)) >> 1u)] & 4294901760u);
+                    let op32: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    let op33: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    let op34: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    let op35: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    let op36: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    let op37: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
                     dot017 = fma(op33, op36, fma(op32, op34, dot017));
                     dot118 = fma(op33, op37, fma(op32, op35, dot118));
-                    let op38: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    let op39: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
-                    let op40: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    let op41: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 6u)) >> 1u)] << 16u);
-                    let op42: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
-                    let op43: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 6u)) >> 1u)] & 4294901760u);
+                    let op38: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    let op39: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    let op40: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    let op41: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    let op42: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    let op43: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
                     dot017 = fma(op39, op42, fma(op38, op40, dot017));
                     dot118 = fma(op39, op43, fma(op38, op41, dot118));
-                    let op44: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    let op45: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
-                    let op46: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    let op47: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 8u)) >> 1u)] << 16u);
-                    let op48: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
-                    let op49: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 8u)) >> 1u)] & 4294901760u);
+                    let op44: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    let op45: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    let op46: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    let op47: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    let op48: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    let op49: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
                     dot017 = fma(op45, op48, fma(op44, op46, dot017));
                     dot118 = fma(op45, op49, fma(op44, op47, dot118));
-                    let op50: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    let op51: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
-                    let op52: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    let op53: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 10u)) >> 1u)] << 16u);
-                    let op54: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
-                    let op55: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 10u)) >> 1u)] & 4294901760u);
+                    let op50: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    let op51: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    let op52: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    let op53: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    let op54: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    let op55: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
                     dot017 = fma(op51, op54, fma(op50, op52, dot017));
                     dot118 = fma(op51, op55, fma(op50, op53, dot118));
-                    let op56: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    let op57: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
-                    let op58: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    let op59: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 12u)) >> 1u)] << 16u);
-                    let op60: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
-                    let op61: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 12u)) >> 1u)] & 4294901760u);
+                    let op56: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    let op57: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    let op58: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    let op59: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    let op60: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    let op61: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
                     dot017 = fma(op57, op60, fma(op56, op58, dot017));
                     dot118 = fma(op57, op61, fma(op56, op59, dot118));
-                    let op62: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    let op63: f32 = bitcast<f32>(q_tile[((0u + row15) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
-                    let op64: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    let op65: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 14u)) >> 1u)] << 16u);
-                    let op66: f32 = bitcast<f32>(kv_tile[((0u + col16) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
-                    let op67: f32 = bitcast<f32>(kv_tile[((0u + (col16 + 1u)) * 288u) + ((0u + (k19 + 14u)) >> 1u)] & 4294901760u);
+                    let op62: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    let op63: f32 = bitcast<f32>(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    let op64: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    let op65: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    let op66: f32 = bitcast<f32>(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    let op67: f32 = bitcast<f32>(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
                     dot017 = fma(op63, op66, fma(op62, op64, dot017));
                     dot118 = fma(op63, op67, fma(op62, op65, dot118));
                 }
@@ -261,8 +263,8 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
                 let col: u32 = (pair71 * 2u) % 4u;
                 var v0: f32 = scores[pair_i70 * 2u];
                 var v1: f32 = scores[(pair_i70 * 2u) + 1u];
-                v0 = select(-3e38, v0 * params.scale, row_valid[(0u * 4u) + (col + 0u)] > 0.5);
-                v1 = select(-3e38, v1 * params.scale, row_valid[(0u * 4u) + (col + 1u)] > 0.5);
+                v0 = select(-3e38, v0 * params.scale, row_valid[col] > 0.5);
+                v1 = select(-3e38, v1 * params.scale, row_valid[col + 1u] > 0.5);
                 scores[pair_i70 * 2u] = v0;
                 scores[(pair_i70 * 2u) + 1u] = v1;
             }
@@ -367,20 +369,20 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
                 var dot096: f32 = o_acc[pair_i111 * 2u];
                 var dot197: f32 = o_acc[(pair_i111 * 2u) + 1u];
                 for (var k98: u32 = 0u; k98 < 4u; k98 = k98 + 4u) {
-                    let op99: f32 = p_tile[((0u + row94) * 4u) + (0u + (k98 + 0u))];
-                    let op100: f32 = p_tile[(((0u + row94) * 4u) + (0u + (k98 + 0u))) + 1u];
-                    let op101: f32 = bitcast<f32>(kv_tile[((0u + (k98 + 0u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    let op102: f32 = bitcast<f32>(kv_tile[((0u + (k98 + 0u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    let op103: f32 = bitcast<f32>(kv_tile[(((0u + (k98 + 0u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    let op104: f32 = bitcast<f32>(kv_tile[(((0u + (k98 + 0u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    let op99: f32 = p_tile[(row94 * 4u) + k98];
+                    let op100: f32 = p_tile[((row94 * 4u) + k98) + 1u];
+                    let op101: f32 = bitcast<f32>(kv_tile[(k98 * 288u) + (col95 >> 1u)] << 16u);
+                    let op102: f32 = bitcast<f32>(kv_tile[(k98 * 288u) + (col95 >> 1u)] & 4294901760u);
+                    let op103: f32 = bitcast<f32>(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    let op104: f32 = bitcast<f32>(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fma(op100, op103, fma(op99, op101, dot096));
                     dot197 = fma(op100, op104, fma(op99, op102, dot197));
-                    let op105: f32 = p_tile[((0u + row94) * 4u) + (0u + (k98 + 2u))];
-                    let op106: f32 = p_tile[(((0u + row94) * 4u) + (0u + (k98 + 2u))) + 1u];
-                    let op107: f32 = bitcast<f32>(kv_tile[((0u + (k98 + 2u)) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    let op108: f32 = bitcast<f32>(kv_tile[((0u + (k98 + 2u)) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
-                    let op109: f32 = bitcast<f32>(kv_tile[(((0u + (k98 + 2u)) + 1u) * 288u) + ((0u + col95) >> 1u)] << 16u);
-                    let op110: f32 = bitcast<f32>(kv_tile[(((0u + (k98 + 2u)) + 1u) * 288u) + ((0u + col95) >> 1u)] & 4294901760u);
+                    let op105: f32 = p_tile[(row94 * 4u) + (k98 + 2u)];
+                    let op106: f32 = p_tile[((row94 * 4u) + (k98 + 2u)) + 1u];
+                    let op107: f32 = bitcast<f32>(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] << 16u);
+                    let op108: f32 = bitcast<f32>(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    let op109: f32 = bitcast<f32>(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    let op110: f32 = bitcast<f32>(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fma(op106, op109, fma(op105, op107, dot096));
                     dot197 = fma(op106, op110, fma(op105, op108, dot197));
                 }
@@ -403,7 +405,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4_final(@builtin(local_invocation
             if (h < params.heads) {
                 let l: f32 = row_sum[row_5];
                 let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
-                out[((((t * params.heads) + h) * 512u) + (col_3 + 0u)) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                out[((((t * params.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
             }
             o_acc[pair_i113 * 2u] = v0_3;
             o_acc[(pair_i113 * 2u) + 1u] = v1_3;

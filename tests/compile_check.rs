@@ -8,7 +8,7 @@ mod common;
 
 use sparse_mla::emit::{cuda, wgsl};
 use sparse_mla::kernels::{standard_set, Target};
-use sparse_mla::kir::lower_mma::{shared_layout, MAX_SHARED_BYTES};
+use sparse_mla::kir::shared_plan::{shared_layout, MAX_SHARED_BYTES};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];

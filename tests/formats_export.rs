@@ -63,7 +63,7 @@ fn fp8_kernels_fit_the_portable_limits_and_document_the_row() {
                 assert!(
                     bytes <= 48 * 1024
                         || (dynamic >= bytes
-                            && dynamic <= sparse_mla::kir::lower_mma::MAX_SHARED_BYTES),
+                            && dynamic <= sparse_mla::kir::shared_plan::MAX_SHARED_BYTES),
                     "{}: {bytes} B of shared memory ({dynamic} B dynamic)",
                     k.kernel.name
                 );

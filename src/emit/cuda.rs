@@ -22,7 +22,7 @@ pub const STATIC_SHARED_LIMIT: u64 = 48 * 1024;
 /// Bytes of dynamic shared memory the kernel must be launched with: 0 when its shared
 /// arrays are static (at most [`STATIC_SHARED_LIMIT`]), else all of them, 16-byte aligned.
 pub fn dynamic_shared_bytes(kernel: &Kernel) -> u32 {
-    let (_, total) = crate::kir::lower_mma::shared_layout(&kernel.shared);
+    let (_, total) = crate::kir::shared_plan::shared_layout(&kernel.shared);
     if total > STATIC_SHARED_LIMIT {
         total as u32
     } else {
@@ -75,17 +75,43 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
             message: "CUDA emitter given a kernel with tile ops; lower it first".into(),
         });
     }
-    if let Some(h) = helpers_text {
-        return Ok(Printer { kernel }.unit(h));
-    }
-    let h = helpers(kernel);
+    let h = match helpers_text {
+        Some(h) => h.to_string(),
+        None => helpers(kernel),
+    };
     let unit = Printer { kernel }.unit(&h);
-    // The pair conversion's helpers only where the body calls them.
-    if unit.contains("e4m3x2_prep(") {
-        return Ok(Printer { kernel }.unit(&format!("{h}\n{PAIR_HELPERS}")));
+    // The pair conversion's and the integer min / max helpers only where the body calls them.
+    let mut called = String::new();
+    if helpers_text.is_none() && unit.contains("e4m3x2_prep(") {
+        called.push('\n');
+        called.push_str(PAIR_HELPERS);
     }
-    Ok(unit)
+    let min_max: Vec<_> = MIN_MAX_HELPERS
+        .iter()
+        .filter(|(name, _)| unit.contains(&format!("{name}(")))
+        .map(|(_, def)| *def)
+        .collect();
+    if !min_max.is_empty() {
+        called.push_str("\n// Integer min / max (u32, i32; f32 has fminf / fmaxf).\n");
+        called.push_str(&min_max.join("\n"));
+        called.push('\n');
+    }
+    if called.is_empty() {
+        return Ok(unit);
+    }
+    Ok(Printer { kernel }.unit(&format!("{h}{called}")))
 }
+
+/// Integer min / max by name, printed into the kernels that call them. Macros, not functions:
+/// the compiler then sees the very ternaries it was given before these names existed (the
+/// operands are side-effect free, so evaluating one twice changes nothing). As inline functions
+/// the fp8 scalar split kernel, which sits at its register cap, spilled 8 bytes on sm_80.
+const MIN_MAX_HELPERS: [(&str, &str); 4] = [
+    ("min_u32", "#define min_u32(a, b) ((a) < (b) ? (a) : (b))"),
+    ("max_u32", "#define max_u32(a, b) ((a) > (b) ? (a) : (b))"),
+    ("min_i32", "#define min_i32(a, b) ((a) < (b) ? (a) : (b))"),
+    ("max_i32", "#define max_i32(a, b) ((a) > (b) ? (a) : (b))"),
+];
 
 /// The C declaration of a kernel's parameter struct (also used for the integrators' header).
 pub fn params_struct(kernel: &Kernel) -> String {
@@ -370,7 +396,7 @@ struct Printer<'k> {
 
 impl Printer<'_> {
     fn unit(&self, helpers: &str) -> String {
-        let mut w = Writer::default();
+        let mut w = Writer::new(self.kernel);
         let k = self.kernel;
         for l in header(k, "CUDA C", "kernel arguments after the parameter struct") {
             if l.is_empty() {
@@ -412,7 +438,7 @@ impl Printer<'_> {
         w.indent += 1;
         if dynamic > 0 {
             w.line("extern __shared__ __align__(16) unsigned char dyn_smem[];");
-            let (offsets, _) = crate::kir::lower_mma::shared_layout(&k.shared);
+            let (offsets, _) = crate::kir::shared_plan::shared_layout(&k.shared);
             for (s, off) in k.shared.iter().zip(offsets) {
                 let t = c_ty(s.ty);
                 let l = format!(
@@ -565,6 +591,8 @@ impl Printer<'_> {
     fn operand(&self, e: &Expr) -> String {
         let s = self.expr(e);
         match e {
+            // min / max print as calls: no parentheses needed
+            Expr::Bin(BinOp::Min | BinOp::Max, ..) => s,
             Expr::Bin(..) | Expr::Un(..) | Expr::Select(..) => format!("({s})"),
             Expr::F32(v) if *v < 0.0 => format!("({s})"),
             Expr::I32(v) if *v < 0 => format!("({s})"),
@@ -604,12 +632,18 @@ impl Printer<'_> {
             }
             Expr::Bin(op, a, b) => {
                 let (x, y) = (self.operand(a), self.operand(b));
-                let float = a.ty() == Ty::F32;
                 let sym = match op {
-                    BinOp::Min if float => return format!("fminf({x}, {y})"),
-                    BinOp::Max if float => return format!("fmaxf({x}, {y})"),
-                    BinOp::Min => return format!("({x} < {y} ? {x} : {y})"),
-                    BinOp::Max => return format!("({x} > {y} ? {x} : {y})"),
+                    BinOp::Min | BinOp::Max => {
+                        let f = match (op, a.ty()) {
+                            (BinOp::Min, Ty::F32) => "fminf",
+                            (BinOp::Max, Ty::F32) => "fmaxf",
+                            (BinOp::Min, Ty::I32) => "min_i32",
+                            (BinOp::Max, Ty::I32) => "max_i32",
+                            (BinOp::Min, _) => "min_u32",
+                            _ => "max_u32",
+                        };
+                        return format!("{f}({}, {})", self.expr(a), self.expr(b));
+                    }
                     BinOp::Add => "+",
                     BinOp::Sub => "-",
                     BinOp::Mul => "*",

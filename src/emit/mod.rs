@@ -6,6 +6,8 @@ pub mod cuda;
 pub mod wgsl;
 
 use crate::kir::ir::*;
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 /// The header comment every generated file opens with: what it computes (the description's
 /// own lines), every parameter and binding with its type and shape, the workgroup and its
@@ -96,13 +98,41 @@ pub(crate) trait Dialect {
 }
 
 /// Indented output of a generated file.
-#[derive(Default)]
 pub(crate) struct Writer {
     pub out: String,
     pub indent: usize,
+    /// The kernel's names, so that a name given to a repeated subexpression is a new one.
+    taken: HashSet<String>,
+    named: u32,
 }
 
 impl Writer {
+    pub fn new(kernel: &Kernel) -> Self {
+        let mut taken = HashSet::new();
+        crate::kir::walk::collect_names(&kernel.body, &mut taken);
+        let declared = (kernel.params.iter().map(|p| &p.name))
+            .chain(kernel.buffers.iter().map(|b| &b.name))
+            .chain(kernel.shared.iter().map(|s| &s.name))
+            .chain(kernel.privates.iter().map(|p| &p.name));
+        taken.extend(declared.cloned());
+        Writer {
+            out: String::new(),
+            indent: 0,
+            taken,
+            named: 0,
+        }
+    }
+
+    fn fresh(&mut self) -> String {
+        loop {
+            let name = format!("sub{}", self.named);
+            self.named += 1;
+            if self.taken.insert(name.clone()) {
+                return name;
+            }
+        }
+    }
+
     pub fn line(&mut self, s: &str) {
         if !s.is_empty() {
             for _ in 0..self.indent {
@@ -121,7 +151,57 @@ impl Writer {
         self.indent -= 1;
     }
 
+    /// Print a statement, a long one after `let`s naming the subexpressions it repeats.
     pub fn stmt(&mut self, d: &dyn Dialect, s: &Stmt) {
+        match self.named_repeats(d, s) {
+            Some((lets, s)) => {
+                for (name, value) in &lets {
+                    self.line(&d.decl(name, value, false));
+                }
+                self.print(d, &s);
+            }
+            None => self.print(d, s),
+        }
+    }
+
+    /// `s` with its long repeated subexpressions replaced by names, and the `let`s of those
+    /// names; `None` for a short line or one without such repeats.
+    fn named_repeats(&mut self, d: &dyn Dialect, s: &Stmt) -> Option<(Vec<(String, Expr)>, Stmt)> {
+        fn exprs(s: &mut Stmt) -> Vec<&mut Expr> {
+            match s {
+                Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
+                    vec![value]
+                }
+                Stmt::Store { index, value, .. }
+                | Stmt::StoreWord { index, value, .. }
+                | Stmt::SharedStore { index, value, .. }
+                | Stmt::PrivateStore { index, value, .. } => vec![index, value],
+                Stmt::If { cond, .. } => vec![cond],
+                _ => vec![],
+            }
+        }
+        let long = match s {
+            Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
+                d.expr(value).len() > LONG_LINE
+            }
+            Stmt::Store { index, value, .. }
+            | Stmt::StoreWord { index, value, .. }
+            | Stmt::SharedStore { index, value, .. }
+            | Stmt::PrivateStore { index, value, .. } => {
+                d.expr(index).len() + d.expr(value).len() > LONG_LINE
+            }
+            Stmt::If { cond, .. } => d.expr(cond).len() > LONG_LINE,
+            _ => false,
+        };
+        if !long {
+            return None;
+        }
+        let mut s = s.clone();
+        let lets = name_repeats(d, &mut exprs(&mut s), &mut || self.fresh());
+        (!lets.is_empty()).then_some((lets, s))
+    }
+
+    fn print(&mut self, d: &dyn Dialect, s: &Stmt) {
         match s {
             Stmt::Comment(c) => {
                 self.line("");
@@ -165,5 +245,220 @@ impl Writer {
             Stmt::Intrinsic(i) => self.line(&d.intrinsic(i)),
             Stmt::Tile(_) => self.line("// (unlowered tile op)"),
         }
+    }
+}
+
+/// Lines longer than this get their long repeated subexpressions named.
+const LONG_LINE: usize = 120;
+/// Subexpressions printed shorter than this stay inline.
+const LONG_SUBEXPR: usize = 24;
+
+/// Long subexpressions a statement repeats, named once in `let`s printed before it, so that
+/// a line reads as what it computes instead of hundreds of characters of repeated address
+/// arithmetic. Only what is safe to evaluate before the statement is named: an expression
+/// that cannot fault ([`may_fault`]), or one the statement evaluates unconditionally (not only
+/// behind `&&`, `||` or a branch of `?:`). Returns the `let`s in an order where each uses
+/// only earlier ones.
+fn name_repeats(
+    d: &dyn Dialect,
+    exprs: &mut [&mut Expr],
+    fresh: &mut dyn FnMut() -> String,
+) -> Vec<(String, Expr)> {
+    let mut lets: Vec<(String, Expr)> = Vec::new();
+    loop {
+        // every subexpression: (it, occurrences, evaluated unconditionally somewhere)
+        let mut seen: Vec<(Expr, u32, bool)> = Vec::new();
+        let mut at: HashMap<String, usize> = HashMap::new();
+        let mut note = |e: &Expr, conditional: bool| match at.entry(format!("{e:?}")) {
+            Entry::Occupied(i) => {
+                let s = &mut seen[*i.get()];
+                s.1 += 1;
+                s.2 |= !conditional;
+            }
+            Entry::Vacant(v) => {
+                v.insert(seen.len());
+                seen.push((e.clone(), 1, !conditional));
+            }
+        };
+        for e in exprs.iter() {
+            subexprs(e, false, &mut note);
+        }
+        for (_, value) in &lets {
+            subexprs(value, false, &mut note);
+        }
+        let best = seen
+            .into_iter()
+            .filter(|(e, n, unconditional)| *n >= 2 && (*unconditional || !may_fault(e)))
+            .map(|(e, _, _)| (d.expr(&e).len(), e))
+            .filter(|(len, _)| *len >= LONG_SUBEXPR)
+            .max_by_key(|(len, _)| *len);
+        let Some((_, target)) = best else {
+            break;
+        };
+        let name = fresh();
+        let named = Expr::Var(name.clone(), target.ty());
+        let replace = |e: &mut Expr| {
+            *e = std::mem::replace(e, Expr::U32(0)).map(&mut |x| {
+                if x == target {
+                    named.clone()
+                } else {
+                    x
+                }
+            })
+        };
+        for e in exprs.iter_mut() {
+            replace(e);
+        }
+        for (_, value) in lets.iter_mut() {
+            replace(value);
+        }
+        lets.push((name, target));
+    }
+    // each `let` after the ones it uses
+    let mut ordered: Vec<(String, Expr)> = Vec::new();
+    while !lets.is_empty() {
+        let ready = lets
+            .iter()
+            .position(|(_, v)| {
+                !lets.iter().any(|(n, _)| {
+                    let mut uses = false;
+                    v.visit(&mut |x| uses |= matches!(x, Expr::Var(m, _) if m == n));
+                    uses
+                })
+            })
+            .expect("named subexpressions use each other in a cycle");
+        ordered.push(lets.remove(ready));
+    }
+    ordered
+}
+
+/// Calls `f` on every non-leaf subexpression with whether it is evaluated only under a
+/// condition (the right of `&&` / `||`, a branch of a select).
+fn subexprs(e: &Expr, conditional: bool, f: &mut dyn FnMut(&Expr, bool)) {
+    let leaf = matches!(
+        e,
+        Expr::F32(_)
+            | Expr::I32(_)
+            | Expr::U32(_)
+            | Expr::Bool(_)
+            | Expr::Var(..)
+            | Expr::Param(..)
+            | Expr::Builtin(_)
+    );
+    if !leaf {
+        f(e, conditional);
+    }
+    match e {
+        Expr::Bin(BinOp::And | BinOp::Or, a, b) => {
+            subexprs(a, conditional, f);
+            subexprs(b, true, f);
+        }
+        Expr::Select(c, a, b) => {
+            subexprs(c, conditional, f);
+            subexprs(a, true, f);
+            subexprs(b, true, f);
+        }
+        Expr::Un(_, a) | Expr::Cvt(_, a) => subexprs(a, conditional, f),
+        Expr::Bin(_, a, b) => {
+            subexprs(a, conditional, f);
+            subexprs(b, conditional, f);
+        }
+        Expr::Call(_, args) => args.iter().for_each(|a| subexprs(a, conditional, f)),
+        Expr::Load { index, .. }
+        | Expr::LoadWord { index, .. }
+        | Expr::SharedLoad { index, .. }
+        | Expr::PrivateLoad { index, .. } => subexprs(index, conditional, f),
+        Expr::TileLoad { row, col, .. } => {
+            subexprs(row, conditional, f);
+            subexprs(col, conditional, f);
+        }
+        Expr::TileWord { row, word, .. } => {
+            subexprs(row, conditional, f);
+            subexprs(word, conditional, f);
+        }
+        _ => {}
+    }
+}
+
+/// Might `e` fault where the statement would not have evaluated it: does it read memory (out
+/// of bounds where a condition guards the read) or divide integers (by zero: that traps on
+/// the CPU the emulator runs the CUDA C on)?
+fn may_fault(e: &Expr) -> bool {
+    let mut may = false;
+    e.visit(&mut |x| {
+        may |= matches!(
+            x,
+            Expr::Load { .. }
+                | Expr::LoadWord { .. }
+                | Expr::SharedLoad { .. }
+                | Expr::PrivateLoad { .. }
+                | Expr::TileLoad { .. }
+                | Expr::TileWord { .. }
+                | Expr::Bin(BinOp::Div | BinOp::Rem, ..)
+        )
+    });
+    may
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kir::expr::{add, bin, lt, mul, u, var};
+
+    /// A dialect that prints expressions as their Debug form (length is all that matters).
+    struct Plain;
+    impl Dialect for Plain {
+        fn expr(&self, e: &Expr) -> String {
+            match e {
+                Expr::Var(n, _) => n.clone(),
+                _ => format!("{e:?}"),
+            }
+        }
+        fn decl(&self, name: &str, value: &Expr, _: bool) -> String {
+            format!("{name} = {}", self.expr(value))
+        }
+        fn store_word(&self, _: &str, _: &Expr, _: &Expr) -> String {
+            String::new()
+        }
+        fn for_head(&self, _: &str, _: &Expr, _: &Expr, _: &Expr, _: &[Stmt]) -> Vec<String> {
+            vec![]
+        }
+        fn barrier(&self) -> &'static str {
+            ""
+        }
+        fn intrinsic(&self, _: &Intrinsic) -> String {
+            String::new()
+        }
+    }
+
+    #[test]
+    fn repeats_are_named_only_where_evaluating_them_first_is_safe() {
+        let j = add(mul(var("step", Ty::U32), u(32)), var("row", Ty::U32));
+        let load = Expr::Load {
+            buf: "indices".into(),
+            elem: Elem::I32,
+            index: Box::new(j.clone()),
+        };
+        // `j < n && indices[j] >= 0 && indices[j] < m`: j is named (no memory read), the
+        // guarded load is not (it may be out of bounds when j >= n)
+        let guarded = bin(
+            BinOp::And,
+            bin(
+                BinOp::And,
+                lt(j.clone(), var("n", Ty::U32)),
+                bin(BinOp::Ge, load.clone(), Expr::I32(0)),
+            ),
+            lt(load.clone(), var("m", Ty::I32)),
+        );
+        let mut e = guarded;
+        let mut n = 0;
+        let lets = name_repeats(&Plain, &mut [&mut e], &mut || {
+            n += 1;
+            format!("sub{n}")
+        });
+        assert_eq!(lets, vec![("sub1".to_string(), j)]);
+        let mut loads = 0;
+        e.visit(&mut |x| loads += matches!(x, Expr::Load { .. }) as u32);
+        assert_eq!(loads, 2, "the guarded load stays where it was");
     }
 }

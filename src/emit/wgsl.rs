@@ -89,7 +89,7 @@ struct Printer<'k> {
 
 impl Printer<'_> {
     fn module(&self) -> String {
-        let mut w = Writer::default();
+        let mut w = Writer::new(self.kernel);
         let k = self.kernel;
         for l in header(
             k,
@@ -167,6 +167,8 @@ impl Printer<'_> {
     fn operand(&self, e: &Expr) -> String {
         let s = self.expr(e);
         match e {
+            // min / max print as calls: no parentheses needed
+            Expr::Bin(BinOp::Min | BinOp::Max, ..) => s,
             Expr::Bin(..) | Expr::Un(..) => format!("({s})"),
             Expr::F32(v) if *v < 0.0 => format!("({s})"),
             Expr::I32(v) if *v < 0 => format!("({s})"),
@@ -201,8 +203,8 @@ impl Printer<'_> {
             Expr::Bin(op, a, b) => {
                 let (x, y) = (self.operand(a), self.operand(b));
                 let sym = match op {
-                    BinOp::Min => return format!("min({x}, {y})"),
-                    BinOp::Max => return format!("max({x}, {y})"),
+                    BinOp::Min => return format!("min({}, {})", self.expr(a), self.expr(b)),
+                    BinOp::Max => return format!("max({}, {})", self.expr(a), self.expr(b)),
                     BinOp::Add => "+",
                     BinOp::Sub => "-",
                     BinOp::Mul => "*",

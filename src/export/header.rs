@@ -138,7 +138,7 @@ pub fn estimate_per_sm(config: &DecodeConfig, split: &Kernel, arch: &str) -> u32
     let Some(sm) = smem_per_sm(arch) else {
         return 1;
     };
-    let (_, smem) = crate::kir::lower_mma::shared_layout(&split.shared);
+    let (_, smem) = crate::kir::shared_plan::shared_layout(&split.shared);
     let by_smem = (sm as u64 / (smem + 1024)).max(1) as u32;
     let by_regs = match config.lowering {
         // __launch_bounds__(256, n): ptxas fits the registers of n workgroups, not more

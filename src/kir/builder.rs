@@ -3,6 +3,7 @@
 //! arrays and tiles. Mistakes in a description (a type mismatch, a tile shape that does not
 //! fit) are collected and returned by [`KernelBuilder::finish`] as one error.
 
+use super::expr::bin;
 use super::ir::*;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -10,63 +11,12 @@ use std::ops;
 
 // ---------------------------------------------------------------- expression sugar
 
-/// f32 literal.
-pub fn f(v: f32) -> Expr {
-    Expr::F32(v)
-}
-/// u32 literal.
-pub fn u(v: u32) -> Expr {
-    Expr::U32(v)
-}
-/// i32 literal.
-pub fn i(v: i32) -> Expr {
-    Expr::I32(v)
-}
-/// Thread index within the workgroup.
-pub fn local_id() -> Expr {
-    Expr::Builtin(Builtin::LocalId)
-}
-/// Workgroup index along axis 0, 1, 2 (x, y, z).
-pub fn workgroup_id(axis: u8) -> Expr {
-    Expr::Builtin(Builtin::WorkgroupId(axis))
-}
-/// Number of workgroups in the grid along axis 0, 1, 2 (x, y, z).
-pub fn num_workgroups(axis: u8) -> Expr {
-    Expr::Builtin(Builtin::NumWorkgroups(axis))
-}
+// The constructors are shared with the lowerings (one set, folded the same way).
+pub use super::expr::{
+    abs, clz, exp, f, f32_bits, f32_from_bits, fma, i, local_id, log, num_workgroups, pack_bf16x2,
+    select, sqrt, u, workgroup_id,
+};
 
-pub fn select(cond: Expr, a: Expr, b: Expr) -> Expr {
-    Expr::Select(Box::new(cond), Box::new(a), Box::new(b))
-}
-pub fn exp(x: Expr) -> Expr {
-    Expr::Call(Func::Exp, vec![x])
-}
-pub fn log(x: Expr) -> Expr {
-    Expr::Call(Func::Log, vec![x])
-}
-pub fn sqrt(x: Expr) -> Expr {
-    Expr::Call(Func::Sqrt, vec![x])
-}
-pub fn abs(x: Expr) -> Expr {
-    Expr::Call(Func::Abs, vec![x])
-}
-pub fn fma(a: Expr, b: Expr, c: Expr) -> Expr {
-    Expr::Call(Func::Fma, vec![a, b, c])
-}
-/// Two f32 → one u32 of two bf16 (round to nearest even), `lo` in the low half.
-pub fn pack_bf16x2(lo: Expr, hi: Expr) -> Expr {
-    Expr::Call(Func::PackBf16x2, vec![lo, hi])
-}
-pub fn f32_bits(x: Expr) -> Expr {
-    Expr::Call(Func::F32Bits, vec![x])
-}
-pub fn f32_from_bits(x: Expr) -> Expr {
-    Expr::Call(Func::F32FromBits, vec![x])
-}
-/// Leading zero bits of a u32 (32 for 0).
-pub fn clz(x: Expr) -> Expr {
-    Expr::Call(Func::Clz, vec![x])
-}
 /// The two e4m3 values in bits 0..16 of a u32 as f32 (low byte first), converted as a pair
 /// (one instruction on CUDA sm_89 and later).
 pub fn e4m3x2_to_f32(b: &mut KernelBuilder, name: &str, pair: Expr) -> [Expr; 2] {
@@ -79,7 +29,7 @@ pub fn e4m3x2_to_f32(b: &mut KernelBuilder, name: &str, pair: Expr) -> [Expr; 2]
 
 impl Expr {
     fn bin(self, op: BinOp, rhs: Expr) -> Expr {
-        Expr::Bin(op, Box::new(self), Box::new(rhs))
+        bin(op, self, rhs)
     }
     pub fn lt(self, rhs: Expr) -> Expr {
         self.bin(BinOp::Lt, rhs)
@@ -130,44 +80,45 @@ impl Expr {
     }
 }
 
+// `+` and `*` fold u32 constants like the lowerings' constructors ([`super::expr`]).
 macro_rules! binop {
-    ($tr:ident, $m:ident, $op:expr) => {
+    ($tr:ident, $m:ident, $make:expr) => {
         impl ops::$tr for Expr {
             type Output = Expr;
             fn $m(self, rhs: Expr) -> Expr {
-                Expr::Bin($op, Box::new(self), Box::new(rhs))
+                $make(self, rhs)
             }
         }
         impl ops::$tr<&Expr> for &Expr {
             type Output = Expr;
             fn $m(self, rhs: &Expr) -> Expr {
-                Expr::Bin($op, Box::new(self.clone()), Box::new(rhs.clone()))
+                $make(self.clone(), rhs.clone())
             }
         }
         impl ops::$tr<Expr> for &Expr {
             type Output = Expr;
             fn $m(self, rhs: Expr) -> Expr {
-                Expr::Bin($op, Box::new(self.clone()), Box::new(rhs))
+                $make(self.clone(), rhs)
             }
         }
         impl ops::$tr<&Expr> for Expr {
             type Output = Expr;
             fn $m(self, rhs: &Expr) -> Expr {
-                Expr::Bin($op, Box::new(self), Box::new(rhs.clone()))
+                $make(self, rhs.clone())
             }
         }
     };
 }
-binop!(Add, add, BinOp::Add);
-binop!(Sub, sub, BinOp::Sub);
-binop!(Mul, mul, BinOp::Mul);
-binop!(Div, div, BinOp::Div);
-binop!(Rem, rem, BinOp::Rem);
-binop!(BitAnd, bitand, BinOp::BitAnd);
-binop!(BitOr, bitor, BinOp::BitOr);
-binop!(BitXor, bitxor, BinOp::BitXor);
-binop!(Shl, shl, BinOp::Shl);
-binop!(Shr, shr, BinOp::Shr);
+binop!(Add, add, super::expr::add);
+binop!(Sub, sub, |a, b| bin(BinOp::Sub, a, b));
+binop!(Mul, mul, super::expr::mul);
+binop!(Div, div, |a, b| bin(BinOp::Div, a, b));
+binop!(Rem, rem, |a, b| bin(BinOp::Rem, a, b));
+binop!(BitAnd, bitand, |a, b| bin(BinOp::BitAnd, a, b));
+binop!(BitOr, bitor, |a, b| bin(BinOp::BitOr, a, b));
+binop!(BitXor, bitxor, |a, b| bin(BinOp::BitXor, a, b));
+binop!(Shl, shl, |a, b| bin(BinOp::Shl, a, b));
+binop!(Shr, shr, |a, b| bin(BinOp::Shr, a, b));
 
 impl ops::Neg for Expr {
     type Output = Expr;

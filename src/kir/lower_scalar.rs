@@ -11,7 +11,11 @@
 //! Every op that writes shared memory is fenced by a barrier before (write-after-read) and
 //! after (read-after-write).
 
+use super::expr::{add, bin, f32_from_bits, local_id, lt, mul, priv_load, shared_load, u, var};
 use super::ir::*;
+use super::walk::{
+    collect_names, rewrite_expr, rewrite_stmt, rewrite_stmts, visit_tile_ops, Rewrite,
+};
 use crate::{Error, Result};
 use std::collections::{HashMap, HashSet};
 
@@ -53,43 +57,177 @@ struct Cx<'k> {
     reduce_scratch: Option<String>,
 }
 
-fn var(name: &str, ty: Ty) -> Expr {
-    Expr::Var(name.to_string(), ty)
-}
-fn u(v: u32) -> Expr {
-    Expr::U32(v)
-}
-fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
-    Expr::Bin(op, Box::new(a), Box::new(b))
-}
-fn add(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Add, a, b)
-}
-fn mul(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Mul, a, b)
-}
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-fn local_id() -> Expr {
-    Expr::Builtin(Builtin::LocalId)
-}
-fn shared_load(arr: &str, ty: Ty, index: Expr) -> Expr {
-    Expr::SharedLoad {
-        arr: arr.into(),
-        ty,
-        index: Box::new(index),
+impl Rewrite for Cx<'_> {
+    fn tile_op(&mut self, op: &TileOp, out: &mut Vec<Stmt>) -> Result<()> {
+        match op {
+            TileOp::AccFill { acc, value } => {
+                let len = 2 * self.acc(acc)?.per_thread;
+                let i = self.fresh("fill_i");
+                out.push(Stmt::For {
+                    var: i.clone(),
+                    start: u(0),
+                    end: u(len),
+                    step: u(1),
+                    body: vec![Stmt::PrivateStore {
+                        arr: acc.clone(),
+                        index: var(&i, Ty::U32),
+                        value: Expr::F32(*value),
+                    }],
+                });
+            }
+            TileOp::GatherRows {
+                dst,
+                dst_word0,
+                words,
+                src,
+                row,
+                src_word,
+                flags,
+            } => self.gather(
+                dst,
+                (*dst_word0, *words),
+                src,
+                row,
+                src_word,
+                flags.as_deref(),
+                out,
+            )?,
+            TileOp::Mma {
+                acc,
+                a,
+                b,
+                b_layout,
+            } => self.mma(acc, a, b, *b_layout, None, out)?,
+            TileOp::MmaScaled {
+                acc,
+                a,
+                b,
+                b_layout,
+                row,
+                scale,
+            } => self.mma(acc, a, b, *b_layout, Some((row, scale)), out)?,
+            TileOp::AccForEach {
+                acc,
+                row,
+                col,
+                v0,
+                v1,
+                body,
+            } => {
+                let body = self.stmts(body)?;
+                let acc_name = acc.clone();
+                let (v0, v1) = (v0.clone(), v1.clone());
+                let s = self.for_each_pair(acc, row, col, |_, i| {
+                    let i0 = mul(i, u(2));
+                    let i1 = add(i0.clone(), u(1));
+                    let mut s = vec![
+                        Stmt::Var {
+                            name: v0.clone(),
+                            value: priv_load(&acc_name, i0.clone()),
+                        },
+                        Stmt::Var {
+                            name: v1.clone(),
+                            value: priv_load(&acc_name, i1.clone()),
+                        },
+                    ];
+                    s.extend(body);
+                    s.push(Stmt::PrivateStore {
+                        arr: acc_name.clone(),
+                        index: i0,
+                        value: var(&v0, Ty::F32),
+                    });
+                    s.push(Stmt::PrivateStore {
+                        arr: acc_name.clone(),
+                        index: i1,
+                        value: var(&v1, Ty::F32),
+                    });
+                    Ok(s)
+                })?;
+                out.push(s);
+            }
+            TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
+            // The definition itself: shared row state, loops between barriers.
+            TileOp::OnlineSoftmax { expansion, .. } => {
+                for s in expansion {
+                    rewrite_stmt(self, s, out)?;
+                }
+            }
+            TileOp::AccToShared { acc, dst } => {
+                let info = self.tile(dst)?;
+                let (stride, elem) = (info.stride, info.decl.elem);
+                let (row, col) = (self.fresh("row"), self.fresh("col"));
+                let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
+                let acc_name = acc.clone();
+                let dst_name = dst.clone();
+                let s = self.for_each_pair(acc, &row, &col, |_, i| {
+                    let v0 = priv_load(&acc_name, mul(i.clone(), u(2)));
+                    let v1 = priv_load(&acc_name, add(mul(i, u(2)), u(1)));
+                    Ok(match elem {
+                        TileElem::Bf16 => vec![Stmt::SharedStore {
+                            arr: dst_name.clone(),
+                            index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
+                            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
+                        }],
+                        _ => {
+                            let at = add(mul(rv.clone(), u(stride)), cv);
+                            vec![
+                                Stmt::SharedStore {
+                                    arr: dst_name.clone(),
+                                    index: at.clone(),
+                                    value: v0,
+                                },
+                                Stmt::SharedStore {
+                                    arr: dst_name.clone(),
+                                    index: add(at, u(1)),
+                                    value: v1,
+                                },
+                            ]
+                        }
+                    })
+                })?;
+                out.push(Stmt::Barrier);
+                out.push(s);
+                out.push(Stmt::Barrier);
+            }
+            TileOp::SharedMap {
+                dst,
+                row,
+                col,
+                col0,
+                cols,
+                value,
+            } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
+            TileOp::Pipeline {
+                var: v,
+                count,
+                load,
+                compute,
+            } => {
+                let mut body = vec![Stmt::Comment(format!("pipeline step {v}: load"))];
+                body.extend(self.stmts(load)?);
+                body.push(Stmt::Comment(format!("pipeline step {v}: compute")));
+                body.extend(self.stmts(compute)?);
+                body.push(Stmt::Barrier);
+                out.push(Stmt::For {
+                    var: v.clone(),
+                    start: u(0),
+                    end: self.expr(count)?,
+                    step: u(1),
+                    body,
+                });
+            }
+        }
+        Ok(())
     }
-}
-fn priv_load(arr: &str, index: Expr) -> Expr {
-    Expr::PrivateLoad {
-        arr: arr.into(),
-        ty: Ty::F32,
-        index: Box::new(index),
+
+    /// Replace tile element loads by shared-array loads.
+    fn tile_read(&self, read: Expr) -> Result<Expr> {
+        Ok(match read {
+            Expr::TileLoad { tile, row, col, .. } => tile_elem(self.tile(&tile)?, *row, *col),
+            Expr::TileWord { tile, row, word } => tile_word(self.tile(&tile)?, *row, *word),
+            other => other,
+        })
     }
-}
-fn bits_to_f32(bits: Expr) -> Expr {
-    Expr::Call(Func::F32FromBits, vec![bits])
 }
 
 impl<'k> Cx<'k> {
@@ -209,95 +347,11 @@ impl<'k> Cx<'k> {
     }
 
     fn stmts(&mut self, stmts: &[Stmt]) -> Result<Vec<Stmt>> {
-        let mut out = Vec::new();
-        for s in stmts {
-            self.stmt(s, &mut out)?;
-        }
-        Ok(out)
+        rewrite_stmts(self, stmts)
     }
 
-    fn stmt(&mut self, s: &Stmt, out: &mut Vec<Stmt>) -> Result<()> {
-        match s {
-            Stmt::Tile(op) => self.tile_op(op, out)?,
-            Stmt::If { cond, then, els } => out.push(Stmt::If {
-                cond: self.expr(cond)?,
-                then: self.stmts(then)?,
-                els: self.stmts(els)?,
-            }),
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => out.push(Stmt::For {
-                var: var.clone(),
-                start: self.expr(start)?,
-                end: self.expr(end)?,
-                step: self.expr(step)?,
-                body: self.stmts(body)?,
-            }),
-            Stmt::Let { name, value } => out.push(Stmt::Let {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Var { name, value } => out.push(Stmt::Var {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Assign { name, value } => out.push(Stmt::Assign {
-                name: name.clone(),
-                value: self.expr(value)?,
-            }),
-            Stmt::Store { buf, index, value } => out.push(Stmt::Store {
-                buf: buf.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::StoreWord { buf, index, value } => out.push(Stmt::StoreWord {
-                buf: buf.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::SharedStore { arr, index, value } => out.push(Stmt::SharedStore {
-                arr: arr.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::PrivateStore { arr, index, value } => out.push(Stmt::PrivateStore {
-                arr: arr.clone(),
-                index: self.expr(index)?,
-                value: self.expr(value)?,
-            }),
-            Stmt::Comment(_) | Stmt::Barrier | Stmt::Intrinsic(_) => out.push(s.clone()),
-        }
-        Ok(())
-    }
-
-    /// Replace tile element loads by shared-array loads.
     fn expr(&self, e: &Expr) -> Result<Expr> {
-        let mut failure = None;
-        let lowered = e.clone().map(&mut |x| match x {
-            Expr::TileLoad { tile, row, col, .. } => match self.tile(&tile) {
-                Ok(info) => tile_elem(info, *row, *col),
-                Err(err) => {
-                    failure = Some(err);
-                    Expr::F32(0.0)
-                }
-            },
-            Expr::TileWord { tile, row, word } => match self.tile(&tile) {
-                Ok(info) => tile_word(info, *row, *word),
-                Err(err) => {
-                    failure = Some(err);
-                    Expr::U32(0)
-                }
-            },
-            other => other,
-        });
-        match failure {
-            Some(err) => Err(err),
-            None => Ok(lowered),
-        }
+        rewrite_expr(self, e)
     }
 
     /// `for (i = 0; i < per_thread; i++) { p = tid + i·W; if (p < pairs) { row; col; body(i) } }`
@@ -343,168 +397,6 @@ impl<'k> Cx<'k> {
                 },
             ],
         })
-    }
-
-    fn tile_op(&mut self, op: &TileOp, out: &mut Vec<Stmt>) -> Result<()> {
-        match op {
-            TileOp::AccFill { acc, value } => {
-                let len = 2 * self.acc(acc)?.per_thread;
-                let i = self.fresh("fill_i");
-                out.push(Stmt::For {
-                    var: i.clone(),
-                    start: u(0),
-                    end: u(len),
-                    step: u(1),
-                    body: vec![Stmt::PrivateStore {
-                        arr: acc.clone(),
-                        index: var(&i, Ty::U32),
-                        value: Expr::F32(*value),
-                    }],
-                });
-            }
-            TileOp::GatherRows {
-                dst,
-                dst_word0,
-                words,
-                src,
-                row,
-                src_word,
-                flags,
-            } => self.gather(
-                dst,
-                (*dst_word0, *words),
-                src,
-                row,
-                src_word,
-                flags.as_deref(),
-                out,
-            )?,
-            TileOp::Mma {
-                acc,
-                a,
-                b,
-                b_layout,
-            } => self.mma(acc, a, b, *b_layout, None, out)?,
-            TileOp::MmaScaled {
-                acc,
-                a,
-                b,
-                b_layout,
-                row,
-                scale,
-            } => self.mma(acc, a, b, *b_layout, Some((row, scale)), out)?,
-            TileOp::AccForEach {
-                acc,
-                row,
-                col,
-                v0,
-                v1,
-                body,
-            } => {
-                let body = self.stmts(body)?;
-                let acc_name = acc.clone();
-                let (v0, v1) = (v0.clone(), v1.clone());
-                let s = self.for_each_pair(acc, row, col, |_, i| {
-                    let i0 = mul(i, u(2));
-                    let i1 = add(i0.clone(), u(1));
-                    let mut s = vec![
-                        Stmt::Var {
-                            name: v0.clone(),
-                            value: priv_load(&acc_name, i0.clone()),
-                        },
-                        Stmt::Var {
-                            name: v1.clone(),
-                            value: priv_load(&acc_name, i1.clone()),
-                        },
-                    ];
-                    s.extend(body);
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: i0,
-                        value: var(&v0, Ty::F32),
-                    });
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: i1,
-                        value: var(&v1, Ty::F32),
-                    });
-                    Ok(s)
-                })?;
-                out.push(s);
-            }
-            TileOp::AccRowReduce { acc, op, dst } => self.row_reduce(acc, *op, dst, out)?,
-            // The definition itself: shared row state, loops between barriers.
-            TileOp::OnlineSoftmax { expansion, .. } => {
-                for s in expansion {
-                    self.stmt(s, out)?;
-                }
-            }
-            TileOp::AccToShared { acc, dst } => {
-                let info = self.tile(dst)?;
-                let (stride, elem) = (info.stride, info.decl.elem);
-                let (row, col) = (self.fresh("row"), self.fresh("col"));
-                let (rv, cv) = (var(&row, Ty::U32), var(&col, Ty::U32));
-                let acc_name = acc.clone();
-                let dst_name = dst.clone();
-                let s = self.for_each_pair(acc, &row, &col, |_, i| {
-                    let v0 = priv_load(&acc_name, mul(i.clone(), u(2)));
-                    let v1 = priv_load(&acc_name, add(mul(i, u(2)), u(1)));
-                    Ok(match elem {
-                        TileElem::Bf16 => vec![Stmt::SharedStore {
-                            arr: dst_name.clone(),
-                            index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
-                            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
-                        }],
-                        _ => {
-                            let at = add(mul(rv.clone(), u(stride)), cv);
-                            vec![
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: at.clone(),
-                                    value: v0,
-                                },
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: add(at, u(1)),
-                                    value: v1,
-                                },
-                            ]
-                        }
-                    })
-                })?;
-                out.push(Stmt::Barrier);
-                out.push(s);
-                out.push(Stmt::Barrier);
-            }
-            TileOp::SharedMap {
-                dst,
-                row,
-                col,
-                col0,
-                cols,
-                value,
-            } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
-            TileOp::Pipeline {
-                var: v,
-                count,
-                load,
-                compute,
-            } => {
-                let mut body = vec![Stmt::Comment(format!("pipeline step {v}: load"))];
-                body.extend(self.stmts(load)?);
-                body.push(Stmt::Comment(format!("pipeline step {v}: compute")));
-                body.extend(self.stmts(compute)?);
-                body.push(Stmt::Barrier);
-                out.push(Stmt::For {
-                    var: v.clone(),
-                    start: u(0),
-                    end: self.expr(count)?,
-                    step: u(1),
-                    body,
-                });
-            }
-        }
-        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -573,7 +465,7 @@ impl<'k> Cx<'k> {
             var(&val, Ty::U32),
         );
         let stored = if f32_tile {
-            bits_to_f32(vv.clone())
+            f32_from_bits(vv.clone())
         } else {
             vv.clone()
         };
@@ -991,7 +883,7 @@ fn tile_elem(info: &TileInfo, row: Expr, col: Expr) -> Expr {
             );
             // low half for even columns, high half for odd ones
             let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
-            bits_to_f32(bin(
+            f32_from_bits(bin(
                 BinOp::Shl,
                 bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFFFF)),
                 u(16),
@@ -1053,8 +945,8 @@ fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr)
                 add(mul(row, u(stride)), bin(BinOp::Shr, col, u(1))),
             );
             (
-                bits_to_f32(bin(BinOp::Shl, word.clone(), u(16))),
-                bits_to_f32(bin(BinOp::BitAnd, word, u(0xFFFF_0000))),
+                f32_from_bits(bin(BinOp::Shl, word.clone(), u(16))),
+                f32_from_bits(bin(BinOp::BitAnd, word, u(0xFFFF_0000))),
             )
         }
         _ => {
@@ -1063,92 +955,6 @@ fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr)
                 shared_load(tile, Ty::F32, at.clone()),
                 shared_load(tile, Ty::F32, add(at, u(1))),
             )
-        }
-    }
-}
-
-pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
-    for s in stmts {
-        match s {
-            Stmt::Let { name, .. } | Stmt::Var { name, .. } => {
-                used.insert(name.clone());
-            }
-            Stmt::If { then, els, .. } => {
-                collect_names(then, used);
-                collect_names(els, used);
-            }
-            Stmt::For { var, body, .. } => {
-                used.insert(var.clone());
-                collect_names(body, used);
-            }
-            Stmt::Tile(op) => match op {
-                TileOp::AccForEach {
-                    row,
-                    col,
-                    v0,
-                    v1,
-                    body,
-                    ..
-                } => {
-                    for n in [row, col, v0, v1] {
-                        used.insert(n.clone());
-                    }
-                    collect_names(body, used);
-                }
-                TileOp::GatherRows { row, .. } | TileOp::MmaScaled { row, .. } => {
-                    used.insert(row.clone());
-                }
-                TileOp::SharedMap { row, col, .. } => {
-                    used.insert(row.clone());
-                    used.insert(col.clone());
-                }
-                TileOp::Pipeline {
-                    var, load, compute, ..
-                } => {
-                    used.insert(var.clone());
-                    collect_names(load, used);
-                    collect_names(compute, used);
-                }
-                TileOp::OnlineSoftmax { expansion, .. } => collect_names(expansion, used),
-                _ => {}
-            },
-            _ => {}
-        }
-    }
-}
-
-/// Calls `f` on every tile op, nested ones included (the ops of a composite op's
-/// expansion too).
-pub fn visit_tile_ops(stmts: &[Stmt], f: &mut dyn FnMut(&TileOp)) {
-    visit_tile_ops_with(stmts, true, f);
-}
-
-/// [`visit_tile_ops`], entering the expansions of composite ops
-/// ([`TileOp::OnlineSoftmax`]) only when `expansions` is true: a lowering with a native
-/// form of them never lowers what is inside.
-pub fn visit_tile_ops_with(stmts: &[Stmt], expansions: bool, f: &mut dyn FnMut(&TileOp)) {
-    for s in stmts {
-        match s {
-            Stmt::If { then, els, .. } => {
-                visit_tile_ops_with(then, expansions, f);
-                visit_tile_ops_with(els, expansions, f);
-            }
-            Stmt::For { body, .. } => visit_tile_ops_with(body, expansions, f),
-            Stmt::Tile(op) => {
-                f(op);
-                match op {
-                    TileOp::AccForEach { body, .. } => visit_tile_ops_with(body, expansions, f),
-                    TileOp::Pipeline { load, compute, .. } => {
-                        visit_tile_ops_with(load, expansions, f);
-                        visit_tile_ops_with(compute, expansions, f);
-                    }
-                    TileOp::OnlineSoftmax { expansion, .. } if expansions => {
-                        visit_tile_ops_with(expansion, expansions, f)
-                    }
-                    _ => {}
-                }
-            }
-            _ => {}
         }
     }
 }

@@ -2,19 +2,25 @@
 //!
 //! - [`ir`]: types, expressions, statements and tile ops;
 //! - [`builder`]: how descriptions are written;
+//! - [`expr`]: the expression and statement constructors the builder and the lowerings share;
 //! - [`ops`]: composite tile ops (online softmax, split combine);
 //! - [`numeric`]: bit-exact number routines in integer ops (f32 division, e4m3 encode);
+//! - [`walk`]: the rewrite every lowering is, and the visits over a body;
+//! - [`shared_plan`]: where a lowered kernel's shared arrays live, and SM120's limit on them;
 //! - [`lower_scalar`]: the portable lowering of tile ops to loops over workgroup memory;
 //! - [`lower_mma`]: the CUDA tensor-core lowering (`mma.sync`, `ldmatrix`, `cp.async`).
 //!
 //! Lowerings are chosen per target by [`Lowering`]; emitters print lowered kernels only.
 
 pub mod builder;
+pub mod expr;
 pub mod ir;
 pub mod lower_mma;
 pub mod lower_scalar;
 pub mod numeric;
 pub mod ops;
+pub mod shared_plan;
+pub mod walk;
 
 pub use ir::Kernel;
 
@@ -25,7 +31,7 @@ pub enum Lowering {
     Scalar,
     /// CUDA tensor cores: `mma.sync` m16n8k16 bf16 fed by `ldmatrix`, gathers by `cp.async`
     /// into a ring of `stages` shared-memory buffers inside a pipeline. Only the SM120 common
-    /// instruction set (sm_80 and later); at most [`lower_mma::MAX_SHARED_BYTES`] of shared
+    /// instruction set (sm_80 and later); at most [`shared_plan::MAX_SHARED_BYTES`] of shared
     /// memory per block.
     /// `min_workgroups`: the register-allocation hint of the lowered kernel (0: none).
     Mma { stages: u32, min_workgroups: u32 },

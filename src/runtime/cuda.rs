@@ -635,16 +635,7 @@ impl Device for CudaDevice {
 
     fn compile(&self, kernel: &Kernel) -> Result<CudaModule> {
         // SM120's per-block limit, enforced on every GPU so that what passes here runs there.
-        let limit = crate::kir::lower_mma::MAX_SHARED_BYTES;
-        let (_, shared) = crate::kir::lower_mma::shared_layout(&kernel.shared);
-        if shared > limit {
-            return Err(Error::ResourceLimit {
-                kernel: kernel.name.clone(),
-                resource: "shared memory per block (bytes)".into(),
-                needed: shared,
-                limit,
-            });
-        }
+        crate::kir::shared_plan::check_fits(kernel)?;
         let dynamic_shared = emit_cuda::dynamic_shared_bytes(kernel);
         let source = emit_cuda::emit(kernel)?;
         let module = load_module_cached(&self.ctx, &kernel.name, &source, &self.arch)?;

@@ -30,7 +30,7 @@
 
 use super::{add, bin, for_const, intr, let_, lt, mul, priv_load, u, var, Cx, TileInfo};
 use crate::kir::ir::*;
-use crate::kir::lower_scalar::visit_tile_ops_with;
+use crate::kir::walk::visit_tile_ops_with;
 use crate::Result;
 use std::collections::HashSet;
 

@@ -181,103 +181,15 @@ fn nested_pipeline(stmts: &[Stmt]) -> bool {
 /// The global loads of `e` whose own index reads no buffer (each once, in order of
 /// appearance): what a gather's source expression can have in flight before it is needed.
 fn leaf_global_loads(e: &Expr, out: &mut Vec<Expr>) {
-    for_each_child(e, &mut |c| leaf_global_loads(c, out));
-    if let Expr::Load { index, .. } | Expr::LoadWord { index, .. } = e {
-        let mut inner = Vec::new();
-        leaf_global_loads(index, &mut inner);
-        if inner.is_empty() && !out.contains(e) {
-            out.push(e.clone());
+    e.visit(&mut |x| {
+        if let Expr::Load { index, .. } | Expr::LoadWord { index, .. } = x {
+            let mut reads = false;
+            index.visit(&mut |y| reads |= matches!(y, Expr::Load { .. } | Expr::LoadWord { .. }));
+            if !reads && !out.contains(x) {
+                out.push(x.clone());
+            }
         }
-    }
-}
-
-/// Calls `f` on each direct operand of `e`.
-fn for_each_child(e: &Expr, f: &mut dyn FnMut(&Expr)) {
-    match e {
-        Expr::Un(_, a) | Expr::Cvt(_, a) => f(a),
-        Expr::Bin(_, a, b) => {
-            f(a);
-            f(b);
-        }
-        Expr::Select(c, a, b) => {
-            f(c);
-            f(a);
-            f(b);
-        }
-        Expr::Call(_, args) => args.iter().for_each(f),
-        Expr::Load { index, .. }
-        | Expr::LoadWord { index, .. }
-        | Expr::SharedLoad { index, .. }
-        | Expr::PrivateLoad { index, .. } => f(index),
-        Expr::TileLoad { row, col, .. } => {
-            f(row);
-            f(col);
-        }
-        Expr::TileWord { row, word, .. } => {
-            f(row);
-            f(word);
-        }
-        Expr::F32(_)
-        | Expr::I32(_)
-        | Expr::U32(_)
-        | Expr::Bool(_)
-        | Expr::Var(..)
-        | Expr::Param(..)
-        | Expr::Builtin(_) => {}
-    }
-}
-
-/// `e` with every occurrence of `from` replaced by `to`.
-fn replace_expr(e: &Expr, from: &Expr, to: &Expr) -> Expr {
-    if e == from {
-        return to.clone();
-    }
-    let r = |x: &Expr| Box::new(replace_expr(x, from, to));
-    match e {
-        Expr::Un(op, a) => Expr::Un(*op, r(a)),
-        Expr::Cvt(t, a) => Expr::Cvt(*t, r(a)),
-        Expr::Bin(op, a, b) => Expr::Bin(*op, r(a), r(b)),
-        Expr::Select(c, a, b) => Expr::Select(r(c), r(a), r(b)),
-        Expr::Call(f, args) => {
-            Expr::Call(*f, args.iter().map(|a| replace_expr(a, from, to)).collect())
-        }
-        Expr::Load { buf, elem, index } => Expr::Load {
-            buf: buf.clone(),
-            elem: *elem,
-            index: r(index),
-        },
-        Expr::LoadWord { buf, index } => Expr::LoadWord {
-            buf: buf.clone(),
-            index: r(index),
-        },
-        Expr::SharedLoad { arr, ty, index } => Expr::SharedLoad {
-            arr: arr.clone(),
-            ty: *ty,
-            index: r(index),
-        },
-        Expr::PrivateLoad { arr, ty, index } => Expr::PrivateLoad {
-            arr: arr.clone(),
-            ty: *ty,
-            index: r(index),
-        },
-        Expr::TileLoad {
-            tile,
-            elem,
-            row,
-            col,
-        } => Expr::TileLoad {
-            tile: tile.clone(),
-            elem: *elem,
-            row: r(row),
-            col: r(col),
-        },
-        Expr::TileWord { tile, row, word } => Expr::TileWord {
-            tile: tile.clone(),
-            row: r(row),
-            word: r(word),
-        },
-        other => other.clone(),
-    }
+    });
 }
 
 struct Gather<'a> {
@@ -457,18 +369,16 @@ impl Cx<'_> {
                 .zip(&prefetched)
             {
                 // the source expression over the words prefetched a step ago
-                let mut src = e.clone();
-                for (load, arr) in pairs {
-                    src = replace_expr(
-                        &src,
-                        load,
-                        &Expr::PrivateLoad {
+                let src = e
+                    .clone()
+                    .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
+                        Some((load, arr)) => Expr::PrivateLoad {
                             arr: arr.clone(),
                             ty: load.ty(),
                             index: Box::new(var(&slot, Ty::U32)),
                         },
-                    );
-                }
+                        None => x,
+                    });
                 row_body.push(let_(g.row, rv.clone()));
                 row_body.push(let_(n, src));
             }
