@@ -37,8 +37,7 @@ use super::expr::{
     add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u, var,
 };
 use super::ir::*;
-// the plan ws.rs checks its kernels with
-use super::shared_plan::{self, shared_layout, MAX_SHARED_BYTES};
+use super::shared_plan;
 use super::walk::{rewrite_expr, rewrite_stmts, visit_tile_ops_with, Rewrite};
 use crate::{Error, Result};
 use barriers::{dedupe_barriers, stmt_mentions};

@@ -20,8 +20,8 @@
 //! [`TileOp::GatherRows`] with flags).
 
 use super::{
-    add, bin, dedupe_barriers, for_const, intr, let_, local_id, lt, mul, shared_layout, u, var, Cx,
-    Error, Result, MAX_SHARED_BYTES, WARP,
+    add, bin, dedupe_barriers, for_const, intr, let_, local_id, lt, mul, u, var, Cx, Error, Result,
+    WARP,
 };
 use crate::kir::ir::*;
 use std::collections::HashSet;
@@ -148,15 +148,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
         warps - producer_warps(warps),
         warps - 1
     ));
-    let (_, bytes) = shared_layout(&out.shared);
-    if bytes > MAX_SHARED_BYTES {
-        return Err(Error::ResourceLimit {
-            kernel: kernel.name.clone(),
-            resource: "shared memory per block (SM120 limit, bytes)".into(),
-            needed: bytes,
-            limit: MAX_SHARED_BYTES,
-        });
-    }
+    crate::kir::shared_plan::check_fits(&out)?;
     Ok(out)
 }
 
