@@ -94,12 +94,10 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_combine_d512
         for (unsigned s_2 = 0u; s_2 < p.splits; s_2 += 1u) {
             const unsigned part = (row * p.splits) + s_2;
             const float part_lse_1 = lse_part[part];
-            if (!(part_lse_1 < (-1e38f))) {
-                const float w = expf(part_lse_1 - lse_1);
-                const unsigned at = (part * 512u) + c;
-                acc0 = acc0 + (w * o_part[at]);
-                acc1 = acc1 + (w * o_part[at + 1u]);
-            }
+            const unsigned at = (part * 512u) + c;
+            const float w = (part_lse_1 < (-1e38f)) ? 0.0f : expf(part_lse_1 - lse_1);
+            acc0 = acc0 + (w * o_part[at]);
+            acc1 = acc1 + (w * o_part[at + 1u]);
         }
         ((unsigned*)out)[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
     }

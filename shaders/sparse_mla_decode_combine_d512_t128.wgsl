@@ -102,12 +102,10 @@ fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id
         for (var s_2: u32 = 0u; s_2 < params.splits; s_2 = s_2 + 1u) {
             let part: u32 = (row * params.splits) + s_2;
             let part_lse_1: f32 = lse_part[part];
-            if (!(part_lse_1 < (-1e38))) {
-                let w: f32 = exp(part_lse_1 - lse_1);
-                let at: u32 = (part * 512u) + c;
-                acc0 = acc0 + (w * o_part[at]);
-                acc1 = acc1 + (w * o_part[at + 1u]);
-            }
+            let at: u32 = (part * 512u) + c;
+            let w: f32 = select(exp(part_lse_1 - lse_1), 0.0, part_lse_1 < (-1e38));
+            acc0 = acc0 + (w * o_part[at]);
+            acc1 = acc1 + (w * o_part[at + 1u]);
         }
         out[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
     }

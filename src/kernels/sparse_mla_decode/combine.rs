@@ -58,6 +58,10 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     let (lse, empty) = combine_lse(&mut b, splits.clone(), |_, s| {
         lse_part.at(row.clone() * splits.clone() + s)
     });
+    // The loads are not behind a branch: every split's workgroup writes its o_part rows (0
+    // for an empty split), so each is in bounds and initialised, and an empty split gets
+    // weight 0. Behind `if (!masked)` each iteration's loads waited for the previous one's:
+    // at T = 1 the combine took longer than the split kernel (ncu, H200; benches/NOTES.md).
     b.comment("weighted sum of the partial outputs, two columns per thread step");
     b.for_threads("c2", u(dv / 2), |b, c2| {
         let c = b.let_("c", c2 * u(2));
@@ -66,12 +70,14 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         b.for_("s", u(0), splits.clone(), u(1), |b, s| {
             let part = b.let_("part", row.clone() * splits.clone() + s);
             let ls = b.let_("part_lse", lse_part.at(part.clone()));
-            b.if_(is_masked(ls.clone()).not(), |b| {
-                let w = b.let_("w", exp(ls - lse.clone()));
-                let at = b.let_("at", part * u(dv) + c.clone());
-                b.set(&a0, a0.clone() + w.clone() * o_part.at(at.clone()));
-                b.set(&a1, a1.clone() + w * o_part.at(at + u(1)));
-            });
+            let at = b.let_("at", part * u(dv) + c.clone());
+            let (o0, o1) = (o_part.at(at.clone()), o_part.at(at + u(1)));
+            let w = b.let_(
+                "w",
+                select(is_masked(ls.clone()), f(0.0), exp(ls - lse.clone())),
+            );
+            b.set(&a0, a0.clone() + w.clone() * o0);
+            b.set(&a1, a1.clone() + w * o1);
         });
         b.store_word(
             &out,
