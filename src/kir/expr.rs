@@ -134,6 +134,74 @@ pub fn intr(i: Intrinsic) -> Stmt {
     Stmt::Intrinsic(i)
 }
 
+/// One element pair of an accumulator's `AccForEach`: its two values read into the mutable
+/// locals `v0`, `v1` (registers `at0`, `at1` of `acc`), `body`, and the two written back.
+pub fn acc_pair_update(
+    acc: &str,
+    (v0, v1): (&str, &str),
+    at0: Expr,
+    at1: Expr,
+    body: Vec<Stmt>,
+) -> Vec<Stmt> {
+    let mut s = vec![
+        Stmt::Var {
+            name: v0.to_string(),
+            value: priv_load(acc, at0.clone()),
+        },
+        Stmt::Var {
+            name: v1.to_string(),
+            value: priv_load(acc, at1.clone()),
+        },
+    ];
+    s.extend(body);
+    s.push(Stmt::PrivateStore {
+        arr: acc.to_string(),
+        index: at0,
+        value: var(v0, Ty::F32),
+    });
+    s.push(Stmt::PrivateStore {
+        arr: acc.to_string(),
+        index: at1,
+        value: var(v1, Ty::F32),
+    });
+    s
+}
+
+/// The stores of an accumulator element pair `(v0, v1)` at row `row`, even column `col` of
+/// the shared tile `dst` (row stride `stride` words): one packed word for a bf16 tile, two
+/// f32 words otherwise.
+pub fn tile_pair_store(
+    dst: &str,
+    bf16: bool,
+    row: Expr,
+    stride: u32,
+    col: Expr,
+    v0: Expr,
+    v1: Expr,
+) -> Vec<Stmt> {
+    if bf16 {
+        vec![Stmt::SharedStore {
+            arr: dst.to_string(),
+            index: add(mul(row, u(stride)), bin(BinOp::Shr, col, u(1))),
+            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
+        }]
+    } else {
+        let at = add(mul(row, u(stride)), col);
+        vec![
+            Stmt::SharedStore {
+                arr: dst.to_string(),
+                index: at.clone(),
+                value: v0,
+            },
+            Stmt::SharedStore {
+                arr: dst.to_string(),
+                index: add(at, u(1)),
+                value: v1,
+            },
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,8 @@
 
 // the constructors ws.rs, ksplit.rs and softmax.rs take from here
 use super::expr::{
-    add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u, var,
+    acc_pair_update, add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u,
+    var,
 };
 use super::ir::*;
 use super::shared_plan;
@@ -185,28 +186,7 @@ impl Rewrite for Cx<'_> {
                 let acc_name = acc.clone();
                 let (v0, v1) = (v0.clone(), v1.clone());
                 let s = self.for_each_pair(acc, row, col, |_, at, at1| {
-                    let mut s = vec![
-                        Stmt::Var {
-                            name: v0.clone(),
-                            value: priv_load(&acc_name, at.clone()),
-                        },
-                        Stmt::Var {
-                            name: v1.clone(),
-                            value: priv_load(&acc_name, at1.clone()),
-                        },
-                    ];
-                    s.extend(body);
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: at,
-                        value: var(&v0, Ty::F32),
-                    });
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: at1,
-                        value: var(&v1, Ty::F32),
-                    });
-                    Ok(s)
+                    Ok(acc_pair_update(&acc_name, (&v0, &v1), at, at1, body))
                 })?;
                 out.extend(s);
             }

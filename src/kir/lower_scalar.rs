@@ -11,7 +11,10 @@
 //! Every op that writes shared memory is fenced by a barrier before (write-after-read) and
 //! after (read-after-write).
 
-use super::expr::{add, bin, f32_from_bits, local_id, lt, mul, priv_load, shared_load, u, var};
+use super::expr::{
+    acc_pair_update, add, bin, f32_from_bits, local_id, lt, mul, priv_load, shared_load,
+    tile_pair_store, u, var,
+};
 use super::ir::*;
 use super::walk::{
     collect_names, rewrite_expr, rewrite_stmt, rewrite_stmts, visit_tile_ops, Rewrite,
@@ -120,28 +123,7 @@ impl Rewrite for Cx<'_> {
                 let s = self.for_each_pair(acc, row, col, |_, i| {
                     let i0 = mul(i, u(2));
                     let i1 = add(i0.clone(), u(1));
-                    let mut s = vec![
-                        Stmt::Var {
-                            name: v0.clone(),
-                            value: priv_load(&acc_name, i0.clone()),
-                        },
-                        Stmt::Var {
-                            name: v1.clone(),
-                            value: priv_load(&acc_name, i1.clone()),
-                        },
-                    ];
-                    s.extend(body);
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: i0,
-                        value: var(&v0, Ty::F32),
-                    });
-                    s.push(Stmt::PrivateStore {
-                        arr: acc_name.clone(),
-                        index: i1,
-                        value: var(&v1, Ty::F32),
-                    });
-                    Ok(s)
+                    Ok(acc_pair_update(&acc_name, (&v0, &v1), i0, i1, body))
                 })?;
                 out.push(s);
             }
@@ -162,28 +144,15 @@ impl Rewrite for Cx<'_> {
                 let s = self.for_each_pair(acc, &row, &col, |_, i| {
                     let v0 = priv_load(&acc_name, mul(i.clone(), u(2)));
                     let v1 = priv_load(&acc_name, add(mul(i, u(2)), u(1)));
-                    Ok(match elem {
-                        TileElem::Bf16 => vec![Stmt::SharedStore {
-                            arr: dst_name.clone(),
-                            index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
-                            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
-                        }],
-                        _ => {
-                            let at = add(mul(rv.clone(), u(stride)), cv);
-                            vec![
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: at.clone(),
-                                    value: v0,
-                                },
-                                Stmt::SharedStore {
-                                    arr: dst_name.clone(),
-                                    index: add(at, u(1)),
-                                    value: v1,
-                                },
-                            ]
-                        }
-                    })
+                    Ok(tile_pair_store(
+                        &dst_name,
+                        elem == TileElem::Bf16,
+                        rv.clone(),
+                        stride,
+                        cv,
+                        v0,
+                        v1,
+                    ))
                 })?;
                 out.push(Stmt::Barrier);
                 out.push(s);

@@ -3,7 +3,7 @@
 
 use super::context::Cx;
 use crate::kir::expr::{
-    add, bin, f32_from_bits, for_const, let_, local_id, mul, priv_load, u, var,
+    add, bin, f32_from_bits, for_const, let_, local_id, mul, priv_load, tile_pair_store, u, var,
 };
 use crate::kir::ir::*;
 use crate::Result;
@@ -120,26 +120,15 @@ impl Cx<'_> {
                     let names = split.clone().unwrap_or_default();
                     split_store(&dst_name, at, plane, v0, v1, &names)
                 }
-                TileElem::Bf16 => vec![Stmt::SharedStore {
-                    arr: dst_name.clone(),
-                    index: add(mul(rv.clone(), u(stride)), bin(BinOp::Shr, cv, u(1))),
-                    value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
-                }],
-                _ => {
-                    let at = add(mul(rv.clone(), u(stride)), cv);
-                    vec![
-                        Stmt::SharedStore {
-                            arr: dst_name.clone(),
-                            index: at.clone(),
-                            value: v0,
-                        },
-                        Stmt::SharedStore {
-                            arr: dst_name.clone(),
-                            index: add(at, u(1)),
-                            value: v1,
-                        },
-                    ]
-                }
+                e => tile_pair_store(
+                    &dst_name,
+                    e == TileElem::Bf16,
+                    rv.clone(),
+                    stride,
+                    cv,
+                    v0,
+                    v1,
+                ),
             })
         })?;
         Ok(s)
