@@ -183,10 +183,13 @@ fn check_decode(
 fn plan_of(call: &DecodeCall, splits: Option<u32>) -> PyResult<DecodePlan> {
     // the CUDA backend's choice: v6 or v7 by this GPU's occupancy of v6
     let (dims, format, heads) = (call.shape.dims, call.shape.format, call.shape.heads);
-    let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
-    let v6_per_sm = device::resident_workgroups(call.device, &v6).map_err(lib_err)?
-        / device::sm_count(call.device).map_err(lib_err)?.max(1);
-    let config = DecodeConfig::tensor_core_on(dims, format, heads, v6_per_sm);
+    let config = DecodeConfig::tensor_core_on(dims, format, heads, || -> PyResult<u32> {
+        let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
+        Ok(
+            device::resident_workgroups(call.device, &v6).map_err(lib_err)?
+                / device::sm_count(call.device).map_err(lib_err)?.max(1),
+        )
+    })?;
     let resident = device::resident_workgroups(call.device, &config).map_err(lib_err)?;
     DecodePlan::with_config(config, &call.shape, resident, splits).map_err(lib_err)
 }

@@ -581,12 +581,11 @@ impl CudaDevice {
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
     let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
     match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => {
+        Err(_) | Ok("") | Ok("auto") => DecodeConfig::tensor_core_on(dims, format, heads, || {
             let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
             let (split, _) = lowered_kernels(&v6)?;
-            let per_sm = dev.resident_workgroups(&split)? / dev.sm_count.max(1);
-            Ok(DecodeConfig::tensor_core_on(dims, format, heads, per_sm))
-        }
+            Ok(dev.resident_workgroups(&split)? / dev.sm_count.max(1))
+        }),
         Ok("v6") => Ok(DecodeConfig::tensor_core_v6(dims, format, heads)),
         Ok("v7") => Ok(DecodeConfig::tensor_core_v7(dims, format, heads)),
         Ok(other) => Err(Error::arg(

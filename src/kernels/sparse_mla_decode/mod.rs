@@ -103,7 +103,12 @@ impl DecodeConfig {
     /// workgroups per multiprocessor (H100, H200): [`Self::tensor_core_on`] with 2. What
     /// `mla-export` writes as the production kernels.
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
-        Self::tensor_core_on(dims, format, heads, 2)
+        match Self::tensor_core_on(dims, format, heads, || {
+            Ok::<u32, std::convert::Infallible>(2)
+        }) {
+            Ok(config) => config,
+            Err(never) => match never {},
+        }
     }
 
     /// The tensor-core configuration the CUDA backend runs, given how many workgroups of the
@@ -114,11 +119,18 @@ impl DecodeConfig {
     ///   latency behind the other one), v7 where only one does (SM120: 100 KB of shared
     ///   memory per multiprocessor). At the H200's default occupancy v6 was faster on most
     ///   bf16 rows; held to SM120's occupancy, v7 on every row with T ≥ 8.
-    pub fn tensor_core_on(dims: MlaDims, format: CacheFormat, heads: u32, v6_per_sm: u32) -> Self {
-        match format {
-            CacheFormat::Bf16 if v6_per_sm >= 2 => Self::tensor_core_v6(dims, format, heads),
+    ///
+    /// `v6_per_sm` is asked only for bf16 (it compiles the v6 kernel to ask the driver).
+    pub fn tensor_core_on<E>(
+        dims: MlaDims,
+        format: CacheFormat,
+        heads: u32,
+        v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
+    ) -> std::result::Result<Self, E> {
+        Ok(match format {
+            CacheFormat::Bf16 if v6_per_sm()? >= 2 => Self::tensor_core_v6(dims, format, heads),
             _ => Self::tensor_core_v7(dims, format, heads),
-        }
+        })
     }
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
