@@ -2,16 +2,17 @@
 // Regenerate with `mla-export`; the description lives in src/kernels/.
 //
 // Sparse MLA decode, combine stage: merges S normalised partials of width 512.
-// Grid: x = heads, y = tokens.
+// Grid: x = heads, y = tokens, z = ceil(512 / (256 / G)) column chunks; G = groups (a power of two <= 8).
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 128 threads (1-D); workgroup memory: 0 bytes.
+// Workgroup: 128 threads (1-D); workgroup memory: 1088 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   heads            u32  H
 //   splits           u32  S
 //   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+//   groups           u32  G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  o_part         f32   read       [tokens, heads, splits, 512]
@@ -25,6 +26,7 @@ struct sparse_mla_decode_combine_d512_t128_params {
     unsigned heads; // H
     unsigned splits; // S
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -62,46 +64,86 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Integer min / max (u32, i32; f32 has fminf / fmaxf).
+#define min_u32(a, b) ((a) < (b) ? (a) : (b))
+#define max_u32(a, b) ((a) > (b) ? (a) : (b))
+
 extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512_t128(const sparse_mla_decode_combine_d512_t128_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse) {
+    __shared__ __align__(16) float group_max[8];
+    __shared__ __align__(16) float group_sum[8];
+    __shared__ __align__(16) float group_out[256];
     const unsigned h = blockIdx.x;
     const unsigned t = blockIdx.y;
+    const unsigned lid = threadIdx.x;
     const unsigned row = (t * p.heads) + h;
     const unsigned lse_at = ((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q);
 
-    // split combine: lse = logsumexp over the splits
+    // G split groups of W / G lanes; a chunk of 2W / G columns
+    const unsigned log_g = 31u - ((unsigned)__clz((int)(min_u32(max_u32(p.groups, 1u), 8u))));
+    const unsigned groups_1 = 1u << log_g;
+    const unsigned log_lanes = 7u - log_g;
+    const unsigned lanes = 1u << log_lanes;
+    const unsigned chunk = lanes * 2u;
+    const unsigned c0 = blockIdx.z * chunk;
+    const unsigned g = lid >> log_lanes;
+    const unsigned lane = lid & (lanes - 1u);
+
+    // group g folds splits g, g + G, ...: lane c sums columns c and c + W/G of the chunk
+    float m = -3e38f;
+    float l = 0.0f;
+    float acc0 = 0.0f;
+    float acc1 = 0.0f;
+    #pragma unroll 4
+    for (unsigned sp = g; sp < p.splits; sp += groups_1) {
+        const unsigned part = (row * p.splits) + sp;
+        const float part_lse = lse_part[part];
+        const unsigned at = ((part * 512u) + c0) + lane;
+        const float o = o_part[at];
+        const float o_1 = o_part[at + lanes];
+        const bool valid = !(part_lse < (-1e38f));
+        const float nm = valid ? fmaxf(m, part_lse) : m;
+        const float keep = expf(m - nm);
+        const float w = valid ? expf(part_lse - nm) : 0.0f;
+        l = (l * keep) + w;
+        acc0 = (acc0 * keep) + (w * o);
+        acc1 = (acc1 * keep) + (w * o_1);
+        m = nm;
+    }
+    group_out[(g * chunk) + lane] = acc0;
+    group_out[((g * chunk) + lane) + lanes] = acc1;
+    if (lane == 0u) {
+        group_max[g] = m;
+        group_sum[g] = l;
+    }
+    __syncthreads();
+
+    // the groups meet: lse = M + log sum_g e^(m_g - M) l_g, out = sum_g e^(m_g - M) acc_g / (that sum)
     float lse_max = -3e38f;
     #pragma unroll 4
-    for (unsigned s = 0u; s < p.splits; s += 1u) {
-        lse_max = fmaxf(lse_max, lse_part[(row * p.splits) + s]);
+    for (unsigned gi = 0u; gi < groups_1; gi += 1u) {
+        lse_max = fmaxf(lse_max, group_max[gi]);
     }
     float lse_sum = 0.0f;
     #pragma unroll 4
-    for (unsigned s_1 = 0u; s_1 < p.splits; s_1 += 1u) {
-        const float part_lse = lse_part[(row * p.splits) + s_1];
-        if (!(part_lse < (-1e38f))) {
-            lse_sum = lse_sum + expf(part_lse - lse_max);
-        }
+    for (unsigned gi_1 = 0u; gi_1 < groups_1; gi_1 += 1u) {
+        lse_sum = lse_sum + (group_sum[gi_1] * expf(group_max[gi_1] - lse_max));
     }
     const bool all_empty = lse_sum <= 0.0f;
-    const float lse_1 = all_empty ? (-3e38f) : (lse_max + logf(fmaxf(lse_sum, 1e-30f)));
-
-    // weighted sum of the partial outputs, two columns per thread step
-    for (unsigned c2 = threadIdx.x; c2 < 256u; c2 += 128u) {
-        const unsigned c = c2 * 2u;
-        float acc0 = 0.0f;
-        float acc1 = 0.0f;
+    const float inv_sum = all_empty ? 0.0f : (1.0f / lse_sum);
+    for (unsigned p_1 = threadIdx.x; p_1 < chunk / 2u; p_1 += 128u) {
+        const unsigned c = p_1 * 2u;
+        float y0 = 0.0f;
+        float y1 = 0.0f;
         #pragma unroll 4
-        for (unsigned s_2 = 0u; s_2 < p.splits; s_2 += 1u) {
-            const unsigned part = (row * p.splits) + s_2;
-            const float part_lse_1 = lse_part[part];
-            const unsigned at = (part * 512u) + c;
-            const float w = (part_lse_1 < (-1e38f)) ? 0.0f : expf(part_lse_1 - lse_1);
-            acc0 = acc0 + (w * o_part[at]);
-            acc1 = acc1 + (w * o_part[at + 1u]);
+        for (unsigned gi_2 = 0u; gi_2 < groups_1; gi_2 += 1u) {
+            const float wg = expf(group_max[gi_2] - lse_max);
+            const unsigned at_1 = (gi_2 * chunk) + c;
+            y0 = y0 + (wg * group_out[at_1]);
+            y1 = y1 + (wg * group_out[at_1 + 1u]);
         }
-        ((unsigned*)out)[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
+        ((unsigned*)out)[(((row * 512u) + c0) + c) / 2u] = pack_bf16x2(y0 * inv_sum, y1 * inv_sum);
     }
-    if (threadIdx.x == 0u) {
-        lse[lse_at] = all_empty ? __uint_as_float(0x7f800000u) : lse_1;
+    if ((lid == 0u) && (blockIdx.z == 0u)) {
+        lse[lse_at] = all_empty ? __uint_as_float(0x7f800000u) : (lse_max + logf(fmaxf(lse_sum, 1e-30f)));
     }
 }

@@ -2,16 +2,17 @@
 // Regenerate with `mla-export`; the description lives in src/kernels/.
 //
 // Sparse MLA decode, combine stage: merges S normalised partials of width 512.
-// Grid: x = heads, y = tokens.
+// Grid: x = heads, y = tokens, z = ceil(512 / (256 / G)) column chunks; G = groups (a power of two <= 8).
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
-// Workgroup: 128 threads (1-D); workgroup memory: 0 bytes.
+// Workgroup: 128 threads (1-D); workgroup memory: 1088 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   heads            u32  H
 //   splits           u32  S
 //   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+//   groups           u32  G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  o_part         f32   read       [tokens, heads, splits, 512]
@@ -24,7 +25,7 @@ struct Params {
     heads: u32,
     splits: u32,
     lse_s_q: u32,
-    pad3: u32,
+    groups: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -33,6 +34,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512]
 @group(0) @binding(4) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q]
 
+var<workgroup> group_max: array<f32, 8>;
+var<workgroup> group_sum: array<f32, 8>;
+var<workgroup> group_out: array<f32, 256>;
 
 // bf16 bits (low 16 of a u32) -> f32: bf16 is the top half of an f32.
 fn bf16_to_f32(bits: u32) -> f32 {
@@ -76,40 +80,72 @@ fn f32_from_const_bits(bits: u32) -> f32 {
 fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id: u32, @builtin(workgroup_id) wg_id: vec3<u32>, @builtin(num_workgroups) wg_count: vec3<u32>) {
     let h: u32 = wg_id.x;
     let t: u32 = wg_id.y;
+    let lid: u32 = local_id;
     let row: u32 = (t * params.heads) + h;
     let lse_at: u32 = ((((t / params.lse_s_q) * params.heads) + h) * params.lse_s_q) + (t % params.lse_s_q);
 
-    // split combine: lse = logsumexp over the splits
+    // G split groups of W / G lanes; a chunk of 2W / G columns
+    let log_g: u32 = 31u - countLeadingZeros(min(max(params.groups, 1u), 8u));
+    let groups_1: u32 = 1u << log_g;
+    let log_lanes: u32 = 7u - log_g;
+    let lanes: u32 = 1u << log_lanes;
+    let chunk: u32 = lanes * 2u;
+    let c0: u32 = wg_id.z * chunk;
+    let g: u32 = lid >> log_lanes;
+    let lane: u32 = lid & (lanes - 1u);
+
+    // group g folds splits g, g + G, ...: lane c sums columns c and c + W/G of the chunk
+    var m: f32 = -3e38;
+    var l: f32 = 0.0;
+    var acc0: f32 = 0.0;
+    var acc1: f32 = 0.0;
+    for (var sp: u32 = g; sp < params.splits; sp = sp + groups_1) {
+        let part: u32 = (row * params.splits) + sp;
+        let part_lse: f32 = lse_part[part];
+        let at: u32 = ((part * 512u) + c0) + lane;
+        let o: f32 = o_part[at];
+        let o_1: f32 = o_part[at + lanes];
+        let valid: bool = !(part_lse < (-1e38));
+        let nm: f32 = select(m, max(m, part_lse), valid);
+        let keep: f32 = exp(m - nm);
+        let w: f32 = select(0.0, exp(part_lse - nm), valid);
+        l = (l * keep) + w;
+        acc0 = (acc0 * keep) + (w * o);
+        acc1 = (acc1 * keep) + (w * o_1);
+        m = nm;
+    }
+    group_out[(g * chunk) + lane] = acc0;
+    group_out[((g * chunk) + lane) + lanes] = acc1;
+    if (lane == 0u) {
+        group_max[g] = m;
+        group_sum[g] = l;
+    }
+    workgroupBarrier();
+
+    // the groups meet: lse = M + log sum_g e^(m_g - M) l_g, out = sum_g e^(m_g - M) acc_g / (that sum)
     var lse_max: f32 = -3e38;
-    for (var s: u32 = 0u; s < params.splits; s = s + 1u) {
-        lse_max = max(lse_max, lse_part[(row * params.splits) + s]);
+    for (var gi: u32 = 0u; gi < groups_1; gi = gi + 1u) {
+        lse_max = max(lse_max, group_max[gi]);
     }
     var lse_sum: f32 = 0.0;
-    for (var s_1: u32 = 0u; s_1 < params.splits; s_1 = s_1 + 1u) {
-        let part_lse: f32 = lse_part[(row * params.splits) + s_1];
-        if (!(part_lse < (-1e38))) {
-            lse_sum = lse_sum + exp(part_lse - lse_max);
-        }
+    for (var gi_1: u32 = 0u; gi_1 < groups_1; gi_1 = gi_1 + 1u) {
+        lse_sum = lse_sum + (group_sum[gi_1] * exp(group_max[gi_1] - lse_max));
     }
     let all_empty: bool = lse_sum <= 0.0;
-    let lse_1: f32 = select(lse_max + log(max(lse_sum, 1e-30)), -3e38, all_empty);
-
-    // weighted sum of the partial outputs, two columns per thread step
-    for (var c2: u32 = local_id; c2 < 256u; c2 = c2 + 128u) {
-        let c: u32 = c2 * 2u;
-        var acc0: f32 = 0.0;
-        var acc1: f32 = 0.0;
-        for (var s_2: u32 = 0u; s_2 < params.splits; s_2 = s_2 + 1u) {
-            let part: u32 = (row * params.splits) + s_2;
-            let part_lse_1: f32 = lse_part[part];
-            let at: u32 = (part * 512u) + c;
-            let w: f32 = select(exp(part_lse_1 - lse_1), 0.0, part_lse_1 < (-1e38));
-            acc0 = acc0 + (w * o_part[at]);
-            acc1 = acc1 + (w * o_part[at + 1u]);
+    let inv_sum: f32 = select(1.0 / lse_sum, 0.0, all_empty);
+    for (var p_1: u32 = local_id; p_1 < chunk / 2u; p_1 = p_1 + 128u) {
+        let c: u32 = p_1 * 2u;
+        var y0: f32 = 0.0;
+        var y1: f32 = 0.0;
+        for (var gi_2: u32 = 0u; gi_2 < groups_1; gi_2 = gi_2 + 1u) {
+            let wg: f32 = exp(group_max[gi_2] - lse_max);
+            let at_1: u32 = (gi_2 * chunk) + c;
+            y0 = y0 + (wg * group_out[at_1]);
+            y1 = y1 + (wg * group_out[at_1 + 1u]);
         }
-        out[((row * 512u) + c) / 2u] = pack_bf16x2(acc0, acc1);
+        out[(((row * 512u) + c0) + c) / 2u] = pack_bf16x2(y0 * inv_sum, y1 * inv_sum);
     }
-    if (local_id == 0u) {
-        lse[lse_at] = select(lse_1, f32_from_const_bits(0x7f800000u), all_empty);
+    if ((lid == 0u) && (wg_id.z == 0u)) {
+        lse[lse_at] = select(lse_max + log(max(lse_sum, 1e-30)), f32_from_const_bits(0x7f800000u), all_empty);
     }
 }

@@ -213,6 +213,12 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         DecodeCase::new(1, 128, 2048, 64, 40, Valid, false, None),
         DecodeCase::new(2, 16, 2048, 16, 160, Mixed, true, Some(7)),
         DecodeCase::new(3, 3, 2048, 1, 3000, Valid, false, Some(1)),
+        // as many splits as the config allows (512 portable, more than a combine workgroup's
+        // threads: each thread folds several splits' lse)
+        DecodeCase::new(2, 8, 2048, 64, 40, Mixed, true, Some(512)),
+        // the combine's split groups: 4 (9 rows, 4 splits) and 1 (1024 rows: a workgroup per row)
+        DecodeCase::new(3, 3, 64, 16, 8, Mixed, true, Some(4)),
+        DecodeCase::new(64, 16, 64, 16, 16, Mixed, false, Some(2)),
         // fp8_ds_mla rows
         DecodeCase::new(4, 1, 1, 1, 64, Valid, false, None).fp8(Pow2),
         DecodeCase::new(5, 3, 7, 16, 4, Mixed, false, None).fp8(Arbitrary),

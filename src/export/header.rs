@@ -306,7 +306,8 @@ typedef struct sparse_mla_decode_plan {{
     unsigned dynamic_smem;      /* sharedMemBytes of the split kernels (and the attribute) */
     unsigned splits, chunk;
     unsigned grid[3];           /* of first_kernel */
-    unsigned combine_grid[3];   /* (H, T, 1); unused when splits == 1 */
+    unsigned combine_grid[3];   /* (H, T, column chunks); unused when splits == 1 */
+    unsigned combine_groups;    /* the combine's `groups` parameter */
     unsigned long long o_part_bytes;   /* f32 [T, H, splits, 512]; 0 when splits == 1 */
     unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
 }} sparse_mla_decode_plan;
@@ -356,8 +357,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
 
 /* The split count of the runtime's cost model (DecodePlan::model_splits in
    src/kernels/sparse_mla_decode/mod.rs): time in workgroup steps, waves x (steps + 2), plus
-   for splits > 1 the combine (a launch, a walk over the splits, the partials' bytes in
-   step-sized units); the smallest count wins ties. `resident`: workgroups the GPU runs at once. */
+   for splits > 1 the combine (a launch, the partials' bytes written and read, at half a
+   gathered byte: they stay in L2); the smallest count wins ties. `resident`: workgroups the GPU runs at once. */
 static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, int format, unsigned heads,
                                                unsigned tokens, unsigned topk, unsigned resident) {{
     const double fixed = 2.0;
@@ -376,7 +377,7 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
         double t = waves * (steps + fixed);
         if (s > 1u) {{
             double partial_bytes = rows * (double)s * ((double)SPARSE_MLA_D_V + 1.0) * 4.0 * 2.0;
-            t += 1.0 + (double)s / 16.0 + partial_bytes / step_bytes;
+            t += 1.0 + 0.5 * partial_bytes / step_bytes;
         }}
         if (t < best_t - 1e-9) {{ best_t = t; best = s; }}
     }}
@@ -413,7 +414,22 @@ static inline const char* sparse_mla_plan_decode(int format, unsigned heads, uns
     p->grid[2] = tokens;
     p->combine_grid[0] = heads;
     p->combine_grid[1] = tokens;
-    p->combine_grid[2] = 1u;
+    {{
+        /* the combine's split groups (combine_groups in src/kernels/sparse_mla_decode/combine.rs):
+           the largest power of two <= min(splits, combine_threads / 16, 1024 / (T x H)), at
+           least 1; its column chunk 2 x combine_threads / groups */
+        unsigned long long rows = (unsigned long long)tokens * heads;
+        unsigned x = p->splits, cap = p->combine_threads / 16u, g = 1u, chunk;
+        unsigned long long fill = rows ? 1024ull / rows : 1024ull;
+        if (cap < 1u) cap = 1u;
+        if (x > cap) x = cap;
+        if (fill < 1ull) fill = 1ull;
+        if ((unsigned long long)x > fill) x = (unsigned)fill;
+        while (g * 2u <= x) g *= 2u;
+        chunk = 2u * p->combine_threads / g;
+        p->combine_groups = g;
+        p->combine_grid[2] = (SPARSE_MLA_D_V + chunk - 1u) / chunk;
+    }}
     if (p->splits > 1u) {{
         unsigned long long rows = (unsigned long long)tokens * heads * p->splits;
         p->o_part_bytes = rows * SPARSE_MLA_D_V * 4u;
@@ -493,7 +509,7 @@ fn driver_code(variants: &[DecodeVariant]) -> Result<String> {
    stop before it: the driver copies only as many bytes as the kernel declares). */
 {params}
 /* The combine's parameters. */
-typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; }} sparse_mla_combine_params;
+typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; }} sparse_mla_combine_params;
 
 /* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
    kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
@@ -542,7 +558,7 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
     {{
         sparse_mla_combine_params c;
         void* cargs[5];
-        c.heads = prm.heads; c.splits = p->splits; c.lse_s_q = prm.lse_s_q;
+        c.heads = prm.heads; c.splits = p->splits; c.lse_s_q = prm.lse_s_q; c.groups = p->combine_groups;
         cargs[0] = &c; cargs[1] = (void*)&b->o_part; cargs[2] = (void*)&b->lse_part; cargs[3] = (void*)&b->out; cargs[4] = (void*)&b->lse;
         return cuLaunchKernel(combine, p->combine_grid[0], p->combine_grid[1], p->combine_grid[2], p->combine_threads, 1, 1, 0,
                               stream, cargs, 0);

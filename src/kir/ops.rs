@@ -115,35 +115,3 @@ pub fn online_softmax_update(
         b.acc_to_shared(s, p_tile);
     });
 }
-
-/// Split-K combine weights: given `n` partial results with log-sum-exps `lse_part(s)`
-/// (empty parts carry [`MASKED`]), returns `(lse, empty)` where
-/// `lse = ln Σ_s exp(lse_s)` and `empty` is true when every part was empty. The weight of
-/// part `s` is then `exp(lse_s − lse)` (0 for an empty part). Scalar code: every thread
-/// computes the same values.
-pub fn combine_lse(
-    b: &mut KernelBuilder,
-    n: Expr,
-    lse_part: impl Fn(&mut KernelBuilder, Expr) -> Expr,
-) -> (Expr, Expr) {
-    b.comment("split combine: lse = logsumexp over the splits");
-    let mx = b.var("lse_max", f(MASKED));
-    b.for_("s", u(0), n.clone(), u(1), |b, s| {
-        let v = lse_part(b, s);
-        b.set(&mx, mx.clone().max(v));
-    });
-    let sum = b.var("lse_sum", f(0.0));
-    b.for_("s", u(0), n, u(1), |b, s| {
-        let part = lse_part(b, s);
-        let v = b.let_("part_lse", part);
-        b.if_(is_masked(v.clone()).not(), |b| {
-            b.set(&sum, sum.clone() + exp(v - mx.clone()));
-        });
-    });
-    let empty = b.let_("all_empty", sum.clone().le(f(0.0)));
-    let lse = b.let_(
-        "lse",
-        select(empty.clone(), f(MASKED), mx + log(sum.max(f(1e-30)))),
-    );
-    (lse, empty)
-}

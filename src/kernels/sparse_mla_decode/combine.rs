@@ -1,19 +1,71 @@
-//! The combine kernel: one workgroup per (head, token) merges a row's split partials.
+//! The combine kernel: merges a row's split partials.
+//!
+//! One workgroup per (head, token, column chunk). Its `W` threads are `G` split groups of
+//! `W / G` lanes (`G` a run-time parameter, [`combine_groups`]): group `g` folds the splits
+//! `g, g + G, ...` and lane `c` columns `c` and `c + W/G` of the chunk (`2W / G` columns). With
+//! few rows (T = 1) the host picks many groups, so a row's splits are loaded at once instead
+//! of one after the other (that walk was 7.9 µs of the 20 at T = 1 on the H200,
+//! benches/NOTES.md); with many rows one group, a workgroup per row, no more workgroups than
+//! the GPU runs at once. Each group folds its splits in one pass like an online softmax
+//! (running max, weight sum, rescaled sums), so no lse is needed before the loads; the
+//! groups' (max, sum, columns) meet in shared memory.
 
 use super::DecodeConfig;
 use crate::kir::builder::*;
-use crate::kir::ir::{Access, Elem, Kernel, Ty};
-use crate::kir::ops::{combine_lse, is_masked};
-use crate::Result;
+use crate::kir::ir::{Access, Elem, Expr, Kernel, Ty};
+use crate::kir::ops::{is_masked, MASKED};
+use crate::{Error, Result};
 
-/// The combine kernel: one workgroup per (head, token).
+/// Columns each lane sums.
+const PER_LANE: u32 = 2;
+/// The fewest lanes of a group (the row segment one load instruction covers: 64 bytes).
+const MIN_LANES: u32 = 16;
+/// Combine workgroups the host aims for (about one wave of 256-thread workgroups on a
+/// 132-multiprocessor GPU): more groups only while the grid stays below it.
+const TARGET_WORKGROUPS: u32 = 1024;
+
+/// The most split groups a combine workgroup of `threads` threads takes.
+pub fn max_combine_groups(threads: u32) -> u32 {
+    (threads / MIN_LANES).max(1)
+}
+
+/// Split groups of the combine for `rows` = T x H rows of `splits` splits, `threads` per
+/// workgroup: the largest power of two ≤ min(splits, threads / 16, 1024 / rows), at least 1.
+pub fn combine_groups(rows: u32, splits: u32, threads: u32) -> u32 {
+    let fill = (TARGET_WORKGROUPS / rows.max(1)).max(1);
+    let x = splits.min(max_combine_groups(threads)).min(fill).max(1);
+    1 << (31 - x.leading_zeros())
+}
+
+/// The combine grid for `groups` split groups ([`combine_groups`]): (H, T, column chunks).
+pub fn combine_grid(heads: u32, tokens: u32, d_v: u32, groups: u32, threads: u32) -> [u32; 3] {
+    let chunk = (PER_LANE * threads / groups.max(1)).max(PER_LANE);
+    [heads, tokens, d_v.div_ceil(chunk)]
+}
+
+/// The combine kernel.
 pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     let dv = cfg.dims.d_v();
-    let mut b = KernelBuilder::new(cfg.combine_name(), cfg.threads);
+    let threads = cfg.threads;
+    if !threads.is_power_of_two() || threads < MIN_LANES || dv % 2 != 0 {
+        return Err(Error::arg(
+            "config",
+            format!("threads a power of two ≥ {MIN_LANES}, d_v even"),
+            format!("threads {threads}, d_v {dv}"),
+        ));
+    }
+    let log_w = threads.trailing_zeros();
+    let max_groups = max_combine_groups(threads);
+    // the widest chunk (one group) divides d_v: every chunk does, no column guards
+    let ragged = dv % (PER_LANE * threads) != 0;
+    let mut b = KernelBuilder::new(cfg.combine_name(), threads);
     b.doc(format!(
         "Sparse MLA decode, combine stage: merges S normalised partials of width {dv}."
     ));
-    b.doc("Grid: x = heads, y = tokens.".to_string());
+    b.doc(format!(
+        "Grid: x = heads, y = tokens, z = ceil({dv} / ({} / G)) column chunks; G = groups (a power of two <= {max_groups}).",
+        PER_LANE * threads
+    ));
     b.doc("lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.".to_string());
     b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
     let heads = b.param("heads", Ty::U32, "H");
@@ -22,6 +74,11 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         "lse_s_q",
         Ty::U32,
         "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]",
+    );
+    let groups_param = b.param(
+        "groups",
+        Ty::U32,
+        "G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)",
     );
     let o_part = b.buffer(
         "o_part",
@@ -47,50 +104,133 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         Access::ReadWrite,
         "[tokens / lse_s_q, heads, lse_s_q]",
     );
+    // per group: its max and weight sum, then G x 2W / G weighted column sums
+    let sh_m = b.shared("group_max", Ty::F32, max_groups);
+    let sh_l = b.shared("group_sum", Ty::F32, max_groups);
+    let sh_o = b.shared("group_out", Ty::F32, PER_LANE * threads);
 
     let h = b.let_("h", workgroup_id(0));
     let t = b.let_("t", workgroup_id(1));
+    let lid = b.let_("lid", local_id());
     let row = b.let_("row", t.clone() * heads.clone() + h.clone());
     let lse_at = b.let_(
         "lse_at",
         (t.clone() / lse_s_q.clone() * heads + h) * lse_s_q.clone() + t % lse_s_q,
     );
-    let (lse, empty) = combine_lse(&mut b, splits.clone(), |_, s| {
-        lse_part.at(row.clone() * splits.clone() + s)
+    b.comment("G split groups of W / G lanes; a chunk of 2W / G columns");
+    let log_g = b.let_(
+        "log_g",
+        u(31) - clz(groups_param.max(u(1)).min(u(max_groups))),
+    );
+    let groups = b.let_("groups", u(1) << log_g.clone());
+    let log_lanes = b.let_("log_lanes", u(log_w) - log_g);
+    let lanes = b.let_("lanes", u(1) << log_lanes.clone());
+    let chunk = b.let_("chunk", lanes.clone() * u(PER_LANE));
+    let c0 = b.let_("c0", workgroup_id(2) * chunk.clone());
+    let g = b.let_("g", lid.clone() >> log_lanes);
+    let lane = b.let_("lane", lid.clone() & (lanes.clone() - u(1)));
+
+    // One pass, no lse first: each group folds its splits like an online softmax (running
+    // max m, weight sum l, rescaled column sums), so the partials' loads need nothing loaded
+    // before them. The loads are not behind a branch: every split's workgroup writes its
+    // o_part rows (0 for an empty split), so each is in bounds and initialised; an empty
+    // split (masked lse) adds weight 0.
+    b.comment("group g folds splits g, g + G, ...: lane c sums columns c and c + W/G of the chunk");
+    let m = b.var("m", f(MASKED));
+    let l = b.var("l", f(0.0));
+    let accs: Vec<Expr> = (0..PER_LANE)
+        .map(|j| b.var(&format!("acc{j}"), f(0.0)))
+        .collect();
+    b.for_("sp", g.clone(), splits.clone(), groups.clone(), |b, sp| {
+        let part = b.let_("part", row.clone() * splits.clone() + sp);
+        let ls = b.let_("part_lse", lse_part.at(part.clone()));
+        let at = b.let_("at", part * u(dv) + c0.clone() + lane.clone());
+        let os: Vec<Expr> = (0..PER_LANE)
+            .map(|j| {
+                let off = lanes.clone() * u(j);
+                let v = o_part.at(at.clone() + off.clone());
+                if ragged {
+                    let col = c0.clone() + lane.clone() + off;
+                    select(col.lt(u(dv)), v, f(0.0))
+                } else {
+                    v
+                }
+            })
+            .map(|v| b.let_("o", v))
+            .collect();
+        let valid = b.let_("valid", is_masked(ls.clone()).not());
+        let nm = b.let_("nm", select(valid.clone(), m.clone().max(ls.clone()), m.clone()));
+        let keep = b.let_("keep", exp(m.clone() - nm.clone()));
+        let w = b.let_("w", select(valid, exp(ls - nm.clone()), f(0.0)));
+        b.set(&l, l.clone() * keep.clone() + w.clone());
+        for (acc, o) in accs.iter().zip(os) {
+            b.set(acc, acc.clone() * keep.clone() + w.clone() * o);
+        }
+        b.set(&m, nm);
     });
-    // The loads are not behind a branch: every split's workgroup writes its o_part rows (0
-    // for an empty split), so each is in bounds and initialised, and an empty split gets
-    // weight 0. Behind `if (!masked)` each iteration's loads waited for the previous one's:
-    // at T = 1 the combine took longer than the split kernel (ncu, H200; benches/NOTES.md).
-    b.comment("weighted sum of the partial outputs, two columns per thread step");
-    b.for_threads("c2", u(dv / 2), |b, c2| {
-        let c = b.let_("c", c2 * u(2));
-        let a0 = b.var("acc0", f(0.0));
-        let a1 = b.var("acc1", f(0.0));
-        b.for_("s", u(0), splits.clone(), u(1), |b, s| {
-            let part = b.let_("part", row.clone() * splits.clone() + s);
-            let ls = b.let_("part_lse", lse_part.at(part.clone()));
-            let at = b.let_("at", part * u(dv) + c.clone());
-            let (o0, o1) = (o_part.at(at.clone()), o_part.at(at + u(1)));
-            let w = b.let_(
-                "w",
-                select(is_masked(ls.clone()), f(0.0), exp(ls - lse.clone())),
+    for (j, acc) in accs.iter().enumerate() {
+        b.shared_store(
+            &sh_o,
+            g.clone() * chunk.clone() + lane.clone() + lanes.clone() * u(j as u32),
+            acc.clone(),
+        );
+    }
+    b.if_(lane.clone().eq_(u(0)), |b| {
+        b.shared_store(&sh_m, g.clone(), m.clone());
+        b.shared_store(&sh_l, g.clone(), l.clone());
+    });
+    b.barrier();
+
+    b.comment("the groups meet: lse = M + log sum_g e^(m_g - M) l_g, out = sum_g e^(m_g - M) acc_g / (that sum)");
+    let mx = b.var("lse_max", f(MASKED));
+    b.for_("gi", u(0), groups.clone(), u(1), |b, gi| {
+        b.set(&mx, mx.clone().max(sh_m.at(gi)));
+    });
+    let sum = b.var("lse_sum", f(0.0));
+    b.for_("gi", u(0), groups.clone(), u(1), |b, gi| {
+        b.set(
+            &sum,
+            sum.clone() + sh_l.at(gi.clone()) * exp(sh_m.at(gi) - mx.clone()),
+        );
+    });
+    let empty = b.let_("all_empty", sum.clone().le(f(0.0)));
+    let inv = b.let_("inv_sum", select(empty.clone(), f(0.0), f(1.0) / sum.clone()));
+    b.for_threads("p", chunk.clone() / u(2), |b, p| {
+        let c = b.let_("c", p * u(2));
+        let write = |b: &mut KernelBuilder| {
+            let y0 = b.var("y0", f(0.0));
+            let y1 = b.var("y1", f(0.0));
+            b.for_("gi", u(0), groups.clone(), u(1), |b, gi| {
+                let wg = b.let_("wg", exp(sh_m.at(gi.clone()) - mx.clone()));
+                let at = b.let_("at", gi * chunk.clone() + c.clone());
+                b.set(&y0, y0.clone() + wg.clone() * sh_o.at(at.clone()));
+                b.set(&y1, y1.clone() + wg * sh_o.at(at + u(1)));
+            });
+            b.store_word(
+                &out,
+                (row.clone() * u(dv) + c0.clone() + c.clone()) / u(2),
+                pack_bf16x2(y0.clone() * inv.clone(), y1.clone() * inv.clone()),
             );
-            b.set(&a0, a0.clone() + w.clone() * o0);
-            b.set(&a1, a1.clone() + w * o1);
-        });
-        b.store_word(
-            &out,
-            (row.clone() * u(dv) + c) / u(2),
-            pack_bf16x2(a0.clone(), a1.clone()),
-        );
+        };
+        if ragged {
+            b.if_((c0.clone() + c.clone()).lt(u(dv)), write);
+        } else {
+            write(b);
+        }
     });
-    b.if_(local_id().eq_(u(0)), |b| {
-        b.store(
-            &lse_out,
-            lse_at.clone(),
-            select(empty.clone(), f(f32::INFINITY), lse.clone()),
-        );
-    });
+    b.if_(
+        lid.eq_(u(0)).and(workgroup_id(2).eq_(u(0))),
+        |b| {
+            b.store(
+                &lse_out,
+                lse_at.clone(),
+                select(
+                    empty.clone(),
+                    f(f32::INFINITY),
+                    mx.clone() + log(sum.clone().max(f(1e-30))),
+                ),
+            );
+        },
+    );
     b.finish()
 }

@@ -338,10 +338,12 @@ impl DecodePlan {
             let waves = (base * s as u64).div_ceil(resident) as f64;
             let mut t = waves * (steps + FIXED);
             if s > 1 {
-                // the combine: a launch, a dependent walk over the splits (4 in flight at a
-                // time), and the partials written and read back
+                // the combine: a launch and the partials written and read back (its
+                // workgroups load a row's splits at once: no walk that grows with s). The
+                // partials stay in L2, so their bytes count half a gathered byte (fitted to
+                // the H200's split sweeps at T = 1, benches/NOTES.md).
                 let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
-                t += 1.0 + s as f64 / 16.0 + partial_bytes / step_bytes;
+                t += 1.0 + 0.5 * partial_bytes / step_bytes;
             }
             // a smaller count wins ties: less combine traffic for the same time
             if t < best.0 - 1e-9 {
@@ -402,7 +404,7 @@ mod io;
 mod split;
 mod v6;
 
-pub use combine::combine_kernel;
+pub use combine::{combine_grid, combine_groups, combine_kernel};
 pub use split::split_kernel_v7;
 pub use v6::split_kernel_v6;
 
@@ -463,17 +465,27 @@ pub fn launches(
         params: split_params,
     }];
     if !plan.config.final_output {
+        let threads = combine.workgroup_size;
+        let groups = combine_groups(shape.tokens * shape.heads, plan.splits, threads);
         let params = pack_params(
             &combine,
             &[
                 ("heads", ParamValue::U32(shape.heads)),
                 ("splits", ParamValue::U32(plan.splits)),
                 ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
+                ("groups", ParamValue::U32(groups)),
             ],
         )?;
+        let grid = combine_grid(
+            shape.heads,
+            shape.tokens,
+            shape.dims.d_v(),
+            groups,
+            threads,
+        );
         out.push(Launch {
             kernel: combine,
-            grid: [shape.heads, shape.tokens, 1],
+            grid,
             params,
         });
     }
