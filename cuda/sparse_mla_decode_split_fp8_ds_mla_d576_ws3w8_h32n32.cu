@@ -244,6 +244,35 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+// its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
+// f16 -> f32); older archs keep the bytes and decode each by bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v;
+}
+#else
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+}
+#endif
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -284,30 +313,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag56[4];
-    unsigned b_frag57[4];
-    unsigned b_raw58[2];
-    unsigned a_frag72[4];
-    unsigned b_frag73[4];
-    unsigned b_raw74[2];
-    unsigned a_frag88[4];
-    unsigned b_frag89[4];
-    unsigned b_raw90[2];
-    unsigned a_frag103[4];
-    unsigned b_frag104[4];
-    unsigned b_raw105[2];
-    unsigned a_frag151[8];
-    unsigned b_frag152[4];
-    unsigned b_raw153[2];
-    unsigned a_frag163[8];
-    unsigned b_frag164[4];
-    unsigned b_raw165[2];
-    unsigned a_frag178[8];
-    unsigned b_frag179[4];
-    unsigned b_raw180[2];
+    unsigned a_frag57[4];
+    unsigned b_frag58[4];
+    unsigned b_raw59[2];
+    unsigned a_frag75[4];
+    unsigned b_frag76[4];
+    unsigned b_raw77[2];
+    unsigned a_frag93[4];
+    unsigned b_frag94[4];
+    unsigned b_raw95[2];
+    unsigned a_frag110[4];
+    unsigned b_frag111[4];
+    unsigned b_raw112[2];
+    unsigned a_frag158[8];
+    unsigned b_frag159[4];
+    unsigned b_raw160[2];
+    unsigned a_frag174[8];
+    unsigned b_frag175[4];
+    unsigned b_raw176[2];
     unsigned a_frag193[8];
     unsigned b_frag194[4];
     unsigned b_raw195[2];
+    unsigned a_frag212[8];
+    unsigned b_frag213[4];
+    unsigned b_raw214[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -340,16 +369,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i228 = threadIdx.x; zero_i228 < 3456u; zero_i228 += 256u) {
-        kv_rope[zero_i228] = 0u;
+    for (unsigned zero_i251 = threadIdx.x; zero_i251 < 3456u; zero_i251 += 256u) {
+        kv_rope[zero_i251] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i229 = threadIdx.x; zero_i229 < 384u; zero_i229 += 256u) {
-        kv_scales[zero_i229] = 0.0f;
+    for (unsigned zero_i252 = threadIdx.x; zero_i252 < 384u; zero_i252 += 256u) {
+        kv_scales[zero_i252] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i230 = threadIdx.x; zero_i230 < 108u; zero_i230 += 256u) {
-        row_valid[zero_i230] = 0.0f;
+    for (unsigned zero_i253 = threadIdx.x; zero_i253 < 108u; zero_i253 += 256u) {
+        row_valid[zero_i253] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -667,8 +696,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                    const unsigned e4m3_pair51 = e4m3x2_prep(b_raw[0u] >> 16u);
+                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair51), e4m3x2_hi(e4m3_pair51));
                     #pragma unroll
                     for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
@@ -681,160 +712,166 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         #pragma unroll
-        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
-            scores_term[e51] = scores_term[e51] + scores_term[16u + e51];
+        for (unsigned e52 = 0u; e52 < 16u; e52 += 1u) {
+            scores_term[e52] = scores_term[e52] + scores_term[16u + e52];
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e52 = 0u; e52 < 4u; e52 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e52 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e52] = fmaf(scores_term[(frag * 4u) + e52], row_scale, scores_part[(frag * 4u) + e52]);
+            for (unsigned e53 = 0u; e53 < 4u; e53 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e53 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e53] = fmaf(scores_term[(frag * 4u) + e53], row_scale, scores_part[(frag * 4u) + e53]);
             }
         }
         #pragma unroll
-        for (unsigned e53 = 0u; e53 < 16u; e53 += 1u) {
-            scores_term[e53] = 0.0f;
+        for (unsigned e54 = 0u; e54 < 16u; e54 += 1u) {
+            scores_term[e54] = 0.0f;
         }
-        const unsigned n_first54 = (warp / 4u) * 16u;
-        const unsigned k_first55 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e64 = 0u; e64 < 16u; e64 += 1u) {
-            scores_term[16u + e64] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair62 = 0u; kk_pair62 < 1u; kk_pair62 += 1u) {
-            #pragma unroll
-            for (unsigned chain63 = 0u; chain63 < 2u; chain63 += 1u) {
-                const unsigned kk59 = (kk_pair62 * 2u) + chain63;
-                #pragma unroll
-                for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
-                    ldmatrix_x1(&b_raw58[0u], kv_latent + (stage * 4224u) + (((n_first54 + (nj61 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first55 + kk59) * 4u));
-                    b_frag57[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw58[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 8u) & 255u))));
-                    b_frag57[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 24u) & 255u))));
-                    #pragma unroll
-                    for (unsigned mi60 = 0u; mi60 < 2u; mi60 += 1u) {
-                        a_frag56[0u] = q_tile_a1[((mi60 * 2u) + kk59) * 4u];
-                        a_frag56[1u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 1u];
-                        a_frag56[2u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 2u];
-                        a_frag56[3u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain63 * 16u) + (((mi60 * 2u) + nj61) * 4u)], &a_frag56[0u], &b_frag57[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first55 = (warp / 4u) * 16u;
+        const unsigned k_first56 = (warp % 4u) * 2u;
         #pragma unroll
         for (unsigned e65 = 0u; e65 < 16u; e65 += 1u) {
-            scores_term[e65] = scores_term[e65] + scores_term[16u + e65];
+            scores_term[16u + e65] = 0.0f;
         }
         #pragma unroll
-        for (unsigned frag66 = 0u; frag66 < 4u; frag66 += 1u) {
+        for (unsigned kk_pair63 = 0u; kk_pair63 < 1u; kk_pair63 += 1u) {
             #pragma unroll
-            for (unsigned e67 = 0u; e67 < 4u; e67 += 1u) {
-                const float row_scale68 = kv_scales[((stage * 128u) + (((n_first54 + ((frag66 % 2u) * 8u)) + ((lane_quad * 2u) + (e67 & 1u))) * 4u)) + 1u];
-                scores_part[(frag66 * 4u) + e67] = fmaf(scores_term[(frag66 * 4u) + e67], row_scale68, scores_part[(frag66 * 4u) + e67]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e69 = 0u; e69 < 16u; e69 += 1u) {
-            scores_term[e69] = 0.0f;
-        }
-        const unsigned n_first70 = (warp / 4u) * 16u;
-        const unsigned k_first71 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e80 = 0u; e80 < 16u; e80 += 1u) {
-            scores_term[16u + e80] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair78 = 0u; kk_pair78 < 1u; kk_pair78 += 1u) {
-            #pragma unroll
-            for (unsigned chain79 = 0u; chain79 < 2u; chain79 += 1u) {
-                const unsigned kk75 = (kk_pair78 * 2u) + chain79;
+            for (unsigned chain64 = 0u; chain64 < 2u; chain64 += 1u) {
+                const unsigned kk60 = (kk_pair63 * 2u) + chain64;
                 #pragma unroll
-                for (unsigned nj77 = 0u; nj77 < 2u; nj77 += 1u) {
-                    ldmatrix_x1(&b_raw74[0u], kv_latent + (stage * 4224u) + (((n_first70 + (nj77 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first71 + kk75) * 4u));
-                    b_frag73[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw74[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 8u) & 255u))));
-                    b_frag73[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 24u) & 255u))));
+                for (unsigned nj62 = 0u; nj62 < 2u; nj62 += 1u) {
+                    ldmatrix_x1(&b_raw59[0u], kv_latent + (stage * 4224u) + (((n_first55 + (nj62 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first56 + kk60) * 4u));
+                    const unsigned e4m3_pair66 = e4m3x2_prep(b_raw59[0u] & 65535u);
+                    const unsigned e4m3_pair67 = e4m3x2_prep(b_raw59[0u] >> 16u);
+                    b_frag58[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair66), e4m3x2_hi(e4m3_pair66));
+                    b_frag58[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair67), e4m3x2_hi(e4m3_pair67));
                     #pragma unroll
-                    for (unsigned mi76 = 0u; mi76 < 2u; mi76 += 1u) {
-                        a_frag72[0u] = q_tile_a2[((mi76 * 2u) + kk75) * 4u];
-                        a_frag72[1u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 1u];
-                        a_frag72[2u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 2u];
-                        a_frag72[3u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain79 * 16u) + (((mi76 * 2u) + nj77) * 4u)], &a_frag72[0u], &b_frag73[0u]);
+                    for (unsigned mi61 = 0u; mi61 < 2u; mi61 += 1u) {
+                        a_frag57[0u] = q_tile_a1[((mi61 * 2u) + kk60) * 4u];
+                        a_frag57[1u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 1u];
+                        a_frag57[2u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 2u];
+                        a_frag57[3u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain64 * 16u) + (((mi61 * 2u) + nj62) * 4u)], &a_frag57[0u], &b_frag58[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e81 = 0u; e81 < 16u; e81 += 1u) {
-            scores_term[e81] = scores_term[e81] + scores_term[16u + e81];
+        for (unsigned e68 = 0u; e68 < 16u; e68 += 1u) {
+            scores_term[e68] = scores_term[e68] + scores_term[16u + e68];
         }
         #pragma unroll
-        for (unsigned frag82 = 0u; frag82 < 4u; frag82 += 1u) {
+        for (unsigned frag69 = 0u; frag69 < 4u; frag69 += 1u) {
             #pragma unroll
-            for (unsigned e83 = 0u; e83 < 4u; e83 += 1u) {
-                const float row_scale84 = kv_scales[((stage * 128u) + (((n_first70 + ((frag82 % 2u) * 8u)) + ((lane_quad * 2u) + (e83 & 1u))) * 4u)) + 2u];
-                scores_part[(frag82 * 4u) + e83] = fmaf(scores_term[(frag82 * 4u) + e83], row_scale84, scores_part[(frag82 * 4u) + e83]);
+            for (unsigned e70 = 0u; e70 < 4u; e70 += 1u) {
+                const float row_scale71 = kv_scales[((stage * 128u) + (((n_first55 + ((frag69 % 2u) * 8u)) + ((lane_quad * 2u) + (e70 & 1u))) * 4u)) + 1u];
+                scores_part[(frag69 * 4u) + e70] = fmaf(scores_term[(frag69 * 4u) + e70], row_scale71, scores_part[(frag69 * 4u) + e70]);
             }
         }
         #pragma unroll
-        for (unsigned e85 = 0u; e85 < 16u; e85 += 1u) {
-            scores_term[e85] = 0.0f;
+        for (unsigned e72 = 0u; e72 < 16u; e72 += 1u) {
+            scores_term[e72] = 0.0f;
         }
-        const unsigned n_first86 = (warp / 4u) * 16u;
-        const unsigned k_first87 = (warp % 4u) * 2u;
+        const unsigned n_first73 = (warp / 4u) * 16u;
+        const unsigned k_first74 = (warp % 4u) * 2u;
         #pragma unroll
-        for (unsigned e96 = 0u; e96 < 16u; e96 += 1u) {
-            scores_term[16u + e96] = 0.0f;
+        for (unsigned e83 = 0u; e83 < 16u; e83 += 1u) {
+            scores_term[16u + e83] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair94 = 0u; kk_pair94 < 1u; kk_pair94 += 1u) {
+        for (unsigned kk_pair81 = 0u; kk_pair81 < 1u; kk_pair81 += 1u) {
             #pragma unroll
-            for (unsigned chain95 = 0u; chain95 < 2u; chain95 += 1u) {
-                const unsigned kk91 = (kk_pair94 * 2u) + chain95;
+            for (unsigned chain82 = 0u; chain82 < 2u; chain82 += 1u) {
+                const unsigned kk78 = (kk_pair81 * 2u) + chain82;
                 #pragma unroll
-                for (unsigned nj93 = 0u; nj93 < 2u; nj93 += 1u) {
-                    ldmatrix_x1(&b_raw90[0u], kv_latent + (stage * 4224u) + (((n_first86 + (nj93 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first87 + kk91) * 4u));
-                    b_frag89[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw90[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 8u) & 255u))));
-                    b_frag89[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 24u) & 255u))));
+                for (unsigned nj80 = 0u; nj80 < 2u; nj80 += 1u) {
+                    ldmatrix_x1(&b_raw77[0u], kv_latent + (stage * 4224u) + (((n_first73 + (nj80 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first74 + kk78) * 4u));
+                    const unsigned e4m3_pair84 = e4m3x2_prep(b_raw77[0u] & 65535u);
+                    const unsigned e4m3_pair85 = e4m3x2_prep(b_raw77[0u] >> 16u);
+                    b_frag76[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair84), e4m3x2_hi(e4m3_pair84));
+                    b_frag76[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair85), e4m3x2_hi(e4m3_pair85));
                     #pragma unroll
-                    for (unsigned mi92 = 0u; mi92 < 2u; mi92 += 1u) {
-                        a_frag88[0u] = q_tile_a3[((mi92 * 2u) + kk91) * 4u];
-                        a_frag88[1u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 1u];
-                        a_frag88[2u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 2u];
-                        a_frag88[3u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain95 * 16u) + (((mi92 * 2u) + nj93) * 4u)], &a_frag88[0u], &b_frag89[0u]);
+                    for (unsigned mi79 = 0u; mi79 < 2u; mi79 += 1u) {
+                        a_frag75[0u] = q_tile_a2[((mi79 * 2u) + kk78) * 4u];
+                        a_frag75[1u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 1u];
+                        a_frag75[2u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 2u];
+                        a_frag75[3u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain82 * 16u) + (((mi79 * 2u) + nj80) * 4u)], &a_frag75[0u], &b_frag76[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e97 = 0u; e97 < 16u; e97 += 1u) {
-            scores_term[e97] = scores_term[e97] + scores_term[16u + e97];
+        for (unsigned e86 = 0u; e86 < 16u; e86 += 1u) {
+            scores_term[e86] = scores_term[e86] + scores_term[16u + e86];
         }
         #pragma unroll
-        for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
+        for (unsigned frag87 = 0u; frag87 < 4u; frag87 += 1u) {
             #pragma unroll
-            for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
-                const float row_scale100 = kv_scales[((stage * 128u) + (((n_first86 + ((frag98 % 2u) * 8u)) + ((lane_quad * 2u) + (e99 & 1u))) * 4u)) + 3u];
-                scores_part[(frag98 * 4u) + e99] = fmaf(scores_term[(frag98 * 4u) + e99], row_scale100, scores_part[(frag98 * 4u) + e99]);
+            for (unsigned e88 = 0u; e88 < 4u; e88 += 1u) {
+                const float row_scale89 = kv_scales[((stage * 128u) + (((n_first73 + ((frag87 % 2u) * 8u)) + ((lane_quad * 2u) + (e88 & 1u))) * 4u)) + 2u];
+                scores_part[(frag87 * 4u) + e88] = fmaf(scores_term[(frag87 * 4u) + e88], row_scale89, scores_part[(frag87 * 4u) + e88]);
             }
         }
-        const unsigned n_first101 = (warp / 4u) * 16u;
-        const unsigned k_first102 = warp % 4u;
         #pragma unroll
-        for (unsigned kk106 = 0u; kk106 < 1u; kk106 += 1u) {
+        for (unsigned e90 = 0u; e90 < 16u; e90 += 1u) {
+            scores_term[e90] = 0.0f;
+        }
+        const unsigned n_first91 = (warp / 4u) * 16u;
+        const unsigned k_first92 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e101 = 0u; e101 < 16u; e101 += 1u) {
+            scores_term[16u + e101] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair99 = 0u; kk_pair99 < 1u; kk_pair99 += 1u) {
             #pragma unroll
-            for (unsigned nj108 = 0u; nj108 < 2u; nj108 += 1u) {
-                ldmatrix_x2(&b_frag104[0u], kv_rope + (stage * 1152u) + (((n_first101 + (nj108 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first102 + kk106) * 8u) + (lane_k8 >> 1u));
+            for (unsigned chain100 = 0u; chain100 < 2u; chain100 += 1u) {
+                const unsigned kk96 = (kk_pair99 * 2u) + chain100;
                 #pragma unroll
-                for (unsigned mi107 = 0u; mi107 < 2u; mi107 += 1u) {
-                    a_frag103[0u] = q_tile_a4[(mi107 + kk106) * 4u];
-                    a_frag103[1u] = q_tile_a4[((mi107 + kk106) * 4u) + 1u];
-                    a_frag103[2u] = q_tile_a4[((mi107 + kk106) * 4u) + 2u];
-                    a_frag103[3u] = q_tile_a4[((mi107 + kk106) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi107 * 2u) + nj108) * 4u], &a_frag103[0u], &b_frag104[0u]);
+                for (unsigned nj98 = 0u; nj98 < 2u; nj98 += 1u) {
+                    ldmatrix_x1(&b_raw95[0u], kv_latent + (stage * 4224u) + (((n_first91 + (nj98 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first92 + kk96) * 4u));
+                    const unsigned e4m3_pair102 = e4m3x2_prep(b_raw95[0u] & 65535u);
+                    const unsigned e4m3_pair103 = e4m3x2_prep(b_raw95[0u] >> 16u);
+                    b_frag94[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair102), e4m3x2_hi(e4m3_pair102));
+                    b_frag94[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair103), e4m3x2_hi(e4m3_pair103));
+                    #pragma unroll
+                    for (unsigned mi97 = 0u; mi97 < 2u; mi97 += 1u) {
+                        a_frag93[0u] = q_tile_a3[((mi97 * 2u) + kk96) * 4u];
+                        a_frag93[1u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 1u];
+                        a_frag93[2u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 2u];
+                        a_frag93[3u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain100 * 16u) + (((mi97 * 2u) + nj98) * 4u)], &a_frag93[0u], &b_frag94[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e104 = 0u; e104 < 16u; e104 += 1u) {
+            scores_term[e104] = scores_term[e104] + scores_term[16u + e104];
+        }
+        #pragma unroll
+        for (unsigned frag105 = 0u; frag105 < 4u; frag105 += 1u) {
+            #pragma unroll
+            for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
+                const float row_scale107 = kv_scales[((stage * 128u) + (((n_first91 + ((frag105 % 2u) * 8u)) + ((lane_quad * 2u) + (e106 & 1u))) * 4u)) + 3u];
+                scores_part[(frag105 * 4u) + e106] = fmaf(scores_term[(frag105 * 4u) + e106], row_scale107, scores_part[(frag105 * 4u) + e106]);
+            }
+        }
+        const unsigned n_first108 = (warp / 4u) * 16u;
+        const unsigned k_first109 = warp % 4u;
+        #pragma unroll
+        for (unsigned kk113 = 0u; kk113 < 1u; kk113 += 1u) {
+            #pragma unroll
+            for (unsigned nj115 = 0u; nj115 < 2u; nj115 += 1u) {
+                ldmatrix_x2(&b_frag111[0u], kv_rope + (stage * 1152u) + (((n_first108 + (nj115 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first109 + kk113) * 8u) + (lane_k8 >> 1u));
+                #pragma unroll
+                for (unsigned mi114 = 0u; mi114 < 2u; mi114 += 1u) {
+                    a_frag110[0u] = q_tile_a4[(mi114 + kk113) * 4u];
+                    a_frag110[1u] = q_tile_a4[((mi114 + kk113) * 4u) + 1u];
+                    a_frag110[2u] = q_tile_a4[((mi114 + kk113) * 4u) + 2u];
+                    a_frag110[3u] = q_tile_a4[((mi114 + kk113) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi114 * 2u) + nj115) * 4u], &a_frag110[0u], &b_frag111[0u]);
                 }
             }
         }
@@ -843,12 +880,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag111 = 0u; frag111 < 4u; frag111 += 1u) {
+        for (unsigned frag118 = 0u; frag118 < 4u; frag118 += 1u) {
             #pragma unroll
-            for (unsigned half112 = 0u; half112 < 2u; half112 += 1u) {
+            for (unsigned half119 = 0u; half119 < 2u; half119 += 1u) {
                 #pragma unroll
-                for (unsigned e113 = 0u; e113 < 2u; e113 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag111 / 2u) * 16u) + (half112 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag111 % 2u) * 8u)) + ((lane_quad * 2u) + e113))] = scores_part[((frag111 * 4u) + (half112 * 2u)) + e113];
+                for (unsigned e120 = 0u; e120 < 2u; e120 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag118 / 2u) * 16u) + (half119 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag118 % 2u) * 8u)) + ((lane_quad * 2u) + e120))] = scores_part[((frag118 * 4u) + (half119 * 2u)) + e120];
                 }
             }
         }
@@ -917,35 +954,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag114 = 0u; frag114 < 2u; frag114 += 1u) {
+            for (unsigned frag121 = 0u; frag121 < 2u; frag121 += 1u) {
                 #pragma unroll
-                for (unsigned half115 = 0u; half115 < 2u; half115 += 1u) {
+                for (unsigned half122 = 0u; half122 < 2u; half122 += 1u) {
                     #pragma unroll
-                    for (unsigned e116 = 0u; e116 < 2u; e116 += 1u) {
-                        float sum = scores[((frag114 * 4u) + (half115 * 2u)) + e116];
-                        const unsigned cell = (((scores_row0 + (half115 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag114 * 8u)) + ((lane_quad * 2u) + e116));
+                    for (unsigned e123 = 0u; e123 < 2u; e123 += 1u) {
+                        float sum = scores[((frag121 * 4u) + (half122 * 2u)) + e123];
+                        const unsigned cell = (((scores_row0 + (half122 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag121 * 8u)) + ((lane_quad * 2u) + e123));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag114 * 4u) + (half115 * 2u)) + e116] = sum;
+                        scores[((frag121 * 4u) + (half122 * 2u)) + e123] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag117 = 0u; frag117 < 2u; frag117 += 1u) {
+            for (unsigned frag124 = 0u; frag124 < 2u; frag124 += 1u) {
                 #pragma unroll
-                for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag117 / 2u) * 16u)) + ((half118 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
-                    float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
+                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag124 / 2u) * 16u)) + ((half125 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag124 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag124 * 4u) + (half125 * 2u)];
+                    float v1 = scores[((frag124 * 4u) + (half125 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag117 * 4u) + (half118 * 2u)] = v0;
-                    scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
+                    scores[(frag124 * 4u) + (half125 * 2u)] = v0;
+                    scores[((frag124 * 4u) + (half125 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -955,20 +992,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi119 = 0u; mi119 < 1u; mi119 += 1u) {
+            for (unsigned mi126 = 0u; mi126 < 1u; mi126 += 1u) {
                 #pragma unroll
-                for (unsigned half120 = 0u; half120 < 2u; half120 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi119 * 2u) * 4u) + (half120 * 2u)], scores[((mi119 * 2u) * 4u) + ((half120 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + (half120 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + ((half120 * 2u) + 1u)]);
+                for (unsigned half127 = 0u; half127 < 2u; half127 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi126 * 2u) * 4u) + (half127 * 2u)], scores[((mi126 * 2u) * 4u) + ((half127 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + (half127 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + ((half127 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other121 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other121);
+                    const float other128 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other128);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi119 * 2u) + half120];
+                            row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi126 * 2u) + half127];
                         }
                     }
                 }
@@ -979,96 +1016,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi124 = 0u; mi124 < 1u; mi124 += 1u) {
+            for (unsigned mi131 = 0u; mi131 < 1u; mi131 += 1u) {
                 #pragma unroll
-                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
-                    const float m_old122 = row_max_reg[(mi124 * 2u) + half125];
-                    float m_new123 = m_old122;
-                    m_new123 = fmaxf(m_new123, row_exchange[((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u]);
-                    m_new123 = fmaxf(m_new123, row_exchange[(((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi124 * 2u) + half125] = expf(m_old122 - m_new123);
-                    row_max_reg[(mi124 * 2u) + half125] = m_new123;
+                for (unsigned half132 = 0u; half132 < 2u; half132 += 1u) {
+                    const float m_old129 = row_max_reg[(mi131 * 2u) + half132];
+                    float m_new130 = m_old129;
+                    m_new130 = fmaxf(m_new130, row_exchange[((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u]);
+                    m_new130 = fmaxf(m_new130, row_exchange[(((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi131 * 2u) + half132] = expf(m_old129 - m_new130);
+                    row_max_reg[(mi131 * 2u) + half132] = m_new130;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi128 = 0u; mi128 < 2u; mi128 += 1u) {
+        for (unsigned mi135 = 0u; mi135 < 2u; mi135 += 1u) {
             #pragma unroll
-            for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
-                const float m_old126 = row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new127 = m_old126;
-                m_new127 = fmaxf(m_new127, row_exchange[((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u]);
-                m_new127 = fmaxf(m_new127, row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha32[(mi128 * 2u) + half129] = expf(m_old126 - m_new127);
+            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                const float m_old133 = row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new134 = m_old133;
+                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha32[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi133 = 0u; mi133 < 1u; mi133 += 1u) {
+            for (unsigned mi140 = 0u; mi140 < 1u; mi140 += 1u) {
                 #pragma unroll
-                for (unsigned half134 = 0u; half134 < 2u; half134 += 1u) {
+                for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj130 = 0u; nj130 < 2u; nj130 += 1u) {
+                    for (unsigned nj137 = 0u; nj137 < 2u; nj137 += 1u) {
                         #pragma unroll
-                        for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
-                            const unsigned at132 = (((mi133 * 2u) + nj130) * 4u) + ((half134 * 2u) + e131);
-                            const float p = (scores[at132] < (-1e38f)) ? 0.0f : expf(scores[at132] - row_max_reg[(mi133 * 2u) + half134]);
-                            scores[at132] = p;
+                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
+                            const unsigned at139 = (((mi140 * 2u) + nj137) * 4u) + ((half141 * 2u) + e138);
+                            const float p = (scores[at139] < (-1e38f)) ? 0.0f : expf(scores[at139] - row_max_reg[(mi140 * 2u) + half141]);
+                            scores[at139] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi133 * 2u) + half134] = (row_sum_part[(mi133 * 2u) + half134] * row_alpha[(mi133 * 2u) + half134]) + p_sum;
+                    row_sum_part[(mi140 * 2u) + half141] = (row_sum_part[(mi140 * 2u) + half141] * row_alpha[(mi140 * 2u) + half141]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag135 = 0u; frag135 < 4u; frag135 += 1u) {
+        for (unsigned frag142 = 0u; frag142 < 4u; frag142 += 1u) {
             #pragma unroll
-            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
-                const float alpha137 = row_alpha32[((frag135 / 2u) * 2u) + half136];
-                o_acc[(frag135 * 4u) + (half136 * 2u)] = o_acc[(frag135 * 4u) + (half136 * 2u)] * alpha137;
-                o_acc[((frag135 * 4u) + (half136 * 2u)) + 1u] = o_acc[((frag135 * 4u) + (half136 * 2u)) + 1u] * alpha137;
+            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
+                const float alpha144 = row_alpha32[((frag142 / 2u) * 2u) + half143];
+                o_acc[(frag142 * 4u) + (half143 * 2u)] = o_acc[(frag142 * 4u) + (half143 * 2u)] * alpha144;
+                o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] = o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] * alpha144;
             }
         }
         #pragma unroll
-        for (unsigned frag138 = 0u; frag138 < 4u; frag138 += 1u) {
+        for (unsigned frag145 = 0u; frag145 < 4u; frag145 += 1u) {
             #pragma unroll
-            for (unsigned half139 = 0u; half139 < 2u; half139 += 1u) {
-                const float alpha140 = row_alpha32[((frag138 / 2u) * 2u) + half139];
-                o_acc_1[(frag138 * 4u) + (half139 * 2u)] = o_acc_1[(frag138 * 4u) + (half139 * 2u)] * alpha140;
-                o_acc_1[((frag138 * 4u) + (half139 * 2u)) + 1u] = o_acc_1[((frag138 * 4u) + (half139 * 2u)) + 1u] * alpha140;
+            for (unsigned half146 = 0u; half146 < 2u; half146 += 1u) {
+                const float alpha147 = row_alpha32[((frag145 / 2u) * 2u) + half146];
+                o_acc_1[(frag145 * 4u) + (half146 * 2u)] = o_acc_1[(frag145 * 4u) + (half146 * 2u)] * alpha147;
+                o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] = o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] * alpha147;
             }
         }
         #pragma unroll
-        for (unsigned frag141 = 0u; frag141 < 4u; frag141 += 1u) {
+        for (unsigned frag148 = 0u; frag148 < 4u; frag148 += 1u) {
             #pragma unroll
-            for (unsigned half142 = 0u; half142 < 2u; half142 += 1u) {
-                const float alpha143 = row_alpha32[((frag141 / 2u) * 2u) + half142];
-                o_acc_2[(frag141 * 4u) + (half142 * 2u)] = o_acc_2[(frag141 * 4u) + (half142 * 2u)] * alpha143;
-                o_acc_2[((frag141 * 4u) + (half142 * 2u)) + 1u] = o_acc_2[((frag141 * 4u) + (half142 * 2u)) + 1u] * alpha143;
+            for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
+                const float alpha150 = row_alpha32[((frag148 / 2u) * 2u) + half149];
+                o_acc_2[(frag148 * 4u) + (half149 * 2u)] = o_acc_2[(frag148 * 4u) + (half149 * 2u)] * alpha150;
+                o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] = o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] * alpha150;
             }
         }
         #pragma unroll
-        for (unsigned frag144 = 0u; frag144 < 4u; frag144 += 1u) {
+        for (unsigned frag151 = 0u; frag151 < 4u; frag151 += 1u) {
             #pragma unroll
-            for (unsigned half145 = 0u; half145 < 2u; half145 += 1u) {
-                const float alpha146 = row_alpha32[((frag144 / 2u) * 2u) + half145];
-                o_acc_3[(frag144 * 4u) + (half145 * 2u)] = o_acc_3[(frag144 * 4u) + (half145 * 2u)] * alpha146;
-                o_acc_3[((frag144 * 4u) + (half145 * 2u)) + 1u] = o_acc_3[((frag144 * 4u) + (half145 * 2u)) + 1u] * alpha146;
+            for (unsigned half152 = 0u; half152 < 2u; half152 += 1u) {
+                const float alpha153 = row_alpha32[((frag151 / 2u) * 2u) + half152];
+                o_acc_3[(frag151 * 4u) + (half152 * 2u)] = o_acc_3[(frag151 * 4u) + (half152 * 2u)] * alpha153;
+                o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] = o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] * alpha153;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag149 = 0u; frag149 < 2u; frag149 += 1u) {
+            for (unsigned frag156 = 0u; frag156 < 2u; frag156 += 1u) {
                 #pragma unroll
-                for (unsigned half150 = 0u; half150 < 2u; half150 += 1u) {
-                    const unsigned row147 = (scores_row0 + ((frag149 / 2u) * 16u)) + ((half150 * 8u) + lane_group);
-                    const unsigned col148 = (scores_col0 + ((frag149 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag149 * 4u) + (half150 * 2u);
-                    p_tile[(row147 * 20u) + (col148 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half157 = 0u; half157 < 2u; half157 += 1u) {
+                    const unsigned row154 = (scores_row0 + ((frag156 / 2u) * 16u)) + ((half157 * 8u) + lane_group);
+                    const unsigned col155 = (scores_col0 + ((frag156 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag156 * 4u) + (half157 * 2u);
+                    p_tile[(row154 * 20u) + (col155 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1077,161 +1114,177 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk154 = 0u; kk154 < 2u; kk154 += 1u) {
+        for (unsigned kk161 = 0u; kk161 < 2u; kk161 += 1u) {
             #pragma unroll
-            for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
-                ldmatrix_x4(&a_frag151[mi155 * 4u], p_tile + a_lane_word + (mi155 * 320u) + (kk154 * 8u));
+            for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
+                ldmatrix_x4(&a_frag158[mi162 * 4u], p_tile + a_lane_word + (mi162 * 320u) + (kk161 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk154 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale156 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale157 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale158 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag151[0u] = pack_bf16x2(__uint_as_float(a_frag151[0u] << 16u) * k_scale, __uint_as_float(a_frag151[0u] & 4294901760u) * k_scale156);
-            a_frag151[1u] = pack_bf16x2(__uint_as_float(a_frag151[1u] << 16u) * k_scale, __uint_as_float(a_frag151[1u] & 4294901760u) * k_scale156);
-            a_frag151[2u] = pack_bf16x2(__uint_as_float(a_frag151[2u] << 16u) * k_scale157, __uint_as_float(a_frag151[2u] & 4294901760u) * k_scale158);
-            a_frag151[3u] = pack_bf16x2(__uint_as_float(a_frag151[3u] << 16u) * k_scale157, __uint_as_float(a_frag151[3u] & 4294901760u) * k_scale158);
-            const float k_scale159 = kv_scales[(stage * 128u) + (((kk154 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale160 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale161 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale162 = kv_scales[(stage * 128u) + ((((kk154 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag151[4u] = pack_bf16x2(__uint_as_float(a_frag151[4u] << 16u) * k_scale159, __uint_as_float(a_frag151[4u] & 4294901760u) * k_scale160);
-            a_frag151[5u] = pack_bf16x2(__uint_as_float(a_frag151[5u] << 16u) * k_scale159, __uint_as_float(a_frag151[5u] & 4294901760u) * k_scale160);
-            a_frag151[6u] = pack_bf16x2(__uint_as_float(a_frag151[6u] << 16u) * k_scale161, __uint_as_float(a_frag151[6u] & 4294901760u) * k_scale162);
-            a_frag151[7u] = pack_bf16x2(__uint_as_float(a_frag151[7u] << 16u) * k_scale161, __uint_as_float(a_frag151[7u] & 4294901760u) * k_scale162);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale165 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag158[0u] = pack_bf16x2(__uint_as_float(a_frag158[0u] << 16u) * k_scale, __uint_as_float(a_frag158[0u] & 4294901760u) * k_scale163);
+            a_frag158[1u] = pack_bf16x2(__uint_as_float(a_frag158[1u] << 16u) * k_scale, __uint_as_float(a_frag158[1u] & 4294901760u) * k_scale163);
+            a_frag158[2u] = pack_bf16x2(__uint_as_float(a_frag158[2u] << 16u) * k_scale164, __uint_as_float(a_frag158[2u] & 4294901760u) * k_scale165);
+            a_frag158[3u] = pack_bf16x2(__uint_as_float(a_frag158[3u] << 16u) * k_scale164, __uint_as_float(a_frag158[3u] & 4294901760u) * k_scale165);
+            const float k_scale166 = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale167 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale168 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale169 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag158[4u] = pack_bf16x2(__uint_as_float(a_frag158[4u] << 16u) * k_scale166, __uint_as_float(a_frag158[4u] & 4294901760u) * k_scale167);
+            a_frag158[5u] = pack_bf16x2(__uint_as_float(a_frag158[5u] << 16u) * k_scale166, __uint_as_float(a_frag158[5u] & 4294901760u) * k_scale167);
+            a_frag158[6u] = pack_bf16x2(__uint_as_float(a_frag158[6u] << 16u) * k_scale168, __uint_as_float(a_frag158[6u] & 4294901760u) * k_scale169);
+            a_frag158[7u] = pack_bf16x2(__uint_as_float(a_frag158[7u] << 16u) * k_scale168, __uint_as_float(a_frag158[7u] & 4294901760u) * k_scale169);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw153[0u], kv_latent + (stage * 4224u) + (((kk154 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag152[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw153[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 16u) & 255u))));
-                b_frag152[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw153[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 16u) & 255u))));
-                b_frag152[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[0u] >> 24u) & 255u))));
-                b_frag152[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw153[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw160[0u], kv_latent + (stage * 4224u) + (((kk161 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair170 = e4m3x2_prep((b_raw160[0u] & 255u) | ((b_raw160[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair171 = e4m3x2_prep(((b_raw160[0u] >> 8u) & 255u) | ((b_raw160[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair172 = e4m3x2_prep((b_raw160[1u] & 255u) | ((b_raw160[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair173 = e4m3x2_prep(((b_raw160[1u] >> 8u) & 255u) | ((b_raw160[1u] >> 16u) & 65280u));
+                b_frag159[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair170), e4m3x2_hi(e4m3_pair170));
+                b_frag159[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair172), e4m3x2_hi(e4m3_pair172));
+                b_frag159[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair171), e4m3x2_hi(e4m3_pair171));
+                b_frag159[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair173), e4m3x2_hi(e4m3_pair173));
                 #pragma unroll
-                for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi155 * 2u) + (np * 2u)) * 4u], &a_frag151[mi155 * 4u], &b_frag152[0u]);
+                for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi162 * 2u) + (np * 2u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi155 = 0u; mi155 < 2u; mi155 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi155 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag151[mi155 * 4u], &b_frag152[2u]);
+                for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi162 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[2u]);
                 }
             }
         }
-        const unsigned a_lane_word169 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word180 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk166 = 0u; kk166 < 2u; kk166 += 1u) {
+        for (unsigned kk177 = 0u; kk177 < 2u; kk177 += 1u) {
             #pragma unroll
-            for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
-                ldmatrix_x4(&a_frag163[mi167 * 4u], p_tile + a_lane_word169 + (mi167 * 320u) + (kk166 * 8u));
+            for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
+                ldmatrix_x4(&a_frag174[mi178 * 4u], p_tile + a_lane_word180 + (mi178 * 320u) + (kk177 * 8u));
             }
-            const float k_scale170 = kv_scales[((stage * 128u) + (((kk166 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale172 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale173 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag163[0u] = pack_bf16x2(__uint_as_float(a_frag163[0u] << 16u) * k_scale170, __uint_as_float(a_frag163[0u] & 4294901760u) * k_scale171);
-            a_frag163[1u] = pack_bf16x2(__uint_as_float(a_frag163[1u] << 16u) * k_scale170, __uint_as_float(a_frag163[1u] & 4294901760u) * k_scale171);
-            a_frag163[2u] = pack_bf16x2(__uint_as_float(a_frag163[2u] << 16u) * k_scale172, __uint_as_float(a_frag163[2u] & 4294901760u) * k_scale173);
-            a_frag163[3u] = pack_bf16x2(__uint_as_float(a_frag163[3u] << 16u) * k_scale172, __uint_as_float(a_frag163[3u] & 4294901760u) * k_scale173);
-            const float k_scale174 = kv_scales[((stage * 128u) + (((kk166 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale177 = kv_scales[((stage * 128u) + ((((kk166 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag163[4u] = pack_bf16x2(__uint_as_float(a_frag163[4u] << 16u) * k_scale174, __uint_as_float(a_frag163[4u] & 4294901760u) * k_scale175);
-            a_frag163[5u] = pack_bf16x2(__uint_as_float(a_frag163[5u] << 16u) * k_scale174, __uint_as_float(a_frag163[5u] & 4294901760u) * k_scale175);
-            a_frag163[6u] = pack_bf16x2(__uint_as_float(a_frag163[6u] << 16u) * k_scale176, __uint_as_float(a_frag163[6u] & 4294901760u) * k_scale177);
-            a_frag163[7u] = pack_bf16x2(__uint_as_float(a_frag163[7u] << 16u) * k_scale176, __uint_as_float(a_frag163[7u] & 4294901760u) * k_scale177);
+            const float k_scale181 = kv_scales[((stage * 128u) + (((kk177 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale182 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale183 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag174[0u] = pack_bf16x2(__uint_as_float(a_frag174[0u] << 16u) * k_scale181, __uint_as_float(a_frag174[0u] & 4294901760u) * k_scale182);
+            a_frag174[1u] = pack_bf16x2(__uint_as_float(a_frag174[1u] << 16u) * k_scale181, __uint_as_float(a_frag174[1u] & 4294901760u) * k_scale182);
+            a_frag174[2u] = pack_bf16x2(__uint_as_float(a_frag174[2u] << 16u) * k_scale183, __uint_as_float(a_frag174[2u] & 4294901760u) * k_scale184);
+            a_frag174[3u] = pack_bf16x2(__uint_as_float(a_frag174[3u] << 16u) * k_scale183, __uint_as_float(a_frag174[3u] & 4294901760u) * k_scale184);
+            const float k_scale185 = kv_scales[((stage * 128u) + (((kk177 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale188 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag174[4u] = pack_bf16x2(__uint_as_float(a_frag174[4u] << 16u) * k_scale185, __uint_as_float(a_frag174[4u] & 4294901760u) * k_scale186);
+            a_frag174[5u] = pack_bf16x2(__uint_as_float(a_frag174[5u] << 16u) * k_scale185, __uint_as_float(a_frag174[5u] & 4294901760u) * k_scale186);
+            a_frag174[6u] = pack_bf16x2(__uint_as_float(a_frag174[6u] << 16u) * k_scale187, __uint_as_float(a_frag174[6u] & 4294901760u) * k_scale188);
+            a_frag174[7u] = pack_bf16x2(__uint_as_float(a_frag174[7u] << 16u) * k_scale187, __uint_as_float(a_frag174[7u] & 4294901760u) * k_scale188);
             #pragma unroll
-            for (unsigned np168 = 0u; np168 < 1u; np168 += 1u) {
-                ldmatrix_x2_trans(&b_raw165[0u], kv_latent + (stage * 4224u) + (((kk166 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np168 * 16u)) >> 2u));
-                b_frag164[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw165[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 16u) & 255u))));
-                b_frag164[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw165[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 16u) & 255u))));
-                b_frag164[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[0u] >> 24u) & 255u))));
-                b_frag164[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw165[1u] >> 24u) & 255u))));
+            for (unsigned np179 = 0u; np179 < 1u; np179 += 1u) {
+                ldmatrix_x2_trans(&b_raw176[0u], kv_latent + (stage * 4224u) + (((kk177 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np179 * 16u)) >> 2u));
+                const unsigned e4m3_pair189 = e4m3x2_prep((b_raw176[0u] & 255u) | ((b_raw176[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair190 = e4m3x2_prep(((b_raw176[0u] >> 8u) & 255u) | ((b_raw176[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair191 = e4m3x2_prep((b_raw176[1u] & 255u) | ((b_raw176[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair192 = e4m3x2_prep(((b_raw176[1u] >> 8u) & 255u) | ((b_raw176[1u] >> 16u) & 65280u));
+                b_frag175[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
+                b_frag175[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair191), e4m3x2_hi(e4m3_pair191));
+                b_frag175[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
+                b_frag175[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair192), e4m3x2_hi(e4m3_pair192));
                 #pragma unroll
-                for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi167 * 2u) + (np168 * 2u)) * 4u], &a_frag163[mi167 * 4u], &b_frag164[0u]);
+                for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi178 * 2u) + (np179 * 2u)) * 4u], &a_frag174[mi178 * 4u], &b_frag175[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi167 = 0u; mi167 < 2u; mi167 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi167 * 2u) + ((np168 * 2u) + 1u)) * 4u], &a_frag163[mi167 * 4u], &b_frag164[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word184 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk181 = 0u; kk181 < 2u; kk181 += 1u) {
-            #pragma unroll
-            for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
-                ldmatrix_x4(&a_frag178[mi182 * 4u], p_tile + a_lane_word184 + (mi182 * 320u) + (kk181 * 8u));
-            }
-            const float k_scale185 = kv_scales[((stage * 128u) + (((kk181 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale188 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag178[0u] = pack_bf16x2(__uint_as_float(a_frag178[0u] << 16u) * k_scale185, __uint_as_float(a_frag178[0u] & 4294901760u) * k_scale186);
-            a_frag178[1u] = pack_bf16x2(__uint_as_float(a_frag178[1u] << 16u) * k_scale185, __uint_as_float(a_frag178[1u] & 4294901760u) * k_scale186);
-            a_frag178[2u] = pack_bf16x2(__uint_as_float(a_frag178[2u] << 16u) * k_scale187, __uint_as_float(a_frag178[2u] & 4294901760u) * k_scale188);
-            a_frag178[3u] = pack_bf16x2(__uint_as_float(a_frag178[3u] << 16u) * k_scale187, __uint_as_float(a_frag178[3u] & 4294901760u) * k_scale188);
-            const float k_scale189 = kv_scales[((stage * 128u) + (((kk181 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale191 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale192 = kv_scales[((stage * 128u) + ((((kk181 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag178[4u] = pack_bf16x2(__uint_as_float(a_frag178[4u] << 16u) * k_scale189, __uint_as_float(a_frag178[4u] & 4294901760u) * k_scale190);
-            a_frag178[5u] = pack_bf16x2(__uint_as_float(a_frag178[5u] << 16u) * k_scale189, __uint_as_float(a_frag178[5u] & 4294901760u) * k_scale190);
-            a_frag178[6u] = pack_bf16x2(__uint_as_float(a_frag178[6u] << 16u) * k_scale191, __uint_as_float(a_frag178[6u] & 4294901760u) * k_scale192);
-            a_frag178[7u] = pack_bf16x2(__uint_as_float(a_frag178[7u] << 16u) * k_scale191, __uint_as_float(a_frag178[7u] & 4294901760u) * k_scale192);
-            #pragma unroll
-            for (unsigned np183 = 0u; np183 < 1u; np183 += 1u) {
-                ldmatrix_x2_trans(&b_raw180[0u], kv_latent + (stage * 4224u) + (((kk181 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np183 * 16u)) >> 2u));
-                b_frag179[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw180[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 16u) & 255u))));
-                b_frag179[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw180[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 16u) & 255u))));
-                b_frag179[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[0u] >> 24u) & 255u))));
-                b_frag179[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw180[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi182 * 2u) + (np183 * 2u)) * 4u], &a_frag178[mi182 * 4u], &b_frag179[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi182 = 0u; mi182 < 2u; mi182 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi182 * 2u) + ((np183 * 2u) + 1u)) * 4u], &a_frag178[mi182 * 4u], &b_frag179[2u]);
+                for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi178 * 2u) + ((np179 * 2u) + 1u)) * 4u], &a_frag174[mi178 * 4u], &b_frag175[2u]);
                 }
             }
         }
-        const unsigned a_lane_word199 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word199 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
         for (unsigned kk196 = 0u; kk196 < 2u; kk196 += 1u) {
             #pragma unroll
             for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
                 ldmatrix_x4(&a_frag193[mi197 * 4u], p_tile + a_lane_word199 + (mi197 * 320u) + (kk196 * 8u));
             }
-            const float k_scale200 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale203 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            const float k_scale200 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale203 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
             a_frag193[0u] = pack_bf16x2(__uint_as_float(a_frag193[0u] << 16u) * k_scale200, __uint_as_float(a_frag193[0u] & 4294901760u) * k_scale201);
             a_frag193[1u] = pack_bf16x2(__uint_as_float(a_frag193[1u] << 16u) * k_scale200, __uint_as_float(a_frag193[1u] & 4294901760u) * k_scale201);
             a_frag193[2u] = pack_bf16x2(__uint_as_float(a_frag193[2u] << 16u) * k_scale202, __uint_as_float(a_frag193[2u] & 4294901760u) * k_scale203);
             a_frag193[3u] = pack_bf16x2(__uint_as_float(a_frag193[3u] << 16u) * k_scale202, __uint_as_float(a_frag193[3u] & 4294901760u) * k_scale203);
-            const float k_scale204 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale207 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            const float k_scale204 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale207 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
             a_frag193[4u] = pack_bf16x2(__uint_as_float(a_frag193[4u] << 16u) * k_scale204, __uint_as_float(a_frag193[4u] & 4294901760u) * k_scale205);
             a_frag193[5u] = pack_bf16x2(__uint_as_float(a_frag193[5u] << 16u) * k_scale204, __uint_as_float(a_frag193[5u] & 4294901760u) * k_scale205);
             a_frag193[6u] = pack_bf16x2(__uint_as_float(a_frag193[6u] << 16u) * k_scale206, __uint_as_float(a_frag193[6u] & 4294901760u) * k_scale207);
             a_frag193[7u] = pack_bf16x2(__uint_as_float(a_frag193[7u] << 16u) * k_scale206, __uint_as_float(a_frag193[7u] & 4294901760u) * k_scale207);
             #pragma unroll
             for (unsigned np198 = 0u; np198 < 1u; np198 += 1u) {
-                ldmatrix_x2_trans(&b_raw195[0u], kv_latent + (stage * 4224u) + (((kk196 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np198 * 16u)) >> 2u));
-                b_frag194[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw195[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 16u) & 255u))));
-                b_frag194[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw195[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 16u) & 255u))));
-                b_frag194[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[0u] >> 24u) & 255u))));
-                b_frag194[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw195[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw195[0u], kv_latent + (stage * 4224u) + (((kk196 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np198 * 16u)) >> 2u));
+                const unsigned e4m3_pair208 = e4m3x2_prep((b_raw195[0u] & 255u) | ((b_raw195[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair209 = e4m3x2_prep(((b_raw195[0u] >> 8u) & 255u) | ((b_raw195[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair210 = e4m3x2_prep((b_raw195[1u] & 255u) | ((b_raw195[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair211 = e4m3x2_prep(((b_raw195[1u] >> 8u) & 255u) | ((b_raw195[1u] >> 16u) & 65280u));
+                b_frag194[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair208), e4m3x2_hi(e4m3_pair208));
+                b_frag194[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair210), e4m3x2_hi(e4m3_pair210));
+                b_frag194[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair209), e4m3x2_hi(e4m3_pair209));
+                b_frag194[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair211), e4m3x2_hi(e4m3_pair211));
                 #pragma unroll
                 for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi197 * 2u) + (np198 * 2u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[0u]);
+                    mma_bf16_16816(&o_acc_2[((mi197 * 2u) + (np198 * 2u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[0u]);
                 }
                 #pragma unroll
                 for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi197 * 2u) + ((np198 * 2u) + 1u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[2u]);
+                    mma_bf16_16816(&o_acc_2[((mi197 * 2u) + ((np198 * 2u) + 1u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word218 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk215 = 0u; kk215 < 2u; kk215 += 1u) {
+            #pragma unroll
+            for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
+                ldmatrix_x4(&a_frag212[mi216 * 4u], p_tile + a_lane_word218 + (mi216 * 320u) + (kk215 * 8u));
+            }
+            const float k_scale219 = kv_scales[((stage * 128u) + (((kk215 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale220 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale221 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale222 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag212[0u] = pack_bf16x2(__uint_as_float(a_frag212[0u] << 16u) * k_scale219, __uint_as_float(a_frag212[0u] & 4294901760u) * k_scale220);
+            a_frag212[1u] = pack_bf16x2(__uint_as_float(a_frag212[1u] << 16u) * k_scale219, __uint_as_float(a_frag212[1u] & 4294901760u) * k_scale220);
+            a_frag212[2u] = pack_bf16x2(__uint_as_float(a_frag212[2u] << 16u) * k_scale221, __uint_as_float(a_frag212[2u] & 4294901760u) * k_scale222);
+            a_frag212[3u] = pack_bf16x2(__uint_as_float(a_frag212[3u] << 16u) * k_scale221, __uint_as_float(a_frag212[3u] & 4294901760u) * k_scale222);
+            const float k_scale223 = kv_scales[((stage * 128u) + (((kk215 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale224 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale225 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale226 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag212[4u] = pack_bf16x2(__uint_as_float(a_frag212[4u] << 16u) * k_scale223, __uint_as_float(a_frag212[4u] & 4294901760u) * k_scale224);
+            a_frag212[5u] = pack_bf16x2(__uint_as_float(a_frag212[5u] << 16u) * k_scale223, __uint_as_float(a_frag212[5u] & 4294901760u) * k_scale224);
+            a_frag212[6u] = pack_bf16x2(__uint_as_float(a_frag212[6u] << 16u) * k_scale225, __uint_as_float(a_frag212[6u] & 4294901760u) * k_scale226);
+            a_frag212[7u] = pack_bf16x2(__uint_as_float(a_frag212[7u] << 16u) * k_scale225, __uint_as_float(a_frag212[7u] & 4294901760u) * k_scale226);
+            #pragma unroll
+            for (unsigned np217 = 0u; np217 < 1u; np217 += 1u) {
+                ldmatrix_x2_trans(&b_raw214[0u], kv_latent + (stage * 4224u) + (((kk215 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np217 * 16u)) >> 2u));
+                const unsigned e4m3_pair227 = e4m3x2_prep((b_raw214[0u] & 255u) | ((b_raw214[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair228 = e4m3x2_prep(((b_raw214[0u] >> 8u) & 255u) | ((b_raw214[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair229 = e4m3x2_prep((b_raw214[1u] & 255u) | ((b_raw214[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair230 = e4m3x2_prep(((b_raw214[1u] >> 8u) & 255u) | ((b_raw214[1u] >> 16u) & 65280u));
+                b_frag213[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair227), e4m3x2_hi(e4m3_pair227));
+                b_frag213[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair229), e4m3x2_hi(e4m3_pair229));
+                b_frag213[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair228), e4m3x2_hi(e4m3_pair228));
+                b_frag213[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair230), e4m3x2_hi(e4m3_pair230));
+                #pragma unroll
+                for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi216 * 2u) + (np217 * 2u)) * 4u], &a_frag212[mi216 * 4u], &b_frag213[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi216 * 2u) + ((np217 * 2u) + 1u)) * 4u], &a_frag212[mi216 * 4u], &b_frag213[2u]);
                 }
             }
         }
@@ -1246,16 +1299,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi209 = 0u; mi209 < 1u; mi209 += 1u) {
+        for (unsigned mi232 = 0u; mi232 < 1u; mi232 += 1u) {
             #pragma unroll
-            for (unsigned half210 = 0u; half210 < 2u; half210 += 1u) {
-                float row_sum208 = row_sum_part[(mi209 * 2u) + half210];
-                const float other211 = shfl_xor_f32(row_sum208, 1);
-                row_sum208 = row_sum208 + other211;
-                const float other212 = shfl_xor_f32(row_sum208, 2);
-                row_sum208 = row_sum208 + other212;
+            for (unsigned half233 = 0u; half233 < 2u; half233 += 1u) {
+                float row_sum231 = row_sum_part[(mi232 * 2u) + half233];
+                const float other234 = shfl_xor_f32(row_sum231, 1);
+                row_sum231 = row_sum231 + other234;
+                const float other235 = shfl_xor_f32(row_sum231, 2);
+                row_sum231 = row_sum231 + other235;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi209 * 16u)) + ((half210 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum208;
+                    row_exchange[(((scores_row0 + (mi232 * 16u)) + ((half233 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum231;
                 }
             }
         }
@@ -1263,14 +1316,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi214 = 0u; mi214 < 1u; mi214 += 1u) {
+        for (unsigned mi237 = 0u; mi237 < 1u; mi237 += 1u) {
             #pragma unroll
-            for (unsigned half215 = 0u; half215 < 2u; half215 += 1u) {
+            for (unsigned half238 = 0u; half238 < 2u; half238 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum213 = row_exchange[((scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)) * 3u];
-                    row_sum213 = row_sum213 + row_exchange[(((scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)] = row_sum213;
-                    row_max[(scores_row0 + (mi214 * 16u)) + ((half215 * 8u) + lane_group)] = row_max_reg[(mi214 * 2u) + half215];
+                    float row_sum236 = row_exchange[((scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)) * 3u];
+                    row_sum236 = row_sum236 + row_exchange[(((scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)] = row_sum236;
+                    row_max[(scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)] = row_max_reg[(mi237 * 2u) + half238];
                 }
             }
         }
@@ -1279,15 +1332,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag216 = 0u; frag216 < 2u; frag216 += 1u) {
+    for (unsigned frag239 = 0u; frag239 < 2u; frag239 += 1u) {
         #pragma unroll
-        for (unsigned half217 = 0u; half217 < 2u; half217 += 1u) {
+        for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
             #pragma unroll
-            for (unsigned e218 = 0u; e218 < 2u; e218 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag216 / 1u) * 16u)) + ((half217 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag216 % 1u) * 16u)) + ((lane_quad * 4u) + (e218 * 2u));
-                float v0_6 = o_acc[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)];
-                float v1_6 = o_acc[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)];
+            for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
+                float v0_6 = o_acc[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
+                float v1_6 = o_acc[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
@@ -1296,21 +1349,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at] = v0_6 * inv_l;
                     o_part[at + 1u] = v1_6 * inv_l;
                 }
-                o_acc[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)] = v0_6;
-                o_acc[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)] = v1_6;
+                o_acc[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_6;
+                o_acc[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag219 = 0u; frag219 < 2u; frag219 += 1u) {
+    for (unsigned frag242 = 0u; frag242 < 2u; frag242 += 1u) {
         #pragma unroll
-        for (unsigned half220 = 0u; half220 < 2u; half220 += 1u) {
+        for (unsigned half243 = 0u; half243 < 2u; half243 += 1u) {
             #pragma unroll
-            for (unsigned e221 = 0u; e221 < 2u; e221 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag219 / 1u) * 16u)) + ((half220 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag219 % 1u) * 16u)) + ((lane_quad * 4u) + (e221 * 2u));
-                float v0_7 = o_acc_1[((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) * 4u) + ((half220 * 2u) + e221)];
-                float v1_7 = o_acc_1[(((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) + 1u) * 4u) + ((half220 * 2u) + e221)];
+            for (unsigned e244 = 0u; e244 < 2u; e244 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag242 / 1u) * 16u)) + ((half243 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag242 % 1u) * 16u)) + ((lane_quad * 4u) + (e244 * 2u));
+                float v0_7 = o_acc_1[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)];
+                float v1_7 = o_acc_1[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
@@ -1319,21 +1372,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_1] = v0_7 * inv_l_1;
                     o_part[at_1 + 1u] = v1_7 * inv_l_1;
                 }
-                o_acc_1[((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) * 4u) + ((half220 * 2u) + e221)] = v0_7;
-                o_acc_1[(((((frag219 / 1u) * 2u) + ((frag219 % 1u) * 2u)) + 1u) * 4u) + ((half220 * 2u) + e221)] = v1_7;
+                o_acc_1[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)] = v0_7;
+                o_acc_1[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag222 = 0u; frag222 < 2u; frag222 += 1u) {
+    for (unsigned frag245 = 0u; frag245 < 2u; frag245 += 1u) {
         #pragma unroll
-        for (unsigned half223 = 0u; half223 < 2u; half223 += 1u) {
+        for (unsigned half246 = 0u; half246 < 2u; half246 += 1u) {
             #pragma unroll
-            for (unsigned e224 = 0u; e224 < 2u; e224 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag222 / 1u) * 16u)) + ((half223 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag222 % 1u) * 16u)) + ((lane_quad * 4u) + (e224 * 2u));
-                float v0_8 = o_acc_2[((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) * 4u) + ((half223 * 2u) + e224)];
-                float v1_8 = o_acc_2[(((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) + 1u) * 4u) + ((half223 * 2u) + e224)];
+            for (unsigned e247 = 0u; e247 < 2u; e247 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag245 / 1u) * 16u)) + ((half246 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag245 % 1u) * 16u)) + ((lane_quad * 4u) + (e247 * 2u));
+                float v0_8 = o_acc_2[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)];
+                float v1_8 = o_acc_2[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
@@ -1342,21 +1395,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_2] = v0_8 * inv_l_2;
                     o_part[at_2 + 1u] = v1_8 * inv_l_2;
                 }
-                o_acc_2[((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) * 4u) + ((half223 * 2u) + e224)] = v0_8;
-                o_acc_2[(((((frag222 / 1u) * 2u) + ((frag222 % 1u) * 2u)) + 1u) * 4u) + ((half223 * 2u) + e224)] = v1_8;
+                o_acc_2[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)] = v0_8;
+                o_acc_2[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag225 = 0u; frag225 < 2u; frag225 += 1u) {
+    for (unsigned frag248 = 0u; frag248 < 2u; frag248 += 1u) {
         #pragma unroll
-        for (unsigned half226 = 0u; half226 < 2u; half226 += 1u) {
+        for (unsigned half249 = 0u; half249 < 2u; half249 += 1u) {
             #pragma unroll
-            for (unsigned e227 = 0u; e227 < 2u; e227 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag225 / 1u) * 16u)) + ((half226 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag225 % 1u) * 16u)) + ((lane_quad * 4u) + (e227 * 2u));
-                float v0_9 = o_acc_3[((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) * 4u) + ((half226 * 2u) + e227)];
-                float v1_9 = o_acc_3[(((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) + 1u) * 4u) + ((half226 * 2u) + e227)];
+            for (unsigned e250 = 0u; e250 < 2u; e250 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag248 / 1u) * 16u)) + ((half249 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag248 % 1u) * 16u)) + ((lane_quad * 4u) + (e250 * 2u));
+                float v0_9 = o_acc_3[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)];
+                float v1_9 = o_acc_3[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
@@ -1365,8 +1418,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_3] = v0_9 * inv_l_3;
                     o_part[at_3 + 1u] = v1_9 * inv_l_3;
                 }
-                o_acc_3[((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) * 4u) + ((half226 * 2u) + e227)] = v0_9;
-                o_acc_3[(((((frag225 / 1u) * 2u) + ((frag225 % 1u) * 2u)) + 1u) * 4u) + ((half226 * 2u) + e227)] = v1_9;
+                o_acc_3[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)] = v0_9;
+                o_acc_3[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)] = v1_9;
             }
         }
     }

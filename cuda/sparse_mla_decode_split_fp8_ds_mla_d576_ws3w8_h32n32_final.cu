@@ -247,6 +247,35 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+// its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
+// f16 -> f32); older archs keep the bytes and decode each by bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v;
+}
+#else
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+}
+#endif
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -287,30 +316,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag56[4];
-    unsigned b_frag57[4];
-    unsigned b_raw58[2];
-    unsigned a_frag72[4];
-    unsigned b_frag73[4];
-    unsigned b_raw74[2];
-    unsigned a_frag88[4];
-    unsigned b_frag89[4];
-    unsigned b_raw90[2];
-    unsigned a_frag103[4];
-    unsigned b_frag104[4];
-    unsigned b_raw105[2];
-    unsigned a_frag150[8];
-    unsigned b_frag151[4];
-    unsigned b_raw152[2];
-    unsigned a_frag162[8];
-    unsigned b_frag163[4];
-    unsigned b_raw164[2];
-    unsigned a_frag177[8];
-    unsigned b_frag178[4];
-    unsigned b_raw179[2];
+    unsigned a_frag57[4];
+    unsigned b_frag58[4];
+    unsigned b_raw59[2];
+    unsigned a_frag75[4];
+    unsigned b_frag76[4];
+    unsigned b_raw77[2];
+    unsigned a_frag93[4];
+    unsigned b_frag94[4];
+    unsigned b_raw95[2];
+    unsigned a_frag110[4];
+    unsigned b_frag111[4];
+    unsigned b_raw112[2];
+    unsigned a_frag157[8];
+    unsigned b_frag158[4];
+    unsigned b_raw159[2];
+    unsigned a_frag173[8];
+    unsigned b_frag174[4];
+    unsigned b_raw175[2];
     unsigned a_frag192[8];
     unsigned b_frag193[4];
     unsigned b_raw194[2];
+    unsigned a_frag211[8];
+    unsigned b_frag212[4];
+    unsigned b_raw213[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -343,16 +372,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i227 = threadIdx.x; zero_i227 < 3456u; zero_i227 += 256u) {
-        kv_rope[zero_i227] = 0u;
+    for (unsigned zero_i250 = threadIdx.x; zero_i250 < 3456u; zero_i250 += 256u) {
+        kv_rope[zero_i250] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i228 = threadIdx.x; zero_i228 < 384u; zero_i228 += 256u) {
-        kv_scales[zero_i228] = 0.0f;
+    for (unsigned zero_i251 = threadIdx.x; zero_i251 < 384u; zero_i251 += 256u) {
+        kv_scales[zero_i251] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i229 = threadIdx.x; zero_i229 < 108u; zero_i229 += 256u) {
-        row_valid[zero_i229] = 0.0f;
+    for (unsigned zero_i252 = threadIdx.x; zero_i252 < 108u; zero_i252 += 256u) {
+        row_valid[zero_i252] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -670,8 +699,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                    const unsigned e4m3_pair51 = e4m3x2_prep(b_raw[0u] >> 16u);
+                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair51), e4m3x2_hi(e4m3_pair51));
                     #pragma unroll
                     for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
@@ -684,160 +715,166 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         #pragma unroll
-        for (unsigned e51 = 0u; e51 < 16u; e51 += 1u) {
-            scores_term[e51] = scores_term[e51] + scores_term[16u + e51];
+        for (unsigned e52 = 0u; e52 < 16u; e52 += 1u) {
+            scores_term[e52] = scores_term[e52] + scores_term[16u + e52];
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e52 = 0u; e52 < 4u; e52 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e52 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e52] = fmaf(scores_term[(frag * 4u) + e52], row_scale, scores_part[(frag * 4u) + e52]);
+            for (unsigned e53 = 0u; e53 < 4u; e53 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e53 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e53] = fmaf(scores_term[(frag * 4u) + e53], row_scale, scores_part[(frag * 4u) + e53]);
             }
         }
         #pragma unroll
-        for (unsigned e53 = 0u; e53 < 16u; e53 += 1u) {
-            scores_term[e53] = 0.0f;
+        for (unsigned e54 = 0u; e54 < 16u; e54 += 1u) {
+            scores_term[e54] = 0.0f;
         }
-        const unsigned n_first54 = (warp / 4u) * 16u;
-        const unsigned k_first55 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e64 = 0u; e64 < 16u; e64 += 1u) {
-            scores_term[16u + e64] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair62 = 0u; kk_pair62 < 1u; kk_pair62 += 1u) {
-            #pragma unroll
-            for (unsigned chain63 = 0u; chain63 < 2u; chain63 += 1u) {
-                const unsigned kk59 = (kk_pair62 * 2u) + chain63;
-                #pragma unroll
-                for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
-                    ldmatrix_x1(&b_raw58[0u], kv_latent + (stage * 4224u) + (((n_first54 + (nj61 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first55 + kk59) * 4u));
-                    b_frag57[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw58[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 8u) & 255u))));
-                    b_frag57[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw58[0u] >> 24u) & 255u))));
-                    #pragma unroll
-                    for (unsigned mi60 = 0u; mi60 < 2u; mi60 += 1u) {
-                        a_frag56[0u] = q_tile_a1[((mi60 * 2u) + kk59) * 4u];
-                        a_frag56[1u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 1u];
-                        a_frag56[2u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 2u];
-                        a_frag56[3u] = q_tile_a1[(((mi60 * 2u) + kk59) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain63 * 16u) + (((mi60 * 2u) + nj61) * 4u)], &a_frag56[0u], &b_frag57[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first55 = (warp / 4u) * 16u;
+        const unsigned k_first56 = (warp % 4u) * 2u;
         #pragma unroll
         for (unsigned e65 = 0u; e65 < 16u; e65 += 1u) {
-            scores_term[e65] = scores_term[e65] + scores_term[16u + e65];
+            scores_term[16u + e65] = 0.0f;
         }
         #pragma unroll
-        for (unsigned frag66 = 0u; frag66 < 4u; frag66 += 1u) {
+        for (unsigned kk_pair63 = 0u; kk_pair63 < 1u; kk_pair63 += 1u) {
             #pragma unroll
-            for (unsigned e67 = 0u; e67 < 4u; e67 += 1u) {
-                const float row_scale68 = kv_scales[((stage * 128u) + (((n_first54 + ((frag66 % 2u) * 8u)) + ((lane_quad * 2u) + (e67 & 1u))) * 4u)) + 1u];
-                scores_part[(frag66 * 4u) + e67] = fmaf(scores_term[(frag66 * 4u) + e67], row_scale68, scores_part[(frag66 * 4u) + e67]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e69 = 0u; e69 < 16u; e69 += 1u) {
-            scores_term[e69] = 0.0f;
-        }
-        const unsigned n_first70 = (warp / 4u) * 16u;
-        const unsigned k_first71 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e80 = 0u; e80 < 16u; e80 += 1u) {
-            scores_term[16u + e80] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair78 = 0u; kk_pair78 < 1u; kk_pair78 += 1u) {
-            #pragma unroll
-            for (unsigned chain79 = 0u; chain79 < 2u; chain79 += 1u) {
-                const unsigned kk75 = (kk_pair78 * 2u) + chain79;
+            for (unsigned chain64 = 0u; chain64 < 2u; chain64 += 1u) {
+                const unsigned kk60 = (kk_pair63 * 2u) + chain64;
                 #pragma unroll
-                for (unsigned nj77 = 0u; nj77 < 2u; nj77 += 1u) {
-                    ldmatrix_x1(&b_raw74[0u], kv_latent + (stage * 4224u) + (((n_first70 + (nj77 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first71 + kk75) * 4u));
-                    b_frag73[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw74[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 8u) & 255u))));
-                    b_frag73[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw74[0u] >> 24u) & 255u))));
+                for (unsigned nj62 = 0u; nj62 < 2u; nj62 += 1u) {
+                    ldmatrix_x1(&b_raw59[0u], kv_latent + (stage * 4224u) + (((n_first55 + (nj62 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first56 + kk60) * 4u));
+                    const unsigned e4m3_pair66 = e4m3x2_prep(b_raw59[0u] & 65535u);
+                    const unsigned e4m3_pair67 = e4m3x2_prep(b_raw59[0u] >> 16u);
+                    b_frag58[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair66), e4m3x2_hi(e4m3_pair66));
+                    b_frag58[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair67), e4m3x2_hi(e4m3_pair67));
                     #pragma unroll
-                    for (unsigned mi76 = 0u; mi76 < 2u; mi76 += 1u) {
-                        a_frag72[0u] = q_tile_a2[((mi76 * 2u) + kk75) * 4u];
-                        a_frag72[1u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 1u];
-                        a_frag72[2u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 2u];
-                        a_frag72[3u] = q_tile_a2[(((mi76 * 2u) + kk75) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain79 * 16u) + (((mi76 * 2u) + nj77) * 4u)], &a_frag72[0u], &b_frag73[0u]);
+                    for (unsigned mi61 = 0u; mi61 < 2u; mi61 += 1u) {
+                        a_frag57[0u] = q_tile_a1[((mi61 * 2u) + kk60) * 4u];
+                        a_frag57[1u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 1u];
+                        a_frag57[2u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 2u];
+                        a_frag57[3u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain64 * 16u) + (((mi61 * 2u) + nj62) * 4u)], &a_frag57[0u], &b_frag58[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e81 = 0u; e81 < 16u; e81 += 1u) {
-            scores_term[e81] = scores_term[e81] + scores_term[16u + e81];
+        for (unsigned e68 = 0u; e68 < 16u; e68 += 1u) {
+            scores_term[e68] = scores_term[e68] + scores_term[16u + e68];
         }
         #pragma unroll
-        for (unsigned frag82 = 0u; frag82 < 4u; frag82 += 1u) {
+        for (unsigned frag69 = 0u; frag69 < 4u; frag69 += 1u) {
             #pragma unroll
-            for (unsigned e83 = 0u; e83 < 4u; e83 += 1u) {
-                const float row_scale84 = kv_scales[((stage * 128u) + (((n_first70 + ((frag82 % 2u) * 8u)) + ((lane_quad * 2u) + (e83 & 1u))) * 4u)) + 2u];
-                scores_part[(frag82 * 4u) + e83] = fmaf(scores_term[(frag82 * 4u) + e83], row_scale84, scores_part[(frag82 * 4u) + e83]);
+            for (unsigned e70 = 0u; e70 < 4u; e70 += 1u) {
+                const float row_scale71 = kv_scales[((stage * 128u) + (((n_first55 + ((frag69 % 2u) * 8u)) + ((lane_quad * 2u) + (e70 & 1u))) * 4u)) + 1u];
+                scores_part[(frag69 * 4u) + e70] = fmaf(scores_term[(frag69 * 4u) + e70], row_scale71, scores_part[(frag69 * 4u) + e70]);
             }
         }
         #pragma unroll
-        for (unsigned e85 = 0u; e85 < 16u; e85 += 1u) {
-            scores_term[e85] = 0.0f;
+        for (unsigned e72 = 0u; e72 < 16u; e72 += 1u) {
+            scores_term[e72] = 0.0f;
         }
-        const unsigned n_first86 = (warp / 4u) * 16u;
-        const unsigned k_first87 = (warp % 4u) * 2u;
+        const unsigned n_first73 = (warp / 4u) * 16u;
+        const unsigned k_first74 = (warp % 4u) * 2u;
         #pragma unroll
-        for (unsigned e96 = 0u; e96 < 16u; e96 += 1u) {
-            scores_term[16u + e96] = 0.0f;
+        for (unsigned e83 = 0u; e83 < 16u; e83 += 1u) {
+            scores_term[16u + e83] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair94 = 0u; kk_pair94 < 1u; kk_pair94 += 1u) {
+        for (unsigned kk_pair81 = 0u; kk_pair81 < 1u; kk_pair81 += 1u) {
             #pragma unroll
-            for (unsigned chain95 = 0u; chain95 < 2u; chain95 += 1u) {
-                const unsigned kk91 = (kk_pair94 * 2u) + chain95;
+            for (unsigned chain82 = 0u; chain82 < 2u; chain82 += 1u) {
+                const unsigned kk78 = (kk_pair81 * 2u) + chain82;
                 #pragma unroll
-                for (unsigned nj93 = 0u; nj93 < 2u; nj93 += 1u) {
-                    ldmatrix_x1(&b_raw90[0u], kv_latent + (stage * 4224u) + (((n_first86 + (nj93 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first87 + kk91) * 4u));
-                    b_frag89[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw90[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 8u) & 255u))));
-                    b_frag89[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw90[0u] >> 24u) & 255u))));
+                for (unsigned nj80 = 0u; nj80 < 2u; nj80 += 1u) {
+                    ldmatrix_x1(&b_raw77[0u], kv_latent + (stage * 4224u) + (((n_first73 + (nj80 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first74 + kk78) * 4u));
+                    const unsigned e4m3_pair84 = e4m3x2_prep(b_raw77[0u] & 65535u);
+                    const unsigned e4m3_pair85 = e4m3x2_prep(b_raw77[0u] >> 16u);
+                    b_frag76[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair84), e4m3x2_hi(e4m3_pair84));
+                    b_frag76[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair85), e4m3x2_hi(e4m3_pair85));
                     #pragma unroll
-                    for (unsigned mi92 = 0u; mi92 < 2u; mi92 += 1u) {
-                        a_frag88[0u] = q_tile_a3[((mi92 * 2u) + kk91) * 4u];
-                        a_frag88[1u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 1u];
-                        a_frag88[2u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 2u];
-                        a_frag88[3u] = q_tile_a3[(((mi92 * 2u) + kk91) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain95 * 16u) + (((mi92 * 2u) + nj93) * 4u)], &a_frag88[0u], &b_frag89[0u]);
+                    for (unsigned mi79 = 0u; mi79 < 2u; mi79 += 1u) {
+                        a_frag75[0u] = q_tile_a2[((mi79 * 2u) + kk78) * 4u];
+                        a_frag75[1u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 1u];
+                        a_frag75[2u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 2u];
+                        a_frag75[3u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain82 * 16u) + (((mi79 * 2u) + nj80) * 4u)], &a_frag75[0u], &b_frag76[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e97 = 0u; e97 < 16u; e97 += 1u) {
-            scores_term[e97] = scores_term[e97] + scores_term[16u + e97];
+        for (unsigned e86 = 0u; e86 < 16u; e86 += 1u) {
+            scores_term[e86] = scores_term[e86] + scores_term[16u + e86];
         }
         #pragma unroll
-        for (unsigned frag98 = 0u; frag98 < 4u; frag98 += 1u) {
+        for (unsigned frag87 = 0u; frag87 < 4u; frag87 += 1u) {
             #pragma unroll
-            for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
-                const float row_scale100 = kv_scales[((stage * 128u) + (((n_first86 + ((frag98 % 2u) * 8u)) + ((lane_quad * 2u) + (e99 & 1u))) * 4u)) + 3u];
-                scores_part[(frag98 * 4u) + e99] = fmaf(scores_term[(frag98 * 4u) + e99], row_scale100, scores_part[(frag98 * 4u) + e99]);
+            for (unsigned e88 = 0u; e88 < 4u; e88 += 1u) {
+                const float row_scale89 = kv_scales[((stage * 128u) + (((n_first73 + ((frag87 % 2u) * 8u)) + ((lane_quad * 2u) + (e88 & 1u))) * 4u)) + 2u];
+                scores_part[(frag87 * 4u) + e88] = fmaf(scores_term[(frag87 * 4u) + e88], row_scale89, scores_part[(frag87 * 4u) + e88]);
             }
         }
-        const unsigned n_first101 = (warp / 4u) * 16u;
-        const unsigned k_first102 = warp % 4u;
         #pragma unroll
-        for (unsigned kk106 = 0u; kk106 < 1u; kk106 += 1u) {
+        for (unsigned e90 = 0u; e90 < 16u; e90 += 1u) {
+            scores_term[e90] = 0.0f;
+        }
+        const unsigned n_first91 = (warp / 4u) * 16u;
+        const unsigned k_first92 = (warp % 4u) * 2u;
+        #pragma unroll
+        for (unsigned e101 = 0u; e101 < 16u; e101 += 1u) {
+            scores_term[16u + e101] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair99 = 0u; kk_pair99 < 1u; kk_pair99 += 1u) {
             #pragma unroll
-            for (unsigned nj108 = 0u; nj108 < 2u; nj108 += 1u) {
-                ldmatrix_x2(&b_frag104[0u], kv_rope + (stage * 1152u) + (((n_first101 + (nj108 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first102 + kk106) * 8u) + (lane_k8 >> 1u));
+            for (unsigned chain100 = 0u; chain100 < 2u; chain100 += 1u) {
+                const unsigned kk96 = (kk_pair99 * 2u) + chain100;
                 #pragma unroll
-                for (unsigned mi107 = 0u; mi107 < 2u; mi107 += 1u) {
-                    a_frag103[0u] = q_tile_a4[(mi107 + kk106) * 4u];
-                    a_frag103[1u] = q_tile_a4[((mi107 + kk106) * 4u) + 1u];
-                    a_frag103[2u] = q_tile_a4[((mi107 + kk106) * 4u) + 2u];
-                    a_frag103[3u] = q_tile_a4[((mi107 + kk106) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi107 * 2u) + nj108) * 4u], &a_frag103[0u], &b_frag104[0u]);
+                for (unsigned nj98 = 0u; nj98 < 2u; nj98 += 1u) {
+                    ldmatrix_x1(&b_raw95[0u], kv_latent + (stage * 4224u) + (((n_first91 + (nj98 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first92 + kk96) * 4u));
+                    const unsigned e4m3_pair102 = e4m3x2_prep(b_raw95[0u] & 65535u);
+                    const unsigned e4m3_pair103 = e4m3x2_prep(b_raw95[0u] >> 16u);
+                    b_frag94[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair102), e4m3x2_hi(e4m3_pair102));
+                    b_frag94[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair103), e4m3x2_hi(e4m3_pair103));
+                    #pragma unroll
+                    for (unsigned mi97 = 0u; mi97 < 2u; mi97 += 1u) {
+                        a_frag93[0u] = q_tile_a3[((mi97 * 2u) + kk96) * 4u];
+                        a_frag93[1u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 1u];
+                        a_frag93[2u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 2u];
+                        a_frag93[3u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain100 * 16u) + (((mi97 * 2u) + nj98) * 4u)], &a_frag93[0u], &b_frag94[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e104 = 0u; e104 < 16u; e104 += 1u) {
+            scores_term[e104] = scores_term[e104] + scores_term[16u + e104];
+        }
+        #pragma unroll
+        for (unsigned frag105 = 0u; frag105 < 4u; frag105 += 1u) {
+            #pragma unroll
+            for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
+                const float row_scale107 = kv_scales[((stage * 128u) + (((n_first91 + ((frag105 % 2u) * 8u)) + ((lane_quad * 2u) + (e106 & 1u))) * 4u)) + 3u];
+                scores_part[(frag105 * 4u) + e106] = fmaf(scores_term[(frag105 * 4u) + e106], row_scale107, scores_part[(frag105 * 4u) + e106]);
+            }
+        }
+        const unsigned n_first108 = (warp / 4u) * 16u;
+        const unsigned k_first109 = warp % 4u;
+        #pragma unroll
+        for (unsigned kk113 = 0u; kk113 < 1u; kk113 += 1u) {
+            #pragma unroll
+            for (unsigned nj115 = 0u; nj115 < 2u; nj115 += 1u) {
+                ldmatrix_x2(&b_frag111[0u], kv_rope + (stage * 1152u) + (((n_first108 + (nj115 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first109 + kk113) * 8u) + (lane_k8 >> 1u));
+                #pragma unroll
+                for (unsigned mi114 = 0u; mi114 < 2u; mi114 += 1u) {
+                    a_frag110[0u] = q_tile_a4[(mi114 + kk113) * 4u];
+                    a_frag110[1u] = q_tile_a4[((mi114 + kk113) * 4u) + 1u];
+                    a_frag110[2u] = q_tile_a4[((mi114 + kk113) * 4u) + 2u];
+                    a_frag110[3u] = q_tile_a4[((mi114 + kk113) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi114 * 2u) + nj115) * 4u], &a_frag110[0u], &b_frag111[0u]);
                 }
             }
         }
@@ -846,12 +883,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag111 = 0u; frag111 < 4u; frag111 += 1u) {
+        for (unsigned frag118 = 0u; frag118 < 4u; frag118 += 1u) {
             #pragma unroll
-            for (unsigned half112 = 0u; half112 < 2u; half112 += 1u) {
+            for (unsigned half119 = 0u; half119 < 2u; half119 += 1u) {
                 #pragma unroll
-                for (unsigned e113 = 0u; e113 < 2u; e113 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag111 / 2u) * 16u) + (half112 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag111 % 2u) * 8u)) + ((lane_quad * 2u) + e113))] = scores_part[((frag111 * 4u) + (half112 * 2u)) + e113];
+                for (unsigned e120 = 0u; e120 < 2u; e120 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag118 / 2u) * 16u) + (half119 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag118 % 2u) * 8u)) + ((lane_quad * 2u) + e120))] = scores_part[((frag118 * 4u) + (half119 * 2u)) + e120];
                 }
             }
         }
@@ -920,35 +957,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag114 = 0u; frag114 < 2u; frag114 += 1u) {
+            for (unsigned frag121 = 0u; frag121 < 2u; frag121 += 1u) {
                 #pragma unroll
-                for (unsigned half115 = 0u; half115 < 2u; half115 += 1u) {
+                for (unsigned half122 = 0u; half122 < 2u; half122 += 1u) {
                     #pragma unroll
-                    for (unsigned e116 = 0u; e116 < 2u; e116 += 1u) {
-                        float sum = scores[((frag114 * 4u) + (half115 * 2u)) + e116];
-                        const unsigned cell = (((scores_row0 + (half115 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag114 * 8u)) + ((lane_quad * 2u) + e116));
+                    for (unsigned e123 = 0u; e123 < 2u; e123 += 1u) {
+                        float sum = scores[((frag121 * 4u) + (half122 * 2u)) + e123];
+                        const unsigned cell = (((scores_row0 + (half122 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag121 * 8u)) + ((lane_quad * 2u) + e123));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag114 * 4u) + (half115 * 2u)) + e116] = sum;
+                        scores[((frag121 * 4u) + (half122 * 2u)) + e123] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag117 = 0u; frag117 < 2u; frag117 += 1u) {
+            for (unsigned frag124 = 0u; frag124 < 2u; frag124 += 1u) {
                 #pragma unroll
-                for (unsigned half118 = 0u; half118 < 2u; half118 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag117 / 2u) * 16u)) + ((half118 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag117 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag117 * 4u) + (half118 * 2u)];
-                    float v1 = scores[((frag117 * 4u) + (half118 * 2u)) + 1u];
+                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag124 / 2u) * 16u)) + ((half125 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag124 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag124 * 4u) + (half125 * 2u)];
+                    float v1 = scores[((frag124 * 4u) + (half125 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag117 * 4u) + (half118 * 2u)] = v0;
-                    scores[((frag117 * 4u) + (half118 * 2u)) + 1u] = v1;
+                    scores[(frag124 * 4u) + (half125 * 2u)] = v0;
+                    scores[((frag124 * 4u) + (half125 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -958,20 +995,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi119 = 0u; mi119 < 1u; mi119 += 1u) {
+            for (unsigned mi126 = 0u; mi126 < 1u; mi126 += 1u) {
                 #pragma unroll
-                for (unsigned half120 = 0u; half120 < 2u; half120 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi119 * 2u) * 4u) + (half120 * 2u)], scores[((mi119 * 2u) * 4u) + ((half120 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + (half120 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi119 * 2u) + 1u) * 4u) + ((half120 * 2u) + 1u)]);
+                for (unsigned half127 = 0u; half127 < 2u; half127 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi126 * 2u) * 4u) + (half127 * 2u)], scores[((mi126 * 2u) * 4u) + ((half127 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + (half127 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + ((half127 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other121 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other121);
+                    const float other128 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other128);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi119 * 16u)) + ((half120 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi119 * 2u) + half120];
+                            row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi126 * 2u) + half127];
                         }
                     }
                 }
@@ -982,96 +1019,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi124 = 0u; mi124 < 1u; mi124 += 1u) {
+            for (unsigned mi131 = 0u; mi131 < 1u; mi131 += 1u) {
                 #pragma unroll
-                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
-                    const float m_old122 = row_max_reg[(mi124 * 2u) + half125];
-                    float m_new123 = m_old122;
-                    m_new123 = fmaxf(m_new123, row_exchange[((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u]);
-                    m_new123 = fmaxf(m_new123, row_exchange[(((scores_row0 + (mi124 * 16u)) + ((half125 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi124 * 2u) + half125] = expf(m_old122 - m_new123);
-                    row_max_reg[(mi124 * 2u) + half125] = m_new123;
+                for (unsigned half132 = 0u; half132 < 2u; half132 += 1u) {
+                    const float m_old129 = row_max_reg[(mi131 * 2u) + half132];
+                    float m_new130 = m_old129;
+                    m_new130 = fmaxf(m_new130, row_exchange[((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u]);
+                    m_new130 = fmaxf(m_new130, row_exchange[(((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi131 * 2u) + half132] = expf(m_old129 - m_new130);
+                    row_max_reg[(mi131 * 2u) + half132] = m_new130;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi128 = 0u; mi128 < 2u; mi128 += 1u) {
+        for (unsigned mi135 = 0u; mi135 < 2u; mi135 += 1u) {
             #pragma unroll
-            for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
-                const float m_old126 = row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new127 = m_old126;
-                m_new127 = fmaxf(m_new127, row_exchange[((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u]);
-                m_new127 = fmaxf(m_new127, row_exchange[(((mi128 * 16u) + ((half129 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha32[(mi128 * 2u) + half129] = expf(m_old126 - m_new127);
+            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                const float m_old133 = row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new134 = m_old133;
+                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u]);
+                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha32[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi132 = 0u; mi132 < 1u; mi132 += 1u) {
+            for (unsigned mi139 = 0u; mi139 < 1u; mi139 += 1u) {
                 #pragma unroll
-                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
+                for (unsigned half140 = 0u; half140 < 2u; half140 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj130 = 0u; nj130 < 2u; nj130 += 1u) {
+                    for (unsigned nj137 = 0u; nj137 < 2u; nj137 += 1u) {
                         #pragma unroll
-                        for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
-                            const unsigned at = (((mi132 * 2u) + nj130) * 4u) + ((half133 * 2u) + e131);
-                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi132 * 2u) + half133]);
+                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
+                            const unsigned at = (((mi139 * 2u) + nj137) * 4u) + ((half140 * 2u) + e138);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi139 * 2u) + half140]);
                             scores[at] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi132 * 2u) + half133] = (row_sum_part[(mi132 * 2u) + half133] * row_alpha[(mi132 * 2u) + half133]) + p_sum;
+                    row_sum_part[(mi139 * 2u) + half140] = (row_sum_part[(mi139 * 2u) + half140] * row_alpha[(mi139 * 2u) + half140]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag134 = 0u; frag134 < 4u; frag134 += 1u) {
+        for (unsigned frag141 = 0u; frag141 < 4u; frag141 += 1u) {
             #pragma unroll
-            for (unsigned half135 = 0u; half135 < 2u; half135 += 1u) {
-                const float alpha136 = row_alpha32[((frag134 / 2u) * 2u) + half135];
-                o_acc[(frag134 * 4u) + (half135 * 2u)] = o_acc[(frag134 * 4u) + (half135 * 2u)] * alpha136;
-                o_acc[((frag134 * 4u) + (half135 * 2u)) + 1u] = o_acc[((frag134 * 4u) + (half135 * 2u)) + 1u] * alpha136;
+            for (unsigned half142 = 0u; half142 < 2u; half142 += 1u) {
+                const float alpha143 = row_alpha32[((frag141 / 2u) * 2u) + half142];
+                o_acc[(frag141 * 4u) + (half142 * 2u)] = o_acc[(frag141 * 4u) + (half142 * 2u)] * alpha143;
+                o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] = o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] * alpha143;
             }
         }
         #pragma unroll
-        for (unsigned frag137 = 0u; frag137 < 4u; frag137 += 1u) {
+        for (unsigned frag144 = 0u; frag144 < 4u; frag144 += 1u) {
             #pragma unroll
-            for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
-                const float alpha139 = row_alpha32[((frag137 / 2u) * 2u) + half138];
-                o_acc_1[(frag137 * 4u) + (half138 * 2u)] = o_acc_1[(frag137 * 4u) + (half138 * 2u)] * alpha139;
-                o_acc_1[((frag137 * 4u) + (half138 * 2u)) + 1u] = o_acc_1[((frag137 * 4u) + (half138 * 2u)) + 1u] * alpha139;
+            for (unsigned half145 = 0u; half145 < 2u; half145 += 1u) {
+                const float alpha146 = row_alpha32[((frag144 / 2u) * 2u) + half145];
+                o_acc_1[(frag144 * 4u) + (half145 * 2u)] = o_acc_1[(frag144 * 4u) + (half145 * 2u)] * alpha146;
+                o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] = o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] * alpha146;
             }
         }
         #pragma unroll
-        for (unsigned frag140 = 0u; frag140 < 4u; frag140 += 1u) {
+        for (unsigned frag147 = 0u; frag147 < 4u; frag147 += 1u) {
             #pragma unroll
-            for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
-                const float alpha142 = row_alpha32[((frag140 / 2u) * 2u) + half141];
-                o_acc_2[(frag140 * 4u) + (half141 * 2u)] = o_acc_2[(frag140 * 4u) + (half141 * 2u)] * alpha142;
-                o_acc_2[((frag140 * 4u) + (half141 * 2u)) + 1u] = o_acc_2[((frag140 * 4u) + (half141 * 2u)) + 1u] * alpha142;
+            for (unsigned half148 = 0u; half148 < 2u; half148 += 1u) {
+                const float alpha149 = row_alpha32[((frag147 / 2u) * 2u) + half148];
+                o_acc_2[(frag147 * 4u) + (half148 * 2u)] = o_acc_2[(frag147 * 4u) + (half148 * 2u)] * alpha149;
+                o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] = o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] * alpha149;
             }
         }
         #pragma unroll
-        for (unsigned frag143 = 0u; frag143 < 4u; frag143 += 1u) {
+        for (unsigned frag150 = 0u; frag150 < 4u; frag150 += 1u) {
             #pragma unroll
-            for (unsigned half144 = 0u; half144 < 2u; half144 += 1u) {
-                const float alpha145 = row_alpha32[((frag143 / 2u) * 2u) + half144];
-                o_acc_3[(frag143 * 4u) + (half144 * 2u)] = o_acc_3[(frag143 * 4u) + (half144 * 2u)] * alpha145;
-                o_acc_3[((frag143 * 4u) + (half144 * 2u)) + 1u] = o_acc_3[((frag143 * 4u) + (half144 * 2u)) + 1u] * alpha145;
+            for (unsigned half151 = 0u; half151 < 2u; half151 += 1u) {
+                const float alpha152 = row_alpha32[((frag150 / 2u) * 2u) + half151];
+                o_acc_3[(frag150 * 4u) + (half151 * 2u)] = o_acc_3[(frag150 * 4u) + (half151 * 2u)] * alpha152;
+                o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] = o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] * alpha152;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag148 = 0u; frag148 < 2u; frag148 += 1u) {
+            for (unsigned frag155 = 0u; frag155 < 2u; frag155 += 1u) {
                 #pragma unroll
-                for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
-                    const unsigned row146 = (scores_row0 + ((frag148 / 2u) * 16u)) + ((half149 * 8u) + lane_group);
-                    const unsigned col147 = (scores_col0 + ((frag148 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag148 * 4u) + (half149 * 2u);
-                    p_tile[(row146 * 20u) + (col147 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
+                    const unsigned row153 = (scores_row0 + ((frag155 / 2u) * 16u)) + ((half156 * 8u) + lane_group);
+                    const unsigned col154 = (scores_col0 + ((frag155 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag155 * 4u) + (half156 * 2u);
+                    p_tile[(row153 * 20u) + (col154 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1080,161 +1117,177 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk153 = 0u; kk153 < 2u; kk153 += 1u) {
+        for (unsigned kk160 = 0u; kk160 < 2u; kk160 += 1u) {
             #pragma unroll
-            for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
-                ldmatrix_x4(&a_frag150[mi154 * 4u], p_tile + a_lane_word + (mi154 * 320u) + (kk153 * 8u));
+            for (unsigned mi161 = 0u; mi161 < 2u; mi161 += 1u) {
+                ldmatrix_x4(&a_frag157[mi161 * 4u], p_tile + a_lane_word + (mi161 * 320u) + (kk160 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk153 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale155 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale156 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale157 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag150[0u] = pack_bf16x2(__uint_as_float(a_frag150[0u] << 16u) * k_scale, __uint_as_float(a_frag150[0u] & 4294901760u) * k_scale155);
-            a_frag150[1u] = pack_bf16x2(__uint_as_float(a_frag150[1u] << 16u) * k_scale, __uint_as_float(a_frag150[1u] & 4294901760u) * k_scale155);
-            a_frag150[2u] = pack_bf16x2(__uint_as_float(a_frag150[2u] << 16u) * k_scale156, __uint_as_float(a_frag150[2u] & 4294901760u) * k_scale157);
-            a_frag150[3u] = pack_bf16x2(__uint_as_float(a_frag150[3u] << 16u) * k_scale156, __uint_as_float(a_frag150[3u] & 4294901760u) * k_scale157);
-            const float k_scale158 = kv_scales[(stage * 128u) + (((kk153 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale159 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale160 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale161 = kv_scales[(stage * 128u) + ((((kk153 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag150[4u] = pack_bf16x2(__uint_as_float(a_frag150[4u] << 16u) * k_scale158, __uint_as_float(a_frag150[4u] & 4294901760u) * k_scale159);
-            a_frag150[5u] = pack_bf16x2(__uint_as_float(a_frag150[5u] << 16u) * k_scale158, __uint_as_float(a_frag150[5u] & 4294901760u) * k_scale159);
-            a_frag150[6u] = pack_bf16x2(__uint_as_float(a_frag150[6u] << 16u) * k_scale160, __uint_as_float(a_frag150[6u] & 4294901760u) * k_scale161);
-            a_frag150[7u] = pack_bf16x2(__uint_as_float(a_frag150[7u] << 16u) * k_scale160, __uint_as_float(a_frag150[7u] & 4294901760u) * k_scale161);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk160 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale162 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag157[0u] = pack_bf16x2(__uint_as_float(a_frag157[0u] << 16u) * k_scale, __uint_as_float(a_frag157[0u] & 4294901760u) * k_scale162);
+            a_frag157[1u] = pack_bf16x2(__uint_as_float(a_frag157[1u] << 16u) * k_scale, __uint_as_float(a_frag157[1u] & 4294901760u) * k_scale162);
+            a_frag157[2u] = pack_bf16x2(__uint_as_float(a_frag157[2u] << 16u) * k_scale163, __uint_as_float(a_frag157[2u] & 4294901760u) * k_scale164);
+            a_frag157[3u] = pack_bf16x2(__uint_as_float(a_frag157[3u] << 16u) * k_scale163, __uint_as_float(a_frag157[3u] & 4294901760u) * k_scale164);
+            const float k_scale165 = kv_scales[(stage * 128u) + (((kk160 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale166 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale167 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale168 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag157[4u] = pack_bf16x2(__uint_as_float(a_frag157[4u] << 16u) * k_scale165, __uint_as_float(a_frag157[4u] & 4294901760u) * k_scale166);
+            a_frag157[5u] = pack_bf16x2(__uint_as_float(a_frag157[5u] << 16u) * k_scale165, __uint_as_float(a_frag157[5u] & 4294901760u) * k_scale166);
+            a_frag157[6u] = pack_bf16x2(__uint_as_float(a_frag157[6u] << 16u) * k_scale167, __uint_as_float(a_frag157[6u] & 4294901760u) * k_scale168);
+            a_frag157[7u] = pack_bf16x2(__uint_as_float(a_frag157[7u] << 16u) * k_scale167, __uint_as_float(a_frag157[7u] & 4294901760u) * k_scale168);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw152[0u], kv_latent + (stage * 4224u) + (((kk153 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag151[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw152[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 16u) & 255u))));
-                b_frag151[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw152[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 16u) & 255u))));
-                b_frag151[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[0u] >> 24u) & 255u))));
-                b_frag151[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw152[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw159[0u], kv_latent + (stage * 4224u) + (((kk160 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair169 = e4m3x2_prep((b_raw159[0u] & 255u) | ((b_raw159[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair170 = e4m3x2_prep(((b_raw159[0u] >> 8u) & 255u) | ((b_raw159[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair171 = e4m3x2_prep((b_raw159[1u] & 255u) | ((b_raw159[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair172 = e4m3x2_prep(((b_raw159[1u] >> 8u) & 255u) | ((b_raw159[1u] >> 16u) & 65280u));
+                b_frag158[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair169), e4m3x2_hi(e4m3_pair169));
+                b_frag158[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair171), e4m3x2_hi(e4m3_pair171));
+                b_frag158[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair170), e4m3x2_hi(e4m3_pair170));
+                b_frag158[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair172), e4m3x2_hi(e4m3_pair172));
                 #pragma unroll
-                for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi154 * 2u) + (np * 2u)) * 4u], &a_frag150[mi154 * 4u], &b_frag151[0u]);
+                for (unsigned mi161 = 0u; mi161 < 2u; mi161 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi161 * 2u) + (np * 2u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi154 = 0u; mi154 < 2u; mi154 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi154 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag150[mi154 * 4u], &b_frag151[2u]);
+                for (unsigned mi161 = 0u; mi161 < 2u; mi161 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi161 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[2u]);
                 }
             }
         }
-        const unsigned a_lane_word168 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word179 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk165 = 0u; kk165 < 2u; kk165 += 1u) {
+        for (unsigned kk176 = 0u; kk176 < 2u; kk176 += 1u) {
             #pragma unroll
-            for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                ldmatrix_x4(&a_frag162[mi166 * 4u], p_tile + a_lane_word168 + (mi166 * 320u) + (kk165 * 8u));
+            for (unsigned mi177 = 0u; mi177 < 2u; mi177 += 1u) {
+                ldmatrix_x4(&a_frag173[mi177 * 4u], p_tile + a_lane_word179 + (mi177 * 320u) + (kk176 * 8u));
             }
-            const float k_scale169 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale170 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale171 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale172 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag162[0u] = pack_bf16x2(__uint_as_float(a_frag162[0u] << 16u) * k_scale169, __uint_as_float(a_frag162[0u] & 4294901760u) * k_scale170);
-            a_frag162[1u] = pack_bf16x2(__uint_as_float(a_frag162[1u] << 16u) * k_scale169, __uint_as_float(a_frag162[1u] & 4294901760u) * k_scale170);
-            a_frag162[2u] = pack_bf16x2(__uint_as_float(a_frag162[2u] << 16u) * k_scale171, __uint_as_float(a_frag162[2u] & 4294901760u) * k_scale172);
-            a_frag162[3u] = pack_bf16x2(__uint_as_float(a_frag162[3u] << 16u) * k_scale171, __uint_as_float(a_frag162[3u] & 4294901760u) * k_scale172);
-            const float k_scale173 = kv_scales[((stage * 128u) + (((kk165 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk165 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag162[4u] = pack_bf16x2(__uint_as_float(a_frag162[4u] << 16u) * k_scale173, __uint_as_float(a_frag162[4u] & 4294901760u) * k_scale174);
-            a_frag162[5u] = pack_bf16x2(__uint_as_float(a_frag162[5u] << 16u) * k_scale173, __uint_as_float(a_frag162[5u] & 4294901760u) * k_scale174);
-            a_frag162[6u] = pack_bf16x2(__uint_as_float(a_frag162[6u] << 16u) * k_scale175, __uint_as_float(a_frag162[6u] & 4294901760u) * k_scale176);
-            a_frag162[7u] = pack_bf16x2(__uint_as_float(a_frag162[7u] << 16u) * k_scale175, __uint_as_float(a_frag162[7u] & 4294901760u) * k_scale176);
+            const float k_scale180 = kv_scales[((stage * 128u) + (((kk176 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale181 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale182 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale183 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag173[0u] = pack_bf16x2(__uint_as_float(a_frag173[0u] << 16u) * k_scale180, __uint_as_float(a_frag173[0u] & 4294901760u) * k_scale181);
+            a_frag173[1u] = pack_bf16x2(__uint_as_float(a_frag173[1u] << 16u) * k_scale180, __uint_as_float(a_frag173[1u] & 4294901760u) * k_scale181);
+            a_frag173[2u] = pack_bf16x2(__uint_as_float(a_frag173[2u] << 16u) * k_scale182, __uint_as_float(a_frag173[2u] & 4294901760u) * k_scale183);
+            a_frag173[3u] = pack_bf16x2(__uint_as_float(a_frag173[3u] << 16u) * k_scale182, __uint_as_float(a_frag173[3u] & 4294901760u) * k_scale183);
+            const float k_scale184 = kv_scales[((stage * 128u) + (((kk176 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk176 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag173[4u] = pack_bf16x2(__uint_as_float(a_frag173[4u] << 16u) * k_scale184, __uint_as_float(a_frag173[4u] & 4294901760u) * k_scale185);
+            a_frag173[5u] = pack_bf16x2(__uint_as_float(a_frag173[5u] << 16u) * k_scale184, __uint_as_float(a_frag173[5u] & 4294901760u) * k_scale185);
+            a_frag173[6u] = pack_bf16x2(__uint_as_float(a_frag173[6u] << 16u) * k_scale186, __uint_as_float(a_frag173[6u] & 4294901760u) * k_scale187);
+            a_frag173[7u] = pack_bf16x2(__uint_as_float(a_frag173[7u] << 16u) * k_scale186, __uint_as_float(a_frag173[7u] & 4294901760u) * k_scale187);
             #pragma unroll
-            for (unsigned np167 = 0u; np167 < 1u; np167 += 1u) {
-                ldmatrix_x2_trans(&b_raw164[0u], kv_latent + (stage * 4224u) + (((kk165 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np167 * 16u)) >> 2u));
-                b_frag163[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 16u) & 255u))));
-                b_frag163[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw164[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 16u) & 255u))));
-                b_frag163[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[0u] >> 24u) & 255u))));
-                b_frag163[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw164[1u] >> 24u) & 255u))));
+            for (unsigned np178 = 0u; np178 < 1u; np178 += 1u) {
+                ldmatrix_x2_trans(&b_raw175[0u], kv_latent + (stage * 4224u) + (((kk176 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np178 * 16u)) >> 2u));
+                const unsigned e4m3_pair188 = e4m3x2_prep((b_raw175[0u] & 255u) | ((b_raw175[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair189 = e4m3x2_prep(((b_raw175[0u] >> 8u) & 255u) | ((b_raw175[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair190 = e4m3x2_prep((b_raw175[1u] & 255u) | ((b_raw175[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair191 = e4m3x2_prep(((b_raw175[1u] >> 8u) & 255u) | ((b_raw175[1u] >> 16u) & 65280u));
+                b_frag174[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair188), e4m3x2_hi(e4m3_pair188));
+                b_frag174[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
+                b_frag174[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
+                b_frag174[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair191), e4m3x2_hi(e4m3_pair191));
                 #pragma unroll
-                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi166 * 2u) + (np167 * 2u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[0u]);
+                for (unsigned mi177 = 0u; mi177 < 2u; mi177 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi177 * 2u) + (np178 * 2u)) * 4u], &a_frag173[mi177 * 4u], &b_frag174[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi166 = 0u; mi166 < 2u; mi166 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi166 * 2u) + ((np167 * 2u) + 1u)) * 4u], &a_frag162[mi166 * 4u], &b_frag163[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word183 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
-            #pragma unroll
-            for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
-            }
-            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
-            a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
-            a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
-            a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
-            const float k_scale188 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale189 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale190 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale191 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag177[4u] = pack_bf16x2(__uint_as_float(a_frag177[4u] << 16u) * k_scale188, __uint_as_float(a_frag177[4u] & 4294901760u) * k_scale189);
-            a_frag177[5u] = pack_bf16x2(__uint_as_float(a_frag177[5u] << 16u) * k_scale188, __uint_as_float(a_frag177[5u] & 4294901760u) * k_scale189);
-            a_frag177[6u] = pack_bf16x2(__uint_as_float(a_frag177[6u] << 16u) * k_scale190, __uint_as_float(a_frag177[6u] & 4294901760u) * k_scale191);
-            a_frag177[7u] = pack_bf16x2(__uint_as_float(a_frag177[7u] << 16u) * k_scale190, __uint_as_float(a_frag177[7u] & 4294901760u) * k_scale191);
-            #pragma unroll
-            for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
-                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np182 * 16u)) >> 2u));
-                b_frag178[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 16u) & 255u))));
-                b_frag178[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 16u) & 255u))));
-                b_frag178[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 24u) & 255u))));
-                b_frag178[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 2u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                for (unsigned mi177 = 0u; mi177 < 2u; mi177 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi177 * 2u) + ((np178 * 2u) + 1u)) * 4u], &a_frag173[mi177 * 4u], &b_frag174[2u]);
                 }
             }
         }
-        const unsigned a_lane_word198 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word198 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
         for (unsigned kk195 = 0u; kk195 < 2u; kk195 += 1u) {
             #pragma unroll
             for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
                 ldmatrix_x4(&a_frag192[mi196 * 4u], p_tile + a_lane_word198 + (mi196 * 320u) + (kk195 * 8u));
             }
-            const float k_scale199 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            const float k_scale199 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
             a_frag192[0u] = pack_bf16x2(__uint_as_float(a_frag192[0u] << 16u) * k_scale199, __uint_as_float(a_frag192[0u] & 4294901760u) * k_scale200);
             a_frag192[1u] = pack_bf16x2(__uint_as_float(a_frag192[1u] << 16u) * k_scale199, __uint_as_float(a_frag192[1u] & 4294901760u) * k_scale200);
             a_frag192[2u] = pack_bf16x2(__uint_as_float(a_frag192[2u] << 16u) * k_scale201, __uint_as_float(a_frag192[2u] & 4294901760u) * k_scale202);
             a_frag192[3u] = pack_bf16x2(__uint_as_float(a_frag192[3u] << 16u) * k_scale201, __uint_as_float(a_frag192[3u] & 4294901760u) * k_scale202);
-            const float k_scale203 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale204 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            const float k_scale203 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale204 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
             a_frag192[4u] = pack_bf16x2(__uint_as_float(a_frag192[4u] << 16u) * k_scale203, __uint_as_float(a_frag192[4u] & 4294901760u) * k_scale204);
             a_frag192[5u] = pack_bf16x2(__uint_as_float(a_frag192[5u] << 16u) * k_scale203, __uint_as_float(a_frag192[5u] & 4294901760u) * k_scale204);
             a_frag192[6u] = pack_bf16x2(__uint_as_float(a_frag192[6u] << 16u) * k_scale205, __uint_as_float(a_frag192[6u] & 4294901760u) * k_scale206);
             a_frag192[7u] = pack_bf16x2(__uint_as_float(a_frag192[7u] << 16u) * k_scale205, __uint_as_float(a_frag192[7u] & 4294901760u) * k_scale206);
             #pragma unroll
             for (unsigned np197 = 0u; np197 < 1u; np197 += 1u) {
-                ldmatrix_x2_trans(&b_raw194[0u], kv_latent + (stage * 4224u) + (((kk195 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np197 * 16u)) >> 2u));
-                b_frag193[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw194[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 16u) & 255u))));
-                b_frag193[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw194[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 16u) & 255u))));
-                b_frag193[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[0u] >> 24u) & 255u))));
-                b_frag193[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw194[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw194[0u], kv_latent + (stage * 4224u) + (((kk195 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np197 * 16u)) >> 2u));
+                const unsigned e4m3_pair207 = e4m3x2_prep((b_raw194[0u] & 255u) | ((b_raw194[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair208 = e4m3x2_prep(((b_raw194[0u] >> 8u) & 255u) | ((b_raw194[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair209 = e4m3x2_prep((b_raw194[1u] & 255u) | ((b_raw194[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair210 = e4m3x2_prep(((b_raw194[1u] >> 8u) & 255u) | ((b_raw194[1u] >> 16u) & 65280u));
+                b_frag193[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair207), e4m3x2_hi(e4m3_pair207));
+                b_frag193[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair209), e4m3x2_hi(e4m3_pair209));
+                b_frag193[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair208), e4m3x2_hi(e4m3_pair208));
+                b_frag193[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair210), e4m3x2_hi(e4m3_pair210));
                 #pragma unroll
                 for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi196 * 2u) + (np197 * 2u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[0u]);
+                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + (np197 * 2u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[0u]);
                 }
                 #pragma unroll
                 for (unsigned mi196 = 0u; mi196 < 2u; mi196 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi196 * 2u) + ((np197 * 2u) + 1u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[2u]);
+                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + ((np197 * 2u) + 1u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word217 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk214 = 0u; kk214 < 2u; kk214 += 1u) {
+            #pragma unroll
+            for (unsigned mi215 = 0u; mi215 < 2u; mi215 += 1u) {
+                ldmatrix_x4(&a_frag211[mi215 * 4u], p_tile + a_lane_word217 + (mi215 * 320u) + (kk214 * 8u));
+            }
+            const float k_scale218 = kv_scales[((stage * 128u) + (((kk214 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale219 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale220 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale221 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag211[0u] = pack_bf16x2(__uint_as_float(a_frag211[0u] << 16u) * k_scale218, __uint_as_float(a_frag211[0u] & 4294901760u) * k_scale219);
+            a_frag211[1u] = pack_bf16x2(__uint_as_float(a_frag211[1u] << 16u) * k_scale218, __uint_as_float(a_frag211[1u] & 4294901760u) * k_scale219);
+            a_frag211[2u] = pack_bf16x2(__uint_as_float(a_frag211[2u] << 16u) * k_scale220, __uint_as_float(a_frag211[2u] & 4294901760u) * k_scale221);
+            a_frag211[3u] = pack_bf16x2(__uint_as_float(a_frag211[3u] << 16u) * k_scale220, __uint_as_float(a_frag211[3u] & 4294901760u) * k_scale221);
+            const float k_scale222 = kv_scales[((stage * 128u) + (((kk214 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale223 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale224 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale225 = kv_scales[((stage * 128u) + ((((kk214 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag211[4u] = pack_bf16x2(__uint_as_float(a_frag211[4u] << 16u) * k_scale222, __uint_as_float(a_frag211[4u] & 4294901760u) * k_scale223);
+            a_frag211[5u] = pack_bf16x2(__uint_as_float(a_frag211[5u] << 16u) * k_scale222, __uint_as_float(a_frag211[5u] & 4294901760u) * k_scale223);
+            a_frag211[6u] = pack_bf16x2(__uint_as_float(a_frag211[6u] << 16u) * k_scale224, __uint_as_float(a_frag211[6u] & 4294901760u) * k_scale225);
+            a_frag211[7u] = pack_bf16x2(__uint_as_float(a_frag211[7u] << 16u) * k_scale224, __uint_as_float(a_frag211[7u] & 4294901760u) * k_scale225);
+            #pragma unroll
+            for (unsigned np216 = 0u; np216 < 1u; np216 += 1u) {
+                ldmatrix_x2_trans(&b_raw213[0u], kv_latent + (stage * 4224u) + (((kk214 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np216 * 16u)) >> 2u));
+                const unsigned e4m3_pair226 = e4m3x2_prep((b_raw213[0u] & 255u) | ((b_raw213[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair227 = e4m3x2_prep(((b_raw213[0u] >> 8u) & 255u) | ((b_raw213[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair228 = e4m3x2_prep((b_raw213[1u] & 255u) | ((b_raw213[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair229 = e4m3x2_prep(((b_raw213[1u] >> 8u) & 255u) | ((b_raw213[1u] >> 16u) & 65280u));
+                b_frag212[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair226), e4m3x2_hi(e4m3_pair226));
+                b_frag212[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair228), e4m3x2_hi(e4m3_pair228));
+                b_frag212[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair227), e4m3x2_hi(e4m3_pair227));
+                b_frag212[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair229), e4m3x2_hi(e4m3_pair229));
+                #pragma unroll
+                for (unsigned mi215 = 0u; mi215 < 2u; mi215 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi215 * 2u) + (np216 * 2u)) * 4u], &a_frag211[mi215 * 4u], &b_frag212[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi215 = 0u; mi215 < 2u; mi215 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi215 * 2u) + ((np216 * 2u) + 1u)) * 4u], &a_frag211[mi215 * 4u], &b_frag212[2u]);
                 }
             }
         }
@@ -1249,16 +1302,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi208 = 0u; mi208 < 1u; mi208 += 1u) {
+        for (unsigned mi231 = 0u; mi231 < 1u; mi231 += 1u) {
             #pragma unroll
-            for (unsigned half209 = 0u; half209 < 2u; half209 += 1u) {
-                float row_sum207 = row_sum_part[(mi208 * 2u) + half209];
-                const float other210 = shfl_xor_f32(row_sum207, 1);
-                row_sum207 = row_sum207 + other210;
-                const float other211 = shfl_xor_f32(row_sum207, 2);
-                row_sum207 = row_sum207 + other211;
+            for (unsigned half232 = 0u; half232 < 2u; half232 += 1u) {
+                float row_sum230 = row_sum_part[(mi231 * 2u) + half232];
+                const float other233 = shfl_xor_f32(row_sum230, 1);
+                row_sum230 = row_sum230 + other233;
+                const float other234 = shfl_xor_f32(row_sum230, 2);
+                row_sum230 = row_sum230 + other234;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi208 * 16u)) + ((half209 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum207;
+                    row_exchange[(((scores_row0 + (mi231 * 16u)) + ((half232 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum230;
                 }
             }
         }
@@ -1266,14 +1319,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi213 = 0u; mi213 < 1u; mi213 += 1u) {
+        for (unsigned mi236 = 0u; mi236 < 1u; mi236 += 1u) {
             #pragma unroll
-            for (unsigned half214 = 0u; half214 < 2u; half214 += 1u) {
+            for (unsigned half237 = 0u; half237 < 2u; half237 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum212 = row_exchange[((scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)) * 3u];
-                    row_sum212 = row_sum212 + row_exchange[(((scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)] = row_sum212;
-                    row_max[(scores_row0 + (mi213 * 16u)) + ((half214 * 8u) + lane_group)] = row_max_reg[(mi213 * 2u) + half214];
+                    float row_sum235 = row_exchange[((scores_row0 + (mi236 * 16u)) + ((half237 * 8u) + lane_group)) * 3u];
+                    row_sum235 = row_sum235 + row_exchange[(((scores_row0 + (mi236 * 16u)) + ((half237 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi236 * 16u)) + ((half237 * 8u) + lane_group)] = row_sum235;
+                    row_max[(scores_row0 + (mi236 * 16u)) + ((half237 * 8u) + lane_group)] = row_max_reg[(mi236 * 2u) + half237];
                 }
             }
         }
@@ -1282,86 +1335,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag215 = 0u; frag215 < 2u; frag215 += 1u) {
+    for (unsigned frag238 = 0u; frag238 < 2u; frag238 += 1u) {
         #pragma unroll
-        for (unsigned half216 = 0u; half216 < 2u; half216 += 1u) {
+        for (unsigned half239 = 0u; half239 < 2u; half239 += 1u) {
             #pragma unroll
-            for (unsigned e217 = 0u; e217 < 2u; e217 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag215 / 1u) * 16u)) + ((half216 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag215 % 1u) * 16u)) + ((lane_quad * 4u) + (e217 * 2u));
-                float v0_6 = o_acc[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)];
-                float v1_6 = o_acc[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)];
+            for (unsigned e240 = 0u; e240 < 2u; e240 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag238 / 1u) * 16u)) + ((half239 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag238 % 1u) * 16u)) + ((lane_quad * 4u) + (e240 * 2u));
+                float v0_6 = o_acc[((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) * 4u) + ((half239 * 2u) + e240)];
+                float v1_6 = o_acc[(((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) + 1u) * 4u) + ((half239 * 2u) + e240)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
-                o_acc[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)] = v0_6;
-                o_acc[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)] = v1_6;
+                o_acc[((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) * 4u) + ((half239 * 2u) + e240)] = v0_6;
+                o_acc[(((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) + 1u) * 4u) + ((half239 * 2u) + e240)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag218 = 0u; frag218 < 2u; frag218 += 1u) {
+    for (unsigned frag241 = 0u; frag241 < 2u; frag241 += 1u) {
         #pragma unroll
-        for (unsigned half219 = 0u; half219 < 2u; half219 += 1u) {
+        for (unsigned half242 = 0u; half242 < 2u; half242 += 1u) {
             #pragma unroll
-            for (unsigned e220 = 0u; e220 < 2u; e220 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag218 / 1u) * 16u)) + ((half219 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag218 % 1u) * 16u)) + ((lane_quad * 4u) + (e220 * 2u));
-                float v0_7 = o_acc_1[((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) * 4u) + ((half219 * 2u) + e220)];
-                float v1_7 = o_acc_1[(((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) + 1u) * 4u) + ((half219 * 2u) + e220)];
+            for (unsigned e243 = 0u; e243 < 2u; e243 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag241 / 1u) * 16u)) + ((half242 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag241 % 1u) * 16u)) + ((lane_quad * 4u) + (e243 * 2u));
+                float v0_7 = o_acc_1[((((frag241 / 1u) * 2u) + ((frag241 % 1u) * 2u)) * 4u) + ((half242 * 2u) + e243)];
+                float v1_7 = o_acc_1[(((((frag241 / 1u) * 2u) + ((frag241 % 1u) * 2u)) + 1u) * 4u) + ((half242 * 2u) + e243)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
                     const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
-                o_acc_1[((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) * 4u) + ((half219 * 2u) + e220)] = v0_7;
-                o_acc_1[(((((frag218 / 1u) * 2u) + ((frag218 % 1u) * 2u)) + 1u) * 4u) + ((half219 * 2u) + e220)] = v1_7;
+                o_acc_1[((((frag241 / 1u) * 2u) + ((frag241 % 1u) * 2u)) * 4u) + ((half242 * 2u) + e243)] = v0_7;
+                o_acc_1[(((((frag241 / 1u) * 2u) + ((frag241 % 1u) * 2u)) + 1u) * 4u) + ((half242 * 2u) + e243)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag221 = 0u; frag221 < 2u; frag221 += 1u) {
+    for (unsigned frag244 = 0u; frag244 < 2u; frag244 += 1u) {
         #pragma unroll
-        for (unsigned half222 = 0u; half222 < 2u; half222 += 1u) {
+        for (unsigned half245 = 0u; half245 < 2u; half245 += 1u) {
             #pragma unroll
-            for (unsigned e223 = 0u; e223 < 2u; e223 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag221 / 1u) * 16u)) + ((half222 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag221 % 1u) * 16u)) + ((lane_quad * 4u) + (e223 * 2u));
-                float v0_8 = o_acc_2[((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) * 4u) + ((half222 * 2u) + e223)];
-                float v1_8 = o_acc_2[(((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) + 1u) * 4u) + ((half222 * 2u) + e223)];
+            for (unsigned e246 = 0u; e246 < 2u; e246 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag244 / 1u) * 16u)) + ((half245 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag244 % 1u) * 16u)) + ((lane_quad * 4u) + (e246 * 2u));
+                float v0_8 = o_acc_2[((((frag244 / 1u) * 2u) + ((frag244 % 1u) * 2u)) * 4u) + ((half245 * 2u) + e246)];
+                float v1_8 = o_acc_2[(((((frag244 / 1u) * 2u) + ((frag244 % 1u) * 2u)) + 1u) * 4u) + ((half245 * 2u) + e246)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
                     const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
-                o_acc_2[((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) * 4u) + ((half222 * 2u) + e223)] = v0_8;
-                o_acc_2[(((((frag221 / 1u) * 2u) + ((frag221 % 1u) * 2u)) + 1u) * 4u) + ((half222 * 2u) + e223)] = v1_8;
+                o_acc_2[((((frag244 / 1u) * 2u) + ((frag244 % 1u) * 2u)) * 4u) + ((half245 * 2u) + e246)] = v0_8;
+                o_acc_2[(((((frag244 / 1u) * 2u) + ((frag244 % 1u) * 2u)) + 1u) * 4u) + ((half245 * 2u) + e246)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag224 = 0u; frag224 < 2u; frag224 += 1u) {
+    for (unsigned frag247 = 0u; frag247 < 2u; frag247 += 1u) {
         #pragma unroll
-        for (unsigned half225 = 0u; half225 < 2u; half225 += 1u) {
+        for (unsigned half248 = 0u; half248 < 2u; half248 += 1u) {
             #pragma unroll
-            for (unsigned e226 = 0u; e226 < 2u; e226 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag224 / 1u) * 16u)) + ((half225 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag224 % 1u) * 16u)) + ((lane_quad * 4u) + (e226 * 2u));
-                float v0_9 = o_acc_3[((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) * 4u) + ((half225 * 2u) + e226)];
-                float v1_9 = o_acc_3[(((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) + 1u) * 4u) + ((half225 * 2u) + e226)];
+            for (unsigned e249 = 0u; e249 < 2u; e249 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag247 / 1u) * 16u)) + ((half248 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag247 % 1u) * 16u)) + ((lane_quad * 4u) + (e249 * 2u));
+                float v0_9 = o_acc_3[((((frag247 / 1u) * 2u) + ((frag247 % 1u) * 2u)) * 4u) + ((half248 * 2u) + e249)];
+                float v1_9 = o_acc_3[(((((frag247 / 1u) * 2u) + ((frag247 % 1u) * 2u)) + 1u) * 4u) + ((half248 * 2u) + e249)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
                     const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
-                o_acc_3[((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) * 4u) + ((half225 * 2u) + e226)] = v0_9;
-                o_acc_3[(((((frag224 / 1u) * 2u) + ((frag224 % 1u) * 2u)) + 1u) * 4u) + ((half225 * 2u) + e226)] = v1_9;
+                o_acc_3[((((frag247 / 1u) * 2u) + ((frag247 % 1u) * 2u)) * 4u) + ((half248 * 2u) + e249)] = v0_9;
+                o_acc_3[(((((frag247 / 1u) * 2u) + ((frag247 % 1u) * 2u)) + 1u) * 4u) + ((half248 * 2u) + e249)] = v1_9;
             }
         }
     }

@@ -244,6 +244,35 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+// its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
+// f16 -> f32); older archs keep the bytes and decode each by bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v;
+}
+#else
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+}
+#endif
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -283,30 +312,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag65[4];
-    unsigned b_frag66[4];
-    unsigned b_raw67[2];
-    unsigned a_frag81[4];
-    unsigned b_frag82[4];
-    unsigned b_raw83[2];
-    unsigned a_frag97[4];
-    unsigned b_frag98[4];
-    unsigned b_raw99[2];
-    unsigned a_frag112[4];
-    unsigned b_frag113[4];
-    unsigned b_raw114[2];
-    unsigned a_frag158[4];
-    unsigned b_frag159[4];
-    unsigned b_raw160[2];
-    unsigned a_frag166[4];
-    unsigned b_frag167[4];
-    unsigned b_raw168[2];
+    unsigned a_frag66[4];
+    unsigned b_frag67[4];
+    unsigned b_raw68[2];
+    unsigned a_frag84[4];
+    unsigned b_frag85[4];
+    unsigned b_raw86[2];
+    unsigned a_frag102[4];
+    unsigned b_frag103[4];
+    unsigned b_raw104[2];
+    unsigned a_frag119[4];
+    unsigned b_frag120[4];
+    unsigned b_raw121[2];
+    unsigned a_frag165[4];
+    unsigned b_frag166[4];
+    unsigned b_raw167[2];
     unsigned a_frag177[4];
     unsigned b_frag178[4];
     unsigned b_raw179[2];
-    unsigned a_frag188[4];
-    unsigned b_frag189[4];
-    unsigned b_raw190[2];
+    unsigned a_frag192[4];
+    unsigned b_frag193[4];
+    unsigned b_raw194[2];
+    unsigned a_frag207[4];
+    unsigned b_frag208[4];
+    unsigned b_raw209[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -339,16 +368,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i219 = threadIdx.x; zero_i219 < 4608u; zero_i219 += 256u) {
-        kv_rope[zero_i219] = 0u;
+    for (unsigned zero_i242 = threadIdx.x; zero_i242 < 4608u; zero_i242 += 256u) {
+        kv_rope[zero_i242] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i220 = threadIdx.x; zero_i220 < 512u; zero_i220 += 256u) {
-        kv_scales[zero_i220] = 0.0f;
+    for (unsigned zero_i243 = threadIdx.x; zero_i243 < 512u; zero_i243 += 256u) {
+        kv_scales[zero_i243] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i221 = threadIdx.x; zero_i221 < 144u; zero_i221 += 256u) {
-        row_valid[zero_i221] = 0.0f;
+    for (unsigned zero_i244 = threadIdx.x; zero_i244 < 144u; zero_i244 += 256u) {
+        row_valid[zero_i244] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -718,8 +747,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                    const unsigned e4m3_pair60 = e4m3x2_prep(b_raw[0u] >> 16u);
+                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair60), e4m3x2_hi(e4m3_pair60));
                     #pragma unroll
                     for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
@@ -732,186 +763,192 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         #pragma unroll
-        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
-            scores_term[e60] = scores_term[e60] + scores_term[4u + e60];
+        for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
+            scores_term[e61] = scores_term[e61] + scores_term[4u + e61];
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e61] = fmaf(scores_term[(frag * 4u) + e61], row_scale, scores_part[(frag * 4u) + e61]);
+            for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e62 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e62] = fmaf(scores_term[(frag * 4u) + e62], row_scale, scores_part[(frag * 4u) + e62]);
             }
         }
         #pragma unroll
-        for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
-            scores_term[e62] = 0.0f;
+        for (unsigned e63 = 0u; e63 < 4u; e63 += 1u) {
+            scores_term[e63] = 0.0f;
         }
-        const unsigned n_first63 = (warp / 2u) * 8u;
-        const unsigned k_first64 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
-            scores_term[4u + e73] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair71 = 0u; kk_pair71 < 2u; kk_pair71 += 1u) {
-            #pragma unroll
-            for (unsigned chain72 = 0u; chain72 < 2u; chain72 += 1u) {
-                const unsigned kk68 = (kk_pair71 * 2u) + chain72;
-                #pragma unroll
-                for (unsigned nj70 = 0u; nj70 < 1u; nj70 += 1u) {
-                    ldmatrix_x1(&b_raw67[0u], kv_latent + (stage * 4224u) + (((n_first63 + (nj70 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first64 + kk68) * 4u));
-                    b_frag66[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw67[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 8u) & 255u))));
-                    b_frag66[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 24u) & 255u))));
-                    #pragma unroll
-                    for (unsigned mi69 = 0u; mi69 < 1u; mi69 += 1u) {
-                        a_frag65[0u] = q_tile_a1[((mi69 * 4u) + kk68) * 4u];
-                        a_frag65[1u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 1u];
-                        a_frag65[2u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 2u];
-                        a_frag65[3u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain72 * 4u) + ((mi69 + nj70) * 4u)], &a_frag65[0u], &b_frag66[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first64 = (warp / 2u) * 8u;
+        const unsigned k_first65 = (warp % 2u) * 4u;
         #pragma unroll
         for (unsigned e74 = 0u; e74 < 4u; e74 += 1u) {
-            scores_term[e74] = scores_term[e74] + scores_term[4u + e74];
+            scores_term[4u + e74] = 0.0f;
         }
         #pragma unroll
-        for (unsigned frag75 = 0u; frag75 < 1u; frag75 += 1u) {
+        for (unsigned kk_pair72 = 0u; kk_pair72 < 2u; kk_pair72 += 1u) {
             #pragma unroll
-            for (unsigned e76 = 0u; e76 < 4u; e76 += 1u) {
-                const float row_scale77 = kv_scales[((stage * 128u) + (((n_first63 + ((frag75 % 1u) * 8u)) + ((lane_quad * 2u) + (e76 & 1u))) * 4u)) + 1u];
-                scores_part[(frag75 * 4u) + e76] = fmaf(scores_term[(frag75 * 4u) + e76], row_scale77, scores_part[(frag75 * 4u) + e76]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e78 = 0u; e78 < 4u; e78 += 1u) {
-            scores_term[e78] = 0.0f;
-        }
-        const unsigned n_first79 = (warp / 2u) * 8u;
-        const unsigned k_first80 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e89 = 0u; e89 < 4u; e89 += 1u) {
-            scores_term[4u + e89] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair87 = 0u; kk_pair87 < 2u; kk_pair87 += 1u) {
-            #pragma unroll
-            for (unsigned chain88 = 0u; chain88 < 2u; chain88 += 1u) {
-                const unsigned kk84 = (kk_pair87 * 2u) + chain88;
+            for (unsigned chain73 = 0u; chain73 < 2u; chain73 += 1u) {
+                const unsigned kk69 = (kk_pair72 * 2u) + chain73;
                 #pragma unroll
-                for (unsigned nj86 = 0u; nj86 < 1u; nj86 += 1u) {
-                    ldmatrix_x1(&b_raw83[0u], kv_latent + (stage * 4224u) + (((n_first79 + (nj86 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first80 + kk84) * 4u));
-                    b_frag82[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw83[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 8u) & 255u))));
-                    b_frag82[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 24u) & 255u))));
+                for (unsigned nj71 = 0u; nj71 < 1u; nj71 += 1u) {
+                    ldmatrix_x1(&b_raw68[0u], kv_latent + (stage * 4224u) + (((n_first64 + (nj71 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first65 + kk69) * 4u));
+                    const unsigned e4m3_pair75 = e4m3x2_prep(b_raw68[0u] & 65535u);
+                    const unsigned e4m3_pair76 = e4m3x2_prep(b_raw68[0u] >> 16u);
+                    b_frag67[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair75), e4m3x2_hi(e4m3_pair75));
+                    b_frag67[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair76), e4m3x2_hi(e4m3_pair76));
                     #pragma unroll
-                    for (unsigned mi85 = 0u; mi85 < 1u; mi85 += 1u) {
-                        a_frag81[0u] = q_tile_a2[((mi85 * 4u) + kk84) * 4u];
-                        a_frag81[1u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 1u];
-                        a_frag81[2u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 2u];
-                        a_frag81[3u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain88 * 4u) + ((mi85 + nj86) * 4u)], &a_frag81[0u], &b_frag82[0u]);
+                    for (unsigned mi70 = 0u; mi70 < 1u; mi70 += 1u) {
+                        a_frag66[0u] = q_tile_a1[((mi70 * 4u) + kk69) * 4u];
+                        a_frag66[1u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 1u];
+                        a_frag66[2u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 2u];
+                        a_frag66[3u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain73 * 4u) + ((mi70 + nj71) * 4u)], &a_frag66[0u], &b_frag67[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e90 = 0u; e90 < 4u; e90 += 1u) {
-            scores_term[e90] = scores_term[e90] + scores_term[4u + e90];
+        for (unsigned e77 = 0u; e77 < 4u; e77 += 1u) {
+            scores_term[e77] = scores_term[e77] + scores_term[4u + e77];
         }
         #pragma unroll
-        for (unsigned frag91 = 0u; frag91 < 1u; frag91 += 1u) {
+        for (unsigned frag78 = 0u; frag78 < 1u; frag78 += 1u) {
             #pragma unroll
-            for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
-                const float row_scale93 = kv_scales[((stage * 128u) + (((n_first79 + ((frag91 % 1u) * 8u)) + ((lane_quad * 2u) + (e92 & 1u))) * 4u)) + 2u];
-                scores_part[(frag91 * 4u) + e92] = fmaf(scores_term[(frag91 * 4u) + e92], row_scale93, scores_part[(frag91 * 4u) + e92]);
+            for (unsigned e79 = 0u; e79 < 4u; e79 += 1u) {
+                const float row_scale80 = kv_scales[((stage * 128u) + (((n_first64 + ((frag78 % 1u) * 8u)) + ((lane_quad * 2u) + (e79 & 1u))) * 4u)) + 1u];
+                scores_part[(frag78 * 4u) + e79] = fmaf(scores_term[(frag78 * 4u) + e79], row_scale80, scores_part[(frag78 * 4u) + e79]);
             }
         }
         #pragma unroll
-        for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
-            scores_term[e94] = 0.0f;
+        for (unsigned e81 = 0u; e81 < 4u; e81 += 1u) {
+            scores_term[e81] = 0.0f;
         }
-        const unsigned n_first95 = (warp / 2u) * 8u;
-        const unsigned k_first96 = (warp % 2u) * 4u;
+        const unsigned n_first82 = (warp / 2u) * 8u;
+        const unsigned k_first83 = (warp % 2u) * 4u;
         #pragma unroll
-        for (unsigned e105 = 0u; e105 < 4u; e105 += 1u) {
-            scores_term[4u + e105] = 0.0f;
+        for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
+            scores_term[4u + e92] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair103 = 0u; kk_pair103 < 2u; kk_pair103 += 1u) {
+        for (unsigned kk_pair90 = 0u; kk_pair90 < 2u; kk_pair90 += 1u) {
             #pragma unroll
-            for (unsigned chain104 = 0u; chain104 < 2u; chain104 += 1u) {
-                const unsigned kk100 = (kk_pair103 * 2u) + chain104;
+            for (unsigned chain91 = 0u; chain91 < 2u; chain91 += 1u) {
+                const unsigned kk87 = (kk_pair90 * 2u) + chain91;
                 #pragma unroll
-                for (unsigned nj102 = 0u; nj102 < 1u; nj102 += 1u) {
-                    ldmatrix_x1(&b_raw99[0u], kv_latent + (stage * 4224u) + (((n_first95 + (nj102 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first96 + kk100) * 4u));
-                    b_frag98[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw99[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 8u) & 255u))));
-                    b_frag98[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 24u) & 255u))));
+                for (unsigned nj89 = 0u; nj89 < 1u; nj89 += 1u) {
+                    ldmatrix_x1(&b_raw86[0u], kv_latent + (stage * 4224u) + (((n_first82 + (nj89 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first83 + kk87) * 4u));
+                    const unsigned e4m3_pair93 = e4m3x2_prep(b_raw86[0u] & 65535u);
+                    const unsigned e4m3_pair94 = e4m3x2_prep(b_raw86[0u] >> 16u);
+                    b_frag85[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair93), e4m3x2_hi(e4m3_pair93));
+                    b_frag85[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair94), e4m3x2_hi(e4m3_pair94));
                     #pragma unroll
-                    for (unsigned mi101 = 0u; mi101 < 1u; mi101 += 1u) {
-                        a_frag97[0u] = q_tile_a3[((mi101 * 4u) + kk100) * 4u];
-                        a_frag97[1u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 1u];
-                        a_frag97[2u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 2u];
-                        a_frag97[3u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain104 * 4u) + ((mi101 + nj102) * 4u)], &a_frag97[0u], &b_frag98[0u]);
+                    for (unsigned mi88 = 0u; mi88 < 1u; mi88 += 1u) {
+                        a_frag84[0u] = q_tile_a2[((mi88 * 4u) + kk87) * 4u];
+                        a_frag84[1u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 1u];
+                        a_frag84[2u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 2u];
+                        a_frag84[3u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain91 * 4u) + ((mi88 + nj89) * 4u)], &a_frag84[0u], &b_frag85[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
-            scores_term[e106] = scores_term[e106] + scores_term[4u + e106];
+        for (unsigned e95 = 0u; e95 < 4u; e95 += 1u) {
+            scores_term[e95] = scores_term[e95] + scores_term[4u + e95];
         }
         #pragma unroll
-        for (unsigned frag107 = 0u; frag107 < 1u; frag107 += 1u) {
+        for (unsigned frag96 = 0u; frag96 < 1u; frag96 += 1u) {
             #pragma unroll
-            for (unsigned e108 = 0u; e108 < 4u; e108 += 1u) {
-                const float row_scale109 = kv_scales[((stage * 128u) + (((n_first95 + ((frag107 % 1u) * 8u)) + ((lane_quad * 2u) + (e108 & 1u))) * 4u)) + 3u];
-                scores_part[(frag107 * 4u) + e108] = fmaf(scores_term[(frag107 * 4u) + e108], row_scale109, scores_part[(frag107 * 4u) + e108]);
+            for (unsigned e97 = 0u; e97 < 4u; e97 += 1u) {
+                const float row_scale98 = kv_scales[((stage * 128u) + (((n_first82 + ((frag96 % 1u) * 8u)) + ((lane_quad * 2u) + (e97 & 1u))) * 4u)) + 2u];
+                scores_part[(frag96 * 4u) + e97] = fmaf(scores_term[(frag96 * 4u) + e97], row_scale98, scores_part[(frag96 * 4u) + e97]);
             }
         }
-        const unsigned n_first110 = (warp / 2u) * 8u;
-        const unsigned k_first111 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e120 = 0u; e120 < 4u; e120 += 1u) {
-            scores_part[4u + e120] = 0.0f;
+        for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
+            scores_term[e99] = 0.0f;
+        }
+        const unsigned n_first100 = (warp / 2u) * 8u;
+        const unsigned k_first101 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e110 = 0u; e110 < 4u; e110 += 1u) {
+            scores_term[4u + e110] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair118 = 0u; kk_pair118 < 1u; kk_pair118 += 1u) {
+        for (unsigned kk_pair108 = 0u; kk_pair108 < 2u; kk_pair108 += 1u) {
             #pragma unroll
-            for (unsigned chain119 = 0u; chain119 < 2u; chain119 += 1u) {
-                const unsigned kk115 = (kk_pair118 * 2u) + chain119;
+            for (unsigned chain109 = 0u; chain109 < 2u; chain109 += 1u) {
+                const unsigned kk105 = (kk_pair108 * 2u) + chain109;
                 #pragma unroll
-                for (unsigned nj117 = 0u; nj117 < 1u; nj117 += 1u) {
-                    ldmatrix_x2(&b_frag113[0u], kv_rope + (stage * 1152u) + (((n_first110 + (nj117 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first111 + kk115) * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj107 = 0u; nj107 < 1u; nj107 += 1u) {
+                    ldmatrix_x1(&b_raw104[0u], kv_latent + (stage * 4224u) + (((n_first100 + (nj107 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first101 + kk105) * 4u));
+                    const unsigned e4m3_pair111 = e4m3x2_prep(b_raw104[0u] & 65535u);
+                    const unsigned e4m3_pair112 = e4m3x2_prep(b_raw104[0u] >> 16u);
+                    b_frag103[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair111), e4m3x2_hi(e4m3_pair111));
+                    b_frag103[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair112), e4m3x2_hi(e4m3_pair112));
                     #pragma unroll
-                    for (unsigned mi116 = 0u; mi116 < 1u; mi116 += 1u) {
-                        a_frag112[0u] = q_tile_a4[((mi116 * 2u) + kk115) * 4u];
-                        a_frag112[1u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 1u];
-                        a_frag112[2u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 2u];
-                        a_frag112[3u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain119 * 4u) + ((mi116 + nj117) * 4u)], &a_frag112[0u], &b_frag113[0u]);
+                    for (unsigned mi106 = 0u; mi106 < 1u; mi106 += 1u) {
+                        a_frag102[0u] = q_tile_a3[((mi106 * 4u) + kk105) * 4u];
+                        a_frag102[1u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 1u];
+                        a_frag102[2u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 2u];
+                        a_frag102[3u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain109 * 4u) + ((mi106 + nj107) * 4u)], &a_frag102[0u], &b_frag103[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e121 = 0u; e121 < 4u; e121 += 1u) {
-            scores_part[e121] = scores_part[e121] + scores_part[4u + e121];
+        for (unsigned e113 = 0u; e113 < 4u; e113 += 1u) {
+            scores_term[e113] = scores_term[e113] + scores_term[4u + e113];
+        }
+        #pragma unroll
+        for (unsigned frag114 = 0u; frag114 < 1u; frag114 += 1u) {
+            #pragma unroll
+            for (unsigned e115 = 0u; e115 < 4u; e115 += 1u) {
+                const float row_scale116 = kv_scales[((stage * 128u) + (((n_first100 + ((frag114 % 1u) * 8u)) + ((lane_quad * 2u) + (e115 & 1u))) * 4u)) + 3u];
+                scores_part[(frag114 * 4u) + e115] = fmaf(scores_term[(frag114 * 4u) + e115], row_scale116, scores_part[(frag114 * 4u) + e115]);
+            }
+        }
+        const unsigned n_first117 = (warp / 2u) * 8u;
+        const unsigned k_first118 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e127 = 0u; e127 < 4u; e127 += 1u) {
+            scores_part[4u + e127] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair125 = 0u; kk_pair125 < 1u; kk_pair125 += 1u) {
+            #pragma unroll
+            for (unsigned chain126 = 0u; chain126 < 2u; chain126 += 1u) {
+                const unsigned kk122 = (kk_pair125 * 2u) + chain126;
+                #pragma unroll
+                for (unsigned nj124 = 0u; nj124 < 1u; nj124 += 1u) {
+                    ldmatrix_x2(&b_frag120[0u], kv_rope + (stage * 1152u) + (((n_first117 + (nj124 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first118 + kk122) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi123 = 0u; mi123 < 1u; mi123 += 1u) {
+                        a_frag119[0u] = q_tile_a4[((mi123 * 2u) + kk122) * 4u];
+                        a_frag119[1u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 1u];
+                        a_frag119[2u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 2u];
+                        a_frag119[3u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain126 * 4u) + ((mi123 + nj124) * 4u)], &a_frag119[0u], &b_frag120[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e128 = 0u; e128 < 4u; e128 += 1u) {
+            scores_part[e128] = scores_part[e128] + scores_part[4u + e128];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag122 = 0u; frag122 < 1u; frag122 += 1u) {
+        for (unsigned frag129 = 0u; frag129 < 1u; frag129 += 1u) {
             #pragma unroll
-            for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
+            for (unsigned half130 = 0u; half130 < 2u; half130 += 1u) {
                 #pragma unroll
-                for (unsigned e124 = 0u; e124 < 2u; e124 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag122 / 1u) * 16u) + (half123 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag122 % 1u) * 8u)) + ((lane_quad * 2u) + e124))] = scores_part[((frag122 * 4u) + (half123 * 2u)) + e124];
+                for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag129 / 1u) * 16u) + (half130 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag129 % 1u) * 8u)) + ((lane_quad * 2u) + e131))] = scores_part[((frag129 * 4u) + (half130 * 2u)) + e131];
                 }
             }
         }
@@ -980,35 +1017,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag125 = 0u; frag125 < 1u; frag125 += 1u) {
+            for (unsigned frag132 = 0u; frag132 < 1u; frag132 += 1u) {
                 #pragma unroll
-                for (unsigned half126 = 0u; half126 < 2u; half126 += 1u) {
+                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
                     #pragma unroll
-                    for (unsigned e127 = 0u; e127 < 2u; e127 += 1u) {
-                        float sum = scores[((frag125 * 4u) + (half126 * 2u)) + e127];
-                        const unsigned cell = (((scores_row0 + (half126 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag125 * 8u)) + ((lane_quad * 2u) + e127));
+                    for (unsigned e134 = 0u; e134 < 2u; e134 += 1u) {
+                        float sum = scores[((frag132 * 4u) + (half133 * 2u)) + e134];
+                        const unsigned cell = (((scores_row0 + (half133 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag132 * 8u)) + ((lane_quad * 2u) + e134));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag125 * 4u) + (half126 * 2u)) + e127] = sum;
+                        scores[((frag132 * 4u) + (half133 * 2u)) + e134] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag128 = 0u; frag128 < 1u; frag128 += 1u) {
+            for (unsigned frag135 = 0u; frag135 < 1u; frag135 += 1u) {
                 #pragma unroll
-                for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag128 / 1u) * 16u)) + ((half129 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag128 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag128 * 4u) + (half129 * 2u)];
-                    float v1 = scores[((frag128 * 4u) + (half129 * 2u)) + 1u];
+                for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag135 / 1u) * 16u)) + ((half136 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag135 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag135 * 4u) + (half136 * 2u)];
+                    float v1 = scores[((frag135 * 4u) + (half136 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag128 * 4u) + (half129 * 2u)] = v0;
-                    scores[((frag128 * 4u) + (half129 * 2u)) + 1u] = v1;
+                    scores[(frag135 * 4u) + (half136 * 2u)] = v0;
+                    scores[((frag135 * 4u) + (half136 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1018,16 +1055,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi130 = 0u; mi130 < 1u; mi130 += 1u) {
+            for (unsigned mi137 = 0u; mi137 < 1u; mi137 += 1u) {
                 #pragma unroll
-                for (unsigned half131 = 0u; half131 < 2u; half131 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi130 * 4u) + (half131 * 2u)], scores[(mi130 * 4u) + ((half131 * 2u) + 1u)]);
+                for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi137 * 4u) + (half138 * 2u)], scores[(mi137 * 4u) + ((half138 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other132 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other132);
+                    const float other139 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other139);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi130 * 16u)) + ((half131 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi137 * 16u)) + ((half138 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1036,86 +1073,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi135 = 0u; mi135 < 1u; mi135 += 1u) {
+        for (unsigned mi142 = 0u; mi142 < 1u; mi142 += 1u) {
             #pragma unroll
-            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
-                const float m_old133 = row_max_reg[(mi135 * 2u) + half136];
-                float m_new134 = m_old133;
-                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
-                row_max_reg[(mi135 * 2u) + half136] = m_new134;
+            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
+                const float m_old140 = row_max_reg[(mi142 * 2u) + half143];
+                float m_new141 = m_old140;
+                m_new141 = fmaxf(m_new141, row_exchange[((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi142 * 2u) + half143] = expf(m_old140 - m_new141);
+                row_max_reg[(mi142 * 2u) + half143] = m_new141;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi140 = 0u; mi140 < 1u; mi140 += 1u) {
+            for (unsigned mi147 = 0u; mi147 < 1u; mi147 += 1u) {
                 #pragma unroll
-                for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
+                for (unsigned half148 = 0u; half148 < 2u; half148 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj137 = 0u; nj137 < 1u; nj137 += 1u) {
+                    for (unsigned nj144 = 0u; nj144 < 1u; nj144 += 1u) {
                         #pragma unroll
-                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
-                            const unsigned at139 = ((mi140 + nj137) * 4u) + ((half141 * 2u) + e138);
-                            const float p = (scores[at139] < (-1e38f)) ? 0.0f : expf(scores[at139] - row_max_reg[(mi140 * 2u) + half141]);
-                            scores[at139] = p;
+                        for (unsigned e145 = 0u; e145 < 2u; e145 += 1u) {
+                            const unsigned at146 = ((mi147 + nj144) * 4u) + ((half148 * 2u) + e145);
+                            const float p = (scores[at146] < (-1e38f)) ? 0.0f : expf(scores[at146] - row_max_reg[(mi147 * 2u) + half148]);
+                            scores[at146] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi140 * 2u) + half141] = (row_sum_part[(mi140 * 2u) + half141] * row_alpha[(mi140 * 2u) + half141]) + p_sum;
+                    row_sum_part[(mi147 * 2u) + half148] = (row_sum_part[(mi147 * 2u) + half148] * row_alpha[(mi147 * 2u) + half148]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag142 = 0u; frag142 < 2u; frag142 += 1u) {
+        for (unsigned frag149 = 0u; frag149 < 2u; frag149 += 1u) {
             #pragma unroll
-            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
-                const float alpha144 = row_alpha[((frag142 / 2u) * 2u) + half143];
-                o_acc[(frag142 * 4u) + (half143 * 2u)] = o_acc[(frag142 * 4u) + (half143 * 2u)] * alpha144;
-                o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] = o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] * alpha144;
+            for (unsigned half150 = 0u; half150 < 2u; half150 += 1u) {
+                const float alpha151 = row_alpha[((frag149 / 2u) * 2u) + half150];
+                o_acc[(frag149 * 4u) + (half150 * 2u)] = o_acc[(frag149 * 4u) + (half150 * 2u)] * alpha151;
+                o_acc[((frag149 * 4u) + (half150 * 2u)) + 1u] = o_acc[((frag149 * 4u) + (half150 * 2u)) + 1u] * alpha151;
             }
         }
         #pragma unroll
-        for (unsigned frag145 = 0u; frag145 < 2u; frag145 += 1u) {
+        for (unsigned frag152 = 0u; frag152 < 2u; frag152 += 1u) {
             #pragma unroll
-            for (unsigned half146 = 0u; half146 < 2u; half146 += 1u) {
-                const float alpha147 = row_alpha[((frag145 / 2u) * 2u) + half146];
-                o_acc_1[(frag145 * 4u) + (half146 * 2u)] = o_acc_1[(frag145 * 4u) + (half146 * 2u)] * alpha147;
-                o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] = o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] * alpha147;
+            for (unsigned half153 = 0u; half153 < 2u; half153 += 1u) {
+                const float alpha154 = row_alpha[((frag152 / 2u) * 2u) + half153];
+                o_acc_1[(frag152 * 4u) + (half153 * 2u)] = o_acc_1[(frag152 * 4u) + (half153 * 2u)] * alpha154;
+                o_acc_1[((frag152 * 4u) + (half153 * 2u)) + 1u] = o_acc_1[((frag152 * 4u) + (half153 * 2u)) + 1u] * alpha154;
             }
         }
         #pragma unroll
-        for (unsigned frag148 = 0u; frag148 < 2u; frag148 += 1u) {
+        for (unsigned frag155 = 0u; frag155 < 2u; frag155 += 1u) {
             #pragma unroll
-            for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
-                const float alpha150 = row_alpha[((frag148 / 2u) * 2u) + half149];
-                o_acc_2[(frag148 * 4u) + (half149 * 2u)] = o_acc_2[(frag148 * 4u) + (half149 * 2u)] * alpha150;
-                o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] = o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] * alpha150;
+            for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
+                const float alpha157 = row_alpha[((frag155 / 2u) * 2u) + half156];
+                o_acc_2[(frag155 * 4u) + (half156 * 2u)] = o_acc_2[(frag155 * 4u) + (half156 * 2u)] * alpha157;
+                o_acc_2[((frag155 * 4u) + (half156 * 2u)) + 1u] = o_acc_2[((frag155 * 4u) + (half156 * 2u)) + 1u] * alpha157;
             }
         }
         #pragma unroll
-        for (unsigned frag151 = 0u; frag151 < 2u; frag151 += 1u) {
+        for (unsigned frag158 = 0u; frag158 < 2u; frag158 += 1u) {
             #pragma unroll
-            for (unsigned half152 = 0u; half152 < 2u; half152 += 1u) {
-                const float alpha153 = row_alpha[((frag151 / 2u) * 2u) + half152];
-                o_acc_3[(frag151 * 4u) + (half152 * 2u)] = o_acc_3[(frag151 * 4u) + (half152 * 2u)] * alpha153;
-                o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] = o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] * alpha153;
+            for (unsigned half159 = 0u; half159 < 2u; half159 += 1u) {
+                const float alpha160 = row_alpha[((frag158 / 2u) * 2u) + half159];
+                o_acc_3[(frag158 * 4u) + (half159 * 2u)] = o_acc_3[(frag158 * 4u) + (half159 * 2u)] * alpha160;
+                o_acc_3[((frag158 * 4u) + (half159 * 2u)) + 1u] = o_acc_3[((frag158 * 4u) + (half159 * 2u)) + 1u] * alpha160;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag156 = 0u; frag156 < 1u; frag156 += 1u) {
+            for (unsigned frag163 = 0u; frag163 < 1u; frag163 += 1u) {
                 #pragma unroll
-                for (unsigned half157 = 0u; half157 < 2u; half157 += 1u) {
-                    const unsigned row154 = (scores_row0 + ((frag156 / 1u) * 16u)) + ((half157 * 8u) + lane_group);
-                    const unsigned col155 = (scores_col0 + ((frag156 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag156 * 4u) + (half157 * 2u);
-                    p_tile[(row154 * 20u) + (col155 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half164 = 0u; half164 < 2u; half164 += 1u) {
+                    const unsigned row161 = (scores_row0 + ((frag163 / 1u) * 16u)) + ((half164 * 8u) + lane_group);
+                    const unsigned col162 = (scores_col0 + ((frag163 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag163 * 4u) + (half164 * 2u);
+                    p_tile[(row161 * 20u) + (col162 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1124,129 +1161,145 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk161 = 0u; kk161 < 2u; kk161 += 1u) {
+        for (unsigned kk168 = 0u; kk168 < 2u; kk168 += 1u) {
             #pragma unroll
-            for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                ldmatrix_x4(&a_frag158[mi162 * 4u], p_tile + a_lane_word + (mi162 * 320u) + (kk161 * 8u));
+            for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                ldmatrix_x4(&a_frag165[mi169 * 4u], p_tile + a_lane_word + (mi169 * 320u) + (kk168 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale165 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag158[0u] = pack_bf16x2(__uint_as_float(a_frag158[0u] << 16u) * k_scale, __uint_as_float(a_frag158[0u] & 4294901760u) * k_scale163);
-            a_frag158[1u] = pack_bf16x2(__uint_as_float(a_frag158[1u] << 16u) * k_scale, __uint_as_float(a_frag158[1u] & 4294901760u) * k_scale163);
-            a_frag158[2u] = pack_bf16x2(__uint_as_float(a_frag158[2u] << 16u) * k_scale164, __uint_as_float(a_frag158[2u] & 4294901760u) * k_scale165);
-            a_frag158[3u] = pack_bf16x2(__uint_as_float(a_frag158[3u] << 16u) * k_scale164, __uint_as_float(a_frag158[3u] & 4294901760u) * k_scale165);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk168 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale170 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale171 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale172 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag165[0u] = pack_bf16x2(__uint_as_float(a_frag165[0u] << 16u) * k_scale, __uint_as_float(a_frag165[0u] & 4294901760u) * k_scale170);
+            a_frag165[1u] = pack_bf16x2(__uint_as_float(a_frag165[1u] << 16u) * k_scale, __uint_as_float(a_frag165[1u] & 4294901760u) * k_scale170);
+            a_frag165[2u] = pack_bf16x2(__uint_as_float(a_frag165[2u] << 16u) * k_scale171, __uint_as_float(a_frag165[2u] & 4294901760u) * k_scale172);
+            a_frag165[3u] = pack_bf16x2(__uint_as_float(a_frag165[3u] << 16u) * k_scale171, __uint_as_float(a_frag165[3u] & 4294901760u) * k_scale172);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw160[0u], kv_latent + (stage * 4224u) + (((kk161 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag159[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 16u) & 255u))));
-                b_frag159[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw160[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 16u) & 255u))));
-                b_frag159[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[0u] >> 24u) & 255u))));
-                b_frag159[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw160[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw167[0u], kv_latent + (stage * 4224u) + (((kk168 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair173 = e4m3x2_prep((b_raw167[0u] & 255u) | ((b_raw167[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair174 = e4m3x2_prep(((b_raw167[0u] >> 8u) & 255u) | ((b_raw167[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair175 = e4m3x2_prep((b_raw167[1u] & 255u) | ((b_raw167[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair176 = e4m3x2_prep(((b_raw167[1u] >> 8u) & 255u) | ((b_raw167[1u] >> 16u) & 65280u));
+                b_frag166[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair173), e4m3x2_hi(e4m3_pair173));
+                b_frag166[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair175), e4m3x2_hi(e4m3_pair175));
+                b_frag166[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair174), e4m3x2_hi(e4m3_pair174));
+                b_frag166[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair176), e4m3x2_hi(e4m3_pair176));
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi162 * 2u) + (np * 2u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[0u]);
+                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi169 * 2u) + (np * 2u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 1u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi162 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word172 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk169 = 0u; kk169 < 2u; kk169 += 1u) {
-            #pragma unroll
-            for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
-                ldmatrix_x4(&a_frag166[mi170 * 4u], p_tile + a_lane_word172 + (mi170 * 320u) + (kk169 * 8u));
-            }
-            const float k_scale173 = kv_scales[((stage * 128u) + (((kk169 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale176 = kv_scales[((stage * 128u) + ((((kk169 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag166[0u] = pack_bf16x2(__uint_as_float(a_frag166[0u] << 16u) * k_scale173, __uint_as_float(a_frag166[0u] & 4294901760u) * k_scale174);
-            a_frag166[1u] = pack_bf16x2(__uint_as_float(a_frag166[1u] << 16u) * k_scale173, __uint_as_float(a_frag166[1u] & 4294901760u) * k_scale174);
-            a_frag166[2u] = pack_bf16x2(__uint_as_float(a_frag166[2u] << 16u) * k_scale175, __uint_as_float(a_frag166[2u] & 4294901760u) * k_scale176);
-            a_frag166[3u] = pack_bf16x2(__uint_as_float(a_frag166[3u] << 16u) * k_scale175, __uint_as_float(a_frag166[3u] & 4294901760u) * k_scale176);
-            #pragma unroll
-            for (unsigned np171 = 0u; np171 < 1u; np171 += 1u) {
-                ldmatrix_x2_trans(&b_raw168[0u], kv_latent + (stage * 4224u) + (((kk169 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np171 * 16u)) >> 2u));
-                b_frag167[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw168[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 16u) & 255u))));
-                b_frag167[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw168[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 16u) & 255u))));
-                b_frag167[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[0u] >> 24u) & 255u))));
-                b_frag167[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw168[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi170 * 2u) + (np171 * 2u)) * 4u], &a_frag166[mi170 * 4u], &b_frag167[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi170 = 0u; mi170 < 1u; mi170 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi170 * 2u) + ((np171 * 2u) + 1u)) * 4u], &a_frag166[mi170 * 4u], &b_frag167[2u]);
+                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi169 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[2u]);
                 }
             }
         }
-        const unsigned a_lane_word183 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word183 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
         for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
             #pragma unroll
             for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
                 ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
             }
-            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
             a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
             a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
             a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
             a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
             #pragma unroll
             for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
-                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np182 * 16u)) >> 2u));
-                b_frag178[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 16u) & 255u))));
-                b_frag178[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw179[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 16u) & 255u))));
-                b_frag178[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[0u] >> 24u) & 255u))));
-                b_frag178[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw179[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np182 * 16u)) >> 2u));
+                const unsigned e4m3_pair188 = e4m3x2_prep((b_raw179[0u] & 255u) | ((b_raw179[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair189 = e4m3x2_prep(((b_raw179[0u] >> 8u) & 255u) | ((b_raw179[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair190 = e4m3x2_prep((b_raw179[1u] & 255u) | ((b_raw179[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair191 = e4m3x2_prep(((b_raw179[1u] >> 8u) & 255u) | ((b_raw179[1u] >> 16u) & 65280u));
+                b_frag178[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair188), e4m3x2_hi(e4m3_pair188));
+                b_frag178[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
+                b_frag178[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
+                b_frag178[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair191), e4m3x2_hi(e4m3_pair191));
                 #pragma unroll
                 for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
+                    mma_bf16_16816(&o_acc_1[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
                 }
                 #pragma unroll
                 for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                    mma_bf16_16816(&o_acc_1[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
                 }
             }
         }
-        const unsigned a_lane_word194 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word198 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk191 = 0u; kk191 < 2u; kk191 += 1u) {
+        for (unsigned kk195 = 0u; kk195 < 2u; kk195 += 1u) {
             #pragma unroll
-            for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
-                ldmatrix_x4(&a_frag188[mi192 * 4u], p_tile + a_lane_word194 + (mi192 * 320u) + (kk191 * 8u));
+            for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
+                ldmatrix_x4(&a_frag192[mi196 * 4u], p_tile + a_lane_word198 + (mi196 * 320u) + (kk195 * 8u));
             }
-            const float k_scale195 = kv_scales[((stage * 128u) + (((kk191 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale196 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale197 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale198 = kv_scales[((stage * 128u) + ((((kk191 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag188[0u] = pack_bf16x2(__uint_as_float(a_frag188[0u] << 16u) * k_scale195, __uint_as_float(a_frag188[0u] & 4294901760u) * k_scale196);
-            a_frag188[1u] = pack_bf16x2(__uint_as_float(a_frag188[1u] << 16u) * k_scale195, __uint_as_float(a_frag188[1u] & 4294901760u) * k_scale196);
-            a_frag188[2u] = pack_bf16x2(__uint_as_float(a_frag188[2u] << 16u) * k_scale197, __uint_as_float(a_frag188[2u] & 4294901760u) * k_scale198);
-            a_frag188[3u] = pack_bf16x2(__uint_as_float(a_frag188[3u] << 16u) * k_scale197, __uint_as_float(a_frag188[3u] & 4294901760u) * k_scale198);
+            const float k_scale199 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag192[0u] = pack_bf16x2(__uint_as_float(a_frag192[0u] << 16u) * k_scale199, __uint_as_float(a_frag192[0u] & 4294901760u) * k_scale200);
+            a_frag192[1u] = pack_bf16x2(__uint_as_float(a_frag192[1u] << 16u) * k_scale199, __uint_as_float(a_frag192[1u] & 4294901760u) * k_scale200);
+            a_frag192[2u] = pack_bf16x2(__uint_as_float(a_frag192[2u] << 16u) * k_scale201, __uint_as_float(a_frag192[2u] & 4294901760u) * k_scale202);
+            a_frag192[3u] = pack_bf16x2(__uint_as_float(a_frag192[3u] << 16u) * k_scale201, __uint_as_float(a_frag192[3u] & 4294901760u) * k_scale202);
             #pragma unroll
-            for (unsigned np193 = 0u; np193 < 1u; np193 += 1u) {
-                ldmatrix_x2_trans(&b_raw190[0u], kv_latent + (stage * 4224u) + (((kk191 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np193 * 16u)) >> 2u));
-                b_frag189[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw190[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 16u) & 255u))));
-                b_frag189[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw190[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 16u) & 255u))));
-                b_frag189[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[0u] >> 24u) & 255u))));
-                b_frag189[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw190[1u] >> 24u) & 255u))));
+            for (unsigned np197 = 0u; np197 < 1u; np197 += 1u) {
+                ldmatrix_x2_trans(&b_raw194[0u], kv_latent + (stage * 4224u) + (((kk195 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np197 * 16u)) >> 2u));
+                const unsigned e4m3_pair203 = e4m3x2_prep((b_raw194[0u] & 255u) | ((b_raw194[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair204 = e4m3x2_prep(((b_raw194[0u] >> 8u) & 255u) | ((b_raw194[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair205 = e4m3x2_prep((b_raw194[1u] & 255u) | ((b_raw194[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair206 = e4m3x2_prep(((b_raw194[1u] >> 8u) & 255u) | ((b_raw194[1u] >> 16u) & 65280u));
+                b_frag193[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair203), e4m3x2_hi(e4m3_pair203));
+                b_frag193[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair205), e4m3x2_hi(e4m3_pair205));
+                b_frag193[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair204), e4m3x2_hi(e4m3_pair204));
+                b_frag193[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair206), e4m3x2_hi(e4m3_pair206));
                 #pragma unroll
-                for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi192 * 2u) + (np193 * 2u)) * 4u], &a_frag188[mi192 * 4u], &b_frag189[0u]);
+                for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + (np197 * 2u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi192 = 0u; mi192 < 1u; mi192 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi192 * 2u) + ((np193 * 2u) + 1u)) * 4u], &a_frag188[mi192 * 4u], &b_frag189[2u]);
+                for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + ((np197 * 2u) + 1u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word213 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk210 = 0u; kk210 < 2u; kk210 += 1u) {
+            #pragma unroll
+            for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
+                ldmatrix_x4(&a_frag207[mi211 * 4u], p_tile + a_lane_word213 + (mi211 * 320u) + (kk210 * 8u));
+            }
+            const float k_scale214 = kv_scales[((stage * 128u) + (((kk210 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale215 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale216 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale217 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag207[0u] = pack_bf16x2(__uint_as_float(a_frag207[0u] << 16u) * k_scale214, __uint_as_float(a_frag207[0u] & 4294901760u) * k_scale215);
+            a_frag207[1u] = pack_bf16x2(__uint_as_float(a_frag207[1u] << 16u) * k_scale214, __uint_as_float(a_frag207[1u] & 4294901760u) * k_scale215);
+            a_frag207[2u] = pack_bf16x2(__uint_as_float(a_frag207[2u] << 16u) * k_scale216, __uint_as_float(a_frag207[2u] & 4294901760u) * k_scale217);
+            a_frag207[3u] = pack_bf16x2(__uint_as_float(a_frag207[3u] << 16u) * k_scale216, __uint_as_float(a_frag207[3u] & 4294901760u) * k_scale217);
+            #pragma unroll
+            for (unsigned np212 = 0u; np212 < 1u; np212 += 1u) {
+                ldmatrix_x2_trans(&b_raw209[0u], kv_latent + (stage * 4224u) + (((kk210 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np212 * 16u)) >> 2u));
+                const unsigned e4m3_pair218 = e4m3x2_prep((b_raw209[0u] & 255u) | ((b_raw209[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair219 = e4m3x2_prep(((b_raw209[0u] >> 8u) & 255u) | ((b_raw209[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair220 = e4m3x2_prep((b_raw209[1u] & 255u) | ((b_raw209[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair221 = e4m3x2_prep(((b_raw209[1u] >> 8u) & 255u) | ((b_raw209[1u] >> 16u) & 65280u));
+                b_frag208[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair218), e4m3x2_hi(e4m3_pair218));
+                b_frag208[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair220), e4m3x2_hi(e4m3_pair220));
+                b_frag208[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair219), e4m3x2_hi(e4m3_pair219));
+                b_frag208[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair221), e4m3x2_hi(e4m3_pair221));
+                #pragma unroll
+                for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi211 * 2u) + (np212 * 2u)) * 4u], &a_frag207[mi211 * 4u], &b_frag208[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi211 * 2u) + ((np212 * 2u) + 1u)) * 4u], &a_frag207[mi211 * 4u], &b_frag208[2u]);
                 }
             }
         }
@@ -1261,16 +1314,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi200 = 0u; mi200 < 1u; mi200 += 1u) {
+        for (unsigned mi223 = 0u; mi223 < 1u; mi223 += 1u) {
             #pragma unroll
-            for (unsigned half201 = 0u; half201 < 2u; half201 += 1u) {
-                float row_sum199 = row_sum_part[(mi200 * 2u) + half201];
-                const float other202 = shfl_xor_f32(row_sum199, 1);
-                row_sum199 = row_sum199 + other202;
-                const float other203 = shfl_xor_f32(row_sum199, 2);
-                row_sum199 = row_sum199 + other203;
+            for (unsigned half224 = 0u; half224 < 2u; half224 += 1u) {
+                float row_sum222 = row_sum_part[(mi223 * 2u) + half224];
+                const float other225 = shfl_xor_f32(row_sum222, 1);
+                row_sum222 = row_sum222 + other225;
+                const float other226 = shfl_xor_f32(row_sum222, 2);
+                row_sum222 = row_sum222 + other226;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi200 * 16u)) + ((half201 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum199;
+                    row_exchange[(((scores_row0 + (mi223 * 16u)) + ((half224 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum222;
                 }
             }
         }
@@ -1278,16 +1331,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi205 = 0u; mi205 < 1u; mi205 += 1u) {
+        for (unsigned mi228 = 0u; mi228 < 1u; mi228 += 1u) {
             #pragma unroll
-            for (unsigned half206 = 0u; half206 < 2u; half206 += 1u) {
+            for (unsigned half229 = 0u; half229 < 2u; half229 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum204 = row_exchange[((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u];
-                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum204 = row_sum204 + row_exchange[(((scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)] = row_sum204;
-                    row_max[(scores_row0 + (mi205 * 16u)) + ((half206 * 8u) + lane_group)] = row_max_reg[(mi205 * 2u) + half206];
+                    float row_sum227 = row_exchange[((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u];
+                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)] = row_sum227;
+                    row_max[(scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)] = row_max_reg[(mi228 * 2u) + half229];
                 }
             }
         }
@@ -1296,15 +1349,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag207 = 0u; frag207 < 1u; frag207 += 1u) {
+    for (unsigned frag230 = 0u; frag230 < 1u; frag230 += 1u) {
         #pragma unroll
-        for (unsigned half208 = 0u; half208 < 2u; half208 += 1u) {
+        for (unsigned half231 = 0u; half231 < 2u; half231 += 1u) {
             #pragma unroll
-            for (unsigned e209 = 0u; e209 < 2u; e209 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag207 / 1u) * 16u)) + ((half208 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag207 % 1u) * 16u)) + ((lane_quad * 4u) + (e209 * 2u));
-                float v0_6 = o_acc[((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) * 4u) + ((half208 * 2u) + e209)];
-                float v1_6 = o_acc[(((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) + 1u) * 4u) + ((half208 * 2u) + e209)];
+            for (unsigned e232 = 0u; e232 < 2u; e232 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag230 / 1u) * 16u)) + ((half231 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag230 % 1u) * 16u)) + ((lane_quad * 4u) + (e232 * 2u));
+                float v0_6 = o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)];
+                float v1_6 = o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
@@ -1313,21 +1366,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at] = v0_6 * inv_l;
                     o_part[at + 1u] = v1_6 * inv_l;
                 }
-                o_acc[((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) * 4u) + ((half208 * 2u) + e209)] = v0_6;
-                o_acc[(((((frag207 / 1u) * 2u) + ((frag207 % 1u) * 2u)) + 1u) * 4u) + ((half208 * 2u) + e209)] = v1_6;
+                o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)] = v0_6;
+                o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag210 = 0u; frag210 < 1u; frag210 += 1u) {
+    for (unsigned frag233 = 0u; frag233 < 1u; frag233 += 1u) {
         #pragma unroll
-        for (unsigned half211 = 0u; half211 < 2u; half211 += 1u) {
+        for (unsigned half234 = 0u; half234 < 2u; half234 += 1u) {
             #pragma unroll
-            for (unsigned e212 = 0u; e212 < 2u; e212 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag210 / 1u) * 16u)) + ((half211 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag210 % 1u) * 16u)) + ((lane_quad * 4u) + (e212 * 2u));
-                float v0_7 = o_acc_1[((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) * 4u) + ((half211 * 2u) + e212)];
-                float v1_7 = o_acc_1[(((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) + 1u) * 4u) + ((half211 * 2u) + e212)];
+            for (unsigned e235 = 0u; e235 < 2u; e235 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag233 / 1u) * 16u)) + ((half234 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag233 % 1u) * 16u)) + ((lane_quad * 4u) + (e235 * 2u));
+                float v0_7 = o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)];
+                float v1_7 = o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
@@ -1336,21 +1389,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_1] = v0_7 * inv_l_1;
                     o_part[at_1 + 1u] = v1_7 * inv_l_1;
                 }
-                o_acc_1[((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) * 4u) + ((half211 * 2u) + e212)] = v0_7;
-                o_acc_1[(((((frag210 / 1u) * 2u) + ((frag210 % 1u) * 2u)) + 1u) * 4u) + ((half211 * 2u) + e212)] = v1_7;
+                o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)] = v0_7;
+                o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag213 = 0u; frag213 < 1u; frag213 += 1u) {
+    for (unsigned frag236 = 0u; frag236 < 1u; frag236 += 1u) {
         #pragma unroll
-        for (unsigned half214 = 0u; half214 < 2u; half214 += 1u) {
+        for (unsigned half237 = 0u; half237 < 2u; half237 += 1u) {
             #pragma unroll
-            for (unsigned e215 = 0u; e215 < 2u; e215 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag213 / 1u) * 16u)) + ((half214 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag213 % 1u) * 16u)) + ((lane_quad * 4u) + (e215 * 2u));
-                float v0_8 = o_acc_2[((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) * 4u) + ((half214 * 2u) + e215)];
-                float v1_8 = o_acc_2[(((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) + 1u) * 4u) + ((half214 * 2u) + e215)];
+            for (unsigned e238 = 0u; e238 < 2u; e238 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag236 / 1u) * 16u)) + ((half237 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag236 % 1u) * 16u)) + ((lane_quad * 4u) + (e238 * 2u));
+                float v0_8 = o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)];
+                float v1_8 = o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
@@ -1359,21 +1412,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_2] = v0_8 * inv_l_2;
                     o_part[at_2 + 1u] = v1_8 * inv_l_2;
                 }
-                o_acc_2[((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) * 4u) + ((half214 * 2u) + e215)] = v0_8;
-                o_acc_2[(((((frag213 / 1u) * 2u) + ((frag213 % 1u) * 2u)) + 1u) * 4u) + ((half214 * 2u) + e215)] = v1_8;
+                o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)] = v0_8;
+                o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag216 = 0u; frag216 < 1u; frag216 += 1u) {
+    for (unsigned frag239 = 0u; frag239 < 1u; frag239 += 1u) {
         #pragma unroll
-        for (unsigned half217 = 0u; half217 < 2u; half217 += 1u) {
+        for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
             #pragma unroll
-            for (unsigned e218 = 0u; e218 < 2u; e218 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag216 / 1u) * 16u)) + ((half217 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag216 % 1u) * 16u)) + ((lane_quad * 4u) + (e218 * 2u));
-                float v0_9 = o_acc_3[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)];
-                float v1_9 = o_acc_3[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)];
+            for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
+                float v0_9 = o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
+                float v1_9 = o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
@@ -1382,8 +1435,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     o_part[at_3] = v0_9 * inv_l_3;
                     o_part[at_3 + 1u] = v1_9 * inv_l_3;
                 }
-                o_acc_3[((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) * 4u) + ((half217 * 2u) + e218)] = v0_9;
-                o_acc_3[(((((frag216 / 1u) * 2u) + ((frag216 % 1u) * 2u)) + 1u) * 4u) + ((half217 * 2u) + e218)] = v1_9;
+                o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_9;
+                o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_9;
             }
         }
     }

@@ -247,6 +247,35 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
+// its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
+// f16 -> f32); older archs keep the bytes and decode each by bits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v;
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v;
+}
+#else
+static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+}
+static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+}
+#endif
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -286,30 +315,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag[4];
     unsigned b_frag[4];
     unsigned b_raw[2];
-    unsigned a_frag65[4];
-    unsigned b_frag66[4];
-    unsigned b_raw67[2];
-    unsigned a_frag81[4];
-    unsigned b_frag82[4];
-    unsigned b_raw83[2];
-    unsigned a_frag97[4];
-    unsigned b_frag98[4];
-    unsigned b_raw99[2];
-    unsigned a_frag112[4];
-    unsigned b_frag113[4];
-    unsigned b_raw114[2];
-    unsigned a_frag157[4];
-    unsigned b_frag158[4];
-    unsigned b_raw159[2];
-    unsigned a_frag165[4];
-    unsigned b_frag166[4];
-    unsigned b_raw167[2];
+    unsigned a_frag66[4];
+    unsigned b_frag67[4];
+    unsigned b_raw68[2];
+    unsigned a_frag84[4];
+    unsigned b_frag85[4];
+    unsigned b_raw86[2];
+    unsigned a_frag102[4];
+    unsigned b_frag103[4];
+    unsigned b_raw104[2];
+    unsigned a_frag119[4];
+    unsigned b_frag120[4];
+    unsigned b_raw121[2];
+    unsigned a_frag164[4];
+    unsigned b_frag165[4];
+    unsigned b_raw166[2];
     unsigned a_frag176[4];
     unsigned b_frag177[4];
     unsigned b_raw178[2];
-    unsigned a_frag187[4];
-    unsigned b_frag188[4];
-    unsigned b_raw189[2];
+    unsigned a_frag191[4];
+    unsigned b_frag192[4];
+    unsigned b_raw193[2];
+    unsigned a_frag206[4];
+    unsigned b_frag207[4];
+    unsigned b_raw208[2];
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;
@@ -342,16 +371,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i218 = threadIdx.x; zero_i218 < 4608u; zero_i218 += 256u) {
-        kv_rope[zero_i218] = 0u;
+    for (unsigned zero_i241 = threadIdx.x; zero_i241 < 4608u; zero_i241 += 256u) {
+        kv_rope[zero_i241] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i219 = threadIdx.x; zero_i219 < 512u; zero_i219 += 256u) {
-        kv_scales[zero_i219] = 0.0f;
+    for (unsigned zero_i242 = threadIdx.x; zero_i242 < 512u; zero_i242 += 256u) {
+        kv_scales[zero_i242] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i220 = threadIdx.x; zero_i220 < 144u; zero_i220 += 256u) {
-        row_valid[zero_i220] = 0.0f;
+    for (unsigned zero_i243 = threadIdx.x; zero_i243 < 144u; zero_i243 += 256u) {
+        row_valid[zero_i243] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -721,8 +750,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    b_frag[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 8u) & 255u))));
-                    b_frag[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw[0u] >> 24u) & 255u))));
+                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                    const unsigned e4m3_pair60 = e4m3x2_prep(b_raw[0u] >> 16u);
+                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair60), e4m3x2_hi(e4m3_pair60));
                     #pragma unroll
                     for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
@@ -735,186 +766,192 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         #pragma unroll
-        for (unsigned e60 = 0u; e60 < 4u; e60 += 1u) {
-            scores_term[e60] = scores_term[e60] + scores_term[4u + e60];
+        for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
+            scores_term[e61] = scores_term[e61] + scores_term[4u + e61];
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e61 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e61] = fmaf(scores_term[(frag * 4u) + e61], row_scale, scores_part[(frag * 4u) + e61]);
+            for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e62 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e62] = fmaf(scores_term[(frag * 4u) + e62], row_scale, scores_part[(frag * 4u) + e62]);
             }
         }
         #pragma unroll
-        for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
-            scores_term[e62] = 0.0f;
+        for (unsigned e63 = 0u; e63 < 4u; e63 += 1u) {
+            scores_term[e63] = 0.0f;
         }
-        const unsigned n_first63 = (warp / 2u) * 8u;
-        const unsigned k_first64 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e73 = 0u; e73 < 4u; e73 += 1u) {
-            scores_term[4u + e73] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair71 = 0u; kk_pair71 < 2u; kk_pair71 += 1u) {
-            #pragma unroll
-            for (unsigned chain72 = 0u; chain72 < 2u; chain72 += 1u) {
-                const unsigned kk68 = (kk_pair71 * 2u) + chain72;
-                #pragma unroll
-                for (unsigned nj70 = 0u; nj70 < 1u; nj70 += 1u) {
-                    ldmatrix_x1(&b_raw67[0u], kv_latent + (stage * 4224u) + (((n_first63 + (nj70 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first64 + kk68) * 4u));
-                    b_frag66[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw67[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 8u) & 255u))));
-                    b_frag66[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw67[0u] >> 24u) & 255u))));
-                    #pragma unroll
-                    for (unsigned mi69 = 0u; mi69 < 1u; mi69 += 1u) {
-                        a_frag65[0u] = q_tile_a1[((mi69 * 4u) + kk68) * 4u];
-                        a_frag65[1u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 1u];
-                        a_frag65[2u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 2u];
-                        a_frag65[3u] = q_tile_a1[(((mi69 * 4u) + kk68) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain72 * 4u) + ((mi69 + nj70) * 4u)], &a_frag65[0u], &b_frag66[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first64 = (warp / 2u) * 8u;
+        const unsigned k_first65 = (warp % 2u) * 4u;
         #pragma unroll
         for (unsigned e74 = 0u; e74 < 4u; e74 += 1u) {
-            scores_term[e74] = scores_term[e74] + scores_term[4u + e74];
+            scores_term[4u + e74] = 0.0f;
         }
         #pragma unroll
-        for (unsigned frag75 = 0u; frag75 < 1u; frag75 += 1u) {
+        for (unsigned kk_pair72 = 0u; kk_pair72 < 2u; kk_pair72 += 1u) {
             #pragma unroll
-            for (unsigned e76 = 0u; e76 < 4u; e76 += 1u) {
-                const float row_scale77 = kv_scales[((stage * 128u) + (((n_first63 + ((frag75 % 1u) * 8u)) + ((lane_quad * 2u) + (e76 & 1u))) * 4u)) + 1u];
-                scores_part[(frag75 * 4u) + e76] = fmaf(scores_term[(frag75 * 4u) + e76], row_scale77, scores_part[(frag75 * 4u) + e76]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e78 = 0u; e78 < 4u; e78 += 1u) {
-            scores_term[e78] = 0.0f;
-        }
-        const unsigned n_first79 = (warp / 2u) * 8u;
-        const unsigned k_first80 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e89 = 0u; e89 < 4u; e89 += 1u) {
-            scores_term[4u + e89] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair87 = 0u; kk_pair87 < 2u; kk_pair87 += 1u) {
-            #pragma unroll
-            for (unsigned chain88 = 0u; chain88 < 2u; chain88 += 1u) {
-                const unsigned kk84 = (kk_pair87 * 2u) + chain88;
+            for (unsigned chain73 = 0u; chain73 < 2u; chain73 += 1u) {
+                const unsigned kk69 = (kk_pair72 * 2u) + chain73;
                 #pragma unroll
-                for (unsigned nj86 = 0u; nj86 < 1u; nj86 += 1u) {
-                    ldmatrix_x1(&b_raw83[0u], kv_latent + (stage * 4224u) + (((n_first79 + (nj86 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first80 + kk84) * 4u));
-                    b_frag82[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw83[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 8u) & 255u))));
-                    b_frag82[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw83[0u] >> 24u) & 255u))));
+                for (unsigned nj71 = 0u; nj71 < 1u; nj71 += 1u) {
+                    ldmatrix_x1(&b_raw68[0u], kv_latent + (stage * 4224u) + (((n_first64 + (nj71 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first65 + kk69) * 4u));
+                    const unsigned e4m3_pair75 = e4m3x2_prep(b_raw68[0u] & 65535u);
+                    const unsigned e4m3_pair76 = e4m3x2_prep(b_raw68[0u] >> 16u);
+                    b_frag67[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair75), e4m3x2_hi(e4m3_pair75));
+                    b_frag67[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair76), e4m3x2_hi(e4m3_pair76));
                     #pragma unroll
-                    for (unsigned mi85 = 0u; mi85 < 1u; mi85 += 1u) {
-                        a_frag81[0u] = q_tile_a2[((mi85 * 4u) + kk84) * 4u];
-                        a_frag81[1u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 1u];
-                        a_frag81[2u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 2u];
-                        a_frag81[3u] = q_tile_a2[(((mi85 * 4u) + kk84) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain88 * 4u) + ((mi85 + nj86) * 4u)], &a_frag81[0u], &b_frag82[0u]);
+                    for (unsigned mi70 = 0u; mi70 < 1u; mi70 += 1u) {
+                        a_frag66[0u] = q_tile_a1[((mi70 * 4u) + kk69) * 4u];
+                        a_frag66[1u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 1u];
+                        a_frag66[2u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 2u];
+                        a_frag66[3u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain73 * 4u) + ((mi70 + nj71) * 4u)], &a_frag66[0u], &b_frag67[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e90 = 0u; e90 < 4u; e90 += 1u) {
-            scores_term[e90] = scores_term[e90] + scores_term[4u + e90];
+        for (unsigned e77 = 0u; e77 < 4u; e77 += 1u) {
+            scores_term[e77] = scores_term[e77] + scores_term[4u + e77];
         }
         #pragma unroll
-        for (unsigned frag91 = 0u; frag91 < 1u; frag91 += 1u) {
+        for (unsigned frag78 = 0u; frag78 < 1u; frag78 += 1u) {
             #pragma unroll
-            for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
-                const float row_scale93 = kv_scales[((stage * 128u) + (((n_first79 + ((frag91 % 1u) * 8u)) + ((lane_quad * 2u) + (e92 & 1u))) * 4u)) + 2u];
-                scores_part[(frag91 * 4u) + e92] = fmaf(scores_term[(frag91 * 4u) + e92], row_scale93, scores_part[(frag91 * 4u) + e92]);
+            for (unsigned e79 = 0u; e79 < 4u; e79 += 1u) {
+                const float row_scale80 = kv_scales[((stage * 128u) + (((n_first64 + ((frag78 % 1u) * 8u)) + ((lane_quad * 2u) + (e79 & 1u))) * 4u)) + 1u];
+                scores_part[(frag78 * 4u) + e79] = fmaf(scores_term[(frag78 * 4u) + e79], row_scale80, scores_part[(frag78 * 4u) + e79]);
             }
         }
         #pragma unroll
-        for (unsigned e94 = 0u; e94 < 4u; e94 += 1u) {
-            scores_term[e94] = 0.0f;
+        for (unsigned e81 = 0u; e81 < 4u; e81 += 1u) {
+            scores_term[e81] = 0.0f;
         }
-        const unsigned n_first95 = (warp / 2u) * 8u;
-        const unsigned k_first96 = (warp % 2u) * 4u;
+        const unsigned n_first82 = (warp / 2u) * 8u;
+        const unsigned k_first83 = (warp % 2u) * 4u;
         #pragma unroll
-        for (unsigned e105 = 0u; e105 < 4u; e105 += 1u) {
-            scores_term[4u + e105] = 0.0f;
+        for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
+            scores_term[4u + e92] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair103 = 0u; kk_pair103 < 2u; kk_pair103 += 1u) {
+        for (unsigned kk_pair90 = 0u; kk_pair90 < 2u; kk_pair90 += 1u) {
             #pragma unroll
-            for (unsigned chain104 = 0u; chain104 < 2u; chain104 += 1u) {
-                const unsigned kk100 = (kk_pair103 * 2u) + chain104;
+            for (unsigned chain91 = 0u; chain91 < 2u; chain91 += 1u) {
+                const unsigned kk87 = (kk_pair90 * 2u) + chain91;
                 #pragma unroll
-                for (unsigned nj102 = 0u; nj102 < 1u; nj102 += 1u) {
-                    ldmatrix_x1(&b_raw99[0u], kv_latent + (stage * 4224u) + (((n_first95 + (nj102 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first96 + kk100) * 4u));
-                    b_frag98[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw99[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 8u) & 255u))));
-                    b_frag98[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 16u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw99[0u] >> 24u) & 255u))));
+                for (unsigned nj89 = 0u; nj89 < 1u; nj89 += 1u) {
+                    ldmatrix_x1(&b_raw86[0u], kv_latent + (stage * 4224u) + (((n_first82 + (nj89 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first83 + kk87) * 4u));
+                    const unsigned e4m3_pair93 = e4m3x2_prep(b_raw86[0u] & 65535u);
+                    const unsigned e4m3_pair94 = e4m3x2_prep(b_raw86[0u] >> 16u);
+                    b_frag85[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair93), e4m3x2_hi(e4m3_pair93));
+                    b_frag85[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair94), e4m3x2_hi(e4m3_pair94));
                     #pragma unroll
-                    for (unsigned mi101 = 0u; mi101 < 1u; mi101 += 1u) {
-                        a_frag97[0u] = q_tile_a3[((mi101 * 4u) + kk100) * 4u];
-                        a_frag97[1u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 1u];
-                        a_frag97[2u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 2u];
-                        a_frag97[3u] = q_tile_a3[(((mi101 * 4u) + kk100) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain104 * 4u) + ((mi101 + nj102) * 4u)], &a_frag97[0u], &b_frag98[0u]);
+                    for (unsigned mi88 = 0u; mi88 < 1u; mi88 += 1u) {
+                        a_frag84[0u] = q_tile_a2[((mi88 * 4u) + kk87) * 4u];
+                        a_frag84[1u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 1u];
+                        a_frag84[2u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 2u];
+                        a_frag84[3u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain91 * 4u) + ((mi88 + nj89) * 4u)], &a_frag84[0u], &b_frag85[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
-            scores_term[e106] = scores_term[e106] + scores_term[4u + e106];
+        for (unsigned e95 = 0u; e95 < 4u; e95 += 1u) {
+            scores_term[e95] = scores_term[e95] + scores_term[4u + e95];
         }
         #pragma unroll
-        for (unsigned frag107 = 0u; frag107 < 1u; frag107 += 1u) {
+        for (unsigned frag96 = 0u; frag96 < 1u; frag96 += 1u) {
             #pragma unroll
-            for (unsigned e108 = 0u; e108 < 4u; e108 += 1u) {
-                const float row_scale109 = kv_scales[((stage * 128u) + (((n_first95 + ((frag107 % 1u) * 8u)) + ((lane_quad * 2u) + (e108 & 1u))) * 4u)) + 3u];
-                scores_part[(frag107 * 4u) + e108] = fmaf(scores_term[(frag107 * 4u) + e108], row_scale109, scores_part[(frag107 * 4u) + e108]);
+            for (unsigned e97 = 0u; e97 < 4u; e97 += 1u) {
+                const float row_scale98 = kv_scales[((stage * 128u) + (((n_first82 + ((frag96 % 1u) * 8u)) + ((lane_quad * 2u) + (e97 & 1u))) * 4u)) + 2u];
+                scores_part[(frag96 * 4u) + e97] = fmaf(scores_term[(frag96 * 4u) + e97], row_scale98, scores_part[(frag96 * 4u) + e97]);
             }
         }
-        const unsigned n_first110 = (warp / 2u) * 8u;
-        const unsigned k_first111 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e120 = 0u; e120 < 4u; e120 += 1u) {
-            scores_part[4u + e120] = 0.0f;
+        for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
+            scores_term[e99] = 0.0f;
+        }
+        const unsigned n_first100 = (warp / 2u) * 8u;
+        const unsigned k_first101 = (warp % 2u) * 4u;
+        #pragma unroll
+        for (unsigned e110 = 0u; e110 < 4u; e110 += 1u) {
+            scores_term[4u + e110] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair118 = 0u; kk_pair118 < 1u; kk_pair118 += 1u) {
+        for (unsigned kk_pair108 = 0u; kk_pair108 < 2u; kk_pair108 += 1u) {
             #pragma unroll
-            for (unsigned chain119 = 0u; chain119 < 2u; chain119 += 1u) {
-                const unsigned kk115 = (kk_pair118 * 2u) + chain119;
+            for (unsigned chain109 = 0u; chain109 < 2u; chain109 += 1u) {
+                const unsigned kk105 = (kk_pair108 * 2u) + chain109;
                 #pragma unroll
-                for (unsigned nj117 = 0u; nj117 < 1u; nj117 += 1u) {
-                    ldmatrix_x2(&b_frag113[0u], kv_rope + (stage * 1152u) + (((n_first110 + (nj117 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first111 + kk115) * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj107 = 0u; nj107 < 1u; nj107 += 1u) {
+                    ldmatrix_x1(&b_raw104[0u], kv_latent + (stage * 4224u) + (((n_first100 + (nj107 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first101 + kk105) * 4u));
+                    const unsigned e4m3_pair111 = e4m3x2_prep(b_raw104[0u] & 65535u);
+                    const unsigned e4m3_pair112 = e4m3x2_prep(b_raw104[0u] >> 16u);
+                    b_frag103[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair111), e4m3x2_hi(e4m3_pair111));
+                    b_frag103[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair112), e4m3x2_hi(e4m3_pair112));
                     #pragma unroll
-                    for (unsigned mi116 = 0u; mi116 < 1u; mi116 += 1u) {
-                        a_frag112[0u] = q_tile_a4[((mi116 * 2u) + kk115) * 4u];
-                        a_frag112[1u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 1u];
-                        a_frag112[2u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 2u];
-                        a_frag112[3u] = q_tile_a4[(((mi116 * 2u) + kk115) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain119 * 4u) + ((mi116 + nj117) * 4u)], &a_frag112[0u], &b_frag113[0u]);
+                    for (unsigned mi106 = 0u; mi106 < 1u; mi106 += 1u) {
+                        a_frag102[0u] = q_tile_a3[((mi106 * 4u) + kk105) * 4u];
+                        a_frag102[1u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 1u];
+                        a_frag102[2u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 2u];
+                        a_frag102[3u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 3u];
+                        mma_bf16_16816(&scores_term[(chain109 * 4u) + ((mi106 + nj107) * 4u)], &a_frag102[0u], &b_frag103[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e121 = 0u; e121 < 4u; e121 += 1u) {
-            scores_part[e121] = scores_part[e121] + scores_part[4u + e121];
+        for (unsigned e113 = 0u; e113 < 4u; e113 += 1u) {
+            scores_term[e113] = scores_term[e113] + scores_term[4u + e113];
+        }
+        #pragma unroll
+        for (unsigned frag114 = 0u; frag114 < 1u; frag114 += 1u) {
+            #pragma unroll
+            for (unsigned e115 = 0u; e115 < 4u; e115 += 1u) {
+                const float row_scale116 = kv_scales[((stage * 128u) + (((n_first100 + ((frag114 % 1u) * 8u)) + ((lane_quad * 2u) + (e115 & 1u))) * 4u)) + 3u];
+                scores_part[(frag114 * 4u) + e115] = fmaf(scores_term[(frag114 * 4u) + e115], row_scale116, scores_part[(frag114 * 4u) + e115]);
+            }
+        }
+        const unsigned n_first117 = (warp / 2u) * 8u;
+        const unsigned k_first118 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e127 = 0u; e127 < 4u; e127 += 1u) {
+            scores_part[4u + e127] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair125 = 0u; kk_pair125 < 1u; kk_pair125 += 1u) {
+            #pragma unroll
+            for (unsigned chain126 = 0u; chain126 < 2u; chain126 += 1u) {
+                const unsigned kk122 = (kk_pair125 * 2u) + chain126;
+                #pragma unroll
+                for (unsigned nj124 = 0u; nj124 < 1u; nj124 += 1u) {
+                    ldmatrix_x2(&b_frag120[0u], kv_rope + (stage * 1152u) + (((n_first117 + (nj124 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first118 + kk122) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi123 = 0u; mi123 < 1u; mi123 += 1u) {
+                        a_frag119[0u] = q_tile_a4[((mi123 * 2u) + kk122) * 4u];
+                        a_frag119[1u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 1u];
+                        a_frag119[2u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 2u];
+                        a_frag119[3u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain126 * 4u) + ((mi123 + nj124) * 4u)], &a_frag119[0u], &b_frag120[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e128 = 0u; e128 < 4u; e128 += 1u) {
+            scores_part[e128] = scores_part[e128] + scores_part[4u + e128];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag122 = 0u; frag122 < 1u; frag122 += 1u) {
+        for (unsigned frag129 = 0u; frag129 < 1u; frag129 += 1u) {
             #pragma unroll
-            for (unsigned half123 = 0u; half123 < 2u; half123 += 1u) {
+            for (unsigned half130 = 0u; half130 < 2u; half130 += 1u) {
                 #pragma unroll
-                for (unsigned e124 = 0u; e124 < 2u; e124 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag122 / 1u) * 16u) + (half123 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag122 % 1u) * 8u)) + ((lane_quad * 2u) + e124))] = scores_part[((frag122 * 4u) + (half123 * 2u)) + e124];
+                for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag129 / 1u) * 16u) + (half130 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag129 % 1u) * 8u)) + ((lane_quad * 2u) + e131))] = scores_part[((frag129 * 4u) + (half130 * 2u)) + e131];
                 }
             }
         }
@@ -983,35 +1020,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag125 = 0u; frag125 < 1u; frag125 += 1u) {
+            for (unsigned frag132 = 0u; frag132 < 1u; frag132 += 1u) {
                 #pragma unroll
-                for (unsigned half126 = 0u; half126 < 2u; half126 += 1u) {
+                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
                     #pragma unroll
-                    for (unsigned e127 = 0u; e127 < 2u; e127 += 1u) {
-                        float sum = scores[((frag125 * 4u) + (half126 * 2u)) + e127];
-                        const unsigned cell = (((scores_row0 + (half126 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag125 * 8u)) + ((lane_quad * 2u) + e127));
+                    for (unsigned e134 = 0u; e134 < 2u; e134 += 1u) {
+                        float sum = scores[((frag132 * 4u) + (half133 * 2u)) + e134];
+                        const unsigned cell = (((scores_row0 + (half133 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag132 * 8u)) + ((lane_quad * 2u) + e134));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag125 * 4u) + (half126 * 2u)) + e127] = sum;
+                        scores[((frag132 * 4u) + (half133 * 2u)) + e134] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag128 = 0u; frag128 < 1u; frag128 += 1u) {
+            for (unsigned frag135 = 0u; frag135 < 1u; frag135 += 1u) {
                 #pragma unroll
-                for (unsigned half129 = 0u; half129 < 2u; half129 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag128 / 1u) * 16u)) + ((half129 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag128 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag128 * 4u) + (half129 * 2u)];
-                    float v1 = scores[((frag128 * 4u) + (half129 * 2u)) + 1u];
+                for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag135 / 1u) * 16u)) + ((half136 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag135 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag135 * 4u) + (half136 * 2u)];
+                    float v1 = scores[((frag135 * 4u) + (half136 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag128 * 4u) + (half129 * 2u)] = v0;
-                    scores[((frag128 * 4u) + (half129 * 2u)) + 1u] = v1;
+                    scores[(frag135 * 4u) + (half136 * 2u)] = v0;
+                    scores[((frag135 * 4u) + (half136 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1021,16 +1058,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi130 = 0u; mi130 < 1u; mi130 += 1u) {
+            for (unsigned mi137 = 0u; mi137 < 1u; mi137 += 1u) {
                 #pragma unroll
-                for (unsigned half131 = 0u; half131 < 2u; half131 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi130 * 4u) + (half131 * 2u)], scores[(mi130 * 4u) + ((half131 * 2u) + 1u)]);
+                for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi137 * 4u) + (half138 * 2u)], scores[(mi137 * 4u) + ((half138 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other132 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other132);
+                    const float other139 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other139);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi130 * 16u)) + ((half131 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi137 * 16u)) + ((half138 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1039,86 +1076,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi135 = 0u; mi135 < 1u; mi135 += 1u) {
+        for (unsigned mi142 = 0u; mi142 < 1u; mi142 += 1u) {
             #pragma unroll
-            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
-                const float m_old133 = row_max_reg[(mi135 * 2u) + half136];
-                float m_new134 = m_old133;
-                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
-                row_max_reg[(mi135 * 2u) + half136] = m_new134;
+            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
+                const float m_old140 = row_max_reg[(mi142 * 2u) + half143];
+                float m_new141 = m_old140;
+                m_new141 = fmaxf(m_new141, row_exchange[((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi142 * 2u) + half143] = expf(m_old140 - m_new141);
+                row_max_reg[(mi142 * 2u) + half143] = m_new141;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi139 = 0u; mi139 < 1u; mi139 += 1u) {
+            for (unsigned mi146 = 0u; mi146 < 1u; mi146 += 1u) {
                 #pragma unroll
-                for (unsigned half140 = 0u; half140 < 2u; half140 += 1u) {
+                for (unsigned half147 = 0u; half147 < 2u; half147 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj137 = 0u; nj137 < 1u; nj137 += 1u) {
+                    for (unsigned nj144 = 0u; nj144 < 1u; nj144 += 1u) {
                         #pragma unroll
-                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
-                            const unsigned at = ((mi139 + nj137) * 4u) + ((half140 * 2u) + e138);
-                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi139 * 2u) + half140]);
+                        for (unsigned e145 = 0u; e145 < 2u; e145 += 1u) {
+                            const unsigned at = ((mi146 + nj144) * 4u) + ((half147 * 2u) + e145);
+                            const float p = (scores[at] < (-1e38f)) ? 0.0f : expf(scores[at] - row_max_reg[(mi146 * 2u) + half147]);
                             scores[at] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi139 * 2u) + half140] = (row_sum_part[(mi139 * 2u) + half140] * row_alpha[(mi139 * 2u) + half140]) + p_sum;
+                    row_sum_part[(mi146 * 2u) + half147] = (row_sum_part[(mi146 * 2u) + half147] * row_alpha[(mi146 * 2u) + half147]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag141 = 0u; frag141 < 2u; frag141 += 1u) {
+        for (unsigned frag148 = 0u; frag148 < 2u; frag148 += 1u) {
             #pragma unroll
-            for (unsigned half142 = 0u; half142 < 2u; half142 += 1u) {
-                const float alpha143 = row_alpha[((frag141 / 2u) * 2u) + half142];
-                o_acc[(frag141 * 4u) + (half142 * 2u)] = o_acc[(frag141 * 4u) + (half142 * 2u)] * alpha143;
-                o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] = o_acc[((frag141 * 4u) + (half142 * 2u)) + 1u] * alpha143;
+            for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
+                const float alpha150 = row_alpha[((frag148 / 2u) * 2u) + half149];
+                o_acc[(frag148 * 4u) + (half149 * 2u)] = o_acc[(frag148 * 4u) + (half149 * 2u)] * alpha150;
+                o_acc[((frag148 * 4u) + (half149 * 2u)) + 1u] = o_acc[((frag148 * 4u) + (half149 * 2u)) + 1u] * alpha150;
             }
         }
         #pragma unroll
-        for (unsigned frag144 = 0u; frag144 < 2u; frag144 += 1u) {
+        for (unsigned frag151 = 0u; frag151 < 2u; frag151 += 1u) {
             #pragma unroll
-            for (unsigned half145 = 0u; half145 < 2u; half145 += 1u) {
-                const float alpha146 = row_alpha[((frag144 / 2u) * 2u) + half145];
-                o_acc_1[(frag144 * 4u) + (half145 * 2u)] = o_acc_1[(frag144 * 4u) + (half145 * 2u)] * alpha146;
-                o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] = o_acc_1[((frag144 * 4u) + (half145 * 2u)) + 1u] * alpha146;
+            for (unsigned half152 = 0u; half152 < 2u; half152 += 1u) {
+                const float alpha153 = row_alpha[((frag151 / 2u) * 2u) + half152];
+                o_acc_1[(frag151 * 4u) + (half152 * 2u)] = o_acc_1[(frag151 * 4u) + (half152 * 2u)] * alpha153;
+                o_acc_1[((frag151 * 4u) + (half152 * 2u)) + 1u] = o_acc_1[((frag151 * 4u) + (half152 * 2u)) + 1u] * alpha153;
             }
         }
         #pragma unroll
-        for (unsigned frag147 = 0u; frag147 < 2u; frag147 += 1u) {
+        for (unsigned frag154 = 0u; frag154 < 2u; frag154 += 1u) {
             #pragma unroll
-            for (unsigned half148 = 0u; half148 < 2u; half148 += 1u) {
-                const float alpha149 = row_alpha[((frag147 / 2u) * 2u) + half148];
-                o_acc_2[(frag147 * 4u) + (half148 * 2u)] = o_acc_2[(frag147 * 4u) + (half148 * 2u)] * alpha149;
-                o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] = o_acc_2[((frag147 * 4u) + (half148 * 2u)) + 1u] * alpha149;
+            for (unsigned half155 = 0u; half155 < 2u; half155 += 1u) {
+                const float alpha156 = row_alpha[((frag154 / 2u) * 2u) + half155];
+                o_acc_2[(frag154 * 4u) + (half155 * 2u)] = o_acc_2[(frag154 * 4u) + (half155 * 2u)] * alpha156;
+                o_acc_2[((frag154 * 4u) + (half155 * 2u)) + 1u] = o_acc_2[((frag154 * 4u) + (half155 * 2u)) + 1u] * alpha156;
             }
         }
         #pragma unroll
-        for (unsigned frag150 = 0u; frag150 < 2u; frag150 += 1u) {
+        for (unsigned frag157 = 0u; frag157 < 2u; frag157 += 1u) {
             #pragma unroll
-            for (unsigned half151 = 0u; half151 < 2u; half151 += 1u) {
-                const float alpha152 = row_alpha[((frag150 / 2u) * 2u) + half151];
-                o_acc_3[(frag150 * 4u) + (half151 * 2u)] = o_acc_3[(frag150 * 4u) + (half151 * 2u)] * alpha152;
-                o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] = o_acc_3[((frag150 * 4u) + (half151 * 2u)) + 1u] * alpha152;
+            for (unsigned half158 = 0u; half158 < 2u; half158 += 1u) {
+                const float alpha159 = row_alpha[((frag157 / 2u) * 2u) + half158];
+                o_acc_3[(frag157 * 4u) + (half158 * 2u)] = o_acc_3[(frag157 * 4u) + (half158 * 2u)] * alpha159;
+                o_acc_3[((frag157 * 4u) + (half158 * 2u)) + 1u] = o_acc_3[((frag157 * 4u) + (half158 * 2u)) + 1u] * alpha159;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag155 = 0u; frag155 < 1u; frag155 += 1u) {
+            for (unsigned frag162 = 0u; frag162 < 1u; frag162 += 1u) {
                 #pragma unroll
-                for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
-                    const unsigned row153 = (scores_row0 + ((frag155 / 1u) * 16u)) + ((half156 * 8u) + lane_group);
-                    const unsigned col154 = (scores_col0 + ((frag155 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag155 * 4u) + (half156 * 2u);
-                    p_tile[(row153 * 20u) + (col154 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half163 = 0u; half163 < 2u; half163 += 1u) {
+                    const unsigned row160 = (scores_row0 + ((frag162 / 1u) * 16u)) + ((half163 * 8u) + lane_group);
+                    const unsigned col161 = (scores_col0 + ((frag162 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag162 * 4u) + (half163 * 2u);
+                    p_tile[(row160 * 20u) + (col161 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -1127,129 +1164,145 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk160 = 0u; kk160 < 2u; kk160 += 1u) {
+        for (unsigned kk167 = 0u; kk167 < 2u; kk167 += 1u) {
             #pragma unroll
-            for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
-                ldmatrix_x4(&a_frag157[mi161 * 4u], p_tile + a_lane_word + (mi161 * 320u) + (kk160 * 8u));
+            for (unsigned mi168 = 0u; mi168 < 1u; mi168 += 1u) {
+                ldmatrix_x4(&a_frag164[mi168 * 4u], p_tile + a_lane_word + (mi168 * 320u) + (kk167 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk160 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale162 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk160 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag157[0u] = pack_bf16x2(__uint_as_float(a_frag157[0u] << 16u) * k_scale, __uint_as_float(a_frag157[0u] & 4294901760u) * k_scale162);
-            a_frag157[1u] = pack_bf16x2(__uint_as_float(a_frag157[1u] << 16u) * k_scale, __uint_as_float(a_frag157[1u] & 4294901760u) * k_scale162);
-            a_frag157[2u] = pack_bf16x2(__uint_as_float(a_frag157[2u] << 16u) * k_scale163, __uint_as_float(a_frag157[2u] & 4294901760u) * k_scale164);
-            a_frag157[3u] = pack_bf16x2(__uint_as_float(a_frag157[3u] << 16u) * k_scale163, __uint_as_float(a_frag157[3u] & 4294901760u) * k_scale164);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk167 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale169 = kv_scales[(stage * 128u) + ((((kk167 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale170 = kv_scales[(stage * 128u) + ((((kk167 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale171 = kv_scales[(stage * 128u) + ((((kk167 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag164[0u] = pack_bf16x2(__uint_as_float(a_frag164[0u] << 16u) * k_scale, __uint_as_float(a_frag164[0u] & 4294901760u) * k_scale169);
+            a_frag164[1u] = pack_bf16x2(__uint_as_float(a_frag164[1u] << 16u) * k_scale, __uint_as_float(a_frag164[1u] & 4294901760u) * k_scale169);
+            a_frag164[2u] = pack_bf16x2(__uint_as_float(a_frag164[2u] << 16u) * k_scale170, __uint_as_float(a_frag164[2u] & 4294901760u) * k_scale171);
+            a_frag164[3u] = pack_bf16x2(__uint_as_float(a_frag164[3u] << 16u) * k_scale170, __uint_as_float(a_frag164[3u] & 4294901760u) * k_scale171);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw159[0u], kv_latent + (stage * 4224u) + (((kk160 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag158[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw159[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 16u) & 255u))));
-                b_frag158[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw159[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 16u) & 255u))));
-                b_frag158[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[0u] >> 24u) & 255u))));
-                b_frag158[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw159[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw166[0u], kv_latent + (stage * 4224u) + (((kk167 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair172 = e4m3x2_prep((b_raw166[0u] & 255u) | ((b_raw166[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair173 = e4m3x2_prep(((b_raw166[0u] >> 8u) & 255u) | ((b_raw166[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair174 = e4m3x2_prep((b_raw166[1u] & 255u) | ((b_raw166[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair175 = e4m3x2_prep(((b_raw166[1u] >> 8u) & 255u) | ((b_raw166[1u] >> 16u) & 65280u));
+                b_frag165[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair172), e4m3x2_hi(e4m3_pair172));
+                b_frag165[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair174), e4m3x2_hi(e4m3_pair174));
+                b_frag165[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair173), e4m3x2_hi(e4m3_pair173));
+                b_frag165[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair175), e4m3x2_hi(e4m3_pair175));
                 #pragma unroll
-                for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi161 * 2u) + (np * 2u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[0u]);
+                for (unsigned mi168 = 0u; mi168 < 1u; mi168 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi168 * 2u) + (np * 2u)) * 4u], &a_frag164[mi168 * 4u], &b_frag165[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi161 = 0u; mi161 < 1u; mi161 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi161 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag157[mi161 * 4u], &b_frag158[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word171 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk168 = 0u; kk168 < 2u; kk168 += 1u) {
-            #pragma unroll
-            for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                ldmatrix_x4(&a_frag165[mi169 * 4u], p_tile + a_lane_word171 + (mi169 * 320u) + (kk168 * 8u));
-            }
-            const float k_scale172 = kv_scales[((stage * 128u) + (((kk168 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale173 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale174 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale175 = kv_scales[((stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag165[0u] = pack_bf16x2(__uint_as_float(a_frag165[0u] << 16u) * k_scale172, __uint_as_float(a_frag165[0u] & 4294901760u) * k_scale173);
-            a_frag165[1u] = pack_bf16x2(__uint_as_float(a_frag165[1u] << 16u) * k_scale172, __uint_as_float(a_frag165[1u] & 4294901760u) * k_scale173);
-            a_frag165[2u] = pack_bf16x2(__uint_as_float(a_frag165[2u] << 16u) * k_scale174, __uint_as_float(a_frag165[2u] & 4294901760u) * k_scale175);
-            a_frag165[3u] = pack_bf16x2(__uint_as_float(a_frag165[3u] << 16u) * k_scale174, __uint_as_float(a_frag165[3u] & 4294901760u) * k_scale175);
-            #pragma unroll
-            for (unsigned np170 = 0u; np170 < 1u; np170 += 1u) {
-                ldmatrix_x2_trans(&b_raw167[0u], kv_latent + (stage * 4224u) + (((kk168 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np170 * 16u)) >> 2u));
-                b_frag166[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw167[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 16u) & 255u))));
-                b_frag166[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw167[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 16u) & 255u))));
-                b_frag166[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[0u] >> 24u) & 255u))));
-                b_frag166[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw167[1u] >> 24u) & 255u))));
-                #pragma unroll
-                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi169 * 2u) + (np170 * 2u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi169 * 2u) + ((np170 * 2u) + 1u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[2u]);
+                for (unsigned mi168 = 0u; mi168 < 1u; mi168 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi168 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag164[mi168 * 4u], &b_frag165[2u]);
                 }
             }
         }
-        const unsigned a_lane_word182 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word182 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
         for (unsigned kk179 = 0u; kk179 < 2u; kk179 += 1u) {
             #pragma unroll
             for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
                 ldmatrix_x4(&a_frag176[mi180 * 4u], p_tile + a_lane_word182 + (mi180 * 320u) + (kk179 * 8u));
             }
-            const float k_scale183 = kv_scales[((stage * 128u) + (((kk179 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            const float k_scale183 = kv_scales[((stage * 128u) + (((kk179 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk179 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
             a_frag176[0u] = pack_bf16x2(__uint_as_float(a_frag176[0u] << 16u) * k_scale183, __uint_as_float(a_frag176[0u] & 4294901760u) * k_scale184);
             a_frag176[1u] = pack_bf16x2(__uint_as_float(a_frag176[1u] << 16u) * k_scale183, __uint_as_float(a_frag176[1u] & 4294901760u) * k_scale184);
             a_frag176[2u] = pack_bf16x2(__uint_as_float(a_frag176[2u] << 16u) * k_scale185, __uint_as_float(a_frag176[2u] & 4294901760u) * k_scale186);
             a_frag176[3u] = pack_bf16x2(__uint_as_float(a_frag176[3u] << 16u) * k_scale185, __uint_as_float(a_frag176[3u] & 4294901760u) * k_scale186);
             #pragma unroll
             for (unsigned np181 = 0u; np181 < 1u; np181 += 1u) {
-                ldmatrix_x2_trans(&b_raw178[0u], kv_latent + (stage * 4224u) + (((kk179 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np181 * 16u)) >> 2u));
-                b_frag177[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 16u) & 255u))));
-                b_frag177[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw178[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 16u) & 255u))));
-                b_frag177[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[0u] >> 24u) & 255u))));
-                b_frag177[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw178[1u] >> 24u) & 255u))));
+                ldmatrix_x2_trans(&b_raw178[0u], kv_latent + (stage * 4224u) + (((kk179 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np181 * 16u)) >> 2u));
+                const unsigned e4m3_pair187 = e4m3x2_prep((b_raw178[0u] & 255u) | ((b_raw178[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair188 = e4m3x2_prep(((b_raw178[0u] >> 8u) & 255u) | ((b_raw178[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair189 = e4m3x2_prep((b_raw178[1u] & 255u) | ((b_raw178[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair190 = e4m3x2_prep(((b_raw178[1u] >> 8u) & 255u) | ((b_raw178[1u] >> 16u) & 65280u));
+                b_frag177[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair187), e4m3x2_hi(e4m3_pair187));
+                b_frag177[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
+                b_frag177[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair188), e4m3x2_hi(e4m3_pair188));
+                b_frag177[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
                 #pragma unroll
                 for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi180 * 2u) + (np181 * 2u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[0u]);
+                    mma_bf16_16816(&o_acc_1[((mi180 * 2u) + (np181 * 2u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[0u]);
                 }
                 #pragma unroll
                 for (unsigned mi180 = 0u; mi180 < 1u; mi180 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi180 * 2u) + ((np181 * 2u) + 1u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[2u]);
+                    mma_bf16_16816(&o_acc_1[((mi180 * 2u) + ((np181 * 2u) + 1u)) * 4u], &a_frag176[mi180 * 4u], &b_frag177[2u]);
                 }
             }
         }
-        const unsigned a_lane_word193 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word197 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk190 = 0u; kk190 < 2u; kk190 += 1u) {
+        for (unsigned kk194 = 0u; kk194 < 2u; kk194 += 1u) {
             #pragma unroll
-            for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
-                ldmatrix_x4(&a_frag187[mi191 * 4u], p_tile + a_lane_word193 + (mi191 * 320u) + (kk190 * 8u));
+            for (unsigned mi195 = 0u; mi195 < 1u; mi195 += 1u) {
+                ldmatrix_x4(&a_frag191[mi195 * 4u], p_tile + a_lane_word197 + (mi195 * 320u) + (kk194 * 8u));
             }
-            const float k_scale194 = kv_scales[((stage * 128u) + (((kk190 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale195 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale196 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale197 = kv_scales[((stage * 128u) + ((((kk190 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag187[0u] = pack_bf16x2(__uint_as_float(a_frag187[0u] << 16u) * k_scale194, __uint_as_float(a_frag187[0u] & 4294901760u) * k_scale195);
-            a_frag187[1u] = pack_bf16x2(__uint_as_float(a_frag187[1u] << 16u) * k_scale194, __uint_as_float(a_frag187[1u] & 4294901760u) * k_scale195);
-            a_frag187[2u] = pack_bf16x2(__uint_as_float(a_frag187[2u] << 16u) * k_scale196, __uint_as_float(a_frag187[2u] & 4294901760u) * k_scale197);
-            a_frag187[3u] = pack_bf16x2(__uint_as_float(a_frag187[3u] << 16u) * k_scale196, __uint_as_float(a_frag187[3u] & 4294901760u) * k_scale197);
+            const float k_scale198 = kv_scales[((stage * 128u) + (((kk194 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale199 = kv_scales[((stage * 128u) + ((((kk194 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk194 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk194 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag191[0u] = pack_bf16x2(__uint_as_float(a_frag191[0u] << 16u) * k_scale198, __uint_as_float(a_frag191[0u] & 4294901760u) * k_scale199);
+            a_frag191[1u] = pack_bf16x2(__uint_as_float(a_frag191[1u] << 16u) * k_scale198, __uint_as_float(a_frag191[1u] & 4294901760u) * k_scale199);
+            a_frag191[2u] = pack_bf16x2(__uint_as_float(a_frag191[2u] << 16u) * k_scale200, __uint_as_float(a_frag191[2u] & 4294901760u) * k_scale201);
+            a_frag191[3u] = pack_bf16x2(__uint_as_float(a_frag191[3u] << 16u) * k_scale200, __uint_as_float(a_frag191[3u] & 4294901760u) * k_scale201);
             #pragma unroll
-            for (unsigned np192 = 0u; np192 < 1u; np192 += 1u) {
-                ldmatrix_x2_trans(&b_raw189[0u], kv_latent + (stage * 4224u) + (((kk190 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np192 * 16u)) >> 2u));
-                b_frag188[0u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw189[0u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 16u) & 255u))));
-                b_frag188[1u] = pack_bf16x2(e4m3_to_f32(((unsigned char)(b_raw189[1u] & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 16u) & 255u))));
-                b_frag188[2u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[0u] >> 24u) & 255u))));
-                b_frag188[3u] = pack_bf16x2(e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 8u) & 255u))), e4m3_to_f32(((unsigned char)((b_raw189[1u] >> 24u) & 255u))));
+            for (unsigned np196 = 0u; np196 < 1u; np196 += 1u) {
+                ldmatrix_x2_trans(&b_raw193[0u], kv_latent + (stage * 4224u) + (((kk194 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np196 * 16u)) >> 2u));
+                const unsigned e4m3_pair202 = e4m3x2_prep((b_raw193[0u] & 255u) | ((b_raw193[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair203 = e4m3x2_prep(((b_raw193[0u] >> 8u) & 255u) | ((b_raw193[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair204 = e4m3x2_prep((b_raw193[1u] & 255u) | ((b_raw193[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair205 = e4m3x2_prep(((b_raw193[1u] >> 8u) & 255u) | ((b_raw193[1u] >> 16u) & 65280u));
+                b_frag192[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair202), e4m3x2_hi(e4m3_pair202));
+                b_frag192[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair204), e4m3x2_hi(e4m3_pair204));
+                b_frag192[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair203), e4m3x2_hi(e4m3_pair203));
+                b_frag192[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair205), e4m3x2_hi(e4m3_pair205));
                 #pragma unroll
-                for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi191 * 2u) + (np192 * 2u)) * 4u], &a_frag187[mi191 * 4u], &b_frag188[0u]);
+                for (unsigned mi195 = 0u; mi195 < 1u; mi195 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi195 * 2u) + (np196 * 2u)) * 4u], &a_frag191[mi195 * 4u], &b_frag192[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi191 = 0u; mi191 < 1u; mi191 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi191 * 2u) + ((np192 * 2u) + 1u)) * 4u], &a_frag187[mi191 * 4u], &b_frag188[2u]);
+                for (unsigned mi195 = 0u; mi195 < 1u; mi195 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi195 * 2u) + ((np196 * 2u) + 1u)) * 4u], &a_frag191[mi195 * 4u], &b_frag192[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word212 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk209 = 0u; kk209 < 2u; kk209 += 1u) {
+            #pragma unroll
+            for (unsigned mi210 = 0u; mi210 < 1u; mi210 += 1u) {
+                ldmatrix_x4(&a_frag206[mi210 * 4u], p_tile + a_lane_word212 + (mi210 * 320u) + (kk209 * 8u));
+            }
+            const float k_scale213 = kv_scales[((stage * 128u) + (((kk209 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale214 = kv_scales[((stage * 128u) + ((((kk209 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale215 = kv_scales[((stage * 128u) + ((((kk209 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale216 = kv_scales[((stage * 128u) + ((((kk209 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag206[0u] = pack_bf16x2(__uint_as_float(a_frag206[0u] << 16u) * k_scale213, __uint_as_float(a_frag206[0u] & 4294901760u) * k_scale214);
+            a_frag206[1u] = pack_bf16x2(__uint_as_float(a_frag206[1u] << 16u) * k_scale213, __uint_as_float(a_frag206[1u] & 4294901760u) * k_scale214);
+            a_frag206[2u] = pack_bf16x2(__uint_as_float(a_frag206[2u] << 16u) * k_scale215, __uint_as_float(a_frag206[2u] & 4294901760u) * k_scale216);
+            a_frag206[3u] = pack_bf16x2(__uint_as_float(a_frag206[3u] << 16u) * k_scale215, __uint_as_float(a_frag206[3u] & 4294901760u) * k_scale216);
+            #pragma unroll
+            for (unsigned np211 = 0u; np211 < 1u; np211 += 1u) {
+                ldmatrix_x2_trans(&b_raw208[0u], kv_latent + (stage * 4224u) + (((kk209 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np211 * 16u)) >> 2u));
+                const unsigned e4m3_pair217 = e4m3x2_prep((b_raw208[0u] & 255u) | ((b_raw208[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair218 = e4m3x2_prep(((b_raw208[0u] >> 8u) & 255u) | ((b_raw208[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair219 = e4m3x2_prep((b_raw208[1u] & 255u) | ((b_raw208[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair220 = e4m3x2_prep(((b_raw208[1u] >> 8u) & 255u) | ((b_raw208[1u] >> 16u) & 65280u));
+                b_frag207[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair217), e4m3x2_hi(e4m3_pair217));
+                b_frag207[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair219), e4m3x2_hi(e4m3_pair219));
+                b_frag207[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair218), e4m3x2_hi(e4m3_pair218));
+                b_frag207[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair220), e4m3x2_hi(e4m3_pair220));
+                #pragma unroll
+                for (unsigned mi210 = 0u; mi210 < 1u; mi210 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi210 * 2u) + (np211 * 2u)) * 4u], &a_frag206[mi210 * 4u], &b_frag207[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi210 = 0u; mi210 < 1u; mi210 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi210 * 2u) + ((np211 * 2u) + 1u)) * 4u], &a_frag206[mi210 * 4u], &b_frag207[2u]);
                 }
             }
         }
@@ -1264,16 +1317,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi199 = 0u; mi199 < 1u; mi199 += 1u) {
+        for (unsigned mi222 = 0u; mi222 < 1u; mi222 += 1u) {
             #pragma unroll
-            for (unsigned half200 = 0u; half200 < 2u; half200 += 1u) {
-                float row_sum198 = row_sum_part[(mi199 * 2u) + half200];
-                const float other201 = shfl_xor_f32(row_sum198, 1);
-                row_sum198 = row_sum198 + other201;
-                const float other202 = shfl_xor_f32(row_sum198, 2);
-                row_sum198 = row_sum198 + other202;
+            for (unsigned half223 = 0u; half223 < 2u; half223 += 1u) {
+                float row_sum221 = row_sum_part[(mi222 * 2u) + half223];
+                const float other224 = shfl_xor_f32(row_sum221, 1);
+                row_sum221 = row_sum221 + other224;
+                const float other225 = shfl_xor_f32(row_sum221, 2);
+                row_sum221 = row_sum221 + other225;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi199 * 16u)) + ((half200 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum198;
+                    row_exchange[(((scores_row0 + (mi222 * 16u)) + ((half223 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum221;
                 }
             }
         }
@@ -1281,16 +1334,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi204 = 0u; mi204 < 1u; mi204 += 1u) {
+        for (unsigned mi227 = 0u; mi227 < 1u; mi227 += 1u) {
             #pragma unroll
-            for (unsigned half205 = 0u; half205 < 2u; half205 += 1u) {
+            for (unsigned half228 = 0u; half228 < 2u; half228 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum203 = row_exchange[((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u];
-                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum203 = row_sum203 + row_exchange[(((scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)] = row_sum203;
-                    row_max[(scores_row0 + (mi204 * 16u)) + ((half205 * 8u) + lane_group)] = row_max_reg[(mi204 * 2u) + half205];
+                    float row_sum226 = row_exchange[((scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)) * 4u];
+                    row_sum226 = row_sum226 + row_exchange[(((scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum226 = row_sum226 + row_exchange[(((scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum226 = row_sum226 + row_exchange[(((scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)] = row_sum226;
+                    row_max[(scores_row0 + (mi227 * 16u)) + ((half228 * 8u) + lane_group)] = row_max_reg[(mi227 * 2u) + half228];
                 }
             }
         }
@@ -1299,86 +1352,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // normalise and write this split's output rows
     #pragma unroll
-    for (unsigned frag206 = 0u; frag206 < 1u; frag206 += 1u) {
+    for (unsigned frag229 = 0u; frag229 < 1u; frag229 += 1u) {
         #pragma unroll
-        for (unsigned half207 = 0u; half207 < 2u; half207 += 1u) {
+        for (unsigned half230 = 0u; half230 < 2u; half230 += 1u) {
             #pragma unroll
-            for (unsigned e208 = 0u; e208 < 2u; e208 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag206 / 1u) * 16u)) + ((half207 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag206 % 1u) * 16u)) + ((lane_quad * 4u) + (e208 * 2u));
-                float v0_6 = o_acc[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)];
-                float v1_6 = o_acc[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)];
+            for (unsigned e231 = 0u; e231 < 2u; e231 += 1u) {
+                const unsigned row_18 = (o_acc_row0 + ((frag229 / 1u) * 16u)) + ((half230 * 8u) + lane_group);
+                const unsigned col_6 = (o_acc_col0 + ((frag229 % 1u) * 16u)) + ((lane_quad * 4u) + (e231 * 2u));
+                float v0_6 = o_acc[((((frag229 / 1u) * 2u) + ((frag229 % 1u) * 2u)) * 4u) + ((half230 * 2u) + e231)];
+                float v1_6 = o_acc[(((((frag229 / 1u) * 2u) + ((frag229 % 1u) * 2u)) + 1u) * 4u) + ((half230 * 2u) + e231)];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
                     const float l = row_sum[row_18];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
-                o_acc[((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) * 4u) + ((half207 * 2u) + e208)] = v0_6;
-                o_acc[(((((frag206 / 1u) * 2u) + ((frag206 % 1u) * 2u)) + 1u) * 4u) + ((half207 * 2u) + e208)] = v1_6;
+                o_acc[((((frag229 / 1u) * 2u) + ((frag229 % 1u) * 2u)) * 4u) + ((half230 * 2u) + e231)] = v0_6;
+                o_acc[(((((frag229 / 1u) * 2u) + ((frag229 % 1u) * 2u)) + 1u) * 4u) + ((half230 * 2u) + e231)] = v1_6;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag209 = 0u; frag209 < 1u; frag209 += 1u) {
+    for (unsigned frag232 = 0u; frag232 < 1u; frag232 += 1u) {
         #pragma unroll
-        for (unsigned half210 = 0u; half210 < 2u; half210 += 1u) {
+        for (unsigned half233 = 0u; half233 < 2u; half233 += 1u) {
             #pragma unroll
-            for (unsigned e211 = 0u; e211 < 2u; e211 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag209 / 1u) * 16u)) + ((half210 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag209 % 1u) * 16u)) + ((lane_quad * 4u) + (e211 * 2u));
-                float v0_7 = o_acc_1[((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) * 4u) + ((half210 * 2u) + e211)];
-                float v1_7 = o_acc_1[(((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) + 1u) * 4u) + ((half210 * 2u) + e211)];
+            for (unsigned e234 = 0u; e234 < 2u; e234 += 1u) {
+                const unsigned row_19 = (o_acc_1_row0 + ((frag232 / 1u) * 16u)) + ((half233 * 8u) + lane_group);
+                const unsigned col_7 = (o_acc_1_col0 + ((frag232 % 1u) * 16u)) + ((lane_quad * 4u) + (e234 * 2u));
+                float v0_7 = o_acc_1[((((frag232 / 1u) * 2u) + ((frag232 % 1u) * 2u)) * 4u) + ((half233 * 2u) + e234)];
+                float v1_7 = o_acc_1[(((((frag232 / 1u) * 2u) + ((frag232 % 1u) * 2u)) + 1u) * 4u) + ((half233 * 2u) + e234)];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
                     const float l_1 = row_sum[row_19];
                     const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
-                o_acc_1[((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) * 4u) + ((half210 * 2u) + e211)] = v0_7;
-                o_acc_1[(((((frag209 / 1u) * 2u) + ((frag209 % 1u) * 2u)) + 1u) * 4u) + ((half210 * 2u) + e211)] = v1_7;
+                o_acc_1[((((frag232 / 1u) * 2u) + ((frag232 % 1u) * 2u)) * 4u) + ((half233 * 2u) + e234)] = v0_7;
+                o_acc_1[(((((frag232 / 1u) * 2u) + ((frag232 % 1u) * 2u)) + 1u) * 4u) + ((half233 * 2u) + e234)] = v1_7;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag212 = 0u; frag212 < 1u; frag212 += 1u) {
+    for (unsigned frag235 = 0u; frag235 < 1u; frag235 += 1u) {
         #pragma unroll
-        for (unsigned half213 = 0u; half213 < 2u; half213 += 1u) {
+        for (unsigned half236 = 0u; half236 < 2u; half236 += 1u) {
             #pragma unroll
-            for (unsigned e214 = 0u; e214 < 2u; e214 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag212 / 1u) * 16u)) + ((half213 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag212 % 1u) * 16u)) + ((lane_quad * 4u) + (e214 * 2u));
-                float v0_8 = o_acc_2[((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) * 4u) + ((half213 * 2u) + e214)];
-                float v1_8 = o_acc_2[(((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) + 1u) * 4u) + ((half213 * 2u) + e214)];
+            for (unsigned e237 = 0u; e237 < 2u; e237 += 1u) {
+                const unsigned row_20 = (o_acc_2_row0 + ((frag235 / 1u) * 16u)) + ((half236 * 8u) + lane_group);
+                const unsigned col_8 = (o_acc_2_col0 + ((frag235 % 1u) * 16u)) + ((lane_quad * 4u) + (e237 * 2u));
+                float v0_8 = o_acc_2[((((frag235 / 1u) * 2u) + ((frag235 % 1u) * 2u)) * 4u) + ((half236 * 2u) + e237)];
+                float v1_8 = o_acc_2[(((((frag235 / 1u) * 2u) + ((frag235 % 1u) * 2u)) + 1u) * 4u) + ((half236 * 2u) + e237)];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_20];
                     const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
-                o_acc_2[((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) * 4u) + ((half213 * 2u) + e214)] = v0_8;
-                o_acc_2[(((((frag212 / 1u) * 2u) + ((frag212 % 1u) * 2u)) + 1u) * 4u) + ((half213 * 2u) + e214)] = v1_8;
+                o_acc_2[((((frag235 / 1u) * 2u) + ((frag235 % 1u) * 2u)) * 4u) + ((half236 * 2u) + e237)] = v0_8;
+                o_acc_2[(((((frag235 / 1u) * 2u) + ((frag235 % 1u) * 2u)) + 1u) * 4u) + ((half236 * 2u) + e237)] = v1_8;
             }
         }
     }
     #pragma unroll
-    for (unsigned frag215 = 0u; frag215 < 1u; frag215 += 1u) {
+    for (unsigned frag238 = 0u; frag238 < 1u; frag238 += 1u) {
         #pragma unroll
-        for (unsigned half216 = 0u; half216 < 2u; half216 += 1u) {
+        for (unsigned half239 = 0u; half239 < 2u; half239 += 1u) {
             #pragma unroll
-            for (unsigned e217 = 0u; e217 < 2u; e217 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag215 / 1u) * 16u)) + ((half216 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag215 % 1u) * 16u)) + ((lane_quad * 4u) + (e217 * 2u));
-                float v0_9 = o_acc_3[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)];
-                float v1_9 = o_acc_3[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)];
+            for (unsigned e240 = 0u; e240 < 2u; e240 += 1u) {
+                const unsigned row_21 = (o_acc_3_row0 + ((frag238 / 1u) * 16u)) + ((half239 * 8u) + lane_group);
+                const unsigned col_9 = (o_acc_3_col0 + ((frag238 % 1u) * 16u)) + ((lane_quad * 4u) + (e240 * 2u));
+                float v0_9 = o_acc_3[((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) * 4u) + ((half239 * 2u) + e240)];
+                float v1_9 = o_acc_3[(((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) + 1u) * 4u) + ((half239 * 2u) + e240)];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
                     const float l_3 = row_sum[row_21];
                     const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
-                o_acc_3[((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) * 4u) + ((half216 * 2u) + e217)] = v0_9;
-                o_acc_3[(((((frag215 / 1u) * 2u) + ((frag215 % 1u) * 2u)) + 1u) * 4u) + ((half216 * 2u) + e217)] = v1_9;
+                o_acc_3[((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) * 4u) + ((half239 * 2u) + e240)] = v0_9;
+                o_acc_3[(((((frag238 / 1u) * 2u) + ((frag238 % 1u) * 2u)) + 1u) * 4u) + ((half239 * 2u) + e240)] = v1_9;
             }
         }
     }

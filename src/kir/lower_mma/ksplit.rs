@@ -390,22 +390,46 @@ pub(super) fn scratch_stride(cols: u32) -> u32 {
 }
 
 /// The widening of one register of 4 e4m3 bytes (`x`) into two bf16x2: bytes (0, 1) and
-/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3).
-fn widen(x: Expr, interleave: bool) -> (Expr, Expr) {
-    let byte = |k: u32| {
-        let shifted = if k == 0 {
-            x.clone()
-        } else {
-            bin(BinOp::Shr, x.clone(), u(8 * k))
-        };
-        crate::kir::lower_scalar::e4m3_value(bin(BinOp::BitAnd, shifted, u(0xFF)))
-    };
-    let pack = |a: u32, b: u32| Expr::Call(Func::PackBf16x2, vec![byte(a), byte(b)]);
-    if interleave {
-        (pack(0, 2), pack(1, 3))
+/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3). Each pair is converted at once
+/// ([`Func::E4m3x2Prep`]: one `cvt.rn.f16x2.e4m3x2` on sm_89+) into the lets `prep`, then
+/// its halves to f32 and the two packed as bf16x2; byte by byte it took two shifts, two masks
+/// and two single-value conversions more per pair, the largest share of the fp8 step's
+/// issued instructions (ncu, H200, benches/NOTES.md).
+fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
+    let (p0, p1) = if interleave {
+        (
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, x.clone(), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF00)),
+            ),
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x, u(16)), u(0xFF00)),
+            ),
+        )
     } else {
-        (pack(0, 1), pack(2, 3))
-    }
+        (
+            bin(BinOp::BitAnd, x.clone(), u(0xFFFF)),
+            bin(BinOp::Shr, x, u(16)),
+        )
+    };
+    let stmts = vec![
+        let_(prep[0], Expr::Call(Func::E4m3x2Prep, vec![p0])),
+        let_(prep[1], Expr::Call(Func::E4m3x2Prep, vec![p1])),
+    ];
+    let pack = |name: &str| {
+        let v = var(name, Ty::U32);
+        Expr::Call(
+            Func::PackBf16x2,
+            vec![
+                Expr::Call(Func::E4m3x2Lo, vec![v.clone()]),
+                Expr::Call(Func::E4m3x2Hi, vec![v]),
+            ],
+        )
+    };
+    (stmts, pack(prep[0]), pack(prep[1]))
 }
 
 /// A bf16x2 word times two f32 scales (low, high half), rounded back to bf16x2.
@@ -642,7 +666,10 @@ impl Cx<'_> {
                 dst: raw.clone(),
                 dst0: u(0),
             }));
-            let (lo, hi) = widen(priv_load_u(&raw, u(0)), false);
+            let names = [self.fresh("e4m3_pair"), self.fresh("e4m3_pair")];
+            let (lets, lo, hi) =
+                widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
+            n_body.extend(lets);
             n_body.push(Stmt::PrivateStore {
                 arr: bf.clone(),
                 index: u(0),
@@ -952,8 +979,11 @@ impl Cx<'_> {
         })];
         // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
         // odd fragment: bytes (1, 3)
-        let (e0, o0) = widen(priv_load_u(raw, u(0)), true);
-        let (e1, o1) = widen(priv_load_u(raw, u(1)), true);
+        let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
+        let (l0, e0, o0) = widen(priv_load_u(raw, u(0)), true, [&names[0], &names[1]]);
+        let (l1, e1, o1) = widen(priv_load_u(raw, u(1)), true, [&names[2], &names[3]]);
+        out.extend(l0);
+        out.extend(l1);
         for (k, v) in [(0, e0), (1, e1), (2, o0), (3, o1)] {
             out.push(Stmt::PrivateStore {
                 arr: bf.to_string(),
