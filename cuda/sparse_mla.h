@@ -11,13 +11,13 @@
 // conversion: see their structs at the end.
 //
 // WHICH KERNEL. The runtime picks the variant by cache format and head count H:
-//   bf16       1 <= H <= 16   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32 / sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final
-//   bf16       H >= 17        block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32 / sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final
-//   fp8_ds_mla 1 <= H <= 16   block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32 / sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final
-//   fp8_ds_mla H >= 17        block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32 / sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final
+//   bf16       1 <= H <= 16   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
+//   bf16       H >= 17        block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
+//   fp8_ds_mla 1 <= H <= 16   block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32
+//   fp8_ds_mla H >= 17        block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32
 //   and for splits > 1 the combine sparse_mla_decode_combine_d512_t256.
-//   Each variant has two split kernels: NAME (splits > 1: writes per-split partials) and
-//   NAME_final (one split: writes out and lse itself, no combine).
+//   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself
+//   (no combine), with more it writes per-split partials for the combine.
 //
 // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or
 // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).
@@ -29,13 +29,9 @@
 //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))
 // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.
 //   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
-//   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
-//   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final: 256 threads, dynamic shared memory 78464 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32: 256 threads, dynamic shared memory 95104 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final: 256 threads, dynamic shared memory 95104 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32: 256 threads, dynamic shared memory 88416 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final: 256 threads, dynamic shared memory 88416 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -51,11 +47,14 @@
 //   Any splits in 1..blocks give the same result up to rounding; only speed differs.
 //
 // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):
-//   splits == 1: NAME_final, grid (ceil(H / block_h), 1, T), writes out and lse.
-//   splits  > 1: NAME, grid (ceil(H / block_h), splits, T), writes the partials
+//   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.
+//   splits > 1: it writes the partials
 //                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes)
 //                  lse_part f32 [T, H, splits]       (T*H*splits*4 bytes)
-//                then the combine, grid (H, T, 1), on the same stream: out and lse.
+//                then the combine, grid plan->combine_grid (H, T, column chunks), on the
+//                same stream: out and lse.
+//   NAME takes all eight buffers either way; the two it does not write are not touched
+//   (with one split, pass out and lse again for o_part and lse_part).
 //   Arguments: the kernel's NAME_params struct by value, then one device pointer per
 //   buffer in the order its comment lists (cuLaunchKernel's kernelParams).
 //   The partials are scratch: any memory of that size, reused per call, never read back.
@@ -112,16 +111,14 @@ static inline unsigned sparse_mla_row_bytes(int format) {
 }
 
 typedef struct sparse_mla_decode_plan {
-    const char* split_kernel;   /* NAME: splits > 1, writes o_part / lse_part */
-    const char* final_kernel;   /* NAME_final: splits == 1, writes out / lse */
+    const char* split_kernel;   /* NAME: splits == 1 writes out / lse, more o_part / lse_part */
     const char* combine_kernel; /* merges the partials when splits > 1 */
-    const char* first_kernel;   /* the one to launch first: final_kernel or split_kernel */
     unsigned block_h, block_n;
     unsigned threads;           /* blockDim.x of the split kernels */
     unsigned combine_threads;   /* blockDim.x of the combine */
     unsigned dynamic_smem;      /* sharedMemBytes of the split kernels (and the attribute) */
     unsigned splits, chunk;
-    unsigned grid[3];           /* of first_kernel */
+    unsigned grid[3];           /* of split_kernel */
     unsigned combine_grid[3];   /* (H, T, column chunks); unused when splits == 1 */
     unsigned combine_groups;    /* the combine's `groups` parameter */
     unsigned long long o_part_bytes;   /* f32 [T, H, splits, 512]; 0 when splits == 1 */
@@ -135,22 +132,22 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
     if (heads == 0) return "heads: expected at least 1";
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->final_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95232u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32"; p->final_kernel = "sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 78464u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32"; p->final_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95104u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32"; p->final_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 88416u;
         return 0;
     }
@@ -210,7 +207,6 @@ static inline const char* sparse_mla_plan_decode(int format, unsigned heads, uns
     if (want == 0u) want = 1u;
     p->chunk = ((blocks + want - 1u) / want) * p->block_n;
     p->splits = (topk + p->chunk - 1u) / p->chunk;
-    p->first_kernel = p->splits == 1u ? p->final_kernel : p->split_kernel;
     p->grid[0] = (heads + p->block_h - 1u) / p->block_h;
     p->grid[1] = p->splits;
     p->grid[2] = tokens;
@@ -269,8 +265,7 @@ static inline const char* sparse_mla_cache_strides(int format, unsigned num_page
 /* ---- launching through the CUDA driver API: only when <cuda.h> was included first ---- */
 #if defined(CUDA_VERSION) && !defined(SPARSE_MLA_NO_DRIVER_HELPERS)
 
-/* Every split kernel's NAME_params, field for field (the _final kernels read lse_s_q, the others
-   stop before it: the driver copies only as many bytes as the kernel declares). */
+/* Every split kernel's NAME_params, field for field. */
 typedef struct sparse_mla_decode_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -283,7 +278,7 @@ typedef struct sparse_mla_decode_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 } sparse_mla_decode_params;
 
 /* The combine's parameters. */
@@ -291,7 +286,8 @@ typedef struct sparse_mla_combine_params { unsigned heads; unsigned splits; unsi
 
 /* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
    kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
-   plan->lse_part_bytes, only when plan->splits > 1. */
+   plan->lse_part_bytes, only when plan->splits > 1 (0: out / lse are passed in their place,
+   never touched). */
 typedef struct sparse_mla_decode_buffers {
     CUdeviceptr q, kv_cache, indices, topk_length, out, lse, o_part, lse_part;
 } sparse_mla_decode_buffers;
@@ -315,23 +311,23 @@ static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_de
     return CUDA_SUCCESS;
 }
 
-/* Launch one decode call on `stream` as planned: `first` is the function of
-   plan->first_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
+/* Launch one decode call on `stream` as planned: `split` is the function of
+   plan->split_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
    fields of `prm` that describe the call are read here; splits and chunk come from the plan. */
-static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction first, CUfunction combine,
+static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction split, CUfunction combine,
                                                 sparse_mla_decode_params prm, const sparse_mla_decode_buffers* b,
                                                 CUstream stream) {
     CUdeviceptr len = b->topk_length ? b->topk_length : b->indices;
-    CUdeviceptr out0 = p->splits == 1u ? b->out : b->o_part;
-    CUdeviceptr out1 = p->splits == 1u ? b->lse : b->lse_part;
-    void* args[7];
+    CUdeviceptr o_part = b->o_part ? b->o_part : b->out;
+    CUdeviceptr lse_part = b->lse_part ? b->lse_part : b->lse;
+    void* args[9];
     CUresult r;
     prm.splits = p->splits;
     prm.chunk = p->chunk;
     prm.has_topk_length = b->topk_length ? 1u : 0u;
     args[0] = &prm; args[1] = (void*)&b->q; args[2] = (void*)&b->kv_cache; args[3] = (void*)&b->indices;
-    args[4] = &len; args[5] = &out0; args[6] = &out1;
-    r = cuLaunchKernel(first, p->grid[0], p->grid[1], p->grid[2], p->threads, 1, 1, p->dynamic_smem, stream, args, 0);
+    args[4] = &len; args[5] = (void*)&b->out; args[6] = (void*)&b->lse; args[7] = &o_part; args[8] = &lse_part;
+    r = cuLaunchKernel(split, p->grid[0], p->grid[1], p->grid[2], p->threads, 1, 1, p->dynamic_smem, stream, args, 0);
     if (r != CUDA_SUCCESS || p->splits == 1u) return r;
     {
         sparse_mla_combine_params c;
@@ -351,15 +347,18 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 128; dynamic shared memory: 0 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -372,36 +371,7 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_bf16_d576_scalar_h16n16_final
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 16 slots per step, scalar lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   threads per block: 128; dynamic shared memory: 0 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_combine_d512_t128
@@ -449,16 +419,19 @@ struct cache_write_bf16_d576_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   threads per block: 128; dynamic shared memory: 0 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -471,39 +444,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 8 heads x 8 slots per step, scalar lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
-//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   threads per block: 128; dynamic shared memory: 0 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // cache_write_fp8_ds_mla_d576
@@ -572,15 +513,18 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 95232 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -593,36 +537,7 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   threads per block: 256; dynamic shared memory: 95232 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
@@ -630,15 +545,18 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_final_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 78464 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -651,36 +569,7 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   threads per block: 256; dynamic shared memory: 78464 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16
@@ -690,15 +579,18 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_final_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 99200 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -711,38 +603,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 16 slots per step, mma lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
-//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   threads per block: 256; dynamic shared memory: 99200 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16
@@ -752,15 +613,18 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_final_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 98176 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -773,38 +637,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 16 slots per step, mma lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
-//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   threads per block: 256; dynamic shared memory: 98176 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
@@ -812,16 +645,19 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_final_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81472 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -834,37 +670,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 81472 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
@@ -872,16 +678,19 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_final_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 96960 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -894,37 +703,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 96960 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32
@@ -934,17 +713,20 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_final_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 95104 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -957,40 +739,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
-//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 95104 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32
@@ -1000,17 +749,20 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_final_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 88416 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1023,39 +775,6 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
-};
-
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
-//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   One split: writes out (bf16) and lse (f32; +inf for a row with no valid index).
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 88416 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512]
-//     lse          [tokens / lse_s_q, heads, lse_s_q]
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_final_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 

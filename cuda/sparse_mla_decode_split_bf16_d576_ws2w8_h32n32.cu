@@ -5,7 +5,8 @@
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-// Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
 // Workgroup: 256 threads (1-D); workgroup memory: 96960 bytes.
@@ -22,14 +23,17 @@
 //   page_size        u32  slots per page
 //   row_stride_w     u32  32-bit words from one cache row to the next
 //   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  q              bf16  read       [tokens, heads, 576]
 //   1  kv_cache       bf16  read       [num_pages, page_size, 1152] bf16 rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
-//   4  o_part         f32   read_write [tokens, heads, splits, 512]
-//   5  lse_part       f32   read_write [tokens, heads, splits]
+//   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 96960 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
@@ -46,6 +50,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -245,7 +250,7 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
 
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf16_d576_ws2w8_h32n32(const sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf16_d576_ws2w8_h32n32(const sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
     float* const row_sum = (float*)(dyn_smem + 128); // [32]
@@ -295,8 +300,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         kv_tile[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i64 = threadIdx.x; zero_i64 < 72u; zero_i64 += 256u) {
-        row_valid[zero_i64] = 0.0f;
+    for (unsigned zero_i66 = threadIdx.x; zero_i66 < 72u; zero_i66 += 256u) {
+        row_valid[zero_i66] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -748,34 +753,66 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     __syncthreads();
+    const bool single = p.splits == 1u;
+    if (single) {
 
-    // normalise and write this split's output rows
-    #pragma unroll
-    for (unsigned frag62 = 0u; frag62 < 16u; frag62 += 1u) {
+        // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
-            const unsigned row_5 = (o_acc_row0 + ((frag62 / 8u) * 16u)) + ((half63 * 8u) + lane_group);
-            const unsigned col_3 = (o_acc_col0 + ((frag62 % 8u) * 8u)) + (lane_quad * 2u);
-            float v0_3 = o_acc[(frag62 * 4u) + (half63 * 2u)];
-            float v1_3 = o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u];
-            const unsigned h = h0 + row_5;
-            if (h < p.heads) {
-                const float l = row_sum[row_5];
-                const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_3;
-                o_part[at] = v0_3 * inv_l;
-                o_part[at + 1u] = v1_3 * inv_l;
+        for (unsigned frag62 = 0u; frag62 < 16u; frag62 += 1u) {
+            #pragma unroll
+            for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag62 / 8u) * 16u)) + ((half63 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag62 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag62 * 4u) + (half63 * 2u)];
+                float v1_3 = o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u];
+                const unsigned h = h0 + row_5;
+                if (h < p.heads) {
+                    const float l = row_sum[row_5];
+                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
+                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                }
+                o_acc[(frag62 * 4u) + (half63 * 2u)] = v0_3;
+                o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u] = v1_3;
             }
-            o_acc[(frag62 * 4u) + (half63 * 2u)] = v0_3;
-            o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u] = v1_3;
         }
-    }
-    #pragma unroll 4
-    for (unsigned r_3 = threadIdx.x; r_3 < 32u; r_3 += 256u) {
-        const unsigned h_1 = h0 + r_3;
-        if (h_1 < p.heads) {
-            const float l_1 = row_sum[r_3];
-            lse_part[(((t * p.heads) + h_1) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
+        #pragma unroll 4
+        for (unsigned r_3 = threadIdx.x; r_3 < 32u; r_3 += 256u) {
+            const unsigned h_1 = h0 + r_3;
+            if (h_1 < p.heads) {
+                const float l_1 = row_sum[r_3];
+                lse[((((t / p.lse_s_q) * p.heads) + h_1) * p.lse_s_q) + (t % p.lse_s_q)] = (l_1 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_1, 1e-30f))) : __uint_as_float(0x7f800000u);
+            }
+        }
+    } else {
+
+        // normalise and write this split's partial rows and lse
+        #pragma unroll
+        for (unsigned frag64 = 0u; frag64 < 16u; frag64 += 1u) {
+            #pragma unroll
+            for (unsigned half65 = 0u; half65 < 2u; half65 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag64 / 8u) * 16u)) + ((half65 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag64 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag64 * 4u) + (half65 * 2u)];
+                float v1_4 = o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u];
+                const unsigned h_2 = h0 + row_6;
+                if (h_2 < p.heads) {
+                    const float l_2 = row_sum[row_6];
+                    const float inv_l_1 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
+                    const unsigned at = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + col_4;
+                    o_part[at] = v0_4 * inv_l_1;
+                    o_part[at + 1u] = v1_4 * inv_l_1;
+                }
+                o_acc[(frag64 * 4u) + (half65 * 2u)] = v0_4;
+                o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u] = v1_4;
+            }
+        }
+        #pragma unroll 4
+        for (unsigned r_4 = threadIdx.x; r_4 < 32u; r_4 += 256u) {
+            const unsigned h_3 = h0 + r_4;
+            if (h_3 < p.heads) {
+                const float l_3 = row_sum[r_4];
+                lse_part[(((t * p.heads) + h_3) * p.splits) + split] = (l_3 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_3, 1e-30f))) : (-3e38f);
+            }
         }
     }
 }

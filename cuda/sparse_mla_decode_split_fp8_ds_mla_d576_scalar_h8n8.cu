@@ -7,7 +7,8 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-// Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 15264 bytes.
@@ -24,14 +25,17 @@
 //   page_size        u32  slots per page
 //   row_stride_w     u32  32-bit words from one cache row to the next
 //   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  q              bf16  read       [tokens, heads, 576]
 //   1  kv_cache       u8    read       [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
-//   4  o_part         f32   read_write [tokens, heads, splits, 512]
-//   5  lse_part       f32   read_write [tokens, heads, splits]
+//   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (128, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
@@ -47,6 +51,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -88,7 +93,7 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
 
-extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8(const sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
+extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8(const sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part) {
     __shared__ __align__(16) float row_max[8];
     __shared__ __align__(16) float row_sum[8];
     __shared__ __align__(16) float row_rescale[8];
@@ -984,94 +989,180 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         }
         __syncthreads();
     }
+    const bool single = p.splits == 1u;
+    if (single) {
 
-    // normalise and write this split's output rows
-    #pragma unroll
-    for (unsigned pair_i459 = 0u; pair_i459 < 4u; pair_i459 += 1u) {
-        const unsigned pair460 = threadIdx.x + (pair_i459 * 128u);
-        if (pair460 < 512u) {
-            const unsigned row_18 = (pair460 * 2u) / 128u;
-            const unsigned col_6 = (pair460 * 2u) % 128u;
-            float v0_6 = o_acc[pair_i459 * 2u];
-            float v1_6 = o_acc[(pair_i459 * 2u) + 1u];
-            const unsigned h = h0 + row_18;
-            if (h < p.heads) {
-                const float l = row_sum[row_18];
-                const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_6;
-                o_part[at] = v0_6 * inv_l;
-                o_part[at + 1u] = v1_6 * inv_l;
+        // one split: normalise and write out and lse
+        #pragma unroll
+        for (unsigned pair_i459 = 0u; pair_i459 < 4u; pair_i459 += 1u) {
+            const unsigned pair460 = threadIdx.x + (pair_i459 * 128u);
+            if (pair460 < 512u) {
+                const unsigned row_18 = (pair460 * 2u) / 128u;
+                const unsigned col_6 = (pair460 * 2u) % 128u;
+                float v0_6 = o_acc[pair_i459 * 2u];
+                float v1_6 = o_acc[(pair_i459 * 2u) + 1u];
+                const unsigned h = h0 + row_18;
+                if (h < p.heads) {
+                    const float l = row_sum[row_18];
+                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
+                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                }
+                o_acc[pair_i459 * 2u] = v0_6;
+                o_acc[(pair_i459 * 2u) + 1u] = v1_6;
             }
-            o_acc[pair_i459 * 2u] = v0_6;
-            o_acc[(pair_i459 * 2u) + 1u] = v1_6;
         }
-    }
-    #pragma unroll
-    for (unsigned pair_i461 = 0u; pair_i461 < 4u; pair_i461 += 1u) {
-        const unsigned pair462 = threadIdx.x + (pair_i461 * 128u);
-        if (pair462 < 512u) {
-            const unsigned row_19 = (pair462 * 2u) / 128u;
-            const unsigned col_7 = (pair462 * 2u) % 128u;
-            float v0_7 = o_acc_1[pair_i461 * 2u];
-            float v1_7 = o_acc_1[(pair_i461 * 2u) + 1u];
-            const unsigned h_1 = h0 + row_19;
-            if (h_1 < p.heads) {
-                const float l_1 = row_sum[row_19];
-                const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
-                const unsigned at_1 = (((((t * p.heads) + h_1) * p.splits) + split) * 512u) + (col_7 + 128u);
-                o_part[at_1] = v0_7 * inv_l_1;
-                o_part[at_1 + 1u] = v1_7 * inv_l_1;
+        #pragma unroll
+        for (unsigned pair_i461 = 0u; pair_i461 < 4u; pair_i461 += 1u) {
+            const unsigned pair462 = threadIdx.x + (pair_i461 * 128u);
+            if (pair462 < 512u) {
+                const unsigned row_19 = (pair462 * 2u) / 128u;
+                const unsigned col_7 = (pair462 * 2u) % 128u;
+                float v0_7 = o_acc_1[pair_i461 * 2u];
+                float v1_7 = o_acc_1[(pair_i461 * 2u) + 1u];
+                const unsigned h_1 = h0 + row_19;
+                if (h_1 < p.heads) {
+                    const float l_1 = row_sum[row_19];
+                    const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+                    ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                }
+                o_acc_1[pair_i461 * 2u] = v0_7;
+                o_acc_1[(pair_i461 * 2u) + 1u] = v1_7;
             }
-            o_acc_1[pair_i461 * 2u] = v0_7;
-            o_acc_1[(pair_i461 * 2u) + 1u] = v1_7;
         }
-    }
-    #pragma unroll
-    for (unsigned pair_i463 = 0u; pair_i463 < 4u; pair_i463 += 1u) {
-        const unsigned pair464 = threadIdx.x + (pair_i463 * 128u);
-        if (pair464 < 512u) {
-            const unsigned row_20 = (pair464 * 2u) / 128u;
-            const unsigned col_8 = (pair464 * 2u) % 128u;
-            float v0_8 = o_acc_2[pair_i463 * 2u];
-            float v1_8 = o_acc_2[(pair_i463 * 2u) + 1u];
-            const unsigned h_2 = h0 + row_20;
-            if (h_2 < p.heads) {
-                const float l_2 = row_sum[row_20];
-                const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                const unsigned at_2 = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + (col_8 + 256u);
-                o_part[at_2] = v0_8 * inv_l_2;
-                o_part[at_2 + 1u] = v1_8 * inv_l_2;
+        #pragma unroll
+        for (unsigned pair_i463 = 0u; pair_i463 < 4u; pair_i463 += 1u) {
+            const unsigned pair464 = threadIdx.x + (pair_i463 * 128u);
+            if (pair464 < 512u) {
+                const unsigned row_20 = (pair464 * 2u) / 128u;
+                const unsigned col_8 = (pair464 * 2u) % 128u;
+                float v0_8 = o_acc_2[pair_i463 * 2u];
+                float v1_8 = o_acc_2[(pair_i463 * 2u) + 1u];
+                const unsigned h_2 = h0 + row_20;
+                if (h_2 < p.heads) {
+                    const float l_2 = row_sum[row_20];
+                    const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
+                    ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
+                }
+                o_acc_2[pair_i463 * 2u] = v0_8;
+                o_acc_2[(pair_i463 * 2u) + 1u] = v1_8;
             }
-            o_acc_2[pair_i463 * 2u] = v0_8;
-            o_acc_2[(pair_i463 * 2u) + 1u] = v1_8;
         }
-    }
-    #pragma unroll
-    for (unsigned pair_i465 = 0u; pair_i465 < 4u; pair_i465 += 1u) {
-        const unsigned pair466 = threadIdx.x + (pair_i465 * 128u);
-        if (pair466 < 512u) {
-            const unsigned row_21 = (pair466 * 2u) / 128u;
-            const unsigned col_9 = (pair466 * 2u) % 128u;
-            float v0_9 = o_acc_3[pair_i465 * 2u];
-            float v1_9 = o_acc_3[(pair_i465 * 2u) + 1u];
-            const unsigned h_3 = h0 + row_21;
-            if (h_3 < p.heads) {
-                const float l_3 = row_sum[row_21];
-                const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
-                const unsigned at_3 = (((((t * p.heads) + h_3) * p.splits) + split) * 512u) + (col_9 + 384u);
-                o_part[at_3] = v0_9 * inv_l_3;
-                o_part[at_3 + 1u] = v1_9 * inv_l_3;
+        #pragma unroll
+        for (unsigned pair_i465 = 0u; pair_i465 < 4u; pair_i465 += 1u) {
+            const unsigned pair466 = threadIdx.x + (pair_i465 * 128u);
+            if (pair466 < 512u) {
+                const unsigned row_21 = (pair466 * 2u) / 128u;
+                const unsigned col_9 = (pair466 * 2u) % 128u;
+                float v0_9 = o_acc_3[pair_i465 * 2u];
+                float v1_9 = o_acc_3[(pair_i465 * 2u) + 1u];
+                const unsigned h_3 = h0 + row_21;
+                if (h_3 < p.heads) {
+                    const float l_3 = row_sum[row_21];
+                    const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
+                    ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
+                }
+                o_acc_3[pair_i465 * 2u] = v0_9;
+                o_acc_3[(pair_i465 * 2u) + 1u] = v1_9;
             }
-            o_acc_3[pair_i465 * 2u] = v0_9;
-            o_acc_3[(pair_i465 * 2u) + 1u] = v1_9;
         }
-    }
-    #pragma unroll 4
-    for (unsigned r_3 = threadIdx.x; r_3 < 8u; r_3 += 128u) {
-        const unsigned h_4 = h0 + r_3;
-        if (h_4 < p.heads) {
-            const float l_4 = row_sum[r_3];
-            lse_part[(((t * p.heads) + h_4) * p.splits) + split] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : (-3e38f);
+        #pragma unroll 4
+        for (unsigned r_3 = threadIdx.x; r_3 < 8u; r_3 += 128u) {
+            const unsigned h_4 = h0 + r_3;
+            if (h_4 < p.heads) {
+                const float l_4 = row_sum[r_3];
+                lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : __uint_as_float(0x7f800000u);
+            }
+        }
+    } else {
+
+        // normalise and write this split's partial rows and lse
+        #pragma unroll
+        for (unsigned pair_i467 = 0u; pair_i467 < 4u; pair_i467 += 1u) {
+            const unsigned pair468 = threadIdx.x + (pair_i467 * 128u);
+            if (pair468 < 512u) {
+                const unsigned row_22 = (pair468 * 2u) / 128u;
+                const unsigned col_10 = (pair468 * 2u) % 128u;
+                float v0_10 = o_acc[pair_i467 * 2u];
+                float v1_10 = o_acc[(pair_i467 * 2u) + 1u];
+                const unsigned h_5 = h0 + row_22;
+                if (h_5 < p.heads) {
+                    const float l_5 = row_sum[row_22];
+                    const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
+                    const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
+                    o_part[at] = v0_10 * inv_l_4;
+                    o_part[at + 1u] = v1_10 * inv_l_4;
+                }
+                o_acc[pair_i467 * 2u] = v0_10;
+                o_acc[(pair_i467 * 2u) + 1u] = v1_10;
+            }
+        }
+        #pragma unroll
+        for (unsigned pair_i469 = 0u; pair_i469 < 4u; pair_i469 += 1u) {
+            const unsigned pair470 = threadIdx.x + (pair_i469 * 128u);
+            if (pair470 < 512u) {
+                const unsigned row_23 = (pair470 * 2u) / 128u;
+                const unsigned col_11 = (pair470 * 2u) % 128u;
+                float v0_11 = o_acc_1[pair_i469 * 2u];
+                float v1_11 = o_acc_1[(pair_i469 * 2u) + 1u];
+                const unsigned h_6 = h0 + row_23;
+                if (h_6 < p.heads) {
+                    const float l_6 = row_sum[row_23];
+                    const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
+                    const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
+                    o_part[at_1] = v0_11 * inv_l_5;
+                    o_part[at_1 + 1u] = v1_11 * inv_l_5;
+                }
+                o_acc_1[pair_i469 * 2u] = v0_11;
+                o_acc_1[(pair_i469 * 2u) + 1u] = v1_11;
+            }
+        }
+        #pragma unroll
+        for (unsigned pair_i471 = 0u; pair_i471 < 4u; pair_i471 += 1u) {
+            const unsigned pair472 = threadIdx.x + (pair_i471 * 128u);
+            if (pair472 < 512u) {
+                const unsigned row_24 = (pair472 * 2u) / 128u;
+                const unsigned col_12 = (pair472 * 2u) % 128u;
+                float v0_12 = o_acc_2[pair_i471 * 2u];
+                float v1_12 = o_acc_2[(pair_i471 * 2u) + 1u];
+                const unsigned h_7 = h0 + row_24;
+                if (h_7 < p.heads) {
+                    const float l_7 = row_sum[row_24];
+                    const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
+                    const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
+                    o_part[at_2] = v0_12 * inv_l_6;
+                    o_part[at_2 + 1u] = v1_12 * inv_l_6;
+                }
+                o_acc_2[pair_i471 * 2u] = v0_12;
+                o_acc_2[(pair_i471 * 2u) + 1u] = v1_12;
+            }
+        }
+        #pragma unroll
+        for (unsigned pair_i473 = 0u; pair_i473 < 4u; pair_i473 += 1u) {
+            const unsigned pair474 = threadIdx.x + (pair_i473 * 128u);
+            if (pair474 < 512u) {
+                const unsigned row_25 = (pair474 * 2u) / 128u;
+                const unsigned col_13 = (pair474 * 2u) % 128u;
+                float v0_13 = o_acc_3[pair_i473 * 2u];
+                float v1_13 = o_acc_3[(pair_i473 * 2u) + 1u];
+                const unsigned h_8 = h0 + row_25;
+                if (h_8 < p.heads) {
+                    const float l_8 = row_sum[row_25];
+                    const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
+                    const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
+                    o_part[at_3] = v0_13 * inv_l_7;
+                    o_part[at_3 + 1u] = v1_13 * inv_l_7;
+                }
+                o_acc_3[pair_i473 * 2u] = v0_13;
+                o_acc_3[(pair_i473 * 2u) + 1u] = v1_13;
+            }
+        }
+        #pragma unroll 4
+        for (unsigned r_4 = threadIdx.x; r_4 < 8u; r_4 += 128u) {
+            const unsigned h_9 = h0 + r_4;
+            if (h_9 < p.heads) {
+                const float l_9 = row_sum[r_4];
+                lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_9 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_9, 1e-30f))) : (-3e38f);
+            }
         }
     }
 }

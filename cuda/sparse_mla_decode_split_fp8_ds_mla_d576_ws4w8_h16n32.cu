@@ -7,7 +7,8 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-// Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 // mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
@@ -25,14 +26,17 @@
 //   page_size        u32  slots per page
 //   row_stride_w     u32  32-bit words from one cache row to the next
 //   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 //
 // Buffers (kernel arguments after the parameter struct):
 //   0  q              bf16  read       [tokens, heads, 576]
 //   1  kv_cache       u8    read       [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
-//   4  o_part         f32   read_write [tokens, heads, splits, 512]
-//   5  lse_part       f32   read_write [tokens, heads, splits]
+//   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 95104 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
@@ -49,6 +53,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
     unsigned page_size; // slots per page
     unsigned row_stride_w; // 32-bit words from one cache row to the next
     unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // bf16 bits -> f32: bf16 is the top half of an f32.
@@ -277,7 +282,7 @@ static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
 
-extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32(const sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, float* __restrict__ o_part, float* __restrict__ lse_part) {
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32(const sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part) {
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [16]
     float* const row_sum = (float*)(dyn_smem + 64); // [16]
@@ -368,16 +373,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i242 = threadIdx.x; zero_i242 < 4608u; zero_i242 += 256u) {
-        kv_rope[zero_i242] = 0u;
+    for (unsigned zero_i254 = threadIdx.x; zero_i254 < 4608u; zero_i254 += 256u) {
+        kv_rope[zero_i254] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i243 = threadIdx.x; zero_i243 < 512u; zero_i243 += 256u) {
-        kv_scales[zero_i243] = 0.0f;
+    for (unsigned zero_i255 = threadIdx.x; zero_i255 < 512u; zero_i255 += 256u) {
+        kv_scales[zero_i255] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i244 = threadIdx.x; zero_i244 < 144u; zero_i244 += 256u) {
-        row_valid[zero_i244] = 0.0f;
+    for (unsigned zero_i256 = threadIdx.x; zero_i256 < 144u; zero_i256 += 256u) {
+        row_valid[zero_i256] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -1346,106 +1351,204 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     __syncthreads();
+    const bool single = p.splits == 1u;
+    if (single) {
 
-    // normalise and write this split's output rows
-    #pragma unroll
-    for (unsigned frag230 = 0u; frag230 < 1u; frag230 += 1u) {
+        // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned half231 = 0u; half231 < 2u; half231 += 1u) {
+        for (unsigned frag230 = 0u; frag230 < 1u; frag230 += 1u) {
             #pragma unroll
-            for (unsigned e232 = 0u; e232 < 2u; e232 += 1u) {
-                const unsigned row_18 = (o_acc_row0 + ((frag230 / 1u) * 16u)) + ((half231 * 8u) + lane_group);
-                const unsigned col_6 = (o_acc_col0 + ((frag230 % 1u) * 16u)) + ((lane_quad * 4u) + (e232 * 2u));
-                float v0_6 = o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)];
-                float v1_6 = o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)];
-                const unsigned h = h0 + row_18;
-                if (h < p.heads) {
-                    const float l = row_sum[row_18];
-                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                    const unsigned at = (((((t * p.heads) + h) * p.splits) + split) * 512u) + col_6;
-                    o_part[at] = v0_6 * inv_l;
-                    o_part[at + 1u] = v1_6 * inv_l;
+            for (unsigned half231 = 0u; half231 < 2u; half231 += 1u) {
+                #pragma unroll
+                for (unsigned e232 = 0u; e232 < 2u; e232 += 1u) {
+                    const unsigned row_18 = (o_acc_row0 + ((frag230 / 1u) * 16u)) + ((half231 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag230 % 1u) * 16u)) + ((lane_quad * 4u) + (e232 * 2u));
+                    float v0_6 = o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)];
+                    float v1_6 = o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)];
+                    const unsigned h = h0 + row_18;
+                    if (h < p.heads) {
+                        const float l = row_sum[row_18];
+                        const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
+                        ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                    }
+                    o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)] = v0_6;
+                    o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)] = v1_6;
                 }
-                o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)] = v0_6;
-                o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)] = v1_6;
             }
         }
-    }
-    #pragma unroll
-    for (unsigned frag233 = 0u; frag233 < 1u; frag233 += 1u) {
         #pragma unroll
-        for (unsigned half234 = 0u; half234 < 2u; half234 += 1u) {
+        for (unsigned frag233 = 0u; frag233 < 1u; frag233 += 1u) {
             #pragma unroll
-            for (unsigned e235 = 0u; e235 < 2u; e235 += 1u) {
-                const unsigned row_19 = (o_acc_1_row0 + ((frag233 / 1u) * 16u)) + ((half234 * 8u) + lane_group);
-                const unsigned col_7 = (o_acc_1_col0 + ((frag233 % 1u) * 16u)) + ((lane_quad * 4u) + (e235 * 2u));
-                float v0_7 = o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)];
-                float v1_7 = o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)];
-                const unsigned h_1 = h0 + row_19;
-                if (h_1 < p.heads) {
-                    const float l_1 = row_sum[row_19];
-                    const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
-                    const unsigned at_1 = (((((t * p.heads) + h_1) * p.splits) + split) * 512u) + (col_7 + 128u);
-                    o_part[at_1] = v0_7 * inv_l_1;
-                    o_part[at_1 + 1u] = v1_7 * inv_l_1;
+            for (unsigned half234 = 0u; half234 < 2u; half234 += 1u) {
+                #pragma unroll
+                for (unsigned e235 = 0u; e235 < 2u; e235 += 1u) {
+                    const unsigned row_19 = (o_acc_1_row0 + ((frag233 / 1u) * 16u)) + ((half234 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag233 % 1u) * 16u)) + ((lane_quad * 4u) + (e235 * 2u));
+                    float v0_7 = o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)];
+                    float v1_7 = o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)];
+                    const unsigned h_1 = h0 + row_19;
+                    if (h_1 < p.heads) {
+                        const float l_1 = row_sum[row_19];
+                        const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+                        ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                    }
+                    o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)] = v0_7;
+                    o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)] = v1_7;
                 }
-                o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)] = v0_7;
-                o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)] = v1_7;
             }
         }
-    }
-    #pragma unroll
-    for (unsigned frag236 = 0u; frag236 < 1u; frag236 += 1u) {
         #pragma unroll
-        for (unsigned half237 = 0u; half237 < 2u; half237 += 1u) {
+        for (unsigned frag236 = 0u; frag236 < 1u; frag236 += 1u) {
             #pragma unroll
-            for (unsigned e238 = 0u; e238 < 2u; e238 += 1u) {
-                const unsigned row_20 = (o_acc_2_row0 + ((frag236 / 1u) * 16u)) + ((half237 * 8u) + lane_group);
-                const unsigned col_8 = (o_acc_2_col0 + ((frag236 % 1u) * 16u)) + ((lane_quad * 4u) + (e238 * 2u));
-                float v0_8 = o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)];
-                float v1_8 = o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)];
-                const unsigned h_2 = h0 + row_20;
-                if (h_2 < p.heads) {
-                    const float l_2 = row_sum[row_20];
-                    const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                    const unsigned at_2 = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + (col_8 + 256u);
-                    o_part[at_2] = v0_8 * inv_l_2;
-                    o_part[at_2 + 1u] = v1_8 * inv_l_2;
+            for (unsigned half237 = 0u; half237 < 2u; half237 += 1u) {
+                #pragma unroll
+                for (unsigned e238 = 0u; e238 < 2u; e238 += 1u) {
+                    const unsigned row_20 = (o_acc_2_row0 + ((frag236 / 1u) * 16u)) + ((half237 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag236 % 1u) * 16u)) + ((lane_quad * 4u) + (e238 * 2u));
+                    float v0_8 = o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)];
+                    float v1_8 = o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)];
+                    const unsigned h_2 = h0 + row_20;
+                    if (h_2 < p.heads) {
+                        const float l_2 = row_sum[row_20];
+                        const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
+                        ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
+                    }
+                    o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)] = v0_8;
+                    o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)] = v1_8;
                 }
-                o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)] = v0_8;
-                o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)] = v1_8;
             }
         }
-    }
-    #pragma unroll
-    for (unsigned frag239 = 0u; frag239 < 1u; frag239 += 1u) {
         #pragma unroll
-        for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
+        for (unsigned frag239 = 0u; frag239 < 1u; frag239 += 1u) {
             #pragma unroll
-            for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
-                const unsigned row_21 = (o_acc_3_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
-                const unsigned col_9 = (o_acc_3_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
-                float v0_9 = o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
-                float v1_9 = o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
-                const unsigned h_3 = h0 + row_21;
-                if (h_3 < p.heads) {
-                    const float l_3 = row_sum[row_21];
-                    const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
-                    const unsigned at_3 = (((((t * p.heads) + h_3) * p.splits) + split) * 512u) + (col_9 + 384u);
-                    o_part[at_3] = v0_9 * inv_l_3;
-                    o_part[at_3 + 1u] = v1_9 * inv_l_3;
+            for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
+                #pragma unroll
+                for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
+                    const unsigned row_21 = (o_acc_3_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
+                    float v0_9 = o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
+                    float v1_9 = o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
+                    const unsigned h_3 = h0 + row_21;
+                    if (h_3 < p.heads) {
+                        const float l_3 = row_sum[row_21];
+                        const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
+                        ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
+                    }
+                    o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_9;
+                    o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_9;
                 }
-                o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_9;
-                o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_9;
             }
         }
-    }
-    #pragma unroll 4
-    for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 256u) {
-        const unsigned h_4 = h0 + r_3;
-        if (h_4 < p.heads) {
-            const float l_4 = row_sum[r_3];
-            lse_part[(((t * p.heads) + h_4) * p.splits) + split] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : (-3e38f);
+        #pragma unroll 4
+        for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 256u) {
+            const unsigned h_4 = h0 + r_3;
+            if (h_4 < p.heads) {
+                const float l_4 = row_sum[r_3];
+                lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : __uint_as_float(0x7f800000u);
+            }
+        }
+    } else {
+
+        // normalise and write this split's partial rows and lse
+        #pragma unroll
+        for (unsigned frag242 = 0u; frag242 < 1u; frag242 += 1u) {
+            #pragma unroll
+            for (unsigned half243 = 0u; half243 < 2u; half243 += 1u) {
+                #pragma unroll
+                for (unsigned e244 = 0u; e244 < 2u; e244 += 1u) {
+                    const unsigned row_22 = (o_acc_row0 + ((frag242 / 1u) * 16u)) + ((half243 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag242 % 1u) * 16u)) + ((lane_quad * 4u) + (e244 * 2u));
+                    float v0_10 = o_acc[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)];
+                    float v1_10 = o_acc[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)];
+                    const unsigned h_5 = h0 + row_22;
+                    if (h_5 < p.heads) {
+                        const float l_5 = row_sum[row_22];
+                        const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
+                        const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
+                        o_part[at] = v0_10 * inv_l_4;
+                        o_part[at + 1u] = v1_10 * inv_l_4;
+                    }
+                    o_acc[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)] = v0_10;
+                    o_acc[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)] = v1_10;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag245 = 0u; frag245 < 1u; frag245 += 1u) {
+            #pragma unroll
+            for (unsigned half246 = 0u; half246 < 2u; half246 += 1u) {
+                #pragma unroll
+                for (unsigned e247 = 0u; e247 < 2u; e247 += 1u) {
+                    const unsigned row_23 = (o_acc_1_row0 + ((frag245 / 1u) * 16u)) + ((half246 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag245 % 1u) * 16u)) + ((lane_quad * 4u) + (e247 * 2u));
+                    float v0_11 = o_acc_1[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)];
+                    float v1_11 = o_acc_1[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)];
+                    const unsigned h_6 = h0 + row_23;
+                    if (h_6 < p.heads) {
+                        const float l_6 = row_sum[row_23];
+                        const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
+                        const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
+                        o_part[at_1] = v0_11 * inv_l_5;
+                        o_part[at_1 + 1u] = v1_11 * inv_l_5;
+                    }
+                    o_acc_1[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)] = v0_11;
+                    o_acc_1[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)] = v1_11;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag248 = 0u; frag248 < 1u; frag248 += 1u) {
+            #pragma unroll
+            for (unsigned half249 = 0u; half249 < 2u; half249 += 1u) {
+                #pragma unroll
+                for (unsigned e250 = 0u; e250 < 2u; e250 += 1u) {
+                    const unsigned row_24 = (o_acc_2_row0 + ((frag248 / 1u) * 16u)) + ((half249 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag248 % 1u) * 16u)) + ((lane_quad * 4u) + (e250 * 2u));
+                    float v0_12 = o_acc_2[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)];
+                    float v1_12 = o_acc_2[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)];
+                    const unsigned h_7 = h0 + row_24;
+                    if (h_7 < p.heads) {
+                        const float l_7 = row_sum[row_24];
+                        const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
+                        const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
+                        o_part[at_2] = v0_12 * inv_l_6;
+                        o_part[at_2 + 1u] = v1_12 * inv_l_6;
+                    }
+                    o_acc_2[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)] = v0_12;
+                    o_acc_2[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)] = v1_12;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag251 = 0u; frag251 < 1u; frag251 += 1u) {
+            #pragma unroll
+            for (unsigned half252 = 0u; half252 < 2u; half252 += 1u) {
+                #pragma unroll
+                for (unsigned e253 = 0u; e253 < 2u; e253 += 1u) {
+                    const unsigned row_25 = (o_acc_3_row0 + ((frag251 / 1u) * 16u)) + ((half252 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag251 % 1u) * 16u)) + ((lane_quad * 4u) + (e253 * 2u));
+                    float v0_13 = o_acc_3[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)];
+                    float v1_13 = o_acc_3[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)];
+                    const unsigned h_8 = h0 + row_25;
+                    if (h_8 < p.heads) {
+                        const float l_8 = row_sum[row_25];
+                        const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
+                        const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
+                        o_part[at_3] = v0_13 * inv_l_7;
+                        o_part[at_3 + 1u] = v1_13 * inv_l_7;
+                    }
+                    o_acc_3[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)] = v0_13;
+                    o_acc_3[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)] = v1_13;
+                }
+            }
+        }
+        #pragma unroll 4
+        for (unsigned r_4 = threadIdx.x; r_4 < 16u; r_4 += 256u) {
+            const unsigned h_9 = h0 + r_4;
+            if (h_9 < p.heads) {
+                const float l_9 = row_sum[r_4];
+                lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_9 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_9, 1e-30f))) : (-3e38f);
+            }
         }
     }
 }

@@ -5,7 +5,8 @@
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-// Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 14272 bytes.
 //
@@ -21,14 +22,17 @@
 //   page_size        u32  slots per page
 //   row_stride_w     u32  32-bit words from one cache row to the next
 //   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  q              bf16  read       [tokens, heads, 576]
 //   1  kv_cache       bf16  read       [num_pages, page_size, 1152] bf16 rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
-//   4  o_part         f32   read_write [tokens, heads, splits, 512]
-//   5  lse_part       f32   read_write [tokens, heads, splits]
+//   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
 
 struct Params {
@@ -43,7 +47,7 @@ struct Params {
     page_size: u32,
     row_stride_w: u32,
     page_stride_w: u32,
-    pad11: u32,
+    lse_s_q: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -51,8 +55,10 @@ struct Params {
 @group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // bf16 [num_pages, page_size, 1152] bf16 rows (strided)
 @group(0) @binding(3) var<storage, read> indices: array<i32>; // i32 [tokens, topk] slots
 @group(0) @binding(4) var<storage, read> topk_length: array<i32>; // i32 [tokens] (any 1-element buffer when has_topk_length = 0)
-@group(0) @binding(5) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512]
-@group(0) @binding(6) var<storage, read_write> lse_part: array<f32>; // f32 [tokens, heads, splits]
+@group(0) @binding(5) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512] (splits = 1)
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+@group(0) @binding(7) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512] (splits > 1)
+@group(0) @binding(8) var<storage, read_write> lse_part: array<f32>; // f32 [tokens, heads, splits] (splits > 1)
 
 var<workgroup> row_max: array<f32, 8>;
 var<workgroup> row_sum: array<f32, 8>;
@@ -390,32 +396,62 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
         }
         workgroupBarrier();
     }
+    let single: bool = params.splits == 1u;
+    if (single) {
 
-    // normalise and write this split's output rows
-    for (var pair_i113: u32 = 0u; pair_i113 < 16u; pair_i113 = pair_i113 + 1u) {
-        let pair114: u32 = local_id + (pair_i113 * 128u);
-        if (pair114 < 2048u) {
-            let row_5: u32 = (pair114 * 2u) / 512u;
-            let col_3: u32 = (pair114 * 2u) % 512u;
-            var v0_3: f32 = o_acc[pair_i113 * 2u];
-            var v1_3: f32 = o_acc[(pair_i113 * 2u) + 1u];
-            let h: u32 = h0 + row_5;
-            if (h < params.heads) {
-                let l: f32 = row_sum[row_5];
-                let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
-                let at: u32 = (((((t * params.heads) + h) * params.splits) + split) * 512u) + col_3;
-                o_part[at] = v0_3 * inv_l;
-                o_part[at + 1u] = v1_3 * inv_l;
+        // one split: normalise and write out and lse
+        for (var pair_i113: u32 = 0u; pair_i113 < 16u; pair_i113 = pair_i113 + 1u) {
+            let pair114: u32 = local_id + (pair_i113 * 128u);
+            if (pair114 < 2048u) {
+                let row_5: u32 = (pair114 * 2u) / 512u;
+                let col_3: u32 = (pair114 * 2u) % 512u;
+                var v0_3: f32 = o_acc[pair_i113 * 2u];
+                var v1_3: f32 = o_acc[(pair_i113 * 2u) + 1u];
+                let h: u32 = h0 + row_5;
+                if (h < params.heads) {
+                    let l: f32 = row_sum[row_5];
+                    let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
+                    out[((((t * params.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                }
+                o_acc[pair_i113 * 2u] = v0_3;
+                o_acc[(pair_i113 * 2u) + 1u] = v1_3;
             }
-            o_acc[pair_i113 * 2u] = v0_3;
-            o_acc[(pair_i113 * 2u) + 1u] = v1_3;
         }
-    }
-    for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
-        let h_1: u32 = h0 + r_3;
-        if (h_1 < params.heads) {
-            let l_1: f32 = row_sum[r_3];
-            lse_part[(((t * params.heads) + h_1) * params.splits) + split] = select(-3e38, row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
+        for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
+            let h_1: u32 = h0 + r_3;
+            if (h_1 < params.heads) {
+                let l_1: f32 = row_sum[r_3];
+                lse[((((t / params.lse_s_q) * params.heads) + h_1) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
+            }
+        }
+    } else {
+
+        // normalise and write this split's partial rows and lse
+        for (var pair_i115: u32 = 0u; pair_i115 < 16u; pair_i115 = pair_i115 + 1u) {
+            let pair116: u32 = local_id + (pair_i115 * 128u);
+            if (pair116 < 2048u) {
+                let row_6: u32 = (pair116 * 2u) / 512u;
+                let col_4: u32 = (pair116 * 2u) % 512u;
+                var v0_4: f32 = o_acc[pair_i115 * 2u];
+                var v1_4: f32 = o_acc[(pair_i115 * 2u) + 1u];
+                let h_2: u32 = h0 + row_6;
+                if (h_2 < params.heads) {
+                    let l_2: f32 = row_sum[row_6];
+                    let inv_l_1: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
+                    let at: u32 = (((((t * params.heads) + h_2) * params.splits) + split) * 512u) + col_4;
+                    o_part[at] = v0_4 * inv_l_1;
+                    o_part[at + 1u] = v1_4 * inv_l_1;
+                }
+                o_acc[pair_i115 * 2u] = v0_4;
+                o_acc[(pair_i115 * 2u) + 1u] = v1_4;
+            }
+        }
+        for (var r_4: u32 = local_id; r_4 < 8u; r_4 = r_4 + 128u) {
+            let h_3: u32 = h0 + r_4;
+            if (h_3 < params.heads) {
+                let l_3: f32 = row_sum[r_4];
+                lse_part[(((t * params.heads) + h_3) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_3, 1e-30)), l_3 > 0.0);
+            }
         }
     }
 }

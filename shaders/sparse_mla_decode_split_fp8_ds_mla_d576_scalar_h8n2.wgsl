@@ -7,7 +7,8 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-// Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+// lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 10848 bytes.
@@ -24,14 +25,17 @@
 //   page_size        u32  slots per page
 //   row_stride_w     u32  32-bit words from one cache row to the next
 //   page_stride_w    u32  32-bit words from one cache page to the next
+//   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
 //   0  q              bf16  read       [tokens, heads, 576]
 //   1  kv_cache       u8    read       [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //   2  indices        i32   read       [tokens, topk] slots
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
-//   4  o_part         f32   read_write [tokens, heads, splits, 512]
-//   5  lse_part       f32   read_write [tokens, heads, splits]
+//   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
+//   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
 
 struct Params {
@@ -46,7 +50,7 @@ struct Params {
     page_size: u32,
     row_stride_w: u32,
     page_stride_w: u32,
-    pad11: u32,
+    lse_s_q: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -54,8 +58,10 @@ struct Params {
 @group(0) @binding(2) var<storage, read> kv_cache: array<u32>; // u8 [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 @group(0) @binding(3) var<storage, read> indices: array<i32>; // i32 [tokens, topk] slots
 @group(0) @binding(4) var<storage, read> topk_length: array<i32>; // i32 [tokens] (any 1-element buffer when has_topk_length = 0)
-@group(0) @binding(5) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512]
-@group(0) @binding(6) var<storage, read_write> lse_part: array<f32>; // f32 [tokens, heads, splits]
+@group(0) @binding(5) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512] (splits = 1)
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+@group(0) @binding(7) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512] (splits > 1)
+@group(0) @binding(8) var<storage, read_write> lse_part: array<f32>; // f32 [tokens, heads, splits] (splits > 1)
 
 var<workgroup> row_max: array<f32, 8>;
 var<workgroup> row_sum: array<f32, 8>;
@@ -852,89 +858,170 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         }
         workgroupBarrier();
     }
+    let single: bool = params.splits == 1u;
+    if (single) {
 
-    // normalise and write this split's output rows
-    for (var pair_i387: u32 = 0u; pair_i387 < 4u; pair_i387 = pair_i387 + 1u) {
-        let pair388: u32 = local_id + (pair_i387 * 128u);
-        if (pair388 < 512u) {
-            let row_18: u32 = (pair388 * 2u) / 128u;
-            let col_6: u32 = (pair388 * 2u) % 128u;
-            var v0_6: f32 = o_acc[pair_i387 * 2u];
-            var v1_6: f32 = o_acc[(pair_i387 * 2u) + 1u];
-            let h: u32 = h0 + row_18;
-            if (h < params.heads) {
-                let l: f32 = row_sum[row_18];
-                let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
-                let at: u32 = (((((t * params.heads) + h) * params.splits) + split) * 512u) + col_6;
-                o_part[at] = v0_6 * inv_l;
-                o_part[at + 1u] = v1_6 * inv_l;
+        // one split: normalise and write out and lse
+        for (var pair_i387: u32 = 0u; pair_i387 < 4u; pair_i387 = pair_i387 + 1u) {
+            let pair388: u32 = local_id + (pair_i387 * 128u);
+            if (pair388 < 512u) {
+                let row_18: u32 = (pair388 * 2u) / 128u;
+                let col_6: u32 = (pair388 * 2u) % 128u;
+                var v0_6: f32 = o_acc[pair_i387 * 2u];
+                var v1_6: f32 = o_acc[(pair_i387 * 2u) + 1u];
+                let h: u32 = h0 + row_18;
+                if (h < params.heads) {
+                    let l: f32 = row_sum[row_18];
+                    let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
+                    out[((((t * params.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                }
+                o_acc[pair_i387 * 2u] = v0_6;
+                o_acc[(pair_i387 * 2u) + 1u] = v1_6;
             }
-            o_acc[pair_i387 * 2u] = v0_6;
-            o_acc[(pair_i387 * 2u) + 1u] = v1_6;
         }
-    }
-    for (var pair_i389: u32 = 0u; pair_i389 < 4u; pair_i389 = pair_i389 + 1u) {
-        let pair390: u32 = local_id + (pair_i389 * 128u);
-        if (pair390 < 512u) {
-            let row_19: u32 = (pair390 * 2u) / 128u;
-            let col_7: u32 = (pair390 * 2u) % 128u;
-            var v0_7: f32 = o_acc_1[pair_i389 * 2u];
-            var v1_7: f32 = o_acc_1[(pair_i389 * 2u) + 1u];
-            let h_1: u32 = h0 + row_19;
-            if (h_1 < params.heads) {
-                let l_1: f32 = row_sum[row_19];
-                let inv_l_1: f32 = select(0.0, 1.0 / l_1, l_1 > 0.0);
-                let at_1: u32 = (((((t * params.heads) + h_1) * params.splits) + split) * 512u) + (col_7 + 128u);
-                o_part[at_1] = v0_7 * inv_l_1;
-                o_part[at_1 + 1u] = v1_7 * inv_l_1;
+        for (var pair_i389: u32 = 0u; pair_i389 < 4u; pair_i389 = pair_i389 + 1u) {
+            let pair390: u32 = local_id + (pair_i389 * 128u);
+            if (pair390 < 512u) {
+                let row_19: u32 = (pair390 * 2u) / 128u;
+                let col_7: u32 = (pair390 * 2u) % 128u;
+                var v0_7: f32 = o_acc_1[pair_i389 * 2u];
+                var v1_7: f32 = o_acc_1[(pair_i389 * 2u) + 1u];
+                let h_1: u32 = h0 + row_19;
+                if (h_1 < params.heads) {
+                    let l_1: f32 = row_sum[row_19];
+                    let inv_l_1: f32 = select(0.0, 1.0 / l_1, l_1 > 0.0);
+                    out[((((t * params.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                }
+                o_acc_1[pair_i389 * 2u] = v0_7;
+                o_acc_1[(pair_i389 * 2u) + 1u] = v1_7;
             }
-            o_acc_1[pair_i389 * 2u] = v0_7;
-            o_acc_1[(pair_i389 * 2u) + 1u] = v1_7;
         }
-    }
-    for (var pair_i391: u32 = 0u; pair_i391 < 4u; pair_i391 = pair_i391 + 1u) {
-        let pair392: u32 = local_id + (pair_i391 * 128u);
-        if (pair392 < 512u) {
-            let row_20: u32 = (pair392 * 2u) / 128u;
-            let col_8: u32 = (pair392 * 2u) % 128u;
-            var v0_8: f32 = o_acc_2[pair_i391 * 2u];
-            var v1_8: f32 = o_acc_2[(pair_i391 * 2u) + 1u];
-            let h_2: u32 = h0 + row_20;
-            if (h_2 < params.heads) {
-                let l_2: f32 = row_sum[row_20];
-                let inv_l_2: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
-                let at_2: u32 = (((((t * params.heads) + h_2) * params.splits) + split) * 512u) + (col_8 + 256u);
-                o_part[at_2] = v0_8 * inv_l_2;
-                o_part[at_2 + 1u] = v1_8 * inv_l_2;
+        for (var pair_i391: u32 = 0u; pair_i391 < 4u; pair_i391 = pair_i391 + 1u) {
+            let pair392: u32 = local_id + (pair_i391 * 128u);
+            if (pair392 < 512u) {
+                let row_20: u32 = (pair392 * 2u) / 128u;
+                let col_8: u32 = (pair392 * 2u) % 128u;
+                var v0_8: f32 = o_acc_2[pair_i391 * 2u];
+                var v1_8: f32 = o_acc_2[(pair_i391 * 2u) + 1u];
+                let h_2: u32 = h0 + row_20;
+                if (h_2 < params.heads) {
+                    let l_2: f32 = row_sum[row_20];
+                    let inv_l_2: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
+                    out[((((t * params.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
+                }
+                o_acc_2[pair_i391 * 2u] = v0_8;
+                o_acc_2[(pair_i391 * 2u) + 1u] = v1_8;
             }
-            o_acc_2[pair_i391 * 2u] = v0_8;
-            o_acc_2[(pair_i391 * 2u) + 1u] = v1_8;
         }
-    }
-    for (var pair_i393: u32 = 0u; pair_i393 < 4u; pair_i393 = pair_i393 + 1u) {
-        let pair394: u32 = local_id + (pair_i393 * 128u);
-        if (pair394 < 512u) {
-            let row_21: u32 = (pair394 * 2u) / 128u;
-            let col_9: u32 = (pair394 * 2u) % 128u;
-            var v0_9: f32 = o_acc_3[pair_i393 * 2u];
-            var v1_9: f32 = o_acc_3[(pair_i393 * 2u) + 1u];
-            let h_3: u32 = h0 + row_21;
-            if (h_3 < params.heads) {
-                let l_3: f32 = row_sum[row_21];
-                let inv_l_3: f32 = select(0.0, 1.0 / l_3, l_3 > 0.0);
-                let at_3: u32 = (((((t * params.heads) + h_3) * params.splits) + split) * 512u) + (col_9 + 384u);
-                o_part[at_3] = v0_9 * inv_l_3;
-                o_part[at_3 + 1u] = v1_9 * inv_l_3;
+        for (var pair_i393: u32 = 0u; pair_i393 < 4u; pair_i393 = pair_i393 + 1u) {
+            let pair394: u32 = local_id + (pair_i393 * 128u);
+            if (pair394 < 512u) {
+                let row_21: u32 = (pair394 * 2u) / 128u;
+                let col_9: u32 = (pair394 * 2u) % 128u;
+                var v0_9: f32 = o_acc_3[pair_i393 * 2u];
+                var v1_9: f32 = o_acc_3[(pair_i393 * 2u) + 1u];
+                let h_3: u32 = h0 + row_21;
+                if (h_3 < params.heads) {
+                    let l_3: f32 = row_sum[row_21];
+                    let inv_l_3: f32 = select(0.0, 1.0 / l_3, l_3 > 0.0);
+                    out[((((t * params.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
+                }
+                o_acc_3[pair_i393 * 2u] = v0_9;
+                o_acc_3[(pair_i393 * 2u) + 1u] = v1_9;
             }
-            o_acc_3[pair_i393 * 2u] = v0_9;
-            o_acc_3[(pair_i393 * 2u) + 1u] = v1_9;
         }
-    }
-    for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
-        let h_4: u32 = h0 + r_3;
-        if (h_4 < params.heads) {
-            let l_4: f32 = row_sum[r_3];
-            lse_part[(((t * params.heads) + h_4) * params.splits) + split] = select(-3e38, row_max[r_3] + log(max(l_4, 1e-30)), l_4 > 0.0);
+        for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
+            let h_4: u32 = h0 + r_3;
+            if (h_4 < params.heads) {
+                let l_4: f32 = row_sum[r_3];
+                lse[((((t / params.lse_s_q) * params.heads) + h_4) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_4, 1e-30)), l_4 > 0.0);
+            }
+        }
+    } else {
+
+        // normalise and write this split's partial rows and lse
+        for (var pair_i395: u32 = 0u; pair_i395 < 4u; pair_i395 = pair_i395 + 1u) {
+            let pair396: u32 = local_id + (pair_i395 * 128u);
+            if (pair396 < 512u) {
+                let row_22: u32 = (pair396 * 2u) / 128u;
+                let col_10: u32 = (pair396 * 2u) % 128u;
+                var v0_10: f32 = o_acc[pair_i395 * 2u];
+                var v1_10: f32 = o_acc[(pair_i395 * 2u) + 1u];
+                let h_5: u32 = h0 + row_22;
+                if (h_5 < params.heads) {
+                    let l_5: f32 = row_sum[row_22];
+                    let inv_l_4: f32 = select(0.0, 1.0 / l_5, l_5 > 0.0);
+                    let at: u32 = (((((t * params.heads) + h_5) * params.splits) + split) * 512u) + col_10;
+                    o_part[at] = v0_10 * inv_l_4;
+                    o_part[at + 1u] = v1_10 * inv_l_4;
+                }
+                o_acc[pair_i395 * 2u] = v0_10;
+                o_acc[(pair_i395 * 2u) + 1u] = v1_10;
+            }
+        }
+        for (var pair_i397: u32 = 0u; pair_i397 < 4u; pair_i397 = pair_i397 + 1u) {
+            let pair398: u32 = local_id + (pair_i397 * 128u);
+            if (pair398 < 512u) {
+                let row_23: u32 = (pair398 * 2u) / 128u;
+                let col_11: u32 = (pair398 * 2u) % 128u;
+                var v0_11: f32 = o_acc_1[pair_i397 * 2u];
+                var v1_11: f32 = o_acc_1[(pair_i397 * 2u) + 1u];
+                let h_6: u32 = h0 + row_23;
+                if (h_6 < params.heads) {
+                    let l_6: f32 = row_sum[row_23];
+                    let inv_l_5: f32 = select(0.0, 1.0 / l_6, l_6 > 0.0);
+                    let at_1: u32 = (((((t * params.heads) + h_6) * params.splits) + split) * 512u) + (col_11 + 128u);
+                    o_part[at_1] = v0_11 * inv_l_5;
+                    o_part[at_1 + 1u] = v1_11 * inv_l_5;
+                }
+                o_acc_1[pair_i397 * 2u] = v0_11;
+                o_acc_1[(pair_i397 * 2u) + 1u] = v1_11;
+            }
+        }
+        for (var pair_i399: u32 = 0u; pair_i399 < 4u; pair_i399 = pair_i399 + 1u) {
+            let pair400: u32 = local_id + (pair_i399 * 128u);
+            if (pair400 < 512u) {
+                let row_24: u32 = (pair400 * 2u) / 128u;
+                let col_12: u32 = (pair400 * 2u) % 128u;
+                var v0_12: f32 = o_acc_2[pair_i399 * 2u];
+                var v1_12: f32 = o_acc_2[(pair_i399 * 2u) + 1u];
+                let h_7: u32 = h0 + row_24;
+                if (h_7 < params.heads) {
+                    let l_7: f32 = row_sum[row_24];
+                    let inv_l_6: f32 = select(0.0, 1.0 / l_7, l_7 > 0.0);
+                    let at_2: u32 = (((((t * params.heads) + h_7) * params.splits) + split) * 512u) + (col_12 + 256u);
+                    o_part[at_2] = v0_12 * inv_l_6;
+                    o_part[at_2 + 1u] = v1_12 * inv_l_6;
+                }
+                o_acc_2[pair_i399 * 2u] = v0_12;
+                o_acc_2[(pair_i399 * 2u) + 1u] = v1_12;
+            }
+        }
+        for (var pair_i401: u32 = 0u; pair_i401 < 4u; pair_i401 = pair_i401 + 1u) {
+            let pair402: u32 = local_id + (pair_i401 * 128u);
+            if (pair402 < 512u) {
+                let row_25: u32 = (pair402 * 2u) / 128u;
+                let col_13: u32 = (pair402 * 2u) % 128u;
+                var v0_13: f32 = o_acc_3[pair_i401 * 2u];
+                var v1_13: f32 = o_acc_3[(pair_i401 * 2u) + 1u];
+                let h_8: u32 = h0 + row_25;
+                if (h_8 < params.heads) {
+                    let l_8: f32 = row_sum[row_25];
+                    let inv_l_7: f32 = select(0.0, 1.0 / l_8, l_8 > 0.0);
+                    let at_3: u32 = (((((t * params.heads) + h_8) * params.splits) + split) * 512u) + (col_13 + 384u);
+                    o_part[at_3] = v0_13 * inv_l_7;
+                    o_part[at_3 + 1u] = v1_13 * inv_l_7;
+                }
+                o_acc_3[pair_i401 * 2u] = v0_13;
+                o_acc_3[(pair_i401 * 2u) + 1u] = v1_13;
+            }
+        }
+        for (var r_4: u32 = local_id; r_4 < 8u; r_4 = r_4 + 128u) {
+            let h_9: u32 = h0 + r_4;
+            if (h_9 < params.heads) {
+                let l_9: f32 = row_sum[r_4];
+                lse_part[(((t * params.heads) + h_9) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_9, 1e-30)), l_9 > 0.0);
+            }
         }
     }
 }

@@ -5,7 +5,7 @@
 //! Skipped, with the reason printed, when no C compiler is found (tools/test.sh requires one).
 
 use sparse_mla::export::{c_header, decode_variants, ExportLowering};
-use sparse_mla::kernels::sparse_mla_decode::DecodePlan;
+use sparse_mla::kernels::sparse_mla_decode::{combine_grid, combine_groups, DecodePlan};
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::testing::test_seed;
 use sparse_mla::util::Rng;
@@ -38,8 +38,10 @@ int main(void) {
         sparse_mla_decode_plan p;
         const char* err = sparse_mla_plan_decode(format, heads, tokens, topk, slots, lse_s_q, resident, splits, &p);
         if (err) { printf("error %s\n", err); continue; }
-        printf("ok %s %s %u %u %u %u %u %u %u %llu %llu %u\n", p.first_kernel, p.combine_kernel, p.splits, p.chunk,
+        printf("ok %s %s %u %u %u %u %u %u %u %llu %llu %u", p.split_kernel, p.combine_kernel, p.splits, p.chunk,
                p.grid[0], p.grid[1], p.grid[2], p.threads, p.dynamic_smem, p.o_part_bytes, p.lse_part_bytes, p.block_n);
+        if (p.splits > 1) printf(" combine %u %u %u %u", p.combine_grid[0], p.combine_grid[1], p.combine_grid[2], p.combine_groups);
+        printf("\n");
     }
     {
         unsigned rw = 0, pw = 0;
@@ -154,11 +156,7 @@ fn c_plan_matches_the_runtime_plan() {
             (*splits > 0).then_some(*splits),
         )
         .unwrap();
-        let first = if plan.splits == 1 {
-            &variant.last.name
-        } else {
-            &variant.split.name
-        };
+        let first = &variant.split.name;
         let grid = plan.grid_split(&shape);
         let rows = *tokens as u64 * *heads as u64 * plan.splits as u64;
         let (o_bytes, l_bytes) = if plan.splits > 1 {
@@ -178,6 +176,15 @@ fn c_plan_matches_the_runtime_plan() {
             variant.dynamic_smem(),
             variant.config.block_n
         );
+        // the combine's groups and grid, as launches() computes them
+        let want = if plan.splits > 1 {
+            let threads = variant.combine.workgroup_size;
+            let g = combine_groups(*tokens * *heads, plan.splits, threads);
+            let cg = combine_grid(*heads, *tokens, 512, g, threads);
+            format!("{want} combine {} {} {} {g}", cg[0], cg[1], cg[2])
+        } else {
+            want
+        };
         assert_eq!(
             *line, want,
             "format {format:?} H {heads} T {tokens} topk {topk} resident {resident} splits {splits}"

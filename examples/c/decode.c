@@ -121,7 +121,6 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     err = sparse_mla_plan_decode(c->format, H, T, K, num_slots, 1, resident, c->splits, &plan);
     if (!err) err = sparse_mla_cache_strides(c->format, c->num_pages, c->page_size, 0, 0, &row_w, &page_w);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
-    first = get_function(dir, plan.first_kernel, plan.dynamic_smem);
     if (plan.splits > 1) combine = get_function(dir, plan.combine_kernel, 0);
 
     /* 3. inputs: every cache row NaN, then real rows at the slots some index references */
@@ -271,7 +270,7 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
         int pass = !bad && rel <= 1e-2 && lse_err <= 1e-3;
         printf("| %-10s | %3u | %3u | %4u | %4u | %2u%s | %-58s | %9.2e | %9.2e | %s |\n",
                c->format ? "fp8_ds_mla" : "bf16", H, T, K, c->page_size, plan.splits, c->splits ? "*" : " ",
-               plan.first_kernel, rel, lse_err, pass ? "pass" : "FAIL");
+               plan.split_kernel, rel, lse_err, pass ? "pass" : "FAIL");
         free(q); free(cache); free(idx); free(len); free(out); free(lse); free(referenced);
         cuMemFree(b.q); cuMemFree(b.kv_cache); cuMemFree(b.indices); cuMemFree(b.out); cuMemFree(b.lse);
         if (b.topk_length) cuMemFree(b.topk_length);
@@ -301,11 +300,11 @@ int main(int argc, char** argv) {
     unsigned i, failed = 0;
 
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
-        /* the kernels every case may launch: both split kernels and the combine of each variant */
+        /* the kernels every case may launch: the split kernel and the combine of each variant */
         for (i = 0; i < n; ++i) {
             sparse_mla_decode_plan p;
             if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, &p) == 0)
-                printf("%s\n%s\n%s\n", p.split_kernel, p.final_kernel, p.combine_kernel);
+                printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
         }
         return 0;
     }

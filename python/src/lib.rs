@@ -295,6 +295,10 @@ fn decode(
         }
         bufs.push(("o_part", o.ptr));
         bufs.push(("lse_part", l.ptr));
+    } else {
+        // one split: the kernel writes out and lse and never touches its partials' buffers
+        bufs.push(("o_part", out.ptr));
+        bufs.push(("lse_part", lse.ptr));
     }
     let ls = launches(s, &call.layout, &plan).map_err(lib_err)?;
     run(call.device, stream, &ls, &bufs)

@@ -46,7 +46,6 @@ pub struct DecodeVariant {
     pub heads_max: Option<u32>,
     pub config: DecodeConfig,
     pub split: Arc<Kernel>,
-    pub last: Arc<Kernel>,
     pub combine: Arc<Kernel>,
 }
 
@@ -102,18 +101,12 @@ pub fn decode_variants(
         .enumerate()
         .map(|(i, (lo, hi, config))| {
             let (split, combine) = lowered_kernels(&config)?;
-            let last_cfg = DecodeConfig {
-                final_output: true,
-                ..config
-            };
-            let (last, _) = lowered_kernels(&last_cfg)?;
             Ok(DecodeVariant {
                 format,
                 heads_min: lo,
                 heads_max: if i + 1 == n { None } else { Some(hi) },
                 config,
                 split,
-                last,
                 combine,
             })
         })
@@ -170,13 +163,12 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
     for v in variants {
         let _ = writeln!(
             s,
-            "//   {:<10} {:<14} block_h {:>2}, block_n {:>2}: {} / {}",
+            "//   {:<10} {:<14} block_h {:>2}, block_n {:>2}: {}",
             v.format.name(),
             v.range_text(),
             v.config.block_h,
             v.config.block_n,
             v.split.name,
-            v.last.name
         );
     }
     let mut combines: Vec<&str> = variants.iter().map(|v| v.combine.name.as_str()).collect();
@@ -187,8 +179,8 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
         combines.join(" / ")
     );
     s.push_str(
-        "//   Each variant has two split kernels: NAME (splits > 1: writes per-split partials) and\n\
-         //   NAME_final (one split: writes out and lse itself, no combine).\n\
+        "//   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself\n\
+         //   (no combine), with more it writes per-split partials for the combine.\n\
          //\n\
          // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or\n\
          // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).\n\
@@ -201,9 +193,7 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
          // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.\n",
     );
     for v in variants {
-        for k in [&v.split, &v.last] {
-            let _ = writeln!(s, "//   {}", kernel_facts(k));
-        }
+        let _ = writeln!(s, "//   {}", kernel_facts(&v.split));
     }
     for c in &combines {
         if let Some(v) = variants.iter().find(|v| v.combine.name == *c) {
@@ -225,11 +215,14 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
          //   Any splits in 1..blocks give the same result up to rounding; only speed differs.\n\
          //\n\
          // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):\n\
-         //   splits == 1: NAME_final, grid (ceil(H / block_h), 1, T), writes out and lse.\n\
-         //   splits  > 1: NAME, grid (ceil(H / block_h), splits, T), writes the partials\n\
+         //   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.\n\
+         //   splits > 1: it writes the partials\n\
          //                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes)\n\
          //                  lse_part f32 [T, H, splits]       (T*H*splits*4 bytes)\n\
-         //                then the combine, grid (H, T, 1), on the same stream: out and lse.\n\
+         //                then the combine, grid plan->combine_grid (H, T, column chunks), on the\n\
+         //                same stream: out and lse.\n\
+         //   NAME takes all eight buffers either way; the two it does not write are not touched\n\
+         //   (with one split, pass out and lse again for o_part and lse_part).\n\
          //   Arguments: the kernel's NAME_params struct by value, then one device pointer per\n\
          //   buffer in the order its comment lists (cuLaunchKernel's kernelParams).\n\
          //   The partials are scratch: any memory of that size, reused per call, never read back.\n\
@@ -296,16 +289,14 @@ static inline unsigned sparse_mla_row_bytes(int format) {{
 }}
 
 typedef struct sparse_mla_decode_plan {{
-    const char* split_kernel;   /* NAME: splits > 1, writes o_part / lse_part */
-    const char* final_kernel;   /* NAME_final: splits == 1, writes out / lse */
+    const char* split_kernel;   /* NAME: splits == 1 writes out / lse, more o_part / lse_part */
     const char* combine_kernel; /* merges the partials when splits > 1 */
-    const char* first_kernel;   /* the one to launch first: final_kernel or split_kernel */
     unsigned block_h, block_n;
     unsigned threads;           /* blockDim.x of the split kernels */
     unsigned combine_threads;   /* blockDim.x of the combine */
     unsigned dynamic_smem;      /* sharedMemBytes of the split kernels (and the attribute) */
     unsigned splits, chunk;
-    unsigned grid[3];           /* of first_kernel */
+    unsigned grid[3];           /* of split_kernel */
     unsigned combine_grid[3];   /* (H, T, column chunks); unused when splits == 1 */
     unsigned combine_groups;    /* the combine's `groups` parameter */
     unsigned long long o_part_bytes;   /* f32 [T, H, splits, 512]; 0 when splits == 1 */
@@ -335,9 +326,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         let _ = write!(
             s,
-            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->final_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
+            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
             v.split.name,
-            v.last.name,
             v.combine.name,
             v.config.block_h,
             v.config.block_n,
@@ -408,7 +398,6 @@ static inline const char* sparse_mla_plan_decode(int format, unsigned heads, uns
     if (want == 0u) want = 1u;
     p->chunk = ((blocks + want - 1u) / want) * p->block_n;
     p->splits = (topk + p->chunk - 1u) / p->chunk;
-    p->first_kernel = p->splits == 1u ? p->final_kernel : p->split_kernel;
     p->grid[0] = (heads + p->block_h - 1u) / p->block_h;
     p->grid[1] = p->splits;
     p->grid[2] = tokens;
@@ -470,27 +459,26 @@ static inline const char* sparse_mla_cache_strides(int format, unsigned num_page
     Ok(s)
 }
 
-/// The generic parameter struct of the split kernels (the `_final` ones read one more field,
-/// `lse_s_q`, last), checked to be the same for every variant.
+/// The generic parameter struct of the split kernels, checked to be the same for every
+/// variant.
 fn split_params_struct(variants: &[DecodeVariant]) -> Result<String> {
     let first = &variants[0];
     let fields = |k: &Kernel| -> Vec<(String, crate::kir::ir::Ty)> {
         k.params.iter().map(|p| (p.name.clone(), p.ty)).collect()
     };
-    let last = fields(&first.last);
+    let want = fields(&first.split);
     for v in variants {
-        let (s, l) = (fields(&v.split), fields(&v.last));
-        if l != last || !l.starts_with(&s) || s.len() + 1 != l.len() {
+        if fields(&v.split) != want {
             return Err(Error::Kir {
                 kernel: v.split.name.clone(),
-                message: "split kernels of one export must share one parameter list (the final one with lse_s_q last)".into(),
+                message: "split kernels of one export must share one parameter list".into(),
             });
         }
     }
-    let body = cuda::params_struct(&first.last);
+    let body = cuda::params_struct(&first.split);
     Ok(body
         .replacen(
-            &format!("struct {}_params {{", first.last.name),
+            &format!("struct {}_params {{", first.split.name),
             "typedef struct sparse_mla_decode_params {",
             1,
         )
@@ -505,15 +493,15 @@ fn driver_code(variants: &[DecodeVariant]) -> Result<String> {
 /* ---- launching through the CUDA driver API: only when <cuda.h> was included first ---- */
 #if defined(CUDA_VERSION) && !defined(SPARSE_MLA_NO_DRIVER_HELPERS)
 
-/* Every split kernel's NAME_params, field for field (the _final kernels read lse_s_q, the others
-   stop before it: the driver copies only as many bytes as the kernel declares). */
+/* Every split kernel's NAME_params, field for field. */
 {params}
 /* The combine's parameters. */
 typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; }} sparse_mla_combine_params;
 
 /* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
    kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
-   plan->lse_part_bytes, only when plan->splits > 1. */
+   plan->lse_part_bytes, only when plan->splits > 1 (0: out / lse are passed in their place,
+   never touched). */
 typedef struct sparse_mla_decode_buffers {{
     CUdeviceptr q, kv_cache, indices, topk_length, out, lse, o_part, lse_part;
 }} sparse_mla_decode_buffers;
@@ -537,23 +525,23 @@ static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_de
     return CUDA_SUCCESS;
 }}
 
-/* Launch one decode call on `stream` as planned: `first` is the function of
-   plan->first_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
+/* Launch one decode call on `stream` as planned: `split` is the function of
+   plan->split_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
    fields of `prm` that describe the call are read here; splits and chunk come from the plan. */
-static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction first, CUfunction combine,
+static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction split, CUfunction combine,
                                                 sparse_mla_decode_params prm, const sparse_mla_decode_buffers* b,
                                                 CUstream stream) {{
     CUdeviceptr len = b->topk_length ? b->topk_length : b->indices;
-    CUdeviceptr out0 = p->splits == 1u ? b->out : b->o_part;
-    CUdeviceptr out1 = p->splits == 1u ? b->lse : b->lse_part;
-    void* args[7];
+    CUdeviceptr o_part = b->o_part ? b->o_part : b->out;
+    CUdeviceptr lse_part = b->lse_part ? b->lse_part : b->lse;
+    void* args[9];
     CUresult r;
     prm.splits = p->splits;
     prm.chunk = p->chunk;
     prm.has_topk_length = b->topk_length ? 1u : 0u;
     args[0] = &prm; args[1] = (void*)&b->q; args[2] = (void*)&b->kv_cache; args[3] = (void*)&b->indices;
-    args[4] = &len; args[5] = &out0; args[6] = &out1;
-    r = cuLaunchKernel(first, p->grid[0], p->grid[1], p->grid[2], p->threads, 1, 1, p->dynamic_smem, stream, args, 0);
+    args[4] = &len; args[5] = (void*)&b->out; args[6] = (void*)&b->lse; args[7] = &o_part; args[8] = &lse_part;
+    r = cuLaunchKernel(split, p->grid[0], p->grid[1], p->grid[2], p->threads, 1, 1, p->dynamic_smem, stream, args, 0);
     if (r != CUDA_SUCCESS || p->splits == 1u) return r;
     {{
         sparse_mla_combine_params c;
@@ -634,11 +622,7 @@ pub fn config_header(
     arch: &str,
 ) -> Result<String> {
     let grid = plan.grid_split(shape);
-    let first = if plan.splits == 1 {
-        &variant.last
-    } else {
-        &variant.split
-    };
+    let first = &variant.split;
     let mut h = format!(
         "// Launch header for sparse MLA decode: {} lowering, cache {}, {}, page size {}.\n\
          // Generated by mla-export; do not edit (change src/kernels/ and re-export).\n\
@@ -700,10 +684,6 @@ pub fn config_header(
     );
     h.push_str(&plan_code(std::slice::from_ref(variant))?);
     h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
-    h.push_str(&kernel_structs(&[
-        &variant.split,
-        &variant.last,
-        &variant.combine,
-    ]));
+    h.push_str(&kernel_structs(&[&variant.split, &variant.combine]));
     Ok(h)
 }

@@ -211,7 +211,7 @@ pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
     }
     let plan = DecodePlan::with_config(variant.config, shape, req.sms * per_sm, req.splits)?;
     let mut files = Vec::new();
-    for k in [&variant.split, &variant.last, &variant.combine] {
+    for k in [&variant.split, &variant.combine] {
         let src = render(k, Target::Cuda)?;
         files.push(match req.lang {
             Lang::Cuda => ExportFile::text(format!("{}.cu", k.name), src),

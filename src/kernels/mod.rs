@@ -150,28 +150,14 @@ pub fn standard_set() -> Result<Vec<StandardKernel>> {
                 Target::Wgsl => DecodeConfig::portable(dims, format),
                 Target::Cuda => DecodeConfig::cuda_scalar(dims, format),
             };
-            for final_output in [false, true] {
-                let config = DecodeConfig {
-                    final_output,
-                    ..base
-                };
-                let note = if final_output {
-                    format!(
-                        "sparse decode, {} cache, one split: writes out and lse directly",
-                        format.name()
-                    )
-                } else {
-                    format!(
-                        "sparse decode, {} cache, split stage: writes per-split partials for the combine",
-                        format.name()
-                    )
-                };
-                out.push(StandardKernel {
-                    target,
-                    kernel: lower(&split_kernel(&config)?, config.lowering)?,
-                    note,
-                });
-            }
+            out.push(StandardKernel {
+                target,
+                kernel: lower(&split_kernel(&base)?, base.lowering)?,
+                note: format!(
+                    "sparse decode, {} cache, split stage: one split writes out and lse, more write per-split partials for the combine",
+                    format.name()
+                ),
+            });
             if format == CacheFormat::Bf16 {
                 out.push(StandardKernel {
                     target,
@@ -201,8 +187,8 @@ pub fn standard_set() -> Result<Vec<StandardKernel>> {
     Ok(out)
 }
 
-/// The tensor-core split kernels the CUDA backend runs (both head ranges, both formats, with
-/// and without the combine); their combine is the scalar set's.
+/// The tensor-core split kernels the CUDA backend runs (both head ranges, both formats); their
+/// combine is the scalar set's.
 fn tensor_core_set() -> Result<Vec<StandardKernel>> {
     use crate::kir::{lower, Lowering};
     use crate::mla::{CacheFormat, MlaDims};
@@ -229,25 +215,15 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
     for (version, choose) in versions {
         for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
             for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {
-                for final_output in [false, true] {
-                    let config = DecodeConfig {
-                        final_output,
-                        ..choose(MlaDims::PRODUCTION, format, heads)
-                    };
-                    out.push(StandardKernel {
-                        target: Target::Cuda,
-                        kernel: lower(&split_kernel(&config)?, config.lowering)?,
-                        note: format!(
-                            "sparse decode, {} cache, tensor cores {version} ({range}), {}",
-                            format.name(),
-                            if final_output {
-                                "one split: writes out and lse directly"
-                            } else {
-                                "split stage: writes per-split partials for the combine"
-                            }
-                        ),
-                    });
-                }
+                let config = choose(MlaDims::PRODUCTION, format, heads);
+                out.push(StandardKernel {
+                    target: Target::Cuda,
+                    kernel: lower(&split_kernel(&config)?, config.lowering)?,
+                    note: format!(
+                        "sparse decode, {} cache, tensor cores {version} ({range})",
+                        format.name()
+                    ),
+                });
             }
         }
     }

@@ -339,21 +339,28 @@ impl<D: Device> Backend for GpuBackend<D> {
             ("out", self.buf(b.out, "out")?),
             ("lse", self.buf(b.lse, "lse")?),
         ];
+        // The split kernel binds the partials' scratch in every call; with one split it does
+        // not touch it (a word each is enough, and no buffer is bound twice).
         let mut ws = self.workspace.lock().map_err(|_| poisoned())?;
-        if !plan.config.final_output {
-            let rows = shape.tokens as u64 * shape.heads as u64 * plan.splits as u64;
-            let (o_len, l_len) = (rows * shape.dims.d_v() as u64 * 4, rows * 4);
-            let fits = matches!(&*ws, Some((o, l)) if o.len() >= o_len && l.len() >= l_len);
-            if !fits {
-                let new = (self.alloc(o_len)?, self.alloc(l_len)?);
-                if let Some(old) = ws.replace(new) {
-                    self.retired.lock().map_err(|_| poisoned())?.push(old);
-                }
+        let rows = if plan.splits > 1 {
+            shape.tokens as u64 * shape.heads as u64 * plan.splits as u64
+        } else {
+            0
+        };
+        let (o_len, l_len) = (
+            (rows * shape.dims.d_v() as u64 * 4).max(4),
+            (rows * 4).max(4),
+        );
+        let fits = matches!(&*ws, Some((o, l)) if o.len() >= o_len && l.len() >= l_len);
+        if !fits {
+            let new = (self.alloc(o_len)?, self.alloc(l_len)?);
+            if let Some(old) = ws.replace(new) {
+                self.retired.lock().map_err(|_| poisoned())?.push(old);
             }
-            if let Some((o, l)) = ws.as_ref() {
-                named.push(("o_part", self.buf(o, "o_part")?));
-                named.push(("lse_part", self.buf(l, "lse_part")?));
-            }
+        }
+        if let Some((o, l)) = ws.as_ref() {
+            named.push(("o_part", self.buf(o, "o_part")?));
+            named.push(("lse_part", self.buf(l, "lse_part")?));
         }
         for l in &launches {
             self.run(l, &named)?;

@@ -159,7 +159,10 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             .map(|v| b.let_("o", v))
             .collect();
         let valid = b.let_("valid", is_masked(ls.clone()).not());
-        let nm = b.let_("nm", select(valid.clone(), m.clone().max(ls.clone()), m.clone()));
+        let nm = b.let_(
+            "nm",
+            select(valid.clone(), m.clone().max(ls.clone()), m.clone()),
+        );
         let keep = b.let_("keep", exp(m.clone() - nm.clone()));
         let w = b.let_("w", select(valid, exp(ls - nm.clone()), f(0.0)));
         b.set(&l, l.clone() * keep.clone() + w.clone());
@@ -194,7 +197,10 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         );
     });
     let empty = b.let_("all_empty", sum.clone().le(f(0.0)));
-    let inv = b.let_("inv_sum", select(empty.clone(), f(0.0), f(1.0) / sum.clone()));
+    let inv = b.let_(
+        "inv_sum",
+        select(empty.clone(), f(0.0), f(1.0) / sum.clone()),
+    );
     b.for_threads("p", chunk.clone() / u(2), |b, p| {
         let c = b.let_("c", p * u(2));
         let write = |b: &mut KernelBuilder| {
@@ -218,19 +224,16 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             write(b);
         }
     });
-    b.if_(
-        lid.eq_(u(0)).and(workgroup_id(2).eq_(u(0))),
-        |b| {
-            b.store(
-                &lse_out,
-                lse_at.clone(),
-                select(
-                    empty.clone(),
-                    f(f32::INFINITY),
-                    mx.clone() + log(sum.clone().max(f(1e-30))),
-                ),
-            );
-        },
-    );
+    b.if_(lid.eq_(u(0)).and(workgroup_id(2).eq_(u(0))), |b| {
+        b.store(
+            &lse_out,
+            lse_at.clone(),
+            select(
+                empty.clone(),
+                f(f32::INFINITY),
+                mx.clone() + log(sum.clone().max(f(1e-30))),
+            ),
+        );
+    });
     b.finish()
 }

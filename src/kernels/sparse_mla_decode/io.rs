@@ -19,13 +19,15 @@ pub(super) struct SplitIo {
     pub page_size: Expr,
     pub row_stride: Expr,
     pub page_stride: Expr,
-    pub lse_s_q: Option<Expr>,
+    pub lse_s_q: Expr,
     pub q: Buf,
     pub cache: Buf,
     pub indices: Buf,
     pub topk_length: Buf,
     pub out: Buf,
     pub lse_out: Buf,
+    pub o_part: Buf,
+    pub lse_part: Buf,
 }
 
 /// Header lines, parameters and buffers of the split kernel of `cfg`.
@@ -49,15 +51,8 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         b.doc("fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.".to_string());
         b.doc("Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.".to_string());
     }
-    if cfg.final_output {
-        b.doc(
-            "One split: writes out (bf16) and lse (f32; +inf for a row with no valid index)."
-                .to_string(),
-        );
-        b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
-    } else {
-        b.doc("Writes per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty).".to_string());
-    }
+    b.doc("splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.".to_string());
+    b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
 
     let tokens = b.param("tokens", Ty::U32, "T, query tokens (batch x s_q)");
     let heads = b.param("heads", Ty::U32, "H, query heads");
@@ -82,13 +77,11 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         Ty::U32,
         "32-bit words from one cache page to the next",
     );
-    let lse_s_q = cfg.final_output.then(|| {
-        b.param(
-            "lse_s_q",
-            Ty::U32,
-            "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]",
-        )
-    });
+    let lse_s_q = b.param(
+        "lse_s_q",
+        Ty::U32,
+        "lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)",
+    );
     let _ = tokens;
 
     let q = b.buffer(
@@ -118,37 +111,30 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         Access::Read,
         "[tokens] (any 1-element buffer when has_topk_length = 0)",
     );
-    let (out, lse_out) = if cfg.final_output {
-        (
-            b.buffer(
-                "out",
-                Elem::Bf16,
-                Access::ReadWrite,
-                &format!("[tokens, heads, {dv}]"),
-            ),
-            b.buffer(
-                "lse",
-                Elem::F32,
-                Access::ReadWrite,
-                "[tokens / lse_s_q, heads, lse_s_q]",
-            ),
-        )
-    } else {
-        (
-            b.buffer(
-                "o_part",
-                Elem::F32,
-                Access::ReadWrite,
-                &format!("[tokens, heads, splits, {dv}]"),
-            ),
-            b.buffer(
-                "lse_part",
-                Elem::F32,
-                Access::ReadWrite,
-                "[tokens, heads, splits]",
-            ),
-        )
-    };
+    let out = b.buffer(
+        "out",
+        Elem::Bf16,
+        Access::ReadWrite,
+        &format!("[tokens, heads, {dv}] (splits = 1)"),
+    );
+    let lse_out = b.buffer(
+        "lse",
+        Elem::F32,
+        Access::ReadWrite,
+        "[tokens / lse_s_q, heads, lse_s_q] (splits = 1)",
+    );
+    let o_part = b.buffer(
+        "o_part",
+        Elem::F32,
+        Access::ReadWrite,
+        &format!("[tokens, heads, splits, {dv}] (splits > 1)"),
+    );
+    let lse_part = b.buffer(
+        "lse_part",
+        Elem::F32,
+        Access::ReadWrite,
+        "[tokens, heads, splits] (splits > 1)",
+    );
 
     SplitIo {
         heads,
@@ -168,6 +154,8 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         topk_length,
         out,
         lse_out,
+        o_part,
+        lse_part,
     }
 }
 
@@ -183,54 +171,66 @@ pub(super) fn write_outputs(
 ) {
     let dv = cfg.dims.d_v();
     let (heads, splits) = (&io.heads, &io.splits);
-    b.comment("normalise and write this split's output rows");
-    for (o, col0) in outs {
-        b.acc_for_each(o, |b, e| {
-            let h = b.let_("h", h0.clone() + e.row.clone());
+    // One kernel for both cases (no `_final` copy): the branch is uniform over the grid, and
+    // each side is whole (one branch per element kept the fp8 scalar kernel, at its register
+    // cap, 4 bytes over on sm_120).
+    let single = b.let_("single", splits.clone().eq_(u(1)));
+    let rows = |b: &mut KernelBuilder, final_out: bool| {
+        b.comment(if final_out {
+            "one split: normalise and write out and lse"
+        } else {
+            "normalise and write this split's partial rows and lse"
+        });
+        for (o, col0) in outs {
+            b.acc_for_each(o, |b, e| {
+                let h = b.let_("h", h0.clone() + e.row.clone());
+                b.if_(h.clone().lt(heads.clone()), |b| {
+                    let l = b.let_("l", st.l.at(e.row.clone()));
+                    let inv = b.let_("inv_l", select(l.clone().gt(f(0.0)), f(1.0) / l, f(0.0)));
+                    let (y0, y1) = (e.v0.clone() * inv.clone(), e.v1.clone() * inv);
+                    let col = e.col.clone() + u(*col0);
+                    if final_out {
+                        let at = (t.clone() * heads.clone() + h) * u(dv) + col;
+                        b.store_word(&io.out, at / u(2), pack_bf16x2(y0, y1));
+                    } else {
+                        let at = ((t.clone() * heads.clone() + h) * splits.clone() + split.clone())
+                            * u(dv)
+                            + col;
+                        let at = b.let_("at", at);
+                        b.store(&io.o_part, at.clone(), y0);
+                        b.store(&io.o_part, at + u(1), y1);
+                    }
+                });
+            });
+        }
+        b.for_threads("r", u(cfg.block_h), |b, r| {
+            let h = b.let_("h", h0.clone() + r.clone());
             b.if_(h.clone().lt(heads.clone()), |b| {
-                let l = b.let_("l", st.l.at(e.row.clone()));
-                let inv = b.let_("inv_l", select(l.clone().gt(f(0.0)), f(1.0) / l, f(0.0)));
-                let (y0, y1) = (e.v0.clone() * inv.clone(), e.v1.clone() * inv);
-                let col = e.col.clone() + u(*col0);
-                if cfg.final_output {
-                    let at = (t.clone() * heads.clone() + h) * u(dv) + col;
-                    b.store_word(&io.out, at / u(2), pack_bf16x2(y0, y1));
+                let l = b.let_("l", st.l.at(r.clone()));
+                let empty = if final_out {
+                    f(f32::INFINITY)
                 } else {
-                    let at = ((t.clone() * heads.clone() + h) * splits.clone() + split.clone())
-                        * u(dv)
-                        + col;
-                    let at = b.let_("at", at);
-                    b.store(&io.out, at.clone(), y0);
-                    b.store(&io.out, at + u(1), y1);
+                    f(MASKED)
+                };
+                let v = select(
+                    l.clone().gt(f(0.0)),
+                    st.m.at(r) + log(l.max(f(1e-30))),
+                    empty,
+                );
+                if final_out {
+                    let s_q = &io.lse_s_q;
+                    let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
+                        + t.clone() % s_q.clone();
+                    b.store(&io.lse_out, at, v);
+                } else {
+                    b.store(
+                        &io.lse_part,
+                        (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
+                        v,
+                    );
                 }
             });
         });
-    }
-    b.for_threads("r", u(cfg.block_h), |b, r| {
-        let h = b.let_("h", h0.clone() + r.clone());
-        b.if_(h.clone().lt(heads.clone()), |b| {
-            let l = b.let_("l", st.l.at(r.clone()));
-            let empty = if cfg.final_output {
-                f(f32::INFINITY)
-            } else {
-                f(MASKED)
-            };
-            let v = select(
-                l.clone().gt(f(0.0)),
-                st.m.at(r) + log(l.max(f(1e-30))),
-                empty,
-            );
-            if let Some(s_q) = &io.lse_s_q {
-                let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
-                    + t.clone() % s_q.clone();
-                b.store(&io.lse_out, at, v);
-            } else {
-                b.store(
-                    &io.lse_out,
-                    (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
-                    v,
-                );
-            }
-        });
-    });
+    };
+    b.if_else(single, |b| rows(b, true), |b| rows(b, false));
 }

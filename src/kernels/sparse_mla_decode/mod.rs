@@ -4,7 +4,7 @@
 //! - **split**: workgroup (head block, split, token) attends its `block_h` heads of token `t`
 //!   over one chunk of the token's top-k list, `block_n` slots at a time: gather the rows,
 //!   `S = q · Kᵀ`, mask, online softmax, `O += P · V` (V = the first `d_v` columns of the
-//!   same rows). It writes either the final output (one split) or a normalised partial
+//!   same rows). It writes the final output itself (one split, a run-time case) or a normalised partial
 //!   `(o_s, lse_s)` per split.
 //! - **combine**: one workgroup per (token, head) merges the partials:
 //!   `lse = logsumexp_s lse_s`, `out = Σ_s exp(lse_s − lse) · o_s`.
@@ -32,8 +32,6 @@ pub struct DecodeConfig {
     pub threads: u32,
     /// Element type of P (the A operand of P · V): f32 keeps the scalar path exact to f32.
     pub p_elem: TileElem,
-    /// The split kernel writes the final output (only valid with one split).
-    pub final_output: bool,
     pub lowering: Lowering,
 }
 
@@ -52,7 +50,6 @@ impl DecodeConfig {
             },
             threads: 128,
             p_elem: TileElem::F32,
-            final_output: false,
             lowering: Lowering::Scalar,
         }
     }
@@ -75,7 +72,6 @@ impl DecodeConfig {
             },
             threads: 128,
             p_elem: TileElem::F32,
-            final_output: false,
             lowering: Lowering::Scalar,
         }
     }
@@ -148,7 +144,6 @@ impl DecodeConfig {
             block_n,
             threads: 256,
             p_elem: TileElem::Bf16,
-            final_output: false,
             lowering: Lowering::MmaWs { stages },
         }
     }
@@ -185,7 +180,6 @@ impl DecodeConfig {
             block_n,
             threads,
             p_elem: TileElem::Bf16,
-            final_output: false,
             lowering: Lowering::Mma {
                 stages,
                 min_workgroups,
@@ -215,13 +209,12 @@ impl DecodeConfig {
             Lowering::MmaWs { stages } => format!("ws{stages}w{}", self.threads / 32),
         };
         format!(
-            "{}_d{}_{}_h{}n{}{}",
+            "{}_d{}_{}_h{}n{}",
             self.format.name(),
             self.dims.d_qk(),
             lowering,
             self.block_h,
             self.block_n,
-            if self.final_output { "_final" } else { "" }
         )
     }
 
@@ -286,8 +279,6 @@ impl DecodePlan {
         let want = want.min(blocks).max(1);
         let chunk = blocks.div_ceil(want) * config.block_n;
         let splits = shape.topk.div_ceil(chunk);
-        let mut config = config;
-        config.final_output = splits == 1;
         Ok(DecodePlan {
             config,
             splits,
@@ -464,7 +455,7 @@ pub fn launches(
         grid: plan.grid_split(shape),
         params: split_params,
     }];
-    if !plan.config.final_output {
+    if plan.splits > 1 {
         let threads = combine.workgroup_size;
         let groups = combine_groups(shape.tokens * shape.heads, plan.splits, threads);
         let params = pack_params(
@@ -476,13 +467,7 @@ pub fn launches(
                 ("groups", ParamValue::U32(groups)),
             ],
         )?;
-        let grid = combine_grid(
-            shape.heads,
-            shape.tokens,
-            shape.dims.d_v(),
-            groups,
-            threads,
-        );
+        let grid = combine_grid(shape.heads, shape.tokens, shape.dims.d_v(), groups, threads);
         out.push(Launch {
             kernel: combine,
             grid,

@@ -667,8 +667,7 @@ impl Cx<'_> {
                 dst0: u(0),
             }));
             let names = [self.fresh("e4m3_pair"), self.fresh("e4m3_pair")];
-            let (lets, lo, hi) =
-                widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
+            let (lets, lo, hi) = widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
             n_body.extend(lets);
             n_body.push(Stmt::PrivateStore {
                 arr: bf.clone(),
