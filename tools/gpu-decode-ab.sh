@@ -6,7 +6,7 @@
 #
 #   tools/gpu-decode-ab.sh NEW_BIN_DIR [OLD_BIN_DIR]
 # env: AB_ARGS (mla-bench shape args), VARIANTS (mla-bench --variants, new binary only),
-#      NCU_SHAPE (mla-bench args of the profiled shape; empty: no ncu), NCU_KERNEL (regex)
+#      NCU_SHAPE (mla-bench args of the profiled shape; set and empty: no ncu), NCU_KERNEL (regex)
 set -u
 cd "$(dirname "$0")/.."
 NEW=$1
@@ -15,7 +15,7 @@ OUTD=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUTD"
 export SPARSE_MLA_CACHE_DIR=${SPARSE_MLA_CACHE_DIR:-/tmp/sparse-mla-nvrtc}
 AB_ARGS=${AB_ARGS:---heads 16,128 --tokens 1,32,128 --cache bf16,fp8_ds_mla}
-NCU_SHAPE=${NCU_SHAPE:---heads 16 --tokens 128 --cache bf16}
+NCU_SHAPE=${NCU_SHAPE---heads 16 --tokens 128 --cache bf16}
 NCU_KERNEL=${NCU_KERNEL:-sparse_mla_decode_split}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 var=()
