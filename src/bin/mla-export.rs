@@ -36,8 +36,8 @@ enum LoweringArg {
 ///   mla-export --heads 128 --cache fp8_ds_mla --lang cubin --arch sm_90 --out build/
 ///
 /// One configuration exports the production kernels by default: the tensor-core (mma)
-/// variant the CUDA backend runs for that head count, all three of its kernels (split,
-/// one-split `_final`, combine), and a launch header (dynamic shared memory and the attribute
+/// variant the CUDA backend runs for that head count, both of its kernels (split, which
+/// writes the output itself when a call has one split, and combine), and a launch header (dynamic shared memory and the attribute
 /// call, grid, block, block_n, the split rule as a C function, scratch sizes, strides,
 /// limits). `--lowering scalar` exports the scalar kernels instead (the only lowering of
 /// `--lang wgsl`). PTX and cubin are compiled by NVRTC for `--arch`.

@@ -162,9 +162,9 @@ pub struct ConfigRequest {
 }
 
 /// One configuration's kernels and its launch header. CUDA / PTX / cubin: the variant the
-/// CUDA runtime picks for the head count under the lowering (tensor cores by default), all
-/// three of its kernels (split, one-split `_final`, combine) since the split count changes
-/// with the number of tokens per call. WGSL: the portable scalar kernels.
+/// CUDA runtime picks for the head count under the lowering (tensor cores by default), both
+/// of its kernels (the split kernel, which also writes the output itself when a call has one
+/// split, and the combine) since the split count changes with the number of tokens per call. WGSL: the portable scalar kernels.
 pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
     let shape = &req.shape;
     shape.validate()?;

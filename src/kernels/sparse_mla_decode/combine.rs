@@ -39,7 +39,7 @@ pub fn combine_groups(rows: u32, splits: u32, threads: u32) -> u32 {
 
 /// The combine grid for `groups` split groups ([`combine_groups`]): (H, T, column chunks).
 pub fn combine_grid(heads: u32, tokens: u32, d_v: u32, groups: u32, threads: u32) -> [u32; 3] {
-    let chunk = (PER_LANE * threads / groups.max(1)).max(PER_LANE);
+    let chunk = PER_LANE * threads / groups.max(1);
     [heads, tokens, d_v.div_ceil(chunk)]
 }
 

@@ -6,7 +6,7 @@
 //!   `S = q · Kᵀ`, mask, online softmax, `O += P · V` (V = the first `d_v` columns of the
 //!   same rows). It writes the final output itself (one split, a run-time case) or a normalised partial
 //!   `(o_s, lse_s)` per split.
-//! - **combine**: one workgroup per (token, head) merges the partials:
+//! - **combine**: one workgroup per (head, token, column chunk) merges the partials:
 //!   `lse = logsumexp_s lse_s`, `out = Σ_s exp(lse_s − lse) · o_s`.
 //!
 //! Conventions from [`crate::mla`]: invalid indices are masked and never read; a row with
