@@ -25,6 +25,8 @@
 //   2  slot_mapping   i32   read       [tokens] i32 slots (-1: skip)
 //   3  kv_cache       u8    read_write [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 // Launch: blockDim = (128, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct cache_write_fp8_ds_mla_d576_params {
@@ -71,6 +73,20 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_u32(a, b) ((a) > (b) ? (a) : (b))
@@ -79,6 +95,8 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(const cache_write_fp8_ds_mla_d576_params p, const unsigned short* __restrict__ latent, const unsigned short* __restrict__ rope, const int* __restrict__ slot_mapping, unsigned char* __restrict__ kv_cache) {
     __shared__ __align__(16) unsigned amax_part[128];
     __shared__ __align__(16) unsigned tile_scale[4];
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
     for (unsigned tok = blockIdx.x; tok < p.tokens; tok += gridDim.x) {
 
         // this token's slot, and where its row starts (in 32-bit words)

@@ -313,7 +313,11 @@ static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_de
 
 /* Launch one decode call on `stream` as planned: `split` is the function of
    plan->split_kernel, `combine` of plan->combine_kernel (unused when splits == 1). Only the
-   fields of `prm` that describe the call are read here; splits and chunk come from the plan. */
+   fields of `prm` that describe the call are read here; splits and chunk come from the plan.
+   On sm_90 and later either kernel may instead go through cuLaunchKernelEx with
+   CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1: each waits for the kernel before
+   it in the stream itself (griddepcontrol.wait), so its launch then hides behind that one's
+   run (0.6-1.7 us per decode call on an H200); the sparse-mla runtime launches them so. */
 static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p, CUfunction split, CUfunction combine,
                                                 sparse_mla_decode_params prm, const sparse_mla_decode_buffers* b,
                                                 CUstream stream) {

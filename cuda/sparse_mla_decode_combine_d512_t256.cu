@@ -20,6 +20,8 @@
 //   2  out            bf16  read_write [tokens, heads, 512]
 //   3  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct sparse_mla_decode_combine_d512_t256_params {
@@ -64,6 +66,20 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_u32(a, b) ((a) > (b) ? (a) : (b))
@@ -72,6 +88,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_combine_d512
     __shared__ __align__(16) float group_max[16];
     __shared__ __align__(16) float group_sum[16];
     __shared__ __align__(16) float group_out[512];
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
     const unsigned h = blockIdx.x;
     const unsigned t = blockIdx.y;
     const unsigned lid = threadIdx.x;

@@ -36,6 +36,8 @@
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 96960 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
@@ -246,6 +248,20 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -277,6 +293,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     unsigned b_raw[2];
     unsigned a_frag48[8];
     unsigned b_frag49[4];
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;

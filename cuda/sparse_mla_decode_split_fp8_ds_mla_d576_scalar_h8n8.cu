@@ -37,6 +37,8 @@
 //   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (128, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
@@ -89,6 +91,20 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -114,6 +130,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
     float o_acc_1[8];
     float o_acc_2[8];
     float o_acc_3[8];
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;

@@ -39,6 +39,8 @@
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 88416 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
@@ -249,6 +251,20 @@ static __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
 // its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
 // f16 -> f32); older archs keep the bytes and decode each by bits.
@@ -342,6 +358,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag212[8];
     unsigned b_frag213[4];
     unsigned b_raw214[2];
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
     // warp and lane of this thread (tensor-core lowering)
     const unsigned warp = threadIdx.x / 32u;

@@ -22,6 +22,8 @@
 //   2  req_of_token   i32   read       [tokens] block_table row of each token
 //   3  slots          i32   read_write [tokens, topk] physical slots (-1: invalid)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
+// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
+// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
 
 struct vbt_positions_to_slots_params {
@@ -68,10 +70,26 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 #endif
 }
 
+// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
 
 extern "C" __global__ void __launch_bounds__(256) vbt_positions_to_slots(const vbt_positions_to_slots_params p, const int* __restrict__ positions, const int* __restrict__ block_table, const int* __restrict__ req_of_token, int* __restrict__ slots) {
+    grid_wait_previous(); // before any read or write of global memory
+    grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
     const unsigned stride = gridDim.x * 256u;
     #pragma unroll 4
     for (unsigned e = (blockIdx.x * 256u) + threadIdx.x; e < p.entries; e += stride) {

@@ -109,3 +109,39 @@ fn a_compile_error_carries_nvrtc_log() {
     let msg = err.to_string();
     assert!(msg.contains("undeclared"), "NVRTC log missing from: {msg}");
 }
+
+/// Programmatic dependent launch is safe only if a kernel touches no global memory before it
+/// has waited for its predecessor: in every CUDA kernel of the standard set, the body opens
+/// with declarations only, then `grid_wait_previous()`, then `grid_launch_dependents()`.
+#[test]
+fn every_cuda_kernel_waits_for_its_predecessor_first() {
+    let set = standard_set().expect("standard set");
+    let mut count = 0;
+    for k in set.iter().filter(|k| k.target == Target::Cuda) {
+        let src = cuda::emit(&k.kernel).expect("emit");
+        let name = &k.kernel.name;
+        let open = src
+            .find(&format!("{name}(const {name}_params p"))
+            .and_then(|at| src[at..].find('{').map(|b| at + b + 1))
+            .unwrap_or_else(|| panic!("{name}: no kernel body"));
+        let body: Vec<&str> = src[open..].lines().map(str::trim).collect();
+        let wait = body
+            .iter()
+            .position(|l| l.starts_with("grid_wait_previous();"))
+            .unwrap_or_else(|| panic!("{name}: no grid_wait_previous()"));
+        for l in &body[..wait] {
+            let declaration = l.is_empty()
+                || l.starts_with("__shared__")
+                || l.starts_with("extern __shared__")
+                || l.contains("* const ") && l.contains("(dyn_smem + ")
+                || l.ends_with("];") && !l.contains('=');
+            assert!(declaration, "{name}: `{l}` before grid_wait_previous()");
+        }
+        assert!(
+            body[wait + 1].starts_with("grid_launch_dependents();"),
+            "{name}: grid_launch_dependents() must follow the wait"
+        );
+        count += 1;
+    }
+    assert!(count > 0, "no CUDA kernel in the standard set");
+}

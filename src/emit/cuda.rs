@@ -43,8 +43,30 @@ pub fn helpers(kernel: &Kernel) -> String {
         h.push('\n');
         h.push_str(RING_HELPERS);
     }
+    let dep = kernel.grid_dependency;
+    if dep.waits_for_previous || dep.early_dependents {
+        h.push('\n');
+        h.push_str(GRID_DEPENDENCY_HELPERS);
+    }
     h
 }
+
+/// Programmatic dependent launch ([`GridDependency`]): both are no-ops before sm_90, and on
+/// sm_90+ when the kernel was launched without the stream-serialisation attribute.
+const GRID_DEPENDENCY_HELPERS: &str = r#"// Wait until the previous kernel in the stream has finished and its writes are visible.
+static __device__ __forceinline__ void grid_wait_previous() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
+static __device__ __forceinline__ void grid_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+"#;
 
 /// Does the kernel hand pipeline stages over with mbarriers (the producer/consumer form)?
 fn uses_ring_intrinsics(stmts: &[Stmt]) -> bool {
@@ -418,6 +440,10 @@ impl Printer<'_> {
                 k.workgroup_size
             ));
         }
+        if k.grid_dependency.waits_for_previous {
+            w.line("// sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):");
+            w.line("// it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).");
+        }
         w.line("// Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).");
         w.line("");
         w.out.push_str(&params_struct(k));
@@ -461,6 +487,12 @@ impl Printer<'_> {
         for pv in &k.privates {
             let l = format!("{} {}[{}];", c_ty(pv.ty), pv.name, pv.len);
             w.line(&l);
+        }
+        if k.grid_dependency.waits_for_previous {
+            w.line("grid_wait_previous(); // before any read or write of global memory");
+        }
+        if k.grid_dependency.early_dependents {
+            w.line("grid_launch_dependents(); // the next kernel may launch now (it waits for this one)");
         }
         for s in &k.body {
             w.stmt(self, s);

@@ -351,6 +351,13 @@ impl KernelBuilder {
                 acc_tiles: Vec::new(),
                 body: Vec::new(),
                 min_workgroups: 0,
+                // Every kernel waits for its predecessor first and lets its successor launch
+                // early: a stream of them (a decode step) keeps its order and hides each
+                // launch behind the kernel before it.
+                grid_dependency: GridDependency {
+                    early_dependents: true,
+                    waits_for_previous: true,
+                },
             },
             blocks: vec![Vec::new()],
             // Names a description variable must not take: `p` is the parameter block in the
@@ -358,6 +365,11 @@ impl KernelBuilder {
             names: RESERVED.iter().map(|n| (n.to_string(), 1)).collect(),
             errors: Vec::new(),
         }
+    }
+
+    /// How the kernel overlaps its launch with its neighbours in the stream (CUDA only).
+    pub fn grid_dependency(&mut self, dependency: GridDependency) {
+        self.kernel.grid_dependency = dependency;
     }
 
     /// A line for the generated file's header.

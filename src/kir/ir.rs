@@ -740,6 +740,25 @@ pub struct Kernel {
     /// Register-allocation hint: at least this many workgroups should fit one multiprocessor
     /// (CUDA's `__launch_bounds__(threads, n)`); 0 leaves it to the compiler.
     pub min_workgroups: u32,
+    /// How the kernel overlaps its launch with the kernel before or after it in the stream.
+    pub grid_dependency: GridDependency,
+}
+
+/// Overlap of a kernel's launch with its neighbours in a CUDA stream (programmatic dependent
+/// launch, sm_90 and later): the launch latency of the second kernel of a pair hides behind
+/// the first one's run. The WGSL and pre-sm_90 code have no such thing and ignore it.
+/// [`crate::kir::builder::KernelBuilder`] sets both for every kernel: each one waits for its
+/// predecessor before touching memory, so stream order holds for any chain of them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GridDependency {
+    /// The next kernel may be launched once every workgroup of this one has started: its
+    /// first statement is `griddepcontrol.launch_dependents`. The next kernel still reads
+    /// nothing of this one's before it has finished (see `waits_for_previous`).
+    pub early_dependents: bool,
+    /// The kernel's first statement waits until the previous kernel in the stream has
+    /// finished and its writes are visible (`griddepcontrol.wait`), so the host may launch it
+    /// with programmatic stream serialisation. Nothing is read or written before the wait.
+    pub waits_for_previous: bool,
 }
 
 impl Kernel {

@@ -352,6 +352,21 @@ pub struct CudaDevice {
     syncs: std::sync::atomic::AtomicU64,
     /// cuBLAS on this device's stream, made at the first bf16 GEMM (`Err`: why it cannot be).
     blas: Mutex<Option<std::result::Result<Blas, String>>>,
+    /// Kernels that wait for their predecessor themselves (all of ours) are launched with
+    /// programmatic stream serialisation ([`dependent_launch_enabled`]).
+    dependent_launch: bool,
+}
+
+/// Programmatic dependent launch is used on sm_90 and later with a driver of CUDA 12.3 or
+/// later (the first to keep it in captured graphs), unless `SPARSE_MLA_PDL=0`.
+fn dependent_launch_enabled(major: i32) -> bool {
+    if std::env::var("SPARSE_MLA_PDL").is_ok_and(|v| v.trim() == "0") {
+        return false;
+    }
+    let mut version = 0;
+    let ok =
+        unsafe { drv_sys::cuDriverGetVersion(&mut version) } == drv_sys::CUresult::CUDA_SUCCESS;
+    major >= 9 && ok && version >= 12030
 }
 
 /// A cuBLAS handle bound to the device's stream, with a workspace of its own: cuBLAS then
@@ -448,7 +463,14 @@ impl CudaDevice {
             occupancy: Mutex::new(HashMap::new()),
             syncs: Default::default(),
             blas: Mutex::new(None),
+            dependent_launch: dependent_launch_enabled(major),
         })
+    }
+
+    /// Are kernels launched so that each launch overlaps the kernel before it (programmatic
+    /// dependent launch; every kernel waits for its predecessor itself)?
+    pub fn dependent_launch(&self) -> bool {
+        self.dependent_launch
     }
 
     pub fn arch(&self) -> &str {
@@ -905,15 +927,48 @@ impl Device for CudaDevice {
             args.push(p as *mut drv_sys::CUdeviceptr as *mut c_void);
         }
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
-        unsafe {
-            drv::launch_kernel(
-                module.function.cu_function(),
-                (grid[0], grid[1], grid[2]),
-                (kernel.workgroup_size, 1, 1),
-                module.dynamic_shared,
-                self.stream.cu_stream(),
-                &mut args,
-            )
+        if self.dependent_launch && kernel.grid_dependency.waits_for_previous {
+            // The kernel's first statement waits for the previous one (griddepcontrol.wait):
+            // its launch may start while that one still runs.
+            // SAFETY: a zeroed attribute is valid; `id` and the matching union field are set.
+            let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = drv_sys::CUlaunchConfig {
+                gridDimX: grid[0],
+                gridDimY: grid[1],
+                gridDimZ: grid[2],
+                blockDimX: kernel.workgroup_size,
+                blockDimY: 1,
+                blockDimZ: 1,
+                sharedMemBytes: module.dynamic_shared,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: `args` points at the parameter block and one device pointer per buffer,
+            // all alive until the call returns (the driver copies them).
+            unsafe {
+                drv_sys::cuLaunchKernelEx(
+                    &config,
+                    module.function.cu_function(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+        } else {
+            unsafe {
+                drv::launch_kernel(
+                    module.function.cu_function(),
+                    (grid[0], grid[1], grid[2]),
+                    (kernel.workgroup_size, 1, 1),
+                    module.dynamic_shared,
+                    self.stream.cu_stream(),
+                    &mut args,
+                )
+            }
         }
         .map_err(|e| drv_err(&format!("launching {}", kernel.name), e))?;
         if std::env::var_os("SPARSE_MLA_SYNC_LAUNCH").is_some() {

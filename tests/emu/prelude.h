@@ -999,6 +999,10 @@ inline void cp_async_bulk_shared__cta_global_mbarrier__complete_tx__bytes(Mem ds
 inline void fence_proxy_async_shared__cta() {}
 inline void fence_mbarrier_init_release_cluster() {}
 
+// programmatic dependent launch: grids run one after another here, so nothing to wait for
+inline void griddepcontrol_wait() {}
+inline void griddepcontrol_launch_dependents() {}
+
 // ---- global memory fences and atomics (one block at a time: sequentially consistent)
 inline void fence_acq_rel_gpu() {}
 inline void membar_gl() {}
