@@ -77,8 +77,9 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     sweep_splits: Vec<u32>,
     /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
-    /// of the baseline (v6) as v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy
-    /// hint), e.g. 16x16x4,v6:16x16x2x2.
+    /// optionally wWARPS (8 unless given), of the baseline (v6) as
+    /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
+    /// 16x16x4,16x32x2w16,v6:16x16x2x2.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
@@ -554,10 +555,20 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES (v7) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, v6:16x16x2x2";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS] (v7; 8 warps unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, v6:16x16x2x2";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
+    };
+    let (body, warps) = match body.split_once('w') {
+        Some((b, w)) if !v6 => (
+            b,
+            w.parse::<u32>()
+                .ok()
+                .filter(|w| (1..=32).contains(w))
+                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+        ),
+        _ => (body, 8),
     };
     let v: Vec<u32> = body
         .split('x')
@@ -566,7 +577,9 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .map_err(|_| Error::arg("variants", FORM, s))?;
     match (v6, v.as_slice()) {
         (false, &[h, n, stages]) => {
-            Ok(DecodeConfig::tensor_core_custom(dims, format, h, n, stages))
+            let mut c = DecodeConfig::tensor_core_custom(dims, format, h, n, stages);
+            c.threads = 32 * warps;
+            Ok(c)
         }
         (true, &[h, n, stages, min_workgroups]) => {
             let mut c = DecodeConfig::tensor_core_v6(dims, format, h);
@@ -721,9 +734,10 @@ fn run(args: &Args) -> Result<()> {
         .map(|(_, p, s)| (*p, *s))
         .unwrap_or((645e12, "unknown GPU: the H200's"));
     let header = format!(
-        "device: {name}; measured device copy {:.2} TB/s; bf16 mma.sync peak {:.0} TFLOP/s ({peak_src})",
+        "device: {name}; measured device copy {:.2} TB/s; bf16 mma.sync peak {:.0} TFLOP/s ({peak_src}); launches overlapped (programmatic dependent launch): {}",
         copy_bw * 1e-12,
-        mma_peak * 1e-12
+        mma_peak * 1e-12,
+        if bench.gpu.dev.dependent_launch() { "yes" } else { "no (SPARSE_MLA_PDL=0, before sm_90, or a driver before CUDA 12.3)" }
     );
     if args.format == "table" {
         println!("{header}");
