@@ -294,6 +294,66 @@ static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
 }
 #endif
 
+// 1 where mma.sync m16n8k32 e4m3 is one instruction (sm_89, sm_120): sm_90's ptxas turns it
+// into e4m3 -> f16 conversions and two f16 products, so the kernel takes its bf16 form there.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+#define E4M3_MMA_NATIVE 1
+#else
+#define E4M3_MMA_NATIVE 0
+#endif
+
+// f32 -> e4m3 "fn" bits, round to nearest even, saturating at +-448 (NaN too), by bits.
+static __device__ __forceinline__ unsigned f32_to_e4m3(float x) {
+    const unsigned s = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (!(a < 464.0f)) return s | 0x7eu;
+    // below 2^-6: subnormal, a multiple of 2^-9 (8 * 2^-9 is the smallest normal, 0x08)
+    if (a < 0.015625f) return s | (unsigned)rintf(a * 512.0f);
+    const unsigned bits = __float_as_uint(a);
+    unsigned v = ((((bits >> 23) & 0xffu) - 120u) << 3) | ((bits >> 20) & 7u);
+    const unsigned rest = bits & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (v & 1u))) v++; // carries into the exponent
+    return s | (v > 0x7eu ? 0x7eu : v);
+}
+
+// Four f32 -> four e4m3 bytes (a in the low byte). sm_89 and later: two conversions.
+static __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned)lo | ((unsigned)hi << 16);
+#else
+    return f32_to_e4m3(a) | (f32_to_e4m3(b) << 8) | (f32_to_e4m3(c) << 16) | (f32_to_e4m3(d) << 24);
+#endif
+}
+
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k32 tile, e4m3 in (four per register), f32
+// accumulate. Before sm_89: two bf16 products of the widened bytes (every e4m3 value is
+// exact in bf16); bytes (0, 1) and (2, 3) of a register take the places of the two bf16
+// pairs of one k16 step, for A and B alike, so the sum over k is the same.
+static __device__ __forceinline__ void mma_e4m3_16832(float* c, const unsigned* a, const unsigned* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    for (int h = 0; h < 2; h++) {
+        unsigned a16[4], b16[2];
+        for (int r = 0; r < 2; r++) {
+            const unsigned lo = e4m3x2_prep(a[2 * h + r] & 0xffffu), hi = e4m3x2_prep(a[2 * h + r] >> 16);
+            a16[r] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
+            a16[r + 2] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
+        }
+        const unsigned lo = e4m3x2_prep(b[h] & 0xffffu), hi = e4m3x2_prep(b[h] >> 16);
+        b16[0] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
+        b16[1] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
+        mma_bf16_16816(c, a16, b16);
+    }
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -319,45 +379,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float o_acc_3[16];
     float scores_part[32];
     float scores_term[32];
-    unsigned q_tile_a0[16];
-    unsigned q_tile_a1[16];
-    unsigned q_tile_a2[16];
-    unsigned q_tile_a3[16];
+    unsigned q_tile_a0[8];
+    unsigned q_tile_a0_lo[8];
+    unsigned q_tile_a0_bf16[16];
+    float q_tile_unscale[1];
+    unsigned q_tile_a1[8];
+    unsigned q_tile_a1_lo[8];
+    unsigned q_tile_a1_bf16[16];
+    unsigned q_tile_a2[8];
+    unsigned q_tile_a2_lo[8];
+    unsigned q_tile_a2_bf16[16];
+    unsigned q_tile_a3[8];
+    unsigned q_tile_a3_lo[8];
+    unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
     int kv_latent_pre[1];
     int kv_scales_pre[1];
     int kv_rope_pre[1];
     float row_alpha[2];
-    float row_alpha32[4];
+    float row_alpha320[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
-    unsigned b_frag[4];
+    unsigned b_frag[2];
+    unsigned a_frag338[4];
+    unsigned b_frag339[4];
     unsigned b_raw[2];
-    unsigned a_frag57[4];
-    unsigned b_frag58[4];
-    unsigned b_raw59[2];
-    unsigned a_frag75[4];
-    unsigned b_frag76[4];
-    unsigned b_raw77[2];
-    unsigned a_frag93[4];
-    unsigned b_frag94[4];
-    unsigned b_raw95[2];
-    unsigned a_frag110[4];
-    unsigned b_frag111[4];
-    unsigned b_raw112[2];
-    unsigned a_frag158[8];
-    unsigned b_frag159[4];
-    unsigned b_raw160[2];
-    unsigned a_frag174[8];
-    unsigned b_frag175[4];
-    unsigned b_raw176[2];
-    unsigned a_frag193[8];
-    unsigned b_frag194[4];
-    unsigned b_raw195[2];
-    unsigned a_frag212[8];
-    unsigned b_frag213[4];
-    unsigned b_raw214[2];
+    unsigned a_frag349[4];
+    unsigned b_frag350[2];
+    unsigned a_frag355[4];
+    unsigned b_frag356[4];
+    unsigned b_raw357[2];
+    unsigned a_frag372[4];
+    unsigned b_frag373[2];
+    unsigned a_frag378[4];
+    unsigned b_frag379[4];
+    unsigned b_raw380[2];
+    unsigned a_frag395[4];
+    unsigned b_frag396[2];
+    unsigned a_frag401[4];
+    unsigned b_frag402[4];
+    unsigned b_raw403[2];
+    unsigned a_frag418[4];
+    unsigned b_frag419[4];
+    unsigned b_raw420[2];
+    unsigned a_frag466[8];
+    unsigned b_frag467[4];
+    unsigned b_raw468[2];
+    unsigned a_frag482[8];
+    unsigned b_frag483[4];
+    unsigned b_raw484[2];
+    unsigned a_frag501[8];
+    unsigned b_frag502[4];
+    unsigned b_raw503[2];
+    unsigned a_frag520[8];
+    unsigned b_frag521[4];
+    unsigned b_raw522[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -392,16 +469,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i263 = threadIdx.x; zero_i263 < 3456u; zero_i263 += 256u) {
-        kv_rope[zero_i263] = 0u;
+    for (unsigned zero_i571 = threadIdx.x; zero_i571 < 3456u; zero_i571 += 256u) {
+        kv_rope[zero_i571] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i264 = threadIdx.x; zero_i264 < 384u; zero_i264 += 256u) {
-        kv_scales[zero_i264] = 0.0f;
+    for (unsigned zero_i572 = threadIdx.x; zero_i572 < 384u; zero_i572 += 256u) {
+        kv_scales[zero_i572] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i265 = threadIdx.x; zero_i265 < 108u; zero_i265 += 256u) {
-        row_valid[zero_i265] = 0.0f;
+    for (unsigned zero_i573 = threadIdx.x; zero_i573 < 108u; zero_i573 += 256u) {
+        row_valid[zero_i573] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -431,78 +508,528 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
     const int q_tile_row_src1 = ((h0 + (16u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (16u + lane_group))) * 288u)) : (-1);
     const int q_tile_row_src2 = ((h0 + (24u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (24u + lane_group))) * 288u)) : (-1);
-    q_tile_a0[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[4u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[5u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[6u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[7u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+    if (E4M3_MMA_NATIVE) {
+        float q_absmax = 0.0f;
+        const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+        const unsigned q_pair3 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
+        const unsigned q_pair4 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
+        const unsigned q_pair5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+        const unsigned q_pair7 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+        const unsigned q_pair8 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+        const unsigned q_pair9 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+        const unsigned q_pair10 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+        const unsigned q_pair11 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+        const unsigned q_pair12 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+        const unsigned q_pair13 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+        const unsigned q_pair14 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+        const unsigned q_pair15 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+        const unsigned q_pair16 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+        const unsigned q_pair17 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+        const unsigned q_pair18 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+        const unsigned q_pair19 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+        const unsigned q_pair20 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+        const unsigned q_pair21 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+        const unsigned q_pair22 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+        const unsigned q_pair23 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+        const unsigned q_pair24 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+        const unsigned q_pair25 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+        const unsigned q_pair26 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+        const unsigned q_pair27 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+        const unsigned q_pair28 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+        const unsigned q_pair29 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+        const unsigned q_pair30 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+        const unsigned q_pair31 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+        const unsigned q_pair32 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+        const unsigned q_pair33 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+        const unsigned q_pair34 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+        const unsigned q_pair35 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+        const unsigned q_pair36 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+        const unsigned q_pair37 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+        const unsigned q_pair38 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+        const unsigned q_pair39 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+        const unsigned q_pair40 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+        const unsigned q_pair41 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+        const unsigned q_pair42 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+        const unsigned q_pair43 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+        const unsigned q_pair44 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+        const unsigned q_pair45 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+        const unsigned q_pair46 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+        const unsigned q_pair47 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+        const unsigned q_pair48 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+        const unsigned q_pair49 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+        const unsigned q_pair50 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+        const unsigned q_pair51 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+        const unsigned q_pair52 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+        const unsigned q_pair53 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+        const unsigned q_pair54 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+        const unsigned q_pair55 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+        const unsigned q_pair56 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+        const unsigned q_pair57 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+        const unsigned q_pair58 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+        const unsigned q_pair59 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+        const unsigned q_pair60 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+        const unsigned q_pair61 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+        const unsigned q_pair62 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+        const unsigned q_pair63 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+        const unsigned q_pair64 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+        const unsigned q_pair65 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer);
+        const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer66);
+        const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer67);
+        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const float q_scale = __uint_as_float(q_scale_exp << 23u);
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
+        const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
+        const float q_x70 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x71 = __uint_as_float(q_pair3 << 16u) * q_scale;
+        const float q_x72 = __uint_as_float(q_pair3 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x70, q_x71, q_x72);
+        const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
+        const unsigned q_hi_pair73 = e4m3x2_prep(q_hi >> 16u);
+        q_tile_a0[0u] = q_hi;
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x70 - e4m3x2_hi(q_hi_pair), q_x71 - e4m3x2_lo(q_hi_pair73), q_x72 - e4m3x2_hi(q_hi_pair73));
+        const float q_x74 = __uint_as_float(q_pair4 << 16u) * q_scale;
+        const float q_x75 = __uint_as_float(q_pair4 & 4294901760u) * q_scale;
+        const float q_x76 = __uint_as_float(q_pair5 << 16u) * q_scale;
+        const float q_x77 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
+        const unsigned q_hi78 = pack_e4m3x4(q_x74, q_x75, q_x76, q_x77);
+        const unsigned q_hi_pair79 = e4m3x2_prep(q_hi78 & 65535u);
+        const unsigned q_hi_pair80 = e4m3x2_prep(q_hi78 >> 16u);
+        q_tile_a0[1u] = q_hi78;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x74 - e4m3x2_lo(q_hi_pair79), q_x75 - e4m3x2_hi(q_hi_pair79), q_x76 - e4m3x2_lo(q_hi_pair80), q_x77 - e4m3x2_hi(q_hi_pair80));
+        const float q_x81 = __uint_as_float(q_pair6 << 16u) * q_scale;
+        const float q_x82 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
+        const float q_x83 = __uint_as_float(q_pair7 << 16u) * q_scale;
+        const float q_x84 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
+        const unsigned q_hi85 = pack_e4m3x4(q_x81, q_x82, q_x83, q_x84);
+        const unsigned q_hi_pair86 = e4m3x2_prep(q_hi85 & 65535u);
+        const unsigned q_hi_pair87 = e4m3x2_prep(q_hi85 >> 16u);
+        q_tile_a0[2u] = q_hi85;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x81 - e4m3x2_lo(q_hi_pair86), q_x82 - e4m3x2_hi(q_hi_pair86), q_x83 - e4m3x2_lo(q_hi_pair87), q_x84 - e4m3x2_hi(q_hi_pair87));
+        const float q_x88 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x89 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const float q_x90 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x91 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const unsigned q_hi92 = pack_e4m3x4(q_x88, q_x89, q_x90, q_x91);
+        const unsigned q_hi_pair93 = e4m3x2_prep(q_hi92 & 65535u);
+        const unsigned q_hi_pair94 = e4m3x2_prep(q_hi92 >> 16u);
+        q_tile_a0[3u] = q_hi92;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x88 - e4m3x2_lo(q_hi_pair93), q_x89 - e4m3x2_hi(q_hi_pair93), q_x90 - e4m3x2_lo(q_hi_pair94), q_x91 - e4m3x2_hi(q_hi_pair94));
+        const float q_x95 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x96 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const float q_x97 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x98 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const unsigned q_hi99 = pack_e4m3x4(q_x95, q_x96, q_x97, q_x98);
+        const unsigned q_hi_pair100 = e4m3x2_prep(q_hi99 & 65535u);
+        const unsigned q_hi_pair101 = e4m3x2_prep(q_hi99 >> 16u);
+        q_tile_a0[4u] = q_hi99;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x95 - e4m3x2_lo(q_hi_pair100), q_x96 - e4m3x2_hi(q_hi_pair100), q_x97 - e4m3x2_lo(q_hi_pair101), q_x98 - e4m3x2_hi(q_hi_pair101));
+        const float q_x102 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x103 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const float q_x104 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x105 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const unsigned q_hi106 = pack_e4m3x4(q_x102, q_x103, q_x104, q_x105);
+        const unsigned q_hi_pair107 = e4m3x2_prep(q_hi106 & 65535u);
+        const unsigned q_hi_pair108 = e4m3x2_prep(q_hi106 >> 16u);
+        q_tile_a0[5u] = q_hi106;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x102 - e4m3x2_lo(q_hi_pair107), q_x103 - e4m3x2_hi(q_hi_pair107), q_x104 - e4m3x2_lo(q_hi_pair108), q_x105 - e4m3x2_hi(q_hi_pair108));
+        const float q_x109 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x110 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const float q_x111 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x112 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const unsigned q_hi113 = pack_e4m3x4(q_x109, q_x110, q_x111, q_x112);
+        const unsigned q_hi_pair114 = e4m3x2_prep(q_hi113 & 65535u);
+        const unsigned q_hi_pair115 = e4m3x2_prep(q_hi113 >> 16u);
+        q_tile_a0[6u] = q_hi113;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x109 - e4m3x2_lo(q_hi_pair114), q_x110 - e4m3x2_hi(q_hi_pair114), q_x111 - e4m3x2_lo(q_hi_pair115), q_x112 - e4m3x2_hi(q_hi_pair115));
+        const float q_x116 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x117 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const float q_x118 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x119 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const unsigned q_hi120 = pack_e4m3x4(q_x116, q_x117, q_x118, q_x119);
+        const unsigned q_hi_pair121 = e4m3x2_prep(q_hi120 & 65535u);
+        const unsigned q_hi_pair122 = e4m3x2_prep(q_hi120 >> 16u);
+        q_tile_a0[7u] = q_hi120;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x116 - e4m3x2_lo(q_hi_pair121), q_x117 - e4m3x2_hi(q_hi_pair121), q_x118 - e4m3x2_lo(q_hi_pair122), q_x119 - e4m3x2_hi(q_hi_pair122));
+        const float q_x123 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x124 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const float q_x125 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x126 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const unsigned q_hi127 = pack_e4m3x4(q_x123, q_x124, q_x125, q_x126);
+        const unsigned q_hi_pair128 = e4m3x2_prep(q_hi127 & 65535u);
+        const unsigned q_hi_pair129 = e4m3x2_prep(q_hi127 >> 16u);
+        q_tile_a1[0u] = q_hi127;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x123 - e4m3x2_lo(q_hi_pair128), q_x124 - e4m3x2_hi(q_hi_pair128), q_x125 - e4m3x2_lo(q_hi_pair129), q_x126 - e4m3x2_hi(q_hi_pair129));
+        const float q_x130 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x131 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const float q_x132 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x133 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const unsigned q_hi134 = pack_e4m3x4(q_x130, q_x131, q_x132, q_x133);
+        const unsigned q_hi_pair135 = e4m3x2_prep(q_hi134 & 65535u);
+        const unsigned q_hi_pair136 = e4m3x2_prep(q_hi134 >> 16u);
+        q_tile_a1[1u] = q_hi134;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x130 - e4m3x2_lo(q_hi_pair135), q_x131 - e4m3x2_hi(q_hi_pair135), q_x132 - e4m3x2_lo(q_hi_pair136), q_x133 - e4m3x2_hi(q_hi_pair136));
+        const float q_x137 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x138 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const float q_x139 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x140 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const unsigned q_hi141 = pack_e4m3x4(q_x137, q_x138, q_x139, q_x140);
+        const unsigned q_hi_pair142 = e4m3x2_prep(q_hi141 & 65535u);
+        const unsigned q_hi_pair143 = e4m3x2_prep(q_hi141 >> 16u);
+        q_tile_a1[2u] = q_hi141;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x137 - e4m3x2_lo(q_hi_pair142), q_x138 - e4m3x2_hi(q_hi_pair142), q_x139 - e4m3x2_lo(q_hi_pair143), q_x140 - e4m3x2_hi(q_hi_pair143));
+        const float q_x144 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x145 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const float q_x146 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x147 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const unsigned q_hi148 = pack_e4m3x4(q_x144, q_x145, q_x146, q_x147);
+        const unsigned q_hi_pair149 = e4m3x2_prep(q_hi148 & 65535u);
+        const unsigned q_hi_pair150 = e4m3x2_prep(q_hi148 >> 16u);
+        q_tile_a1[3u] = q_hi148;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x144 - e4m3x2_lo(q_hi_pair149), q_x145 - e4m3x2_hi(q_hi_pair149), q_x146 - e4m3x2_lo(q_hi_pair150), q_x147 - e4m3x2_hi(q_hi_pair150));
+        const float q_x151 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x152 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const float q_x153 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x154 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const unsigned q_hi155 = pack_e4m3x4(q_x151, q_x152, q_x153, q_x154);
+        const unsigned q_hi_pair156 = e4m3x2_prep(q_hi155 & 65535u);
+        const unsigned q_hi_pair157 = e4m3x2_prep(q_hi155 >> 16u);
+        q_tile_a1[4u] = q_hi155;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x151 - e4m3x2_lo(q_hi_pair156), q_x152 - e4m3x2_hi(q_hi_pair156), q_x153 - e4m3x2_lo(q_hi_pair157), q_x154 - e4m3x2_hi(q_hi_pair157));
+        const float q_x158 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x159 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const float q_x160 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x161 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const unsigned q_hi162 = pack_e4m3x4(q_x158, q_x159, q_x160, q_x161);
+        const unsigned q_hi_pair163 = e4m3x2_prep(q_hi162 & 65535u);
+        const unsigned q_hi_pair164 = e4m3x2_prep(q_hi162 >> 16u);
+        q_tile_a1[5u] = q_hi162;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x158 - e4m3x2_lo(q_hi_pair163), q_x159 - e4m3x2_hi(q_hi_pair163), q_x160 - e4m3x2_lo(q_hi_pair164), q_x161 - e4m3x2_hi(q_hi_pair164));
+        const float q_x165 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x166 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const float q_x167 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x168 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const unsigned q_hi169 = pack_e4m3x4(q_x165, q_x166, q_x167, q_x168);
+        const unsigned q_hi_pair170 = e4m3x2_prep(q_hi169 & 65535u);
+        const unsigned q_hi_pair171 = e4m3x2_prep(q_hi169 >> 16u);
+        q_tile_a1[6u] = q_hi169;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x165 - e4m3x2_lo(q_hi_pair170), q_x166 - e4m3x2_hi(q_hi_pair170), q_x167 - e4m3x2_lo(q_hi_pair171), q_x168 - e4m3x2_hi(q_hi_pair171));
+        const float q_x172 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x173 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const float q_x174 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x175 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const unsigned q_hi176 = pack_e4m3x4(q_x172, q_x173, q_x174, q_x175);
+        const unsigned q_hi_pair177 = e4m3x2_prep(q_hi176 & 65535u);
+        const unsigned q_hi_pair178 = e4m3x2_prep(q_hi176 >> 16u);
+        q_tile_a1[7u] = q_hi176;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x172 - e4m3x2_lo(q_hi_pair177), q_x173 - e4m3x2_hi(q_hi_pair177), q_x174 - e4m3x2_lo(q_hi_pair178), q_x175 - e4m3x2_hi(q_hi_pair178));
+        const float q_x179 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x180 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const float q_x181 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x182 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const unsigned q_hi183 = pack_e4m3x4(q_x179, q_x180, q_x181, q_x182);
+        const unsigned q_hi_pair184 = e4m3x2_prep(q_hi183 & 65535u);
+        const unsigned q_hi_pair185 = e4m3x2_prep(q_hi183 >> 16u);
+        q_tile_a2[0u] = q_hi183;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x179 - e4m3x2_lo(q_hi_pair184), q_x180 - e4m3x2_hi(q_hi_pair184), q_x181 - e4m3x2_lo(q_hi_pair185), q_x182 - e4m3x2_hi(q_hi_pair185));
+        const float q_x186 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x187 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const float q_x188 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x189 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const unsigned q_hi190 = pack_e4m3x4(q_x186, q_x187, q_x188, q_x189);
+        const unsigned q_hi_pair191 = e4m3x2_prep(q_hi190 & 65535u);
+        const unsigned q_hi_pair192 = e4m3x2_prep(q_hi190 >> 16u);
+        q_tile_a2[1u] = q_hi190;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x186 - e4m3x2_lo(q_hi_pair191), q_x187 - e4m3x2_hi(q_hi_pair191), q_x188 - e4m3x2_lo(q_hi_pair192), q_x189 - e4m3x2_hi(q_hi_pair192));
+        const float q_x193 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x194 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const float q_x195 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x196 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const unsigned q_hi197 = pack_e4m3x4(q_x193, q_x194, q_x195, q_x196);
+        const unsigned q_hi_pair198 = e4m3x2_prep(q_hi197 & 65535u);
+        const unsigned q_hi_pair199 = e4m3x2_prep(q_hi197 >> 16u);
+        q_tile_a2[2u] = q_hi197;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x193 - e4m3x2_lo(q_hi_pair198), q_x194 - e4m3x2_hi(q_hi_pair198), q_x195 - e4m3x2_lo(q_hi_pair199), q_x196 - e4m3x2_hi(q_hi_pair199));
+        const float q_x200 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x201 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const float q_x202 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x203 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const unsigned q_hi204 = pack_e4m3x4(q_x200, q_x201, q_x202, q_x203);
+        const unsigned q_hi_pair205 = e4m3x2_prep(q_hi204 & 65535u);
+        const unsigned q_hi_pair206 = e4m3x2_prep(q_hi204 >> 16u);
+        q_tile_a2[3u] = q_hi204;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x200 - e4m3x2_lo(q_hi_pair205), q_x201 - e4m3x2_hi(q_hi_pair205), q_x202 - e4m3x2_lo(q_hi_pair206), q_x203 - e4m3x2_hi(q_hi_pair206));
+        const float q_x207 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x208 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const float q_x209 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x210 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const unsigned q_hi211 = pack_e4m3x4(q_x207, q_x208, q_x209, q_x210);
+        const unsigned q_hi_pair212 = e4m3x2_prep(q_hi211 & 65535u);
+        const unsigned q_hi_pair213 = e4m3x2_prep(q_hi211 >> 16u);
+        q_tile_a2[4u] = q_hi211;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x207 - e4m3x2_lo(q_hi_pair212), q_x208 - e4m3x2_hi(q_hi_pair212), q_x209 - e4m3x2_lo(q_hi_pair213), q_x210 - e4m3x2_hi(q_hi_pair213));
+        const float q_x214 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x215 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const float q_x216 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x217 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const unsigned q_hi218 = pack_e4m3x4(q_x214, q_x215, q_x216, q_x217);
+        const unsigned q_hi_pair219 = e4m3x2_prep(q_hi218 & 65535u);
+        const unsigned q_hi_pair220 = e4m3x2_prep(q_hi218 >> 16u);
+        q_tile_a2[5u] = q_hi218;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x214 - e4m3x2_lo(q_hi_pair219), q_x215 - e4m3x2_hi(q_hi_pair219), q_x216 - e4m3x2_lo(q_hi_pair220), q_x217 - e4m3x2_hi(q_hi_pair220));
+        const float q_x221 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x222 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const float q_x223 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x224 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const unsigned q_hi225 = pack_e4m3x4(q_x221, q_x222, q_x223, q_x224);
+        const unsigned q_hi_pair226 = e4m3x2_prep(q_hi225 & 65535u);
+        const unsigned q_hi_pair227 = e4m3x2_prep(q_hi225 >> 16u);
+        q_tile_a2[6u] = q_hi225;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x221 - e4m3x2_lo(q_hi_pair226), q_x222 - e4m3x2_hi(q_hi_pair226), q_x223 - e4m3x2_lo(q_hi_pair227), q_x224 - e4m3x2_hi(q_hi_pair227));
+        const float q_x228 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x229 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const float q_x230 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x231 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const unsigned q_hi232 = pack_e4m3x4(q_x228, q_x229, q_x230, q_x231);
+        const unsigned q_hi_pair233 = e4m3x2_prep(q_hi232 & 65535u);
+        const unsigned q_hi_pair234 = e4m3x2_prep(q_hi232 >> 16u);
+        q_tile_a2[7u] = q_hi232;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x228 - e4m3x2_lo(q_hi_pair233), q_x229 - e4m3x2_hi(q_hi_pair233), q_x230 - e4m3x2_lo(q_hi_pair234), q_x231 - e4m3x2_hi(q_hi_pair234));
+        const float q_x235 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x236 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const float q_x237 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x238 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const unsigned q_hi239 = pack_e4m3x4(q_x235, q_x236, q_x237, q_x238);
+        const unsigned q_hi_pair240 = e4m3x2_prep(q_hi239 & 65535u);
+        const unsigned q_hi_pair241 = e4m3x2_prep(q_hi239 >> 16u);
+        q_tile_a3[0u] = q_hi239;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x235 - e4m3x2_lo(q_hi_pair240), q_x236 - e4m3x2_hi(q_hi_pair240), q_x237 - e4m3x2_lo(q_hi_pair241), q_x238 - e4m3x2_hi(q_hi_pair241));
+        const float q_x242 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x243 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const float q_x244 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x245 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const unsigned q_hi246 = pack_e4m3x4(q_x242, q_x243, q_x244, q_x245);
+        const unsigned q_hi_pair247 = e4m3x2_prep(q_hi246 & 65535u);
+        const unsigned q_hi_pair248 = e4m3x2_prep(q_hi246 >> 16u);
+        q_tile_a3[1u] = q_hi246;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x242 - e4m3x2_lo(q_hi_pair247), q_x243 - e4m3x2_hi(q_hi_pair247), q_x244 - e4m3x2_lo(q_hi_pair248), q_x245 - e4m3x2_hi(q_hi_pair248));
+        const float q_x249 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x250 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const float q_x251 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x252 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const unsigned q_hi253 = pack_e4m3x4(q_x249, q_x250, q_x251, q_x252);
+        const unsigned q_hi_pair254 = e4m3x2_prep(q_hi253 & 65535u);
+        const unsigned q_hi_pair255 = e4m3x2_prep(q_hi253 >> 16u);
+        q_tile_a3[2u] = q_hi253;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x249 - e4m3x2_lo(q_hi_pair254), q_x250 - e4m3x2_hi(q_hi_pair254), q_x251 - e4m3x2_lo(q_hi_pair255), q_x252 - e4m3x2_hi(q_hi_pair255));
+        const float q_x256 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x257 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const float q_x258 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x259 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const unsigned q_hi260 = pack_e4m3x4(q_x256, q_x257, q_x258, q_x259);
+        const unsigned q_hi_pair261 = e4m3x2_prep(q_hi260 & 65535u);
+        const unsigned q_hi_pair262 = e4m3x2_prep(q_hi260 >> 16u);
+        q_tile_a3[3u] = q_hi260;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x256 - e4m3x2_lo(q_hi_pair261), q_x257 - e4m3x2_hi(q_hi_pair261), q_x258 - e4m3x2_lo(q_hi_pair262), q_x259 - e4m3x2_hi(q_hi_pair262));
+        const float q_x263 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x264 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const float q_x265 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x266 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const unsigned q_hi267 = pack_e4m3x4(q_x263, q_x264, q_x265, q_x266);
+        const unsigned q_hi_pair268 = e4m3x2_prep(q_hi267 & 65535u);
+        const unsigned q_hi_pair269 = e4m3x2_prep(q_hi267 >> 16u);
+        q_tile_a3[4u] = q_hi267;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x263 - e4m3x2_lo(q_hi_pair268), q_x264 - e4m3x2_hi(q_hi_pair268), q_x265 - e4m3x2_lo(q_hi_pair269), q_x266 - e4m3x2_hi(q_hi_pair269));
+        const float q_x270 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x271 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const float q_x272 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x273 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const unsigned q_hi274 = pack_e4m3x4(q_x270, q_x271, q_x272, q_x273);
+        const unsigned q_hi_pair275 = e4m3x2_prep(q_hi274 & 65535u);
+        const unsigned q_hi_pair276 = e4m3x2_prep(q_hi274 >> 16u);
+        q_tile_a3[5u] = q_hi274;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x270 - e4m3x2_lo(q_hi_pair275), q_x271 - e4m3x2_hi(q_hi_pair275), q_x272 - e4m3x2_lo(q_hi_pair276), q_x273 - e4m3x2_hi(q_hi_pair276));
+        const float q_x277 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x278 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const float q_x279 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x280 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const unsigned q_hi281 = pack_e4m3x4(q_x277, q_x278, q_x279, q_x280);
+        const unsigned q_hi_pair282 = e4m3x2_prep(q_hi281 & 65535u);
+        const unsigned q_hi_pair283 = e4m3x2_prep(q_hi281 >> 16u);
+        q_tile_a3[6u] = q_hi281;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x277 - e4m3x2_lo(q_hi_pair282), q_x278 - e4m3x2_hi(q_hi_pair282), q_x279 - e4m3x2_lo(q_hi_pair283), q_x280 - e4m3x2_hi(q_hi_pair283));
+        const float q_x284 = __uint_as_float(q_pair64 << 16u) * q_scale;
+        const float q_x285 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
+        const float q_x286 = __uint_as_float(q_pair65 << 16u) * q_scale;
+        const float q_x287 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
+        const unsigned q_hi288 = pack_e4m3x4(q_x284, q_x285, q_x286, q_x287);
+        const unsigned q_hi_pair289 = e4m3x2_prep(q_hi288 & 65535u);
+        const unsigned q_hi_pair290 = e4m3x2_prep(q_hi288 >> 16u);
+        q_tile_a3[7u] = q_hi288;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x284 - e4m3x2_lo(q_hi_pair289), q_x285 - e4m3x2_hi(q_hi_pair289), q_x286 - e4m3x2_lo(q_hi_pair290), q_x287 - e4m3x2_hi(q_hi_pair290));
+        const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
+        const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
+        const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
+        const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
+        const unsigned sub4 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
+        const unsigned sub5 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
+        const unsigned sub6 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
+        const unsigned sub7 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
+    } else {
+        q_tile_unscale[0u] = 1.0f;
+        q_tile_a0_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[4u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[6u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+    }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
         row_max[r] = -3e38f;
@@ -514,16 +1041,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i3 = 0u; fill_i3 < 16u; fill_i3 += 1u) {
-        o_acc_1[fill_i3] = 0.0f;
+    for (unsigned fill_i291 = 0u; fill_i291 < 16u; fill_i291 += 1u) {
+        o_acc_1[fill_i291] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i4 = 0u; fill_i4 < 16u; fill_i4 += 1u) {
-        o_acc_2[fill_i4] = 0.0f;
+    for (unsigned fill_i292 = 0u; fill_i292 < 16u; fill_i292 += 1u) {
+        o_acc_2[fill_i292] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i5 = 0u; fill_i5 < 16u; fill_i5 += 1u) {
-        o_acc_3[fill_i5] = 0.0f;
+    for (unsigned fill_i293 = 0u; fill_i293 < 16u; fill_i293 += 1u) {
+        o_acc_3[fill_i293] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -540,44 +1067,44 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 }
             }
             #pragma unroll
-            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
-                if (gather_row7 < 32u) {
-                    const unsigned row_2 = gather_row7;
-                    kv_scales_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_2 = gather_row295;
+                    kv_scales_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
-                if (gather_row9 < 32u) {
-                    const unsigned row_3 = gather_row9;
-                    kv_rope_pre[slot8] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
+                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
+                if (gather_row297 < 32u) {
+                    const unsigned row_3 = gather_row297;
+                    kv_rope_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 3u;
             #pragma unroll
-            for (unsigned slot10 = 0u; slot10 < 1u; slot10 += 1u) {
-                const unsigned gather_row11 = ((warp - 4u) + (lane * 4u)) + (slot10 * 128u);
-                if (gather_row11 < 32u) {
+            for (unsigned slot298 = 0u; slot298 < 1u; slot298 += 1u) {
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot298 * 128u);
+                if (gather_row299 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row11;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot10] >= 0)) && (((unsigned)kv_latent_pre[slot10]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot10]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row11;
-                    const int src_i3212 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot10] >= 0)) && (((unsigned)kv_scales_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot10]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row11;
-                    const int src_i3213 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot10] >= 0)) && (((unsigned)kv_rope_pre[slot10]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot10]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot10]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row11] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row299;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot298] >= 0)) && (((unsigned)kv_latent_pre[slot298]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot298]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned row_2 = gather_row299;
+                    const int src_i32300 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot298] >= 0)) && (((unsigned)kv_scales_pre[slot298]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot298]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row299;
+                    const int src_i32301 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot298] >= 0)) && (((unsigned)kv_rope_pre[slot298]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot298]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row299] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row11 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row299 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
                     }
-                    if (src_i3212 >= 0) {
-                        copy_async(kv_scales + (load_stage * 128u) + (gather_row11 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3212), 16u, ring_barriers + (load_stage * 2u));
+                    if (src_i32300 >= 0) {
+                        copy_async(kv_scales + (load_stage * 128u) + (gather_row299 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32300), 16u, ring_barriers + (load_stage * 2u));
                     }
-                    if (src_i3213 >= 0) {
-                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row11 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 128u, ring_barriers + (load_stage * 2u));
+                    if (src_i32301 >= 0) {
+                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row299 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 128u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
@@ -586,81 +1113,81 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_count) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
-                if (gather_row15 < 32u) {
-                    const unsigned row_1 = gather_row15;
-                    kv_latent_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
+                if (gather_row303 < 32u) {
+                    const unsigned row_1 = gather_row303;
+                    kv_latent_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
-                if (gather_row17 < 32u) {
-                    const unsigned row_2 = gather_row17;
-                    kv_scales_pre[slot16] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot304 = 0u; slot304 < 1u; slot304 += 1u) {
+                const unsigned gather_row305 = ((warp - 4u) + (lane * 4u)) + (slot304 * 128u);
+                if (gather_row305 < 32u) {
+                    const unsigned row_2 = gather_row305;
+                    kv_scales_pre[slot304] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
-                const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
-                if (gather_row19 < 32u) {
-                    const unsigned row_3 = gather_row19;
-                    kv_rope_pre[slot18] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
+                const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
+                if (gather_row307 < 32u) {
+                    const unsigned row_3 = gather_row307;
+                    kv_rope_pre[slot306] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
         if (1u < step_count) {
-            const unsigned load_stage20 = 1u % 3u;
+            const unsigned load_stage308 = 1u % 3u;
             #pragma unroll
-            for (unsigned slot21 = 0u; slot21 < 1u; slot21 += 1u) {
-                const unsigned gather_row22 = ((warp - 4u) + (lane * 4u)) + (slot21 * 128u);
-                if (gather_row22 < 32u) {
+            for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
+                const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
+                if (gather_row310 < 32u) {
                     const unsigned step = 1u;
-                    const unsigned row_1 = gather_row22;
-                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot21] >= 0)) && (((unsigned)kv_latent_pre[slot21]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot21]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row22;
-                    const int src_i3224 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot21] >= 0)) && (((unsigned)kv_scales_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot21]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row22;
-                    const int src_i3225 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot21] >= 0)) && (((unsigned)kv_rope_pre[slot21]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot21]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot21]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage20 * 36u) + gather_row22] = (src_i3223 >= 0) ? 1.0f : 0.0f;
-                    if (src_i3223 >= 0) {
-                        copy_async(kv_latent + (load_stage20 * 4224u) + (gather_row22 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3223), 512u, ring_barriers + (load_stage20 * 2u));
+                    const unsigned row_1 = gather_row310;
+                    const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot309] >= 0)) && (((unsigned)kv_latent_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned row_2 = gather_row310;
+                    const int src_i32312 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot309] >= 0)) && (((unsigned)kv_scales_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot309]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row310;
+                    const int src_i32313 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot309] >= 0)) && (((unsigned)kv_rope_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot309]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    row_valid[(load_stage308 * 36u) + gather_row310] = (src_i32311 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32311 >= 0) {
+                        copy_async(kv_latent + (load_stage308 * 4224u) + (gather_row310 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 512u, ring_barriers + (load_stage308 * 2u));
                     }
-                    if (src_i3224 >= 0) {
-                        copy_async(kv_scales + (load_stage20 * 128u) + (gather_row22 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3224), 16u, ring_barriers + (load_stage20 * 2u));
+                    if (src_i32312 >= 0) {
+                        copy_async(kv_scales + (load_stage308 * 128u) + (gather_row310 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32312), 16u, ring_barriers + (load_stage308 * 2u));
                     }
-                    if (src_i3225 >= 0) {
-                        copy_async(kv_rope + (load_stage20 * 1152u) + (gather_row22 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3225), 128u, ring_barriers + (load_stage20 * 2u));
+                    if (src_i32313 >= 0) {
+                        copy_async(kv_rope + (load_stage308 * 1152u) + (gather_row310 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32313), 128u, ring_barriers + (load_stage308 * 2u));
                     }
                 }
             }
-            copy_arrive(ring_barriers + (load_stage20 * 2u));
+            copy_arrive(ring_barriers + (load_stage308 * 2u));
         }
         if (2u < step_count) {
             const unsigned step = 2u;
             #pragma unroll
-            for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
-                if (gather_row27 < 32u) {
-                    const unsigned row_1 = gather_row27;
-                    kv_latent_pre[slot26] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot314 = 0u; slot314 < 1u; slot314 += 1u) {
+                const unsigned gather_row315 = ((warp - 4u) + (lane * 4u)) + (slot314 * 128u);
+                if (gather_row315 < 32u) {
+                    const unsigned row_1 = gather_row315;
+                    kv_latent_pre[slot314] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
-                if (gather_row29 < 32u) {
-                    const unsigned row_2 = gather_row29;
-                    kv_scales_pre[slot28] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot316 = 0u; slot316 < 1u; slot316 += 1u) {
+                const unsigned gather_row317 = ((warp - 4u) + (lane * 4u)) + (slot316 * 128u);
+                if (gather_row317 < 32u) {
+                    const unsigned row_2 = gather_row317;
+                    kv_scales_pre[slot316] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot30 = 0u; slot30 < 1u; slot30 += 1u) {
-                const unsigned gather_row31 = ((warp - 4u) + (lane * 4u)) + (slot30 * 128u);
-                if (gather_row31 < 32u) {
-                    const unsigned row_3 = gather_row31;
-                    kv_rope_pre[slot30] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot318 = 0u; slot318 < 1u; slot318 += 1u) {
+                const unsigned gather_row319 = ((warp - 4u) + (lane * 4u)) + (slot318 * 128u);
+                if (gather_row319 < 32u) {
+                    const unsigned row_3 = gather_row319;
+                    kv_rope_pre[slot318] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -678,10 +1205,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
+        for (unsigned mi321 = 0u; mi321 < 1u; mi321 += 1u) {
             #pragma unroll
-            for (unsigned half34 = 0u; half34 < 2u; half34 += 1u) {
-                row_sum_part[(mi33 * 2u) + half34] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi33 * 16u)) + ((half34 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half322 = 0u; half322 < 2u; half322 += 1u) {
+                row_sum_part[(mi321 * 2u) + half322] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi321 * 16u)) + ((half322 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -694,207 +1221,299 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i47 = 0u; fill_i47 < 8u; fill_i47 += 1u) {
-            scores[fill_i47] = 0.0f;
+        for (unsigned fill_i335 = 0u; fill_i335 < 8u; fill_i335 += 1u) {
+            scores[fill_i335] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e48 = 0u; e48 < 16u; e48 += 1u) {
-            scores_term[e48] = 0.0f;
+        for (unsigned e336 = 0u; e336 < 16u; e336 += 1u) {
+            scores_term[e336] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
-        const unsigned k_first = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e50 = 0u; e50 < 16u; e50 += 1u) {
-            scores_term[16u + e50] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
+        if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                const unsigned kk = (kk_pair * 2u) + chain;
+            for (unsigned kk = 0u; kk < 1u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                    const unsigned e4m3_pair51 = e4m3x2_prep(b_raw[0u] >> 16u);
-                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair51), e4m3x2_hi(e4m3_pair51));
+                    ldmatrix_x2(&b_frag[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi49 = 0u; mi49 < 2u; mi49 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi49 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi49 * 2u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain * 16u) + (((mi49 * 2u) + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi337 = 0u; mi337 < 2u; mi337 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi337 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi337 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi337 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi337 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi337 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi337 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi337 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi337 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi337 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi337 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
-        }
-        #pragma unroll
-        for (unsigned e52 = 0u; e52 < 16u; e52 += 1u) {
-            scores_term[e52] = scores_term[e52] + scores_term[16u + e52];
+        } else {
+            const unsigned k_first = (warp % 4u) * 2u;
+            #pragma unroll
+            for (unsigned e343 = 0u; e343 < 16u; e343 += 1u) {
+                scores_term[16u + e343] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
+                #pragma unroll
+                for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                    const unsigned kk340 = (kk_pair * 2u) + chain;
+                    #pragma unroll
+                    for (unsigned nj342 = 0u; nj342 < 2u; nj342 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj342 * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk340) * 4u));
+                        const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                        const unsigned e4m3_pair344 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag339[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag339[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair344), e4m3x2_hi(e4m3_pair344));
+                        #pragma unroll
+                        for (unsigned mi341 = 0u; mi341 < 2u; mi341 += 1u) {
+                            a_frag338[0u] = q_tile_a0_bf16[((mi341 * 2u) + kk340) * 4u];
+                            a_frag338[1u] = q_tile_a0_bf16[(((mi341 * 2u) + kk340) * 4u) + 1u];
+                            a_frag338[2u] = q_tile_a0_bf16[(((mi341 * 2u) + kk340) * 4u) + 2u];
+                            a_frag338[3u] = q_tile_a0_bf16[(((mi341 * 2u) + kk340) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi341 * 2u) + nj342) * 4u)], &a_frag338[0u], &b_frag339[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e345 = 0u; e345 < 16u; e345 += 1u) {
+                scores_term[e345] = scores_term[e345] + scores_term[16u + e345];
+            }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e53 = 0u; e53 < 4u; e53 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e53 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e53] = fmaf(scores_term[(frag * 4u) + e53], row_scale, scores_part[(frag * 4u) + e53]);
+            for (unsigned e346 = 0u; e346 < 4u; e346 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e346 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e346] = fmaf(scores_term[(frag * 4u) + e346], row_scale, scores_part[(frag * 4u) + e346]);
             }
         }
         #pragma unroll
-        for (unsigned e54 = 0u; e54 < 16u; e54 += 1u) {
-            scores_term[e54] = 0.0f;
+        for (unsigned e347 = 0u; e347 < 16u; e347 += 1u) {
+            scores_term[e347] = 0.0f;
         }
-        const unsigned n_first55 = (warp / 4u) * 16u;
-        const unsigned k_first56 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e65 = 0u; e65 < 16u; e65 += 1u) {
-            scores_term[16u + e65] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair63 = 0u; kk_pair63 < 1u; kk_pair63 += 1u) {
+        const unsigned n_first348 = (warp / 4u) * 16u;
+        if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned chain64 = 0u; chain64 < 2u; chain64 += 1u) {
-                const unsigned kk60 = (kk_pair63 * 2u) + chain64;
+            for (unsigned kk351 = 0u; kk351 < 1u; kk351 += 1u) {
                 #pragma unroll
-                for (unsigned nj62 = 0u; nj62 < 2u; nj62 += 1u) {
-                    ldmatrix_x1(&b_raw59[0u], kv_latent + (stage * 4224u) + (((n_first55 + (nj62 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first56 + kk60) * 4u));
-                    const unsigned e4m3_pair66 = e4m3x2_prep(b_raw59[0u] & 65535u);
-                    const unsigned e4m3_pair67 = e4m3x2_prep(b_raw59[0u] >> 16u);
-                    b_frag58[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair66), e4m3x2_hi(e4m3_pair66));
-                    b_frag58[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair67), e4m3x2_hi(e4m3_pair67));
+                for (unsigned nj353 = 0u; nj353 < 2u; nj353 += 1u) {
+                    ldmatrix_x2(&b_frag350[0u], kv_latent + (stage * 4224u) + (((n_first348 + (nj353 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + (((warp % 4u) + kk351) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi61 = 0u; mi61 < 2u; mi61 += 1u) {
-                        a_frag57[0u] = q_tile_a1[((mi61 * 2u) + kk60) * 4u];
-                        a_frag57[1u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 1u];
-                        a_frag57[2u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 2u];
-                        a_frag57[3u] = q_tile_a1[(((mi61 * 2u) + kk60) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain64 * 16u) + (((mi61 * 2u) + nj62) * 4u)], &a_frag57[0u], &b_frag58[0u]);
+                    for (unsigned mi352 = 0u; mi352 < 2u; mi352 += 1u) {
+                        a_frag349[0u] = q_tile_a1[(mi352 + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a1[((mi352 + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a1[((mi352 + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a1[((mi352 + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi352 * 2u) + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
+                        a_frag349[0u] = q_tile_a1_lo[(mi352 + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a1_lo[((mi352 + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a1_lo[((mi352 + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a1_lo[((mi352 + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi352 * 2u) + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
                     }
                 }
             }
-        }
-        #pragma unroll
-        for (unsigned e68 = 0u; e68 < 16u; e68 += 1u) {
-            scores_term[e68] = scores_term[e68] + scores_term[16u + e68];
-        }
-        #pragma unroll
-        for (unsigned frag69 = 0u; frag69 < 4u; frag69 += 1u) {
+        } else {
+            const unsigned k_first354 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e70 = 0u; e70 < 4u; e70 += 1u) {
-                const float row_scale71 = kv_scales[((stage * 128u) + (((n_first55 + ((frag69 % 2u) * 8u)) + ((lane_quad * 2u) + (e70 & 1u))) * 4u)) + 1u];
-                scores_part[(frag69 * 4u) + e70] = fmaf(scores_term[(frag69 * 4u) + e70], row_scale71, scores_part[(frag69 * 4u) + e70]);
+            for (unsigned e363 = 0u; e363 < 16u; e363 += 1u) {
+                scores_term[16u + e363] = 0.0f;
             }
-        }
-        #pragma unroll
-        for (unsigned e72 = 0u; e72 < 16u; e72 += 1u) {
-            scores_term[e72] = 0.0f;
-        }
-        const unsigned n_first73 = (warp / 4u) * 16u;
-        const unsigned k_first74 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e83 = 0u; e83 < 16u; e83 += 1u) {
-            scores_term[16u + e83] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair81 = 0u; kk_pair81 < 1u; kk_pair81 += 1u) {
             #pragma unroll
-            for (unsigned chain82 = 0u; chain82 < 2u; chain82 += 1u) {
-                const unsigned kk78 = (kk_pair81 * 2u) + chain82;
+            for (unsigned kk_pair361 = 0u; kk_pair361 < 1u; kk_pair361 += 1u) {
                 #pragma unroll
-                for (unsigned nj80 = 0u; nj80 < 2u; nj80 += 1u) {
-                    ldmatrix_x1(&b_raw77[0u], kv_latent + (stage * 4224u) + (((n_first73 + (nj80 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first74 + kk78) * 4u));
-                    const unsigned e4m3_pair84 = e4m3x2_prep(b_raw77[0u] & 65535u);
-                    const unsigned e4m3_pair85 = e4m3x2_prep(b_raw77[0u] >> 16u);
-                    b_frag76[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair84), e4m3x2_hi(e4m3_pair84));
-                    b_frag76[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair85), e4m3x2_hi(e4m3_pair85));
+                for (unsigned chain362 = 0u; chain362 < 2u; chain362 += 1u) {
+                    const unsigned kk358 = (kk_pair361 * 2u) + chain362;
                     #pragma unroll
-                    for (unsigned mi79 = 0u; mi79 < 2u; mi79 += 1u) {
-                        a_frag75[0u] = q_tile_a2[((mi79 * 2u) + kk78) * 4u];
-                        a_frag75[1u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 1u];
-                        a_frag75[2u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 2u];
-                        a_frag75[3u] = q_tile_a2[(((mi79 * 2u) + kk78) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain82 * 16u) + (((mi79 * 2u) + nj80) * 4u)], &a_frag75[0u], &b_frag76[0u]);
+                    for (unsigned nj360 = 0u; nj360 < 2u; nj360 += 1u) {
+                        ldmatrix_x1(&b_raw357[0u], kv_latent + (stage * 4224u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first354 + kk358) * 4u));
+                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
+                        const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
+                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
+                        #pragma unroll
+                        for (unsigned mi359 = 0u; mi359 < 2u; mi359 += 1u) {
+                            a_frag355[0u] = q_tile_a1_bf16[((mi359 * 2u) + kk358) * 4u];
+                            a_frag355[1u] = q_tile_a1_bf16[(((mi359 * 2u) + kk358) * 4u) + 1u];
+                            a_frag355[2u] = q_tile_a1_bf16[(((mi359 * 2u) + kk358) * 4u) + 2u];
+                            a_frag355[3u] = q_tile_a1_bf16[(((mi359 * 2u) + kk358) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
+                        }
                     }
                 }
             }
-        }
-        #pragma unroll
-        for (unsigned e86 = 0u; e86 < 16u; e86 += 1u) {
-            scores_term[e86] = scores_term[e86] + scores_term[16u + e86];
-        }
-        #pragma unroll
-        for (unsigned frag87 = 0u; frag87 < 4u; frag87 += 1u) {
             #pragma unroll
-            for (unsigned e88 = 0u; e88 < 4u; e88 += 1u) {
-                const float row_scale89 = kv_scales[((stage * 128u) + (((n_first73 + ((frag87 % 2u) * 8u)) + ((lane_quad * 2u) + (e88 & 1u))) * 4u)) + 2u];
-                scores_part[(frag87 * 4u) + e88] = fmaf(scores_term[(frag87 * 4u) + e88], row_scale89, scores_part[(frag87 * 4u) + e88]);
+            for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
+                scores_term[e366] = scores_term[e366] + scores_term[16u + e366];
             }
         }
         #pragma unroll
-        for (unsigned e90 = 0u; e90 < 16u; e90 += 1u) {
-            scores_term[e90] = 0.0f;
-        }
-        const unsigned n_first91 = (warp / 4u) * 16u;
-        const unsigned k_first92 = (warp % 4u) * 2u;
-        #pragma unroll
-        for (unsigned e101 = 0u; e101 < 16u; e101 += 1u) {
-            scores_term[16u + e101] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair99 = 0u; kk_pair99 < 1u; kk_pair99 += 1u) {
+        for (unsigned frag367 = 0u; frag367 < 4u; frag367 += 1u) {
             #pragma unroll
-            for (unsigned chain100 = 0u; chain100 < 2u; chain100 += 1u) {
-                const unsigned kk96 = (kk_pair99 * 2u) + chain100;
+            for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
+                const float row_scale369 = kv_scales[((stage * 128u) + (((n_first348 + ((frag367 % 2u) * 8u)) + ((lane_quad * 2u) + (e368 & 1u))) * 4u)) + 1u];
+                scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e370 = 0u; e370 < 16u; e370 += 1u) {
+            scores_term[e370] = 0.0f;
+        }
+        const unsigned n_first371 = (warp / 4u) * 16u;
+        if (E4M3_MMA_NATIVE) {
+            #pragma unroll
+            for (unsigned kk374 = 0u; kk374 < 1u; kk374 += 1u) {
                 #pragma unroll
-                for (unsigned nj98 = 0u; nj98 < 2u; nj98 += 1u) {
-                    ldmatrix_x1(&b_raw95[0u], kv_latent + (stage * 4224u) + (((n_first91 + (nj98 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first92 + kk96) * 4u));
-                    const unsigned e4m3_pair102 = e4m3x2_prep(b_raw95[0u] & 65535u);
-                    const unsigned e4m3_pair103 = e4m3x2_prep(b_raw95[0u] >> 16u);
-                    b_frag94[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair102), e4m3x2_hi(e4m3_pair102));
-                    b_frag94[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair103), e4m3x2_hi(e4m3_pair103));
+                for (unsigned nj376 = 0u; nj376 < 2u; nj376 += 1u) {
+                    ldmatrix_x2(&b_frag373[0u], kv_latent + (stage * 4224u) + (((n_first371 + (nj376 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + (((warp % 4u) + kk374) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi97 = 0u; mi97 < 2u; mi97 += 1u) {
-                        a_frag93[0u] = q_tile_a3[((mi97 * 2u) + kk96) * 4u];
-                        a_frag93[1u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 1u];
-                        a_frag93[2u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 2u];
-                        a_frag93[3u] = q_tile_a3[(((mi97 * 2u) + kk96) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain100 * 16u) + (((mi97 * 2u) + nj98) * 4u)], &a_frag93[0u], &b_frag94[0u]);
+                    for (unsigned mi375 = 0u; mi375 < 2u; mi375 += 1u) {
+                        a_frag372[0u] = q_tile_a2[(mi375 + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a2[((mi375 + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a2[((mi375 + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a2[((mi375 + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
+                        a_frag372[0u] = q_tile_a2_lo[(mi375 + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a2_lo[((mi375 + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a2_lo[((mi375 + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a2_lo[((mi375 + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
                     }
                 }
             }
-        }
-        #pragma unroll
-        for (unsigned e104 = 0u; e104 < 16u; e104 += 1u) {
-            scores_term[e104] = scores_term[e104] + scores_term[16u + e104];
-        }
-        #pragma unroll
-        for (unsigned frag105 = 0u; frag105 < 4u; frag105 += 1u) {
+        } else {
+            const unsigned k_first377 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e106 = 0u; e106 < 4u; e106 += 1u) {
-                const float row_scale107 = kv_scales[((stage * 128u) + (((n_first91 + ((frag105 % 2u) * 8u)) + ((lane_quad * 2u) + (e106 & 1u))) * 4u)) + 3u];
-                scores_part[(frag105 * 4u) + e106] = fmaf(scores_term[(frag105 * 4u) + e106], row_scale107, scores_part[(frag105 * 4u) + e106]);
+            for (unsigned e386 = 0u; e386 < 16u; e386 += 1u) {
+                scores_term[16u + e386] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair384 = 0u; kk_pair384 < 1u; kk_pair384 += 1u) {
+                #pragma unroll
+                for (unsigned chain385 = 0u; chain385 < 2u; chain385 += 1u) {
+                    const unsigned kk381 = (kk_pair384 * 2u) + chain385;
+                    #pragma unroll
+                    for (unsigned nj383 = 0u; nj383 < 2u; nj383 += 1u) {
+                        ldmatrix_x1(&b_raw380[0u], kv_latent + (stage * 4224u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first377 + kk381) * 4u));
+                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
+                        const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
+                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
+                        #pragma unroll
+                        for (unsigned mi382 = 0u; mi382 < 2u; mi382 += 1u) {
+                            a_frag378[0u] = q_tile_a2_bf16[((mi382 * 2u) + kk381) * 4u];
+                            a_frag378[1u] = q_tile_a2_bf16[(((mi382 * 2u) + kk381) * 4u) + 1u];
+                            a_frag378[2u] = q_tile_a2_bf16[(((mi382 * 2u) + kk381) * 4u) + 2u];
+                            a_frag378[3u] = q_tile_a2_bf16[(((mi382 * 2u) + kk381) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain385 * 16u) + (((mi382 * 2u) + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e389 = 0u; e389 < 16u; e389 += 1u) {
+                scores_term[e389] = scores_term[e389] + scores_term[16u + e389];
             }
         }
-        const unsigned n_first108 = (warp / 4u) * 16u;
-        const unsigned k_first109 = warp % 4u;
         #pragma unroll
-        for (unsigned kk113 = 0u; kk113 < 1u; kk113 += 1u) {
+        for (unsigned frag390 = 0u; frag390 < 4u; frag390 += 1u) {
             #pragma unroll
-            for (unsigned nj115 = 0u; nj115 < 2u; nj115 += 1u) {
-                ldmatrix_x2(&b_frag111[0u], kv_rope + (stage * 1152u) + (((n_first108 + (nj115 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first109 + kk113) * 8u) + (lane_k8 >> 1u));
+            for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
+                const float row_scale392 = kv_scales[((stage * 128u) + (((n_first371 + ((frag390 % 2u) * 8u)) + ((lane_quad * 2u) + (e391 & 1u))) * 4u)) + 2u];
+                scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e393 = 0u; e393 < 16u; e393 += 1u) {
+            scores_term[e393] = 0.0f;
+        }
+        const unsigned n_first394 = (warp / 4u) * 16u;
+        if (E4M3_MMA_NATIVE) {
+            #pragma unroll
+            for (unsigned kk397 = 0u; kk397 < 1u; kk397 += 1u) {
                 #pragma unroll
-                for (unsigned mi114 = 0u; mi114 < 2u; mi114 += 1u) {
-                    a_frag110[0u] = q_tile_a4[(mi114 + kk113) * 4u];
-                    a_frag110[1u] = q_tile_a4[((mi114 + kk113) * 4u) + 1u];
-                    a_frag110[2u] = q_tile_a4[((mi114 + kk113) * 4u) + 2u];
-                    a_frag110[3u] = q_tile_a4[((mi114 + kk113) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi114 * 2u) + nj115) * 4u], &a_frag110[0u], &b_frag111[0u]);
+                for (unsigned nj399 = 0u; nj399 < 2u; nj399 += 1u) {
+                    ldmatrix_x2(&b_frag396[0u], kv_latent + (stage * 4224u) + (((n_first394 + (nj399 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + (((warp % 4u) + kk397) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    #pragma unroll
+                    for (unsigned mi398 = 0u; mi398 < 2u; mi398 += 1u) {
+                        a_frag395[0u] = q_tile_a3[(mi398 + kk397) * 4u];
+                        a_frag395[1u] = q_tile_a3[((mi398 + kk397) * 4u) + 1u];
+                        a_frag395[2u] = q_tile_a3[((mi398 + kk397) * 4u) + 2u];
+                        a_frag395[3u] = q_tile_a3[((mi398 + kk397) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi398 * 2u) + nj399) * 4u], &a_frag395[0u], &b_frag396[0u]);
+                        a_frag395[0u] = q_tile_a3_lo[(mi398 + kk397) * 4u];
+                        a_frag395[1u] = q_tile_a3_lo[((mi398 + kk397) * 4u) + 1u];
+                        a_frag395[2u] = q_tile_a3_lo[((mi398 + kk397) * 4u) + 2u];
+                        a_frag395[3u] = q_tile_a3_lo[((mi398 + kk397) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi398 * 2u) + nj399) * 4u], &a_frag395[0u], &b_frag396[0u]);
+                    }
+                }
+            }
+        } else {
+            const unsigned k_first400 = (warp % 4u) * 2u;
+            #pragma unroll
+            for (unsigned e409 = 0u; e409 < 16u; e409 += 1u) {
+                scores_term[16u + e409] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair407 = 0u; kk_pair407 < 1u; kk_pair407 += 1u) {
+                #pragma unroll
+                for (unsigned chain408 = 0u; chain408 < 2u; chain408 += 1u) {
+                    const unsigned kk404 = (kk_pair407 * 2u) + chain408;
+                    #pragma unroll
+                    for (unsigned nj406 = 0u; nj406 < 2u; nj406 += 1u) {
+                        ldmatrix_x1(&b_raw403[0u], kv_latent + (stage * 4224u) + (((n_first394 + (nj406 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first400 + kk404) * 4u));
+                        const unsigned e4m3_pair410 = e4m3x2_prep(b_raw403[0u] & 65535u);
+                        const unsigned e4m3_pair411 = e4m3x2_prep(b_raw403[0u] >> 16u);
+                        b_frag402[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair410), e4m3x2_hi(e4m3_pair410));
+                        b_frag402[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair411), e4m3x2_hi(e4m3_pair411));
+                        #pragma unroll
+                        for (unsigned mi405 = 0u; mi405 < 2u; mi405 += 1u) {
+                            a_frag401[0u] = q_tile_a3_bf16[((mi405 * 2u) + kk404) * 4u];
+                            a_frag401[1u] = q_tile_a3_bf16[(((mi405 * 2u) + kk404) * 4u) + 1u];
+                            a_frag401[2u] = q_tile_a3_bf16[(((mi405 * 2u) + kk404) * 4u) + 2u];
+                            a_frag401[3u] = q_tile_a3_bf16[(((mi405 * 2u) + kk404) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain408 * 16u) + (((mi405 * 2u) + nj406) * 4u)], &a_frag401[0u], &b_frag402[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e412 = 0u; e412 < 16u; e412 += 1u) {
+                scores_term[e412] = scores_term[e412] + scores_term[16u + e412];
+            }
+        }
+        #pragma unroll
+        for (unsigned frag413 = 0u; frag413 < 4u; frag413 += 1u) {
+            #pragma unroll
+            for (unsigned e414 = 0u; e414 < 4u; e414 += 1u) {
+                const float row_scale415 = kv_scales[((stage * 128u) + (((n_first394 + ((frag413 % 2u) * 8u)) + ((lane_quad * 2u) + (e414 & 1u))) * 4u)) + 3u];
+                scores_part[(frag413 * 4u) + e414] = fmaf(scores_term[(frag413 * 4u) + e414], row_scale415, scores_part[(frag413 * 4u) + e414]);
+            }
+        }
+        const unsigned n_first416 = (warp / 4u) * 16u;
+        const unsigned k_first417 = warp % 4u;
+        #pragma unroll
+        for (unsigned kk421 = 0u; kk421 < 1u; kk421 += 1u) {
+            #pragma unroll
+            for (unsigned nj423 = 0u; nj423 < 2u; nj423 += 1u) {
+                ldmatrix_x2(&b_frag419[0u], kv_rope + (stage * 1152u) + (((n_first416 + (nj423 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first417 + kk421) * 8u) + (lane_k8 >> 1u));
+                #pragma unroll
+                for (unsigned mi422 = 0u; mi422 < 2u; mi422 += 1u) {
+                    a_frag418[0u] = q_tile_a4[(mi422 + kk421) * 4u];
+                    a_frag418[1u] = q_tile_a4[((mi422 + kk421) * 4u) + 1u];
+                    a_frag418[2u] = q_tile_a4[((mi422 + kk421) * 4u) + 2u];
+                    a_frag418[3u] = q_tile_a4[((mi422 + kk421) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi422 * 2u) + nj423) * 4u], &a_frag418[0u], &b_frag419[0u]);
                 }
             }
         }
@@ -903,12 +1522,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag118 = 0u; frag118 < 4u; frag118 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half119 = 0u; half119 < 2u; half119 += 1u) {
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
                 #pragma unroll
-                for (unsigned e120 = 0u; e120 < 2u; e120 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag118 / 2u) * 16u) + (half119 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag118 % 2u) * 8u)) + ((lane_quad * 2u) + e120))] = scores_part[((frag118 * 4u) + (half119 * 2u)) + e120];
+                for (unsigned e428 = 0u; e428 < 2u; e428 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag426 / 2u) * 16u) + (half427 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag426 % 2u) * 8u)) + ((lane_quad * 2u) + e428))] = scores_part[((frag426 * 4u) + (half427 * 2u)) + e428] * q_tile_unscale[0u];
                 }
             }
         }
@@ -921,55 +1540,55 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((3u + ((step_i - 1u) % 3u)) * 2u), ((step_i - 1u) / 3u) & 1u);
                 }
-                const unsigned load_stage35 = ahead % 3u;
+                const unsigned load_stage323 = ahead % 3u;
                 #pragma unroll
-                for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                    const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
-                    if (gather_row37 < 32u) {
+                for (unsigned slot324 = 0u; slot324 < 1u; slot324 += 1u) {
+                    const unsigned gather_row325 = ((warp - 4u) + (lane * 4u)) + (slot324 * 128u);
+                    if (gather_row325 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row37;
-                        const int src_i3238 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot36] >= 0)) && (((unsigned)kv_latent_pre[slot36]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot36]) % p.page_size) * p.row_stride_w))) : (-1);
-                        const unsigned row_2 = gather_row37;
-                        const int src_i3239 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot36] >= 0)) && (((unsigned)kv_scales_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot36]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        const unsigned row_3 = gather_row37;
-                        const int src_i3240 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot36] >= 0)) && (((unsigned)kv_rope_pre[slot36]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot36]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot36]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        row_valid[(load_stage35 * 36u) + gather_row37] = (src_i3238 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3238 >= 0) {
-                            copy_async(kv_latent + (load_stage35 * 4224u) + (gather_row37 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3238), 512u, ring_barriers + (load_stage35 * 2u));
+                        const unsigned row_1 = gather_row325;
+                        const int src_i32326 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot324] >= 0)) && (((unsigned)kv_latent_pre[slot324]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot324]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot324]) % p.page_size) * p.row_stride_w))) : (-1);
+                        const unsigned row_2 = gather_row325;
+                        const int src_i32327 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot324] >= 0)) && (((unsigned)kv_scales_pre[slot324]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot324]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot324]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row325;
+                        const int src_i32328 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot324] >= 0)) && (((unsigned)kv_rope_pre[slot324]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot324]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot324]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                        row_valid[(load_stage323 * 36u) + gather_row325] = (src_i32326 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32326 >= 0) {
+                            copy_async(kv_latent + (load_stage323 * 4224u) + (gather_row325 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32326), 512u, ring_barriers + (load_stage323 * 2u));
                         }
-                        if (src_i3239 >= 0) {
-                            copy_async(kv_scales + (load_stage35 * 128u) + (gather_row37 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3239), 16u, ring_barriers + (load_stage35 * 2u));
+                        if (src_i32327 >= 0) {
+                            copy_async(kv_scales + (load_stage323 * 128u) + (gather_row325 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32327), 16u, ring_barriers + (load_stage323 * 2u));
                         }
-                        if (src_i3240 >= 0) {
-                            copy_async(kv_rope + (load_stage35 * 1152u) + (gather_row37 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3240), 128u, ring_barriers + (load_stage35 * 2u));
+                        if (src_i32328 >= 0) {
+                            copy_async(kv_rope + (load_stage323 * 1152u) + (gather_row325 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32328), 128u, ring_barriers + (load_stage323 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage35 * 2u));
+                copy_arrive(ring_barriers + (load_stage323 * 2u));
                 if ((ahead + 1u) < step_count) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot41 = 0u; slot41 < 1u; slot41 += 1u) {
-                        const unsigned gather_row42 = ((warp - 4u) + (lane * 4u)) + (slot41 * 128u);
-                        if (gather_row42 < 32u) {
-                            const unsigned row_1 = gather_row42;
-                            kv_latent_pre[slot41] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot329 = 0u; slot329 < 1u; slot329 += 1u) {
+                        const unsigned gather_row330 = ((warp - 4u) + (lane * 4u)) + (slot329 * 128u);
+                        if (gather_row330 < 32u) {
+                            const unsigned row_1 = gather_row330;
+                            kv_latent_pre[slot329] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
-                    for (unsigned slot43 = 0u; slot43 < 1u; slot43 += 1u) {
-                        const unsigned gather_row44 = ((warp - 4u) + (lane * 4u)) + (slot43 * 128u);
-                        if (gather_row44 < 32u) {
-                            const unsigned row_2 = gather_row44;
-                            kv_scales_pre[slot43] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+                    for (unsigned slot331 = 0u; slot331 < 1u; slot331 += 1u) {
+                        const unsigned gather_row332 = ((warp - 4u) + (lane * 4u)) + (slot331 * 128u);
+                        if (gather_row332 < 32u) {
+                            const unsigned row_2 = gather_row332;
+                            kv_scales_pre[slot331] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
-                    for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                        const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
-                        if (gather_row46 < 32u) {
-                            const unsigned row_3 = gather_row46;
-                            kv_rope_pre[slot45] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    for (unsigned slot333 = 0u; slot333 < 1u; slot333 += 1u) {
+                        const unsigned gather_row334 = ((warp - 4u) + (lane * 4u)) + (slot333 * 128u);
+                        if (gather_row334 < 32u) {
+                            const unsigned row_3 = gather_row334;
+                            kv_rope_pre[slot333] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                         }
                     }
                 }
@@ -977,35 +1596,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag121 = 0u; frag121 < 2u; frag121 += 1u) {
+            for (unsigned frag429 = 0u; frag429 < 2u; frag429 += 1u) {
                 #pragma unroll
-                for (unsigned half122 = 0u; half122 < 2u; half122 += 1u) {
+                for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
                     #pragma unroll
-                    for (unsigned e123 = 0u; e123 < 2u; e123 += 1u) {
-                        float sum = scores[((frag121 * 4u) + (half122 * 2u)) + e123];
-                        const unsigned cell = (((scores_row0 + (half122 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag121 * 8u)) + ((lane_quad * 2u) + e123));
+                    for (unsigned e431 = 0u; e431 < 2u; e431 += 1u) {
+                        float sum = scores[((frag429 * 4u) + (half430 * 2u)) + e431];
+                        const unsigned cell = (((scores_row0 + (half430 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag429 * 8u)) + ((lane_quad * 2u) + e431));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag121 * 4u) + (half122 * 2u)) + e123] = sum;
+                        scores[((frag429 * 4u) + (half430 * 2u)) + e431] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag124 = 0u; frag124 < 2u; frag124 += 1u) {
+            for (unsigned frag432 = 0u; frag432 < 2u; frag432 += 1u) {
                 #pragma unroll
-                for (unsigned half125 = 0u; half125 < 2u; half125 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag124 / 2u) * 16u)) + ((half125 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag124 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag124 * 4u) + (half125 * 2u)];
-                    float v1 = scores[((frag124 * 4u) + (half125 * 2u)) + 1u];
+                for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag432 / 2u) * 16u)) + ((half433 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag432 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag432 * 4u) + (half433 * 2u)];
+                    float v1 = scores[((frag432 * 4u) + (half433 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag124 * 4u) + (half125 * 2u)] = v0;
-                    scores[((frag124 * 4u) + (half125 * 2u)) + 1u] = v1;
+                    scores[(frag432 * 4u) + (half433 * 2u)] = v0;
+                    scores[((frag432 * 4u) + (half433 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1015,20 +1634,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi126 = 0u; mi126 < 1u; mi126 += 1u) {
+            for (unsigned mi434 = 0u; mi434 < 1u; mi434 += 1u) {
                 #pragma unroll
-                for (unsigned half127 = 0u; half127 < 2u; half127 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi126 * 2u) * 4u) + (half127 * 2u)], scores[((mi126 * 2u) * 4u) + ((half127 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + (half127 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi126 * 2u) + 1u) * 4u) + ((half127 * 2u) + 1u)]);
+                for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi434 * 2u) * 4u) + (half435 * 2u)], scores[((mi434 * 2u) * 4u) + ((half435 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi434 * 2u) + 1u) * 4u) + (half435 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi434 * 2u) + 1u) * 4u) + ((half435 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other128 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other128);
+                    const float other436 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other436);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi434 * 16u)) + ((half435 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi126 * 16u)) + ((half127 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi126 * 2u) + half127];
+                            row_exchange[(((scores_row0 + (mi434 * 16u)) + ((half435 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi434 * 2u) + half435];
                         }
                     }
                 }
@@ -1039,96 +1658,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi131 = 0u; mi131 < 1u; mi131 += 1u) {
+            for (unsigned mi439 = 0u; mi439 < 1u; mi439 += 1u) {
                 #pragma unroll
-                for (unsigned half132 = 0u; half132 < 2u; half132 += 1u) {
-                    const float m_old129 = row_max_reg[(mi131 * 2u) + half132];
-                    float m_new130 = m_old129;
-                    m_new130 = fmaxf(m_new130, row_exchange[((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u]);
-                    m_new130 = fmaxf(m_new130, row_exchange[(((scores_row0 + (mi131 * 16u)) + ((half132 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi131 * 2u) + half132] = expf(m_old129 - m_new130);
-                    row_max_reg[(mi131 * 2u) + half132] = m_new130;
+                for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
+                    const float m_old437 = row_max_reg[(mi439 * 2u) + half440];
+                    float m_new438 = m_old437;
+                    m_new438 = fmaxf(m_new438, row_exchange[((scores_row0 + (mi439 * 16u)) + ((half440 * 8u) + lane_group)) * 3u]);
+                    m_new438 = fmaxf(m_new438, row_exchange[(((scores_row0 + (mi439 * 16u)) + ((half440 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi439 * 2u) + half440] = expf(m_old437 - m_new438);
+                    row_max_reg[(mi439 * 2u) + half440] = m_new438;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi135 = 0u; mi135 < 2u; mi135 += 1u) {
+        for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
             #pragma unroll
-            for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
-                const float m_old133 = row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new134 = m_old133;
-                m_new134 = fmaxf(m_new134, row_exchange[((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u]);
-                m_new134 = fmaxf(m_new134, row_exchange[(((mi135 * 16u) + ((half136 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha32[(mi135 * 2u) + half136] = expf(m_old133 - m_new134);
+            for (unsigned half444 = 0u; half444 < 2u; half444 += 1u) {
+                const float m_old441 = row_exchange[(((mi443 * 16u) + ((half444 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new442 = m_old441;
+                m_new442 = fmaxf(m_new442, row_exchange[((mi443 * 16u) + ((half444 * 8u) + lane_group)) * 3u]);
+                m_new442 = fmaxf(m_new442, row_exchange[(((mi443 * 16u) + ((half444 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha320[(mi443 * 2u) + half444] = expf(m_old441 - m_new442);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi140 = 0u; mi140 < 1u; mi140 += 1u) {
+            for (unsigned mi448 = 0u; mi448 < 1u; mi448 += 1u) {
                 #pragma unroll
-                for (unsigned half141 = 0u; half141 < 2u; half141 += 1u) {
+                for (unsigned half449 = 0u; half449 < 2u; half449 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj137 = 0u; nj137 < 2u; nj137 += 1u) {
+                    for (unsigned nj445 = 0u; nj445 < 2u; nj445 += 1u) {
                         #pragma unroll
-                        for (unsigned e138 = 0u; e138 < 2u; e138 += 1u) {
-                            const unsigned at139 = (((mi140 * 2u) + nj137) * 4u) + ((half141 * 2u) + e138);
-                            const float p = (scores[at139] < (-1e38f)) ? 0.0f : expf(scores[at139] - row_max_reg[(mi140 * 2u) + half141]);
-                            scores[at139] = p;
+                        for (unsigned e446 = 0u; e446 < 2u; e446 += 1u) {
+                            const unsigned at447 = (((mi448 * 2u) + nj445) * 4u) + ((half449 * 2u) + e446);
+                            const float p = (scores[at447] < (-1e38f)) ? 0.0f : expf(scores[at447] - row_max_reg[(mi448 * 2u) + half449]);
+                            scores[at447] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi140 * 2u) + half141] = (row_sum_part[(mi140 * 2u) + half141] * row_alpha[(mi140 * 2u) + half141]) + p_sum;
+                    row_sum_part[(mi448 * 2u) + half449] = (row_sum_part[(mi448 * 2u) + half449] * row_alpha[(mi448 * 2u) + half449]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag142 = 0u; frag142 < 4u; frag142 += 1u) {
+        for (unsigned frag450 = 0u; frag450 < 4u; frag450 += 1u) {
             #pragma unroll
-            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
-                const float alpha144 = row_alpha32[((frag142 / 2u) * 2u) + half143];
-                o_acc[(frag142 * 4u) + (half143 * 2u)] = o_acc[(frag142 * 4u) + (half143 * 2u)] * alpha144;
-                o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] = o_acc[((frag142 * 4u) + (half143 * 2u)) + 1u] * alpha144;
+            for (unsigned half451 = 0u; half451 < 2u; half451 += 1u) {
+                const float alpha452 = row_alpha320[((frag450 / 2u) * 2u) + half451];
+                o_acc[(frag450 * 4u) + (half451 * 2u)] = o_acc[(frag450 * 4u) + (half451 * 2u)] * alpha452;
+                o_acc[((frag450 * 4u) + (half451 * 2u)) + 1u] = o_acc[((frag450 * 4u) + (half451 * 2u)) + 1u] * alpha452;
             }
         }
         #pragma unroll
-        for (unsigned frag145 = 0u; frag145 < 4u; frag145 += 1u) {
+        for (unsigned frag453 = 0u; frag453 < 4u; frag453 += 1u) {
             #pragma unroll
-            for (unsigned half146 = 0u; half146 < 2u; half146 += 1u) {
-                const float alpha147 = row_alpha32[((frag145 / 2u) * 2u) + half146];
-                o_acc_1[(frag145 * 4u) + (half146 * 2u)] = o_acc_1[(frag145 * 4u) + (half146 * 2u)] * alpha147;
-                o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] = o_acc_1[((frag145 * 4u) + (half146 * 2u)) + 1u] * alpha147;
+            for (unsigned half454 = 0u; half454 < 2u; half454 += 1u) {
+                const float alpha455 = row_alpha320[((frag453 / 2u) * 2u) + half454];
+                o_acc_1[(frag453 * 4u) + (half454 * 2u)] = o_acc_1[(frag453 * 4u) + (half454 * 2u)] * alpha455;
+                o_acc_1[((frag453 * 4u) + (half454 * 2u)) + 1u] = o_acc_1[((frag453 * 4u) + (half454 * 2u)) + 1u] * alpha455;
             }
         }
         #pragma unroll
-        for (unsigned frag148 = 0u; frag148 < 4u; frag148 += 1u) {
+        for (unsigned frag456 = 0u; frag456 < 4u; frag456 += 1u) {
             #pragma unroll
-            for (unsigned half149 = 0u; half149 < 2u; half149 += 1u) {
-                const float alpha150 = row_alpha32[((frag148 / 2u) * 2u) + half149];
-                o_acc_2[(frag148 * 4u) + (half149 * 2u)] = o_acc_2[(frag148 * 4u) + (half149 * 2u)] * alpha150;
-                o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] = o_acc_2[((frag148 * 4u) + (half149 * 2u)) + 1u] * alpha150;
+            for (unsigned half457 = 0u; half457 < 2u; half457 += 1u) {
+                const float alpha458 = row_alpha320[((frag456 / 2u) * 2u) + half457];
+                o_acc_2[(frag456 * 4u) + (half457 * 2u)] = o_acc_2[(frag456 * 4u) + (half457 * 2u)] * alpha458;
+                o_acc_2[((frag456 * 4u) + (half457 * 2u)) + 1u] = o_acc_2[((frag456 * 4u) + (half457 * 2u)) + 1u] * alpha458;
             }
         }
         #pragma unroll
-        for (unsigned frag151 = 0u; frag151 < 4u; frag151 += 1u) {
+        for (unsigned frag459 = 0u; frag459 < 4u; frag459 += 1u) {
             #pragma unroll
-            for (unsigned half152 = 0u; half152 < 2u; half152 += 1u) {
-                const float alpha153 = row_alpha32[((frag151 / 2u) * 2u) + half152];
-                o_acc_3[(frag151 * 4u) + (half152 * 2u)] = o_acc_3[(frag151 * 4u) + (half152 * 2u)] * alpha153;
-                o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] = o_acc_3[((frag151 * 4u) + (half152 * 2u)) + 1u] * alpha153;
+            for (unsigned half460 = 0u; half460 < 2u; half460 += 1u) {
+                const float alpha461 = row_alpha320[((frag459 / 2u) * 2u) + half460];
+                o_acc_3[(frag459 * 4u) + (half460 * 2u)] = o_acc_3[(frag459 * 4u) + (half460 * 2u)] * alpha461;
+                o_acc_3[((frag459 * 4u) + (half460 * 2u)) + 1u] = o_acc_3[((frag459 * 4u) + (half460 * 2u)) + 1u] * alpha461;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag156 = 0u; frag156 < 2u; frag156 += 1u) {
+            for (unsigned frag464 = 0u; frag464 < 2u; frag464 += 1u) {
                 #pragma unroll
-                for (unsigned half157 = 0u; half157 < 2u; half157 += 1u) {
-                    const unsigned row154 = (scores_row0 + ((frag156 / 2u) * 16u)) + ((half157 * 8u) + lane_group);
-                    const unsigned col155 = (scores_col0 + ((frag156 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag156 * 4u) + (half157 * 2u);
-                    p_tile[(row154 * 20u) + (col155 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half465 = 0u; half465 < 2u; half465 += 1u) {
+                    const unsigned row462 = (scores_row0 + ((frag464 / 2u) * 16u)) + ((half465 * 8u) + lane_group);
+                    const unsigned col463 = (scores_col0 + ((frag464 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag464 * 4u) + (half465 * 2u);
+                    p_tile[(row462 * 20u) + (col463 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1137,177 +1756,177 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk161 = 0u; kk161 < 2u; kk161 += 1u) {
+        for (unsigned kk469 = 0u; kk469 < 2u; kk469 += 1u) {
             #pragma unroll
-            for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
-                ldmatrix_x4(&a_frag158[mi162 * 4u], p_tile + a_lane_word + (mi162 * 320u) + (kk161 * 8u));
+            for (unsigned mi470 = 0u; mi470 < 2u; mi470 += 1u) {
+                ldmatrix_x4(&a_frag466[mi470 * 4u], p_tile + a_lane_word + (mi470 * 320u) + (kk469 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale163 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale164 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale165 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag158[0u] = pack_bf16x2(__uint_as_float(a_frag158[0u] << 16u) * k_scale, __uint_as_float(a_frag158[0u] & 4294901760u) * k_scale163);
-            a_frag158[1u] = pack_bf16x2(__uint_as_float(a_frag158[1u] << 16u) * k_scale, __uint_as_float(a_frag158[1u] & 4294901760u) * k_scale163);
-            a_frag158[2u] = pack_bf16x2(__uint_as_float(a_frag158[2u] << 16u) * k_scale164, __uint_as_float(a_frag158[2u] & 4294901760u) * k_scale165);
-            a_frag158[3u] = pack_bf16x2(__uint_as_float(a_frag158[3u] << 16u) * k_scale164, __uint_as_float(a_frag158[3u] & 4294901760u) * k_scale165);
-            const float k_scale166 = kv_scales[(stage * 128u) + (((kk161 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale167 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale168 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale169 = kv_scales[(stage * 128u) + ((((kk161 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag158[4u] = pack_bf16x2(__uint_as_float(a_frag158[4u] << 16u) * k_scale166, __uint_as_float(a_frag158[4u] & 4294901760u) * k_scale167);
-            a_frag158[5u] = pack_bf16x2(__uint_as_float(a_frag158[5u] << 16u) * k_scale166, __uint_as_float(a_frag158[5u] & 4294901760u) * k_scale167);
-            a_frag158[6u] = pack_bf16x2(__uint_as_float(a_frag158[6u] << 16u) * k_scale168, __uint_as_float(a_frag158[6u] & 4294901760u) * k_scale169);
-            a_frag158[7u] = pack_bf16x2(__uint_as_float(a_frag158[7u] << 16u) * k_scale168, __uint_as_float(a_frag158[7u] & 4294901760u) * k_scale169);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk469 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale471 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale472 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale473 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag466[0u] = pack_bf16x2(__uint_as_float(a_frag466[0u] << 16u) * k_scale, __uint_as_float(a_frag466[0u] & 4294901760u) * k_scale471);
+            a_frag466[1u] = pack_bf16x2(__uint_as_float(a_frag466[1u] << 16u) * k_scale, __uint_as_float(a_frag466[1u] & 4294901760u) * k_scale471);
+            a_frag466[2u] = pack_bf16x2(__uint_as_float(a_frag466[2u] << 16u) * k_scale472, __uint_as_float(a_frag466[2u] & 4294901760u) * k_scale473);
+            a_frag466[3u] = pack_bf16x2(__uint_as_float(a_frag466[3u] << 16u) * k_scale472, __uint_as_float(a_frag466[3u] & 4294901760u) * k_scale473);
+            const float k_scale474 = kv_scales[(stage * 128u) + (((kk469 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale475 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale476 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale477 = kv_scales[(stage * 128u) + ((((kk469 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag466[4u] = pack_bf16x2(__uint_as_float(a_frag466[4u] << 16u) * k_scale474, __uint_as_float(a_frag466[4u] & 4294901760u) * k_scale475);
+            a_frag466[5u] = pack_bf16x2(__uint_as_float(a_frag466[5u] << 16u) * k_scale474, __uint_as_float(a_frag466[5u] & 4294901760u) * k_scale475);
+            a_frag466[6u] = pack_bf16x2(__uint_as_float(a_frag466[6u] << 16u) * k_scale476, __uint_as_float(a_frag466[6u] & 4294901760u) * k_scale477);
+            a_frag466[7u] = pack_bf16x2(__uint_as_float(a_frag466[7u] << 16u) * k_scale476, __uint_as_float(a_frag466[7u] & 4294901760u) * k_scale477);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw160[0u], kv_latent + (stage * 4224u) + (((kk161 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                const unsigned e4m3_pair170 = e4m3x2_prep((b_raw160[0u] & 255u) | ((b_raw160[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair171 = e4m3x2_prep(((b_raw160[0u] >> 8u) & 255u) | ((b_raw160[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair172 = e4m3x2_prep((b_raw160[1u] & 255u) | ((b_raw160[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair173 = e4m3x2_prep(((b_raw160[1u] >> 8u) & 255u) | ((b_raw160[1u] >> 16u) & 65280u));
-                b_frag159[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair170), e4m3x2_hi(e4m3_pair170));
-                b_frag159[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair172), e4m3x2_hi(e4m3_pair172));
-                b_frag159[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair171), e4m3x2_hi(e4m3_pair171));
-                b_frag159[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair173), e4m3x2_hi(e4m3_pair173));
+                ldmatrix_x2_trans(&b_raw468[0u], kv_latent + (stage * 4224u) + (((kk469 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair478 = e4m3x2_prep((b_raw468[0u] & 255u) | ((b_raw468[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair479 = e4m3x2_prep(((b_raw468[0u] >> 8u) & 255u) | ((b_raw468[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair480 = e4m3x2_prep((b_raw468[1u] & 255u) | ((b_raw468[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair481 = e4m3x2_prep(((b_raw468[1u] >> 8u) & 255u) | ((b_raw468[1u] >> 16u) & 65280u));
+                b_frag467[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478), e4m3x2_hi(e4m3_pair478));
+                b_frag467[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
+                b_frag467[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479), e4m3x2_hi(e4m3_pair479));
+                b_frag467[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi162 * 2u) + (np * 2u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[0u]);
+                for (unsigned mi470 = 0u; mi470 < 2u; mi470 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi470 * 2u) + (np * 2u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi162 = 0u; mi162 < 2u; mi162 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi162 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag158[mi162 * 4u], &b_frag159[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word180 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk177 = 0u; kk177 < 2u; kk177 += 1u) {
-            #pragma unroll
-            for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
-                ldmatrix_x4(&a_frag174[mi178 * 4u], p_tile + a_lane_word180 + (mi178 * 320u) + (kk177 * 8u));
-            }
-            const float k_scale181 = kv_scales[((stage * 128u) + (((kk177 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale182 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale183 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale184 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag174[0u] = pack_bf16x2(__uint_as_float(a_frag174[0u] << 16u) * k_scale181, __uint_as_float(a_frag174[0u] & 4294901760u) * k_scale182);
-            a_frag174[1u] = pack_bf16x2(__uint_as_float(a_frag174[1u] << 16u) * k_scale181, __uint_as_float(a_frag174[1u] & 4294901760u) * k_scale182);
-            a_frag174[2u] = pack_bf16x2(__uint_as_float(a_frag174[2u] << 16u) * k_scale183, __uint_as_float(a_frag174[2u] & 4294901760u) * k_scale184);
-            a_frag174[3u] = pack_bf16x2(__uint_as_float(a_frag174[3u] << 16u) * k_scale183, __uint_as_float(a_frag174[3u] & 4294901760u) * k_scale184);
-            const float k_scale185 = kv_scales[((stage * 128u) + (((kk177 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale188 = kv_scales[((stage * 128u) + ((((kk177 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag174[4u] = pack_bf16x2(__uint_as_float(a_frag174[4u] << 16u) * k_scale185, __uint_as_float(a_frag174[4u] & 4294901760u) * k_scale186);
-            a_frag174[5u] = pack_bf16x2(__uint_as_float(a_frag174[5u] << 16u) * k_scale185, __uint_as_float(a_frag174[5u] & 4294901760u) * k_scale186);
-            a_frag174[6u] = pack_bf16x2(__uint_as_float(a_frag174[6u] << 16u) * k_scale187, __uint_as_float(a_frag174[6u] & 4294901760u) * k_scale188);
-            a_frag174[7u] = pack_bf16x2(__uint_as_float(a_frag174[7u] << 16u) * k_scale187, __uint_as_float(a_frag174[7u] & 4294901760u) * k_scale188);
-            #pragma unroll
-            for (unsigned np179 = 0u; np179 < 1u; np179 += 1u) {
-                ldmatrix_x2_trans(&b_raw176[0u], kv_latent + (stage * 4224u) + (((kk177 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np179 * 16u)) >> 2u));
-                const unsigned e4m3_pair189 = e4m3x2_prep((b_raw176[0u] & 255u) | ((b_raw176[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair190 = e4m3x2_prep(((b_raw176[0u] >> 8u) & 255u) | ((b_raw176[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair191 = e4m3x2_prep((b_raw176[1u] & 255u) | ((b_raw176[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair192 = e4m3x2_prep(((b_raw176[1u] >> 8u) & 255u) | ((b_raw176[1u] >> 16u) & 65280u));
-                b_frag175[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
-                b_frag175[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair191), e4m3x2_hi(e4m3_pair191));
-                b_frag175[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
-                b_frag175[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair192), e4m3x2_hi(e4m3_pair192));
-                #pragma unroll
-                for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi178 * 2u) + (np179 * 2u)) * 4u], &a_frag174[mi178 * 4u], &b_frag175[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi178 = 0u; mi178 < 2u; mi178 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi178 * 2u) + ((np179 * 2u) + 1u)) * 4u], &a_frag174[mi178 * 4u], &b_frag175[2u]);
+                for (unsigned mi470 = 0u; mi470 < 2u; mi470 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi470 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[2u]);
                 }
             }
         }
-        const unsigned a_lane_word199 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word488 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk196 = 0u; kk196 < 2u; kk196 += 1u) {
+        for (unsigned kk485 = 0u; kk485 < 2u; kk485 += 1u) {
             #pragma unroll
-            for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
-                ldmatrix_x4(&a_frag193[mi197 * 4u], p_tile + a_lane_word199 + (mi197 * 320u) + (kk196 * 8u));
+            for (unsigned mi486 = 0u; mi486 < 2u; mi486 += 1u) {
+                ldmatrix_x4(&a_frag482[mi486 * 4u], p_tile + a_lane_word488 + (mi486 * 320u) + (kk485 * 8u));
             }
-            const float k_scale200 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale203 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag193[0u] = pack_bf16x2(__uint_as_float(a_frag193[0u] << 16u) * k_scale200, __uint_as_float(a_frag193[0u] & 4294901760u) * k_scale201);
-            a_frag193[1u] = pack_bf16x2(__uint_as_float(a_frag193[1u] << 16u) * k_scale200, __uint_as_float(a_frag193[1u] & 4294901760u) * k_scale201);
-            a_frag193[2u] = pack_bf16x2(__uint_as_float(a_frag193[2u] << 16u) * k_scale202, __uint_as_float(a_frag193[2u] & 4294901760u) * k_scale203);
-            a_frag193[3u] = pack_bf16x2(__uint_as_float(a_frag193[3u] << 16u) * k_scale202, __uint_as_float(a_frag193[3u] & 4294901760u) * k_scale203);
-            const float k_scale204 = kv_scales[((stage * 128u) + (((kk196 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale205 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale206 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale207 = kv_scales[((stage * 128u) + ((((kk196 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag193[4u] = pack_bf16x2(__uint_as_float(a_frag193[4u] << 16u) * k_scale204, __uint_as_float(a_frag193[4u] & 4294901760u) * k_scale205);
-            a_frag193[5u] = pack_bf16x2(__uint_as_float(a_frag193[5u] << 16u) * k_scale204, __uint_as_float(a_frag193[5u] & 4294901760u) * k_scale205);
-            a_frag193[6u] = pack_bf16x2(__uint_as_float(a_frag193[6u] << 16u) * k_scale206, __uint_as_float(a_frag193[6u] & 4294901760u) * k_scale207);
-            a_frag193[7u] = pack_bf16x2(__uint_as_float(a_frag193[7u] << 16u) * k_scale206, __uint_as_float(a_frag193[7u] & 4294901760u) * k_scale207);
+            const float k_scale489 = kv_scales[((stage * 128u) + (((kk485 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale490 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale491 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale492 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag482[0u] = pack_bf16x2(__uint_as_float(a_frag482[0u] << 16u) * k_scale489, __uint_as_float(a_frag482[0u] & 4294901760u) * k_scale490);
+            a_frag482[1u] = pack_bf16x2(__uint_as_float(a_frag482[1u] << 16u) * k_scale489, __uint_as_float(a_frag482[1u] & 4294901760u) * k_scale490);
+            a_frag482[2u] = pack_bf16x2(__uint_as_float(a_frag482[2u] << 16u) * k_scale491, __uint_as_float(a_frag482[2u] & 4294901760u) * k_scale492);
+            a_frag482[3u] = pack_bf16x2(__uint_as_float(a_frag482[3u] << 16u) * k_scale491, __uint_as_float(a_frag482[3u] & 4294901760u) * k_scale492);
+            const float k_scale493 = kv_scales[((stage * 128u) + (((kk485 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale494 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale495 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale496 = kv_scales[((stage * 128u) + ((((kk485 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag482[4u] = pack_bf16x2(__uint_as_float(a_frag482[4u] << 16u) * k_scale493, __uint_as_float(a_frag482[4u] & 4294901760u) * k_scale494);
+            a_frag482[5u] = pack_bf16x2(__uint_as_float(a_frag482[5u] << 16u) * k_scale493, __uint_as_float(a_frag482[5u] & 4294901760u) * k_scale494);
+            a_frag482[6u] = pack_bf16x2(__uint_as_float(a_frag482[6u] << 16u) * k_scale495, __uint_as_float(a_frag482[6u] & 4294901760u) * k_scale496);
+            a_frag482[7u] = pack_bf16x2(__uint_as_float(a_frag482[7u] << 16u) * k_scale495, __uint_as_float(a_frag482[7u] & 4294901760u) * k_scale496);
             #pragma unroll
-            for (unsigned np198 = 0u; np198 < 1u; np198 += 1u) {
-                ldmatrix_x2_trans(&b_raw195[0u], kv_latent + (stage * 4224u) + (((kk196 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np198 * 16u)) >> 2u));
-                const unsigned e4m3_pair208 = e4m3x2_prep((b_raw195[0u] & 255u) | ((b_raw195[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair209 = e4m3x2_prep(((b_raw195[0u] >> 8u) & 255u) | ((b_raw195[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair210 = e4m3x2_prep((b_raw195[1u] & 255u) | ((b_raw195[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair211 = e4m3x2_prep(((b_raw195[1u] >> 8u) & 255u) | ((b_raw195[1u] >> 16u) & 65280u));
-                b_frag194[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair208), e4m3x2_hi(e4m3_pair208));
-                b_frag194[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair210), e4m3x2_hi(e4m3_pair210));
-                b_frag194[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair209), e4m3x2_hi(e4m3_pair209));
-                b_frag194[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair211), e4m3x2_hi(e4m3_pair211));
+            for (unsigned np487 = 0u; np487 < 1u; np487 += 1u) {
+                ldmatrix_x2_trans(&b_raw484[0u], kv_latent + (stage * 4224u) + (((kk485 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np487 * 16u)) >> 2u));
+                const unsigned e4m3_pair497 = e4m3x2_prep((b_raw484[0u] & 255u) | ((b_raw484[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw484[0u] >> 8u) & 255u) | ((b_raw484[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair499 = e4m3x2_prep((b_raw484[1u] & 255u) | ((b_raw484[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw484[1u] >> 8u) & 255u) | ((b_raw484[1u] >> 16u) & 65280u));
+                b_frag483[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                b_frag483[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
+                b_frag483[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                b_frag483[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500), e4m3x2_hi(e4m3_pair500));
                 #pragma unroll
-                for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi197 * 2u) + (np198 * 2u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[0u]);
+                for (unsigned mi486 = 0u; mi486 < 2u; mi486 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi486 * 2u) + (np487 * 2u)) * 4u], &a_frag482[mi486 * 4u], &b_frag483[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi197 = 0u; mi197 < 2u; mi197 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi197 * 2u) + ((np198 * 2u) + 1u)) * 4u], &a_frag193[mi197 * 4u], &b_frag194[2u]);
+                for (unsigned mi486 = 0u; mi486 < 2u; mi486 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi486 * 2u) + ((np487 * 2u) + 1u)) * 4u], &a_frag482[mi486 * 4u], &b_frag483[2u]);
                 }
             }
         }
-        const unsigned a_lane_word218 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word507 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk215 = 0u; kk215 < 2u; kk215 += 1u) {
+        for (unsigned kk504 = 0u; kk504 < 2u; kk504 += 1u) {
             #pragma unroll
-            for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
-                ldmatrix_x4(&a_frag212[mi216 * 4u], p_tile + a_lane_word218 + (mi216 * 320u) + (kk215 * 8u));
+            for (unsigned mi505 = 0u; mi505 < 2u; mi505 += 1u) {
+                ldmatrix_x4(&a_frag501[mi505 * 4u], p_tile + a_lane_word507 + (mi505 * 320u) + (kk504 * 8u));
             }
-            const float k_scale219 = kv_scales[((stage * 128u) + (((kk215 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale220 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale221 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale222 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag212[0u] = pack_bf16x2(__uint_as_float(a_frag212[0u] << 16u) * k_scale219, __uint_as_float(a_frag212[0u] & 4294901760u) * k_scale220);
-            a_frag212[1u] = pack_bf16x2(__uint_as_float(a_frag212[1u] << 16u) * k_scale219, __uint_as_float(a_frag212[1u] & 4294901760u) * k_scale220);
-            a_frag212[2u] = pack_bf16x2(__uint_as_float(a_frag212[2u] << 16u) * k_scale221, __uint_as_float(a_frag212[2u] & 4294901760u) * k_scale222);
-            a_frag212[3u] = pack_bf16x2(__uint_as_float(a_frag212[3u] << 16u) * k_scale221, __uint_as_float(a_frag212[3u] & 4294901760u) * k_scale222);
-            const float k_scale223 = kv_scales[((stage * 128u) + (((kk215 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale224 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale225 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale226 = kv_scales[((stage * 128u) + ((((kk215 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag212[4u] = pack_bf16x2(__uint_as_float(a_frag212[4u] << 16u) * k_scale223, __uint_as_float(a_frag212[4u] & 4294901760u) * k_scale224);
-            a_frag212[5u] = pack_bf16x2(__uint_as_float(a_frag212[5u] << 16u) * k_scale223, __uint_as_float(a_frag212[5u] & 4294901760u) * k_scale224);
-            a_frag212[6u] = pack_bf16x2(__uint_as_float(a_frag212[6u] << 16u) * k_scale225, __uint_as_float(a_frag212[6u] & 4294901760u) * k_scale226);
-            a_frag212[7u] = pack_bf16x2(__uint_as_float(a_frag212[7u] << 16u) * k_scale225, __uint_as_float(a_frag212[7u] & 4294901760u) * k_scale226);
+            const float k_scale508 = kv_scales[((stage * 128u) + (((kk504 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale509 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale510 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale511 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag501[0u] = pack_bf16x2(__uint_as_float(a_frag501[0u] << 16u) * k_scale508, __uint_as_float(a_frag501[0u] & 4294901760u) * k_scale509);
+            a_frag501[1u] = pack_bf16x2(__uint_as_float(a_frag501[1u] << 16u) * k_scale508, __uint_as_float(a_frag501[1u] & 4294901760u) * k_scale509);
+            a_frag501[2u] = pack_bf16x2(__uint_as_float(a_frag501[2u] << 16u) * k_scale510, __uint_as_float(a_frag501[2u] & 4294901760u) * k_scale511);
+            a_frag501[3u] = pack_bf16x2(__uint_as_float(a_frag501[3u] << 16u) * k_scale510, __uint_as_float(a_frag501[3u] & 4294901760u) * k_scale511);
+            const float k_scale512 = kv_scales[((stage * 128u) + (((kk504 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale513 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale514 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale515 = kv_scales[((stage * 128u) + ((((kk504 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag501[4u] = pack_bf16x2(__uint_as_float(a_frag501[4u] << 16u) * k_scale512, __uint_as_float(a_frag501[4u] & 4294901760u) * k_scale513);
+            a_frag501[5u] = pack_bf16x2(__uint_as_float(a_frag501[5u] << 16u) * k_scale512, __uint_as_float(a_frag501[5u] & 4294901760u) * k_scale513);
+            a_frag501[6u] = pack_bf16x2(__uint_as_float(a_frag501[6u] << 16u) * k_scale514, __uint_as_float(a_frag501[6u] & 4294901760u) * k_scale515);
+            a_frag501[7u] = pack_bf16x2(__uint_as_float(a_frag501[7u] << 16u) * k_scale514, __uint_as_float(a_frag501[7u] & 4294901760u) * k_scale515);
             #pragma unroll
-            for (unsigned np217 = 0u; np217 < 1u; np217 += 1u) {
-                ldmatrix_x2_trans(&b_raw214[0u], kv_latent + (stage * 4224u) + (((kk215 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np217 * 16u)) >> 2u));
-                const unsigned e4m3_pair227 = e4m3x2_prep((b_raw214[0u] & 255u) | ((b_raw214[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair228 = e4m3x2_prep(((b_raw214[0u] >> 8u) & 255u) | ((b_raw214[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair229 = e4m3x2_prep((b_raw214[1u] & 255u) | ((b_raw214[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair230 = e4m3x2_prep(((b_raw214[1u] >> 8u) & 255u) | ((b_raw214[1u] >> 16u) & 65280u));
-                b_frag213[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair227), e4m3x2_hi(e4m3_pair227));
-                b_frag213[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair229), e4m3x2_hi(e4m3_pair229));
-                b_frag213[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair228), e4m3x2_hi(e4m3_pair228));
-                b_frag213[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair230), e4m3x2_hi(e4m3_pair230));
+            for (unsigned np506 = 0u; np506 < 1u; np506 += 1u) {
+                ldmatrix_x2_trans(&b_raw503[0u], kv_latent + (stage * 4224u) + (((kk504 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np506 * 16u)) >> 2u));
+                const unsigned e4m3_pair516 = e4m3x2_prep((b_raw503[0u] & 255u) | ((b_raw503[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair517 = e4m3x2_prep(((b_raw503[0u] >> 8u) & 255u) | ((b_raw503[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair518 = e4m3x2_prep((b_raw503[1u] & 255u) | ((b_raw503[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair519 = e4m3x2_prep(((b_raw503[1u] >> 8u) & 255u) | ((b_raw503[1u] >> 16u) & 65280u));
+                b_frag502[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516), e4m3x2_hi(e4m3_pair516));
+                b_frag502[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
+                b_frag502[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair517), e4m3x2_hi(e4m3_pair517));
+                b_frag502[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
                 #pragma unroll
-                for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi216 * 2u) + (np217 * 2u)) * 4u], &a_frag212[mi216 * 4u], &b_frag213[0u]);
+                for (unsigned mi505 = 0u; mi505 < 2u; mi505 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi505 * 2u) + (np506 * 2u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi216 = 0u; mi216 < 2u; mi216 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi216 * 2u) + ((np217 * 2u) + 1u)) * 4u], &a_frag212[mi216 * 4u], &b_frag213[2u]);
+                for (unsigned mi505 = 0u; mi505 < 2u; mi505 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi505 * 2u) + ((np506 * 2u) + 1u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word526 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk523 = 0u; kk523 < 2u; kk523 += 1u) {
+            #pragma unroll
+            for (unsigned mi524 = 0u; mi524 < 2u; mi524 += 1u) {
+                ldmatrix_x4(&a_frag520[mi524 * 4u], p_tile + a_lane_word526 + (mi524 * 320u) + (kk523 * 8u));
+            }
+            const float k_scale527 = kv_scales[((stage * 128u) + (((kk523 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale528 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale529 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale530 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag520[0u] = pack_bf16x2(__uint_as_float(a_frag520[0u] << 16u) * k_scale527, __uint_as_float(a_frag520[0u] & 4294901760u) * k_scale528);
+            a_frag520[1u] = pack_bf16x2(__uint_as_float(a_frag520[1u] << 16u) * k_scale527, __uint_as_float(a_frag520[1u] & 4294901760u) * k_scale528);
+            a_frag520[2u] = pack_bf16x2(__uint_as_float(a_frag520[2u] << 16u) * k_scale529, __uint_as_float(a_frag520[2u] & 4294901760u) * k_scale530);
+            a_frag520[3u] = pack_bf16x2(__uint_as_float(a_frag520[3u] << 16u) * k_scale529, __uint_as_float(a_frag520[3u] & 4294901760u) * k_scale530);
+            const float k_scale531 = kv_scales[((stage * 128u) + (((kk523 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale532 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale533 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale534 = kv_scales[((stage * 128u) + ((((kk523 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag520[4u] = pack_bf16x2(__uint_as_float(a_frag520[4u] << 16u) * k_scale531, __uint_as_float(a_frag520[4u] & 4294901760u) * k_scale532);
+            a_frag520[5u] = pack_bf16x2(__uint_as_float(a_frag520[5u] << 16u) * k_scale531, __uint_as_float(a_frag520[5u] & 4294901760u) * k_scale532);
+            a_frag520[6u] = pack_bf16x2(__uint_as_float(a_frag520[6u] << 16u) * k_scale533, __uint_as_float(a_frag520[6u] & 4294901760u) * k_scale534);
+            a_frag520[7u] = pack_bf16x2(__uint_as_float(a_frag520[7u] << 16u) * k_scale533, __uint_as_float(a_frag520[7u] & 4294901760u) * k_scale534);
+            #pragma unroll
+            for (unsigned np525 = 0u; np525 < 1u; np525 += 1u) {
+                ldmatrix_x2_trans(&b_raw522[0u], kv_latent + (stage * 4224u) + (((kk523 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np525 * 16u)) >> 2u));
+                const unsigned e4m3_pair535 = e4m3x2_prep((b_raw522[0u] & 255u) | ((b_raw522[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair536 = e4m3x2_prep(((b_raw522[0u] >> 8u) & 255u) | ((b_raw522[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair537 = e4m3x2_prep((b_raw522[1u] & 255u) | ((b_raw522[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair538 = e4m3x2_prep(((b_raw522[1u] >> 8u) & 255u) | ((b_raw522[1u] >> 16u) & 65280u));
+                b_frag521[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair535), e4m3x2_hi(e4m3_pair535));
+                b_frag521[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair537), e4m3x2_hi(e4m3_pair537));
+                b_frag521[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair536), e4m3x2_hi(e4m3_pair536));
+                b_frag521[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair538), e4m3x2_hi(e4m3_pair538));
+                #pragma unroll
+                for (unsigned mi524 = 0u; mi524 < 2u; mi524 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi524 * 2u) + (np525 * 2u)) * 4u], &a_frag520[mi524 * 4u], &b_frag521[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi524 = 0u; mi524 < 2u; mi524 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi524 * 2u) + ((np525 * 2u) + 1u)) * 4u], &a_frag520[mi524 * 4u], &b_frag521[2u]);
                 }
             }
         }
@@ -1322,16 +1941,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi232 = 0u; mi232 < 1u; mi232 += 1u) {
+        for (unsigned mi540 = 0u; mi540 < 1u; mi540 += 1u) {
             #pragma unroll
-            for (unsigned half233 = 0u; half233 < 2u; half233 += 1u) {
-                float row_sum231 = row_sum_part[(mi232 * 2u) + half233];
-                const float other234 = shfl_xor_f32(row_sum231, 1);
-                row_sum231 = row_sum231 + other234;
-                const float other235 = shfl_xor_f32(row_sum231, 2);
-                row_sum231 = row_sum231 + other235;
+            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
+                float row_sum539 = row_sum_part[(mi540 * 2u) + half541];
+                const float other542 = shfl_xor_f32(row_sum539, 1);
+                row_sum539 = row_sum539 + other542;
+                const float other543 = shfl_xor_f32(row_sum539, 2);
+                row_sum539 = row_sum539 + other543;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi232 * 16u)) + ((half233 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum231;
+                    row_exchange[(((scores_row0 + (mi540 * 16u)) + ((half541 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum539;
                 }
             }
         }
@@ -1339,14 +1958,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi237 = 0u; mi237 < 1u; mi237 += 1u) {
+        for (unsigned mi545 = 0u; mi545 < 1u; mi545 += 1u) {
             #pragma unroll
-            for (unsigned half238 = 0u; half238 < 2u; half238 += 1u) {
+            for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum236 = row_exchange[((scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)) * 3u];
-                    row_sum236 = row_sum236 + row_exchange[(((scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)] = row_sum236;
-                    row_max[(scores_row0 + (mi237 * 16u)) + ((half238 * 8u) + lane_group)] = row_max_reg[(mi237 * 2u) + half238];
+                    float row_sum544 = row_exchange[((scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)) * 3u];
+                    row_sum544 = row_sum544 + row_exchange[(((scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)] = row_sum544;
+                    row_max[(scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)] = row_max_reg[(mi545 * 2u) + half546];
                 }
             }
         }
@@ -1357,86 +1976,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag239 = 0u; frag239 < 2u; frag239 += 1u) {
+        for (unsigned frag547 = 0u; frag547 < 2u; frag547 += 1u) {
             #pragma unroll
-            for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
+            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
                 #pragma unroll
-                for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
-                    float v0_6 = o_acc[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
-                    float v1_6 = o_acc[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
+                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
+                    const unsigned row_18 = (o_acc_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
+                    float v0_6 = o_acc[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
+                    float v1_6 = o_acc[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
                     const unsigned h = h0 + row_18;
                     if (h < p.heads) {
                         const float l = row_sum[row_18];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_6;
-                    o_acc[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_6;
+                    o_acc[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_6;
+                    o_acc[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag242 = 0u; frag242 < 2u; frag242 += 1u) {
+        for (unsigned frag550 = 0u; frag550 < 2u; frag550 += 1u) {
             #pragma unroll
-            for (unsigned half243 = 0u; half243 < 2u; half243 += 1u) {
+            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
                 #pragma unroll
-                for (unsigned e244 = 0u; e244 < 2u; e244 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag242 / 1u) * 16u)) + ((half243 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag242 % 1u) * 16u)) + ((lane_quad * 4u) + (e244 * 2u));
-                    float v0_7 = o_acc_1[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)];
-                    float v1_7 = o_acc_1[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)];
+                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
+                    const unsigned row_19 = (o_acc_1_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
+                    float v0_7 = o_acc_1[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
+                    float v1_7 = o_acc_1[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
                     const unsigned h_1 = h0 + row_19;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_19];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)] = v0_7;
-                    o_acc_1[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)] = v1_7;
+                    o_acc_1[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_7;
+                    o_acc_1[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag245 = 0u; frag245 < 2u; frag245 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 2u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half246 = 0u; half246 < 2u; half246 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e247 = 0u; e247 < 2u; e247 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag245 / 1u) * 16u)) + ((half246 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag245 % 1u) * 16u)) + ((lane_quad * 4u) + (e247 * 2u));
-                    float v0_8 = o_acc_2[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)];
-                    float v1_8 = o_acc_2[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)];
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row_20 = (o_acc_2_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    float v0_8 = o_acc_2[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
+                    float v1_8 = o_acc_2[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
                     const unsigned h_2 = h0 + row_20;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_20];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)] = v0_8;
-                    o_acc_2[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)] = v1_8;
+                    o_acc_2[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_8;
+                    o_acc_2[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag248 = 0u; frag248 < 2u; frag248 += 1u) {
+        for (unsigned frag556 = 0u; frag556 < 2u; frag556 += 1u) {
             #pragma unroll
-            for (unsigned half249 = 0u; half249 < 2u; half249 += 1u) {
+            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
                 #pragma unroll
-                for (unsigned e250 = 0u; e250 < 2u; e250 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag248 / 1u) * 16u)) + ((half249 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag248 % 1u) * 16u)) + ((lane_quad * 4u) + (e250 * 2u));
-                    float v0_9 = o_acc_3[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)];
-                    float v1_9 = o_acc_3[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)];
+                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
+                    const unsigned row_21 = (o_acc_3_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
+                    float v0_9 = o_acc_3[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
+                    float v1_9 = o_acc_3[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
                     const unsigned h_3 = h0 + row_21;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_21];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)] = v0_9;
-                    o_acc_3[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)] = v1_9;
+                    o_acc_3[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_9;
+                    o_acc_3[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_9;
                 }
             }
         }
@@ -1452,15 +2071,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag251 = 0u; frag251 < 2u; frag251 += 1u) {
+        for (unsigned frag559 = 0u; frag559 < 2u; frag559 += 1u) {
             #pragma unroll
-            for (unsigned half252 = 0u; half252 < 2u; half252 += 1u) {
+            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
                 #pragma unroll
-                for (unsigned e253 = 0u; e253 < 2u; e253 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag251 / 1u) * 16u)) + ((half252 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag251 % 1u) * 16u)) + ((lane_quad * 4u) + (e253 * 2u));
-                    float v0_10 = o_acc[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)];
-                    float v1_10 = o_acc[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)];
+                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
+                    const unsigned row_22 = (o_acc_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
+                    float v0_10 = o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
+                    float v1_10 = o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
                     const unsigned h_5 = h0 + row_22;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_22];
@@ -1469,21 +2088,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)] = v0_10;
-                    o_acc[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)] = v1_10;
+                    o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_10;
+                    o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag254 = 0u; frag254 < 2u; frag254 += 1u) {
+        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
             #pragma unroll
-            for (unsigned half255 = 0u; half255 < 2u; half255 += 1u) {
+            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
                 #pragma unroll
-                for (unsigned e256 = 0u; e256 < 2u; e256 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag254 / 1u) * 16u)) + ((half255 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag254 % 1u) * 16u)) + ((lane_quad * 4u) + (e256 * 2u));
-                    float v0_11 = o_acc_1[((((frag254 / 1u) * 2u) + ((frag254 % 1u) * 2u)) * 4u) + ((half255 * 2u) + e256)];
-                    float v1_11 = o_acc_1[(((((frag254 / 1u) * 2u) + ((frag254 % 1u) * 2u)) + 1u) * 4u) + ((half255 * 2u) + e256)];
+                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
+                    const unsigned row_23 = (o_acc_1_row0 + ((frag562 / 1u) * 16u)) + ((half563 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag562 % 1u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
+                    float v0_11 = o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)];
+                    float v1_11 = o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)];
                     const unsigned h_6 = h0 + row_23;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_23];
@@ -1492,21 +2111,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag254 / 1u) * 2u) + ((frag254 % 1u) * 2u)) * 4u) + ((half255 * 2u) + e256)] = v0_11;
-                    o_acc_1[(((((frag254 / 1u) * 2u) + ((frag254 % 1u) * 2u)) + 1u) * 4u) + ((half255 * 2u) + e256)] = v1_11;
+                    o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)] = v0_11;
+                    o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag257 = 0u; frag257 < 2u; frag257 += 1u) {
+        for (unsigned frag565 = 0u; frag565 < 2u; frag565 += 1u) {
             #pragma unroll
-            for (unsigned half258 = 0u; half258 < 2u; half258 += 1u) {
+            for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
                 #pragma unroll
-                for (unsigned e259 = 0u; e259 < 2u; e259 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag257 / 1u) * 16u)) + ((half258 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag257 % 1u) * 16u)) + ((lane_quad * 4u) + (e259 * 2u));
-                    float v0_12 = o_acc_2[((((frag257 / 1u) * 2u) + ((frag257 % 1u) * 2u)) * 4u) + ((half258 * 2u) + e259)];
-                    float v1_12 = o_acc_2[(((((frag257 / 1u) * 2u) + ((frag257 % 1u) * 2u)) + 1u) * 4u) + ((half258 * 2u) + e259)];
+                for (unsigned e567 = 0u; e567 < 2u; e567 += 1u) {
+                    const unsigned row_24 = (o_acc_2_row0 + ((frag565 / 1u) * 16u)) + ((half566 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag565 % 1u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
+                    float v0_12 = o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
+                    float v1_12 = o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
                     const unsigned h_7 = h0 + row_24;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_24];
@@ -1515,21 +2134,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag257 / 1u) * 2u) + ((frag257 % 1u) * 2u)) * 4u) + ((half258 * 2u) + e259)] = v0_12;
-                    o_acc_2[(((((frag257 / 1u) * 2u) + ((frag257 % 1u) * 2u)) + 1u) * 4u) + ((half258 * 2u) + e259)] = v1_12;
+                    o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_12;
+                    o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag260 = 0u; frag260 < 2u; frag260 += 1u) {
+        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
             #pragma unroll
-            for (unsigned half261 = 0u; half261 < 2u; half261 += 1u) {
+            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
                 #pragma unroll
-                for (unsigned e262 = 0u; e262 < 2u; e262 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag260 / 1u) * 16u)) + ((half261 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag260 % 1u) * 16u)) + ((lane_quad * 4u) + (e262 * 2u));
-                    float v0_13 = o_acc_3[((((frag260 / 1u) * 2u) + ((frag260 % 1u) * 2u)) * 4u) + ((half261 * 2u) + e262)];
-                    float v1_13 = o_acc_3[(((((frag260 / 1u) * 2u) + ((frag260 % 1u) * 2u)) + 1u) * 4u) + ((half261 * 2u) + e262)];
+                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
+                    const unsigned row_25 = (o_acc_3_row0 + ((frag568 / 1u) * 16u)) + ((half569 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag568 % 1u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
+                    float v0_13 = o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
+                    float v1_13 = o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
                     const unsigned h_8 = h0 + row_25;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_25];
@@ -1538,8 +2157,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag260 / 1u) * 2u) + ((frag260 % 1u) * 2u)) * 4u) + ((half261 * 2u) + e262)] = v0_13;
-                    o_acc_3[(((((frag260 / 1u) * 2u) + ((frag260 % 1u) * 2u)) + 1u) * 4u) + ((half261 * 2u) + e262)] = v1_13;
+                    o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_13;
+                    o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_13;
                 }
             }
         }

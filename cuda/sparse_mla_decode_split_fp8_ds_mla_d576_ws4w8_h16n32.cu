@@ -294,6 +294,66 @@ static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
 }
 #endif
 
+// 1 where mma.sync m16n8k32 e4m3 is one instruction (sm_89, sm_120): sm_90's ptxas turns it
+// into e4m3 -> f16 conversions and two f16 products, so the kernel takes its bf16 form there.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+#define E4M3_MMA_NATIVE 1
+#else
+#define E4M3_MMA_NATIVE 0
+#endif
+
+// f32 -> e4m3 "fn" bits, round to nearest even, saturating at +-448 (NaN too), by bits.
+static __device__ __forceinline__ unsigned f32_to_e4m3(float x) {
+    const unsigned s = (__float_as_uint(x) >> 24) & 0x80u;
+    const float a = fabsf(x);
+    if (!(a < 464.0f)) return s | 0x7eu;
+    // below 2^-6: subnormal, a multiple of 2^-9 (8 * 2^-9 is the smallest normal, 0x08)
+    if (a < 0.015625f) return s | (unsigned)rintf(a * 512.0f);
+    const unsigned bits = __float_as_uint(a);
+    unsigned v = ((((bits >> 23) & 0xffu) - 120u) << 3) | ((bits >> 20) & 7u);
+    const unsigned rest = bits & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (v & 1u))) v++; // carries into the exponent
+    return s | (v > 0x7eu ? 0x7eu : v);
+}
+
+// Four f32 -> four e4m3 bytes (a in the low byte). sm_89 and later: two conversions.
+static __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned)lo | ((unsigned)hi << 16);
+#else
+    return f32_to_e4m3(a) | (f32_to_e4m3(b) << 8) | (f32_to_e4m3(c) << 16) | (f32_to_e4m3(d) << 24);
+#endif
+}
+
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k32 tile, e4m3 in (four per register), f32
+// accumulate. Before sm_89: two bf16 products of the widened bytes (every e4m3 value is
+// exact in bf16); bytes (0, 1) and (2, 3) of a register take the places of the two bf16
+// pairs of one k16 step, for A and B alike, so the sum over k is the same.
+static __device__ __forceinline__ void mma_e4m3_16832(float* c, const unsigned* a, const unsigned* b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    for (int h = 0; h < 2; h++) {
+        unsigned a16[4], b16[2];
+        for (int r = 0; r < 2; r++) {
+            const unsigned lo = e4m3x2_prep(a[2 * h + r] & 0xffffu), hi = e4m3x2_prep(a[2 * h + r] >> 16);
+            a16[r] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
+            a16[r + 2] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
+        }
+        const unsigned lo = e4m3x2_prep(b[h] & 0xffffu), hi = e4m3x2_prep(b[h] >> 16);
+        b16[0] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
+        b16[1] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
+        mma_bf16_16816(c, a16, b16);
+    }
+#endif
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -319,10 +379,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float o_acc_3[8];
     float scores_part[8];
     float scores_term[8];
-    unsigned q_tile_a0[16];
-    unsigned q_tile_a1[16];
-    unsigned q_tile_a2[16];
-    unsigned q_tile_a3[16];
+    unsigned q_tile_a0[8];
+    unsigned q_tile_a0_lo[8];
+    unsigned q_tile_a0_bf16[16];
+    float q_tile_unscale[1];
+    unsigned q_tile_a1[8];
+    unsigned q_tile_a1_lo[8];
+    unsigned q_tile_a1_bf16[16];
+    unsigned q_tile_a2[8];
+    unsigned q_tile_a2_lo[8];
+    unsigned q_tile_a2_bf16[16];
+    unsigned q_tile_a3[8];
+    unsigned q_tile_a3_lo[8];
+    unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
     int kv_latent_pre[1];
     int kv_scales_pre[1];
@@ -331,32 +400,40 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
-    unsigned b_frag[4];
+    unsigned b_frag[2];
+    unsigned a_frag347[4];
+    unsigned b_frag348[4];
     unsigned b_raw[2];
-    unsigned a_frag66[4];
-    unsigned b_frag67[4];
-    unsigned b_raw68[2];
-    unsigned a_frag84[4];
-    unsigned b_frag85[4];
-    unsigned b_raw86[2];
-    unsigned a_frag102[4];
-    unsigned b_frag103[4];
-    unsigned b_raw104[2];
-    unsigned a_frag119[4];
-    unsigned b_frag120[4];
-    unsigned b_raw121[2];
-    unsigned a_frag165[4];
-    unsigned b_frag166[4];
-    unsigned b_raw167[2];
-    unsigned a_frag177[4];
-    unsigned b_frag178[4];
-    unsigned b_raw179[2];
-    unsigned a_frag192[4];
-    unsigned b_frag193[4];
-    unsigned b_raw194[2];
-    unsigned a_frag207[4];
-    unsigned b_frag208[4];
-    unsigned b_raw209[2];
+    unsigned a_frag358[4];
+    unsigned b_frag359[2];
+    unsigned a_frag364[4];
+    unsigned b_frag365[4];
+    unsigned b_raw366[2];
+    unsigned a_frag381[4];
+    unsigned b_frag382[2];
+    unsigned a_frag387[4];
+    unsigned b_frag388[4];
+    unsigned b_raw389[2];
+    unsigned a_frag404[4];
+    unsigned b_frag405[2];
+    unsigned a_frag410[4];
+    unsigned b_frag411[4];
+    unsigned b_raw412[2];
+    unsigned a_frag427[4];
+    unsigned b_frag428[4];
+    unsigned b_raw429[2];
+    unsigned a_frag473[4];
+    unsigned b_frag474[4];
+    unsigned b_raw475[2];
+    unsigned a_frag485[4];
+    unsigned b_frag486[4];
+    unsigned b_raw487[2];
+    unsigned a_frag500[4];
+    unsigned b_frag501[4];
+    unsigned b_raw502[2];
+    unsigned a_frag515[4];
+    unsigned b_frag516[4];
+    unsigned b_raw517[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -391,16 +468,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i254 = threadIdx.x; zero_i254 < 4608u; zero_i254 += 256u) {
-        kv_rope[zero_i254] = 0u;
+    for (unsigned zero_i562 = threadIdx.x; zero_i562 < 4608u; zero_i562 += 256u) {
+        kv_rope[zero_i562] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i255 = threadIdx.x; zero_i255 < 512u; zero_i255 += 256u) {
-        kv_scales[zero_i255] = 0.0f;
+    for (unsigned zero_i563 = threadIdx.x; zero_i563 < 512u; zero_i563 += 256u) {
+        kv_scales[zero_i563] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i256 = threadIdx.x; zero_i256 < 144u; zero_i256 += 256u) {
-        row_valid[zero_i256] = 0.0f;
+    for (unsigned zero_i564 = threadIdx.x; zero_i564 < 144u; zero_i564 += 256u) {
+        row_valid[zero_i564] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -430,78 +507,528 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // q_tile: this warp's A fragments straight from global memory into registers
     const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
     const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
-    q_tile_a0[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-    q_tile_a0[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a0[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a1[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a1[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a2[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a2[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-    q_tile_a3[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a3[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-    q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+    if (E4M3_MMA_NATIVE) {
+        float q_absmax = 0.0f;
+        const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+        const unsigned q_pair1 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair1 << 16u)), fabsf(__uint_as_float(q_pair1 & 4294901760u))));
+        const unsigned q_pair2 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair2 << 16u)), fabsf(__uint_as_float(q_pair2 & 4294901760u))));
+        const unsigned q_pair3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
+        const unsigned q_pair4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
+        const unsigned q_pair5 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+        const unsigned q_pair7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+        const unsigned q_pair8 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+        const unsigned q_pair9 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+        const unsigned q_pair10 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+        const unsigned q_pair11 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+        const unsigned q_pair12 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+        const unsigned q_pair13 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+        const unsigned q_pair14 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+        const unsigned q_pair15 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+        const unsigned q_pair16 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+        const unsigned q_pair17 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+        const unsigned q_pair18 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+        const unsigned q_pair19 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+        const unsigned q_pair20 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+        const unsigned q_pair21 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+        const unsigned q_pair22 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+        const unsigned q_pair23 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+        const unsigned q_pair24 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+        const unsigned q_pair25 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+        const unsigned q_pair26 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+        const unsigned q_pair27 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+        const unsigned q_pair28 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+        const unsigned q_pair29 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+        const unsigned q_pair30 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+        const unsigned q_pair31 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+        const unsigned q_pair32 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+        const unsigned q_pair33 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+        const unsigned q_pair34 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+        const unsigned q_pair35 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+        const unsigned q_pair36 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+        const unsigned q_pair37 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+        const unsigned q_pair38 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+        const unsigned q_pair39 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+        const unsigned q_pair40 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+        const unsigned q_pair41 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+        const unsigned q_pair42 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+        const unsigned q_pair43 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+        const unsigned q_pair44 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+        const unsigned q_pair45 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+        const unsigned q_pair46 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+        const unsigned q_pair47 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+        const unsigned q_pair48 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+        const unsigned q_pair49 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+        const unsigned q_pair50 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+        const unsigned q_pair51 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+        const unsigned q_pair52 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+        const unsigned q_pair53 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+        const unsigned q_pair54 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+        const unsigned q_pair55 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+        const unsigned q_pair56 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+        const unsigned q_pair57 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+        const unsigned q_pair58 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+        const unsigned q_pair59 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+        const unsigned q_pair60 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+        const unsigned q_pair61 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+        const unsigned q_pair62 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+        const unsigned q_pair63 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer);
+        const float q_absmax_peer64 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer64);
+        const float q_absmax_peer65 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer65);
+        const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer66);
+        const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer67);
+        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const float q_scale = __uint_as_float(q_scale_exp << 23u);
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
+        const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
+        const float q_x68 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x69 = __uint_as_float(q_pair1 << 16u) * q_scale;
+        const float q_x70 = __uint_as_float(q_pair1 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x68, q_x69, q_x70);
+        const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
+        const unsigned q_hi_pair71 = e4m3x2_prep(q_hi >> 16u);
+        q_tile_a0[0u] = q_hi;
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x68 - e4m3x2_hi(q_hi_pair), q_x69 - e4m3x2_lo(q_hi_pair71), q_x70 - e4m3x2_hi(q_hi_pair71));
+        const float q_x72 = __uint_as_float(q_pair2 << 16u) * q_scale;
+        const float q_x73 = __uint_as_float(q_pair2 & 4294901760u) * q_scale;
+        const float q_x74 = __uint_as_float(q_pair3 << 16u) * q_scale;
+        const float q_x75 = __uint_as_float(q_pair3 & 4294901760u) * q_scale;
+        const unsigned q_hi76 = pack_e4m3x4(q_x72, q_x73, q_x74, q_x75);
+        const unsigned q_hi_pair77 = e4m3x2_prep(q_hi76 & 65535u);
+        const unsigned q_hi_pair78 = e4m3x2_prep(q_hi76 >> 16u);
+        q_tile_a0[1u] = q_hi76;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x72 - e4m3x2_lo(q_hi_pair77), q_x73 - e4m3x2_hi(q_hi_pair77), q_x74 - e4m3x2_lo(q_hi_pair78), q_x75 - e4m3x2_hi(q_hi_pair78));
+        const float q_x79 = __uint_as_float(q_pair4 << 16u) * q_scale;
+        const float q_x80 = __uint_as_float(q_pair4 & 4294901760u) * q_scale;
+        const float q_x81 = __uint_as_float(q_pair5 << 16u) * q_scale;
+        const float q_x82 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
+        const unsigned q_hi83 = pack_e4m3x4(q_x79, q_x80, q_x81, q_x82);
+        const unsigned q_hi_pair84 = e4m3x2_prep(q_hi83 & 65535u);
+        const unsigned q_hi_pair85 = e4m3x2_prep(q_hi83 >> 16u);
+        q_tile_a0[2u] = q_hi83;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x79 - e4m3x2_lo(q_hi_pair84), q_x80 - e4m3x2_hi(q_hi_pair84), q_x81 - e4m3x2_lo(q_hi_pair85), q_x82 - e4m3x2_hi(q_hi_pair85));
+        const float q_x86 = __uint_as_float(q_pair6 << 16u) * q_scale;
+        const float q_x87 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
+        const float q_x88 = __uint_as_float(q_pair7 << 16u) * q_scale;
+        const float q_x89 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
+        const unsigned q_hi90 = pack_e4m3x4(q_x86, q_x87, q_x88, q_x89);
+        const unsigned q_hi_pair91 = e4m3x2_prep(q_hi90 & 65535u);
+        const unsigned q_hi_pair92 = e4m3x2_prep(q_hi90 >> 16u);
+        q_tile_a0[3u] = q_hi90;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x86 - e4m3x2_lo(q_hi_pair91), q_x87 - e4m3x2_hi(q_hi_pair91), q_x88 - e4m3x2_lo(q_hi_pair92), q_x89 - e4m3x2_hi(q_hi_pair92));
+        const float q_x93 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x94 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const float q_x95 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x96 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const unsigned q_hi97 = pack_e4m3x4(q_x93, q_x94, q_x95, q_x96);
+        const unsigned q_hi_pair98 = e4m3x2_prep(q_hi97 & 65535u);
+        const unsigned q_hi_pair99 = e4m3x2_prep(q_hi97 >> 16u);
+        q_tile_a0[4u] = q_hi97;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x93 - e4m3x2_lo(q_hi_pair98), q_x94 - e4m3x2_hi(q_hi_pair98), q_x95 - e4m3x2_lo(q_hi_pair99), q_x96 - e4m3x2_hi(q_hi_pair99));
+        const float q_x100 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x101 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const float q_x102 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x103 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const unsigned q_hi104 = pack_e4m3x4(q_x100, q_x101, q_x102, q_x103);
+        const unsigned q_hi_pair105 = e4m3x2_prep(q_hi104 & 65535u);
+        const unsigned q_hi_pair106 = e4m3x2_prep(q_hi104 >> 16u);
+        q_tile_a0[5u] = q_hi104;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x100 - e4m3x2_lo(q_hi_pair105), q_x101 - e4m3x2_hi(q_hi_pair105), q_x102 - e4m3x2_lo(q_hi_pair106), q_x103 - e4m3x2_hi(q_hi_pair106));
+        const float q_x107 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x108 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const float q_x109 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x110 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const unsigned q_hi111 = pack_e4m3x4(q_x107, q_x108, q_x109, q_x110);
+        const unsigned q_hi_pair112 = e4m3x2_prep(q_hi111 & 65535u);
+        const unsigned q_hi_pair113 = e4m3x2_prep(q_hi111 >> 16u);
+        q_tile_a0[6u] = q_hi111;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x107 - e4m3x2_lo(q_hi_pair112), q_x108 - e4m3x2_hi(q_hi_pair112), q_x109 - e4m3x2_lo(q_hi_pair113), q_x110 - e4m3x2_hi(q_hi_pair113));
+        const float q_x114 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x115 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const float q_x116 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x117 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const unsigned q_hi118 = pack_e4m3x4(q_x114, q_x115, q_x116, q_x117);
+        const unsigned q_hi_pair119 = e4m3x2_prep(q_hi118 & 65535u);
+        const unsigned q_hi_pair120 = e4m3x2_prep(q_hi118 >> 16u);
+        q_tile_a0[7u] = q_hi118;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x114 - e4m3x2_lo(q_hi_pair119), q_x115 - e4m3x2_hi(q_hi_pair119), q_x116 - e4m3x2_lo(q_hi_pair120), q_x117 - e4m3x2_hi(q_hi_pair120));
+        const float q_x121 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x122 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const float q_x123 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x124 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const unsigned q_hi125 = pack_e4m3x4(q_x121, q_x122, q_x123, q_x124);
+        const unsigned q_hi_pair126 = e4m3x2_prep(q_hi125 & 65535u);
+        const unsigned q_hi_pair127 = e4m3x2_prep(q_hi125 >> 16u);
+        q_tile_a1[0u] = q_hi125;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x121 - e4m3x2_lo(q_hi_pair126), q_x122 - e4m3x2_hi(q_hi_pair126), q_x123 - e4m3x2_lo(q_hi_pair127), q_x124 - e4m3x2_hi(q_hi_pair127));
+        const float q_x128 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x129 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const float q_x130 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x131 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const unsigned q_hi132 = pack_e4m3x4(q_x128, q_x129, q_x130, q_x131);
+        const unsigned q_hi_pair133 = e4m3x2_prep(q_hi132 & 65535u);
+        const unsigned q_hi_pair134 = e4m3x2_prep(q_hi132 >> 16u);
+        q_tile_a1[1u] = q_hi132;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x128 - e4m3x2_lo(q_hi_pair133), q_x129 - e4m3x2_hi(q_hi_pair133), q_x130 - e4m3x2_lo(q_hi_pair134), q_x131 - e4m3x2_hi(q_hi_pair134));
+        const float q_x135 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x136 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const float q_x137 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x138 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const unsigned q_hi139 = pack_e4m3x4(q_x135, q_x136, q_x137, q_x138);
+        const unsigned q_hi_pair140 = e4m3x2_prep(q_hi139 & 65535u);
+        const unsigned q_hi_pair141 = e4m3x2_prep(q_hi139 >> 16u);
+        q_tile_a1[2u] = q_hi139;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x135 - e4m3x2_lo(q_hi_pair140), q_x136 - e4m3x2_hi(q_hi_pair140), q_x137 - e4m3x2_lo(q_hi_pair141), q_x138 - e4m3x2_hi(q_hi_pair141));
+        const float q_x142 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x143 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const float q_x144 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x145 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const unsigned q_hi146 = pack_e4m3x4(q_x142, q_x143, q_x144, q_x145);
+        const unsigned q_hi_pair147 = e4m3x2_prep(q_hi146 & 65535u);
+        const unsigned q_hi_pair148 = e4m3x2_prep(q_hi146 >> 16u);
+        q_tile_a1[3u] = q_hi146;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x142 - e4m3x2_lo(q_hi_pair147), q_x143 - e4m3x2_hi(q_hi_pair147), q_x144 - e4m3x2_lo(q_hi_pair148), q_x145 - e4m3x2_hi(q_hi_pair148));
+        const float q_x149 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x150 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const float q_x151 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x152 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const unsigned q_hi153 = pack_e4m3x4(q_x149, q_x150, q_x151, q_x152);
+        const unsigned q_hi_pair154 = e4m3x2_prep(q_hi153 & 65535u);
+        const unsigned q_hi_pair155 = e4m3x2_prep(q_hi153 >> 16u);
+        q_tile_a1[4u] = q_hi153;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x149 - e4m3x2_lo(q_hi_pair154), q_x150 - e4m3x2_hi(q_hi_pair154), q_x151 - e4m3x2_lo(q_hi_pair155), q_x152 - e4m3x2_hi(q_hi_pair155));
+        const float q_x156 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x157 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const float q_x158 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x159 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const unsigned q_hi160 = pack_e4m3x4(q_x156, q_x157, q_x158, q_x159);
+        const unsigned q_hi_pair161 = e4m3x2_prep(q_hi160 & 65535u);
+        const unsigned q_hi_pair162 = e4m3x2_prep(q_hi160 >> 16u);
+        q_tile_a1[5u] = q_hi160;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x156 - e4m3x2_lo(q_hi_pair161), q_x157 - e4m3x2_hi(q_hi_pair161), q_x158 - e4m3x2_lo(q_hi_pair162), q_x159 - e4m3x2_hi(q_hi_pair162));
+        const float q_x163 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x164 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const float q_x165 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x166 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const unsigned q_hi167 = pack_e4m3x4(q_x163, q_x164, q_x165, q_x166);
+        const unsigned q_hi_pair168 = e4m3x2_prep(q_hi167 & 65535u);
+        const unsigned q_hi_pair169 = e4m3x2_prep(q_hi167 >> 16u);
+        q_tile_a1[6u] = q_hi167;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x163 - e4m3x2_lo(q_hi_pair168), q_x164 - e4m3x2_hi(q_hi_pair168), q_x165 - e4m3x2_lo(q_hi_pair169), q_x166 - e4m3x2_hi(q_hi_pair169));
+        const float q_x170 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x171 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const float q_x172 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x173 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const unsigned q_hi174 = pack_e4m3x4(q_x170, q_x171, q_x172, q_x173);
+        const unsigned q_hi_pair175 = e4m3x2_prep(q_hi174 & 65535u);
+        const unsigned q_hi_pair176 = e4m3x2_prep(q_hi174 >> 16u);
+        q_tile_a1[7u] = q_hi174;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x170 - e4m3x2_lo(q_hi_pair175), q_x171 - e4m3x2_hi(q_hi_pair175), q_x172 - e4m3x2_lo(q_hi_pair176), q_x173 - e4m3x2_hi(q_hi_pair176));
+        const float q_x177 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x178 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const float q_x179 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x180 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const unsigned q_hi181 = pack_e4m3x4(q_x177, q_x178, q_x179, q_x180);
+        const unsigned q_hi_pair182 = e4m3x2_prep(q_hi181 & 65535u);
+        const unsigned q_hi_pair183 = e4m3x2_prep(q_hi181 >> 16u);
+        q_tile_a2[0u] = q_hi181;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x177 - e4m3x2_lo(q_hi_pair182), q_x178 - e4m3x2_hi(q_hi_pair182), q_x179 - e4m3x2_lo(q_hi_pair183), q_x180 - e4m3x2_hi(q_hi_pair183));
+        const float q_x184 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x185 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const float q_x186 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x187 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const unsigned q_hi188 = pack_e4m3x4(q_x184, q_x185, q_x186, q_x187);
+        const unsigned q_hi_pair189 = e4m3x2_prep(q_hi188 & 65535u);
+        const unsigned q_hi_pair190 = e4m3x2_prep(q_hi188 >> 16u);
+        q_tile_a2[1u] = q_hi188;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x184 - e4m3x2_lo(q_hi_pair189), q_x185 - e4m3x2_hi(q_hi_pair189), q_x186 - e4m3x2_lo(q_hi_pair190), q_x187 - e4m3x2_hi(q_hi_pair190));
+        const float q_x191 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x192 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const float q_x193 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x194 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const unsigned q_hi195 = pack_e4m3x4(q_x191, q_x192, q_x193, q_x194);
+        const unsigned q_hi_pair196 = e4m3x2_prep(q_hi195 & 65535u);
+        const unsigned q_hi_pair197 = e4m3x2_prep(q_hi195 >> 16u);
+        q_tile_a2[2u] = q_hi195;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x191 - e4m3x2_lo(q_hi_pair196), q_x192 - e4m3x2_hi(q_hi_pair196), q_x193 - e4m3x2_lo(q_hi_pair197), q_x194 - e4m3x2_hi(q_hi_pair197));
+        const float q_x198 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x199 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const float q_x200 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x201 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const unsigned q_hi202 = pack_e4m3x4(q_x198, q_x199, q_x200, q_x201);
+        const unsigned q_hi_pair203 = e4m3x2_prep(q_hi202 & 65535u);
+        const unsigned q_hi_pair204 = e4m3x2_prep(q_hi202 >> 16u);
+        q_tile_a2[3u] = q_hi202;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x198 - e4m3x2_lo(q_hi_pair203), q_x199 - e4m3x2_hi(q_hi_pair203), q_x200 - e4m3x2_lo(q_hi_pair204), q_x201 - e4m3x2_hi(q_hi_pair204));
+        const float q_x205 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x206 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const float q_x207 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x208 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const unsigned q_hi209 = pack_e4m3x4(q_x205, q_x206, q_x207, q_x208);
+        const unsigned q_hi_pair210 = e4m3x2_prep(q_hi209 & 65535u);
+        const unsigned q_hi_pair211 = e4m3x2_prep(q_hi209 >> 16u);
+        q_tile_a2[4u] = q_hi209;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x205 - e4m3x2_lo(q_hi_pair210), q_x206 - e4m3x2_hi(q_hi_pair210), q_x207 - e4m3x2_lo(q_hi_pair211), q_x208 - e4m3x2_hi(q_hi_pair211));
+        const float q_x212 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x213 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const float q_x214 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x215 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const unsigned q_hi216 = pack_e4m3x4(q_x212, q_x213, q_x214, q_x215);
+        const unsigned q_hi_pair217 = e4m3x2_prep(q_hi216 & 65535u);
+        const unsigned q_hi_pair218 = e4m3x2_prep(q_hi216 >> 16u);
+        q_tile_a2[5u] = q_hi216;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x212 - e4m3x2_lo(q_hi_pair217), q_x213 - e4m3x2_hi(q_hi_pair217), q_x214 - e4m3x2_lo(q_hi_pair218), q_x215 - e4m3x2_hi(q_hi_pair218));
+        const float q_x219 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x220 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const float q_x221 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x222 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const unsigned q_hi223 = pack_e4m3x4(q_x219, q_x220, q_x221, q_x222);
+        const unsigned q_hi_pair224 = e4m3x2_prep(q_hi223 & 65535u);
+        const unsigned q_hi_pair225 = e4m3x2_prep(q_hi223 >> 16u);
+        q_tile_a2[6u] = q_hi223;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x219 - e4m3x2_lo(q_hi_pair224), q_x220 - e4m3x2_hi(q_hi_pair224), q_x221 - e4m3x2_lo(q_hi_pair225), q_x222 - e4m3x2_hi(q_hi_pair225));
+        const float q_x226 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x227 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const float q_x228 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x229 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const unsigned q_hi230 = pack_e4m3x4(q_x226, q_x227, q_x228, q_x229);
+        const unsigned q_hi_pair231 = e4m3x2_prep(q_hi230 & 65535u);
+        const unsigned q_hi_pair232 = e4m3x2_prep(q_hi230 >> 16u);
+        q_tile_a2[7u] = q_hi230;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x226 - e4m3x2_lo(q_hi_pair231), q_x227 - e4m3x2_hi(q_hi_pair231), q_x228 - e4m3x2_lo(q_hi_pair232), q_x229 - e4m3x2_hi(q_hi_pair232));
+        const float q_x233 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x234 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const float q_x235 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x236 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const unsigned q_hi237 = pack_e4m3x4(q_x233, q_x234, q_x235, q_x236);
+        const unsigned q_hi_pair238 = e4m3x2_prep(q_hi237 & 65535u);
+        const unsigned q_hi_pair239 = e4m3x2_prep(q_hi237 >> 16u);
+        q_tile_a3[0u] = q_hi237;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x233 - e4m3x2_lo(q_hi_pair238), q_x234 - e4m3x2_hi(q_hi_pair238), q_x235 - e4m3x2_lo(q_hi_pair239), q_x236 - e4m3x2_hi(q_hi_pair239));
+        const float q_x240 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x241 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const float q_x242 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x243 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const unsigned q_hi244 = pack_e4m3x4(q_x240, q_x241, q_x242, q_x243);
+        const unsigned q_hi_pair245 = e4m3x2_prep(q_hi244 & 65535u);
+        const unsigned q_hi_pair246 = e4m3x2_prep(q_hi244 >> 16u);
+        q_tile_a3[1u] = q_hi244;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x240 - e4m3x2_lo(q_hi_pair245), q_x241 - e4m3x2_hi(q_hi_pair245), q_x242 - e4m3x2_lo(q_hi_pair246), q_x243 - e4m3x2_hi(q_hi_pair246));
+        const float q_x247 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x248 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const float q_x249 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x250 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const unsigned q_hi251 = pack_e4m3x4(q_x247, q_x248, q_x249, q_x250);
+        const unsigned q_hi_pair252 = e4m3x2_prep(q_hi251 & 65535u);
+        const unsigned q_hi_pair253 = e4m3x2_prep(q_hi251 >> 16u);
+        q_tile_a3[2u] = q_hi251;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x247 - e4m3x2_lo(q_hi_pair252), q_x248 - e4m3x2_hi(q_hi_pair252), q_x249 - e4m3x2_lo(q_hi_pair253), q_x250 - e4m3x2_hi(q_hi_pair253));
+        const float q_x254 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x255 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const float q_x256 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x257 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const unsigned q_hi258 = pack_e4m3x4(q_x254, q_x255, q_x256, q_x257);
+        const unsigned q_hi_pair259 = e4m3x2_prep(q_hi258 & 65535u);
+        const unsigned q_hi_pair260 = e4m3x2_prep(q_hi258 >> 16u);
+        q_tile_a3[3u] = q_hi258;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x254 - e4m3x2_lo(q_hi_pair259), q_x255 - e4m3x2_hi(q_hi_pair259), q_x256 - e4m3x2_lo(q_hi_pair260), q_x257 - e4m3x2_hi(q_hi_pair260));
+        const float q_x261 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x262 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const float q_x263 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x264 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const unsigned q_hi265 = pack_e4m3x4(q_x261, q_x262, q_x263, q_x264);
+        const unsigned q_hi_pair266 = e4m3x2_prep(q_hi265 & 65535u);
+        const unsigned q_hi_pair267 = e4m3x2_prep(q_hi265 >> 16u);
+        q_tile_a3[4u] = q_hi265;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x261 - e4m3x2_lo(q_hi_pair266), q_x262 - e4m3x2_hi(q_hi_pair266), q_x263 - e4m3x2_lo(q_hi_pair267), q_x264 - e4m3x2_hi(q_hi_pair267));
+        const float q_x268 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x269 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const float q_x270 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x271 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const unsigned q_hi272 = pack_e4m3x4(q_x268, q_x269, q_x270, q_x271);
+        const unsigned q_hi_pair273 = e4m3x2_prep(q_hi272 & 65535u);
+        const unsigned q_hi_pair274 = e4m3x2_prep(q_hi272 >> 16u);
+        q_tile_a3[5u] = q_hi272;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x268 - e4m3x2_lo(q_hi_pair273), q_x269 - e4m3x2_hi(q_hi_pair273), q_x270 - e4m3x2_lo(q_hi_pair274), q_x271 - e4m3x2_hi(q_hi_pair274));
+        const float q_x275 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x276 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const float q_x277 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x278 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const unsigned q_hi279 = pack_e4m3x4(q_x275, q_x276, q_x277, q_x278);
+        const unsigned q_hi_pair280 = e4m3x2_prep(q_hi279 & 65535u);
+        const unsigned q_hi_pair281 = e4m3x2_prep(q_hi279 >> 16u);
+        q_tile_a3[6u] = q_hi279;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x275 - e4m3x2_lo(q_hi_pair280), q_x276 - e4m3x2_hi(q_hi_pair280), q_x277 - e4m3x2_lo(q_hi_pair281), q_x278 - e4m3x2_hi(q_hi_pair281));
+        const float q_x282 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x283 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const float q_x284 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x285 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const unsigned q_hi286 = pack_e4m3x4(q_x282, q_x283, q_x284, q_x285);
+        const unsigned q_hi_pair287 = e4m3x2_prep(q_hi286 & 65535u);
+        const unsigned q_hi_pair288 = e4m3x2_prep(q_hi286 >> 16u);
+        q_tile_a3[7u] = q_hi286;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x282 - e4m3x2_lo(q_hi_pair287), q_x283 - e4m3x2_hi(q_hi_pair287), q_x284 - e4m3x2_lo(q_hi_pair288), q_x285 - e4m3x2_hi(q_hi_pair288));
+        const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
+        const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
+        const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
+        const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
+        const unsigned sub4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
+        const unsigned sub5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
+        const unsigned sub6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
+        const unsigned sub7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
+    } else {
+        q_tile_unscale[0u] = 1.0f;
+        q_tile_a0_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+    }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
         row_max[r] = -3e38f;
@@ -513,16 +1040,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i1 = 0u; fill_i1 < 8u; fill_i1 += 1u) {
-        o_acc_1[fill_i1] = 0.0f;
+    for (unsigned fill_i289 = 0u; fill_i289 < 8u; fill_i289 += 1u) {
+        o_acc_1[fill_i289] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i2 = 0u; fill_i2 < 8u; fill_i2 += 1u) {
-        o_acc_2[fill_i2] = 0.0f;
+    for (unsigned fill_i290 = 0u; fill_i290 < 8u; fill_i290 += 1u) {
+        o_acc_2[fill_i290] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i3 = 0u; fill_i3 < 8u; fill_i3 += 1u) {
-        o_acc_3[fill_i3] = 0.0f;
+    for (unsigned fill_i291 = 0u; fill_i291 < 8u; fill_i291 += 1u) {
+        o_acc_3[fill_i291] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -539,44 +1066,44 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 }
             }
             #pragma unroll
-            for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
-                if (gather_row5 < 32u) {
-                    const unsigned row_2 = gather_row5;
-                    kv_scales_pre[slot4] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
+                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
+                if (gather_row293 < 32u) {
+                    const unsigned row_2 = gather_row293;
+                    kv_scales_pre[slot292] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
-                if (gather_row7 < 32u) {
-                    const unsigned row_3 = gather_row7;
-                    kv_rope_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_3 = gather_row295;
+                    kv_rope_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 4u;
             #pragma unroll
-            for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
-                if (gather_row9 < 32u) {
+            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
+                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
+                if (gather_row297 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row9;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot8] >= 0)) && (((unsigned)kv_latent_pre[slot8]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot8]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row9;
-                    const int src_i3210 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot8] >= 0)) && (((unsigned)kv_scales_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot8]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row9;
-                    const int src_i3211 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot8] >= 0)) && (((unsigned)kv_rope_pre[slot8]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot8]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row9] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row297;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot296] >= 0)) && (((unsigned)kv_latent_pre[slot296]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot296]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned row_2 = gather_row297;
+                    const int src_i32298 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot296] >= 0)) && (((unsigned)kv_scales_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot296]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row297;
+                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot296] >= 0)) && (((unsigned)kv_rope_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot296]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row297] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row9 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row297 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
                     }
-                    if (src_i3210 >= 0) {
-                        copy_async(kv_scales + (load_stage * 128u) + (gather_row9 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 16u, ring_barriers + (load_stage * 2u));
+                    if (src_i32298 >= 0) {
+                        copy_async(kv_scales + (load_stage * 128u) + (gather_row297 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32298), 16u, ring_barriers + (load_stage * 2u));
                     }
-                    if (src_i3211 >= 0) {
-                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row9 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3211), 128u, ring_barriers + (load_stage * 2u));
+                    if (src_i32299 >= 0) {
+                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row297 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 128u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
@@ -585,135 +1112,135 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_count) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
-                if (gather_row13 < 32u) {
-                    const unsigned row_1 = gather_row13;
-                    kv_latent_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
+                    const unsigned row_1 = gather_row301;
+                    kv_latent_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
-                if (gather_row15 < 32u) {
-                    const unsigned row_2 = gather_row15;
-                    kv_scales_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
+                if (gather_row303 < 32u) {
+                    const unsigned row_2 = gather_row303;
+                    kv_scales_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot16 = 0u; slot16 < 1u; slot16 += 1u) {
-                const unsigned gather_row17 = ((warp - 4u) + (lane * 4u)) + (slot16 * 128u);
-                if (gather_row17 < 32u) {
-                    const unsigned row_3 = gather_row17;
-                    kv_rope_pre[slot16] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot304 = 0u; slot304 < 1u; slot304 += 1u) {
+                const unsigned gather_row305 = ((warp - 4u) + (lane * 4u)) + (slot304 * 128u);
+                if (gather_row305 < 32u) {
+                    const unsigned row_3 = gather_row305;
+                    kv_rope_pre[slot304] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
         if (1u < step_count) {
-            const unsigned load_stage18 = 1u % 4u;
+            const unsigned load_stage306 = 1u % 4u;
             #pragma unroll
-            for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
-                const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
-                if (gather_row20 < 32u) {
+            for (unsigned slot307 = 0u; slot307 < 1u; slot307 += 1u) {
+                const unsigned gather_row308 = ((warp - 4u) + (lane * 4u)) + (slot307 * 128u);
+                if (gather_row308 < 32u) {
                     const unsigned step = 1u;
-                    const unsigned row_1 = gather_row20;
-                    const int src_i3221 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot19] >= 0)) && (((unsigned)kv_latent_pre[slot19]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot19]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row20;
-                    const int src_i3222 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot19] >= 0)) && (((unsigned)kv_scales_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot19]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row20;
-                    const int src_i3223 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot19] >= 0)) && (((unsigned)kv_rope_pre[slot19]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot19]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot19]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage18 * 36u) + gather_row20] = (src_i3221 >= 0) ? 1.0f : 0.0f;
-                    if (src_i3221 >= 0) {
-                        copy_async(kv_latent + (load_stage18 * 4224u) + (gather_row20 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3221), 512u, ring_barriers + (load_stage18 * 2u));
+                    const unsigned row_1 = gather_row308;
+                    const int src_i32309 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot307] >= 0)) && (((unsigned)kv_latent_pre[slot307]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot307]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot307]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned row_2 = gather_row308;
+                    const int src_i32310 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot307] >= 0)) && (((unsigned)kv_scales_pre[slot307]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot307]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot307]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row308;
+                    const int src_i32311 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot307] >= 0)) && (((unsigned)kv_rope_pre[slot307]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot307]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot307]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    row_valid[(load_stage306 * 36u) + gather_row308] = (src_i32309 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32309 >= 0) {
+                        copy_async(kv_latent + (load_stage306 * 4224u) + (gather_row308 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32309), 512u, ring_barriers + (load_stage306 * 2u));
                     }
-                    if (src_i3222 >= 0) {
-                        copy_async(kv_scales + (load_stage18 * 128u) + (gather_row20 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3222), 16u, ring_barriers + (load_stage18 * 2u));
+                    if (src_i32310 >= 0) {
+                        copy_async(kv_scales + (load_stage306 * 128u) + (gather_row308 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32310), 16u, ring_barriers + (load_stage306 * 2u));
                     }
-                    if (src_i3223 >= 0) {
-                        copy_async(kv_rope + (load_stage18 * 1152u) + (gather_row20 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3223), 128u, ring_barriers + (load_stage18 * 2u));
+                    if (src_i32311 >= 0) {
+                        copy_async(kv_rope + (load_stage306 * 1152u) + (gather_row308 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 128u, ring_barriers + (load_stage306 * 2u));
                     }
                 }
             }
-            copy_arrive(ring_barriers + (load_stage18 * 2u));
+            copy_arrive(ring_barriers + (load_stage306 * 2u));
         }
         if (2u < step_count) {
             const unsigned step = 2u;
             #pragma unroll
-            for (unsigned slot24 = 0u; slot24 < 1u; slot24 += 1u) {
-                const unsigned gather_row25 = ((warp - 4u) + (lane * 4u)) + (slot24 * 128u);
-                if (gather_row25 < 32u) {
-                    const unsigned row_1 = gather_row25;
-                    kv_latent_pre[slot24] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot312 = 0u; slot312 < 1u; slot312 += 1u) {
+                const unsigned gather_row313 = ((warp - 4u) + (lane * 4u)) + (slot312 * 128u);
+                if (gather_row313 < 32u) {
+                    const unsigned row_1 = gather_row313;
+                    kv_latent_pre[slot312] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot26 = 0u; slot26 < 1u; slot26 += 1u) {
-                const unsigned gather_row27 = ((warp - 4u) + (lane * 4u)) + (slot26 * 128u);
-                if (gather_row27 < 32u) {
-                    const unsigned row_2 = gather_row27;
-                    kv_scales_pre[slot26] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot314 = 0u; slot314 < 1u; slot314 += 1u) {
+                const unsigned gather_row315 = ((warp - 4u) + (lane * 4u)) + (slot314 * 128u);
+                if (gather_row315 < 32u) {
+                    const unsigned row_2 = gather_row315;
+                    kv_scales_pre[slot314] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot28 = 0u; slot28 < 1u; slot28 += 1u) {
-                const unsigned gather_row29 = ((warp - 4u) + (lane * 4u)) + (slot28 * 128u);
-                if (gather_row29 < 32u) {
-                    const unsigned row_3 = gather_row29;
-                    kv_rope_pre[slot28] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot316 = 0u; slot316 < 1u; slot316 += 1u) {
+                const unsigned gather_row317 = ((warp - 4u) + (lane * 4u)) + (slot316 * 128u);
+                if (gather_row317 < 32u) {
+                    const unsigned row_3 = gather_row317;
+                    kv_rope_pre[slot316] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
         if (2u < step_count) {
-            const unsigned load_stage30 = 2u % 4u;
+            const unsigned load_stage318 = 2u % 4u;
             #pragma unroll
-            for (unsigned slot31 = 0u; slot31 < 1u; slot31 += 1u) {
-                const unsigned gather_row32 = ((warp - 4u) + (lane * 4u)) + (slot31 * 128u);
-                if (gather_row32 < 32u) {
+            for (unsigned slot319 = 0u; slot319 < 1u; slot319 += 1u) {
+                const unsigned gather_row320 = ((warp - 4u) + (lane * 4u)) + (slot319 * 128u);
+                if (gather_row320 < 32u) {
                     const unsigned step = 2u;
-                    const unsigned row_1 = gather_row32;
-                    const int src_i3233 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot31] >= 0)) && (((unsigned)kv_latent_pre[slot31]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot31]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row32;
-                    const int src_i3234 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot31] >= 0)) && (((unsigned)kv_scales_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot31]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row32;
-                    const int src_i3235 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot31] >= 0)) && (((unsigned)kv_rope_pre[slot31]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot31]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot31]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage30 * 36u) + gather_row32] = (src_i3233 >= 0) ? 1.0f : 0.0f;
-                    if (src_i3233 >= 0) {
-                        copy_async(kv_latent + (load_stage30 * 4224u) + (gather_row32 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3233), 512u, ring_barriers + (load_stage30 * 2u));
+                    const unsigned row_1 = gather_row320;
+                    const int src_i32321 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot319] >= 0)) && (((unsigned)kv_latent_pre[slot319]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot319]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot319]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const unsigned row_2 = gather_row320;
+                    const int src_i32322 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot319] >= 0)) && (((unsigned)kv_scales_pre[slot319]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot319]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot319]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                    const unsigned row_3 = gather_row320;
+                    const int src_i32323 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot319] >= 0)) && (((unsigned)kv_rope_pre[slot319]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot319]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot319]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                    row_valid[(load_stage318 * 36u) + gather_row320] = (src_i32321 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32321 >= 0) {
+                        copy_async(kv_latent + (load_stage318 * 4224u) + (gather_row320 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32321), 512u, ring_barriers + (load_stage318 * 2u));
                     }
-                    if (src_i3234 >= 0) {
-                        copy_async(kv_scales + (load_stage30 * 128u) + (gather_row32 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3234), 16u, ring_barriers + (load_stage30 * 2u));
+                    if (src_i32322 >= 0) {
+                        copy_async(kv_scales + (load_stage318 * 128u) + (gather_row320 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32322), 16u, ring_barriers + (load_stage318 * 2u));
                     }
-                    if (src_i3235 >= 0) {
-                        copy_async(kv_rope + (load_stage30 * 1152u) + (gather_row32 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3235), 128u, ring_barriers + (load_stage30 * 2u));
+                    if (src_i32323 >= 0) {
+                        copy_async(kv_rope + (load_stage318 * 1152u) + (gather_row320 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32323), 128u, ring_barriers + (load_stage318 * 2u));
                     }
                 }
             }
-            copy_arrive(ring_barriers + (load_stage30 * 2u));
+            copy_arrive(ring_barriers + (load_stage318 * 2u));
         }
         if (3u < step_count) {
             const unsigned step = 3u;
             #pragma unroll
-            for (unsigned slot36 = 0u; slot36 < 1u; slot36 += 1u) {
-                const unsigned gather_row37 = ((warp - 4u) + (lane * 4u)) + (slot36 * 128u);
-                if (gather_row37 < 32u) {
-                    const unsigned row_1 = gather_row37;
-                    kv_latent_pre[slot36] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot324 = 0u; slot324 < 1u; slot324 += 1u) {
+                const unsigned gather_row325 = ((warp - 4u) + (lane * 4u)) + (slot324 * 128u);
+                if (gather_row325 < 32u) {
+                    const unsigned row_1 = gather_row325;
+                    kv_latent_pre[slot324] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot38 = 0u; slot38 < 1u; slot38 += 1u) {
-                const unsigned gather_row39 = ((warp - 4u) + (lane * 4u)) + (slot38 * 128u);
-                if (gather_row39 < 32u) {
-                    const unsigned row_2 = gather_row39;
-                    kv_scales_pre[slot38] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+            for (unsigned slot326 = 0u; slot326 < 1u; slot326 += 1u) {
+                const unsigned gather_row327 = ((warp - 4u) + (lane * 4u)) + (slot326 * 128u);
+                if (gather_row327 < 32u) {
+                    const unsigned row_2 = gather_row327;
+                    kv_scales_pre[slot326] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                 }
             }
             #pragma unroll
-            for (unsigned slot40 = 0u; slot40 < 1u; slot40 += 1u) {
-                const unsigned gather_row41 = ((warp - 4u) + (lane * 4u)) + (slot40 * 128u);
-                if (gather_row41 < 32u) {
-                    const unsigned row_3 = gather_row41;
-                    kv_rope_pre[slot40] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot328 = 0u; slot328 < 1u; slot328 += 1u) {
+                const unsigned gather_row329 = ((warp - 4u) + (lane * 4u)) + (slot328 * 128u);
+                if (gather_row329 < 32u) {
+                    const unsigned row_3 = gather_row329;
+                    kv_rope_pre[slot328] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                 }
             }
         }
@@ -729,10 +1256,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi42 = 0u; mi42 < 1u; mi42 += 1u) {
+        for (unsigned mi330 = 0u; mi330 < 1u; mi330 += 1u) {
             #pragma unroll
-            for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
-                row_sum_part[(mi42 * 2u) + half43] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi42 * 16u)) + ((half43 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half331 = 0u; half331 < 2u; half331 += 1u) {
+                row_sum_part[(mi330 * 2u) + half331] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi330 * 16u)) + ((half331 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -745,233 +1272,325 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i56 = 0u; fill_i56 < 4u; fill_i56 += 1u) {
-            scores[fill_i56] = 0.0f;
+        for (unsigned fill_i344 = 0u; fill_i344 < 4u; fill_i344 += 1u) {
+            scores[fill_i344] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e57 = 0u; e57 < 4u; e57 += 1u) {
-            scores_term[e57] = 0.0f;
+        for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
+            scores_term[e345] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
-        const unsigned k_first = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e59 = 0u; e59 < 4u; e59 += 1u) {
-            scores_term[4u + e59] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
+        if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                const unsigned kk = (kk_pair * 2u) + chain;
+            for (unsigned kk = 0u; kk < 2u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                    ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk) * 4u));
-                    const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                    const unsigned e4m3_pair60 = e4m3x2_prep(b_raw[0u] >> 16u);
-                    b_frag[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                    b_frag[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair60), e4m3x2_hi(e4m3_pair60));
+                    ldmatrix_x2(&b_frag[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi58 * 4u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi58 * 4u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain * 4u) + ((mi58 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi346 = 0u; mi346 < 1u; mi346 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi346 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi346 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi346 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi346 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi346 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi346 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi346 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi346 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi346 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi346 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
-        }
-        #pragma unroll
-        for (unsigned e61 = 0u; e61 < 4u; e61 += 1u) {
-            scores_term[e61] = scores_term[e61] + scores_term[4u + e61];
+        } else {
+            const unsigned k_first = (warp % 2u) * 4u;
+            #pragma unroll
+            for (unsigned e352 = 0u; e352 < 4u; e352 += 1u) {
+                scores_term[4u + e352] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
+                #pragma unroll
+                for (unsigned chain = 0u; chain < 2u; chain += 1u) {
+                    const unsigned kk349 = (kk_pair * 2u) + chain;
+                    #pragma unroll
+                    for (unsigned nj351 = 0u; nj351 < 1u; nj351 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj351 * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk349) * 4u));
+                        const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
+                        const unsigned e4m3_pair353 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag348[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag348[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair353), e4m3x2_hi(e4m3_pair353));
+                        #pragma unroll
+                        for (unsigned mi350 = 0u; mi350 < 1u; mi350 += 1u) {
+                            a_frag347[0u] = q_tile_a0_bf16[((mi350 * 4u) + kk349) * 4u];
+                            a_frag347[1u] = q_tile_a0_bf16[(((mi350 * 4u) + kk349) * 4u) + 1u];
+                            a_frag347[2u] = q_tile_a0_bf16[(((mi350 * 4u) + kk349) * 4u) + 2u];
+                            a_frag347[3u] = q_tile_a0_bf16[(((mi350 * 4u) + kk349) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi350 + nj351) * 4u)], &a_frag347[0u], &b_frag348[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e354 = 0u; e354 < 4u; e354 += 1u) {
+                scores_term[e354] = scores_term[e354] + scores_term[4u + e354];
+            }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e62 = 0u; e62 < 4u; e62 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e62 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e62] = fmaf(scores_term[(frag * 4u) + e62], row_scale, scores_part[(frag * 4u) + e62]);
+            for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
+                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e355 & 1u))) * 4u)];
+                scores_part[(frag * 4u) + e355] = fmaf(scores_term[(frag * 4u) + e355], row_scale, scores_part[(frag * 4u) + e355]);
             }
         }
         #pragma unroll
-        for (unsigned e63 = 0u; e63 < 4u; e63 += 1u) {
-            scores_term[e63] = 0.0f;
+        for (unsigned e356 = 0u; e356 < 4u; e356 += 1u) {
+            scores_term[e356] = 0.0f;
         }
-        const unsigned n_first64 = (warp / 2u) * 8u;
-        const unsigned k_first65 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e74 = 0u; e74 < 4u; e74 += 1u) {
-            scores_term[4u + e74] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair72 = 0u; kk_pair72 < 2u; kk_pair72 += 1u) {
+        const unsigned n_first357 = (warp / 2u) * 8u;
+        if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned chain73 = 0u; chain73 < 2u; chain73 += 1u) {
-                const unsigned kk69 = (kk_pair72 * 2u) + chain73;
+            for (unsigned kk360 = 0u; kk360 < 2u; kk360 += 1u) {
                 #pragma unroll
-                for (unsigned nj71 = 0u; nj71 < 1u; nj71 += 1u) {
-                    ldmatrix_x1(&b_raw68[0u], kv_latent + (stage * 4224u) + (((n_first64 + (nj71 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first65 + kk69) * 4u));
-                    const unsigned e4m3_pair75 = e4m3x2_prep(b_raw68[0u] & 65535u);
-                    const unsigned e4m3_pair76 = e4m3x2_prep(b_raw68[0u] >> 16u);
-                    b_frag67[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair75), e4m3x2_hi(e4m3_pair75));
-                    b_frag67[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair76), e4m3x2_hi(e4m3_pair76));
+                for (unsigned nj362 = 0u; nj362 < 1u; nj362 += 1u) {
+                    ldmatrix_x2(&b_frag359[0u], kv_latent + (stage * 4224u) + (((n_first357 + (nj362 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((((warp % 2u) * 2u) + kk360) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi70 = 0u; mi70 < 1u; mi70 += 1u) {
-                        a_frag66[0u] = q_tile_a1[((mi70 * 4u) + kk69) * 4u];
-                        a_frag66[1u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 1u];
-                        a_frag66[2u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 2u];
-                        a_frag66[3u] = q_tile_a1[(((mi70 * 4u) + kk69) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain73 * 4u) + ((mi70 + nj71) * 4u)], &a_frag66[0u], &b_frag67[0u]);
+                    for (unsigned mi361 = 0u; mi361 < 1u; mi361 += 1u) {
+                        a_frag358[0u] = q_tile_a1[((mi361 * 2u) + kk360) * 4u];
+                        a_frag358[1u] = q_tile_a1[(((mi361 * 2u) + kk360) * 4u) + 1u];
+                        a_frag358[2u] = q_tile_a1[(((mi361 * 2u) + kk360) * 4u) + 2u];
+                        a_frag358[3u] = q_tile_a1[(((mi361 * 2u) + kk360) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi361 + nj362) * 4u], &a_frag358[0u], &b_frag359[0u]);
+                        a_frag358[0u] = q_tile_a1_lo[((mi361 * 2u) + kk360) * 4u];
+                        a_frag358[1u] = q_tile_a1_lo[(((mi361 * 2u) + kk360) * 4u) + 1u];
+                        a_frag358[2u] = q_tile_a1_lo[(((mi361 * 2u) + kk360) * 4u) + 2u];
+                        a_frag358[3u] = q_tile_a1_lo[(((mi361 * 2u) + kk360) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi361 + nj362) * 4u], &a_frag358[0u], &b_frag359[0u]);
+                    }
+                }
+            }
+        } else {
+            const unsigned k_first363 = (warp % 2u) * 4u;
+            #pragma unroll
+            for (unsigned e372 = 0u; e372 < 4u; e372 += 1u) {
+                scores_term[4u + e372] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair370 = 0u; kk_pair370 < 2u; kk_pair370 += 1u) {
+                #pragma unroll
+                for (unsigned chain371 = 0u; chain371 < 2u; chain371 += 1u) {
+                    const unsigned kk367 = (kk_pair370 * 2u) + chain371;
+                    #pragma unroll
+                    for (unsigned nj369 = 0u; nj369 < 1u; nj369 += 1u) {
+                        ldmatrix_x1(&b_raw366[0u], kv_latent + (stage * 4224u) + (((n_first357 + (nj369 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first363 + kk367) * 4u));
+                        const unsigned e4m3_pair373 = e4m3x2_prep(b_raw366[0u] & 65535u);
+                        const unsigned e4m3_pair374 = e4m3x2_prep(b_raw366[0u] >> 16u);
+                        b_frag365[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair373), e4m3x2_hi(e4m3_pair373));
+                        b_frag365[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair374), e4m3x2_hi(e4m3_pair374));
+                        #pragma unroll
+                        for (unsigned mi368 = 0u; mi368 < 1u; mi368 += 1u) {
+                            a_frag364[0u] = q_tile_a1_bf16[((mi368 * 4u) + kk367) * 4u];
+                            a_frag364[1u] = q_tile_a1_bf16[(((mi368 * 4u) + kk367) * 4u) + 1u];
+                            a_frag364[2u] = q_tile_a1_bf16[(((mi368 * 4u) + kk367) * 4u) + 2u];
+                            a_frag364[3u] = q_tile_a1_bf16[(((mi368 * 4u) + kk367) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain371 * 4u) + ((mi368 + nj369) * 4u)], &a_frag364[0u], &b_frag365[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e375 = 0u; e375 < 4u; e375 += 1u) {
+                scores_term[e375] = scores_term[e375] + scores_term[4u + e375];
+            }
+        }
+        #pragma unroll
+        for (unsigned frag376 = 0u; frag376 < 1u; frag376 += 1u) {
+            #pragma unroll
+            for (unsigned e377 = 0u; e377 < 4u; e377 += 1u) {
+                const float row_scale378 = kv_scales[((stage * 128u) + (((n_first357 + ((frag376 % 1u) * 8u)) + ((lane_quad * 2u) + (e377 & 1u))) * 4u)) + 1u];
+                scores_part[(frag376 * 4u) + e377] = fmaf(scores_term[(frag376 * 4u) + e377], row_scale378, scores_part[(frag376 * 4u) + e377]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e379 = 0u; e379 < 4u; e379 += 1u) {
+            scores_term[e379] = 0.0f;
+        }
+        const unsigned n_first380 = (warp / 2u) * 8u;
+        if (E4M3_MMA_NATIVE) {
+            #pragma unroll
+            for (unsigned kk383 = 0u; kk383 < 2u; kk383 += 1u) {
+                #pragma unroll
+                for (unsigned nj385 = 0u; nj385 < 1u; nj385 += 1u) {
+                    ldmatrix_x2(&b_frag382[0u], kv_latent + (stage * 4224u) + (((n_first380 + (nj385 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((((warp % 2u) * 2u) + kk383) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    #pragma unroll
+                    for (unsigned mi384 = 0u; mi384 < 1u; mi384 += 1u) {
+                        a_frag381[0u] = q_tile_a2[((mi384 * 2u) + kk383) * 4u];
+                        a_frag381[1u] = q_tile_a2[(((mi384 * 2u) + kk383) * 4u) + 1u];
+                        a_frag381[2u] = q_tile_a2[(((mi384 * 2u) + kk383) * 4u) + 2u];
+                        a_frag381[3u] = q_tile_a2[(((mi384 * 2u) + kk383) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi384 + nj385) * 4u], &a_frag381[0u], &b_frag382[0u]);
+                        a_frag381[0u] = q_tile_a2_lo[((mi384 * 2u) + kk383) * 4u];
+                        a_frag381[1u] = q_tile_a2_lo[(((mi384 * 2u) + kk383) * 4u) + 1u];
+                        a_frag381[2u] = q_tile_a2_lo[(((mi384 * 2u) + kk383) * 4u) + 2u];
+                        a_frag381[3u] = q_tile_a2_lo[(((mi384 * 2u) + kk383) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi384 + nj385) * 4u], &a_frag381[0u], &b_frag382[0u]);
+                    }
+                }
+            }
+        } else {
+            const unsigned k_first386 = (warp % 2u) * 4u;
+            #pragma unroll
+            for (unsigned e395 = 0u; e395 < 4u; e395 += 1u) {
+                scores_term[4u + e395] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair393 = 0u; kk_pair393 < 2u; kk_pair393 += 1u) {
+                #pragma unroll
+                for (unsigned chain394 = 0u; chain394 < 2u; chain394 += 1u) {
+                    const unsigned kk390 = (kk_pair393 * 2u) + chain394;
+                    #pragma unroll
+                    for (unsigned nj392 = 0u; nj392 < 1u; nj392 += 1u) {
+                        ldmatrix_x1(&b_raw389[0u], kv_latent + (stage * 4224u) + (((n_first380 + (nj392 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first386 + kk390) * 4u));
+                        const unsigned e4m3_pair396 = e4m3x2_prep(b_raw389[0u] & 65535u);
+                        const unsigned e4m3_pair397 = e4m3x2_prep(b_raw389[0u] >> 16u);
+                        b_frag388[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair396), e4m3x2_hi(e4m3_pair396));
+                        b_frag388[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair397), e4m3x2_hi(e4m3_pair397));
+                        #pragma unroll
+                        for (unsigned mi391 = 0u; mi391 < 1u; mi391 += 1u) {
+                            a_frag387[0u] = q_tile_a2_bf16[((mi391 * 4u) + kk390) * 4u];
+                            a_frag387[1u] = q_tile_a2_bf16[(((mi391 * 4u) + kk390) * 4u) + 1u];
+                            a_frag387[2u] = q_tile_a2_bf16[(((mi391 * 4u) + kk390) * 4u) + 2u];
+                            a_frag387[3u] = q_tile_a2_bf16[(((mi391 * 4u) + kk390) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain394 * 4u) + ((mi391 + nj392) * 4u)], &a_frag387[0u], &b_frag388[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e398 = 0u; e398 < 4u; e398 += 1u) {
+                scores_term[e398] = scores_term[e398] + scores_term[4u + e398];
+            }
+        }
+        #pragma unroll
+        for (unsigned frag399 = 0u; frag399 < 1u; frag399 += 1u) {
+            #pragma unroll
+            for (unsigned e400 = 0u; e400 < 4u; e400 += 1u) {
+                const float row_scale401 = kv_scales[((stage * 128u) + (((n_first380 + ((frag399 % 1u) * 8u)) + ((lane_quad * 2u) + (e400 & 1u))) * 4u)) + 2u];
+                scores_part[(frag399 * 4u) + e400] = fmaf(scores_term[(frag399 * 4u) + e400], row_scale401, scores_part[(frag399 * 4u) + e400]);
+            }
+        }
+        #pragma unroll
+        for (unsigned e402 = 0u; e402 < 4u; e402 += 1u) {
+            scores_term[e402] = 0.0f;
+        }
+        const unsigned n_first403 = (warp / 2u) * 8u;
+        if (E4M3_MMA_NATIVE) {
+            #pragma unroll
+            for (unsigned kk406 = 0u; kk406 < 2u; kk406 += 1u) {
+                #pragma unroll
+                for (unsigned nj408 = 0u; nj408 < 1u; nj408 += 1u) {
+                    ldmatrix_x2(&b_frag405[0u], kv_latent + (stage * 4224u) + (((n_first403 + (nj408 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((((warp % 2u) * 2u) + kk406) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    #pragma unroll
+                    for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
+                        a_frag404[0u] = q_tile_a3[((mi407 * 2u) + kk406) * 4u];
+                        a_frag404[1u] = q_tile_a3[(((mi407 * 2u) + kk406) * 4u) + 1u];
+                        a_frag404[2u] = q_tile_a3[(((mi407 * 2u) + kk406) * 4u) + 2u];
+                        a_frag404[3u] = q_tile_a3[(((mi407 * 2u) + kk406) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi407 + nj408) * 4u], &a_frag404[0u], &b_frag405[0u]);
+                        a_frag404[0u] = q_tile_a3_lo[((mi407 * 2u) + kk406) * 4u];
+                        a_frag404[1u] = q_tile_a3_lo[(((mi407 * 2u) + kk406) * 4u) + 1u];
+                        a_frag404[2u] = q_tile_a3_lo[(((mi407 * 2u) + kk406) * 4u) + 2u];
+                        a_frag404[3u] = q_tile_a3_lo[(((mi407 * 2u) + kk406) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi407 + nj408) * 4u], &a_frag404[0u], &b_frag405[0u]);
+                    }
+                }
+            }
+        } else {
+            const unsigned k_first409 = (warp % 2u) * 4u;
+            #pragma unroll
+            for (unsigned e418 = 0u; e418 < 4u; e418 += 1u) {
+                scores_term[4u + e418] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair416 = 0u; kk_pair416 < 2u; kk_pair416 += 1u) {
+                #pragma unroll
+                for (unsigned chain417 = 0u; chain417 < 2u; chain417 += 1u) {
+                    const unsigned kk413 = (kk_pair416 * 2u) + chain417;
+                    #pragma unroll
+                    for (unsigned nj415 = 0u; nj415 < 1u; nj415 += 1u) {
+                        ldmatrix_x1(&b_raw412[0u], kv_latent + (stage * 4224u) + (((n_first403 + (nj415 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first409 + kk413) * 4u));
+                        const unsigned e4m3_pair419 = e4m3x2_prep(b_raw412[0u] & 65535u);
+                        const unsigned e4m3_pair420 = e4m3x2_prep(b_raw412[0u] >> 16u);
+                        b_frag411[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair419), e4m3x2_hi(e4m3_pair419));
+                        b_frag411[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair420), e4m3x2_hi(e4m3_pair420));
+                        #pragma unroll
+                        for (unsigned mi414 = 0u; mi414 < 1u; mi414 += 1u) {
+                            a_frag410[0u] = q_tile_a3_bf16[((mi414 * 4u) + kk413) * 4u];
+                            a_frag410[1u] = q_tile_a3_bf16[(((mi414 * 4u) + kk413) * 4u) + 1u];
+                            a_frag410[2u] = q_tile_a3_bf16[(((mi414 * 4u) + kk413) * 4u) + 2u];
+                            a_frag410[3u] = q_tile_a3_bf16[(((mi414 * 4u) + kk413) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain417 * 4u) + ((mi414 + nj415) * 4u)], &a_frag410[0u], &b_frag411[0u]);
+                        }
+                    }
+                }
+            }
+            #pragma unroll
+            for (unsigned e421 = 0u; e421 < 4u; e421 += 1u) {
+                scores_term[e421] = scores_term[e421] + scores_term[4u + e421];
+            }
+        }
+        #pragma unroll
+        for (unsigned frag422 = 0u; frag422 < 1u; frag422 += 1u) {
+            #pragma unroll
+            for (unsigned e423 = 0u; e423 < 4u; e423 += 1u) {
+                const float row_scale424 = kv_scales[((stage * 128u) + (((n_first403 + ((frag422 % 1u) * 8u)) + ((lane_quad * 2u) + (e423 & 1u))) * 4u)) + 3u];
+                scores_part[(frag422 * 4u) + e423] = fmaf(scores_term[(frag422 * 4u) + e423], row_scale424, scores_part[(frag422 * 4u) + e423]);
+            }
+        }
+        const unsigned n_first425 = (warp / 2u) * 8u;
+        const unsigned k_first426 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e435 = 0u; e435 < 4u; e435 += 1u) {
+            scores_part[4u + e435] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair433 = 0u; kk_pair433 < 1u; kk_pair433 += 1u) {
+            #pragma unroll
+            for (unsigned chain434 = 0u; chain434 < 2u; chain434 += 1u) {
+                const unsigned kk430 = (kk_pair433 * 2u) + chain434;
+                #pragma unroll
+                for (unsigned nj432 = 0u; nj432 < 1u; nj432 += 1u) {
+                    ldmatrix_x2(&b_frag428[0u], kv_rope + (stage * 1152u) + (((n_first425 + (nj432 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first426 + kk430) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi431 = 0u; mi431 < 1u; mi431 += 1u) {
+                        a_frag427[0u] = q_tile_a4[((mi431 * 2u) + kk430) * 4u];
+                        a_frag427[1u] = q_tile_a4[(((mi431 * 2u) + kk430) * 4u) + 1u];
+                        a_frag427[2u] = q_tile_a4[(((mi431 * 2u) + kk430) * 4u) + 2u];
+                        a_frag427[3u] = q_tile_a4[(((mi431 * 2u) + kk430) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain434 * 4u) + ((mi431 + nj432) * 4u)], &a_frag427[0u], &b_frag428[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e77 = 0u; e77 < 4u; e77 += 1u) {
-            scores_term[e77] = scores_term[e77] + scores_term[4u + e77];
-        }
-        #pragma unroll
-        for (unsigned frag78 = 0u; frag78 < 1u; frag78 += 1u) {
-            #pragma unroll
-            for (unsigned e79 = 0u; e79 < 4u; e79 += 1u) {
-                const float row_scale80 = kv_scales[((stage * 128u) + (((n_first64 + ((frag78 % 1u) * 8u)) + ((lane_quad * 2u) + (e79 & 1u))) * 4u)) + 1u];
-                scores_part[(frag78 * 4u) + e79] = fmaf(scores_term[(frag78 * 4u) + e79], row_scale80, scores_part[(frag78 * 4u) + e79]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e81 = 0u; e81 < 4u; e81 += 1u) {
-            scores_term[e81] = 0.0f;
-        }
-        const unsigned n_first82 = (warp / 2u) * 8u;
-        const unsigned k_first83 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e92 = 0u; e92 < 4u; e92 += 1u) {
-            scores_term[4u + e92] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair90 = 0u; kk_pair90 < 2u; kk_pair90 += 1u) {
-            #pragma unroll
-            for (unsigned chain91 = 0u; chain91 < 2u; chain91 += 1u) {
-                const unsigned kk87 = (kk_pair90 * 2u) + chain91;
-                #pragma unroll
-                for (unsigned nj89 = 0u; nj89 < 1u; nj89 += 1u) {
-                    ldmatrix_x1(&b_raw86[0u], kv_latent + (stage * 4224u) + (((n_first82 + (nj89 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first83 + kk87) * 4u));
-                    const unsigned e4m3_pair93 = e4m3x2_prep(b_raw86[0u] & 65535u);
-                    const unsigned e4m3_pair94 = e4m3x2_prep(b_raw86[0u] >> 16u);
-                    b_frag85[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair93), e4m3x2_hi(e4m3_pair93));
-                    b_frag85[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair94), e4m3x2_hi(e4m3_pair94));
-                    #pragma unroll
-                    for (unsigned mi88 = 0u; mi88 < 1u; mi88 += 1u) {
-                        a_frag84[0u] = q_tile_a2[((mi88 * 4u) + kk87) * 4u];
-                        a_frag84[1u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 1u];
-                        a_frag84[2u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 2u];
-                        a_frag84[3u] = q_tile_a2[(((mi88 * 4u) + kk87) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain91 * 4u) + ((mi88 + nj89) * 4u)], &a_frag84[0u], &b_frag85[0u]);
-                    }
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned e95 = 0u; e95 < 4u; e95 += 1u) {
-            scores_term[e95] = scores_term[e95] + scores_term[4u + e95];
-        }
-        #pragma unroll
-        for (unsigned frag96 = 0u; frag96 < 1u; frag96 += 1u) {
-            #pragma unroll
-            for (unsigned e97 = 0u; e97 < 4u; e97 += 1u) {
-                const float row_scale98 = kv_scales[((stage * 128u) + (((n_first82 + ((frag96 % 1u) * 8u)) + ((lane_quad * 2u) + (e97 & 1u))) * 4u)) + 2u];
-                scores_part[(frag96 * 4u) + e97] = fmaf(scores_term[(frag96 * 4u) + e97], row_scale98, scores_part[(frag96 * 4u) + e97]);
-            }
-        }
-        #pragma unroll
-        for (unsigned e99 = 0u; e99 < 4u; e99 += 1u) {
-            scores_term[e99] = 0.0f;
-        }
-        const unsigned n_first100 = (warp / 2u) * 8u;
-        const unsigned k_first101 = (warp % 2u) * 4u;
-        #pragma unroll
-        for (unsigned e110 = 0u; e110 < 4u; e110 += 1u) {
-            scores_term[4u + e110] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair108 = 0u; kk_pair108 < 2u; kk_pair108 += 1u) {
-            #pragma unroll
-            for (unsigned chain109 = 0u; chain109 < 2u; chain109 += 1u) {
-                const unsigned kk105 = (kk_pair108 * 2u) + chain109;
-                #pragma unroll
-                for (unsigned nj107 = 0u; nj107 < 1u; nj107 += 1u) {
-                    ldmatrix_x1(&b_raw104[0u], kv_latent + (stage * 4224u) + (((n_first100 + (nj107 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first101 + kk105) * 4u));
-                    const unsigned e4m3_pair111 = e4m3x2_prep(b_raw104[0u] & 65535u);
-                    const unsigned e4m3_pair112 = e4m3x2_prep(b_raw104[0u] >> 16u);
-                    b_frag103[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair111), e4m3x2_hi(e4m3_pair111));
-                    b_frag103[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair112), e4m3x2_hi(e4m3_pair112));
-                    #pragma unroll
-                    for (unsigned mi106 = 0u; mi106 < 1u; mi106 += 1u) {
-                        a_frag102[0u] = q_tile_a3[((mi106 * 4u) + kk105) * 4u];
-                        a_frag102[1u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 1u];
-                        a_frag102[2u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 2u];
-                        a_frag102[3u] = q_tile_a3[(((mi106 * 4u) + kk105) * 4u) + 3u];
-                        mma_bf16_16816(&scores_term[(chain109 * 4u) + ((mi106 + nj107) * 4u)], &a_frag102[0u], &b_frag103[0u]);
-                    }
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned e113 = 0u; e113 < 4u; e113 += 1u) {
-            scores_term[e113] = scores_term[e113] + scores_term[4u + e113];
-        }
-        #pragma unroll
-        for (unsigned frag114 = 0u; frag114 < 1u; frag114 += 1u) {
-            #pragma unroll
-            for (unsigned e115 = 0u; e115 < 4u; e115 += 1u) {
-                const float row_scale116 = kv_scales[((stage * 128u) + (((n_first100 + ((frag114 % 1u) * 8u)) + ((lane_quad * 2u) + (e115 & 1u))) * 4u)) + 3u];
-                scores_part[(frag114 * 4u) + e115] = fmaf(scores_term[(frag114 * 4u) + e115], row_scale116, scores_part[(frag114 * 4u) + e115]);
-            }
-        }
-        const unsigned n_first117 = (warp / 2u) * 8u;
-        const unsigned k_first118 = (warp % 2u) * 2u;
-        #pragma unroll
-        for (unsigned e127 = 0u; e127 < 4u; e127 += 1u) {
-            scores_part[4u + e127] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair125 = 0u; kk_pair125 < 1u; kk_pair125 += 1u) {
-            #pragma unroll
-            for (unsigned chain126 = 0u; chain126 < 2u; chain126 += 1u) {
-                const unsigned kk122 = (kk_pair125 * 2u) + chain126;
-                #pragma unroll
-                for (unsigned nj124 = 0u; nj124 < 1u; nj124 += 1u) {
-                    ldmatrix_x2(&b_frag120[0u], kv_rope + (stage * 1152u) + (((n_first117 + (nj124 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first118 + kk122) * 8u) + (lane_k8 >> 1u));
-                    #pragma unroll
-                    for (unsigned mi123 = 0u; mi123 < 1u; mi123 += 1u) {
-                        a_frag119[0u] = q_tile_a4[((mi123 * 2u) + kk122) * 4u];
-                        a_frag119[1u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 1u];
-                        a_frag119[2u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 2u];
-                        a_frag119[3u] = q_tile_a4[(((mi123 * 2u) + kk122) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain126 * 4u) + ((mi123 + nj124) * 4u)], &a_frag119[0u], &b_frag120[0u]);
-                    }
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned e128 = 0u; e128 < 4u; e128 += 1u) {
-            scores_part[e128] = scores_part[e128] + scores_part[4u + e128];
+        for (unsigned e436 = 0u; e436 < 4u; e436 += 1u) {
+            scores_part[e436] = scores_part[e436] + scores_part[4u + e436];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag129 = 0u; frag129 < 1u; frag129 += 1u) {
+        for (unsigned frag437 = 0u; frag437 < 1u; frag437 += 1u) {
             #pragma unroll
-            for (unsigned half130 = 0u; half130 < 2u; half130 += 1u) {
+            for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
                 #pragma unroll
-                for (unsigned e131 = 0u; e131 < 2u; e131 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag129 / 1u) * 16u) + (half130 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag129 % 1u) * 8u)) + ((lane_quad * 2u) + e131))] = scores_part[((frag129 * 4u) + (half130 * 2u)) + e131];
+                for (unsigned e439 = 0u; e439 < 2u; e439 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag437 / 1u) * 16u) + (half438 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag437 % 1u) * 8u)) + ((lane_quad * 2u) + e439))] = scores_part[((frag437 * 4u) + (half438 * 2u)) + e439] * q_tile_unscale[0u];
                 }
             }
         }
@@ -984,55 +1603,55 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((4u + ((step_i - 1u) % 4u)) * 2u), ((step_i - 1u) / 4u) & 1u);
                 }
-                const unsigned load_stage44 = ahead % 4u;
+                const unsigned load_stage332 = ahead % 4u;
                 #pragma unroll
-                for (unsigned slot45 = 0u; slot45 < 1u; slot45 += 1u) {
-                    const unsigned gather_row46 = ((warp - 4u) + (lane * 4u)) + (slot45 * 128u);
-                    if (gather_row46 < 32u) {
+                for (unsigned slot333 = 0u; slot333 < 1u; slot333 += 1u) {
+                    const unsigned gather_row334 = ((warp - 4u) + (lane * 4u)) + (slot333 * 128u);
+                    if (gather_row334 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row46;
-                        const int src_i3247 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot45] >= 0)) && (((unsigned)kv_latent_pre[slot45]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot45]) % p.page_size) * p.row_stride_w))) : (-1);
-                        const unsigned row_2 = gather_row46;
-                        const int src_i3248 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot45] >= 0)) && (((unsigned)kv_scales_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot45]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        const unsigned row_3 = gather_row46;
-                        const int src_i3249 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot45] >= 0)) && (((unsigned)kv_rope_pre[slot45]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot45]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot45]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        row_valid[(load_stage44 * 36u) + gather_row46] = (src_i3247 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3247 >= 0) {
-                            copy_async(kv_latent + (load_stage44 * 4224u) + (gather_row46 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i3247), 512u, ring_barriers + (load_stage44 * 2u));
+                        const unsigned row_1 = gather_row334;
+                        const int src_i32335 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot333] >= 0)) && (((unsigned)kv_latent_pre[slot333]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot333]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot333]) % p.page_size) * p.row_stride_w))) : (-1);
+                        const unsigned row_2 = gather_row334;
+                        const int src_i32336 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot333] >= 0)) && (((unsigned)kv_scales_pre[slot333]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot333]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot333]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
+                        const unsigned row_3 = gather_row334;
+                        const int src_i32337 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot333] >= 0)) && (((unsigned)kv_rope_pre[slot333]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot333]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot333]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
+                        row_valid[(load_stage332 * 36u) + gather_row334] = (src_i32335 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32335 >= 0) {
+                            copy_async(kv_latent + (load_stage332 * 4224u) + (gather_row334 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32335), 512u, ring_barriers + (load_stage332 * 2u));
                         }
-                        if (src_i3248 >= 0) {
-                            copy_async(kv_scales + (load_stage44 * 128u) + (gather_row46 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i3248), 16u, ring_barriers + (load_stage44 * 2u));
+                        if (src_i32336 >= 0) {
+                            copy_async(kv_scales + (load_stage332 * 128u) + (gather_row334 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32336), 16u, ring_barriers + (load_stage332 * 2u));
                         }
-                        if (src_i3249 >= 0) {
-                            copy_async(kv_rope + (load_stage44 * 1152u) + (gather_row46 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i3249), 128u, ring_barriers + (load_stage44 * 2u));
+                        if (src_i32337 >= 0) {
+                            copy_async(kv_rope + (load_stage332 * 1152u) + (gather_row334 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32337), 128u, ring_barriers + (load_stage332 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage44 * 2u));
+                copy_arrive(ring_barriers + (load_stage332 * 2u));
                 if ((ahead + 1u) < step_count) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot50 = 0u; slot50 < 1u; slot50 += 1u) {
-                        const unsigned gather_row51 = ((warp - 4u) + (lane * 4u)) + (slot50 * 128u);
-                        if (gather_row51 < 32u) {
-                            const unsigned row_1 = gather_row51;
-                            kv_latent_pre[slot50] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot338 = 0u; slot338 < 1u; slot338 += 1u) {
+                        const unsigned gather_row339 = ((warp - 4u) + (lane * 4u)) + (slot338 * 128u);
+                        if (gather_row339 < 32u) {
+                            const unsigned row_1 = gather_row339;
+                            kv_latent_pre[slot338] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
-                    for (unsigned slot52 = 0u; slot52 < 1u; slot52 += 1u) {
-                        const unsigned gather_row53 = ((warp - 4u) + (lane * 4u)) + (slot52 * 128u);
-                        if (gather_row53 < 32u) {
-                            const unsigned row_2 = gather_row53;
-                            kv_scales_pre[slot52] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
+                    for (unsigned slot340 = 0u; slot340 < 1u; slot340 += 1u) {
+                        const unsigned gather_row341 = ((warp - 4u) + (lane * 4u)) + (slot340 * 128u);
+                        if (gather_row341 < 32u) {
+                            const unsigned row_2 = gather_row341;
+                            kv_scales_pre[slot340] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
                         }
                     }
                     #pragma unroll
-                    for (unsigned slot54 = 0u; slot54 < 1u; slot54 += 1u) {
-                        const unsigned gather_row55 = ((warp - 4u) + (lane * 4u)) + (slot54 * 128u);
-                        if (gather_row55 < 32u) {
-                            const unsigned row_3 = gather_row55;
-                            kv_rope_pre[slot54] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    for (unsigned slot342 = 0u; slot342 < 1u; slot342 += 1u) {
+                        const unsigned gather_row343 = ((warp - 4u) + (lane * 4u)) + (slot342 * 128u);
+                        if (gather_row343 < 32u) {
+                            const unsigned row_3 = gather_row343;
+                            kv_rope_pre[slot342] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
                         }
                     }
                 }
@@ -1040,35 +1659,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag132 = 0u; frag132 < 1u; frag132 += 1u) {
+            for (unsigned frag440 = 0u; frag440 < 1u; frag440 += 1u) {
                 #pragma unroll
-                for (unsigned half133 = 0u; half133 < 2u; half133 += 1u) {
+                for (unsigned half441 = 0u; half441 < 2u; half441 += 1u) {
                     #pragma unroll
-                    for (unsigned e134 = 0u; e134 < 2u; e134 += 1u) {
-                        float sum = scores[((frag132 * 4u) + (half133 * 2u)) + e134];
-                        const unsigned cell = (((scores_row0 + (half133 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag132 * 8u)) + ((lane_quad * 2u) + e134));
+                    for (unsigned e442 = 0u; e442 < 2u; e442 += 1u) {
+                        float sum = scores[((frag440 * 4u) + (half441 * 2u)) + e442];
+                        const unsigned cell = (((scores_row0 + (half441 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag440 * 8u)) + ((lane_quad * 2u) + e442));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag132 * 4u) + (half133 * 2u)) + e134] = sum;
+                        scores[((frag440 * 4u) + (half441 * 2u)) + e442] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag135 = 0u; frag135 < 1u; frag135 += 1u) {
+            for (unsigned frag443 = 0u; frag443 < 1u; frag443 += 1u) {
                 #pragma unroll
-                for (unsigned half136 = 0u; half136 < 2u; half136 += 1u) {
-                    const unsigned row_8 = (scores_row0 + ((frag135 / 1u) * 16u)) + ((half136 * 8u) + lane_group);
-                    const unsigned col = (scores_col0 + ((frag135 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag135 * 4u) + (half136 * 2u)];
-                    float v1 = scores[((frag135 * 4u) + (half136 * 2u)) + 1u];
+                for (unsigned half444 = 0u; half444 < 2u; half444 += 1u) {
+                    const unsigned row_8 = (scores_row0 + ((frag443 / 1u) * 16u)) + ((half444 * 8u) + lane_group);
+                    const unsigned col = (scores_col0 + ((frag443 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag443 * 4u) + (half444 * 2u)];
+                    float v1 = scores[((frag443 * 4u) + (half444 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag135 * 4u) + (half136 * 2u)] = v0;
-                    scores[((frag135 * 4u) + (half136 * 2u)) + 1u] = v1;
+                    scores[(frag443 * 4u) + (half444 * 2u)] = v0;
+                    scores[((frag443 * 4u) + (half444 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1078,16 +1697,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi137 = 0u; mi137 < 1u; mi137 += 1u) {
+            for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
                 #pragma unroll
-                for (unsigned half138 = 0u; half138 < 2u; half138 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi137 * 4u) + (half138 * 2u)], scores[(mi137 * 4u) + ((half138 * 2u) + 1u)]);
+                for (unsigned half446 = 0u; half446 < 2u; half446 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi445 * 4u) + (half446 * 2u)], scores[(mi445 * 4u) + ((half446 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other139 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other139);
+                    const float other447 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other447);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi137 * 16u)) + ((half138 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi445 * 16u)) + ((half446 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1096,86 +1715,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi142 = 0u; mi142 < 1u; mi142 += 1u) {
+        for (unsigned mi450 = 0u; mi450 < 1u; mi450 += 1u) {
             #pragma unroll
-            for (unsigned half143 = 0u; half143 < 2u; half143 += 1u) {
-                const float m_old140 = row_max_reg[(mi142 * 2u) + half143];
-                float m_new141 = m_old140;
-                m_new141 = fmaxf(m_new141, row_exchange[((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u]);
-                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new141 = fmaxf(m_new141, row_exchange[(((mi142 * 16u) + ((half143 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi142 * 2u) + half143] = expf(m_old140 - m_new141);
-                row_max_reg[(mi142 * 2u) + half143] = m_new141;
+            for (unsigned half451 = 0u; half451 < 2u; half451 += 1u) {
+                const float m_old448 = row_max_reg[(mi450 * 2u) + half451];
+                float m_new449 = m_old448;
+                m_new449 = fmaxf(m_new449, row_exchange[((mi450 * 16u) + ((half451 * 8u) + lane_group)) * 4u]);
+                m_new449 = fmaxf(m_new449, row_exchange[(((mi450 * 16u) + ((half451 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new449 = fmaxf(m_new449, row_exchange[(((mi450 * 16u) + ((half451 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new449 = fmaxf(m_new449, row_exchange[(((mi450 * 16u) + ((half451 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi450 * 2u) + half451] = expf(m_old448 - m_new449);
+                row_max_reg[(mi450 * 2u) + half451] = m_new449;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi147 = 0u; mi147 < 1u; mi147 += 1u) {
+            for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
                 #pragma unroll
-                for (unsigned half148 = 0u; half148 < 2u; half148 += 1u) {
+                for (unsigned half456 = 0u; half456 < 2u; half456 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj144 = 0u; nj144 < 1u; nj144 += 1u) {
+                    for (unsigned nj452 = 0u; nj452 < 1u; nj452 += 1u) {
                         #pragma unroll
-                        for (unsigned e145 = 0u; e145 < 2u; e145 += 1u) {
-                            const unsigned at146 = ((mi147 + nj144) * 4u) + ((half148 * 2u) + e145);
-                            const float p = (scores[at146] < (-1e38f)) ? 0.0f : expf(scores[at146] - row_max_reg[(mi147 * 2u) + half148]);
-                            scores[at146] = p;
+                        for (unsigned e453 = 0u; e453 < 2u; e453 += 1u) {
+                            const unsigned at454 = ((mi455 + nj452) * 4u) + ((half456 * 2u) + e453);
+                            const float p = (scores[at454] < (-1e38f)) ? 0.0f : expf(scores[at454] - row_max_reg[(mi455 * 2u) + half456]);
+                            scores[at454] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi147 * 2u) + half148] = (row_sum_part[(mi147 * 2u) + half148] * row_alpha[(mi147 * 2u) + half148]) + p_sum;
+                    row_sum_part[(mi455 * 2u) + half456] = (row_sum_part[(mi455 * 2u) + half456] * row_alpha[(mi455 * 2u) + half456]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag149 = 0u; frag149 < 2u; frag149 += 1u) {
+        for (unsigned frag457 = 0u; frag457 < 2u; frag457 += 1u) {
             #pragma unroll
-            for (unsigned half150 = 0u; half150 < 2u; half150 += 1u) {
-                const float alpha151 = row_alpha[((frag149 / 2u) * 2u) + half150];
-                o_acc[(frag149 * 4u) + (half150 * 2u)] = o_acc[(frag149 * 4u) + (half150 * 2u)] * alpha151;
-                o_acc[((frag149 * 4u) + (half150 * 2u)) + 1u] = o_acc[((frag149 * 4u) + (half150 * 2u)) + 1u] * alpha151;
+            for (unsigned half458 = 0u; half458 < 2u; half458 += 1u) {
+                const float alpha459 = row_alpha[((frag457 / 2u) * 2u) + half458];
+                o_acc[(frag457 * 4u) + (half458 * 2u)] = o_acc[(frag457 * 4u) + (half458 * 2u)] * alpha459;
+                o_acc[((frag457 * 4u) + (half458 * 2u)) + 1u] = o_acc[((frag457 * 4u) + (half458 * 2u)) + 1u] * alpha459;
             }
         }
         #pragma unroll
-        for (unsigned frag152 = 0u; frag152 < 2u; frag152 += 1u) {
+        for (unsigned frag460 = 0u; frag460 < 2u; frag460 += 1u) {
             #pragma unroll
-            for (unsigned half153 = 0u; half153 < 2u; half153 += 1u) {
-                const float alpha154 = row_alpha[((frag152 / 2u) * 2u) + half153];
-                o_acc_1[(frag152 * 4u) + (half153 * 2u)] = o_acc_1[(frag152 * 4u) + (half153 * 2u)] * alpha154;
-                o_acc_1[((frag152 * 4u) + (half153 * 2u)) + 1u] = o_acc_1[((frag152 * 4u) + (half153 * 2u)) + 1u] * alpha154;
+            for (unsigned half461 = 0u; half461 < 2u; half461 += 1u) {
+                const float alpha462 = row_alpha[((frag460 / 2u) * 2u) + half461];
+                o_acc_1[(frag460 * 4u) + (half461 * 2u)] = o_acc_1[(frag460 * 4u) + (half461 * 2u)] * alpha462;
+                o_acc_1[((frag460 * 4u) + (half461 * 2u)) + 1u] = o_acc_1[((frag460 * 4u) + (half461 * 2u)) + 1u] * alpha462;
             }
         }
         #pragma unroll
-        for (unsigned frag155 = 0u; frag155 < 2u; frag155 += 1u) {
+        for (unsigned frag463 = 0u; frag463 < 2u; frag463 += 1u) {
             #pragma unroll
-            for (unsigned half156 = 0u; half156 < 2u; half156 += 1u) {
-                const float alpha157 = row_alpha[((frag155 / 2u) * 2u) + half156];
-                o_acc_2[(frag155 * 4u) + (half156 * 2u)] = o_acc_2[(frag155 * 4u) + (half156 * 2u)] * alpha157;
-                o_acc_2[((frag155 * 4u) + (half156 * 2u)) + 1u] = o_acc_2[((frag155 * 4u) + (half156 * 2u)) + 1u] * alpha157;
+            for (unsigned half464 = 0u; half464 < 2u; half464 += 1u) {
+                const float alpha465 = row_alpha[((frag463 / 2u) * 2u) + half464];
+                o_acc_2[(frag463 * 4u) + (half464 * 2u)] = o_acc_2[(frag463 * 4u) + (half464 * 2u)] * alpha465;
+                o_acc_2[((frag463 * 4u) + (half464 * 2u)) + 1u] = o_acc_2[((frag463 * 4u) + (half464 * 2u)) + 1u] * alpha465;
             }
         }
         #pragma unroll
-        for (unsigned frag158 = 0u; frag158 < 2u; frag158 += 1u) {
+        for (unsigned frag466 = 0u; frag466 < 2u; frag466 += 1u) {
             #pragma unroll
-            for (unsigned half159 = 0u; half159 < 2u; half159 += 1u) {
-                const float alpha160 = row_alpha[((frag158 / 2u) * 2u) + half159];
-                o_acc_3[(frag158 * 4u) + (half159 * 2u)] = o_acc_3[(frag158 * 4u) + (half159 * 2u)] * alpha160;
-                o_acc_3[((frag158 * 4u) + (half159 * 2u)) + 1u] = o_acc_3[((frag158 * 4u) + (half159 * 2u)) + 1u] * alpha160;
+            for (unsigned half467 = 0u; half467 < 2u; half467 += 1u) {
+                const float alpha468 = row_alpha[((frag466 / 2u) * 2u) + half467];
+                o_acc_3[(frag466 * 4u) + (half467 * 2u)] = o_acc_3[(frag466 * 4u) + (half467 * 2u)] * alpha468;
+                o_acc_3[((frag466 * 4u) + (half467 * 2u)) + 1u] = o_acc_3[((frag466 * 4u) + (half467 * 2u)) + 1u] * alpha468;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag163 = 0u; frag163 < 1u; frag163 += 1u) {
+            for (unsigned frag471 = 0u; frag471 < 1u; frag471 += 1u) {
                 #pragma unroll
-                for (unsigned half164 = 0u; half164 < 2u; half164 += 1u) {
-                    const unsigned row161 = (scores_row0 + ((frag163 / 1u) * 16u)) + ((half164 * 8u) + lane_group);
-                    const unsigned col162 = (scores_col0 + ((frag163 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag163 * 4u) + (half164 * 2u);
-                    p_tile[(row161 * 20u) + (col162 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half472 = 0u; half472 < 2u; half472 += 1u) {
+                    const unsigned row469 = (scores_row0 + ((frag471 / 1u) * 16u)) + ((half472 * 8u) + lane_group);
+                    const unsigned col470 = (scores_col0 + ((frag471 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag471 * 4u) + (half472 * 2u);
+                    p_tile[(row469 * 20u) + (col470 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1184,145 +1803,145 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk168 = 0u; kk168 < 2u; kk168 += 1u) {
+        for (unsigned kk476 = 0u; kk476 < 2u; kk476 += 1u) {
             #pragma unroll
-            for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                ldmatrix_x4(&a_frag165[mi169 * 4u], p_tile + a_lane_word + (mi169 * 320u) + (kk168 * 8u));
+            for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                ldmatrix_x4(&a_frag473[mi477 * 4u], p_tile + a_lane_word + (mi477 * 320u) + (kk476 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk168 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale170 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale171 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale172 = kv_scales[(stage * 128u) + ((((kk168 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag165[0u] = pack_bf16x2(__uint_as_float(a_frag165[0u] << 16u) * k_scale, __uint_as_float(a_frag165[0u] & 4294901760u) * k_scale170);
-            a_frag165[1u] = pack_bf16x2(__uint_as_float(a_frag165[1u] << 16u) * k_scale, __uint_as_float(a_frag165[1u] & 4294901760u) * k_scale170);
-            a_frag165[2u] = pack_bf16x2(__uint_as_float(a_frag165[2u] << 16u) * k_scale171, __uint_as_float(a_frag165[2u] & 4294901760u) * k_scale172);
-            a_frag165[3u] = pack_bf16x2(__uint_as_float(a_frag165[3u] << 16u) * k_scale171, __uint_as_float(a_frag165[3u] & 4294901760u) * k_scale172);
+            const float k_scale = kv_scales[(stage * 128u) + (((kk476 * 16u) + (lane_quad * 2u)) * 4u)];
+            const float k_scale478 = kv_scales[(stage * 128u) + ((((kk476 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+            const float k_scale479 = kv_scales[(stage * 128u) + ((((kk476 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+            const float k_scale480 = kv_scales[(stage * 128u) + ((((kk476 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+            a_frag473[0u] = pack_bf16x2(__uint_as_float(a_frag473[0u] << 16u) * k_scale, __uint_as_float(a_frag473[0u] & 4294901760u) * k_scale478);
+            a_frag473[1u] = pack_bf16x2(__uint_as_float(a_frag473[1u] << 16u) * k_scale, __uint_as_float(a_frag473[1u] & 4294901760u) * k_scale478);
+            a_frag473[2u] = pack_bf16x2(__uint_as_float(a_frag473[2u] << 16u) * k_scale479, __uint_as_float(a_frag473[2u] & 4294901760u) * k_scale480);
+            a_frag473[3u] = pack_bf16x2(__uint_as_float(a_frag473[3u] << 16u) * k_scale479, __uint_as_float(a_frag473[3u] & 4294901760u) * k_scale480);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw167[0u], kv_latent + (stage * 4224u) + (((kk168 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                const unsigned e4m3_pair173 = e4m3x2_prep((b_raw167[0u] & 255u) | ((b_raw167[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair174 = e4m3x2_prep(((b_raw167[0u] >> 8u) & 255u) | ((b_raw167[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair175 = e4m3x2_prep((b_raw167[1u] & 255u) | ((b_raw167[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair176 = e4m3x2_prep(((b_raw167[1u] >> 8u) & 255u) | ((b_raw167[1u] >> 16u) & 65280u));
-                b_frag166[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair173), e4m3x2_hi(e4m3_pair173));
-                b_frag166[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair175), e4m3x2_hi(e4m3_pair175));
-                b_frag166[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair174), e4m3x2_hi(e4m3_pair174));
-                b_frag166[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair176), e4m3x2_hi(e4m3_pair176));
+                ldmatrix_x2_trans(&b_raw475[0u], kv_latent + (stage * 4224u) + (((kk476 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                const unsigned e4m3_pair481 = e4m3x2_prep((b_raw475[0u] & 255u) | ((b_raw475[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair482 = e4m3x2_prep(((b_raw475[0u] >> 8u) & 255u) | ((b_raw475[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair483 = e4m3x2_prep((b_raw475[1u] & 255u) | ((b_raw475[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair484 = e4m3x2_prep(((b_raw475[1u] >> 8u) & 255u) | ((b_raw475[1u] >> 16u) & 65280u));
+                b_frag474[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
+                b_frag474[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483), e4m3x2_hi(e4m3_pair483));
+                b_frag474[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
+                b_frag474[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484), e4m3x2_hi(e4m3_pair484));
                 #pragma unroll
-                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi169 * 2u) + (np * 2u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[0u]);
+                for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi477 * 2u) + (np * 2u)) * 4u], &a_frag473[mi477 * 4u], &b_frag474[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi169 = 0u; mi169 < 1u; mi169 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi169 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag165[mi169 * 4u], &b_frag166[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word183 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk180 = 0u; kk180 < 2u; kk180 += 1u) {
-            #pragma unroll
-            for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
-                ldmatrix_x4(&a_frag177[mi181 * 4u], p_tile + a_lane_word183 + (mi181 * 320u) + (kk180 * 8u));
-            }
-            const float k_scale184 = kv_scales[((stage * 128u) + (((kk180 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale185 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale186 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale187 = kv_scales[((stage * 128u) + ((((kk180 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag177[0u] = pack_bf16x2(__uint_as_float(a_frag177[0u] << 16u) * k_scale184, __uint_as_float(a_frag177[0u] & 4294901760u) * k_scale185);
-            a_frag177[1u] = pack_bf16x2(__uint_as_float(a_frag177[1u] << 16u) * k_scale184, __uint_as_float(a_frag177[1u] & 4294901760u) * k_scale185);
-            a_frag177[2u] = pack_bf16x2(__uint_as_float(a_frag177[2u] << 16u) * k_scale186, __uint_as_float(a_frag177[2u] & 4294901760u) * k_scale187);
-            a_frag177[3u] = pack_bf16x2(__uint_as_float(a_frag177[3u] << 16u) * k_scale186, __uint_as_float(a_frag177[3u] & 4294901760u) * k_scale187);
-            #pragma unroll
-            for (unsigned np182 = 0u; np182 < 1u; np182 += 1u) {
-                ldmatrix_x2_trans(&b_raw179[0u], kv_latent + (stage * 4224u) + (((kk180 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np182 * 16u)) >> 2u));
-                const unsigned e4m3_pair188 = e4m3x2_prep((b_raw179[0u] & 255u) | ((b_raw179[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair189 = e4m3x2_prep(((b_raw179[0u] >> 8u) & 255u) | ((b_raw179[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair190 = e4m3x2_prep((b_raw179[1u] & 255u) | ((b_raw179[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair191 = e4m3x2_prep(((b_raw179[1u] >> 8u) & 255u) | ((b_raw179[1u] >> 16u) & 65280u));
-                b_frag178[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair188), e4m3x2_hi(e4m3_pair188));
-                b_frag178[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair190), e4m3x2_hi(e4m3_pair190));
-                b_frag178[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair189), e4m3x2_hi(e4m3_pair189));
-                b_frag178[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair191), e4m3x2_hi(e4m3_pair191));
-                #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi181 * 2u) + (np182 * 2u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi181 = 0u; mi181 < 1u; mi181 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi181 * 2u) + ((np182 * 2u) + 1u)) * 4u], &a_frag177[mi181 * 4u], &b_frag178[2u]);
+                for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                    mma_bf16_16816(&o_acc[((mi477 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag473[mi477 * 4u], &b_frag474[2u]);
                 }
             }
         }
-        const unsigned a_lane_word198 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word491 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk195 = 0u; kk195 < 2u; kk195 += 1u) {
+        for (unsigned kk488 = 0u; kk488 < 2u; kk488 += 1u) {
             #pragma unroll
-            for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
-                ldmatrix_x4(&a_frag192[mi196 * 4u], p_tile + a_lane_word198 + (mi196 * 320u) + (kk195 * 8u));
+            for (unsigned mi489 = 0u; mi489 < 1u; mi489 += 1u) {
+                ldmatrix_x4(&a_frag485[mi489 * 4u], p_tile + a_lane_word491 + (mi489 * 320u) + (kk488 * 8u));
             }
-            const float k_scale199 = kv_scales[((stage * 128u) + (((kk195 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale200 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale201 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale202 = kv_scales[((stage * 128u) + ((((kk195 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag192[0u] = pack_bf16x2(__uint_as_float(a_frag192[0u] << 16u) * k_scale199, __uint_as_float(a_frag192[0u] & 4294901760u) * k_scale200);
-            a_frag192[1u] = pack_bf16x2(__uint_as_float(a_frag192[1u] << 16u) * k_scale199, __uint_as_float(a_frag192[1u] & 4294901760u) * k_scale200);
-            a_frag192[2u] = pack_bf16x2(__uint_as_float(a_frag192[2u] << 16u) * k_scale201, __uint_as_float(a_frag192[2u] & 4294901760u) * k_scale202);
-            a_frag192[3u] = pack_bf16x2(__uint_as_float(a_frag192[3u] << 16u) * k_scale201, __uint_as_float(a_frag192[3u] & 4294901760u) * k_scale202);
+            const float k_scale492 = kv_scales[((stage * 128u) + (((kk488 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+            const float k_scale493 = kv_scales[((stage * 128u) + ((((kk488 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+            const float k_scale494 = kv_scales[((stage * 128u) + ((((kk488 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+            const float k_scale495 = kv_scales[((stage * 128u) + ((((kk488 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+            a_frag485[0u] = pack_bf16x2(__uint_as_float(a_frag485[0u] << 16u) * k_scale492, __uint_as_float(a_frag485[0u] & 4294901760u) * k_scale493);
+            a_frag485[1u] = pack_bf16x2(__uint_as_float(a_frag485[1u] << 16u) * k_scale492, __uint_as_float(a_frag485[1u] & 4294901760u) * k_scale493);
+            a_frag485[2u] = pack_bf16x2(__uint_as_float(a_frag485[2u] << 16u) * k_scale494, __uint_as_float(a_frag485[2u] & 4294901760u) * k_scale495);
+            a_frag485[3u] = pack_bf16x2(__uint_as_float(a_frag485[3u] << 16u) * k_scale494, __uint_as_float(a_frag485[3u] & 4294901760u) * k_scale495);
             #pragma unroll
-            for (unsigned np197 = 0u; np197 < 1u; np197 += 1u) {
-                ldmatrix_x2_trans(&b_raw194[0u], kv_latent + (stage * 4224u) + (((kk195 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np197 * 16u)) >> 2u));
-                const unsigned e4m3_pair203 = e4m3x2_prep((b_raw194[0u] & 255u) | ((b_raw194[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair204 = e4m3x2_prep(((b_raw194[0u] >> 8u) & 255u) | ((b_raw194[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair205 = e4m3x2_prep((b_raw194[1u] & 255u) | ((b_raw194[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair206 = e4m3x2_prep(((b_raw194[1u] >> 8u) & 255u) | ((b_raw194[1u] >> 16u) & 65280u));
-                b_frag193[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair203), e4m3x2_hi(e4m3_pair203));
-                b_frag193[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair205), e4m3x2_hi(e4m3_pair205));
-                b_frag193[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair204), e4m3x2_hi(e4m3_pair204));
-                b_frag193[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair206), e4m3x2_hi(e4m3_pair206));
+            for (unsigned np490 = 0u; np490 < 1u; np490 += 1u) {
+                ldmatrix_x2_trans(&b_raw487[0u], kv_latent + (stage * 4224u) + (((kk488 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np490 * 16u)) >> 2u));
+                const unsigned e4m3_pair496 = e4m3x2_prep((b_raw487[0u] & 255u) | ((b_raw487[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw487[0u] >> 8u) & 255u) | ((b_raw487[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair498 = e4m3x2_prep((b_raw487[1u] & 255u) | ((b_raw487[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw487[1u] >> 8u) & 255u) | ((b_raw487[1u] >> 16u) & 65280u));
+                b_frag486[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
+                b_frag486[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                b_frag486[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                b_frag486[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
                 #pragma unroll
-                for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + (np197 * 2u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[0u]);
+                for (unsigned mi489 = 0u; mi489 < 1u; mi489 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi489 * 2u) + (np490 * 2u)) * 4u], &a_frag485[mi489 * 4u], &b_frag486[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi196 = 0u; mi196 < 1u; mi196 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi196 * 2u) + ((np197 * 2u) + 1u)) * 4u], &a_frag192[mi196 * 4u], &b_frag193[2u]);
+                for (unsigned mi489 = 0u; mi489 < 1u; mi489 += 1u) {
+                    mma_bf16_16816(&o_acc_1[((mi489 * 2u) + ((np490 * 2u) + 1u)) * 4u], &a_frag485[mi489 * 4u], &b_frag486[2u]);
                 }
             }
         }
-        const unsigned a_lane_word213 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word506 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk210 = 0u; kk210 < 2u; kk210 += 1u) {
+        for (unsigned kk503 = 0u; kk503 < 2u; kk503 += 1u) {
             #pragma unroll
-            for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
-                ldmatrix_x4(&a_frag207[mi211 * 4u], p_tile + a_lane_word213 + (mi211 * 320u) + (kk210 * 8u));
+            for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                ldmatrix_x4(&a_frag500[mi504 * 4u], p_tile + a_lane_word506 + (mi504 * 320u) + (kk503 * 8u));
             }
-            const float k_scale214 = kv_scales[((stage * 128u) + (((kk210 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale215 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale216 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale217 = kv_scales[((stage * 128u) + ((((kk210 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag207[0u] = pack_bf16x2(__uint_as_float(a_frag207[0u] << 16u) * k_scale214, __uint_as_float(a_frag207[0u] & 4294901760u) * k_scale215);
-            a_frag207[1u] = pack_bf16x2(__uint_as_float(a_frag207[1u] << 16u) * k_scale214, __uint_as_float(a_frag207[1u] & 4294901760u) * k_scale215);
-            a_frag207[2u] = pack_bf16x2(__uint_as_float(a_frag207[2u] << 16u) * k_scale216, __uint_as_float(a_frag207[2u] & 4294901760u) * k_scale217);
-            a_frag207[3u] = pack_bf16x2(__uint_as_float(a_frag207[3u] << 16u) * k_scale216, __uint_as_float(a_frag207[3u] & 4294901760u) * k_scale217);
+            const float k_scale507 = kv_scales[((stage * 128u) + (((kk503 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+            const float k_scale508 = kv_scales[((stage * 128u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+            const float k_scale509 = kv_scales[((stage * 128u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+            const float k_scale510 = kv_scales[((stage * 128u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+            a_frag500[0u] = pack_bf16x2(__uint_as_float(a_frag500[0u] << 16u) * k_scale507, __uint_as_float(a_frag500[0u] & 4294901760u) * k_scale508);
+            a_frag500[1u] = pack_bf16x2(__uint_as_float(a_frag500[1u] << 16u) * k_scale507, __uint_as_float(a_frag500[1u] & 4294901760u) * k_scale508);
+            a_frag500[2u] = pack_bf16x2(__uint_as_float(a_frag500[2u] << 16u) * k_scale509, __uint_as_float(a_frag500[2u] & 4294901760u) * k_scale510);
+            a_frag500[3u] = pack_bf16x2(__uint_as_float(a_frag500[3u] << 16u) * k_scale509, __uint_as_float(a_frag500[3u] & 4294901760u) * k_scale510);
             #pragma unroll
-            for (unsigned np212 = 0u; np212 < 1u; np212 += 1u) {
-                ldmatrix_x2_trans(&b_raw209[0u], kv_latent + (stage * 4224u) + (((kk210 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np212 * 16u)) >> 2u));
-                const unsigned e4m3_pair218 = e4m3x2_prep((b_raw209[0u] & 255u) | ((b_raw209[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair219 = e4m3x2_prep(((b_raw209[0u] >> 8u) & 255u) | ((b_raw209[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair220 = e4m3x2_prep((b_raw209[1u] & 255u) | ((b_raw209[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair221 = e4m3x2_prep(((b_raw209[1u] >> 8u) & 255u) | ((b_raw209[1u] >> 16u) & 65280u));
-                b_frag208[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair218), e4m3x2_hi(e4m3_pair218));
-                b_frag208[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair220), e4m3x2_hi(e4m3_pair220));
-                b_frag208[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair219), e4m3x2_hi(e4m3_pair219));
-                b_frag208[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair221), e4m3x2_hi(e4m3_pair221));
+            for (unsigned np505 = 0u; np505 < 1u; np505 += 1u) {
+                ldmatrix_x2_trans(&b_raw502[0u], kv_latent + (stage * 4224u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np505 * 16u)) >> 2u));
+                const unsigned e4m3_pair511 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair512 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair513 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
+                b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511), e4m3x2_hi(e4m3_pair511));
+                b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
+                b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
                 #pragma unroll
-                for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi211 * 2u) + (np212 * 2u)) * 4u], &a_frag207[mi211 * 4u], &b_frag208[0u]);
+                for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi504 * 2u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi211 = 0u; mi211 < 1u; mi211 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi211 * 2u) + ((np212 * 2u) + 1u)) * 4u], &a_frag207[mi211 * 4u], &b_frag208[2u]);
+                for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                    mma_bf16_16816(&o_acc_2[((mi504 * 2u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word521 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk518 = 0u; kk518 < 2u; kk518 += 1u) {
+            #pragma unroll
+            for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                ldmatrix_x4(&a_frag515[mi519 * 4u], p_tile + a_lane_word521 + (mi519 * 320u) + (kk518 * 8u));
+            }
+            const float k_scale522 = kv_scales[((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+            const float k_scale523 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+            const float k_scale524 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+            const float k_scale525 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+            a_frag515[0u] = pack_bf16x2(__uint_as_float(a_frag515[0u] << 16u) * k_scale522, __uint_as_float(a_frag515[0u] & 4294901760u) * k_scale523);
+            a_frag515[1u] = pack_bf16x2(__uint_as_float(a_frag515[1u] << 16u) * k_scale522, __uint_as_float(a_frag515[1u] & 4294901760u) * k_scale523);
+            a_frag515[2u] = pack_bf16x2(__uint_as_float(a_frag515[2u] << 16u) * k_scale524, __uint_as_float(a_frag515[2u] & 4294901760u) * k_scale525);
+            a_frag515[3u] = pack_bf16x2(__uint_as_float(a_frag515[3u] << 16u) * k_scale524, __uint_as_float(a_frag515[3u] & 4294901760u) * k_scale525);
+            #pragma unroll
+            for (unsigned np520 = 0u; np520 < 1u; np520 += 1u) {
+                ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u));
+                const unsigned e4m3_pair526 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
+                const unsigned e4m3_pair527 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
+                const unsigned e4m3_pair528 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
+                const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
+                b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
+                b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
+                b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
+                b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529), e4m3x2_hi(e4m3_pair529));
+                #pragma unroll
+                for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi519 * 2u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                    mma_bf16_16816(&o_acc_3[((mi519 * 2u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
                 }
             }
         }
@@ -1337,16 +1956,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi223 = 0u; mi223 < 1u; mi223 += 1u) {
+        for (unsigned mi531 = 0u; mi531 < 1u; mi531 += 1u) {
             #pragma unroll
-            for (unsigned half224 = 0u; half224 < 2u; half224 += 1u) {
-                float row_sum222 = row_sum_part[(mi223 * 2u) + half224];
-                const float other225 = shfl_xor_f32(row_sum222, 1);
-                row_sum222 = row_sum222 + other225;
-                const float other226 = shfl_xor_f32(row_sum222, 2);
-                row_sum222 = row_sum222 + other226;
+            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
+                float row_sum530 = row_sum_part[(mi531 * 2u) + half532];
+                const float other533 = shfl_xor_f32(row_sum530, 1);
+                row_sum530 = row_sum530 + other533;
+                const float other534 = shfl_xor_f32(row_sum530, 2);
+                row_sum530 = row_sum530 + other534;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi223 * 16u)) + ((half224 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum222;
+                    row_exchange[(((scores_row0 + (mi531 * 16u)) + ((half532 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum530;
                 }
             }
         }
@@ -1354,16 +1973,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi228 = 0u; mi228 < 1u; mi228 += 1u) {
+        for (unsigned mi536 = 0u; mi536 < 1u; mi536 += 1u) {
             #pragma unroll
-            for (unsigned half229 = 0u; half229 < 2u; half229 += 1u) {
+            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum227 = row_exchange[((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u];
-                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum227 = row_sum227 + row_exchange[(((scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)] = row_sum227;
-                    row_max[(scores_row0 + (mi228 * 16u)) + ((half229 * 8u) + lane_group)] = row_max_reg[(mi228 * 2u) + half229];
+                    float row_sum535 = row_exchange[((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_sum535;
+                    row_max[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_max_reg[(mi536 * 2u) + half537];
                 }
             }
         }
@@ -1374,86 +1993,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag230 = 0u; frag230 < 1u; frag230 += 1u) {
+        for (unsigned frag538 = 0u; frag538 < 1u; frag538 += 1u) {
             #pragma unroll
-            for (unsigned half231 = 0u; half231 < 2u; half231 += 1u) {
+            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
                 #pragma unroll
-                for (unsigned e232 = 0u; e232 < 2u; e232 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag230 / 1u) * 16u)) + ((half231 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag230 % 1u) * 16u)) + ((lane_quad * 4u) + (e232 * 2u));
-                    float v0_6 = o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)];
-                    float v1_6 = o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)];
+                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
+                    const unsigned row_18 = (o_acc_row0 + ((frag538 / 1u) * 16u)) + ((half539 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag538 % 1u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
+                    float v0_6 = o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)];
+                    float v1_6 = o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)];
                     const unsigned h = h0 + row_18;
                     if (h < p.heads) {
                         const float l = row_sum[row_18];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) * 4u) + ((half231 * 2u) + e232)] = v0_6;
-                    o_acc[(((((frag230 / 1u) * 2u) + ((frag230 % 1u) * 2u)) + 1u) * 4u) + ((half231 * 2u) + e232)] = v1_6;
+                    o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)] = v0_6;
+                    o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag233 = 0u; frag233 < 1u; frag233 += 1u) {
+        for (unsigned frag541 = 0u; frag541 < 1u; frag541 += 1u) {
             #pragma unroll
-            for (unsigned half234 = 0u; half234 < 2u; half234 += 1u) {
+            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
                 #pragma unroll
-                for (unsigned e235 = 0u; e235 < 2u; e235 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag233 / 1u) * 16u)) + ((half234 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag233 % 1u) * 16u)) + ((lane_quad * 4u) + (e235 * 2u));
-                    float v0_7 = o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)];
-                    float v1_7 = o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)];
+                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
+                    const unsigned row_19 = (o_acc_1_row0 + ((frag541 / 1u) * 16u)) + ((half542 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag541 % 1u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
+                    float v0_7 = o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)];
+                    float v1_7 = o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)];
                     const unsigned h_1 = h0 + row_19;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_19];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) * 4u) + ((half234 * 2u) + e235)] = v0_7;
-                    o_acc_1[(((((frag233 / 1u) * 2u) + ((frag233 % 1u) * 2u)) + 1u) * 4u) + ((half234 * 2u) + e235)] = v1_7;
+                    o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)] = v0_7;
+                    o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag236 = 0u; frag236 < 1u; frag236 += 1u) {
+        for (unsigned frag544 = 0u; frag544 < 1u; frag544 += 1u) {
             #pragma unroll
-            for (unsigned half237 = 0u; half237 < 2u; half237 += 1u) {
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
                 #pragma unroll
-                for (unsigned e238 = 0u; e238 < 2u; e238 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag236 / 1u) * 16u)) + ((half237 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag236 % 1u) * 16u)) + ((lane_quad * 4u) + (e238 * 2u));
-                    float v0_8 = o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)];
-                    float v1_8 = o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)];
+                for (unsigned e546 = 0u; e546 < 2u; e546 += 1u) {
+                    const unsigned row_20 = (o_acc_2_row0 + ((frag544 / 1u) * 16u)) + ((half545 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag544 % 1u) * 16u)) + ((lane_quad * 4u) + (e546 * 2u));
+                    float v0_8 = o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)];
+                    float v1_8 = o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)];
                     const unsigned h_2 = h0 + row_20;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_20];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) * 4u) + ((half237 * 2u) + e238)] = v0_8;
-                    o_acc_2[(((((frag236 / 1u) * 2u) + ((frag236 % 1u) * 2u)) + 1u) * 4u) + ((half237 * 2u) + e238)] = v1_8;
+                    o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)] = v0_8;
+                    o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag239 = 0u; frag239 < 1u; frag239 += 1u) {
+        for (unsigned frag547 = 0u; frag547 < 1u; frag547 += 1u) {
             #pragma unroll
-            for (unsigned half240 = 0u; half240 < 2u; half240 += 1u) {
+            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
                 #pragma unroll
-                for (unsigned e241 = 0u; e241 < 2u; e241 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag239 / 1u) * 16u)) + ((half240 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag239 % 1u) * 16u)) + ((lane_quad * 4u) + (e241 * 2u));
-                    float v0_9 = o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)];
-                    float v1_9 = o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)];
+                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
+                    const unsigned row_21 = (o_acc_3_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
+                    float v0_9 = o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
+                    float v1_9 = o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
                     const unsigned h_3 = h0 + row_21;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_21];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) * 4u) + ((half240 * 2u) + e241)] = v0_9;
-                    o_acc_3[(((((frag239 / 1u) * 2u) + ((frag239 % 1u) * 2u)) + 1u) * 4u) + ((half240 * 2u) + e241)] = v1_9;
+                    o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_9;
+                    o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_9;
                 }
             }
         }
@@ -1469,15 +2088,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag242 = 0u; frag242 < 1u; frag242 += 1u) {
+        for (unsigned frag550 = 0u; frag550 < 1u; frag550 += 1u) {
             #pragma unroll
-            for (unsigned half243 = 0u; half243 < 2u; half243 += 1u) {
+            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
                 #pragma unroll
-                for (unsigned e244 = 0u; e244 < 2u; e244 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag242 / 1u) * 16u)) + ((half243 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag242 % 1u) * 16u)) + ((lane_quad * 4u) + (e244 * 2u));
-                    float v0_10 = o_acc[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)];
-                    float v1_10 = o_acc[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)];
+                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
+                    const unsigned row_22 = (o_acc_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
+                    float v0_10 = o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
+                    float v1_10 = o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
                     const unsigned h_5 = h0 + row_22;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_22];
@@ -1486,21 +2105,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) * 4u) + ((half243 * 2u) + e244)] = v0_10;
-                    o_acc[(((((frag242 / 1u) * 2u) + ((frag242 % 1u) * 2u)) + 1u) * 4u) + ((half243 * 2u) + e244)] = v1_10;
+                    o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_10;
+                    o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag245 = 0u; frag245 < 1u; frag245 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 1u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half246 = 0u; half246 < 2u; half246 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e247 = 0u; e247 < 2u; e247 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag245 / 1u) * 16u)) + ((half246 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag245 % 1u) * 16u)) + ((lane_quad * 4u) + (e247 * 2u));
-                    float v0_11 = o_acc_1[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)];
-                    float v1_11 = o_acc_1[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)];
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row_23 = (o_acc_1_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    float v0_11 = o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
+                    float v1_11 = o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
                     const unsigned h_6 = h0 + row_23;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_23];
@@ -1509,21 +2128,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) * 4u) + ((half246 * 2u) + e247)] = v0_11;
-                    o_acc_1[(((((frag245 / 1u) * 2u) + ((frag245 % 1u) * 2u)) + 1u) * 4u) + ((half246 * 2u) + e247)] = v1_11;
+                    o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_11;
+                    o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag248 = 0u; frag248 < 1u; frag248 += 1u) {
+        for (unsigned frag556 = 0u; frag556 < 1u; frag556 += 1u) {
             #pragma unroll
-            for (unsigned half249 = 0u; half249 < 2u; half249 += 1u) {
+            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
                 #pragma unroll
-                for (unsigned e250 = 0u; e250 < 2u; e250 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag248 / 1u) * 16u)) + ((half249 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag248 % 1u) * 16u)) + ((lane_quad * 4u) + (e250 * 2u));
-                    float v0_12 = o_acc_2[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)];
-                    float v1_12 = o_acc_2[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)];
+                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
+                    const unsigned row_24 = (o_acc_2_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
+                    float v0_12 = o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
+                    float v1_12 = o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
                     const unsigned h_7 = h0 + row_24;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_24];
@@ -1532,21 +2151,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) * 4u) + ((half249 * 2u) + e250)] = v0_12;
-                    o_acc_2[(((((frag248 / 1u) * 2u) + ((frag248 % 1u) * 2u)) + 1u) * 4u) + ((half249 * 2u) + e250)] = v1_12;
+                    o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_12;
+                    o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag251 = 0u; frag251 < 1u; frag251 += 1u) {
+        for (unsigned frag559 = 0u; frag559 < 1u; frag559 += 1u) {
             #pragma unroll
-            for (unsigned half252 = 0u; half252 < 2u; half252 += 1u) {
+            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
                 #pragma unroll
-                for (unsigned e253 = 0u; e253 < 2u; e253 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag251 / 1u) * 16u)) + ((half252 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag251 % 1u) * 16u)) + ((lane_quad * 4u) + (e253 * 2u));
-                    float v0_13 = o_acc_3[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)];
-                    float v1_13 = o_acc_3[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)];
+                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
+                    const unsigned row_25 = (o_acc_3_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
+                    float v0_13 = o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
+                    float v1_13 = o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
                     const unsigned h_8 = h0 + row_25;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_25];
@@ -1555,8 +2174,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) * 4u) + ((half252 * 2u) + e253)] = v0_13;
-                    o_acc_3[(((((frag251 / 1u) * 2u) + ((frag251 % 1u) * 2u)) + 1u) * 4u) + ((half252 * 2u) + e253)] = v1_13;
+                    o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_13;
+                    o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_13;
                 }
             }
         }

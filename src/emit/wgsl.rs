@@ -261,6 +261,9 @@ impl Printer<'_> {
                     Func::E4m3x2Prep => a[0].clone(),
                     Func::E4m3x2Lo => format!("e4m3_to_f32(({}) & 0xffu)", a[0]),
                     Func::E4m3x2Hi => format!("e4m3_to_f32((({}) >> 8u) & 0xffu)", a[0]),
+                    // CUDA only (tensor-core operands): left undefined, so naga refuses it
+                    Func::PackE4m3x4 => format!("pack_e4m3x4({})", a.join(", ")),
+                    Func::E4m3MmaNative => "e4m3_mma_native()".to_string(),
                 }
             }
             Expr::Load { buf, elem, index } => {

@@ -244,6 +244,14 @@ pub enum Func {
     E4m3x2Lo,
     /// The second (high) of the two values of an [`Func::E4m3x2Prep`] result, as f32.
     E4m3x2Hi,
+    /// Four f32 to four e4m3 bytes of a u32 (round to nearest even, saturating at ±448; the
+    /// first argument in the low byte). CUDA only (operands of [`Intrinsic::MmaE4m3`]).
+    PackE4m3x4,
+    /// No arguments, bool, a compile-time constant of the CUDA C: does the GPU compiled for
+    /// run [`Intrinsic::MmaE4m3`] as one instruction (sm_89, sm_120)? sm_90's ptxas lowers it
+    /// to e4m3 → f16 conversions and two f16 products (its fp8 tensor cores are wgmma's only),
+    /// so code picks the bf16 form there. CUDA only.
+    E4m3MmaNative,
 }
 
 /// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
@@ -327,7 +335,8 @@ impl Expr {
             Expr::Select(_, a, _) => a.ty(),
             Expr::Cvt(t, _) => *t,
             Expr::Call(f, args) => match f {
-                Func::PackBf16x2 | Func::F32Bits | Func::E4m3x2Prep => Ty::U32,
+                Func::PackBf16x2 | Func::F32Bits | Func::E4m3x2Prep | Func::PackE4m3x4 => Ty::U32,
+                Func::E4m3MmaNative => Ty::Bool,
                 Func::F32FromBits | Func::E4m3x2Lo | Func::E4m3x2Hi => Ty::F32,
                 _ => args.first().map(|a| a.ty()).unwrap_or(Ty::F32),
             },
@@ -604,6 +613,18 @@ pub enum Intrinsic {
     /// `c[c0..c0+4] += a[a0..a0+4] · b[b0..b0+2]` in the PTX fragment layouts (c, a: private
     /// arrays of f32 / u32, b: u32).
     MmaBf16 {
+        c: String,
+        c0: Expr,
+        a: String,
+        a0: Expr,
+        b: String,
+        b0: Expr,
+    },
+    /// Warp-collective `mma.sync` m16n8k32, e4m3 operands (four per u32), f32 accumulate, in
+    /// the PTX fragment layouts: `a0`/`a2` row g, `a1`/`a3` row g + 8, k `4q..4q+3` (`a0`,
+    /// `a1`) and `16 + 4q..` (`a2`, `a3`); `b0` / `b1` k `4q..` / `16 + 4q..` of column g.
+    /// sm_89 and later in one instruction; before, as two bf16 products of the widened bytes.
+    MmaE4m3 {
         c: String,
         c0: Expr,
         a: String,

@@ -27,7 +27,7 @@ const PRELUDE: &str = include_str!("prelude.h");
 /// How the emulator runs a kernel.
 #[derive(Clone, Copy, Debug)]
 pub struct EmuConfig {
-    /// `__CUDA_ARCH__` the CUDA C is compiled for (its `#if` paths): 800 or 900.
+    /// `__CUDA_ARCH__` the CUDA C is compiled for (its `#if` paths): 800, 900 or 1200.
     pub arch: u32,
     /// Asynchronous copies land when issued (else as late as the PTX rules allow).
     pub land_at_issue: bool,
@@ -45,7 +45,12 @@ impl EmuConfig {
     /// Mode 3: v7 with a one-stage ring (900, late); the test runs it on the decode cases.
     pub fn mode(i: u32, seed: u64) -> Self {
         EmuConfig {
-            arch: if i % 2 == 0 { 900 } else { 800 },
+            // run 0 as sm_120 (its e4m3 products native), run 2 as sm_90
+            arch: match i {
+                0 => 1200,
+                2 => 900,
+                _ => 800,
+            },
             land_at_issue: i % 2 == 1,
             seed,
             v7: i < 2 || i == 3,

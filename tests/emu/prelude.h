@@ -630,6 +630,23 @@ inline void cvt_rn_f16x2_e4m3x2(unsigned& d, unsigned short a) {
     d = f32_to_f16(e4m3_value(a & 0xff)) | (f32_to_f16(e4m3_value(a >> 8)) << 16);
 }
 inline void cvt_f32_f16(float& d, unsigned short a) { d = f16_to_f32(a); }
+// f32 -> e4m3 "fn" by search (a reference apart from the kernel's bit path): the nearest of
+// the 127 finite magnitudes, ties to the even code, beyond 448 saturated to 448
+inline unsigned f32_to_e4m3_ref(float f) {
+    const unsigned sign = (__float_as_uint(f) >> 24) & 0x80u;
+    const double a = std::fabs((double)f);
+    unsigned best = 0;
+    for (unsigned c = 1; c < 0x7fu; c++) {
+        const double dc = std::fabs((double)e4m3_value(c) - a), db = std::fabs((double)e4m3_value(best) - a);
+        if (dc < db || (dc == db && (c & 1u) == 0)) best = c;
+    }
+    if (!(a <= 448.0)) best = 0x7eu;
+    return sign | best;
+}
+// d = {e4m3(a) upper byte, e4m3(b) lower byte}
+inline void cvt_rn_satfinite_e4m3x2_f32(unsigned short& d, float a, float b) {
+    d = (unsigned short)(f32_to_e4m3_ref(b) | (f32_to_e4m3_ref(a) << 8));
+}
 
 // d = {a.hi * b.hi + c.hi, a.lo * b.lo + c.lo} in bf16, round to nearest even
 inline void fma_rn_bf16x2(unsigned& d, unsigned a, unsigned b, unsigned c) {
@@ -792,6 +809,41 @@ inline void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float
         unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
         double s = c[e];
         for (int k = 0; k < 16; k++) s += (double)A[row][k] * (double)B[k][col];
+        out[e] = (float)s;
+    }
+    d0 = out[0], d1 = out[1], d2 = out[2], d3 = out[3];
+}
+
+// ---- mma.sync m16n8k32 row.col e4m3 -> f32, by the PTX fragment layouts (4 bytes a register):
+// A: a0 (g, 4q..), a1 (g+8, 4q..), a2 (g, 16+4q..), a3 (g+8, 16+4q..)
+// B: b0 (k 4q.., n g), b1 (k 16+4q.., n g);  C, D as m16n8k16
+inline void mma_sync_aligned_m16n8k32_row_col_f32_e4m3_e4m3_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
+                                                               unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                                               unsigned b1, float c0, float c1, float c2, float c3) {
+    emu::WarpDeposit& d = emu::deposit_begin();
+    unsigned l = emu::lane();
+    unsigned in[6] = {a0, a1, a2, a3, b0, b1};
+    for (int i = 0; i < 6; i++) d.u[l][i] = in[i];
+    emu::deposit_sync();
+    float A[16][32], B[32][8];
+    for (unsigned t = 0; t < 32; t++) {
+        unsigned g = t / 4, q = t % 4;
+        const unsigned* u = d.u[t];
+        for (unsigned i = 0; i < 4; i++) {
+            A[g][4 * q + i] = e4m3_value(u[0] >> (8 * i));
+            A[g + 8][4 * q + i] = e4m3_value(u[1] >> (8 * i));
+            A[g][16 + 4 * q + i] = e4m3_value(u[2] >> (8 * i));
+            A[g + 8][16 + 4 * q + i] = e4m3_value(u[3] >> (8 * i));
+            B[4 * q + i][g] = e4m3_value(u[4] >> (8 * i));
+            B[16 + 4 * q + i][g] = e4m3_value(u[5] >> (8 * i));
+        }
+    }
+    unsigned g = l / 4, q = l % 4;
+    float c[4] = {c0, c1, c2, c3}, out[4];
+    for (int e = 0; e < 4; e++) {
+        unsigned row = g + (e >= 2 ? 8 : 0), col = 2 * q + (e & 1);
+        double s = c[e];
+        for (int k = 0; k < 32; k++) s += (double)A[row][k] * (double)B[k][col];
         out[e] = (float)s;
     }
     d0 = out[0], d1 = out[1], d2 = out[2], d3 = out[3];

@@ -15,7 +15,13 @@
 //! straight from global memory into registers: no shared memory for it and no `ldmatrix` of
 //! it per step.
 //!
-//! **e4m3 operands.** An e4m3 tile is multiplied as bf16 (every e4m3 value is exact in bf16):
+//! **e4m3 operands.** In an `[N, K]` product (the scores) on a GPU with a one-instruction
+//! e4m3 product (sm_89, sm_120: [`Func::E4m3MmaNative`]), the e4m3 bytes are the B operand as
+//! they are — `ldmatrix.x2` gives each lane the m16n8k32 layout directly, nothing converted —
+//! and the resident A tile is held as two e4m3 terms (`hi`, `lo`, times a per-warp power of
+//! two: [`Cx::resident_gather`]), two m16n8k32 products per 32 k. Elsewhere (sm_80, and sm_90,
+//! whose ptxas turns that instruction into conversions and two f16 products), and in every
+//! `[K, N]` product, an e4m3 tile is multiplied as bf16 (every e4m3 value is exact in bf16):
 //! `ldmatrix` reads its bytes as 16-bit pairs and each register is widened to two bf16x2.
 //! Read that way a lane holds 4 consecutive bytes, so the K order inside each 16-wide k step
 //! is permuted — logical k `2q, 2q+1` is stored k `4q, 4q+1` and `2q+8, 2q+9` is `4q+2, 4q+3`
@@ -55,16 +61,26 @@ pub(super) struct KSplit {
 pub(super) struct ResidentView {
     pub col0: u32,
     pub cols: u32,
-    /// K order permuted for an e4m3 B operand.
+    /// For an e4m3 B operand: the view held as e4m3 `hi` (`regs`) and `lo` (`lo_regs`), in
+    /// the m16n8k32 fragment layout, of the values times the row's power of two.
     pub permuted: bool,
-    /// Private array `[fm, k steps of the slice, 4]`.
+    /// Private array `[fm, k steps of the slice, 4]` (k16 steps of bf16, k32 steps of e4m3).
     pub regs: String,
+    /// The e4m3 view's `lo` terms, shaped like `regs` (empty for bf16).
+    pub lo_regs: String,
+    /// The e4m3 view's bf16 form where the GPU has no e4m3 product ([`Func::E4m3MmaNative`]
+    /// false): `[fm, k16 steps, 4]`, K order permuted to match the widened B bytes (empty for
+    /// bf16 views).
+    pub bf_regs: String,
     pub gk: u32,
 }
 
 #[derive(Clone, Debug, Default)]
 pub(super) struct ResidentA {
     pub views: Vec<ResidentView>,
+    /// With an e4m3 view: private `[1]` f32, the inverse of the power of two this warp
+    /// scaled every view of the tile by.
+    pub unscale: Option<String>,
 }
 
 /// Every product (acc, A view, B tile, layout) inside the pipeline compute stages.
@@ -138,6 +154,11 @@ fn split_shape(cx: &Cx, acc: &AccTileDecl) -> Option<(u32, u32)> {
     {
         return None;
     }
+    let e4m3_b = |p: &(String, TileView, TileView, BLayout)| {
+        cx.kernel
+            .shared_tile(&p.2.tile)
+            .is_some_and(|t| t.elem == TileElem::E4m3)
+    };
     for gk in [2u32, 4, 8] {
         if cx.warps % gk != 0 {
             continue;
@@ -147,6 +168,13 @@ fn split_shape(cx: &Cx, acc: &AccTileDecl) -> Option<(u32, u32)> {
             continue;
         }
         if inside.iter().any(|p| (p.1.cols / 16) % gk != 0) {
+            continue;
+        }
+        // an e4m3 B operand is multiplied 32 k at a time (m16n8k32)
+        if inside
+            .iter()
+            .any(|p| e4m3_b(p) && p.1.cols % (32 * gk) != 0)
+        {
             continue;
         }
         let regs: u32 = inside.iter().map(|p| fm * (p.1.cols / 16 / gk) * 4).sum();
@@ -351,16 +379,32 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
             let info = cx.acc(acc)?.clone();
             let gk = info.ksplit.as_ref().map(|k| k.gk).unwrap_or(1);
             let fm = info.decl.rows / 16;
-            let regs = cx.private(
-                &format!("{t}_a{}", r.views.len()),
-                Ty::U32,
-                fm * (a.cols / 16 / gk) * 4,
-            );
+            // e4m3: k32 steps of four bytes a register, twice (hi, lo)
+            let k = if permuted { 32 } else { 16 };
+            let len = fm * (a.cols / k / gk) * 4;
+            let regs = cx.private(&format!("{t}_a{}", r.views.len()), Ty::U32, len);
+            let (lo_regs, bf_regs) = if permuted {
+                (
+                    cx.private(&format!("{t}_a{}_lo", r.views.len()), Ty::U32, len),
+                    cx.private(
+                        &format!("{t}_a{}_bf16", r.views.len()),
+                        Ty::U32,
+                        fm * (a.cols / 16 / gk) * 4,
+                    ),
+                )
+            } else {
+                (String::new(), String::new())
+            };
+            if permuted && r.unscale.is_none() {
+                r.unscale = Some(cx.private(&format!("{t}_unscale"), Ty::F32, 1));
+            }
             r.views.push(ResidentView {
                 col0: a.col0,
                 cols: a.cols,
                 permuted,
                 regs,
+                lo_regs,
+                bf_regs,
                 gk,
             });
         }
@@ -467,6 +511,16 @@ impl Cx<'_> {
 
     /// Load this warp's A fragments of every view of a resident tile from global memory:
     /// the tile's gather (`src_word(row)`, −1 for zeros) done straight into registers.
+    ///
+    /// A view multiplied by an e4m3 operand, where the GPU has the e4m3 product
+    /// ([`Func::E4m3MmaNative`]), is held as two e4m3 terms, `hi = e4m3(x·σ)` and
+    /// `lo = e4m3(x·σ − hi)` (about bf16's 8 significant bits together). σ is a power of two
+    /// per warp, from the largest |x| of the warp's slice of those views: that one lands in
+    /// [128, 256), well inside e4m3's ±448, and e4m3 keeps its relative precision for values
+    /// within 2^10 of it. The tile's bf16 views are scaled by the same σ, exactly, so every
+    /// product into the split-K partials is σ times the true one; [`Cx::materialize`]
+    /// multiplies by `unscale = 1/σ`. Elsewhere the view is bf16, its K order permuted to
+    /// match the widened e4m3 bytes, and `unscale = 1`.
     pub(super) fn resident_gather(
         &mut self,
         dst: &str,
@@ -496,43 +550,234 @@ impl Cx<'_> {
                 out.push(let_(name, bound));
             }
         }
+        // word `word` of the row of lane row `h` (0..2 fm), 0 for a missing row
+        let load = |h: u32, word: Expr| {
+            let sw = var(&rows_sw[h as usize], Ty::I32);
+            let load = Expr::LoadWord {
+                buf: src.to_string(),
+                index: Box::new(add(Expr::Cvt(Ty::U32, Box::new(sw.clone())), word)),
+            };
+            Expr::Select(
+                Box::new(bin(BinOp::Ge, sw, Expr::I32(0))),
+                Box::new(load),
+                Box::new(u(0)),
+            )
+        };
+        let lo_of = |w: Expr| Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w, u(16))]);
+        let hi_of = |w: Expr| {
+            Expr::Call(
+                Func::F32FromBits,
+                vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
+            )
+        };
+        let gk = r.views.first().map_or(1, |v| v.gk);
+        let slice = bin(BinOp::Rem, self.lane.warp.clone(), u(gk));
+        // a bf16 view's registers (k16 steps), times `sigma` if given; `permuted`: the K
+        // order of a widened e4m3 B operand (logical pair q, 4 + q stored as words 2q, 2q + 1)
+        let bf16_view =
+            |cx: &Cx, regs: &str, v: &ResidentView, permuted: bool, sigma: Option<&Expr>| {
+                let steps = v.cols / 16 / v.gk;
+                let k0 = mul(slice.clone(), u(steps));
+                let mut st = Vec::new();
+                for i in 0..fm {
+                    for kk in 0..steps {
+                        for reg in 0..4u32 {
+                            let h = 2 * i + reg % 2; // a0, a2: row g; a1, a3: row g + 8
+                            let hi_k = reg / 2; // a2, a3: k + 8
+                            let kstep_word = add(u(v.col0 / 2), mul(add(k0.clone(), u(kk)), u(8)));
+                            let word_in_step = if permuted {
+                                add(mul(cx.lane.quad.clone(), u(2)), u(hi_k))
+                            } else {
+                                add(cx.lane.quad.clone(), u(4 * hi_k))
+                            };
+                            let mut value = load(h, add(kstep_word, word_in_step));
+                            if let Some(sg) = sigma {
+                                value = scale_pair(value, sg.clone(), sg.clone());
+                            }
+                            st.push(Stmt::PrivateStore {
+                                arr: regs.to_string(),
+                                index: u((i * steps + kk) * 4 + reg),
+                                value,
+                            });
+                        }
+                    }
+                }
+                st
+            };
+        let Some(unscale) = r.unscale.clone() else {
+            for v in &r.views {
+                out.extend(bf16_view(self, &v.regs, v, false, None));
+            }
+            return Ok(out);
+        };
+        // -- the e4m3 form: every word of the e4m3 views loaded once, their largest |x|
+        let mut native = Vec::new();
+        let mx = self.fresh("q_absmax");
+        native.push(Stmt::Var {
+            name: mx.clone(),
+            value: Expr::F32(0.0),
+        });
+        // (view, register index) -> the two loaded words
+        let mut words: Vec<Vec<[String; 2]>> = Vec::new();
         for v in &r.views {
-            let steps = v.cols / 16 / v.gk;
-            let slice = bin(BinOp::Rem, self.lane.warp.clone(), u(v.gk));
-            // first k step of this warp's slice within the view
-            let k0 = mul(slice, u(steps));
-            for i in 0..fm {
-                for kk in 0..steps {
-                    for reg in 0..4u32 {
-                        let h = reg % 2; // a0, a2: row g; a1, a3: row g + 8
-                        let hi_k = reg / 2; // a2, a3: k + 8
-                        let sw = var(&rows_sw[(2 * i + h) as usize], Ty::I32);
-                        // word of the k pair within the tile row
-                        let kstep_word = add(u(v.col0 / 2), mul(add(k0.clone(), u(kk)), u(8)));
-                        let word_in_step = if v.permuted {
-                            // logical pair q (or 4 + q) is stored word 2q (or 2q + 1)
-                            add(mul(self.lane.quad.clone(), u(2)), u(hi_k))
-                        } else {
-                            add(self.lane.quad.clone(), u(4 * hi_k))
-                        };
-                        let word = add(kstep_word, word_in_step);
-                        let load = Expr::LoadWord {
-                            buf: src.to_string(),
-                            index: Box::new(add(Expr::Cvt(Ty::U32, Box::new(sw.clone())), word)),
-                        };
-                        out.push(Stmt::PrivateStore {
-                            arr: v.regs.clone(),
-                            index: u((i * steps + kk) * 4 + reg),
-                            value: Expr::Select(
-                                Box::new(bin(BinOp::Ge, sw, Expr::I32(0))),
-                                Box::new(load),
-                                Box::new(u(0)),
-                            ),
-                        });
+            let mut vw = Vec::new();
+            if v.permuted {
+                let steps = v.cols / 32 / v.gk;
+                for i in 0..fm {
+                    for kk in 0..steps {
+                        for reg in 0..4u32 {
+                            // row g (a0, a2) or g + 8 (a1, a3); k 4q..4q+3, + 16 for a2 / a3
+                            let h = 2 * i + reg % 2;
+                            let k = add(
+                                add(
+                                    mul(add(mul(slice.clone(), u(steps)), u(kk)), u(32)),
+                                    u(16 * (reg / 2)),
+                                ),
+                                mul(self.lane.quad.clone(), u(4)),
+                            );
+                            let w0 = add(u(v.col0 / 2), bin(BinOp::Shr, k, u(1)));
+                            let pair = [self.fresh("q_pair"), self.fresh("q_pair")];
+                            for (n, w) in [w0.clone(), add(w0, u(1))].into_iter().enumerate() {
+                                native.push(let_(&pair[n], load(h, w)));
+                                let xv = var(&pair[n], Ty::U32);
+                                native.push(Stmt::Assign {
+                                    name: mx.clone(),
+                                    value: bin(
+                                        BinOp::Max,
+                                        var(&mx, Ty::F32),
+                                        bin(
+                                            BinOp::Max,
+                                            Expr::Call(Func::Abs, vec![lo_of(xv.clone())]),
+                                            Expr::Call(Func::Abs, vec![hi_of(xv)]),
+                                        ),
+                                    ),
+                                });
+                            }
+                            vw.push(pair);
+                        }
                     }
                 }
             }
+            words.push(vw);
         }
+        // the whole warp: its lanes hold the slice between them
+        for mask in [1u32, 2, 4, 8, 16] {
+            let other = self.fresh("q_absmax_peer");
+            native.push(intr(Intrinsic::ShflXor {
+                dst: other.clone(),
+                value: var(&mx, Ty::F32),
+                lane_mask: mask,
+            }));
+            native.push(Stmt::Assign {
+                name: mx.clone(),
+                value: bin(BinOp::Max, var(&mx, Ty::F32), var(&other, Ty::F32)),
+            });
+        }
+        // σ = 2^(134 - e) for the max's biased exponent e (max·σ in [128, 256)), at most
+        // 2^126 so that 1/σ stays a normal f32
+        let e = bin(
+            BinOp::BitAnd,
+            bin(
+                BinOp::Shr,
+                Expr::Call(Func::F32Bits, vec![var(&mx, Ty::F32)]),
+                u(23),
+            ),
+            u(0xFF),
+        );
+        let field = self.fresh("q_scale_exp");
+        native.push(let_(
+            &field,
+            Expr::Select(
+                Box::new(lt(e.clone(), u(8))),
+                Box::new(u(253)),
+                Box::new(bin(BinOp::Sub, u(261), e)),
+            ),
+        ));
+        let fv = var(&field, Ty::U32);
+        let sg_name = self.fresh("q_scale");
+        native.push(let_(
+            &sg_name,
+            Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, fv.clone(), u(23))]),
+        ));
+        let sg = var(&sg_name, Ty::F32);
+        native.push(Stmt::PrivateStore {
+            arr: unscale.clone(),
+            index: u(0),
+            value: Expr::Call(
+                Func::F32FromBits,
+                vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), fv), u(23))],
+            ),
+        });
+        for (v, vw) in r.views.iter().zip(&words) {
+            if !v.permuted {
+                native.extend(bf16_view(self, &v.regs, v, false, Some(&sg)));
+                continue;
+            }
+            for (at, pair) in vw.iter().enumerate() {
+                let xs: Vec<String> = (0..4).map(|_| self.fresh("q_x")).collect();
+                for (n, w) in pair.iter().enumerate() {
+                    let pv = var(w, Ty::U32);
+                    native.push(let_(&xs[2 * n], mul(lo_of(pv.clone()), sg.clone())));
+                    native.push(let_(&xs[2 * n + 1], mul(hi_of(pv), sg.clone())));
+                }
+                let x = |k: usize| var(&xs[k], Ty::F32);
+                let hi = self.fresh("q_hi");
+                native.push(let_(
+                    &hi,
+                    Expr::Call(Func::PackE4m3x4, vec![x(0), x(1), x(2), x(3)]),
+                ));
+                let hv = var(&hi, Ty::U32);
+                let preps = [self.fresh("q_hi_pair"), self.fresh("q_hi_pair")];
+                native.push(let_(
+                    &preps[0],
+                    Expr::Call(
+                        Func::E4m3x2Prep,
+                        vec![bin(BinOp::BitAnd, hv.clone(), u(0xFFFF))],
+                    ),
+                ));
+                native.push(let_(
+                    &preps[1],
+                    Expr::Call(Func::E4m3x2Prep, vec![bin(BinOp::Shr, hv.clone(), u(16))]),
+                ));
+                let back = |k: usize| {
+                    let p = var(&preps[k / 2], Ty::U32);
+                    let f = if k % 2 == 0 {
+                        Func::E4m3x2Lo
+                    } else {
+                        Func::E4m3x2Hi
+                    };
+                    bin(BinOp::Sub, x(k), Expr::Call(f, vec![p]))
+                };
+                native.push(Stmt::PrivateStore {
+                    arr: v.regs.clone(),
+                    index: u(at as u32),
+                    value: hv,
+                });
+                native.push(Stmt::PrivateStore {
+                    arr: v.lo_regs.clone(),
+                    index: u(at as u32),
+                    value: Expr::Call(Func::PackE4m3x4, vec![back(0), back(1), back(2), back(3)]),
+                });
+            }
+        }
+        // -- the bf16 form: the e4m3 views permuted, nothing scaled
+        let mut fallback = vec![Stmt::PrivateStore {
+            arr: unscale,
+            index: u(0),
+            value: Expr::F32(1.0),
+        }];
+        for v in &r.views {
+            if v.permuted {
+                fallback.extend(bf16_view(self, &v.bf_regs, v, true, None));
+            } else {
+                fallback.extend(bf16_view(self, &v.regs, v, false, None));
+            }
+        }
+        out.push(Stmt::If {
+            cond: Expr::Call(Func::E4m3MmaNative, vec![]),
+            then: native,
+            els: fallback,
+        });
         Ok(out)
     }
 
@@ -612,181 +857,215 @@ impl Cx<'_> {
             add(u(b.row0), mul(group.clone(), u(8 * ng))),
         ));
         let nf = var(&n_first, Ty::U32);
-        let k_first = self.fresh("k_first");
-        body.push(let_(&k_first, mul(slice, u(steps))));
-        let kf = var(&k_first, Ty::U32);
-        let af = self.private("a_frag", Ty::U32, 4);
-        let bf = self.private("b_frag", Ty::U32, 4);
-        let raw = self.private("b_raw", Ty::U32, 2);
-        let (kk, i, j) = (self.fresh("kk"), self.fresh("mi"), self.fresh("nj"));
-        let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
-        // Two independent mma chains, even and odd k steps, into the two halves of the
-        // target (added at the end): one chain of `steps` dependent mma was the S product's
-        // latency (each waits for the previous one's accumulator).
-        let frags = fm * ng * 4;
-        let chains = if steps % 2 == 0 { 2 } else { 1 };
-        let (pair, par) = (self.fresh("kk_pair"), self.fresh("chain"));
-        let parv = var(&par, Ty::U32);
-        if chains == 2 {
-            let e = self.fresh("e");
-            body.push(for_const(
-                &e,
-                frags,
-                vec![Stmt::PrivateStore {
-                    arr: target.clone(),
-                    index: add(u(frags), var(&e, Ty::U32)),
-                    value: Expr::F32(0.0),
-                }],
-            ));
-        }
-        // B of n fragment j, k step kk (both relative): two u32 in bf[0..2]
-        let mut k_body = Vec::new();
-        let mut n_body = Vec::new();
-        let kstep = add(kf.clone(), kkv.clone());
+        let mut native = Vec::new();
         if e4m3 {
-            // bytes: k step = 16 bytes; one 8x8 b16 matrix per n fragment (x1)
-            let word = add(
-                add(
-                    bb.clone(),
-                    mul(
-                        add(
-                            add(nf.clone(), mul(jv.clone(), u(8))),
-                            bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
-                        ),
-                        u(tb.stride),
-                    ),
-                ),
-                add(u(b.col0 / 4), mul(kstep.clone(), u(4))),
+            let v = resident
+                .clone()
+                .ok_or_else(|| self.err(format!("{acc}: no resident A")))?;
+            self.ksplit_e4m3(
+                &mut native,
+                &target,
+                &v,
+                &tb,
+                bb.clone(),
+                b,
+                &nf,
+                fm,
+                ng,
+                slice.clone(),
             );
-            n_body.push(intr(Intrinsic::LdMatrix {
-                count: 1,
-                trans: false,
-                arr: b.tile.clone(),
-                word,
-                dst: raw.clone(),
-                dst0: u(0),
-            }));
-            let names = [self.fresh("e4m3_pair"), self.fresh("e4m3_pair")];
-            let (lets, lo, hi) = widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
-            n_body.extend(lets);
-            n_body.push(Stmt::PrivateStore {
-                arr: bf.clone(),
-                index: u(0),
-                value: lo,
-            });
-            n_body.push(Stmt::PrivateStore {
-                arr: bf.clone(),
-                index: u(1),
-                value: hi,
-            });
-        } else {
-            // bf16 [N, K]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15) via x2
-            let word = add(
-                add(
-                    bb.clone(),
-                    mul(
-                        add(
-                            add(nf.clone(), mul(jv.clone(), u(8))),
-                            bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
-                        ),
-                        u(tb.stride),
-                    ),
-                ),
-                add(
-                    u(b.col0 / 2),
-                    add(
-                        mul(kstep.clone(), u(8)),
-                        bin(BinOp::Shr, self.lane.k_nk.clone(), u(1)),
-                    ),
-                ),
-            );
-            n_body.push(intr(Intrinsic::LdMatrix {
-                count: 2,
-                trans: false,
-                arr: b.tile.clone(),
-                word,
-                dst: bf.clone(),
-                dst0: u(0),
-            }));
         }
-        // A fragments of m fragment i at this k step, then the mma
-        let a_frag = |cx: &mut Cx, iv: Expr| -> Vec<Stmt> {
-            match &resident {
-                Some(v) => (0..4)
-                    .map(|r| Stmt::PrivateStore {
-                        arr: af.clone(),
-                        index: u(r),
-                        value: priv_load_u(
-                            &v.regs,
-                            add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
-                        ),
-                    })
-                    .collect(),
-                None => {
-                    let word = add(
-                        add(
-                            ab.clone(),
-                            mul(
-                                add(add(u(a.row0), mul(iv, u(16))), cx.lane.r16.clone()),
-                                u(ta.stride),
-                            ),
-                        ),
-                        add(
-                            u(a.col0 / 2),
-                            add(
-                                mul(add(kf.clone(), kkv.clone()), u(8)),
-                                bin(BinOp::Shr, cx.lane.c8.clone(), u(1)),
-                            ),
-                        ),
-                    );
-                    vec![intr(Intrinsic::LdMatrix {
-                        count: 4,
-                        trans: false,
-                        arr: a.tile.clone(),
-                        word,
-                        dst: af.clone(),
-                        dst0: u(0),
-                    })]
-                }
+        // the k16 form: bf16 operands (an e4m3 B widened pair by pair, the A view in its bf16
+        // form) — the only one for bf16 B, and e4m3's where the GPU has no e4m3 product
+        let k16 = |cx: &mut Self, body: &mut Vec<Stmt>, e4m3: bool| -> Result<()> {
+            let k_first = cx.fresh("k_first");
+            body.push(let_(&k_first, mul(slice, u(steps))));
+            let kf = var(&k_first, Ty::U32);
+            let af = cx.private("a_frag", Ty::U32, 4);
+            let bf = cx.private("b_frag", Ty::U32, 4);
+            let raw = cx.private("b_raw", Ty::U32, 2);
+            let (kk, i, j) = (cx.fresh("kk"), cx.fresh("mi"), cx.fresh("nj"));
+            let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
+            // Two independent mma chains, even and odd k steps, into the two halves of the
+            // target (added at the end): one chain of `steps` dependent mma was the S product's
+            // latency (each waits for the previous one's accumulator).
+            let frags = fm * ng * 4;
+            let chains = if steps % 2 == 0 { 2 } else { 1 };
+            let (pair, par) = (cx.fresh("kk_pair"), cx.fresh("chain"));
+            let parv = var(&par, Ty::U32);
+            if chains == 2 {
+                let e = cx.fresh("e");
+                body.push(for_const(
+                    &e,
+                    frags,
+                    vec![Stmt::PrivateStore {
+                        arr: target.clone(),
+                        index: add(u(frags), var(&e, Ty::U32)),
+                        value: Expr::F32(0.0),
+                    }],
+                ));
             }
-        };
-        let mut m_body = a_frag(self, iv.clone());
-        let chain0 = if chains == 2 {
-            mul(parv.clone(), u(frags))
-        } else {
-            u(0)
-        };
-        m_body.push(intr(Intrinsic::MmaBf16 {
-            c: target.clone(),
-            c0: add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
-            a: af.clone(),
-            a0: u(0),
-            b: bf.clone(),
-            b0: u(0),
-        }));
-        n_body.push(for_const(&i, fm, m_body));
-        k_body.push(for_const(&j, ng, n_body));
-        if chains == 2 {
-            let mut inner = vec![let_(&kk, add(mul(var(&pair, Ty::U32), u(2)), parv.clone()))];
-            inner.extend(k_body);
-            body.push(for_const(&pair, steps / 2, vec![for_const(&par, 2, inner)]));
-            let e = self.fresh("e");
-            let ev = var(&e, Ty::U32);
-            body.push(for_const(
-                &e,
-                frags,
-                vec![Stmt::PrivateStore {
-                    arr: target.clone(),
-                    index: ev.clone(),
-                    value: bin(
-                        BinOp::Add,
-                        priv_load(&target, ev.clone()),
-                        priv_load(&target, add(u(frags), ev)),
+            // B of n fragment j, k step kk (both relative): two u32 in bf[0..2]
+            let mut k_body = Vec::new();
+            let mut n_body = Vec::new();
+            let kstep = add(kf.clone(), kkv.clone());
+            if e4m3 {
+                // bytes: k step = 16 bytes; one 8x8 b16 matrix per n fragment (x1)
+                let word = add(
+                    add(
+                        bb.clone(),
+                        mul(
+                            add(
+                                add(nf.clone(), mul(jv.clone(), u(8))),
+                                bin(BinOp::BitAnd, cx.lane.r16.clone(), u(7)),
+                            ),
+                            u(tb.stride),
+                        ),
                     ),
-                }],
-            ));
+                    add(u(b.col0 / 4), mul(kstep.clone(), u(4))),
+                );
+                n_body.push(intr(Intrinsic::LdMatrix {
+                    count: 1,
+                    trans: false,
+                    arr: b.tile.clone(),
+                    word,
+                    dst: raw.clone(),
+                    dst0: u(0),
+                }));
+                let names = [cx.fresh("e4m3_pair"), cx.fresh("e4m3_pair")];
+                let (lets, lo, hi) = widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
+                n_body.extend(lets);
+                n_body.push(Stmt::PrivateStore {
+                    arr: bf.clone(),
+                    index: u(0),
+                    value: lo,
+                });
+                n_body.push(Stmt::PrivateStore {
+                    arr: bf.clone(),
+                    index: u(1),
+                    value: hi,
+                });
+            } else {
+                // bf16 [N, K]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15) via x2
+                let word = add(
+                    add(
+                        bb.clone(),
+                        mul(
+                            add(
+                                add(nf.clone(), mul(jv.clone(), u(8))),
+                                bin(BinOp::BitAnd, cx.lane.r16.clone(), u(7)),
+                            ),
+                            u(tb.stride),
+                        ),
+                    ),
+                    add(
+                        u(b.col0 / 2),
+                        add(
+                            mul(kstep.clone(), u(8)),
+                            bin(BinOp::Shr, cx.lane.k_nk.clone(), u(1)),
+                        ),
+                    ),
+                );
+                n_body.push(intr(Intrinsic::LdMatrix {
+                    count: 2,
+                    trans: false,
+                    arr: b.tile.clone(),
+                    word,
+                    dst: bf.clone(),
+                    dst0: u(0),
+                }));
+            }
+            // A fragments of m fragment i at this k step, then the mma
+            let a_frag = |cx: &mut Cx, iv: Expr| -> Vec<Stmt> {
+                match &resident {
+                    Some(v) => (0..4)
+                        .map(|r| Stmt::PrivateStore {
+                            arr: af.clone(),
+                            index: u(r),
+                            value: priv_load_u(
+                                if e4m3 { &v.bf_regs } else { &v.regs },
+                                add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
+                            ),
+                        })
+                        .collect(),
+                    None => {
+                        let word = add(
+                            add(
+                                ab.clone(),
+                                mul(
+                                    add(add(u(a.row0), mul(iv, u(16))), cx.lane.r16.clone()),
+                                    u(ta.stride),
+                                ),
+                            ),
+                            add(
+                                u(a.col0 / 2),
+                                add(
+                                    mul(add(kf.clone(), kkv.clone()), u(8)),
+                                    bin(BinOp::Shr, cx.lane.c8.clone(), u(1)),
+                                ),
+                            ),
+                        );
+                        vec![intr(Intrinsic::LdMatrix {
+                            count: 4,
+                            trans: false,
+                            arr: a.tile.clone(),
+                            word,
+                            dst: af.clone(),
+                            dst0: u(0),
+                        })]
+                    }
+                }
+            };
+            let mut m_body = a_frag(cx, iv.clone());
+            let chain0 = if chains == 2 {
+                mul(parv.clone(), u(frags))
+            } else {
+                u(0)
+            };
+            m_body.push(intr(Intrinsic::MmaBf16 {
+                c: target.clone(),
+                c0: add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
+                a: af.clone(),
+                a0: u(0),
+                b: bf.clone(),
+                b0: u(0),
+            }));
+            n_body.push(for_const(&i, fm, m_body));
+            k_body.push(for_const(&j, ng, n_body));
+            if chains == 2 {
+                let mut inner = vec![let_(&kk, add(mul(var(&pair, Ty::U32), u(2)), parv.clone()))];
+                inner.extend(k_body);
+                body.push(for_const(&pair, steps / 2, vec![for_const(&par, 2, inner)]));
+                let e = cx.fresh("e");
+                let ev = var(&e, Ty::U32);
+                body.push(for_const(
+                    &e,
+                    frags,
+                    vec![Stmt::PrivateStore {
+                        arr: target.clone(),
+                        index: ev.clone(),
+                        value: bin(
+                            BinOp::Add,
+                            priv_load(&target, ev.clone()),
+                            priv_load(&target, add(u(frags), ev)),
+                        ),
+                    }],
+                ));
+            } else {
+                body.push(for_const(&kk, steps, k_body));
+            }
+            Ok(())
+        };
+        if e4m3 {
+            let mut fallback = Vec::new();
+            k16(self, &mut fallback, true)?;
+            body.push(Stmt::If {
+                cond: Expr::Call(Func::E4m3MmaNative, vec![]),
+                then: native,
+                els: fallback,
+            });
         } else {
-            body.push(for_const(&kk, steps, k_body));
+            k16(self, &mut body, false)?;
         }
         if let Some(sc) = &scale {
             // partial += term x the scale of its column (B row)
@@ -827,6 +1106,80 @@ impl Cx<'_> {
         }
         out.extend(body);
         Ok(())
+    }
+
+    /// The e4m3 `[N, K]` split-K product: per k32 step of the warp's slice, B's bytes by one
+    /// `ldmatrix.x2` per n fragment (row n; k bytes 0-15, then 16-31: the m16n8k32 B layout
+    /// as they land, nothing converted), times the resident view's `hi` terms, then its `lo`
+    /// terms, into the same fragments (the fm x ng fragments are the independent chains; a
+    /// second set of accumulators for the `lo` terms spilled the 32-head kernel).
+    #[allow(clippy::too_many_arguments)]
+    fn ksplit_e4m3(
+        &mut self,
+        body: &mut Vec<Stmt>,
+        target: &str,
+        v: &ResidentView,
+        tb: &TileInfo,
+        bb: Expr,
+        b: &TileView,
+        nf: &Expr,
+        fm: u32,
+        ng: u32,
+        slice: Expr,
+    ) {
+        let steps = v.cols / 32 / v.gk;
+        let af = self.private("a_frag", Ty::U32, 4);
+        let bf = self.private("b_frag", Ty::U32, 2);
+        let (kk, i, j) = (self.fresh("kk"), self.fresh("mi"), self.fresh("nj"));
+        let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
+        let k_step = add(mul(slice, u(steps)), kkv.clone());
+        let word = add(
+            add(
+                bb,
+                mul(
+                    add(
+                        add(nf.clone(), mul(jv.clone(), u(8))),
+                        bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
+                    ),
+                    u(tb.stride),
+                ),
+            ),
+            add(
+                add(u(b.col0 / 4), mul(k_step, u(8))),
+                mul(bin(BinOp::Shr, self.lane.r16.clone(), u(3)), u(4)),
+            ),
+        );
+        let mut n_body = vec![intr(Intrinsic::LdMatrix {
+            count: 2,
+            trans: false,
+            arr: b.tile.clone(),
+            word,
+            dst: bf.clone(),
+            dst0: u(0),
+        })];
+        let mut m_body = Vec::new();
+        for regs in [&v.regs, &v.lo_regs] {
+            for r in 0..4 {
+                m_body.push(Stmt::PrivateStore {
+                    arr: af.clone(),
+                    index: u(r),
+                    value: priv_load_u(
+                        regs,
+                        add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
+                    ),
+                });
+            }
+            m_body.push(intr(Intrinsic::MmaE4m3 {
+                c: target.to_string(),
+                c0: mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4)),
+                a: af.clone(),
+                a0: u(0),
+                b: bf.clone(),
+                b0: u(0),
+            }));
+        }
+        n_body.push(for_const(&i, fm, m_body));
+        body.push(for_const(&kk, steps, vec![for_const(&j, ng, n_body)]));
     }
 
     /// Sum the partials of a split-K accumulator into it (if any are pending).
@@ -870,6 +1223,15 @@ impl Cx<'_> {
             add(mul(self.lane.quad.clone(), u(2)), ev.clone()),
         );
         let at = add(mul(add(mul(slice, u(rows)), row), u(stride)), col);
+        let part_elem = priv_load(
+            &ks.part,
+            add(add(mul(fv.clone(), u(4)), mul(hv.clone(), u(2))), ev),
+        );
+        let unscale = all_products(&self.kernel.body)
+            .iter()
+            .filter(|p| p.0 == acc)
+            .find_map(|p| self.resident_a.get(&p.1.tile))
+            .and_then(|r| r.unscale.clone());
         out.push(for_const(
             &f,
             fm * ks.ng,
@@ -882,7 +1244,11 @@ impl Cx<'_> {
                     vec![Stmt::SharedStore {
                         arr: scratch.clone(),
                         index: at,
-                        value: priv_load(&ks.part, add(add(mul(fv, u(4)), mul(hv, u(2))), ev)),
+                        value: match &unscale {
+                            // the products were σ times the true ones (resident e4m3 view)
+                            Some(us) => mul(part_elem, priv_load(us, u(0))),
+                            None => part_elem,
+                        },
                     }],
                 )],
             )],
