@@ -302,55 +302,32 @@ static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
 #define E4M3_MMA_NATIVE 0
 #endif
 
-// f32 -> e4m3 "fn" bits, round to nearest even, saturating at +-448 (NaN too), by bits.
-static __device__ __forceinline__ unsigned f32_to_e4m3(float x) {
-    const unsigned s = (__float_as_uint(x) >> 24) & 0x80u;
-    const float a = fabsf(x);
-    if (!(a < 464.0f)) return s | 0x7eu;
-    // below 2^-6: subnormal, a multiple of 2^-9 (8 * 2^-9 is the smallest normal, 0x08)
-    if (a < 0.015625f) return s | (unsigned)rintf(a * 512.0f);
-    const unsigned bits = __float_as_uint(a);
-    unsigned v = ((((bits >> 23) & 0xffu) - 120u) << 3) | ((bits >> 20) & 7u);
-    const unsigned rest = bits & 0xfffffu;
-    if (rest > 0x80000u || (rest == 0x80000u && (v & 1u))) v++; // carries into the exponent
-    return s | (v > 0x7eu ? 0x7eu : v);
-}
-
-// Four f32 -> four e4m3 bytes (a in the low byte). sm_89 and later: two conversions.
+// Four f32 -> four e4m3 bytes (a in the low byte): two conversions. Called only where
+// E4M3_MMA_NATIVE holds (sm_89, sm_120+); anywhere else it traps.
 static __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if E4M3_MMA_NATIVE
     unsigned short lo, hi;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
     return (unsigned)lo | ((unsigned)hi << 16);
 #else
-    return f32_to_e4m3(a) | (f32_to_e4m3(b) << 8) | (f32_to_e4m3(c) << 16) | (f32_to_e4m3(d) << 24);
+    (void)a; (void)b; (void)c; (void)d;
+    __trap();
+    return 0u;
 #endif
 }
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k32 tile, e4m3 in (four per register), f32
-// accumulate. Before sm_89: two bf16 products of the widened bytes (every e4m3 value is
-// exact in bf16); bytes (0, 1) and (2, 3) of a register take the places of the two bf16
-// pairs of one k16 step, for A and B alike, so the sum over k is the same.
+// accumulate. Called only where E4M3_MMA_NATIVE holds; anywhere else it traps.
 static __device__ __forceinline__ void mma_e4m3_16832(float* c, const unsigned* a, const unsigned* b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if E4M3_MMA_NATIVE
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-    for (int h = 0; h < 2; h++) {
-        unsigned a16[4], b16[2];
-        for (int r = 0; r < 2; r++) {
-            const unsigned lo = e4m3x2_prep(a[2 * h + r] & 0xffffu), hi = e4m3x2_prep(a[2 * h + r] >> 16);
-            a16[r] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
-            a16[r + 2] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
-        }
-        const unsigned lo = e4m3x2_prep(b[h] & 0xffffu), hi = e4m3x2_prep(b[h] >> 16);
-        b16[0] = pack_bf16x2(e4m3x2_lo(lo), e4m3x2_hi(lo));
-        b16[1] = pack_bf16x2(e4m3x2_lo(hi), e4m3x2_hi(hi));
-        mma_bf16_16816(c, a16, b16);
-    }
+    (void)c; (void)a; (void)b;
+    __trap();
 #endif
 }
 

@@ -477,6 +477,8 @@ static emu_dim3 blockIdx, gridDim, blockDim;
 
 static inline void __syncthreads() { emu::bar_sync(0, blockDim.x); }
 static inline void __syncwarp() { emu::syncwarp(); }
+// a device trap: the emulated kernel reached code its arch must not run
+static inline void __trap() { fprintf(stderr, "emu: __trap()\n"); abort(); }
 static inline float __uint_as_float(unsigned u) {
     float f;
     memcpy(&f, &u, 4);

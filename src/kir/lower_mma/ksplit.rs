@@ -478,14 +478,25 @@ fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) 
 
 /// A bf16x2 word times two f32 scales (low, high half), rounded back to bf16x2.
 fn scale_pair(w: Expr, lo: Expr, hi: Expr) -> Expr {
-    let lo_v = Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w.clone(), u(16))]);
-    let hi_v = Expr::Call(
-        Func::F32FromBits,
-        vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
-    );
     Expr::Call(
         Func::PackBf16x2,
-        vec![bin(BinOp::Mul, lo_v, lo), bin(BinOp::Mul, hi_v, hi)],
+        vec![
+            bin(BinOp::Mul, bf16_lo(w.clone()), lo),
+            bin(BinOp::Mul, bf16_hi(w), hi),
+        ],
+    )
+}
+
+/// The low bf16 of a word, as f32.
+fn bf16_lo(w: Expr) -> Expr {
+    Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w, u(16))])
+}
+
+/// The high bf16 of a word, as f32.
+fn bf16_hi(w: Expr) -> Expr {
+    Expr::Call(
+        Func::F32FromBits,
+        vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
     )
 }
 
@@ -561,13 +572,6 @@ impl Cx<'_> {
                 Box::new(bin(BinOp::Ge, sw, Expr::I32(0))),
                 Box::new(load),
                 Box::new(u(0)),
-            )
-        };
-        let lo_of = |w: Expr| Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w, u(16))]);
-        let hi_of = |w: Expr| {
-            Expr::Call(
-                Func::F32FromBits,
-                vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
             )
         };
         let gk = r.views.first().map_or(1, |v| v.gk);
@@ -647,8 +651,8 @@ impl Cx<'_> {
                                         var(&mx, Ty::F32),
                                         bin(
                                             BinOp::Max,
-                                            Expr::Call(Func::Abs, vec![lo_of(xv.clone())]),
-                                            Expr::Call(Func::Abs, vec![hi_of(xv)]),
+                                            Expr::Call(Func::Abs, vec![bf16_lo(xv.clone())]),
+                                            Expr::Call(Func::Abs, vec![bf16_hi(xv)]),
                                         ),
                                     ),
                                 });
@@ -717,8 +721,8 @@ impl Cx<'_> {
                 let xs: Vec<String> = (0..4).map(|_| self.fresh("q_x")).collect();
                 for (n, w) in pair.iter().enumerate() {
                     let pv = var(w, Ty::U32);
-                    native.push(let_(&xs[2 * n], mul(lo_of(pv.clone()), sg.clone())));
-                    native.push(let_(&xs[2 * n + 1], mul(hi_of(pv), sg.clone())));
+                    native.push(let_(&xs[2 * n], mul(bf16_lo(pv.clone()), sg.clone())));
+                    native.push(let_(&xs[2 * n + 1], mul(bf16_hi(pv), sg.clone())));
                 }
                 let x = |k: usize| var(&xs[k], Ty::F32);
                 let hi = self.fresh("q_hi");
