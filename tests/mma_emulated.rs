@@ -10,7 +10,10 @@
 //! which the emulator reports). Fragment layouts, ldmatrix
 //! addressing, helper operand orders, the copy pipeline and its synchronisation are all
 //! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
-//! picks cases by name.
+//! picks cases by name. The four runs go at once, a thread each (their lines tagged `emuN`),
+//! so that their kernel compiles use every core; `SPARSE_MLA_EMU_SERIAL=1` runs them one
+//! after another. `SPARSE_MLA_EMU_DUMP=path` records a hash of every result read back, a
+//! file per run, to show that a change to the emulator leaves the results bit for bit.
 
 mod common;
 mod emu;
@@ -26,56 +29,89 @@ fn conformance_on_the_emulated_tensor_core_lowering() {
         return;
     }
     let filter = std::env::var("SPARSE_MLA_EMU_CASE").ok();
-    let mut failed = Vec::new();
-    for mode in 0..4 {
-        let seed = test_seed();
-        let config = emu::EmuConfig::mode(mode, seed);
-        eprintln!("emu run {mode}: {}", config.describe());
-        // A small GPU: 6 resident workgroups, so the split heuristic splits small cases.
-        let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
-        let cases: Vec<Box<dyn Case>> = if config.one_stage {
-            decode_cases()
-                .into_iter()
-                .map(|c| Box::new(c) as Box<dyn Case>)
+    // The four runs at once, a thread each (the emulator's state is per thread), so that
+    // their g++ compiles and emulated launches use every core; each run's results do not
+    // depend on the others'. Lines are tagged with their run.
+    let start = std::time::Instant::now();
+    let serial = std::env::var("SPARSE_MLA_EMU_SERIAL").is_ok_and(|v| v == "1");
+    let runs: Vec<(Vec<String>, String)> = if serial {
+        (0..4).map(|mode| run(mode, filter.as_deref())).collect()
+    } else {
+        std::thread::scope(|s| {
+            let runs: Vec<_> = (0..4)
+                .map(|mode| {
+                    let filter = filter.as_deref();
+                    s.spawn(move || run(mode, filter))
+                })
+                .collect();
+            runs.into_iter()
+                .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
                 .collect()
-        } else {
-            all_cases()
-        };
-        for case in cases {
-            if filter
-                .as_ref()
-                .is_some_and(|f| !case.name().contains(f.as_str()))
-            {
-                continue;
-            }
-            let start = std::time::Instant::now();
-            match case.run(&backend, seed) {
-                Ok(o) => {
-                    eprintln!(
-                        "emu {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>6.1} s {}",
+        })
+    };
+    for (_, summary) in &runs {
+        eprintln!("{summary}");
+    }
+    eprintln!("emu: all runs in {:.1} s", start.elapsed().as_secs_f64());
+    let failed: Vec<String> = runs.into_iter().flat_map(|(f, _)| f).collect();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// One run of the suite on the emulator in `mode`: the failures and a summary line.
+fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
+    let seed = test_seed();
+    let config = emu::EmuConfig::mode(mode, seed);
+    eprintln!("emu run {mode}: {}", config.describe());
+    // A small GPU: 6 resident workgroups, so the split heuristic splits small cases.
+    let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
+    let cases: Vec<Box<dyn Case>> = if config.one_stage {
+        decode_cases()
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Case>)
+            .collect()
+    } else {
+        all_cases()
+    };
+    let mut failed = Vec::new();
+    let (mut ran, run_start) = (0, std::time::Instant::now());
+    for case in cases {
+        if filter.is_some_and(|f| !case.name().contains(f)) {
+            continue;
+        }
+        ran += 1;
+        let start = std::time::Instant::now();
+        match case.run(&backend, seed) {
+            Ok(o) => {
+                eprintln!(
+                    "emu{mode} {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>6.1} s {}",
+                    o.case,
+                    o.rel_l2,
+                    o.lse_err,
+                    o.detail,
+                    start.elapsed().as_secs_f64(),
+                    if o.passed() { "ok" } else { "FAIL" }
+                );
+                if !o.passed() {
+                    failed.push(format!(
+                        "{} (SPARSE_MLA_SEED={seed}, {}): {}",
                         o.case,
-                        o.rel_l2,
-                        o.lse_err,
-                        o.detail,
-                        start.elapsed().as_secs_f64(),
-                        if o.passed() { "ok" } else { "FAIL" }
-                    );
-                    if !o.passed() {
-                        failed.push(format!(
-                            "{} (SPARSE_MLA_SEED={seed}, {}): {}",
-                            o.case,
-                            config.describe(),
-                            o.failures.join("; ")
-                        ));
-                    }
+                        config.describe(),
+                        o.failures.join("; ")
+                    ));
                 }
-                Err(e) => failed.push(format!(
-                    "{} (SPARSE_MLA_SEED={seed}, {}): error: {e}",
-                    case.name(),
-                    config.describe()
-                )),
             }
+            Err(e) => failed.push(format!(
+                "{} (SPARSE_MLA_SEED={seed}, {}): error: {e}",
+                case.name(),
+                config.describe()
+            )),
         }
     }
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    let summary = format!(
+        "emu run {mode}: {ran} cases, {} failed, {:.1} s ({})",
+        failed.len(),
+        run_start.elapsed().as_secs_f64(),
+        config.describe()
+    );
+    (failed, summary)
 }

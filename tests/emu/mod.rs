@@ -6,6 +6,14 @@
 //! the real GPU. The whole conformance suite then runs the tensor-core lowering on a machine
 //! without a GPU, fragment layouts, helper operand orders and pipeline synchronisation
 //! included.
+//!
+//! The emulator proper (`runtime.cpp`) is compiled once per process into a shared library
+//! that every kernel links against; a kernel's translation unit is `prelude.h` (declarations
+//! and the pure instructions, included as a precompiled header) and the kernel. A kernel is
+//! compiled once per process for each distinct preprocessed source (archs whose `#if` paths
+//! print the same code share it), with at most as many g++ at a time as there are cores. The
+//! emulator's state is per OS thread: devices used from different threads compile and launch
+//! at once.
 
 #![allow(dead_code)]
 
@@ -17,12 +25,18 @@ use sparse_mla::runtime::gpu::Device;
 use sparse_mla::runtime::BackendKind;
 use sparse_mla::{Error, Result};
 use std::cell::UnsafeCell;
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::ffi::{OsStr, OsString};
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 pub mod ptx;
 
 const PRELUDE: &str = include_str!("prelude.h");
+const RUNTIME: &str = include_str!("runtime.cpp");
 
 /// How the emulator runs a kernel.
 #[derive(Clone, Copy, Debug)]
@@ -89,14 +103,13 @@ pub fn gxx_unavailable() -> Option<String> {
 }
 
 pub struct EmuDevice {
-    dir: PathBuf,
     /// Resident workgroups the split heuristic plans for (a small "GPU").
     pub resident: u32,
     pub config: EmuConfig,
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
-// One launch at a time, from one thread (the emulator is single-threaded).
+// A buffer is used by the device that made it, from one thread, one launch at a time.
 unsafe impl Sync for EmuBuf {}
 unsafe impl Send for EmuBuf {}
 
@@ -104,9 +117,142 @@ type LaunchFn = unsafe extern "C" fn(*const u8, *const *mut u8, u32, u32, u32, u
 type ErrorsFn = unsafe extern "C" fn() -> *const std::ffi::c_char;
 
 pub struct EmuModule {
-    _lib: libloading::Library,
+    _lib: Arc<libloading::Library>,
     launch: LaunchFn,
     errors: ErrorsFn,
+}
+
+/// This process's emulator files: the runtime library, prelude.h and the kernels.
+fn work_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("sparse-mla-emu-{}", std::process::id()))
+}
+
+fn os(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+/// Runs `g++ args`, at most as many at a time as there are cores (devices on several
+/// threads compile at once).
+fn gxx(args: &[&OsStr]) -> std::result::Result<Vec<u8>, String> {
+    static JOBS: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+    let cap = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (running, freed) = &JOBS;
+    {
+        let mut n = running.lock().unwrap_or_else(|e| e.into_inner());
+        while *n >= cap {
+            n = freed.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+        *n += 1;
+    }
+    let out = Command::new("g++").args(args).output();
+    *running.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+    freed.notify_one();
+    let out = out.map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// g++'s flags for a kernel's translation unit, and for prelude.h's precompiled header
+/// (which g++ uses only where they match).
+const KERNEL_FLAGS: [&str; 5] = ["-std=c++17", "-O1", "-g0", "-fPIC", "-w"];
+
+/// The emulator's runtime library (prelude.h + runtime.cpp), and prelude.h with its
+/// precompiled header beside it, built once per process.
+fn runtime_library() -> std::result::Result<&'static Path, String> {
+    static LIB: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    let built = LIB.get_or_init(|| {
+        let dir = work_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let (header, pch) = (dir.join("prelude.h"), dir.join("prelude.h.gch"));
+        let (src, lib) = (dir.join("emu_runtime.cpp"), dir.join("libemu_runtime.so"));
+        std::fs::write(&header, PRELUDE).map_err(|e| e.to_string())?;
+        let mut args = KERNEL_FLAGS.map(os).to_vec();
+        args.extend([os("-x"), os("c++-header"), os("-o"), pch.as_os_str()]);
+        args.push(header.as_os_str());
+        gxx(&args).map_err(|e| format!("prelude.h's precompiled header: {e}"))?;
+        // prelude.h pasted, not included: its precompiled header has the kernels' flags
+        std::fs::write(&src, format!("{PRELUDE}\n{RUNTIME}")).map_err(|e| e.to_string())?;
+        let mut args = ["-std=c++17", "-O3", "-g0", "-fPIC", "-w", "-shared"]
+            .map(os)
+            .to_vec();
+        args.extend([
+            os("-Wl,-soname,libemu_runtime.so"),
+            os("-o"),
+            lib.as_os_str(),
+        ]);
+        args.push(src.as_os_str());
+        gxx(&args).map_err(|e| format!("the emulator runtime: {e}"))?;
+        Ok(lib)
+    });
+    built.as_deref().map_err(|e| e.clone())
+}
+
+type Compiled = Arc<OnceLock<std::result::Result<Arc<libloading::Library>, String>>>;
+
+/// A kernel's translation unit compiled for `arch` and loaded: once per process for each
+/// distinct preprocessed source, so that archs whose `#if` paths print the same code (and
+/// devices on other threads) share it.
+fn compiled(
+    name: &str,
+    arch: u32,
+    source: &str,
+) -> std::result::Result<Arc<libloading::Library>, String> {
+    static CACHE: OnceLock<Mutex<HashMap<u64, Compiled>>> = OnceLock::new();
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let runtime = runtime_library()?;
+    let dir = work_dir();
+    let define = format!("-D__CUDA_ARCH__={arch}");
+    let tag = format!("{name}_{arch}_{:016x}", hash64(source.as_bytes()));
+    let src = dir.join(format!("{tag}.cpp"));
+    // written whole under another name first: another device may be reading the same file
+    let tmp = dir.join(format!(
+        "{tag}.cpp.{}",
+        WRITES.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::write(&tmp, source).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, &src).map_err(|e| e.to_string())?;
+    // the key: the source preprocessed for `arch`, prelude.h left as the precompiled
+    // header's pragma (its macros defined all the same)
+    let mut args = KERNEL_FLAGS.map(os).to_vec();
+    args.extend([os("-E"), os("-P"), os("-fpch-preprocess"), os(&define)]);
+    args.extend([os("-I"), dir.as_os_str(), src.as_os_str()]);
+    let key = hash64(&gxx(&args)?);
+    let slot = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key)
+        .or_default()
+        .clone();
+    slot.get_or_init(|| {
+        let lib = dir.join(format!("lib{name}_{key:016x}.so"));
+        let mut rpath = OsString::from("-Wl,-rpath,");
+        rpath.push(dir.as_os_str());
+        let mut args = KERNEL_FLAGS.map(os).to_vec();
+        args.extend([
+            os("-shared"),
+            os(&define),
+            os("-I"),
+            dir.as_os_str(),
+            os("-o"),
+        ]);
+        args.extend([lib.as_os_str(), src.as_os_str(), runtime.as_os_str()]);
+        args.extend([rpath.as_os_str(), os("-Wl,-z,defs")]);
+        gxx(&args)?;
+        unsafe { libloading::Library::new(&lib) }
+            .map(Arc::new)
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+fn hash64(bytes: &[u8]) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    h.finish()
 }
 
 impl EmuDevice {
@@ -115,15 +261,10 @@ impl EmuDevice {
     }
 
     pub fn with(resident: u32, config: EmuConfig) -> Self {
-        let dir = std::env::temp_dir().join(format!("sparse-mla-emu-{}", std::process::id()));
-        EmuDevice {
-            dir,
-            resident,
-            config,
-        }
+        EmuDevice { resident, config }
     }
 
-    /// The C++ translation unit for `kernel`: prelude, the emitted CUDA C (helpers as
+    /// The C++ translation unit for `kernel`: prelude.h, the emitted CUDA C (helpers as
     /// printed, inline PTX translated, shared arrays instrumented), and a launcher.
     pub fn source(kernel: &Kernel) -> Result<String> {
         let emitted = cuda::emit(kernel)?;
@@ -137,7 +278,7 @@ impl EmuDevice {
             .map(|i| format!("AnyPtr{{a->bufs[{i}]}}"))
             .collect();
         Ok(format!(
-            "{PRELUDE}\n{body}\n\
+            "#include \"prelude.h\"\n{body}\n\
              namespace {{\n\
              struct AnyPtr {{ void* p; template <class T> operator T*() const {{ return (T*)p; }} }};\n\
              struct Args {{ const {name}_params* p; void** bufs; }};\n\
@@ -145,17 +286,41 @@ impl EmuDevice {
              }}\n\
              extern \"C\" unsigned emu_launch(const unsigned char* params, void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned land_at_issue, unsigned long long seed) {{\n\
                  Args a{{(const {name}_params*)params, bufs}};\n\
-                 emu::st().errors.clear(); emu::st().nerrors = 0;\n\
-                 emu::st().cfg.land_at_issue = land_at_issue != 0; emu::st().cfg.seed = seed;\n\
-                 emu::run_grid(emu_dim3{{gx, gy, gz}}, {threads}, body, &a);\n\
-                 return emu::st().nerrors;\n\
+                 return emu::launch(emu_dim3{{gx, gy, gz}}, {threads}, body, &a, land_at_issue != 0, seed);\n\
              }}\n\
-             extern \"C\" const char* emu_errors() {{ return emu::st().errors.c_str(); }}\n",
+             extern \"C\" const char* emu_errors() {{ return emu::errors(); }}\n",
             name = kernel.name,
             comma = if args.is_empty() { "" } else { ", " },
             args = args.join(", "),
             threads = kernel.workgroup_size,
         ))
+    }
+}
+
+impl EmuDevice {
+    /// `SPARSE_MLA_EMU_DUMP=path`: every buffer read back, as its arch, length and FNV-1a
+    /// hash, one line each in `path.<run>` (a file per run), so that two builds of the
+    /// emulator can be shown to give the same results bit for bit.
+    fn record(&self, path: &str, bytes: &[u8]) {
+        use std::io::Write;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in bytes {
+            h = (h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+        let c = self.config;
+        let path = format!(
+            "{path}.sm{}{}{}",
+            c.arch,
+            if c.v7 { "v7" } else { "v6" },
+            if c.one_stage { "1s" } else { "" }
+        );
+        let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+            .unwrap_or_else(|e| panic!("SPARSE_MLA_EMU_DUMP: {path}: {e}"));
     }
 }
 
@@ -198,24 +363,8 @@ impl Device for EmuDevice {
             target: "g++ (CUDA emulator)".into(),
             log,
         };
-        std::fs::create_dir_all(&self.dir).map_err(|e| fail(e.to_string()))?;
-        let arch = self.config.arch;
-        let src = self.dir.join(format!("{}_{arch}.cpp", kernel.name));
-        let lib = self.dir.join(format!("lib{}_{arch}.so", kernel.name));
-        std::fs::write(&src, Self::source(kernel)?).map_err(|e| fail(e.to_string()))?;
-        let out = Command::new("g++")
-            .args(["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-w"])
-            .arg(format!("-D__CUDA_ARCH__={arch}"))
-            .arg("-o")
-            .arg(&lib)
-            .arg(&src)
-            .output()
-            .map_err(|e| fail(e.to_string()))?;
-        if !out.status.success() {
-            return Err(fail(String::from_utf8_lossy(&out.stderr).into_owned()));
-        }
+        let l = compiled(&kernel.name, self.config.arch, &Self::source(kernel)?).map_err(fail)?;
         unsafe {
-            let l = libloading::Library::new(&lib).map_err(|e| fail(e.to_string()))?;
             let f: LaunchFn = *l
                 .get::<LaunchFn>(b"emu_launch")
                 .map_err(|e| fail(e.to_string()))?;
@@ -241,7 +390,11 @@ impl Device for EmuDevice {
     }
 
     fn read(&self, buf: &EmuBuf, len: u64) -> Result<Vec<u8>> {
-        Ok(unsafe { (&*buf.0.get())[..len as usize].to_vec() })
+        let bytes = unsafe { (&*buf.0.get())[..len as usize].to_vec() };
+        if let Ok(path) = std::env::var("SPARSE_MLA_EMU_DUMP") {
+            self.record(&path, &bytes);
+        }
+        Ok(bytes)
     }
 
     fn launch(
