@@ -88,6 +88,14 @@
 // CACHE ROWS (docs/formats.md): bf16 = 576 x bf16 (latent 512, then rope 64), 1152 bytes.
 // fp8_ds_mla = [0,512) e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values |
 // [528,656) 64 x bf16 rope: 656 bytes; c[i] = e4m3(byte[i]) * scale[i / 128].
+//
+// LARGE BATCHES. For H <= 16 the backend runs a third kernel when the call's head blocks
+// fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7
+// ring in two warp groups of 4 warps, each walking every other step (a GPU holding one
+// workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and
+// split rules as the variants above (block_h 16, block_n 32), one workgroup per SM:
+//   bf16       sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
+//   fp8_ds_mla sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
 
 #pragma once
 
@@ -510,6 +518,77 @@ struct sparse_mla_decode_combine_d512_t256_params {
     unsigned splits; // S
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+};
+
+// sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
+//   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 87744 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
+struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
+};
+
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
+//   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
+//   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
+//   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 57024 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32

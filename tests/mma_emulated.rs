@@ -1,9 +1,11 @@
 //! The tensor-core lowering, run on the CPU: every kernel the CUDA backend would launch is
 //! printed as CUDA C, compiled by g++ against an emulator of CUDA and of the PTX
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
-//! against the float64 reference — three times: the v7 kernels compiled as for sm_120 (the
-//! sm_90+ copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as
-//! allowed, v7 with the sm_80 paths (e4m3 widened to bf16) and copies landing at issue, and
+//! against the float64 reference — three times: the kernels the backend picks on a GPU of one
+//! v6 workgroup per SM (v7, and for T * ceil(H / 16) * 2 >= 6 at H <= 16 the large-batch kernel
+//! in two warp groups) compiled as for sm_120 (the sm_90+ copy paths, e4m3 products as m16n8k32
+//! e4m3 mma) with copies landing as late as allowed, the same with the sm_80 paths (e4m3
+//! widened to bf16) and copies landing at issue, and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,

@@ -181,14 +181,13 @@ fn check_decode(
 }
 
 fn plan_of(call: &DecodeCall, splits: Option<u32>) -> PyResult<DecodePlan> {
-    // the CUDA backend's choice: v6 or v7 by this GPU's occupancy of v6
-    let (dims, format, heads) = (call.shape.dims, call.shape.format, call.shape.heads);
-    let config = DecodeConfig::tensor_core_on(dims, format, heads, || -> PyResult<u32> {
+    // the CUDA backend's choice: the large-batch kernel, else v6 or v7 by this GPU's
+    // occupancy of v6
+    let (dims, heads) = (call.shape.dims, call.shape.heads);
+    let sm_count = device::sm_count(call.device).map_err(lib_err)?;
+    let config = DecodeConfig::for_call(&call.shape, sm_count, || -> PyResult<u32> {
         let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
-        Ok(
-            device::resident_workgroups(call.device, &v6).map_err(lib_err)?
-                / device::sm_count(call.device).map_err(lib_err)?.max(1),
-        )
+        Ok(device::resident_workgroups(call.device, &v6).map_err(lib_err)? / sm_count.max(1))
     })?;
     let resident = device::resident_workgroups(call.device, &config).map_err(lib_err)?;
     DecodePlan::with_config(config, &call.shape, resident, splits).map_err(lib_err)

@@ -77,7 +77,8 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     sweep_splits: Vec<u32>,
     /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
-    /// optionally wWARPS (8 unless given), of the baseline (v6) as
+    /// optionally wWARPS (8 unless given) and gGROUPS (warp groups of WARPS warps each, see
+    /// `Lowering::MmaWs`), of the baseline (v6) as
     /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
     /// 16x16x4,16x32x2w16,v6:16x16x2x2.
     #[arg(long, value_delimiter = ',')]
@@ -555,10 +556,20 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS] (v7; 8 warps unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, v6:16x16x2x2";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x16x1w2g4, v6:16x16x2x2";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
+    };
+    let (body, groups) = match body.split_once('g') {
+        Some((b, g)) if !v6 => (
+            b,
+            g.parse::<u32>()
+                .ok()
+                .filter(|g| (2..=8).contains(g))
+                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+        ),
+        _ => (body, 1),
     };
     let (body, warps) = match body.split_once('w') {
         Some((b, w)) if !v6 => (
@@ -568,7 +579,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
                 .filter(|w| (1..=32).contains(w))
                 .ok_or_else(|| Error::arg("variants", FORM, s))?,
         ),
-        _ => (body, 8),
+        _ => (body, 8 / groups),
     };
     let v: Vec<u32> = body
         .split('x')
@@ -576,6 +587,13 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::arg("variants", FORM, s))?;
     match (v6, v.as_slice()) {
+        (false, &[h, n, stages]) if groups > 1 => Ok(DecodeConfig::tensor_core_grouped(
+            dims,
+            format,
+            (h, n, stages),
+            warps,
+            groups,
+        )),
         (false, &[h, n, stages]) => {
             let mut c = DecodeConfig::tensor_core_custom(dims, format, h, n, stages);
             c.threads = 32 * warps;

@@ -614,7 +614,7 @@ impl Printer<'_> {
                 self.expr(value)
             ),
             Intrinsic::NamedBarrier { id, threads } => {
-                format!("named_barrier_sync({id}, {threads});")
+                format!("named_barrier_sync({}, {threads});", self.expr(id))
             }
             Intrinsic::SyncWarp => "__syncwarp();".into(),
             Intrinsic::MbarInit { bars, index, count } => format!(

@@ -588,6 +588,26 @@ fn kernel_structs(kernels: &[&Kernel]) -> String {
     h
 }
 
+/// The large-batch kernels (`DecodeConfig::tensor_core_batch`) and when the backend runs them.
+fn batch_rules() -> Result<String> {
+    let mut s = String::from(
+        "//\n\
+         // LARGE BATCHES. For H <= 16 the backend runs a third kernel when the call's head blocks\n\
+         // fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7\n\
+         // ring in two warp groups of 4 warps, each walking every other step (a GPU holding one\n\
+         // workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and\n\
+         // split rules as the variants above (block_h 16, block_n 32), one workgroup per SM:\n",
+    );
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let dims = MlaDims::PRODUCTION;
+        if let Some(config) = DecodeConfig::tensor_core_batch(dims, format, 16) {
+            let (split, _) = lowered_kernels(&config)?;
+            let _ = writeln!(s, "//   {:<10} {}", format.name(), kernel_facts(&split));
+        }
+    }
+    Ok(s)
+}
+
 /// `cuda/sparse_mla.h`: launch rules of the production (tensor-core) decode kernels, the plan
 /// helpers, and the parameter struct of every standard CUDA kernel.
 pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
@@ -607,6 +627,7 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
          // conversion: see their structs at the end.\n//\n",
     );
     h.push_str(&launch_rules(&variants));
+    h.push_str(&batch_rules()?);
     h.push_str("\n#pragma once\n\n");
     h.push_str(&plan_code(&variants)?);
     h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");

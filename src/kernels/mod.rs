@@ -212,6 +212,19 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
             DecodeConfig::tensor_core_v7,
         ),
     ];
+    // the large-batch kernels (warp groups; H <= 16 only)
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        if let Some(config) = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16) {
+            out.push(StandardKernel {
+                target: Target::Cuda,
+                kernel: lower(&split_kernel(&config)?, config.lowering)?,
+                note: format!(
+                    "sparse decode, {} cache, tensor cores v7 in two warp groups, the CUDA backend's large-batch kernel (H <= 16)",
+                    format.name()
+                ),
+            });
+        }
+    }
     for (version, choose) in versions {
         for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
             for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {

@@ -640,7 +640,8 @@ pub enum Intrinsic {
     },
     /// `bar.sync id, threads`: a barrier among `threads` threads (whole warps) of the
     /// workgroup, with workgroup-memory ordering; id 0 with every thread is [`Stmt::Barrier`].
-    NamedBarrier { id: u32, threads: u32 },
+    /// The id may be computed (u32): the groups of a grouped lowering each have their own.
+    NamedBarrier { id: Expr, threads: u32 },
     /// `__syncwarp()`: the warp's lanes meet, memory ordered among them.
     SyncWarp,
     /// Initialise mbarrier `index` of the shared array `bars` (two words each) for `count`

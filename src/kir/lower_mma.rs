@@ -50,6 +50,7 @@ const WARP: u32 = 32;
 mod barriers;
 mod context;
 mod gather;
+mod groups;
 mod ksplit;
 mod layout;
 mod mma;

@@ -41,7 +41,14 @@ pub enum Lowering {
     /// handed over with mbarriers instead of workgroup barriers; an S-like product is split
     /// along K over the warps with its loop-invariant A operand in registers. One workgroup
     /// per multiprocessor (SM120's shared-memory budget).
-    MmaWs { stages: u32 },
+    ///
+    /// `groups` > 1: the kernel describes the work of one *group* of warps; the workgroup
+    /// holds `groups` of them, each an independent copy with its own ring, scratch and
+    /// barriers (named, one id per group), walking every `groups`-th step of the pipeline.
+    /// After the pipeline the groups' online-softmax states and accumulators are merged and
+    /// group 0 runs the rest of the kernel. Several short dependency chains then share one
+    /// multiprocessor instead of one long one (benches/NOTES.md, v11).
+    MmaWs { stages: u32, groups: u32 },
 }
 
 impl Lowering {
@@ -62,6 +69,6 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             stages,
             min_workgroups,
         } => lower_mma::lower(kernel, stages, min_workgroups),
-        Lowering::MmaWs { stages } => lower_mma::lower_ws(kernel, stages),
+        Lowering::MmaWs { stages, groups } => lower_mma::lower_ws(kernel, stages, groups),
     }
 }

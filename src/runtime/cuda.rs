@@ -597,22 +597,25 @@ impl CudaDevice {
     }
 }
 
-/// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::tensor_core_on`] with
-/// this GPU's occupancy of the bf16 v6 split kernel, or the version forced with
-/// `SPARSE_MLA_DECODE_KERNEL=v6|v7`.
+/// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::for_call`] with this
+/// GPU's multiprocessors and its occupancy of the bf16 v6 split kernel, or the version forced
+/// with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel where one
+/// exists for the head count, else v7).
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
     let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
     match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => DecodeConfig::tensor_core_on(dims, format, heads, || {
+        Err(_) | Ok("") | Ok("auto") => DecodeConfig::for_call(shape, dev.sm_count, || {
             let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
             let (split, _) = lowered_kernels(&v6)?;
             Ok(dev.resident_workgroups(&split)? / dev.sm_count.max(1))
         }),
         Ok("v6") => Ok(DecodeConfig::tensor_core_v6(dims, format, heads)),
         Ok("v7") => Ok(DecodeConfig::tensor_core_v7(dims, format, heads)),
+        Ok("batch") => Ok(DecodeConfig::tensor_core_batch(dims, format, heads)
+            .unwrap_or_else(|| DecodeConfig::tensor_core_v7(dims, format, heads))),
         Ok(other) => Err(Error::arg(
             "SPARSE_MLA_DECODE_KERNEL",
-            "auto, v6 or v7",
+            "auto, v6, v7 or batch",
             other,
         )),
     }

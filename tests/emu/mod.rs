@@ -349,7 +349,9 @@ impl Device for EmuDevice {
             let v7 = DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads);
             DecodeConfig::tensor_core_custom(v7.dims, v7.format, v7.block_h, v7.block_n, 1)
         } else if self.config.v7 {
-            DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads)
+            // the backend's choice on a GPU of this many SMs (one v6 workgroup per SM): v7, or
+            // the large-batch kernel (warp groups) for T * ceil(H / 16) * 2 >= SMs at H <= 16
+            DecodeConfig::for_call(shape, self.resident, || Ok::<u32, Error>(1))?
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };

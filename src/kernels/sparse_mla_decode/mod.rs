@@ -129,6 +129,38 @@ impl DecodeConfig {
         })
     }
 
+    /// The large-batch configuration for `heads` ≤ 16 (none above): two warp groups of 4 warps
+    /// in one workgroup, each walking every other 32-slot step with its own one-stage ring
+    /// (2 x 44 KB: one workgroup per multiprocessor within SM120's budget). Where the batch
+    /// fills the GPU without splits, one workgroup's step is a chain of waits (the rows, the
+    /// split-K sum, the row max, P); two chains on the multiprocessor hide each other's.
+    /// Measured on the H200 at SM120's occupancy (benches/NOTES.md, v11): 1.10x v7 at
+    /// T = 128, level at T = 32, 0.85x at T = 1 (where v7 stays).
+    pub fn tensor_core_batch(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
+        (heads <= 16).then(|| Self::tensor_core_grouped(dims, format, (16, 32, 1), 4, 2))
+    }
+
+    /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors: its head blocks fill
+    /// half the multiprocessors or more without splitting the top-k lists.
+    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
+        let blocks = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
+        2 * blocks >= sm_count as u64
+    }
+
+    /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
+    /// large batch ([`Self::is_large_batch`]), else [`Self::tensor_core_on`].
+    pub fn for_call<E>(
+        shape: &DecodeShape,
+        sm_count: u32,
+        v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
+    ) -> std::result::Result<Self, E> {
+        let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        match Self::tensor_core_batch(dims, format, heads) {
+            Some(batch) if Self::is_large_batch(shape, sm_count) => Ok(batch),
+            _ => Self::tensor_core_on(dims, format, heads, v6_per_sm),
+        }
+    }
+
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
     pub fn tensor_core_custom(
         dims: MlaDims,
@@ -144,7 +176,36 @@ impl DecodeConfig {
             block_n,
             threads: 256,
             p_elem: TileElem::Bf16,
-            lowering: Lowering::MmaWs { stages },
+            lowering: Lowering::MmaWs { stages, groups: 1 },
+        }
+    }
+
+    /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.
+    pub fn groups(&self) -> u32 {
+        match self.lowering {
+            Lowering::MmaWs { groups, .. } => groups.max(1),
+            _ => 1,
+        }
+    }
+
+    /// A v7 configuration whose workgroup is `groups` independent groups of `warps` warps
+    /// each (see [`Lowering::MmaWs`]): each group walks every `groups`-th step of the split with
+    /// its own `stages`-deep ring of `block_n`-slot steps.
+    pub fn tensor_core_grouped(
+        dims: MlaDims,
+        format: CacheFormat,
+        (block_h, block_n, stages): (u32, u32, u32),
+        warps: u32,
+        groups: u32,
+    ) -> Self {
+        DecodeConfig {
+            dims,
+            format,
+            block_h,
+            block_n,
+            threads: 32 * warps * groups,
+            p_elem: TileElem::Bf16,
+            lowering: Lowering::MmaWs { stages, groups },
         }
     }
 
@@ -206,7 +267,10 @@ impl DecodeConfig {
                 };
                 format!("mma{stages}w{}{occupancy}", self.threads / 32)
             }
-            Lowering::MmaWs { stages } => format!("ws{stages}w{}", self.threads / 32),
+            Lowering::MmaWs { stages, groups: 1 } => format!("ws{stages}w{}", self.threads / 32),
+            Lowering::MmaWs { stages, groups } => {
+                format!("ws{stages}w{}g{groups}", self.threads / 32)
+            }
         };
         format!(
             "{}_d{}_{}_h{}n{}",

@@ -24,7 +24,8 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
     let (bh, bn) = (cfg.block_h, cfg.block_n);
-    let mut b = KernelBuilder::new(cfg.split_name(), cfg.threads);
+    // with warp groups, the description is one group's work (the lowering replicates it)
+    let mut b = KernelBuilder::new(cfg.split_name(), cfg.threads / cfg.groups());
     let io = declare(&mut b, cfg);
     if cfg.format == CacheFormat::Fp8DsMla {
         b.doc("fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.".to_string());

@@ -2,7 +2,7 @@
 //! and accumulator, the per-lane values, fresh names, and the declarations it adds.
 
 use super::softmax::SoftmaxRegs;
-use super::{ksplit, ws};
+use super::{groups, ksplit, ws};
 use crate::kir::expr::{lt, mul, u};
 use crate::kir::ir::*;
 use crate::{Error, Result};
@@ -119,6 +119,10 @@ pub(super) struct Cx<'k> {
     pub(super) partial_live: HashSet<String>,
     /// A operands kept in registers (tile name -> per-op registers).
     pub(super) resident_a: HashMap<String, ksplit::ResidentA>,
+    /// Warp groups of the workgroup (1: none); `w` and `warps` then count one group's.
+    pub(super) groups: u32,
+    /// With warp groups: what [`groups::replicate`] needs.
+    pub(super) group: Option<groups::GroupPlan>,
 }
 
 impl Cx<'_> {

@@ -105,6 +105,8 @@ impl<'k> Cx<'k> {
             ws: None,
             partial_live: HashSet::new(),
             resident_a: HashMap::new(),
+            groups: 1,
+            group: None,
         };
         cx.bind_lane();
         if ws_mode {

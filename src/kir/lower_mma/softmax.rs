@@ -77,6 +77,21 @@ pub(super) struct SoftmaxRegs {
     row_max: String,
 }
 
+impl SoftmaxRegs {
+    /// The scores' accumulator.
+    pub(super) fn s_name(&self) -> &str {
+        &self.s
+    }
+    /// The shared row sum of the definition.
+    pub(super) fn l_name(&self) -> &str {
+        &self.l
+    }
+    /// The accumulators the update rescales.
+    pub(super) fn out_names(&self) -> &[String] {
+        &self.outs
+    }
+}
+
 /// A row set before registers are given to it.
 struct SetShape {
     /// Layouts with the same key hold the same rows in the same threads.

@@ -56,7 +56,10 @@ impl WsInfo {
 
 /// Lower a kernel with one top-level pipeline into the producer/consumer form (see the
 /// module doc); a kernel without a pipeline gets the plain tensor-core lowering.
-pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
+///
+/// `groups` > 1: `kernel` is one group's work and the workgroup holds `groups` copies of it
+/// (see [`super::groups`]).
+pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
     let at = kernel
         .body
         .iter()
@@ -80,6 +83,11 @@ pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
     }
     let mut cx = Cx::new(kernel, stages, true)?;
     cx.min_workgroups = 1;
+    if groups > 1 {
+        cx.groups = groups;
+        let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
+        cx.group = Some(super::groups::GroupPlan::new(group_var, tid_var));
+    }
     let threads = cx.w;
     let info = cx.ws.clone().ok_or_else(|| err("no ring plan".into()))?;
     let lowered = cx.stmts(&kernel.body)?;
@@ -143,6 +151,30 @@ pub fn lower_ws(kernel: &Kernel, stages: u32) -> Result<Kernel> {
     out.shared.extend(cx.new_shared);
     out.privates.extend(cx.new_privates);
     let warps = threads / WARP;
+    if let Some(plan) = cx.group.as_ref().filter(|_| groups > 1) {
+        let (body, shared) = super::groups::replicate(
+            std::mem::take(&mut out.body),
+            &out.shared,
+            std::slice::from_ref(&info.bars),
+            threads,
+            groups,
+            plan,
+        )
+        .map_err(err)?;
+        out.body = body;
+        out.shared = shared;
+        out.workgroup_size = threads * groups;
+        out.doc.push(format!(
+            "{groups} warp groups of {warps} warps, each with its own ring: group g walks steps g, g + {groups}, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0."
+        ));
+        out.doc.push(format!(
+            "mbarrier ring per group: {stages} stages; warps {}-{} of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).",
+            warps - producer_warps(warps),
+            warps - 1
+        ));
+        crate::kir::shared_plan::check_fits(&out)?;
+        return Ok(out);
+    }
     out.doc.push(format!(
         "mbarrier ring: {stages} stages; warps {}-{} also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).",
         warps - producer_warps(warps),
@@ -274,7 +306,16 @@ impl Cx<'_> {
         let slot_rows = pw * WARP;
         let count_name = self.fresh(&format!("{v}_count"));
         out.push(let_(&count_name, self.expr(count)?));
-        let countv = var(&count_name, Ty::U32);
+        // with warp groups, this group's steps: `countv` of them, local step `at` being
+        // pipeline step `step_of(at)`; the ring and its parities count local steps
+        let (local, step_of) = self.group_steps(var(&count_name, Ty::U32));
+        let countv = if self.groups > 1 {
+            let n = self.fresh(&format!("{v}_group_count"));
+            out.push(let_(&n, local));
+            var(&n, Ty::U32)
+        } else {
+            var(&count_name, Ty::U32)
+        };
 
         // The index loads of step `at`, issued a step before its copies: each producer lane
         // loads the raw words its rows' source expressions read (rows lane + 32 * slot) into
@@ -297,7 +338,7 @@ impl Cx<'_> {
             prefetched.push(pairs);
         }
         let addr = |cx: &mut Cx, at: Expr| -> Result<Stmt> {
-            let mut body = vec![let_(v, at.clone())];
+            let mut body = vec![let_(v, step_of(at.clone()))];
             for (g, pairs) in gathers.iter().zip(&prefetched) {
                 if pairs.is_empty() {
                     continue;
@@ -353,7 +394,7 @@ impl Cx<'_> {
             let rv = var(&r, Ty::U32);
             let mut row_body = Vec::new();
             let sw_names: Vec<String> = gathers.iter().map(|_| cx.fresh("src_i32")).collect();
-            row_body.push(let_(v, at.clone()));
+            row_body.push(let_(v, step_of(at.clone())));
             for (((g, n), e), pairs) in gathers
                 .iter()
                 .zip(&sw_names)
@@ -512,7 +553,7 @@ impl Cx<'_> {
             },
         ];
         let mut body = vec![
-            let_(v, itv.clone()),
+            let_(v, step_of(itv.clone())),
             let_(
                 &stage_name,
                 if s > 1 {
@@ -581,6 +622,9 @@ impl Cx<'_> {
         for r in &resident {
             self.resident.remove(&r.m);
             out.extend(self.softmax_store(r)?);
+        }
+        if self.groups > 1 {
+            out.extend(self.group_merge(&resident)?);
         }
         Ok(())
     }

@@ -1,0 +1,729 @@
+//! Warp groups ([`crate::kir::Lowering::MmaWs`] with `groups > 1`): one workgroup, several
+//! independent copies of a kernel lowered for a smaller workgroup.
+//!
+//! Why: a step of the producer/consumer form is a chain (wait for the rows, S, its split-K
+//! sum, the row max, P, P · V) with workgroup barriers between its links; with one workgroup per
+//! multiprocessor (SM120's shared-memory budget) nothing else runs while the chain waits. Groups
+//! of a few warps, each walking its own steps with its own ring and barriers, put several short
+//! chains on the multiprocessor at once — what a second workgroup per multiprocessor does on an
+//! H100, inside SM120's one.
+//!
+//! How: the kernel describes one group's work (its workgroup size is the group's). It is
+//! lowered as usual, with the pipeline's steps dealt out round-robin (group `g` takes steps
+//! `g`, `g + groups`, ...), then [`replicate`] makes the copies: every shared array gets one
+//! copy per group (indices offset by the group), the thread index becomes the index within the
+//! group, and each workgroup barrier becomes a named barrier of the group's threads (id
+//! `1 + group`). After the pipeline the states meet:
+//!
+//! ```text
+//! M   = max_g m_g                     per row (the running maxima)
+//! f_g = exp(m_g − M)
+//! L   = Σ_g f_g · l_g
+//! O   = Σ_g f_g · O_g                 (through shared memory, one group at a time)
+//! ```
+//!
+//! and group 0, now holding `(M, L, O)` as if it had walked every step, runs the rest of the
+//! kernel (the epilogue) alone.
+
+use super::softmax::SoftmaxRegs;
+use super::{add, bin, intr, let_, local_id, mul, priv_load, u, var, Cx, Result};
+use crate::kir::expr::{exp, f32_bits, f32_from_bits, select, shared_load};
+use crate::kir::ir::*;
+use std::collections::HashMap;
+
+/// Comments that mark where [`replicate`] splits the lowered body: the per-group code before
+/// the merge, the merge of the accumulators, the epilogue (group 0).
+const MERGE_MARK: &str = "warp groups: merge the groups' softmax states and accumulators";
+const EPILOGUE_MARK: &str = "warp groups: the rest of the kernel runs in group 0";
+
+/// What the lowering of a grouped kernel records for [`replicate`].
+#[derive(Clone, Debug, Default)]
+pub(super) struct GroupPlan {
+    /// Name of the variable holding this thread's group (`local_id / group threads`).
+    pub(super) group_var: String,
+    /// Name of the variable holding the thread's index within its group.
+    pub(super) tid_var: String,
+    /// The shared row state `(m, l, rows)` of each online softmax merged after the pipeline.
+    states: Vec<(String, String, u32)>,
+    /// Shared array of the merge factors `f_g` ([groups, rows] per state, one workgroup copy).
+    factors: String,
+    /// Name the merge uses for the accumulator exchange: an alias of `ring`, the largest ring
+    /// array (dead once every group has left the pipeline), resolved once the copies are made
+    /// (the exchange spans the workgroup, not one group's copy).
+    exchange: String,
+    ring: String,
+}
+
+impl GroupPlan {
+    pub(super) fn new(group_var: String, tid_var: String) -> Self {
+        GroupPlan {
+            group_var,
+            tid_var,
+            ..Default::default()
+        }
+    }
+}
+
+impl Cx<'_> {
+    /// The group of this thread (u32), in a grouped lowering.
+    pub(super) fn group_expr(&self) -> Option<Expr> {
+        self.group.as_ref().map(|g| var(&g.group_var, Ty::U32))
+    }
+
+    /// Steps `0..count` dealt out to the groups: how many this thread's group takes, and the
+    /// global step of its local step `at`.
+    pub(super) fn group_steps(&self, count: Expr) -> (Expr, impl Fn(Expr) -> Expr) {
+        let groups = self.groups;
+        let group = self.group_expr().unwrap_or(u(0));
+        let local = if groups > 1 {
+            select(
+                bin(BinOp::Gt, count.clone(), group.clone()),
+                bin(
+                    BinOp::Div,
+                    add(bin(BinOp::Sub, count, group.clone()), u(groups - 1)),
+                    u(groups),
+                ),
+                u(0),
+            )
+        } else {
+            count
+        };
+        let step_of = move |at: Expr| {
+            if groups > 1 {
+                add(group.clone(), mul(at, u(groups)))
+            } else {
+                at
+            }
+        };
+        (local, step_of)
+    }
+
+    /// After the pipeline and the softmax states' store: the merge of this group's
+    /// accumulators into group 0's (see the module doc), between the two marks.
+    pub(super) fn group_merge(&mut self, resident: &[SoftmaxRegs]) -> Result<Vec<Stmt>> {
+        let groups = self.groups;
+        let total = self.w * groups;
+        let group = self
+            .group_expr()
+            .ok_or_else(|| self.err("group merge without warp groups".into()))?;
+        let mut out = vec![Stmt::Comment(MERGE_MARK.into())];
+        let factors = self.fresh("group_factor");
+        let exchange = self.fresh("group_exchange");
+        let ring = self
+            .ring_arrays()
+            .into_iter()
+            .filter_map(|n| self.new_shared.iter().find(|d| d.name == n).cloned())
+            .max_by_key(|d| d.len)
+            .ok_or_else(|| self.err("warp groups need a pipeline ring".into()))?;
+        // f32 values through the ring's words
+        let ring_ty = ring.ty;
+        let ex_load = |idx: Expr| match ring_ty {
+            Ty::F32 => shared_load(&exchange, Ty::F32, idx),
+            ty => f32_from_bits(shared_load(&exchange, ty, idx)),
+        };
+        let ex_value = |v: Expr| match ring_ty {
+            Ty::F32 => v,
+            _ => f32_bits(v),
+        };
+        let mut states = Vec::new();
+        let mut accs: Vec<(String, u32, u32)> = Vec::new(); // (acc, factor row offset, exchange base)
+        let mut exchange_words = 0;
+        for r in resident {
+            let rows = self.acc(r.s_name())?.decl.rows;
+            let base = states.len() as u32 * groups;
+            states.push((r.m.clone(), r.l_name().to_string(), rows));
+            for o in r.out_names() {
+                let decl = self.acc(o)?.decl.clone();
+                if decl.rows != rows {
+                    return Err(self.err(format!(
+                        "accumulator {o} has {} rows, its softmax state {rows}",
+                        decl.rows
+                    )));
+                }
+                accs.push((o.clone(), base, exchange_words));
+                exchange_words += decl.rows * decl.cols;
+            }
+        }
+        if ring.len * groups < exchange_words {
+            return Err(self.err(format!(
+                "warp groups: the accumulators need {exchange_words} words to meet, the ring \
+                 {} has {}",
+                ring.name,
+                ring.len * groups
+            )));
+        }
+        // 1. every group scales its accumulators by its factor f_g (rows from the state)
+        for (acc, base, _) in &accs {
+            self.materialize(acc, &mut out)?;
+            let rows = self.acc(acc)?.decl.rows;
+            let (rn, cn) = (self.fresh("row"), self.fresh("col"));
+            let f = self.fresh("factor");
+            let a = acc.clone();
+            let factor = shared_load(
+                &factors,
+                Ty::F32,
+                add(
+                    mul(add(u(*base), group.clone()), u(rows)),
+                    var(&rn, Ty::U32),
+                ),
+            );
+            out.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
+                let fv = var(&f, Ty::F32);
+                Ok(vec![
+                    let_(&f, factor),
+                    scale_priv(&a, at0, fv.clone()),
+                    scale_priv(&a, at1, fv),
+                ])
+            })?);
+        }
+        // 2. groups 1.. add their accumulators into the exchange, one group at a time
+        let cta_barrier = intr(Intrinsic::NamedBarrier {
+            id: u(0),
+            threads: total,
+        });
+        for g in 1..groups {
+            let mut body = Vec::new();
+            for (acc, _, ex_base) in &accs {
+                let cols = self.acc(acc)?.decl.cols;
+                let (rn, cn) = (self.fresh("row"), self.fresh("col"));
+                let (a, ex) = (acc.clone(), exchange.clone());
+                let (ex_load, ex_value) = (&ex_load, &ex_value);
+                let at = |k: u32| {
+                    add(
+                        add(u(*ex_base), mul(var(&rn, Ty::U32), u(cols))),
+                        add(var(&cn, Ty::U32), u(k)),
+                    )
+                };
+                body.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
+                    let mut s = Vec::new();
+                    for (k, reg) in [(0, at0), (1, at1)] {
+                        let mine = priv_load(&a, reg);
+                        s.push(Stmt::SharedStore {
+                            arr: ex.clone(),
+                            index: at(k),
+                            value: ex_value(if g == 1 {
+                                mine
+                            } else {
+                                fadd(ex_load(at(k)), mine)
+                            }),
+                        });
+                    }
+                    Ok(s)
+                })?);
+            }
+            out.push(Stmt::If {
+                cond: bin(BinOp::Eq, group.clone(), u(g)),
+                then: body,
+                els: vec![],
+            });
+            out.push(cta_barrier.clone());
+        }
+        // 3. group 0 adds the exchange into its own accumulators
+        let mut body = Vec::new();
+        for (acc, _, ex_base) in &accs {
+            let cols = self.acc(acc)?.decl.cols;
+            let (rn, cn) = (self.fresh("row"), self.fresh("col"));
+            let a = acc.clone();
+            let ex_load = &ex_load;
+            body.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
+                let mut s = Vec::new();
+                for (k, reg) in [(0, at0), (1, at1)] {
+                    let idx = add(
+                        add(u(*ex_base), mul(var(&rn, Ty::U32), u(cols))),
+                        add(var(&cn, Ty::U32), u(k)),
+                    );
+                    s.push(Stmt::PrivateStore {
+                        arr: a.clone(),
+                        index: reg.clone(),
+                        value: fadd(priv_load(&a, reg), ex_load(idx)),
+                    });
+                }
+                Ok(s)
+            })?);
+        }
+        out.push(Stmt::If {
+            cond: bin(BinOp::Eq, group, u(0)),
+            then: body,
+            els: vec![],
+        });
+        out.push(Stmt::Comment(EPILOGUE_MARK.into()));
+        let plan = self.group.as_mut().ok_or_else(|| crate::Error::Kir {
+            kernel: String::new(),
+            message: "group merge without warp groups".into(),
+        })?;
+        plan.states = states;
+        plan.factors = factors;
+        plan.exchange = exchange;
+        plan.ring = ring.name;
+        Ok(out)
+    }
+}
+
+fn fadd(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Add, a, b)
+}
+
+fn scale_priv(arr: &str, at: Expr, f: Expr) -> Stmt {
+    Stmt::PrivateStore {
+        arr: arr.to_string(),
+        index: at.clone(),
+        value: bin(BinOp::Mul, priv_load(arr, at), f),
+    }
+}
+
+/// Make `groups` copies of the body of a kernel lowered for one group of `group_threads`
+/// threads (see the module doc). `shared` is the lowered kernel's shared arrays: each becomes
+/// one copy per group (the returned declarations), `mbarriers` those that hold mbarriers (two
+/// words each, addressed by mbarrier). Returns the new body and shared declarations.
+pub(super) fn replicate(
+    body: Vec<Stmt>,
+    shared: &[SharedDecl],
+    mbarriers: &[String],
+    group_threads: u32,
+    groups: u32,
+    plan: &GroupPlan,
+) -> std::result::Result<(Vec<Stmt>, Vec<SharedDecl>), String> {
+    let lens: HashMap<String, u32> = shared.iter().map(|d| (d.name.clone(), d.len)).collect();
+    let total = group_threads * groups;
+    let group = var(&plan.group_var, Ty::U32);
+    let rw = Replicas {
+        lens: &lens,
+        mbarriers,
+        group: group.clone(),
+        tid: var(&plan.tid_var, Ty::U32),
+        group_threads,
+        groups,
+    };
+    let mark = |text: &str| {
+        body.iter()
+            .position(|s| matches!(s, Stmt::Comment(c) if c == text))
+            .ok_or_else(|| format!("grouped lowering: no `{text}` in the lowered body"))
+    };
+    let (merge, epilogue) = (mark(MERGE_MARK)?, mark(EPILOGUE_MARK)?);
+    if plan.states.is_empty() {
+        return Err("grouped lowering: no online-softmax state to merge after the pipeline".into());
+    }
+    let mut out = vec![
+        Stmt::Comment(format!(
+            "{groups} warp groups of {group_threads} threads: group g walks steps g, g + {groups}, ..."
+        )),
+        let_(&plan.group_var, bin(BinOp::Div, local_id(), u(group_threads))),
+        let_(&plan.tid_var, bin(BinOp::Rem, local_id(), u(group_threads))),
+    ];
+    out.extend(rw.stmts(&body[..merge]));
+    // the states meet: M, f_g, L per row (every group has stored its state)
+    out.push(Stmt::Comment(MERGE_MARK.into()));
+    out.push(Stmt::Barrier);
+    for (k, (m, l, rows)) in plan.states.iter().enumerate() {
+        let r = format!("merge_row{k}");
+        let rv = var(&r, Ty::U32);
+        let at = |g: u32| add(u(g * rows), rv.clone());
+        let mut b = Vec::new();
+        let mx = format!("merge_max{k}");
+        b.push(Stmt::Var {
+            name: mx.clone(),
+            value: shared_load(m, Ty::F32, at(0)),
+        });
+        for g in 1..groups {
+            b.push(Stmt::Assign {
+                name: mx.clone(),
+                value: bin(
+                    BinOp::Max,
+                    var(&mx, Ty::F32),
+                    shared_load(m, Ty::F32, at(g)),
+                ),
+            });
+        }
+        let sum = format!("merge_sum{k}");
+        b.push(Stmt::Var {
+            name: sum.clone(),
+            value: Expr::F32(0.0),
+        });
+        for g in 0..groups {
+            let fname = format!("merge_f{k}_{g}");
+            b.push(let_(
+                &fname,
+                exp(bin(
+                    BinOp::Sub,
+                    shared_load(m, Ty::F32, at(g)),
+                    var(&mx, Ty::F32),
+                )),
+            ));
+            b.push(Stmt::Assign {
+                name: sum.clone(),
+                value: fadd(
+                    var(&sum, Ty::F32),
+                    bin(
+                        BinOp::Mul,
+                        var(&fname, Ty::F32),
+                        shared_load(l, Ty::F32, at(g)),
+                    ),
+                ),
+            });
+            b.push(Stmt::SharedStore {
+                arr: plan.factors.clone(),
+                index: add(u((k as u32 * groups + g) * rows), rv.clone()),
+                value: var(&fname, Ty::F32),
+            });
+        }
+        b.push(Stmt::SharedStore {
+            arr: m.clone(),
+            index: rv.clone(),
+            value: var(&mx, Ty::F32),
+        });
+        b.push(Stmt::SharedStore {
+            arr: l.clone(),
+            index: rv.clone(),
+            value: var(&sum, Ty::F32),
+        });
+        out.push(Stmt::For {
+            var: r.clone(),
+            start: local_id(),
+            end: u(*rows),
+            step: u(total),
+            body: b,
+        });
+    }
+    out.push(Stmt::Barrier);
+    // the accumulators meet (the merge's own shared arrays are the workgroup's, not a group's)
+    let exchange = |s: Vec<Stmt>| rename_shared(s, &plan.exchange, &plan.ring);
+    out.extend(exchange(rw.stmts(&body[merge + 1..epilogue])));
+    out.push(Stmt::Comment(EPILOGUE_MARK.into()));
+    out.push(Stmt::If {
+        cond: bin(BinOp::Eq, group, u(0)),
+        then: rw.stmts(&body[epilogue + 1..]),
+        els: vec![],
+    });
+
+    let mut decls: Vec<SharedDecl> = shared
+        .iter()
+        .map(|d| SharedDecl {
+            len: d.len * groups,
+            ..d.clone()
+        })
+        .collect();
+    decls.push(SharedDecl {
+        name: plan.factors.clone(),
+        ty: Ty::F32,
+        len: plan.states.len() as u32 * groups * plan.states.iter().map(|s| s.2).max().unwrap_or(0),
+    });
+    Ok((out, decls))
+}
+
+/// The per-group view of a lowered body.
+struct Replicas<'a> {
+    lens: &'a HashMap<String, u32>,
+    mbarriers: &'a [String],
+    group: Expr,
+    tid: Expr,
+    group_threads: u32,
+    groups: u32,
+}
+
+impl Replicas<'_> {
+    /// The group's barrier: named barrier `1 + group` of its threads. Each id is a constant
+    /// (a branch per group), which ptxas and compute-sanitizer see as distinct barriers.
+    fn group_barrier(&self) -> Stmt {
+        let bar = |g: u32| {
+            intr(Intrinsic::NamedBarrier {
+                id: u(g + 1),
+                threads: self.group_threads,
+            })
+        };
+        let mut s = bar(self.groups - 1);
+        for g in (0..self.groups - 1).rev() {
+            s = Stmt::If {
+                cond: bin(BinOp::Eq, self.group.clone(), u(g)),
+                then: vec![bar(g)],
+                els: vec![s],
+            };
+        }
+        s
+    }
+
+    /// Offset of this group's copy of shared array `arr`, in its own index units (words;
+    /// mbarriers for the mbarrier arrays); `None` for an array that is not copied.
+    fn offset(&self, arr: &str) -> Option<Expr> {
+        let len = *self.lens.get(arr)?;
+        let unit = if self.mbarriers.iter().any(|m| m == arr) {
+            len / 2
+        } else {
+            len
+        };
+        Some(mul(self.group.clone(), u(unit)))
+    }
+
+    fn index(&self, arr: &str, index: Expr) -> Expr {
+        let index = self.expr(index);
+        match self.offset(arr) {
+            Some(off) => add(index, off),
+            None => index,
+        }
+    }
+
+    fn expr(&self, e: Expr) -> Expr {
+        e.map(&mut |x| match x {
+            Expr::Builtin(Builtin::LocalId) => self.tid.clone(),
+            Expr::SharedLoad { arr, ty, index } => match self.offset(&arr) {
+                Some(off) => Expr::SharedLoad {
+                    arr,
+                    ty,
+                    index: Box::new(add(*index, off)),
+                },
+                None => Expr::SharedLoad { arr, ty, index },
+            },
+            other => other,
+        })
+    }
+
+    fn stmts(&self, stmts: &[Stmt]) -> Vec<Stmt> {
+        stmts.iter().map(|s| self.stmt(s)).collect()
+    }
+
+    fn stmt(&self, s: &Stmt) -> Stmt {
+        let e = |x: &Expr| self.expr(x.clone());
+        match s {
+            Stmt::Barrier => self.group_barrier(),
+            // the merge's barriers of the whole workgroup
+            Stmt::Intrinsic(Intrinsic::NamedBarrier {
+                id: Expr::U32(0),
+                threads,
+            }) if *threads == self.group_threads * self.groups => Stmt::Barrier,
+            Stmt::Comment(_) => s.clone(),
+            Stmt::Let { name, value } => Stmt::Let {
+                name: name.clone(),
+                value: e(value),
+            },
+            Stmt::Var { name, value } => Stmt::Var {
+                name: name.clone(),
+                value: e(value),
+            },
+            Stmt::Assign { name, value } => Stmt::Assign {
+                name: name.clone(),
+                value: e(value),
+            },
+            Stmt::Store { buf, index, value } => Stmt::Store {
+                buf: buf.clone(),
+                index: e(index),
+                value: e(value),
+            },
+            Stmt::StoreWord { buf, index, value } => Stmt::StoreWord {
+                buf: buf.clone(),
+                index: e(index),
+                value: e(value),
+            },
+            Stmt::SharedStore { arr, index, value } => Stmt::SharedStore {
+                arr: arr.clone(),
+                index: self.index(arr, index.clone()),
+                value: e(value),
+            },
+            Stmt::PrivateStore { arr, index, value } => Stmt::PrivateStore {
+                arr: arr.clone(),
+                index: e(index),
+                value: e(value),
+            },
+            Stmt::If { cond, then, els } => Stmt::If {
+                cond: e(cond),
+                then: self.stmts(then),
+                els: self.stmts(els),
+            },
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Stmt::For {
+                var: var.clone(),
+                start: e(start),
+                end: e(end),
+                step: e(step),
+                body: self.stmts(body),
+            },
+            Stmt::Intrinsic(i) => intr(self.intrinsic(i)),
+            Stmt::Tile(_) => s.clone(),
+        }
+    }
+
+    fn intrinsic(&self, i: &Intrinsic) -> Intrinsic {
+        let e = |x: &Expr| self.expr(x.clone());
+        match i.clone() {
+            Intrinsic::CpAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                valid,
+            } => Intrinsic::CpAsync {
+                dst_word: self.index(&dst, dst_word),
+                src_word: e(&src_word),
+                valid: e(&valid),
+                bytes,
+                dst,
+                src,
+            },
+            Intrinsic::LdMatrix {
+                count,
+                trans,
+                arr,
+                word,
+                dst,
+                dst0,
+            } => Intrinsic::LdMatrix {
+                word: self.index(&arr, word),
+                dst0: e(&dst0),
+                count,
+                trans,
+                arr,
+                dst,
+            },
+            Intrinsic::MmaBf16 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => Intrinsic::MmaBf16 {
+                c0: e(&c0),
+                a0: e(&a0),
+                b0: e(&b0),
+                c,
+                a,
+                b,
+            },
+            Intrinsic::MmaE4m3 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => Intrinsic::MmaE4m3 {
+                c0: e(&c0),
+                a0: e(&a0),
+                b0: e(&b0),
+                c,
+                a,
+                b,
+            },
+            Intrinsic::ShflXor {
+                dst,
+                value,
+                lane_mask,
+            } => Intrinsic::ShflXor {
+                value: e(&value),
+                dst,
+                lane_mask,
+            },
+            Intrinsic::NamedBarrier { id, threads } => Intrinsic::NamedBarrier {
+                id: e(&id),
+                threads,
+            },
+            Intrinsic::MbarInit { bars, index, count } => Intrinsic::MbarInit {
+                index: self.index(&bars, index),
+                bars,
+                count,
+            },
+            Intrinsic::MbarArrive { bars, index } => Intrinsic::MbarArrive {
+                index: self.index(&bars, index),
+                bars,
+            },
+            Intrinsic::MbarWait {
+                bars,
+                index,
+                parity,
+            } => Intrinsic::MbarWait {
+                index: self.index(&bars, index),
+                parity: e(&parity),
+                bars,
+            },
+            Intrinsic::CopyAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                bars,
+                index,
+            } => Intrinsic::CopyAsync {
+                dst_word: self.index(&dst, dst_word),
+                src_word: e(&src_word),
+                index: self.index(&bars, index),
+                bytes,
+                dst,
+                src,
+                bars,
+            },
+            Intrinsic::CopyArrive { bars, index } => Intrinsic::CopyArrive {
+                index: self.index(&bars, index),
+                bars,
+            },
+            other @ (Intrinsic::CpAsyncCommit
+            | Intrinsic::CpAsyncWait { .. }
+            | Intrinsic::SyncWarp
+            | Intrinsic::FenceProxyAsync) => other,
+        }
+    }
+}
+
+/// Every access to shared array `from` in `stmts` made to `to` instead (same indices).
+fn rename_shared(stmts: Vec<Stmt>, from: &str, to: &str) -> Vec<Stmt> {
+    let re = |e: Expr| {
+        e.map(&mut |x| match x {
+            Expr::SharedLoad { arr, ty, index } if arr == from => Expr::SharedLoad {
+                arr: to.to_string(),
+                ty,
+                index,
+            },
+            other => other,
+        })
+    };
+    stmts
+        .into_iter()
+        .map(|s| match s {
+            Stmt::SharedStore { arr, index, value } => Stmt::SharedStore {
+                arr: if arr == from { to.to_string() } else { arr },
+                index: re(index),
+                value: re(value),
+            },
+            Stmt::If { cond, then, els } => Stmt::If {
+                cond: re(cond),
+                then: rename_shared(then, from, to),
+                els: rename_shared(els, from, to),
+            },
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body: rename_shared(body, from, to),
+            },
+            Stmt::Let { name, value } => Stmt::Let {
+                name,
+                value: re(value),
+            },
+            Stmt::Var { name, value } => Stmt::Var {
+                name,
+                value: re(value),
+            },
+            Stmt::Assign { name, value } => Stmt::Assign {
+                name,
+                value: re(value),
+            },
+            Stmt::PrivateStore { arr, index, value } => Stmt::PrivateStore {
+                arr,
+                index: re(index),
+                value: re(value),
+            },
+            other => other,
+        })
+        .collect()
+}
