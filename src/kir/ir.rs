@@ -682,6 +682,125 @@ pub enum Intrinsic {
     FenceProxyAsync,
 }
 
+impl Intrinsic {
+    /// The intrinsic with every expression operand passed through `f` (names unchanged).
+    pub fn map_exprs(self, f: &mut dyn FnMut(Expr) -> Expr) -> Intrinsic {
+        use Intrinsic::*;
+        match self {
+            CpAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                valid,
+            } => CpAsync {
+                bytes,
+                dst,
+                dst_word: f(dst_word),
+                src,
+                src_word: f(src_word),
+                valid: f(valid),
+            },
+            LdMatrix {
+                count,
+                trans,
+                arr,
+                word,
+                dst,
+                dst0,
+            } => LdMatrix {
+                count,
+                trans,
+                arr,
+                word: f(word),
+                dst,
+                dst0: f(dst0),
+            },
+            MmaBf16 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => MmaBf16 {
+                c,
+                c0: f(c0),
+                a,
+                a0: f(a0),
+                b,
+                b0: f(b0),
+            },
+            MmaE4m3 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => MmaE4m3 {
+                c,
+                c0: f(c0),
+                a,
+                a0: f(a0),
+                b,
+                b0: f(b0),
+            },
+            ShflXor {
+                dst,
+                value,
+                lane_mask,
+            } => ShflXor {
+                dst,
+                value: f(value),
+                lane_mask,
+            },
+            NamedBarrier { id, threads } => NamedBarrier { id: f(id), threads },
+            MbarInit { bars, index, count } => MbarInit {
+                bars,
+                index: f(index),
+                count,
+            },
+            MbarArrive { bars, index } => MbarArrive {
+                bars,
+                index: f(index),
+            },
+            MbarWait {
+                bars,
+                index,
+                parity,
+            } => MbarWait {
+                bars,
+                index: f(index),
+                parity: f(parity),
+            },
+            CopyAsync {
+                bytes,
+                dst,
+                dst_word,
+                src,
+                src_word,
+                bars,
+                index,
+            } => CopyAsync {
+                bytes,
+                dst,
+                dst_word: f(dst_word),
+                src,
+                src_word: f(src_word),
+                bars,
+                index: f(index),
+            },
+            CopyArrive { bars, index } => CopyArrive {
+                bars,
+                index: f(index),
+            },
+            other @ (CpAsyncCommit | CpAsyncWait { .. } | SyncWarp | FenceProxyAsync) => other,
+        }
+    }
+}
+
 /// A statement.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stmt {

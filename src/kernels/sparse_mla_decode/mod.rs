@@ -199,13 +199,9 @@ impl DecodeConfig {
         groups: u32,
     ) -> Self {
         DecodeConfig {
-            dims,
-            format,
-            block_h,
-            block_n,
             threads: 32 * warps * groups,
-            p_elem: TileElem::Bf16,
             lowering: Lowering::MmaWs { stages, groups },
+            ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
     }
 

@@ -453,12 +453,16 @@ impl Replicas<'_> {
         Some(mul(self.group.clone(), u(unit)))
     }
 
-    fn index(&self, arr: &str, index: Expr) -> Expr {
-        let index = self.expr(index);
+    /// `index` (already in the group's view) into this group's copy of `arr`.
+    fn shifted(&self, arr: &str, index: Expr) -> Expr {
         match self.offset(arr) {
             Some(off) => add(index, off),
             None => index,
         }
+    }
+
+    fn index(&self, arr: &str, index: Expr) -> Expr {
+        self.shifted(arr, self.expr(index))
     }
 
     fn expr(&self, e: Expr) -> Expr {
@@ -546,8 +550,11 @@ impl Replicas<'_> {
     }
 
     fn intrinsic(&self, i: &Intrinsic) -> Intrinsic {
-        let e = |x: &Expr| self.expr(x.clone());
-        match i.clone() {
+        // operands first (the thread index, shared loads inside them), then the group's copy
+        // of each array an operand indexes
+        let i = i.clone().map_exprs(&mut |e| self.expr(e));
+        let at = |arr: &str, index: Expr| self.shifted(arr, index);
+        match i {
             Intrinsic::CpAsync {
                 bytes,
                 dst,
@@ -556,12 +563,12 @@ impl Replicas<'_> {
                 src_word,
                 valid,
             } => Intrinsic::CpAsync {
-                dst_word: self.index(&dst, dst_word),
-                src_word: e(&src_word),
-                valid: e(&valid),
+                dst_word: at(&dst, dst_word),
                 bytes,
                 dst,
                 src,
+                src_word,
+                valid,
             },
             Intrinsic::LdMatrix {
                 count,
@@ -571,63 +578,20 @@ impl Replicas<'_> {
                 dst,
                 dst0,
             } => Intrinsic::LdMatrix {
-                word: self.index(&arr, word),
-                dst0: e(&dst0),
+                word: at(&arr, word),
                 count,
                 trans,
                 arr,
                 dst,
-            },
-            Intrinsic::MmaBf16 {
-                c,
-                c0,
-                a,
-                a0,
-                b,
-                b0,
-            } => Intrinsic::MmaBf16 {
-                c0: e(&c0),
-                a0: e(&a0),
-                b0: e(&b0),
-                c,
-                a,
-                b,
-            },
-            Intrinsic::MmaE4m3 {
-                c,
-                c0,
-                a,
-                a0,
-                b,
-                b0,
-            } => Intrinsic::MmaE4m3 {
-                c0: e(&c0),
-                a0: e(&a0),
-                b0: e(&b0),
-                c,
-                a,
-                b,
-            },
-            Intrinsic::ShflXor {
-                dst,
-                value,
-                lane_mask,
-            } => Intrinsic::ShflXor {
-                value: e(&value),
-                dst,
-                lane_mask,
-            },
-            Intrinsic::NamedBarrier { id, threads } => Intrinsic::NamedBarrier {
-                id: e(&id),
-                threads,
+                dst0,
             },
             Intrinsic::MbarInit { bars, index, count } => Intrinsic::MbarInit {
-                index: self.index(&bars, index),
+                index: at(&bars, index),
                 bars,
                 count,
             },
             Intrinsic::MbarArrive { bars, index } => Intrinsic::MbarArrive {
-                index: self.index(&bars, index),
+                index: at(&bars, index),
                 bars,
             },
             Intrinsic::MbarWait {
@@ -635,9 +599,9 @@ impl Replicas<'_> {
                 index,
                 parity,
             } => Intrinsic::MbarWait {
-                index: self.index(&bars, index),
-                parity: e(&parity),
+                index: at(&bars, index),
                 bars,
+                parity,
             },
             Intrinsic::CopyAsync {
                 bytes,
@@ -648,22 +612,19 @@ impl Replicas<'_> {
                 bars,
                 index,
             } => Intrinsic::CopyAsync {
-                dst_word: self.index(&dst, dst_word),
-                src_word: e(&src_word),
-                index: self.index(&bars, index),
+                dst_word: at(&dst, dst_word),
+                index: at(&bars, index),
                 bytes,
                 dst,
                 src,
+                src_word,
                 bars,
             },
             Intrinsic::CopyArrive { bars, index } => Intrinsic::CopyArrive {
-                index: self.index(&bars, index),
+                index: at(&bars, index),
                 bars,
             },
-            other @ (Intrinsic::CpAsyncCommit
-            | Intrinsic::CpAsyncWait { .. }
-            | Intrinsic::SyncWarp
-            | Intrinsic::FenceProxyAsync) => other,
+            other => other,
         }
     }
 }
