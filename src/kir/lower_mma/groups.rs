@@ -552,80 +552,30 @@ impl Replicas<'_> {
     fn intrinsic(&self, i: &Intrinsic) -> Intrinsic {
         // operands first (the thread index, shared loads inside them), then the group's copy
         // of each array an operand indexes
-        let i = i.clone().map_exprs(&mut |e| self.expr(e));
-        let at = |arr: &str, index: Expr| self.shifted(arr, index);
-        match i {
-            Intrinsic::CpAsync {
-                bytes,
-                dst,
-                dst_word,
-                src,
-                src_word,
-                valid,
-            } => Intrinsic::CpAsync {
-                dst_word: at(&dst, dst_word),
-                bytes,
-                dst,
-                src,
-                src_word,
-                valid,
-            },
-            Intrinsic::LdMatrix {
-                count,
-                trans,
-                arr,
-                word,
-                dst,
-                dst0,
-            } => Intrinsic::LdMatrix {
-                word: at(&arr, word),
-                count,
-                trans,
-                arr,
-                dst,
-                dst0,
-            },
-            Intrinsic::MbarInit { bars, index, count } => Intrinsic::MbarInit {
-                index: at(&bars, index),
-                bars,
-                count,
-            },
-            Intrinsic::MbarArrive { bars, index } => Intrinsic::MbarArrive {
-                index: at(&bars, index),
-                bars,
-            },
-            Intrinsic::MbarWait {
-                bars,
-                index,
-                parity,
-            } => Intrinsic::MbarWait {
-                index: at(&bars, index),
-                bars,
-                parity,
-            },
+        let mut i = i.clone().map_exprs(&mut |e| self.expr(e));
+        let shift = |arr: &str, e: &mut Expr| {
+            *e = self.shifted(arr, std::mem::replace(e, Expr::U32(0)));
+        };
+        match &mut i {
+            Intrinsic::CpAsync { dst, dst_word, .. } => shift(dst, dst_word),
+            Intrinsic::LdMatrix { arr, word, .. } => shift(arr, word),
+            Intrinsic::MbarInit { bars, index, .. }
+            | Intrinsic::MbarArrive { bars, index }
+            | Intrinsic::MbarWait { bars, index, .. }
+            | Intrinsic::CopyArrive { bars, index } => shift(bars, index),
             Intrinsic::CopyAsync {
-                bytes,
                 dst,
                 dst_word,
-                src,
-                src_word,
                 bars,
                 index,
-            } => Intrinsic::CopyAsync {
-                dst_word: at(&dst, dst_word),
-                index: at(&bars, index),
-                bytes,
-                dst,
-                src,
-                src_word,
-                bars,
-            },
-            Intrinsic::CopyArrive { bars, index } => Intrinsic::CopyArrive {
-                index: at(&bars, index),
-                bars,
-            },
-            other => other,
+                ..
+            } => {
+                shift(dst, dst_word);
+                shift(bars, index);
+            }
+            _ => {}
         }
+        i
     }
 }
 
