@@ -167,9 +167,12 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
 // Producer/consumer helpers: mbarriers (sm_80 and later), bulk copies with a transaction
 // count (sm_90 and later, cp.async before), named barriers.
 
-// A barrier among `threads` threads (whole warps) of the block, id 1..15.
-static __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+// A barrier among `threads` threads (whole warps) of the block, id 1..15. Both are immediates
+// in the instruction, so every tool that reads the machine code (compute-sanitizer's racecheck
+// among them) sees which barrier a thread takes and how many threads it waits for.
+template <unsigned ID, unsigned THREADS>
+static __device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(THREADS) : "memory");
 }
 
 static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
@@ -322,9 +325,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 8);
+        mbar_init(ring_barriers + 4u, 256);
         mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 8);
+        mbar_init(ring_barriers + 6u, 256);
     }
     fence_proxy_async();
     __syncthreads();
@@ -723,8 +726,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
 
         // pipeline step: release the stage to the producer
-        __syncwarp();
-        if ((lane == 0u) && ((step_i + 2u) < step_count)) {
+        if ((step_i + 2u) < step_count) {
             mbar_arrive(ring_barriers + ((2u + stage) * 2u));
         }
     }

@@ -171,9 +171,12 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
 // Producer/consumer helpers: mbarriers (sm_80 and later), bulk copies with a transaction
 // count (sm_90 and later, cp.async before), named barriers.
 
-// A barrier among `threads` threads (whole warps) of the block, id 1..15.
-static __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+// A barrier among `threads` threads (whole warps) of the block, id 1..15. Both are immediates
+// in the instruction, so every tool that reads the machine code (compute-sanitizer's racecheck
+// among them) sees which barrier a thread takes and how many threads it waits for.
+template <unsigned ID, unsigned THREADS>
+static __device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(THREADS) : "memory");
 }
 
 static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
@@ -464,14 +467,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 2u) * 2u), 64);
-        mbar_init(ring_barriers + ((1u + (warp_group * 2u)) * 2u), 4);
+        mbar_init(ring_barriers + ((1u + (warp_group * 2u)) * 2u), 128);
     }
     fence_proxy_async();
-    if (warp_group == 0u) {
-        named_barrier_sync(1u, 128);
-    } else {
-        named_barrier_sync(2u, 128);
-    }
+    __syncthreads();
 
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
@@ -1015,11 +1014,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         row_max[r + (warp_group * 16u)] = -3e38f;
         row_sum[r + (warp_group * 16u)] = 0.0f;
     }
-    if (warp_group == 0u) {
-        named_barrier_sync(1u, 128);
-    } else {
-        named_barrier_sync(2u, 128);
-    }
+    __syncthreads();
     #pragma unroll
     for (unsigned fill_i = 0u; fill_i < 16u; fill_i += 1u) {
         o_acc[fill_i] = 0.0f;
@@ -1481,9 +1476,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         if (warp_group == 0u) {
-            named_barrier_sync(1u, 128);
+            named_barrier_sync<1u, 128u>();
         } else {
-            named_barrier_sync(2u, 128);
+            named_barrier_sync<2u, 128u>();
         }
         if (warp < 2u) {
             #pragma unroll
@@ -1542,9 +1537,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         if (warp_group == 0u) {
-            named_barrier_sync(1u, 128);
+            named_barrier_sync<1u, 128u>();
         } else {
-            named_barrier_sync(2u, 128);
+            named_barrier_sync<2u, 128u>();
         }
 
         // online softmax: new row max and rescale, in every thread that holds the row
@@ -1631,9 +1626,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
         if (warp_group == 0u) {
-            named_barrier_sync(1u, 128);
+            named_barrier_sync<1u, 128u>();
         } else {
-            named_barrier_sync(2u, 128);
+            named_barrier_sync<2u, 128u>();
         }
 
         // O += P . V, V = the first d_v columns of the gathered rows
@@ -1783,8 +1778,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
 
         // pipeline step: release the stage to the producer
-        __syncwarp();
-        if ((lane == 0u) && ((step_i + 1u) < step_group_count)) {
+        if ((step_i + 1u) < step_group_count) {
             mbar_arrive(ring_barriers + (((1u + stage) + (warp_group * 2u)) * 2u));
         }
     }
@@ -1806,11 +1800,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
     }
-    if (warp_group == 0u) {
-        named_barrier_sync(1u, 128);
-    } else {
-        named_barrier_sync(2u, 128);
-    }
+    __syncthreads();
     if (warp < 2u) {
         #pragma unroll
         for (unsigned mi500 = 0u; mi500 < 1u; mi500 += 1u) {
@@ -1825,27 +1815,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
     }
-    if (warp_group == 0u) {
-        named_barrier_sync(1u, 128);
-    } else {
-        named_barrier_sync(2u, 128);
-    }
+    __syncthreads();
 
     // warp groups: merge the groups' softmax states and accumulators
-    __syncthreads();
-    #pragma unroll 4
-    for (unsigned merge_row0 = threadIdx.x; merge_row0 < 16u; merge_row0 += 256u) {
-        float merge_max0 = row_max[merge_row0];
-        merge_max0 = fmaxf(merge_max0, row_max[16u + merge_row0]);
-        float merge_sum0 = 0.0f;
-        const float merge_f0_0 = expf(row_max[merge_row0] - merge_max0);
-        merge_sum0 = merge_sum0 + (merge_f0_0 * row_sum[merge_row0]);
-        group_factor[merge_row0] = merge_f0_0;
-        const float merge_f0_1 = expf(row_max[16u + merge_row0] - merge_max0);
-        merge_sum0 = merge_sum0 + (merge_f0_1 * row_sum[16u + merge_row0]);
-        group_factor[16u + merge_row0] = merge_f0_1;
-        row_max[merge_row0] = merge_max0;
-        row_sum[merge_row0] = merge_sum0;
+    if (warp_group == 1u) {
+        #pragma unroll 4
+        for (unsigned merge_row0 = group_tid; merge_row0 < 16u; merge_row0 += 128u) {
+            float merge_max0 = row_max[merge_row0];
+            merge_max0 = fmaxf(merge_max0, row_max[16u + merge_row0]);
+            float merge_sum0 = 0.0f;
+            const float merge_f0_0 = expf(row_max[merge_row0] - merge_max0);
+            merge_sum0 = merge_sum0 + (merge_f0_0 * row_sum[merge_row0]);
+            group_factor[merge_row0] = merge_f0_0;
+            const float merge_f0_1 = expf(row_max[16u + merge_row0] - merge_max0);
+            merge_sum0 = merge_sum0 + (merge_f0_1 * row_sum[16u + merge_row0]);
+            group_factor[16u + merge_row0] = merge_f0_1;
+            row_max[merge_row0] = merge_max0;
+            row_sum[merge_row0] = merge_sum0;
+        }
     }
     __syncthreads();
     #pragma unroll

@@ -377,9 +377,12 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
 const RING_HELPERS: &str = r#"// Producer/consumer helpers: mbarriers (sm_80 and later), bulk copies with a transaction
 // count (sm_90 and later, cp.async before), named barriers.
 
-// A barrier among `threads` threads (whole warps) of the block, id 1..15.
-static __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+// A barrier among `threads` threads (whole warps) of the block, id 1..15. Both are immediates
+// in the instruction, so every tool that reads the machine code (compute-sanitizer's racecheck
+// among them) sees which barrier a thread takes and how many threads it waits for.
+template <unsigned ID, unsigned THREADS>
+static __device__ __forceinline__ void named_barrier_sync() {
+    asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(THREADS) : "memory");
 }
 
 static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
@@ -614,7 +617,7 @@ impl Printer<'_> {
                 self.expr(value)
             ),
             Intrinsic::NamedBarrier { id, threads } => {
-                format!("named_barrier_sync({}, {threads});", self.expr(id))
+                format!("named_barrier_sync<{id}u, {threads}u>();")
             }
             Intrinsic::SyncWarp => "__syncwarp();".into(),
             Intrinsic::MbarInit { bars, index, count } => format!(

@@ -640,8 +640,9 @@ pub enum Intrinsic {
     },
     /// `bar.sync id, threads`: a barrier among `threads` threads (whole warps) of the
     /// workgroup, with workgroup-memory ordering; id 0 with every thread is [`Stmt::Barrier`].
-    /// The id may be computed (u32): the groups of a grouped lowering each have their own.
-    NamedBarrier { id: Expr, threads: u32 },
+    /// The id is a constant (an immediate in the instruction): a grouped lowering gives each
+    /// group its own by branching on the group.
+    NamedBarrier { id: u32, threads: u32 },
     /// `__syncwarp()`: the warp's lanes meet, memory ordered among them.
     SyncWarp,
     /// Initialise mbarrier `index` of the shared array `bars` (two words each) for `count`
@@ -756,7 +757,7 @@ impl Intrinsic {
                 value: f(value),
                 lane_mask,
             },
-            NamedBarrier { id, threads } => NamedBarrier { id: f(id), threads },
+            NamedBarrier { id, threads } => NamedBarrier { id, threads },
             MbarInit { bars, index, count } => MbarInit {
                 bars,
                 index: f(index),

@@ -5,8 +5,8 @@
 //! - the upper half of the warps — which hold no rows of the split-K products — are also the
 //!   *producers* ([`producer_warps`]): at step `i`, right after the step's first workgroup
 //!   barrier (the split-K sum, while the lower half sums and runs the softmax), each waits
-//!   until every warp has released the stage of step `i - 1` (mbarrier `empty[stage]`, one
-//!   arrival per warp), writes its rows' validity flags for step `i + stages - 1`, issues
+//!   until every thread has released the stage of step `i - 1` (mbarrier `empty[stage]`, one
+//!   arrival per thread), writes its rows' validity flags for step `i + stages - 1`, issues
 //!   their copies (`cp.async.bulk` with a transaction count on sm_90 and later, `cp.async`
 //!   before; the helper decides per row) and arrives on `full[stage]` (one arrival per
 //!   producer lane); then it loads the top-k words of the step after, which are not used
@@ -130,7 +130,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
         init.push(intr(Intrinsic::MbarInit {
             bars: info.bars.clone(),
             index: u(stages + s),
-            count: threads / WARP,
+            count: threads,
         }));
     }
     body.push(Stmt::If {
@@ -161,7 +161,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
             plan,
         )
         .map_err(err)?;
-        out.body = body;
+        out.body = dedupe_barriers(body);
         out.shared = shared;
         out.workgroup_size = threads * groups;
         out.doc.push(format!(
@@ -598,14 +598,11 @@ impl Cx<'_> {
         body.push(Stmt::Comment(format!(
             "pipeline {v}: release the stage to the producer"
         )));
-        // only a stage the producer will fill again is released (every arrival is waited for)
-        body.push(intr(Intrinsic::SyncWarp));
+        // only a stage the producer will fill again is released (every arrival is waited for);
+        // every thread arrives for its own reads of the stage (ldmatrix lanes included), so
+        // the order is one a tool sees without reasoning about __syncwarp
         body.push(Stmt::If {
-            cond: bin(
-                BinOp::And,
-                bin(BinOp::Eq, self.lane.lane.clone(), u(0)),
-                lt(add(itv.clone(), u(s)), countv.clone()),
-            ),
+            cond: lt(add(itv.clone(), u(s)), countv.clone()),
             then: vec![intr(Intrinsic::MbarArrive {
                 bars: info.bars.clone(),
                 index: add(u(s), stage),
