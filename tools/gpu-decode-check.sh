@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The decode kernels' correctness gate on a GPU machine, for a kernel change: mla-check on
 # CUDA with the backend's own choice (all cases), the decode cases again with each kernel
-# version forced (v6, v7, the large-batch kernel), compute-sanitizer on the decode cases of the
-# v7 kernels, and a stress run. tools/gpu-batch.sh runs the sanitizers on the batch kernel.
+# version forced (v6, v7, the large-batch kernel), compute-sanitizer (memcheck, racecheck,
+# synccheck) on the decode cases with v7 and with the batch kernel forced, and a stress run.
 # Prints one line per part last.
 #
-#   tools/gpu-decode-check.sh BIN_DIR     (env: STRESS_N, SAN_TOOLS, SAN_TIMEOUT)
+#   tools/gpu-decode-check.sh BIN_DIR     (env: STRESS_N, SAN_TOOLS, SAN_KERNELS, SAN_TIMEOUT)
 set -u
 cd "$(dirname "$0")/.."
 BIN=$1
@@ -21,13 +21,17 @@ for k in v6 v7 batch; do
         >"$OUTD/check-$k.txt" 2>&1; echo "check decode $k: rc $? $(tail -1 "$OUTD/check-$k.txt")" >>"$sum"
 done
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
-    extra=""
-    [ "$tool" = racecheck ] && extra="--racecheck-report all"
-    SPARSE_MLA_DECODE_KERNEL=v7 timeout ${SAN_TIMEOUT:-100} "$SAN" --tool $tool $extra --error-exitcode 7 \
-        --print-limit 20 "$BIN/mla-check" --backend cuda --case decode/ >"$OUTD/san-$tool.txt" 2>&1
-    rc=$?
-    echo "sanitizer $tool (v7, decode cases): rc $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/san-$tool.txt" | tail -1)" >>"$sum"
+for k in ${SAN_KERNELS:-v7 batch}; do
+    for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
+        extra=""
+        [ "$tool" = racecheck ] && extra="--racecheck-report all"
+        # synccheck tracks a limited number of mbarriers per launch: raise it
+        [ "$tool" = synccheck ] && extra="--num-cuda-barriers 65536"
+        SPARSE_MLA_DECODE_KERNEL=$k timeout ${SAN_TIMEOUT:-100} "$SAN" --tool $tool $extra --error-exitcode 7 \
+            --print-limit 20 "$BIN/mla-check" --backend cuda --case decode/ --no-model >"$OUTD/san-$tool-$k.txt" 2>&1
+        rc=$?
+        echo "sanitizer $tool ($k, decode cases): rc $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/san-$tool-$k.txt" | tail -1); $(grep -E '[0-9]+ passed' "$OUTD/san-$tool-$k.txt" | tail -1)" >>"$sum"
+    done
 done
 timeout 200 "$BIN/mla-check" --backend cuda --stress ${STRESS_N:-3000} --watchdog 30 \
     >"$OUTD/stress.txt" 2>&1; echo "stress: rc $? $(grep '^stress' "$OUTD/stress.txt" | tail -1)" >>"$sum"
