@@ -326,8 +326,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         kv_tile[zero_i + (warp_group * 9344u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i67 = group_tid; zero_i67 < 36u; zero_i67 += 128u) {
-        row_valid[zero_i67 + (warp_group * 36u)] = 0.0f;
+    for (unsigned zero_i63 = group_tid; zero_i63 < 36u; zero_i63 += 128u) {
+        row_valid[zero_i63 + (warp_group * 36u)] = 0.0f;
     }
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 2u) * 2u), 64);
@@ -756,6 +756,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
+        #pragma unroll
+        for (unsigned frag53 = 0u; frag53 < 16u; frag53 += 1u) {
+            #pragma unroll
+            for (unsigned half54 = 0u; half54 < 2u; half54 += 1u) {
+                const unsigned row51 = (o_acc_row0 + ((frag53 / 16u) * 16u)) + ((half54 * 8u) + lane_group);
+                const unsigned col52 = (o_acc_col0 + ((frag53 % 16u) * 8u)) + (lane_quad * 2u);
+                kv_tile[(row51 * 512u) + col52] = __float_as_uint(o_acc[(frag53 * 4u) + (half54 * 2u)]);
+                kv_tile[(row51 * 512u) + (col52 + 1u)] = __float_as_uint(o_acc[((frag53 * 4u) + (half54 * 2u)) + 1u]);
+            }
+        }
+    }
+    __syncthreads();
+    if (warp_group == 0u) {
         #pragma unroll 4
         for (unsigned merge_row0 = group_tid; merge_row0 < 16u; merge_row0 += 128u) {
             float merge_max0 = row_max[merge_row0];
@@ -772,40 +785,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     __syncthreads();
-    #pragma unroll
-    for (unsigned frag53 = 0u; frag53 < 16u; frag53 += 1u) {
-        #pragma unroll
-        for (unsigned half54 = 0u; half54 < 2u; half54 += 1u) {
-            const unsigned row51 = (o_acc_row0 + ((frag53 / 16u) * 16u)) + ((half54 * 8u) + lane_group);
-            const unsigned col52 = (o_acc_col0 + ((frag53 % 16u) * 8u)) + (lane_quad * 2u);
-            const float factor = group_factor[(warp_group * 16u) + row51];
-            o_acc[(frag53 * 4u) + (half54 * 2u)] = o_acc[(frag53 * 4u) + (half54 * 2u)] * factor;
-            o_acc[((frag53 * 4u) + (half54 * 2u)) + 1u] = o_acc[((frag53 * 4u) + (half54 * 2u)) + 1u] * factor;
-        }
-    }
-    if (warp_group == 1u) {
+
+    // warp groups: group 0 adds the other groups' accumulators, scaled
+    if (warp_group == 0u) {
         #pragma unroll
         for (unsigned frag57 = 0u; frag57 < 16u; frag57 += 1u) {
             #pragma unroll
             for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
                 const unsigned row55 = (o_acc_row0 + ((frag57 / 16u) * 16u)) + ((half58 * 8u) + lane_group);
                 const unsigned col56 = (o_acc_col0 + ((frag57 % 16u) * 8u)) + (lane_quad * 2u);
-                kv_tile[(row55 * 512u) + col56] = __float_as_uint(o_acc[(frag57 * 4u) + (half58 * 2u)]);
-                kv_tile[(row55 * 512u) + (col56 + 1u)] = __float_as_uint(o_acc[((frag57 * 4u) + (half58 * 2u)) + 1u]);
-            }
-        }
-    }
-    __syncthreads();
-    if (warp_group == 0u) {
-        #pragma unroll
-        for (unsigned frag61 = 0u; frag61 < 16u; frag61 += 1u) {
-            #pragma unroll
-            for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
-                const unsigned row59 = (o_acc_row0 + ((frag61 / 16u) * 16u)) + ((half62 * 8u) + lane_group);
-                const unsigned col60 = (o_acc_col0 + ((frag61 % 16u) * 8u)) + (lane_quad * 2u);
-                o_acc[(frag61 * 4u) + (half62 * 2u)] = o_acc[(frag61 * 4u) + (half62 * 2u)] + __uint_as_float(kv_tile[(row59 * 512u) + col60]);
-                const unsigned sub1 = ((frag61 * 4u) + (half62 * 2u)) + 1u;
-                o_acc[sub1] = o_acc[sub1] + __uint_as_float(kv_tile[(row59 * 512u) + (col60 + 1u)]);
+                const unsigned sub1 = (frag57 * 4u) + (half58 * 2u);
+                o_acc[sub1] = (o_acc[sub1] * group_factor[row55]) + (group_factor[16u + row55] * __uint_as_float(kv_tile[(row55 * 512u) + col56]));
+                const unsigned sub2 = ((frag57 * 4u) + (half58 * 2u)) + 1u;
+                o_acc[sub2] = (o_acc[sub2] * group_factor[row55]) + (group_factor[16u + row55] * __uint_as_float(kv_tile[(row55 * 512u) + (col56 + 1u)]));
             }
         }
     }
@@ -817,21 +809,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
             // one split: normalise and write out and lse
             #pragma unroll
-            for (unsigned frag63 = 0u; frag63 < 16u; frag63 += 1u) {
+            for (unsigned frag59 = 0u; frag59 < 16u; frag59 += 1u) {
                 #pragma unroll
-                for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
-                    const unsigned row_5 = (o_acc_row0 + ((frag63 / 16u) * 16u)) + ((half64 * 8u) + lane_group);
-                    const unsigned col_3 = (o_acc_col0 + ((frag63 % 16u) * 8u)) + (lane_quad * 2u);
-                    float v0_3 = o_acc[(frag63 * 4u) + (half64 * 2u)];
-                    float v1_3 = o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u];
+                for (unsigned half60 = 0u; half60 < 2u; half60 += 1u) {
+                    const unsigned row_5 = (o_acc_row0 + ((frag59 / 16u) * 16u)) + ((half60 * 8u) + lane_group);
+                    const unsigned col_3 = (o_acc_col0 + ((frag59 % 16u) * 8u)) + (lane_quad * 2u);
+                    float v0_3 = o_acc[(frag59 * 4u) + (half60 * 2u)];
+                    float v1_3 = o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u];
                     const unsigned h = h0 + row_5;
                     if (h < p.heads) {
                         const float l = row_sum[row_5 + (warp_group * 16u)];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                     }
-                    o_acc[(frag63 * 4u) + (half64 * 2u)] = v0_3;
-                    o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u] = v1_3;
+                    o_acc[(frag59 * 4u) + (half60 * 2u)] = v0_3;
+                    o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u] = v1_3;
                 }
             }
             #pragma unroll 4
@@ -846,13 +838,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
             // normalise and write this split's partial rows and lse
             #pragma unroll
-            for (unsigned frag65 = 0u; frag65 < 16u; frag65 += 1u) {
+            for (unsigned frag61 = 0u; frag61 < 16u; frag61 += 1u) {
                 #pragma unroll
-                for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
-                    const unsigned row_6 = (o_acc_row0 + ((frag65 / 16u) * 16u)) + ((half66 * 8u) + lane_group);
-                    const unsigned col_4 = (o_acc_col0 + ((frag65 % 16u) * 8u)) + (lane_quad * 2u);
-                    float v0_4 = o_acc[(frag65 * 4u) + (half66 * 2u)];
-                    float v1_4 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
+                for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+                    const unsigned row_6 = (o_acc_row0 + ((frag61 / 16u) * 16u)) + ((half62 * 8u) + lane_group);
+                    const unsigned col_4 = (o_acc_col0 + ((frag61 % 16u) * 8u)) + (lane_quad * 2u);
+                    float v0_4 = o_acc[(frag61 * 4u) + (half62 * 2u)];
+                    float v1_4 = o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u];
                     const unsigned h_2 = h0 + row_6;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_6 + (warp_group * 16u)];
@@ -861,8 +853,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         o_part[at] = v0_4 * inv_l_1;
                         o_part[at + 1u] = v1_4 * inv_l_1;
                     }
-                    o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_4;
-                    o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_4;
+                    o_acc[(frag61 * 4u) + (half62 * 2u)] = v0_4;
+                    o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u] = v1_4;
                 }
             }
             #pragma unroll 4

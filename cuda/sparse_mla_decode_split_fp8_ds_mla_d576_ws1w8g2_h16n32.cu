@@ -454,16 +454,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i + (warp_group * 4224u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i589 = group_tid; zero_i589 < 1152u; zero_i589 += 128u) {
-        kv_rope[zero_i589 + (warp_group * 1152u)] = 0u;
+    for (unsigned zero_i566 = group_tid; zero_i566 < 1152u; zero_i566 += 128u) {
+        kv_rope[zero_i566 + (warp_group * 1152u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i590 = group_tid; zero_i590 < 128u; zero_i590 += 128u) {
-        kv_scales[zero_i590 + (warp_group * 128u)] = 0.0f;
+    for (unsigned zero_i567 = group_tid; zero_i567 < 128u; zero_i567 += 128u) {
+        kv_scales[zero_i567 + (warp_group * 128u)] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i591 = group_tid; zero_i591 < 36u; zero_i591 += 128u) {
-        row_valid[zero_i591 + (warp_group * 36u)] = 0.0f;
+    for (unsigned zero_i568 = group_tid; zero_i568 < 36u; zero_i568 += 128u) {
+        row_valid[zero_i568 + (warp_group * 36u)] = 0.0f;
     }
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 2u) * 2u), 64);
@@ -1819,6 +1819,61 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
+        #pragma unroll
+        for (unsigned frag504 = 0u; frag504 < 2u; frag504 += 1u) {
+            #pragma unroll
+            for (unsigned half505 = 0u; half505 < 2u; half505 += 1u) {
+                #pragma unroll
+                for (unsigned e506 = 0u; e506 < 2u; e506 += 1u) {
+                    const unsigned row502 = (o_acc_row0 + ((frag504 / 2u) * 16u)) + ((half505 * 8u) + lane_group);
+                    const unsigned col503 = (o_acc_col0 + ((frag504 % 2u) * 16u)) + ((lane_quad * 4u) + (e506 * 2u));
+                    kv_latent[(row502 * 128u) + col503] = __float_as_uint(o_acc[((((frag504 / 2u) * 4u) + ((frag504 % 2u) * 2u)) * 4u) + ((half505 * 2u) + e506)]);
+                    kv_latent[(row502 * 128u) + (col503 + 1u)] = __float_as_uint(o_acc[(((((frag504 / 2u) * 4u) + ((frag504 % 2u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)]);
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag509 = 0u; frag509 < 2u; frag509 += 1u) {
+            #pragma unroll
+            for (unsigned half510 = 0u; half510 < 2u; half510 += 1u) {
+                #pragma unroll
+                for (unsigned e511 = 0u; e511 < 2u; e511 += 1u) {
+                    const unsigned row507 = (o_acc_1_row0 + ((frag509 / 2u) * 16u)) + ((half510 * 8u) + lane_group);
+                    const unsigned col508 = (o_acc_1_col0 + ((frag509 % 2u) * 16u)) + ((lane_quad * 4u) + (e511 * 2u));
+                    kv_latent[(2048u + (row507 * 128u)) + col508] = __float_as_uint(o_acc_1[((((frag509 / 2u) * 4u) + ((frag509 % 2u) * 2u)) * 4u) + ((half510 * 2u) + e511)]);
+                    kv_latent[(2048u + (row507 * 128u)) + (col508 + 1u)] = __float_as_uint(o_acc_1[(((((frag509 / 2u) * 4u) + ((frag509 % 2u) * 2u)) + 1u) * 4u) + ((half510 * 2u) + e511)]);
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag514 = 0u; frag514 < 2u; frag514 += 1u) {
+            #pragma unroll
+            for (unsigned half515 = 0u; half515 < 2u; half515 += 1u) {
+                #pragma unroll
+                for (unsigned e516 = 0u; e516 < 2u; e516 += 1u) {
+                    const unsigned row512 = (o_acc_2_row0 + ((frag514 / 2u) * 16u)) + ((half515 * 8u) + lane_group);
+                    const unsigned col513 = (o_acc_2_col0 + ((frag514 % 2u) * 16u)) + ((lane_quad * 4u) + (e516 * 2u));
+                    kv_latent[(4096u + (row512 * 128u)) + col513] = __float_as_uint(o_acc_2[((((frag514 / 2u) * 4u) + ((frag514 % 2u) * 2u)) * 4u) + ((half515 * 2u) + e516)]);
+                    kv_latent[(4096u + (row512 * 128u)) + (col513 + 1u)] = __float_as_uint(o_acc_2[(((((frag514 / 2u) * 4u) + ((frag514 % 2u) * 2u)) + 1u) * 4u) + ((half515 * 2u) + e516)]);
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag519 = 0u; frag519 < 2u; frag519 += 1u) {
+            #pragma unroll
+            for (unsigned half520 = 0u; half520 < 2u; half520 += 1u) {
+                #pragma unroll
+                for (unsigned e521 = 0u; e521 < 2u; e521 += 1u) {
+                    const unsigned row517 = (o_acc_3_row0 + ((frag519 / 2u) * 16u)) + ((half520 * 8u) + lane_group);
+                    const unsigned col518 = (o_acc_3_col0 + ((frag519 % 2u) * 16u)) + ((lane_quad * 4u) + (e521 * 2u));
+                    kv_latent[(6144u + (row517 * 128u)) + col518] = __float_as_uint(o_acc_3[((((frag519 / 2u) * 4u) + ((frag519 % 2u) * 2u)) * 4u) + ((half520 * 2u) + e521)]);
+                    kv_latent[(6144u + (row517 * 128u)) + (col518 + 1u)] = __float_as_uint(o_acc_3[(((((frag519 / 2u) * 4u) + ((frag519 % 2u) * 2u)) + 1u) * 4u) + ((half520 * 2u) + e521)]);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp_group == 0u) {
         #pragma unroll 4
         for (unsigned merge_row0 = group_tid; merge_row0 < 16u; merge_row0 += 128u) {
             float merge_max0 = row_max[merge_row0];
@@ -1835,183 +1890,66 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
     }
     __syncthreads();
-    #pragma unroll
-    for (unsigned frag504 = 0u; frag504 < 2u; frag504 += 1u) {
-        #pragma unroll
-        for (unsigned half505 = 0u; half505 < 2u; half505 += 1u) {
-            #pragma unroll
-            for (unsigned e506 = 0u; e506 < 2u; e506 += 1u) {
-                const unsigned row502 = (o_acc_row0 + ((frag504 / 2u) * 16u)) + ((half505 * 8u) + lane_group);
-                const unsigned col503 = (o_acc_col0 + ((frag504 % 2u) * 16u)) + ((lane_quad * 4u) + (e506 * 2u));
-                const float factor = group_factor[(warp_group * 16u) + row502];
-                const unsigned sub9 = ((((frag504 / 2u) * 4u) + ((frag504 % 2u) * 2u)) * 4u) + ((half505 * 2u) + e506);
-                o_acc[sub9] = o_acc[sub9] * factor;
-                const unsigned sub10 = (((((frag504 / 2u) * 4u) + ((frag504 % 2u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506);
-                o_acc[sub10] = o_acc[sub10] * factor;
-            }
-        }
-    }
-    #pragma unroll
-    for (unsigned frag510 = 0u; frag510 < 2u; frag510 += 1u) {
-        #pragma unroll
-        for (unsigned half511 = 0u; half511 < 2u; half511 += 1u) {
-            #pragma unroll
-            for (unsigned e512 = 0u; e512 < 2u; e512 += 1u) {
-                const unsigned row507 = (o_acc_1_row0 + ((frag510 / 2u) * 16u)) + ((half511 * 8u) + lane_group);
-                const unsigned col508 = (o_acc_1_col0 + ((frag510 % 2u) * 16u)) + ((lane_quad * 4u) + (e512 * 2u));
-                const float factor509 = group_factor[(warp_group * 16u) + row507];
-                const unsigned sub11 = ((((frag510 / 2u) * 4u) + ((frag510 % 2u) * 2u)) * 4u) + ((half511 * 2u) + e512);
-                o_acc_1[sub11] = o_acc_1[sub11] * factor509;
-                const unsigned sub12 = (((((frag510 / 2u) * 4u) + ((frag510 % 2u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512);
-                o_acc_1[sub12] = o_acc_1[sub12] * factor509;
-            }
-        }
-    }
-    #pragma unroll
-    for (unsigned frag516 = 0u; frag516 < 2u; frag516 += 1u) {
-        #pragma unroll
-        for (unsigned half517 = 0u; half517 < 2u; half517 += 1u) {
-            #pragma unroll
-            for (unsigned e518 = 0u; e518 < 2u; e518 += 1u) {
-                const unsigned row513 = (o_acc_2_row0 + ((frag516 / 2u) * 16u)) + ((half517 * 8u) + lane_group);
-                const unsigned col514 = (o_acc_2_col0 + ((frag516 % 2u) * 16u)) + ((lane_quad * 4u) + (e518 * 2u));
-                const float factor515 = group_factor[(warp_group * 16u) + row513];
-                const unsigned sub13 = ((((frag516 / 2u) * 4u) + ((frag516 % 2u) * 2u)) * 4u) + ((half517 * 2u) + e518);
-                o_acc_2[sub13] = o_acc_2[sub13] * factor515;
-                const unsigned sub14 = (((((frag516 / 2u) * 4u) + ((frag516 % 2u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518);
-                o_acc_2[sub14] = o_acc_2[sub14] * factor515;
-            }
-        }
-    }
-    #pragma unroll
-    for (unsigned frag522 = 0u; frag522 < 2u; frag522 += 1u) {
-        #pragma unroll
-        for (unsigned half523 = 0u; half523 < 2u; half523 += 1u) {
-            #pragma unroll
-            for (unsigned e524 = 0u; e524 < 2u; e524 += 1u) {
-                const unsigned row519 = (o_acc_3_row0 + ((frag522 / 2u) * 16u)) + ((half523 * 8u) + lane_group);
-                const unsigned col520 = (o_acc_3_col0 + ((frag522 % 2u) * 16u)) + ((lane_quad * 4u) + (e524 * 2u));
-                const float factor521 = group_factor[(warp_group * 16u) + row519];
-                const unsigned sub15 = ((((frag522 / 2u) * 4u) + ((frag522 % 2u) * 2u)) * 4u) + ((half523 * 2u) + e524);
-                o_acc_3[sub15] = o_acc_3[sub15] * factor521;
-                const unsigned sub16 = (((((frag522 / 2u) * 4u) + ((frag522 % 2u) * 2u)) + 1u) * 4u) + ((half523 * 2u) + e524);
-                o_acc_3[sub16] = o_acc_3[sub16] * factor521;
-            }
-        }
-    }
-    if (warp_group == 1u) {
-        #pragma unroll
-        for (unsigned frag527 = 0u; frag527 < 2u; frag527 += 1u) {
-            #pragma unroll
-            for (unsigned half528 = 0u; half528 < 2u; half528 += 1u) {
-                #pragma unroll
-                for (unsigned e529 = 0u; e529 < 2u; e529 += 1u) {
-                    const unsigned row525 = (o_acc_row0 + ((frag527 / 2u) * 16u)) + ((half528 * 8u) + lane_group);
-                    const unsigned col526 = (o_acc_col0 + ((frag527 % 2u) * 16u)) + ((lane_quad * 4u) + (e529 * 2u));
-                    kv_latent[(row525 * 128u) + col526] = __float_as_uint(o_acc[((((frag527 / 2u) * 4u) + ((frag527 % 2u) * 2u)) * 4u) + ((half528 * 2u) + e529)]);
-                    kv_latent[(row525 * 128u) + (col526 + 1u)] = __float_as_uint(o_acc[(((((frag527 / 2u) * 4u) + ((frag527 % 2u) * 2u)) + 1u) * 4u) + ((half528 * 2u) + e529)]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag532 = 0u; frag532 < 2u; frag532 += 1u) {
-            #pragma unroll
-            for (unsigned half533 = 0u; half533 < 2u; half533 += 1u) {
-                #pragma unroll
-                for (unsigned e534 = 0u; e534 < 2u; e534 += 1u) {
-                    const unsigned row530 = (o_acc_1_row0 + ((frag532 / 2u) * 16u)) + ((half533 * 8u) + lane_group);
-                    const unsigned col531 = (o_acc_1_col0 + ((frag532 % 2u) * 16u)) + ((lane_quad * 4u) + (e534 * 2u));
-                    kv_latent[(2048u + (row530 * 128u)) + col531] = __float_as_uint(o_acc_1[((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) * 4u) + ((half533 * 2u) + e534)]);
-                    kv_latent[(2048u + (row530 * 128u)) + (col531 + 1u)] = __float_as_uint(o_acc_1[(((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag537 = 0u; frag537 < 2u; frag537 += 1u) {
-            #pragma unroll
-            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
-                #pragma unroll
-                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
-                    const unsigned row535 = (o_acc_2_row0 + ((frag537 / 2u) * 16u)) + ((half538 * 8u) + lane_group);
-                    const unsigned col536 = (o_acc_2_col0 + ((frag537 % 2u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
-                    kv_latent[(4096u + (row535 * 128u)) + col536] = __float_as_uint(o_acc_2[((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) * 4u) + ((half538 * 2u) + e539)]);
-                    kv_latent[(4096u + (row535 * 128u)) + (col536 + 1u)] = __float_as_uint(o_acc_2[(((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)]);
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag542 = 0u; frag542 < 2u; frag542 += 1u) {
-            #pragma unroll
-            for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
-                #pragma unroll
-                for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
-                    const unsigned row540 = (o_acc_3_row0 + ((frag542 / 2u) * 16u)) + ((half543 * 8u) + lane_group);
-                    const unsigned col541 = (o_acc_3_col0 + ((frag542 % 2u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
-                    kv_latent[(6144u + (row540 * 128u)) + col541] = __float_as_uint(o_acc_3[((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) * 4u) + ((half543 * 2u) + e544)]);
-                    kv_latent[(6144u + (row540 * 128u)) + (col541 + 1u)] = __float_as_uint(o_acc_3[(((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)]);
-                }
-            }
-        }
-    }
-    __syncthreads();
+
+    // warp groups: group 0 adds the other groups' accumulators, scaled
     if (warp_group == 0u) {
         #pragma unroll
-        for (unsigned frag547 = 0u; frag547 < 2u; frag547 += 1u) {
+        for (unsigned frag524 = 0u; frag524 < 2u; frag524 += 1u) {
             #pragma unroll
-            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
+            for (unsigned half525 = 0u; half525 < 2u; half525 += 1u) {
                 #pragma unroll
-                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
-                    const unsigned row545 = (o_acc_row0 + ((frag547 / 2u) * 16u)) + ((half548 * 8u) + lane_group);
-                    const unsigned col546 = (o_acc_col0 + ((frag547 % 2u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
-                    const unsigned sub17 = ((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) * 4u) + ((half548 * 2u) + e549);
-                    o_acc[sub17] = o_acc[sub17] + __uint_as_float(kv_latent[(row545 * 128u) + col546]);
-                    const unsigned sub18 = (((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549);
-                    o_acc[sub18] = o_acc[sub18] + __uint_as_float(kv_latent[(row545 * 128u) + (col546 + 1u)]);
+                for (unsigned e526 = 0u; e526 < 2u; e526 += 1u) {
+                    const unsigned row522 = (o_acc_row0 + ((frag524 / 2u) * 16u)) + ((half525 * 8u) + lane_group);
+                    const unsigned col523 = (o_acc_col0 + ((frag524 % 2u) * 16u)) + ((lane_quad * 4u) + (e526 * 2u));
+                    const unsigned sub9 = ((((frag524 / 2u) * 4u) + ((frag524 % 2u) * 2u)) * 4u) + ((half525 * 2u) + e526);
+                    o_acc[sub9] = (o_acc[sub9] * group_factor[row522]) + (group_factor[16u + row522] * __uint_as_float(kv_latent[(row522 * 128u) + col523]));
+                    const unsigned sub10 = (((((frag524 / 2u) * 4u) + ((frag524 % 2u) * 2u)) + 1u) * 4u) + ((half525 * 2u) + e526);
+                    o_acc[sub10] = (o_acc[sub10] * group_factor[row522]) + (group_factor[16u + row522] * __uint_as_float(kv_latent[(row522 * 128u) + (col523 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 2u; frag552 += 1u) {
+        for (unsigned frag529 = 0u; frag529 < 2u; frag529 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half530 = 0u; half530 < 2u; half530 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row550 = (o_acc_1_row0 + ((frag552 / 2u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col551 = (o_acc_1_col0 + ((frag552 % 2u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    const unsigned sub19 = ((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) * 4u) + ((half553 * 2u) + e554);
-                    o_acc_1[sub19] = o_acc_1[sub19] + __uint_as_float(kv_latent[(2048u + (row550 * 128u)) + col551]);
-                    const unsigned sub20 = (((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554);
-                    o_acc_1[sub20] = o_acc_1[sub20] + __uint_as_float(kv_latent[(2048u + (row550 * 128u)) + (col551 + 1u)]);
+                for (unsigned e531 = 0u; e531 < 2u; e531 += 1u) {
+                    const unsigned row527 = (o_acc_1_row0 + ((frag529 / 2u) * 16u)) + ((half530 * 8u) + lane_group);
+                    const unsigned col528 = (o_acc_1_col0 + ((frag529 % 2u) * 16u)) + ((lane_quad * 4u) + (e531 * 2u));
+                    const unsigned sub11 = ((((frag529 / 2u) * 4u) + ((frag529 % 2u) * 2u)) * 4u) + ((half530 * 2u) + e531);
+                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row527]) + (group_factor[16u + row527] * __uint_as_float(kv_latent[(2048u + (row527 * 128u)) + col528]));
+                    const unsigned sub12 = (((((frag529 / 2u) * 4u) + ((frag529 % 2u) * 2u)) + 1u) * 4u) + ((half530 * 2u) + e531);
+                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row527]) + (group_factor[16u + row527] * __uint_as_float(kv_latent[(2048u + (row527 * 128u)) + (col528 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
+        for (unsigned frag534 = 0u; frag534 < 2u; frag534 += 1u) {
             #pragma unroll
-            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
+            for (unsigned half535 = 0u; half535 < 2u; half535 += 1u) {
                 #pragma unroll
-                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
-                    const unsigned row555 = (o_acc_2_row0 + ((frag557 / 2u) * 16u)) + ((half558 * 8u) + lane_group);
-                    const unsigned col556 = (o_acc_2_col0 + ((frag557 % 2u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
-                    const unsigned sub21 = ((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559);
-                    o_acc_2[sub21] = o_acc_2[sub21] + __uint_as_float(kv_latent[(4096u + (row555 * 128u)) + col556]);
-                    const unsigned sub22 = (((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559);
-                    o_acc_2[sub22] = o_acc_2[sub22] + __uint_as_float(kv_latent[(4096u + (row555 * 128u)) + (col556 + 1u)]);
+                for (unsigned e536 = 0u; e536 < 2u; e536 += 1u) {
+                    const unsigned row532 = (o_acc_2_row0 + ((frag534 / 2u) * 16u)) + ((half535 * 8u) + lane_group);
+                    const unsigned col533 = (o_acc_2_col0 + ((frag534 % 2u) * 16u)) + ((lane_quad * 4u) + (e536 * 2u));
+                    const unsigned sub13 = ((((frag534 / 2u) * 4u) + ((frag534 % 2u) * 2u)) * 4u) + ((half535 * 2u) + e536);
+                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row532]) + (group_factor[16u + row532] * __uint_as_float(kv_latent[(4096u + (row532 * 128u)) + col533]));
+                    const unsigned sub14 = (((((frag534 / 2u) * 4u) + ((frag534 % 2u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536);
+                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row532]) + (group_factor[16u + row532] * __uint_as_float(kv_latent[(4096u + (row532 * 128u)) + (col533 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
+        for (unsigned frag539 = 0u; frag539 < 2u; frag539 += 1u) {
             #pragma unroll
-            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
+            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
                 #pragma unroll
-                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
-                    const unsigned row560 = (o_acc_3_row0 + ((frag562 / 2u) * 16u)) + ((half563 * 8u) + lane_group);
-                    const unsigned col561 = (o_acc_3_col0 + ((frag562 % 2u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
-                    const unsigned sub23 = ((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) * 4u) + ((half563 * 2u) + e564);
-                    o_acc_3[sub23] = o_acc_3[sub23] + __uint_as_float(kv_latent[(6144u + (row560 * 128u)) + col561]);
-                    const unsigned sub24 = (((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564);
-                    o_acc_3[sub24] = o_acc_3[sub24] + __uint_as_float(kv_latent[(6144u + (row560 * 128u)) + (col561 + 1u)]);
+                for (unsigned e541 = 0u; e541 < 2u; e541 += 1u) {
+                    const unsigned row537 = (o_acc_3_row0 + ((frag539 / 2u) * 16u)) + ((half540 * 8u) + lane_group);
+                    const unsigned col538 = (o_acc_3_col0 + ((frag539 % 2u) * 16u)) + ((lane_quad * 4u) + (e541 * 2u));
+                    const unsigned sub15 = ((((frag539 / 2u) * 4u) + ((frag539 % 2u) * 2u)) * 4u) + ((half540 * 2u) + e541);
+                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row537]) + (group_factor[16u + row537] * __uint_as_float(kv_latent[(6144u + (row537 * 128u)) + col538]));
+                    const unsigned sub16 = (((((frag539 / 2u) * 4u) + ((frag539 % 2u) * 2u)) + 1u) * 4u) + ((half540 * 2u) + e541);
+                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row537]) + (group_factor[16u + row537] * __uint_as_float(kv_latent[(6144u + (row537 * 128u)) + (col538 + 1u)]));
                 }
             }
         }
@@ -2024,86 +1962,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // one split: normalise and write out and lse
             #pragma unroll
-            for (unsigned frag565 = 0u; frag565 < 2u; frag565 += 1u) {
+            for (unsigned frag542 = 0u; frag542 < 2u; frag542 += 1u) {
                 #pragma unroll
-                for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
+                for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
                     #pragma unroll
-                    for (unsigned e567 = 0u; e567 < 2u; e567 += 1u) {
-                        const unsigned row_18 = (o_acc_row0 + ((frag565 / 2u) * 16u)) + ((half566 * 8u) + lane_group);
-                        const unsigned col_6 = (o_acc_col0 + ((frag565 % 2u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
-                        float v0_6 = o_acc[((((frag565 / 2u) * 4u) + ((frag565 % 2u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
-                        float v1_6 = o_acc[(((((frag565 / 2u) * 4u) + ((frag565 % 2u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
+                    for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
+                        const unsigned row_18 = (o_acc_row0 + ((frag542 / 2u) * 16u)) + ((half543 * 8u) + lane_group);
+                        const unsigned col_6 = (o_acc_col0 + ((frag542 % 2u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
+                        float v0_6 = o_acc[((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) * 4u) + ((half543 * 2u) + e544)];
+                        float v1_6 = o_acc[(((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)];
                         const unsigned h = h0 + row_18;
                         if (h < p.heads) {
                             const float l = row_sum[row_18 + (warp_group * 16u)];
                             const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                         }
-                        o_acc[((((frag565 / 2u) * 4u) + ((frag565 % 2u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_6;
-                        o_acc[(((((frag565 / 2u) * 4u) + ((frag565 % 2u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_6;
+                        o_acc[((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) * 4u) + ((half543 * 2u) + e544)] = v0_6;
+                        o_acc[(((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)] = v1_6;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
+            for (unsigned frag545 = 0u; frag545 < 2u; frag545 += 1u) {
                 #pragma unroll
-                for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
+                for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
                     #pragma unroll
-                    for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
-                        const unsigned row_19 = (o_acc_1_row0 + ((frag568 / 2u) * 16u)) + ((half569 * 8u) + lane_group);
-                        const unsigned col_7 = (o_acc_1_col0 + ((frag568 % 2u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
-                        float v0_7 = o_acc_1[((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
-                        float v1_7 = o_acc_1[(((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
+                    for (unsigned e547 = 0u; e547 < 2u; e547 += 1u) {
+                        const unsigned row_19 = (o_acc_1_row0 + ((frag545 / 2u) * 16u)) + ((half546 * 8u) + lane_group);
+                        const unsigned col_7 = (o_acc_1_col0 + ((frag545 % 2u) * 16u)) + ((lane_quad * 4u) + (e547 * 2u));
+                        float v0_7 = o_acc_1[((((frag545 / 2u) * 4u) + ((frag545 % 2u) * 2u)) * 4u) + ((half546 * 2u) + e547)];
+                        float v1_7 = o_acc_1[(((((frag545 / 2u) * 4u) + ((frag545 % 2u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)];
                         const unsigned h_1 = h0 + row_19;
                         if (h_1 < p.heads) {
                             const float l_1 = row_sum[row_19 + (warp_group * 16u)];
                             const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                         }
-                        o_acc_1[((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_7;
-                        o_acc_1[(((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_7;
+                        o_acc_1[((((frag545 / 2u) * 4u) + ((frag545 % 2u) * 2u)) * 4u) + ((half546 * 2u) + e547)] = v0_7;
+                        o_acc_1[(((((frag545 / 2u) * 4u) + ((frag545 % 2u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)] = v1_7;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
+            for (unsigned frag548 = 0u; frag548 < 2u; frag548 += 1u) {
                 #pragma unroll
-                for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
+                for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
                     #pragma unroll
-                    for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
-                        const unsigned row_20 = (o_acc_2_row0 + ((frag571 / 2u) * 16u)) + ((half572 * 8u) + lane_group);
-                        const unsigned col_8 = (o_acc_2_col0 + ((frag571 % 2u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
-                        float v0_8 = o_acc_2[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
-                        float v1_8 = o_acc_2[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
+                    for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
+                        const unsigned row_20 = (o_acc_2_row0 + ((frag548 / 2u) * 16u)) + ((half549 * 8u) + lane_group);
+                        const unsigned col_8 = (o_acc_2_col0 + ((frag548 % 2u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
+                        float v0_8 = o_acc_2[((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) * 4u) + ((half549 * 2u) + e550)];
+                        float v1_8 = o_acc_2[(((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)];
                         const unsigned h_2 = h0 + row_20;
                         if (h_2 < p.heads) {
                             const float l_2 = row_sum[row_20 + (warp_group * 16u)];
                             const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                         }
-                        o_acc_2[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_8;
-                        o_acc_2[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_8;
+                        o_acc_2[((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) * 4u) + ((half549 * 2u) + e550)] = v0_8;
+                        o_acc_2[(((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)] = v1_8;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag574 = 0u; frag574 < 2u; frag574 += 1u) {
+            for (unsigned frag551 = 0u; frag551 < 2u; frag551 += 1u) {
                 #pragma unroll
-                for (unsigned half575 = 0u; half575 < 2u; half575 += 1u) {
+                for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
                     #pragma unroll
-                    for (unsigned e576 = 0u; e576 < 2u; e576 += 1u) {
-                        const unsigned row_21 = (o_acc_3_row0 + ((frag574 / 2u) * 16u)) + ((half575 * 8u) + lane_group);
-                        const unsigned col_9 = (o_acc_3_col0 + ((frag574 % 2u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
-                        float v0_9 = o_acc_3[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
-                        float v1_9 = o_acc_3[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
+                    for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
+                        const unsigned row_21 = (o_acc_3_row0 + ((frag551 / 2u) * 16u)) + ((half552 * 8u) + lane_group);
+                        const unsigned col_9 = (o_acc_3_col0 + ((frag551 % 2u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
+                        float v0_9 = o_acc_3[((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
+                        float v1_9 = o_acc_3[(((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
                         const unsigned h_3 = h0 + row_21;
                         if (h_3 < p.heads) {
                             const float l_3 = row_sum[row_21 + (warp_group * 16u)];
                             const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                         }
-                        o_acc_3[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_9;
-                        o_acc_3[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_9;
+                        o_acc_3[((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_9;
+                        o_acc_3[(((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_9;
                     }
                 }
             }
@@ -2119,15 +2057,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // normalise and write this split's partial rows and lse
             #pragma unroll
-            for (unsigned frag577 = 0u; frag577 < 2u; frag577 += 1u) {
+            for (unsigned frag554 = 0u; frag554 < 2u; frag554 += 1u) {
                 #pragma unroll
-                for (unsigned half578 = 0u; half578 < 2u; half578 += 1u) {
+                for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
                     #pragma unroll
-                    for (unsigned e579 = 0u; e579 < 2u; e579 += 1u) {
-                        const unsigned row_22 = (o_acc_row0 + ((frag577 / 2u) * 16u)) + ((half578 * 8u) + lane_group);
-                        const unsigned col_10 = (o_acc_col0 + ((frag577 % 2u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
-                        float v0_10 = o_acc[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
-                        float v1_10 = o_acc[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
+                    for (unsigned e556 = 0u; e556 < 2u; e556 += 1u) {
+                        const unsigned row_22 = (o_acc_row0 + ((frag554 / 2u) * 16u)) + ((half555 * 8u) + lane_group);
+                        const unsigned col_10 = (o_acc_col0 + ((frag554 % 2u) * 16u)) + ((lane_quad * 4u) + (e556 * 2u));
+                        float v0_10 = o_acc[((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) * 4u) + ((half555 * 2u) + e556)];
+                        float v1_10 = o_acc[(((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)];
                         const unsigned h_5 = h0 + row_22;
                         if (h_5 < p.heads) {
                             const float l_5 = row_sum[row_22 + (warp_group * 16u)];
@@ -2136,21 +2074,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at] = v0_10 * inv_l_4;
                             o_part[at + 1u] = v1_10 * inv_l_4;
                         }
-                        o_acc[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_10;
-                        o_acc[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_10;
+                        o_acc[((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) * 4u) + ((half555 * 2u) + e556)] = v0_10;
+                        o_acc[(((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)] = v1_10;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag580 = 0u; frag580 < 2u; frag580 += 1u) {
+            for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
                 #pragma unroll
-                for (unsigned half581 = 0u; half581 < 2u; half581 += 1u) {
+                for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
                     #pragma unroll
-                    for (unsigned e582 = 0u; e582 < 2u; e582 += 1u) {
-                        const unsigned row_23 = (o_acc_1_row0 + ((frag580 / 2u) * 16u)) + ((half581 * 8u) + lane_group);
-                        const unsigned col_11 = (o_acc_1_col0 + ((frag580 % 2u) * 16u)) + ((lane_quad * 4u) + (e582 * 2u));
-                        float v0_11 = o_acc_1[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)];
-                        float v1_11 = o_acc_1[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)];
+                    for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
+                        const unsigned row_23 = (o_acc_1_row0 + ((frag557 / 2u) * 16u)) + ((half558 * 8u) + lane_group);
+                        const unsigned col_11 = (o_acc_1_col0 + ((frag557 % 2u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
+                        float v0_11 = o_acc_1[((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559)];
+                        float v1_11 = o_acc_1[(((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)];
                         const unsigned h_6 = h0 + row_23;
                         if (h_6 < p.heads) {
                             const float l_6 = row_sum[row_23 + (warp_group * 16u)];
@@ -2159,21 +2097,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_1] = v0_11 * inv_l_5;
                             o_part[at_1 + 1u] = v1_11 * inv_l_5;
                         }
-                        o_acc_1[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)] = v0_11;
-                        o_acc_1[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)] = v1_11;
+                        o_acc_1[((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559)] = v0_11;
+                        o_acc_1[(((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)] = v1_11;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag583 = 0u; frag583 < 2u; frag583 += 1u) {
+            for (unsigned frag560 = 0u; frag560 < 2u; frag560 += 1u) {
                 #pragma unroll
-                for (unsigned half584 = 0u; half584 < 2u; half584 += 1u) {
+                for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
                     #pragma unroll
-                    for (unsigned e585 = 0u; e585 < 2u; e585 += 1u) {
-                        const unsigned row_24 = (o_acc_2_row0 + ((frag583 / 2u) * 16u)) + ((half584 * 8u) + lane_group);
-                        const unsigned col_12 = (o_acc_2_col0 + ((frag583 % 2u) * 16u)) + ((lane_quad * 4u) + (e585 * 2u));
-                        float v0_12 = o_acc_2[((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585)];
-                        float v1_12 = o_acc_2[(((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585)];
+                    for (unsigned e562 = 0u; e562 < 2u; e562 += 1u) {
+                        const unsigned row_24 = (o_acc_2_row0 + ((frag560 / 2u) * 16u)) + ((half561 * 8u) + lane_group);
+                        const unsigned col_12 = (o_acc_2_col0 + ((frag560 % 2u) * 16u)) + ((lane_quad * 4u) + (e562 * 2u));
+                        float v0_12 = o_acc_2[((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) * 4u) + ((half561 * 2u) + e562)];
+                        float v1_12 = o_acc_2[(((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)];
                         const unsigned h_7 = h0 + row_24;
                         if (h_7 < p.heads) {
                             const float l_7 = row_sum[row_24 + (warp_group * 16u)];
@@ -2182,21 +2120,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_2] = v0_12 * inv_l_6;
                             o_part[at_2 + 1u] = v1_12 * inv_l_6;
                         }
-                        o_acc_2[((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585)] = v0_12;
-                        o_acc_2[(((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585)] = v1_12;
+                        o_acc_2[((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) * 4u) + ((half561 * 2u) + e562)] = v0_12;
+                        o_acc_2[(((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)] = v1_12;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag586 = 0u; frag586 < 2u; frag586 += 1u) {
+            for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
                 #pragma unroll
-                for (unsigned half587 = 0u; half587 < 2u; half587 += 1u) {
+                for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
                     #pragma unroll
-                    for (unsigned e588 = 0u; e588 < 2u; e588 += 1u) {
-                        const unsigned row_25 = (o_acc_3_row0 + ((frag586 / 2u) * 16u)) + ((half587 * 8u) + lane_group);
-                        const unsigned col_13 = (o_acc_3_col0 + ((frag586 % 2u) * 16u)) + ((lane_quad * 4u) + (e588 * 2u));
-                        float v0_13 = o_acc_3[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)];
-                        float v1_13 = o_acc_3[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)];
+                    for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
+                        const unsigned row_25 = (o_acc_3_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
+                        const unsigned col_13 = (o_acc_3_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
+                        float v0_13 = o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)];
+                        float v1_13 = o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)];
                         const unsigned h_8 = h0 + row_25;
                         if (h_8 < p.heads) {
                             const float l_8 = row_sum[row_25 + (warp_group * 16u)];
@@ -2205,8 +2143,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_3] = v0_13 * inv_l_7;
                             o_part[at_3 + 1u] = v1_13 * inv_l_7;
                         }
-                        o_acc_3[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)] = v0_13;
-                        o_acc_3[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)] = v1_13;
+                        o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)] = v0_13;
+                        o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)] = v1_13;
                     }
                 }
             }

@@ -556,7 +556,7 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x16x1w2g4, v6:16x16x2x2";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, v6:16x16x2x2";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),

@@ -36,6 +36,7 @@ use std::collections::HashMap;
 /// Comments that mark where [`replicate`] splits the lowered body: the per-group code before
 /// the merge, the merge of the accumulators, the epilogue (group 0).
 const MERGE_MARK: &str = "warp groups: merge the groups' softmax states and accumulators";
+const COMBINE_MARK: &str = "warp groups: group 0 adds the other groups' accumulators, scaled";
 const EPILOGUE_MARK: &str = "warp groups: the rest of the kernel runs in group 0";
 
 /// What the lowering of a grouped kernel records for [`replicate`].
@@ -104,7 +105,6 @@ impl Cx<'_> {
     /// accumulators into group 0's (see the module doc), between the two marks.
     pub(super) fn group_merge(&mut self, resident: &[SoftmaxRegs]) -> Result<Vec<Stmt>> {
         let groups = self.groups;
-        let total = self.w * groups;
         let group = self
             .group_expr()
             .ok_or_else(|| self.err("group merge without warp groups".into()))?;
@@ -146,68 +146,38 @@ impl Cx<'_> {
                 exchange_words += decl.rows * decl.cols;
             }
         }
-        if ring.len * groups < exchange_words {
+        if ring.len * groups < exchange_words * (groups - 1) {
             return Err(self.err(format!(
-                "warp groups: the accumulators need {exchange_words} words to meet, the ring \
-                 {} has {}",
+                "warp groups: the accumulators need {} words to meet, the ring {} has {}",
+                exchange_words * (groups - 1),
                 ring.name,
                 ring.len * groups
             )));
         }
-        // 1. every group scales its accumulators by its factor f_g (rows from the state)
-        for (acc, base, _) in &accs {
+        // every group's accumulators whole (a split-K accumulator summed, by every group)
+        for (acc, _, _) in &accs {
             self.materialize(acc, &mut out)?;
-            let rows = self.acc(acc)?.decl.rows;
-            let (rn, cn) = (self.fresh("row"), self.fresh("col"));
-            let f = self.fresh("factor");
-            let a = acc.clone();
-            let factor = shared_load(
-                &factors,
-                Ty::F32,
-                add(
-                    mul(add(u(*base), group.clone()), u(rows)),
-                    var(&rn, Ty::U32),
-                ),
-            );
-            out.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
-                let fv = var(&f, Ty::F32);
-                Ok(vec![
-                    let_(&f, factor),
-                    scale_priv(&a, at0, fv.clone()),
-                    scale_priv(&a, at1, fv),
-                ])
-            })?);
         }
-        // 2. groups 1.. add their accumulators into the exchange, one group at a time
-        let cta_barrier = intr(Intrinsic::NamedBarrier {
-            id: 0,
-            threads: total,
-        });
+        // 1. groups 1.. write their accumulators, unscaled, each into its own exchange slot:
+        //    no group but group 0 reads anything another group wrote
         for g in 1..groups {
             let mut body = Vec::new();
             for (acc, _, ex_base) in &accs {
                 let cols = self.acc(acc)?.decl.cols;
                 let (rn, cn) = (self.fresh("row"), self.fresh("col"));
                 let (a, ex) = (acc.clone(), exchange.clone());
-                let (ex_load, ex_value) = (&ex_load, &ex_value);
-                let at = |k: u32| {
-                    add(
-                        add(u(*ex_base), mul(var(&rn, Ty::U32), u(cols))),
-                        add(var(&cn, Ty::U32), u(k)),
-                    )
-                };
+                let ex_value = &ex_value;
+                let slot = (g - 1) * exchange_words + ex_base;
                 body.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
                     let mut s = Vec::new();
                     for (k, reg) in [(0, at0), (1, at1)] {
-                        let mine = priv_load(&a, reg);
                         s.push(Stmt::SharedStore {
                             arr: ex.clone(),
-                            index: at(k),
-                            value: ex_value(if g == 1 {
-                                mine
-                            } else {
-                                fadd(ex_load(at(k)), mine)
-                            }),
+                            index: add(
+                                add(u(slot), mul(var(&rn, Ty::U32), u(cols))),
+                                add(var(&cn, Ty::U32), u(k)),
+                            ),
+                            value: ex_value(priv_load(&a, reg)),
                         });
                     }
                     Ok(s)
@@ -218,26 +188,44 @@ impl Cx<'_> {
                 then: body,
                 els: vec![],
             });
-            out.push(cta_barrier.clone());
         }
-        // 3. group 0 adds the exchange into its own accumulators
+        out.push(Stmt::Comment(COMBINE_MARK.into()));
+        // 2. group 0: O = f_0 · O_0 + Σ_g f_g · O_g (factors from the merge of the states)
         let mut body = Vec::new();
-        for (acc, _, ex_base) in &accs {
-            let cols = self.acc(acc)?.decl.cols;
+        for (acc, base, ex_base) in &accs {
+            let (rows, cols) = {
+                let d = &self.acc(acc)?.decl;
+                (d.rows, d.cols)
+            };
             let (rn, cn) = (self.fresh("row"), self.fresh("col"));
             let a = acc.clone();
             let ex_load = &ex_load;
+            let factors = &factors;
+            let f = |g: u32| {
+                shared_load(
+                    factors,
+                    Ty::F32,
+                    add(u((base + g) * rows), var(&rn, Ty::U32)),
+                )
+            };
             body.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
                 let mut s = Vec::new();
                 for (k, reg) in [(0, at0), (1, at1)] {
-                    let idx = add(
-                        add(u(*ex_base), mul(var(&rn, Ty::U32), u(cols))),
-                        add(var(&cn, Ty::U32), u(k)),
-                    );
+                    let mut v = bin(BinOp::Mul, priv_load(&a, reg.clone()), f(0));
+                    for g in 1..groups {
+                        let idx = add(
+                            add(
+                                u((g - 1) * exchange_words + ex_base),
+                                mul(var(&rn, Ty::U32), u(cols)),
+                            ),
+                            add(var(&cn, Ty::U32), u(k)),
+                        );
+                        v = fadd(v, bin(BinOp::Mul, f(g), ex_load(idx)));
+                    }
                     s.push(Stmt::PrivateStore {
                         arr: a.clone(),
-                        index: reg.clone(),
-                        value: fadd(priv_load(&a, reg), ex_load(idx)),
+                        index: reg,
+                        value: v,
                     });
                 }
                 Ok(s)
@@ -263,14 +251,6 @@ impl Cx<'_> {
 
 fn fadd(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Add, a, b)
-}
-
-fn scale_priv(arr: &str, at: Expr, f: Expr) -> Stmt {
-    Stmt::PrivateStore {
-        arr: arr.to_string(),
-        index: at.clone(),
-        value: bin(BinOp::Mul, priv_load(arr, at), f),
-    }
 }
 
 /// Make `groups` copies of the body of a kernel lowered for one group of `group_threads`
@@ -300,7 +280,7 @@ pub(super) fn replicate(
             .position(|s| matches!(s, Stmt::Comment(c) if c == text))
             .ok_or_else(|| format!("grouped lowering: no `{text}` in the lowered body"))
     };
-    let (merge, epilogue) = (mark(MERGE_MARK)?, mark(EPILOGUE_MARK)?);
+    let (merge, combine, epilogue) = (mark(MERGE_MARK)?, mark(COMBINE_MARK)?, mark(EPILOGUE_MARK)?);
     if plan.states.is_empty() {
         return Err("grouped lowering: no online-softmax state to merge after the pipeline".into());
     }
@@ -318,8 +298,15 @@ pub(super) fn replicate(
         Stmt::Barrier => Stmt::Barrier,
         other => rw.stmt(other),
     }));
-    // the states meet: M, f_g, L per row (every group has stored its state)
+    // the merge's own shared arrays (the exchange, the factors) are the workgroup's, not a
+    // group's copy; groups 1.. write their accumulators into the exchange
+    let exchange = |s: Vec<Stmt>| rename_shared(s, &plan.exchange, &plan.ring);
     out.push(Stmt::Comment(MERGE_MARK.into()));
+    out.extend(exchange(rw.stmts(&body[merge + 1..combine])));
+    // the states meet in group 0: M, f_g, L per row (every group has stored its state). Only
+    // group 0 reads what another group wrote: compute-sanitizer's racecheck reports group 0's
+    // writes read by a group that walked fewer steps as hazards, across the barrier that orders
+    // them (a false report; benches/NOTES.md, v12)
     out.push(Stmt::Barrier);
     for (k, (m, l, rows)) in plan.states.iter().enumerate() {
         let r = format!("merge_row{k}");
@@ -383,11 +370,8 @@ pub(super) fn replicate(
             index: rv.clone(),
             value: var(&sum, Ty::F32),
         });
-        // computed by the last group, which walked the fewest steps: written by the first,
-        // compute-sanitizer's racecheck reports the other groups' reads after the barrier as
-        // hazards whenever the step counts differ (a false report; benches/NOTES.md, v12)
         out.push(Stmt::If {
-            cond: bin(BinOp::Eq, group.clone(), u(groups - 1)),
+            cond: bin(BinOp::Eq, group.clone(), u(0)),
             then: vec![Stmt::For {
                 var: r.clone(),
                 start: var(&plan.tid_var, Ty::U32),
@@ -399,9 +383,8 @@ pub(super) fn replicate(
         });
     }
     out.push(Stmt::Barrier);
-    // the accumulators meet (the merge's own shared arrays are the workgroup's, not a group's)
-    let exchange = |s: Vec<Stmt>| rename_shared(s, &plan.exchange, &plan.ring);
-    out.extend(exchange(rw.stmts(&body[merge + 1..epilogue])));
+    // the accumulators meet in group 0
+    out.extend(exchange(rw.stmts(&body[combine..epilogue])));
     out.push(Stmt::Comment(EPILOGUE_MARK.into()));
     out.push(Stmt::If {
         cond: bin(BinOp::Eq, group, u(0)),
