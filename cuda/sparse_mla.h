@@ -18,6 +18,11 @@
 //   and for splits > 1 the combine sparse_mla_decode_combine_d512_t256.
 //   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself
 //   (no combine), with more it writes per-split partials for the combine.
+//   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at
+//     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
+//   it runs the large-batch kernel of its format instead (LARGE BATCHES below). The plan
+//   helpers decide it as the runtime does: sparse_mla_decode_variant(format, H, T, sms, ...)
+//   and sparse_mla_plan_decode(..., sms, resident, ...) take the multiprocessor count `sms`.
 //
 // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or
 // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).
@@ -32,6 +37,8 @@
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32: 256 threads, dynamic shared memory 95104 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32: 256 threads, dynamic shared memory 88416 B
+//   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -40,8 +47,9 @@
 //   blocks = ceil(topk / block_n); chunk = ceil(blocks / want) * block_n;
 //   splits = ceil(topk / chunk)      (so every split but the last is full).
 // `want` comes from a cost model over the workgroups the GPU runs at once:
-//   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME at
-//               its threads and SMEM) x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+//   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME the
+//               call runs, plan->split_kernel, at its threads and SMEM)
+//              x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (sparse_mla_resident())
 //   (2 per SM on an H100/H200 for the tensor-core kernels, 1 on SM120 and sm_86/89);
 //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.
 //   Any splits in 1..blocks give the same result up to rounding; only speed differs.
@@ -75,7 +83,7 @@
 //   indices [b, s_q, topk] and out [b, s_q, H, 512] are FlashMLA's layouts unchanged.
 //
 // LIMITS (checked by sparse_mla_plan_decode / sparse_mla_cache_strides):
-//   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0;
+//   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0; sms >= 1;
 //   num_slots = num_pages * page_size <= 2^31 - 1 (slots are i32);
 //   a cache buffer spans fewer than 2^31 32-bit words (8 GiB): split the cache per layer;
 //   q spans fewer than 2^31 words.
@@ -93,9 +101,11 @@
 // fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7
 // ring in two warp groups of 4 warps, each walking every other step (a GPU holding one
 // workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and
-// split rules as the variants above (block_h 16, block_n 32), one workgroup per SM:
-//   bf16       sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
-//   fp8_ds_mla sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
+// split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds
+// `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
+// sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
+//   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
+//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
 
 #pragma once
 
@@ -133,12 +143,37 @@ typedef struct sparse_mla_decode_plan {
     unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
 } sparse_mla_decode_plan;
 
-/* The variant for (format, heads): kernel names, block sizes, shared memory. Returns 0 on
-   success, else a message naming the argument. */
-static inline const char* sparse_mla_decode_variant(int format, unsigned heads, sparse_mla_decode_plan* p) {
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
+   multiprocessors (DecodeConfig::is_large_batch): its 16-head blocks fill half the
+   multiprocessors or more without splitting, tokens x ceil(heads / 16) x 2 >= sms. */
+static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, unsigned sms) {
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    return 2u * blocks >= (unsigned long long)sms;
+}
+
+/* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
+   and head count, and at H <= 16 by the call's size on the GPU: the large-batch
+   kernel when sparse_mla_is_large_batch(heads, tokens, sms).
+   `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. Fills the kernel names, block
+   sizes, threads and shared memory. Returns 0 on success, else a message naming the argument. */
+static inline const char* sparse_mla_decode_variant(int format, unsigned heads, unsigned tokens, unsigned sms,
+                                                    sparse_mla_decode_plan* p) {
     if (format != SPARSE_MLA_CACHE_BF16 && format != SPARSE_MLA_CACHE_FP8_DS_MLA)
         return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
     if (heads == 0) return "heads: expected at least 1";
+    if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
+    if (sparse_mla_is_large_batch(heads, tokens, sms)) {
+        if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 87744u;
+            return 0;
+        }
+        if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 57024u;
+            return 0;
+        }
+    }
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95232u;
@@ -191,13 +226,16 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
     return best;
 }
 
-/* Everything one decode call needs: variant, splits, chunk, grids, scratch sizes; limits checked.
-   splits = 0: the cost model for `resident` workgroups; else that many (capped at the blocks of
-   topk, as the runtime does). Returns 0 on success, else a message naming the argument. */
+/* Everything one decode call needs: kernel, splits, chunk, grids, scratch sizes; limits checked.
+   The kernel is sparse_mla_decode_variant(format, heads, tokens, sms). `sms`: the GPU's
+   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT. `resident`: workgroups of that kernel the GPU runs
+   at once (sparse_mla_resident() on its function). splits = 0: the cost model for `resident`
+   workgroups; else that many (capped at the blocks of topk, as the runtime does). Returns 0 on
+   success, else a message naming the argument. */
 static inline const char* sparse_mla_plan_decode(int format, unsigned heads, unsigned tokens, unsigned topk,
-                                                 unsigned long long num_slots, unsigned lse_s_q,
+                                                 unsigned long long num_slots, unsigned lse_s_q, unsigned sms,
                                                  unsigned resident, unsigned splits, sparse_mla_decode_plan* p) {
-    const char* err = sparse_mla_decode_variant(format, heads, p);
+    const char* err = sparse_mla_decode_variant(format, heads, tokens, sms, p);
     unsigned blocks, want;
     unsigned long long words;
     if (err) return err;
@@ -306,8 +344,19 @@ static inline CUresult sparse_mla_allow_smem(CUfunction f, unsigned dynamic_smem
     return cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)dynamic_smem);
 }
 
-/* Workgroups of the split kernel `split` (plan->split_kernel, after sparse_mla_allow_smem)
-   the device runs at once: what the runtime feeds the split model. */
+/* Multiprocessors of `dev`: the `sms` of sparse_mla_decode_variant / sparse_mla_plan_decode. */
+static inline CUresult sparse_mla_sm_count(CUdevice dev, unsigned* sms) {
+    int n = 0;
+    CUresult r = cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    if (r != CUDA_SUCCESS) return r;
+    *sms = (unsigned)(n > 0 ? n : 1);
+    return CUDA_SUCCESS;
+}
+
+/* Workgroups of the split kernel `split` the device runs at once (occupancy x multiprocessors):
+   the `resident` of sparse_mla_plan_decode, what the runtime feeds the split model. `split` is
+   the function of plan->split_kernel as sparse_mla_decode_variant picked it for the call
+   (after sparse_mla_allow_smem); each kernel has its own count. */
 static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_decode_plan* p, CUdevice dev,
                                            unsigned* resident) {
     int per_sm = 0, sms = 0;

@@ -1,15 +1,21 @@
 //! The C plan helpers of `cuda/sparse_mla.h` make the same choices as the Rust runtime: the
-//! header is compiled with the host C compiler and its variant, splits, chunk, grid and scratch
-//! sizes are compared with `DecodePlan::with_config` over a grid of shapes and resident
-//! workgroup counts; its limit checks reject what `check_shape` / `CacheGeometry` reject.
+//! header is compiled with the host C compiler and its kernel choice (the head-count variant or
+//! the large-batch kernel, `DecodeConfig::for_call` on the SM count), splits, chunk, grid,
+//! threads, shared memory and scratch sizes are compared with what the CUDA backend launches
+//! (`for_call`, `lowered_kernels`, `DecodePlan::with_config`) over a grid of shapes, SM counts
+//! and resident workgroup counts; its limit checks reject what `check_shape` /
+//! `CacheGeometry` reject. A per-configuration header plans its one kernel for every call.
 //! Skipped, with the reason printed, when no C compiler is found (tools/test.sh requires one).
 
-use sparse_mla::export::{c_header, decode_variants, ExportLowering};
-use sparse_mla::kernels::sparse_mla_decode::{combine_grid, combine_groups, DecodePlan};
+use sparse_mla::emit::cuda::dynamic_shared_bytes;
+use sparse_mla::export::{c_header, config_files, ConfigRequest, ExportLowering, Lang};
+use sparse_mla::kernels::sparse_mla_decode::{
+    combine_grid, combine_groups, lowered_kernels, DecodeConfig, DecodePlan,
+};
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::testing::test_seed;
 use sparse_mla::util::Rng;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn c_compiler() -> Option<String> {
@@ -30,16 +36,18 @@ fn required(what: &str) -> bool {
 const DRIVER: &str = r#"
 #include <stdio.h>
 #include <stdlib.h>
-#include "sparse_mla.h"
+#include HEADER
 int main(void) {
-    /* lines of: format heads tokens topk num_slots lse_s_q resident splits */
-    int format; unsigned heads, tokens, topk, lse_s_q, resident, splits; unsigned long long slots;
-    while (scanf("%d %u %u %u %llu %u %u %u", &format, &heads, &tokens, &topk, &slots, &lse_s_q, &resident, &splits) == 8) {
+    /* lines of: format heads tokens topk num_slots lse_s_q sms resident splits */
+    int format; unsigned heads, tokens, topk, lse_s_q, sms, resident, splits; unsigned long long slots;
+    while (scanf("%d %u %u %u %llu %u %u %u %u", &format, &heads, &tokens, &topk, &slots, &lse_s_q, &sms, &resident,
+                 &splits) == 9) {
         sparse_mla_decode_plan p;
-        const char* err = sparse_mla_plan_decode(format, heads, tokens, topk, slots, lse_s_q, resident, splits, &p);
+        const char* err = sparse_mla_plan_decode(format, heads, tokens, topk, slots, lse_s_q, sms, resident, splits, &p);
         if (err) { printf("error %s\n", err); continue; }
-        printf("ok %s %s %u %u %u %u %u %u %u %llu %llu %u", p.split_kernel, p.combine_kernel, p.splits, p.chunk,
-               p.grid[0], p.grid[1], p.grid[2], p.threads, p.dynamic_smem, p.o_part_bytes, p.lse_part_bytes, p.block_n);
+        printf("ok %s %s %u %u %u %u %u %u %u %llu %llu %u %u %u", p.split_kernel, p.combine_kernel, p.splits, p.chunk,
+               p.grid[0], p.grid[1], p.grid[2], p.threads, p.dynamic_smem, p.o_part_bytes, p.lse_part_bytes, p.block_h,
+               p.block_n, p.combine_threads);
         if (p.splits > 1) printf(" combine %u %u %u %u", p.combine_grid[0], p.combine_grid[1], p.combine_grid[2], p.combine_groups);
         printf("\n");
     }
@@ -56,6 +64,112 @@ int main(void) {
 }
 "#;
 
+/// Compiles DRIVER against `header` (written into `dir`) with warnings as errors.
+fn build_driver(cc: &str, dir: &Path, header: &str, header_text: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join(header), header_text).unwrap();
+    std::fs::write(dir.join("driver.c"), DRIVER).unwrap();
+    let exe = dir.join("driver");
+    let out = Command::new(cc)
+        .args(["-std=c99", "-O1", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-DHEADER=\"{header}\""))
+        .arg("-o")
+        .arg(&exe)
+        .arg(dir.join("driver.c"))
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{cc} failed on {header}:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    exe
+}
+
+/// Runs the driver on `input`, one output line per input line (then the strides lines). The
+/// input is written from another thread: the driver's output would fill its pipe meanwhile.
+fn run_driver(exe: &Path, input: &str) -> String {
+    use std::io::Write;
+    let mut child = Command::new(exe)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_string();
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// One planned call: (format, heads, tokens, topk, sms, resident, splits; 0: the model).
+type Case = (CacheFormat, u32, u32, u32, u32, u32, u32);
+
+fn input_line(&(format, heads, tokens, topk, sms, resident, splits): &Case) -> String {
+    format!(
+        "{} {heads} {tokens} {topk} 65536 1 {sms} {resident} {splits}\n",
+        (format == CacheFormat::Fp8DsMla) as u32
+    )
+}
+
+fn shape_of(&(format, heads, tokens, topk, ..): &Case) -> DecodeShape {
+    DecodeShape {
+        tokens,
+        heads,
+        topk,
+        num_pages: 1024,
+        page_size: 64,
+        dims: MlaDims::PRODUCTION,
+        format,
+        scale: 1.0,
+        has_topk_length: false,
+    }
+}
+
+/// The driver's line for a call launched with `config`: its kernels, threads, shared memory
+/// and the plan `DecodePlan::with_config` makes for `resident` workgroups (the backend's).
+fn expected_line(case: &Case, config: DecodeConfig) -> (String, DecodePlan) {
+    let &(_, heads, tokens, _, _, resident, splits) = case;
+    let shape = shape_of(case);
+    let (split, combine) = lowered_kernels(&config).unwrap();
+    let plan =
+        DecodePlan::with_config(config, &shape, resident, (splits > 0).then_some(splits)).unwrap();
+    let grid = plan.grid_split(&shape);
+    let rows = tokens as u64 * heads as u64 * plan.splits as u64;
+    let (o_bytes, l_bytes) = if plan.splits > 1 {
+        (rows * 512 * 4, rows * 4)
+    } else {
+        (0, 0)
+    };
+    let want = format!(
+        "ok {} {} {} {} {} {} {} {} {} {o_bytes} {l_bytes} {} {} {}",
+        split.name,
+        combine.name,
+        plan.splits,
+        plan.chunk,
+        grid[0],
+        grid[1],
+        grid[2],
+        split.workgroup_size,
+        dynamic_shared_bytes(&split),
+        config.block_h,
+        config.block_n,
+        combine.workgroup_size,
+    );
+    // the combine's groups and grid, as launches() computes them
+    let want = if plan.splits > 1 {
+        let threads = combine.workgroup_size;
+        let g = combine_groups(tokens * heads, plan.splits, threads);
+        let cg = combine_grid(heads, tokens, 512, g, threads);
+        format!("{want} combine {} {} {} {g}", cg[0], cg[1], cg[2])
+    } else {
+        want
+    };
+    (want, plan)
+}
+
 #[test]
 fn c_plan_matches_the_runtime_plan() {
     let Some(cc) = c_compiler() else {
@@ -64,142 +178,183 @@ fn c_plan_matches_the_runtime_plan() {
         return;
     };
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("export_header");
-    std::fs::create_dir_all(&dir).unwrap();
     // the header exactly as `mla-export --all` writes it (the kernel structs are irrelevant here)
-    std::fs::write(dir.join("sparse_mla.h"), c_header(&[]).unwrap()).unwrap();
-    std::fs::write(dir.join("driver.c"), DRIVER).unwrap();
-    let exe = dir.join("driver");
-    let out = Command::new(&cc)
-        .args(["-std=c99", "-O1", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(dir.join("driver.c"))
-        .current_dir(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{cc} failed on sparse_mla.h:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let exe = build_driver(&cc, &dir, "sparse_mla.h", &c_header(&[]).unwrap());
 
     let seed = test_seed();
     println!("c_plan_matches_the_runtime_plan: seed {seed} (SPARSE_MLA_SEED replays)");
     let mut rng = Rng::new(seed);
-    let mut cases = Vec::new();
+    let mut cases: Vec<Case> = Vec::new();
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        for heads in [1u32, 8, 16, 17, 32, 64, 100, 128] {
-            for tokens in [1u32, 2, 8, 32, 128, 1000] {
+        for heads in [1u32, 3, 8, 16, 17, 32, 64, 100, 128] {
+            // around T * ceil(H / 16) * 2 = SMs for 84, 132 and 188 SMs
+            for tokens in [1u32, 2, 8, 33, 41, 42, 65, 66, 93, 94, 128, 1000] {
                 for topk in [1u32, 31, 64, 100, 2048, 2049] {
-                    let resident = [132u32, 264, 188, 1, 377][rng.below(5) as usize];
-                    let splits = if rng.below(4) == 0 {
-                        1 + rng.below(80) as u32
-                    } else {
-                        0
-                    };
-                    cases.push((format, heads, tokens, topk, resident, splits));
+                    for sms in [132u32, 188, 84] {
+                        // the chosen kernel's occupancy x SMs, at times something odd
+                        let resident = match rng.below(8) {
+                            0 => [1u32, 377][rng.below(2) as usize],
+                            r => sms * (1 + r as u32 % 2),
+                        };
+                        let splits = if rng.below(4) == 0 {
+                            1 + rng.below(80) as u32
+                        } else {
+                            0
+                        };
+                        cases.push((format, heads, tokens, topk, sms, resident, splits));
+                    }
                 }
             }
         }
     }
-    let mut input = String::new();
-    for (format, heads, tokens, topk, resident, splits) in &cases {
-        input.push_str(&format!(
-            "{} {heads} {tokens} {topk} 65536 1 {resident} {splits}\n",
-            (*format == CacheFormat::Fp8DsMla) as u32
-        ));
-    }
-    // limits: tokens 0 and 65536, a cache of 8 GiB, lse_s_q not dividing T, heads 0
-    input.push_str("0 16 0 2048 65536 1 132 0\n0 16 65536 2048 65536 1 132 0\n");
+    let mut input: String = cases.iter().map(input_line).collect();
+    // limits: tokens 0 and 65536, a cache of 8 GiB, lse_s_q not dividing T, heads 0, sms 0
+    input.push_str("0 16 0 2048 65536 1 132 132 0\n0 16 65536 2048 65536 1 132 132 0\n");
     input.push_str(
-        "0 16 4 2048 7456541 1 132 0\n0 16 6 2048 65536 4 132 0\n0 0 6 2048 65536 1 132 0\n",
+        "0 16 4 2048 7456541 1 132 132 0\n0 16 6 2048 65536 4 132 132 0\n0 0 6 2048 65536 1 132 132 0\n",
     );
-    let run = {
-        use std::io::Write;
-        let mut child = Command::new(&exe)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(input.as_bytes())
-            .unwrap();
-        child.wait_with_output().unwrap()
-    };
-    let text = String::from_utf8(run.stdout).unwrap();
+    input.push_str("1 16 6 2048 65536 1 0 132 0\n");
+    let text = run_driver(&exe, &input);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), cases.len() + 5 + 3, "driver output:\n{text}");
+    assert_eq!(lines.len(), cases.len() + 6 + 3, "driver output:\n{text}");
     let mut multi_split = 0;
-    for (line, (format, heads, tokens, topk, resident, splits)) in lines.iter().zip(&cases) {
-        let shape = DecodeShape {
-            tokens: *tokens,
-            heads: *heads,
-            topk: *topk,
-            num_pages: 1024,
-            page_size: 64,
-            dims: MlaDims::PRODUCTION,
-            format: *format,
-            scale: 1.0,
-            has_topk_length: false,
-        };
-        let variant = decode_variants(ExportLowering::Mma, *format)
-            .unwrap()
-            .into_iter()
-            .find(|v| v.contains(*heads))
-            .unwrap();
-        let plan = DecodePlan::with_config(
-            variant.config,
-            &shape,
-            *resident,
-            (*splits > 0).then_some(*splits),
-        )
+    // (format, large batch) -> calls at H <= 16
+    let mut small_heads = std::collections::HashMap::new();
+    for (line, case) in lines.iter().zip(&cases) {
+        let &(format, heads, tokens, topk, sms, resident, splits) = case;
+        // what the CUDA backend runs (runtime/cuda.rs decode_kernel_choice) on a GPU that
+        // holds two bf16 v6 workgroups per SM, the GPU the header's variant table is for
+        let config = DecodeConfig::for_call(&shape_of(case), sms, || {
+            Ok::<u32, std::convert::Infallible>(2)
+        })
         .unwrap();
-        let first = &variant.split.name;
-        let grid = plan.grid_split(&shape);
-        let rows = *tokens as u64 * *heads as u64 * plan.splits as u64;
-        let (o_bytes, l_bytes) = if plan.splits > 1 {
-            (rows * 512 * 4, rows * 4)
-        } else {
-            (0, 0)
-        };
-        let want = format!(
-            "ok {first} {} {} {} {} {} {} {} {} {o_bytes} {l_bytes} {}",
-            variant.combine.name,
-            plan.splits,
-            plan.chunk,
-            grid[0],
-            grid[1],
-            grid[2],
-            variant.split.workgroup_size,
-            variant.dynamic_smem(),
-            variant.config.block_n
-        );
-        // the combine's groups and grid, as launches() computes them
-        let want = if plan.splits > 1 {
-            let threads = variant.combine.workgroup_size;
-            let g = combine_groups(*tokens * *heads, plan.splits, threads);
-            let cg = combine_grid(*heads, *tokens, 512, g, threads);
-            format!("{want} combine {} {} {} {g}", cg[0], cg[1], cg[2])
-        } else {
-            want
-        };
+        let (want, plan) = expected_line(case, config);
         assert_eq!(
             *line, want,
-            "format {format:?} H {heads} T {tokens} topk {topk} resident {resident} splits {splits}"
+            "format {format:?} H {heads} T {tokens} topk {topk} sms {sms} resident {resident} splits {splits}"
         );
         multi_split += (plan.splits > 1) as u32;
+        if heads <= 16 {
+            let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, heads);
+            *small_heads
+                .entry((format, Some(config) == batch))
+                .or_insert(0u32) += 1;
+        }
     }
     // the grid must exercise both the one-split and the combine paths
     assert!(multi_split > 20 && (multi_split as usize) < cases.len() - 20);
+    // and both sides of the large-batch rule, in each format
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        for batch in [false, true] {
+            let n = small_heads.get(&(format, batch)).copied().unwrap_or(0);
+            assert!(
+                n > 50,
+                "{format:?} large batch {batch}: {n} calls at H <= 16"
+            );
+        }
+    }
     let tail = &lines[cases.len()..];
     assert!(tail[0].starts_with("error tokens:"), "{}", tail[0]);
     assert!(tail[1].starts_with("error tokens:"), "{}", tail[1]);
     assert!(tail[2].starts_with("error kv_cache:"), "{}", tail[2]);
     assert!(tail[3].starts_with("error lse_s_q:"), "{}", tail[3]);
     assert!(tail[4].starts_with("error heads:"), "{}", tail[4]);
-    assert_eq!(tail[5], "strides ok 288 18432");
-    assert!(tail[6].starts_with("strides row stride:"), "{}", tail[6]);
-    assert!(tail[7].starts_with("strides kv_cache:"), "{}", tail[7]);
+    assert!(tail[5].starts_with("error sms:"), "{}", tail[5]);
+    assert_eq!(tail[6], "strides ok 288 18432");
+    assert!(tail[7].starts_with("strides row stride:"), "{}", tail[7]);
+    assert!(tail[8].starts_with("strides kv_cache:"), "{}", tail[8]);
+}
+
+/// A per-configuration header carries one split kernel per head range and no large-batch
+/// kernel: its plan is that kernel's for every call, large batches included, with the
+/// backend's splits for that kernel.
+#[test]
+fn config_header_plans_its_one_kernel() {
+    let Some(cc) = c_compiler() else {
+        assert!(!required("g++"), "no C compiler found (required)");
+        println!("SKIPPED config_header_plans_its_one_kernel: no C compiler (cc, gcc, clang)");
+        return;
+    };
+    for (format, heads) in [
+        (CacheFormat::Bf16, 16u32),
+        (CacheFormat::Fp8DsMla, 3),
+        (CacheFormat::Bf16, 64),
+    ] {
+        let req = ConfigRequest {
+            shape: DecodeShape {
+                tokens: 128,
+                ..shape_of(&(format, heads, 1, 2048, 0, 0, 0))
+            },
+            splits: None,
+            sms: 132,
+            per_sm: None,
+            lang: Lang::Cuda,
+            lowering: ExportLowering::Mma,
+            arch: "sm_90".into(),
+        };
+        let files = config_files(&req).unwrap();
+        let header = files
+            .iter()
+            .find(|f| f.path.extension().is_some_and(|e| e == "h"))
+            .expect("a launch header");
+        let name = header
+            .path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .to_string();
+        let text = String::from_utf8(header.contents.clone()).unwrap();
+        let config = DecodeConfig::tensor_core(MlaDims::PRODUCTION, format, heads);
+        let (split, _) = lowered_kernels(&config).unwrap();
+        let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, heads);
+        // the comment names the one kernel, and the large-batch kernel it does not carry
+        assert!(
+            text.contains("ONE KERNEL.") && text.contains(&split.name),
+            "{name}"
+        );
+        if let Some(b) = batch {
+            let (b_split, _) = lowered_kernels(&b).unwrap();
+            assert!(
+                text.contains(&format!(
+                    "//   {}\n// It is not in this export",
+                    b_split.name
+                )),
+                "{name}"
+            );
+        } else {
+            assert!(!text.contains("large-batch kernel instead"), "{name}");
+        }
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join("export_header_config")
+            .join(format!("{}_{heads}", format.name()));
+        let exe = build_driver(&cc, &dir, &name, &text);
+        let head_list: Vec<u32> = if heads <= 16 {
+            vec![1, 3, 16]
+        } else {
+            vec![17, 64, 128]
+        };
+        let mut cases: Vec<Case> = Vec::new();
+        for &h in &head_list {
+            for tokens in [1u32, 65, 66, 1000] {
+                for (sms, resident) in [(132u32, 264u32), (84, 84)] {
+                    cases.push((format, h, tokens, 2048, sms, resident, 0));
+                }
+            }
+        }
+        let input: String = cases.iter().map(input_line).collect();
+        let text = run_driver(&exe, &input);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), cases.len() + 3, "driver output:\n{text}");
+        let mut large = 0;
+        for (line, case) in lines.iter().zip(&cases) {
+            let (want, _) = expected_line(case, config);
+            assert_eq!(*line, want, "{name}: {case:?}");
+            large +=
+                (batch.is_some() && DecodeConfig::is_large_batch(&shape_of(case), case.4)) as u32;
+        }
+        assert!(
+            batch.is_none() || large > 0,
+            "{name}: no large batch among the calls"
+        );
+    }
 }

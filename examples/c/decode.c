@@ -100,7 +100,7 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     sparse_mla_decode_plan plan;
     sparse_mla_decode_params prm;
     sparse_mla_decode_buffers b;
-    unsigned resident = 0, row_w = 0, page_w = 0, t, h, j, i;
+    unsigned sms = 0, resident = 0, row_w = 0, page_w = 0, t, h, j, i;
     const char* err;
     CUfunction first, combine = 0;
     uint16_t *q, *out;
@@ -112,13 +112,16 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     int bad = 0;
 
     memset(&b, 0, sizeof b);
-    /* 1. the variant, its functions and the device's resident workgroups */
-    err = sparse_mla_decode_variant(c->format, H, &plan);
+    /* 1. the kernel for this call on this GPU (format, heads, tokens, SMs: the large-batch
+          kernel at H <= 16 when T * ceil(H / 16) * 2 >= SMs), its function and the
+          workgroups of it the device runs at once */
+    CK(sparse_mla_sm_count(dev, &sms));
+    err = sparse_mla_decode_variant(c->format, H, T, sms, &plan);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
     first = get_function(dir, plan.split_kernel, plan.dynamic_smem);
     CK(sparse_mla_resident(first, &plan, dev, &resident));
-    /* 2. the plan for this call shape */
-    err = sparse_mla_plan_decode(c->format, H, T, K, num_slots, 1, resident, c->splits, &plan);
+    /* 2. the plan for this call shape (the same kernel, its splits for `resident`) */
+    err = sparse_mla_plan_decode(c->format, H, T, K, num_slots, 1, sms, resident, c->splits, &plan);
     if (!err) err = sparse_mla_cache_strides(c->format, c->num_pages, c->page_size, 0, 0, &row_w, &page_w);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
     if (plan.splits > 1) combine = get_function(dir, plan.combine_kernel, 0);
@@ -285,9 +288,11 @@ int main(int argc, char** argv) {
         {SPARSE_MLA_CACHE_BF16, 1, 1, 64, 64, 64, 0, 0},
         {SPARSE_MLA_CACHE_BF16, 16, 4, 2048, 64, 256, 0, 0},
         {SPARSE_MLA_CACHE_BF16, 16, 64, 2048, 64, 512, 1, 1},
+        {SPARSE_MLA_CACHE_BF16, 16, 128, 1024, 64, 512, 0, 1},  /* a large batch on <= 256 SMs */
         {SPARSE_MLA_CACHE_BF16, 128, 3, 777, 53, 300, 0, 1},
         {SPARSE_MLA_CACHE_BF16, 64, 2, 100, 1, 20000, 0, 0},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 16, 2, 2048, 64, 256, 0, 1},
+        {SPARSE_MLA_CACHE_FP8_DS_MLA, 3, 130, 500, 53, 400, 0, 0},   /* a large batch on <= 260 SMs */
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 128, 5, 300, 1, 40000, 0, 0},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 32, 7, 1000, 53, 200, 1, 1},
     };
@@ -300,11 +305,16 @@ int main(int argc, char** argv) {
     unsigned i, failed = 0;
 
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
-        /* the kernels every case may launch: the split kernel and the combine of each variant */
+        /* the kernels every case may launch on any GPU: its split kernel and the combine on
+           a GPU of 1 SM (a large batch at H <= 16) and of very many (never one) */
         for (i = 0; i < n; ++i) {
-            sparse_mla_decode_plan p;
-            if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, &p) == 0)
-                printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
+            static const unsigned sms[2] = {1u, 0xFFFFFFFFu};
+            unsigned g;
+            for (g = 0; g < 2; ++g) {
+                sparse_mla_decode_plan p;
+                if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, sms[g], &p) == 0)
+                    printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
+            }
         }
         return 0;
     }

@@ -5,9 +5,12 @@
 //!
 //! Everything here is derived from the kernel configurations and the plan code of
 //! [`crate::kernels::sparse_mla_decode`]: the variant table comes from scanning
-//! [`DecodeConfig::tensor_core`] over head counts, the split rule is
-//! [`DecodePlan::model_splits`] written again in C (tests/export_header.rs compiles it with the
-//! host C compiler and compares it with the Rust plan over a grid of shapes).
+//! [`DecodeConfig::tensor_core`] over head counts, the large-batch kernels from
+//! [`DecodeConfig::tensor_core_batch`]; the choice between them ([`DecodeConfig::for_call`]:
+//! [`DecodeConfig::is_large_batch`] on the SM count) and the split rule
+//! ([`DecodePlan::model_splits`]) are written again in C (tests/export_header.rs compiles them
+//! with the host C compiler and compares them with the Rust choice and plan over a grid of
+//! shapes and SM counts).
 
 use crate::emit::cuda;
 use crate::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
@@ -113,6 +116,43 @@ pub fn decode_variants(
         .collect()
 }
 
+/// The large-batch variants for `format` (`DecodeConfig::tensor_core_batch`, which the CUDA
+/// backend runs instead of the head-count variant when `DecodeConfig::is_large_batch`), by
+/// scanning the configuration choice over head counts like [`decode_variants`]: the head
+/// ranges that have one (H <= 16 today).
+pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
+    let dims = MlaDims::PRODUCTION;
+    let mut ranges: Vec<(u32, u32, DecodeConfig)> = Vec::new();
+    let mut open = false;
+    for h in 1..=SCAN_HEADS {
+        match (
+            DecodeConfig::tensor_core_batch(dims, format, h),
+            ranges.last_mut(),
+        ) {
+            (Some(c), Some((_, hi, cfg))) if open && *cfg == c => *hi = h,
+            (Some(c), _) => {
+                ranges.push((h, h, c));
+                open = true;
+            }
+            (None, _) => open = false,
+        }
+    }
+    ranges
+        .into_iter()
+        .map(|(lo, hi, config)| {
+            let (split, combine) = lowered_kernels(&config)?;
+            Ok(DecodeVariant {
+                format,
+                heads_min: lo,
+                heads_max: if hi == SCAN_HEADS { None } else { Some(hi) },
+                config,
+                split,
+                combine,
+            })
+        })
+        .collect()
+}
+
 /// Shared memory per multiprocessor of an arch (bytes), for the resident-workgroup estimate
 /// of an export made without the GPU (the runtime asks the driver instead).
 fn smem_per_sm(arch: &str) -> Option<u32> {
@@ -153,8 +193,9 @@ fn kernel_facts(k: &Kernel) -> String {
 }
 
 /// The comment block every C header of an export opens with: conventions, buffers, launch
-/// rules and limits, with the variant table of `variants`.
-fn launch_rules(variants: &[DecodeVariant]) -> String {
+/// rules and limits, with the variant table of `variants` and the large-batch kernels of
+/// `batch` (none in a per-configuration header).
+fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -171,8 +212,12 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
             v.split.name,
         );
     }
-    let mut combines: Vec<&str> = variants.iter().map(|v| v.combine.name.as_str()).collect();
-    combines.dedup();
+    let mut combines: Vec<&str> = Vec::new();
+    for v in variants.iter().chain(batch) {
+        if !combines.contains(&v.combine.name.as_str()) {
+            combines.push(v.combine.name.as_str());
+        }
+    }
     let _ = writeln!(
         s,
         "//   and for splits > 1 the combine {}.",
@@ -180,8 +225,25 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
     );
     s.push_str(
         "//   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself\n\
-         //   (no combine), with more it writes per-split partials for the combine.\n\
-         //\n\
+         //   (no combine), with more it writes per-split partials for the combine.\n",
+    );
+    if !batch.is_empty() {
+        let ranges: Vec<String> = batch
+            .iter()
+            .map(|v| format!("{} {}", v.format.name(), v.range_text()))
+            .collect();
+        let _ = writeln!(
+            s,
+            "//   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at\n\
+             //     {}:\n\
+             //   it runs the large-batch kernel of its format instead (LARGE BATCHES below). The plan\n\
+             //   helpers decide it as the runtime does: sparse_mla_decode_variant(format, H, T, sms, ...)\n\
+             //   and sparse_mla_plan_decode(..., sms, resident, ...) take the multiprocessor count `sms`.",
+            ranges.join(", ")
+        );
+    }
+    s.push_str(
+        "//\n\
          // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or\n\
          // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).\n\
          // Load with cuModuleLoadData and cuModuleGetFunction(NAME): names are extern \"C\".\n\
@@ -192,11 +254,11 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
          //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))\n\
          // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.\n",
     );
-    for v in variants {
+    for v in variants.iter().chain(batch) {
         let _ = writeln!(s, "//   {}", kernel_facts(&v.split));
     }
     for c in &combines {
-        if let Some(v) = variants.iter().find(|v| v.combine.name == *c) {
+        if let Some(v) = variants.iter().chain(batch).find(|v| v.combine.name == *c) {
             let _ = writeln!(s, "//   {}", kernel_facts(&v.combine));
         }
     }
@@ -208,8 +270,9 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
          //   blocks = ceil(topk / block_n); chunk = ceil(blocks / want) * block_n;\n\
          //   splits = ceil(topk / chunk)      (so every split but the last is full).\n\
          // `want` comes from a cost model over the workgroups the GPU runs at once:\n\
-         //   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME at\n\
-         //               its threads and SMEM) x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT\n\
+         //   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME the\n\
+         //               call runs, plan->split_kernel, at its threads and SMEM)\n\
+         //              x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (sparse_mla_resident())\n\
          //   (2 per SM on an H100/H200 for the tensor-core kernels, 1 on SM120 and sm_86/89);\n\
          //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.\n\
          //   Any splits in 1..blocks give the same result up to rounding; only speed differs.\n\
@@ -243,7 +306,7 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
          //   indices [b, s_q, topk] and out [b, s_q, H, 512] are FlashMLA's layouts unchanged.\n\
          //\n\
          // LIMITS (checked by sparse_mla_plan_decode / sparse_mla_cache_strides):\n\
-         //   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0;\n\
+         //   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0; sms >= 1;\n\
          //   num_slots = num_pages * page_size <= 2^31 - 1 (slots are i32);\n\
          //   a cache buffer spans fewer than 2^31 32-bit words (8 GiB): split the cache per layer;\n\
          //   q spans fewer than 2^31 words.\n\
@@ -261,7 +324,10 @@ fn launch_rules(variants: &[DecodeVariant]) -> String {
 }
 
 /// The plan helpers in C: variant choice, split model, limits, cache strides. No CUDA headers.
-fn plan_code(variants: &[DecodeVariant]) -> Result<String> {
+/// `batch`: the large-batch kernels the variant choice takes first when
+/// `sparse_mla_is_large_batch` (none in a per-configuration header: its choice is its one
+/// kernel per head range).
+fn plan_code(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> Result<String> {
     let first = variants
         .first()
         .ok_or_else(|| Error::arg("variants", "at least one", 0))?;
@@ -303,19 +369,41 @@ typedef struct sparse_mla_decode_plan {{
     unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
 }} sparse_mla_decode_plan;
 
-/* The variant for (format, heads): kernel names, block sizes, shared memory. Returns 0 on
-   success, else a message naming the argument. */
-static inline const char* sparse_mla_decode_variant(int format, unsigned heads, sparse_mla_decode_plan* p) {{
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
+   multiprocessors (DecodeConfig::is_large_batch): its 16-head blocks fill half the
+   multiprocessors or more without splitting, tokens x ceil(heads / 16) x 2 >= sms. */
+static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, unsigned sms) {{
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    return 2u * blocks >= (unsigned long long)sms;
+}}
+
+/* The kernel of one call{batch_doc}
+   `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. Fills the kernel names, block
+   sizes, threads and shared memory. Returns 0 on success, else a message naming the argument. */
+static inline const char* sparse_mla_decode_variant(int format, unsigned heads, unsigned tokens, unsigned sms,
+                                                    sparse_mla_decode_plan* p) {{
     if (format != SPARSE_MLA_CACHE_BF16 && format != SPARSE_MLA_CACHE_FP8_DS_MLA)
         return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
     if (heads == 0) return "heads: expected at least 1";
+    if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
 "#,
         d_qk = dims.d_qk(),
         d_v = dims.d_v(),
         fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
         bf16 = CacheFormat::Bf16.row_bytes(dims),
+        batch_doc = if batch.is_empty() {
+            ": this export's kernel for the cache format and head count. It has no\n   \
+             large-batch kernel (see the top of this header): `tokens` and `sms` do not change\n   \
+             the choice here, where the runtime and sparse_mla.h of the standard set would pick\n   \
+             the large-batch kernel for a large batch at H <= 16."
+        } else {
+            ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
+             and head count, and at H <= 16 by the call's size on the GPU: the large-batch\n   \
+             kernel when sparse_mla_is_large_batch(heads, tokens, sms)."
+        },
     );
-    for v in variants {
+    // one `if` per kernel: its head range within its format
+    let case = |s: &mut String, v: &DecodeVariant, indent: &str| {
         let fmt = match v.format {
             CacheFormat::Bf16 => "SPARSE_MLA_CACHE_BF16",
             CacheFormat::Fp8DsMla => "SPARSE_MLA_CACHE_FP8_DS_MLA",
@@ -326,7 +414,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         let _ = write!(
             s,
-            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
+            "{indent}if ({cond}) {{\n{indent}    p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n{indent}    p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n{indent}    return 0;\n{indent}}}\n",
             v.split.name,
             v.combine.name,
             v.config.block_h,
@@ -335,6 +423,18 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             v.combine.workgroup_size,
             v.dynamic_smem()
         );
+    };
+    if batch.is_empty() {
+        s.push_str("    (void)tokens; /* no large-batch kernel in this export */\n");
+    } else {
+        s.push_str("    if (sparse_mla_is_large_batch(heads, tokens, sms)) {\n");
+        for v in batch {
+            case(&mut s, v, "        ");
+        }
+        s.push_str("    }\n");
+    }
+    for v in variants {
+        case(&mut s, v, "    ");
     }
     let ranges: Vec<String> = variants
         .iter()
@@ -374,13 +474,16 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
     return best;
 }}
 
-/* Everything one decode call needs: variant, splits, chunk, grids, scratch sizes; limits checked.
-   splits = 0: the cost model for `resident` workgroups; else that many (capped at the blocks of
-   topk, as the runtime does). Returns 0 on success, else a message naming the argument. */
+/* Everything one decode call needs: kernel, splits, chunk, grids, scratch sizes; limits checked.
+   The kernel is sparse_mla_decode_variant(format, heads, tokens, sms). `sms`: the GPU's
+   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT. `resident`: workgroups of that kernel the GPU runs
+   at once (sparse_mla_resident() on its function). splits = 0: the cost model for `resident`
+   workgroups; else that many (capped at the blocks of topk, as the runtime does). Returns 0 on
+   success, else a message naming the argument. */
 static inline const char* sparse_mla_plan_decode(int format, unsigned heads, unsigned tokens, unsigned topk,
-                                                 unsigned long long num_slots, unsigned lse_s_q,
+                                                 unsigned long long num_slots, unsigned lse_s_q, unsigned sms,
                                                  unsigned resident, unsigned splits, sparse_mla_decode_plan* p) {{
-    const char* err = sparse_mla_decode_variant(format, heads, p);
+    const char* err = sparse_mla_decode_variant(format, heads, tokens, sms, p);
     unsigned blocks, want;
     unsigned long long words;
     if (err) return err;
@@ -512,8 +615,19 @@ static inline CUresult sparse_mla_allow_smem(CUfunction f, unsigned dynamic_smem
     return cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (int)dynamic_smem);
 }}
 
-/* Workgroups of the split kernel `split` (plan->split_kernel, after sparse_mla_allow_smem)
-   the device runs at once: what the runtime feeds the split model. */
+/* Multiprocessors of `dev`: the `sms` of sparse_mla_decode_variant / sparse_mla_plan_decode. */
+static inline CUresult sparse_mla_sm_count(CUdevice dev, unsigned* sms) {{
+    int n = 0;
+    CUresult r = cuDeviceGetAttribute(&n, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+    if (r != CUDA_SUCCESS) return r;
+    *sms = (unsigned)(n > 0 ? n : 1);
+    return CUDA_SUCCESS;
+}}
+
+/* Workgroups of the split kernel `split` the device runs at once (occupancy x multiprocessors):
+   the `resident` of sparse_mla_plan_decode, what the runtime feeds the split model. `split` is
+   the function of plan->split_kernel as sparse_mla_decode_variant picked it for the call
+   (after sparse_mla_allow_smem); each kernel has its own count. */
 static inline CUresult sparse_mla_resident(CUfunction split, const sparse_mla_decode_plan* p, CUdevice dev,
                                            unsigned* resident) {{
     int per_sm = 0, sms = 0;
@@ -588,24 +702,29 @@ fn kernel_structs(kernels: &[&Kernel]) -> String {
     h
 }
 
-/// The large-batch kernels (`DecodeConfig::tensor_core_batch`) and when the backend runs them.
-fn batch_rules() -> Result<String> {
+/// The large-batch kernels (`DecodeConfig::tensor_core_batch`, here `batch`) and when the
+/// backend runs them.
+fn batch_rules(batch: &[DecodeVariant]) -> String {
     let mut s = String::from(
         "//\n\
          // LARGE BATCHES. For H <= 16 the backend runs a third kernel when the call's head blocks\n\
          // fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7\n\
          // ring in two warp groups of 4 warps, each walking every other step (a GPU holding one\n\
          // workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and\n\
-         // split rules as the variants above (block_h 16, block_n 32), one workgroup per SM:\n",
+         // split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds\n\
+         // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and\n\
+         // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):\n",
     );
-    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        let dims = MlaDims::PRODUCTION;
-        if let Some(config) = DecodeConfig::tensor_core_batch(dims, format, 16) {
-            let (split, _) = lowered_kernels(&config)?;
-            let _ = writeln!(s, "//   {:<10} {}", format.name(), kernel_facts(&split));
-        }
+    for v in batch {
+        let _ = writeln!(
+            s,
+            "//   {:<10} {:<14} {}",
+            v.format.name(),
+            v.range_text(),
+            kernel_facts(&v.split)
+        );
     }
-    Ok(s)
+    s
 }
 
 /// `cuda/sparse_mla.h`: launch rules of the production (tensor-core) decode kernels, the plan
@@ -613,6 +732,8 @@ fn batch_rules() -> Result<String> {
 pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
     let mut variants = decode_variants(ExportLowering::Mma, CacheFormat::Bf16)?;
     variants.extend(decode_variants(ExportLowering::Mma, CacheFormat::Fp8DsMla)?);
+    let mut batch = batch_variants(CacheFormat::Bf16)?;
+    batch.extend(batch_variants(CacheFormat::Fp8DsMla)?);
     let mut h = String::from(
         "// sparse_mla.h: how to launch the generated CUDA kernels in this folder.\n\
          // Generated by `mla-export --all`; do not edit (change src/kernels/ and re-export).\n\
@@ -626,13 +747,58 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
          // the same rules with the block_h x block_n in their names. Cache write and block-table\n\
          // conversion: see their structs at the end.\n//\n",
     );
-    h.push_str(&launch_rules(&variants));
-    h.push_str(&batch_rules()?);
+    h.push_str(&launch_rules(&variants, &batch));
+    h.push_str(&batch_rules(&batch));
     h.push_str("\n#pragma once\n\n");
-    h.push_str(&plan_code(&variants)?);
+    h.push_str(&plan_code(&variants, &batch)?);
     h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");
     h.push_str(&kernel_structs(kernels));
     Ok(h)
+}
+
+/// What a per-configuration header serves: its one split kernel for the whole head range,
+/// and where the large-batch kernel the backend runs instead for some calls is exported
+/// (the standard set: it is not part of a per-configuration export).
+fn one_kernel_note(
+    shape: &DecodeShape,
+    lowering: ExportLowering,
+    variant: &DecodeVariant,
+    sms: u32,
+) -> Result<String> {
+    let mut s = format!(
+        "// ONE KERNEL. This export is for one fixed decode kernel, for every call at {} ({}\n\
+         // lowering; the combine {} merges its splits):\n\
+         //   {}\n\
+         // and sparse_mla_plan_decode() below always plans it.\n",
+        variant.range_text(),
+        lowering.name(),
+        variant.combine.name,
+        variant.split.name,
+    );
+    let overlaps = |b: &DecodeVariant| {
+        b.heads_min <= variant.heads_max.unwrap_or(u32::MAX)
+            && variant.heads_min <= b.heads_max.unwrap_or(u32::MAX)
+    };
+    for b in batch_variants(shape.format)?.iter().filter(|b| overlaps(b)) {
+        let example = if b.contains(shape.heads) && DecodeConfig::is_large_batch(shape, sms) {
+            format!(" (the example call below is one, on {sms} SMs)")
+        } else {
+            String::new()
+        };
+        let _ = write!(
+            s,
+            "// For a large batch at {}, T * ceil(H / 16) * 2 >= SM count, the CUDA backend runs\n\
+             // the large-batch kernel instead{example}:\n\
+             //   {}\n\
+             // It is not in this export. It is in the standard set (`mla-export --all`, cuda/NAME.cu),\n\
+             // whose cuda/sparse_mla.h plans both kernels as the backend does. This header's plan is\n\
+             // correct for any call, but slower than the backend's for a large batch.\n",
+            b.range_text(),
+            b.split.name,
+        );
+    }
+    s.push_str("//\n");
+    Ok(s)
 }
 
 /// The per-configuration launch header: this configuration's facts as macros, the launch rules,
@@ -654,7 +820,7 @@ pub fn config_header(
          //\n\
          // The macros are this export's example call: heads {}, tokens {}, topk {}, with the\n\
          // splits the runtime's model picks for {sms} SMs x {per_sm} resident workgroups each\n\
-         // (estimated for {arch}; on the GPU, take sparse_mla_resident() or the occupancy API) \n\
+         // (estimated for {arch}; on the GPU, take sparse_mla_resident() or the occupancy API)\n\
          // {}. Heads, tokens, topk, page size and splits are run-time parameters: call\n\
          // sparse_mla_plan_decode() per call shape.\n//\n",
         lowering.name(),
@@ -670,7 +836,8 @@ pub fn config_header(
             format!("-> {} splits", plan.splits)
         }
     );
-    h.push_str(&launch_rules(std::slice::from_ref(variant)));
+    h.push_str(&one_kernel_note(shape, lowering, variant, sms)?);
+    h.push_str(&launch_rules(std::slice::from_ref(variant), &[]));
     h.push_str("\n#pragma once\n\n");
     let _ = write!(
         h,
@@ -707,7 +874,7 @@ pub fn config_header(
             0
         },
     );
-    h.push_str(&plan_code(std::slice::from_ref(variant))?);
+    h.push_str(&plan_code(std::slice::from_ref(variant), &[])?);
     h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
     h.push_str(&kernel_structs(&[&variant.split, &variant.combine]));
     Ok(h)

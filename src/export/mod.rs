@@ -10,7 +10,7 @@ use crate::kernels::{standard_set, Target};
 use crate::kir::Kernel;
 use crate::mla::DecodeShape;
 use crate::{Error, Result};
-pub use header::{c_header, decode_variants, DecodeVariant, ExportLowering};
+pub use header::{batch_variants, c_header, decode_variants, DecodeVariant, ExportLowering};
 use std::path::{Path, PathBuf};
 
 /// A file to write, relative to the output root.
