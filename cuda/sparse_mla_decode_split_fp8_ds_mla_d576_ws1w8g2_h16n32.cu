@@ -1872,7 +1872,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             }
         }
     }
-    __syncthreads();
     if (warp_group == 0u) {
         #pragma unroll 4
         for (unsigned merge_row0 = group_tid; merge_row0 < 16u; merge_row0 += 128u) {

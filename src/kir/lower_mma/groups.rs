@@ -301,13 +301,14 @@ pub(super) fn replicate(
     // the merge's own shared arrays (the exchange, the factors) are the workgroup's, not a
     // group's copy; groups 1.. write their accumulators into the exchange
     let exchange = |s: Vec<Stmt>| rename_shared(s, &plan.exchange, &plan.ring);
+    // every group has stored its state and left its ring: groups 1.. write their accumulators
+    // into the exchange while group 0 merges the states (M, f_g, L per row). Only group 0
+    // reads what another group wrote: compute-sanitizer's racecheck reports group 0's writes
+    // read by a group that walked fewer steps as hazards, across the barrier that orders them
+    // (a false report; benches/NOTES.md, v12)
     out.push(Stmt::Comment(MERGE_MARK.into()));
-    out.extend(exchange(rw.stmts(&body[merge + 1..combine])));
-    // the states meet in group 0: M, f_g, L per row (every group has stored its state). Only
-    // group 0 reads what another group wrote: compute-sanitizer's racecheck reports group 0's
-    // writes read by a group that walked fewer steps as hazards, across the barrier that orders
-    // them (a false report; benches/NOTES.md, v12)
     out.push(Stmt::Barrier);
+    out.extend(exchange(rw.stmts(&body[merge + 1..combine])));
     for (k, (m, l, rows)) in plan.states.iter().enumerate() {
         let r = format!("merge_row{k}");
         let rv = var(&r, Ty::U32);
