@@ -127,6 +127,31 @@ fn work_dir() -> PathBuf {
     std::env::temp_dir().join(format!("sparse-mla-emu-{}", std::process::id()))
 }
 
+/// Removes the emulator directories of test processes that no longer run: each holds the
+/// runtime library and a ~15 MB precompiled header, and a process cannot remove its own while
+/// other tests may still compile into it, so every run sweeps up after the earlier ones.
+/// Only where `/proc` says which processes run (Linux); elsewhere nothing is removed.
+fn sweep_stale_work_dirs() {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("sparse-mla-emu-"))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}
+
 fn os(s: &str) -> &OsStr {
     OsStr::new(s)
 }
@@ -164,6 +189,7 @@ const KERNEL_FLAGS: [&str; 5] = ["-std=c++17", "-O1", "-g0", "-fPIC", "-w"];
 fn runtime_library() -> std::result::Result<&'static Path, String> {
     static LIB: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
     let built = LIB.get_or_init(|| {
+        sweep_stale_work_dirs();
         let dir = work_dir();
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let (header, pch) = (dir.join("prelude.h"), dir.join("prelude.h.gch"));
