@@ -31,6 +31,7 @@ MUTATIONS=(
   "fp8 scale of tile k+1 used for tile k#src/kernels/sparse_mla_decode/split.rs#'|_, r| scales.at(r, u(k)),'#'|_, r| scales.at(r, u((k + 1) % 4)),'#--test mma_emulated --test conformance"
   "e4m3 decode: exponent bias off by one#src/emit/cuda.rs#'__uint_as_float(((e + 120u) << 23) | (m << 20));'#'__uint_as_float(((e + 121u) << 23) | (m << 20));'#--test mma_emulated"
   "warp groups: no barrier between the merge factors and their use#src/kir/lower_mma/groups.rs#'    out.push(Stmt::Barrier);\n    // the accumulators meet'#'    // the accumulators meet'#--test mma_emulated"
+  "ring release: every thread arrives, the empty mbarrier expects one per warp#src/kir/lower_mma/ws.rs#'            index: u(stages + s),\n            count: threads,'#'            index: u(stages + s),\n            count: threads / WARP,'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
 )
 
