@@ -1,10 +1,12 @@
 //! The C plan helpers of `cuda/sparse_mla.h` make the same choices as the Rust runtime: the
-//! header is compiled with the host C compiler and its kernel choice (the head-count variant or
-//! the large-batch kernel, `DecodeConfig::for_call` on the SM count), splits, chunk, grid,
-//! threads, shared memory and scratch sizes are compared with what the CUDA backend launches
-//! (`for_call`, `lowered_kernels`, `DecodePlan::with_config`) over a grid of shapes, SM counts
-//! and resident workgroup counts; its limit checks reject what `check_shape` /
-//! `CacheGeometry` reject. A per-configuration header plans its one kernel for every call.
+//! header is compiled with the host C compiler and its kernel choice (the large-batch kernel,
+//! or v6 / v7 by the v6 occupancy per SM: `DecodeConfig::for_call` on the SM count and
+//! `v6_per_sm`), splits, chunk, grid, threads, shared memory and scratch sizes are compared with
+//! what the CUDA backend launches (`for_call`, `lowered_kernels`, `DecodePlan::with_config`)
+//! over a grid of shapes, SM counts, v6 occupancies and resident workgroup counts; its limit
+//! checks reject what `check_shape` / `CacheGeometry` reject; `sparse_mla_v6_kernel` names the
+//! kernel the runtime asks the occupancy of. A per-configuration header plans its one kernel
+//! for every call.
 //! Skipped, with the reason printed, when no C compiler is found (tools/test.sh requires one).
 
 use sparse_mla::emit::cuda::dynamic_shared_bytes;
@@ -38,12 +40,13 @@ const DRIVER: &str = r#"
 #include <stdlib.h>
 #include HEADER
 int main(void) {
-    /* lines of: format heads tokens topk num_slots lse_s_q sms resident splits */
-    int format; unsigned heads, tokens, topk, lse_s_q, sms, resident, splits; unsigned long long slots;
-    while (scanf("%d %u %u %u %llu %u %u %u %u", &format, &heads, &tokens, &topk, &slots, &lse_s_q, &sms, &resident,
-                 &splits) == 9) {
+    /* lines of: format heads tokens topk num_slots lse_s_q sms v6_per_sm resident splits */
+    int format; unsigned heads, tokens, topk, lse_s_q, sms, v6, resident, splits; unsigned long long slots;
+    while (scanf("%d %u %u %u %llu %u %u %u %u %u", &format, &heads, &tokens, &topk, &slots, &lse_s_q, &sms, &v6,
+                 &resident, &splits) == 10) {
         sparse_mla_decode_plan p;
-        const char* err = sparse_mla_plan_decode(format, heads, tokens, topk, slots, lse_s_q, sms, resident, splits, &p);
+        const char* err = sparse_mla_plan_decode(format, heads, tokens, topk, slots, lse_s_q, sms, v6, resident, splits,
+                                                 &p);
         if (err) { printf("error %s\n", err); continue; }
         printf("ok %s %s %u %u %u %u %u %u %u %llu %llu %u %u %u", p.split_kernel, p.combine_kernel, p.splits, p.chunk,
                p.grid[0], p.grid[1], p.grid[2], p.threads, p.dynamic_smem, p.o_part_bytes, p.lse_part_bytes, p.block_h,
@@ -60,12 +63,25 @@ int main(void) {
         e1 = sparse_mla_cache_strides(0, 1000000, 2048, 0, 0, &rw, &pw);
         printf("strides %s\n", e1 ? e1 : "ok");
     }
+#ifdef V6_KERNEL
+    {   /* the kernel whose occupancy is v6_per_sm, per head count */
+        static const unsigned hs[] = {0, 1, 16, 17, 128, 4000};
+        unsigned i;
+        for (i = 0; i < sizeof hs / sizeof hs[0]; ++i) {
+            sparse_mla_decode_plan p;
+            const char* e = sparse_mla_v6_kernel(hs[i], &p);
+            if (e) printf("v6 %u error %s\n", hs[i], e);
+            else printf("v6 %u %s %u %u\n", hs[i], p.split_kernel, p.threads, p.dynamic_smem);
+        }
+    }
+#endif
     return 0;
 }
 "#;
 
-/// Compiles DRIVER against `header` (written into `dir`) with warnings as errors.
-fn build_driver(cc: &str, dir: &Path, header: &str, header_text: &str) -> PathBuf {
+/// Compiles DRIVER against `header` (written into `dir`) with warnings as errors; `v6_kernel`:
+/// with the lines of `sparse_mla_v6_kernel` (the standard header has it).
+fn build_driver(cc: &str, dir: &Path, header: &str, header_text: &str, v6_kernel: bool) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join(header), header_text).unwrap();
     std::fs::write(dir.join("driver.c"), DRIVER).unwrap();
@@ -73,6 +89,7 @@ fn build_driver(cc: &str, dir: &Path, header: &str, header_text: &str) -> PathBu
     let out = Command::new(cc)
         .args(["-std=c99", "-O1", "-Wall", "-Wextra", "-Werror"])
         .arg(format!("-DHEADER=\"{header}\""))
+        .args(v6_kernel.then_some("-DV6_KERNEL"))
         .arg("-o")
         .arg(&exe)
         .arg(dir.join("driver.c"))
@@ -104,12 +121,13 @@ fn run_driver(exe: &Path, input: &str) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// One planned call: (format, heads, tokens, topk, sms, resident, splits; 0: the model).
-type Case = (CacheFormat, u32, u32, u32, u32, u32, u32);
+/// One planned call: (format, heads, tokens, topk, sms, v6_per_sm, resident, splits; 0: the
+/// model).
+type Case = (CacheFormat, u32, u32, u32, u32, u32, u32, u32);
 
-fn input_line(&(format, heads, tokens, topk, sms, resident, splits): &Case) -> String {
+fn input_line(&(format, heads, tokens, topk, sms, v6, resident, splits): &Case) -> String {
     format!(
-        "{} {heads} {tokens} {topk} 65536 1 {sms} {resident} {splits}\n",
+        "{} {heads} {tokens} {topk} 65536 1 {sms} {v6} {resident} {splits}\n",
         (format == CacheFormat::Fp8DsMla) as u32
     )
 }
@@ -131,7 +149,7 @@ fn shape_of(&(format, heads, tokens, topk, ..): &Case) -> DecodeShape {
 /// The driver's line for a call launched with `config`: its kernels, threads, shared memory
 /// and the plan `DecodePlan::with_config` makes for `resident` workgroups (the backend's).
 fn expected_line(case: &Case, config: DecodeConfig) -> (String, DecodePlan) {
-    let &(_, heads, tokens, _, _, resident, splits) = case;
+    let &(_, heads, tokens, _, _, _, resident, splits) = case;
     let shape = shape_of(case);
     let (split, combine) = lowered_kernels(&config).unwrap();
     let plan =
@@ -179,7 +197,7 @@ fn c_plan_matches_the_runtime_plan() {
     };
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("export_header");
     // the header exactly as `mla-export --all` writes it (the kernel structs are irrelevant here)
-    let exe = build_driver(&cc, &dir, "sparse_mla.h", &c_header(&[]).unwrap());
+    let exe = build_driver(&cc, &dir, "sparse_mla.h", &c_header(&[]).unwrap(), true);
 
     let seed = test_seed();
     println!("c_plan_matches_the_runtime_plan: seed {seed} (SPARSE_MLA_SEED replays)");
@@ -191,66 +209,92 @@ fn c_plan_matches_the_runtime_plan() {
             for tokens in [1u32, 2, 8, 33, 41, 42, 65, 66, 93, 94, 128, 1000] {
                 for topk in [1u32, 31, 64, 100, 2048, 2049] {
                     for sms in [132u32, 188, 84] {
-                        // the chosen kernel's occupancy x SMs, at times something odd
-                        let resident = match rng.below(8) {
-                            0 => [1u32, 377][rng.below(2) as usize],
-                            r => sms * (1 + r as u32 % 2),
-                        };
-                        let splits = if rng.below(4) == 0 {
-                            1 + rng.below(80) as u32
-                        } else {
-                            0
-                        };
-                        cases.push((format, heads, tokens, topk, sms, resident, splits));
+                        // bf16 v6 workgroups per SM: SM120 / sm_86/89 (1), H100/H200 (2), and
+                        // a GPU with room for more (3: the rule is `>= 2`)
+                        for v6 in [1u32, 2, 3] {
+                            // the chosen kernel's occupancy x SMs, at times something odd
+                            let resident = match rng.below(8) {
+                                0 => [1u32, 377][rng.below(2) as usize],
+                                r => sms * (1 + r as u32 % 2),
+                            };
+                            let splits = if rng.below(4) == 0 {
+                                1 + rng.below(80) as u32
+                            } else {
+                                0
+                            };
+                            cases.push((format, heads, tokens, topk, sms, v6, resident, splits));
+                        }
                     }
                 }
             }
         }
     }
     let mut input: String = cases.iter().map(input_line).collect();
-    // limits: tokens 0 and 65536, a cache of 8 GiB, lse_s_q not dividing T, heads 0, sms 0
-    input.push_str("0 16 0 2048 65536 1 132 132 0\n0 16 65536 2048 65536 1 132 132 0\n");
+    // limits: tokens 0 and 65536, a cache of 8 GiB, lse_s_q not dividing T, heads 0, sms 0,
+    // v6_per_sm 0 (both formats)
+    input.push_str("0 16 0 2048 65536 1 132 2 132 0\n0 16 65536 2048 65536 1 132 2 132 0\n");
     input.push_str(
-        "0 16 4 2048 7456541 1 132 132 0\n0 16 6 2048 65536 4 132 132 0\n0 0 6 2048 65536 1 132 132 0\n",
+        "0 16 4 2048 7456541 1 132 2 132 0\n0 16 6 2048 65536 4 132 2 132 0\n0 0 6 2048 65536 1 132 2 132 0\n",
     );
-    input.push_str("1 16 6 2048 65536 1 0 132 0\n");
+    input.push_str("1 16 6 2048 65536 1 0 2 132 0\n");
+    input.push_str("0 16 6 2048 65536 1 132 0 132 0\n1 64 6 2048 65536 1 132 0 132 0\n");
     let text = run_driver(&exe, &input);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), cases.len() + 6 + 3, "driver output:\n{text}");
+    assert_eq!(
+        lines.len(),
+        cases.len() + 8 + 3 + 6,
+        "driver output:\n{text}"
+    );
     let mut multi_split = 0;
-    // (format, large batch) -> calls at H <= 16
-    let mut small_heads = std::collections::HashMap::new();
+    // (format, kernel family) -> calls
+    let mut picked = std::collections::HashMap::new();
     for (line, case) in lines.iter().zip(&cases) {
-        let &(format, heads, tokens, topk, sms, resident, splits) = case;
-        // what the CUDA backend runs (runtime/cuda.rs decode_kernel_choice) on a GPU that
-        // holds two bf16 v6 workgroups per SM, the GPU the header's variant table is for
+        let &(format, heads, tokens, topk, sms, v6, resident, splits) = case;
+        // what the CUDA backend runs (runtime/cuda.rs decode_kernel_choice) on a GPU of `sms`
+        // SMs that holds `v6` bf16 v6 workgroups per SM
         let config = DecodeConfig::for_call(&shape_of(case), sms, || {
-            Ok::<u32, std::convert::Infallible>(2)
+            Ok::<u32, std::convert::Infallible>(v6)
         })
         .unwrap();
         let (want, plan) = expected_line(case, config);
         assert_eq!(
             *line, want,
-            "format {format:?} H {heads} T {tokens} topk {topk} sms {sms} resident {resident} splits {splits}"
+            "format {format:?} H {heads} T {tokens} topk {topk} sms {sms} v6_per_sm {v6} resident {resident} splits {splits}"
         );
         multi_split += (plan.splits > 1) as u32;
-        if heads <= 16 {
-            let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, heads);
-            *small_heads
-                .entry((format, Some(config) == batch))
-                .or_insert(0u32) += 1;
-        }
+        let dims = MlaDims::PRODUCTION;
+        let family = if Some(config) == DecodeConfig::tensor_core_batch(dims, format, heads) {
+            "batch"
+        } else if config == DecodeConfig::tensor_core_v6(dims, format, heads) {
+            "v6"
+        } else if config == DecodeConfig::tensor_core_v7(dims, format, heads) {
+            "v7"
+        } else {
+            panic!("{config:?}: neither the large-batch kernel, v6 nor v7")
+        };
+        *picked
+            .entry((format, family, heads <= 16, v6))
+            .or_insert(0u32) += 1;
     }
     // the grid must exercise both the one-split and the combine paths
     assert!(multi_split > 20 && (multi_split as usize) < cases.len() - 20);
-    // and both sides of the large-batch rule, in each format
-    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        for batch in [false, true] {
-            let n = small_heads.get(&(format, batch)).copied().unwrap_or(0);
-            assert!(
-                n > 50,
-                "{format:?} large batch {batch}: {n} calls at H <= 16"
-            );
+    // and every side of the rules: the large batch at H <= 16 in each format; for bf16 v7 at one
+    // v6 workgroup per SM and v6 at two or more, in each head range; fp8 v7 at any
+    let count = |k: (CacheFormat, &str, bool, u32)| picked.get(&k).copied().unwrap_or(0);
+    for v6 in [1u32, 2, 3] {
+        for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+            let n = count((format, "batch", true, v6));
+            assert!(n > 20, "{format:?} v6_per_sm {v6}: {n} large batches");
+        }
+        let bf16 = if v6 >= 2 { "v6" } else { "v7" };
+        for small in [true, false] {
+            for (format, family) in [(CacheFormat::Bf16, bf16), (CacheFormat::Fp8DsMla, "v7")] {
+                let n = count((format, family, small, v6));
+                assert!(
+                    n > 50,
+                    "{format:?} {family} v6_per_sm {v6} H <= 16 {small}: {n} calls"
+                );
+            }
         }
     }
     let tail = &lines[cases.len()..];
@@ -260,9 +304,24 @@ fn c_plan_matches_the_runtime_plan() {
     assert!(tail[3].starts_with("error lse_s_q:"), "{}", tail[3]);
     assert!(tail[4].starts_with("error heads:"), "{}", tail[4]);
     assert!(tail[5].starts_with("error sms:"), "{}", tail[5]);
-    assert_eq!(tail[6], "strides ok 288 18432");
-    assert!(tail[7].starts_with("strides row stride:"), "{}", tail[7]);
-    assert!(tail[8].starts_with("strides kv_cache:"), "{}", tail[8]);
+    assert!(tail[6].starts_with("error v6_per_sm:"), "{}", tail[6]);
+    assert!(tail[7].starts_with("error v6_per_sm:"), "{}", tail[7]);
+    assert_eq!(tail[8], "strides ok 288 18432");
+    assert!(tail[9].starts_with("strides row stride:"), "{}", tail[9]);
+    assert!(tail[10].starts_with("strides kv_cache:"), "{}", tail[10]);
+    // sparse_mla_v6_kernel: the kernel the runtime asks the occupancy of for `v6_per_sm`
+    assert!(tail[11].starts_with("v6 0 error heads:"), "{}", tail[11]);
+    for (line, heads) in tail[12..].iter().zip([1u32, 16, 17, 128, 4000]) {
+        let v6 = DecodeConfig::tensor_core_v6(MlaDims::PRODUCTION, CacheFormat::Bf16, heads);
+        let (split, _) = lowered_kernels(&v6).unwrap();
+        let want = format!(
+            "v6 {heads} {} {} {}",
+            split.name,
+            split.workgroup_size,
+            dynamic_shared_bytes(&split)
+        );
+        assert_eq!(*line, want);
+    }
 }
 
 /// A per-configuration header carries one split kernel per head range and no large-batch
@@ -283,7 +342,7 @@ fn config_header_plans_its_one_kernel() {
         let req = ConfigRequest {
             shape: DecodeShape {
                 tokens: 128,
-                ..shape_of(&(format, heads, 1, 2048, 0, 0, 0))
+                ..shape_of(&(format, heads, 1, 2048, 0, 0, 0, 0))
             },
             splits: None,
             sms: 132,
@@ -312,6 +371,23 @@ fn config_header_plans_its_one_kernel() {
             text.contains("ONE KERNEL.") && text.contains(&split.name),
             "{name}"
         );
+        // it says plainly which kernel it is, and for bf16 which one the backend runs instead
+        // where one v6 workgroup fills an SM
+        let v7 = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, heads);
+        let (v7_split, _) = lowered_kernels(&v7).unwrap();
+        if format == CacheFormat::Bf16 {
+            assert!(
+                text.contains("one fixed decode kernel, v6,")
+                    && text.contains(&format!(
+                        "it runs v7 instead, in the standard set, not here:\n//   {}\n",
+                        v7_split.name
+                    )),
+                "{name}"
+            );
+        } else {
+            assert_eq!(split.name, v7_split.name, "{name}");
+            assert!(text.contains("one fixed decode kernel, v7,"), "{name}");
+        }
         if let Some(b) = batch {
             let (b_split, _) = lowered_kernels(&b).unwrap();
             assert!(
@@ -327,7 +403,7 @@ fn config_header_plans_its_one_kernel() {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join("export_header_config")
             .join(format!("{}_{heads}", format.name()));
-        let exe = build_driver(&cc, &dir, &name, &text);
+        let exe = build_driver(&cc, &dir, &name, &text, false);
         let head_list: Vec<u32> = if heads <= 16 {
             vec![1, 3, 16]
         } else {
@@ -336,8 +412,8 @@ fn config_header_plans_its_one_kernel() {
         let mut cases: Vec<Case> = Vec::new();
         for &h in &head_list {
             for tokens in [1u32, 65, 66, 1000] {
-                for (sms, resident) in [(132u32, 264u32), (84, 84)] {
-                    cases.push((format, h, tokens, 2048, sms, resident, 0));
+                for (sms, v6, resident) in [(132u32, 2u32, 264u32), (84, 1, 84)] {
+                    cases.push((format, h, tokens, 2048, sms, v6, resident, 0));
                 }
             }
         }

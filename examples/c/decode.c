@@ -100,7 +100,7 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     sparse_mla_decode_plan plan;
     sparse_mla_decode_params prm;
     sparse_mla_decode_buffers b;
-    unsigned sms = 0, resident = 0, row_w = 0, page_w = 0, t, h, j, i;
+    unsigned sms = 0, v6_per_sm = 0, resident = 0, row_w = 0, page_w = 0, t, h, j, i;
     const char* err;
     CUfunction first, combine = 0;
     uint16_t *q, *out;
@@ -112,16 +112,27 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     int bad = 0;
 
     memset(&b, 0, sizeof b);
-    /* 1. the kernel for this call on this GPU (format, heads, tokens, SMs: the large-batch
-          kernel at H <= 16 when T * ceil(H / 16) * 2 >= SMs), its function and the
-          workgroups of it the device runs at once */
+    /* 1. the kernel for this call on this GPU, as the runtime picks it: by format, heads, tokens
+          and SMs (the large-batch kernel at H <= 16 when T * ceil(H / 16) * 2 >= SMs), else for
+          bf16 by how many workgroups of the v6 split kernel for H one SM holds (v6 where two
+          fit: H100/H200; v7 where one: SM120, sm_86/89). Then its function and the workgroups
+          of it the device runs at once. SMs and v6_per_sm are per GPU (and head count): a real
+          integrator asks once; get_function() loads each kernel once. */
     CK(sparse_mla_sm_count(dev, &sms));
-    err = sparse_mla_decode_variant(c->format, H, T, sms, &plan);
+    if (c->format == SPARSE_MLA_CACHE_BF16) {
+        sparse_mla_decode_plan v6;
+        err = sparse_mla_v6_kernel(H, &v6);
+        if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
+        CK(sparse_mla_v6_per_sm(get_function(dir, v6.split_kernel, v6.dynamic_smem), &v6, &v6_per_sm));
+    } else {
+        v6_per_sm = 1; /* fp8_ds_mla runs v7 at any v6 occupancy */
+    }
+    err = sparse_mla_decode_variant(c->format, H, T, sms, v6_per_sm, &plan);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
     first = get_function(dir, plan.split_kernel, plan.dynamic_smem);
     CK(sparse_mla_resident(first, &plan, dev, &resident));
     /* 2. the plan for this call shape (the same kernel, its splits for `resident`) */
-    err = sparse_mla_plan_decode(c->format, H, T, K, num_slots, 1, sms, resident, c->splits, &plan);
+    err = sparse_mla_plan_decode(c->format, H, T, K, num_slots, 1, sms, v6_per_sm, resident, c->splits, &plan);
     if (!err) err = sparse_mla_cache_strides(c->format, c->num_pages, c->page_size, 0, 0, &row_w, &page_w);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
     if (plan.splits > 1) combine = get_function(dir, plan.combine_kernel, 0);
@@ -271,9 +282,9 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     {
         double rel = sqrt(err2 / (ref2 > 0 ? ref2 : 1));
         int pass = !bad && rel <= 1e-2 && lse_err <= 1e-3;
-        printf("| %-10s | %3u | %3u | %4u | %4u | %2u%s | %-58s | %9.2e | %9.2e | %s |\n",
+        printf("| %-10s | %3u | %3u | %4u | %4u | %2u%s | %-58s | %9u | %9.2e | %9.2e | %s |\n",
                c->format ? "fp8_ds_mla" : "bf16", H, T, K, c->page_size, plan.splits, c->splits ? "*" : " ",
-               plan.split_kernel, rel, lse_err, pass ? "pass" : "FAIL");
+               plan.split_kernel, v6_per_sm, rel, lse_err, pass ? "pass" : "FAIL");
         free(q); free(cache); free(idx); free(len); free(out); free(lse); free(referenced);
         cuMemFree(b.q); cuMemFree(b.kv_cache); cuMemFree(b.indices); cuMemFree(b.out); cuMemFree(b.lse);
         if (b.topk_length) cuMemFree(b.topk_length);
@@ -305,16 +316,19 @@ int main(int argc, char** argv) {
     unsigned i, failed = 0;
 
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
-        /* the kernels every case may launch on any GPU: its split kernel and the combine on
-           a GPU of 1 SM (a large batch at H <= 16) and of very many (never one) */
+        /* the kernels every case may load on any GPU: for bf16 the v6 kernel whose occupancy
+           is asked, and its split kernel and the combine on a GPU of 1 SM (a large batch at
+           H <= 16) and of very many (never one), holding one v6 workgroup per SM or two */
         for (i = 0; i < n; ++i) {
             static const unsigned sms[2] = {1u, 0xFFFFFFFFu};
-            unsigned g;
-            for (g = 0; g < 2; ++g) {
-                sparse_mla_decode_plan p;
-                if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, sms[g], &p) == 0)
-                    printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
-            }
+            unsigned g, v6;
+            sparse_mla_decode_plan p;
+            if (cases[i].format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v6_kernel(cases[i].heads, &p) == 0)
+                printf("%s\n", p.split_kernel);
+            for (g = 0; g < 2; ++g)
+                for (v6 = 1; v6 <= 2; ++v6)
+                    if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, sms[g], v6, &p) == 0)
+                        printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
         }
         return 0;
     }
@@ -325,8 +339,8 @@ int main(int argc, char** argv) {
     CK(cuDevicePrimaryCtxRetain(&ctx, dev));
     CK(cuCtxSetCurrent(ctx));
     printf("sparse MLA decode from C (cuda/ only): %s, kernels from %s, seed %llu\n", name, dir, seed);
-    printf("| cache      |   H |   T | topk | page | splits | first kernel                                               | rel L2    | lse err   | result |\n");
-    printf("|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("| cache      |   H |   T | topk | page | splits | first kernel                                               | v6 per SM | rel L2    | lse err   | result |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (i = 0; i < n; ++i) failed += (unsigned)run_case(dir, dev, &cases[i], i);
     printf("%u of %u cases passed (* = splits forced; rel L2 <= 1e-2, lse error <= 1e-3, empty rows out 0 / lse +inf)\n",
            n - failed, n);

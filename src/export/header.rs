@@ -5,9 +5,10 @@
 //!
 //! Everything here is derived from the kernel configurations and the plan code of
 //! [`crate::kernels::sparse_mla_decode`]: the variant table comes from scanning
-//! [`DecodeConfig::tensor_core`] over head counts, the large-batch kernels from
-//! [`DecodeConfig::tensor_core_batch`]; the choice between them ([`DecodeConfig::for_call`]:
-//! [`DecodeConfig::is_large_batch`] on the SM count) and the split rule
+//! [`DecodeConfig::tensor_core_on`] over head counts and v6 occupancies (`v6_per_sm`: bf16 v6 or
+//! v7), the large-batch kernels from [`DecodeConfig::tensor_core_batch`]; the choice between
+//! them ([`DecodeConfig::for_call`]: [`DecodeConfig::is_large_batch`] on the SM count, else
+//! `v6_per_sm`) and the split rule
 //! ([`DecodePlan::model_splits`]) are written again in C (tests/export_header.rs compiles them
 //! with the host C compiler and compares them with the Rust choice and plan over a grid of
 //! shapes and SM counts).
@@ -23,7 +24,8 @@ use std::sync::Arc;
 /// Which lowering of the decode kernels an export carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExportLowering {
-    /// The tensor-core kernels the CUDA backend runs (`DecodeConfig::tensor_core`, v6).
+    /// The tensor-core kernels the CUDA backend runs (`DecodeConfig::tensor_core_on`: v6 or
+    /// v7; a per-configuration export carries `DecodeConfig::tensor_core`'s).
     Mma,
     /// Loops over shared memory (`DecodeConfig::cuda_scalar` on CUDA, the portable
     /// configuration on WGSL).
@@ -39,14 +41,19 @@ impl ExportLowering {
     }
 }
 
-/// One decode kernel variant as the CUDA runtime picks it: the head range it serves, its
-/// configuration and its three lowered kernels.
+/// One decode kernel variant as the CUDA runtime picks it: the head range it serves, for bf16
+/// the range of v6 residency it is chosen at, its configuration and its lowered kernels.
 #[derive(Clone)]
 pub struct DecodeVariant {
     pub format: CacheFormat,
     /// Head counts `heads_min..=heads_max` (`None`: no upper bound).
     pub heads_min: u32,
     pub heads_max: Option<u32>,
+    /// Workgroups of the bf16 v6 split kernel one multiprocessor holds
+    /// ([`DecodeConfig::tensor_core_on`]'s `v6_per_sm`) at which the runtime picks this
+    /// variant: `v6_per_sm_min..=v6_per_sm_max` (`None`: no upper bound; `1..`: at any).
+    pub v6_per_sm_min: u32,
+    pub v6_per_sm_max: Option<u32>,
     pub config: DecodeConfig,
     pub split: Arc<Kernel>,
     pub combine: Arc<Kernel>,
@@ -55,6 +62,11 @@ pub struct DecodeVariant {
 impl DecodeVariant {
     pub fn contains(&self, heads: u32) -> bool {
         heads >= self.heads_min && self.heads_max.is_none_or(|m| heads <= m)
+    }
+
+    /// Is this the variant at `v6_per_sm` v6 workgroups per multiprocessor.
+    pub fn serves_v6_per_sm(&self, v6_per_sm: u32) -> bool {
+        v6_per_sm >= self.v6_per_sm_min && self.v6_per_sm_max.is_none_or(|m| v6_per_sm <= m)
     }
 
     pub fn range_text(&self) -> String {
@@ -66,16 +78,59 @@ impl DecodeVariant {
         }
     }
 
+    /// The v6 residency this variant is chosen at, as a C condition's text (`any`).
+    pub fn v6_text(&self) -> String {
+        match self.v6_per_sm_max {
+            Some(m) if m == self.v6_per_sm_min => format!("v6_per_sm = {m}"),
+            Some(m) => format!("{} <= v6_per_sm <= {m}", self.v6_per_sm_min),
+            None if self.v6_per_sm_min <= 1 => "any v6_per_sm".into(),
+            None => format!("v6_per_sm >= {}", self.v6_per_sm_min),
+        }
+    }
+
+    /// Which kernel family this is, in the words of docs and benches/NOTES.md.
+    pub fn family(&self) -> &'static str {
+        match self.config.lowering {
+            Lowering::Mma { .. } => "v6",
+            Lowering::MmaWs { groups, .. } if groups > 1 => "the large-batch kernel",
+            Lowering::MmaWs { .. } => "v7",
+            Lowering::Scalar => "the scalar kernel",
+        }
+    }
+
     /// Dynamic shared memory of the split kernel (the one-split twin has the same layout).
     pub fn dynamic_smem(&self) -> u32 {
         cuda::dynamic_shared_bytes(&self.split)
     }
 }
 
-/// The configuration the CUDA path uses for `heads` under `lowering`.
+/// The configuration the CUDA path uses for `heads` under `lowering` on a GPU that holds two
+/// bf16 v6 workgroups per multiprocessor ([`DecodeConfig::tensor_core`]): what a
+/// per-configuration export carries.
 pub fn cuda_config(lowering: ExportLowering, format: CacheFormat, heads: u32) -> DecodeConfig {
     match lowering {
         ExportLowering::Mma => DecodeConfig::tensor_core(MlaDims::PRODUCTION, format, heads),
+        ExportLowering::Scalar => DecodeConfig::cuda_scalar(MlaDims::PRODUCTION, format),
+    }
+}
+
+/// The configuration the CUDA backend runs for `heads` under `lowering` on a GPU that holds
+/// `v6_per_sm` bf16 v6 split workgroups per multiprocessor ([`DecodeConfig::tensor_core_on`]).
+pub fn cuda_config_on(
+    lowering: ExportLowering,
+    format: CacheFormat,
+    heads: u32,
+    v6_per_sm: u32,
+) -> DecodeConfig {
+    match lowering {
+        ExportLowering::Mma => {
+            match DecodeConfig::tensor_core_on(MlaDims::PRODUCTION, format, heads, || {
+                Ok::<u32, std::convert::Infallible>(v6_per_sm)
+            }) {
+                Ok(config) => config,
+                Err(never) => match never {},
+            }
+        }
         ExportLowering::Scalar => DecodeConfig::cuda_scalar(MlaDims::PRODUCTION, format),
     }
 }
@@ -84,51 +139,20 @@ pub fn cuda_config(lowering: ExportLowering, format: CacheFormat, heads: u32) ->
 /// last range is open-ended (the choice is a function of `heads <= N` comparisons).
 const SCAN_HEADS: u32 = 1024;
 
-/// Every variant of `lowering` for `format`, in head order, by scanning the configuration
-/// choice over head counts (so the table is the runtime's choice, not a copy of it).
-pub fn decode_variants(
-    lowering: ExportLowering,
-    format: CacheFormat,
-) -> Result<Vec<DecodeVariant>> {
-    let mut ranges: Vec<(u32, u32, DecodeConfig)> = Vec::new();
-    for h in 1..=SCAN_HEADS {
-        let c = cuda_config(lowering, format, h);
-        match ranges.last_mut() {
-            Some((_, hi, cfg)) if *cfg == c => *hi = h,
-            _ => ranges.push((h, h, c)),
-        }
-    }
-    let n = ranges.len();
-    ranges
-        .into_iter()
-        .enumerate()
-        .map(|(i, (lo, hi, config))| {
-            let (split, combine) = lowered_kernels(&config)?;
-            Ok(DecodeVariant {
-                format,
-                heads_min: lo,
-                heads_max: if i + 1 == n { None } else { Some(hi) },
-                config,
-                split,
-                combine,
-            })
-        })
-        .collect()
-}
+/// v6 residencies are scanned up to here likewise (the choice compares `v6_per_sm >= N`).
+const SCAN_V6_PER_SM: u32 = 8;
 
-/// The large-batch variants for `format` (`DecodeConfig::tensor_core_batch`, which the CUDA
-/// backend runs instead of the head-count variant when `DecodeConfig::is_large_batch`), by
-/// scanning the configuration choice over head counts like [`decode_variants`]: the head
-/// ranges that have one (H <= 16 today).
-pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
-    let dims = MlaDims::PRODUCTION;
+/// The head ranges of `choice` (None: no kernel at that head count), each with its lowered
+/// kernels, for the v6 residencies `v6`.
+fn scan_heads(
+    format: CacheFormat,
+    (v6_per_sm_min, v6_per_sm_max): (u32, Option<u32>),
+    choice: impl Fn(u32) -> Option<DecodeConfig>,
+) -> Result<Vec<DecodeVariant>> {
     let mut ranges: Vec<(u32, u32, DecodeConfig)> = Vec::new();
     let mut open = false;
     for h in 1..=SCAN_HEADS {
-        match (
-            DecodeConfig::tensor_core_batch(dims, format, h),
-            ranges.last_mut(),
-        ) {
+        match (choice(h), ranges.last_mut()) {
             (Some(c), Some((_, hi, cfg))) if open && *cfg == c => *hi = h,
             (Some(c), _) => {
                 ranges.push((h, h, c));
@@ -145,12 +169,70 @@ pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
                 format,
                 heads_min: lo,
                 heads_max: if hi == SCAN_HEADS { None } else { Some(hi) },
+                v6_per_sm_min,
+                v6_per_sm_max,
                 config,
                 split,
                 combine,
             })
         })
         .collect()
+}
+
+/// Every variant of `lowering` for `format`, by v6 residency and then head count, by scanning
+/// the runtime's configuration choice ([`DecodeConfig::tensor_core_on`]) over both (so the
+/// table is the runtime's choice, not a copy of it). fp8_ds_mla and the scalar lowering have
+/// one set of head ranges at any residency; bf16 tensor cores have v7 at one v6 workgroup per
+/// multiprocessor and v6 at two or more.
+pub fn decode_variants(
+    lowering: ExportLowering,
+    format: CacheFormat,
+) -> Result<Vec<DecodeVariant>> {
+    let table = |n: u32| -> Vec<DecodeConfig> {
+        (1..=SCAN_HEADS)
+            .map(|h| cuda_config_on(lowering, format, h, n))
+            .collect()
+    };
+    // runs of residencies with the same choice at every head count
+    let mut runs: Vec<(u32, u32, Vec<DecodeConfig>)> = Vec::new();
+    for n in 1..=SCAN_V6_PER_SM {
+        let t = table(n);
+        match runs.last_mut() {
+            Some((_, hi, prev)) if *prev == t => *hi = n,
+            _ => runs.push((n, n, t)),
+        }
+    }
+    let mut variants = Vec::new();
+    for (lo, hi, _) in runs {
+        let max = (hi != SCAN_V6_PER_SM).then_some(hi);
+        variants.extend(scan_heads(format, (lo, max), |h| {
+            Some(cuda_config_on(lowering, format, h, lo))
+        })?);
+    }
+    Ok(variants)
+}
+
+/// The bf16 v6 split kernels by head count ([`DecodeConfig::tensor_core_v6`]): the kernel
+/// whose occupancy the runtime asks for `v6_per_sm` (`decode_kernel_choice` in
+/// runtime/cuda.rs), whatever the call's cache format.
+pub fn v6_probe_variants() -> Result<Vec<DecodeVariant>> {
+    scan_heads(CacheFormat::Bf16, (1, None), |h| {
+        Some(DecodeConfig::tensor_core_v6(
+            MlaDims::PRODUCTION,
+            CacheFormat::Bf16,
+            h,
+        ))
+    })
+}
+
+/// The large-batch variants for `format` (`DecodeConfig::tensor_core_batch`, which the CUDA
+/// backend runs instead of the head-count variant when `DecodeConfig::is_large_batch`, at any
+/// v6 residency), by scanning the configuration choice over head counts like
+/// [`decode_variants`]: the head ranges that have one (H <= 16 today).
+pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
+    scan_heads(format, (1, None), |h| {
+        DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, h)
+    })
 }
 
 /// Shared memory per multiprocessor of an arch (bytes), for the resident-workgroup estimate
@@ -197,14 +279,36 @@ fn kernel_facts(k: &Kernel) -> String {
 /// `batch` (none in a per-configuration header).
 fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "// WHICH KERNEL. The runtime picks the variant by cache format and head count H:"
-    );
+    let by_v6 = variants
+        .iter()
+        .any(|v| v.v6_per_sm_min > 1 || v.v6_per_sm_max.is_some());
+    if by_v6 && variants.len() == 1 {
+        s.push_str(
+            "// WHICH KERNEL. The runtime picks the variant by cache format, head count H and, for bf16,\n\
+             //   v6_per_sm (ONE KERNEL above); this export's:\n",
+        );
+    } else if by_v6 {
+        s.push_str(
+            "// WHICH KERNEL. The runtime picks the variant by cache format, head count H and, for bf16,\n\
+             //   v6_per_sm: the workgroups of the bf16 v6 split kernel for H one multiprocessor holds\n\
+             //   (cuOccupancyMaxActiveBlocksPerMultiprocessor at its threads and SMEM: 2 on an H100/H200,\n\
+             //   1 on SM120 and sm_86/89; sparse_mla_v6_kernel() names that kernel for H whatever the\n\
+             //   call's format, sparse_mla_v6_per_sm() asks the driver; fp8_ds_mla does not depend on it):\n",
+        );
+    } else {
+        s.push_str(
+            "// WHICH KERNEL. The runtime picks the variant by cache format and head count H:\n",
+        );
+    }
     for v in variants {
+        let cond = if by_v6 {
+            format!("{:<16} ", v.v6_text())
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "//   {:<10} {:<14} block_h {:>2}, block_n {:>2}: {}",
+            "//   {:<10} {:<14} {cond}block_h {:>2}, block_n {:>2}: {}",
             v.format.name(),
             v.range_text(),
             v.config.block_h,
@@ -236,9 +340,11 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             s,
             "//   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at\n\
              //     {}:\n\
-             //   it runs the large-batch kernel of its format instead (LARGE BATCHES below). The plan\n\
-             //   helpers decide it as the runtime does: sparse_mla_decode_variant(format, H, T, sms, ...)\n\
-             //   and sparse_mla_plan_decode(..., sms, resident, ...) take the multiprocessor count `sms`.",
+             //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
+             //   below). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
+             //   sparse_mla_decode_variant(format, H, T, sms, v6_per_sm, ...) and\n\
+             //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor\n\
+             //   count `sms` and `v6_per_sm`.",
             ranges.join(", ")
         );
     }
@@ -273,7 +379,8 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   resident = (cuOccupancyMaxActiveBlocksPerMultiprocessor of the split kernel NAME the\n\
          //               call runs, plan->split_kernel, at its threads and SMEM)\n\
          //              x CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT (sparse_mla_resident())\n\
-         //   (2 per SM on an H100/H200 for the tensor-core kernels, 1 on SM120 and sm_86/89);\n\
+         //   (per kernel: on an H100/H200 2 per SM for v6, 1 for v7 and the large-batch kernel;\n\
+         //   1 for each tensor-core kernel on SM120 and sm_86/89);\n\
          //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.\n\
          //   Any splits in 1..blocks give the same result up to rounding; only speed differs.\n\
          //\n\
@@ -306,7 +413,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   indices [b, s_q, topk] and out [b, s_q, H, 512] are FlashMLA's layouts unchanged.\n\
          //\n\
          // LIMITS (checked by sparse_mla_plan_decode / sparse_mla_cache_strides):\n\
-         //   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0; sms >= 1;\n\
+         //   1 <= T <= 65535 (grid z); H >= 1; topk >= 1; T % lse_s_q == 0; sms >= 1; v6_per_sm >= 1;\n\
          //   num_slots = num_pages * page_size <= 2^31 - 1 (slots are i32);\n\
          //   a cache buffer spans fewer than 2^31 32-bit words (8 GiB): split the cache per layer;\n\
          //   q spans fewer than 2^31 words.\n\
@@ -326,8 +433,14 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
 /// The plan helpers in C: variant choice, split model, limits, cache strides. No CUDA headers.
 /// `batch`: the large-batch kernels the variant choice takes first when
 /// `sparse_mla_is_large_batch` (none in a per-configuration header: its choice is its one
-/// kernel per head range).
-fn plan_code(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> Result<String> {
+/// kernel per head range). `v6_probe`: the bf16 v6 split kernels by head count, whose
+/// occupancy is `v6_per_sm` (`sparse_mla_v6_kernel`), when the choice depends on it; `None`
+/// in a per-configuration header, whose variant is chosen at any `v6_per_sm`.
+fn plan_code(
+    variants: &[DecodeVariant],
+    batch: &[DecodeVariant],
+    v6_probe: Option<&[DecodeVariant]>,
+) -> Result<String> {
     let first = variants
         .first()
         .ok_or_else(|| Error::arg("variants", "at least one", 0))?;
@@ -377,15 +490,18 @@ static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, uns
     return 2u * blocks >= (unsigned long long)sms;
 }}
 
-/* The kernel of one call{batch_doc}
-   `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. Fills the kernel names, block
-   sizes, threads and shared memory. Returns 0 on success, else a message naming the argument. */
+{v6_fn}/* The kernel of one call{batch_doc}
+   `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
+   bf16 v6 split kernel for `heads` one multiprocessor holds ({v6_doc}).
+   Fills the kernel names, block sizes, threads and shared memory. Returns 0 on success, else a
+   message naming the argument. */
 static inline const char* sparse_mla_decode_variant(int format, unsigned heads, unsigned tokens, unsigned sms,
-                                                    sparse_mla_decode_plan* p) {{
+                                                    unsigned v6_per_sm, sparse_mla_decode_plan* p) {{
     if (format != SPARSE_MLA_CACHE_BF16 && format != SPARSE_MLA_CACHE_FP8_DS_MLA)
         return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
+    if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
 "#,
         d_qk = dims.d_qk(),
         d_v = dims.d_v(),
@@ -393,13 +509,24 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         bf16 = CacheFormat::Bf16.row_bytes(dims),
         batch_doc = if batch.is_empty() {
             ": this export's kernel for the cache format and head count. It has no\n   \
-             large-batch kernel (see the top of this header): `tokens` and `sms` do not change\n   \
-             the choice here, where the runtime and sparse_mla.h of the standard set would pick\n   \
-             the large-batch kernel for a large batch at H <= 16."
+             large-batch kernel and no other variant (see the top of this header): `tokens`,\n   \
+             `sms` and `v6_per_sm` do not change the choice here, where the runtime and\n   \
+             sparse_mla.h of the standard set can pick another kernel."
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
-             and head count, and at H <= 16 by the call's size on the GPU: the large-batch\n   \
-             kernel when sparse_mla_is_large_batch(heads, tokens, sms)."
+             and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
+             when sparse_mla_is_large_batch(heads, tokens, sms)), else for bf16 by v6_per_sm\n   \
+             (v6 where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one;\n   \
+             fp8_ds_mla runs v7 at any v6_per_sm)."
+        },
+        v6_doc = if v6_probe.is_some() {
+            "sparse_mla_v6_per_sm() on\n   the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice\n   does not depend on it"
+        } else {
+            "not read by this\n   export, but checked: at least 1"
+        },
+        v6_fn = match v6_probe {
+            Some(v6) => v6_kernel_fn(v6),
+            None => String::new(),
         },
     );
     // one `if` per kernel: its head range within its format
@@ -411,6 +538,14 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         let mut cond = format!("format == {fmt} && heads >= {}u", v.heads_min);
         if let Some(m) = v.heads_max {
             let _ = write!(cond, " && heads <= {m}u");
+        }
+        if v6_probe.is_some() {
+            if v.v6_per_sm_min > 1 {
+                let _ = write!(cond, " && v6_per_sm >= {}u", v.v6_per_sm_min);
+            }
+            if let Some(m) = v.v6_per_sm_max {
+                let _ = write!(cond, " && v6_per_sm <= {m}u");
+            }
         }
         let _ = write!(
             s,
@@ -436,10 +571,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     for v in variants {
         case(&mut s, v, "    ");
     }
-    let ranges: Vec<String> = variants
-        .iter()
-        .map(|v| format!("{} {}", v.format.name(), v.range_text()))
-        .collect();
+    let mut ranges: Vec<String> = Vec::new();
+    for v in variants {
+        let r = format!("{} {}", v.format.name(), v.range_text());
+        if !ranges.contains(&r) {
+            ranges.push(r);
+        }
+    }
     let _ = write!(
         s,
         r#"    return "heads: no kernel of this export serves this format and head count (exported: {ranges})";
@@ -475,15 +613,16 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
 }}
 
 /* Everything one decode call needs: kernel, splits, chunk, grids, scratch sizes; limits checked.
-   The kernel is sparse_mla_decode_variant(format, heads, tokens, sms). `sms`: the GPU's
-   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT. `resident`: workgroups of that kernel the GPU runs
-   at once (sparse_mla_resident() on its function). splits = 0: the cost model for `resident`
-   workgroups; else that many (capped at the blocks of topk, as the runtime does). Returns 0 on
-   success, else a message naming the argument. */
+   The kernel is sparse_mla_decode_variant(format, heads, tokens, sms, v6_per_sm). `sms`: the
+   GPU's CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT; `v6_per_sm`: as there. `resident`:
+   workgroups of that kernel the GPU runs at once (sparse_mla_resident() on its function).
+   splits = 0: the cost model for `resident` workgroups; else that many (capped at the blocks
+   of topk, as the runtime does). Returns 0 on success, else a message naming the argument. */
 static inline const char* sparse_mla_plan_decode(int format, unsigned heads, unsigned tokens, unsigned topk,
                                                  unsigned long long num_slots, unsigned lse_s_q, unsigned sms,
-                                                 unsigned resident, unsigned splits, sparse_mla_decode_plan* p) {{
-    const char* err = sparse_mla_decode_variant(format, heads, tokens, sms, p);
+                                                 unsigned v6_per_sm, unsigned resident, unsigned splits,
+                                                 sparse_mla_decode_plan* p) {{
+    const char* err = sparse_mla_decode_variant(format, heads, tokens, sms, v6_per_sm, p);
     unsigned blocks, want;
     unsigned long long words;
     if (err) return err;
@@ -558,8 +697,41 @@ static inline const char* sparse_mla_cache_strides(int format, unsigned num_page
 "#,
         ranges = ranges.join(", ")
     );
-    s.push_str(&driver_code(variants)?);
+    s.push_str(&driver_code(variants, v6_probe.is_some())?);
     Ok(s)
+}
+
+/// `sparse_mla_v6_kernel`: the bf16 v6 split kernel for a head count (`v6`, from
+/// [`v6_probe_variants`]), the kernel whose occupancy is `v6_per_sm`.
+fn v6_kernel_fn(v6: &[DecodeVariant]) -> String {
+    let mut s = String::from(
+        "/* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`\n   \
+         (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).\n   \
+         Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load\n   \
+         p->split_kernel, then sparse_mla_v6_per_sm(). Only for that: it plans no call. Returns 0\n   \
+         on success, else a message naming the argument. */\n\
+         static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode_plan* p) {\n    \
+         if (heads == 0) return \"heads: expected at least 1\";\n",
+    );
+    for v in v6 {
+        let mut cond = format!("heads >= {}u", v.heads_min);
+        if let Some(m) = v.heads_max {
+            let _ = write!(cond, " && heads <= {m}u");
+        }
+        let _ = write!(
+            s,
+            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
+            v.split.name,
+            v.combine.name,
+            v.config.block_h,
+            v.config.block_n,
+            v.split.workgroup_size,
+            v.combine.workgroup_size,
+            v.dynamic_smem()
+        );
+    }
+    s.push_str("    return \"heads: no v6 kernel for this head count\";\n}\n\n");
+    s
 }
 
 /// The generic parameter struct of the split kernels, checked to be the same for every
@@ -588,9 +760,31 @@ fn split_params_struct(variants: &[DecodeVariant]) -> Result<String> {
         .replacen("};\n", "} sparse_mla_decode_params;\n", 1))
 }
 
-/// Driver-API launch helpers, compiled only where `cuda.h` was included first.
-fn driver_code(variants: &[DecodeVariant]) -> Result<String> {
+/// Driver-API launch helpers, compiled only where `cuda.h` was included first. `v6`:
+/// with `sparse_mla_v6_per_sm` (the header has `sparse_mla_v6_kernel`).
+fn driver_code(variants: &[DecodeVariant], v6: bool) -> Result<String> {
     let params = split_params_struct(variants)?;
+    let v6_per_sm = if v6 {
+        r#"
+/* The `v6_per_sm` of sparse_mla_decode_variant / sparse_mla_plan_decode, as the runtime measures
+   it (decode_kernel_choice in src/runtime/cuda.rs): workgroups of the bf16 v6 split kernel one
+   multiprocessor holds, cuOccupancyMaxActiveBlocksPerMultiprocessor at its threads and dynamic
+   shared memory (at least 1). `v6` is the function of v6_kernel->split_kernel, v6_kernel filled
+   by sparse_mla_v6_kernel(heads) for the calls' head count (the kernel differs with H, and so
+   can its occupancy); its shared memory is allowed here first. Once per GPU and head count. */
+static inline CUresult sparse_mla_v6_per_sm(CUfunction v6, const sparse_mla_decode_plan* v6_kernel, unsigned* v6_per_sm) {
+    int n = 0;
+    CUresult r = sparse_mla_allow_smem(v6, v6_kernel->dynamic_smem);
+    if (r != CUDA_SUCCESS) return r;
+    r = cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, v6, (int)v6_kernel->threads, (size_t)v6_kernel->dynamic_smem);
+    if (r != CUDA_SUCCESS) return r;
+    *v6_per_sm = (unsigned)(n > 0 ? n : 1);
+    return CUDA_SUCCESS;
+}
+"#
+    } else {
+        ""
+    };
     Ok(format!(
         r#"
 /* ---- launching through the CUDA driver API: only when <cuda.h> was included first ---- */
@@ -623,7 +817,7 @@ static inline CUresult sparse_mla_sm_count(CUdevice dev, unsigned* sms) {{
     *sms = (unsigned)(n > 0 ? n : 1);
     return CUDA_SUCCESS;
 }}
-
+{v6_per_sm}
 /* Workgroups of the split kernel `split` the device runs at once (occupancy x multiprocessors):
    the `resident` of sparse_mla_plan_decode, what the runtime feeds the split model. `split` is
    the function of plan->split_kernel as sparse_mla_decode_variant picked it for the call
@@ -738,19 +932,20 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
         "// sparse_mla.h: how to launch the generated CUDA kernels in this folder.\n\
          // Generated by `mla-export --all`; do not edit (change src/kernels/ and re-export).\n\
          //\n\
-         // The production decode kernels are the tensor-core (mma.sync) ones below: the kernels\n\
-         // the CUDA backend of sparse-mla runs on a GPU that holds two v6 workgroups per SM\n\
-         // (H100/H200): v6 (*_mma*) for bf16, the v7 mbarrier ring (*_ws*) for fp8_ds_mla. Where\n\
-         // one v6 workgroup fills an SM (SM120: 100 KB of shared memory per SM) the backend runs\n\
-         // the v7 bf16 kernels (*_ws*) too. The folder also holds the scalar lowering\n\
-         // (*_scalar_*: static shared memory, 128 threads) and the v6 fp8 kernels; all launch by\n\
-         // the same rules with the block_h x block_n in their names. Cache write and block-table\n\
-         // conversion: see their structs at the end.\n//\n",
+         // The production decode kernels are the tensor-core (mma.sync) ones below, the kernels\n\
+         // the CUDA backend of sparse-mla runs: for bf16, v6 (*_mma*) on a GPU that holds two v6\n\
+         // workgroups per SM (H100/H200) and the v7 mbarrier ring (*_ws*) where one v6 workgroup\n\
+         // fills an SM (SM120: 100 KB of shared memory per SM; sm_86/89); for fp8_ds_mla, v7 on\n\
+         // every GPU. sparse_mla_decode_variant() below picks among them as the backend does, given\n\
+         // the SM count and that v6 occupancy (WHICH KERNEL). The folder also holds the scalar\n\
+         // lowering (*_scalar_*: static shared memory, 128 threads) and the v6 fp8 kernels; all\n\
+         // launch by the same rules with the block_h x block_n in their names. Cache write and\n\
+         // block-table conversion: see their structs at the end.\n//\n",
     );
     h.push_str(&launch_rules(&variants, &batch));
     h.push_str(&batch_rules(&batch));
     h.push_str("\n#pragma once\n\n");
-    h.push_str(&plan_code(&variants, &batch)?);
+    h.push_str(&plan_code(&variants, &batch, Some(&v6_probe_variants()?))?);
     h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");
     h.push_str(&kernel_structs(kernels));
     Ok(h)
@@ -764,17 +959,41 @@ fn one_kernel_note(
     lowering: ExportLowering,
     variant: &DecodeVariant,
     sms: u32,
+    arch: &str,
 ) -> Result<String> {
     let mut s = format!(
-        "// ONE KERNEL. This export is for one fixed decode kernel, for every call at {} ({}\n\
-         // lowering; the combine {} merges its splits):\n\
+        "// ONE KERNEL. This export is one fixed decode kernel, {}, for every call at {}\n\
+         // ({} lowering; the combine {} merges its splits):\n\
          //   {}\n\
          // and sparse_mla_plan_decode() below always plans it.\n",
+        variant.family(),
         variant.range_text(),
         lowering.name(),
         variant.combine.name,
         variant.split.name,
     );
+    // the other variants the backend runs at these heads on a GPU of another v6 occupancy
+    for o in decode_variants(lowering, shape.format)?
+        .iter()
+        .filter(|o| o.contains(shape.heads) && o.split.name != variant.split.name)
+    {
+        let here = estimate_per_sm(&variant.config, &variant.split, arch);
+        let note = if o.serves_v6_per_sm(here) {
+            format!("; {arch} by the estimate")
+        } else {
+            String::new()
+        };
+        let _ = write!(
+            s,
+            "// The backend runs it on a GPU where {} (H100/H200); at {}\n\
+             // (SM120, sm_86/89{note}) it runs {} instead, in the standard set, not here:\n\
+             //   {}\n",
+            variant.v6_text(),
+            o.v6_text(),
+            o.family(),
+            o.split.name,
+        );
+    }
     let overlaps = |b: &DecodeVariant| {
         b.heads_min <= variant.heads_max.unwrap_or(u32::MAX)
             && variant.heads_min <= b.heads_max.unwrap_or(u32::MAX)
@@ -836,7 +1055,7 @@ pub fn config_header(
             format!("-> {} splits", plan.splits)
         }
     );
-    h.push_str(&one_kernel_note(shape, lowering, variant, sms)?);
+    h.push_str(&one_kernel_note(shape, lowering, variant, sms, arch)?);
     h.push_str(&launch_rules(std::slice::from_ref(variant), &[]));
     h.push_str("\n#pragma once\n\n");
     let _ = write!(
@@ -874,7 +1093,7 @@ pub fn config_header(
             0
         },
     );
-    h.push_str(&plan_code(std::slice::from_ref(variant), &[])?);
+    h.push_str(&plan_code(std::slice::from_ref(variant), &[], None)?);
     h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
     h.push_str(&kernel_structs(&[&variant.split, &variant.combine]));
     Ok(h)

@@ -187,10 +187,13 @@ pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
         }
         return wgsl_config_files(req);
     }
+    // the variant at two v6 workgroups per multiprocessor (DecodeConfig::tensor_core): for
+    // bf16 tensor cores v6, which the backend runs on an H100/H200 (its header says so)
+    let config = header::cuda_config(req.lowering, shape.format, shape.heads);
     let variants = decode_variants(req.lowering, shape.format)?;
     let variant = variants
         .into_iter()
-        .find(|v| v.contains(shape.heads))
+        .find(|v| v.contains(shape.heads) && v.config == config)
         .ok_or_else(|| Error::arg("--heads", "a head count some variant serves", shape.heads))?;
     let per_sm = req
         .per_sm
