@@ -274,6 +274,21 @@ fn kernel_facts(k: &Kernel) -> String {
     )
 }
 
+/// One branch of a C chooser: `if (cond) { the plan's kernel fields from `v`; return 0; }`.
+fn plan_fill(s: &mut String, indent: &str, cond: &str, v: &DecodeVariant) {
+    let _ = write!(
+        s,
+        "{indent}if ({cond}) {{\n{indent}    p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n{indent}    p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n{indent}    return 0;\n{indent}}}\n",
+        v.split.name,
+        v.combine.name,
+        v.config.block_h,
+        v.config.block_n,
+        v.split.workgroup_size,
+        v.combine.workgroup_size,
+        v.dynamic_smem()
+    );
+}
+
 /// The comment block every C header of an export opens with: conventions, buffers, launch
 /// rules and limits, with the variant table of `variants` and the large-batch kernels of
 /// `batch` (none in a per-configuration header).
@@ -547,17 +562,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
                 let _ = write!(cond, " && v6_per_sm <= {m}u");
             }
         }
-        let _ = write!(
-            s,
-            "{indent}if ({cond}) {{\n{indent}    p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n{indent}    p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n{indent}    return 0;\n{indent}}}\n",
-            v.split.name,
-            v.combine.name,
-            v.config.block_h,
-            v.config.block_n,
-            v.split.workgroup_size,
-            v.combine.workgroup_size,
-            v.dynamic_smem()
-        );
+        plan_fill(s, indent, &cond, v);
     };
     if batch.is_empty() {
         s.push_str("    (void)tokens; /* no large-batch kernel in this export */\n");
@@ -718,17 +723,7 @@ fn v6_kernel_fn(v6: &[DecodeVariant]) -> String {
         if let Some(m) = v.heads_max {
             let _ = write!(cond, " && heads <= {m}u");
         }
-        let _ = write!(
-            s,
-            "    if ({cond}) {{\n        p->split_kernel = \"{}\"; p->combine_kernel = \"{}\";\n        p->block_h = {}u; p->block_n = {}u; p->threads = {}u; p->combine_threads = {}u; p->dynamic_smem = {}u;\n        return 0;\n    }}\n",
-            v.split.name,
-            v.combine.name,
-            v.config.block_h,
-            v.config.block_n,
-            v.split.workgroup_size,
-            v.combine.workgroup_size,
-            v.dynamic_smem()
-        );
+        plan_fill(&mut s, "    ", &cond, v);
     }
     s.push_str("    return \"heads: no v6 kernel for this head count\";\n}\n\n");
     s
