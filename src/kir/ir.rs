@@ -863,6 +863,77 @@ pub enum Stmt {
     Intrinsic(Intrinsic),
 }
 
+impl Stmt {
+    /// The statement rebuilt bottom-up: every expression node through `e` (as [`Expr::map`]
+    /// does; intrinsic operands included), every nested block mapped the same way, then the rebuilt statement itself
+    /// through `s` (once; what `s` returns is not walked again). Tile ops are left as they are.
+    pub fn map(self, e: &mut dyn FnMut(Expr) -> Expr, s: &mut dyn FnMut(Stmt) -> Stmt) -> Stmt {
+        let block =
+            |b: Vec<Stmt>, e: &mut dyn FnMut(Expr) -> Expr, s: &mut dyn FnMut(Stmt) -> Stmt| {
+                b.into_iter().map(|x| x.map(e, s)).collect::<Vec<_>>()
+            };
+        let rebuilt = match self {
+            Stmt::Let { name, value } => Stmt::Let {
+                name,
+                value: value.map(e),
+            },
+            Stmt::Var { name, value } => Stmt::Var {
+                name,
+                value: value.map(e),
+            },
+            Stmt::Assign { name, value } => Stmt::Assign {
+                name,
+                value: value.map(e),
+            },
+            Stmt::Store { buf, index, value } => Stmt::Store {
+                buf,
+                index: index.map(e),
+                value: value.map(e),
+            },
+            Stmt::StoreWord { buf, index, value } => Stmt::StoreWord {
+                buf,
+                index: index.map(e),
+                value: value.map(e),
+            },
+            Stmt::SharedStore { arr, index, value } => Stmt::SharedStore {
+                arr,
+                index: index.map(e),
+                value: value.map(e),
+            },
+            Stmt::PrivateStore { arr, index, value } => Stmt::PrivateStore {
+                arr,
+                index: index.map(e),
+                value: value.map(e),
+            },
+            Stmt::If { cond, then, els } => {
+                let cond = cond.map(e);
+                let then = block(then, e, s);
+                Stmt::If {
+                    cond,
+                    then,
+                    els: block(els, e, s),
+                }
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Stmt::For {
+                var,
+                start: start.map(e),
+                end: end.map(e),
+                step: step.map(e),
+                body: block(body, e, s),
+            },
+            Stmt::Intrinsic(i) => Stmt::Intrinsic(i.map_exprs(&mut |x| x.map(e))),
+            other @ (Stmt::Comment(_) | Stmt::Barrier | Stmt::Tile(_)) => other,
+        };
+        s(rebuilt)
+    }
+}
+
 /// One compute kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Kernel {

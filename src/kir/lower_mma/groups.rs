@@ -459,12 +459,10 @@ impl Replicas<'_> {
         }
     }
 
-    fn index(&self, arr: &str, index: Expr) -> Expr {
-        self.shifted(arr, self.expr(index))
-    }
-
-    fn expr(&self, e: Expr) -> Expr {
-        e.map(&mut |x| match x {
+    /// One expression node in the group's view: the thread index within the group, a shared
+    /// load from the group's copy.
+    fn node(&self, x: Expr) -> Expr {
+        match x {
             Expr::Builtin(Builtin::LocalId) => self.tid.clone(),
             Expr::SharedLoad { arr, ty, index } => match self.offset(&arr) {
                 Some(off) => Expr::SharedLoad {
@@ -475,7 +473,7 @@ impl Replicas<'_> {
                 None => Expr::SharedLoad { arr, ty, index },
             },
             other => other,
-        })
+        }
     }
 
     fn stmts(&self, stmts: &[Stmt]) -> Vec<Stmt> {
@@ -483,75 +481,26 @@ impl Replicas<'_> {
     }
 
     fn stmt(&self, s: &Stmt) -> Stmt {
-        let e = |x: &Expr| self.expr(x.clone());
-        match s {
+        let total = self.group_threads * self.groups;
+        s.clone().map(&mut |x| self.node(x), &mut |s| match s {
             Stmt::Barrier => self.group_barrier(),
             // the merge's barriers of the whole workgroup
-            Stmt::Intrinsic(Intrinsic::NamedBarrier { id: 0, threads })
-                if *threads == self.group_threads * self.groups =>
-            {
+            Stmt::Intrinsic(Intrinsic::NamedBarrier { id: 0, threads }) if threads == total => {
                 Stmt::Barrier
             }
-            Stmt::Comment(_) => s.clone(),
-            Stmt::Let { name, value } => Stmt::Let {
-                name: name.clone(),
-                value: e(value),
-            },
-            Stmt::Var { name, value } => Stmt::Var {
-                name: name.clone(),
-                value: e(value),
-            },
-            Stmt::Assign { name, value } => Stmt::Assign {
-                name: name.clone(),
-                value: e(value),
-            },
-            Stmt::Store { buf, index, value } => Stmt::Store {
-                buf: buf.clone(),
-                index: e(index),
-                value: e(value),
-            },
-            Stmt::StoreWord { buf, index, value } => Stmt::StoreWord {
-                buf: buf.clone(),
-                index: e(index),
-                value: e(value),
-            },
             Stmt::SharedStore { arr, index, value } => Stmt::SharedStore {
-                arr: arr.clone(),
-                index: self.index(arr, index.clone()),
-                value: e(value),
-            },
-            Stmt::PrivateStore { arr, index, value } => Stmt::PrivateStore {
-                arr: arr.clone(),
-                index: e(index),
-                value: e(value),
-            },
-            Stmt::If { cond, then, els } => Stmt::If {
-                cond: e(cond),
-                then: self.stmts(then),
-                els: self.stmts(els),
-            },
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => Stmt::For {
-                var: var.clone(),
-                start: e(start),
-                end: e(end),
-                step: e(step),
-                body: self.stmts(body),
+                index: self.shifted(&arr, index),
+                arr,
+                value,
             },
             Stmt::Intrinsic(i) => intr(self.intrinsic(i)),
-            Stmt::Tile(_) => s.clone(),
-        }
+            other => other,
+        })
     }
 
-    fn intrinsic(&self, i: &Intrinsic) -> Intrinsic {
-        // operands first (the thread index, shared loads inside them), then the group's copy
-        // of each array an operand indexes
-        let mut i = i.clone().map_exprs(&mut |e| self.expr(e));
+    /// An intrinsic whose operands are already in the group's view: each array an operand
+    /// indexes moved to the group's copy.
+    fn intrinsic(&self, mut i: Intrinsic) -> Intrinsic {
         let shift = |arr: &str, e: &mut Expr| {
             *e = self.shifted(arr, std::mem::replace(e, Expr::U32(0)));
         };
@@ -580,60 +529,24 @@ impl Replicas<'_> {
 
 /// Every access to shared array `from` in `stmts` made to `to` instead (same indices).
 fn rename_shared(stmts: Vec<Stmt>, from: &str, to: &str) -> Vec<Stmt> {
-    let re = |e: Expr| {
-        e.map(&mut |x| match x {
-            Expr::SharedLoad { arr, ty, index } if arr == from => Expr::SharedLoad {
-                arr: to.to_string(),
-                ty,
-                index,
-            },
-            other => other,
-        })
+    let mut load = |x: Expr| match x {
+        Expr::SharedLoad { arr, ty, index } if arr == from => Expr::SharedLoad {
+            arr: to.to_string(),
+            ty,
+            index,
+        },
+        other => other,
+    };
+    let mut store = |s: Stmt| match s {
+        Stmt::SharedStore { arr, index, value } if arr == from => Stmt::SharedStore {
+            arr: to.to_string(),
+            index,
+            value,
+        },
+        other => other,
     };
     stmts
         .into_iter()
-        .map(|s| match s {
-            Stmt::SharedStore { arr, index, value } => Stmt::SharedStore {
-                arr: if arr == from { to.to_string() } else { arr },
-                index: re(index),
-                value: re(value),
-            },
-            Stmt::If { cond, then, els } => Stmt::If {
-                cond: re(cond),
-                then: rename_shared(then, from, to),
-                els: rename_shared(els, from, to),
-            },
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body: rename_shared(body, from, to),
-            },
-            Stmt::Let { name, value } => Stmt::Let {
-                name,
-                value: re(value),
-            },
-            Stmt::Var { name, value } => Stmt::Var {
-                name,
-                value: re(value),
-            },
-            Stmt::Assign { name, value } => Stmt::Assign {
-                name,
-                value: re(value),
-            },
-            Stmt::PrivateStore { arr, index, value } => Stmt::PrivateStore {
-                arr,
-                index: re(index),
-                value: re(value),
-            },
-            other => other,
-        })
+        .map(|s| s.map(&mut load, &mut store))
         .collect()
 }
