@@ -158,6 +158,16 @@ impl Cx<'_> {
         for (acc, _, _) in &accs {
             self.materialize(acc, &mut out)?;
         }
+        // word `k` of pair (row, col) of group g's copy of an accumulator in the exchange
+        let ex_at = move |g: u32, ex_base: u32, cols: u32, rn: &str, cn: &str, k: u32| {
+            add(
+                add(
+                    u((g - 1) * exchange_words + ex_base),
+                    mul(var(rn, Ty::U32), u(cols)),
+                ),
+                add(var(cn, Ty::U32), u(k)),
+            )
+        };
         // 1. groups 1.. write their accumulators, unscaled, each into its own exchange slot:
         //    no group but group 0 reads anything another group wrote
         for g in 1..groups {
@@ -167,16 +177,13 @@ impl Cx<'_> {
                 let (rn, cn) = (self.fresh("row"), self.fresh("col"));
                 let (a, ex) = (acc.clone(), exchange.clone());
                 let ex_value = &ex_value;
-                let slot = (g - 1) * exchange_words + ex_base;
+                let ex_base = *ex_base;
                 body.extend(self.for_each_pair(acc, &rn, &cn, |_, at0, at1| {
                     let mut s = Vec::new();
                     for (k, reg) in [(0, at0), (1, at1)] {
                         s.push(Stmt::SharedStore {
                             arr: ex.clone(),
-                            index: add(
-                                add(u(slot), mul(var(&rn, Ty::U32), u(cols))),
-                                add(var(&cn, Ty::U32), u(k)),
-                            ),
+                            index: ex_at(g, ex_base, cols, &rn, &cn, k),
                             value: ex_value(priv_load(&a, reg)),
                         });
                     }
@@ -213,13 +220,7 @@ impl Cx<'_> {
                 for (k, reg) in [(0, at0), (1, at1)] {
                     let mut v = bin(BinOp::Mul, priv_load(&a, reg.clone()), f(0));
                     for g in 1..groups {
-                        let idx = add(
-                            add(
-                                u((g - 1) * exchange_words + ex_base),
-                                mul(var(&rn, Ty::U32), u(cols)),
-                            ),
-                            add(var(&cn, Ty::U32), u(k)),
-                        );
+                        let idx = ex_at(g, *ex_base, cols, &rn, &cn, k);
                         v = fadd(v, bin(BinOp::Mul, f(g), ex_load(idx)));
                     }
                     s.push(Stmt::PrivateStore {
