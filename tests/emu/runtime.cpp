@@ -751,6 +751,28 @@ inline double dot_nan(double c, const float* a, const float* b, int n) {
     return s;
 }
 
+// An m16n8 mma's four outputs from this lane's rows of A and columns of B (K deep):
+// d0..d3: (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1); each a sum from c over k ascending
+// (the four chains side by side).
+template <int K>
+inline void mma_sums(const float (&A)[2][K], const float (&B)[2][K], float c0, float c1, float c2, float c3,
+                     float& d0, float& d1, float& d2, float& d3) {
+    double s0 = c0, s1 = c1, s2 = c2, s3 = c3;
+    for (int k = 0; k < K; k++) {
+        const double a0k = A[0][k], a1k = A[1][k], b0k = B[0][k], b1k = B[1][k];
+        s0 += a0k * b0k;
+        s1 += a0k * b1k;
+        s2 += a1k * b0k;
+        s3 += a1k * b1k;
+    }
+    // a NaN stays NaN: a sum that is not NaN met none, and its operands' order did not matter
+    if (s0 != s0) s0 = dot_nan(c0, A[0], B[0], K);
+    if (s1 != s1) s1 = dot_nan(c1, A[0], B[1], K);
+    if (s2 != s2) s2 = dot_nan(c2, A[1], B[0], K);
+    if (s3 != s3) s3 = dot_nan(c3, A[1], B[1], K);
+    d0 = (float)s0, d1 = (float)s1, d2 = (float)s2, d3 = (float)s3;
+}
+
 // ---- mma.sync m16n8k16 row.col bf16 -> f32, by the PTX fragment layouts:
 // A: a0 (g, 2q..), a1 (g+8, 2q..), a2 (g, 2q+8..), a3 (g+8, 2q+8..)
 // B: b0 (k 2q.., n g), b1 (k 2q+8.., n g);  C, D: d0,d1 (g, 2q..), d2,d3 (g+8, 2q..)
@@ -780,22 +802,7 @@ void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float& d1, f
             B[h][2 * j + 9] = bf16_hi(v[5]);
         }
     }
-    // d0..d3: (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1); each a sum from c over k ascending
-    // (the four chains side by side)
-    double s0 = c0, s1 = c1, s2 = c2, s3 = c3;
-    for (int k = 0; k < 16; k++) {
-        const double a0k = A[0][k], a1k = A[1][k], b0k = B[0][k], b1k = B[1][k];
-        s0 += a0k * b0k;
-        s1 += a0k * b1k;
-        s2 += a1k * b0k;
-        s3 += a1k * b1k;
-    }
-    // a NaN stays NaN: a sum that is not NaN met none, and its operands' order did not matter
-    if (s0 != s0) s0 = dot_nan(c0, A[0], B[0], 16);
-    if (s1 != s1) s1 = dot_nan(c1, A[0], B[1], 16);
-    if (s2 != s2) s2 = dot_nan(c2, A[1], B[0], 16);
-    if (s3 != s3) s3 = dot_nan(c3, A[1], B[1], 16);
-    d0 = (float)s0, d1 = (float)s1, d2 = (float)s2, d3 = (float)s3;
+    mma_sums(A, B, c0, c1, c2, c3, d0, d1, d2, d3);
 }
 
 // ---- mma.sync m16n8k32 row.col e4m3 -> f32, by the PTX fragment layouts (4 bytes a register):
@@ -830,22 +837,7 @@ void mma_sync_aligned_m16n8k32_row_col_f32_e4m3_e4m3_f32(float& d0, float& d1, f
             }
         }
     }
-    // d0..d3: (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1); each a sum from c over k ascending
-    // (the four chains side by side)
-    double s0 = c0, s1 = c1, s2 = c2, s3 = c3;
-    for (int k = 0; k < 32; k++) {
-        const double a0k = A[0][k], a1k = A[1][k], b0k = B[0][k], b1k = B[1][k];
-        s0 += a0k * b0k;
-        s1 += a0k * b1k;
-        s2 += a1k * b0k;
-        s3 += a1k * b1k;
-    }
-    // a NaN stays NaN: a sum that is not NaN met none, and its operands' order did not matter
-    if (s0 != s0) s0 = dot_nan(c0, A[0], B[0], 32);
-    if (s1 != s1) s1 = dot_nan(c1, A[0], B[1], 32);
-    if (s2 != s2) s2 = dot_nan(c2, A[1], B[0], 32);
-    if (s3 != s3) s3 = dot_nan(c3, A[1], B[1], 32);
-    d0 = (float)s0, d1 = (float)s1, d2 = (float)s2, d3 = (float)s3;
+    mma_sums(A, B, c0, c1, c2, c3, d0, d1, d2, d3);
 }
 
 // ---- shfl.sync.bfly: d = a of lane (lane ^ b)
