@@ -38,13 +38,17 @@ struct cache_write_fp8_ds_mla_d576_params {
     unsigned pow2_scales; // 1: scales rounded up to a power of two (DeepSeek), 0: amax / 448 as is (GLM)
 };
 
+// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
 // bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -52,7 +56,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -74,14 +78,14 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 // Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -113,7 +117,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
         const unsigned v1 = lat_w0 >> 16u;
         const unsigned v2 = lat_w1 & 65535u;
         const unsigned v3 = lat_w1 >> 16u;
-        amax_part[threadIdx.x] = max_u32(max_u32(max_u32(max_u32(0u, ((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u)), ((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)), ((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)), ((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u));
+        amax_part[threadIdx.x] = max_u32(max_u32(max_u32(((v0 & 32767u) >= 32640u) ? 0u : (v0 & 32767u), ((v1 & 32767u) >= 32640u) ? 0u : (v1 & 32767u)), ((v2 & 32767u) >= 32640u) ? 0u : (v2 & 32767u)), ((v3 & 32767u) >= 32640u) ? 0u : (v3 & 32767u));
         __syncthreads();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up

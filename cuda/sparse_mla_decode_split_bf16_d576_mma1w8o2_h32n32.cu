@@ -54,13 +54,17 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
+// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
 // bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -68,7 +72,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -94,61 +98,61 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
-static __device__ __forceinline__ unsigned smem_addr(const void* p) {
+SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
 // 16-byte async copy global -> shared; when !valid nothing is read and 16 zero bytes land.
-static __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
 // 4-byte async copy (rows that are not 16-byte aligned), zero-filled when !valid.
-static __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_4(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-static __device__ __forceinline__ void cp_async_commit() {
+SPARSE_MLA_HELPER void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Wait until at most N of this thread's copy groups are in flight.
 template <int N>
-static __device__ __forceinline__ void cp_async_wait() {
+SPARSE_MLA_HELPER void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
 // Four / two 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of
 // matrix l / 8.
-static __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
-static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+SPARSE_MLA_HELPER void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
     // not volatile: a pure function of its registers, which the compiler may schedule
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -157,21 +161,21 @@ static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* 
 }
 
 // The value of lane (lane ^ mask) of this warp.
-static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
+SPARSE_MLA_HELPER float shfl_xor_f32(float v, int mask) {
     float r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(mask));
     return r;
 }
 
 // Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -185,8 +189,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
     float* const row_sum = (float*)(dyn_smem + 128); // [32]
-    float* const row_rescale = (float*)(dyn_smem + 256); // [32]
-    float* const block_reduce = (float*)(dyn_smem + 384); // [32]
     unsigned* const q_tile = (unsigned*)(dyn_smem + 512); // [9344]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 37888); // [9344]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75264); // [640]
@@ -256,13 +258,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             if ((src_word & 3u) == 0u) {
                 #pragma unroll
                 for (unsigned copy_i3 = 0u; copy_i3 < 9u; copy_i3 += 1u) {
-                    const unsigned chunk4 = (threadIdx.x % 8u) + (copy_i3 * 8u);
                     cp_async_16(q_tile + dst_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), (const unsigned*)q + src_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), src_valid);
                 }
             } else {
                 #pragma unroll
                 for (unsigned copy_i = 0u; copy_i < 36u; copy_i += 1u) {
-                    const unsigned chunk2 = (threadIdx.x % 8u) + (copy_i * 8u);
                     cp_async_4(q_tile + dst_word + (threadIdx.x % 8u) + (copy_i * 8u), (const unsigned*)q + src_word + (threadIdx.x % 8u) + (copy_i * 8u), src_valid);
                 }
             }
@@ -331,13 +331,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                     if ((src_word12 & 3u) == 0u) {
                         #pragma unroll
                         for (unsigned copy_i18 = 0u; copy_i18 < 9u; copy_i18 += 1u) {
-                            const unsigned chunk19 = (threadIdx.x % 8u) + (copy_i18 * 8u);
                             cp_async_16(kv_tile + dst_word14 + ((threadIdx.x % 8u) * 4u) + (copy_i18 * 32u), (const unsigned*)kv_cache + src_word12 + ((threadIdx.x % 8u) * 4u) + (copy_i18 * 32u), src_valid13);
                         }
                     } else {
                         #pragma unroll
                         for (unsigned copy_i16 = 0u; copy_i16 < 36u; copy_i16 += 1u) {
-                            const unsigned chunk17 = (threadIdx.x % 8u) + (copy_i16 * 8u);
                             cp_async_4(kv_tile + dst_word14 + (threadIdx.x % 8u) + (copy_i16 * 8u), (const unsigned*)kv_cache + src_word12 + (threadIdx.x % 8u) + (copy_i16 * 8u), src_valid13);
                         }
                     }
@@ -414,7 +412,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
             for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
-                const unsigned row_2 = (scores_row0 + ((frag / 1u) * 16u)) + ((half25 * 8u) + lane_group);
                 const unsigned col = (scores_col0 + ((frag % 1u) * 8u)) + (lane_quad * 2u);
                 float v0 = scores[(frag * 4u) + (half25 * 2u)];
                 float v1 = scores[((frag * 4u) + (half25 * 2u)) + 1u];

@@ -53,13 +53,17 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
+// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
 // bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -67,7 +71,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -89,14 +93,14 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 // Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -281,7 +285,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         for (unsigned pair_i70 = 0u; pair_i70 < 1u; pair_i70 += 1u) {
             const unsigned pair71 = threadIdx.x + (pair_i70 * 128u);
             if (pair71 < 128u) {
-                const unsigned row_2 = (pair71 * 2u) / 16u;
                 const unsigned col = (pair71 * 2u) % 16u;
                 float v0 = scores[pair_i70 * 2u];
                 float v1 = scores[(pair_i70 * 2u) + 1u];
@@ -327,7 +330,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             const unsigned pair80 = threadIdx.x + (pair_i79 * 128u);
             if (pair80 < 128u) {
                 const unsigned row_3 = (pair80 * 2u) / 16u;
-                const unsigned col_1 = (pair80 * 2u) % 16u;
                 float v0_1 = scores[pair_i79 * 2u];
                 float v1_1 = scores[(pair_i79 * 2u) + 1u];
                 const float m = row_max[row_3];
@@ -368,7 +370,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             const unsigned pair89 = threadIdx.x + (pair_i88 * 128u);
             if (pair89 < 4096u) {
                 const unsigned row_4 = (pair89 * 2u) / 512u;
-                const unsigned col_2 = (pair89 * 2u) % 512u;
                 float v0_2 = o_acc[pair_i88 * 2u];
                 float v1_2 = o_acc[(pair_i88 * 2u) + 1u];
                 const float alpha = row_rescale[row_4];

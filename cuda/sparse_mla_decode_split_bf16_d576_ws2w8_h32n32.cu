@@ -55,13 +55,17 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
+// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
 // bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -69,7 +73,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -95,61 +99,61 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
-static __device__ __forceinline__ unsigned smem_addr(const void* p) {
+SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
 // 16-byte async copy global -> shared; when !valid nothing is read and 16 zero bytes land.
-static __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
 // 4-byte async copy (rows that are not 16-byte aligned), zero-filled when !valid.
-static __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_4(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-static __device__ __forceinline__ void cp_async_commit() {
+SPARSE_MLA_HELPER void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Wait until at most N of this thread's copy groups are in flight.
 template <int N>
-static __device__ __forceinline__ void cp_async_wait() {
+SPARSE_MLA_HELPER void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
 // Four / two 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of
 // matrix l / 8.
-static __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
-static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+SPARSE_MLA_HELPER void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
     // not volatile: a pure function of its registers, which the compiler may schedule
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -158,7 +162,7 @@ static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* 
 }
 
 // The value of lane (lane ^ mask) of this warp.
-static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
+SPARSE_MLA_HELPER float shfl_xor_f32(float v, int mask) {
     float r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(mask));
     return r;
@@ -171,22 +175,22 @@ static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
 // in the instruction, so every tool that reads the machine code (compute-sanitizer's racecheck
 // among them) sees which barrier a thread takes and how many threads it waits for.
 template <unsigned ID, unsigned THREADS>
-static __device__ __forceinline__ void named_barrier_sync() {
+SPARSE_MLA_HELPER void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(THREADS) : "memory");
 }
 
-static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
+SPARSE_MLA_HELPER void mbar_init(void* bar, unsigned count) {
     asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
 // Arrive (release): this thread's earlier shared-memory writes are visible to the waiters.
-static __device__ __forceinline__ void mbar_arrive(void* bar) {
-    unsigned long long state;
+SPARSE_MLA_HELPER void mbar_arrive(void* bar) {
+    unsigned long long state __attribute__((unused)); // the arrival's phase, not needed
     asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(state) : "r"(smem_addr(bar)) : "memory");
 }
 
 // Has the phase of this parity completed? (acquire)
-static __device__ __forceinline__ bool mbar_test(void* bar, unsigned parity) {
+SPARSE_MLA_HELPER bool mbar_test(void* bar, unsigned parity) {
     unsigned done;
 #if __CUDA_ARCH__ >= 900
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
@@ -198,7 +202,7 @@ static __device__ __forceinline__ bool mbar_test(void* bar, unsigned parity) {
     return done != 0;
 }
 
-static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
+SPARSE_MLA_HELPER void mbar_wait(void* bar, unsigned parity) {
     while (!mbar_test(bar, parity)) {
     }
 }
@@ -207,7 +211,7 @@ static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
 // later: one bulk copy with a transaction count when both ends and the size are 16-byte
 // aligned, else plain loads and stores (made visible by copy_arrive's release); before
 // sm_90: cp.async copies of 16 or 4 bytes, which copy_arrive ties to the mbarrier.
-static __device__ __forceinline__ void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
+SPARSE_MLA_HELPER void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
     const unsigned align = smem_addr(dst) | (unsigned)(unsigned long long)src;
 #if __CUDA_ARCH__ >= 900
     if (((align | bytes) & 15u) == 0) {
@@ -237,7 +241,7 @@ static __device__ __forceinline__ void copy_async(void* dst, const void* src, un
 // One arrival on `bar` once this thread's earlier copies have landed: bulk copies complete
 // through their transaction count (sm_90 and later), cp.async through the mbarrier's
 // arrive-on (before); the arrival releases this thread's plain shared-memory writes.
-static __device__ __forceinline__ void copy_arrive(void* bar) {
+SPARSE_MLA_HELPER void copy_arrive(void* bar) {
 #if __CUDA_ARCH__ < 900
     asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
 #endif
@@ -245,21 +249,21 @@ static __device__ __forceinline__ void copy_arrive(void* bar) {
 }
 
 // Generic-proxy shared-memory writes before async-proxy (bulk copy) writes to it.
-static __device__ __forceinline__ void fence_proxy_async() {
+SPARSE_MLA_HELPER void fence_proxy_async() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 
 // Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -273,8 +277,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     extern __shared__ __align__(16) unsigned char dyn_smem[];
     float* const row_max = (float*)(dyn_smem + 0); // [32]
     float* const row_sum = (float*)(dyn_smem + 128); // [32]
-    float* const row_rescale = (float*)(dyn_smem + 256); // [32]
-    float* const block_reduce = (float*)(dyn_smem + 384); // [32]
     unsigned* const ring_barriers = (unsigned*)(dyn_smem + 512); // [8]
     float* const row_valid = (float*)(dyn_smem + 544); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 832); // [18688]
@@ -284,7 +286,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float scores[8];
     float o_acc[64];
     float scores_part[32];
-    float scores_term[32];
     unsigned q_tile_a0[72];
     int kv_tile_pre[1];
     float row_alpha[2];
@@ -293,7 +294,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned b_raw[2];
     unsigned a_frag48[8];
     unsigned b_frag49[4];
     grid_wait_previous(); // before any read or write of global memory
@@ -306,7 +306,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned lane_quad = lane & 3u;
     const unsigned lane_r16 = lane & 15u;
     const unsigned lane_c8 = (lane >> 4u) << 3u;
-    const unsigned lane_n8 = (lane & 7u) | lane_c8;
     const unsigned lane_k8 = lane & 8u;
     const unsigned scores_wn = warp % 2u;
     const unsigned scores_row0 = (warp / 2u) * 16u;
@@ -497,7 +496,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
     }
     for (unsigned step_i = 0u; step_i < step_count; step_i += 1u) {
-        const unsigned step = step_i;
         const unsigned stage = step_i % 2u;
 
         // pipeline step: wait for this step's rows, compute
@@ -603,7 +601,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned frag23 = 0u; frag23 < 2u; frag23 += 1u) {
                 #pragma unroll
                 for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
-                    const unsigned row_2 = (scores_row0 + ((frag23 / 2u) * 16u)) + ((half24 * 8u) + lane_group);
                     const unsigned col = (scores_col0 + ((frag23 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
                     float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];

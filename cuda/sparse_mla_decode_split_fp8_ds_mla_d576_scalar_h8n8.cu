@@ -56,13 +56,17 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
+// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
 // bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -70,7 +74,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -92,14 +96,14 @@ static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
 }
 
 // Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -661,7 +665,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         for (unsigned pair_i305 = 0u; pair_i305 < 1u; pair_i305 += 1u) {
             const unsigned pair306 = threadIdx.x + (pair_i305 * 128u);
             if (pair306 < 32u) {
-                const unsigned row_8 = (pair306 * 2u) / 8u;
                 const unsigned col = (pair306 * 2u) % 8u;
                 float v0 = scores[pair_i305 * 2u];
                 float v1 = scores[(pair_i305 * 2u) + 1u];
@@ -707,7 +710,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             const unsigned pair315 = threadIdx.x + (pair_i314 * 128u);
             if (pair315 < 32u) {
                 const unsigned row_9 = (pair315 * 2u) / 8u;
-                const unsigned col_1 = (pair315 * 2u) % 8u;
                 float v0_1 = scores[pair_i314 * 2u];
                 float v1_1 = scores[(pair_i314 * 2u) + 1u];
                 const float m = row_max[row_9];
@@ -748,7 +750,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             const unsigned pair324 = threadIdx.x + (pair_i323 * 128u);
             if (pair324 < 512u) {
                 const unsigned row_10 = (pair324 * 2u) / 128u;
-                const unsigned col_2 = (pair324 * 2u) % 128u;
                 float v0_2 = o_acc[pair_i323 * 2u];
                 float v1_2 = o_acc[(pair_i323 * 2u) + 1u];
                 const float alpha = row_rescale[row_10];
@@ -763,7 +764,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             const unsigned pair326 = threadIdx.x + (pair_i325 * 128u);
             if (pair326 < 512u) {
                 const unsigned row_11 = (pair326 * 2u) / 128u;
-                const unsigned col_3 = (pair326 * 2u) % 128u;
                 float v0_3 = o_acc_1[pair_i325 * 2u];
                 float v1_3 = o_acc_1[(pair_i325 * 2u) + 1u];
                 const float alpha_1 = row_rescale[row_11];
@@ -778,7 +778,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             const unsigned pair328 = threadIdx.x + (pair_i327 * 128u);
             if (pair328 < 512u) {
                 const unsigned row_12 = (pair328 * 2u) / 128u;
-                const unsigned col_4 = (pair328 * 2u) % 128u;
                 float v0_4 = o_acc_2[pair_i327 * 2u];
                 float v1_4 = o_acc_2[(pair_i327 * 2u) + 1u];
                 const float alpha_2 = row_rescale[row_12];
@@ -793,7 +792,6 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
             const unsigned pair330 = threadIdx.x + (pair_i329 * 128u);
             if (pair330 < 512u) {
                 const unsigned row_13 = (pair330 * 2u) / 128u;
-                const unsigned col_5 = (pair330 * 2u) % 128u;
                 float v0_5 = o_acc_3[pair_i329 * 2u];
                 float v1_5 = o_acc_3[(pair_i329 * 2u) + 1u];
                 const float alpha_3 = row_rescale[row_13];

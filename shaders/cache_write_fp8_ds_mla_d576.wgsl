@@ -102,7 +102,7 @@ fn cache_write_fp8_ds_mla_d576(@builtin(local_invocation_index) local_id: u32, @
         let v1: u32 = lat_w0 >> 16u;
         let v2: u32 = lat_w1 & 65535u;
         let v3: u32 = lat_w1 >> 16u;
-        amax_part[local_id] = max(max(max(max(0u, select(v0 & 32767u, 0u, (v0 & 32767u) >= 32640u)), select(v1 & 32767u, 0u, (v1 & 32767u) >= 32640u)), select(v2 & 32767u, 0u, (v2 & 32767u) >= 32640u)), select(v3 & 32767u, 0u, (v3 & 32767u) >= 32640u));
+        amax_part[local_id] = max(max(max(select(v0 & 32767u, 0u, (v0 & 32767u) >= 32640u), select(v1 & 32767u, 0u, (v1 & 32767u) >= 32640u)), select(v2 & 32767u, 0u, (v2 & 32767u) >= 32640u)), select(v3 & 32767u, 0u, (v3 & 32767u) >= 32640u));
         workgroupBarrier();
 
         // one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up

@@ -9,6 +9,7 @@
 use super::{f32_literal, header, special_f32, Dialect, Writer};
 use crate::kir::ir::*;
 use crate::{Error, Result};
+use std::collections::HashSet;
 
 /// Print a lowered kernel as a CUDA C translation unit with one `extern "C"` kernel.
 pub fn emit(kernel: &Kernel) -> Result<String> {
@@ -54,14 +55,14 @@ pub fn helpers(kernel: &Kernel) -> String {
 /// Programmatic dependent launch ([`GridDependency`]): both are no-ops before sm_90, and on
 /// sm_90+ when the kernel was launched without the stream-serialisation attribute.
 const GRID_DEPENDENCY_HELPERS: &str = r#"// Wait until the previous kernel in the stream has finished and its writes are visible.
-static __device__ __forceinline__ void grid_wait_previous() {
+SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
 // Let the next kernel in the stream launch (its workgroups wait in grid_wait_previous).
-static __device__ __forceinline__ void grid_launch_dependents() {
+SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -191,13 +192,17 @@ fn c_elem(e: Elem) -> &'static str {
     }
 }
 
-const HELPERS: &str = r#"// bf16 bits -> f32: bf16 is the top half of an f32.
-static __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
+const HELPERS: &str = r#"// Every helper is a static inline device function; `unused`: a kernel that does not call
+// one compiles without a warning about it.
+#define SPARSE_MLA_HELPER static __device__ __forceinline__ __attribute__((unused))
+
+// bf16 bits -> f32: bf16 is the top half of an f32.
+SPARSE_MLA_HELPER float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((unsigned)bits) << 16);
 }
 
 // Two f32 -> two bf16 in one word (round to nearest even), `lo` in the low half.
-static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+SPARSE_MLA_HELPER unsigned pack_bf16x2(float lo, float hi) {
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -205,7 +210,7 @@ static __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 
 // e4m3 "fn" bits -> f32: no infinities, 0x7f / 0xff are NaN, max 448. sm_89 and later
 // convert in hardware (e4m3 -> f16 is exact, as is f16 -> f32); older archs by bits.
-static __device__ __forceinline__ float e4m3_to_f32(unsigned char bits) {
+SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)bits));
@@ -239,7 +244,7 @@ const E4M3_OPERAND_HELPERS: &str = r#"// 1 where mma.sync m16n8k32 e4m3 is one i
 
 // Four f32 -> four e4m3 bytes (a in the low byte): two conversions. Called only where
 // E4M3_MMA_NATIVE holds (sm_89, sm_120+); anywhere else it traps.
-static __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c, float d) {
+SPARSE_MLA_HELPER unsigned pack_e4m3x4(float a, float b, float c, float d) {
 #if E4M3_MMA_NATIVE
     unsigned short lo, hi;
     asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
@@ -254,7 +259,7 @@ static __device__ __forceinline__ unsigned pack_e4m3x4(float a, float b, float c
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k32 tile, e4m3 in (four per register), f32
 // accumulate. Called only where E4M3_MMA_NATIVE holds; anywhere else it traps.
-static __device__ __forceinline__ void mma_e4m3_16832(float* c, const unsigned* a, const unsigned* b) {
+SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigned* b) {
 #if E4M3_MMA_NATIVE
     asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -273,27 +278,27 @@ const PAIR_HELPERS: &str = r#"// Two e4m3 values (bits 0..16) converted as a pai
 // its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
 // f16 -> f32); older archs keep the bytes and decode each by bits.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) {
+SPARSE_MLA_HELPER unsigned e4m3x2_prep(unsigned pair) {
     unsigned halves;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
     return halves;
 }
-static __device__ __forceinline__ float e4m3x2_lo(unsigned halves) {
+SPARSE_MLA_HELPER float e4m3x2_lo(unsigned halves) {
     float v;
     asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
     return v;
 }
-static __device__ __forceinline__ float e4m3x2_hi(unsigned halves) {
+SPARSE_MLA_HELPER float e4m3x2_hi(unsigned halves) {
     float v;
     asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
     return v;
 }
 #else
-static __device__ __forceinline__ unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
-static __device__ __forceinline__ float e4m3x2_lo(unsigned pair) {
+SPARSE_MLA_HELPER unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
+SPARSE_MLA_HELPER float e4m3x2_lo(unsigned pair) {
     return e4m3_to_f32((unsigned char)(pair & 0xffu));
 }
-static __device__ __forceinline__ float e4m3x2_hi(unsigned pair) {
+SPARSE_MLA_HELPER float e4m3x2_hi(unsigned pair) {
     return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
 }
 #endif
@@ -304,61 +309,61 @@ const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instructio
 
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
-static __device__ __forceinline__ unsigned smem_addr(const void* p) {
+SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }
 
 // 16-byte async copy global -> shared; when !valid nothing is read and 16 zero bytes land.
-static __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_16(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
 // 4-byte async copy (rows that are not 16-byte aligned), zero-filled when !valid.
-static __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+SPARSE_MLA_HELPER void cp_async_4(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-static __device__ __forceinline__ void cp_async_commit() {
+SPARSE_MLA_HELPER void cp_async_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Wait until at most N of this thread's copy groups are in flight.
 template <int N>
-static __device__ __forceinline__ void cp_async_wait() {
+SPARSE_MLA_HELPER void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
 
 // Four / two 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of
 // matrix l / 8.
-static __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x4_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x2_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x2_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
-static __device__ __forceinline__ void ldmatrix_x1_trans(unsigned* r, const void* p) {
+SPARSE_MLA_HELPER void ldmatrix_x1_trans(unsigned* r, const void* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];"
                  : "=r"(r[0]) : "r"(smem_addr(p)));
 }
 
 // c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, bf16 in, f32 accumulate.
-static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
+SPARSE_MLA_HELPER void mma_bf16_16816(float* c, const unsigned* a, const unsigned* b) {
     // not volatile: a pure function of its registers, which the compiler may schedule
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
@@ -367,7 +372,7 @@ static __device__ __forceinline__ void mma_bf16_16816(float* c, const unsigned* 
 }
 
 // The value of lane (lane ^ mask) of this warp.
-static __device__ __forceinline__ float shfl_xor_f32(float v, int mask) {
+SPARSE_MLA_HELPER float shfl_xor_f32(float v, int mask) {
     float r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(v), "r"(mask));
     return r;
@@ -381,22 +386,22 @@ const RING_HELPERS: &str = r#"// Producer/consumer helpers: mbarriers (sm_80 and
 // in the instruction, so every tool that reads the machine code (compute-sanitizer's racecheck
 // among them) sees which barrier a thread takes and how many threads it waits for.
 template <unsigned ID, unsigned THREADS>
-static __device__ __forceinline__ void named_barrier_sync() {
+SPARSE_MLA_HELPER void named_barrier_sync() {
     asm volatile("bar.sync %0, %1;" :: "n"(ID), "n"(THREADS) : "memory");
 }
 
-static __device__ __forceinline__ void mbar_init(void* bar, unsigned count) {
+SPARSE_MLA_HELPER void mbar_init(void* bar, unsigned count) {
     asm volatile("mbarrier.init.shared.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
 // Arrive (release): this thread's earlier shared-memory writes are visible to the waiters.
-static __device__ __forceinline__ void mbar_arrive(void* bar) {
-    unsigned long long state;
+SPARSE_MLA_HELPER void mbar_arrive(void* bar) {
+    unsigned long long state __attribute__((unused)); // the arrival's phase, not needed
     asm volatile("mbarrier.arrive.shared.b64 %0, [%1];" : "=l"(state) : "r"(smem_addr(bar)) : "memory");
 }
 
 // Has the phase of this parity completed? (acquire)
-static __device__ __forceinline__ bool mbar_test(void* bar, unsigned parity) {
+SPARSE_MLA_HELPER bool mbar_test(void* bar, unsigned parity) {
     unsigned done;
 #if __CUDA_ARCH__ >= 900
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
@@ -408,7 +413,7 @@ static __device__ __forceinline__ bool mbar_test(void* bar, unsigned parity) {
     return done != 0;
 }
 
-static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
+SPARSE_MLA_HELPER void mbar_wait(void* bar, unsigned parity) {
     while (!mbar_test(bar, parity)) {
     }
 }
@@ -417,7 +422,7 @@ static __device__ __forceinline__ void mbar_wait(void* bar, unsigned parity) {
 // later: one bulk copy with a transaction count when both ends and the size are 16-byte
 // aligned, else plain loads and stores (made visible by copy_arrive's release); before
 // sm_90: cp.async copies of 16 or 4 bytes, which copy_arrive ties to the mbarrier.
-static __device__ __forceinline__ void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
+SPARSE_MLA_HELPER void copy_async(void* dst, const void* src, unsigned bytes, void* bar) {
     const unsigned align = smem_addr(dst) | (unsigned)(unsigned long long)src;
 #if __CUDA_ARCH__ >= 900
     if (((align | bytes) & 15u) == 0) {
@@ -447,7 +452,7 @@ static __device__ __forceinline__ void copy_async(void* dst, const void* src, un
 // One arrival on `bar` once this thread's earlier copies have landed: bulk copies complete
 // through their transaction count (sm_90 and later), cp.async through the mbarrier's
 // arrive-on (before); the arrival releases this thread's plain shared-memory writes.
-static __device__ __forceinline__ void copy_arrive(void* bar) {
+SPARSE_MLA_HELPER void copy_arrive(void* bar) {
 #if __CUDA_ARCH__ < 900
     asm volatile("cp.async.mbarrier.arrive.shared.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
 #endif
@@ -455,7 +460,7 @@ static __device__ __forceinline__ void copy_arrive(void* bar) {
 }
 
 // Generic-proxy shared-memory writes before async-proxy (bulk copy) writes to it.
-static __device__ __forceinline__ void fence_proxy_async() {
+SPARSE_MLA_HELPER void fence_proxy_async() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
@@ -544,12 +549,12 @@ impl Printer<'_> {
         if k.grid_dependency.early_dependents {
             w.line("grid_launch_dependents(); // the next kernel may launch now (it waits for this one)");
         }
-        for s in &k.body {
+        for s in &without_dead_lets(&k.body) {
             w.stmt(self, s);
         }
         w.indent -= 1;
         w.line("}");
-        w.out
+        without_unused_arrays(w.out, k)
     }
 
     fn intrinsic_line(&self, i: &Intrinsic) -> String {
@@ -899,4 +904,165 @@ fn axis(a: u8) -> &'static str {
         1 => "y",
         _ => "z",
     }
+}
+
+/// `body` without the `let`s whose names nothing in their scope (the rest of their block)
+/// reads, repeatedly (a dropped one may have been the only reader of another). Lowerings
+/// leave such lets behind (an index a later fold made unnecessary), and CUDA compilers warn
+/// about each; their values have no side effects.
+fn without_dead_lets(body: &[Stmt]) -> Vec<Stmt> {
+    fn expr_reads(e: &Expr, bound: &HashSet<String>, into: &mut HashSet<String>) {
+        e.visit(&mut |x| {
+            if let Expr::Var(n, _) = x {
+                if !bound.contains(n) {
+                    into.insert(n.clone());
+                }
+            }
+        });
+    }
+    // the names `block` reads that it does not bind itself first (a nested `let` of the
+    // same name shadows an outer one)
+    fn block_reads(block: &[Stmt], outer: &HashSet<String>, into: &mut HashSet<String>) {
+        let mut bound = outer.clone();
+        for s in block {
+            match s {
+                Stmt::Let { name, value } | Stmt::Var { name, value } => {
+                    expr_reads(value, &bound, into);
+                    bound.insert(name.clone());
+                }
+                Stmt::If { cond, then, els } => {
+                    expr_reads(cond, &bound, into);
+                    block_reads(then, &bound, into);
+                    block_reads(els, &bound, into);
+                }
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => {
+                    for e in [start, end, step] {
+                        expr_reads(e, &bound, into);
+                    }
+                    let mut inner = bound.clone();
+                    inner.insert(var.clone());
+                    block_reads(body, &inner, into);
+                }
+                other => {
+                    other.clone().map(
+                        &mut |x| {
+                            if let Expr::Var(n, _) = &x {
+                                if !bound.contains(n) {
+                                    into.insert(n.clone());
+                                }
+                            }
+                            x
+                        },
+                        &mut |st| st,
+                    );
+                }
+            }
+        }
+    }
+    fn reads(s: &Stmt, into: &mut HashSet<String>) {
+        block_reads(std::slice::from_ref(s), &HashSet::new(), into);
+    }
+    fn prune(block: Vec<Stmt>, dropped: &mut usize) -> Vec<Stmt> {
+        let block: Vec<Stmt> = block
+            .into_iter()
+            .map(|s| match s {
+                Stmt::If { cond, then, els } => Stmt::If {
+                    cond,
+                    then: prune(then, dropped),
+                    els: prune(els, dropped),
+                },
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body: prune(body, dropped),
+                },
+                other => other,
+            })
+            .collect();
+        // backwards: the names read by the statements kept after this one
+        let mut later = HashSet::new();
+        let mut kept = Vec::with_capacity(block.len());
+        for s in block.into_iter().rev() {
+            if let Stmt::Let { name, .. } = &s {
+                if !later.contains(name) {
+                    *dropped += 1;
+                    continue;
+                }
+            }
+            reads(&s, &mut later);
+            kept.push(s);
+        }
+        kept.reverse();
+        kept
+    }
+    let mut body = body.to_vec();
+    loop {
+        let mut dropped = 0;
+        body = prune(body, &mut dropped);
+        if dropped == 0 {
+            return body;
+        }
+    }
+}
+
+/// `unit` without the declarations of the kernel's shared and private arrays that its code
+/// never names (a lowering may keep state in registers that its description declared in
+/// shared memory): CUDA compilers warn about each. The shared layout is unchanged.
+fn without_unused_arrays(unit: String, k: &Kernel) -> String {
+    let names: Vec<&str> = k
+        .shared
+        .iter()
+        .map(|s| s.name.as_str())
+        .chain(k.privates.iter().map(|p| p.name.as_str()))
+        .collect();
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    // occurrences of `name` as a whole identifier
+    let uses = |text: &str, name: &str| {
+        text.match_indices(name)
+            .filter(|(at, _)| {
+                let before = text[..*at].chars().next_back();
+                let after = text[at + name.len()..].chars().next();
+                !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+            })
+            .count()
+    };
+    let mut lines: Vec<&str> = unit.lines().collect();
+    for name in names {
+        let decl = lines.iter().position(|l| {
+            let t = l.trim_start();
+            uses(t, name) > 0
+                && (t.starts_with("__shared__") || t.contains(&format!("* const {name} = (")) || {
+                    // a private array: `<type> name[len];`
+                    t.ends_with("];") && t.contains(&format!(" {name}["))
+                })
+        });
+        if let Some(at) = decl {
+            let elsewhere: usize = lines
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != at)
+                .map(|(_, l)| uses(l, name))
+                .sum();
+            if elsewhere == 0 {
+                lines.remove(at);
+            }
+        }
+    }
+    let mut out = lines.join("\n");
+    out.push('\n');
+    out
 }

@@ -180,11 +180,15 @@ pub fn kernel(cfg: &CacheWriteConfig) -> Result<Kernel> {
                         b.let_(&format!("v{k}"), half)
                     })
                     .collect();
-                let mut local = u(0);
-                for v in &bits {
+                let magnitude = |v: &Expr| {
                     let m = v.clone() & u(0x7FFF);
-                    local = local.max(select(m.clone().ge(u(0x7F80)), u(0), m));
-                }
+                    select(m.clone().ge(u(0x7F80)), u(0), m)
+                };
+                // from the first value, not from 0u: `max(0u, x)` is a pointless unsigned
+                // comparison to nvcc (warning #186)
+                let local = bits[1..]
+                    .iter()
+                    .fold(magnitude(&bits[0]), |acc, v| acc.max(magnitude(v)));
                 b.shared_store(amax_part, local_id(), local);
                 b.barrier();
                 b.comment("one thread per 128-value tile: scale = max(amax / 448, 2^-126), pow2: rounded up");
