@@ -61,7 +61,8 @@ struct Args {
     #[arg(long)]
     no_baseline: bool,
     /// Also time every kernel with the shared-memory carve-out at 44 % (100 KB per SM on an
-    /// H200: SM120's budget, one 99 KB workgroup per multiprocessor).
+    /// H200: SM120's budget, one 99 KB workgroup per multiprocessor), its splits planned for
+    /// that residency as the backend would on an SM120 GPU (csv / json: splits_sm120).
     #[arg(long)]
     sm120_occupancy: bool,
     /// Skip the PyTorch peer.
@@ -705,8 +706,10 @@ struct Timed {
     kernel: String,
     splits: u32,
     us: f64,
-    /// The same with the carve-out at 44 % (`--sm120-occupancy`).
+    /// The same with the carve-out at 44 % (`--sm120-occupancy`), split as planned for
+    /// SM120's residency ([`sm120_resident`]): `splits_sm120`.
     us_sm120: Option<f64>,
+    splits_sm120: Option<u32>,
     rel_l2: f64,
     lse_err: f64,
     ok: bool,
@@ -899,9 +902,16 @@ fn run(args: &Args) -> Result<()> {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
                         let tm = bench.time(&row, &plan, -1)?;
                         let sm120 = if args.sm120_occupancy {
-                            let t2 = bench.time(&row, &plan, 44)?;
+                            // planned as the backend would on SM120: with its residency
+                            let r120 =
+                                sm120_resident(&split_kernel, resident, bench.gpu.dev.sm_count());
+                            let s120 = args
+                                .splits
+                                .unwrap_or_else(|| DecodePlan::model_splits(&config, &shape, r120));
+                            let plan120 = DecodePlan::new(config, &shape, r120, Some(s120), None)?;
+                            let t2 = bench.time(&row, &plan120, 44)?;
                             failed |= !t2.check.ok;
-                            Some(t2.median_us)
+                            Some((t2.median_us, t2.splits))
                         } else {
                             None
                         };
@@ -910,7 +920,8 @@ fn run(args: &Args) -> Result<()> {
                             kernel: label.to_string(),
                             splits: tm.splits,
                             us: tm.median_us,
-                            us_sm120: sm120,
+                            us_sm120: sm120.map(|x| x.0),
+                            splits_sm120: sm120.map(|x| x.1),
                             rel_l2: tm.check.rel_l2,
                             lse_err: tm.check.lse_err,
                             ok: tm.check.ok,
@@ -978,6 +989,7 @@ fn run(args: &Args) -> Result<()> {
                         splits: r.splits,
                         us: r.median_us,
                         us_sm120: None,
+                        splits_sm120: None,
                         rel_l2: r.check.rel_l2,
                         lse_err: r.check.lse_err,
                         ok: r.check.ok,
@@ -1148,7 +1160,7 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
 }
 
 fn print_csv(rows: &[BenchRow]) {
-    println!("cache,heads,tokens,roofline_us,kernel,splits,us,us_sm120,rel_l2,lse_err,ok,peer_graph_us,peer_eager_us");
+    println!("cache,heads,tokens,roofline_us,kernel,splits,us,us_sm120,rel_l2,lse_err,ok,peer_graph_us,peer_eager_us,splits_sm120");
     for r in rows {
         let mut all = vec![&r.current];
         all.extend(r.baseline.iter());
@@ -1156,7 +1168,7 @@ fn print_csv(rows: &[BenchRow]) {
         all.extend(r.scalar.iter());
         for k in all {
             println!(
-                "{},{},{},{:.2},{},{},{:.2},{},{:.3e},{:.3e},{},{},{}",
+                "{},{},{},{:.2},{},{},{:.2},{},{:.3e},{:.3e},{},{},{},{}",
                 r.cache,
                 r.heads,
                 r.tokens,
@@ -1173,8 +1185,19 @@ fn print_csv(rows: &[BenchRow]) {
                     .unwrap_or_default(),
                 r.peer_eager_us
                     .map(|v| format!("{v:.2}"))
-                    .unwrap_or_default()
+                    .unwrap_or_default(),
+                k.splits_sm120.map(|v| v.to_string()).unwrap_or_default()
             );
         }
     }
+}
+
+/// Workgroups of `kernel` an SM120 GPU of `sm_count` multiprocessors would run at once, for
+/// the `--sm120-occupancy` column's plan: 100 KB of shared memory per multiprocessor, 1 KB of
+/// it reserved per workgroup (docs/hardware.md), and never more than `resident` (what the
+/// driver reports here, which counts registers too).
+fn sm120_resident(kernel: &sparse_mla::kir::ir::Kernel, resident: u32, sm_count: u32) -> u32 {
+    let (_, smem) = sparse_mla::kir::shared_plan::shared_layout(&kernel.shared);
+    let per_sm = (100 * 1024 / (smem + 1024)).max(1) as u32;
+    resident.min(per_sm * sm_count).max(1)
 }
