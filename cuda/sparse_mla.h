@@ -28,7 +28,9 @@
 //   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at
 //     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
 //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES
-//   below). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):
+//   below); and a small call (16 * T * ceil(H / 16) <= SM count) with a bf16 cache runs
+//   the v6 kernel of H at any v6_per_sm (its step beats v7's where each workgroup takes a
+//   few steps). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):
 //   sparse_mla_decode_variant(format, H, T, sms, v6_per_sm, ...) and
 //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor
 //   count `sms` and `v6_per_sm`.
@@ -163,6 +165,14 @@ static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, uns
     return 2u * blocks >= (unsigned long long)sms;
 }
 
+/* Is a call a small one on a GPU of `sms` multiprocessors (DecodeConfig::is_small_call):
+   16 x tokens x ceil(heads / 16) <= sms. The split model gives each workgroup a few steps
+   there, and for bf16 the v6 kernel is the faster at any v6_per_sm. */
+static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsigned sms) {
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    return 16u * blocks <= (unsigned long long)sms;
+}
+
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
    (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).
    Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load
@@ -185,9 +195,10 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
 
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
-   when sparse_mla_is_large_batch(heads, tokens, sms)), else for bf16 by v6_per_sm
-   (v6 where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one;
-   fp8_ds_mla runs v7 at any v6_per_sm).
+   when sparse_mla_is_large_batch(heads, tokens, sms)); for bf16 v6 for a small call
+   (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU
+   holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs
+   v7 at any v6_per_sm.
    `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
    bf16 v6 split kernel for `heads` one multiprocessor holds (sparse_mla_v6_per_sm() on
    the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice
@@ -210,6 +221,18 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 57024u;
+            return 0;
+        }
+    }
+    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {
+        if (heads >= 1u && heads <= 16u) {
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95232u;
+            return 0;
+        }
+        if (heads >= 17u) {
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 78464u;
             return 0;
         }
     }

@@ -1,7 +1,7 @@
 //! The C plan helpers of `cuda/sparse_mla.h` make the same choices as the Rust runtime: the
 //! header is compiled with the host C compiler and its kernel choice (the large-batch kernel,
-//! or v6 / v7 by the v6 occupancy per SM: `DecodeConfig::for_call` on the SM count and
-//! `v6_per_sm`), splits, chunk, grid, threads, shared memory and scratch sizes are compared with
+//! v6 for a small bf16 call, or v6 / v7 by the v6 occupancy per SM: `DecodeConfig::for_call`
+//! on the SM count and `v6_per_sm`), splits, chunk, grid, threads, shared memory and scratch sizes are compared with
 //! what the CUDA backend launches (`for_call`, `lowered_kernels`, `DecodePlan::with_config`)
 //! over a grid of shapes, SM counts, v6 occupancies and resident workgroup counts; its limit
 //! checks reject what `check_shape` / `CacheGeometry` reject; `sparse_mla_v6_kernel` names the

@@ -356,7 +356,9 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             "//   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
-             //   below). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
+             //   below); and a small call (16 * T * ceil(H / 16) <= SM count) with a bf16 cache runs\n\
+             //   the v6 kernel of H at any v6_per_sm (its step beats v7's where each workgroup takes a\n\
+             //   few steps). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
              //   sparse_mla_decode_variant(format, H, T, sms, v6_per_sm, ...) and\n\
              //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor\n\
              //   count `sms` and `v6_per_sm`.",
@@ -505,6 +507,14 @@ static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, uns
     return 2u * blocks >= (unsigned long long)sms;
 }}
 
+/* Is a call a small one on a GPU of `sms` multiprocessors (DecodeConfig::is_small_call):
+   16 x tokens x ceil(heads / 16) <= sms. The split model gives each workgroup a few steps
+   there, and for bf16 the v6 kernel is the faster at any v6_per_sm. */
+static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsigned sms) {{
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    return 16u * blocks <= (unsigned long long)sms;
+}}
+
 {v6_fn}/* The kernel of one call{batch_doc}
    `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
    bf16 v6 split kernel for `heads` one multiprocessor holds ({v6_doc}).
@@ -530,9 +540,10 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(heads, tokens, sms)), else for bf16 by v6_per_sm\n   \
-             (v6 where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one;\n   \
-             fp8_ds_mla runs v7 at any v6_per_sm)."
+             when sparse_mla_is_large_batch(heads, tokens, sms)); for bf16 v6 for a small call\n   \
+             (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU\n   \
+             holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs\n   \
+             v7 at any v6_per_sm."
         },
         v6_doc = if v6_probe.is_some() {
             "sparse_mla_v6_per_sm() on\n   the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice\n   does not depend on it"
@@ -570,6 +581,20 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         s.push_str("    if (sparse_mla_is_large_batch(heads, tokens, sms)) {\n");
         for v in batch {
             case(&mut s, v, "        ");
+        }
+        s.push_str("    }\n");
+    }
+    if let Some(v6) = v6_probe {
+        // bf16 small calls: the v6 kernel of the head count, at any v6_per_sm
+        s.push_str(
+            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {\n",
+        );
+        for v in v6 {
+            let mut cond = format!("heads >= {}u", v.heads_min);
+            if let Some(m) = v.heads_max {
+                let _ = write!(cond, " && heads <= {m}u");
+            }
+            plan_fill(&mut s, "        ", &cond, v);
         }
         s.push_str("    }\n");
     }

@@ -114,7 +114,8 @@ impl DecodeConfig {
     /// - bf16: v6 where two of its workgroups fit a multiprocessor (it hides its step's
     ///   latency behind the other one), v7 where only one does (SM120: 100 KB of shared
     ///   memory per multiprocessor). At the H200's default occupancy v6 was faster on most
-    ///   bf16 rows; held to SM120's occupancy, v7 on every row with T ≥ 8.
+    ///   bf16 rows; held to SM120's occupancy, v7 on every row but the small calls, which
+    ///   [`Self::for_call`] sends to v6 ([`Self::is_small_call`]).
     ///
     /// `v6_per_sm` is asked only for bf16 (it compiles the v6 kernel to ask the driver).
     pub fn tensor_core_on<E>(
@@ -147,8 +148,21 @@ impl DecodeConfig {
         2 * blocks >= sm_count as u64
     }
 
+    /// Is `shape` a small call for a GPU of `sm_count` multiprocessors: 16 times its 16-head
+    /// blocks at most the multiprocessors, `16 · T · ⌈H/16⌉ ≤ SMs` (T ≤ 8 at H ≤ 16 on 132
+    /// SMs). The split model then gives each workgroup a few steps (≤ 4 of topk 2048's 64),
+    /// where v6's step, with no ring to fill, beats v7's even at one v6 workgroup per
+    /// multiprocessor: bf16 at SM120's occupancy on the H200, 0.83–0.98× v7's time at
+    /// H ≤ 16 T ≤ 8, H 32 T ≤ 4, H 64 T ≤ 2, H 128 T = 1, and 1.09–1.33× past that
+    /// (benches/NOTES.md, v13).
+    pub fn is_small_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        let blocks = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
+        16 * blocks <= sm_count as u64
+    }
+
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
-    /// large batch ([`Self::is_large_batch`]), else [`Self::tensor_core_on`].
+    /// large batch ([`Self::is_large_batch`]); for bf16 a small call
+    /// ([`Self::is_small_call`]) v6 at any v6 residency; else [`Self::tensor_core_on`].
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -157,6 +171,9 @@ impl DecodeConfig {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
         match Self::tensor_core_batch(dims, format, heads) {
             Some(batch) if Self::is_large_batch(shape, sm_count) => Ok(batch),
+            _ if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) => {
+                Ok(Self::tensor_core_v6(dims, format, heads))
+            }
             _ => Self::tensor_core_on(dims, format, heads, v6_per_sm),
         }
     }
