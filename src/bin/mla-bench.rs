@@ -23,6 +23,9 @@ use std::process::ExitCode;
 /// slots (≥ 2 GiB), with CUDA events around each call, L2 flushed before each, input sets
 /// rotated; report the median against the roofline (4.3 TB/s, 645 TFLOP/s mma.sync bf16),
 /// beside the scalar lowering and a PyTorch peer (tools/peer_bench.py) on the same shapes.
+/// The first timed column is the kernel the CUDA backend runs for the call (v6, v7 or the
+/// large-batch kernel, `DecodeConfig::for_call`); with --sm120-occupancy also the one it runs
+/// on an SM120 GPU of the same SM count, timed at SM120's occupancy.
 /// Each row carries a check of that run's output against the float64 reference (a few
 /// tokens, all heads).
 #[derive(Parser, Debug)]
@@ -700,6 +703,26 @@ fn copy_bandwidth(gpu: &Gpu) -> Result<f64> {
     Ok(2.0 * BYTES as f64 / best)
 }
 
+/// The backend's kernel of a row, here and on SM120 (see [`BenchRow::backend`]).
+#[derive(serde::Serialize, Clone)]
+struct Backend {
+    /// v6, v7 or batch.
+    kernel: String,
+    us: f64,
+    kernel_sm120: Option<String>,
+    us_sm120: Option<f64>,
+}
+
+/// The kernel family of a configuration, in the words of docs/performance.md.
+fn family(c: &DecodeConfig) -> &'static str {
+    match c.lowering {
+        Lowering::Mma { .. } => "v6",
+        Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
+        Lowering::MmaWs { .. } => "v7",
+        Lowering::Scalar => "scalar",
+    }
+}
+
 /// One timed kernel of a row.
 #[derive(serde::Serialize, Clone)]
 struct Timed {
@@ -734,6 +757,10 @@ struct BenchRow {
     peer_eager_us: Option<f64>,
     peer_rel_l2: Option<f64>,
     design_peer_us: Option<f64>,
+    /// What the CUDA backend runs for this call (`DecodeConfig::for_call`): on this GPU, and
+    /// with `--sm120-occupancy` on an SM120 GPU of the same SM count (one v6 workgroup per
+    /// SM), timed there at SM120's occupancy.
+    backend: Backend,
 }
 
 fn run(args: &Args) -> Result<()> {
@@ -958,12 +985,17 @@ fn run(args: &Args) -> Result<()> {
                     sweeps.push(line);
                     continue;
                 }
+                // every timed configuration, for the backend's choice below
+                let mut timed: Vec<(DecodeConfig, Timed)> = Vec::new();
                 let current = time_config(&mut bench, config, &config.split_name())?;
+                timed.push((config, current.clone()));
                 let baseline = if args.no_baseline {
                     None
                 } else {
                     let v6 = DecodeConfig::tensor_core_v6(dims, format, h);
-                    Some(time_config(&mut bench, v6, &v6.split_name())?)
+                    let tv = time_config(&mut bench, v6, &v6.split_name())?;
+                    timed.push((v6, tv.clone()));
+                    Some(tv)
                 };
                 let mut variants = Vec::new();
                 for v in &args.variants {
@@ -974,10 +1006,47 @@ fn run(args: &Args) -> Result<()> {
                         format!("v7 {v}")
                     };
                     match time_config(&mut bench, c, &label) {
-                        Ok(tv) => variants.push(tv),
+                        Ok(tv) => {
+                            timed.push((c, tv.clone()));
+                            variants.push(tv)
+                        }
                         Err(e) => eprintln!("variant {v} ({} H {h} T {t}): {e}", format.name()),
                     }
                 }
+                // the backend's kernel here (this GPU's v6 residency) and on SM120 (one v6
+                // workgroup per SM), timed if no column above is it
+                let sms = bench.gpu.dev.sm_count();
+                let v6_probe = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, h);
+                let v6_kernel =
+                    sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&v6_probe)?.0;
+                let v6_resident = bench.gpu.dev.resident_workgroups(&v6_kernel)?;
+                let v6_here = (v6_resident / sms.max(1)).max(1);
+                let v6_sm120 = (sm120_resident(&v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
+                let choice_here =
+                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_here))?;
+                let choice_sm120 =
+                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_sm120))?;
+                let mut backend_time = |bench: &mut Bench, c: DecodeConfig| -> Result<Timed> {
+                    if let Some((_, tv)) = timed.iter().find(|(tc, _)| *tc == c) {
+                        return Ok(tv.clone());
+                    }
+                    let tv = time_config(bench, c, &c.split_name())?;
+                    timed.push((c, tv.clone()));
+                    Ok(tv)
+                };
+                let here = backend_time(&mut bench, choice_here)?;
+                let backend = Backend {
+                    kernel: family(&choice_here).to_string(),
+                    us: here.us,
+                    kernel_sm120: args
+                        .sm120_occupancy
+                        .then(|| family(&choice_sm120).to_string()),
+                    us_sm120: if args.sm120_occupancy {
+                        backend_time(&mut bench, choice_sm120)?.us_sm120
+                    } else {
+                        None
+                    },
+                };
                 let scalar = if args.scalar {
                     let sc = DecodeConfig::cuda_scalar(dims, format);
                     let plan =
@@ -1015,6 +1084,7 @@ fn run(args: &Args) -> Result<()> {
                     peer_eager_us: pr.map(|p| p.eager_us),
                     peer_rel_l2: pr.map(|p| p.rel),
                     design_peer_us: design_best_peer(h, t),
+                    backend,
                 };
                 if args.format == "json" {
                     println!(
@@ -1067,10 +1137,19 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
     let mut t = Table::new();
     t.load_preset(ASCII_MARKDOWN);
     let mut head = vec![
-        "cache", "H", "T", "roof us", "v7 us", "s", "% roof", "TFLOP/s", "check",
+        "cache",
+        "H",
+        "T",
+        "roof us",
+        "backend us",
+        "v7 us",
+        "s",
+        "% roof",
+        "TFLOP/s",
+        "check",
     ];
     if args.sm120_occupancy {
-        head.extend(["v7 sm120 us", "sm120 / default"]);
+        head.extend(["SM120 backend us", "v7 sm120 us", "sm120 / default"]);
     }
     if !args.no_baseline {
         head.extend(["v6 us", "v6 / v7"]);
@@ -1105,6 +1184,7 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
             r.heads.to_string(),
             r.tokens.to_string(),
             format!("{:.1}", r.roofline_us),
+            format!("{} {:.1}", r.backend.kernel, r.backend.us),
             format!("{:.1}", c.us),
             c.splits.to_string(),
             format!("{:.1}%", r.roofline_us / c.us * 100.0),
@@ -1117,6 +1197,11 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
             ),
         ];
         if args.sm120_occupancy {
+            cells.push(format!(
+                "{} {}",
+                r.backend.kernel_sm120.as_deref().unwrap_or("-"),
+                fmt_us(r.backend.us_sm120)
+            ));
             cells.push(fmt_us(c.us_sm120));
             cells.push(
                 c.us_sm120
@@ -1151,7 +1236,7 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
         );
         t.add_row(cells);
     }
-    for i in 1..8 {
+    for i in 1..9 {
         if let Some(col) = t.column_mut(i) {
             col.set_cell_alignment(CellAlignment::Right);
         }
@@ -1160,7 +1245,7 @@ fn table(rows: &[BenchRow], args: &Args) -> String {
 }
 
 fn print_csv(rows: &[BenchRow]) {
-    println!("cache,heads,tokens,roofline_us,kernel,splits,us,us_sm120,rel_l2,lse_err,ok,peer_graph_us,peer_eager_us,splits_sm120");
+    println!("cache,heads,tokens,roofline_us,kernel,splits,us,us_sm120,rel_l2,lse_err,ok,peer_graph_us,peer_eager_us,splits_sm120,backend,backend_us,backend_sm120,backend_us_sm120");
     for r in rows {
         let mut all = vec![&r.current];
         all.extend(r.baseline.iter());
@@ -1168,7 +1253,7 @@ fn print_csv(rows: &[BenchRow]) {
         all.extend(r.scalar.iter());
         for k in all {
             println!(
-                "{},{},{},{:.2},{},{},{:.2},{},{:.3e},{:.3e},{},{},{},{}",
+                "{},{},{},{:.2},{},{},{:.2},{},{:.3e},{:.3e},{},{},{},{},{},{:.2},{},{}",
                 r.cache,
                 r.heads,
                 r.tokens,
@@ -1186,7 +1271,14 @@ fn print_csv(rows: &[BenchRow]) {
                 r.peer_eager_us
                     .map(|v| format!("{v:.2}"))
                     .unwrap_or_default(),
-                k.splits_sm120.map(|v| v.to_string()).unwrap_or_default()
+                k.splits_sm120.map(|v| v.to_string()).unwrap_or_default(),
+                r.backend.kernel,
+                r.backend.us,
+                r.backend.kernel_sm120.as_deref().unwrap_or(""),
+                r.backend
+                    .us_sm120
+                    .map(|v| format!("{v:.2}"))
+                    .unwrap_or_default()
             );
         }
     }
