@@ -581,3 +581,55 @@ pub fn lowered_kernels(config: &DecodeConfig) -> Result<KernelPair> {
 fn poisoned() -> Error {
     Error::runtime("kernels", "kernel cache lock poisoned by an earlier panic")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The family `for_call` picks for a call of `tokens` x `heads` on 132 SMs.
+    fn pick(format: CacheFormat, heads: u32, tokens: u32, v6_per_sm: u32) -> &'static str {
+        let shape = DecodeShape {
+            tokens,
+            heads,
+            topk: 2048,
+            num_pages: 1024,
+            page_size: 64,
+            dims: MlaDims::PRODUCTION,
+            format,
+            scale: 1.0,
+            has_topk_length: false,
+        };
+        let c = DecodeConfig::for_call(&shape, 132, || Ok::<u32, ()>(v6_per_sm)).unwrap();
+        match c.lowering {
+            Lowering::Mma { .. } => "v6",
+            Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
+            Lowering::MmaWs { .. } => "v7",
+            Lowering::Scalar => "scalar",
+        }
+    }
+
+    #[test]
+    fn the_backend_choice_at_one_and_two_v6_workgroups_per_sm() {
+        use CacheFormat::{Bf16, Fp8DsMla};
+        // one v6 workgroup per SM (SM120): v6 only for small bf16 calls, 16 T ceil(H/16) <= SMs
+        for (heads, small, next) in [(16, 8, 9), (32, 4, 5), (64, 2, 3), (128, 1, 2)] {
+            assert_eq!(pick(Bf16, heads, small, 1), "v6", "H {heads} T {small}");
+            assert_eq!(pick(Bf16, heads, next, 1), "v7", "H {heads} T {next}");
+            assert_eq!(
+                pick(Fp8DsMla, heads, small, 1),
+                "v7",
+                "fp8 H {heads} T {small}"
+            );
+        }
+        // two per SM (H100/H200): bf16 v6 below the large batch
+        assert_eq!(pick(Bf16, 16, 9, 2), "v6");
+        assert_eq!(pick(Bf16, 128, 40, 2), "v6");
+        assert_eq!(pick(Fp8DsMla, 16, 9, 2), "v7");
+        // a large batch at H <= 16 (2 T ceil(H/16) >= SMs), at any residency
+        for v6 in [1, 2] {
+            assert_eq!(pick(Bf16, 16, 65, v6), if v6 == 1 { "v7" } else { "v6" });
+            assert_eq!(pick(Bf16, 16, 66, v6), "batch");
+            assert_eq!(pick(Fp8DsMla, 8, 66, v6), "batch");
+        }
+    }
+}
