@@ -713,16 +713,6 @@ struct Backend {
     us_sm120: Option<f64>,
 }
 
-/// The kernel family of a configuration, in the words of docs/performance.md.
-fn family(c: &DecodeConfig) -> &'static str {
-    match c.lowering {
-        Lowering::Mma { .. } => "v6",
-        Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
-        Lowering::MmaWs { .. } => "v7",
-        Lowering::Scalar => "scalar",
-    }
-}
-
 /// One timed kernel of a row.
 #[derive(serde::Serialize, Clone)]
 struct Timed {
@@ -1036,11 +1026,11 @@ fn run(args: &Args) -> Result<()> {
                 };
                 let here = backend_time(&mut bench, choice_here)?;
                 let backend = Backend {
-                    kernel: family(&choice_here).to_string(),
+                    kernel: choice_here.family().to_string(),
                     us: here.us,
                     kernel_sm120: args
                         .sm120_occupancy
-                        .then(|| family(&choice_sm120).to_string()),
+                        .then(|| choice_sm120.family().to_string()),
                     us_sm120: if args.sm120_occupancy {
                         backend_time(&mut bench, choice_sm120)?.us_sm120
                     } else {

@@ -197,6 +197,17 @@ impl DecodeConfig {
         }
     }
 
+    /// The kernel family, in the words of benches/NOTES.md: `v6`, `v7`, `batch` (the
+    /// large-batch kernel, v7 in warp groups) or `scalar`.
+    pub fn family(&self) -> &'static str {
+        match self.lowering {
+            Lowering::Mma { .. } => "v6",
+            Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
+            Lowering::MmaWs { .. } => "v7",
+            Lowering::Scalar => "scalar",
+        }
+    }
+
     /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.
     pub fn groups(&self) -> u32 {
         match self.lowering {
@@ -599,13 +610,9 @@ mod tests {
             scale: 1.0,
             has_topk_length: false,
         };
-        let c = DecodeConfig::for_call(&shape, 132, || Ok::<u32, ()>(v6_per_sm)).unwrap();
-        match c.lowering {
-            Lowering::Mma { .. } => "v6",
-            Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
-            Lowering::MmaWs { .. } => "v7",
-            Lowering::Scalar => "scalar",
-        }
+        DecodeConfig::for_call(&shape, 132, || Ok::<u32, ()>(v6_per_sm))
+            .unwrap()
+            .family()
     }
 
     #[test]
