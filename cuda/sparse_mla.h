@@ -176,8 +176,9 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
    (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).
    Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load
-   p->split_kernel, then sparse_mla_v6_per_sm(). Only for that: it plans no call. Returns 0
-   on success, else a message naming the argument. */
+   p->split_kernel, then sparse_mla_v6_per_sm(). It plans no call (for bf16 small calls
+   sparse_mla_decode_variant takes this kernel). Returns 0 on success, else a message
+   naming the argument. */
 static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode_plan* p) {
     if (heads == 0) return "heads: expected at least 1";
     if (heads >= 1u && heads <= 16u) {
@@ -224,18 +225,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             return 0;
         }
     }
-    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {
-        if (heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95232u;
-            return 0;
-        }
-        if (heads >= 17u) {
-            p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 78464u;
-            return 0;
-        }
-    }
+    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms))
+        return sparse_mla_v6_kernel(heads, p);
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm <= 1u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;

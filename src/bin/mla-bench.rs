@@ -920,8 +920,12 @@ fn run(args: &Args) -> Result<()> {
                         let tm = bench.time(&row, &plan, -1)?;
                         let sm120 = if args.sm120_occupancy {
                             // planned as the backend would on SM120: with its residency
-                            let r120 =
-                                sm120_resident(&split_kernel, resident, bench.gpu.dev.sm_count());
+                            let r120 = sm120_resident(
+                                &config,
+                                &split_kernel,
+                                resident,
+                                bench.gpu.dev.sm_count(),
+                            );
                             let s120 = args
                                 .splits
                                 .unwrap_or_else(|| DecodePlan::model_splits(&config, &shape, r120));
@@ -1011,7 +1015,8 @@ fn run(args: &Args) -> Result<()> {
                     sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&v6_probe)?.0;
                 let v6_resident = bench.gpu.dev.resident_workgroups(&v6_kernel)?;
                 let v6_here = (v6_resident / sms.max(1)).max(1);
-                let v6_sm120 = (sm120_resident(&v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
+                let v6_sm120 =
+                    (sm120_resident(&v6_probe, &v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
                 let choice_here =
                     DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_here))?;
                 let choice_sm120 =
@@ -1274,12 +1279,11 @@ fn print_csv(rows: &[BenchRow]) {
     }
 }
 
-/// Workgroups of `kernel` an SM120 GPU of `sm_count` multiprocessors would run at once, for
-/// the `--sm120-occupancy` column's plan: 100 KB of shared memory per multiprocessor, 1 KB of
-/// it reserved per workgroup (docs/hardware.md), and never more than `resident` (what the
-/// driver reports here, which counts registers too).
-fn sm120_resident(kernel: &sparse_mla::kir::ir::Kernel, resident: u32, sm_count: u32) -> u32 {
-    let (_, smem) = sparse_mla::kir::shared_plan::shared_layout(&kernel.shared);
-    let per_sm = (100 * 1024 / (smem + 1024)).max(1) as u32;
+/// Workgroups of `config`'s split kernel an SM120 GPU of `sm_count` multiprocessors would run
+/// at once, for the `--sm120-occupancy` column's plan: the export's estimate for sm_120
+/// (shared memory, the register hint), never more than `resident` (what the driver reports
+/// here).
+fn sm120_resident(config: &DecodeConfig, kernel: &Kernel, resident: u32, sm_count: u32) -> u32 {
+    let per_sm = sparse_mla::export::header::estimate_per_sm(config, kernel, "sm_120");
     resident.min(per_sm * sm_count).max(1)
 }

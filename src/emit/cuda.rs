@@ -102,6 +102,12 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         Some(h) => h.to_string(),
         None => helpers(kernel),
     };
+    // printed twice below (the helpers the body calls, then the unit): pruned once
+    let pruned = Kernel {
+        body: without_dead_lets(&kernel.body),
+        ..kernel.clone()
+    };
+    let kernel = &pruned;
     let unit = Printer { kernel }.unit(&h);
     // The pair conversion's and the integer min / max helpers only where the body calls them.
     let mut called = String::new();
@@ -549,7 +555,7 @@ impl Printer<'_> {
         if k.grid_dependency.early_dependents {
             w.line("grid_launch_dependents(); // the next kernel may launch now (it waits for this one)");
         }
-        for s in &without_dead_lets(&k.body) {
+        for s in &k.body {
             w.stmt(self, s);
         }
         w.indent -= 1;
@@ -971,27 +977,7 @@ fn without_dead_lets(body: &[Stmt]) -> Vec<Stmt> {
     fn prune(block: Vec<Stmt>, dropped: &mut usize) -> Vec<Stmt> {
         let block: Vec<Stmt> = block
             .into_iter()
-            .map(|s| match s {
-                Stmt::If { cond, then, els } => Stmt::If {
-                    cond,
-                    then: prune(then, dropped),
-                    els: prune(els, dropped),
-                },
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body: prune(body, dropped),
-                },
-                other => other,
-            })
+            .map(|s| s.map_blocks(&mut |b| prune(b, dropped)))
             .collect();
         // backwards: the names read by the statements kept after this one
         let mut later = HashSet::new();

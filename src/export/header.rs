@@ -584,19 +584,12 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         s.push_str("    }\n");
     }
-    if let Some(v6) = v6_probe {
+    if v6_probe.is_some() {
         // bf16 small calls: the v6 kernel of the head count, at any v6_per_sm
         s.push_str(
-            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {\n",
+            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms))\n        \
+             return sparse_mla_v6_kernel(heads, p);\n",
         );
-        for v in v6 {
-            let mut cond = format!("heads >= {}u", v.heads_min);
-            if let Some(m) = v.heads_max {
-                let _ = write!(cond, " && heads <= {m}u");
-            }
-            plan_fill(&mut s, "        ", &cond, v);
-        }
-        s.push_str("    }\n");
     }
     for v in variants {
         case(&mut s, v, "    ");
@@ -738,8 +731,9 @@ fn v6_kernel_fn(v6: &[DecodeVariant]) -> String {
         "/* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`\n   \
          (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).\n   \
          Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load\n   \
-         p->split_kernel, then sparse_mla_v6_per_sm(). Only for that: it plans no call. Returns 0\n   \
-         on success, else a message naming the argument. */\n\
+         p->split_kernel, then sparse_mla_v6_per_sm(). It plans no call (for bf16 small calls\n   \
+         sparse_mla_decode_variant takes this kernel). Returns 0 on success, else a message\n   \
+         naming the argument. */\n\
          static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode_plan* p) {\n    \
          if (heads == 0) return \"heads: expected at least 1\";\n",
     );

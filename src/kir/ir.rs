@@ -864,6 +864,33 @@ pub enum Stmt {
 }
 
 impl Stmt {
+    /// The statement with each block directly nested in it (an `if`'s branches, a loop's
+    /// body) passed through `f`; other statements as they are. For passes over one block at
+    /// a time that recurse themselves.
+    pub fn map_blocks(self, f: &mut dyn FnMut(Vec<Stmt>) -> Vec<Stmt>) -> Stmt {
+        match self {
+            Stmt::If { cond, then, els } => Stmt::If {
+                cond,
+                then: f(then),
+                els: f(els),
+            },
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body: f(body),
+            },
+            other => other,
+        }
+    }
+
     /// The statement rebuilt bottom-up: every expression node through `e` (as [`Expr::map`]
     /// does; intrinsic operands included), every nested block mapped the same way, then the rebuilt statement itself
     /// through `s` (once; what `s` returns is not walked again). Tile ops are left as they are.

@@ -144,8 +144,13 @@ impl DecodeConfig {
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors: its head blocks fill
     /// half the multiprocessors or more without splitting the top-k lists.
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
-        let blocks = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
-        2 * blocks >= sm_count as u64
+        2 * Self::blocks16(shape) >= sm_count as u64
+    }
+
+    /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
+    /// ([`Self::is_large_batch`], [`Self::is_small_call`]).
+    fn blocks16(shape: &DecodeShape) -> u64 {
+        shape.tokens as u64 * shape.heads.div_ceil(16) as u64
     }
 
     /// Is `shape` a small call for a GPU of `sm_count` multiprocessors: 16 times its 16-head
@@ -156,8 +161,7 @@ impl DecodeConfig {
     /// H ≤ 16 T ≤ 8, H 32 T ≤ 4, H 64 T ≤ 2, H 128 T = 1, and 1.09–1.33× past that
     /// (benches/NOTES.md, v13).
     pub fn is_small_call(shape: &DecodeShape, sm_count: u32) -> bool {
-        let blocks = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
-        16 * blocks <= sm_count as u64
+        16 * Self::blocks16(shape) <= sm_count as u64
     }
 
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a

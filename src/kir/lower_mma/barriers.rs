@@ -56,27 +56,7 @@ pub(super) fn dedupe_barriers(stmts: Vec<Stmt>) -> Vec<Stmt> {
     let mut out: Vec<Stmt> = Vec::with_capacity(stmts.len());
     let mut last_barrier = false;
     for s in stmts {
-        let s = match s {
-            Stmt::If { cond, then, els } => Stmt::If {
-                cond,
-                then: dedupe_barriers(then),
-                els: dedupe_barriers(els),
-            },
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body: dedupe_barriers(body),
-            },
-            other => other,
-        };
+        let s = s.map_blocks(&mut dedupe_barriers);
         match s {
             Stmt::Barrier if last_barrier => continue,
             Stmt::Barrier => last_barrier = true,
