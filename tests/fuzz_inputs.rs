@@ -203,11 +203,12 @@ fn nudge(rng: &mut Rng, v: &Value) -> Value {
 }
 
 fn mutate_bytes(rng: &mut Rng, bytes: &mut Vec<u8>, lo: usize, hi: usize) {
-    let hi = hi.min(bytes.len());
-    if hi <= lo {
-        return;
-    }
     for _ in 0..1 + rng.below(3) {
+        // the window as the bytes are now: an earlier removal may have shortened them
+        let hi = hi.min(bytes.len());
+        if hi <= lo {
+            return;
+        }
         let at = lo + rng.below((hi - lo) as u64) as usize;
         match rng.below(4) {
             0 => bytes[at] ^= 1 << rng.below(8),
