@@ -149,11 +149,17 @@ fn shape_of(&(format, heads, tokens, topk, ..): &Case) -> DecodeShape {
 /// The driver's line for a call launched with `config`: its kernels, threads, shared memory
 /// and the plan `DecodePlan::with_config` makes for `resident` workgroups (the backend's).
 fn expected_line(case: &Case, config: DecodeConfig) -> (String, DecodePlan) {
-    let &(_, heads, tokens, _, _, _, resident, splits) = case;
+    let &(_, heads, tokens, _, sms, _, resident, splits) = case;
     let shape = shape_of(case);
     let (split, combine) = lowered_kernels(&config).unwrap();
-    let plan =
-        DecodePlan::with_config(config, &shape, resident, (splits > 0).then_some(splits)).unwrap();
+    let plan = DecodePlan::with_config(
+        config,
+        &shape,
+        resident,
+        sms,
+        (splits > 0).then_some(splits),
+    )
+    .unwrap();
     let grid = plan.grid_split(&shape);
     let rows = tokens as u64 * heads as u64 * plan.splits as u64;
     let (o_bytes, l_bytes) = if plan.splits > 1 {

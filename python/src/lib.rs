@@ -190,7 +190,7 @@ fn plan_of(call: &DecodeCall, splits: Option<u32>) -> PyResult<DecodePlan> {
         Ok(device::resident_workgroups(call.device, &v6).map_err(lib_err)? / sm_count.max(1))
     })?;
     let resident = device::resident_workgroups(call.device, &config).map_err(lib_err)?;
-    DecodePlan::with_config(config, &call.shape, resident, splits).map_err(lib_err)
+    DecodePlan::with_config(config, &call.shape, resident, sm_count, splits).map_err(lib_err)
 }
 
 /// The plan of a decode call: `{"splits", "chunk", "o_part": shape, "lse_part": shape,

@@ -77,7 +77,8 @@ struct Args {
     /// Force the split count of the tensor-core rows (default: the cost model).
     #[arg(long)]
     splits: Option<u32>,
-    /// Time these split counts for every row instead (current kernel only), e.g. 1,2,4,8.
+    /// Time these split counts for every row instead, of the kernel the backend runs for the
+    /// row on this GPU (v6, v7 or the large-batch kernel), e.g. 1,2,4,8.
     #[arg(long, value_delimiter = ',')]
     sweep_splits: Vec<u32>,
     /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
@@ -908,14 +909,15 @@ fn run(args: &Args) -> Result<()> {
                 let roof_us = (bytes / copy_bw).max(flops / mma_peak) * 1e6;
                 // time a config: its cost-model splits (or --splits), default carve-out and,
                 // with --sm120-occupancy, SM120's
+                let sms = bench.gpu.dev.sm_count();
                 let mut time_config =
                     |bench: &mut Bench, config: DecodeConfig, label: &str| -> Result<Timed> {
                         let split_kernel =
                             sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                         let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
-                        let s = args
-                            .splits
-                            .unwrap_or_else(|| DecodePlan::model_splits(&config, &shape, resident));
+                        let s = args.splits.unwrap_or_else(|| {
+                            DecodePlan::model_splits(&config, &shape, resident, sms)
+                        });
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
                         let tm = bench.time(&row, &plan, -1)?;
                         let sm120 = if args.sm120_occupancy {
@@ -926,9 +928,9 @@ fn run(args: &Args) -> Result<()> {
                                 resident,
                                 bench.gpu.dev.sm_count(),
                             );
-                            let s120 = args
-                                .splits
-                                .unwrap_or_else(|| DecodePlan::model_splits(&config, &shape, r120));
+                            let s120 = args.splits.unwrap_or_else(|| {
+                                DecodePlan::model_splits(&config, &shape, r120, sms)
+                            });
                             let plan120 = DecodePlan::new(config, &shape, r120, Some(s120), None)?;
                             let t2 = bench.time(&row, &plan120, 44)?;
                             failed |= !t2.check.ok;
@@ -949,7 +951,22 @@ fn run(args: &Args) -> Result<()> {
                         })
                     };
                 let config = DecodeConfig::tensor_core_v7(dims, format, h);
+                // the backend's kernel here (this GPU's v6 residency) and on SM120 (one v6
+                // workgroup per SM)
+                let v6_probe = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, h);
+                let v6_kernel =
+                    sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&v6_probe)?.0;
+                let v6_resident = bench.gpu.dev.resident_workgroups(&v6_kernel)?;
+                let v6_here = (v6_resident / sms.max(1)).max(1);
+                let v6_sm120 =
+                    (sm120_resident(&v6_probe, &v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
+                let choice_here =
+                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_here))?;
+                let choice_sm120 =
+                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_sm120))?;
                 if !args.sweep_splits.is_empty() {
+                    // the split counts of the kernel the backend runs for this call here
+                    let config = choice_here;
                     let split_kernel =
                         sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                     let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
@@ -965,10 +982,11 @@ fn run(args: &Args) -> Result<()> {
                             if tm.check.ok { "" } else { "!" }
                         ));
                     }
-                    let model = DecodePlan::model_splits(&config, &shape, resident);
+                    let model = DecodePlan::model_splits(&config, &shape, resident, sms);
                     let line = format!(
-                        "sweep {:<10} H {:>3} T {:>3} roof {:>6.1} us  model s{:<3} {}",
+                        "sweep {:<10} {:<5} H {:>3} T {:>3} roof {:>6.1} us  model s{:<3} {}",
                         format.name(),
+                        config.family(),
                         h,
                         t,
                         roof_us,
@@ -1007,20 +1025,8 @@ fn run(args: &Args) -> Result<()> {
                         Err(e) => eprintln!("variant {v} ({} H {h} T {t}): {e}", format.name()),
                     }
                 }
-                // the backend's kernel here (this GPU's v6 residency) and on SM120 (one v6
-                // workgroup per SM), timed if no column above is it
-                let sms = bench.gpu.dev.sm_count();
-                let v6_probe = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, h);
-                let v6_kernel =
-                    sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&v6_probe)?.0;
-                let v6_resident = bench.gpu.dev.resident_workgroups(&v6_kernel)?;
-                let v6_here = (v6_resident / sms.max(1)).max(1);
-                let v6_sm120 =
-                    (sm120_resident(&v6_probe, &v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
-                let choice_here =
-                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_here))?;
-                let choice_sm120 =
-                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_sm120))?;
+                // the backend's kernel here and on SM120 (`choice_here`, `choice_sm120` above),
+                // timed if no column above is it
                 let mut backend_time = |bench: &mut Bench, c: DecodeConfig| -> Result<Timed> {
                     if let Some((_, tv)) = timed.iter().find(|(tc, _)| *tc == c) {
                         return Ok(tv.clone());

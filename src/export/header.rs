@@ -607,24 +607,37 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
 }}
 
 /* The split count of the runtime's cost model (DecodePlan::model_splits in
-   src/kernels/sparse_mla_decode/mod.rs): time in workgroup steps, waves x (steps + 2), plus
-   for splits > 1 the combine (a launch, the partials' bytes written and read, at half a
-   gathered byte: they stay in L2); the smallest count wins ties. `resident`: workgroups the GPU runs at once. */
+   src/kernels/sparse_mla_decode/mod.rs): time in workgroup steps, for each wave of workgroups
+   slow(k) x (steps + 2), k the workgroups the wave puts on one multiprocessor (each co-resident
+   one worth half a workgroup's speed: slow(k) = k / (1 + (k - 1) / 2)), plus for splits > 1
+   the combine (a launch, the partials' bytes written and read, at half a gathered byte: they
+   stay in L2); the smallest count wins ties. `resident`: workgroups the GPU runs at once,
+   `sms`: its multiprocessors. */
+static inline double sparse_mla_wave_time(unsigned long long per_sm) {{
+    return per_sm <= 1u ? 1.0 : (double)per_sm / (1.0 + 0.5 * (double)(per_sm - 1u));
+}}
+
 static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, int format, unsigned heads,
-                                               unsigned tokens, unsigned topk, unsigned resident) {{
+                                               unsigned tokens, unsigned topk, unsigned resident,
+                                               unsigned sms) {{
     const double fixed = 2.0;
     unsigned long long res = resident ? resident : 1u;
+    unsigned long long m = sms ? sms : 1u;
     unsigned blocks = (topk + p->block_n - 1u) / p->block_n;
     unsigned long long base = (unsigned long long)tokens * ((heads + p->block_h - 1u) / p->block_h);
-    double step_bytes = (double)res * (double)(p->block_n * sparse_mla_row_bytes(format));
+    double full_wave, step_bytes;
     double rows = (double)tokens * (double)heads;
     double best_t = 1.7976931348623157e308;
     unsigned best = 1u, s, max_s;
+    if (m > res) m = res;
+    full_wave = sparse_mla_wave_time((res + m - 1u) / m);
+    step_bytes = (double)res * (double)(p->block_n * sparse_mla_row_bytes(format)) / full_wave;
     if (blocks == 0u) blocks = 1u;
     max_s = blocks < 128u ? blocks : 128u;
     for (s = 1u; s <= max_s; ++s) {{
         double steps = (double)((blocks + s - 1u) / s);
-        double waves = (double)((base * s + res - 1u) / res);
+        unsigned long long wg = base * s, rest = wg % res;
+        double waves = (double)(wg / res) * full_wave + (rest ? sparse_mla_wave_time((rest + m - 1u) / m) : 0.0);
         double t = waves * (steps + fixed);
         if (s > 1u) {{
             double partial_bytes = rows * (double)s * ((double)SPARSE_MLA_D_V + 1.0) * 4.0 * 2.0;
@@ -658,7 +671,7 @@ static inline const char* sparse_mla_plan_decode(int format, unsigned heads, uns
     if ((unsigned long long)tokens * heads * SPARSE_MLA_D_QK / 2u >= SPARSE_MLA_MAX_WORDS) return "q: expected fewer than 2^31 32-bit words";
     if (lse_s_q == 0u || tokens % lse_s_q != 0u) return "lse_s_q: expected a divisor of tokens (tokens = batch x s_q)";
     blocks = (topk + p->block_n - 1u) / p->block_n;
-    want = splits ? splits : sparse_mla_model_splits(p, format, heads, tokens, topk, resident);
+    want = splits ? splits : sparse_mla_model_splits(p, format, heads, tokens, topk, resident, sms);
     if (want > blocks) want = blocks;
     if (want == 0u) want = 1u;
     p->chunk = ((blocks + want - 1u) / want) * p->block_n;

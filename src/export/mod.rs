@@ -212,7 +212,8 @@ pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
             ));
         }
     }
-    let plan = DecodePlan::with_config(variant.config, shape, req.sms * per_sm, req.splits)?;
+    let plan =
+        DecodePlan::with_config(variant.config, shape, req.sms * per_sm, req.sms, req.splits)?;
     let mut files = Vec::new();
     for k in [&variant.split, &variant.combine] {
         let src = render(k, Target::Cuda)?;

@@ -650,7 +650,7 @@ impl Device for CudaDevice {
         let config = decode_kernel_choice(self, shape)?;
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
-        DecodePlan::with_config(config, shape, resident, splits)
+        DecodePlan::with_config(config, shape, resident, self.sm_count, splits)
     }
 
     fn target_workgroups(&self) -> u32 {

@@ -382,7 +382,8 @@ impl Device for EmuDevice {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };
         lowered_kernels(&config)?;
-        DecodePlan::with_config(config, shape, self.resident, splits)
+        // one workgroup per multiprocessor
+        DecodePlan::with_config(config, shape, self.resident, self.resident, splits)
     }
 
     fn compile(&self, kernel: &Kernel) -> Result<EmuModule> {

@@ -378,47 +378,73 @@ impl DecodePlan {
         })
     }
 
-    /// The tensor-core plan ([`DecodeConfig::tensor_core`]) with splits from a cost model of
-    /// the GPU: `resident` split workgroups run at once (multiprocessors x workgroups per
-    /// multiprocessor). `splits` overrides the model.
-    ///
-    /// Time is counted in workgroup steps (one `block_n` gather + its math): a split count
-    /// `s` costs `waves(s) x (steps(s) + FIXED)` plus, when `s > 1`, the combine (a launch,
-    /// about a step, and the partials written and read again, in step-sized byte units).
-    /// Small batches thus split until the GPU is full; large ones stay whole, with no combine.
-    pub fn tensor_core(shape: &DecodeShape, resident: u32, splits: Option<u32>) -> Result<Self> {
-        let config = DecodeConfig::tensor_core(shape.dims, shape.format, shape.heads);
-        Self::with_config(config, shape, resident, splits)
-    }
-
-    /// [`Self::tensor_core`] for a given tensor-core configuration (v6 or v7).
+    /// The plan of a tensor-core configuration (v6, v7 or the large-batch kernel) with splits
+    /// from a cost model of the GPU ([`Self::model_splits`]): `resident` split workgroups run
+    /// at once on `sms` multiprocessors. `splits` overrides the model.
     pub fn with_config(
         config: DecodeConfig,
         shape: &DecodeShape,
         resident: u32,
+        sms: u32,
         splits: Option<u32>,
     ) -> Result<Self> {
         let splits = match splits {
             Some(s) => Some(s),
-            None => Some(Self::model_splits(&config, shape, resident)),
+            None => Some(Self::model_splits(&config, shape, resident, sms)),
         };
         Self::new(config, shape, resident, splits, None)
     }
 
-    /// The split count the cost model of [`Self::tensor_core`] picks.
-    pub fn model_splits(config: &DecodeConfig, shape: &DecodeShape, resident: u32) -> u32 {
+    /// The split count of the cost model: `resident` workgroups of the split kernel run at
+    /// once on `sms` multiprocessors.
+    ///
+    /// Time is counted in workgroup steps (one `block_n` gather + its math): a split count
+    /// `s` costs, for each wave of workgroups, `slow(k) x (steps(s) + FIXED)`, plus, when
+    /// `s > 1`, the combine (a launch, about a step, and the partials written and read again,
+    /// in step-sized byte units). `k` is the workgroups a wave puts on one multiprocessor:
+    /// co-resident workgroups share it, each added one worth half a workgroup's speed,
+    /// `slow(k) = k / (1 + (k - 1) / 2)` (the H200 runs two v6 workgroups per SM 1.55x as fast
+    /// as one). Without that term the model took two 1-step workgroups per SM for one 2-step
+    /// workgroup, and lost 5–16 % on bf16 calls of four head blocks (H 8 T 4 to H 128 T 1;
+    /// benches/NOTES.md, v14). Small batches thus split until the GPU is full; large ones
+    /// stay whole, with no combine.
+    pub fn model_splits(
+        config: &DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        sms: u32,
+    ) -> u32 {
         // Per-workgroup cost outside the step loop: q load, pipeline fill, epilogue.
         const FIXED: f64 = 2.0;
         let resident = resident.max(1) as u64;
+        let sms = (sms.max(1) as u64).min(resident);
+        // a wave's time, in steps of one workgroup alone on its multiprocessor
+        let slow = |k: u64| {
+            if k <= 1 {
+                1.0
+            } else {
+                k as f64 / (1.0 + 0.5 * (k - 1) as f64)
+            }
+        };
+        let full_wave = slow(resident.div_ceil(sms));
         let blocks = shape.topk.div_ceil(config.block_n).max(1);
         let base = shape.tokens as u64 * shape.heads.div_ceil(config.block_h) as u64;
-        let step_bytes =
-            resident as f64 * (config.block_n * config.format.row_bytes(config.dims)) as f64;
+        // bytes a full wave gathers per unit of time
+        let step_bytes = resident as f64
+            * (config.block_n * config.format.row_bytes(config.dims)) as f64
+            / full_wave;
         let rows = shape.tokens as f64 * shape.heads as f64;
         let mut best = (f64::MAX, 1);
         for s in 1..=blocks.min(128) {
             let steps = blocks.div_ceil(s) as f64;
-            let waves = (base * s as u64).div_ceil(resident) as f64;
+            let workgroups = base * s as u64;
+            let (full, rest) = (workgroups / resident, workgroups % resident);
+            let waves = full as f64 * full_wave
+                + if rest > 0 {
+                    slow(rest.div_ceil(sms))
+                } else {
+                    0.0
+                };
             let mut t = waves * (steps + FIXED);
             if s > 1 {
                 // the combine: a launch and the partials written and read back (its
@@ -601,9 +627,8 @@ fn poisoned() -> Error {
 mod tests {
     use super::*;
 
-    /// The family `for_call` picks for a call of `tokens` x `heads` on 132 SMs.
-    fn pick(format: CacheFormat, heads: u32, tokens: u32, v6_per_sm: u32) -> &'static str {
-        let shape = DecodeShape {
+    fn shape(format: CacheFormat, heads: u32, tokens: u32) -> DecodeShape {
+        DecodeShape {
             tokens,
             heads,
             topk: 2048,
@@ -613,10 +638,51 @@ mod tests {
             format,
             scale: 1.0,
             has_topk_length: false,
-        };
-        DecodeConfig::for_call(&shape, 132, || Ok::<u32, ()>(v6_per_sm))
-            .unwrap()
-            .family()
+        }
+    }
+
+    /// The family `for_call` picks for a call of `tokens` x `heads` on 132 SMs.
+    fn pick(format: CacheFormat, heads: u32, tokens: u32, v6_per_sm: u32) -> &'static str {
+        DecodeConfig::for_call(&shape(format, heads, tokens), 132, || {
+            Ok::<u32, ()>(v6_per_sm)
+        })
+        .unwrap()
+        .family()
+    }
+
+    #[test]
+    fn the_split_model_picks_what_the_h200_sweeps_measured_fastest() {
+        use CacheFormat::{Bf16, Fp8DsMla};
+        // (format, H, T, per SM, splits): the fastest of 4..64 in each row of the H200's
+        // sweeps (benches/h200-v14.txt call 1; bf16 v6 at two workgroups per SM, fp8 v7 at
+        // one), or one within 3 % of it
+        for (format, heads, tokens, per_sm, want) in [
+            (Bf16, 8, 1, 2, 64),
+            (Bf16, 8, 4, 2, 32),
+            (Bf16, 8, 8, 2, 32),
+            (Bf16, 8, 16, 2, 16),
+            (Bf16, 32, 4, 2, 32),
+            (Bf16, 64, 2, 2, 32),
+            (Bf16, 64, 16, 2, 8),
+            (Bf16, 128, 1, 2, 32),
+            (Bf16, 128, 4, 2, 16),
+            (Bf16, 128, 16, 2, 4),
+            (Fp8DsMla, 16, 4, 1, 32),
+            (Fp8DsMla, 16, 8, 1, 16),
+            (Fp8DsMla, 128, 1, 1, 32),
+            (Fp8DsMla, 128, 8, 1, 4),
+        ] {
+            let config = match format {
+                Bf16 => DecodeConfig::tensor_core_v6(MlaDims::PRODUCTION, format, heads),
+                _ => DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, heads),
+            };
+            let got =
+                DecodePlan::model_splits(&config, &shape(format, heads, tokens), 132 * per_sm, 132);
+            assert_eq!(
+                got, want,
+                "{format:?} H {heads} T {tokens} at {per_sm} per SM"
+            );
+        }
     }
 
     #[test]
