@@ -51,7 +51,7 @@
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32: 256 threads, dynamic shared memory 95104 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32: 256 threads, dynamic shared memory 88416 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 101376 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -111,15 +111,17 @@
 // fp8_ds_mla = [0,512) e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values |
 // [528,656) 64 x bf16 rope: 656 bytes; c[i] = e4m3(byte[i]) * scale[i / 128].
 //
-// LARGE BATCHES. For H <= 16 the backend runs a third kernel when the call's head blocks
-// fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7
-// ring in two warp groups of 4 warps, each walking every other step (a GPU holding one
-// workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and
+// LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head
+// blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),
+// for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7
+// ring in two warp groups of 4 warps, each walking every other step with its own ring
+// (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM
+// then overlaps two step chains). Same parameters, buffers, grid and
 // split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds
 // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
 // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
 //   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
-//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 57024 B
+//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 101376 B
 
 #pragma once
 
@@ -157,20 +159,22 @@ typedef struct sparse_mla_decode_plan {
     unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
 } sparse_mla_decode_plan;
 
-/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
-   multiprocessors (DecodeConfig::is_large_batch): its 16-head blocks fill half the
-   multiprocessors or more without splitting, tokens x ceil(heads / 16) x 2 >= sms. */
-static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, unsigned sms) {
-    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    return 2u * blocks >= (unsigned long long)sms;
-}
-
 /* Is a call a small one on a GPU of `sms` multiprocessors (DecodeConfig::is_small_call):
    16 x tokens x ceil(heads / 16) <= sms. The split model gives each workgroup a few steps
    there, and for bf16 the v6 kernel is the faster at any v6_per_sm. */
 static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsigned sms) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     return 16u * blocks <= (unsigned long long)sms;
+}
+
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
+   multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
+   bf16 when its 16-head blocks fill half the multiprocessors or more without splitting,
+   tokens x ceil(heads / 16) x 2 >= sms; fp8_ds_mla when it is not a small call. */
+static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms) {
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
+    return 2u * blocks >= (unsigned long long)sms;
 }
 
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
@@ -196,7 +200,7 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
 
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
-   when sparse_mla_is_large_batch(heads, tokens, sms)); for bf16 v6 for a small call
+   when sparse_mla_is_large_batch(format, heads, tokens, sms)); for bf16 v6 for a small call
    (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU
    holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs
    v7 at any v6_per_sm.
@@ -213,15 +217,15 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
-    if (sparse_mla_is_large_batch(heads, tokens, sms)) {
+    if (sparse_mla_is_large_batch(format, heads, tokens, sms)) {
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 87744u;
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 57024u;
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 101376u;
             return 0;
         }
     }
@@ -696,7 +700,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -707,9 +711,9 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
-//   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 57024 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   mbarrier ring per group: 2 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 101376 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -718,7 +722,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws1w8g2_h16n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

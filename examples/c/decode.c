@@ -113,7 +113,8 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
 
     memset(&b, 0, sizeof b);
     /* 1. the kernel for this call on this GPU, as the runtime picks it: by format, heads, tokens
-          and SMs (the large-batch kernel at H <= 16 when T * ceil(H / 16) * 2 >= SMs), else for
+          and SMs (the large-batch kernel at H <= 16: bf16 when T * ceil(H / 16) * 2 >= SMs,
+          fp8_ds_mla when 16 * T * ceil(H / 16) > SMs), else for
           bf16 by how many workgroups of the v6 split kernel for H one SM holds (v6 where two
           fit: H100/H200; v7 where one: SM120, sm_86/89). Then its function and the workgroups
           of it the device runs at once. SMs and v6_per_sm are per GPU (and head count): a real
@@ -303,7 +304,7 @@ int main(int argc, char** argv) {
         {SPARSE_MLA_CACHE_BF16, 128, 3, 777, 53, 300, 0, 1},
         {SPARSE_MLA_CACHE_BF16, 64, 2, 100, 1, 20000, 0, 0},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 16, 2, 2048, 64, 256, 0, 1},
-        {SPARSE_MLA_CACHE_FP8_DS_MLA, 3, 130, 500, 53, 400, 0, 0},   /* a large batch on <= 260 SMs */
+        {SPARSE_MLA_CACHE_FP8_DS_MLA, 3, 130, 500, 53, 400, 0, 0},   /* a large batch below 2080 SMs */
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 128, 5, 300, 1, 40000, 0, 0},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 32, 7, 1000, 53, 200, 1, 1},
     };

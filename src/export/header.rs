@@ -499,20 +499,22 @@ typedef struct sparse_mla_decode_plan {{
     unsigned long long lse_part_bytes; /* f32 [T, H, splits]; 0 when splits == 1 */
 }} sparse_mla_decode_plan;
 
-/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
-   multiprocessors (DecodeConfig::is_large_batch): its 16-head blocks fill half the
-   multiprocessors or more without splitting, tokens x ceil(heads / 16) x 2 >= sms. */
-static inline int sparse_mla_is_large_batch(unsigned heads, unsigned tokens, unsigned sms) {{
-    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    return 2u * blocks >= (unsigned long long)sms;
-}}
-
 /* Is a call a small one on a GPU of `sms` multiprocessors (DecodeConfig::is_small_call):
    16 x tokens x ceil(heads / 16) <= sms. The split model gives each workgroup a few steps
    there, and for bf16 the v6 kernel is the faster at any v6_per_sm. */
 static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsigned sms) {{
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     return 16u * blocks <= (unsigned long long)sms;
+}}
+
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
+   multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
+   bf16 when its 16-head blocks fill half the multiprocessors or more without splitting,
+   tokens x ceil(heads / 16) x 2 >= sms; fp8_ds_mla when it is not a small call. */
+static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms) {{
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
+    return 2u * blocks >= (unsigned long long)sms;
 }}
 
 {v6_fn}/* The kernel of one call{batch_doc}
@@ -540,7 +542,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(heads, tokens, sms)); for bf16 v6 for a small call\n   \
+             when sparse_mla_is_large_batch(format, heads, tokens, sms)); for bf16 v6 for a small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU\n   \
              holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs\n   \
              v7 at any v6_per_sm."
@@ -578,7 +580,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if batch.is_empty() {
         s.push_str("    (void)tokens; /* no large-batch kernel in this export */\n");
     } else {
-        s.push_str("    if (sparse_mla_is_large_batch(heads, tokens, sms)) {\n");
+        s.push_str("    if (sparse_mla_is_large_batch(format, heads, tokens, sms)) {\n");
         for v in batch {
             case(&mut s, v, "        ");
         }
@@ -928,10 +930,12 @@ fn kernel_structs(kernels: &[&Kernel]) -> String {
 fn batch_rules(batch: &[DecodeVariant]) -> String {
     let mut s = String::from(
         "//\n\
-         // LARGE BATCHES. For H <= 16 the backend runs a third kernel when the call's head blocks\n\
-         // fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count): the v7\n\
-         // ring in two warp groups of 4 warps, each walking every other step (a GPU holding one\n\
-         // workgroup per SM then overlaps two step chains). Same parameters, buffers, grid and\n\
+         // LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head\n\
+         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),\n\
+         // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7\n\
+         // ring in two warp groups of 4 warps, each walking every other step with its own ring\n\
+         // (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM\n\
+         // then overlaps two step chains). Same parameters, buffers, grid and\n\
          // split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds\n\
          // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and\n\
          // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):\n",

@@ -131,20 +131,34 @@ impl DecodeConfig {
     }
 
     /// The large-batch configuration for `heads` ≤ 16 (none above): two warp groups of 4 warps
-    /// in one workgroup, each walking every other 32-slot step with its own one-stage ring
-    /// (2 x 44 KB: one workgroup per multiprocessor within SM120's budget). Where the batch
-    /// fills the GPU without splits, one workgroup's step is a chain of waits (the rows, the
-    /// split-K sum, the row max, P); two chains on the multiprocessor hide each other's.
-    /// Measured on the H200 at SM120's occupancy (benches/NOTES.md, v11): 1.10x v7 at
-    /// T = 128, level at T = 32, 0.85x at T = 1 (where v7 stays).
+    /// in one workgroup, each walking every other 32-slot step with its own ring of 32-row
+    /// stages — one stage for bf16 (2 x 44 KB), two for fp8_ds_mla (2 x 2 x 21 KB): one
+    /// workgroup per multiprocessor within SM120's budget. Where the batch fills the GPU
+    /// without splits, one workgroup's step is a chain of waits (the rows, the split-K sum,
+    /// the row max, P); two chains on the multiprocessor hide each other's. Measured on the
+    /// H200 at SM120's occupancy (benches/NOTES.md, v11, v14): bf16 1.10x v7 at T = 128, level
+    /// at T = 32, 0.85x at T = 1 (where v7 stays); fp8's second stage 1.10–1.14x its one-stage
+    /// ring at T 64–256, where a group waited for its rows a third of the time.
     pub fn tensor_core_batch(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        (heads <= 16).then(|| Self::tensor_core_grouped(dims, format, (16, 32, 1), 4, 2))
+        let stages = match format {
+            CacheFormat::Bf16 => 1,
+            CacheFormat::Fp8DsMla => 2,
+        };
+        (heads <= 16).then(|| Self::tensor_core_grouped(dims, format, (16, 32, stages), 4, 2))
     }
 
-    /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors: its head blocks fill
-    /// half the multiprocessors or more without splitting the top-k lists.
+    /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
+    /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
+    /// - bf16: its head blocks fill half the multiprocessors or more without splitting,
+    ///   `2 · T · ⌈H/16⌉ ≥ SMs`;
+    /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
+    ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.14x at T 8–80
+    ///   on the H200, 0.87–0.95x at T 1–4; benches/NOTES.md, v14).
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
-        2 * Self::blocks16(shape) >= sm_count as u64
+        match shape.format {
+            CacheFormat::Bf16 => 2 * Self::blocks16(shape) >= sm_count as u64,
+            CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
+        }
     }
 
     /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
@@ -701,7 +715,14 @@ mod tests {
         // two per SM (H100/H200): bf16 v6 below the large batch
         assert_eq!(pick(Bf16, 16, 9, 2), "v6");
         assert_eq!(pick(Bf16, 128, 40, 2), "v6");
-        assert_eq!(pick(Fp8DsMla, 16, 9, 2), "v7");
+        // fp8_ds_mla: the large-batch kernel for every call at H <= 16 past the small ones,
+        // v7 above 16 heads
+        for v6 in [1, 2] {
+            assert_eq!(pick(Fp8DsMla, 16, 8, v6), "v7");
+            assert_eq!(pick(Fp8DsMla, 16, 9, v6), "batch");
+            assert_eq!(pick(Fp8DsMla, 8, 9, v6), "batch");
+            assert_eq!(pick(Fp8DsMla, 32, 100, v6), "v7");
+        }
         // a large batch at H <= 16 (2 T ceil(H/16) >= SMs), at any residency
         for v6 in [1, 2] {
             assert_eq!(pick(Bf16, 16, 65, v6), if v6 == 1 { "v7" } else { "v6" });
