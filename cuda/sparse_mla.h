@@ -112,7 +112,8 @@
 // [528,656) 64 x bf16 rope: 656 bytes; c[i] = e4m3(byte[i]) * scale[i / 128].
 //
 // LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head
-// blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),
+// blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count;
+// where two v6 workgroups fit an SM, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),
 // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7
 // ring in two warp groups of 4 warps, each walking every other step with its own ring
 // (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM
@@ -169,12 +170,14 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
 
 /* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
    multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 when its 16-head blocks fill half the multiprocessors or more without splitting,
-   tokens x ceil(heads / 16) x 2 >= sms; fp8_ds_mla when it is not a small call. */
-static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms) {
+   bf16 when its 16-head blocks, tokens x ceil(heads / 16), fill half the multiprocessors or
+   more where one bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), four fifths of them
+   where two or more fit; fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms,
+                                            unsigned v6_per_sm) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    return 2u * blocks >= (unsigned long long)sms;
+    return 5u * blocks >= 4u * (unsigned long long)sms || (2u * blocks >= (unsigned long long)sms && v6_per_sm < 2u);
 }
 
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
@@ -200,7 +203,7 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
 
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
-   when sparse_mla_is_large_batch(format, heads, tokens, sms)); for bf16 v6 for a small call
+   when sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)); for bf16 v6 for a small call
    (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU
    holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs
    v7 at any v6_per_sm.
@@ -217,7 +220,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
-    if (sparse_mla_is_large_batch(format, heads, tokens, sms)) {
+    if (sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)) {
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 87744u;

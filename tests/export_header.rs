@@ -431,8 +431,9 @@ fn config_header_plans_its_one_kernel() {
         for (line, case) in lines.iter().zip(&cases) {
             let (want, _) = expected_line(case, config);
             assert_eq!(*line, want, "{name}: {case:?}");
-            large +=
-                (batch.is_some() && DecodeConfig::is_large_batch(&shape_of(case), case.4)) as u32;
+            large += (batch.is_some()
+                && DecodeConfig::is_large_batch(&shape_of(case), case.4, case.5))
+                as u32;
         }
         assert!(
             batch.is_none() || large > 0,

@@ -113,8 +113,9 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
 
     memset(&b, 0, sizeof b);
     /* 1. the kernel for this call on this GPU, as the runtime picks it: by format, heads, tokens
-          and SMs (the large-batch kernel at H <= 16: bf16 when T * ceil(H / 16) * 2 >= SMs,
-          fp8_ds_mla when 16 * T * ceil(H / 16) > SMs), else for
+          and SMs (the large-batch kernel at H <= 16: bf16 when T * ceil(H / 16) * 2 >= SMs, or
+          5 * T * ceil(H / 16) >= 4 * SMs where two v6 workgroups fit an SM; fp8_ds_mla when
+          16 * T * ceil(H / 16) > SMs), else for
           bf16 by how many workgroups of the v6 split kernel for H one SM holds (v6 where two
           fit: H100/H200; v7 where one: SM120, sm_86/89). Then its function and the workgroups
           of it the device runs at once. SMs and v6_per_sm are per GPU (and head count): a real
@@ -300,7 +301,7 @@ int main(int argc, char** argv) {
         {SPARSE_MLA_CACHE_BF16, 1, 1, 64, 64, 64, 0, 0},
         {SPARSE_MLA_CACHE_BF16, 16, 4, 2048, 64, 256, 0, 0},
         {SPARSE_MLA_CACHE_BF16, 16, 64, 2048, 64, 512, 1, 1},
-        {SPARSE_MLA_CACHE_BF16, 16, 128, 1024, 64, 512, 0, 1},  /* a large batch on <= 256 SMs */
+        {SPARSE_MLA_CACHE_BF16, 16, 128, 1024, 64, 512, 0, 1},  /* a large batch on <= 160 SMs */
         {SPARSE_MLA_CACHE_BF16, 128, 3, 777, 53, 300, 0, 1},
         {SPARSE_MLA_CACHE_BF16, 64, 2, 100, 1, 20000, 0, 0},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 16, 2, 2048, 64, 256, 0, 1},

@@ -509,12 +509,14 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
 
 /* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
    multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 when its 16-head blocks fill half the multiprocessors or more without splitting,
-   tokens x ceil(heads / 16) x 2 >= sms; fp8_ds_mla when it is not a small call. */
-static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms) {{
+   bf16 when its 16-head blocks, tokens x ceil(heads / 16), fill half the multiprocessors or
+   more where one bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), four fifths of them
+   where two or more fit; fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms,
+                                            unsigned v6_per_sm) {{
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    return 2u * blocks >= (unsigned long long)sms;
+    return 5u * blocks >= 4u * (unsigned long long)sms || (2u * blocks >= (unsigned long long)sms && v6_per_sm < 2u);
 }}
 
 {v6_fn}/* The kernel of one call{batch_doc}
@@ -542,7 +544,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(format, heads, tokens, sms)); for bf16 v6 for a small call\n   \
+             when sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)); for bf16 v6 for a small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU\n   \
              holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs\n   \
              v7 at any v6_per_sm."
@@ -580,7 +582,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if batch.is_empty() {
         s.push_str("    (void)tokens; /* no large-batch kernel in this export */\n");
     } else {
-        s.push_str("    if (sparse_mla_is_large_batch(format, heads, tokens, sms)) {\n");
+        s.push_str("    if (sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)) {\n");
         for v in batch {
             case(&mut s, v, "        ");
         }
@@ -931,7 +933,8 @@ fn batch_rules(batch: &[DecodeVariant]) -> String {
     let mut s = String::from(
         "//\n\
          // LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head\n\
-         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),\n\
+         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count;\n\
+         // where two v6 workgroups fit an SM, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),\n\
          // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7\n\
          // ring in two warp groups of 4 warps, each walking every other step with its own ring\n\
          // (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM\n\
@@ -1030,7 +1033,9 @@ fn one_kernel_note(
             && variant.heads_min <= b.heads_max.unwrap_or(u32::MAX)
     };
     for b in batch_variants(shape.format)?.iter().filter(|b| overlaps(b)) {
-        let example = if b.contains(shape.heads) && DecodeConfig::is_large_batch(shape, sms) {
+        // on a GPU of the v6 occupancy this export's variant serves
+        let large = DecodeConfig::is_large_batch(shape, sms, variant.v6_per_sm_min);
+        let example = if b.contains(shape.heads) && large {
             format!(" (the example call below is one, on {sms} SMs)")
         } else {
             String::new()

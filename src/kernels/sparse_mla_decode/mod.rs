@@ -150,13 +150,19 @@ impl DecodeConfig {
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
     /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
     /// - bf16: its head blocks fill half the multiprocessors or more without splitting,
-    ///   `2 · T · ⌈H/16⌉ ≥ SMs`;
+    ///   `2 · T · ⌈H/16⌉ ≥ SMs`, where one bf16 v6 workgroup fills a multiprocessor (SM120);
+    ///   where two or more fit (`v6_per_sm`, H100/H200) v6 keeps the call until its blocks
+    ///   fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6 was 6–8 % faster
+    ///   at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md, v14);
     /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
     ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.14x at T 8–80
     ///   on the H200, 0.87–0.95x at T 1–4; benches/NOTES.md, v14).
-    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
+    ///
+    /// `v6_per_sm` is read only for bf16 calls between the two bf16 thresholds.
+    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
+        let (blocks, sms) = (Self::blocks16(shape), sm_count as u64);
         match shape.format {
-            CacheFormat::Bf16 => 2 * Self::blocks16(shape) >= sm_count as u64,
+            CacheFormat::Bf16 => 5 * blocks >= 4 * sms || (2 * blocks >= sms && v6_per_sm < 2),
             CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
         }
     }
@@ -181,18 +187,23 @@ impl DecodeConfig {
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for bf16 a small call
     /// ([`Self::is_small_call`]) v6 at any v6 residency; else [`Self::tensor_core_on`].
+    /// `v6_per_sm` is asked at most once, and only for bf16 calls that are not small.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
+            return Ok(Self::tensor_core_v6(dims, format, heads));
+        }
+        let per_sm = match format {
+            CacheFormat::Bf16 => v6_per_sm()?,
+            CacheFormat::Fp8DsMla => 1,
+        };
         match Self::tensor_core_batch(dims, format, heads) {
-            Some(batch) if Self::is_large_batch(shape, sm_count) => Ok(batch),
-            _ if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) => {
-                Ok(Self::tensor_core_v6(dims, format, heads))
-            }
-            _ => Self::tensor_core_on(dims, format, heads, v6_per_sm),
+            Some(batch) if Self::is_large_batch(shape, sm_count, per_sm) => Ok(batch),
+            _ => Self::tensor_core_on(dims, format, heads, || Ok(per_sm)),
         }
     }
 
@@ -723,11 +734,13 @@ mod tests {
             assert_eq!(pick(Fp8DsMla, 8, 9, v6), "batch");
             assert_eq!(pick(Fp8DsMla, 32, 100, v6), "v7");
         }
-        // a large batch at H <= 16 (2 T ceil(H/16) >= SMs), at any residency
-        for v6 in [1, 2] {
-            assert_eq!(pick(Bf16, 16, 65, v6), if v6 == 1 { "v7" } else { "v6" });
-            assert_eq!(pick(Bf16, 16, 66, v6), "batch");
-            assert_eq!(pick(Fp8DsMla, 8, 66, v6), "batch");
-        }
+        // a bf16 large batch at H <= 16: at one v6 workgroup per SM from 2 T ceil(H/16) >= SMs,
+        // at two from 5 T ceil(H/16) >= 4 SMs
+        assert_eq!(pick(Bf16, 16, 65, 1), "v7");
+        assert_eq!(pick(Bf16, 16, 66, 1), "batch");
+        assert_eq!(pick(Bf16, 8, 66, 2), "v6");
+        assert_eq!(pick(Bf16, 16, 105, 2), "v6");
+        assert_eq!(pick(Bf16, 16, 106, 2), "batch");
+        assert_eq!(pick(Bf16, 8, 106, 3), "batch");
     }
 }
