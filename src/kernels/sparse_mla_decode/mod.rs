@@ -155,8 +155,8 @@ impl DecodeConfig {
     ///   fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6 was 6–8 % faster
     ///   at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md, v14);
     /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
-    ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.14x at T 8–80
-    ///   on the H200, 0.87–0.95x at T 1–4; benches/NOTES.md, v14).
+    ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.15x at T 8–80
+    ///   on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14).
     ///
     /// `v6_per_sm` is read only for bf16 calls between the two bf16 thresholds.
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
