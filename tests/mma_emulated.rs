@@ -2,10 +2,12 @@
 //! printed as CUDA C, compiled by g++ against an emulator of CUDA and of the PTX
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
 //! against the float64 reference — three times: the kernels the backend picks on a GPU of one
-//! v6 workgroup per SM (v7, and for T * ceil(H / 16) * 2 >= 6 at H <= 16 the large-batch kernel
-//! in two warp groups) compiled as for sm_120 (the sm_90+ copy paths, e4m3 products as m16n8k32
-//! e4m3 mma) with copies landing as late as allowed, the same with the sm_80 paths (e4m3
-//! widened to bf16) and copies landing at issue, and
+//! v6 workgroup per SM (`DecodeConfig::for_call`: v7, the large-batch kernel in two warp groups
+//! for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
+//! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed and
+//! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel), the same
+//! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
+//! 64 SMs (fp8 at T <= 4 on v7, small bf16 calls on v6), and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,

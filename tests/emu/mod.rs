@@ -51,6 +51,11 @@ pub struct EmuConfig {
     pub v7: bool,
     /// v7 with a one-stage ring (the producers issue a step's own rows before its wait).
     pub one_stage: bool,
+    /// The multiprocessors the backend's kernel choice (`DecodeConfig::for_call`) is made
+    /// for; the splits are planned for the device's own few resident workgroups either way.
+    /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 64 leaves those of
+    /// 16 T ceil(H/16) <= 64 on v7, and bf16 takes the batch kernel from T 32.
+    pub choice_sms: u32,
 }
 
 impl EmuConfig {
@@ -69,18 +74,19 @@ impl EmuConfig {
             seed,
             v7: i < 2 || i == 3,
             one_stage: i == 3,
+            choice_sms: if i == 1 { 64 } else { 6 },
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{} kernel, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}, sm_{} helpers, copies land {}, schedule seed {}",
             if self.one_stage {
-                "v7 (one-stage ring)"
+                "v7 (one-stage ring)".to_string()
             } else if self.v7 {
-                "v7"
+                format!("the backend's kernel for {} SMs", self.choice_sms)
             } else {
-                "v6"
+                "v6".to_string()
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -375,9 +381,10 @@ impl Device for EmuDevice {
             let v7 = DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads);
             DecodeConfig::tensor_core_custom(v7.dims, v7.format, v7.block_h, v7.block_n, 1)
         } else if self.config.v7 {
-            // the backend's choice on a GPU of this many SMs (one v6 workgroup per SM): v7, or
-            // the large-batch kernel (warp groups) for T * ceil(H / 16) * 2 >= SMs at H <= 16
-            DecodeConfig::for_call(shape, self.resident, || Ok::<u32, Error>(1))?
+            // the backend's choice on a GPU of `choice_sms` SMs holding one v6 workgroup per SM:
+            // v7, the large-batch kernel (warp groups) for a large batch at H <= 16, v6 for a
+            // small bf16 call
+            DecodeConfig::for_call(shape, self.config.choice_sms, || Ok::<u32, Error>(1))?
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };
