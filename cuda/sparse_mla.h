@@ -20,8 +20,8 @@
 //   bf16       H >= 17        v6_per_sm = 1    block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
 //   bf16       1 <= H <= 16   v6_per_sm >= 2   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
 //   bf16       H >= 17        v6_per_sm >= 2   block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
-//   fp8_ds_mla 1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32
-//   fp8_ds_mla H >= 17        any v6_per_sm    block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32
+//   fp8_ds_mla 1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32
+//   fp8_ds_mla H >= 17        any v6_per_sm    block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32
 //   and for splits > 1 the combine sparse_mla_decode_combine_d512_t256.
 //   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself
 //   (no combine), with more it writes per-split partials for the combine.
@@ -48,8 +48,8 @@
 //   sparse_mla_decode_split_bf16_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 96960 B
 //   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32: 256 threads, dynamic shared memory 95104 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32: 256 threads, dynamic shared memory 88416 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 50752 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 66240 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 101376 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
@@ -255,13 +255,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95104u;
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 50752u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 88416u;
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 66240u;
         return 0;
     }
     return "heads: no kernel of this export serves this format and head count (exported: bf16 1 <= H <= 16, bf16 H >= 17, fp8_ds_mla 1 <= H <= 16, fp8_ds_mla H >= 17)";
@@ -938,7 +938,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -948,9 +948,9 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 4 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 95104 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 50752 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -959,7 +959,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -974,7 +974,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -984,9 +984,9 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   mbarrier ring: 3 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 88416 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 66240 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -995,7 +995,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws4w8_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws3w8_h32n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

@@ -80,19 +80,18 @@ impl DecodeConfig {
     /// 8 warps, the last also issuing the ring's copies; one workgroup per multiprocessor
     /// (registers: 160-255 per thread; SM120's budget: everything fits 101376 bytes of shared
     /// memory, the lowering checks):
-    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step, a 2-deep ring of bf16 rows
-    ///   (2 x 37 KB), or 4-deep of fp8_ds_mla rows (4 x 22 KB: the row as it is);
-    /// - H > 16: 32 heads x 32 slots, the same rings (3-deep for fp8).
+    /// - H ≤ 16 (memory-bound): 16 heads x 32 slots per step;
+    /// - H > 16: 32 heads x 32 slots;
+    ///
+    /// each with a 2-deep ring of rows as they are (bf16 2 x 37 KB, fp8_ds_mla 2 x 21 KB).
+    /// fp8's deeper rings (4 at H ≤ 16, 3 above) were slower on the H200 at either
+    /// occupancy: 2 stages 1.06–1.07x at H 64 / 128, 1.00–1.04x at H ≤ 16 (benches/NOTES.md,
+    /// v14).
     ///
     /// q lives in registers (each warp its K slice of the split-K score product).
     pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
-        let (block_h, stages) = match (heads <= 16, format) {
-            (true, CacheFormat::Bf16) => (16, 2),
-            (true, CacheFormat::Fp8DsMla) => (16, 4),
-            (false, CacheFormat::Bf16) => (32, 2),
-            (false, CacheFormat::Fp8DsMla) => (32, 3),
-        };
-        Self::tensor_core_custom(dims, format, block_h, 32, stages)
+        let block_h = if heads <= 16 { 16 } else { 32 };
+        Self::tensor_core_custom(dims, format, block_h, 32, 2)
     }
 
     /// The tensor-core configuration for `heads` query heads on a GPU that holds two v6
@@ -132,8 +131,9 @@ impl DecodeConfig {
 
     /// The large-batch configuration for `heads` ≤ 16 (none above): two warp groups of 4 warps
     /// in one workgroup, each walking every other 32-slot step with its own ring of 32-row
-    /// stages — one stage for bf16 (2 x 44 KB), two for fp8_ds_mla (2 x 2 x 21 KB): one
-    /// workgroup per multiprocessor within SM120's budget. Where the batch fills the GPU
+    /// stages — one stage for bf16 (2 x 37 KB of rings, 87744 B in all), two for fp8_ds_mla
+    /// (2 x 2 x 21 KB, 101376 B in all: SM120's limit exactly): one workgroup per
+    /// multiprocessor within SM120's budget. Where the batch fills the GPU
     /// without splits, one workgroup's step is a chain of waits (the rows, the split-K sum,
     /// the row max, P); two chains on the multiprocessor hide each other's. Measured on the
     /// H200 at SM120's occupancy (benches/NOTES.md, v11, v14): bf16 1.10x v7 at T = 128, level
