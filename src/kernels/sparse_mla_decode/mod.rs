@@ -137,7 +137,7 @@ impl DecodeConfig {
     /// without splits, one workgroup's step is a chain of waits (the rows, the split-K sum,
     /// the row max, P); two chains on the multiprocessor hide each other's. Measured on the
     /// H200 at SM120's occupancy (benches/NOTES.md, v11, v14): bf16 1.10x v7 at T = 128, level
-    /// at T = 32, 0.85x at T = 1 (where v7 stays); fp8's second stage 1.10–1.14x its one-stage
+    /// at T = 32, 0.85x at T = 1 (where v7 stays); fp8's second stage 1.10–1.13x its one-stage
     /// ring at T 64–256, where a group waited for its rows a third of the time.
     pub fn tensor_core_batch(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
         let stages = match format {
