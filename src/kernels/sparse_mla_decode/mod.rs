@@ -187,7 +187,8 @@ impl DecodeConfig {
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for bf16 a small call
     /// ([`Self::is_small_call`]) v6 at any v6 residency; else [`Self::tensor_core_on`].
-    /// `v6_per_sm` is asked at most once, and only for bf16 calls that are not small.
+    /// `v6_per_sm` is asked at most once, and only for bf16 calls the answer decides: not
+    /// small, and not a large batch at every v6 residency.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -197,11 +198,16 @@ impl DecodeConfig {
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
             return Ok(Self::tensor_core_v6(dims, format, heads));
         }
+        let batch = Self::tensor_core_batch(dims, format, heads);
+        // large at the strictest residency rule: large whatever the GPU holds
+        if let Some(batch) = batch.filter(|_| Self::is_large_batch(shape, sm_count, u32::MAX)) {
+            return Ok(batch);
+        }
         let per_sm = match format {
             CacheFormat::Bf16 => v6_per_sm()?,
             CacheFormat::Fp8DsMla => 1,
         };
-        match Self::tensor_core_batch(dims, format, heads) {
+        match batch {
             Some(batch) if Self::is_large_batch(shape, sm_count, per_sm) => Ok(batch),
             _ => Self::tensor_core_on(dims, format, heads, || Ok(per_sm)),
         }
@@ -673,6 +679,28 @@ mod tests {
         })
         .unwrap()
         .family()
+    }
+
+    #[test]
+    fn the_v6_residency_is_asked_only_where_it_decides() {
+        let ask = |format, heads, tokens| {
+            let mut asked = false;
+            let family = DecodeConfig::for_call(&shape(format, heads, tokens), 132, || {
+                asked = true;
+                Ok::<u32, ()>(2)
+            })
+            .unwrap()
+            .family();
+            (family, asked)
+        };
+        // small bf16 calls, bf16 batches large at any residency, fp8: never
+        assert_eq!(ask(CacheFormat::Bf16, 16, 4), ("v6", false));
+        assert_eq!(ask(CacheFormat::Bf16, 16, 128), ("batch", false));
+        assert_eq!(ask(CacheFormat::Fp8DsMla, 16, 64), ("batch", false));
+        assert_eq!(ask(CacheFormat::Fp8DsMla, 64, 64), ("v7", false));
+        // between the bf16 thresholds, and above 16 heads
+        assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v6", true));
+        assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v6", true));
     }
 
     #[test]
