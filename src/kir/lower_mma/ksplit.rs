@@ -31,8 +31,9 @@
 //! columns of 16 (see [`interleaved`]).
 //!
 //! **Per-row scales** ([`TileOp::MmaScaled`]): `[N, K]` — each product into a temporary,
-//! added to the partial times the scale of its column; `[K, N]` — the A fragment (P) times
-//! the scale of its k column, rounded back to bf16.
+//! added to the partial times the scale of its column; `[K, N]` (e4m3 B, `P · V`) — each
+//! widened B value times the scale of its k row before it is rounded to bf16 (scaling the A
+//! fragment (P) per tile instead cost 1.08x at fp8 H 128, benches/NOTES.md v15).
 
 use super::{add, bin, for_const, intr, let_, lt, mul, priv_load, u, var, Cx, TileInfo};
 use crate::kir::ir::*;
@@ -440,6 +441,17 @@ pub(super) fn scratch_stride(cols: u32) -> u32 {
 /// and two single-value conversions more per pair, the largest share of the fp8 step's
 /// issued instructions (ncu, H200, benches/NOTES.md).
 fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
+    widen_scaled(x, interleave, prep, None)
+}
+
+/// [`widen`], each bf16x2 output's low and high value times `scales` (f32) first: in a
+/// `[K, N]` product both outputs hold the same two k rows, so one pair of scales serves.
+fn widen_scaled(
+    x: Expr,
+    interleave: bool,
+    prep: [&str; 2],
+    scales: Option<(Expr, Expr)>,
+) -> (Vec<Stmt>, Expr, Expr) {
     let (p0, p1) = if interleave {
         (
             bin(
@@ -465,13 +477,18 @@ fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) 
     ];
     let pack = |name: &str| {
         let v = var(name, Ty::U32);
-        Expr::Call(
-            Func::PackBf16x2,
-            vec![
-                Expr::Call(Func::E4m3x2Lo, vec![v.clone()]),
-                Expr::Call(Func::E4m3x2Hi, vec![v]),
-            ],
-        )
+        let (lo, hi) = (
+            Expr::Call(Func::E4m3x2Lo, vec![v.clone()]),
+            Expr::Call(Func::E4m3x2Hi, vec![v]),
+        );
+        let (lo, hi) = match &scales {
+            Some((s_lo, s_hi)) => (
+                bin(BinOp::Mul, lo, s_lo.clone()),
+                bin(BinOp::Mul, hi, s_hi.clone()),
+            ),
+            None => (lo, hi),
+        };
+        Expr::Call(Func::PackBf16x2, vec![lo, hi])
     };
     (stmts, pack(prep[0]), pack(prep[1]))
 }
@@ -1326,6 +1343,7 @@ impl Cx<'_> {
         n_byte: Expr,
         raw: &str,
         bf: &str,
+        k_scales: Option<&[Expr; 4]>,
     ) -> Vec<Stmt> {
         // matrices (k 0-7, 16 columns), (k 8-15, same columns): lanes 0-15 give the rows
         let word = add(
@@ -1349,8 +1367,20 @@ impl Cx<'_> {
         // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
         // odd fragment: bytes (1, 3)
         let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
-        let (l0, e0, o0) = widen(priv_load_u(raw, u(0)), true, [&names[0], &names[1]]);
-        let (l1, e1, o1) = widen(priv_load_u(raw, u(1)), true, [&names[2], &names[3]]);
+        // with scales: matrix 0 holds k rows 2q, 2q + 1 of each lane, matrix 1 2q + 8, 2q + 9
+        let pair = |i: usize| k_scales.map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()));
+        let (l0, e0, o0) = widen_scaled(
+            priv_load_u(raw, u(0)),
+            true,
+            [&names[0], &names[1]],
+            pair(0),
+        );
+        let (l1, e1, o1) = widen_scaled(
+            priv_load_u(raw, u(1)),
+            true,
+            [&names[2], &names[3]],
+            pair(1),
+        );
         out.extend(l0);
         out.extend(l1);
         for (k, v) in [(0, e0), (1, e1), (2, o0), (3, o1)] {
@@ -1363,15 +1393,13 @@ impl Cx<'_> {
         out
     }
 
-    /// The A fragment registers `af[0..4]` times the per-k scales of a `[K, N]` product's
-    /// rows `k0 + 2q + {0, 1, 8, 9}`.
-    pub(super) fn scale_a_frag(
+    /// The per-k scales of a `[K, N]` product's rows `k0 + 2q + {0, 1, 8, 9}` (q: the
+    /// lane's quad), the k rows of this lane's A and B fragment values, as lets.
+    pub(super) fn k_scale_lets(
         &mut self,
-        af: &str,
-        a0: Expr,
         scale: &(String, Expr),
         k0: Expr,
-    ) -> Result<Vec<Stmt>> {
+    ) -> Result<(Vec<Stmt>, [Expr; 4])> {
         let q2 = mul(self.lane.quad.clone(), u(2));
         let mut out = Vec::new();
         let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
@@ -1379,21 +1407,8 @@ impl Cx<'_> {
             let at = add(add(k0.clone(), q2.clone()), u(off));
             out.push(let_(n, self.expr(&scale_at(scale, at))?));
         }
-        let sv = |k: usize| var(&names[k], Ty::F32);
-        for r in 0..4u32 {
-            let (lo, hi) = if r < 2 {
-                (sv(0), sv(1))
-            } else {
-                (sv(2), sv(3))
-            };
-            let idx = add(a0.clone(), u(r));
-            out.push(Stmt::PrivateStore {
-                arr: af.to_string(),
-                index: idx.clone(),
-                value: scale_pair(priv_load_u(af, idx), lo, hi),
-            });
-        }
-        Ok(out)
+        let v = |k: usize| var(&names[k], Ty::F32);
+        Ok((out, [v(0), v(1), v(2), v(3)]))
     }
 }
 
@@ -1460,14 +1475,20 @@ impl Cx<'_> {
             })],
         )];
         let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
-        if let Some(sc) = &scale {
-            for m in 0..fmw {
-                let st = self.scale_a_frag(&af, u(4 * m), sc, k_row.clone())?;
-                k_body.extend(st);
+        // The scales go on B (V, widened anyway), not on A (P): a scaled A fragment is a
+        // bf16 unpack, two multiplies and a pack per register per m fragment per tile, B's
+        // two multiplies per widened register. Either way one bf16 rounding of a scaled value.
+        let k_scales = match &scale {
+            Some(sc) => {
+                let (lets, ks) = self.k_scale_lets(sc, k_row.clone())?;
+                k_body.extend(lets);
+                Some(ks)
             }
-        }
+            None => None,
+        };
         let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
-        let mut pair_body = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf);
+        let mut pair_body =
+            self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, k_scales.as_ref());
         for (half, b0) in [(0u32, 0u32), (1, 2)] {
             pair_body.push(for_const(
                 &i,
