@@ -406,15 +406,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag449[4];
     unsigned b_frag450[4];
     unsigned b_raw451[2];
-    unsigned a_frag461[4];
-    unsigned b_frag462[4];
-    unsigned b_raw463[2];
-    unsigned a_frag476[4];
-    unsigned b_frag477[4];
-    unsigned b_raw478[2];
-    unsigned a_frag491[4];
-    unsigned b_frag492[4];
-    unsigned b_raw493[2];
+    unsigned a_frag469[4];
+    unsigned b_frag470[4];
+    unsigned b_raw471[2];
+    unsigned a_frag492[4];
+    unsigned b_frag493[4];
+    unsigned b_raw494[2];
+    unsigned a_frag515[4];
+    unsigned b_frag516[4];
+    unsigned b_raw517[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -448,16 +448,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i538 = threadIdx.x; zero_i538 < 2304u; zero_i538 += 256u) {
-        kv_rope[zero_i538] = 0u;
+    for (unsigned zero_i570 = threadIdx.x; zero_i570 < 2304u; zero_i570 += 256u) {
+        kv_rope[zero_i570] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i539 = threadIdx.x; zero_i539 < 256u; zero_i539 += 256u) {
-        kv_scales[zero_i539] = 0.0f;
+    for (unsigned zero_i571 = threadIdx.x; zero_i571 < 256u; zero_i571 += 256u) {
+        kv_scales[zero_i571] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i540 = threadIdx.x; zero_i540 < 72u; zero_i540 += 256u) {
-        row_valid[zero_i540] = 0.0f;
+    for (unsigned zero_i572 = threadIdx.x; zero_i572 < 72u; zero_i572 += 256u) {
+        row_valid[zero_i572] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -1674,140 +1674,248 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
                 ldmatrix_x4(&a_frag449[mi453 * 4u], p_tile + a_lane_word + (mi453 * 320u) + (kk452 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale454 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale455 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale456 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale454);
-            a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale454);
-            a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale455, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale456);
-            a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale455, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale456);
-            #pragma unroll
-            for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                const unsigned e4m3_pair457 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair458 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair459 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
-                b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale461 = kv_scales[(stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)];
+                const float k_scale462 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+                const float k_scale463 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+                const float k_scale464 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+                a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale461, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale462);
+                a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale461, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale462);
+                a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale463, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale464);
+                a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale463, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale464);
                 #pragma unroll
-                for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi453 * 2u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                for (unsigned np = 0u; np < 1u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
+                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
+                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
+                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
+                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 2u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi453 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word467 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk464 = 0u; kk464 < 2u; kk464 += 1u) {
-            #pragma unroll
-            for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                ldmatrix_x4(&a_frag461[mi465 * 4u], p_tile + a_lane_word467 + (mi465 * 320u) + (kk464 * 8u));
-            }
-            const float k_scale468 = kv_scales[((stage * 128u) + (((kk464 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale469 = kv_scales[((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale470 = kv_scales[((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale471 = kv_scales[((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag461[0u] = pack_bf16x2(__uint_as_float(a_frag461[0u] << 16u) * k_scale468, __uint_as_float(a_frag461[0u] & 4294901760u) * k_scale469);
-            a_frag461[1u] = pack_bf16x2(__uint_as_float(a_frag461[1u] << 16u) * k_scale468, __uint_as_float(a_frag461[1u] & 4294901760u) * k_scale469);
-            a_frag461[2u] = pack_bf16x2(__uint_as_float(a_frag461[2u] << 16u) * k_scale470, __uint_as_float(a_frag461[2u] & 4294901760u) * k_scale471);
-            a_frag461[3u] = pack_bf16x2(__uint_as_float(a_frag461[3u] << 16u) * k_scale470, __uint_as_float(a_frag461[3u] & 4294901760u) * k_scale471);
-            #pragma unroll
-            for (unsigned np466 = 0u; np466 < 1u; np466 += 1u) {
-                ldmatrix_x2_trans(&b_raw463[0u], kv_latent + (stage * 4224u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u));
-                const unsigned e4m3_pair472 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair474 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
-                b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
-                b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
-                b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                #pragma unroll
-                for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi465 * 2u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi465 * 2u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
+                for (unsigned np = 0u; np < 1u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)];
+                    const float k_scale458 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+                    const float k_scale459 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+                    const float k_scale460 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+                    const unsigned e4m3_pair454 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair455 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
+                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale, e4m3x2_hi(e4m3_pair454) * k_scale458);
+                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456) * k_scale459, e4m3x2_hi(e4m3_pair456) * k_scale460);
+                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair455) * k_scale, e4m3x2_hi(e4m3_pair455) * k_scale458);
+                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457) * k_scale459, e4m3x2_hi(e4m3_pair457) * k_scale460);
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 2u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word475 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
+        for (unsigned kk472 = 0u; kk472 < 2u; kk472 += 1u) {
             #pragma unroll
-            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u));
+            for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                ldmatrix_x4(&a_frag469[mi473 * 4u], p_tile + a_lane_word475 + (mi473 * 320u) + (kk472 * 8u));
             }
-            const float k_scale483 = kv_scales[((stage * 128u) + (((kk479 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale484 = kv_scales[((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale485 = kv_scales[((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale486 = kv_scales[((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale483, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale484);
-            a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale483, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale484);
-            a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale485, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale486);
-            a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale485, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale486);
-            #pragma unroll
-            for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
-                ldmatrix_x2_trans(&b_raw478[0u], kv_latent + (stage * 4224u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u));
-                const unsigned e4m3_pair487 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair489 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair490 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
-                b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
-                b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale484 = kv_scales[((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+                const float k_scale485 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+                const float k_scale486 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+                const float k_scale487 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+                a_frag469[0u] = pack_bf16x2(__uint_as_float(a_frag469[0u] << 16u) * k_scale484, __uint_as_float(a_frag469[0u] & 4294901760u) * k_scale485);
+                a_frag469[1u] = pack_bf16x2(__uint_as_float(a_frag469[1u] << 16u) * k_scale484, __uint_as_float(a_frag469[1u] & 4294901760u) * k_scale485);
+                a_frag469[2u] = pack_bf16x2(__uint_as_float(a_frag469[2u] << 16u) * k_scale486, __uint_as_float(a_frag469[2u] & 4294901760u) * k_scale487);
+                a_frag469[3u] = pack_bf16x2(__uint_as_float(a_frag469[3u] << 16u) * k_scale486, __uint_as_float(a_frag469[3u] & 4294901760u) * k_scale487);
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                for (unsigned np474 = 0u; np474 < 1u; np474 += 1u) {
+                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
+                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
+                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
+                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
+                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                for (unsigned np474 = 0u; np474 < 1u; np474 += 1u) {
+                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u));
+                    const float k_scale480 = kv_scales[((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+                    const float k_scale481 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+                    const float k_scale482 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+                    const float k_scale483 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair478 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair479 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
+                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
+                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale482, e4m3x2_hi(e4m3_pair478) * k_scale483);
+                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
+                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale482, e4m3x2_hi(e4m3_pair479) * k_scale483);
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word497 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word498 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk494 = 0u; kk494 < 2u; kk494 += 1u) {
+        for (unsigned kk495 = 0u; kk495 < 2u; kk495 += 1u) {
             #pragma unroll
-            for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                ldmatrix_x4(&a_frag491[mi495 * 4u], p_tile + a_lane_word497 + (mi495 * 320u) + (kk494 * 8u));
+            for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                ldmatrix_x4(&a_frag492[mi496 * 4u], p_tile + a_lane_word498 + (mi496 * 320u) + (kk495 * 8u));
             }
-            const float k_scale498 = kv_scales[((stage * 128u) + (((kk494 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale499 = kv_scales[((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale500 = kv_scales[((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale501 = kv_scales[((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag491[0u] = pack_bf16x2(__uint_as_float(a_frag491[0u] << 16u) * k_scale498, __uint_as_float(a_frag491[0u] & 4294901760u) * k_scale499);
-            a_frag491[1u] = pack_bf16x2(__uint_as_float(a_frag491[1u] << 16u) * k_scale498, __uint_as_float(a_frag491[1u] & 4294901760u) * k_scale499);
-            a_frag491[2u] = pack_bf16x2(__uint_as_float(a_frag491[2u] << 16u) * k_scale500, __uint_as_float(a_frag491[2u] & 4294901760u) * k_scale501);
-            a_frag491[3u] = pack_bf16x2(__uint_as_float(a_frag491[3u] << 16u) * k_scale500, __uint_as_float(a_frag491[3u] & 4294901760u) * k_scale501);
-            #pragma unroll
-            for (unsigned np496 = 0u; np496 < 1u; np496 += 1u) {
-                ldmatrix_x2_trans(&b_raw493[0u], kv_latent + (stage * 4224u) + (((kk494 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np496 * 16u)) >> 2u));
-                const unsigned e4m3_pair502 = e4m3x2_prep((b_raw493[0u] & 255u) | ((b_raw493[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw493[0u] >> 8u) & 255u) | ((b_raw493[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair504 = e4m3x2_prep((b_raw493[1u] & 255u) | ((b_raw493[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw493[1u] >> 8u) & 255u) | ((b_raw493[1u] >> 16u) & 65280u));
-                b_frag492[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
-                b_frag492[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                b_frag492[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                b_frag492[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale507 = kv_scales[((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+                const float k_scale508 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+                const float k_scale509 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+                const float k_scale510 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+                a_frag492[0u] = pack_bf16x2(__uint_as_float(a_frag492[0u] << 16u) * k_scale507, __uint_as_float(a_frag492[0u] & 4294901760u) * k_scale508);
+                a_frag492[1u] = pack_bf16x2(__uint_as_float(a_frag492[1u] << 16u) * k_scale507, __uint_as_float(a_frag492[1u] & 4294901760u) * k_scale508);
+                a_frag492[2u] = pack_bf16x2(__uint_as_float(a_frag492[2u] << 16u) * k_scale509, __uint_as_float(a_frag492[2u] & 4294901760u) * k_scale510);
+                a_frag492[3u] = pack_bf16x2(__uint_as_float(a_frag492[3u] << 16u) * k_scale509, __uint_as_float(a_frag492[3u] & 4294901760u) * k_scale510);
                 #pragma unroll
-                for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi495 * 2u) + (np496 * 2u)) * 4u], &a_frag491[mi495 * 4u], &b_frag492[0u]);
+                for (unsigned np497 = 0u; np497 < 1u; np497 += 1u) {
+                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u));
+                    const unsigned e4m3_pair511 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair512 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
+                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511), e4m3x2_hi(e4m3_pair511));
+                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
+                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi495 * 2u) + ((np496 * 2u) + 1u)) * 4u], &a_frag491[mi495 * 4u], &b_frag492[2u]);
+                for (unsigned np497 = 0u; np497 < 1u; np497 += 1u) {
+                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u));
+                    const float k_scale503 = kv_scales[((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+                    const float k_scale504 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+                    const float k_scale505 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+                    const float k_scale506 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
+                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
+                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
+                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
+                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word521 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk518 = 0u; kk518 < 2u; kk518 += 1u) {
+            #pragma unroll
+            for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                ldmatrix_x4(&a_frag515[mi519 * 4u], p_tile + a_lane_word521 + (mi519 * 320u) + (kk518 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale530 = kv_scales[((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+                const float k_scale531 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+                const float k_scale532 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+                const float k_scale533 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+                a_frag515[0u] = pack_bf16x2(__uint_as_float(a_frag515[0u] << 16u) * k_scale530, __uint_as_float(a_frag515[0u] & 4294901760u) * k_scale531);
+                a_frag515[1u] = pack_bf16x2(__uint_as_float(a_frag515[1u] << 16u) * k_scale530, __uint_as_float(a_frag515[1u] & 4294901760u) * k_scale531);
+                a_frag515[2u] = pack_bf16x2(__uint_as_float(a_frag515[2u] << 16u) * k_scale532, __uint_as_float(a_frag515[2u] & 4294901760u) * k_scale533);
+                a_frag515[3u] = pack_bf16x2(__uint_as_float(a_frag515[3u] << 16u) * k_scale532, __uint_as_float(a_frag515[3u] & 4294901760u) * k_scale533);
+                #pragma unroll
+                for (unsigned np520 = 0u; np520 < 1u; np520 += 1u) {
+                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u));
+                    const unsigned e4m3_pair534 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair535 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair536 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair537 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
+                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534), e4m3x2_hi(e4m3_pair534));
+                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair536), e4m3x2_hi(e4m3_pair536));
+                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair535), e4m3x2_hi(e4m3_pair535));
+                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair537), e4m3x2_hi(e4m3_pair537));
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np520 = 0u; np520 < 1u; np520 += 1u) {
+                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u));
+                    const float k_scale526 = kv_scales[((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+                    const float k_scale527 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+                    const float k_scale528 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+                    const float k_scale529 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
+                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522) * k_scale526, e4m3x2_hi(e4m3_pair522) * k_scale527);
+                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
+                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale526, e4m3x2_hi(e4m3_pair523) * k_scale527);
+                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    }
                 }
             }
         }
@@ -1821,16 +1929,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi507 = 0u; mi507 < 1u; mi507 += 1u) {
+        for (unsigned mi539 = 0u; mi539 < 1u; mi539 += 1u) {
             #pragma unroll
-            for (unsigned half508 = 0u; half508 < 2u; half508 += 1u) {
-                float row_sum506 = row_sum_part[(mi507 * 2u) + half508];
-                const float other509 = shfl_xor_f32(row_sum506, 1);
-                row_sum506 = row_sum506 + other509;
-                const float other510 = shfl_xor_f32(row_sum506, 2);
-                row_sum506 = row_sum506 + other510;
+            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
+                float row_sum538 = row_sum_part[(mi539 * 2u) + half540];
+                const float other541 = shfl_xor_f32(row_sum538, 1);
+                row_sum538 = row_sum538 + other541;
+                const float other542 = shfl_xor_f32(row_sum538, 2);
+                row_sum538 = row_sum538 + other542;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi507 * 16u)) + ((half508 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum506;
+                    row_exchange[(((scores_row0 + (mi539 * 16u)) + ((half540 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum538;
                 }
             }
         }
@@ -1838,16 +1946,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi512 = 0u; mi512 < 1u; mi512 += 1u) {
+        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
             #pragma unroll
-            for (unsigned half513 = 0u; half513 < 2u; half513 += 1u) {
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum511 = row_exchange[((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 4u];
-                    row_sum511 = row_sum511 + row_exchange[(((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum511 = row_sum511 + row_exchange[(((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum511 = row_sum511 + row_exchange[(((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)] = row_sum511;
-                    row_max[(scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)] = row_max_reg[(mi512 * 2u) + half513];
+                    float row_sum543 = row_exchange[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u];
+                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)] = row_sum543;
+                    row_max[(scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)] = row_max_reg[(mi544 * 2u) + half545];
                 }
             }
         }
@@ -1858,86 +1966,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag514 = 0u; frag514 < 1u; frag514 += 1u) {
+        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
             #pragma unroll
-            for (unsigned half515 = 0u; half515 < 2u; half515 += 1u) {
+            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
                 #pragma unroll
-                for (unsigned e516 = 0u; e516 < 2u; e516 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag514 / 1u) * 16u)) + ((half515 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag514 % 1u) * 16u)) + ((lane_quad * 4u) + (e516 * 2u));
-                    float v0_6 = o_acc[((((frag514 / 1u) * 2u) + ((frag514 % 1u) * 2u)) * 4u) + ((half515 * 2u) + e516)];
-                    float v1_6 = o_acc[(((((frag514 / 1u) * 2u) + ((frag514 % 1u) * 2u)) + 1u) * 4u) + ((half515 * 2u) + e516)];
+                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
+                    const unsigned row_18 = (o_acc_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
+                    float v0_6 = o_acc[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
+                    float v1_6 = o_acc[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
                     const unsigned h = h0 + row_18;
                     if (h < p.heads) {
                         const float l = row_sum[row_18];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag514 / 1u) * 2u) + ((frag514 % 1u) * 2u)) * 4u) + ((half515 * 2u) + e516)] = v0_6;
-                    o_acc[(((((frag514 / 1u) * 2u) + ((frag514 % 1u) * 2u)) + 1u) * 4u) + ((half515 * 2u) + e516)] = v1_6;
+                    o_acc[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_6;
+                    o_acc[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag517 = 0u; frag517 < 1u; frag517 += 1u) {
+        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
             #pragma unroll
-            for (unsigned half518 = 0u; half518 < 2u; half518 += 1u) {
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
                 #pragma unroll
-                for (unsigned e519 = 0u; e519 < 2u; e519 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag517 / 1u) * 16u)) + ((half518 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag517 % 1u) * 16u)) + ((lane_quad * 4u) + (e519 * 2u));
-                    float v0_7 = o_acc_1[((((frag517 / 1u) * 2u) + ((frag517 % 1u) * 2u)) * 4u) + ((half518 * 2u) + e519)];
-                    float v1_7 = o_acc_1[(((((frag517 / 1u) * 2u) + ((frag517 % 1u) * 2u)) + 1u) * 4u) + ((half518 * 2u) + e519)];
+                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
+                    const unsigned row_19 = (o_acc_1_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
+                    float v0_7 = o_acc_1[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
+                    float v1_7 = o_acc_1[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
                     const unsigned h_1 = h0 + row_19;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_19];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag517 / 1u) * 2u) + ((frag517 % 1u) * 2u)) * 4u) + ((half518 * 2u) + e519)] = v0_7;
-                    o_acc_1[(((((frag517 / 1u) * 2u) + ((frag517 % 1u) * 2u)) + 1u) * 4u) + ((half518 * 2u) + e519)] = v1_7;
+                    o_acc_1[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_7;
+                    o_acc_1[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag520 = 0u; frag520 < 1u; frag520 += 1u) {
+        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
             #pragma unroll
-            for (unsigned half521 = 0u; half521 < 2u; half521 += 1u) {
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
                 #pragma unroll
-                for (unsigned e522 = 0u; e522 < 2u; e522 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag520 / 1u) * 16u)) + ((half521 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag520 % 1u) * 16u)) + ((lane_quad * 4u) + (e522 * 2u));
-                    float v0_8 = o_acc_2[((((frag520 / 1u) * 2u) + ((frag520 % 1u) * 2u)) * 4u) + ((half521 * 2u) + e522)];
-                    float v1_8 = o_acc_2[(((((frag520 / 1u) * 2u) + ((frag520 % 1u) * 2u)) + 1u) * 4u) + ((half521 * 2u) + e522)];
+                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
+                    const unsigned row_20 = (o_acc_2_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
+                    float v0_8 = o_acc_2[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
+                    float v1_8 = o_acc_2[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
                     const unsigned h_2 = h0 + row_20;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_20];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag520 / 1u) * 2u) + ((frag520 % 1u) * 2u)) * 4u) + ((half521 * 2u) + e522)] = v0_8;
-                    o_acc_2[(((((frag520 / 1u) * 2u) + ((frag520 % 1u) * 2u)) + 1u) * 4u) + ((half521 * 2u) + e522)] = v1_8;
+                    o_acc_2[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_8;
+                    o_acc_2[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag523 = 0u; frag523 < 1u; frag523 += 1u) {
+        for (unsigned frag555 = 0u; frag555 < 1u; frag555 += 1u) {
             #pragma unroll
-            for (unsigned half524 = 0u; half524 < 2u; half524 += 1u) {
+            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
                 #pragma unroll
-                for (unsigned e525 = 0u; e525 < 2u; e525 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag523 / 1u) * 16u)) + ((half524 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag523 % 1u) * 16u)) + ((lane_quad * 4u) + (e525 * 2u));
-                    float v0_9 = o_acc_3[((((frag523 / 1u) * 2u) + ((frag523 % 1u) * 2u)) * 4u) + ((half524 * 2u) + e525)];
-                    float v1_9 = o_acc_3[(((((frag523 / 1u) * 2u) + ((frag523 % 1u) * 2u)) + 1u) * 4u) + ((half524 * 2u) + e525)];
+                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
+                    const unsigned row_21 = (o_acc_3_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
+                    float v0_9 = o_acc_3[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
+                    float v1_9 = o_acc_3[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
                     const unsigned h_3 = h0 + row_21;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_21];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag523 / 1u) * 2u) + ((frag523 % 1u) * 2u)) * 4u) + ((half524 * 2u) + e525)] = v0_9;
-                    o_acc_3[(((((frag523 / 1u) * 2u) + ((frag523 % 1u) * 2u)) + 1u) * 4u) + ((half524 * 2u) + e525)] = v1_9;
+                    o_acc_3[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_9;
+                    o_acc_3[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_9;
                 }
             }
         }
@@ -1953,15 +2061,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag526 = 0u; frag526 < 1u; frag526 += 1u) {
+        for (unsigned frag558 = 0u; frag558 < 1u; frag558 += 1u) {
             #pragma unroll
-            for (unsigned half527 = 0u; half527 < 2u; half527 += 1u) {
+            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
                 #pragma unroll
-                for (unsigned e528 = 0u; e528 < 2u; e528 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag526 / 1u) * 16u)) + ((half527 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag526 % 1u) * 16u)) + ((lane_quad * 4u) + (e528 * 2u));
-                    float v0_10 = o_acc[((((frag526 / 1u) * 2u) + ((frag526 % 1u) * 2u)) * 4u) + ((half527 * 2u) + e528)];
-                    float v1_10 = o_acc[(((((frag526 / 1u) * 2u) + ((frag526 % 1u) * 2u)) + 1u) * 4u) + ((half527 * 2u) + e528)];
+                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
+                    const unsigned row_22 = (o_acc_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
+                    float v0_10 = o_acc[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
+                    float v1_10 = o_acc[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
                     const unsigned h_5 = h0 + row_22;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_22];
@@ -1970,21 +2078,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag526 / 1u) * 2u) + ((frag526 % 1u) * 2u)) * 4u) + ((half527 * 2u) + e528)] = v0_10;
-                    o_acc[(((((frag526 / 1u) * 2u) + ((frag526 % 1u) * 2u)) + 1u) * 4u) + ((half527 * 2u) + e528)] = v1_10;
+                    o_acc[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_10;
+                    o_acc[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag529 = 0u; frag529 < 1u; frag529 += 1u) {
+        for (unsigned frag561 = 0u; frag561 < 1u; frag561 += 1u) {
             #pragma unroll
-            for (unsigned half530 = 0u; half530 < 2u; half530 += 1u) {
+            for (unsigned half562 = 0u; half562 < 2u; half562 += 1u) {
                 #pragma unroll
-                for (unsigned e531 = 0u; e531 < 2u; e531 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag529 / 1u) * 16u)) + ((half530 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag529 % 1u) * 16u)) + ((lane_quad * 4u) + (e531 * 2u));
-                    float v0_11 = o_acc_1[((((frag529 / 1u) * 2u) + ((frag529 % 1u) * 2u)) * 4u) + ((half530 * 2u) + e531)];
-                    float v1_11 = o_acc_1[(((((frag529 / 1u) * 2u) + ((frag529 % 1u) * 2u)) + 1u) * 4u) + ((half530 * 2u) + e531)];
+                for (unsigned e563 = 0u; e563 < 2u; e563 += 1u) {
+                    const unsigned row_23 = (o_acc_1_row0 + ((frag561 / 1u) * 16u)) + ((half562 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag561 % 1u) * 16u)) + ((lane_quad * 4u) + (e563 * 2u));
+                    float v0_11 = o_acc_1[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)];
+                    float v1_11 = o_acc_1[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)];
                     const unsigned h_6 = h0 + row_23;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_23];
@@ -1993,21 +2101,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag529 / 1u) * 2u) + ((frag529 % 1u) * 2u)) * 4u) + ((half530 * 2u) + e531)] = v0_11;
-                    o_acc_1[(((((frag529 / 1u) * 2u) + ((frag529 % 1u) * 2u)) + 1u) * 4u) + ((half530 * 2u) + e531)] = v1_11;
+                    o_acc_1[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)] = v0_11;
+                    o_acc_1[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag532 = 0u; frag532 < 1u; frag532 += 1u) {
+        for (unsigned frag564 = 0u; frag564 < 1u; frag564 += 1u) {
             #pragma unroll
-            for (unsigned half533 = 0u; half533 < 2u; half533 += 1u) {
+            for (unsigned half565 = 0u; half565 < 2u; half565 += 1u) {
                 #pragma unroll
-                for (unsigned e534 = 0u; e534 < 2u; e534 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag532 / 1u) * 16u)) + ((half533 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag532 % 1u) * 16u)) + ((lane_quad * 4u) + (e534 * 2u));
-                    float v0_12 = o_acc_2[((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) * 4u) + ((half533 * 2u) + e534)];
-                    float v1_12 = o_acc_2[(((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)];
+                for (unsigned e566 = 0u; e566 < 2u; e566 += 1u) {
+                    const unsigned row_24 = (o_acc_2_row0 + ((frag564 / 1u) * 16u)) + ((half565 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag564 % 1u) * 16u)) + ((lane_quad * 4u) + (e566 * 2u));
+                    float v0_12 = o_acc_2[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)];
+                    float v1_12 = o_acc_2[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)];
                     const unsigned h_7 = h0 + row_24;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_24];
@@ -2016,21 +2124,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) * 4u) + ((half533 * 2u) + e534)] = v0_12;
-                    o_acc_2[(((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)] = v1_12;
+                    o_acc_2[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)] = v0_12;
+                    o_acc_2[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag535 = 0u; frag535 < 1u; frag535 += 1u) {
+        for (unsigned frag567 = 0u; frag567 < 1u; frag567 += 1u) {
             #pragma unroll
-            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
+            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
                 #pragma unroll
-                for (unsigned e537 = 0u; e537 < 2u; e537 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag535 / 1u) * 16u)) + ((half536 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag535 % 1u) * 16u)) + ((lane_quad * 4u) + (e537 * 2u));
-                    float v0_13 = o_acc_3[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)];
-                    float v1_13 = o_acc_3[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)];
+                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
+                    const unsigned row_25 = (o_acc_3_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
+                    float v0_13 = o_acc_3[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
+                    float v1_13 = o_acc_3[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
                     const unsigned h_8 = h0 + row_25;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_25];
@@ -2039,8 +2147,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)] = v0_13;
-                    o_acc_3[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)] = v1_13;
+                    o_acc_3[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_13;
+                    o_acc_3[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_13;
                 }
             }
         }

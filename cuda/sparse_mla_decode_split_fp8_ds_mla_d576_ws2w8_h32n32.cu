@@ -407,15 +407,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag454[8];
     unsigned b_frag455[4];
     unsigned b_raw456[2];
-    unsigned a_frag470[8];
-    unsigned b_frag471[4];
-    unsigned b_raw472[2];
-    unsigned a_frag489[8];
-    unsigned b_frag490[4];
-    unsigned b_raw491[2];
-    unsigned a_frag508[8];
-    unsigned b_frag509[4];
-    unsigned b_raw510[2];
+    unsigned a_frag478[8];
+    unsigned b_frag479[4];
+    unsigned b_raw480[2];
+    unsigned a_frag505[8];
+    unsigned b_frag506[4];
+    unsigned b_raw507[2];
+    unsigned a_frag532[8];
+    unsigned b_frag533[4];
+    unsigned b_raw534[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -449,16 +449,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i559 = threadIdx.x; zero_i559 < 2304u; zero_i559 += 256u) {
-        kv_rope[zero_i559] = 0u;
+    for (unsigned zero_i591 = threadIdx.x; zero_i591 < 2304u; zero_i591 += 256u) {
+        kv_rope[zero_i591] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i560 = threadIdx.x; zero_i560 < 256u; zero_i560 += 256u) {
-        kv_scales[zero_i560] = 0.0f;
+    for (unsigned zero_i592 = threadIdx.x; zero_i592 < 256u; zero_i592 += 256u) {
+        kv_scales[zero_i592] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i561 = threadIdx.x; zero_i561 < 72u; zero_i561 += 256u) {
-        row_valid[zero_i561] = 0.0f;
+    for (unsigned zero_i593 = threadIdx.x; zero_i593 < 72u; zero_i593 += 256u) {
+        row_valid[zero_i593] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -1683,172 +1683,280 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
                 ldmatrix_x4(&a_frag454[mi458 * 4u], p_tile + a_lane_word + (mi458 * 320u) + (kk457 * 8u));
             }
-            const float k_scale = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale459 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale460 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale461 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale459);
-            a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale459);
-            a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale460, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale461);
-            a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale460, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale461);
-            const float k_scale462 = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
-            const float k_scale463 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-            const float k_scale464 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-            const float k_scale465 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-            a_frag454[4u] = pack_bf16x2(__uint_as_float(a_frag454[4u] << 16u) * k_scale462, __uint_as_float(a_frag454[4u] & 4294901760u) * k_scale463);
-            a_frag454[5u] = pack_bf16x2(__uint_as_float(a_frag454[5u] << 16u) * k_scale462, __uint_as_float(a_frag454[5u] & 4294901760u) * k_scale463);
-            a_frag454[6u] = pack_bf16x2(__uint_as_float(a_frag454[6u] << 16u) * k_scale464, __uint_as_float(a_frag454[6u] & 4294901760u) * k_scale465);
-            a_frag454[7u] = pack_bf16x2(__uint_as_float(a_frag454[7u] << 16u) * k_scale464, __uint_as_float(a_frag454[7u] & 4294901760u) * k_scale465);
-            #pragma unroll
-            for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw456[0u], kv_latent + (stage * 4224u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                const unsigned e4m3_pair466 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair467 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair468 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair469 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
-                b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
-                b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
-                b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
-                b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469), e4m3x2_hi(e4m3_pair469));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale466 = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
+                const float k_scale467 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+                const float k_scale468 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+                const float k_scale469 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+                a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale466, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale467);
+                a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale466, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale467);
+                a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale468, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale469);
+                a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale468, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale469);
+                const float k_scale470 = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
+                const float k_scale471 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+                const float k_scale472 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+                const float k_scale473 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+                a_frag454[4u] = pack_bf16x2(__uint_as_float(a_frag454[4u] << 16u) * k_scale470, __uint_as_float(a_frag454[4u] & 4294901760u) * k_scale471);
+                a_frag454[5u] = pack_bf16x2(__uint_as_float(a_frag454[5u] << 16u) * k_scale470, __uint_as_float(a_frag454[5u] & 4294901760u) * k_scale471);
+                a_frag454[6u] = pack_bf16x2(__uint_as_float(a_frag454[6u] << 16u) * k_scale472, __uint_as_float(a_frag454[6u] & 4294901760u) * k_scale473);
+                a_frag454[7u] = pack_bf16x2(__uint_as_float(a_frag454[7u] << 16u) * k_scale472, __uint_as_float(a_frag454[7u] & 4294901760u) * k_scale473);
                 #pragma unroll
-                for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi458 * 2u) + (np * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
+                for (unsigned np = 0u; np < 1u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_latent + (stage * 4224u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477), e4m3x2_hi(e4m3_pair477));
+                    #pragma unroll
+                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi458 * 2u) + (np * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi458 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi458 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word476 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk473 = 0u; kk473 < 2u; kk473 += 1u) {
-            #pragma unroll
-            for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                ldmatrix_x4(&a_frag470[mi474 * 4u], p_tile + a_lane_word476 + (mi474 * 320u) + (kk473 * 8u));
-            }
-            const float k_scale477 = kv_scales[((stage * 128u) + (((kk473 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale478 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale479 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale480 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag470[0u] = pack_bf16x2(__uint_as_float(a_frag470[0u] << 16u) * k_scale477, __uint_as_float(a_frag470[0u] & 4294901760u) * k_scale478);
-            a_frag470[1u] = pack_bf16x2(__uint_as_float(a_frag470[1u] << 16u) * k_scale477, __uint_as_float(a_frag470[1u] & 4294901760u) * k_scale478);
-            a_frag470[2u] = pack_bf16x2(__uint_as_float(a_frag470[2u] << 16u) * k_scale479, __uint_as_float(a_frag470[2u] & 4294901760u) * k_scale480);
-            a_frag470[3u] = pack_bf16x2(__uint_as_float(a_frag470[3u] << 16u) * k_scale479, __uint_as_float(a_frag470[3u] & 4294901760u) * k_scale480);
-            const float k_scale481 = kv_scales[((stage * 128u) + (((kk473 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-            const float k_scale482 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-            const float k_scale483 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-            const float k_scale484 = kv_scales[((stage * 128u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-            a_frag470[4u] = pack_bf16x2(__uint_as_float(a_frag470[4u] << 16u) * k_scale481, __uint_as_float(a_frag470[4u] & 4294901760u) * k_scale482);
-            a_frag470[5u] = pack_bf16x2(__uint_as_float(a_frag470[5u] << 16u) * k_scale481, __uint_as_float(a_frag470[5u] & 4294901760u) * k_scale482);
-            a_frag470[6u] = pack_bf16x2(__uint_as_float(a_frag470[6u] << 16u) * k_scale483, __uint_as_float(a_frag470[6u] & 4294901760u) * k_scale484);
-            a_frag470[7u] = pack_bf16x2(__uint_as_float(a_frag470[7u] << 16u) * k_scale483, __uint_as_float(a_frag470[7u] & 4294901760u) * k_scale484);
-            #pragma unroll
-            for (unsigned np475 = 0u; np475 < 1u; np475 += 1u) {
-                ldmatrix_x2_trans(&b_raw472[0u], kv_latent + (stage * 4224u) + (((kk473 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np475 * 16u)) >> 2u));
-                const unsigned e4m3_pair485 = e4m3x2_prep((b_raw472[0u] & 255u) | ((b_raw472[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw472[0u] >> 8u) & 255u) | ((b_raw472[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair487 = e4m3x2_prep((b_raw472[1u] & 255u) | ((b_raw472[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw472[1u] >> 8u) & 255u) | ((b_raw472[1u] >> 16u) & 65280u));
-                b_frag471[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485), e4m3x2_hi(e4m3_pair485));
-                b_frag471[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
-                b_frag471[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
-                b_frag471[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                #pragma unroll
-                for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi474 * 2u) + (np475 * 2u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi474 * 2u) + ((np475 * 2u) + 1u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[2u]);
+                for (unsigned np = 0u; np < 1u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_latent + (stage * 4224u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
+                    const float k_scale463 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
+                    const float k_scale464 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
+                    const float k_scale465 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
+                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459) * k_scale, e4m3x2_hi(e4m3_pair459) * k_scale463);
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale, e4m3x2_hi(e4m3_pair460) * k_scale463);
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale464, e4m3x2_hi(e4m3_pair462) * k_scale465);
+                    #pragma unroll
+                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi458 * 2u) + (np * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi458 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word495 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word484 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk492 = 0u; kk492 < 2u; kk492 += 1u) {
+        for (unsigned kk481 = 0u; kk481 < 2u; kk481 += 1u) {
             #pragma unroll
-            for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                ldmatrix_x4(&a_frag489[mi493 * 4u], p_tile + a_lane_word495 + (mi493 * 320u) + (kk492 * 8u));
+            for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
+                ldmatrix_x4(&a_frag478[mi482 * 4u], p_tile + a_lane_word484 + (mi482 * 320u) + (kk481 * 8u));
             }
-            const float k_scale496 = kv_scales[((stage * 128u) + (((kk492 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale497 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale498 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale499 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag489[0u] = pack_bf16x2(__uint_as_float(a_frag489[0u] << 16u) * k_scale496, __uint_as_float(a_frag489[0u] & 4294901760u) * k_scale497);
-            a_frag489[1u] = pack_bf16x2(__uint_as_float(a_frag489[1u] << 16u) * k_scale496, __uint_as_float(a_frag489[1u] & 4294901760u) * k_scale497);
-            a_frag489[2u] = pack_bf16x2(__uint_as_float(a_frag489[2u] << 16u) * k_scale498, __uint_as_float(a_frag489[2u] & 4294901760u) * k_scale499);
-            a_frag489[3u] = pack_bf16x2(__uint_as_float(a_frag489[3u] << 16u) * k_scale498, __uint_as_float(a_frag489[3u] & 4294901760u) * k_scale499);
-            const float k_scale500 = kv_scales[((stage * 128u) + (((kk492 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-            const float k_scale501 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-            const float k_scale502 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-            const float k_scale503 = kv_scales[((stage * 128u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-            a_frag489[4u] = pack_bf16x2(__uint_as_float(a_frag489[4u] << 16u) * k_scale500, __uint_as_float(a_frag489[4u] & 4294901760u) * k_scale501);
-            a_frag489[5u] = pack_bf16x2(__uint_as_float(a_frag489[5u] << 16u) * k_scale500, __uint_as_float(a_frag489[5u] & 4294901760u) * k_scale501);
-            a_frag489[6u] = pack_bf16x2(__uint_as_float(a_frag489[6u] << 16u) * k_scale502, __uint_as_float(a_frag489[6u] & 4294901760u) * k_scale503);
-            a_frag489[7u] = pack_bf16x2(__uint_as_float(a_frag489[7u] << 16u) * k_scale502, __uint_as_float(a_frag489[7u] & 4294901760u) * k_scale503);
-            #pragma unroll
-            for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
-                ldmatrix_x2_trans(&b_raw491[0u], kv_latent + (stage * 4224u) + (((kk492 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
-                const unsigned e4m3_pair504 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair506 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
-                b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506), e4m3x2_hi(e4m3_pair506));
-                b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
-                b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507), e4m3x2_hi(e4m3_pair507));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale493 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+                const float k_scale494 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+                const float k_scale495 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+                const float k_scale496 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+                a_frag478[0u] = pack_bf16x2(__uint_as_float(a_frag478[0u] << 16u) * k_scale493, __uint_as_float(a_frag478[0u] & 4294901760u) * k_scale494);
+                a_frag478[1u] = pack_bf16x2(__uint_as_float(a_frag478[1u] << 16u) * k_scale493, __uint_as_float(a_frag478[1u] & 4294901760u) * k_scale494);
+                a_frag478[2u] = pack_bf16x2(__uint_as_float(a_frag478[2u] << 16u) * k_scale495, __uint_as_float(a_frag478[2u] & 4294901760u) * k_scale496);
+                a_frag478[3u] = pack_bf16x2(__uint_as_float(a_frag478[3u] << 16u) * k_scale495, __uint_as_float(a_frag478[3u] & 4294901760u) * k_scale496);
+                const float k_scale497 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+                const float k_scale498 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+                const float k_scale499 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+                const float k_scale500 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+                a_frag478[4u] = pack_bf16x2(__uint_as_float(a_frag478[4u] << 16u) * k_scale497, __uint_as_float(a_frag478[4u] & 4294901760u) * k_scale498);
+                a_frag478[5u] = pack_bf16x2(__uint_as_float(a_frag478[5u] << 16u) * k_scale497, __uint_as_float(a_frag478[5u] & 4294901760u) * k_scale498);
+                a_frag478[6u] = pack_bf16x2(__uint_as_float(a_frag478[6u] << 16u) * k_scale499, __uint_as_float(a_frag478[6u] & 4294901760u) * k_scale500);
+                a_frag478[7u] = pack_bf16x2(__uint_as_float(a_frag478[7u] << 16u) * k_scale499, __uint_as_float(a_frag478[7u] & 4294901760u) * k_scale500);
                 #pragma unroll
-                for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
+                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
+                    ldmatrix_x2_trans(&b_raw480[0u], kv_latent + (stage * 4224u) + (((kk481 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np483 * 16u)) >> 2u));
+                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
+                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501), e4m3x2_hi(e4m3_pair501));
+                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
+                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
+                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
+                    #pragma unroll
+                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
+                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
+                    ldmatrix_x2_trans(&b_raw480[0u], kv_latent + (stage * 4224u) + (((kk481 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np483 * 16u)) >> 2u));
+                    const float k_scale489 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
+                    const float k_scale490 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
+                    const float k_scale491 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
+                    const float k_scale492 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
+                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
+                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale491, e4m3x2_hi(e4m3_pair487) * k_scale492);
+                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
+                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488) * k_scale491, e4m3x2_hi(e4m3_pair488) * k_scale492);
+                    #pragma unroll
+                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word514 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word511 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk511 = 0u; kk511 < 2u; kk511 += 1u) {
+        for (unsigned kk508 = 0u; kk508 < 2u; kk508 += 1u) {
             #pragma unroll
-            for (unsigned mi512 = 0u; mi512 < 2u; mi512 += 1u) {
-                ldmatrix_x4(&a_frag508[mi512 * 4u], p_tile + a_lane_word514 + (mi512 * 320u) + (kk511 * 8u));
+            for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
+                ldmatrix_x4(&a_frag505[mi509 * 4u], p_tile + a_lane_word511 + (mi509 * 320u) + (kk508 * 8u));
             }
-            const float k_scale515 = kv_scales[((stage * 128u) + (((kk511 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale516 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale517 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale518 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag508[0u] = pack_bf16x2(__uint_as_float(a_frag508[0u] << 16u) * k_scale515, __uint_as_float(a_frag508[0u] & 4294901760u) * k_scale516);
-            a_frag508[1u] = pack_bf16x2(__uint_as_float(a_frag508[1u] << 16u) * k_scale515, __uint_as_float(a_frag508[1u] & 4294901760u) * k_scale516);
-            a_frag508[2u] = pack_bf16x2(__uint_as_float(a_frag508[2u] << 16u) * k_scale517, __uint_as_float(a_frag508[2u] & 4294901760u) * k_scale518);
-            a_frag508[3u] = pack_bf16x2(__uint_as_float(a_frag508[3u] << 16u) * k_scale517, __uint_as_float(a_frag508[3u] & 4294901760u) * k_scale518);
-            const float k_scale519 = kv_scales[((stage * 128u) + (((kk511 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-            const float k_scale520 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-            const float k_scale521 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-            const float k_scale522 = kv_scales[((stage * 128u) + ((((kk511 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-            a_frag508[4u] = pack_bf16x2(__uint_as_float(a_frag508[4u] << 16u) * k_scale519, __uint_as_float(a_frag508[4u] & 4294901760u) * k_scale520);
-            a_frag508[5u] = pack_bf16x2(__uint_as_float(a_frag508[5u] << 16u) * k_scale519, __uint_as_float(a_frag508[5u] & 4294901760u) * k_scale520);
-            a_frag508[6u] = pack_bf16x2(__uint_as_float(a_frag508[6u] << 16u) * k_scale521, __uint_as_float(a_frag508[6u] & 4294901760u) * k_scale522);
-            a_frag508[7u] = pack_bf16x2(__uint_as_float(a_frag508[7u] << 16u) * k_scale521, __uint_as_float(a_frag508[7u] & 4294901760u) * k_scale522);
-            #pragma unroll
-            for (unsigned np513 = 0u; np513 < 1u; np513 += 1u) {
-                ldmatrix_x2_trans(&b_raw510[0u], kv_latent + (stage * 4224u) + (((kk511 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np513 * 16u)) >> 2u));
-                const unsigned e4m3_pair523 = e4m3x2_prep((b_raw510[0u] & 255u) | ((b_raw510[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair524 = e4m3x2_prep(((b_raw510[0u] >> 8u) & 255u) | ((b_raw510[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair525 = e4m3x2_prep((b_raw510[1u] & 255u) | ((b_raw510[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw510[1u] >> 8u) & 255u) | ((b_raw510[1u] >> 16u) & 65280u));
-                b_frag509[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523), e4m3x2_hi(e4m3_pair523));
-                b_frag509[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525), e4m3x2_hi(e4m3_pair525));
-                b_frag509[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524), e4m3x2_hi(e4m3_pair524));
-                b_frag509[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale520 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+                const float k_scale521 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+                const float k_scale522 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+                const float k_scale523 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+                a_frag505[0u] = pack_bf16x2(__uint_as_float(a_frag505[0u] << 16u) * k_scale520, __uint_as_float(a_frag505[0u] & 4294901760u) * k_scale521);
+                a_frag505[1u] = pack_bf16x2(__uint_as_float(a_frag505[1u] << 16u) * k_scale520, __uint_as_float(a_frag505[1u] & 4294901760u) * k_scale521);
+                a_frag505[2u] = pack_bf16x2(__uint_as_float(a_frag505[2u] << 16u) * k_scale522, __uint_as_float(a_frag505[2u] & 4294901760u) * k_scale523);
+                a_frag505[3u] = pack_bf16x2(__uint_as_float(a_frag505[3u] << 16u) * k_scale522, __uint_as_float(a_frag505[3u] & 4294901760u) * k_scale523);
+                const float k_scale524 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+                const float k_scale525 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+                const float k_scale526 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+                const float k_scale527 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+                a_frag505[4u] = pack_bf16x2(__uint_as_float(a_frag505[4u] << 16u) * k_scale524, __uint_as_float(a_frag505[4u] & 4294901760u) * k_scale525);
+                a_frag505[5u] = pack_bf16x2(__uint_as_float(a_frag505[5u] << 16u) * k_scale524, __uint_as_float(a_frag505[5u] & 4294901760u) * k_scale525);
+                a_frag505[6u] = pack_bf16x2(__uint_as_float(a_frag505[6u] << 16u) * k_scale526, __uint_as_float(a_frag505[6u] & 4294901760u) * k_scale527);
+                a_frag505[7u] = pack_bf16x2(__uint_as_float(a_frag505[7u] << 16u) * k_scale526, __uint_as_float(a_frag505[7u] & 4294901760u) * k_scale527);
                 #pragma unroll
-                for (unsigned mi512 = 0u; mi512 < 2u; mi512 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi512 * 2u) + (np513 * 2u)) * 4u], &a_frag508[mi512 * 4u], &b_frag509[0u]);
+                for (unsigned np510 = 0u; np510 < 1u; np510 += 1u) {
+                    ldmatrix_x2_trans(&b_raw507[0u], kv_latent + (stage * 4224u) + (((kk508 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np510 * 16u)) >> 2u));
+                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw507[0u] & 255u) | ((b_raw507[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw507[0u] >> 8u) & 255u) | ((b_raw507[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair530 = e4m3x2_prep((b_raw507[1u] & 255u) | ((b_raw507[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair531 = e4m3x2_prep(((b_raw507[1u] >> 8u) & 255u) | ((b_raw507[1u] >> 16u) & 65280u));
+                    b_frag506[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
+                    b_frag506[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair530), e4m3x2_hi(e4m3_pair530));
+                    b_frag506[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529), e4m3x2_hi(e4m3_pair529));
+                    b_frag506[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531), e4m3x2_hi(e4m3_pair531));
+                    #pragma unroll
+                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + (np510 * 2u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + ((np510 * 2u) + 1u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi512 = 0u; mi512 < 2u; mi512 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi512 * 2u) + ((np513 * 2u) + 1u)) * 4u], &a_frag508[mi512 * 4u], &b_frag509[2u]);
+                for (unsigned np510 = 0u; np510 < 1u; np510 += 1u) {
+                    ldmatrix_x2_trans(&b_raw507[0u], kv_latent + (stage * 4224u) + (((kk508 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np510 * 16u)) >> 2u));
+                    const float k_scale516 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
+                    const float k_scale517 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
+                    const float k_scale518 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
+                    const float k_scale519 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
+                    const unsigned e4m3_pair512 = e4m3x2_prep((b_raw507[0u] & 255u) | ((b_raw507[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep(((b_raw507[0u] >> 8u) & 255u) | ((b_raw507[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw507[1u] & 255u) | ((b_raw507[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw507[1u] >> 8u) & 255u) | ((b_raw507[1u] >> 16u) & 65280u));
+                    b_frag506[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512) * k_scale516, e4m3x2_hi(e4m3_pair512) * k_scale517);
+                    b_frag506[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale518, e4m3x2_hi(e4m3_pair514) * k_scale519);
+                    b_frag506[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513) * k_scale516, e4m3x2_hi(e4m3_pair513) * k_scale517);
+                    b_frag506[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale518, e4m3x2_hi(e4m3_pair515) * k_scale519);
+                    #pragma unroll
+                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + (np510 * 2u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + ((np510 * 2u) + 1u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word538 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk535 = 0u; kk535 < 2u; kk535 += 1u) {
+            #pragma unroll
+            for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
+                ldmatrix_x4(&a_frag532[mi536 * 4u], p_tile + a_lane_word538 + (mi536 * 320u) + (kk535 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale547 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+                const float k_scale548 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+                const float k_scale549 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+                const float k_scale550 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+                a_frag532[0u] = pack_bf16x2(__uint_as_float(a_frag532[0u] << 16u) * k_scale547, __uint_as_float(a_frag532[0u] & 4294901760u) * k_scale548);
+                a_frag532[1u] = pack_bf16x2(__uint_as_float(a_frag532[1u] << 16u) * k_scale547, __uint_as_float(a_frag532[1u] & 4294901760u) * k_scale548);
+                a_frag532[2u] = pack_bf16x2(__uint_as_float(a_frag532[2u] << 16u) * k_scale549, __uint_as_float(a_frag532[2u] & 4294901760u) * k_scale550);
+                a_frag532[3u] = pack_bf16x2(__uint_as_float(a_frag532[3u] << 16u) * k_scale549, __uint_as_float(a_frag532[3u] & 4294901760u) * k_scale550);
+                const float k_scale551 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+                const float k_scale552 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+                const float k_scale553 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+                const float k_scale554 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+                a_frag532[4u] = pack_bf16x2(__uint_as_float(a_frag532[4u] << 16u) * k_scale551, __uint_as_float(a_frag532[4u] & 4294901760u) * k_scale552);
+                a_frag532[5u] = pack_bf16x2(__uint_as_float(a_frag532[5u] << 16u) * k_scale551, __uint_as_float(a_frag532[5u] & 4294901760u) * k_scale552);
+                a_frag532[6u] = pack_bf16x2(__uint_as_float(a_frag532[6u] << 16u) * k_scale553, __uint_as_float(a_frag532[6u] & 4294901760u) * k_scale554);
+                a_frag532[7u] = pack_bf16x2(__uint_as_float(a_frag532[7u] << 16u) * k_scale553, __uint_as_float(a_frag532[7u] & 4294901760u) * k_scale554);
+                #pragma unroll
+                for (unsigned np537 = 0u; np537 < 1u; np537 += 1u) {
+                    ldmatrix_x2_trans(&b_raw534[0u], kv_latent + (stage * 4224u) + (((kk535 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np537 * 16u)) >> 2u));
+                    const unsigned e4m3_pair555 = e4m3x2_prep((b_raw534[0u] & 255u) | ((b_raw534[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair556 = e4m3x2_prep(((b_raw534[0u] >> 8u) & 255u) | ((b_raw534[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair557 = e4m3x2_prep((b_raw534[1u] & 255u) | ((b_raw534[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair558 = e4m3x2_prep(((b_raw534[1u] >> 8u) & 255u) | ((b_raw534[1u] >> 16u) & 65280u));
+                    b_frag533[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair555), e4m3x2_hi(e4m3_pair555));
+                    b_frag533[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair557), e4m3x2_hi(e4m3_pair557));
+                    b_frag533[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair556), e4m3x2_hi(e4m3_pair556));
+                    b_frag533[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair558), e4m3x2_hi(e4m3_pair558));
+                    #pragma unroll
+                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + (np537 * 2u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + ((np537 * 2u) + 1u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np537 = 0u; np537 < 1u; np537 += 1u) {
+                    ldmatrix_x2_trans(&b_raw534[0u], kv_latent + (stage * 4224u) + (((kk535 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np537 * 16u)) >> 2u));
+                    const float k_scale543 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
+                    const float k_scale544 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
+                    const float k_scale545 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
+                    const float k_scale546 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
+                    const unsigned e4m3_pair539 = e4m3x2_prep((b_raw534[0u] & 255u) | ((b_raw534[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair540 = e4m3x2_prep(((b_raw534[0u] >> 8u) & 255u) | ((b_raw534[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair541 = e4m3x2_prep((b_raw534[1u] & 255u) | ((b_raw534[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair542 = e4m3x2_prep(((b_raw534[1u] >> 8u) & 255u) | ((b_raw534[1u] >> 16u) & 65280u));
+                    b_frag533[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair539) * k_scale543, e4m3x2_hi(e4m3_pair539) * k_scale544);
+                    b_frag533[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541) * k_scale545, e4m3x2_hi(e4m3_pair541) * k_scale546);
+                    b_frag533[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540) * k_scale543, e4m3x2_hi(e4m3_pair540) * k_scale544);
+                    b_frag533[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542) * k_scale545, e4m3x2_hi(e4m3_pair542) * k_scale546);
+                    #pragma unroll
+                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + (np537 * 2u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + ((np537 * 2u) + 1u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[2u]);
+                    }
                 }
             }
         }
@@ -1862,16 +1970,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi528 = 0u; mi528 < 1u; mi528 += 1u) {
+        for (unsigned mi560 = 0u; mi560 < 1u; mi560 += 1u) {
             #pragma unroll
-            for (unsigned half529 = 0u; half529 < 2u; half529 += 1u) {
-                float row_sum527 = row_sum_part[(mi528 * 2u) + half529];
-                const float other530 = shfl_xor_f32(row_sum527, 1);
-                row_sum527 = row_sum527 + other530;
-                const float other531 = shfl_xor_f32(row_sum527, 2);
-                row_sum527 = row_sum527 + other531;
+            for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
+                float row_sum559 = row_sum_part[(mi560 * 2u) + half561];
+                const float other562 = shfl_xor_f32(row_sum559, 1);
+                row_sum559 = row_sum559 + other562;
+                const float other563 = shfl_xor_f32(row_sum559, 2);
+                row_sum559 = row_sum559 + other563;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum527;
+                    row_exchange[(((scores_row0 + (mi560 * 16u)) + ((half561 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum559;
                 }
             }
         }
@@ -1879,14 +1987,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi533 = 0u; mi533 < 1u; mi533 += 1u) {
+        for (unsigned mi565 = 0u; mi565 < 1u; mi565 += 1u) {
             #pragma unroll
-            for (unsigned half534 = 0u; half534 < 2u; half534 += 1u) {
+            for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum532 = row_exchange[((scores_row0 + (mi533 * 16u)) + ((half534 * 8u) + lane_group)) * 3u];
-                    row_sum532 = row_sum532 + row_exchange[(((scores_row0 + (mi533 * 16u)) + ((half534 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi533 * 16u)) + ((half534 * 8u) + lane_group)] = row_sum532;
-                    row_max[(scores_row0 + (mi533 * 16u)) + ((half534 * 8u) + lane_group)] = row_max_reg[(mi533 * 2u) + half534];
+                    float row_sum564 = row_exchange[((scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)) * 3u];
+                    row_sum564 = row_sum564 + row_exchange[(((scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)] = row_sum564;
+                    row_max[(scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)] = row_max_reg[(mi565 * 2u) + half566];
                 }
             }
         }
@@ -1897,86 +2005,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag535 = 0u; frag535 < 2u; frag535 += 1u) {
+        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
             #pragma unroll
-            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
+            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
                 #pragma unroll
-                for (unsigned e537 = 0u; e537 < 2u; e537 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag535 / 1u) * 16u)) + ((half536 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag535 % 1u) * 16u)) + ((lane_quad * 4u) + (e537 * 2u));
-                    float v0_6 = o_acc[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)];
-                    float v1_6 = o_acc[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)];
+                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
+                    const unsigned row_18 = (o_acc_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
+                    float v0_6 = o_acc[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
+                    float v1_6 = o_acc[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
                     const unsigned h = h0 + row_18;
                     if (h < p.heads) {
                         const float l = row_sum[row_18];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)] = v0_6;
-                    o_acc[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)] = v1_6;
+                    o_acc[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_6;
+                    o_acc[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag538 = 0u; frag538 < 2u; frag538 += 1u) {
+        for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
             #pragma unroll
-            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
+            for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
                 #pragma unroll
-                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag538 / 1u) * 16u)) + ((half539 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag538 % 1u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
-                    float v0_7 = o_acc_1[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)];
-                    float v1_7 = o_acc_1[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)];
+                for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
+                    const unsigned row_19 = (o_acc_1_row0 + ((frag570 / 1u) * 16u)) + ((half571 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag570 % 1u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
+                    float v0_7 = o_acc_1[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
+                    float v1_7 = o_acc_1[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
                     const unsigned h_1 = h0 + row_19;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_19];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)] = v0_7;
-                    o_acc_1[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)] = v1_7;
+                    o_acc_1[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_7;
+                    o_acc_1[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag541 = 0u; frag541 < 2u; frag541 += 1u) {
+        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
             #pragma unroll
-            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
+            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
                 #pragma unroll
-                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag541 / 1u) * 16u)) + ((half542 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag541 % 1u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
-                    float v0_8 = o_acc_2[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)];
-                    float v1_8 = o_acc_2[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)];
+                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
+                    const unsigned row_20 = (o_acc_2_row0 + ((frag573 / 1u) * 16u)) + ((half574 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag573 % 1u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
+                    float v0_8 = o_acc_2[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
+                    float v1_8 = o_acc_2[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
                     const unsigned h_2 = h0 + row_20;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_20];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)] = v0_8;
-                    o_acc_2[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)] = v1_8;
+                    o_acc_2[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_8;
+                    o_acc_2[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag544 = 0u; frag544 < 2u; frag544 += 1u) {
+        for (unsigned frag576 = 0u; frag576 < 2u; frag576 += 1u) {
             #pragma unroll
-            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+            for (unsigned half577 = 0u; half577 < 2u; half577 += 1u) {
                 #pragma unroll
-                for (unsigned e546 = 0u; e546 < 2u; e546 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag544 / 1u) * 16u)) + ((half545 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag544 % 1u) * 16u)) + ((lane_quad * 4u) + (e546 * 2u));
-                    float v0_9 = o_acc_3[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)];
-                    float v1_9 = o_acc_3[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)];
+                for (unsigned e578 = 0u; e578 < 2u; e578 += 1u) {
+                    const unsigned row_21 = (o_acc_3_row0 + ((frag576 / 1u) * 16u)) + ((half577 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag576 % 1u) * 16u)) + ((lane_quad * 4u) + (e578 * 2u));
+                    float v0_9 = o_acc_3[((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) * 4u) + ((half577 * 2u) + e578)];
+                    float v1_9 = o_acc_3[(((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)];
                     const unsigned h_3 = h0 + row_21;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_21];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)] = v0_9;
-                    o_acc_3[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)] = v1_9;
+                    o_acc_3[((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) * 4u) + ((half577 * 2u) + e578)] = v0_9;
+                    o_acc_3[(((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)] = v1_9;
                 }
             }
         }
@@ -1992,15 +2100,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag547 = 0u; frag547 < 2u; frag547 += 1u) {
+        for (unsigned frag579 = 0u; frag579 < 2u; frag579 += 1u) {
             #pragma unroll
-            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
+            for (unsigned half580 = 0u; half580 < 2u; half580 += 1u) {
                 #pragma unroll
-                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
-                    float v0_10 = o_acc[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
-                    float v1_10 = o_acc[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
+                for (unsigned e581 = 0u; e581 < 2u; e581 += 1u) {
+                    const unsigned row_22 = (o_acc_row0 + ((frag579 / 1u) * 16u)) + ((half580 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag579 % 1u) * 16u)) + ((lane_quad * 4u) + (e581 * 2u));
+                    float v0_10 = o_acc[((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) * 4u) + ((half580 * 2u) + e581)];
+                    float v1_10 = o_acc[(((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)];
                     const unsigned h_5 = h0 + row_22;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_22];
@@ -2009,21 +2117,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_10;
-                    o_acc[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_10;
+                    o_acc[((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) * 4u) + ((half580 * 2u) + e581)] = v0_10;
+                    o_acc[(((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag550 = 0u; frag550 < 2u; frag550 += 1u) {
+        for (unsigned frag582 = 0u; frag582 < 2u; frag582 += 1u) {
             #pragma unroll
-            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
+            for (unsigned half583 = 0u; half583 < 2u; half583 += 1u) {
                 #pragma unroll
-                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
-                    float v0_11 = o_acc_1[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
-                    float v1_11 = o_acc_1[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
+                for (unsigned e584 = 0u; e584 < 2u; e584 += 1u) {
+                    const unsigned row_23 = (o_acc_1_row0 + ((frag582 / 1u) * 16u)) + ((half583 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag582 % 1u) * 16u)) + ((lane_quad * 4u) + (e584 * 2u));
+                    float v0_11 = o_acc_1[((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) * 4u) + ((half583 * 2u) + e584)];
+                    float v1_11 = o_acc_1[(((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)];
                     const unsigned h_6 = h0 + row_23;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_23];
@@ -2032,21 +2140,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_11;
-                    o_acc_1[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_11;
+                    o_acc_1[((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) * 4u) + ((half583 * 2u) + e584)] = v0_11;
+                    o_acc_1[(((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag553 = 0u; frag553 < 2u; frag553 += 1u) {
+        for (unsigned frag585 = 0u; frag585 < 2u; frag585 += 1u) {
             #pragma unroll
-            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
+            for (unsigned half586 = 0u; half586 < 2u; half586 += 1u) {
                 #pragma unroll
-                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
-                    float v0_12 = o_acc_2[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
-                    float v1_12 = o_acc_2[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
+                for (unsigned e587 = 0u; e587 < 2u; e587 += 1u) {
+                    const unsigned row_24 = (o_acc_2_row0 + ((frag585 / 1u) * 16u)) + ((half586 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag585 % 1u) * 16u)) + ((lane_quad * 4u) + (e587 * 2u));
+                    float v0_12 = o_acc_2[((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) * 4u) + ((half586 * 2u) + e587)];
+                    float v1_12 = o_acc_2[(((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)];
                     const unsigned h_7 = h0 + row_24;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_24];
@@ -2055,21 +2163,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_12;
-                    o_acc_2[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_12;
+                    o_acc_2[((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) * 4u) + ((half586 * 2u) + e587)] = v0_12;
+                    o_acc_2[(((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag556 = 0u; frag556 < 2u; frag556 += 1u) {
+        for (unsigned frag588 = 0u; frag588 < 2u; frag588 += 1u) {
             #pragma unroll
-            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
+            for (unsigned half589 = 0u; half589 < 2u; half589 += 1u) {
                 #pragma unroll
-                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
-                    float v0_13 = o_acc_3[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
-                    float v1_13 = o_acc_3[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
+                for (unsigned e590 = 0u; e590 < 2u; e590 += 1u) {
+                    const unsigned row_25 = (o_acc_3_row0 + ((frag588 / 1u) * 16u)) + ((half589 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag588 % 1u) * 16u)) + ((lane_quad * 4u) + (e590 * 2u));
+                    float v0_13 = o_acc_3[((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) * 4u) + ((half589 * 2u) + e590)];
+                    float v1_13 = o_acc_3[(((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)];
                     const unsigned h_8 = h0 + row_25;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_25];
@@ -2078,8 +2186,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_13;
-                    o_acc_3[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_13;
+                    o_acc_3[((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) * 4u) + ((half589 * 2u) + e590)] = v0_13;
+                    o_acc_3[(((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)] = v1_13;
                 }
             }
         }

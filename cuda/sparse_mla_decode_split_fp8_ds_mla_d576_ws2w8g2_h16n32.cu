@@ -408,15 +408,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned a_frag449[4];
     unsigned b_frag450[4];
     unsigned b_raw451[2];
-    unsigned a_frag461[4];
-    unsigned b_frag462[4];
-    unsigned b_raw463[2];
-    unsigned a_frag476[4];
-    unsigned b_frag477[4];
-    unsigned b_raw478[2];
-    unsigned a_frag491[4];
-    unsigned b_frag492[4];
-    unsigned b_raw493[2];
+    unsigned a_frag469[4];
+    unsigned b_frag470[4];
+    unsigned b_raw471[2];
+    unsigned a_frag492[4];
+    unsigned b_frag493[4];
+    unsigned b_raw494[2];
+    unsigned a_frag515[4];
+    unsigned b_frag516[4];
+    unsigned b_raw517[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -454,16 +454,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         kv_latent[zero_i + (warp_group * 8448u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i578 = group_tid; zero_i578 < 2304u; zero_i578 += 128u) {
-        kv_rope[zero_i578 + (warp_group * 2304u)] = 0u;
+    for (unsigned zero_i610 = group_tid; zero_i610 < 2304u; zero_i610 += 128u) {
+        kv_rope[zero_i610 + (warp_group * 2304u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i579 = group_tid; zero_i579 < 256u; zero_i579 += 128u) {
-        kv_scales[zero_i579 + (warp_group * 256u)] = 0.0f;
+    for (unsigned zero_i611 = group_tid; zero_i611 < 256u; zero_i611 += 128u) {
+        kv_scales[zero_i611 + (warp_group * 256u)] = 0.0f;
     }
     #pragma unroll 4
-    for (unsigned zero_i580 = group_tid; zero_i580 < 72u; zero_i580 += 128u) {
-        row_valid[zero_i580 + (warp_group * 72u)] = 0.0f;
+    for (unsigned zero_i612 = group_tid; zero_i612 < 72u; zero_i612 += 128u) {
+        row_valid[zero_i612 + (warp_group * 72u)] = 0.0f;
     }
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 4u) * 2u), 64);
@@ -1693,140 +1693,248 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
                 ldmatrix_x4(&a_frag449[mi453 * 4u], p_tile + a_lane_word + (mi453 * 320u) + (kk452 * 8u) + (warp_group * 320u));
             }
-            const float k_scale = kv_scales[((stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)) + (warp_group * 256u)];
-            const float k_scale454 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + (warp_group * 256u)];
-            const float k_scale455 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + (warp_group * 256u)];
-            const float k_scale456 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + (warp_group * 256u)];
-            a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale454);
-            a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale454);
-            a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale455, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale456);
-            a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale455, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale456);
-            #pragma unroll
-            for (unsigned np = 0u; np < 2u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 8448u));
-                const unsigned e4m3_pair457 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair458 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair459 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
-                b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale461 = kv_scales[((stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)) + (warp_group * 256u)];
+                const float k_scale462 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + (warp_group * 256u)];
+                const float k_scale463 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + (warp_group * 256u)];
+                const float k_scale464 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + (warp_group * 256u)];
+                a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale461, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale462);
+                a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale461, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale462);
+                a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale463, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale464);
+                a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale463, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale464);
                 #pragma unroll
-                for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi453 * 4u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                for (unsigned np = 0u; np < 2u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 8448u));
+                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
+                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
+                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
+                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
+                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 4u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                    mma_bf16_16816(&o_acc[((mi453 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word467 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk464 = 0u; kk464 < 2u; kk464 += 1u) {
-            #pragma unroll
-            for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                ldmatrix_x4(&a_frag461[mi465 * 4u], p_tile + a_lane_word467 + (mi465 * 320u) + (kk464 * 8u) + (warp_group * 320u));
-            }
-            const float k_scale468 = kv_scales[(((stage * 128u) + (((kk464 * 16u) + (lane_quad * 2u)) * 4u)) + 1u) + (warp_group * 256u)];
-            const float k_scale469 = kv_scales[(((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u) + (warp_group * 256u)];
-            const float k_scale470 = kv_scales[(((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u) + (warp_group * 256u)];
-            const float k_scale471 = kv_scales[(((stage * 128u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u) + (warp_group * 256u)];
-            a_frag461[0u] = pack_bf16x2(__uint_as_float(a_frag461[0u] << 16u) * k_scale468, __uint_as_float(a_frag461[0u] & 4294901760u) * k_scale469);
-            a_frag461[1u] = pack_bf16x2(__uint_as_float(a_frag461[1u] << 16u) * k_scale468, __uint_as_float(a_frag461[1u] & 4294901760u) * k_scale469);
-            a_frag461[2u] = pack_bf16x2(__uint_as_float(a_frag461[2u] << 16u) * k_scale470, __uint_as_float(a_frag461[2u] & 4294901760u) * k_scale471);
-            a_frag461[3u] = pack_bf16x2(__uint_as_float(a_frag461[3u] << 16u) * k_scale470, __uint_as_float(a_frag461[3u] & 4294901760u) * k_scale471);
-            #pragma unroll
-            for (unsigned np466 = 0u; np466 < 2u; np466 += 1u) {
-                ldmatrix_x2_trans(&b_raw463[0u], kv_latent + (stage * 4224u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u) + (warp_group * 8448u));
-                const unsigned e4m3_pair472 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair474 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
-                b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
-                b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
-                b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                #pragma unroll
-                for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi465 * 4u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                    mma_bf16_16816(&o_acc_1[((mi465 * 4u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
+                for (unsigned np = 0u; np < 2u; np += 1u) {
+                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 8448u));
+                    const float k_scale = kv_scales[((stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)) + (warp_group * 256u)];
+                    const float k_scale458 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + (warp_group * 256u)];
+                    const float k_scale459 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + (warp_group * 256u)];
+                    const float k_scale460 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + (warp_group * 256u)];
+                    const unsigned e4m3_pair454 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair455 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
+                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale, e4m3x2_hi(e4m3_pair454) * k_scale458);
+                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456) * k_scale459, e4m3x2_hi(e4m3_pair456) * k_scale460);
+                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair455) * k_scale, e4m3x2_hi(e4m3_pair455) * k_scale458);
+                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457) * k_scale459, e4m3x2_hi(e4m3_pair457) * k_scale460);
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 4u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi453 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word475 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
+        for (unsigned kk472 = 0u; kk472 < 2u; kk472 += 1u) {
             #pragma unroll
-            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u) + (warp_group * 320u));
+            for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                ldmatrix_x4(&a_frag469[mi473 * 4u], p_tile + a_lane_word475 + (mi473 * 320u) + (kk472 * 8u) + (warp_group * 320u));
             }
-            const float k_scale483 = kv_scales[(((stage * 128u) + (((kk479 * 16u) + (lane_quad * 2u)) * 4u)) + 2u) + (warp_group * 256u)];
-            const float k_scale484 = kv_scales[(((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u) + (warp_group * 256u)];
-            const float k_scale485 = kv_scales[(((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u) + (warp_group * 256u)];
-            const float k_scale486 = kv_scales[(((stage * 128u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u) + (warp_group * 256u)];
-            a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale483, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale484);
-            a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale483, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale484);
-            a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale485, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale486);
-            a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale485, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale486);
-            #pragma unroll
-            for (unsigned np481 = 0u; np481 < 2u; np481 += 1u) {
-                ldmatrix_x2_trans(&b_raw478[0u], kv_latent + (stage * 4224u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u) + (warp_group * 8448u));
-                const unsigned e4m3_pair487 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair489 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair490 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
-                b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
-                b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale484 = kv_scales[(((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u) + (warp_group * 256u)];
+                const float k_scale485 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u) + (warp_group * 256u)];
+                const float k_scale486 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u) + (warp_group * 256u)];
+                const float k_scale487 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u) + (warp_group * 256u)];
+                a_frag469[0u] = pack_bf16x2(__uint_as_float(a_frag469[0u] << 16u) * k_scale484, __uint_as_float(a_frag469[0u] & 4294901760u) * k_scale485);
+                a_frag469[1u] = pack_bf16x2(__uint_as_float(a_frag469[1u] << 16u) * k_scale484, __uint_as_float(a_frag469[1u] & 4294901760u) * k_scale485);
+                a_frag469[2u] = pack_bf16x2(__uint_as_float(a_frag469[2u] << 16u) * k_scale486, __uint_as_float(a_frag469[2u] & 4294901760u) * k_scale487);
+                a_frag469[3u] = pack_bf16x2(__uint_as_float(a_frag469[3u] << 16u) * k_scale486, __uint_as_float(a_frag469[3u] & 4294901760u) * k_scale487);
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi480 * 4u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                for (unsigned np474 = 0u; np474 < 2u; np474 += 1u) {
+                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
+                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
+                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
+                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
+                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_bf16_16816(&o_acc_2[((mi480 * 4u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                for (unsigned np474 = 0u; np474 < 2u; np474 += 1u) {
+                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const float k_scale480 = kv_scales[(((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u) + (warp_group * 256u)];
+                    const float k_scale481 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u) + (warp_group * 256u)];
+                    const float k_scale482 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u) + (warp_group * 256u)];
+                    const float k_scale483 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u) + (warp_group * 256u)];
+                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair478 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair479 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
+                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
+                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale482, e4m3x2_hi(e4m3_pair478) * k_scale483);
+                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
+                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale482, e4m3x2_hi(e4m3_pair479) * k_scale483);
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    }
                 }
             }
         }
-        const unsigned a_lane_word497 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word498 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk494 = 0u; kk494 < 2u; kk494 += 1u) {
+        for (unsigned kk495 = 0u; kk495 < 2u; kk495 += 1u) {
             #pragma unroll
-            for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                ldmatrix_x4(&a_frag491[mi495 * 4u], p_tile + a_lane_word497 + (mi495 * 320u) + (kk494 * 8u) + (warp_group * 320u));
+            for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                ldmatrix_x4(&a_frag492[mi496 * 4u], p_tile + a_lane_word498 + (mi496 * 320u) + (kk495 * 8u) + (warp_group * 320u));
             }
-            const float k_scale498 = kv_scales[(((stage * 128u) + (((kk494 * 16u) + (lane_quad * 2u)) * 4u)) + 3u) + (warp_group * 256u)];
-            const float k_scale499 = kv_scales[(((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u) + (warp_group * 256u)];
-            const float k_scale500 = kv_scales[(((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u) + (warp_group * 256u)];
-            const float k_scale501 = kv_scales[(((stage * 128u) + ((((kk494 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u) + (warp_group * 256u)];
-            a_frag491[0u] = pack_bf16x2(__uint_as_float(a_frag491[0u] << 16u) * k_scale498, __uint_as_float(a_frag491[0u] & 4294901760u) * k_scale499);
-            a_frag491[1u] = pack_bf16x2(__uint_as_float(a_frag491[1u] << 16u) * k_scale498, __uint_as_float(a_frag491[1u] & 4294901760u) * k_scale499);
-            a_frag491[2u] = pack_bf16x2(__uint_as_float(a_frag491[2u] << 16u) * k_scale500, __uint_as_float(a_frag491[2u] & 4294901760u) * k_scale501);
-            a_frag491[3u] = pack_bf16x2(__uint_as_float(a_frag491[3u] << 16u) * k_scale500, __uint_as_float(a_frag491[3u] & 4294901760u) * k_scale501);
-            #pragma unroll
-            for (unsigned np496 = 0u; np496 < 2u; np496 += 1u) {
-                ldmatrix_x2_trans(&b_raw493[0u], kv_latent + (stage * 4224u) + (((kk494 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np496 * 16u)) >> 2u) + (warp_group * 8448u));
-                const unsigned e4m3_pair502 = e4m3x2_prep((b_raw493[0u] & 255u) | ((b_raw493[0u] >> 8u) & 65280u));
-                const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw493[0u] >> 8u) & 255u) | ((b_raw493[0u] >> 16u) & 65280u));
-                const unsigned e4m3_pair504 = e4m3x2_prep((b_raw493[1u] & 255u) | ((b_raw493[1u] >> 8u) & 65280u));
-                const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw493[1u] >> 8u) & 255u) | ((b_raw493[1u] >> 16u) & 65280u));
-                b_frag492[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
-                b_frag492[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                b_frag492[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                b_frag492[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale507 = kv_scales[(((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u) + (warp_group * 256u)];
+                const float k_scale508 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u) + (warp_group * 256u)];
+                const float k_scale509 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u) + (warp_group * 256u)];
+                const float k_scale510 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u) + (warp_group * 256u)];
+                a_frag492[0u] = pack_bf16x2(__uint_as_float(a_frag492[0u] << 16u) * k_scale507, __uint_as_float(a_frag492[0u] & 4294901760u) * k_scale508);
+                a_frag492[1u] = pack_bf16x2(__uint_as_float(a_frag492[1u] << 16u) * k_scale507, __uint_as_float(a_frag492[1u] & 4294901760u) * k_scale508);
+                a_frag492[2u] = pack_bf16x2(__uint_as_float(a_frag492[2u] << 16u) * k_scale509, __uint_as_float(a_frag492[2u] & 4294901760u) * k_scale510);
+                a_frag492[3u] = pack_bf16x2(__uint_as_float(a_frag492[3u] << 16u) * k_scale509, __uint_as_float(a_frag492[3u] & 4294901760u) * k_scale510);
                 #pragma unroll
-                for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi495 * 4u) + (np496 * 2u)) * 4u], &a_frag491[mi495 * 4u], &b_frag492[0u]);
+                for (unsigned np497 = 0u; np497 < 2u; np497 += 1u) {
+                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const unsigned e4m3_pair511 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair512 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
+                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511), e4m3x2_hi(e4m3_pair511));
+                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
+                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    }
                 }
+            } else {
                 #pragma unroll
-                for (unsigned mi495 = 0u; mi495 < 1u; mi495 += 1u) {
-                    mma_bf16_16816(&o_acc_3[((mi495 * 4u) + ((np496 * 2u) + 1u)) * 4u], &a_frag491[mi495 * 4u], &b_frag492[2u]);
+                for (unsigned np497 = 0u; np497 < 2u; np497 += 1u) {
+                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const float k_scale503 = kv_scales[(((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u) + (warp_group * 256u)];
+                    const float k_scale504 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u) + (warp_group * 256u)];
+                    const float k_scale505 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u) + (warp_group * 256u)];
+                    const float k_scale506 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u) + (warp_group * 256u)];
+                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
+                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
+                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
+                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
+                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word521 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk518 = 0u; kk518 < 2u; kk518 += 1u) {
+            #pragma unroll
+            for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                ldmatrix_x4(&a_frag515[mi519 * 4u], p_tile + a_lane_word521 + (mi519 * 320u) + (kk518 * 8u) + (warp_group * 320u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale530 = kv_scales[(((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u) + (warp_group * 256u)];
+                const float k_scale531 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u) + (warp_group * 256u)];
+                const float k_scale532 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u) + (warp_group * 256u)];
+                const float k_scale533 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u) + (warp_group * 256u)];
+                a_frag515[0u] = pack_bf16x2(__uint_as_float(a_frag515[0u] << 16u) * k_scale530, __uint_as_float(a_frag515[0u] & 4294901760u) * k_scale531);
+                a_frag515[1u] = pack_bf16x2(__uint_as_float(a_frag515[1u] << 16u) * k_scale530, __uint_as_float(a_frag515[1u] & 4294901760u) * k_scale531);
+                a_frag515[2u] = pack_bf16x2(__uint_as_float(a_frag515[2u] << 16u) * k_scale532, __uint_as_float(a_frag515[2u] & 4294901760u) * k_scale533);
+                a_frag515[3u] = pack_bf16x2(__uint_as_float(a_frag515[3u] << 16u) * k_scale532, __uint_as_float(a_frag515[3u] & 4294901760u) * k_scale533);
+                #pragma unroll
+                for (unsigned np520 = 0u; np520 < 2u; np520 += 1u) {
+                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const unsigned e4m3_pair534 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair535 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair536 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair537 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
+                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534), e4m3x2_hi(e4m3_pair534));
+                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair536), e4m3x2_hi(e4m3_pair536));
+                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair535), e4m3x2_hi(e4m3_pair535));
+                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair537), e4m3x2_hi(e4m3_pair537));
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np520 = 0u; np520 < 2u; np520 += 1u) {
+                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u) + (warp_group * 8448u));
+                    const float k_scale526 = kv_scales[(((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u) + (warp_group * 256u)];
+                    const float k_scale527 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u) + (warp_group * 256u)];
+                    const float k_scale528 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u) + (warp_group * 256u)];
+                    const float k_scale529 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u) + (warp_group * 256u)];
+                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
+                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522) * k_scale526, e4m3x2_hi(e4m3_pair522) * k_scale527);
+                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
+                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale526, e4m3x2_hi(e4m3_pair523) * k_scale527);
+                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    }
                 }
             }
         }
@@ -1840,16 +1948,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi507 = 0u; mi507 < 1u; mi507 += 1u) {
+        for (unsigned mi539 = 0u; mi539 < 1u; mi539 += 1u) {
             #pragma unroll
-            for (unsigned half508 = 0u; half508 < 2u; half508 += 1u) {
-                float row_sum506 = row_sum_part[(mi507 * 2u) + half508];
-                const float other509 = shfl_xor_f32(row_sum506, 1);
-                row_sum506 = row_sum506 + other509;
-                const float other510 = shfl_xor_f32(row_sum506, 2);
-                row_sum506 = row_sum506 + other510;
+            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
+                float row_sum538 = row_sum_part[(mi539 * 2u) + half540];
+                const float other541 = shfl_xor_f32(row_sum538, 1);
+                row_sum538 = row_sum538 + other541;
+                const float other542 = shfl_xor_f32(row_sum538, 2);
+                row_sum538 = row_sum538 + other542;
                 if (lane_quad == 0u) {
-                    row_exchange[((((scores_row0 + (mi507 * 16u)) + ((half508 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum506;
+                    row_exchange[((((scores_row0 + (mi539 * 16u)) + ((half540 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum538;
                 }
             }
         }
@@ -1857,14 +1965,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi512 = 0u; mi512 < 1u; mi512 += 1u) {
+        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
             #pragma unroll
-            for (unsigned half513 = 0u; half513 < 2u; half513 += 1u) {
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum511 = row_exchange[(((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
-                    row_sum511 = row_sum511 + row_exchange[((((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
-                    row_sum[((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum511;
-                    row_max[((scores_row0 + (mi512 * 16u)) + ((half513 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi512 * 2u) + half513];
+                    float row_sum543 = row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
+                    row_sum543 = row_sum543 + row_exchange[((((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
+                    row_sum[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum543;
+                    row_max[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi544 * 2u) + half545];
                 }
             }
         }
@@ -1874,54 +1982,54 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
         #pragma unroll
-        for (unsigned frag516 = 0u; frag516 < 2u; frag516 += 1u) {
+        for (unsigned frag548 = 0u; frag548 < 2u; frag548 += 1u) {
             #pragma unroll
-            for (unsigned half517 = 0u; half517 < 2u; half517 += 1u) {
+            for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
                 #pragma unroll
-                for (unsigned e518 = 0u; e518 < 2u; e518 += 1u) {
-                    const unsigned row514 = (o_acc_row0 + ((frag516 / 2u) * 16u)) + ((half517 * 8u) + lane_group);
-                    const unsigned col515 = (o_acc_col0 + ((frag516 % 2u) * 16u)) + ((lane_quad * 4u) + (e518 * 2u));
-                    kv_latent[(row514 * 128u) + col515] = __float_as_uint(o_acc[((((frag516 / 2u) * 4u) + ((frag516 % 2u) * 2u)) * 4u) + ((half517 * 2u) + e518)]);
-                    kv_latent[(row514 * 128u) + (col515 + 1u)] = __float_as_uint(o_acc[(((((frag516 / 2u) * 4u) + ((frag516 % 2u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)]);
+                for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
+                    const unsigned row546 = (o_acc_row0 + ((frag548 / 2u) * 16u)) + ((half549 * 8u) + lane_group);
+                    const unsigned col547 = (o_acc_col0 + ((frag548 % 2u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
+                    kv_latent[(row546 * 128u) + col547] = __float_as_uint(o_acc[((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) * 4u) + ((half549 * 2u) + e550)]);
+                    kv_latent[(row546 * 128u) + (col547 + 1u)] = __float_as_uint(o_acc[(((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag521 = 0u; frag521 < 2u; frag521 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 2u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half522 = 0u; half522 < 2u; half522 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e523 = 0u; e523 < 2u; e523 += 1u) {
-                    const unsigned row519 = (o_acc_1_row0 + ((frag521 / 2u) * 16u)) + ((half522 * 8u) + lane_group);
-                    const unsigned col520 = (o_acc_1_col0 + ((frag521 % 2u) * 16u)) + ((lane_quad * 4u) + (e523 * 2u));
-                    kv_latent[(2048u + (row519 * 128u)) + col520] = __float_as_uint(o_acc_1[((((frag521 / 2u) * 4u) + ((frag521 % 2u) * 2u)) * 4u) + ((half522 * 2u) + e523)]);
-                    kv_latent[(2048u + (row519 * 128u)) + (col520 + 1u)] = __float_as_uint(o_acc_1[(((((frag521 / 2u) * 4u) + ((frag521 % 2u) * 2u)) + 1u) * 4u) + ((half522 * 2u) + e523)]);
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row551 = (o_acc_1_row0 + ((frag553 / 2u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col552 = (o_acc_1_col0 + ((frag553 % 2u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    kv_latent[(2048u + (row551 * 128u)) + col552] = __float_as_uint(o_acc_1[((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) * 4u) + ((half554 * 2u) + e555)]);
+                    kv_latent[(2048u + (row551 * 128u)) + (col552 + 1u)] = __float_as_uint(o_acc_1[(((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag526 = 0u; frag526 < 2u; frag526 += 1u) {
+        for (unsigned frag558 = 0u; frag558 < 2u; frag558 += 1u) {
             #pragma unroll
-            for (unsigned half527 = 0u; half527 < 2u; half527 += 1u) {
+            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
                 #pragma unroll
-                for (unsigned e528 = 0u; e528 < 2u; e528 += 1u) {
-                    const unsigned row524 = (o_acc_2_row0 + ((frag526 / 2u) * 16u)) + ((half527 * 8u) + lane_group);
-                    const unsigned col525 = (o_acc_2_col0 + ((frag526 % 2u) * 16u)) + ((lane_quad * 4u) + (e528 * 2u));
-                    kv_latent[(4096u + (row524 * 128u)) + col525] = __float_as_uint(o_acc_2[((((frag526 / 2u) * 4u) + ((frag526 % 2u) * 2u)) * 4u) + ((half527 * 2u) + e528)]);
-                    kv_latent[(4096u + (row524 * 128u)) + (col525 + 1u)] = __float_as_uint(o_acc_2[(((((frag526 / 2u) * 4u) + ((frag526 % 2u) * 2u)) + 1u) * 4u) + ((half527 * 2u) + e528)]);
+                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
+                    const unsigned row556 = (o_acc_2_row0 + ((frag558 / 2u) * 16u)) + ((half559 * 8u) + lane_group);
+                    const unsigned col557 = (o_acc_2_col0 + ((frag558 % 2u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
+                    kv_latent[(4096u + (row556 * 128u)) + col557] = __float_as_uint(o_acc_2[((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) * 4u) + ((half559 * 2u) + e560)]);
+                    kv_latent[(4096u + (row556 * 128u)) + (col557 + 1u)] = __float_as_uint(o_acc_2[(((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag531 = 0u; frag531 < 2u; frag531 += 1u) {
+        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
             #pragma unroll
-            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
+            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
                 #pragma unroll
-                for (unsigned e533 = 0u; e533 < 2u; e533 += 1u) {
-                    const unsigned row529 = (o_acc_3_row0 + ((frag531 / 2u) * 16u)) + ((half532 * 8u) + lane_group);
-                    const unsigned col530 = (o_acc_3_col0 + ((frag531 % 2u) * 16u)) + ((lane_quad * 4u) + (e533 * 2u));
-                    kv_latent[(6144u + (row529 * 128u)) + col530] = __float_as_uint(o_acc_3[((((frag531 / 2u) * 4u) + ((frag531 % 2u) * 2u)) * 4u) + ((half532 * 2u) + e533)]);
-                    kv_latent[(6144u + (row529 * 128u)) + (col530 + 1u)] = __float_as_uint(o_acc_3[(((((frag531 / 2u) * 4u) + ((frag531 % 2u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)]);
+                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
+                    const unsigned row561 = (o_acc_3_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
+                    const unsigned col562 = (o_acc_3_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
+                    kv_latent[(6144u + (row561 * 128u)) + col562] = __float_as_uint(o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)]);
+                    kv_latent[(6144u + (row561 * 128u)) + (col562 + 1u)] = __float_as_uint(o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)]);
                 }
             }
         }
@@ -1947,62 +2055,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: group 0 adds the other groups' accumulators, scaled
     if (warp_group == 0u) {
         #pragma unroll
-        for (unsigned frag536 = 0u; frag536 < 2u; frag536 += 1u) {
+        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
             #pragma unroll
-            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
+            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
                 #pragma unroll
-                for (unsigned e538 = 0u; e538 < 2u; e538 += 1u) {
-                    const unsigned row534 = (o_acc_row0 + ((frag536 / 2u) * 16u)) + ((half537 * 8u) + lane_group);
-                    const unsigned col535 = (o_acc_col0 + ((frag536 % 2u) * 16u)) + ((lane_quad * 4u) + (e538 * 2u));
-                    const unsigned sub9 = ((((frag536 / 2u) * 4u) + ((frag536 % 2u) * 2u)) * 4u) + ((half537 * 2u) + e538);
-                    o_acc[sub9] = (o_acc[sub9] * group_factor[row534]) + (group_factor[16u + row534] * __uint_as_float(kv_latent[(row534 * 128u) + col535]));
-                    const unsigned sub10 = (((((frag536 / 2u) * 4u) + ((frag536 % 2u) * 2u)) + 1u) * 4u) + ((half537 * 2u) + e538);
-                    o_acc[sub10] = (o_acc[sub10] * group_factor[row534]) + (group_factor[16u + row534] * __uint_as_float(kv_latent[(row534 * 128u) + (col535 + 1u)]));
+                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
+                    const unsigned row566 = (o_acc_row0 + ((frag568 / 2u) * 16u)) + ((half569 * 8u) + lane_group);
+                    const unsigned col567 = (o_acc_col0 + ((frag568 % 2u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
+                    const unsigned sub9 = ((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570);
+                    o_acc[sub9] = (o_acc[sub9] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_latent[(row566 * 128u) + col567]));
+                    const unsigned sub10 = (((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570);
+                    o_acc[sub10] = (o_acc[sub10] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_latent[(row566 * 128u) + (col567 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag541 = 0u; frag541 < 2u; frag541 += 1u) {
+        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
             #pragma unroll
-            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
+            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
                 #pragma unroll
-                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
-                    const unsigned row539 = (o_acc_1_row0 + ((frag541 / 2u) * 16u)) + ((half542 * 8u) + lane_group);
-                    const unsigned col540 = (o_acc_1_col0 + ((frag541 % 2u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
-                    const unsigned sub11 = ((((frag541 / 2u) * 4u) + ((frag541 % 2u) * 2u)) * 4u) + ((half542 * 2u) + e543);
-                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row539]) + (group_factor[16u + row539] * __uint_as_float(kv_latent[(2048u + (row539 * 128u)) + col540]));
-                    const unsigned sub12 = (((((frag541 / 2u) * 4u) + ((frag541 % 2u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543);
-                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row539]) + (group_factor[16u + row539] * __uint_as_float(kv_latent[(2048u + (row539 * 128u)) + (col540 + 1u)]));
+                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
+                    const unsigned row571 = (o_acc_1_row0 + ((frag573 / 2u) * 16u)) + ((half574 * 8u) + lane_group);
+                    const unsigned col572 = (o_acc_1_col0 + ((frag573 % 2u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
+                    const unsigned sub11 = ((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575);
+                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row571]) + (group_factor[16u + row571] * __uint_as_float(kv_latent[(2048u + (row571 * 128u)) + col572]));
+                    const unsigned sub12 = (((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575);
+                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row571]) + (group_factor[16u + row571] * __uint_as_float(kv_latent[(2048u + (row571 * 128u)) + (col572 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag546 = 0u; frag546 < 2u; frag546 += 1u) {
+        for (unsigned frag578 = 0u; frag578 < 2u; frag578 += 1u) {
             #pragma unroll
-            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
+            for (unsigned half579 = 0u; half579 < 2u; half579 += 1u) {
                 #pragma unroll
-                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
-                    const unsigned row544 = (o_acc_2_row0 + ((frag546 / 2u) * 16u)) + ((half547 * 8u) + lane_group);
-                    const unsigned col545 = (o_acc_2_col0 + ((frag546 % 2u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
-                    const unsigned sub13 = ((((frag546 / 2u) * 4u) + ((frag546 % 2u) * 2u)) * 4u) + ((half547 * 2u) + e548);
-                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row544]) + (group_factor[16u + row544] * __uint_as_float(kv_latent[(4096u + (row544 * 128u)) + col545]));
-                    const unsigned sub14 = (((((frag546 / 2u) * 4u) + ((frag546 % 2u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548);
-                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row544]) + (group_factor[16u + row544] * __uint_as_float(kv_latent[(4096u + (row544 * 128u)) + (col545 + 1u)]));
+                for (unsigned e580 = 0u; e580 < 2u; e580 += 1u) {
+                    const unsigned row576 = (o_acc_2_row0 + ((frag578 / 2u) * 16u)) + ((half579 * 8u) + lane_group);
+                    const unsigned col577 = (o_acc_2_col0 + ((frag578 % 2u) * 16u)) + ((lane_quad * 4u) + (e580 * 2u));
+                    const unsigned sub13 = ((((frag578 / 2u) * 4u) + ((frag578 % 2u) * 2u)) * 4u) + ((half579 * 2u) + e580);
+                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row576]) + (group_factor[16u + row576] * __uint_as_float(kv_latent[(4096u + (row576 * 128u)) + col577]));
+                    const unsigned sub14 = (((((frag578 / 2u) * 4u) + ((frag578 % 2u) * 2u)) + 1u) * 4u) + ((half579 * 2u) + e580);
+                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row576]) + (group_factor[16u + row576] * __uint_as_float(kv_latent[(4096u + (row576 * 128u)) + (col577 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag551 = 0u; frag551 < 2u; frag551 += 1u) {
+        for (unsigned frag583 = 0u; frag583 < 2u; frag583 += 1u) {
             #pragma unroll
-            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
+            for (unsigned half584 = 0u; half584 < 2u; half584 += 1u) {
                 #pragma unroll
-                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
-                    const unsigned row549 = (o_acc_3_row0 + ((frag551 / 2u) * 16u)) + ((half552 * 8u) + lane_group);
-                    const unsigned col550 = (o_acc_3_col0 + ((frag551 % 2u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
-                    const unsigned sub15 = ((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) * 4u) + ((half552 * 2u) + e553);
-                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row549]) + (group_factor[16u + row549] * __uint_as_float(kv_latent[(6144u + (row549 * 128u)) + col550]));
-                    const unsigned sub16 = (((((frag551 / 2u) * 4u) + ((frag551 % 2u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553);
-                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row549]) + (group_factor[16u + row549] * __uint_as_float(kv_latent[(6144u + (row549 * 128u)) + (col550 + 1u)]));
+                for (unsigned e585 = 0u; e585 < 2u; e585 += 1u) {
+                    const unsigned row581 = (o_acc_3_row0 + ((frag583 / 2u) * 16u)) + ((half584 * 8u) + lane_group);
+                    const unsigned col582 = (o_acc_3_col0 + ((frag583 % 2u) * 16u)) + ((lane_quad * 4u) + (e585 * 2u));
+                    const unsigned sub15 = ((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585);
+                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row581]) + (group_factor[16u + row581] * __uint_as_float(kv_latent[(6144u + (row581 * 128u)) + col582]));
+                    const unsigned sub16 = (((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585);
+                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row581]) + (group_factor[16u + row581] * __uint_as_float(kv_latent[(6144u + (row581 * 128u)) + (col582 + 1u)]));
                 }
             }
         }
@@ -2015,86 +2123,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // one split: normalise and write out and lse
             #pragma unroll
-            for (unsigned frag554 = 0u; frag554 < 2u; frag554 += 1u) {
+            for (unsigned frag586 = 0u; frag586 < 2u; frag586 += 1u) {
                 #pragma unroll
-                for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
+                for (unsigned half587 = 0u; half587 < 2u; half587 += 1u) {
                     #pragma unroll
-                    for (unsigned e556 = 0u; e556 < 2u; e556 += 1u) {
-                        const unsigned row_18 = (o_acc_row0 + ((frag554 / 2u) * 16u)) + ((half555 * 8u) + lane_group);
-                        const unsigned col_6 = (o_acc_col0 + ((frag554 % 2u) * 16u)) + ((lane_quad * 4u) + (e556 * 2u));
-                        float v0_6 = o_acc[((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) * 4u) + ((half555 * 2u) + e556)];
-                        float v1_6 = o_acc[(((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)];
+                    for (unsigned e588 = 0u; e588 < 2u; e588 += 1u) {
+                        const unsigned row_18 = (o_acc_row0 + ((frag586 / 2u) * 16u)) + ((half587 * 8u) + lane_group);
+                        const unsigned col_6 = (o_acc_col0 + ((frag586 % 2u) * 16u)) + ((lane_quad * 4u) + (e588 * 2u));
+                        float v0_6 = o_acc[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)];
+                        float v1_6 = o_acc[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)];
                         const unsigned h = h0 + row_18;
                         if (h < p.heads) {
                             const float l = row_sum[row_18 + (warp_group * 16u)];
                             const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                         }
-                        o_acc[((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) * 4u) + ((half555 * 2u) + e556)] = v0_6;
-                        o_acc[(((((frag554 / 2u) * 4u) + ((frag554 % 2u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)] = v1_6;
+                        o_acc[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)] = v0_6;
+                        o_acc[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)] = v1_6;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
+            for (unsigned frag589 = 0u; frag589 < 2u; frag589 += 1u) {
                 #pragma unroll
-                for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
+                for (unsigned half590 = 0u; half590 < 2u; half590 += 1u) {
                     #pragma unroll
-                    for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
-                        const unsigned row_19 = (o_acc_1_row0 + ((frag557 / 2u) * 16u)) + ((half558 * 8u) + lane_group);
-                        const unsigned col_7 = (o_acc_1_col0 + ((frag557 % 2u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
-                        float v0_7 = o_acc_1[((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559)];
-                        float v1_7 = o_acc_1[(((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)];
+                    for (unsigned e591 = 0u; e591 < 2u; e591 += 1u) {
+                        const unsigned row_19 = (o_acc_1_row0 + ((frag589 / 2u) * 16u)) + ((half590 * 8u) + lane_group);
+                        const unsigned col_7 = (o_acc_1_col0 + ((frag589 % 2u) * 16u)) + ((lane_quad * 4u) + (e591 * 2u));
+                        float v0_7 = o_acc_1[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)];
+                        float v1_7 = o_acc_1[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)];
                         const unsigned h_1 = h0 + row_19;
                         if (h_1 < p.heads) {
                             const float l_1 = row_sum[row_19 + (warp_group * 16u)];
                             const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                         }
-                        o_acc_1[((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559)] = v0_7;
-                        o_acc_1[(((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)] = v1_7;
+                        o_acc_1[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)] = v0_7;
+                        o_acc_1[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)] = v1_7;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag560 = 0u; frag560 < 2u; frag560 += 1u) {
+            for (unsigned frag592 = 0u; frag592 < 2u; frag592 += 1u) {
                 #pragma unroll
-                for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
+                for (unsigned half593 = 0u; half593 < 2u; half593 += 1u) {
                     #pragma unroll
-                    for (unsigned e562 = 0u; e562 < 2u; e562 += 1u) {
-                        const unsigned row_20 = (o_acc_2_row0 + ((frag560 / 2u) * 16u)) + ((half561 * 8u) + lane_group);
-                        const unsigned col_8 = (o_acc_2_col0 + ((frag560 % 2u) * 16u)) + ((lane_quad * 4u) + (e562 * 2u));
-                        float v0_8 = o_acc_2[((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) * 4u) + ((half561 * 2u) + e562)];
-                        float v1_8 = o_acc_2[(((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)];
+                    for (unsigned e594 = 0u; e594 < 2u; e594 += 1u) {
+                        const unsigned row_20 = (o_acc_2_row0 + ((frag592 / 2u) * 16u)) + ((half593 * 8u) + lane_group);
+                        const unsigned col_8 = (o_acc_2_col0 + ((frag592 % 2u) * 16u)) + ((lane_quad * 4u) + (e594 * 2u));
+                        float v0_8 = o_acc_2[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)];
+                        float v1_8 = o_acc_2[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)];
                         const unsigned h_2 = h0 + row_20;
                         if (h_2 < p.heads) {
                             const float l_2 = row_sum[row_20 + (warp_group * 16u)];
                             const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                         }
-                        o_acc_2[((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) * 4u) + ((half561 * 2u) + e562)] = v0_8;
-                        o_acc_2[(((((frag560 / 2u) * 4u) + ((frag560 % 2u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)] = v1_8;
+                        o_acc_2[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)] = v0_8;
+                        o_acc_2[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)] = v1_8;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
+            for (unsigned frag595 = 0u; frag595 < 2u; frag595 += 1u) {
                 #pragma unroll
-                for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
+                for (unsigned half596 = 0u; half596 < 2u; half596 += 1u) {
                     #pragma unroll
-                    for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
-                        const unsigned row_21 = (o_acc_3_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
-                        const unsigned col_9 = (o_acc_3_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
-                        float v0_9 = o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)];
-                        float v1_9 = o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)];
+                    for (unsigned e597 = 0u; e597 < 2u; e597 += 1u) {
+                        const unsigned row_21 = (o_acc_3_row0 + ((frag595 / 2u) * 16u)) + ((half596 * 8u) + lane_group);
+                        const unsigned col_9 = (o_acc_3_col0 + ((frag595 % 2u) * 16u)) + ((lane_quad * 4u) + (e597 * 2u));
+                        float v0_9 = o_acc_3[((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) * 4u) + ((half596 * 2u) + e597)];
+                        float v1_9 = o_acc_3[(((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) + 1u) * 4u) + ((half596 * 2u) + e597)];
                         const unsigned h_3 = h0 + row_21;
                         if (h_3 < p.heads) {
                             const float l_3 = row_sum[row_21 + (warp_group * 16u)];
                             const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                         }
-                        o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)] = v0_9;
-                        o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)] = v1_9;
+                        o_acc_3[((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) * 4u) + ((half596 * 2u) + e597)] = v0_9;
+                        o_acc_3[(((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) + 1u) * 4u) + ((half596 * 2u) + e597)] = v1_9;
                     }
                 }
             }
@@ -2110,15 +2218,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // normalise and write this split's partial rows and lse
             #pragma unroll
-            for (unsigned frag566 = 0u; frag566 < 2u; frag566 += 1u) {
+            for (unsigned frag598 = 0u; frag598 < 2u; frag598 += 1u) {
                 #pragma unroll
-                for (unsigned half567 = 0u; half567 < 2u; half567 += 1u) {
+                for (unsigned half599 = 0u; half599 < 2u; half599 += 1u) {
                     #pragma unroll
-                    for (unsigned e568 = 0u; e568 < 2u; e568 += 1u) {
-                        const unsigned row_22 = (o_acc_row0 + ((frag566 / 2u) * 16u)) + ((half567 * 8u) + lane_group);
-                        const unsigned col_10 = (o_acc_col0 + ((frag566 % 2u) * 16u)) + ((lane_quad * 4u) + (e568 * 2u));
-                        float v0_10 = o_acc[((((frag566 / 2u) * 4u) + ((frag566 % 2u) * 2u)) * 4u) + ((half567 * 2u) + e568)];
-                        float v1_10 = o_acc[(((((frag566 / 2u) * 4u) + ((frag566 % 2u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)];
+                    for (unsigned e600 = 0u; e600 < 2u; e600 += 1u) {
+                        const unsigned row_22 = (o_acc_row0 + ((frag598 / 2u) * 16u)) + ((half599 * 8u) + lane_group);
+                        const unsigned col_10 = (o_acc_col0 + ((frag598 % 2u) * 16u)) + ((lane_quad * 4u) + (e600 * 2u));
+                        float v0_10 = o_acc[((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) * 4u) + ((half599 * 2u) + e600)];
+                        float v1_10 = o_acc[(((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) + 1u) * 4u) + ((half599 * 2u) + e600)];
                         const unsigned h_5 = h0 + row_22;
                         if (h_5 < p.heads) {
                             const float l_5 = row_sum[row_22 + (warp_group * 16u)];
@@ -2127,21 +2235,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at] = v0_10 * inv_l_4;
                             o_part[at + 1u] = v1_10 * inv_l_4;
                         }
-                        o_acc[((((frag566 / 2u) * 4u) + ((frag566 % 2u) * 2u)) * 4u) + ((half567 * 2u) + e568)] = v0_10;
-                        o_acc[(((((frag566 / 2u) * 4u) + ((frag566 % 2u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)] = v1_10;
+                        o_acc[((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) * 4u) + ((half599 * 2u) + e600)] = v0_10;
+                        o_acc[(((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) + 1u) * 4u) + ((half599 * 2u) + e600)] = v1_10;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag569 = 0u; frag569 < 2u; frag569 += 1u) {
+            for (unsigned frag601 = 0u; frag601 < 2u; frag601 += 1u) {
                 #pragma unroll
-                for (unsigned half570 = 0u; half570 < 2u; half570 += 1u) {
+                for (unsigned half602 = 0u; half602 < 2u; half602 += 1u) {
                     #pragma unroll
-                    for (unsigned e571 = 0u; e571 < 2u; e571 += 1u) {
-                        const unsigned row_23 = (o_acc_1_row0 + ((frag569 / 2u) * 16u)) + ((half570 * 8u) + lane_group);
-                        const unsigned col_11 = (o_acc_1_col0 + ((frag569 % 2u) * 16u)) + ((lane_quad * 4u) + (e571 * 2u));
-                        float v0_11 = o_acc_1[((((frag569 / 2u) * 4u) + ((frag569 % 2u) * 2u)) * 4u) + ((half570 * 2u) + e571)];
-                        float v1_11 = o_acc_1[(((((frag569 / 2u) * 4u) + ((frag569 % 2u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)];
+                    for (unsigned e603 = 0u; e603 < 2u; e603 += 1u) {
+                        const unsigned row_23 = (o_acc_1_row0 + ((frag601 / 2u) * 16u)) + ((half602 * 8u) + lane_group);
+                        const unsigned col_11 = (o_acc_1_col0 + ((frag601 % 2u) * 16u)) + ((lane_quad * 4u) + (e603 * 2u));
+                        float v0_11 = o_acc_1[((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) * 4u) + ((half602 * 2u) + e603)];
+                        float v1_11 = o_acc_1[(((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) + 1u) * 4u) + ((half602 * 2u) + e603)];
                         const unsigned h_6 = h0 + row_23;
                         if (h_6 < p.heads) {
                             const float l_6 = row_sum[row_23 + (warp_group * 16u)];
@@ -2150,21 +2258,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_1] = v0_11 * inv_l_5;
                             o_part[at_1 + 1u] = v1_11 * inv_l_5;
                         }
-                        o_acc_1[((((frag569 / 2u) * 4u) + ((frag569 % 2u) * 2u)) * 4u) + ((half570 * 2u) + e571)] = v0_11;
-                        o_acc_1[(((((frag569 / 2u) * 4u) + ((frag569 % 2u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)] = v1_11;
+                        o_acc_1[((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) * 4u) + ((half602 * 2u) + e603)] = v0_11;
+                        o_acc_1[(((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) + 1u) * 4u) + ((half602 * 2u) + e603)] = v1_11;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag572 = 0u; frag572 < 2u; frag572 += 1u) {
+            for (unsigned frag604 = 0u; frag604 < 2u; frag604 += 1u) {
                 #pragma unroll
-                for (unsigned half573 = 0u; half573 < 2u; half573 += 1u) {
+                for (unsigned half605 = 0u; half605 < 2u; half605 += 1u) {
                     #pragma unroll
-                    for (unsigned e574 = 0u; e574 < 2u; e574 += 1u) {
-                        const unsigned row_24 = (o_acc_2_row0 + ((frag572 / 2u) * 16u)) + ((half573 * 8u) + lane_group);
-                        const unsigned col_12 = (o_acc_2_col0 + ((frag572 % 2u) * 16u)) + ((lane_quad * 4u) + (e574 * 2u));
-                        float v0_12 = o_acc_2[((((frag572 / 2u) * 4u) + ((frag572 % 2u) * 2u)) * 4u) + ((half573 * 2u) + e574)];
-                        float v1_12 = o_acc_2[(((((frag572 / 2u) * 4u) + ((frag572 % 2u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)];
+                    for (unsigned e606 = 0u; e606 < 2u; e606 += 1u) {
+                        const unsigned row_24 = (o_acc_2_row0 + ((frag604 / 2u) * 16u)) + ((half605 * 8u) + lane_group);
+                        const unsigned col_12 = (o_acc_2_col0 + ((frag604 % 2u) * 16u)) + ((lane_quad * 4u) + (e606 * 2u));
+                        float v0_12 = o_acc_2[((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) * 4u) + ((half605 * 2u) + e606)];
+                        float v1_12 = o_acc_2[(((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) + 1u) * 4u) + ((half605 * 2u) + e606)];
                         const unsigned h_7 = h0 + row_24;
                         if (h_7 < p.heads) {
                             const float l_7 = row_sum[row_24 + (warp_group * 16u)];
@@ -2173,21 +2281,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_2] = v0_12 * inv_l_6;
                             o_part[at_2 + 1u] = v1_12 * inv_l_6;
                         }
-                        o_acc_2[((((frag572 / 2u) * 4u) + ((frag572 % 2u) * 2u)) * 4u) + ((half573 * 2u) + e574)] = v0_12;
-                        o_acc_2[(((((frag572 / 2u) * 4u) + ((frag572 % 2u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)] = v1_12;
+                        o_acc_2[((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) * 4u) + ((half605 * 2u) + e606)] = v0_12;
+                        o_acc_2[(((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) + 1u) * 4u) + ((half605 * 2u) + e606)] = v1_12;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag575 = 0u; frag575 < 2u; frag575 += 1u) {
+            for (unsigned frag607 = 0u; frag607 < 2u; frag607 += 1u) {
                 #pragma unroll
-                for (unsigned half576 = 0u; half576 < 2u; half576 += 1u) {
+                for (unsigned half608 = 0u; half608 < 2u; half608 += 1u) {
                     #pragma unroll
-                    for (unsigned e577 = 0u; e577 < 2u; e577 += 1u) {
-                        const unsigned row_25 = (o_acc_3_row0 + ((frag575 / 2u) * 16u)) + ((half576 * 8u) + lane_group);
-                        const unsigned col_13 = (o_acc_3_col0 + ((frag575 % 2u) * 16u)) + ((lane_quad * 4u) + (e577 * 2u));
-                        float v0_13 = o_acc_3[((((frag575 / 2u) * 4u) + ((frag575 % 2u) * 2u)) * 4u) + ((half576 * 2u) + e577)];
-                        float v1_13 = o_acc_3[(((((frag575 / 2u) * 4u) + ((frag575 % 2u) * 2u)) + 1u) * 4u) + ((half576 * 2u) + e577)];
+                    for (unsigned e609 = 0u; e609 < 2u; e609 += 1u) {
+                        const unsigned row_25 = (o_acc_3_row0 + ((frag607 / 2u) * 16u)) + ((half608 * 8u) + lane_group);
+                        const unsigned col_13 = (o_acc_3_col0 + ((frag607 % 2u) * 16u)) + ((lane_quad * 4u) + (e609 * 2u));
+                        float v0_13 = o_acc_3[((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) * 4u) + ((half608 * 2u) + e609)];
+                        float v1_13 = o_acc_3[(((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) + 1u) * 4u) + ((half608 * 2u) + e609)];
                         const unsigned h_8 = h0 + row_25;
                         if (h_8 < p.heads) {
                             const float l_8 = row_sum[row_25 + (warp_group * 16u)];
@@ -2196,8 +2304,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_3] = v0_13 * inv_l_7;
                             o_part[at_3 + 1u] = v1_13 * inv_l_7;
                         }
-                        o_acc_3[((((frag575 / 2u) * 4u) + ((frag575 % 2u) * 2u)) * 4u) + ((half576 * 2u) + e577)] = v0_13;
-                        o_acc_3[(((((frag575 / 2u) * 4u) + ((frag575 % 2u) * 2u)) + 1u) * 4u) + ((half576 * 2u) + e577)] = v1_13;
+                        o_acc_3[((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) * 4u) + ((half608 * 2u) + e609)] = v0_13;
+                        o_acc_3[(((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) + 1u) * 4u) + ((half608 * 2u) + e609)] = v1_13;
                     }
                 }
             }

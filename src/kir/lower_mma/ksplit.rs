@@ -1333,8 +1333,10 @@ impl Cx<'_> {
         Ok(())
     }
 
-    /// B fragments of an e4m3 `[K, N]` operand for n fragment pairs, and the A (P) scale:
-    /// see [`Cx::mma`].
+    /// B fragments of an e4m3 `[K, N]` operand for n fragment pairs, each widened value
+    /// times its k row's scale when `k_scales` (the lane's rows `2q, 2q + 1, 2q + 8, 2q + 9`)
+    /// is given: see [`Cx::mma_e4m3_kn`].
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn e4m3_kn_b(
         &mut self,
         tb: &TileInfo,
@@ -1367,8 +1369,21 @@ impl Cx<'_> {
         // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
         // odd fragment: bytes (1, 3)
         let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
-        // with scales: matrix 0 holds k rows 2q, 2q + 1 of each lane, matrix 1 2q + 8, 2q + 9
-        let pair = |i: usize| k_scales.map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()));
+        // with scales: matrix 0 holds k rows 2q, 2q + 1 of each lane, matrix 1 2q + 8, 2q + 9;
+        // loaded after the fragment's ldmatrix, so they are not held across it
+        let k_scales: Option<[Expr; 4]> = k_scales.map(|k| {
+            let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
+            for (n, e) in names.iter().zip(k.iter()) {
+                out.push(let_(n, e.clone()));
+            }
+            let v = |i: usize| var(&names[i], Ty::F32);
+            [v(0), v(1), v(2), v(3)]
+        });
+        let pair = |i: usize| {
+            k_scales
+                .as_ref()
+                .map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))
+        };
         let (l0, e0, o0) = widen_scaled(
             priv_load_u(raw, u(0)),
             true,
@@ -1393,13 +1408,15 @@ impl Cx<'_> {
         out
     }
 
-    /// The per-k scales of a `[K, N]` product's rows `k0 + 2q + {0, 1, 8, 9}` (q: the
-    /// lane's quad), the k rows of this lane's A and B fragment values, as lets.
-    pub(super) fn k_scale_lets(
+    /// The A fragment registers `af[0..4]` times the per-k scales of a `[K, N]` product's
+    /// rows `k0 + 2q + {0, 1, 8, 9}`.
+    pub(super) fn scale_a_frag(
         &mut self,
+        af: &str,
+        a0: Expr,
         scale: &(String, Expr),
         k0: Expr,
-    ) -> Result<(Vec<Stmt>, [Expr; 4])> {
+    ) -> Result<Vec<Stmt>> {
         let q2 = mul(self.lane.quad.clone(), u(2));
         let mut out = Vec::new();
         let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
@@ -1407,8 +1424,35 @@ impl Cx<'_> {
             let at = add(add(k0.clone(), q2.clone()), u(off));
             out.push(let_(n, self.expr(&scale_at(scale, at))?));
         }
-        let v = |k: usize| var(&names[k], Ty::F32);
-        Ok((out, [v(0), v(1), v(2), v(3)]))
+        let sv = |k: usize| var(&names[k], Ty::F32);
+        for r in 0..4u32 {
+            let (lo, hi) = if r < 2 {
+                (sv(0), sv(1))
+            } else {
+                (sv(2), sv(3))
+            };
+            let idx = add(a0.clone(), u(r));
+            out.push(Stmt::PrivateStore {
+                arr: af.to_string(),
+                index: idx.clone(),
+                value: scale_pair(priv_load_u(af, idx), lo, hi),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The per-k scales of a `[K, N]` product's rows `k0 + 2q + {0, 1, 8, 9}` (q: the
+    /// lane's quad), the k rows of this lane's A and B fragment values, as lets.
+    pub(super) fn k_scale_lets(
+        &mut self,
+        scale: &(String, Expr),
+        k0: Expr,
+    ) -> Result<(Vec<Stmt>, [Expr; 4])> {
+        // expressions, not lets: loaded where each widening uses them, so they are not held
+        // in registers across the fragment loads (the sm_120 32-head kernel is at 255)
+        let q2 = mul(self.lane.quad.clone(), u(2));
+        let at = |off: u32| self.expr(&scale_at(scale, add(add(k0.clone(), q2.clone()), u(off))));
+        Ok((Vec::new(), [at(0)?, at(1)?, at(8)?, at(9)?]))
     }
 }
 
@@ -1475,41 +1519,70 @@ impl Cx<'_> {
             })],
         )];
         let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
-        // The scales go on B (V, widened anyway), not on A (P): a scaled A fragment is a
-        // bf16 unpack, two multiplies and a pack per register per m fragment per tile, B's
-        // two multiplies per widened register. Either way one bf16 rounding of a scaled value.
-        let k_scales = match &scale {
-            Some(sc) => {
-                let (lets, ks) = self.k_scale_lets(sc, k_row.clone())?;
-                k_body.extend(lets);
-                Some(ks)
-            }
-            None => None,
-        };
         let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
-        let mut pair_body =
-            self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, k_scales.as_ref());
-        for (half, b0) in [(0u32, 0u32), (1, 2)] {
-            pair_body.push(for_const(
-                &i,
-                fmw,
-                vec![intr(Intrinsic::MmaBf16 {
-                    c: acc.to_string(),
-                    c0: mul(
-                        add(
-                            mul(iv.clone(), u(fnw)),
-                            add(mul(jpv.clone(), u(2)), u(half)),
+        let mma_pairs = |pair_body: &mut Vec<Stmt>| {
+            for (half, b0) in [(0u32, 0u32), (1, 2)] {
+                pair_body.push(for_const(
+                    &i,
+                    fmw,
+                    vec![intr(Intrinsic::MmaBf16 {
+                        c: acc.to_string(),
+                        c0: mul(
+                            add(
+                                mul(iv.clone(), u(fnw)),
+                                add(mul(jpv.clone(), u(2)), u(half)),
+                            ),
+                            u(4),
                         ),
-                        u(4),
-                    ),
-                    a: af.clone(),
-                    a0: mul(iv.clone(), u(4)),
-                    b: bf.clone(),
-                    b0: u(b0),
-                })],
-            ));
+                        a: af.clone(),
+                        a0: mul(iv.clone(), u(4)),
+                        b: bf.clone(),
+                        b0: u(b0),
+                    })],
+                ));
+            }
+        };
+        match &scale {
+            None => {
+                let mut pair_body = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
+                mma_pairs(&mut pair_body);
+                k_body.push(for_const(&jp, fnw / 2, pair_body));
+            }
+            Some(sc) => {
+                // The scales go on B (V, widened anyway), not on A (P): a scaled A fragment
+                // is a bf16 unpack, two multiplies and a pack per register, per m fragment,
+                // per tile; B's are two multiplies per widened register (1.02-1.06x on the
+                // H200, benches/NOTES.md v15). Either way one bf16 rounding of a scaled
+                // value. Where the GPU has the e4m3 score product (sm_89, sm_120) q is held
+                // as two e4m3 terms and the 32-head kernel is at 255 registers: B's scales
+                // spilled 8 B on sm_120 there, so those keep scaling A.
+                let (lets, ks) = self.k_scale_lets(sc, k_row.clone())?;
+                let mut on_b = lets;
+                let mut pair_b = self.e4m3_kn_b(
+                    &tb,
+                    bb.clone(),
+                    k_row.clone(),
+                    n_byte.clone(),
+                    &raw,
+                    &bf,
+                    Some(&ks),
+                );
+                mma_pairs(&mut pair_b);
+                on_b.push(for_const(&jp, fnw / 2, pair_b));
+                let mut on_a = Vec::new();
+                for m in 0..fmw {
+                    on_a.extend(self.scale_a_frag(&af, u(4 * m), sc, k_row.clone())?);
+                }
+                let mut pair_a = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
+                mma_pairs(&mut pair_a);
+                on_a.push(for_const(&jp, fnw / 2, pair_a));
+                k_body.push(Stmt::If {
+                    cond: Expr::Call(Func::E4m3MmaNative, vec![]),
+                    then: on_a,
+                    els: on_b,
+                });
+            }
         }
-        k_body.push(for_const(&jp, fnw / 2, pair_body));
         body.push(for_const(&kk, a.cols / 16, k_body));
         out.extend(self.for_used_warps(&info, body));
         Ok(())
