@@ -48,10 +48,10 @@
 //   sparse_mla_decode_split_bf16_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 96960 B
 //   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 50752 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 66240 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 0 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 64192 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 101376 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -122,7 +122,7 @@
 // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
 // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
 //   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
-//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 101376 B
+//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
 
 #pragma once
 
@@ -228,7 +228,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 101376u;
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 97280u;
             return 0;
         }
     }
@@ -256,12 +256,12 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
         p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 50752u;
+        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 0u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
         p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 66240u;
+        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 64192u;
         return 0;
     }
     return "heads: no kernel of this export serves this format and head count (exported: bf16 1 <= H <= 16, bf16 H >= 17, fp8_ds_mla 1 <= H <= 16, fp8_ds_mla H >= 17)";
@@ -715,7 +715,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
 //   mbarrier ring per group: 2 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 101376 B
+//   threads per block: 256; dynamic shared memory: 97280 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
@@ -949,7 +949,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 50752 B
+//   threads per block: 256; dynamic shared memory: 0 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
@@ -985,7 +985,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 66240 B
+//   threads per block: 256; dynamic shared memory: 64192 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)

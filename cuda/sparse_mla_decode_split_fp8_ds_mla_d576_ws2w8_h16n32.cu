@@ -12,7 +12,7 @@
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 // mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 50752 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 48704 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -37,8 +37,7 @@
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 50752 bytes
-// (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
 // sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
 // it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
 // Self-contained: compiles with NVRTC and no CUDA headers (sm_80 and later).
@@ -343,17 +342,16 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
 
 extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32(const sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part) {
-    extern __shared__ __align__(16) unsigned char dyn_smem[];
-    float* const row_max = (float*)(dyn_smem + 0); // [16]
-    float* const row_sum = (float*)(dyn_smem + 64); // [16]
-    unsigned* const ring_barriers = (unsigned*)(dyn_smem + 256); // [8]
-    float* const row_valid = (float*)(dyn_smem + 288); // [72]
-    unsigned* const kv_latent = (unsigned*)(dyn_smem + 576); // [8448]
-    float* const kv_scales = (float*)(dyn_smem + 34368); // [256]
-    unsigned* const kv_rope = (unsigned*)(dyn_smem + 35392); // [2304]
-    unsigned* const p_tile = (unsigned*)(dyn_smem + 44608); // [320]
-    float* const row_exchange = (float*)(dyn_smem + 45888); // [64]
-    float* const split_k_partials = (float*)(dyn_smem + 46144); // [1152]
+    __shared__ __align__(16) float row_max[16];
+    __shared__ __align__(16) float row_sum[16];
+    __shared__ __align__(16) unsigned ring_barriers[8];
+    __shared__ __align__(16) float row_valid[72];
+    __shared__ __align__(16) unsigned kv_rows[10496];
+    float* const kv_scales = (float*)((unsigned char*)kv_rows + 512); // [10496]
+    unsigned* const kv_rope = (unsigned*)((unsigned char*)kv_rows + 528); // [10496]
+    __shared__ __align__(16) unsigned p_tile[320];
+    __shared__ __align__(16) float row_exchange[64];
+    __shared__ __align__(16) float split_k_partials[1152];
     float scores[4];
     float o_acc[8];
     float o_acc_1[8];
@@ -375,46 +373,44 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_lo[8];
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
-    int kv_latent_pre[1];
-    int kv_scales_pre[1];
-    int kv_rope_pre[1];
+    int kv_rows_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag323[4];
-    unsigned b_frag324[4];
+    unsigned a_frag307[4];
+    unsigned b_frag308[4];
     unsigned b_raw[2];
-    unsigned a_frag334[4];
-    unsigned b_frag335[2];
-    unsigned a_frag340[4];
-    unsigned b_frag341[4];
-    unsigned b_raw342[2];
-    unsigned a_frag357[4];
-    unsigned b_frag358[2];
-    unsigned a_frag363[4];
-    unsigned b_frag364[4];
-    unsigned b_raw365[2];
-    unsigned a_frag380[4];
-    unsigned b_frag381[2];
-    unsigned a_frag386[4];
-    unsigned b_frag387[4];
-    unsigned b_raw388[2];
-    unsigned a_frag403[4];
-    unsigned b_frag404[4];
-    unsigned a_frag449[4];
-    unsigned b_frag450[4];
-    unsigned b_raw451[2];
-    unsigned a_frag469[4];
-    unsigned b_frag470[4];
-    unsigned b_raw471[2];
-    unsigned a_frag492[4];
-    unsigned b_frag493[4];
-    unsigned b_raw494[2];
-    unsigned a_frag515[4];
-    unsigned b_frag516[4];
-    unsigned b_raw517[2];
+    unsigned a_frag318[4];
+    unsigned b_frag319[2];
+    unsigned a_frag324[4];
+    unsigned b_frag325[4];
+    unsigned b_raw326[2];
+    unsigned a_frag341[4];
+    unsigned b_frag342[2];
+    unsigned a_frag347[4];
+    unsigned b_frag348[4];
+    unsigned b_raw349[2];
+    unsigned a_frag364[4];
+    unsigned b_frag365[2];
+    unsigned a_frag370[4];
+    unsigned b_frag371[4];
+    unsigned b_raw372[2];
+    unsigned a_frag387[4];
+    unsigned b_frag388[4];
+    unsigned a_frag433[4];
+    unsigned b_frag434[4];
+    unsigned b_raw435[2];
+    unsigned a_frag453[4];
+    unsigned b_frag454[4];
+    unsigned b_raw455[2];
+    unsigned a_frag476[4];
+    unsigned b_frag477[4];
+    unsigned b_raw478[2];
+    unsigned a_frag499[4];
+    unsigned b_frag500[4];
+    unsigned b_raw501[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -444,20 +440,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // ring stages zeroed (rows without a source stay finite), mbarriers initialised
     #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 8448u; zero_i += 256u) {
-        kv_latent[zero_i] = 0u;
+    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
+        kv_rows[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i570 = threadIdx.x; zero_i570 < 2304u; zero_i570 += 256u) {
-        kv_rope[zero_i570] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i571 = threadIdx.x; zero_i571 < 256u; zero_i571 += 256u) {
-        kv_scales[zero_i571] = 0.0f;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i572 = threadIdx.x; zero_i572 < 72u; zero_i572 += 256u) {
-        row_valid[zero_i572] = 0.0f;
+    for (unsigned zero_i554 = threadIdx.x; zero_i554 < 72u; zero_i554 += 256u) {
+        row_valid[zero_i554] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -1038,48 +1026,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
-                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
-                if (gather_row293 < 32u) {
-                    const unsigned row_2 = gather_row293;
-                    kv_scales_pre[slot292] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_3 = gather_row295;
-                    kv_rope_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
-                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
-                if (gather_row297 < 32u) {
+            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
+                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
+                if (gather_row293 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row297;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot296] >= 0)) && (((unsigned)kv_latent_pre[slot296]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot296]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row297;
-                    const int src_i32298 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot296] >= 0)) && (((unsigned)kv_scales_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot296]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row297;
-                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot296] >= 0)) && (((unsigned)kv_rope_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot296]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row297] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row293;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row293] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row297 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
-                    }
-                    if (src_i32298 >= 0) {
-                        copy_async(kv_scales + (load_stage * 128u) + (gather_row297 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32298), 16u, ring_barriers + (load_stage * 2u));
-                    }
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row297 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 128u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
@@ -1088,27 +1050,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_count) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 32u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_latent_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
-                if (gather_row303 < 32u) {
-                    const unsigned row_2 = gather_row303;
-                    kv_scales_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot304 = 0u; slot304 < 1u; slot304 += 1u) {
-                const unsigned gather_row305 = ((warp - 4u) + (lane * 4u)) + (slot304 * 128u);
-                if (gather_row305 < 32u) {
-                    const unsigned row_3 = gather_row305;
-                    kv_rope_pre[slot304] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_1 = gather_row295;
+                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1124,10 +1070,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
+        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
             #pragma unroll
-            for (unsigned half307 = 0u; half307 < 2u; half307 += 1u) {
-                row_sum_part[(mi306 * 2u) + half307] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi306 * 16u)) + ((half307 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
+                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1139,16 +1085,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i320 = 0u; fill_i320 < 4u; fill_i320 += 1u) {
-            scores[fill_i320] = 0.0f;
+        for (unsigned fill_i304 = 0u; fill_i304 < 4u; fill_i304 += 1u) {
+            scores[fill_i304] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e321 = 0u; e321 < 4u; e321 += 1u) {
-            scores_term[e321] = 0.0f;
+        for (unsigned e305 = 0u; e305 < 4u; e305 += 1u) {
+            scores_term[e305] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
@@ -1156,308 +1102,308 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 2u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi322 = 0u; mi322 < 1u; mi322 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi322 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi322 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi322 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi322 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi306 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi306 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi306 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi306 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e328 = 0u; e328 < 4u; e328 += 1u) {
-                scores_term[4u + e328] = 0.0f;
+            for (unsigned e312 = 0u; e312 < 4u; e312 += 1u) {
+                scores_term[4u + e312] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk325 = (kk_pair * 2u) + chain;
+                    const unsigned kk309 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj327 = 0u; nj327 < 1u; nj327 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj327 * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk325) * 4u));
+                    for (unsigned nj311 = 0u; nj311 < 1u; nj311 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj311 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk309) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair329 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag324[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag324[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair329), e4m3x2_hi(e4m3_pair329));
+                        const unsigned e4m3_pair313 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag308[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag308[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair313), e4m3x2_hi(e4m3_pair313));
                         #pragma unroll
-                        for (unsigned mi326 = 0u; mi326 < 1u; mi326 += 1u) {
-                            a_frag323[0u] = q_tile_a0_bf16[((mi326 * 4u) + kk325) * 4u];
-                            a_frag323[1u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 1u];
-                            a_frag323[2u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 2u];
-                            a_frag323[3u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi326 + nj327) * 4u)], &a_frag323[0u], &b_frag324[0u]);
+                        for (unsigned mi310 = 0u; mi310 < 1u; mi310 += 1u) {
+                            a_frag307[0u] = q_tile_a0_bf16[((mi310 * 4u) + kk309) * 4u];
+                            a_frag307[1u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 1u];
+                            a_frag307[2u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 2u];
+                            a_frag307[3u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi310 + nj311) * 4u)], &a_frag307[0u], &b_frag308[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e330 = 0u; e330 < 4u; e330 += 1u) {
-                scores_term[e330] = scores_term[e330] + scores_term[4u + e330];
+            for (unsigned e314 = 0u; e314 < 4u; e314 += 1u) {
+                scores_term[e314] = scores_term[e314] + scores_term[4u + e314];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e331 = 0u; e331 < 4u; e331 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e331 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e331] = fmaf(scores_term[(frag * 4u) + e331], row_scale, scores_part[(frag * 4u) + e331]);
+            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e315 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e315] = fmaf(scores_term[(frag * 4u) + e315], row_scale, scores_part[(frag * 4u) + e315]);
             }
         }
         #pragma unroll
-        for (unsigned e332 = 0u; e332 < 4u; e332 += 1u) {
-            scores_term[e332] = 0.0f;
+        for (unsigned e316 = 0u; e316 < 4u; e316 += 1u) {
+            scores_term[e316] = 0.0f;
         }
-        const unsigned n_first333 = (warp / 2u) * 8u;
+        const unsigned n_first317 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk336 = 0u; kk336 < 2u; kk336 += 1u) {
+            for (unsigned kk320 = 0u; kk320 < 2u; kk320 += 1u) {
                 #pragma unroll
-                for (unsigned nj338 = 0u; nj338 < 1u; nj338 += 1u) {
-                    ldmatrix_x2(&b_frag335[0u], kv_latent + (stage * 4224u) + (((n_first333 + (nj338 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((((warp % 2u) * 2u) + kk336) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj322 = 0u; nj322 < 1u; nj322 += 1u) {
+                    ldmatrix_x2(&b_frag319[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk320) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi337 = 0u; mi337 < 1u; mi337 += 1u) {
-                        a_frag334[0u] = q_tile_a1[((mi337 * 2u) + kk336) * 4u];
-                        a_frag334[1u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 1u];
-                        a_frag334[2u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 2u];
-                        a_frag334[3u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi337 + nj338) * 4u], &a_frag334[0u], &b_frag335[0u]);
-                        a_frag334[0u] = q_tile_a1_lo[((mi337 * 2u) + kk336) * 4u];
-                        a_frag334[1u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 1u];
-                        a_frag334[2u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 2u];
-                        a_frag334[3u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi337 + nj338) * 4u], &a_frag334[0u], &b_frag335[0u]);
+                    for (unsigned mi321 = 0u; mi321 < 1u; mi321 += 1u) {
+                        a_frag318[0u] = q_tile_a1[((mi321 * 2u) + kk320) * 4u];
+                        a_frag318[1u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                        a_frag318[2u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                        a_frag318[3u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi321 + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
+                        a_frag318[0u] = q_tile_a1_lo[((mi321 * 2u) + kk320) * 4u];
+                        a_frag318[1u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                        a_frag318[2u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                        a_frag318[3u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi321 + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first339 = (warp % 2u) * 4u;
+            const unsigned k_first323 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e348 = 0u; e348 < 4u; e348 += 1u) {
-                scores_term[4u + e348] = 0.0f;
+            for (unsigned e332 = 0u; e332 < 4u; e332 += 1u) {
+                scores_term[4u + e332] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair346 = 0u; kk_pair346 < 2u; kk_pair346 += 1u) {
+            for (unsigned kk_pair330 = 0u; kk_pair330 < 2u; kk_pair330 += 1u) {
                 #pragma unroll
-                for (unsigned chain347 = 0u; chain347 < 2u; chain347 += 1u) {
-                    const unsigned kk343 = (kk_pair346 * 2u) + chain347;
+                for (unsigned chain331 = 0u; chain331 < 2u; chain331 += 1u) {
+                    const unsigned kk327 = (kk_pair330 * 2u) + chain331;
                     #pragma unroll
-                    for (unsigned nj345 = 0u; nj345 < 1u; nj345 += 1u) {
-                        ldmatrix_x1(&b_raw342[0u], kv_latent + (stage * 4224u) + (((n_first333 + (nj345 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first339 + kk343) * 4u));
-                        const unsigned e4m3_pair349 = e4m3x2_prep(b_raw342[0u] & 65535u);
-                        const unsigned e4m3_pair350 = e4m3x2_prep(b_raw342[0u] >> 16u);
-                        b_frag341[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair349), e4m3x2_hi(e4m3_pair349));
-                        b_frag341[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair350), e4m3x2_hi(e4m3_pair350));
+                    for (unsigned nj329 = 0u; nj329 < 1u; nj329 += 1u) {
+                        ldmatrix_x1(&b_raw326[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first323 + kk327) * 4u));
+                        const unsigned e4m3_pair333 = e4m3x2_prep(b_raw326[0u] & 65535u);
+                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw326[0u] >> 16u);
+                        b_frag325[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair333), e4m3x2_hi(e4m3_pair333));
+                        b_frag325[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
                         #pragma unroll
-                        for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
-                            a_frag340[0u] = q_tile_a1_bf16[((mi344 * 4u) + kk343) * 4u];
-                            a_frag340[1u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 1u];
-                            a_frag340[2u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 2u];
-                            a_frag340[3u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain347 * 4u) + ((mi344 + nj345) * 4u)], &a_frag340[0u], &b_frag341[0u]);
+                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
+                            a_frag324[0u] = q_tile_a1_bf16[((mi328 * 4u) + kk327) * 4u];
+                            a_frag324[1u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
+                            a_frag324[2u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
+                            a_frag324[3u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain331 * 4u) + ((mi328 + nj329) * 4u)], &a_frag324[0u], &b_frag325[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e351 = 0u; e351 < 4u; e351 += 1u) {
-                scores_term[e351] = scores_term[e351] + scores_term[4u + e351];
+            for (unsigned e335 = 0u; e335 < 4u; e335 += 1u) {
+                scores_term[e335] = scores_term[e335] + scores_term[4u + e335];
             }
         }
         #pragma unroll
-        for (unsigned frag352 = 0u; frag352 < 1u; frag352 += 1u) {
+        for (unsigned frag336 = 0u; frag336 < 1u; frag336 += 1u) {
             #pragma unroll
-            for (unsigned e353 = 0u; e353 < 4u; e353 += 1u) {
-                const float row_scale354 = kv_scales[((stage * 128u) + (((n_first333 + ((frag352 % 1u) * 8u)) + ((lane_quad * 2u) + (e353 & 1u))) * 4u)) + 1u];
-                scores_part[(frag352 * 4u) + e353] = fmaf(scores_term[(frag352 * 4u) + e353], row_scale354, scores_part[(frag352 * 4u) + e353]);
+            for (unsigned e337 = 0u; e337 < 4u; e337 += 1u) {
+                const float row_scale338 = kv_scales[((stage * 5248u) + (((n_first317 + ((frag336 % 1u) * 8u)) + ((lane_quad * 2u) + (e337 & 1u))) * 164u)) + 1u];
+                scores_part[(frag336 * 4u) + e337] = fmaf(scores_term[(frag336 * 4u) + e337], row_scale338, scores_part[(frag336 * 4u) + e337]);
             }
         }
         #pragma unroll
-        for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
-            scores_term[e355] = 0.0f;
+        for (unsigned e339 = 0u; e339 < 4u; e339 += 1u) {
+            scores_term[e339] = 0.0f;
         }
-        const unsigned n_first356 = (warp / 2u) * 8u;
+        const unsigned n_first340 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk359 = 0u; kk359 < 2u; kk359 += 1u) {
+            for (unsigned kk343 = 0u; kk343 < 2u; kk343 += 1u) {
                 #pragma unroll
-                for (unsigned nj361 = 0u; nj361 < 1u; nj361 += 1u) {
-                    ldmatrix_x2(&b_frag358[0u], kv_latent + (stage * 4224u) + (((n_first356 + (nj361 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((((warp % 2u) * 2u) + kk359) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj345 = 0u; nj345 < 1u; nj345 += 1u) {
+                    ldmatrix_x2(&b_frag342[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj345 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk343) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi360 = 0u; mi360 < 1u; mi360 += 1u) {
-                        a_frag357[0u] = q_tile_a2[((mi360 * 2u) + kk359) * 4u];
-                        a_frag357[1u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 1u];
-                        a_frag357[2u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 2u];
-                        a_frag357[3u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi360 + nj361) * 4u], &a_frag357[0u], &b_frag358[0u]);
-                        a_frag357[0u] = q_tile_a2_lo[((mi360 * 2u) + kk359) * 4u];
-                        a_frag357[1u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 1u];
-                        a_frag357[2u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 2u];
-                        a_frag357[3u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi360 + nj361) * 4u], &a_frag357[0u], &b_frag358[0u]);
+                    for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
+                        a_frag341[0u] = q_tile_a2[((mi344 * 2u) + kk343) * 4u];
+                        a_frag341[1u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 1u];
+                        a_frag341[2u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 2u];
+                        a_frag341[3u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi344 + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
+                        a_frag341[0u] = q_tile_a2_lo[((mi344 * 2u) + kk343) * 4u];
+                        a_frag341[1u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 1u];
+                        a_frag341[2u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 2u];
+                        a_frag341[3u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi344 + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first362 = (warp % 2u) * 4u;
+            const unsigned k_first346 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e371 = 0u; e371 < 4u; e371 += 1u) {
-                scores_term[4u + e371] = 0.0f;
+            for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
+                scores_term[4u + e355] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair369 = 0u; kk_pair369 < 2u; kk_pair369 += 1u) {
+            for (unsigned kk_pair353 = 0u; kk_pair353 < 2u; kk_pair353 += 1u) {
                 #pragma unroll
-                for (unsigned chain370 = 0u; chain370 < 2u; chain370 += 1u) {
-                    const unsigned kk366 = (kk_pair369 * 2u) + chain370;
+                for (unsigned chain354 = 0u; chain354 < 2u; chain354 += 1u) {
+                    const unsigned kk350 = (kk_pair353 * 2u) + chain354;
                     #pragma unroll
-                    for (unsigned nj368 = 0u; nj368 < 1u; nj368 += 1u) {
-                        ldmatrix_x1(&b_raw365[0u], kv_latent + (stage * 4224u) + (((n_first356 + (nj368 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first362 + kk366) * 4u));
-                        const unsigned e4m3_pair372 = e4m3x2_prep(b_raw365[0u] & 65535u);
-                        const unsigned e4m3_pair373 = e4m3x2_prep(b_raw365[0u] >> 16u);
-                        b_frag364[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair372), e4m3x2_hi(e4m3_pair372));
-                        b_frag364[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair373), e4m3x2_hi(e4m3_pair373));
+                    for (unsigned nj352 = 0u; nj352 < 1u; nj352 += 1u) {
+                        ldmatrix_x1(&b_raw349[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first346 + kk350) * 4u));
+                        const unsigned e4m3_pair356 = e4m3x2_prep(b_raw349[0u] & 65535u);
+                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw349[0u] >> 16u);
+                        b_frag348[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair356), e4m3x2_hi(e4m3_pair356));
+                        b_frag348[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
                         #pragma unroll
-                        for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
-                            a_frag363[0u] = q_tile_a2_bf16[((mi367 * 4u) + kk366) * 4u];
-                            a_frag363[1u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 1u];
-                            a_frag363[2u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 2u];
-                            a_frag363[3u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain370 * 4u) + ((mi367 + nj368) * 4u)], &a_frag363[0u], &b_frag364[0u]);
+                        for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
+                            a_frag347[0u] = q_tile_a2_bf16[((mi351 * 4u) + kk350) * 4u];
+                            a_frag347[1u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 1u];
+                            a_frag347[2u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 2u];
+                            a_frag347[3u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain354 * 4u) + ((mi351 + nj352) * 4u)], &a_frag347[0u], &b_frag348[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e374 = 0u; e374 < 4u; e374 += 1u) {
-                scores_term[e374] = scores_term[e374] + scores_term[4u + e374];
+            for (unsigned e358 = 0u; e358 < 4u; e358 += 1u) {
+                scores_term[e358] = scores_term[e358] + scores_term[4u + e358];
             }
         }
         #pragma unroll
-        for (unsigned frag375 = 0u; frag375 < 1u; frag375 += 1u) {
+        for (unsigned frag359 = 0u; frag359 < 1u; frag359 += 1u) {
             #pragma unroll
-            for (unsigned e376 = 0u; e376 < 4u; e376 += 1u) {
-                const float row_scale377 = kv_scales[((stage * 128u) + (((n_first356 + ((frag375 % 1u) * 8u)) + ((lane_quad * 2u) + (e376 & 1u))) * 4u)) + 2u];
-                scores_part[(frag375 * 4u) + e376] = fmaf(scores_term[(frag375 * 4u) + e376], row_scale377, scores_part[(frag375 * 4u) + e376]);
+            for (unsigned e360 = 0u; e360 < 4u; e360 += 1u) {
+                const float row_scale361 = kv_scales[((stage * 5248u) + (((n_first340 + ((frag359 % 1u) * 8u)) + ((lane_quad * 2u) + (e360 & 1u))) * 164u)) + 2u];
+                scores_part[(frag359 * 4u) + e360] = fmaf(scores_term[(frag359 * 4u) + e360], row_scale361, scores_part[(frag359 * 4u) + e360]);
             }
         }
         #pragma unroll
-        for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
-            scores_term[e378] = 0.0f;
+        for (unsigned e362 = 0u; e362 < 4u; e362 += 1u) {
+            scores_term[e362] = 0.0f;
         }
-        const unsigned n_first379 = (warp / 2u) * 8u;
+        const unsigned n_first363 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk382 = 0u; kk382 < 2u; kk382 += 1u) {
+            for (unsigned kk366 = 0u; kk366 < 2u; kk366 += 1u) {
                 #pragma unroll
-                for (unsigned nj384 = 0u; nj384 < 1u; nj384 += 1u) {
-                    ldmatrix_x2(&b_frag381[0u], kv_latent + (stage * 4224u) + (((n_first379 + (nj384 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((((warp % 2u) * 2u) + kk382) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj368 = 0u; nj368 < 1u; nj368 += 1u) {
+                    ldmatrix_x2(&b_frag365[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj368 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk366) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi383 = 0u; mi383 < 1u; mi383 += 1u) {
-                        a_frag380[0u] = q_tile_a3[((mi383 * 2u) + kk382) * 4u];
-                        a_frag380[1u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 1u];
-                        a_frag380[2u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 2u];
-                        a_frag380[3u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi383 + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
-                        a_frag380[0u] = q_tile_a3_lo[((mi383 * 2u) + kk382) * 4u];
-                        a_frag380[1u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 1u];
-                        a_frag380[2u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 2u];
-                        a_frag380[3u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi383 + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
+                    for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
+                        a_frag364[0u] = q_tile_a3[((mi367 * 2u) + kk366) * 4u];
+                        a_frag364[1u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 1u];
+                        a_frag364[2u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 2u];
+                        a_frag364[3u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi367 + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
+                        a_frag364[0u] = q_tile_a3_lo[((mi367 * 2u) + kk366) * 4u];
+                        a_frag364[1u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 1u];
+                        a_frag364[2u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 2u];
+                        a_frag364[3u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi367 + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first385 = (warp % 2u) * 4u;
+            const unsigned k_first369 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e394 = 0u; e394 < 4u; e394 += 1u) {
-                scores_term[4u + e394] = 0.0f;
+            for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
+                scores_term[4u + e378] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair392 = 0u; kk_pair392 < 2u; kk_pair392 += 1u) {
+            for (unsigned kk_pair376 = 0u; kk_pair376 < 2u; kk_pair376 += 1u) {
                 #pragma unroll
-                for (unsigned chain393 = 0u; chain393 < 2u; chain393 += 1u) {
-                    const unsigned kk389 = (kk_pair392 * 2u) + chain393;
+                for (unsigned chain377 = 0u; chain377 < 2u; chain377 += 1u) {
+                    const unsigned kk373 = (kk_pair376 * 2u) + chain377;
                     #pragma unroll
-                    for (unsigned nj391 = 0u; nj391 < 1u; nj391 += 1u) {
-                        ldmatrix_x1(&b_raw388[0u], kv_latent + (stage * 4224u) + (((n_first379 + (nj391 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first385 + kk389) * 4u));
-                        const unsigned e4m3_pair395 = e4m3x2_prep(b_raw388[0u] & 65535u);
-                        const unsigned e4m3_pair396 = e4m3x2_prep(b_raw388[0u] >> 16u);
-                        b_frag387[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair395), e4m3x2_hi(e4m3_pair395));
-                        b_frag387[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair396), e4m3x2_hi(e4m3_pair396));
+                    for (unsigned nj375 = 0u; nj375 < 1u; nj375 += 1u) {
+                        ldmatrix_x1(&b_raw372[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first369 + kk373) * 4u));
+                        const unsigned e4m3_pair379 = e4m3x2_prep(b_raw372[0u] & 65535u);
+                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw372[0u] >> 16u);
+                        b_frag371[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair379), e4m3x2_hi(e4m3_pair379));
+                        b_frag371[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
                         #pragma unroll
-                        for (unsigned mi390 = 0u; mi390 < 1u; mi390 += 1u) {
-                            a_frag386[0u] = q_tile_a3_bf16[((mi390 * 4u) + kk389) * 4u];
-                            a_frag386[1u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 1u];
-                            a_frag386[2u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 2u];
-                            a_frag386[3u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain393 * 4u) + ((mi390 + nj391) * 4u)], &a_frag386[0u], &b_frag387[0u]);
+                        for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
+                            a_frag370[0u] = q_tile_a3_bf16[((mi374 * 4u) + kk373) * 4u];
+                            a_frag370[1u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 1u];
+                            a_frag370[2u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 2u];
+                            a_frag370[3u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain377 * 4u) + ((mi374 + nj375) * 4u)], &a_frag370[0u], &b_frag371[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e397 = 0u; e397 < 4u; e397 += 1u) {
-                scores_term[e397] = scores_term[e397] + scores_term[4u + e397];
+            for (unsigned e381 = 0u; e381 < 4u; e381 += 1u) {
+                scores_term[e381] = scores_term[e381] + scores_term[4u + e381];
             }
         }
         #pragma unroll
-        for (unsigned frag398 = 0u; frag398 < 1u; frag398 += 1u) {
+        for (unsigned frag382 = 0u; frag382 < 1u; frag382 += 1u) {
             #pragma unroll
-            for (unsigned e399 = 0u; e399 < 4u; e399 += 1u) {
-                const float row_scale400 = kv_scales[((stage * 128u) + (((n_first379 + ((frag398 % 1u) * 8u)) + ((lane_quad * 2u) + (e399 & 1u))) * 4u)) + 3u];
-                scores_part[(frag398 * 4u) + e399] = fmaf(scores_term[(frag398 * 4u) + e399], row_scale400, scores_part[(frag398 * 4u) + e399]);
+            for (unsigned e383 = 0u; e383 < 4u; e383 += 1u) {
+                const float row_scale384 = kv_scales[((stage * 5248u) + (((n_first363 + ((frag382 % 1u) * 8u)) + ((lane_quad * 2u) + (e383 & 1u))) * 164u)) + 3u];
+                scores_part[(frag382 * 4u) + e383] = fmaf(scores_term[(frag382 * 4u) + e383], row_scale384, scores_part[(frag382 * 4u) + e383]);
             }
         }
-        const unsigned n_first401 = (warp / 2u) * 8u;
-        const unsigned k_first402 = (warp % 2u) * 2u;
+        const unsigned n_first385 = (warp / 2u) * 8u;
+        const unsigned k_first386 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e411 = 0u; e411 < 4u; e411 += 1u) {
-            scores_part[4u + e411] = 0.0f;
+        for (unsigned e395 = 0u; e395 < 4u; e395 += 1u) {
+            scores_part[4u + e395] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair409 = 0u; kk_pair409 < 1u; kk_pair409 += 1u) {
+        for (unsigned kk_pair393 = 0u; kk_pair393 < 1u; kk_pair393 += 1u) {
             #pragma unroll
-            for (unsigned chain410 = 0u; chain410 < 2u; chain410 += 1u) {
-                const unsigned kk406 = (kk_pair409 * 2u) + chain410;
+            for (unsigned chain394 = 0u; chain394 < 2u; chain394 += 1u) {
+                const unsigned kk390 = (kk_pair393 * 2u) + chain394;
                 #pragma unroll
-                for (unsigned nj408 = 0u; nj408 < 1u; nj408 += 1u) {
-                    ldmatrix_x2(&b_frag404[0u], kv_rope + (stage * 1152u) + (((n_first401 + (nj408 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first402 + kk406) * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj392 = 0u; nj392 < 1u; nj392 += 1u) {
+                    ldmatrix_x2(&b_frag388[0u], kv_rope + (stage * 5248u) + (((n_first385 + (nj392 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first386 + kk390) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
-                        a_frag403[0u] = q_tile_a4[((mi407 * 2u) + kk406) * 4u];
-                        a_frag403[1u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 1u];
-                        a_frag403[2u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 2u];
-                        a_frag403[3u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain410 * 4u) + ((mi407 + nj408) * 4u)], &a_frag403[0u], &b_frag404[0u]);
+                    for (unsigned mi391 = 0u; mi391 < 1u; mi391 += 1u) {
+                        a_frag387[0u] = q_tile_a4[((mi391 * 2u) + kk390) * 4u];
+                        a_frag387[1u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 1u];
+                        a_frag387[2u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 2u];
+                        a_frag387[3u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain394 * 4u) + ((mi391 + nj392) * 4u)], &a_frag387[0u], &b_frag388[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e412 = 0u; e412 < 4u; e412 += 1u) {
-            scores_part[e412] = scores_part[e412] + scores_part[4u + e412];
+        for (unsigned e396 = 0u; e396 < 4u; e396 += 1u) {
+            scores_part[e396] = scores_part[e396] + scores_part[4u + e396];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag413 = 0u; frag413 < 1u; frag413 += 1u) {
+        for (unsigned frag397 = 0u; frag397 < 1u; frag397 += 1u) {
             #pragma unroll
-            for (unsigned half414 = 0u; half414 < 2u; half414 += 1u) {
+            for (unsigned half398 = 0u; half398 < 2u; half398 += 1u) {
                 #pragma unroll
-                for (unsigned e415 = 0u; e415 < 2u; e415 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag413 / 1u) * 16u) + (half414 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag413 % 1u) * 8u)) + ((lane_quad * 2u) + e415))] = scores_part[((frag413 * 4u) + (half414 * 2u)) + e415] * q_tile_unscale[0u];
+                for (unsigned e399 = 0u; e399 < 2u; e399 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag397 / 1u) * 16u) + (half398 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag397 % 1u) * 8u)) + ((lane_quad * 2u) + e399))] = scores_part[((frag397 * 4u) + (half398 * 2u)) + e399] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1470,55 +1416,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage308 = ahead % 2u;
+                const unsigned load_stage298 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
-                    const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
-                    if (gather_row310 < 32u) {
+                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
+                    const unsigned gather_row300 = ((warp - 4u) + (lane * 4u)) + (slot299 * 128u);
+                    if (gather_row300 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row310;
-                        const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot309] >= 0)) && (((unsigned)kv_latent_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
-                        const unsigned row_2 = gather_row310;
-                        const int src_i32312 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot309] >= 0)) && (((unsigned)kv_scales_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot309]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        const unsigned row_3 = gather_row310;
-                        const int src_i32313 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot309] >= 0)) && (((unsigned)kv_rope_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot309]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        row_valid[(load_stage308 * 36u) + gather_row310] = (src_i32311 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32311 >= 0) {
-                            copy_async(kv_latent + (load_stage308 * 4224u) + (gather_row310 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 512u, ring_barriers + (load_stage308 * 2u));
-                        }
-                        if (src_i32312 >= 0) {
-                            copy_async(kv_scales + (load_stage308 * 128u) + (gather_row310 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32312), 16u, ring_barriers + (load_stage308 * 2u));
-                        }
-                        if (src_i32313 >= 0) {
-                            copy_async(kv_rope + (load_stage308 * 1152u) + (gather_row310 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32313), 128u, ring_barriers + (load_stage308 * 2u));
+                        const unsigned row_1 = gather_row300;
+                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage298 * 36u) + gather_row300] = (src_i32301 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32301 >= 0) {
+                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + (load_stage298 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage308 * 2u));
+                copy_arrive(ring_barriers + (load_stage298 * 2u));
                 if ((ahead + 1u) < step_count) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot314 = 0u; slot314 < 1u; slot314 += 1u) {
-                        const unsigned gather_row315 = ((warp - 4u) + (lane * 4u)) + (slot314 * 128u);
-                        if (gather_row315 < 32u) {
-                            const unsigned row_1 = gather_row315;
-                            kv_latent_pre[slot314] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot316 = 0u; slot316 < 1u; slot316 += 1u) {
-                        const unsigned gather_row317 = ((warp - 4u) + (lane * 4u)) + (slot316 * 128u);
-                        if (gather_row317 < 32u) {
-                            const unsigned row_2 = gather_row317;
-                            kv_scales_pre[slot316] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot318 = 0u; slot318 < 1u; slot318 += 1u) {
-                        const unsigned gather_row319 = ((warp - 4u) + (lane * 4u)) + (slot318 * 128u);
-                        if (gather_row319 < 32u) {
-                            const unsigned row_3 = gather_row319;
-                            kv_rope_pre[slot318] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                        const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
+                        if (gather_row303 < 32u) {
+                            const unsigned row_1 = gather_row303;
+                            kv_rows_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1526,34 +1446,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag416 = 0u; frag416 < 1u; frag416 += 1u) {
+            for (unsigned frag400 = 0u; frag400 < 1u; frag400 += 1u) {
                 #pragma unroll
-                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                for (unsigned half401 = 0u; half401 < 2u; half401 += 1u) {
                     #pragma unroll
-                    for (unsigned e418 = 0u; e418 < 2u; e418 += 1u) {
-                        float sum = scores[((frag416 * 4u) + (half417 * 2u)) + e418];
-                        const unsigned cell = (((scores_row0 + (half417 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag416 * 8u)) + ((lane_quad * 2u) + e418));
+                    for (unsigned e402 = 0u; e402 < 2u; e402 += 1u) {
+                        float sum = scores[((frag400 * 4u) + (half401 * 2u)) + e402];
+                        const unsigned cell = (((scores_row0 + (half401 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag400 * 8u)) + ((lane_quad * 2u) + e402));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag416 * 4u) + (half417 * 2u)) + e418] = sum;
+                        scores[((frag400 * 4u) + (half401 * 2u)) + e402] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag419 = 0u; frag419 < 1u; frag419 += 1u) {
+            for (unsigned frag403 = 0u; frag403 < 1u; frag403 += 1u) {
                 #pragma unroll
-                for (unsigned half420 = 0u; half420 < 2u; half420 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag419 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag419 * 4u) + (half420 * 2u)];
-                    float v1 = scores[((frag419 * 4u) + (half420 * 2u)) + 1u];
+                for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag403 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag403 * 4u) + (half404 * 2u)];
+                    float v1 = scores[((frag403 * 4u) + (half404 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag419 * 4u) + (half420 * 2u)] = v0;
-                    scores[((frag419 * 4u) + (half420 * 2u)) + 1u] = v1;
+                    scores[(frag403 * 4u) + (half404 * 2u)] = v0;
+                    scores[((frag403 * 4u) + (half404 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1563,16 +1483,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi421 = 0u; mi421 < 1u; mi421 += 1u) {
+            for (unsigned mi405 = 0u; mi405 < 1u; mi405 += 1u) {
                 #pragma unroll
-                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi421 * 4u) + (half422 * 2u)], scores[(mi421 * 4u) + ((half422 * 2u) + 1u)]);
+                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi405 * 4u) + (half406 * 2u)], scores[(mi405 * 4u) + ((half406 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other423 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other423);
+                    const float other407 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other407);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi421 * 16u)) + ((half422 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi405 * 16u)) + ((half406 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1581,86 +1501,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi426 = 0u; mi426 < 1u; mi426 += 1u) {
+        for (unsigned mi410 = 0u; mi410 < 1u; mi410 += 1u) {
             #pragma unroll
-            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float m_old424 = row_max_reg[(mi426 * 2u) + half427];
-                float m_new425 = m_old424;
-                m_new425 = fmaxf(m_new425, row_exchange[((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 4u]);
-                m_new425 = fmaxf(m_new425, row_exchange[(((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new425 = fmaxf(m_new425, row_exchange[(((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new425 = fmaxf(m_new425, row_exchange[(((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi426 * 2u) + half427] = expf(m_old424 - m_new425);
-                row_max_reg[(mi426 * 2u) + half427] = m_new425;
+            for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
+                const float m_old408 = row_max_reg[(mi410 * 2u) + half411];
+                float m_new409 = m_old408;
+                m_new409 = fmaxf(m_new409, row_exchange[((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u]);
+                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi410 * 2u) + half411] = expf(m_old408 - m_new409);
+                row_max_reg[(mi410 * 2u) + half411] = m_new409;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi431 = 0u; mi431 < 1u; mi431 += 1u) {
+            for (unsigned mi415 = 0u; mi415 < 1u; mi415 += 1u) {
                 #pragma unroll
-                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj428 = 0u; nj428 < 1u; nj428 += 1u) {
+                    for (unsigned nj412 = 0u; nj412 < 1u; nj412 += 1u) {
                         #pragma unroll
-                        for (unsigned e429 = 0u; e429 < 2u; e429 += 1u) {
-                            const unsigned at430 = ((mi431 + nj428) * 4u) + ((half432 * 2u) + e429);
-                            const float p = (scores[at430] < (-1e38f)) ? 0.0f : expf(scores[at430] - row_max_reg[(mi431 * 2u) + half432]);
-                            scores[at430] = p;
+                        for (unsigned e413 = 0u; e413 < 2u; e413 += 1u) {
+                            const unsigned at414 = ((mi415 + nj412) * 4u) + ((half416 * 2u) + e413);
+                            const float p = (scores[at414] < (-1e38f)) ? 0.0f : expf(scores[at414] - row_max_reg[(mi415 * 2u) + half416]);
+                            scores[at414] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi431 * 2u) + half432] = (row_sum_part[(mi431 * 2u) + half432] * row_alpha[(mi431 * 2u) + half432]) + p_sum;
+                    row_sum_part[(mi415 * 2u) + half416] = (row_sum_part[(mi415 * 2u) + half416] * row_alpha[(mi415 * 2u) + half416]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag433 = 0u; frag433 < 2u; frag433 += 1u) {
+        for (unsigned frag417 = 0u; frag417 < 2u; frag417 += 1u) {
             #pragma unroll
-            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha[((frag433 / 2u) * 2u) + half434];
-                o_acc[(frag433 * 4u) + (half434 * 2u)] = o_acc[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
+                const float alpha419 = row_alpha[((frag417 / 2u) * 2u) + half418];
+                o_acc[(frag417 * 4u) + (half418 * 2u)] = o_acc[(frag417 * 4u) + (half418 * 2u)] * alpha419;
+                o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] = o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] * alpha419;
             }
         }
         #pragma unroll
-        for (unsigned frag436 = 0u; frag436 < 2u; frag436 += 1u) {
+        for (unsigned frag420 = 0u; frag420 < 2u; frag420 += 1u) {
             #pragma unroll
-            for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
-                const float alpha438 = row_alpha[((frag436 / 2u) * 2u) + half437];
-                o_acc_1[(frag436 * 4u) + (half437 * 2u)] = o_acc_1[(frag436 * 4u) + (half437 * 2u)] * alpha438;
-                o_acc_1[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_1[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
+            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
+                const float alpha422 = row_alpha[((frag420 / 2u) * 2u) + half421];
+                o_acc_1[(frag420 * 4u) + (half421 * 2u)] = o_acc_1[(frag420 * 4u) + (half421 * 2u)] * alpha422;
+                o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] = o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] * alpha422;
             }
         }
         #pragma unroll
-        for (unsigned frag439 = 0u; frag439 < 2u; frag439 += 1u) {
+        for (unsigned frag423 = 0u; frag423 < 2u; frag423 += 1u) {
             #pragma unroll
-            for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
-                const float alpha441 = row_alpha[((frag439 / 2u) * 2u) + half440];
-                o_acc_2[(frag439 * 4u) + (half440 * 2u)] = o_acc_2[(frag439 * 4u) + (half440 * 2u)] * alpha441;
-                o_acc_2[((frag439 * 4u) + (half440 * 2u)) + 1u] = o_acc_2[((frag439 * 4u) + (half440 * 2u)) + 1u] * alpha441;
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float alpha425 = row_alpha[((frag423 / 2u) * 2u) + half424];
+                o_acc_2[(frag423 * 4u) + (half424 * 2u)] = o_acc_2[(frag423 * 4u) + (half424 * 2u)] * alpha425;
+                o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
         }
         #pragma unroll
-        for (unsigned frag442 = 0u; frag442 < 2u; frag442 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 2u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half443 = 0u; half443 < 2u; half443 += 1u) {
-                const float alpha444 = row_alpha[((frag442 / 2u) * 2u) + half443];
-                o_acc_3[(frag442 * 4u) + (half443 * 2u)] = o_acc_3[(frag442 * 4u) + (half443 * 2u)] * alpha444;
-                o_acc_3[((frag442 * 4u) + (half443 * 2u)) + 1u] = o_acc_3[((frag442 * 4u) + (half443 * 2u)) + 1u] * alpha444;
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
+                const float alpha428 = row_alpha[((frag426 / 2u) * 2u) + half427];
+                o_acc_3[(frag426 * 4u) + (half427 * 2u)] = o_acc_3[(frag426 * 4u) + (half427 * 2u)] * alpha428;
+                o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag447 = 0u; frag447 < 1u; frag447 += 1u) {
+            for (unsigned frag431 = 0u; frag431 < 1u; frag431 += 1u) {
                 #pragma unroll
-                for (unsigned half448 = 0u; half448 < 2u; half448 += 1u) {
-                    const unsigned row445 = (scores_row0 + ((frag447 / 1u) * 16u)) + ((half448 * 8u) + lane_group);
-                    const unsigned col446 = (scores_col0 + ((frag447 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag447 * 4u) + (half448 * 2u);
-                    p_tile[(row445 * 20u) + (col446 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                    const unsigned row429 = (scores_row0 + ((frag431 / 1u) * 16u)) + ((half432 * 8u) + lane_group);
+                    const unsigned col430 = (scores_col0 + ((frag431 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag431 * 4u) + (half432 * 2u);
+                    p_tile[(row429 * 20u) + (col430 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1669,252 +1589,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk452 = 0u; kk452 < 2u; kk452 += 1u) {
+        for (unsigned kk436 = 0u; kk436 < 2u; kk436 += 1u) {
             #pragma unroll
-            for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                ldmatrix_x4(&a_frag449[mi453 * 4u], p_tile + a_lane_word + (mi453 * 320u) + (kk452 * 8u));
+            for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                ldmatrix_x4(&a_frag433[mi437 * 4u], p_tile + a_lane_word + (mi437 * 320u) + (kk436 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale461 = kv_scales[(stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)];
-                const float k_scale462 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-                const float k_scale463 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-                const float k_scale464 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-                a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale461, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale462);
-                a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale461, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale462);
-                a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale463, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale464);
-                a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale463, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale464);
+                const float k_scale445 = kv_scales[(stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale446 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag433[0u] = pack_bf16x2(__uint_as_float(a_frag433[0u] << 16u) * k_scale445, __uint_as_float(a_frag433[0u] & 4294901760u) * k_scale446);
+                a_frag433[1u] = pack_bf16x2(__uint_as_float(a_frag433[1u] << 16u) * k_scale445, __uint_as_float(a_frag433[1u] & 4294901760u) * k_scale446);
+                a_frag433[2u] = pack_bf16x2(__uint_as_float(a_frag433[2u] << 16u) * k_scale447, __uint_as_float(a_frag433[2u] & 4294901760u) * k_scale448);
+                a_frag433[3u] = pack_bf16x2(__uint_as_float(a_frag433[3u] << 16u) * k_scale447, __uint_as_float(a_frag433[3u] & 4294901760u) * k_scale448);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
-                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
-                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
-                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
+                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair449 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair450 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
+                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449), e4m3x2_hi(e4m3_pair449));
+                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
+                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
+                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 2u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 2u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)];
-                    const float k_scale458 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-                    const float k_scale459 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-                    const float k_scale460 = kv_scales[(stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-                    const unsigned e4m3_pair454 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair455 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale, e4m3x2_hi(e4m3_pair454) * k_scale458);
-                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456) * k_scale459, e4m3x2_hi(e4m3_pair456) * k_scale460);
-                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair455) * k_scale, e4m3x2_hi(e4m3_pair455) * k_scale458);
-                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457) * k_scale459, e4m3x2_hi(e4m3_pair457) * k_scale460);
+                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale442 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale443 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale444 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair438 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair439 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair440 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair441 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
+                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair438) * k_scale, e4m3x2_hi(e4m3_pair438) * k_scale442);
+                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale443, e4m3x2_hi(e4m3_pair440) * k_scale444);
+                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale442);
+                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale443, e4m3x2_hi(e4m3_pair441) * k_scale444);
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 2u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 2u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word475 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk472 = 0u; kk472 < 2u; kk472 += 1u) {
-            #pragma unroll
-            for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                ldmatrix_x4(&a_frag469[mi473 * 4u], p_tile + a_lane_word475 + (mi473 * 320u) + (kk472 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale484 = kv_scales[((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-                const float k_scale485 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-                const float k_scale486 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-                const float k_scale487 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-                a_frag469[0u] = pack_bf16x2(__uint_as_float(a_frag469[0u] << 16u) * k_scale484, __uint_as_float(a_frag469[0u] & 4294901760u) * k_scale485);
-                a_frag469[1u] = pack_bf16x2(__uint_as_float(a_frag469[1u] << 16u) * k_scale484, __uint_as_float(a_frag469[1u] & 4294901760u) * k_scale485);
-                a_frag469[2u] = pack_bf16x2(__uint_as_float(a_frag469[2u] << 16u) * k_scale486, __uint_as_float(a_frag469[2u] & 4294901760u) * k_scale487);
-                a_frag469[3u] = pack_bf16x2(__uint_as_float(a_frag469[3u] << 16u) * k_scale486, __uint_as_float(a_frag469[3u] & 4294901760u) * k_scale487);
-                #pragma unroll
-                for (unsigned np474 = 0u; np474 < 1u; np474 += 1u) {
-                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u));
-                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
-                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
-                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
-                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np474 = 0u; np474 < 1u; np474 += 1u) {
-                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u));
-                    const float k_scale480 = kv_scales[((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-                    const float k_scale481 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-                    const float k_scale482 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-                    const float k_scale483 = kv_scales[((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair478 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair479 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
-                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
-                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale482, e4m3x2_hi(e4m3_pair478) * k_scale483);
-                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
-                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale482, e4m3x2_hi(e4m3_pair479) * k_scale483);
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 2u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word498 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word459 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk495 = 0u; kk495 < 2u; kk495 += 1u) {
+        for (unsigned kk456 = 0u; kk456 < 2u; kk456 += 1u) {
             #pragma unroll
-            for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                ldmatrix_x4(&a_frag492[mi496 * 4u], p_tile + a_lane_word498 + (mi496 * 320u) + (kk495 * 8u));
+            for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                ldmatrix_x4(&a_frag453[mi457 * 4u], p_tile + a_lane_word459 + (mi457 * 320u) + (kk456 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale507 = kv_scales[((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-                const float k_scale508 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-                const float k_scale509 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-                const float k_scale510 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-                a_frag492[0u] = pack_bf16x2(__uint_as_float(a_frag492[0u] << 16u) * k_scale507, __uint_as_float(a_frag492[0u] & 4294901760u) * k_scale508);
-                a_frag492[1u] = pack_bf16x2(__uint_as_float(a_frag492[1u] << 16u) * k_scale507, __uint_as_float(a_frag492[1u] & 4294901760u) * k_scale508);
-                a_frag492[2u] = pack_bf16x2(__uint_as_float(a_frag492[2u] << 16u) * k_scale509, __uint_as_float(a_frag492[2u] & 4294901760u) * k_scale510);
-                a_frag492[3u] = pack_bf16x2(__uint_as_float(a_frag492[3u] << 16u) * k_scale509, __uint_as_float(a_frag492[3u] & 4294901760u) * k_scale510);
+                const float k_scale468 = kv_scales[((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale469 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale470 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale471 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag453[0u] = pack_bf16x2(__uint_as_float(a_frag453[0u] << 16u) * k_scale468, __uint_as_float(a_frag453[0u] & 4294901760u) * k_scale469);
+                a_frag453[1u] = pack_bf16x2(__uint_as_float(a_frag453[1u] << 16u) * k_scale468, __uint_as_float(a_frag453[1u] & 4294901760u) * k_scale469);
+                a_frag453[2u] = pack_bf16x2(__uint_as_float(a_frag453[2u] << 16u) * k_scale470, __uint_as_float(a_frag453[2u] & 4294901760u) * k_scale471);
+                a_frag453[3u] = pack_bf16x2(__uint_as_float(a_frag453[3u] << 16u) * k_scale470, __uint_as_float(a_frag453[3u] & 4294901760u) * k_scale471);
                 #pragma unroll
-                for (unsigned np497 = 0u; np497 < 1u; np497 += 1u) {
-                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u));
-                    const unsigned e4m3_pair511 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair512 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
-                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511), e4m3x2_hi(e4m3_pair511));
-                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
-                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
-                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                for (unsigned np458 = 0u; np458 < 1u; np458 += 1u) {
+                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u));
+                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
+                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
+                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
+                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np497 = 0u; np497 < 1u; np497 += 1u) {
-                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u));
-                    const float k_scale503 = kv_scales[((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-                    const float k_scale504 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-                    const float k_scale505 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-                    const float k_scale506 = kv_scales[((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
-                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
-                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
-                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
-                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
+                for (unsigned np458 = 0u; np458 < 1u; np458 += 1u) {
+                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u));
+                    const float k_scale464 = kv_scales[((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale465 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale466 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale467 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
+                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale464, e4m3x2_hi(e4m3_pair460) * k_scale465);
+                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale466, e4m3x2_hi(e4m3_pair462) * k_scale467);
+                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
+                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale466, e4m3x2_hi(e4m3_pair463) * k_scale467);
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 2u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word521 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk518 = 0u; kk518 < 2u; kk518 += 1u) {
+        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
             #pragma unroll
-            for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                ldmatrix_x4(&a_frag515[mi519 * 4u], p_tile + a_lane_word521 + (mi519 * 320u) + (kk518 * 8u));
+            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale530 = kv_scales[((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-                const float k_scale531 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-                const float k_scale532 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-                const float k_scale533 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-                a_frag515[0u] = pack_bf16x2(__uint_as_float(a_frag515[0u] << 16u) * k_scale530, __uint_as_float(a_frag515[0u] & 4294901760u) * k_scale531);
-                a_frag515[1u] = pack_bf16x2(__uint_as_float(a_frag515[1u] << 16u) * k_scale530, __uint_as_float(a_frag515[1u] & 4294901760u) * k_scale531);
-                a_frag515[2u] = pack_bf16x2(__uint_as_float(a_frag515[2u] << 16u) * k_scale532, __uint_as_float(a_frag515[2u] & 4294901760u) * k_scale533);
-                a_frag515[3u] = pack_bf16x2(__uint_as_float(a_frag515[3u] << 16u) * k_scale532, __uint_as_float(a_frag515[3u] & 4294901760u) * k_scale533);
+                const float k_scale491 = kv_scales[((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale492 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale493 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale494 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale491, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale492);
+                a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale491, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale492);
+                a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale493, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale494);
+                a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale493, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale494);
                 #pragma unroll
-                for (unsigned np520 = 0u; np520 < 1u; np520 += 1u) {
-                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u));
-                    const unsigned e4m3_pair534 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair535 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair536 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair537 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
-                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534), e4m3x2_hi(e4m3_pair534));
-                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair536), e4m3x2_hi(e4m3_pair536));
-                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair535), e4m3x2_hi(e4m3_pair535));
-                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair537), e4m3x2_hi(e4m3_pair537));
+                for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
+                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u));
+                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
+                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
+                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
+                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np520 = 0u; np520 < 1u; np520 += 1u) {
-                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u));
-                    const float k_scale526 = kv_scales[((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-                    const float k_scale527 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-                    const float k_scale528 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-                    const float k_scale529 = kv_scales[((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
-                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522) * k_scale526, e4m3x2_hi(e4m3_pair522) * k_scale527);
-                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
-                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale526, e4m3x2_hi(e4m3_pair523) * k_scale527);
-                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
+                for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
+                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u));
+                    const float k_scale487 = kv_scales[((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair483 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair484 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
+                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483) * k_scale487, e4m3x2_hi(e4m3_pair483) * k_scale488);
+                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
+                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale487, e4m3x2_hi(e4m3_pair484) * k_scale488);
+                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 2u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word505 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk502 = 0u; kk502 < 2u; kk502 += 1u) {
+            #pragma unroll
+            for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                ldmatrix_x4(&a_frag499[mi503 * 4u], p_tile + a_lane_word505 + (mi503 * 320u) + (kk502 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale514 = kv_scales[((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag499[0u] = pack_bf16x2(__uint_as_float(a_frag499[0u] << 16u) * k_scale514, __uint_as_float(a_frag499[0u] & 4294901760u) * k_scale515);
+                a_frag499[1u] = pack_bf16x2(__uint_as_float(a_frag499[1u] << 16u) * k_scale514, __uint_as_float(a_frag499[1u] & 4294901760u) * k_scale515);
+                a_frag499[2u] = pack_bf16x2(__uint_as_float(a_frag499[2u] << 16u) * k_scale516, __uint_as_float(a_frag499[2u] & 4294901760u) * k_scale517);
+                a_frag499[3u] = pack_bf16x2(__uint_as_float(a_frag499[3u] << 16u) * k_scale516, __uint_as_float(a_frag499[3u] & 4294901760u) * k_scale517);
+                #pragma unroll
+                for (unsigned np504 = 0u; np504 < 1u; np504 += 1u) {
+                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u));
+                    const unsigned e4m3_pair518 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair519 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
+                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
+                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
+                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np504 = 0u; np504 < 1u; np504 += 1u) {
+                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u));
+                    const float k_scale510 = kv_scales[((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair508 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair509 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
+                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
+                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale512, e4m3x2_hi(e4m3_pair508) * k_scale513);
+                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
+                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale512, e4m3x2_hi(e4m3_pair509) * k_scale513);
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
                     }
                 }
             }
@@ -1929,16 +1849,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi539 = 0u; mi539 < 1u; mi539 += 1u) {
+        for (unsigned mi523 = 0u; mi523 < 1u; mi523 += 1u) {
             #pragma unroll
-            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
-                float row_sum538 = row_sum_part[(mi539 * 2u) + half540];
-                const float other541 = shfl_xor_f32(row_sum538, 1);
-                row_sum538 = row_sum538 + other541;
-                const float other542 = shfl_xor_f32(row_sum538, 2);
-                row_sum538 = row_sum538 + other542;
+            for (unsigned half524 = 0u; half524 < 2u; half524 += 1u) {
+                float row_sum522 = row_sum_part[(mi523 * 2u) + half524];
+                const float other525 = shfl_xor_f32(row_sum522, 1);
+                row_sum522 = row_sum522 + other525;
+                const float other526 = shfl_xor_f32(row_sum522, 2);
+                row_sum522 = row_sum522 + other526;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi539 * 16u)) + ((half540 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum538;
+                    row_exchange[(((scores_row0 + (mi523 * 16u)) + ((half524 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum522;
                 }
             }
         }
@@ -1946,16 +1866,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
+        for (unsigned mi528 = 0u; mi528 < 1u; mi528 += 1u) {
             #pragma unroll
-            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+            for (unsigned half529 = 0u; half529 < 2u; half529 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum543 = row_exchange[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u];
-                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum543 = row_sum543 + row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)] = row_sum543;
-                    row_max[(scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)] = row_max_reg[(mi544 * 2u) + half545];
+                    float row_sum527 = row_exchange[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u];
+                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)] = row_sum527;
+                    row_max[(scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)] = row_max_reg[(mi528 * 2u) + half529];
                 }
             }
         }
@@ -1966,86 +1886,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
+        for (unsigned frag530 = 0u; frag530 < 1u; frag530 += 1u) {
             #pragma unroll
-            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
+            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
                 #pragma unroll
-                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
-                    float v0_6 = o_acc[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
-                    float v1_6 = o_acc[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
-                    const unsigned h = h0 + row_18;
+                for (unsigned e532 = 0u; e532 < 2u; e532 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag530 / 1u) * 16u)) + ((half531 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag530 % 1u) * 16u)) + ((lane_quad * 4u) + (e532 * 2u));
+                    float v0_6 = o_acc[((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) * 4u) + ((half531 * 2u) + e532)];
+                    float v1_6 = o_acc[(((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) + 1u) * 4u) + ((half531 * 2u) + e532)];
+                    const unsigned h = h0 + row_16;
                     if (h < p.heads) {
-                        const float l = row_sum[row_18];
+                        const float l = row_sum[row_16];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_6;
-                    o_acc[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_6;
+                    o_acc[((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) * 4u) + ((half531 * 2u) + e532)] = v0_6;
+                    o_acc[(((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) + 1u) * 4u) + ((half531 * 2u) + e532)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
+        for (unsigned frag533 = 0u; frag533 < 1u; frag533 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+            for (unsigned half534 = 0u; half534 < 2u; half534 += 1u) {
                 #pragma unroll
-                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
-                    float v0_7 = o_acc_1[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
-                    float v1_7 = o_acc_1[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
-                    const unsigned h_1 = h0 + row_19;
+                for (unsigned e535 = 0u; e535 < 2u; e535 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag533 / 1u) * 16u)) + ((half534 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag533 % 1u) * 16u)) + ((lane_quad * 4u) + (e535 * 2u));
+                    float v0_7 = o_acc_1[((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) * 4u) + ((half534 * 2u) + e535)];
+                    float v1_7 = o_acc_1[(((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) + 1u) * 4u) + ((half534 * 2u) + e535)];
+                    const unsigned h_1 = h0 + row_17;
                     if (h_1 < p.heads) {
-                        const float l_1 = row_sum[row_19];
+                        const float l_1 = row_sum[row_17];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_7;
-                    o_acc_1[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_7;
+                    o_acc_1[((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) * 4u) + ((half534 * 2u) + e535)] = v0_7;
+                    o_acc_1[(((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) + 1u) * 4u) + ((half534 * 2u) + e535)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
+        for (unsigned frag536 = 0u; frag536 < 1u; frag536 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    float v0_8 = o_acc_2[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
-                    float v1_8 = o_acc_2[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
-                    const unsigned h_2 = h0 + row_20;
+                for (unsigned e538 = 0u; e538 < 2u; e538 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag536 / 1u) * 16u)) + ((half537 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag536 % 1u) * 16u)) + ((lane_quad * 4u) + (e538 * 2u));
+                    float v0_8 = o_acc_2[((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) * 4u) + ((half537 * 2u) + e538)];
+                    float v1_8 = o_acc_2[(((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) + 1u) * 4u) + ((half537 * 2u) + e538)];
+                    const unsigned h_2 = h0 + row_18;
                     if (h_2 < p.heads) {
-                        const float l_2 = row_sum[row_20];
+                        const float l_2 = row_sum[row_18];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_8;
-                    o_acc_2[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_8;
+                    o_acc_2[((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) * 4u) + ((half537 * 2u) + e538)] = v0_8;
+                    o_acc_2[(((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) + 1u) * 4u) + ((half537 * 2u) + e538)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag555 = 0u; frag555 < 1u; frag555 += 1u) {
+        for (unsigned frag539 = 0u; frag539 < 1u; frag539 += 1u) {
             #pragma unroll
-            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
+            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
                 #pragma unroll
-                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
-                    float v0_9 = o_acc_3[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
-                    float v1_9 = o_acc_3[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
-                    const unsigned h_3 = h0 + row_21;
+                for (unsigned e541 = 0u; e541 < 2u; e541 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag539 / 1u) * 16u)) + ((half540 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag539 % 1u) * 16u)) + ((lane_quad * 4u) + (e541 * 2u));
+                    float v0_9 = o_acc_3[((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) * 4u) + ((half540 * 2u) + e541)];
+                    float v1_9 = o_acc_3[(((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) + 1u) * 4u) + ((half540 * 2u) + e541)];
+                    const unsigned h_3 = h0 + row_19;
                     if (h_3 < p.heads) {
-                        const float l_3 = row_sum[row_21];
+                        const float l_3 = row_sum[row_19];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_9;
-                    o_acc_3[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_9;
+                    o_acc_3[((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) * 4u) + ((half540 * 2u) + e541)] = v0_9;
+                    o_acc_3[(((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) + 1u) * 4u) + ((half540 * 2u) + e541)] = v1_9;
                 }
             }
         }
@@ -2061,94 +1981,94 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag558 = 0u; frag558 < 1u; frag558 += 1u) {
+        for (unsigned frag542 = 0u; frag542 < 1u; frag542 += 1u) {
             #pragma unroll
-            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
+            for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
                 #pragma unroll
-                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    float v0_10 = o_acc[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
-                    float v1_10 = o_acc[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
-                    const unsigned h_5 = h0 + row_22;
+                for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag542 / 1u) * 16u)) + ((half543 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag542 % 1u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
+                    float v0_10 = o_acc[((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) * 4u) + ((half543 * 2u) + e544)];
+                    float v1_10 = o_acc[(((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)];
+                    const unsigned h_5 = h0 + row_20;
                     if (h_5 < p.heads) {
-                        const float l_5 = row_sum[row_22];
+                        const float l_5 = row_sum[row_20];
                         const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
                         const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_10;
-                    o_acc[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_10;
+                    o_acc[((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) * 4u) + ((half543 * 2u) + e544)] = v0_10;
+                    o_acc[(((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag561 = 0u; frag561 < 1u; frag561 += 1u) {
+        for (unsigned frag545 = 0u; frag545 < 1u; frag545 += 1u) {
             #pragma unroll
-            for (unsigned half562 = 0u; half562 < 2u; half562 += 1u) {
+            for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
                 #pragma unroll
-                for (unsigned e563 = 0u; e563 < 2u; e563 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag561 / 1u) * 16u)) + ((half562 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag561 % 1u) * 16u)) + ((lane_quad * 4u) + (e563 * 2u));
-                    float v0_11 = o_acc_1[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)];
-                    float v1_11 = o_acc_1[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)];
-                    const unsigned h_6 = h0 + row_23;
+                for (unsigned e547 = 0u; e547 < 2u; e547 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag545 / 1u) * 16u)) + ((half546 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag545 % 1u) * 16u)) + ((lane_quad * 4u) + (e547 * 2u));
+                    float v0_11 = o_acc_1[((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) * 4u) + ((half546 * 2u) + e547)];
+                    float v1_11 = o_acc_1[(((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)];
+                    const unsigned h_6 = h0 + row_21;
                     if (h_6 < p.heads) {
-                        const float l_6 = row_sum[row_23];
+                        const float l_6 = row_sum[row_21];
                         const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
                         const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)] = v0_11;
-                    o_acc_1[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)] = v1_11;
+                    o_acc_1[((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) * 4u) + ((half546 * 2u) + e547)] = v0_11;
+                    o_acc_1[(((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag564 = 0u; frag564 < 1u; frag564 += 1u) {
+        for (unsigned frag548 = 0u; frag548 < 1u; frag548 += 1u) {
             #pragma unroll
-            for (unsigned half565 = 0u; half565 < 2u; half565 += 1u) {
+            for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
                 #pragma unroll
-                for (unsigned e566 = 0u; e566 < 2u; e566 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag564 / 1u) * 16u)) + ((half565 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag564 % 1u) * 16u)) + ((lane_quad * 4u) + (e566 * 2u));
-                    float v0_12 = o_acc_2[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)];
-                    float v1_12 = o_acc_2[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)];
-                    const unsigned h_7 = h0 + row_24;
+                for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag548 / 1u) * 16u)) + ((half549 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag548 % 1u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
+                    float v0_12 = o_acc_2[((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) * 4u) + ((half549 * 2u) + e550)];
+                    float v1_12 = o_acc_2[(((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)];
+                    const unsigned h_7 = h0 + row_22;
                     if (h_7 < p.heads) {
-                        const float l_7 = row_sum[row_24];
+                        const float l_7 = row_sum[row_22];
                         const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
                         const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)] = v0_12;
-                    o_acc_2[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)] = v1_12;
+                    o_acc_2[((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) * 4u) + ((half549 * 2u) + e550)] = v0_12;
+                    o_acc_2[(((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag567 = 0u; frag567 < 1u; frag567 += 1u) {
+        for (unsigned frag551 = 0u; frag551 < 1u; frag551 += 1u) {
             #pragma unroll
-            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
+            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
                 #pragma unroll
-                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
-                    float v0_13 = o_acc_3[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
-                    float v1_13 = o_acc_3[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
-                    const unsigned h_8 = h0 + row_25;
+                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag551 / 1u) * 16u)) + ((half552 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag551 % 1u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
+                    float v0_13 = o_acc_3[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
+                    float v1_13 = o_acc_3[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
+                    const unsigned h_8 = h0 + row_23;
                     if (h_8 < p.heads) {
-                        const float l_8 = row_sum[row_25];
+                        const float l_8 = row_sum[row_23];
                         const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
                         const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_13;
-                    o_acc_3[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_13;
+                    o_acc_3[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_13;
+                    o_acc_3[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_13;
                 }
             }
         }

@@ -12,7 +12,7 @@
 // fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 // mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 66240 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 64192 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -37,7 +37,7 @@
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 66240 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 64192 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
 // it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
@@ -348,12 +348,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const row_sum = (float*)(dyn_smem + 128); // [32]
     unsigned* const ring_barriers = (unsigned*)(dyn_smem + 512); // [8]
     float* const row_valid = (float*)(dyn_smem + 544); // [72]
-    unsigned* const kv_latent = (unsigned*)(dyn_smem + 832); // [8448]
-    float* const kv_scales = (float*)(dyn_smem + 34624); // [256]
-    unsigned* const kv_rope = (unsigned*)(dyn_smem + 35648); // [2304]
-    unsigned* const p_tile = (unsigned*)(dyn_smem + 44864); // [640]
-    float* const row_exchange = (float*)(dyn_smem + 47424); // [96]
-    float* const split_k_partials = (float*)(dyn_smem + 47808); // [4608]
+    unsigned* const kv_rows = (unsigned*)(dyn_smem + 832); // [10496]
+    float* const kv_scales = (float*)(dyn_smem + 1344); // [10496]
+    unsigned* const kv_rope = (unsigned*)(dyn_smem + 1360); // [10496]
+    unsigned* const p_tile = (unsigned*)(dyn_smem + 42816); // [640]
+    float* const row_exchange = (float*)(dyn_smem + 45376); // [96]
+    float* const split_k_partials = (float*)(dyn_smem + 45760); // [4608]
     float scores[8];
     float o_acc[16];
     float o_acc_1[16];
@@ -375,47 +375,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_lo[8];
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
-    int kv_latent_pre[1];
-    int kv_scales_pre[1];
-    int kv_rope_pre[1];
+    int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha308[4];
+    float row_alpha298[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag326[4];
-    unsigned b_frag327[4];
+    unsigned a_frag310[4];
+    unsigned b_frag311[4];
     unsigned b_raw[2];
-    unsigned a_frag337[4];
-    unsigned b_frag338[2];
-    unsigned a_frag343[4];
-    unsigned b_frag344[4];
-    unsigned b_raw345[2];
-    unsigned a_frag360[4];
-    unsigned b_frag361[2];
-    unsigned a_frag366[4];
-    unsigned b_frag367[4];
-    unsigned b_raw368[2];
-    unsigned a_frag383[4];
-    unsigned b_frag384[2];
-    unsigned a_frag389[4];
-    unsigned b_frag390[4];
-    unsigned b_raw391[2];
-    unsigned a_frag406[4];
-    unsigned b_frag407[4];
-    unsigned a_frag454[8];
-    unsigned b_frag455[4];
-    unsigned b_raw456[2];
-    unsigned a_frag478[8];
-    unsigned b_frag479[4];
-    unsigned b_raw480[2];
-    unsigned a_frag505[8];
-    unsigned b_frag506[4];
-    unsigned b_raw507[2];
-    unsigned a_frag532[8];
-    unsigned b_frag533[4];
-    unsigned b_raw534[2];
+    unsigned a_frag321[4];
+    unsigned b_frag322[2];
+    unsigned a_frag327[4];
+    unsigned b_frag328[4];
+    unsigned b_raw329[2];
+    unsigned a_frag344[4];
+    unsigned b_frag345[2];
+    unsigned a_frag350[4];
+    unsigned b_frag351[4];
+    unsigned b_raw352[2];
+    unsigned a_frag367[4];
+    unsigned b_frag368[2];
+    unsigned a_frag373[4];
+    unsigned b_frag374[4];
+    unsigned b_raw375[2];
+    unsigned a_frag390[4];
+    unsigned b_frag391[4];
+    unsigned a_frag438[8];
+    unsigned b_frag439[4];
+    unsigned b_raw440[2];
+    unsigned a_frag462[8];
+    unsigned b_frag463[4];
+    unsigned b_raw464[2];
+    unsigned a_frag489[8];
+    unsigned b_frag490[4];
+    unsigned b_raw491[2];
+    unsigned a_frag516[8];
+    unsigned b_frag517[4];
+    unsigned b_raw518[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -445,20 +443,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // ring stages zeroed (rows without a source stay finite), mbarriers initialised
     #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 8448u; zero_i += 256u) {
-        kv_latent[zero_i] = 0u;
+    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
+        kv_rows[zero_i] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i591 = threadIdx.x; zero_i591 < 2304u; zero_i591 += 256u) {
-        kv_rope[zero_i591] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i592 = threadIdx.x; zero_i592 < 256u; zero_i592 += 256u) {
-        kv_scales[zero_i592] = 0.0f;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i593 = threadIdx.x; zero_i593 < 72u; zero_i593 += 256u) {
-        row_valid[zero_i593] = 0.0f;
+    for (unsigned zero_i575 = threadIdx.x; zero_i575 < 72u; zero_i575 += 256u) {
+        row_valid[zero_i575] = 0.0f;
     }
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
@@ -1041,48 +1031,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_2 = gather_row295;
-                    kv_scales_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
-                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
-                if (gather_row297 < 32u) {
-                    const unsigned row_3 = gather_row297;
-                    kv_rope_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot298 = 0u; slot298 < 1u; slot298 += 1u) {
-                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot298 * 128u);
-                if (gather_row299 < 32u) {
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row299;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot298] >= 0)) && (((unsigned)kv_latent_pre[slot298]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot298]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row299;
-                    const int src_i32300 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot298] >= 0)) && (((unsigned)kv_scales_pre[slot298]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot298]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row299;
-                    const int src_i32301 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot298] >= 0)) && (((unsigned)kv_rope_pre[slot298]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot298]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row299] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row295;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot294] >= 0)) && (((unsigned)kv_rows_pre[slot294]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot294]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot294]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row295] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row299 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + (load_stage * 2u));
-                    }
-                    if (src_i32300 >= 0) {
-                        copy_async(kv_scales + (load_stage * 128u) + (gather_row299 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32300), 16u, ring_barriers + (load_stage * 2u));
-                    }
-                    if (src_i32301 >= 0) {
-                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row299 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 128u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row295 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
@@ -1091,27 +1055,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_count) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
-                if (gather_row303 < 32u) {
-                    const unsigned row_1 = gather_row303;
-                    kv_latent_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot304 = 0u; slot304 < 1u; slot304 += 1u) {
-                const unsigned gather_row305 = ((warp - 4u) + (lane * 4u)) + (slot304 * 128u);
-                if (gather_row305 < 32u) {
-                    const unsigned row_2 = gather_row305;
-                    kv_scales_pre[slot304] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
-                const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
-                if (gather_row307 < 32u) {
-                    const unsigned row_3 = gather_row307;
-                    kv_rope_pre[slot306] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
+                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
+                if (gather_row297 < 32u) {
+                    const unsigned row_1 = gather_row297;
+                    kv_rows_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1129,10 +1077,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi309 = 0u; mi309 < 1u; mi309 += 1u) {
+        for (unsigned mi299 = 0u; mi299 < 1u; mi299 += 1u) {
             #pragma unroll
-            for (unsigned half310 = 0u; half310 < 2u; half310 += 1u) {
-                row_sum_part[(mi309 * 2u) + half310] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi309 * 16u)) + ((half310 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half300 = 0u; half300 < 2u; half300 += 1u) {
+                row_sum_part[(mi299 * 2u) + half300] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi299 * 16u)) + ((half300 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1144,16 +1092,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i323 = 0u; fill_i323 < 8u; fill_i323 += 1u) {
-            scores[fill_i323] = 0.0f;
+        for (unsigned fill_i307 = 0u; fill_i307 < 8u; fill_i307 += 1u) {
+            scores[fill_i307] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e324 = 0u; e324 < 16u; e324 += 1u) {
-            scores_term[e324] = 0.0f;
+        for (unsigned e308 = 0u; e308 < 16u; e308 += 1u) {
+            scores_term[e308] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1161,282 +1109,282 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 1u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi325 = 0u; mi325 < 2u; mi325 += 1u) {
-                        a_frag[0u] = q_tile_a0[(mi325 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[((mi325 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[((mi325 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[((mi325 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[(mi325 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[((mi325 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[((mi325 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[((mi325 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi309 = 0u; mi309 < 2u; mi309 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi309 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi309 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi309 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi309 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi309 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi309 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi309 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e331 = 0u; e331 < 16u; e331 += 1u) {
-                scores_term[16u + e331] = 0.0f;
+            for (unsigned e315 = 0u; e315 < 16u; e315 += 1u) {
+                scores_term[16u + e315] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk328 = (kk_pair * 2u) + chain;
+                    const unsigned kk312 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj330 = 0u; nj330 < 2u; nj330 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj330 * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk328) * 4u));
+                    for (unsigned nj314 = 0u; nj314 < 2u; nj314 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj314 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk312) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair332 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag327[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag327[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair332), e4m3x2_hi(e4m3_pair332));
+                        const unsigned e4m3_pair316 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag311[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag311[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair316), e4m3x2_hi(e4m3_pair316));
                         #pragma unroll
-                        for (unsigned mi329 = 0u; mi329 < 2u; mi329 += 1u) {
-                            a_frag326[0u] = q_tile_a0_bf16[((mi329 * 2u) + kk328) * 4u];
-                            a_frag326[1u] = q_tile_a0_bf16[(((mi329 * 2u) + kk328) * 4u) + 1u];
-                            a_frag326[2u] = q_tile_a0_bf16[(((mi329 * 2u) + kk328) * 4u) + 2u];
-                            a_frag326[3u] = q_tile_a0_bf16[(((mi329 * 2u) + kk328) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi329 * 2u) + nj330) * 4u)], &a_frag326[0u], &b_frag327[0u]);
+                        for (unsigned mi313 = 0u; mi313 < 2u; mi313 += 1u) {
+                            a_frag310[0u] = q_tile_a0_bf16[((mi313 * 2u) + kk312) * 4u];
+                            a_frag310[1u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 1u];
+                            a_frag310[2u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 2u];
+                            a_frag310[3u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi313 * 2u) + nj314) * 4u)], &a_frag310[0u], &b_frag311[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e333 = 0u; e333 < 16u; e333 += 1u) {
-                scores_term[e333] = scores_term[e333] + scores_term[16u + e333];
+            for (unsigned e317 = 0u; e317 < 16u; e317 += 1u) {
+                scores_term[e317] = scores_term[e317] + scores_term[16u + e317];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e334 = 0u; e334 < 4u; e334 += 1u) {
-                const float row_scale = kv_scales[(stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e334 & 1u))) * 4u)];
-                scores_part[(frag * 4u) + e334] = fmaf(scores_term[(frag * 4u) + e334], row_scale, scores_part[(frag * 4u) + e334]);
+            for (unsigned e318 = 0u; e318 < 4u; e318 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e318 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e318] = fmaf(scores_term[(frag * 4u) + e318], row_scale, scores_part[(frag * 4u) + e318]);
             }
         }
         #pragma unroll
-        for (unsigned e335 = 0u; e335 < 16u; e335 += 1u) {
-            scores_term[e335] = 0.0f;
+        for (unsigned e319 = 0u; e319 < 16u; e319 += 1u) {
+            scores_term[e319] = 0.0f;
         }
-        const unsigned n_first336 = (warp / 4u) * 16u;
+        const unsigned n_first320 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk339 = 0u; kk339 < 1u; kk339 += 1u) {
+            for (unsigned kk323 = 0u; kk323 < 1u; kk323 += 1u) {
                 #pragma unroll
-                for (unsigned nj341 = 0u; nj341 < 2u; nj341 += 1u) {
-                    ldmatrix_x2(&b_frag338[0u], kv_latent + (stage * 4224u) + (((n_first336 + (nj341 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + (((warp % 4u) + kk339) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj325 = 0u; nj325 < 2u; nj325 += 1u) {
+                    ldmatrix_x2(&b_frag322[0u], kv_rows + (stage * 5248u) + (((n_first320 + (nj325 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk323) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi340 = 0u; mi340 < 2u; mi340 += 1u) {
-                        a_frag337[0u] = q_tile_a1[(mi340 + kk339) * 4u];
-                        a_frag337[1u] = q_tile_a1[((mi340 + kk339) * 4u) + 1u];
-                        a_frag337[2u] = q_tile_a1[((mi340 + kk339) * 4u) + 2u];
-                        a_frag337[3u] = q_tile_a1[((mi340 + kk339) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi340 * 2u) + nj341) * 4u], &a_frag337[0u], &b_frag338[0u]);
-                        a_frag337[0u] = q_tile_a1_lo[(mi340 + kk339) * 4u];
-                        a_frag337[1u] = q_tile_a1_lo[((mi340 + kk339) * 4u) + 1u];
-                        a_frag337[2u] = q_tile_a1_lo[((mi340 + kk339) * 4u) + 2u];
-                        a_frag337[3u] = q_tile_a1_lo[((mi340 + kk339) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi340 * 2u) + nj341) * 4u], &a_frag337[0u], &b_frag338[0u]);
+                    for (unsigned mi324 = 0u; mi324 < 2u; mi324 += 1u) {
+                        a_frag321[0u] = q_tile_a1[(mi324 + kk323) * 4u];
+                        a_frag321[1u] = q_tile_a1[((mi324 + kk323) * 4u) + 1u];
+                        a_frag321[2u] = q_tile_a1[((mi324 + kk323) * 4u) + 2u];
+                        a_frag321[3u] = q_tile_a1[((mi324 + kk323) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj325) * 4u], &a_frag321[0u], &b_frag322[0u]);
+                        a_frag321[0u] = q_tile_a1_lo[(mi324 + kk323) * 4u];
+                        a_frag321[1u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 1u];
+                        a_frag321[2u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 2u];
+                        a_frag321[3u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj325) * 4u], &a_frag321[0u], &b_frag322[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first342 = (warp % 4u) * 2u;
+            const unsigned k_first326 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e351 = 0u; e351 < 16u; e351 += 1u) {
-                scores_term[16u + e351] = 0.0f;
+            for (unsigned e335 = 0u; e335 < 16u; e335 += 1u) {
+                scores_term[16u + e335] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair349 = 0u; kk_pair349 < 1u; kk_pair349 += 1u) {
+            for (unsigned kk_pair333 = 0u; kk_pair333 < 1u; kk_pair333 += 1u) {
                 #pragma unroll
-                for (unsigned chain350 = 0u; chain350 < 2u; chain350 += 1u) {
-                    const unsigned kk346 = (kk_pair349 * 2u) + chain350;
+                for (unsigned chain334 = 0u; chain334 < 2u; chain334 += 1u) {
+                    const unsigned kk330 = (kk_pair333 * 2u) + chain334;
                     #pragma unroll
-                    for (unsigned nj348 = 0u; nj348 < 2u; nj348 += 1u) {
-                        ldmatrix_x1(&b_raw345[0u], kv_latent + (stage * 4224u) + (((n_first336 + (nj348 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first342 + kk346) * 4u));
-                        const unsigned e4m3_pair352 = e4m3x2_prep(b_raw345[0u] & 65535u);
-                        const unsigned e4m3_pair353 = e4m3x2_prep(b_raw345[0u] >> 16u);
-                        b_frag344[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair352), e4m3x2_hi(e4m3_pair352));
-                        b_frag344[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair353), e4m3x2_hi(e4m3_pair353));
+                    for (unsigned nj332 = 0u; nj332 < 2u; nj332 += 1u) {
+                        ldmatrix_x1(&b_raw329[0u], kv_rows + (stage * 5248u) + (((n_first320 + (nj332 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first326 + kk330) * 4u));
+                        const unsigned e4m3_pair336 = e4m3x2_prep(b_raw329[0u] & 65535u);
+                        const unsigned e4m3_pair337 = e4m3x2_prep(b_raw329[0u] >> 16u);
+                        b_frag328[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair336), e4m3x2_hi(e4m3_pair336));
+                        b_frag328[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair337), e4m3x2_hi(e4m3_pair337));
                         #pragma unroll
-                        for (unsigned mi347 = 0u; mi347 < 2u; mi347 += 1u) {
-                            a_frag343[0u] = q_tile_a1_bf16[((mi347 * 2u) + kk346) * 4u];
-                            a_frag343[1u] = q_tile_a1_bf16[(((mi347 * 2u) + kk346) * 4u) + 1u];
-                            a_frag343[2u] = q_tile_a1_bf16[(((mi347 * 2u) + kk346) * 4u) + 2u];
-                            a_frag343[3u] = q_tile_a1_bf16[(((mi347 * 2u) + kk346) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain350 * 16u) + (((mi347 * 2u) + nj348) * 4u)], &a_frag343[0u], &b_frag344[0u]);
+                        for (unsigned mi331 = 0u; mi331 < 2u; mi331 += 1u) {
+                            a_frag327[0u] = q_tile_a1_bf16[((mi331 * 2u) + kk330) * 4u];
+                            a_frag327[1u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 1u];
+                            a_frag327[2u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 2u];
+                            a_frag327[3u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain334 * 16u) + (((mi331 * 2u) + nj332) * 4u)], &a_frag327[0u], &b_frag328[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e354 = 0u; e354 < 16u; e354 += 1u) {
-                scores_term[e354] = scores_term[e354] + scores_term[16u + e354];
+            for (unsigned e338 = 0u; e338 < 16u; e338 += 1u) {
+                scores_term[e338] = scores_term[e338] + scores_term[16u + e338];
             }
         }
         #pragma unroll
-        for (unsigned frag355 = 0u; frag355 < 4u; frag355 += 1u) {
+        for (unsigned frag339 = 0u; frag339 < 4u; frag339 += 1u) {
             #pragma unroll
-            for (unsigned e356 = 0u; e356 < 4u; e356 += 1u) {
-                const float row_scale357 = kv_scales[((stage * 128u) + (((n_first336 + ((frag355 % 2u) * 8u)) + ((lane_quad * 2u) + (e356 & 1u))) * 4u)) + 1u];
-                scores_part[(frag355 * 4u) + e356] = fmaf(scores_term[(frag355 * 4u) + e356], row_scale357, scores_part[(frag355 * 4u) + e356]);
+            for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
+                const float row_scale341 = kv_scales[((stage * 5248u) + (((n_first320 + ((frag339 % 2u) * 8u)) + ((lane_quad * 2u) + (e340 & 1u))) * 164u)) + 1u];
+                scores_part[(frag339 * 4u) + e340] = fmaf(scores_term[(frag339 * 4u) + e340], row_scale341, scores_part[(frag339 * 4u) + e340]);
             }
         }
         #pragma unroll
-        for (unsigned e358 = 0u; e358 < 16u; e358 += 1u) {
-            scores_term[e358] = 0.0f;
+        for (unsigned e342 = 0u; e342 < 16u; e342 += 1u) {
+            scores_term[e342] = 0.0f;
         }
-        const unsigned n_first359 = (warp / 4u) * 16u;
+        const unsigned n_first343 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk362 = 0u; kk362 < 1u; kk362 += 1u) {
+            for (unsigned kk346 = 0u; kk346 < 1u; kk346 += 1u) {
                 #pragma unroll
-                for (unsigned nj364 = 0u; nj364 < 2u; nj364 += 1u) {
-                    ldmatrix_x2(&b_frag361[0u], kv_latent + (stage * 4224u) + (((n_first359 + (nj364 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + (((warp % 4u) + kk362) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj348 = 0u; nj348 < 2u; nj348 += 1u) {
+                    ldmatrix_x2(&b_frag345[0u], kv_rows + (stage * 5248u) + (((n_first343 + (nj348 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk346) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi363 = 0u; mi363 < 2u; mi363 += 1u) {
-                        a_frag360[0u] = q_tile_a2[(mi363 + kk362) * 4u];
-                        a_frag360[1u] = q_tile_a2[((mi363 + kk362) * 4u) + 1u];
-                        a_frag360[2u] = q_tile_a2[((mi363 + kk362) * 4u) + 2u];
-                        a_frag360[3u] = q_tile_a2[((mi363 + kk362) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi363 * 2u) + nj364) * 4u], &a_frag360[0u], &b_frag361[0u]);
-                        a_frag360[0u] = q_tile_a2_lo[(mi363 + kk362) * 4u];
-                        a_frag360[1u] = q_tile_a2_lo[((mi363 + kk362) * 4u) + 1u];
-                        a_frag360[2u] = q_tile_a2_lo[((mi363 + kk362) * 4u) + 2u];
-                        a_frag360[3u] = q_tile_a2_lo[((mi363 + kk362) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi363 * 2u) + nj364) * 4u], &a_frag360[0u], &b_frag361[0u]);
+                    for (unsigned mi347 = 0u; mi347 < 2u; mi347 += 1u) {
+                        a_frag344[0u] = q_tile_a2[(mi347 + kk346) * 4u];
+                        a_frag344[1u] = q_tile_a2[((mi347 + kk346) * 4u) + 1u];
+                        a_frag344[2u] = q_tile_a2[((mi347 + kk346) * 4u) + 2u];
+                        a_frag344[3u] = q_tile_a2[((mi347 + kk346) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi347 * 2u) + nj348) * 4u], &a_frag344[0u], &b_frag345[0u]);
+                        a_frag344[0u] = q_tile_a2_lo[(mi347 + kk346) * 4u];
+                        a_frag344[1u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 1u];
+                        a_frag344[2u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 2u];
+                        a_frag344[3u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi347 * 2u) + nj348) * 4u], &a_frag344[0u], &b_frag345[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first365 = (warp % 4u) * 2u;
+            const unsigned k_first349 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e374 = 0u; e374 < 16u; e374 += 1u) {
-                scores_term[16u + e374] = 0.0f;
+            for (unsigned e358 = 0u; e358 < 16u; e358 += 1u) {
+                scores_term[16u + e358] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair372 = 0u; kk_pair372 < 1u; kk_pair372 += 1u) {
+            for (unsigned kk_pair356 = 0u; kk_pair356 < 1u; kk_pair356 += 1u) {
                 #pragma unroll
-                for (unsigned chain373 = 0u; chain373 < 2u; chain373 += 1u) {
-                    const unsigned kk369 = (kk_pair372 * 2u) + chain373;
+                for (unsigned chain357 = 0u; chain357 < 2u; chain357 += 1u) {
+                    const unsigned kk353 = (kk_pair356 * 2u) + chain357;
                     #pragma unroll
-                    for (unsigned nj371 = 0u; nj371 < 2u; nj371 += 1u) {
-                        ldmatrix_x1(&b_raw368[0u], kv_latent + (stage * 4224u) + (((n_first359 + (nj371 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first365 + kk369) * 4u));
-                        const unsigned e4m3_pair375 = e4m3x2_prep(b_raw368[0u] & 65535u);
-                        const unsigned e4m3_pair376 = e4m3x2_prep(b_raw368[0u] >> 16u);
-                        b_frag367[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair375), e4m3x2_hi(e4m3_pair375));
-                        b_frag367[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair376), e4m3x2_hi(e4m3_pair376));
+                    for (unsigned nj355 = 0u; nj355 < 2u; nj355 += 1u) {
+                        ldmatrix_x1(&b_raw352[0u], kv_rows + (stage * 5248u) + (((n_first343 + (nj355 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first349 + kk353) * 4u));
+                        const unsigned e4m3_pair359 = e4m3x2_prep(b_raw352[0u] & 65535u);
+                        const unsigned e4m3_pair360 = e4m3x2_prep(b_raw352[0u] >> 16u);
+                        b_frag351[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair359), e4m3x2_hi(e4m3_pair359));
+                        b_frag351[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair360), e4m3x2_hi(e4m3_pair360));
                         #pragma unroll
-                        for (unsigned mi370 = 0u; mi370 < 2u; mi370 += 1u) {
-                            a_frag366[0u] = q_tile_a2_bf16[((mi370 * 2u) + kk369) * 4u];
-                            a_frag366[1u] = q_tile_a2_bf16[(((mi370 * 2u) + kk369) * 4u) + 1u];
-                            a_frag366[2u] = q_tile_a2_bf16[(((mi370 * 2u) + kk369) * 4u) + 2u];
-                            a_frag366[3u] = q_tile_a2_bf16[(((mi370 * 2u) + kk369) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain373 * 16u) + (((mi370 * 2u) + nj371) * 4u)], &a_frag366[0u], &b_frag367[0u]);
+                        for (unsigned mi354 = 0u; mi354 < 2u; mi354 += 1u) {
+                            a_frag350[0u] = q_tile_a2_bf16[((mi354 * 2u) + kk353) * 4u];
+                            a_frag350[1u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 1u];
+                            a_frag350[2u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 2u];
+                            a_frag350[3u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain357 * 16u) + (((mi354 * 2u) + nj355) * 4u)], &a_frag350[0u], &b_frag351[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e377 = 0u; e377 < 16u; e377 += 1u) {
-                scores_term[e377] = scores_term[e377] + scores_term[16u + e377];
+            for (unsigned e361 = 0u; e361 < 16u; e361 += 1u) {
+                scores_term[e361] = scores_term[e361] + scores_term[16u + e361];
             }
         }
         #pragma unroll
-        for (unsigned frag378 = 0u; frag378 < 4u; frag378 += 1u) {
+        for (unsigned frag362 = 0u; frag362 < 4u; frag362 += 1u) {
             #pragma unroll
-            for (unsigned e379 = 0u; e379 < 4u; e379 += 1u) {
-                const float row_scale380 = kv_scales[((stage * 128u) + (((n_first359 + ((frag378 % 2u) * 8u)) + ((lane_quad * 2u) + (e379 & 1u))) * 4u)) + 2u];
-                scores_part[(frag378 * 4u) + e379] = fmaf(scores_term[(frag378 * 4u) + e379], row_scale380, scores_part[(frag378 * 4u) + e379]);
+            for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
+                const float row_scale364 = kv_scales[((stage * 5248u) + (((n_first343 + ((frag362 % 2u) * 8u)) + ((lane_quad * 2u) + (e363 & 1u))) * 164u)) + 2u];
+                scores_part[(frag362 * 4u) + e363] = fmaf(scores_term[(frag362 * 4u) + e363], row_scale364, scores_part[(frag362 * 4u) + e363]);
             }
         }
         #pragma unroll
-        for (unsigned e381 = 0u; e381 < 16u; e381 += 1u) {
-            scores_term[e381] = 0.0f;
+        for (unsigned e365 = 0u; e365 < 16u; e365 += 1u) {
+            scores_term[e365] = 0.0f;
         }
-        const unsigned n_first382 = (warp / 4u) * 16u;
+        const unsigned n_first366 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk385 = 0u; kk385 < 1u; kk385 += 1u) {
+            for (unsigned kk369 = 0u; kk369 < 1u; kk369 += 1u) {
                 #pragma unroll
-                for (unsigned nj387 = 0u; nj387 < 2u; nj387 += 1u) {
-                    ldmatrix_x2(&b_frag384[0u], kv_latent + (stage * 4224u) + (((n_first382 + (nj387 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + (((warp % 4u) + kk385) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj371 = 0u; nj371 < 2u; nj371 += 1u) {
+                    ldmatrix_x2(&b_frag368[0u], kv_rows + (stage * 5248u) + (((n_first366 + (nj371 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk369) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi386 = 0u; mi386 < 2u; mi386 += 1u) {
-                        a_frag383[0u] = q_tile_a3[(mi386 + kk385) * 4u];
-                        a_frag383[1u] = q_tile_a3[((mi386 + kk385) * 4u) + 1u];
-                        a_frag383[2u] = q_tile_a3[((mi386 + kk385) * 4u) + 2u];
-                        a_frag383[3u] = q_tile_a3[((mi386 + kk385) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi386 * 2u) + nj387) * 4u], &a_frag383[0u], &b_frag384[0u]);
-                        a_frag383[0u] = q_tile_a3_lo[(mi386 + kk385) * 4u];
-                        a_frag383[1u] = q_tile_a3_lo[((mi386 + kk385) * 4u) + 1u];
-                        a_frag383[2u] = q_tile_a3_lo[((mi386 + kk385) * 4u) + 2u];
-                        a_frag383[3u] = q_tile_a3_lo[((mi386 + kk385) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi386 * 2u) + nj387) * 4u], &a_frag383[0u], &b_frag384[0u]);
+                    for (unsigned mi370 = 0u; mi370 < 2u; mi370 += 1u) {
+                        a_frag367[0u] = q_tile_a3[(mi370 + kk369) * 4u];
+                        a_frag367[1u] = q_tile_a3[((mi370 + kk369) * 4u) + 1u];
+                        a_frag367[2u] = q_tile_a3[((mi370 + kk369) * 4u) + 2u];
+                        a_frag367[3u] = q_tile_a3[((mi370 + kk369) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi370 * 2u) + nj371) * 4u], &a_frag367[0u], &b_frag368[0u]);
+                        a_frag367[0u] = q_tile_a3_lo[(mi370 + kk369) * 4u];
+                        a_frag367[1u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 1u];
+                        a_frag367[2u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 2u];
+                        a_frag367[3u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi370 * 2u) + nj371) * 4u], &a_frag367[0u], &b_frag368[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first388 = (warp % 4u) * 2u;
+            const unsigned k_first372 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e397 = 0u; e397 < 16u; e397 += 1u) {
-                scores_term[16u + e397] = 0.0f;
+            for (unsigned e381 = 0u; e381 < 16u; e381 += 1u) {
+                scores_term[16u + e381] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair395 = 0u; kk_pair395 < 1u; kk_pair395 += 1u) {
+            for (unsigned kk_pair379 = 0u; kk_pair379 < 1u; kk_pair379 += 1u) {
                 #pragma unroll
-                for (unsigned chain396 = 0u; chain396 < 2u; chain396 += 1u) {
-                    const unsigned kk392 = (kk_pair395 * 2u) + chain396;
+                for (unsigned chain380 = 0u; chain380 < 2u; chain380 += 1u) {
+                    const unsigned kk376 = (kk_pair379 * 2u) + chain380;
                     #pragma unroll
-                    for (unsigned nj394 = 0u; nj394 < 2u; nj394 += 1u) {
-                        ldmatrix_x1(&b_raw391[0u], kv_latent + (stage * 4224u) + (((n_first382 + (nj394 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first388 + kk392) * 4u));
-                        const unsigned e4m3_pair398 = e4m3x2_prep(b_raw391[0u] & 65535u);
-                        const unsigned e4m3_pair399 = e4m3x2_prep(b_raw391[0u] >> 16u);
-                        b_frag390[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair398), e4m3x2_hi(e4m3_pair398));
-                        b_frag390[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair399), e4m3x2_hi(e4m3_pair399));
+                    for (unsigned nj378 = 0u; nj378 < 2u; nj378 += 1u) {
+                        ldmatrix_x1(&b_raw375[0u], kv_rows + (stage * 5248u) + (((n_first366 + (nj378 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first372 + kk376) * 4u));
+                        const unsigned e4m3_pair382 = e4m3x2_prep(b_raw375[0u] & 65535u);
+                        const unsigned e4m3_pair383 = e4m3x2_prep(b_raw375[0u] >> 16u);
+                        b_frag374[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair382), e4m3x2_hi(e4m3_pair382));
+                        b_frag374[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair383), e4m3x2_hi(e4m3_pair383));
                         #pragma unroll
-                        for (unsigned mi393 = 0u; mi393 < 2u; mi393 += 1u) {
-                            a_frag389[0u] = q_tile_a3_bf16[((mi393 * 2u) + kk392) * 4u];
-                            a_frag389[1u] = q_tile_a3_bf16[(((mi393 * 2u) + kk392) * 4u) + 1u];
-                            a_frag389[2u] = q_tile_a3_bf16[(((mi393 * 2u) + kk392) * 4u) + 2u];
-                            a_frag389[3u] = q_tile_a3_bf16[(((mi393 * 2u) + kk392) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain396 * 16u) + (((mi393 * 2u) + nj394) * 4u)], &a_frag389[0u], &b_frag390[0u]);
+                        for (unsigned mi377 = 0u; mi377 < 2u; mi377 += 1u) {
+                            a_frag373[0u] = q_tile_a3_bf16[((mi377 * 2u) + kk376) * 4u];
+                            a_frag373[1u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 1u];
+                            a_frag373[2u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 2u];
+                            a_frag373[3u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain380 * 16u) + (((mi377 * 2u) + nj378) * 4u)], &a_frag373[0u], &b_frag374[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e400 = 0u; e400 < 16u; e400 += 1u) {
-                scores_term[e400] = scores_term[e400] + scores_term[16u + e400];
+            for (unsigned e384 = 0u; e384 < 16u; e384 += 1u) {
+                scores_term[e384] = scores_term[e384] + scores_term[16u + e384];
             }
         }
         #pragma unroll
-        for (unsigned frag401 = 0u; frag401 < 4u; frag401 += 1u) {
+        for (unsigned frag385 = 0u; frag385 < 4u; frag385 += 1u) {
             #pragma unroll
-            for (unsigned e402 = 0u; e402 < 4u; e402 += 1u) {
-                const float row_scale403 = kv_scales[((stage * 128u) + (((n_first382 + ((frag401 % 2u) * 8u)) + ((lane_quad * 2u) + (e402 & 1u))) * 4u)) + 3u];
-                scores_part[(frag401 * 4u) + e402] = fmaf(scores_term[(frag401 * 4u) + e402], row_scale403, scores_part[(frag401 * 4u) + e402]);
+            for (unsigned e386 = 0u; e386 < 4u; e386 += 1u) {
+                const float row_scale387 = kv_scales[((stage * 5248u) + (((n_first366 + ((frag385 % 2u) * 8u)) + ((lane_quad * 2u) + (e386 & 1u))) * 164u)) + 3u];
+                scores_part[(frag385 * 4u) + e386] = fmaf(scores_term[(frag385 * 4u) + e386], row_scale387, scores_part[(frag385 * 4u) + e386]);
             }
         }
-        const unsigned n_first404 = (warp / 4u) * 16u;
-        const unsigned k_first405 = warp % 4u;
+        const unsigned n_first388 = (warp / 4u) * 16u;
+        const unsigned k_first389 = warp % 4u;
         #pragma unroll
-        for (unsigned kk409 = 0u; kk409 < 1u; kk409 += 1u) {
+        for (unsigned kk393 = 0u; kk393 < 1u; kk393 += 1u) {
             #pragma unroll
-            for (unsigned nj411 = 0u; nj411 < 2u; nj411 += 1u) {
-                ldmatrix_x2(&b_frag407[0u], kv_rope + (stage * 1152u) + (((n_first404 + (nj411 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first405 + kk409) * 8u) + (lane_k8 >> 1u));
+            for (unsigned nj395 = 0u; nj395 < 2u; nj395 += 1u) {
+                ldmatrix_x2(&b_frag391[0u], kv_rope + (stage * 5248u) + (((n_first388 + (nj395 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first389 + kk393) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi410 = 0u; mi410 < 2u; mi410 += 1u) {
-                    a_frag406[0u] = q_tile_a4[(mi410 + kk409) * 4u];
-                    a_frag406[1u] = q_tile_a4[((mi410 + kk409) * 4u) + 1u];
-                    a_frag406[2u] = q_tile_a4[((mi410 + kk409) * 4u) + 2u];
-                    a_frag406[3u] = q_tile_a4[((mi410 + kk409) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi410 * 2u) + nj411) * 4u], &a_frag406[0u], &b_frag407[0u]);
+                for (unsigned mi394 = 0u; mi394 < 2u; mi394 += 1u) {
+                    a_frag390[0u] = q_tile_a4[(mi394 + kk393) * 4u];
+                    a_frag390[1u] = q_tile_a4[((mi394 + kk393) * 4u) + 1u];
+                    a_frag390[2u] = q_tile_a4[((mi394 + kk393) * 4u) + 2u];
+                    a_frag390[3u] = q_tile_a4[((mi394 + kk393) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi394 * 2u) + nj395) * 4u], &a_frag390[0u], &b_frag391[0u]);
                 }
             }
         }
@@ -1445,12 +1393,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag414 = 0u; frag414 < 4u; frag414 += 1u) {
+        for (unsigned frag398 = 0u; frag398 < 4u; frag398 += 1u) {
             #pragma unroll
-            for (unsigned half415 = 0u; half415 < 2u; half415 += 1u) {
+            for (unsigned half399 = 0u; half399 < 2u; half399 += 1u) {
                 #pragma unroll
-                for (unsigned e416 = 0u; e416 < 2u; e416 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag414 / 2u) * 16u) + (half415 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag414 % 2u) * 8u)) + ((lane_quad * 2u) + e416))] = scores_part[((frag414 * 4u) + (half415 * 2u)) + e416] * q_tile_unscale[0u];
+                for (unsigned e400 = 0u; e400 < 2u; e400 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag398 / 2u) * 16u) + (half399 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag398 % 2u) * 8u)) + ((lane_quad * 2u) + e400))] = scores_part[((frag398 * 4u) + (half399 * 2u)) + e400] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1463,55 +1411,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage311 = ahead % 2u;
+                const unsigned load_stage301 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot312 = 0u; slot312 < 1u; slot312 += 1u) {
-                    const unsigned gather_row313 = ((warp - 4u) + (lane * 4u)) + (slot312 * 128u);
-                    if (gather_row313 < 32u) {
+                for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                    const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
+                    if (gather_row303 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row313;
-                        const int src_i32314 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot312] >= 0)) && (((unsigned)kv_latent_pre[slot312]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot312]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot312]) % p.page_size) * p.row_stride_w))) : (-1);
-                        const unsigned row_2 = gather_row313;
-                        const int src_i32315 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot312] >= 0)) && (((unsigned)kv_scales_pre[slot312]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot312]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot312]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        const unsigned row_3 = gather_row313;
-                        const int src_i32316 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot312] >= 0)) && (((unsigned)kv_rope_pre[slot312]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot312]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot312]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        row_valid[(load_stage311 * 36u) + gather_row313] = (src_i32314 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32314 >= 0) {
-                            copy_async(kv_latent + (load_stage311 * 4224u) + (gather_row313 * 132u), (const unsigned*)kv_cache + ((unsigned)src_i32314), 512u, ring_barriers + (load_stage311 * 2u));
-                        }
-                        if (src_i32315 >= 0) {
-                            copy_async(kv_scales + (load_stage311 * 128u) + (gather_row313 * 4u), (const unsigned*)kv_cache + ((unsigned)src_i32315), 16u, ring_barriers + (load_stage311 * 2u));
-                        }
-                        if (src_i32316 >= 0) {
-                            copy_async(kv_rope + (load_stage311 * 1152u) + (gather_row313 * 36u), (const unsigned*)kv_cache + ((unsigned)src_i32316), 128u, ring_barriers + (load_stage311 * 2u));
+                        const unsigned row_1 = gather_row303;
+                        const int src_i32304 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot302] >= 0)) && (((unsigned)kv_rows_pre[slot302]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot302]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot302]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage301 * 36u) + gather_row303] = (src_i32304 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32304 >= 0) {
+                            copy_async(kv_rows + (load_stage301 * 5248u) + (gather_row303 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32304), 656u, ring_barriers + (load_stage301 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage311 * 2u));
+                copy_arrive(ring_barriers + (load_stage301 * 2u));
                 if ((ahead + 1u) < step_count) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot317 = 0u; slot317 < 1u; slot317 += 1u) {
-                        const unsigned gather_row318 = ((warp - 4u) + (lane * 4u)) + (slot317 * 128u);
-                        if (gather_row318 < 32u) {
-                            const unsigned row_1 = gather_row318;
-                            kv_latent_pre[slot317] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot319 = 0u; slot319 < 1u; slot319 += 1u) {
-                        const unsigned gather_row320 = ((warp - 4u) + (lane * 4u)) + (slot319 * 128u);
-                        if (gather_row320 < 32u) {
-                            const unsigned row_2 = gather_row320;
-                            kv_scales_pre[slot319] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot321 = 0u; slot321 < 1u; slot321 += 1u) {
-                        const unsigned gather_row322 = ((warp - 4u) + (lane * 4u)) + (slot321 * 128u);
-                        if (gather_row322 < 32u) {
-                            const unsigned row_3 = gather_row322;
-                            kv_rope_pre[slot321] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    for (unsigned slot305 = 0u; slot305 < 1u; slot305 += 1u) {
+                        const unsigned gather_row306 = ((warp - 4u) + (lane * 4u)) + (slot305 * 128u);
+                        if (gather_row306 < 32u) {
+                            const unsigned row_1 = gather_row306;
+                            kv_rows_pre[slot305] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1519,34 +1441,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag417 = 0u; frag417 < 2u; frag417 += 1u) {
+            for (unsigned frag401 = 0u; frag401 < 2u; frag401 += 1u) {
                 #pragma unroll
-                for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
+                for (unsigned half402 = 0u; half402 < 2u; half402 += 1u) {
                     #pragma unroll
-                    for (unsigned e419 = 0u; e419 < 2u; e419 += 1u) {
-                        float sum = scores[((frag417 * 4u) + (half418 * 2u)) + e419];
-                        const unsigned cell = (((scores_row0 + (half418 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag417 * 8u)) + ((lane_quad * 2u) + e419));
+                    for (unsigned e403 = 0u; e403 < 2u; e403 += 1u) {
+                        float sum = scores[((frag401 * 4u) + (half402 * 2u)) + e403];
+                        const unsigned cell = (((scores_row0 + (half402 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag401 * 8u)) + ((lane_quad * 2u) + e403));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag417 * 4u) + (half418 * 2u)) + e419] = sum;
+                        scores[((frag401 * 4u) + (half402 * 2u)) + e403] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag420 = 0u; frag420 < 2u; frag420 += 1u) {
+            for (unsigned frag404 = 0u; frag404 < 2u; frag404 += 1u) {
                 #pragma unroll
-                for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag420 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag420 * 4u) + (half421 * 2u)];
-                    float v1 = scores[((frag420 * 4u) + (half421 * 2u)) + 1u];
+                for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag404 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag404 * 4u) + (half405 * 2u)];
+                    float v1 = scores[((frag404 * 4u) + (half405 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag420 * 4u) + (half421 * 2u)] = v0;
-                    scores[((frag420 * 4u) + (half421 * 2u)) + 1u] = v1;
+                    scores[(frag404 * 4u) + (half405 * 2u)] = v0;
+                    scores[((frag404 * 4u) + (half405 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1556,20 +1478,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi422 = 0u; mi422 < 1u; mi422 += 1u) {
+            for (unsigned mi406 = 0u; mi406 < 1u; mi406 += 1u) {
                 #pragma unroll
-                for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi422 * 2u) * 4u) + (half423 * 2u)], scores[((mi422 * 2u) * 4u) + ((half423 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi422 * 2u) + 1u) * 4u) + (half423 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi422 * 2u) + 1u) * 4u) + ((half423 * 2u) + 1u)]);
+                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi406 * 2u) * 4u) + (half407 * 2u)], scores[((mi406 * 2u) * 4u) + ((half407 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + (half407 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + ((half407 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other424 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other424);
+                    const float other408 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other408);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi422 * 16u)) + ((half423 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi422 * 16u)) + ((half423 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi422 * 2u) + half423];
+                            row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi406 * 2u) + half407];
                         }
                     }
                 }
@@ -1580,96 +1502,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi427 = 0u; mi427 < 1u; mi427 += 1u) {
+            for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
                 #pragma unroll
-                for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
-                    const float m_old425 = row_max_reg[(mi427 * 2u) + half428];
-                    float m_new426 = m_old425;
-                    m_new426 = fmaxf(m_new426, row_exchange[((scores_row0 + (mi427 * 16u)) + ((half428 * 8u) + lane_group)) * 3u]);
-                    m_new426 = fmaxf(m_new426, row_exchange[(((scores_row0 + (mi427 * 16u)) + ((half428 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi427 * 2u) + half428] = expf(m_old425 - m_new426);
-                    row_max_reg[(mi427 * 2u) + half428] = m_new426;
+                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
+                    const float m_old409 = row_max_reg[(mi411 * 2u) + half412];
+                    float m_new410 = m_old409;
+                    m_new410 = fmaxf(m_new410, row_exchange[((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u]);
+                    m_new410 = fmaxf(m_new410, row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi411 * 2u) + half412] = expf(m_old409 - m_new410);
+                    row_max_reg[(mi411 * 2u) + half412] = m_new410;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi431 = 0u; mi431 < 2u; mi431 += 1u) {
+        for (unsigned mi415 = 0u; mi415 < 2u; mi415 += 1u) {
             #pragma unroll
-            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                const float m_old429 = row_exchange[(((mi431 * 16u) + ((half432 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new430 = m_old429;
-                m_new430 = fmaxf(m_new430, row_exchange[((mi431 * 16u) + ((half432 * 8u) + lane_group)) * 3u]);
-                m_new430 = fmaxf(m_new430, row_exchange[(((mi431 * 16u) + ((half432 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha308[(mi431 * 2u) + half432] = expf(m_old429 - m_new430);
+            for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
+                const float m_old413 = row_exchange[(((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new414 = m_old413;
+                m_new414 = fmaxf(m_new414, row_exchange[((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u]);
+                m_new414 = fmaxf(m_new414, row_exchange[(((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha298[(mi415 * 2u) + half416] = expf(m_old413 - m_new414);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi436 = 0u; mi436 < 1u; mi436 += 1u) {
+            for (unsigned mi420 = 0u; mi420 < 1u; mi420 += 1u) {
                 #pragma unroll
-                for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
+                for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj433 = 0u; nj433 < 2u; nj433 += 1u) {
+                    for (unsigned nj417 = 0u; nj417 < 2u; nj417 += 1u) {
                         #pragma unroll
-                        for (unsigned e434 = 0u; e434 < 2u; e434 += 1u) {
-                            const unsigned at435 = (((mi436 * 2u) + nj433) * 4u) + ((half437 * 2u) + e434);
-                            const float p = (scores[at435] < (-1e38f)) ? 0.0f : expf(scores[at435] - row_max_reg[(mi436 * 2u) + half437]);
-                            scores[at435] = p;
+                        for (unsigned e418 = 0u; e418 < 2u; e418 += 1u) {
+                            const unsigned at419 = (((mi420 * 2u) + nj417) * 4u) + ((half421 * 2u) + e418);
+                            const float p = (scores[at419] < (-1e38f)) ? 0.0f : expf(scores[at419] - row_max_reg[(mi420 * 2u) + half421]);
+                            scores[at419] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi436 * 2u) + half437] = (row_sum_part[(mi436 * 2u) + half437] * row_alpha[(mi436 * 2u) + half437]) + p_sum;
+                    row_sum_part[(mi420 * 2u) + half421] = (row_sum_part[(mi420 * 2u) + half421] * row_alpha[(mi420 * 2u) + half421]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag438 = 0u; frag438 < 4u; frag438 += 1u) {
+        for (unsigned frag422 = 0u; frag422 < 4u; frag422 += 1u) {
             #pragma unroll
-            for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
-                const float alpha440 = row_alpha308[((frag438 / 2u) * 2u) + half439];
-                o_acc[(frag438 * 4u) + (half439 * 2u)] = o_acc[(frag438 * 4u) + (half439 * 2u)] * alpha440;
-                o_acc[((frag438 * 4u) + (half439 * 2u)) + 1u] = o_acc[((frag438 * 4u) + (half439 * 2u)) + 1u] * alpha440;
+            for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
+                const float alpha424 = row_alpha298[((frag422 / 2u) * 2u) + half423];
+                o_acc[(frag422 * 4u) + (half423 * 2u)] = o_acc[(frag422 * 4u) + (half423 * 2u)] * alpha424;
+                o_acc[((frag422 * 4u) + (half423 * 2u)) + 1u] = o_acc[((frag422 * 4u) + (half423 * 2u)) + 1u] * alpha424;
             }
         }
         #pragma unroll
-        for (unsigned frag441 = 0u; frag441 < 4u; frag441 += 1u) {
+        for (unsigned frag425 = 0u; frag425 < 4u; frag425 += 1u) {
             #pragma unroll
-            for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
-                const float alpha443 = row_alpha308[((frag441 / 2u) * 2u) + half442];
-                o_acc_1[(frag441 * 4u) + (half442 * 2u)] = o_acc_1[(frag441 * 4u) + (half442 * 2u)] * alpha443;
-                o_acc_1[((frag441 * 4u) + (half442 * 2u)) + 1u] = o_acc_1[((frag441 * 4u) + (half442 * 2u)) + 1u] * alpha443;
+            for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
+                const float alpha427 = row_alpha298[((frag425 / 2u) * 2u) + half426];
+                o_acc_1[(frag425 * 4u) + (half426 * 2u)] = o_acc_1[(frag425 * 4u) + (half426 * 2u)] * alpha427;
+                o_acc_1[((frag425 * 4u) + (half426 * 2u)) + 1u] = o_acc_1[((frag425 * 4u) + (half426 * 2u)) + 1u] * alpha427;
             }
         }
         #pragma unroll
-        for (unsigned frag444 = 0u; frag444 < 4u; frag444 += 1u) {
+        for (unsigned frag428 = 0u; frag428 < 4u; frag428 += 1u) {
             #pragma unroll
-            for (unsigned half445 = 0u; half445 < 2u; half445 += 1u) {
-                const float alpha446 = row_alpha308[((frag444 / 2u) * 2u) + half445];
-                o_acc_2[(frag444 * 4u) + (half445 * 2u)] = o_acc_2[(frag444 * 4u) + (half445 * 2u)] * alpha446;
-                o_acc_2[((frag444 * 4u) + (half445 * 2u)) + 1u] = o_acc_2[((frag444 * 4u) + (half445 * 2u)) + 1u] * alpha446;
+            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
+                const float alpha430 = row_alpha298[((frag428 / 2u) * 2u) + half429];
+                o_acc_2[(frag428 * 4u) + (half429 * 2u)] = o_acc_2[(frag428 * 4u) + (half429 * 2u)] * alpha430;
+                o_acc_2[((frag428 * 4u) + (half429 * 2u)) + 1u] = o_acc_2[((frag428 * 4u) + (half429 * 2u)) + 1u] * alpha430;
             }
         }
         #pragma unroll
-        for (unsigned frag447 = 0u; frag447 < 4u; frag447 += 1u) {
+        for (unsigned frag431 = 0u; frag431 < 4u; frag431 += 1u) {
             #pragma unroll
-            for (unsigned half448 = 0u; half448 < 2u; half448 += 1u) {
-                const float alpha449 = row_alpha308[((frag447 / 2u) * 2u) + half448];
-                o_acc_3[(frag447 * 4u) + (half448 * 2u)] = o_acc_3[(frag447 * 4u) + (half448 * 2u)] * alpha449;
-                o_acc_3[((frag447 * 4u) + (half448 * 2u)) + 1u] = o_acc_3[((frag447 * 4u) + (half448 * 2u)) + 1u] * alpha449;
+            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                const float alpha433 = row_alpha298[((frag431 / 2u) * 2u) + half432];
+                o_acc_3[(frag431 * 4u) + (half432 * 2u)] = o_acc_3[(frag431 * 4u) + (half432 * 2u)] * alpha433;
+                o_acc_3[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc_3[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag452 = 0u; frag452 < 2u; frag452 += 1u) {
+            for (unsigned frag436 = 0u; frag436 < 2u; frag436 += 1u) {
                 #pragma unroll
-                for (unsigned half453 = 0u; half453 < 2u; half453 += 1u) {
-                    const unsigned row450 = (scores_row0 + ((frag452 / 2u) * 16u)) + ((half453 * 8u) + lane_group);
-                    const unsigned col451 = (scores_col0 + ((frag452 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag452 * 4u) + (half453 * 2u);
-                    p_tile[(row450 * 20u) + (col451 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
+                    const unsigned row434 = (scores_row0 + ((frag436 / 2u) * 16u)) + ((half437 * 8u) + lane_group);
+                    const unsigned col435 = (scores_col0 + ((frag436 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag436 * 4u) + (half437 * 2u);
+                    p_tile[(row434 * 20u) + (col435 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1678,284 +1600,284 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk457 = 0u; kk457 < 2u; kk457 += 1u) {
+        for (unsigned kk441 = 0u; kk441 < 2u; kk441 += 1u) {
             #pragma unroll
-            for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                ldmatrix_x4(&a_frag454[mi458 * 4u], p_tile + a_lane_word + (mi458 * 320u) + (kk457 * 8u));
+            for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
+                ldmatrix_x4(&a_frag438[mi442 * 4u], p_tile + a_lane_word + (mi442 * 320u) + (kk441 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale466 = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
-                const float k_scale467 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-                const float k_scale468 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-                const float k_scale469 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-                a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale466, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale467);
-                a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale466, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale467);
-                a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale468, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale469);
-                a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale468, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale469);
-                const float k_scale470 = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
-                const float k_scale471 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-                const float k_scale472 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-                const float k_scale473 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-                a_frag454[4u] = pack_bf16x2(__uint_as_float(a_frag454[4u] << 16u) * k_scale470, __uint_as_float(a_frag454[4u] & 4294901760u) * k_scale471);
-                a_frag454[5u] = pack_bf16x2(__uint_as_float(a_frag454[5u] << 16u) * k_scale470, __uint_as_float(a_frag454[5u] & 4294901760u) * k_scale471);
-                a_frag454[6u] = pack_bf16x2(__uint_as_float(a_frag454[6u] << 16u) * k_scale472, __uint_as_float(a_frag454[6u] & 4294901760u) * k_scale473);
-                a_frag454[7u] = pack_bf16x2(__uint_as_float(a_frag454[7u] << 16u) * k_scale472, __uint_as_float(a_frag454[7u] & 4294901760u) * k_scale473);
+                const float k_scale450 = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag438[0u] = pack_bf16x2(__uint_as_float(a_frag438[0u] << 16u) * k_scale450, __uint_as_float(a_frag438[0u] & 4294901760u) * k_scale451);
+                a_frag438[1u] = pack_bf16x2(__uint_as_float(a_frag438[1u] << 16u) * k_scale450, __uint_as_float(a_frag438[1u] & 4294901760u) * k_scale451);
+                a_frag438[2u] = pack_bf16x2(__uint_as_float(a_frag438[2u] << 16u) * k_scale452, __uint_as_float(a_frag438[2u] & 4294901760u) * k_scale453);
+                a_frag438[3u] = pack_bf16x2(__uint_as_float(a_frag438[3u] << 16u) * k_scale452, __uint_as_float(a_frag438[3u] & 4294901760u) * k_scale453);
+                const float k_scale454 = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag438[4u] = pack_bf16x2(__uint_as_float(a_frag438[4u] << 16u) * k_scale454, __uint_as_float(a_frag438[4u] & 4294901760u) * k_scale455);
+                a_frag438[5u] = pack_bf16x2(__uint_as_float(a_frag438[5u] << 16u) * k_scale454, __uint_as_float(a_frag438[5u] & 4294901760u) * k_scale455);
+                a_frag438[6u] = pack_bf16x2(__uint_as_float(a_frag438[6u] << 16u) * k_scale456, __uint_as_float(a_frag438[6u] & 4294901760u) * k_scale457);
+                a_frag438[7u] = pack_bf16x2(__uint_as_float(a_frag438[7u] << 16u) * k_scale456, __uint_as_float(a_frag438[7u] & 4294901760u) * k_scale457);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw456[0u], kv_latent + (stage * 4224u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
-                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
-                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477), e4m3x2_hi(e4m3_pair477));
+                    ldmatrix_x2_trans(&b_raw440[0u], kv_rows + (stage * 5248u) + (((kk441 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw440[0u] & 255u) | ((b_raw440[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw440[0u] >> 8u) & 255u) | ((b_raw440[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw440[1u] & 255u) | ((b_raw440[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw440[1u] >> 8u) & 255u) | ((b_raw440[1u] >> 16u) & 65280u));
+                    b_frag439[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
+                    b_frag439[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+                    b_frag439[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
+                    b_frag439[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461), e4m3x2_hi(e4m3_pair461));
                     #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi458 * 2u) + (np * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
+                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi442 * 2u) + (np * 2u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi458 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
+                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi442 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw456[0u], kv_latent + (stage * 4224u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 128u) + (((kk457 * 16u) + (lane_quad * 2u)) * 4u)];
-                    const float k_scale463 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 4u)];
-                    const float k_scale464 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 4u)];
-                    const float k_scale465 = kv_scales[(stage * 128u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 4u)];
-                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
-                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459) * k_scale, e4m3x2_hi(e4m3_pair459) * k_scale463);
-                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
-                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale, e4m3x2_hi(e4m3_pair460) * k_scale463);
-                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale464, e4m3x2_hi(e4m3_pair462) * k_scale465);
+                    ldmatrix_x2_trans(&b_raw440[0u], kv_rows + (stage * 5248u) + (((kk441 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair443 = e4m3x2_prep((b_raw440[0u] & 255u) | ((b_raw440[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair444 = e4m3x2_prep(((b_raw440[0u] >> 8u) & 255u) | ((b_raw440[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw440[1u] & 255u) | ((b_raw440[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw440[1u] >> 8u) & 255u) | ((b_raw440[1u] >> 16u) & 65280u));
+                    b_frag439[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair443) * k_scale, e4m3x2_hi(e4m3_pair443) * k_scale447);
+                    b_frag439[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale448, e4m3x2_hi(e4m3_pair445) * k_scale449);
+                    b_frag439[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair444) * k_scale, e4m3x2_hi(e4m3_pair444) * k_scale447);
+                    b_frag439[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale448, e4m3x2_hi(e4m3_pair446) * k_scale449);
                     #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi458 * 2u) + (np * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
+                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi442 * 2u) + (np * 2u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 2u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi458 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word484 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk481 = 0u; kk481 < 2u; kk481 += 1u) {
-            #pragma unroll
-            for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
-                ldmatrix_x4(&a_frag478[mi482 * 4u], p_tile + a_lane_word484 + (mi482 * 320u) + (kk481 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale493 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-                const float k_scale494 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-                const float k_scale495 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-                const float k_scale496 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-                a_frag478[0u] = pack_bf16x2(__uint_as_float(a_frag478[0u] << 16u) * k_scale493, __uint_as_float(a_frag478[0u] & 4294901760u) * k_scale494);
-                a_frag478[1u] = pack_bf16x2(__uint_as_float(a_frag478[1u] << 16u) * k_scale493, __uint_as_float(a_frag478[1u] & 4294901760u) * k_scale494);
-                a_frag478[2u] = pack_bf16x2(__uint_as_float(a_frag478[2u] << 16u) * k_scale495, __uint_as_float(a_frag478[2u] & 4294901760u) * k_scale496);
-                a_frag478[3u] = pack_bf16x2(__uint_as_float(a_frag478[3u] << 16u) * k_scale495, __uint_as_float(a_frag478[3u] & 4294901760u) * k_scale496);
-                const float k_scale497 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-                const float k_scale498 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-                const float k_scale499 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-                const float k_scale500 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-                a_frag478[4u] = pack_bf16x2(__uint_as_float(a_frag478[4u] << 16u) * k_scale497, __uint_as_float(a_frag478[4u] & 4294901760u) * k_scale498);
-                a_frag478[5u] = pack_bf16x2(__uint_as_float(a_frag478[5u] << 16u) * k_scale497, __uint_as_float(a_frag478[5u] & 4294901760u) * k_scale498);
-                a_frag478[6u] = pack_bf16x2(__uint_as_float(a_frag478[6u] << 16u) * k_scale499, __uint_as_float(a_frag478[6u] & 4294901760u) * k_scale500);
-                a_frag478[7u] = pack_bf16x2(__uint_as_float(a_frag478[7u] << 16u) * k_scale499, __uint_as_float(a_frag478[7u] & 4294901760u) * k_scale500);
-                #pragma unroll
-                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
-                    ldmatrix_x2_trans(&b_raw480[0u], kv_latent + (stage * 4224u) + (((kk481 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np483 * 16u)) >> 2u));
-                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
-                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501), e4m3x2_hi(e4m3_pair501));
-                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
-                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                    #pragma unroll
-                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
-                    ldmatrix_x2_trans(&b_raw480[0u], kv_latent + (stage * 4224u) + (((kk481 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np483 * 16u)) >> 2u));
-                    const float k_scale489 = kv_scales[((stage * 128u) + (((kk481 * 16u) + (lane_quad * 2u)) * 4u)) + 1u];
-                    const float k_scale490 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u];
-                    const float k_scale491 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u];
-                    const float k_scale492 = kv_scales[((stage * 128u) + ((((kk481 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u];
-                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
-                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
-                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale491, e4m3x2_hi(e4m3_pair487) * k_scale492);
-                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
-                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488) * k_scale491, e4m3x2_hi(e4m3_pair488) * k_scale492);
-                    #pragma unroll
-                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi482 = 0u; mi482 < 2u; mi482 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
+                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi442 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word511 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word468 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk508 = 0u; kk508 < 2u; kk508 += 1u) {
+        for (unsigned kk465 = 0u; kk465 < 2u; kk465 += 1u) {
             #pragma unroll
-            for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
-                ldmatrix_x4(&a_frag505[mi509 * 4u], p_tile + a_lane_word511 + (mi509 * 320u) + (kk508 * 8u));
+            for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                ldmatrix_x4(&a_frag462[mi466 * 4u], p_tile + a_lane_word468 + (mi466 * 320u) + (kk465 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale520 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-                const float k_scale521 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-                const float k_scale522 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-                const float k_scale523 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-                a_frag505[0u] = pack_bf16x2(__uint_as_float(a_frag505[0u] << 16u) * k_scale520, __uint_as_float(a_frag505[0u] & 4294901760u) * k_scale521);
-                a_frag505[1u] = pack_bf16x2(__uint_as_float(a_frag505[1u] << 16u) * k_scale520, __uint_as_float(a_frag505[1u] & 4294901760u) * k_scale521);
-                a_frag505[2u] = pack_bf16x2(__uint_as_float(a_frag505[2u] << 16u) * k_scale522, __uint_as_float(a_frag505[2u] & 4294901760u) * k_scale523);
-                a_frag505[3u] = pack_bf16x2(__uint_as_float(a_frag505[3u] << 16u) * k_scale522, __uint_as_float(a_frag505[3u] & 4294901760u) * k_scale523);
-                const float k_scale524 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-                const float k_scale525 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-                const float k_scale526 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-                const float k_scale527 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-                a_frag505[4u] = pack_bf16x2(__uint_as_float(a_frag505[4u] << 16u) * k_scale524, __uint_as_float(a_frag505[4u] & 4294901760u) * k_scale525);
-                a_frag505[5u] = pack_bf16x2(__uint_as_float(a_frag505[5u] << 16u) * k_scale524, __uint_as_float(a_frag505[5u] & 4294901760u) * k_scale525);
-                a_frag505[6u] = pack_bf16x2(__uint_as_float(a_frag505[6u] << 16u) * k_scale526, __uint_as_float(a_frag505[6u] & 4294901760u) * k_scale527);
-                a_frag505[7u] = pack_bf16x2(__uint_as_float(a_frag505[7u] << 16u) * k_scale526, __uint_as_float(a_frag505[7u] & 4294901760u) * k_scale527);
+                const float k_scale477 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag462[0u] = pack_bf16x2(__uint_as_float(a_frag462[0u] << 16u) * k_scale477, __uint_as_float(a_frag462[0u] & 4294901760u) * k_scale478);
+                a_frag462[1u] = pack_bf16x2(__uint_as_float(a_frag462[1u] << 16u) * k_scale477, __uint_as_float(a_frag462[1u] & 4294901760u) * k_scale478);
+                a_frag462[2u] = pack_bf16x2(__uint_as_float(a_frag462[2u] << 16u) * k_scale479, __uint_as_float(a_frag462[2u] & 4294901760u) * k_scale480);
+                a_frag462[3u] = pack_bf16x2(__uint_as_float(a_frag462[3u] << 16u) * k_scale479, __uint_as_float(a_frag462[3u] & 4294901760u) * k_scale480);
+                const float k_scale481 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale482 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag462[4u] = pack_bf16x2(__uint_as_float(a_frag462[4u] << 16u) * k_scale481, __uint_as_float(a_frag462[4u] & 4294901760u) * k_scale482);
+                a_frag462[5u] = pack_bf16x2(__uint_as_float(a_frag462[5u] << 16u) * k_scale481, __uint_as_float(a_frag462[5u] & 4294901760u) * k_scale482);
+                a_frag462[6u] = pack_bf16x2(__uint_as_float(a_frag462[6u] << 16u) * k_scale483, __uint_as_float(a_frag462[6u] & 4294901760u) * k_scale484);
+                a_frag462[7u] = pack_bf16x2(__uint_as_float(a_frag462[7u] << 16u) * k_scale483, __uint_as_float(a_frag462[7u] & 4294901760u) * k_scale484);
                 #pragma unroll
-                for (unsigned np510 = 0u; np510 < 1u; np510 += 1u) {
-                    ldmatrix_x2_trans(&b_raw507[0u], kv_latent + (stage * 4224u) + (((kk508 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np510 * 16u)) >> 2u));
-                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw507[0u] & 255u) | ((b_raw507[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw507[0u] >> 8u) & 255u) | ((b_raw507[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair530 = e4m3x2_prep((b_raw507[1u] & 255u) | ((b_raw507[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair531 = e4m3x2_prep(((b_raw507[1u] >> 8u) & 255u) | ((b_raw507[1u] >> 16u) & 65280u));
-                    b_frag506[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
-                    b_frag506[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair530), e4m3x2_hi(e4m3_pair530));
-                    b_frag506[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529), e4m3x2_hi(e4m3_pair529));
-                    b_frag506[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531), e4m3x2_hi(e4m3_pair531));
+                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
+                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + (((kk465 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
+                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485), e4m3x2_hi(e4m3_pair485));
+                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
+                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
+                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
                     #pragma unroll
-                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + (np510 * 2u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[0u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + ((np510 * 2u) + 1u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[2u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np510 = 0u; np510 < 1u; np510 += 1u) {
-                    ldmatrix_x2_trans(&b_raw507[0u], kv_latent + (stage * 4224u) + (((kk508 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np510 * 16u)) >> 2u));
-                    const float k_scale516 = kv_scales[((stage * 128u) + (((kk508 * 16u) + (lane_quad * 2u)) * 4u)) + 2u];
-                    const float k_scale517 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u];
-                    const float k_scale518 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u];
-                    const float k_scale519 = kv_scales[((stage * 128u) + ((((kk508 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u];
-                    const unsigned e4m3_pair512 = e4m3x2_prep((b_raw507[0u] & 255u) | ((b_raw507[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair513 = e4m3x2_prep(((b_raw507[0u] >> 8u) & 255u) | ((b_raw507[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw507[1u] & 255u) | ((b_raw507[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw507[1u] >> 8u) & 255u) | ((b_raw507[1u] >> 16u) & 65280u));
-                    b_frag506[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512) * k_scale516, e4m3x2_hi(e4m3_pair512) * k_scale517);
-                    b_frag506[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale518, e4m3x2_hi(e4m3_pair514) * k_scale519);
-                    b_frag506[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513) * k_scale516, e4m3x2_hi(e4m3_pair513) * k_scale517);
-                    b_frag506[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale518, e4m3x2_hi(e4m3_pair515) * k_scale519);
+                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
+                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + (((kk465 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
+                    const float k_scale473 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair471 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair472 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
+                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
+                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale475, e4m3x2_hi(e4m3_pair471) * k_scale476);
+                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
+                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472) * k_scale475, e4m3x2_hi(e4m3_pair472) * k_scale476);
                     #pragma unroll
-                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + (np510 * 2u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[0u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi509 = 0u; mi509 < 2u; mi509 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi509 * 2u) + ((np510 * 2u) + 1u)) * 4u], &a_frag505[mi509 * 4u], &b_frag506[2u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word538 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word495 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk535 = 0u; kk535 < 2u; kk535 += 1u) {
+        for (unsigned kk492 = 0u; kk492 < 2u; kk492 += 1u) {
             #pragma unroll
-            for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
-                ldmatrix_x4(&a_frag532[mi536 * 4u], p_tile + a_lane_word538 + (mi536 * 320u) + (kk535 * 8u));
+            for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                ldmatrix_x4(&a_frag489[mi493 * 4u], p_tile + a_lane_word495 + (mi493 * 320u) + (kk492 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale547 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-                const float k_scale548 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-                const float k_scale549 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-                const float k_scale550 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-                a_frag532[0u] = pack_bf16x2(__uint_as_float(a_frag532[0u] << 16u) * k_scale547, __uint_as_float(a_frag532[0u] & 4294901760u) * k_scale548);
-                a_frag532[1u] = pack_bf16x2(__uint_as_float(a_frag532[1u] << 16u) * k_scale547, __uint_as_float(a_frag532[1u] & 4294901760u) * k_scale548);
-                a_frag532[2u] = pack_bf16x2(__uint_as_float(a_frag532[2u] << 16u) * k_scale549, __uint_as_float(a_frag532[2u] & 4294901760u) * k_scale550);
-                a_frag532[3u] = pack_bf16x2(__uint_as_float(a_frag532[3u] << 16u) * k_scale549, __uint_as_float(a_frag532[3u] & 4294901760u) * k_scale550);
-                const float k_scale551 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-                const float k_scale552 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-                const float k_scale553 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-                const float k_scale554 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-                a_frag532[4u] = pack_bf16x2(__uint_as_float(a_frag532[4u] << 16u) * k_scale551, __uint_as_float(a_frag532[4u] & 4294901760u) * k_scale552);
-                a_frag532[5u] = pack_bf16x2(__uint_as_float(a_frag532[5u] << 16u) * k_scale551, __uint_as_float(a_frag532[5u] & 4294901760u) * k_scale552);
-                a_frag532[6u] = pack_bf16x2(__uint_as_float(a_frag532[6u] << 16u) * k_scale553, __uint_as_float(a_frag532[6u] & 4294901760u) * k_scale554);
-                a_frag532[7u] = pack_bf16x2(__uint_as_float(a_frag532[7u] << 16u) * k_scale553, __uint_as_float(a_frag532[7u] & 4294901760u) * k_scale554);
+                const float k_scale504 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale505 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag489[0u] = pack_bf16x2(__uint_as_float(a_frag489[0u] << 16u) * k_scale504, __uint_as_float(a_frag489[0u] & 4294901760u) * k_scale505);
+                a_frag489[1u] = pack_bf16x2(__uint_as_float(a_frag489[1u] << 16u) * k_scale504, __uint_as_float(a_frag489[1u] & 4294901760u) * k_scale505);
+                a_frag489[2u] = pack_bf16x2(__uint_as_float(a_frag489[2u] << 16u) * k_scale506, __uint_as_float(a_frag489[2u] & 4294901760u) * k_scale507);
+                a_frag489[3u] = pack_bf16x2(__uint_as_float(a_frag489[3u] << 16u) * k_scale506, __uint_as_float(a_frag489[3u] & 4294901760u) * k_scale507);
+                const float k_scale508 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale509 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag489[4u] = pack_bf16x2(__uint_as_float(a_frag489[4u] << 16u) * k_scale508, __uint_as_float(a_frag489[4u] & 4294901760u) * k_scale509);
+                a_frag489[5u] = pack_bf16x2(__uint_as_float(a_frag489[5u] << 16u) * k_scale508, __uint_as_float(a_frag489[5u] & 4294901760u) * k_scale509);
+                a_frag489[6u] = pack_bf16x2(__uint_as_float(a_frag489[6u] << 16u) * k_scale510, __uint_as_float(a_frag489[6u] & 4294901760u) * k_scale511);
+                a_frag489[7u] = pack_bf16x2(__uint_as_float(a_frag489[7u] << 16u) * k_scale510, __uint_as_float(a_frag489[7u] & 4294901760u) * k_scale511);
                 #pragma unroll
-                for (unsigned np537 = 0u; np537 < 1u; np537 += 1u) {
-                    ldmatrix_x2_trans(&b_raw534[0u], kv_latent + (stage * 4224u) + (((kk535 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np537 * 16u)) >> 2u));
-                    const unsigned e4m3_pair555 = e4m3x2_prep((b_raw534[0u] & 255u) | ((b_raw534[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair556 = e4m3x2_prep(((b_raw534[0u] >> 8u) & 255u) | ((b_raw534[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair557 = e4m3x2_prep((b_raw534[1u] & 255u) | ((b_raw534[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair558 = e4m3x2_prep(((b_raw534[1u] >> 8u) & 255u) | ((b_raw534[1u] >> 16u) & 65280u));
-                    b_frag533[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair555), e4m3x2_hi(e4m3_pair555));
-                    b_frag533[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair557), e4m3x2_hi(e4m3_pair557));
-                    b_frag533[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair556), e4m3x2_hi(e4m3_pair556));
-                    b_frag533[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair558), e4m3x2_hi(e4m3_pair558));
+                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
+                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + (((kk492 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
+                    const unsigned e4m3_pair512 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
+                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
+                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515), e4m3x2_hi(e4m3_pair515));
                     #pragma unroll
-                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + (np537 * 2u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[0u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + ((np537 * 2u) + 1u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[2u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np537 = 0u; np537 < 1u; np537 += 1u) {
-                    ldmatrix_x2_trans(&b_raw534[0u], kv_latent + (stage * 4224u) + (((kk535 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np537 * 16u)) >> 2u));
-                    const float k_scale543 = kv_scales[((stage * 128u) + (((kk535 * 16u) + (lane_quad * 2u)) * 4u)) + 3u];
-                    const float k_scale544 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u];
-                    const float k_scale545 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u];
-                    const float k_scale546 = kv_scales[((stage * 128u) + ((((kk535 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u];
-                    const unsigned e4m3_pair539 = e4m3x2_prep((b_raw534[0u] & 255u) | ((b_raw534[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair540 = e4m3x2_prep(((b_raw534[0u] >> 8u) & 255u) | ((b_raw534[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair541 = e4m3x2_prep((b_raw534[1u] & 255u) | ((b_raw534[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair542 = e4m3x2_prep(((b_raw534[1u] >> 8u) & 255u) | ((b_raw534[1u] >> 16u) & 65280u));
-                    b_frag533[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair539) * k_scale543, e4m3x2_hi(e4m3_pair539) * k_scale544);
-                    b_frag533[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541) * k_scale545, e4m3x2_hi(e4m3_pair541) * k_scale546);
-                    b_frag533[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540) * k_scale543, e4m3x2_hi(e4m3_pair540) * k_scale544);
-                    b_frag533[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542) * k_scale545, e4m3x2_hi(e4m3_pair542) * k_scale546);
+                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
+                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + (((kk492 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
+                    const float k_scale500 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale503 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
+                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496) * k_scale500, e4m3x2_hi(e4m3_pair496) * k_scale501);
+                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498) * k_scale502, e4m3x2_hi(e4m3_pair498) * k_scale503);
+                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497) * k_scale500, e4m3x2_hi(e4m3_pair497) * k_scale501);
+                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale502, e4m3x2_hi(e4m3_pair499) * k_scale503);
                     #pragma unroll
-                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + (np537 * 2u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[0u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi536 = 0u; mi536 < 2u; mi536 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi536 * 2u) + ((np537 * 2u) + 1u)) * 4u], &a_frag532[mi536 * 4u], &b_frag533[2u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word522 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk519 = 0u; kk519 < 2u; kk519 += 1u) {
+            #pragma unroll
+            for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                ldmatrix_x4(&a_frag516[mi520 * 4u], p_tile + a_lane_word522 + (mi520 * 320u) + (kk519 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale531 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale532 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag516[0u] = pack_bf16x2(__uint_as_float(a_frag516[0u] << 16u) * k_scale531, __uint_as_float(a_frag516[0u] & 4294901760u) * k_scale532);
+                a_frag516[1u] = pack_bf16x2(__uint_as_float(a_frag516[1u] << 16u) * k_scale531, __uint_as_float(a_frag516[1u] & 4294901760u) * k_scale532);
+                a_frag516[2u] = pack_bf16x2(__uint_as_float(a_frag516[2u] << 16u) * k_scale533, __uint_as_float(a_frag516[2u] & 4294901760u) * k_scale534);
+                a_frag516[3u] = pack_bf16x2(__uint_as_float(a_frag516[3u] << 16u) * k_scale533, __uint_as_float(a_frag516[3u] & 4294901760u) * k_scale534);
+                const float k_scale535 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale536 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag516[4u] = pack_bf16x2(__uint_as_float(a_frag516[4u] << 16u) * k_scale535, __uint_as_float(a_frag516[4u] & 4294901760u) * k_scale536);
+                a_frag516[5u] = pack_bf16x2(__uint_as_float(a_frag516[5u] << 16u) * k_scale535, __uint_as_float(a_frag516[5u] & 4294901760u) * k_scale536);
+                a_frag516[6u] = pack_bf16x2(__uint_as_float(a_frag516[6u] << 16u) * k_scale537, __uint_as_float(a_frag516[6u] & 4294901760u) * k_scale538);
+                a_frag516[7u] = pack_bf16x2(__uint_as_float(a_frag516[7u] << 16u) * k_scale537, __uint_as_float(a_frag516[7u] & 4294901760u) * k_scale538);
+                #pragma unroll
+                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
+                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + (((kk519 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
+                    const unsigned e4m3_pair539 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair540 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair541 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair542 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
+                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair539), e4m3x2_hi(e4m3_pair539));
+                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541), e4m3x2_hi(e4m3_pair541));
+                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540), e4m3x2_hi(e4m3_pair540));
+                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542), e4m3x2_hi(e4m3_pair542));
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
+                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + (((kk519 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
+                    const float k_scale527 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale528 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale529 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale530 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair523 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair524 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
+                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale527, e4m3x2_hi(e4m3_pair523) * k_scale528);
+                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale529, e4m3x2_hi(e4m3_pair525) * k_scale530);
+                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale527, e4m3x2_hi(e4m3_pair524) * k_scale528);
+                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526) * k_scale529, e4m3x2_hi(e4m3_pair526) * k_scale530);
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
                     }
                 }
             }
@@ -1970,16 +1892,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi560 = 0u; mi560 < 1u; mi560 += 1u) {
+        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
             #pragma unroll
-            for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
-                float row_sum559 = row_sum_part[(mi560 * 2u) + half561];
-                const float other562 = shfl_xor_f32(row_sum559, 1);
-                row_sum559 = row_sum559 + other562;
-                const float other563 = shfl_xor_f32(row_sum559, 2);
-                row_sum559 = row_sum559 + other563;
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+                float row_sum543 = row_sum_part[(mi544 * 2u) + half545];
+                const float other546 = shfl_xor_f32(row_sum543, 1);
+                row_sum543 = row_sum543 + other546;
+                const float other547 = shfl_xor_f32(row_sum543, 2);
+                row_sum543 = row_sum543 + other547;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi560 * 16u)) + ((half561 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum559;
+                    row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum543;
                 }
             }
         }
@@ -1987,14 +1909,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi565 = 0u; mi565 < 1u; mi565 += 1u) {
+        for (unsigned mi549 = 0u; mi549 < 1u; mi549 += 1u) {
             #pragma unroll
-            for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum564 = row_exchange[((scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)) * 3u];
-                    row_sum564 = row_sum564 + row_exchange[(((scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)] = row_sum564;
-                    row_max[(scores_row0 + (mi565 * 16u)) + ((half566 * 8u) + lane_group)] = row_max_reg[(mi565 * 2u) + half566];
+                    float row_sum548 = row_exchange[((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u];
+                    row_sum548 = row_sum548 + row_exchange[(((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)] = row_sum548;
+                    row_max[(scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)] = row_max_reg[(mi549 * 2u) + half550];
                 }
             }
         }
@@ -2005,86 +1927,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
+        for (unsigned frag551 = 0u; frag551 < 2u; frag551 += 1u) {
             #pragma unroll
-            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
+            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
                 #pragma unroll
-                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
-                    const unsigned row_18 = (o_acc_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
-                    float v0_6 = o_acc[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
-                    float v1_6 = o_acc[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
-                    const unsigned h = h0 + row_18;
+                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag551 / 1u) * 16u)) + ((half552 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag551 % 1u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
+                    float v0_6 = o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
+                    float v1_6 = o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
+                    const unsigned h = h0 + row_16;
                     if (h < p.heads) {
-                        const float l = row_sum[row_18];
+                        const float l = row_sum[row_16];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_6;
-                    o_acc[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_6;
+                    o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_6;
+                    o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
+        for (unsigned frag554 = 0u; frag554 < 2u; frag554 += 1u) {
             #pragma unroll
-            for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
+            for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
                 #pragma unroll
-                for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
-                    const unsigned row_19 = (o_acc_1_row0 + ((frag570 / 1u) * 16u)) + ((half571 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag570 % 1u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
-                    float v0_7 = o_acc_1[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
-                    float v1_7 = o_acc_1[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
-                    const unsigned h_1 = h0 + row_19;
+                for (unsigned e556 = 0u; e556 < 2u; e556 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag554 / 1u) * 16u)) + ((half555 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag554 % 1u) * 16u)) + ((lane_quad * 4u) + (e556 * 2u));
+                    float v0_7 = o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)];
+                    float v1_7 = o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)];
+                    const unsigned h_1 = h0 + row_17;
                     if (h_1 < p.heads) {
-                        const float l_1 = row_sum[row_19];
+                        const float l_1 = row_sum[row_17];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_7;
-                    o_acc_1[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_7;
+                    o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)] = v0_7;
+                    o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
+        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
             #pragma unroll
-            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
+            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
                 #pragma unroll
-                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
-                    const unsigned row_20 = (o_acc_2_row0 + ((frag573 / 1u) * 16u)) + ((half574 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag573 % 1u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
-                    float v0_8 = o_acc_2[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
-                    float v1_8 = o_acc_2[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
-                    const unsigned h_2 = h0 + row_20;
+                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag557 / 1u) * 16u)) + ((half558 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag557 % 1u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
+                    float v0_8 = o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)];
+                    float v1_8 = o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)];
+                    const unsigned h_2 = h0 + row_18;
                     if (h_2 < p.heads) {
-                        const float l_2 = row_sum[row_20];
+                        const float l_2 = row_sum[row_18];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_8;
-                    o_acc_2[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_8;
+                    o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)] = v0_8;
+                    o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag576 = 0u; frag576 < 2u; frag576 += 1u) {
+        for (unsigned frag560 = 0u; frag560 < 2u; frag560 += 1u) {
             #pragma unroll
-            for (unsigned half577 = 0u; half577 < 2u; half577 += 1u) {
+            for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
                 #pragma unroll
-                for (unsigned e578 = 0u; e578 < 2u; e578 += 1u) {
-                    const unsigned row_21 = (o_acc_3_row0 + ((frag576 / 1u) * 16u)) + ((half577 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag576 % 1u) * 16u)) + ((lane_quad * 4u) + (e578 * 2u));
-                    float v0_9 = o_acc_3[((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) * 4u) + ((half577 * 2u) + e578)];
-                    float v1_9 = o_acc_3[(((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)];
-                    const unsigned h_3 = h0 + row_21;
+                for (unsigned e562 = 0u; e562 < 2u; e562 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag560 / 1u) * 16u)) + ((half561 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag560 % 1u) * 16u)) + ((lane_quad * 4u) + (e562 * 2u));
+                    float v0_9 = o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)];
+                    float v1_9 = o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)];
+                    const unsigned h_3 = h0 + row_19;
                     if (h_3 < p.heads) {
-                        const float l_3 = row_sum[row_21];
+                        const float l_3 = row_sum[row_19];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) * 4u) + ((half577 * 2u) + e578)] = v0_9;
-                    o_acc_3[(((((frag576 / 1u) * 2u) + ((frag576 % 1u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)] = v1_9;
+                    o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)] = v0_9;
+                    o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)] = v1_9;
                 }
             }
         }
@@ -2100,94 +2022,94 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag579 = 0u; frag579 < 2u; frag579 += 1u) {
+        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
             #pragma unroll
-            for (unsigned half580 = 0u; half580 < 2u; half580 += 1u) {
+            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
                 #pragma unroll
-                for (unsigned e581 = 0u; e581 < 2u; e581 += 1u) {
-                    const unsigned row_22 = (o_acc_row0 + ((frag579 / 1u) * 16u)) + ((half580 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag579 % 1u) * 16u)) + ((lane_quad * 4u) + (e581 * 2u));
-                    float v0_10 = o_acc[((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) * 4u) + ((half580 * 2u) + e581)];
-                    float v1_10 = o_acc[(((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)];
-                    const unsigned h_5 = h0 + row_22;
+                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag563 / 1u) * 16u)) + ((half564 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag563 % 1u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
+                    float v0_10 = o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)];
+                    float v1_10 = o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)];
+                    const unsigned h_5 = h0 + row_20;
                     if (h_5 < p.heads) {
-                        const float l_5 = row_sum[row_22];
+                        const float l_5 = row_sum[row_20];
                         const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
                         const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) * 4u) + ((half580 * 2u) + e581)] = v0_10;
-                    o_acc[(((((frag579 / 1u) * 2u) + ((frag579 % 1u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)] = v1_10;
+                    o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)] = v0_10;
+                    o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag582 = 0u; frag582 < 2u; frag582 += 1u) {
+        for (unsigned frag566 = 0u; frag566 < 2u; frag566 += 1u) {
             #pragma unroll
-            for (unsigned half583 = 0u; half583 < 2u; half583 += 1u) {
+            for (unsigned half567 = 0u; half567 < 2u; half567 += 1u) {
                 #pragma unroll
-                for (unsigned e584 = 0u; e584 < 2u; e584 += 1u) {
-                    const unsigned row_23 = (o_acc_1_row0 + ((frag582 / 1u) * 16u)) + ((half583 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag582 % 1u) * 16u)) + ((lane_quad * 4u) + (e584 * 2u));
-                    float v0_11 = o_acc_1[((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) * 4u) + ((half583 * 2u) + e584)];
-                    float v1_11 = o_acc_1[(((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)];
-                    const unsigned h_6 = h0 + row_23;
+                for (unsigned e568 = 0u; e568 < 2u; e568 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag566 / 1u) * 16u)) + ((half567 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag566 % 1u) * 16u)) + ((lane_quad * 4u) + (e568 * 2u));
+                    float v0_11 = o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)];
+                    float v1_11 = o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)];
+                    const unsigned h_6 = h0 + row_21;
                     if (h_6 < p.heads) {
-                        const float l_6 = row_sum[row_23];
+                        const float l_6 = row_sum[row_21];
                         const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
                         const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) * 4u) + ((half583 * 2u) + e584)] = v0_11;
-                    o_acc_1[(((((frag582 / 1u) * 2u) + ((frag582 % 1u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)] = v1_11;
+                    o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)] = v0_11;
+                    o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag585 = 0u; frag585 < 2u; frag585 += 1u) {
+        for (unsigned frag569 = 0u; frag569 < 2u; frag569 += 1u) {
             #pragma unroll
-            for (unsigned half586 = 0u; half586 < 2u; half586 += 1u) {
+            for (unsigned half570 = 0u; half570 < 2u; half570 += 1u) {
                 #pragma unroll
-                for (unsigned e587 = 0u; e587 < 2u; e587 += 1u) {
-                    const unsigned row_24 = (o_acc_2_row0 + ((frag585 / 1u) * 16u)) + ((half586 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag585 % 1u) * 16u)) + ((lane_quad * 4u) + (e587 * 2u));
-                    float v0_12 = o_acc_2[((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) * 4u) + ((half586 * 2u) + e587)];
-                    float v1_12 = o_acc_2[(((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)];
-                    const unsigned h_7 = h0 + row_24;
+                for (unsigned e571 = 0u; e571 < 2u; e571 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag569 / 1u) * 16u)) + ((half570 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag569 % 1u) * 16u)) + ((lane_quad * 4u) + (e571 * 2u));
+                    float v0_12 = o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)];
+                    float v1_12 = o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)];
+                    const unsigned h_7 = h0 + row_22;
                     if (h_7 < p.heads) {
-                        const float l_7 = row_sum[row_24];
+                        const float l_7 = row_sum[row_22];
                         const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
                         const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) * 4u) + ((half586 * 2u) + e587)] = v0_12;
-                    o_acc_2[(((((frag585 / 1u) * 2u) + ((frag585 % 1u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)] = v1_12;
+                    o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)] = v0_12;
+                    o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag588 = 0u; frag588 < 2u; frag588 += 1u) {
+        for (unsigned frag572 = 0u; frag572 < 2u; frag572 += 1u) {
             #pragma unroll
-            for (unsigned half589 = 0u; half589 < 2u; half589 += 1u) {
+            for (unsigned half573 = 0u; half573 < 2u; half573 += 1u) {
                 #pragma unroll
-                for (unsigned e590 = 0u; e590 < 2u; e590 += 1u) {
-                    const unsigned row_25 = (o_acc_3_row0 + ((frag588 / 1u) * 16u)) + ((half589 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag588 % 1u) * 16u)) + ((lane_quad * 4u) + (e590 * 2u));
-                    float v0_13 = o_acc_3[((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) * 4u) + ((half589 * 2u) + e590)];
-                    float v1_13 = o_acc_3[(((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)];
-                    const unsigned h_8 = h0 + row_25;
+                for (unsigned e574 = 0u; e574 < 2u; e574 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag572 / 1u) * 16u)) + ((half573 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag572 % 1u) * 16u)) + ((lane_quad * 4u) + (e574 * 2u));
+                    float v0_13 = o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)];
+                    float v1_13 = o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)];
+                    const unsigned h_8 = h0 + row_23;
                     if (h_8 < p.heads) {
-                        const float l_8 = row_sum[row_25];
+                        const float l_8 = row_sum[row_23];
                         const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
                         const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) * 4u) + ((half589 * 2u) + e590)] = v0_13;
-                    o_acc_3[(((((frag588 / 1u) * 2u) + ((frag588 % 1u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)] = v1_13;
+                    o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)] = v0_13;
+                    o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)] = v1_13;
                 }
             }
         }

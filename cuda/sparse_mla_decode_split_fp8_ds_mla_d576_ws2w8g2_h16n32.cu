@@ -13,7 +13,7 @@
 // 2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
 // mbarrier ring per group: 2 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //
-// Workgroup: 256 threads (1-D); workgroup memory: 101376 bytes.
+// Workgroup: 256 threads (1-D); workgroup memory: 97280 bytes.
 //
 // Parameters (4 bytes each, in this order):
 //   tokens           u32  T, query tokens (batch x s_q)
@@ -38,7 +38,7 @@
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
 //   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
-// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 101376 bytes
+// Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 97280 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
 // it waits for the previous kernel in the stream before touching memory (griddepcontrol.wait).
@@ -349,13 +349,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const row_sum = (float*)(dyn_smem + 128); // [32]
     unsigned* const ring_barriers = (unsigned*)(dyn_smem + 512); // [16]
     float* const row_valid = (float*)(dyn_smem + 576); // [144]
-    unsigned* const kv_latent = (unsigned*)(dyn_smem + 1152); // [16896]
-    float* const kv_scales = (float*)(dyn_smem + 68736); // [512]
-    unsigned* const kv_rope = (unsigned*)(dyn_smem + 70784); // [4608]
-    unsigned* const p_tile = (unsigned*)(dyn_smem + 89216); // [640]
-    float* const row_exchange = (float*)(dyn_smem + 91776); // [64]
-    float* const split_k_partials = (float*)(dyn_smem + 92032); // [2304]
-    float* const group_factor = (float*)(dyn_smem + 101248); // [32]
+    unsigned* const kv_rows = (unsigned*)(dyn_smem + 1152); // [20992]
+    float* const kv_scales = (float*)(dyn_smem + 1664); // [20992]
+    unsigned* const kv_rope = (unsigned*)(dyn_smem + 1680); // [20992]
+    unsigned* const p_tile = (unsigned*)(dyn_smem + 85120); // [640]
+    float* const row_exchange = (float*)(dyn_smem + 87680); // [64]
+    float* const split_k_partials = (float*)(dyn_smem + 87936); // [2304]
+    float* const group_factor = (float*)(dyn_smem + 97152); // [32]
     float scores[8];
     float o_acc[16];
     float o_acc_1[16];
@@ -377,46 +377,44 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_lo[8];
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
-    int kv_latent_pre[1];
-    int kv_scales_pre[1];
-    int kv_rope_pre[1];
+    int kv_rows_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag323[4];
-    unsigned b_frag324[4];
+    unsigned a_frag307[4];
+    unsigned b_frag308[4];
     unsigned b_raw[2];
-    unsigned a_frag334[4];
-    unsigned b_frag335[2];
-    unsigned a_frag340[4];
-    unsigned b_frag341[4];
-    unsigned b_raw342[2];
-    unsigned a_frag357[4];
-    unsigned b_frag358[2];
-    unsigned a_frag363[4];
-    unsigned b_frag364[4];
-    unsigned b_raw365[2];
-    unsigned a_frag380[4];
-    unsigned b_frag381[2];
-    unsigned a_frag386[4];
-    unsigned b_frag387[4];
-    unsigned b_raw388[2];
-    unsigned a_frag403[4];
-    unsigned b_frag404[4];
-    unsigned a_frag449[4];
-    unsigned b_frag450[4];
-    unsigned b_raw451[2];
-    unsigned a_frag469[4];
-    unsigned b_frag470[4];
-    unsigned b_raw471[2];
-    unsigned a_frag492[4];
-    unsigned b_frag493[4];
-    unsigned b_raw494[2];
-    unsigned a_frag515[4];
-    unsigned b_frag516[4];
-    unsigned b_raw517[2];
+    unsigned a_frag318[4];
+    unsigned b_frag319[2];
+    unsigned a_frag324[4];
+    unsigned b_frag325[4];
+    unsigned b_raw326[2];
+    unsigned a_frag341[4];
+    unsigned b_frag342[2];
+    unsigned a_frag347[4];
+    unsigned b_frag348[4];
+    unsigned b_raw349[2];
+    unsigned a_frag364[4];
+    unsigned b_frag365[2];
+    unsigned a_frag370[4];
+    unsigned b_frag371[4];
+    unsigned b_raw372[2];
+    unsigned a_frag387[4];
+    unsigned b_frag388[4];
+    unsigned a_frag433[4];
+    unsigned b_frag434[4];
+    unsigned b_raw435[2];
+    unsigned a_frag453[4];
+    unsigned b_frag454[4];
+    unsigned b_raw455[2];
+    unsigned a_frag476[4];
+    unsigned b_frag477[4];
+    unsigned b_raw478[2];
+    unsigned a_frag499[4];
+    unsigned b_frag500[4];
+    unsigned b_raw501[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -450,20 +448,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // ring stages zeroed (rows without a source stay finite), mbarriers initialised
     #pragma unroll 4
-    for (unsigned zero_i = group_tid; zero_i < 8448u; zero_i += 128u) {
-        kv_latent[zero_i + (warp_group * 8448u)] = 0u;
+    for (unsigned zero_i = group_tid; zero_i < 10496u; zero_i += 128u) {
+        kv_rows[zero_i + (warp_group * 10496u)] = 0u;
     }
     #pragma unroll 4
-    for (unsigned zero_i610 = group_tid; zero_i610 < 2304u; zero_i610 += 128u) {
-        kv_rope[zero_i610 + (warp_group * 2304u)] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i611 = group_tid; zero_i611 < 256u; zero_i611 += 128u) {
-        kv_scales[zero_i611 + (warp_group * 256u)] = 0.0f;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i612 = group_tid; zero_i612 < 72u; zero_i612 += 128u) {
-        row_valid[zero_i612 + (warp_group * 72u)] = 0.0f;
+    for (unsigned zero_i594 = group_tid; zero_i594 < 72u; zero_i594 += 128u) {
+        row_valid[zero_i594 + (warp_group * 72u)] = 0.0f;
     }
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 4u) * 2u), 64);
@@ -1045,48 +1035,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned gather_row = ((warp - 2u) + (lane * 2u)) + (slot * 64u);
                 if (gather_row < 32u) {
                     const unsigned row_1 = gather_row;
-                    kv_latent_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
-                const unsigned gather_row293 = ((warp - 2u) + (lane * 2u)) + (slot292 * 64u);
-                if (gather_row293 < 32u) {
-                    const unsigned row_2 = gather_row293;
-                    kv_scales_pre[slot292] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 2u) + (lane * 2u)) + (slot294 * 64u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_3 = gather_row295;
-                    kv_rope_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
         if (0u < step_group_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
-                const unsigned gather_row297 = ((warp - 2u) + (lane * 2u)) + (slot296 * 64u);
-                if (gather_row297 < 32u) {
+            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
+                const unsigned gather_row293 = ((warp - 2u) + (lane * 2u)) + (slot292 * 64u);
+                if (gather_row293 < 32u) {
                     const unsigned step = warp_group;
-                    const unsigned row_1 = gather_row297;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot296] >= 0)) && (((unsigned)kv_latent_pre[slot296]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot296]) % p.page_size) * p.row_stride_w))) : (-1);
-                    const unsigned row_2 = gather_row297;
-                    const int src_i32298 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot296] >= 0)) && (((unsigned)kv_scales_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot296]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                    const unsigned row_3 = gather_row297;
-                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot296] >= 0)) && (((unsigned)kv_rope_pre[slot296]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot296]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot296]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                    row_valid[((load_stage * 36u) + gather_row297) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row293;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[((load_stage * 36u) + gather_row293) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_latent + (load_stage * 4224u) + (gather_row297 * 132u) + (warp_group * 8448u), (const unsigned*)kv_cache + ((unsigned)src_i32), 512u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
-                    }
-                    if (src_i32298 >= 0) {
-                        copy_async(kv_scales + (load_stage * 128u) + (gather_row297 * 4u) + (warp_group * 256u), (const unsigned*)kv_cache + ((unsigned)src_i32298), 16u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
-                    }
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rope + (load_stage * 1152u) + (gather_row297 * 36u) + (warp_group * 2304u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 128u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
                     }
                 }
             }
@@ -1095,27 +1059,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_group_count) {
             const unsigned step = warp_group + 2u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 2u) + (lane * 2u)) + (slot300 * 64u);
-                if (gather_row301 < 32u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_latent_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                const unsigned gather_row303 = ((warp - 2u) + (lane * 2u)) + (slot302 * 64u);
-                if (gather_row303 < 32u) {
-                    const unsigned row_2 = gather_row303;
-                    kv_scales_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                }
-            }
-            #pragma unroll
-            for (unsigned slot304 = 0u; slot304 < 1u; slot304 += 1u) {
-                const unsigned gather_row305 = ((warp - 2u) + (lane * 2u)) + (slot304 * 64u);
-                if (gather_row305 < 32u) {
-                    const unsigned row_3 = gather_row305;
-                    kv_rope_pre[slot304] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 2u) + (lane * 2u)) + (slot294 * 64u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_1 = gather_row295;
+                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1131,10 +1079,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
+        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
             #pragma unroll
-            for (unsigned half307 = 0u; half307 < 2u; half307 += 1u) {
-                row_sum_part[(mi306 * 2u) + half307] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi306 * 16u)) + ((half307 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
+            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
+                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
             }
         }
     }
@@ -1146,16 +1094,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i320 = 0u; fill_i320 < 8u; fill_i320 += 1u) {
-            scores[fill_i320] = 0.0f;
+        for (unsigned fill_i304 = 0u; fill_i304 < 8u; fill_i304 += 1u) {
+            scores[fill_i304] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 8u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e321 = 0u; e321 < 8u; e321 += 1u) {
-            scores_term[e321] = 0.0f;
+        for (unsigned e305 = 0u; e305 < 8u; e305 += 1u) {
+            scores_term[e305] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1163,308 +1111,308 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 2u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_latent + (stage * 4224u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 132u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 8448u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi322 = 0u; mi322 < 1u; mi322 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi322 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi322 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi322 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi322 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi322 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi322 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi306 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi306 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi306 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi306 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e328 = 0u; e328 < 8u; e328 += 1u) {
-                scores_term[8u + e328] = 0.0f;
+            for (unsigned e312 = 0u; e312 < 8u; e312 += 1u) {
+                scores_term[8u + e312] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk325 = (kk_pair * 2u) + chain;
+                    const unsigned kk309 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj327 = 0u; nj327 < 2u; nj327 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_latent + (stage * 4224u) + (((n_first + (nj327 * 8u)) + (lane_r16 & 7u)) * 132u) + ((k_first + kk325) * 4u) + (warp_group * 8448u));
+                    for (unsigned nj311 = 0u; nj311 < 2u; nj311 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj311 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk309) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair329 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag324[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag324[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair329), e4m3x2_hi(e4m3_pair329));
+                        const unsigned e4m3_pair313 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag308[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag308[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair313), e4m3x2_hi(e4m3_pair313));
                         #pragma unroll
-                        for (unsigned mi326 = 0u; mi326 < 1u; mi326 += 1u) {
-                            a_frag323[0u] = q_tile_a0_bf16[((mi326 * 4u) + kk325) * 4u];
-                            a_frag323[1u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 1u];
-                            a_frag323[2u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 2u];
-                            a_frag323[3u] = q_tile_a0_bf16[(((mi326 * 4u) + kk325) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi326 * 2u) + nj327) * 4u)], &a_frag323[0u], &b_frag324[0u]);
+                        for (unsigned mi310 = 0u; mi310 < 1u; mi310 += 1u) {
+                            a_frag307[0u] = q_tile_a0_bf16[((mi310 * 4u) + kk309) * 4u];
+                            a_frag307[1u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 1u];
+                            a_frag307[2u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 2u];
+                            a_frag307[3u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi310 * 2u) + nj311) * 4u)], &a_frag307[0u], &b_frag308[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e330 = 0u; e330 < 8u; e330 += 1u) {
-                scores_term[e330] = scores_term[e330] + scores_term[8u + e330];
+            for (unsigned e314 = 0u; e314 < 8u; e314 += 1u) {
+                scores_term[e314] = scores_term[e314] + scores_term[8u + e314];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
-            for (unsigned e331 = 0u; e331 < 4u; e331 += 1u) {
-                const float row_scale = kv_scales[((stage * 128u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e331 & 1u))) * 4u)) + (warp_group * 256u)];
-                scores_part[(frag * 4u) + e331] = fmaf(scores_term[(frag * 4u) + e331], row_scale, scores_part[(frag * 4u) + e331]);
+            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
+                const float row_scale = kv_scales[((stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e315 & 1u))) * 164u)) + (warp_group * 10496u)];
+                scores_part[(frag * 4u) + e315] = fmaf(scores_term[(frag * 4u) + e315], row_scale, scores_part[(frag * 4u) + e315]);
             }
         }
         #pragma unroll
-        for (unsigned e332 = 0u; e332 < 8u; e332 += 1u) {
-            scores_term[e332] = 0.0f;
+        for (unsigned e316 = 0u; e316 < 8u; e316 += 1u) {
+            scores_term[e316] = 0.0f;
         }
-        const unsigned n_first333 = (warp / 2u) * 16u;
+        const unsigned n_first317 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk336 = 0u; kk336 < 2u; kk336 += 1u) {
+            for (unsigned kk320 = 0u; kk320 < 2u; kk320 += 1u) {
                 #pragma unroll
-                for (unsigned nj338 = 0u; nj338 < 2u; nj338 += 1u) {
-                    ldmatrix_x2(&b_frag335[0u], kv_latent + (stage * 4224u) + (((n_first333 + (nj338 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((((warp % 2u) * 2u) + kk336) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 8448u));
+                for (unsigned nj322 = 0u; nj322 < 2u; nj322 += 1u) {
+                    ldmatrix_x2(&b_frag319[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk320) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi337 = 0u; mi337 < 1u; mi337 += 1u) {
-                        a_frag334[0u] = q_tile_a1[((mi337 * 2u) + kk336) * 4u];
-                        a_frag334[1u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 1u];
-                        a_frag334[2u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 2u];
-                        a_frag334[3u] = q_tile_a1[(((mi337 * 2u) + kk336) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi337 * 2u) + nj338) * 4u], &a_frag334[0u], &b_frag335[0u]);
-                        a_frag334[0u] = q_tile_a1_lo[((mi337 * 2u) + kk336) * 4u];
-                        a_frag334[1u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 1u];
-                        a_frag334[2u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 2u];
-                        a_frag334[3u] = q_tile_a1_lo[(((mi337 * 2u) + kk336) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi337 * 2u) + nj338) * 4u], &a_frag334[0u], &b_frag335[0u]);
+                    for (unsigned mi321 = 0u; mi321 < 1u; mi321 += 1u) {
+                        a_frag318[0u] = q_tile_a1[((mi321 * 2u) + kk320) * 4u];
+                        a_frag318[1u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                        a_frag318[2u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                        a_frag318[3u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi321 * 2u) + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
+                        a_frag318[0u] = q_tile_a1_lo[((mi321 * 2u) + kk320) * 4u];
+                        a_frag318[1u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                        a_frag318[2u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                        a_frag318[3u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi321 * 2u) + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first339 = (warp % 2u) * 4u;
+            const unsigned k_first323 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e348 = 0u; e348 < 8u; e348 += 1u) {
-                scores_term[8u + e348] = 0.0f;
+            for (unsigned e332 = 0u; e332 < 8u; e332 += 1u) {
+                scores_term[8u + e332] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair346 = 0u; kk_pair346 < 2u; kk_pair346 += 1u) {
+            for (unsigned kk_pair330 = 0u; kk_pair330 < 2u; kk_pair330 += 1u) {
                 #pragma unroll
-                for (unsigned chain347 = 0u; chain347 < 2u; chain347 += 1u) {
-                    const unsigned kk343 = (kk_pair346 * 2u) + chain347;
+                for (unsigned chain331 = 0u; chain331 < 2u; chain331 += 1u) {
+                    const unsigned kk327 = (kk_pair330 * 2u) + chain331;
                     #pragma unroll
-                    for (unsigned nj345 = 0u; nj345 < 2u; nj345 += 1u) {
-                        ldmatrix_x1(&b_raw342[0u], kv_latent + (stage * 4224u) + (((n_first333 + (nj345 * 8u)) + (lane_r16 & 7u)) * 132u) + 32u + ((k_first339 + kk343) * 4u) + (warp_group * 8448u));
-                        const unsigned e4m3_pair349 = e4m3x2_prep(b_raw342[0u] & 65535u);
-                        const unsigned e4m3_pair350 = e4m3x2_prep(b_raw342[0u] >> 16u);
-                        b_frag341[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair349), e4m3x2_hi(e4m3_pair349));
-                        b_frag341[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair350), e4m3x2_hi(e4m3_pair350));
+                    for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
+                        ldmatrix_x1(&b_raw326[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first323 + kk327) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair333 = e4m3x2_prep(b_raw326[0u] & 65535u);
+                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw326[0u] >> 16u);
+                        b_frag325[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair333), e4m3x2_hi(e4m3_pair333));
+                        b_frag325[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
                         #pragma unroll
-                        for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
-                            a_frag340[0u] = q_tile_a1_bf16[((mi344 * 4u) + kk343) * 4u];
-                            a_frag340[1u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 1u];
-                            a_frag340[2u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 2u];
-                            a_frag340[3u] = q_tile_a1_bf16[(((mi344 * 4u) + kk343) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain347 * 8u) + (((mi344 * 2u) + nj345) * 4u)], &a_frag340[0u], &b_frag341[0u]);
+                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
+                            a_frag324[0u] = q_tile_a1_bf16[((mi328 * 4u) + kk327) * 4u];
+                            a_frag324[1u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
+                            a_frag324[2u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
+                            a_frag324[3u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain331 * 8u) + (((mi328 * 2u) + nj329) * 4u)], &a_frag324[0u], &b_frag325[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e351 = 0u; e351 < 8u; e351 += 1u) {
-                scores_term[e351] = scores_term[e351] + scores_term[8u + e351];
+            for (unsigned e335 = 0u; e335 < 8u; e335 += 1u) {
+                scores_term[e335] = scores_term[e335] + scores_term[8u + e335];
             }
         }
         #pragma unroll
-        for (unsigned frag352 = 0u; frag352 < 2u; frag352 += 1u) {
+        for (unsigned frag336 = 0u; frag336 < 2u; frag336 += 1u) {
             #pragma unroll
-            for (unsigned e353 = 0u; e353 < 4u; e353 += 1u) {
-                const float row_scale354 = kv_scales[(((stage * 128u) + (((n_first333 + ((frag352 % 2u) * 8u)) + ((lane_quad * 2u) + (e353 & 1u))) * 4u)) + 1u) + (warp_group * 256u)];
-                scores_part[(frag352 * 4u) + e353] = fmaf(scores_term[(frag352 * 4u) + e353], row_scale354, scores_part[(frag352 * 4u) + e353]);
+            for (unsigned e337 = 0u; e337 < 4u; e337 += 1u) {
+                const float row_scale338 = kv_scales[(((stage * 5248u) + (((n_first317 + ((frag336 % 2u) * 8u)) + ((lane_quad * 2u) + (e337 & 1u))) * 164u)) + 1u) + (warp_group * 10496u)];
+                scores_part[(frag336 * 4u) + e337] = fmaf(scores_term[(frag336 * 4u) + e337], row_scale338, scores_part[(frag336 * 4u) + e337]);
             }
         }
         #pragma unroll
-        for (unsigned e355 = 0u; e355 < 8u; e355 += 1u) {
-            scores_term[e355] = 0.0f;
+        for (unsigned e339 = 0u; e339 < 8u; e339 += 1u) {
+            scores_term[e339] = 0.0f;
         }
-        const unsigned n_first356 = (warp / 2u) * 16u;
+        const unsigned n_first340 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk359 = 0u; kk359 < 2u; kk359 += 1u) {
+            for (unsigned kk343 = 0u; kk343 < 2u; kk343 += 1u) {
                 #pragma unroll
-                for (unsigned nj361 = 0u; nj361 < 2u; nj361 += 1u) {
-                    ldmatrix_x2(&b_frag358[0u], kv_latent + (stage * 4224u) + (((n_first356 + (nj361 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((((warp % 2u) * 2u) + kk359) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 8448u));
+                for (unsigned nj345 = 0u; nj345 < 2u; nj345 += 1u) {
+                    ldmatrix_x2(&b_frag342[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj345 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk343) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi360 = 0u; mi360 < 1u; mi360 += 1u) {
-                        a_frag357[0u] = q_tile_a2[((mi360 * 2u) + kk359) * 4u];
-                        a_frag357[1u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 1u];
-                        a_frag357[2u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 2u];
-                        a_frag357[3u] = q_tile_a2[(((mi360 * 2u) + kk359) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi360 * 2u) + nj361) * 4u], &a_frag357[0u], &b_frag358[0u]);
-                        a_frag357[0u] = q_tile_a2_lo[((mi360 * 2u) + kk359) * 4u];
-                        a_frag357[1u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 1u];
-                        a_frag357[2u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 2u];
-                        a_frag357[3u] = q_tile_a2_lo[(((mi360 * 2u) + kk359) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi360 * 2u) + nj361) * 4u], &a_frag357[0u], &b_frag358[0u]);
+                    for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
+                        a_frag341[0u] = q_tile_a2[((mi344 * 2u) + kk343) * 4u];
+                        a_frag341[1u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 1u];
+                        a_frag341[2u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 2u];
+                        a_frag341[3u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi344 * 2u) + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
+                        a_frag341[0u] = q_tile_a2_lo[((mi344 * 2u) + kk343) * 4u];
+                        a_frag341[1u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 1u];
+                        a_frag341[2u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 2u];
+                        a_frag341[3u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi344 * 2u) + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first362 = (warp % 2u) * 4u;
+            const unsigned k_first346 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e371 = 0u; e371 < 8u; e371 += 1u) {
-                scores_term[8u + e371] = 0.0f;
+            for (unsigned e355 = 0u; e355 < 8u; e355 += 1u) {
+                scores_term[8u + e355] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair369 = 0u; kk_pair369 < 2u; kk_pair369 += 1u) {
+            for (unsigned kk_pair353 = 0u; kk_pair353 < 2u; kk_pair353 += 1u) {
                 #pragma unroll
-                for (unsigned chain370 = 0u; chain370 < 2u; chain370 += 1u) {
-                    const unsigned kk366 = (kk_pair369 * 2u) + chain370;
+                for (unsigned chain354 = 0u; chain354 < 2u; chain354 += 1u) {
+                    const unsigned kk350 = (kk_pair353 * 2u) + chain354;
                     #pragma unroll
-                    for (unsigned nj368 = 0u; nj368 < 2u; nj368 += 1u) {
-                        ldmatrix_x1(&b_raw365[0u], kv_latent + (stage * 4224u) + (((n_first356 + (nj368 * 8u)) + (lane_r16 & 7u)) * 132u) + 64u + ((k_first362 + kk366) * 4u) + (warp_group * 8448u));
-                        const unsigned e4m3_pair372 = e4m3x2_prep(b_raw365[0u] & 65535u);
-                        const unsigned e4m3_pair373 = e4m3x2_prep(b_raw365[0u] >> 16u);
-                        b_frag364[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair372), e4m3x2_hi(e4m3_pair372));
-                        b_frag364[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair373), e4m3x2_hi(e4m3_pair373));
+                    for (unsigned nj352 = 0u; nj352 < 2u; nj352 += 1u) {
+                        ldmatrix_x1(&b_raw349[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first346 + kk350) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair356 = e4m3x2_prep(b_raw349[0u] & 65535u);
+                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw349[0u] >> 16u);
+                        b_frag348[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair356), e4m3x2_hi(e4m3_pair356));
+                        b_frag348[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
                         #pragma unroll
-                        for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
-                            a_frag363[0u] = q_tile_a2_bf16[((mi367 * 4u) + kk366) * 4u];
-                            a_frag363[1u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 1u];
-                            a_frag363[2u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 2u];
-                            a_frag363[3u] = q_tile_a2_bf16[(((mi367 * 4u) + kk366) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain370 * 8u) + (((mi367 * 2u) + nj368) * 4u)], &a_frag363[0u], &b_frag364[0u]);
+                        for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
+                            a_frag347[0u] = q_tile_a2_bf16[((mi351 * 4u) + kk350) * 4u];
+                            a_frag347[1u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 1u];
+                            a_frag347[2u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 2u];
+                            a_frag347[3u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain354 * 8u) + (((mi351 * 2u) + nj352) * 4u)], &a_frag347[0u], &b_frag348[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e374 = 0u; e374 < 8u; e374 += 1u) {
-                scores_term[e374] = scores_term[e374] + scores_term[8u + e374];
+            for (unsigned e358 = 0u; e358 < 8u; e358 += 1u) {
+                scores_term[e358] = scores_term[e358] + scores_term[8u + e358];
             }
         }
         #pragma unroll
-        for (unsigned frag375 = 0u; frag375 < 2u; frag375 += 1u) {
+        for (unsigned frag359 = 0u; frag359 < 2u; frag359 += 1u) {
             #pragma unroll
-            for (unsigned e376 = 0u; e376 < 4u; e376 += 1u) {
-                const float row_scale377 = kv_scales[(((stage * 128u) + (((n_first356 + ((frag375 % 2u) * 8u)) + ((lane_quad * 2u) + (e376 & 1u))) * 4u)) + 2u) + (warp_group * 256u)];
-                scores_part[(frag375 * 4u) + e376] = fmaf(scores_term[(frag375 * 4u) + e376], row_scale377, scores_part[(frag375 * 4u) + e376]);
+            for (unsigned e360 = 0u; e360 < 4u; e360 += 1u) {
+                const float row_scale361 = kv_scales[(((stage * 5248u) + (((n_first340 + ((frag359 % 2u) * 8u)) + ((lane_quad * 2u) + (e360 & 1u))) * 164u)) + 2u) + (warp_group * 10496u)];
+                scores_part[(frag359 * 4u) + e360] = fmaf(scores_term[(frag359 * 4u) + e360], row_scale361, scores_part[(frag359 * 4u) + e360]);
             }
         }
         #pragma unroll
-        for (unsigned e378 = 0u; e378 < 8u; e378 += 1u) {
-            scores_term[e378] = 0.0f;
+        for (unsigned e362 = 0u; e362 < 8u; e362 += 1u) {
+            scores_term[e362] = 0.0f;
         }
-        const unsigned n_first379 = (warp / 2u) * 16u;
+        const unsigned n_first363 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk382 = 0u; kk382 < 2u; kk382 += 1u) {
+            for (unsigned kk366 = 0u; kk366 < 2u; kk366 += 1u) {
                 #pragma unroll
-                for (unsigned nj384 = 0u; nj384 < 2u; nj384 += 1u) {
-                    ldmatrix_x2(&b_frag381[0u], kv_latent + (stage * 4224u) + (((n_first379 + (nj384 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((((warp % 2u) * 2u) + kk382) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 8448u));
+                for (unsigned nj368 = 0u; nj368 < 2u; nj368 += 1u) {
+                    ldmatrix_x2(&b_frag365[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj368 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk366) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi383 = 0u; mi383 < 1u; mi383 += 1u) {
-                        a_frag380[0u] = q_tile_a3[((mi383 * 2u) + kk382) * 4u];
-                        a_frag380[1u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 1u];
-                        a_frag380[2u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 2u];
-                        a_frag380[3u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi383 * 2u) + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
-                        a_frag380[0u] = q_tile_a3_lo[((mi383 * 2u) + kk382) * 4u];
-                        a_frag380[1u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 1u];
-                        a_frag380[2u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 2u];
-                        a_frag380[3u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi383 * 2u) + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
+                    for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
+                        a_frag364[0u] = q_tile_a3[((mi367 * 2u) + kk366) * 4u];
+                        a_frag364[1u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 1u];
+                        a_frag364[2u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 2u];
+                        a_frag364[3u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi367 * 2u) + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
+                        a_frag364[0u] = q_tile_a3_lo[((mi367 * 2u) + kk366) * 4u];
+                        a_frag364[1u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 1u];
+                        a_frag364[2u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 2u];
+                        a_frag364[3u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi367 * 2u) + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first385 = (warp % 2u) * 4u;
+            const unsigned k_first369 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e394 = 0u; e394 < 8u; e394 += 1u) {
-                scores_term[8u + e394] = 0.0f;
+            for (unsigned e378 = 0u; e378 < 8u; e378 += 1u) {
+                scores_term[8u + e378] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair392 = 0u; kk_pair392 < 2u; kk_pair392 += 1u) {
+            for (unsigned kk_pair376 = 0u; kk_pair376 < 2u; kk_pair376 += 1u) {
                 #pragma unroll
-                for (unsigned chain393 = 0u; chain393 < 2u; chain393 += 1u) {
-                    const unsigned kk389 = (kk_pair392 * 2u) + chain393;
+                for (unsigned chain377 = 0u; chain377 < 2u; chain377 += 1u) {
+                    const unsigned kk373 = (kk_pair376 * 2u) + chain377;
                     #pragma unroll
-                    for (unsigned nj391 = 0u; nj391 < 2u; nj391 += 1u) {
-                        ldmatrix_x1(&b_raw388[0u], kv_latent + (stage * 4224u) + (((n_first379 + (nj391 * 8u)) + (lane_r16 & 7u)) * 132u) + 96u + ((k_first385 + kk389) * 4u) + (warp_group * 8448u));
-                        const unsigned e4m3_pair395 = e4m3x2_prep(b_raw388[0u] & 65535u);
-                        const unsigned e4m3_pair396 = e4m3x2_prep(b_raw388[0u] >> 16u);
-                        b_frag387[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair395), e4m3x2_hi(e4m3_pair395));
-                        b_frag387[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair396), e4m3x2_hi(e4m3_pair396));
+                    for (unsigned nj375 = 0u; nj375 < 2u; nj375 += 1u) {
+                        ldmatrix_x1(&b_raw372[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first369 + kk373) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair379 = e4m3x2_prep(b_raw372[0u] & 65535u);
+                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw372[0u] >> 16u);
+                        b_frag371[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair379), e4m3x2_hi(e4m3_pair379));
+                        b_frag371[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
                         #pragma unroll
-                        for (unsigned mi390 = 0u; mi390 < 1u; mi390 += 1u) {
-                            a_frag386[0u] = q_tile_a3_bf16[((mi390 * 4u) + kk389) * 4u];
-                            a_frag386[1u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 1u];
-                            a_frag386[2u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 2u];
-                            a_frag386[3u] = q_tile_a3_bf16[(((mi390 * 4u) + kk389) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain393 * 8u) + (((mi390 * 2u) + nj391) * 4u)], &a_frag386[0u], &b_frag387[0u]);
+                        for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
+                            a_frag370[0u] = q_tile_a3_bf16[((mi374 * 4u) + kk373) * 4u];
+                            a_frag370[1u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 1u];
+                            a_frag370[2u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 2u];
+                            a_frag370[3u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain377 * 8u) + (((mi374 * 2u) + nj375) * 4u)], &a_frag370[0u], &b_frag371[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e397 = 0u; e397 < 8u; e397 += 1u) {
-                scores_term[e397] = scores_term[e397] + scores_term[8u + e397];
+            for (unsigned e381 = 0u; e381 < 8u; e381 += 1u) {
+                scores_term[e381] = scores_term[e381] + scores_term[8u + e381];
             }
         }
         #pragma unroll
-        for (unsigned frag398 = 0u; frag398 < 2u; frag398 += 1u) {
+        for (unsigned frag382 = 0u; frag382 < 2u; frag382 += 1u) {
             #pragma unroll
-            for (unsigned e399 = 0u; e399 < 4u; e399 += 1u) {
-                const float row_scale400 = kv_scales[(((stage * 128u) + (((n_first379 + ((frag398 % 2u) * 8u)) + ((lane_quad * 2u) + (e399 & 1u))) * 4u)) + 3u) + (warp_group * 256u)];
-                scores_part[(frag398 * 4u) + e399] = fmaf(scores_term[(frag398 * 4u) + e399], row_scale400, scores_part[(frag398 * 4u) + e399]);
+            for (unsigned e383 = 0u; e383 < 4u; e383 += 1u) {
+                const float row_scale384 = kv_scales[(((stage * 5248u) + (((n_first363 + ((frag382 % 2u) * 8u)) + ((lane_quad * 2u) + (e383 & 1u))) * 164u)) + 3u) + (warp_group * 10496u)];
+                scores_part[(frag382 * 4u) + e383] = fmaf(scores_term[(frag382 * 4u) + e383], row_scale384, scores_part[(frag382 * 4u) + e383]);
             }
         }
-        const unsigned n_first401 = (warp / 2u) * 16u;
-        const unsigned k_first402 = (warp % 2u) * 2u;
+        const unsigned n_first385 = (warp / 2u) * 16u;
+        const unsigned k_first386 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e411 = 0u; e411 < 8u; e411 += 1u) {
-            scores_part[8u + e411] = 0.0f;
+        for (unsigned e395 = 0u; e395 < 8u; e395 += 1u) {
+            scores_part[8u + e395] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair409 = 0u; kk_pair409 < 1u; kk_pair409 += 1u) {
+        for (unsigned kk_pair393 = 0u; kk_pair393 < 1u; kk_pair393 += 1u) {
             #pragma unroll
-            for (unsigned chain410 = 0u; chain410 < 2u; chain410 += 1u) {
-                const unsigned kk406 = (kk_pair409 * 2u) + chain410;
+            for (unsigned chain394 = 0u; chain394 < 2u; chain394 += 1u) {
+                const unsigned kk390 = (kk_pair393 * 2u) + chain394;
                 #pragma unroll
-                for (unsigned nj408 = 0u; nj408 < 2u; nj408 += 1u) {
-                    ldmatrix_x2(&b_frag404[0u], kv_rope + (stage * 1152u) + (((n_first401 + (nj408 * 8u)) + (lane_r16 & 7u)) * 36u) + ((k_first402 + kk406) * 8u) + (lane_k8 >> 1u) + (warp_group * 2304u));
+                for (unsigned nj392 = 0u; nj392 < 2u; nj392 += 1u) {
+                    ldmatrix_x2(&b_frag388[0u], kv_rope + (stage * 5248u) + (((n_first385 + (nj392 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first386 + kk390) * 8u) + (lane_k8 >> 1u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
-                        a_frag403[0u] = q_tile_a4[((mi407 * 2u) + kk406) * 4u];
-                        a_frag403[1u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 1u];
-                        a_frag403[2u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 2u];
-                        a_frag403[3u] = q_tile_a4[(((mi407 * 2u) + kk406) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain410 * 8u) + (((mi407 * 2u) + nj408) * 4u)], &a_frag403[0u], &b_frag404[0u]);
+                    for (unsigned mi391 = 0u; mi391 < 1u; mi391 += 1u) {
+                        a_frag387[0u] = q_tile_a4[((mi391 * 2u) + kk390) * 4u];
+                        a_frag387[1u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 1u];
+                        a_frag387[2u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 2u];
+                        a_frag387[3u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain394 * 8u) + (((mi391 * 2u) + nj392) * 4u)], &a_frag387[0u], &b_frag388[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e412 = 0u; e412 < 8u; e412 += 1u) {
-            scores_part[e412] = scores_part[e412] + scores_part[8u + e412];
+        for (unsigned e396 = 0u; e396 < 8u; e396 += 1u) {
+            scores_part[e396] = scores_part[e396] + scores_part[8u + e396];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag413 = 0u; frag413 < 2u; frag413 += 1u) {
+        for (unsigned frag397 = 0u; frag397 < 2u; frag397 += 1u) {
             #pragma unroll
-            for (unsigned half414 = 0u; half414 < 2u; half414 += 1u) {
+            for (unsigned half398 = 0u; half398 < 2u; half398 += 1u) {
                 #pragma unroll
-                for (unsigned e415 = 0u; e415 < 2u; e415 += 1u) {
-                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag413 / 2u) * 16u) + (half414 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag413 % 2u) * 8u)) + ((lane_quad * 2u) + e415))) + (warp_group * 1152u)] = scores_part[((frag413 * 4u) + (half414 * 2u)) + e415] * q_tile_unscale[0u];
+                for (unsigned e399 = 0u; e399 < 2u; e399 += 1u) {
+                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag397 / 2u) * 16u) + (half398 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag397 % 2u) * 8u)) + ((lane_quad * 2u) + e399))) + (warp_group * 1152u)] = scores_part[((frag397 * 4u) + (half398 * 2u)) + e399] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1481,55 +1429,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + (((2u + ((step_i - 1u) % 2u)) + (warp_group * 4u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage308 = ahead % 2u;
+                const unsigned load_stage298 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
-                    const unsigned gather_row310 = ((warp - 2u) + (lane * 2u)) + (slot309 * 64u);
-                    if (gather_row310 < 32u) {
+                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
+                    const unsigned gather_row300 = ((warp - 2u) + (lane * 2u)) + (slot299 * 64u);
+                    if (gather_row300 < 32u) {
                         const unsigned step = warp_group + (ahead * 2u);
-                        const unsigned row_1 = gather_row310;
-                        const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_latent_pre[slot309] >= 0)) && (((unsigned)kv_latent_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_latent_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_latent_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
-                        const unsigned row_2 = gather_row310;
-                        const int src_i32312 = (((((j_begin + (step * 32u)) + row_2) < j_end) && (kv_scales_pre[slot309] >= 0)) && (((unsigned)kv_scales_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_scales_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_scales_pre[slot309]) % p.page_size) * p.row_stride_w)) + 128u)) : (-1);
-                        const unsigned row_3 = gather_row310;
-                        const int src_i32313 = (((((j_begin + (step * 32u)) + row_3) < j_end) && (kv_rope_pre[slot309] >= 0)) && (((unsigned)kv_rope_pre[slot309]) < p.num_slots)) ? ((int)((((((unsigned)kv_rope_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rope_pre[slot309]) % p.page_size) * p.row_stride_w)) + 132u)) : (-1);
-                        row_valid[((load_stage308 * 36u) + gather_row310) + (warp_group * 72u)] = (src_i32311 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32311 >= 0) {
-                            copy_async(kv_latent + (load_stage308 * 4224u) + (gather_row310 * 132u) + (warp_group * 8448u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 512u, ring_barriers + ((load_stage308 + (warp_group * 4u)) * 2u));
-                        }
-                        if (src_i32312 >= 0) {
-                            copy_async(kv_scales + (load_stage308 * 128u) + (gather_row310 * 4u) + (warp_group * 256u), (const unsigned*)kv_cache + ((unsigned)src_i32312), 16u, ring_barriers + ((load_stage308 + (warp_group * 4u)) * 2u));
-                        }
-                        if (src_i32313 >= 0) {
-                            copy_async(kv_rope + (load_stage308 * 1152u) + (gather_row310 * 36u) + (warp_group * 2304u), (const unsigned*)kv_cache + ((unsigned)src_i32313), 128u, ring_barriers + ((load_stage308 + (warp_group * 4u)) * 2u));
+                        const unsigned row_1 = gather_row300;
+                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[((load_stage298 * 36u) + gather_row300) + (warp_group * 72u)] = (src_i32301 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32301 >= 0) {
+                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + ((load_stage308 + (warp_group * 4u)) * 2u));
+                copy_arrive(ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
                 if ((ahead + 1u) < step_group_count) {
                     const unsigned step = warp_group + ((ahead + 1u) * 2u);
                     #pragma unroll
-                    for (unsigned slot314 = 0u; slot314 < 1u; slot314 += 1u) {
-                        const unsigned gather_row315 = ((warp - 2u) + (lane * 2u)) + (slot314 * 64u);
-                        if (gather_row315 < 32u) {
-                            const unsigned row_1 = gather_row315;
-                            kv_latent_pre[slot314] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot316 = 0u; slot316 < 1u; slot316 += 1u) {
-                        const unsigned gather_row317 = ((warp - 2u) + (lane * 2u)) + (slot316 * 64u);
-                        if (gather_row317 < 32u) {
-                            const unsigned row_2 = gather_row317;
-                            kv_scales_pre[slot316] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_2, p.topk - 1u)];
-                        }
-                    }
-                    #pragma unroll
-                    for (unsigned slot318 = 0u; slot318 < 1u; slot318 += 1u) {
-                        const unsigned gather_row319 = ((warp - 2u) + (lane * 2u)) + (slot318 * 64u);
-                        if (gather_row319 < 32u) {
-                            const unsigned row_3 = gather_row319;
-                            kv_rope_pre[slot318] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_3, p.topk - 1u)];
+                    for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                        const unsigned gather_row303 = ((warp - 2u) + (lane * 2u)) + (slot302 * 64u);
+                        if (gather_row303 < 32u) {
+                            const unsigned row_1 = gather_row303;
+                            kv_rows_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1537,34 +1459,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag416 = 0u; frag416 < 2u; frag416 += 1u) {
+            for (unsigned frag400 = 0u; frag400 < 2u; frag400 += 1u) {
                 #pragma unroll
-                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                for (unsigned half401 = 0u; half401 < 2u; half401 += 1u) {
                     #pragma unroll
-                    for (unsigned e418 = 0u; e418 < 2u; e418 += 1u) {
-                        float sum = scores[((frag416 * 4u) + (half417 * 2u)) + e418];
-                        const unsigned cell = (((scores_row0 + (half417 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag416 * 8u)) + ((lane_quad * 2u) + e418));
+                    for (unsigned e402 = 0u; e402 < 2u; e402 += 1u) {
+                        float sum = scores[((frag400 * 4u) + (half401 * 2u)) + e402];
+                        const unsigned cell = (((scores_row0 + (half401 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag400 * 8u)) + ((lane_quad * 2u) + e402));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[((g * 576u) + cell) + (warp_group * 1152u)];
                         }
-                        scores[((frag416 * 4u) + (half417 * 2u)) + e418] = sum;
+                        scores[((frag400 * 4u) + (half401 * 2u)) + e402] = sum;
                     }
                 }
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag419 = 0u; frag419 < 2u; frag419 += 1u) {
+            for (unsigned frag403 = 0u; frag403 < 2u; frag403 += 1u) {
                 #pragma unroll
-                for (unsigned half420 = 0u; half420 < 2u; half420 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag419 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag419 * 4u) + (half420 * 2u)];
-                    float v1 = scores[((frag419 * 4u) + (half420 * 2u)) + 1u];
+                for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag403 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag403 * 4u) + (half404 * 2u)];
+                    float v1 = scores[((frag403 * 4u) + (half404 * 2u)) + 1u];
                     v0 = (row_valid[((stage * 36u) + col) + (warp_group * 72u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[((stage * 36u) + (col + 1u)) + (warp_group * 72u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag419 * 4u) + (half420 * 2u)] = v0;
-                    scores[((frag419 * 4u) + (half420 * 2u)) + 1u] = v1;
+                    scores[(frag403 * 4u) + (half404 * 2u)] = v0;
+                    scores[((frag403 * 4u) + (half404 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1574,18 +1496,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi421 = 0u; mi421 < 1u; mi421 += 1u) {
+            for (unsigned mi405 = 0u; mi405 < 1u; mi405 += 1u) {
                 #pragma unroll
-                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi421 * 2u) * 4u) + (half422 * 2u)], scores[((mi421 * 2u) * 4u) + ((half422 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi421 * 2u) + 1u) * 4u) + (half422 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi421 * 2u) + 1u) * 4u) + ((half422 * 2u) + 1u)]);
+                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi405 * 2u) * 4u) + (half406 * 2u)], scores[((mi405 * 2u) * 4u) + ((half406 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi405 * 2u) + 1u) * 4u) + (half406 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi405 * 2u) + 1u) * 4u) + ((half406 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other423 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other423);
+                    const float other407 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other407);
                     if (lane_quad == 0u) {
-                        row_exchange[((((scores_row0 + (mi421 * 16u)) + ((half422 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
+                        row_exchange[((((scores_row0 + (mi405 * 16u)) + ((half406 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
                     }
                 }
             }
@@ -1598,84 +1520,84 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi426 = 0u; mi426 < 1u; mi426 += 1u) {
+        for (unsigned mi410 = 0u; mi410 < 1u; mi410 += 1u) {
             #pragma unroll
-            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float m_old424 = row_max_reg[(mi426 * 2u) + half427];
-                float m_new425 = m_old424;
-                m_new425 = fmaxf(m_new425, row_exchange[(((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
-                m_new425 = fmaxf(m_new425, row_exchange[((((mi426 * 16u) + ((half427 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
-                row_alpha[(mi426 * 2u) + half427] = expf(m_old424 - m_new425);
-                row_max_reg[(mi426 * 2u) + half427] = m_new425;
+            for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
+                const float m_old408 = row_max_reg[(mi410 * 2u) + half411];
+                float m_new409 = m_old408;
+                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
+                m_new409 = fmaxf(m_new409, row_exchange[((((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
+                row_alpha[(mi410 * 2u) + half411] = expf(m_old408 - m_new409);
+                row_max_reg[(mi410 * 2u) + half411] = m_new409;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi431 = 0u; mi431 < 1u; mi431 += 1u) {
+            for (unsigned mi415 = 0u; mi415 < 1u; mi415 += 1u) {
                 #pragma unroll
-                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj428 = 0u; nj428 < 2u; nj428 += 1u) {
+                    for (unsigned nj412 = 0u; nj412 < 2u; nj412 += 1u) {
                         #pragma unroll
-                        for (unsigned e429 = 0u; e429 < 2u; e429 += 1u) {
-                            const unsigned at430 = (((mi431 * 2u) + nj428) * 4u) + ((half432 * 2u) + e429);
-                            const float p = (scores[at430] < (-1e38f)) ? 0.0f : expf(scores[at430] - row_max_reg[(mi431 * 2u) + half432]);
-                            scores[at430] = p;
+                        for (unsigned e413 = 0u; e413 < 2u; e413 += 1u) {
+                            const unsigned at414 = (((mi415 * 2u) + nj412) * 4u) + ((half416 * 2u) + e413);
+                            const float p = (scores[at414] < (-1e38f)) ? 0.0f : expf(scores[at414] - row_max_reg[(mi415 * 2u) + half416]);
+                            scores[at414] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi431 * 2u) + half432] = (row_sum_part[(mi431 * 2u) + half432] * row_alpha[(mi431 * 2u) + half432]) + p_sum;
+                    row_sum_part[(mi415 * 2u) + half416] = (row_sum_part[(mi415 * 2u) + half416] * row_alpha[(mi415 * 2u) + half416]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag433 = 0u; frag433 < 4u; frag433 += 1u) {
+        for (unsigned frag417 = 0u; frag417 < 4u; frag417 += 1u) {
             #pragma unroll
-            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha[((frag433 / 4u) * 2u) + half434];
-                o_acc[(frag433 * 4u) + (half434 * 2u)] = o_acc[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
+                const float alpha419 = row_alpha[((frag417 / 4u) * 2u) + half418];
+                o_acc[(frag417 * 4u) + (half418 * 2u)] = o_acc[(frag417 * 4u) + (half418 * 2u)] * alpha419;
+                o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] = o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] * alpha419;
             }
         }
         #pragma unroll
-        for (unsigned frag436 = 0u; frag436 < 4u; frag436 += 1u) {
+        for (unsigned frag420 = 0u; frag420 < 4u; frag420 += 1u) {
             #pragma unroll
-            for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
-                const float alpha438 = row_alpha[((frag436 / 4u) * 2u) + half437];
-                o_acc_1[(frag436 * 4u) + (half437 * 2u)] = o_acc_1[(frag436 * 4u) + (half437 * 2u)] * alpha438;
-                o_acc_1[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_1[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
+            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
+                const float alpha422 = row_alpha[((frag420 / 4u) * 2u) + half421];
+                o_acc_1[(frag420 * 4u) + (half421 * 2u)] = o_acc_1[(frag420 * 4u) + (half421 * 2u)] * alpha422;
+                o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] = o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] * alpha422;
             }
         }
         #pragma unroll
-        for (unsigned frag439 = 0u; frag439 < 4u; frag439 += 1u) {
+        for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
             #pragma unroll
-            for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
-                const float alpha441 = row_alpha[((frag439 / 4u) * 2u) + half440];
-                o_acc_2[(frag439 * 4u) + (half440 * 2u)] = o_acc_2[(frag439 * 4u) + (half440 * 2u)] * alpha441;
-                o_acc_2[((frag439 * 4u) + (half440 * 2u)) + 1u] = o_acc_2[((frag439 * 4u) + (half440 * 2u)) + 1u] * alpha441;
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float alpha425 = row_alpha[((frag423 / 4u) * 2u) + half424];
+                o_acc_2[(frag423 * 4u) + (half424 * 2u)] = o_acc_2[(frag423 * 4u) + (half424 * 2u)] * alpha425;
+                o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
         }
         #pragma unroll
-        for (unsigned frag442 = 0u; frag442 < 4u; frag442 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half443 = 0u; half443 < 2u; half443 += 1u) {
-                const float alpha444 = row_alpha[((frag442 / 4u) * 2u) + half443];
-                o_acc_3[(frag442 * 4u) + (half443 * 2u)] = o_acc_3[(frag442 * 4u) + (half443 * 2u)] * alpha444;
-                o_acc_3[((frag442 * 4u) + (half443 * 2u)) + 1u] = o_acc_3[((frag442 * 4u) + (half443 * 2u)) + 1u] * alpha444;
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
+                const float alpha428 = row_alpha[((frag426 / 4u) * 2u) + half427];
+                o_acc_3[(frag426 * 4u) + (half427 * 2u)] = o_acc_3[(frag426 * 4u) + (half427 * 2u)] * alpha428;
+                o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag447 = 0u; frag447 < 2u; frag447 += 1u) {
+            for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
                 #pragma unroll
-                for (unsigned half448 = 0u; half448 < 2u; half448 += 1u) {
-                    const unsigned row445 = (scores_row0 + ((frag447 / 2u) * 16u)) + ((half448 * 8u) + lane_group);
-                    const unsigned col446 = (scores_col0 + ((frag447 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag447 * 4u) + (half448 * 2u);
-                    p_tile[((row445 * 20u) + (col446 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                    const unsigned row429 = (scores_row0 + ((frag431 / 2u) * 16u)) + ((half432 * 8u) + lane_group);
+                    const unsigned col430 = (scores_col0 + ((frag431 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag431 * 4u) + (half432 * 2u);
+                    p_tile[((row429 * 20u) + (col430 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1688,252 +1610,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk452 = 0u; kk452 < 2u; kk452 += 1u) {
+        for (unsigned kk436 = 0u; kk436 < 2u; kk436 += 1u) {
             #pragma unroll
-            for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                ldmatrix_x4(&a_frag449[mi453 * 4u], p_tile + a_lane_word + (mi453 * 320u) + (kk452 * 8u) + (warp_group * 320u));
+            for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                ldmatrix_x4(&a_frag433[mi437 * 4u], p_tile + a_lane_word + (mi437 * 320u) + (kk436 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale461 = kv_scales[((stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)) + (warp_group * 256u)];
-                const float k_scale462 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + (warp_group * 256u)];
-                const float k_scale463 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + (warp_group * 256u)];
-                const float k_scale464 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + (warp_group * 256u)];
-                a_frag449[0u] = pack_bf16x2(__uint_as_float(a_frag449[0u] << 16u) * k_scale461, __uint_as_float(a_frag449[0u] & 4294901760u) * k_scale462);
-                a_frag449[1u] = pack_bf16x2(__uint_as_float(a_frag449[1u] << 16u) * k_scale461, __uint_as_float(a_frag449[1u] & 4294901760u) * k_scale462);
-                a_frag449[2u] = pack_bf16x2(__uint_as_float(a_frag449[2u] << 16u) * k_scale463, __uint_as_float(a_frag449[2u] & 4294901760u) * k_scale464);
-                a_frag449[3u] = pack_bf16x2(__uint_as_float(a_frag449[3u] << 16u) * k_scale463, __uint_as_float(a_frag449[3u] & 4294901760u) * k_scale464);
+                const float k_scale445 = kv_scales[((stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
+                const float k_scale446 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
+                const float k_scale447 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
+                const float k_scale448 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
+                a_frag433[0u] = pack_bf16x2(__uint_as_float(a_frag433[0u] << 16u) * k_scale445, __uint_as_float(a_frag433[0u] & 4294901760u) * k_scale446);
+                a_frag433[1u] = pack_bf16x2(__uint_as_float(a_frag433[1u] << 16u) * k_scale445, __uint_as_float(a_frag433[1u] & 4294901760u) * k_scale446);
+                a_frag433[2u] = pack_bf16x2(__uint_as_float(a_frag433[2u] << 16u) * k_scale447, __uint_as_float(a_frag433[2u] & 4294901760u) * k_scale448);
+                a_frag433[3u] = pack_bf16x2(__uint_as_float(a_frag433[3u] << 16u) * k_scale447, __uint_as_float(a_frag433[3u] & 4294901760u) * k_scale448);
                 #pragma unroll
                 for (unsigned np = 0u; np < 2u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 8448u));
-                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
-                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
-                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
-                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
+                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair449 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair450 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
+                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449), e4m3x2_hi(e4m3_pair449));
+                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
+                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
+                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 4u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 4u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 2u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw451[0u], kv_latent + (stage * 4224u) + (((kk452 * 16u) + (lane_r16 & 15u)) * 132u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 8448u));
-                    const float k_scale = kv_scales[((stage * 128u) + (((kk452 * 16u) + (lane_quad * 2u)) * 4u)) + (warp_group * 256u)];
-                    const float k_scale458 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + (warp_group * 256u)];
-                    const float k_scale459 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + (warp_group * 256u)];
-                    const float k_scale460 = kv_scales[((stage * 128u) + ((((kk452 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + (warp_group * 256u)];
-                    const unsigned e4m3_pair454 = e4m3x2_prep((b_raw451[0u] & 255u) | ((b_raw451[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair455 = e4m3x2_prep(((b_raw451[0u] >> 8u) & 255u) | ((b_raw451[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw451[1u] & 255u) | ((b_raw451[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw451[1u] >> 8u) & 255u) | ((b_raw451[1u] >> 16u) & 65280u));
-                    b_frag450[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale, e4m3x2_hi(e4m3_pair454) * k_scale458);
-                    b_frag450[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456) * k_scale459, e4m3x2_hi(e4m3_pair456) * k_scale460);
-                    b_frag450[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair455) * k_scale, e4m3x2_hi(e4m3_pair455) * k_scale458);
-                    b_frag450[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457) * k_scale459, e4m3x2_hi(e4m3_pair457) * k_scale460);
+                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale = kv_scales[((stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale442 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale443 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale444 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair438 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair439 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair440 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair441 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
+                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair438) * k_scale, e4m3x2_hi(e4m3_pair438) * k_scale442);
+                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale443, e4m3x2_hi(e4m3_pair440) * k_scale444);
+                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale442);
+                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale443, e4m3x2_hi(e4m3_pair441) * k_scale444);
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 4u) + (np * 2u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[0u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 4u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi453 = 0u; mi453 < 1u; mi453 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi453 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag449[mi453 * 4u], &b_frag450[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word475 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk472 = 0u; kk472 < 2u; kk472 += 1u) {
-            #pragma unroll
-            for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                ldmatrix_x4(&a_frag469[mi473 * 4u], p_tile + a_lane_word475 + (mi473 * 320u) + (kk472 * 8u) + (warp_group * 320u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale484 = kv_scales[(((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u) + (warp_group * 256u)];
-                const float k_scale485 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u) + (warp_group * 256u)];
-                const float k_scale486 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u) + (warp_group * 256u)];
-                const float k_scale487 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u) + (warp_group * 256u)];
-                a_frag469[0u] = pack_bf16x2(__uint_as_float(a_frag469[0u] << 16u) * k_scale484, __uint_as_float(a_frag469[0u] & 4294901760u) * k_scale485);
-                a_frag469[1u] = pack_bf16x2(__uint_as_float(a_frag469[1u] << 16u) * k_scale484, __uint_as_float(a_frag469[1u] & 4294901760u) * k_scale485);
-                a_frag469[2u] = pack_bf16x2(__uint_as_float(a_frag469[2u] << 16u) * k_scale486, __uint_as_float(a_frag469[2u] & 4294901760u) * k_scale487);
-                a_frag469[3u] = pack_bf16x2(__uint_as_float(a_frag469[3u] << 16u) * k_scale486, __uint_as_float(a_frag469[3u] & 4294901760u) * k_scale487);
-                #pragma unroll
-                for (unsigned np474 = 0u; np474 < 2u; np474 += 1u) {
-                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
-                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
-                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
-                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np474 = 0u; np474 < 2u; np474 += 1u) {
-                    ldmatrix_x2_trans(&b_raw471[0u], kv_latent + (stage * 4224u) + (((kk472 * 16u) + (lane_r16 & 15u)) * 132u) + (((128u + o_acc_1_col0) + (np474 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const float k_scale480 = kv_scales[(((stage * 128u) + (((kk472 * 16u) + (lane_quad * 2u)) * 4u)) + 1u) + (warp_group * 256u)];
-                    const float k_scale481 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 1u) + (warp_group * 256u)];
-                    const float k_scale482 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 1u) + (warp_group * 256u)];
-                    const float k_scale483 = kv_scales[(((stage * 128u) + ((((kk472 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 1u) + (warp_group * 256u)];
-                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw471[0u] & 255u) | ((b_raw471[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw471[0u] >> 8u) & 255u) | ((b_raw471[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair478 = e4m3x2_prep((b_raw471[1u] & 255u) | ((b_raw471[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair479 = e4m3x2_prep(((b_raw471[1u] >> 8u) & 255u) | ((b_raw471[1u] >> 16u) & 65280u));
-                    b_frag470[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
-                    b_frag470[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale482, e4m3x2_hi(e4m3_pair478) * k_scale483);
-                    b_frag470[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
-                    b_frag470[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale482, e4m3x2_hi(e4m3_pair479) * k_scale483);
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + (np474 * 2u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi473 = 0u; mi473 < 1u; mi473 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi473 * 4u) + ((np474 * 2u) + 1u)) * 4u], &a_frag469[mi473 * 4u], &b_frag470[2u]);
+                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi437 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word498 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word459 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk495 = 0u; kk495 < 2u; kk495 += 1u) {
+        for (unsigned kk456 = 0u; kk456 < 2u; kk456 += 1u) {
             #pragma unroll
-            for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                ldmatrix_x4(&a_frag492[mi496 * 4u], p_tile + a_lane_word498 + (mi496 * 320u) + (kk495 * 8u) + (warp_group * 320u));
+            for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                ldmatrix_x4(&a_frag453[mi457 * 4u], p_tile + a_lane_word459 + (mi457 * 320u) + (kk456 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale507 = kv_scales[(((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u) + (warp_group * 256u)];
-                const float k_scale508 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u) + (warp_group * 256u)];
-                const float k_scale509 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u) + (warp_group * 256u)];
-                const float k_scale510 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u) + (warp_group * 256u)];
-                a_frag492[0u] = pack_bf16x2(__uint_as_float(a_frag492[0u] << 16u) * k_scale507, __uint_as_float(a_frag492[0u] & 4294901760u) * k_scale508);
-                a_frag492[1u] = pack_bf16x2(__uint_as_float(a_frag492[1u] << 16u) * k_scale507, __uint_as_float(a_frag492[1u] & 4294901760u) * k_scale508);
-                a_frag492[2u] = pack_bf16x2(__uint_as_float(a_frag492[2u] << 16u) * k_scale509, __uint_as_float(a_frag492[2u] & 4294901760u) * k_scale510);
-                a_frag492[3u] = pack_bf16x2(__uint_as_float(a_frag492[3u] << 16u) * k_scale509, __uint_as_float(a_frag492[3u] & 4294901760u) * k_scale510);
+                const float k_scale468 = kv_scales[(((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale469 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale470 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale471 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
+                a_frag453[0u] = pack_bf16x2(__uint_as_float(a_frag453[0u] << 16u) * k_scale468, __uint_as_float(a_frag453[0u] & 4294901760u) * k_scale469);
+                a_frag453[1u] = pack_bf16x2(__uint_as_float(a_frag453[1u] << 16u) * k_scale468, __uint_as_float(a_frag453[1u] & 4294901760u) * k_scale469);
+                a_frag453[2u] = pack_bf16x2(__uint_as_float(a_frag453[2u] << 16u) * k_scale470, __uint_as_float(a_frag453[2u] & 4294901760u) * k_scale471);
+                a_frag453[3u] = pack_bf16x2(__uint_as_float(a_frag453[3u] << 16u) * k_scale470, __uint_as_float(a_frag453[3u] & 4294901760u) * k_scale471);
                 #pragma unroll
-                for (unsigned np497 = 0u; np497 < 2u; np497 += 1u) {
-                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const unsigned e4m3_pair511 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair512 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
-                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511), e4m3x2_hi(e4m3_pair511));
-                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
-                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
-                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                for (unsigned np458 = 0u; np458 < 2u; np458 += 1u) {
+                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
+                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
+                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
+                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np497 = 0u; np497 < 2u; np497 += 1u) {
-                    ldmatrix_x2_trans(&b_raw494[0u], kv_latent + (stage * 4224u) + (((kk495 * 16u) + (lane_r16 & 15u)) * 132u) + (((256u + o_acc_2_col0) + (np497 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const float k_scale503 = kv_scales[(((stage * 128u) + (((kk495 * 16u) + (lane_quad * 2u)) * 4u)) + 2u) + (warp_group * 256u)];
-                    const float k_scale504 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 2u) + (warp_group * 256u)];
-                    const float k_scale505 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 2u) + (warp_group * 256u)];
-                    const float k_scale506 = kv_scales[(((stage * 128u) + ((((kk495 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 2u) + (warp_group * 256u)];
-                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw494[0u] & 255u) | ((b_raw494[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw494[0u] >> 8u) & 255u) | ((b_raw494[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw494[1u] & 255u) | ((b_raw494[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw494[1u] >> 8u) & 255u) | ((b_raw494[1u] >> 16u) & 65280u));
-                    b_frag493[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
-                    b_frag493[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
-                    b_frag493[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
-                    b_frag493[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
+                for (unsigned np458 = 0u; np458 < 2u; np458 += 1u) {
+                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale464 = kv_scales[(((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale465 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale466 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale467 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
+                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale464, e4m3x2_hi(e4m3_pair460) * k_scale465);
+                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale466, e4m3x2_hi(e4m3_pair462) * k_scale467);
+                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
+                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale466, e4m3x2_hi(e4m3_pair463) * k_scale467);
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + (np497 * 2u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[0u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi496 * 4u) + ((np497 * 2u) + 1u)) * 4u], &a_frag492[mi496 * 4u], &b_frag493[2u]);
+                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word521 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk518 = 0u; kk518 < 2u; kk518 += 1u) {
+        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
             #pragma unroll
-            for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                ldmatrix_x4(&a_frag515[mi519 * 4u], p_tile + a_lane_word521 + (mi519 * 320u) + (kk518 * 8u) + (warp_group * 320u));
+            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale530 = kv_scales[(((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u) + (warp_group * 256u)];
-                const float k_scale531 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u) + (warp_group * 256u)];
-                const float k_scale532 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u) + (warp_group * 256u)];
-                const float k_scale533 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u) + (warp_group * 256u)];
-                a_frag515[0u] = pack_bf16x2(__uint_as_float(a_frag515[0u] << 16u) * k_scale530, __uint_as_float(a_frag515[0u] & 4294901760u) * k_scale531);
-                a_frag515[1u] = pack_bf16x2(__uint_as_float(a_frag515[1u] << 16u) * k_scale530, __uint_as_float(a_frag515[1u] & 4294901760u) * k_scale531);
-                a_frag515[2u] = pack_bf16x2(__uint_as_float(a_frag515[2u] << 16u) * k_scale532, __uint_as_float(a_frag515[2u] & 4294901760u) * k_scale533);
-                a_frag515[3u] = pack_bf16x2(__uint_as_float(a_frag515[3u] << 16u) * k_scale532, __uint_as_float(a_frag515[3u] & 4294901760u) * k_scale533);
+                const float k_scale491 = kv_scales[(((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale492 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale493 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale494 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
+                a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale491, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale492);
+                a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale491, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale492);
+                a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale493, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale494);
+                a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale493, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale494);
                 #pragma unroll
-                for (unsigned np520 = 0u; np520 < 2u; np520 += 1u) {
-                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const unsigned e4m3_pair534 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair535 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair536 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair537 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
-                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534), e4m3x2_hi(e4m3_pair534));
-                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair536), e4m3x2_hi(e4m3_pair536));
-                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair535), e4m3x2_hi(e4m3_pair535));
-                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair537), e4m3x2_hi(e4m3_pair537));
+                for (unsigned np481 = 0u; np481 < 2u; np481 += 1u) {
+                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
+                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
+                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
+                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np520 = 0u; np520 < 2u; np520 += 1u) {
-                    ldmatrix_x2_trans(&b_raw517[0u], kv_latent + (stage * 4224u) + (((kk518 * 16u) + (lane_r16 & 15u)) * 132u) + (((384u + o_acc_3_col0) + (np520 * 16u)) >> 2u) + (warp_group * 8448u));
-                    const float k_scale526 = kv_scales[(((stage * 128u) + (((kk518 * 16u) + (lane_quad * 2u)) * 4u)) + 3u) + (warp_group * 256u)];
-                    const float k_scale527 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 1u) * 4u)) + 3u) + (warp_group * 256u)];
-                    const float k_scale528 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 8u) * 4u)) + 3u) + (warp_group * 256u)];
-                    const float k_scale529 = kv_scales[(((stage * 128u) + ((((kk518 * 16u) + (lane_quad * 2u)) + 9u) * 4u)) + 3u) + (warp_group * 256u)];
-                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw517[0u] & 255u) | ((b_raw517[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw517[0u] >> 8u) & 255u) | ((b_raw517[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw517[1u] & 255u) | ((b_raw517[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw517[1u] >> 8u) & 255u) | ((b_raw517[1u] >> 16u) & 65280u));
-                    b_frag516[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522) * k_scale526, e4m3x2_hi(e4m3_pair522) * k_scale527);
-                    b_frag516[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
-                    b_frag516[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale526, e4m3x2_hi(e4m3_pair523) * k_scale527);
-                    b_frag516[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
+                for (unsigned np481 = 0u; np481 < 2u; np481 += 1u) {
+                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale487 = kv_scales[(((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale488 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale489 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale490 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair483 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair484 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
+                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483) * k_scale487, e4m3x2_hi(e4m3_pair483) * k_scale488);
+                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
+                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale487, e4m3x2_hi(e4m3_pair484) * k_scale488);
+                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + (np520 * 2u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[0u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi519 = 0u; mi519 < 1u; mi519 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi519 * 4u) + ((np520 * 2u) + 1u)) * 4u], &a_frag515[mi519 * 4u], &b_frag516[2u]);
+                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word505 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk502 = 0u; kk502 < 2u; kk502 += 1u) {
+            #pragma unroll
+            for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                ldmatrix_x4(&a_frag499[mi503 * 4u], p_tile + a_lane_word505 + (mi503 * 320u) + (kk502 * 8u) + (warp_group * 320u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale514 = kv_scales[(((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale515 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale516 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale517 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
+                a_frag499[0u] = pack_bf16x2(__uint_as_float(a_frag499[0u] << 16u) * k_scale514, __uint_as_float(a_frag499[0u] & 4294901760u) * k_scale515);
+                a_frag499[1u] = pack_bf16x2(__uint_as_float(a_frag499[1u] << 16u) * k_scale514, __uint_as_float(a_frag499[1u] & 4294901760u) * k_scale515);
+                a_frag499[2u] = pack_bf16x2(__uint_as_float(a_frag499[2u] << 16u) * k_scale516, __uint_as_float(a_frag499[2u] & 4294901760u) * k_scale517);
+                a_frag499[3u] = pack_bf16x2(__uint_as_float(a_frag499[3u] << 16u) * k_scale516, __uint_as_float(a_frag499[3u] & 4294901760u) * k_scale517);
+                #pragma unroll
+                for (unsigned np504 = 0u; np504 < 2u; np504 += 1u) {
+                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair518 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair519 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
+                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
+                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
+                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np504 = 0u; np504 < 2u; np504 += 1u) {
+                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale510 = kv_scales[(((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale511 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale512 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale513 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair508 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair509 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
+                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
+                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale512, e4m3x2_hi(e4m3_pair508) * k_scale513);
+                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
+                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale512, e4m3x2_hi(e4m3_pair509) * k_scale513);
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
                     }
                 }
             }
@@ -1948,16 +1870,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi539 = 0u; mi539 < 1u; mi539 += 1u) {
+        for (unsigned mi523 = 0u; mi523 < 1u; mi523 += 1u) {
             #pragma unroll
-            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
-                float row_sum538 = row_sum_part[(mi539 * 2u) + half540];
-                const float other541 = shfl_xor_f32(row_sum538, 1);
-                row_sum538 = row_sum538 + other541;
-                const float other542 = shfl_xor_f32(row_sum538, 2);
-                row_sum538 = row_sum538 + other542;
+            for (unsigned half524 = 0u; half524 < 2u; half524 += 1u) {
+                float row_sum522 = row_sum_part[(mi523 * 2u) + half524];
+                const float other525 = shfl_xor_f32(row_sum522, 1);
+                row_sum522 = row_sum522 + other525;
+                const float other526 = shfl_xor_f32(row_sum522, 2);
+                row_sum522 = row_sum522 + other526;
                 if (lane_quad == 0u) {
-                    row_exchange[((((scores_row0 + (mi539 * 16u)) + ((half540 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum538;
+                    row_exchange[((((scores_row0 + (mi523 * 16u)) + ((half524 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum522;
                 }
             }
         }
@@ -1965,14 +1887,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
+        for (unsigned mi528 = 0u; mi528 < 1u; mi528 += 1u) {
             #pragma unroll
-            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+            for (unsigned half529 = 0u; half529 < 2u; half529 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum543 = row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
-                    row_sum543 = row_sum543 + row_exchange[((((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
-                    row_sum[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum543;
-                    row_max[((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi544 * 2u) + half545];
+                    float row_sum527 = row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
+                    row_sum527 = row_sum527 + row_exchange[((((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
+                    row_sum[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum527;
+                    row_max[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi528 * 2u) + half529];
                 }
             }
         }
@@ -1982,54 +1904,54 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
         #pragma unroll
-        for (unsigned frag548 = 0u; frag548 < 2u; frag548 += 1u) {
+        for (unsigned frag532 = 0u; frag532 < 2u; frag532 += 1u) {
             #pragma unroll
-            for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
+            for (unsigned half533 = 0u; half533 < 2u; half533 += 1u) {
                 #pragma unroll
-                for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
-                    const unsigned row546 = (o_acc_row0 + ((frag548 / 2u) * 16u)) + ((half549 * 8u) + lane_group);
-                    const unsigned col547 = (o_acc_col0 + ((frag548 % 2u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
-                    kv_latent[(row546 * 128u) + col547] = __float_as_uint(o_acc[((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) * 4u) + ((half549 * 2u) + e550)]);
-                    kv_latent[(row546 * 128u) + (col547 + 1u)] = __float_as_uint(o_acc[(((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)]);
+                for (unsigned e534 = 0u; e534 < 2u; e534 += 1u) {
+                    const unsigned row530 = (o_acc_row0 + ((frag532 / 2u) * 16u)) + ((half533 * 8u) + lane_group);
+                    const unsigned col531 = (o_acc_col0 + ((frag532 % 2u) * 16u)) + ((lane_quad * 4u) + (e534 * 2u));
+                    kv_rows[(row530 * 128u) + col531] = __float_as_uint(o_acc[((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) * 4u) + ((half533 * 2u) + e534)]);
+                    kv_rows[(row530 * 128u) + (col531 + 1u)] = __float_as_uint(o_acc[(((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag553 = 0u; frag553 < 2u; frag553 += 1u) {
+        for (unsigned frag537 = 0u; frag537 < 2u; frag537 += 1u) {
             #pragma unroll
-            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
+            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
                 #pragma unroll
-                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
-                    const unsigned row551 = (o_acc_1_row0 + ((frag553 / 2u) * 16u)) + ((half554 * 8u) + lane_group);
-                    const unsigned col552 = (o_acc_1_col0 + ((frag553 % 2u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
-                    kv_latent[(2048u + (row551 * 128u)) + col552] = __float_as_uint(o_acc_1[((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) * 4u) + ((half554 * 2u) + e555)]);
-                    kv_latent[(2048u + (row551 * 128u)) + (col552 + 1u)] = __float_as_uint(o_acc_1[(((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)]);
+                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
+                    const unsigned row535 = (o_acc_1_row0 + ((frag537 / 2u) * 16u)) + ((half538 * 8u) + lane_group);
+                    const unsigned col536 = (o_acc_1_col0 + ((frag537 % 2u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
+                    kv_rows[(2048u + (row535 * 128u)) + col536] = __float_as_uint(o_acc_1[((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) * 4u) + ((half538 * 2u) + e539)]);
+                    kv_rows[(2048u + (row535 * 128u)) + (col536 + 1u)] = __float_as_uint(o_acc_1[(((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag558 = 0u; frag558 < 2u; frag558 += 1u) {
+        for (unsigned frag542 = 0u; frag542 < 2u; frag542 += 1u) {
             #pragma unroll
-            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
+            for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
                 #pragma unroll
-                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
-                    const unsigned row556 = (o_acc_2_row0 + ((frag558 / 2u) * 16u)) + ((half559 * 8u) + lane_group);
-                    const unsigned col557 = (o_acc_2_col0 + ((frag558 % 2u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    kv_latent[(4096u + (row556 * 128u)) + col557] = __float_as_uint(o_acc_2[((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) * 4u) + ((half559 * 2u) + e560)]);
-                    kv_latent[(4096u + (row556 * 128u)) + (col557 + 1u)] = __float_as_uint(o_acc_2[(((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)]);
+                for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
+                    const unsigned row540 = (o_acc_2_row0 + ((frag542 / 2u) * 16u)) + ((half543 * 8u) + lane_group);
+                    const unsigned col541 = (o_acc_2_col0 + ((frag542 % 2u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
+                    kv_rows[(4096u + (row540 * 128u)) + col541] = __float_as_uint(o_acc_2[((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) * 4u) + ((half543 * 2u) + e544)]);
+                    kv_rows[(4096u + (row540 * 128u)) + (col541 + 1u)] = __float_as_uint(o_acc_2[(((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
+        for (unsigned frag547 = 0u; frag547 < 2u; frag547 += 1u) {
             #pragma unroll
-            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
+            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
                 #pragma unroll
-                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
-                    const unsigned row561 = (o_acc_3_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
-                    const unsigned col562 = (o_acc_3_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
-                    kv_latent[(6144u + (row561 * 128u)) + col562] = __float_as_uint(o_acc_3[((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565)]);
-                    kv_latent[(6144u + (row561 * 128u)) + (col562 + 1u)] = __float_as_uint(o_acc_3[(((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)]);
+                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
+                    const unsigned row545 = (o_acc_3_row0 + ((frag547 / 2u) * 16u)) + ((half548 * 8u) + lane_group);
+                    const unsigned col546 = (o_acc_3_col0 + ((frag547 % 2u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
+                    kv_rows[(6144u + (row545 * 128u)) + col546] = __float_as_uint(o_acc_3[((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) * 4u) + ((half548 * 2u) + e549)]);
+                    kv_rows[(6144u + (row545 * 128u)) + (col546 + 1u)] = __float_as_uint(o_acc_3[(((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)]);
                 }
             }
         }
@@ -2055,62 +1977,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: group 0 adds the other groups' accumulators, scaled
     if (warp_group == 0u) {
         #pragma unroll
-        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
+        for (unsigned frag552 = 0u; frag552 < 2u; frag552 += 1u) {
             #pragma unroll
-            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
                 #pragma unroll
-                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
-                    const unsigned row566 = (o_acc_row0 + ((frag568 / 2u) * 16u)) + ((half569 * 8u) + lane_group);
-                    const unsigned col567 = (o_acc_col0 + ((frag568 % 2u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
-                    const unsigned sub9 = ((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570);
-                    o_acc[sub9] = (o_acc[sub9] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_latent[(row566 * 128u) + col567]));
-                    const unsigned sub10 = (((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570);
-                    o_acc[sub10] = (o_acc[sub10] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_latent[(row566 * 128u) + (col567 + 1u)]));
+                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
+                    const unsigned row550 = (o_acc_row0 + ((frag552 / 2u) * 16u)) + ((half553 * 8u) + lane_group);
+                    const unsigned col551 = (o_acc_col0 + ((frag552 % 2u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
+                    const unsigned sub9 = ((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) * 4u) + ((half553 * 2u) + e554);
+                    o_acc[sub9] = (o_acc[sub9] * group_factor[row550]) + (group_factor[16u + row550] * __uint_as_float(kv_rows[(row550 * 128u) + col551]));
+                    const unsigned sub10 = (((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554);
+                    o_acc[sub10] = (o_acc[sub10] * group_factor[row550]) + (group_factor[16u + row550] * __uint_as_float(kv_rows[(row550 * 128u) + (col551 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
+        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
             #pragma unroll
-            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
+            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
                 #pragma unroll
-                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
-                    const unsigned row571 = (o_acc_1_row0 + ((frag573 / 2u) * 16u)) + ((half574 * 8u) + lane_group);
-                    const unsigned col572 = (o_acc_1_col0 + ((frag573 % 2u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
-                    const unsigned sub11 = ((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575);
-                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row571]) + (group_factor[16u + row571] * __uint_as_float(kv_latent[(2048u + (row571 * 128u)) + col572]));
-                    const unsigned sub12 = (((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575);
-                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row571]) + (group_factor[16u + row571] * __uint_as_float(kv_latent[(2048u + (row571 * 128u)) + (col572 + 1u)]));
+                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
+                    const unsigned row555 = (o_acc_1_row0 + ((frag557 / 2u) * 16u)) + ((half558 * 8u) + lane_group);
+                    const unsigned col556 = (o_acc_1_col0 + ((frag557 % 2u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
+                    const unsigned sub11 = ((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559);
+                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row555]) + (group_factor[16u + row555] * __uint_as_float(kv_rows[(2048u + (row555 * 128u)) + col556]));
+                    const unsigned sub12 = (((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559);
+                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row555]) + (group_factor[16u + row555] * __uint_as_float(kv_rows[(2048u + (row555 * 128u)) + (col556 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag578 = 0u; frag578 < 2u; frag578 += 1u) {
+        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
             #pragma unroll
-            for (unsigned half579 = 0u; half579 < 2u; half579 += 1u) {
+            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
                 #pragma unroll
-                for (unsigned e580 = 0u; e580 < 2u; e580 += 1u) {
-                    const unsigned row576 = (o_acc_2_row0 + ((frag578 / 2u) * 16u)) + ((half579 * 8u) + lane_group);
-                    const unsigned col577 = (o_acc_2_col0 + ((frag578 % 2u) * 16u)) + ((lane_quad * 4u) + (e580 * 2u));
-                    const unsigned sub13 = ((((frag578 / 2u) * 4u) + ((frag578 % 2u) * 2u)) * 4u) + ((half579 * 2u) + e580);
-                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row576]) + (group_factor[16u + row576] * __uint_as_float(kv_latent[(4096u + (row576 * 128u)) + col577]));
-                    const unsigned sub14 = (((((frag578 / 2u) * 4u) + ((frag578 % 2u) * 2u)) + 1u) * 4u) + ((half579 * 2u) + e580);
-                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row576]) + (group_factor[16u + row576] * __uint_as_float(kv_latent[(4096u + (row576 * 128u)) + (col577 + 1u)]));
+                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
+                    const unsigned row560 = (o_acc_2_row0 + ((frag562 / 2u) * 16u)) + ((half563 * 8u) + lane_group);
+                    const unsigned col561 = (o_acc_2_col0 + ((frag562 % 2u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
+                    const unsigned sub13 = ((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) * 4u) + ((half563 * 2u) + e564);
+                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row560]) + (group_factor[16u + row560] * __uint_as_float(kv_rows[(4096u + (row560 * 128u)) + col561]));
+                    const unsigned sub14 = (((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564);
+                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row560]) + (group_factor[16u + row560] * __uint_as_float(kv_rows[(4096u + (row560 * 128u)) + (col561 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag583 = 0u; frag583 < 2u; frag583 += 1u) {
+        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
             #pragma unroll
-            for (unsigned half584 = 0u; half584 < 2u; half584 += 1u) {
+            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
                 #pragma unroll
-                for (unsigned e585 = 0u; e585 < 2u; e585 += 1u) {
-                    const unsigned row581 = (o_acc_3_row0 + ((frag583 / 2u) * 16u)) + ((half584 * 8u) + lane_group);
-                    const unsigned col582 = (o_acc_3_col0 + ((frag583 % 2u) * 16u)) + ((lane_quad * 4u) + (e585 * 2u));
-                    const unsigned sub15 = ((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585);
-                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row581]) + (group_factor[16u + row581] * __uint_as_float(kv_latent[(6144u + (row581 * 128u)) + col582]));
-                    const unsigned sub16 = (((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585);
-                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row581]) + (group_factor[16u + row581] * __uint_as_float(kv_latent[(6144u + (row581 * 128u)) + (col582 + 1u)]));
+                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
+                    const unsigned row565 = (o_acc_3_row0 + ((frag567 / 2u) * 16u)) + ((half568 * 8u) + lane_group);
+                    const unsigned col566 = (o_acc_3_col0 + ((frag567 % 2u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
+                    const unsigned sub15 = ((((frag567 / 2u) * 4u) + ((frag567 % 2u) * 2u)) * 4u) + ((half568 * 2u) + e569);
+                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row565]) + (group_factor[16u + row565] * __uint_as_float(kv_rows[(6144u + (row565 * 128u)) + col566]));
+                    const unsigned sub16 = (((((frag567 / 2u) * 4u) + ((frag567 % 2u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569);
+                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row565]) + (group_factor[16u + row565] * __uint_as_float(kv_rows[(6144u + (row565 * 128u)) + (col566 + 1u)]));
                 }
             }
         }
@@ -2123,86 +2045,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // one split: normalise and write out and lse
             #pragma unroll
-            for (unsigned frag586 = 0u; frag586 < 2u; frag586 += 1u) {
+            for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
                 #pragma unroll
-                for (unsigned half587 = 0u; half587 < 2u; half587 += 1u) {
+                for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
                     #pragma unroll
-                    for (unsigned e588 = 0u; e588 < 2u; e588 += 1u) {
-                        const unsigned row_18 = (o_acc_row0 + ((frag586 / 2u) * 16u)) + ((half587 * 8u) + lane_group);
-                        const unsigned col_6 = (o_acc_col0 + ((frag586 % 2u) * 16u)) + ((lane_quad * 4u) + (e588 * 2u));
-                        float v0_6 = o_acc[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)];
-                        float v1_6 = o_acc[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)];
-                        const unsigned h = h0 + row_18;
+                    for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
+                        const unsigned row_16 = (o_acc_row0 + ((frag570 / 2u) * 16u)) + ((half571 * 8u) + lane_group);
+                        const unsigned col_6 = (o_acc_col0 + ((frag570 % 2u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
+                        float v0_6 = o_acc[((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
+                        float v1_6 = o_acc[(((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
+                        const unsigned h = h0 + row_16;
                         if (h < p.heads) {
-                            const float l = row_sum[row_18 + (warp_group * 16u)];
+                            const float l = row_sum[row_16 + (warp_group * 16u)];
                             const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                         }
-                        o_acc[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)] = v0_6;
-                        o_acc[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)] = v1_6;
+                        o_acc[((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_6;
+                        o_acc[(((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_6;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag589 = 0u; frag589 < 2u; frag589 += 1u) {
+            for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
                 #pragma unroll
-                for (unsigned half590 = 0u; half590 < 2u; half590 += 1u) {
+                for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
                     #pragma unroll
-                    for (unsigned e591 = 0u; e591 < 2u; e591 += 1u) {
-                        const unsigned row_19 = (o_acc_1_row0 + ((frag589 / 2u) * 16u)) + ((half590 * 8u) + lane_group);
-                        const unsigned col_7 = (o_acc_1_col0 + ((frag589 % 2u) * 16u)) + ((lane_quad * 4u) + (e591 * 2u));
-                        float v0_7 = o_acc_1[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)];
-                        float v1_7 = o_acc_1[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)];
-                        const unsigned h_1 = h0 + row_19;
+                    for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
+                        const unsigned row_17 = (o_acc_1_row0 + ((frag573 / 2u) * 16u)) + ((half574 * 8u) + lane_group);
+                        const unsigned col_7 = (o_acc_1_col0 + ((frag573 % 2u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
+                        float v0_7 = o_acc_1[((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
+                        float v1_7 = o_acc_1[(((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
+                        const unsigned h_1 = h0 + row_17;
                         if (h_1 < p.heads) {
-                            const float l_1 = row_sum[row_19 + (warp_group * 16u)];
+                            const float l_1 = row_sum[row_17 + (warp_group * 16u)];
                             const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                         }
-                        o_acc_1[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)] = v0_7;
-                        o_acc_1[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)] = v1_7;
+                        o_acc_1[((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_7;
+                        o_acc_1[(((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_7;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag592 = 0u; frag592 < 2u; frag592 += 1u) {
+            for (unsigned frag576 = 0u; frag576 < 2u; frag576 += 1u) {
                 #pragma unroll
-                for (unsigned half593 = 0u; half593 < 2u; half593 += 1u) {
+                for (unsigned half577 = 0u; half577 < 2u; half577 += 1u) {
                     #pragma unroll
-                    for (unsigned e594 = 0u; e594 < 2u; e594 += 1u) {
-                        const unsigned row_20 = (o_acc_2_row0 + ((frag592 / 2u) * 16u)) + ((half593 * 8u) + lane_group);
-                        const unsigned col_8 = (o_acc_2_col0 + ((frag592 % 2u) * 16u)) + ((lane_quad * 4u) + (e594 * 2u));
-                        float v0_8 = o_acc_2[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)];
-                        float v1_8 = o_acc_2[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)];
-                        const unsigned h_2 = h0 + row_20;
+                    for (unsigned e578 = 0u; e578 < 2u; e578 += 1u) {
+                        const unsigned row_18 = (o_acc_2_row0 + ((frag576 / 2u) * 16u)) + ((half577 * 8u) + lane_group);
+                        const unsigned col_8 = (o_acc_2_col0 + ((frag576 % 2u) * 16u)) + ((lane_quad * 4u) + (e578 * 2u));
+                        float v0_8 = o_acc_2[((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) * 4u) + ((half577 * 2u) + e578)];
+                        float v1_8 = o_acc_2[(((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)];
+                        const unsigned h_2 = h0 + row_18;
                         if (h_2 < p.heads) {
-                            const float l_2 = row_sum[row_20 + (warp_group * 16u)];
+                            const float l_2 = row_sum[row_18 + (warp_group * 16u)];
                             const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                         }
-                        o_acc_2[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)] = v0_8;
-                        o_acc_2[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)] = v1_8;
+                        o_acc_2[((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) * 4u) + ((half577 * 2u) + e578)] = v0_8;
+                        o_acc_2[(((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)] = v1_8;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag595 = 0u; frag595 < 2u; frag595 += 1u) {
+            for (unsigned frag579 = 0u; frag579 < 2u; frag579 += 1u) {
                 #pragma unroll
-                for (unsigned half596 = 0u; half596 < 2u; half596 += 1u) {
+                for (unsigned half580 = 0u; half580 < 2u; half580 += 1u) {
                     #pragma unroll
-                    for (unsigned e597 = 0u; e597 < 2u; e597 += 1u) {
-                        const unsigned row_21 = (o_acc_3_row0 + ((frag595 / 2u) * 16u)) + ((half596 * 8u) + lane_group);
-                        const unsigned col_9 = (o_acc_3_col0 + ((frag595 % 2u) * 16u)) + ((lane_quad * 4u) + (e597 * 2u));
-                        float v0_9 = o_acc_3[((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) * 4u) + ((half596 * 2u) + e597)];
-                        float v1_9 = o_acc_3[(((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) + 1u) * 4u) + ((half596 * 2u) + e597)];
-                        const unsigned h_3 = h0 + row_21;
+                    for (unsigned e581 = 0u; e581 < 2u; e581 += 1u) {
+                        const unsigned row_19 = (o_acc_3_row0 + ((frag579 / 2u) * 16u)) + ((half580 * 8u) + lane_group);
+                        const unsigned col_9 = (o_acc_3_col0 + ((frag579 % 2u) * 16u)) + ((lane_quad * 4u) + (e581 * 2u));
+                        float v0_9 = o_acc_3[((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) * 4u) + ((half580 * 2u) + e581)];
+                        float v1_9 = o_acc_3[(((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)];
+                        const unsigned h_3 = h0 + row_19;
                         if (h_3 < p.heads) {
-                            const float l_3 = row_sum[row_21 + (warp_group * 16u)];
+                            const float l_3 = row_sum[row_19 + (warp_group * 16u)];
                             const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                         }
-                        o_acc_3[((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) * 4u) + ((half596 * 2u) + e597)] = v0_9;
-                        o_acc_3[(((((frag595 / 2u) * 4u) + ((frag595 % 2u) * 2u)) + 1u) * 4u) + ((half596 * 2u) + e597)] = v1_9;
+                        o_acc_3[((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) * 4u) + ((half580 * 2u) + e581)] = v0_9;
+                        o_acc_3[(((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)] = v1_9;
                     }
                 }
             }
@@ -2218,94 +2140,94 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // normalise and write this split's partial rows and lse
             #pragma unroll
-            for (unsigned frag598 = 0u; frag598 < 2u; frag598 += 1u) {
+            for (unsigned frag582 = 0u; frag582 < 2u; frag582 += 1u) {
                 #pragma unroll
-                for (unsigned half599 = 0u; half599 < 2u; half599 += 1u) {
+                for (unsigned half583 = 0u; half583 < 2u; half583 += 1u) {
                     #pragma unroll
-                    for (unsigned e600 = 0u; e600 < 2u; e600 += 1u) {
-                        const unsigned row_22 = (o_acc_row0 + ((frag598 / 2u) * 16u)) + ((half599 * 8u) + lane_group);
-                        const unsigned col_10 = (o_acc_col0 + ((frag598 % 2u) * 16u)) + ((lane_quad * 4u) + (e600 * 2u));
-                        float v0_10 = o_acc[((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) * 4u) + ((half599 * 2u) + e600)];
-                        float v1_10 = o_acc[(((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) + 1u) * 4u) + ((half599 * 2u) + e600)];
-                        const unsigned h_5 = h0 + row_22;
+                    for (unsigned e584 = 0u; e584 < 2u; e584 += 1u) {
+                        const unsigned row_20 = (o_acc_row0 + ((frag582 / 2u) * 16u)) + ((half583 * 8u) + lane_group);
+                        const unsigned col_10 = (o_acc_col0 + ((frag582 % 2u) * 16u)) + ((lane_quad * 4u) + (e584 * 2u));
+                        float v0_10 = o_acc[((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) * 4u) + ((half583 * 2u) + e584)];
+                        float v1_10 = o_acc[(((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)];
+                        const unsigned h_5 = h0 + row_20;
                         if (h_5 < p.heads) {
-                            const float l_5 = row_sum[row_22 + (warp_group * 16u)];
+                            const float l_5 = row_sum[row_20 + (warp_group * 16u)];
                             const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
                             const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
                             o_part[at] = v0_10 * inv_l_4;
                             o_part[at + 1u] = v1_10 * inv_l_4;
                         }
-                        o_acc[((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) * 4u) + ((half599 * 2u) + e600)] = v0_10;
-                        o_acc[(((((frag598 / 2u) * 4u) + ((frag598 % 2u) * 2u)) + 1u) * 4u) + ((half599 * 2u) + e600)] = v1_10;
+                        o_acc[((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) * 4u) + ((half583 * 2u) + e584)] = v0_10;
+                        o_acc[(((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)] = v1_10;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag601 = 0u; frag601 < 2u; frag601 += 1u) {
+            for (unsigned frag585 = 0u; frag585 < 2u; frag585 += 1u) {
                 #pragma unroll
-                for (unsigned half602 = 0u; half602 < 2u; half602 += 1u) {
+                for (unsigned half586 = 0u; half586 < 2u; half586 += 1u) {
                     #pragma unroll
-                    for (unsigned e603 = 0u; e603 < 2u; e603 += 1u) {
-                        const unsigned row_23 = (o_acc_1_row0 + ((frag601 / 2u) * 16u)) + ((half602 * 8u) + lane_group);
-                        const unsigned col_11 = (o_acc_1_col0 + ((frag601 % 2u) * 16u)) + ((lane_quad * 4u) + (e603 * 2u));
-                        float v0_11 = o_acc_1[((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) * 4u) + ((half602 * 2u) + e603)];
-                        float v1_11 = o_acc_1[(((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) + 1u) * 4u) + ((half602 * 2u) + e603)];
-                        const unsigned h_6 = h0 + row_23;
+                    for (unsigned e587 = 0u; e587 < 2u; e587 += 1u) {
+                        const unsigned row_21 = (o_acc_1_row0 + ((frag585 / 2u) * 16u)) + ((half586 * 8u) + lane_group);
+                        const unsigned col_11 = (o_acc_1_col0 + ((frag585 % 2u) * 16u)) + ((lane_quad * 4u) + (e587 * 2u));
+                        float v0_11 = o_acc_1[((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) * 4u) + ((half586 * 2u) + e587)];
+                        float v1_11 = o_acc_1[(((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)];
+                        const unsigned h_6 = h0 + row_21;
                         if (h_6 < p.heads) {
-                            const float l_6 = row_sum[row_23 + (warp_group * 16u)];
+                            const float l_6 = row_sum[row_21 + (warp_group * 16u)];
                             const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
                             const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
                             o_part[at_1] = v0_11 * inv_l_5;
                             o_part[at_1 + 1u] = v1_11 * inv_l_5;
                         }
-                        o_acc_1[((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) * 4u) + ((half602 * 2u) + e603)] = v0_11;
-                        o_acc_1[(((((frag601 / 2u) * 4u) + ((frag601 % 2u) * 2u)) + 1u) * 4u) + ((half602 * 2u) + e603)] = v1_11;
+                        o_acc_1[((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) * 4u) + ((half586 * 2u) + e587)] = v0_11;
+                        o_acc_1[(((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)] = v1_11;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag604 = 0u; frag604 < 2u; frag604 += 1u) {
+            for (unsigned frag588 = 0u; frag588 < 2u; frag588 += 1u) {
                 #pragma unroll
-                for (unsigned half605 = 0u; half605 < 2u; half605 += 1u) {
+                for (unsigned half589 = 0u; half589 < 2u; half589 += 1u) {
                     #pragma unroll
-                    for (unsigned e606 = 0u; e606 < 2u; e606 += 1u) {
-                        const unsigned row_24 = (o_acc_2_row0 + ((frag604 / 2u) * 16u)) + ((half605 * 8u) + lane_group);
-                        const unsigned col_12 = (o_acc_2_col0 + ((frag604 % 2u) * 16u)) + ((lane_quad * 4u) + (e606 * 2u));
-                        float v0_12 = o_acc_2[((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) * 4u) + ((half605 * 2u) + e606)];
-                        float v1_12 = o_acc_2[(((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) + 1u) * 4u) + ((half605 * 2u) + e606)];
-                        const unsigned h_7 = h0 + row_24;
+                    for (unsigned e590 = 0u; e590 < 2u; e590 += 1u) {
+                        const unsigned row_22 = (o_acc_2_row0 + ((frag588 / 2u) * 16u)) + ((half589 * 8u) + lane_group);
+                        const unsigned col_12 = (o_acc_2_col0 + ((frag588 % 2u) * 16u)) + ((lane_quad * 4u) + (e590 * 2u));
+                        float v0_12 = o_acc_2[((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) * 4u) + ((half589 * 2u) + e590)];
+                        float v1_12 = o_acc_2[(((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)];
+                        const unsigned h_7 = h0 + row_22;
                         if (h_7 < p.heads) {
-                            const float l_7 = row_sum[row_24 + (warp_group * 16u)];
+                            const float l_7 = row_sum[row_22 + (warp_group * 16u)];
                             const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
                             const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
                             o_part[at_2] = v0_12 * inv_l_6;
                             o_part[at_2 + 1u] = v1_12 * inv_l_6;
                         }
-                        o_acc_2[((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) * 4u) + ((half605 * 2u) + e606)] = v0_12;
-                        o_acc_2[(((((frag604 / 2u) * 4u) + ((frag604 % 2u) * 2u)) + 1u) * 4u) + ((half605 * 2u) + e606)] = v1_12;
+                        o_acc_2[((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) * 4u) + ((half589 * 2u) + e590)] = v0_12;
+                        o_acc_2[(((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)] = v1_12;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag607 = 0u; frag607 < 2u; frag607 += 1u) {
+            for (unsigned frag591 = 0u; frag591 < 2u; frag591 += 1u) {
                 #pragma unroll
-                for (unsigned half608 = 0u; half608 < 2u; half608 += 1u) {
+                for (unsigned half592 = 0u; half592 < 2u; half592 += 1u) {
                     #pragma unroll
-                    for (unsigned e609 = 0u; e609 < 2u; e609 += 1u) {
-                        const unsigned row_25 = (o_acc_3_row0 + ((frag607 / 2u) * 16u)) + ((half608 * 8u) + lane_group);
-                        const unsigned col_13 = (o_acc_3_col0 + ((frag607 % 2u) * 16u)) + ((lane_quad * 4u) + (e609 * 2u));
-                        float v0_13 = o_acc_3[((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) * 4u) + ((half608 * 2u) + e609)];
-                        float v1_13 = o_acc_3[(((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) + 1u) * 4u) + ((half608 * 2u) + e609)];
-                        const unsigned h_8 = h0 + row_25;
+                    for (unsigned e593 = 0u; e593 < 2u; e593 += 1u) {
+                        const unsigned row_23 = (o_acc_3_row0 + ((frag591 / 2u) * 16u)) + ((half592 * 8u) + lane_group);
+                        const unsigned col_13 = (o_acc_3_col0 + ((frag591 % 2u) * 16u)) + ((lane_quad * 4u) + (e593 * 2u));
+                        float v0_13 = o_acc_3[((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) * 4u) + ((half592 * 2u) + e593)];
+                        float v1_13 = o_acc_3[(((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) + 1u) * 4u) + ((half592 * 2u) + e593)];
+                        const unsigned h_8 = h0 + row_23;
                         if (h_8 < p.heads) {
-                            const float l_8 = row_sum[row_25 + (warp_group * 16u)];
+                            const float l_8 = row_sum[row_23 + (warp_group * 16u)];
                             const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
                             const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
                             o_part[at_3] = v0_13 * inv_l_7;
                             o_part[at_3 + 1u] = v1_13 * inv_l_7;
                         }
-                        o_acc_3[((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) * 4u) + ((half608 * 2u) + e609)] = v0_13;
-                        o_acc_3[(((((frag607 / 2u) * 4u) + ((frag607 % 2u) * 2u)) + 1u) * 4u) + ((half608 * 2u) + e609)] = v1_13;
+                        o_acc_3[((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) * 4u) + ((half592 * 2u) + e593)] = v0_13;
+                        o_acc_3[(((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) + 1u) * 4u) + ((half592 * 2u) + e593)] = v1_13;
                     }
                 }
             }

@@ -536,12 +536,20 @@ impl Printer<'_> {
             }
         } else {
             for s in &k.shared {
-                let l = format!(
-                    "__shared__ __align__(16) {} {}[{}];",
-                    c_ty(s.ty),
-                    s.name,
-                    s.len
-                );
+                let l = match &s.alias {
+                    Some((parent, off)) => format!(
+                        "{t}* const {} = ({t}*)((unsigned char*){parent} + {off}); // [{}]",
+                        s.name,
+                        s.len,
+                        t = c_ty(s.ty)
+                    ),
+                    None => format!(
+                        "__shared__ __align__(16) {} {}[{}];",
+                        c_ty(s.ty),
+                        s.name,
+                        s.len
+                    ),
+                };
                 w.line(&l);
             }
         }

@@ -448,6 +448,7 @@ impl KernelBuilder {
     pub fn shared(&mut self, name: &str, ty: Ty, len: u32) -> Shared {
         let name = self.fresh(name);
         self.kernel.shared.push(SharedDecl {
+            alias: None,
             name: name.clone(),
             ty,
             len,
@@ -469,11 +470,57 @@ impl KernelBuilder {
             elem,
             rows,
             cols,
+            alias: None,
         });
         STile {
             name,
             elem,
             rows,
+            cols,
+        }
+    }
+
+    /// A typed window of `parent`'s rows: row `r` of the new tile is `cols` elements of
+    /// `elem` starting `byte_offset` bytes into row `r` of `parent` (16-byte aligned, inside
+    /// the row). It takes no memory; a gather into `parent` fills it. For rows whose parts
+    /// have different types (fp8_ds_mla: e4m3 latent, f32 scales, bf16 rope), gathered whole
+    /// by one copy each. Tensor-core lowerings only.
+    pub fn shared_alias(
+        &mut self,
+        parent: &STile,
+        name: &str,
+        elem: TileElem,
+        byte_offset: u32,
+        cols: u32,
+    ) -> STile {
+        let name = self.fresh(name);
+        let (bytes, parent_bytes) = (cols * elem.bytes(), parent.cols * parent.elem.bytes());
+        if byte_offset % 16 != 0 || bytes % 4 != 0 || byte_offset + bytes > parent_bytes {
+            self.error(format!(
+                "tile {name}: bytes {byte_offset}..{} are not a 16-byte aligned window of whole \
+                 words inside the {parent_bytes}-byte rows of {}",
+                byte_offset + bytes,
+                parent.name
+            ));
+        }
+        let parent_is_alias = self
+            .kernel
+            .shared_tile(&parent.name)
+            .is_some_and(|t| t.alias.is_some());
+        if parent_is_alias {
+            self.error(format!("tile {name}: {} is itself an alias", parent.name));
+        }
+        self.kernel.shared_tiles.push(SharedTileDecl {
+            name: name.clone(),
+            elem,
+            rows: parent.rows,
+            cols,
+            alias: Some((parent.name.clone(), byte_offset)),
+        });
+        STile {
+            name,
+            elem,
+            rows: parent.rows,
             cols,
         }
     }

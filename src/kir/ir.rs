@@ -112,6 +112,10 @@ pub struct SharedDecl {
     pub name: String,
     pub ty: Ty,
     pub len: u32,
+    /// `(array, byte offset)`: this array is a view of another's memory starting that many
+    /// bytes in, and takes none of its own (a tile's typed window, see
+    /// [`SharedTileDecl::alias`]).
+    pub alias: Option<(String, u32)>,
 }
 
 /// A per-thread (private / register) array.
@@ -154,6 +158,10 @@ pub struct SharedTileDecl {
     pub elem: TileElem,
     pub rows: u32,
     pub cols: u32,
+    /// `(tile, byte offset)`: a typed window of another tile's rows — row `r` of this tile
+    /// starts `byte offset` bytes into row `r` of that tile, which holds it whole (one gather
+    /// of the other tile fills both). None: a tile of its own.
+    pub alias: Option<(String, u32)>,
 }
 
 /// A 2-D f32 accumulator tile held in registers, spread over the workgroup's threads. Which
@@ -1002,9 +1010,13 @@ pub struct GridDependency {
 }
 
 impl Kernel {
-    /// Bytes of workgroup memory the (lowered) kernel declares.
+    /// Bytes of workgroup memory the (lowered) kernel declares (an alias takes none).
     pub fn shared_bytes(&self) -> u64 {
-        self.shared.iter().map(|s| s.len as u64 * 4).sum()
+        self.shared
+            .iter()
+            .filter(|s| s.alias.is_none())
+            .map(|s| s.len as u64 * 4)
+            .sum()
     }
 
     pub fn buffer(&self, name: &str) -> Option<&BufferDecl> {

@@ -226,6 +226,13 @@ impl<'k> Cx<'k> {
             reduce_scratch: None,
         };
         for t in &kernel.shared_tiles {
+            if t.alias.is_some() {
+                // WGSL has no typed views of one array's memory
+                return Err(cx.err(format!(
+                    "tile {} is an alias of another tile's rows: tensor-core lowerings only",
+                    t.name
+                )));
+            }
             let row_bytes = t.cols * t.elem.bytes();
             if row_bytes % 4 != 0 {
                 return Err(cx.err(format!("tile {} rows are not whole words", t.name)));
@@ -233,6 +240,7 @@ impl<'k> Cx<'k> {
             let stride = row_bytes / 4;
             cx.used.insert(t.name.clone());
             cx.new_shared.push(SharedDecl {
+                alias: None,
                 name: t.name.clone(),
                 ty: if t.elem == TileElem::F32 {
                     Ty::F32
@@ -277,6 +285,7 @@ impl<'k> Cx<'k> {
         if reduce_len > 0 {
             let name = cx.fresh("reduce_scratch");
             cx.new_shared.push(SharedDecl {
+                alias: None,
                 name: name.clone(),
                 ty: Ty::F32,
                 len: reduce_len,
@@ -385,6 +394,7 @@ impl<'k> Cx<'k> {
         // Phase 1: one thread per row resolves its source word (or −1) into shared memory.
         let offsets = self.fresh(&format!("{dst}_src"));
         self.new_shared.push(SharedDecl {
+            alias: None,
             name: offsets.clone(),
             ty: Ty::I32,
             len: rows,

@@ -15,10 +15,22 @@ pub const MAX_SHARED_BYTES: u64 = 101_376;
 const ALIGN: u64 = 16;
 
 /// Byte offsets of each shared array (16-byte aligned, in declaration order) and the total.
+/// An alias ([`SharedDecl::alias`]) lies inside the array it names (declared before it) and
+/// takes no memory of its own.
 pub fn shared_layout(shared: &[SharedDecl]) -> (Vec<u64>, u64) {
-    let mut offsets = Vec::with_capacity(shared.len());
+    let mut offsets: Vec<u64> = Vec::with_capacity(shared.len());
     let mut at = 0u64;
     for s in shared {
+        if let Some((parent, bytes)) = &s.alias {
+            let base = shared
+                .iter()
+                .zip(&offsets)
+                .find(|(d, _)| d.name == *parent)
+                .map(|(_, o)| *o)
+                .expect("an alias names an array declared before it");
+            offsets.push(base + *bytes as u64);
+            continue;
+        }
         offsets.push(at);
         at += (s.len as u64 * 4).div_ceil(ALIGN) * ALIGN;
     }
@@ -47,6 +59,7 @@ mod tests {
 
     fn decl(len: u32) -> SharedDecl {
         SharedDecl {
+            alias: None,
             name: format!("a{len}"),
             ty: Ty::U32,
             len,

@@ -16,6 +16,7 @@ use super::DecodeConfig;
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
 use crate::kir::ops::{online_softmax_update, SoftmaxState, MASKED};
+use crate::kir::Lowering;
 use crate::mla::{CacheFormat, FP8_TILE};
 use crate::Result;
 
@@ -40,14 +41,45 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
             latent: STile,
             scales: STile,
             rope: STile,
+            /// `latent` holds whole rows (the scales and rope are its typed windows).
+            whole: bool,
         },
     }
     let rows = match cfg.format {
         CacheFormat::Bf16 => Rows::Bf16(b.shared_tile("kv_tile", TileElem::Bf16, bn, d)),
+        // Tensor cores: each row whole in one tile, the scales and the rope typed windows of
+        // it, so a row is one copy. Three copies per row (512 + 16 + 128 bytes) cost 1.25x at
+        // H 128 and 1.34x on the large-batch kernel (H200, benches/NOTES.md v15): the
+        // producers issue bulk copies one lane at a time.
+        CacheFormat::Fp8DsMla if cfg.lowering != Lowering::Scalar => {
+            let row_bytes = cfg.format.row_bytes(cfg.dims);
+            let whole = b.shared_tile("kv_rows", TileElem::E4m3, bn, row_bytes);
+            let scales = b.shared_alias(
+                &whole,
+                "kv_scales",
+                TileElem::F32,
+                latent,
+                latent / FP8_TILE,
+            );
+            let rope = b.shared_alias(
+                &whole,
+                "kv_rope",
+                TileElem::Bf16,
+                latent + 4 * (latent / FP8_TILE),
+                rope,
+            );
+            Rows::Fp8 {
+                latent: whole,
+                scales,
+                rope,
+                whole: true,
+            }
+        }
         CacheFormat::Fp8DsMla => Rows::Fp8 {
             latent: b.shared_tile("kv_latent", TileElem::E4m3, bn, latent),
             scales: b.shared_tile("kv_scales", TileElem::F32, bn, latent / FP8_TILE),
             rope: b.shared_tile("kv_rope", TileElem::Bf16, bn, rope),
+            whole: false,
         },
     };
     let p_tile = b.shared_tile("p_tile", cfg.p_elem, bh, bn);
@@ -144,8 +176,19 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
                 }
                 Rows::Fp8 {
                     latent: lt,
+                    whole: true,
+                    ..
+                } => {
+                    let words = cfg.row_words();
+                    b.gather_rows_flagged(lt, 0, words, &cache, &valid_flags, |_, r| {
+                        row_word(j_of(r), 0)
+                    });
+                }
+                Rows::Fp8 {
+                    latent: lt,
                     scales,
                     rope: rp,
+                    ..
                 } => {
                     let (lat_w, sc_w) = (latent / 4, latent / FP8_TILE);
                     b.gather_rows_flagged(lt, 0, lat_w, &cache, &valid_flags, |_, r| {
@@ -169,6 +212,7 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
                     latent: lt,
                     scales,
                     rope: rp,
+                    ..
                 } => {
                     for k in 0..latent / FP8_TILE {
                         let c0 = k * FP8_TILE;

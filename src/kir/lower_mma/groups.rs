@@ -402,6 +402,7 @@ pub(super) fn replicate(
         })
         .collect();
     decls.push(SharedDecl {
+        alias: None,
         name: plan.factors.clone(),
         ty: Ty::F32,
         len: plan.states.len() as u32 * groups * plan.states.iter().map(|s| s.2).max().unwrap_or(0),

@@ -353,6 +353,7 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
     if scratch > 0 {
         let name = cx.fresh("split_k_partials");
         cx.new_shared.push(SharedDecl {
+            alias: None,
             name: name.clone(),
             ty: Ty::F32,
             len: scratch,

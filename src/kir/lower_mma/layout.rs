@@ -141,6 +141,47 @@ impl<'k> Cx<'k> {
         });
         let resident_tiles = ksplit::resident_candidates(&cx);
         for t in &kernel.shared_tiles {
+            if let Some((parent, offset)) = &t.alias {
+                // a typed window of the parent's rows: its stride, stages and memory
+                let p = cx.tiles.get(parent).cloned().ok_or_else(|| {
+                    cx.err(format!(
+                        "tile {}: its parent {parent} is not in shared memory",
+                        t.name
+                    ))
+                })?;
+                if p.split || (t.elem == TileElem::F32 && operands.contains(&t.name)) {
+                    return Err(cx.err(format!(
+                        "tile {}: an alias cannot be an f32 mma operand or alias one",
+                        t.name
+                    )));
+                }
+                let len = cx
+                    .new_shared
+                    .iter()
+                    .find(|d| d.name == *parent)
+                    .map(|d| d.len)
+                    .unwrap_or(0);
+                let info = TileInfo {
+                    decl: t.clone(),
+                    store: t.elem,
+                    split: false,
+                    stride: p.stride,
+                    ringed: p.ringed,
+                };
+                cx.new_shared.push(SharedDecl {
+                    name: t.name.clone(),
+                    ty: if t.elem == TileElem::F32 {
+                        Ty::F32
+                    } else {
+                        Ty::U32
+                    },
+                    // the parent's length: the same stages, and the same offsets per warp group
+                    len,
+                    alias: Some((parent.clone(), *offset)),
+                });
+                cx.tiles.insert(t.name.clone(), info);
+                continue;
+            }
             if resident_tiles.contains(&t.name) {
                 // in registers (loaded from global memory by `ksplit`), no shared memory
                 let store = t.elem;
@@ -180,6 +221,7 @@ impl<'k> Cx<'k> {
             };
             let copies = if info.ringed { stages } else { 1 } * if narrow { 2 } else { 1 };
             cx.new_shared.push(SharedDecl {
+                alias: None,
                 name: t.name.clone(),
                 ty: if store == TileElem::F32 {
                     Ty::F32
@@ -259,6 +301,7 @@ impl<'k> Cx<'k> {
         if reduce_len > 0 {
             let name = cx.fresh("reduce_scratch");
             cx.new_shared.push(SharedDecl {
+                alias: None,
                 name: name.clone(),
                 ty: Ty::F32,
                 len: reduce_len,

@@ -197,6 +197,7 @@ impl Cx<'_> {
         if len > 0 {
             let name = self.fresh("row_exchange");
             self.new_shared.push(SharedDecl {
+                alias: None,
                 name: name.clone(),
                 ty: Ty::F32,
                 len,

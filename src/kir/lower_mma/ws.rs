@@ -46,6 +46,7 @@ impl WsInfo {
     pub(super) fn plan(cx: &mut Cx) -> Result<WsInfo> {
         let bars = cx.fresh("ring_barriers");
         cx.new_shared.push(SharedDecl {
+            alias: None,
             name: bars.clone(),
             ty: Ty::U32,
             len: 4 * cx.stages,
@@ -232,7 +233,8 @@ impl Cx<'_> {
         let mut v: Vec<String> = self
             .tiles
             .iter()
-            .filter(|(_, t)| t.ringed)
+            // an alias is zeroed, and reused, with its parent
+            .filter(|(_, t)| t.ringed && t.decl.alias.is_none())
             .map(|(n, _)| n.clone())
             .collect();
         v.sort();
