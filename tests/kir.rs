@@ -80,3 +80,55 @@ fn non_finite_constants_print_on_both_targets() {
     assert!(w.contains("0x7f800000"));
     assert!(cuda::emit(&k).expect("cuda").contains("0x7f800000"));
 }
+
+/// A typed window of another tile's rows (fp8_ds_mla: f32 scales and bf16 rope inside the
+/// gathered 656-byte row) takes no shared memory, starts at its parent's offset plus its
+/// byte offset, and is refused where it cannot be printed (WGSL) or does not fit its parent.
+#[test]
+fn tile_aliases_share_their_parents_rows() {
+    use sparse_mla::kir::shared_plan::shared_layout;
+    let build = |offset: u32| {
+        let mut b = KernelBuilder::new("alias", 128);
+        let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[1]");
+        let rows = b.shared_tile("rows", TileElem::E4m3, 16, 656);
+        let scales = b.shared_alias(&rows, "scales", TileElem::F32, offset, 4);
+        b.store(&out, u(0), scales.at(u(1), u(2)));
+        b.finish()
+    };
+    let k = build(512).expect("a 16-byte aligned window inside the row");
+    let lowered = lower(
+        &k,
+        Lowering::Mma {
+            stages: 1,
+            min_workgroups: 0,
+        },
+    )
+    .expect("the tensor-core lowering places it");
+    let (offsets, total) = shared_layout(&lowered.shared);
+    let at = |n: &str| lowered.shared.iter().position(|d| d.name == n).expect(n);
+    assert_eq!(offsets[at("scales")], offsets[at("rows")] + 512);
+    assert_eq!(
+        lowered.shared_bytes(),
+        lowered
+            .shared
+            .iter()
+            .filter(|d| d.name != "scales")
+            .map(|d| d.len as u64 * 4)
+            .sum::<u64>(),
+        "an alias takes no memory"
+    );
+    assert!(total >= lowered.shared_bytes());
+    // row 1, column 2 of the window: word 656 / 4 + 2 of the alias's own base
+    let src = cuda::emit(&lowered).expect("emits");
+    assert!(
+        src.contains("scales[166u]") || src.contains("scales[164u + 2u]"),
+        "{src}"
+    );
+    assert!(
+        lower(&k, Lowering::Scalar).is_err(),
+        "WGSL has no typed views"
+    );
+    for bad in [500, 656] {
+        assert!(build(bad).is_err(), "offset {bad} must be refused");
+    }
+}
