@@ -32,6 +32,8 @@ MUTATIONS=(
   "e4m3 decode: exponent bias off by one#src/emit/cuda.rs#'__uint_as_float(((e + 120u) << 23) | (m << 20));'#'__uint_as_float(((e + 121u) << 23) | (m << 20));'#--test mma_emulated"
   "warp groups: no barrier between the merge factors and their use#src/kir/lower_mma/groups.rs#'    out.push(Stmt::Barrier);\n    // the accumulators meet'#'    // the accumulators meet'#--test mma_emulated"
   "ring release: every thread arrives, the empty mbarrier expects one per warp#src/kir/lower_mma/ws.rs#'            index: u(stages + s),\n            count: threads,'#'            index: u(stages + s),\n            count: threads / WARP,'#--test mma_emulated"
+  "V x scale (sm_80/90 P . V): the k+8 scales used for k#src/kir/lower_mma/ksplit.rs#'.map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))'#'.map(|k| (k[2 - 2 * i].clone(), k[3 - 2 * i].clone()))'#--test mma_emulated"
+  "fp8 whole row: the scales window 16 bytes late (inside the rope)#src/kernels/sparse_mla_decode/split.rs#'                TileElem::F32,\n                latent,'#'                TileElem::F32,\n                latent + 16,'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
 )
 
