@@ -1372,14 +1372,7 @@ impl Cx<'_> {
         let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
         // with scales: matrix 0 holds k rows 2q, 2q + 1 of each lane, matrix 1 2q + 8, 2q + 9;
         // loaded after the fragment's ldmatrix, so they are not held across it
-        let k_scales: Option<[Expr; 4]> = k_scales.map(|k| {
-            let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
-            for (n, e) in names.iter().zip(k.iter()) {
-                out.push(let_(n, e.clone()));
-            }
-            let v = |i: usize| var(&names[i], Ty::F32);
-            [v(0), v(1), v(2), v(3)]
-        });
+        let k_scales = k_scales.map(|k| self.bind_k_scales(k, &mut out));
         let pair = |i: usize| {
             k_scales
                 .as_ref()
@@ -1418,14 +1411,10 @@ impl Cx<'_> {
         scale: &(String, Expr),
         k0: Expr,
     ) -> Result<Vec<Stmt>> {
-        let q2 = mul(self.lane.quad.clone(), u(2));
         let mut out = Vec::new();
-        let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
-        for (n, off) in names.iter().zip([0u32, 1, 8, 9]) {
-            let at = add(add(k0.clone(), q2.clone()), u(off));
-            out.push(let_(n, self.expr(&scale_at(scale, at))?));
-        }
-        let sv = |k: usize| var(&names[k], Ty::F32);
+        let ks = self.k_scales(scale, k0)?;
+        let bound = self.bind_k_scales(&ks, &mut out);
+        let sv = |k: usize| bound[k].clone();
         for r in 0..4u32 {
             let (lo, hi) = if r < 2 {
                 (sv(0), sv(1))
@@ -1443,17 +1432,23 @@ impl Cx<'_> {
     }
 
     /// The per-k scales of a `[K, N]` product's rows `k0 + 2q + {0, 1, 8, 9}` (q: the
-    /// lane's quad), the k rows of this lane's A and B fragment values, as lets.
-    pub(super) fn k_scale_lets(
-        &mut self,
-        scale: &(String, Expr),
-        k0: Expr,
-    ) -> Result<(Vec<Stmt>, [Expr; 4])> {
-        // expressions, not lets: loaded where each widening uses them, so they are not held
-        // in registers across the fragment loads (the sm_120 32-head kernel is at 255)
+    /// lane's quad), the k rows of this lane's A and B fragment values, as expressions: the
+    /// caller binds them ([`Cx::bind_k_scales`]) where they are used, so they are not held in
+    /// registers across the fragment loads (the sm_120 32-head kernel is at 255).
+    pub(super) fn k_scales(&mut self, scale: &(String, Expr), k0: Expr) -> Result<[Expr; 4]> {
         let q2 = mul(self.lane.quad.clone(), u(2));
         let at = |off: u32| self.expr(&scale_at(scale, add(add(k0.clone(), q2.clone()), u(off))));
-        Ok((Vec::new(), [at(0)?, at(1)?, at(8)?, at(9)?]))
+        Ok([at(0)?, at(1)?, at(8)?, at(9)?])
+    }
+
+    /// Lets in `out` holding the four k scales; their values.
+    fn bind_k_scales(&mut self, ks: &[Expr; 4], out: &mut Vec<Stmt>) -> [Expr; 4] {
+        let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
+        for (n, e) in names.iter().zip(ks.iter()) {
+            out.push(let_(n, e.clone()));
+        }
+        let v = |i: usize| var(&names[i], Ty::F32);
+        [v(0), v(1), v(2), v(3)]
     }
 }
 
@@ -1557,8 +1552,8 @@ impl Cx<'_> {
                 // value. Where the GPU has the e4m3 score product (sm_89, sm_120) q is held
                 // as two e4m3 terms and the 32-head kernel is at 255 registers: B's scales
                 // spilled 8 B on sm_120 there, so those keep scaling A.
-                let (lets, ks) = self.k_scale_lets(sc, k_row.clone())?;
-                let mut on_b = lets;
+                let ks = self.k_scales(sc, k_row.clone())?;
+                let mut on_b = Vec::new();
                 let mut pair_b = self.e4m3_kn_b(
                     &tb,
                     bb.clone(),

@@ -155,12 +155,18 @@ impl<'k> Cx<'k> {
                         t.name
                     )));
                 }
+                // (a tile held in registers has no shared array to alias)
                 let len = cx
                     .new_shared
                     .iter()
                     .find(|d| d.name == *parent)
                     .map(|d| d.len)
-                    .unwrap_or(0);
+                    .ok_or_else(|| {
+                        cx.err(format!(
+                            "tile {}: its parent {parent} is not in shared memory",
+                            t.name
+                        ))
+                    })?;
                 let info = TileInfo {
                     decl: t.clone(),
                     store: t.elem,
