@@ -307,8 +307,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             if (gather_row9 < 32u) {
                 const unsigned row_1 = gather_row9;
                 const unsigned sub1 = (j_begin + (step * 32u)) + row_1;
-                const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
-                kv_tile_src[gather_pass8] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
+                const int sub0 = indices[(t * p.topk) + min_u32(sub1, p.topk - 1u)];
+                kv_tile_src[gather_pass8] = ((((sub0 >= 0) && (((unsigned)sub0) < p.num_slots)) && (sub1 < j_end)) && (sub1 < valid_len)) ? ((int)(((((unsigned)sub0) / p.page_size) * p.page_stride_w) + ((((unsigned)sub0) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 kv_tile_src[gather_pass8] = -1;
             }
@@ -350,8 +350,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 if (gather_row21 < 32u) {
                     const unsigned row_1 = gather_row21;
                     const unsigned sub3 = (j_begin + (step * 32u)) + row_1;
-                    const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
-                    kv_tile_src[gather_pass20] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const int sub2 = indices[(t * p.topk) + min_u32(sub3, p.topk - 1u)];
+                    kv_tile_src[gather_pass20] = ((((sub2 >= 0) && (((unsigned)sub2) < p.num_slots)) && (sub3 < j_end)) && (sub3 < valid_len)) ? ((int)(((((unsigned)sub2) / p.page_size) * p.page_stride_w) + ((((unsigned)sub2) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     kv_tile_src[gather_pass20] = -1;
                 }
@@ -416,11 +416,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 float v0 = scores[(frag * 4u) + (half25 * 2u)];
                 float v1 = scores[((frag * 4u) + (half25 * 2u)) + 1u];
                 const unsigned j = (j_begin + (step * 32u)) + col;
-                const unsigned sub4 = (t * p.topk) + min_u32(j, p.topk - 1u);
-                v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                const int sub4 = indices[(t * p.topk) + min_u32(j, p.topk - 1u)];
+                v0 = ((((sub4 >= 0) && (((unsigned)sub4) < p.num_slots)) && (j < j_end)) && (j < valid_len)) ? (v0 * p.scale) : (-3e38f);
                 const unsigned j_1 = ((j_begin + (step * 32u)) + col) + 1u;
-                const unsigned sub5 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
-                v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub5] >= 0)) && (((unsigned)indices[sub5]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                const int sub5 = indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)];
+                v1 = ((((sub5 >= 0) && (((unsigned)sub5) < p.num_slots)) && (j_1 < j_end)) && (j_1 < valid_len)) ? (v1 * p.scale) : (-3e38f);
                 scores[(frag * 4u) + (half25 * 2u)] = v0;
                 scores[((frag * 4u) + (half25 * 2u)) + 1u] = v1;
             }

@@ -293,8 +293,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag43[4];
-    unsigned b_frag44[4];
+    unsigned a_frag44[4];
+    unsigned b_frag45[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -313,24 +313,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
-        kv_tile[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i61 = threadIdx.x; zero_i61 < 72u; zero_i61 += 256u) {
-        row_valid[zero_i61] = 0.0f;
-    }
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
@@ -338,8 +320,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_bound = steps_bound;
+    if (warp >= 4u) {
+        if (0u < step_bound) {
+            const unsigned step = 0u;
+            #pragma unroll
+            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row < 32u) {
+                    const unsigned row_1 = gather_row;
+                    kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
 
     // load the q rows of this head block (rows past `heads` are zeros)
 
@@ -431,43 +429,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+
+    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
+    #pragma unroll 4
+    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
+        kv_tile[zero_i] = 0u;
+    }
+    #pragma unroll 4
+    for (unsigned zero_i1 = threadIdx.x; zero_i1 < 72u; zero_i1 += 256u) {
+        row_valid[zero_i1] = 0.0f;
+    }
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
     if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned step = 0u;
-            #pragma unroll
-            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
-                    kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot1 = 0u; slot1 < 1u; slot1 += 1u) {
-                const unsigned gather_row2 = ((warp - 4u) + (lane * 4u)) + (slot1 * 128u);
-                if (gather_row2 < 32u) {
+            for (unsigned slot2 = 0u; slot2 < 1u; slot2 += 1u) {
+                const unsigned gather_row3 = ((warp - 4u) + (lane * 4u)) + (slot2 * 128u);
+                if (gather_row3 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row2;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot1] >= 0)) && (((unsigned)kv_tile_pre[slot1]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot1]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot1]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row2] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row3;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot2] >= 0)) && (((unsigned)kv_tile_pre[slot2]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot2]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot2]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row3] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row2 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row3 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
             copy_arrive(ring_barriers + (load_stage * 2u));
         }
-        if (1u < step_count) {
+        if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
-                if (gather_row4 < 32u) {
-                    const unsigned row_1 = gather_row4;
-                    kv_tile_pre[slot3] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
+                if (gather_row5 < 32u) {
+                    const unsigned row_1 = gather_row5;
+                    kv_tile_pre[slot4] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -483,10 +488,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
+        for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
             #pragma unroll
-            for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
-                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
+                row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -498,8 +503,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i13 = 0u; fill_i13 < 4u; fill_i13 += 1u) {
-            scores[fill_i13] = 0.0f;
+        for (unsigned fill_i14 = 0u; fill_i14 < 4u; fill_i14 += 1u) {
+            scores[fill_i14] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
@@ -508,8 +513,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned n_first = (warp / 2u) * 8u;
         const unsigned k_first = (warp % 2u) * 18u;
         #pragma unroll
-        for (unsigned e15 = 0u; e15 < 4u; e15 += 1u) {
-            scores_part[4u + e15] = 0.0f;
+        for (unsigned e16 = 0u; e16 < 4u; e16 += 1u) {
+            scores_part[4u + e16] = 0.0f;
         }
         #pragma unroll
         for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
@@ -520,19 +525,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi14 * 18u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi14 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi15 = 0u; mi15 < 1u; mi15 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi15 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi15 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e16 = 0u; e16 < 4u; e16 += 1u) {
-            scores_part[e16] = scores_part[e16] + scores_part[4u + e16];
+        for (unsigned e17 = 0u; e17 < 4u; e17 += 1u) {
+            scores_part[e17] = scores_part[e17] + scores_part[4u + e17];
         }
 
         // scale, and mask the entries whose rows had no source
@@ -541,10 +546,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned half17 = 0u; half17 < 2u; half17 += 1u) {
+            for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
                 #pragma unroll
-                for (unsigned e18 = 0u; e18 < 2u; e18 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half17 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e18))] = scores_part[((frag * 4u) + (half17 * 2u)) + e18];
+                for (unsigned e19 = 0u; e19 < 2u; e19 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half18 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e19))] = scores_part[((frag * 4u) + (half18 * 2u)) + e19];
                 }
             }
         }
@@ -557,29 +562,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage7 = ahead % 2u;
+                const unsigned load_stage8 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                    const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
-                    if (gather_row9 < 32u) {
+                for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
+                    const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
+                    if (gather_row10 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row9;
-                        const int src_i3210 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot8] >= 0)) && (((unsigned)kv_tile_pre[slot8]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot8]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage7 * 36u) + gather_row9] = (src_i3210 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3210 >= 0) {
-                            copy_async(kv_tile + (load_stage7 * 9344u) + (gather_row9 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 1152u, ring_barriers + (load_stage7 * 2u));
+                        const unsigned row_1 = gather_row10;
+                        const int src_i3211 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot9] >= 0)) && (((unsigned)kv_tile_pre[slot9]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot9]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot9]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage8 * 36u) + gather_row10] = (src_i3211 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3211 >= 0) {
+                            copy_async(kv_tile + (load_stage8 * 9344u) + (gather_row10 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3211), 1152u, ring_barriers + (load_stage8 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage7 * 2u));
-                if ((ahead + 1u) < step_count) {
+                copy_arrive(ring_barriers + (load_stage8 * 2u));
+                if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                        const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
-                        if (gather_row12 < 32u) {
-                            const unsigned row_1 = gather_row12;
-                            kv_tile_pre[slot11] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
+                        const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
+                        if (gather_row13 < 32u) {
+                            const unsigned row_1 = gather_row13;
+                            kv_tile_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -587,34 +592,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag19 = 0u; frag19 < 1u; frag19 += 1u) {
+            for (unsigned frag20 = 0u; frag20 < 1u; frag20 += 1u) {
                 #pragma unroll
-                for (unsigned half20 = 0u; half20 < 2u; half20 += 1u) {
+                for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
                     #pragma unroll
-                    for (unsigned e21 = 0u; e21 < 2u; e21 += 1u) {
-                        float sum = scores[((frag19 * 4u) + (half20 * 2u)) + e21];
-                        const unsigned cell = (((scores_row0 + (half20 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag19 * 8u)) + ((lane_quad * 2u) + e21));
+                    for (unsigned e22 = 0u; e22 < 2u; e22 += 1u) {
+                        float sum = scores[((frag20 * 4u) + (half21 * 2u)) + e22];
+                        const unsigned cell = (((scores_row0 + (half21 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag20 * 8u)) + ((lane_quad * 2u) + e22));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag19 * 4u) + (half20 * 2u)) + e21] = sum;
+                        scores[((frag20 * 4u) + (half21 * 2u)) + e22] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag22 = 0u; frag22 < 1u; frag22 += 1u) {
+            for (unsigned frag23 = 0u; frag23 < 1u; frag23 += 1u) {
                 #pragma unroll
-                for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag22 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag22 * 4u) + (half23 * 2u)];
-                    float v1 = scores[((frag22 * 4u) + (half23 * 2u)) + 1u];
+                for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag23 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
+                    float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag22 * 4u) + (half23 * 2u)] = v0;
-                    scores[((frag22 * 4u) + (half23 * 2u)) + 1u] = v1;
+                    scores[(frag23 * 4u) + (half24 * 2u)] = v0;
+                    scores[((frag23 * 4u) + (half24 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -624,16 +629,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi24 = 0u; mi24 < 1u; mi24 += 1u) {
+            for (unsigned mi25 = 0u; mi25 < 1u; mi25 += 1u) {
                 #pragma unroll
-                for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi24 * 4u) + (half25 * 2u)], scores[(mi24 * 4u) + ((half25 * 2u) + 1u)]);
+                for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi25 * 4u) + (half26 * 2u)], scores[(mi25 * 4u) + ((half26 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other26 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other26);
+                    const float other27 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other27);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi24 * 16u)) + ((half25 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -642,59 +647,59 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi29 = 0u; mi29 < 1u; mi29 += 1u) {
+        for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
             #pragma unroll
-            for (unsigned half30 = 0u; half30 < 2u; half30 += 1u) {
-                const float m_old27 = row_max_reg[(mi29 * 2u) + half30];
-                float m_new28 = m_old27;
-                m_new28 = fmaxf(m_new28, row_exchange[((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u]);
-                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi29 * 2u) + half30] = expf(m_old27 - m_new28);
-                row_max_reg[(mi29 * 2u) + half30] = m_new28;
+            for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
+                const float m_old28 = row_max_reg[(mi30 * 2u) + half31];
+                float m_new29 = m_old28;
+                m_new29 = fmaxf(m_new29, row_exchange[((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u]);
+                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi30 * 2u) + half31] = expf(m_old28 - m_new29);
+                row_max_reg[(mi30 * 2u) + half31] = m_new29;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi34 = 0u; mi34 < 1u; mi34 += 1u) {
+            for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                 #pragma unroll
-                for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
+                for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj31 = 0u; nj31 < 1u; nj31 += 1u) {
+                    for (unsigned nj32 = 0u; nj32 < 1u; nj32 += 1u) {
                         #pragma unroll
-                        for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
-                            const unsigned at33 = ((mi34 + nj31) * 4u) + ((half35 * 2u) + e32);
-                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : expf(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
-                            scores[at33] = p;
+                        for (unsigned e33 = 0u; e33 < 2u; e33 += 1u) {
+                            const unsigned at34 = ((mi35 + nj32) * 4u) + ((half36 * 2u) + e33);
+                            const float p = (scores[at34] < (-1e38f)) ? 0.0f : expf(scores[at34] - row_max_reg[(mi35 * 2u) + half36]);
+                            scores[at34] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi34 * 2u) + half35] = (row_sum_part[(mi34 * 2u) + half35] * row_alpha[(mi34 * 2u) + half35]) + p_sum;
+                    row_sum_part[(mi35 * 2u) + half36] = (row_sum_part[(mi35 * 2u) + half36] * row_alpha[(mi35 * 2u) + half36]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag36 = 0u; frag36 < 8u; frag36 += 1u) {
+        for (unsigned frag37 = 0u; frag37 < 8u; frag37 += 1u) {
             #pragma unroll
-            for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
-                const float alpha38 = row_alpha[((frag36 / 8u) * 2u) + half37];
-                o_acc[(frag36 * 4u) + (half37 * 2u)] = o_acc[(frag36 * 4u) + (half37 * 2u)] * alpha38;
-                o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u] = o_acc[((frag36 * 4u) + (half37 * 2u)) + 1u] * alpha38;
+            for (unsigned half38 = 0u; half38 < 2u; half38 += 1u) {
+                const float alpha39 = row_alpha[((frag37 / 8u) * 2u) + half38];
+                o_acc[(frag37 * 4u) + (half38 * 2u)] = o_acc[(frag37 * 4u) + (half38 * 2u)] * alpha39;
+                o_acc[((frag37 * 4u) + (half38 * 2u)) + 1u] = o_acc[((frag37 * 4u) + (half38 * 2u)) + 1u] * alpha39;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag41 = 0u; frag41 < 1u; frag41 += 1u) {
+            for (unsigned frag42 = 0u; frag42 < 1u; frag42 += 1u) {
                 #pragma unroll
-                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
-                    const unsigned row39 = (scores_row0 + ((frag41 / 1u) * 16u)) + ((half42 * 8u) + lane_group);
-                    const unsigned col40 = (scores_col0 + ((frag41 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag41 * 4u) + (half42 * 2u);
-                    p_tile[(row39 * 20u) + (col40 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
+                    const unsigned row40 = (scores_row0 + ((frag42 / 1u) * 16u)) + ((half43 * 8u) + lane_group);
+                    const unsigned col41 = (scores_col0 + ((frag42 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag42 * 4u) + (half43 * 2u);
+                    p_tile[(row40 * 20u) + (col41 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -704,19 +709,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk45 = 0u; kk45 < 2u; kk45 += 1u) {
+        for (unsigned kk46 = 0u; kk46 < 2u; kk46 += 1u) {
             #pragma unroll
-            for (unsigned mi46 = 0u; mi46 < 1u; mi46 += 1u) {
-                ldmatrix_x4(&a_frag43[mi46 * 4u], p_tile + a_lane_word + (mi46 * 320u) + (kk45 * 8u));
+            for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
+                ldmatrix_x4(&a_frag44[mi47 * 4u], p_tile + a_lane_word + (mi47 * 320u) + (kk46 * 8u));
             }
             #pragma unroll
-            for (unsigned nj47 = 0u; nj47 < 4u; nj47 += 1u) {
-                ldmatrix_x4_trans(&b_frag44[0u], kv_tile + b_lane_word + (kk45 * 4672u) + ((nj47 * 2u) * 4u));
+            for (unsigned nj48 = 0u; nj48 < 4u; nj48 += 1u) {
+                ldmatrix_x4_trans(&b_frag45[0u], kv_tile + b_lane_word + (kk46 * 4672u) + ((nj48 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi46 = 0u; mi46 < 1u; mi46 += 1u) {
+                for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
                     #pragma unroll
-                    for (unsigned nj48 = 0u; nj48 < 2u; nj48 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi46 * 8u) + ((nj47 * 2u) + nj48)) * 4u], &a_frag43[mi46 * 4u], &b_frag44[nj48 * 2u]);
+                    for (unsigned nj49 = 0u; nj49 < 2u; nj49 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi47 * 8u) + ((nj48 * 2u) + nj49)) * 4u], &a_frag44[mi47 * 4u], &b_frag45[nj49 * 2u]);
                     }
                 }
             }
@@ -731,16 +736,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
+        for (unsigned mi51 = 0u; mi51 < 1u; mi51 += 1u) {
             #pragma unroll
-            for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
-                float row_sum49 = row_sum_part[(mi50 * 2u) + half51];
-                const float other52 = shfl_xor_f32(row_sum49, 1);
-                row_sum49 = row_sum49 + other52;
-                const float other53 = shfl_xor_f32(row_sum49, 2);
-                row_sum49 = row_sum49 + other53;
+            for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
+                float row_sum50 = row_sum_part[(mi51 * 2u) + half52];
+                const float other53 = shfl_xor_f32(row_sum50, 1);
+                row_sum50 = row_sum50 + other53;
+                const float other54 = shfl_xor_f32(row_sum50, 2);
+                row_sum50 = row_sum50 + other54;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum49;
+                    row_exchange[(((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum50;
                 }
             }
         }
@@ -748,16 +753,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi55 = 0u; mi55 < 1u; mi55 += 1u) {
+        for (unsigned mi56 = 0u; mi56 < 1u; mi56 += 1u) {
             #pragma unroll
-            for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
+            for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum54 = row_exchange[((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u];
-                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum54 = row_sum54 + row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)] = row_sum54;
-                    row_max[(scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)] = row_max_reg[(mi55 * 2u) + half56];
+                    float row_sum55 = row_exchange[((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u];
+                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)] = row_sum55;
+                    row_max[(scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)] = row_max_reg[(mi56 * 2u) + half57];
                 }
             }
         }
@@ -768,21 +773,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag57 = 0u; frag57 < 8u; frag57 += 1u) {
+        for (unsigned frag58 = 0u; frag58 < 8u; frag58 += 1u) {
             #pragma unroll
-            for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag57 / 8u) * 16u)) + ((half58 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag57 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag57 * 4u) + (half58 * 2u)];
-                float v1_3 = o_acc[((frag57 * 4u) + (half58 * 2u)) + 1u];
+            for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag58 / 8u) * 16u)) + ((half59 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag58 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag58 * 4u) + (half59 * 2u)];
+                float v1_3 = o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u];
                 const unsigned h = h0 + row_5;
                 if (h < p.heads) {
                     const float l = row_sum[row_5];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag57 * 4u) + (half58 * 2u)] = v0_3;
-                o_acc[((frag57 * 4u) + (half58 * 2u)) + 1u] = v1_3;
+                o_acc[(frag58 * 4u) + (half59 * 2u)] = v0_3;
+                o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u] = v1_3;
             }
         }
         #pragma unroll 4
@@ -797,13 +802,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag59 = 0u; frag59 < 8u; frag59 += 1u) {
+        for (unsigned frag60 = 0u; frag60 < 8u; frag60 += 1u) {
             #pragma unroll
-            for (unsigned half60 = 0u; half60 < 2u; half60 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag59 / 8u) * 16u)) + ((half60 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag59 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag59 * 4u) + (half60 * 2u)];
-                float v1_4 = o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u];
+            for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag60 / 8u) * 16u)) + ((half61 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag60 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag60 * 4u) + (half61 * 2u)];
+                float v1_4 = o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u];
                 const unsigned h_2 = h0 + row_6;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_6];
@@ -812,8 +817,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag59 * 4u) + (half60 * 2u)] = v0_4;
-                o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u] = v1_4;
+                o_acc[(frag60 * 4u) + (half61 * 2u)] = v0_4;
+                o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u] = v1_4;
             }
         }
         #pragma unroll 4

@@ -289,13 +289,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     unsigned q_tile_a0[72];
     int kv_tile_pre[1];
     float row_alpha[2];
-    float row_alpha7[4];
+    float row_alpha8[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag48[8];
-    unsigned b_frag49[4];
+    unsigned a_frag49[8];
+    unsigned b_frag50[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -314,24 +314,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned o_acc_row0 = (warp / 8u) * 32u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
-        kv_tile[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i66 = threadIdx.x; zero_i66 < 72u; zero_i66 += 256u) {
-        row_valid[zero_i66] = 0.0f;
-    }
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
@@ -339,8 +321,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_bound = steps_bound;
+    if (warp >= 4u) {
+        if (0u < step_bound) {
+            const unsigned step = 0u;
+            #pragma unroll
+            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row < 32u) {
+                    const unsigned row_1 = gather_row;
+                    kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
 
     // load the q rows of this head block (rows past `heads` are zeros)
 
@@ -434,43 +432,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+
+    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
+    #pragma unroll 4
+    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
+        kv_tile[zero_i] = 0u;
+    }
+    #pragma unroll 4
+    for (unsigned zero_i3 = threadIdx.x; zero_i3 < 72u; zero_i3 += 256u) {
+        row_valid[zero_i3] = 0.0f;
+    }
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
     if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned step = 0u;
-            #pragma unroll
-            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
-                    kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
-                if (gather_row4 < 32u) {
+            for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
+                if (gather_row5 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row4;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row4] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row5;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot4] >= 0)) && (((unsigned)kv_tile_pre[slot4]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot4]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot4]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row5] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row4 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row5 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
             copy_arrive(ring_barriers + (load_stage * 2u));
         }
-        if (1u < step_count) {
+        if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot5 = 0u; slot5 < 1u; slot5 += 1u) {
-                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot5 * 128u);
-                if (gather_row6 < 32u) {
-                    const unsigned row_1 = gather_row6;
-                    kv_tile_pre[slot5] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
+                if (gather_row7 < 32u) {
+                    const unsigned row_1 = gather_row7;
+                    kv_tile_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -488,10 +493,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi8 = 0u; mi8 < 1u; mi8 += 1u) {
+        for (unsigned mi9 = 0u; mi9 < 1u; mi9 += 1u) {
             #pragma unroll
-            for (unsigned half9 = 0u; half9 < 2u; half9 += 1u) {
-                row_sum_part[(mi8 * 2u) + half9] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi8 * 16u)) + ((half9 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half10 = 0u; half10 < 2u; half10 += 1u) {
+                row_sum_part[(mi9 * 2u) + half10] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi9 * 16u)) + ((half10 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -503,8 +508,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i16 = 0u; fill_i16 < 8u; fill_i16 += 1u) {
-            scores[fill_i16] = 0.0f;
+        for (unsigned fill_i17 = 0u; fill_i17 < 8u; fill_i17 += 1u) {
+            scores[fill_i17] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
@@ -518,12 +523,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                 ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi17 = 0u; mi17 < 2u; mi17 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi17 * 9u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi17 * 9u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi17 * 9u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi17 * 9u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi17 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                for (unsigned mi18 = 0u; mi18 < 2u; mi18 += 1u) {
+                    a_frag[0u] = q_tile_a0[((mi18 * 9u) + kk) * 4u];
+                    a_frag[1u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 1u];
+                    a_frag[2u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 2u];
+                    a_frag[3u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi18 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                 }
             }
         }
@@ -534,10 +539,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
+            for (unsigned half19 = 0u; half19 < 2u; half19 += 1u) {
                 #pragma unroll
-                for (unsigned e19 = 0u; e19 < 2u; e19 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half18 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e19))] = scores_part[((frag * 4u) + (half18 * 2u)) + e19];
+                for (unsigned e20 = 0u; e20 < 2u; e20 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half19 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e20))] = scores_part[((frag * 4u) + (half19 * 2u)) + e20];
                 }
             }
         }
@@ -550,29 +555,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage10 = ahead % 2u;
+                const unsigned load_stage11 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                    const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
-                    if (gather_row12 < 32u) {
+                for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
+                    const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
+                    if (gather_row13 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row12;
-                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3213 >= 0) {
-                            copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
+                        const unsigned row_1 = gather_row13;
+                        const int src_i3214 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot12] >= 0)) && (((unsigned)kv_tile_pre[slot12]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot12]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot12]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage11 * 36u) + gather_row13] = (src_i3214 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3214 >= 0) {
+                            copy_async(kv_tile + (load_stage11 * 9344u) + (gather_row13 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3214), 1152u, ring_barriers + (load_stage11 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage10 * 2u));
-                if ((ahead + 1u) < step_count) {
+                copy_arrive(ring_barriers + (load_stage11 * 2u));
+                if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
-                        const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
-                        if (gather_row15 < 32u) {
-                            const unsigned row_1 = gather_row15;
-                            kv_tile_pre[slot14] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot15 = 0u; slot15 < 1u; slot15 += 1u) {
+                        const unsigned gather_row16 = ((warp - 4u) + (lane * 4u)) + (slot15 * 128u);
+                        if (gather_row16 < 32u) {
+                            const unsigned row_1 = gather_row16;
+                            kv_tile_pre[slot15] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -580,34 +585,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag20 = 0u; frag20 < 2u; frag20 += 1u) {
+            for (unsigned frag21 = 0u; frag21 < 2u; frag21 += 1u) {
                 #pragma unroll
-                for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
+                for (unsigned half22 = 0u; half22 < 2u; half22 += 1u) {
                     #pragma unroll
-                    for (unsigned e22 = 0u; e22 < 2u; e22 += 1u) {
-                        float sum = scores[((frag20 * 4u) + (half21 * 2u)) + e22];
-                        const unsigned cell = (((scores_row0 + (half21 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag20 * 8u)) + ((lane_quad * 2u) + e22));
+                    for (unsigned e23 = 0u; e23 < 2u; e23 += 1u) {
+                        float sum = scores[((frag21 * 4u) + (half22 * 2u)) + e23];
+                        const unsigned cell = (((scores_row0 + (half22 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag21 * 8u)) + ((lane_quad * 2u) + e23));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag20 * 4u) + (half21 * 2u)) + e22] = sum;
+                        scores[((frag21 * 4u) + (half22 * 2u)) + e23] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag23 = 0u; frag23 < 2u; frag23 += 1u) {
+            for (unsigned frag24 = 0u; frag24 < 2u; frag24 += 1u) {
                 #pragma unroll
-                for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag23 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
-                    float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];
+                for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag24 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag24 * 4u) + (half25 * 2u)];
+                    float v1 = scores[((frag24 * 4u) + (half25 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag23 * 4u) + (half24 * 2u)] = v0;
-                    scores[((frag23 * 4u) + (half24 * 2u)) + 1u] = v1;
+                    scores[(frag24 * 4u) + (half25 * 2u)] = v0;
+                    scores[((frag24 * 4u) + (half25 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -617,20 +622,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi25 = 0u; mi25 < 1u; mi25 += 1u) {
+            for (unsigned mi26 = 0u; mi26 < 1u; mi26 += 1u) {
                 #pragma unroll
-                for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi25 * 2u) * 4u) + (half26 * 2u)], scores[((mi25 * 2u) * 4u) + ((half26 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 2u) + 1u) * 4u) + (half26 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi25 * 2u) + 1u) * 4u) + ((half26 * 2u) + 1u)]);
+                for (unsigned half27 = 0u; half27 < 2u; half27 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi26 * 2u) * 4u) + (half27 * 2u)], scores[((mi26 * 2u) * 4u) + ((half27 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi26 * 2u) + 1u) * 4u) + (half27 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi26 * 2u) + 1u) * 4u) + ((half27 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other27 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other27);
+                    const float other28 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other28);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi25 * 2u) + half26];
+                            row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi26 * 2u) + half27];
                         }
                     }
                 }
@@ -641,69 +646,69 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
+            for (unsigned mi31 = 0u; mi31 < 1u; mi31 += 1u) {
                 #pragma unroll
-                for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
-                    const float m_old28 = row_max_reg[(mi30 * 2u) + half31];
-                    float m_new29 = m_old28;
-                    m_new29 = fmaxf(m_new29, row_exchange[((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u]);
-                    m_new29 = fmaxf(m_new29, row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi30 * 2u) + half31] = expf(m_old28 - m_new29);
-                    row_max_reg[(mi30 * 2u) + half31] = m_new29;
+                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
+                    const float m_old29 = row_max_reg[(mi31 * 2u) + half32];
+                    float m_new30 = m_old29;
+                    m_new30 = fmaxf(m_new30, row_exchange[((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 3u]);
+                    m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi31 * 2u) + half32] = expf(m_old29 - m_new30);
+                    row_max_reg[(mi31 * 2u) + half32] = m_new30;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi34 = 0u; mi34 < 2u; mi34 += 1u) {
+        for (unsigned mi35 = 0u; mi35 < 2u; mi35 += 1u) {
             #pragma unroll
-            for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
-                const float m_old32 = row_exchange[(((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new33 = m_old32;
-                m_new33 = fmaxf(m_new33, row_exchange[((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u]);
-                m_new33 = fmaxf(m_new33, row_exchange[(((mi34 * 16u) + ((half35 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha7[(mi34 * 2u) + half35] = expf(m_old32 - m_new33);
+            for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                const float m_old33 = row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new34 = m_old33;
+                m_new34 = fmaxf(m_new34, row_exchange[((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u]);
+                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha8[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi39 = 0u; mi39 < 1u; mi39 += 1u) {
+            for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                 #pragma unroll
-                for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
+                for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj36 = 0u; nj36 < 2u; nj36 += 1u) {
+                    for (unsigned nj37 = 0u; nj37 < 2u; nj37 += 1u) {
                         #pragma unroll
-                        for (unsigned e37 = 0u; e37 < 2u; e37 += 1u) {
-                            const unsigned at38 = (((mi39 * 2u) + nj36) * 4u) + ((half40 * 2u) + e37);
-                            const float p = (scores[at38] < (-1e38f)) ? 0.0f : expf(scores[at38] - row_max_reg[(mi39 * 2u) + half40]);
-                            scores[at38] = p;
+                        for (unsigned e38 = 0u; e38 < 2u; e38 += 1u) {
+                            const unsigned at39 = (((mi40 * 2u) + nj37) * 4u) + ((half41 * 2u) + e38);
+                            const float p = (scores[at39] < (-1e38f)) ? 0.0f : expf(scores[at39] - row_max_reg[(mi40 * 2u) + half41]);
+                            scores[at39] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi39 * 2u) + half40] = (row_sum_part[(mi39 * 2u) + half40] * row_alpha[(mi39 * 2u) + half40]) + p_sum;
+                    row_sum_part[(mi40 * 2u) + half41] = (row_sum_part[(mi40 * 2u) + half41] * row_alpha[(mi40 * 2u) + half41]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag41 = 0u; frag41 < 16u; frag41 += 1u) {
+        for (unsigned frag42 = 0u; frag42 < 16u; frag42 += 1u) {
             #pragma unroll
-            for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
-                const float alpha43 = row_alpha7[((frag41 / 8u) * 2u) + half42];
-                o_acc[(frag41 * 4u) + (half42 * 2u)] = o_acc[(frag41 * 4u) + (half42 * 2u)] * alpha43;
-                o_acc[((frag41 * 4u) + (half42 * 2u)) + 1u] = o_acc[((frag41 * 4u) + (half42 * 2u)) + 1u] * alpha43;
+            for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
+                const float alpha44 = row_alpha8[((frag42 / 8u) * 2u) + half43];
+                o_acc[(frag42 * 4u) + (half43 * 2u)] = o_acc[(frag42 * 4u) + (half43 * 2u)] * alpha44;
+                o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] = o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] * alpha44;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag46 = 0u; frag46 < 2u; frag46 += 1u) {
+            for (unsigned frag47 = 0u; frag47 < 2u; frag47 += 1u) {
                 #pragma unroll
-                for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
-                    const unsigned row44 = (scores_row0 + ((frag46 / 2u) * 16u)) + ((half47 * 8u) + lane_group);
-                    const unsigned col45 = (scores_col0 + ((frag46 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag46 * 4u) + (half47 * 2u);
-                    p_tile[(row44 * 20u) + (col45 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
+                    const unsigned row45 = (scores_row0 + ((frag47 / 2u) * 16u)) + ((half48 * 8u) + lane_group);
+                    const unsigned col46 = (scores_col0 + ((frag47 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag47 * 4u) + (half48 * 2u);
+                    p_tile[(row45 * 20u) + (col46 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -713,19 +718,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk50 = 0u; kk50 < 2u; kk50 += 1u) {
+        for (unsigned kk51 = 0u; kk51 < 2u; kk51 += 1u) {
             #pragma unroll
-            for (unsigned mi51 = 0u; mi51 < 2u; mi51 += 1u) {
-                ldmatrix_x4(&a_frag48[mi51 * 4u], p_tile + a_lane_word + (mi51 * 320u) + (kk50 * 8u));
+            for (unsigned mi52 = 0u; mi52 < 2u; mi52 += 1u) {
+                ldmatrix_x4(&a_frag49[mi52 * 4u], p_tile + a_lane_word + (mi52 * 320u) + (kk51 * 8u));
             }
             #pragma unroll
-            for (unsigned nj52 = 0u; nj52 < 4u; nj52 += 1u) {
-                ldmatrix_x4_trans(&b_frag49[0u], kv_tile + b_lane_word + (kk50 * 4672u) + ((nj52 * 2u) * 4u));
+            for (unsigned nj53 = 0u; nj53 < 4u; nj53 += 1u) {
+                ldmatrix_x4_trans(&b_frag50[0u], kv_tile + b_lane_word + (kk51 * 4672u) + ((nj53 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi51 = 0u; mi51 < 2u; mi51 += 1u) {
+                for (unsigned mi52 = 0u; mi52 < 2u; mi52 += 1u) {
                     #pragma unroll
-                    for (unsigned nj53 = 0u; nj53 < 2u; nj53 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi51 * 8u) + ((nj52 * 2u) + nj53)) * 4u], &a_frag48[mi51 * 4u], &b_frag49[nj53 * 2u]);
+                    for (unsigned nj54 = 0u; nj54 < 2u; nj54 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi52 * 8u) + ((nj53 * 2u) + nj54)) * 4u], &a_frag49[mi52 * 4u], &b_frag50[nj54 * 2u]);
                     }
                 }
             }
@@ -740,16 +745,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi55 = 0u; mi55 < 1u; mi55 += 1u) {
+        for (unsigned mi56 = 0u; mi56 < 1u; mi56 += 1u) {
             #pragma unroll
-            for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
-                float row_sum54 = row_sum_part[(mi55 * 2u) + half56];
-                const float other57 = shfl_xor_f32(row_sum54, 1);
-                row_sum54 = row_sum54 + other57;
-                const float other58 = shfl_xor_f32(row_sum54, 2);
-                row_sum54 = row_sum54 + other58;
+            for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
+                float row_sum55 = row_sum_part[(mi56 * 2u) + half57];
+                const float other58 = shfl_xor_f32(row_sum55, 1);
+                row_sum55 = row_sum55 + other58;
+                const float other59 = shfl_xor_f32(row_sum55, 2);
+                row_sum55 = row_sum55 + other59;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi55 * 16u)) + ((half56 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum54;
+                    row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum55;
                 }
             }
         }
@@ -757,14 +762,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi60 = 0u; mi60 < 1u; mi60 += 1u) {
+        for (unsigned mi61 = 0u; mi61 < 1u; mi61 += 1u) {
             #pragma unroll
-            for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
+            for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum59 = row_exchange[((scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)) * 3u];
-                    row_sum59 = row_sum59 + row_exchange[(((scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)] = row_sum59;
-                    row_max[(scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)] = row_max_reg[(mi60 * 2u) + half61];
+                    float row_sum60 = row_exchange[((scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)) * 3u];
+                    row_sum60 = row_sum60 + row_exchange[(((scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)] = row_sum60;
+                    row_max[(scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)] = row_max_reg[(mi61 * 2u) + half62];
                 }
             }
         }
@@ -775,21 +780,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag62 = 0u; frag62 < 16u; frag62 += 1u) {
+        for (unsigned frag63 = 0u; frag63 < 16u; frag63 += 1u) {
             #pragma unroll
-            for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag62 / 8u) * 16u)) + ((half63 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag62 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag62 * 4u) + (half63 * 2u)];
-                float v1_3 = o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u];
+            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag63 / 8u) * 16u)) + ((half64 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag63 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag63 * 4u) + (half64 * 2u)];
+                float v1_3 = o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u];
                 const unsigned h = h0 + row_5;
                 if (h < p.heads) {
                     const float l = row_sum[row_5];
                     const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag62 * 4u) + (half63 * 2u)] = v0_3;
-                o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u] = v1_3;
+                o_acc[(frag63 * 4u) + (half64 * 2u)] = v0_3;
+                o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u] = v1_3;
             }
         }
         #pragma unroll 4
@@ -804,13 +809,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag64 = 0u; frag64 < 16u; frag64 += 1u) {
+        for (unsigned frag65 = 0u; frag65 < 16u; frag65 += 1u) {
             #pragma unroll
-            for (unsigned half65 = 0u; half65 < 2u; half65 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag64 / 8u) * 16u)) + ((half65 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag64 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag64 * 4u) + (half65 * 2u)];
-                float v1_4 = o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u];
+            for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag65 / 8u) * 16u)) + ((half66 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag65 * 4u) + (half66 * 2u)];
+                float v1_4 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
                 const unsigned h_2 = h0 + row_6;
                 if (h_2 < p.heads) {
                     const float l_2 = row_sum[row_6];
@@ -819,8 +824,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag64 * 4u) + (half65 * 2u)] = v0_4;
-                o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u] = v1_4;
+                o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_4;
+                o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_4;
             }
         }
         #pragma unroll 4

@@ -318,8 +318,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 if (gather_row8 < 16u) {
                     const unsigned row_1 = gather_row8;
                     const unsigned sub1 = (j_begin + (step * 16u)) + row_1;
-                    const unsigned sub0 = (t * p.topk) + min_u32(sub1, p.topk - 1u);
-                    raw_rows_src[gather_pass7] = ((((sub1 < j_end) && (sub1 < valid_len)) && (indices[sub0] >= 0)) && (((unsigned)indices[sub0]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub0]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub0]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const int sub0 = indices[(t * p.topk) + min_u32(sub1, p.topk - 1u)];
+                    raw_rows_src[gather_pass7] = ((((sub0 >= 0) && (((unsigned)sub0) < p.num_slots)) && (sub1 < j_end)) && (sub1 < valid_len)) ? ((int)(((((unsigned)sub0) / p.page_size) * p.page_stride_w) + ((((unsigned)sub0) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass7] = -1;
                 }
@@ -367,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             if (gather_row20 < 16u) {
                 const unsigned row_1 = gather_row20;
                 const unsigned sub3 = (j_begin + (step * 16u)) + row_1;
-                const unsigned sub2 = (t * p.topk) + min_u32(sub3, p.topk - 1u);
-                raw_rows_src[gather_pass19] = ((((sub3 < j_end) && (sub3 < valid_len)) && (indices[sub2] >= 0)) && (((unsigned)indices[sub2]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub2]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub2]) % p.page_size) * p.row_stride_w))) : (-1);
+                const int sub2 = indices[(t * p.topk) + min_u32(sub3, p.topk - 1u)];
+                raw_rows_src[gather_pass19] = ((((sub2 >= 0) && (((unsigned)sub2) < p.num_slots)) && (sub3 < j_end)) && (sub3 < valid_len)) ? ((int)(((((unsigned)sub2) / p.page_size) * p.page_stride_w) + ((((unsigned)sub2) % p.page_size) * p.row_stride_w))) : (-1);
             } else {
                 raw_rows_src[gather_pass19] = -1;
             }
@@ -417,8 +417,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 if (gather_row33 < 16u) {
                     const unsigned row_1 = gather_row33;
                     const unsigned sub5 = (j_begin + (step * 16u)) + row_1;
-                    const unsigned sub4 = (t * p.topk) + min_u32(sub5, p.topk - 1u);
-                    raw_rows_src[gather_pass32] = ((((sub5 < j_end) && (sub5 < valid_len)) && (indices[sub4] >= 0)) && (((unsigned)indices[sub4]) < p.num_slots)) ? ((int)(((((unsigned)indices[sub4]) / p.page_size) * p.page_stride_w) + ((((unsigned)indices[sub4]) % p.page_size) * p.row_stride_w))) : (-1);
+                    const int sub4 = indices[(t * p.topk) + min_u32(sub5, p.topk - 1u)];
+                    raw_rows_src[gather_pass32] = ((((sub4 >= 0) && (((unsigned)sub4) < p.num_slots)) && (sub5 < j_end)) && (sub5 < valid_len)) ? ((int)(((((unsigned)sub4) / p.page_size) * p.page_stride_w) + ((((unsigned)sub4) % p.page_size) * p.row_stride_w))) : (-1);
                 } else {
                     raw_rows_src[gather_pass32] = -1;
                 }
@@ -580,11 +580,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     float v0 = scores[(frag * 4u) + (half44 * 2u)];
                     float v1 = scores[((frag * 4u) + (half44 * 2u)) + 1u];
                     const unsigned j = (j_begin + (step * 16u)) + col_2;
-                    const unsigned sub8 = (t * p.topk) + min_u32(j, p.topk - 1u);
-                    v0 = ((((j < j_end) && (j < valid_len)) && (indices[sub8] >= 0)) && (((unsigned)indices[sub8]) < p.num_slots)) ? (v0 * p.scale) : (-3e38f);
+                    const int sub8 = indices[(t * p.topk) + min_u32(j, p.topk - 1u)];
+                    v0 = ((((sub8 >= 0) && (((unsigned)sub8) < p.num_slots)) && (j < j_end)) && (j < valid_len)) ? (v0 * p.scale) : (-3e38f);
                     const unsigned j_1 = ((j_begin + (step * 16u)) + col_2) + 1u;
-                    const unsigned sub9 = (t * p.topk) + min_u32(j_1, p.topk - 1u);
-                    v1 = ((((j_1 < j_end) && (j_1 < valid_len)) && (indices[sub9] >= 0)) && (((unsigned)indices[sub9]) < p.num_slots)) ? (v1 * p.scale) : (-3e38f);
+                    const int sub9 = indices[(t * p.topk) + min_u32(j_1, p.topk - 1u)];
+                    v1 = ((((sub9 >= 0) && (((unsigned)sub9) < p.num_slots)) && (j_1 < j_end)) && (j_1 < valid_len)) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag * 4u) + (half44 * 2u)] = v0;
                     scores[((frag * 4u) + (half44 * 2u)) + 1u] = v1;
                 }

@@ -144,7 +144,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 7u) / 8u) : 0u;
 
     // load the q rows of this head block (rows past `heads` are zeros)

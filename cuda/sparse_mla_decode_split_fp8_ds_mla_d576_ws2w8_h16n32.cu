@@ -379,38 +379,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag307[4];
-    unsigned b_frag308[4];
+    unsigned a_frag308[4];
+    unsigned b_frag309[4];
     unsigned b_raw[2];
-    unsigned a_frag318[4];
-    unsigned b_frag319[2];
-    unsigned a_frag324[4];
-    unsigned b_frag325[4];
-    unsigned b_raw326[2];
-    unsigned a_frag341[4];
-    unsigned b_frag342[2];
-    unsigned a_frag347[4];
-    unsigned b_frag348[4];
-    unsigned b_raw349[2];
-    unsigned a_frag364[4];
-    unsigned b_frag365[2];
-    unsigned a_frag370[4];
-    unsigned b_frag371[4];
-    unsigned b_raw372[2];
-    unsigned a_frag387[4];
-    unsigned b_frag388[4];
-    unsigned a_frag433[4];
-    unsigned b_frag434[4];
-    unsigned b_raw435[2];
-    unsigned a_frag453[4];
-    unsigned b_frag454[4];
-    unsigned b_raw455[2];
-    unsigned a_frag476[4];
-    unsigned b_frag477[4];
-    unsigned b_raw478[2];
-    unsigned a_frag499[4];
-    unsigned b_frag500[4];
-    unsigned b_raw501[2];
+    unsigned a_frag319[4];
+    unsigned b_frag320[2];
+    unsigned a_frag325[4];
+    unsigned b_frag326[4];
+    unsigned b_raw327[2];
+    unsigned a_frag342[4];
+    unsigned b_frag343[2];
+    unsigned a_frag348[4];
+    unsigned b_frag349[4];
+    unsigned b_raw350[2];
+    unsigned a_frag365[4];
+    unsigned b_frag366[2];
+    unsigned a_frag371[4];
+    unsigned b_frag372[4];
+    unsigned b_raw373[2];
+    unsigned a_frag388[4];
+    unsigned b_frag389[4];
+    unsigned a_frag434[4];
+    unsigned b_frag435[4];
+    unsigned b_raw436[2];
+    unsigned a_frag454[4];
+    unsigned b_frag455[4];
+    unsigned b_raw456[2];
+    unsigned a_frag477[4];
+    unsigned b_frag478[4];
+    unsigned b_raw479[2];
+    unsigned a_frag500[4];
+    unsigned b_frag501[4];
+    unsigned b_raw502[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -438,24 +438,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned o_acc_3_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_3_col0 = o_acc_3_wn * 16u;
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
-        kv_rows[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i554 = threadIdx.x; zero_i554 < 72u; zero_i554 += 256u) {
-        row_valid[zero_i554] = 0.0f;
-    }
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
@@ -463,8 +445,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_bound = steps_bound;
+    if (warp >= 4u) {
+        if (0u < step_bound) {
+            const unsigned step = 0u;
+            #pragma unroll
+            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row < 32u) {
+                    const unsigned row_1 = gather_row;
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
 
     // load the q rows of this head block (rows past `heads` are zeros)
 
@@ -1018,43 +1016,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+
+    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
+    #pragma unroll 4
+    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
+        kv_rows[zero_i] = 0u;
+    }
+    #pragma unroll 4
+    for (unsigned zero_i292 = threadIdx.x; zero_i292 < 72u; zero_i292 += 256u) {
+        row_valid[zero_i292] = 0.0f;
+    }
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
     if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned step = 0u;
-            #pragma unroll
-            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
-                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
-                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
-                if (gather_row293 < 32u) {
+            for (unsigned slot293 = 0u; slot293 < 1u; slot293 += 1u) {
+                const unsigned gather_row294 = ((warp - 4u) + (lane * 4u)) + (slot293 * 128u);
+                if (gather_row294 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row293;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row293] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row294;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot293] >= 0)) && (((unsigned)kv_rows_pre[slot293]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot293]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot293]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row294] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row294 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
             copy_arrive(ring_barriers + (load_stage * 2u));
         }
-        if (1u < step_count) {
+        if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_1 = gather_row295;
-                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
+                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot295 * 128u);
+                if (gather_row296 < 32u) {
+                    const unsigned row_1 = gather_row296;
+                    kv_rows_pre[slot295] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1070,10 +1075,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
+        for (unsigned mi297 = 0u; mi297 < 1u; mi297 += 1u) {
             #pragma unroll
-            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
-                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half298 = 0u; half298 < 2u; half298 += 1u) {
+                row_sum_part[(mi297 * 2u) + half298] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi297 * 16u)) + ((half298 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1085,16 +1090,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i304 = 0u; fill_i304 < 4u; fill_i304 += 1u) {
-            scores[fill_i304] = 0.0f;
+        for (unsigned fill_i305 = 0u; fill_i305 < 4u; fill_i305 += 1u) {
+            scores[fill_i305] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e305 = 0u; e305 < 4u; e305 += 1u) {
-            scores_term[e305] = 0.0f;
+        for (unsigned e306 = 0u; e306 < 4u; e306 += 1u) {
+            scores_term[e306] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
@@ -1104,306 +1109,306 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi306 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi306 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi306 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi306 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi307 = 0u; mi307 < 1u; mi307 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi307 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi307 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi307 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi307 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e312 = 0u; e312 < 4u; e312 += 1u) {
-                scores_term[4u + e312] = 0.0f;
+            for (unsigned e313 = 0u; e313 < 4u; e313 += 1u) {
+                scores_term[4u + e313] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk309 = (kk_pair * 2u) + chain;
+                    const unsigned kk310 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj311 = 0u; nj311 < 1u; nj311 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj311 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk309) * 4u));
+                    for (unsigned nj312 = 0u; nj312 < 1u; nj312 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj312 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk310) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair313 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag308[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag308[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair313), e4m3x2_hi(e4m3_pair313));
+                        const unsigned e4m3_pair314 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag309[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag309[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair314), e4m3x2_hi(e4m3_pair314));
                         #pragma unroll
-                        for (unsigned mi310 = 0u; mi310 < 1u; mi310 += 1u) {
-                            a_frag307[0u] = q_tile_a0_bf16[((mi310 * 4u) + kk309) * 4u];
-                            a_frag307[1u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 1u];
-                            a_frag307[2u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 2u];
-                            a_frag307[3u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi310 + nj311) * 4u)], &a_frag307[0u], &b_frag308[0u]);
+                        for (unsigned mi311 = 0u; mi311 < 1u; mi311 += 1u) {
+                            a_frag308[0u] = q_tile_a0_bf16[((mi311 * 4u) + kk310) * 4u];
+                            a_frag308[1u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 1u];
+                            a_frag308[2u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 2u];
+                            a_frag308[3u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi311 + nj312) * 4u)], &a_frag308[0u], &b_frag309[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e314 = 0u; e314 < 4u; e314 += 1u) {
-                scores_term[e314] = scores_term[e314] + scores_term[4u + e314];
+            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
+                scores_term[e315] = scores_term[e315] + scores_term[4u + e315];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e315 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e315] = fmaf(scores_term[(frag * 4u) + e315], row_scale, scores_part[(frag * 4u) + e315]);
+            for (unsigned e316 = 0u; e316 < 4u; e316 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e316 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e316] = fmaf(scores_term[(frag * 4u) + e316], row_scale, scores_part[(frag * 4u) + e316]);
             }
         }
         #pragma unroll
-        for (unsigned e316 = 0u; e316 < 4u; e316 += 1u) {
-            scores_term[e316] = 0.0f;
+        for (unsigned e317 = 0u; e317 < 4u; e317 += 1u) {
+            scores_term[e317] = 0.0f;
         }
-        const unsigned n_first317 = (warp / 2u) * 8u;
+        const unsigned n_first318 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk320 = 0u; kk320 < 2u; kk320 += 1u) {
+            for (unsigned kk321 = 0u; kk321 < 2u; kk321 += 1u) {
                 #pragma unroll
-                for (unsigned nj322 = 0u; nj322 < 1u; nj322 += 1u) {
-                    ldmatrix_x2(&b_frag319[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk320) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj323 = 0u; nj323 < 1u; nj323 += 1u) {
+                    ldmatrix_x2(&b_frag320[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj323 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk321) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi321 = 0u; mi321 < 1u; mi321 += 1u) {
-                        a_frag318[0u] = q_tile_a1[((mi321 * 2u) + kk320) * 4u];
-                        a_frag318[1u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 1u];
-                        a_frag318[2u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 2u];
-                        a_frag318[3u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi321 + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
-                        a_frag318[0u] = q_tile_a1_lo[((mi321 * 2u) + kk320) * 4u];
-                        a_frag318[1u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 1u];
-                        a_frag318[2u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 2u];
-                        a_frag318[3u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi321 + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
+                    for (unsigned mi322 = 0u; mi322 < 1u; mi322 += 1u) {
+                        a_frag319[0u] = q_tile_a1[((mi322 * 2u) + kk321) * 4u];
+                        a_frag319[1u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 1u];
+                        a_frag319[2u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 2u];
+                        a_frag319[3u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi322 + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
+                        a_frag319[0u] = q_tile_a1_lo[((mi322 * 2u) + kk321) * 4u];
+                        a_frag319[1u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 1u];
+                        a_frag319[2u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 2u];
+                        a_frag319[3u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi322 + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first323 = (warp % 2u) * 4u;
+            const unsigned k_first324 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e332 = 0u; e332 < 4u; e332 += 1u) {
-                scores_term[4u + e332] = 0.0f;
+            for (unsigned e333 = 0u; e333 < 4u; e333 += 1u) {
+                scores_term[4u + e333] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair330 = 0u; kk_pair330 < 2u; kk_pair330 += 1u) {
+            for (unsigned kk_pair331 = 0u; kk_pair331 < 2u; kk_pair331 += 1u) {
                 #pragma unroll
-                for (unsigned chain331 = 0u; chain331 < 2u; chain331 += 1u) {
-                    const unsigned kk327 = (kk_pair330 * 2u) + chain331;
+                for (unsigned chain332 = 0u; chain332 < 2u; chain332 += 1u) {
+                    const unsigned kk328 = (kk_pair331 * 2u) + chain332;
                     #pragma unroll
-                    for (unsigned nj329 = 0u; nj329 < 1u; nj329 += 1u) {
-                        ldmatrix_x1(&b_raw326[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first323 + kk327) * 4u));
-                        const unsigned e4m3_pair333 = e4m3x2_prep(b_raw326[0u] & 65535u);
-                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw326[0u] >> 16u);
-                        b_frag325[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair333), e4m3x2_hi(e4m3_pair333));
-                        b_frag325[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
+                    for (unsigned nj330 = 0u; nj330 < 1u; nj330 += 1u) {
+                        ldmatrix_x1(&b_raw327[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first324 + kk328) * 4u));
+                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw327[0u] & 65535u);
+                        const unsigned e4m3_pair335 = e4m3x2_prep(b_raw327[0u] >> 16u);
+                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
+                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair335), e4m3x2_hi(e4m3_pair335));
                         #pragma unroll
-                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
-                            a_frag324[0u] = q_tile_a1_bf16[((mi328 * 4u) + kk327) * 4u];
-                            a_frag324[1u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
-                            a_frag324[2u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
-                            a_frag324[3u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain331 * 4u) + ((mi328 + nj329) * 4u)], &a_frag324[0u], &b_frag325[0u]);
+                        for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
+                            a_frag325[0u] = q_tile_a1_bf16[((mi329 * 4u) + kk328) * 4u];
+                            a_frag325[1u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 1u];
+                            a_frag325[2u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 2u];
+                            a_frag325[3u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain332 * 4u) + ((mi329 + nj330) * 4u)], &a_frag325[0u], &b_frag326[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e335 = 0u; e335 < 4u; e335 += 1u) {
-                scores_term[e335] = scores_term[e335] + scores_term[4u + e335];
+            for (unsigned e336 = 0u; e336 < 4u; e336 += 1u) {
+                scores_term[e336] = scores_term[e336] + scores_term[4u + e336];
             }
         }
         #pragma unroll
-        for (unsigned frag336 = 0u; frag336 < 1u; frag336 += 1u) {
+        for (unsigned frag337 = 0u; frag337 < 1u; frag337 += 1u) {
             #pragma unroll
-            for (unsigned e337 = 0u; e337 < 4u; e337 += 1u) {
-                const float row_scale338 = kv_scales[((stage * 5248u) + (((n_first317 + ((frag336 % 1u) * 8u)) + ((lane_quad * 2u) + (e337 & 1u))) * 164u)) + 1u];
-                scores_part[(frag336 * 4u) + e337] = fmaf(scores_term[(frag336 * 4u) + e337], row_scale338, scores_part[(frag336 * 4u) + e337]);
+            for (unsigned e338 = 0u; e338 < 4u; e338 += 1u) {
+                const float row_scale339 = kv_scales[((stage * 5248u) + (((n_first318 + ((frag337 % 1u) * 8u)) + ((lane_quad * 2u) + (e338 & 1u))) * 164u)) + 1u];
+                scores_part[(frag337 * 4u) + e338] = fmaf(scores_term[(frag337 * 4u) + e338], row_scale339, scores_part[(frag337 * 4u) + e338]);
             }
         }
         #pragma unroll
-        for (unsigned e339 = 0u; e339 < 4u; e339 += 1u) {
-            scores_term[e339] = 0.0f;
+        for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
+            scores_term[e340] = 0.0f;
         }
-        const unsigned n_first340 = (warp / 2u) * 8u;
+        const unsigned n_first341 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk343 = 0u; kk343 < 2u; kk343 += 1u) {
+            for (unsigned kk344 = 0u; kk344 < 2u; kk344 += 1u) {
                 #pragma unroll
-                for (unsigned nj345 = 0u; nj345 < 1u; nj345 += 1u) {
-                    ldmatrix_x2(&b_frag342[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj345 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk343) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj346 = 0u; nj346 < 1u; nj346 += 1u) {
+                    ldmatrix_x2(&b_frag343[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj346 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk344) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
-                        a_frag341[0u] = q_tile_a2[((mi344 * 2u) + kk343) * 4u];
-                        a_frag341[1u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 1u];
-                        a_frag341[2u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 2u];
-                        a_frag341[3u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi344 + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
-                        a_frag341[0u] = q_tile_a2_lo[((mi344 * 2u) + kk343) * 4u];
-                        a_frag341[1u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 1u];
-                        a_frag341[2u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 2u];
-                        a_frag341[3u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi344 + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
+                    for (unsigned mi345 = 0u; mi345 < 1u; mi345 += 1u) {
+                        a_frag342[0u] = q_tile_a2[((mi345 * 2u) + kk344) * 4u];
+                        a_frag342[1u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 1u];
+                        a_frag342[2u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 2u];
+                        a_frag342[3u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi345 + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
+                        a_frag342[0u] = q_tile_a2_lo[((mi345 * 2u) + kk344) * 4u];
+                        a_frag342[1u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 1u];
+                        a_frag342[2u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 2u];
+                        a_frag342[3u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi345 + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first346 = (warp % 2u) * 4u;
+            const unsigned k_first347 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
-                scores_term[4u + e355] = 0.0f;
+            for (unsigned e356 = 0u; e356 < 4u; e356 += 1u) {
+                scores_term[4u + e356] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair353 = 0u; kk_pair353 < 2u; kk_pair353 += 1u) {
+            for (unsigned kk_pair354 = 0u; kk_pair354 < 2u; kk_pair354 += 1u) {
                 #pragma unroll
-                for (unsigned chain354 = 0u; chain354 < 2u; chain354 += 1u) {
-                    const unsigned kk350 = (kk_pair353 * 2u) + chain354;
+                for (unsigned chain355 = 0u; chain355 < 2u; chain355 += 1u) {
+                    const unsigned kk351 = (kk_pair354 * 2u) + chain355;
                     #pragma unroll
-                    for (unsigned nj352 = 0u; nj352 < 1u; nj352 += 1u) {
-                        ldmatrix_x1(&b_raw349[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first346 + kk350) * 4u));
-                        const unsigned e4m3_pair356 = e4m3x2_prep(b_raw349[0u] & 65535u);
-                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw349[0u] >> 16u);
-                        b_frag348[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair356), e4m3x2_hi(e4m3_pair356));
-                        b_frag348[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
+                    for (unsigned nj353 = 0u; nj353 < 1u; nj353 += 1u) {
+                        ldmatrix_x1(&b_raw350[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first347 + kk351) * 4u));
+                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw350[0u] & 65535u);
+                        const unsigned e4m3_pair358 = e4m3x2_prep(b_raw350[0u] >> 16u);
+                        b_frag349[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
+                        b_frag349[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair358), e4m3x2_hi(e4m3_pair358));
                         #pragma unroll
-                        for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
-                            a_frag347[0u] = q_tile_a2_bf16[((mi351 * 4u) + kk350) * 4u];
-                            a_frag347[1u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 1u];
-                            a_frag347[2u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 2u];
-                            a_frag347[3u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain354 * 4u) + ((mi351 + nj352) * 4u)], &a_frag347[0u], &b_frag348[0u]);
+                        for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
+                            a_frag348[0u] = q_tile_a2_bf16[((mi352 * 4u) + kk351) * 4u];
+                            a_frag348[1u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 1u];
+                            a_frag348[2u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 2u];
+                            a_frag348[3u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain355 * 4u) + ((mi352 + nj353) * 4u)], &a_frag348[0u], &b_frag349[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e358 = 0u; e358 < 4u; e358 += 1u) {
-                scores_term[e358] = scores_term[e358] + scores_term[4u + e358];
+            for (unsigned e359 = 0u; e359 < 4u; e359 += 1u) {
+                scores_term[e359] = scores_term[e359] + scores_term[4u + e359];
             }
         }
         #pragma unroll
-        for (unsigned frag359 = 0u; frag359 < 1u; frag359 += 1u) {
+        for (unsigned frag360 = 0u; frag360 < 1u; frag360 += 1u) {
             #pragma unroll
-            for (unsigned e360 = 0u; e360 < 4u; e360 += 1u) {
-                const float row_scale361 = kv_scales[((stage * 5248u) + (((n_first340 + ((frag359 % 1u) * 8u)) + ((lane_quad * 2u) + (e360 & 1u))) * 164u)) + 2u];
-                scores_part[(frag359 * 4u) + e360] = fmaf(scores_term[(frag359 * 4u) + e360], row_scale361, scores_part[(frag359 * 4u) + e360]);
+            for (unsigned e361 = 0u; e361 < 4u; e361 += 1u) {
+                const float row_scale362 = kv_scales[((stage * 5248u) + (((n_first341 + ((frag360 % 1u) * 8u)) + ((lane_quad * 2u) + (e361 & 1u))) * 164u)) + 2u];
+                scores_part[(frag360 * 4u) + e361] = fmaf(scores_term[(frag360 * 4u) + e361], row_scale362, scores_part[(frag360 * 4u) + e361]);
             }
         }
         #pragma unroll
-        for (unsigned e362 = 0u; e362 < 4u; e362 += 1u) {
-            scores_term[e362] = 0.0f;
+        for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
+            scores_term[e363] = 0.0f;
         }
-        const unsigned n_first363 = (warp / 2u) * 8u;
+        const unsigned n_first364 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk366 = 0u; kk366 < 2u; kk366 += 1u) {
+            for (unsigned kk367 = 0u; kk367 < 2u; kk367 += 1u) {
                 #pragma unroll
-                for (unsigned nj368 = 0u; nj368 < 1u; nj368 += 1u) {
-                    ldmatrix_x2(&b_frag365[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj368 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk366) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj369 = 0u; nj369 < 1u; nj369 += 1u) {
+                    ldmatrix_x2(&b_frag366[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj369 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk367) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
-                        a_frag364[0u] = q_tile_a3[((mi367 * 2u) + kk366) * 4u];
-                        a_frag364[1u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 1u];
-                        a_frag364[2u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 2u];
-                        a_frag364[3u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi367 + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
-                        a_frag364[0u] = q_tile_a3_lo[((mi367 * 2u) + kk366) * 4u];
-                        a_frag364[1u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 1u];
-                        a_frag364[2u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 2u];
-                        a_frag364[3u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi367 + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
+                    for (unsigned mi368 = 0u; mi368 < 1u; mi368 += 1u) {
+                        a_frag365[0u] = q_tile_a3[((mi368 * 2u) + kk367) * 4u];
+                        a_frag365[1u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 1u];
+                        a_frag365[2u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 2u];
+                        a_frag365[3u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi368 + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
+                        a_frag365[0u] = q_tile_a3_lo[((mi368 * 2u) + kk367) * 4u];
+                        a_frag365[1u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 1u];
+                        a_frag365[2u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 2u];
+                        a_frag365[3u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi368 + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first369 = (warp % 2u) * 4u;
+            const unsigned k_first370 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
-                scores_term[4u + e378] = 0.0f;
+            for (unsigned e379 = 0u; e379 < 4u; e379 += 1u) {
+                scores_term[4u + e379] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair376 = 0u; kk_pair376 < 2u; kk_pair376 += 1u) {
+            for (unsigned kk_pair377 = 0u; kk_pair377 < 2u; kk_pair377 += 1u) {
                 #pragma unroll
-                for (unsigned chain377 = 0u; chain377 < 2u; chain377 += 1u) {
-                    const unsigned kk373 = (kk_pair376 * 2u) + chain377;
+                for (unsigned chain378 = 0u; chain378 < 2u; chain378 += 1u) {
+                    const unsigned kk374 = (kk_pair377 * 2u) + chain378;
                     #pragma unroll
-                    for (unsigned nj375 = 0u; nj375 < 1u; nj375 += 1u) {
-                        ldmatrix_x1(&b_raw372[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first369 + kk373) * 4u));
-                        const unsigned e4m3_pair379 = e4m3x2_prep(b_raw372[0u] & 65535u);
-                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw372[0u] >> 16u);
-                        b_frag371[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair379), e4m3x2_hi(e4m3_pair379));
-                        b_frag371[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
+                    for (unsigned nj376 = 0u; nj376 < 1u; nj376 += 1u) {
+                        ldmatrix_x1(&b_raw373[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first370 + kk374) * 4u));
+                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw373[0u] & 65535u);
+                        const unsigned e4m3_pair381 = e4m3x2_prep(b_raw373[0u] >> 16u);
+                        b_frag372[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
+                        b_frag372[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair381), e4m3x2_hi(e4m3_pair381));
                         #pragma unroll
-                        for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
-                            a_frag370[0u] = q_tile_a3_bf16[((mi374 * 4u) + kk373) * 4u];
-                            a_frag370[1u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 1u];
-                            a_frag370[2u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 2u];
-                            a_frag370[3u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain377 * 4u) + ((mi374 + nj375) * 4u)], &a_frag370[0u], &b_frag371[0u]);
+                        for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
+                            a_frag371[0u] = q_tile_a3_bf16[((mi375 * 4u) + kk374) * 4u];
+                            a_frag371[1u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 1u];
+                            a_frag371[2u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 2u];
+                            a_frag371[3u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain378 * 4u) + ((mi375 + nj376) * 4u)], &a_frag371[0u], &b_frag372[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e381 = 0u; e381 < 4u; e381 += 1u) {
-                scores_term[e381] = scores_term[e381] + scores_term[4u + e381];
+            for (unsigned e382 = 0u; e382 < 4u; e382 += 1u) {
+                scores_term[e382] = scores_term[e382] + scores_term[4u + e382];
             }
         }
         #pragma unroll
-        for (unsigned frag382 = 0u; frag382 < 1u; frag382 += 1u) {
+        for (unsigned frag383 = 0u; frag383 < 1u; frag383 += 1u) {
             #pragma unroll
-            for (unsigned e383 = 0u; e383 < 4u; e383 += 1u) {
-                const float row_scale384 = kv_scales[((stage * 5248u) + (((n_first363 + ((frag382 % 1u) * 8u)) + ((lane_quad * 2u) + (e383 & 1u))) * 164u)) + 3u];
-                scores_part[(frag382 * 4u) + e383] = fmaf(scores_term[(frag382 * 4u) + e383], row_scale384, scores_part[(frag382 * 4u) + e383]);
+            for (unsigned e384 = 0u; e384 < 4u; e384 += 1u) {
+                const float row_scale385 = kv_scales[((stage * 5248u) + (((n_first364 + ((frag383 % 1u) * 8u)) + ((lane_quad * 2u) + (e384 & 1u))) * 164u)) + 3u];
+                scores_part[(frag383 * 4u) + e384] = fmaf(scores_term[(frag383 * 4u) + e384], row_scale385, scores_part[(frag383 * 4u) + e384]);
             }
         }
-        const unsigned n_first385 = (warp / 2u) * 8u;
-        const unsigned k_first386 = (warp % 2u) * 2u;
-        #pragma unroll
-        for (unsigned e395 = 0u; e395 < 4u; e395 += 1u) {
-            scores_part[4u + e395] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair393 = 0u; kk_pair393 < 1u; kk_pair393 += 1u) {
-            #pragma unroll
-            for (unsigned chain394 = 0u; chain394 < 2u; chain394 += 1u) {
-                const unsigned kk390 = (kk_pair393 * 2u) + chain394;
-                #pragma unroll
-                for (unsigned nj392 = 0u; nj392 < 1u; nj392 += 1u) {
-                    ldmatrix_x2(&b_frag388[0u], kv_rope + (stage * 5248u) + (((n_first385 + (nj392 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first386 + kk390) * 8u) + (lane_k8 >> 1u));
-                    #pragma unroll
-                    for (unsigned mi391 = 0u; mi391 < 1u; mi391 += 1u) {
-                        a_frag387[0u] = q_tile_a4[((mi391 * 2u) + kk390) * 4u];
-                        a_frag387[1u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 1u];
-                        a_frag387[2u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 2u];
-                        a_frag387[3u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain394 * 4u) + ((mi391 + nj392) * 4u)], &a_frag387[0u], &b_frag388[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first386 = (warp / 2u) * 8u;
+        const unsigned k_first387 = (warp % 2u) * 2u;
         #pragma unroll
         for (unsigned e396 = 0u; e396 < 4u; e396 += 1u) {
-            scores_part[e396] = scores_part[e396] + scores_part[4u + e396];
+            scores_part[4u + e396] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair394 = 0u; kk_pair394 < 1u; kk_pair394 += 1u) {
+            #pragma unroll
+            for (unsigned chain395 = 0u; chain395 < 2u; chain395 += 1u) {
+                const unsigned kk391 = (kk_pair394 * 2u) + chain395;
+                #pragma unroll
+                for (unsigned nj393 = 0u; nj393 < 1u; nj393 += 1u) {
+                    ldmatrix_x2(&b_frag389[0u], kv_rope + (stage * 5248u) + (((n_first386 + (nj393 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first387 + kk391) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi392 = 0u; mi392 < 1u; mi392 += 1u) {
+                        a_frag388[0u] = q_tile_a4[((mi392 * 2u) + kk391) * 4u];
+                        a_frag388[1u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 1u];
+                        a_frag388[2u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 2u];
+                        a_frag388[3u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain395 * 4u) + ((mi392 + nj393) * 4u)], &a_frag388[0u], &b_frag389[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e397 = 0u; e397 < 4u; e397 += 1u) {
+            scores_part[e397] = scores_part[e397] + scores_part[4u + e397];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag397 = 0u; frag397 < 1u; frag397 += 1u) {
+        for (unsigned frag398 = 0u; frag398 < 1u; frag398 += 1u) {
             #pragma unroll
-            for (unsigned half398 = 0u; half398 < 2u; half398 += 1u) {
+            for (unsigned half399 = 0u; half399 < 2u; half399 += 1u) {
                 #pragma unroll
-                for (unsigned e399 = 0u; e399 < 2u; e399 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag397 / 1u) * 16u) + (half398 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag397 % 1u) * 8u)) + ((lane_quad * 2u) + e399))] = scores_part[((frag397 * 4u) + (half398 * 2u)) + e399] * q_tile_unscale[0u];
+                for (unsigned e400 = 0u; e400 < 2u; e400 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag398 / 1u) * 16u) + (half399 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag398 % 1u) * 8u)) + ((lane_quad * 2u) + e400))] = scores_part[((frag398 * 4u) + (half399 * 2u)) + e400] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1416,29 +1421,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage298 = ahead % 2u;
+                const unsigned load_stage299 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
-                    const unsigned gather_row300 = ((warp - 4u) + (lane * 4u)) + (slot299 * 128u);
-                    if (gather_row300 < 32u) {
+                for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                    const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                    if (gather_row301 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row300;
-                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage298 * 36u) + gather_row300] = (src_i32301 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32301 >= 0) {
-                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + (load_stage298 * 2u));
+                        const unsigned row_1 = gather_row301;
+                        const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage299 * 36u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32302 >= 0) {
+                            copy_async(kv_rows + (load_stage299 * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage299 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage298 * 2u));
-                if ((ahead + 1u) < step_count) {
+                copy_arrive(ring_barriers + (load_stage299 * 2u));
+                if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                        const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
-                        if (gather_row303 < 32u) {
-                            const unsigned row_1 = gather_row303;
-                            kv_rows_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                        const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                        if (gather_row304 < 32u) {
+                            const unsigned row_1 = gather_row304;
+                            kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1446,34 +1451,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag400 = 0u; frag400 < 1u; frag400 += 1u) {
+            for (unsigned frag401 = 0u; frag401 < 1u; frag401 += 1u) {
                 #pragma unroll
-                for (unsigned half401 = 0u; half401 < 2u; half401 += 1u) {
+                for (unsigned half402 = 0u; half402 < 2u; half402 += 1u) {
                     #pragma unroll
-                    for (unsigned e402 = 0u; e402 < 2u; e402 += 1u) {
-                        float sum = scores[((frag400 * 4u) + (half401 * 2u)) + e402];
-                        const unsigned cell = (((scores_row0 + (half401 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag400 * 8u)) + ((lane_quad * 2u) + e402));
+                    for (unsigned e403 = 0u; e403 < 2u; e403 += 1u) {
+                        float sum = scores[((frag401 * 4u) + (half402 * 2u)) + e403];
+                        const unsigned cell = (((scores_row0 + (half402 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag401 * 8u)) + ((lane_quad * 2u) + e403));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag400 * 4u) + (half401 * 2u)) + e402] = sum;
+                        scores[((frag401 * 4u) + (half402 * 2u)) + e403] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag403 = 0u; frag403 < 1u; frag403 += 1u) {
+            for (unsigned frag404 = 0u; frag404 < 1u; frag404 += 1u) {
                 #pragma unroll
-                for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag403 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag403 * 4u) + (half404 * 2u)];
-                    float v1 = scores[((frag403 * 4u) + (half404 * 2u)) + 1u];
+                for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag404 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag404 * 4u) + (half405 * 2u)];
+                    float v1 = scores[((frag404 * 4u) + (half405 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag403 * 4u) + (half404 * 2u)] = v0;
-                    scores[((frag403 * 4u) + (half404 * 2u)) + 1u] = v1;
+                    scores[(frag404 * 4u) + (half405 * 2u)] = v0;
+                    scores[((frag404 * 4u) + (half405 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1483,16 +1488,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi405 = 0u; mi405 < 1u; mi405 += 1u) {
+            for (unsigned mi406 = 0u; mi406 < 1u; mi406 += 1u) {
                 #pragma unroll
-                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi405 * 4u) + (half406 * 2u)], scores[(mi405 * 4u) + ((half406 * 2u) + 1u)]);
+                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi406 * 4u) + (half407 * 2u)], scores[(mi406 * 4u) + ((half407 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other407 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other407);
+                    const float other408 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other408);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi405 * 16u)) + ((half406 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1501,86 +1506,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi410 = 0u; mi410 < 1u; mi410 += 1u) {
+        for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
             #pragma unroll
-            for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
-                const float m_old408 = row_max_reg[(mi410 * 2u) + half411];
-                float m_new409 = m_old408;
-                m_new409 = fmaxf(m_new409, row_exchange[((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u]);
-                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi410 * 2u) + half411] = expf(m_old408 - m_new409);
-                row_max_reg[(mi410 * 2u) + half411] = m_new409;
+            for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
+                const float m_old409 = row_max_reg[(mi411 * 2u) + half412];
+                float m_new410 = m_old409;
+                m_new410 = fmaxf(m_new410, row_exchange[((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u]);
+                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi411 * 2u) + half412] = expf(m_old409 - m_new410);
+                row_max_reg[(mi411 * 2u) + half412] = m_new410;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi415 = 0u; mi415 < 1u; mi415 += 1u) {
+            for (unsigned mi416 = 0u; mi416 < 1u; mi416 += 1u) {
                 #pragma unroll
-                for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
+                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj412 = 0u; nj412 < 1u; nj412 += 1u) {
+                    for (unsigned nj413 = 0u; nj413 < 1u; nj413 += 1u) {
                         #pragma unroll
-                        for (unsigned e413 = 0u; e413 < 2u; e413 += 1u) {
-                            const unsigned at414 = ((mi415 + nj412) * 4u) + ((half416 * 2u) + e413);
-                            const float p = (scores[at414] < (-1e38f)) ? 0.0f : expf(scores[at414] - row_max_reg[(mi415 * 2u) + half416]);
-                            scores[at414] = p;
+                        for (unsigned e414 = 0u; e414 < 2u; e414 += 1u) {
+                            const unsigned at415 = ((mi416 + nj413) * 4u) + ((half417 * 2u) + e414);
+                            const float p = (scores[at415] < (-1e38f)) ? 0.0f : expf(scores[at415] - row_max_reg[(mi416 * 2u) + half417]);
+                            scores[at415] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi415 * 2u) + half416] = (row_sum_part[(mi415 * 2u) + half416] * row_alpha[(mi415 * 2u) + half416]) + p_sum;
+                    row_sum_part[(mi416 * 2u) + half417] = (row_sum_part[(mi416 * 2u) + half417] * row_alpha[(mi416 * 2u) + half417]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag417 = 0u; frag417 < 2u; frag417 += 1u) {
+        for (unsigned frag418 = 0u; frag418 < 2u; frag418 += 1u) {
             #pragma unroll
-            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
-                const float alpha419 = row_alpha[((frag417 / 2u) * 2u) + half418];
-                o_acc[(frag417 * 4u) + (half418 * 2u)] = o_acc[(frag417 * 4u) + (half418 * 2u)] * alpha419;
-                o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] = o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] * alpha419;
+            for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
+                const float alpha420 = row_alpha[((frag418 / 2u) * 2u) + half419];
+                o_acc[(frag418 * 4u) + (half419 * 2u)] = o_acc[(frag418 * 4u) + (half419 * 2u)] * alpha420;
+                o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] = o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] * alpha420;
             }
         }
         #pragma unroll
-        for (unsigned frag420 = 0u; frag420 < 2u; frag420 += 1u) {
+        for (unsigned frag421 = 0u; frag421 < 2u; frag421 += 1u) {
             #pragma unroll
-            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
-                const float alpha422 = row_alpha[((frag420 / 2u) * 2u) + half421];
-                o_acc_1[(frag420 * 4u) + (half421 * 2u)] = o_acc_1[(frag420 * 4u) + (half421 * 2u)] * alpha422;
-                o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] = o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] * alpha422;
+            for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
+                const float alpha423 = row_alpha[((frag421 / 2u) * 2u) + half422];
+                o_acc_1[(frag421 * 4u) + (half422 * 2u)] = o_acc_1[(frag421 * 4u) + (half422 * 2u)] * alpha423;
+                o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] = o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] * alpha423;
             }
         }
         #pragma unroll
-        for (unsigned frag423 = 0u; frag423 < 2u; frag423 += 1u) {
+        for (unsigned frag424 = 0u; frag424 < 2u; frag424 += 1u) {
             #pragma unroll
-            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                const float alpha425 = row_alpha[((frag423 / 2u) * 2u) + half424];
-                o_acc_2[(frag423 * 4u) + (half424 * 2u)] = o_acc_2[(frag423 * 4u) + (half424 * 2u)] * alpha425;
-                o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
+            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
+                const float alpha426 = row_alpha[((frag424 / 2u) * 2u) + half425];
+                o_acc_2[(frag424 * 4u) + (half425 * 2u)] = o_acc_2[(frag424 * 4u) + (half425 * 2u)] * alpha426;
+                o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
             }
         }
         #pragma unroll
-        for (unsigned frag426 = 0u; frag426 < 2u; frag426 += 1u) {
+        for (unsigned frag427 = 0u; frag427 < 2u; frag427 += 1u) {
             #pragma unroll
-            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float alpha428 = row_alpha[((frag426 / 2u) * 2u) + half427];
-                o_acc_3[(frag426 * 4u) + (half427 * 2u)] = o_acc_3[(frag426 * 4u) + (half427 * 2u)] * alpha428;
-                o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
+            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
+                const float alpha429 = row_alpha[((frag427 / 2u) * 2u) + half428];
+                o_acc_3[(frag427 * 4u) + (half428 * 2u)] = o_acc_3[(frag427 * 4u) + (half428 * 2u)] * alpha429;
+                o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag431 = 0u; frag431 < 1u; frag431 += 1u) {
+            for (unsigned frag432 = 0u; frag432 < 1u; frag432 += 1u) {
                 #pragma unroll
-                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                    const unsigned row429 = (scores_row0 + ((frag431 / 1u) * 16u)) + ((half432 * 8u) + lane_group);
-                    const unsigned col430 = (scores_col0 + ((frag431 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag431 * 4u) + (half432 * 2u);
-                    p_tile[(row429 * 20u) + (col430 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                    const unsigned row430 = (scores_row0 + ((frag432 / 1u) * 16u)) + ((half433 * 8u) + lane_group);
+                    const unsigned col431 = (scores_col0 + ((frag432 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag432 * 4u) + (half433 * 2u);
+                    p_tile[(row430 * 20u) + (col431 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1589,252 +1594,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk436 = 0u; kk436 < 2u; kk436 += 1u) {
+        for (unsigned kk437 = 0u; kk437 < 2u; kk437 += 1u) {
             #pragma unroll
-            for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                ldmatrix_x4(&a_frag433[mi437 * 4u], p_tile + a_lane_word + (mi437 * 320u) + (kk436 * 8u));
+            for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                ldmatrix_x4(&a_frag434[mi438 * 4u], p_tile + a_lane_word + (mi438 * 320u) + (kk437 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale445 = kv_scales[(stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale446 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag433[0u] = pack_bf16x2(__uint_as_float(a_frag433[0u] << 16u) * k_scale445, __uint_as_float(a_frag433[0u] & 4294901760u) * k_scale446);
-                a_frag433[1u] = pack_bf16x2(__uint_as_float(a_frag433[1u] << 16u) * k_scale445, __uint_as_float(a_frag433[1u] & 4294901760u) * k_scale446);
-                a_frag433[2u] = pack_bf16x2(__uint_as_float(a_frag433[2u] << 16u) * k_scale447, __uint_as_float(a_frag433[2u] & 4294901760u) * k_scale448);
-                a_frag433[3u] = pack_bf16x2(__uint_as_float(a_frag433[3u] << 16u) * k_scale447, __uint_as_float(a_frag433[3u] & 4294901760u) * k_scale448);
+                const float k_scale446 = kv_scales[(stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag434[0u] = pack_bf16x2(__uint_as_float(a_frag434[0u] << 16u) * k_scale446, __uint_as_float(a_frag434[0u] & 4294901760u) * k_scale447);
+                a_frag434[1u] = pack_bf16x2(__uint_as_float(a_frag434[1u] << 16u) * k_scale446, __uint_as_float(a_frag434[1u] & 4294901760u) * k_scale447);
+                a_frag434[2u] = pack_bf16x2(__uint_as_float(a_frag434[2u] << 16u) * k_scale448, __uint_as_float(a_frag434[2u] & 4294901760u) * k_scale449);
+                a_frag434[3u] = pack_bf16x2(__uint_as_float(a_frag434[3u] << 16u) * k_scale448, __uint_as_float(a_frag434[3u] & 4294901760u) * k_scale449);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair449 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair450 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
-                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449), e4m3x2_hi(e4m3_pair449));
-                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
-                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
-                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
+                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair450 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair453 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
+                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
+                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
+                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
+                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453), e4m3x2_hi(e4m3_pair453));
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 2u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 2u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale442 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale443 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale444 = kv_scales[(stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair438 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair439 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair440 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair441 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
-                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair438) * k_scale, e4m3x2_hi(e4m3_pair438) * k_scale442);
-                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale443, e4m3x2_hi(e4m3_pair440) * k_scale444);
-                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale442);
-                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale443, e4m3x2_hi(e4m3_pair441) * k_scale444);
+                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale443 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale444 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale445 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair439 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair440 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair441 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair442 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
+                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale443);
+                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale444, e4m3x2_hi(e4m3_pair441) * k_scale445);
+                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale, e4m3x2_hi(e4m3_pair440) * k_scale443);
+                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair442) * k_scale444, e4m3x2_hi(e4m3_pair442) * k_scale445);
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 2u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 2u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word459 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk456 = 0u; kk456 < 2u; kk456 += 1u) {
-            #pragma unroll
-            for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                ldmatrix_x4(&a_frag453[mi457 * 4u], p_tile + a_lane_word459 + (mi457 * 320u) + (kk456 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale468 = kv_scales[((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale469 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale470 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale471 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag453[0u] = pack_bf16x2(__uint_as_float(a_frag453[0u] << 16u) * k_scale468, __uint_as_float(a_frag453[0u] & 4294901760u) * k_scale469);
-                a_frag453[1u] = pack_bf16x2(__uint_as_float(a_frag453[1u] << 16u) * k_scale468, __uint_as_float(a_frag453[1u] & 4294901760u) * k_scale469);
-                a_frag453[2u] = pack_bf16x2(__uint_as_float(a_frag453[2u] << 16u) * k_scale470, __uint_as_float(a_frag453[2u] & 4294901760u) * k_scale471);
-                a_frag453[3u] = pack_bf16x2(__uint_as_float(a_frag453[3u] << 16u) * k_scale470, __uint_as_float(a_frag453[3u] & 4294901760u) * k_scale471);
-                #pragma unroll
-                for (unsigned np458 = 0u; np458 < 1u; np458 += 1u) {
-                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u));
-                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
-                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
-                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
-                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np458 = 0u; np458 < 1u; np458 += 1u) {
-                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u));
-                    const float k_scale464 = kv_scales[((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale465 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale466 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale467 = kv_scales[((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair462 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair463 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
-                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale464, e4m3x2_hi(e4m3_pair460) * k_scale465);
-                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale466, e4m3x2_hi(e4m3_pair462) * k_scale467);
-                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
-                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale466, e4m3x2_hi(e4m3_pair463) * k_scale467);
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 2u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word460 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
+        for (unsigned kk457 = 0u; kk457 < 2u; kk457 += 1u) {
             #pragma unroll
-            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u));
+            for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                ldmatrix_x4(&a_frag454[mi458 * 4u], p_tile + a_lane_word460 + (mi458 * 320u) + (kk457 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale491 = kv_scales[((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale492 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale493 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale494 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale491, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale492);
-                a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale491, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale492);
-                a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale493, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale494);
-                a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale493, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale494);
+                const float k_scale469 = kv_scales[((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale470 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale471 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale472 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale469, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale470);
+                a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale469, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale470);
+                a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale471, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale472);
+                a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale471, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale472);
                 #pragma unroll
-                for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
-                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u));
-                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
-                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
-                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
-                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                for (unsigned np459 = 0u; np459 < 1u; np459 += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u));
+                    const unsigned e4m3_pair473 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair476 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
-                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u));
-                    const float k_scale487 = kv_scales[((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair483 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair484 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483) * k_scale487, e4m3x2_hi(e4m3_pair483) * k_scale488);
-                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
-                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale487, e4m3x2_hi(e4m3_pair484) * k_scale488);
-                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
+                for (unsigned np459 = 0u; np459 < 1u; np459 += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u));
+                    const float k_scale465 = kv_scales[((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale466 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale467 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale468 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale465, e4m3x2_hi(e4m3_pair461) * k_scale466);
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale467, e4m3x2_hi(e4m3_pair463) * k_scale468);
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale465, e4m3x2_hi(e4m3_pair462) * k_scale466);
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464) * k_scale467, e4m3x2_hi(e4m3_pair464) * k_scale468);
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word505 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word483 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk502 = 0u; kk502 < 2u; kk502 += 1u) {
+        for (unsigned kk480 = 0u; kk480 < 2u; kk480 += 1u) {
             #pragma unroll
-            for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                ldmatrix_x4(&a_frag499[mi503 * 4u], p_tile + a_lane_word505 + (mi503 * 320u) + (kk502 * 8u));
+            for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                ldmatrix_x4(&a_frag477[mi481 * 4u], p_tile + a_lane_word483 + (mi481 * 320u) + (kk480 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale514 = kv_scales[((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag499[0u] = pack_bf16x2(__uint_as_float(a_frag499[0u] << 16u) * k_scale514, __uint_as_float(a_frag499[0u] & 4294901760u) * k_scale515);
-                a_frag499[1u] = pack_bf16x2(__uint_as_float(a_frag499[1u] << 16u) * k_scale514, __uint_as_float(a_frag499[1u] & 4294901760u) * k_scale515);
-                a_frag499[2u] = pack_bf16x2(__uint_as_float(a_frag499[2u] << 16u) * k_scale516, __uint_as_float(a_frag499[2u] & 4294901760u) * k_scale517);
-                a_frag499[3u] = pack_bf16x2(__uint_as_float(a_frag499[3u] << 16u) * k_scale516, __uint_as_float(a_frag499[3u] & 4294901760u) * k_scale517);
+                const float k_scale492 = kv_scales[((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale493 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale494 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale495 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag477[0u] = pack_bf16x2(__uint_as_float(a_frag477[0u] << 16u) * k_scale492, __uint_as_float(a_frag477[0u] & 4294901760u) * k_scale493);
+                a_frag477[1u] = pack_bf16x2(__uint_as_float(a_frag477[1u] << 16u) * k_scale492, __uint_as_float(a_frag477[1u] & 4294901760u) * k_scale493);
+                a_frag477[2u] = pack_bf16x2(__uint_as_float(a_frag477[2u] << 16u) * k_scale494, __uint_as_float(a_frag477[2u] & 4294901760u) * k_scale495);
+                a_frag477[3u] = pack_bf16x2(__uint_as_float(a_frag477[3u] << 16u) * k_scale494, __uint_as_float(a_frag477[3u] & 4294901760u) * k_scale495);
                 #pragma unroll
-                for (unsigned np504 = 0u; np504 < 1u; np504 += 1u) {
-                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u));
-                    const unsigned e4m3_pair518 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair519 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
-                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
-                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
-                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
-                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                for (unsigned np482 = 0u; np482 < 1u; np482 += 1u) {
+                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u));
+                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
+                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
+                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np504 = 0u; np504 < 1u; np504 += 1u) {
-                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u));
-                    const float k_scale510 = kv_scales[((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair508 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair509 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
-                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
-                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale512, e4m3x2_hi(e4m3_pair508) * k_scale513);
-                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
-                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale512, e4m3x2_hi(e4m3_pair509) * k_scale513);
+                for (unsigned np482 = 0u; np482 < 1u; np482 += 1u) {
+                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u));
+                    const float k_scale488 = kv_scales[((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale491 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair484 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
+                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale488, e4m3x2_hi(e4m3_pair484) * k_scale489);
+                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale490, e4m3x2_hi(e4m3_pair486) * k_scale491);
+                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale488, e4m3x2_hi(e4m3_pair485) * k_scale489);
+                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale490, e4m3x2_hi(e4m3_pair487) * k_scale491);
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 2u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word506 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk503 = 0u; kk503 < 2u; kk503 += 1u) {
+            #pragma unroll
+            for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                ldmatrix_x4(&a_frag500[mi504 * 4u], p_tile + a_lane_word506 + (mi504 * 320u) + (kk503 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale515 = kv_scales[((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag500[0u] = pack_bf16x2(__uint_as_float(a_frag500[0u] << 16u) * k_scale515, __uint_as_float(a_frag500[0u] & 4294901760u) * k_scale516);
+                a_frag500[1u] = pack_bf16x2(__uint_as_float(a_frag500[1u] << 16u) * k_scale515, __uint_as_float(a_frag500[1u] & 4294901760u) * k_scale516);
+                a_frag500[2u] = pack_bf16x2(__uint_as_float(a_frag500[2u] << 16u) * k_scale517, __uint_as_float(a_frag500[2u] & 4294901760u) * k_scale518);
+                a_frag500[3u] = pack_bf16x2(__uint_as_float(a_frag500[3u] << 16u) * k_scale517, __uint_as_float(a_frag500[3u] & 4294901760u) * k_scale518);
+                #pragma unroll
+                for (unsigned np505 = 0u; np505 < 1u; np505 += 1u) {
+                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u));
+                    const unsigned e4m3_pair519 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair522 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
+                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
+                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np505 = 0u; np505 < 1u; np505 += 1u) {
+                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u));
+                    const float k_scale511 = kv_scales[((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair507 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair508 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair509 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair510 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
+                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale511, e4m3x2_hi(e4m3_pair507) * k_scale512);
+                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale513, e4m3x2_hi(e4m3_pair509) * k_scale514);
+                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale511, e4m3x2_hi(e4m3_pair508) * k_scale512);
+                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair510) * k_scale513, e4m3x2_hi(e4m3_pair510) * k_scale514);
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
                     }
                 }
             }
@@ -1849,16 +1854,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi523 = 0u; mi523 < 1u; mi523 += 1u) {
+        for (unsigned mi524 = 0u; mi524 < 1u; mi524 += 1u) {
             #pragma unroll
-            for (unsigned half524 = 0u; half524 < 2u; half524 += 1u) {
-                float row_sum522 = row_sum_part[(mi523 * 2u) + half524];
-                const float other525 = shfl_xor_f32(row_sum522, 1);
-                row_sum522 = row_sum522 + other525;
-                const float other526 = shfl_xor_f32(row_sum522, 2);
-                row_sum522 = row_sum522 + other526;
+            for (unsigned half525 = 0u; half525 < 2u; half525 += 1u) {
+                float row_sum523 = row_sum_part[(mi524 * 2u) + half525];
+                const float other526 = shfl_xor_f32(row_sum523, 1);
+                row_sum523 = row_sum523 + other526;
+                const float other527 = shfl_xor_f32(row_sum523, 2);
+                row_sum523 = row_sum523 + other527;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi523 * 16u)) + ((half524 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum522;
+                    row_exchange[(((scores_row0 + (mi524 * 16u)) + ((half525 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum523;
                 }
             }
         }
@@ -1866,16 +1871,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi528 = 0u; mi528 < 1u; mi528 += 1u) {
+        for (unsigned mi529 = 0u; mi529 < 1u; mi529 += 1u) {
             #pragma unroll
-            for (unsigned half529 = 0u; half529 < 2u; half529 += 1u) {
+            for (unsigned half530 = 0u; half530 < 2u; half530 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum527 = row_exchange[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u];
-                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum527 = row_sum527 + row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)] = row_sum527;
-                    row_max[(scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)] = row_max_reg[(mi528 * 2u) + half529];
+                    float row_sum528 = row_exchange[((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u];
+                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)] = row_sum528;
+                    row_max[(scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)] = row_max_reg[(mi529 * 2u) + half530];
                 }
             }
         }
@@ -1886,86 +1891,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag530 = 0u; frag530 < 1u; frag530 += 1u) {
+        for (unsigned frag531 = 0u; frag531 < 1u; frag531 += 1u) {
             #pragma unroll
-            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
+            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
                 #pragma unroll
-                for (unsigned e532 = 0u; e532 < 2u; e532 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag530 / 1u) * 16u)) + ((half531 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag530 % 1u) * 16u)) + ((lane_quad * 4u) + (e532 * 2u));
-                    float v0_6 = o_acc[((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) * 4u) + ((half531 * 2u) + e532)];
-                    float v1_6 = o_acc[(((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) + 1u) * 4u) + ((half531 * 2u) + e532)];
+                for (unsigned e533 = 0u; e533 < 2u; e533 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag531 / 1u) * 16u)) + ((half532 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag531 % 1u) * 16u)) + ((lane_quad * 4u) + (e533 * 2u));
+                    float v0_6 = o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)];
+                    float v1_6 = o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)];
                     const unsigned h = h0 + row_16;
                     if (h < p.heads) {
                         const float l = row_sum[row_16];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) * 4u) + ((half531 * 2u) + e532)] = v0_6;
-                    o_acc[(((((frag530 / 1u) * 2u) + ((frag530 % 1u) * 2u)) + 1u) * 4u) + ((half531 * 2u) + e532)] = v1_6;
+                    o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)] = v0_6;
+                    o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag533 = 0u; frag533 < 1u; frag533 += 1u) {
+        for (unsigned frag534 = 0u; frag534 < 1u; frag534 += 1u) {
             #pragma unroll
-            for (unsigned half534 = 0u; half534 < 2u; half534 += 1u) {
+            for (unsigned half535 = 0u; half535 < 2u; half535 += 1u) {
                 #pragma unroll
-                for (unsigned e535 = 0u; e535 < 2u; e535 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag533 / 1u) * 16u)) + ((half534 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag533 % 1u) * 16u)) + ((lane_quad * 4u) + (e535 * 2u));
-                    float v0_7 = o_acc_1[((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) * 4u) + ((half534 * 2u) + e535)];
-                    float v1_7 = o_acc_1[(((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) + 1u) * 4u) + ((half534 * 2u) + e535)];
+                for (unsigned e536 = 0u; e536 < 2u; e536 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag534 / 1u) * 16u)) + ((half535 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag534 % 1u) * 16u)) + ((lane_quad * 4u) + (e536 * 2u));
+                    float v0_7 = o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)];
+                    float v1_7 = o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)];
                     const unsigned h_1 = h0 + row_17;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_17];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) * 4u) + ((half534 * 2u) + e535)] = v0_7;
-                    o_acc_1[(((((frag533 / 1u) * 2u) + ((frag533 % 1u) * 2u)) + 1u) * 4u) + ((half534 * 2u) + e535)] = v1_7;
+                    o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)] = v0_7;
+                    o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag536 = 0u; frag536 < 1u; frag536 += 1u) {
+        for (unsigned frag537 = 0u; frag537 < 1u; frag537 += 1u) {
             #pragma unroll
-            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
+            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
                 #pragma unroll
-                for (unsigned e538 = 0u; e538 < 2u; e538 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag536 / 1u) * 16u)) + ((half537 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag536 % 1u) * 16u)) + ((lane_quad * 4u) + (e538 * 2u));
-                    float v0_8 = o_acc_2[((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) * 4u) + ((half537 * 2u) + e538)];
-                    float v1_8 = o_acc_2[(((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) + 1u) * 4u) + ((half537 * 2u) + e538)];
+                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag537 / 1u) * 16u)) + ((half538 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
+                    float v0_8 = o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
+                    float v1_8 = o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
                     const unsigned h_2 = h0 + row_18;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_18];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) * 4u) + ((half537 * 2u) + e538)] = v0_8;
-                    o_acc_2[(((((frag536 / 1u) * 2u) + ((frag536 % 1u) * 2u)) + 1u) * 4u) + ((half537 * 2u) + e538)] = v1_8;
+                    o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_8;
+                    o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag539 = 0u; frag539 < 1u; frag539 += 1u) {
+        for (unsigned frag540 = 0u; frag540 < 1u; frag540 += 1u) {
             #pragma unroll
-            for (unsigned half540 = 0u; half540 < 2u; half540 += 1u) {
+            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
                 #pragma unroll
-                for (unsigned e541 = 0u; e541 < 2u; e541 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag539 / 1u) * 16u)) + ((half540 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag539 % 1u) * 16u)) + ((lane_quad * 4u) + (e541 * 2u));
-                    float v0_9 = o_acc_3[((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) * 4u) + ((half540 * 2u) + e541)];
-                    float v1_9 = o_acc_3[(((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) + 1u) * 4u) + ((half540 * 2u) + e541)];
+                for (unsigned e542 = 0u; e542 < 2u; e542 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag540 / 1u) * 16u)) + ((half541 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
+                    float v0_9 = o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
+                    float v1_9 = o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
                     const unsigned h_3 = h0 + row_19;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_19];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) * 4u) + ((half540 * 2u) + e541)] = v0_9;
-                    o_acc_3[(((((frag539 / 1u) * 2u) + ((frag539 % 1u) * 2u)) + 1u) * 4u) + ((half540 * 2u) + e541)] = v1_9;
+                    o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_9;
+                    o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_9;
                 }
             }
         }
@@ -1981,15 +1986,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag542 = 0u; frag542 < 1u; frag542 += 1u) {
+        for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
             #pragma unroll
-            for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
+            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
                 #pragma unroll
-                for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag542 / 1u) * 16u)) + ((half543 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag542 % 1u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
-                    float v0_10 = o_acc[((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) * 4u) + ((half543 * 2u) + e544)];
-                    float v1_10 = o_acc[(((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)];
+                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag543 / 1u) * 16u)) + ((half544 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
+                    float v0_10 = o_acc[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
+                    float v1_10 = o_acc[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
                     const unsigned h_5 = h0 + row_20;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_20];
@@ -1998,21 +2003,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) * 4u) + ((half543 * 2u) + e544)] = v0_10;
-                    o_acc[(((((frag542 / 1u) * 2u) + ((frag542 % 1u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)] = v1_10;
+                    o_acc[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)] = v0_10;
+                    o_acc[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag545 = 0u; frag545 < 1u; frag545 += 1u) {
+        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
             #pragma unroll
-            for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
+            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
                 #pragma unroll
-                for (unsigned e547 = 0u; e547 < 2u; e547 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag545 / 1u) * 16u)) + ((half546 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag545 % 1u) * 16u)) + ((lane_quad * 4u) + (e547 * 2u));
-                    float v0_11 = o_acc_1[((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) * 4u) + ((half546 * 2u) + e547)];
-                    float v1_11 = o_acc_1[(((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)];
+                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
+                    float v0_11 = o_acc_1[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
+                    float v1_11 = o_acc_1[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
                     const unsigned h_6 = h0 + row_21;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_21];
@@ -2021,21 +2026,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) * 4u) + ((half546 * 2u) + e547)] = v0_11;
-                    o_acc_1[(((((frag545 / 1u) * 2u) + ((frag545 % 1u) * 2u)) + 1u) * 4u) + ((half546 * 2u) + e547)] = v1_11;
+                    o_acc_1[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_11;
+                    o_acc_1[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag548 = 0u; frag548 < 1u; frag548 += 1u) {
+        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
             #pragma unroll
-            for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
                 #pragma unroll
-                for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag548 / 1u) * 16u)) + ((half549 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag548 % 1u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
-                    float v0_12 = o_acc_2[((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) * 4u) + ((half549 * 2u) + e550)];
-                    float v1_12 = o_acc_2[(((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)];
+                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
+                    float v0_12 = o_acc_2[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
+                    float v1_12 = o_acc_2[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
                     const unsigned h_7 = h0 + row_22;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_22];
@@ -2044,21 +2049,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) * 4u) + ((half549 * 2u) + e550)] = v0_12;
-                    o_acc_2[(((((frag548 / 1u) * 2u) + ((frag548 % 1u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)] = v1_12;
+                    o_acc_2[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_12;
+                    o_acc_2[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag551 = 0u; frag551 < 1u; frag551 += 1u) {
+        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
             #pragma unroll
-            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
                 #pragma unroll
-                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag551 / 1u) * 16u)) + ((half552 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag551 % 1u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
-                    float v0_13 = o_acc_3[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
-                    float v1_13 = o_acc_3[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
+                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
+                    float v0_13 = o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
+                    float v1_13 = o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
                     const unsigned h_8 = h0 + row_23;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_23];
@@ -2067,8 +2072,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_13;
-                    o_acc_3[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_13;
+                    o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_13;
+                    o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_13;
                 }
             }
         }

@@ -377,43 +377,43 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a4[8];
     int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha298[4];
+    float row_alpha299[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag310[4];
-    unsigned b_frag311[4];
+    unsigned a_frag311[4];
+    unsigned b_frag312[4];
     unsigned b_raw[2];
-    unsigned a_frag321[4];
-    unsigned b_frag322[2];
-    unsigned a_frag327[4];
-    unsigned b_frag328[4];
-    unsigned b_raw329[2];
-    unsigned a_frag344[4];
-    unsigned b_frag345[2];
-    unsigned a_frag350[4];
-    unsigned b_frag351[4];
-    unsigned b_raw352[2];
-    unsigned a_frag367[4];
-    unsigned b_frag368[2];
-    unsigned a_frag373[4];
-    unsigned b_frag374[4];
-    unsigned b_raw375[2];
-    unsigned a_frag390[4];
-    unsigned b_frag391[4];
-    unsigned a_frag438[8];
-    unsigned b_frag439[4];
-    unsigned b_raw440[2];
-    unsigned a_frag462[8];
-    unsigned b_frag463[4];
-    unsigned b_raw464[2];
-    unsigned a_frag489[8];
-    unsigned b_frag490[4];
-    unsigned b_raw491[2];
-    unsigned a_frag516[8];
-    unsigned b_frag517[4];
-    unsigned b_raw518[2];
+    unsigned a_frag322[4];
+    unsigned b_frag323[2];
+    unsigned a_frag328[4];
+    unsigned b_frag329[4];
+    unsigned b_raw330[2];
+    unsigned a_frag345[4];
+    unsigned b_frag346[2];
+    unsigned a_frag351[4];
+    unsigned b_frag352[4];
+    unsigned b_raw353[2];
+    unsigned a_frag368[4];
+    unsigned b_frag369[2];
+    unsigned a_frag374[4];
+    unsigned b_frag375[4];
+    unsigned b_raw376[2];
+    unsigned a_frag391[4];
+    unsigned b_frag392[4];
+    unsigned a_frag439[8];
+    unsigned b_frag440[4];
+    unsigned b_raw441[2];
+    unsigned a_frag463[8];
+    unsigned b_frag464[4];
+    unsigned b_raw465[2];
+    unsigned a_frag490[8];
+    unsigned b_frag491[4];
+    unsigned b_raw492[2];
+    unsigned a_frag517[8];
+    unsigned b_frag518[4];
+    unsigned b_raw519[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -441,24 +441,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned o_acc_3_row0 = (warp / 8u) * 32u;
     const unsigned o_acc_3_col0 = o_acc_3_wn * 16u;
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
-        kv_rows[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i575 = threadIdx.x; zero_i575 < 72u; zero_i575 += 256u) {
-        row_valid[zero_i575] = 0.0f;
-    }
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
@@ -466,8 +448,24 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_bound = steps_bound;
+    if (warp >= 4u) {
+        if (0u < step_bound) {
+            const unsigned step = 0u;
+            #pragma unroll
+            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
+                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row < 32u) {
+                    const unsigned row_1 = gather_row;
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
 
     // load the q rows of this head block (rows past `heads` are zeros)
 
@@ -1023,43 +1021,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+
+    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
+    #pragma unroll 4
+    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
+        kv_rows[zero_i] = 0u;
+    }
+    #pragma unroll 4
+    for (unsigned zero_i294 = threadIdx.x; zero_i294 < 72u; zero_i294 += 256u) {
+        row_valid[zero_i294] = 0.0f;
+    }
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
     if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned step = 0u;
-            #pragma unroll
-            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
-                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
+            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
+                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot295 * 128u);
+                if (gather_row296 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row295;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot294] >= 0)) && (((unsigned)kv_rows_pre[slot294]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot294]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot294]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row295] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row296;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot295] >= 0)) && (((unsigned)kv_rows_pre[slot295]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot295]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot295]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row296] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row295 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row296 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
                     }
                 }
             }
             copy_arrive(ring_barriers + (load_stage * 2u));
         }
-        if (1u < step_count) {
+        if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
-                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
-                if (gather_row297 < 32u) {
-                    const unsigned row_1 = gather_row297;
-                    kv_rows_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
+                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
+                if (gather_row298 < 32u) {
+                    const unsigned row_1 = gather_row298;
+                    kv_rows_pre[slot297] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1077,10 +1082,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi299 = 0u; mi299 < 1u; mi299 += 1u) {
+        for (unsigned mi300 = 0u; mi300 < 1u; mi300 += 1u) {
             #pragma unroll
-            for (unsigned half300 = 0u; half300 < 2u; half300 += 1u) {
-                row_sum_part[(mi299 * 2u) + half300] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi299 * 16u)) + ((half300 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half301 = 0u; half301 < 2u; half301 += 1u) {
+                row_sum_part[(mi300 * 2u) + half301] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi300 * 16u)) + ((half301 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1092,16 +1097,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i307 = 0u; fill_i307 < 8u; fill_i307 += 1u) {
-            scores[fill_i307] = 0.0f;
+        for (unsigned fill_i308 = 0u; fill_i308 < 8u; fill_i308 += 1u) {
+            scores[fill_i308] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e308 = 0u; e308 < 16u; e308 += 1u) {
-            scores_term[e308] = 0.0f;
+        for (unsigned e309 = 0u; e309 < 16u; e309 += 1u) {
+            scores_term[e309] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1111,280 +1116,280 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi309 = 0u; mi309 < 2u; mi309 += 1u) {
-                        a_frag[0u] = q_tile_a0[(mi309 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[((mi309 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[((mi309 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[((mi309 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi309 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[(mi309 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[((mi309 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi309 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi310 = 0u; mi310 < 2u; mi310 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi310 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi310 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi310 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi310 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi310 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi310 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi310 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e315 = 0u; e315 < 16u; e315 += 1u) {
-                scores_term[16u + e315] = 0.0f;
+            for (unsigned e316 = 0u; e316 < 16u; e316 += 1u) {
+                scores_term[16u + e316] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk312 = (kk_pair * 2u) + chain;
+                    const unsigned kk313 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj314 = 0u; nj314 < 2u; nj314 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj314 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk312) * 4u));
+                    for (unsigned nj315 = 0u; nj315 < 2u; nj315 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj315 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk313) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair316 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag311[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag311[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair316), e4m3x2_hi(e4m3_pair316));
+                        const unsigned e4m3_pair317 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag312[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag312[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair317), e4m3x2_hi(e4m3_pair317));
                         #pragma unroll
-                        for (unsigned mi313 = 0u; mi313 < 2u; mi313 += 1u) {
-                            a_frag310[0u] = q_tile_a0_bf16[((mi313 * 2u) + kk312) * 4u];
-                            a_frag310[1u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 1u];
-                            a_frag310[2u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 2u];
-                            a_frag310[3u] = q_tile_a0_bf16[(((mi313 * 2u) + kk312) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi313 * 2u) + nj314) * 4u)], &a_frag310[0u], &b_frag311[0u]);
+                        for (unsigned mi314 = 0u; mi314 < 2u; mi314 += 1u) {
+                            a_frag311[0u] = q_tile_a0_bf16[((mi314 * 2u) + kk313) * 4u];
+                            a_frag311[1u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 1u];
+                            a_frag311[2u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 2u];
+                            a_frag311[3u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi314 * 2u) + nj315) * 4u)], &a_frag311[0u], &b_frag312[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e317 = 0u; e317 < 16u; e317 += 1u) {
-                scores_term[e317] = scores_term[e317] + scores_term[16u + e317];
+            for (unsigned e318 = 0u; e318 < 16u; e318 += 1u) {
+                scores_term[e318] = scores_term[e318] + scores_term[16u + e318];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e318 = 0u; e318 < 4u; e318 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e318 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e318] = fmaf(scores_term[(frag * 4u) + e318], row_scale, scores_part[(frag * 4u) + e318]);
+            for (unsigned e319 = 0u; e319 < 4u; e319 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e319 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e319] = fmaf(scores_term[(frag * 4u) + e319], row_scale, scores_part[(frag * 4u) + e319]);
             }
         }
         #pragma unroll
-        for (unsigned e319 = 0u; e319 < 16u; e319 += 1u) {
-            scores_term[e319] = 0.0f;
+        for (unsigned e320 = 0u; e320 < 16u; e320 += 1u) {
+            scores_term[e320] = 0.0f;
         }
-        const unsigned n_first320 = (warp / 4u) * 16u;
+        const unsigned n_first321 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk323 = 0u; kk323 < 1u; kk323 += 1u) {
+            for (unsigned kk324 = 0u; kk324 < 1u; kk324 += 1u) {
                 #pragma unroll
-                for (unsigned nj325 = 0u; nj325 < 2u; nj325 += 1u) {
-                    ldmatrix_x2(&b_frag322[0u], kv_rows + (stage * 5248u) + (((n_first320 + (nj325 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk323) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj326 = 0u; nj326 < 2u; nj326 += 1u) {
+                    ldmatrix_x2(&b_frag323[0u], kv_rows + (stage * 5248u) + (((n_first321 + (nj326 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk324) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi324 = 0u; mi324 < 2u; mi324 += 1u) {
-                        a_frag321[0u] = q_tile_a1[(mi324 + kk323) * 4u];
-                        a_frag321[1u] = q_tile_a1[((mi324 + kk323) * 4u) + 1u];
-                        a_frag321[2u] = q_tile_a1[((mi324 + kk323) * 4u) + 2u];
-                        a_frag321[3u] = q_tile_a1[((mi324 + kk323) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj325) * 4u], &a_frag321[0u], &b_frag322[0u]);
-                        a_frag321[0u] = q_tile_a1_lo[(mi324 + kk323) * 4u];
-                        a_frag321[1u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 1u];
-                        a_frag321[2u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 2u];
-                        a_frag321[3u] = q_tile_a1_lo[((mi324 + kk323) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj325) * 4u], &a_frag321[0u], &b_frag322[0u]);
+                    for (unsigned mi325 = 0u; mi325 < 2u; mi325 += 1u) {
+                        a_frag322[0u] = q_tile_a1[(mi325 + kk324) * 4u];
+                        a_frag322[1u] = q_tile_a1[((mi325 + kk324) * 4u) + 1u];
+                        a_frag322[2u] = q_tile_a1[((mi325 + kk324) * 4u) + 2u];
+                        a_frag322[3u] = q_tile_a1[((mi325 + kk324) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj326) * 4u], &a_frag322[0u], &b_frag323[0u]);
+                        a_frag322[0u] = q_tile_a1_lo[(mi325 + kk324) * 4u];
+                        a_frag322[1u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 1u];
+                        a_frag322[2u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 2u];
+                        a_frag322[3u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj326) * 4u], &a_frag322[0u], &b_frag323[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first326 = (warp % 4u) * 2u;
+            const unsigned k_first327 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e335 = 0u; e335 < 16u; e335 += 1u) {
-                scores_term[16u + e335] = 0.0f;
+            for (unsigned e336 = 0u; e336 < 16u; e336 += 1u) {
+                scores_term[16u + e336] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair333 = 0u; kk_pair333 < 1u; kk_pair333 += 1u) {
+            for (unsigned kk_pair334 = 0u; kk_pair334 < 1u; kk_pair334 += 1u) {
                 #pragma unroll
-                for (unsigned chain334 = 0u; chain334 < 2u; chain334 += 1u) {
-                    const unsigned kk330 = (kk_pair333 * 2u) + chain334;
+                for (unsigned chain335 = 0u; chain335 < 2u; chain335 += 1u) {
+                    const unsigned kk331 = (kk_pair334 * 2u) + chain335;
                     #pragma unroll
-                    for (unsigned nj332 = 0u; nj332 < 2u; nj332 += 1u) {
-                        ldmatrix_x1(&b_raw329[0u], kv_rows + (stage * 5248u) + (((n_first320 + (nj332 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first326 + kk330) * 4u));
-                        const unsigned e4m3_pair336 = e4m3x2_prep(b_raw329[0u] & 65535u);
-                        const unsigned e4m3_pair337 = e4m3x2_prep(b_raw329[0u] >> 16u);
-                        b_frag328[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair336), e4m3x2_hi(e4m3_pair336));
-                        b_frag328[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair337), e4m3x2_hi(e4m3_pair337));
+                    for (unsigned nj333 = 0u; nj333 < 2u; nj333 += 1u) {
+                        ldmatrix_x1(&b_raw330[0u], kv_rows + (stage * 5248u) + (((n_first321 + (nj333 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first327 + kk331) * 4u));
+                        const unsigned e4m3_pair337 = e4m3x2_prep(b_raw330[0u] & 65535u);
+                        const unsigned e4m3_pair338 = e4m3x2_prep(b_raw330[0u] >> 16u);
+                        b_frag329[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair337), e4m3x2_hi(e4m3_pair337));
+                        b_frag329[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair338), e4m3x2_hi(e4m3_pair338));
                         #pragma unroll
-                        for (unsigned mi331 = 0u; mi331 < 2u; mi331 += 1u) {
-                            a_frag327[0u] = q_tile_a1_bf16[((mi331 * 2u) + kk330) * 4u];
-                            a_frag327[1u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 1u];
-                            a_frag327[2u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 2u];
-                            a_frag327[3u] = q_tile_a1_bf16[(((mi331 * 2u) + kk330) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain334 * 16u) + (((mi331 * 2u) + nj332) * 4u)], &a_frag327[0u], &b_frag328[0u]);
+                        for (unsigned mi332 = 0u; mi332 < 2u; mi332 += 1u) {
+                            a_frag328[0u] = q_tile_a1_bf16[((mi332 * 2u) + kk331) * 4u];
+                            a_frag328[1u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 1u];
+                            a_frag328[2u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 2u];
+                            a_frag328[3u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain335 * 16u) + (((mi332 * 2u) + nj333) * 4u)], &a_frag328[0u], &b_frag329[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e338 = 0u; e338 < 16u; e338 += 1u) {
-                scores_term[e338] = scores_term[e338] + scores_term[16u + e338];
+            for (unsigned e339 = 0u; e339 < 16u; e339 += 1u) {
+                scores_term[e339] = scores_term[e339] + scores_term[16u + e339];
             }
         }
         #pragma unroll
-        for (unsigned frag339 = 0u; frag339 < 4u; frag339 += 1u) {
+        for (unsigned frag340 = 0u; frag340 < 4u; frag340 += 1u) {
             #pragma unroll
-            for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
-                const float row_scale341 = kv_scales[((stage * 5248u) + (((n_first320 + ((frag339 % 2u) * 8u)) + ((lane_quad * 2u) + (e340 & 1u))) * 164u)) + 1u];
-                scores_part[(frag339 * 4u) + e340] = fmaf(scores_term[(frag339 * 4u) + e340], row_scale341, scores_part[(frag339 * 4u) + e340]);
+            for (unsigned e341 = 0u; e341 < 4u; e341 += 1u) {
+                const float row_scale342 = kv_scales[((stage * 5248u) + (((n_first321 + ((frag340 % 2u) * 8u)) + ((lane_quad * 2u) + (e341 & 1u))) * 164u)) + 1u];
+                scores_part[(frag340 * 4u) + e341] = fmaf(scores_term[(frag340 * 4u) + e341], row_scale342, scores_part[(frag340 * 4u) + e341]);
             }
         }
         #pragma unroll
-        for (unsigned e342 = 0u; e342 < 16u; e342 += 1u) {
-            scores_term[e342] = 0.0f;
+        for (unsigned e343 = 0u; e343 < 16u; e343 += 1u) {
+            scores_term[e343] = 0.0f;
         }
-        const unsigned n_first343 = (warp / 4u) * 16u;
+        const unsigned n_first344 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk346 = 0u; kk346 < 1u; kk346 += 1u) {
+            for (unsigned kk347 = 0u; kk347 < 1u; kk347 += 1u) {
                 #pragma unroll
-                for (unsigned nj348 = 0u; nj348 < 2u; nj348 += 1u) {
-                    ldmatrix_x2(&b_frag345[0u], kv_rows + (stage * 5248u) + (((n_first343 + (nj348 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk346) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj349 = 0u; nj349 < 2u; nj349 += 1u) {
+                    ldmatrix_x2(&b_frag346[0u], kv_rows + (stage * 5248u) + (((n_first344 + (nj349 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk347) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi347 = 0u; mi347 < 2u; mi347 += 1u) {
-                        a_frag344[0u] = q_tile_a2[(mi347 + kk346) * 4u];
-                        a_frag344[1u] = q_tile_a2[((mi347 + kk346) * 4u) + 1u];
-                        a_frag344[2u] = q_tile_a2[((mi347 + kk346) * 4u) + 2u];
-                        a_frag344[3u] = q_tile_a2[((mi347 + kk346) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi347 * 2u) + nj348) * 4u], &a_frag344[0u], &b_frag345[0u]);
-                        a_frag344[0u] = q_tile_a2_lo[(mi347 + kk346) * 4u];
-                        a_frag344[1u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 1u];
-                        a_frag344[2u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 2u];
-                        a_frag344[3u] = q_tile_a2_lo[((mi347 + kk346) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi347 * 2u) + nj348) * 4u], &a_frag344[0u], &b_frag345[0u]);
+                    for (unsigned mi348 = 0u; mi348 < 2u; mi348 += 1u) {
+                        a_frag345[0u] = q_tile_a2[(mi348 + kk347) * 4u];
+                        a_frag345[1u] = q_tile_a2[((mi348 + kk347) * 4u) + 1u];
+                        a_frag345[2u] = q_tile_a2[((mi348 + kk347) * 4u) + 2u];
+                        a_frag345[3u] = q_tile_a2[((mi348 + kk347) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi348 * 2u) + nj349) * 4u], &a_frag345[0u], &b_frag346[0u]);
+                        a_frag345[0u] = q_tile_a2_lo[(mi348 + kk347) * 4u];
+                        a_frag345[1u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 1u];
+                        a_frag345[2u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 2u];
+                        a_frag345[3u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi348 * 2u) + nj349) * 4u], &a_frag345[0u], &b_frag346[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first349 = (warp % 4u) * 2u;
+            const unsigned k_first350 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e358 = 0u; e358 < 16u; e358 += 1u) {
-                scores_term[16u + e358] = 0.0f;
+            for (unsigned e359 = 0u; e359 < 16u; e359 += 1u) {
+                scores_term[16u + e359] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair356 = 0u; kk_pair356 < 1u; kk_pair356 += 1u) {
+            for (unsigned kk_pair357 = 0u; kk_pair357 < 1u; kk_pair357 += 1u) {
                 #pragma unroll
-                for (unsigned chain357 = 0u; chain357 < 2u; chain357 += 1u) {
-                    const unsigned kk353 = (kk_pair356 * 2u) + chain357;
+                for (unsigned chain358 = 0u; chain358 < 2u; chain358 += 1u) {
+                    const unsigned kk354 = (kk_pair357 * 2u) + chain358;
                     #pragma unroll
-                    for (unsigned nj355 = 0u; nj355 < 2u; nj355 += 1u) {
-                        ldmatrix_x1(&b_raw352[0u], kv_rows + (stage * 5248u) + (((n_first343 + (nj355 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first349 + kk353) * 4u));
-                        const unsigned e4m3_pair359 = e4m3x2_prep(b_raw352[0u] & 65535u);
-                        const unsigned e4m3_pair360 = e4m3x2_prep(b_raw352[0u] >> 16u);
-                        b_frag351[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair359), e4m3x2_hi(e4m3_pair359));
-                        b_frag351[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair360), e4m3x2_hi(e4m3_pair360));
+                    for (unsigned nj356 = 0u; nj356 < 2u; nj356 += 1u) {
+                        ldmatrix_x1(&b_raw353[0u], kv_rows + (stage * 5248u) + (((n_first344 + (nj356 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first350 + kk354) * 4u));
+                        const unsigned e4m3_pair360 = e4m3x2_prep(b_raw353[0u] & 65535u);
+                        const unsigned e4m3_pair361 = e4m3x2_prep(b_raw353[0u] >> 16u);
+                        b_frag352[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair360), e4m3x2_hi(e4m3_pair360));
+                        b_frag352[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair361), e4m3x2_hi(e4m3_pair361));
                         #pragma unroll
-                        for (unsigned mi354 = 0u; mi354 < 2u; mi354 += 1u) {
-                            a_frag350[0u] = q_tile_a2_bf16[((mi354 * 2u) + kk353) * 4u];
-                            a_frag350[1u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 1u];
-                            a_frag350[2u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 2u];
-                            a_frag350[3u] = q_tile_a2_bf16[(((mi354 * 2u) + kk353) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain357 * 16u) + (((mi354 * 2u) + nj355) * 4u)], &a_frag350[0u], &b_frag351[0u]);
+                        for (unsigned mi355 = 0u; mi355 < 2u; mi355 += 1u) {
+                            a_frag351[0u] = q_tile_a2_bf16[((mi355 * 2u) + kk354) * 4u];
+                            a_frag351[1u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 1u];
+                            a_frag351[2u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 2u];
+                            a_frag351[3u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain358 * 16u) + (((mi355 * 2u) + nj356) * 4u)], &a_frag351[0u], &b_frag352[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e361 = 0u; e361 < 16u; e361 += 1u) {
-                scores_term[e361] = scores_term[e361] + scores_term[16u + e361];
+            for (unsigned e362 = 0u; e362 < 16u; e362 += 1u) {
+                scores_term[e362] = scores_term[e362] + scores_term[16u + e362];
             }
         }
         #pragma unroll
-        for (unsigned frag362 = 0u; frag362 < 4u; frag362 += 1u) {
+        for (unsigned frag363 = 0u; frag363 < 4u; frag363 += 1u) {
             #pragma unroll
-            for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
-                const float row_scale364 = kv_scales[((stage * 5248u) + (((n_first343 + ((frag362 % 2u) * 8u)) + ((lane_quad * 2u) + (e363 & 1u))) * 164u)) + 2u];
-                scores_part[(frag362 * 4u) + e363] = fmaf(scores_term[(frag362 * 4u) + e363], row_scale364, scores_part[(frag362 * 4u) + e363]);
+            for (unsigned e364 = 0u; e364 < 4u; e364 += 1u) {
+                const float row_scale365 = kv_scales[((stage * 5248u) + (((n_first344 + ((frag363 % 2u) * 8u)) + ((lane_quad * 2u) + (e364 & 1u))) * 164u)) + 2u];
+                scores_part[(frag363 * 4u) + e364] = fmaf(scores_term[(frag363 * 4u) + e364], row_scale365, scores_part[(frag363 * 4u) + e364]);
             }
         }
         #pragma unroll
-        for (unsigned e365 = 0u; e365 < 16u; e365 += 1u) {
-            scores_term[e365] = 0.0f;
+        for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
+            scores_term[e366] = 0.0f;
         }
-        const unsigned n_first366 = (warp / 4u) * 16u;
+        const unsigned n_first367 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk369 = 0u; kk369 < 1u; kk369 += 1u) {
+            for (unsigned kk370 = 0u; kk370 < 1u; kk370 += 1u) {
                 #pragma unroll
-                for (unsigned nj371 = 0u; nj371 < 2u; nj371 += 1u) {
-                    ldmatrix_x2(&b_frag368[0u], kv_rows + (stage * 5248u) + (((n_first366 + (nj371 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk369) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj372 = 0u; nj372 < 2u; nj372 += 1u) {
+                    ldmatrix_x2(&b_frag369[0u], kv_rows + (stage * 5248u) + (((n_first367 + (nj372 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk370) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi370 = 0u; mi370 < 2u; mi370 += 1u) {
-                        a_frag367[0u] = q_tile_a3[(mi370 + kk369) * 4u];
-                        a_frag367[1u] = q_tile_a3[((mi370 + kk369) * 4u) + 1u];
-                        a_frag367[2u] = q_tile_a3[((mi370 + kk369) * 4u) + 2u];
-                        a_frag367[3u] = q_tile_a3[((mi370 + kk369) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi370 * 2u) + nj371) * 4u], &a_frag367[0u], &b_frag368[0u]);
-                        a_frag367[0u] = q_tile_a3_lo[(mi370 + kk369) * 4u];
-                        a_frag367[1u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 1u];
-                        a_frag367[2u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 2u];
-                        a_frag367[3u] = q_tile_a3_lo[((mi370 + kk369) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi370 * 2u) + nj371) * 4u], &a_frag367[0u], &b_frag368[0u]);
+                    for (unsigned mi371 = 0u; mi371 < 2u; mi371 += 1u) {
+                        a_frag368[0u] = q_tile_a3[(mi371 + kk370) * 4u];
+                        a_frag368[1u] = q_tile_a3[((mi371 + kk370) * 4u) + 1u];
+                        a_frag368[2u] = q_tile_a3[((mi371 + kk370) * 4u) + 2u];
+                        a_frag368[3u] = q_tile_a3[((mi371 + kk370) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi371 * 2u) + nj372) * 4u], &a_frag368[0u], &b_frag369[0u]);
+                        a_frag368[0u] = q_tile_a3_lo[(mi371 + kk370) * 4u];
+                        a_frag368[1u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 1u];
+                        a_frag368[2u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 2u];
+                        a_frag368[3u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi371 * 2u) + nj372) * 4u], &a_frag368[0u], &b_frag369[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first372 = (warp % 4u) * 2u;
+            const unsigned k_first373 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e381 = 0u; e381 < 16u; e381 += 1u) {
-                scores_term[16u + e381] = 0.0f;
+            for (unsigned e382 = 0u; e382 < 16u; e382 += 1u) {
+                scores_term[16u + e382] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair379 = 0u; kk_pair379 < 1u; kk_pair379 += 1u) {
+            for (unsigned kk_pair380 = 0u; kk_pair380 < 1u; kk_pair380 += 1u) {
                 #pragma unroll
-                for (unsigned chain380 = 0u; chain380 < 2u; chain380 += 1u) {
-                    const unsigned kk376 = (kk_pair379 * 2u) + chain380;
+                for (unsigned chain381 = 0u; chain381 < 2u; chain381 += 1u) {
+                    const unsigned kk377 = (kk_pair380 * 2u) + chain381;
                     #pragma unroll
-                    for (unsigned nj378 = 0u; nj378 < 2u; nj378 += 1u) {
-                        ldmatrix_x1(&b_raw375[0u], kv_rows + (stage * 5248u) + (((n_first366 + (nj378 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first372 + kk376) * 4u));
-                        const unsigned e4m3_pair382 = e4m3x2_prep(b_raw375[0u] & 65535u);
-                        const unsigned e4m3_pair383 = e4m3x2_prep(b_raw375[0u] >> 16u);
-                        b_frag374[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair382), e4m3x2_hi(e4m3_pair382));
-                        b_frag374[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair383), e4m3x2_hi(e4m3_pair383));
+                    for (unsigned nj379 = 0u; nj379 < 2u; nj379 += 1u) {
+                        ldmatrix_x1(&b_raw376[0u], kv_rows + (stage * 5248u) + (((n_first367 + (nj379 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first373 + kk377) * 4u));
+                        const unsigned e4m3_pair383 = e4m3x2_prep(b_raw376[0u] & 65535u);
+                        const unsigned e4m3_pair384 = e4m3x2_prep(b_raw376[0u] >> 16u);
+                        b_frag375[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair383), e4m3x2_hi(e4m3_pair383));
+                        b_frag375[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair384), e4m3x2_hi(e4m3_pair384));
                         #pragma unroll
-                        for (unsigned mi377 = 0u; mi377 < 2u; mi377 += 1u) {
-                            a_frag373[0u] = q_tile_a3_bf16[((mi377 * 2u) + kk376) * 4u];
-                            a_frag373[1u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 1u];
-                            a_frag373[2u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 2u];
-                            a_frag373[3u] = q_tile_a3_bf16[(((mi377 * 2u) + kk376) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain380 * 16u) + (((mi377 * 2u) + nj378) * 4u)], &a_frag373[0u], &b_frag374[0u]);
+                        for (unsigned mi378 = 0u; mi378 < 2u; mi378 += 1u) {
+                            a_frag374[0u] = q_tile_a3_bf16[((mi378 * 2u) + kk377) * 4u];
+                            a_frag374[1u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 1u];
+                            a_frag374[2u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 2u];
+                            a_frag374[3u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain381 * 16u) + (((mi378 * 2u) + nj379) * 4u)], &a_frag374[0u], &b_frag375[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e384 = 0u; e384 < 16u; e384 += 1u) {
-                scores_term[e384] = scores_term[e384] + scores_term[16u + e384];
+            for (unsigned e385 = 0u; e385 < 16u; e385 += 1u) {
+                scores_term[e385] = scores_term[e385] + scores_term[16u + e385];
             }
         }
         #pragma unroll
-        for (unsigned frag385 = 0u; frag385 < 4u; frag385 += 1u) {
+        for (unsigned frag386 = 0u; frag386 < 4u; frag386 += 1u) {
             #pragma unroll
-            for (unsigned e386 = 0u; e386 < 4u; e386 += 1u) {
-                const float row_scale387 = kv_scales[((stage * 5248u) + (((n_first366 + ((frag385 % 2u) * 8u)) + ((lane_quad * 2u) + (e386 & 1u))) * 164u)) + 3u];
-                scores_part[(frag385 * 4u) + e386] = fmaf(scores_term[(frag385 * 4u) + e386], row_scale387, scores_part[(frag385 * 4u) + e386]);
+            for (unsigned e387 = 0u; e387 < 4u; e387 += 1u) {
+                const float row_scale388 = kv_scales[((stage * 5248u) + (((n_first367 + ((frag386 % 2u) * 8u)) + ((lane_quad * 2u) + (e387 & 1u))) * 164u)) + 3u];
+                scores_part[(frag386 * 4u) + e387] = fmaf(scores_term[(frag386 * 4u) + e387], row_scale388, scores_part[(frag386 * 4u) + e387]);
             }
         }
-        const unsigned n_first388 = (warp / 4u) * 16u;
-        const unsigned k_first389 = warp % 4u;
+        const unsigned n_first389 = (warp / 4u) * 16u;
+        const unsigned k_first390 = warp % 4u;
         #pragma unroll
-        for (unsigned kk393 = 0u; kk393 < 1u; kk393 += 1u) {
+        for (unsigned kk394 = 0u; kk394 < 1u; kk394 += 1u) {
             #pragma unroll
-            for (unsigned nj395 = 0u; nj395 < 2u; nj395 += 1u) {
-                ldmatrix_x2(&b_frag391[0u], kv_rope + (stage * 5248u) + (((n_first388 + (nj395 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first389 + kk393) * 8u) + (lane_k8 >> 1u));
+            for (unsigned nj396 = 0u; nj396 < 2u; nj396 += 1u) {
+                ldmatrix_x2(&b_frag392[0u], kv_rope + (stage * 5248u) + (((n_first389 + (nj396 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first390 + kk394) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi394 = 0u; mi394 < 2u; mi394 += 1u) {
-                    a_frag390[0u] = q_tile_a4[(mi394 + kk393) * 4u];
-                    a_frag390[1u] = q_tile_a4[((mi394 + kk393) * 4u) + 1u];
-                    a_frag390[2u] = q_tile_a4[((mi394 + kk393) * 4u) + 2u];
-                    a_frag390[3u] = q_tile_a4[((mi394 + kk393) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi394 * 2u) + nj395) * 4u], &a_frag390[0u], &b_frag391[0u]);
+                for (unsigned mi395 = 0u; mi395 < 2u; mi395 += 1u) {
+                    a_frag391[0u] = q_tile_a4[(mi395 + kk394) * 4u];
+                    a_frag391[1u] = q_tile_a4[((mi395 + kk394) * 4u) + 1u];
+                    a_frag391[2u] = q_tile_a4[((mi395 + kk394) * 4u) + 2u];
+                    a_frag391[3u] = q_tile_a4[((mi395 + kk394) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi395 * 2u) + nj396) * 4u], &a_frag391[0u], &b_frag392[0u]);
                 }
             }
         }
@@ -1393,12 +1398,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag398 = 0u; frag398 < 4u; frag398 += 1u) {
+        for (unsigned frag399 = 0u; frag399 < 4u; frag399 += 1u) {
             #pragma unroll
-            for (unsigned half399 = 0u; half399 < 2u; half399 += 1u) {
+            for (unsigned half400 = 0u; half400 < 2u; half400 += 1u) {
                 #pragma unroll
-                for (unsigned e400 = 0u; e400 < 2u; e400 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag398 / 2u) * 16u) + (half399 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag398 % 2u) * 8u)) + ((lane_quad * 2u) + e400))] = scores_part[((frag398 * 4u) + (half399 * 2u)) + e400] * q_tile_unscale[0u];
+                for (unsigned e401 = 0u; e401 < 2u; e401 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag399 / 2u) * 16u) + (half400 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag399 % 2u) * 8u)) + ((lane_quad * 2u) + e401))] = scores_part[((frag399 * 4u) + (half400 * 2u)) + e401] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1411,29 +1416,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage301 = ahead % 2u;
+                const unsigned load_stage302 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                    const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
-                    if (gather_row303 < 32u) {
+                for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                    const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                    if (gather_row304 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row303;
-                        const int src_i32304 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot302] >= 0)) && (((unsigned)kv_rows_pre[slot302]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot302]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot302]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage301 * 36u) + gather_row303] = (src_i32304 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32304 >= 0) {
-                            copy_async(kv_rows + (load_stage301 * 5248u) + (gather_row303 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32304), 656u, ring_barriers + (load_stage301 * 2u));
+                        const unsigned row_1 = gather_row304;
+                        const int src_i32305 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot303] >= 0)) && (((unsigned)kv_rows_pre[slot303]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot303]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot303]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage302 * 36u) + gather_row304] = (src_i32305 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32305 >= 0) {
+                            copy_async(kv_rows + (load_stage302 * 5248u) + (gather_row304 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32305), 656u, ring_barriers + (load_stage302 * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage301 * 2u));
-                if ((ahead + 1u) < step_count) {
+                copy_arrive(ring_barriers + (load_stage302 * 2u));
+                if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot305 = 0u; slot305 < 1u; slot305 += 1u) {
-                        const unsigned gather_row306 = ((warp - 4u) + (lane * 4u)) + (slot305 * 128u);
-                        if (gather_row306 < 32u) {
-                            const unsigned row_1 = gather_row306;
-                            kv_rows_pre[slot305] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
+                        const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
+                        if (gather_row307 < 32u) {
+                            const unsigned row_1 = gather_row307;
+                            kv_rows_pre[slot306] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1441,34 +1446,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag401 = 0u; frag401 < 2u; frag401 += 1u) {
+            for (unsigned frag402 = 0u; frag402 < 2u; frag402 += 1u) {
                 #pragma unroll
-                for (unsigned half402 = 0u; half402 < 2u; half402 += 1u) {
+                for (unsigned half403 = 0u; half403 < 2u; half403 += 1u) {
                     #pragma unroll
-                    for (unsigned e403 = 0u; e403 < 2u; e403 += 1u) {
-                        float sum = scores[((frag401 * 4u) + (half402 * 2u)) + e403];
-                        const unsigned cell = (((scores_row0 + (half402 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag401 * 8u)) + ((lane_quad * 2u) + e403));
+                    for (unsigned e404 = 0u; e404 < 2u; e404 += 1u) {
+                        float sum = scores[((frag402 * 4u) + (half403 * 2u)) + e404];
+                        const unsigned cell = (((scores_row0 + (half403 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag402 * 8u)) + ((lane_quad * 2u) + e404));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag401 * 4u) + (half402 * 2u)) + e403] = sum;
+                        scores[((frag402 * 4u) + (half403 * 2u)) + e404] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag404 = 0u; frag404 < 2u; frag404 += 1u) {
+            for (unsigned frag405 = 0u; frag405 < 2u; frag405 += 1u) {
                 #pragma unroll
-                for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag404 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag404 * 4u) + (half405 * 2u)];
-                    float v1 = scores[((frag404 * 4u) + (half405 * 2u)) + 1u];
+                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag405 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag405 * 4u) + (half406 * 2u)];
+                    float v1 = scores[((frag405 * 4u) + (half406 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag404 * 4u) + (half405 * 2u)] = v0;
-                    scores[((frag404 * 4u) + (half405 * 2u)) + 1u] = v1;
+                    scores[(frag405 * 4u) + (half406 * 2u)] = v0;
+                    scores[((frag405 * 4u) + (half406 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1478,20 +1483,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi406 = 0u; mi406 < 1u; mi406 += 1u) {
+            for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
                 #pragma unroll
-                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi406 * 2u) * 4u) + (half407 * 2u)], scores[((mi406 * 2u) * 4u) + ((half407 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + (half407 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + ((half407 * 2u) + 1u)]);
+                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi407 * 2u) * 4u) + (half408 * 2u)], scores[((mi407 * 2u) * 4u) + ((half408 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + (half408 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + ((half408 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other408 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other408);
+                    const float other409 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other409);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi407 * 16u)) + ((half408 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi406 * 2u) + half407];
+                            row_exchange[(((scores_row0 + (mi407 * 16u)) + ((half408 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi407 * 2u) + half408];
                         }
                     }
                 }
@@ -1502,96 +1507,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
+            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
                 #pragma unroll
-                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
-                    const float m_old409 = row_max_reg[(mi411 * 2u) + half412];
-                    float m_new410 = m_old409;
-                    m_new410 = fmaxf(m_new410, row_exchange[((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u]);
-                    m_new410 = fmaxf(m_new410, row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi411 * 2u) + half412] = expf(m_old409 - m_new410);
-                    row_max_reg[(mi411 * 2u) + half412] = m_new410;
+                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
+                    const float m_old410 = row_max_reg[(mi412 * 2u) + half413];
+                    float m_new411 = m_old410;
+                    m_new411 = fmaxf(m_new411, row_exchange[((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 3u]);
+                    m_new411 = fmaxf(m_new411, row_exchange[(((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi412 * 2u) + half413] = expf(m_old410 - m_new411);
+                    row_max_reg[(mi412 * 2u) + half413] = m_new411;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi415 = 0u; mi415 < 2u; mi415 += 1u) {
+        for (unsigned mi416 = 0u; mi416 < 2u; mi416 += 1u) {
             #pragma unroll
-            for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
-                const float m_old413 = row_exchange[(((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new414 = m_old413;
-                m_new414 = fmaxf(m_new414, row_exchange[((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u]);
-                m_new414 = fmaxf(m_new414, row_exchange[(((mi415 * 16u) + ((half416 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha298[(mi415 * 2u) + half416] = expf(m_old413 - m_new414);
+            for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                const float m_old414 = row_exchange[(((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new415 = m_old414;
+                m_new415 = fmaxf(m_new415, row_exchange[((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u]);
+                m_new415 = fmaxf(m_new415, row_exchange[(((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha299[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi420 = 0u; mi420 < 1u; mi420 += 1u) {
+            for (unsigned mi421 = 0u; mi421 < 1u; mi421 += 1u) {
                 #pragma unroll
-                for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
+                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj417 = 0u; nj417 < 2u; nj417 += 1u) {
+                    for (unsigned nj418 = 0u; nj418 < 2u; nj418 += 1u) {
                         #pragma unroll
-                        for (unsigned e418 = 0u; e418 < 2u; e418 += 1u) {
-                            const unsigned at419 = (((mi420 * 2u) + nj417) * 4u) + ((half421 * 2u) + e418);
-                            const float p = (scores[at419] < (-1e38f)) ? 0.0f : expf(scores[at419] - row_max_reg[(mi420 * 2u) + half421]);
-                            scores[at419] = p;
+                        for (unsigned e419 = 0u; e419 < 2u; e419 += 1u) {
+                            const unsigned at420 = (((mi421 * 2u) + nj418) * 4u) + ((half422 * 2u) + e419);
+                            const float p = (scores[at420] < (-1e38f)) ? 0.0f : expf(scores[at420] - row_max_reg[(mi421 * 2u) + half422]);
+                            scores[at420] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi420 * 2u) + half421] = (row_sum_part[(mi420 * 2u) + half421] * row_alpha[(mi420 * 2u) + half421]) + p_sum;
+                    row_sum_part[(mi421 * 2u) + half422] = (row_sum_part[(mi421 * 2u) + half422] * row_alpha[(mi421 * 2u) + half422]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag422 = 0u; frag422 < 4u; frag422 += 1u) {
+        for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
             #pragma unroll
-            for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
-                const float alpha424 = row_alpha298[((frag422 / 2u) * 2u) + half423];
-                o_acc[(frag422 * 4u) + (half423 * 2u)] = o_acc[(frag422 * 4u) + (half423 * 2u)] * alpha424;
-                o_acc[((frag422 * 4u) + (half423 * 2u)) + 1u] = o_acc[((frag422 * 4u) + (half423 * 2u)) + 1u] * alpha424;
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float alpha425 = row_alpha299[((frag423 / 2u) * 2u) + half424];
+                o_acc[(frag423 * 4u) + (half424 * 2u)] = o_acc[(frag423 * 4u) + (half424 * 2u)] * alpha425;
+                o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
         }
         #pragma unroll
-        for (unsigned frag425 = 0u; frag425 < 4u; frag425 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
-                const float alpha427 = row_alpha298[((frag425 / 2u) * 2u) + half426];
-                o_acc_1[(frag425 * 4u) + (half426 * 2u)] = o_acc_1[(frag425 * 4u) + (half426 * 2u)] * alpha427;
-                o_acc_1[((frag425 * 4u) + (half426 * 2u)) + 1u] = o_acc_1[((frag425 * 4u) + (half426 * 2u)) + 1u] * alpha427;
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
+                const float alpha428 = row_alpha299[((frag426 / 2u) * 2u) + half427];
+                o_acc_1[(frag426 * 4u) + (half427 * 2u)] = o_acc_1[(frag426 * 4u) + (half427 * 2u)] * alpha428;
+                o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
         }
         #pragma unroll
-        for (unsigned frag428 = 0u; frag428 < 4u; frag428 += 1u) {
+        for (unsigned frag429 = 0u; frag429 < 4u; frag429 += 1u) {
             #pragma unroll
-            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
-                const float alpha430 = row_alpha298[((frag428 / 2u) * 2u) + half429];
-                o_acc_2[(frag428 * 4u) + (half429 * 2u)] = o_acc_2[(frag428 * 4u) + (half429 * 2u)] * alpha430;
-                o_acc_2[((frag428 * 4u) + (half429 * 2u)) + 1u] = o_acc_2[((frag428 * 4u) + (half429 * 2u)) + 1u] * alpha430;
+            for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
+                const float alpha431 = row_alpha299[((frag429 / 2u) * 2u) + half430];
+                o_acc_2[(frag429 * 4u) + (half430 * 2u)] = o_acc_2[(frag429 * 4u) + (half430 * 2u)] * alpha431;
+                o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] = o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] * alpha431;
             }
         }
         #pragma unroll
-        for (unsigned frag431 = 0u; frag431 < 4u; frag431 += 1u) {
+        for (unsigned frag432 = 0u; frag432 < 4u; frag432 += 1u) {
             #pragma unroll
-            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                const float alpha433 = row_alpha298[((frag431 / 2u) * 2u) + half432];
-                o_acc_3[(frag431 * 4u) + (half432 * 2u)] = o_acc_3[(frag431 * 4u) + (half432 * 2u)] * alpha433;
-                o_acc_3[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc_3[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
+            for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                const float alpha434 = row_alpha299[((frag432 / 2u) * 2u) + half433];
+                o_acc_3[(frag432 * 4u) + (half433 * 2u)] = o_acc_3[(frag432 * 4u) + (half433 * 2u)] * alpha434;
+                o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] = o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] * alpha434;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag436 = 0u; frag436 < 2u; frag436 += 1u) {
+            for (unsigned frag437 = 0u; frag437 < 2u; frag437 += 1u) {
                 #pragma unroll
-                for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
-                    const unsigned row434 = (scores_row0 + ((frag436 / 2u) * 16u)) + ((half437 * 8u) + lane_group);
-                    const unsigned col435 = (scores_col0 + ((frag436 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag436 * 4u) + (half437 * 2u);
-                    p_tile[(row434 * 20u) + (col435 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
+                    const unsigned row435 = (scores_row0 + ((frag437 / 2u) * 16u)) + ((half438 * 8u) + lane_group);
+                    const unsigned col436 = (scores_col0 + ((frag437 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag437 * 4u) + (half438 * 2u);
+                    p_tile[(row435 * 20u) + (col436 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1600,284 +1605,284 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk441 = 0u; kk441 < 2u; kk441 += 1u) {
+        for (unsigned kk442 = 0u; kk442 < 2u; kk442 += 1u) {
             #pragma unroll
-            for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
-                ldmatrix_x4(&a_frag438[mi442 * 4u], p_tile + a_lane_word + (mi442 * 320u) + (kk441 * 8u));
+            for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                ldmatrix_x4(&a_frag439[mi443 * 4u], p_tile + a_lane_word + (mi443 * 320u) + (kk442 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale450 = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag438[0u] = pack_bf16x2(__uint_as_float(a_frag438[0u] << 16u) * k_scale450, __uint_as_float(a_frag438[0u] & 4294901760u) * k_scale451);
-                a_frag438[1u] = pack_bf16x2(__uint_as_float(a_frag438[1u] << 16u) * k_scale450, __uint_as_float(a_frag438[1u] & 4294901760u) * k_scale451);
-                a_frag438[2u] = pack_bf16x2(__uint_as_float(a_frag438[2u] << 16u) * k_scale452, __uint_as_float(a_frag438[2u] & 4294901760u) * k_scale453);
-                a_frag438[3u] = pack_bf16x2(__uint_as_float(a_frag438[3u] << 16u) * k_scale452, __uint_as_float(a_frag438[3u] & 4294901760u) * k_scale453);
-                const float k_scale454 = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag438[4u] = pack_bf16x2(__uint_as_float(a_frag438[4u] << 16u) * k_scale454, __uint_as_float(a_frag438[4u] & 4294901760u) * k_scale455);
-                a_frag438[5u] = pack_bf16x2(__uint_as_float(a_frag438[5u] << 16u) * k_scale454, __uint_as_float(a_frag438[5u] & 4294901760u) * k_scale455);
-                a_frag438[6u] = pack_bf16x2(__uint_as_float(a_frag438[6u] << 16u) * k_scale456, __uint_as_float(a_frag438[6u] & 4294901760u) * k_scale457);
-                a_frag438[7u] = pack_bf16x2(__uint_as_float(a_frag438[7u] << 16u) * k_scale456, __uint_as_float(a_frag438[7u] & 4294901760u) * k_scale457);
+                const float k_scale451 = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag439[0u] = pack_bf16x2(__uint_as_float(a_frag439[0u] << 16u) * k_scale451, __uint_as_float(a_frag439[0u] & 4294901760u) * k_scale452);
+                a_frag439[1u] = pack_bf16x2(__uint_as_float(a_frag439[1u] << 16u) * k_scale451, __uint_as_float(a_frag439[1u] & 4294901760u) * k_scale452);
+                a_frag439[2u] = pack_bf16x2(__uint_as_float(a_frag439[2u] << 16u) * k_scale453, __uint_as_float(a_frag439[2u] & 4294901760u) * k_scale454);
+                a_frag439[3u] = pack_bf16x2(__uint_as_float(a_frag439[3u] << 16u) * k_scale453, __uint_as_float(a_frag439[3u] & 4294901760u) * k_scale454);
+                const float k_scale455 = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale458 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag439[4u] = pack_bf16x2(__uint_as_float(a_frag439[4u] << 16u) * k_scale455, __uint_as_float(a_frag439[4u] & 4294901760u) * k_scale456);
+                a_frag439[5u] = pack_bf16x2(__uint_as_float(a_frag439[5u] << 16u) * k_scale455, __uint_as_float(a_frag439[5u] & 4294901760u) * k_scale456);
+                a_frag439[6u] = pack_bf16x2(__uint_as_float(a_frag439[6u] << 16u) * k_scale457, __uint_as_float(a_frag439[6u] & 4294901760u) * k_scale458);
+                a_frag439[7u] = pack_bf16x2(__uint_as_float(a_frag439[7u] << 16u) * k_scale457, __uint_as_float(a_frag439[7u] & 4294901760u) * k_scale458);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw440[0u], kv_rows + (stage * 5248u) + (((kk441 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw440[0u] & 255u) | ((b_raw440[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw440[0u] >> 8u) & 255u) | ((b_raw440[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw440[1u] & 255u) | ((b_raw440[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw440[1u] >> 8u) & 255u) | ((b_raw440[1u] >> 16u) & 65280u));
-                    b_frag439[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                    b_frag439[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
-                    b_frag439[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                    b_frag439[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461), e4m3x2_hi(e4m3_pair461));
+                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + (((kk442 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
+                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
+                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461), e4m3x2_hi(e4m3_pair461));
+                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462), e4m3x2_hi(e4m3_pair462));
                     #pragma unroll
-                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi442 * 2u) + (np * 2u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[0u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi442 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[2u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw440[0u], kv_rows + (stage * 5248u) + (((kk441 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk441 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk441 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair443 = e4m3x2_prep((b_raw440[0u] & 255u) | ((b_raw440[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair444 = e4m3x2_prep(((b_raw440[0u] >> 8u) & 255u) | ((b_raw440[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw440[1u] & 255u) | ((b_raw440[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw440[1u] >> 8u) & 255u) | ((b_raw440[1u] >> 16u) & 65280u));
-                    b_frag439[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair443) * k_scale, e4m3x2_hi(e4m3_pair443) * k_scale447);
-                    b_frag439[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale448, e4m3x2_hi(e4m3_pair445) * k_scale449);
-                    b_frag439[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair444) * k_scale, e4m3x2_hi(e4m3_pair444) * k_scale447);
-                    b_frag439[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale448, e4m3x2_hi(e4m3_pair446) * k_scale449);
+                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + (((kk442 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair444 = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair445 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair446 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair447 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
+                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair444) * k_scale, e4m3x2_hi(e4m3_pair444) * k_scale448);
+                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale449, e4m3x2_hi(e4m3_pair446) * k_scale450);
+                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale, e4m3x2_hi(e4m3_pair445) * k_scale448);
+                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale449, e4m3x2_hi(e4m3_pair447) * k_scale450);
                     #pragma unroll
-                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi442 * 2u) + (np * 2u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[0u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi442 = 0u; mi442 < 2u; mi442 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi442 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag438[mi442 * 4u], &b_frag439[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word468 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk465 = 0u; kk465 < 2u; kk465 += 1u) {
-            #pragma unroll
-            for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
-                ldmatrix_x4(&a_frag462[mi466 * 4u], p_tile + a_lane_word468 + (mi466 * 320u) + (kk465 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale477 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag462[0u] = pack_bf16x2(__uint_as_float(a_frag462[0u] << 16u) * k_scale477, __uint_as_float(a_frag462[0u] & 4294901760u) * k_scale478);
-                a_frag462[1u] = pack_bf16x2(__uint_as_float(a_frag462[1u] << 16u) * k_scale477, __uint_as_float(a_frag462[1u] & 4294901760u) * k_scale478);
-                a_frag462[2u] = pack_bf16x2(__uint_as_float(a_frag462[2u] << 16u) * k_scale479, __uint_as_float(a_frag462[2u] & 4294901760u) * k_scale480);
-                a_frag462[3u] = pack_bf16x2(__uint_as_float(a_frag462[3u] << 16u) * k_scale479, __uint_as_float(a_frag462[3u] & 4294901760u) * k_scale480);
-                const float k_scale481 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale482 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag462[4u] = pack_bf16x2(__uint_as_float(a_frag462[4u] << 16u) * k_scale481, __uint_as_float(a_frag462[4u] & 4294901760u) * k_scale482);
-                a_frag462[5u] = pack_bf16x2(__uint_as_float(a_frag462[5u] << 16u) * k_scale481, __uint_as_float(a_frag462[5u] & 4294901760u) * k_scale482);
-                a_frag462[6u] = pack_bf16x2(__uint_as_float(a_frag462[6u] << 16u) * k_scale483, __uint_as_float(a_frag462[6u] & 4294901760u) * k_scale484);
-                a_frag462[7u] = pack_bf16x2(__uint_as_float(a_frag462[7u] << 16u) * k_scale483, __uint_as_float(a_frag462[7u] & 4294901760u) * k_scale484);
-                #pragma unroll
-                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
-                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + (((kk465 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
-                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
-                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485), e4m3x2_hi(e4m3_pair485));
-                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
-                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
-                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                    #pragma unroll
-                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
-                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + (((kk465 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
-                    const float k_scale473 = kv_scales[((stage * 5248u) + (((kk465 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk465 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair471 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair472 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
-                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
-                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale475, e4m3x2_hi(e4m3_pair471) * k_scale476);
-                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
-                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472) * k_scale475, e4m3x2_hi(e4m3_pair472) * k_scale476);
-                    #pragma unroll
-                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word495 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word469 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk492 = 0u; kk492 < 2u; kk492 += 1u) {
+        for (unsigned kk466 = 0u; kk466 < 2u; kk466 += 1u) {
             #pragma unroll
-            for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                ldmatrix_x4(&a_frag489[mi493 * 4u], p_tile + a_lane_word495 + (mi493 * 320u) + (kk492 * 8u));
+            for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
+                ldmatrix_x4(&a_frag463[mi467 * 4u], p_tile + a_lane_word469 + (mi467 * 320u) + (kk466 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale504 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale505 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag489[0u] = pack_bf16x2(__uint_as_float(a_frag489[0u] << 16u) * k_scale504, __uint_as_float(a_frag489[0u] & 4294901760u) * k_scale505);
-                a_frag489[1u] = pack_bf16x2(__uint_as_float(a_frag489[1u] << 16u) * k_scale504, __uint_as_float(a_frag489[1u] & 4294901760u) * k_scale505);
-                a_frag489[2u] = pack_bf16x2(__uint_as_float(a_frag489[2u] << 16u) * k_scale506, __uint_as_float(a_frag489[2u] & 4294901760u) * k_scale507);
-                a_frag489[3u] = pack_bf16x2(__uint_as_float(a_frag489[3u] << 16u) * k_scale506, __uint_as_float(a_frag489[3u] & 4294901760u) * k_scale507);
-                const float k_scale508 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale509 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag489[4u] = pack_bf16x2(__uint_as_float(a_frag489[4u] << 16u) * k_scale508, __uint_as_float(a_frag489[4u] & 4294901760u) * k_scale509);
-                a_frag489[5u] = pack_bf16x2(__uint_as_float(a_frag489[5u] << 16u) * k_scale508, __uint_as_float(a_frag489[5u] & 4294901760u) * k_scale509);
-                a_frag489[6u] = pack_bf16x2(__uint_as_float(a_frag489[6u] << 16u) * k_scale510, __uint_as_float(a_frag489[6u] & 4294901760u) * k_scale511);
-                a_frag489[7u] = pack_bf16x2(__uint_as_float(a_frag489[7u] << 16u) * k_scale510, __uint_as_float(a_frag489[7u] & 4294901760u) * k_scale511);
+                const float k_scale478 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale481 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag463[0u] = pack_bf16x2(__uint_as_float(a_frag463[0u] << 16u) * k_scale478, __uint_as_float(a_frag463[0u] & 4294901760u) * k_scale479);
+                a_frag463[1u] = pack_bf16x2(__uint_as_float(a_frag463[1u] << 16u) * k_scale478, __uint_as_float(a_frag463[1u] & 4294901760u) * k_scale479);
+                a_frag463[2u] = pack_bf16x2(__uint_as_float(a_frag463[2u] << 16u) * k_scale480, __uint_as_float(a_frag463[2u] & 4294901760u) * k_scale481);
+                a_frag463[3u] = pack_bf16x2(__uint_as_float(a_frag463[3u] << 16u) * k_scale480, __uint_as_float(a_frag463[3u] & 4294901760u) * k_scale481);
+                const float k_scale482 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale485 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag463[4u] = pack_bf16x2(__uint_as_float(a_frag463[4u] << 16u) * k_scale482, __uint_as_float(a_frag463[4u] & 4294901760u) * k_scale483);
+                a_frag463[5u] = pack_bf16x2(__uint_as_float(a_frag463[5u] << 16u) * k_scale482, __uint_as_float(a_frag463[5u] & 4294901760u) * k_scale483);
+                a_frag463[6u] = pack_bf16x2(__uint_as_float(a_frag463[6u] << 16u) * k_scale484, __uint_as_float(a_frag463[6u] & 4294901760u) * k_scale485);
+                a_frag463[7u] = pack_bf16x2(__uint_as_float(a_frag463[7u] << 16u) * k_scale484, __uint_as_float(a_frag463[7u] & 4294901760u) * k_scale485);
                 #pragma unroll
-                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
-                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + (((kk492 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
-                    const unsigned e4m3_pair512 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair513 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
-                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
-                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
-                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
-                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515), e4m3x2_hi(e4m3_pair515));
+                for (unsigned np468 = 0u; np468 < 1u; np468 += 1u) {
+                    ldmatrix_x2_trans(&b_raw465[0u], kv_rows + (stage * 5248u) + (((kk466 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np468 * 16u)) >> 2u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep((b_raw465[0u] & 255u) | ((b_raw465[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep(((b_raw465[0u] >> 8u) & 255u) | ((b_raw465[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw465[1u] & 255u) | ((b_raw465[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw465[1u] >> 8u) & 255u) | ((b_raw465[1u] >> 16u) & 65280u));
+                    b_frag464[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
+                    b_frag464[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
+                    b_frag464[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
+                    b_frag464[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
                     #pragma unroll
-                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
+                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + (np468 * 2u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
+                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + ((np468 * 2u) + 1u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
-                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + (((kk492 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
-                    const float k_scale500 = kv_scales[((stage * 5248u) + (((kk492 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale503 = kv_scales[((stage * 5248u) + ((((kk492 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
-                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496) * k_scale500, e4m3x2_hi(e4m3_pair496) * k_scale501);
-                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498) * k_scale502, e4m3x2_hi(e4m3_pair498) * k_scale503);
-                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497) * k_scale500, e4m3x2_hi(e4m3_pair497) * k_scale501);
-                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale502, e4m3x2_hi(e4m3_pair499) * k_scale503);
+                for (unsigned np468 = 0u; np468 < 1u; np468 += 1u) {
+                    ldmatrix_x2_trans(&b_raw465[0u], kv_rows + (stage * 5248u) + (((kk466 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np468 * 16u)) >> 2u));
+                    const float k_scale474 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair470 = e4m3x2_prep((b_raw465[0u] & 255u) | ((b_raw465[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair471 = e4m3x2_prep(((b_raw465[0u] >> 8u) & 255u) | ((b_raw465[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw465[1u] & 255u) | ((b_raw465[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw465[1u] >> 8u) & 255u) | ((b_raw465[1u] >> 16u) & 65280u));
+                    b_frag464[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale474, e4m3x2_hi(e4m3_pair470) * k_scale475);
+                    b_frag464[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472) * k_scale476, e4m3x2_hi(e4m3_pair472) * k_scale477);
+                    b_frag464[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale474, e4m3x2_hi(e4m3_pair471) * k_scale475);
+                    b_frag464[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473) * k_scale476, e4m3x2_hi(e4m3_pair473) * k_scale477);
                     #pragma unroll
-                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
+                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + (np468 * 2u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
+                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + ((np468 * 2u) + 1u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word522 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word496 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk519 = 0u; kk519 < 2u; kk519 += 1u) {
+        for (unsigned kk493 = 0u; kk493 < 2u; kk493 += 1u) {
             #pragma unroll
-            for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
-                ldmatrix_x4(&a_frag516[mi520 * 4u], p_tile + a_lane_word522 + (mi520 * 320u) + (kk519 * 8u));
+            for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
+                ldmatrix_x4(&a_frag490[mi494 * 4u], p_tile + a_lane_word496 + (mi494 * 320u) + (kk493 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale531 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale532 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag516[0u] = pack_bf16x2(__uint_as_float(a_frag516[0u] << 16u) * k_scale531, __uint_as_float(a_frag516[0u] & 4294901760u) * k_scale532);
-                a_frag516[1u] = pack_bf16x2(__uint_as_float(a_frag516[1u] << 16u) * k_scale531, __uint_as_float(a_frag516[1u] & 4294901760u) * k_scale532);
-                a_frag516[2u] = pack_bf16x2(__uint_as_float(a_frag516[2u] << 16u) * k_scale533, __uint_as_float(a_frag516[2u] & 4294901760u) * k_scale534);
-                a_frag516[3u] = pack_bf16x2(__uint_as_float(a_frag516[3u] << 16u) * k_scale533, __uint_as_float(a_frag516[3u] & 4294901760u) * k_scale534);
-                const float k_scale535 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale536 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag516[4u] = pack_bf16x2(__uint_as_float(a_frag516[4u] << 16u) * k_scale535, __uint_as_float(a_frag516[4u] & 4294901760u) * k_scale536);
-                a_frag516[5u] = pack_bf16x2(__uint_as_float(a_frag516[5u] << 16u) * k_scale535, __uint_as_float(a_frag516[5u] & 4294901760u) * k_scale536);
-                a_frag516[6u] = pack_bf16x2(__uint_as_float(a_frag516[6u] << 16u) * k_scale537, __uint_as_float(a_frag516[6u] & 4294901760u) * k_scale538);
-                a_frag516[7u] = pack_bf16x2(__uint_as_float(a_frag516[7u] << 16u) * k_scale537, __uint_as_float(a_frag516[7u] & 4294901760u) * k_scale538);
+                const float k_scale505 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale508 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag490[0u] = pack_bf16x2(__uint_as_float(a_frag490[0u] << 16u) * k_scale505, __uint_as_float(a_frag490[0u] & 4294901760u) * k_scale506);
+                a_frag490[1u] = pack_bf16x2(__uint_as_float(a_frag490[1u] << 16u) * k_scale505, __uint_as_float(a_frag490[1u] & 4294901760u) * k_scale506);
+                a_frag490[2u] = pack_bf16x2(__uint_as_float(a_frag490[2u] << 16u) * k_scale507, __uint_as_float(a_frag490[2u] & 4294901760u) * k_scale508);
+                a_frag490[3u] = pack_bf16x2(__uint_as_float(a_frag490[3u] << 16u) * k_scale507, __uint_as_float(a_frag490[3u] & 4294901760u) * k_scale508);
+                const float k_scale509 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag490[4u] = pack_bf16x2(__uint_as_float(a_frag490[4u] << 16u) * k_scale509, __uint_as_float(a_frag490[4u] & 4294901760u) * k_scale510);
+                a_frag490[5u] = pack_bf16x2(__uint_as_float(a_frag490[5u] << 16u) * k_scale509, __uint_as_float(a_frag490[5u] & 4294901760u) * k_scale510);
+                a_frag490[6u] = pack_bf16x2(__uint_as_float(a_frag490[6u] << 16u) * k_scale511, __uint_as_float(a_frag490[6u] & 4294901760u) * k_scale512);
+                a_frag490[7u] = pack_bf16x2(__uint_as_float(a_frag490[7u] << 16u) * k_scale511, __uint_as_float(a_frag490[7u] & 4294901760u) * k_scale512);
                 #pragma unroll
-                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
-                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + (((kk519 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
-                    const unsigned e4m3_pair539 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair540 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair541 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair542 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
-                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair539), e4m3x2_hi(e4m3_pair539));
-                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541), e4m3x2_hi(e4m3_pair541));
-                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540), e4m3x2_hi(e4m3_pair540));
-                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542), e4m3x2_hi(e4m3_pair542));
+                for (unsigned np495 = 0u; np495 < 1u; np495 += 1u) {
+                    ldmatrix_x2_trans(&b_raw492[0u], kv_rows + (stage * 5248u) + (((kk493 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np495 * 16u)) >> 2u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw492[0u] & 255u) | ((b_raw492[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw492[0u] >> 8u) & 255u) | ((b_raw492[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep((b_raw492[1u] & 255u) | ((b_raw492[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair516 = e4m3x2_prep(((b_raw492[1u] >> 8u) & 255u) | ((b_raw492[1u] >> 16u) & 65280u));
+                    b_frag491[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                    b_frag491[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515), e4m3x2_hi(e4m3_pair515));
+                    b_frag491[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                    b_frag491[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516), e4m3x2_hi(e4m3_pair516));
                     #pragma unroll
-                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + (np495 * 2u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
+                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + ((np495 * 2u) + 1u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
-                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + (((kk519 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
-                    const float k_scale527 = kv_scales[((stage * 5248u) + (((kk519 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale528 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale529 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale530 = kv_scales[((stage * 5248u) + ((((kk519 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair523 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair524 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
-                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale527, e4m3x2_hi(e4m3_pair523) * k_scale528);
-                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale529, e4m3x2_hi(e4m3_pair525) * k_scale530);
-                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale527, e4m3x2_hi(e4m3_pair524) * k_scale528);
-                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526) * k_scale529, e4m3x2_hi(e4m3_pair526) * k_scale530);
+                for (unsigned np495 = 0u; np495 < 1u; np495 += 1u) {
+                    ldmatrix_x2_trans(&b_raw492[0u], kv_rows + (stage * 5248u) + (((kk493 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np495 * 16u)) >> 2u));
+                    const float k_scale501 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale503 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale504 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw492[0u] & 255u) | ((b_raw492[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw492[0u] >> 8u) & 255u) | ((b_raw492[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw492[1u] & 255u) | ((b_raw492[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw492[1u] >> 8u) & 255u) | ((b_raw492[1u] >> 16u) & 65280u));
+                    b_frag491[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497) * k_scale501, e4m3x2_hi(e4m3_pair497) * k_scale502);
+                    b_frag491[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
+                    b_frag491[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498) * k_scale501, e4m3x2_hi(e4m3_pair498) * k_scale502);
+                    b_frag491[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
                     #pragma unroll
-                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + (np495 * 2u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
+                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + ((np495 * 2u) + 1u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word523 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk520 = 0u; kk520 < 2u; kk520 += 1u) {
+            #pragma unroll
+            for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
+                ldmatrix_x4(&a_frag517[mi521 * 4u], p_tile + a_lane_word523 + (mi521 * 320u) + (kk520 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale532 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale535 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag517[0u] = pack_bf16x2(__uint_as_float(a_frag517[0u] << 16u) * k_scale532, __uint_as_float(a_frag517[0u] & 4294901760u) * k_scale533);
+                a_frag517[1u] = pack_bf16x2(__uint_as_float(a_frag517[1u] << 16u) * k_scale532, __uint_as_float(a_frag517[1u] & 4294901760u) * k_scale533);
+                a_frag517[2u] = pack_bf16x2(__uint_as_float(a_frag517[2u] << 16u) * k_scale534, __uint_as_float(a_frag517[2u] & 4294901760u) * k_scale535);
+                a_frag517[3u] = pack_bf16x2(__uint_as_float(a_frag517[3u] << 16u) * k_scale534, __uint_as_float(a_frag517[3u] & 4294901760u) * k_scale535);
+                const float k_scale536 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale539 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag517[4u] = pack_bf16x2(__uint_as_float(a_frag517[4u] << 16u) * k_scale536, __uint_as_float(a_frag517[4u] & 4294901760u) * k_scale537);
+                a_frag517[5u] = pack_bf16x2(__uint_as_float(a_frag517[5u] << 16u) * k_scale536, __uint_as_float(a_frag517[5u] & 4294901760u) * k_scale537);
+                a_frag517[6u] = pack_bf16x2(__uint_as_float(a_frag517[6u] << 16u) * k_scale538, __uint_as_float(a_frag517[6u] & 4294901760u) * k_scale539);
+                a_frag517[7u] = pack_bf16x2(__uint_as_float(a_frag517[7u] << 16u) * k_scale538, __uint_as_float(a_frag517[7u] & 4294901760u) * k_scale539);
+                #pragma unroll
+                for (unsigned np522 = 0u; np522 < 1u; np522 += 1u) {
+                    ldmatrix_x2_trans(&b_raw519[0u], kv_rows + (stage * 5248u) + (((kk520 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np522 * 16u)) >> 2u));
+                    const unsigned e4m3_pair540 = e4m3x2_prep((b_raw519[0u] & 255u) | ((b_raw519[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair541 = e4m3x2_prep(((b_raw519[0u] >> 8u) & 255u) | ((b_raw519[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair542 = e4m3x2_prep((b_raw519[1u] & 255u) | ((b_raw519[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair543 = e4m3x2_prep(((b_raw519[1u] >> 8u) & 255u) | ((b_raw519[1u] >> 16u) & 65280u));
+                    b_frag518[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540), e4m3x2_hi(e4m3_pair540));
+                    b_frag518[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542), e4m3x2_hi(e4m3_pair542));
+                    b_frag518[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541), e4m3x2_hi(e4m3_pair541));
+                    b_frag518[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair543), e4m3x2_hi(e4m3_pair543));
+                    #pragma unroll
+                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + (np522 * 2u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + ((np522 * 2u) + 1u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np522 = 0u; np522 < 1u; np522 += 1u) {
+                    ldmatrix_x2_trans(&b_raw519[0u], kv_rows + (stage * 5248u) + (((kk520 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np522 * 16u)) >> 2u));
+                    const float k_scale528 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale529 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale530 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale531 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw519[0u] & 255u) | ((b_raw519[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw519[0u] >> 8u) & 255u) | ((b_raw519[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair526 = e4m3x2_prep((b_raw519[1u] & 255u) | ((b_raw519[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair527 = e4m3x2_prep(((b_raw519[1u] >> 8u) & 255u) | ((b_raw519[1u] >> 16u) & 65280u));
+                    b_frag518[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
+                    b_frag518[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526) * k_scale530, e4m3x2_hi(e4m3_pair526) * k_scale531);
+                    b_frag518[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
+                    b_frag518[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527) * k_scale530, e4m3x2_hi(e4m3_pair527) * k_scale531);
+                    #pragma unroll
+                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + (np522 * 2u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + ((np522 * 2u) + 1u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[2u]);
                     }
                 }
             }
@@ -1892,16 +1897,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
+        for (unsigned mi545 = 0u; mi545 < 1u; mi545 += 1u) {
             #pragma unroll
-            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
-                float row_sum543 = row_sum_part[(mi544 * 2u) + half545];
-                const float other546 = shfl_xor_f32(row_sum543, 1);
-                row_sum543 = row_sum543 + other546;
-                const float other547 = shfl_xor_f32(row_sum543, 2);
-                row_sum543 = row_sum543 + other547;
+            for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
+                float row_sum544 = row_sum_part[(mi545 * 2u) + half546];
+                const float other547 = shfl_xor_f32(row_sum544, 1);
+                row_sum544 = row_sum544 + other547;
+                const float other548 = shfl_xor_f32(row_sum544, 2);
+                row_sum544 = row_sum544 + other548;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi544 * 16u)) + ((half545 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum543;
+                    row_exchange[(((scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum544;
                 }
             }
         }
@@ -1909,14 +1914,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi549 = 0u; mi549 < 1u; mi549 += 1u) {
+        for (unsigned mi550 = 0u; mi550 < 1u; mi550 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum548 = row_exchange[((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u];
-                    row_sum548 = row_sum548 + row_exchange[(((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)] = row_sum548;
-                    row_max[(scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)] = row_max_reg[(mi549 * 2u) + half550];
+                    float row_sum549 = row_exchange[((scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)) * 3u];
+                    row_sum549 = row_sum549 + row_exchange[(((scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)] = row_sum549;
+                    row_max[(scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)] = row_max_reg[(mi550 * 2u) + half551];
                 }
             }
         }
@@ -1927,86 +1932,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // one split: normalise and write out and lse
         #pragma unroll
-        for (unsigned frag551 = 0u; frag551 < 2u; frag551 += 1u) {
+        for (unsigned frag552 = 0u; frag552 < 2u; frag552 += 1u) {
             #pragma unroll
-            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
                 #pragma unroll
-                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag551 / 1u) * 16u)) + ((half552 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag551 % 1u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
-                    float v0_6 = o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
-                    float v1_6 = o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
+                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
+                    float v0_6 = o_acc[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
+                    float v1_6 = o_acc[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
                     const unsigned h = h0 + row_16;
                     if (h < p.heads) {
                         const float l = row_sum[row_16];
                         const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_6;
-                    o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_6;
+                    o_acc[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_6;
+                    o_acc[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag554 = 0u; frag554 < 2u; frag554 += 1u) {
+        for (unsigned frag555 = 0u; frag555 < 2u; frag555 += 1u) {
             #pragma unroll
-            for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
+            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
                 #pragma unroll
-                for (unsigned e556 = 0u; e556 < 2u; e556 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag554 / 1u) * 16u)) + ((half555 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag554 % 1u) * 16u)) + ((lane_quad * 4u) + (e556 * 2u));
-                    float v0_7 = o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)];
-                    float v1_7 = o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)];
+                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
+                    float v0_7 = o_acc_1[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
+                    float v1_7 = o_acc_1[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
                     const unsigned h_1 = h0 + row_17;
                     if (h_1 < p.heads) {
                         const float l_1 = row_sum[row_17];
                         const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)] = v0_7;
-                    o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)] = v1_7;
+                    o_acc_1[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_7;
+                    o_acc_1[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
+        for (unsigned frag558 = 0u; frag558 < 2u; frag558 += 1u) {
             #pragma unroll
-            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
+            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
                 #pragma unroll
-                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag557 / 1u) * 16u)) + ((half558 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag557 % 1u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
-                    float v0_8 = o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)];
-                    float v1_8 = o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)];
+                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
+                    float v0_8 = o_acc_2[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
+                    float v1_8 = o_acc_2[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
                     const unsigned h_2 = h0 + row_18;
                     if (h_2 < p.heads) {
                         const float l_2 = row_sum[row_18];
                         const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)] = v0_8;
-                    o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)] = v1_8;
+                    o_acc_2[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_8;
+                    o_acc_2[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag560 = 0u; frag560 < 2u; frag560 += 1u) {
+        for (unsigned frag561 = 0u; frag561 < 2u; frag561 += 1u) {
             #pragma unroll
-            for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
+            for (unsigned half562 = 0u; half562 < 2u; half562 += 1u) {
                 #pragma unroll
-                for (unsigned e562 = 0u; e562 < 2u; e562 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag560 / 1u) * 16u)) + ((half561 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag560 % 1u) * 16u)) + ((lane_quad * 4u) + (e562 * 2u));
-                    float v0_9 = o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)];
-                    float v1_9 = o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)];
+                for (unsigned e563 = 0u; e563 < 2u; e563 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag561 / 1u) * 16u)) + ((half562 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag561 % 1u) * 16u)) + ((lane_quad * 4u) + (e563 * 2u));
+                    float v0_9 = o_acc_3[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)];
+                    float v1_9 = o_acc_3[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)];
                     const unsigned h_3 = h0 + row_19;
                     if (h_3 < p.heads) {
                         const float l_3 = row_sum[row_19];
                         const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)] = v0_9;
-                    o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)] = v1_9;
+                    o_acc_3[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)] = v0_9;
+                    o_acc_3[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)] = v1_9;
                 }
             }
         }
@@ -2022,15 +2027,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // normalise and write this split's partial rows and lse
         #pragma unroll
-        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
+        for (unsigned frag564 = 0u; frag564 < 2u; frag564 += 1u) {
             #pragma unroll
-            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
+            for (unsigned half565 = 0u; half565 < 2u; half565 += 1u) {
                 #pragma unroll
-                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag563 / 1u) * 16u)) + ((half564 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag563 % 1u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
-                    float v0_10 = o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)];
-                    float v1_10 = o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)];
+                for (unsigned e566 = 0u; e566 < 2u; e566 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag564 / 1u) * 16u)) + ((half565 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag564 % 1u) * 16u)) + ((lane_quad * 4u) + (e566 * 2u));
+                    float v0_10 = o_acc[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)];
+                    float v1_10 = o_acc[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)];
                     const unsigned h_5 = h0 + row_20;
                     if (h_5 < p.heads) {
                         const float l_5 = row_sum[row_20];
@@ -2039,21 +2044,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)] = v0_10;
-                    o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)] = v1_10;
+                    o_acc[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)] = v0_10;
+                    o_acc[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag566 = 0u; frag566 < 2u; frag566 += 1u) {
+        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
             #pragma unroll
-            for (unsigned half567 = 0u; half567 < 2u; half567 += 1u) {
+            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
                 #pragma unroll
-                for (unsigned e568 = 0u; e568 < 2u; e568 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag566 / 1u) * 16u)) + ((half567 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag566 % 1u) * 16u)) + ((lane_quad * 4u) + (e568 * 2u));
-                    float v0_11 = o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)];
-                    float v1_11 = o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)];
+                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
+                    float v0_11 = o_acc_1[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
+                    float v1_11 = o_acc_1[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
                     const unsigned h_6 = h0 + row_21;
                     if (h_6 < p.heads) {
                         const float l_6 = row_sum[row_21];
@@ -2062,21 +2067,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)] = v0_11;
-                    o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)] = v1_11;
+                    o_acc_1[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_11;
+                    o_acc_1[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag569 = 0u; frag569 < 2u; frag569 += 1u) {
+        for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
             #pragma unroll
-            for (unsigned half570 = 0u; half570 < 2u; half570 += 1u) {
+            for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
                 #pragma unroll
-                for (unsigned e571 = 0u; e571 < 2u; e571 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag569 / 1u) * 16u)) + ((half570 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag569 % 1u) * 16u)) + ((lane_quad * 4u) + (e571 * 2u));
-                    float v0_12 = o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)];
-                    float v1_12 = o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)];
+                for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag570 / 1u) * 16u)) + ((half571 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag570 % 1u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
+                    float v0_12 = o_acc_2[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
+                    float v1_12 = o_acc_2[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
                     const unsigned h_7 = h0 + row_22;
                     if (h_7 < p.heads) {
                         const float l_7 = row_sum[row_22];
@@ -2085,21 +2090,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)] = v0_12;
-                    o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)] = v1_12;
+                    o_acc_2[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_12;
+                    o_acc_2[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag572 = 0u; frag572 < 2u; frag572 += 1u) {
+        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
             #pragma unroll
-            for (unsigned half573 = 0u; half573 < 2u; half573 += 1u) {
+            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
                 #pragma unroll
-                for (unsigned e574 = 0u; e574 < 2u; e574 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag572 / 1u) * 16u)) + ((half573 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag572 % 1u) * 16u)) + ((lane_quad * 4u) + (e574 * 2u));
-                    float v0_13 = o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)];
-                    float v1_13 = o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)];
+                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag573 / 1u) * 16u)) + ((half574 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag573 % 1u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
+                    float v0_13 = o_acc_3[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
+                    float v1_13 = o_acc_3[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
                     const unsigned h_8 = h0 + row_23;
                     if (h_8 < p.heads) {
                         const float l_8 = row_sum[row_23];
@@ -2108,8 +2113,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)] = v0_13;
-                    o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)] = v1_13;
+                    o_acc_3[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_13;
+                    o_acc_3[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_13;
                 }
             }
         }

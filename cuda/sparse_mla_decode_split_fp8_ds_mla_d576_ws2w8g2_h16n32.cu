@@ -383,38 +383,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag307[4];
-    unsigned b_frag308[4];
+    unsigned a_frag308[4];
+    unsigned b_frag309[4];
     unsigned b_raw[2];
-    unsigned a_frag318[4];
-    unsigned b_frag319[2];
-    unsigned a_frag324[4];
-    unsigned b_frag325[4];
-    unsigned b_raw326[2];
-    unsigned a_frag341[4];
-    unsigned b_frag342[2];
-    unsigned a_frag347[4];
-    unsigned b_frag348[4];
-    unsigned b_raw349[2];
-    unsigned a_frag364[4];
-    unsigned b_frag365[2];
-    unsigned a_frag370[4];
-    unsigned b_frag371[4];
-    unsigned b_raw372[2];
-    unsigned a_frag387[4];
-    unsigned b_frag388[4];
-    unsigned a_frag433[4];
-    unsigned b_frag434[4];
-    unsigned b_raw435[2];
-    unsigned a_frag453[4];
-    unsigned b_frag454[4];
-    unsigned b_raw455[2];
-    unsigned a_frag476[4];
-    unsigned b_frag477[4];
-    unsigned b_raw478[2];
-    unsigned a_frag499[4];
-    unsigned b_frag500[4];
-    unsigned b_raw501[2];
+    unsigned a_frag319[4];
+    unsigned b_frag320[2];
+    unsigned a_frag325[4];
+    unsigned b_frag326[4];
+    unsigned b_raw327[2];
+    unsigned a_frag342[4];
+    unsigned b_frag343[2];
+    unsigned a_frag348[4];
+    unsigned b_frag349[4];
+    unsigned b_raw350[2];
+    unsigned a_frag365[4];
+    unsigned b_frag366[2];
+    unsigned a_frag371[4];
+    unsigned b_frag372[4];
+    unsigned b_raw373[2];
+    unsigned a_frag388[4];
+    unsigned b_frag389[4];
+    unsigned a_frag434[4];
+    unsigned b_frag435[4];
+    unsigned b_raw436[2];
+    unsigned a_frag454[4];
+    unsigned b_frag455[4];
+    unsigned b_raw456[2];
+    unsigned a_frag477[4];
+    unsigned b_frag478[4];
+    unsigned b_raw479[2];
+    unsigned a_frag500[4];
+    unsigned b_frag501[4];
+    unsigned b_raw502[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -446,24 +446,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned o_acc_3_row0 = (warp / 4u) * 16u;
     const unsigned o_acc_3_col0 = o_acc_3_wn * 32u;
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = group_tid; zero_i < 10496u; zero_i += 128u) {
-        kv_rows[zero_i + (warp_group * 10496u)] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i594 = group_tid; zero_i594 < 72u; zero_i594 += 128u) {
-        row_valid[zero_i594 + (warp_group * 72u)] = 0.0f;
-    }
-    if (group_tid == 0u) {
-        mbar_init(ring_barriers + ((warp_group * 4u) * 2u), 64);
-        mbar_init(ring_barriers + ((2u + (warp_group * 4u)) * 2u), 128);
-        mbar_init(ring_barriers + ((1u + (warp_group * 4u)) * 2u), 64);
-        mbar_init(ring_barriers + ((3u + (warp_group * 4u)) * 2u), 128);
-    }
-    fence_proxy_async();
-    __syncthreads();
-
     // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
@@ -471,8 +453,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const int len_raw = topk_length[(p.has_topk_length != 0u) ? t : 0u];
     const unsigned valid_len = (p.has_topk_length != 0u) ? min_u32(((unsigned)max_i32(len_raw, 0)), p.topk) : p.topk;
     const unsigned j_begin = split * p.chunk;
-    const unsigned j_end = min_u32(min_u32(j_begin + p.chunk, p.topk), valid_len);
+    const unsigned chunk_end = min_u32(j_begin + p.chunk, p.topk);
+    const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_bound = steps_bound;
+    const unsigned step_group_bound = (step_bound > warp_group) ? (((step_bound - warp_group) + 1u) / 2u) : 0u;
+    if (warp >= 2u) {
+        if (0u < step_group_bound) {
+            const unsigned step = warp_group;
+            #pragma unroll
+            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
+                const unsigned gather_row = ((warp - 2u) + (lane * 2u)) + (slot * 64u);
+                if (gather_row < 32u) {
+                    const unsigned row_1 = gather_row;
+                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
 
     // load the q rows of this head block (rows past `heads` are zeros)
 
@@ -1027,43 +1026,50 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned step_group_count = (step_count > warp_group) ? (((step_count - warp_group) + 1u) / 2u) : 0u;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
+
+    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
+    #pragma unroll 4
+    for (unsigned zero_i = group_tid; zero_i < 10496u; zero_i += 128u) {
+        kv_rows[zero_i + (warp_group * 10496u)] = 0u;
+    }
+    #pragma unroll 4
+    for (unsigned zero_i292 = group_tid; zero_i292 < 72u; zero_i292 += 128u) {
+        row_valid[zero_i292 + (warp_group * 72u)] = 0.0f;
+    }
+    if (group_tid == 0u) {
+        mbar_init(ring_barriers + ((warp_group * 4u) * 2u), 64);
+        mbar_init(ring_barriers + ((2u + (warp_group * 4u)) * 2u), 128);
+        mbar_init(ring_barriers + ((1u + (warp_group * 4u)) * 2u), 64);
+        mbar_init(ring_barriers + ((3u + (warp_group * 4u)) * 2u), 128);
+    }
+    fence_proxy_async();
+    __syncthreads();
     if (warp >= 2u) {
-        if (0u < step_group_count) {
-            const unsigned step = warp_group;
-            #pragma unroll
-            for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 2u) + (lane * 2u)) + (slot * 64u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
-                    kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
         if (0u < step_group_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
-                const unsigned gather_row293 = ((warp - 2u) + (lane * 2u)) + (slot292 * 64u);
-                if (gather_row293 < 32u) {
+            for (unsigned slot293 = 0u; slot293 < 1u; slot293 += 1u) {
+                const unsigned gather_row294 = ((warp - 2u) + (lane * 2u)) + (slot293 * 64u);
+                if (gather_row294 < 32u) {
                     const unsigned step = warp_group;
-                    const unsigned row_1 = gather_row293;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[((load_stage * 36u) + gather_row293) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row294;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot293] >= 0)) && (((unsigned)kv_rows_pre[slot293]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot293]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot293]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[((load_stage * 36u) + gather_row294) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row294 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
                     }
                 }
             }
             copy_arrive(ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
         }
-        if (1u < step_group_count) {
+        if (1u < step_group_bound) {
             const unsigned step = warp_group + 2u;
             #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 2u) + (lane * 2u)) + (slot294 * 64u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_1 = gather_row295;
-                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
+                const unsigned gather_row296 = ((warp - 2u) + (lane * 2u)) + (slot295 * 64u);
+                if (gather_row296 < 32u) {
+                    const unsigned row_1 = gather_row296;
+                    kv_rows_pre[slot295] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1079,10 +1085,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
+        for (unsigned mi297 = 0u; mi297 < 1u; mi297 += 1u) {
             #pragma unroll
-            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
-                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
+            for (unsigned half298 = 0u; half298 < 2u; half298 += 1u) {
+                row_sum_part[(mi297 * 2u) + half298] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi297 * 16u)) + ((half298 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
             }
         }
     }
@@ -1094,16 +1100,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i304 = 0u; fill_i304 < 8u; fill_i304 += 1u) {
-            scores[fill_i304] = 0.0f;
+        for (unsigned fill_i305 = 0u; fill_i305 < 8u; fill_i305 += 1u) {
+            scores[fill_i305] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 8u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e305 = 0u; e305 < 8u; e305 += 1u) {
-            scores_term[e305] = 0.0f;
+        for (unsigned e306 = 0u; e306 < 8u; e306 += 1u) {
+            scores_term[e306] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1113,306 +1119,306 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi306 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi306 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi306 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi306 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi306 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi306 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi307 = 0u; mi307 < 1u; mi307 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi307 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi307 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi307 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi307 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e312 = 0u; e312 < 8u; e312 += 1u) {
-                scores_term[8u + e312] = 0.0f;
+            for (unsigned e313 = 0u; e313 < 8u; e313 += 1u) {
+                scores_term[8u + e313] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk309 = (kk_pair * 2u) + chain;
+                    const unsigned kk310 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj311 = 0u; nj311 < 2u; nj311 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj311 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk309) * 4u) + (warp_group * 10496u));
+                    for (unsigned nj312 = 0u; nj312 < 2u; nj312 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj312 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk310) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair313 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag308[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag308[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair313), e4m3x2_hi(e4m3_pair313));
+                        const unsigned e4m3_pair314 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag309[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag309[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair314), e4m3x2_hi(e4m3_pair314));
                         #pragma unroll
-                        for (unsigned mi310 = 0u; mi310 < 1u; mi310 += 1u) {
-                            a_frag307[0u] = q_tile_a0_bf16[((mi310 * 4u) + kk309) * 4u];
-                            a_frag307[1u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 1u];
-                            a_frag307[2u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 2u];
-                            a_frag307[3u] = q_tile_a0_bf16[(((mi310 * 4u) + kk309) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi310 * 2u) + nj311) * 4u)], &a_frag307[0u], &b_frag308[0u]);
+                        for (unsigned mi311 = 0u; mi311 < 1u; mi311 += 1u) {
+                            a_frag308[0u] = q_tile_a0_bf16[((mi311 * 4u) + kk310) * 4u];
+                            a_frag308[1u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 1u];
+                            a_frag308[2u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 2u];
+                            a_frag308[3u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi311 * 2u) + nj312) * 4u)], &a_frag308[0u], &b_frag309[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e314 = 0u; e314 < 8u; e314 += 1u) {
-                scores_term[e314] = scores_term[e314] + scores_term[8u + e314];
+            for (unsigned e315 = 0u; e315 < 8u; e315 += 1u) {
+                scores_term[e315] = scores_term[e315] + scores_term[8u + e315];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
-            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
-                const float row_scale = kv_scales[((stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e315 & 1u))) * 164u)) + (warp_group * 10496u)];
-                scores_part[(frag * 4u) + e315] = fmaf(scores_term[(frag * 4u) + e315], row_scale, scores_part[(frag * 4u) + e315]);
+            for (unsigned e316 = 0u; e316 < 4u; e316 += 1u) {
+                const float row_scale = kv_scales[((stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e316 & 1u))) * 164u)) + (warp_group * 10496u)];
+                scores_part[(frag * 4u) + e316] = fmaf(scores_term[(frag * 4u) + e316], row_scale, scores_part[(frag * 4u) + e316]);
             }
         }
         #pragma unroll
-        for (unsigned e316 = 0u; e316 < 8u; e316 += 1u) {
-            scores_term[e316] = 0.0f;
+        for (unsigned e317 = 0u; e317 < 8u; e317 += 1u) {
+            scores_term[e317] = 0.0f;
         }
-        const unsigned n_first317 = (warp / 2u) * 16u;
+        const unsigned n_first318 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk320 = 0u; kk320 < 2u; kk320 += 1u) {
+            for (unsigned kk321 = 0u; kk321 < 2u; kk321 += 1u) {
                 #pragma unroll
-                for (unsigned nj322 = 0u; nj322 < 2u; nj322 += 1u) {
-                    ldmatrix_x2(&b_frag319[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk320) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
+                for (unsigned nj323 = 0u; nj323 < 2u; nj323 += 1u) {
+                    ldmatrix_x2(&b_frag320[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj323 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk321) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi321 = 0u; mi321 < 1u; mi321 += 1u) {
-                        a_frag318[0u] = q_tile_a1[((mi321 * 2u) + kk320) * 4u];
-                        a_frag318[1u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 1u];
-                        a_frag318[2u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 2u];
-                        a_frag318[3u] = q_tile_a1[(((mi321 * 2u) + kk320) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi321 * 2u) + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
-                        a_frag318[0u] = q_tile_a1_lo[((mi321 * 2u) + kk320) * 4u];
-                        a_frag318[1u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 1u];
-                        a_frag318[2u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 2u];
-                        a_frag318[3u] = q_tile_a1_lo[(((mi321 * 2u) + kk320) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi321 * 2u) + nj322) * 4u], &a_frag318[0u], &b_frag319[0u]);
+                    for (unsigned mi322 = 0u; mi322 < 1u; mi322 += 1u) {
+                        a_frag319[0u] = q_tile_a1[((mi322 * 2u) + kk321) * 4u];
+                        a_frag319[1u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 1u];
+                        a_frag319[2u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 2u];
+                        a_frag319[3u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi322 * 2u) + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
+                        a_frag319[0u] = q_tile_a1_lo[((mi322 * 2u) + kk321) * 4u];
+                        a_frag319[1u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 1u];
+                        a_frag319[2u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 2u];
+                        a_frag319[3u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi322 * 2u) + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first323 = (warp % 2u) * 4u;
+            const unsigned k_first324 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e332 = 0u; e332 < 8u; e332 += 1u) {
-                scores_term[8u + e332] = 0.0f;
+            for (unsigned e333 = 0u; e333 < 8u; e333 += 1u) {
+                scores_term[8u + e333] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair330 = 0u; kk_pair330 < 2u; kk_pair330 += 1u) {
+            for (unsigned kk_pair331 = 0u; kk_pair331 < 2u; kk_pair331 += 1u) {
                 #pragma unroll
-                for (unsigned chain331 = 0u; chain331 < 2u; chain331 += 1u) {
-                    const unsigned kk327 = (kk_pair330 * 2u) + chain331;
+                for (unsigned chain332 = 0u; chain332 < 2u; chain332 += 1u) {
+                    const unsigned kk328 = (kk_pair331 * 2u) + chain332;
                     #pragma unroll
-                    for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
-                        ldmatrix_x1(&b_raw326[0u], kv_rows + (stage * 5248u) + (((n_first317 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first323 + kk327) * 4u) + (warp_group * 10496u));
-                        const unsigned e4m3_pair333 = e4m3x2_prep(b_raw326[0u] & 65535u);
-                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw326[0u] >> 16u);
-                        b_frag325[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair333), e4m3x2_hi(e4m3_pair333));
-                        b_frag325[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
+                    for (unsigned nj330 = 0u; nj330 < 2u; nj330 += 1u) {
+                        ldmatrix_x1(&b_raw327[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first324 + kk328) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw327[0u] & 65535u);
+                        const unsigned e4m3_pair335 = e4m3x2_prep(b_raw327[0u] >> 16u);
+                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
+                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair335), e4m3x2_hi(e4m3_pair335));
                         #pragma unroll
-                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
-                            a_frag324[0u] = q_tile_a1_bf16[((mi328 * 4u) + kk327) * 4u];
-                            a_frag324[1u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
-                            a_frag324[2u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
-                            a_frag324[3u] = q_tile_a1_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain331 * 8u) + (((mi328 * 2u) + nj329) * 4u)], &a_frag324[0u], &b_frag325[0u]);
+                        for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
+                            a_frag325[0u] = q_tile_a1_bf16[((mi329 * 4u) + kk328) * 4u];
+                            a_frag325[1u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 1u];
+                            a_frag325[2u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 2u];
+                            a_frag325[3u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain332 * 8u) + (((mi329 * 2u) + nj330) * 4u)], &a_frag325[0u], &b_frag326[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e335 = 0u; e335 < 8u; e335 += 1u) {
-                scores_term[e335] = scores_term[e335] + scores_term[8u + e335];
+            for (unsigned e336 = 0u; e336 < 8u; e336 += 1u) {
+                scores_term[e336] = scores_term[e336] + scores_term[8u + e336];
             }
         }
         #pragma unroll
-        for (unsigned frag336 = 0u; frag336 < 2u; frag336 += 1u) {
+        for (unsigned frag337 = 0u; frag337 < 2u; frag337 += 1u) {
             #pragma unroll
-            for (unsigned e337 = 0u; e337 < 4u; e337 += 1u) {
-                const float row_scale338 = kv_scales[(((stage * 5248u) + (((n_first317 + ((frag336 % 2u) * 8u)) + ((lane_quad * 2u) + (e337 & 1u))) * 164u)) + 1u) + (warp_group * 10496u)];
-                scores_part[(frag336 * 4u) + e337] = fmaf(scores_term[(frag336 * 4u) + e337], row_scale338, scores_part[(frag336 * 4u) + e337]);
+            for (unsigned e338 = 0u; e338 < 4u; e338 += 1u) {
+                const float row_scale339 = kv_scales[(((stage * 5248u) + (((n_first318 + ((frag337 % 2u) * 8u)) + ((lane_quad * 2u) + (e338 & 1u))) * 164u)) + 1u) + (warp_group * 10496u)];
+                scores_part[(frag337 * 4u) + e338] = fmaf(scores_term[(frag337 * 4u) + e338], row_scale339, scores_part[(frag337 * 4u) + e338]);
             }
         }
         #pragma unroll
-        for (unsigned e339 = 0u; e339 < 8u; e339 += 1u) {
-            scores_term[e339] = 0.0f;
+        for (unsigned e340 = 0u; e340 < 8u; e340 += 1u) {
+            scores_term[e340] = 0.0f;
         }
-        const unsigned n_first340 = (warp / 2u) * 16u;
+        const unsigned n_first341 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk343 = 0u; kk343 < 2u; kk343 += 1u) {
+            for (unsigned kk344 = 0u; kk344 < 2u; kk344 += 1u) {
                 #pragma unroll
-                for (unsigned nj345 = 0u; nj345 < 2u; nj345 += 1u) {
-                    ldmatrix_x2(&b_frag342[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj345 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk343) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
+                for (unsigned nj346 = 0u; nj346 < 2u; nj346 += 1u) {
+                    ldmatrix_x2(&b_frag343[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj346 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk344) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi344 = 0u; mi344 < 1u; mi344 += 1u) {
-                        a_frag341[0u] = q_tile_a2[((mi344 * 2u) + kk343) * 4u];
-                        a_frag341[1u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 1u];
-                        a_frag341[2u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 2u];
-                        a_frag341[3u] = q_tile_a2[(((mi344 * 2u) + kk343) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi344 * 2u) + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
-                        a_frag341[0u] = q_tile_a2_lo[((mi344 * 2u) + kk343) * 4u];
-                        a_frag341[1u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 1u];
-                        a_frag341[2u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 2u];
-                        a_frag341[3u] = q_tile_a2_lo[(((mi344 * 2u) + kk343) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi344 * 2u) + nj345) * 4u], &a_frag341[0u], &b_frag342[0u]);
+                    for (unsigned mi345 = 0u; mi345 < 1u; mi345 += 1u) {
+                        a_frag342[0u] = q_tile_a2[((mi345 * 2u) + kk344) * 4u];
+                        a_frag342[1u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 1u];
+                        a_frag342[2u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 2u];
+                        a_frag342[3u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi345 * 2u) + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
+                        a_frag342[0u] = q_tile_a2_lo[((mi345 * 2u) + kk344) * 4u];
+                        a_frag342[1u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 1u];
+                        a_frag342[2u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 2u];
+                        a_frag342[3u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi345 * 2u) + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first346 = (warp % 2u) * 4u;
+            const unsigned k_first347 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e355 = 0u; e355 < 8u; e355 += 1u) {
-                scores_term[8u + e355] = 0.0f;
+            for (unsigned e356 = 0u; e356 < 8u; e356 += 1u) {
+                scores_term[8u + e356] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair353 = 0u; kk_pair353 < 2u; kk_pair353 += 1u) {
+            for (unsigned kk_pair354 = 0u; kk_pair354 < 2u; kk_pair354 += 1u) {
                 #pragma unroll
-                for (unsigned chain354 = 0u; chain354 < 2u; chain354 += 1u) {
-                    const unsigned kk350 = (kk_pair353 * 2u) + chain354;
+                for (unsigned chain355 = 0u; chain355 < 2u; chain355 += 1u) {
+                    const unsigned kk351 = (kk_pair354 * 2u) + chain355;
                     #pragma unroll
-                    for (unsigned nj352 = 0u; nj352 < 2u; nj352 += 1u) {
-                        ldmatrix_x1(&b_raw349[0u], kv_rows + (stage * 5248u) + (((n_first340 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first346 + kk350) * 4u) + (warp_group * 10496u));
-                        const unsigned e4m3_pair356 = e4m3x2_prep(b_raw349[0u] & 65535u);
-                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw349[0u] >> 16u);
-                        b_frag348[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair356), e4m3x2_hi(e4m3_pair356));
-                        b_frag348[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
+                    for (unsigned nj353 = 0u; nj353 < 2u; nj353 += 1u) {
+                        ldmatrix_x1(&b_raw350[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first347 + kk351) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw350[0u] & 65535u);
+                        const unsigned e4m3_pair358 = e4m3x2_prep(b_raw350[0u] >> 16u);
+                        b_frag349[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
+                        b_frag349[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair358), e4m3x2_hi(e4m3_pair358));
                         #pragma unroll
-                        for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
-                            a_frag347[0u] = q_tile_a2_bf16[((mi351 * 4u) + kk350) * 4u];
-                            a_frag347[1u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 1u];
-                            a_frag347[2u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 2u];
-                            a_frag347[3u] = q_tile_a2_bf16[(((mi351 * 4u) + kk350) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain354 * 8u) + (((mi351 * 2u) + nj352) * 4u)], &a_frag347[0u], &b_frag348[0u]);
+                        for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
+                            a_frag348[0u] = q_tile_a2_bf16[((mi352 * 4u) + kk351) * 4u];
+                            a_frag348[1u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 1u];
+                            a_frag348[2u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 2u];
+                            a_frag348[3u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain355 * 8u) + (((mi352 * 2u) + nj353) * 4u)], &a_frag348[0u], &b_frag349[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e358 = 0u; e358 < 8u; e358 += 1u) {
-                scores_term[e358] = scores_term[e358] + scores_term[8u + e358];
+            for (unsigned e359 = 0u; e359 < 8u; e359 += 1u) {
+                scores_term[e359] = scores_term[e359] + scores_term[8u + e359];
             }
         }
         #pragma unroll
-        for (unsigned frag359 = 0u; frag359 < 2u; frag359 += 1u) {
+        for (unsigned frag360 = 0u; frag360 < 2u; frag360 += 1u) {
             #pragma unroll
-            for (unsigned e360 = 0u; e360 < 4u; e360 += 1u) {
-                const float row_scale361 = kv_scales[(((stage * 5248u) + (((n_first340 + ((frag359 % 2u) * 8u)) + ((lane_quad * 2u) + (e360 & 1u))) * 164u)) + 2u) + (warp_group * 10496u)];
-                scores_part[(frag359 * 4u) + e360] = fmaf(scores_term[(frag359 * 4u) + e360], row_scale361, scores_part[(frag359 * 4u) + e360]);
+            for (unsigned e361 = 0u; e361 < 4u; e361 += 1u) {
+                const float row_scale362 = kv_scales[(((stage * 5248u) + (((n_first341 + ((frag360 % 2u) * 8u)) + ((lane_quad * 2u) + (e361 & 1u))) * 164u)) + 2u) + (warp_group * 10496u)];
+                scores_part[(frag360 * 4u) + e361] = fmaf(scores_term[(frag360 * 4u) + e361], row_scale362, scores_part[(frag360 * 4u) + e361]);
             }
         }
         #pragma unroll
-        for (unsigned e362 = 0u; e362 < 8u; e362 += 1u) {
-            scores_term[e362] = 0.0f;
+        for (unsigned e363 = 0u; e363 < 8u; e363 += 1u) {
+            scores_term[e363] = 0.0f;
         }
-        const unsigned n_first363 = (warp / 2u) * 16u;
+        const unsigned n_first364 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk366 = 0u; kk366 < 2u; kk366 += 1u) {
+            for (unsigned kk367 = 0u; kk367 < 2u; kk367 += 1u) {
                 #pragma unroll
-                for (unsigned nj368 = 0u; nj368 < 2u; nj368 += 1u) {
-                    ldmatrix_x2(&b_frag365[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj368 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk366) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
+                for (unsigned nj369 = 0u; nj369 < 2u; nj369 += 1u) {
+                    ldmatrix_x2(&b_frag366[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj369 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk367) * 8u) + ((lane_r16 >> 3u) * 4u) + (warp_group * 10496u));
                     #pragma unroll
-                    for (unsigned mi367 = 0u; mi367 < 1u; mi367 += 1u) {
-                        a_frag364[0u] = q_tile_a3[((mi367 * 2u) + kk366) * 4u];
-                        a_frag364[1u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 1u];
-                        a_frag364[2u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 2u];
-                        a_frag364[3u] = q_tile_a3[(((mi367 * 2u) + kk366) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi367 * 2u) + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
-                        a_frag364[0u] = q_tile_a3_lo[((mi367 * 2u) + kk366) * 4u];
-                        a_frag364[1u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 1u];
-                        a_frag364[2u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 2u];
-                        a_frag364[3u] = q_tile_a3_lo[(((mi367 * 2u) + kk366) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi367 * 2u) + nj368) * 4u], &a_frag364[0u], &b_frag365[0u]);
+                    for (unsigned mi368 = 0u; mi368 < 1u; mi368 += 1u) {
+                        a_frag365[0u] = q_tile_a3[((mi368 * 2u) + kk367) * 4u];
+                        a_frag365[1u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 1u];
+                        a_frag365[2u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 2u];
+                        a_frag365[3u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi368 * 2u) + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
+                        a_frag365[0u] = q_tile_a3_lo[((mi368 * 2u) + kk367) * 4u];
+                        a_frag365[1u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 1u];
+                        a_frag365[2u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 2u];
+                        a_frag365[3u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi368 * 2u) + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first369 = (warp % 2u) * 4u;
+            const unsigned k_first370 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e378 = 0u; e378 < 8u; e378 += 1u) {
-                scores_term[8u + e378] = 0.0f;
+            for (unsigned e379 = 0u; e379 < 8u; e379 += 1u) {
+                scores_term[8u + e379] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair376 = 0u; kk_pair376 < 2u; kk_pair376 += 1u) {
+            for (unsigned kk_pair377 = 0u; kk_pair377 < 2u; kk_pair377 += 1u) {
                 #pragma unroll
-                for (unsigned chain377 = 0u; chain377 < 2u; chain377 += 1u) {
-                    const unsigned kk373 = (kk_pair376 * 2u) + chain377;
+                for (unsigned chain378 = 0u; chain378 < 2u; chain378 += 1u) {
+                    const unsigned kk374 = (kk_pair377 * 2u) + chain378;
                     #pragma unroll
-                    for (unsigned nj375 = 0u; nj375 < 2u; nj375 += 1u) {
-                        ldmatrix_x1(&b_raw372[0u], kv_rows + (stage * 5248u) + (((n_first363 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first369 + kk373) * 4u) + (warp_group * 10496u));
-                        const unsigned e4m3_pair379 = e4m3x2_prep(b_raw372[0u] & 65535u);
-                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw372[0u] >> 16u);
-                        b_frag371[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair379), e4m3x2_hi(e4m3_pair379));
-                        b_frag371[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
+                    for (unsigned nj376 = 0u; nj376 < 2u; nj376 += 1u) {
+                        ldmatrix_x1(&b_raw373[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first370 + kk374) * 4u) + (warp_group * 10496u));
+                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw373[0u] & 65535u);
+                        const unsigned e4m3_pair381 = e4m3x2_prep(b_raw373[0u] >> 16u);
+                        b_frag372[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
+                        b_frag372[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair381), e4m3x2_hi(e4m3_pair381));
                         #pragma unroll
-                        for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
-                            a_frag370[0u] = q_tile_a3_bf16[((mi374 * 4u) + kk373) * 4u];
-                            a_frag370[1u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 1u];
-                            a_frag370[2u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 2u];
-                            a_frag370[3u] = q_tile_a3_bf16[(((mi374 * 4u) + kk373) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain377 * 8u) + (((mi374 * 2u) + nj375) * 4u)], &a_frag370[0u], &b_frag371[0u]);
+                        for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
+                            a_frag371[0u] = q_tile_a3_bf16[((mi375 * 4u) + kk374) * 4u];
+                            a_frag371[1u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 1u];
+                            a_frag371[2u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 2u];
+                            a_frag371[3u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain378 * 8u) + (((mi375 * 2u) + nj376) * 4u)], &a_frag371[0u], &b_frag372[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e381 = 0u; e381 < 8u; e381 += 1u) {
-                scores_term[e381] = scores_term[e381] + scores_term[8u + e381];
+            for (unsigned e382 = 0u; e382 < 8u; e382 += 1u) {
+                scores_term[e382] = scores_term[e382] + scores_term[8u + e382];
             }
         }
         #pragma unroll
-        for (unsigned frag382 = 0u; frag382 < 2u; frag382 += 1u) {
+        for (unsigned frag383 = 0u; frag383 < 2u; frag383 += 1u) {
             #pragma unroll
-            for (unsigned e383 = 0u; e383 < 4u; e383 += 1u) {
-                const float row_scale384 = kv_scales[(((stage * 5248u) + (((n_first363 + ((frag382 % 2u) * 8u)) + ((lane_quad * 2u) + (e383 & 1u))) * 164u)) + 3u) + (warp_group * 10496u)];
-                scores_part[(frag382 * 4u) + e383] = fmaf(scores_term[(frag382 * 4u) + e383], row_scale384, scores_part[(frag382 * 4u) + e383]);
+            for (unsigned e384 = 0u; e384 < 4u; e384 += 1u) {
+                const float row_scale385 = kv_scales[(((stage * 5248u) + (((n_first364 + ((frag383 % 2u) * 8u)) + ((lane_quad * 2u) + (e384 & 1u))) * 164u)) + 3u) + (warp_group * 10496u)];
+                scores_part[(frag383 * 4u) + e384] = fmaf(scores_term[(frag383 * 4u) + e384], row_scale385, scores_part[(frag383 * 4u) + e384]);
             }
         }
-        const unsigned n_first385 = (warp / 2u) * 16u;
-        const unsigned k_first386 = (warp % 2u) * 2u;
-        #pragma unroll
-        for (unsigned e395 = 0u; e395 < 8u; e395 += 1u) {
-            scores_part[8u + e395] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair393 = 0u; kk_pair393 < 1u; kk_pair393 += 1u) {
-            #pragma unroll
-            for (unsigned chain394 = 0u; chain394 < 2u; chain394 += 1u) {
-                const unsigned kk390 = (kk_pair393 * 2u) + chain394;
-                #pragma unroll
-                for (unsigned nj392 = 0u; nj392 < 2u; nj392 += 1u) {
-                    ldmatrix_x2(&b_frag388[0u], kv_rope + (stage * 5248u) + (((n_first385 + (nj392 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first386 + kk390) * 8u) + (lane_k8 >> 1u) + (warp_group * 10496u));
-                    #pragma unroll
-                    for (unsigned mi391 = 0u; mi391 < 1u; mi391 += 1u) {
-                        a_frag387[0u] = q_tile_a4[((mi391 * 2u) + kk390) * 4u];
-                        a_frag387[1u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 1u];
-                        a_frag387[2u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 2u];
-                        a_frag387[3u] = q_tile_a4[(((mi391 * 2u) + kk390) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain394 * 8u) + (((mi391 * 2u) + nj392) * 4u)], &a_frag387[0u], &b_frag388[0u]);
-                    }
-                }
-            }
-        }
+        const unsigned n_first386 = (warp / 2u) * 16u;
+        const unsigned k_first387 = (warp % 2u) * 2u;
         #pragma unroll
         for (unsigned e396 = 0u; e396 < 8u; e396 += 1u) {
-            scores_part[e396] = scores_part[e396] + scores_part[8u + e396];
+            scores_part[8u + e396] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair394 = 0u; kk_pair394 < 1u; kk_pair394 += 1u) {
+            #pragma unroll
+            for (unsigned chain395 = 0u; chain395 < 2u; chain395 += 1u) {
+                const unsigned kk391 = (kk_pair394 * 2u) + chain395;
+                #pragma unroll
+                for (unsigned nj393 = 0u; nj393 < 2u; nj393 += 1u) {
+                    ldmatrix_x2(&b_frag389[0u], kv_rope + (stage * 5248u) + (((n_first386 + (nj393 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first387 + kk391) * 8u) + (lane_k8 >> 1u) + (warp_group * 10496u));
+                    #pragma unroll
+                    for (unsigned mi392 = 0u; mi392 < 1u; mi392 += 1u) {
+                        a_frag388[0u] = q_tile_a4[((mi392 * 2u) + kk391) * 4u];
+                        a_frag388[1u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 1u];
+                        a_frag388[2u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 2u];
+                        a_frag388[3u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain395 * 8u) + (((mi392 * 2u) + nj393) * 4u)], &a_frag388[0u], &b_frag389[0u]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned e397 = 0u; e397 < 8u; e397 += 1u) {
+            scores_part[e397] = scores_part[e397] + scores_part[8u + e397];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag397 = 0u; frag397 < 2u; frag397 += 1u) {
+        for (unsigned frag398 = 0u; frag398 < 2u; frag398 += 1u) {
             #pragma unroll
-            for (unsigned half398 = 0u; half398 < 2u; half398 += 1u) {
+            for (unsigned half399 = 0u; half399 < 2u; half399 += 1u) {
                 #pragma unroll
-                for (unsigned e399 = 0u; e399 < 2u; e399 += 1u) {
-                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag397 / 2u) * 16u) + (half398 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag397 % 2u) * 8u)) + ((lane_quad * 2u) + e399))) + (warp_group * 1152u)] = scores_part[((frag397 * 4u) + (half398 * 2u)) + e399] * q_tile_unscale[0u];
+                for (unsigned e400 = 0u; e400 < 2u; e400 += 1u) {
+                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag398 / 2u) * 16u) + (half399 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag398 % 2u) * 8u)) + ((lane_quad * 2u) + e400))) + (warp_group * 1152u)] = scores_part[((frag398 * 4u) + (half399 * 2u)) + e400] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1429,29 +1435,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + (((2u + ((step_i - 1u) % 2u)) + (warp_group * 4u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage298 = ahead % 2u;
+                const unsigned load_stage299 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
-                    const unsigned gather_row300 = ((warp - 2u) + (lane * 2u)) + (slot299 * 64u);
-                    if (gather_row300 < 32u) {
+                for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                    const unsigned gather_row301 = ((warp - 2u) + (lane * 2u)) + (slot300 * 64u);
+                    if (gather_row301 < 32u) {
                         const unsigned step = warp_group + (ahead * 2u);
-                        const unsigned row_1 = gather_row300;
-                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[((load_stage298 * 36u) + gather_row300) + (warp_group * 72u)] = (src_i32301 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32301 >= 0) {
-                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
+                        const unsigned row_1 = gather_row301;
+                        const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[((load_stage299 * 36u) + gather_row301) + (warp_group * 72u)] = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32302 >= 0) {
+                            copy_async(kv_rows + (load_stage299 * 5248u) + (gather_row301 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + ((load_stage299 + (warp_group * 4u)) * 2u));
                         }
                     }
                 }
-                copy_arrive(ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
-                if ((ahead + 1u) < step_group_count) {
+                copy_arrive(ring_barriers + ((load_stage299 + (warp_group * 4u)) * 2u));
+                if ((ahead + 1u) < step_group_bound) {
                     const unsigned step = warp_group + ((ahead + 1u) * 2u);
                     #pragma unroll
-                    for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                        const unsigned gather_row303 = ((warp - 2u) + (lane * 2u)) + (slot302 * 64u);
-                        if (gather_row303 < 32u) {
-                            const unsigned row_1 = gather_row303;
-                            kv_rows_pre[slot302] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                        const unsigned gather_row304 = ((warp - 2u) + (lane * 2u)) + (slot303 * 64u);
+                        if (gather_row304 < 32u) {
+                            const unsigned row_1 = gather_row304;
+                            kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1459,34 +1465,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag400 = 0u; frag400 < 2u; frag400 += 1u) {
+            for (unsigned frag401 = 0u; frag401 < 2u; frag401 += 1u) {
                 #pragma unroll
-                for (unsigned half401 = 0u; half401 < 2u; half401 += 1u) {
+                for (unsigned half402 = 0u; half402 < 2u; half402 += 1u) {
                     #pragma unroll
-                    for (unsigned e402 = 0u; e402 < 2u; e402 += 1u) {
-                        float sum = scores[((frag400 * 4u) + (half401 * 2u)) + e402];
-                        const unsigned cell = (((scores_row0 + (half401 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag400 * 8u)) + ((lane_quad * 2u) + e402));
+                    for (unsigned e403 = 0u; e403 < 2u; e403 += 1u) {
+                        float sum = scores[((frag401 * 4u) + (half402 * 2u)) + e403];
+                        const unsigned cell = (((scores_row0 + (half402 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag401 * 8u)) + ((lane_quad * 2u) + e403));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[((g * 576u) + cell) + (warp_group * 1152u)];
                         }
-                        scores[((frag400 * 4u) + (half401 * 2u)) + e402] = sum;
+                        scores[((frag401 * 4u) + (half402 * 2u)) + e403] = sum;
                     }
                 }
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag403 = 0u; frag403 < 2u; frag403 += 1u) {
+            for (unsigned frag404 = 0u; frag404 < 2u; frag404 += 1u) {
                 #pragma unroll
-                for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag403 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag403 * 4u) + (half404 * 2u)];
-                    float v1 = scores[((frag403 * 4u) + (half404 * 2u)) + 1u];
+                for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag404 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag404 * 4u) + (half405 * 2u)];
+                    float v1 = scores[((frag404 * 4u) + (half405 * 2u)) + 1u];
                     v0 = (row_valid[((stage * 36u) + col) + (warp_group * 72u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[((stage * 36u) + (col + 1u)) + (warp_group * 72u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag403 * 4u) + (half404 * 2u)] = v0;
-                    scores[((frag403 * 4u) + (half404 * 2u)) + 1u] = v1;
+                    scores[(frag404 * 4u) + (half405 * 2u)] = v0;
+                    scores[((frag404 * 4u) + (half405 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1496,18 +1502,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi405 = 0u; mi405 < 1u; mi405 += 1u) {
+            for (unsigned mi406 = 0u; mi406 < 1u; mi406 += 1u) {
                 #pragma unroll
-                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi405 * 2u) * 4u) + (half406 * 2u)], scores[((mi405 * 2u) * 4u) + ((half406 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi405 * 2u) + 1u) * 4u) + (half406 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi405 * 2u) + 1u) * 4u) + ((half406 * 2u) + 1u)]);
+                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi406 * 2u) * 4u) + (half407 * 2u)], scores[((mi406 * 2u) * 4u) + ((half407 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + (half407 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi406 * 2u) + 1u) * 4u) + ((half407 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other407 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other407);
+                    const float other408 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other408);
                     if (lane_quad == 0u) {
-                        row_exchange[((((scores_row0 + (mi405 * 16u)) + ((half406 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
+                        row_exchange[((((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
                     }
                 }
             }
@@ -1520,84 +1526,84 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi410 = 0u; mi410 < 1u; mi410 += 1u) {
+        for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
             #pragma unroll
-            for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
-                const float m_old408 = row_max_reg[(mi410 * 2u) + half411];
-                float m_new409 = m_old408;
-                m_new409 = fmaxf(m_new409, row_exchange[(((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
-                m_new409 = fmaxf(m_new409, row_exchange[((((mi410 * 16u) + ((half411 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
-                row_alpha[(mi410 * 2u) + half411] = expf(m_old408 - m_new409);
-                row_max_reg[(mi410 * 2u) + half411] = m_new409;
+            for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
+                const float m_old409 = row_max_reg[(mi411 * 2u) + half412];
+                float m_new410 = m_old409;
+                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
+                m_new410 = fmaxf(m_new410, row_exchange[((((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
+                row_alpha[(mi411 * 2u) + half412] = expf(m_old409 - m_new410);
+                row_max_reg[(mi411 * 2u) + half412] = m_new410;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi415 = 0u; mi415 < 1u; mi415 += 1u) {
+            for (unsigned mi416 = 0u; mi416 < 1u; mi416 += 1u) {
                 #pragma unroll
-                for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
+                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj412 = 0u; nj412 < 2u; nj412 += 1u) {
+                    for (unsigned nj413 = 0u; nj413 < 2u; nj413 += 1u) {
                         #pragma unroll
-                        for (unsigned e413 = 0u; e413 < 2u; e413 += 1u) {
-                            const unsigned at414 = (((mi415 * 2u) + nj412) * 4u) + ((half416 * 2u) + e413);
-                            const float p = (scores[at414] < (-1e38f)) ? 0.0f : expf(scores[at414] - row_max_reg[(mi415 * 2u) + half416]);
-                            scores[at414] = p;
+                        for (unsigned e414 = 0u; e414 < 2u; e414 += 1u) {
+                            const unsigned at415 = (((mi416 * 2u) + nj413) * 4u) + ((half417 * 2u) + e414);
+                            const float p = (scores[at415] < (-1e38f)) ? 0.0f : expf(scores[at415] - row_max_reg[(mi416 * 2u) + half417]);
+                            scores[at415] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi415 * 2u) + half416] = (row_sum_part[(mi415 * 2u) + half416] * row_alpha[(mi415 * 2u) + half416]) + p_sum;
+                    row_sum_part[(mi416 * 2u) + half417] = (row_sum_part[(mi416 * 2u) + half417] * row_alpha[(mi416 * 2u) + half417]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag417 = 0u; frag417 < 4u; frag417 += 1u) {
+        for (unsigned frag418 = 0u; frag418 < 4u; frag418 += 1u) {
             #pragma unroll
-            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
-                const float alpha419 = row_alpha[((frag417 / 4u) * 2u) + half418];
-                o_acc[(frag417 * 4u) + (half418 * 2u)] = o_acc[(frag417 * 4u) + (half418 * 2u)] * alpha419;
-                o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] = o_acc[((frag417 * 4u) + (half418 * 2u)) + 1u] * alpha419;
+            for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
+                const float alpha420 = row_alpha[((frag418 / 4u) * 2u) + half419];
+                o_acc[(frag418 * 4u) + (half419 * 2u)] = o_acc[(frag418 * 4u) + (half419 * 2u)] * alpha420;
+                o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] = o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] * alpha420;
             }
         }
         #pragma unroll
-        for (unsigned frag420 = 0u; frag420 < 4u; frag420 += 1u) {
+        for (unsigned frag421 = 0u; frag421 < 4u; frag421 += 1u) {
             #pragma unroll
-            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
-                const float alpha422 = row_alpha[((frag420 / 4u) * 2u) + half421];
-                o_acc_1[(frag420 * 4u) + (half421 * 2u)] = o_acc_1[(frag420 * 4u) + (half421 * 2u)] * alpha422;
-                o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] = o_acc_1[((frag420 * 4u) + (half421 * 2u)) + 1u] * alpha422;
+            for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
+                const float alpha423 = row_alpha[((frag421 / 4u) * 2u) + half422];
+                o_acc_1[(frag421 * 4u) + (half422 * 2u)] = o_acc_1[(frag421 * 4u) + (half422 * 2u)] * alpha423;
+                o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] = o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] * alpha423;
             }
         }
         #pragma unroll
-        for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
+        for (unsigned frag424 = 0u; frag424 < 4u; frag424 += 1u) {
             #pragma unroll
-            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                const float alpha425 = row_alpha[((frag423 / 4u) * 2u) + half424];
-                o_acc_2[(frag423 * 4u) + (half424 * 2u)] = o_acc_2[(frag423 * 4u) + (half424 * 2u)] * alpha425;
-                o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc_2[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
+            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
+                const float alpha426 = row_alpha[((frag424 / 4u) * 2u) + half425];
+                o_acc_2[(frag424 * 4u) + (half425 * 2u)] = o_acc_2[(frag424 * 4u) + (half425 * 2u)] * alpha426;
+                o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
             }
         }
         #pragma unroll
-        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
+        for (unsigned frag427 = 0u; frag427 < 4u; frag427 += 1u) {
             #pragma unroll
-            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float alpha428 = row_alpha[((frag426 / 4u) * 2u) + half427];
-                o_acc_3[(frag426 * 4u) + (half427 * 2u)] = o_acc_3[(frag426 * 4u) + (half427 * 2u)] * alpha428;
-                o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_3[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
+            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
+                const float alpha429 = row_alpha[((frag427 / 4u) * 2u) + half428];
+                o_acc_3[(frag427 * 4u) + (half428 * 2u)] = o_acc_3[(frag427 * 4u) + (half428 * 2u)] * alpha429;
+                o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
+            for (unsigned frag432 = 0u; frag432 < 2u; frag432 += 1u) {
                 #pragma unroll
-                for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                    const unsigned row429 = (scores_row0 + ((frag431 / 2u) * 16u)) + ((half432 * 8u) + lane_group);
-                    const unsigned col430 = (scores_col0 + ((frag431 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag431 * 4u) + (half432 * 2u);
-                    p_tile[((row429 * 20u) + (col430 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                    const unsigned row430 = (scores_row0 + ((frag432 / 2u) * 16u)) + ((half433 * 8u) + lane_group);
+                    const unsigned col431 = (scores_col0 + ((frag432 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag432 * 4u) + (half433 * 2u);
+                    p_tile[((row430 * 20u) + (col431 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1610,252 +1616,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk436 = 0u; kk436 < 2u; kk436 += 1u) {
+        for (unsigned kk437 = 0u; kk437 < 2u; kk437 += 1u) {
             #pragma unroll
-            for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                ldmatrix_x4(&a_frag433[mi437 * 4u], p_tile + a_lane_word + (mi437 * 320u) + (kk436 * 8u) + (warp_group * 320u));
+            for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                ldmatrix_x4(&a_frag434[mi438 * 4u], p_tile + a_lane_word + (mi438 * 320u) + (kk437 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale445 = kv_scales[((stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
-                const float k_scale446 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
-                const float k_scale447 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
-                const float k_scale448 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
-                a_frag433[0u] = pack_bf16x2(__uint_as_float(a_frag433[0u] << 16u) * k_scale445, __uint_as_float(a_frag433[0u] & 4294901760u) * k_scale446);
-                a_frag433[1u] = pack_bf16x2(__uint_as_float(a_frag433[1u] << 16u) * k_scale445, __uint_as_float(a_frag433[1u] & 4294901760u) * k_scale446);
-                a_frag433[2u] = pack_bf16x2(__uint_as_float(a_frag433[2u] << 16u) * k_scale447, __uint_as_float(a_frag433[2u] & 4294901760u) * k_scale448);
-                a_frag433[3u] = pack_bf16x2(__uint_as_float(a_frag433[3u] << 16u) * k_scale447, __uint_as_float(a_frag433[3u] & 4294901760u) * k_scale448);
+                const float k_scale446 = kv_scales[((stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
+                const float k_scale447 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
+                const float k_scale448 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
+                const float k_scale449 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
+                a_frag434[0u] = pack_bf16x2(__uint_as_float(a_frag434[0u] << 16u) * k_scale446, __uint_as_float(a_frag434[0u] & 4294901760u) * k_scale447);
+                a_frag434[1u] = pack_bf16x2(__uint_as_float(a_frag434[1u] << 16u) * k_scale446, __uint_as_float(a_frag434[1u] & 4294901760u) * k_scale447);
+                a_frag434[2u] = pack_bf16x2(__uint_as_float(a_frag434[2u] << 16u) * k_scale448, __uint_as_float(a_frag434[2u] & 4294901760u) * k_scale449);
+                a_frag434[3u] = pack_bf16x2(__uint_as_float(a_frag434[3u] << 16u) * k_scale448, __uint_as_float(a_frag434[3u] & 4294901760u) * k_scale449);
                 #pragma unroll
                 for (unsigned np = 0u; np < 2u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
-                    const unsigned e4m3_pair449 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair450 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
-                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449), e4m3x2_hi(e4m3_pair449));
-                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
-                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
-                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
+                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair450 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair453 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
+                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
+                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
+                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
+                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453), e4m3x2_hi(e4m3_pair453));
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 4u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 4u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 2u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw435[0u], kv_rows + (stage * 5248u) + (((kk436 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
-                    const float k_scale = kv_scales[((stage * 5248u) + (((kk436 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
-                    const float k_scale442 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
-                    const float k_scale443 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
-                    const float k_scale444 = kv_scales[((stage * 5248u) + ((((kk436 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
-                    const unsigned e4m3_pair438 = e4m3x2_prep((b_raw435[0u] & 255u) | ((b_raw435[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair439 = e4m3x2_prep(((b_raw435[0u] >> 8u) & 255u) | ((b_raw435[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair440 = e4m3x2_prep((b_raw435[1u] & 255u) | ((b_raw435[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair441 = e4m3x2_prep(((b_raw435[1u] >> 8u) & 255u) | ((b_raw435[1u] >> 16u) & 65280u));
-                    b_frag434[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair438) * k_scale, e4m3x2_hi(e4m3_pair438) * k_scale442);
-                    b_frag434[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale443, e4m3x2_hi(e4m3_pair440) * k_scale444);
-                    b_frag434[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale442);
-                    b_frag434[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale443, e4m3x2_hi(e4m3_pair441) * k_scale444);
+                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale = kv_scales[((stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale443 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale444 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + (warp_group * 10496u)];
+                    const float k_scale445 = kv_scales[((stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair439 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair440 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair441 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair442 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
+                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale443);
+                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale444, e4m3x2_hi(e4m3_pair441) * k_scale445);
+                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale, e4m3x2_hi(e4m3_pair440) * k_scale443);
+                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair442) * k_scale444, e4m3x2_hi(e4m3_pair442) * k_scale445);
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 4u) + (np * 2u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[0u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 4u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi437 = 0u; mi437 < 1u; mi437 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi437 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag433[mi437 * 4u], &b_frag434[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word459 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk456 = 0u; kk456 < 2u; kk456 += 1u) {
-            #pragma unroll
-            for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                ldmatrix_x4(&a_frag453[mi457 * 4u], p_tile + a_lane_word459 + (mi457 * 320u) + (kk456 * 8u) + (warp_group * 320u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale468 = kv_scales[(((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
-                const float k_scale469 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
-                const float k_scale470 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
-                const float k_scale471 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
-                a_frag453[0u] = pack_bf16x2(__uint_as_float(a_frag453[0u] << 16u) * k_scale468, __uint_as_float(a_frag453[0u] & 4294901760u) * k_scale469);
-                a_frag453[1u] = pack_bf16x2(__uint_as_float(a_frag453[1u] << 16u) * k_scale468, __uint_as_float(a_frag453[1u] & 4294901760u) * k_scale469);
-                a_frag453[2u] = pack_bf16x2(__uint_as_float(a_frag453[2u] << 16u) * k_scale470, __uint_as_float(a_frag453[2u] & 4294901760u) * k_scale471);
-                a_frag453[3u] = pack_bf16x2(__uint_as_float(a_frag453[3u] << 16u) * k_scale470, __uint_as_float(a_frag453[3u] & 4294901760u) * k_scale471);
-                #pragma unroll
-                for (unsigned np458 = 0u; np458 < 2u; np458 += 1u) {
-                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
-                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472), e4m3x2_hi(e4m3_pair472));
-                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
-                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np458 = 0u; np458 < 2u; np458 += 1u) {
-                    ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 5248u) + (((kk456 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const float k_scale464 = kv_scales[(((stage * 5248u) + (((kk456 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
-                    const float k_scale465 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
-                    const float k_scale466 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
-                    const float k_scale467 = kv_scales[(((stage * 5248u) + ((((kk456 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
-                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair462 = e4m3x2_prep((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair463 = e4m3x2_prep(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u));
-                    b_frag454[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460) * k_scale464, e4m3x2_hi(e4m3_pair460) * k_scale465);
-                    b_frag454[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale466, e4m3x2_hi(e4m3_pair462) * k_scale467);
-                    b_frag454[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale464, e4m3x2_hi(e4m3_pair461) * k_scale465);
-                    b_frag454[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale466, e4m3x2_hi(e4m3_pair463) * k_scale467);
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi457 * 4u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
+                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi438 * 4u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word482 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word460 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk479 = 0u; kk479 < 2u; kk479 += 1u) {
+        for (unsigned kk457 = 0u; kk457 < 2u; kk457 += 1u) {
             #pragma unroll
-            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 320u) + (kk479 * 8u) + (warp_group * 320u));
+            for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                ldmatrix_x4(&a_frag454[mi458 * 4u], p_tile + a_lane_word460 + (mi458 * 320u) + (kk457 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale491 = kv_scales[(((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
-                const float k_scale492 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
-                const float k_scale493 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
-                const float k_scale494 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
-                a_frag476[0u] = pack_bf16x2(__uint_as_float(a_frag476[0u] << 16u) * k_scale491, __uint_as_float(a_frag476[0u] & 4294901760u) * k_scale492);
-                a_frag476[1u] = pack_bf16x2(__uint_as_float(a_frag476[1u] << 16u) * k_scale491, __uint_as_float(a_frag476[1u] & 4294901760u) * k_scale492);
-                a_frag476[2u] = pack_bf16x2(__uint_as_float(a_frag476[2u] << 16u) * k_scale493, __uint_as_float(a_frag476[2u] & 4294901760u) * k_scale494);
-                a_frag476[3u] = pack_bf16x2(__uint_as_float(a_frag476[3u] << 16u) * k_scale493, __uint_as_float(a_frag476[3u] & 4294901760u) * k_scale494);
+                const float k_scale469 = kv_scales[(((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale470 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale471 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
+                const float k_scale472 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
+                a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale469, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale470);
+                a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale469, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale470);
+                a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale471, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale472);
+                a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale471, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale472);
                 #pragma unroll
-                for (unsigned np481 = 0u; np481 < 2u; np481 += 1u) {
-                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
-                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
-                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
-                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                for (unsigned np459 = 0u; np459 < 2u; np459 += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair473 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair476 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 4u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 4u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np481 = 0u; np481 < 2u; np481 += 1u) {
-                    ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 5248u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np481 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const float k_scale487 = kv_scales[(((stage * 5248u) + (((kk479 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
-                    const float k_scale488 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
-                    const float k_scale489 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
-                    const float k_scale490 = kv_scales[(((stage * 5248u) + ((((kk479 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
-                    const unsigned e4m3_pair483 = e4m3x2_prep((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair484 = e4m3x2_prep(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u));
-                    b_frag477[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483) * k_scale487, e4m3x2_hi(e4m3_pair483) * k_scale488);
-                    b_frag477[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
-                    b_frag477[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale487, e4m3x2_hi(e4m3_pair484) * k_scale488);
-                    b_frag477[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
+                for (unsigned np459 = 0u; np459 < 2u; np459 += 1u) {
+                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale465 = kv_scales[(((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale466 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale467 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const float k_scale468 = kv_scales[(((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
+                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale465, e4m3x2_hi(e4m3_pair461) * k_scale466);
+                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale467, e4m3x2_hi(e4m3_pair463) * k_scale468);
+                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale465, e4m3x2_hi(e4m3_pair462) * k_scale466);
+                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464) * k_scale467, e4m3x2_hi(e4m3_pair464) * k_scale468);
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 4u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi480 * 4u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi458 * 4u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word505 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word483 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk502 = 0u; kk502 < 2u; kk502 += 1u) {
+        for (unsigned kk480 = 0u; kk480 < 2u; kk480 += 1u) {
             #pragma unroll
-            for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                ldmatrix_x4(&a_frag499[mi503 * 4u], p_tile + a_lane_word505 + (mi503 * 320u) + (kk502 * 8u) + (warp_group * 320u));
+            for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                ldmatrix_x4(&a_frag477[mi481 * 4u], p_tile + a_lane_word483 + (mi481 * 320u) + (kk480 * 8u) + (warp_group * 320u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale514 = kv_scales[(((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
-                const float k_scale515 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
-                const float k_scale516 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
-                const float k_scale517 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
-                a_frag499[0u] = pack_bf16x2(__uint_as_float(a_frag499[0u] << 16u) * k_scale514, __uint_as_float(a_frag499[0u] & 4294901760u) * k_scale515);
-                a_frag499[1u] = pack_bf16x2(__uint_as_float(a_frag499[1u] << 16u) * k_scale514, __uint_as_float(a_frag499[1u] & 4294901760u) * k_scale515);
-                a_frag499[2u] = pack_bf16x2(__uint_as_float(a_frag499[2u] << 16u) * k_scale516, __uint_as_float(a_frag499[2u] & 4294901760u) * k_scale517);
-                a_frag499[3u] = pack_bf16x2(__uint_as_float(a_frag499[3u] << 16u) * k_scale516, __uint_as_float(a_frag499[3u] & 4294901760u) * k_scale517);
+                const float k_scale492 = kv_scales[(((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale493 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale494 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
+                const float k_scale495 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
+                a_frag477[0u] = pack_bf16x2(__uint_as_float(a_frag477[0u] << 16u) * k_scale492, __uint_as_float(a_frag477[0u] & 4294901760u) * k_scale493);
+                a_frag477[1u] = pack_bf16x2(__uint_as_float(a_frag477[1u] << 16u) * k_scale492, __uint_as_float(a_frag477[1u] & 4294901760u) * k_scale493);
+                a_frag477[2u] = pack_bf16x2(__uint_as_float(a_frag477[2u] << 16u) * k_scale494, __uint_as_float(a_frag477[2u] & 4294901760u) * k_scale495);
+                a_frag477[3u] = pack_bf16x2(__uint_as_float(a_frag477[3u] << 16u) * k_scale494, __uint_as_float(a_frag477[3u] & 4294901760u) * k_scale495);
                 #pragma unroll
-                for (unsigned np504 = 0u; np504 < 2u; np504 += 1u) {
-                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const unsigned e4m3_pair518 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair519 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
-                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
-                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
-                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
-                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                for (unsigned np482 = 0u; np482 < 2u; np482 += 1u) {
+                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
+                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
+                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 4u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 4u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np504 = 0u; np504 < 2u; np504 += 1u) {
-                    ldmatrix_x2_trans(&b_raw501[0u], kv_rows + (stage * 5248u) + (((kk502 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np504 * 16u)) >> 2u) + (warp_group * 10496u));
-                    const float k_scale510 = kv_scales[(((stage * 5248u) + (((kk502 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
-                    const float k_scale511 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
-                    const float k_scale512 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
-                    const float k_scale513 = kv_scales[(((stage * 5248u) + ((((kk502 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
-                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw501[0u] & 255u) | ((b_raw501[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw501[0u] >> 8u) & 255u) | ((b_raw501[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair508 = e4m3x2_prep((b_raw501[1u] & 255u) | ((b_raw501[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair509 = e4m3x2_prep(((b_raw501[1u] >> 8u) & 255u) | ((b_raw501[1u] >> 16u) & 65280u));
-                    b_frag500[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
-                    b_frag500[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale512, e4m3x2_hi(e4m3_pair508) * k_scale513);
-                    b_frag500[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
-                    b_frag500[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale512, e4m3x2_hi(e4m3_pair509) * k_scale513);
+                for (unsigned np482 = 0u; np482 < 2u; np482 += 1u) {
+                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale488 = kv_scales[(((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale489 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale490 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const float k_scale491 = kv_scales[(((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair484 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
+                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale488, e4m3x2_hi(e4m3_pair484) * k_scale489);
+                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale490, e4m3x2_hi(e4m3_pair486) * k_scale491);
+                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale488, e4m3x2_hi(e4m3_pair485) * k_scale489);
+                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale490, e4m3x2_hi(e4m3_pair487) * k_scale491);
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + (np504 * 2u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[0u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 4u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi503 = 0u; mi503 < 1u; mi503 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi503 * 4u) + ((np504 * 2u) + 1u)) * 4u], &a_frag499[mi503 * 4u], &b_frag500[2u]);
+                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi481 * 4u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word506 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk503 = 0u; kk503 < 2u; kk503 += 1u) {
+            #pragma unroll
+            for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                ldmatrix_x4(&a_frag500[mi504 * 4u], p_tile + a_lane_word506 + (mi504 * 320u) + (kk503 * 8u) + (warp_group * 320u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale515 = kv_scales[(((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale516 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale517 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
+                const float k_scale518 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
+                a_frag500[0u] = pack_bf16x2(__uint_as_float(a_frag500[0u] << 16u) * k_scale515, __uint_as_float(a_frag500[0u] & 4294901760u) * k_scale516);
+                a_frag500[1u] = pack_bf16x2(__uint_as_float(a_frag500[1u] << 16u) * k_scale515, __uint_as_float(a_frag500[1u] & 4294901760u) * k_scale516);
+                a_frag500[2u] = pack_bf16x2(__uint_as_float(a_frag500[2u] << 16u) * k_scale517, __uint_as_float(a_frag500[2u] & 4294901760u) * k_scale518);
+                a_frag500[3u] = pack_bf16x2(__uint_as_float(a_frag500[3u] << 16u) * k_scale517, __uint_as_float(a_frag500[3u] & 4294901760u) * k_scale518);
+                #pragma unroll
+                for (unsigned np505 = 0u; np505 < 2u; np505 += 1u) {
+                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const unsigned e4m3_pair519 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair522 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
+                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
+                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 4u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 4u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np505 = 0u; np505 < 2u; np505 += 1u) {
+                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u) + (warp_group * 10496u));
+                    const float k_scale511 = kv_scales[(((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale512 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale513 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const float k_scale514 = kv_scales[(((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u) + (warp_group * 10496u)];
+                    const unsigned e4m3_pair507 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair508 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair509 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair510 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
+                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale511, e4m3x2_hi(e4m3_pair507) * k_scale512);
+                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale513, e4m3x2_hi(e4m3_pair509) * k_scale514);
+                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale511, e4m3x2_hi(e4m3_pair508) * k_scale512);
+                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair510) * k_scale513, e4m3x2_hi(e4m3_pair510) * k_scale514);
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 4u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi504 * 4u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
                     }
                 }
             }
@@ -1870,16 +1876,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi523 = 0u; mi523 < 1u; mi523 += 1u) {
+        for (unsigned mi524 = 0u; mi524 < 1u; mi524 += 1u) {
             #pragma unroll
-            for (unsigned half524 = 0u; half524 < 2u; half524 += 1u) {
-                float row_sum522 = row_sum_part[(mi523 * 2u) + half524];
-                const float other525 = shfl_xor_f32(row_sum522, 1);
-                row_sum522 = row_sum522 + other525;
-                const float other526 = shfl_xor_f32(row_sum522, 2);
-                row_sum522 = row_sum522 + other526;
+            for (unsigned half525 = 0u; half525 < 2u; half525 += 1u) {
+                float row_sum523 = row_sum_part[(mi524 * 2u) + half525];
+                const float other526 = shfl_xor_f32(row_sum523, 1);
+                row_sum523 = row_sum523 + other526;
+                const float other527 = shfl_xor_f32(row_sum523, 2);
+                row_sum523 = row_sum523 + other527;
                 if (lane_quad == 0u) {
-                    row_exchange[((((scores_row0 + (mi523 * 16u)) + ((half524 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum522;
+                    row_exchange[((((scores_row0 + (mi524 * 16u)) + ((half525 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum523;
                 }
             }
         }
@@ -1887,14 +1893,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi528 = 0u; mi528 < 1u; mi528 += 1u) {
+        for (unsigned mi529 = 0u; mi529 < 1u; mi529 += 1u) {
             #pragma unroll
-            for (unsigned half529 = 0u; half529 < 2u; half529 += 1u) {
+            for (unsigned half530 = 0u; half530 < 2u; half530 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum527 = row_exchange[(((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
-                    row_sum527 = row_sum527 + row_exchange[((((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
-                    row_sum[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum527;
-                    row_max[((scores_row0 + (mi528 * 16u)) + ((half529 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi528 * 2u) + half529];
+                    float row_sum528 = row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
+                    row_sum528 = row_sum528 + row_exchange[((((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
+                    row_sum[((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum528;
+                    row_max[((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi529 * 2u) + half530];
                 }
             }
         }
@@ -1904,54 +1910,54 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
         #pragma unroll
-        for (unsigned frag532 = 0u; frag532 < 2u; frag532 += 1u) {
+        for (unsigned frag533 = 0u; frag533 < 2u; frag533 += 1u) {
             #pragma unroll
-            for (unsigned half533 = 0u; half533 < 2u; half533 += 1u) {
+            for (unsigned half534 = 0u; half534 < 2u; half534 += 1u) {
                 #pragma unroll
-                for (unsigned e534 = 0u; e534 < 2u; e534 += 1u) {
-                    const unsigned row530 = (o_acc_row0 + ((frag532 / 2u) * 16u)) + ((half533 * 8u) + lane_group);
-                    const unsigned col531 = (o_acc_col0 + ((frag532 % 2u) * 16u)) + ((lane_quad * 4u) + (e534 * 2u));
-                    kv_rows[(row530 * 128u) + col531] = __float_as_uint(o_acc[((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) * 4u) + ((half533 * 2u) + e534)]);
-                    kv_rows[(row530 * 128u) + (col531 + 1u)] = __float_as_uint(o_acc[(((((frag532 / 2u) * 4u) + ((frag532 % 2u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)]);
+                for (unsigned e535 = 0u; e535 < 2u; e535 += 1u) {
+                    const unsigned row531 = (o_acc_row0 + ((frag533 / 2u) * 16u)) + ((half534 * 8u) + lane_group);
+                    const unsigned col532 = (o_acc_col0 + ((frag533 % 2u) * 16u)) + ((lane_quad * 4u) + (e535 * 2u));
+                    kv_rows[(row531 * 128u) + col532] = __float_as_uint(o_acc[((((frag533 / 2u) * 4u) + ((frag533 % 2u) * 2u)) * 4u) + ((half534 * 2u) + e535)]);
+                    kv_rows[(row531 * 128u) + (col532 + 1u)] = __float_as_uint(o_acc[(((((frag533 / 2u) * 4u) + ((frag533 % 2u) * 2u)) + 1u) * 4u) + ((half534 * 2u) + e535)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag537 = 0u; frag537 < 2u; frag537 += 1u) {
+        for (unsigned frag538 = 0u; frag538 < 2u; frag538 += 1u) {
             #pragma unroll
-            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
+            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
                 #pragma unroll
-                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
-                    const unsigned row535 = (o_acc_1_row0 + ((frag537 / 2u) * 16u)) + ((half538 * 8u) + lane_group);
-                    const unsigned col536 = (o_acc_1_col0 + ((frag537 % 2u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
-                    kv_rows[(2048u + (row535 * 128u)) + col536] = __float_as_uint(o_acc_1[((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) * 4u) + ((half538 * 2u) + e539)]);
-                    kv_rows[(2048u + (row535 * 128u)) + (col536 + 1u)] = __float_as_uint(o_acc_1[(((((frag537 / 2u) * 4u) + ((frag537 % 2u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)]);
+                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
+                    const unsigned row536 = (o_acc_1_row0 + ((frag538 / 2u) * 16u)) + ((half539 * 8u) + lane_group);
+                    const unsigned col537 = (o_acc_1_col0 + ((frag538 % 2u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
+                    kv_rows[(2048u + (row536 * 128u)) + col537] = __float_as_uint(o_acc_1[((((frag538 / 2u) * 4u) + ((frag538 % 2u) * 2u)) * 4u) + ((half539 * 2u) + e540)]);
+                    kv_rows[(2048u + (row536 * 128u)) + (col537 + 1u)] = __float_as_uint(o_acc_1[(((((frag538 / 2u) * 4u) + ((frag538 % 2u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag542 = 0u; frag542 < 2u; frag542 += 1u) {
+        for (unsigned frag543 = 0u; frag543 < 2u; frag543 += 1u) {
             #pragma unroll
-            for (unsigned half543 = 0u; half543 < 2u; half543 += 1u) {
+            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
                 #pragma unroll
-                for (unsigned e544 = 0u; e544 < 2u; e544 += 1u) {
-                    const unsigned row540 = (o_acc_2_row0 + ((frag542 / 2u) * 16u)) + ((half543 * 8u) + lane_group);
-                    const unsigned col541 = (o_acc_2_col0 + ((frag542 % 2u) * 16u)) + ((lane_quad * 4u) + (e544 * 2u));
-                    kv_rows[(4096u + (row540 * 128u)) + col541] = __float_as_uint(o_acc_2[((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) * 4u) + ((half543 * 2u) + e544)]);
-                    kv_rows[(4096u + (row540 * 128u)) + (col541 + 1u)] = __float_as_uint(o_acc_2[(((((frag542 / 2u) * 4u) + ((frag542 % 2u) * 2u)) + 1u) * 4u) + ((half543 * 2u) + e544)]);
+                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
+                    const unsigned row541 = (o_acc_2_row0 + ((frag543 / 2u) * 16u)) + ((half544 * 8u) + lane_group);
+                    const unsigned col542 = (o_acc_2_col0 + ((frag543 % 2u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
+                    kv_rows[(4096u + (row541 * 128u)) + col542] = __float_as_uint(o_acc_2[((((frag543 / 2u) * 4u) + ((frag543 % 2u) * 2u)) * 4u) + ((half544 * 2u) + e545)]);
+                    kv_rows[(4096u + (row541 * 128u)) + (col542 + 1u)] = __float_as_uint(o_acc_2[(((((frag543 / 2u) * 4u) + ((frag543 % 2u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)]);
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag547 = 0u; frag547 < 2u; frag547 += 1u) {
+        for (unsigned frag548 = 0u; frag548 < 2u; frag548 += 1u) {
             #pragma unroll
-            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
+            for (unsigned half549 = 0u; half549 < 2u; half549 += 1u) {
                 #pragma unroll
-                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
-                    const unsigned row545 = (o_acc_3_row0 + ((frag547 / 2u) * 16u)) + ((half548 * 8u) + lane_group);
-                    const unsigned col546 = (o_acc_3_col0 + ((frag547 % 2u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
-                    kv_rows[(6144u + (row545 * 128u)) + col546] = __float_as_uint(o_acc_3[((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) * 4u) + ((half548 * 2u) + e549)]);
-                    kv_rows[(6144u + (row545 * 128u)) + (col546 + 1u)] = __float_as_uint(o_acc_3[(((((frag547 / 2u) * 4u) + ((frag547 % 2u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)]);
+                for (unsigned e550 = 0u; e550 < 2u; e550 += 1u) {
+                    const unsigned row546 = (o_acc_3_row0 + ((frag548 / 2u) * 16u)) + ((half549 * 8u) + lane_group);
+                    const unsigned col547 = (o_acc_3_col0 + ((frag548 % 2u) * 16u)) + ((lane_quad * 4u) + (e550 * 2u));
+                    kv_rows[(6144u + (row546 * 128u)) + col547] = __float_as_uint(o_acc_3[((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) * 4u) + ((half549 * 2u) + e550)]);
+                    kv_rows[(6144u + (row546 * 128u)) + (col547 + 1u)] = __float_as_uint(o_acc_3[(((((frag548 / 2u) * 4u) + ((frag548 % 2u) * 2u)) + 1u) * 4u) + ((half549 * 2u) + e550)]);
                 }
             }
         }
@@ -1977,62 +1983,62 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // warp groups: group 0 adds the other groups' accumulators, scaled
     if (warp_group == 0u) {
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 2u; frag552 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 2u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row550 = (o_acc_row0 + ((frag552 / 2u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col551 = (o_acc_col0 + ((frag552 % 2u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    const unsigned sub9 = ((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) * 4u) + ((half553 * 2u) + e554);
-                    o_acc[sub9] = (o_acc[sub9] * group_factor[row550]) + (group_factor[16u + row550] * __uint_as_float(kv_rows[(row550 * 128u) + col551]));
-                    const unsigned sub10 = (((((frag552 / 2u) * 4u) + ((frag552 % 2u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554);
-                    o_acc[sub10] = (o_acc[sub10] * group_factor[row550]) + (group_factor[16u + row550] * __uint_as_float(kv_rows[(row550 * 128u) + (col551 + 1u)]));
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row551 = (o_acc_row0 + ((frag553 / 2u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col552 = (o_acc_col0 + ((frag553 % 2u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    const unsigned sub9 = ((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) * 4u) + ((half554 * 2u) + e555);
+                    o_acc[sub9] = (o_acc[sub9] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + col552]));
+                    const unsigned sub10 = (((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555);
+                    o_acc[sub10] = (o_acc[sub10] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + (col552 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
+        for (unsigned frag558 = 0u; frag558 < 2u; frag558 += 1u) {
             #pragma unroll
-            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
+            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
                 #pragma unroll
-                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
-                    const unsigned row555 = (o_acc_1_row0 + ((frag557 / 2u) * 16u)) + ((half558 * 8u) + lane_group);
-                    const unsigned col556 = (o_acc_1_col0 + ((frag557 % 2u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
-                    const unsigned sub11 = ((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) * 4u) + ((half558 * 2u) + e559);
-                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row555]) + (group_factor[16u + row555] * __uint_as_float(kv_rows[(2048u + (row555 * 128u)) + col556]));
-                    const unsigned sub12 = (((((frag557 / 2u) * 4u) + ((frag557 % 2u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559);
-                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row555]) + (group_factor[16u + row555] * __uint_as_float(kv_rows[(2048u + (row555 * 128u)) + (col556 + 1u)]));
+                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
+                    const unsigned row556 = (o_acc_1_row0 + ((frag558 / 2u) * 16u)) + ((half559 * 8u) + lane_group);
+                    const unsigned col557 = (o_acc_1_col0 + ((frag558 % 2u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
+                    const unsigned sub11 = ((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) * 4u) + ((half559 * 2u) + e560);
+                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + col557]));
+                    const unsigned sub12 = (((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560);
+                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + (col557 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
+        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
             #pragma unroll
-            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
+            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
                 #pragma unroll
-                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
-                    const unsigned row560 = (o_acc_2_row0 + ((frag562 / 2u) * 16u)) + ((half563 * 8u) + lane_group);
-                    const unsigned col561 = (o_acc_2_col0 + ((frag562 % 2u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
-                    const unsigned sub13 = ((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) * 4u) + ((half563 * 2u) + e564);
-                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row560]) + (group_factor[16u + row560] * __uint_as_float(kv_rows[(4096u + (row560 * 128u)) + col561]));
-                    const unsigned sub14 = (((((frag562 / 2u) * 4u) + ((frag562 % 2u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564);
-                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row560]) + (group_factor[16u + row560] * __uint_as_float(kv_rows[(4096u + (row560 * 128u)) + (col561 + 1u)]));
+                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
+                    const unsigned row561 = (o_acc_2_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
+                    const unsigned col562 = (o_acc_2_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
+                    const unsigned sub13 = ((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565);
+                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + col562]));
+                    const unsigned sub14 = (((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565);
+                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + (col562 + 1u)]));
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
+        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
             #pragma unroll
-            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
+            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
                 #pragma unroll
-                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
-                    const unsigned row565 = (o_acc_3_row0 + ((frag567 / 2u) * 16u)) + ((half568 * 8u) + lane_group);
-                    const unsigned col566 = (o_acc_3_col0 + ((frag567 % 2u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
-                    const unsigned sub15 = ((((frag567 / 2u) * 4u) + ((frag567 % 2u) * 2u)) * 4u) + ((half568 * 2u) + e569);
-                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row565]) + (group_factor[16u + row565] * __uint_as_float(kv_rows[(6144u + (row565 * 128u)) + col566]));
-                    const unsigned sub16 = (((((frag567 / 2u) * 4u) + ((frag567 % 2u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569);
-                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row565]) + (group_factor[16u + row565] * __uint_as_float(kv_rows[(6144u + (row565 * 128u)) + (col566 + 1u)]));
+                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
+                    const unsigned row566 = (o_acc_3_row0 + ((frag568 / 2u) * 16u)) + ((half569 * 8u) + lane_group);
+                    const unsigned col567 = (o_acc_3_col0 + ((frag568 % 2u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
+                    const unsigned sub15 = ((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570);
+                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + col567]));
+                    const unsigned sub16 = (((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570);
+                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + (col567 + 1u)]));
                 }
             }
         }
@@ -2045,86 +2051,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // one split: normalise and write out and lse
             #pragma unroll
-            for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
+            for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
                 #pragma unroll
-                for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
+                for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
                     #pragma unroll
-                    for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
-                        const unsigned row_16 = (o_acc_row0 + ((frag570 / 2u) * 16u)) + ((half571 * 8u) + lane_group);
-                        const unsigned col_6 = (o_acc_col0 + ((frag570 % 2u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
-                        float v0_6 = o_acc[((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
-                        float v1_6 = o_acc[(((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
+                    for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
+                        const unsigned row_16 = (o_acc_row0 + ((frag571 / 2u) * 16u)) + ((half572 * 8u) + lane_group);
+                        const unsigned col_6 = (o_acc_col0 + ((frag571 % 2u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
+                        float v0_6 = o_acc[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
+                        float v1_6 = o_acc[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
                         const unsigned h = h0 + row_16;
                         if (h < p.heads) {
                             const float l = row_sum[row_16 + (warp_group * 16u)];
                             const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                         }
-                        o_acc[((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_6;
-                        o_acc[(((((frag570 / 2u) * 4u) + ((frag570 % 2u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_6;
+                        o_acc[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_6;
+                        o_acc[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_6;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
+            for (unsigned frag574 = 0u; frag574 < 2u; frag574 += 1u) {
                 #pragma unroll
-                for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
+                for (unsigned half575 = 0u; half575 < 2u; half575 += 1u) {
                     #pragma unroll
-                    for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
-                        const unsigned row_17 = (o_acc_1_row0 + ((frag573 / 2u) * 16u)) + ((half574 * 8u) + lane_group);
-                        const unsigned col_7 = (o_acc_1_col0 + ((frag573 % 2u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
-                        float v0_7 = o_acc_1[((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
-                        float v1_7 = o_acc_1[(((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
+                    for (unsigned e576 = 0u; e576 < 2u; e576 += 1u) {
+                        const unsigned row_17 = (o_acc_1_row0 + ((frag574 / 2u) * 16u)) + ((half575 * 8u) + lane_group);
+                        const unsigned col_7 = (o_acc_1_col0 + ((frag574 % 2u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
+                        float v0_7 = o_acc_1[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
+                        float v1_7 = o_acc_1[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
                         const unsigned h_1 = h0 + row_17;
                         if (h_1 < p.heads) {
                             const float l_1 = row_sum[row_17 + (warp_group * 16u)];
                             const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                         }
-                        o_acc_1[((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_7;
-                        o_acc_1[(((((frag573 / 2u) * 4u) + ((frag573 % 2u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_7;
+                        o_acc_1[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_7;
+                        o_acc_1[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_7;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag576 = 0u; frag576 < 2u; frag576 += 1u) {
+            for (unsigned frag577 = 0u; frag577 < 2u; frag577 += 1u) {
                 #pragma unroll
-                for (unsigned half577 = 0u; half577 < 2u; half577 += 1u) {
+                for (unsigned half578 = 0u; half578 < 2u; half578 += 1u) {
                     #pragma unroll
-                    for (unsigned e578 = 0u; e578 < 2u; e578 += 1u) {
-                        const unsigned row_18 = (o_acc_2_row0 + ((frag576 / 2u) * 16u)) + ((half577 * 8u) + lane_group);
-                        const unsigned col_8 = (o_acc_2_col0 + ((frag576 % 2u) * 16u)) + ((lane_quad * 4u) + (e578 * 2u));
-                        float v0_8 = o_acc_2[((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) * 4u) + ((half577 * 2u) + e578)];
-                        float v1_8 = o_acc_2[(((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)];
+                    for (unsigned e579 = 0u; e579 < 2u; e579 += 1u) {
+                        const unsigned row_18 = (o_acc_2_row0 + ((frag577 / 2u) * 16u)) + ((half578 * 8u) + lane_group);
+                        const unsigned col_8 = (o_acc_2_col0 + ((frag577 % 2u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
+                        float v0_8 = o_acc_2[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
+                        float v1_8 = o_acc_2[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
                         const unsigned h_2 = h0 + row_18;
                         if (h_2 < p.heads) {
                             const float l_2 = row_sum[row_18 + (warp_group * 16u)];
                             const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                         }
-                        o_acc_2[((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) * 4u) + ((half577 * 2u) + e578)] = v0_8;
-                        o_acc_2[(((((frag576 / 2u) * 4u) + ((frag576 % 2u) * 2u)) + 1u) * 4u) + ((half577 * 2u) + e578)] = v1_8;
+                        o_acc_2[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_8;
+                        o_acc_2[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_8;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag579 = 0u; frag579 < 2u; frag579 += 1u) {
+            for (unsigned frag580 = 0u; frag580 < 2u; frag580 += 1u) {
                 #pragma unroll
-                for (unsigned half580 = 0u; half580 < 2u; half580 += 1u) {
+                for (unsigned half581 = 0u; half581 < 2u; half581 += 1u) {
                     #pragma unroll
-                    for (unsigned e581 = 0u; e581 < 2u; e581 += 1u) {
-                        const unsigned row_19 = (o_acc_3_row0 + ((frag579 / 2u) * 16u)) + ((half580 * 8u) + lane_group);
-                        const unsigned col_9 = (o_acc_3_col0 + ((frag579 % 2u) * 16u)) + ((lane_quad * 4u) + (e581 * 2u));
-                        float v0_9 = o_acc_3[((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) * 4u) + ((half580 * 2u) + e581)];
-                        float v1_9 = o_acc_3[(((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)];
+                    for (unsigned e582 = 0u; e582 < 2u; e582 += 1u) {
+                        const unsigned row_19 = (o_acc_3_row0 + ((frag580 / 2u) * 16u)) + ((half581 * 8u) + lane_group);
+                        const unsigned col_9 = (o_acc_3_col0 + ((frag580 % 2u) * 16u)) + ((lane_quad * 4u) + (e582 * 2u));
+                        float v0_9 = o_acc_3[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)];
+                        float v1_9 = o_acc_3[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)];
                         const unsigned h_3 = h0 + row_19;
                         if (h_3 < p.heads) {
                             const float l_3 = row_sum[row_19 + (warp_group * 16u)];
                             const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
                             ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                         }
-                        o_acc_3[((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) * 4u) + ((half580 * 2u) + e581)] = v0_9;
-                        o_acc_3[(((((frag579 / 2u) * 4u) + ((frag579 % 2u) * 2u)) + 1u) * 4u) + ((half580 * 2u) + e581)] = v1_9;
+                        o_acc_3[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)] = v0_9;
+                        o_acc_3[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)] = v1_9;
                     }
                 }
             }
@@ -2140,15 +2146,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
             // normalise and write this split's partial rows and lse
             #pragma unroll
-            for (unsigned frag582 = 0u; frag582 < 2u; frag582 += 1u) {
+            for (unsigned frag583 = 0u; frag583 < 2u; frag583 += 1u) {
                 #pragma unroll
-                for (unsigned half583 = 0u; half583 < 2u; half583 += 1u) {
+                for (unsigned half584 = 0u; half584 < 2u; half584 += 1u) {
                     #pragma unroll
-                    for (unsigned e584 = 0u; e584 < 2u; e584 += 1u) {
-                        const unsigned row_20 = (o_acc_row0 + ((frag582 / 2u) * 16u)) + ((half583 * 8u) + lane_group);
-                        const unsigned col_10 = (o_acc_col0 + ((frag582 % 2u) * 16u)) + ((lane_quad * 4u) + (e584 * 2u));
-                        float v0_10 = o_acc[((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) * 4u) + ((half583 * 2u) + e584)];
-                        float v1_10 = o_acc[(((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)];
+                    for (unsigned e585 = 0u; e585 < 2u; e585 += 1u) {
+                        const unsigned row_20 = (o_acc_row0 + ((frag583 / 2u) * 16u)) + ((half584 * 8u) + lane_group);
+                        const unsigned col_10 = (o_acc_col0 + ((frag583 % 2u) * 16u)) + ((lane_quad * 4u) + (e585 * 2u));
+                        float v0_10 = o_acc[((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585)];
+                        float v1_10 = o_acc[(((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585)];
                         const unsigned h_5 = h0 + row_20;
                         if (h_5 < p.heads) {
                             const float l_5 = row_sum[row_20 + (warp_group * 16u)];
@@ -2157,21 +2163,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at] = v0_10 * inv_l_4;
                             o_part[at + 1u] = v1_10 * inv_l_4;
                         }
-                        o_acc[((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) * 4u) + ((half583 * 2u) + e584)] = v0_10;
-                        o_acc[(((((frag582 / 2u) * 4u) + ((frag582 % 2u) * 2u)) + 1u) * 4u) + ((half583 * 2u) + e584)] = v1_10;
+                        o_acc[((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585)] = v0_10;
+                        o_acc[(((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585)] = v1_10;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag585 = 0u; frag585 < 2u; frag585 += 1u) {
+            for (unsigned frag586 = 0u; frag586 < 2u; frag586 += 1u) {
                 #pragma unroll
-                for (unsigned half586 = 0u; half586 < 2u; half586 += 1u) {
+                for (unsigned half587 = 0u; half587 < 2u; half587 += 1u) {
                     #pragma unroll
-                    for (unsigned e587 = 0u; e587 < 2u; e587 += 1u) {
-                        const unsigned row_21 = (o_acc_1_row0 + ((frag585 / 2u) * 16u)) + ((half586 * 8u) + lane_group);
-                        const unsigned col_11 = (o_acc_1_col0 + ((frag585 % 2u) * 16u)) + ((lane_quad * 4u) + (e587 * 2u));
-                        float v0_11 = o_acc_1[((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) * 4u) + ((half586 * 2u) + e587)];
-                        float v1_11 = o_acc_1[(((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)];
+                    for (unsigned e588 = 0u; e588 < 2u; e588 += 1u) {
+                        const unsigned row_21 = (o_acc_1_row0 + ((frag586 / 2u) * 16u)) + ((half587 * 8u) + lane_group);
+                        const unsigned col_11 = (o_acc_1_col0 + ((frag586 % 2u) * 16u)) + ((lane_quad * 4u) + (e588 * 2u));
+                        float v0_11 = o_acc_1[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)];
+                        float v1_11 = o_acc_1[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)];
                         const unsigned h_6 = h0 + row_21;
                         if (h_6 < p.heads) {
                             const float l_6 = row_sum[row_21 + (warp_group * 16u)];
@@ -2180,21 +2186,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_1] = v0_11 * inv_l_5;
                             o_part[at_1 + 1u] = v1_11 * inv_l_5;
                         }
-                        o_acc_1[((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) * 4u) + ((half586 * 2u) + e587)] = v0_11;
-                        o_acc_1[(((((frag585 / 2u) * 4u) + ((frag585 % 2u) * 2u)) + 1u) * 4u) + ((half586 * 2u) + e587)] = v1_11;
+                        o_acc_1[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)] = v0_11;
+                        o_acc_1[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)] = v1_11;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag588 = 0u; frag588 < 2u; frag588 += 1u) {
+            for (unsigned frag589 = 0u; frag589 < 2u; frag589 += 1u) {
                 #pragma unroll
-                for (unsigned half589 = 0u; half589 < 2u; half589 += 1u) {
+                for (unsigned half590 = 0u; half590 < 2u; half590 += 1u) {
                     #pragma unroll
-                    for (unsigned e590 = 0u; e590 < 2u; e590 += 1u) {
-                        const unsigned row_22 = (o_acc_2_row0 + ((frag588 / 2u) * 16u)) + ((half589 * 8u) + lane_group);
-                        const unsigned col_12 = (o_acc_2_col0 + ((frag588 % 2u) * 16u)) + ((lane_quad * 4u) + (e590 * 2u));
-                        float v0_12 = o_acc_2[((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) * 4u) + ((half589 * 2u) + e590)];
-                        float v1_12 = o_acc_2[(((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)];
+                    for (unsigned e591 = 0u; e591 < 2u; e591 += 1u) {
+                        const unsigned row_22 = (o_acc_2_row0 + ((frag589 / 2u) * 16u)) + ((half590 * 8u) + lane_group);
+                        const unsigned col_12 = (o_acc_2_col0 + ((frag589 % 2u) * 16u)) + ((lane_quad * 4u) + (e591 * 2u));
+                        float v0_12 = o_acc_2[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)];
+                        float v1_12 = o_acc_2[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)];
                         const unsigned h_7 = h0 + row_22;
                         if (h_7 < p.heads) {
                             const float l_7 = row_sum[row_22 + (warp_group * 16u)];
@@ -2203,21 +2209,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_2] = v0_12 * inv_l_6;
                             o_part[at_2 + 1u] = v1_12 * inv_l_6;
                         }
-                        o_acc_2[((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) * 4u) + ((half589 * 2u) + e590)] = v0_12;
-                        o_acc_2[(((((frag588 / 2u) * 4u) + ((frag588 % 2u) * 2u)) + 1u) * 4u) + ((half589 * 2u) + e590)] = v1_12;
+                        o_acc_2[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)] = v0_12;
+                        o_acc_2[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)] = v1_12;
                     }
                 }
             }
             #pragma unroll
-            for (unsigned frag591 = 0u; frag591 < 2u; frag591 += 1u) {
+            for (unsigned frag592 = 0u; frag592 < 2u; frag592 += 1u) {
                 #pragma unroll
-                for (unsigned half592 = 0u; half592 < 2u; half592 += 1u) {
+                for (unsigned half593 = 0u; half593 < 2u; half593 += 1u) {
                     #pragma unroll
-                    for (unsigned e593 = 0u; e593 < 2u; e593 += 1u) {
-                        const unsigned row_23 = (o_acc_3_row0 + ((frag591 / 2u) * 16u)) + ((half592 * 8u) + lane_group);
-                        const unsigned col_13 = (o_acc_3_col0 + ((frag591 % 2u) * 16u)) + ((lane_quad * 4u) + (e593 * 2u));
-                        float v0_13 = o_acc_3[((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) * 4u) + ((half592 * 2u) + e593)];
-                        float v1_13 = o_acc_3[(((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) + 1u) * 4u) + ((half592 * 2u) + e593)];
+                    for (unsigned e594 = 0u; e594 < 2u; e594 += 1u) {
+                        const unsigned row_23 = (o_acc_3_row0 + ((frag592 / 2u) * 16u)) + ((half593 * 8u) + lane_group);
+                        const unsigned col_13 = (o_acc_3_col0 + ((frag592 % 2u) * 16u)) + ((lane_quad * 4u) + (e594 * 2u));
+                        float v0_13 = o_acc_3[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)];
+                        float v1_13 = o_acc_3[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)];
                         const unsigned h_8 = h0 + row_23;
                         if (h_8 < p.heads) {
                             const float l_8 = row_sum[row_23 + (warp_group * 16u)];
@@ -2226,8 +2232,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                             o_part[at_3] = v0_13 * inv_l_7;
                             o_part[at_3 + 1u] = v1_13 * inv_l_7;
                         }
-                        o_acc_3[((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) * 4u) + ((half592 * 2u) + e593)] = v0_13;
-                        o_acc_3[(((((frag591 / 2u) * 4u) + ((frag591 % 2u) * 2u)) + 1u) * 4u) + ((half592 * 2u) + e593)] = v1_13;
+                        o_acc_3[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)] = v0_13;
+                        o_acc_3[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)] = v1_13;
                     }
                 }
             }

@@ -122,8 +122,10 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
     let len_raw: i32 = topk_length[select(0u, t, params.has_topk_length != 0u)];
     let valid_len: u32 = select(params.topk, min(u32(max(len_raw, 0i)), params.topk), params.has_topk_length != 0u);
     let j_begin: u32 = split * params.chunk;
-    let j_end: u32 = min(min(j_begin + params.chunk, params.topk), valid_len);
+    let chunk_end: u32 = min(j_begin + params.chunk, params.topk);
+    let j_end: u32 = min(chunk_end, valid_len);
     let steps: u32 = select(0u, ((j_end - j_begin) + 3u) / 4u, j_end > j_begin);
+    let steps_bound: u32 = select(0u, ((chunk_end - j_begin) + 3u) / 4u, chunk_end > j_begin);
 
     // load the q rows of this head block (rows past `heads` are zeros)
     workgroupBarrier();

@@ -132,3 +132,46 @@ fn tile_aliases_share_their_parents_rows() {
         assert!(build(bad).is_err(), "offset {bad} must be refused");
     }
 }
+
+#[test]
+fn a_pipeline_bound_that_reads_a_buffer_is_refused() {
+    let mut b = KernelBuilder::new("bound", 128);
+    let n = b.buffer("n", Elem::U32, Access::Read, "[1]");
+    let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[1]");
+    let rows = b.shared_tile("rows", TileElem::Bf16, 16, 64);
+    let count = n.at(u(0));
+    b.pipeline_bounded(
+        "step",
+        count.clone(),
+        Some(count),
+        |b, _| b.gather_rows(&rows, 0, 32, &out, |_, r| r.as_i32()),
+        |_, _| {},
+    );
+    let err = b.finish().expect_err("a bound must be known before any load");
+    assert!(err.to_string().contains("step bound"), "{err}");
+}
+
+/// The v7 split kernel's first index loads need only the workgroup's first lets (its step
+/// bound reads no buffer), so the lowering issues them ahead of q's loads and the ring's
+/// set-up, whose latency they overlap (the T = 1 chain: index -> row copy -> step).
+#[test]
+fn the_first_index_loads_go_out_before_q_and_the_ring_set_up() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        for heads in [16, 64] {
+            let cfg = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, heads);
+            let (split, _) = lowered_kernels(&cfg).expect("lowers");
+            let src = cuda::emit(&split).expect("emits");
+            let at = |needle: &str| {
+                src.find(needle)
+                    .unwrap_or_else(|| panic!("{needle} not in {}", split.name))
+            };
+            let first_index = at("= indices[");
+            assert!(first_index < at("load the q rows"), "{}", split.name);
+            assert!(first_index < at("ring stages zeroed"), "{}", split.name);
+            // and not behind topk_length: guarded by the load-free bound only
+            assert!(src[..first_index].contains("(0u < step_bound)"), "{}", split.name);
+        }
+    }
+}

@@ -1005,7 +1005,30 @@ impl KernelBuilder {
         load: impl FnOnce(&mut Self, Expr),
         compute: impl FnOnce(&mut Self, Expr),
     ) {
+        self.pipeline_bounded(name, count, None, load, compute)
+    }
+
+    /// [`Self::pipeline`] with a load-free `bound` on its step count (see
+    /// [`TileOp::Pipeline`]): the load stage's index reads of a step below `bound` may be
+    /// issued before `count` is known.
+    pub fn pipeline_bounded(
+        &mut self,
+        name: &str,
+        count: Expr,
+        bound: Option<Expr>,
+        load: impl FnOnce(&mut Self, Expr),
+        compute: impl FnOnce(&mut Self, Expr),
+    ) {
         let var = self.fresh(name);
+        if let Some(b) = &bound {
+            let mut reads = false;
+            b.visit(&mut |x| reads |= matches!(x, Expr::Load { .. } | Expr::LoadWord { .. }));
+            if reads {
+                self.error(format!(
+                    "pipeline {var}: its step bound must read no buffer (it is known before any load)"
+                ));
+            }
+        }
         let v = Expr::Var(var.clone(), Ty::U32);
         let load = self.block(|b| load(b, v.clone()));
         if load
@@ -1020,6 +1043,7 @@ impl KernelBuilder {
         self.push(Stmt::Tile(TileOp::Pipeline {
             var,
             count,
+            bound,
             load,
             compute,
         }));

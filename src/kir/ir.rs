@@ -574,9 +574,15 @@ pub enum TileOp {
     /// the load of later steps ahead of the compute of earlier ones (a multi-stage ring); the
     /// scalar lowering runs them in order. Shared tiles written by `load` are read only by
     /// the `compute` of the same step.
+    ///
+    /// `bound`, when given, is a step count that reads no buffer, at least `count`, for
+    /// every step below which the global loads in `load`'s source expressions (not its row
+    /// copies) are in bounds: a lowering may issue those loads before `count` itself is
+    /// known (when `count` waits on a load of its own, e.g. `topk_length`).
     Pipeline {
         var: String,
         count: Expr,
+        bound: Option<Expr>,
         load: Vec<Stmt>,
         compute: Vec<Stmt>,
     },

@@ -227,6 +227,7 @@ impl Rewrite for Cx<'_> {
             TileOp::Pipeline {
                 var: v,
                 count,
+                bound,
                 load,
                 compute,
             } => {
@@ -237,7 +238,7 @@ impl Rewrite for Cx<'_> {
                         out.push(Stmt::Barrier);
                         self.pending.clear();
                     }
-                    return self.consumer_loop(v, count, load, compute, out);
+                    return self.consumer_loop(v, (count, bound.as_ref()), load, compute, out);
                 }
                 // Tiles still in flight are older than the ring's groups, so the first
                 // step's wait covers them; after the loop (which may not run) wait for all.

@@ -171,6 +171,7 @@ impl Rewrite for Cx<'_> {
                 count,
                 load,
                 compute,
+                ..
             } => {
                 let mut body = vec![Stmt::Comment(format!("pipeline step {v}: load"))];
                 body.extend(self.stmts(load)?);

@@ -112,21 +112,23 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
         ),
     );
     let j_begin = b.let_("j_begin", split.clone() * io.chunk.clone());
+    let chunk_end = b.let_(
+        "chunk_end",
+        (j_begin.clone() + io.chunk.clone()).min(topk.clone()),
+    );
     // entries past topk_length are invalid: the chunk stops there
-    let j_end = b.let_(
-        "j_end",
-        (j_begin.clone() + io.chunk.clone())
-            .min(topk.clone())
-            .min(valid_len),
-    );
-    let steps = b.let_(
-        "steps",
+    let j_end = b.let_("j_end", chunk_end.clone().min(valid_len));
+    let steps_to = |end: &Expr| {
         select(
-            j_end.clone().gt(j_begin.clone()),
-            (j_end.clone() - j_begin.clone() + u(bn - 1)) / u(bn),
+            end.clone().gt(j_begin.clone()),
+            (end.clone() - j_begin.clone() + u(bn - 1)) / u(bn),
             u(0),
-        ),
-    );
+        )
+    };
+    let steps = b.let_("steps", steps_to(&j_end));
+    // The chunk's steps before topk_length is known: the index reads of a step below it are
+    // in bounds (clamped to topk - 1), so the first step's need not wait for topk_length's.
+    let steps_bound = b.let_("steps_bound", steps_to(&chunk_end));
 
     // The one place the validity rule is written: the cache word of entry j of token t, or
     // -1 when the entry is invalid (past the chunk or topk_length, negative, or >= num_slots).
@@ -161,9 +163,10 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
 
     let cache = io.cache.clone();
     let scale = io.scale.clone();
-    b.pipeline(
+    b.pipeline_bounded(
         "step",
         steps,
+        Some(steps_bound),
         |b, step| {
             b.comment("gather this step's cache rows by slot, each row's validity recorded once");
             let j_of = |r: Expr| j_begin.clone() + step.clone() * u(bn) + r;

@@ -95,12 +95,14 @@ pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
     let slot_of = |j: Expr| -> (Expr, Expr) {
         let jj = j.clone().min(topk.clone() - u(1));
         let idx = indices.at(t.clone() * topk.clone() + jj);
-        let valid = j
+        // the index first: its read (clamped, always in bounds) need not wait for
+        // topk_length's, as it would behind `j < valid_len` in a short-circuit `&&`
+        let valid = idx
             .clone()
-            .lt(j_end.clone())
-            .and(j.lt(valid_len.clone()))
-            .and(idx.clone().ge(i(0)))
-            .and(idx.clone().as_u32().lt(num_slots.clone()));
+            .ge(i(0))
+            .and(idx.clone().as_u32().lt(num_slots.clone()))
+            .and(j.clone().lt(j_end.clone()))
+            .and(j.lt(valid_len.clone()));
         (valid, idx)
     };
 

@@ -97,6 +97,10 @@ pub(super) struct Cx<'k> {
     pub(super) new_shared: Vec<SharedDecl>,
     pub(super) new_privates: Vec<PrivateDecl>,
     pub(super) prelude: Vec<Stmt>,
+    /// Statements the ring lowering wants issued as early as their names allow (the first
+    /// step's index loads): placed by [`super::ws::lower_ws`] right after the last top-level
+    /// `let` they read.
+    pub(super) hoist: Vec<Stmt>,
     pub(super) lane: Lane,
     pub(super) reduce_scratch: Option<String>,
     /// Shared scratch of the split-K partial sums.

@@ -85,6 +85,7 @@ impl<'k> Cx<'k> {
             new_shared: Vec::new(),
             new_privates: Vec::new(),
             prelude: Vec::new(),
+            hoist: Vec::new(),
             lane: Lane {
                 warp: placeholder(),
                 lane: placeholder(),

@@ -89,58 +89,16 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
         let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
         cx.group = Some(super::groups::GroupPlan::new(group_var, tid_var));
     }
-    let threads = cx.w;
     let info = cx.ws.clone().ok_or_else(|| err("no ring plan".into()))?;
-    let lowered = cx.stmts(&kernel.body)?;
+    let threads = cx.w;
+    let mut lowered = cx.stmts(&kernel.body)?;
+    let hoist = std::mem::take(&mut cx.hoist);
+    if !hoist.is_empty() {
+        let at = hoist_point(&lowered, &hoist).map_err(err)?;
+        lowered.splice(at..at, hoist);
+    }
 
     let mut body = std::mem::take(&mut cx.prelude);
-    body.push(Stmt::Comment(
-        "ring stages zeroed (rows without a source stay finite), mbarriers initialised".into(),
-    ));
-    for name in cx.ring_arrays() {
-        let decl = cx
-            .new_shared
-            .iter()
-            .find(|d| d.name == name)
-            .cloned()
-            .ok_or_else(|| err(format!("no ring array {name}")))?;
-        let i = cx.fresh("zero_i");
-        body.push(Stmt::For {
-            var: i.clone(),
-            start: local_id(),
-            end: u(decl.len),
-            step: u(threads),
-            body: vec![Stmt::SharedStore {
-                arr: name.clone(),
-                index: var(&i, Ty::U32),
-                value: if decl.ty == Ty::F32 {
-                    Expr::F32(0.0)
-                } else {
-                    u(0)
-                },
-            }],
-        });
-    }
-    let mut init = Vec::new();
-    for s in 0..stages {
-        init.push(intr(Intrinsic::MbarInit {
-            bars: info.bars.clone(),
-            index: u(s),
-            count: WARP * producer_warps(threads / WARP),
-        }));
-        init.push(intr(Intrinsic::MbarInit {
-            bars: info.bars.clone(),
-            index: u(stages + s),
-            count: threads,
-        }));
-    }
-    body.push(Stmt::If {
-        cond: bin(BinOp::Eq, local_id(), u(0)),
-        then: init,
-        els: vec![],
-    });
-    body.push(intr(Intrinsic::FenceProxyAsync));
-    body.push(Stmt::Barrier);
     body.extend(lowered);
     let body = dedupe_barriers(body);
 
@@ -183,6 +141,78 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
     ));
     crate::kir::shared_plan::check_fits(&out)?;
     Ok(out)
+}
+
+/// Where `hoist` can go in `body`: right after the last top-level `let` of a name it reads
+/// (names it reads that no top-level `let` binds are the kernel's own: parameters, the
+/// prelude's lane names). An error if it reads a name bound anywhere else in `body`.
+fn hoist_point(body: &[Stmt], hoist: &[Stmt]) -> std::result::Result<usize, String> {
+    fn reads(stmts: &[Stmt], out: &mut HashSet<String>) {
+        let expr = |e: &Expr, out: &mut HashSet<String>| {
+            e.visit(&mut |x| {
+                if let Expr::Var(n, _) = x {
+                    out.insert(n.clone());
+                }
+            })
+        };
+        for s in stmts {
+            match s {
+                Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
+                    expr(value, out)
+                }
+                Stmt::Store { index, value, .. }
+                | Stmt::StoreWord { index, value, .. }
+                | Stmt::SharedStore { index, value, .. }
+                | Stmt::PrivateStore { index, value, .. } => {
+                    expr(index, out);
+                    expr(value, out);
+                }
+                Stmt::If { cond, then, els } => {
+                    expr(cond, out);
+                    reads(then, out);
+                    reads(els, out);
+                }
+                Stmt::For {
+                    start,
+                    end,
+                    step,
+                    body,
+                    ..
+                } => {
+                    expr(start, out);
+                    expr(end, out);
+                    expr(step, out);
+                    reads(body, out);
+                }
+                Stmt::Comment(_) | Stmt::Barrier | Stmt::Tile(_) | Stmt::Intrinsic(_) => {}
+            }
+        }
+    }
+    let mut read = HashSet::new();
+    reads(hoist, &mut read);
+    let mut bound_inside = HashSet::new();
+    super::super::walk::collect_names(hoist, &mut bound_inside);
+    let mut at = 0;
+    let mut top = HashSet::new();
+    for (i, s) in body.iter().enumerate() {
+        if let Stmt::Let { name, .. } = s {
+            top.insert(name.clone());
+            if read.contains(name) {
+                at = i + 1;
+            }
+        }
+    }
+    let mut nested = HashSet::new();
+    super::super::walk::collect_names(body, &mut nested);
+    if let Some(n) = read
+        .iter()
+        .find(|n| !bound_inside.contains(*n) && !top.contains(*n) && nested.contains(*n))
+    {
+        return Err(format!(
+            "the first step's index loads read `{n}`, which is not a top-level let"
+        ));
+    }
+    Ok(at)
 }
 
 fn nested_pipeline(stmts: &[Stmt]) -> bool {
@@ -241,6 +271,64 @@ impl Cx<'_> {
         v
     }
 
+    /// The ring's set-up: its stages zeroed (rows without a source stay finite), the
+    /// mbarriers initialised, then a workgroup barrier.
+    fn ring_init(&mut self) -> Result<Vec<Stmt>> {
+        let info = self
+            .ws
+            .clone()
+            .ok_or_else(|| self.err("no ring plan".into()))?;
+        let (threads, stages) = (self.w, self.stages);
+        let mut body = vec![Stmt::Comment(
+            "ring stages zeroed (rows without a source stay finite), mbarriers initialised".into(),
+        )];
+        for name in self.ring_arrays() {
+            let decl = self
+                .new_shared
+                .iter()
+                .find(|d| d.name == name)
+                .cloned()
+                .ok_or_else(|| self.err(format!("no ring array {name}")))?;
+            let i = self.fresh("zero_i");
+            body.push(Stmt::For {
+                var: i.clone(),
+                start: local_id(),
+                end: u(decl.len),
+                step: u(threads),
+                body: vec![Stmt::SharedStore {
+                    arr: name.clone(),
+                    index: var(&i, Ty::U32),
+                    value: if decl.ty == Ty::F32 {
+                        Expr::F32(0.0)
+                    } else {
+                        u(0)
+                    },
+                }],
+            });
+        }
+        let mut init = Vec::new();
+        for s in 0..stages {
+            init.push(intr(Intrinsic::MbarInit {
+                bars: info.bars.clone(),
+                index: u(s),
+                count: WARP * producer_warps(threads / WARP),
+            }));
+            init.push(intr(Intrinsic::MbarInit {
+                bars: info.bars.clone(),
+                index: u(stages + s),
+                count: threads,
+            }));
+        }
+        body.push(Stmt::If {
+            cond: bin(BinOp::Eq, local_id(), u(0)),
+            then: init,
+            els: vec![],
+        });
+        body.push(intr(Intrinsic::FenceProxyAsync));
+        body.push(Stmt::Barrier);
+        Ok(body)
+    }
+
     fn ws_gathers<'a>(&mut self, load: &'a [Stmt]) -> Result<Vec<Gather<'a>>> {
         let mut out = Vec::new();
         for s in load {
@@ -280,7 +368,7 @@ impl Cx<'_> {
     pub(super) fn consumer_loop(
         &mut self,
         v: &str,
-        count: &Expr,
+        (count, bound): (&Expr, Option<&Expr>),
         load: &[Stmt],
         compute: &[Stmt],
         out: &mut Vec<Stmt>,
@@ -317,6 +405,25 @@ impl Cx<'_> {
             var(&n, Ty::U32)
         } else {
             var(&count_name, Ty::U32)
+        };
+        // The steps whose index loads may be issued: below the description's load-free bound
+        // where it gives one (so the first step's index loads need not wait for a load that
+        // `count` reads, e.g. topk_length), else below `count`.
+        let mut prefetch_lets = Vec::new();
+        let prefetch_countv = match bound {
+            Some(b) => {
+                let n = self.fresh(&format!("{v}_bound"));
+                prefetch_lets.push(let_(&n, self.expr(b)?));
+                let (local, _) = self.group_steps(var(&n, Ty::U32));
+                if self.groups > 1 {
+                    let g = self.fresh(&format!("{v}_group_bound"));
+                    prefetch_lets.push(let_(&g, local));
+                    var(&g, Ty::U32)
+                } else {
+                    var(&n, Ty::U32)
+                }
+            }
+            None => countv.clone(),
         };
 
         // The index loads of step `at`, issued a step before its copies: each producer lane
@@ -373,7 +480,7 @@ impl Cx<'_> {
                 ));
             }
             Ok(Stmt::If {
-                cond: lt(at, countv.clone()),
+                cond: lt(at, prefetch_countv.clone()),
                 then: body,
                 els: vec![],
             })
@@ -479,16 +586,38 @@ impl Cx<'_> {
             "pipeline {v}: {s}-stage mbarrier ring; the producer warps issue the first {} steps",
             s - 1
         )));
+        // Step 0's index loads: with a load-free bound they need nothing the kernel computes
+        // after its first lets, so they are hoisted there (`lower_ws`), ahead of q's loads and
+        // the ring's set-up, whose latency they then overlap (at T = 1 a workgroup's whole
+        // time is the chain index load -> row copy -> step). Without one, right before the
+        // ring's set-up.
+        let first_addr = Stmt::If {
+            cond: producer.clone(),
+            then: vec![addr(self, u(0))?],
+            els: vec![],
+        };
+        if bound.is_some() && self.hoist.is_empty() {
+            self.hoist.extend(prefetch_lets);
+            self.hoist.push(first_addr);
+        } else {
+            out.extend(prefetch_lets);
+            out.push(first_addr);
+        }
+        out.extend(self.ring_init()?);
         let mut first = Vec::new();
         for k in 0..s - 1 {
-            first.push(addr(self, u(k))?);
+            if k > 0 {
+                first.push(addr(self, u(k))?);
+            }
             first.push(Stmt::If {
                 cond: lt(u(k), countv.clone()),
                 then: issue(self, u(k))?,
                 els: vec![],
             });
         }
-        first.push(addr(self, u(s - 1))?);
+        if s > 1 {
+            first.push(addr(self, u(s - 1))?);
+        }
         out.push(Stmt::If {
             cond: producer.clone(),
             then: first,
