@@ -478,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
     const bool single = p.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
         #pragma unroll
         for (unsigned pair_i149 = 0u; pair_i149 < 32u; pair_i149 += 1u) {
             const unsigned pair150 = threadIdx.x + (pair_i149 * 128u);
@@ -489,8 +489,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float v1_3 = o_acc[(pair_i149 * 2u) + 1u];
                 const unsigned h = h0 + row_5;
                 if (h < p.heads) {
-                    const float l = row_sum[row_5];
-                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
+                    const float inv_l = (row_sum[row_5] > 0.0f) ? (1.0f / row_sum[row_5]) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
                 o_acc[pair_i149 * 2u] = v0_3;
@@ -500,14 +499,14 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         #pragma unroll 4
         for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 128u) {
             const unsigned h_1 = h0 + r_3;
+            const float l = row_sum[r_3];
             if (h_1 < p.heads) {
-                const float l_1 = row_sum[r_3];
-                lse[((((t / p.lse_s_q) * p.heads) + h_1) * p.lse_s_q) + (t % p.lse_s_q)] = (l_1 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_1, 1e-30f))) : __uint_as_float(0x7f800000u);
+                lse[((((t / p.lse_s_q) * p.heads) + h_1) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
             }
         }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
         #pragma unroll
         for (unsigned pair_i151 = 0u; pair_i151 < 32u; pair_i151 += 1u) {
             const unsigned pair152 = threadIdx.x + (pair_i151 * 128u);
@@ -518,8 +517,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float v1_4 = o_acc[(pair_i151 * 2u) + 1u];
                 const unsigned h_2 = h0 + row_6;
                 if (h_2 < p.heads) {
-                    const float l_2 = row_sum[row_6];
-                    const float inv_l_1 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
+                    const float inv_l_1 = (row_sum[row_6] > 0.0f) ? (1.0f / row_sum[row_6]) : 0.0f;
                     const unsigned at = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + col_4;
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
@@ -531,9 +529,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         #pragma unroll 4
         for (unsigned r_4 = threadIdx.x; r_4 < 16u; r_4 += 128u) {
             const unsigned h_3 = h0 + r_4;
+            const float l_1 = row_sum[r_4];
             if (h_3 < p.heads) {
-                const float l_3 = row_sum[r_4];
-                lse_part[(((t * p.heads) + h_3) * p.splits) + split] = (l_3 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_3, 1e-30f))) : (-3e38f);
+                lse_part[(((t * p.heads) + h_3) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
             }
         }
     }

@@ -809,7 +809,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const bool single = p.splits == 1u;
         if (single) {
 
-            // one split: normalise and write out and lse
+            // one split: the rows normalised into out, and lse
+            #pragma unroll 4
+            for (unsigned r_3 = group_tid; r_3 < 16u; r_3 += 128u) {
+                const unsigned h = h0 + r_3;
+                const float l = row_sum[r_3 + (warp_group * 16u)];
+                if (h < p.heads) {
+                    lse[((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3 + (warp_group * 16u)] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
+                }
+                row_sum[r_3 + (warp_group * 16u)] = (l > 0.0f) ? (1.0f / l) : 0.0f;
+            }
+            if (warp_group == 0u) {
+                named_barrier_sync<1u, 128u>();
+            } else {
+                named_barrier_sync<2u, 128u>();
+            }
             #pragma unroll
             for (unsigned frag60 = 0u; frag60 < 16u; frag60 += 1u) {
                 #pragma unroll
@@ -818,27 +832,32 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned col_3 = (o_acc_col0 + ((frag60 % 16u) * 8u)) + (lane_quad * 2u);
                     float v0_3 = o_acc[(frag60 * 4u) + (half61 * 2u)];
                     float v1_3 = o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u];
-                    const unsigned h = h0 + row_5;
-                    if (h < p.heads) {
-                        const float l = row_sum[row_5 + (warp_group * 16u)];
-                        const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                        ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                    const unsigned h_1 = h0 + row_5;
+                    if (h_1 < p.heads) {
+                        const float inv_l = row_sum[row_5 + (warp_group * 16u)];
+                        ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                     }
                     o_acc[(frag60 * 4u) + (half61 * 2u)] = v0_3;
                     o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u] = v1_3;
                 }
             }
-            #pragma unroll 4
-            for (unsigned r_3 = group_tid; r_3 < 16u; r_3 += 128u) {
-                const unsigned h_1 = h0 + r_3;
-                if (h_1 < p.heads) {
-                    const float l_1 = row_sum[r_3 + (warp_group * 16u)];
-                    lse[((((t / p.lse_s_q) * p.heads) + h_1) * p.lse_s_q) + (t % p.lse_s_q)] = (l_1 > 0.0f) ? (row_max[r_3 + (warp_group * 16u)] + logf(fmaxf(l_1, 1e-30f))) : __uint_as_float(0x7f800000u);
-                }
-            }
         } else {
 
-            // normalise and write this split's partial rows and lse
+            // this split's rows normalised into the partials, and its lse
+            #pragma unroll 4
+            for (unsigned r_4 = group_tid; r_4 < 16u; r_4 += 128u) {
+                const unsigned h_2 = h0 + r_4;
+                const float l_1 = row_sum[r_4 + (warp_group * 16u)];
+                if (h_2 < p.heads) {
+                    lse_part[(((t * p.heads) + h_2) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4 + (warp_group * 16u)] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
+                }
+                row_sum[r_4 + (warp_group * 16u)] = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+            }
+            if (warp_group == 0u) {
+                named_barrier_sync<1u, 128u>();
+            } else {
+                named_barrier_sync<2u, 128u>();
+            }
             #pragma unroll
             for (unsigned frag62 = 0u; frag62 < 16u; frag62 += 1u) {
                 #pragma unroll
@@ -847,24 +866,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned col_4 = (o_acc_col0 + ((frag62 % 16u) * 8u)) + (lane_quad * 2u);
                     float v0_4 = o_acc[(frag62 * 4u) + (half63 * 2u)];
                     float v1_4 = o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u];
-                    const unsigned h_2 = h0 + row_6;
-                    if (h_2 < p.heads) {
-                        const float l_2 = row_sum[row_6 + (warp_group * 16u)];
-                        const float inv_l_1 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                        const unsigned at = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + col_4;
+                    const unsigned h_3 = h0 + row_6;
+                    if (h_3 < p.heads) {
+                        const float inv_l_1 = row_sum[row_6 + (warp_group * 16u)];
+                        const unsigned at = (((((t * p.heads) + h_3) * p.splits) + split) * 512u) + col_4;
                         o_part[at] = v0_4 * inv_l_1;
                         o_part[at + 1u] = v1_4 * inv_l_1;
                     }
                     o_acc[(frag62 * 4u) + (half63 * 2u)] = v0_4;
                     o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u] = v1_4;
-                }
-            }
-            #pragma unroll 4
-            for (unsigned r_4 = group_tid; r_4 < 16u; r_4 += 128u) {
-                const unsigned h_3 = h0 + r_4;
-                if (h_3 < p.heads) {
-                    const float l_3 = row_sum[r_4 + (warp_group * 16u)];
-                    lse_part[(((t * p.heads) + h_3) * p.splits) + split] = (l_3 > 0.0f) ? (row_max[r_4 + (warp_group * 16u)] + logf(fmaxf(l_3, 1e-30f))) : (-3e38f);
                 }
             }
         }

@@ -778,7 +778,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const bool single = p.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
+        #pragma unroll 4
+        for (unsigned r_3 = threadIdx.x; r_3 < 32u; r_3 += 256u) {
+            const unsigned h = h0 + r_3;
+            const float l = row_sum[r_3];
+            if (h < p.heads) {
+                lse[((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
+            }
+            row_sum[r_3] = (l > 0.0f) ? (1.0f / l) : 0.0f;
+        }
+        __syncthreads();
         #pragma unroll
         for (unsigned frag63 = 0u; frag63 < 16u; frag63 += 1u) {
             #pragma unroll
@@ -787,27 +797,28 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned col_3 = (o_acc_col0 + ((frag63 % 8u) * 8u)) + (lane_quad * 2u);
                 float v0_3 = o_acc[(frag63 * 4u) + (half64 * 2u)];
                 float v1_3 = o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u];
-                const unsigned h = h0 + row_5;
-                if (h < p.heads) {
-                    const float l = row_sum[row_5];
-                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                    ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
+                const unsigned h_1 = h0 + row_5;
+                if (h_1 < p.heads) {
+                    const float inv_l = row_sum[row_5];
+                    ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
                 o_acc[(frag63 * 4u) + (half64 * 2u)] = v0_3;
                 o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u] = v1_3;
             }
         }
-        #pragma unroll 4
-        for (unsigned r_3 = threadIdx.x; r_3 < 32u; r_3 += 256u) {
-            const unsigned h_1 = h0 + r_3;
-            if (h_1 < p.heads) {
-                const float l_1 = row_sum[r_3];
-                lse[((((t / p.lse_s_q) * p.heads) + h_1) * p.lse_s_q) + (t % p.lse_s_q)] = (l_1 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_1, 1e-30f))) : __uint_as_float(0x7f800000u);
-            }
-        }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
+        #pragma unroll 4
+        for (unsigned r_4 = threadIdx.x; r_4 < 32u; r_4 += 256u) {
+            const unsigned h_2 = h0 + r_4;
+            const float l_1 = row_sum[r_4];
+            if (h_2 < p.heads) {
+                lse_part[(((t * p.heads) + h_2) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
+            }
+            row_sum[r_4] = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+        }
+        __syncthreads();
         #pragma unroll
         for (unsigned frag65 = 0u; frag65 < 16u; frag65 += 1u) {
             #pragma unroll
@@ -816,24 +827,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned col_4 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
                 float v0_4 = o_acc[(frag65 * 4u) + (half66 * 2u)];
                 float v1_4 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
-                const unsigned h_2 = h0 + row_6;
-                if (h_2 < p.heads) {
-                    const float l_2 = row_sum[row_6];
-                    const float inv_l_1 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                    const unsigned at = (((((t * p.heads) + h_2) * p.splits) + split) * 512u) + col_4;
+                const unsigned h_3 = h0 + row_6;
+                if (h_3 < p.heads) {
+                    const float inv_l_1 = row_sum[row_6];
+                    const unsigned at = (((((t * p.heads) + h_3) * p.splits) + split) * 512u) + col_4;
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
                 o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_4;
                 o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_4;
-            }
-        }
-        #pragma unroll 4
-        for (unsigned r_4 = threadIdx.x; r_4 < 32u; r_4 += 256u) {
-            const unsigned h_3 = h0 + r_4;
-            if (h_3 < p.heads) {
-                const float l_3 = row_sum[r_4];
-                lse_part[(((t * p.heads) + h_3) * p.splits) + split] = (l_3 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_3, 1e-30f))) : (-3e38f);
             }
         }
     }

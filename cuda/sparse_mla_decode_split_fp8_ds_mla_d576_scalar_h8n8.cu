@@ -1009,7 +1009,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
     const bool single = p.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
         #pragma unroll
         for (unsigned pair_i459 = 0u; pair_i459 < 4u; pair_i459 += 1u) {
             const unsigned pair460 = threadIdx.x + (pair_i459 * 128u);
@@ -1020,8 +1020,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_6 = o_acc[(pair_i459 * 2u) + 1u];
                 const unsigned h = h0 + row_18;
                 if (h < p.heads) {
-                    const float l = row_sum[row_18];
-                    const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
+                    const float inv_l = (row_sum[row_18] > 0.0f) ? (1.0f / row_sum[row_18]) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
                 o_acc[pair_i459 * 2u] = v0_6;
@@ -1038,8 +1037,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_7 = o_acc_1[(pair_i461 * 2u) + 1u];
                 const unsigned h_1 = h0 + row_19;
                 if (h_1 < p.heads) {
-                    const float l_1 = row_sum[row_19];
-                    const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+                    const float inv_l_1 = (row_sum[row_19] > 0.0f) ? (1.0f / row_sum[row_19]) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
                 o_acc_1[pair_i461 * 2u] = v0_7;
@@ -1056,8 +1054,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_8 = o_acc_2[(pair_i463 * 2u) + 1u];
                 const unsigned h_2 = h0 + row_20;
                 if (h_2 < p.heads) {
-                    const float l_2 = row_sum[row_20];
-                    const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
+                    const float inv_l_2 = (row_sum[row_20] > 0.0f) ? (1.0f / row_sum[row_20]) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
                 o_acc_2[pair_i463 * 2u] = v0_8;
@@ -1074,8 +1071,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_9 = o_acc_3[(pair_i465 * 2u) + 1u];
                 const unsigned h_3 = h0 + row_21;
                 if (h_3 < p.heads) {
-                    const float l_3 = row_sum[row_21];
-                    const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
+                    const float inv_l_3 = (row_sum[row_21] > 0.0f) ? (1.0f / row_sum[row_21]) : 0.0f;
                     ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
                 o_acc_3[pair_i465 * 2u] = v0_9;
@@ -1085,14 +1081,14 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         #pragma unroll 4
         for (unsigned r_3 = threadIdx.x; r_3 < 8u; r_3 += 128u) {
             const unsigned h_4 = h0 + r_3;
+            const float l = row_sum[r_3];
             if (h_4 < p.heads) {
-                const float l_4 = row_sum[r_3];
-                lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : __uint_as_float(0x7f800000u);
+                lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
             }
         }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
         #pragma unroll
         for (unsigned pair_i467 = 0u; pair_i467 < 4u; pair_i467 += 1u) {
             const unsigned pair468 = threadIdx.x + (pair_i467 * 128u);
@@ -1103,8 +1099,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_10 = o_acc[(pair_i467 * 2u) + 1u];
                 const unsigned h_5 = h0 + row_22;
                 if (h_5 < p.heads) {
-                    const float l_5 = row_sum[row_22];
-                    const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
+                    const float inv_l_4 = (row_sum[row_22] > 0.0f) ? (1.0f / row_sum[row_22]) : 0.0f;
                     const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
                     o_part[at] = v0_10 * inv_l_4;
                     o_part[at + 1u] = v1_10 * inv_l_4;
@@ -1123,8 +1118,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_11 = o_acc_1[(pair_i469 * 2u) + 1u];
                 const unsigned h_6 = h0 + row_23;
                 if (h_6 < p.heads) {
-                    const float l_6 = row_sum[row_23];
-                    const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
+                    const float inv_l_5 = (row_sum[row_23] > 0.0f) ? (1.0f / row_sum[row_23]) : 0.0f;
                     const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
                     o_part[at_1] = v0_11 * inv_l_5;
                     o_part[at_1 + 1u] = v1_11 * inv_l_5;
@@ -1143,8 +1137,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_12 = o_acc_2[(pair_i471 * 2u) + 1u];
                 const unsigned h_7 = h0 + row_24;
                 if (h_7 < p.heads) {
-                    const float l_7 = row_sum[row_24];
-                    const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
+                    const float inv_l_6 = (row_sum[row_24] > 0.0f) ? (1.0f / row_sum[row_24]) : 0.0f;
                     const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
                     o_part[at_2] = v0_12 * inv_l_6;
                     o_part[at_2 + 1u] = v1_12 * inv_l_6;
@@ -1163,8 +1156,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
                 float v1_13 = o_acc_3[(pair_i473 * 2u) + 1u];
                 const unsigned h_8 = h0 + row_25;
                 if (h_8 < p.heads) {
-                    const float l_8 = row_sum[row_25];
-                    const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
+                    const float inv_l_7 = (row_sum[row_25] > 0.0f) ? (1.0f / row_sum[row_25]) : 0.0f;
                     const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
                     o_part[at_3] = v0_13 * inv_l_7;
                     o_part[at_3 + 1u] = v1_13 * inv_l_7;
@@ -1176,9 +1168,9 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_fp8_ds
         #pragma unroll 4
         for (unsigned r_4 = threadIdx.x; r_4 < 8u; r_4 += 128u) {
             const unsigned h_9 = h0 + r_4;
+            const float l_1 = row_sum[r_4];
             if (h_9 < p.heads) {
-                const float l_9 = row_sum[r_4];
-                lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_9 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_9, 1e-30f))) : (-3e38f);
+                lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
             }
         }
     }

@@ -1889,7 +1889,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const bool single = p.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
+        #pragma unroll 4
+        for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 256u) {
+            const unsigned h = h0 + r_3;
+            const float l = row_sum[r_3];
+            if (h < p.heads) {
+                lse[((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
+            }
+            row_sum[r_3] = (l > 0.0f) ? (1.0f / l) : 0.0f;
+        }
+        __syncthreads();
         #pragma unroll
         for (unsigned frag531 = 0u; frag531 < 1u; frag531 += 1u) {
             #pragma unroll
@@ -1900,11 +1910,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_6 = (o_acc_col0 + ((frag531 % 1u) * 16u)) + ((lane_quad * 4u) + (e533 * 2u));
                     float v0_6 = o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)];
                     float v1_6 = o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)];
-                    const unsigned h = h0 + row_16;
-                    if (h < p.heads) {
-                        const float l = row_sum[row_16];
-                        const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                        ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                    const unsigned h_1 = h0 + row_16;
+                    if (h_1 < p.heads) {
+                        const float inv_l = row_sum[row_16];
+                        ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
                     o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)] = v0_6;
                     o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)] = v1_6;
@@ -1921,11 +1930,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_7 = (o_acc_1_col0 + ((frag534 % 1u) * 16u)) + ((lane_quad * 4u) + (e536 * 2u));
                     float v0_7 = o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)];
                     float v1_7 = o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)];
-                    const unsigned h_1 = h0 + row_17;
-                    if (h_1 < p.heads) {
-                        const float l_1 = row_sum[row_17];
-                        const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
-                        ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                    const unsigned h_2 = h0 + row_17;
+                    if (h_2 < p.heads) {
+                        const float inv_l_1 = row_sum[row_17];
+                        ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
                     o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)] = v0_7;
                     o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)] = v1_7;
@@ -1942,11 +1950,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_8 = (o_acc_2_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
                     float v0_8 = o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
                     float v1_8 = o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
-                    const unsigned h_2 = h0 + row_18;
-                    if (h_2 < p.heads) {
-                        const float l_2 = row_sum[row_18];
-                        const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                        ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
+                    const unsigned h_3 = h0 + row_18;
+                    if (h_3 < p.heads) {
+                        const float inv_l_2 = row_sum[row_18];
+                        ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
                     o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_8;
                     o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_8;
@@ -1963,28 +1970,29 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_9 = (o_acc_3_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
                     float v0_9 = o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
                     float v1_9 = o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
-                    const unsigned h_3 = h0 + row_19;
-                    if (h_3 < p.heads) {
-                        const float l_3 = row_sum[row_19];
-                        const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
-                        ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
+                    const unsigned h_4 = h0 + row_19;
+                    if (h_4 < p.heads) {
+                        const float inv_l_3 = row_sum[row_19];
+                        ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
                     o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_9;
                     o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_9;
                 }
             }
         }
-        #pragma unroll 4
-        for (unsigned r_3 = threadIdx.x; r_3 < 16u; r_3 += 256u) {
-            const unsigned h_4 = h0 + r_3;
-            if (h_4 < p.heads) {
-                const float l_4 = row_sum[r_3];
-                lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l_4 > 0.0f) ? (row_max[r_3] + logf(fmaxf(l_4, 1e-30f))) : __uint_as_float(0x7f800000u);
-            }
-        }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
+        #pragma unroll 4
+        for (unsigned r_4 = threadIdx.x; r_4 < 16u; r_4 += 256u) {
+            const unsigned h_5 = h0 + r_4;
+            const float l_1 = row_sum[r_4];
+            if (h_5 < p.heads) {
+                lse_part[(((t * p.heads) + h_5) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
+            }
+            row_sum[r_4] = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+        }
+        __syncthreads();
         #pragma unroll
         for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
             #pragma unroll
@@ -1995,11 +2003,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_10 = (o_acc_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
                     float v0_10 = o_acc[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
                     float v1_10 = o_acc[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
-                    const unsigned h_5 = h0 + row_20;
-                    if (h_5 < p.heads) {
-                        const float l_5 = row_sum[row_20];
-                        const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
-                        const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
+                    const unsigned h_6 = h0 + row_20;
+                    if (h_6 < p.heads) {
+                        const float inv_l_4 = row_sum[row_20];
+                        const unsigned at = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + col_10;
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
@@ -2018,11 +2025,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_11 = (o_acc_1_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
                     float v0_11 = o_acc_1[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
                     float v1_11 = o_acc_1[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
-                    const unsigned h_6 = h0 + row_21;
-                    if (h_6 < p.heads) {
-                        const float l_6 = row_sum[row_21];
-                        const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
-                        const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
+                    const unsigned h_7 = h0 + row_21;
+                    if (h_7 < p.heads) {
+                        const float inv_l_5 = row_sum[row_21];
+                        const unsigned at_1 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_11 + 128u);
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
@@ -2041,11 +2047,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_12 = (o_acc_2_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
                     float v0_12 = o_acc_2[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
                     float v1_12 = o_acc_2[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
-                    const unsigned h_7 = h0 + row_22;
-                    if (h_7 < p.heads) {
-                        const float l_7 = row_sum[row_22];
-                        const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
-                        const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
+                    const unsigned h_8 = h0 + row_22;
+                    if (h_8 < p.heads) {
+                        const float inv_l_6 = row_sum[row_22];
+                        const unsigned at_2 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_12 + 256u);
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
@@ -2064,25 +2069,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col_13 = (o_acc_3_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
                     float v0_13 = o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
                     float v1_13 = o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
-                    const unsigned h_8 = h0 + row_23;
-                    if (h_8 < p.heads) {
-                        const float l_8 = row_sum[row_23];
-                        const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
-                        const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
+                    const unsigned h_9 = h0 + row_23;
+                    if (h_9 < p.heads) {
+                        const float inv_l_7 = row_sum[row_23];
+                        const unsigned at_3 = (((((t * p.heads) + h_9) * p.splits) + split) * 512u) + (col_13 + 384u);
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
                     o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_13;
                     o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_13;
                 }
-            }
-        }
-        #pragma unroll 4
-        for (unsigned r_4 = threadIdx.x; r_4 < 16u; r_4 += 256u) {
-            const unsigned h_9 = h0 + r_4;
-            if (h_9 < p.heads) {
-                const float l_9 = row_sum[r_4];
-                lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_9 > 0.0f) ? (row_max[r_4] + logf(fmaxf(l_9, 1e-30f))) : (-3e38f);
             }
         }
     }

@@ -2049,7 +2049,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const bool single = p.splits == 1u;
         if (single) {
 
-            // one split: normalise and write out and lse
+            // one split: the rows normalised into out, and lse
+            #pragma unroll 4
+            for (unsigned r_3 = group_tid; r_3 < 16u; r_3 += 128u) {
+                const unsigned h = h0 + r_3;
+                const float l = row_sum[r_3 + (warp_group * 16u)];
+                if (h < p.heads) {
+                    lse[((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q)] = (l > 0.0f) ? (row_max[r_3 + (warp_group * 16u)] + logf(fmaxf(l, 1e-30f))) : __uint_as_float(0x7f800000u);
+                }
+                row_sum[r_3 + (warp_group * 16u)] = (l > 0.0f) ? (1.0f / l) : 0.0f;
+            }
+            if (warp_group == 0u) {
+                named_barrier_sync<1u, 128u>();
+            } else {
+                named_barrier_sync<2u, 128u>();
+            }
             #pragma unroll
             for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
                 #pragma unroll
@@ -2060,11 +2074,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_6 = (o_acc_col0 + ((frag571 % 2u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
                         float v0_6 = o_acc[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
                         float v1_6 = o_acc[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
-                        const unsigned h = h0 + row_16;
-                        if (h < p.heads) {
-                            const float l = row_sum[row_16 + (warp_group * 16u)];
-                            const float inv_l = (l > 0.0f) ? (1.0f / l) : 0.0f;
-                            ((unsigned*)out)[((((t * p.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
+                        const unsigned h_1 = h0 + row_16;
+                        if (h_1 < p.heads) {
+                            const float inv_l = row_sum[row_16 + (warp_group * 16u)];
+                            ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                         }
                         o_acc[((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_6;
                         o_acc[(((((frag571 / 2u) * 4u) + ((frag571 % 2u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_6;
@@ -2081,11 +2094,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_7 = (o_acc_1_col0 + ((frag574 % 2u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
                         float v0_7 = o_acc_1[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
                         float v1_7 = o_acc_1[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
-                        const unsigned h_1 = h0 + row_17;
-                        if (h_1 < p.heads) {
-                            const float l_1 = row_sum[row_17 + (warp_group * 16u)];
-                            const float inv_l_1 = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
-                            ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                        const unsigned h_2 = h0 + row_17;
+                        if (h_2 < p.heads) {
+                            const float inv_l_1 = row_sum[row_17 + (warp_group * 16u)];
+                            ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                         }
                         o_acc_1[((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_7;
                         o_acc_1[(((((frag574 / 2u) * 4u) + ((frag574 % 2u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_7;
@@ -2102,11 +2114,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_8 = (o_acc_2_col0 + ((frag577 % 2u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
                         float v0_8 = o_acc_2[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
                         float v1_8 = o_acc_2[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
-                        const unsigned h_2 = h0 + row_18;
-                        if (h_2 < p.heads) {
-                            const float l_2 = row_sum[row_18 + (warp_group * 16u)];
-                            const float inv_l_2 = (l_2 > 0.0f) ? (1.0f / l_2) : 0.0f;
-                            ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
+                        const unsigned h_3 = h0 + row_18;
+                        if (h_3 < p.heads) {
+                            const float inv_l_2 = row_sum[row_18 + (warp_group * 16u)];
+                            ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                         }
                         o_acc_2[((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_8;
                         o_acc_2[(((((frag577 / 2u) * 4u) + ((frag577 % 2u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_8;
@@ -2123,28 +2134,33 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_9 = (o_acc_3_col0 + ((frag580 % 2u) * 16u)) + ((lane_quad * 4u) + (e582 * 2u));
                         float v0_9 = o_acc_3[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)];
                         float v1_9 = o_acc_3[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)];
-                        const unsigned h_3 = h0 + row_19;
-                        if (h_3 < p.heads) {
-                            const float l_3 = row_sum[row_19 + (warp_group * 16u)];
-                            const float inv_l_3 = (l_3 > 0.0f) ? (1.0f / l_3) : 0.0f;
-                            ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
+                        const unsigned h_4 = h0 + row_19;
+                        if (h_4 < p.heads) {
+                            const float inv_l_3 = row_sum[row_19 + (warp_group * 16u)];
+                            ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                         }
                         o_acc_3[((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) * 4u) + ((half581 * 2u) + e582)] = v0_9;
                         o_acc_3[(((((frag580 / 2u) * 4u) + ((frag580 % 2u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)] = v1_9;
                     }
                 }
             }
-            #pragma unroll 4
-            for (unsigned r_3 = group_tid; r_3 < 16u; r_3 += 128u) {
-                const unsigned h_4 = h0 + r_3;
-                if (h_4 < p.heads) {
-                    const float l_4 = row_sum[r_3 + (warp_group * 16u)];
-                    lse[((((t / p.lse_s_q) * p.heads) + h_4) * p.lse_s_q) + (t % p.lse_s_q)] = (l_4 > 0.0f) ? (row_max[r_3 + (warp_group * 16u)] + logf(fmaxf(l_4, 1e-30f))) : __uint_as_float(0x7f800000u);
-                }
-            }
         } else {
 
-            // normalise and write this split's partial rows and lse
+            // this split's rows normalised into the partials, and its lse
+            #pragma unroll 4
+            for (unsigned r_4 = group_tid; r_4 < 16u; r_4 += 128u) {
+                const unsigned h_5 = h0 + r_4;
+                const float l_1 = row_sum[r_4 + (warp_group * 16u)];
+                if (h_5 < p.heads) {
+                    lse_part[(((t * p.heads) + h_5) * p.splits) + split] = (l_1 > 0.0f) ? (row_max[r_4 + (warp_group * 16u)] + logf(fmaxf(l_1, 1e-30f))) : (-3e38f);
+                }
+                row_sum[r_4 + (warp_group * 16u)] = (l_1 > 0.0f) ? (1.0f / l_1) : 0.0f;
+            }
+            if (warp_group == 0u) {
+                named_barrier_sync<1u, 128u>();
+            } else {
+                named_barrier_sync<2u, 128u>();
+            }
             #pragma unroll
             for (unsigned frag583 = 0u; frag583 < 2u; frag583 += 1u) {
                 #pragma unroll
@@ -2155,11 +2171,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_10 = (o_acc_col0 + ((frag583 % 2u) * 16u)) + ((lane_quad * 4u) + (e585 * 2u));
                         float v0_10 = o_acc[((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) * 4u) + ((half584 * 2u) + e585)];
                         float v1_10 = o_acc[(((((frag583 / 2u) * 4u) + ((frag583 % 2u) * 2u)) + 1u) * 4u) + ((half584 * 2u) + e585)];
-                        const unsigned h_5 = h0 + row_20;
-                        if (h_5 < p.heads) {
-                            const float l_5 = row_sum[row_20 + (warp_group * 16u)];
-                            const float inv_l_4 = (l_5 > 0.0f) ? (1.0f / l_5) : 0.0f;
-                            const unsigned at = (((((t * p.heads) + h_5) * p.splits) + split) * 512u) + col_10;
+                        const unsigned h_6 = h0 + row_20;
+                        if (h_6 < p.heads) {
+                            const float inv_l_4 = row_sum[row_20 + (warp_group * 16u)];
+                            const unsigned at = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + col_10;
                             o_part[at] = v0_10 * inv_l_4;
                             o_part[at + 1u] = v1_10 * inv_l_4;
                         }
@@ -2178,11 +2193,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_11 = (o_acc_1_col0 + ((frag586 % 2u) * 16u)) + ((lane_quad * 4u) + (e588 * 2u));
                         float v0_11 = o_acc_1[((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) * 4u) + ((half587 * 2u) + e588)];
                         float v1_11 = o_acc_1[(((((frag586 / 2u) * 4u) + ((frag586 % 2u) * 2u)) + 1u) * 4u) + ((half587 * 2u) + e588)];
-                        const unsigned h_6 = h0 + row_21;
-                        if (h_6 < p.heads) {
-                            const float l_6 = row_sum[row_21 + (warp_group * 16u)];
-                            const float inv_l_5 = (l_6 > 0.0f) ? (1.0f / l_6) : 0.0f;
-                            const unsigned at_1 = (((((t * p.heads) + h_6) * p.splits) + split) * 512u) + (col_11 + 128u);
+                        const unsigned h_7 = h0 + row_21;
+                        if (h_7 < p.heads) {
+                            const float inv_l_5 = row_sum[row_21 + (warp_group * 16u)];
+                            const unsigned at_1 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_11 + 128u);
                             o_part[at_1] = v0_11 * inv_l_5;
                             o_part[at_1 + 1u] = v1_11 * inv_l_5;
                         }
@@ -2201,11 +2215,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_12 = (o_acc_2_col0 + ((frag589 % 2u) * 16u)) + ((lane_quad * 4u) + (e591 * 2u));
                         float v0_12 = o_acc_2[((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) * 4u) + ((half590 * 2u) + e591)];
                         float v1_12 = o_acc_2[(((((frag589 / 2u) * 4u) + ((frag589 % 2u) * 2u)) + 1u) * 4u) + ((half590 * 2u) + e591)];
-                        const unsigned h_7 = h0 + row_22;
-                        if (h_7 < p.heads) {
-                            const float l_7 = row_sum[row_22 + (warp_group * 16u)];
-                            const float inv_l_6 = (l_7 > 0.0f) ? (1.0f / l_7) : 0.0f;
-                            const unsigned at_2 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_12 + 256u);
+                        const unsigned h_8 = h0 + row_22;
+                        if (h_8 < p.heads) {
+                            const float inv_l_6 = row_sum[row_22 + (warp_group * 16u)];
+                            const unsigned at_2 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_12 + 256u);
                             o_part[at_2] = v0_12 * inv_l_6;
                             o_part[at_2 + 1u] = v1_12 * inv_l_6;
                         }
@@ -2224,25 +2237,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned col_13 = (o_acc_3_col0 + ((frag592 % 2u) * 16u)) + ((lane_quad * 4u) + (e594 * 2u));
                         float v0_13 = o_acc_3[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)];
                         float v1_13 = o_acc_3[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)];
-                        const unsigned h_8 = h0 + row_23;
-                        if (h_8 < p.heads) {
-                            const float l_8 = row_sum[row_23 + (warp_group * 16u)];
-                            const float inv_l_7 = (l_8 > 0.0f) ? (1.0f / l_8) : 0.0f;
-                            const unsigned at_3 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_13 + 384u);
+                        const unsigned h_9 = h0 + row_23;
+                        if (h_9 < p.heads) {
+                            const float inv_l_7 = row_sum[row_23 + (warp_group * 16u)];
+                            const unsigned at_3 = (((((t * p.heads) + h_9) * p.splits) + split) * 512u) + (col_13 + 384u);
                             o_part[at_3] = v0_13 * inv_l_7;
                             o_part[at_3 + 1u] = v1_13 * inv_l_7;
                         }
                         o_acc_3[((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) * 4u) + ((half593 * 2u) + e594)] = v0_13;
                         o_acc_3[(((((frag592 / 2u) * 4u) + ((frag592 % 2u) * 2u)) + 1u) * 4u) + ((half593 * 2u) + e594)] = v1_13;
                     }
-                }
-            }
-            #pragma unroll 4
-            for (unsigned r_4 = group_tid; r_4 < 16u; r_4 += 128u) {
-                const unsigned h_9 = h0 + r_4;
-                if (h_9 < p.heads) {
-                    const float l_9 = row_sum[r_4 + (warp_group * 16u)];
-                    lse_part[(((t * p.heads) + h_9) * p.splits) + split] = (l_9 > 0.0f) ? (row_max[r_4 + (warp_group * 16u)] + logf(fmaxf(l_9, 1e-30f))) : (-3e38f);
                 }
             }
         }

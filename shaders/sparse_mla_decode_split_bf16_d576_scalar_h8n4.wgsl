@@ -401,7 +401,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
     let single: bool = params.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
         for (var pair_i113: u32 = 0u; pair_i113 < 16u; pair_i113 = pair_i113 + 1u) {
             let pair114: u32 = local_id + (pair_i113 * 128u);
             if (pair114 < 2048u) {
@@ -411,8 +411,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
                 var v1_3: f32 = o_acc[(pair_i113 * 2u) + 1u];
                 let h: u32 = h0 + row_5;
                 if (h < params.heads) {
-                    let l: f32 = row_sum[row_5];
-                    let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
+                    let inv_l: f32 = select(0.0, 1.0 / row_sum[row_5], row_sum[row_5] > 0.0);
                     out[((((t * params.heads) + h) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
                 o_acc[pair_i113 * 2u] = v0_3;
@@ -421,14 +420,14 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
         }
         for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
             let h_1: u32 = h0 + r_3;
+            let l: f32 = row_sum[r_3];
             if (h_1 < params.heads) {
-                let l_1: f32 = row_sum[r_3];
-                lse[((((t / params.lse_s_q) * params.heads) + h_1) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_1, 1e-30)), l_1 > 0.0);
+                lse[((((t / params.lse_s_q) * params.heads) + h_1) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l, 1e-30)), l > 0.0);
             }
         }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
         for (var pair_i115: u32 = 0u; pair_i115 < 16u; pair_i115 = pair_i115 + 1u) {
             let pair116: u32 = local_id + (pair_i115 * 128u);
             if (pair116 < 2048u) {
@@ -438,8 +437,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
                 var v1_4: f32 = o_acc[(pair_i115 * 2u) + 1u];
                 let h_2: u32 = h0 + row_6;
                 if (h_2 < params.heads) {
-                    let l_2: f32 = row_sum[row_6];
-                    let inv_l_1: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
+                    let inv_l_1: f32 = select(0.0, 1.0 / row_sum[row_6], row_sum[row_6] > 0.0);
                     let at: u32 = (((((t * params.heads) + h_2) * params.splits) + split) * 512u) + col_4;
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
@@ -450,9 +448,9 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
         }
         for (var r_4: u32 = local_id; r_4 < 8u; r_4 = r_4 + 128u) {
             let h_3: u32 = h0 + r_4;
+            let l_1: f32 = row_sum[r_4];
             if (h_3 < params.heads) {
-                let l_3: f32 = row_sum[r_4];
-                lse_part[(((t * params.heads) + h_3) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_3, 1e-30)), l_3 > 0.0);
+                lse_part[(((t * params.heads) + h_3) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_1, 1e-30)), l_1 > 0.0);
             }
         }
     }

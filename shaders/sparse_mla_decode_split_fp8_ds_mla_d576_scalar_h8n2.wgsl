@@ -863,7 +863,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
     let single: bool = params.splits == 1u;
     if (single) {
 
-        // one split: normalise and write out and lse
+        // one split: the rows normalised into out, and lse
         for (var pair_i387: u32 = 0u; pair_i387 < 4u; pair_i387 = pair_i387 + 1u) {
             let pair388: u32 = local_id + (pair_i387 * 128u);
             if (pair388 < 512u) {
@@ -873,8 +873,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_6: f32 = o_acc[(pair_i387 * 2u) + 1u];
                 let h: u32 = h0 + row_18;
                 if (h < params.heads) {
-                    let l: f32 = row_sum[row_18];
-                    let inv_l: f32 = select(0.0, 1.0 / l, l > 0.0);
+                    let inv_l: f32 = select(0.0, 1.0 / row_sum[row_18], row_sum[row_18] > 0.0);
                     out[((((t * params.heads) + h) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                 }
                 o_acc[pair_i387 * 2u] = v0_6;
@@ -890,8 +889,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_7: f32 = o_acc_1[(pair_i389 * 2u) + 1u];
                 let h_1: u32 = h0 + row_19;
                 if (h_1 < params.heads) {
-                    let l_1: f32 = row_sum[row_19];
-                    let inv_l_1: f32 = select(0.0, 1.0 / l_1, l_1 > 0.0);
+                    let inv_l_1: f32 = select(0.0, 1.0 / row_sum[row_19], row_sum[row_19] > 0.0);
                     out[((((t * params.heads) + h_1) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                 }
                 o_acc_1[pair_i389 * 2u] = v0_7;
@@ -907,8 +905,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_8: f32 = o_acc_2[(pair_i391 * 2u) + 1u];
                 let h_2: u32 = h0 + row_20;
                 if (h_2 < params.heads) {
-                    let l_2: f32 = row_sum[row_20];
-                    let inv_l_2: f32 = select(0.0, 1.0 / l_2, l_2 > 0.0);
+                    let inv_l_2: f32 = select(0.0, 1.0 / row_sum[row_20], row_sum[row_20] > 0.0);
                     out[((((t * params.heads) + h_2) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                 }
                 o_acc_2[pair_i391 * 2u] = v0_8;
@@ -924,8 +921,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_9: f32 = o_acc_3[(pair_i393 * 2u) + 1u];
                 let h_3: u32 = h0 + row_21;
                 if (h_3 < params.heads) {
-                    let l_3: f32 = row_sum[row_21];
-                    let inv_l_3: f32 = select(0.0, 1.0 / l_3, l_3 > 0.0);
+                    let inv_l_3: f32 = select(0.0, 1.0 / row_sum[row_21], row_sum[row_21] > 0.0);
                     out[((((t * params.heads) + h_3) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                 }
                 o_acc_3[pair_i393 * 2u] = v0_9;
@@ -934,14 +930,14 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         }
         for (var r_3: u32 = local_id; r_3 < 8u; r_3 = r_3 + 128u) {
             let h_4: u32 = h0 + r_3;
+            let l: f32 = row_sum[r_3];
             if (h_4 < params.heads) {
-                let l_4: f32 = row_sum[r_3];
-                lse[((((t / params.lse_s_q) * params.heads) + h_4) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l_4, 1e-30)), l_4 > 0.0);
+                lse[((((t / params.lse_s_q) * params.heads) + h_4) * params.lse_s_q) + (t % params.lse_s_q)] = select(f32_from_const_bits(0x7f800000u), row_max[r_3] + log(max(l, 1e-30)), l > 0.0);
             }
         }
     } else {
 
-        // normalise and write this split's partial rows and lse
+        // this split's rows normalised into the partials, and its lse
         for (var pair_i395: u32 = 0u; pair_i395 < 4u; pair_i395 = pair_i395 + 1u) {
             let pair396: u32 = local_id + (pair_i395 * 128u);
             if (pair396 < 512u) {
@@ -951,8 +947,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_10: f32 = o_acc[(pair_i395 * 2u) + 1u];
                 let h_5: u32 = h0 + row_22;
                 if (h_5 < params.heads) {
-                    let l_5: f32 = row_sum[row_22];
-                    let inv_l_4: f32 = select(0.0, 1.0 / l_5, l_5 > 0.0);
+                    let inv_l_4: f32 = select(0.0, 1.0 / row_sum[row_22], row_sum[row_22] > 0.0);
                     let at: u32 = (((((t * params.heads) + h_5) * params.splits) + split) * 512u) + col_10;
                     o_part[at] = v0_10 * inv_l_4;
                     o_part[at + 1u] = v1_10 * inv_l_4;
@@ -970,8 +965,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_11: f32 = o_acc_1[(pair_i397 * 2u) + 1u];
                 let h_6: u32 = h0 + row_23;
                 if (h_6 < params.heads) {
-                    let l_6: f32 = row_sum[row_23];
-                    let inv_l_5: f32 = select(0.0, 1.0 / l_6, l_6 > 0.0);
+                    let inv_l_5: f32 = select(0.0, 1.0 / row_sum[row_23], row_sum[row_23] > 0.0);
                     let at_1: u32 = (((((t * params.heads) + h_6) * params.splits) + split) * 512u) + (col_11 + 128u);
                     o_part[at_1] = v0_11 * inv_l_5;
                     o_part[at_1 + 1u] = v1_11 * inv_l_5;
@@ -989,8 +983,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_12: f32 = o_acc_2[(pair_i399 * 2u) + 1u];
                 let h_7: u32 = h0 + row_24;
                 if (h_7 < params.heads) {
-                    let l_7: f32 = row_sum[row_24];
-                    let inv_l_6: f32 = select(0.0, 1.0 / l_7, l_7 > 0.0);
+                    let inv_l_6: f32 = select(0.0, 1.0 / row_sum[row_24], row_sum[row_24] > 0.0);
                     let at_2: u32 = (((((t * params.heads) + h_7) * params.splits) + split) * 512u) + (col_12 + 256u);
                     o_part[at_2] = v0_12 * inv_l_6;
                     o_part[at_2 + 1u] = v1_12 * inv_l_6;
@@ -1008,8 +1001,7 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
                 var v1_13: f32 = o_acc_3[(pair_i401 * 2u) + 1u];
                 let h_8: u32 = h0 + row_25;
                 if (h_8 < params.heads) {
-                    let l_8: f32 = row_sum[row_25];
-                    let inv_l_7: f32 = select(0.0, 1.0 / l_8, l_8 > 0.0);
+                    let inv_l_7: f32 = select(0.0, 1.0 / row_sum[row_25], row_sum[row_25] > 0.0);
                     let at_3: u32 = (((((t * params.heads) + h_8) * params.splits) + split) * 512u) + (col_13 + 384u);
                     o_part[at_3] = v0_13 * inv_l_7;
                     o_part[at_3 + 1u] = v1_13 * inv_l_7;
@@ -1020,9 +1012,9 @@ fn sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n2(@builtin(local_invocation
         }
         for (var r_4: u32 = local_id; r_4 < 8u; r_4 = r_4 + 128u) {
             let h_9: u32 = h0 + r_4;
+            let l_1: f32 = row_sum[r_4];
             if (h_9 < params.heads) {
-                let l_9: f32 = row_sum[r_4];
-                lse_part[(((t * params.heads) + h_9) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_9, 1e-30)), l_9 > 0.0);
+                lse_part[(((t * params.heads) + h_9) * params.splits) + split] = select(-3e38, row_max[r_4] + log(max(l_1, 1e-30)), l_1 > 0.0);
             }
         }
     }

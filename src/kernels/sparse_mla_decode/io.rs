@@ -1,7 +1,7 @@
 //! What both descriptions of the split kernel share: the header lines, parameters and
 //! buffers (the launch interface, fixed), and the epilogue that writes a split's rows.
 
-use super::DecodeConfig;
+use super::{DecodeConfig, Lowering};
 use crate::kir::builder::*;
 use crate::kir::ir::{Access, Elem, Expr, Ty};
 use crate::kir::ops::{SoftmaxState, MASKED};
@@ -175,18 +175,54 @@ pub(super) fn write_outputs(
     // each side is whole (one branch per element kept the fp8 scalar kernel, at its register
     // cap, 4 bytes over on sm_120).
     let single = b.let_("single", splits.clone().eq_(u(1)));
-    let rows = |b: &mut KernelBuilder, final_out: bool| {
-        b.comment(if final_out {
-            "one split: normalise and write out and lse"
-        } else {
-            "normalise and write this split's partial rows and lse"
+    // The tensor-core kernels write each row's lse first, then l's reciprocal in l's place
+    // (l is not read again), so that the rows multiply instead of each element dividing:
+    // one division per row, not one per element pair (at T = 1 the epilogue was a fifth of
+    // the split kernel's time, ncu, H200). The scalar kernels keep dividing per element,
+    // rows first: their accumulators would live across the extra barrier, and the fp8 one,
+    // at its register cap, spilled.
+    let per_row = !matches!(cfg.lowering, Lowering::Scalar);
+    let inv_of = |l: Expr| select(l.clone().gt(f(0.0)), f(1.0) / l, f(0.0));
+    let lse = |b: &mut KernelBuilder, final_out: bool| {
+        b.for_threads("r", u(cfg.block_h), |b, r| {
+            let h = b.let_("h", h0.clone() + r.clone());
+            let l = b.let_("l", st.l.at(r.clone()));
+            b.if_(h.clone().lt(heads.clone()), |b| {
+                let empty = if final_out {
+                    f(f32::INFINITY)
+                } else {
+                    f(MASKED)
+                };
+                let v = select(
+                    l.clone().gt(f(0.0)),
+                    st.m.at(r.clone()) + log(l.clone().max(f(1e-30))),
+                    empty,
+                );
+                if final_out {
+                    let s_q = &io.lse_s_q;
+                    let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
+                        + t.clone() % s_q.clone();
+                    b.store(&io.lse_out, at, v);
+                } else {
+                    b.store(
+                        &io.lse_part,
+                        (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
+                        v,
+                    );
+                }
+            });
+            if per_row {
+                b.shared_store(&st.l, r, inv_of(l));
+            }
         });
+    };
+    let rows = |b: &mut KernelBuilder, final_out: bool| {
         for (o, col0) in outs {
             b.acc_for_each(o, |b, e| {
                 let h = b.let_("h", h0.clone() + e.row.clone());
                 b.if_(h.clone().lt(heads.clone()), |b| {
-                    let l = b.let_("l", st.l.at(e.row.clone()));
-                    let inv = b.let_("inv_l", select(l.clone().gt(f(0.0)), f(1.0) / l, f(0.0)));
+                    let l = st.l.at(e.row.clone());
+                    let inv = b.let_("inv_l", if per_row { l } else { inv_of(l) });
                     let (y0, y1) = (e.v0.clone() * inv.clone(), e.v1.clone() * inv);
                     let col = e.col.clone() + u(*col0);
                     if final_out {
@@ -203,34 +239,21 @@ pub(super) fn write_outputs(
                 });
             });
         }
-        b.for_threads("r", u(cfg.block_h), |b, r| {
-            let h = b.let_("h", h0.clone() + r.clone());
-            b.if_(h.clone().lt(heads.clone()), |b| {
-                let l = b.let_("l", st.l.at(r.clone()));
-                let empty = if final_out {
-                    f(f32::INFINITY)
-                } else {
-                    f(MASKED)
-                };
-                let v = select(
-                    l.clone().gt(f(0.0)),
-                    st.m.at(r) + log(l.max(f(1e-30))),
-                    empty,
-                );
-                if final_out {
-                    let s_q = &io.lse_s_q;
-                    let at = (t.clone() / s_q.clone() * heads.clone() + h) * s_q.clone()
-                        + t.clone() % s_q.clone();
-                    b.store(&io.lse_out, at, v);
-                } else {
-                    b.store(
-                        &io.lse_part,
-                        (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
-                        v,
-                    );
-                }
-            });
-        });
     };
-    b.if_else(single, |b| rows(b, true), |b| rows(b, false));
+    let both = |b: &mut KernelBuilder, final_out: bool| {
+        b.comment(if final_out {
+            "one split: the rows normalised into out, and lse"
+        } else {
+            "this split's rows normalised into the partials, and its lse"
+        });
+        if per_row {
+            lse(b, final_out);
+            b.barrier();
+            rows(b, final_out);
+        } else {
+            rows(b, final_out);
+            lse(b, final_out);
+        }
+    };
+    b.if_else(single, |b| both(b, true), |b| both(b, false));
 }
