@@ -295,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag38[4];
-    unsigned b_frag39[4];
+    unsigned a_frag37[4];
+    unsigned b_frag38[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -438,15 +438,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // pipeline step: 1-stage mbarrier ring; the producer warps issue the first 0 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = group_tid; zero_i < 9344u; zero_i += 128u) {
-        kv_tile[zero_i + (warp_group * 9344u)] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i1 = group_tid; zero_i1 < 36u; zero_i1 += 128u) {
-        row_valid[zero_i1 + (warp_group * 36u)] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 2u) * 2u), 64);
         mbar_init(ring_barriers + ((1u + (warp_group * 2u)) * 2u), 128);
@@ -466,10 +458,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi2 = 0u; mi2 < 1u; mi2 += 1u) {
+        for (unsigned mi1 = 0u; mi1 < 1u; mi1 += 1u) {
             #pragma unroll
-            for (unsigned half3 = 0u; half3 < 2u; half3 += 1u) {
-                row_sum_part[(mi2 * 2u) + half3] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi2 * 16u)) + ((half3 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
+            for (unsigned half2 = 0u; half2 < 2u; half2 += 1u) {
+                row_sum_part[(mi1 * 2u) + half2] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi1 * 16u)) + ((half2 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
             }
         }
     }
@@ -484,15 +476,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 }
                 const unsigned load_stage = 0u;
                 #pragma unroll
-                for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                    const unsigned gather_row5 = ((warp - 2u) + (lane * 2u)) + (slot4 * 64u);
-                    if (gather_row5 < 32u) {
+                for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
+                    const unsigned gather_row4 = ((warp - 2u) + (lane * 2u)) + (slot3 * 64u);
+                    if (gather_row4 < 32u) {
                         const unsigned step = warp_group + (ahead * 2u);
-                        const unsigned row_1 = gather_row5;
-                        const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot4] >= 0)) && (((unsigned)kv_tile_pre[slot4]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot4]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot4]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[gather_row5 + (warp_group * 36u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                        const unsigned row_1 = gather_row4;
+                        const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[gather_row4 + (warp_group * 36u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
                         if (src_i32 >= 0) {
-                            copy_async(kv_tile + (gather_row5 * 292u) + (warp_group * 9344u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + ((load_stage + (warp_group * 2u)) * 2u));
+                            copy_async(kv_tile + (gather_row4 * 292u) + (warp_group * 9344u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + ((load_stage + (warp_group * 2u)) * 2u));
+                        } else {
+                            for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
+                                kv_tile[((gather_row4 * 292u) + zero_w) + (warp_group * 9344u)] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
@@ -500,11 +497,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if ((ahead + 1u) < step_group_bound) {
                     const unsigned step = warp_group + ((ahead + 1u) * 2u);
                     #pragma unroll
-                    for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                        const unsigned gather_row7 = ((warp - 2u) + (lane * 2u)) + (slot6 * 64u);
-                        if (gather_row7 < 32u) {
-                            const unsigned row_1 = gather_row7;
-                            kv_tile_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot5 = 0u; slot5 < 1u; slot5 += 1u) {
+                        const unsigned gather_row6 = ((warp - 2u) + (lane * 2u)) + (slot5 * 64u);
+                        if (gather_row6 < 32u) {
+                            const unsigned row_1 = gather_row6;
+                            kv_tile_pre[slot5] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -517,8 +514,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i8 = 0u; fill_i8 < 8u; fill_i8 += 1u) {
-            scores[fill_i8] = 0.0f;
+        for (unsigned fill_i7 = 0u; fill_i7 < 8u; fill_i7 += 1u) {
+            scores[fill_i7] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 8u; e += 1u) {
@@ -527,8 +524,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned n_first = (warp / 2u) * 16u;
         const unsigned k_first = (warp % 2u) * 18u;
         #pragma unroll
-        for (unsigned e10 = 0u; e10 < 8u; e10 += 1u) {
-            scores_part[8u + e10] = 0.0f;
+        for (unsigned e9 = 0u; e9 < 8u; e9 += 1u) {
+            scores_part[8u + e9] = 0.0f;
         }
         #pragma unroll
         for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
@@ -539,19 +536,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_tile + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u) + (warp_group * 9344u));
                     #pragma unroll
-                    for (unsigned mi9 = 0u; mi9 < 1u; mi9 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi9 * 18u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi9 * 18u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi9 * 18u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi9 * 18u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain * 8u) + (((mi9 * 2u) + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi8 = 0u; mi8 < 1u; mi8 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi8 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi8 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi8 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi8 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 8u) + (((mi8 * 2u) + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e11 = 0u; e11 < 8u; e11 += 1u) {
-            scores_part[e11] = scores_part[e11] + scores_part[8u + e11];
+        for (unsigned e10 = 0u; e10 < 8u; e10 += 1u) {
+            scores_part[e10] = scores_part[e10] + scores_part[8u + e10];
         }
 
         // scale, and mask the entries whose rows had no source
@@ -560,10 +557,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
-            for (unsigned half12 = 0u; half12 < 2u; half12 += 1u) {
+            for (unsigned half11 = 0u; half11 < 2u; half11 += 1u) {
                 #pragma unroll
-                for (unsigned e13 = 0u; e13 < 2u; e13 += 1u) {
-                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag / 2u) * 16u) + (half12 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e13))) + (warp_group * 1152u)] = scores_part[((frag * 4u) + (half12 * 2u)) + e13];
+                for (unsigned e12 = 0u; e12 < 2u; e12 += 1u) {
+                    split_k_partials[(((((warp % 2u) * 16u) + ((((frag / 2u) * 16u) + (half11 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e12))) + (warp_group * 1152u)] = scores_part[((frag * 4u) + (half11 * 2u)) + e12];
                 }
             }
         }
@@ -574,34 +571,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag14 = 0u; frag14 < 2u; frag14 += 1u) {
+            for (unsigned frag13 = 0u; frag13 < 2u; frag13 += 1u) {
                 #pragma unroll
-                for (unsigned half15 = 0u; half15 < 2u; half15 += 1u) {
+                for (unsigned half14 = 0u; half14 < 2u; half14 += 1u) {
                     #pragma unroll
-                    for (unsigned e16 = 0u; e16 < 2u; e16 += 1u) {
-                        float sum = scores[((frag14 * 4u) + (half15 * 2u)) + e16];
-                        const unsigned cell = (((scores_row0 + (half15 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag14 * 8u)) + ((lane_quad * 2u) + e16));
+                    for (unsigned e15 = 0u; e15 < 2u; e15 += 1u) {
+                        float sum = scores[((frag13 * 4u) + (half14 * 2u)) + e15];
+                        const unsigned cell = (((scores_row0 + (half14 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag13 * 8u)) + ((lane_quad * 2u) + e15));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[((g * 576u) + cell) + (warp_group * 1152u)];
                         }
-                        scores[((frag14 * 4u) + (half15 * 2u)) + e16] = sum;
+                        scores[((frag13 * 4u) + (half14 * 2u)) + e15] = sum;
                     }
                 }
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag17 = 0u; frag17 < 2u; frag17 += 1u) {
+            for (unsigned frag16 = 0u; frag16 < 2u; frag16 += 1u) {
                 #pragma unroll
-                for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag17 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag17 * 4u) + (half18 * 2u)];
-                    float v1 = scores[((frag17 * 4u) + (half18 * 2u)) + 1u];
+                for (unsigned half17 = 0u; half17 < 2u; half17 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag16 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag16 * 4u) + (half17 * 2u)];
+                    float v1 = scores[((frag16 * 4u) + (half17 * 2u)) + 1u];
                     v0 = (row_valid[col + (warp_group * 36u)] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(col + 1u) + (warp_group * 36u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag17 * 4u) + (half18 * 2u)] = v0;
-                    scores[((frag17 * 4u) + (half18 * 2u)) + 1u] = v1;
+                    scores[(frag16 * 4u) + (half17 * 2u)] = v0;
+                    scores[((frag16 * 4u) + (half17 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -611,18 +608,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi19 = 0u; mi19 < 1u; mi19 += 1u) {
+            for (unsigned mi18 = 0u; mi18 < 1u; mi18 += 1u) {
                 #pragma unroll
-                for (unsigned half20 = 0u; half20 < 2u; half20 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi19 * 2u) * 4u) + (half20 * 2u)], scores[((mi19 * 2u) * 4u) + ((half20 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi19 * 2u) + 1u) * 4u) + (half20 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi19 * 2u) + 1u) * 4u) + ((half20 * 2u) + 1u)]);
+                for (unsigned half19 = 0u; half19 < 2u; half19 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi18 * 2u) * 4u) + (half19 * 2u)], scores[((mi18 * 2u) * 4u) + ((half19 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi18 * 2u) + 1u) * 4u) + (half19 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi18 * 2u) + 1u) * 4u) + ((half19 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other21 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other21);
+                    const float other20 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other20);
                     if (lane_quad == 0u) {
-                        row_exchange[((((scores_row0 + (mi19 * 16u)) + ((half20 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
+                        row_exchange[((((scores_row0 + (mi18 * 16u)) + ((half19 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_max_part;
                     }
                 }
             }
@@ -635,57 +632,57 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi24 = 0u; mi24 < 1u; mi24 += 1u) {
+        for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
             #pragma unroll
-            for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
-                const float m_old22 = row_max_reg[(mi24 * 2u) + half25];
-                float m_new23 = m_old22;
-                m_new23 = fmaxf(m_new23, row_exchange[(((mi24 * 16u) + ((half25 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
-                m_new23 = fmaxf(m_new23, row_exchange[((((mi24 * 16u) + ((half25 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
-                row_alpha[(mi24 * 2u) + half25] = expf(m_old22 - m_new23);
-                row_max_reg[(mi24 * 2u) + half25] = m_new23;
+            for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
+                const float m_old21 = row_max_reg[(mi23 * 2u) + half24];
+                float m_new22 = m_old21;
+                m_new22 = fmaxf(m_new22, row_exchange[(((mi23 * 16u) + ((half24 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
+                m_new22 = fmaxf(m_new22, row_exchange[((((mi23 * 16u) + ((half24 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
+                row_alpha[(mi23 * 2u) + half24] = expf(m_old21 - m_new22);
+                row_max_reg[(mi23 * 2u) + half24] = m_new22;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned mi29 = 0u; mi29 < 1u; mi29 += 1u) {
+            for (unsigned mi28 = 0u; mi28 < 1u; mi28 += 1u) {
                 #pragma unroll
-                for (unsigned half30 = 0u; half30 < 2u; half30 += 1u) {
+                for (unsigned half29 = 0u; half29 < 2u; half29 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj26 = 0u; nj26 < 2u; nj26 += 1u) {
+                    for (unsigned nj25 = 0u; nj25 < 2u; nj25 += 1u) {
                         #pragma unroll
-                        for (unsigned e27 = 0u; e27 < 2u; e27 += 1u) {
-                            const unsigned at28 = (((mi29 * 2u) + nj26) * 4u) + ((half30 * 2u) + e27);
-                            const float p = (scores[at28] < (-1e38f)) ? 0.0f : expf(scores[at28] - row_max_reg[(mi29 * 2u) + half30]);
-                            scores[at28] = p;
+                        for (unsigned e26 = 0u; e26 < 2u; e26 += 1u) {
+                            const unsigned at27 = (((mi28 * 2u) + nj25) * 4u) + ((half29 * 2u) + e26);
+                            const float p = (scores[at27] < (-1e38f)) ? 0.0f : expf(scores[at27] - row_max_reg[(mi28 * 2u) + half29]);
+                            scores[at27] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi29 * 2u) + half30] = (row_sum_part[(mi29 * 2u) + half30] * row_alpha[(mi29 * 2u) + half30]) + p_sum;
+                    row_sum_part[(mi28 * 2u) + half29] = (row_sum_part[(mi28 * 2u) + half29] * row_alpha[(mi28 * 2u) + half29]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag31 = 0u; frag31 < 16u; frag31 += 1u) {
+        for (unsigned frag30 = 0u; frag30 < 16u; frag30 += 1u) {
             #pragma unroll
-            for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
-                const float alpha33 = row_alpha[((frag31 / 16u) * 2u) + half32];
-                o_acc[(frag31 * 4u) + (half32 * 2u)] = o_acc[(frag31 * 4u) + (half32 * 2u)] * alpha33;
-                o_acc[((frag31 * 4u) + (half32 * 2u)) + 1u] = o_acc[((frag31 * 4u) + (half32 * 2u)) + 1u] * alpha33;
+            for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
+                const float alpha32 = row_alpha[((frag30 / 16u) * 2u) + half31];
+                o_acc[(frag30 * 4u) + (half31 * 2u)] = o_acc[(frag30 * 4u) + (half31 * 2u)] * alpha32;
+                o_acc[((frag30 * 4u) + (half31 * 2u)) + 1u] = o_acc[((frag30 * 4u) + (half31 * 2u)) + 1u] * alpha32;
             }
         }
         if (warp < 2u) {
             #pragma unroll
-            for (unsigned frag36 = 0u; frag36 < 2u; frag36 += 1u) {
+            for (unsigned frag35 = 0u; frag35 < 2u; frag35 += 1u) {
                 #pragma unroll
-                for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
-                    const unsigned row34 = (scores_row0 + ((frag36 / 2u) * 16u)) + ((half37 * 8u) + lane_group);
-                    const unsigned col35 = (scores_col0 + ((frag36 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag36 * 4u) + (half37 * 2u);
-                    p_tile[((row34 * 20u) + (col35 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                    const unsigned row33 = (scores_row0 + ((frag35 / 2u) * 16u)) + ((half36 * 8u) + lane_group);
+                    const unsigned col34 = (scores_col0 + ((frag35 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag35 * 4u) + (half36 * 2u);
+                    p_tile[((row33 * 20u) + (col34 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -699,19 +696,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = (lane_r16 * 292u) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk40 = 0u; kk40 < 2u; kk40 += 1u) {
+        for (unsigned kk39 = 0u; kk39 < 2u; kk39 += 1u) {
             #pragma unroll
-            for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
-                ldmatrix_x4(&a_frag38[mi41 * 4u], p_tile + a_lane_word + (mi41 * 320u) + (kk40 * 8u) + (warp_group * 320u));
+            for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+                ldmatrix_x4(&a_frag37[mi40 * 4u], p_tile + a_lane_word + (mi40 * 320u) + (kk39 * 8u) + (warp_group * 320u));
             }
             #pragma unroll
-            for (unsigned nj42 = 0u; nj42 < 8u; nj42 += 1u) {
-                ldmatrix_x4_trans(&b_frag39[0u], kv_tile + b_lane_word + (kk40 * 4672u) + ((nj42 * 2u) * 4u) + (warp_group * 9344u));
+            for (unsigned nj41 = 0u; nj41 < 8u; nj41 += 1u) {
+                ldmatrix_x4_trans(&b_frag38[0u], kv_tile + b_lane_word + (kk39 * 4672u) + ((nj41 * 2u) * 4u) + (warp_group * 9344u));
                 #pragma unroll
-                for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
+                for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
-                    for (unsigned nj43 = 0u; nj43 < 2u; nj43 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi41 * 16u) + ((nj42 * 2u) + nj43)) * 4u], &a_frag38[mi41 * 4u], &b_frag39[nj43 * 2u]);
+                    for (unsigned nj42 = 0u; nj42 < 2u; nj42 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi40 * 16u) + ((nj41 * 2u) + nj42)) * 4u], &a_frag37[mi40 * 4u], &b_frag38[nj42 * 2u]);
                     }
                 }
             }
@@ -726,16 +723,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi45 = 0u; mi45 < 1u; mi45 += 1u) {
+        for (unsigned mi44 = 0u; mi44 < 1u; mi44 += 1u) {
             #pragma unroll
-            for (unsigned half46 = 0u; half46 < 2u; half46 += 1u) {
-                float row_sum44 = row_sum_part[(mi45 * 2u) + half46];
-                const float other47 = shfl_xor_f32(row_sum44, 1);
-                row_sum44 = row_sum44 + other47;
-                const float other48 = shfl_xor_f32(row_sum44, 2);
-                row_sum44 = row_sum44 + other48;
+            for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
+                float row_sum43 = row_sum_part[(mi44 * 2u) + half45];
+                const float other46 = shfl_xor_f32(row_sum43, 1);
+                row_sum43 = row_sum43 + other46;
+                const float other47 = shfl_xor_f32(row_sum43, 2);
+                row_sum43 = row_sum43 + other47;
                 if (lane_quad == 0u) {
-                    row_exchange[((((scores_row0 + (mi45 * 16u)) + ((half46 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum44;
+                    row_exchange[((((scores_row0 + (mi44 * 16u)) + ((half45 * 8u) + lane_group)) * 2u) + scores_wn) + (warp_group * 32u)] = row_sum43;
                 }
             }
         }
@@ -743,14 +740,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
+        for (unsigned mi49 = 0u; mi49 < 1u; mi49 += 1u) {
             #pragma unroll
-            for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
+            for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum49 = row_exchange[(((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
-                    row_sum49 = row_sum49 + row_exchange[((((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
-                    row_sum[((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum49;
-                    row_max[((scores_row0 + (mi50 * 16u)) + ((half51 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi50 * 2u) + half51];
+                    float row_sum48 = row_exchange[(((scores_row0 + (mi49 * 16u)) + ((half50 * 8u) + lane_group)) * 2u) + (warp_group * 32u)];
+                    row_sum48 = row_sum48 + row_exchange[((((scores_row0 + (mi49 * 16u)) + ((half50 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)];
+                    row_sum[((scores_row0 + (mi49 * 16u)) + ((half50 * 8u) + lane_group)) + (warp_group * 16u)] = row_sum48;
+                    row_max[((scores_row0 + (mi49 * 16u)) + ((half50 * 8u) + lane_group)) + (warp_group * 16u)] = row_max_reg[(mi49 * 2u) + half50];
                 }
             }
         }
@@ -760,13 +757,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // warp groups: merge the groups' softmax states and accumulators
     if (warp_group == 1u) {
         #pragma unroll
-        for (unsigned frag54 = 0u; frag54 < 16u; frag54 += 1u) {
+        for (unsigned frag53 = 0u; frag53 < 16u; frag53 += 1u) {
             #pragma unroll
-            for (unsigned half55 = 0u; half55 < 2u; half55 += 1u) {
-                const unsigned row52 = (o_acc_row0 + ((frag54 / 16u) * 16u)) + ((half55 * 8u) + lane_group);
-                const unsigned col53 = (o_acc_col0 + ((frag54 % 16u) * 8u)) + (lane_quad * 2u);
-                kv_tile[(row52 * 512u) + col53] = __float_as_uint(o_acc[(frag54 * 4u) + (half55 * 2u)]);
-                kv_tile[(row52 * 512u) + (col53 + 1u)] = __float_as_uint(o_acc[((frag54 * 4u) + (half55 * 2u)) + 1u]);
+            for (unsigned half54 = 0u; half54 < 2u; half54 += 1u) {
+                const unsigned row51 = (o_acc_row0 + ((frag53 / 16u) * 16u)) + ((half54 * 8u) + lane_group);
+                const unsigned col52 = (o_acc_col0 + ((frag53 % 16u) * 8u)) + (lane_quad * 2u);
+                kv_tile[(row51 * 512u) + col52] = __float_as_uint(o_acc[(frag53 * 4u) + (half54 * 2u)]);
+                kv_tile[(row51 * 512u) + (col52 + 1u)] = __float_as_uint(o_acc[((frag53 * 4u) + (half54 * 2u)) + 1u]);
             }
         }
     }
@@ -791,15 +788,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // warp groups: group 0 adds the other groups' accumulators, scaled
     if (warp_group == 0u) {
         #pragma unroll
-        for (unsigned frag58 = 0u; frag58 < 16u; frag58 += 1u) {
+        for (unsigned frag57 = 0u; frag57 < 16u; frag57 += 1u) {
             #pragma unroll
-            for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
-                const unsigned row56 = (o_acc_row0 + ((frag58 / 16u) * 16u)) + ((half59 * 8u) + lane_group);
-                const unsigned col57 = (o_acc_col0 + ((frag58 % 16u) * 8u)) + (lane_quad * 2u);
-                const unsigned sub1 = (frag58 * 4u) + (half59 * 2u);
-                o_acc[sub1] = (o_acc[sub1] * group_factor[row56]) + (group_factor[16u + row56] * __uint_as_float(kv_tile[(row56 * 512u) + col57]));
-                const unsigned sub2 = ((frag58 * 4u) + (half59 * 2u)) + 1u;
-                o_acc[sub2] = (o_acc[sub2] * group_factor[row56]) + (group_factor[16u + row56] * __uint_as_float(kv_tile[(row56 * 512u) + (col57 + 1u)]));
+            for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
+                const unsigned row55 = (o_acc_row0 + ((frag57 / 16u) * 16u)) + ((half58 * 8u) + lane_group);
+                const unsigned col56 = (o_acc_col0 + ((frag57 % 16u) * 8u)) + (lane_quad * 2u);
+                const unsigned sub1 = (frag57 * 4u) + (half58 * 2u);
+                o_acc[sub1] = (o_acc[sub1] * group_factor[row55]) + (group_factor[16u + row55] * __uint_as_float(kv_tile[(row55 * 512u) + col56]));
+                const unsigned sub2 = ((frag57 * 4u) + (half58 * 2u)) + 1u;
+                o_acc[sub2] = (o_acc[sub2] * group_factor[row55]) + (group_factor[16u + row55] * __uint_as_float(kv_tile[(row55 * 512u) + (col56 + 1u)]));
             }
         }
     }
@@ -825,20 +822,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 named_barrier_sync<2u, 128u>();
             }
             #pragma unroll
-            for (unsigned frag60 = 0u; frag60 < 16u; frag60 += 1u) {
+            for (unsigned frag59 = 0u; frag59 < 16u; frag59 += 1u) {
                 #pragma unroll
-                for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
-                    const unsigned row_5 = (o_acc_row0 + ((frag60 / 16u) * 16u)) + ((half61 * 8u) + lane_group);
-                    const unsigned col_3 = (o_acc_col0 + ((frag60 % 16u) * 8u)) + (lane_quad * 2u);
-                    float v0_3 = o_acc[(frag60 * 4u) + (half61 * 2u)];
-                    float v1_3 = o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u];
+                for (unsigned half60 = 0u; half60 < 2u; half60 += 1u) {
+                    const unsigned row_5 = (o_acc_row0 + ((frag59 / 16u) * 16u)) + ((half60 * 8u) + lane_group);
+                    const unsigned col_3 = (o_acc_col0 + ((frag59 % 16u) * 8u)) + (lane_quad * 2u);
+                    float v0_3 = o_acc[(frag59 * 4u) + (half60 * 2u)];
+                    float v1_3 = o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u];
                     const unsigned h_1 = h0 + row_5;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_5 + (warp_group * 16u)];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                     }
-                    o_acc[(frag60 * 4u) + (half61 * 2u)] = v0_3;
-                    o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u] = v1_3;
+                    o_acc[(frag59 * 4u) + (half60 * 2u)] = v0_3;
+                    o_acc[((frag59 * 4u) + (half60 * 2u)) + 1u] = v1_3;
                 }
             }
         } else {
@@ -859,13 +856,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 named_barrier_sync<2u, 128u>();
             }
             #pragma unroll
-            for (unsigned frag62 = 0u; frag62 < 16u; frag62 += 1u) {
+            for (unsigned frag61 = 0u; frag61 < 16u; frag61 += 1u) {
                 #pragma unroll
-                for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
-                    const unsigned row_6 = (o_acc_row0 + ((frag62 / 16u) * 16u)) + ((half63 * 8u) + lane_group);
-                    const unsigned col_4 = (o_acc_col0 + ((frag62 % 16u) * 8u)) + (lane_quad * 2u);
-                    float v0_4 = o_acc[(frag62 * 4u) + (half63 * 2u)];
-                    float v1_4 = o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u];
+                for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+                    const unsigned row_6 = (o_acc_row0 + ((frag61 / 16u) * 16u)) + ((half62 * 8u) + lane_group);
+                    const unsigned col_4 = (o_acc_col0 + ((frag61 % 16u) * 8u)) + (lane_quad * 2u);
+                    float v0_4 = o_acc[(frag61 * 4u) + (half62 * 2u)];
+                    float v1_4 = o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u];
                     const unsigned h_3 = h0 + row_6;
                     if (h_3 < p.heads) {
                         const float inv_l_1 = row_sum[row_6 + (warp_group * 16u)];
@@ -873,8 +870,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         o_part[at] = v0_4 * inv_l_1;
                         o_part[at + 1u] = v1_4 * inv_l_1;
                     }
-                    o_acc[(frag62 * 4u) + (half63 * 2u)] = v0_4;
-                    o_acc[((frag62 * 4u) + (half63 * 2u)) + 1u] = v1_4;
+                    o_acc[(frag61 * 4u) + (half62 * 2u)] = v0_4;
+                    o_acc[((frag61 * 4u) + (half62 * 2u)) + 1u] = v1_4;
                 }
             }
         }

@@ -430,15 +430,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
-        kv_tile[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i1 = threadIdx.x; zero_i1 < 72u; zero_i1 += 256u) {
-        row_valid[zero_i1] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 256);
@@ -451,15 +443,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot2 = 0u; slot2 < 1u; slot2 += 1u) {
-                const unsigned gather_row3 = ((warp - 4u) + (lane * 4u)) + (slot2 * 128u);
-                if (gather_row3 < 32u) {
+            for (unsigned slot1 = 0u; slot1 < 1u; slot1 += 1u) {
+                const unsigned gather_row2 = ((warp - 4u) + (lane * 4u)) + (slot1 * 128u);
+                if (gather_row2 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row3;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot2] >= 0)) && (((unsigned)kv_tile_pre[slot2]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot2]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot2]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row3] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row2;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot1] >= 0)) && (((unsigned)kv_tile_pre[slot1]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot1]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot1]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row2] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row3 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row2 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
+                            kv_tile[((load_stage * 9344u) + (gather_row2 * 292u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
                     }
                 }
             }
@@ -468,11 +465,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
-                if (gather_row5 < 32u) {
-                    const unsigned row_1 = gather_row5;
-                    kv_tile_pre[slot4] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
+                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
+                if (gather_row4 < 32u) {
+                    const unsigned row_1 = gather_row4;
+                    kv_tile_pre[slot3] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -488,10 +485,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
+        for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
             #pragma unroll
-            for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
-                row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
+                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -562,21 +559,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage8 = ahead % 2u;
+                const unsigned load_stage7 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
-                    const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
-                    if (gather_row10 < 32u) {
+                for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
+                    const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
+                    if (gather_row9 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row10;
-                        const int src_i3211 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot9] >= 0)) && (((unsigned)kv_tile_pre[slot9]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot9]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot9]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage8 * 36u) + gather_row10] = (src_i3211 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3211 >= 0) {
-                            copy_async(kv_tile + (load_stage8 * 9344u) + (gather_row10 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3211), 1152u, ring_barriers + (load_stage8 * 2u));
+                        const unsigned row_1 = gather_row9;
+                        const int src_i3210 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot8] >= 0)) && (((unsigned)kv_tile_pre[slot8]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot8]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage7 * 36u) + gather_row9] = (src_i3210 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3210 >= 0) {
+                            copy_async(kv_tile + (load_stage7 * 9344u) + (gather_row9 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 1152u, ring_barriers + (load_stage7 * 2u));
+                        } else {
+                            for (unsigned zero_w11 = 0u; zero_w11 < 288u; zero_w11 += 1u) {
+                                kv_tile[((load_stage7 * 9344u) + (gather_row9 * 292u)) + zero_w11] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage8 * 2u));
+                copy_arrive(ring_barriers + (load_stage7 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll

@@ -289,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     unsigned q_tile_a0[72];
     int kv_tile_pre[1];
     float row_alpha[2];
-    float row_alpha8[4];
+    float row_alpha7[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
@@ -433,15 +433,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 18688u; zero_i += 256u) {
-        kv_tile[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i3 = threadIdx.x; zero_i3 < 72u; zero_i3 += 256u) {
-        row_valid[zero_i3] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 256);
@@ -454,15 +446,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot4 = 0u; slot4 < 1u; slot4 += 1u) {
-                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot4 * 128u);
-                if (gather_row5 < 32u) {
+            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
+                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
+                if (gather_row4 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row5;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot4] >= 0)) && (((unsigned)kv_tile_pre[slot4]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot4]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot4]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row5] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row4;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row4] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row5 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row4 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
+                            kv_tile[((load_stage * 9344u) + (gather_row4 * 292u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
                     }
                 }
             }
@@ -471,11 +468,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
-                if (gather_row7 < 32u) {
-                    const unsigned row_1 = gather_row7;
-                    kv_tile_pre[slot6] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot5 = 0u; slot5 < 1u; slot5 += 1u) {
+                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot5 * 128u);
+                if (gather_row6 < 32u) {
+                    const unsigned row_1 = gather_row6;
+                    kv_tile_pre[slot5] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -493,10 +490,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi9 = 0u; mi9 < 1u; mi9 += 1u) {
+        for (unsigned mi8 = 0u; mi8 < 1u; mi8 += 1u) {
             #pragma unroll
-            for (unsigned half10 = 0u; half10 < 2u; half10 += 1u) {
-                row_sum_part[(mi9 * 2u) + half10] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi9 * 16u)) + ((half10 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half9 = 0u; half9 < 2u; half9 += 1u) {
+                row_sum_part[(mi8 * 2u) + half9] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi8 * 16u)) + ((half9 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -555,21 +552,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage11 = ahead % 2u;
+                const unsigned load_stage10 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                    const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
-                    if (gather_row13 < 32u) {
+                for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
+                    const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
+                    if (gather_row12 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row13;
-                        const int src_i3214 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot12] >= 0)) && (((unsigned)kv_tile_pre[slot12]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot12]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot12]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage11 * 36u) + gather_row13] = (src_i3214 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3214 >= 0) {
-                            copy_async(kv_tile + (load_stage11 * 9344u) + (gather_row13 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3214), 1152u, ring_barriers + (load_stage11 * 2u));
+                        const unsigned row_1 = gather_row12;
+                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3213 >= 0) {
+                            copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
+                        } else {
+                            for (unsigned zero_w14 = 0u; zero_w14 < 288u; zero_w14 += 1u) {
+                                kv_tile[((load_stage10 * 9344u) + (gather_row12 * 292u)) + zero_w14] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage11 * 2u));
+                copy_arrive(ring_barriers + (load_stage10 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
@@ -666,7 +668,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 float m_new34 = m_old33;
                 m_new34 = fmaxf(m_new34, row_exchange[((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u]);
                 m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha8[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+                row_alpha7[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
             }
         }
 
@@ -695,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned frag42 = 0u; frag42 < 16u; frag42 += 1u) {
             #pragma unroll
             for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
-                const float alpha44 = row_alpha8[((frag42 / 8u) * 2u) + half43];
+                const float alpha44 = row_alpha7[((frag42 / 8u) * 2u) + half43];
                 o_acc[(frag42 * 4u) + (half43 * 2u)] = o_acc[(frag42 * 4u) + (half43 * 2u)] * alpha44;
                 o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] = o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] * alpha44;
             }

@@ -1017,15 +1017,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
-        kv_rows[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i292 = threadIdx.x; zero_i292 < 72u; zero_i292 += 256u) {
-        row_valid[zero_i292] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 256);
@@ -1038,15 +1030,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot293 = 0u; slot293 < 1u; slot293 += 1u) {
-                const unsigned gather_row294 = ((warp - 4u) + (lane * 4u)) + (slot293 * 128u);
-                if (gather_row294 < 32u) {
+            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
+                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
+                if (gather_row293 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row294;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot293] >= 0)) && (((unsigned)kv_rows_pre[slot293]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot293]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot293]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row294] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row293;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row293] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row294 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
+                            kv_rows[((load_stage * 5248u) + (gather_row293 * 164u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
                     }
                 }
             }
@@ -1055,11 +1052,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
-                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot295 * 128u);
-                if (gather_row296 < 32u) {
-                    const unsigned row_1 = gather_row296;
-                    kv_rows_pre[slot295] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_1 = gather_row295;
+                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1075,10 +1072,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi297 = 0u; mi297 < 1u; mi297 += 1u) {
+        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
             #pragma unroll
-            for (unsigned half298 = 0u; half298 < 2u; half298 += 1u) {
-                row_sum_part[(mi297 * 2u) + half298] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi297 * 16u)) + ((half298 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
+                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1421,21 +1418,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage299 = ahead % 2u;
+                const unsigned load_stage298 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                    const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                    if (gather_row301 < 32u) {
+                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
+                    const unsigned gather_row300 = ((warp - 4u) + (lane * 4u)) + (slot299 * 128u);
+                    if (gather_row300 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row301;
-                        const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage299 * 36u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32302 >= 0) {
-                            copy_async(kv_rows + (load_stage299 * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage299 * 2u));
+                        const unsigned row_1 = gather_row300;
+                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage298 * 36u) + gather_row300] = (src_i32301 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32301 >= 0) {
+                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + (load_stage298 * 2u));
+                        } else {
+                            for (unsigned zero_w302 = 0u; zero_w302 < 164u; zero_w302 += 1u) {
+                                kv_rows[((load_stage298 * 5248u) + (gather_row300 * 164u)) + zero_w302] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage299 * 2u));
+                copy_arrive(ring_barriers + (load_stage298 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll

@@ -377,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a4[8];
     int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha299[4];
+    float row_alpha298[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
@@ -1022,15 +1022,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = threadIdx.x; zero_i < 10496u; zero_i += 256u) {
-        kv_rows[zero_i] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i294 = threadIdx.x; zero_i294 < 72u; zero_i294 += 256u) {
-        row_valid[zero_i294] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (threadIdx.x == 0u) {
         mbar_init(ring_barriers + 0u, 128);
         mbar_init(ring_barriers + 4u, 256);
@@ -1043,15 +1035,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
-                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot295 * 128u);
-                if (gather_row296 < 32u) {
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
+                if (gather_row295 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row296;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot295] >= 0)) && (((unsigned)kv_rows_pre[slot295]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot295]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot295]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row296] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row295;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot294] >= 0)) && (((unsigned)kv_rows_pre[slot294]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot294]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot294]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row295] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row296 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row295 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
+                            kv_rows[((load_stage * 5248u) + (gather_row295 * 164u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
                     }
                 }
             }
@@ -1060,11 +1057,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
-                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
-                if (gather_row298 < 32u) {
-                    const unsigned row_1 = gather_row298;
-                    kv_rows_pre[slot297] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
+                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
+                if (gather_row297 < 32u) {
+                    const unsigned row_1 = gather_row297;
+                    kv_rows_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1082,10 +1079,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi300 = 0u; mi300 < 1u; mi300 += 1u) {
+        for (unsigned mi299 = 0u; mi299 < 1u; mi299 += 1u) {
             #pragma unroll
-            for (unsigned half301 = 0u; half301 < 2u; half301 += 1u) {
-                row_sum_part[(mi300 * 2u) + half301] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi300 * 16u)) + ((half301 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half300 = 0u; half300 < 2u; half300 += 1u) {
+                row_sum_part[(mi299 * 2u) + half300] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi299 * 16u)) + ((half300 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1416,21 +1413,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage302 = ahead % 2u;
+                const unsigned load_stage301 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
-                    const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
-                    if (gather_row304 < 32u) {
+                for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
+                    const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
+                    if (gather_row303 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row304;
-                        const int src_i32305 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot303] >= 0)) && (((unsigned)kv_rows_pre[slot303]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot303]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot303]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage302 * 36u) + gather_row304] = (src_i32305 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32305 >= 0) {
-                            copy_async(kv_rows + (load_stage302 * 5248u) + (gather_row304 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32305), 656u, ring_barriers + (load_stage302 * 2u));
+                        const unsigned row_1 = gather_row303;
+                        const int src_i32304 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot302] >= 0)) && (((unsigned)kv_rows_pre[slot302]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot302]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot302]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage301 * 36u) + gather_row303] = (src_i32304 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32304 >= 0) {
+                            copy_async(kv_rows + (load_stage301 * 5248u) + (gather_row303 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32304), 656u, ring_barriers + (load_stage301 * 2u));
+                        } else {
+                            for (unsigned zero_w305 = 0u; zero_w305 < 164u; zero_w305 += 1u) {
+                                kv_rows[((load_stage301 * 5248u) + (gather_row303 * 164u)) + zero_w305] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage302 * 2u));
+                copy_arrive(ring_barriers + (load_stage301 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
@@ -1527,7 +1529,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 float m_new415 = m_old414;
                 m_new415 = fmaxf(m_new415, row_exchange[((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u]);
                 m_new415 = fmaxf(m_new415, row_exchange[(((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha299[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
+                row_alpha298[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
             }
         }
 
@@ -1556,7 +1558,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
             #pragma unroll
             for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                const float alpha425 = row_alpha299[((frag423 / 2u) * 2u) + half424];
+                const float alpha425 = row_alpha298[((frag423 / 2u) * 2u) + half424];
                 o_acc[(frag423 * 4u) + (half424 * 2u)] = o_acc[(frag423 * 4u) + (half424 * 2u)] * alpha425;
                 o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
@@ -1565,7 +1567,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
             #pragma unroll
             for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float alpha428 = row_alpha299[((frag426 / 2u) * 2u) + half427];
+                const float alpha428 = row_alpha298[((frag426 / 2u) * 2u) + half427];
                 o_acc_1[(frag426 * 4u) + (half427 * 2u)] = o_acc_1[(frag426 * 4u) + (half427 * 2u)] * alpha428;
                 o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
@@ -1574,7 +1576,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag429 = 0u; frag429 < 4u; frag429 += 1u) {
             #pragma unroll
             for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
-                const float alpha431 = row_alpha299[((frag429 / 2u) * 2u) + half430];
+                const float alpha431 = row_alpha298[((frag429 / 2u) * 2u) + half430];
                 o_acc_2[(frag429 * 4u) + (half430 * 2u)] = o_acc_2[(frag429 * 4u) + (half430 * 2u)] * alpha431;
                 o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] = o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] * alpha431;
             }
@@ -1583,7 +1585,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag432 = 0u; frag432 < 4u; frag432 += 1u) {
             #pragma unroll
             for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
-                const float alpha434 = row_alpha299[((frag432 / 2u) * 2u) + half433];
+                const float alpha434 = row_alpha298[((frag432 / 2u) * 2u) + half433];
                 o_acc_3[(frag432 * 4u) + (half433 * 2u)] = o_acc_3[(frag432 * 4u) + (half433 * 2u)] * alpha434;
                 o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] = o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] * alpha434;
             }

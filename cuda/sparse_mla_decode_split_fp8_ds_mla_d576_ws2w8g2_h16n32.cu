@@ -1027,15 +1027,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
-    // ring stages zeroed (rows without a source stay finite), mbarriers initialised
-    #pragma unroll 4
-    for (unsigned zero_i = group_tid; zero_i < 10496u; zero_i += 128u) {
-        kv_rows[zero_i + (warp_group * 10496u)] = 0u;
-    }
-    #pragma unroll 4
-    for (unsigned zero_i292 = group_tid; zero_i292 < 72u; zero_i292 += 128u) {
-        row_valid[zero_i292 + (warp_group * 72u)] = 0.0f;
-    }
+    // the ring's mbarriers initialised
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 4u) * 2u), 64);
         mbar_init(ring_barriers + ((2u + (warp_group * 4u)) * 2u), 128);
@@ -1048,15 +1040,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_group_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot293 = 0u; slot293 < 1u; slot293 += 1u) {
-                const unsigned gather_row294 = ((warp - 2u) + (lane * 2u)) + (slot293 * 64u);
-                if (gather_row294 < 32u) {
+            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
+                const unsigned gather_row293 = ((warp - 2u) + (lane * 2u)) + (slot292 * 64u);
+                if (gather_row293 < 32u) {
                     const unsigned step = warp_group;
-                    const unsigned row_1 = gather_row294;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot293] >= 0)) && (((unsigned)kv_rows_pre[slot293]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot293]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot293]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[((load_stage * 36u) + gather_row294) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
+                    const unsigned row_1 = gather_row293;
+                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[((load_stage * 36u) + gather_row293) + (warp_group * 72u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
                     if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row294 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + ((load_stage + (warp_group * 4u)) * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
+                            kv_rows[(((load_stage * 5248u) + (gather_row293 * 164u)) + zero_w) + (warp_group * 10496u)] = 0u;
+                        }
+                        fence_proxy_async();
                     }
                 }
             }
@@ -1065,11 +1062,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_group_bound) {
             const unsigned step = warp_group + 2u;
             #pragma unroll
-            for (unsigned slot295 = 0u; slot295 < 1u; slot295 += 1u) {
-                const unsigned gather_row296 = ((warp - 2u) + (lane * 2u)) + (slot295 * 64u);
-                if (gather_row296 < 32u) {
-                    const unsigned row_1 = gather_row296;
-                    kv_rows_pre[slot295] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
+                const unsigned gather_row295 = ((warp - 2u) + (lane * 2u)) + (slot294 * 64u);
+                if (gather_row295 < 32u) {
+                    const unsigned row_1 = gather_row295;
+                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1085,10 +1082,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 2u) {
         #pragma unroll
-        for (unsigned mi297 = 0u; mi297 < 1u; mi297 += 1u) {
+        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
             #pragma unroll
-            for (unsigned half298 = 0u; half298 < 2u; half298 += 1u) {
-                row_sum_part[(mi297 * 2u) + half298] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi297 * 16u)) + ((half298 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
+            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
+                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[((scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)) + (warp_group * 16u)] : 0.0f;
             }
         }
     }
@@ -1435,21 +1432,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + (((2u + ((step_i - 1u) % 2u)) + (warp_group * 4u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage299 = ahead % 2u;
+                const unsigned load_stage298 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                    const unsigned gather_row301 = ((warp - 2u) + (lane * 2u)) + (slot300 * 64u);
-                    if (gather_row301 < 32u) {
+                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
+                    const unsigned gather_row300 = ((warp - 2u) + (lane * 2u)) + (slot299 * 64u);
+                    if (gather_row300 < 32u) {
                         const unsigned step = warp_group + (ahead * 2u);
-                        const unsigned row_1 = gather_row301;
-                        const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[((load_stage299 * 36u) + gather_row301) + (warp_group * 72u)] = (src_i32302 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32302 >= 0) {
-                            copy_async(kv_rows + (load_stage299 * 5248u) + (gather_row301 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + ((load_stage299 + (warp_group * 4u)) * 2u));
+                        const unsigned row_1 = gather_row300;
+                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[((load_stage298 * 36u) + gather_row300) + (warp_group * 72u)] = (src_i32301 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32301 >= 0) {
+                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u) + (warp_group * 10496u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
+                        } else {
+                            for (unsigned zero_w302 = 0u; zero_w302 < 164u; zero_w302 += 1u) {
+                                kv_rows[(((load_stage298 * 5248u) + (gather_row300 * 164u)) + zero_w302) + (warp_group * 10496u)] = 0u;
+                            }
+                            fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + ((load_stage299 + (warp_group * 4u)) * 2u));
+                copy_arrive(ring_barriers + ((load_stage298 + (warp_group * 4u)) * 2u));
                 if ((ahead + 1u) < step_group_bound) {
                     const unsigned step = warp_group + ((ahead + 1u) * 2u);
                     #pragma unroll

@@ -271,41 +271,16 @@ impl Cx<'_> {
         v
     }
 
-    /// The ring's set-up: its stages zeroed (rows without a source stay finite), the
-    /// mbarriers initialised, then a workgroup barrier.
+    /// The ring's set-up: its mbarriers initialised, then a workgroup barrier.
     fn ring_init(&mut self) -> Result<Vec<Stmt>> {
         let info = self
             .ws
             .clone()
             .ok_or_else(|| self.err("no ring plan".into()))?;
         let (threads, stages) = (self.w, self.stages);
-        let mut body = vec![Stmt::Comment(
-            "ring stages zeroed (rows without a source stay finite), mbarriers initialised".into(),
-        )];
-        for name in self.ring_arrays() {
-            let decl = self
-                .new_shared
-                .iter()
-                .find(|d| d.name == name)
-                .cloned()
-                .ok_or_else(|| self.err(format!("no ring array {name}")))?;
-            let i = self.fresh("zero_i");
-            body.push(Stmt::For {
-                var: i.clone(),
-                start: local_id(),
-                end: u(decl.len),
-                step: u(threads),
-                body: vec![Stmt::SharedStore {
-                    arr: name.clone(),
-                    index: var(&i, Ty::U32),
-                    value: if decl.ty == Ty::F32 {
-                        Expr::F32(0.0)
-                    } else {
-                        u(0)
-                    },
-                }],
-            });
-        }
+        // (no stage is zeroed: the producers zero each row that has no source, and every
+        // row's validity flag is written at every step)
+        let mut body = vec![Stmt::Comment("the ring's mbarriers initialised".into())];
         let mut init = Vec::new();
         for s in 0..stages {
             init.push(intr(Intrinsic::MbarInit {
@@ -545,18 +520,44 @@ impl Cx<'_> {
                 }
                 let t = cx.tile(g.dst)?.clone();
                 let base = cx.tile_base(&t)?;
+                let dst_word = add(add(base, mul(rv.clone(), u(t.stride))), u(g.dst_word0));
+                // A row without a source is zeroed here, so that it stays finite (its
+                // scores are masked and P is 0 there, but 0 · NaN is NaN): no stage is
+                // zeroed up front. The fence orders these generic writes before the bulk
+                // copies that later steps issue into the same row, through the full and
+                // empty barriers.
+                let zi = cx.fresh("zero_w");
+                let ty = cx
+                    .new_shared
+                    .iter()
+                    .find(|d| d.name == g.dst)
+                    .map_or(Ty::U32, |d| d.ty);
+                let zero_row = vec![
+                    Stmt::For {
+                        var: zi.clone(),
+                        start: u(0),
+                        end: u(g.words),
+                        step: u(1),
+                        body: vec![Stmt::SharedStore {
+                            arr: g.dst.to_string(),
+                            index: add(dst_word.clone(), var(&zi, Ty::U32)),
+                            value: if ty == Ty::F32 { Expr::F32(0.0) } else { u(0) },
+                        }],
+                    },
+                    intr(Intrinsic::FenceProxyAsync),
+                ];
                 row_body.push(Stmt::If {
                     cond: valid,
                     then: vec![intr(Intrinsic::CopyAsync {
                         bytes: 4 * g.words,
                         dst: g.dst.to_string(),
-                        dst_word: add(add(base, mul(rv.clone(), u(t.stride))), u(g.dst_word0)),
+                        dst_word,
                         src: g.src.to_string(),
                         src_word: Expr::Cvt(Ty::U32, Box::new(swv)),
                         bars: info.bars.clone(),
                         index: stage.clone(),
                     })],
-                    els: vec![],
+                    els: zero_row,
                 });
             }
             cx.stage = saved;
