@@ -281,20 +281,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 288); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 576); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75328); // [320]
+    unsigned* const q_tile = (unsigned*)(dyn_smem + 576); // [18688]
     float* const row_exchange = (float*)(dyn_smem + 76608); // [64]
     float* const split_k_partials = (float*)(dyn_smem + 76864); // [1152]
     float scores[4];
     float o_acc[32];
     float scores_part[8];
     unsigned q_tile_a0[72];
+    int q_tile_src[1];
     int kv_tile_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag44[4];
-    unsigned b_frag45[4];
+    unsigned a_frag51[4];
+    unsigned b_frag52[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -330,9 +332,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
+                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row6 < 32u) {
+                    const unsigned row_1 = gather_row6;
                     kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -340,82 +342,118 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
 
     // load the q rows of this head block (rows past `heads` are zeros)
+    __syncthreads();
+    #pragma unroll
+    for (unsigned gather_pass = 0u; gather_pass < 1u; gather_pass += 1u) {
+        const unsigned gather_row = (threadIdx.x / 16u) + (gather_pass * 16u);
+        if (gather_row < 16u) {
+            const unsigned row = gather_row;
+            q_tile_src[gather_pass] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
+        } else {
+            q_tile_src[gather_pass] = -1;
+        }
+    }
+    #pragma unroll
+    for (unsigned gather_pass0 = 0u; gather_pass0 < 1u; gather_pass0 += 1u) {
+        const unsigned gather_row1 = (threadIdx.x / 16u) + (gather_pass0 * 16u);
+        if (gather_row1 < 16u) {
+            const int src_i32 = q_tile_src[gather_pass0];
+            const bool src_valid = src_i32 >= 0;
+            const unsigned src_word = src_valid ? ((unsigned)src_i32) : 0u;
+            const unsigned dst_word = gather_row1 * 292u;
+            if ((src_word & 3u) == 0u) {
+                #pragma unroll
+                for (unsigned copy_i3 = 0u; copy_i3 < 5u; copy_i3 += 1u) {
+                    const unsigned chunk4 = (threadIdx.x % 16u) + (copy_i3 * 16u);
+                    if (chunk4 < 72u) {
+                        cp_async_16(q_tile + dst_word + ((threadIdx.x % 16u) * 4u) + (copy_i3 * 64u), (const unsigned*)q + src_word + ((threadIdx.x % 16u) * 4u) + (copy_i3 * 64u), src_valid);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned copy_i = 0u; copy_i < 18u; copy_i += 1u) {
+                    cp_async_4(q_tile + dst_word + (threadIdx.x % 16u) + (copy_i * 16u), (const unsigned*)q + src_word + (threadIdx.x % 16u) + (copy_i * 16u), src_valid);
+                }
+            }
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // q_tile: this warp's A fragments straight from global memory into registers
-    const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
-    const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
-    q_tile_a0[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 18u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 18u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[16u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[17u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[18u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[19u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[20u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[21u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[22u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[23u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[24u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[25u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[26u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[27u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[28u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[29u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[30u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[31u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[32u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[33u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[34u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[35u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[36u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[37u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[38u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[39u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[40u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[41u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[42u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[43u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[44u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[45u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[46u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[47u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[48u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[49u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[50u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[51u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[52u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[53u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[54u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[55u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[56u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[57u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[58u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[59u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[60u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[61u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[62u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[63u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[64u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[65u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[66u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[67u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[68u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[69u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[70u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[71u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))] : 0u;
+    // q_tile: this warp's A fragments from its staging rows into registers
+    q_tile_a0[0u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 18u) * 8u) + lane_quad)];
+    q_tile_a0[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 18u) * 8u) + lane_quad)];
+    q_tile_a0[2u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[4u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[6u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[8u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[10u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[12u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[14u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[16u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[17u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[18u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[19u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[20u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[21u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[22u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[23u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[24u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[25u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[26u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[27u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[28u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[29u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[30u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[31u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[32u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[33u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[34u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[35u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[36u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)];
+    q_tile_a0[37u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)];
+    q_tile_a0[38u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[39u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[40u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)];
+    q_tile_a0[41u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)];
+    q_tile_a0[42u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[43u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[44u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)];
+    q_tile_a0[45u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)];
+    q_tile_a0[46u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[47u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[48u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)];
+    q_tile_a0[49u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)];
+    q_tile_a0[50u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[51u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[52u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)];
+    q_tile_a0[53u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)];
+    q_tile_a0[54u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[55u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[56u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)];
+    q_tile_a0[57u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)];
+    q_tile_a0[58u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[59u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[60u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)];
+    q_tile_a0[61u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)];
+    q_tile_a0[62u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[63u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[64u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)];
+    q_tile_a0[65u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)];
+    q_tile_a0[66u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[67u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[68u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)];
+    q_tile_a0[69u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)];
+    q_tile_a0[70u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[71u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))];
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
         row_max[r] = -3e38f;
@@ -443,18 +481,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot1 = 0u; slot1 < 1u; slot1 += 1u) {
-                const unsigned gather_row2 = ((warp - 4u) + (lane * 4u)) + (slot1 * 128u);
-                if (gather_row2 < 32u) {
+            for (unsigned slot7 = 0u; slot7 < 1u; slot7 += 1u) {
+                const unsigned gather_row8 = ((warp - 4u) + (lane * 4u)) + (slot7 * 128u);
+                if (gather_row8 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row2;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot1] >= 0)) && (((unsigned)kv_tile_pre[slot1]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot1]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot1]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row2] = (src_i32 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row2 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row8;
+                    const int src_i329 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot7] >= 0)) && (((unsigned)kv_tile_pre[slot7]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot7]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot7]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row8] = (src_i329 >= 0) ? 1.0f : 0.0f;
+                    if (src_i329 >= 0) {
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row8 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i329), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row2 * 292u)) + zero_w] = 0u;
+                            kv_tile[((load_stage * 9344u) + (gather_row8 * 292u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -465,11 +503,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
-                if (gather_row4 < 32u) {
-                    const unsigned row_1 = gather_row4;
-                    kv_tile_pre[slot3] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot10 = 0u; slot10 < 1u; slot10 += 1u) {
+                const unsigned gather_row11 = ((warp - 4u) + (lane * 4u)) + (slot10 * 128u);
+                if (gather_row11 < 32u) {
+                    const unsigned row_1 = gather_row11;
+                    kv_tile_pre[slot10] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -485,10 +523,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
+        for (unsigned mi12 = 0u; mi12 < 1u; mi12 += 1u) {
             #pragma unroll
-            for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
-                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half13 = 0u; half13 < 2u; half13 += 1u) {
+                row_sum_part[(mi12 * 2u) + half13] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi12 * 16u)) + ((half13 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -500,8 +538,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i14 = 0u; fill_i14 < 4u; fill_i14 += 1u) {
-            scores[fill_i14] = 0.0f;
+        for (unsigned fill_i21 = 0u; fill_i21 < 4u; fill_i21 += 1u) {
+            scores[fill_i21] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
@@ -510,8 +548,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned n_first = (warp / 2u) * 8u;
         const unsigned k_first = (warp % 2u) * 18u;
         #pragma unroll
-        for (unsigned e16 = 0u; e16 < 4u; e16 += 1u) {
-            scores_part[4u + e16] = 0.0f;
+        for (unsigned e23 = 0u; e23 < 4u; e23 += 1u) {
+            scores_part[4u + e23] = 0.0f;
         }
         #pragma unroll
         for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
@@ -522,19 +560,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi15 = 0u; mi15 < 1u; mi15 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi15 * 18u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi15 * 18u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi15 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi22 = 0u; mi22 < 1u; mi22 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi22 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi22 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e17 = 0u; e17 < 4u; e17 += 1u) {
-            scores_part[e17] = scores_part[e17] + scores_part[4u + e17];
+        for (unsigned e24 = 0u; e24 < 4u; e24 += 1u) {
+            scores_part[e24] = scores_part[e24] + scores_part[4u + e24];
         }
 
         // scale, and mask the entries whose rows had no source
@@ -543,10 +581,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned half18 = 0u; half18 < 2u; half18 += 1u) {
+            for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
                 #pragma unroll
-                for (unsigned e19 = 0u; e19 < 2u; e19 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half18 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e19))] = scores_part[((frag * 4u) + (half18 * 2u)) + e19];
+                for (unsigned e26 = 0u; e26 < 2u; e26 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half25 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e26))] = scores_part[((frag * 4u) + (half25 * 2u)) + e26];
                 }
             }
         }
@@ -559,34 +597,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage7 = ahead % 2u;
+                const unsigned load_stage14 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot8 = 0u; slot8 < 1u; slot8 += 1u) {
-                    const unsigned gather_row9 = ((warp - 4u) + (lane * 4u)) + (slot8 * 128u);
-                    if (gather_row9 < 32u) {
+                for (unsigned slot15 = 0u; slot15 < 1u; slot15 += 1u) {
+                    const unsigned gather_row16 = ((warp - 4u) + (lane * 4u)) + (slot15 * 128u);
+                    if (gather_row16 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row9;
-                        const int src_i3210 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot8] >= 0)) && (((unsigned)kv_tile_pre[slot8]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot8]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot8]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage7 * 36u) + gather_row9] = (src_i3210 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3210 >= 0) {
-                            copy_async(kv_tile + (load_stage7 * 9344u) + (gather_row9 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3210), 1152u, ring_barriers + (load_stage7 * 2u));
+                        const unsigned row_1 = gather_row16;
+                        const int src_i3217 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot15] >= 0)) && (((unsigned)kv_tile_pre[slot15]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot15]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot15]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage14 * 36u) + gather_row16] = (src_i3217 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3217 >= 0) {
+                            copy_async(kv_tile + (load_stage14 * 9344u) + (gather_row16 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3217), 1152u, ring_barriers + (load_stage14 * 2u));
                         } else {
-                            for (unsigned zero_w11 = 0u; zero_w11 < 288u; zero_w11 += 1u) {
-                                kv_tile[((load_stage7 * 9344u) + (gather_row9 * 292u)) + zero_w11] = 0u;
+                            for (unsigned zero_w18 = 0u; zero_w18 < 288u; zero_w18 += 1u) {
+                                kv_tile[((load_stage14 * 9344u) + (gather_row16 * 292u)) + zero_w18] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage7 * 2u));
+                copy_arrive(ring_barriers + (load_stage14 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                        const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
-                        if (gather_row13 < 32u) {
-                            const unsigned row_1 = gather_row13;
-                            kv_tile_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
+                        const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
+                        if (gather_row20 < 32u) {
+                            const unsigned row_1 = gather_row20;
+                            kv_tile_pre[slot19] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -594,34 +632,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag20 = 0u; frag20 < 1u; frag20 += 1u) {
+            for (unsigned frag27 = 0u; frag27 < 1u; frag27 += 1u) {
                 #pragma unroll
-                for (unsigned half21 = 0u; half21 < 2u; half21 += 1u) {
+                for (unsigned half28 = 0u; half28 < 2u; half28 += 1u) {
                     #pragma unroll
-                    for (unsigned e22 = 0u; e22 < 2u; e22 += 1u) {
-                        float sum = scores[((frag20 * 4u) + (half21 * 2u)) + e22];
-                        const unsigned cell = (((scores_row0 + (half21 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag20 * 8u)) + ((lane_quad * 2u) + e22));
+                    for (unsigned e29 = 0u; e29 < 2u; e29 += 1u) {
+                        float sum = scores[((frag27 * 4u) + (half28 * 2u)) + e29];
+                        const unsigned cell = (((scores_row0 + (half28 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag27 * 8u)) + ((lane_quad * 2u) + e29));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag20 * 4u) + (half21 * 2u)) + e22] = sum;
+                        scores[((frag27 * 4u) + (half28 * 2u)) + e29] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag23 = 0u; frag23 < 1u; frag23 += 1u) {
+            for (unsigned frag30 = 0u; frag30 < 1u; frag30 += 1u) {
                 #pragma unroll
-                for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag23 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag23 * 4u) + (half24 * 2u)];
-                    float v1 = scores[((frag23 * 4u) + (half24 * 2u)) + 1u];
+                for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag30 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag30 * 4u) + (half31 * 2u)];
+                    float v1 = scores[((frag30 * 4u) + (half31 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag23 * 4u) + (half24 * 2u)] = v0;
-                    scores[((frag23 * 4u) + (half24 * 2u)) + 1u] = v1;
+                    scores[(frag30 * 4u) + (half31 * 2u)] = v0;
+                    scores[((frag30 * 4u) + (half31 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -631,16 +669,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi25 = 0u; mi25 < 1u; mi25 += 1u) {
+            for (unsigned mi32 = 0u; mi32 < 1u; mi32 += 1u) {
                 #pragma unroll
-                for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi25 * 4u) + (half26 * 2u)], scores[(mi25 * 4u) + ((half26 * 2u) + 1u)]);
+                for (unsigned half33 = 0u; half33 < 2u; half33 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi32 * 4u) + (half33 * 2u)], scores[(mi32 * 4u) + ((half33 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other27 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other27);
+                    const float other34 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other34);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi25 * 16u)) + ((half26 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi32 * 16u)) + ((half33 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -649,59 +687,59 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
+        for (unsigned mi37 = 0u; mi37 < 1u; mi37 += 1u) {
             #pragma unroll
-            for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
-                const float m_old28 = row_max_reg[(mi30 * 2u) + half31];
-                float m_new29 = m_old28;
-                m_new29 = fmaxf(m_new29, row_exchange[((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u]);
-                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new29 = fmaxf(m_new29, row_exchange[(((mi30 * 16u) + ((half31 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi30 * 2u) + half31] = expf(m_old28 - m_new29);
-                row_max_reg[(mi30 * 2u) + half31] = m_new29;
+            for (unsigned half38 = 0u; half38 < 2u; half38 += 1u) {
+                const float m_old35 = row_max_reg[(mi37 * 2u) + half38];
+                float m_new36 = m_old35;
+                m_new36 = fmaxf(m_new36, row_exchange[((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u]);
+                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi37 * 2u) + half38] = expf(m_old35 - m_new36);
+                row_max_reg[(mi37 * 2u) + half38] = m_new36;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
+            for (unsigned mi42 = 0u; mi42 < 1u; mi42 += 1u) {
                 #pragma unroll
-                for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj32 = 0u; nj32 < 1u; nj32 += 1u) {
+                    for (unsigned nj39 = 0u; nj39 < 1u; nj39 += 1u) {
                         #pragma unroll
-                        for (unsigned e33 = 0u; e33 < 2u; e33 += 1u) {
-                            const unsigned at34 = ((mi35 + nj32) * 4u) + ((half36 * 2u) + e33);
-                            const float p = (scores[at34] < (-1e38f)) ? 0.0f : expf(scores[at34] - row_max_reg[(mi35 * 2u) + half36]);
-                            scores[at34] = p;
+                        for (unsigned e40 = 0u; e40 < 2u; e40 += 1u) {
+                            const unsigned at41 = ((mi42 + nj39) * 4u) + ((half43 * 2u) + e40);
+                            const float p = (scores[at41] < (-1e38f)) ? 0.0f : expf(scores[at41] - row_max_reg[(mi42 * 2u) + half43]);
+                            scores[at41] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi35 * 2u) + half36] = (row_sum_part[(mi35 * 2u) + half36] * row_alpha[(mi35 * 2u) + half36]) + p_sum;
+                    row_sum_part[(mi42 * 2u) + half43] = (row_sum_part[(mi42 * 2u) + half43] * row_alpha[(mi42 * 2u) + half43]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag37 = 0u; frag37 < 8u; frag37 += 1u) {
+        for (unsigned frag44 = 0u; frag44 < 8u; frag44 += 1u) {
             #pragma unroll
-            for (unsigned half38 = 0u; half38 < 2u; half38 += 1u) {
-                const float alpha39 = row_alpha[((frag37 / 8u) * 2u) + half38];
-                o_acc[(frag37 * 4u) + (half38 * 2u)] = o_acc[(frag37 * 4u) + (half38 * 2u)] * alpha39;
-                o_acc[((frag37 * 4u) + (half38 * 2u)) + 1u] = o_acc[((frag37 * 4u) + (half38 * 2u)) + 1u] * alpha39;
+            for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
+                const float alpha46 = row_alpha[((frag44 / 8u) * 2u) + half45];
+                o_acc[(frag44 * 4u) + (half45 * 2u)] = o_acc[(frag44 * 4u) + (half45 * 2u)] * alpha46;
+                o_acc[((frag44 * 4u) + (half45 * 2u)) + 1u] = o_acc[((frag44 * 4u) + (half45 * 2u)) + 1u] * alpha46;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag42 = 0u; frag42 < 1u; frag42 += 1u) {
+            for (unsigned frag49 = 0u; frag49 < 1u; frag49 += 1u) {
                 #pragma unroll
-                for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
-                    const unsigned row40 = (scores_row0 + ((frag42 / 1u) * 16u)) + ((half43 * 8u) + lane_group);
-                    const unsigned col41 = (scores_col0 + ((frag42 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag42 * 4u) + (half43 * 2u);
-                    p_tile[(row40 * 20u) + (col41 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
+                    const unsigned row47 = (scores_row0 + ((frag49 / 1u) * 16u)) + ((half50 * 8u) + lane_group);
+                    const unsigned col48 = (scores_col0 + ((frag49 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag49 * 4u) + (half50 * 2u);
+                    p_tile[(row47 * 20u) + (col48 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -711,19 +749,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk46 = 0u; kk46 < 2u; kk46 += 1u) {
+        for (unsigned kk53 = 0u; kk53 < 2u; kk53 += 1u) {
             #pragma unroll
-            for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
-                ldmatrix_x4(&a_frag44[mi47 * 4u], p_tile + a_lane_word + (mi47 * 320u) + (kk46 * 8u));
+            for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
+                ldmatrix_x4(&a_frag51[mi54 * 4u], p_tile + a_lane_word + (mi54 * 320u) + (kk53 * 8u));
             }
             #pragma unroll
-            for (unsigned nj48 = 0u; nj48 < 4u; nj48 += 1u) {
-                ldmatrix_x4_trans(&b_frag45[0u], kv_tile + b_lane_word + (kk46 * 4672u) + ((nj48 * 2u) * 4u));
+            for (unsigned nj55 = 0u; nj55 < 4u; nj55 += 1u) {
+                ldmatrix_x4_trans(&b_frag52[0u], kv_tile + b_lane_word + (kk53 * 4672u) + ((nj55 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
+                for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
                     #pragma unroll
-                    for (unsigned nj49 = 0u; nj49 < 2u; nj49 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi47 * 8u) + ((nj48 * 2u) + nj49)) * 4u], &a_frag44[mi47 * 4u], &b_frag45[nj49 * 2u]);
+                    for (unsigned nj56 = 0u; nj56 < 2u; nj56 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi54 * 8u) + ((nj55 * 2u) + nj56)) * 4u], &a_frag51[mi54 * 4u], &b_frag52[nj56 * 2u]);
                     }
                 }
             }
@@ -738,16 +776,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi51 = 0u; mi51 < 1u; mi51 += 1u) {
+        for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
             #pragma unroll
-            for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
-                float row_sum50 = row_sum_part[(mi51 * 2u) + half52];
-                const float other53 = shfl_xor_f32(row_sum50, 1);
-                row_sum50 = row_sum50 + other53;
-                const float other54 = shfl_xor_f32(row_sum50, 2);
-                row_sum50 = row_sum50 + other54;
+            for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
+                float row_sum57 = row_sum_part[(mi58 * 2u) + half59];
+                const float other60 = shfl_xor_f32(row_sum57, 1);
+                row_sum57 = row_sum57 + other60;
+                const float other61 = shfl_xor_f32(row_sum57, 2);
+                row_sum57 = row_sum57 + other61;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum50;
+                    row_exchange[(((scores_row0 + (mi58 * 16u)) + ((half59 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum57;
                 }
             }
         }
@@ -755,16 +793,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi56 = 0u; mi56 < 1u; mi56 += 1u) {
+        for (unsigned mi63 = 0u; mi63 < 1u; mi63 += 1u) {
             #pragma unroll
-            for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
+            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum55 = row_exchange[((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u];
-                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum55 = row_sum55 + row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)] = row_sum55;
-                    row_max[(scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)] = row_max_reg[(mi56 * 2u) + half57];
+                    float row_sum62 = row_exchange[((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u];
+                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_sum62;
+                    row_max[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_max_reg[(mi63 * 2u) + half64];
                 }
             }
         }
@@ -785,20 +823,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag58 = 0u; frag58 < 8u; frag58 += 1u) {
+        for (unsigned frag65 = 0u; frag65 < 8u; frag65 += 1u) {
             #pragma unroll
-            for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag58 / 8u) * 16u)) + ((half59 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag58 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag58 * 4u) + (half59 * 2u)];
-                float v1_3 = o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u];
+            for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag65 / 8u) * 16u)) + ((half66 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag65 * 4u) + (half66 * 2u)];
+                float v1_3 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
                 const unsigned h_1 = h0 + row_5;
                 if (h_1 < p.heads) {
                     const float inv_l = row_sum[row_5];
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag58 * 4u) + (half59 * 2u)] = v0_3;
-                o_acc[((frag58 * 4u) + (half59 * 2u)) + 1u] = v1_3;
+                o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_3;
+                o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_3;
             }
         }
     } else {
@@ -815,13 +853,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag60 = 0u; frag60 < 8u; frag60 += 1u) {
+        for (unsigned frag67 = 0u; frag67 < 8u; frag67 += 1u) {
             #pragma unroll
-            for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag60 / 8u) * 16u)) + ((half61 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag60 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag60 * 4u) + (half61 * 2u)];
-                float v1_4 = o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u];
+            for (unsigned half68 = 0u; half68 < 2u; half68 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag67 / 8u) * 16u)) + ((half68 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag67 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag67 * 4u) + (half68 * 2u)];
+                float v1_4 = o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u];
                 const unsigned h_3 = h0 + row_6;
                 if (h_3 < p.heads) {
                     const float inv_l_1 = row_sum[row_6];
@@ -829,8 +867,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag60 * 4u) + (half61 * 2u)] = v0_4;
-                o_acc[((frag60 * 4u) + (half61 * 2u)) + 1u] = v1_4;
+                o_acc[(frag67 * 4u) + (half68 * 2u)] = v0_4;
+                o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u] = v1_4;
             }
         }
     }

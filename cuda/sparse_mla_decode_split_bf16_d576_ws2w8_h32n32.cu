@@ -281,21 +281,23 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 544); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 832); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75584); // [640]
+    unsigned* const q_tile = (unsigned*)(dyn_smem + 832); // [18688]
     float* const row_exchange = (float*)(dyn_smem + 78144); // [96]
     float* const split_k_partials = (float*)(dyn_smem + 78528); // [4608]
     float scores[8];
     float o_acc[64];
     float scores_part[32];
     unsigned q_tile_a0[72];
+    int q_tile_src[1];
     int kv_tile_pre[1];
     float row_alpha[2];
-    float row_alpha7[4];
+    float row_alpha14[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag49[8];
-    unsigned b_frag50[4];
+    unsigned a_frag56[8];
+    unsigned b_frag57[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -331,9 +333,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
+                const unsigned gather_row8 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row8 < 32u) {
+                    const unsigned row_1 = gather_row8;
                     kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -341,84 +343,115 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
 
     // load the q rows of this head block (rows past `heads` are zeros)
+    __syncthreads();
+    #pragma unroll
+    for (unsigned gather_pass = 0u; gather_pass < 1u; gather_pass += 1u) {
+        const unsigned gather_row = (threadIdx.x / 8u) + (gather_pass * 32u);
+        if (gather_row < 32u) {
+            const unsigned row = gather_row;
+            q_tile_src[gather_pass] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
+        } else {
+            q_tile_src[gather_pass] = -1;
+        }
+    }
+    #pragma unroll
+    for (unsigned gather_pass0 = 0u; gather_pass0 < 1u; gather_pass0 += 1u) {
+        const unsigned gather_row1 = (threadIdx.x / 8u) + (gather_pass0 * 32u);
+        if (gather_row1 < 32u) {
+            const int src_i32 = q_tile_src[gather_pass0];
+            const bool src_valid = src_i32 >= 0;
+            const unsigned src_word = src_valid ? ((unsigned)src_i32) : 0u;
+            const unsigned dst_word = gather_row1 * 292u;
+            if ((src_word & 3u) == 0u) {
+                #pragma unroll
+                for (unsigned copy_i3 = 0u; copy_i3 < 9u; copy_i3 += 1u) {
+                    cp_async_16(q_tile + dst_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), (const unsigned*)q + src_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), src_valid);
+                }
+            } else {
+                #pragma unroll
+                for (unsigned copy_i = 0u; copy_i < 36u; copy_i += 1u) {
+                    cp_async_4(q_tile + dst_word + (threadIdx.x % 8u) + (copy_i * 8u), (const unsigned*)q + src_word + (threadIdx.x % 8u) + (copy_i * 8u), src_valid);
+                }
+            }
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // q_tile: this warp's A fragments straight from global memory into registers
-    const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
-    const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
-    const int q_tile_row_src1 = ((h0 + (16u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (16u + lane_group))) * 288u)) : (-1);
-    const int q_tile_row_src2 = ((h0 + (24u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (24u + lane_group))) * 288u)) : (-1);
-    q_tile_a0[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[16u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[17u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[18u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[19u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[20u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[21u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[22u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[23u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[24u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[25u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[26u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[27u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[28u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[29u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[30u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[31u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[32u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[33u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[34u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[35u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[36u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[37u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 9u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[38u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[39u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[40u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[41u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[42u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[43u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[44u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[45u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[46u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[47u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[48u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[49u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[50u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[51u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[52u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[53u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[54u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[55u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[56u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[57u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[58u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[59u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[60u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[61u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[62u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[63u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[64u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[65u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[66u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[67u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[68u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[69u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)] : 0u;
-    q_tile_a0[70u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
-    q_tile_a0[71u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))] : 0u;
+    // q_tile: this warp's A fragments from its staging rows into registers
+    q_tile_a0[0u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
+    q_tile_a0[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
+    q_tile_a0[2u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[4u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[6u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[8u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[10u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[12u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[14u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[16u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[17u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[18u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[19u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[20u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[21u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[22u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[23u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[24u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[25u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[26u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[27u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[28u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[29u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[30u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[31u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[32u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[33u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[34u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[35u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[36u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
+    q_tile_a0[37u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
+    q_tile_a0[38u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[39u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[40u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[41u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
+    q_tile_a0[42u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[43u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[44u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[45u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
+    q_tile_a0[46u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[47u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[48u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[49u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
+    q_tile_a0[50u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[51u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[52u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[53u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
+    q_tile_a0[54u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[55u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[56u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[57u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
+    q_tile_a0[58u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[59u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[60u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[61u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
+    q_tile_a0[62u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[63u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[64u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[65u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
+    q_tile_a0[66u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[67u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[68u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[69u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
+    q_tile_a0[70u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[71u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
         row_max[r] = -3e38f;
@@ -446,18 +479,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot3 = 0u; slot3 < 1u; slot3 += 1u) {
-                const unsigned gather_row4 = ((warp - 4u) + (lane * 4u)) + (slot3 * 128u);
-                if (gather_row4 < 32u) {
+            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
+                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
+                if (gather_row10 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row4;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot3] >= 0)) && (((unsigned)kv_tile_pre[slot3]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot3]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot3]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row4] = (src_i32 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row4 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row10;
+                    const int src_i3211 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot9] >= 0)) && (((unsigned)kv_tile_pre[slot9]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot9]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot9]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row10] = (src_i3211 >= 0) ? 1.0f : 0.0f;
+                    if (src_i3211 >= 0) {
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row10 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3211), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row4 * 292u)) + zero_w] = 0u;
+                            kv_tile[((load_stage * 9344u) + (gather_row10 * 292u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -468,11 +501,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot5 = 0u; slot5 < 1u; slot5 += 1u) {
-                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot5 * 128u);
-                if (gather_row6 < 32u) {
-                    const unsigned row_1 = gather_row6;
-                    kv_tile_pre[slot5] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
+                const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
+                if (gather_row13 < 32u) {
+                    const unsigned row_1 = gather_row13;
+                    kv_tile_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -490,10 +523,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi8 = 0u; mi8 < 1u; mi8 += 1u) {
+        for (unsigned mi15 = 0u; mi15 < 1u; mi15 += 1u) {
             #pragma unroll
-            for (unsigned half9 = 0u; half9 < 2u; half9 += 1u) {
-                row_sum_part[(mi8 * 2u) + half9] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi8 * 16u)) + ((half9 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half16 = 0u; half16 < 2u; half16 += 1u) {
+                row_sum_part[(mi15 * 2u) + half16] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi15 * 16u)) + ((half16 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -505,8 +538,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i17 = 0u; fill_i17 < 8u; fill_i17 += 1u) {
-            scores[fill_i17] = 0.0f;
+        for (unsigned fill_i24 = 0u; fill_i24 < 8u; fill_i24 += 1u) {
+            scores[fill_i24] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
@@ -520,12 +553,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                 ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi18 = 0u; mi18 < 2u; mi18 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi18 * 9u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi18 * 9u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi18 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                for (unsigned mi25 = 0u; mi25 < 2u; mi25 += 1u) {
+                    a_frag[0u] = q_tile_a0[((mi25 * 9u) + kk) * 4u];
+                    a_frag[1u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 1u];
+                    a_frag[2u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 2u];
+                    a_frag[3u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi25 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                 }
             }
         }
@@ -536,10 +569,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned half19 = 0u; half19 < 2u; half19 += 1u) {
+            for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
                 #pragma unroll
-                for (unsigned e20 = 0u; e20 < 2u; e20 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half19 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e20))] = scores_part[((frag * 4u) + (half19 * 2u)) + e20];
+                for (unsigned e27 = 0u; e27 < 2u; e27 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half26 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e27))] = scores_part[((frag * 4u) + (half26 * 2u)) + e27];
                 }
             }
         }
@@ -552,34 +585,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage10 = ahead % 2u;
+                const unsigned load_stage17 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot11 = 0u; slot11 < 1u; slot11 += 1u) {
-                    const unsigned gather_row12 = ((warp - 4u) + (lane * 4u)) + (slot11 * 128u);
-                    if (gather_row12 < 32u) {
+                for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
+                    const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
+                    if (gather_row19 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row12;
-                        const int src_i3213 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot11] >= 0)) && (((unsigned)kv_tile_pre[slot11]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot11]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot11]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage10 * 36u) + gather_row12] = (src_i3213 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3213 >= 0) {
-                            copy_async(kv_tile + (load_stage10 * 9344u) + (gather_row12 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3213), 1152u, ring_barriers + (load_stage10 * 2u));
+                        const unsigned row_1 = gather_row19;
+                        const int src_i3220 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot18] >= 0)) && (((unsigned)kv_tile_pre[slot18]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot18]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot18]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage17 * 36u) + gather_row19] = (src_i3220 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3220 >= 0) {
+                            copy_async(kv_tile + (load_stage17 * 9344u) + (gather_row19 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3220), 1152u, ring_barriers + (load_stage17 * 2u));
                         } else {
-                            for (unsigned zero_w14 = 0u; zero_w14 < 288u; zero_w14 += 1u) {
-                                kv_tile[((load_stage10 * 9344u) + (gather_row12 * 292u)) + zero_w14] = 0u;
+                            for (unsigned zero_w21 = 0u; zero_w21 < 288u; zero_w21 += 1u) {
+                                kv_tile[((load_stage17 * 9344u) + (gather_row19 * 292u)) + zero_w21] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage10 * 2u));
+                copy_arrive(ring_barriers + (load_stage17 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot15 = 0u; slot15 < 1u; slot15 += 1u) {
-                        const unsigned gather_row16 = ((warp - 4u) + (lane * 4u)) + (slot15 * 128u);
-                        if (gather_row16 < 32u) {
-                            const unsigned row_1 = gather_row16;
-                            kv_tile_pre[slot15] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot22 = 0u; slot22 < 1u; slot22 += 1u) {
+                        const unsigned gather_row23 = ((warp - 4u) + (lane * 4u)) + (slot22 * 128u);
+                        if (gather_row23 < 32u) {
+                            const unsigned row_1 = gather_row23;
+                            kv_tile_pre[slot22] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -587,34 +620,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag21 = 0u; frag21 < 2u; frag21 += 1u) {
+            for (unsigned frag28 = 0u; frag28 < 2u; frag28 += 1u) {
                 #pragma unroll
-                for (unsigned half22 = 0u; half22 < 2u; half22 += 1u) {
+                for (unsigned half29 = 0u; half29 < 2u; half29 += 1u) {
                     #pragma unroll
-                    for (unsigned e23 = 0u; e23 < 2u; e23 += 1u) {
-                        float sum = scores[((frag21 * 4u) + (half22 * 2u)) + e23];
-                        const unsigned cell = (((scores_row0 + (half22 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag21 * 8u)) + ((lane_quad * 2u) + e23));
+                    for (unsigned e30 = 0u; e30 < 2u; e30 += 1u) {
+                        float sum = scores[((frag28 * 4u) + (half29 * 2u)) + e30];
+                        const unsigned cell = (((scores_row0 + (half29 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag28 * 8u)) + ((lane_quad * 2u) + e30));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag21 * 4u) + (half22 * 2u)) + e23] = sum;
+                        scores[((frag28 * 4u) + (half29 * 2u)) + e30] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag24 = 0u; frag24 < 2u; frag24 += 1u) {
+            for (unsigned frag31 = 0u; frag31 < 2u; frag31 += 1u) {
                 #pragma unroll
-                for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag24 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag24 * 4u) + (half25 * 2u)];
-                    float v1 = scores[((frag24 * 4u) + (half25 * 2u)) + 1u];
+                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag31 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag31 * 4u) + (half32 * 2u)];
+                    float v1 = scores[((frag31 * 4u) + (half32 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag24 * 4u) + (half25 * 2u)] = v0;
-                    scores[((frag24 * 4u) + (half25 * 2u)) + 1u] = v1;
+                    scores[(frag31 * 4u) + (half32 * 2u)] = v0;
+                    scores[((frag31 * 4u) + (half32 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -624,20 +657,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi26 = 0u; mi26 < 1u; mi26 += 1u) {
+            for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
                 #pragma unroll
-                for (unsigned half27 = 0u; half27 < 2u; half27 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi26 * 2u) * 4u) + (half27 * 2u)], scores[((mi26 * 2u) * 4u) + ((half27 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi26 * 2u) + 1u) * 4u) + (half27 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi26 * 2u) + 1u) * 4u) + ((half27 * 2u) + 1u)]);
+                for (unsigned half34 = 0u; half34 < 2u; half34 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi33 * 2u) * 4u) + (half34 * 2u)], scores[((mi33 * 2u) * 4u) + ((half34 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi33 * 2u) + 1u) * 4u) + (half34 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi33 * 2u) + 1u) * 4u) + ((half34 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other28 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other28);
+                    const float other35 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other35);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi33 * 16u)) + ((half34 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi26 * 2u) + half27];
+                            row_exchange[(((scores_row0 + (mi33 * 16u)) + ((half34 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi33 * 2u) + half34];
                         }
                     }
                 }
@@ -648,69 +681,69 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi31 = 0u; mi31 < 1u; mi31 += 1u) {
+            for (unsigned mi38 = 0u; mi38 < 1u; mi38 += 1u) {
                 #pragma unroll
-                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
-                    const float m_old29 = row_max_reg[(mi31 * 2u) + half32];
-                    float m_new30 = m_old29;
-                    m_new30 = fmaxf(m_new30, row_exchange[((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 3u]);
-                    m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi31 * 2u) + half32] = expf(m_old29 - m_new30);
-                    row_max_reg[(mi31 * 2u) + half32] = m_new30;
+                for (unsigned half39 = 0u; half39 < 2u; half39 += 1u) {
+                    const float m_old36 = row_max_reg[(mi38 * 2u) + half39];
+                    float m_new37 = m_old36;
+                    m_new37 = fmaxf(m_new37, row_exchange[((scores_row0 + (mi38 * 16u)) + ((half39 * 8u) + lane_group)) * 3u]);
+                    m_new37 = fmaxf(m_new37, row_exchange[(((scores_row0 + (mi38 * 16u)) + ((half39 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi38 * 2u) + half39] = expf(m_old36 - m_new37);
+                    row_max_reg[(mi38 * 2u) + half39] = m_new37;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi35 = 0u; mi35 < 2u; mi35 += 1u) {
+        for (unsigned mi42 = 0u; mi42 < 2u; mi42 += 1u) {
             #pragma unroll
-            for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
-                const float m_old33 = row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new34 = m_old33;
-                m_new34 = fmaxf(m_new34, row_exchange[((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u]);
-                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha7[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+            for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
+                const float m_old40 = row_exchange[(((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new41 = m_old40;
+                m_new41 = fmaxf(m_new41, row_exchange[((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u]);
+                m_new41 = fmaxf(m_new41, row_exchange[(((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha14[(mi42 * 2u) + half43] = expf(m_old40 - m_new41);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
+            for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
                 #pragma unroll
-                for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
+                for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj37 = 0u; nj37 < 2u; nj37 += 1u) {
+                    for (unsigned nj44 = 0u; nj44 < 2u; nj44 += 1u) {
                         #pragma unroll
-                        for (unsigned e38 = 0u; e38 < 2u; e38 += 1u) {
-                            const unsigned at39 = (((mi40 * 2u) + nj37) * 4u) + ((half41 * 2u) + e38);
-                            const float p = (scores[at39] < (-1e38f)) ? 0.0f : expf(scores[at39] - row_max_reg[(mi40 * 2u) + half41]);
-                            scores[at39] = p;
+                        for (unsigned e45 = 0u; e45 < 2u; e45 += 1u) {
+                            const unsigned at46 = (((mi47 * 2u) + nj44) * 4u) + ((half48 * 2u) + e45);
+                            const float p = (scores[at46] < (-1e38f)) ? 0.0f : expf(scores[at46] - row_max_reg[(mi47 * 2u) + half48]);
+                            scores[at46] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi40 * 2u) + half41] = (row_sum_part[(mi40 * 2u) + half41] * row_alpha[(mi40 * 2u) + half41]) + p_sum;
+                    row_sum_part[(mi47 * 2u) + half48] = (row_sum_part[(mi47 * 2u) + half48] * row_alpha[(mi47 * 2u) + half48]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag42 = 0u; frag42 < 16u; frag42 += 1u) {
+        for (unsigned frag49 = 0u; frag49 < 16u; frag49 += 1u) {
             #pragma unroll
-            for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
-                const float alpha44 = row_alpha7[((frag42 / 8u) * 2u) + half43];
-                o_acc[(frag42 * 4u) + (half43 * 2u)] = o_acc[(frag42 * 4u) + (half43 * 2u)] * alpha44;
-                o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] = o_acc[((frag42 * 4u) + (half43 * 2u)) + 1u] * alpha44;
+            for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
+                const float alpha51 = row_alpha14[((frag49 / 8u) * 2u) + half50];
+                o_acc[(frag49 * 4u) + (half50 * 2u)] = o_acc[(frag49 * 4u) + (half50 * 2u)] * alpha51;
+                o_acc[((frag49 * 4u) + (half50 * 2u)) + 1u] = o_acc[((frag49 * 4u) + (half50 * 2u)) + 1u] * alpha51;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag47 = 0u; frag47 < 2u; frag47 += 1u) {
+            for (unsigned frag54 = 0u; frag54 < 2u; frag54 += 1u) {
                 #pragma unroll
-                for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
-                    const unsigned row45 = (scores_row0 + ((frag47 / 2u) * 16u)) + ((half48 * 8u) + lane_group);
-                    const unsigned col46 = (scores_col0 + ((frag47 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag47 * 4u) + (half48 * 2u);
-                    p_tile[(row45 * 20u) + (col46 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half55 = 0u; half55 < 2u; half55 += 1u) {
+                    const unsigned row52 = (scores_row0 + ((frag54 / 2u) * 16u)) + ((half55 * 8u) + lane_group);
+                    const unsigned col53 = (scores_col0 + ((frag54 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag54 * 4u) + (half55 * 2u);
+                    p_tile[(row52 * 20u) + (col53 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -720,19 +753,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk51 = 0u; kk51 < 2u; kk51 += 1u) {
+        for (unsigned kk58 = 0u; kk58 < 2u; kk58 += 1u) {
             #pragma unroll
-            for (unsigned mi52 = 0u; mi52 < 2u; mi52 += 1u) {
-                ldmatrix_x4(&a_frag49[mi52 * 4u], p_tile + a_lane_word + (mi52 * 320u) + (kk51 * 8u));
+            for (unsigned mi59 = 0u; mi59 < 2u; mi59 += 1u) {
+                ldmatrix_x4(&a_frag56[mi59 * 4u], p_tile + a_lane_word + (mi59 * 320u) + (kk58 * 8u));
             }
             #pragma unroll
-            for (unsigned nj53 = 0u; nj53 < 4u; nj53 += 1u) {
-                ldmatrix_x4_trans(&b_frag50[0u], kv_tile + b_lane_word + (kk51 * 4672u) + ((nj53 * 2u) * 4u));
+            for (unsigned nj60 = 0u; nj60 < 4u; nj60 += 1u) {
+                ldmatrix_x4_trans(&b_frag57[0u], kv_tile + b_lane_word + (kk58 * 4672u) + ((nj60 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi52 = 0u; mi52 < 2u; mi52 += 1u) {
+                for (unsigned mi59 = 0u; mi59 < 2u; mi59 += 1u) {
                     #pragma unroll
-                    for (unsigned nj54 = 0u; nj54 < 2u; nj54 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi52 * 8u) + ((nj53 * 2u) + nj54)) * 4u], &a_frag49[mi52 * 4u], &b_frag50[nj54 * 2u]);
+                    for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi59 * 8u) + ((nj60 * 2u) + nj61)) * 4u], &a_frag56[mi59 * 4u], &b_frag57[nj61 * 2u]);
                     }
                 }
             }
@@ -747,16 +780,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi56 = 0u; mi56 < 1u; mi56 += 1u) {
+        for (unsigned mi63 = 0u; mi63 < 1u; mi63 += 1u) {
             #pragma unroll
-            for (unsigned half57 = 0u; half57 < 2u; half57 += 1u) {
-                float row_sum55 = row_sum_part[(mi56 * 2u) + half57];
-                const float other58 = shfl_xor_f32(row_sum55, 1);
-                row_sum55 = row_sum55 + other58;
-                const float other59 = shfl_xor_f32(row_sum55, 2);
-                row_sum55 = row_sum55 + other59;
+            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
+                float row_sum62 = row_sum_part[(mi63 * 2u) + half64];
+                const float other65 = shfl_xor_f32(row_sum62, 1);
+                row_sum62 = row_sum62 + other65;
+                const float other66 = shfl_xor_f32(row_sum62, 2);
+                row_sum62 = row_sum62 + other66;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi56 * 16u)) + ((half57 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum55;
+                    row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum62;
                 }
             }
         }
@@ -764,14 +797,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi61 = 0u; mi61 < 1u; mi61 += 1u) {
+        for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
             #pragma unroll
-            for (unsigned half62 = 0u; half62 < 2u; half62 += 1u) {
+            for (unsigned half69 = 0u; half69 < 2u; half69 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum60 = row_exchange[((scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)) * 3u];
-                    row_sum60 = row_sum60 + row_exchange[(((scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)] = row_sum60;
-                    row_max[(scores_row0 + (mi61 * 16u)) + ((half62 * 8u) + lane_group)] = row_max_reg[(mi61 * 2u) + half62];
+                    float row_sum67 = row_exchange[((scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)) * 3u];
+                    row_sum67 = row_sum67 + row_exchange[(((scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)] = row_sum67;
+                    row_max[(scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)] = row_max_reg[(mi68 * 2u) + half69];
                 }
             }
         }
@@ -792,20 +825,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag63 = 0u; frag63 < 16u; frag63 += 1u) {
+        for (unsigned frag70 = 0u; frag70 < 16u; frag70 += 1u) {
             #pragma unroll
-            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag63 / 8u) * 16u)) + ((half64 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag63 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag63 * 4u) + (half64 * 2u)];
-                float v1_3 = o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u];
+            for (unsigned half71 = 0u; half71 < 2u; half71 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag70 / 8u) * 16u)) + ((half71 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag70 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag70 * 4u) + (half71 * 2u)];
+                float v1_3 = o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u];
                 const unsigned h_1 = h0 + row_5;
                 if (h_1 < p.heads) {
                     const float inv_l = row_sum[row_5];
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag63 * 4u) + (half64 * 2u)] = v0_3;
-                o_acc[((frag63 * 4u) + (half64 * 2u)) + 1u] = v1_3;
+                o_acc[(frag70 * 4u) + (half71 * 2u)] = v0_3;
+                o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u] = v1_3;
             }
         }
     } else {
@@ -822,13 +855,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag65 = 0u; frag65 < 16u; frag65 += 1u) {
+        for (unsigned frag72 = 0u; frag72 < 16u; frag72 += 1u) {
             #pragma unroll
-            for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag65 / 8u) * 16u)) + ((half66 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag65 * 4u) + (half66 * 2u)];
-                float v1_4 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
+            for (unsigned half73 = 0u; half73 < 2u; half73 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag72 / 8u) * 16u)) + ((half73 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag72 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag72 * 4u) + (half73 * 2u)];
+                float v1_4 = o_acc[((frag72 * 4u) + (half73 * 2u)) + 1u];
                 const unsigned h_3 = h0 + row_6;
                 if (h_3 < p.heads) {
                     const float inv_l_1 = row_sum[row_6];
@@ -836,8 +869,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_4;
-                o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_4;
+                o_acc[(frag72 * 4u) + (half73 * 2u)] = v0_4;
+                o_acc[((frag72 * 4u) + (half73 * 2u)) + 1u] = v1_4;
             }
         }
     }

@@ -350,6 +350,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)((unsigned char*)kv_rows + 512); // [10496]
     unsigned* const kv_rope = (unsigned*)((unsigned char*)kv_rows + 528); // [10496]
     __shared__ __align__(16) unsigned p_tile[320];
+    unsigned* const q_tile = (unsigned*)((unsigned char*)kv_rows + 0); // [10496]
     __shared__ __align__(16) float row_exchange[64];
     __shared__ __align__(16) float split_k_partials[1152];
     float scores[4];
@@ -373,44 +374,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_lo[8];
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
+    int q_tile_src[1];
     int kv_rows_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag308[4];
-    unsigned b_frag309[4];
+    unsigned a_frag315[4];
+    unsigned b_frag316[4];
     unsigned b_raw[2];
-    unsigned a_frag319[4];
-    unsigned b_frag320[2];
-    unsigned a_frag325[4];
-    unsigned b_frag326[4];
-    unsigned b_raw327[2];
-    unsigned a_frag342[4];
-    unsigned b_frag343[2];
-    unsigned a_frag348[4];
-    unsigned b_frag349[4];
-    unsigned b_raw350[2];
-    unsigned a_frag365[4];
-    unsigned b_frag366[2];
-    unsigned a_frag371[4];
-    unsigned b_frag372[4];
-    unsigned b_raw373[2];
-    unsigned a_frag388[4];
-    unsigned b_frag389[4];
-    unsigned a_frag434[4];
-    unsigned b_frag435[4];
-    unsigned b_raw436[2];
-    unsigned a_frag454[4];
-    unsigned b_frag455[4];
-    unsigned b_raw456[2];
-    unsigned a_frag477[4];
-    unsigned b_frag478[4];
-    unsigned b_raw479[2];
-    unsigned a_frag500[4];
-    unsigned b_frag501[4];
-    unsigned b_raw502[2];
+    unsigned a_frag326[4];
+    unsigned b_frag327[2];
+    unsigned a_frag332[4];
+    unsigned b_frag333[4];
+    unsigned b_raw334[2];
+    unsigned a_frag349[4];
+    unsigned b_frag350[2];
+    unsigned a_frag355[4];
+    unsigned b_frag356[4];
+    unsigned b_raw357[2];
+    unsigned a_frag372[4];
+    unsigned b_frag373[2];
+    unsigned a_frag378[4];
+    unsigned b_frag379[4];
+    unsigned b_raw380[2];
+    unsigned a_frag395[4];
+    unsigned b_frag396[4];
+    unsigned a_frag441[4];
+    unsigned b_frag442[4];
+    unsigned b_raw443[2];
+    unsigned a_frag461[4];
+    unsigned b_frag462[4];
+    unsigned b_raw463[2];
+    unsigned a_frag484[4];
+    unsigned b_frag485[4];
+    unsigned b_raw486[2];
+    unsigned a_frag507[4];
+    unsigned b_frag508[4];
+    unsigned b_raw509[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -455,9 +457,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
+                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row297 < 32u) {
+                    const unsigned row_1 = gather_row297;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -465,531 +467,567 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // load the q rows of this head block (rows past `heads` are zeros)
+    __syncthreads();
+    #pragma unroll
+    for (unsigned gather_pass = 0u; gather_pass < 1u; gather_pass += 1u) {
+        const unsigned gather_row = (threadIdx.x / 16u) + (gather_pass * 16u);
+        if (gather_row < 16u) {
+            const unsigned row = gather_row;
+            q_tile_src[gather_pass] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
+        } else {
+            q_tile_src[gather_pass] = -1;
+        }
+    }
+    #pragma unroll
+    for (unsigned gather_pass0 = 0u; gather_pass0 < 1u; gather_pass0 += 1u) {
+        const unsigned gather_row1 = (threadIdx.x / 16u) + (gather_pass0 * 16u);
+        if (gather_row1 < 16u) {
+            const int src_i32 = q_tile_src[gather_pass0];
+            const bool src_valid = src_i32 >= 0;
+            const unsigned src_word = src_valid ? ((unsigned)src_i32) : 0u;
+            const unsigned dst_word = gather_row1 * 292u;
+            if ((src_word & 3u) == 0u) {
+                #pragma unroll
+                for (unsigned copy_i3 = 0u; copy_i3 < 5u; copy_i3 += 1u) {
+                    const unsigned chunk4 = (threadIdx.x % 16u) + (copy_i3 * 16u);
+                    if (chunk4 < 72u) {
+                        cp_async_16(q_tile + dst_word + ((threadIdx.x % 16u) * 4u) + (copy_i3 * 64u), (const unsigned*)q + src_word + ((threadIdx.x % 16u) * 4u) + (copy_i3 * 64u), src_valid);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned copy_i = 0u; copy_i < 18u; copy_i += 1u) {
+                    cp_async_4(q_tile + dst_word + (threadIdx.x % 16u) + (copy_i * 16u), (const unsigned*)q + src_word + (threadIdx.x % 16u) + (copy_i * 16u), src_valid);
+                }
+            }
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // q_tile: this warp's A fragments straight from global memory into registers
-    const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
-    const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
+    // q_tile: this warp's A fragments from its staging rows into registers
     if (E4M3_MMA_NATIVE) {
         float q_absmax = 0.0f;
-        const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair = q_tile[(lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair1 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair1 << 16u)), fabsf(__uint_as_float(q_pair1 & 4294901760u))));
-        const unsigned q_pair2 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair2 << 16u)), fabsf(__uint_as_float(q_pair2 & 4294901760u))));
-        const unsigned q_pair3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
-        const unsigned q_pair4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
-        const unsigned q_pair5 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair6 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair8 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair10 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair12 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair13 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair14 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair15 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair16 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair17 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair18 = q_tile[(lane_group * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair19 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair20 = q_tile[((8u + lane_group) * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair21 = q_tile[(lane_group * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair22 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair24 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair25 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair26 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair28 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair29 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair30 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair31 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair32 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair33 = q_tile[(lane_group * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair34 = q_tile[(lane_group * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair35 = q_tile[((8u + lane_group) * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair36 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair37 = q_tile[(lane_group * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair38 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair40 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair41 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair42 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair44 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair45 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair46 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair47 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair48 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair49 = q_tile[(lane_group * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair50 = q_tile[(lane_group * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair51 = q_tile[((8u + lane_group) * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair52 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair53 = q_tile[(lane_group * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair54 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair56 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair57 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair58 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair60 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair61 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair62 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair63 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+        const unsigned q_pair64 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+        const unsigned q_pair65 = q_tile[(lane_group * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+        const unsigned q_pair66 = q_tile[(lane_group * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+        const unsigned q_pair67 = q_tile[((8u + lane_group) * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+        const unsigned q_pair68 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair68 << 16u)), fabsf(__uint_as_float(q_pair68 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer64 = shfl_xor_f32(q_absmax, 2);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer64);
-        const float q_absmax_peer65 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer65);
-        const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer66);
-        const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer67);
+        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+        const float q_absmax_peer72 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer72);
         const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
-        const float q_x68 = __uint_as_float(q_pair & 4294901760u) * q_scale;
-        const float q_x69 = __uint_as_float(q_pair1 << 16u) * q_scale;
-        const float q_x70 = __uint_as_float(q_pair1 & 4294901760u) * q_scale;
-        const unsigned q_hi = pack_e4m3x4(q_x, q_x68, q_x69, q_x70);
+        const float q_x73 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x74 = __uint_as_float(q_pair6 << 16u) * q_scale;
+        const float q_x75 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x73, q_x74, q_x75);
         const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
-        const unsigned q_hi_pair71 = e4m3x2_prep(q_hi >> 16u);
+        const unsigned q_hi_pair76 = e4m3x2_prep(q_hi >> 16u);
         q_tile_a0[0u] = q_hi;
-        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x68 - e4m3x2_hi(q_hi_pair), q_x69 - e4m3x2_lo(q_hi_pair71), q_x70 - e4m3x2_hi(q_hi_pair71));
-        const float q_x72 = __uint_as_float(q_pair2 << 16u) * q_scale;
-        const float q_x73 = __uint_as_float(q_pair2 & 4294901760u) * q_scale;
-        const float q_x74 = __uint_as_float(q_pair3 << 16u) * q_scale;
-        const float q_x75 = __uint_as_float(q_pair3 & 4294901760u) * q_scale;
-        const unsigned q_hi76 = pack_e4m3x4(q_x72, q_x73, q_x74, q_x75);
-        const unsigned q_hi_pair77 = e4m3x2_prep(q_hi76 & 65535u);
-        const unsigned q_hi_pair78 = e4m3x2_prep(q_hi76 >> 16u);
-        q_tile_a0[1u] = q_hi76;
-        q_tile_a0_lo[1u] = pack_e4m3x4(q_x72 - e4m3x2_lo(q_hi_pair77), q_x73 - e4m3x2_hi(q_hi_pair77), q_x74 - e4m3x2_lo(q_hi_pair78), q_x75 - e4m3x2_hi(q_hi_pair78));
-        const float q_x79 = __uint_as_float(q_pair4 << 16u) * q_scale;
-        const float q_x80 = __uint_as_float(q_pair4 & 4294901760u) * q_scale;
-        const float q_x81 = __uint_as_float(q_pair5 << 16u) * q_scale;
-        const float q_x82 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
-        const unsigned q_hi83 = pack_e4m3x4(q_x79, q_x80, q_x81, q_x82);
-        const unsigned q_hi_pair84 = e4m3x2_prep(q_hi83 & 65535u);
-        const unsigned q_hi_pair85 = e4m3x2_prep(q_hi83 >> 16u);
-        q_tile_a0[2u] = q_hi83;
-        q_tile_a0_lo[2u] = pack_e4m3x4(q_x79 - e4m3x2_lo(q_hi_pair84), q_x80 - e4m3x2_hi(q_hi_pair84), q_x81 - e4m3x2_lo(q_hi_pair85), q_x82 - e4m3x2_hi(q_hi_pair85));
-        const float q_x86 = __uint_as_float(q_pair6 << 16u) * q_scale;
-        const float q_x87 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
-        const float q_x88 = __uint_as_float(q_pair7 << 16u) * q_scale;
-        const float q_x89 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
-        const unsigned q_hi90 = pack_e4m3x4(q_x86, q_x87, q_x88, q_x89);
-        const unsigned q_hi_pair91 = e4m3x2_prep(q_hi90 & 65535u);
-        const unsigned q_hi_pair92 = e4m3x2_prep(q_hi90 >> 16u);
-        q_tile_a0[3u] = q_hi90;
-        q_tile_a0_lo[3u] = pack_e4m3x4(q_x86 - e4m3x2_lo(q_hi_pair91), q_x87 - e4m3x2_hi(q_hi_pair91), q_x88 - e4m3x2_lo(q_hi_pair92), q_x89 - e4m3x2_hi(q_hi_pair92));
-        const float q_x93 = __uint_as_float(q_pair8 << 16u) * q_scale;
-        const float q_x94 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
-        const float q_x95 = __uint_as_float(q_pair9 << 16u) * q_scale;
-        const float q_x96 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
-        const unsigned q_hi97 = pack_e4m3x4(q_x93, q_x94, q_x95, q_x96);
-        const unsigned q_hi_pair98 = e4m3x2_prep(q_hi97 & 65535u);
-        const unsigned q_hi_pair99 = e4m3x2_prep(q_hi97 >> 16u);
-        q_tile_a0[4u] = q_hi97;
-        q_tile_a0_lo[4u] = pack_e4m3x4(q_x93 - e4m3x2_lo(q_hi_pair98), q_x94 - e4m3x2_hi(q_hi_pair98), q_x95 - e4m3x2_lo(q_hi_pair99), q_x96 - e4m3x2_hi(q_hi_pair99));
-        const float q_x100 = __uint_as_float(q_pair10 << 16u) * q_scale;
-        const float q_x101 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
-        const float q_x102 = __uint_as_float(q_pair11 << 16u) * q_scale;
-        const float q_x103 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
-        const unsigned q_hi104 = pack_e4m3x4(q_x100, q_x101, q_x102, q_x103);
-        const unsigned q_hi_pair105 = e4m3x2_prep(q_hi104 & 65535u);
-        const unsigned q_hi_pair106 = e4m3x2_prep(q_hi104 >> 16u);
-        q_tile_a0[5u] = q_hi104;
-        q_tile_a0_lo[5u] = pack_e4m3x4(q_x100 - e4m3x2_lo(q_hi_pair105), q_x101 - e4m3x2_hi(q_hi_pair105), q_x102 - e4m3x2_lo(q_hi_pair106), q_x103 - e4m3x2_hi(q_hi_pair106));
-        const float q_x107 = __uint_as_float(q_pair12 << 16u) * q_scale;
-        const float q_x108 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
-        const float q_x109 = __uint_as_float(q_pair13 << 16u) * q_scale;
-        const float q_x110 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
-        const unsigned q_hi111 = pack_e4m3x4(q_x107, q_x108, q_x109, q_x110);
-        const unsigned q_hi_pair112 = e4m3x2_prep(q_hi111 & 65535u);
-        const unsigned q_hi_pair113 = e4m3x2_prep(q_hi111 >> 16u);
-        q_tile_a0[6u] = q_hi111;
-        q_tile_a0_lo[6u] = pack_e4m3x4(q_x107 - e4m3x2_lo(q_hi_pair112), q_x108 - e4m3x2_hi(q_hi_pair112), q_x109 - e4m3x2_lo(q_hi_pair113), q_x110 - e4m3x2_hi(q_hi_pair113));
-        const float q_x114 = __uint_as_float(q_pair14 << 16u) * q_scale;
-        const float q_x115 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
-        const float q_x116 = __uint_as_float(q_pair15 << 16u) * q_scale;
-        const float q_x117 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
-        const unsigned q_hi118 = pack_e4m3x4(q_x114, q_x115, q_x116, q_x117);
-        const unsigned q_hi_pair119 = e4m3x2_prep(q_hi118 & 65535u);
-        const unsigned q_hi_pair120 = e4m3x2_prep(q_hi118 >> 16u);
-        q_tile_a0[7u] = q_hi118;
-        q_tile_a0_lo[7u] = pack_e4m3x4(q_x114 - e4m3x2_lo(q_hi_pair119), q_x115 - e4m3x2_hi(q_hi_pair119), q_x116 - e4m3x2_lo(q_hi_pair120), q_x117 - e4m3x2_hi(q_hi_pair120));
-        const float q_x121 = __uint_as_float(q_pair16 << 16u) * q_scale;
-        const float q_x122 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
-        const float q_x123 = __uint_as_float(q_pair17 << 16u) * q_scale;
-        const float q_x124 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
-        const unsigned q_hi125 = pack_e4m3x4(q_x121, q_x122, q_x123, q_x124);
-        const unsigned q_hi_pair126 = e4m3x2_prep(q_hi125 & 65535u);
-        const unsigned q_hi_pair127 = e4m3x2_prep(q_hi125 >> 16u);
-        q_tile_a1[0u] = q_hi125;
-        q_tile_a1_lo[0u] = pack_e4m3x4(q_x121 - e4m3x2_lo(q_hi_pair126), q_x122 - e4m3x2_hi(q_hi_pair126), q_x123 - e4m3x2_lo(q_hi_pair127), q_x124 - e4m3x2_hi(q_hi_pair127));
-        const float q_x128 = __uint_as_float(q_pair18 << 16u) * q_scale;
-        const float q_x129 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
-        const float q_x130 = __uint_as_float(q_pair19 << 16u) * q_scale;
-        const float q_x131 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
-        const unsigned q_hi132 = pack_e4m3x4(q_x128, q_x129, q_x130, q_x131);
-        const unsigned q_hi_pair133 = e4m3x2_prep(q_hi132 & 65535u);
-        const unsigned q_hi_pair134 = e4m3x2_prep(q_hi132 >> 16u);
-        q_tile_a1[1u] = q_hi132;
-        q_tile_a1_lo[1u] = pack_e4m3x4(q_x128 - e4m3x2_lo(q_hi_pair133), q_x129 - e4m3x2_hi(q_hi_pair133), q_x130 - e4m3x2_lo(q_hi_pair134), q_x131 - e4m3x2_hi(q_hi_pair134));
-        const float q_x135 = __uint_as_float(q_pair20 << 16u) * q_scale;
-        const float q_x136 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
-        const float q_x137 = __uint_as_float(q_pair21 << 16u) * q_scale;
-        const float q_x138 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
-        const unsigned q_hi139 = pack_e4m3x4(q_x135, q_x136, q_x137, q_x138);
-        const unsigned q_hi_pair140 = e4m3x2_prep(q_hi139 & 65535u);
-        const unsigned q_hi_pair141 = e4m3x2_prep(q_hi139 >> 16u);
-        q_tile_a1[2u] = q_hi139;
-        q_tile_a1_lo[2u] = pack_e4m3x4(q_x135 - e4m3x2_lo(q_hi_pair140), q_x136 - e4m3x2_hi(q_hi_pair140), q_x137 - e4m3x2_lo(q_hi_pair141), q_x138 - e4m3x2_hi(q_hi_pair141));
-        const float q_x142 = __uint_as_float(q_pair22 << 16u) * q_scale;
-        const float q_x143 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
-        const float q_x144 = __uint_as_float(q_pair23 << 16u) * q_scale;
-        const float q_x145 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
-        const unsigned q_hi146 = pack_e4m3x4(q_x142, q_x143, q_x144, q_x145);
-        const unsigned q_hi_pair147 = e4m3x2_prep(q_hi146 & 65535u);
-        const unsigned q_hi_pair148 = e4m3x2_prep(q_hi146 >> 16u);
-        q_tile_a1[3u] = q_hi146;
-        q_tile_a1_lo[3u] = pack_e4m3x4(q_x142 - e4m3x2_lo(q_hi_pair147), q_x143 - e4m3x2_hi(q_hi_pair147), q_x144 - e4m3x2_lo(q_hi_pair148), q_x145 - e4m3x2_hi(q_hi_pair148));
-        const float q_x149 = __uint_as_float(q_pair24 << 16u) * q_scale;
-        const float q_x150 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
-        const float q_x151 = __uint_as_float(q_pair25 << 16u) * q_scale;
-        const float q_x152 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
-        const unsigned q_hi153 = pack_e4m3x4(q_x149, q_x150, q_x151, q_x152);
-        const unsigned q_hi_pair154 = e4m3x2_prep(q_hi153 & 65535u);
-        const unsigned q_hi_pair155 = e4m3x2_prep(q_hi153 >> 16u);
-        q_tile_a1[4u] = q_hi153;
-        q_tile_a1_lo[4u] = pack_e4m3x4(q_x149 - e4m3x2_lo(q_hi_pair154), q_x150 - e4m3x2_hi(q_hi_pair154), q_x151 - e4m3x2_lo(q_hi_pair155), q_x152 - e4m3x2_hi(q_hi_pair155));
-        const float q_x156 = __uint_as_float(q_pair26 << 16u) * q_scale;
-        const float q_x157 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
-        const float q_x158 = __uint_as_float(q_pair27 << 16u) * q_scale;
-        const float q_x159 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
-        const unsigned q_hi160 = pack_e4m3x4(q_x156, q_x157, q_x158, q_x159);
-        const unsigned q_hi_pair161 = e4m3x2_prep(q_hi160 & 65535u);
-        const unsigned q_hi_pair162 = e4m3x2_prep(q_hi160 >> 16u);
-        q_tile_a1[5u] = q_hi160;
-        q_tile_a1_lo[5u] = pack_e4m3x4(q_x156 - e4m3x2_lo(q_hi_pair161), q_x157 - e4m3x2_hi(q_hi_pair161), q_x158 - e4m3x2_lo(q_hi_pair162), q_x159 - e4m3x2_hi(q_hi_pair162));
-        const float q_x163 = __uint_as_float(q_pair28 << 16u) * q_scale;
-        const float q_x164 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
-        const float q_x165 = __uint_as_float(q_pair29 << 16u) * q_scale;
-        const float q_x166 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
-        const unsigned q_hi167 = pack_e4m3x4(q_x163, q_x164, q_x165, q_x166);
-        const unsigned q_hi_pair168 = e4m3x2_prep(q_hi167 & 65535u);
-        const unsigned q_hi_pair169 = e4m3x2_prep(q_hi167 >> 16u);
-        q_tile_a1[6u] = q_hi167;
-        q_tile_a1_lo[6u] = pack_e4m3x4(q_x163 - e4m3x2_lo(q_hi_pair168), q_x164 - e4m3x2_hi(q_hi_pair168), q_x165 - e4m3x2_lo(q_hi_pair169), q_x166 - e4m3x2_hi(q_hi_pair169));
-        const float q_x170 = __uint_as_float(q_pair30 << 16u) * q_scale;
-        const float q_x171 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
-        const float q_x172 = __uint_as_float(q_pair31 << 16u) * q_scale;
-        const float q_x173 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
-        const unsigned q_hi174 = pack_e4m3x4(q_x170, q_x171, q_x172, q_x173);
-        const unsigned q_hi_pair175 = e4m3x2_prep(q_hi174 & 65535u);
-        const unsigned q_hi_pair176 = e4m3x2_prep(q_hi174 >> 16u);
-        q_tile_a1[7u] = q_hi174;
-        q_tile_a1_lo[7u] = pack_e4m3x4(q_x170 - e4m3x2_lo(q_hi_pair175), q_x171 - e4m3x2_hi(q_hi_pair175), q_x172 - e4m3x2_lo(q_hi_pair176), q_x173 - e4m3x2_hi(q_hi_pair176));
-        const float q_x177 = __uint_as_float(q_pair32 << 16u) * q_scale;
-        const float q_x178 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
-        const float q_x179 = __uint_as_float(q_pair33 << 16u) * q_scale;
-        const float q_x180 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
-        const unsigned q_hi181 = pack_e4m3x4(q_x177, q_x178, q_x179, q_x180);
-        const unsigned q_hi_pair182 = e4m3x2_prep(q_hi181 & 65535u);
-        const unsigned q_hi_pair183 = e4m3x2_prep(q_hi181 >> 16u);
-        q_tile_a2[0u] = q_hi181;
-        q_tile_a2_lo[0u] = pack_e4m3x4(q_x177 - e4m3x2_lo(q_hi_pair182), q_x178 - e4m3x2_hi(q_hi_pair182), q_x179 - e4m3x2_lo(q_hi_pair183), q_x180 - e4m3x2_hi(q_hi_pair183));
-        const float q_x184 = __uint_as_float(q_pair34 << 16u) * q_scale;
-        const float q_x185 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
-        const float q_x186 = __uint_as_float(q_pair35 << 16u) * q_scale;
-        const float q_x187 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
-        const unsigned q_hi188 = pack_e4m3x4(q_x184, q_x185, q_x186, q_x187);
-        const unsigned q_hi_pair189 = e4m3x2_prep(q_hi188 & 65535u);
-        const unsigned q_hi_pair190 = e4m3x2_prep(q_hi188 >> 16u);
-        q_tile_a2[1u] = q_hi188;
-        q_tile_a2_lo[1u] = pack_e4m3x4(q_x184 - e4m3x2_lo(q_hi_pair189), q_x185 - e4m3x2_hi(q_hi_pair189), q_x186 - e4m3x2_lo(q_hi_pair190), q_x187 - e4m3x2_hi(q_hi_pair190));
-        const float q_x191 = __uint_as_float(q_pair36 << 16u) * q_scale;
-        const float q_x192 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
-        const float q_x193 = __uint_as_float(q_pair37 << 16u) * q_scale;
-        const float q_x194 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
-        const unsigned q_hi195 = pack_e4m3x4(q_x191, q_x192, q_x193, q_x194);
-        const unsigned q_hi_pair196 = e4m3x2_prep(q_hi195 & 65535u);
-        const unsigned q_hi_pair197 = e4m3x2_prep(q_hi195 >> 16u);
-        q_tile_a2[2u] = q_hi195;
-        q_tile_a2_lo[2u] = pack_e4m3x4(q_x191 - e4m3x2_lo(q_hi_pair196), q_x192 - e4m3x2_hi(q_hi_pair196), q_x193 - e4m3x2_lo(q_hi_pair197), q_x194 - e4m3x2_hi(q_hi_pair197));
-        const float q_x198 = __uint_as_float(q_pair38 << 16u) * q_scale;
-        const float q_x199 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
-        const float q_x200 = __uint_as_float(q_pair39 << 16u) * q_scale;
-        const float q_x201 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
-        const unsigned q_hi202 = pack_e4m3x4(q_x198, q_x199, q_x200, q_x201);
-        const unsigned q_hi_pair203 = e4m3x2_prep(q_hi202 & 65535u);
-        const unsigned q_hi_pair204 = e4m3x2_prep(q_hi202 >> 16u);
-        q_tile_a2[3u] = q_hi202;
-        q_tile_a2_lo[3u] = pack_e4m3x4(q_x198 - e4m3x2_lo(q_hi_pair203), q_x199 - e4m3x2_hi(q_hi_pair203), q_x200 - e4m3x2_lo(q_hi_pair204), q_x201 - e4m3x2_hi(q_hi_pair204));
-        const float q_x205 = __uint_as_float(q_pair40 << 16u) * q_scale;
-        const float q_x206 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
-        const float q_x207 = __uint_as_float(q_pair41 << 16u) * q_scale;
-        const float q_x208 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
-        const unsigned q_hi209 = pack_e4m3x4(q_x205, q_x206, q_x207, q_x208);
-        const unsigned q_hi_pair210 = e4m3x2_prep(q_hi209 & 65535u);
-        const unsigned q_hi_pair211 = e4m3x2_prep(q_hi209 >> 16u);
-        q_tile_a2[4u] = q_hi209;
-        q_tile_a2_lo[4u] = pack_e4m3x4(q_x205 - e4m3x2_lo(q_hi_pair210), q_x206 - e4m3x2_hi(q_hi_pair210), q_x207 - e4m3x2_lo(q_hi_pair211), q_x208 - e4m3x2_hi(q_hi_pair211));
-        const float q_x212 = __uint_as_float(q_pair42 << 16u) * q_scale;
-        const float q_x213 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
-        const float q_x214 = __uint_as_float(q_pair43 << 16u) * q_scale;
-        const float q_x215 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
-        const unsigned q_hi216 = pack_e4m3x4(q_x212, q_x213, q_x214, q_x215);
-        const unsigned q_hi_pair217 = e4m3x2_prep(q_hi216 & 65535u);
-        const unsigned q_hi_pair218 = e4m3x2_prep(q_hi216 >> 16u);
-        q_tile_a2[5u] = q_hi216;
-        q_tile_a2_lo[5u] = pack_e4m3x4(q_x212 - e4m3x2_lo(q_hi_pair217), q_x213 - e4m3x2_hi(q_hi_pair217), q_x214 - e4m3x2_lo(q_hi_pair218), q_x215 - e4m3x2_hi(q_hi_pair218));
-        const float q_x219 = __uint_as_float(q_pair44 << 16u) * q_scale;
-        const float q_x220 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
-        const float q_x221 = __uint_as_float(q_pair45 << 16u) * q_scale;
-        const float q_x222 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
-        const unsigned q_hi223 = pack_e4m3x4(q_x219, q_x220, q_x221, q_x222);
-        const unsigned q_hi_pair224 = e4m3x2_prep(q_hi223 & 65535u);
-        const unsigned q_hi_pair225 = e4m3x2_prep(q_hi223 >> 16u);
-        q_tile_a2[6u] = q_hi223;
-        q_tile_a2_lo[6u] = pack_e4m3x4(q_x219 - e4m3x2_lo(q_hi_pair224), q_x220 - e4m3x2_hi(q_hi_pair224), q_x221 - e4m3x2_lo(q_hi_pair225), q_x222 - e4m3x2_hi(q_hi_pair225));
-        const float q_x226 = __uint_as_float(q_pair46 << 16u) * q_scale;
-        const float q_x227 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
-        const float q_x228 = __uint_as_float(q_pair47 << 16u) * q_scale;
-        const float q_x229 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
-        const unsigned q_hi230 = pack_e4m3x4(q_x226, q_x227, q_x228, q_x229);
-        const unsigned q_hi_pair231 = e4m3x2_prep(q_hi230 & 65535u);
-        const unsigned q_hi_pair232 = e4m3x2_prep(q_hi230 >> 16u);
-        q_tile_a2[7u] = q_hi230;
-        q_tile_a2_lo[7u] = pack_e4m3x4(q_x226 - e4m3x2_lo(q_hi_pair231), q_x227 - e4m3x2_hi(q_hi_pair231), q_x228 - e4m3x2_lo(q_hi_pair232), q_x229 - e4m3x2_hi(q_hi_pair232));
-        const float q_x233 = __uint_as_float(q_pair48 << 16u) * q_scale;
-        const float q_x234 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
-        const float q_x235 = __uint_as_float(q_pair49 << 16u) * q_scale;
-        const float q_x236 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
-        const unsigned q_hi237 = pack_e4m3x4(q_x233, q_x234, q_x235, q_x236);
-        const unsigned q_hi_pair238 = e4m3x2_prep(q_hi237 & 65535u);
-        const unsigned q_hi_pair239 = e4m3x2_prep(q_hi237 >> 16u);
-        q_tile_a3[0u] = q_hi237;
-        q_tile_a3_lo[0u] = pack_e4m3x4(q_x233 - e4m3x2_lo(q_hi_pair238), q_x234 - e4m3x2_hi(q_hi_pair238), q_x235 - e4m3x2_lo(q_hi_pair239), q_x236 - e4m3x2_hi(q_hi_pair239));
-        const float q_x240 = __uint_as_float(q_pair50 << 16u) * q_scale;
-        const float q_x241 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
-        const float q_x242 = __uint_as_float(q_pair51 << 16u) * q_scale;
-        const float q_x243 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
-        const unsigned q_hi244 = pack_e4m3x4(q_x240, q_x241, q_x242, q_x243);
-        const unsigned q_hi_pair245 = e4m3x2_prep(q_hi244 & 65535u);
-        const unsigned q_hi_pair246 = e4m3x2_prep(q_hi244 >> 16u);
-        q_tile_a3[1u] = q_hi244;
-        q_tile_a3_lo[1u] = pack_e4m3x4(q_x240 - e4m3x2_lo(q_hi_pair245), q_x241 - e4m3x2_hi(q_hi_pair245), q_x242 - e4m3x2_lo(q_hi_pair246), q_x243 - e4m3x2_hi(q_hi_pair246));
-        const float q_x247 = __uint_as_float(q_pair52 << 16u) * q_scale;
-        const float q_x248 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
-        const float q_x249 = __uint_as_float(q_pair53 << 16u) * q_scale;
-        const float q_x250 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
-        const unsigned q_hi251 = pack_e4m3x4(q_x247, q_x248, q_x249, q_x250);
-        const unsigned q_hi_pair252 = e4m3x2_prep(q_hi251 & 65535u);
-        const unsigned q_hi_pair253 = e4m3x2_prep(q_hi251 >> 16u);
-        q_tile_a3[2u] = q_hi251;
-        q_tile_a3_lo[2u] = pack_e4m3x4(q_x247 - e4m3x2_lo(q_hi_pair252), q_x248 - e4m3x2_hi(q_hi_pair252), q_x249 - e4m3x2_lo(q_hi_pair253), q_x250 - e4m3x2_hi(q_hi_pair253));
-        const float q_x254 = __uint_as_float(q_pair54 << 16u) * q_scale;
-        const float q_x255 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
-        const float q_x256 = __uint_as_float(q_pair55 << 16u) * q_scale;
-        const float q_x257 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
-        const unsigned q_hi258 = pack_e4m3x4(q_x254, q_x255, q_x256, q_x257);
-        const unsigned q_hi_pair259 = e4m3x2_prep(q_hi258 & 65535u);
-        const unsigned q_hi_pair260 = e4m3x2_prep(q_hi258 >> 16u);
-        q_tile_a3[3u] = q_hi258;
-        q_tile_a3_lo[3u] = pack_e4m3x4(q_x254 - e4m3x2_lo(q_hi_pair259), q_x255 - e4m3x2_hi(q_hi_pair259), q_x256 - e4m3x2_lo(q_hi_pair260), q_x257 - e4m3x2_hi(q_hi_pair260));
-        const float q_x261 = __uint_as_float(q_pair56 << 16u) * q_scale;
-        const float q_x262 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
-        const float q_x263 = __uint_as_float(q_pair57 << 16u) * q_scale;
-        const float q_x264 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
-        const unsigned q_hi265 = pack_e4m3x4(q_x261, q_x262, q_x263, q_x264);
-        const unsigned q_hi_pair266 = e4m3x2_prep(q_hi265 & 65535u);
-        const unsigned q_hi_pair267 = e4m3x2_prep(q_hi265 >> 16u);
-        q_tile_a3[4u] = q_hi265;
-        q_tile_a3_lo[4u] = pack_e4m3x4(q_x261 - e4m3x2_lo(q_hi_pair266), q_x262 - e4m3x2_hi(q_hi_pair266), q_x263 - e4m3x2_lo(q_hi_pair267), q_x264 - e4m3x2_hi(q_hi_pair267));
-        const float q_x268 = __uint_as_float(q_pair58 << 16u) * q_scale;
-        const float q_x269 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
-        const float q_x270 = __uint_as_float(q_pair59 << 16u) * q_scale;
-        const float q_x271 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
-        const unsigned q_hi272 = pack_e4m3x4(q_x268, q_x269, q_x270, q_x271);
-        const unsigned q_hi_pair273 = e4m3x2_prep(q_hi272 & 65535u);
-        const unsigned q_hi_pair274 = e4m3x2_prep(q_hi272 >> 16u);
-        q_tile_a3[5u] = q_hi272;
-        q_tile_a3_lo[5u] = pack_e4m3x4(q_x268 - e4m3x2_lo(q_hi_pair273), q_x269 - e4m3x2_hi(q_hi_pair273), q_x270 - e4m3x2_lo(q_hi_pair274), q_x271 - e4m3x2_hi(q_hi_pair274));
-        const float q_x275 = __uint_as_float(q_pair60 << 16u) * q_scale;
-        const float q_x276 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
-        const float q_x277 = __uint_as_float(q_pair61 << 16u) * q_scale;
-        const float q_x278 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
-        const unsigned q_hi279 = pack_e4m3x4(q_x275, q_x276, q_x277, q_x278);
-        const unsigned q_hi_pair280 = e4m3x2_prep(q_hi279 & 65535u);
-        const unsigned q_hi_pair281 = e4m3x2_prep(q_hi279 >> 16u);
-        q_tile_a3[6u] = q_hi279;
-        q_tile_a3_lo[6u] = pack_e4m3x4(q_x275 - e4m3x2_lo(q_hi_pair280), q_x276 - e4m3x2_hi(q_hi_pair280), q_x277 - e4m3x2_lo(q_hi_pair281), q_x278 - e4m3x2_hi(q_hi_pair281));
-        const float q_x282 = __uint_as_float(q_pair62 << 16u) * q_scale;
-        const float q_x283 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
-        const float q_x284 = __uint_as_float(q_pair63 << 16u) * q_scale;
-        const float q_x285 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
-        const unsigned q_hi286 = pack_e4m3x4(q_x282, q_x283, q_x284, q_x285);
-        const unsigned q_hi_pair287 = e4m3x2_prep(q_hi286 & 65535u);
-        const unsigned q_hi_pair288 = e4m3x2_prep(q_hi286 >> 16u);
-        q_tile_a3[7u] = q_hi286;
-        q_tile_a3_lo[7u] = pack_e4m3x4(q_x282 - e4m3x2_lo(q_hi_pair287), q_x283 - e4m3x2_hi(q_hi_pair287), q_x284 - e4m3x2_lo(q_hi_pair288), q_x285 - e4m3x2_hi(q_hi_pair288));
-        const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x73 - e4m3x2_hi(q_hi_pair), q_x74 - e4m3x2_lo(q_hi_pair76), q_x75 - e4m3x2_hi(q_hi_pair76));
+        const float q_x77 = __uint_as_float(q_pair7 << 16u) * q_scale;
+        const float q_x78 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
+        const float q_x79 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x80 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const unsigned q_hi81 = pack_e4m3x4(q_x77, q_x78, q_x79, q_x80);
+        const unsigned q_hi_pair82 = e4m3x2_prep(q_hi81 & 65535u);
+        const unsigned q_hi_pair83 = e4m3x2_prep(q_hi81 >> 16u);
+        q_tile_a0[1u] = q_hi81;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x77 - e4m3x2_lo(q_hi_pair82), q_x78 - e4m3x2_hi(q_hi_pair82), q_x79 - e4m3x2_lo(q_hi_pair83), q_x80 - e4m3x2_hi(q_hi_pair83));
+        const float q_x84 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x85 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const float q_x86 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x87 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const unsigned q_hi88 = pack_e4m3x4(q_x84, q_x85, q_x86, q_x87);
+        const unsigned q_hi_pair89 = e4m3x2_prep(q_hi88 & 65535u);
+        const unsigned q_hi_pair90 = e4m3x2_prep(q_hi88 >> 16u);
+        q_tile_a0[2u] = q_hi88;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x84 - e4m3x2_lo(q_hi_pair89), q_x85 - e4m3x2_hi(q_hi_pair89), q_x86 - e4m3x2_lo(q_hi_pair90), q_x87 - e4m3x2_hi(q_hi_pair90));
+        const float q_x91 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x92 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const float q_x93 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x94 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const unsigned q_hi95 = pack_e4m3x4(q_x91, q_x92, q_x93, q_x94);
+        const unsigned q_hi_pair96 = e4m3x2_prep(q_hi95 & 65535u);
+        const unsigned q_hi_pair97 = e4m3x2_prep(q_hi95 >> 16u);
+        q_tile_a0[3u] = q_hi95;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x91 - e4m3x2_lo(q_hi_pair96), q_x92 - e4m3x2_hi(q_hi_pair96), q_x93 - e4m3x2_lo(q_hi_pair97), q_x94 - e4m3x2_hi(q_hi_pair97));
+        const float q_x98 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x99 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const float q_x100 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x101 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const unsigned q_hi102 = pack_e4m3x4(q_x98, q_x99, q_x100, q_x101);
+        const unsigned q_hi_pair103 = e4m3x2_prep(q_hi102 & 65535u);
+        const unsigned q_hi_pair104 = e4m3x2_prep(q_hi102 >> 16u);
+        q_tile_a0[4u] = q_hi102;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x98 - e4m3x2_lo(q_hi_pair103), q_x99 - e4m3x2_hi(q_hi_pair103), q_x100 - e4m3x2_lo(q_hi_pair104), q_x101 - e4m3x2_hi(q_hi_pair104));
+        const float q_x105 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x106 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const float q_x107 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x108 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const unsigned q_hi109 = pack_e4m3x4(q_x105, q_x106, q_x107, q_x108);
+        const unsigned q_hi_pair110 = e4m3x2_prep(q_hi109 & 65535u);
+        const unsigned q_hi_pair111 = e4m3x2_prep(q_hi109 >> 16u);
+        q_tile_a0[5u] = q_hi109;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x105 - e4m3x2_lo(q_hi_pair110), q_x106 - e4m3x2_hi(q_hi_pair110), q_x107 - e4m3x2_lo(q_hi_pair111), q_x108 - e4m3x2_hi(q_hi_pair111));
+        const float q_x112 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x113 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const float q_x114 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x115 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const unsigned q_hi116 = pack_e4m3x4(q_x112, q_x113, q_x114, q_x115);
+        const unsigned q_hi_pair117 = e4m3x2_prep(q_hi116 & 65535u);
+        const unsigned q_hi_pair118 = e4m3x2_prep(q_hi116 >> 16u);
+        q_tile_a0[6u] = q_hi116;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x112 - e4m3x2_lo(q_hi_pair117), q_x113 - e4m3x2_hi(q_hi_pair117), q_x114 - e4m3x2_lo(q_hi_pair118), q_x115 - e4m3x2_hi(q_hi_pair118));
+        const float q_x119 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x120 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const float q_x121 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x122 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const unsigned q_hi123 = pack_e4m3x4(q_x119, q_x120, q_x121, q_x122);
+        const unsigned q_hi_pair124 = e4m3x2_prep(q_hi123 & 65535u);
+        const unsigned q_hi_pair125 = e4m3x2_prep(q_hi123 >> 16u);
+        q_tile_a0[7u] = q_hi123;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x119 - e4m3x2_lo(q_hi_pair124), q_x120 - e4m3x2_hi(q_hi_pair124), q_x121 - e4m3x2_lo(q_hi_pair125), q_x122 - e4m3x2_hi(q_hi_pair125));
+        const float q_x126 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x127 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const float q_x128 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x129 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const unsigned q_hi130 = pack_e4m3x4(q_x126, q_x127, q_x128, q_x129);
+        const unsigned q_hi_pair131 = e4m3x2_prep(q_hi130 & 65535u);
+        const unsigned q_hi_pair132 = e4m3x2_prep(q_hi130 >> 16u);
+        q_tile_a1[0u] = q_hi130;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x126 - e4m3x2_lo(q_hi_pair131), q_x127 - e4m3x2_hi(q_hi_pair131), q_x128 - e4m3x2_lo(q_hi_pair132), q_x129 - e4m3x2_hi(q_hi_pair132));
+        const float q_x133 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x134 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const float q_x135 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x136 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const unsigned q_hi137 = pack_e4m3x4(q_x133, q_x134, q_x135, q_x136);
+        const unsigned q_hi_pair138 = e4m3x2_prep(q_hi137 & 65535u);
+        const unsigned q_hi_pair139 = e4m3x2_prep(q_hi137 >> 16u);
+        q_tile_a1[1u] = q_hi137;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x133 - e4m3x2_lo(q_hi_pair138), q_x134 - e4m3x2_hi(q_hi_pair138), q_x135 - e4m3x2_lo(q_hi_pair139), q_x136 - e4m3x2_hi(q_hi_pair139));
+        const float q_x140 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x141 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const float q_x142 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x143 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const unsigned q_hi144 = pack_e4m3x4(q_x140, q_x141, q_x142, q_x143);
+        const unsigned q_hi_pair145 = e4m3x2_prep(q_hi144 & 65535u);
+        const unsigned q_hi_pair146 = e4m3x2_prep(q_hi144 >> 16u);
+        q_tile_a1[2u] = q_hi144;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x140 - e4m3x2_lo(q_hi_pair145), q_x141 - e4m3x2_hi(q_hi_pair145), q_x142 - e4m3x2_lo(q_hi_pair146), q_x143 - e4m3x2_hi(q_hi_pair146));
+        const float q_x147 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x148 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const float q_x149 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x150 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const unsigned q_hi151 = pack_e4m3x4(q_x147, q_x148, q_x149, q_x150);
+        const unsigned q_hi_pair152 = e4m3x2_prep(q_hi151 & 65535u);
+        const unsigned q_hi_pair153 = e4m3x2_prep(q_hi151 >> 16u);
+        q_tile_a1[3u] = q_hi151;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x147 - e4m3x2_lo(q_hi_pair152), q_x148 - e4m3x2_hi(q_hi_pair152), q_x149 - e4m3x2_lo(q_hi_pair153), q_x150 - e4m3x2_hi(q_hi_pair153));
+        const float q_x154 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x155 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const float q_x156 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x157 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const unsigned q_hi158 = pack_e4m3x4(q_x154, q_x155, q_x156, q_x157);
+        const unsigned q_hi_pair159 = e4m3x2_prep(q_hi158 & 65535u);
+        const unsigned q_hi_pair160 = e4m3x2_prep(q_hi158 >> 16u);
+        q_tile_a1[4u] = q_hi158;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x154 - e4m3x2_lo(q_hi_pair159), q_x155 - e4m3x2_hi(q_hi_pair159), q_x156 - e4m3x2_lo(q_hi_pair160), q_x157 - e4m3x2_hi(q_hi_pair160));
+        const float q_x161 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x162 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const float q_x163 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x164 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const unsigned q_hi165 = pack_e4m3x4(q_x161, q_x162, q_x163, q_x164);
+        const unsigned q_hi_pair166 = e4m3x2_prep(q_hi165 & 65535u);
+        const unsigned q_hi_pair167 = e4m3x2_prep(q_hi165 >> 16u);
+        q_tile_a1[5u] = q_hi165;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x161 - e4m3x2_lo(q_hi_pair166), q_x162 - e4m3x2_hi(q_hi_pair166), q_x163 - e4m3x2_lo(q_hi_pair167), q_x164 - e4m3x2_hi(q_hi_pair167));
+        const float q_x168 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x169 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const float q_x170 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x171 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const unsigned q_hi172 = pack_e4m3x4(q_x168, q_x169, q_x170, q_x171);
+        const unsigned q_hi_pair173 = e4m3x2_prep(q_hi172 & 65535u);
+        const unsigned q_hi_pair174 = e4m3x2_prep(q_hi172 >> 16u);
+        q_tile_a1[6u] = q_hi172;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x168 - e4m3x2_lo(q_hi_pair173), q_x169 - e4m3x2_hi(q_hi_pair173), q_x170 - e4m3x2_lo(q_hi_pair174), q_x171 - e4m3x2_hi(q_hi_pair174));
+        const float q_x175 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x176 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const float q_x177 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x178 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const unsigned q_hi179 = pack_e4m3x4(q_x175, q_x176, q_x177, q_x178);
+        const unsigned q_hi_pair180 = e4m3x2_prep(q_hi179 & 65535u);
+        const unsigned q_hi_pair181 = e4m3x2_prep(q_hi179 >> 16u);
+        q_tile_a1[7u] = q_hi179;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x175 - e4m3x2_lo(q_hi_pair180), q_x176 - e4m3x2_hi(q_hi_pair180), q_x177 - e4m3x2_lo(q_hi_pair181), q_x178 - e4m3x2_hi(q_hi_pair181));
+        const float q_x182 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x183 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const float q_x184 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x185 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const unsigned q_hi186 = pack_e4m3x4(q_x182, q_x183, q_x184, q_x185);
+        const unsigned q_hi_pair187 = e4m3x2_prep(q_hi186 & 65535u);
+        const unsigned q_hi_pair188 = e4m3x2_prep(q_hi186 >> 16u);
+        q_tile_a2[0u] = q_hi186;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x182 - e4m3x2_lo(q_hi_pair187), q_x183 - e4m3x2_hi(q_hi_pair187), q_x184 - e4m3x2_lo(q_hi_pair188), q_x185 - e4m3x2_hi(q_hi_pair188));
+        const float q_x189 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x190 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const float q_x191 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x192 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const unsigned q_hi193 = pack_e4m3x4(q_x189, q_x190, q_x191, q_x192);
+        const unsigned q_hi_pair194 = e4m3x2_prep(q_hi193 & 65535u);
+        const unsigned q_hi_pair195 = e4m3x2_prep(q_hi193 >> 16u);
+        q_tile_a2[1u] = q_hi193;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x189 - e4m3x2_lo(q_hi_pair194), q_x190 - e4m3x2_hi(q_hi_pair194), q_x191 - e4m3x2_lo(q_hi_pair195), q_x192 - e4m3x2_hi(q_hi_pair195));
+        const float q_x196 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x197 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const float q_x198 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x199 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const unsigned q_hi200 = pack_e4m3x4(q_x196, q_x197, q_x198, q_x199);
+        const unsigned q_hi_pair201 = e4m3x2_prep(q_hi200 & 65535u);
+        const unsigned q_hi_pair202 = e4m3x2_prep(q_hi200 >> 16u);
+        q_tile_a2[2u] = q_hi200;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x196 - e4m3x2_lo(q_hi_pair201), q_x197 - e4m3x2_hi(q_hi_pair201), q_x198 - e4m3x2_lo(q_hi_pair202), q_x199 - e4m3x2_hi(q_hi_pair202));
+        const float q_x203 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x204 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const float q_x205 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x206 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const unsigned q_hi207 = pack_e4m3x4(q_x203, q_x204, q_x205, q_x206);
+        const unsigned q_hi_pair208 = e4m3x2_prep(q_hi207 & 65535u);
+        const unsigned q_hi_pair209 = e4m3x2_prep(q_hi207 >> 16u);
+        q_tile_a2[3u] = q_hi207;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x203 - e4m3x2_lo(q_hi_pair208), q_x204 - e4m3x2_hi(q_hi_pair208), q_x205 - e4m3x2_lo(q_hi_pair209), q_x206 - e4m3x2_hi(q_hi_pair209));
+        const float q_x210 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x211 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const float q_x212 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x213 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const unsigned q_hi214 = pack_e4m3x4(q_x210, q_x211, q_x212, q_x213);
+        const unsigned q_hi_pair215 = e4m3x2_prep(q_hi214 & 65535u);
+        const unsigned q_hi_pair216 = e4m3x2_prep(q_hi214 >> 16u);
+        q_tile_a2[4u] = q_hi214;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x210 - e4m3x2_lo(q_hi_pair215), q_x211 - e4m3x2_hi(q_hi_pair215), q_x212 - e4m3x2_lo(q_hi_pair216), q_x213 - e4m3x2_hi(q_hi_pair216));
+        const float q_x217 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x218 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const float q_x219 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x220 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const unsigned q_hi221 = pack_e4m3x4(q_x217, q_x218, q_x219, q_x220);
+        const unsigned q_hi_pair222 = e4m3x2_prep(q_hi221 & 65535u);
+        const unsigned q_hi_pair223 = e4m3x2_prep(q_hi221 >> 16u);
+        q_tile_a2[5u] = q_hi221;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x217 - e4m3x2_lo(q_hi_pair222), q_x218 - e4m3x2_hi(q_hi_pair222), q_x219 - e4m3x2_lo(q_hi_pair223), q_x220 - e4m3x2_hi(q_hi_pair223));
+        const float q_x224 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x225 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const float q_x226 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x227 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const unsigned q_hi228 = pack_e4m3x4(q_x224, q_x225, q_x226, q_x227);
+        const unsigned q_hi_pair229 = e4m3x2_prep(q_hi228 & 65535u);
+        const unsigned q_hi_pair230 = e4m3x2_prep(q_hi228 >> 16u);
+        q_tile_a2[6u] = q_hi228;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x224 - e4m3x2_lo(q_hi_pair229), q_x225 - e4m3x2_hi(q_hi_pair229), q_x226 - e4m3x2_lo(q_hi_pair230), q_x227 - e4m3x2_hi(q_hi_pair230));
+        const float q_x231 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x232 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const float q_x233 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x234 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const unsigned q_hi235 = pack_e4m3x4(q_x231, q_x232, q_x233, q_x234);
+        const unsigned q_hi_pair236 = e4m3x2_prep(q_hi235 & 65535u);
+        const unsigned q_hi_pair237 = e4m3x2_prep(q_hi235 >> 16u);
+        q_tile_a2[7u] = q_hi235;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x231 - e4m3x2_lo(q_hi_pair236), q_x232 - e4m3x2_hi(q_hi_pair236), q_x233 - e4m3x2_lo(q_hi_pair237), q_x234 - e4m3x2_hi(q_hi_pair237));
+        const float q_x238 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x239 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const float q_x240 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x241 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const unsigned q_hi242 = pack_e4m3x4(q_x238, q_x239, q_x240, q_x241);
+        const unsigned q_hi_pair243 = e4m3x2_prep(q_hi242 & 65535u);
+        const unsigned q_hi_pair244 = e4m3x2_prep(q_hi242 >> 16u);
+        q_tile_a3[0u] = q_hi242;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x238 - e4m3x2_lo(q_hi_pair243), q_x239 - e4m3x2_hi(q_hi_pair243), q_x240 - e4m3x2_lo(q_hi_pair244), q_x241 - e4m3x2_hi(q_hi_pair244));
+        const float q_x245 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x246 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const float q_x247 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x248 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const unsigned q_hi249 = pack_e4m3x4(q_x245, q_x246, q_x247, q_x248);
+        const unsigned q_hi_pair250 = e4m3x2_prep(q_hi249 & 65535u);
+        const unsigned q_hi_pair251 = e4m3x2_prep(q_hi249 >> 16u);
+        q_tile_a3[1u] = q_hi249;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x245 - e4m3x2_lo(q_hi_pair250), q_x246 - e4m3x2_hi(q_hi_pair250), q_x247 - e4m3x2_lo(q_hi_pair251), q_x248 - e4m3x2_hi(q_hi_pair251));
+        const float q_x252 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x253 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const float q_x254 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x255 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const unsigned q_hi256 = pack_e4m3x4(q_x252, q_x253, q_x254, q_x255);
+        const unsigned q_hi_pair257 = e4m3x2_prep(q_hi256 & 65535u);
+        const unsigned q_hi_pair258 = e4m3x2_prep(q_hi256 >> 16u);
+        q_tile_a3[2u] = q_hi256;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x252 - e4m3x2_lo(q_hi_pair257), q_x253 - e4m3x2_hi(q_hi_pair257), q_x254 - e4m3x2_lo(q_hi_pair258), q_x255 - e4m3x2_hi(q_hi_pair258));
+        const float q_x259 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x260 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const float q_x261 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x262 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const unsigned q_hi263 = pack_e4m3x4(q_x259, q_x260, q_x261, q_x262);
+        const unsigned q_hi_pair264 = e4m3x2_prep(q_hi263 & 65535u);
+        const unsigned q_hi_pair265 = e4m3x2_prep(q_hi263 >> 16u);
+        q_tile_a3[3u] = q_hi263;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x259 - e4m3x2_lo(q_hi_pair264), q_x260 - e4m3x2_hi(q_hi_pair264), q_x261 - e4m3x2_lo(q_hi_pair265), q_x262 - e4m3x2_hi(q_hi_pair265));
+        const float q_x266 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x267 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const float q_x268 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x269 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const unsigned q_hi270 = pack_e4m3x4(q_x266, q_x267, q_x268, q_x269);
+        const unsigned q_hi_pair271 = e4m3x2_prep(q_hi270 & 65535u);
+        const unsigned q_hi_pair272 = e4m3x2_prep(q_hi270 >> 16u);
+        q_tile_a3[4u] = q_hi270;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x266 - e4m3x2_lo(q_hi_pair271), q_x267 - e4m3x2_hi(q_hi_pair271), q_x268 - e4m3x2_lo(q_hi_pair272), q_x269 - e4m3x2_hi(q_hi_pair272));
+        const float q_x273 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x274 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const float q_x275 = __uint_as_float(q_pair64 << 16u) * q_scale;
+        const float q_x276 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
+        const unsigned q_hi277 = pack_e4m3x4(q_x273, q_x274, q_x275, q_x276);
+        const unsigned q_hi_pair278 = e4m3x2_prep(q_hi277 & 65535u);
+        const unsigned q_hi_pair279 = e4m3x2_prep(q_hi277 >> 16u);
+        q_tile_a3[5u] = q_hi277;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x273 - e4m3x2_lo(q_hi_pair278), q_x274 - e4m3x2_hi(q_hi_pair278), q_x275 - e4m3x2_lo(q_hi_pair279), q_x276 - e4m3x2_hi(q_hi_pair279));
+        const float q_x280 = __uint_as_float(q_pair65 << 16u) * q_scale;
+        const float q_x281 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
+        const float q_x282 = __uint_as_float(q_pair66 << 16u) * q_scale;
+        const float q_x283 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
+        const unsigned q_hi284 = pack_e4m3x4(q_x280, q_x281, q_x282, q_x283);
+        const unsigned q_hi_pair285 = e4m3x2_prep(q_hi284 & 65535u);
+        const unsigned q_hi_pair286 = e4m3x2_prep(q_hi284 >> 16u);
+        q_tile_a3[6u] = q_hi284;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x280 - e4m3x2_lo(q_hi_pair285), q_x281 - e4m3x2_hi(q_hi_pair285), q_x282 - e4m3x2_lo(q_hi_pair286), q_x283 - e4m3x2_hi(q_hi_pair286));
+        const float q_x287 = __uint_as_float(q_pair67 << 16u) * q_scale;
+        const float q_x288 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
+        const float q_x289 = __uint_as_float(q_pair68 << 16u) * q_scale;
+        const float q_x290 = __uint_as_float(q_pair68 & 4294901760u) * q_scale;
+        const unsigned q_hi291 = pack_e4m3x4(q_x287, q_x288, q_x289, q_x290);
+        const unsigned q_hi_pair292 = e4m3x2_prep(q_hi291 & 65535u);
+        const unsigned q_hi_pair293 = e4m3x2_prep(q_hi291 >> 16u);
+        q_tile_a3[7u] = q_hi291;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x287 - e4m3x2_lo(q_hi_pair292), q_x288 - e4m3x2_hi(q_hi_pair292), q_x289 - e4m3x2_lo(q_hi_pair293), q_x290 - e4m3x2_hi(q_hi_pair293));
+        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-        const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
         q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-        const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-        const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-        const unsigned sub4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub4 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
         q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-        const unsigned sub5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub5 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
         q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-        const unsigned sub6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub6 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-        const unsigned sub7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub7 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
         q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[8u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[10u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[12u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[14u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[8u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[10u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[12u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[14u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[8u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[10u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[12u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[14u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[8u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[10u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[12u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[14u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[4u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        q_tile_a4[5u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        q_tile_a4[6u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[7u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
@@ -1002,16 +1040,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i289 = 0u; fill_i289 < 8u; fill_i289 += 1u) {
-        o_acc_1[fill_i289] = 0.0f;
+    for (unsigned fill_i294 = 0u; fill_i294 < 8u; fill_i294 += 1u) {
+        o_acc_1[fill_i294] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i290 = 0u; fill_i290 < 8u; fill_i290 += 1u) {
-        o_acc_2[fill_i290] = 0.0f;
+    for (unsigned fill_i295 = 0u; fill_i295 < 8u; fill_i295 += 1u) {
+        o_acc_2[fill_i295] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i291 = 0u; fill_i291 < 8u; fill_i291 += 1u) {
-        o_acc_3[fill_i291] = 0.0f;
+    for (unsigned fill_i296 = 0u; fill_i296 < 8u; fill_i296 += 1u) {
+        o_acc_3[fill_i296] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -1030,18 +1068,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot292 = 0u; slot292 < 1u; slot292 += 1u) {
-                const unsigned gather_row293 = ((warp - 4u) + (lane * 4u)) + (slot292 * 128u);
-                if (gather_row293 < 32u) {
+            for (unsigned slot298 = 0u; slot298 < 1u; slot298 += 1u) {
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot298 * 128u);
+                if (gather_row299 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row293;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot292] >= 0)) && (((unsigned)kv_rows_pre[slot292]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot292]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot292]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row293] = (src_i32 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row293 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row299;
+                    const int src_i32300 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot298] >= 0)) && (((unsigned)kv_rows_pre[slot298]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot298]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row299] = (src_i32300 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32300 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row299 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32300), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row293 * 164u)) + zero_w] = 0u;
+                            kv_rows[((load_stage * 5248u) + (gather_row299 * 164u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1052,11 +1090,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
-                    const unsigned row_1 = gather_row295;
-                    kv_rows_pre[slot294] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot301 = 0u; slot301 < 1u; slot301 += 1u) {
+                const unsigned gather_row302 = ((warp - 4u) + (lane * 4u)) + (slot301 * 128u);
+                if (gather_row302 < 32u) {
+                    const unsigned row_1 = gather_row302;
+                    kv_rows_pre[slot301] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1072,10 +1110,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi296 = 0u; mi296 < 1u; mi296 += 1u) {
+        for (unsigned mi303 = 0u; mi303 < 1u; mi303 += 1u) {
             #pragma unroll
-            for (unsigned half297 = 0u; half297 < 2u; half297 += 1u) {
-                row_sum_part[(mi296 * 2u) + half297] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi296 * 16u)) + ((half297 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half304 = 0u; half304 < 2u; half304 += 1u) {
+                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi303 * 16u)) + ((half304 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1087,16 +1125,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i305 = 0u; fill_i305 < 4u; fill_i305 += 1u) {
-            scores[fill_i305] = 0.0f;
+        for (unsigned fill_i312 = 0u; fill_i312 < 4u; fill_i312 += 1u) {
+            scores[fill_i312] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e306 = 0u; e306 < 4u; e306 += 1u) {
-            scores_term[e306] = 0.0f;
+        for (unsigned e313 = 0u; e313 < 4u; e313 += 1u) {
+            scores_term[e313] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
@@ -1106,306 +1144,306 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi307 = 0u; mi307 < 1u; mi307 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi307 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi307 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi307 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi307 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi307 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi307 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi314 = 0u; mi314 < 1u; mi314 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi314 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi314 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi314 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi314 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e313 = 0u; e313 < 4u; e313 += 1u) {
-                scores_term[4u + e313] = 0.0f;
+            for (unsigned e320 = 0u; e320 < 4u; e320 += 1u) {
+                scores_term[4u + e320] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk310 = (kk_pair * 2u) + chain;
+                    const unsigned kk317 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj312 = 0u; nj312 < 1u; nj312 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj312 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk310) * 4u));
+                    for (unsigned nj319 = 0u; nj319 < 1u; nj319 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj319 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk317) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair314 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag309[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag309[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair314), e4m3x2_hi(e4m3_pair314));
+                        const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag316[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair321), e4m3x2_hi(e4m3_pair321));
                         #pragma unroll
-                        for (unsigned mi311 = 0u; mi311 < 1u; mi311 += 1u) {
-                            a_frag308[0u] = q_tile_a0_bf16[((mi311 * 4u) + kk310) * 4u];
-                            a_frag308[1u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 1u];
-                            a_frag308[2u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 2u];
-                            a_frag308[3u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi311 + nj312) * 4u)], &a_frag308[0u], &b_frag309[0u]);
+                        for (unsigned mi318 = 0u; mi318 < 1u; mi318 += 1u) {
+                            a_frag315[0u] = q_tile_a0_bf16[((mi318 * 4u) + kk317) * 4u];
+                            a_frag315[1u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 1u];
+                            a_frag315[2u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 2u];
+                            a_frag315[3u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi318 + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
-                scores_term[e315] = scores_term[e315] + scores_term[4u + e315];
+            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
+                scores_term[e322] = scores_term[e322] + scores_term[4u + e322];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e316 = 0u; e316 < 4u; e316 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e316 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e316] = fmaf(scores_term[(frag * 4u) + e316], row_scale, scores_part[(frag * 4u) + e316]);
+            for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e323 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e323] = fmaf(scores_term[(frag * 4u) + e323], row_scale, scores_part[(frag * 4u) + e323]);
             }
         }
         #pragma unroll
-        for (unsigned e317 = 0u; e317 < 4u; e317 += 1u) {
-            scores_term[e317] = 0.0f;
+        for (unsigned e324 = 0u; e324 < 4u; e324 += 1u) {
+            scores_term[e324] = 0.0f;
         }
-        const unsigned n_first318 = (warp / 2u) * 8u;
+        const unsigned n_first325 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk321 = 0u; kk321 < 2u; kk321 += 1u) {
+            for (unsigned kk328 = 0u; kk328 < 2u; kk328 += 1u) {
                 #pragma unroll
-                for (unsigned nj323 = 0u; nj323 < 1u; nj323 += 1u) {
-                    ldmatrix_x2(&b_frag320[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj323 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk321) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj330 = 0u; nj330 < 1u; nj330 += 1u) {
+                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk328) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi322 = 0u; mi322 < 1u; mi322 += 1u) {
-                        a_frag319[0u] = q_tile_a1[((mi322 * 2u) + kk321) * 4u];
-                        a_frag319[1u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 1u];
-                        a_frag319[2u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 2u];
-                        a_frag319[3u] = q_tile_a1[(((mi322 * 2u) + kk321) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi322 + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
-                        a_frag319[0u] = q_tile_a1_lo[((mi322 * 2u) + kk321) * 4u];
-                        a_frag319[1u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 1u];
-                        a_frag319[2u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 2u];
-                        a_frag319[3u] = q_tile_a1_lo[(((mi322 * 2u) + kk321) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi322 + nj323) * 4u], &a_frag319[0u], &b_frag320[0u]);
+                    for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
+                        a_frag326[0u] = q_tile_a1[((mi329 * 2u) + kk328) * 4u];
+                        a_frag326[1u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 1u];
+                        a_frag326[2u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 2u];
+                        a_frag326[3u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi329 + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
+                        a_frag326[0u] = q_tile_a1_lo[((mi329 * 2u) + kk328) * 4u];
+                        a_frag326[1u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 1u];
+                        a_frag326[2u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 2u];
+                        a_frag326[3u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi329 + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first324 = (warp % 2u) * 4u;
+            const unsigned k_first331 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e333 = 0u; e333 < 4u; e333 += 1u) {
-                scores_term[4u + e333] = 0.0f;
+            for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
+                scores_term[4u + e340] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair331 = 0u; kk_pair331 < 2u; kk_pair331 += 1u) {
+            for (unsigned kk_pair338 = 0u; kk_pair338 < 2u; kk_pair338 += 1u) {
                 #pragma unroll
-                for (unsigned chain332 = 0u; chain332 < 2u; chain332 += 1u) {
-                    const unsigned kk328 = (kk_pair331 * 2u) + chain332;
+                for (unsigned chain339 = 0u; chain339 < 2u; chain339 += 1u) {
+                    const unsigned kk335 = (kk_pair338 * 2u) + chain339;
                     #pragma unroll
-                    for (unsigned nj330 = 0u; nj330 < 1u; nj330 += 1u) {
-                        ldmatrix_x1(&b_raw327[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first324 + kk328) * 4u));
-                        const unsigned e4m3_pair334 = e4m3x2_prep(b_raw327[0u] & 65535u);
-                        const unsigned e4m3_pair335 = e4m3x2_prep(b_raw327[0u] >> 16u);
-                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
-                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair335), e4m3x2_hi(e4m3_pair335));
+                    for (unsigned nj337 = 0u; nj337 < 1u; nj337 += 1u) {
+                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj337 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first331 + kk335) * 4u));
+                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
+                        const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
+                        b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
+                        b_frag333[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair342), e4m3x2_hi(e4m3_pair342));
                         #pragma unroll
-                        for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
-                            a_frag325[0u] = q_tile_a1_bf16[((mi329 * 4u) + kk328) * 4u];
-                            a_frag325[1u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 1u];
-                            a_frag325[2u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 2u];
-                            a_frag325[3u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain332 * 4u) + ((mi329 + nj330) * 4u)], &a_frag325[0u], &b_frag326[0u]);
+                        for (unsigned mi336 = 0u; mi336 < 1u; mi336 += 1u) {
+                            a_frag332[0u] = q_tile_a1_bf16[((mi336 * 4u) + kk335) * 4u];
+                            a_frag332[1u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 1u];
+                            a_frag332[2u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 2u];
+                            a_frag332[3u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain339 * 4u) + ((mi336 + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e336 = 0u; e336 < 4u; e336 += 1u) {
-                scores_term[e336] = scores_term[e336] + scores_term[4u + e336];
+            for (unsigned e343 = 0u; e343 < 4u; e343 += 1u) {
+                scores_term[e343] = scores_term[e343] + scores_term[4u + e343];
             }
         }
         #pragma unroll
-        for (unsigned frag337 = 0u; frag337 < 1u; frag337 += 1u) {
+        for (unsigned frag344 = 0u; frag344 < 1u; frag344 += 1u) {
             #pragma unroll
-            for (unsigned e338 = 0u; e338 < 4u; e338 += 1u) {
-                const float row_scale339 = kv_scales[((stage * 5248u) + (((n_first318 + ((frag337 % 1u) * 8u)) + ((lane_quad * 2u) + (e338 & 1u))) * 164u)) + 1u];
-                scores_part[(frag337 * 4u) + e338] = fmaf(scores_term[(frag337 * 4u) + e338], row_scale339, scores_part[(frag337 * 4u) + e338]);
+            for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
+                const float row_scale346 = kv_scales[((stage * 5248u) + (((n_first325 + ((frag344 % 1u) * 8u)) + ((lane_quad * 2u) + (e345 & 1u))) * 164u)) + 1u];
+                scores_part[(frag344 * 4u) + e345] = fmaf(scores_term[(frag344 * 4u) + e345], row_scale346, scores_part[(frag344 * 4u) + e345]);
             }
         }
         #pragma unroll
-        for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
-            scores_term[e340] = 0.0f;
+        for (unsigned e347 = 0u; e347 < 4u; e347 += 1u) {
+            scores_term[e347] = 0.0f;
         }
-        const unsigned n_first341 = (warp / 2u) * 8u;
+        const unsigned n_first348 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk344 = 0u; kk344 < 2u; kk344 += 1u) {
+            for (unsigned kk351 = 0u; kk351 < 2u; kk351 += 1u) {
                 #pragma unroll
-                for (unsigned nj346 = 0u; nj346 < 1u; nj346 += 1u) {
-                    ldmatrix_x2(&b_frag343[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj346 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk344) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj353 = 0u; nj353 < 1u; nj353 += 1u) {
+                    ldmatrix_x2(&b_frag350[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk351) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi345 = 0u; mi345 < 1u; mi345 += 1u) {
-                        a_frag342[0u] = q_tile_a2[((mi345 * 2u) + kk344) * 4u];
-                        a_frag342[1u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 1u];
-                        a_frag342[2u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 2u];
-                        a_frag342[3u] = q_tile_a2[(((mi345 * 2u) + kk344) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi345 + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
-                        a_frag342[0u] = q_tile_a2_lo[((mi345 * 2u) + kk344) * 4u];
-                        a_frag342[1u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 1u];
-                        a_frag342[2u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 2u];
-                        a_frag342[3u] = q_tile_a2_lo[(((mi345 * 2u) + kk344) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi345 + nj346) * 4u], &a_frag342[0u], &b_frag343[0u]);
+                    for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
+                        a_frag349[0u] = q_tile_a2[((mi352 * 2u) + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi352 + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
+                        a_frag349[0u] = q_tile_a2_lo[((mi352 * 2u) + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi352 + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first347 = (warp % 2u) * 4u;
+            const unsigned k_first354 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e356 = 0u; e356 < 4u; e356 += 1u) {
-                scores_term[4u + e356] = 0.0f;
+            for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
+                scores_term[4u + e363] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair354 = 0u; kk_pair354 < 2u; kk_pair354 += 1u) {
+            for (unsigned kk_pair361 = 0u; kk_pair361 < 2u; kk_pair361 += 1u) {
                 #pragma unroll
-                for (unsigned chain355 = 0u; chain355 < 2u; chain355 += 1u) {
-                    const unsigned kk351 = (kk_pair354 * 2u) + chain355;
+                for (unsigned chain362 = 0u; chain362 < 2u; chain362 += 1u) {
+                    const unsigned kk358 = (kk_pair361 * 2u) + chain362;
                     #pragma unroll
-                    for (unsigned nj353 = 0u; nj353 < 1u; nj353 += 1u) {
-                        ldmatrix_x1(&b_raw350[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first347 + kk351) * 4u));
-                        const unsigned e4m3_pair357 = e4m3x2_prep(b_raw350[0u] & 65535u);
-                        const unsigned e4m3_pair358 = e4m3x2_prep(b_raw350[0u] >> 16u);
-                        b_frag349[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
-                        b_frag349[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair358), e4m3x2_hi(e4m3_pair358));
+                    for (unsigned nj360 = 0u; nj360 < 1u; nj360 += 1u) {
+                        ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first354 + kk358) * 4u));
+                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
+                        const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
+                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
                         #pragma unroll
-                        for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
-                            a_frag348[0u] = q_tile_a2_bf16[((mi352 * 4u) + kk351) * 4u];
-                            a_frag348[1u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 1u];
-                            a_frag348[2u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 2u];
-                            a_frag348[3u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain355 * 4u) + ((mi352 + nj353) * 4u)], &a_frag348[0u], &b_frag349[0u]);
+                        for (unsigned mi359 = 0u; mi359 < 1u; mi359 += 1u) {
+                            a_frag355[0u] = q_tile_a2_bf16[((mi359 * 4u) + kk358) * 4u];
+                            a_frag355[1u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 1u];
+                            a_frag355[2u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 2u];
+                            a_frag355[3u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain362 * 4u) + ((mi359 + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e359 = 0u; e359 < 4u; e359 += 1u) {
-                scores_term[e359] = scores_term[e359] + scores_term[4u + e359];
+            for (unsigned e366 = 0u; e366 < 4u; e366 += 1u) {
+                scores_term[e366] = scores_term[e366] + scores_term[4u + e366];
             }
         }
         #pragma unroll
-        for (unsigned frag360 = 0u; frag360 < 1u; frag360 += 1u) {
+        for (unsigned frag367 = 0u; frag367 < 1u; frag367 += 1u) {
             #pragma unroll
-            for (unsigned e361 = 0u; e361 < 4u; e361 += 1u) {
-                const float row_scale362 = kv_scales[((stage * 5248u) + (((n_first341 + ((frag360 % 1u) * 8u)) + ((lane_quad * 2u) + (e361 & 1u))) * 164u)) + 2u];
-                scores_part[(frag360 * 4u) + e361] = fmaf(scores_term[(frag360 * 4u) + e361], row_scale362, scores_part[(frag360 * 4u) + e361]);
+            for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
+                const float row_scale369 = kv_scales[((stage * 5248u) + (((n_first348 + ((frag367 % 1u) * 8u)) + ((lane_quad * 2u) + (e368 & 1u))) * 164u)) + 2u];
+                scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
             }
         }
         #pragma unroll
-        for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
-            scores_term[e363] = 0.0f;
+        for (unsigned e370 = 0u; e370 < 4u; e370 += 1u) {
+            scores_term[e370] = 0.0f;
         }
-        const unsigned n_first364 = (warp / 2u) * 8u;
+        const unsigned n_first371 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk367 = 0u; kk367 < 2u; kk367 += 1u) {
+            for (unsigned kk374 = 0u; kk374 < 2u; kk374 += 1u) {
                 #pragma unroll
-                for (unsigned nj369 = 0u; nj369 < 1u; nj369 += 1u) {
-                    ldmatrix_x2(&b_frag366[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj369 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk367) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj376 = 0u; nj376 < 1u; nj376 += 1u) {
+                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk374) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi368 = 0u; mi368 < 1u; mi368 += 1u) {
-                        a_frag365[0u] = q_tile_a3[((mi368 * 2u) + kk367) * 4u];
-                        a_frag365[1u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 1u];
-                        a_frag365[2u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 2u];
-                        a_frag365[3u] = q_tile_a3[(((mi368 * 2u) + kk367) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi368 + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
-                        a_frag365[0u] = q_tile_a3_lo[((mi368 * 2u) + kk367) * 4u];
-                        a_frag365[1u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 1u];
-                        a_frag365[2u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 2u];
-                        a_frag365[3u] = q_tile_a3_lo[(((mi368 * 2u) + kk367) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi368 + nj369) * 4u], &a_frag365[0u], &b_frag366[0u]);
+                    for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
+                        a_frag372[0u] = q_tile_a3[((mi375 * 2u) + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi375 + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
+                        a_frag372[0u] = q_tile_a3_lo[((mi375 * 2u) + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi375 + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first370 = (warp % 2u) * 4u;
+            const unsigned k_first377 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e379 = 0u; e379 < 4u; e379 += 1u) {
-                scores_term[4u + e379] = 0.0f;
+            for (unsigned e386 = 0u; e386 < 4u; e386 += 1u) {
+                scores_term[4u + e386] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair377 = 0u; kk_pair377 < 2u; kk_pair377 += 1u) {
+            for (unsigned kk_pair384 = 0u; kk_pair384 < 2u; kk_pair384 += 1u) {
                 #pragma unroll
-                for (unsigned chain378 = 0u; chain378 < 2u; chain378 += 1u) {
-                    const unsigned kk374 = (kk_pair377 * 2u) + chain378;
+                for (unsigned chain385 = 0u; chain385 < 2u; chain385 += 1u) {
+                    const unsigned kk381 = (kk_pair384 * 2u) + chain385;
                     #pragma unroll
-                    for (unsigned nj376 = 0u; nj376 < 1u; nj376 += 1u) {
-                        ldmatrix_x1(&b_raw373[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first370 + kk374) * 4u));
-                        const unsigned e4m3_pair380 = e4m3x2_prep(b_raw373[0u] & 65535u);
-                        const unsigned e4m3_pair381 = e4m3x2_prep(b_raw373[0u] >> 16u);
-                        b_frag372[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
-                        b_frag372[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair381), e4m3x2_hi(e4m3_pair381));
+                    for (unsigned nj383 = 0u; nj383 < 1u; nj383 += 1u) {
+                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first377 + kk381) * 4u));
+                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
+                        const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
+                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
                         #pragma unroll
-                        for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
-                            a_frag371[0u] = q_tile_a3_bf16[((mi375 * 4u) + kk374) * 4u];
-                            a_frag371[1u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 1u];
-                            a_frag371[2u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 2u];
-                            a_frag371[3u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain378 * 4u) + ((mi375 + nj376) * 4u)], &a_frag371[0u], &b_frag372[0u]);
+                        for (unsigned mi382 = 0u; mi382 < 1u; mi382 += 1u) {
+                            a_frag378[0u] = q_tile_a3_bf16[((mi382 * 4u) + kk381) * 4u];
+                            a_frag378[1u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 1u];
+                            a_frag378[2u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 2u];
+                            a_frag378[3u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain385 * 4u) + ((mi382 + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e382 = 0u; e382 < 4u; e382 += 1u) {
-                scores_term[e382] = scores_term[e382] + scores_term[4u + e382];
+            for (unsigned e389 = 0u; e389 < 4u; e389 += 1u) {
+                scores_term[e389] = scores_term[e389] + scores_term[4u + e389];
             }
         }
         #pragma unroll
-        for (unsigned frag383 = 0u; frag383 < 1u; frag383 += 1u) {
+        for (unsigned frag390 = 0u; frag390 < 1u; frag390 += 1u) {
             #pragma unroll
-            for (unsigned e384 = 0u; e384 < 4u; e384 += 1u) {
-                const float row_scale385 = kv_scales[((stage * 5248u) + (((n_first364 + ((frag383 % 1u) * 8u)) + ((lane_quad * 2u) + (e384 & 1u))) * 164u)) + 3u];
-                scores_part[(frag383 * 4u) + e384] = fmaf(scores_term[(frag383 * 4u) + e384], row_scale385, scores_part[(frag383 * 4u) + e384]);
+            for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
+                const float row_scale392 = kv_scales[((stage * 5248u) + (((n_first371 + ((frag390 % 1u) * 8u)) + ((lane_quad * 2u) + (e391 & 1u))) * 164u)) + 3u];
+                scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
             }
         }
-        const unsigned n_first386 = (warp / 2u) * 8u;
-        const unsigned k_first387 = (warp % 2u) * 2u;
+        const unsigned n_first393 = (warp / 2u) * 8u;
+        const unsigned k_first394 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e396 = 0u; e396 < 4u; e396 += 1u) {
-            scores_part[4u + e396] = 0.0f;
+        for (unsigned e403 = 0u; e403 < 4u; e403 += 1u) {
+            scores_part[4u + e403] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair394 = 0u; kk_pair394 < 1u; kk_pair394 += 1u) {
+        for (unsigned kk_pair401 = 0u; kk_pair401 < 1u; kk_pair401 += 1u) {
             #pragma unroll
-            for (unsigned chain395 = 0u; chain395 < 2u; chain395 += 1u) {
-                const unsigned kk391 = (kk_pair394 * 2u) + chain395;
+            for (unsigned chain402 = 0u; chain402 < 2u; chain402 += 1u) {
+                const unsigned kk398 = (kk_pair401 * 2u) + chain402;
                 #pragma unroll
-                for (unsigned nj393 = 0u; nj393 < 1u; nj393 += 1u) {
-                    ldmatrix_x2(&b_frag389[0u], kv_rope + (stage * 5248u) + (((n_first386 + (nj393 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first387 + kk391) * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj400 = 0u; nj400 < 1u; nj400 += 1u) {
+                    ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (((n_first393 + (nj400 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first394 + kk398) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi392 = 0u; mi392 < 1u; mi392 += 1u) {
-                        a_frag388[0u] = q_tile_a4[((mi392 * 2u) + kk391) * 4u];
-                        a_frag388[1u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 1u];
-                        a_frag388[2u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 2u];
-                        a_frag388[3u] = q_tile_a4[(((mi392 * 2u) + kk391) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain395 * 4u) + ((mi392 + nj393) * 4u)], &a_frag388[0u], &b_frag389[0u]);
+                    for (unsigned mi399 = 0u; mi399 < 1u; mi399 += 1u) {
+                        a_frag395[0u] = q_tile_a4[((mi399 * 2u) + kk398) * 4u];
+                        a_frag395[1u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 1u];
+                        a_frag395[2u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 2u];
+                        a_frag395[3u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain402 * 4u) + ((mi399 + nj400) * 4u)], &a_frag395[0u], &b_frag396[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e397 = 0u; e397 < 4u; e397 += 1u) {
-            scores_part[e397] = scores_part[e397] + scores_part[4u + e397];
+        for (unsigned e404 = 0u; e404 < 4u; e404 += 1u) {
+            scores_part[e404] = scores_part[e404] + scores_part[4u + e404];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag398 = 0u; frag398 < 1u; frag398 += 1u) {
+        for (unsigned frag405 = 0u; frag405 < 1u; frag405 += 1u) {
             #pragma unroll
-            for (unsigned half399 = 0u; half399 < 2u; half399 += 1u) {
+            for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
                 #pragma unroll
-                for (unsigned e400 = 0u; e400 < 2u; e400 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag398 / 1u) * 16u) + (half399 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag398 % 1u) * 8u)) + ((lane_quad * 2u) + e400))] = scores_part[((frag398 * 4u) + (half399 * 2u)) + e400] * q_tile_unscale[0u];
+                for (unsigned e407 = 0u; e407 < 2u; e407 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag405 / 1u) * 16u) + (half406 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag405 % 1u) * 8u)) + ((lane_quad * 2u) + e407))] = scores_part[((frag405 * 4u) + (half406 * 2u)) + e407] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1418,34 +1456,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage298 = ahead % 2u;
+                const unsigned load_stage305 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot299 = 0u; slot299 < 1u; slot299 += 1u) {
-                    const unsigned gather_row300 = ((warp - 4u) + (lane * 4u)) + (slot299 * 128u);
-                    if (gather_row300 < 32u) {
+                for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
+                    const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
+                    if (gather_row307 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row300;
-                        const int src_i32301 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot299] >= 0)) && (((unsigned)kv_rows_pre[slot299]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot299]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot299]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage298 * 36u) + gather_row300] = (src_i32301 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32301 >= 0) {
-                            copy_async(kv_rows + (load_stage298 * 5248u) + (gather_row300 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32301), 656u, ring_barriers + (load_stage298 * 2u));
+                        const unsigned row_1 = gather_row307;
+                        const int src_i32308 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot306] >= 0)) && (((unsigned)kv_rows_pre[slot306]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot306]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot306]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage305 * 36u) + gather_row307] = (src_i32308 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32308 >= 0) {
+                            copy_async(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32308), 656u, ring_barriers + (load_stage305 * 2u));
                         } else {
-                            for (unsigned zero_w302 = 0u; zero_w302 < 164u; zero_w302 += 1u) {
-                                kv_rows[((load_stage298 * 5248u) + (gather_row300 * 164u)) + zero_w302] = 0u;
+                            for (unsigned zero_w309 = 0u; zero_w309 < 164u; zero_w309 += 1u) {
+                                kv_rows[((load_stage305 * 5248u) + (gather_row307 * 164u)) + zero_w309] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage298 * 2u));
+                copy_arrive(ring_barriers + (load_stage305 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
-                        const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
-                        if (gather_row304 < 32u) {
-                            const unsigned row_1 = gather_row304;
-                            kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot310 = 0u; slot310 < 1u; slot310 += 1u) {
+                        const unsigned gather_row311 = ((warp - 4u) + (lane * 4u)) + (slot310 * 128u);
+                        if (gather_row311 < 32u) {
+                            const unsigned row_1 = gather_row311;
+                            kv_rows_pre[slot310] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1453,34 +1491,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag401 = 0u; frag401 < 1u; frag401 += 1u) {
+            for (unsigned frag408 = 0u; frag408 < 1u; frag408 += 1u) {
                 #pragma unroll
-                for (unsigned half402 = 0u; half402 < 2u; half402 += 1u) {
+                for (unsigned half409 = 0u; half409 < 2u; half409 += 1u) {
                     #pragma unroll
-                    for (unsigned e403 = 0u; e403 < 2u; e403 += 1u) {
-                        float sum = scores[((frag401 * 4u) + (half402 * 2u)) + e403];
-                        const unsigned cell = (((scores_row0 + (half402 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag401 * 8u)) + ((lane_quad * 2u) + e403));
+                    for (unsigned e410 = 0u; e410 < 2u; e410 += 1u) {
+                        float sum = scores[((frag408 * 4u) + (half409 * 2u)) + e410];
+                        const unsigned cell = (((scores_row0 + (half409 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag408 * 8u)) + ((lane_quad * 2u) + e410));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag401 * 4u) + (half402 * 2u)) + e403] = sum;
+                        scores[((frag408 * 4u) + (half409 * 2u)) + e410] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag404 = 0u; frag404 < 1u; frag404 += 1u) {
+            for (unsigned frag411 = 0u; frag411 < 1u; frag411 += 1u) {
                 #pragma unroll
-                for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag404 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag404 * 4u) + (half405 * 2u)];
-                    float v1 = scores[((frag404 * 4u) + (half405 * 2u)) + 1u];
+                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag411 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag411 * 4u) + (half412 * 2u)];
+                    float v1 = scores[((frag411 * 4u) + (half412 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag404 * 4u) + (half405 * 2u)] = v0;
-                    scores[((frag404 * 4u) + (half405 * 2u)) + 1u] = v1;
+                    scores[(frag411 * 4u) + (half412 * 2u)] = v0;
+                    scores[((frag411 * 4u) + (half412 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1490,16 +1528,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi406 = 0u; mi406 < 1u; mi406 += 1u) {
+            for (unsigned mi413 = 0u; mi413 < 1u; mi413 += 1u) {
                 #pragma unroll
-                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi406 * 4u) + (half407 * 2u)], scores[(mi406 * 4u) + ((half407 * 2u) + 1u)]);
+                for (unsigned half414 = 0u; half414 < 2u; half414 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi413 * 4u) + (half414 * 2u)], scores[(mi413 * 4u) + ((half414 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other408 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other408);
+                    const float other415 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other415);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi406 * 16u)) + ((half407 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi413 * 16u)) + ((half414 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1508,86 +1546,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
+        for (unsigned mi418 = 0u; mi418 < 1u; mi418 += 1u) {
             #pragma unroll
-            for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
-                const float m_old409 = row_max_reg[(mi411 * 2u) + half412];
-                float m_new410 = m_old409;
-                m_new410 = fmaxf(m_new410, row_exchange[((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u]);
-                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new410 = fmaxf(m_new410, row_exchange[(((mi411 * 16u) + ((half412 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi411 * 2u) + half412] = expf(m_old409 - m_new410);
-                row_max_reg[(mi411 * 2u) + half412] = m_new410;
+            for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
+                const float m_old416 = row_max_reg[(mi418 * 2u) + half419];
+                float m_new417 = m_old416;
+                m_new417 = fmaxf(m_new417, row_exchange[((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u]);
+                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi418 * 2u) + half419] = expf(m_old416 - m_new417);
+                row_max_reg[(mi418 * 2u) + half419] = m_new417;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi416 = 0u; mi416 < 1u; mi416 += 1u) {
+            for (unsigned mi423 = 0u; mi423 < 1u; mi423 += 1u) {
                 #pragma unroll
-                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj413 = 0u; nj413 < 1u; nj413 += 1u) {
+                    for (unsigned nj420 = 0u; nj420 < 1u; nj420 += 1u) {
                         #pragma unroll
-                        for (unsigned e414 = 0u; e414 < 2u; e414 += 1u) {
-                            const unsigned at415 = ((mi416 + nj413) * 4u) + ((half417 * 2u) + e414);
-                            const float p = (scores[at415] < (-1e38f)) ? 0.0f : expf(scores[at415] - row_max_reg[(mi416 * 2u) + half417]);
-                            scores[at415] = p;
+                        for (unsigned e421 = 0u; e421 < 2u; e421 += 1u) {
+                            const unsigned at422 = ((mi423 + nj420) * 4u) + ((half424 * 2u) + e421);
+                            const float p = (scores[at422] < (-1e38f)) ? 0.0f : expf(scores[at422] - row_max_reg[(mi423 * 2u) + half424]);
+                            scores[at422] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi416 * 2u) + half417] = (row_sum_part[(mi416 * 2u) + half417] * row_alpha[(mi416 * 2u) + half417]) + p_sum;
+                    row_sum_part[(mi423 * 2u) + half424] = (row_sum_part[(mi423 * 2u) + half424] * row_alpha[(mi423 * 2u) + half424]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag418 = 0u; frag418 < 2u; frag418 += 1u) {
+        for (unsigned frag425 = 0u; frag425 < 2u; frag425 += 1u) {
             #pragma unroll
-            for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
-                const float alpha420 = row_alpha[((frag418 / 2u) * 2u) + half419];
-                o_acc[(frag418 * 4u) + (half419 * 2u)] = o_acc[(frag418 * 4u) + (half419 * 2u)] * alpha420;
-                o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] = o_acc[((frag418 * 4u) + (half419 * 2u)) + 1u] * alpha420;
+            for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
+                const float alpha427 = row_alpha[((frag425 / 2u) * 2u) + half426];
+                o_acc[(frag425 * 4u) + (half426 * 2u)] = o_acc[(frag425 * 4u) + (half426 * 2u)] * alpha427;
+                o_acc[((frag425 * 4u) + (half426 * 2u)) + 1u] = o_acc[((frag425 * 4u) + (half426 * 2u)) + 1u] * alpha427;
             }
         }
         #pragma unroll
-        for (unsigned frag421 = 0u; frag421 < 2u; frag421 += 1u) {
+        for (unsigned frag428 = 0u; frag428 < 2u; frag428 += 1u) {
             #pragma unroll
-            for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
-                const float alpha423 = row_alpha[((frag421 / 2u) * 2u) + half422];
-                o_acc_1[(frag421 * 4u) + (half422 * 2u)] = o_acc_1[(frag421 * 4u) + (half422 * 2u)] * alpha423;
-                o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] = o_acc_1[((frag421 * 4u) + (half422 * 2u)) + 1u] * alpha423;
+            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
+                const float alpha430 = row_alpha[((frag428 / 2u) * 2u) + half429];
+                o_acc_1[(frag428 * 4u) + (half429 * 2u)] = o_acc_1[(frag428 * 4u) + (half429 * 2u)] * alpha430;
+                o_acc_1[((frag428 * 4u) + (half429 * 2u)) + 1u] = o_acc_1[((frag428 * 4u) + (half429 * 2u)) + 1u] * alpha430;
             }
         }
         #pragma unroll
-        for (unsigned frag424 = 0u; frag424 < 2u; frag424 += 1u) {
+        for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
             #pragma unroll
-            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
-                const float alpha426 = row_alpha[((frag424 / 2u) * 2u) + half425];
-                o_acc_2[(frag424 * 4u) + (half425 * 2u)] = o_acc_2[(frag424 * 4u) + (half425 * 2u)] * alpha426;
-                o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc_2[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
+            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                const float alpha433 = row_alpha[((frag431 / 2u) * 2u) + half432];
+                o_acc_2[(frag431 * 4u) + (half432 * 2u)] = o_acc_2[(frag431 * 4u) + (half432 * 2u)] * alpha433;
+                o_acc_2[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc_2[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
             }
         }
         #pragma unroll
-        for (unsigned frag427 = 0u; frag427 < 2u; frag427 += 1u) {
+        for (unsigned frag434 = 0u; frag434 < 2u; frag434 += 1u) {
             #pragma unroll
-            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
-                const float alpha429 = row_alpha[((frag427 / 2u) * 2u) + half428];
-                o_acc_3[(frag427 * 4u) + (half428 * 2u)] = o_acc_3[(frag427 * 4u) + (half428 * 2u)] * alpha429;
-                o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_3[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
+            for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
+                const float alpha436 = row_alpha[((frag434 / 2u) * 2u) + half435];
+                o_acc_3[(frag434 * 4u) + (half435 * 2u)] = o_acc_3[(frag434 * 4u) + (half435 * 2u)] * alpha436;
+                o_acc_3[((frag434 * 4u) + (half435 * 2u)) + 1u] = o_acc_3[((frag434 * 4u) + (half435 * 2u)) + 1u] * alpha436;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag432 = 0u; frag432 < 1u; frag432 += 1u) {
+            for (unsigned frag439 = 0u; frag439 < 1u; frag439 += 1u) {
                 #pragma unroll
-                for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
-                    const unsigned row430 = (scores_row0 + ((frag432 / 1u) * 16u)) + ((half433 * 8u) + lane_group);
-                    const unsigned col431 = (scores_col0 + ((frag432 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag432 * 4u) + (half433 * 2u);
-                    p_tile[(row430 * 20u) + (col431 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
+                    const unsigned row437 = (scores_row0 + ((frag439 / 1u) * 16u)) + ((half440 * 8u) + lane_group);
+                    const unsigned col438 = (scores_col0 + ((frag439 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag439 * 4u) + (half440 * 2u);
+                    p_tile[(row437 * 20u) + (col438 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1596,252 +1634,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk437 = 0u; kk437 < 2u; kk437 += 1u) {
+        for (unsigned kk444 = 0u; kk444 < 2u; kk444 += 1u) {
             #pragma unroll
-            for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
-                ldmatrix_x4(&a_frag434[mi438 * 4u], p_tile + a_lane_word + (mi438 * 320u) + (kk437 * 8u));
+            for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
+                ldmatrix_x4(&a_frag441[mi445 * 4u], p_tile + a_lane_word + (mi445 * 320u) + (kk444 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale446 = kv_scales[(stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale447 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag434[0u] = pack_bf16x2(__uint_as_float(a_frag434[0u] << 16u) * k_scale446, __uint_as_float(a_frag434[0u] & 4294901760u) * k_scale447);
-                a_frag434[1u] = pack_bf16x2(__uint_as_float(a_frag434[1u] << 16u) * k_scale446, __uint_as_float(a_frag434[1u] & 4294901760u) * k_scale447);
-                a_frag434[2u] = pack_bf16x2(__uint_as_float(a_frag434[2u] << 16u) * k_scale448, __uint_as_float(a_frag434[2u] & 4294901760u) * k_scale449);
-                a_frag434[3u] = pack_bf16x2(__uint_as_float(a_frag434[3u] << 16u) * k_scale448, __uint_as_float(a_frag434[3u] & 4294901760u) * k_scale449);
+                const float k_scale453 = kv_scales[(stage * 5248u) + (((kk444 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag441[0u] = pack_bf16x2(__uint_as_float(a_frag441[0u] << 16u) * k_scale453, __uint_as_float(a_frag441[0u] & 4294901760u) * k_scale454);
+                a_frag441[1u] = pack_bf16x2(__uint_as_float(a_frag441[1u] << 16u) * k_scale453, __uint_as_float(a_frag441[1u] & 4294901760u) * k_scale454);
+                a_frag441[2u] = pack_bf16x2(__uint_as_float(a_frag441[2u] << 16u) * k_scale455, __uint_as_float(a_frag441[2u] & 4294901760u) * k_scale456);
+                a_frag441[3u] = pack_bf16x2(__uint_as_float(a_frag441[3u] << 16u) * k_scale455, __uint_as_float(a_frag441[3u] & 4294901760u) * k_scale456);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair450 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair451 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair452 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair453 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
-                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450), e4m3x2_hi(e4m3_pair450));
-                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
-                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
-                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453), e4m3x2_hi(e4m3_pair453));
+                    ldmatrix_x2_trans(&b_raw443[0u], kv_rows + (stage * 5248u) + (((kk444 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair457 = e4m3x2_prep((b_raw443[0u] & 255u) | ((b_raw443[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair458 = e4m3x2_prep(((b_raw443[0u] >> 8u) & 255u) | ((b_raw443[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw443[1u] & 255u) | ((b_raw443[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw443[1u] >> 8u) & 255u) | ((b_raw443[1u] >> 16u) & 65280u));
+                    b_frag442[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
+                    b_frag442[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
+                    b_frag442[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
+                    b_frag442[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
                     #pragma unroll
-                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi438 * 2u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
+                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi445 * 2u) + (np * 2u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi438 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
+                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi445 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw436[0u], kv_rows + (stage * 5248u) + (((kk437 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk437 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale443 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale444 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale445 = kv_scales[(stage * 5248u) + ((((kk437 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair439 = e4m3x2_prep((b_raw436[0u] & 255u) | ((b_raw436[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair440 = e4m3x2_prep(((b_raw436[0u] >> 8u) & 255u) | ((b_raw436[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair441 = e4m3x2_prep((b_raw436[1u] & 255u) | ((b_raw436[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair442 = e4m3x2_prep(((b_raw436[1u] >> 8u) & 255u) | ((b_raw436[1u] >> 16u) & 65280u));
-                    b_frag435[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair439) * k_scale, e4m3x2_hi(e4m3_pair439) * k_scale443);
-                    b_frag435[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale444, e4m3x2_hi(e4m3_pair441) * k_scale445);
-                    b_frag435[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair440) * k_scale, e4m3x2_hi(e4m3_pair440) * k_scale443);
-                    b_frag435[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair442) * k_scale444, e4m3x2_hi(e4m3_pair442) * k_scale445);
+                    ldmatrix_x2_trans(&b_raw443[0u], kv_rows + (stage * 5248u) + (((kk444 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk444 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair446 = e4m3x2_prep((b_raw443[0u] & 255u) | ((b_raw443[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair447 = e4m3x2_prep(((b_raw443[0u] >> 8u) & 255u) | ((b_raw443[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair448 = e4m3x2_prep((b_raw443[1u] & 255u) | ((b_raw443[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair449 = e4m3x2_prep(((b_raw443[1u] >> 8u) & 255u) | ((b_raw443[1u] >> 16u) & 65280u));
+                    b_frag442[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale, e4m3x2_hi(e4m3_pair446) * k_scale450);
+                    b_frag442[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale451, e4m3x2_hi(e4m3_pair448) * k_scale452);
+                    b_frag442[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale, e4m3x2_hi(e4m3_pair447) * k_scale450);
+                    b_frag442[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449) * k_scale451, e4m3x2_hi(e4m3_pair449) * k_scale452);
                     #pragma unroll
-                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi438 * 2u) + (np * 2u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[0u]);
+                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi445 * 2u) + (np * 2u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi438 = 0u; mi438 < 1u; mi438 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi438 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag434[mi438 * 4u], &b_frag435[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word460 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk457 = 0u; kk457 < 2u; kk457 += 1u) {
-            #pragma unroll
-            for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
-                ldmatrix_x4(&a_frag454[mi458 * 4u], p_tile + a_lane_word460 + (mi458 * 320u) + (kk457 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale469 = kv_scales[((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale470 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale471 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale472 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag454[0u] = pack_bf16x2(__uint_as_float(a_frag454[0u] << 16u) * k_scale469, __uint_as_float(a_frag454[0u] & 4294901760u) * k_scale470);
-                a_frag454[1u] = pack_bf16x2(__uint_as_float(a_frag454[1u] << 16u) * k_scale469, __uint_as_float(a_frag454[1u] & 4294901760u) * k_scale470);
-                a_frag454[2u] = pack_bf16x2(__uint_as_float(a_frag454[2u] << 16u) * k_scale471, __uint_as_float(a_frag454[2u] & 4294901760u) * k_scale472);
-                a_frag454[3u] = pack_bf16x2(__uint_as_float(a_frag454[3u] << 16u) * k_scale471, __uint_as_float(a_frag454[3u] & 4294901760u) * k_scale472);
-                #pragma unroll
-                for (unsigned np459 = 0u; np459 < 1u; np459 += 1u) {
-                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u));
-                    const unsigned e4m3_pair473 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair474 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair475 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair476 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
-                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473), e4m3x2_hi(e4m3_pair473));
-                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
-                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
-                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
-                    #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np459 = 0u; np459 < 1u; np459 += 1u) {
-                    ldmatrix_x2_trans(&b_raw456[0u], kv_rows + (stage * 5248u) + (((kk457 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np459 * 16u)) >> 2u));
-                    const float k_scale465 = kv_scales[((stage * 5248u) + (((kk457 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale466 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale467 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale468 = kv_scales[((stage * 5248u) + ((((kk457 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw456[0u] & 255u) | ((b_raw456[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw456[0u] >> 8u) & 255u) | ((b_raw456[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair463 = e4m3x2_prep((b_raw456[1u] & 255u) | ((b_raw456[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw456[1u] >> 8u) & 255u) | ((b_raw456[1u] >> 16u) & 65280u));
-                    b_frag455[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461) * k_scale465, e4m3x2_hi(e4m3_pair461) * k_scale466);
-                    b_frag455[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale467, e4m3x2_hi(e4m3_pair463) * k_scale468);
-                    b_frag455[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale465, e4m3x2_hi(e4m3_pair462) * k_scale466);
-                    b_frag455[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464) * k_scale467, e4m3x2_hi(e4m3_pair464) * k_scale468);
-                    #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + (np459 * 2u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi458 = 0u; mi458 < 1u; mi458 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi458 * 2u) + ((np459 * 2u) + 1u)) * 4u], &a_frag454[mi458 * 4u], &b_frag455[2u]);
+                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi445 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word483 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word467 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk480 = 0u; kk480 < 2u; kk480 += 1u) {
+        for (unsigned kk464 = 0u; kk464 < 2u; kk464 += 1u) {
             #pragma unroll
-            for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
-                ldmatrix_x4(&a_frag477[mi481 * 4u], p_tile + a_lane_word483 + (mi481 * 320u) + (kk480 * 8u));
+            for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
+                ldmatrix_x4(&a_frag461[mi465 * 4u], p_tile + a_lane_word467 + (mi465 * 320u) + (kk464 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale492 = kv_scales[((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale493 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale494 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale495 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag477[0u] = pack_bf16x2(__uint_as_float(a_frag477[0u] << 16u) * k_scale492, __uint_as_float(a_frag477[0u] & 4294901760u) * k_scale493);
-                a_frag477[1u] = pack_bf16x2(__uint_as_float(a_frag477[1u] << 16u) * k_scale492, __uint_as_float(a_frag477[1u] & 4294901760u) * k_scale493);
-                a_frag477[2u] = pack_bf16x2(__uint_as_float(a_frag477[2u] << 16u) * k_scale494, __uint_as_float(a_frag477[2u] & 4294901760u) * k_scale495);
-                a_frag477[3u] = pack_bf16x2(__uint_as_float(a_frag477[3u] << 16u) * k_scale494, __uint_as_float(a_frag477[3u] & 4294901760u) * k_scale495);
+                const float k_scale476 = kv_scales[((stage * 5248u) + (((kk464 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag461[0u] = pack_bf16x2(__uint_as_float(a_frag461[0u] << 16u) * k_scale476, __uint_as_float(a_frag461[0u] & 4294901760u) * k_scale477);
+                a_frag461[1u] = pack_bf16x2(__uint_as_float(a_frag461[1u] << 16u) * k_scale476, __uint_as_float(a_frag461[1u] & 4294901760u) * k_scale477);
+                a_frag461[2u] = pack_bf16x2(__uint_as_float(a_frag461[2u] << 16u) * k_scale478, __uint_as_float(a_frag461[2u] & 4294901760u) * k_scale479);
+                a_frag461[3u] = pack_bf16x2(__uint_as_float(a_frag461[3u] << 16u) * k_scale478, __uint_as_float(a_frag461[3u] & 4294901760u) * k_scale479);
                 #pragma unroll
-                for (unsigned np482 = 0u; np482 < 1u; np482 += 1u) {
-                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u));
-                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
-                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
-                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
-                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
-                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
+                for (unsigned np466 = 0u; np466 < 1u; np466 += 1u) {
+                    ldmatrix_x2_trans(&b_raw463[0u], kv_rows + (stage * 5248u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u));
+                    const unsigned e4m3_pair480 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair481 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair482 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair483 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
+                    b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
+                    b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
+                    b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
+                    b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483), e4m3x2_hi(e4m3_pair483));
                     #pragma unroll
-                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
+                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
+                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np482 = 0u; np482 < 1u; np482 += 1u) {
-                    ldmatrix_x2_trans(&b_raw479[0u], kv_rows + (stage * 5248u) + (((kk480 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np482 * 16u)) >> 2u));
-                    const float k_scale488 = kv_scales[((stage * 5248u) + (((kk480 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale491 = kv_scales[((stage * 5248u) + ((((kk480 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair484 = e4m3x2_prep((b_raw479[0u] & 255u) | ((b_raw479[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair485 = e4m3x2_prep(((b_raw479[0u] >> 8u) & 255u) | ((b_raw479[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep((b_raw479[1u] & 255u) | ((b_raw479[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair487 = e4m3x2_prep(((b_raw479[1u] >> 8u) & 255u) | ((b_raw479[1u] >> 16u) & 65280u));
-                    b_frag478[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair484) * k_scale488, e4m3x2_hi(e4m3_pair484) * k_scale489);
-                    b_frag478[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale490, e4m3x2_hi(e4m3_pair486) * k_scale491);
-                    b_frag478[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale488, e4m3x2_hi(e4m3_pair485) * k_scale489);
-                    b_frag478[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale490, e4m3x2_hi(e4m3_pair487) * k_scale491);
+                for (unsigned np466 = 0u; np466 < 1u; np466 += 1u) {
+                    ldmatrix_x2_trans(&b_raw463[0u], kv_rows + (stage * 5248u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u));
+                    const float k_scale472 = kv_scales[((stage * 5248u) + (((kk464 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale473 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair468 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair469 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair470 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair471 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
+                    b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468) * k_scale472, e4m3x2_hi(e4m3_pair468) * k_scale473);
+                    b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale474, e4m3x2_hi(e4m3_pair470) * k_scale475);
+                    b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale472, e4m3x2_hi(e4m3_pair469) * k_scale473);
+                    b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale474, e4m3x2_hi(e4m3_pair471) * k_scale475);
                     #pragma unroll
-                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + (np482 * 2u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[0u]);
+                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi481 = 0u; mi481 < 1u; mi481 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi481 * 2u) + ((np482 * 2u) + 1u)) * 4u], &a_frag477[mi481 * 4u], &b_frag478[2u]);
+                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word506 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word490 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk503 = 0u; kk503 < 2u; kk503 += 1u) {
+        for (unsigned kk487 = 0u; kk487 < 2u; kk487 += 1u) {
             #pragma unroll
-            for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
-                ldmatrix_x4(&a_frag500[mi504 * 4u], p_tile + a_lane_word506 + (mi504 * 320u) + (kk503 * 8u));
+            for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
+                ldmatrix_x4(&a_frag484[mi488 * 4u], p_tile + a_lane_word490 + (mi488 * 320u) + (kk487 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale515 = kv_scales[((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag500[0u] = pack_bf16x2(__uint_as_float(a_frag500[0u] << 16u) * k_scale515, __uint_as_float(a_frag500[0u] & 4294901760u) * k_scale516);
-                a_frag500[1u] = pack_bf16x2(__uint_as_float(a_frag500[1u] << 16u) * k_scale515, __uint_as_float(a_frag500[1u] & 4294901760u) * k_scale516);
-                a_frag500[2u] = pack_bf16x2(__uint_as_float(a_frag500[2u] << 16u) * k_scale517, __uint_as_float(a_frag500[2u] & 4294901760u) * k_scale518);
-                a_frag500[3u] = pack_bf16x2(__uint_as_float(a_frag500[3u] << 16u) * k_scale517, __uint_as_float(a_frag500[3u] & 4294901760u) * k_scale518);
+                const float k_scale499 = kv_scales[((stage * 5248u) + (((kk487 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale500 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag484[0u] = pack_bf16x2(__uint_as_float(a_frag484[0u] << 16u) * k_scale499, __uint_as_float(a_frag484[0u] & 4294901760u) * k_scale500);
+                a_frag484[1u] = pack_bf16x2(__uint_as_float(a_frag484[1u] << 16u) * k_scale499, __uint_as_float(a_frag484[1u] & 4294901760u) * k_scale500);
+                a_frag484[2u] = pack_bf16x2(__uint_as_float(a_frag484[2u] << 16u) * k_scale501, __uint_as_float(a_frag484[2u] & 4294901760u) * k_scale502);
+                a_frag484[3u] = pack_bf16x2(__uint_as_float(a_frag484[3u] << 16u) * k_scale501, __uint_as_float(a_frag484[3u] & 4294901760u) * k_scale502);
                 #pragma unroll
-                for (unsigned np505 = 0u; np505 < 1u; np505 += 1u) {
-                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u));
-                    const unsigned e4m3_pair519 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair520 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair521 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair522 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
-                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
-                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
-                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
-                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
+                for (unsigned np489 = 0u; np489 < 1u; np489 += 1u) {
+                    ldmatrix_x2_trans(&b_raw486[0u], kv_rows + (stage * 5248u) + (((kk487 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np489 * 16u)) >> 2u));
+                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw486[0u] & 255u) | ((b_raw486[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw486[0u] >> 8u) & 255u) | ((b_raw486[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair505 = e4m3x2_prep((b_raw486[1u] & 255u) | ((b_raw486[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair506 = e4m3x2_prep(((b_raw486[1u] >> 8u) & 255u) | ((b_raw486[1u] >> 16u) & 65280u));
+                    b_frag485[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
+                    b_frag485[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
+                    b_frag485[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
+                    b_frag485[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506), e4m3x2_hi(e4m3_pair506));
                     #pragma unroll
-                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + (np489 * 2u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
+                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + ((np489 * 2u) + 1u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np505 = 0u; np505 < 1u; np505 += 1u) {
-                    ldmatrix_x2_trans(&b_raw502[0u], kv_rows + (stage * 5248u) + (((kk503 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np505 * 16u)) >> 2u));
-                    const float k_scale511 = kv_scales[((stage * 5248u) + (((kk503 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk503 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair507 = e4m3x2_prep((b_raw502[0u] & 255u) | ((b_raw502[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair508 = e4m3x2_prep(((b_raw502[0u] >> 8u) & 255u) | ((b_raw502[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair509 = e4m3x2_prep((b_raw502[1u] & 255u) | ((b_raw502[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair510 = e4m3x2_prep(((b_raw502[1u] >> 8u) & 255u) | ((b_raw502[1u] >> 16u) & 65280u));
-                    b_frag501[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale511, e4m3x2_hi(e4m3_pair507) * k_scale512);
-                    b_frag501[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale513, e4m3x2_hi(e4m3_pair509) * k_scale514);
-                    b_frag501[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale511, e4m3x2_hi(e4m3_pair508) * k_scale512);
-                    b_frag501[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair510) * k_scale513, e4m3x2_hi(e4m3_pair510) * k_scale514);
+                for (unsigned np489 = 0u; np489 < 1u; np489 += 1u) {
+                    ldmatrix_x2_trans(&b_raw486[0u], kv_rows + (stage * 5248u) + (((kk487 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np489 * 16u)) >> 2u));
+                    const float k_scale495 = kv_scales[((stage * 5248u) + (((kk487 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale496 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale497 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale498 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair491 = e4m3x2_prep((b_raw486[0u] & 255u) | ((b_raw486[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair492 = e4m3x2_prep(((b_raw486[0u] >> 8u) & 255u) | ((b_raw486[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair493 = e4m3x2_prep((b_raw486[1u] & 255u) | ((b_raw486[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair494 = e4m3x2_prep(((b_raw486[1u] >> 8u) & 255u) | ((b_raw486[1u] >> 16u) & 65280u));
+                    b_frag485[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491) * k_scale495, e4m3x2_hi(e4m3_pair491) * k_scale496);
+                    b_frag485[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493) * k_scale497, e4m3x2_hi(e4m3_pair493) * k_scale498);
+                    b_frag485[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492) * k_scale495, e4m3x2_hi(e4m3_pair492) * k_scale496);
+                    b_frag485[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair494) * k_scale497, e4m3x2_hi(e4m3_pair494) * k_scale498);
                     #pragma unroll
-                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + (np505 * 2u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[0u]);
+                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + (np489 * 2u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi504 = 0u; mi504 < 1u; mi504 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi504 * 2u) + ((np505 * 2u) + 1u)) * 4u], &a_frag500[mi504 * 4u], &b_frag501[2u]);
+                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + ((np489 * 2u) + 1u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word513 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk510 = 0u; kk510 < 2u; kk510 += 1u) {
+            #pragma unroll
+            for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
+                ldmatrix_x4(&a_frag507[mi511 * 4u], p_tile + a_lane_word513 + (mi511 * 320u) + (kk510 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale522 = kv_scales[((stage * 5248u) + (((kk510 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale523 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale524 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale525 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag507[0u] = pack_bf16x2(__uint_as_float(a_frag507[0u] << 16u) * k_scale522, __uint_as_float(a_frag507[0u] & 4294901760u) * k_scale523);
+                a_frag507[1u] = pack_bf16x2(__uint_as_float(a_frag507[1u] << 16u) * k_scale522, __uint_as_float(a_frag507[1u] & 4294901760u) * k_scale523);
+                a_frag507[2u] = pack_bf16x2(__uint_as_float(a_frag507[2u] << 16u) * k_scale524, __uint_as_float(a_frag507[2u] & 4294901760u) * k_scale525);
+                a_frag507[3u] = pack_bf16x2(__uint_as_float(a_frag507[3u] << 16u) * k_scale524, __uint_as_float(a_frag507[3u] & 4294901760u) * k_scale525);
+                #pragma unroll
+                for (unsigned np512 = 0u; np512 < 1u; np512 += 1u) {
+                    ldmatrix_x2_trans(&b_raw509[0u], kv_rows + (stage * 5248u) + (((kk510 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np512 * 16u)) >> 2u));
+                    const unsigned e4m3_pair526 = e4m3x2_prep((b_raw509[0u] & 255u) | ((b_raw509[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair527 = e4m3x2_prep(((b_raw509[0u] >> 8u) & 255u) | ((b_raw509[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw509[1u] & 255u) | ((b_raw509[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw509[1u] >> 8u) & 255u) | ((b_raw509[1u] >> 16u) & 65280u));
+                    b_frag508[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
+                    b_frag508[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
+                    b_frag508[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
+                    b_frag508[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529), e4m3x2_hi(e4m3_pair529));
+                    #pragma unroll
+                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + (np512 * 2u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + ((np512 * 2u) + 1u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np512 = 0u; np512 < 1u; np512 += 1u) {
+                    ldmatrix_x2_trans(&b_raw509[0u], kv_rows + (stage * 5248u) + (((kk510 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np512 * 16u)) >> 2u));
+                    const float k_scale518 = kv_scales[((stage * 5248u) + (((kk510 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale520 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale521 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw509[0u] & 255u) | ((b_raw509[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw509[0u] >> 8u) & 255u) | ((b_raw509[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair516 = e4m3x2_prep((b_raw509[1u] & 255u) | ((b_raw509[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair517 = e4m3x2_prep(((b_raw509[1u] >> 8u) & 255u) | ((b_raw509[1u] >> 16u) & 65280u));
+                    b_frag508[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale518, e4m3x2_hi(e4m3_pair514) * k_scale519);
+                    b_frag508[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516) * k_scale520, e4m3x2_hi(e4m3_pair516) * k_scale521);
+                    b_frag508[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale518, e4m3x2_hi(e4m3_pair515) * k_scale519);
+                    b_frag508[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair517) * k_scale520, e4m3x2_hi(e4m3_pair517) * k_scale521);
+                    #pragma unroll
+                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + (np512 * 2u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + ((np512 * 2u) + 1u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[2u]);
                     }
                 }
             }
@@ -1856,16 +1894,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi524 = 0u; mi524 < 1u; mi524 += 1u) {
+        for (unsigned mi531 = 0u; mi531 < 1u; mi531 += 1u) {
             #pragma unroll
-            for (unsigned half525 = 0u; half525 < 2u; half525 += 1u) {
-                float row_sum523 = row_sum_part[(mi524 * 2u) + half525];
-                const float other526 = shfl_xor_f32(row_sum523, 1);
-                row_sum523 = row_sum523 + other526;
-                const float other527 = shfl_xor_f32(row_sum523, 2);
-                row_sum523 = row_sum523 + other527;
+            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
+                float row_sum530 = row_sum_part[(mi531 * 2u) + half532];
+                const float other533 = shfl_xor_f32(row_sum530, 1);
+                row_sum530 = row_sum530 + other533;
+                const float other534 = shfl_xor_f32(row_sum530, 2);
+                row_sum530 = row_sum530 + other534;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi524 * 16u)) + ((half525 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum523;
+                    row_exchange[(((scores_row0 + (mi531 * 16u)) + ((half532 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum530;
                 }
             }
         }
@@ -1873,16 +1911,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi529 = 0u; mi529 < 1u; mi529 += 1u) {
+        for (unsigned mi536 = 0u; mi536 < 1u; mi536 += 1u) {
             #pragma unroll
-            for (unsigned half530 = 0u; half530 < 2u; half530 += 1u) {
+            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum528 = row_exchange[((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u];
-                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum528 = row_sum528 + row_exchange[(((scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)] = row_sum528;
-                    row_max[(scores_row0 + (mi529 * 16u)) + ((half530 * 8u) + lane_group)] = row_max_reg[(mi529 * 2u) + half530];
+                    float row_sum535 = row_exchange[((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_sum535;
+                    row_max[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_max_reg[(mi536 * 2u) + half537];
                 }
             }
         }
@@ -1903,82 +1941,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag531 = 0u; frag531 < 1u; frag531 += 1u) {
+        for (unsigned frag538 = 0u; frag538 < 1u; frag538 += 1u) {
             #pragma unroll
-            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
+            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
                 #pragma unroll
-                for (unsigned e533 = 0u; e533 < 2u; e533 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag531 / 1u) * 16u)) + ((half532 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag531 % 1u) * 16u)) + ((lane_quad * 4u) + (e533 * 2u));
-                    float v0_6 = o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)];
-                    float v1_6 = o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)];
+                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag538 / 1u) * 16u)) + ((half539 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag538 % 1u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
+                    float v0_6 = o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)];
+                    float v1_6 = o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) * 4u) + ((half532 * 2u) + e533)] = v0_6;
-                    o_acc[(((((frag531 / 1u) * 2u) + ((frag531 % 1u) * 2u)) + 1u) * 4u) + ((half532 * 2u) + e533)] = v1_6;
+                    o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)] = v0_6;
+                    o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag534 = 0u; frag534 < 1u; frag534 += 1u) {
+        for (unsigned frag541 = 0u; frag541 < 1u; frag541 += 1u) {
             #pragma unroll
-            for (unsigned half535 = 0u; half535 < 2u; half535 += 1u) {
+            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
                 #pragma unroll
-                for (unsigned e536 = 0u; e536 < 2u; e536 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag534 / 1u) * 16u)) + ((half535 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag534 % 1u) * 16u)) + ((lane_quad * 4u) + (e536 * 2u));
-                    float v0_7 = o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)];
-                    float v1_7 = o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)];
+                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag541 / 1u) * 16u)) + ((half542 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag541 % 1u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
+                    float v0_7 = o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)];
+                    float v1_7 = o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) * 4u) + ((half535 * 2u) + e536)] = v0_7;
-                    o_acc_1[(((((frag534 / 1u) * 2u) + ((frag534 % 1u) * 2u)) + 1u) * 4u) + ((half535 * 2u) + e536)] = v1_7;
+                    o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)] = v0_7;
+                    o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag537 = 0u; frag537 < 1u; frag537 += 1u) {
+        for (unsigned frag544 = 0u; frag544 < 1u; frag544 += 1u) {
             #pragma unroll
-            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
                 #pragma unroll
-                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag537 / 1u) * 16u)) + ((half538 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
-                    float v0_8 = o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
-                    float v1_8 = o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
+                for (unsigned e546 = 0u; e546 < 2u; e546 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag544 / 1u) * 16u)) + ((half545 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag544 % 1u) * 16u)) + ((lane_quad * 4u) + (e546 * 2u));
+                    float v0_8 = o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)];
+                    float v1_8 = o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_8;
-                    o_acc_2[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_8;
+                    o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)] = v0_8;
+                    o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag540 = 0u; frag540 < 1u; frag540 += 1u) {
+        for (unsigned frag547 = 0u; frag547 < 1u; frag547 += 1u) {
             #pragma unroll
-            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
+            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
                 #pragma unroll
-                for (unsigned e542 = 0u; e542 < 2u; e542 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag540 / 1u) * 16u)) + ((half541 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
-                    float v0_9 = o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
-                    float v1_9 = o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
+                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
+                    float v0_9 = o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
+                    float v1_9 = o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_9;
-                    o_acc_3[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_9;
+                    o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_9;
+                    o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_9;
                 }
             }
         }
@@ -1996,15 +2034,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
+        for (unsigned frag550 = 0u; frag550 < 1u; frag550 += 1u) {
             #pragma unroll
-            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
+            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
                 #pragma unroll
-                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag543 / 1u) * 16u)) + ((half544 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
-                    float v0_10 = o_acc[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
-                    float v1_10 = o_acc[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
+                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
+                    float v0_10 = o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
+                    float v1_10 = o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2012,21 +2050,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)] = v0_10;
-                    o_acc[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)] = v1_10;
+                    o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_10;
+                    o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 1u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
-                    float v0_11 = o_acc_1[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
-                    float v1_11 = o_acc_1[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    float v0_11 = o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
+                    float v1_11 = o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2034,21 +2072,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_11;
-                    o_acc_1[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_11;
+                    o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_11;
+                    o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
+        for (unsigned frag556 = 0u; frag556 < 1u; frag556 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
                 #pragma unroll
-                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
-                    float v0_12 = o_acc_2[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
-                    float v1_12 = o_acc_2[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
+                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
+                    float v0_12 = o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
+                    float v1_12 = o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2056,21 +2094,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_12;
-                    o_acc_2[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_12;
+                    o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_12;
+                    o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
+        for (unsigned frag559 = 0u; frag559 < 1u; frag559 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    float v0_13 = o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
-                    float v1_13 = o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
+                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
+                    float v0_13 = o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
+                    float v1_13 = o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2078,8 +2116,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_13;
-                    o_acc_3[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_13;
+                    o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_13;
+                    o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_13;
                 }
             }
         }

@@ -352,6 +352,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)(dyn_smem + 1344); // [10496]
     unsigned* const kv_rope = (unsigned*)(dyn_smem + 1360); // [10496]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 42816); // [640]
+    unsigned* const q_tile = (unsigned*)(dyn_smem + 832); // [10496]
     float* const row_exchange = (float*)(dyn_smem + 45376); // [96]
     float* const split_k_partials = (float*)(dyn_smem + 45760); // [4608]
     float scores[8];
@@ -375,45 +376,46 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_lo[8];
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
+    int q_tile_src[1];
     int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha298[4];
+    float row_alpha305[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag311[4];
-    unsigned b_frag312[4];
+    unsigned a_frag318[4];
+    unsigned b_frag319[4];
     unsigned b_raw[2];
-    unsigned a_frag322[4];
-    unsigned b_frag323[2];
-    unsigned a_frag328[4];
-    unsigned b_frag329[4];
-    unsigned b_raw330[2];
-    unsigned a_frag345[4];
-    unsigned b_frag346[2];
-    unsigned a_frag351[4];
-    unsigned b_frag352[4];
-    unsigned b_raw353[2];
-    unsigned a_frag368[4];
-    unsigned b_frag369[2];
-    unsigned a_frag374[4];
-    unsigned b_frag375[4];
-    unsigned b_raw376[2];
-    unsigned a_frag391[4];
-    unsigned b_frag392[4];
-    unsigned a_frag439[8];
-    unsigned b_frag440[4];
-    unsigned b_raw441[2];
-    unsigned a_frag463[8];
-    unsigned b_frag464[4];
-    unsigned b_raw465[2];
-    unsigned a_frag490[8];
-    unsigned b_frag491[4];
-    unsigned b_raw492[2];
-    unsigned a_frag517[8];
-    unsigned b_frag518[4];
-    unsigned b_raw519[2];
+    unsigned a_frag329[4];
+    unsigned b_frag330[2];
+    unsigned a_frag335[4];
+    unsigned b_frag336[4];
+    unsigned b_raw337[2];
+    unsigned a_frag352[4];
+    unsigned b_frag353[2];
+    unsigned a_frag358[4];
+    unsigned b_frag359[4];
+    unsigned b_raw360[2];
+    unsigned a_frag375[4];
+    unsigned b_frag376[2];
+    unsigned a_frag381[4];
+    unsigned b_frag382[4];
+    unsigned b_raw383[2];
+    unsigned a_frag398[4];
+    unsigned b_frag399[4];
+    unsigned a_frag446[8];
+    unsigned b_frag447[4];
+    unsigned b_raw448[2];
+    unsigned a_frag470[8];
+    unsigned b_frag471[4];
+    unsigned b_raw472[2];
+    unsigned a_frag497[8];
+    unsigned b_frag498[4];
+    unsigned b_raw499[2];
+    unsigned a_frag524[8];
+    unsigned b_frag525[4];
+    unsigned b_raw526[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -458,9 +460,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row < 32u) {
-                    const unsigned row_1 = gather_row;
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row299 < 32u) {
+                    const unsigned row_1 = gather_row299;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -468,533 +470,564 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
 
     // load the q rows of this head block (rows past `heads` are zeros)
+    __syncthreads();
+    #pragma unroll
+    for (unsigned gather_pass = 0u; gather_pass < 1u; gather_pass += 1u) {
+        const unsigned gather_row = (threadIdx.x / 8u) + (gather_pass * 32u);
+        if (gather_row < 32u) {
+            const unsigned row = gather_row;
+            q_tile_src[gather_pass] = ((h0 + row) < p.heads) ? ((int)(((t * p.heads) + (h0 + row)) * 288u)) : (-1);
+        } else {
+            q_tile_src[gather_pass] = -1;
+        }
+    }
+    #pragma unroll
+    for (unsigned gather_pass0 = 0u; gather_pass0 < 1u; gather_pass0 += 1u) {
+        const unsigned gather_row1 = (threadIdx.x / 8u) + (gather_pass0 * 32u);
+        if (gather_row1 < 32u) {
+            const int src_i32 = q_tile_src[gather_pass0];
+            const bool src_valid = src_i32 >= 0;
+            const unsigned src_word = src_valid ? ((unsigned)src_i32) : 0u;
+            const unsigned dst_word = gather_row1 * 292u;
+            if ((src_word & 3u) == 0u) {
+                #pragma unroll
+                for (unsigned copy_i3 = 0u; copy_i3 < 9u; copy_i3 += 1u) {
+                    cp_async_16(q_tile + dst_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), (const unsigned*)q + src_word + ((threadIdx.x % 8u) * 4u) + (copy_i3 * 32u), src_valid);
+                }
+            } else {
+                #pragma unroll
+                for (unsigned copy_i = 0u; copy_i < 36u; copy_i += 1u) {
+                    cp_async_4(q_tile + dst_word + (threadIdx.x % 8u) + (copy_i * 8u), (const unsigned*)q + src_word + (threadIdx.x % 8u) + (copy_i * 8u), src_valid);
+                }
+            }
+        }
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
 
-    // q_tile: this warp's A fragments straight from global memory into registers
-    const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
-    const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
-    const int q_tile_row_src1 = ((h0 + (16u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (16u + lane_group))) * 288u)) : (-1);
-    const int q_tile_row_src2 = ((h0 + (24u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (24u + lane_group))) * 288u)) : (-1);
+    // q_tile: this warp's A fragments from its staging rows into registers
     if (E4M3_MMA_NATIVE) {
         float q_absmax = 0.0f;
-        const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair = q_tile[(lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair3 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
-        const unsigned q_pair4 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
-        const unsigned q_pair5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair9 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair11 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair12 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair13 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair14 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair15 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        const unsigned q_pair17 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair19 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair20 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair21 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair22 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair23 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair24 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair25 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair27 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair28 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair29 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair30 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair31 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair33 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair35 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair36 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair37 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair38 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair39 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair40 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair41 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair43 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair44 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair45 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair46 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair47 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair49 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair51 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair52 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair53 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair54 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair55 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair56 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair57 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair59 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair60 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair61 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair62 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair63 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        const unsigned q_pair65 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+        const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+        const unsigned q_pair67 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+        const unsigned q_pair68 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair68 << 16u)), fabsf(__uint_as_float(q_pair68 & 4294901760u))));
+        const unsigned q_pair69 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair69 << 16u)), fabsf(__uint_as_float(q_pair69 & 4294901760u))));
+        const unsigned q_pair70 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair70 << 16u)), fabsf(__uint_as_float(q_pair70 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 2);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer66);
-        const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer67);
-        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
-        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+        const float q_absmax_peer72 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer72);
+        const float q_absmax_peer73 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer73);
+        const float q_absmax_peer74 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer74);
         const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
-        const float q_x70 = __uint_as_float(q_pair & 4294901760u) * q_scale;
-        const float q_x71 = __uint_as_float(q_pair3 << 16u) * q_scale;
-        const float q_x72 = __uint_as_float(q_pair3 & 4294901760u) * q_scale;
-        const unsigned q_hi = pack_e4m3x4(q_x, q_x70, q_x71, q_x72);
+        const float q_x75 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x76 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x77 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x75, q_x76, q_x77);
         const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
-        const unsigned q_hi_pair73 = e4m3x2_prep(q_hi >> 16u);
+        const unsigned q_hi_pair78 = e4m3x2_prep(q_hi >> 16u);
         q_tile_a0[0u] = q_hi;
-        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x70 - e4m3x2_hi(q_hi_pair), q_x71 - e4m3x2_lo(q_hi_pair73), q_x72 - e4m3x2_hi(q_hi_pair73));
-        const float q_x74 = __uint_as_float(q_pair4 << 16u) * q_scale;
-        const float q_x75 = __uint_as_float(q_pair4 & 4294901760u) * q_scale;
-        const float q_x76 = __uint_as_float(q_pair5 << 16u) * q_scale;
-        const float q_x77 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
-        const unsigned q_hi78 = pack_e4m3x4(q_x74, q_x75, q_x76, q_x77);
-        const unsigned q_hi_pair79 = e4m3x2_prep(q_hi78 & 65535u);
-        const unsigned q_hi_pair80 = e4m3x2_prep(q_hi78 >> 16u);
-        q_tile_a0[1u] = q_hi78;
-        q_tile_a0_lo[1u] = pack_e4m3x4(q_x74 - e4m3x2_lo(q_hi_pair79), q_x75 - e4m3x2_hi(q_hi_pair79), q_x76 - e4m3x2_lo(q_hi_pair80), q_x77 - e4m3x2_hi(q_hi_pair80));
-        const float q_x81 = __uint_as_float(q_pair6 << 16u) * q_scale;
-        const float q_x82 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
-        const float q_x83 = __uint_as_float(q_pair7 << 16u) * q_scale;
-        const float q_x84 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
-        const unsigned q_hi85 = pack_e4m3x4(q_x81, q_x82, q_x83, q_x84);
-        const unsigned q_hi_pair86 = e4m3x2_prep(q_hi85 & 65535u);
-        const unsigned q_hi_pair87 = e4m3x2_prep(q_hi85 >> 16u);
-        q_tile_a0[2u] = q_hi85;
-        q_tile_a0_lo[2u] = pack_e4m3x4(q_x81 - e4m3x2_lo(q_hi_pair86), q_x82 - e4m3x2_hi(q_hi_pair86), q_x83 - e4m3x2_lo(q_hi_pair87), q_x84 - e4m3x2_hi(q_hi_pair87));
-        const float q_x88 = __uint_as_float(q_pair8 << 16u) * q_scale;
-        const float q_x89 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
-        const float q_x90 = __uint_as_float(q_pair9 << 16u) * q_scale;
-        const float q_x91 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
-        const unsigned q_hi92 = pack_e4m3x4(q_x88, q_x89, q_x90, q_x91);
-        const unsigned q_hi_pair93 = e4m3x2_prep(q_hi92 & 65535u);
-        const unsigned q_hi_pair94 = e4m3x2_prep(q_hi92 >> 16u);
-        q_tile_a0[3u] = q_hi92;
-        q_tile_a0_lo[3u] = pack_e4m3x4(q_x88 - e4m3x2_lo(q_hi_pair93), q_x89 - e4m3x2_hi(q_hi_pair93), q_x90 - e4m3x2_lo(q_hi_pair94), q_x91 - e4m3x2_hi(q_hi_pair94));
-        const float q_x95 = __uint_as_float(q_pair10 << 16u) * q_scale;
-        const float q_x96 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
-        const float q_x97 = __uint_as_float(q_pair11 << 16u) * q_scale;
-        const float q_x98 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
-        const unsigned q_hi99 = pack_e4m3x4(q_x95, q_x96, q_x97, q_x98);
-        const unsigned q_hi_pair100 = e4m3x2_prep(q_hi99 & 65535u);
-        const unsigned q_hi_pair101 = e4m3x2_prep(q_hi99 >> 16u);
-        q_tile_a0[4u] = q_hi99;
-        q_tile_a0_lo[4u] = pack_e4m3x4(q_x95 - e4m3x2_lo(q_hi_pair100), q_x96 - e4m3x2_hi(q_hi_pair100), q_x97 - e4m3x2_lo(q_hi_pair101), q_x98 - e4m3x2_hi(q_hi_pair101));
-        const float q_x102 = __uint_as_float(q_pair12 << 16u) * q_scale;
-        const float q_x103 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
-        const float q_x104 = __uint_as_float(q_pair13 << 16u) * q_scale;
-        const float q_x105 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
-        const unsigned q_hi106 = pack_e4m3x4(q_x102, q_x103, q_x104, q_x105);
-        const unsigned q_hi_pair107 = e4m3x2_prep(q_hi106 & 65535u);
-        const unsigned q_hi_pair108 = e4m3x2_prep(q_hi106 >> 16u);
-        q_tile_a0[5u] = q_hi106;
-        q_tile_a0_lo[5u] = pack_e4m3x4(q_x102 - e4m3x2_lo(q_hi_pair107), q_x103 - e4m3x2_hi(q_hi_pair107), q_x104 - e4m3x2_lo(q_hi_pair108), q_x105 - e4m3x2_hi(q_hi_pair108));
-        const float q_x109 = __uint_as_float(q_pair14 << 16u) * q_scale;
-        const float q_x110 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
-        const float q_x111 = __uint_as_float(q_pair15 << 16u) * q_scale;
-        const float q_x112 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
-        const unsigned q_hi113 = pack_e4m3x4(q_x109, q_x110, q_x111, q_x112);
-        const unsigned q_hi_pair114 = e4m3x2_prep(q_hi113 & 65535u);
-        const unsigned q_hi_pair115 = e4m3x2_prep(q_hi113 >> 16u);
-        q_tile_a0[6u] = q_hi113;
-        q_tile_a0_lo[6u] = pack_e4m3x4(q_x109 - e4m3x2_lo(q_hi_pair114), q_x110 - e4m3x2_hi(q_hi_pair114), q_x111 - e4m3x2_lo(q_hi_pair115), q_x112 - e4m3x2_hi(q_hi_pair115));
-        const float q_x116 = __uint_as_float(q_pair16 << 16u) * q_scale;
-        const float q_x117 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
-        const float q_x118 = __uint_as_float(q_pair17 << 16u) * q_scale;
-        const float q_x119 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
-        const unsigned q_hi120 = pack_e4m3x4(q_x116, q_x117, q_x118, q_x119);
-        const unsigned q_hi_pair121 = e4m3x2_prep(q_hi120 & 65535u);
-        const unsigned q_hi_pair122 = e4m3x2_prep(q_hi120 >> 16u);
-        q_tile_a0[7u] = q_hi120;
-        q_tile_a0_lo[7u] = pack_e4m3x4(q_x116 - e4m3x2_lo(q_hi_pair121), q_x117 - e4m3x2_hi(q_hi_pair121), q_x118 - e4m3x2_lo(q_hi_pair122), q_x119 - e4m3x2_hi(q_hi_pair122));
-        const float q_x123 = __uint_as_float(q_pair18 << 16u) * q_scale;
-        const float q_x124 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
-        const float q_x125 = __uint_as_float(q_pair19 << 16u) * q_scale;
-        const float q_x126 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
-        const unsigned q_hi127 = pack_e4m3x4(q_x123, q_x124, q_x125, q_x126);
-        const unsigned q_hi_pair128 = e4m3x2_prep(q_hi127 & 65535u);
-        const unsigned q_hi_pair129 = e4m3x2_prep(q_hi127 >> 16u);
-        q_tile_a1[0u] = q_hi127;
-        q_tile_a1_lo[0u] = pack_e4m3x4(q_x123 - e4m3x2_lo(q_hi_pair128), q_x124 - e4m3x2_hi(q_hi_pair128), q_x125 - e4m3x2_lo(q_hi_pair129), q_x126 - e4m3x2_hi(q_hi_pair129));
-        const float q_x130 = __uint_as_float(q_pair20 << 16u) * q_scale;
-        const float q_x131 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
-        const float q_x132 = __uint_as_float(q_pair21 << 16u) * q_scale;
-        const float q_x133 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
-        const unsigned q_hi134 = pack_e4m3x4(q_x130, q_x131, q_x132, q_x133);
-        const unsigned q_hi_pair135 = e4m3x2_prep(q_hi134 & 65535u);
-        const unsigned q_hi_pair136 = e4m3x2_prep(q_hi134 >> 16u);
-        q_tile_a1[1u] = q_hi134;
-        q_tile_a1_lo[1u] = pack_e4m3x4(q_x130 - e4m3x2_lo(q_hi_pair135), q_x131 - e4m3x2_hi(q_hi_pair135), q_x132 - e4m3x2_lo(q_hi_pair136), q_x133 - e4m3x2_hi(q_hi_pair136));
-        const float q_x137 = __uint_as_float(q_pair22 << 16u) * q_scale;
-        const float q_x138 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
-        const float q_x139 = __uint_as_float(q_pair23 << 16u) * q_scale;
-        const float q_x140 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
-        const unsigned q_hi141 = pack_e4m3x4(q_x137, q_x138, q_x139, q_x140);
-        const unsigned q_hi_pair142 = e4m3x2_prep(q_hi141 & 65535u);
-        const unsigned q_hi_pair143 = e4m3x2_prep(q_hi141 >> 16u);
-        q_tile_a1[2u] = q_hi141;
-        q_tile_a1_lo[2u] = pack_e4m3x4(q_x137 - e4m3x2_lo(q_hi_pair142), q_x138 - e4m3x2_hi(q_hi_pair142), q_x139 - e4m3x2_lo(q_hi_pair143), q_x140 - e4m3x2_hi(q_hi_pair143));
-        const float q_x144 = __uint_as_float(q_pair24 << 16u) * q_scale;
-        const float q_x145 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
-        const float q_x146 = __uint_as_float(q_pair25 << 16u) * q_scale;
-        const float q_x147 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
-        const unsigned q_hi148 = pack_e4m3x4(q_x144, q_x145, q_x146, q_x147);
-        const unsigned q_hi_pair149 = e4m3x2_prep(q_hi148 & 65535u);
-        const unsigned q_hi_pair150 = e4m3x2_prep(q_hi148 >> 16u);
-        q_tile_a1[3u] = q_hi148;
-        q_tile_a1_lo[3u] = pack_e4m3x4(q_x144 - e4m3x2_lo(q_hi_pair149), q_x145 - e4m3x2_hi(q_hi_pair149), q_x146 - e4m3x2_lo(q_hi_pair150), q_x147 - e4m3x2_hi(q_hi_pair150));
-        const float q_x151 = __uint_as_float(q_pair26 << 16u) * q_scale;
-        const float q_x152 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
-        const float q_x153 = __uint_as_float(q_pair27 << 16u) * q_scale;
-        const float q_x154 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
-        const unsigned q_hi155 = pack_e4m3x4(q_x151, q_x152, q_x153, q_x154);
-        const unsigned q_hi_pair156 = e4m3x2_prep(q_hi155 & 65535u);
-        const unsigned q_hi_pair157 = e4m3x2_prep(q_hi155 >> 16u);
-        q_tile_a1[4u] = q_hi155;
-        q_tile_a1_lo[4u] = pack_e4m3x4(q_x151 - e4m3x2_lo(q_hi_pair156), q_x152 - e4m3x2_hi(q_hi_pair156), q_x153 - e4m3x2_lo(q_hi_pair157), q_x154 - e4m3x2_hi(q_hi_pair157));
-        const float q_x158 = __uint_as_float(q_pair28 << 16u) * q_scale;
-        const float q_x159 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
-        const float q_x160 = __uint_as_float(q_pair29 << 16u) * q_scale;
-        const float q_x161 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
-        const unsigned q_hi162 = pack_e4m3x4(q_x158, q_x159, q_x160, q_x161);
-        const unsigned q_hi_pair163 = e4m3x2_prep(q_hi162 & 65535u);
-        const unsigned q_hi_pair164 = e4m3x2_prep(q_hi162 >> 16u);
-        q_tile_a1[5u] = q_hi162;
-        q_tile_a1_lo[5u] = pack_e4m3x4(q_x158 - e4m3x2_lo(q_hi_pair163), q_x159 - e4m3x2_hi(q_hi_pair163), q_x160 - e4m3x2_lo(q_hi_pair164), q_x161 - e4m3x2_hi(q_hi_pair164));
-        const float q_x165 = __uint_as_float(q_pair30 << 16u) * q_scale;
-        const float q_x166 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
-        const float q_x167 = __uint_as_float(q_pair31 << 16u) * q_scale;
-        const float q_x168 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
-        const unsigned q_hi169 = pack_e4m3x4(q_x165, q_x166, q_x167, q_x168);
-        const unsigned q_hi_pair170 = e4m3x2_prep(q_hi169 & 65535u);
-        const unsigned q_hi_pair171 = e4m3x2_prep(q_hi169 >> 16u);
-        q_tile_a1[6u] = q_hi169;
-        q_tile_a1_lo[6u] = pack_e4m3x4(q_x165 - e4m3x2_lo(q_hi_pair170), q_x166 - e4m3x2_hi(q_hi_pair170), q_x167 - e4m3x2_lo(q_hi_pair171), q_x168 - e4m3x2_hi(q_hi_pair171));
-        const float q_x172 = __uint_as_float(q_pair32 << 16u) * q_scale;
-        const float q_x173 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
-        const float q_x174 = __uint_as_float(q_pair33 << 16u) * q_scale;
-        const float q_x175 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
-        const unsigned q_hi176 = pack_e4m3x4(q_x172, q_x173, q_x174, q_x175);
-        const unsigned q_hi_pair177 = e4m3x2_prep(q_hi176 & 65535u);
-        const unsigned q_hi_pair178 = e4m3x2_prep(q_hi176 >> 16u);
-        q_tile_a1[7u] = q_hi176;
-        q_tile_a1_lo[7u] = pack_e4m3x4(q_x172 - e4m3x2_lo(q_hi_pair177), q_x173 - e4m3x2_hi(q_hi_pair177), q_x174 - e4m3x2_lo(q_hi_pair178), q_x175 - e4m3x2_hi(q_hi_pair178));
-        const float q_x179 = __uint_as_float(q_pair34 << 16u) * q_scale;
-        const float q_x180 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
-        const float q_x181 = __uint_as_float(q_pair35 << 16u) * q_scale;
-        const float q_x182 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
-        const unsigned q_hi183 = pack_e4m3x4(q_x179, q_x180, q_x181, q_x182);
-        const unsigned q_hi_pair184 = e4m3x2_prep(q_hi183 & 65535u);
-        const unsigned q_hi_pair185 = e4m3x2_prep(q_hi183 >> 16u);
-        q_tile_a2[0u] = q_hi183;
-        q_tile_a2_lo[0u] = pack_e4m3x4(q_x179 - e4m3x2_lo(q_hi_pair184), q_x180 - e4m3x2_hi(q_hi_pair184), q_x181 - e4m3x2_lo(q_hi_pair185), q_x182 - e4m3x2_hi(q_hi_pair185));
-        const float q_x186 = __uint_as_float(q_pair36 << 16u) * q_scale;
-        const float q_x187 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
-        const float q_x188 = __uint_as_float(q_pair37 << 16u) * q_scale;
-        const float q_x189 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
-        const unsigned q_hi190 = pack_e4m3x4(q_x186, q_x187, q_x188, q_x189);
-        const unsigned q_hi_pair191 = e4m3x2_prep(q_hi190 & 65535u);
-        const unsigned q_hi_pair192 = e4m3x2_prep(q_hi190 >> 16u);
-        q_tile_a2[1u] = q_hi190;
-        q_tile_a2_lo[1u] = pack_e4m3x4(q_x186 - e4m3x2_lo(q_hi_pair191), q_x187 - e4m3x2_hi(q_hi_pair191), q_x188 - e4m3x2_lo(q_hi_pair192), q_x189 - e4m3x2_hi(q_hi_pair192));
-        const float q_x193 = __uint_as_float(q_pair38 << 16u) * q_scale;
-        const float q_x194 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
-        const float q_x195 = __uint_as_float(q_pair39 << 16u) * q_scale;
-        const float q_x196 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
-        const unsigned q_hi197 = pack_e4m3x4(q_x193, q_x194, q_x195, q_x196);
-        const unsigned q_hi_pair198 = e4m3x2_prep(q_hi197 & 65535u);
-        const unsigned q_hi_pair199 = e4m3x2_prep(q_hi197 >> 16u);
-        q_tile_a2[2u] = q_hi197;
-        q_tile_a2_lo[2u] = pack_e4m3x4(q_x193 - e4m3x2_lo(q_hi_pair198), q_x194 - e4m3x2_hi(q_hi_pair198), q_x195 - e4m3x2_lo(q_hi_pair199), q_x196 - e4m3x2_hi(q_hi_pair199));
-        const float q_x200 = __uint_as_float(q_pair40 << 16u) * q_scale;
-        const float q_x201 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
-        const float q_x202 = __uint_as_float(q_pair41 << 16u) * q_scale;
-        const float q_x203 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
-        const unsigned q_hi204 = pack_e4m3x4(q_x200, q_x201, q_x202, q_x203);
-        const unsigned q_hi_pair205 = e4m3x2_prep(q_hi204 & 65535u);
-        const unsigned q_hi_pair206 = e4m3x2_prep(q_hi204 >> 16u);
-        q_tile_a2[3u] = q_hi204;
-        q_tile_a2_lo[3u] = pack_e4m3x4(q_x200 - e4m3x2_lo(q_hi_pair205), q_x201 - e4m3x2_hi(q_hi_pair205), q_x202 - e4m3x2_lo(q_hi_pair206), q_x203 - e4m3x2_hi(q_hi_pair206));
-        const float q_x207 = __uint_as_float(q_pair42 << 16u) * q_scale;
-        const float q_x208 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
-        const float q_x209 = __uint_as_float(q_pair43 << 16u) * q_scale;
-        const float q_x210 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
-        const unsigned q_hi211 = pack_e4m3x4(q_x207, q_x208, q_x209, q_x210);
-        const unsigned q_hi_pair212 = e4m3x2_prep(q_hi211 & 65535u);
-        const unsigned q_hi_pair213 = e4m3x2_prep(q_hi211 >> 16u);
-        q_tile_a2[4u] = q_hi211;
-        q_tile_a2_lo[4u] = pack_e4m3x4(q_x207 - e4m3x2_lo(q_hi_pair212), q_x208 - e4m3x2_hi(q_hi_pair212), q_x209 - e4m3x2_lo(q_hi_pair213), q_x210 - e4m3x2_hi(q_hi_pair213));
-        const float q_x214 = __uint_as_float(q_pair44 << 16u) * q_scale;
-        const float q_x215 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
-        const float q_x216 = __uint_as_float(q_pair45 << 16u) * q_scale;
-        const float q_x217 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
-        const unsigned q_hi218 = pack_e4m3x4(q_x214, q_x215, q_x216, q_x217);
-        const unsigned q_hi_pair219 = e4m3x2_prep(q_hi218 & 65535u);
-        const unsigned q_hi_pair220 = e4m3x2_prep(q_hi218 >> 16u);
-        q_tile_a2[5u] = q_hi218;
-        q_tile_a2_lo[5u] = pack_e4m3x4(q_x214 - e4m3x2_lo(q_hi_pair219), q_x215 - e4m3x2_hi(q_hi_pair219), q_x216 - e4m3x2_lo(q_hi_pair220), q_x217 - e4m3x2_hi(q_hi_pair220));
-        const float q_x221 = __uint_as_float(q_pair46 << 16u) * q_scale;
-        const float q_x222 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
-        const float q_x223 = __uint_as_float(q_pair47 << 16u) * q_scale;
-        const float q_x224 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
-        const unsigned q_hi225 = pack_e4m3x4(q_x221, q_x222, q_x223, q_x224);
-        const unsigned q_hi_pair226 = e4m3x2_prep(q_hi225 & 65535u);
-        const unsigned q_hi_pair227 = e4m3x2_prep(q_hi225 >> 16u);
-        q_tile_a2[6u] = q_hi225;
-        q_tile_a2_lo[6u] = pack_e4m3x4(q_x221 - e4m3x2_lo(q_hi_pair226), q_x222 - e4m3x2_hi(q_hi_pair226), q_x223 - e4m3x2_lo(q_hi_pair227), q_x224 - e4m3x2_hi(q_hi_pair227));
-        const float q_x228 = __uint_as_float(q_pair48 << 16u) * q_scale;
-        const float q_x229 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
-        const float q_x230 = __uint_as_float(q_pair49 << 16u) * q_scale;
-        const float q_x231 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
-        const unsigned q_hi232 = pack_e4m3x4(q_x228, q_x229, q_x230, q_x231);
-        const unsigned q_hi_pair233 = e4m3x2_prep(q_hi232 & 65535u);
-        const unsigned q_hi_pair234 = e4m3x2_prep(q_hi232 >> 16u);
-        q_tile_a2[7u] = q_hi232;
-        q_tile_a2_lo[7u] = pack_e4m3x4(q_x228 - e4m3x2_lo(q_hi_pair233), q_x229 - e4m3x2_hi(q_hi_pair233), q_x230 - e4m3x2_lo(q_hi_pair234), q_x231 - e4m3x2_hi(q_hi_pair234));
-        const float q_x235 = __uint_as_float(q_pair50 << 16u) * q_scale;
-        const float q_x236 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
-        const float q_x237 = __uint_as_float(q_pair51 << 16u) * q_scale;
-        const float q_x238 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
-        const unsigned q_hi239 = pack_e4m3x4(q_x235, q_x236, q_x237, q_x238);
-        const unsigned q_hi_pair240 = e4m3x2_prep(q_hi239 & 65535u);
-        const unsigned q_hi_pair241 = e4m3x2_prep(q_hi239 >> 16u);
-        q_tile_a3[0u] = q_hi239;
-        q_tile_a3_lo[0u] = pack_e4m3x4(q_x235 - e4m3x2_lo(q_hi_pair240), q_x236 - e4m3x2_hi(q_hi_pair240), q_x237 - e4m3x2_lo(q_hi_pair241), q_x238 - e4m3x2_hi(q_hi_pair241));
-        const float q_x242 = __uint_as_float(q_pair52 << 16u) * q_scale;
-        const float q_x243 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
-        const float q_x244 = __uint_as_float(q_pair53 << 16u) * q_scale;
-        const float q_x245 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
-        const unsigned q_hi246 = pack_e4m3x4(q_x242, q_x243, q_x244, q_x245);
-        const unsigned q_hi_pair247 = e4m3x2_prep(q_hi246 & 65535u);
-        const unsigned q_hi_pair248 = e4m3x2_prep(q_hi246 >> 16u);
-        q_tile_a3[1u] = q_hi246;
-        q_tile_a3_lo[1u] = pack_e4m3x4(q_x242 - e4m3x2_lo(q_hi_pair247), q_x243 - e4m3x2_hi(q_hi_pair247), q_x244 - e4m3x2_lo(q_hi_pair248), q_x245 - e4m3x2_hi(q_hi_pair248));
-        const float q_x249 = __uint_as_float(q_pair54 << 16u) * q_scale;
-        const float q_x250 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
-        const float q_x251 = __uint_as_float(q_pair55 << 16u) * q_scale;
-        const float q_x252 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
-        const unsigned q_hi253 = pack_e4m3x4(q_x249, q_x250, q_x251, q_x252);
-        const unsigned q_hi_pair254 = e4m3x2_prep(q_hi253 & 65535u);
-        const unsigned q_hi_pair255 = e4m3x2_prep(q_hi253 >> 16u);
-        q_tile_a3[2u] = q_hi253;
-        q_tile_a3_lo[2u] = pack_e4m3x4(q_x249 - e4m3x2_lo(q_hi_pair254), q_x250 - e4m3x2_hi(q_hi_pair254), q_x251 - e4m3x2_lo(q_hi_pair255), q_x252 - e4m3x2_hi(q_hi_pair255));
-        const float q_x256 = __uint_as_float(q_pair56 << 16u) * q_scale;
-        const float q_x257 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
-        const float q_x258 = __uint_as_float(q_pair57 << 16u) * q_scale;
-        const float q_x259 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
-        const unsigned q_hi260 = pack_e4m3x4(q_x256, q_x257, q_x258, q_x259);
-        const unsigned q_hi_pair261 = e4m3x2_prep(q_hi260 & 65535u);
-        const unsigned q_hi_pair262 = e4m3x2_prep(q_hi260 >> 16u);
-        q_tile_a3[3u] = q_hi260;
-        q_tile_a3_lo[3u] = pack_e4m3x4(q_x256 - e4m3x2_lo(q_hi_pair261), q_x257 - e4m3x2_hi(q_hi_pair261), q_x258 - e4m3x2_lo(q_hi_pair262), q_x259 - e4m3x2_hi(q_hi_pair262));
-        const float q_x263 = __uint_as_float(q_pair58 << 16u) * q_scale;
-        const float q_x264 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
-        const float q_x265 = __uint_as_float(q_pair59 << 16u) * q_scale;
-        const float q_x266 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
-        const unsigned q_hi267 = pack_e4m3x4(q_x263, q_x264, q_x265, q_x266);
-        const unsigned q_hi_pair268 = e4m3x2_prep(q_hi267 & 65535u);
-        const unsigned q_hi_pair269 = e4m3x2_prep(q_hi267 >> 16u);
-        q_tile_a3[4u] = q_hi267;
-        q_tile_a3_lo[4u] = pack_e4m3x4(q_x263 - e4m3x2_lo(q_hi_pair268), q_x264 - e4m3x2_hi(q_hi_pair268), q_x265 - e4m3x2_lo(q_hi_pair269), q_x266 - e4m3x2_hi(q_hi_pair269));
-        const float q_x270 = __uint_as_float(q_pair60 << 16u) * q_scale;
-        const float q_x271 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
-        const float q_x272 = __uint_as_float(q_pair61 << 16u) * q_scale;
-        const float q_x273 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
-        const unsigned q_hi274 = pack_e4m3x4(q_x270, q_x271, q_x272, q_x273);
-        const unsigned q_hi_pair275 = e4m3x2_prep(q_hi274 & 65535u);
-        const unsigned q_hi_pair276 = e4m3x2_prep(q_hi274 >> 16u);
-        q_tile_a3[5u] = q_hi274;
-        q_tile_a3_lo[5u] = pack_e4m3x4(q_x270 - e4m3x2_lo(q_hi_pair275), q_x271 - e4m3x2_hi(q_hi_pair275), q_x272 - e4m3x2_lo(q_hi_pair276), q_x273 - e4m3x2_hi(q_hi_pair276));
-        const float q_x277 = __uint_as_float(q_pair62 << 16u) * q_scale;
-        const float q_x278 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
-        const float q_x279 = __uint_as_float(q_pair63 << 16u) * q_scale;
-        const float q_x280 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
-        const unsigned q_hi281 = pack_e4m3x4(q_x277, q_x278, q_x279, q_x280);
-        const unsigned q_hi_pair282 = e4m3x2_prep(q_hi281 & 65535u);
-        const unsigned q_hi_pair283 = e4m3x2_prep(q_hi281 >> 16u);
-        q_tile_a3[6u] = q_hi281;
-        q_tile_a3_lo[6u] = pack_e4m3x4(q_x277 - e4m3x2_lo(q_hi_pair282), q_x278 - e4m3x2_hi(q_hi_pair282), q_x279 - e4m3x2_lo(q_hi_pair283), q_x280 - e4m3x2_hi(q_hi_pair283));
-        const float q_x284 = __uint_as_float(q_pair64 << 16u) * q_scale;
-        const float q_x285 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
-        const float q_x286 = __uint_as_float(q_pair65 << 16u) * q_scale;
-        const float q_x287 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
-        const unsigned q_hi288 = pack_e4m3x4(q_x284, q_x285, q_x286, q_x287);
-        const unsigned q_hi_pair289 = e4m3x2_prep(q_hi288 & 65535u);
-        const unsigned q_hi_pair290 = e4m3x2_prep(q_hi288 >> 16u);
-        q_tile_a3[7u] = q_hi288;
-        q_tile_a3_lo[7u] = pack_e4m3x4(q_x284 - e4m3x2_lo(q_hi_pair289), q_x285 - e4m3x2_hi(q_hi_pair289), q_x286 - e4m3x2_lo(q_hi_pair290), q_x287 - e4m3x2_hi(q_hi_pair290));
-        const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x75 - e4m3x2_hi(q_hi_pair), q_x76 - e4m3x2_lo(q_hi_pair78), q_x77 - e4m3x2_hi(q_hi_pair78));
+        const float q_x79 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x80 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const float q_x81 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x82 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const unsigned q_hi83 = pack_e4m3x4(q_x79, q_x80, q_x81, q_x82);
+        const unsigned q_hi_pair84 = e4m3x2_prep(q_hi83 & 65535u);
+        const unsigned q_hi_pair85 = e4m3x2_prep(q_hi83 >> 16u);
+        q_tile_a0[1u] = q_hi83;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x79 - e4m3x2_lo(q_hi_pair84), q_x80 - e4m3x2_hi(q_hi_pair84), q_x81 - e4m3x2_lo(q_hi_pair85), q_x82 - e4m3x2_hi(q_hi_pair85));
+        const float q_x86 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x87 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const float q_x88 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x89 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const unsigned q_hi90 = pack_e4m3x4(q_x86, q_x87, q_x88, q_x89);
+        const unsigned q_hi_pair91 = e4m3x2_prep(q_hi90 & 65535u);
+        const unsigned q_hi_pair92 = e4m3x2_prep(q_hi90 >> 16u);
+        q_tile_a0[2u] = q_hi90;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x86 - e4m3x2_lo(q_hi_pair91), q_x87 - e4m3x2_hi(q_hi_pair91), q_x88 - e4m3x2_lo(q_hi_pair92), q_x89 - e4m3x2_hi(q_hi_pair92));
+        const float q_x93 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x94 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const float q_x95 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x96 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const unsigned q_hi97 = pack_e4m3x4(q_x93, q_x94, q_x95, q_x96);
+        const unsigned q_hi_pair98 = e4m3x2_prep(q_hi97 & 65535u);
+        const unsigned q_hi_pair99 = e4m3x2_prep(q_hi97 >> 16u);
+        q_tile_a0[3u] = q_hi97;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x93 - e4m3x2_lo(q_hi_pair98), q_x94 - e4m3x2_hi(q_hi_pair98), q_x95 - e4m3x2_lo(q_hi_pair99), q_x96 - e4m3x2_hi(q_hi_pair99));
+        const float q_x100 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x101 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const float q_x102 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x103 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const unsigned q_hi104 = pack_e4m3x4(q_x100, q_x101, q_x102, q_x103);
+        const unsigned q_hi_pair105 = e4m3x2_prep(q_hi104 & 65535u);
+        const unsigned q_hi_pair106 = e4m3x2_prep(q_hi104 >> 16u);
+        q_tile_a0[4u] = q_hi104;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x100 - e4m3x2_lo(q_hi_pair105), q_x101 - e4m3x2_hi(q_hi_pair105), q_x102 - e4m3x2_lo(q_hi_pair106), q_x103 - e4m3x2_hi(q_hi_pair106));
+        const float q_x107 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x108 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const float q_x109 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x110 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const unsigned q_hi111 = pack_e4m3x4(q_x107, q_x108, q_x109, q_x110);
+        const unsigned q_hi_pair112 = e4m3x2_prep(q_hi111 & 65535u);
+        const unsigned q_hi_pair113 = e4m3x2_prep(q_hi111 >> 16u);
+        q_tile_a0[5u] = q_hi111;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x107 - e4m3x2_lo(q_hi_pair112), q_x108 - e4m3x2_hi(q_hi_pair112), q_x109 - e4m3x2_lo(q_hi_pair113), q_x110 - e4m3x2_hi(q_hi_pair113));
+        const float q_x114 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x115 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const float q_x116 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x117 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const unsigned q_hi118 = pack_e4m3x4(q_x114, q_x115, q_x116, q_x117);
+        const unsigned q_hi_pair119 = e4m3x2_prep(q_hi118 & 65535u);
+        const unsigned q_hi_pair120 = e4m3x2_prep(q_hi118 >> 16u);
+        q_tile_a0[6u] = q_hi118;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x114 - e4m3x2_lo(q_hi_pair119), q_x115 - e4m3x2_hi(q_hi_pair119), q_x116 - e4m3x2_lo(q_hi_pair120), q_x117 - e4m3x2_hi(q_hi_pair120));
+        const float q_x121 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x122 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const float q_x123 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x124 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const unsigned q_hi125 = pack_e4m3x4(q_x121, q_x122, q_x123, q_x124);
+        const unsigned q_hi_pair126 = e4m3x2_prep(q_hi125 & 65535u);
+        const unsigned q_hi_pair127 = e4m3x2_prep(q_hi125 >> 16u);
+        q_tile_a0[7u] = q_hi125;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x121 - e4m3x2_lo(q_hi_pair126), q_x122 - e4m3x2_hi(q_hi_pair126), q_x123 - e4m3x2_lo(q_hi_pair127), q_x124 - e4m3x2_hi(q_hi_pair127));
+        const float q_x128 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x129 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const float q_x130 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x131 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const unsigned q_hi132 = pack_e4m3x4(q_x128, q_x129, q_x130, q_x131);
+        const unsigned q_hi_pair133 = e4m3x2_prep(q_hi132 & 65535u);
+        const unsigned q_hi_pair134 = e4m3x2_prep(q_hi132 >> 16u);
+        q_tile_a1[0u] = q_hi132;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x128 - e4m3x2_lo(q_hi_pair133), q_x129 - e4m3x2_hi(q_hi_pair133), q_x130 - e4m3x2_lo(q_hi_pair134), q_x131 - e4m3x2_hi(q_hi_pair134));
+        const float q_x135 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x136 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const float q_x137 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x138 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const unsigned q_hi139 = pack_e4m3x4(q_x135, q_x136, q_x137, q_x138);
+        const unsigned q_hi_pair140 = e4m3x2_prep(q_hi139 & 65535u);
+        const unsigned q_hi_pair141 = e4m3x2_prep(q_hi139 >> 16u);
+        q_tile_a1[1u] = q_hi139;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x135 - e4m3x2_lo(q_hi_pair140), q_x136 - e4m3x2_hi(q_hi_pair140), q_x137 - e4m3x2_lo(q_hi_pair141), q_x138 - e4m3x2_hi(q_hi_pair141));
+        const float q_x142 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x143 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const float q_x144 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x145 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const unsigned q_hi146 = pack_e4m3x4(q_x142, q_x143, q_x144, q_x145);
+        const unsigned q_hi_pair147 = e4m3x2_prep(q_hi146 & 65535u);
+        const unsigned q_hi_pair148 = e4m3x2_prep(q_hi146 >> 16u);
+        q_tile_a1[2u] = q_hi146;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x142 - e4m3x2_lo(q_hi_pair147), q_x143 - e4m3x2_hi(q_hi_pair147), q_x144 - e4m3x2_lo(q_hi_pair148), q_x145 - e4m3x2_hi(q_hi_pair148));
+        const float q_x149 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x150 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const float q_x151 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x152 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const unsigned q_hi153 = pack_e4m3x4(q_x149, q_x150, q_x151, q_x152);
+        const unsigned q_hi_pair154 = e4m3x2_prep(q_hi153 & 65535u);
+        const unsigned q_hi_pair155 = e4m3x2_prep(q_hi153 >> 16u);
+        q_tile_a1[3u] = q_hi153;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x149 - e4m3x2_lo(q_hi_pair154), q_x150 - e4m3x2_hi(q_hi_pair154), q_x151 - e4m3x2_lo(q_hi_pair155), q_x152 - e4m3x2_hi(q_hi_pair155));
+        const float q_x156 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x157 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const float q_x158 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x159 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const unsigned q_hi160 = pack_e4m3x4(q_x156, q_x157, q_x158, q_x159);
+        const unsigned q_hi_pair161 = e4m3x2_prep(q_hi160 & 65535u);
+        const unsigned q_hi_pair162 = e4m3x2_prep(q_hi160 >> 16u);
+        q_tile_a1[4u] = q_hi160;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x156 - e4m3x2_lo(q_hi_pair161), q_x157 - e4m3x2_hi(q_hi_pair161), q_x158 - e4m3x2_lo(q_hi_pair162), q_x159 - e4m3x2_hi(q_hi_pair162));
+        const float q_x163 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x164 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const float q_x165 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x166 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const unsigned q_hi167 = pack_e4m3x4(q_x163, q_x164, q_x165, q_x166);
+        const unsigned q_hi_pair168 = e4m3x2_prep(q_hi167 & 65535u);
+        const unsigned q_hi_pair169 = e4m3x2_prep(q_hi167 >> 16u);
+        q_tile_a1[5u] = q_hi167;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x163 - e4m3x2_lo(q_hi_pair168), q_x164 - e4m3x2_hi(q_hi_pair168), q_x165 - e4m3x2_lo(q_hi_pair169), q_x166 - e4m3x2_hi(q_hi_pair169));
+        const float q_x170 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x171 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const float q_x172 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x173 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const unsigned q_hi174 = pack_e4m3x4(q_x170, q_x171, q_x172, q_x173);
+        const unsigned q_hi_pair175 = e4m3x2_prep(q_hi174 & 65535u);
+        const unsigned q_hi_pair176 = e4m3x2_prep(q_hi174 >> 16u);
+        q_tile_a1[6u] = q_hi174;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x170 - e4m3x2_lo(q_hi_pair175), q_x171 - e4m3x2_hi(q_hi_pair175), q_x172 - e4m3x2_lo(q_hi_pair176), q_x173 - e4m3x2_hi(q_hi_pair176));
+        const float q_x177 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x178 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const float q_x179 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x180 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const unsigned q_hi181 = pack_e4m3x4(q_x177, q_x178, q_x179, q_x180);
+        const unsigned q_hi_pair182 = e4m3x2_prep(q_hi181 & 65535u);
+        const unsigned q_hi_pair183 = e4m3x2_prep(q_hi181 >> 16u);
+        q_tile_a1[7u] = q_hi181;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x177 - e4m3x2_lo(q_hi_pair182), q_x178 - e4m3x2_hi(q_hi_pair182), q_x179 - e4m3x2_lo(q_hi_pair183), q_x180 - e4m3x2_hi(q_hi_pair183));
+        const float q_x184 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x185 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const float q_x186 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x187 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const unsigned q_hi188 = pack_e4m3x4(q_x184, q_x185, q_x186, q_x187);
+        const unsigned q_hi_pair189 = e4m3x2_prep(q_hi188 & 65535u);
+        const unsigned q_hi_pair190 = e4m3x2_prep(q_hi188 >> 16u);
+        q_tile_a2[0u] = q_hi188;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x184 - e4m3x2_lo(q_hi_pair189), q_x185 - e4m3x2_hi(q_hi_pair189), q_x186 - e4m3x2_lo(q_hi_pair190), q_x187 - e4m3x2_hi(q_hi_pair190));
+        const float q_x191 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x192 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const float q_x193 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x194 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const unsigned q_hi195 = pack_e4m3x4(q_x191, q_x192, q_x193, q_x194);
+        const unsigned q_hi_pair196 = e4m3x2_prep(q_hi195 & 65535u);
+        const unsigned q_hi_pair197 = e4m3x2_prep(q_hi195 >> 16u);
+        q_tile_a2[1u] = q_hi195;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x191 - e4m3x2_lo(q_hi_pair196), q_x192 - e4m3x2_hi(q_hi_pair196), q_x193 - e4m3x2_lo(q_hi_pair197), q_x194 - e4m3x2_hi(q_hi_pair197));
+        const float q_x198 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x199 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const float q_x200 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x201 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const unsigned q_hi202 = pack_e4m3x4(q_x198, q_x199, q_x200, q_x201);
+        const unsigned q_hi_pair203 = e4m3x2_prep(q_hi202 & 65535u);
+        const unsigned q_hi_pair204 = e4m3x2_prep(q_hi202 >> 16u);
+        q_tile_a2[2u] = q_hi202;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x198 - e4m3x2_lo(q_hi_pair203), q_x199 - e4m3x2_hi(q_hi_pair203), q_x200 - e4m3x2_lo(q_hi_pair204), q_x201 - e4m3x2_hi(q_hi_pair204));
+        const float q_x205 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x206 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const float q_x207 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x208 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const unsigned q_hi209 = pack_e4m3x4(q_x205, q_x206, q_x207, q_x208);
+        const unsigned q_hi_pair210 = e4m3x2_prep(q_hi209 & 65535u);
+        const unsigned q_hi_pair211 = e4m3x2_prep(q_hi209 >> 16u);
+        q_tile_a2[3u] = q_hi209;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x205 - e4m3x2_lo(q_hi_pair210), q_x206 - e4m3x2_hi(q_hi_pair210), q_x207 - e4m3x2_lo(q_hi_pair211), q_x208 - e4m3x2_hi(q_hi_pair211));
+        const float q_x212 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x213 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const float q_x214 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x215 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const unsigned q_hi216 = pack_e4m3x4(q_x212, q_x213, q_x214, q_x215);
+        const unsigned q_hi_pair217 = e4m3x2_prep(q_hi216 & 65535u);
+        const unsigned q_hi_pair218 = e4m3x2_prep(q_hi216 >> 16u);
+        q_tile_a2[4u] = q_hi216;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x212 - e4m3x2_lo(q_hi_pair217), q_x213 - e4m3x2_hi(q_hi_pair217), q_x214 - e4m3x2_lo(q_hi_pair218), q_x215 - e4m3x2_hi(q_hi_pair218));
+        const float q_x219 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x220 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const float q_x221 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x222 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const unsigned q_hi223 = pack_e4m3x4(q_x219, q_x220, q_x221, q_x222);
+        const unsigned q_hi_pair224 = e4m3x2_prep(q_hi223 & 65535u);
+        const unsigned q_hi_pair225 = e4m3x2_prep(q_hi223 >> 16u);
+        q_tile_a2[5u] = q_hi223;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x219 - e4m3x2_lo(q_hi_pair224), q_x220 - e4m3x2_hi(q_hi_pair224), q_x221 - e4m3x2_lo(q_hi_pair225), q_x222 - e4m3x2_hi(q_hi_pair225));
+        const float q_x226 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x227 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const float q_x228 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x229 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const unsigned q_hi230 = pack_e4m3x4(q_x226, q_x227, q_x228, q_x229);
+        const unsigned q_hi_pair231 = e4m3x2_prep(q_hi230 & 65535u);
+        const unsigned q_hi_pair232 = e4m3x2_prep(q_hi230 >> 16u);
+        q_tile_a2[6u] = q_hi230;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x226 - e4m3x2_lo(q_hi_pair231), q_x227 - e4m3x2_hi(q_hi_pair231), q_x228 - e4m3x2_lo(q_hi_pair232), q_x229 - e4m3x2_hi(q_hi_pair232));
+        const float q_x233 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x234 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const float q_x235 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x236 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const unsigned q_hi237 = pack_e4m3x4(q_x233, q_x234, q_x235, q_x236);
+        const unsigned q_hi_pair238 = e4m3x2_prep(q_hi237 & 65535u);
+        const unsigned q_hi_pair239 = e4m3x2_prep(q_hi237 >> 16u);
+        q_tile_a2[7u] = q_hi237;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x233 - e4m3x2_lo(q_hi_pair238), q_x234 - e4m3x2_hi(q_hi_pair238), q_x235 - e4m3x2_lo(q_hi_pair239), q_x236 - e4m3x2_hi(q_hi_pair239));
+        const float q_x240 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x241 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const float q_x242 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x243 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const unsigned q_hi244 = pack_e4m3x4(q_x240, q_x241, q_x242, q_x243);
+        const unsigned q_hi_pair245 = e4m3x2_prep(q_hi244 & 65535u);
+        const unsigned q_hi_pair246 = e4m3x2_prep(q_hi244 >> 16u);
+        q_tile_a3[0u] = q_hi244;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x240 - e4m3x2_lo(q_hi_pair245), q_x241 - e4m3x2_hi(q_hi_pair245), q_x242 - e4m3x2_lo(q_hi_pair246), q_x243 - e4m3x2_hi(q_hi_pair246));
+        const float q_x247 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x248 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const float q_x249 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x250 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const unsigned q_hi251 = pack_e4m3x4(q_x247, q_x248, q_x249, q_x250);
+        const unsigned q_hi_pair252 = e4m3x2_prep(q_hi251 & 65535u);
+        const unsigned q_hi_pair253 = e4m3x2_prep(q_hi251 >> 16u);
+        q_tile_a3[1u] = q_hi251;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x247 - e4m3x2_lo(q_hi_pair252), q_x248 - e4m3x2_hi(q_hi_pair252), q_x249 - e4m3x2_lo(q_hi_pair253), q_x250 - e4m3x2_hi(q_hi_pair253));
+        const float q_x254 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x255 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const float q_x256 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x257 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const unsigned q_hi258 = pack_e4m3x4(q_x254, q_x255, q_x256, q_x257);
+        const unsigned q_hi_pair259 = e4m3x2_prep(q_hi258 & 65535u);
+        const unsigned q_hi_pair260 = e4m3x2_prep(q_hi258 >> 16u);
+        q_tile_a3[2u] = q_hi258;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x254 - e4m3x2_lo(q_hi_pair259), q_x255 - e4m3x2_hi(q_hi_pair259), q_x256 - e4m3x2_lo(q_hi_pair260), q_x257 - e4m3x2_hi(q_hi_pair260));
+        const float q_x261 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x262 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const float q_x263 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x264 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const unsigned q_hi265 = pack_e4m3x4(q_x261, q_x262, q_x263, q_x264);
+        const unsigned q_hi_pair266 = e4m3x2_prep(q_hi265 & 65535u);
+        const unsigned q_hi_pair267 = e4m3x2_prep(q_hi265 >> 16u);
+        q_tile_a3[3u] = q_hi265;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x261 - e4m3x2_lo(q_hi_pair266), q_x262 - e4m3x2_hi(q_hi_pair266), q_x263 - e4m3x2_lo(q_hi_pair267), q_x264 - e4m3x2_hi(q_hi_pair267));
+        const float q_x268 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x269 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const float q_x270 = __uint_as_float(q_pair64 << 16u) * q_scale;
+        const float q_x271 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
+        const unsigned q_hi272 = pack_e4m3x4(q_x268, q_x269, q_x270, q_x271);
+        const unsigned q_hi_pair273 = e4m3x2_prep(q_hi272 & 65535u);
+        const unsigned q_hi_pair274 = e4m3x2_prep(q_hi272 >> 16u);
+        q_tile_a3[4u] = q_hi272;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x268 - e4m3x2_lo(q_hi_pair273), q_x269 - e4m3x2_hi(q_hi_pair273), q_x270 - e4m3x2_lo(q_hi_pair274), q_x271 - e4m3x2_hi(q_hi_pair274));
+        const float q_x275 = __uint_as_float(q_pair65 << 16u) * q_scale;
+        const float q_x276 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
+        const float q_x277 = __uint_as_float(q_pair66 << 16u) * q_scale;
+        const float q_x278 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
+        const unsigned q_hi279 = pack_e4m3x4(q_x275, q_x276, q_x277, q_x278);
+        const unsigned q_hi_pair280 = e4m3x2_prep(q_hi279 & 65535u);
+        const unsigned q_hi_pair281 = e4m3x2_prep(q_hi279 >> 16u);
+        q_tile_a3[5u] = q_hi279;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x275 - e4m3x2_lo(q_hi_pair280), q_x276 - e4m3x2_hi(q_hi_pair280), q_x277 - e4m3x2_lo(q_hi_pair281), q_x278 - e4m3x2_hi(q_hi_pair281));
+        const float q_x282 = __uint_as_float(q_pair67 << 16u) * q_scale;
+        const float q_x283 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
+        const float q_x284 = __uint_as_float(q_pair68 << 16u) * q_scale;
+        const float q_x285 = __uint_as_float(q_pair68 & 4294901760u) * q_scale;
+        const unsigned q_hi286 = pack_e4m3x4(q_x282, q_x283, q_x284, q_x285);
+        const unsigned q_hi_pair287 = e4m3x2_prep(q_hi286 & 65535u);
+        const unsigned q_hi_pair288 = e4m3x2_prep(q_hi286 >> 16u);
+        q_tile_a3[6u] = q_hi286;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x282 - e4m3x2_lo(q_hi_pair287), q_x283 - e4m3x2_hi(q_hi_pair287), q_x284 - e4m3x2_lo(q_hi_pair288), q_x285 - e4m3x2_hi(q_hi_pair288));
+        const float q_x289 = __uint_as_float(q_pair69 << 16u) * q_scale;
+        const float q_x290 = __uint_as_float(q_pair69 & 4294901760u) * q_scale;
+        const float q_x291 = __uint_as_float(q_pair70 << 16u) * q_scale;
+        const float q_x292 = __uint_as_float(q_pair70 & 4294901760u) * q_scale;
+        const unsigned q_hi293 = pack_e4m3x4(q_x289, q_x290, q_x291, q_x292);
+        const unsigned q_hi_pair294 = e4m3x2_prep(q_hi293 & 65535u);
+        const unsigned q_hi_pair295 = e4m3x2_prep(q_hi293 >> 16u);
+        q_tile_a3[7u] = q_hi293;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x289 - e4m3x2_lo(q_hi_pair294), q_x290 - e4m3x2_hi(q_hi_pair294), q_x291 - e4m3x2_lo(q_hi_pair295), q_x292 - e4m3x2_hi(q_hi_pair295));
+        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-        const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
         q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-        const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-        const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-        const unsigned sub4 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub4 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
         q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-        const unsigned sub5 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
+        const unsigned sub5 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
         q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-        const unsigned sub6 = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub6 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-        const unsigned sub7 = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        const unsigned sub7 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
         q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[8u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[9u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[10u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[11u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[12u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[13u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[14u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[15u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[4u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[5u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + lane_quad)] : 0u;
-        q_tile_a4[6u] = (q_tile_row_src1 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src1) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
-        q_tile_a4[7u] = (q_tile_row_src2 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src2) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[12u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[13u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[14u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[15u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[4u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[5u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[6u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[7u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
@@ -1007,16 +1040,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i291 = 0u; fill_i291 < 16u; fill_i291 += 1u) {
-        o_acc_1[fill_i291] = 0.0f;
+    for (unsigned fill_i296 = 0u; fill_i296 < 16u; fill_i296 += 1u) {
+        o_acc_1[fill_i296] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i292 = 0u; fill_i292 < 16u; fill_i292 += 1u) {
-        o_acc_2[fill_i292] = 0.0f;
+    for (unsigned fill_i297 = 0u; fill_i297 < 16u; fill_i297 += 1u) {
+        o_acc_2[fill_i297] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i293 = 0u; fill_i293 < 16u; fill_i293 += 1u) {
-        o_acc_3[fill_i293] = 0.0f;
+    for (unsigned fill_i298 = 0u; fill_i298 < 16u; fill_i298 += 1u) {
+        o_acc_3[fill_i298] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -1035,18 +1068,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot294 = 0u; slot294 < 1u; slot294 += 1u) {
-                const unsigned gather_row295 = ((warp - 4u) + (lane * 4u)) + (slot294 * 128u);
-                if (gather_row295 < 32u) {
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row295;
-                    const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot294] >= 0)) && (((unsigned)kv_rows_pre[slot294]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot294]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot294]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row295] = (src_i32 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row295 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row301;
+                    const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32302 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row295 * 164u)) + zero_w] = 0u;
+                            kv_rows[((load_stage * 5248u) + (gather_row301 * 164u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1057,11 +1090,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot296 = 0u; slot296 < 1u; slot296 += 1u) {
-                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot296 * 128u);
-                if (gather_row297 < 32u) {
-                    const unsigned row_1 = gather_row297;
-                    kv_rows_pre[slot296] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                if (gather_row304 < 32u) {
+                    const unsigned row_1 = gather_row304;
+                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1079,10 +1112,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi299 = 0u; mi299 < 1u; mi299 += 1u) {
+        for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
             #pragma unroll
-            for (unsigned half300 = 0u; half300 < 2u; half300 += 1u) {
-                row_sum_part[(mi299 * 2u) + half300] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi299 * 16u)) + ((half300 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half307 = 0u; half307 < 2u; half307 += 1u) {
+                row_sum_part[(mi306 * 2u) + half307] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi306 * 16u)) + ((half307 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1094,16 +1127,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i308 = 0u; fill_i308 < 8u; fill_i308 += 1u) {
-            scores[fill_i308] = 0.0f;
+        for (unsigned fill_i315 = 0u; fill_i315 < 8u; fill_i315 += 1u) {
+            scores[fill_i315] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e309 = 0u; e309 < 16u; e309 += 1u) {
-            scores_term[e309] = 0.0f;
+        for (unsigned e316 = 0u; e316 < 16u; e316 += 1u) {
+            scores_term[e316] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1113,280 +1146,280 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi310 = 0u; mi310 < 2u; mi310 += 1u) {
-                        a_frag[0u] = q_tile_a0[(mi310 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[((mi310 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[((mi310 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[((mi310 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi310 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[(mi310 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[((mi310 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi310 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi317 = 0u; mi317 < 2u; mi317 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi317 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi317 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi317 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi317 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi317 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e316 = 0u; e316 < 16u; e316 += 1u) {
-                scores_term[16u + e316] = 0.0f;
+            for (unsigned e323 = 0u; e323 < 16u; e323 += 1u) {
+                scores_term[16u + e323] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk313 = (kk_pair * 2u) + chain;
+                    const unsigned kk320 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj315 = 0u; nj315 < 2u; nj315 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj315 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk313) * 4u));
+                    for (unsigned nj322 = 0u; nj322 < 2u; nj322 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk320) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair317 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag312[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag312[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair317), e4m3x2_hi(e4m3_pair317));
+                        const unsigned e4m3_pair324 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag319[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag319[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair324), e4m3x2_hi(e4m3_pair324));
                         #pragma unroll
-                        for (unsigned mi314 = 0u; mi314 < 2u; mi314 += 1u) {
-                            a_frag311[0u] = q_tile_a0_bf16[((mi314 * 2u) + kk313) * 4u];
-                            a_frag311[1u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 1u];
-                            a_frag311[2u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 2u];
-                            a_frag311[3u] = q_tile_a0_bf16[(((mi314 * 2u) + kk313) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi314 * 2u) + nj315) * 4u)], &a_frag311[0u], &b_frag312[0u]);
+                        for (unsigned mi321 = 0u; mi321 < 2u; mi321 += 1u) {
+                            a_frag318[0u] = q_tile_a0_bf16[((mi321 * 2u) + kk320) * 4u];
+                            a_frag318[1u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                            a_frag318[2u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                            a_frag318[3u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi321 * 2u) + nj322) * 4u)], &a_frag318[0u], &b_frag319[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e318 = 0u; e318 < 16u; e318 += 1u) {
-                scores_term[e318] = scores_term[e318] + scores_term[16u + e318];
+            for (unsigned e325 = 0u; e325 < 16u; e325 += 1u) {
+                scores_term[e325] = scores_term[e325] + scores_term[16u + e325];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e319 = 0u; e319 < 4u; e319 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e319 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e319] = fmaf(scores_term[(frag * 4u) + e319], row_scale, scores_part[(frag * 4u) + e319]);
+            for (unsigned e326 = 0u; e326 < 4u; e326 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e326 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e326] = fmaf(scores_term[(frag * 4u) + e326], row_scale, scores_part[(frag * 4u) + e326]);
             }
         }
         #pragma unroll
-        for (unsigned e320 = 0u; e320 < 16u; e320 += 1u) {
-            scores_term[e320] = 0.0f;
+        for (unsigned e327 = 0u; e327 < 16u; e327 += 1u) {
+            scores_term[e327] = 0.0f;
         }
-        const unsigned n_first321 = (warp / 4u) * 16u;
+        const unsigned n_first328 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk324 = 0u; kk324 < 1u; kk324 += 1u) {
+            for (unsigned kk331 = 0u; kk331 < 1u; kk331 += 1u) {
                 #pragma unroll
-                for (unsigned nj326 = 0u; nj326 < 2u; nj326 += 1u) {
-                    ldmatrix_x2(&b_frag323[0u], kv_rows + (stage * 5248u) + (((n_first321 + (nj326 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk324) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj333 = 0u; nj333 < 2u; nj333 += 1u) {
+                    ldmatrix_x2(&b_frag330[0u], kv_rows + (stage * 5248u) + (((n_first328 + (nj333 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk331) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi325 = 0u; mi325 < 2u; mi325 += 1u) {
-                        a_frag322[0u] = q_tile_a1[(mi325 + kk324) * 4u];
-                        a_frag322[1u] = q_tile_a1[((mi325 + kk324) * 4u) + 1u];
-                        a_frag322[2u] = q_tile_a1[((mi325 + kk324) * 4u) + 2u];
-                        a_frag322[3u] = q_tile_a1[((mi325 + kk324) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj326) * 4u], &a_frag322[0u], &b_frag323[0u]);
-                        a_frag322[0u] = q_tile_a1_lo[(mi325 + kk324) * 4u];
-                        a_frag322[1u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 1u];
-                        a_frag322[2u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 2u];
-                        a_frag322[3u] = q_tile_a1_lo[((mi325 + kk324) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi325 * 2u) + nj326) * 4u], &a_frag322[0u], &b_frag323[0u]);
+                    for (unsigned mi332 = 0u; mi332 < 2u; mi332 += 1u) {
+                        a_frag329[0u] = q_tile_a1[(mi332 + kk331) * 4u];
+                        a_frag329[1u] = q_tile_a1[((mi332 + kk331) * 4u) + 1u];
+                        a_frag329[2u] = q_tile_a1[((mi332 + kk331) * 4u) + 2u];
+                        a_frag329[3u] = q_tile_a1[((mi332 + kk331) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi332 * 2u) + nj333) * 4u], &a_frag329[0u], &b_frag330[0u]);
+                        a_frag329[0u] = q_tile_a1_lo[(mi332 + kk331) * 4u];
+                        a_frag329[1u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 1u];
+                        a_frag329[2u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 2u];
+                        a_frag329[3u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi332 * 2u) + nj333) * 4u], &a_frag329[0u], &b_frag330[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first327 = (warp % 4u) * 2u;
+            const unsigned k_first334 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e336 = 0u; e336 < 16u; e336 += 1u) {
-                scores_term[16u + e336] = 0.0f;
+            for (unsigned e343 = 0u; e343 < 16u; e343 += 1u) {
+                scores_term[16u + e343] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair334 = 0u; kk_pair334 < 1u; kk_pair334 += 1u) {
+            for (unsigned kk_pair341 = 0u; kk_pair341 < 1u; kk_pair341 += 1u) {
                 #pragma unroll
-                for (unsigned chain335 = 0u; chain335 < 2u; chain335 += 1u) {
-                    const unsigned kk331 = (kk_pair334 * 2u) + chain335;
+                for (unsigned chain342 = 0u; chain342 < 2u; chain342 += 1u) {
+                    const unsigned kk338 = (kk_pair341 * 2u) + chain342;
                     #pragma unroll
-                    for (unsigned nj333 = 0u; nj333 < 2u; nj333 += 1u) {
-                        ldmatrix_x1(&b_raw330[0u], kv_rows + (stage * 5248u) + (((n_first321 + (nj333 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first327 + kk331) * 4u));
-                        const unsigned e4m3_pair337 = e4m3x2_prep(b_raw330[0u] & 65535u);
-                        const unsigned e4m3_pair338 = e4m3x2_prep(b_raw330[0u] >> 16u);
-                        b_frag329[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair337), e4m3x2_hi(e4m3_pair337));
-                        b_frag329[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair338), e4m3x2_hi(e4m3_pair338));
+                    for (unsigned nj340 = 0u; nj340 < 2u; nj340 += 1u) {
+                        ldmatrix_x1(&b_raw337[0u], kv_rows + (stage * 5248u) + (((n_first328 + (nj340 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first334 + kk338) * 4u));
+                        const unsigned e4m3_pair344 = e4m3x2_prep(b_raw337[0u] & 65535u);
+                        const unsigned e4m3_pair345 = e4m3x2_prep(b_raw337[0u] >> 16u);
+                        b_frag336[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair344), e4m3x2_hi(e4m3_pair344));
+                        b_frag336[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair345), e4m3x2_hi(e4m3_pair345));
                         #pragma unroll
-                        for (unsigned mi332 = 0u; mi332 < 2u; mi332 += 1u) {
-                            a_frag328[0u] = q_tile_a1_bf16[((mi332 * 2u) + kk331) * 4u];
-                            a_frag328[1u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 1u];
-                            a_frag328[2u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 2u];
-                            a_frag328[3u] = q_tile_a1_bf16[(((mi332 * 2u) + kk331) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain335 * 16u) + (((mi332 * 2u) + nj333) * 4u)], &a_frag328[0u], &b_frag329[0u]);
+                        for (unsigned mi339 = 0u; mi339 < 2u; mi339 += 1u) {
+                            a_frag335[0u] = q_tile_a1_bf16[((mi339 * 2u) + kk338) * 4u];
+                            a_frag335[1u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 1u];
+                            a_frag335[2u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 2u];
+                            a_frag335[3u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain342 * 16u) + (((mi339 * 2u) + nj340) * 4u)], &a_frag335[0u], &b_frag336[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e339 = 0u; e339 < 16u; e339 += 1u) {
-                scores_term[e339] = scores_term[e339] + scores_term[16u + e339];
+            for (unsigned e346 = 0u; e346 < 16u; e346 += 1u) {
+                scores_term[e346] = scores_term[e346] + scores_term[16u + e346];
             }
         }
         #pragma unroll
-        for (unsigned frag340 = 0u; frag340 < 4u; frag340 += 1u) {
+        for (unsigned frag347 = 0u; frag347 < 4u; frag347 += 1u) {
             #pragma unroll
-            for (unsigned e341 = 0u; e341 < 4u; e341 += 1u) {
-                const float row_scale342 = kv_scales[((stage * 5248u) + (((n_first321 + ((frag340 % 2u) * 8u)) + ((lane_quad * 2u) + (e341 & 1u))) * 164u)) + 1u];
-                scores_part[(frag340 * 4u) + e341] = fmaf(scores_term[(frag340 * 4u) + e341], row_scale342, scores_part[(frag340 * 4u) + e341]);
+            for (unsigned e348 = 0u; e348 < 4u; e348 += 1u) {
+                const float row_scale349 = kv_scales[((stage * 5248u) + (((n_first328 + ((frag347 % 2u) * 8u)) + ((lane_quad * 2u) + (e348 & 1u))) * 164u)) + 1u];
+                scores_part[(frag347 * 4u) + e348] = fmaf(scores_term[(frag347 * 4u) + e348], row_scale349, scores_part[(frag347 * 4u) + e348]);
             }
         }
         #pragma unroll
-        for (unsigned e343 = 0u; e343 < 16u; e343 += 1u) {
-            scores_term[e343] = 0.0f;
+        for (unsigned e350 = 0u; e350 < 16u; e350 += 1u) {
+            scores_term[e350] = 0.0f;
         }
-        const unsigned n_first344 = (warp / 4u) * 16u;
+        const unsigned n_first351 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk347 = 0u; kk347 < 1u; kk347 += 1u) {
+            for (unsigned kk354 = 0u; kk354 < 1u; kk354 += 1u) {
                 #pragma unroll
-                for (unsigned nj349 = 0u; nj349 < 2u; nj349 += 1u) {
-                    ldmatrix_x2(&b_frag346[0u], kv_rows + (stage * 5248u) + (((n_first344 + (nj349 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk347) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj356 = 0u; nj356 < 2u; nj356 += 1u) {
+                    ldmatrix_x2(&b_frag353[0u], kv_rows + (stage * 5248u) + (((n_first351 + (nj356 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk354) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi348 = 0u; mi348 < 2u; mi348 += 1u) {
-                        a_frag345[0u] = q_tile_a2[(mi348 + kk347) * 4u];
-                        a_frag345[1u] = q_tile_a2[((mi348 + kk347) * 4u) + 1u];
-                        a_frag345[2u] = q_tile_a2[((mi348 + kk347) * 4u) + 2u];
-                        a_frag345[3u] = q_tile_a2[((mi348 + kk347) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi348 * 2u) + nj349) * 4u], &a_frag345[0u], &b_frag346[0u]);
-                        a_frag345[0u] = q_tile_a2_lo[(mi348 + kk347) * 4u];
-                        a_frag345[1u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 1u];
-                        a_frag345[2u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 2u];
-                        a_frag345[3u] = q_tile_a2_lo[((mi348 + kk347) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi348 * 2u) + nj349) * 4u], &a_frag345[0u], &b_frag346[0u]);
+                    for (unsigned mi355 = 0u; mi355 < 2u; mi355 += 1u) {
+                        a_frag352[0u] = q_tile_a2[(mi355 + kk354) * 4u];
+                        a_frag352[1u] = q_tile_a2[((mi355 + kk354) * 4u) + 1u];
+                        a_frag352[2u] = q_tile_a2[((mi355 + kk354) * 4u) + 2u];
+                        a_frag352[3u] = q_tile_a2[((mi355 + kk354) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi355 * 2u) + nj356) * 4u], &a_frag352[0u], &b_frag353[0u]);
+                        a_frag352[0u] = q_tile_a2_lo[(mi355 + kk354) * 4u];
+                        a_frag352[1u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 1u];
+                        a_frag352[2u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 2u];
+                        a_frag352[3u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi355 * 2u) + nj356) * 4u], &a_frag352[0u], &b_frag353[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first350 = (warp % 4u) * 2u;
+            const unsigned k_first357 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e359 = 0u; e359 < 16u; e359 += 1u) {
-                scores_term[16u + e359] = 0.0f;
+            for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
+                scores_term[16u + e366] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair357 = 0u; kk_pair357 < 1u; kk_pair357 += 1u) {
+            for (unsigned kk_pair364 = 0u; kk_pair364 < 1u; kk_pair364 += 1u) {
                 #pragma unroll
-                for (unsigned chain358 = 0u; chain358 < 2u; chain358 += 1u) {
-                    const unsigned kk354 = (kk_pair357 * 2u) + chain358;
+                for (unsigned chain365 = 0u; chain365 < 2u; chain365 += 1u) {
+                    const unsigned kk361 = (kk_pair364 * 2u) + chain365;
                     #pragma unroll
-                    for (unsigned nj356 = 0u; nj356 < 2u; nj356 += 1u) {
-                        ldmatrix_x1(&b_raw353[0u], kv_rows + (stage * 5248u) + (((n_first344 + (nj356 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first350 + kk354) * 4u));
-                        const unsigned e4m3_pair360 = e4m3x2_prep(b_raw353[0u] & 65535u);
-                        const unsigned e4m3_pair361 = e4m3x2_prep(b_raw353[0u] >> 16u);
-                        b_frag352[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair360), e4m3x2_hi(e4m3_pair360));
-                        b_frag352[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair361), e4m3x2_hi(e4m3_pair361));
+                    for (unsigned nj363 = 0u; nj363 < 2u; nj363 += 1u) {
+                        ldmatrix_x1(&b_raw360[0u], kv_rows + (stage * 5248u) + (((n_first351 + (nj363 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first357 + kk361) * 4u));
+                        const unsigned e4m3_pair367 = e4m3x2_prep(b_raw360[0u] & 65535u);
+                        const unsigned e4m3_pair368 = e4m3x2_prep(b_raw360[0u] >> 16u);
+                        b_frag359[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair367), e4m3x2_hi(e4m3_pair367));
+                        b_frag359[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair368), e4m3x2_hi(e4m3_pair368));
                         #pragma unroll
-                        for (unsigned mi355 = 0u; mi355 < 2u; mi355 += 1u) {
-                            a_frag351[0u] = q_tile_a2_bf16[((mi355 * 2u) + kk354) * 4u];
-                            a_frag351[1u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 1u];
-                            a_frag351[2u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 2u];
-                            a_frag351[3u] = q_tile_a2_bf16[(((mi355 * 2u) + kk354) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain358 * 16u) + (((mi355 * 2u) + nj356) * 4u)], &a_frag351[0u], &b_frag352[0u]);
+                        for (unsigned mi362 = 0u; mi362 < 2u; mi362 += 1u) {
+                            a_frag358[0u] = q_tile_a2_bf16[((mi362 * 2u) + kk361) * 4u];
+                            a_frag358[1u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 1u];
+                            a_frag358[2u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 2u];
+                            a_frag358[3u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain365 * 16u) + (((mi362 * 2u) + nj363) * 4u)], &a_frag358[0u], &b_frag359[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e362 = 0u; e362 < 16u; e362 += 1u) {
-                scores_term[e362] = scores_term[e362] + scores_term[16u + e362];
+            for (unsigned e369 = 0u; e369 < 16u; e369 += 1u) {
+                scores_term[e369] = scores_term[e369] + scores_term[16u + e369];
             }
         }
         #pragma unroll
-        for (unsigned frag363 = 0u; frag363 < 4u; frag363 += 1u) {
+        for (unsigned frag370 = 0u; frag370 < 4u; frag370 += 1u) {
             #pragma unroll
-            for (unsigned e364 = 0u; e364 < 4u; e364 += 1u) {
-                const float row_scale365 = kv_scales[((stage * 5248u) + (((n_first344 + ((frag363 % 2u) * 8u)) + ((lane_quad * 2u) + (e364 & 1u))) * 164u)) + 2u];
-                scores_part[(frag363 * 4u) + e364] = fmaf(scores_term[(frag363 * 4u) + e364], row_scale365, scores_part[(frag363 * 4u) + e364]);
+            for (unsigned e371 = 0u; e371 < 4u; e371 += 1u) {
+                const float row_scale372 = kv_scales[((stage * 5248u) + (((n_first351 + ((frag370 % 2u) * 8u)) + ((lane_quad * 2u) + (e371 & 1u))) * 164u)) + 2u];
+                scores_part[(frag370 * 4u) + e371] = fmaf(scores_term[(frag370 * 4u) + e371], row_scale372, scores_part[(frag370 * 4u) + e371]);
             }
         }
         #pragma unroll
-        for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
-            scores_term[e366] = 0.0f;
+        for (unsigned e373 = 0u; e373 < 16u; e373 += 1u) {
+            scores_term[e373] = 0.0f;
         }
-        const unsigned n_first367 = (warp / 4u) * 16u;
+        const unsigned n_first374 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk370 = 0u; kk370 < 1u; kk370 += 1u) {
+            for (unsigned kk377 = 0u; kk377 < 1u; kk377 += 1u) {
                 #pragma unroll
-                for (unsigned nj372 = 0u; nj372 < 2u; nj372 += 1u) {
-                    ldmatrix_x2(&b_frag369[0u], kv_rows + (stage * 5248u) + (((n_first367 + (nj372 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk370) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj379 = 0u; nj379 < 2u; nj379 += 1u) {
+                    ldmatrix_x2(&b_frag376[0u], kv_rows + (stage * 5248u) + (((n_first374 + (nj379 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk377) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi371 = 0u; mi371 < 2u; mi371 += 1u) {
-                        a_frag368[0u] = q_tile_a3[(mi371 + kk370) * 4u];
-                        a_frag368[1u] = q_tile_a3[((mi371 + kk370) * 4u) + 1u];
-                        a_frag368[2u] = q_tile_a3[((mi371 + kk370) * 4u) + 2u];
-                        a_frag368[3u] = q_tile_a3[((mi371 + kk370) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi371 * 2u) + nj372) * 4u], &a_frag368[0u], &b_frag369[0u]);
-                        a_frag368[0u] = q_tile_a3_lo[(mi371 + kk370) * 4u];
-                        a_frag368[1u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 1u];
-                        a_frag368[2u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 2u];
-                        a_frag368[3u] = q_tile_a3_lo[((mi371 + kk370) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi371 * 2u) + nj372) * 4u], &a_frag368[0u], &b_frag369[0u]);
+                    for (unsigned mi378 = 0u; mi378 < 2u; mi378 += 1u) {
+                        a_frag375[0u] = q_tile_a3[(mi378 + kk377) * 4u];
+                        a_frag375[1u] = q_tile_a3[((mi378 + kk377) * 4u) + 1u];
+                        a_frag375[2u] = q_tile_a3[((mi378 + kk377) * 4u) + 2u];
+                        a_frag375[3u] = q_tile_a3[((mi378 + kk377) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi378 * 2u) + nj379) * 4u], &a_frag375[0u], &b_frag376[0u]);
+                        a_frag375[0u] = q_tile_a3_lo[(mi378 + kk377) * 4u];
+                        a_frag375[1u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 1u];
+                        a_frag375[2u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 2u];
+                        a_frag375[3u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi378 * 2u) + nj379) * 4u], &a_frag375[0u], &b_frag376[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first373 = (warp % 4u) * 2u;
+            const unsigned k_first380 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e382 = 0u; e382 < 16u; e382 += 1u) {
-                scores_term[16u + e382] = 0.0f;
+            for (unsigned e389 = 0u; e389 < 16u; e389 += 1u) {
+                scores_term[16u + e389] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair380 = 0u; kk_pair380 < 1u; kk_pair380 += 1u) {
+            for (unsigned kk_pair387 = 0u; kk_pair387 < 1u; kk_pair387 += 1u) {
                 #pragma unroll
-                for (unsigned chain381 = 0u; chain381 < 2u; chain381 += 1u) {
-                    const unsigned kk377 = (kk_pair380 * 2u) + chain381;
+                for (unsigned chain388 = 0u; chain388 < 2u; chain388 += 1u) {
+                    const unsigned kk384 = (kk_pair387 * 2u) + chain388;
                     #pragma unroll
-                    for (unsigned nj379 = 0u; nj379 < 2u; nj379 += 1u) {
-                        ldmatrix_x1(&b_raw376[0u], kv_rows + (stage * 5248u) + (((n_first367 + (nj379 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first373 + kk377) * 4u));
-                        const unsigned e4m3_pair383 = e4m3x2_prep(b_raw376[0u] & 65535u);
-                        const unsigned e4m3_pair384 = e4m3x2_prep(b_raw376[0u] >> 16u);
-                        b_frag375[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair383), e4m3x2_hi(e4m3_pair383));
-                        b_frag375[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair384), e4m3x2_hi(e4m3_pair384));
+                    for (unsigned nj386 = 0u; nj386 < 2u; nj386 += 1u) {
+                        ldmatrix_x1(&b_raw383[0u], kv_rows + (stage * 5248u) + (((n_first374 + (nj386 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first380 + kk384) * 4u));
+                        const unsigned e4m3_pair390 = e4m3x2_prep(b_raw383[0u] & 65535u);
+                        const unsigned e4m3_pair391 = e4m3x2_prep(b_raw383[0u] >> 16u);
+                        b_frag382[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair390), e4m3x2_hi(e4m3_pair390));
+                        b_frag382[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair391), e4m3x2_hi(e4m3_pair391));
                         #pragma unroll
-                        for (unsigned mi378 = 0u; mi378 < 2u; mi378 += 1u) {
-                            a_frag374[0u] = q_tile_a3_bf16[((mi378 * 2u) + kk377) * 4u];
-                            a_frag374[1u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 1u];
-                            a_frag374[2u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 2u];
-                            a_frag374[3u] = q_tile_a3_bf16[(((mi378 * 2u) + kk377) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain381 * 16u) + (((mi378 * 2u) + nj379) * 4u)], &a_frag374[0u], &b_frag375[0u]);
+                        for (unsigned mi385 = 0u; mi385 < 2u; mi385 += 1u) {
+                            a_frag381[0u] = q_tile_a3_bf16[((mi385 * 2u) + kk384) * 4u];
+                            a_frag381[1u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 1u];
+                            a_frag381[2u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 2u];
+                            a_frag381[3u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain388 * 16u) + (((mi385 * 2u) + nj386) * 4u)], &a_frag381[0u], &b_frag382[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e385 = 0u; e385 < 16u; e385 += 1u) {
-                scores_term[e385] = scores_term[e385] + scores_term[16u + e385];
+            for (unsigned e392 = 0u; e392 < 16u; e392 += 1u) {
+                scores_term[e392] = scores_term[e392] + scores_term[16u + e392];
             }
         }
         #pragma unroll
-        for (unsigned frag386 = 0u; frag386 < 4u; frag386 += 1u) {
+        for (unsigned frag393 = 0u; frag393 < 4u; frag393 += 1u) {
             #pragma unroll
-            for (unsigned e387 = 0u; e387 < 4u; e387 += 1u) {
-                const float row_scale388 = kv_scales[((stage * 5248u) + (((n_first367 + ((frag386 % 2u) * 8u)) + ((lane_quad * 2u) + (e387 & 1u))) * 164u)) + 3u];
-                scores_part[(frag386 * 4u) + e387] = fmaf(scores_term[(frag386 * 4u) + e387], row_scale388, scores_part[(frag386 * 4u) + e387]);
+            for (unsigned e394 = 0u; e394 < 4u; e394 += 1u) {
+                const float row_scale395 = kv_scales[((stage * 5248u) + (((n_first374 + ((frag393 % 2u) * 8u)) + ((lane_quad * 2u) + (e394 & 1u))) * 164u)) + 3u];
+                scores_part[(frag393 * 4u) + e394] = fmaf(scores_term[(frag393 * 4u) + e394], row_scale395, scores_part[(frag393 * 4u) + e394]);
             }
         }
-        const unsigned n_first389 = (warp / 4u) * 16u;
-        const unsigned k_first390 = warp % 4u;
+        const unsigned n_first396 = (warp / 4u) * 16u;
+        const unsigned k_first397 = warp % 4u;
         #pragma unroll
-        for (unsigned kk394 = 0u; kk394 < 1u; kk394 += 1u) {
+        for (unsigned kk401 = 0u; kk401 < 1u; kk401 += 1u) {
             #pragma unroll
-            for (unsigned nj396 = 0u; nj396 < 2u; nj396 += 1u) {
-                ldmatrix_x2(&b_frag392[0u], kv_rope + (stage * 5248u) + (((n_first389 + (nj396 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first390 + kk394) * 8u) + (lane_k8 >> 1u));
+            for (unsigned nj403 = 0u; nj403 < 2u; nj403 += 1u) {
+                ldmatrix_x2(&b_frag399[0u], kv_rope + (stage * 5248u) + (((n_first396 + (nj403 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first397 + kk401) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi395 = 0u; mi395 < 2u; mi395 += 1u) {
-                    a_frag391[0u] = q_tile_a4[(mi395 + kk394) * 4u];
-                    a_frag391[1u] = q_tile_a4[((mi395 + kk394) * 4u) + 1u];
-                    a_frag391[2u] = q_tile_a4[((mi395 + kk394) * 4u) + 2u];
-                    a_frag391[3u] = q_tile_a4[((mi395 + kk394) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi395 * 2u) + nj396) * 4u], &a_frag391[0u], &b_frag392[0u]);
+                for (unsigned mi402 = 0u; mi402 < 2u; mi402 += 1u) {
+                    a_frag398[0u] = q_tile_a4[(mi402 + kk401) * 4u];
+                    a_frag398[1u] = q_tile_a4[((mi402 + kk401) * 4u) + 1u];
+                    a_frag398[2u] = q_tile_a4[((mi402 + kk401) * 4u) + 2u];
+                    a_frag398[3u] = q_tile_a4[((mi402 + kk401) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi402 * 2u) + nj403) * 4u], &a_frag398[0u], &b_frag399[0u]);
                 }
             }
         }
@@ -1395,12 +1428,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag399 = 0u; frag399 < 4u; frag399 += 1u) {
+        for (unsigned frag406 = 0u; frag406 < 4u; frag406 += 1u) {
             #pragma unroll
-            for (unsigned half400 = 0u; half400 < 2u; half400 += 1u) {
+            for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
                 #pragma unroll
-                for (unsigned e401 = 0u; e401 < 2u; e401 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag399 / 2u) * 16u) + (half400 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag399 % 2u) * 8u)) + ((lane_quad * 2u) + e401))] = scores_part[((frag399 * 4u) + (half400 * 2u)) + e401] * q_tile_unscale[0u];
+                for (unsigned e408 = 0u; e408 < 2u; e408 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag406 / 2u) * 16u) + (half407 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag406 % 2u) * 8u)) + ((lane_quad * 2u) + e408))] = scores_part[((frag406 * 4u) + (half407 * 2u)) + e408] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1413,34 +1446,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (step_i >= 1u) {
                     mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
                 }
-                const unsigned load_stage301 = ahead % 2u;
+                const unsigned load_stage308 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot302 = 0u; slot302 < 1u; slot302 += 1u) {
-                    const unsigned gather_row303 = ((warp - 4u) + (lane * 4u)) + (slot302 * 128u);
-                    if (gather_row303 < 32u) {
+                for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
+                    const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
+                    if (gather_row310 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row303;
-                        const int src_i32304 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot302] >= 0)) && (((unsigned)kv_rows_pre[slot302]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot302]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot302]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage301 * 36u) + gather_row303] = (src_i32304 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32304 >= 0) {
-                            copy_async(kv_rows + (load_stage301 * 5248u) + (gather_row303 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32304), 656u, ring_barriers + (load_stage301 * 2u));
+                        const unsigned row_1 = gather_row310;
+                        const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot309] >= 0)) && (((unsigned)kv_rows_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage308 * 36u) + gather_row310] = (src_i32311 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32311 >= 0) {
+                            copy_async(kv_rows + (load_stage308 * 5248u) + (gather_row310 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 656u, ring_barriers + (load_stage308 * 2u));
                         } else {
-                            for (unsigned zero_w305 = 0u; zero_w305 < 164u; zero_w305 += 1u) {
-                                kv_rows[((load_stage301 * 5248u) + (gather_row303 * 164u)) + zero_w305] = 0u;
+                            for (unsigned zero_w312 = 0u; zero_w312 < 164u; zero_w312 += 1u) {
+                                kv_rows[((load_stage308 * 5248u) + (gather_row310 * 164u)) + zero_w312] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage301 * 2u));
+                copy_arrive(ring_barriers + (load_stage308 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
-                        const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
-                        if (gather_row307 < 32u) {
-                            const unsigned row_1 = gather_row307;
-                            kv_rows_pre[slot306] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot313 = 0u; slot313 < 1u; slot313 += 1u) {
+                        const unsigned gather_row314 = ((warp - 4u) + (lane * 4u)) + (slot313 * 128u);
+                        if (gather_row314 < 32u) {
+                            const unsigned row_1 = gather_row314;
+                            kv_rows_pre[slot313] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1448,34 +1481,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag402 = 0u; frag402 < 2u; frag402 += 1u) {
+            for (unsigned frag409 = 0u; frag409 < 2u; frag409 += 1u) {
                 #pragma unroll
-                for (unsigned half403 = 0u; half403 < 2u; half403 += 1u) {
+                for (unsigned half410 = 0u; half410 < 2u; half410 += 1u) {
                     #pragma unroll
-                    for (unsigned e404 = 0u; e404 < 2u; e404 += 1u) {
-                        float sum = scores[((frag402 * 4u) + (half403 * 2u)) + e404];
-                        const unsigned cell = (((scores_row0 + (half403 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag402 * 8u)) + ((lane_quad * 2u) + e404));
+                    for (unsigned e411 = 0u; e411 < 2u; e411 += 1u) {
+                        float sum = scores[((frag409 * 4u) + (half410 * 2u)) + e411];
+                        const unsigned cell = (((scores_row0 + (half410 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag409 * 8u)) + ((lane_quad * 2u) + e411));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1152u) + cell];
                         }
-                        scores[((frag402 * 4u) + (half403 * 2u)) + e404] = sum;
+                        scores[((frag409 * 4u) + (half410 * 2u)) + e411] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag405 = 0u; frag405 < 2u; frag405 += 1u) {
+            for (unsigned frag412 = 0u; frag412 < 2u; frag412 += 1u) {
                 #pragma unroll
-                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag405 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag405 * 4u) + (half406 * 2u)];
-                    float v1 = scores[((frag405 * 4u) + (half406 * 2u)) + 1u];
+                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag412 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag412 * 4u) + (half413 * 2u)];
+                    float v1 = scores[((frag412 * 4u) + (half413 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag405 * 4u) + (half406 * 2u)] = v0;
-                    scores[((frag405 * 4u) + (half406 * 2u)) + 1u] = v1;
+                    scores[(frag412 * 4u) + (half413 * 2u)] = v0;
+                    scores[((frag412 * 4u) + (half413 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1485,20 +1518,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
+            for (unsigned mi414 = 0u; mi414 < 1u; mi414 += 1u) {
                 #pragma unroll
-                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi407 * 2u) * 4u) + (half408 * 2u)], scores[((mi407 * 2u) * 4u) + ((half408 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + (half408 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + ((half408 * 2u) + 1u)]);
+                for (unsigned half415 = 0u; half415 < 2u; half415 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi414 * 2u) * 4u) + (half415 * 2u)], scores[((mi414 * 2u) * 4u) + ((half415 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi414 * 2u) + 1u) * 4u) + (half415 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi414 * 2u) + 1u) * 4u) + ((half415 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other409 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other409);
+                    const float other416 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other416);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi407 * 16u)) + ((half408 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi414 * 16u)) + ((half415 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi407 * 16u)) + ((half408 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi407 * 2u) + half408];
+                            row_exchange[(((scores_row0 + (mi414 * 16u)) + ((half415 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi414 * 2u) + half415];
                         }
                     }
                 }
@@ -1509,96 +1542,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
+            for (unsigned mi419 = 0u; mi419 < 1u; mi419 += 1u) {
                 #pragma unroll
-                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
-                    const float m_old410 = row_max_reg[(mi412 * 2u) + half413];
-                    float m_new411 = m_old410;
-                    m_new411 = fmaxf(m_new411, row_exchange[((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 3u]);
-                    m_new411 = fmaxf(m_new411, row_exchange[(((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi412 * 2u) + half413] = expf(m_old410 - m_new411);
-                    row_max_reg[(mi412 * 2u) + half413] = m_new411;
+                for (unsigned half420 = 0u; half420 < 2u; half420 += 1u) {
+                    const float m_old417 = row_max_reg[(mi419 * 2u) + half420];
+                    float m_new418 = m_old417;
+                    m_new418 = fmaxf(m_new418, row_exchange[((scores_row0 + (mi419 * 16u)) + ((half420 * 8u) + lane_group)) * 3u]);
+                    m_new418 = fmaxf(m_new418, row_exchange[(((scores_row0 + (mi419 * 16u)) + ((half420 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi419 * 2u) + half420] = expf(m_old417 - m_new418);
+                    row_max_reg[(mi419 * 2u) + half420] = m_new418;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi416 = 0u; mi416 < 2u; mi416 += 1u) {
+        for (unsigned mi423 = 0u; mi423 < 2u; mi423 += 1u) {
             #pragma unroll
-            for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
-                const float m_old414 = row_exchange[(((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new415 = m_old414;
-                m_new415 = fmaxf(m_new415, row_exchange[((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u]);
-                m_new415 = fmaxf(m_new415, row_exchange[(((mi416 * 16u) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha298[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float m_old421 = row_exchange[(((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new422 = m_old421;
+                m_new422 = fmaxf(m_new422, row_exchange[((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u]);
+                m_new422 = fmaxf(m_new422, row_exchange[(((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha305[(mi423 * 2u) + half424] = expf(m_old421 - m_new422);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi421 = 0u; mi421 < 1u; mi421 += 1u) {
+            for (unsigned mi428 = 0u; mi428 < 1u; mi428 += 1u) {
                 #pragma unroll
-                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
+                for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj418 = 0u; nj418 < 2u; nj418 += 1u) {
+                    for (unsigned nj425 = 0u; nj425 < 2u; nj425 += 1u) {
                         #pragma unroll
-                        for (unsigned e419 = 0u; e419 < 2u; e419 += 1u) {
-                            const unsigned at420 = (((mi421 * 2u) + nj418) * 4u) + ((half422 * 2u) + e419);
-                            const float p = (scores[at420] < (-1e38f)) ? 0.0f : expf(scores[at420] - row_max_reg[(mi421 * 2u) + half422]);
-                            scores[at420] = p;
+                        for (unsigned e426 = 0u; e426 < 2u; e426 += 1u) {
+                            const unsigned at427 = (((mi428 * 2u) + nj425) * 4u) + ((half429 * 2u) + e426);
+                            const float p = (scores[at427] < (-1e38f)) ? 0.0f : expf(scores[at427] - row_max_reg[(mi428 * 2u) + half429]);
+                            scores[at427] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi421 * 2u) + half422] = (row_sum_part[(mi421 * 2u) + half422] * row_alpha[(mi421 * 2u) + half422]) + p_sum;
+                    row_sum_part[(mi428 * 2u) + half429] = (row_sum_part[(mi428 * 2u) + half429] * row_alpha[(mi428 * 2u) + half429]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
+        for (unsigned frag430 = 0u; frag430 < 4u; frag430 += 1u) {
             #pragma unroll
-            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                const float alpha425 = row_alpha298[((frag423 / 2u) * 2u) + half424];
-                o_acc[(frag423 * 4u) + (half424 * 2u)] = o_acc[(frag423 * 4u) + (half424 * 2u)] * alpha425;
-                o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
+            for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
+                const float alpha432 = row_alpha305[((frag430 / 2u) * 2u) + half431];
+                o_acc[(frag430 * 4u) + (half431 * 2u)] = o_acc[(frag430 * 4u) + (half431 * 2u)] * alpha432;
+                o_acc[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
             }
         }
         #pragma unroll
-        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
+        for (unsigned frag433 = 0u; frag433 < 4u; frag433 += 1u) {
             #pragma unroll
-            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
-                const float alpha428 = row_alpha298[((frag426 / 2u) * 2u) + half427];
-                o_acc_1[(frag426 * 4u) + (half427 * 2u)] = o_acc_1[(frag426 * 4u) + (half427 * 2u)] * alpha428;
-                o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
+            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
+                const float alpha435 = row_alpha305[((frag433 / 2u) * 2u) + half434];
+                o_acc_1[(frag433 * 4u) + (half434 * 2u)] = o_acc_1[(frag433 * 4u) + (half434 * 2u)] * alpha435;
+                o_acc_1[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_1[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
             }
         }
         #pragma unroll
-        for (unsigned frag429 = 0u; frag429 < 4u; frag429 += 1u) {
+        for (unsigned frag436 = 0u; frag436 < 4u; frag436 += 1u) {
             #pragma unroll
-            for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
-                const float alpha431 = row_alpha298[((frag429 / 2u) * 2u) + half430];
-                o_acc_2[(frag429 * 4u) + (half430 * 2u)] = o_acc_2[(frag429 * 4u) + (half430 * 2u)] * alpha431;
-                o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] = o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] * alpha431;
+            for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
+                const float alpha438 = row_alpha305[((frag436 / 2u) * 2u) + half437];
+                o_acc_2[(frag436 * 4u) + (half437 * 2u)] = o_acc_2[(frag436 * 4u) + (half437 * 2u)] * alpha438;
+                o_acc_2[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_2[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
             }
         }
         #pragma unroll
-        for (unsigned frag432 = 0u; frag432 < 4u; frag432 += 1u) {
+        for (unsigned frag439 = 0u; frag439 < 4u; frag439 += 1u) {
             #pragma unroll
-            for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
-                const float alpha434 = row_alpha298[((frag432 / 2u) * 2u) + half433];
-                o_acc_3[(frag432 * 4u) + (half433 * 2u)] = o_acc_3[(frag432 * 4u) + (half433 * 2u)] * alpha434;
-                o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] = o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] * alpha434;
+            for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
+                const float alpha441 = row_alpha305[((frag439 / 2u) * 2u) + half440];
+                o_acc_3[(frag439 * 4u) + (half440 * 2u)] = o_acc_3[(frag439 * 4u) + (half440 * 2u)] * alpha441;
+                o_acc_3[((frag439 * 4u) + (half440 * 2u)) + 1u] = o_acc_3[((frag439 * 4u) + (half440 * 2u)) + 1u] * alpha441;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag437 = 0u; frag437 < 2u; frag437 += 1u) {
+            for (unsigned frag444 = 0u; frag444 < 2u; frag444 += 1u) {
                 #pragma unroll
-                for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
-                    const unsigned row435 = (scores_row0 + ((frag437 / 2u) * 16u)) + ((half438 * 8u) + lane_group);
-                    const unsigned col436 = (scores_col0 + ((frag437 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag437 * 4u) + (half438 * 2u);
-                    p_tile[(row435 * 20u) + (col436 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half445 = 0u; half445 < 2u; half445 += 1u) {
+                    const unsigned row442 = (scores_row0 + ((frag444 / 2u) * 16u)) + ((half445 * 8u) + lane_group);
+                    const unsigned col443 = (scores_col0 + ((frag444 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag444 * 4u) + (half445 * 2u);
+                    p_tile[(row442 * 20u) + (col443 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1607,284 +1640,284 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk442 = 0u; kk442 < 2u; kk442 += 1u) {
+        for (unsigned kk449 = 0u; kk449 < 2u; kk449 += 1u) {
             #pragma unroll
-            for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
-                ldmatrix_x4(&a_frag439[mi443 * 4u], p_tile + a_lane_word + (mi443 * 320u) + (kk442 * 8u));
+            for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
+                ldmatrix_x4(&a_frag446[mi450 * 4u], p_tile + a_lane_word + (mi450 * 320u) + (kk449 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale451 = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag439[0u] = pack_bf16x2(__uint_as_float(a_frag439[0u] << 16u) * k_scale451, __uint_as_float(a_frag439[0u] & 4294901760u) * k_scale452);
-                a_frag439[1u] = pack_bf16x2(__uint_as_float(a_frag439[1u] << 16u) * k_scale451, __uint_as_float(a_frag439[1u] & 4294901760u) * k_scale452);
-                a_frag439[2u] = pack_bf16x2(__uint_as_float(a_frag439[2u] << 16u) * k_scale453, __uint_as_float(a_frag439[2u] & 4294901760u) * k_scale454);
-                a_frag439[3u] = pack_bf16x2(__uint_as_float(a_frag439[3u] << 16u) * k_scale453, __uint_as_float(a_frag439[3u] & 4294901760u) * k_scale454);
-                const float k_scale455 = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale458 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag439[4u] = pack_bf16x2(__uint_as_float(a_frag439[4u] << 16u) * k_scale455, __uint_as_float(a_frag439[4u] & 4294901760u) * k_scale456);
-                a_frag439[5u] = pack_bf16x2(__uint_as_float(a_frag439[5u] << 16u) * k_scale455, __uint_as_float(a_frag439[5u] & 4294901760u) * k_scale456);
-                a_frag439[6u] = pack_bf16x2(__uint_as_float(a_frag439[6u] << 16u) * k_scale457, __uint_as_float(a_frag439[6u] & 4294901760u) * k_scale458);
-                a_frag439[7u] = pack_bf16x2(__uint_as_float(a_frag439[7u] << 16u) * k_scale457, __uint_as_float(a_frag439[7u] & 4294901760u) * k_scale458);
+                const float k_scale458 = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale459 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale460 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale461 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag446[0u] = pack_bf16x2(__uint_as_float(a_frag446[0u] << 16u) * k_scale458, __uint_as_float(a_frag446[0u] & 4294901760u) * k_scale459);
+                a_frag446[1u] = pack_bf16x2(__uint_as_float(a_frag446[1u] << 16u) * k_scale458, __uint_as_float(a_frag446[1u] & 4294901760u) * k_scale459);
+                a_frag446[2u] = pack_bf16x2(__uint_as_float(a_frag446[2u] << 16u) * k_scale460, __uint_as_float(a_frag446[2u] & 4294901760u) * k_scale461);
+                a_frag446[3u] = pack_bf16x2(__uint_as_float(a_frag446[3u] << 16u) * k_scale460, __uint_as_float(a_frag446[3u] & 4294901760u) * k_scale461);
+                const float k_scale462 = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale463 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale464 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale465 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag446[4u] = pack_bf16x2(__uint_as_float(a_frag446[4u] << 16u) * k_scale462, __uint_as_float(a_frag446[4u] & 4294901760u) * k_scale463);
+                a_frag446[5u] = pack_bf16x2(__uint_as_float(a_frag446[5u] << 16u) * k_scale462, __uint_as_float(a_frag446[5u] & 4294901760u) * k_scale463);
+                a_frag446[6u] = pack_bf16x2(__uint_as_float(a_frag446[6u] << 16u) * k_scale464, __uint_as_float(a_frag446[6u] & 4294901760u) * k_scale465);
+                a_frag446[7u] = pack_bf16x2(__uint_as_float(a_frag446[7u] << 16u) * k_scale464, __uint_as_float(a_frag446[7u] & 4294901760u) * k_scale465);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + (((kk442 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair461 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair462 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
-                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461), e4m3x2_hi(e4m3_pair461));
-                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
-                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462), e4m3x2_hi(e4m3_pair462));
+                    ldmatrix_x2_trans(&b_raw448[0u], kv_rows + (stage * 5248u) + (((kk449 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair466 = e4m3x2_prep((b_raw448[0u] & 255u) | ((b_raw448[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair467 = e4m3x2_prep(((b_raw448[0u] >> 8u) & 255u) | ((b_raw448[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair468 = e4m3x2_prep((b_raw448[1u] & 255u) | ((b_raw448[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair469 = e4m3x2_prep(((b_raw448[1u] >> 8u) & 255u) | ((b_raw448[1u] >> 16u) & 65280u));
+                    b_frag447[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
+                    b_frag447[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
+                    b_frag447[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
+                    b_frag447[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469), e4m3x2_hi(e4m3_pair469));
                     #pragma unroll
-                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
+                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi450 * 2u) + (np * 2u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
+                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi450 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + (((kk442 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk442 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale448 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk442 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair444 = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair445 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair446 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair447 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
-                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair444) * k_scale, e4m3x2_hi(e4m3_pair444) * k_scale448);
-                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale449, e4m3x2_hi(e4m3_pair446) * k_scale450);
-                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale, e4m3x2_hi(e4m3_pair445) * k_scale448);
-                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale449, e4m3x2_hi(e4m3_pair447) * k_scale450);
+                    ldmatrix_x2_trans(&b_raw448[0u], kv_rows + (stage * 5248u) + (((kk449 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw448[0u] & 255u) | ((b_raw448[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw448[0u] >> 8u) & 255u) | ((b_raw448[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair453 = e4m3x2_prep((b_raw448[1u] & 255u) | ((b_raw448[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair454 = e4m3x2_prep(((b_raw448[1u] >> 8u) & 255u) | ((b_raw448[1u] >> 16u) & 65280u));
+                    b_frag447[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451) * k_scale, e4m3x2_hi(e4m3_pair451) * k_scale455);
+                    b_frag447[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453) * k_scale456, e4m3x2_hi(e4m3_pair453) * k_scale457);
+                    b_frag447[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452) * k_scale, e4m3x2_hi(e4m3_pair452) * k_scale455);
+                    b_frag447[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale456, e4m3x2_hi(e4m3_pair454) * k_scale457);
                     #pragma unroll
-                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
+                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi450 * 2u) + (np * 2u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word469 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk466 = 0u; kk466 < 2u; kk466 += 1u) {
-            #pragma unroll
-            for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
-                ldmatrix_x4(&a_frag463[mi467 * 4u], p_tile + a_lane_word469 + (mi467 * 320u) + (kk466 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale478 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale481 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag463[0u] = pack_bf16x2(__uint_as_float(a_frag463[0u] << 16u) * k_scale478, __uint_as_float(a_frag463[0u] & 4294901760u) * k_scale479);
-                a_frag463[1u] = pack_bf16x2(__uint_as_float(a_frag463[1u] << 16u) * k_scale478, __uint_as_float(a_frag463[1u] & 4294901760u) * k_scale479);
-                a_frag463[2u] = pack_bf16x2(__uint_as_float(a_frag463[2u] << 16u) * k_scale480, __uint_as_float(a_frag463[2u] & 4294901760u) * k_scale481);
-                a_frag463[3u] = pack_bf16x2(__uint_as_float(a_frag463[3u] << 16u) * k_scale480, __uint_as_float(a_frag463[3u] & 4294901760u) * k_scale481);
-                const float k_scale482 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale485 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag463[4u] = pack_bf16x2(__uint_as_float(a_frag463[4u] << 16u) * k_scale482, __uint_as_float(a_frag463[4u] & 4294901760u) * k_scale483);
-                a_frag463[5u] = pack_bf16x2(__uint_as_float(a_frag463[5u] << 16u) * k_scale482, __uint_as_float(a_frag463[5u] & 4294901760u) * k_scale483);
-                a_frag463[6u] = pack_bf16x2(__uint_as_float(a_frag463[6u] << 16u) * k_scale484, __uint_as_float(a_frag463[6u] & 4294901760u) * k_scale485);
-                a_frag463[7u] = pack_bf16x2(__uint_as_float(a_frag463[7u] << 16u) * k_scale484, __uint_as_float(a_frag463[7u] & 4294901760u) * k_scale485);
-                #pragma unroll
-                for (unsigned np468 = 0u; np468 < 1u; np468 += 1u) {
-                    ldmatrix_x2_trans(&b_raw465[0u], kv_rows + (stage * 5248u) + (((kk466 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np468 * 16u)) >> 2u));
-                    const unsigned e4m3_pair486 = e4m3x2_prep((b_raw465[0u] & 255u) | ((b_raw465[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair487 = e4m3x2_prep(((b_raw465[0u] >> 8u) & 255u) | ((b_raw465[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair488 = e4m3x2_prep((b_raw465[1u] & 255u) | ((b_raw465[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair489 = e4m3x2_prep(((b_raw465[1u] >> 8u) & 255u) | ((b_raw465[1u] >> 16u) & 65280u));
-                    b_frag464[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
-                    b_frag464[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
-                    b_frag464[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
-                    b_frag464[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair489), e4m3x2_hi(e4m3_pair489));
-                    #pragma unroll
-                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + (np468 * 2u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + ((np468 * 2u) + 1u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np468 = 0u; np468 < 1u; np468 += 1u) {
-                    ldmatrix_x2_trans(&b_raw465[0u], kv_rows + (stage * 5248u) + (((kk466 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np468 * 16u)) >> 2u));
-                    const float k_scale474 = kv_scales[((stage * 5248u) + (((kk466 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk466 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair470 = e4m3x2_prep((b_raw465[0u] & 255u) | ((b_raw465[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair471 = e4m3x2_prep(((b_raw465[0u] >> 8u) & 255u) | ((b_raw465[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair472 = e4m3x2_prep((b_raw465[1u] & 255u) | ((b_raw465[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair473 = e4m3x2_prep(((b_raw465[1u] >> 8u) & 255u) | ((b_raw465[1u] >> 16u) & 65280u));
-                    b_frag464[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale474, e4m3x2_hi(e4m3_pair470) * k_scale475);
-                    b_frag464[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472) * k_scale476, e4m3x2_hi(e4m3_pair472) * k_scale477);
-                    b_frag464[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale474, e4m3x2_hi(e4m3_pair471) * k_scale475);
-                    b_frag464[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair473) * k_scale476, e4m3x2_hi(e4m3_pair473) * k_scale477);
-                    #pragma unroll
-                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + (np468 * 2u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi467 = 0u; mi467 < 2u; mi467 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi467 * 2u) + ((np468 * 2u) + 1u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[2u]);
+                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi450 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word496 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word476 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk493 = 0u; kk493 < 2u; kk493 += 1u) {
+        for (unsigned kk473 = 0u; kk473 < 2u; kk473 += 1u) {
             #pragma unroll
-            for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
-                ldmatrix_x4(&a_frag490[mi494 * 4u], p_tile + a_lane_word496 + (mi494 * 320u) + (kk493 * 8u));
+            for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
+                ldmatrix_x4(&a_frag470[mi474 * 4u], p_tile + a_lane_word476 + (mi474 * 320u) + (kk473 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale505 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale508 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag490[0u] = pack_bf16x2(__uint_as_float(a_frag490[0u] << 16u) * k_scale505, __uint_as_float(a_frag490[0u] & 4294901760u) * k_scale506);
-                a_frag490[1u] = pack_bf16x2(__uint_as_float(a_frag490[1u] << 16u) * k_scale505, __uint_as_float(a_frag490[1u] & 4294901760u) * k_scale506);
-                a_frag490[2u] = pack_bf16x2(__uint_as_float(a_frag490[2u] << 16u) * k_scale507, __uint_as_float(a_frag490[2u] & 4294901760u) * k_scale508);
-                a_frag490[3u] = pack_bf16x2(__uint_as_float(a_frag490[3u] << 16u) * k_scale507, __uint_as_float(a_frag490[3u] & 4294901760u) * k_scale508);
-                const float k_scale509 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag490[4u] = pack_bf16x2(__uint_as_float(a_frag490[4u] << 16u) * k_scale509, __uint_as_float(a_frag490[4u] & 4294901760u) * k_scale510);
-                a_frag490[5u] = pack_bf16x2(__uint_as_float(a_frag490[5u] << 16u) * k_scale509, __uint_as_float(a_frag490[5u] & 4294901760u) * k_scale510);
-                a_frag490[6u] = pack_bf16x2(__uint_as_float(a_frag490[6u] << 16u) * k_scale511, __uint_as_float(a_frag490[6u] & 4294901760u) * k_scale512);
-                a_frag490[7u] = pack_bf16x2(__uint_as_float(a_frag490[7u] << 16u) * k_scale511, __uint_as_float(a_frag490[7u] & 4294901760u) * k_scale512);
+                const float k_scale485 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale486 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale487 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag470[0u] = pack_bf16x2(__uint_as_float(a_frag470[0u] << 16u) * k_scale485, __uint_as_float(a_frag470[0u] & 4294901760u) * k_scale486);
+                a_frag470[1u] = pack_bf16x2(__uint_as_float(a_frag470[1u] << 16u) * k_scale485, __uint_as_float(a_frag470[1u] & 4294901760u) * k_scale486);
+                a_frag470[2u] = pack_bf16x2(__uint_as_float(a_frag470[2u] << 16u) * k_scale487, __uint_as_float(a_frag470[2u] & 4294901760u) * k_scale488);
+                a_frag470[3u] = pack_bf16x2(__uint_as_float(a_frag470[3u] << 16u) * k_scale487, __uint_as_float(a_frag470[3u] & 4294901760u) * k_scale488);
+                const float k_scale489 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale491 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale492 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag470[4u] = pack_bf16x2(__uint_as_float(a_frag470[4u] << 16u) * k_scale489, __uint_as_float(a_frag470[4u] & 4294901760u) * k_scale490);
+                a_frag470[5u] = pack_bf16x2(__uint_as_float(a_frag470[5u] << 16u) * k_scale489, __uint_as_float(a_frag470[5u] & 4294901760u) * k_scale490);
+                a_frag470[6u] = pack_bf16x2(__uint_as_float(a_frag470[6u] << 16u) * k_scale491, __uint_as_float(a_frag470[6u] & 4294901760u) * k_scale492);
+                a_frag470[7u] = pack_bf16x2(__uint_as_float(a_frag470[7u] << 16u) * k_scale491, __uint_as_float(a_frag470[7u] & 4294901760u) * k_scale492);
                 #pragma unroll
-                for (unsigned np495 = 0u; np495 < 1u; np495 += 1u) {
-                    ldmatrix_x2_trans(&b_raw492[0u], kv_rows + (stage * 5248u) + (((kk493 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np495 * 16u)) >> 2u));
-                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw492[0u] & 255u) | ((b_raw492[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw492[0u] >> 8u) & 255u) | ((b_raw492[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep((b_raw492[1u] & 255u) | ((b_raw492[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair516 = e4m3x2_prep(((b_raw492[1u] >> 8u) & 255u) | ((b_raw492[1u] >> 16u) & 65280u));
-                    b_frag491[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
-                    b_frag491[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515), e4m3x2_hi(e4m3_pair515));
-                    b_frag491[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
-                    b_frag491[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516), e4m3x2_hi(e4m3_pair516));
+                for (unsigned np475 = 0u; np475 < 1u; np475 += 1u) {
+                    ldmatrix_x2_trans(&b_raw472[0u], kv_rows + (stage * 5248u) + (((kk473 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np475 * 16u)) >> 2u));
+                    const unsigned e4m3_pair493 = e4m3x2_prep((b_raw472[0u] & 255u) | ((b_raw472[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair494 = e4m3x2_prep(((b_raw472[0u] >> 8u) & 255u) | ((b_raw472[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw472[1u] & 255u) | ((b_raw472[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw472[1u] >> 8u) & 255u) | ((b_raw472[1u] >> 16u) & 65280u));
+                    b_frag471[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493), e4m3x2_hi(e4m3_pair493));
+                    b_frag471[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
+                    b_frag471[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair494), e4m3x2_hi(e4m3_pair494));
+                    b_frag471[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
                     #pragma unroll
-                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + (np495 * 2u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[0u]);
+                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + (np475 * 2u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + ((np495 * 2u) + 1u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[2u]);
+                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + ((np475 * 2u) + 1u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np495 = 0u; np495 < 1u; np495 += 1u) {
-                    ldmatrix_x2_trans(&b_raw492[0u], kv_rows + (stage * 5248u) + (((kk493 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np495 * 16u)) >> 2u));
-                    const float k_scale501 = kv_scales[((stage * 5248u) + (((kk493 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale503 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale504 = kv_scales[((stage * 5248u) + ((((kk493 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw492[0u] & 255u) | ((b_raw492[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw492[0u] >> 8u) & 255u) | ((b_raw492[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw492[1u] & 255u) | ((b_raw492[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw492[1u] >> 8u) & 255u) | ((b_raw492[1u] >> 16u) & 65280u));
-                    b_frag491[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497) * k_scale501, e4m3x2_hi(e4m3_pair497) * k_scale502);
-                    b_frag491[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale503, e4m3x2_hi(e4m3_pair499) * k_scale504);
-                    b_frag491[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498) * k_scale501, e4m3x2_hi(e4m3_pair498) * k_scale502);
-                    b_frag491[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500) * k_scale503, e4m3x2_hi(e4m3_pair500) * k_scale504);
+                for (unsigned np475 = 0u; np475 < 1u; np475 += 1u) {
+                    ldmatrix_x2_trans(&b_raw472[0u], kv_rows + (stage * 5248u) + (((kk473 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np475 * 16u)) >> 2u));
+                    const float k_scale481 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale482 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair477 = e4m3x2_prep((b_raw472[0u] & 255u) | ((b_raw472[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair478 = e4m3x2_prep(((b_raw472[0u] >> 8u) & 255u) | ((b_raw472[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair479 = e4m3x2_prep((b_raw472[1u] & 255u) | ((b_raw472[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw472[1u] >> 8u) & 255u) | ((b_raw472[1u] >> 16u) & 65280u));
+                    b_frag471[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale481, e4m3x2_hi(e4m3_pair477) * k_scale482);
+                    b_frag471[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale483, e4m3x2_hi(e4m3_pair479) * k_scale484);
+                    b_frag471[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale481, e4m3x2_hi(e4m3_pair478) * k_scale482);
+                    b_frag471[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480) * k_scale483, e4m3x2_hi(e4m3_pair480) * k_scale484);
                     #pragma unroll
-                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + (np495 * 2u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[0u]);
+                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + (np475 * 2u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi494 = 0u; mi494 < 2u; mi494 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi494 * 2u) + ((np495 * 2u) + 1u)) * 4u], &a_frag490[mi494 * 4u], &b_frag491[2u]);
+                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + ((np475 * 2u) + 1u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word523 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word503 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk520 = 0u; kk520 < 2u; kk520 += 1u) {
+        for (unsigned kk500 = 0u; kk500 < 2u; kk500 += 1u) {
             #pragma unroll
-            for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
-                ldmatrix_x4(&a_frag517[mi521 * 4u], p_tile + a_lane_word523 + (mi521 * 320u) + (kk520 * 8u));
+            for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
+                ldmatrix_x4(&a_frag497[mi501 * 4u], p_tile + a_lane_word503 + (mi501 * 320u) + (kk500 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale532 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale535 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag517[0u] = pack_bf16x2(__uint_as_float(a_frag517[0u] << 16u) * k_scale532, __uint_as_float(a_frag517[0u] & 4294901760u) * k_scale533);
-                a_frag517[1u] = pack_bf16x2(__uint_as_float(a_frag517[1u] << 16u) * k_scale532, __uint_as_float(a_frag517[1u] & 4294901760u) * k_scale533);
-                a_frag517[2u] = pack_bf16x2(__uint_as_float(a_frag517[2u] << 16u) * k_scale534, __uint_as_float(a_frag517[2u] & 4294901760u) * k_scale535);
-                a_frag517[3u] = pack_bf16x2(__uint_as_float(a_frag517[3u] << 16u) * k_scale534, __uint_as_float(a_frag517[3u] & 4294901760u) * k_scale535);
-                const float k_scale536 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale539 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag517[4u] = pack_bf16x2(__uint_as_float(a_frag517[4u] << 16u) * k_scale536, __uint_as_float(a_frag517[4u] & 4294901760u) * k_scale537);
-                a_frag517[5u] = pack_bf16x2(__uint_as_float(a_frag517[5u] << 16u) * k_scale536, __uint_as_float(a_frag517[5u] & 4294901760u) * k_scale537);
-                a_frag517[6u] = pack_bf16x2(__uint_as_float(a_frag517[6u] << 16u) * k_scale538, __uint_as_float(a_frag517[6u] & 4294901760u) * k_scale539);
-                a_frag517[7u] = pack_bf16x2(__uint_as_float(a_frag517[7u] << 16u) * k_scale538, __uint_as_float(a_frag517[7u] & 4294901760u) * k_scale539);
+                const float k_scale512 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag497[0u] = pack_bf16x2(__uint_as_float(a_frag497[0u] << 16u) * k_scale512, __uint_as_float(a_frag497[0u] & 4294901760u) * k_scale513);
+                a_frag497[1u] = pack_bf16x2(__uint_as_float(a_frag497[1u] << 16u) * k_scale512, __uint_as_float(a_frag497[1u] & 4294901760u) * k_scale513);
+                a_frag497[2u] = pack_bf16x2(__uint_as_float(a_frag497[2u] << 16u) * k_scale514, __uint_as_float(a_frag497[2u] & 4294901760u) * k_scale515);
+                a_frag497[3u] = pack_bf16x2(__uint_as_float(a_frag497[3u] << 16u) * k_scale514, __uint_as_float(a_frag497[3u] & 4294901760u) * k_scale515);
+                const float k_scale516 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag497[4u] = pack_bf16x2(__uint_as_float(a_frag497[4u] << 16u) * k_scale516, __uint_as_float(a_frag497[4u] & 4294901760u) * k_scale517);
+                a_frag497[5u] = pack_bf16x2(__uint_as_float(a_frag497[5u] << 16u) * k_scale516, __uint_as_float(a_frag497[5u] & 4294901760u) * k_scale517);
+                a_frag497[6u] = pack_bf16x2(__uint_as_float(a_frag497[6u] << 16u) * k_scale518, __uint_as_float(a_frag497[6u] & 4294901760u) * k_scale519);
+                a_frag497[7u] = pack_bf16x2(__uint_as_float(a_frag497[7u] << 16u) * k_scale518, __uint_as_float(a_frag497[7u] & 4294901760u) * k_scale519);
                 #pragma unroll
-                for (unsigned np522 = 0u; np522 < 1u; np522 += 1u) {
-                    ldmatrix_x2_trans(&b_raw519[0u], kv_rows + (stage * 5248u) + (((kk520 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np522 * 16u)) >> 2u));
-                    const unsigned e4m3_pair540 = e4m3x2_prep((b_raw519[0u] & 255u) | ((b_raw519[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair541 = e4m3x2_prep(((b_raw519[0u] >> 8u) & 255u) | ((b_raw519[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair542 = e4m3x2_prep((b_raw519[1u] & 255u) | ((b_raw519[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair543 = e4m3x2_prep(((b_raw519[1u] >> 8u) & 255u) | ((b_raw519[1u] >> 16u) & 65280u));
-                    b_frag518[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540), e4m3x2_hi(e4m3_pair540));
-                    b_frag518[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542), e4m3x2_hi(e4m3_pair542));
-                    b_frag518[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541), e4m3x2_hi(e4m3_pair541));
-                    b_frag518[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair543), e4m3x2_hi(e4m3_pair543));
+                for (unsigned np502 = 0u; np502 < 1u; np502 += 1u) {
+                    ldmatrix_x2_trans(&b_raw499[0u], kv_rows + (stage * 5248u) + (((kk500 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np502 * 16u)) >> 2u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw499[0u] & 255u) | ((b_raw499[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw499[0u] >> 8u) & 255u) | ((b_raw499[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw499[1u] & 255u) | ((b_raw499[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw499[1u] >> 8u) & 255u) | ((b_raw499[1u] >> 16u) & 65280u));
+                    b_frag498[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag498[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
+                    b_frag498[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    b_frag498[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523), e4m3x2_hi(e4m3_pair523));
                     #pragma unroll
-                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + (np522 * 2u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[0u]);
+                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + (np502 * 2u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + ((np522 * 2u) + 1u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[2u]);
+                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + ((np502 * 2u) + 1u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np522 = 0u; np522 < 1u; np522 += 1u) {
-                    ldmatrix_x2_trans(&b_raw519[0u], kv_rows + (stage * 5248u) + (((kk520 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np522 * 16u)) >> 2u));
-                    const float k_scale528 = kv_scales[((stage * 5248u) + (((kk520 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale529 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale530 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale531 = kv_scales[((stage * 5248u) + ((((kk520 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair524 = e4m3x2_prep((b_raw519[0u] & 255u) | ((b_raw519[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep(((b_raw519[0u] >> 8u) & 255u) | ((b_raw519[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair526 = e4m3x2_prep((b_raw519[1u] & 255u) | ((b_raw519[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair527 = e4m3x2_prep(((b_raw519[1u] >> 8u) & 255u) | ((b_raw519[1u] >> 16u) & 65280u));
-                    b_frag518[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale528, e4m3x2_hi(e4m3_pair524) * k_scale529);
-                    b_frag518[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526) * k_scale530, e4m3x2_hi(e4m3_pair526) * k_scale531);
-                    b_frag518[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale528, e4m3x2_hi(e4m3_pair525) * k_scale529);
-                    b_frag518[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527) * k_scale530, e4m3x2_hi(e4m3_pair527) * k_scale531);
+                for (unsigned np502 = 0u; np502 < 1u; np502 += 1u) {
+                    ldmatrix_x2_trans(&b_raw499[0u], kv_rows + (stage * 5248u) + (((kk500 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np502 * 16u)) >> 2u));
+                    const float k_scale508 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale509 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair504 = e4m3x2_prep((b_raw499[0u] & 255u) | ((b_raw499[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw499[0u] >> 8u) & 255u) | ((b_raw499[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw499[1u] & 255u) | ((b_raw499[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw499[1u] >> 8u) & 255u) | ((b_raw499[1u] >> 16u) & 65280u));
+                    b_frag498[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504) * k_scale508, e4m3x2_hi(e4m3_pair504) * k_scale509);
+                    b_frag498[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
+                    b_frag498[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505) * k_scale508, e4m3x2_hi(e4m3_pair505) * k_scale509);
+                    b_frag498[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
                     #pragma unroll
-                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + (np522 * 2u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[0u]);
+                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + (np502 * 2u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi521 = 0u; mi521 < 2u; mi521 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi521 * 2u) + ((np522 * 2u) + 1u)) * 4u], &a_frag517[mi521 * 4u], &b_frag518[2u]);
+                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + ((np502 * 2u) + 1u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word530 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk527 = 0u; kk527 < 2u; kk527 += 1u) {
+            #pragma unroll
+            for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
+                ldmatrix_x4(&a_frag524[mi528 * 4u], p_tile + a_lane_word530 + (mi528 * 320u) + (kk527 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale539 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale540 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale541 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale542 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag524[0u] = pack_bf16x2(__uint_as_float(a_frag524[0u] << 16u) * k_scale539, __uint_as_float(a_frag524[0u] & 4294901760u) * k_scale540);
+                a_frag524[1u] = pack_bf16x2(__uint_as_float(a_frag524[1u] << 16u) * k_scale539, __uint_as_float(a_frag524[1u] & 4294901760u) * k_scale540);
+                a_frag524[2u] = pack_bf16x2(__uint_as_float(a_frag524[2u] << 16u) * k_scale541, __uint_as_float(a_frag524[2u] & 4294901760u) * k_scale542);
+                a_frag524[3u] = pack_bf16x2(__uint_as_float(a_frag524[3u] << 16u) * k_scale541, __uint_as_float(a_frag524[3u] & 4294901760u) * k_scale542);
+                const float k_scale543 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale544 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale545 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale546 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag524[4u] = pack_bf16x2(__uint_as_float(a_frag524[4u] << 16u) * k_scale543, __uint_as_float(a_frag524[4u] & 4294901760u) * k_scale544);
+                a_frag524[5u] = pack_bf16x2(__uint_as_float(a_frag524[5u] << 16u) * k_scale543, __uint_as_float(a_frag524[5u] & 4294901760u) * k_scale544);
+                a_frag524[6u] = pack_bf16x2(__uint_as_float(a_frag524[6u] << 16u) * k_scale545, __uint_as_float(a_frag524[6u] & 4294901760u) * k_scale546);
+                a_frag524[7u] = pack_bf16x2(__uint_as_float(a_frag524[7u] << 16u) * k_scale545, __uint_as_float(a_frag524[7u] & 4294901760u) * k_scale546);
+                #pragma unroll
+                for (unsigned np529 = 0u; np529 < 1u; np529 += 1u) {
+                    ldmatrix_x2_trans(&b_raw526[0u], kv_rows + (stage * 5248u) + (((kk527 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np529 * 16u)) >> 2u));
+                    const unsigned e4m3_pair547 = e4m3x2_prep((b_raw526[0u] & 255u) | ((b_raw526[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair548 = e4m3x2_prep(((b_raw526[0u] >> 8u) & 255u) | ((b_raw526[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair549 = e4m3x2_prep((b_raw526[1u] & 255u) | ((b_raw526[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair550 = e4m3x2_prep(((b_raw526[1u] >> 8u) & 255u) | ((b_raw526[1u] >> 16u) & 65280u));
+                    b_frag525[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair547), e4m3x2_hi(e4m3_pair547));
+                    b_frag525[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair549), e4m3x2_hi(e4m3_pair549));
+                    b_frag525[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair548), e4m3x2_hi(e4m3_pair548));
+                    b_frag525[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair550), e4m3x2_hi(e4m3_pair550));
+                    #pragma unroll
+                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + (np529 * 2u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + ((np529 * 2u) + 1u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np529 = 0u; np529 < 1u; np529 += 1u) {
+                    ldmatrix_x2_trans(&b_raw526[0u], kv_rows + (stage * 5248u) + (((kk527 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np529 * 16u)) >> 2u));
+                    const float k_scale535 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale536 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair531 = e4m3x2_prep((b_raw526[0u] & 255u) | ((b_raw526[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair532 = e4m3x2_prep(((b_raw526[0u] >> 8u) & 255u) | ((b_raw526[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair533 = e4m3x2_prep((b_raw526[1u] & 255u) | ((b_raw526[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair534 = e4m3x2_prep(((b_raw526[1u] >> 8u) & 255u) | ((b_raw526[1u] >> 16u) & 65280u));
+                    b_frag525[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531) * k_scale535, e4m3x2_hi(e4m3_pair531) * k_scale536);
+                    b_frag525[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair533) * k_scale537, e4m3x2_hi(e4m3_pair533) * k_scale538);
+                    b_frag525[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair532) * k_scale535, e4m3x2_hi(e4m3_pair532) * k_scale536);
+                    b_frag525[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534) * k_scale537, e4m3x2_hi(e4m3_pair534) * k_scale538);
+                    #pragma unroll
+                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + (np529 * 2u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + ((np529 * 2u) + 1u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[2u]);
                     }
                 }
             }
@@ -1899,16 +1932,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi545 = 0u; mi545 < 1u; mi545 += 1u) {
+        for (unsigned mi552 = 0u; mi552 < 1u; mi552 += 1u) {
             #pragma unroll
-            for (unsigned half546 = 0u; half546 < 2u; half546 += 1u) {
-                float row_sum544 = row_sum_part[(mi545 * 2u) + half546];
-                const float other547 = shfl_xor_f32(row_sum544, 1);
-                row_sum544 = row_sum544 + other547;
-                const float other548 = shfl_xor_f32(row_sum544, 2);
-                row_sum544 = row_sum544 + other548;
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+                float row_sum551 = row_sum_part[(mi552 * 2u) + half553];
+                const float other554 = shfl_xor_f32(row_sum551, 1);
+                row_sum551 = row_sum551 + other554;
+                const float other555 = shfl_xor_f32(row_sum551, 2);
+                row_sum551 = row_sum551 + other555;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi545 * 16u)) + ((half546 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum544;
+                    row_exchange[(((scores_row0 + (mi552 * 16u)) + ((half553 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum551;
                 }
             }
         }
@@ -1916,14 +1949,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi550 = 0u; mi550 < 1u; mi550 += 1u) {
+        for (unsigned mi557 = 0u; mi557 < 1u; mi557 += 1u) {
             #pragma unroll
-            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
+            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum549 = row_exchange[((scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)) * 3u];
-                    row_sum549 = row_sum549 + row_exchange[(((scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)] = row_sum549;
-                    row_max[(scores_row0 + (mi550 * 16u)) + ((half551 * 8u) + lane_group)] = row_max_reg[(mi550 * 2u) + half551];
+                    float row_sum556 = row_exchange[((scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)) * 3u];
+                    row_sum556 = row_sum556 + row_exchange[(((scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)] = row_sum556;
+                    row_max[(scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)] = row_max_reg[(mi557 * 2u) + half558];
                 }
             }
         }
@@ -1944,82 +1977,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 2u; frag552 += 1u) {
+        for (unsigned frag559 = 0u; frag559 < 2u; frag559 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    float v0_6 = o_acc[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
-                    float v1_6 = o_acc[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
+                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
+                    float v0_6 = o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
+                    float v1_6 = o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_6;
-                    o_acc[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_6;
+                    o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_6;
+                    o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag555 = 0u; frag555 < 2u; frag555 += 1u) {
+        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
             #pragma unroll
-            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
+            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
                 #pragma unroll
-                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
-                    float v0_7 = o_acc_1[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
-                    float v1_7 = o_acc_1[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
+                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag562 / 1u) * 16u)) + ((half563 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag562 % 1u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
+                    float v0_7 = o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)];
+                    float v1_7 = o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_7;
-                    o_acc_1[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_7;
+                    o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)] = v0_7;
+                    o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag558 = 0u; frag558 < 2u; frag558 += 1u) {
+        for (unsigned frag565 = 0u; frag565 < 2u; frag565 += 1u) {
             #pragma unroll
-            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
+            for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
                 #pragma unroll
-                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    float v0_8 = o_acc_2[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
-                    float v1_8 = o_acc_2[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
+                for (unsigned e567 = 0u; e567 < 2u; e567 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag565 / 1u) * 16u)) + ((half566 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag565 % 1u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
+                    float v0_8 = o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
+                    float v1_8 = o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_8;
-                    o_acc_2[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_8;
+                    o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_8;
+                    o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag561 = 0u; frag561 < 2u; frag561 += 1u) {
+        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
             #pragma unroll
-            for (unsigned half562 = 0u; half562 < 2u; half562 += 1u) {
+            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
                 #pragma unroll
-                for (unsigned e563 = 0u; e563 < 2u; e563 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag561 / 1u) * 16u)) + ((half562 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag561 % 1u) * 16u)) + ((lane_quad * 4u) + (e563 * 2u));
-                    float v0_9 = o_acc_3[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)];
-                    float v1_9 = o_acc_3[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)];
+                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag568 / 1u) * 16u)) + ((half569 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag568 % 1u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
+                    float v0_9 = o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
+                    float v1_9 = o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) * 4u) + ((half562 * 2u) + e563)] = v0_9;
-                    o_acc_3[(((((frag561 / 1u) * 2u) + ((frag561 % 1u) * 2u)) + 1u) * 4u) + ((half562 * 2u) + e563)] = v1_9;
+                    o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_9;
+                    o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_9;
                 }
             }
         }
@@ -2037,15 +2070,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag564 = 0u; frag564 < 2u; frag564 += 1u) {
+        for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
             #pragma unroll
-            for (unsigned half565 = 0u; half565 < 2u; half565 += 1u) {
+            for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
                 #pragma unroll
-                for (unsigned e566 = 0u; e566 < 2u; e566 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag564 / 1u) * 16u)) + ((half565 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag564 % 1u) * 16u)) + ((lane_quad * 4u) + (e566 * 2u));
-                    float v0_10 = o_acc[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)];
-                    float v1_10 = o_acc[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)];
+                for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag571 / 1u) * 16u)) + ((half572 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag571 % 1u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
+                    float v0_10 = o_acc[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
+                    float v1_10 = o_acc[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2053,21 +2086,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) * 4u) + ((half565 * 2u) + e566)] = v0_10;
-                    o_acc[(((((frag564 / 1u) * 2u) + ((frag564 % 1u) * 2u)) + 1u) * 4u) + ((half565 * 2u) + e566)] = v1_10;
+                    o_acc[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_10;
+                    o_acc[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag567 = 0u; frag567 < 2u; frag567 += 1u) {
+        for (unsigned frag574 = 0u; frag574 < 2u; frag574 += 1u) {
             #pragma unroll
-            for (unsigned half568 = 0u; half568 < 2u; half568 += 1u) {
+            for (unsigned half575 = 0u; half575 < 2u; half575 += 1u) {
                 #pragma unroll
-                for (unsigned e569 = 0u; e569 < 2u; e569 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag567 / 1u) * 16u)) + ((half568 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag567 % 1u) * 16u)) + ((lane_quad * 4u) + (e569 * 2u));
-                    float v0_11 = o_acc_1[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)];
-                    float v1_11 = o_acc_1[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)];
+                for (unsigned e576 = 0u; e576 < 2u; e576 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag574 / 1u) * 16u)) + ((half575 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag574 % 1u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
+                    float v0_11 = o_acc_1[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
+                    float v1_11 = o_acc_1[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2075,21 +2108,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) * 4u) + ((half568 * 2u) + e569)] = v0_11;
-                    o_acc_1[(((((frag567 / 1u) * 2u) + ((frag567 % 1u) * 2u)) + 1u) * 4u) + ((half568 * 2u) + e569)] = v1_11;
+                    o_acc_1[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_11;
+                    o_acc_1[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag570 = 0u; frag570 < 2u; frag570 += 1u) {
+        for (unsigned frag577 = 0u; frag577 < 2u; frag577 += 1u) {
             #pragma unroll
-            for (unsigned half571 = 0u; half571 < 2u; half571 += 1u) {
+            for (unsigned half578 = 0u; half578 < 2u; half578 += 1u) {
                 #pragma unroll
-                for (unsigned e572 = 0u; e572 < 2u; e572 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag570 / 1u) * 16u)) + ((half571 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag570 % 1u) * 16u)) + ((lane_quad * 4u) + (e572 * 2u));
-                    float v0_12 = o_acc_2[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)];
-                    float v1_12 = o_acc_2[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)];
+                for (unsigned e579 = 0u; e579 < 2u; e579 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag577 / 1u) * 16u)) + ((half578 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag577 % 1u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
+                    float v0_12 = o_acc_2[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
+                    float v1_12 = o_acc_2[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2097,21 +2130,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) * 4u) + ((half571 * 2u) + e572)] = v0_12;
-                    o_acc_2[(((((frag570 / 1u) * 2u) + ((frag570 % 1u) * 2u)) + 1u) * 4u) + ((half571 * 2u) + e572)] = v1_12;
+                    o_acc_2[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_12;
+                    o_acc_2[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag573 = 0u; frag573 < 2u; frag573 += 1u) {
+        for (unsigned frag580 = 0u; frag580 < 2u; frag580 += 1u) {
             #pragma unroll
-            for (unsigned half574 = 0u; half574 < 2u; half574 += 1u) {
+            for (unsigned half581 = 0u; half581 < 2u; half581 += 1u) {
                 #pragma unroll
-                for (unsigned e575 = 0u; e575 < 2u; e575 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag573 / 1u) * 16u)) + ((half574 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag573 % 1u) * 16u)) + ((lane_quad * 4u) + (e575 * 2u));
-                    float v0_13 = o_acc_3[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)];
-                    float v1_13 = o_acc_3[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)];
+                for (unsigned e582 = 0u; e582 < 2u; e582 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag580 / 1u) * 16u)) + ((half581 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag580 % 1u) * 16u)) + ((lane_quad * 4u) + (e582 * 2u));
+                    float v0_13 = o_acc_3[((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) * 4u) + ((half581 * 2u) + e582)];
+                    float v1_13 = o_acc_3[(((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2119,8 +2152,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) * 4u) + ((half574 * 2u) + e575)] = v0_13;
-                    o_acc_3[(((((frag573 / 1u) * 2u) + ((frag573 % 1u) * 2u)) + 1u) * 4u) + ((half574 * 2u) + e575)] = v1_13;
+                    o_acc_3[((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) * 4u) + ((half581 * 2u) + e582)] = v0_13;
+                    o_acc_3[(((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)] = v1_13;
                 }
             }
         }

@@ -185,3 +185,46 @@ fn the_first_index_loads_go_out_before_q_and_the_ring_set_up() {
         }
     }
 }
+
+/// q, register-resident in the v7 kernels, is staged through the ring's memory (one 16-byte
+/// copy per chunk, then each warp's fragments from shared memory), taking no shared memory of
+/// its own; the warp-group kernels load it from global memory (staged, they ran slower).
+#[test]
+fn resident_q_is_staged_through_the_ring_in_v7_only() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let v7 = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, 16);
+        let (split, _) = lowered_kernels(&v7).expect("lowers");
+        let src = cuda::emit(&split).expect("emits");
+        assert!(
+            src.contains("A fragments from its staging rows"),
+            "{}",
+            split.name
+        );
+        let q = split
+            .shared
+            .iter()
+            .find(|d| d.name == "q_tile")
+            .expect("q staging");
+        assert!(
+            q.alias.is_some(),
+            "{}: q takes no memory of its own",
+            split.name
+        );
+        let batch =
+            DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16).expect("batch");
+        let (split, _) = lowered_kernels(&batch).expect("lowers");
+        let src = cuda::emit(&split).expect("emits");
+        assert!(
+            src.contains("straight from global memory"),
+            "{}",
+            split.name
+        );
+        assert!(
+            !split.shared.iter().any(|d| d.name == "q_tile"),
+            "{}",
+            split.name
+        );
+    }
+}

@@ -128,6 +128,15 @@ impl Rewrite for Cx<'_> {
                 flags,
             } => {
                 if self.resident_a.contains_key(dst) {
+                    if self.is_staged(dst) {
+                        // the whole tile into its staging rows (16-byte copies, missing rows
+                        // zero-filled), then each warp's fragments from there
+                        out.push(Stmt::Barrier);
+                        self.gather(dst, *dst_word0, *words, src, row, src_word, None, out)?;
+                        out.push(intr(Intrinsic::CpAsyncCommit));
+                        out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
+                        out.push(Stmt::Barrier);
+                    }
                     let loads = self.resident_gather(dst, src, row, src_word)?;
                     out.extend(loads);
                     return Ok(());

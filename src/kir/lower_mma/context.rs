@@ -178,6 +178,17 @@ impl Cx<'_> {
     }
 
     /// Word offset of the current ring stage of a tile (0 for an ordinary tile).
+    /// A register-resident tile staged through shared memory (see `layout`).
+    pub(super) fn is_staged(&self, tile: &str) -> bool {
+        self.kernel
+            .shared_tile(tile)
+            .is_some_and(|t| t.alias.is_none())
+            && self
+                .new_shared
+                .iter()
+                .any(|d| d.name == tile && d.alias.is_some())
+    }
+
     pub(super) fn tile_base(&self, t: &TileInfo) -> Result<Expr> {
         if !t.ringed || self.stages == 1 {
             return Ok(u(0));

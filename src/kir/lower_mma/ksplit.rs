@@ -416,8 +416,16 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
 }
 
 fn is_resident_tile(cx: &Cx, name: &str) -> bool {
-    // a tile registered without shared memory
-    !cx.new_shared.iter().any(|s| s.name == name) && cx.kernel.shared_tile(name).is_some()
+    // a tile of the description's own (not a window of another) registered without shared
+    // memory, or with only its staging rows: a window of the ring (`layout`)
+    cx.kernel
+        .shared_tile(name)
+        .is_some_and(|t| t.alias.is_none())
+        && cx
+            .new_shared
+            .iter()
+            .filter(|s| s.name == name)
+            .all(|s| s.alias.is_some())
 }
 
 #[cold]
@@ -560,9 +568,11 @@ impl Cx<'_> {
         let r = self.resident_a.get(dst).cloned().unwrap_or_default();
         let info = self.tile(dst)?.clone();
         let fm = info.decl.rows / 16;
-        let mut out = vec![Stmt::Comment(format!(
-            "{dst}: this warp's A fragments straight from global memory into registers"
-        ))];
+        let mut out = vec![Stmt::Comment(if self.is_staged(dst) {
+            format!("{dst}: this warp's A fragments from its staging rows into registers")
+        } else {
+            format!("{dst}: this warp's A fragments straight from global memory into registers")
+        })];
         // source words of the lane's rows (g and g + 8 of each m fragment)
         let src_word = self.expr(src_word)?;
         let rows_sw: Vec<String> = (0..2 * fm)
@@ -579,8 +589,20 @@ impl Cx<'_> {
                 out.push(let_(name, bound));
             }
         }
-        // word `word` of the row of lane row `h` (0..2 fm), 0 for a missing row
+        // word `word` of the row of lane row `h` (0..2 fm), 0 for a missing row: from the
+        // staging rows where the tile has them (`layout`), else from global memory
+        let staged = self.is_staged(dst);
+        let stride = info.stride;
+        let lane_group = self.lane.group.clone();
         let load = |h: u32, word: Expr| {
+            if staged {
+                let r = add(u(16 * (h / 2) + 8 * (h % 2)), lane_group.clone());
+                return Expr::SharedLoad {
+                    arr: dst.to_string(),
+                    ty: Ty::U32,
+                    index: Box::new(add(mul(r, u(stride)), word)),
+                };
+            }
             let sw = var(&rows_sw[h as usize], Ty::I32);
             let load = Expr::LoadWord {
                 buf: src.to_string(),

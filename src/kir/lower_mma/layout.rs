@@ -141,6 +141,7 @@ impl<'k> Cx<'k> {
             _ => {}
         });
         let resident_tiles = ksplit::resident_candidates(&cx);
+        let mut staged: Vec<String> = Vec::new();
         for t in &kernel.shared_tiles {
             if let Some((parent, offset)) = &t.alias {
                 // a typed window of the parent's rows: its stride, stages and memory
@@ -190,7 +191,9 @@ impl<'k> Cx<'k> {
                 continue;
             }
             if resident_tiles.contains(&t.name) {
-                // in registers (loaded from global memory by `ksplit`), no shared memory
+                // in registers (loaded by `ksplit`), no shared memory of its own: it is staged
+                // through the ring's memory where that fits (placed below, once the ring is)
+                staged.push(t.name.clone());
                 let store = t.elem;
                 let row_bytes = t.cols * store.bytes();
                 cx.tiles.insert(
@@ -238,6 +241,33 @@ impl<'k> Cx<'k> {
                 len: info.words() * copies,
             });
             cx.tiles.insert(t.name.clone(), info);
+        }
+        // A resident tile is staged in the first ring array whose memory holds its rows: the
+        // whole workgroup copies it there with 16-byte copies, then each warp reads its
+        // fragments from shared memory — instead of every warp loading its slice from global
+        // memory four bytes at a time (at T = 1 those loads were 30 % of a v7 workgroup's
+        // stall samples, ncu, H200). The ring is not written before its set-up's barrier, which
+        // every thread reaches after its reads.
+        for name in staged {
+            let info = cx.tiles[&name].clone();
+            let bytes = info.decl.rows * info.stride * 4;
+            let parent = cx
+                .new_shared
+                .iter()
+                .find(|d| {
+                    d.alias.is_none()
+                        && cx.tiles.get(&d.name).is_some_and(|t| t.ringed)
+                        && d.len * 4 >= bytes
+                })
+                .map(|d| (d.name.clone(), d.len));
+            if let Some((parent, len)) = parent {
+                cx.new_shared.push(SharedDecl {
+                    name: name.clone(),
+                    ty: Ty::U32,
+                    len,
+                    alias: Some((parent, 0)),
+                });
+            }
         }
         for a in &kernel.acc_tiles {
             if a.rows % 16 != 0 || a.cols % 8 != 0 {
