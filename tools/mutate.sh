@@ -20,20 +20,23 @@ export SPARSE_MLA_EMU_CASE=${SPARSE_MLA_EMU_CASE:-k2048}
 # name # file # python-literal old # python-literal new # tests (cargo test args)
 MUTATIONS=(
   "pack_bf16x2 operands swapped#src/emit/cuda.rs#': \"=r\"(r) : \"f\"(hi), \"f\"(lo));'#': \"=r\"(r) : \"f\"(lo), \"f\"(hi));'#--test mma_emulated"
-  "v6 ring: no write-after-read barrier at the end of a step#src/kir/lower_mma.rs#'        // Barrier: the next iteration\\'s load overwrites the stage computed on one step ago.\n        body.push(Stmt::Barrier);'#'        // mutation'#--test mma_emulated"
+  "v6 ring: no write-after-read barrier at the end of a step#src/kir/lower_mma/pipeline.rs#'        // Barrier: the next iteration\\'s load overwrites the stage computed on one step ago.\n        body.push(Stmt::Barrier);'#'        // mutation'#--test mma_emulated"
   "v7 ring: consumers wait for the wrong phase#src/kir/lower_mma/ws.rs#'parity: bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)),'#'parity: bin(BinOp::BitXor, bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)), u(1)),'#--test mma_emulated"
-  "v7 ring: the producer reuses a stage without waiting#src/kir/lower_mma/ws.rs#'cond: bin(BinOp::Ge, itv.clone(), u(1)),'#'cond: bin(BinOp::Ge, itv.clone(), u(1_000_000)),'#--test mma_emulated"
+  "v7 ring, one stage: the producer reuses the stage without waiting#src/kir/lower_mma/ws.rs#'        } else {\n            when.push(Stmt::If {\n                cond: bin(BinOp::Ge, itv.clone(), u(1)),'#'        } else {\n            when.push(Stmt::If {\n                cond: bin(BinOp::Ge, itv.clone(), u(1_000_000)),'#--test mma_emulated"
   "e4m3 widening: bytes of the k pairs swapped#src/kir/lower_mma/ksplit.rs#'        (pack(0, 1), pack(2, 3))'#'        (pack(2, 3), pack(0, 1))'#--test mma_emulated"
   "P x scale: the k+8 scales used for k#src/kir/lower_mma/ksplit.rs#'                (sv(0), sv(1))\n            } else {\n                (sv(2), sv(3))'#'                (sv(2), sv(3))\n            } else {\n                (sv(0), sv(1))'#--test mma_emulated"
   "split-K sum drops the last slice#src/kir/lower_mma/ksplit.rs#'            &g2,\n            ks.gk,'#'            &g2,\n            ks.gk - 1,'#--test mma_emulated"
   "mask ignores the recorded validity#src/kernels/sparse_mla_decode/split.rs#'.gt(f(0.5));'#'.gt(f(-0.5));'#--test mma_emulated --test conformance"
-  "lse never written (v7 description)#src/kernels/sparse_mla_decode/io.rs#'                b.store(&io.lse_out, at, v);'#'                let _ = (at, v);'#--test formats_fp8_decode --test mma_emulated"
+  "lse never written (v7 description)#src/kernels/sparse_mla_decode/io.rs#'                    b.store(&io.lse_out, at, v);'#'                    let _ = (at, v);'#--test formats_fp8_decode --test mma_emulated"
   "fp8 scale of tile k+1 used for tile k#src/kernels/sparse_mla_decode/split.rs#'|_, r| scales.at(r, u(k)),'#'|_, r| scales.at(r, u((k + 1) % 4)),'#--test mma_emulated --test conformance"
   "e4m3 decode: exponent bias off by one#src/emit/cuda.rs#'__uint_as_float(((e + 120u) << 23) | (m << 20));'#'__uint_as_float(((e + 121u) << 23) | (m << 20));'#--test mma_emulated"
   "warp groups: no barrier between the merge factors and their use#src/kir/lower_mma/groups.rs#'    out.push(Stmt::Barrier);\n    // the accumulators meet'#'    // the accumulators meet'#--test mma_emulated"
-  "ring release: every thread arrives, the empty mbarrier expects one per warp#src/kir/lower_mma/ws.rs#'            index: u(stages + s),\n            count: threads,'#'            index: u(stages + s),\n            count: threads / WARP,'#--test mma_emulated"
+  "ring release: every thread arrives, the empty mbarrier expects one per warp#src/kir/lower_mma/ws.rs#'                index: u(stages + s),\n                count: threads,'#'                index: u(stages + s),\n                count: threads / WARP,'#--test mma_emulated"
   "V x scale (sm_80/90 P . V): the k+8 scales used for k#src/kir/lower_mma/ksplit.rs#'.map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))'#'.map(|k| (k[2 - 2 * i].clone(), k[3 - 2 * i].clone()))'#--test mma_emulated"
   "fp8 whole row: the scales window 16 bytes late (inside the rope)#src/kernels/sparse_mla_decode/split.rs#'                TileElem::F32,\n                latent,'#'                TileElem::F32,\n                latent + 16,'#--test mma_emulated"
+  "ring: a row without a source is not zeroed (NaN garbage reaches P . V)#src/kir/lower_mma/ws.rs#'                    els: zero_row,'#'                    els: { let _ = zero_row; vec![] },'#--test mma_emulated"
+  "epilogue: the rows read l, not its reciprocal#src/kernels/sparse_mla_decode/io.rs#'if per_row { l } else { inv_of(l) }'#'if per_row { inv_of(l) } else { inv_of(l) }'#--test mma_emulated"
+  "staged q: rows g + 8 read from row g#src/kir/lower_mma/ksplit.rs#'let r = add(u(16 * (h / 2) + 8 * (h % 2)), lane_group.clone());'#'let r = add(u(16 * (h / 2)), lane_group.clone());'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
 )
 
