@@ -1453,9 +1453,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                if (step_i >= 1u) {
-                    mbar_wait(ring_barriers + ((2u + ((step_i - 1u) % 2u)) * 2u), ((step_i - 1u) / 2u) & 1u);
-                }
                 const unsigned load_stage305 = ahead % 2u;
                 #pragma unroll
                 for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
@@ -1883,11 +1880,6 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     }
                 }
             }
-        }
-
-        // pipeline step: release the stage to the producer
-        if ((step_i + 2u) < step_count) {
-            mbar_arrive(ring_barriers + ((2u + stage) * 2u));
         }
     }
 

@@ -642,7 +642,6 @@ impl Cx<'_> {
         // the producer: step i + s - 1 into the stage step i - 1 released
         let ahead = self.fresh("ahead");
         let aheadv = var(&ahead, Ty::U32);
-        let mut produce = vec![let_(&ahead, add(itv.clone(), u(s - 1)))];
         let mut when = Vec::new();
         if s > 1 {
             when.push(Stmt::If {
@@ -672,24 +671,37 @@ impl Cx<'_> {
                 els: vec![],
             });
         }
-        when.extend(issue(self, aheadv.clone())?);
-        when.push(addr(self, add(aheadv.clone(), u(1)))?);
-        produce.push(Stmt::If {
-            cond: lt(aheadv, countv.clone()),
-            then: when,
-            els: vec![],
-        });
-        let produce = vec![
-            Stmt::Comment(format!(
-                "pipeline {v}: the producer warps issue the rows {} steps ahead",
-                s - 1
-            )),
-            Stmt::If {
-                cond: producer,
-                then: produce,
-                els: vec![],
-            },
-        ];
+        let empty_wait = when.pop();
+        let mut rest = issue(self, aheadv.clone())?;
+        rest.push(addr(self, add(aheadv.clone(), u(1)))?);
+        // `wait`: the producer waits for the stage's release (see below for when it need not)
+        let produce = |wait: bool| {
+            let mut when: Vec<Stmt> = if wait {
+                empty_wait.clone().into_iter().collect()
+            } else {
+                Vec::new()
+            };
+            when.extend(rest.clone());
+            let inner = vec![
+                let_(&ahead, add(itv.clone(), u(s - 1))),
+                Stmt::If {
+                    cond: lt(aheadv.clone(), countv.clone()),
+                    then: when,
+                    els: vec![],
+                },
+            ];
+            vec![
+                Stmt::Comment(format!(
+                    "pipeline {v}: the producer warps issue the rows {} steps ahead",
+                    s - 1
+                )),
+                Stmt::If {
+                    cond: producer.clone(),
+                    then: inner,
+                    els: vec![],
+                },
+            ]
+        };
         let mut body = vec![
             let_(v, step_of(itv.clone())),
             let_(
@@ -719,34 +731,42 @@ impl Cx<'_> {
         // except with one stage, where the rows it issues are this step's own, waited for at
         // the top.
         let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
+        // After that first barrier every thread has finished the previous step, the last
+        // reader of the stage the producer fills: the barrier orders those reads before the
+        // copies, so with one warp group the stage needs no release (no arrivals, no wait on
+        // the empty mbarrier): v7 1.00-1.05x (H200, benches/NOTES.md v16). The warp-group
+        // kernel keeps its release: without it the fp8 one ran 0.98x at T = 128.
+        let released = self.groups > 1 || first_barrier.filter(|_| s > 1).is_none();
         match first_barrier.filter(|_| s > 1) {
             Some(at) => {
                 body.extend(computed[..=at].iter().cloned());
-                body.extend(produce);
+                body.extend(produce(released));
                 body.extend(computed[at + 1..].iter().cloned());
             }
             None => {
                 // before this step's wait (`body` so far: the step's names and the wait)
-                let mut top = produce;
+                let mut top = produce(true);
                 top.append(&mut body);
                 body = top;
                 body.extend(computed);
             }
         }
-        body.push(Stmt::Comment(format!(
-            "pipeline {v}: release the stage to the producer"
-        )));
-        // only a stage the producer will fill again is released (every arrival is waited for);
-        // every thread arrives for its own reads of the stage (ldmatrix lanes included), so
-        // the order is one a tool sees without reasoning about __syncwarp
-        body.push(Stmt::If {
-            cond: lt(add(itv.clone(), u(s)), countv.clone()),
-            then: vec![intr(Intrinsic::MbarArrive {
-                bars: info.bars.clone(),
-                index: add(u(s), stage),
-            })],
-            els: vec![],
-        });
+        if released {
+            body.push(Stmt::Comment(format!(
+                "pipeline {v}: release the stage to the producer"
+            )));
+            // only a stage the producer will fill again is released (every arrival is waited
+            // for); every thread arrives for its own reads of the stage (ldmatrix lanes
+            // included), so the order is one a tool sees without reasoning about __syncwarp
+            body.push(Stmt::If {
+                cond: lt(add(itv.clone(), u(s)), countv.clone()),
+                then: vec![intr(Intrinsic::MbarArrive {
+                    bars: info.bars.clone(),
+                    index: add(u(s), stage),
+                })],
+                els: vec![],
+            });
+        }
         out.push(Stmt::For {
             var: it,
             start: u(0),
