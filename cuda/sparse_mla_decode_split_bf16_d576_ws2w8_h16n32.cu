@@ -295,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag51[4];
-    unsigned b_frag52[4];
+    unsigned a_frag50[4];
+    unsigned b_frag51[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -332,9 +332,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row6 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row6 < 32u) {
-                    const unsigned row_1 = gather_row6;
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row5 < 32u) {
+                    const unsigned row_1 = gather_row5;
                     kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -481,18 +481,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot7 = 0u; slot7 < 1u; slot7 += 1u) {
-                const unsigned gather_row8 = ((warp - 4u) + (lane * 4u)) + (slot7 * 128u);
-                if (gather_row8 < 32u) {
+            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
+                if (gather_row7 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row8;
-                    const int src_i329 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot7] >= 0)) && (((unsigned)kv_tile_pre[slot7]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot7]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot7]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row8] = (src_i329 >= 0) ? 1.0f : 0.0f;
-                    if (src_i329 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row8 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i329), 1152u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row7;
+                    const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
+                    if (src_i328 >= 0) {
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row8 * 292u)) + zero_w] = 0u;
+                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -503,11 +503,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot10 = 0u; slot10 < 1u; slot10 += 1u) {
-                const unsigned gather_row11 = ((warp - 4u) + (lane * 4u)) + (slot10 * 128u);
-                if (gather_row11 < 32u) {
-                    const unsigned row_1 = gather_row11;
-                    kv_tile_pre[slot10] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
+                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
+                if (gather_row10 < 32u) {
+                    const unsigned row_1 = gather_row10;
+                    kv_tile_pre[slot9] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -523,10 +523,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi12 = 0u; mi12 < 1u; mi12 += 1u) {
+        for (unsigned mi11 = 0u; mi11 < 1u; mi11 += 1u) {
             #pragma unroll
-            for (unsigned half13 = 0u; half13 < 2u; half13 += 1u) {
-                row_sum_part[(mi12 * 2u) + half13] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi12 * 16u)) + ((half13 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half12 = 0u; half12 < 2u; half12 += 1u) {
+                row_sum_part[(mi11 * 2u) + half12] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi11 * 16u)) + ((half12 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -538,8 +538,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i21 = 0u; fill_i21 < 4u; fill_i21 += 1u) {
-            scores[fill_i21] = 0.0f;
+        for (unsigned fill_i20 = 0u; fill_i20 < 4u; fill_i20 += 1u) {
+            scores[fill_i20] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
@@ -548,8 +548,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned n_first = (warp / 2u) * 8u;
         const unsigned k_first = (warp % 2u) * 18u;
         #pragma unroll
-        for (unsigned e23 = 0u; e23 < 4u; e23 += 1u) {
-            scores_part[4u + e23] = 0.0f;
+        for (unsigned e22 = 0u; e22 < 4u; e22 += 1u) {
+            scores_part[4u + e22] = 0.0f;
         }
         #pragma unroll
         for (unsigned kk_pair = 0u; kk_pair < 9u; kk_pair += 1u) {
@@ -560,19 +560,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi22 = 0u; mi22 < 1u; mi22 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi22 * 18u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi22 * 18u) + kk) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi22 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi21 = 0u; mi21 < 1u; mi21 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi21 * 18u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi21 * 18u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi21 * 18u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi21 * 18u) + kk) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain * 4u) + ((mi21 + nj) * 4u)], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e24 = 0u; e24 < 4u; e24 += 1u) {
-            scores_part[e24] = scores_part[e24] + scores_part[4u + e24];
+        for (unsigned e23 = 0u; e23 < 4u; e23 += 1u) {
+            scores_part[e23] = scores_part[e23] + scores_part[4u + e23];
         }
 
         // scale, and mask the entries whose rows had no source
@@ -581,10 +581,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned half25 = 0u; half25 < 2u; half25 += 1u) {
+            for (unsigned half24 = 0u; half24 < 2u; half24 += 1u) {
                 #pragma unroll
-                for (unsigned e26 = 0u; e26 < 2u; e26 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half25 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e26))] = scores_part[((frag * 4u) + (half25 * 2u)) + e26];
+                for (unsigned e25 = 0u; e25 < 2u; e25 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half24 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e25))] = scores_part[((frag * 4u) + (half24 * 2u)) + e25];
                 }
             }
         }
@@ -594,34 +594,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage14 = ahead % 2u;
+                const unsigned load_stage13 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot15 = 0u; slot15 < 1u; slot15 += 1u) {
-                    const unsigned gather_row16 = ((warp - 4u) + (lane * 4u)) + (slot15 * 128u);
-                    if (gather_row16 < 32u) {
+                for (unsigned slot14 = 0u; slot14 < 1u; slot14 += 1u) {
+                    const unsigned gather_row15 = ((warp - 4u) + (lane * 4u)) + (slot14 * 128u);
+                    if (gather_row15 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row16;
-                        const int src_i3217 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot15] >= 0)) && (((unsigned)kv_tile_pre[slot15]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot15]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot15]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage14 * 36u) + gather_row16] = (src_i3217 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3217 >= 0) {
-                            copy_async(kv_tile + (load_stage14 * 9344u) + (gather_row16 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3217), 1152u, ring_barriers + (load_stage14 * 2u));
+                        const unsigned row_1 = gather_row15;
+                        const int src_i3216 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot14] >= 0)) && (((unsigned)kv_tile_pre[slot14]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot14]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot14]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage13 * 36u) + gather_row15] = (src_i3216 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3216 >= 0) {
+                            copy_async(kv_tile + (load_stage13 * 9344u) + (gather_row15 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3216), 1152u, ring_barriers + (load_stage13 * 2u));
                         } else {
-                            for (unsigned zero_w18 = 0u; zero_w18 < 288u; zero_w18 += 1u) {
-                                kv_tile[((load_stage14 * 9344u) + (gather_row16 * 292u)) + zero_w18] = 0u;
+                            for (unsigned zero_w17 = 0u; zero_w17 < 288u; zero_w17 += 1u) {
+                                kv_tile[((load_stage13 * 9344u) + (gather_row15 * 292u)) + zero_w17] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage14 * 2u));
+                copy_arrive(ring_barriers + (load_stage13 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
-                        const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
-                        if (gather_row20 < 32u) {
-                            const unsigned row_1 = gather_row20;
-                            kv_tile_pre[slot19] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
+                        const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
+                        if (gather_row19 < 32u) {
+                            const unsigned row_1 = gather_row19;
+                            kv_tile_pre[slot18] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -629,34 +629,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag27 = 0u; frag27 < 1u; frag27 += 1u) {
+            for (unsigned frag26 = 0u; frag26 < 1u; frag26 += 1u) {
                 #pragma unroll
-                for (unsigned half28 = 0u; half28 < 2u; half28 += 1u) {
+                for (unsigned half27 = 0u; half27 < 2u; half27 += 1u) {
                     #pragma unroll
-                    for (unsigned e29 = 0u; e29 < 2u; e29 += 1u) {
-                        float sum = scores[((frag27 * 4u) + (half28 * 2u)) + e29];
-                        const unsigned cell = (((scores_row0 + (half28 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag27 * 8u)) + ((lane_quad * 2u) + e29));
+                    for (unsigned e28 = 0u; e28 < 2u; e28 += 1u) {
+                        float sum = scores[((frag26 * 4u) + (half27 * 2u)) + e28];
+                        const unsigned cell = (((scores_row0 + (half27 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag26 * 8u)) + ((lane_quad * 2u) + e28));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag27 * 4u) + (half28 * 2u)) + e29] = sum;
+                        scores[((frag26 * 4u) + (half27 * 2u)) + e28] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag30 = 0u; frag30 < 1u; frag30 += 1u) {
+            for (unsigned frag29 = 0u; frag29 < 1u; frag29 += 1u) {
                 #pragma unroll
-                for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag30 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag30 * 4u) + (half31 * 2u)];
-                    float v1 = scores[((frag30 * 4u) + (half31 * 2u)) + 1u];
+                for (unsigned half30 = 0u; half30 < 2u; half30 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag29 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag29 * 4u) + (half30 * 2u)];
+                    float v1 = scores[((frag29 * 4u) + (half30 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag30 * 4u) + (half31 * 2u)] = v0;
-                    scores[((frag30 * 4u) + (half31 * 2u)) + 1u] = v1;
+                    scores[(frag29 * 4u) + (half30 * 2u)] = v0;
+                    scores[((frag29 * 4u) + (half30 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -666,16 +666,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi32 = 0u; mi32 < 1u; mi32 += 1u) {
+            for (unsigned mi31 = 0u; mi31 < 1u; mi31 += 1u) {
                 #pragma unroll
-                for (unsigned half33 = 0u; half33 < 2u; half33 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi32 * 4u) + (half33 * 2u)], scores[(mi32 * 4u) + ((half33 * 2u) + 1u)]);
+                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi31 * 4u) + (half32 * 2u)], scores[(mi31 * 4u) + ((half32 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other34 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other34);
+                    const float other33 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other33);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi32 * 16u)) + ((half33 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -684,59 +684,59 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi37 = 0u; mi37 < 1u; mi37 += 1u) {
+        for (unsigned mi36 = 0u; mi36 < 1u; mi36 += 1u) {
             #pragma unroll
-            for (unsigned half38 = 0u; half38 < 2u; half38 += 1u) {
-                const float m_old35 = row_max_reg[(mi37 * 2u) + half38];
-                float m_new36 = m_old35;
-                m_new36 = fmaxf(m_new36, row_exchange[((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u]);
-                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new36 = fmaxf(m_new36, row_exchange[(((mi37 * 16u) + ((half38 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi37 * 2u) + half38] = expf(m_old35 - m_new36);
-                row_max_reg[(mi37 * 2u) + half38] = m_new36;
+            for (unsigned half37 = 0u; half37 < 2u; half37 += 1u) {
+                const float m_old34 = row_max_reg[(mi36 * 2u) + half37];
+                float m_new35 = m_old34;
+                m_new35 = fmaxf(m_new35, row_exchange[((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u]);
+                m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi36 * 2u) + half37] = expf(m_old34 - m_new35);
+                row_max_reg[(mi36 * 2u) + half37] = m_new35;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi42 = 0u; mi42 < 1u; mi42 += 1u) {
+            for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                 #pragma unroll
-                for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
+                for (unsigned half42 = 0u; half42 < 2u; half42 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj39 = 0u; nj39 < 1u; nj39 += 1u) {
+                    for (unsigned nj38 = 0u; nj38 < 1u; nj38 += 1u) {
                         #pragma unroll
-                        for (unsigned e40 = 0u; e40 < 2u; e40 += 1u) {
-                            const unsigned at41 = ((mi42 + nj39) * 4u) + ((half43 * 2u) + e40);
-                            const float p = (scores[at41] < (-1e38f)) ? 0.0f : expf(scores[at41] - row_max_reg[(mi42 * 2u) + half43]);
-                            scores[at41] = p;
+                        for (unsigned e39 = 0u; e39 < 2u; e39 += 1u) {
+                            const unsigned at40 = ((mi41 + nj38) * 4u) + ((half42 * 2u) + e39);
+                            const float p = (scores[at40] < (-1e38f)) ? 0.0f : expf(scores[at40] - row_max_reg[(mi41 * 2u) + half42]);
+                            scores[at40] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi42 * 2u) + half43] = (row_sum_part[(mi42 * 2u) + half43] * row_alpha[(mi42 * 2u) + half43]) + p_sum;
+                    row_sum_part[(mi41 * 2u) + half42] = (row_sum_part[(mi41 * 2u) + half42] * row_alpha[(mi41 * 2u) + half42]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag44 = 0u; frag44 < 8u; frag44 += 1u) {
+        for (unsigned frag43 = 0u; frag43 < 8u; frag43 += 1u) {
             #pragma unroll
-            for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
-                const float alpha46 = row_alpha[((frag44 / 8u) * 2u) + half45];
-                o_acc[(frag44 * 4u) + (half45 * 2u)] = o_acc[(frag44 * 4u) + (half45 * 2u)] * alpha46;
-                o_acc[((frag44 * 4u) + (half45 * 2u)) + 1u] = o_acc[((frag44 * 4u) + (half45 * 2u)) + 1u] * alpha46;
+            for (unsigned half44 = 0u; half44 < 2u; half44 += 1u) {
+                const float alpha45 = row_alpha[((frag43 / 8u) * 2u) + half44];
+                o_acc[(frag43 * 4u) + (half44 * 2u)] = o_acc[(frag43 * 4u) + (half44 * 2u)] * alpha45;
+                o_acc[((frag43 * 4u) + (half44 * 2u)) + 1u] = o_acc[((frag43 * 4u) + (half44 * 2u)) + 1u] * alpha45;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag49 = 0u; frag49 < 1u; frag49 += 1u) {
+            for (unsigned frag48 = 0u; frag48 < 1u; frag48 += 1u) {
                 #pragma unroll
-                for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
-                    const unsigned row47 = (scores_row0 + ((frag49 / 1u) * 16u)) + ((half50 * 8u) + lane_group);
-                    const unsigned col48 = (scores_col0 + ((frag49 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag49 * 4u) + (half50 * 2u);
-                    p_tile[(row47 * 20u) + (col48 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half49 = 0u; half49 < 2u; half49 += 1u) {
+                    const unsigned row46 = (scores_row0 + ((frag48 / 1u) * 16u)) + ((half49 * 8u) + lane_group);
+                    const unsigned col47 = (scores_col0 + ((frag48 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag48 * 4u) + (half49 * 2u);
+                    p_tile[(row46 * 20u) + (col47 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -746,19 +746,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk53 = 0u; kk53 < 2u; kk53 += 1u) {
+        for (unsigned kk52 = 0u; kk52 < 2u; kk52 += 1u) {
             #pragma unroll
-            for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
-                ldmatrix_x4(&a_frag51[mi54 * 4u], p_tile + a_lane_word + (mi54 * 320u) + (kk53 * 8u));
+            for (unsigned mi53 = 0u; mi53 < 1u; mi53 += 1u) {
+                ldmatrix_x4(&a_frag50[mi53 * 4u], p_tile + a_lane_word + (mi53 * 320u) + (kk52 * 8u));
             }
             #pragma unroll
-            for (unsigned nj55 = 0u; nj55 < 4u; nj55 += 1u) {
-                ldmatrix_x4_trans(&b_frag52[0u], kv_tile + b_lane_word + (kk53 * 4672u) + ((nj55 * 2u) * 4u));
+            for (unsigned nj54 = 0u; nj54 < 4u; nj54 += 1u) {
+                ldmatrix_x4_trans(&b_frag51[0u], kv_tile + b_lane_word + (kk52 * 4672u) + ((nj54 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi54 = 0u; mi54 < 1u; mi54 += 1u) {
+                for (unsigned mi53 = 0u; mi53 < 1u; mi53 += 1u) {
                     #pragma unroll
-                    for (unsigned nj56 = 0u; nj56 < 2u; nj56 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi54 * 8u) + ((nj55 * 2u) + nj56)) * 4u], &a_frag51[mi54 * 4u], &b_frag52[nj56 * 2u]);
+                    for (unsigned nj55 = 0u; nj55 < 2u; nj55 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi53 * 8u) + ((nj54 * 2u) + nj55)) * 4u], &a_frag50[mi53 * 4u], &b_frag51[nj55 * 2u]);
                     }
                 }
             }
@@ -768,16 +768,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi58 = 0u; mi58 < 1u; mi58 += 1u) {
+        for (unsigned mi57 = 0u; mi57 < 1u; mi57 += 1u) {
             #pragma unroll
-            for (unsigned half59 = 0u; half59 < 2u; half59 += 1u) {
-                float row_sum57 = row_sum_part[(mi58 * 2u) + half59];
-                const float other60 = shfl_xor_f32(row_sum57, 1);
-                row_sum57 = row_sum57 + other60;
-                const float other61 = shfl_xor_f32(row_sum57, 2);
-                row_sum57 = row_sum57 + other61;
+            for (unsigned half58 = 0u; half58 < 2u; half58 += 1u) {
+                float row_sum56 = row_sum_part[(mi57 * 2u) + half58];
+                const float other59 = shfl_xor_f32(row_sum56, 1);
+                row_sum56 = row_sum56 + other59;
+                const float other60 = shfl_xor_f32(row_sum56, 2);
+                row_sum56 = row_sum56 + other60;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi58 * 16u)) + ((half59 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum57;
+                    row_exchange[(((scores_row0 + (mi57 * 16u)) + ((half58 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum56;
                 }
             }
         }
@@ -785,16 +785,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi63 = 0u; mi63 < 1u; mi63 += 1u) {
+        for (unsigned mi62 = 0u; mi62 < 1u; mi62 += 1u) {
             #pragma unroll
-            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
+            for (unsigned half63 = 0u; half63 < 2u; half63 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum62 = row_exchange[((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u];
-                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_sum62;
-                    row_max[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_max_reg[(mi63 * 2u) + half64];
+                    float row_sum61 = row_exchange[((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 4u];
+                    row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum61 = row_sum61 + row_exchange[(((scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)] = row_sum61;
+                    row_max[(scores_row0 + (mi62 * 16u)) + ((half63 * 8u) + lane_group)] = row_max_reg[(mi62 * 2u) + half63];
                 }
             }
         }
@@ -815,20 +815,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag65 = 0u; frag65 < 8u; frag65 += 1u) {
+        for (unsigned frag64 = 0u; frag64 < 8u; frag64 += 1u) {
             #pragma unroll
-            for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag65 / 8u) * 16u)) + ((half66 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag65 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag65 * 4u) + (half66 * 2u)];
-                float v1_3 = o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u];
+            for (unsigned half65 = 0u; half65 < 2u; half65 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag64 / 8u) * 16u)) + ((half65 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag64 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag64 * 4u) + (half65 * 2u)];
+                float v1_3 = o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u];
                 const unsigned h_1 = h0 + row_5;
                 if (h_1 < p.heads) {
                     const float inv_l = row_sum[row_5];
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag65 * 4u) + (half66 * 2u)] = v0_3;
-                o_acc[((frag65 * 4u) + (half66 * 2u)) + 1u] = v1_3;
+                o_acc[(frag64 * 4u) + (half65 * 2u)] = v0_3;
+                o_acc[((frag64 * 4u) + (half65 * 2u)) + 1u] = v1_3;
             }
         }
     } else {
@@ -845,13 +845,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag67 = 0u; frag67 < 8u; frag67 += 1u) {
+        for (unsigned frag66 = 0u; frag66 < 8u; frag66 += 1u) {
             #pragma unroll
-            for (unsigned half68 = 0u; half68 < 2u; half68 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag67 / 8u) * 16u)) + ((half68 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag67 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag67 * 4u) + (half68 * 2u)];
-                float v1_4 = o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u];
+            for (unsigned half67 = 0u; half67 < 2u; half67 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag66 / 8u) * 16u)) + ((half67 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag66 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag66 * 4u) + (half67 * 2u)];
+                float v1_4 = o_acc[((frag66 * 4u) + (half67 * 2u)) + 1u];
                 const unsigned h_3 = h0 + row_6;
                 if (h_3 < p.heads) {
                     const float inv_l_1 = row_sum[row_6];
@@ -859,8 +859,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag67 * 4u) + (half68 * 2u)] = v0_4;
-                o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u] = v1_4;
+                o_acc[(frag66 * 4u) + (half67 * 2u)] = v0_4;
+                o_acc[((frag66 * 4u) + (half67 * 2u)) + 1u] = v1_4;
             }
         }
     }

@@ -291,13 +291,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     int q_tile_src[1];
     int kv_tile_pre[1];
     float row_alpha[2];
-    float row_alpha14[4];
+    float row_alpha11[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[4];
-    unsigned a_frag56[8];
-    unsigned b_frag57[4];
+    unsigned a_frag53[8];
+    unsigned b_frag54[4];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -333,9 +333,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row8 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row8 < 32u) {
-                    const unsigned row_1 = gather_row8;
+                const unsigned gather_row5 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row5 < 32u) {
+                    const unsigned row_1 = gather_row5;
                     kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -479,18 +479,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
-                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
-                if (gather_row10 < 32u) {
+            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
+                if (gather_row7 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row10;
-                    const int src_i3211 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot9] >= 0)) && (((unsigned)kv_tile_pre[slot9]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot9]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot9]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row10] = (src_i3211 >= 0) ? 1.0f : 0.0f;
-                    if (src_i3211 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row10 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3211), 1152u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row7;
+                    const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
+                    if (src_i328 >= 0) {
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row10 * 292u)) + zero_w] = 0u;
+                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -501,11 +501,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot12 = 0u; slot12 < 1u; slot12 += 1u) {
-                const unsigned gather_row13 = ((warp - 4u) + (lane * 4u)) + (slot12 * 128u);
-                if (gather_row13 < 32u) {
-                    const unsigned row_1 = gather_row13;
-                    kv_tile_pre[slot12] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
+                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
+                if (gather_row10 < 32u) {
+                    const unsigned row_1 = gather_row10;
+                    kv_tile_pre[slot9] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -523,10 +523,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi15 = 0u; mi15 < 1u; mi15 += 1u) {
+        for (unsigned mi12 = 0u; mi12 < 1u; mi12 += 1u) {
             #pragma unroll
-            for (unsigned half16 = 0u; half16 < 2u; half16 += 1u) {
-                row_sum_part[(mi15 * 2u) + half16] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi15 * 16u)) + ((half16 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half13 = 0u; half13 < 2u; half13 += 1u) {
+                row_sum_part[(mi12 * 2u) + half13] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi12 * 16u)) + ((half13 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -538,8 +538,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i24 = 0u; fill_i24 < 8u; fill_i24 += 1u) {
-            scores[fill_i24] = 0.0f;
+        for (unsigned fill_i21 = 0u; fill_i21 < 8u; fill_i21 += 1u) {
+            scores[fill_i21] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
@@ -553,12 +553,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                 ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi25 = 0u; mi25 < 2u; mi25 += 1u) {
-                    a_frag[0u] = q_tile_a0[((mi25 * 9u) + kk) * 4u];
-                    a_frag[1u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 1u];
-                    a_frag[2u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 2u];
-                    a_frag[3u] = q_tile_a0[(((mi25 * 9u) + kk) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi25 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                for (unsigned mi22 = 0u; mi22 < 2u; mi22 += 1u) {
+                    a_frag[0u] = q_tile_a0[((mi22 * 9u) + kk) * 4u];
+                    a_frag[1u] = q_tile_a0[(((mi22 * 9u) + kk) * 4u) + 1u];
+                    a_frag[2u] = q_tile_a0[(((mi22 * 9u) + kk) * 4u) + 2u];
+                    a_frag[3u] = q_tile_a0[(((mi22 * 9u) + kk) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi22 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                 }
             }
         }
@@ -569,10 +569,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
+            for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
                 #pragma unroll
-                for (unsigned e27 = 0u; e27 < 2u; e27 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half26 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e27))] = scores_part[((frag * 4u) + (half26 * 2u)) + e27];
+                for (unsigned e24 = 0u; e24 < 2u; e24 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half23 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e24))] = scores_part[((frag * 4u) + (half23 * 2u)) + e24];
                 }
             }
         }
@@ -582,35 +582,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage17 = ahead % 2u;
+                const unsigned load_stage14 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot18 = 0u; slot18 < 1u; slot18 += 1u) {
-                    const unsigned gather_row19 = ((warp - 4u) + (lane * 4u)) + (slot18 * 128u);
-                    if (gather_row19 < 32u) {
+                for (unsigned slot15 = 0u; slot15 < 1u; slot15 += 1u) {
+                    const unsigned gather_row16 = ((warp - 4u) + (lane * 4u)) + (slot15 * 128u);
+                    if (gather_row16 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row19;
-                        const int src_i3220 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot18] >= 0)) && (((unsigned)kv_tile_pre[slot18]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot18]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot18]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage17 * 36u) + gather_row19] = (src_i3220 >= 0) ? 1.0f : 0.0f;
-                        if (src_i3220 >= 0) {
-                            copy_async(kv_tile + (load_stage17 * 9344u) + (gather_row19 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3220), 1152u, ring_barriers + (load_stage17 * 2u));
+                        const unsigned row_1 = gather_row16;
+                        const int src_i3217 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot15] >= 0)) && (((unsigned)kv_tile_pre[slot15]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot15]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot15]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage14 * 36u) + gather_row16] = (src_i3217 >= 0) ? 1.0f : 0.0f;
+                        if (src_i3217 >= 0) {
+                            copy_async(kv_tile + (load_stage14 * 9344u) + (gather_row16 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3217), 1152u, ring_barriers + (load_stage14 * 2u));
                         } else {
-                            for (unsigned zero_w21 = 0u; zero_w21 < 288u; zero_w21 += 1u) {
-                                kv_tile[((load_stage17 * 9344u) + (gather_row19 * 292u)) + zero_w21] = 0u;
+                            for (unsigned zero_w18 = 0u; zero_w18 < 288u; zero_w18 += 1u) {
+                                kv_tile[((load_stage14 * 9344u) + (gather_row16 * 292u)) + zero_w18] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage17 * 2u));
+                copy_arrive(ring_barriers + (load_stage14 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot22 = 0u; slot22 < 1u; slot22 += 1u) {
-                        const unsigned gather_row23 = ((warp - 4u) + (lane * 4u)) + (slot22 * 128u);
-                        if (gather_row23 < 32u) {
-                            const unsigned row_1 = gather_row23;
-                            kv_tile_pre[slot22] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot19 = 0u; slot19 < 1u; slot19 += 1u) {
+                        const unsigned gather_row20 = ((warp - 4u) + (lane * 4u)) + (slot19 * 128u);
+                        if (gather_row20 < 32u) {
+                            const unsigned row_1 = gather_row20;
+                            kv_tile_pre[slot19] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
+                    }
+                }
+            }
+        }
+        if (warp < 4u) {
+            #pragma unroll
+            for (unsigned frag25 = 0u; frag25 < 2u; frag25 += 1u) {
+                #pragma unroll
+                for (unsigned half26 = 0u; half26 < 2u; half26 += 1u) {
+                    #pragma unroll
+                    for (unsigned e27 = 0u; e27 < 2u; e27 += 1u) {
+                        float sum = scores[((frag25 * 4u) + (half26 * 2u)) + e27];
+                        const unsigned cell = (((scores_row0 + (half26 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag25 * 8u)) + ((lane_quad * 2u) + e27));
+                        #pragma unroll
+                        for (unsigned g = 0u; g < 4u; g += 1u) {
+                            sum = sum + split_k_partials[(g * 1152u) + cell];
+                        }
+                        scores[((frag25 * 4u) + (half26 * 2u)) + e27] = sum;
                     }
                 }
             }
@@ -620,31 +638,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned frag28 = 0u; frag28 < 2u; frag28 += 1u) {
                 #pragma unroll
                 for (unsigned half29 = 0u; half29 < 2u; half29 += 1u) {
-                    #pragma unroll
-                    for (unsigned e30 = 0u; e30 < 2u; e30 += 1u) {
-                        float sum = scores[((frag28 * 4u) + (half29 * 2u)) + e30];
-                        const unsigned cell = (((scores_row0 + (half29 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag28 * 8u)) + ((lane_quad * 2u) + e30));
-                        #pragma unroll
-                        for (unsigned g = 0u; g < 4u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 1152u) + cell];
-                        }
-                        scores[((frag28 * 4u) + (half29 * 2u)) + e30] = sum;
-                    }
-                }
-            }
-        }
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned frag31 = 0u; frag31 < 2u; frag31 += 1u) {
-                #pragma unroll
-                for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag31 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag31 * 4u) + (half32 * 2u)];
-                    float v1 = scores[((frag31 * 4u) + (half32 * 2u)) + 1u];
+                    const unsigned col = (scores_col0 + ((frag28 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag28 * 4u) + (half29 * 2u)];
+                    float v1 = scores[((frag28 * 4u) + (half29 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag31 * 4u) + (half32 * 2u)] = v0;
-                    scores[((frag31 * 4u) + (half32 * 2u)) + 1u] = v1;
+                    scores[(frag28 * 4u) + (half29 * 2u)] = v0;
+                    scores[((frag28 * 4u) + (half29 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -654,20 +654,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi33 = 0u; mi33 < 1u; mi33 += 1u) {
+            for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
                 #pragma unroll
-                for (unsigned half34 = 0u; half34 < 2u; half34 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi33 * 2u) * 4u) + (half34 * 2u)], scores[((mi33 * 2u) * 4u) + ((half34 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi33 * 2u) + 1u) * 4u) + (half34 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi33 * 2u) + 1u) * 4u) + ((half34 * 2u) + 1u)]);
+                for (unsigned half31 = 0u; half31 < 2u; half31 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi30 * 2u) * 4u) + (half31 * 2u)], scores[((mi30 * 2u) * 4u) + ((half31 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi30 * 2u) + 1u) * 4u) + (half31 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi30 * 2u) + 1u) * 4u) + ((half31 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other35 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other35);
+                    const float other32 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other32);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi33 * 16u)) + ((half34 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi33 * 16u)) + ((half34 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi33 * 2u) + half34];
+                            row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi30 * 2u) + half31];
                         }
                     }
                 }
@@ -678,69 +678,69 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi38 = 0u; mi38 < 1u; mi38 += 1u) {
+            for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                 #pragma unroll
-                for (unsigned half39 = 0u; half39 < 2u; half39 += 1u) {
-                    const float m_old36 = row_max_reg[(mi38 * 2u) + half39];
-                    float m_new37 = m_old36;
-                    m_new37 = fmaxf(m_new37, row_exchange[((scores_row0 + (mi38 * 16u)) + ((half39 * 8u) + lane_group)) * 3u]);
-                    m_new37 = fmaxf(m_new37, row_exchange[(((scores_row0 + (mi38 * 16u)) + ((half39 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi38 * 2u) + half39] = expf(m_old36 - m_new37);
-                    row_max_reg[(mi38 * 2u) + half39] = m_new37;
+                for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
+                    const float m_old33 = row_max_reg[(mi35 * 2u) + half36];
+                    float m_new34 = m_old33;
+                    m_new34 = fmaxf(m_new34, row_exchange[((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u]);
+                    m_new34 = fmaxf(m_new34, row_exchange[(((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+                    row_max_reg[(mi35 * 2u) + half36] = m_new34;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi42 = 0u; mi42 < 2u; mi42 += 1u) {
+        for (unsigned mi39 = 0u; mi39 < 2u; mi39 += 1u) {
             #pragma unroll
-            for (unsigned half43 = 0u; half43 < 2u; half43 += 1u) {
-                const float m_old40 = row_exchange[(((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new41 = m_old40;
-                m_new41 = fmaxf(m_new41, row_exchange[((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u]);
-                m_new41 = fmaxf(m_new41, row_exchange[(((mi42 * 16u) + ((half43 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha14[(mi42 * 2u) + half43] = expf(m_old40 - m_new41);
+            for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
+                const float m_old37 = row_exchange[(((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new38 = m_old37;
+                m_new38 = fmaxf(m_new38, row_exchange[((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u]);
+                m_new38 = fmaxf(m_new38, row_exchange[(((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha11[(mi39 * 2u) + half40] = expf(m_old37 - m_new38);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi47 = 0u; mi47 < 1u; mi47 += 1u) {
+            for (unsigned mi44 = 0u; mi44 < 1u; mi44 += 1u) {
                 #pragma unroll
-                for (unsigned half48 = 0u; half48 < 2u; half48 += 1u) {
+                for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj44 = 0u; nj44 < 2u; nj44 += 1u) {
+                    for (unsigned nj41 = 0u; nj41 < 2u; nj41 += 1u) {
                         #pragma unroll
-                        for (unsigned e45 = 0u; e45 < 2u; e45 += 1u) {
-                            const unsigned at46 = (((mi47 * 2u) + nj44) * 4u) + ((half48 * 2u) + e45);
-                            const float p = (scores[at46] < (-1e38f)) ? 0.0f : expf(scores[at46] - row_max_reg[(mi47 * 2u) + half48]);
-                            scores[at46] = p;
+                        for (unsigned e42 = 0u; e42 < 2u; e42 += 1u) {
+                            const unsigned at43 = (((mi44 * 2u) + nj41) * 4u) + ((half45 * 2u) + e42);
+                            const float p = (scores[at43] < (-1e38f)) ? 0.0f : expf(scores[at43] - row_max_reg[(mi44 * 2u) + half45]);
+                            scores[at43] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi47 * 2u) + half48] = (row_sum_part[(mi47 * 2u) + half48] * row_alpha[(mi47 * 2u) + half48]) + p_sum;
+                    row_sum_part[(mi44 * 2u) + half45] = (row_sum_part[(mi44 * 2u) + half45] * row_alpha[(mi44 * 2u) + half45]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag49 = 0u; frag49 < 16u; frag49 += 1u) {
+        for (unsigned frag46 = 0u; frag46 < 16u; frag46 += 1u) {
             #pragma unroll
-            for (unsigned half50 = 0u; half50 < 2u; half50 += 1u) {
-                const float alpha51 = row_alpha14[((frag49 / 8u) * 2u) + half50];
-                o_acc[(frag49 * 4u) + (half50 * 2u)] = o_acc[(frag49 * 4u) + (half50 * 2u)] * alpha51;
-                o_acc[((frag49 * 4u) + (half50 * 2u)) + 1u] = o_acc[((frag49 * 4u) + (half50 * 2u)) + 1u] * alpha51;
+            for (unsigned half47 = 0u; half47 < 2u; half47 += 1u) {
+                const float alpha48 = row_alpha11[((frag46 / 8u) * 2u) + half47];
+                o_acc[(frag46 * 4u) + (half47 * 2u)] = o_acc[(frag46 * 4u) + (half47 * 2u)] * alpha48;
+                o_acc[((frag46 * 4u) + (half47 * 2u)) + 1u] = o_acc[((frag46 * 4u) + (half47 * 2u)) + 1u] * alpha48;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag54 = 0u; frag54 < 2u; frag54 += 1u) {
+            for (unsigned frag51 = 0u; frag51 < 2u; frag51 += 1u) {
                 #pragma unroll
-                for (unsigned half55 = 0u; half55 < 2u; half55 += 1u) {
-                    const unsigned row52 = (scores_row0 + ((frag54 / 2u) * 16u)) + ((half55 * 8u) + lane_group);
-                    const unsigned col53 = (scores_col0 + ((frag54 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub0 = (frag54 * 4u) + (half55 * 2u);
-                    p_tile[(row52 * 20u) + (col53 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
+                    const unsigned row49 = (scores_row0 + ((frag51 / 2u) * 16u)) + ((half52 * 8u) + lane_group);
+                    const unsigned col50 = (scores_col0 + ((frag51 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub0 = (frag51 * 4u) + (half52 * 2u);
+                    p_tile[(row49 * 20u) + (col50 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -750,19 +750,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         const unsigned b_lane_word = ((stage * 9344u) + (lane_r16 * 292u)) + ((o_acc_col0 + lane_c8) >> 1u);
         #pragma unroll
-        for (unsigned kk58 = 0u; kk58 < 2u; kk58 += 1u) {
+        for (unsigned kk55 = 0u; kk55 < 2u; kk55 += 1u) {
             #pragma unroll
-            for (unsigned mi59 = 0u; mi59 < 2u; mi59 += 1u) {
-                ldmatrix_x4(&a_frag56[mi59 * 4u], p_tile + a_lane_word + (mi59 * 320u) + (kk58 * 8u));
+            for (unsigned mi56 = 0u; mi56 < 2u; mi56 += 1u) {
+                ldmatrix_x4(&a_frag53[mi56 * 4u], p_tile + a_lane_word + (mi56 * 320u) + (kk55 * 8u));
             }
             #pragma unroll
-            for (unsigned nj60 = 0u; nj60 < 4u; nj60 += 1u) {
-                ldmatrix_x4_trans(&b_frag57[0u], kv_tile + b_lane_word + (kk58 * 4672u) + ((nj60 * 2u) * 4u));
+            for (unsigned nj57 = 0u; nj57 < 4u; nj57 += 1u) {
+                ldmatrix_x4_trans(&b_frag54[0u], kv_tile + b_lane_word + (kk55 * 4672u) + ((nj57 * 2u) * 4u));
                 #pragma unroll
-                for (unsigned mi59 = 0u; mi59 < 2u; mi59 += 1u) {
+                for (unsigned mi56 = 0u; mi56 < 2u; mi56 += 1u) {
                     #pragma unroll
-                    for (unsigned nj61 = 0u; nj61 < 2u; nj61 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi59 * 8u) + ((nj60 * 2u) + nj61)) * 4u], &a_frag56[mi59 * 4u], &b_frag57[nj61 * 2u]);
+                    for (unsigned nj58 = 0u; nj58 < 2u; nj58 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi56 * 8u) + ((nj57 * 2u) + nj58)) * 4u], &a_frag53[mi56 * 4u], &b_frag54[nj58 * 2u]);
                     }
                 }
             }
@@ -772,16 +772,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi63 = 0u; mi63 < 1u; mi63 += 1u) {
+        for (unsigned mi60 = 0u; mi60 < 1u; mi60 += 1u) {
             #pragma unroll
-            for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
-                float row_sum62 = row_sum_part[(mi63 * 2u) + half64];
-                const float other65 = shfl_xor_f32(row_sum62, 1);
-                row_sum62 = row_sum62 + other65;
-                const float other66 = shfl_xor_f32(row_sum62, 2);
-                row_sum62 = row_sum62 + other66;
+            for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
+                float row_sum59 = row_sum_part[(mi60 * 2u) + half61];
+                const float other62 = shfl_xor_f32(row_sum59, 1);
+                row_sum59 = row_sum59 + other62;
+                const float other63 = shfl_xor_f32(row_sum59, 2);
+                row_sum59 = row_sum59 + other63;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum62;
+                    row_exchange[(((scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum59;
                 }
             }
         }
@@ -789,14 +789,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi68 = 0u; mi68 < 1u; mi68 += 1u) {
+        for (unsigned mi65 = 0u; mi65 < 1u; mi65 += 1u) {
             #pragma unroll
-            for (unsigned half69 = 0u; half69 < 2u; half69 += 1u) {
+            for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum67 = row_exchange[((scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)) * 3u];
-                    row_sum67 = row_sum67 + row_exchange[(((scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)] = row_sum67;
-                    row_max[(scores_row0 + (mi68 * 16u)) + ((half69 * 8u) + lane_group)] = row_max_reg[(mi68 * 2u) + half69];
+                    float row_sum64 = row_exchange[((scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)) * 3u];
+                    row_sum64 = row_sum64 + row_exchange[(((scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)] = row_sum64;
+                    row_max[(scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)] = row_max_reg[(mi65 * 2u) + half66];
                 }
             }
         }
@@ -817,20 +817,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag70 = 0u; frag70 < 16u; frag70 += 1u) {
+        for (unsigned frag67 = 0u; frag67 < 16u; frag67 += 1u) {
             #pragma unroll
-            for (unsigned half71 = 0u; half71 < 2u; half71 += 1u) {
-                const unsigned row_5 = (o_acc_row0 + ((frag70 / 8u) * 16u)) + ((half71 * 8u) + lane_group);
-                const unsigned col_3 = (o_acc_col0 + ((frag70 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_3 = o_acc[(frag70 * 4u) + (half71 * 2u)];
-                float v1_3 = o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u];
+            for (unsigned half68 = 0u; half68 < 2u; half68 += 1u) {
+                const unsigned row_5 = (o_acc_row0 + ((frag67 / 8u) * 16u)) + ((half68 * 8u) + lane_group);
+                const unsigned col_3 = (o_acc_col0 + ((frag67 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_3 = o_acc[(frag67 * 4u) + (half68 * 2u)];
+                float v1_3 = o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u];
                 const unsigned h_1 = h0 + row_5;
                 if (h_1 < p.heads) {
                     const float inv_l = row_sum[row_5];
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
-                o_acc[(frag70 * 4u) + (half71 * 2u)] = v0_3;
-                o_acc[((frag70 * 4u) + (half71 * 2u)) + 1u] = v1_3;
+                o_acc[(frag67 * 4u) + (half68 * 2u)] = v0_3;
+                o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u] = v1_3;
             }
         }
     } else {
@@ -847,13 +847,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag72 = 0u; frag72 < 16u; frag72 += 1u) {
+        for (unsigned frag69 = 0u; frag69 < 16u; frag69 += 1u) {
             #pragma unroll
-            for (unsigned half73 = 0u; half73 < 2u; half73 += 1u) {
-                const unsigned row_6 = (o_acc_row0 + ((frag72 / 8u) * 16u)) + ((half73 * 8u) + lane_group);
-                const unsigned col_4 = (o_acc_col0 + ((frag72 % 8u) * 8u)) + (lane_quad * 2u);
-                float v0_4 = o_acc[(frag72 * 4u) + (half73 * 2u)];
-                float v1_4 = o_acc[((frag72 * 4u) + (half73 * 2u)) + 1u];
+            for (unsigned half70 = 0u; half70 < 2u; half70 += 1u) {
+                const unsigned row_6 = (o_acc_row0 + ((frag69 / 8u) * 16u)) + ((half70 * 8u) + lane_group);
+                const unsigned col_4 = (o_acc_col0 + ((frag69 % 8u) * 8u)) + (lane_quad * 2u);
+                float v0_4 = o_acc[(frag69 * 4u) + (half70 * 2u)];
+                float v1_4 = o_acc[((frag69 * 4u) + (half70 * 2u)) + 1u];
                 const unsigned h_3 = h0 + row_6;
                 if (h_3 < p.heads) {
                     const float inv_l_1 = row_sum[row_6];
@@ -861,8 +861,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     o_part[at] = v0_4 * inv_l_1;
                     o_part[at + 1u] = v1_4 * inv_l_1;
                 }
-                o_acc[(frag72 * 4u) + (half73 * 2u)] = v0_4;
-                o_acc[((frag72 * 4u) + (half73 * 2u)) + 1u] = v1_4;
+                o_acc[(frag69 * 4u) + (half70 * 2u)] = v0_4;
+                o_acc[((frag69 * 4u) + (half70 * 2u)) + 1u] = v1_4;
             }
         }
     }

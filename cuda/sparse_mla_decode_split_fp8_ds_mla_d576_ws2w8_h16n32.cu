@@ -381,38 +381,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag315[4];
-    unsigned b_frag316[4];
+    unsigned a_frag314[4];
+    unsigned b_frag315[4];
     unsigned b_raw[2];
-    unsigned a_frag326[4];
-    unsigned b_frag327[2];
-    unsigned a_frag332[4];
-    unsigned b_frag333[4];
-    unsigned b_raw334[2];
-    unsigned a_frag349[4];
-    unsigned b_frag350[2];
-    unsigned a_frag355[4];
-    unsigned b_frag356[4];
-    unsigned b_raw357[2];
-    unsigned a_frag372[4];
-    unsigned b_frag373[2];
-    unsigned a_frag378[4];
-    unsigned b_frag379[4];
-    unsigned b_raw380[2];
-    unsigned a_frag395[4];
-    unsigned b_frag396[4];
-    unsigned a_frag441[4];
-    unsigned b_frag442[4];
-    unsigned b_raw443[2];
-    unsigned a_frag461[4];
-    unsigned b_frag462[4];
-    unsigned b_raw463[2];
-    unsigned a_frag484[4];
-    unsigned b_frag485[4];
-    unsigned b_raw486[2];
-    unsigned a_frag507[4];
-    unsigned b_frag508[4];
-    unsigned b_raw509[2];
+    unsigned a_frag325[4];
+    unsigned b_frag326[2];
+    unsigned a_frag331[4];
+    unsigned b_frag332[4];
+    unsigned b_raw333[2];
+    unsigned a_frag348[4];
+    unsigned b_frag349[2];
+    unsigned a_frag354[4];
+    unsigned b_frag355[4];
+    unsigned b_raw356[2];
+    unsigned a_frag371[4];
+    unsigned b_frag372[2];
+    unsigned a_frag377[4];
+    unsigned b_frag378[4];
+    unsigned b_raw379[2];
+    unsigned a_frag394[4];
+    unsigned b_frag395[4];
+    unsigned a_frag440[4];
+    unsigned b_frag441[4];
+    unsigned b_raw442[2];
+    unsigned a_frag460[4];
+    unsigned b_frag461[4];
+    unsigned b_raw462[2];
+    unsigned a_frag483[4];
+    unsigned b_frag484[4];
+    unsigned b_raw485[2];
+    unsigned a_frag506[4];
+    unsigned b_frag507[4];
+    unsigned b_raw508[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -457,9 +457,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row297 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row297 < 32u) {
-                    const unsigned row_1 = gather_row297;
+                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row296 < 32u) {
+                    const unsigned row_1 = gather_row296;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -511,433 +511,433 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         float q_absmax = 0.0f;
         const unsigned q_pair = q_tile[(lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair6 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair5 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair8 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair9 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair12 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair13 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair14 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair15 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair16 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair17 = q_tile[(lane_group * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = q_tile[(lane_group * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair18 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair19 = q_tile[((8u + lane_group) * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = q_tile[((8u + lane_group) * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = q_tile[(lane_group * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair28 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair29 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair30 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair31 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair32 = q_tile[(lane_group * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = q_tile[(lane_group * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair33 = q_tile[(lane_group * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = q_tile[(lane_group * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair34 = q_tile[((8u + lane_group) * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = q_tile[((8u + lane_group) * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair35 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = q_tile[(lane_group * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair44 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair45 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair46 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair47 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair48 = q_tile[(lane_group * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = q_tile[(lane_group * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair49 = q_tile[(lane_group * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = q_tile[(lane_group * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair50 = q_tile[((8u + lane_group) * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = q_tile[((8u + lane_group) * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair51 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = q_tile[(lane_group * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair60 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair61 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair62 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair63 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair64 = q_tile[(lane_group * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = q_tile[(lane_group * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair65 = q_tile[(lane_group * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = q_tile[(lane_group * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair66 = q_tile[((8u + lane_group) * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = q_tile[((8u + lane_group) * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair67 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-        const unsigned q_pair68 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair68 << 16u)), fabsf(__uint_as_float(q_pair68 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 2);
+        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
         q_absmax = fmaxf(q_absmax, q_absmax_peer69);
-        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 4);
+        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
         q_absmax = fmaxf(q_absmax, q_absmax_peer70);
-        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 8);
+        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
         q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-        const float q_absmax_peer72 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer72);
         const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
-        const float q_x73 = __uint_as_float(q_pair & 4294901760u) * q_scale;
-        const float q_x74 = __uint_as_float(q_pair6 << 16u) * q_scale;
-        const float q_x75 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
-        const unsigned q_hi = pack_e4m3x4(q_x, q_x73, q_x74, q_x75);
+        const float q_x72 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x73 = __uint_as_float(q_pair5 << 16u) * q_scale;
+        const float q_x74 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x72, q_x73, q_x74);
         const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
-        const unsigned q_hi_pair76 = e4m3x2_prep(q_hi >> 16u);
+        const unsigned q_hi_pair75 = e4m3x2_prep(q_hi >> 16u);
         q_tile_a0[0u] = q_hi;
-        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x73 - e4m3x2_hi(q_hi_pair), q_x74 - e4m3x2_lo(q_hi_pair76), q_x75 - e4m3x2_hi(q_hi_pair76));
-        const float q_x77 = __uint_as_float(q_pair7 << 16u) * q_scale;
-        const float q_x78 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
-        const float q_x79 = __uint_as_float(q_pair8 << 16u) * q_scale;
-        const float q_x80 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
-        const unsigned q_hi81 = pack_e4m3x4(q_x77, q_x78, q_x79, q_x80);
-        const unsigned q_hi_pair82 = e4m3x2_prep(q_hi81 & 65535u);
-        const unsigned q_hi_pair83 = e4m3x2_prep(q_hi81 >> 16u);
-        q_tile_a0[1u] = q_hi81;
-        q_tile_a0_lo[1u] = pack_e4m3x4(q_x77 - e4m3x2_lo(q_hi_pair82), q_x78 - e4m3x2_hi(q_hi_pair82), q_x79 - e4m3x2_lo(q_hi_pair83), q_x80 - e4m3x2_hi(q_hi_pair83));
-        const float q_x84 = __uint_as_float(q_pair9 << 16u) * q_scale;
-        const float q_x85 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
-        const float q_x86 = __uint_as_float(q_pair10 << 16u) * q_scale;
-        const float q_x87 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
-        const unsigned q_hi88 = pack_e4m3x4(q_x84, q_x85, q_x86, q_x87);
-        const unsigned q_hi_pair89 = e4m3x2_prep(q_hi88 & 65535u);
-        const unsigned q_hi_pair90 = e4m3x2_prep(q_hi88 >> 16u);
-        q_tile_a0[2u] = q_hi88;
-        q_tile_a0_lo[2u] = pack_e4m3x4(q_x84 - e4m3x2_lo(q_hi_pair89), q_x85 - e4m3x2_hi(q_hi_pair89), q_x86 - e4m3x2_lo(q_hi_pair90), q_x87 - e4m3x2_hi(q_hi_pair90));
-        const float q_x91 = __uint_as_float(q_pair11 << 16u) * q_scale;
-        const float q_x92 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
-        const float q_x93 = __uint_as_float(q_pair12 << 16u) * q_scale;
-        const float q_x94 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
-        const unsigned q_hi95 = pack_e4m3x4(q_x91, q_x92, q_x93, q_x94);
-        const unsigned q_hi_pair96 = e4m3x2_prep(q_hi95 & 65535u);
-        const unsigned q_hi_pair97 = e4m3x2_prep(q_hi95 >> 16u);
-        q_tile_a0[3u] = q_hi95;
-        q_tile_a0_lo[3u] = pack_e4m3x4(q_x91 - e4m3x2_lo(q_hi_pair96), q_x92 - e4m3x2_hi(q_hi_pair96), q_x93 - e4m3x2_lo(q_hi_pair97), q_x94 - e4m3x2_hi(q_hi_pair97));
-        const float q_x98 = __uint_as_float(q_pair13 << 16u) * q_scale;
-        const float q_x99 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
-        const float q_x100 = __uint_as_float(q_pair14 << 16u) * q_scale;
-        const float q_x101 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
-        const unsigned q_hi102 = pack_e4m3x4(q_x98, q_x99, q_x100, q_x101);
-        const unsigned q_hi_pair103 = e4m3x2_prep(q_hi102 & 65535u);
-        const unsigned q_hi_pair104 = e4m3x2_prep(q_hi102 >> 16u);
-        q_tile_a0[4u] = q_hi102;
-        q_tile_a0_lo[4u] = pack_e4m3x4(q_x98 - e4m3x2_lo(q_hi_pair103), q_x99 - e4m3x2_hi(q_hi_pair103), q_x100 - e4m3x2_lo(q_hi_pair104), q_x101 - e4m3x2_hi(q_hi_pair104));
-        const float q_x105 = __uint_as_float(q_pair15 << 16u) * q_scale;
-        const float q_x106 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
-        const float q_x107 = __uint_as_float(q_pair16 << 16u) * q_scale;
-        const float q_x108 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
-        const unsigned q_hi109 = pack_e4m3x4(q_x105, q_x106, q_x107, q_x108);
-        const unsigned q_hi_pair110 = e4m3x2_prep(q_hi109 & 65535u);
-        const unsigned q_hi_pair111 = e4m3x2_prep(q_hi109 >> 16u);
-        q_tile_a0[5u] = q_hi109;
-        q_tile_a0_lo[5u] = pack_e4m3x4(q_x105 - e4m3x2_lo(q_hi_pair110), q_x106 - e4m3x2_hi(q_hi_pair110), q_x107 - e4m3x2_lo(q_hi_pair111), q_x108 - e4m3x2_hi(q_hi_pair111));
-        const float q_x112 = __uint_as_float(q_pair17 << 16u) * q_scale;
-        const float q_x113 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
-        const float q_x114 = __uint_as_float(q_pair18 << 16u) * q_scale;
-        const float q_x115 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
-        const unsigned q_hi116 = pack_e4m3x4(q_x112, q_x113, q_x114, q_x115);
-        const unsigned q_hi_pair117 = e4m3x2_prep(q_hi116 & 65535u);
-        const unsigned q_hi_pair118 = e4m3x2_prep(q_hi116 >> 16u);
-        q_tile_a0[6u] = q_hi116;
-        q_tile_a0_lo[6u] = pack_e4m3x4(q_x112 - e4m3x2_lo(q_hi_pair117), q_x113 - e4m3x2_hi(q_hi_pair117), q_x114 - e4m3x2_lo(q_hi_pair118), q_x115 - e4m3x2_hi(q_hi_pair118));
-        const float q_x119 = __uint_as_float(q_pair19 << 16u) * q_scale;
-        const float q_x120 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
-        const float q_x121 = __uint_as_float(q_pair20 << 16u) * q_scale;
-        const float q_x122 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
-        const unsigned q_hi123 = pack_e4m3x4(q_x119, q_x120, q_x121, q_x122);
-        const unsigned q_hi_pair124 = e4m3x2_prep(q_hi123 & 65535u);
-        const unsigned q_hi_pair125 = e4m3x2_prep(q_hi123 >> 16u);
-        q_tile_a0[7u] = q_hi123;
-        q_tile_a0_lo[7u] = pack_e4m3x4(q_x119 - e4m3x2_lo(q_hi_pair124), q_x120 - e4m3x2_hi(q_hi_pair124), q_x121 - e4m3x2_lo(q_hi_pair125), q_x122 - e4m3x2_hi(q_hi_pair125));
-        const float q_x126 = __uint_as_float(q_pair21 << 16u) * q_scale;
-        const float q_x127 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
-        const float q_x128 = __uint_as_float(q_pair22 << 16u) * q_scale;
-        const float q_x129 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
-        const unsigned q_hi130 = pack_e4m3x4(q_x126, q_x127, q_x128, q_x129);
-        const unsigned q_hi_pair131 = e4m3x2_prep(q_hi130 & 65535u);
-        const unsigned q_hi_pair132 = e4m3x2_prep(q_hi130 >> 16u);
-        q_tile_a1[0u] = q_hi130;
-        q_tile_a1_lo[0u] = pack_e4m3x4(q_x126 - e4m3x2_lo(q_hi_pair131), q_x127 - e4m3x2_hi(q_hi_pair131), q_x128 - e4m3x2_lo(q_hi_pair132), q_x129 - e4m3x2_hi(q_hi_pair132));
-        const float q_x133 = __uint_as_float(q_pair23 << 16u) * q_scale;
-        const float q_x134 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
-        const float q_x135 = __uint_as_float(q_pair24 << 16u) * q_scale;
-        const float q_x136 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
-        const unsigned q_hi137 = pack_e4m3x4(q_x133, q_x134, q_x135, q_x136);
-        const unsigned q_hi_pair138 = e4m3x2_prep(q_hi137 & 65535u);
-        const unsigned q_hi_pair139 = e4m3x2_prep(q_hi137 >> 16u);
-        q_tile_a1[1u] = q_hi137;
-        q_tile_a1_lo[1u] = pack_e4m3x4(q_x133 - e4m3x2_lo(q_hi_pair138), q_x134 - e4m3x2_hi(q_hi_pair138), q_x135 - e4m3x2_lo(q_hi_pair139), q_x136 - e4m3x2_hi(q_hi_pair139));
-        const float q_x140 = __uint_as_float(q_pair25 << 16u) * q_scale;
-        const float q_x141 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
-        const float q_x142 = __uint_as_float(q_pair26 << 16u) * q_scale;
-        const float q_x143 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
-        const unsigned q_hi144 = pack_e4m3x4(q_x140, q_x141, q_x142, q_x143);
-        const unsigned q_hi_pair145 = e4m3x2_prep(q_hi144 & 65535u);
-        const unsigned q_hi_pair146 = e4m3x2_prep(q_hi144 >> 16u);
-        q_tile_a1[2u] = q_hi144;
-        q_tile_a1_lo[2u] = pack_e4m3x4(q_x140 - e4m3x2_lo(q_hi_pair145), q_x141 - e4m3x2_hi(q_hi_pair145), q_x142 - e4m3x2_lo(q_hi_pair146), q_x143 - e4m3x2_hi(q_hi_pair146));
-        const float q_x147 = __uint_as_float(q_pair27 << 16u) * q_scale;
-        const float q_x148 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
-        const float q_x149 = __uint_as_float(q_pair28 << 16u) * q_scale;
-        const float q_x150 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
-        const unsigned q_hi151 = pack_e4m3x4(q_x147, q_x148, q_x149, q_x150);
-        const unsigned q_hi_pair152 = e4m3x2_prep(q_hi151 & 65535u);
-        const unsigned q_hi_pair153 = e4m3x2_prep(q_hi151 >> 16u);
-        q_tile_a1[3u] = q_hi151;
-        q_tile_a1_lo[3u] = pack_e4m3x4(q_x147 - e4m3x2_lo(q_hi_pair152), q_x148 - e4m3x2_hi(q_hi_pair152), q_x149 - e4m3x2_lo(q_hi_pair153), q_x150 - e4m3x2_hi(q_hi_pair153));
-        const float q_x154 = __uint_as_float(q_pair29 << 16u) * q_scale;
-        const float q_x155 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
-        const float q_x156 = __uint_as_float(q_pair30 << 16u) * q_scale;
-        const float q_x157 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
-        const unsigned q_hi158 = pack_e4m3x4(q_x154, q_x155, q_x156, q_x157);
-        const unsigned q_hi_pair159 = e4m3x2_prep(q_hi158 & 65535u);
-        const unsigned q_hi_pair160 = e4m3x2_prep(q_hi158 >> 16u);
-        q_tile_a1[4u] = q_hi158;
-        q_tile_a1_lo[4u] = pack_e4m3x4(q_x154 - e4m3x2_lo(q_hi_pair159), q_x155 - e4m3x2_hi(q_hi_pair159), q_x156 - e4m3x2_lo(q_hi_pair160), q_x157 - e4m3x2_hi(q_hi_pair160));
-        const float q_x161 = __uint_as_float(q_pair31 << 16u) * q_scale;
-        const float q_x162 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
-        const float q_x163 = __uint_as_float(q_pair32 << 16u) * q_scale;
-        const float q_x164 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
-        const unsigned q_hi165 = pack_e4m3x4(q_x161, q_x162, q_x163, q_x164);
-        const unsigned q_hi_pair166 = e4m3x2_prep(q_hi165 & 65535u);
-        const unsigned q_hi_pair167 = e4m3x2_prep(q_hi165 >> 16u);
-        q_tile_a1[5u] = q_hi165;
-        q_tile_a1_lo[5u] = pack_e4m3x4(q_x161 - e4m3x2_lo(q_hi_pair166), q_x162 - e4m3x2_hi(q_hi_pair166), q_x163 - e4m3x2_lo(q_hi_pair167), q_x164 - e4m3x2_hi(q_hi_pair167));
-        const float q_x168 = __uint_as_float(q_pair33 << 16u) * q_scale;
-        const float q_x169 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
-        const float q_x170 = __uint_as_float(q_pair34 << 16u) * q_scale;
-        const float q_x171 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
-        const unsigned q_hi172 = pack_e4m3x4(q_x168, q_x169, q_x170, q_x171);
-        const unsigned q_hi_pair173 = e4m3x2_prep(q_hi172 & 65535u);
-        const unsigned q_hi_pair174 = e4m3x2_prep(q_hi172 >> 16u);
-        q_tile_a1[6u] = q_hi172;
-        q_tile_a1_lo[6u] = pack_e4m3x4(q_x168 - e4m3x2_lo(q_hi_pair173), q_x169 - e4m3x2_hi(q_hi_pair173), q_x170 - e4m3x2_lo(q_hi_pair174), q_x171 - e4m3x2_hi(q_hi_pair174));
-        const float q_x175 = __uint_as_float(q_pair35 << 16u) * q_scale;
-        const float q_x176 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
-        const float q_x177 = __uint_as_float(q_pair36 << 16u) * q_scale;
-        const float q_x178 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
-        const unsigned q_hi179 = pack_e4m3x4(q_x175, q_x176, q_x177, q_x178);
-        const unsigned q_hi_pair180 = e4m3x2_prep(q_hi179 & 65535u);
-        const unsigned q_hi_pair181 = e4m3x2_prep(q_hi179 >> 16u);
-        q_tile_a1[7u] = q_hi179;
-        q_tile_a1_lo[7u] = pack_e4m3x4(q_x175 - e4m3x2_lo(q_hi_pair180), q_x176 - e4m3x2_hi(q_hi_pair180), q_x177 - e4m3x2_lo(q_hi_pair181), q_x178 - e4m3x2_hi(q_hi_pair181));
-        const float q_x182 = __uint_as_float(q_pair37 << 16u) * q_scale;
-        const float q_x183 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
-        const float q_x184 = __uint_as_float(q_pair38 << 16u) * q_scale;
-        const float q_x185 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
-        const unsigned q_hi186 = pack_e4m3x4(q_x182, q_x183, q_x184, q_x185);
-        const unsigned q_hi_pair187 = e4m3x2_prep(q_hi186 & 65535u);
-        const unsigned q_hi_pair188 = e4m3x2_prep(q_hi186 >> 16u);
-        q_tile_a2[0u] = q_hi186;
-        q_tile_a2_lo[0u] = pack_e4m3x4(q_x182 - e4m3x2_lo(q_hi_pair187), q_x183 - e4m3x2_hi(q_hi_pair187), q_x184 - e4m3x2_lo(q_hi_pair188), q_x185 - e4m3x2_hi(q_hi_pair188));
-        const float q_x189 = __uint_as_float(q_pair39 << 16u) * q_scale;
-        const float q_x190 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
-        const float q_x191 = __uint_as_float(q_pair40 << 16u) * q_scale;
-        const float q_x192 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
-        const unsigned q_hi193 = pack_e4m3x4(q_x189, q_x190, q_x191, q_x192);
-        const unsigned q_hi_pair194 = e4m3x2_prep(q_hi193 & 65535u);
-        const unsigned q_hi_pair195 = e4m3x2_prep(q_hi193 >> 16u);
-        q_tile_a2[1u] = q_hi193;
-        q_tile_a2_lo[1u] = pack_e4m3x4(q_x189 - e4m3x2_lo(q_hi_pair194), q_x190 - e4m3x2_hi(q_hi_pair194), q_x191 - e4m3x2_lo(q_hi_pair195), q_x192 - e4m3x2_hi(q_hi_pair195));
-        const float q_x196 = __uint_as_float(q_pair41 << 16u) * q_scale;
-        const float q_x197 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
-        const float q_x198 = __uint_as_float(q_pair42 << 16u) * q_scale;
-        const float q_x199 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
-        const unsigned q_hi200 = pack_e4m3x4(q_x196, q_x197, q_x198, q_x199);
-        const unsigned q_hi_pair201 = e4m3x2_prep(q_hi200 & 65535u);
-        const unsigned q_hi_pair202 = e4m3x2_prep(q_hi200 >> 16u);
-        q_tile_a2[2u] = q_hi200;
-        q_tile_a2_lo[2u] = pack_e4m3x4(q_x196 - e4m3x2_lo(q_hi_pair201), q_x197 - e4m3x2_hi(q_hi_pair201), q_x198 - e4m3x2_lo(q_hi_pair202), q_x199 - e4m3x2_hi(q_hi_pair202));
-        const float q_x203 = __uint_as_float(q_pair43 << 16u) * q_scale;
-        const float q_x204 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
-        const float q_x205 = __uint_as_float(q_pair44 << 16u) * q_scale;
-        const float q_x206 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
-        const unsigned q_hi207 = pack_e4m3x4(q_x203, q_x204, q_x205, q_x206);
-        const unsigned q_hi_pair208 = e4m3x2_prep(q_hi207 & 65535u);
-        const unsigned q_hi_pair209 = e4m3x2_prep(q_hi207 >> 16u);
-        q_tile_a2[3u] = q_hi207;
-        q_tile_a2_lo[3u] = pack_e4m3x4(q_x203 - e4m3x2_lo(q_hi_pair208), q_x204 - e4m3x2_hi(q_hi_pair208), q_x205 - e4m3x2_lo(q_hi_pair209), q_x206 - e4m3x2_hi(q_hi_pair209));
-        const float q_x210 = __uint_as_float(q_pair45 << 16u) * q_scale;
-        const float q_x211 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
-        const float q_x212 = __uint_as_float(q_pair46 << 16u) * q_scale;
-        const float q_x213 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
-        const unsigned q_hi214 = pack_e4m3x4(q_x210, q_x211, q_x212, q_x213);
-        const unsigned q_hi_pair215 = e4m3x2_prep(q_hi214 & 65535u);
-        const unsigned q_hi_pair216 = e4m3x2_prep(q_hi214 >> 16u);
-        q_tile_a2[4u] = q_hi214;
-        q_tile_a2_lo[4u] = pack_e4m3x4(q_x210 - e4m3x2_lo(q_hi_pair215), q_x211 - e4m3x2_hi(q_hi_pair215), q_x212 - e4m3x2_lo(q_hi_pair216), q_x213 - e4m3x2_hi(q_hi_pair216));
-        const float q_x217 = __uint_as_float(q_pair47 << 16u) * q_scale;
-        const float q_x218 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
-        const float q_x219 = __uint_as_float(q_pair48 << 16u) * q_scale;
-        const float q_x220 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
-        const unsigned q_hi221 = pack_e4m3x4(q_x217, q_x218, q_x219, q_x220);
-        const unsigned q_hi_pair222 = e4m3x2_prep(q_hi221 & 65535u);
-        const unsigned q_hi_pair223 = e4m3x2_prep(q_hi221 >> 16u);
-        q_tile_a2[5u] = q_hi221;
-        q_tile_a2_lo[5u] = pack_e4m3x4(q_x217 - e4m3x2_lo(q_hi_pair222), q_x218 - e4m3x2_hi(q_hi_pair222), q_x219 - e4m3x2_lo(q_hi_pair223), q_x220 - e4m3x2_hi(q_hi_pair223));
-        const float q_x224 = __uint_as_float(q_pair49 << 16u) * q_scale;
-        const float q_x225 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
-        const float q_x226 = __uint_as_float(q_pair50 << 16u) * q_scale;
-        const float q_x227 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
-        const unsigned q_hi228 = pack_e4m3x4(q_x224, q_x225, q_x226, q_x227);
-        const unsigned q_hi_pair229 = e4m3x2_prep(q_hi228 & 65535u);
-        const unsigned q_hi_pair230 = e4m3x2_prep(q_hi228 >> 16u);
-        q_tile_a2[6u] = q_hi228;
-        q_tile_a2_lo[6u] = pack_e4m3x4(q_x224 - e4m3x2_lo(q_hi_pair229), q_x225 - e4m3x2_hi(q_hi_pair229), q_x226 - e4m3x2_lo(q_hi_pair230), q_x227 - e4m3x2_hi(q_hi_pair230));
-        const float q_x231 = __uint_as_float(q_pair51 << 16u) * q_scale;
-        const float q_x232 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
-        const float q_x233 = __uint_as_float(q_pair52 << 16u) * q_scale;
-        const float q_x234 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
-        const unsigned q_hi235 = pack_e4m3x4(q_x231, q_x232, q_x233, q_x234);
-        const unsigned q_hi_pair236 = e4m3x2_prep(q_hi235 & 65535u);
-        const unsigned q_hi_pair237 = e4m3x2_prep(q_hi235 >> 16u);
-        q_tile_a2[7u] = q_hi235;
-        q_tile_a2_lo[7u] = pack_e4m3x4(q_x231 - e4m3x2_lo(q_hi_pair236), q_x232 - e4m3x2_hi(q_hi_pair236), q_x233 - e4m3x2_lo(q_hi_pair237), q_x234 - e4m3x2_hi(q_hi_pair237));
-        const float q_x238 = __uint_as_float(q_pair53 << 16u) * q_scale;
-        const float q_x239 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
-        const float q_x240 = __uint_as_float(q_pair54 << 16u) * q_scale;
-        const float q_x241 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
-        const unsigned q_hi242 = pack_e4m3x4(q_x238, q_x239, q_x240, q_x241);
-        const unsigned q_hi_pair243 = e4m3x2_prep(q_hi242 & 65535u);
-        const unsigned q_hi_pair244 = e4m3x2_prep(q_hi242 >> 16u);
-        q_tile_a3[0u] = q_hi242;
-        q_tile_a3_lo[0u] = pack_e4m3x4(q_x238 - e4m3x2_lo(q_hi_pair243), q_x239 - e4m3x2_hi(q_hi_pair243), q_x240 - e4m3x2_lo(q_hi_pair244), q_x241 - e4m3x2_hi(q_hi_pair244));
-        const float q_x245 = __uint_as_float(q_pair55 << 16u) * q_scale;
-        const float q_x246 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
-        const float q_x247 = __uint_as_float(q_pair56 << 16u) * q_scale;
-        const float q_x248 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
-        const unsigned q_hi249 = pack_e4m3x4(q_x245, q_x246, q_x247, q_x248);
-        const unsigned q_hi_pair250 = e4m3x2_prep(q_hi249 & 65535u);
-        const unsigned q_hi_pair251 = e4m3x2_prep(q_hi249 >> 16u);
-        q_tile_a3[1u] = q_hi249;
-        q_tile_a3_lo[1u] = pack_e4m3x4(q_x245 - e4m3x2_lo(q_hi_pair250), q_x246 - e4m3x2_hi(q_hi_pair250), q_x247 - e4m3x2_lo(q_hi_pair251), q_x248 - e4m3x2_hi(q_hi_pair251));
-        const float q_x252 = __uint_as_float(q_pair57 << 16u) * q_scale;
-        const float q_x253 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
-        const float q_x254 = __uint_as_float(q_pair58 << 16u) * q_scale;
-        const float q_x255 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
-        const unsigned q_hi256 = pack_e4m3x4(q_x252, q_x253, q_x254, q_x255);
-        const unsigned q_hi_pair257 = e4m3x2_prep(q_hi256 & 65535u);
-        const unsigned q_hi_pair258 = e4m3x2_prep(q_hi256 >> 16u);
-        q_tile_a3[2u] = q_hi256;
-        q_tile_a3_lo[2u] = pack_e4m3x4(q_x252 - e4m3x2_lo(q_hi_pair257), q_x253 - e4m3x2_hi(q_hi_pair257), q_x254 - e4m3x2_lo(q_hi_pair258), q_x255 - e4m3x2_hi(q_hi_pair258));
-        const float q_x259 = __uint_as_float(q_pair59 << 16u) * q_scale;
-        const float q_x260 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
-        const float q_x261 = __uint_as_float(q_pair60 << 16u) * q_scale;
-        const float q_x262 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
-        const unsigned q_hi263 = pack_e4m3x4(q_x259, q_x260, q_x261, q_x262);
-        const unsigned q_hi_pair264 = e4m3x2_prep(q_hi263 & 65535u);
-        const unsigned q_hi_pair265 = e4m3x2_prep(q_hi263 >> 16u);
-        q_tile_a3[3u] = q_hi263;
-        q_tile_a3_lo[3u] = pack_e4m3x4(q_x259 - e4m3x2_lo(q_hi_pair264), q_x260 - e4m3x2_hi(q_hi_pair264), q_x261 - e4m3x2_lo(q_hi_pair265), q_x262 - e4m3x2_hi(q_hi_pair265));
-        const float q_x266 = __uint_as_float(q_pair61 << 16u) * q_scale;
-        const float q_x267 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
-        const float q_x268 = __uint_as_float(q_pair62 << 16u) * q_scale;
-        const float q_x269 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
-        const unsigned q_hi270 = pack_e4m3x4(q_x266, q_x267, q_x268, q_x269);
-        const unsigned q_hi_pair271 = e4m3x2_prep(q_hi270 & 65535u);
-        const unsigned q_hi_pair272 = e4m3x2_prep(q_hi270 >> 16u);
-        q_tile_a3[4u] = q_hi270;
-        q_tile_a3_lo[4u] = pack_e4m3x4(q_x266 - e4m3x2_lo(q_hi_pair271), q_x267 - e4m3x2_hi(q_hi_pair271), q_x268 - e4m3x2_lo(q_hi_pair272), q_x269 - e4m3x2_hi(q_hi_pair272));
-        const float q_x273 = __uint_as_float(q_pair63 << 16u) * q_scale;
-        const float q_x274 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
-        const float q_x275 = __uint_as_float(q_pair64 << 16u) * q_scale;
-        const float q_x276 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
-        const unsigned q_hi277 = pack_e4m3x4(q_x273, q_x274, q_x275, q_x276);
-        const unsigned q_hi_pair278 = e4m3x2_prep(q_hi277 & 65535u);
-        const unsigned q_hi_pair279 = e4m3x2_prep(q_hi277 >> 16u);
-        q_tile_a3[5u] = q_hi277;
-        q_tile_a3_lo[5u] = pack_e4m3x4(q_x273 - e4m3x2_lo(q_hi_pair278), q_x274 - e4m3x2_hi(q_hi_pair278), q_x275 - e4m3x2_lo(q_hi_pair279), q_x276 - e4m3x2_hi(q_hi_pair279));
-        const float q_x280 = __uint_as_float(q_pair65 << 16u) * q_scale;
-        const float q_x281 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
-        const float q_x282 = __uint_as_float(q_pair66 << 16u) * q_scale;
-        const float q_x283 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
-        const unsigned q_hi284 = pack_e4m3x4(q_x280, q_x281, q_x282, q_x283);
-        const unsigned q_hi_pair285 = e4m3x2_prep(q_hi284 & 65535u);
-        const unsigned q_hi_pair286 = e4m3x2_prep(q_hi284 >> 16u);
-        q_tile_a3[6u] = q_hi284;
-        q_tile_a3_lo[6u] = pack_e4m3x4(q_x280 - e4m3x2_lo(q_hi_pair285), q_x281 - e4m3x2_hi(q_hi_pair285), q_x282 - e4m3x2_lo(q_hi_pair286), q_x283 - e4m3x2_hi(q_hi_pair286));
-        const float q_x287 = __uint_as_float(q_pair67 << 16u) * q_scale;
-        const float q_x288 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
-        const float q_x289 = __uint_as_float(q_pair68 << 16u) * q_scale;
-        const float q_x290 = __uint_as_float(q_pair68 & 4294901760u) * q_scale;
-        const unsigned q_hi291 = pack_e4m3x4(q_x287, q_x288, q_x289, q_x290);
-        const unsigned q_hi_pair292 = e4m3x2_prep(q_hi291 & 65535u);
-        const unsigned q_hi_pair293 = e4m3x2_prep(q_hi291 >> 16u);
-        q_tile_a3[7u] = q_hi291;
-        q_tile_a3_lo[7u] = pack_e4m3x4(q_x287 - e4m3x2_lo(q_hi_pair292), q_x288 - e4m3x2_hi(q_hi_pair292), q_x289 - e4m3x2_lo(q_hi_pair293), q_x290 - e4m3x2_hi(q_hi_pair293));
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x72 - e4m3x2_hi(q_hi_pair), q_x73 - e4m3x2_lo(q_hi_pair75), q_x74 - e4m3x2_hi(q_hi_pair75));
+        const float q_x76 = __uint_as_float(q_pair6 << 16u) * q_scale;
+        const float q_x77 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
+        const float q_x78 = __uint_as_float(q_pair7 << 16u) * q_scale;
+        const float q_x79 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
+        const unsigned q_hi80 = pack_e4m3x4(q_x76, q_x77, q_x78, q_x79);
+        const unsigned q_hi_pair81 = e4m3x2_prep(q_hi80 & 65535u);
+        const unsigned q_hi_pair82 = e4m3x2_prep(q_hi80 >> 16u);
+        q_tile_a0[1u] = q_hi80;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x76 - e4m3x2_lo(q_hi_pair81), q_x77 - e4m3x2_hi(q_hi_pair81), q_x78 - e4m3x2_lo(q_hi_pair82), q_x79 - e4m3x2_hi(q_hi_pair82));
+        const float q_x83 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x84 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const float q_x85 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x86 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const unsigned q_hi87 = pack_e4m3x4(q_x83, q_x84, q_x85, q_x86);
+        const unsigned q_hi_pair88 = e4m3x2_prep(q_hi87 & 65535u);
+        const unsigned q_hi_pair89 = e4m3x2_prep(q_hi87 >> 16u);
+        q_tile_a0[2u] = q_hi87;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x83 - e4m3x2_lo(q_hi_pair88), q_x84 - e4m3x2_hi(q_hi_pair88), q_x85 - e4m3x2_lo(q_hi_pair89), q_x86 - e4m3x2_hi(q_hi_pair89));
+        const float q_x90 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x91 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const float q_x92 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x93 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const unsigned q_hi94 = pack_e4m3x4(q_x90, q_x91, q_x92, q_x93);
+        const unsigned q_hi_pair95 = e4m3x2_prep(q_hi94 & 65535u);
+        const unsigned q_hi_pair96 = e4m3x2_prep(q_hi94 >> 16u);
+        q_tile_a0[3u] = q_hi94;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x90 - e4m3x2_lo(q_hi_pair95), q_x91 - e4m3x2_hi(q_hi_pair95), q_x92 - e4m3x2_lo(q_hi_pair96), q_x93 - e4m3x2_hi(q_hi_pair96));
+        const float q_x97 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x98 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const float q_x99 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x100 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const unsigned q_hi101 = pack_e4m3x4(q_x97, q_x98, q_x99, q_x100);
+        const unsigned q_hi_pair102 = e4m3x2_prep(q_hi101 & 65535u);
+        const unsigned q_hi_pair103 = e4m3x2_prep(q_hi101 >> 16u);
+        q_tile_a0[4u] = q_hi101;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x97 - e4m3x2_lo(q_hi_pair102), q_x98 - e4m3x2_hi(q_hi_pair102), q_x99 - e4m3x2_lo(q_hi_pair103), q_x100 - e4m3x2_hi(q_hi_pair103));
+        const float q_x104 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x105 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const float q_x106 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x107 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const unsigned q_hi108 = pack_e4m3x4(q_x104, q_x105, q_x106, q_x107);
+        const unsigned q_hi_pair109 = e4m3x2_prep(q_hi108 & 65535u);
+        const unsigned q_hi_pair110 = e4m3x2_prep(q_hi108 >> 16u);
+        q_tile_a0[5u] = q_hi108;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x104 - e4m3x2_lo(q_hi_pair109), q_x105 - e4m3x2_hi(q_hi_pair109), q_x106 - e4m3x2_lo(q_hi_pair110), q_x107 - e4m3x2_hi(q_hi_pair110));
+        const float q_x111 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x112 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const float q_x113 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x114 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const unsigned q_hi115 = pack_e4m3x4(q_x111, q_x112, q_x113, q_x114);
+        const unsigned q_hi_pair116 = e4m3x2_prep(q_hi115 & 65535u);
+        const unsigned q_hi_pair117 = e4m3x2_prep(q_hi115 >> 16u);
+        q_tile_a0[6u] = q_hi115;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x111 - e4m3x2_lo(q_hi_pair116), q_x112 - e4m3x2_hi(q_hi_pair116), q_x113 - e4m3x2_lo(q_hi_pair117), q_x114 - e4m3x2_hi(q_hi_pair117));
+        const float q_x118 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x119 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const float q_x120 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x121 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const unsigned q_hi122 = pack_e4m3x4(q_x118, q_x119, q_x120, q_x121);
+        const unsigned q_hi_pair123 = e4m3x2_prep(q_hi122 & 65535u);
+        const unsigned q_hi_pair124 = e4m3x2_prep(q_hi122 >> 16u);
+        q_tile_a0[7u] = q_hi122;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x118 - e4m3x2_lo(q_hi_pair123), q_x119 - e4m3x2_hi(q_hi_pair123), q_x120 - e4m3x2_lo(q_hi_pair124), q_x121 - e4m3x2_hi(q_hi_pair124));
+        const float q_x125 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x126 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const float q_x127 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x128 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const unsigned q_hi129 = pack_e4m3x4(q_x125, q_x126, q_x127, q_x128);
+        const unsigned q_hi_pair130 = e4m3x2_prep(q_hi129 & 65535u);
+        const unsigned q_hi_pair131 = e4m3x2_prep(q_hi129 >> 16u);
+        q_tile_a1[0u] = q_hi129;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x125 - e4m3x2_lo(q_hi_pair130), q_x126 - e4m3x2_hi(q_hi_pair130), q_x127 - e4m3x2_lo(q_hi_pair131), q_x128 - e4m3x2_hi(q_hi_pair131));
+        const float q_x132 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x133 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const float q_x134 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x135 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const unsigned q_hi136 = pack_e4m3x4(q_x132, q_x133, q_x134, q_x135);
+        const unsigned q_hi_pair137 = e4m3x2_prep(q_hi136 & 65535u);
+        const unsigned q_hi_pair138 = e4m3x2_prep(q_hi136 >> 16u);
+        q_tile_a1[1u] = q_hi136;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x132 - e4m3x2_lo(q_hi_pair137), q_x133 - e4m3x2_hi(q_hi_pair137), q_x134 - e4m3x2_lo(q_hi_pair138), q_x135 - e4m3x2_hi(q_hi_pair138));
+        const float q_x139 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x140 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const float q_x141 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x142 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const unsigned q_hi143 = pack_e4m3x4(q_x139, q_x140, q_x141, q_x142);
+        const unsigned q_hi_pair144 = e4m3x2_prep(q_hi143 & 65535u);
+        const unsigned q_hi_pair145 = e4m3x2_prep(q_hi143 >> 16u);
+        q_tile_a1[2u] = q_hi143;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x139 - e4m3x2_lo(q_hi_pair144), q_x140 - e4m3x2_hi(q_hi_pair144), q_x141 - e4m3x2_lo(q_hi_pair145), q_x142 - e4m3x2_hi(q_hi_pair145));
+        const float q_x146 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x147 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const float q_x148 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x149 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const unsigned q_hi150 = pack_e4m3x4(q_x146, q_x147, q_x148, q_x149);
+        const unsigned q_hi_pair151 = e4m3x2_prep(q_hi150 & 65535u);
+        const unsigned q_hi_pair152 = e4m3x2_prep(q_hi150 >> 16u);
+        q_tile_a1[3u] = q_hi150;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x146 - e4m3x2_lo(q_hi_pair151), q_x147 - e4m3x2_hi(q_hi_pair151), q_x148 - e4m3x2_lo(q_hi_pair152), q_x149 - e4m3x2_hi(q_hi_pair152));
+        const float q_x153 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x154 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const float q_x155 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x156 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const unsigned q_hi157 = pack_e4m3x4(q_x153, q_x154, q_x155, q_x156);
+        const unsigned q_hi_pair158 = e4m3x2_prep(q_hi157 & 65535u);
+        const unsigned q_hi_pair159 = e4m3x2_prep(q_hi157 >> 16u);
+        q_tile_a1[4u] = q_hi157;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x153 - e4m3x2_lo(q_hi_pair158), q_x154 - e4m3x2_hi(q_hi_pair158), q_x155 - e4m3x2_lo(q_hi_pair159), q_x156 - e4m3x2_hi(q_hi_pair159));
+        const float q_x160 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x161 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const float q_x162 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x163 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const unsigned q_hi164 = pack_e4m3x4(q_x160, q_x161, q_x162, q_x163);
+        const unsigned q_hi_pair165 = e4m3x2_prep(q_hi164 & 65535u);
+        const unsigned q_hi_pair166 = e4m3x2_prep(q_hi164 >> 16u);
+        q_tile_a1[5u] = q_hi164;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x160 - e4m3x2_lo(q_hi_pair165), q_x161 - e4m3x2_hi(q_hi_pair165), q_x162 - e4m3x2_lo(q_hi_pair166), q_x163 - e4m3x2_hi(q_hi_pair166));
+        const float q_x167 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x168 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const float q_x169 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x170 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const unsigned q_hi171 = pack_e4m3x4(q_x167, q_x168, q_x169, q_x170);
+        const unsigned q_hi_pair172 = e4m3x2_prep(q_hi171 & 65535u);
+        const unsigned q_hi_pair173 = e4m3x2_prep(q_hi171 >> 16u);
+        q_tile_a1[6u] = q_hi171;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x167 - e4m3x2_lo(q_hi_pair172), q_x168 - e4m3x2_hi(q_hi_pair172), q_x169 - e4m3x2_lo(q_hi_pair173), q_x170 - e4m3x2_hi(q_hi_pair173));
+        const float q_x174 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x175 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const float q_x176 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x177 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const unsigned q_hi178 = pack_e4m3x4(q_x174, q_x175, q_x176, q_x177);
+        const unsigned q_hi_pair179 = e4m3x2_prep(q_hi178 & 65535u);
+        const unsigned q_hi_pair180 = e4m3x2_prep(q_hi178 >> 16u);
+        q_tile_a1[7u] = q_hi178;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x174 - e4m3x2_lo(q_hi_pair179), q_x175 - e4m3x2_hi(q_hi_pair179), q_x176 - e4m3x2_lo(q_hi_pair180), q_x177 - e4m3x2_hi(q_hi_pair180));
+        const float q_x181 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x182 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const float q_x183 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x184 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const unsigned q_hi185 = pack_e4m3x4(q_x181, q_x182, q_x183, q_x184);
+        const unsigned q_hi_pair186 = e4m3x2_prep(q_hi185 & 65535u);
+        const unsigned q_hi_pair187 = e4m3x2_prep(q_hi185 >> 16u);
+        q_tile_a2[0u] = q_hi185;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x181 - e4m3x2_lo(q_hi_pair186), q_x182 - e4m3x2_hi(q_hi_pair186), q_x183 - e4m3x2_lo(q_hi_pair187), q_x184 - e4m3x2_hi(q_hi_pair187));
+        const float q_x188 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x189 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const float q_x190 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x191 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const unsigned q_hi192 = pack_e4m3x4(q_x188, q_x189, q_x190, q_x191);
+        const unsigned q_hi_pair193 = e4m3x2_prep(q_hi192 & 65535u);
+        const unsigned q_hi_pair194 = e4m3x2_prep(q_hi192 >> 16u);
+        q_tile_a2[1u] = q_hi192;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x188 - e4m3x2_lo(q_hi_pair193), q_x189 - e4m3x2_hi(q_hi_pair193), q_x190 - e4m3x2_lo(q_hi_pair194), q_x191 - e4m3x2_hi(q_hi_pair194));
+        const float q_x195 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x196 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const float q_x197 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x198 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const unsigned q_hi199 = pack_e4m3x4(q_x195, q_x196, q_x197, q_x198);
+        const unsigned q_hi_pair200 = e4m3x2_prep(q_hi199 & 65535u);
+        const unsigned q_hi_pair201 = e4m3x2_prep(q_hi199 >> 16u);
+        q_tile_a2[2u] = q_hi199;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x195 - e4m3x2_lo(q_hi_pair200), q_x196 - e4m3x2_hi(q_hi_pair200), q_x197 - e4m3x2_lo(q_hi_pair201), q_x198 - e4m3x2_hi(q_hi_pair201));
+        const float q_x202 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x203 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const float q_x204 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x205 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const unsigned q_hi206 = pack_e4m3x4(q_x202, q_x203, q_x204, q_x205);
+        const unsigned q_hi_pair207 = e4m3x2_prep(q_hi206 & 65535u);
+        const unsigned q_hi_pair208 = e4m3x2_prep(q_hi206 >> 16u);
+        q_tile_a2[3u] = q_hi206;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x202 - e4m3x2_lo(q_hi_pair207), q_x203 - e4m3x2_hi(q_hi_pair207), q_x204 - e4m3x2_lo(q_hi_pair208), q_x205 - e4m3x2_hi(q_hi_pair208));
+        const float q_x209 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x210 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const float q_x211 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x212 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const unsigned q_hi213 = pack_e4m3x4(q_x209, q_x210, q_x211, q_x212);
+        const unsigned q_hi_pair214 = e4m3x2_prep(q_hi213 & 65535u);
+        const unsigned q_hi_pair215 = e4m3x2_prep(q_hi213 >> 16u);
+        q_tile_a2[4u] = q_hi213;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x209 - e4m3x2_lo(q_hi_pair214), q_x210 - e4m3x2_hi(q_hi_pair214), q_x211 - e4m3x2_lo(q_hi_pair215), q_x212 - e4m3x2_hi(q_hi_pair215));
+        const float q_x216 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x217 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const float q_x218 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x219 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const unsigned q_hi220 = pack_e4m3x4(q_x216, q_x217, q_x218, q_x219);
+        const unsigned q_hi_pair221 = e4m3x2_prep(q_hi220 & 65535u);
+        const unsigned q_hi_pair222 = e4m3x2_prep(q_hi220 >> 16u);
+        q_tile_a2[5u] = q_hi220;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x216 - e4m3x2_lo(q_hi_pair221), q_x217 - e4m3x2_hi(q_hi_pair221), q_x218 - e4m3x2_lo(q_hi_pair222), q_x219 - e4m3x2_hi(q_hi_pair222));
+        const float q_x223 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x224 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const float q_x225 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x226 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const unsigned q_hi227 = pack_e4m3x4(q_x223, q_x224, q_x225, q_x226);
+        const unsigned q_hi_pair228 = e4m3x2_prep(q_hi227 & 65535u);
+        const unsigned q_hi_pair229 = e4m3x2_prep(q_hi227 >> 16u);
+        q_tile_a2[6u] = q_hi227;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x223 - e4m3x2_lo(q_hi_pair228), q_x224 - e4m3x2_hi(q_hi_pair228), q_x225 - e4m3x2_lo(q_hi_pair229), q_x226 - e4m3x2_hi(q_hi_pair229));
+        const float q_x230 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x231 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const float q_x232 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x233 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const unsigned q_hi234 = pack_e4m3x4(q_x230, q_x231, q_x232, q_x233);
+        const unsigned q_hi_pair235 = e4m3x2_prep(q_hi234 & 65535u);
+        const unsigned q_hi_pair236 = e4m3x2_prep(q_hi234 >> 16u);
+        q_tile_a2[7u] = q_hi234;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x230 - e4m3x2_lo(q_hi_pair235), q_x231 - e4m3x2_hi(q_hi_pair235), q_x232 - e4m3x2_lo(q_hi_pair236), q_x233 - e4m3x2_hi(q_hi_pair236));
+        const float q_x237 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x238 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const float q_x239 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x240 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const unsigned q_hi241 = pack_e4m3x4(q_x237, q_x238, q_x239, q_x240);
+        const unsigned q_hi_pair242 = e4m3x2_prep(q_hi241 & 65535u);
+        const unsigned q_hi_pair243 = e4m3x2_prep(q_hi241 >> 16u);
+        q_tile_a3[0u] = q_hi241;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x237 - e4m3x2_lo(q_hi_pair242), q_x238 - e4m3x2_hi(q_hi_pair242), q_x239 - e4m3x2_lo(q_hi_pair243), q_x240 - e4m3x2_hi(q_hi_pair243));
+        const float q_x244 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x245 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const float q_x246 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x247 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const unsigned q_hi248 = pack_e4m3x4(q_x244, q_x245, q_x246, q_x247);
+        const unsigned q_hi_pair249 = e4m3x2_prep(q_hi248 & 65535u);
+        const unsigned q_hi_pair250 = e4m3x2_prep(q_hi248 >> 16u);
+        q_tile_a3[1u] = q_hi248;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x244 - e4m3x2_lo(q_hi_pair249), q_x245 - e4m3x2_hi(q_hi_pair249), q_x246 - e4m3x2_lo(q_hi_pair250), q_x247 - e4m3x2_hi(q_hi_pair250));
+        const float q_x251 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x252 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const float q_x253 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x254 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const unsigned q_hi255 = pack_e4m3x4(q_x251, q_x252, q_x253, q_x254);
+        const unsigned q_hi_pair256 = e4m3x2_prep(q_hi255 & 65535u);
+        const unsigned q_hi_pair257 = e4m3x2_prep(q_hi255 >> 16u);
+        q_tile_a3[2u] = q_hi255;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x251 - e4m3x2_lo(q_hi_pair256), q_x252 - e4m3x2_hi(q_hi_pair256), q_x253 - e4m3x2_lo(q_hi_pair257), q_x254 - e4m3x2_hi(q_hi_pair257));
+        const float q_x258 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x259 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const float q_x260 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x261 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const unsigned q_hi262 = pack_e4m3x4(q_x258, q_x259, q_x260, q_x261);
+        const unsigned q_hi_pair263 = e4m3x2_prep(q_hi262 & 65535u);
+        const unsigned q_hi_pair264 = e4m3x2_prep(q_hi262 >> 16u);
+        q_tile_a3[3u] = q_hi262;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x258 - e4m3x2_lo(q_hi_pair263), q_x259 - e4m3x2_hi(q_hi_pair263), q_x260 - e4m3x2_lo(q_hi_pair264), q_x261 - e4m3x2_hi(q_hi_pair264));
+        const float q_x265 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x266 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const float q_x267 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x268 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const unsigned q_hi269 = pack_e4m3x4(q_x265, q_x266, q_x267, q_x268);
+        const unsigned q_hi_pair270 = e4m3x2_prep(q_hi269 & 65535u);
+        const unsigned q_hi_pair271 = e4m3x2_prep(q_hi269 >> 16u);
+        q_tile_a3[4u] = q_hi269;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x265 - e4m3x2_lo(q_hi_pair270), q_x266 - e4m3x2_hi(q_hi_pair270), q_x267 - e4m3x2_lo(q_hi_pair271), q_x268 - e4m3x2_hi(q_hi_pair271));
+        const float q_x272 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x273 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const float q_x274 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x275 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const unsigned q_hi276 = pack_e4m3x4(q_x272, q_x273, q_x274, q_x275);
+        const unsigned q_hi_pair277 = e4m3x2_prep(q_hi276 & 65535u);
+        const unsigned q_hi_pair278 = e4m3x2_prep(q_hi276 >> 16u);
+        q_tile_a3[5u] = q_hi276;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x272 - e4m3x2_lo(q_hi_pair277), q_x273 - e4m3x2_hi(q_hi_pair277), q_x274 - e4m3x2_lo(q_hi_pair278), q_x275 - e4m3x2_hi(q_hi_pair278));
+        const float q_x279 = __uint_as_float(q_pair64 << 16u) * q_scale;
+        const float q_x280 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
+        const float q_x281 = __uint_as_float(q_pair65 << 16u) * q_scale;
+        const float q_x282 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
+        const unsigned q_hi283 = pack_e4m3x4(q_x279, q_x280, q_x281, q_x282);
+        const unsigned q_hi_pair284 = e4m3x2_prep(q_hi283 & 65535u);
+        const unsigned q_hi_pair285 = e4m3x2_prep(q_hi283 >> 16u);
+        q_tile_a3[6u] = q_hi283;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x279 - e4m3x2_lo(q_hi_pair284), q_x280 - e4m3x2_hi(q_hi_pair284), q_x281 - e4m3x2_lo(q_hi_pair285), q_x282 - e4m3x2_hi(q_hi_pair285));
+        const float q_x286 = __uint_as_float(q_pair66 << 16u) * q_scale;
+        const float q_x287 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
+        const float q_x288 = __uint_as_float(q_pair67 << 16u) * q_scale;
+        const float q_x289 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
+        const unsigned q_hi290 = pack_e4m3x4(q_x286, q_x287, q_x288, q_x289);
+        const unsigned q_hi_pair291 = e4m3x2_prep(q_hi290 & 65535u);
+        const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
+        q_tile_a3[7u] = q_hi290;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
         const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
         const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
@@ -1040,16 +1040,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
+    for (unsigned fill_i293 = 0u; fill_i293 < 8u; fill_i293 += 1u) {
+        o_acc_1[fill_i293] = 0.0f;
+    }
+    #pragma unroll
     for (unsigned fill_i294 = 0u; fill_i294 < 8u; fill_i294 += 1u) {
-        o_acc_1[fill_i294] = 0.0f;
+        o_acc_2[fill_i294] = 0.0f;
     }
     #pragma unroll
     for (unsigned fill_i295 = 0u; fill_i295 < 8u; fill_i295 += 1u) {
-        o_acc_2[fill_i295] = 0.0f;
-    }
-    #pragma unroll
-    for (unsigned fill_i296 = 0u; fill_i296 < 8u; fill_i296 += 1u) {
-        o_acc_3[fill_i296] = 0.0f;
+        o_acc_3[fill_i295] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -1068,18 +1068,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot298 = 0u; slot298 < 1u; slot298 += 1u) {
-                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot298 * 128u);
-                if (gather_row299 < 32u) {
+            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
+                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
+                if (gather_row298 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row299;
-                    const int src_i32300 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot298] >= 0)) && (((unsigned)kv_rows_pre[slot298]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot298]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot298]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row299] = (src_i32300 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32300 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row299 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32300), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row298;
+                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32299 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row299 * 164u)) + zero_w] = 0u;
+                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1090,11 +1090,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot301 = 0u; slot301 < 1u; slot301 += 1u) {
-                const unsigned gather_row302 = ((warp - 4u) + (lane * 4u)) + (slot301 * 128u);
-                if (gather_row302 < 32u) {
-                    const unsigned row_1 = gather_row302;
-                    kv_rows_pre[slot301] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
+                    const unsigned row_1 = gather_row301;
+                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1110,10 +1110,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi303 = 0u; mi303 < 1u; mi303 += 1u) {
+        for (unsigned mi302 = 0u; mi302 < 1u; mi302 += 1u) {
             #pragma unroll
-            for (unsigned half304 = 0u; half304 < 2u; half304 += 1u) {
-                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi303 * 16u)) + ((half304 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half303 = 0u; half303 < 2u; half303 += 1u) {
+                row_sum_part[(mi302 * 2u) + half303] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi302 * 16u)) + ((half303 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1125,16 +1125,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i312 = 0u; fill_i312 < 4u; fill_i312 += 1u) {
-            scores[fill_i312] = 0.0f;
+        for (unsigned fill_i311 = 0u; fill_i311 < 4u; fill_i311 += 1u) {
+            scores[fill_i311] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e313 = 0u; e313 < 4u; e313 += 1u) {
-            scores_term[e313] = 0.0f;
+        for (unsigned e312 = 0u; e312 < 4u; e312 += 1u) {
+            scores_term[e312] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
@@ -1144,306 +1144,306 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi314 = 0u; mi314 < 1u; mi314 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi314 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi314 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi314 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi314 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi314 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi314 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi313 = 0u; mi313 < 1u; mi313 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi313 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi313 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi313 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi313 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e320 = 0u; e320 < 4u; e320 += 1u) {
-                scores_term[4u + e320] = 0.0f;
+            for (unsigned e319 = 0u; e319 < 4u; e319 += 1u) {
+                scores_term[4u + e319] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk317 = (kk_pair * 2u) + chain;
+                    const unsigned kk316 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj319 = 0u; nj319 < 1u; nj319 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj319 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk317) * 4u));
+                    for (unsigned nj318 = 0u; nj318 < 1u; nj318 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj318 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk316) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag316[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair321), e4m3x2_hi(e4m3_pair321));
+                        const unsigned e4m3_pair320 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag315[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag315[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair320), e4m3x2_hi(e4m3_pair320));
                         #pragma unroll
-                        for (unsigned mi318 = 0u; mi318 < 1u; mi318 += 1u) {
-                            a_frag315[0u] = q_tile_a0_bf16[((mi318 * 4u) + kk317) * 4u];
-                            a_frag315[1u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 1u];
-                            a_frag315[2u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 2u];
-                            a_frag315[3u] = q_tile_a0_bf16[(((mi318 * 4u) + kk317) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi318 + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
+                        for (unsigned mi317 = 0u; mi317 < 1u; mi317 += 1u) {
+                            a_frag314[0u] = q_tile_a0_bf16[((mi317 * 4u) + kk316) * 4u];
+                            a_frag314[1u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 1u];
+                            a_frag314[2u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 2u];
+                            a_frag314[3u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi317 + nj318) * 4u)], &a_frag314[0u], &b_frag315[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
-                scores_term[e322] = scores_term[e322] + scores_term[4u + e322];
+            for (unsigned e321 = 0u; e321 < 4u; e321 += 1u) {
+                scores_term[e321] = scores_term[e321] + scores_term[4u + e321];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e323 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e323] = fmaf(scores_term[(frag * 4u) + e323], row_scale, scores_part[(frag * 4u) + e323]);
+            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e322 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e322] = fmaf(scores_term[(frag * 4u) + e322], row_scale, scores_part[(frag * 4u) + e322]);
             }
         }
         #pragma unroll
-        for (unsigned e324 = 0u; e324 < 4u; e324 += 1u) {
-            scores_term[e324] = 0.0f;
+        for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
+            scores_term[e323] = 0.0f;
         }
-        const unsigned n_first325 = (warp / 2u) * 8u;
+        const unsigned n_first324 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk328 = 0u; kk328 < 2u; kk328 += 1u) {
+            for (unsigned kk327 = 0u; kk327 < 2u; kk327 += 1u) {
                 #pragma unroll
-                for (unsigned nj330 = 0u; nj330 < 1u; nj330 += 1u) {
-                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk328) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj329 = 0u; nj329 < 1u; nj329 += 1u) {
+                    ldmatrix_x2(&b_frag326[0u], kv_rows + (stage * 5248u) + (((n_first324 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk327) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
-                        a_frag326[0u] = q_tile_a1[((mi329 * 2u) + kk328) * 4u];
-                        a_frag326[1u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 1u];
-                        a_frag326[2u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 2u];
-                        a_frag326[3u] = q_tile_a1[(((mi329 * 2u) + kk328) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi329 + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
-                        a_frag326[0u] = q_tile_a1_lo[((mi329 * 2u) + kk328) * 4u];
-                        a_frag326[1u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 1u];
-                        a_frag326[2u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 2u];
-                        a_frag326[3u] = q_tile_a1_lo[(((mi329 * 2u) + kk328) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi329 + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
+                    for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
+                        a_frag325[0u] = q_tile_a1[((mi328 * 2u) + kk327) * 4u];
+                        a_frag325[1u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 1u];
+                        a_frag325[2u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 2u];
+                        a_frag325[3u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi328 + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
+                        a_frag325[0u] = q_tile_a1_lo[((mi328 * 2u) + kk327) * 4u];
+                        a_frag325[1u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 1u];
+                        a_frag325[2u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 2u];
+                        a_frag325[3u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi328 + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first331 = (warp % 2u) * 4u;
+            const unsigned k_first330 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e340 = 0u; e340 < 4u; e340 += 1u) {
-                scores_term[4u + e340] = 0.0f;
+            for (unsigned e339 = 0u; e339 < 4u; e339 += 1u) {
+                scores_term[4u + e339] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair338 = 0u; kk_pair338 < 2u; kk_pair338 += 1u) {
+            for (unsigned kk_pair337 = 0u; kk_pair337 < 2u; kk_pair337 += 1u) {
                 #pragma unroll
-                for (unsigned chain339 = 0u; chain339 < 2u; chain339 += 1u) {
-                    const unsigned kk335 = (kk_pair338 * 2u) + chain339;
+                for (unsigned chain338 = 0u; chain338 < 2u; chain338 += 1u) {
+                    const unsigned kk334 = (kk_pair337 * 2u) + chain338;
                     #pragma unroll
-                    for (unsigned nj337 = 0u; nj337 < 1u; nj337 += 1u) {
-                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj337 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first331 + kk335) * 4u));
-                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
-                        const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
-                        b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
-                        b_frag333[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair342), e4m3x2_hi(e4m3_pair342));
+                    for (unsigned nj336 = 0u; nj336 < 1u; nj336 += 1u) {
+                        ldmatrix_x1(&b_raw333[0u], kv_rows + (stage * 5248u) + (((n_first324 + (nj336 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first330 + kk334) * 4u));
+                        const unsigned e4m3_pair340 = e4m3x2_prep(b_raw333[0u] & 65535u);
+                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw333[0u] >> 16u);
+                        b_frag332[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair340), e4m3x2_hi(e4m3_pair340));
+                        b_frag332[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
                         #pragma unroll
-                        for (unsigned mi336 = 0u; mi336 < 1u; mi336 += 1u) {
-                            a_frag332[0u] = q_tile_a1_bf16[((mi336 * 4u) + kk335) * 4u];
-                            a_frag332[1u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 1u];
-                            a_frag332[2u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 2u];
-                            a_frag332[3u] = q_tile_a1_bf16[(((mi336 * 4u) + kk335) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain339 * 4u) + ((mi336 + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
+                        for (unsigned mi335 = 0u; mi335 < 1u; mi335 += 1u) {
+                            a_frag331[0u] = q_tile_a1_bf16[((mi335 * 4u) + kk334) * 4u];
+                            a_frag331[1u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 1u];
+                            a_frag331[2u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 2u];
+                            a_frag331[3u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain338 * 4u) + ((mi335 + nj336) * 4u)], &a_frag331[0u], &b_frag332[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e343 = 0u; e343 < 4u; e343 += 1u) {
-                scores_term[e343] = scores_term[e343] + scores_term[4u + e343];
+            for (unsigned e342 = 0u; e342 < 4u; e342 += 1u) {
+                scores_term[e342] = scores_term[e342] + scores_term[4u + e342];
             }
         }
         #pragma unroll
-        for (unsigned frag344 = 0u; frag344 < 1u; frag344 += 1u) {
+        for (unsigned frag343 = 0u; frag343 < 1u; frag343 += 1u) {
             #pragma unroll
-            for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
-                const float row_scale346 = kv_scales[((stage * 5248u) + (((n_first325 + ((frag344 % 1u) * 8u)) + ((lane_quad * 2u) + (e345 & 1u))) * 164u)) + 1u];
-                scores_part[(frag344 * 4u) + e345] = fmaf(scores_term[(frag344 * 4u) + e345], row_scale346, scores_part[(frag344 * 4u) + e345]);
+            for (unsigned e344 = 0u; e344 < 4u; e344 += 1u) {
+                const float row_scale345 = kv_scales[((stage * 5248u) + (((n_first324 + ((frag343 % 1u) * 8u)) + ((lane_quad * 2u) + (e344 & 1u))) * 164u)) + 1u];
+                scores_part[(frag343 * 4u) + e344] = fmaf(scores_term[(frag343 * 4u) + e344], row_scale345, scores_part[(frag343 * 4u) + e344]);
             }
         }
         #pragma unroll
-        for (unsigned e347 = 0u; e347 < 4u; e347 += 1u) {
-            scores_term[e347] = 0.0f;
+        for (unsigned e346 = 0u; e346 < 4u; e346 += 1u) {
+            scores_term[e346] = 0.0f;
         }
-        const unsigned n_first348 = (warp / 2u) * 8u;
+        const unsigned n_first347 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk351 = 0u; kk351 < 2u; kk351 += 1u) {
+            for (unsigned kk350 = 0u; kk350 < 2u; kk350 += 1u) {
                 #pragma unroll
-                for (unsigned nj353 = 0u; nj353 < 1u; nj353 += 1u) {
-                    ldmatrix_x2(&b_frag350[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk351) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj352 = 0u; nj352 < 1u; nj352 += 1u) {
+                    ldmatrix_x2(&b_frag349[0u], kv_rows + (stage * 5248u) + (((n_first347 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk350) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
-                        a_frag349[0u] = q_tile_a2[((mi352 * 2u) + kk351) * 4u];
-                        a_frag349[1u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 1u];
-                        a_frag349[2u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 2u];
-                        a_frag349[3u] = q_tile_a2[(((mi352 * 2u) + kk351) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi352 + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
-                        a_frag349[0u] = q_tile_a2_lo[((mi352 * 2u) + kk351) * 4u];
-                        a_frag349[1u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 1u];
-                        a_frag349[2u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 2u];
-                        a_frag349[3u] = q_tile_a2_lo[(((mi352 * 2u) + kk351) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi352 + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
+                    for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
+                        a_frag348[0u] = q_tile_a2[((mi351 * 2u) + kk350) * 4u];
+                        a_frag348[1u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 1u];
+                        a_frag348[2u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 2u];
+                        a_frag348[3u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi351 + nj352) * 4u], &a_frag348[0u], &b_frag349[0u]);
+                        a_frag348[0u] = q_tile_a2_lo[((mi351 * 2u) + kk350) * 4u];
+                        a_frag348[1u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 1u];
+                        a_frag348[2u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 2u];
+                        a_frag348[3u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi351 + nj352) * 4u], &a_frag348[0u], &b_frag349[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first354 = (warp % 2u) * 4u;
+            const unsigned k_first353 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
-                scores_term[4u + e363] = 0.0f;
+            for (unsigned e362 = 0u; e362 < 4u; e362 += 1u) {
+                scores_term[4u + e362] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair361 = 0u; kk_pair361 < 2u; kk_pair361 += 1u) {
+            for (unsigned kk_pair360 = 0u; kk_pair360 < 2u; kk_pair360 += 1u) {
                 #pragma unroll
-                for (unsigned chain362 = 0u; chain362 < 2u; chain362 += 1u) {
-                    const unsigned kk358 = (kk_pair361 * 2u) + chain362;
+                for (unsigned chain361 = 0u; chain361 < 2u; chain361 += 1u) {
+                    const unsigned kk357 = (kk_pair360 * 2u) + chain361;
                     #pragma unroll
-                    for (unsigned nj360 = 0u; nj360 < 1u; nj360 += 1u) {
-                        ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first354 + kk358) * 4u));
-                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
-                        const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
-                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
-                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
+                    for (unsigned nj359 = 0u; nj359 < 1u; nj359 += 1u) {
+                        ldmatrix_x1(&b_raw356[0u], kv_rows + (stage * 5248u) + (((n_first347 + (nj359 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first353 + kk357) * 4u));
+                        const unsigned e4m3_pair363 = e4m3x2_prep(b_raw356[0u] & 65535u);
+                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw356[0u] >> 16u);
+                        b_frag355[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair363), e4m3x2_hi(e4m3_pair363));
+                        b_frag355[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
                         #pragma unroll
-                        for (unsigned mi359 = 0u; mi359 < 1u; mi359 += 1u) {
-                            a_frag355[0u] = q_tile_a2_bf16[((mi359 * 4u) + kk358) * 4u];
-                            a_frag355[1u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 1u];
-                            a_frag355[2u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 2u];
-                            a_frag355[3u] = q_tile_a2_bf16[(((mi359 * 4u) + kk358) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain362 * 4u) + ((mi359 + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
+                        for (unsigned mi358 = 0u; mi358 < 1u; mi358 += 1u) {
+                            a_frag354[0u] = q_tile_a2_bf16[((mi358 * 4u) + kk357) * 4u];
+                            a_frag354[1u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 1u];
+                            a_frag354[2u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 2u];
+                            a_frag354[3u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain361 * 4u) + ((mi358 + nj359) * 4u)], &a_frag354[0u], &b_frag355[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e366 = 0u; e366 < 4u; e366 += 1u) {
-                scores_term[e366] = scores_term[e366] + scores_term[4u + e366];
+            for (unsigned e365 = 0u; e365 < 4u; e365 += 1u) {
+                scores_term[e365] = scores_term[e365] + scores_term[4u + e365];
             }
         }
         #pragma unroll
-        for (unsigned frag367 = 0u; frag367 < 1u; frag367 += 1u) {
+        for (unsigned frag366 = 0u; frag366 < 1u; frag366 += 1u) {
             #pragma unroll
-            for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
-                const float row_scale369 = kv_scales[((stage * 5248u) + (((n_first348 + ((frag367 % 1u) * 8u)) + ((lane_quad * 2u) + (e368 & 1u))) * 164u)) + 2u];
-                scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
+            for (unsigned e367 = 0u; e367 < 4u; e367 += 1u) {
+                const float row_scale368 = kv_scales[((stage * 5248u) + (((n_first347 + ((frag366 % 1u) * 8u)) + ((lane_quad * 2u) + (e367 & 1u))) * 164u)) + 2u];
+                scores_part[(frag366 * 4u) + e367] = fmaf(scores_term[(frag366 * 4u) + e367], row_scale368, scores_part[(frag366 * 4u) + e367]);
             }
         }
         #pragma unroll
-        for (unsigned e370 = 0u; e370 < 4u; e370 += 1u) {
-            scores_term[e370] = 0.0f;
+        for (unsigned e369 = 0u; e369 < 4u; e369 += 1u) {
+            scores_term[e369] = 0.0f;
         }
-        const unsigned n_first371 = (warp / 2u) * 8u;
+        const unsigned n_first370 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk374 = 0u; kk374 < 2u; kk374 += 1u) {
+            for (unsigned kk373 = 0u; kk373 < 2u; kk373 += 1u) {
                 #pragma unroll
-                for (unsigned nj376 = 0u; nj376 < 1u; nj376 += 1u) {
-                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk374) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj375 = 0u; nj375 < 1u; nj375 += 1u) {
+                    ldmatrix_x2(&b_frag372[0u], kv_rows + (stage * 5248u) + (((n_first370 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk373) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
-                        a_frag372[0u] = q_tile_a3[((mi375 * 2u) + kk374) * 4u];
-                        a_frag372[1u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 1u];
-                        a_frag372[2u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 2u];
-                        a_frag372[3u] = q_tile_a3[(((mi375 * 2u) + kk374) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi375 + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
-                        a_frag372[0u] = q_tile_a3_lo[((mi375 * 2u) + kk374) * 4u];
-                        a_frag372[1u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 1u];
-                        a_frag372[2u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 2u];
-                        a_frag372[3u] = q_tile_a3_lo[(((mi375 * 2u) + kk374) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi375 + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
+                    for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
+                        a_frag371[0u] = q_tile_a3[((mi374 * 2u) + kk373) * 4u];
+                        a_frag371[1u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 1u];
+                        a_frag371[2u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 2u];
+                        a_frag371[3u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi374 + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
+                        a_frag371[0u] = q_tile_a3_lo[((mi374 * 2u) + kk373) * 4u];
+                        a_frag371[1u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 1u];
+                        a_frag371[2u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 2u];
+                        a_frag371[3u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi374 + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first377 = (warp % 2u) * 4u;
+            const unsigned k_first376 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e386 = 0u; e386 < 4u; e386 += 1u) {
-                scores_term[4u + e386] = 0.0f;
+            for (unsigned e385 = 0u; e385 < 4u; e385 += 1u) {
+                scores_term[4u + e385] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair384 = 0u; kk_pair384 < 2u; kk_pair384 += 1u) {
+            for (unsigned kk_pair383 = 0u; kk_pair383 < 2u; kk_pair383 += 1u) {
                 #pragma unroll
-                for (unsigned chain385 = 0u; chain385 < 2u; chain385 += 1u) {
-                    const unsigned kk381 = (kk_pair384 * 2u) + chain385;
+                for (unsigned chain384 = 0u; chain384 < 2u; chain384 += 1u) {
+                    const unsigned kk380 = (kk_pair383 * 2u) + chain384;
                     #pragma unroll
-                    for (unsigned nj383 = 0u; nj383 < 1u; nj383 += 1u) {
-                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first377 + kk381) * 4u));
-                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
-                        const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
-                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
-                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
+                    for (unsigned nj382 = 0u; nj382 < 1u; nj382 += 1u) {
+                        ldmatrix_x1(&b_raw379[0u], kv_rows + (stage * 5248u) + (((n_first370 + (nj382 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first376 + kk380) * 4u));
+                        const unsigned e4m3_pair386 = e4m3x2_prep(b_raw379[0u] & 65535u);
+                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw379[0u] >> 16u);
+                        b_frag378[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair386), e4m3x2_hi(e4m3_pair386));
+                        b_frag378[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
                         #pragma unroll
-                        for (unsigned mi382 = 0u; mi382 < 1u; mi382 += 1u) {
-                            a_frag378[0u] = q_tile_a3_bf16[((mi382 * 4u) + kk381) * 4u];
-                            a_frag378[1u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 1u];
-                            a_frag378[2u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 2u];
-                            a_frag378[3u] = q_tile_a3_bf16[(((mi382 * 4u) + kk381) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain385 * 4u) + ((mi382 + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
+                        for (unsigned mi381 = 0u; mi381 < 1u; mi381 += 1u) {
+                            a_frag377[0u] = q_tile_a3_bf16[((mi381 * 4u) + kk380) * 4u];
+                            a_frag377[1u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 1u];
+                            a_frag377[2u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 2u];
+                            a_frag377[3u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain384 * 4u) + ((mi381 + nj382) * 4u)], &a_frag377[0u], &b_frag378[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e389 = 0u; e389 < 4u; e389 += 1u) {
-                scores_term[e389] = scores_term[e389] + scores_term[4u + e389];
+            for (unsigned e388 = 0u; e388 < 4u; e388 += 1u) {
+                scores_term[e388] = scores_term[e388] + scores_term[4u + e388];
             }
         }
         #pragma unroll
-        for (unsigned frag390 = 0u; frag390 < 1u; frag390 += 1u) {
+        for (unsigned frag389 = 0u; frag389 < 1u; frag389 += 1u) {
             #pragma unroll
-            for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
-                const float row_scale392 = kv_scales[((stage * 5248u) + (((n_first371 + ((frag390 % 1u) * 8u)) + ((lane_quad * 2u) + (e391 & 1u))) * 164u)) + 3u];
-                scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
+            for (unsigned e390 = 0u; e390 < 4u; e390 += 1u) {
+                const float row_scale391 = kv_scales[((stage * 5248u) + (((n_first370 + ((frag389 % 1u) * 8u)) + ((lane_quad * 2u) + (e390 & 1u))) * 164u)) + 3u];
+                scores_part[(frag389 * 4u) + e390] = fmaf(scores_term[(frag389 * 4u) + e390], row_scale391, scores_part[(frag389 * 4u) + e390]);
             }
         }
-        const unsigned n_first393 = (warp / 2u) * 8u;
-        const unsigned k_first394 = (warp % 2u) * 2u;
+        const unsigned n_first392 = (warp / 2u) * 8u;
+        const unsigned k_first393 = (warp % 2u) * 2u;
+        #pragma unroll
+        for (unsigned e402 = 0u; e402 < 4u; e402 += 1u) {
+            scores_part[4u + e402] = 0.0f;
+        }
+        #pragma unroll
+        for (unsigned kk_pair400 = 0u; kk_pair400 < 1u; kk_pair400 += 1u) {
+            #pragma unroll
+            for (unsigned chain401 = 0u; chain401 < 2u; chain401 += 1u) {
+                const unsigned kk397 = (kk_pair400 * 2u) + chain401;
+                #pragma unroll
+                for (unsigned nj399 = 0u; nj399 < 1u; nj399 += 1u) {
+                    ldmatrix_x2(&b_frag395[0u], kv_rope + (stage * 5248u) + (((n_first392 + (nj399 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first393 + kk397) * 8u) + (lane_k8 >> 1u));
+                    #pragma unroll
+                    for (unsigned mi398 = 0u; mi398 < 1u; mi398 += 1u) {
+                        a_frag394[0u] = q_tile_a4[((mi398 * 2u) + kk397) * 4u];
+                        a_frag394[1u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 1u];
+                        a_frag394[2u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 2u];
+                        a_frag394[3u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain401 * 4u) + ((mi398 + nj399) * 4u)], &a_frag394[0u], &b_frag395[0u]);
+                    }
+                }
+            }
+        }
         #pragma unroll
         for (unsigned e403 = 0u; e403 < 4u; e403 += 1u) {
-            scores_part[4u + e403] = 0.0f;
-        }
-        #pragma unroll
-        for (unsigned kk_pair401 = 0u; kk_pair401 < 1u; kk_pair401 += 1u) {
-            #pragma unroll
-            for (unsigned chain402 = 0u; chain402 < 2u; chain402 += 1u) {
-                const unsigned kk398 = (kk_pair401 * 2u) + chain402;
-                #pragma unroll
-                for (unsigned nj400 = 0u; nj400 < 1u; nj400 += 1u) {
-                    ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (((n_first393 + (nj400 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first394 + kk398) * 8u) + (lane_k8 >> 1u));
-                    #pragma unroll
-                    for (unsigned mi399 = 0u; mi399 < 1u; mi399 += 1u) {
-                        a_frag395[0u] = q_tile_a4[((mi399 * 2u) + kk398) * 4u];
-                        a_frag395[1u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 1u];
-                        a_frag395[2u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 2u];
-                        a_frag395[3u] = q_tile_a4[(((mi399 * 2u) + kk398) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain402 * 4u) + ((mi399 + nj400) * 4u)], &a_frag395[0u], &b_frag396[0u]);
-                    }
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned e404 = 0u; e404 < 4u; e404 += 1u) {
-            scores_part[e404] = scores_part[e404] + scores_part[4u + e404];
+            scores_part[e403] = scores_part[e403] + scores_part[4u + e403];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag405 = 0u; frag405 < 1u; frag405 += 1u) {
+        for (unsigned frag404 = 0u; frag404 < 1u; frag404 += 1u) {
             #pragma unroll
-            for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
+            for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
                 #pragma unroll
-                for (unsigned e407 = 0u; e407 < 2u; e407 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag405 / 1u) * 16u) + (half406 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag405 % 1u) * 8u)) + ((lane_quad * 2u) + e407))] = scores_part[((frag405 * 4u) + (half406 * 2u)) + e407] * q_tile_unscale[0u];
+                for (unsigned e406 = 0u; e406 < 2u; e406 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag404 / 1u) * 16u) + (half405 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag404 % 1u) * 8u)) + ((lane_quad * 2u) + e406))] = scores_part[((frag404 * 4u) + (half405 * 2u)) + e406] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1453,34 +1453,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage305 = ahead % 2u;
+                const unsigned load_stage304 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
-                    const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
-                    if (gather_row307 < 32u) {
+                for (unsigned slot305 = 0u; slot305 < 1u; slot305 += 1u) {
+                    const unsigned gather_row306 = ((warp - 4u) + (lane * 4u)) + (slot305 * 128u);
+                    if (gather_row306 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row307;
-                        const int src_i32308 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot306] >= 0)) && (((unsigned)kv_rows_pre[slot306]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot306]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot306]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage305 * 36u) + gather_row307] = (src_i32308 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32308 >= 0) {
-                            copy_async(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32308), 656u, ring_barriers + (load_stage305 * 2u));
+                        const unsigned row_1 = gather_row306;
+                        const int src_i32307 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot305] >= 0)) && (((unsigned)kv_rows_pre[slot305]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot305]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot305]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage304 * 36u) + gather_row306] = (src_i32307 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32307 >= 0) {
+                            copy_async(kv_rows + (load_stage304 * 5248u) + (gather_row306 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32307), 656u, ring_barriers + (load_stage304 * 2u));
                         } else {
-                            for (unsigned zero_w309 = 0u; zero_w309 < 164u; zero_w309 += 1u) {
-                                kv_rows[((load_stage305 * 5248u) + (gather_row307 * 164u)) + zero_w309] = 0u;
+                            for (unsigned zero_w308 = 0u; zero_w308 < 164u; zero_w308 += 1u) {
+                                kv_rows[((load_stage304 * 5248u) + (gather_row306 * 164u)) + zero_w308] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage305 * 2u));
+                copy_arrive(ring_barriers + (load_stage304 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot310 = 0u; slot310 < 1u; slot310 += 1u) {
-                        const unsigned gather_row311 = ((warp - 4u) + (lane * 4u)) + (slot310 * 128u);
-                        if (gather_row311 < 32u) {
-                            const unsigned row_1 = gather_row311;
-                            kv_rows_pre[slot310] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
+                        const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
+                        if (gather_row310 < 32u) {
+                            const unsigned row_1 = gather_row310;
+                            kv_rows_pre[slot309] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1488,34 +1488,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag408 = 0u; frag408 < 1u; frag408 += 1u) {
+            for (unsigned frag407 = 0u; frag407 < 1u; frag407 += 1u) {
                 #pragma unroll
-                for (unsigned half409 = 0u; half409 < 2u; half409 += 1u) {
+                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
                     #pragma unroll
-                    for (unsigned e410 = 0u; e410 < 2u; e410 += 1u) {
-                        float sum = scores[((frag408 * 4u) + (half409 * 2u)) + e410];
-                        const unsigned cell = (((scores_row0 + (half409 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag408 * 8u)) + ((lane_quad * 2u) + e410));
+                    for (unsigned e409 = 0u; e409 < 2u; e409 += 1u) {
+                        float sum = scores[((frag407 * 4u) + (half408 * 2u)) + e409];
+                        const unsigned cell = (((scores_row0 + (half408 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag407 * 8u)) + ((lane_quad * 2u) + e409));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 576u) + cell];
                         }
-                        scores[((frag408 * 4u) + (half409 * 2u)) + e410] = sum;
+                        scores[((frag407 * 4u) + (half408 * 2u)) + e409] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag411 = 0u; frag411 < 1u; frag411 += 1u) {
+            for (unsigned frag410 = 0u; frag410 < 1u; frag410 += 1u) {
                 #pragma unroll
-                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag411 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag411 * 4u) + (half412 * 2u)];
-                    float v1 = scores[((frag411 * 4u) + (half412 * 2u)) + 1u];
+                for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag410 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag410 * 4u) + (half411 * 2u)];
+                    float v1 = scores[((frag410 * 4u) + (half411 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag411 * 4u) + (half412 * 2u)] = v0;
-                    scores[((frag411 * 4u) + (half412 * 2u)) + 1u] = v1;
+                    scores[(frag410 * 4u) + (half411 * 2u)] = v0;
+                    scores[((frag410 * 4u) + (half411 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1525,16 +1525,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi413 = 0u; mi413 < 1u; mi413 += 1u) {
+            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
                 #pragma unroll
-                for (unsigned half414 = 0u; half414 < 2u; half414 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi413 * 4u) + (half414 * 2u)], scores[(mi413 * 4u) + ((half414 * 2u) + 1u)]);
+                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi412 * 4u) + (half413 * 2u)], scores[(mi412 * 4u) + ((half413 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other415 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other415);
+                    const float other414 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other414);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi413 * 16u)) + ((half414 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1543,86 +1543,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi418 = 0u; mi418 < 1u; mi418 += 1u) {
+        for (unsigned mi417 = 0u; mi417 < 1u; mi417 += 1u) {
             #pragma unroll
-            for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
-                const float m_old416 = row_max_reg[(mi418 * 2u) + half419];
-                float m_new417 = m_old416;
-                m_new417 = fmaxf(m_new417, row_exchange[((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u]);
-                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new417 = fmaxf(m_new417, row_exchange[(((mi418 * 16u) + ((half419 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi418 * 2u) + half419] = expf(m_old416 - m_new417);
-                row_max_reg[(mi418 * 2u) + half419] = m_new417;
+            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
+                const float m_old415 = row_max_reg[(mi417 * 2u) + half418];
+                float m_new416 = m_old415;
+                m_new416 = fmaxf(m_new416, row_exchange[((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u]);
+                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi417 * 2u) + half418] = expf(m_old415 - m_new416);
+                row_max_reg[(mi417 * 2u) + half418] = m_new416;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi423 = 0u; mi423 < 1u; mi423 += 1u) {
+            for (unsigned mi422 = 0u; mi422 < 1u; mi422 += 1u) {
                 #pragma unroll
-                for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj420 = 0u; nj420 < 1u; nj420 += 1u) {
+                    for (unsigned nj419 = 0u; nj419 < 1u; nj419 += 1u) {
                         #pragma unroll
-                        for (unsigned e421 = 0u; e421 < 2u; e421 += 1u) {
-                            const unsigned at422 = ((mi423 + nj420) * 4u) + ((half424 * 2u) + e421);
-                            const float p = (scores[at422] < (-1e38f)) ? 0.0f : expf(scores[at422] - row_max_reg[(mi423 * 2u) + half424]);
-                            scores[at422] = p;
+                        for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
+                            const unsigned at421 = ((mi422 + nj419) * 4u) + ((half423 * 2u) + e420);
+                            const float p = (scores[at421] < (-1e38f)) ? 0.0f : expf(scores[at421] - row_max_reg[(mi422 * 2u) + half423]);
+                            scores[at421] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi423 * 2u) + half424] = (row_sum_part[(mi423 * 2u) + half424] * row_alpha[(mi423 * 2u) + half424]) + p_sum;
+                    row_sum_part[(mi422 * 2u) + half423] = (row_sum_part[(mi422 * 2u) + half423] * row_alpha[(mi422 * 2u) + half423]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag425 = 0u; frag425 < 2u; frag425 += 1u) {
+        for (unsigned frag424 = 0u; frag424 < 2u; frag424 += 1u) {
             #pragma unroll
-            for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
-                const float alpha427 = row_alpha[((frag425 / 2u) * 2u) + half426];
-                o_acc[(frag425 * 4u) + (half426 * 2u)] = o_acc[(frag425 * 4u) + (half426 * 2u)] * alpha427;
-                o_acc[((frag425 * 4u) + (half426 * 2u)) + 1u] = o_acc[((frag425 * 4u) + (half426 * 2u)) + 1u] * alpha427;
+            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
+                const float alpha426 = row_alpha[((frag424 / 2u) * 2u) + half425];
+                o_acc[(frag424 * 4u) + (half425 * 2u)] = o_acc[(frag424 * 4u) + (half425 * 2u)] * alpha426;
+                o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
             }
         }
         #pragma unroll
-        for (unsigned frag428 = 0u; frag428 < 2u; frag428 += 1u) {
+        for (unsigned frag427 = 0u; frag427 < 2u; frag427 += 1u) {
             #pragma unroll
-            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
-                const float alpha430 = row_alpha[((frag428 / 2u) * 2u) + half429];
-                o_acc_1[(frag428 * 4u) + (half429 * 2u)] = o_acc_1[(frag428 * 4u) + (half429 * 2u)] * alpha430;
-                o_acc_1[((frag428 * 4u) + (half429 * 2u)) + 1u] = o_acc_1[((frag428 * 4u) + (half429 * 2u)) + 1u] * alpha430;
+            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
+                const float alpha429 = row_alpha[((frag427 / 2u) * 2u) + half428];
+                o_acc_1[(frag427 * 4u) + (half428 * 2u)] = o_acc_1[(frag427 * 4u) + (half428 * 2u)] * alpha429;
+                o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
             }
         }
         #pragma unroll
-        for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
+        for (unsigned frag430 = 0u; frag430 < 2u; frag430 += 1u) {
             #pragma unroll
-            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                const float alpha433 = row_alpha[((frag431 / 2u) * 2u) + half432];
-                o_acc_2[(frag431 * 4u) + (half432 * 2u)] = o_acc_2[(frag431 * 4u) + (half432 * 2u)] * alpha433;
-                o_acc_2[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc_2[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
+            for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
+                const float alpha432 = row_alpha[((frag430 / 2u) * 2u) + half431];
+                o_acc_2[(frag430 * 4u) + (half431 * 2u)] = o_acc_2[(frag430 * 4u) + (half431 * 2u)] * alpha432;
+                o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
             }
         }
         #pragma unroll
-        for (unsigned frag434 = 0u; frag434 < 2u; frag434 += 1u) {
+        for (unsigned frag433 = 0u; frag433 < 2u; frag433 += 1u) {
             #pragma unroll
-            for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
-                const float alpha436 = row_alpha[((frag434 / 2u) * 2u) + half435];
-                o_acc_3[(frag434 * 4u) + (half435 * 2u)] = o_acc_3[(frag434 * 4u) + (half435 * 2u)] * alpha436;
-                o_acc_3[((frag434 * 4u) + (half435 * 2u)) + 1u] = o_acc_3[((frag434 * 4u) + (half435 * 2u)) + 1u] * alpha436;
+            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
+                const float alpha435 = row_alpha[((frag433 / 2u) * 2u) + half434];
+                o_acc_3[(frag433 * 4u) + (half434 * 2u)] = o_acc_3[(frag433 * 4u) + (half434 * 2u)] * alpha435;
+                o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag439 = 0u; frag439 < 1u; frag439 += 1u) {
+            for (unsigned frag438 = 0u; frag438 < 1u; frag438 += 1u) {
                 #pragma unroll
-                for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
-                    const unsigned row437 = (scores_row0 + ((frag439 / 1u) * 16u)) + ((half440 * 8u) + lane_group);
-                    const unsigned col438 = (scores_col0 + ((frag439 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag439 * 4u) + (half440 * 2u);
-                    p_tile[(row437 * 20u) + (col438 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
+                    const unsigned row436 = (scores_row0 + ((frag438 / 1u) * 16u)) + ((half439 * 8u) + lane_group);
+                    const unsigned col437 = (scores_col0 + ((frag438 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag438 * 4u) + (half439 * 2u);
+                    p_tile[(row436 * 20u) + (col437 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1631,252 +1631,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk444 = 0u; kk444 < 2u; kk444 += 1u) {
+        for (unsigned kk443 = 0u; kk443 < 2u; kk443 += 1u) {
             #pragma unroll
-            for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
-                ldmatrix_x4(&a_frag441[mi445 * 4u], p_tile + a_lane_word + (mi445 * 320u) + (kk444 * 8u));
+            for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
+                ldmatrix_x4(&a_frag440[mi444 * 4u], p_tile + a_lane_word + (mi444 * 320u) + (kk443 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale453 = kv_scales[(stage * 5248u) + (((kk444 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag441[0u] = pack_bf16x2(__uint_as_float(a_frag441[0u] << 16u) * k_scale453, __uint_as_float(a_frag441[0u] & 4294901760u) * k_scale454);
-                a_frag441[1u] = pack_bf16x2(__uint_as_float(a_frag441[1u] << 16u) * k_scale453, __uint_as_float(a_frag441[1u] & 4294901760u) * k_scale454);
-                a_frag441[2u] = pack_bf16x2(__uint_as_float(a_frag441[2u] << 16u) * k_scale455, __uint_as_float(a_frag441[2u] & 4294901760u) * k_scale456);
-                a_frag441[3u] = pack_bf16x2(__uint_as_float(a_frag441[3u] << 16u) * k_scale455, __uint_as_float(a_frag441[3u] & 4294901760u) * k_scale456);
+                const float k_scale452 = kv_scales[(stage * 5248u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag440[0u] = pack_bf16x2(__uint_as_float(a_frag440[0u] << 16u) * k_scale452, __uint_as_float(a_frag440[0u] & 4294901760u) * k_scale453);
+                a_frag440[1u] = pack_bf16x2(__uint_as_float(a_frag440[1u] << 16u) * k_scale452, __uint_as_float(a_frag440[1u] & 4294901760u) * k_scale453);
+                a_frag440[2u] = pack_bf16x2(__uint_as_float(a_frag440[2u] << 16u) * k_scale454, __uint_as_float(a_frag440[2u] & 4294901760u) * k_scale455);
+                a_frag440[3u] = pack_bf16x2(__uint_as_float(a_frag440[3u] << 16u) * k_scale454, __uint_as_float(a_frag440[3u] & 4294901760u) * k_scale455);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw443[0u], kv_rows + (stage * 5248u) + (((kk444 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair457 = e4m3x2_prep((b_raw443[0u] & 255u) | ((b_raw443[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair458 = e4m3x2_prep(((b_raw443[0u] >> 8u) & 255u) | ((b_raw443[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair459 = e4m3x2_prep((b_raw443[1u] & 255u) | ((b_raw443[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair460 = e4m3x2_prep(((b_raw443[1u] >> 8u) & 255u) | ((b_raw443[1u] >> 16u) & 65280u));
-                    b_frag442[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
-                    b_frag442[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                    b_frag442[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                    b_frag442[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
+                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456), e4m3x2_hi(e4m3_pair456));
+                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
+                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
+                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
                     #pragma unroll
-                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi445 * 2u) + (np * 2u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[0u]);
+                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi445 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[2u]);
+                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw443[0u], kv_rows + (stage * 5248u) + (((kk444 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk444 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk444 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair446 = e4m3x2_prep((b_raw443[0u] & 255u) | ((b_raw443[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair447 = e4m3x2_prep(((b_raw443[0u] >> 8u) & 255u) | ((b_raw443[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair448 = e4m3x2_prep((b_raw443[1u] & 255u) | ((b_raw443[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair449 = e4m3x2_prep(((b_raw443[1u] >> 8u) & 255u) | ((b_raw443[1u] >> 16u) & 65280u));
-                    b_frag442[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale, e4m3x2_hi(e4m3_pair446) * k_scale450);
-                    b_frag442[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale451, e4m3x2_hi(e4m3_pair448) * k_scale452);
-                    b_frag442[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale, e4m3x2_hi(e4m3_pair447) * k_scale450);
-                    b_frag442[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449) * k_scale451, e4m3x2_hi(e4m3_pair449) * k_scale452);
+                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair447 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair448 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
+                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale, e4m3x2_hi(e4m3_pair445) * k_scale449);
+                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale450, e4m3x2_hi(e4m3_pair447) * k_scale451);
+                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale, e4m3x2_hi(e4m3_pair446) * k_scale449);
+                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale450, e4m3x2_hi(e4m3_pair448) * k_scale451);
                     #pragma unroll
-                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi445 * 2u) + (np * 2u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[0u]);
+                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi445 = 0u; mi445 < 1u; mi445 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi445 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag441[mi445 * 4u], &b_frag442[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word467 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk464 = 0u; kk464 < 2u; kk464 += 1u) {
-            #pragma unroll
-            for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                ldmatrix_x4(&a_frag461[mi465 * 4u], p_tile + a_lane_word467 + (mi465 * 320u) + (kk464 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale476 = kv_scales[((stage * 5248u) + (((kk464 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag461[0u] = pack_bf16x2(__uint_as_float(a_frag461[0u] << 16u) * k_scale476, __uint_as_float(a_frag461[0u] & 4294901760u) * k_scale477);
-                a_frag461[1u] = pack_bf16x2(__uint_as_float(a_frag461[1u] << 16u) * k_scale476, __uint_as_float(a_frag461[1u] & 4294901760u) * k_scale477);
-                a_frag461[2u] = pack_bf16x2(__uint_as_float(a_frag461[2u] << 16u) * k_scale478, __uint_as_float(a_frag461[2u] & 4294901760u) * k_scale479);
-                a_frag461[3u] = pack_bf16x2(__uint_as_float(a_frag461[3u] << 16u) * k_scale478, __uint_as_float(a_frag461[3u] & 4294901760u) * k_scale479);
-                #pragma unroll
-                for (unsigned np466 = 0u; np466 < 1u; np466 += 1u) {
-                    ldmatrix_x2_trans(&b_raw463[0u], kv_rows + (stage * 5248u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u));
-                    const unsigned e4m3_pair480 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair481 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair482 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair483 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
-                    b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
-                    b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
-                    b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
-                    b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair483), e4m3x2_hi(e4m3_pair483));
-                    #pragma unroll
-                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np466 = 0u; np466 < 1u; np466 += 1u) {
-                    ldmatrix_x2_trans(&b_raw463[0u], kv_rows + (stage * 5248u) + (((kk464 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np466 * 16u)) >> 2u));
-                    const float k_scale472 = kv_scales[((stage * 5248u) + (((kk464 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale473 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale475 = kv_scales[((stage * 5248u) + ((((kk464 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair468 = e4m3x2_prep((b_raw463[0u] & 255u) | ((b_raw463[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair469 = e4m3x2_prep(((b_raw463[0u] >> 8u) & 255u) | ((b_raw463[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair470 = e4m3x2_prep((b_raw463[1u] & 255u) | ((b_raw463[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair471 = e4m3x2_prep(((b_raw463[1u] >> 8u) & 255u) | ((b_raw463[1u] >> 16u) & 65280u));
-                    b_frag462[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468) * k_scale472, e4m3x2_hi(e4m3_pair468) * k_scale473);
-                    b_frag462[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale474, e4m3x2_hi(e4m3_pair470) * k_scale475);
-                    b_frag462[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale472, e4m3x2_hi(e4m3_pair469) * k_scale473);
-                    b_frag462[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale474, e4m3x2_hi(e4m3_pair471) * k_scale475);
-                    #pragma unroll
-                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + (np466 * 2u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi465 = 0u; mi465 < 1u; mi465 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi465 * 2u) + ((np466 * 2u) + 1u)) * 4u], &a_frag461[mi465 * 4u], &b_frag462[2u]);
+                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word490 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word466 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk487 = 0u; kk487 < 2u; kk487 += 1u) {
+        for (unsigned kk463 = 0u; kk463 < 2u; kk463 += 1u) {
             #pragma unroll
-            for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
-                ldmatrix_x4(&a_frag484[mi488 * 4u], p_tile + a_lane_word490 + (mi488 * 320u) + (kk487 * 8u));
+            for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
+                ldmatrix_x4(&a_frag460[mi464 * 4u], p_tile + a_lane_word466 + (mi464 * 320u) + (kk463 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale499 = kv_scales[((stage * 5248u) + (((kk487 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale500 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale502 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag484[0u] = pack_bf16x2(__uint_as_float(a_frag484[0u] << 16u) * k_scale499, __uint_as_float(a_frag484[0u] & 4294901760u) * k_scale500);
-                a_frag484[1u] = pack_bf16x2(__uint_as_float(a_frag484[1u] << 16u) * k_scale499, __uint_as_float(a_frag484[1u] & 4294901760u) * k_scale500);
-                a_frag484[2u] = pack_bf16x2(__uint_as_float(a_frag484[2u] << 16u) * k_scale501, __uint_as_float(a_frag484[2u] & 4294901760u) * k_scale502);
-                a_frag484[3u] = pack_bf16x2(__uint_as_float(a_frag484[3u] << 16u) * k_scale501, __uint_as_float(a_frag484[3u] & 4294901760u) * k_scale502);
+                const float k_scale475 = kv_scales[((stage * 5248u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag460[0u] = pack_bf16x2(__uint_as_float(a_frag460[0u] << 16u) * k_scale475, __uint_as_float(a_frag460[0u] & 4294901760u) * k_scale476);
+                a_frag460[1u] = pack_bf16x2(__uint_as_float(a_frag460[1u] << 16u) * k_scale475, __uint_as_float(a_frag460[1u] & 4294901760u) * k_scale476);
+                a_frag460[2u] = pack_bf16x2(__uint_as_float(a_frag460[2u] << 16u) * k_scale477, __uint_as_float(a_frag460[2u] & 4294901760u) * k_scale478);
+                a_frag460[3u] = pack_bf16x2(__uint_as_float(a_frag460[3u] << 16u) * k_scale477, __uint_as_float(a_frag460[3u] & 4294901760u) * k_scale478);
                 #pragma unroll
-                for (unsigned np489 = 0u; np489 < 1u; np489 += 1u) {
-                    ldmatrix_x2_trans(&b_raw486[0u], kv_rows + (stage * 5248u) + (((kk487 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np489 * 16u)) >> 2u));
-                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw486[0u] & 255u) | ((b_raw486[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw486[0u] >> 8u) & 255u) | ((b_raw486[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair505 = e4m3x2_prep((b_raw486[1u] & 255u) | ((b_raw486[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair506 = e4m3x2_prep(((b_raw486[1u] >> 8u) & 255u) | ((b_raw486[1u] >> 16u) & 65280u));
-                    b_frag485[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                    b_frag485[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
-                    b_frag485[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                    b_frag485[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506), e4m3x2_hi(e4m3_pair506));
+                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
+                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
+                    const unsigned e4m3_pair479 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair481 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair482 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
+                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479), e4m3x2_hi(e4m3_pair479));
+                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
+                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
+                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
                     #pragma unroll
-                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + (np489 * 2u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[0u]);
+                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + ((np489 * 2u) + 1u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[2u]);
+                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np489 = 0u; np489 < 1u; np489 += 1u) {
-                    ldmatrix_x2_trans(&b_raw486[0u], kv_rows + (stage * 5248u) + (((kk487 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np489 * 16u)) >> 2u));
-                    const float k_scale495 = kv_scales[((stage * 5248u) + (((kk487 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale496 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale497 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale498 = kv_scales[((stage * 5248u) + ((((kk487 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair491 = e4m3x2_prep((b_raw486[0u] & 255u) | ((b_raw486[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair492 = e4m3x2_prep(((b_raw486[0u] >> 8u) & 255u) | ((b_raw486[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair493 = e4m3x2_prep((b_raw486[1u] & 255u) | ((b_raw486[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair494 = e4m3x2_prep(((b_raw486[1u] >> 8u) & 255u) | ((b_raw486[1u] >> 16u) & 65280u));
-                    b_frag485[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491) * k_scale495, e4m3x2_hi(e4m3_pair491) * k_scale496);
-                    b_frag485[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493) * k_scale497, e4m3x2_hi(e4m3_pair493) * k_scale498);
-                    b_frag485[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492) * k_scale495, e4m3x2_hi(e4m3_pair492) * k_scale496);
-                    b_frag485[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair494) * k_scale497, e4m3x2_hi(e4m3_pair494) * k_scale498);
+                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
+                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
+                    const float k_scale471 = kv_scales[((stage * 5248u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale472 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale473 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
+                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467) * k_scale471, e4m3x2_hi(e4m3_pair467) * k_scale472);
+                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
+                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468) * k_scale471, e4m3x2_hi(e4m3_pair468) * k_scale472);
+                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
                     #pragma unroll
-                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + (np489 * 2u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[0u]);
+                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi488 * 2u) + ((np489 * 2u) + 1u)) * 4u], &a_frag484[mi488 * 4u], &b_frag485[2u]);
+                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word513 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word489 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk510 = 0u; kk510 < 2u; kk510 += 1u) {
+        for (unsigned kk486 = 0u; kk486 < 2u; kk486 += 1u) {
             #pragma unroll
-            for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
-                ldmatrix_x4(&a_frag507[mi511 * 4u], p_tile + a_lane_word513 + (mi511 * 320u) + (kk510 * 8u));
+            for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+                ldmatrix_x4(&a_frag483[mi487 * 4u], p_tile + a_lane_word489 + (mi487 * 320u) + (kk486 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale522 = kv_scales[((stage * 5248u) + (((kk510 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale523 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale524 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale525 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag507[0u] = pack_bf16x2(__uint_as_float(a_frag507[0u] << 16u) * k_scale522, __uint_as_float(a_frag507[0u] & 4294901760u) * k_scale523);
-                a_frag507[1u] = pack_bf16x2(__uint_as_float(a_frag507[1u] << 16u) * k_scale522, __uint_as_float(a_frag507[1u] & 4294901760u) * k_scale523);
-                a_frag507[2u] = pack_bf16x2(__uint_as_float(a_frag507[2u] << 16u) * k_scale524, __uint_as_float(a_frag507[2u] & 4294901760u) * k_scale525);
-                a_frag507[3u] = pack_bf16x2(__uint_as_float(a_frag507[3u] << 16u) * k_scale524, __uint_as_float(a_frag507[3u] & 4294901760u) * k_scale525);
+                const float k_scale498 = kv_scales[((stage * 5248u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale499 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale500 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag483[0u] = pack_bf16x2(__uint_as_float(a_frag483[0u] << 16u) * k_scale498, __uint_as_float(a_frag483[0u] & 4294901760u) * k_scale499);
+                a_frag483[1u] = pack_bf16x2(__uint_as_float(a_frag483[1u] << 16u) * k_scale498, __uint_as_float(a_frag483[1u] & 4294901760u) * k_scale499);
+                a_frag483[2u] = pack_bf16x2(__uint_as_float(a_frag483[2u] << 16u) * k_scale500, __uint_as_float(a_frag483[2u] & 4294901760u) * k_scale501);
+                a_frag483[3u] = pack_bf16x2(__uint_as_float(a_frag483[3u] << 16u) * k_scale500, __uint_as_float(a_frag483[3u] & 4294901760u) * k_scale501);
                 #pragma unroll
-                for (unsigned np512 = 0u; np512 < 1u; np512 += 1u) {
-                    ldmatrix_x2_trans(&b_raw509[0u], kv_rows + (stage * 5248u) + (((kk510 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np512 * 16u)) >> 2u));
-                    const unsigned e4m3_pair526 = e4m3x2_prep((b_raw509[0u] & 255u) | ((b_raw509[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair527 = e4m3x2_prep(((b_raw509[0u] >> 8u) & 255u) | ((b_raw509[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw509[1u] & 255u) | ((b_raw509[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw509[1u] >> 8u) & 255u) | ((b_raw509[1u] >> 16u) & 65280u));
-                    b_frag508[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
-                    b_frag508[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
-                    b_frag508[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
-                    b_frag508[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529), e4m3x2_hi(e4m3_pair529));
+                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
+                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
+                    const unsigned e4m3_pair502 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair504 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
+                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
+                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
+                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
+                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
                     #pragma unroll
-                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + (np512 * 2u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[0u]);
+                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + ((np512 * 2u) + 1u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[2u]);
+                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np512 = 0u; np512 < 1u; np512 += 1u) {
-                    ldmatrix_x2_trans(&b_raw509[0u], kv_rows + (stage * 5248u) + (((kk510 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np512 * 16u)) >> 2u));
-                    const float k_scale518 = kv_scales[((stage * 5248u) + (((kk510 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale520 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale521 = kv_scales[((stage * 5248u) + ((((kk510 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw509[0u] & 255u) | ((b_raw509[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw509[0u] >> 8u) & 255u) | ((b_raw509[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair516 = e4m3x2_prep((b_raw509[1u] & 255u) | ((b_raw509[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair517 = e4m3x2_prep(((b_raw509[1u] >> 8u) & 255u) | ((b_raw509[1u] >> 16u) & 65280u));
-                    b_frag508[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale518, e4m3x2_hi(e4m3_pair514) * k_scale519);
-                    b_frag508[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516) * k_scale520, e4m3x2_hi(e4m3_pair516) * k_scale521);
-                    b_frag508[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale518, e4m3x2_hi(e4m3_pair515) * k_scale519);
-                    b_frag508[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair517) * k_scale520, e4m3x2_hi(e4m3_pair517) * k_scale521);
+                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
+                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
+                    const float k_scale494 = kv_scales[((stage * 5248u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale495 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale496 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale497 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair492 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair493 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
+                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490) * k_scale494, e4m3x2_hi(e4m3_pair490) * k_scale495);
+                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492) * k_scale496, e4m3x2_hi(e4m3_pair492) * k_scale497);
+                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491) * k_scale494, e4m3x2_hi(e4m3_pair491) * k_scale495);
+                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493) * k_scale496, e4m3x2_hi(e4m3_pair493) * k_scale497);
                     #pragma unroll
-                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + (np512 * 2u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[0u]);
+                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi511 = 0u; mi511 < 1u; mi511 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi511 * 2u) + ((np512 * 2u) + 1u)) * 4u], &a_frag507[mi511 * 4u], &b_frag508[2u]);
+                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word512 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk509 = 0u; kk509 < 2u; kk509 += 1u) {
+            #pragma unroll
+            for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
+                ldmatrix_x4(&a_frag506[mi510 * 4u], p_tile + a_lane_word512 + (mi510 * 320u) + (kk509 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale521 = kv_scales[((stage * 5248u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale522 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale523 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale524 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag506[0u] = pack_bf16x2(__uint_as_float(a_frag506[0u] << 16u) * k_scale521, __uint_as_float(a_frag506[0u] & 4294901760u) * k_scale522);
+                a_frag506[1u] = pack_bf16x2(__uint_as_float(a_frag506[1u] << 16u) * k_scale521, __uint_as_float(a_frag506[1u] & 4294901760u) * k_scale522);
+                a_frag506[2u] = pack_bf16x2(__uint_as_float(a_frag506[2u] << 16u) * k_scale523, __uint_as_float(a_frag506[2u] & 4294901760u) * k_scale524);
+                a_frag506[3u] = pack_bf16x2(__uint_as_float(a_frag506[3u] << 16u) * k_scale523, __uint_as_float(a_frag506[3u] & 4294901760u) * k_scale524);
+                #pragma unroll
+                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
+                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair527 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair528 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
+                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525), e4m3x2_hi(e4m3_pair525));
+                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
+                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
+                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
+                    #pragma unroll
+                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
+                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
+                    const float k_scale517 = kv_scales[((stage * 5248u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale520 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair516 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
+                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513) * k_scale517, e4m3x2_hi(e4m3_pair513) * k_scale518);
+                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale519, e4m3x2_hi(e4m3_pair515) * k_scale520);
+                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale517, e4m3x2_hi(e4m3_pair514) * k_scale518);
+                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516) * k_scale519, e4m3x2_hi(e4m3_pair516) * k_scale520);
+                    #pragma unroll
+                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
                     }
                 }
             }
@@ -1886,16 +1886,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi531 = 0u; mi531 < 1u; mi531 += 1u) {
+        for (unsigned mi530 = 0u; mi530 < 1u; mi530 += 1u) {
             #pragma unroll
-            for (unsigned half532 = 0u; half532 < 2u; half532 += 1u) {
-                float row_sum530 = row_sum_part[(mi531 * 2u) + half532];
-                const float other533 = shfl_xor_f32(row_sum530, 1);
-                row_sum530 = row_sum530 + other533;
-                const float other534 = shfl_xor_f32(row_sum530, 2);
-                row_sum530 = row_sum530 + other534;
+            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
+                float row_sum529 = row_sum_part[(mi530 * 2u) + half531];
+                const float other532 = shfl_xor_f32(row_sum529, 1);
+                row_sum529 = row_sum529 + other532;
+                const float other533 = shfl_xor_f32(row_sum529, 2);
+                row_sum529 = row_sum529 + other533;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi531 * 16u)) + ((half532 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum530;
+                    row_exchange[(((scores_row0 + (mi530 * 16u)) + ((half531 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum529;
                 }
             }
         }
@@ -1903,16 +1903,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi536 = 0u; mi536 < 1u; mi536 += 1u) {
+        for (unsigned mi535 = 0u; mi535 < 1u; mi535 += 1u) {
             #pragma unroll
-            for (unsigned half537 = 0u; half537 < 2u; half537 += 1u) {
+            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum535 = row_exchange[((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u];
-                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum535 = row_sum535 + row_exchange[(((scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_sum535;
-                    row_max[(scores_row0 + (mi536 * 16u)) + ((half537 * 8u) + lane_group)] = row_max_reg[(mi536 * 2u) + half537];
+                    float row_sum534 = row_exchange[((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u];
+                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_sum534;
+                    row_max[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_max_reg[(mi535 * 2u) + half536];
                 }
             }
         }
@@ -1933,82 +1933,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag538 = 0u; frag538 < 1u; frag538 += 1u) {
+        for (unsigned frag537 = 0u; frag537 < 1u; frag537 += 1u) {
             #pragma unroll
-            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
+            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
                 #pragma unroll
-                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag538 / 1u) * 16u)) + ((half539 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag538 % 1u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
-                    float v0_6 = o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)];
-                    float v1_6 = o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)];
+                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag537 / 1u) * 16u)) + ((half538 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
+                    float v0_6 = o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
+                    float v1_6 = o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)] = v0_6;
-                    o_acc[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)] = v1_6;
+                    o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_6;
+                    o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag541 = 0u; frag541 < 1u; frag541 += 1u) {
+        for (unsigned frag540 = 0u; frag540 < 1u; frag540 += 1u) {
             #pragma unroll
-            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
+            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
                 #pragma unroll
-                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag541 / 1u) * 16u)) + ((half542 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag541 % 1u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
-                    float v0_7 = o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)];
-                    float v1_7 = o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)];
+                for (unsigned e542 = 0u; e542 < 2u; e542 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag540 / 1u) * 16u)) + ((half541 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
+                    float v0_7 = o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
+                    float v1_7 = o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)] = v0_7;
-                    o_acc_1[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)] = v1_7;
+                    o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_7;
+                    o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag544 = 0u; frag544 < 1u; frag544 += 1u) {
+        for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
             #pragma unroll
-            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
                 #pragma unroll
-                for (unsigned e546 = 0u; e546 < 2u; e546 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag544 / 1u) * 16u)) + ((half545 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag544 % 1u) * 16u)) + ((lane_quad * 4u) + (e546 * 2u));
-                    float v0_8 = o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)];
-                    float v1_8 = o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)];
+                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag543 / 1u) * 16u)) + ((half544 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
+                    float v0_8 = o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
+                    float v1_8 = o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)] = v0_8;
-                    o_acc_2[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)] = v1_8;
+                    o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)] = v0_8;
+                    o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag547 = 0u; frag547 < 1u; frag547 += 1u) {
+        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
             #pragma unroll
-            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
+            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
                 #pragma unroll
-                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
-                    float v0_9 = o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
-                    float v1_9 = o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
+                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
+                    float v0_9 = o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
+                    float v1_9 = o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_9;
-                    o_acc_3[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_9;
+                    o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_9;
+                    o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_9;
                 }
             }
         }
@@ -2026,15 +2026,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag550 = 0u; frag550 < 1u; frag550 += 1u) {
+        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
             #pragma unroll
-            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
                 #pragma unroll
-                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
-                    float v0_10 = o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
-                    float v1_10 = o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
+                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
+                    float v0_10 = o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
+                    float v1_10 = o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2042,21 +2042,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_10;
-                    o_acc[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_10;
+                    o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_10;
+                    o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag553 = 0u; frag553 < 1u; frag553 += 1u) {
+        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
             #pragma unroll
-            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
+            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
                 #pragma unroll
-                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
-                    float v0_11 = o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
-                    float v1_11 = o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
+                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
+                    float v0_11 = o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
+                    float v1_11 = o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2064,21 +2064,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_11;
-                    o_acc_1[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_11;
+                    o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_11;
+                    o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag556 = 0u; frag556 < 1u; frag556 += 1u) {
+        for (unsigned frag555 = 0u; frag555 < 1u; frag555 += 1u) {
             #pragma unroll
-            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
+            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
                 #pragma unroll
-                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
-                    float v0_12 = o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
-                    float v1_12 = o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
+                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
+                    float v0_12 = o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
+                    float v1_12 = o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2086,21 +2086,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_12;
-                    o_acc_2[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_12;
+                    o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_12;
+                    o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag559 = 0u; frag559 < 1u; frag559 += 1u) {
+        for (unsigned frag558 = 0u; frag558 < 1u; frag558 += 1u) {
             #pragma unroll
-            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
+            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
                 #pragma unroll
-                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
-                    float v0_13 = o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
-                    float v1_13 = o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
+                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
+                    float v0_13 = o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
+                    float v1_13 = o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2108,8 +2108,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_13;
-                    o_acc_3[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_13;
+                    o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_13;
+                    o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_13;
                 }
             }
         }

@@ -379,43 +379,43 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     int q_tile_src[1];
     int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha305[4];
+    float row_alpha302[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag318[4];
-    unsigned b_frag319[4];
+    unsigned a_frag315[4];
+    unsigned b_frag316[4];
     unsigned b_raw[2];
-    unsigned a_frag329[4];
-    unsigned b_frag330[2];
-    unsigned a_frag335[4];
-    unsigned b_frag336[4];
-    unsigned b_raw337[2];
-    unsigned a_frag352[4];
-    unsigned b_frag353[2];
-    unsigned a_frag358[4];
-    unsigned b_frag359[4];
-    unsigned b_raw360[2];
-    unsigned a_frag375[4];
-    unsigned b_frag376[2];
-    unsigned a_frag381[4];
-    unsigned b_frag382[4];
-    unsigned b_raw383[2];
-    unsigned a_frag398[4];
-    unsigned b_frag399[4];
-    unsigned a_frag446[8];
-    unsigned b_frag447[4];
-    unsigned b_raw448[2];
-    unsigned a_frag470[8];
-    unsigned b_frag471[4];
-    unsigned b_raw472[2];
-    unsigned a_frag497[8];
-    unsigned b_frag498[4];
-    unsigned b_raw499[2];
-    unsigned a_frag524[8];
-    unsigned b_frag525[4];
-    unsigned b_raw526[2];
+    unsigned a_frag326[4];
+    unsigned b_frag327[2];
+    unsigned a_frag332[4];
+    unsigned b_frag333[4];
+    unsigned b_raw334[2];
+    unsigned a_frag349[4];
+    unsigned b_frag350[2];
+    unsigned a_frag355[4];
+    unsigned b_frag356[4];
+    unsigned b_raw357[2];
+    unsigned a_frag372[4];
+    unsigned b_frag373[2];
+    unsigned a_frag378[4];
+    unsigned b_frag379[4];
+    unsigned b_raw380[2];
+    unsigned a_frag395[4];
+    unsigned b_frag396[4];
+    unsigned a_frag443[8];
+    unsigned b_frag444[4];
+    unsigned b_raw445[2];
+    unsigned a_frag467[8];
+    unsigned b_frag468[4];
+    unsigned b_raw469[2];
+    unsigned a_frag494[8];
+    unsigned b_frag495[4];
+    unsigned b_raw496[2];
+    unsigned a_frag521[8];
+    unsigned b_frag522[4];
+    unsigned b_raw523[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -460,9 +460,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row299 < 32u) {
-                    const unsigned row_1 = gather_row299;
+                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row296 < 32u) {
+                    const unsigned row_1 = gather_row296;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -511,433 +511,433 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         float q_absmax = 0.0f;
         const unsigned q_pair = q_tile[(lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair5 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+        const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair12 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair13 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair14 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair15 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair17 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair19 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair28 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair29 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair30 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair31 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair33 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair35 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair44 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair45 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair46 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair47 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair49 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair51 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair60 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair61 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair62 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair63 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair65 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair67 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-        const unsigned q_pair68 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair68 << 16u)), fabsf(__uint_as_float(q_pair68 & 4294901760u))));
-        const unsigned q_pair69 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair69 << 16u)), fabsf(__uint_as_float(q_pair69 & 4294901760u))));
-        const unsigned q_pair70 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair70 << 16u)), fabsf(__uint_as_float(q_pair70 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 2);
+        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
         q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-        const float q_absmax_peer72 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer72);
-        const float q_absmax_peer73 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer73);
-        const float q_absmax_peer74 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer74);
         const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
-        const float q_x75 = __uint_as_float(q_pair & 4294901760u) * q_scale;
-        const float q_x76 = __uint_as_float(q_pair8 << 16u) * q_scale;
-        const float q_x77 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
-        const unsigned q_hi = pack_e4m3x4(q_x, q_x75, q_x76, q_x77);
+        const float q_x72 = __uint_as_float(q_pair & 4294901760u) * q_scale;
+        const float q_x73 = __uint_as_float(q_pair5 << 16u) * q_scale;
+        const float q_x74 = __uint_as_float(q_pair5 & 4294901760u) * q_scale;
+        const unsigned q_hi = pack_e4m3x4(q_x, q_x72, q_x73, q_x74);
         const unsigned q_hi_pair = e4m3x2_prep(q_hi & 65535u);
-        const unsigned q_hi_pair78 = e4m3x2_prep(q_hi >> 16u);
+        const unsigned q_hi_pair75 = e4m3x2_prep(q_hi >> 16u);
         q_tile_a0[0u] = q_hi;
-        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x75 - e4m3x2_hi(q_hi_pair), q_x76 - e4m3x2_lo(q_hi_pair78), q_x77 - e4m3x2_hi(q_hi_pair78));
-        const float q_x79 = __uint_as_float(q_pair9 << 16u) * q_scale;
-        const float q_x80 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
-        const float q_x81 = __uint_as_float(q_pair10 << 16u) * q_scale;
-        const float q_x82 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
-        const unsigned q_hi83 = pack_e4m3x4(q_x79, q_x80, q_x81, q_x82);
-        const unsigned q_hi_pair84 = e4m3x2_prep(q_hi83 & 65535u);
-        const unsigned q_hi_pair85 = e4m3x2_prep(q_hi83 >> 16u);
-        q_tile_a0[1u] = q_hi83;
-        q_tile_a0_lo[1u] = pack_e4m3x4(q_x79 - e4m3x2_lo(q_hi_pair84), q_x80 - e4m3x2_hi(q_hi_pair84), q_x81 - e4m3x2_lo(q_hi_pair85), q_x82 - e4m3x2_hi(q_hi_pair85));
-        const float q_x86 = __uint_as_float(q_pair11 << 16u) * q_scale;
-        const float q_x87 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
-        const float q_x88 = __uint_as_float(q_pair12 << 16u) * q_scale;
-        const float q_x89 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
-        const unsigned q_hi90 = pack_e4m3x4(q_x86, q_x87, q_x88, q_x89);
-        const unsigned q_hi_pair91 = e4m3x2_prep(q_hi90 & 65535u);
-        const unsigned q_hi_pair92 = e4m3x2_prep(q_hi90 >> 16u);
-        q_tile_a0[2u] = q_hi90;
-        q_tile_a0_lo[2u] = pack_e4m3x4(q_x86 - e4m3x2_lo(q_hi_pair91), q_x87 - e4m3x2_hi(q_hi_pair91), q_x88 - e4m3x2_lo(q_hi_pair92), q_x89 - e4m3x2_hi(q_hi_pair92));
-        const float q_x93 = __uint_as_float(q_pair13 << 16u) * q_scale;
-        const float q_x94 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
-        const float q_x95 = __uint_as_float(q_pair14 << 16u) * q_scale;
-        const float q_x96 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
-        const unsigned q_hi97 = pack_e4m3x4(q_x93, q_x94, q_x95, q_x96);
-        const unsigned q_hi_pair98 = e4m3x2_prep(q_hi97 & 65535u);
-        const unsigned q_hi_pair99 = e4m3x2_prep(q_hi97 >> 16u);
-        q_tile_a0[3u] = q_hi97;
-        q_tile_a0_lo[3u] = pack_e4m3x4(q_x93 - e4m3x2_lo(q_hi_pair98), q_x94 - e4m3x2_hi(q_hi_pair98), q_x95 - e4m3x2_lo(q_hi_pair99), q_x96 - e4m3x2_hi(q_hi_pair99));
-        const float q_x100 = __uint_as_float(q_pair15 << 16u) * q_scale;
-        const float q_x101 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
-        const float q_x102 = __uint_as_float(q_pair16 << 16u) * q_scale;
-        const float q_x103 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
-        const unsigned q_hi104 = pack_e4m3x4(q_x100, q_x101, q_x102, q_x103);
-        const unsigned q_hi_pair105 = e4m3x2_prep(q_hi104 & 65535u);
-        const unsigned q_hi_pair106 = e4m3x2_prep(q_hi104 >> 16u);
-        q_tile_a0[4u] = q_hi104;
-        q_tile_a0_lo[4u] = pack_e4m3x4(q_x100 - e4m3x2_lo(q_hi_pair105), q_x101 - e4m3x2_hi(q_hi_pair105), q_x102 - e4m3x2_lo(q_hi_pair106), q_x103 - e4m3x2_hi(q_hi_pair106));
-        const float q_x107 = __uint_as_float(q_pair17 << 16u) * q_scale;
-        const float q_x108 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
-        const float q_x109 = __uint_as_float(q_pair18 << 16u) * q_scale;
-        const float q_x110 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
-        const unsigned q_hi111 = pack_e4m3x4(q_x107, q_x108, q_x109, q_x110);
-        const unsigned q_hi_pair112 = e4m3x2_prep(q_hi111 & 65535u);
-        const unsigned q_hi_pair113 = e4m3x2_prep(q_hi111 >> 16u);
-        q_tile_a0[5u] = q_hi111;
-        q_tile_a0_lo[5u] = pack_e4m3x4(q_x107 - e4m3x2_lo(q_hi_pair112), q_x108 - e4m3x2_hi(q_hi_pair112), q_x109 - e4m3x2_lo(q_hi_pair113), q_x110 - e4m3x2_hi(q_hi_pair113));
-        const float q_x114 = __uint_as_float(q_pair19 << 16u) * q_scale;
-        const float q_x115 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
-        const float q_x116 = __uint_as_float(q_pair20 << 16u) * q_scale;
-        const float q_x117 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
-        const unsigned q_hi118 = pack_e4m3x4(q_x114, q_x115, q_x116, q_x117);
-        const unsigned q_hi_pair119 = e4m3x2_prep(q_hi118 & 65535u);
-        const unsigned q_hi_pair120 = e4m3x2_prep(q_hi118 >> 16u);
-        q_tile_a0[6u] = q_hi118;
-        q_tile_a0_lo[6u] = pack_e4m3x4(q_x114 - e4m3x2_lo(q_hi_pair119), q_x115 - e4m3x2_hi(q_hi_pair119), q_x116 - e4m3x2_lo(q_hi_pair120), q_x117 - e4m3x2_hi(q_hi_pair120));
-        const float q_x121 = __uint_as_float(q_pair21 << 16u) * q_scale;
-        const float q_x122 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
-        const float q_x123 = __uint_as_float(q_pair22 << 16u) * q_scale;
-        const float q_x124 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
-        const unsigned q_hi125 = pack_e4m3x4(q_x121, q_x122, q_x123, q_x124);
-        const unsigned q_hi_pair126 = e4m3x2_prep(q_hi125 & 65535u);
-        const unsigned q_hi_pair127 = e4m3x2_prep(q_hi125 >> 16u);
-        q_tile_a0[7u] = q_hi125;
-        q_tile_a0_lo[7u] = pack_e4m3x4(q_x121 - e4m3x2_lo(q_hi_pair126), q_x122 - e4m3x2_hi(q_hi_pair126), q_x123 - e4m3x2_lo(q_hi_pair127), q_x124 - e4m3x2_hi(q_hi_pair127));
-        const float q_x128 = __uint_as_float(q_pair23 << 16u) * q_scale;
-        const float q_x129 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
-        const float q_x130 = __uint_as_float(q_pair24 << 16u) * q_scale;
-        const float q_x131 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
-        const unsigned q_hi132 = pack_e4m3x4(q_x128, q_x129, q_x130, q_x131);
-        const unsigned q_hi_pair133 = e4m3x2_prep(q_hi132 & 65535u);
-        const unsigned q_hi_pair134 = e4m3x2_prep(q_hi132 >> 16u);
-        q_tile_a1[0u] = q_hi132;
-        q_tile_a1_lo[0u] = pack_e4m3x4(q_x128 - e4m3x2_lo(q_hi_pair133), q_x129 - e4m3x2_hi(q_hi_pair133), q_x130 - e4m3x2_lo(q_hi_pair134), q_x131 - e4m3x2_hi(q_hi_pair134));
-        const float q_x135 = __uint_as_float(q_pair25 << 16u) * q_scale;
-        const float q_x136 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
-        const float q_x137 = __uint_as_float(q_pair26 << 16u) * q_scale;
-        const float q_x138 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
-        const unsigned q_hi139 = pack_e4m3x4(q_x135, q_x136, q_x137, q_x138);
-        const unsigned q_hi_pair140 = e4m3x2_prep(q_hi139 & 65535u);
-        const unsigned q_hi_pair141 = e4m3x2_prep(q_hi139 >> 16u);
-        q_tile_a1[1u] = q_hi139;
-        q_tile_a1_lo[1u] = pack_e4m3x4(q_x135 - e4m3x2_lo(q_hi_pair140), q_x136 - e4m3x2_hi(q_hi_pair140), q_x137 - e4m3x2_lo(q_hi_pair141), q_x138 - e4m3x2_hi(q_hi_pair141));
-        const float q_x142 = __uint_as_float(q_pair27 << 16u) * q_scale;
-        const float q_x143 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
-        const float q_x144 = __uint_as_float(q_pair28 << 16u) * q_scale;
-        const float q_x145 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
-        const unsigned q_hi146 = pack_e4m3x4(q_x142, q_x143, q_x144, q_x145);
-        const unsigned q_hi_pair147 = e4m3x2_prep(q_hi146 & 65535u);
-        const unsigned q_hi_pair148 = e4m3x2_prep(q_hi146 >> 16u);
-        q_tile_a1[2u] = q_hi146;
-        q_tile_a1_lo[2u] = pack_e4m3x4(q_x142 - e4m3x2_lo(q_hi_pair147), q_x143 - e4m3x2_hi(q_hi_pair147), q_x144 - e4m3x2_lo(q_hi_pair148), q_x145 - e4m3x2_hi(q_hi_pair148));
-        const float q_x149 = __uint_as_float(q_pair29 << 16u) * q_scale;
-        const float q_x150 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
-        const float q_x151 = __uint_as_float(q_pair30 << 16u) * q_scale;
-        const float q_x152 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
-        const unsigned q_hi153 = pack_e4m3x4(q_x149, q_x150, q_x151, q_x152);
-        const unsigned q_hi_pair154 = e4m3x2_prep(q_hi153 & 65535u);
-        const unsigned q_hi_pair155 = e4m3x2_prep(q_hi153 >> 16u);
-        q_tile_a1[3u] = q_hi153;
-        q_tile_a1_lo[3u] = pack_e4m3x4(q_x149 - e4m3x2_lo(q_hi_pair154), q_x150 - e4m3x2_hi(q_hi_pair154), q_x151 - e4m3x2_lo(q_hi_pair155), q_x152 - e4m3x2_hi(q_hi_pair155));
-        const float q_x156 = __uint_as_float(q_pair31 << 16u) * q_scale;
-        const float q_x157 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
-        const float q_x158 = __uint_as_float(q_pair32 << 16u) * q_scale;
-        const float q_x159 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
-        const unsigned q_hi160 = pack_e4m3x4(q_x156, q_x157, q_x158, q_x159);
-        const unsigned q_hi_pair161 = e4m3x2_prep(q_hi160 & 65535u);
-        const unsigned q_hi_pair162 = e4m3x2_prep(q_hi160 >> 16u);
-        q_tile_a1[4u] = q_hi160;
-        q_tile_a1_lo[4u] = pack_e4m3x4(q_x156 - e4m3x2_lo(q_hi_pair161), q_x157 - e4m3x2_hi(q_hi_pair161), q_x158 - e4m3x2_lo(q_hi_pair162), q_x159 - e4m3x2_hi(q_hi_pair162));
-        const float q_x163 = __uint_as_float(q_pair33 << 16u) * q_scale;
-        const float q_x164 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
-        const float q_x165 = __uint_as_float(q_pair34 << 16u) * q_scale;
-        const float q_x166 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
-        const unsigned q_hi167 = pack_e4m3x4(q_x163, q_x164, q_x165, q_x166);
-        const unsigned q_hi_pair168 = e4m3x2_prep(q_hi167 & 65535u);
-        const unsigned q_hi_pair169 = e4m3x2_prep(q_hi167 >> 16u);
-        q_tile_a1[5u] = q_hi167;
-        q_tile_a1_lo[5u] = pack_e4m3x4(q_x163 - e4m3x2_lo(q_hi_pair168), q_x164 - e4m3x2_hi(q_hi_pair168), q_x165 - e4m3x2_lo(q_hi_pair169), q_x166 - e4m3x2_hi(q_hi_pair169));
-        const float q_x170 = __uint_as_float(q_pair35 << 16u) * q_scale;
-        const float q_x171 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
-        const float q_x172 = __uint_as_float(q_pair36 << 16u) * q_scale;
-        const float q_x173 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
-        const unsigned q_hi174 = pack_e4m3x4(q_x170, q_x171, q_x172, q_x173);
-        const unsigned q_hi_pair175 = e4m3x2_prep(q_hi174 & 65535u);
-        const unsigned q_hi_pair176 = e4m3x2_prep(q_hi174 >> 16u);
-        q_tile_a1[6u] = q_hi174;
-        q_tile_a1_lo[6u] = pack_e4m3x4(q_x170 - e4m3x2_lo(q_hi_pair175), q_x171 - e4m3x2_hi(q_hi_pair175), q_x172 - e4m3x2_lo(q_hi_pair176), q_x173 - e4m3x2_hi(q_hi_pair176));
-        const float q_x177 = __uint_as_float(q_pair37 << 16u) * q_scale;
-        const float q_x178 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
-        const float q_x179 = __uint_as_float(q_pair38 << 16u) * q_scale;
-        const float q_x180 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
-        const unsigned q_hi181 = pack_e4m3x4(q_x177, q_x178, q_x179, q_x180);
-        const unsigned q_hi_pair182 = e4m3x2_prep(q_hi181 & 65535u);
-        const unsigned q_hi_pair183 = e4m3x2_prep(q_hi181 >> 16u);
-        q_tile_a1[7u] = q_hi181;
-        q_tile_a1_lo[7u] = pack_e4m3x4(q_x177 - e4m3x2_lo(q_hi_pair182), q_x178 - e4m3x2_hi(q_hi_pair182), q_x179 - e4m3x2_lo(q_hi_pair183), q_x180 - e4m3x2_hi(q_hi_pair183));
-        const float q_x184 = __uint_as_float(q_pair39 << 16u) * q_scale;
-        const float q_x185 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
-        const float q_x186 = __uint_as_float(q_pair40 << 16u) * q_scale;
-        const float q_x187 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
-        const unsigned q_hi188 = pack_e4m3x4(q_x184, q_x185, q_x186, q_x187);
-        const unsigned q_hi_pair189 = e4m3x2_prep(q_hi188 & 65535u);
-        const unsigned q_hi_pair190 = e4m3x2_prep(q_hi188 >> 16u);
-        q_tile_a2[0u] = q_hi188;
-        q_tile_a2_lo[0u] = pack_e4m3x4(q_x184 - e4m3x2_lo(q_hi_pair189), q_x185 - e4m3x2_hi(q_hi_pair189), q_x186 - e4m3x2_lo(q_hi_pair190), q_x187 - e4m3x2_hi(q_hi_pair190));
-        const float q_x191 = __uint_as_float(q_pair41 << 16u) * q_scale;
-        const float q_x192 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
-        const float q_x193 = __uint_as_float(q_pair42 << 16u) * q_scale;
-        const float q_x194 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
-        const unsigned q_hi195 = pack_e4m3x4(q_x191, q_x192, q_x193, q_x194);
-        const unsigned q_hi_pair196 = e4m3x2_prep(q_hi195 & 65535u);
-        const unsigned q_hi_pair197 = e4m3x2_prep(q_hi195 >> 16u);
-        q_tile_a2[1u] = q_hi195;
-        q_tile_a2_lo[1u] = pack_e4m3x4(q_x191 - e4m3x2_lo(q_hi_pair196), q_x192 - e4m3x2_hi(q_hi_pair196), q_x193 - e4m3x2_lo(q_hi_pair197), q_x194 - e4m3x2_hi(q_hi_pair197));
-        const float q_x198 = __uint_as_float(q_pair43 << 16u) * q_scale;
-        const float q_x199 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
-        const float q_x200 = __uint_as_float(q_pair44 << 16u) * q_scale;
-        const float q_x201 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
-        const unsigned q_hi202 = pack_e4m3x4(q_x198, q_x199, q_x200, q_x201);
-        const unsigned q_hi_pair203 = e4m3x2_prep(q_hi202 & 65535u);
-        const unsigned q_hi_pair204 = e4m3x2_prep(q_hi202 >> 16u);
-        q_tile_a2[2u] = q_hi202;
-        q_tile_a2_lo[2u] = pack_e4m3x4(q_x198 - e4m3x2_lo(q_hi_pair203), q_x199 - e4m3x2_hi(q_hi_pair203), q_x200 - e4m3x2_lo(q_hi_pair204), q_x201 - e4m3x2_hi(q_hi_pair204));
-        const float q_x205 = __uint_as_float(q_pair45 << 16u) * q_scale;
-        const float q_x206 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
-        const float q_x207 = __uint_as_float(q_pair46 << 16u) * q_scale;
-        const float q_x208 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
-        const unsigned q_hi209 = pack_e4m3x4(q_x205, q_x206, q_x207, q_x208);
-        const unsigned q_hi_pair210 = e4m3x2_prep(q_hi209 & 65535u);
-        const unsigned q_hi_pair211 = e4m3x2_prep(q_hi209 >> 16u);
-        q_tile_a2[3u] = q_hi209;
-        q_tile_a2_lo[3u] = pack_e4m3x4(q_x205 - e4m3x2_lo(q_hi_pair210), q_x206 - e4m3x2_hi(q_hi_pair210), q_x207 - e4m3x2_lo(q_hi_pair211), q_x208 - e4m3x2_hi(q_hi_pair211));
-        const float q_x212 = __uint_as_float(q_pair47 << 16u) * q_scale;
-        const float q_x213 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
-        const float q_x214 = __uint_as_float(q_pair48 << 16u) * q_scale;
-        const float q_x215 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
-        const unsigned q_hi216 = pack_e4m3x4(q_x212, q_x213, q_x214, q_x215);
-        const unsigned q_hi_pair217 = e4m3x2_prep(q_hi216 & 65535u);
-        const unsigned q_hi_pair218 = e4m3x2_prep(q_hi216 >> 16u);
-        q_tile_a2[4u] = q_hi216;
-        q_tile_a2_lo[4u] = pack_e4m3x4(q_x212 - e4m3x2_lo(q_hi_pair217), q_x213 - e4m3x2_hi(q_hi_pair217), q_x214 - e4m3x2_lo(q_hi_pair218), q_x215 - e4m3x2_hi(q_hi_pair218));
-        const float q_x219 = __uint_as_float(q_pair49 << 16u) * q_scale;
-        const float q_x220 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
-        const float q_x221 = __uint_as_float(q_pair50 << 16u) * q_scale;
-        const float q_x222 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
-        const unsigned q_hi223 = pack_e4m3x4(q_x219, q_x220, q_x221, q_x222);
-        const unsigned q_hi_pair224 = e4m3x2_prep(q_hi223 & 65535u);
-        const unsigned q_hi_pair225 = e4m3x2_prep(q_hi223 >> 16u);
-        q_tile_a2[5u] = q_hi223;
-        q_tile_a2_lo[5u] = pack_e4m3x4(q_x219 - e4m3x2_lo(q_hi_pair224), q_x220 - e4m3x2_hi(q_hi_pair224), q_x221 - e4m3x2_lo(q_hi_pair225), q_x222 - e4m3x2_hi(q_hi_pair225));
-        const float q_x226 = __uint_as_float(q_pair51 << 16u) * q_scale;
-        const float q_x227 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
-        const float q_x228 = __uint_as_float(q_pair52 << 16u) * q_scale;
-        const float q_x229 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
-        const unsigned q_hi230 = pack_e4m3x4(q_x226, q_x227, q_x228, q_x229);
-        const unsigned q_hi_pair231 = e4m3x2_prep(q_hi230 & 65535u);
-        const unsigned q_hi_pair232 = e4m3x2_prep(q_hi230 >> 16u);
-        q_tile_a2[6u] = q_hi230;
-        q_tile_a2_lo[6u] = pack_e4m3x4(q_x226 - e4m3x2_lo(q_hi_pair231), q_x227 - e4m3x2_hi(q_hi_pair231), q_x228 - e4m3x2_lo(q_hi_pair232), q_x229 - e4m3x2_hi(q_hi_pair232));
-        const float q_x233 = __uint_as_float(q_pair53 << 16u) * q_scale;
-        const float q_x234 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
-        const float q_x235 = __uint_as_float(q_pair54 << 16u) * q_scale;
-        const float q_x236 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
-        const unsigned q_hi237 = pack_e4m3x4(q_x233, q_x234, q_x235, q_x236);
-        const unsigned q_hi_pair238 = e4m3x2_prep(q_hi237 & 65535u);
-        const unsigned q_hi_pair239 = e4m3x2_prep(q_hi237 >> 16u);
-        q_tile_a2[7u] = q_hi237;
-        q_tile_a2_lo[7u] = pack_e4m3x4(q_x233 - e4m3x2_lo(q_hi_pair238), q_x234 - e4m3x2_hi(q_hi_pair238), q_x235 - e4m3x2_lo(q_hi_pair239), q_x236 - e4m3x2_hi(q_hi_pair239));
-        const float q_x240 = __uint_as_float(q_pair55 << 16u) * q_scale;
-        const float q_x241 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
-        const float q_x242 = __uint_as_float(q_pair56 << 16u) * q_scale;
-        const float q_x243 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
-        const unsigned q_hi244 = pack_e4m3x4(q_x240, q_x241, q_x242, q_x243);
-        const unsigned q_hi_pair245 = e4m3x2_prep(q_hi244 & 65535u);
-        const unsigned q_hi_pair246 = e4m3x2_prep(q_hi244 >> 16u);
-        q_tile_a3[0u] = q_hi244;
-        q_tile_a3_lo[0u] = pack_e4m3x4(q_x240 - e4m3x2_lo(q_hi_pair245), q_x241 - e4m3x2_hi(q_hi_pair245), q_x242 - e4m3x2_lo(q_hi_pair246), q_x243 - e4m3x2_hi(q_hi_pair246));
-        const float q_x247 = __uint_as_float(q_pair57 << 16u) * q_scale;
-        const float q_x248 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
-        const float q_x249 = __uint_as_float(q_pair58 << 16u) * q_scale;
-        const float q_x250 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
-        const unsigned q_hi251 = pack_e4m3x4(q_x247, q_x248, q_x249, q_x250);
-        const unsigned q_hi_pair252 = e4m3x2_prep(q_hi251 & 65535u);
-        const unsigned q_hi_pair253 = e4m3x2_prep(q_hi251 >> 16u);
-        q_tile_a3[1u] = q_hi251;
-        q_tile_a3_lo[1u] = pack_e4m3x4(q_x247 - e4m3x2_lo(q_hi_pair252), q_x248 - e4m3x2_hi(q_hi_pair252), q_x249 - e4m3x2_lo(q_hi_pair253), q_x250 - e4m3x2_hi(q_hi_pair253));
-        const float q_x254 = __uint_as_float(q_pair59 << 16u) * q_scale;
-        const float q_x255 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
-        const float q_x256 = __uint_as_float(q_pair60 << 16u) * q_scale;
-        const float q_x257 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
-        const unsigned q_hi258 = pack_e4m3x4(q_x254, q_x255, q_x256, q_x257);
-        const unsigned q_hi_pair259 = e4m3x2_prep(q_hi258 & 65535u);
-        const unsigned q_hi_pair260 = e4m3x2_prep(q_hi258 >> 16u);
-        q_tile_a3[2u] = q_hi258;
-        q_tile_a3_lo[2u] = pack_e4m3x4(q_x254 - e4m3x2_lo(q_hi_pair259), q_x255 - e4m3x2_hi(q_hi_pair259), q_x256 - e4m3x2_lo(q_hi_pair260), q_x257 - e4m3x2_hi(q_hi_pair260));
-        const float q_x261 = __uint_as_float(q_pair61 << 16u) * q_scale;
-        const float q_x262 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
-        const float q_x263 = __uint_as_float(q_pair62 << 16u) * q_scale;
-        const float q_x264 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
-        const unsigned q_hi265 = pack_e4m3x4(q_x261, q_x262, q_x263, q_x264);
-        const unsigned q_hi_pair266 = e4m3x2_prep(q_hi265 & 65535u);
-        const unsigned q_hi_pair267 = e4m3x2_prep(q_hi265 >> 16u);
-        q_tile_a3[3u] = q_hi265;
-        q_tile_a3_lo[3u] = pack_e4m3x4(q_x261 - e4m3x2_lo(q_hi_pair266), q_x262 - e4m3x2_hi(q_hi_pair266), q_x263 - e4m3x2_lo(q_hi_pair267), q_x264 - e4m3x2_hi(q_hi_pair267));
-        const float q_x268 = __uint_as_float(q_pair63 << 16u) * q_scale;
-        const float q_x269 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
-        const float q_x270 = __uint_as_float(q_pair64 << 16u) * q_scale;
-        const float q_x271 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
-        const unsigned q_hi272 = pack_e4m3x4(q_x268, q_x269, q_x270, q_x271);
-        const unsigned q_hi_pair273 = e4m3x2_prep(q_hi272 & 65535u);
-        const unsigned q_hi_pair274 = e4m3x2_prep(q_hi272 >> 16u);
-        q_tile_a3[4u] = q_hi272;
-        q_tile_a3_lo[4u] = pack_e4m3x4(q_x268 - e4m3x2_lo(q_hi_pair273), q_x269 - e4m3x2_hi(q_hi_pair273), q_x270 - e4m3x2_lo(q_hi_pair274), q_x271 - e4m3x2_hi(q_hi_pair274));
-        const float q_x275 = __uint_as_float(q_pair65 << 16u) * q_scale;
-        const float q_x276 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
-        const float q_x277 = __uint_as_float(q_pair66 << 16u) * q_scale;
-        const float q_x278 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
-        const unsigned q_hi279 = pack_e4m3x4(q_x275, q_x276, q_x277, q_x278);
-        const unsigned q_hi_pair280 = e4m3x2_prep(q_hi279 & 65535u);
-        const unsigned q_hi_pair281 = e4m3x2_prep(q_hi279 >> 16u);
-        q_tile_a3[5u] = q_hi279;
-        q_tile_a3_lo[5u] = pack_e4m3x4(q_x275 - e4m3x2_lo(q_hi_pair280), q_x276 - e4m3x2_hi(q_hi_pair280), q_x277 - e4m3x2_lo(q_hi_pair281), q_x278 - e4m3x2_hi(q_hi_pair281));
-        const float q_x282 = __uint_as_float(q_pair67 << 16u) * q_scale;
-        const float q_x283 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
-        const float q_x284 = __uint_as_float(q_pair68 << 16u) * q_scale;
-        const float q_x285 = __uint_as_float(q_pair68 & 4294901760u) * q_scale;
-        const unsigned q_hi286 = pack_e4m3x4(q_x282, q_x283, q_x284, q_x285);
-        const unsigned q_hi_pair287 = e4m3x2_prep(q_hi286 & 65535u);
-        const unsigned q_hi_pair288 = e4m3x2_prep(q_hi286 >> 16u);
-        q_tile_a3[6u] = q_hi286;
-        q_tile_a3_lo[6u] = pack_e4m3x4(q_x282 - e4m3x2_lo(q_hi_pair287), q_x283 - e4m3x2_hi(q_hi_pair287), q_x284 - e4m3x2_lo(q_hi_pair288), q_x285 - e4m3x2_hi(q_hi_pair288));
-        const float q_x289 = __uint_as_float(q_pair69 << 16u) * q_scale;
-        const float q_x290 = __uint_as_float(q_pair69 & 4294901760u) * q_scale;
-        const float q_x291 = __uint_as_float(q_pair70 << 16u) * q_scale;
-        const float q_x292 = __uint_as_float(q_pair70 & 4294901760u) * q_scale;
-        const unsigned q_hi293 = pack_e4m3x4(q_x289, q_x290, q_x291, q_x292);
-        const unsigned q_hi_pair294 = e4m3x2_prep(q_hi293 & 65535u);
-        const unsigned q_hi_pair295 = e4m3x2_prep(q_hi293 >> 16u);
-        q_tile_a3[7u] = q_hi293;
-        q_tile_a3_lo[7u] = pack_e4m3x4(q_x289 - e4m3x2_lo(q_hi_pair294), q_x290 - e4m3x2_hi(q_hi_pair294), q_x291 - e4m3x2_lo(q_hi_pair295), q_x292 - e4m3x2_hi(q_hi_pair295));
+        q_tile_a0_lo[0u] = pack_e4m3x4(q_x - e4m3x2_lo(q_hi_pair), q_x72 - e4m3x2_hi(q_hi_pair), q_x73 - e4m3x2_lo(q_hi_pair75), q_x74 - e4m3x2_hi(q_hi_pair75));
+        const float q_x76 = __uint_as_float(q_pair6 << 16u) * q_scale;
+        const float q_x77 = __uint_as_float(q_pair6 & 4294901760u) * q_scale;
+        const float q_x78 = __uint_as_float(q_pair7 << 16u) * q_scale;
+        const float q_x79 = __uint_as_float(q_pair7 & 4294901760u) * q_scale;
+        const unsigned q_hi80 = pack_e4m3x4(q_x76, q_x77, q_x78, q_x79);
+        const unsigned q_hi_pair81 = e4m3x2_prep(q_hi80 & 65535u);
+        const unsigned q_hi_pair82 = e4m3x2_prep(q_hi80 >> 16u);
+        q_tile_a0[1u] = q_hi80;
+        q_tile_a0_lo[1u] = pack_e4m3x4(q_x76 - e4m3x2_lo(q_hi_pair81), q_x77 - e4m3x2_hi(q_hi_pair81), q_x78 - e4m3x2_lo(q_hi_pair82), q_x79 - e4m3x2_hi(q_hi_pair82));
+        const float q_x83 = __uint_as_float(q_pair8 << 16u) * q_scale;
+        const float q_x84 = __uint_as_float(q_pair8 & 4294901760u) * q_scale;
+        const float q_x85 = __uint_as_float(q_pair9 << 16u) * q_scale;
+        const float q_x86 = __uint_as_float(q_pair9 & 4294901760u) * q_scale;
+        const unsigned q_hi87 = pack_e4m3x4(q_x83, q_x84, q_x85, q_x86);
+        const unsigned q_hi_pair88 = e4m3x2_prep(q_hi87 & 65535u);
+        const unsigned q_hi_pair89 = e4m3x2_prep(q_hi87 >> 16u);
+        q_tile_a0[2u] = q_hi87;
+        q_tile_a0_lo[2u] = pack_e4m3x4(q_x83 - e4m3x2_lo(q_hi_pair88), q_x84 - e4m3x2_hi(q_hi_pair88), q_x85 - e4m3x2_lo(q_hi_pair89), q_x86 - e4m3x2_hi(q_hi_pair89));
+        const float q_x90 = __uint_as_float(q_pair10 << 16u) * q_scale;
+        const float q_x91 = __uint_as_float(q_pair10 & 4294901760u) * q_scale;
+        const float q_x92 = __uint_as_float(q_pair11 << 16u) * q_scale;
+        const float q_x93 = __uint_as_float(q_pair11 & 4294901760u) * q_scale;
+        const unsigned q_hi94 = pack_e4m3x4(q_x90, q_x91, q_x92, q_x93);
+        const unsigned q_hi_pair95 = e4m3x2_prep(q_hi94 & 65535u);
+        const unsigned q_hi_pair96 = e4m3x2_prep(q_hi94 >> 16u);
+        q_tile_a0[3u] = q_hi94;
+        q_tile_a0_lo[3u] = pack_e4m3x4(q_x90 - e4m3x2_lo(q_hi_pair95), q_x91 - e4m3x2_hi(q_hi_pair95), q_x92 - e4m3x2_lo(q_hi_pair96), q_x93 - e4m3x2_hi(q_hi_pair96));
+        const float q_x97 = __uint_as_float(q_pair12 << 16u) * q_scale;
+        const float q_x98 = __uint_as_float(q_pair12 & 4294901760u) * q_scale;
+        const float q_x99 = __uint_as_float(q_pair13 << 16u) * q_scale;
+        const float q_x100 = __uint_as_float(q_pair13 & 4294901760u) * q_scale;
+        const unsigned q_hi101 = pack_e4m3x4(q_x97, q_x98, q_x99, q_x100);
+        const unsigned q_hi_pair102 = e4m3x2_prep(q_hi101 & 65535u);
+        const unsigned q_hi_pair103 = e4m3x2_prep(q_hi101 >> 16u);
+        q_tile_a0[4u] = q_hi101;
+        q_tile_a0_lo[4u] = pack_e4m3x4(q_x97 - e4m3x2_lo(q_hi_pair102), q_x98 - e4m3x2_hi(q_hi_pair102), q_x99 - e4m3x2_lo(q_hi_pair103), q_x100 - e4m3x2_hi(q_hi_pair103));
+        const float q_x104 = __uint_as_float(q_pair14 << 16u) * q_scale;
+        const float q_x105 = __uint_as_float(q_pair14 & 4294901760u) * q_scale;
+        const float q_x106 = __uint_as_float(q_pair15 << 16u) * q_scale;
+        const float q_x107 = __uint_as_float(q_pair15 & 4294901760u) * q_scale;
+        const unsigned q_hi108 = pack_e4m3x4(q_x104, q_x105, q_x106, q_x107);
+        const unsigned q_hi_pair109 = e4m3x2_prep(q_hi108 & 65535u);
+        const unsigned q_hi_pair110 = e4m3x2_prep(q_hi108 >> 16u);
+        q_tile_a0[5u] = q_hi108;
+        q_tile_a0_lo[5u] = pack_e4m3x4(q_x104 - e4m3x2_lo(q_hi_pair109), q_x105 - e4m3x2_hi(q_hi_pair109), q_x106 - e4m3x2_lo(q_hi_pair110), q_x107 - e4m3x2_hi(q_hi_pair110));
+        const float q_x111 = __uint_as_float(q_pair16 << 16u) * q_scale;
+        const float q_x112 = __uint_as_float(q_pair16 & 4294901760u) * q_scale;
+        const float q_x113 = __uint_as_float(q_pair17 << 16u) * q_scale;
+        const float q_x114 = __uint_as_float(q_pair17 & 4294901760u) * q_scale;
+        const unsigned q_hi115 = pack_e4m3x4(q_x111, q_x112, q_x113, q_x114);
+        const unsigned q_hi_pair116 = e4m3x2_prep(q_hi115 & 65535u);
+        const unsigned q_hi_pair117 = e4m3x2_prep(q_hi115 >> 16u);
+        q_tile_a0[6u] = q_hi115;
+        q_tile_a0_lo[6u] = pack_e4m3x4(q_x111 - e4m3x2_lo(q_hi_pair116), q_x112 - e4m3x2_hi(q_hi_pair116), q_x113 - e4m3x2_lo(q_hi_pair117), q_x114 - e4m3x2_hi(q_hi_pair117));
+        const float q_x118 = __uint_as_float(q_pair18 << 16u) * q_scale;
+        const float q_x119 = __uint_as_float(q_pair18 & 4294901760u) * q_scale;
+        const float q_x120 = __uint_as_float(q_pair19 << 16u) * q_scale;
+        const float q_x121 = __uint_as_float(q_pair19 & 4294901760u) * q_scale;
+        const unsigned q_hi122 = pack_e4m3x4(q_x118, q_x119, q_x120, q_x121);
+        const unsigned q_hi_pair123 = e4m3x2_prep(q_hi122 & 65535u);
+        const unsigned q_hi_pair124 = e4m3x2_prep(q_hi122 >> 16u);
+        q_tile_a0[7u] = q_hi122;
+        q_tile_a0_lo[7u] = pack_e4m3x4(q_x118 - e4m3x2_lo(q_hi_pair123), q_x119 - e4m3x2_hi(q_hi_pair123), q_x120 - e4m3x2_lo(q_hi_pair124), q_x121 - e4m3x2_hi(q_hi_pair124));
+        const float q_x125 = __uint_as_float(q_pair20 << 16u) * q_scale;
+        const float q_x126 = __uint_as_float(q_pair20 & 4294901760u) * q_scale;
+        const float q_x127 = __uint_as_float(q_pair21 << 16u) * q_scale;
+        const float q_x128 = __uint_as_float(q_pair21 & 4294901760u) * q_scale;
+        const unsigned q_hi129 = pack_e4m3x4(q_x125, q_x126, q_x127, q_x128);
+        const unsigned q_hi_pair130 = e4m3x2_prep(q_hi129 & 65535u);
+        const unsigned q_hi_pair131 = e4m3x2_prep(q_hi129 >> 16u);
+        q_tile_a1[0u] = q_hi129;
+        q_tile_a1_lo[0u] = pack_e4m3x4(q_x125 - e4m3x2_lo(q_hi_pair130), q_x126 - e4m3x2_hi(q_hi_pair130), q_x127 - e4m3x2_lo(q_hi_pair131), q_x128 - e4m3x2_hi(q_hi_pair131));
+        const float q_x132 = __uint_as_float(q_pair22 << 16u) * q_scale;
+        const float q_x133 = __uint_as_float(q_pair22 & 4294901760u) * q_scale;
+        const float q_x134 = __uint_as_float(q_pair23 << 16u) * q_scale;
+        const float q_x135 = __uint_as_float(q_pair23 & 4294901760u) * q_scale;
+        const unsigned q_hi136 = pack_e4m3x4(q_x132, q_x133, q_x134, q_x135);
+        const unsigned q_hi_pair137 = e4m3x2_prep(q_hi136 & 65535u);
+        const unsigned q_hi_pair138 = e4m3x2_prep(q_hi136 >> 16u);
+        q_tile_a1[1u] = q_hi136;
+        q_tile_a1_lo[1u] = pack_e4m3x4(q_x132 - e4m3x2_lo(q_hi_pair137), q_x133 - e4m3x2_hi(q_hi_pair137), q_x134 - e4m3x2_lo(q_hi_pair138), q_x135 - e4m3x2_hi(q_hi_pair138));
+        const float q_x139 = __uint_as_float(q_pair24 << 16u) * q_scale;
+        const float q_x140 = __uint_as_float(q_pair24 & 4294901760u) * q_scale;
+        const float q_x141 = __uint_as_float(q_pair25 << 16u) * q_scale;
+        const float q_x142 = __uint_as_float(q_pair25 & 4294901760u) * q_scale;
+        const unsigned q_hi143 = pack_e4m3x4(q_x139, q_x140, q_x141, q_x142);
+        const unsigned q_hi_pair144 = e4m3x2_prep(q_hi143 & 65535u);
+        const unsigned q_hi_pair145 = e4m3x2_prep(q_hi143 >> 16u);
+        q_tile_a1[2u] = q_hi143;
+        q_tile_a1_lo[2u] = pack_e4m3x4(q_x139 - e4m3x2_lo(q_hi_pair144), q_x140 - e4m3x2_hi(q_hi_pair144), q_x141 - e4m3x2_lo(q_hi_pair145), q_x142 - e4m3x2_hi(q_hi_pair145));
+        const float q_x146 = __uint_as_float(q_pair26 << 16u) * q_scale;
+        const float q_x147 = __uint_as_float(q_pair26 & 4294901760u) * q_scale;
+        const float q_x148 = __uint_as_float(q_pair27 << 16u) * q_scale;
+        const float q_x149 = __uint_as_float(q_pair27 & 4294901760u) * q_scale;
+        const unsigned q_hi150 = pack_e4m3x4(q_x146, q_x147, q_x148, q_x149);
+        const unsigned q_hi_pair151 = e4m3x2_prep(q_hi150 & 65535u);
+        const unsigned q_hi_pair152 = e4m3x2_prep(q_hi150 >> 16u);
+        q_tile_a1[3u] = q_hi150;
+        q_tile_a1_lo[3u] = pack_e4m3x4(q_x146 - e4m3x2_lo(q_hi_pair151), q_x147 - e4m3x2_hi(q_hi_pair151), q_x148 - e4m3x2_lo(q_hi_pair152), q_x149 - e4m3x2_hi(q_hi_pair152));
+        const float q_x153 = __uint_as_float(q_pair28 << 16u) * q_scale;
+        const float q_x154 = __uint_as_float(q_pair28 & 4294901760u) * q_scale;
+        const float q_x155 = __uint_as_float(q_pair29 << 16u) * q_scale;
+        const float q_x156 = __uint_as_float(q_pair29 & 4294901760u) * q_scale;
+        const unsigned q_hi157 = pack_e4m3x4(q_x153, q_x154, q_x155, q_x156);
+        const unsigned q_hi_pair158 = e4m3x2_prep(q_hi157 & 65535u);
+        const unsigned q_hi_pair159 = e4m3x2_prep(q_hi157 >> 16u);
+        q_tile_a1[4u] = q_hi157;
+        q_tile_a1_lo[4u] = pack_e4m3x4(q_x153 - e4m3x2_lo(q_hi_pair158), q_x154 - e4m3x2_hi(q_hi_pair158), q_x155 - e4m3x2_lo(q_hi_pair159), q_x156 - e4m3x2_hi(q_hi_pair159));
+        const float q_x160 = __uint_as_float(q_pair30 << 16u) * q_scale;
+        const float q_x161 = __uint_as_float(q_pair30 & 4294901760u) * q_scale;
+        const float q_x162 = __uint_as_float(q_pair31 << 16u) * q_scale;
+        const float q_x163 = __uint_as_float(q_pair31 & 4294901760u) * q_scale;
+        const unsigned q_hi164 = pack_e4m3x4(q_x160, q_x161, q_x162, q_x163);
+        const unsigned q_hi_pair165 = e4m3x2_prep(q_hi164 & 65535u);
+        const unsigned q_hi_pair166 = e4m3x2_prep(q_hi164 >> 16u);
+        q_tile_a1[5u] = q_hi164;
+        q_tile_a1_lo[5u] = pack_e4m3x4(q_x160 - e4m3x2_lo(q_hi_pair165), q_x161 - e4m3x2_hi(q_hi_pair165), q_x162 - e4m3x2_lo(q_hi_pair166), q_x163 - e4m3x2_hi(q_hi_pair166));
+        const float q_x167 = __uint_as_float(q_pair32 << 16u) * q_scale;
+        const float q_x168 = __uint_as_float(q_pair32 & 4294901760u) * q_scale;
+        const float q_x169 = __uint_as_float(q_pair33 << 16u) * q_scale;
+        const float q_x170 = __uint_as_float(q_pair33 & 4294901760u) * q_scale;
+        const unsigned q_hi171 = pack_e4m3x4(q_x167, q_x168, q_x169, q_x170);
+        const unsigned q_hi_pair172 = e4m3x2_prep(q_hi171 & 65535u);
+        const unsigned q_hi_pair173 = e4m3x2_prep(q_hi171 >> 16u);
+        q_tile_a1[6u] = q_hi171;
+        q_tile_a1_lo[6u] = pack_e4m3x4(q_x167 - e4m3x2_lo(q_hi_pair172), q_x168 - e4m3x2_hi(q_hi_pair172), q_x169 - e4m3x2_lo(q_hi_pair173), q_x170 - e4m3x2_hi(q_hi_pair173));
+        const float q_x174 = __uint_as_float(q_pair34 << 16u) * q_scale;
+        const float q_x175 = __uint_as_float(q_pair34 & 4294901760u) * q_scale;
+        const float q_x176 = __uint_as_float(q_pair35 << 16u) * q_scale;
+        const float q_x177 = __uint_as_float(q_pair35 & 4294901760u) * q_scale;
+        const unsigned q_hi178 = pack_e4m3x4(q_x174, q_x175, q_x176, q_x177);
+        const unsigned q_hi_pair179 = e4m3x2_prep(q_hi178 & 65535u);
+        const unsigned q_hi_pair180 = e4m3x2_prep(q_hi178 >> 16u);
+        q_tile_a1[7u] = q_hi178;
+        q_tile_a1_lo[7u] = pack_e4m3x4(q_x174 - e4m3x2_lo(q_hi_pair179), q_x175 - e4m3x2_hi(q_hi_pair179), q_x176 - e4m3x2_lo(q_hi_pair180), q_x177 - e4m3x2_hi(q_hi_pair180));
+        const float q_x181 = __uint_as_float(q_pair36 << 16u) * q_scale;
+        const float q_x182 = __uint_as_float(q_pair36 & 4294901760u) * q_scale;
+        const float q_x183 = __uint_as_float(q_pair37 << 16u) * q_scale;
+        const float q_x184 = __uint_as_float(q_pair37 & 4294901760u) * q_scale;
+        const unsigned q_hi185 = pack_e4m3x4(q_x181, q_x182, q_x183, q_x184);
+        const unsigned q_hi_pair186 = e4m3x2_prep(q_hi185 & 65535u);
+        const unsigned q_hi_pair187 = e4m3x2_prep(q_hi185 >> 16u);
+        q_tile_a2[0u] = q_hi185;
+        q_tile_a2_lo[0u] = pack_e4m3x4(q_x181 - e4m3x2_lo(q_hi_pair186), q_x182 - e4m3x2_hi(q_hi_pair186), q_x183 - e4m3x2_lo(q_hi_pair187), q_x184 - e4m3x2_hi(q_hi_pair187));
+        const float q_x188 = __uint_as_float(q_pair38 << 16u) * q_scale;
+        const float q_x189 = __uint_as_float(q_pair38 & 4294901760u) * q_scale;
+        const float q_x190 = __uint_as_float(q_pair39 << 16u) * q_scale;
+        const float q_x191 = __uint_as_float(q_pair39 & 4294901760u) * q_scale;
+        const unsigned q_hi192 = pack_e4m3x4(q_x188, q_x189, q_x190, q_x191);
+        const unsigned q_hi_pair193 = e4m3x2_prep(q_hi192 & 65535u);
+        const unsigned q_hi_pair194 = e4m3x2_prep(q_hi192 >> 16u);
+        q_tile_a2[1u] = q_hi192;
+        q_tile_a2_lo[1u] = pack_e4m3x4(q_x188 - e4m3x2_lo(q_hi_pair193), q_x189 - e4m3x2_hi(q_hi_pair193), q_x190 - e4m3x2_lo(q_hi_pair194), q_x191 - e4m3x2_hi(q_hi_pair194));
+        const float q_x195 = __uint_as_float(q_pair40 << 16u) * q_scale;
+        const float q_x196 = __uint_as_float(q_pair40 & 4294901760u) * q_scale;
+        const float q_x197 = __uint_as_float(q_pair41 << 16u) * q_scale;
+        const float q_x198 = __uint_as_float(q_pair41 & 4294901760u) * q_scale;
+        const unsigned q_hi199 = pack_e4m3x4(q_x195, q_x196, q_x197, q_x198);
+        const unsigned q_hi_pair200 = e4m3x2_prep(q_hi199 & 65535u);
+        const unsigned q_hi_pair201 = e4m3x2_prep(q_hi199 >> 16u);
+        q_tile_a2[2u] = q_hi199;
+        q_tile_a2_lo[2u] = pack_e4m3x4(q_x195 - e4m3x2_lo(q_hi_pair200), q_x196 - e4m3x2_hi(q_hi_pair200), q_x197 - e4m3x2_lo(q_hi_pair201), q_x198 - e4m3x2_hi(q_hi_pair201));
+        const float q_x202 = __uint_as_float(q_pair42 << 16u) * q_scale;
+        const float q_x203 = __uint_as_float(q_pair42 & 4294901760u) * q_scale;
+        const float q_x204 = __uint_as_float(q_pair43 << 16u) * q_scale;
+        const float q_x205 = __uint_as_float(q_pair43 & 4294901760u) * q_scale;
+        const unsigned q_hi206 = pack_e4m3x4(q_x202, q_x203, q_x204, q_x205);
+        const unsigned q_hi_pair207 = e4m3x2_prep(q_hi206 & 65535u);
+        const unsigned q_hi_pair208 = e4m3x2_prep(q_hi206 >> 16u);
+        q_tile_a2[3u] = q_hi206;
+        q_tile_a2_lo[3u] = pack_e4m3x4(q_x202 - e4m3x2_lo(q_hi_pair207), q_x203 - e4m3x2_hi(q_hi_pair207), q_x204 - e4m3x2_lo(q_hi_pair208), q_x205 - e4m3x2_hi(q_hi_pair208));
+        const float q_x209 = __uint_as_float(q_pair44 << 16u) * q_scale;
+        const float q_x210 = __uint_as_float(q_pair44 & 4294901760u) * q_scale;
+        const float q_x211 = __uint_as_float(q_pair45 << 16u) * q_scale;
+        const float q_x212 = __uint_as_float(q_pair45 & 4294901760u) * q_scale;
+        const unsigned q_hi213 = pack_e4m3x4(q_x209, q_x210, q_x211, q_x212);
+        const unsigned q_hi_pair214 = e4m3x2_prep(q_hi213 & 65535u);
+        const unsigned q_hi_pair215 = e4m3x2_prep(q_hi213 >> 16u);
+        q_tile_a2[4u] = q_hi213;
+        q_tile_a2_lo[4u] = pack_e4m3x4(q_x209 - e4m3x2_lo(q_hi_pair214), q_x210 - e4m3x2_hi(q_hi_pair214), q_x211 - e4m3x2_lo(q_hi_pair215), q_x212 - e4m3x2_hi(q_hi_pair215));
+        const float q_x216 = __uint_as_float(q_pair46 << 16u) * q_scale;
+        const float q_x217 = __uint_as_float(q_pair46 & 4294901760u) * q_scale;
+        const float q_x218 = __uint_as_float(q_pair47 << 16u) * q_scale;
+        const float q_x219 = __uint_as_float(q_pair47 & 4294901760u) * q_scale;
+        const unsigned q_hi220 = pack_e4m3x4(q_x216, q_x217, q_x218, q_x219);
+        const unsigned q_hi_pair221 = e4m3x2_prep(q_hi220 & 65535u);
+        const unsigned q_hi_pair222 = e4m3x2_prep(q_hi220 >> 16u);
+        q_tile_a2[5u] = q_hi220;
+        q_tile_a2_lo[5u] = pack_e4m3x4(q_x216 - e4m3x2_lo(q_hi_pair221), q_x217 - e4m3x2_hi(q_hi_pair221), q_x218 - e4m3x2_lo(q_hi_pair222), q_x219 - e4m3x2_hi(q_hi_pair222));
+        const float q_x223 = __uint_as_float(q_pair48 << 16u) * q_scale;
+        const float q_x224 = __uint_as_float(q_pair48 & 4294901760u) * q_scale;
+        const float q_x225 = __uint_as_float(q_pair49 << 16u) * q_scale;
+        const float q_x226 = __uint_as_float(q_pair49 & 4294901760u) * q_scale;
+        const unsigned q_hi227 = pack_e4m3x4(q_x223, q_x224, q_x225, q_x226);
+        const unsigned q_hi_pair228 = e4m3x2_prep(q_hi227 & 65535u);
+        const unsigned q_hi_pair229 = e4m3x2_prep(q_hi227 >> 16u);
+        q_tile_a2[6u] = q_hi227;
+        q_tile_a2_lo[6u] = pack_e4m3x4(q_x223 - e4m3x2_lo(q_hi_pair228), q_x224 - e4m3x2_hi(q_hi_pair228), q_x225 - e4m3x2_lo(q_hi_pair229), q_x226 - e4m3x2_hi(q_hi_pair229));
+        const float q_x230 = __uint_as_float(q_pair50 << 16u) * q_scale;
+        const float q_x231 = __uint_as_float(q_pair50 & 4294901760u) * q_scale;
+        const float q_x232 = __uint_as_float(q_pair51 << 16u) * q_scale;
+        const float q_x233 = __uint_as_float(q_pair51 & 4294901760u) * q_scale;
+        const unsigned q_hi234 = pack_e4m3x4(q_x230, q_x231, q_x232, q_x233);
+        const unsigned q_hi_pair235 = e4m3x2_prep(q_hi234 & 65535u);
+        const unsigned q_hi_pair236 = e4m3x2_prep(q_hi234 >> 16u);
+        q_tile_a2[7u] = q_hi234;
+        q_tile_a2_lo[7u] = pack_e4m3x4(q_x230 - e4m3x2_lo(q_hi_pair235), q_x231 - e4m3x2_hi(q_hi_pair235), q_x232 - e4m3x2_lo(q_hi_pair236), q_x233 - e4m3x2_hi(q_hi_pair236));
+        const float q_x237 = __uint_as_float(q_pair52 << 16u) * q_scale;
+        const float q_x238 = __uint_as_float(q_pair52 & 4294901760u) * q_scale;
+        const float q_x239 = __uint_as_float(q_pair53 << 16u) * q_scale;
+        const float q_x240 = __uint_as_float(q_pair53 & 4294901760u) * q_scale;
+        const unsigned q_hi241 = pack_e4m3x4(q_x237, q_x238, q_x239, q_x240);
+        const unsigned q_hi_pair242 = e4m3x2_prep(q_hi241 & 65535u);
+        const unsigned q_hi_pair243 = e4m3x2_prep(q_hi241 >> 16u);
+        q_tile_a3[0u] = q_hi241;
+        q_tile_a3_lo[0u] = pack_e4m3x4(q_x237 - e4m3x2_lo(q_hi_pair242), q_x238 - e4m3x2_hi(q_hi_pair242), q_x239 - e4m3x2_lo(q_hi_pair243), q_x240 - e4m3x2_hi(q_hi_pair243));
+        const float q_x244 = __uint_as_float(q_pair54 << 16u) * q_scale;
+        const float q_x245 = __uint_as_float(q_pair54 & 4294901760u) * q_scale;
+        const float q_x246 = __uint_as_float(q_pair55 << 16u) * q_scale;
+        const float q_x247 = __uint_as_float(q_pair55 & 4294901760u) * q_scale;
+        const unsigned q_hi248 = pack_e4m3x4(q_x244, q_x245, q_x246, q_x247);
+        const unsigned q_hi_pair249 = e4m3x2_prep(q_hi248 & 65535u);
+        const unsigned q_hi_pair250 = e4m3x2_prep(q_hi248 >> 16u);
+        q_tile_a3[1u] = q_hi248;
+        q_tile_a3_lo[1u] = pack_e4m3x4(q_x244 - e4m3x2_lo(q_hi_pair249), q_x245 - e4m3x2_hi(q_hi_pair249), q_x246 - e4m3x2_lo(q_hi_pair250), q_x247 - e4m3x2_hi(q_hi_pair250));
+        const float q_x251 = __uint_as_float(q_pair56 << 16u) * q_scale;
+        const float q_x252 = __uint_as_float(q_pair56 & 4294901760u) * q_scale;
+        const float q_x253 = __uint_as_float(q_pair57 << 16u) * q_scale;
+        const float q_x254 = __uint_as_float(q_pair57 & 4294901760u) * q_scale;
+        const unsigned q_hi255 = pack_e4m3x4(q_x251, q_x252, q_x253, q_x254);
+        const unsigned q_hi_pair256 = e4m3x2_prep(q_hi255 & 65535u);
+        const unsigned q_hi_pair257 = e4m3x2_prep(q_hi255 >> 16u);
+        q_tile_a3[2u] = q_hi255;
+        q_tile_a3_lo[2u] = pack_e4m3x4(q_x251 - e4m3x2_lo(q_hi_pair256), q_x252 - e4m3x2_hi(q_hi_pair256), q_x253 - e4m3x2_lo(q_hi_pair257), q_x254 - e4m3x2_hi(q_hi_pair257));
+        const float q_x258 = __uint_as_float(q_pair58 << 16u) * q_scale;
+        const float q_x259 = __uint_as_float(q_pair58 & 4294901760u) * q_scale;
+        const float q_x260 = __uint_as_float(q_pair59 << 16u) * q_scale;
+        const float q_x261 = __uint_as_float(q_pair59 & 4294901760u) * q_scale;
+        const unsigned q_hi262 = pack_e4m3x4(q_x258, q_x259, q_x260, q_x261);
+        const unsigned q_hi_pair263 = e4m3x2_prep(q_hi262 & 65535u);
+        const unsigned q_hi_pair264 = e4m3x2_prep(q_hi262 >> 16u);
+        q_tile_a3[3u] = q_hi262;
+        q_tile_a3_lo[3u] = pack_e4m3x4(q_x258 - e4m3x2_lo(q_hi_pair263), q_x259 - e4m3x2_hi(q_hi_pair263), q_x260 - e4m3x2_lo(q_hi_pair264), q_x261 - e4m3x2_hi(q_hi_pair264));
+        const float q_x265 = __uint_as_float(q_pair60 << 16u) * q_scale;
+        const float q_x266 = __uint_as_float(q_pair60 & 4294901760u) * q_scale;
+        const float q_x267 = __uint_as_float(q_pair61 << 16u) * q_scale;
+        const float q_x268 = __uint_as_float(q_pair61 & 4294901760u) * q_scale;
+        const unsigned q_hi269 = pack_e4m3x4(q_x265, q_x266, q_x267, q_x268);
+        const unsigned q_hi_pair270 = e4m3x2_prep(q_hi269 & 65535u);
+        const unsigned q_hi_pair271 = e4m3x2_prep(q_hi269 >> 16u);
+        q_tile_a3[4u] = q_hi269;
+        q_tile_a3_lo[4u] = pack_e4m3x4(q_x265 - e4m3x2_lo(q_hi_pair270), q_x266 - e4m3x2_hi(q_hi_pair270), q_x267 - e4m3x2_lo(q_hi_pair271), q_x268 - e4m3x2_hi(q_hi_pair271));
+        const float q_x272 = __uint_as_float(q_pair62 << 16u) * q_scale;
+        const float q_x273 = __uint_as_float(q_pair62 & 4294901760u) * q_scale;
+        const float q_x274 = __uint_as_float(q_pair63 << 16u) * q_scale;
+        const float q_x275 = __uint_as_float(q_pair63 & 4294901760u) * q_scale;
+        const unsigned q_hi276 = pack_e4m3x4(q_x272, q_x273, q_x274, q_x275);
+        const unsigned q_hi_pair277 = e4m3x2_prep(q_hi276 & 65535u);
+        const unsigned q_hi_pair278 = e4m3x2_prep(q_hi276 >> 16u);
+        q_tile_a3[5u] = q_hi276;
+        q_tile_a3_lo[5u] = pack_e4m3x4(q_x272 - e4m3x2_lo(q_hi_pair277), q_x273 - e4m3x2_hi(q_hi_pair277), q_x274 - e4m3x2_lo(q_hi_pair278), q_x275 - e4m3x2_hi(q_hi_pair278));
+        const float q_x279 = __uint_as_float(q_pair64 << 16u) * q_scale;
+        const float q_x280 = __uint_as_float(q_pair64 & 4294901760u) * q_scale;
+        const float q_x281 = __uint_as_float(q_pair65 << 16u) * q_scale;
+        const float q_x282 = __uint_as_float(q_pair65 & 4294901760u) * q_scale;
+        const unsigned q_hi283 = pack_e4m3x4(q_x279, q_x280, q_x281, q_x282);
+        const unsigned q_hi_pair284 = e4m3x2_prep(q_hi283 & 65535u);
+        const unsigned q_hi_pair285 = e4m3x2_prep(q_hi283 >> 16u);
+        q_tile_a3[6u] = q_hi283;
+        q_tile_a3_lo[6u] = pack_e4m3x4(q_x279 - e4m3x2_lo(q_hi_pair284), q_x280 - e4m3x2_hi(q_hi_pair284), q_x281 - e4m3x2_lo(q_hi_pair285), q_x282 - e4m3x2_hi(q_hi_pair285));
+        const float q_x286 = __uint_as_float(q_pair66 << 16u) * q_scale;
+        const float q_x287 = __uint_as_float(q_pair66 & 4294901760u) * q_scale;
+        const float q_x288 = __uint_as_float(q_pair67 << 16u) * q_scale;
+        const float q_x289 = __uint_as_float(q_pair67 & 4294901760u) * q_scale;
+        const unsigned q_hi290 = pack_e4m3x4(q_x286, q_x287, q_x288, q_x289);
+        const unsigned q_hi_pair291 = e4m3x2_prep(q_hi290 & 65535u);
+        const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
+        q_tile_a3[7u] = q_hi290;
+        q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
         const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
         const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
@@ -1040,16 +1040,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i296 = 0u; fill_i296 < 16u; fill_i296 += 1u) {
-        o_acc_1[fill_i296] = 0.0f;
+    for (unsigned fill_i293 = 0u; fill_i293 < 16u; fill_i293 += 1u) {
+        o_acc_1[fill_i293] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i297 = 0u; fill_i297 < 16u; fill_i297 += 1u) {
-        o_acc_2[fill_i297] = 0.0f;
+    for (unsigned fill_i294 = 0u; fill_i294 < 16u; fill_i294 += 1u) {
+        o_acc_2[fill_i294] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i298 = 0u; fill_i298 < 16u; fill_i298 += 1u) {
-        o_acc_3[fill_i298] = 0.0f;
+    for (unsigned fill_i295 = 0u; fill_i295 < 16u; fill_i295 += 1u) {
+        o_acc_3[fill_i295] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -1068,18 +1068,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 32u) {
+            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
+                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
+                if (gather_row298 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row301;
-                    const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32302 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row298;
+                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32299 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row301 * 164u)) + zero_w] = 0u;
+                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1090,11 +1090,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
-                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
-                if (gather_row304 < 32u) {
-                    const unsigned row_1 = gather_row304;
-                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
+                    const unsigned row_1 = gather_row301;
+                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1112,10 +1112,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
+        for (unsigned mi303 = 0u; mi303 < 1u; mi303 += 1u) {
             #pragma unroll
-            for (unsigned half307 = 0u; half307 < 2u; half307 += 1u) {
-                row_sum_part[(mi306 * 2u) + half307] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi306 * 16u)) + ((half307 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half304 = 0u; half304 < 2u; half304 += 1u) {
+                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi303 * 16u)) + ((half304 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1127,16 +1127,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i315 = 0u; fill_i315 < 8u; fill_i315 += 1u) {
-            scores[fill_i315] = 0.0f;
+        for (unsigned fill_i312 = 0u; fill_i312 < 8u; fill_i312 += 1u) {
+            scores[fill_i312] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e316 = 0u; e316 < 16u; e316 += 1u) {
-            scores_term[e316] = 0.0f;
+        for (unsigned e313 = 0u; e313 < 16u; e313 += 1u) {
+            scores_term[e313] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1146,280 +1146,280 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi317 = 0u; mi317 < 2u; mi317 += 1u) {
-                        a_frag[0u] = q_tile_a0[(mi317 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[((mi317 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[((mi317 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[((mi317 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[(mi317 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi314 = 0u; mi314 < 2u; mi314 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi314 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi314 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi314 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi314 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi314 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi314 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi314 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e323 = 0u; e323 < 16u; e323 += 1u) {
-                scores_term[16u + e323] = 0.0f;
+            for (unsigned e320 = 0u; e320 < 16u; e320 += 1u) {
+                scores_term[16u + e320] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk320 = (kk_pair * 2u) + chain;
+                    const unsigned kk317 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj322 = 0u; nj322 < 2u; nj322 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj322 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk320) * 4u));
+                    for (unsigned nj319 = 0u; nj319 < 2u; nj319 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj319 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk317) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair324 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag319[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag319[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair324), e4m3x2_hi(e4m3_pair324));
+                        const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag316[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair321), e4m3x2_hi(e4m3_pair321));
                         #pragma unroll
-                        for (unsigned mi321 = 0u; mi321 < 2u; mi321 += 1u) {
-                            a_frag318[0u] = q_tile_a0_bf16[((mi321 * 2u) + kk320) * 4u];
-                            a_frag318[1u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 1u];
-                            a_frag318[2u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 2u];
-                            a_frag318[3u] = q_tile_a0_bf16[(((mi321 * 2u) + kk320) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi321 * 2u) + nj322) * 4u)], &a_frag318[0u], &b_frag319[0u]);
+                        for (unsigned mi318 = 0u; mi318 < 2u; mi318 += 1u) {
+                            a_frag315[0u] = q_tile_a0_bf16[((mi318 * 2u) + kk317) * 4u];
+                            a_frag315[1u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 1u];
+                            a_frag315[2u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 2u];
+                            a_frag315[3u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi318 * 2u) + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e325 = 0u; e325 < 16u; e325 += 1u) {
-                scores_term[e325] = scores_term[e325] + scores_term[16u + e325];
+            for (unsigned e322 = 0u; e322 < 16u; e322 += 1u) {
+                scores_term[e322] = scores_term[e322] + scores_term[16u + e322];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e326 = 0u; e326 < 4u; e326 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e326 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e326] = fmaf(scores_term[(frag * 4u) + e326], row_scale, scores_part[(frag * 4u) + e326]);
+            for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
+                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e323 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e323] = fmaf(scores_term[(frag * 4u) + e323], row_scale, scores_part[(frag * 4u) + e323]);
             }
         }
         #pragma unroll
-        for (unsigned e327 = 0u; e327 < 16u; e327 += 1u) {
-            scores_term[e327] = 0.0f;
+        for (unsigned e324 = 0u; e324 < 16u; e324 += 1u) {
+            scores_term[e324] = 0.0f;
         }
-        const unsigned n_first328 = (warp / 4u) * 16u;
+        const unsigned n_first325 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk331 = 0u; kk331 < 1u; kk331 += 1u) {
+            for (unsigned kk328 = 0u; kk328 < 1u; kk328 += 1u) {
                 #pragma unroll
-                for (unsigned nj333 = 0u; nj333 < 2u; nj333 += 1u) {
-                    ldmatrix_x2(&b_frag330[0u], kv_rows + (stage * 5248u) + (((n_first328 + (nj333 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk331) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj330 = 0u; nj330 < 2u; nj330 += 1u) {
+                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk328) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi332 = 0u; mi332 < 2u; mi332 += 1u) {
-                        a_frag329[0u] = q_tile_a1[(mi332 + kk331) * 4u];
-                        a_frag329[1u] = q_tile_a1[((mi332 + kk331) * 4u) + 1u];
-                        a_frag329[2u] = q_tile_a1[((mi332 + kk331) * 4u) + 2u];
-                        a_frag329[3u] = q_tile_a1[((mi332 + kk331) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi332 * 2u) + nj333) * 4u], &a_frag329[0u], &b_frag330[0u]);
-                        a_frag329[0u] = q_tile_a1_lo[(mi332 + kk331) * 4u];
-                        a_frag329[1u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 1u];
-                        a_frag329[2u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 2u];
-                        a_frag329[3u] = q_tile_a1_lo[((mi332 + kk331) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi332 * 2u) + nj333) * 4u], &a_frag329[0u], &b_frag330[0u]);
+                    for (unsigned mi329 = 0u; mi329 < 2u; mi329 += 1u) {
+                        a_frag326[0u] = q_tile_a1[(mi329 + kk328) * 4u];
+                        a_frag326[1u] = q_tile_a1[((mi329 + kk328) * 4u) + 1u];
+                        a_frag326[2u] = q_tile_a1[((mi329 + kk328) * 4u) + 2u];
+                        a_frag326[3u] = q_tile_a1[((mi329 + kk328) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi329 * 2u) + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
+                        a_frag326[0u] = q_tile_a1_lo[(mi329 + kk328) * 4u];
+                        a_frag326[1u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 1u];
+                        a_frag326[2u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 2u];
+                        a_frag326[3u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi329 * 2u) + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first334 = (warp % 4u) * 2u;
+            const unsigned k_first331 = (warp % 4u) * 2u;
+            #pragma unroll
+            for (unsigned e340 = 0u; e340 < 16u; e340 += 1u) {
+                scores_term[16u + e340] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair338 = 0u; kk_pair338 < 1u; kk_pair338 += 1u) {
+                #pragma unroll
+                for (unsigned chain339 = 0u; chain339 < 2u; chain339 += 1u) {
+                    const unsigned kk335 = (kk_pair338 * 2u) + chain339;
+                    #pragma unroll
+                    for (unsigned nj337 = 0u; nj337 < 2u; nj337 += 1u) {
+                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj337 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first331 + kk335) * 4u));
+                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
+                        const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
+                        b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
+                        b_frag333[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair342), e4m3x2_hi(e4m3_pair342));
+                        #pragma unroll
+                        for (unsigned mi336 = 0u; mi336 < 2u; mi336 += 1u) {
+                            a_frag332[0u] = q_tile_a1_bf16[((mi336 * 2u) + kk335) * 4u];
+                            a_frag332[1u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 1u];
+                            a_frag332[2u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 2u];
+                            a_frag332[3u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain339 * 16u) + (((mi336 * 2u) + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
+                        }
+                    }
+                }
+            }
             #pragma unroll
             for (unsigned e343 = 0u; e343 < 16u; e343 += 1u) {
-                scores_term[16u + e343] = 0.0f;
-            }
-            #pragma unroll
-            for (unsigned kk_pair341 = 0u; kk_pair341 < 1u; kk_pair341 += 1u) {
-                #pragma unroll
-                for (unsigned chain342 = 0u; chain342 < 2u; chain342 += 1u) {
-                    const unsigned kk338 = (kk_pair341 * 2u) + chain342;
-                    #pragma unroll
-                    for (unsigned nj340 = 0u; nj340 < 2u; nj340 += 1u) {
-                        ldmatrix_x1(&b_raw337[0u], kv_rows + (stage * 5248u) + (((n_first328 + (nj340 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first334 + kk338) * 4u));
-                        const unsigned e4m3_pair344 = e4m3x2_prep(b_raw337[0u] & 65535u);
-                        const unsigned e4m3_pair345 = e4m3x2_prep(b_raw337[0u] >> 16u);
-                        b_frag336[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair344), e4m3x2_hi(e4m3_pair344));
-                        b_frag336[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair345), e4m3x2_hi(e4m3_pair345));
-                        #pragma unroll
-                        for (unsigned mi339 = 0u; mi339 < 2u; mi339 += 1u) {
-                            a_frag335[0u] = q_tile_a1_bf16[((mi339 * 2u) + kk338) * 4u];
-                            a_frag335[1u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 1u];
-                            a_frag335[2u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 2u];
-                            a_frag335[3u] = q_tile_a1_bf16[(((mi339 * 2u) + kk338) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain342 * 16u) + (((mi339 * 2u) + nj340) * 4u)], &a_frag335[0u], &b_frag336[0u]);
-                        }
-                    }
-                }
-            }
-            #pragma unroll
-            for (unsigned e346 = 0u; e346 < 16u; e346 += 1u) {
-                scores_term[e346] = scores_term[e346] + scores_term[16u + e346];
+                scores_term[e343] = scores_term[e343] + scores_term[16u + e343];
             }
         }
         #pragma unroll
-        for (unsigned frag347 = 0u; frag347 < 4u; frag347 += 1u) {
+        for (unsigned frag344 = 0u; frag344 < 4u; frag344 += 1u) {
             #pragma unroll
-            for (unsigned e348 = 0u; e348 < 4u; e348 += 1u) {
-                const float row_scale349 = kv_scales[((stage * 5248u) + (((n_first328 + ((frag347 % 2u) * 8u)) + ((lane_quad * 2u) + (e348 & 1u))) * 164u)) + 1u];
-                scores_part[(frag347 * 4u) + e348] = fmaf(scores_term[(frag347 * 4u) + e348], row_scale349, scores_part[(frag347 * 4u) + e348]);
+            for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
+                const float row_scale346 = kv_scales[((stage * 5248u) + (((n_first325 + ((frag344 % 2u) * 8u)) + ((lane_quad * 2u) + (e345 & 1u))) * 164u)) + 1u];
+                scores_part[(frag344 * 4u) + e345] = fmaf(scores_term[(frag344 * 4u) + e345], row_scale346, scores_part[(frag344 * 4u) + e345]);
             }
         }
         #pragma unroll
-        for (unsigned e350 = 0u; e350 < 16u; e350 += 1u) {
-            scores_term[e350] = 0.0f;
+        for (unsigned e347 = 0u; e347 < 16u; e347 += 1u) {
+            scores_term[e347] = 0.0f;
         }
-        const unsigned n_first351 = (warp / 4u) * 16u;
+        const unsigned n_first348 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk354 = 0u; kk354 < 1u; kk354 += 1u) {
+            for (unsigned kk351 = 0u; kk351 < 1u; kk351 += 1u) {
                 #pragma unroll
-                for (unsigned nj356 = 0u; nj356 < 2u; nj356 += 1u) {
-                    ldmatrix_x2(&b_frag353[0u], kv_rows + (stage * 5248u) + (((n_first351 + (nj356 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk354) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj353 = 0u; nj353 < 2u; nj353 += 1u) {
+                    ldmatrix_x2(&b_frag350[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk351) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi355 = 0u; mi355 < 2u; mi355 += 1u) {
-                        a_frag352[0u] = q_tile_a2[(mi355 + kk354) * 4u];
-                        a_frag352[1u] = q_tile_a2[((mi355 + kk354) * 4u) + 1u];
-                        a_frag352[2u] = q_tile_a2[((mi355 + kk354) * 4u) + 2u];
-                        a_frag352[3u] = q_tile_a2[((mi355 + kk354) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi355 * 2u) + nj356) * 4u], &a_frag352[0u], &b_frag353[0u]);
-                        a_frag352[0u] = q_tile_a2_lo[(mi355 + kk354) * 4u];
-                        a_frag352[1u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 1u];
-                        a_frag352[2u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 2u];
-                        a_frag352[3u] = q_tile_a2_lo[((mi355 + kk354) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi355 * 2u) + nj356) * 4u], &a_frag352[0u], &b_frag353[0u]);
+                    for (unsigned mi352 = 0u; mi352 < 2u; mi352 += 1u) {
+                        a_frag349[0u] = q_tile_a2[(mi352 + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a2[((mi352 + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a2[((mi352 + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a2[((mi352 + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi352 * 2u) + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
+                        a_frag349[0u] = q_tile_a2_lo[(mi352 + kk351) * 4u];
+                        a_frag349[1u] = q_tile_a2_lo[((mi352 + kk351) * 4u) + 1u];
+                        a_frag349[2u] = q_tile_a2_lo[((mi352 + kk351) * 4u) + 2u];
+                        a_frag349[3u] = q_tile_a2_lo[((mi352 + kk351) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi352 * 2u) + nj353) * 4u], &a_frag349[0u], &b_frag350[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first357 = (warp % 4u) * 2u;
+            const unsigned k_first354 = (warp % 4u) * 2u;
+            #pragma unroll
+            for (unsigned e363 = 0u; e363 < 16u; e363 += 1u) {
+                scores_term[16u + e363] = 0.0f;
+            }
+            #pragma unroll
+            for (unsigned kk_pair361 = 0u; kk_pair361 < 1u; kk_pair361 += 1u) {
+                #pragma unroll
+                for (unsigned chain362 = 0u; chain362 < 2u; chain362 += 1u) {
+                    const unsigned kk358 = (kk_pair361 * 2u) + chain362;
+                    #pragma unroll
+                    for (unsigned nj360 = 0u; nj360 < 2u; nj360 += 1u) {
+                        ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first354 + kk358) * 4u));
+                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
+                        const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
+                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
+                        #pragma unroll
+                        for (unsigned mi359 = 0u; mi359 < 2u; mi359 += 1u) {
+                            a_frag355[0u] = q_tile_a2_bf16[((mi359 * 2u) + kk358) * 4u];
+                            a_frag355[1u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 1u];
+                            a_frag355[2u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 2u];
+                            a_frag355[3u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
+                        }
+                    }
+                }
+            }
             #pragma unroll
             for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
-                scores_term[16u + e366] = 0.0f;
-            }
-            #pragma unroll
-            for (unsigned kk_pair364 = 0u; kk_pair364 < 1u; kk_pair364 += 1u) {
-                #pragma unroll
-                for (unsigned chain365 = 0u; chain365 < 2u; chain365 += 1u) {
-                    const unsigned kk361 = (kk_pair364 * 2u) + chain365;
-                    #pragma unroll
-                    for (unsigned nj363 = 0u; nj363 < 2u; nj363 += 1u) {
-                        ldmatrix_x1(&b_raw360[0u], kv_rows + (stage * 5248u) + (((n_first351 + (nj363 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first357 + kk361) * 4u));
-                        const unsigned e4m3_pair367 = e4m3x2_prep(b_raw360[0u] & 65535u);
-                        const unsigned e4m3_pair368 = e4m3x2_prep(b_raw360[0u] >> 16u);
-                        b_frag359[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair367), e4m3x2_hi(e4m3_pair367));
-                        b_frag359[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair368), e4m3x2_hi(e4m3_pair368));
-                        #pragma unroll
-                        for (unsigned mi362 = 0u; mi362 < 2u; mi362 += 1u) {
-                            a_frag358[0u] = q_tile_a2_bf16[((mi362 * 2u) + kk361) * 4u];
-                            a_frag358[1u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 1u];
-                            a_frag358[2u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 2u];
-                            a_frag358[3u] = q_tile_a2_bf16[(((mi362 * 2u) + kk361) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain365 * 16u) + (((mi362 * 2u) + nj363) * 4u)], &a_frag358[0u], &b_frag359[0u]);
-                        }
-                    }
-                }
-            }
-            #pragma unroll
-            for (unsigned e369 = 0u; e369 < 16u; e369 += 1u) {
-                scores_term[e369] = scores_term[e369] + scores_term[16u + e369];
+                scores_term[e366] = scores_term[e366] + scores_term[16u + e366];
             }
         }
         #pragma unroll
-        for (unsigned frag370 = 0u; frag370 < 4u; frag370 += 1u) {
+        for (unsigned frag367 = 0u; frag367 < 4u; frag367 += 1u) {
             #pragma unroll
-            for (unsigned e371 = 0u; e371 < 4u; e371 += 1u) {
-                const float row_scale372 = kv_scales[((stage * 5248u) + (((n_first351 + ((frag370 % 2u) * 8u)) + ((lane_quad * 2u) + (e371 & 1u))) * 164u)) + 2u];
-                scores_part[(frag370 * 4u) + e371] = fmaf(scores_term[(frag370 * 4u) + e371], row_scale372, scores_part[(frag370 * 4u) + e371]);
+            for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
+                const float row_scale369 = kv_scales[((stage * 5248u) + (((n_first348 + ((frag367 % 2u) * 8u)) + ((lane_quad * 2u) + (e368 & 1u))) * 164u)) + 2u];
+                scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
             }
         }
         #pragma unroll
-        for (unsigned e373 = 0u; e373 < 16u; e373 += 1u) {
-            scores_term[e373] = 0.0f;
+        for (unsigned e370 = 0u; e370 < 16u; e370 += 1u) {
+            scores_term[e370] = 0.0f;
         }
-        const unsigned n_first374 = (warp / 4u) * 16u;
+        const unsigned n_first371 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk377 = 0u; kk377 < 1u; kk377 += 1u) {
+            for (unsigned kk374 = 0u; kk374 < 1u; kk374 += 1u) {
                 #pragma unroll
-                for (unsigned nj379 = 0u; nj379 < 2u; nj379 += 1u) {
-                    ldmatrix_x2(&b_frag376[0u], kv_rows + (stage * 5248u) + (((n_first374 + (nj379 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk377) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj376 = 0u; nj376 < 2u; nj376 += 1u) {
+                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk374) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi378 = 0u; mi378 < 2u; mi378 += 1u) {
-                        a_frag375[0u] = q_tile_a3[(mi378 + kk377) * 4u];
-                        a_frag375[1u] = q_tile_a3[((mi378 + kk377) * 4u) + 1u];
-                        a_frag375[2u] = q_tile_a3[((mi378 + kk377) * 4u) + 2u];
-                        a_frag375[3u] = q_tile_a3[((mi378 + kk377) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi378 * 2u) + nj379) * 4u], &a_frag375[0u], &b_frag376[0u]);
-                        a_frag375[0u] = q_tile_a3_lo[(mi378 + kk377) * 4u];
-                        a_frag375[1u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 1u];
-                        a_frag375[2u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 2u];
-                        a_frag375[3u] = q_tile_a3_lo[((mi378 + kk377) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi378 * 2u) + nj379) * 4u], &a_frag375[0u], &b_frag376[0u]);
+                    for (unsigned mi375 = 0u; mi375 < 2u; mi375 += 1u) {
+                        a_frag372[0u] = q_tile_a3[(mi375 + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a3[((mi375 + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a3[((mi375 + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a3[((mi375 + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
+                        a_frag372[0u] = q_tile_a3_lo[(mi375 + kk374) * 4u];
+                        a_frag372[1u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 1u];
+                        a_frag372[2u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 2u];
+                        a_frag372[3u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first380 = (warp % 4u) * 2u;
+            const unsigned k_first377 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e389 = 0u; e389 < 16u; e389 += 1u) {
-                scores_term[16u + e389] = 0.0f;
+            for (unsigned e386 = 0u; e386 < 16u; e386 += 1u) {
+                scores_term[16u + e386] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair387 = 0u; kk_pair387 < 1u; kk_pair387 += 1u) {
+            for (unsigned kk_pair384 = 0u; kk_pair384 < 1u; kk_pair384 += 1u) {
                 #pragma unroll
-                for (unsigned chain388 = 0u; chain388 < 2u; chain388 += 1u) {
-                    const unsigned kk384 = (kk_pair387 * 2u) + chain388;
+                for (unsigned chain385 = 0u; chain385 < 2u; chain385 += 1u) {
+                    const unsigned kk381 = (kk_pair384 * 2u) + chain385;
                     #pragma unroll
-                    for (unsigned nj386 = 0u; nj386 < 2u; nj386 += 1u) {
-                        ldmatrix_x1(&b_raw383[0u], kv_rows + (stage * 5248u) + (((n_first374 + (nj386 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first380 + kk384) * 4u));
-                        const unsigned e4m3_pair390 = e4m3x2_prep(b_raw383[0u] & 65535u);
-                        const unsigned e4m3_pair391 = e4m3x2_prep(b_raw383[0u] >> 16u);
-                        b_frag382[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair390), e4m3x2_hi(e4m3_pair390));
-                        b_frag382[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair391), e4m3x2_hi(e4m3_pair391));
+                    for (unsigned nj383 = 0u; nj383 < 2u; nj383 += 1u) {
+                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first377 + kk381) * 4u));
+                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
+                        const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
+                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
                         #pragma unroll
-                        for (unsigned mi385 = 0u; mi385 < 2u; mi385 += 1u) {
-                            a_frag381[0u] = q_tile_a3_bf16[((mi385 * 2u) + kk384) * 4u];
-                            a_frag381[1u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 1u];
-                            a_frag381[2u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 2u];
-                            a_frag381[3u] = q_tile_a3_bf16[(((mi385 * 2u) + kk384) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain388 * 16u) + (((mi385 * 2u) + nj386) * 4u)], &a_frag381[0u], &b_frag382[0u]);
+                        for (unsigned mi382 = 0u; mi382 < 2u; mi382 += 1u) {
+                            a_frag378[0u] = q_tile_a3_bf16[((mi382 * 2u) + kk381) * 4u];
+                            a_frag378[1u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 1u];
+                            a_frag378[2u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 2u];
+                            a_frag378[3u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain385 * 16u) + (((mi382 * 2u) + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e392 = 0u; e392 < 16u; e392 += 1u) {
-                scores_term[e392] = scores_term[e392] + scores_term[16u + e392];
+            for (unsigned e389 = 0u; e389 < 16u; e389 += 1u) {
+                scores_term[e389] = scores_term[e389] + scores_term[16u + e389];
             }
         }
         #pragma unroll
-        for (unsigned frag393 = 0u; frag393 < 4u; frag393 += 1u) {
+        for (unsigned frag390 = 0u; frag390 < 4u; frag390 += 1u) {
             #pragma unroll
-            for (unsigned e394 = 0u; e394 < 4u; e394 += 1u) {
-                const float row_scale395 = kv_scales[((stage * 5248u) + (((n_first374 + ((frag393 % 2u) * 8u)) + ((lane_quad * 2u) + (e394 & 1u))) * 164u)) + 3u];
-                scores_part[(frag393 * 4u) + e394] = fmaf(scores_term[(frag393 * 4u) + e394], row_scale395, scores_part[(frag393 * 4u) + e394]);
+            for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
+                const float row_scale392 = kv_scales[((stage * 5248u) + (((n_first371 + ((frag390 % 2u) * 8u)) + ((lane_quad * 2u) + (e391 & 1u))) * 164u)) + 3u];
+                scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
             }
         }
-        const unsigned n_first396 = (warp / 4u) * 16u;
-        const unsigned k_first397 = warp % 4u;
+        const unsigned n_first393 = (warp / 4u) * 16u;
+        const unsigned k_first394 = warp % 4u;
         #pragma unroll
-        for (unsigned kk401 = 0u; kk401 < 1u; kk401 += 1u) {
+        for (unsigned kk398 = 0u; kk398 < 1u; kk398 += 1u) {
             #pragma unroll
-            for (unsigned nj403 = 0u; nj403 < 2u; nj403 += 1u) {
-                ldmatrix_x2(&b_frag399[0u], kv_rope + (stage * 5248u) + (((n_first396 + (nj403 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first397 + kk401) * 8u) + (lane_k8 >> 1u));
+            for (unsigned nj400 = 0u; nj400 < 2u; nj400 += 1u) {
+                ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (((n_first393 + (nj400 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first394 + kk398) * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi402 = 0u; mi402 < 2u; mi402 += 1u) {
-                    a_frag398[0u] = q_tile_a4[(mi402 + kk401) * 4u];
-                    a_frag398[1u] = q_tile_a4[((mi402 + kk401) * 4u) + 1u];
-                    a_frag398[2u] = q_tile_a4[((mi402 + kk401) * 4u) + 2u];
-                    a_frag398[3u] = q_tile_a4[((mi402 + kk401) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi402 * 2u) + nj403) * 4u], &a_frag398[0u], &b_frag399[0u]);
+                for (unsigned mi399 = 0u; mi399 < 2u; mi399 += 1u) {
+                    a_frag395[0u] = q_tile_a4[(mi399 + kk398) * 4u];
+                    a_frag395[1u] = q_tile_a4[((mi399 + kk398) * 4u) + 1u];
+                    a_frag395[2u] = q_tile_a4[((mi399 + kk398) * 4u) + 2u];
+                    a_frag395[3u] = q_tile_a4[((mi399 + kk398) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi399 * 2u) + nj400) * 4u], &a_frag395[0u], &b_frag396[0u]);
                 }
             }
         }
@@ -1428,12 +1428,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag406 = 0u; frag406 < 4u; frag406 += 1u) {
+        for (unsigned frag403 = 0u; frag403 < 4u; frag403 += 1u) {
             #pragma unroll
-            for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+            for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
                 #pragma unroll
-                for (unsigned e408 = 0u; e408 < 2u; e408 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag406 / 2u) * 16u) + (half407 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag406 % 2u) * 8u)) + ((lane_quad * 2u) + e408))] = scores_part[((frag406 * 4u) + (half407 * 2u)) + e408] * q_tile_unscale[0u];
+                for (unsigned e405 = 0u; e405 < 2u; e405 += 1u) {
+                    split_k_partials[((((warp % 4u) * 32u) + ((((frag403 / 2u) * 16u) + (half404 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag403 % 2u) * 8u)) + ((lane_quad * 2u) + e405))] = scores_part[((frag403 * 4u) + (half404 * 2u)) + e405] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1443,35 +1443,53 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage308 = ahead % 2u;
+                const unsigned load_stage305 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
-                    const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
-                    if (gather_row310 < 32u) {
+                for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
+                    const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
+                    if (gather_row307 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row310;
-                        const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot309] >= 0)) && (((unsigned)kv_rows_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage308 * 36u) + gather_row310] = (src_i32311 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32311 >= 0) {
-                            copy_async(kv_rows + (load_stage308 * 5248u) + (gather_row310 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 656u, ring_barriers + (load_stage308 * 2u));
+                        const unsigned row_1 = gather_row307;
+                        const int src_i32308 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot306] >= 0)) && (((unsigned)kv_rows_pre[slot306]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot306]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot306]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage305 * 36u) + gather_row307] = (src_i32308 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32308 >= 0) {
+                            copy_async(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32308), 656u, ring_barriers + (load_stage305 * 2u));
                         } else {
-                            for (unsigned zero_w312 = 0u; zero_w312 < 164u; zero_w312 += 1u) {
-                                kv_rows[((load_stage308 * 5248u) + (gather_row310 * 164u)) + zero_w312] = 0u;
+                            for (unsigned zero_w309 = 0u; zero_w309 < 164u; zero_w309 += 1u) {
+                                kv_rows[((load_stage305 * 5248u) + (gather_row307 * 164u)) + zero_w309] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage308 * 2u));
+                copy_arrive(ring_barriers + (load_stage305 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot313 = 0u; slot313 < 1u; slot313 += 1u) {
-                        const unsigned gather_row314 = ((warp - 4u) + (lane * 4u)) + (slot313 * 128u);
-                        if (gather_row314 < 32u) {
-                            const unsigned row_1 = gather_row314;
-                            kv_rows_pre[slot313] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot310 = 0u; slot310 < 1u; slot310 += 1u) {
+                        const unsigned gather_row311 = ((warp - 4u) + (lane * 4u)) + (slot310 * 128u);
+                        if (gather_row311 < 32u) {
+                            const unsigned row_1 = gather_row311;
+                            kv_rows_pre[slot310] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
+                    }
+                }
+            }
+        }
+        if (warp < 4u) {
+            #pragma unroll
+            for (unsigned frag406 = 0u; frag406 < 2u; frag406 += 1u) {
+                #pragma unroll
+                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                    #pragma unroll
+                    for (unsigned e408 = 0u; e408 < 2u; e408 += 1u) {
+                        float sum = scores[((frag406 * 4u) + (half407 * 2u)) + e408];
+                        const unsigned cell = (((scores_row0 + (half407 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag406 * 8u)) + ((lane_quad * 2u) + e408));
+                        #pragma unroll
+                        for (unsigned g = 0u; g < 4u; g += 1u) {
+                            sum = sum + split_k_partials[(g * 1152u) + cell];
+                        }
+                        scores[((frag406 * 4u) + (half407 * 2u)) + e408] = sum;
                     }
                 }
             }
@@ -1481,31 +1499,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned frag409 = 0u; frag409 < 2u; frag409 += 1u) {
                 #pragma unroll
                 for (unsigned half410 = 0u; half410 < 2u; half410 += 1u) {
-                    #pragma unroll
-                    for (unsigned e411 = 0u; e411 < 2u; e411 += 1u) {
-                        float sum = scores[((frag409 * 4u) + (half410 * 2u)) + e411];
-                        const unsigned cell = (((scores_row0 + (half410 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag409 * 8u)) + ((lane_quad * 2u) + e411));
-                        #pragma unroll
-                        for (unsigned g = 0u; g < 4u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 1152u) + cell];
-                        }
-                        scores[((frag409 * 4u) + (half410 * 2u)) + e411] = sum;
-                    }
-                }
-            }
-        }
-        if (warp < 4u) {
-            #pragma unroll
-            for (unsigned frag412 = 0u; frag412 < 2u; frag412 += 1u) {
-                #pragma unroll
-                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag412 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag412 * 4u) + (half413 * 2u)];
-                    float v1 = scores[((frag412 * 4u) + (half413 * 2u)) + 1u];
+                    const unsigned col = (scores_col0 + ((frag409 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag409 * 4u) + (half410 * 2u)];
+                    float v1 = scores[((frag409 * 4u) + (half410 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag412 * 4u) + (half413 * 2u)] = v0;
-                    scores[((frag412 * 4u) + (half413 * 2u)) + 1u] = v1;
+                    scores[(frag409 * 4u) + (half410 * 2u)] = v0;
+                    scores[((frag409 * 4u) + (half410 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1515,20 +1515,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi414 = 0u; mi414 < 1u; mi414 += 1u) {
+            for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
                 #pragma unroll
-                for (unsigned half415 = 0u; half415 < 2u; half415 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi414 * 2u) * 4u) + (half415 * 2u)], scores[((mi414 * 2u) * 4u) + ((half415 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi414 * 2u) + 1u) * 4u) + (half415 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi414 * 2u) + 1u) * 4u) + ((half415 * 2u) + 1u)]);
+                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi411 * 2u) * 4u) + (half412 * 2u)], scores[((mi411 * 2u) * 4u) + ((half412 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi411 * 2u) + 1u) * 4u) + (half412 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi411 * 2u) + 1u) * 4u) + ((half412 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other416 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other416);
+                    const float other413 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other413);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi414 * 16u)) + ((half415 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi414 * 16u)) + ((half415 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi414 * 2u) + half415];
+                            row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi411 * 2u) + half412];
                         }
                     }
                 }
@@ -1539,96 +1539,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi419 = 0u; mi419 < 1u; mi419 += 1u) {
+            for (unsigned mi416 = 0u; mi416 < 1u; mi416 += 1u) {
                 #pragma unroll
-                for (unsigned half420 = 0u; half420 < 2u; half420 += 1u) {
-                    const float m_old417 = row_max_reg[(mi419 * 2u) + half420];
-                    float m_new418 = m_old417;
-                    m_new418 = fmaxf(m_new418, row_exchange[((scores_row0 + (mi419 * 16u)) + ((half420 * 8u) + lane_group)) * 3u]);
-                    m_new418 = fmaxf(m_new418, row_exchange[(((scores_row0 + (mi419 * 16u)) + ((half420 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi419 * 2u) + half420] = expf(m_old417 - m_new418);
-                    row_max_reg[(mi419 * 2u) + half420] = m_new418;
+                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                    const float m_old414 = row_max_reg[(mi416 * 2u) + half417];
+                    float m_new415 = m_old414;
+                    m_new415 = fmaxf(m_new415, row_exchange[((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u]);
+                    m_new415 = fmaxf(m_new415, row_exchange[(((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
+                    row_alpha[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
+                    row_max_reg[(mi416 * 2u) + half417] = m_new415;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi423 = 0u; mi423 < 2u; mi423 += 1u) {
+        for (unsigned mi420 = 0u; mi420 < 2u; mi420 += 1u) {
             #pragma unroll
-            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                const float m_old421 = row_exchange[(((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u) + 2u];
-                float m_new422 = m_old421;
-                m_new422 = fmaxf(m_new422, row_exchange[((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u]);
-                m_new422 = fmaxf(m_new422, row_exchange[(((mi423 * 16u) + ((half424 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha305[(mi423 * 2u) + half424] = expf(m_old421 - m_new422);
+            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
+                const float m_old418 = row_exchange[(((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u) + 2u];
+                float m_new419 = m_old418;
+                m_new419 = fmaxf(m_new419, row_exchange[((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u]);
+                m_new419 = fmaxf(m_new419, row_exchange[(((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u) + 1u]);
+                row_alpha302[(mi420 * 2u) + half421] = expf(m_old418 - m_new419);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi428 = 0u; mi428 < 1u; mi428 += 1u) {
+            for (unsigned mi425 = 0u; mi425 < 1u; mi425 += 1u) {
                 #pragma unroll
-                for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
+                for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj425 = 0u; nj425 < 2u; nj425 += 1u) {
+                    for (unsigned nj422 = 0u; nj422 < 2u; nj422 += 1u) {
                         #pragma unroll
-                        for (unsigned e426 = 0u; e426 < 2u; e426 += 1u) {
-                            const unsigned at427 = (((mi428 * 2u) + nj425) * 4u) + ((half429 * 2u) + e426);
-                            const float p = (scores[at427] < (-1e38f)) ? 0.0f : expf(scores[at427] - row_max_reg[(mi428 * 2u) + half429]);
-                            scores[at427] = p;
+                        for (unsigned e423 = 0u; e423 < 2u; e423 += 1u) {
+                            const unsigned at424 = (((mi425 * 2u) + nj422) * 4u) + ((half426 * 2u) + e423);
+                            const float p = (scores[at424] < (-1e38f)) ? 0.0f : expf(scores[at424] - row_max_reg[(mi425 * 2u) + half426]);
+                            scores[at424] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi428 * 2u) + half429] = (row_sum_part[(mi428 * 2u) + half429] * row_alpha[(mi428 * 2u) + half429]) + p_sum;
+                    row_sum_part[(mi425 * 2u) + half426] = (row_sum_part[(mi425 * 2u) + half426] * row_alpha[(mi425 * 2u) + half426]) + p_sum;
                 }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag427 = 0u; frag427 < 4u; frag427 += 1u) {
+            #pragma unroll
+            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
+                const float alpha429 = row_alpha302[((frag427 / 2u) * 2u) + half428];
+                o_acc[(frag427 * 4u) + (half428 * 2u)] = o_acc[(frag427 * 4u) + (half428 * 2u)] * alpha429;
+                o_acc[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
             }
         }
         #pragma unroll
         for (unsigned frag430 = 0u; frag430 < 4u; frag430 += 1u) {
             #pragma unroll
             for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
-                const float alpha432 = row_alpha305[((frag430 / 2u) * 2u) + half431];
-                o_acc[(frag430 * 4u) + (half431 * 2u)] = o_acc[(frag430 * 4u) + (half431 * 2u)] * alpha432;
-                o_acc[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
+                const float alpha432 = row_alpha302[((frag430 / 2u) * 2u) + half431];
+                o_acc_1[(frag430 * 4u) + (half431 * 2u)] = o_acc_1[(frag430 * 4u) + (half431 * 2u)] * alpha432;
+                o_acc_1[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc_1[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
             }
         }
         #pragma unroll
         for (unsigned frag433 = 0u; frag433 < 4u; frag433 += 1u) {
             #pragma unroll
             for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha305[((frag433 / 2u) * 2u) + half434];
-                o_acc_1[(frag433 * 4u) + (half434 * 2u)] = o_acc_1[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc_1[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_1[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+                const float alpha435 = row_alpha302[((frag433 / 2u) * 2u) + half434];
+                o_acc_2[(frag433 * 4u) + (half434 * 2u)] = o_acc_2[(frag433 * 4u) + (half434 * 2u)] * alpha435;
+                o_acc_2[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_2[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
             }
         }
         #pragma unroll
         for (unsigned frag436 = 0u; frag436 < 4u; frag436 += 1u) {
             #pragma unroll
             for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
-                const float alpha438 = row_alpha305[((frag436 / 2u) * 2u) + half437];
-                o_acc_2[(frag436 * 4u) + (half437 * 2u)] = o_acc_2[(frag436 * 4u) + (half437 * 2u)] * alpha438;
-                o_acc_2[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_2[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
-            }
-        }
-        #pragma unroll
-        for (unsigned frag439 = 0u; frag439 < 4u; frag439 += 1u) {
-            #pragma unroll
-            for (unsigned half440 = 0u; half440 < 2u; half440 += 1u) {
-                const float alpha441 = row_alpha305[((frag439 / 2u) * 2u) + half440];
-                o_acc_3[(frag439 * 4u) + (half440 * 2u)] = o_acc_3[(frag439 * 4u) + (half440 * 2u)] * alpha441;
-                o_acc_3[((frag439 * 4u) + (half440 * 2u)) + 1u] = o_acc_3[((frag439 * 4u) + (half440 * 2u)) + 1u] * alpha441;
+                const float alpha438 = row_alpha302[((frag436 / 2u) * 2u) + half437];
+                o_acc_3[(frag436 * 4u) + (half437 * 2u)] = o_acc_3[(frag436 * 4u) + (half437 * 2u)] * alpha438;
+                o_acc_3[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_3[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag444 = 0u; frag444 < 2u; frag444 += 1u) {
+            for (unsigned frag441 = 0u; frag441 < 2u; frag441 += 1u) {
                 #pragma unroll
-                for (unsigned half445 = 0u; half445 < 2u; half445 += 1u) {
-                    const unsigned row442 = (scores_row0 + ((frag444 / 2u) * 16u)) + ((half445 * 8u) + lane_group);
-                    const unsigned col443 = (scores_col0 + ((frag444 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag444 * 4u) + (half445 * 2u);
-                    p_tile[(row442 * 20u) + (col443 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
+                    const unsigned row439 = (scores_row0 + ((frag441 / 2u) * 16u)) + ((half442 * 8u) + lane_group);
+                    const unsigned col440 = (scores_col0 + ((frag441 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag441 * 4u) + (half442 * 2u);
+                    p_tile[(row439 * 20u) + (col440 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1637,284 +1637,284 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk449 = 0u; kk449 < 2u; kk449 += 1u) {
+        for (unsigned kk446 = 0u; kk446 < 2u; kk446 += 1u) {
             #pragma unroll
-            for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
-                ldmatrix_x4(&a_frag446[mi450 * 4u], p_tile + a_lane_word + (mi450 * 320u) + (kk449 * 8u));
+            for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
+                ldmatrix_x4(&a_frag443[mi447 * 4u], p_tile + a_lane_word + (mi447 * 320u) + (kk446 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale458 = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale459 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale460 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale461 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag446[0u] = pack_bf16x2(__uint_as_float(a_frag446[0u] << 16u) * k_scale458, __uint_as_float(a_frag446[0u] & 4294901760u) * k_scale459);
-                a_frag446[1u] = pack_bf16x2(__uint_as_float(a_frag446[1u] << 16u) * k_scale458, __uint_as_float(a_frag446[1u] & 4294901760u) * k_scale459);
-                a_frag446[2u] = pack_bf16x2(__uint_as_float(a_frag446[2u] << 16u) * k_scale460, __uint_as_float(a_frag446[2u] & 4294901760u) * k_scale461);
-                a_frag446[3u] = pack_bf16x2(__uint_as_float(a_frag446[3u] << 16u) * k_scale460, __uint_as_float(a_frag446[3u] & 4294901760u) * k_scale461);
-                const float k_scale462 = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale463 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale464 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale465 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag446[4u] = pack_bf16x2(__uint_as_float(a_frag446[4u] << 16u) * k_scale462, __uint_as_float(a_frag446[4u] & 4294901760u) * k_scale463);
-                a_frag446[5u] = pack_bf16x2(__uint_as_float(a_frag446[5u] << 16u) * k_scale462, __uint_as_float(a_frag446[5u] & 4294901760u) * k_scale463);
-                a_frag446[6u] = pack_bf16x2(__uint_as_float(a_frag446[6u] << 16u) * k_scale464, __uint_as_float(a_frag446[6u] & 4294901760u) * k_scale465);
-                a_frag446[7u] = pack_bf16x2(__uint_as_float(a_frag446[7u] << 16u) * k_scale464, __uint_as_float(a_frag446[7u] & 4294901760u) * k_scale465);
+                const float k_scale455 = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale458 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag443[0u] = pack_bf16x2(__uint_as_float(a_frag443[0u] << 16u) * k_scale455, __uint_as_float(a_frag443[0u] & 4294901760u) * k_scale456);
+                a_frag443[1u] = pack_bf16x2(__uint_as_float(a_frag443[1u] << 16u) * k_scale455, __uint_as_float(a_frag443[1u] & 4294901760u) * k_scale456);
+                a_frag443[2u] = pack_bf16x2(__uint_as_float(a_frag443[2u] << 16u) * k_scale457, __uint_as_float(a_frag443[2u] & 4294901760u) * k_scale458);
+                a_frag443[3u] = pack_bf16x2(__uint_as_float(a_frag443[3u] << 16u) * k_scale457, __uint_as_float(a_frag443[3u] & 4294901760u) * k_scale458);
+                const float k_scale459 = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
+                const float k_scale460 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                const float k_scale461 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                const float k_scale462 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                a_frag443[4u] = pack_bf16x2(__uint_as_float(a_frag443[4u] << 16u) * k_scale459, __uint_as_float(a_frag443[4u] & 4294901760u) * k_scale460);
+                a_frag443[5u] = pack_bf16x2(__uint_as_float(a_frag443[5u] << 16u) * k_scale459, __uint_as_float(a_frag443[5u] & 4294901760u) * k_scale460);
+                a_frag443[6u] = pack_bf16x2(__uint_as_float(a_frag443[6u] << 16u) * k_scale461, __uint_as_float(a_frag443[6u] & 4294901760u) * k_scale462);
+                a_frag443[7u] = pack_bf16x2(__uint_as_float(a_frag443[7u] << 16u) * k_scale461, __uint_as_float(a_frag443[7u] & 4294901760u) * k_scale462);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw448[0u], kv_rows + (stage * 5248u) + (((kk449 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair466 = e4m3x2_prep((b_raw448[0u] & 255u) | ((b_raw448[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair467 = e4m3x2_prep(((b_raw448[0u] >> 8u) & 255u) | ((b_raw448[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair468 = e4m3x2_prep((b_raw448[1u] & 255u) | ((b_raw448[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair469 = e4m3x2_prep(((b_raw448[1u] >> 8u) & 255u) | ((b_raw448[1u] >> 16u) & 65280u));
-                    b_frag447[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
-                    b_frag447[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468), e4m3x2_hi(e4m3_pair468));
-                    b_frag447[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467), e4m3x2_hi(e4m3_pair467));
-                    b_frag447[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469), e4m3x2_hi(e4m3_pair469));
+                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + (((kk446 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw445[1u] >> 8u) & 255u) | ((b_raw445[1u] >> 16u) & 65280u));
+                    b_frag444[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463), e4m3x2_hi(e4m3_pair463));
+                    b_frag444[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
+                    b_frag444[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464), e4m3x2_hi(e4m3_pair464));
+                    b_frag444[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
                     #pragma unroll
-                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi450 * 2u) + (np * 2u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[0u]);
+                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi447 * 2u) + (np * 2u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi450 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[2u]);
+                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi447 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw448[0u], kv_rows + (stage * 5248u) + (((kk449 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk449 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk449 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw448[0u] & 255u) | ((b_raw448[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw448[0u] >> 8u) & 255u) | ((b_raw448[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair453 = e4m3x2_prep((b_raw448[1u] & 255u) | ((b_raw448[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair454 = e4m3x2_prep(((b_raw448[1u] >> 8u) & 255u) | ((b_raw448[1u] >> 16u) & 65280u));
-                    b_frag447[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451) * k_scale, e4m3x2_hi(e4m3_pair451) * k_scale455);
-                    b_frag447[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453) * k_scale456, e4m3x2_hi(e4m3_pair453) * k_scale457);
-                    b_frag447[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452) * k_scale, e4m3x2_hi(e4m3_pair452) * k_scale455);
-                    b_frag447[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454) * k_scale456, e4m3x2_hi(e4m3_pair454) * k_scale457);
+                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + (((kk446 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
+                    const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
+                    const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
+                    const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    const unsigned e4m3_pair448 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair449 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair450 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep(((b_raw445[1u] >> 8u) & 255u) | ((b_raw445[1u] >> 16u) & 65280u));
+                    b_frag444[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale, e4m3x2_hi(e4m3_pair448) * k_scale452);
+                    b_frag444[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450) * k_scale453, e4m3x2_hi(e4m3_pair450) * k_scale454);
+                    b_frag444[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449) * k_scale, e4m3x2_hi(e4m3_pair449) * k_scale452);
+                    b_frag444[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451) * k_scale453, e4m3x2_hi(e4m3_pair451) * k_scale454);
                     #pragma unroll
-                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi450 * 2u) + (np * 2u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[0u]);
+                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi447 * 2u) + (np * 2u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi450 = 0u; mi450 < 2u; mi450 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi450 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag446[mi450 * 4u], &b_frag447[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word476 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk473 = 0u; kk473 < 2u; kk473 += 1u) {
-            #pragma unroll
-            for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                ldmatrix_x4(&a_frag470[mi474 * 4u], p_tile + a_lane_word476 + (mi474 * 320u) + (kk473 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale485 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale486 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale487 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag470[0u] = pack_bf16x2(__uint_as_float(a_frag470[0u] << 16u) * k_scale485, __uint_as_float(a_frag470[0u] & 4294901760u) * k_scale486);
-                a_frag470[1u] = pack_bf16x2(__uint_as_float(a_frag470[1u] << 16u) * k_scale485, __uint_as_float(a_frag470[1u] & 4294901760u) * k_scale486);
-                a_frag470[2u] = pack_bf16x2(__uint_as_float(a_frag470[2u] << 16u) * k_scale487, __uint_as_float(a_frag470[2u] & 4294901760u) * k_scale488);
-                a_frag470[3u] = pack_bf16x2(__uint_as_float(a_frag470[3u] << 16u) * k_scale487, __uint_as_float(a_frag470[3u] & 4294901760u) * k_scale488);
-                const float k_scale489 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale490 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale491 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale492 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag470[4u] = pack_bf16x2(__uint_as_float(a_frag470[4u] << 16u) * k_scale489, __uint_as_float(a_frag470[4u] & 4294901760u) * k_scale490);
-                a_frag470[5u] = pack_bf16x2(__uint_as_float(a_frag470[5u] << 16u) * k_scale489, __uint_as_float(a_frag470[5u] & 4294901760u) * k_scale490);
-                a_frag470[6u] = pack_bf16x2(__uint_as_float(a_frag470[6u] << 16u) * k_scale491, __uint_as_float(a_frag470[6u] & 4294901760u) * k_scale492);
-                a_frag470[7u] = pack_bf16x2(__uint_as_float(a_frag470[7u] << 16u) * k_scale491, __uint_as_float(a_frag470[7u] & 4294901760u) * k_scale492);
-                #pragma unroll
-                for (unsigned np475 = 0u; np475 < 1u; np475 += 1u) {
-                    ldmatrix_x2_trans(&b_raw472[0u], kv_rows + (stage * 5248u) + (((kk473 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np475 * 16u)) >> 2u));
-                    const unsigned e4m3_pair493 = e4m3x2_prep((b_raw472[0u] & 255u) | ((b_raw472[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair494 = e4m3x2_prep(((b_raw472[0u] >> 8u) & 255u) | ((b_raw472[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair495 = e4m3x2_prep((b_raw472[1u] & 255u) | ((b_raw472[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair496 = e4m3x2_prep(((b_raw472[1u] >> 8u) & 255u) | ((b_raw472[1u] >> 16u) & 65280u));
-                    b_frag471[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493), e4m3x2_hi(e4m3_pair493));
-                    b_frag471[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair495), e4m3x2_hi(e4m3_pair495));
-                    b_frag471[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair494), e4m3x2_hi(e4m3_pair494));
-                    b_frag471[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496), e4m3x2_hi(e4m3_pair496));
-                    #pragma unroll
-                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + (np475 * 2u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + ((np475 * 2u) + 1u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np475 = 0u; np475 < 1u; np475 += 1u) {
-                    ldmatrix_x2_trans(&b_raw472[0u], kv_rows + (stage * 5248u) + (((kk473 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np475 * 16u)) >> 2u));
-                    const float k_scale481 = kv_scales[((stage * 5248u) + (((kk473 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale482 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk473 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair477 = e4m3x2_prep((b_raw472[0u] & 255u) | ((b_raw472[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair478 = e4m3x2_prep(((b_raw472[0u] >> 8u) & 255u) | ((b_raw472[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair479 = e4m3x2_prep((b_raw472[1u] & 255u) | ((b_raw472[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw472[1u] >> 8u) & 255u) | ((b_raw472[1u] >> 16u) & 65280u));
-                    b_frag471[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale481, e4m3x2_hi(e4m3_pair477) * k_scale482);
-                    b_frag471[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479) * k_scale483, e4m3x2_hi(e4m3_pair479) * k_scale484);
-                    b_frag471[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair478) * k_scale481, e4m3x2_hi(e4m3_pair478) * k_scale482);
-                    b_frag471[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480) * k_scale483, e4m3x2_hi(e4m3_pair480) * k_scale484);
-                    #pragma unroll
-                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + (np475 * 2u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi474 = 0u; mi474 < 2u; mi474 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi474 * 2u) + ((np475 * 2u) + 1u)) * 4u], &a_frag470[mi474 * 4u], &b_frag471[2u]);
+                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi447 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word503 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word473 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk500 = 0u; kk500 < 2u; kk500 += 1u) {
+        for (unsigned kk470 = 0u; kk470 < 2u; kk470 += 1u) {
             #pragma unroll
-            for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
-                ldmatrix_x4(&a_frag497[mi501 * 4u], p_tile + a_lane_word503 + (mi501 * 320u) + (kk500 * 8u));
+            for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
+                ldmatrix_x4(&a_frag467[mi471 * 4u], p_tile + a_lane_word473 + (mi471 * 320u) + (kk470 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale512 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale513 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag497[0u] = pack_bf16x2(__uint_as_float(a_frag497[0u] << 16u) * k_scale512, __uint_as_float(a_frag497[0u] & 4294901760u) * k_scale513);
-                a_frag497[1u] = pack_bf16x2(__uint_as_float(a_frag497[1u] << 16u) * k_scale512, __uint_as_float(a_frag497[1u] & 4294901760u) * k_scale513);
-                a_frag497[2u] = pack_bf16x2(__uint_as_float(a_frag497[2u] << 16u) * k_scale514, __uint_as_float(a_frag497[2u] & 4294901760u) * k_scale515);
-                a_frag497[3u] = pack_bf16x2(__uint_as_float(a_frag497[3u] << 16u) * k_scale514, __uint_as_float(a_frag497[3u] & 4294901760u) * k_scale515);
-                const float k_scale516 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale517 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag497[4u] = pack_bf16x2(__uint_as_float(a_frag497[4u] << 16u) * k_scale516, __uint_as_float(a_frag497[4u] & 4294901760u) * k_scale517);
-                a_frag497[5u] = pack_bf16x2(__uint_as_float(a_frag497[5u] << 16u) * k_scale516, __uint_as_float(a_frag497[5u] & 4294901760u) * k_scale517);
-                a_frag497[6u] = pack_bf16x2(__uint_as_float(a_frag497[6u] << 16u) * k_scale518, __uint_as_float(a_frag497[6u] & 4294901760u) * k_scale519);
-                a_frag497[7u] = pack_bf16x2(__uint_as_float(a_frag497[7u] << 16u) * k_scale518, __uint_as_float(a_frag497[7u] & 4294901760u) * k_scale519);
+                const float k_scale482 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale485 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag467[0u] = pack_bf16x2(__uint_as_float(a_frag467[0u] << 16u) * k_scale482, __uint_as_float(a_frag467[0u] & 4294901760u) * k_scale483);
+                a_frag467[1u] = pack_bf16x2(__uint_as_float(a_frag467[1u] << 16u) * k_scale482, __uint_as_float(a_frag467[1u] & 4294901760u) * k_scale483);
+                a_frag467[2u] = pack_bf16x2(__uint_as_float(a_frag467[2u] << 16u) * k_scale484, __uint_as_float(a_frag467[2u] & 4294901760u) * k_scale485);
+                a_frag467[3u] = pack_bf16x2(__uint_as_float(a_frag467[3u] << 16u) * k_scale484, __uint_as_float(a_frag467[3u] & 4294901760u) * k_scale485);
+                const float k_scale486 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                const float k_scale487 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                a_frag467[4u] = pack_bf16x2(__uint_as_float(a_frag467[4u] << 16u) * k_scale486, __uint_as_float(a_frag467[4u] & 4294901760u) * k_scale487);
+                a_frag467[5u] = pack_bf16x2(__uint_as_float(a_frag467[5u] << 16u) * k_scale486, __uint_as_float(a_frag467[5u] & 4294901760u) * k_scale487);
+                a_frag467[6u] = pack_bf16x2(__uint_as_float(a_frag467[6u] << 16u) * k_scale488, __uint_as_float(a_frag467[6u] & 4294901760u) * k_scale489);
+                a_frag467[7u] = pack_bf16x2(__uint_as_float(a_frag467[7u] << 16u) * k_scale488, __uint_as_float(a_frag467[7u] & 4294901760u) * k_scale489);
                 #pragma unroll
-                for (unsigned np502 = 0u; np502 < 1u; np502 += 1u) {
-                    ldmatrix_x2_trans(&b_raw499[0u], kv_rows + (stage * 5248u) + (((kk500 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np502 * 16u)) >> 2u));
-                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw499[0u] & 255u) | ((b_raw499[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw499[0u] >> 8u) & 255u) | ((b_raw499[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw499[1u] & 255u) | ((b_raw499[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw499[1u] >> 8u) & 255u) | ((b_raw499[1u] >> 16u) & 65280u));
-                    b_frag498[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
-                    b_frag498[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
-                    b_frag498[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
-                    b_frag498[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523), e4m3x2_hi(e4m3_pair523));
+                for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
+                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + (((kk470 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
+                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair492 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair493 = e4m3x2_prep(((b_raw469[1u] >> 8u) & 255u) | ((b_raw469[1u] >> 16u) & 65280u));
+                    b_frag468[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
+                    b_frag468[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492), e4m3x2_hi(e4m3_pair492));
+                    b_frag468[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
+                    b_frag468[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493), e4m3x2_hi(e4m3_pair493));
                     #pragma unroll
-                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + (np502 * 2u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[0u]);
+                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + (np472 * 2u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + ((np502 * 2u) + 1u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[2u]);
+                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + ((np472 * 2u) + 1u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np502 = 0u; np502 < 1u; np502 += 1u) {
-                    ldmatrix_x2_trans(&b_raw499[0u], kv_rows + (stage * 5248u) + (((kk500 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np502 * 16u)) >> 2u));
-                    const float k_scale508 = kv_scales[((stage * 5248u) + (((kk500 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale509 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk500 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair504 = e4m3x2_prep((b_raw499[0u] & 255u) | ((b_raw499[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw499[0u] >> 8u) & 255u) | ((b_raw499[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair506 = e4m3x2_prep((b_raw499[1u] & 255u) | ((b_raw499[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair507 = e4m3x2_prep(((b_raw499[1u] >> 8u) & 255u) | ((b_raw499[1u] >> 16u) & 65280u));
-                    b_frag498[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504) * k_scale508, e4m3x2_hi(e4m3_pair504) * k_scale509);
-                    b_frag498[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair506) * k_scale510, e4m3x2_hi(e4m3_pair506) * k_scale511);
-                    b_frag498[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505) * k_scale508, e4m3x2_hi(e4m3_pair505) * k_scale509);
-                    b_frag498[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair507) * k_scale510, e4m3x2_hi(e4m3_pair507) * k_scale511);
+                for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
+                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + (((kk470 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
+                    const float k_scale478 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
+                    const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
+                    const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
+                    const float k_scale481 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw469[1u] >> 8u) & 255u) | ((b_raw469[1u] >> 16u) & 65280u));
+                    b_frag468[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474) * k_scale478, e4m3x2_hi(e4m3_pair474) * k_scale479);
+                    b_frag468[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
+                    b_frag468[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475) * k_scale478, e4m3x2_hi(e4m3_pair475) * k_scale479);
+                    b_frag468[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
                     #pragma unroll
-                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + (np502 * 2u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[0u]);
+                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + (np472 * 2u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi501 = 0u; mi501 < 2u; mi501 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi501 * 2u) + ((np502 * 2u) + 1u)) * 4u], &a_frag497[mi501 * 4u], &b_frag498[2u]);
+                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + ((np472 * 2u) + 1u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word530 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word500 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk527 = 0u; kk527 < 2u; kk527 += 1u) {
+        for (unsigned kk497 = 0u; kk497 < 2u; kk497 += 1u) {
             #pragma unroll
-            for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
-                ldmatrix_x4(&a_frag524[mi528 * 4u], p_tile + a_lane_word530 + (mi528 * 320u) + (kk527 * 8u));
+            for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
+                ldmatrix_x4(&a_frag494[mi498 * 4u], p_tile + a_lane_word500 + (mi498 * 320u) + (kk497 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale539 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale540 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale541 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale542 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag524[0u] = pack_bf16x2(__uint_as_float(a_frag524[0u] << 16u) * k_scale539, __uint_as_float(a_frag524[0u] & 4294901760u) * k_scale540);
-                a_frag524[1u] = pack_bf16x2(__uint_as_float(a_frag524[1u] << 16u) * k_scale539, __uint_as_float(a_frag524[1u] & 4294901760u) * k_scale540);
-                a_frag524[2u] = pack_bf16x2(__uint_as_float(a_frag524[2u] << 16u) * k_scale541, __uint_as_float(a_frag524[2u] & 4294901760u) * k_scale542);
-                a_frag524[3u] = pack_bf16x2(__uint_as_float(a_frag524[3u] << 16u) * k_scale541, __uint_as_float(a_frag524[3u] & 4294901760u) * k_scale542);
-                const float k_scale543 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale544 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale545 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale546 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag524[4u] = pack_bf16x2(__uint_as_float(a_frag524[4u] << 16u) * k_scale543, __uint_as_float(a_frag524[4u] & 4294901760u) * k_scale544);
-                a_frag524[5u] = pack_bf16x2(__uint_as_float(a_frag524[5u] << 16u) * k_scale543, __uint_as_float(a_frag524[5u] & 4294901760u) * k_scale544);
-                a_frag524[6u] = pack_bf16x2(__uint_as_float(a_frag524[6u] << 16u) * k_scale545, __uint_as_float(a_frag524[6u] & 4294901760u) * k_scale546);
-                a_frag524[7u] = pack_bf16x2(__uint_as_float(a_frag524[7u] << 16u) * k_scale545, __uint_as_float(a_frag524[7u] & 4294901760u) * k_scale546);
+                const float k_scale509 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag494[0u] = pack_bf16x2(__uint_as_float(a_frag494[0u] << 16u) * k_scale509, __uint_as_float(a_frag494[0u] & 4294901760u) * k_scale510);
+                a_frag494[1u] = pack_bf16x2(__uint_as_float(a_frag494[1u] << 16u) * k_scale509, __uint_as_float(a_frag494[1u] & 4294901760u) * k_scale510);
+                a_frag494[2u] = pack_bf16x2(__uint_as_float(a_frag494[2u] << 16u) * k_scale511, __uint_as_float(a_frag494[2u] & 4294901760u) * k_scale512);
+                a_frag494[3u] = pack_bf16x2(__uint_as_float(a_frag494[3u] << 16u) * k_scale511, __uint_as_float(a_frag494[3u] & 4294901760u) * k_scale512);
+                const float k_scale513 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                a_frag494[4u] = pack_bf16x2(__uint_as_float(a_frag494[4u] << 16u) * k_scale513, __uint_as_float(a_frag494[4u] & 4294901760u) * k_scale514);
+                a_frag494[5u] = pack_bf16x2(__uint_as_float(a_frag494[5u] << 16u) * k_scale513, __uint_as_float(a_frag494[5u] & 4294901760u) * k_scale514);
+                a_frag494[6u] = pack_bf16x2(__uint_as_float(a_frag494[6u] << 16u) * k_scale515, __uint_as_float(a_frag494[6u] & 4294901760u) * k_scale516);
+                a_frag494[7u] = pack_bf16x2(__uint_as_float(a_frag494[7u] << 16u) * k_scale515, __uint_as_float(a_frag494[7u] & 4294901760u) * k_scale516);
                 #pragma unroll
-                for (unsigned np529 = 0u; np529 < 1u; np529 += 1u) {
-                    ldmatrix_x2_trans(&b_raw526[0u], kv_rows + (stage * 5248u) + (((kk527 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np529 * 16u)) >> 2u));
-                    const unsigned e4m3_pair547 = e4m3x2_prep((b_raw526[0u] & 255u) | ((b_raw526[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair548 = e4m3x2_prep(((b_raw526[0u] >> 8u) & 255u) | ((b_raw526[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair549 = e4m3x2_prep((b_raw526[1u] & 255u) | ((b_raw526[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair550 = e4m3x2_prep(((b_raw526[1u] >> 8u) & 255u) | ((b_raw526[1u] >> 16u) & 65280u));
-                    b_frag525[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair547), e4m3x2_hi(e4m3_pair547));
-                    b_frag525[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair549), e4m3x2_hi(e4m3_pair549));
-                    b_frag525[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair548), e4m3x2_hi(e4m3_pair548));
-                    b_frag525[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair550), e4m3x2_hi(e4m3_pair550));
+                for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
+                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + (((kk497 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
+                    const unsigned e4m3_pair517 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair518 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair519 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep(((b_raw496[1u] >> 8u) & 255u) | ((b_raw496[1u] >> 16u) & 65280u));
+                    b_frag495[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair517), e4m3x2_hi(e4m3_pair517));
+                    b_frag495[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
+                    b_frag495[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
+                    b_frag495[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
                     #pragma unroll
-                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + (np529 * 2u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[0u]);
+                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + (np499 * 2u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + ((np529 * 2u) + 1u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[2u]);
+                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + ((np499 * 2u) + 1u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np529 = 0u; np529 < 1u; np529 += 1u) {
-                    ldmatrix_x2_trans(&b_raw526[0u], kv_rows + (stage * 5248u) + (((kk527 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np529 * 16u)) >> 2u));
-                    const float k_scale535 = kv_scales[((stage * 5248u) + (((kk527 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale536 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk527 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair531 = e4m3x2_prep((b_raw526[0u] & 255u) | ((b_raw526[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair532 = e4m3x2_prep(((b_raw526[0u] >> 8u) & 255u) | ((b_raw526[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair533 = e4m3x2_prep((b_raw526[1u] & 255u) | ((b_raw526[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair534 = e4m3x2_prep(((b_raw526[1u] >> 8u) & 255u) | ((b_raw526[1u] >> 16u) & 65280u));
-                    b_frag525[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531) * k_scale535, e4m3x2_hi(e4m3_pair531) * k_scale536);
-                    b_frag525[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair533) * k_scale537, e4m3x2_hi(e4m3_pair533) * k_scale538);
-                    b_frag525[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair532) * k_scale535, e4m3x2_hi(e4m3_pair532) * k_scale536);
-                    b_frag525[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair534) * k_scale537, e4m3x2_hi(e4m3_pair534) * k_scale538);
+                for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
+                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + (((kk497 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
+                    const float k_scale505 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
+                    const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
+                    const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
+                    const float k_scale508 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw496[1u] >> 8u) & 255u) | ((b_raw496[1u] >> 16u) & 65280u));
+                    b_frag495[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
+                    b_frag495[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503) * k_scale507, e4m3x2_hi(e4m3_pair503) * k_scale508);
+                    b_frag495[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
+                    b_frag495[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504) * k_scale507, e4m3x2_hi(e4m3_pair504) * k_scale508);
                     #pragma unroll
-                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + (np529 * 2u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[0u]);
+                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + (np499 * 2u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi528 = 0u; mi528 < 2u; mi528 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi528 * 2u) + ((np529 * 2u) + 1u)) * 4u], &a_frag524[mi528 * 4u], &b_frag525[2u]);
+                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + ((np499 * 2u) + 1u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word527 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk524 = 0u; kk524 < 2u; kk524 += 1u) {
+            #pragma unroll
+            for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
+                ldmatrix_x4(&a_frag521[mi525 * 4u], p_tile + a_lane_word527 + (mi525 * 320u) + (kk524 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale536 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale539 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag521[0u] = pack_bf16x2(__uint_as_float(a_frag521[0u] << 16u) * k_scale536, __uint_as_float(a_frag521[0u] & 4294901760u) * k_scale537);
+                a_frag521[1u] = pack_bf16x2(__uint_as_float(a_frag521[1u] << 16u) * k_scale536, __uint_as_float(a_frag521[1u] & 4294901760u) * k_scale537);
+                a_frag521[2u] = pack_bf16x2(__uint_as_float(a_frag521[2u] << 16u) * k_scale538, __uint_as_float(a_frag521[2u] & 4294901760u) * k_scale539);
+                a_frag521[3u] = pack_bf16x2(__uint_as_float(a_frag521[3u] << 16u) * k_scale538, __uint_as_float(a_frag521[3u] & 4294901760u) * k_scale539);
+                const float k_scale540 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                const float k_scale541 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                const float k_scale542 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                const float k_scale543 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                a_frag521[4u] = pack_bf16x2(__uint_as_float(a_frag521[4u] << 16u) * k_scale540, __uint_as_float(a_frag521[4u] & 4294901760u) * k_scale541);
+                a_frag521[5u] = pack_bf16x2(__uint_as_float(a_frag521[5u] << 16u) * k_scale540, __uint_as_float(a_frag521[5u] & 4294901760u) * k_scale541);
+                a_frag521[6u] = pack_bf16x2(__uint_as_float(a_frag521[6u] << 16u) * k_scale542, __uint_as_float(a_frag521[6u] & 4294901760u) * k_scale543);
+                a_frag521[7u] = pack_bf16x2(__uint_as_float(a_frag521[7u] << 16u) * k_scale542, __uint_as_float(a_frag521[7u] & 4294901760u) * k_scale543);
+                #pragma unroll
+                for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
+                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + (((kk524 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
+                    const unsigned e4m3_pair544 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair545 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair546 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair547 = e4m3x2_prep(((b_raw523[1u] >> 8u) & 255u) | ((b_raw523[1u] >> 16u) & 65280u));
+                    b_frag522[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair544), e4m3x2_hi(e4m3_pair544));
+                    b_frag522[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair546), e4m3x2_hi(e4m3_pair546));
+                    b_frag522[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair545), e4m3x2_hi(e4m3_pair545));
+                    b_frag522[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair547), e4m3x2_hi(e4m3_pair547));
+                    #pragma unroll
+                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + (np526 * 2u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + ((np526 * 2u) + 1u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
+                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + (((kk524 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
+                    const float k_scale532 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
+                    const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
+                    const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
+                    const float k_scale535 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair530 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair531 = e4m3x2_prep(((b_raw523[1u] >> 8u) & 255u) | ((b_raw523[1u] >> 16u) & 65280u));
+                    b_frag522[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528) * k_scale532, e4m3x2_hi(e4m3_pair528) * k_scale533);
+                    b_frag522[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair530) * k_scale534, e4m3x2_hi(e4m3_pair530) * k_scale535);
+                    b_frag522[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529) * k_scale532, e4m3x2_hi(e4m3_pair529) * k_scale533);
+                    b_frag522[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531) * k_scale534, e4m3x2_hi(e4m3_pair531) * k_scale535);
+                    #pragma unroll
+                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + (np526 * 2u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + ((np526 * 2u) + 1u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[2u]);
                     }
                 }
             }
@@ -1924,16 +1924,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi552 = 0u; mi552 < 1u; mi552 += 1u) {
+        for (unsigned mi549 = 0u; mi549 < 1u; mi549 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
-                float row_sum551 = row_sum_part[(mi552 * 2u) + half553];
-                const float other554 = shfl_xor_f32(row_sum551, 1);
-                row_sum551 = row_sum551 + other554;
-                const float other555 = shfl_xor_f32(row_sum551, 2);
-                row_sum551 = row_sum551 + other555;
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+                float row_sum548 = row_sum_part[(mi549 * 2u) + half550];
+                const float other551 = shfl_xor_f32(row_sum548, 1);
+                row_sum548 = row_sum548 + other551;
+                const float other552 = shfl_xor_f32(row_sum548, 2);
+                row_sum548 = row_sum548 + other552;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi552 * 16u)) + ((half553 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum551;
+                    row_exchange[(((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum548;
                 }
             }
         }
@@ -1941,14 +1941,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi557 = 0u; mi557 < 1u; mi557 += 1u) {
+        for (unsigned mi554 = 0u; mi554 < 1u; mi554 += 1u) {
             #pragma unroll
-            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
+            for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum556 = row_exchange[((scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)) * 3u];
-                    row_sum556 = row_sum556 + row_exchange[(((scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)] = row_sum556;
-                    row_max[(scores_row0 + (mi557 * 16u)) + ((half558 * 8u) + lane_group)] = row_max_reg[(mi557 * 2u) + half558];
+                    float row_sum553 = row_exchange[((scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)) * 3u];
+                    row_sum553 = row_sum553 + row_exchange[(((scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)) * 3u) + 1u];
+                    row_sum[(scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)] = row_sum553;
+                    row_max[(scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)] = row_max_reg[(mi554 * 2u) + half555];
                 }
             }
         }
@@ -1969,22 +1969,42 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag559 = 0u; frag559 < 2u; frag559 += 1u) {
+        for (unsigned frag556 = 0u; frag556 < 2u; frag556 += 1u) {
             #pragma unroll
-            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
+            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
                 #pragma unroll
-                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
-                    float v0_6 = o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
-                    float v1_6 = o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
+                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
+                    float v0_6 = o_acc[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
+                    float v1_6 = o_acc[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_6;
-                    o_acc[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_6;
+                    o_acc[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_6;
+                    o_acc[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_6;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag559 = 0u; frag559 < 2u; frag559 += 1u) {
+            #pragma unroll
+            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
+                #pragma unroll
+                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
+                    float v0_7 = o_acc_1[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
+                    float v1_7 = o_acc_1[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
+                    const unsigned h_2 = h0 + row_17;
+                    if (h_2 < p.heads) {
+                        const float inv_l_1 = row_sum[row_17];
+                        ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                    }
+                    o_acc_1[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_7;
+                    o_acc_1[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_7;
                 }
             }
         }
@@ -1994,17 +2014,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
                 #pragma unroll
                 for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag562 / 1u) * 16u)) + ((half563 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag562 % 1u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
-                    float v0_7 = o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)];
-                    float v1_7 = o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)];
-                    const unsigned h_2 = h0 + row_17;
-                    if (h_2 < p.heads) {
-                        const float inv_l_1 = row_sum[row_17];
-                        ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag562 / 1u) * 16u)) + ((half563 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag562 % 1u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
+                    float v0_8 = o_acc_2[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)];
+                    float v1_8 = o_acc_2[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)];
+                    const unsigned h_3 = h0 + row_18;
+                    if (h_3 < p.heads) {
+                        const float inv_l_2 = row_sum[row_18];
+                        ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_1[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)] = v0_7;
-                    o_acc_1[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)] = v1_7;
+                    o_acc_2[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)] = v0_8;
+                    o_acc_2[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)] = v1_8;
                 }
             }
         }
@@ -2014,37 +2034,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
                 #pragma unroll
                 for (unsigned e567 = 0u; e567 < 2u; e567 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag565 / 1u) * 16u)) + ((half566 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag565 % 1u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
-                    float v0_8 = o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
-                    float v1_8 = o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
-                    const unsigned h_3 = h0 + row_18;
-                    if (h_3 < p.heads) {
-                        const float inv_l_2 = row_sum[row_18];
-                        ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
-                    }
-                    o_acc_2[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_8;
-                    o_acc_2[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_8;
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
-            #pragma unroll
-            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
-                #pragma unroll
-                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag568 / 1u) * 16u)) + ((half569 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag568 % 1u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
-                    float v0_9 = o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
-                    float v1_9 = o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag565 / 1u) * 16u)) + ((half566 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag565 % 1u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
+                    float v0_9 = o_acc_3[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
+                    float v1_9 = o_acc_3[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_9;
-                    o_acc_3[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_9;
+                    o_acc_3[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_9;
+                    o_acc_3[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_9;
                 }
             }
         }
@@ -2062,15 +2062,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
+        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
             #pragma unroll
-            for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
+            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
                 #pragma unroll
-                for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag571 / 1u) * 16u)) + ((half572 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag571 % 1u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
-                    float v0_10 = o_acc[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
-                    float v1_10 = o_acc[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
+                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag568 / 1u) * 16u)) + ((half569 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag568 % 1u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
+                    float v0_10 = o_acc[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
+                    float v1_10 = o_acc[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2078,8 +2078,30 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_10;
-                    o_acc[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_10;
+                    o_acc[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_10;
+                    o_acc[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_10;
+                }
+            }
+        }
+        #pragma unroll
+        for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
+            #pragma unroll
+            for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
+                #pragma unroll
+                for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag571 / 1u) * 16u)) + ((half572 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag571 % 1u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
+                    float v0_11 = o_acc_1[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
+                    float v1_11 = o_acc_1[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
+                    const unsigned h_7 = h0 + row_21;
+                    if (h_7 < p.heads) {
+                        const float inv_l_5 = row_sum[row_21];
+                        const unsigned at_1 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_11 + 128u);
+                        o_part[at_1] = v0_11 * inv_l_5;
+                        o_part[at_1 + 1u] = v1_11 * inv_l_5;
+                    }
+                    o_acc_1[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_11;
+                    o_acc_1[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_11;
                 }
             }
         }
@@ -2089,19 +2111,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half575 = 0u; half575 < 2u; half575 += 1u) {
                 #pragma unroll
                 for (unsigned e576 = 0u; e576 < 2u; e576 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag574 / 1u) * 16u)) + ((half575 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag574 % 1u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
-                    float v0_11 = o_acc_1[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
-                    float v1_11 = o_acc_1[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
-                    const unsigned h_7 = h0 + row_21;
-                    if (h_7 < p.heads) {
-                        const float inv_l_5 = row_sum[row_21];
-                        const unsigned at_1 = (((((t * p.heads) + h_7) * p.splits) + split) * 512u) + (col_11 + 128u);
-                        o_part[at_1] = v0_11 * inv_l_5;
-                        o_part[at_1 + 1u] = v1_11 * inv_l_5;
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag574 / 1u) * 16u)) + ((half575 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag574 % 1u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
+                    float v0_12 = o_acc_2[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
+                    float v1_12 = o_acc_2[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
+                    const unsigned h_8 = h0 + row_22;
+                    if (h_8 < p.heads) {
+                        const float inv_l_6 = row_sum[row_22];
+                        const unsigned at_2 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_12 + 256u);
+                        o_part[at_2] = v0_12 * inv_l_6;
+                        o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_1[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_11;
-                    o_acc_1[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_11;
+                    o_acc_2[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_12;
+                    o_acc_2[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_12;
                 }
             }
         }
@@ -2111,32 +2133,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half578 = 0u; half578 < 2u; half578 += 1u) {
                 #pragma unroll
                 for (unsigned e579 = 0u; e579 < 2u; e579 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag577 / 1u) * 16u)) + ((half578 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag577 % 1u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
-                    float v0_12 = o_acc_2[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
-                    float v1_12 = o_acc_2[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
-                    const unsigned h_8 = h0 + row_22;
-                    if (h_8 < p.heads) {
-                        const float inv_l_6 = row_sum[row_22];
-                        const unsigned at_2 = (((((t * p.heads) + h_8) * p.splits) + split) * 512u) + (col_12 + 256u);
-                        o_part[at_2] = v0_12 * inv_l_6;
-                        o_part[at_2 + 1u] = v1_12 * inv_l_6;
-                    }
-                    o_acc_2[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_12;
-                    o_acc_2[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_12;
-                }
-            }
-        }
-        #pragma unroll
-        for (unsigned frag580 = 0u; frag580 < 2u; frag580 += 1u) {
-            #pragma unroll
-            for (unsigned half581 = 0u; half581 < 2u; half581 += 1u) {
-                #pragma unroll
-                for (unsigned e582 = 0u; e582 < 2u; e582 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag580 / 1u) * 16u)) + ((half581 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag580 % 1u) * 16u)) + ((lane_quad * 4u) + (e582 * 2u));
-                    float v0_13 = o_acc_3[((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) * 4u) + ((half581 * 2u) + e582)];
-                    float v1_13 = o_acc_3[(((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)];
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag577 / 1u) * 16u)) + ((half578 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag577 % 1u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
+                    float v0_13 = o_acc_3[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
+                    float v1_13 = o_acc_3[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2144,8 +2144,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) * 4u) + ((half581 * 2u) + e582)] = v0_13;
-                    o_acc_3[(((((frag580 / 1u) * 2u) + ((frag580 % 1u) * 2u)) + 1u) * 4u) + ((half581 * 2u) + e582)] = v1_13;
+                    o_acc_3[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_13;
+                    o_acc_3[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_13;
                 }
             }
         }

@@ -8,6 +8,7 @@
 
 use super::{f32_literal, header, special_f32, Dialect, Writer};
 use crate::kir::ir::*;
+use crate::kir::walk::free_reads;
 use crate::{Error, Result};
 use std::collections::HashSet;
 
@@ -925,62 +926,8 @@ fn axis(a: u8) -> &'static str {
 /// leave such lets behind (an index a later fold made unnecessary), and CUDA compilers warn
 /// about each; their values have no side effects.
 fn without_dead_lets(body: &[Stmt]) -> Vec<Stmt> {
-    fn expr_reads(e: &Expr, bound: &HashSet<String>, into: &mut HashSet<String>) {
-        e.visit(&mut |x| {
-            if let Expr::Var(n, _) = x {
-                if !bound.contains(n) {
-                    into.insert(n.clone());
-                }
-            }
-        });
-    }
-    // the names `block` reads that it does not bind itself first (a nested `let` of the
-    // same name shadows an outer one)
-    fn block_reads(block: &[Stmt], outer: &HashSet<String>, into: &mut HashSet<String>) {
-        let mut bound = outer.clone();
-        for s in block {
-            match s {
-                Stmt::Let { name, value } | Stmt::Var { name, value } => {
-                    expr_reads(value, &bound, into);
-                    bound.insert(name.clone());
-                }
-                Stmt::If { cond, then, els } => {
-                    expr_reads(cond, &bound, into);
-                    block_reads(then, &bound, into);
-                    block_reads(els, &bound, into);
-                }
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => {
-                    for e in [start, end, step] {
-                        expr_reads(e, &bound, into);
-                    }
-                    let mut inner = bound.clone();
-                    inner.insert(var.clone());
-                    block_reads(body, &inner, into);
-                }
-                other => {
-                    other.clone().map(
-                        &mut |x| {
-                            if let Expr::Var(n, _) = &x {
-                                if !bound.contains(n) {
-                                    into.insert(n.clone());
-                                }
-                            }
-                            x
-                        },
-                        &mut |st| st,
-                    );
-                }
-            }
-        }
-    }
     fn reads(s: &Stmt, into: &mut HashSet<String>) {
-        block_reads(std::slice::from_ref(s), &HashSet::new(), into);
+        free_reads(std::slice::from_ref(s), into);
     }
     fn prune(block: Vec<Stmt>, dropped: &mut usize) -> Vec<Stmt> {
         let block: Vec<Stmt> = block

@@ -65,7 +65,7 @@ pub use ws::lower_ws;
 /// Lower every tile op of `kernel` for tensor cores, with `stages` ring buffers per pipelined
 /// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint).
 pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32) -> Result<Kernel> {
-    let mut cx = Cx::new(kernel, stages, false)?;
+    let mut cx = Cx::new(kernel, stages, false, 1)?;
     cx.min_workgroups = min_workgroups;
     let body = cx.stmts(&kernel.body)?;
     let mut out = kernel.clone();

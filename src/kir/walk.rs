@@ -201,3 +201,65 @@ pub fn visit_tile_ops_with(stmts: &[Stmt], expansions: bool, f: &mut dyn FnMut(&
         }
     }
 }
+
+/// The names `block` reads that it does not bind itself first (its free names: a nested
+/// `let` or loop variable of the same name shadows an outer one).
+pub(crate) fn free_reads(block: &[Stmt], into: &mut HashSet<String>) {
+    block_reads(block, &HashSet::new(), into);
+}
+
+fn expr_reads(e: &Expr, bound: &HashSet<String>, into: &mut HashSet<String>) {
+    e.visit(&mut |x| {
+        if let Expr::Var(n, _) = x {
+            if !bound.contains(n) {
+                into.insert(n.clone());
+            }
+        }
+    });
+}
+
+// the names `block` reads that it does not bind itself first (a nested `let` of the
+// same name shadows an outer one)
+fn block_reads(block: &[Stmt], outer: &HashSet<String>, into: &mut HashSet<String>) {
+    let mut bound = outer.clone();
+    for s in block {
+        match s {
+            Stmt::Let { name, value } | Stmt::Var { name, value } => {
+                expr_reads(value, &bound, into);
+                bound.insert(name.clone());
+            }
+            Stmt::If { cond, then, els } => {
+                expr_reads(cond, &bound, into);
+                block_reads(then, &bound, into);
+                block_reads(els, &bound, into);
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                for e in [start, end, step] {
+                    expr_reads(e, &bound, into);
+                }
+                let mut inner = bound.clone();
+                inner.insert(var.clone());
+                block_reads(body, &inner, into);
+            }
+            other => {
+                other.clone().map(
+                    &mut |x| {
+                        if let Expr::Var(n, _) = &x {
+                            if !bound.contains(n) {
+                                into.insert(n.clone());
+                            }
+                        }
+                        x
+                    },
+                    &mut |st| st,
+                );
+            }
+        }
+    }
+}

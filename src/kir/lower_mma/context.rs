@@ -177,18 +177,13 @@ impl Cx<'_> {
             .ok_or_else(|| self.err(format!("no accumulator tile `{name}`")))
     }
 
-    /// Word offset of the current ring stage of a tile (0 for an ordinary tile).
     /// A register-resident tile staged through shared memory (see `layout`).
     pub(super) fn is_staged(&self, tile: &str) -> bool {
-        self.kernel
-            .shared_tile(tile)
-            .is_some_and(|t| t.alias.is_none())
-            && self
-                .new_shared
-                .iter()
-                .any(|d| d.name == tile && d.alias.is_some())
+        // (a resident tile's only shared array is its staging window)
+        self.resident_a.contains_key(tile) && self.new_shared.iter().any(|d| d.name == tile)
     }
 
+    /// Word offset of the current ring stage of a tile (0 for an ordinary tile).
     pub(super) fn tile_base(&self, t: &TileInfo) -> Result<Expr> {
         if !t.ringed || self.stages == 1 {
             return Ok(u(0));

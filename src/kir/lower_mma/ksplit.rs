@@ -568,30 +568,32 @@ impl Cx<'_> {
         let r = self.resident_a.get(dst).cloned().unwrap_or_default();
         let info = self.tile(dst)?.clone();
         let fm = info.decl.rows / 16;
-        let mut out = vec![Stmt::Comment(if self.is_staged(dst) {
+        let staged = self.is_staged(dst);
+        let mut out = vec![Stmt::Comment(if staged {
             format!("{dst}: this warp's A fragments from its staging rows into registers")
         } else {
             format!("{dst}: this warp's A fragments straight from global memory into registers")
         })];
-        // source words of the lane's rows (g and g + 8 of each m fragment)
-        let src_word = self.expr(src_word)?;
-        let rows_sw: Vec<String> = (0..2 * fm)
-            .map(|_| self.fresh(&format!("{dst}_row_src")))
-            .collect();
-        for i in 0..fm {
-            for h in 0..2 {
-                let rv = add(u(16 * i + 8 * h), self.lane.group.clone());
-                let name = &rows_sw[(2 * i + h) as usize];
-                let bound = src_word.clone().map(&mut |x| match x {
-                    Expr::Var(ref n, Ty::U32) if n == row => rv.clone(),
-                    other => other,
-                });
-                out.push(let_(name, bound));
+        // source words of the lane's rows (g and g + 8 of each m fragment), where they are
+        // read from global memory
+        let mut rows_sw: Vec<String> = Vec::new();
+        if !staged {
+            let src_word = self.expr(src_word)?;
+            for i in 0..fm {
+                for h in 0..2 {
+                    let rv = add(u(16 * i + 8 * h), self.lane.group.clone());
+                    let name = self.fresh(&format!("{dst}_row_src"));
+                    let bound = src_word.clone().map(&mut |x| match x {
+                        Expr::Var(ref n, Ty::U32) if n == row => rv.clone(),
+                        other => other,
+                    });
+                    out.push(let_(&name, bound));
+                    rows_sw.push(name);
+                }
             }
         }
         // word `word` of the row of lane row `h` (0..2 fm), 0 for a missing row: from the
         // staging rows where the tile has them (`layout`), else from global memory
-        let staged = self.is_staged(dst);
         let stride = info.stride;
         let lane_group = self.lane.group.clone();
         let load = |h: u32, word: Expr| {

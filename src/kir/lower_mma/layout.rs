@@ -42,7 +42,7 @@ pub(super) fn warp_grid(fm: u32, fn_: u32, warps: u32) -> (u32, u32) {
 }
 
 impl<'k> Cx<'k> {
-    pub(super) fn new(kernel: &'k Kernel, stages: u32, ws_mode: bool) -> Result<Self> {
+    pub(super) fn new(kernel: &'k Kernel, stages: u32, ws_mode: bool, groups: u32) -> Result<Self> {
         let err = |message: String| Error::Kir {
             kernel: kernel.name.clone(),
             message,
@@ -106,7 +106,7 @@ impl<'k> Cx<'k> {
             ws: None,
             partial_live: HashSet::new(),
             resident_a: HashMap::new(),
-            groups: 1,
+            groups: groups.max(1),
             group: None,
         };
         cx.bind_lane();
@@ -191,9 +191,12 @@ impl<'k> Cx<'k> {
                 continue;
             }
             if resident_tiles.contains(&t.name) {
-                // in registers (loaded by `ksplit`), no shared memory of its own: it is staged
-                // through the ring's memory where that fits (placed below, once the ring is)
-                staged.push(t.name.clone());
+                // in registers (loaded by `ksplit`), no shared memory of its own: with one warp
+                // group it is staged through the ring's memory where that fits (placed below,
+                // once the ring is)
+                if cx.groups == 1 {
+                    staged.push(t.name.clone());
+                }
                 let store = t.elem;
                 let row_bytes = t.cols * store.bytes();
                 cx.tiles.insert(
@@ -247,7 +250,9 @@ impl<'k> Cx<'k> {
         // fragments from shared memory — instead of every warp loading its slice from global
         // memory four bytes at a time (at T = 1 those loads were 30 % of a v7 workgroup's
         // stall samples, ncu, H200). The ring is not written before its set-up's barrier, which
-        // every thread reaches after its reads.
+        // every thread reaches after its reads. Warp groups keep the global loads: staged, the
+        // fp8 batch kernel ran 0.96x at T = 128 (H200), where the one-time load is a small
+        // share of a workgroup's time anyway.
         for name in staged {
             let info = cx.tiles[&name].clone();
             let bytes = info.decl.rows * info.stride * 4;

@@ -82,18 +82,11 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
             "the producer/consumer lowering takes exactly one pipeline, at the top level".into(),
         ));
     }
-    let mut cx = Cx::new(kernel, stages, true)?;
+    let mut cx = Cx::new(kernel, stages, true, groups)?;
     cx.min_workgroups = 1;
     if groups > 1 {
-        cx.groups = groups;
         let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
         cx.group = Some(super::groups::GroupPlan::new(group_var, tid_var));
-        // Warp groups load their resident tiles straight from global memory: staged through
-        // the ring (`layout`), the fp8 batch kernel ran 0.96x at T = 128 (H200), where the
-        // one-time load is a small share of a workgroup's time anyway.
-        let resident: Vec<String> = cx.resident_a.keys().cloned().collect();
-        cx.new_shared
-            .retain(|d| !(d.alias.is_some() && resident.contains(&d.name)));
     }
     let info = cx.ws.clone().ok_or_else(|| err("no ring plan".into()))?;
     let threads = cx.w;
@@ -153,51 +146,8 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
 /// (names it reads that no top-level `let` binds are the kernel's own: parameters, the
 /// prelude's lane names). An error if it reads a name bound anywhere else in `body`.
 fn hoist_point(body: &[Stmt], hoist: &[Stmt]) -> std::result::Result<usize, String> {
-    fn reads(stmts: &[Stmt], out: &mut HashSet<String>) {
-        let expr = |e: &Expr, out: &mut HashSet<String>| {
-            e.visit(&mut |x| {
-                if let Expr::Var(n, _) = x {
-                    out.insert(n.clone());
-                }
-            })
-        };
-        for s in stmts {
-            match s {
-                Stmt::Let { value, .. } | Stmt::Var { value, .. } | Stmt::Assign { value, .. } => {
-                    expr(value, out)
-                }
-                Stmt::Store { index, value, .. }
-                | Stmt::StoreWord { index, value, .. }
-                | Stmt::SharedStore { index, value, .. }
-                | Stmt::PrivateStore { index, value, .. } => {
-                    expr(index, out);
-                    expr(value, out);
-                }
-                Stmt::If { cond, then, els } => {
-                    expr(cond, out);
-                    reads(then, out);
-                    reads(els, out);
-                }
-                Stmt::For {
-                    start,
-                    end,
-                    step,
-                    body,
-                    ..
-                } => {
-                    expr(start, out);
-                    expr(end, out);
-                    expr(step, out);
-                    reads(body, out);
-                }
-                Stmt::Comment(_) | Stmt::Barrier | Stmt::Tile(_) | Stmt::Intrinsic(_) => {}
-            }
-        }
-    }
     let mut read = HashSet::new();
-    reads(hoist, &mut read);
-    let mut bound_inside = HashSet::new();
-    super::super::walk::collect_names(hoist, &mut bound_inside);
+    crate::kir::walk::free_reads(hoist, &mut read);
     let mut at = 0;
     let mut top = HashSet::new();
     for (i, s) in body.iter().enumerate() {
@@ -209,10 +159,10 @@ fn hoist_point(body: &[Stmt], hoist: &[Stmt]) -> std::result::Result<usize, Stri
         }
     }
     let mut nested = HashSet::new();
-    super::super::walk::collect_names(body, &mut nested);
+    crate::kir::walk::collect_names(body, &mut nested);
     if let Some(n) = read
         .iter()
-        .find(|n| !bound_inside.contains(*n) && !top.contains(*n) && nested.contains(*n))
+        .find(|n| !top.contains(*n) && nested.contains(*n))
     {
         return Err(format!(
             "the first step's index loads read `{n}`, which is not a top-level let"
@@ -642,44 +592,36 @@ impl Cx<'_> {
         // the producer: step i + s - 1 into the stage step i - 1 released
         let ahead = self.fresh("ahead");
         let aheadv = var(&ahead, Ty::U32);
-        let mut when = Vec::new();
-        if s > 1 {
-            when.push(Stmt::If {
-                cond: bin(BinOp::Ge, itv.clone(), u(1)),
-                then: vec![intr(Intrinsic::MbarWait {
-                    bars: info.bars.clone(),
-                    index: add(
-                        u(s),
-                        bin(BinOp::Rem, bin(BinOp::Sub, itv.clone(), u(1)), u(s)),
-                    ),
-                    parity: bin(
-                        BinOp::BitAnd,
-                        bin(BinOp::Div, bin(BinOp::Sub, itv.clone(), u(1)), u(s)),
-                        u(1),
-                    ),
-                })],
-                els: vec![],
-            });
+        // the producer's wait for the release of the stage it refills (step i - 1's)
+        let (empty_index, empty_parity) = if s > 1 {
+            let prev = bin(BinOp::Sub, itv.clone(), u(1));
+            (
+                add(u(s), bin(BinOp::Rem, prev.clone(), u(s))),
+                bin(BinOp::BitAnd, bin(BinOp::Div, prev, u(s)), u(1)),
+            )
         } else {
-            when.push(Stmt::If {
-                cond: bin(BinOp::Ge, itv.clone(), u(1)),
-                then: vec![intr(Intrinsic::MbarWait {
-                    bars: info.bars.clone(),
-                    index: u(s),
-                    parity: bin(BinOp::BitAnd, bin(BinOp::Sub, itv.clone(), u(1)), u(1)),
-                })],
-                els: vec![],
-            });
-        }
-        let empty_wait = when.pop();
+            (
+                u(s),
+                bin(BinOp::BitAnd, bin(BinOp::Sub, itv.clone(), u(1)), u(1)),
+            )
+        };
+        let empty_wait = Stmt::If {
+            cond: bin(BinOp::Ge, itv.clone(), u(1)),
+            then: vec![intr(Intrinsic::MbarWait {
+                bars: info.bars.clone(),
+                index: empty_index,
+                parity: empty_parity,
+            })],
+            els: vec![],
+        };
         let mut rest = issue(self, aheadv.clone())?;
         rest.push(addr(self, add(aheadv.clone(), u(1)))?);
         // `wait`: the producer waits for the stage's release (see below for when it need not)
         let produce = |wait: bool| {
-            let mut when: Vec<Stmt> = if wait {
-                empty_wait.clone().into_iter().collect()
+            let mut when = if wait {
+                vec![empty_wait.clone()]
             } else {
-                Vec::new()
+                vec![]
             };
             when.extend(rest.clone());
             let inner = vec![
