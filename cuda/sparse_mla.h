@@ -3,8 +3,9 @@
 //
 // The production decode kernels are the tensor-core (mma.sync) ones below, the kernels
 // the CUDA backend of sparse-mla runs: for bf16, v6 (*_mma*) on a GPU that holds two v6
-// workgroups per SM (H100/H200) and the v7 mbarrier ring (*_ws*) where one v6 workgroup
-// fills an SM (SM120: 100 KB of shared memory per SM; sm_86/89); for fp8_ds_mla, v7 on
+// workgroups per SM (H100/H200; at H > 16 v7 where it fills the SMs in one wave) and the
+// v7 mbarrier ring (*_ws*) where one v6 workgroup fills an SM (SM120: 100 KB of shared
+// memory per SM; sm_86/89); for fp8_ds_mla, v7 on
 // every GPU. sparse_mla_decode_variant() below picks among them as the backend does, given
 // the SM count and that v6 occupancy (WHICH KERNEL). The folder also holds the scalar
 // lowering (*_scalar_*: static shared memory, 128 threads) and the v6 fp8 kernels; all
@@ -180,6 +181,17 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
     return 5u * blocks >= 4u * (unsigned long long)sms || (2u * blocks >= (unsigned long long)sms && v6_per_sm < 2u);
 }
 
+/* Does a call of more than 16 heads fill the multiprocessors in one wave of v7's 32-head
+   blocks (DecodeConfig::v7_fills_one_wave): b = tokens x ceil(heads / 32) <= sms and
+   b x floor(sms / b) >= 7/8 x sms, and not a small call. Then bf16 runs v7 at any v6_per_sm
+   (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
+static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {
+    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + 31u) / 32u);
+    unsigned long long m = sms;
+    if (heads <= 16u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
+    return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
+}
+
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
    (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).
    Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load
@@ -204,9 +216,10 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
    when sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)); for bf16 v6 for a small call
-   (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU
-   holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs
-   v7 at any v6_per_sm.
+   (sparse_mla_is_small_call(heads, tokens, sms)), v7 for a call v7 fills the GPU with in
+   one wave (sparse_mla_v7_fills_one_wave(heads, tokens, sms)), else by v6_per_sm (v6
+   where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one);
+   fp8_ds_mla runs v7 at any v6_per_sm.
    `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
    bf16 v6 split kernel for `heads` one multiprocessor holds (sparse_mla_v6_per_sm() on
    the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice
@@ -234,6 +247,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     }
     if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms))
         return sparse_mla_v6_kernel(heads, p);
+    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v7_fills_one_wave(heads, tokens, sms))
+        v6_per_sm = 1u;
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm <= 1u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;

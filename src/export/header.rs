@@ -519,6 +519,17 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
     return 5u * blocks >= 4u * (unsigned long long)sms || (2u * blocks >= (unsigned long long)sms && v6_per_sm < 2u);
 }}
 
+/* Does a call of more than 16 heads fill the multiprocessors in one wave of v7's 32-head
+   blocks (DecodeConfig::v7_fills_one_wave): b = tokens x ceil(heads / 32) <= sms and
+   b x floor(sms / b) >= 7/8 x sms, and not a small call. Then bf16 runs v7 at any v6_per_sm
+   (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
+static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {{
+    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + 31u) / 32u);
+    unsigned long long m = sms;
+    if (heads <= 16u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
+    return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
+}}
+
 {v6_fn}/* The kernel of one call{batch_doc}
    `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
    bf16 v6 split kernel for `heads` one multiprocessor holds ({v6_doc}).
@@ -545,9 +556,10 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
              when sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)); for bf16 v6 for a small call\n   \
-             (sparse_mla_is_small_call(heads, tokens, sms)), else by v6_per_sm (v6 where the GPU\n   \
-             holds two or more v6 workgroups per multiprocessor, v7 where one); fp8_ds_mla runs\n   \
-             v7 at any v6_per_sm."
+             (sparse_mla_is_small_call(heads, tokens, sms)), v7 for a call v7 fills the GPU with in\n   \
+             one wave (sparse_mla_v7_fills_one_wave(heads, tokens, sms)), else by v6_per_sm (v6\n   \
+             where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one);\n   \
+             fp8_ds_mla runs v7 at any v6_per_sm."
         },
         v6_doc = if v6_probe.is_some() {
             "sparse_mla_v6_per_sm() on\n   the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice\n   does not depend on it"
@@ -589,10 +601,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         s.push_str("    }\n");
     }
     if v6_probe.is_some() {
-        // bf16 small calls: the v6 kernel of the head count, at any v6_per_sm
+        // bf16 small calls: the v6 kernel of the head count, at any v6_per_sm; calls v7
+        // fills in one wave: the choice at one v6 workgroup per multiprocessor
         s.push_str(
             "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms))\n        \
-             return sparse_mla_v6_kernel(heads, p);\n",
+             return sparse_mla_v6_kernel(heads, p);\n    \
+             if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v7_fills_one_wave(heads, tokens, sms))\n        \
+             v6_per_sm = 1u;\n",
         );
     }
     for v in variants {
@@ -968,8 +983,9 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
          //\n\
          // The production decode kernels are the tensor-core (mma.sync) ones below, the kernels\n\
          // the CUDA backend of sparse-mla runs: for bf16, v6 (*_mma*) on a GPU that holds two v6\n\
-         // workgroups per SM (H100/H200) and the v7 mbarrier ring (*_ws*) where one v6 workgroup\n\
-         // fills an SM (SM120: 100 KB of shared memory per SM; sm_86/89); for fp8_ds_mla, v7 on\n\
+         // workgroups per SM (H100/H200; at H > 16 v7 where it fills the SMs in one wave) and the\n\
+         // v7 mbarrier ring (*_ws*) where one v6 workgroup fills an SM (SM120: 100 KB of shared\n\
+         // memory per SM; sm_86/89); for fp8_ds_mla, v7 on\n\
          // every GPU. sparse_mla_decode_variant() below picks among them as the backend does, given\n\
          // the SM count and that v6 occupancy (WHICH KERNEL). The folder also holds the scalar\n\
          // lowering (*_scalar_*: static shared memory, 128 threads) and the v6 fp8 kernels; all\n\

@@ -186,9 +186,10 @@ impl DecodeConfig {
 
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for bf16 a small call
-    /// ([`Self::is_small_call`]) v6 at any v6 residency; else [`Self::tensor_core_on`].
-    /// `v6_per_sm` is asked at most once, and only for bf16 calls the answer decides: not
-    /// small, and not a large batch at every v6 residency.
+    /// ([`Self::is_small_call`]) v6 at any v6 residency, and v7 for a call of more than 16
+    /// heads that v7 fills the GPU with in one wave ([`Self::v7_fills_one_wave`]); else
+    /// [`Self::tensor_core_on`]. `v6_per_sm` is asked at most once, and only for bf16 calls
+    /// the answer decides: none of those, and not a large batch at every v6 residency.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -203,6 +204,10 @@ impl DecodeConfig {
         if let Some(batch) = batch.filter(|_| Self::is_large_batch(shape, sm_count, u32::MAX)) {
             return Ok(batch);
         }
+        if format == CacheFormat::Bf16 && Self::v7_fills_one_wave(shape, sm_count) {
+            // v7 at any v6 residency: the one-workgroup-per-SM choice
+            return Self::tensor_core_on(dims, format, heads, || Ok(1));
+        }
         let per_sm = match format {
             CacheFormat::Bf16 => v6_per_sm()?,
             CacheFormat::Fp8DsMla => 1,
@@ -211,6 +216,24 @@ impl DecodeConfig {
             Some(batch) if Self::is_large_batch(shape, sm_count, per_sm) => Ok(batch),
             _ => Self::tensor_core_on(dims, format, heads, || Ok(per_sm)),
         }
+    }
+
+    /// Does a call of more than 16 heads fill the GPU's multiprocessors in one wave of v7's
+    /// 32-head blocks, `b = T · ⌈H/32⌉ ≤ SMs` and `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can
+    /// give each multiprocessor one workgroup and leave at most an eighth idle)? Where two
+    /// bf16 v6 workgroups fit a multiprocessor (H100/H200), [`Self::for_call`] then runs v7
+    /// for bf16, not v6: on the H200 v7 was 1.03–1.11× faster on such calls (H 32 T 8–128,
+    /// H 64 T 4–64, H 128 T 2–32), while v6, with twice the workgroups to place, was the
+    /// faster where v7's wave left SMs idle (H 32 T 48: 0.94×) or took several waves
+    /// (H 64 / 128 T 128: 0.95×) (benches/NOTES.md, v17). At H ≤ 16 v6 stays (v7 0.96× at
+    /// H 16 T 32).
+    pub fn v7_fills_one_wave(shape: &DecodeShape, sm_count: u32) -> bool {
+        if shape.heads <= 16 || Self::is_small_call(shape, sm_count) {
+            return false;
+        }
+        let b = shape.tokens as u64 * shape.heads.div_ceil(32) as u64;
+        let sms = sm_count as u64;
+        b >= 1 && b <= sms && 8 * b * (sms / b) >= 7 * sms
     }
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
@@ -698,9 +721,57 @@ mod tests {
         assert_eq!(ask(CacheFormat::Bf16, 16, 128), ("batch", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 16, 64), ("batch", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 64, 64), ("v7", false));
-        // between the bf16 thresholds, and above 16 heads
+        // bf16 calls v7 fills in one wave: never
+        assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v7", false));
+        // between the bf16 thresholds, and above 16 heads past one wave
         assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v6", true));
-        assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v6", true));
+        assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v6", true));
+        assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
+    }
+
+    #[test]
+    fn bf16_runs_v7_where_its_one_wave_fills_the_gpu() {
+        // (H, T, v7 on 132 SMs): the H200 rows of benches/h200-v17.txt (call 2) where the two
+        // kernels differ by more than 2 %, v7 the faster (true) or v6 (false), and the small
+        // calls and H <= 16, which the rule leaves alone
+        for (heads, tokens, want) in [
+            (32, 8, true),
+            (32, 16, true),
+            (32, 32, true),
+            (32, 48, false),
+            (32, 64, true),
+            (32, 128, true),
+            (64, 4, true),
+            (64, 8, true),
+            (64, 16, true),
+            (64, 64, true),
+            (64, 128, false),
+            (128, 2, true),
+            (128, 4, true),
+            (128, 8, true),
+            (128, 32, true),
+            (128, 64, false),
+            (128, 128, false),
+            (32, 1, false),
+            (64, 1, false),
+            (16, 32, false),
+        ] {
+            let s = shape(CacheFormat::Bf16, heads, tokens);
+            assert_eq!(
+                DecodeConfig::v7_fills_one_wave(&s, 132),
+                want,
+                "H {heads} T {tokens}"
+            );
+            let family = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(2))
+                .unwrap()
+                .family();
+            let expect = if want { "v7" } else { "v6" };
+            assert_eq!(family, expect, "H {heads} T {tokens}");
+        }
+        // one v6 workgroup per SM: v7 past the small calls anyway
+        let s = shape(CacheFormat::Bf16, 32, 48);
+        let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(1)).unwrap();
+        assert_eq!(c.family(), "v7");
     }
 
     #[test]
