@@ -72,7 +72,7 @@
 // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):
 //   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.
 //   splits > 1: it writes the partials
-//                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes)
+//                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes; 8-byte aligned)
 //                  lse_part f32 [T, H, splits]       (T*H*splits*4 bytes)
 //                then the combine, grid plan->combine_grid (H, T, column chunks), on the
 //                same stream: out and lse.

@@ -255,6 +255,18 @@ SPARSE_MLA_HELPER void fence_proxy_async() {
 #endif
 }
 
+// p[0] = a, p[1] = b in one 8-byte store (st.global.v2.f32; p 8-byte aligned). Plain C++,
+// not asm: the compiler keeps shared values loaded before it in registers across it.
+struct __align__(8) sparse_mla_f32x2 {
+    float x, y;
+};
+SPARSE_MLA_HELPER void store_f32x2(float* p, float a, float b) {
+    sparse_mla_f32x2 v;
+    v.x = a;
+    v.y = b;
+    *reinterpret_cast<sparse_mla_f32x2*>(p) = v;
+}
+
 // Wait until the previous kernel in the stream has finished and its writes are visible.
 SPARSE_MLA_HELPER void grid_wait_previous() {
 #if __CUDA_ARCH__ >= 900
@@ -825,8 +837,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 float v0_3 = o_acc[(frag67 * 4u) + (half68 * 2u)];
                 float v1_3 = o_acc[((frag67 * 4u) + (half68 * 2u)) + 1u];
                 const unsigned h_1 = h0 + row_5;
+                const float inv_l = row_sum[row_5];
                 if (h_1 < p.heads) {
-                    const float inv_l = row_sum[row_5];
                     ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_3) / 2u] = pack_bf16x2(v0_3 * inv_l, v1_3 * inv_l);
                 }
                 o_acc[(frag67 * 4u) + (half68 * 2u)] = v0_3;
@@ -855,11 +867,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 float v0_4 = o_acc[(frag69 * 4u) + (half70 * 2u)];
                 float v1_4 = o_acc[((frag69 * 4u) + (half70 * 2u)) + 1u];
                 const unsigned h_3 = h0 + row_6;
+                const float inv_l_1 = row_sum[row_6];
                 if (h_3 < p.heads) {
-                    const float inv_l_1 = row_sum[row_6];
                     const unsigned at = (((((t * p.heads) + h_3) * p.splits) + split) * 512u) + col_4;
-                    o_part[at] = v0_4 * inv_l_1;
-                    o_part[at + 1u] = v1_4 * inv_l_1;
+                    store_f32x2(o_part + at, v0_4 * inv_l_1, v1_4 * inv_l_1);
                 }
                 o_acc[(frag69 * 4u) + (half70 * 2u)] = v0_4;
                 o_acc[((frag69 * 4u) + (half70 * 2u)) + 1u] = v1_4;

@@ -228,3 +228,53 @@ fn resident_q_is_staged_through_the_ring_in_v7_only() {
         );
     }
 }
+
+#[test]
+fn bf16_partials_are_written_as_pairs_and_fp8_partials_as_words() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    for heads in [16, 64] {
+        for (config, pairs) in [
+            (
+                DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads),
+                true,
+            ),
+            (
+                DecodeConfig::tensor_core_v7(dims, CacheFormat::Bf16, heads),
+                true,
+            ),
+            (
+                DecodeConfig::tensor_core_v7(dims, CacheFormat::Fp8DsMla, heads),
+                false,
+            ),
+            (DecodeConfig::cuda_scalar(dims, CacheFormat::Bf16), false),
+        ] {
+            let (split, _) = lowered_kernels(&config).expect("lowers");
+            let src = cuda::emit(&split).expect("emits");
+            assert_eq!(
+                src.contains("store_f32x2(o_part"),
+                pairs,
+                "{}: pair stores of the partials",
+                split.name
+            );
+            // the helper is printed only where it is called
+            assert_eq!(
+                src.contains("struct __align__(8) sparse_mla_f32x2"),
+                pairs,
+                "{}",
+                split.name
+            );
+            assert_eq!(src.contains("o_part[at + 1u]"), !pairs, "{}", split.name);
+        }
+    }
+}
+
+#[test]
+fn a_pair_store_needs_an_f32_buffer() {
+    let mut b = KernelBuilder::new("pairs_into_words", 64);
+    let words = b.buffer("words", Elem::U32, Access::ReadWrite, "[n]");
+    b.store_f32x2(&words, u(0), f(1.0), f(2.0));
+    let err = b.finish().expect_err("refused");
+    assert!(err.to_string().contains("store_f32x2 into words"), "{err}");
+}

@@ -292,6 +292,8 @@ fn decode(
             }
             t.contiguous(OP)?;
         }
+        // the split kernels write o_part's element pairs as 8-byte stores
+        o.aligned(OP, 8)?;
         bufs.push(("o_part", o.ptr));
         bufs.push(("lse_part", l.ptr));
     } else {

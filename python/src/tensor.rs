@@ -112,7 +112,7 @@ impl Tensor {
     pub fn aligned(&self, op: &str, bytes: u64) -> PyResult<()> {
         if self.ptr % bytes != 0 {
             return Err(PyValueError::new_err(format!(
-                "{op}: `{}`: expected a data pointer aligned to {bytes} bytes (the kernels copy 16-byte chunks), got 0x{:x}",
+                "{op}: `{}`: expected a data pointer aligned to {bytes} bytes (the kernels access it {bytes} bytes at a time), got 0x{:x}",
                 self.name, self.ptr
             )));
         }

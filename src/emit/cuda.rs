@@ -45,6 +45,10 @@ pub fn helpers(kernel: &Kernel) -> String {
         h.push('\n');
         h.push_str(RING_HELPERS);
     }
+    if uses_intrinsic(&kernel.body, &|i| matches!(i, Intrinsic::StoreF32x2 { .. })) {
+        h.push('\n');
+        h.push_str(PAIR_STORE_HELPERS);
+    }
     let dep = kernel.grid_dependency;
     if dep.waits_for_previous || dep.early_dependents {
         h.push('\n');
@@ -69,6 +73,30 @@ SPARSE_MLA_HELPER void grid_launch_dependents() {
 #endif
 }
 "#;
+
+/// [`Intrinsic::StoreF32x2`], printed only into the kernels that use it.
+const PAIR_STORE_HELPERS: &str = r#"// p[0] = a, p[1] = b in one 8-byte store (st.global.v2.f32; p 8-byte aligned). Plain C++,
+// not asm: the compiler keeps shared values loaded before it in registers across it.
+struct __align__(8) sparse_mla_f32x2 {
+    float x, y;
+};
+SPARSE_MLA_HELPER void store_f32x2(float* p, float a, float b) {
+    sparse_mla_f32x2 v;
+    v.x = a;
+    v.y = b;
+    *reinterpret_cast<sparse_mla_f32x2*>(p) = v;
+}
+"#;
+
+/// Does any statement of `stmts` (at any depth) use an intrinsic `pick` accepts?
+fn uses_intrinsic(stmts: &[Stmt], pick: &dyn Fn(&Intrinsic) -> bool) -> bool {
+    stmts.iter().any(|s| match s {
+        Stmt::Intrinsic(i) => pick(i),
+        Stmt::If { then, els, .. } => uses_intrinsic(then, pick) || uses_intrinsic(els, pick),
+        Stmt::For { body, .. } => uses_intrinsic(body, pick),
+        _ => false,
+    })
+}
 
 /// Does the kernel hand pipeline stages over with mbarriers (the producer/consumer form)?
 fn uses_ring_intrinsics(stmts: &[Stmt]) -> bool {
@@ -680,6 +708,12 @@ impl Printer<'_> {
                 )
             }
             Intrinsic::FenceProxyAsync => "fence_proxy_async();".into(),
+            Intrinsic::StoreF32x2 { buf, index, v0, v1 } => format!(
+                "store_f32x2({buf}{}, {}, {});",
+                self.pointer_terms(index),
+                self.expr(v0),
+                self.expr(v1)
+            ),
         }
     }
 

@@ -404,7 +404,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):\n\
          //   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.\n\
          //   splits > 1: it writes the partials\n\
-         //                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes)\n\
+         //                  o_part   f32 [T, H, splits, 512]  (T*H*splits*2048 bytes; 8-byte aligned)\n\
          //                  lse_part f32 [T, H, splits]       (T*H*splits*4 bytes)\n\
          //                then the combine, grid plan->combine_grid (H, T, column chunks), on the\n\
          //                same stream: out and lse.\n\

@@ -604,6 +604,27 @@ impl KernelBuilder {
         });
     }
 
+    /// `buf[index] = v0; buf[index + 1] = v1` in one 8-byte store ([`Intrinsic::StoreF32x2`]):
+    /// an F32 buffer whose base is 8-byte aligned, `index` even. Tensor-core lowerings only
+    /// (the scalar lowering refuses intrinsics: store the two values there).
+    pub fn store_f32x2(&mut self, buf: &Buf, index: Expr, v0: Expr, v1: Expr) {
+        self.check_bin(&v0);
+        self.check_bin(&v1);
+        if buf.elem != Elem::F32 || v0.ty() != Ty::F32 || v1.ty() != Ty::F32 {
+            self.error(format!(
+                "store_f32x2 into {} ({}): needs an f32 buffer and two f32 values",
+                buf.name,
+                buf.elem.name()
+            ));
+        }
+        self.push(Stmt::Intrinsic(Intrinsic::StoreF32x2 {
+            buf: buf.name.clone(),
+            index,
+            v0,
+            v1,
+        }));
+    }
+
     pub fn store_word(&mut self, buf: &Buf, index: Expr, value: Expr) {
         self.check_bin(&value);
         if value.ty() != Ty::U32 {

@@ -695,6 +695,15 @@ pub enum Intrinsic {
     /// Order this thread's earlier generic shared-memory writes before later asynchronous
     /// (bulk) copies into the same memory (`fence.proxy.async`, sm_90 and later).
     FenceProxyAsync,
+    /// `buf[index] = v0; buf[index + 1] = v1` in one 8-byte store (an F32 buffer; `index`
+    /// even, the buffer 8-byte aligned): half the store instructions of two f32 stores, each
+    /// covering whole 32-byte sectors where a quad of lanes writes adjacent pairs.
+    StoreF32x2 {
+        buf: String,
+        index: Expr,
+        v0: Expr,
+        v1: Expr,
+    },
 }
 
 impl Intrinsic {
@@ -810,6 +819,12 @@ impl Intrinsic {
             CopyArrive { bars, index } => CopyArrive {
                 bars,
                 index: f(index),
+            },
+            StoreF32x2 { buf, index, v0, v1 } => StoreF32x2 {
+                buf,
+                index: f(index),
+                v0: f(v0),
+                v1: f(v1),
             },
             other @ (CpAsyncCommit | CpAsyncWait { .. } | SyncWarp | FenceProxyAsync) => other,
         }

@@ -216,14 +216,30 @@ pub(super) fn write_outputs(
             }
         });
     };
+    // bf16 tensor-core kernels: each row's 1/l read outside the row guard (e.row < block_h:
+    // always in the array), so the compiler loads it once for all of the row's pairs (in the
+    // guard every pair waited on its own shared load: 13 % of the v6 T = 1 split kernel's
+    // stall samples), and each partial pair written as one 8-byte store. Together 1.005–1.06x
+    // on the bf16 rows (H200, benches/NOTES.md v17). fp8_ds_mla keeps the form below: its O
+    // accumulators are interleaved (a thread holds four adjacent columns), and there the
+    // 8-byte stores made the 32-head split kernel 0.91x (ncu: the epilogue waited on the
+    // stores' register release); the hoist alone was slower on every kernel.
+    let pair_store = per_row && cfg.format == CacheFormat::Bf16;
     let rows = |b: &mut KernelBuilder, final_out: bool| {
         for (o, col0) in outs {
             b.acc_for_each(o, |b, e| {
                 let h = b.let_("h", h0.clone() + e.row.clone());
-                b.if_(h.clone().lt(heads.clone()), |b| {
+                let scaled = |b: &mut KernelBuilder| {
                     let l = st.l.at(e.row.clone());
                     let inv = b.let_("inv_l", if per_row { l } else { inv_of(l) });
-                    let (y0, y1) = (e.v0.clone() * inv.clone(), e.v1.clone() * inv);
+                    (e.v0.clone() * inv.clone(), e.v1.clone() * inv)
+                };
+                let hoisted = pair_store.then(|| scaled(b));
+                b.if_(h.clone().lt(heads.clone()), |b| {
+                    let (y0, y1) = match &hoisted {
+                        Some(y) => y.clone(),
+                        None => scaled(b),
+                    };
                     let col = e.col.clone() + u(*col0);
                     if final_out {
                         let at = (t.clone() * heads.clone() + h) * u(dv) + col;
@@ -233,8 +249,13 @@ pub(super) fn write_outputs(
                             * u(dv)
                             + col;
                         let at = b.let_("at", at);
-                        b.store(&io.o_part, at.clone(), y0);
-                        b.store(&io.o_part, at + u(1), y1);
+                        if pair_store {
+                            // col is even (a fragment's pair), d_v even: one 8-byte store
+                            b.store_f32x2(&io.o_part, at, y0, y1);
+                        } else {
+                            b.store(&io.o_part, at.clone(), y0);
+                            b.store(&io.o_part, at + u(1), y1);
+                        }
                     }
                 });
             });

@@ -769,6 +769,7 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
                 expr(c0) || expr(a0) || expr(b0)
             }
             Intrinsic::ShflXor { value, .. } => expr(value),
+            Intrinsic::StoreF32x2 { index, v0, v1, .. } => expr(index) || expr(v0) || expr(v1),
             Intrinsic::CopyAsync {
                 dst,
                 dst_word,
