@@ -100,8 +100,8 @@ fn uses_intrinsic(stmts: &[Stmt], pick: &dyn Fn(&Intrinsic) -> bool) -> bool {
 
 /// Does the kernel hand pipeline stages over with mbarriers (the producer/consumer form)?
 fn uses_ring_intrinsics(stmts: &[Stmt]) -> bool {
-    stmts.iter().any(|s| match s {
-        Stmt::Intrinsic(i) => matches!(
+    uses_intrinsic(stmts, &|i| {
+        matches!(
             i,
             Intrinsic::NamedBarrier { .. }
                 | Intrinsic::SyncWarp
@@ -111,10 +111,7 @@ fn uses_ring_intrinsics(stmts: &[Stmt]) -> bool {
                 | Intrinsic::CopyAsync { .. }
                 | Intrinsic::CopyArrive { .. }
                 | Intrinsic::FenceProxyAsync
-        ),
-        Stmt::If { then, els, .. } => uses_ring_intrinsics(then) || uses_ring_intrinsics(els),
-        Stmt::For { body, .. } => uses_ring_intrinsics(body),
-        _ => false,
+        )
     })
 }
 

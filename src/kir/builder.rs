@@ -605,8 +605,8 @@ impl KernelBuilder {
     }
 
     /// `buf[index] = v0; buf[index + 1] = v1` in one 8-byte store ([`Intrinsic::StoreF32x2`]):
-    /// an F32 buffer whose base is 8-byte aligned, `index` even. Tensor-core lowerings only
-    /// (the scalar lowering refuses intrinsics: store the two values there).
+    /// an F32 buffer whose base is 8-byte aligned, `index` even. CUDA only: the WGSL emitter
+    /// refuses intrinsics, so a description also lowered for WGSL stores the two values.
     pub fn store_f32x2(&mut self, buf: &Buf, index: Expr, v0: Expr, v1: Expr) {
         self.check_bin(&v0);
         self.check_bin(&v1);

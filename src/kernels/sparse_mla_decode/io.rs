@@ -219,8 +219,8 @@ pub(super) fn write_outputs(
     // bf16 tensor-core kernels: each row's 1/l read outside the row guard (e.row < block_h:
     // always in the array), so the compiler loads it once for all of the row's pairs (in the
     // guard every pair waited on its own shared load: 13 % of the v6 T = 1 split kernel's
-    // stall samples), and each partial pair written as one 8-byte store. Together 1.005–1.06x
-    // on the bf16 rows (H200, benches/NOTES.md v17). fp8_ds_mla keeps the form below: its O
+    // stall samples), and each partial pair written as one 8-byte store. Together 0.99–1.08x
+    // on the bf16 rows, 1.02–1.08x at T <= 8 (H200, benches/NOTES.md v17). fp8_ds_mla keeps the form below: its O
     // accumulators are interleaved (a thread holds four adjacent columns), and there the
     // 8-byte stores made the 32-head split kernel 0.91x (ncu: the epilogue waited on the
     // stores' register release); the hoist alone was slower on every kernel.
