@@ -186,7 +186,7 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
    b x floor(sms / b) >= 7/8 x sms, and not a small call. Then bf16 runs v7 at any v6_per_sm
    (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
 static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {
-    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + 31u) / 32u);
+    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + 32u - 1u) / 32u);
     unsigned long long m = sms;
     if (heads <= 16u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
     return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;

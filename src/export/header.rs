@@ -462,6 +462,14 @@ fn plan_code(
         .first()
         .ok_or_else(|| Error::arg("variants", "at least one", 0))?;
     let dims = first.config.dims;
+    // v7's head blocks (DecodeConfig::v7_fills_one_wave): the 16-head block up to
+    // `narrow_max` heads, then `wide_h`
+    let v7_block = |h| DecodeConfig::tensor_core_v7(dims, CacheFormat::Bf16, h).block_h;
+    let narrow_max = (1..=SCAN_HEADS)
+        .take_while(|&h| v7_block(h) <= 16)
+        .last()
+        .unwrap_or(0);
+    let wide_h = v7_block(narrow_max + 1);
     let mut s = String::new();
     let _ = write!(
         s,
@@ -524,9 +532,9 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
    b x floor(sms / b) >= 7/8 x sms, and not a small call. Then bf16 runs v7 at any v6_per_sm
    (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
 static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {{
-    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + 31u) / 32u);
+    unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + {wide_h}u - 1u) / {wide_h}u);
     unsigned long long m = sms;
-    if (heads <= 16u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
+    if (heads <= {narrow_max}u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
     return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
 }}
 
@@ -545,6 +553,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
 "#,
         d_qk = dims.d_qk(),
         d_v = dims.d_v(),
+        wide_h = wide_h,
+        narrow_max = narrow_max,
         fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
         bf16 = CacheFormat::Bf16.row_bytes(dims),
         batch_doc = if batch.is_empty() {

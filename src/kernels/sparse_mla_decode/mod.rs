@@ -228,10 +228,12 @@ impl DecodeConfig {
     /// (H 64 / 128 T 128: 0.95×) (benches/NOTES.md, v17). At H ≤ 16 v6 stays (v7 0.96× at
     /// H 16 T 32).
     pub fn v7_fills_one_wave(shape: &DecodeShape, sm_count: u32) -> bool {
-        if shape.heads <= 16 || Self::is_small_call(shape, sm_count) {
+        // the head block v7 takes for this head count: the rule is for its 32-head blocks
+        let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
+        if block <= 16 || Self::is_small_call(shape, sm_count) {
             return false;
         }
-        let b = shape.tokens as u64 * shape.heads.div_ceil(32) as u64;
+        let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;
         let sms = sm_count as u64;
         b >= 1 && b <= sms && 8 * b * (sms / b) >= 7 * sms
     }
