@@ -293,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     float* const row_valid = (float*)(dyn_smem + 288); // [72]
     unsigned* const kv_tile = (unsigned*)(dyn_smem + 576); // [18688]
     unsigned* const p_tile = (unsigned*)(dyn_smem + 75328); // [320]
-    unsigned* const q_tile = (unsigned*)(dyn_smem + 576); // [18688]
+    unsigned* const q_tile = (unsigned*)(dyn_smem + 37952); // [9344]
     float* const row_exchange = (float*)(dyn_smem + 76608); // [64]
     float* const split_k_partials = (float*)(dyn_smem + 76864); // [1152]
     float scores[4];
@@ -338,6 +338,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
     const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_count = steps;
     const unsigned step_bound = steps_bound;
     if (warp >= 4u) {
         if (0u < step_bound) {
@@ -348,6 +349,51 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 if (gather_row5 < 32u) {
                     const unsigned row_1 = gather_row5;
                     kv_tile_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
+
+    // the ring's mbarriers initialised
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (warp >= 4u) {
+        if (0u < step_count) {
+            const unsigned load_stage = 0u % 2u;
+            #pragma unroll
+            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
+                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
+                if (gather_row7 < 32u) {
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row7;
+                    const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
+                    if (src_i328 >= 0) {
+                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
+                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
+                    }
+                }
+            }
+            copy_arrive(ring_barriers + (load_stage * 2u));
+        }
+        if (1u < step_bound) {
+            const unsigned step = 1u;
+            #pragma unroll
+            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
+                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
+                if (gather_row10 < 32u) {
+                    const unsigned row_1 = gather_row10;
+                    kv_tile_pre[slot9] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -476,54 +522,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     for (unsigned fill_i = 0u; fill_i < 32u; fill_i += 1u) {
         o_acc[fill_i] = 0.0f;
     }
-    const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
-
-    // the ring's mbarriers initialised
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-    if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned load_stage = 0u % 2u;
-            #pragma unroll
-            for (unsigned slot6 = 0u; slot6 < 1u; slot6 += 1u) {
-                const unsigned gather_row7 = ((warp - 4u) + (lane * 4u)) + (slot6 * 128u);
-                if (gather_row7 < 32u) {
-                    const unsigned step = 0u;
-                    const unsigned row_1 = gather_row7;
-                    const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
-                    if (src_i328 >= 0) {
-                        copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
-                    } else {
-                        for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
-                        }
-                        fence_proxy_async();
-                    }
-                }
-            }
-            copy_arrive(ring_barriers + (load_stage * 2u));
-        }
-        if (1u < step_bound) {
-            const unsigned step = 1u;
-            #pragma unroll
-            for (unsigned slot9 = 0u; slot9 < 1u; slot9 += 1u) {
-                const unsigned gather_row10 = ((warp - 4u) + (lane * 4u)) + (slot9 * 128u);
-                if (gather_row10 < 32u) {
-                    const unsigned row_1 = gather_row10;
-                    kv_tile_pre[slot9] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
-    }
 
     // online softmax: row state row_max / row_sum into registers
     #pragma unroll

@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float* const kv_scales = (float*)((unsigned char*)kv_rows + 512); // [10496]
     unsigned* const kv_rope = (unsigned*)((unsigned char*)kv_rows + 528); // [10496]
     __shared__ __align__(16) unsigned p_tile[320];
-    unsigned* const q_tile = (unsigned*)((unsigned char*)kv_rows + 0); // [10496]
+    unsigned* const q_tile = (unsigned*)((unsigned char*)kv_rows + 20992); // [5248]
     __shared__ __align__(16) float row_exchange[64];
     __shared__ __align__(16) float split_k_partials[1152];
     float scores[4];
@@ -451,6 +451,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     const unsigned j_end = min_u32(chunk_end, valid_len);
     const unsigned steps = (j_end > j_begin) ? (((j_end - j_begin) + 31u) / 32u) : 0u;
     const unsigned steps_bound = (chunk_end > j_begin) ? (((chunk_end - j_begin) + 31u) / 32u) : 0u;
+    const unsigned step_count = steps;
     const unsigned step_bound = steps_bound;
     if (warp >= 4u) {
         if (0u < step_bound) {
@@ -461,6 +462,51 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 if (gather_row296 < 32u) {
                     const unsigned row_1 = gather_row296;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                }
+            }
+        }
+    }
+
+    // the ring's mbarriers initialised
+    if (threadIdx.x == 0u) {
+        mbar_init(ring_barriers + 0u, 128);
+        mbar_init(ring_barriers + 4u, 256);
+        mbar_init(ring_barriers + 2u, 128);
+        mbar_init(ring_barriers + 6u, 256);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (warp >= 4u) {
+        if (0u < step_count) {
+            const unsigned load_stage = 0u % 2u;
+            #pragma unroll
+            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
+                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
+                if (gather_row298 < 32u) {
+                    const unsigned step = 0u;
+                    const unsigned row_1 = gather_row298;
+                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32299 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
+                    } else {
+                        for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
+                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
+                        }
+                        fence_proxy_async();
+                    }
+                }
+            }
+            copy_arrive(ring_barriers + (load_stage * 2u));
+        }
+        if (1u < step_bound) {
+            const unsigned step = 1u;
+            #pragma unroll
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
+                    const unsigned row_1 = gather_row301;
+                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1051,54 +1097,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     for (unsigned fill_i295 = 0u; fill_i295 < 8u; fill_i295 += 1u) {
         o_acc_3[fill_i295] = 0.0f;
     }
-    const unsigned step_count = steps;
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
-
-    // the ring's mbarriers initialised
-    if (threadIdx.x == 0u) {
-        mbar_init(ring_barriers + 0u, 128);
-        mbar_init(ring_barriers + 4u, 256);
-        mbar_init(ring_barriers + 2u, 128);
-        mbar_init(ring_barriers + 6u, 256);
-    }
-    fence_proxy_async();
-    __syncthreads();
-    if (warp >= 4u) {
-        if (0u < step_count) {
-            const unsigned load_stage = 0u % 2u;
-            #pragma unroll
-            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
-                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
-                if (gather_row298 < 32u) {
-                    const unsigned step = 0u;
-                    const unsigned row_1 = gather_row298;
-                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
-                    } else {
-                        for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
-                        }
-                        fence_proxy_async();
-                    }
-                }
-            }
-            copy_arrive(ring_barriers + (load_stage * 2u));
-        }
-        if (1u < step_bound) {
-            const unsigned step = 1u;
-            #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 32u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
-                }
-            }
-        }
-    }
 
     // online softmax: row state row_max / row_sum into registers
     #pragma unroll

@@ -229,6 +229,68 @@ fn resident_q_is_staged_through_the_ring_in_v7_only() {
     }
 }
 
+/// Where one ring stage holds q and the ring has two stages, q is staged in the last one
+/// and the ring's set-up and first copies go out before q's loads (the rows fly while q
+/// lands); where it does not fit a stage (fp8 32-head blocks: q 37 KB, a stage 21 KB), q
+/// stays at the ring's start and the set-up waits for every thread's reads of it.
+#[test]
+fn q_staged_in_the_last_stage_lets_the_first_copies_go_before_it() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    for (format, heads, late) in [
+        (CacheFormat::Bf16, 16, true),
+        (CacheFormat::Bf16, 64, true),
+        (CacheFormat::Fp8DsMla, 16, true),
+        (CacheFormat::Fp8DsMla, 64, false),
+    ] {
+        let cfg = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, heads);
+        let (split, _) = lowered_kernels(&cfg).expect("lowers");
+        let src = cuda::emit(&split).expect("emits");
+        // in the kernel's body (the helpers above it define `copy_async`)
+        let body = &src[src.find("__global__").expect("a kernel")..];
+        let at = |needle: &str| {
+            body.find(needle)
+                .unwrap_or_else(|| panic!("{needle} not in {}", split.name))
+        };
+        let q = split
+            .shared
+            .iter()
+            .find(|d| d.name == "q_tile")
+            .expect("q staging");
+        let (parent, offset) = q.alias.clone().expect("q aliases the ring");
+        let ring = split
+            .shared
+            .iter()
+            .find(|d| d.name == parent)
+            .expect("the ring array");
+        let stage_bytes = ring.len * 4 / 2;
+        assert_eq!(
+            offset,
+            if late { stage_bytes } else { 0 },
+            "{}: q's staging offset",
+            split.name
+        );
+        assert!(
+            offset + q.len * 4 <= ring.len * 4,
+            "{}: q's staging inside the ring",
+            split.name
+        );
+        let first_copy = at("copy_async(");
+        assert_eq!(
+            first_copy < at("load the q rows"),
+            late,
+            "{}: the first copies before q's loads",
+            split.name
+        );
+        assert_eq!(
+            at("the ring's mbarriers initialised") < at("load the q rows"),
+            late,
+            "{}: the ring's set-up before q's loads",
+            split.name
+        );
+    }
+}
+
 #[test]
 fn bf16_partials_are_written_as_pairs_and_fp8_partials_as_words() {
     use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};

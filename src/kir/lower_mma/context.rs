@@ -101,6 +101,10 @@ pub(super) struct Cx<'k> {
     /// step's index loads): placed by [`super::ws::lower_ws`] right after the last top-level
     /// `let` they read.
     pub(super) hoist: Vec<Stmt>,
+    /// A register-resident tile is staged in the ring's last stage (see `layout`), which no
+    /// copy fills before the pipeline's first step: the ring's set-up and its first copies
+    /// may then be issued ahead of the staging (see `ws`).
+    pub(super) staged_late: bool,
     pub(super) lane: Lane,
     pub(super) reduce_scratch: Option<String>,
     /// Shared scratch of the split-K partial sums.

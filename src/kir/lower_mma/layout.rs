@@ -86,6 +86,7 @@ impl<'k> Cx<'k> {
             new_privates: Vec::new(),
             prelude: Vec::new(),
             hoist: Vec::new(),
+            staged_late: false,
             lane: Lane {
                 warp: placeholder(),
                 lane: placeholder(),
@@ -249,10 +250,17 @@ impl<'k> Cx<'k> {
         // whole workgroup copies it there with 16-byte copies, then each warp reads its
         // fragments from shared memory — instead of every warp loading its slice from global
         // memory four bytes at a time (at T = 1 those loads were 30 % of a v7 workgroup's
-        // stall samples, ncu, H200). The ring is not written before its set-up's barrier, which
-        // every thread reaches after its reads. Warp groups keep the global loads: staged, the
-        // fp8 batch kernel ran 0.96x at T = 128 (H200), where the one-time load is a small
-        // share of a workgroup's time anyway.
+        // stall samples, ncu, H200). Warp groups keep the global loads: staged, the fp8 batch
+        // kernel ran 0.96x at T = 128 (H200), where the one-time load is a small share of a
+        // workgroup's time anyway.
+        //
+        // Where one stage holds the rows and the ring has more than one, they go in its last
+        // stage: the producers fill stages 0..stages-2 before the first step and the last one
+        // only after the first step's first barrier, which every thread reaches after its
+        // reads of the staging; so the ring's set-up and first copies need not wait for q
+        // (`staged_late`, `ws`): at T = 1 the row copies then fly while q is loaded, where
+        // they were issued only once q had landed. Else the rows go at the ring's start, and
+        // the ring's set-up comes after every thread's reads.
         for name in staged {
             let info = cx.tiles[&name].clone();
             let bytes = info.decl.rows * info.stride * 4;
@@ -266,11 +274,19 @@ impl<'k> Cx<'k> {
                 })
                 .map(|d| (d.name.clone(), d.len));
             if let Some((parent, len)) = parent {
+                let stage_words = cx.tiles[&parent].words();
+                let late = stages > 1 && len == stage_words * stages && stage_words * 4 >= bytes;
+                let offset = if late {
+                    (stages - 1) * stage_words * 4
+                } else {
+                    0
+                };
+                cx.staged_late |= late;
                 cx.new_shared.push(SharedDecl {
                     name: name.clone(),
                     ty: Ty::U32,
-                    len,
-                    alias: Some((parent, 0)),
+                    len: if late { stage_words } else { len },
+                    alias: Some((parent, offset)),
                 });
             }
         }

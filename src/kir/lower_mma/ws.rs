@@ -325,8 +325,19 @@ impl Cx<'_> {
             mul(self.lane.lane.clone(), u(pw)),
         );
         let slot_rows = pw * WARP;
+        // The first step's index loads go where their names allow (see below); with q
+        // staged in the ring's last stage (`layout`), the ring's set-up and the first steps'
+        // copies too, with the step count they read, ahead of q's staging: nothing they write
+        // is read before the first step, and the last stage is not filled before it.
+        let hoisted = bound.is_some() && self.hoist.is_empty();
+        let early = hoisted && self.staged_late && s > 1 && self.groups == 1;
         let count_name = self.fresh(&format!("{v}_count"));
-        out.push(let_(&count_name, self.expr(count)?));
+        let count_let = let_(&count_name, self.expr(count)?);
+        if early {
+            self.hoist.push(count_let);
+        } else {
+            out.push(count_let);
+        }
         // with warp groups, this group's steps: `countv` of them, local step `at` being
         // pipeline step `step_of(at)`; the ring and its parities count local steps
         let (local, step_of) = self.group_steps(var(&count_name, Ty::U32));
@@ -553,14 +564,19 @@ impl Cx<'_> {
             then: vec![addr(self, u(0))?],
             els: vec![],
         };
-        if bound.is_some() && self.hoist.is_empty() {
+        if hoisted {
             self.hoist.extend(prefetch_lets);
             self.hoist.push(first_addr);
         } else {
             out.extend(prefetch_lets);
             out.push(first_addr);
         }
-        out.extend(self.ring_init()?);
+        let init = self.ring_init()?;
+        if early {
+            self.hoist.extend(init);
+        } else {
+            out.extend(init);
+        }
         let mut first = Vec::new();
         for k in 0..s - 1 {
             if k > 0 {
@@ -575,11 +591,16 @@ impl Cx<'_> {
         if s > 1 {
             first.push(addr(self, u(s - 1))?);
         }
-        out.push(Stmt::If {
+        let first = Stmt::If {
             cond: producer.clone(),
             then: first,
             els: vec![],
-        });
+        };
+        if early {
+            self.hoist.push(first);
+        } else {
+            out.push(first);
+        }
         let resident = self.resident_softmax(load, compute)?;
         for r in &resident {
             out.extend(self.softmax_load(r)?);
