@@ -227,6 +227,15 @@ impl Cx<'_> {
         v
     }
 
+    /// `stmts` into the hoisted prologue (`early`) or in place (`out`).
+    fn place(&mut self, early: bool, out: &mut Vec<Stmt>, stmts: impl IntoIterator<Item = Stmt>) {
+        if early {
+            self.hoist.extend(stmts);
+        } else {
+            out.extend(stmts);
+        }
+    }
+
     /// The ring's set-up: its mbarriers initialised, then a workgroup barrier.
     fn ring_init(&mut self) -> Result<Vec<Stmt>> {
         let info = self
@@ -329,15 +338,12 @@ impl Cx<'_> {
         // staged in the ring's last stage (`layout`), the ring's set-up and the first steps'
         // copies too, with the step count they read, ahead of q's staging: nothing they write
         // is read before the first step, and the last stage is not filled before it.
+        // (`staged_late` implies one warp group and two or more stages: see `layout`)
         let hoisted = bound.is_some() && self.hoist.is_empty();
-        let early = hoisted && self.staged_late && s > 1 && self.groups == 1;
+        let early = hoisted && self.staged_late;
         let count_name = self.fresh(&format!("{v}_count"));
         let count_let = let_(&count_name, self.expr(count)?);
-        if early {
-            self.hoist.push(count_let);
-        } else {
-            out.push(count_let);
-        }
+        self.place(early, out, [count_let]);
         // with warp groups, this group's steps: `countv` of them, local step `at` being
         // pipeline step `step_of(at)`; the ring and its parities count local steps
         let (local, step_of) = self.group_steps(var(&count_name, Ty::U32));
@@ -572,11 +578,7 @@ impl Cx<'_> {
             out.push(first_addr);
         }
         let init = self.ring_init()?;
-        if early {
-            self.hoist.extend(init);
-        } else {
-            out.extend(init);
-        }
+        self.place(early, out, init);
         let mut first = Vec::new();
         for k in 0..s - 1 {
             if k > 0 {
@@ -596,11 +598,7 @@ impl Cx<'_> {
             then: first,
             els: vec![],
         };
-        if early {
-            self.hoist.push(first);
-        } else {
-            out.push(first);
-        }
+        self.place(early, out, [first]);
         let resident = self.resident_softmax(load, compute)?;
         for r in &resident {
             out.extend(self.softmax_load(r)?);
