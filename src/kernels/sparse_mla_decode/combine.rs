@@ -54,10 +54,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             format!("threads {threads}, d_v {dv}"),
         ));
     }
-    let log_w = threads.trailing_zeros();
     let max_groups = max_combine_groups(threads);
-    // the widest chunk (one group) divides d_v: every chunk does, no column guards
-    let ragged = dv % (PER_LANE * threads) != 0;
     let mut b = KernelBuilder::new(cfg.combine_name(), threads);
     b.doc(format!(
         "Sparse MLA decode, combine stage: merges S normalised partials of width {dv}."
@@ -104,29 +101,188 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         Access::ReadWrite,
         "[tokens / lse_s_q, heads, lse_s_q]",
     );
-    // per group: its max and weight sum, then G x 2W / G weighted column sums
-    let sh_m = b.shared("group_max", Ty::F32, max_groups);
-    let sh_l = b.shared("group_sum", Ty::F32, max_groups);
-    let sh_o = b.shared("group_out", Ty::F32, PER_LANE * threads);
-
+    let io = MergeIo::declare_shared(
+        &mut b,
+        MergeForm::COMBINE,
+        threads,
+        MergeIo {
+            heads,
+            splits,
+            lse_s_q,
+            groups: groups_param,
+            o_part,
+            lse_part,
+            out,
+            lse_out,
+            sh: None,
+        },
+    );
     let h = b.let_("h", workgroup_id(0));
     let t = b.let_("t", workgroup_id(1));
+    merge_segment(
+        &mut b,
+        cfg,
+        MergeForm::COMBINE,
+        &io,
+        None,
+        (h, t, workgroup_id(2)),
+    );
+    b.finish()
+}
+
+/// How a workgroup merges one row segment: the columns a lane sums, how many splits a group
+/// loads before folding them (`None`: a plain loop, one split at a time), and the fewest
+/// groups (so that the widest chunk, `per_lane W / min_groups` columns, fits d_v).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct MergeForm {
+    pub per_lane: u32,
+    pub unroll: Option<u32>,
+    pub min_groups: u32,
+}
+
+impl MergeForm {
+    /// The combine kernel's form.
+    pub const COMBINE: MergeForm = MergeForm {
+        per_lane: PER_LANE,
+        unroll: None,
+        min_groups: 1,
+    };
+
+    /// Columns of one group's chunk at `groups` groups of `threads` threads.
+    pub fn chunk(&self, threads: u32, groups: u32) -> u32 {
+        self.per_lane * threads / groups.max(self.min_groups).max(1)
+    }
+}
+
+/// The merge's parameters, buffers and shared arrays.
+pub(super) struct MergeIo {
+    pub heads: Expr,
+    pub splits: Expr,
+    pub lse_s_q: Expr,
+    /// G, the split groups asked for (clamped in the kernel).
+    pub groups: Expr,
+    pub o_part: Buf,
+    pub lse_part: Buf,
+    pub out: Buf,
+    pub lse_out: Buf,
+    /// Per group its max and weight sum, then G chunks of weighted column sums.
+    pub sh: Option<(Shared, Shared, Shared)>,
+}
+
+impl MergeIo {
+    /// `io` with its shared arrays declared for `form` at `threads` threads.
+    pub fn declare_shared(
+        b: &mut KernelBuilder,
+        form: MergeForm,
+        threads: u32,
+        io: MergeIo,
+    ) -> MergeIo {
+        let max_groups = max_combine_groups(threads);
+        let sh_m = b.shared("group_max", Ty::F32, max_groups);
+        let sh_l = b.shared("group_sum", Ty::F32, max_groups);
+        let sh_o = b.shared("group_out", Ty::F32, form.per_lane * threads);
+        MergeIo {
+            sh: Some((sh_m, sh_l, sh_o)),
+            ..io
+        }
+    }
+}
+
+/// The split groups and chunk of a merge, computed once where a workgroup merges several
+/// segments.
+pub(super) struct MergeGeom {
+    pub log_g: Expr,
+    pub groups: Expr,
+    pub log_lanes: Expr,
+    pub lanes: Expr,
+    pub chunk: Expr,
+}
+
+impl MergeGeom {
+    /// The geometry of `form` for the groups `io.groups` asks for (clamped to a power of two
+    /// in [`MergeForm::min_groups`], W / 16]).
+    pub fn new(b: &mut KernelBuilder, form: MergeForm, threads: u32, io: &MergeIo) -> MergeGeom {
+        let max_groups = max_combine_groups(threads);
+        let log_g = b.let_(
+            "log_g",
+            u(31)
+                - clz(io
+                    .groups
+                    .clone()
+                    .max(u(form.min_groups.max(1)))
+                    .min(u(max_groups))),
+        );
+        let groups = b.let_("groups", u(1) << log_g.clone());
+        let log_lanes = b.let_("log_lanes", u(threads.trailing_zeros()) - log_g.clone());
+        let lanes = b.let_("lanes", u(1) << log_lanes.clone());
+        let chunk = b.let_("chunk", lanes.clone() * u(form.per_lane));
+        MergeGeom {
+            log_g,
+            groups,
+            log_lanes,
+            lanes,
+            chunk,
+        }
+    }
+}
+
+/// Merge the splits of row (`h`, `t`) over column chunk `z`: `G` split groups of `W / G`
+/// lanes; group `g` folds the splits `g, g + G, ...` and lane `c` sums columns `c + k W/G`
+/// (`k < per_lane`) of the chunk; the groups meet in shared memory. Every thread of the
+/// workgroup takes part (it ends with the meeting's barrier read-side: a caller that merges
+/// again puts a barrier between).
+pub(super) fn merge_segment(
+    b: &mut KernelBuilder,
+    cfg: &DecodeConfig,
+    form: MergeForm,
+    io: &MergeIo,
+    geom: Option<&MergeGeom>,
+    (h, t, z): (Expr, Expr, Expr),
+) {
+    let dv = cfg.dims.d_v();
+    let threads = cfg.threads;
+    let per_lane = form.per_lane;
+    // the widest chunk (the fewest groups) divides d_v: every chunk does, no column guards
+    let ragged = dv % form.chunk(threads, form.min_groups) != 0;
+    let MergeIo {
+        heads,
+        splits,
+        lse_s_q,
+        o_part,
+        lse_part,
+        out,
+        lse_out,
+        sh,
+        ..
+    } = io;
+    let (sh_m, sh_l, sh_o) = sh.as_ref().expect("merge shared arrays declared");
     let lid = b.let_("lid", local_id());
     let row = b.let_("row", t.clone() * heads.clone() + h.clone());
     let lse_at = b.let_(
         "lse_at",
-        (t.clone() / lse_s_q.clone() * heads + h) * lse_s_q.clone() + t % lse_s_q,
+        (t.clone() / lse_s_q.clone() * heads.clone() + h) * lse_s_q.clone() + t % lse_s_q.clone(),
     );
-    b.comment("G split groups of W / G lanes; a chunk of 2W / G columns");
-    let log_g = b.let_(
-        "log_g",
-        u(31) - clz(groups_param.max(u(1)).min(u(max_groups))),
-    );
-    let groups = b.let_("groups", u(1) << log_g.clone());
-    let log_lanes = b.let_("log_lanes", u(log_w) - log_g);
-    let lanes = b.let_("lanes", u(1) << log_lanes.clone());
-    let chunk = b.let_("chunk", lanes.clone() * u(PER_LANE));
-    let c0 = b.let_("c0", workgroup_id(2) * chunk.clone());
+    b.comment(format!(
+        "G split groups of W / G lanes; a chunk of {per_lane}W / G columns"
+    ));
+    let geom = match geom {
+        Some(g) => MergeGeom {
+            log_g: g.log_g.clone(),
+            groups: g.groups.clone(),
+            log_lanes: g.log_lanes.clone(),
+            lanes: g.lanes.clone(),
+            chunk: g.chunk.clone(),
+        },
+        None => MergeGeom::new(b, form, threads, io),
+    };
+    let MergeGeom {
+        groups,
+        log_lanes,
+        lanes,
+        chunk,
+        ..
+    } = geom;
+    let c0 = b.let_("c0", z.clone() * chunk.clone());
     let g = b.let_("g", lid.clone() >> log_lanes);
     let lane = b.let_("lane", lid.clone() & (lanes.clone() - u(1)));
 
@@ -135,30 +291,49 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     // before them. The loads are not behind a branch: every split's workgroup writes its
     // o_part rows (0 for an empty split), so each is in bounds and initialised; an empty
     // split (masked lse) adds weight 0.
-    b.comment("group g folds splits g, g + G, ...: lane c sums columns c and c + W/G of the chunk");
+    if form.unroll.is_none() {
+        b.comment(if per_lane == 2 {
+            "group g folds splits g, g + G, ...: lane c sums columns c and c + W/G of the chunk"
+                .to_string()
+        } else {
+            format!("group g folds splits g, g + G, ...: lane c sums columns c + k W/G of the chunk, k < {per_lane}")
+        });
+    }
     let m = b.var("m", f(MASKED));
     let l = b.var("l", f(0.0));
-    let accs: Vec<Expr> = (0..PER_LANE)
+    let accs: Vec<Expr> = (0..per_lane)
         .map(|j| b.var(&format!("acc{j}"), f(0.0)))
         .collect();
-    b.for_("sp", g.clone(), splits.clone(), groups.clone(), |b, sp| {
+    // split `sp`'s lse and columns (`real` false: nothing loaded, weight 0)
+    let load = |b: &mut KernelBuilder, sp: Expr, real: Option<Expr>| {
         let part = b.let_("part", row.clone() * splits.clone() + sp);
-        let ls = b.let_("part_lse", lse_part.at(part.clone()));
+        let ls = lse_part.at(part.clone());
+        let ls = b.let_(
+            "part_lse",
+            match &real {
+                Some(r) => select(r.clone(), ls, f(MASKED)),
+                None => ls,
+            },
+        );
         let at = b.let_("at", part * u(dv) + c0.clone() + lane.clone());
-        let os: Vec<Expr> = (0..PER_LANE)
+        let os: Vec<Expr> = (0..per_lane)
             .map(|j| {
                 let off = lanes.clone() * u(j);
                 let v = o_part.at(at.clone() + off.clone());
-                if ragged {
-                    let col = c0.clone() + lane.clone() + off;
-                    select(col.lt(u(dv)), v, f(0.0))
-                } else {
-                    v
+                let col_ok = ragged.then(|| (c0.clone() + lane.clone() + off).lt(u(dv)));
+                match (&real, col_ok) {
+                    (None, None) => v,
+                    (Some(r), None) => select(r.clone(), v, f(0.0)),
+                    (None, Some(c)) => select(c, v, f(0.0)),
+                    (Some(r), Some(c)) => select(r.clone().and(c), v, f(0.0)),
                 }
             })
             .map(|v| b.let_("o", v))
             .collect();
         let valid = b.let_("valid", is_masked(ls.clone()).not());
+        (ls, os, valid)
+    };
+    let fold = |b: &mut KernelBuilder, (ls, os, valid): (Expr, Vec<Expr>, Expr)| {
         let nm = b.let_(
             "nm",
             select(valid.clone(), m.clone().max(ls.clone()), m.clone()),
@@ -170,17 +345,48 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             b.set(acc, acc.clone() * keep.clone() + w.clone() * o);
         }
         b.set(&m, nm);
-    });
+    };
+    match form.unroll {
+        None => {
+            b.for_("sp", g.clone(), splits.clone(), groups.clone(), |b, sp| {
+                let loaded = load(b, sp, None);
+                fold(b, loaded);
+            });
+        }
+        Some(unroll) => {
+            // As a plain loop (even unrolled by the compiler) each split's loads waited for
+            // the previous split's fold: one L2 round trip per split (benches/NOTES.md,
+            // v18). Here a pass issues `unroll` splits' loads before its first fold. A split
+            // past the last loads nothing and weighs 0 (its index clamped to the last, so a
+            // select that reads both sides stays in bounds).
+            b.comment(format!(
+                "group g folds splits g, g + G, ..., {unroll} a pass with their loads first: lane c sums columns c + k W/G of the chunk, k < {per_lane}"
+            ));
+            let last = b.let_("last_split", splits.clone().max(u(1)) - u(1));
+            let stride = b.let_("pass_stride", groups.clone() * u(unroll));
+            b.for_("sp0", g.clone(), splits.clone(), stride, |b, sp0| {
+                let mut loaded = Vec::new();
+                for k in 0..unroll {
+                    let sp = b.let_("sp", sp0.clone() + groups.clone() * u(k));
+                    let real = b.let_("real", sp.clone().lt(splits.clone()));
+                    loaded.push(load(b, sp.min(last.clone()), Some(real)));
+                }
+                for x in loaded {
+                    fold(b, x);
+                }
+            });
+        }
+    }
     for (j, acc) in accs.iter().enumerate() {
         b.shared_store(
-            &sh_o,
+            sh_o,
             g.clone() * chunk.clone() + lane.clone() + lanes.clone() * u(j as u32),
             acc.clone(),
         );
     }
     b.if_(lane.clone().eq_(u(0)), |b| {
-        b.shared_store(&sh_m, g.clone(), m.clone());
-        b.shared_store(&sh_l, g.clone(), l.clone());
+        b.shared_store(sh_m, g.clone(), m.clone());
+        b.shared_store(sh_l, g.clone(), l.clone());
     });
     b.barrier();
 
@@ -213,7 +419,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
                 b.set(&y1, y1.clone() + wg * sh_o.at(at + u(1)));
             });
             b.store_word(
-                &out,
+                out,
                 (row.clone() * u(dv) + c0.clone() + c.clone()) / u(2),
                 pack_bf16x2(y0.clone() * inv.clone(), y1.clone() * inv.clone()),
             );
@@ -224,9 +430,9 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             write(b);
         }
     });
-    b.if_(lid.eq_(u(0)).and(workgroup_id(2).eq_(u(0))), |b| {
+    b.if_(lid.eq_(u(0)).and(z.eq_(u(0))), |b| {
         b.store(
-            &lse_out,
+            lse_out,
             lse_at.clone(),
             select(
                 empty.clone(),
@@ -235,5 +441,4 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
             ),
         );
     });
-    b.finish()
 }
