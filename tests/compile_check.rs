@@ -7,8 +7,11 @@
 mod common;
 
 use sparse_mla::emit::{cuda, wgsl};
+use sparse_mla::kernels::sparse_mla_decode::{lowered_merged, DecodeConfig};
 use sparse_mla::kernels::{standard_set, Target};
 use sparse_mla::kir::shared_plan::{shared_layout, MAX_SHARED_BYTES};
+use sparse_mla::kir::Kernel;
+use sparse_mla::mla::{CacheFormat, MlaDims};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
@@ -21,17 +24,28 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     }
     let (major, minor) = nvrtc_version().expect("nvrtc version");
     let set = standard_set().expect("standard set");
+    let mut kernels: Vec<Kernel> = set
+        .into_iter()
+        .filter(|k| k.target == Target::Cuda)
+        .map(|k| k.kernel)
+        .collect();
+    // the merged split kernels the backend runs (not exported: two launches are the
+    // integration interface)
+    for heads in [16, 128] {
+        let config = DecodeConfig::tensor_core_v6(MlaDims::PRODUCTION, CacheFormat::Bf16, heads);
+        kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
+    }
     let mut failures = Vec::new();
     let mut count = 0;
-    for k in set.iter().filter(|k| k.target == Target::Cuda) {
-        let src = cuda::emit(&k.kernel).expect("emit");
+    for kernel in &kernels {
+        let src = cuda::emit(kernel).expect("emit");
         assert!(
             !src.contains("#include"),
             "{}: CUDA C must be self-contained",
-            k.kernel.name
+            kernel.name
         );
         for arch in ARCHS {
-            match compile(&k.kernel.name, &src, arch, true) {
+            match compile(&kernel.name, &src, arch, true) {
                 Ok(c) => {
                     count += 1;
                     assert!(!c.cubin.is_empty());
@@ -41,10 +55,10 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                         .filter(|l| l.contains("registers") || l.contains("spill"))
                         .map(str::trim)
                         .collect();
-                    let (_, smem) = shared_layout(&k.kernel.shared);
+                    let (_, smem) = shared_layout(&kernel.shared);
                     eprintln!(
                         "NVRTC {major}.{minor} {arch} {}: {} | shared {smem} B",
-                        k.kernel.name,
+                        kernel.name,
                         report.join(" | ")
                     );
                     if report.iter().any(|l| {
@@ -53,7 +67,7 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                     }) {
                         failures.push(format!(
                             "{arch} {}: spills: {}",
-                            k.kernel.name,
+                            kernel.name,
                             report.join(" | ")
                         ));
                     }
@@ -64,18 +78,18 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                     if !warnings.is_empty() {
                         failures.push(format!(
                             "{arch} {}: compiler warnings: {}",
-                            k.kernel.name,
+                            kernel.name,
                             warnings.join(" | ")
                         ));
                     }
                     if smem > MAX_SHARED_BYTES {
                         failures.push(format!(
                             "{arch} {}: {smem} B of shared memory > {MAX_SHARED_BYTES} (SM120)",
-                            k.kernel.name
+                            kernel.name
                         ));
                     }
                 }
-                Err(e) => failures.push(format!("{arch} {}: {e}", k.kernel.name)),
+                Err(e) => failures.push(format!("{arch} {}: {e}", kernel.name)),
             }
         }
     }

@@ -340,3 +340,61 @@ fn a_pair_store_needs_an_f32_buffer() {
     let err = b.finish().expect_err("refused");
     assert!(err.to_string().contains("store_f32x2 into words"), "{err}");
 }
+
+#[test]
+fn the_merged_kernel_meets_after_its_partials_and_launches_cooperatively() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, lowered_merged, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    for heads in [16, 128] {
+        let config = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
+        let merged = lowered_merged(&config).expect("lowers");
+        let (split, _) = lowered_kernels(&config).expect("lowers");
+        assert!(merged.grid_dependency.cooperative, "{}", merged.name);
+        assert!(!split.grid_dependency.cooperative, "{}", split.name);
+        let src = cuda::emit(&merged).expect("emits");
+        // the token's workgroups meet on its counter pair, with every head block and split
+        let meet = src
+            .find("group_sync(sync + 2u * (t), members);")
+            .expect("group_sync on the token's counters");
+        let partials = src.find("store_f32x2(o_part").expect("partial stores");
+        assert!(
+            partials < meet,
+            "{}: the meeting precedes the partials",
+            merged.name
+        );
+        // after it: the token's segments dealt out by rank, the partials read back
+        let merge = &src[meet..];
+        assert!(merge.contains("const unsigned rank = (split * head_blocks) + blockIdx.x;"));
+        assert!(merge.contains("for (unsigned seg = rank; seg < segments; seg += members)"));
+        assert!(merge.contains("o_part[") && merge.contains("lse_part["));
+        assert!(src.contains("SPARSE_MLA_HELPER void group_sync(unsigned* c, unsigned count)"));
+        // the split kernel has neither the meeting nor its helper
+        let plain = cuda::emit(&split).expect("emits");
+        assert!(!plain.contains("group_sync"), "{}", split.name);
+    }
+    // fp8_ds_mla's v6 kernels have no merged form (no room for the merge's shared memory)
+    let fp8 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Fp8DsMla, 16);
+    let err = lowered_merged(&fp8).expect_err("refused");
+    assert!(err.to_string().contains("config"), "{err}");
+}
+
+#[test]
+fn a_group_sync_needs_u32_counters_and_cuda() {
+    let mut b = KernelBuilder::new("meet_on_floats", 64);
+    let floats = b.buffer("floats", Elem::F32, Access::ReadWrite, "[n]");
+    b.group_sync(&floats, u(0), u(2));
+    let err = b.finish().expect_err("refused");
+    assert!(err.to_string().contains("group_sync on floats"), "{err}");
+
+    let mut b = KernelBuilder::new("meet", 64);
+    let counters = b.buffer("counters", Elem::U32, Access::ReadWrite, "[2]");
+    b.group_sync(&counters, u(0), num_workgroups(0));
+    let k = b.finish().expect("builds");
+    assert!(k.grid_dependency.cooperative);
+    let k = lower(&k, Lowering::Scalar).expect("lowers");
+    assert!(cuda::emit(&k)
+        .expect("CUDA prints it")
+        .contains("group_sync(counters + 2u * (0u), gridDim.x);"));
+    assert!(wgsl::emit(&k).is_err(), "WGSL has no group meeting");
+}

@@ -77,7 +77,7 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
         all_cases()
     };
     let mut failed = Vec::new();
-    let (mut ran, run_start) = (0, std::time::Instant::now());
+    let (mut ran, mut merged, run_start) = (0, 0, std::time::Instant::now());
     for case in cases {
         if filter.is_some_and(|f| !case.name().contains(f)) {
             continue;
@@ -86,6 +86,7 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
         let start = std::time::Instant::now();
         match case.run(&backend, seed) {
             Ok(o) => {
+                merged += o.detail.ends_with(" merged") as u32;
                 eprintln!(
                     "emu{mode} {:<40} rel_l2 {:.2e} lse_err {:.2e} {:<10} {:>6.1} s {}",
                     o.case,
@@ -111,8 +112,17 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
             )),
         }
     }
+    // a run that merges must have run the merged kernel on some decode case (the suite has
+    // small multi-split bf16 calls), or its merge path went untested
+    let all_decode = filter.is_none_or(|f| f.starts_with("decode") && "decode/".contains(f));
+    if config.merge.is_some() && ran > 0 && merged == 0 && all_decode {
+        failed.push(format!(
+            "run {mode} ({}): no case ran the merged kernel",
+            config.describe()
+        ));
+    }
     let summary = format!(
-        "emu run {mode}: {ran} cases, {} failed, {:.1} s ({})",
+        "emu run {mode}: {ran} cases, {} failed ({merged} merged), {:.1} s ({})",
         failed.len(),
         run_start.elapsed().as_secs_f64(),
         config.describe()

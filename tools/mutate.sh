@@ -37,6 +37,8 @@ MUTATIONS=(
   "ring: a row without a source is not zeroed (NaN garbage reaches P . V)#src/kir/lower_mma/ws.rs#'                    els: zero_row,'#'                    els: { let _ = zero_row; vec![] },'#--test mma_emulated"
   "epilogue: the rows read l, not its reciprocal#src/kernels/sparse_mla_decode/io.rs#'if per_row { l } else { inv_of(l) }'#'if per_row { inv_of(l) } else { inv_of(l) }'#--test mma_emulated"
   "pair store: the partial pair's second value written as its first#src/kernels/sparse_mla_decode/io.rs#'b.store_f32x2(&io.o_part, at, y0, y1);'#'b.store_f32x2(&io.o_part, at, y0.clone(), y0);'#--test mma_emulated"
+  "merge: a workgroup merges without waiting for the token's others#src/emit/cuda.rs#'            } while (now == gen);'#'            } while (false && now == gen);'#--test mma_emulated"
+  "merge: segments dealt by split alone (head blocks take the same ones)#src/kernels/sparse_mla_decode/merge.rs#'split.clone() * head_blocks + workgroup_id(0)'#'split.clone() * head_blocks + u(0)'#--test mma_emulated"
   "pair store helper: the second value lands 4 bytes late#src/emit/cuda.rs#'    *reinterpret_cast<sparse_mla_f32x2*>(p) = v;'#'    p[0] = v.x; p[2] = v.y;'#--test mma_emulated"
   "staged q: rows g + 8 read from row g#src/kir/lower_mma/ksplit.rs#'let r = add(u(16 * (h / 2) + 8 * (h % 2)), lane_group.clone());'#'let r = add(u(16 * (h / 2)), lane_group.clone());'#--test mma_emulated"
   "staged q in the ring's last stage: staged at its start, the first copies still ahead of it#src/kir/lower_mma/layout.rs#'                    (stages - 1) * stage_words * 4'#'                    0 * stage_words * 4'#--test mma_emulated"

@@ -71,6 +71,12 @@ struct Args {
     /// Skip the PyTorch peer.
     #[arg(long)]
     no_peer: bool,
+    /// Time the split kernel and the combine as two launches even where the backend merges
+    /// them into one cooperative launch (bf16 v6 calls with several splits whose grid fits
+    /// the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the backend). Timed rows of the
+    /// merged form say `merged` after the kernel.
+    #[arg(long)]
+    no_merge: bool,
     /// The peer script.
     #[arg(long, default_value = "tools/peer_bench.py")]
     peer: String,
@@ -337,6 +343,8 @@ struct Inputs {
 struct Timing {
     median_us: f64,
     splits: u32,
+    /// One launch of the kernel that merges its own partials.
+    merged: bool,
     check: Check,
 }
 
@@ -475,6 +483,8 @@ struct Bench<'a> {
     args: &'a Args,
     gpu: Gpu,
     flush: CudaSlice<u8>,
+    /// The merged kernel's meeting counters: 2 words per token, zeroed once.
+    sync: CudaSlice<u8>,
 }
 
 struct Row<'a> {
@@ -506,6 +516,7 @@ impl Bench<'_> {
                 ("lse", row.lse),
                 ("o_part", row.o_part),
                 ("lse_part", row.lse_part),
+                ("sync", &self.sync),
             ]
         };
         for w in 0..self.args.warmup {
@@ -553,6 +564,7 @@ impl Bench<'_> {
         Ok(Timing {
             median_us: us[us.len() / 2],
             splits: plan.splits,
+            merged: plan.merged && plan.splits > 1,
             check: check(shape, row.reference, &out, &lse),
         })
     }
@@ -724,6 +736,8 @@ struct Timed {
     /// SM120's residency ([`sm120_resident`]): `splits_sm120`.
     us_sm120: Option<f64>,
     splits_sm120: Option<u32>,
+    /// The SM120-occupancy plan took the merged kernel.
+    merged_sm120: bool,
     rel_l2: f64,
     lse_err: f64,
     ok: bool,
@@ -758,6 +772,9 @@ fn run(args: &Args) -> Result<()> {
     let dev = CudaDevice::open(args.device)?;
     let name = dev.name();
     let flush = dev.alloc(FLUSH_BYTES as u64)?;
+    let sync_bytes = 2 * 65536 * 4;
+    let sync = dev.alloc(sync_bytes)?;
+    dev.write(&sync, &vec![0u8; sync_bytes as usize])?;
     let mut bench = Bench {
         args,
         gpu: Gpu {
@@ -765,6 +782,7 @@ fn run(args: &Args) -> Result<()> {
             modules: HashMap::new(),
         },
         flush,
+        sync,
     };
     let copy_bw = copy_bandwidth(&bench.gpu)?;
     let (mma_peak, peak_src) = MMA_PEAKS
@@ -918,7 +936,27 @@ fn run(args: &Args) -> Result<()> {
                         let s = args.splits.unwrap_or_else(|| {
                             DecodePlan::model_splits(&config, &shape, resident, sms)
                         });
-                        let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
+                        // the merged form where the backend would take it: the grid within
+                        // what the GPU (or SM120) holds of the merged kernel at once
+                        let merged = (!args.no_merge && config.has_merged_form())
+                            .then(|| -> Result<_> {
+                                let k = sparse_mla::kernels::sparse_mla_decode::lowered_merged(
+                                    &config,
+                                )?;
+                                let r = bench.gpu.dev.resident_workgroups(&k)?;
+                                Ok((r, sm120_resident(&config, &k, r, sms)))
+                            })
+                            .transpose()?;
+                        let merge = |plan: DecodePlan, sm120: bool| match merged {
+                            Some((r, r120)) => {
+                                plan.merged_where_it_fits(&shape, if sm120 { r120 } else { r })
+                            }
+                            None => plan,
+                        };
+                        let plan = merge(
+                            DecodePlan::new(config, &shape, resident, Some(s), None)?,
+                            false,
+                        );
                         let tm = bench.time(&row, &plan, -1)?;
                         let sm120 = if args.sm120_occupancy {
                             // planned as the backend would on SM120: with its residency
@@ -931,20 +969,28 @@ fn run(args: &Args) -> Result<()> {
                             let s120 = args.splits.unwrap_or_else(|| {
                                 DecodePlan::model_splits(&config, &shape, r120, sms)
                             });
-                            let plan120 = DecodePlan::new(config, &shape, r120, Some(s120), None)?;
+                            let plan120 = merge(
+                                DecodePlan::new(config, &shape, r120, Some(s120), None)?,
+                                true,
+                            );
                             let t2 = bench.time(&row, &plan120, 44)?;
                             failed |= !t2.check.ok;
-                            Some((t2.median_us, t2.splits))
+                            Some((t2.median_us, t2.splits, t2.merged))
                         } else {
                             None
                         };
                         failed |= !tm.check.ok;
                         Ok(Timed {
-                            kernel: label.to_string(),
+                            kernel: if tm.merged {
+                                format!("{label} merged")
+                            } else {
+                                label.to_string()
+                            },
                             splits: tm.splits,
                             us: tm.median_us,
                             us_sm120: sm120.map(|x| x.0),
                             splits_sm120: sm120.map(|x| x.1),
+                            merged_sm120: sm120.is_some_and(|x| x.2),
                             rel_l2: tm.check.rel_l2,
                             lse_err: tm.check.lse_err,
                             ok: tm.check.ok,
@@ -970,14 +1016,27 @@ fn run(args: &Args) -> Result<()> {
                     let split_kernel =
                         sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                     let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
+                    // merged where the backend would merge (unless --no-merge)
+                    let merged_resident = (!args.no_merge && config.has_merged_form())
+                        .then(|| -> Result<u32> {
+                            let k =
+                                sparse_mla::kernels::sparse_mla_decode::lowered_merged(&config)?;
+                            bench.gpu.dev.resident_workgroups(&k)
+                        })
+                        .transpose()?;
                     let mut cells = Vec::new();
                     for &s in &args.sweep_splits {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
+                        let plan = match merged_resident {
+                            Some(r) => plan.merged_where_it_fits(&shape, r),
+                            None => plan,
+                        };
                         let tm = bench.time(&row, &plan, -1)?;
                         failed |= !tm.check.ok;
                         cells.push(format!(
-                            "s{}:{:.1}{}",
+                            "s{}{}:{:.1}{}",
                             tm.splits,
+                            if tm.merged { "m" } else { "" },
                             tm.median_us,
                             if tm.check.ok { "" } else { "!" }
                         ));
@@ -1037,16 +1096,32 @@ fn run(args: &Args) -> Result<()> {
                 };
                 let here = backend_time(&mut bench, choice_here)?;
                 let backend = Backend {
-                    kernel: choice_here.family().to_string(),
+                    kernel: format!(
+                        "{}{}",
+                        choice_here.family(),
+                        if here.kernel.ends_with(" merged") {
+                            " merged"
+                        } else {
+                            ""
+                        }
+                    ),
                     us: here.us,
-                    kernel_sm120: args
-                        .sm120_occupancy
-                        .then(|| choice_sm120.family().to_string()),
-                    us_sm120: if args.sm120_occupancy {
-                        backend_time(&mut bench, choice_sm120)?.us_sm120
-                    } else {
-                        None
-                    },
+                    kernel_sm120: None,
+                    us_sm120: None,
+                };
+                let backend = if args.sm120_occupancy {
+                    let t120 = backend_time(&mut bench, choice_sm120)?;
+                    Backend {
+                        kernel_sm120: Some(format!(
+                            "{}{}",
+                            choice_sm120.family(),
+                            if t120.merged_sm120 { " merged" } else { "" }
+                        )),
+                        us_sm120: t120.us_sm120,
+                        ..backend
+                    }
+                } else {
+                    backend
                 };
                 let scalar = if args.scalar {
                     let sc = DecodeConfig::cuda_scalar(dims, format);
@@ -1060,6 +1135,7 @@ fn run(args: &Args) -> Result<()> {
                         us: r.median_us,
                         us_sm120: None,
                         splits_sm120: None,
+                        merged_sm120: false,
                         rel_l2: r.check.rel_l2,
                         lse_err: r.check.lse_err,
                         ok: r.check.ok,

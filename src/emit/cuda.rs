@@ -49,6 +49,10 @@ pub fn helpers(kernel: &Kernel) -> String {
         h.push('\n');
         h.push_str(PAIR_STORE_HELPERS);
     }
+    if uses_intrinsic(&kernel.body, &|i| matches!(i, Intrinsic::GroupSync { .. })) {
+        h.push('\n');
+        h.push_str(GROUP_SYNC_HELPERS);
+    }
     let dep = kernel.grid_dependency;
     if dep.waits_for_previous || dep.early_dependents {
         h.push('\n');
@@ -71,6 +75,38 @@ SPARSE_MLA_HELPER void grid_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+"#;
+
+/// [`Intrinsic::GroupSync`], printed only into the kernels that use it.
+const GROUP_SYNC_HELPERS: &str = r#"// The `count` workgroups of a group meet on the two words at c: c[0] counts arrivals, c[1]
+// is a generation that the last arrival advances (after putting c[0] back to 0). Thread 0
+// arrives for its workgroup, after a barrier that orders the other threads' earlier global
+// writes before its release fence; the others wait at the second barrier, after its acquire
+// fence. The launch keeps every workgroup of the group resident (cooperative), so the wait
+// ends. The generation is read before arriving: only the last arrival, which comes after
+// this one, changes it.
+SPARSE_MLA_HELPER void group_sync(unsigned* c, unsigned count) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned gen, arrived, now;
+        const unsigned nap = 64;
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(c + 1) : "memory");
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(arrived) : "l"(c), "r"(1u) : "memory");
+        if (arrived + 1u == count) {
+            asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(c), "r"(0u) : "memory");
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(c + 1), "r"(gen + 1u) : "memory");
+        } else {
+            do {
+                asm volatile("nanosleep.u32 %0;" :: "r"(nap) : "memory");
+                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(c + 1) : "memory");
+            } while (now == gen);
+        }
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    __syncthreads();
 }
 "#;
 
@@ -710,6 +746,15 @@ impl Printer<'_> {
                 self.pointer_terms(index),
                 self.expr(v0),
                 self.expr(v1)
+            ),
+            Intrinsic::GroupSync {
+                counters,
+                group,
+                count,
+            } => format!(
+                "group_sync({counters} + 2u * ({}), {});",
+                self.expr(group),
+                self.expr(count)
             ),
         }
     }

@@ -357,6 +357,7 @@ impl KernelBuilder {
                 grid_dependency: GridDependency {
                     early_dependents: true,
                     waits_for_previous: true,
+                    cooperative: false,
                 },
             },
             blocks: vec![Vec::new()],
@@ -622,6 +623,29 @@ impl KernelBuilder {
             index,
             v0,
             v1,
+        }));
+    }
+
+    /// The `count` workgroups of group `group` meet ([`Intrinsic::GroupSync`], on the words
+    /// `2 group` and `2 group + 1` of the u32 buffer `counters`, zeroed before the first
+    /// launch): the global writes of each before it are visible to all after it. Uniform
+    /// control flow only. The kernel becomes cooperative (every workgroup resident at once,
+    /// or the launch fails); CUDA only: the WGSL emitter refuses it.
+    pub fn group_sync(&mut self, counters: &Buf, group: Expr, count: Expr) {
+        self.check_bin(&group);
+        self.check_bin(&count);
+        if counters.elem != Elem::U32 || group.ty() != Ty::U32 || count.ty() != Ty::U32 {
+            self.error(format!(
+                "group_sync on {} ({}): needs a u32 buffer, a u32 group and a u32 count",
+                counters.name,
+                counters.elem.name()
+            ));
+        }
+        self.kernel.grid_dependency.cooperative = true;
+        self.push(Stmt::Intrinsic(Intrinsic::GroupSync {
+            counters: counters.name.clone(),
+            group,
+            count,
         }));
     }
 

@@ -704,6 +704,19 @@ pub enum Intrinsic {
         v0: Expr,
         v1: Expr,
     },
+    /// The `count` workgroups of group `group` meet: each arrives once, then waits until all
+    /// have, and every global write one made before it is visible to the others' reads after
+    /// it. The pair of u32 words `2 group`, `2 group + 1` of buffer `counters` (arrivals, then
+    /// a generation) holds the meeting; the arrivals are 0 before it and again after (the last
+    /// to arrive resets them), so a zeroed buffer serves any number of launches in stream
+    /// order. Every thread of the workgroup reaches it (uniform control flow), and the launch
+    /// must keep all `count` workgroups resident at once ([`GridDependency::cooperative`]),
+    /// or the first ones wait for ones that never start.
+    GroupSync {
+        counters: String,
+        group: Expr,
+        count: Expr,
+    },
 }
 
 impl Intrinsic {
@@ -825,6 +838,15 @@ impl Intrinsic {
                 index: f(index),
                 v0: f(v0),
                 v1: f(v1),
+            },
+            GroupSync {
+                counters,
+                group,
+                count,
+            } => GroupSync {
+                counters,
+                group: f(group),
+                count: f(count),
             },
             other @ (CpAsyncCommit | CpAsyncWait { .. } | SyncWarp | FenceProxyAsync) => other,
         }
@@ -1028,6 +1050,10 @@ pub struct GridDependency {
     /// finished and its writes are visible (`griddepcontrol.wait`), so the host may launch it
     /// with programmatic stream serialisation. Nothing is read or written before the wait.
     pub waits_for_previous: bool,
+    /// Every workgroup of the grid must be resident at once (a cooperative launch, which the
+    /// driver refuses rather than run partly): the kernel's workgroups wait for each other
+    /// ([`Intrinsic::GroupSync`]).
+    pub cooperative: bool,
 }
 
 impl Kernel {

@@ -6,7 +6,9 @@
 use super::gpu::Device;
 use super::BackendKind;
 use crate::emit::cuda as emit_cuda;
-use crate::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
+use crate::kernels::sparse_mla_decode::{
+    lowered_kernels, lowered_merged, DecodeConfig, DecodePlan,
+};
 use crate::kir::Kernel;
 use crate::mla::{CacheFormat, DecodeShape, MlaDims};
 use crate::{Error, Result};
@@ -621,6 +623,17 @@ fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeC
     }
 }
 
+/// `SPARSE_MLA_MERGE=0` turns off the merged decode kernel (split and combine in one
+/// cooperative launch, [`crate::kernels::sparse_mla_decode::merge`]): calls then take the two
+/// launches. Unset or `1`: merged where it fits.
+fn merge_enabled() -> Result<bool> {
+    match std::env::var("SPARSE_MLA_MERGE").as_deref() {
+        Err(_) | Ok("") | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(other) => Err(Error::arg("SPARSE_MLA_MERGE", "0 or 1", other)),
+    }
+}
+
 /// The parameter block as a kernel argument: the driver copies as many bytes as the
 /// kernel's parameter struct has.
 #[repr(C, align(16))]
@@ -650,7 +663,12 @@ impl Device for CudaDevice {
         let config = decode_kernel_choice(self, shape)?;
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
-        DecodePlan::with_config(config, shape, resident, self.sm_count, splits)
+        let plan = DecodePlan::with_config(config, shape, resident, self.sm_count, splits)?;
+        if plan.splits < 2 || !config.has_merged_form() || !merge_enabled()? {
+            return Ok(plan);
+        }
+        let merged = lowered_merged(&config)?;
+        Ok(plan.merged_where_it_fits(shape, self.resident_workgroups(&merged)?))
     }
 
     fn target_workgroups(&self) -> u32 {
@@ -930,14 +948,26 @@ impl Device for CudaDevice {
             args.push(p as *mut drv_sys::CUdeviceptr as *mut c_void);
         }
         self.ctx.bind_to_thread().map_err(|e| drv_err("bind", e))?;
-        if self.dependent_launch && kernel.grid_dependency.waits_for_previous {
-            // The kernel's first statement waits for the previous one (griddepcontrol.wait):
-            // its launch may start while that one still runs.
-            // SAFETY: a zeroed attribute is valid; `id` and the matching union field are set.
-            let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id =
-                drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = self.dependent_launch && kernel.grid_dependency.waits_for_previous;
+        let cooperative = kernel.grid_dependency.cooperative;
+        if pdl || cooperative {
+            // SAFETY: a zeroed attribute is valid; each `id` is set with its union field.
+            let mut attrs: [drv_sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+            let mut n = 0;
+            if pdl {
+                // The kernel's first statement waits for the previous one
+                // (griddepcontrol.wait): its launch may start while that one still runs.
+                attrs[n].id = drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                n += 1;
+            }
+            if cooperative {
+                // Its workgroups wait for each other (group_sync): all resident at once, or
+                // the driver refuses the launch (never a partial grid that hangs).
+                attrs[n].id = drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+                attrs[n].value.cooperative = 1;
+                n += 1;
+            }
             let config = drv_sys::CUlaunchConfig {
                 gridDimX: grid[0],
                 gridDimY: grid[1],
@@ -947,8 +977,8 @@ impl Device for CudaDevice {
                 blockDimZ: 1,
                 sharedMemBytes: module.dynamic_shared,
                 hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: n as u32,
             };
             // SAFETY: `args` points at the parameter block and one device pointer per buffer,
             // all alive until the call returns (the driver copies them).

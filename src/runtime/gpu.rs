@@ -143,7 +143,15 @@ pub struct GpuBackend<D: Device> {
     workspace: Mutex<Option<(Buffer, Buffer)>>,
     /// Workspaces outgrown: kept, since a recorded graph may still point at them.
     retired: Mutex<Vec<(Buffer, Buffer)>>,
+    /// The merged decode kernel's meeting counters ([`SYNC_WORDS`] u32, zeroed once; each
+    /// launch leaves them zero): made at the first merged call, never resized, so a recorded
+    /// graph's pointer stays valid.
+    sync: Mutex<Option<Buffer>>,
 }
+
+/// Words of the merged decode kernel's counters: two per token, for the most tokens a call
+/// takes (65535, the grid's z limit).
+const SYNC_WORDS: u64 = 2 * 65536;
 
 impl<D: Device> GpuBackend<D> {
     pub fn new(dev: D) -> Self {
@@ -154,6 +162,7 @@ impl<D: Device> GpuBackend<D> {
             modules: Mutex::new(HashMap::new()),
             workspace: Mutex::new(None),
             retired: Mutex::new(Vec::new()),
+            sync: Mutex::new(None),
         }
     }
 
@@ -361,6 +370,18 @@ impl<D: Device> Backend for GpuBackend<D> {
         if let Some((o, l)) = ws.as_ref() {
             named.push(("o_part", self.buf(o, "o_part")?));
             named.push(("lse_part", self.buf(l, "lse_part")?));
+        }
+        let mut sync = self.sync.lock().map_err(|_| poisoned())?;
+        if plan.merged && sync.is_none() {
+            let counters = self.alloc(SYNC_WORDS * 4)?;
+            self.dev.write(
+                self.buf(&counters, "sync")?,
+                &vec![0u8; (SYNC_WORDS * 4) as usize],
+            )?;
+            *sync = Some(counters);
+        }
+        if let Some(counters) = sync.as_ref() {
+            named.push(("sync", self.buf(counters, "sync")?));
         }
         for l in &launches {
             self.run(l, &named)?;

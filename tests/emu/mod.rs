@@ -56,7 +56,14 @@ pub struct EmuConfig {
     /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 64 leaves those of
     /// 16 T ceil(H/16) <= 64 on v7, and bf16 takes the batch kernel from T 32.
     pub choice_sms: u32,
+    /// Bf16 v6 calls of several splits and at least this many heads take the merged kernel
+    /// (split and combine in one cooperative launch, its blocks run at once on OS threads)
+    /// where the grid has at most [`MERGED_BLOCKS`] blocks; `None`: never.
+    pub merge: Option<u32>,
 }
+
+/// The most blocks of a merged launch here: each is an OS thread of the emulator.
+pub const MERGED_BLOCKS: u32 = 64;
 
 impl EmuConfig {
     /// Both copy modes and both helper paths, by a run index: v7 (900, late), v7 (800, at
@@ -75,18 +82,30 @@ impl EmuConfig {
             v7: i < 2 || i == 3,
             one_stage: i == 3,
             choice_sms: if i == 1 { 64 } else { 6 },
+            // run 1 merges its small bf16 calls (v6 there: one head block); run 2 (v6) merges
+            // the calls of several head blocks and keeps two launches for the others
+            merge: match i {
+                1 => Some(0),
+                2 => Some(17),
+                _ => None,
+            },
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if self.one_stage {
                 "v7 (one-stage ring)".to_string()
             } else if self.v7 {
                 format!("the backend's kernel for {} SMs", self.choice_sms)
             } else {
                 "v6".to_string()
+            },
+            match self.merge {
+                Some(0) => " (merged where it fits)".to_string(),
+                Some(h) => format!(" (merged where it fits at H >= {h})"),
+                None => String::new(),
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -318,13 +337,14 @@ impl EmuDevice {
              }}\n\
              extern \"C\" unsigned emu_launch(const unsigned char* params, void** bufs, unsigned gx, unsigned gy, unsigned gz, unsigned land_at_issue, unsigned long long seed) {{\n\
                  Args a{{(const {name}_params*)params, bufs}};\n\
-                 return emu::launch(emu_dim3{{gx, gy, gz}}, {threads}, body, &a, land_at_issue != 0, seed);\n\
+                 return emu::launch(emu_dim3{{gx, gy, gz}}, {threads}, body, &a, land_at_issue != 0, seed, {cooperative});\n\
              }}\n\
              extern \"C\" const char* emu_errors() {{ return emu::errors(); }}\n",
             name = kernel.name,
             comma = if args.is_empty() { "" } else { ", " },
             args = args.join(", "),
             threads = kernel.workgroup_size,
+            cooperative = kernel.grid_dependency.cooperative,
         ))
     }
 }
@@ -390,7 +410,11 @@ impl Device for EmuDevice {
         };
         lowered_kernels(&config)?;
         // one workgroup per multiprocessor
-        DecodePlan::with_config(config, shape, self.resident, self.resident, splits)
+        let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
+        Ok(match self.config.merge {
+            Some(h) if shape.heads >= h => plan.merged_where_it_fits(shape, MERGED_BLOCKS),
+            _ => plan,
+        })
     }
 
     fn compile(&self, kernel: &Kernel) -> Result<EmuModule> {

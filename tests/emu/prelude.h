@@ -45,9 +45,10 @@ void syncwarp();
 void name_shared(const char* name, unsigned off);
 // a static __shared__ array's offset: the first thread to reach the declaration places it
 unsigned place_static(const char* name, unsigned bytes);
-// run `fn(ctx)` as a grid of blocks of `threads` threads; the number of errors found
+// run `fn(ctx)` as a grid of blocks of `threads` threads (cooperative: all blocks at once,
+// each on an OS thread); the number of errors found
 unsigned launch(emu_dim3 grid, unsigned threads, void (*fn)(void*), void* ctx, bool land_at_issue,
-                unsigned long long seed);
+                unsigned long long seed, bool cooperative);
 // the first errors of the last launch, one a line
 const char* errors();
 
@@ -270,14 +271,26 @@ inline void fence_mbarrier_init_release_cluster() {}
 inline void griddepcontrol_wait() {}
 inline void griddepcontrol_launch_dependents() {}
 
-// ---- global memory fences and atomics (one block at a time: sequentially consistent)
-inline void fence_acq_rel_gpu() {}
-inline void membar_gl() {}
+// ---- global memory fences and atomics. Blocks run one after another, except in a
+// cooperative launch (each block on its own OS thread, runtime.cpp): these are real atomics
+// and fences, so the group meeting of group_sync works across those threads.
+inline void fence_acq_rel_gpu() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void membar_gl() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void atom_global_add_u32(unsigned& d, Mem m, unsigned v) {
-    unsigned* p = (unsigned*)gptr(m.a);
-    d = *p;
-    *p = d + v;
+    d = __atomic_fetch_add((unsigned*)gptr(m.a), v, __ATOMIC_RELAXED);
 }
-inline void st_global_u32(Mem m, unsigned v) { *(unsigned*)gptr(m.a) = v; }
+inline void atom_relaxed_gpu_global_add_u32(unsigned& d, Mem m, unsigned v) {
+    d = __atomic_fetch_add((unsigned*)gptr(m.a), v, __ATOMIC_RELAXED);
+}
+inline void st_global_u32(Mem m, unsigned v) { __atomic_store_n((unsigned*)gptr(m.a), v, __ATOMIC_RELAXED); }
+inline void st_relaxed_gpu_global_u32(Mem m, unsigned v) {
+    __atomic_store_n((unsigned*)gptr(m.a), v, __ATOMIC_RELAXED);
+}
+inline void ld_relaxed_gpu_global_u32(unsigned& d, Mem m) {
+    d = __atomic_load_n((const unsigned*)gptr(m.a), __ATOMIC_RELAXED);
+}
+// a thread that polls lets the other OS threads (blocks) run; one that polls for minutes is
+// waiting for a block that never arrives
+void nanosleep_u32(unsigned ns);
 
 }  // namespace ptx

@@ -26,7 +26,9 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <ucontext.h>
 #include <vector>
 
@@ -485,7 +487,8 @@ inline void trampoline() {
 }
 
 
-void run_grid(emu_dim3 grid, unsigned threads, void (*fn)(void*), void* ctx) {
+// Run the blocks of `grid` one after another (`only`: that block alone).
+void run_grid(emu_dim3 grid, unsigned threads, void (*fn)(void*), void* ctx, const emu_dim3* only) {
     Block& b = block();
     const size_t stack = 256 * 1024;
     gridDim = grid;
@@ -513,6 +516,7 @@ void run_grid(emu_dim3 grid, unsigned threads, void (*fn)(void*), void* ctx) {
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
+                if (only && (only->x != x || only->y != y || only->z != z)) continue;
                 blockIdx = {x, y, z};
                 b.bidx = blockIdx;
                 b.threads.assign(threads, Thread{});
@@ -593,13 +597,48 @@ unsigned place_static(const char* name, unsigned bytes) {
 }
 
 unsigned launch(emu_dim3 grid, unsigned threads, void (*fn)(void*), void* ctx, bool land_at_issue,
-                unsigned long long seed) {
+                unsigned long long seed, bool cooperative) {
     State& s = st();
     s.errors.clear();
     s.nerrors = 0;
     s.cfg.land_at_issue = land_at_issue;
     s.cfg.seed = seed;
-    run_grid(grid, threads, fn, ctx);
+    if (!cooperative) {
+        run_grid(grid, threads, fn, ctx, nullptr);
+        return s.nerrors;
+    }
+    // A cooperative launch: every block resident at once, as the GPU keeps them, so that
+    // blocks that wait for each other (group_sync) meet. Each block runs on its own OS thread
+    // (with its own emulator state), started after a delay drawn from the seed, so that the
+    // blocks arrive in a different order each run.
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    std::vector<std::string> errs(blocks);
+    std::vector<unsigned> counts(blocks, 0);
+    std::vector<std::thread> workers;
+    workers.reserve(blocks);
+    unsigned long long r = seed * 0x9e3779b97f4a7c15ull + 7;
+    for (unsigned i = 0; i < blocks; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        const unsigned delay_us = (unsigned)(r >> 33) % 2000;
+        const emu_dim3 b{i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
+        workers.emplace_back([=, &errs, &counts] {
+            std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+            State& w = st();
+            w.errors.clear();
+            w.nerrors = 0;
+            w.cfg.land_at_issue = land_at_issue;
+            w.cfg.seed = seed + i;
+            run_grid(grid, threads, fn, ctx, &b);
+            errs[i] = w.errors;
+            counts[i] = w.nerrors;
+        });
+    }
+    for (auto& w : workers) w.join();
+    for (unsigned i = 0; i < blocks; i++) {
+        if (counts[i] == 0) continue;
+        if (s.nerrors < 8) s.errors += errs[i];
+        s.nerrors += counts[i];
+    }
     return s.nerrors;
 }
 const char* errors() { return st().errors.c_str(); }
@@ -609,6 +648,23 @@ EMU_TLS emu_dim3 blockIdx, gridDim, blockDim;
 
 // ---- the PTX instructions that touch the emulator's state (prelude.h declares them)
 namespace ptx {
+
+// A polling thread yields its OS thread to the other blocks. Polls that go on for a minute
+// wait for a block that never arrives: a hang on a GPU, reported and ended here.
+void nanosleep_u32(unsigned) {
+    using clock = std::chrono::steady_clock;
+    static thread_local clock::time_point since;
+    static thread_local unsigned long long polls = 0;
+    if (polls++ % 4096 == 0) {
+        if (polls == 1) since = clock::now();
+        else if (clock::now() - since > std::chrono::seconds(60)) {
+            fprintf(stderr, "emu: a block polled for 60 s (block %u,%u,%u): a group meeting that never completes\n",
+                    blockIdx.x, blockIdx.y, blockIdx.z);
+            abort();
+        }
+    }
+    std::this_thread::yield();
+}
 
 using emu::Block;
 using emu::block;

@@ -370,6 +370,19 @@ impl DecodeConfig {
         format!("sparse_mla_decode_split_{}", self.suffix())
     }
 
+    /// The split kernel that merges its own partials ([`merge`]).
+    pub fn merged_name(&self) -> String {
+        format!("{}_merged", self.split_name())
+    }
+
+    /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
+    /// tensor-core kernels: the backend's small bf16 calls. fp8_ds_mla's v6 kernels have no
+    /// room left for the merge's 4 KB of shared memory within SM120's 101376 bytes, and its
+    /// small calls run v7.
+    pub fn has_merged_form(&self) -> bool {
+        matches!(self.lowering, Lowering::Mma { .. }) && self.format == CacheFormat::Bf16
+    }
+
     pub fn combine_name(&self) -> String {
         format!(
             "sparse_mla_decode_combine_d{}_t{}",
@@ -379,6 +392,13 @@ impl DecodeConfig {
     }
 }
 
+/// The fewest rows (T · H) a merged call has. The in-kernel merge costs about what the combine
+/// kernel does at T = 1 (a meeting, then one round of loads: ~3.5 µs of the merged kernel on
+/// the H200), so it pays where the combine grows with the rows: H 8 T 1 ran 12.5 µs as two
+/// launches and 13.2 merged, H 16 T 1 14.0 against 13.2, H 8 T 2 15.1 against 13.7
+/// (benches/NOTES.md, v19).
+pub const MERGE_MIN_ROWS: u64 = 16;
+
 /// A config plus the run-time choice of splits for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodePlan {
@@ -386,6 +406,10 @@ pub struct DecodePlan {
     pub splits: u32,
     /// Top-k entries per split (a multiple of `block_n`).
     pub chunk: u32,
+    /// With more than one split: one launch of the kernel that merges its own partials
+    /// ([`merge`]) instead of the split kernel and the combine. Set by a backend that can
+    /// launch it cooperatively and has checked that the grid fits the GPU at once.
+    pub merged: bool,
 }
 
 impl DecodePlan {
@@ -431,6 +455,7 @@ impl DecodePlan {
             config,
             splits,
             chunk,
+            merged: false,
         })
     }
 
@@ -518,6 +543,26 @@ impl DecodePlan {
         best.1
     }
 
+    /// The plan with the merged form taken where it can run ([`merge`]) and pays: more than
+    /// one split, a configuration that has the form, at least [`MERGE_MIN_ROWS`] rows
+    /// (T · H), and a grid of at most `resident_merged` workgroups — how many of the merged
+    /// kernel the GPU holds at once, for its cooperative launch (a grid beyond it would be
+    /// refused).
+    pub fn merged_where_it_fits(self, shape: &DecodeShape, resident_merged: u32) -> Self {
+        let blocks = self
+            .grid_split(shape)
+            .iter()
+            .map(|&d| d as u64)
+            .product::<u64>();
+        DecodePlan {
+            merged: self.splits > 1
+                && self.config.has_merged_form()
+                && shape.tokens as u64 * shape.heads as u64 >= MERGE_MIN_ROWS
+                && blocks <= resident_merged as u64,
+            ..self
+        }
+    }
+
     pub fn grid_split(&self, shape: &DecodeShape) -> [u32; 3] {
         [
             shape.heads.div_ceil(self.config.block_h),
@@ -566,12 +611,13 @@ pub fn check_shape(shape: &DecodeShape, config: &DecodeConfig) -> Result<()> {
 
 mod combine;
 mod io;
+pub mod merge;
 mod split;
 mod v6;
 
 pub use combine::{combine_grid, combine_groups, combine_kernel};
 pub use split::split_kernel_v7;
-pub use v6::split_kernel_v6;
+pub use v6::{split_kernel_v6, split_kernel_v6_with};
 
 /// The split kernel of a config: the v6 description for the v6 tensor-core configurations
 /// ([`Lowering::Mma`]), the current one for every other lowering.
@@ -600,36 +646,50 @@ pub fn launches(
         layout.cache,
     )?;
     layout.lse.check(shape.tokens)?;
+    let merged = plan.merged && plan.splits > 1;
     let (split, combine) = lowered_kernels(&plan.config)?;
-    let split_params = pack_params(
-        &split,
-        &[
-            ("tokens", ParamValue::U32(shape.tokens)),
-            ("heads", ParamValue::U32(shape.heads)),
-            ("topk", ParamValue::U32(shape.topk)),
-            ("num_slots", ParamValue::U32(shape.num_slots() as u32)),
-            ("splits", ParamValue::U32(plan.splits)),
-            ("chunk", ParamValue::U32(plan.chunk)),
-            (
-                "has_topk_length",
-                ParamValue::U32(shape.has_topk_length as u32),
-            ),
-            ("scale", ParamValue::F32(shape.scale)),
-            ("page_size", ParamValue::U32(shape.page_size)),
-            ("row_stride_w", ParamValue::U32(geometry.row_stride_words())),
-            (
-                "page_stride_w",
-                ParamValue::U32(geometry.page_stride_words()),
-            ),
-            ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
-        ],
-    )?;
+    let split = if merged {
+        lowered_merged(&plan.config)?
+    } else {
+        split
+    };
+    let merge_groups = merge::merge_groups(
+        shape.heads,
+        plan.splits,
+        shape.heads.div_ceil(plan.config.block_h) * plan.splits,
+        shape.dims.d_v(),
+        plan.config.threads,
+    );
+    let mut values = vec![
+        ("tokens", ParamValue::U32(shape.tokens)),
+        ("heads", ParamValue::U32(shape.heads)),
+        ("topk", ParamValue::U32(shape.topk)),
+        ("num_slots", ParamValue::U32(shape.num_slots() as u32)),
+        ("splits", ParamValue::U32(plan.splits)),
+        ("chunk", ParamValue::U32(plan.chunk)),
+        (
+            "has_topk_length",
+            ParamValue::U32(shape.has_topk_length as u32),
+        ),
+        ("scale", ParamValue::F32(shape.scale)),
+        ("page_size", ParamValue::U32(shape.page_size)),
+        ("row_stride_w", ParamValue::U32(geometry.row_stride_words())),
+        (
+            "page_stride_w",
+            ParamValue::U32(geometry.page_stride_words()),
+        ),
+        ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
+    ];
+    if merged {
+        values.push(("merge_groups", ParamValue::U32(merge_groups)));
+    }
+    let split_params = pack_params(&split, &values)?;
     let mut out = vec![Launch {
         kernel: split,
         grid: plan.grid_split(shape),
         params: split_params,
     }];
-    if plan.splits > 1 {
+    if plan.splits > 1 && !merged {
         let threads = combine.workgroup_size;
         let groups = combine_groups(shape.tokens * shape.heads, plan.splits, threads);
         let params = pack_params(
@@ -675,6 +735,36 @@ pub fn lowered_kernels(config: &DecodeConfig) -> Result<KernelPair> {
     Ok(pair)
 }
 
+/// The split kernel of a config that merges its own partials ([`merge`]): the v6
+/// tensor-core configurations only.
+pub fn merged_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
+    if !cfg.has_merged_form() {
+        return Err(Error::arg(
+            "config",
+            "a bf16 v6 tensor-core configuration (the merged form is built for it only)",
+            cfg.family(),
+        ));
+    }
+    split_kernel_v6_with(cfg, true)
+}
+
+/// The lowered merged kernel of a config ([`merged_kernel`]), built once per process.
+pub fn lowered_merged(config: &DecodeConfig) -> Result<Arc<Kernel>> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<DecodeConfig, Arc<Kernel>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(k) = cache.lock().map_err(|_| poisoned())?.get(config) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(crate::kir::lower(&merged_kernel(config)?, config.lowering)?);
+    cache
+        .lock()
+        .map_err(|_| poisoned())?
+        .insert(*config, k.clone());
+    Ok(k)
+}
+
 fn poisoned() -> Error {
     Error::runtime("kernels", "kernel cache lock poisoned by an earlier panic")
 }
@@ -704,6 +794,30 @@ mod tests {
         })
         .unwrap()
         .family()
+    }
+
+    #[test]
+    fn calls_merge_where_the_form_exists_pays_and_fits() {
+        let merged = |format: CacheFormat, heads: u32, tokens: u32, splits: u32, resident: u32| {
+            let s = shape(format, heads, tokens);
+            let config = DecodeConfig::tensor_core_v6(s.dims, format, heads);
+            DecodePlan::new(config, &s, resident, Some(splits), None)
+                .unwrap()
+                .merged_where_it_fits(&s, resident)
+                .merged
+        };
+        // H 16 T 1, 64 splits: 64 workgroups of 264
+        assert!(merged(CacheFormat::Bf16, 16, 1, 64, 264));
+        // too few rows: H 8 T 1 ran faster as two launches; H 8 T 2 merges
+        assert!(!merged(CacheFormat::Bf16, 8, 1, 64, 264));
+        assert!(merged(CacheFormat::Bf16, 8, 2, 64, 264));
+        // one split: nothing to merge
+        assert!(!merged(CacheFormat::Bf16, 16, 4, 1, 264));
+        // a grid the GPU does not hold at once (4 x 64 > 132)
+        assert!(!merged(CacheFormat::Bf16, 16, 4, 64, 132));
+        assert!(merged(CacheFormat::Bf16, 16, 4, 33, 132));
+        // fp8_ds_mla's v6 kernels have no merged form
+        assert!(!merged(CacheFormat::Fp8DsMla, 16, 4, 8, 264));
     }
 
     #[test]

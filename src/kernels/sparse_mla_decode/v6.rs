@@ -5,6 +5,7 @@
 //! [`crate::kir::Lowering::Mma`].
 
 use super::io::{declare, write_outputs, SplitIo};
+use super::merge;
 use super::DecodeConfig;
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
@@ -14,10 +15,21 @@ use crate::Result;
 
 /// The v6 split kernel.
 pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
+    split_kernel_v6_with(cfg, false)
+}
+
+/// The v6 split kernel; `merged`: it merges its own partials ([`super::merge`]).
+pub fn split_kernel_v6_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> {
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let row_words = cfg.row_words();
-    let mut b = KernelBuilder::new(cfg.split_name(), cfg.threads);
+    let name = if merged {
+        cfg.merged_name()
+    } else {
+        cfg.split_name()
+    };
+    let mut b = KernelBuilder::new(name, cfg.threads);
     let io = declare(&mut b, cfg);
+    let extra = merged.then(|| merge::declare(&mut b));
     let SplitIo {
         heads,
         topk,
@@ -158,6 +170,9 @@ pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
     );
 
     write_outputs(&mut b, cfg, &io, (&t, &split, &h0), &st, &[(&o, 0)]);
+    if let Some(extra) = &extra {
+        merge::merge_in_kernel(&mut b, cfg, &io, extra, (&t, &split));
+    }
     b.finish()
 }
 
