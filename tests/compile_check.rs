@@ -32,8 +32,14 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     // the merged split kernels the backend runs (not exported: two launches are the
     // integration interface)
     for heads in [16, 128] {
-        let config = DecodeConfig::tensor_core_v6(MlaDims::PRODUCTION, CacheFormat::Bf16, heads);
-        kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
+        let dims = MlaDims::PRODUCTION;
+        for config in [
+            DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads),
+            DecodeConfig::tensor_core_v7(dims, CacheFormat::Bf16, heads),
+            DecodeConfig::tensor_core_v7(dims, CacheFormat::Fp8DsMla, heads),
+        ] {
+            kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
+        }
     }
     let mut failures = Vec::new();
     let mut count = 0;

@@ -373,6 +373,23 @@ fn the_merged_kernel_meets_after_its_partials_and_launches_cooperatively() {
         let plain = cuda::emit(&split).expect("emits");
         assert!(!plain.contains("group_sync"), "{}", split.name);
     }
+    // v7 (one warp group): the meeting after its partial stores too
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let config = DecodeConfig::tensor_core_v7(dims, format, 16);
+        let merged = lowered_merged(&config).expect("lowers");
+        assert!(merged.grid_dependency.cooperative, "{}", merged.name);
+        let src = cuda::emit(&merged).expect("emits");
+        let meet = src.find("group_sync(sync + 2u * (t), members);");
+        let partials = src.find(match format {
+            CacheFormat::Bf16 => "store_f32x2(o_part",
+            CacheFormat::Fp8DsMla => "o_part[at",
+        });
+        assert!(
+            matches!((partials, meet), (Some(p), Some(m)) if p < m),
+            "{}: partials then the meeting",
+            merged.name
+        );
+    }
     // fp8_ds_mla's v6 kernels have no merged form (no room for the merge's shared memory)
     let fp8 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Fp8DsMla, 16);
     let err = lowered_merged(&fp8).expect_err("refused");

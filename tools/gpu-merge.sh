@@ -9,7 +9,8 @@
 #           with v6 forced (merged where it fits), a stress run
 # Prints a summary last (the A/B as a table of backend µs per row).
 #
-#   PART=1 tools/gpu-merge.sh BIN_DIR     (env: AB_ARGS, OUT)
+#   PART=1 tools/gpu-merge.sh BIN_DIR     (env: AB_ARGS, OUT; PART=2: SWEEP, SWEEP_MODES,
+#                                          KT_MODES, SAN_KERNELS, STRESS_N)
 set -u
 cd "$(dirname "$0")/.."
 BIN=$1
@@ -61,7 +62,7 @@ PY
 else
     # the parts in order of use; each skipped once the call nears its 600 s
     left() { [ $SECONDS -lt ${1:-480} ]; }
-    for mode in merged split; do
+    for mode in ${SWEEP_MODES-merged split}; do
         extra=""
         [ $mode = split ] && extra="--no-merge"
         timeout 90 "$BIN/mla-bench" --heads 8,16,128 --tokens 1,2,4 --cache bf16 --no-peer --no-baseline \
@@ -69,7 +70,7 @@ else
         echo "sweep $mode (µs by splits; m: merged): rc $?" >>"$sum"
         grep '^sweep' "$OUTD/sweep-$mode.txt" >>"$sum"
     done
-    for mode in merged split; do
+    for mode in ${KT_MODES-merged split}; do
         left 420 || break
         extra=""
         [ $mode = split ] && extra="--no-merge"
@@ -79,14 +80,16 @@ else
         grep -E '^==|  sparse' "$OUTD/kt-$mode.txt" | head -20 >>"$sum"
     done
     SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    for k in ${SAN_KERNELS:-v6}; do
     for tool in memcheck racecheck synccheck; do
-        left 470 || { echo "sanitizer $tool: skipped (time)" >>"$sum"; continue; }
+        left 470 || { echo "sanitizer $tool ($k): skipped (time)" >>"$sum"; continue; }
         extra=""
         [ "$tool" = racecheck ] && extra="--racecheck-report all"
         [ "$tool" = synccheck ] && extra="--num-cuda-barriers 65536"
-        SPARSE_MLA_DECODE_KERNEL=v6 timeout 110 "$SAN" --tool $tool $extra --error-exitcode 7 --print-limit 20 \
-            "$BIN/mla-check" --backend cuda --case decode/ --no-model >"$OUTD/san-$tool.txt" 2>&1
-        echo "sanitizer $tool (v6 forced, merged where it fits): rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/san-$tool.txt" | tail -1); merged cases: $(grep -c ' merged ' "$OUTD/san-$tool.txt"); $(grep -E '[0-9]+ passed' "$OUTD/san-$tool.txt" | tail -1)" >>"$sum"
+        SPARSE_MLA_DECODE_KERNEL=$k timeout 110 "$SAN" --tool $tool $extra --error-exitcode 7 --print-limit 20 \
+            "$BIN/mla-check" --backend cuda --case decode/ --no-model >"$OUTD/san-$tool-$k.txt" 2>&1
+        echo "sanitizer $tool ($k forced, merged where it fits): rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/san-$tool-$k.txt" | tail -1); merged cases: $(grep -c ' merged ' "$OUTD/san-$tool-$k.txt"); $(grep -E '[0-9]+ passed' "$OUTD/san-$tool-$k.txt" | tail -1)" >>"$sum"
+    done
     done
     if left 540; then
         timeout 50 "$BIN/mla-check" --backend cuda --stress ${STRESS_N:-500} --watchdog 30 >"$OUTD/stress.txt" 2>&1

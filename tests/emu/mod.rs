@@ -82,8 +82,9 @@ impl EmuConfig {
             v7: i < 2 || i == 3,
             one_stage: i == 3,
             choice_sms: if i == 1 { 64 } else { 6 },
-            // run 1 merges its small bf16 calls (v6 there: one head block); run 2 (v6) merges
-            // the calls of several head blocks and keeps two launches for the others
+            // run 1 merges every call that can (v6's small bf16 calls, v7's); run 2 (v6)
+            // merges the calls of several head blocks and keeps two launches for the others;
+            // runs 0 and 3 keep v7's two launches
             merge: match i {
                 1 => Some(0),
                 2 => Some(17),

@@ -376,11 +376,16 @@ impl DecodeConfig {
     }
 
     /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
-    /// tensor-core kernels: the backend's small bf16 calls. fp8_ds_mla's v6 kernels have no
-    /// room left for the merge's 4 KB of shared memory within SM120's 101376 bytes, and its
-    /// small calls run v7.
+    /// tensor-core kernels (the backend's small bf16 calls) and v7 in one warp group (fp8's
+    /// small calls, bf16 where its one wave fills the GPU). fp8_ds_mla's v6 kernels have no
+    /// room left for the merge's 4 KB of shared memory within SM120's 101376 bytes; the
+    /// large-batch kernel (warp groups) runs one split.
     pub fn has_merged_form(&self) -> bool {
-        matches!(self.lowering, Lowering::Mma { .. }) && self.format == CacheFormat::Bf16
+        match self.lowering {
+            Lowering::Mma { .. } => self.format == CacheFormat::Bf16,
+            Lowering::MmaWs { groups, .. } => groups == 1,
+            Lowering::Scalar => false,
+        }
     }
 
     pub fn combine_name(&self) -> String {
@@ -616,7 +621,7 @@ mod split;
 mod v6;
 
 pub use combine::{combine_grid, combine_groups, combine_kernel};
-pub use split::split_kernel_v7;
+pub use split::{split_kernel_v7, split_kernel_v7_with};
 pub use v6::{split_kernel_v6, split_kernel_v6_with};
 
 /// The split kernel of a config: the v6 description for the v6 tensor-core configurations
@@ -735,17 +740,20 @@ pub fn lowered_kernels(config: &DecodeConfig) -> Result<KernelPair> {
     Ok(pair)
 }
 
-/// The split kernel of a config that merges its own partials ([`merge`]): the v6
-/// tensor-core configurations only.
+/// The split kernel of a config that merges its own partials ([`merge`]): the
+/// configurations of [`DecodeConfig::has_merged_form`].
 pub fn merged_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     if !cfg.has_merged_form() {
         return Err(Error::arg(
             "config",
-            "a bf16 v6 tensor-core configuration (the merged form is built for it only)",
-            cfg.family(),
+            "a bf16 v6 or a one-group v7 tensor-core configuration (the merged form is built for those)",
+            format!("{} {}", cfg.format.name(), cfg.family()),
         ));
     }
-    split_kernel_v6_with(cfg, true)
+    match cfg.lowering {
+        Lowering::Mma { .. } => split_kernel_v6_with(cfg, true),
+        _ => split_kernel_v7_with(cfg, true),
+    }
 }
 
 /// The lowered merged kernel of a config ([`merged_kernel`]), built once per process.
@@ -816,8 +824,25 @@ mod tests {
         // a grid the GPU does not hold at once (4 x 64 > 132)
         assert!(!merged(CacheFormat::Bf16, 16, 4, 64, 132));
         assert!(merged(CacheFormat::Bf16, 16, 4, 33, 132));
-        // fp8_ds_mla's v6 kernels have no merged form
+        // fp8_ds_mla's v6 kernels have no merged form; its v7 kernels (and bf16's) do, the
+        // large-batch kernel not
         assert!(!merged(CacheFormat::Fp8DsMla, 16, 4, 8, 264));
+        let s = shape(CacheFormat::Fp8DsMla, 16, 2);
+        for (config, has) in [
+            (DecodeConfig::tensor_core_v7(s.dims, s.format, 16), true),
+            (
+                DecodeConfig::tensor_core_v7(s.dims, CacheFormat::Bf16, 64),
+                true,
+            ),
+            (
+                DecodeConfig::tensor_core_batch(s.dims, s.format, 16).unwrap(),
+                false,
+            ),
+        ] {
+            assert_eq!(config.has_merged_form(), has, "{}", config.family());
+            let plan = DecodePlan::new(config, &s, 132, Some(32), None).unwrap();
+            assert_eq!(plan.merged_where_it_fits(&s, 132).merged, has);
+        }
     }
 
     #[test]

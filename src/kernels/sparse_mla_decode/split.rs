@@ -12,6 +12,7 @@
 //! f32-exact up to the accumulation and the bytes a step moves are the row's 656.
 
 use super::io::{declare, write_outputs};
+use super::merge;
 use super::DecodeConfig;
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
@@ -22,12 +23,24 @@ use crate::Result;
 
 /// The v7 split kernel.
 pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
+    split_kernel_v7_with(cfg, false)
+}
+
+/// The v7 split kernel; `merged`: it merges its own partials ([`super::merge`]; one warp
+/// group only).
+pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> {
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
     let (bh, bn) = (cfg.block_h, cfg.block_n);
+    let name = if merged {
+        cfg.merged_name()
+    } else {
+        cfg.split_name()
+    };
     // with warp groups, the description is one group's work (the lowering replicates it)
-    let mut b = KernelBuilder::new(cfg.split_name(), cfg.threads / cfg.groups());
+    let mut b = KernelBuilder::new(name, cfg.threads / cfg.groups());
     let io = declare(&mut b, cfg);
+    let extra = merged.then(|| merge::declare(&mut b));
     if cfg.format == CacheFormat::Fp8DsMla {
         b.doc("fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.".to_string());
     }
@@ -261,6 +274,9 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
 
     let outs: Vec<(&Acc, u32)> = outs.iter().map(|(o, c)| (o, *c)).collect();
     write_outputs(&mut b, cfg, &io, (&t, &split, &h0), &st, &outs);
+    if let Some(extra) = &extra {
+        merge::merge_in_kernel(&mut b, cfg, &io, extra, (&t, &split));
+    }
     let _ = Ty::U32;
     b.finish()
 }
