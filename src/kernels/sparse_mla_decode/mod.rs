@@ -397,12 +397,14 @@ impl DecodeConfig {
     }
 }
 
-/// The fewest rows (T · H) a merged call has. The in-kernel merge costs about what the combine
-/// kernel does at T = 1 (a meeting, then one round of loads: ~3.5 µs of the merged kernel on
-/// the H200), so it pays where the combine grows with the rows: H 8 T 1 ran 12.5 µs as two
-/// launches and 13.2 merged, H 16 T 1 14.0 against 13.2, H 8 T 2 15.1 against 13.7
-/// (benches/NOTES.md, v19).
-pub const MERGE_MIN_ROWS: u64 = 16;
+/// The rows (T · H) of the calls that merge. The in-kernel merge costs about what the
+/// combine kernel does at T = 1 (a meeting, then one round of loads: ~3.5 µs of the merged
+/// kernel on the H200), so it pays where the combine grows with the rows: H 8 T 1 ran 12.5 µs
+/// as two launches and 13.2 merged, H 16 T 1 14.0 against 13.2, H 8 T 2 15.1 against 13.7.
+/// Above 128 rows the merged kernels lose: v7's by 3–13 % (its step loop runs slower in the
+/// merged kernel: bf16 H 64 T 32 92.8 → 106.7 µs), v6's by up to 4.5 % at SM120's occupancy
+/// (H 16 T 32 48.4 → 50.7) for 1–2 % at the H200's (benches/NOTES.md, v19).
+pub const MERGE_ROWS: std::ops::RangeInclusive<u64> = 16..=128;
 
 /// A config plus the run-time choice of splits for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -549,8 +551,8 @@ impl DecodePlan {
     }
 
     /// The plan with the merged form taken where it can run ([`merge`]) and pays: more than
-    /// one split, a configuration that has the form, at least [`MERGE_MIN_ROWS`] rows
-    /// (T · H), and a grid of at most `resident_merged` workgroups — how many of the merged
+    /// one split, a configuration that has the form, rows (T · H) in [`MERGE_ROWS`], and a
+    /// grid of at most `resident_merged` workgroups — how many of the merged
     /// kernel the GPU holds at once, for its cooperative launch (a grid beyond it would be
     /// refused).
     pub fn merged_where_it_fits(self, shape: &DecodeShape, resident_merged: u32) -> Self {
@@ -562,7 +564,7 @@ impl DecodePlan {
         DecodePlan {
             merged: self.splits > 1
                 && self.config.has_merged_form()
-                && shape.tokens as u64 * shape.heads as u64 >= MERGE_MIN_ROWS
+                && MERGE_ROWS.contains(&(shape.tokens as u64 * shape.heads as u64))
                 && blocks <= resident_merged as u64,
             ..self
         }
@@ -819,6 +821,9 @@ mod tests {
         // too few rows: H 8 T 1 ran faster as two launches; H 8 T 2 merges
         assert!(!merged(CacheFormat::Bf16, 8, 1, 64, 264));
         assert!(merged(CacheFormat::Bf16, 8, 2, 64, 264));
+        // too many rows: H 16 T 16 (256) keeps two launches, H 16 T 8 (128) merges
+        assert!(!merged(CacheFormat::Bf16, 16, 16, 8, 264));
+        assert!(merged(CacheFormat::Bf16, 16, 8, 8, 264));
         // one split: nothing to merge
         assert!(!merged(CacheFormat::Bf16, 16, 4, 1, 264));
         // a grid the GPU does not hold at once (4 x 64 > 132)
