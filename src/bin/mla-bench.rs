@@ -949,7 +949,7 @@ fn run(args: &Args) -> Result<()> {
                             .transpose()?;
                         let merge = |plan: DecodePlan, sm120: bool| match merged {
                             Some((r, r120)) => {
-                                plan.merged_where_it_fits(&shape, if sm120 { r120 } else { r })
+                                plan.merged_where_it_pays(&shape, if sm120 { r120 } else { r })
                             }
                             None => plan,
                         };
@@ -1028,7 +1028,7 @@ fn run(args: &Args) -> Result<()> {
                     for &s in &args.sweep_splits {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
                         let plan = match merged_resident {
-                            Some(r) => plan.merged_where_it_fits(&shape, r),
+                            Some(r) => plan.merged_where_it_pays(&shape, r),
                             None => plan,
                         };
                         let tm = bench.time(&row, &plan, -1)?;

@@ -668,7 +668,7 @@ impl Device for CudaDevice {
             return Ok(plan);
         }
         let merged = lowered_merged(&config)?;
-        Ok(plan.merged_where_it_fits(shape, self.resident_workgroups(&merged)?))
+        Ok(plan.merged_where_it_pays(shape, self.resident_workgroups(&merged)?))
     }
 
     fn target_workgroups(&self) -> u32 {

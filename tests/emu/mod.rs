@@ -56,9 +56,10 @@ pub struct EmuConfig {
     /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 64 leaves those of
     /// 16 T ceil(H/16) <= 64 on v7, and bf16 takes the batch kernel from T 32.
     pub choice_sms: u32,
-    /// Bf16 v6 calls of several splits and at least this many heads take the merged kernel
-    /// (split and combine in one cooperative launch, its blocks run at once on OS threads)
-    /// where the grid has at most [`MERGED_BLOCKS`] blocks; `None`: never.
+    /// Calls of several splits and at least this many heads take the merged kernel (split
+    /// and combine in one cooperative launch, its blocks run at once on OS threads) wherever
+    /// it can run — the grid at most [`MERGED_BLOCKS`] blocks — not only where the backend
+    /// finds it pays (`DecodePlan::merged_where_it_can`); `None`: never.
     pub merge: Option<u32>,
 }
 
@@ -104,8 +105,8 @@ impl EmuConfig {
                 "v6".to_string()
             },
             match self.merge {
-                Some(0) => " (merged where it fits)".to_string(),
-                Some(h) => format!(" (merged where it fits at H >= {h})"),
+                Some(0) => " (merged wherever it can)".to_string(),
+                Some(h) => format!(" (merged wherever it can at H >= {h})"),
                 None => String::new(),
             },
             self.arch / 10,
@@ -413,7 +414,7 @@ impl Device for EmuDevice {
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
         Ok(match self.config.merge {
-            Some(h) if shape.heads >= h => plan.merged_where_it_fits(shape, MERGED_BLOCKS),
+            Some(h) if shape.heads >= h => plan.merged_where_it_can(shape, MERGED_BLOCKS),
             _ => plan,
         })
     }

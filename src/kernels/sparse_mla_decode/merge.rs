@@ -128,6 +128,17 @@ pub fn merge_groups(heads: u32, splits: u32, members: u32, d_v: u32, threads: u3
     best.1
 }
 
+/// Segments each workgroup merges one after another (the most of any) at [`merge_groups`]'s
+/// choice: `ceil(H · ceil(d_v / chunk) / members)`. Above 1, the merge is a chain of rounds in
+/// a few workgroups, where the combine kernel spreads them over many: on the H200 every call
+/// of one round ran faster merged, every call of more rounds but two slower (0.87–0.99×,
+/// benches/NOTES.md v19).
+pub fn merge_rounds(heads: u32, splits: u32, members: u32, d_v: u32, threads: u32) -> u32 {
+    let g = merge_groups(heads, splits, members, d_v, threads);
+    let segments = heads as u64 * d_v.div_ceil(FORM.chunk(threads, g)) as u64;
+    segments.div_ceil(members.max(1) as u64) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,6 +152,10 @@ mod tests {
         assert_eq!(merge_groups(16, 32, 32, 512, 256), 4);
         // few splits, many heads: whole rows (G 2), passes of 16 splits
         assert_eq!(merge_groups(128, 8, 32, 512, 256), 2);
+        // one round where the token's workgroups are as many as its segments
+        assert_eq!(merge_rounds(16, 64, 64, 512, 256), 1);
+        assert_eq!(merge_rounds(16, 8, 8, 512, 256), 2);
+        assert_eq!(merge_rounds(64, 2, 4, 512, 256), 16);
         for (h, s, m) in [(1, 2, 2), (128, 128, 512), (16, 3, 3), (64, 5, 10)] {
             let g = merge_groups(h, s, m, 512, 256);
             assert!(

@@ -397,14 +397,12 @@ impl DecodeConfig {
     }
 }
 
-/// The rows (T · H) of the calls that merge. The in-kernel merge costs about what the
+/// The fewest rows (T · H) a merged call has. The in-kernel merge costs about what the
 /// combine kernel does at T = 1 (a meeting, then one round of loads: ~3.5 µs of the merged
 /// kernel on the H200), so it pays where the combine grows with the rows: H 8 T 1 ran 12.5 µs
-/// as two launches and 13.2 merged, H 16 T 1 14.0 against 13.2, H 8 T 2 15.1 against 13.7.
-/// Above 128 rows the merged kernels lose: v7's by 3–13 % (its step loop runs slower in the
-/// merged kernel: bf16 H 64 T 32 92.8 → 106.7 µs), v6's by up to 4.5 % at SM120's occupancy
-/// (H 16 T 32 48.4 → 50.7) for 1–2 % at the H200's (benches/NOTES.md, v19).
-pub const MERGE_ROWS: std::ops::RangeInclusive<u64> = 16..=128;
+/// as two launches and 13.2 merged, H 16 T 1 14.0 against 13.2, H 8 T 2 15.1 against 13.7
+/// (benches/NOTES.md, v19).
+pub const MERGE_MIN_ROWS: u64 = 16;
 
 /// A config plus the run-time choice of splits for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -550,12 +548,12 @@ impl DecodePlan {
         best.1
     }
 
-    /// The plan with the merged form taken where it can run ([`merge`]) and pays: more than
-    /// one split, a configuration that has the form, rows (T · H) in [`MERGE_ROWS`], and a
-    /// grid of at most `resident_merged` workgroups — how many of the merged
-    /// kernel the GPU holds at once, for its cooperative launch (a grid beyond it would be
-    /// refused).
-    pub fn merged_where_it_fits(self, shape: &DecodeShape, resident_merged: u32) -> Self {
+    /// The plan with the merged form taken where it can run ([`merge`]): more than one
+    /// split, a configuration that has the form, and a grid of at most `resident_merged`
+    /// workgroups — how many of the merged kernel the GPU holds at once, for its cooperative
+    /// launch (a grid beyond it would be refused). Correct for any such plan; what the
+    /// backend takes is [`Self::merged_where_it_pays`].
+    pub fn merged_where_it_can(self, shape: &DecodeShape, resident_merged: u32) -> Self {
         let blocks = self
             .grid_split(shape)
             .iter()
@@ -564,9 +562,27 @@ impl DecodePlan {
         DecodePlan {
             merged: self.splits > 1
                 && self.config.has_merged_form()
-                && MERGE_ROWS.contains(&(shape.tokens as u64 * shape.heads as u64))
                 && blocks <= resident_merged as u64,
             ..self
+        }
+    }
+
+    /// [`Self::merged_where_it_can`], where it also pays: at least [`MERGE_MIN_ROWS`] rows
+    /// (T · H), and one round of merging a workgroup ([`merge::merge_rounds`]: the token's
+    /// segments no more than its workgroups).
+    pub fn merged_where_it_pays(self, shape: &DecodeShape, resident_merged: u32) -> Self {
+        let plan = self.merged_where_it_can(shape, resident_merged);
+        let pays = shape.tokens as u64 * shape.heads as u64 >= MERGE_MIN_ROWS
+            && merge::merge_rounds(
+                shape.heads,
+                plan.splits,
+                shape.heads.div_ceil(plan.config.block_h) * plan.splits,
+                shape.dims.d_v(),
+                plan.config.threads,
+            ) == 1;
+        DecodePlan {
+            merged: plan.merged && pays,
+            ..plan
         }
     }
 
@@ -813,7 +829,7 @@ mod tests {
             let config = DecodeConfig::tensor_core_v6(s.dims, format, heads);
             DecodePlan::new(config, &s, resident, Some(splits), None)
                 .unwrap()
-                .merged_where_it_fits(&s, resident)
+                .merged_where_it_pays(&s, resident)
                 .merged
         };
         // H 16 T 1, 64 splits: 64 workgroups of 264
@@ -821,9 +837,15 @@ mod tests {
         // too few rows: H 8 T 1 ran faster as two launches; H 8 T 2 merges
         assert!(!merged(CacheFormat::Bf16, 8, 1, 64, 264));
         assert!(merged(CacheFormat::Bf16, 8, 2, 64, 264));
-        // too many rows: H 16 T 16 (256) keeps two launches, H 16 T 8 (128) merges
+        // more segments than workgroups: H 16 with 8 splits merges 16 whole rows in 8
+        // workgroups (two rounds) and keeps two launches; with 16 splits it merges
         assert!(!merged(CacheFormat::Bf16, 16, 16, 8, 264));
-        assert!(merged(CacheFormat::Bf16, 16, 8, 8, 264));
+        assert!(merged(CacheFormat::Bf16, 16, 16, 16, 264));
+        let s = shape(CacheFormat::Bf16, 64, 32);
+        let v7 = DecodeConfig::tensor_core_v7(s.dims, s.format, 64);
+        let plan = DecodePlan::new(v7, &s, 132, Some(2), None).unwrap();
+        assert!(!plan.merged_where_it_pays(&s, 1000).merged, "16 rounds");
+        assert!(plan.merged_where_it_can(&s, 1000).merged);
         // one split: nothing to merge
         assert!(!merged(CacheFormat::Bf16, 16, 4, 1, 264));
         // a grid the GPU does not hold at once (4 x 64 > 132)
@@ -846,7 +868,7 @@ mod tests {
         ] {
             assert_eq!(config.has_merged_form(), has, "{}", config.family());
             let plan = DecodePlan::new(config, &s, 132, Some(32), None).unwrap();
-            assert_eq!(plan.merged_where_it_fits(&s, 132).merged, has);
+            assert_eq!(plan.merged_where_it_pays(&s, 132).merged, has);
         }
     }
 
