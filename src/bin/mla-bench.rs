@@ -564,7 +564,7 @@ impl Bench<'_> {
         Ok(Timing {
             median_us: us[us.len() / 2],
             splits: plan.splits,
-            merged: plan.merged && plan.splits > 1,
+            merged: plan.runs_merged(),
             check: check(shape, row.reference, &out, &lse),
         })
     }
@@ -772,7 +772,7 @@ fn run(args: &Args) -> Result<()> {
     let dev = CudaDevice::open(args.device)?;
     let name = dev.name();
     let flush = dev.alloc(FLUSH_BYTES as u64)?;
-    let sync_bytes = 2 * 65536 * 4;
+    let sync_bytes = sparse_mla::runtime::gpu::SYNC_WORDS * 4;
     let sync = dev.alloc(sync_bytes)?;
     dev.write(&sync, &vec![0u8; sync_bytes as usize])?;
     let mut bench = Bench {
@@ -938,15 +938,15 @@ fn run(args: &Args) -> Result<()> {
                         });
                         // the merged form where the backend would take it: the grid within
                         // what the GPU (or SM120) holds of the merged kernel at once
-                        let merged = (!args.no_merge && config.has_merged_form())
-                            .then(|| -> Result<_> {
-                                let k = sparse_mla::kernels::sparse_mla_decode::lowered_merged(
-                                    &config,
-                                )?;
-                                let r = bench.gpu.dev.resident_workgroups(&k)?;
-                                Ok((r, sm120_resident(&config, &k, r, sms)))
-                            })
-                            .transpose()?;
+                        let merged = if args.no_merge {
+                            None
+                        } else {
+                            bench
+                                .gpu
+                                .dev
+                                .resident_merged(&config)?
+                                .map(|(k, r)| (r, sm120_resident(&config, &k, r, sms)))
+                        };
                         let merge = |plan: DecodePlan, sm120: bool| match merged {
                             Some((r, r120)) => {
                                 plan.merged_where_it_pays(&shape, if sm120 { r120 } else { r })
@@ -1017,13 +1017,11 @@ fn run(args: &Args) -> Result<()> {
                         sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                     let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
                     // merged where the backend would merge (unless --no-merge)
-                    let merged_resident = (!args.no_merge && config.has_merged_form())
-                        .then(|| -> Result<u32> {
-                            let k =
-                                sparse_mla::kernels::sparse_mla_decode::lowered_merged(&config)?;
-                            bench.gpu.dev.resident_workgroups(&k)
-                        })
-                        .transpose()?;
+                    let merged_resident = if args.no_merge {
+                        None
+                    } else {
+                        bench.gpu.dev.resident_merged(&config)?.map(|(_, r)| r)
+                    };
                     let mut cells = Vec::new();
                     for &s in &args.sweep_splits {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;

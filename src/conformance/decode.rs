@@ -546,11 +546,7 @@ pub fn check_decode_case(
         detail: format!(
             "splits {}{}",
             run.splits,
-            if run.kernels.iter().any(|k| k.ends_with("_merged")) {
-                " merged"
-            } else {
-                ""
-            }
+            if run.merged { " merged" } else { "" }
         ),
         seconds,
         failures,

@@ -223,6 +223,7 @@ impl Backend for CpuBackend {
             splits: 1,
             p_bf16: false,
             kernels: vec!["reference::sparse_mla::decode".into()],
+            merged: false,
         })
     }
 

@@ -519,6 +519,18 @@ impl CudaDevice {
         Ok(per_sm * self.sm_count)
     }
 
+    /// The merged form of `config`'s split kernel and how many of its workgroups the device
+    /// runs at once (what a merged grid must fit, [`DecodePlan::merged_where_it_pays`]);
+    /// `None` where the config has no merged form.
+    pub fn resident_merged(&self, config: &DecodeConfig) -> Result<Option<(Arc<Kernel>, u32)>> {
+        if !config.has_merged_form() {
+            return Ok(None);
+        }
+        let kernel = lowered_merged(config)?;
+        let resident = self.resident_workgroups(&kernel)?;
+        Ok(Some((kernel, resident)))
+    }
+
     /// Decode-kernel tuning (mla-bench `--sm120-occupancy`): the preferred shared-memory
     /// carve-out of a compiled kernel, in percent of the multiprocessor's unified L1 /
     /// shared memory (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`; -1 restores the
@@ -664,11 +676,13 @@ impl Device for CudaDevice {
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
         let plan = DecodePlan::with_config(config, shape, resident, self.sm_count, splits)?;
-        if plan.splits < 2 || !config.has_merged_form() || !merge_enabled()? {
+        if plan.splits < 2 || !merge_enabled()? {
             return Ok(plan);
         }
-        let merged = lowered_merged(&config)?;
-        Ok(plan.merged_where_it_pays(shape, self.resident_workgroups(&merged)?))
+        Ok(match self.resident_merged(&config)? {
+            Some((_, resident)) => plan.merged_where_it_pays(shape, resident),
+            None => plan,
+        })
     }
 
     fn target_workgroups(&self) -> u32 {

@@ -151,7 +151,7 @@ pub struct GpuBackend<D: Device> {
 
 /// Words of the merged decode kernel's counters: two per token, for the most tokens a call
 /// takes (65535, the grid's z limit).
-const SYNC_WORDS: u64 = 2 * 65536;
+pub const SYNC_WORDS: u64 = 2 * 65536;
 
 impl<D: Device> GpuBackend<D> {
     pub fn new(dev: D) -> Self {
@@ -372,7 +372,7 @@ impl<D: Device> Backend for GpuBackend<D> {
             named.push(("lse_part", self.buf(l, "lse_part")?));
         }
         let mut sync = self.sync.lock().map_err(|_| poisoned())?;
-        if plan.merged && sync.is_none() {
+        if plan.runs_merged() && sync.is_none() {
             let counters = self.alloc(SYNC_WORDS * 4)?;
             self.dev.write(
                 self.buf(&counters, "sync")?,
@@ -390,6 +390,7 @@ impl<D: Device> Backend for GpuBackend<D> {
             splits: plan.splits,
             p_bf16: plan.config.p_elem == crate::kir::ir::TileElem::Bf16,
             kernels: launches.iter().map(|l| l.kernel.name.clone()).collect(),
+            merged: plan.runs_merged(),
         })
     }
 

@@ -161,6 +161,8 @@ pub struct DecodeRun {
     pub p_bf16: bool,
     /// The kernels launched, by name.
     pub kernels: Vec<String>,
+    /// Split and combine ran as one launch (the merged split kernel).
+    pub merged: bool,
 }
 
 /// A place kernels run.

@@ -101,22 +101,17 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         Access::ReadWrite,
         "[tokens / lse_s_q, heads, lse_s_q]",
     );
-    let io = MergeIo::declare_shared(
-        &mut b,
-        MergeForm::COMBINE,
-        threads,
-        MergeIo {
-            heads,
-            splits,
-            lse_s_q,
-            groups: groups_param,
-            o_part,
-            lse_part,
-            out,
-            lse_out,
-            sh: None,
-        },
-    );
+    let io = MergeIo {
+        heads,
+        splits,
+        lse_s_q,
+        groups: groups_param,
+        o_part,
+        lse_part,
+        out,
+        lse_out,
+        sh: merge_shared(&mut b, MergeForm::COMBINE, threads),
+    };
     let h = b.let_("h", workgroup_id(0));
     let t = b.let_("t", workgroup_id(1));
     merge_segment(
@@ -165,33 +160,30 @@ pub(super) struct MergeIo {
     pub lse_part: Buf,
     pub out: Buf,
     pub lse_out: Buf,
-    /// Per group its max and weight sum, then G chunks of weighted column sums.
-    pub sh: Option<(Shared, Shared, Shared)>,
+    /// Per group its max and weight sum, then G chunks of weighted column sums
+    /// ([`merge_shared`]).
+    pub sh: (Shared, Shared, Shared),
 }
 
-impl MergeIo {
-    /// `io` with its shared arrays declared for `form` at `threads` threads.
-    pub fn declare_shared(
-        b: &mut KernelBuilder,
-        form: MergeForm,
-        threads: u32,
-        io: MergeIo,
-    ) -> MergeIo {
-        let max_groups = max_combine_groups(threads);
-        let sh_m = b.shared("group_max", Ty::F32, max_groups);
-        let sh_l = b.shared("group_sum", Ty::F32, max_groups);
-        let sh_o = b.shared("group_out", Ty::F32, form.per_lane * threads);
-        MergeIo {
-            sh: Some((sh_m, sh_l, sh_o)),
-            ..io
-        }
-    }
+/// The merge's shared arrays for `form` at `threads` threads: per group its max and weight
+/// sum, then G chunks of weighted column sums.
+pub(super) fn merge_shared(
+    b: &mut KernelBuilder,
+    form: MergeForm,
+    threads: u32,
+) -> (Shared, Shared, Shared) {
+    let max_groups = max_combine_groups(threads);
+    (
+        b.shared("group_max", Ty::F32, max_groups),
+        b.shared("group_sum", Ty::F32, max_groups),
+        b.shared("group_out", Ty::F32, form.per_lane * threads),
+    )
 }
 
 /// The split groups and chunk of a merge, computed once where a workgroup merges several
 /// segments.
+#[derive(Clone)]
 pub(super) struct MergeGeom {
-    pub log_g: Expr,
     pub groups: Expr,
     pub log_lanes: Expr,
     pub lanes: Expr,
@@ -217,7 +209,6 @@ impl MergeGeom {
         let lanes = b.let_("lanes", u(1) << log_lanes.clone());
         let chunk = b.let_("chunk", lanes.clone() * u(form.per_lane));
         MergeGeom {
-            log_g,
             groups,
             log_lanes,
             lanes,
@@ -255,7 +246,7 @@ pub(super) fn merge_segment(
         sh,
         ..
     } = io;
-    let (sh_m, sh_l, sh_o) = sh.as_ref().expect("merge shared arrays declared");
+    let (sh_m, sh_l, sh_o) = sh;
     let lid = b.let_("lid", local_id());
     let row = b.let_("row", t.clone() * heads.clone() + h.clone());
     let lse_at = b.let_(
@@ -265,16 +256,9 @@ pub(super) fn merge_segment(
     b.comment(format!(
         "G split groups of W / G lanes; a chunk of {per_lane}W / G columns"
     ));
-    let geom = match geom {
-        Some(g) => MergeGeom {
-            log_g: g.log_g.clone(),
-            groups: g.groups.clone(),
-            log_lanes: g.log_lanes.clone(),
-            lanes: g.lanes.clone(),
-            chunk: g.chunk.clone(),
-        },
-        None => MergeGeom::new(b, form, threads, io),
-    };
+    let geom = geom
+        .cloned()
+        .unwrap_or_else(|| MergeGeom::new(b, form, threads, io));
     let MergeGeom {
         groups,
         log_lanes,

@@ -16,7 +16,9 @@
 //! form only where the whole grid fits the GPU at once ([`merge_groups`] says how the
 //! segments are cut).
 
-use super::combine::{max_combine_groups, merge_segment, MergeForm, MergeGeom, MergeIo};
+use super::combine::{
+    max_combine_groups, merge_segment, merge_shared, MergeForm, MergeGeom, MergeIo,
+};
 use super::io::SplitIo;
 use super::DecodeConfig;
 use crate::kir::builder::*;
@@ -62,22 +64,17 @@ pub(super) fn merge_in_kernel(
     extra: &MergeExtra,
     (t, split): (&Expr, &Expr),
 ) {
-    let mio = MergeIo::declare_shared(
-        b,
-        FORM,
-        cfg.threads,
-        MergeIo {
-            heads: io.heads.clone(),
-            splits: io.splits.clone(),
-            lse_s_q: io.lse_s_q.clone(),
-            groups: extra.groups.clone(),
-            o_part: io.o_part.clone(),
-            lse_part: io.lse_part.clone(),
-            out: io.out.clone(),
-            lse_out: io.lse_out.clone(),
-            sh: None,
-        },
-    );
+    let mio = MergeIo {
+        heads: io.heads.clone(),
+        splits: io.splits.clone(),
+        lse_s_q: io.lse_s_q.clone(),
+        groups: extra.groups.clone(),
+        o_part: io.o_part.clone(),
+        lse_part: io.lse_part.clone(),
+        out: io.out.clone(),
+        lse_out: io.lse_out.clone(),
+        sh: merge_shared(b, FORM, cfg.threads),
+    };
     let block_h = cfg.block_h;
     let dv = cfg.dims.d_v();
     b.if_(io.splits.clone().gt(u(1)), |b| {
@@ -115,11 +112,8 @@ pub fn merge_groups(heads: u32, splits: u32, members: u32, d_v: u32, threads: u3
     let mut best = (u64::MAX, FORM.min_groups);
     let mut g = FORM.min_groups;
     while g <= max_combine_groups(threads) {
-        let chunk = FORM.chunk(threads, g);
-        let segments = heads as u64 * d_v.div_ceil(chunk) as u64;
-        let rounds = segments.div_ceil(members.max(1) as u64);
         let passes = splits.div_ceil(g * FORM.unroll.unwrap_or(1)) as u64;
-        let cost = rounds * passes;
+        let cost = rounds_at(g, heads, members, d_v, threads) as u64 * passes;
         if cost < best.0 {
             best = (cost, g);
         }
@@ -135,7 +129,13 @@ pub fn merge_groups(heads: u32, splits: u32, members: u32, d_v: u32, threads: u3
 /// benches/NOTES.md v19).
 pub fn merge_rounds(heads: u32, splits: u32, members: u32, d_v: u32, threads: u32) -> u32 {
     let g = merge_groups(heads, splits, members, d_v, threads);
-    let segments = heads as u64 * d_v.div_ceil(FORM.chunk(threads, g)) as u64;
+    rounds_at(g, heads, members, d_v, threads)
+}
+
+/// Segments per workgroup at `groups` groups: the token's `H · ceil(d_v / chunk)` segments
+/// over its `members` workgroups.
+fn rounds_at(groups: u32, heads: u32, members: u32, d_v: u32, threads: u32) -> u32 {
+    let segments = heads as u64 * d_v.div_ceil(FORM.chunk(threads, groups)) as u64;
     segments.div_ceil(members.max(1) as u64) as u32
 }
 

@@ -17,7 +17,8 @@ use crate::kir::ir::{Kernel, TileElem};
 use crate::kir::Lowering;
 use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
 use crate::{Error, Result};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Compile-time knobs of the decode kernels. Everything else (tokens, heads, topk, slots,
 /// splits, scale) is a run-time parameter.
@@ -375,6 +376,15 @@ impl DecodeConfig {
         format!("{}_merged", self.split_name())
     }
 
+    /// [`Self::merged_name`] or [`Self::split_name`].
+    pub fn split_kernel_name(&self, merged: bool) -> String {
+        if merged {
+            self.merged_name()
+        } else {
+            self.split_name()
+        }
+    }
+
     /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
     /// tensor-core kernels (the backend's small bf16 calls) and v7 in one warp group (fp8's
     /// small calls, bf16 where its one wave fills the GPU). fp8_ds_mla's v6 kernels have no
@@ -576,7 +586,7 @@ impl DecodePlan {
             && merge::merge_rounds(
                 shape.heads,
                 plan.splits,
-                shape.heads.div_ceil(plan.config.block_h) * plan.splits,
+                plan.merge_members(shape),
                 shape.dims.d_v(),
                 plan.config.threads,
             ) == 1;
@@ -584,6 +594,18 @@ impl DecodePlan {
             merged: plan.merged && pays,
             ..plan
         }
+    }
+
+    /// Does the call run as one launch of the merged kernel ([`Self::merged`] with more than
+    /// one split)?
+    pub fn runs_merged(&self) -> bool {
+        self.merged && self.splits > 1
+    }
+
+    /// Workgroups of one token, which meet and merge its rows in the merged kernel:
+    /// ⌈H / block_h⌉ · S.
+    pub fn merge_members(&self, shape: &DecodeShape) -> u32 {
+        shape.heads.div_ceil(self.config.block_h) * self.splits
     }
 
     pub fn grid_split(&self, shape: &DecodeShape) -> [u32; 3] {
@@ -669,20 +691,13 @@ pub fn launches(
         layout.cache,
     )?;
     layout.lse.check(shape.tokens)?;
-    let merged = plan.merged && plan.splits > 1;
+    let merged = plan.runs_merged();
     let (split, combine) = lowered_kernels(&plan.config)?;
     let split = if merged {
         lowered_merged(&plan.config)?
     } else {
         split
     };
-    let merge_groups = merge::merge_groups(
-        shape.heads,
-        plan.splits,
-        shape.heads.div_ceil(plan.config.block_h) * plan.splits,
-        shape.dims.d_v(),
-        plan.config.threads,
-    );
     let mut values = vec![
         ("tokens", ParamValue::U32(shape.tokens)),
         ("heads", ParamValue::U32(shape.heads)),
@@ -704,7 +719,14 @@ pub fn launches(
         ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
     ];
     if merged {
-        values.push(("merge_groups", ParamValue::U32(merge_groups)));
+        let groups = merge::merge_groups(
+            shape.heads,
+            plan.splits,
+            plan.merge_members(shape),
+            shape.dims.d_v(),
+            plan.config.threads,
+        );
+        values.push(("merge_groups", ParamValue::U32(groups)));
     }
     let split_params = pack_params(&split, &values)?;
     let mut out = vec![Launch {
@@ -738,24 +760,36 @@ type KernelPair = (Arc<Kernel>, Arc<Kernel>);
 
 /// The lowered split and combine kernels of a config, built once per process.
 pub fn lowered_kernels(config: &DecodeConfig) -> Result<KernelPair> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static CACHE: OnceLock<Mutex<HashMap<DecodeConfig, KernelPair>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(k) = cache.lock().map_err(|_| poisoned())?.get(config) {
-        return Ok(k.clone());
+    static CACHE: KernelCache<KernelPair> = OnceLock::new();
+    cached(&CACHE, config, || {
+        let split = Arc::new(crate::kir::lower(&split_kernel(config)?, config.lowering)?);
+        let combine = Arc::new(crate::kir::lower(
+            &combine_kernel(config)?,
+            config.lowering,
+        )?);
+        Ok((split, combine))
+    })
+}
+
+/// Lowered kernels by config, built once per process.
+type KernelCache<V> = OnceLock<Mutex<HashMap<DecodeConfig, V>>>;
+
+/// `cache`'s entry for `config`, made by `build` the first time.
+fn cached<V: Clone>(
+    cache: &KernelCache<V>,
+    config: &DecodeConfig,
+    build: impl FnOnce() -> Result<V>,
+) -> Result<V> {
+    let cache = cache.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(v) = cache.lock().map_err(|_| poisoned())?.get(config) {
+        return Ok(v.clone());
     }
-    let split = Arc::new(crate::kir::lower(&split_kernel(config)?, config.lowering)?);
-    let combine = Arc::new(crate::kir::lower(
-        &combine_kernel(config)?,
-        config.lowering,
-    )?);
-    let pair = (split, combine);
+    let v = build()?;
     cache
         .lock()
         .map_err(|_| poisoned())?
-        .insert(*config, pair.clone());
-    Ok(pair)
+        .insert(*config, v.clone());
+    Ok(v)
 }
 
 /// The split kernel of a config that merges its own partials ([`merge`]): the
@@ -776,19 +810,13 @@ pub fn merged_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
 
 /// The lowered merged kernel of a config ([`merged_kernel`]), built once per process.
 pub fn lowered_merged(config: &DecodeConfig) -> Result<Arc<Kernel>> {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static CACHE: OnceLock<Mutex<HashMap<DecodeConfig, Arc<Kernel>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(k) = cache.lock().map_err(|_| poisoned())?.get(config) {
-        return Ok(k.clone());
-    }
-    let k = Arc::new(crate::kir::lower(&merged_kernel(config)?, config.lowering)?);
-    cache
-        .lock()
-        .map_err(|_| poisoned())?
-        .insert(*config, k.clone());
-    Ok(k)
+    static CACHE: KernelCache<Arc<Kernel>> = OnceLock::new();
+    cached(&CACHE, config, || {
+        Ok(Arc::new(crate::kir::lower(
+            &merged_kernel(config)?,
+            config.lowering,
+        )?))
+    })
 }
 
 fn poisoned() -> Error {

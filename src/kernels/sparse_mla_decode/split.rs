@@ -32,13 +32,8 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
     let (bh, bn) = (cfg.block_h, cfg.block_n);
-    let name = if merged {
-        cfg.merged_name()
-    } else {
-        cfg.split_name()
-    };
     // with warp groups, the description is one group's work (the lowering replicates it)
-    let mut b = KernelBuilder::new(name, cfg.threads / cfg.groups());
+    let mut b = KernelBuilder::new(cfg.split_kernel_name(merged), cfg.threads / cfg.groups());
     let io = declare(&mut b, cfg);
     let extra = merged.then(|| merge::declare(&mut b));
     if cfg.format == CacheFormat::Fp8DsMla {

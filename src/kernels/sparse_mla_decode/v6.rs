@@ -22,12 +22,7 @@ pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
 pub fn split_kernel_v6_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> {
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let row_words = cfg.row_words();
-    let name = if merged {
-        cfg.merged_name()
-    } else {
-        cfg.split_name()
-    };
-    let mut b = KernelBuilder::new(name, cfg.threads);
+    let mut b = KernelBuilder::new(cfg.split_kernel_name(merged), cfg.threads);
     let io = declare(&mut b, cfg);
     let extra = merged.then(|| merge::declare(&mut b));
     let SplitIo {
