@@ -2,8 +2,9 @@
 # The merged decode kernel (split and combine in one cooperative launch) on a GPU machine,
 # in two parts that each fit one device call:
 #   PART=1  correctness (mla-check with the backend's choice, the decode cases with the merge
-#           off and with v6 forced), then the A/B: mla-bench of the backend's kernels merged
-#           and as two launches (--no-merge), same binary, run merged / split / merged
+#           off, with v6 forced and merged wherever the form can run), then the A/B: mla-bench
+#           of the backend's kernels merged and as two launches (--no-merge), same binary, run
+#           merged / split / merged wherever it can (SPARSE_MLA_MERGE=all) / merged
 #   PART=2  split sweeps merged and not (T 1-4), per-kernel durations (ncu) merged and
 #           split, compute-sanitizer (memcheck, racecheck, synccheck) on the decode cases
 #           with v6 forced (merged where it fits), a stress run
@@ -29,10 +30,14 @@ if [ "$PART" = 1 ]; then
     echo "check decode, merge off: rc $? $(tail -1 "$OUTD/check-nomerge.txt"); merged cases: $(grep -c ' merged ' "$OUTD/check-nomerge.txt")" >>"$sum"
     SPARSE_MLA_DECODE_KERNEL=v6 timeout 80 "$BIN/mla-check" --backend cuda --case decode/ >"$OUTD/check-v6.txt" 2>&1
     echo "check decode, v6 forced: rc $? $(tail -1 "$OUTD/check-v6.txt"); merged cases: $(grep -c ' merged ' "$OUTD/check-v6.txt")" >>"$sum"
-    for run in merged-a split merged-b; do
+    SPARSE_MLA_MERGE=all timeout 80 "$BIN/mla-check" --backend cuda --case decode/ >"$OUTD/check-all.txt" 2>&1
+    echo "check decode, merged wherever it can: rc $? $(tail -1 "$OUTD/check-all.txt"); merged cases: $(grep -c ' merged ' "$OUTD/check-all.txt")" >>"$sum"
+    for run in merged-a split all merged-b; do
         extra=()
         [ $run = split ] && extra=(--no-merge)
-        timeout 110 "$BIN/mla-bench" $AB_ARGS --no-peer --no-baseline --sm120-occupancy --format csv "${extra[@]}" \
+        policy=1
+        [ $run = all ] && policy=all
+        SPARSE_MLA_MERGE=$policy timeout 110 "$BIN/mla-bench" $AB_ARGS --no-peer --no-baseline --sm120-occupancy --format csv "${extra[@]}" \
             >"$OUTD/bench-$run.csv" 2>"$OUTD/bench-$run.err"
         echo "bench $run: rc $? $(grep -c . "$OUTD/bench-$run.csv") lines" >>"$sum"
     done
@@ -46,17 +51,17 @@ def load(n):
     for r in csv.DictReader(open(p)):
         out[(r["cache"], int(r["heads"]), int(r["tokens"]))] = r
     return out
-a, s, b = load("merged-a"), load("split"), load("merged-b")
-print("A/B, backend's kernel (µs): merged (runs a, b) against two launches; SM120 occupancy likewise")
-print(f"{'cache':6} {'H':>4} {'T':>4}  {'kernel':22} {'split':>8} {'merged a':>8} {'merged b':>8} {'x':>6}   {'split120':>8} {'merged120':>9} {'x120':>6}")
+a, s, b, w = load("merged-a"), load("split"), load("merged-b"), load("all")
+print("A/B, backend's kernel (µs): merged as the rule says (runs a, b) and wherever it can (all) against two launches; SM120 occupancy likewise")
+print(f"{'cache':6} {'H':>4} {'T':>4}  {'kernel':22} {'split':>8} {'merged a':>8} {'merged b':>8} {'x':>6} {'all':>8} {'x all':>6}   {'split120':>8} {'merged120':>9} {'x120':>6} {'all120':>8} {'x all120':>8}")
 for k in sorted(s):
-    rs, ra, rb = s[k], a.get(k), b.get(k)
+    rs, ra, rb, rw = s[k], a.get(k), b.get(k), w.get(k, {})
     if not ra or not rb: continue
     f = lambda r, c: float(r[c]) if r.get(c) else float('nan')
     m = min(f(ra, "backend_us"), f(rb, "backend_us"))
     m120 = min(f(ra, "backend_us_sm120"), f(rb, "backend_us_sm120"))
-    print(f"{k[0]:6} {k[1]:>4} {k[2]:>4}  {ra['backend']:22} {f(rs,'backend_us'):8.2f} {f(ra,'backend_us'):8.2f} {f(rb,'backend_us'):8.2f} {f(rs,'backend_us')/m:6.3f}   {f(rs,'backend_us_sm120'):8.2f} {m120:9.2f} {f(rs,'backend_us_sm120')/m120:6.3f}")
-bad = [l for n in ("merged-a", "split", "merged-b") for l in open(os.path.join(d, f"bench-{n}.csv")) if ",false," in l] if a else []
+    print(f"{k[0]:6} {k[1]:>4} {k[2]:>4}  {ra['backend']:22} {f(rs,'backend_us'):8.2f} {f(ra,'backend_us'):8.2f} {f(rb,'backend_us'):8.2f} {f(rs,'backend_us')/m:6.3f} {f(rw,'backend_us'):8.2f} {f(rs,'backend_us')/f(rw,'backend_us'):6.3f}   {f(rs,'backend_us_sm120'):8.2f} {m120:9.2f} {f(rs,'backend_us_sm120')/m120:6.3f} {f(rw,'backend_us_sm120'):8.2f} {f(rs,'backend_us_sm120')/f(rw,'backend_us_sm120'):8.3f}")
+bad = [l for n in ("merged-a", "split", "all", "merged-b") if os.path.exists(os.path.join(d, f"bench-{n}.csv")) for l in open(os.path.join(d, f"bench-{n}.csv")) if ",false," in l] if a else []
 print(f"bench rows failing their check: {len(bad)}")
 PY
 else

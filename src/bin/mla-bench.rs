@@ -4,7 +4,7 @@
 
 use clap::Parser;
 use cudarc::driver::{result as drv, sys as drv_sys, CudaEvent, CudaSlice};
-use sparse_mla::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan};
+use sparse_mla::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan, MergePolicy};
 use sparse_mla::kernels::{pack_params, Launch, ParamValue};
 use sparse_mla::kir::builder::*;
 use sparse_mla::kir::ir::{Access, Elem, Kernel, Ty};
@@ -73,8 +73,9 @@ struct Args {
     no_peer: bool,
     /// Time the split kernel and the combine as two launches even where the backend merges
     /// them into one cooperative launch (bf16 v6 calls with several splits whose grid fits
-    /// the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the backend). Timed rows of the
-    /// merged form say `merged` after the kernel.
+    /// the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the backend, and
+    /// `SPARSE_MLA_MERGE=all` merges every call the form can run, where it pays or not).
+    /// Timed rows of the merged form say `merged` after the kernel.
     #[arg(long)]
     no_merge: bool,
     /// The peer script.
@@ -769,6 +770,12 @@ struct BenchRow {
 }
 
 fn run(args: &Args) -> Result<()> {
+    // where rows are timed merged: as the backend merges (SPARSE_MLA_MERGE), or not at all
+    let policy = if args.no_merge {
+        MergePolicy::Off
+    } else {
+        MergePolicy::from_env()?
+    };
     let dev = CudaDevice::open(args.device)?;
     let name = dev.name();
     let flush = dev.alloc(FLUSH_BYTES as u64)?;
@@ -938,7 +945,7 @@ fn run(args: &Args) -> Result<()> {
                         });
                         // the merged form where the backend would take it: the grid within
                         // what the GPU (or SM120) holds of the merged kernel at once
-                        let merged = if args.no_merge {
+                        let merged = if policy == MergePolicy::Off {
                             None
                         } else {
                             bench
@@ -949,7 +956,7 @@ fn run(args: &Args) -> Result<()> {
                         };
                         let merge = |plan: DecodePlan, sm120: bool| match merged {
                             Some((r, r120)) => {
-                                plan.merged_where_it_pays(&shape, if sm120 { r120 } else { r })
+                                plan.merged_by(policy, &shape, if sm120 { r120 } else { r })
                             }
                             None => plan,
                         };
@@ -1017,7 +1024,7 @@ fn run(args: &Args) -> Result<()> {
                         sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                     let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
                     // merged where the backend would merge (unless --no-merge)
-                    let merged_resident = if args.no_merge {
+                    let merged_resident = if policy == MergePolicy::Off {
                         None
                     } else {
                         bench.gpu.dev.resident_merged(&config)?.map(|(_, r)| r)
@@ -1026,7 +1033,7 @@ fn run(args: &Args) -> Result<()> {
                     for &s in &args.sweep_splits {
                         let plan = DecodePlan::new(config, &shape, resident, Some(s), None)?;
                         let plan = match merged_resident {
-                            Some(r) => plan.merged_where_it_pays(&shape, r),
+                            Some(r) => plan.merged_by(policy, &shape, r),
                             None => plan,
                         };
                         let tm = bench.time(&row, &plan, -1)?;

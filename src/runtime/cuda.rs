@@ -7,7 +7,7 @@ use super::gpu::Device;
 use super::BackendKind;
 use crate::emit::cuda as emit_cuda;
 use crate::kernels::sparse_mla_decode::{
-    lowered_kernels, lowered_merged, DecodeConfig, DecodePlan,
+    lowered_kernels, lowered_merged, DecodeConfig, DecodePlan, MergePolicy,
 };
 use crate::kir::Kernel;
 use crate::mla::{CacheFormat, DecodeShape, MlaDims};
@@ -635,17 +635,6 @@ fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeC
     }
 }
 
-/// `SPARSE_MLA_MERGE=0` turns off the merged decode kernel (split and combine in one
-/// cooperative launch, [`crate::kernels::sparse_mla_decode::merge`]): calls then take the two
-/// launches. Unset or `1`: merged where it fits.
-fn merge_enabled() -> Result<bool> {
-    match std::env::var("SPARSE_MLA_MERGE").as_deref() {
-        Err(_) | Ok("") | Ok("1") => Ok(true),
-        Ok("0") => Ok(false),
-        Ok(other) => Err(Error::arg("SPARSE_MLA_MERGE", "0 or 1", other)),
-    }
-}
-
 /// The parameter block as a kernel argument: the driver copies as many bytes as the
 /// kernel's parameter struct has.
 #[repr(C, align(16))]
@@ -676,11 +665,13 @@ impl Device for CudaDevice {
         let (split, _) = lowered_kernels(&config)?;
         let resident = self.resident_workgroups(&split)?;
         let plan = DecodePlan::with_config(config, shape, resident, self.sm_count, splits)?;
-        if plan.splits < 2 || !merge_enabled()? {
+        // SPARSE_MLA_MERGE: 0 two launches, all merged wherever the form can run
+        let policy = MergePolicy::from_env()?;
+        if plan.splits < 2 || policy == MergePolicy::Off {
             return Ok(plan);
         }
         Ok(match self.resident_merged(&config)? {
-            Some((_, resident)) => plan.merged_where_it_pays(shape, resident),
+            Some((_, resident)) => plan.merged_by(policy, shape, resident),
             None => plan,
         })
     }

@@ -414,6 +414,28 @@ impl DecodeConfig {
 /// (benches/NOTES.md, v19).
 pub const MERGE_MIN_ROWS: u64 = 16;
 
+/// Where a backend takes the merged kernel: `SPARSE_MLA_MERGE` = `0` ([`Self::Off`]), `1` or
+/// unset ([`Self::WherePays`]), `all` ([`Self::WhereCan`]: every call it can run, where it
+/// pays or not — for measuring the rule on another GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MergePolicy {
+    Off,
+    WherePays,
+    WhereCan,
+}
+
+impl MergePolicy {
+    /// The policy `SPARSE_MLA_MERGE` asks for.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("SPARSE_MLA_MERGE").as_deref() {
+            Err(_) | Ok("") | Ok("1") => Ok(MergePolicy::WherePays),
+            Ok("0") => Ok(MergePolicy::Off),
+            Ok("all") => Ok(MergePolicy::WhereCan),
+            Ok(other) => Err(Error::arg("SPARSE_MLA_MERGE", "0, 1 or all", other)),
+        }
+    }
+}
+
 /// A config plus the run-time choice of splits for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodePlan {
@@ -593,6 +615,15 @@ impl DecodePlan {
         DecodePlan {
             merged: plan.merged && pays,
             ..plan
+        }
+    }
+
+    /// The plan merged as `policy` says ([`MergePolicy`]).
+    pub fn merged_by(self, policy: MergePolicy, shape: &DecodeShape, resident_merged: u32) -> Self {
+        match policy {
+            MergePolicy::Off => self,
+            MergePolicy::WherePays => self.merged_where_it_pays(shape, resident_merged),
+            MergePolicy::WhereCan => self.merged_where_it_can(shape, resident_merged),
         }
     }
 
@@ -874,6 +905,14 @@ mod tests {
         let plan = DecodePlan::new(v7, &s, 132, Some(2), None).unwrap();
         assert!(!plan.merged_where_it_pays(&s, 1000).merged, "16 rounds");
         assert!(plan.merged_where_it_can(&s, 1000).merged);
+        // SPARSE_MLA_MERGE's policies: 0 never, 1 the rule, all wherever the form runs
+        assert_eq!(plan.merged_by(MergePolicy::Off, &s, 1000), plan);
+        assert!(!plan.merged_by(MergePolicy::WherePays, &s, 1000).merged);
+        assert!(plan.merged_by(MergePolicy::WhereCan, &s, 1000).merged);
+        assert!(
+            !plan.merged_by(MergePolicy::WhereCan, &s, 3).merged,
+            "grid of 4"
+        );
         // one split: nothing to merge
         assert!(!merged(CacheFormat::Bf16, 16, 4, 1, 264));
         // a grid the GPU does not hold at once (4 x 64 > 132)
