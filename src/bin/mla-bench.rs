@@ -72,8 +72,9 @@ struct Args {
     #[arg(long)]
     no_peer: bool,
     /// Time the split kernel and the combine as two launches even where the backend merges
-    /// them into one cooperative launch (bf16 v6 calls with several splits whose grid fits
-    /// the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the backend, and
+    /// them into one cooperative launch (v6 and v7 calls with several splits where the merge
+    /// pays and the grid fits the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the
+    /// backend, and
     /// `SPARSE_MLA_MERGE=all` merges every call the form can run, where it pays or not).
     /// Timed rows of the merged form say `merged` after the kernel.
     #[arg(long)]
