@@ -74,8 +74,8 @@ struct Args {
     /// Time the split kernel and the combine as two launches even where the backend merges
     /// them into one cooperative launch (v6 and v7 calls with several splits where the merge
     /// pays and the grid fits the GPU at once; `SPARSE_MLA_MERGE=0` does the same in the
-    /// backend, and
-    /// `SPARSE_MLA_MERGE=all` merges every call the form can run, where it pays or not).
+    /// backend, and `SPARSE_MLA_MERGE=all` merges every call the form can run, where it pays
+    /// or not).
     /// Timed rows of the merged form say `merged` after the kernel.
     #[arg(long)]
     no_merge: bool,
@@ -738,6 +738,8 @@ struct Timed {
     /// SM120's residency ([`sm120_resident`]): `splits_sm120`.
     us_sm120: Option<f64>,
     splits_sm120: Option<u32>,
+    /// The plan took the merged kernel (`kernel` then ends in " merged").
+    merged: bool,
     /// The SM120-occupancy plan took the merged kernel.
     merged_sm120: bool,
     rel_l2: f64,
@@ -998,6 +1000,7 @@ fn run(args: &Args) -> Result<()> {
                             us: tm.median_us,
                             us_sm120: sm120.map(|x| x.0),
                             splits_sm120: sm120.map(|x| x.1),
+                            merged: tm.merged,
                             merged_sm120: sm120.is_some_and(|x| x.2),
                             rel_l2: tm.check.rel_l2,
                             lse_err: tm.check.lse_err,
@@ -1105,11 +1108,7 @@ fn run(args: &Args) -> Result<()> {
                     kernel: format!(
                         "{}{}",
                         choice_here.family(),
-                        if here.kernel.ends_with(" merged") {
-                            " merged"
-                        } else {
-                            ""
-                        }
+                        if here.merged { " merged" } else { "" }
                     ),
                     us: here.us,
                     kernel_sm120: None,
@@ -1141,6 +1140,7 @@ fn run(args: &Args) -> Result<()> {
                         us: r.median_us,
                         us_sm120: None,
                         splits_sm120: None,
+                        merged: false,
                         merged_sm120: false,
                         rel_l2: r.check.rel_l2,
                         lse_err: r.check.lse_err,
