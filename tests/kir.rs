@@ -415,3 +415,54 @@ fn a_group_sync_needs_u32_counters_and_cuda() {
         .contains("group_sync(counters + 2u * (0u), gridDim.x);"));
     assert!(wgsl::emit(&k).is_err(), "WGSL has no group meeting");
 }
+
+/// With `l2_ahead`, the producers of v7 and of the large-batch kernel ask L2 for the rows of
+/// the step that many steps past the ring's copies — in the loop from index words loaded one
+/// issue earlier, guarded by the step count — and for the first steps' before the loop;
+/// without it nothing is prefetched.
+#[test]
+fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        for config in [
+            DecodeConfig::tensor_core_v7(dims, format, 16),
+            DecodeConfig::tensor_core_v7(dims, format, 64),
+            DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
+        ] {
+            let (split, _) = lowered_kernels(&config.with_l2_ahead(0)).expect("lowers");
+            let src = cuda::emit(&split).expect("emits");
+            assert!(!src.contains("prefetch_l2("), "{}", split.name);
+            for ahead in [1u32, 3] {
+                let config = config.with_l2_ahead(ahead);
+                let (split, _) = lowered_kernels(&config).expect("lowers");
+                assert!(split.name.contains(&format!("p{ahead}_")), "{}", split.name);
+                let src = cuda::emit(&split).expect("emits");
+                let body = &src[src.find("__global__").expect("a kernel")..];
+                let in_loop = body.find("for (unsigned step_i").expect("the ring loop");
+                let prologue = body[..in_loop].matches("prefetch_l2(").count();
+                let looped = body[in_loop..].matches("prefetch_l2(").count();
+                assert_eq!(looped, 1, "{}: one prefetch site in the loop", split.name);
+                // the first steps past the copies (not step 0 with a one-stage ring)
+                let stages = if config.groups() > 1 && format == CacheFormat::Bf16 {
+                    1
+                } else {
+                    2
+                };
+                let expect = (stages - 1..stages - 1 + ahead).filter(|&a| a > 0).count();
+                assert_eq!(prologue, expect, "{}: prologue prefetches", split.name);
+                assert!(
+                    body.contains(&format!("(ahead + {ahead}u) < step")),
+                    "{}: the loop's prefetch guarded by the step count",
+                    split.name
+                );
+                assert!(
+                    body.contains("_l2[slot"),
+                    "{}: words loaded ahead",
+                    split.name
+                );
+            }
+        }
+    }
+}

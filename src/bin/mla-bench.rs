@@ -91,9 +91,10 @@ struct Args {
     sweep_splits: Vec<u32>,
     /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
     /// optionally wWARPS (8 unless given) and gGROUPS (warp groups of WARPS warps each, see
-    /// `Lowering::MmaWs`), of the baseline (v6) as
+    /// `Lowering::MmaWs`) and pAHEAD (the producers ask L2 for the rows AHEAD steps past
+    /// the ring's copies), of the baseline (v6) as
     /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
-    /// 16x16x4,16x32x2w16,v6:16x16x2x2.
+    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,v6:16x16x2x2.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
@@ -575,10 +576,21 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, v6:16x16x2x2";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 16x32x2p2, v6:16x16x2x2";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
+    };
+    // pL2_AHEAD: the producers ask L2 for the rows that many steps past the copies
+    let (body, l2_ahead) = match body.split_once('p') {
+        Some((b, p)) if !v6 => (
+            b,
+            p.parse::<u32>()
+                .ok()
+                .filter(|p| (1..=8).contains(p))
+                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+        ),
+        _ => (body, 0),
     };
     let (body, groups) = match body.split_once('g') {
         Some((b, g)) if !v6 => (
@@ -606,15 +618,15 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::arg("variants", FORM, s))?;
     match (v6, v.as_slice()) {
-        (false, &[h, n, stages]) if groups > 1 => Ok(DecodeConfig::tensor_core_grouped(
-            dims,
-            format,
-            (h, n, stages),
-            warps,
-            groups,
-        )),
+        (false, &[h, n, stages]) if groups > 1 => {
+            Ok(
+                DecodeConfig::tensor_core_grouped(dims, format, (h, n, stages), warps, groups)
+                    .with_l2_ahead(l2_ahead),
+            )
+        }
         (false, &[h, n, stages]) => {
-            let mut c = DecodeConfig::tensor_core_custom(dims, format, h, n, stages);
+            let mut c = DecodeConfig::tensor_core_custom(dims, format, h, n, stages)
+                .with_l2_ahead(l2_ahead);
             c.threads = 32 * warps;
             Ok(c)
         }

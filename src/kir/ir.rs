@@ -689,6 +689,10 @@ pub enum Intrinsic {
         bars: String,
         index: Expr,
     },
+    /// Ask the L2 cache to fetch the lines of `bytes` bytes from word `word` of buffer `buf`
+    /// (`prefetch.global.L2` per 128-byte line): a hint with no effect on any value, so that
+    /// a later copy of them waits for L2 instead of DRAM. The range must lie in the buffer.
+    PrefetchL2 { buf: String, word: Expr, bytes: u32 },
     /// Arrive on an mbarrier once this thread's earlier [`Intrinsic::CopyAsync`] have landed
     /// (and its earlier shared-memory writes are visible): one arrival per thread and phase.
     CopyArrive { bars: String, index: Expr },
@@ -832,6 +836,11 @@ impl Intrinsic {
             CopyArrive { bars, index } => CopyArrive {
                 bars,
                 index: f(index),
+            },
+            PrefetchL2 { buf, word, bytes } => PrefetchL2 {
+                buf,
+                word: f(word),
+                bytes,
             },
             StoreF32x2 { buf, index, v0, v1 } => StoreF32x2 {
                 buf,

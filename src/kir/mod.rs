@@ -48,7 +48,15 @@ pub enum Lowering {
     /// After the pipeline the groups' online-softmax states and accumulators are merged and
     /// group 0 runs the rest of the kernel. Several short dependency chains then share one
     /// multiprocessor instead of one long one (benches/NOTES.md, v11).
-    MmaWs { stages: u32, groups: u32 },
+    ///
+    /// `l2_ahead` > 0: the producer warps also ask L2 for the rows of the step `l2_ahead`
+    /// steps past the last one whose copies are in flight, so those copies wait for L2, not
+    /// DRAM, and a stage's shared memory is held for a shorter time (0: no prefetch).
+    MmaWs {
+        stages: u32,
+        groups: u32,
+        l2_ahead: u32,
+    },
 }
 
 impl Lowering {
@@ -69,6 +77,10 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             stages,
             min_workgroups,
         } => lower_mma::lower(kernel, stages, min_workgroups),
-        Lowering::MmaWs { stages, groups } => lower_mma::lower_ws(kernel, stages, groups),
+        Lowering::MmaWs {
+            stages,
+            groups,
+            l2_ahead,
+        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead),
     }
 }

@@ -401,7 +401,9 @@ impl Device for EmuDevice {
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
         let config = if self.config.one_stage {
             let v7 = DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads);
+            // (its L2 prefetch too, which with one stage starts past step 0)
             DecodeConfig::tensor_core_custom(v7.dims, v7.format, v7.block_h, v7.block_n, 1)
+                .with_l2_ahead(v7.l2_ahead())
         } else if self.config.v7 {
             // the backend's choice on a GPU of `choice_sms` SMs holding one v6 workgroup per SM:
             // v7, the large-batch kernel (warp groups) for a large batch at H <= 16, v6 for a

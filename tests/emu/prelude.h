@@ -263,6 +263,14 @@ void mbarrier_test_wait_parity_shared__cta_b64(bool& p, Mem m, unsigned parity);
 void cp_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes(Mem dst, Mem src, unsigned size, Mem bar);
 void cp_async_bulk_shared__cta_global_mbarrier__complete_tx__bytes(Mem dst, Mem src, unsigned size, Mem bar);
 
+// an L2 prefetch changes no value: the byte is read (so an address outside the host's memory
+// faults here) and nothing else happens
+inline void prefetch_global_L2(Mem m) {
+    volatile unsigned char b = *gptr(m.a);
+    (void)b;
+}
+
+
 // proxy fences: nothing to model (the emulator has one proxy)
 inline void fence_proxy_async_shared__cta() {}
 inline void fence_mbarrier_init_release_cluster() {}

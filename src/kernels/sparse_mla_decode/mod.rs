@@ -254,7 +254,34 @@ impl DecodeConfig {
             block_n,
             threads: 256,
             p_elem: TileElem::Bf16,
-            lowering: Lowering::MmaWs { stages, groups: 1 },
+            lowering: Lowering::MmaWs {
+                stages,
+                groups: 1,
+                l2_ahead: 0,
+            },
+        }
+    }
+
+    /// This configuration with the producers asking L2 for the rows `l2_ahead` steps past
+    /// the ring's copies (v7 and the large-batch kernel; see [`Lowering::MmaWs`]); other
+    /// lowerings as they are.
+    pub fn with_l2_ahead(mut self, l2_ahead: u32) -> Self {
+        if let Lowering::MmaWs {
+            l2_ahead: ref mut a,
+            ..
+        } = self.lowering
+        {
+            *a = l2_ahead;
+        }
+        self
+    }
+
+    /// Steps past the ring's copies whose rows the producers ask L2 for (0: none, and for
+    /// every lowering but [`Lowering::MmaWs`]).
+    pub fn l2_ahead(&self) -> u32 {
+        match self.lowering {
+            Lowering::MmaWs { l2_ahead, .. } => l2_ahead,
+            _ => 0,
         }
     }
 
@@ -289,7 +316,11 @@ impl DecodeConfig {
     ) -> Self {
         DecodeConfig {
             threads: 32 * warps * groups,
-            lowering: Lowering::MmaWs { stages, groups },
+            lowering: Lowering::MmaWs {
+                stages,
+                groups,
+                l2_ahead: 0,
+            },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
     }
@@ -352,9 +383,22 @@ impl DecodeConfig {
                 };
                 format!("mma{stages}w{}{occupancy}", self.threads / 32)
             }
-            Lowering::MmaWs { stages, groups: 1 } => format!("ws{stages}w{}", self.threads / 32),
-            Lowering::MmaWs { stages, groups } => {
-                format!("ws{stages}w{}g{groups}", self.threads / 32)
+            Lowering::MmaWs {
+                stages,
+                groups,
+                l2_ahead,
+            } => {
+                let g = if groups > 1 {
+                    format!("g{groups}")
+                } else {
+                    String::new()
+                };
+                let p = if l2_ahead > 0 {
+                    format!("p{l2_ahead}")
+                } else {
+                    String::new()
+                };
+                format!("ws{stages}w{}{g}{p}", self.threads / 32)
             }
         };
         format!(

@@ -129,6 +129,9 @@ pub(super) struct Cx<'k> {
     pub(super) resident_a: HashMap<String, ksplit::ResidentA>,
     /// Warp groups of the workgroup (1: none); `w` and `warps` then count one group's.
     pub(super) groups: u32,
+    /// Steps past the ring's copies whose rows the producers ask L2 for (0: none; see
+    /// [`crate::kir::Lowering::MmaWs`]).
+    pub(super) l2_ahead: u32,
     /// With warp groups: what [`groups::replicate`] needs.
     pub(super) group: Option<groups::GroupPlan>,
 }

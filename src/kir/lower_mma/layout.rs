@@ -109,6 +109,7 @@ impl<'k> Cx<'k> {
             resident_a: HashMap::new(),
             groups: groups.max(1),
             group: None,
+            l2_ahead: 0,
         };
         cx.bind_lane();
         if ws_mode {

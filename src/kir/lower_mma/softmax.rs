@@ -770,6 +770,7 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             }
             Intrinsic::ShflXor { value, .. } => expr(value),
             Intrinsic::StoreF32x2 { index, v0, v1, .. } => expr(index) || expr(v0) || expr(v1),
+            Intrinsic::PrefetchL2 { word, .. } => expr(word),
             Intrinsic::GroupSync { group, count, .. } => expr(group) || expr(count),
             Intrinsic::CopyAsync {
                 dst,

@@ -60,7 +60,7 @@ impl WsInfo {
 ///
 /// `groups` > 1: `kernel` is one group's work and the workgroup holds `groups` copies of it
 /// (see [`super::groups`]).
-pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
+pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Result<Kernel> {
     let at = kernel
         .body
         .iter()
@@ -84,6 +84,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32) -> Result<Kernel> {
     }
     let mut cx = Cx::new(kernel, stages, true, groups)?;
     cx.min_workgroups = 1;
+    cx.l2_ahead = l2_ahead;
     if groups > 1 {
         let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
         cx.group = Some(super::groups::GroupPlan::new(group_var, tid_var));
@@ -381,22 +382,32 @@ impl Cx<'_> {
         // consumer too) wait for the load at every step, and the others wait at the next
         // workgroup barrier.
         let mut prefetched: Vec<Vec<(Expr, String)>> = Vec::new();
+        // with `l2_ahead`, the words of the step whose rows the producers ask L2 for next
+        let mut l2_words: Vec<Vec<(Expr, String)>> = Vec::new();
+        let l2_ahead = self.l2_ahead;
         let mut src_exprs: Vec<Expr> = Vec::new();
         for g in &gathers {
             let e = self.expr(g.src_word)?;
             let mut loads = Vec::new();
             leaf_global_loads(&e, &mut loads);
             let mut pairs = Vec::new();
+            let mut l2_pairs = Vec::new();
             for l in loads {
                 let arr = self.private(&format!("{}_pre", g.dst), l.ty(), slots);
-                pairs.push((l, arr));
+                pairs.push((l.clone(), arr));
+                if l2_ahead > 0 {
+                    let arr = self.private(&format!("{}_l2", g.dst), l.ty(), slots);
+                    l2_pairs.push((l, arr));
+                }
             }
             src_exprs.push(e);
             prefetched.push(pairs);
+            l2_words.push(l2_pairs);
         }
-        let addr = |cx: &mut Cx, at: Expr| -> Result<Stmt> {
+        // the leaf loads of step `at`'s sources into the registers of `words`
+        let load_words = |cx: &mut Cx, at: Expr, words: &[Vec<(Expr, String)>]| -> Result<Stmt> {
             let mut body = vec![let_(v, step_of(at.clone()))];
-            for (g, pairs) in gathers.iter().zip(&prefetched) {
+            for (g, pairs) in gathers.iter().zip(words) {
                 if pairs.is_empty() {
                     continue;
                 }
@@ -433,6 +444,68 @@ impl Cx<'_> {
                 els: vec![],
             })
         };
+        let addr = |cx: &mut Cx, at: Expr| load_words(cx, at, &prefetched);
+        // a source expression over the words of `pairs` loaded for slot `slot` (the
+        // expression as it is, its loads in place, when `pairs` is None)
+        let source = |e: &Expr, pairs: Option<&Vec<(Expr, String)>>, slot: &str| match pairs {
+            Some(pairs) => {
+                e.clone()
+                    .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
+                        Some((load, arr)) => Expr::PrivateLoad {
+                            arr: arr.clone(),
+                            ty: load.ty(),
+                            index: Box::new(var(slot, Ty::U32)),
+                        },
+                        None => x,
+                    })
+            }
+            None => e.clone(),
+        };
+        // L2 prefetches of step `at`'s valid rows, from the words of `l2_words` (`loaded`)
+        // or with the source's loads in place
+        let l2_prefetch = |cx: &mut Cx, at: Expr, loaded: bool| -> Stmt {
+            let mut body = vec![let_(v, step_of(at.clone()))];
+            for ((g, e), pairs) in gathers.iter().zip(&src_exprs).zip(&l2_words) {
+                let slot = cx.fresh("slot");
+                let r = cx.fresh("gather_row");
+                let rv = var(&r, Ty::U32);
+                let n = cx.fresh("l2_src");
+                let nv = var(&n, Ty::I32);
+                let src = source(e, loaded.then_some(pairs), &slot);
+                body.push(for_const(
+                    &slot,
+                    slots,
+                    vec![
+                        let_(
+                            &r,
+                            add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
+                        ),
+                        Stmt::If {
+                            cond: lt(rv.clone(), u(rows)),
+                            then: vec![
+                                let_(g.row, rv),
+                                let_(&n, src),
+                                Stmt::If {
+                                    cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
+                                    then: vec![intr(Intrinsic::PrefetchL2 {
+                                        buf: g.src.to_string(),
+                                        word: Expr::Cvt(Ty::U32, Box::new(nv)),
+                                        bytes: 4 * g.words,
+                                    })],
+                                    els: vec![],
+                                },
+                            ],
+                            els: vec![],
+                        },
+                    ],
+                ));
+            }
+            Stmt::If {
+                cond: lt(at, countv.clone()),
+                then: body,
+                els: vec![],
+            }
+        };
         // flags and row copies of step `at` into its stage, then the arrival on full[stage]
         let issue = |cx: &mut Cx, at: Expr| -> Result<Vec<Stmt>> {
             let stage_name = cx.fresh("load_stage");
@@ -459,16 +532,7 @@ impl Cx<'_> {
                 .zip(&prefetched)
             {
                 // the source expression over the words prefetched a step ago
-                let src = e
-                    .clone()
-                    .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
-                        Some((load, arr)) => Expr::PrivateLoad {
-                            arr: arr.clone(),
-                            ty: load.ty(),
-                            index: Box::new(var(&slot, Ty::U32)),
-                        },
-                        None => x,
-                    });
+                let src = source(e, Some(pairs), &slot);
                 row_body.push(let_(g.row, rv.clone()));
                 row_body.push(let_(n, src));
             }
@@ -599,6 +663,26 @@ impl Cx<'_> {
             els: vec![],
         };
         self.place(early, out, [first]);
+        if l2_ahead > 0 {
+            // the steps whose copies the first `l2_ahead` loop steps issue: asked for with
+            // their loads in place (after q's staging, so those loads do not delay it), then
+            // the words of the first step the loop asks L2 for
+            // (with one stage, step 0's copies go out at the loop's first step, right after:
+            // no time for L2 to help)
+            let mut warm = Vec::new();
+            for at in (s - 1..s - 1 + l2_ahead).filter(|&at| at > 0) {
+                warm.push(l2_prefetch(self, u(at), false));
+            }
+            warm.push(load_words(self, u(s - 1 + l2_ahead), &l2_words)?);
+            out.push(Stmt::Comment(format!(
+                "pipeline {v}: the producer warps ask L2 for the rows {l2_ahead} steps past the copies"
+            )));
+            out.push(Stmt::If {
+                cond: producer.clone(),
+                then: warm,
+                els: vec![],
+            });
+        }
         let resident = self.resident_softmax(load, compute)?;
         for r in &resident {
             out.extend(self.softmax_load(r)?);
@@ -635,6 +719,13 @@ impl Cx<'_> {
         };
         let mut rest = issue(self, aheadv.clone())?;
         rest.push(addr(self, add(aheadv.clone(), u(1)))?);
+        if l2_ahead > 0 {
+            // L2 is asked for the rows of step `ahead + l2_ahead` from the words loaded at the
+            // previous issue, then for the next one's words
+            let far = add(aheadv.clone(), u(l2_ahead));
+            rest.push(l2_prefetch(self, far.clone(), true));
+            rest.push(load_words(self, add(far, u(1)), &l2_words)?);
+        }
         // `wait`: the producer waits for the stage's release (see below for when it need not)
         let produce = |wait: bool| {
             let mut when = if wait {
