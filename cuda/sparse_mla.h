@@ -17,7 +17,7 @@
 //   (cuOccupancyMaxActiveBlocksPerMultiprocessor at its threads and SMEM: 2 on an H100/H200,
 //   1 on SM120 and sm_86/89; sparse_mla_v6_kernel() names that kernel for H whatever the
 //   call's format, sparse_mla_v6_per_sm() asks the driver; fp8_ds_mla does not depend on it):
-//   bf16       1 <= H <= 16   v6_per_sm = 1    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
+//   bf16       1 <= H <= 16   v6_per_sm = 1    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32
 //   bf16       H >= 17        v6_per_sm = 1    block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
 //   bf16       1 <= H <= 16   v6_per_sm >= 2   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
 //   bf16       H >= 17        v6_per_sm >= 2   block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
@@ -45,7 +45,7 @@
 //   cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)
 //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))
 // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.
-//   sparse_mla_decode_split_bf16_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 81472 B
+//   sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32: 256 threads, dynamic shared memory 81472 B
 //   sparse_mla_decode_split_bf16_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 96960 B
 //   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
@@ -250,7 +250,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v7_fills_one_wave(heads, tokens, sms))
         v6_per_sm = 1u;
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm <= 1u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;
         return 0;
     }
@@ -887,7 +887,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
+// sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -896,7 +896,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81472 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
@@ -905,7 +905,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
+struct sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

@@ -431,6 +431,11 @@ fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
             DecodeConfig::tensor_core_v7(dims, format, 64),
             DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
         ] {
+            // what production runs: one step ahead for bf16 v7 at H <= 16 only
+            let production = u32::from(
+                format == CacheFormat::Bf16 && config.block_h == 16 && config.groups() == 1,
+            );
+            assert_eq!(config.l2_ahead(), production, "{config:?}");
             let (split, _) = lowered_kernels(&config.with_l2_ahead(0)).expect("lowers");
             let src = cuda::emit(&split).expect("emits");
             assert!(!src.contains("prefetch_l2("), "{}", split.name);

@@ -90,9 +90,15 @@ impl DecodeConfig {
     /// v14).
     ///
     /// q lives in registers (each warp its K slice of the split-K score product).
+    ///
+    /// bf16 at H ≤ 16: the producers also ask L2 for the rows of the step after the one
+    /// they copy ([`Lowering::MmaWs`]'s `l2_ahead` 1), 1.025–1.066x on the H200 at T 8–128;
+    /// further ahead, fp8, 32-head blocks and the large-batch kernel ran slower with it
+    /// (benches/NOTES.md, v21).
     pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         let block_h = if heads <= 16 { 16 } else { 32 };
-        Self::tensor_core_custom(dims, format, block_h, 32, 2)
+        let l2_ahead = u32::from(heads <= 16 && format == CacheFormat::Bf16);
+        Self::tensor_core_custom(dims, format, block_h, 32, 2).with_l2_ahead(l2_ahead)
     }
 
     /// The tensor-core configuration for `heads` query heads on a GPU that holds two v6
