@@ -335,6 +335,21 @@ impl Cx<'_> {
             mul(self.lane.lane.clone(), u(pw)),
         );
         let slot_rows = pw * WARP;
+        // `then` for each row `r` of this producer lane (`lane + slot_rows * slot`, below `rows`)
+        let lane_rows = |slot: &str, r: &str, then: Vec<Stmt>| {
+            for_const(
+                slot,
+                slots,
+                vec![
+                    let_(r, add(lane.clone(), mul(var(slot, Ty::U32), u(slot_rows)))),
+                    Stmt::If {
+                        cond: lt(var(r, Ty::U32), u(rows)),
+                        then,
+                        els: vec![],
+                    },
+                ],
+            )
+        };
         // The first step's index loads go where their names allow (see below); with q
         // staged in the ring's last stage (`layout`), the ring's set-up and the first steps'
         // copies too, with the step count they read, ahead of q's staging: nothing they write
@@ -422,21 +437,7 @@ impl Cx<'_> {
                         value: load.clone(),
                     });
                 }
-                body.push(for_const(
-                    &slot,
-                    slots,
-                    vec![
-                        let_(
-                            &r,
-                            add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
-                        ),
-                        Stmt::If {
-                            cond: lt(rv, u(rows)),
-                            then,
-                            els: vec![],
-                        },
-                    ],
-                ));
+                body.push(lane_rows(&slot, &r, then));
             }
             Ok(Stmt::If {
                 cond: lt(at, prefetch_countv.clone()),
@@ -472,29 +473,19 @@ impl Cx<'_> {
                 let n = cx.fresh("l2_src");
                 let nv = var(&n, Ty::I32);
                 let src = source(e, loaded.then_some(pairs), &slot);
-                body.push(for_const(
+                body.push(lane_rows(
                     &slot,
-                    slots,
+                    &r,
                     vec![
-                        let_(
-                            &r,
-                            add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
-                        ),
+                        let_(g.row, rv),
+                        let_(&n, src),
                         Stmt::If {
-                            cond: lt(rv.clone(), u(rows)),
-                            then: vec![
-                                let_(g.row, rv),
-                                let_(&n, src),
-                                Stmt::If {
-                                    cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
-                                    then: vec![intr(Intrinsic::PrefetchL2 {
-                                        buf: g.src.to_string(),
-                                        word: Expr::Cvt(Ty::U32, Box::new(nv)),
-                                        bytes: 4 * g.words,
-                                    })],
-                                    els: vec![],
-                                },
-                            ],
+                            cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
+                            then: vec![intr(Intrinsic::PrefetchL2 {
+                                buf: g.src.to_string(),
+                                word: Expr::Cvt(Ty::U32, Box::new(nv)),
+                                bytes: 4 * g.words,
+                            })],
                             els: vec![],
                         },
                     ],
@@ -598,21 +589,7 @@ impl Cx<'_> {
                 });
             }
             cx.stage = saved;
-            body.push(for_const(
-                &slot,
-                slots,
-                vec![
-                    let_(
-                        &r,
-                        add(lane.clone(), mul(var(&slot, Ty::U32), u(slot_rows))),
-                    ),
-                    Stmt::If {
-                        cond: lt(rv, u(rows)),
-                        then: row_body,
-                        els: vec![],
-                    },
-                ],
-            ));
+            body.push(lane_rows(&slot, &r, row_body));
             body.push(intr(Intrinsic::CopyArrive {
                 bars: info.bars.clone(),
                 index: stage,
