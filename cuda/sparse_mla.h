@@ -51,7 +51,7 @@
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 0 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 64192 B
-//   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
+//   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
@@ -122,7 +122,7 @@
 // split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds
 // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
 // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
-//   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32: 256 threads, dynamic shared memory 87744 B
+//   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
 //   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
 
 #pragma once
@@ -235,7 +235,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
     if (sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)) {
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 87744u;
             return 0;
         }
@@ -684,7 +684,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
 };
 
-// sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32
+// sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -694,7 +694,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
 //   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 87744 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
@@ -703,7 +703,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws1w8g2_h16n32_params {
+struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

@@ -431,10 +431,8 @@ fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
             DecodeConfig::tensor_core_v7(dims, format, 64),
             DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
         ] {
-            // what production runs: one step ahead for bf16 v7 at H <= 16 only
-            let production = u32::from(
-                format == CacheFormat::Bf16 && config.block_h == 16 && config.groups() == 1,
-            );
+            // what production runs: one step ahead for bf16 at H <= 16 (v7 and two groups)
+            let production = u32::from(format == CacheFormat::Bf16 && config.block_h == 16);
             assert_eq!(config.l2_ahead(), production, "{config:?}");
             let (split, _) = lowered_kernels(&config.with_l2_ahead(0)).expect("lowers");
             let src = cuda::emit(&split).expect("emits");
@@ -449,6 +447,14 @@ fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
                 let prologue = body[..in_loop].matches("prefetch_l2(").count();
                 let looped = body[in_loop..].matches("prefetch_l2(").count();
                 assert_eq!(looped, 1, "{}: one prefetch site in the loop", split.name);
+                // after the step's wait for its own rows (with one stage they are issued at
+                // the step's top, and must not queue behind the prefetches)
+                let lp = &body[in_loop..];
+                assert!(
+                    lp.find("prefetch_l2(") > lp.find("wait for this step's rows"),
+                    "{}: the prefetch after the step's wait",
+                    split.name
+                );
                 // the first steps past the copies (not step 0 with a one-stage ring)
                 let stages = if config.groups() > 1 && format == CacheFormat::Bf16 {
                     1

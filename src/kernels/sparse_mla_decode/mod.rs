@@ -146,12 +146,20 @@ impl DecodeConfig {
     /// H200 at SM120's occupancy (benches/NOTES.md, v11, v14): bf16 1.10x v7 at T = 128, level
     /// at T = 32, 0.85x at T = 1 (where v7 stays); fp8's second stage 1.10–1.13x its one-stage
     /// ring at T 64–256, where a group waited for its rows a third of the time.
+    ///
+    /// bf16: the producers also ask L2 for the rows of each group's next step, after the
+    /// step's first barrier (its own rows have landed by then): 1.045–1.061x at T 64–256 on
+    /// the H200 (T 128 120.4 -> 113.5 µs). Asked at the top of the step, next to the copies the
+    /// step waits for, it was 0.93–0.95x; two steps ahead 1.01–1.02x; fp8's two-stage kernel
+    /// ran slower with it (benches/NOTES.md, v21).
     pub fn tensor_core_batch(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        let stages = match format {
-            CacheFormat::Bf16 => 1,
-            CacheFormat::Fp8DsMla => 2,
+        let (stages, l2_ahead) = match format {
+            CacheFormat::Bf16 => (1, 1),
+            CacheFormat::Fp8DsMla => (2, 0),
         };
-        (heads <= 16).then(|| Self::tensor_core_grouped(dims, format, (16, 32, stages), 4, 2))
+        (heads <= 16).then(|| {
+            Self::tensor_core_grouped(dims, format, (16, 32, stages), 4, 2).with_l2_ahead(l2_ahead)
+        })
     }
 
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch

@@ -696,12 +696,24 @@ impl Cx<'_> {
         };
         let mut rest = issue(self, aheadv.clone())?;
         rest.push(addr(self, add(aheadv.clone(), u(1)))?);
+        let mut l2_part = Vec::new();
         if l2_ahead > 0 {
             // L2 is asked for the rows of step `ahead + l2_ahead` from the words loaded at the
             // previous issue, then for the next one's words
             let far = add(aheadv.clone(), u(l2_ahead));
-            rest.push(l2_prefetch(self, far.clone(), true));
-            rest.push(load_words(self, add(far, u(1)), &l2_words)?);
+            l2_part.push(l2_prefetch(self, far.clone(), true));
+            l2_part.push(load_words(self, add(far, u(1)), &l2_words)?);
+        }
+        let saved = self.stage.replace(stage.clone());
+        let computed = self.stmts(compute)?;
+        self.stage = saved;
+        let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
+        // With one stage the copies go out at the top of the step, and the step waits for
+        // them: L2 is asked for the later rows after the step's first barrier instead, when
+        // the step's own rows have landed and do not queue behind the prefetches.
+        let l2_late = s == 1 && first_barrier.is_some() && !l2_part.is_empty();
+        if !l2_late {
+            rest.append(&mut l2_part);
         }
         // `wait`: the producer waits for the stage's release (see below for when it need not)
         let produce = |wait: bool| {
@@ -748,9 +760,6 @@ impl Cx<'_> {
                 parity: bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)),
             }),
         ];
-        let saved = self.stage.replace(stage.clone());
-        let computed = self.stmts(compute)?;
-        self.stage = saved;
         // The producer's issue goes right after the step's first workgroup barrier (the
         // split-K sum): the warps that do not hold S — the producer among them — wait there
         // for the holders' sum and softmax anyway. Issued at the top of the step instead, its
@@ -759,7 +768,6 @@ impl Cx<'_> {
         // was released at the end of the previous step, so any point of the step is safe —
         // except with one stage, where the rows it issues are this step's own, waited for at
         // the top.
-        let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
         // After that first barrier every thread has finished the previous step, the last
         // reader of the stage the producer fills: the barrier orders those reads before the
         // copies, so with one warp group the stage needs no release (no arrivals, no wait on
@@ -777,7 +785,25 @@ impl Cx<'_> {
                 let mut top = produce(true);
                 top.append(&mut body);
                 body = top;
-                body.extend(computed);
+                match first_barrier.filter(|_| l2_late) {
+                    Some(at) => {
+                        body.extend(computed[..=at].iter().cloned());
+                        body.push(Stmt::If {
+                            cond: producer.clone(),
+                            then: vec![
+                                let_(&ahead, add(itv.clone(), u(s - 1))),
+                                Stmt::If {
+                                    cond: lt(aheadv.clone(), countv.clone()),
+                                    then: l2_part,
+                                    els: vec![],
+                                },
+                            ],
+                            els: vec![],
+                        });
+                        body.extend(computed[at + 1..].iter().cloned());
+                    }
+                    None => body.extend(computed),
+                }
             }
         }
         if released {
