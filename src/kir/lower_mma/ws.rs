@@ -446,21 +446,18 @@ impl Cx<'_> {
             })
         };
         let addr = |cx: &mut Cx, at: Expr| load_words(cx, at, &prefetched);
-        // a source expression over the words of `pairs` loaded for slot `slot` (the
-        // expression as it is, its loads in place, when `pairs` is None)
-        let source = |e: &Expr, pairs: Option<&Vec<(Expr, String)>>, slot: &str| match pairs {
-            Some(pairs) => {
-                e.clone()
-                    .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
-                        Some((load, arr)) => Expr::PrivateLoad {
-                            arr: arr.clone(),
-                            ty: load.ty(),
-                            index: Box::new(var(slot, Ty::U32)),
-                        },
-                        None => x,
-                    })
-            }
-            None => e.clone(),
+        // a source expression over the words of `pairs` loaded for slot `slot` (with none,
+        // the expression as it is, its loads in place)
+        let source = |e: &Expr, pairs: &[(Expr, String)], slot: &str| {
+            e.clone()
+                .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
+                    Some((load, arr)) => Expr::PrivateLoad {
+                        arr: arr.clone(),
+                        ty: load.ty(),
+                        index: Box::new(var(slot, Ty::U32)),
+                    },
+                    None => x,
+                })
         };
         // L2 prefetches of step `at`'s valid rows, from the words of `l2_words` (`loaded`)
         // or with the source's loads in place
@@ -472,7 +469,7 @@ impl Cx<'_> {
                 let rv = var(&r, Ty::U32);
                 let n = cx.fresh("l2_src");
                 let nv = var(&n, Ty::I32);
-                let src = source(e, loaded.then_some(pairs), &slot);
+                let src = source(e, if loaded { pairs } else { &[] }, &slot);
                 body.push(lane_rows(
                     &slot,
                     &r,
@@ -523,7 +520,7 @@ impl Cx<'_> {
                 .zip(&prefetched)
             {
                 // the source expression over the words prefetched a step ago
-                let src = source(e, Some(pairs), &slot);
+                let src = source(e, pairs, &slot);
                 row_body.push(let_(g.row, rv.clone()));
                 row_body.push(let_(n, src));
             }
@@ -715,6 +712,20 @@ impl Cx<'_> {
         if !l2_late {
             rest.append(&mut l2_part);
         }
+        // `then` on the producer warps, for step `ahead` (`stages - 1` past this one) if it
+        // exists
+        let on_producers = |then: Vec<Stmt>| Stmt::If {
+            cond: producer.clone(),
+            then: vec![
+                let_(&ahead, add(itv.clone(), u(s - 1))),
+                Stmt::If {
+                    cond: lt(aheadv.clone(), countv.clone()),
+                    then,
+                    els: vec![],
+                },
+            ],
+            els: vec![],
+        };
         // `wait`: the producer waits for the stage's release (see below for when it need not)
         let produce = |wait: bool| {
             let mut when = if wait {
@@ -723,24 +734,12 @@ impl Cx<'_> {
                 vec![]
             };
             when.extend(rest.clone());
-            let inner = vec![
-                let_(&ahead, add(itv.clone(), u(s - 1))),
-                Stmt::If {
-                    cond: lt(aheadv.clone(), countv.clone()),
-                    then: when,
-                    els: vec![],
-                },
-            ];
             vec![
                 Stmt::Comment(format!(
                     "pipeline {v}: the producer warps issue the rows {} steps ahead",
                     s - 1
                 )),
-                Stmt::If {
-                    cond: producer.clone(),
-                    then: inner,
-                    els: vec![],
-                },
+                on_producers(when),
             ]
         };
         let mut body = vec![
@@ -788,18 +787,7 @@ impl Cx<'_> {
                 match first_barrier.filter(|_| l2_late) {
                     Some(at) => {
                         body.extend(computed[..=at].iter().cloned());
-                        body.push(Stmt::If {
-                            cond: producer.clone(),
-                            then: vec![
-                                let_(&ahead, add(itv.clone(), u(s - 1))),
-                                Stmt::If {
-                                    cond: lt(aheadv.clone(), countv.clone()),
-                                    then: l2_part,
-                                    els: vec![],
-                                },
-                            ],
-                            els: vec![],
-                        });
+                        body.push(on_producers(l2_part));
                         body.extend(computed[at + 1..].iter().cloned());
                     }
                     None => body.extend(computed),
