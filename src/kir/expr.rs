@@ -100,6 +100,14 @@ pub fn shared_load(arr: &str, ty: Ty, index: Expr) -> Expr {
         index: Box::new(index),
     }
 }
+/// Element `index` of a private u32 array.
+pub fn priv_load_u(arr: &str, index: Expr) -> Expr {
+    Expr::PrivateLoad {
+        arr: arr.into(),
+        ty: Ty::U32,
+        index: Box::new(index),
+    }
+}
 /// Element `index` of a private f32 array.
 pub fn priv_load(arr: &str, index: Expr) -> Expr {
     Expr::PrivateLoad {

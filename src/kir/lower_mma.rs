@@ -29,10 +29,11 @@
 //! This file drives the lowering (a [`Rewrite`] pass: which tile op goes where, the waits for
 //! gathers in flight); each job has its file: [`context`] (the lowering's state), [`layout`]
 //! (where tiles and accumulators live), [`gather`], [`pipeline`], [`mma`], [`reduce`],
-//! [`store`] (writes into shared tiles), [`softmax`], [`ksplit`] (split-K products, A in
-//! registers), [`ws`] (the producer/consumer form) and [`barriers`].
+//! [`store`] (writes into shared tiles), [`softmax`], [`ksplit`] (split-K products),
+//! [`resident`] (A operands in registers), [`e4m3`] (e4m3 operands), [`ws`] (the
+//! producer/consumer form) and [`barriers`].
 
-// the constructors ws.rs, ksplit.rs and softmax.rs take from here
+// the constructors the job files take from here
 use super::expr::{
     acc_pair_update, add, bin, for_const, intr, let_, local_id, lt, mul, priv_load, shared_load, u,
     var,
@@ -49,6 +50,7 @@ const WARP: u32 = 32;
 
 mod barriers;
 mod context;
+mod e4m3;
 mod gather;
 mod groups;
 mod ksplit;
@@ -56,6 +58,7 @@ mod layout;
 mod mma;
 mod pipeline;
 mod reduce;
+mod resident;
 mod softmax;
 mod store;
 mod ws;

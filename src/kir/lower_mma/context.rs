@@ -2,7 +2,7 @@
 //! and accumulator, the per-lane values, fresh names, and the declarations it adds.
 
 use super::softmax::SoftmaxRegs;
-use super::{groups, ksplit, ws};
+use super::{groups, ksplit, resident, ws};
 use crate::kir::expr::{lt, mul, u};
 use crate::kir::ir::*;
 use crate::{Error, Result};
@@ -126,7 +126,7 @@ pub(super) struct Cx<'k> {
     /// Split-K accumulators whose partials hold products not yet summed.
     pub(super) partial_live: HashSet<String>,
     /// A operands kept in registers (tile name -> per-op registers).
-    pub(super) resident_a: HashMap<String, ksplit::ResidentA>,
+    pub(super) resident_a: HashMap<String, resident::ResidentA>,
     /// Warp groups of the workgroup (1: none); `w` and `warps` then count one group's.
     pub(super) groups: u32,
     /// Steps past the ring's copies whose rows the producers ask L2 for (0: none; see

@@ -5,7 +5,7 @@ use super::context::AccInfo;
 use super::context::Cx;
 use super::context::Lane;
 use super::context::TileInfo;
-use super::{ksplit, ws, WARP};
+use super::{e4m3, ksplit, resident, ws, WARP};
 use crate::kir::expr::{add, bin, f32_from_bits, let_, local_id, mul, shared_load, u, var};
 use crate::kir::ir::*;
 use crate::kir::walk::{collect_names, visit_tile_ops_with};
@@ -142,7 +142,7 @@ impl<'k> Cx<'k> {
             }
             _ => {}
         });
-        let resident_tiles = ksplit::resident_candidates(&cx);
+        let resident_tiles = resident::resident_candidates(&cx);
         let mut staged: Vec<String> = Vec::new();
         for t in &kernel.shared_tiles {
             if let Some((parent, offset)) = &t.alias {
@@ -312,7 +312,7 @@ impl<'k> Cx<'k> {
                 warp_grid(fm, fn_, cx.warps)
             };
             let (fmw, fnw) = (fm / gm, fn_ / gn);
-            let interleave = ksplit::interleaved(&cx, &a.name);
+            let interleave = e4m3::interleaved(&cx, &a.name);
             if interleave && fnw % 2 != 0 {
                 return Err(cx.err(format!(
                     "accumulator {} is the output of an e4m3 [K, N] product: each warp needs an \
@@ -369,6 +369,7 @@ impl<'k> Cx<'k> {
         }
         cx.declare_softmax_table()?;
         ksplit::declare(&mut cx)?;
+        resident::declare(&mut cx)?;
         Ok(cx)
     }
 

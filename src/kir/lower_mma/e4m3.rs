@@ -1,0 +1,458 @@
+//! e4m3 operands of the tensor-core products.
+//!
+//! In an `[N, K]` product (the scores) on a GPU with a one-instruction e4m3 product (sm_89,
+//! sm_120: [`Func::E4m3MmaNative`]), the e4m3 bytes are the B operand as they are —
+//! `ldmatrix.x2` gives each lane the m16n8k32 layout directly, nothing converted — and the
+//! resident A tile is held as two e4m3 terms (`hi`, `lo`, times a per-warp power of
+//! two: [`Cx::resident_gather`]), two m16n8k32 products per 32 k. Elsewhere (sm_80, and sm_90,
+//! whose ptxas turns that instruction into conversions and two f16 products), and in every
+//! `[K, N]` product, an e4m3 tile is multiplied as bf16 (every e4m3 value is exact in bf16):
+//! `ldmatrix` reads its bytes as 16-bit pairs and each register is widened to two bf16x2.
+//! Read that way a lane holds 4 consecutive bytes, so the K order inside each 16-wide k step
+//! is permuted — logical k `2q, 2q+1` is stored k `4q, 4q+1` and `2q+8, 2q+9` is `4q+2, 4q+3`
+//! — and the A fragments are loaded with the same permutation (`[N, K]` products). In a
+//! `[K, N]` product (`P · V`) `ldmatrix.trans` gives each lane bytes of two columns: the
+//! accumulator is *interleaved*, its fragment pair `(2j, 2j+1)` holding the even and the odd
+//! columns of 16 (see [`interleaved`]).
+//!
+//! **Per-row scales** ([`TileOp::MmaScaled`]): `[N, K]` — each product into a temporary,
+//! added to the partial times the scale of its column; `[K, N]` (e4m3 B, `P · V`) — each
+//! widened B value times the scale of its k row before it is rounded to bf16 (scaling the A
+//! fragment (P) per tile instead cost 1.08x at fp8 H 128, benches/NOTES.md v15).
+
+use super::ksplit::all_products;
+use super::resident::ResidentView;
+use super::{add, bin, for_const, intr, let_, mul, u, var, Cx, TileInfo};
+use crate::kir::expr::priv_load_u;
+use crate::kir::ir::*;
+use crate::Result;
+
+/// Is `acc` the output of a `[K, N]` product with an e4m3 B operand?
+pub(super) fn interleaved(cx: &Cx, acc: &str) -> bool {
+    all_products(&cx.kernel.body)
+        .iter()
+        .any(|(a, _, b, layout)| {
+            a == acc
+                && *layout == BLayout::KN
+                && cx
+                    .kernel
+                    .shared_tile(&b.tile)
+                    .is_some_and(|t| t.elem == TileElem::E4m3)
+        })
+}
+
+/// The widening of one register of 4 e4m3 bytes (`x`) into two bf16x2: bytes (0, 1) and
+/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3). Each pair is converted at once
+/// ([`Func::E4m3x2Prep`]: one `cvt.rn.f16x2.e4m3x2` on sm_89+) into the lets `prep`, then
+/// its halves to f32 and the two packed as bf16x2; byte by byte it took two shifts, two masks
+/// and two single-value conversions more per pair, the largest share of the fp8 step's
+/// issued instructions (ncu, H200, benches/NOTES.md).
+pub(super) fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
+    widen_scaled(x, interleave, prep, None)
+}
+
+/// [`widen`], each bf16x2 output's low and high value times `scales` (f32) first: in a
+/// `[K, N]` product both outputs hold the same two k rows, so one pair of scales serves.
+fn widen_scaled(
+    x: Expr,
+    interleave: bool,
+    prep: [&str; 2],
+    scales: Option<(Expr, Expr)>,
+) -> (Vec<Stmt>, Expr, Expr) {
+    let (p0, p1) = if interleave {
+        (
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, x.clone(), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF00)),
+            ),
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x, u(16)), u(0xFF00)),
+            ),
+        )
+    } else {
+        (
+            bin(BinOp::BitAnd, x.clone(), u(0xFFFF)),
+            bin(BinOp::Shr, x, u(16)),
+        )
+    };
+    let stmts = vec![
+        let_(prep[0], Expr::Call(Func::E4m3x2Prep, vec![p0])),
+        let_(prep[1], Expr::Call(Func::E4m3x2Prep, vec![p1])),
+    ];
+    let pack = |name: &str| {
+        let v = var(name, Ty::U32);
+        let (lo, hi) = (
+            Expr::Call(Func::E4m3x2Lo, vec![v.clone()]),
+            Expr::Call(Func::E4m3x2Hi, vec![v]),
+        );
+        let (lo, hi) = match &scales {
+            Some((s_lo, s_hi)) => (
+                bin(BinOp::Mul, lo, s_lo.clone()),
+                bin(BinOp::Mul, hi, s_hi.clone()),
+            ),
+            None => (lo, hi),
+        };
+        Expr::Call(Func::PackBf16x2, vec![lo, hi])
+    };
+    (stmts, pack(prep[0]), pack(prep[1]))
+}
+
+/// A bf16x2 word times two f32 scales (low, high half), rounded back to bf16x2.
+pub(super) fn scale_pair(w: Expr, lo: Expr, hi: Expr) -> Expr {
+    Expr::Call(
+        Func::PackBf16x2,
+        vec![
+            bin(BinOp::Mul, bf16_lo(w.clone()), lo),
+            bin(BinOp::Mul, bf16_hi(w), hi),
+        ],
+    )
+}
+
+/// The low bf16 of a word, as f32.
+pub(super) fn bf16_lo(w: Expr) -> Expr {
+    Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, w, u(16))])
+}
+
+/// The high bf16 of a word, as f32.
+pub(super) fn bf16_hi(w: Expr) -> Expr {
+    Expr::Call(
+        Func::F32FromBits,
+        vec![bin(BinOp::BitAnd, w, u(0xFFFF_0000))],
+    )
+}
+
+/// `scale` with its row variable bound to `row`.
+pub(super) fn scale_at(scale: &(String, Expr), row: Expr) -> Expr {
+    let name = scale.0.clone();
+    scale.1.clone().map(&mut |x| match x {
+        Expr::Var(ref n, Ty::U32) if *n == name => row.clone(),
+        other => other,
+    })
+}
+
+impl Cx<'_> {
+    /// The e4m3 `[N, K]` split-K product: per k32 step of the warp's slice, B's bytes by one
+    /// `ldmatrix.x2` per n fragment (row n; k bytes 0-15, then 16-31: the m16n8k32 B layout
+    /// as they land, nothing converted), times the resident view's `hi` terms, then its `lo`
+    /// terms, into the same fragments (the fm x ng fragments are the independent chains; a
+    /// second set of accumulators for the `lo` terms spilled the 32-head kernel).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn ksplit_e4m3(
+        &mut self,
+        body: &mut Vec<Stmt>,
+        target: &str,
+        v: &ResidentView,
+        tb: &TileInfo,
+        bb: Expr,
+        b: &TileView,
+        nf: &Expr,
+        fm: u32,
+        ng: u32,
+        slice: Expr,
+    ) {
+        let steps = v.cols / 32 / v.gk;
+        let af = self.private("a_frag", Ty::U32, 4);
+        let bf = self.private("b_frag", Ty::U32, 2);
+        let (kk, i, j) = (self.fresh("kk"), self.fresh("mi"), self.fresh("nj"));
+        let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
+        let k_step = add(mul(slice, u(steps)), kkv.clone());
+        let word = add(
+            add(
+                bb,
+                mul(
+                    add(
+                        add(nf.clone(), mul(jv.clone(), u(8))),
+                        bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
+                    ),
+                    u(tb.stride),
+                ),
+            ),
+            add(
+                add(u(b.col0 / 4), mul(k_step, u(8))),
+                mul(bin(BinOp::Shr, self.lane.r16.clone(), u(3)), u(4)),
+            ),
+        );
+        let mut n_body = vec![intr(Intrinsic::LdMatrix {
+            count: 2,
+            trans: false,
+            arr: b.tile.clone(),
+            word,
+            dst: bf.clone(),
+            dst0: u(0),
+        })];
+        let mut m_body = Vec::new();
+        for regs in [&v.regs, &v.lo_regs] {
+            for r in 0..4 {
+                m_body.push(Stmt::PrivateStore {
+                    arr: af.clone(),
+                    index: u(r),
+                    value: priv_load_u(
+                        regs,
+                        add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
+                    ),
+                });
+            }
+            m_body.push(intr(Intrinsic::MmaE4m3 {
+                c: target.to_string(),
+                c0: mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4)),
+                a: af.clone(),
+                a0: u(0),
+                b: bf.clone(),
+                b0: u(0),
+            }));
+        }
+        n_body.push(for_const(&i, fm, m_body));
+        body.push(for_const(&kk, steps, vec![for_const(&j, ng, n_body)]));
+    }
+
+    /// B fragments of an e4m3 `[K, N]` operand for n fragment pairs, each widened value
+    /// times its k row's scale when `k_scales` (the lane's rows `2q, 2q + 1, 2q + 8, 2q + 9`)
+    /// is given: see [`Cx::mma_e4m3_kn`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn e4m3_kn_b(
+        &mut self,
+        tb: &TileInfo,
+        base: Expr,
+        k_row: Expr,
+        n_byte: Expr,
+        raw: &str,
+        bf: &str,
+        k_scales: Option<&[Expr; 4]>,
+    ) -> Vec<Stmt> {
+        // matrices (k 0-7, 16 columns), (k 8-15, same columns): lanes 0-15 give the rows
+        let word = add(
+            add(
+                base,
+                mul(
+                    add(k_row, bin(BinOp::BitAnd, self.lane.r16.clone(), u(15))),
+                    u(tb.stride),
+                ),
+            ),
+            bin(BinOp::Shr, n_byte, u(2)),
+        );
+        let mut out = vec![intr(Intrinsic::LdMatrix {
+            count: 2,
+            trans: true,
+            arr: tb.decl.name.clone(),
+            word,
+            dst: raw.to_string(),
+            dst0: u(0),
+        })];
+        // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
+        // odd fragment: bytes (1, 3)
+        let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
+        // with scales: matrix 0 holds k rows 2q, 2q + 1 of each lane, matrix 1 2q + 8, 2q + 9;
+        // loaded after the fragment's ldmatrix, so they are not held across it
+        let k_scales = k_scales.map(|k| self.bind_k_scales(k, &mut out));
+        let pair = |i: usize| {
+            k_scales
+                .as_ref()
+                .map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))
+        };
+        let (l0, e0, o0) = widen_scaled(
+            priv_load_u(raw, u(0)),
+            true,
+            [&names[0], &names[1]],
+            pair(0),
+        );
+        let (l1, e1, o1) = widen_scaled(
+            priv_load_u(raw, u(1)),
+            true,
+            [&names[2], &names[3]],
+            pair(1),
+        );
+        out.extend(l0);
+        out.extend(l1);
+        for (k, v) in [(0, e0), (1, e1), (2, o0), (3, o1)] {
+            out.push(Stmt::PrivateStore {
+                arr: bf.to_string(),
+                index: u(k),
+                value: v,
+            });
+        }
+        out
+    }
+
+    /// The A fragment registers `af[0..4]` times the per-k scales of a `[K, N]` product's
+    /// rows `k0 + 2q + {0, 1, 8, 9}`.
+    pub(super) fn scale_a_frag(
+        &mut self,
+        af: &str,
+        a0: Expr,
+        scale: &(String, Expr),
+        k0: Expr,
+    ) -> Result<Vec<Stmt>> {
+        let mut out = Vec::new();
+        let ks = self.k_scales(scale, k0)?;
+        let bound = self.bind_k_scales(&ks, &mut out);
+        let sv = |k: usize| bound[k].clone();
+        for r in 0..4u32 {
+            let (lo, hi) = if r < 2 {
+                (sv(0), sv(1))
+            } else {
+                (sv(2), sv(3))
+            };
+            let idx = add(a0.clone(), u(r));
+            out.push(Stmt::PrivateStore {
+                arr: af.to_string(),
+                index: idx.clone(),
+                value: scale_pair(priv_load_u(af, idx), lo, hi),
+            });
+        }
+        Ok(out)
+    }
+
+    /// The per-k scales of a `[K, N]` product's rows `k0 + 2q + {0, 1, 8, 9}` (q: the
+    /// lane's quad), the k rows of this lane's A and B fragment values, as expressions: the
+    /// caller binds them ([`Cx::bind_k_scales`]) where they are used, so they are not held in
+    /// registers across the fragment loads (the sm_120 32-head kernel is at 255).
+    pub(super) fn k_scales(&mut self, scale: &(String, Expr), k0: Expr) -> Result<[Expr; 4]> {
+        let q2 = mul(self.lane.quad.clone(), u(2));
+        let at = |off: u32| self.expr(&scale_at(scale, add(add(k0.clone(), q2.clone()), u(off))));
+        Ok([at(0)?, at(1)?, at(8)?, at(9)?])
+    }
+
+    /// Lets in `out` holding the four k scales; their values.
+    fn bind_k_scales(&mut self, ks: &[Expr; 4], out: &mut Vec<Stmt>) -> [Expr; 4] {
+        let names: Vec<String> = (0..4).map(|_| self.fresh("k_scale")).collect();
+        for (n, e) in names.iter().zip(ks.iter()) {
+            out.push(let_(n, e.clone()));
+        }
+        let v = |i: usize| var(&names[i], Ty::F32);
+        [v(0), v(1), v(2), v(3)]
+    }
+
+    /// `acc += A · B` with B an e4m3 `[K, N]` view (optionally scaled per k row) and A bf16 in
+    /// shared memory: the accumulator is interleaved (fragment pair `(2j, 2j+1)` = 16
+    /// columns, even and odd).
+    pub(super) fn mma_e4m3_kn(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        scale: Option<(String, Expr)>,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        if !info.interleave {
+            return Err(self.err(format!(
+                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
+            )));
+        }
+        let ta = self.tile(&a.tile)?.clone();
+        let tb = self.tile(&b.tile)?.clone();
+        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
+            )));
+        }
+        let (fmw, fnw) = (info.fmw, info.fnw);
+        let ab = self.tile_base(&ta)?;
+        let bb = self.tile_base(&tb)?;
+        let af = self.private("a_frag", Ty::U32, 4 * fmw);
+        let bf = self.private("b_frag", Ty::U32, 4);
+        let raw = self.private("b_raw", Ty::U32, 2);
+        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
+        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
+        let a_base = self.fresh("a_lane_word");
+        let mut body = vec![let_(
+            &a_base,
+            add(
+                add(
+                    ab,
+                    mul(
+                        add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
+                        u(ta.stride),
+                    ),
+                ),
+                bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
+            ),
+        )];
+        let mut k_body = vec![for_const(
+            &i,
+            fmw,
+            vec![intr(Intrinsic::LdMatrix {
+                count: 4,
+                trans: false,
+                arr: a.tile.clone(),
+                word: add(
+                    var(&a_base, Ty::U32),
+                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
+                ),
+                dst: af.clone(),
+                dst0: mul(iv.clone(), u(4)),
+            })],
+        )];
+        let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
+        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
+        let mma_pairs = |pair_body: &mut Vec<Stmt>| {
+            for (half, b0) in [(0u32, 0u32), (1, 2)] {
+                pair_body.push(for_const(
+                    &i,
+                    fmw,
+                    vec![intr(Intrinsic::MmaBf16 {
+                        c: acc.to_string(),
+                        c0: mul(
+                            add(
+                                mul(iv.clone(), u(fnw)),
+                                add(mul(jpv.clone(), u(2)), u(half)),
+                            ),
+                            u(4),
+                        ),
+                        a: af.clone(),
+                        a0: mul(iv.clone(), u(4)),
+                        b: bf.clone(),
+                        b0: u(b0),
+                    })],
+                ));
+            }
+        };
+        match &scale {
+            None => {
+                let mut pair_body = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
+                mma_pairs(&mut pair_body);
+                k_body.push(for_const(&jp, fnw / 2, pair_body));
+            }
+            Some(sc) => {
+                // The scales go on B (V, widened anyway), not on A (P): a scaled A fragment
+                // is a bf16 unpack, two multiplies and a pack per register, per m fragment,
+                // per tile; B's are two multiplies per widened register (1.02-1.06x on the
+                // H200, benches/NOTES.md v15). Either way one bf16 rounding of a scaled
+                // value. Where the GPU has the e4m3 score product (sm_89, sm_120) q is held
+                // as two e4m3 terms and the 32-head kernel is at 255 registers: B's scales
+                // spilled 8 B on sm_120 there, so those keep scaling A.
+                let ks = self.k_scales(sc, k_row.clone())?;
+                let mut on_b = Vec::new();
+                let mut pair_b = self.e4m3_kn_b(
+                    &tb,
+                    bb.clone(),
+                    k_row.clone(),
+                    n_byte.clone(),
+                    &raw,
+                    &bf,
+                    Some(&ks),
+                );
+                mma_pairs(&mut pair_b);
+                on_b.push(for_const(&jp, fnw / 2, pair_b));
+                let mut on_a = Vec::new();
+                for m in 0..fmw {
+                    on_a.extend(self.scale_a_frag(&af, u(4 * m), sc, k_row.clone())?);
+                }
+                let mut pair_a = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
+                mma_pairs(&mut pair_a);
+                on_a.push(for_const(&jp, fnw / 2, pair_a));
+                k_body.push(Stmt::If {
+                    cond: Expr::Call(Func::E4m3MmaNative, vec![]),
+                    then: on_a,
+                    els: on_b,
+                });
+            }
+        }
+        body.push(for_const(&kk, a.cols / 16, k_body));
+        out.extend(self.for_used_warps(&info, body));
+        Ok(())
+    }
+}
