@@ -160,16 +160,7 @@ impl Cx<'_> {
         let (kkv, iv, jv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&j, Ty::U32));
         let k_step = add(mul(slice, u(steps)), kkv.clone());
         let word = add(
-            add(
-                bb,
-                mul(
-                    add(
-                        add(nf.clone(), mul(jv.clone(), u(8))),
-                        bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
-                    ),
-                    u(tb.stride),
-                ),
-            ),
+            self.b_row_word(bb, tb.stride, nf, &jv),
             add(
                 add(u(b.col0 / 4), mul(k_step, u(8))),
                 mul(bin(BinOp::Shr, self.lane.r16.clone(), u(3)), u(4)),

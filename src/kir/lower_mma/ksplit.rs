@@ -331,16 +331,7 @@ impl Cx<'_> {
             if e4m3 {
                 // bytes: k step = 16 bytes; one 8x8 b16 matrix per n fragment (x1)
                 let word = add(
-                    add(
-                        bb.clone(),
-                        mul(
-                            add(
-                                add(nf.clone(), mul(jv.clone(), u(8))),
-                                bin(BinOp::BitAnd, cx.lane.r16.clone(), u(7)),
-                            ),
-                            u(tb.stride),
-                        ),
-                    ),
+                    cx.b_row_word(bb.clone(), tb.stride, &nf, &jv),
                     add(u(b.col0 / 4), mul(kstep.clone(), u(4))),
                 );
                 n_body.push(intr(Intrinsic::LdMatrix {
@@ -367,16 +358,7 @@ impl Cx<'_> {
             } else {
                 // bf16 [N, K]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15) via x2
                 let word = add(
-                    add(
-                        bb.clone(),
-                        mul(
-                            add(
-                                add(nf.clone(), mul(jv.clone(), u(8))),
-                                bin(BinOp::BitAnd, cx.lane.r16.clone(), u(7)),
-                            ),
-                            u(tb.stride),
-                        ),
-                    ),
+                    cx.b_row_word(bb.clone(), tb.stride, &nf, &jv),
                     add(
                         u(b.col0 / 2),
                         add(
@@ -525,6 +507,21 @@ impl Cx<'_> {
         }
         out.extend(body);
         Ok(())
+    }
+
+    /// The word where this lane's row of n fragment `j` starts in a `[N, K]` B tile (`base`,
+    /// row `stride` words) for an `ldmatrix` of 8-row matrices: row `n_first + 8j + lane % 8`.
+    pub(super) fn b_row_word(&self, base: Expr, stride: u32, n_first: &Expr, j: &Expr) -> Expr {
+        add(
+            base,
+            mul(
+                add(
+                    add(n_first.clone(), mul(j.clone(), u(8))),
+                    bin(BinOp::BitAnd, self.lane.r16.clone(), u(7)),
+                ),
+                u(stride),
+            ),
+        )
     }
 
     /// Sum the partials of a split-K accumulator into it (if any are pending).
