@@ -6,13 +6,22 @@
 #
 #   tools/mutate.sh            the fast tests per mutation (the emulator on a subset of cases)
 #   tools/mutate.sh --full     tools/test.sh (the whole CI suite) after each mutation
+#   tools/mutate.sh --check    only that each mutation's text occurs exactly once in its file
+#                              (seconds; tools/test.sh runs it, so an entry the code moved
+#                              away from fails CI instead of reporting NOT APPLIED later)
 #   MUTATE_ONLY=text           only the mutations whose name contains it
 #
 # Needs a clean working tree for the mutated files (each is restored with `git checkout`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 FULL=0
-[ "${1:-}" = "--full" ] && FULL=1
+CHECK=0
+case "${1:-}" in
+  --full) FULL=1 ;;
+  --check) CHECK=1 ;;
+  "") ;;
+  *) echo "mutate.sh: unknown argument '$1' (use --full, --check or nothing)" >&2; exit 2 ;;
+esac
 export LD_LIBRARY_PATH="$PWD/target/nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # the emulator cases a mutation run uses: long top-k lists (rings wrap), fp8, splits, masks
 export SPARSE_MLA_EMU_CASE=${SPARSE_MLA_EMU_CASE:-k2048}
@@ -48,24 +57,31 @@ MUTATIONS=(
 
 results=()
 survived=0
+checked=0
 for m in "${MUTATIONS[@]}"; do
   IFS='#' read -r name file old new tests <<<"$m"
   if [ -n "${MUTATE_ONLY:-}" ] && [[ "$name" != *"$MUTATE_ONLY"* ]]; then continue; fi
-  if ! git diff --quiet -- "$file"; then
+  if [ $CHECK = 0 ] && ! git diff --quiet -- "$file"; then
     echo "mutate: $file has local changes; commit or stash first" >&2
     exit 2
   fi
-  if ! python3 - "$file" "$old" "$new" <<'EOF'
+  if ! python3 - "$file" "$old" "$new" "$CHECK" <<'EOF'
 import ast, sys
 path, old, new = sys.argv[1], ast.literal_eval(sys.argv[2]), ast.literal_eval(sys.argv[3])
+check = sys.argv[4] == "1"
 s = open(path).read()
-if s.count(old) < 1:
-    sys.exit(f"mutation text not found in {path}: {old!r}")
-open(path, "w").write(s.replace(old, new, 1))
+if s.count(old) != 1:
+    sys.exit(f"mutation text found {s.count(old)} times (want exactly 1) in {path}: {old!r}")
+if not check:
+    open(path, "w").write(s.replace(old, new, 1))
 EOF
   then
-    results+=("| $name | $file | - | NOT APPLIED (text not found) |")
+    results+=("| $name | $file | - | NOT APPLIED (text not found once) |")
     survived=$((survived + 1))
+    continue
+  fi
+  if [ $CHECK = 1 ]; then
+    checked=$((checked + 1))
     continue
   fi
   echo "== mutation: $name ($file)"
@@ -85,6 +101,12 @@ EOF
     survived=$((survived + 1))
   fi
 done
+if [ $CHECK = 1 ]; then
+  [ ${#results[@]} -gt 0 ] && printf '%s\n' "${results[@]}"
+  echo "mutate.sh --check: $checked mutation texts found once, $survived not"
+  [ $survived -eq 0 ]
+  exit
+fi
 echo
 echo "| mutation | file | tests | result |"
 echo "|---|---|---|---|"

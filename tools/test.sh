@@ -46,6 +46,9 @@ if cargo fmt --version >/dev/null 2>&1; then
     cargo fmt --check
     (cd python && cargo fmt --check)
 fi
+# every deliberate bug of the mutation run still finds the code it breaks (the run itself
+# takes an hour: tools/mutate.sh, not CI)
+tools/mutate.sh --check
 # --nocapture: the log then shows each backend's conformance table, the NVRTC ptxas reports
 # and any SKIPPED line, so a reader can see what really ran.
 cargo test --release "$@" -- --nocapture
