@@ -773,23 +773,22 @@ impl Cx<'_> {
         // the empty mbarrier): v7 1.00-1.05x (H200, benches/NOTES.md v16). The warp-group
         // kernel keeps its release: without it the fp8 one ran 0.98x at T = 128.
         let released = self.groups > 1 || first_barrier.filter(|_| s > 1).is_none();
+        // the step's statements with `mid` right after its first barrier (at `at`)
+        let split_at_barrier = |at: usize, mid: Vec<Stmt>| {
+            let mut out = computed[..=at].to_vec();
+            out.extend(mid);
+            out.extend_from_slice(&computed[at + 1..]);
+            out
+        };
         match first_barrier.filter(|_| s > 1) {
-            Some(at) => {
-                body.extend(computed[..=at].iter().cloned());
-                body.extend(produce(released));
-                body.extend(computed[at + 1..].iter().cloned());
-            }
+            Some(at) => body.extend(split_at_barrier(at, produce(released))),
             None => {
                 // before this step's wait (`body` so far: the step's names and the wait)
                 let mut top = produce(true);
                 top.append(&mut body);
                 body = top;
                 match first_barrier.filter(|_| l2_late) {
-                    Some(at) => {
-                        body.extend(computed[..=at].iter().cloned());
-                        body.push(on_producers(l2_part));
-                        body.extend(computed[at + 1..].iter().cloned());
-                    }
+                    Some(at) => body.extend(split_at_barrier(at, vec![on_producers(l2_part)])),
                     None => body.extend(computed),
                 }
             }
