@@ -41,62 +41,73 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
         }
     }
+    let sources: Vec<String> = kernels
+        .iter()
+        .map(|kernel| {
+            let src = cuda::emit(kernel).expect("emit");
+            assert!(
+                !src.contains("#include"),
+                "{}: CUDA C must be self-contained",
+                kernel.name
+            );
+            src
+        })
+        .collect();
+    // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
+    let jobs: Vec<(usize, &str)> = (0..kernels.len())
+        .flat_map(|i| ARCHS.map(|arch| (i, arch)))
+        .collect();
+    let compiled = common::par_map(&jobs, |&(i, arch)| {
+        compile(&kernels[i].name, &sources[i], arch, true)
+    });
     let mut failures = Vec::new();
     let mut count = 0;
-    for kernel in &kernels {
-        let src = cuda::emit(kernel).expect("emit");
-        assert!(
-            !src.contains("#include"),
-            "{}: CUDA C must be self-contained",
-            kernel.name
-        );
-        for arch in ARCHS {
-            match compile(&kernel.name, &src, arch, true) {
-                Ok(c) => {
-                    count += 1;
-                    assert!(!c.cubin.is_empty());
-                    let report: Vec<&str> = c
-                        .log
-                        .lines()
-                        .filter(|l| l.contains("registers") || l.contains("spill"))
-                        .map(str::trim)
-                        .collect();
-                    let (_, smem) = shared_layout(&kernel.shared);
-                    eprintln!(
-                        "NVRTC {major}.{minor} {arch} {}: {} | shared {smem} B",
+    for (&(i, arch), result) in jobs.iter().zip(compiled) {
+        let kernel = &kernels[i];
+        match result {
+            Ok(c) => {
+                count += 1;
+                assert!(!c.cubin.is_empty());
+                let report: Vec<&str> = c
+                    .log
+                    .lines()
+                    .filter(|l| l.contains("registers") || l.contains("spill"))
+                    .map(str::trim)
+                    .collect();
+                let (_, smem) = shared_layout(&kernel.shared);
+                eprintln!(
+                    "NVRTC {major}.{minor} {arch} {}: {} | shared {smem} B",
+                    kernel.name,
+                    report.join(" | ")
+                );
+                if report.iter().any(|l| {
+                    l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")
+                }) {
+                    failures.push(format!(
+                        "{arch} {}: spills: {}",
                         kernel.name,
                         report.join(" | ")
-                    );
-                    if report.iter().any(|l| {
-                        l.contains("spill")
-                            && !l.contains("0 bytes spill stores, 0 bytes spill loads")
-                    }) {
-                        failures.push(format!(
-                            "{arch} {}: spills: {}",
-                            kernel.name,
-                            report.join(" | ")
-                        ));
-                    }
-                    // integrators compile these files with nvcc: not one front-end warning
-                    // (unused helpers or locals, pointless comparisons)
-                    let warnings: Vec<&str> =
-                        c.log.lines().filter(|l| l.contains("warning #")).collect();
-                    if !warnings.is_empty() {
-                        failures.push(format!(
-                            "{arch} {}: compiler warnings: {}",
-                            kernel.name,
-                            warnings.join(" | ")
-                        ));
-                    }
-                    if smem > MAX_SHARED_BYTES {
-                        failures.push(format!(
-                            "{arch} {}: {smem} B of shared memory > {MAX_SHARED_BYTES} (SM120)",
-                            kernel.name
-                        ));
-                    }
+                    ));
                 }
-                Err(e) => failures.push(format!("{arch} {}: {e}", kernel.name)),
+                // integrators compile these files with nvcc: not one front-end warning
+                // (unused helpers or locals, pointless comparisons)
+                let warnings: Vec<&str> =
+                    c.log.lines().filter(|l| l.contains("warning #")).collect();
+                if !warnings.is_empty() {
+                    failures.push(format!(
+                        "{arch} {}: compiler warnings: {}",
+                        kernel.name,
+                        warnings.join(" | ")
+                    ));
+                }
+                if smem > MAX_SHARED_BYTES {
+                    failures.push(format!(
+                        "{arch} {}: {smem} B of shared memory > {MAX_SHARED_BYTES} (SM120)",
+                        kernel.name
+                    ));
+                }
             }
+            Err(e) => failures.push(format!("{arch} {}: {e}", kernel.name)),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -17,29 +17,40 @@ fn every_model_kernel_compiles_for_every_arch() {
         return;
     }
     let kernels = model_kernels().expect("model kernels");
+    let sources: Vec<String> = kernels
+        .iter()
+        .map(|k| {
+            let src = cuda::emit(k).expect("emit");
+            assert!(!src.contains("#include"), "{}: not self-contained", k.name);
+            src
+        })
+        .collect();
+    // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
+    let jobs: Vec<(usize, &str)> = (0..kernels.len())
+        .flat_map(|i| ARCHS.map(|arch| (i, arch)))
+        .collect();
+    let compiled = common::par_map(&jobs, |&(i, arch)| {
+        compile(&kernels[i].name, &sources[i], arch, true)
+    });
     let mut failures = Vec::new();
-    for k in &kernels {
-        let src = cuda::emit(k).expect("emit");
-        assert!(!src.contains("#include"), "{}: not self-contained", k.name);
-        for arch in ARCHS {
-            match compile(&k.name, &src, arch, true) {
-                Ok(c) => {
-                    let report: Vec<&str> = c
-                        .log
-                        .lines()
-                        .filter(|l| l.contains("registers") || l.contains("spill"))
-                        .map(str::trim)
-                        .collect();
-                    eprintln!("{arch} {}: {}", k.name, report.join(" | "));
-                    if report.iter().any(|l| {
-                        l.contains("spill")
-                            && !l.contains("0 bytes spill stores, 0 bytes spill loads")
-                    }) {
-                        failures.push(format!("{arch} {}: spills: {}", k.name, report.join(" | ")));
-                    }
+    for (&(i, arch), result) in jobs.iter().zip(compiled) {
+        let k = &kernels[i];
+        match result {
+            Ok(c) => {
+                let report: Vec<&str> = c
+                    .log
+                    .lines()
+                    .filter(|l| l.contains("registers") || l.contains("spill"))
+                    .map(str::trim)
+                    .collect();
+                eprintln!("{arch} {}: {}", k.name, report.join(" | "));
+                if report.iter().any(|l| {
+                    l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")
+                }) {
+                    failures.push(format!("{arch} {}: spills: {}", k.name, report.join(" | ")));
                 }
-                Err(e) => failures.push(format!("{arch} {}: {e}", k.name)),
             }
+            Err(e) => failures.push(format!("{arch} {}: {e}", k.name)),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

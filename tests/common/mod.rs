@@ -86,3 +86,33 @@ pub fn fresh_backend_arc(kind: BackendKind) -> Option<std::sync::Arc<dyn Backend
         }
     }
 }
+
+/// `f` over every item on all cores, results in the items' order. The NVRTC checks compile
+/// hundreds of independent (kernel, arch) programs; one at a time they leave a CI machine's
+/// other cores idle. NVRTC is thread-safe for distinct programs.
+pub fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(items.len().max(1));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new(items.iter().map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(item);
+                results.lock().unwrap()[i] = Some(r);
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.expect("every item mapped"))
+        .collect()
+}
