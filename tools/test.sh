@@ -9,7 +9,8 @@
 #     into target/cuda-headers), for the integration checks after the cargo tests.
 # Then it runs every test with all three required (SPARSE_MLA_REQUIRE=wgpu,nvrtc,g++): a missing
 # piece fails the run instead of being skipped. Extra arguments go to `cargo test` (before
-# its `--`), e.g. `tools/test.sh --test conformance`.
+# its `--`), e.g. `tools/test.sh --test conformance`; without any, the Python wheel builds in
+# the background meanwhile (see below) and is installed and checked at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,6 +50,38 @@ fi
 # every deliberate bug of the mutation run still finds the code it breaks (the run itself
 # takes an hour: tools/mutate.sh, not CI)
 tools/mutate.sh --check
+
+# The Python wheel (python/, a cargo workspace of its own) builds in the background, at the
+# lowest priority, while the main build and the tests run: it takes the cores they leave
+# idle (their serial stretches, lavapipe's waits) instead of ~220 s of its own at the end.
+# It cannot reuse the main build's crates: pyo3's macros turn on syn's `visit-mut`, so every
+# crate downstream of a derive (serde, thiserror... nearly all) hashes differently, and the
+# features the main crate's dev-dependencies and `serve` turn on differ too. So it has a
+# target directory of its own (target/wheel), where it neither waits for the main build's
+# lock on target/ nor changes a crate the main build uses.
+WHEEL_PID=
+if [ $# -eq 0 ]; then
+    PY_TOOLS=$PWD/target/py-tools
+    if [ ! -x "$PY_TOOLS/bin/maturin" ]; then
+        echo "== installing maturin from PyPI into $PY_TOOLS"
+        python3 -m pip install --quiet --disable-pip-version-check --target "$PY_TOOLS" "maturin>=1.5,<2"
+    fi
+    mkdir -p target
+    rm -rf target/wheels target/py-site
+    echo "== the sparse_mla wheel (python/) builds in the background: target/wheel-build.log"
+    # set -m: maturin, cargo and its rustc are a process group of their own ($WHEEL_PID),
+    # ended as one if this script stops early. Same session: a new one (setsid) would be a
+    # scheduler autogroup of its own, as heavy as the tests' whatever its nice value.
+    set -m
+    (cd python && exec nice -n 19 env CARGO_TARGET_DIR=../target/wheel \
+        "$PY_TOOLS/bin/maturin" build --release --strip -i python3 --out ../target/wheels) \
+        > target/wheel-build.log 2>&1 &
+    WHEEL_PID=$!
+    set +m
+    WHEEL_T0=$(date +%s)
+    trap '[ -z "$WHEEL_PID" ] || kill -- -"$WHEEL_PID" 2>/dev/null || true' EXIT
+fi
+
 # --nocapture: the log then shows each backend's conformance table, the NVRTC ptxas reports
 # and any SKIPPED line, so a reader can see what really ran.
 cargo test --release "$@" -- --nocapture
@@ -66,18 +99,16 @@ if [ $# -eq 0 ]; then
     cc -std=c99 -Wall -Wextra -Werror -I cuda -I "$HDR_DIR/nvidia/cuda_runtime/include" \
         -c examples/c/decode.c -o target/decode-example.o
 
-    PY_TOOLS=$PWD/target/py-tools
-    if [ ! -x "$PY_TOOLS/bin/maturin" ]; then
-        echo "== installing maturin from PyPI into $PY_TOOLS"
-        python3 -m pip install --quiet --disable-pip-version-check --target "$PY_TOOLS" "maturin>=1.5,<2"
-    fi
     echo "== the sparse_mla wheel (python/)"
     t0=$(date +%s)
-    rm -rf target/wheels target/py-site
-    (cd python && CARGO_TARGET_DIR=../target "$PY_TOOLS/bin/maturin" build --release --strip \
-        -i python3 --out ../target/wheels)
+    wheel_rc=0
+    wait "$WHEEL_PID" || wheel_rc=$?
+    WHEEL_PID=
+    cat target/wheel-build.log
+    echo "== wheel build: exit $wheel_rc, $(( $(stat -c %Y target/wheel-build.log) - WHEEL_T0 )) s in the background, $(( $(date +%s) - t0 )) s waited for after the tests"
+    [ "$wheel_rc" = 0 ]
     python3 -m pip install --quiet --disable-pip-version-check --no-deps --no-index \
         --target target/py-site target/wheels/sparse_mla-*.whl
     (cd target && PYTHONPATH=$PWD/py-site python3 ../python/tests/test_no_gpu.py)
-    echo "== wheel built, installed and checked in $(( $(date +%s) - t0 )) s"
+    echo "== wheel built, installed and checked in $(( $(date +%s) - t0 )) s after the tests"
 fi
