@@ -338,33 +338,6 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
-// The wide operand type of e4m3 products without an e4m3 mma: f16 where e4m3x2_prep
-// gives f16 pairs (sm_89+; so on sm_90 a pair is the B operand as converted), bf16 before.
-// Every e4m3 value is exact in either; the A operand is packed into the same type.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned halves) { return halves; }
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#else
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned pair) {
-    return pack_bf16x2(e4m3x2_lo(pair), e4m3x2_hi(pair));
-}
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) { return pack_bf16x2(lo, hi); }
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    mma_bf16_16816(c, a, b);
-}
-#endif
-
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -534,165 +507,149 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
-    float q_absmax = 0.0f;
-    const unsigned q_pair = q_tile[(lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-    const unsigned q_pair5 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-    const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-    const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-    const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-    const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-    const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-    const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-    const unsigned q_pair12 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-    const unsigned q_pair13 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-    const unsigned q_pair14 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-    const unsigned q_pair15 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-    const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-    const unsigned q_pair17 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-    const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-    const unsigned q_pair19 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-    const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-    const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-    const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-    const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-    const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-    const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-    const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-    const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-    const unsigned q_pair28 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-    const unsigned q_pair29 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-    const unsigned q_pair30 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-    const unsigned q_pair31 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-    const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-    const unsigned q_pair33 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-    const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-    const unsigned q_pair35 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-    const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-    const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-    const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-    const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-    const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-    const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-    const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-    const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-    const unsigned q_pair44 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-    const unsigned q_pair45 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-    const unsigned q_pair46 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-    const unsigned q_pair47 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-    const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-    const unsigned q_pair49 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-    const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-    const unsigned q_pair51 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-    const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-    const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-    const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-    const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-    const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-    const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-    const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-    const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-    const unsigned q_pair60 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-    const unsigned q_pair61 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-    const unsigned q_pair62 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-    const unsigned q_pair63 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-    const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-    const unsigned q_pair65 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-    const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-    const unsigned q_pair67 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-    const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer);
-    const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer68);
-    const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer69);
-    const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer70);
-    const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-    const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
-    const float q_scale = __uint_as_float(q_scale_exp << 23u);
-    q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
-    const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-    q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-    const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-    q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-    const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-    q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-    const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-    q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-    const unsigned sub4 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-    q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-    const unsigned sub5 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-    q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-    const unsigned sub6 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-    q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-    const unsigned sub7 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-    q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     if (E4M3_MMA_NATIVE) {
+        float q_absmax = 0.0f;
+        const unsigned q_pair = q_tile[(lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+        const unsigned q_pair5 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+        const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+        const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+        const unsigned q_pair12 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+        const unsigned q_pair13 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+        const unsigned q_pair14 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+        const unsigned q_pair15 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+        const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+        const unsigned q_pair17 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+        const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+        const unsigned q_pair19 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+        const unsigned q_pair28 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+        const unsigned q_pair29 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+        const unsigned q_pair30 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+        const unsigned q_pair31 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+        const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+        const unsigned q_pair33 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+        const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+        const unsigned q_pair35 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+        const unsigned q_pair44 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+        const unsigned q_pair45 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+        const unsigned q_pair46 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+        const unsigned q_pair47 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+        const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+        const unsigned q_pair49 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+        const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+        const unsigned q_pair51 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+        const unsigned q_pair60 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+        const unsigned q_pair61 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+        const unsigned q_pair62 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+        const unsigned q_pair63 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+        const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+        const unsigned q_pair65 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+        const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+        const unsigned q_pair67 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer);
+        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const float q_scale = __uint_as_float(q_scale_exp << 23u);
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
         const float q_x72 = __uint_as_float(q_pair & 4294901760u) * q_scale;
         const float q_x73 = __uint_as_float(q_pair5 << 16u) * q_scale;
@@ -981,135 +938,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
         q_tile_a3[7u] = q_hi290;
         q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
+        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
+        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
+        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
+        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
+        const unsigned sub4 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
+        const unsigned sub5 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
+        const unsigned sub6 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
+        const unsigned sub7 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        const unsigned sub8 = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[0u] = pack_wide2(__uint_as_float(sub8 << 16u) * q_scale, __uint_as_float(sub8 & 4294901760u) * q_scale);
-        const unsigned sub9 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[1u] = pack_wide2(__uint_as_float(sub9 << 16u) * q_scale, __uint_as_float(sub9 & 4294901760u) * q_scale);
-        const unsigned sub10 = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[2u] = pack_wide2(__uint_as_float(sub10 << 16u) * q_scale, __uint_as_float(sub10 & 4294901760u) * q_scale);
-        const unsigned sub11 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[3u] = pack_wide2(__uint_as_float(sub11 << 16u) * q_scale, __uint_as_float(sub11 & 4294901760u) * q_scale);
-        const unsigned sub12 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[4u] = pack_wide2(__uint_as_float(sub12 << 16u) * q_scale, __uint_as_float(sub12 & 4294901760u) * q_scale);
-        const unsigned sub13 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[5u] = pack_wide2(__uint_as_float(sub13 << 16u) * q_scale, __uint_as_float(sub13 & 4294901760u) * q_scale);
-        const unsigned sub14 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[6u] = pack_wide2(__uint_as_float(sub14 << 16u) * q_scale, __uint_as_float(sub14 & 4294901760u) * q_scale);
-        const unsigned sub15 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[7u] = pack_wide2(__uint_as_float(sub15 << 16u) * q_scale, __uint_as_float(sub15 & 4294901760u) * q_scale);
-        const unsigned sub16 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[8u] = pack_wide2(__uint_as_float(sub16 << 16u) * q_scale, __uint_as_float(sub16 & 4294901760u) * q_scale);
-        const unsigned sub17 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[9u] = pack_wide2(__uint_as_float(sub17 << 16u) * q_scale, __uint_as_float(sub17 & 4294901760u) * q_scale);
-        const unsigned sub18 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[10u] = pack_wide2(__uint_as_float(sub18 << 16u) * q_scale, __uint_as_float(sub18 & 4294901760u) * q_scale);
-        const unsigned sub19 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[11u] = pack_wide2(__uint_as_float(sub19 << 16u) * q_scale, __uint_as_float(sub19 & 4294901760u) * q_scale);
-        const unsigned sub20 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[12u] = pack_wide2(__uint_as_float(sub20 << 16u) * q_scale, __uint_as_float(sub20 & 4294901760u) * q_scale);
-        const unsigned sub21 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[13u] = pack_wide2(__uint_as_float(sub21 << 16u) * q_scale, __uint_as_float(sub21 & 4294901760u) * q_scale);
-        const unsigned sub22 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[14u] = pack_wide2(__uint_as_float(sub22 << 16u) * q_scale, __uint_as_float(sub22 & 4294901760u) * q_scale);
-        const unsigned sub23 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[15u] = pack_wide2(__uint_as_float(sub23 << 16u) * q_scale, __uint_as_float(sub23 & 4294901760u) * q_scale);
-        const unsigned sub24 = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[0u] = pack_wide2(__uint_as_float(sub24 << 16u) * q_scale, __uint_as_float(sub24 & 4294901760u) * q_scale);
-        const unsigned sub25 = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[1u] = pack_wide2(__uint_as_float(sub25 << 16u) * q_scale, __uint_as_float(sub25 & 4294901760u) * q_scale);
-        const unsigned sub26 = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[2u] = pack_wide2(__uint_as_float(sub26 << 16u) * q_scale, __uint_as_float(sub26 & 4294901760u) * q_scale);
-        const unsigned sub27 = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[3u] = pack_wide2(__uint_as_float(sub27 << 16u) * q_scale, __uint_as_float(sub27 & 4294901760u) * q_scale);
-        const unsigned sub28 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[4u] = pack_wide2(__uint_as_float(sub28 << 16u) * q_scale, __uint_as_float(sub28 & 4294901760u) * q_scale);
-        const unsigned sub29 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[5u] = pack_wide2(__uint_as_float(sub29 << 16u) * q_scale, __uint_as_float(sub29 & 4294901760u) * q_scale);
-        const unsigned sub30 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[6u] = pack_wide2(__uint_as_float(sub30 << 16u) * q_scale, __uint_as_float(sub30 & 4294901760u) * q_scale);
-        const unsigned sub31 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[7u] = pack_wide2(__uint_as_float(sub31 << 16u) * q_scale, __uint_as_float(sub31 & 4294901760u) * q_scale);
-        const unsigned sub32 = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[8u] = pack_wide2(__uint_as_float(sub32 << 16u) * q_scale, __uint_as_float(sub32 & 4294901760u) * q_scale);
-        const unsigned sub33 = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[9u] = pack_wide2(__uint_as_float(sub33 << 16u) * q_scale, __uint_as_float(sub33 & 4294901760u) * q_scale);
-        const unsigned sub34 = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[10u] = pack_wide2(__uint_as_float(sub34 << 16u) * q_scale, __uint_as_float(sub34 & 4294901760u) * q_scale);
-        const unsigned sub35 = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[11u] = pack_wide2(__uint_as_float(sub35 << 16u) * q_scale, __uint_as_float(sub35 & 4294901760u) * q_scale);
-        const unsigned sub36 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[12u] = pack_wide2(__uint_as_float(sub36 << 16u) * q_scale, __uint_as_float(sub36 & 4294901760u) * q_scale);
-        const unsigned sub37 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[13u] = pack_wide2(__uint_as_float(sub37 << 16u) * q_scale, __uint_as_float(sub37 & 4294901760u) * q_scale);
-        const unsigned sub38 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[14u] = pack_wide2(__uint_as_float(sub38 << 16u) * q_scale, __uint_as_float(sub38 & 4294901760u) * q_scale);
-        const unsigned sub39 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[15u] = pack_wide2(__uint_as_float(sub39 << 16u) * q_scale, __uint_as_float(sub39 & 4294901760u) * q_scale);
-        const unsigned sub40 = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[0u] = pack_wide2(__uint_as_float(sub40 << 16u) * q_scale, __uint_as_float(sub40 & 4294901760u) * q_scale);
-        const unsigned sub41 = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[1u] = pack_wide2(__uint_as_float(sub41 << 16u) * q_scale, __uint_as_float(sub41 & 4294901760u) * q_scale);
-        const unsigned sub42 = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[2u] = pack_wide2(__uint_as_float(sub42 << 16u) * q_scale, __uint_as_float(sub42 & 4294901760u) * q_scale);
-        const unsigned sub43 = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[3u] = pack_wide2(__uint_as_float(sub43 << 16u) * q_scale, __uint_as_float(sub43 & 4294901760u) * q_scale);
-        const unsigned sub44 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[4u] = pack_wide2(__uint_as_float(sub44 << 16u) * q_scale, __uint_as_float(sub44 & 4294901760u) * q_scale);
-        const unsigned sub45 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[5u] = pack_wide2(__uint_as_float(sub45 << 16u) * q_scale, __uint_as_float(sub45 & 4294901760u) * q_scale);
-        const unsigned sub46 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[6u] = pack_wide2(__uint_as_float(sub46 << 16u) * q_scale, __uint_as_float(sub46 & 4294901760u) * q_scale);
-        const unsigned sub47 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[7u] = pack_wide2(__uint_as_float(sub47 << 16u) * q_scale, __uint_as_float(sub47 & 4294901760u) * q_scale);
-        const unsigned sub48 = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[8u] = pack_wide2(__uint_as_float(sub48 << 16u) * q_scale, __uint_as_float(sub48 & 4294901760u) * q_scale);
-        const unsigned sub49 = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[9u] = pack_wide2(__uint_as_float(sub49 << 16u) * q_scale, __uint_as_float(sub49 & 4294901760u) * q_scale);
-        const unsigned sub50 = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[10u] = pack_wide2(__uint_as_float(sub50 << 16u) * q_scale, __uint_as_float(sub50 & 4294901760u) * q_scale);
-        const unsigned sub51 = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[11u] = pack_wide2(__uint_as_float(sub51 << 16u) * q_scale, __uint_as_float(sub51 & 4294901760u) * q_scale);
-        const unsigned sub52 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[12u] = pack_wide2(__uint_as_float(sub52 << 16u) * q_scale, __uint_as_float(sub52 & 4294901760u) * q_scale);
-        const unsigned sub53 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[13u] = pack_wide2(__uint_as_float(sub53 << 16u) * q_scale, __uint_as_float(sub53 & 4294901760u) * q_scale);
-        const unsigned sub54 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[14u] = pack_wide2(__uint_as_float(sub54 << 16u) * q_scale, __uint_as_float(sub54 & 4294901760u) * q_scale);
-        const unsigned sub55 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[15u] = pack_wide2(__uint_as_float(sub55 << 16u) * q_scale, __uint_as_float(sub55 & 4294901760u) * q_scale);
-        const unsigned sub56 = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[0u] = pack_wide2(__uint_as_float(sub56 << 16u) * q_scale, __uint_as_float(sub56 & 4294901760u) * q_scale);
-        const unsigned sub57 = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[1u] = pack_wide2(__uint_as_float(sub57 << 16u) * q_scale, __uint_as_float(sub57 & 4294901760u) * q_scale);
-        const unsigned sub58 = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[2u] = pack_wide2(__uint_as_float(sub58 << 16u) * q_scale, __uint_as_float(sub58 & 4294901760u) * q_scale);
-        const unsigned sub59 = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[3u] = pack_wide2(__uint_as_float(sub59 << 16u) * q_scale, __uint_as_float(sub59 & 4294901760u) * q_scale);
-        const unsigned sub60 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[4u] = pack_wide2(__uint_as_float(sub60 << 16u) * q_scale, __uint_as_float(sub60 & 4294901760u) * q_scale);
-        const unsigned sub61 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[5u] = pack_wide2(__uint_as_float(sub61 << 16u) * q_scale, __uint_as_float(sub61 & 4294901760u) * q_scale);
-        const unsigned sub62 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[6u] = pack_wide2(__uint_as_float(sub62 << 16u) * q_scale, __uint_as_float(sub62 & 4294901760u) * q_scale);
-        const unsigned sub63 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[7u] = pack_wide2(__uint_as_float(sub63 << 16u) * q_scale, __uint_as_float(sub63 & 4294901760u) * q_scale);
-        const unsigned sub64 = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[8u] = pack_wide2(__uint_as_float(sub64 << 16u) * q_scale, __uint_as_float(sub64 & 4294901760u) * q_scale);
-        const unsigned sub65 = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[9u] = pack_wide2(__uint_as_float(sub65 << 16u) * q_scale, __uint_as_float(sub65 & 4294901760u) * q_scale);
-        const unsigned sub66 = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[10u] = pack_wide2(__uint_as_float(sub66 << 16u) * q_scale, __uint_as_float(sub66 & 4294901760u) * q_scale);
-        const unsigned sub67 = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[11u] = pack_wide2(__uint_as_float(sub67 << 16u) * q_scale, __uint_as_float(sub67 & 4294901760u) * q_scale);
-        const unsigned sub68 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[12u] = pack_wide2(__uint_as_float(sub68 << 16u) * q_scale, __uint_as_float(sub68 & 4294901760u) * q_scale);
-        const unsigned sub69 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[13u] = pack_wide2(__uint_as_float(sub69 << 16u) * q_scale, __uint_as_float(sub69 & 4294901760u) * q_scale);
-        const unsigned sub70 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[14u] = pack_wide2(__uint_as_float(sub70 << 16u) * q_scale, __uint_as_float(sub70 & 4294901760u) * q_scale);
-        const unsigned sub71 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[15u] = pack_wide2(__uint_as_float(sub71 << 16u) * q_scale, __uint_as_float(sub71 & 4294901760u) * q_scale);
+        q_tile_unscale[0u] = 1.0f;
+        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[12u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[13u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
+        q_tile_a0_bf16[14u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a0_bf16[15u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a1_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a1_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a2_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a2_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
+        q_tile_a3_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a3_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
+        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[4u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[5u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        q_tile_a4[6u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a4[7u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
@@ -1258,15 +1176,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj319 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk317) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
                         const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag316[0u] = e4m3x2_wide(e4m3_pair);
-                        b_frag316[1u] = e4m3x2_wide(e4m3_pair321);
+                        b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag316[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair321), e4m3x2_hi(e4m3_pair321));
                         #pragma unroll
                         for (unsigned mi318 = 0u; mi318 < 2u; mi318 += 1u) {
                             a_frag315[0u] = q_tile_a0_bf16[((mi318 * 2u) + kk317) * 4u];
                             a_frag315[1u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 1u];
                             a_frag315[2u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 2u];
                             a_frag315[3u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain * 16u) + (((mi318 * 2u) + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
+                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi318 * 2u) + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
                         }
                     }
                 }
@@ -1326,15 +1244,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj337 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first331 + kk335) * 4u));
                         const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
                         const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
-                        b_frag333[0u] = e4m3x2_wide(e4m3_pair341);
-                        b_frag333[1u] = e4m3x2_wide(e4m3_pair342);
+                        b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
+                        b_frag333[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair342), e4m3x2_hi(e4m3_pair342));
                         #pragma unroll
                         for (unsigned mi336 = 0u; mi336 < 2u; mi336 += 1u) {
                             a_frag332[0u] = q_tile_a1_bf16[((mi336 * 2u) + kk335) * 4u];
                             a_frag332[1u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 1u];
                             a_frag332[2u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 2u];
                             a_frag332[3u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain339 * 16u) + (((mi336 * 2u) + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
+                            mma_bf16_16816(&scores_term[(chain339 * 16u) + (((mi336 * 2u) + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
                         }
                     }
                 }
@@ -1394,15 +1312,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first354 + kk358) * 4u));
                         const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
                         const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
-                        b_frag356[0u] = e4m3x2_wide(e4m3_pair364);
-                        b_frag356[1u] = e4m3x2_wide(e4m3_pair365);
+                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
                         #pragma unroll
                         for (unsigned mi359 = 0u; mi359 < 2u; mi359 += 1u) {
                             a_frag355[0u] = q_tile_a2_bf16[((mi359 * 2u) + kk358) * 4u];
                             a_frag355[1u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 1u];
                             a_frag355[2u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 2u];
                             a_frag355[3u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
+                            mma_bf16_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
                         }
                     }
                 }
@@ -1462,15 +1380,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first377 + kk381) * 4u));
                         const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
                         const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
-                        b_frag379[0u] = e4m3x2_wide(e4m3_pair387);
-                        b_frag379[1u] = e4m3x2_wide(e4m3_pair388);
+                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
                         #pragma unroll
                         for (unsigned mi382 = 0u; mi382 < 2u; mi382 += 1u) {
                             a_frag378[0u] = q_tile_a3_bf16[((mi382 * 2u) + kk381) * 4u];
                             a_frag378[1u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 1u];
                             a_frag378[2u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 2u];
                             a_frag378[3u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain385 * 16u) + (((mi382 * 2u) + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
+                            mma_bf16_16816(&scores_term[(chain385 * 16u) + (((mi382 * 2u) + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
                         }
                     }
                 }
@@ -1709,8 +1627,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
                     const unsigned row439 = (scores_row0 + ((frag441 / 2u) * 16u)) + ((half442 * 8u) + lane_group);
                     const unsigned col440 = (scores_col0 + ((frag441 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub72 = (frag441 * 4u) + (half442 * 2u);
-                    p_tile[(row439 * 20u) + (col440 >> 1u)] = pack_bf16x2(scores[sub72], scores[sub72 + 1u]);
+                    const unsigned sub8 = (frag441 * 4u) + (half442 * 2u);
+                    p_tile[(row439 * 20u) + (col440 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }

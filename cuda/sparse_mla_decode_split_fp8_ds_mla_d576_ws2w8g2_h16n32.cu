@@ -339,33 +339,6 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
-// The wide operand type of e4m3 products without an e4m3 mma: f16 where e4m3x2_prep
-// gives f16 pairs (sm_89+; so on sm_90 a pair is the B operand as converted), bf16 before.
-// Every e4m3 value is exact in either; the A operand is packed into the same type.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned halves) { return halves; }
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#else
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned pair) {
-    return pack_bf16x2(e4m3x2_lo(pair), e4m3x2_hi(pair));
-}
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) { return pack_bf16x2(lo, hi); }
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    mma_bf16_16816(c, a, b);
-}
-#endif
-
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -505,165 +478,149 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // q_tile: this warp's A fragments straight from global memory into registers
     const int q_tile_row_src = ((h0 + lane_group) < p.heads) ? ((int)(((t * p.heads) + (h0 + lane_group)) * 288u)) : (-1);
     const int q_tile_row_src0 = ((h0 + (8u + lane_group)) < p.heads) ? ((int)(((t * p.heads) + (h0 + (8u + lane_group))) * 288u)) : (-1);
-    float q_absmax = 0.0f;
-    const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-    const unsigned q_pair1 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair1 << 16u)), fabsf(__uint_as_float(q_pair1 & 4294901760u))));
-    const unsigned q_pair2 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair2 << 16u)), fabsf(__uint_as_float(q_pair2 & 4294901760u))));
-    const unsigned q_pair3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
-    const unsigned q_pair4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
-    const unsigned q_pair5 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-    const unsigned q_pair6 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-    const unsigned q_pair7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-    const unsigned q_pair8 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-    const unsigned q_pair9 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-    const unsigned q_pair10 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-    const unsigned q_pair11 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-    const unsigned q_pair12 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-    const unsigned q_pair13 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-    const unsigned q_pair14 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-    const unsigned q_pair15 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-    const unsigned q_pair16 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-    const unsigned q_pair17 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-    const unsigned q_pair18 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-    const unsigned q_pair19 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-    const unsigned q_pair20 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-    const unsigned q_pair21 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-    const unsigned q_pair22 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-    const unsigned q_pair23 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-    const unsigned q_pair24 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-    const unsigned q_pair25 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-    const unsigned q_pair26 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-    const unsigned q_pair27 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-    const unsigned q_pair28 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-    const unsigned q_pair29 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-    const unsigned q_pair30 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-    const unsigned q_pair31 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-    const unsigned q_pair32 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-    const unsigned q_pair33 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-    const unsigned q_pair34 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-    const unsigned q_pair35 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-    const unsigned q_pair36 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-    const unsigned q_pair37 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-    const unsigned q_pair38 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-    const unsigned q_pair39 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-    const unsigned q_pair40 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-    const unsigned q_pair41 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-    const unsigned q_pair42 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-    const unsigned q_pair43 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-    const unsigned q_pair44 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-    const unsigned q_pair45 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-    const unsigned q_pair46 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-    const unsigned q_pair47 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-    const unsigned q_pair48 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-    const unsigned q_pair49 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-    const unsigned q_pair50 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-    const unsigned q_pair51 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-    const unsigned q_pair52 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-    const unsigned q_pair53 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-    const unsigned q_pair54 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-    const unsigned q_pair55 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-    const unsigned q_pair56 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-    const unsigned q_pair57 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-    const unsigned q_pair58 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-    const unsigned q_pair59 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-    const unsigned q_pair60 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-    const unsigned q_pair61 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-    const unsigned q_pair62 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-    const unsigned q_pair63 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
-    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-    const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer);
-    const float q_absmax_peer64 = shfl_xor_f32(q_absmax, 2);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer64);
-    const float q_absmax_peer65 = shfl_xor_f32(q_absmax, 4);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer65);
-    const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 8);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer66);
-    const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 16);
-    q_absmax = fmaxf(q_absmax, q_absmax_peer67);
-    const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
-    const float q_scale = __uint_as_float(q_scale_exp << 23u);
-    q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
-    const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-    const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-    const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-    const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-    const unsigned sub4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-    const unsigned sub5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
-    q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-    const unsigned sub6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-    const unsigned sub7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
-    q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     if (E4M3_MMA_NATIVE) {
+        float q_absmax = 0.0f;
+        const unsigned q_pair = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+        const unsigned q_pair1 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair1 << 16u)), fabsf(__uint_as_float(q_pair1 & 4294901760u))));
+        const unsigned q_pair2 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair2 << 16u)), fabsf(__uint_as_float(q_pair2 & 4294901760u))));
+        const unsigned q_pair3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair3 << 16u)), fabsf(__uint_as_float(q_pair3 & 4294901760u))));
+        const unsigned q_pair4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair4 << 16u)), fabsf(__uint_as_float(q_pair4 & 4294901760u))));
+        const unsigned q_pair5 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+        const unsigned q_pair6 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+        const unsigned q_pair7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+        const unsigned q_pair8 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+        const unsigned q_pair9 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+        const unsigned q_pair10 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+        const unsigned q_pair11 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+        const unsigned q_pair12 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+        const unsigned q_pair13 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+        const unsigned q_pair14 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+        const unsigned q_pair15 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+        const unsigned q_pair16 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+        const unsigned q_pair17 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+        const unsigned q_pair18 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+        const unsigned q_pair19 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+        const unsigned q_pair20 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+        const unsigned q_pair21 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+        const unsigned q_pair22 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+        const unsigned q_pair23 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+        const unsigned q_pair24 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+        const unsigned q_pair25 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+        const unsigned q_pair26 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+        const unsigned q_pair27 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+        const unsigned q_pair28 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+        const unsigned q_pair29 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+        const unsigned q_pair30 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+        const unsigned q_pair31 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+        const unsigned q_pair32 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+        const unsigned q_pair33 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+        const unsigned q_pair34 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+        const unsigned q_pair35 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+        const unsigned q_pair36 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+        const unsigned q_pair37 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+        const unsigned q_pair38 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+        const unsigned q_pair39 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+        const unsigned q_pair40 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+        const unsigned q_pair41 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+        const unsigned q_pair42 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+        const unsigned q_pair43 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+        const unsigned q_pair44 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+        const unsigned q_pair45 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+        const unsigned q_pair46 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+        const unsigned q_pair47 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+        const unsigned q_pair48 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+        const unsigned q_pair49 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+        const unsigned q_pair50 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+        const unsigned q_pair51 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+        const unsigned q_pair52 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+        const unsigned q_pair53 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+        const unsigned q_pair54 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+        const unsigned q_pair55 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+        const unsigned q_pair56 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+        const unsigned q_pair57 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+        const unsigned q_pair58 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+        const unsigned q_pair59 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+        const unsigned q_pair60 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+        const unsigned q_pair61 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+        const unsigned q_pair62 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+        const unsigned q_pair63 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)] : 0u;
+        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer);
+        const float q_absmax_peer64 = shfl_xor_f32(q_absmax, 2);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer64);
+        const float q_absmax_peer65 = shfl_xor_f32(q_absmax, 4);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer65);
+        const float q_absmax_peer66 = shfl_xor_f32(q_absmax, 8);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer66);
+        const float q_absmax_peer67 = shfl_xor_f32(q_absmax, 16);
+        q_absmax = fmaxf(q_absmax, q_absmax_peer67);
+        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const float q_scale = __uint_as_float(q_scale_exp << 23u);
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
         const float q_x68 = __uint_as_float(q_pair & 4294901760u) * q_scale;
         const float q_x69 = __uint_as_float(q_pair1 << 16u) * q_scale;
@@ -952,135 +909,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned q_hi_pair288 = e4m3x2_prep(q_hi286 >> 16u);
         q_tile_a3[7u] = q_hi286;
         q_tile_a3_lo[7u] = pack_e4m3x4(q_x282 - e4m3x2_lo(q_hi_pair287), q_x283 - e4m3x2_hi(q_hi_pair287), q_x284 - e4m3x2_lo(q_hi_pair288), q_x285 - e4m3x2_hi(q_hi_pair288));
+        const unsigned sub0 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
+        const unsigned sub1 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
+        const unsigned sub2 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
+        const unsigned sub3 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
+        const unsigned sub4 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
+        const unsigned sub5 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
+        const unsigned sub6 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
+        const unsigned sub7 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        const unsigned sub8 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[0u] = pack_wide2(__uint_as_float(sub8 << 16u) * q_scale, __uint_as_float(sub8 & 4294901760u) * q_scale);
-        const unsigned sub9 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[1u] = pack_wide2(__uint_as_float(sub9 << 16u) * q_scale, __uint_as_float(sub9 & 4294901760u) * q_scale);
-        const unsigned sub10 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[2u] = pack_wide2(__uint_as_float(sub10 << 16u) * q_scale, __uint_as_float(sub10 & 4294901760u) * q_scale);
-        const unsigned sub11 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[3u] = pack_wide2(__uint_as_float(sub11 << 16u) * q_scale, __uint_as_float(sub11 & 4294901760u) * q_scale);
-        const unsigned sub12 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[4u] = pack_wide2(__uint_as_float(sub12 << 16u) * q_scale, __uint_as_float(sub12 & 4294901760u) * q_scale);
-        const unsigned sub13 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[5u] = pack_wide2(__uint_as_float(sub13 << 16u) * q_scale, __uint_as_float(sub13 & 4294901760u) * q_scale);
-        const unsigned sub14 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[6u] = pack_wide2(__uint_as_float(sub14 << 16u) * q_scale, __uint_as_float(sub14 & 4294901760u) * q_scale);
-        const unsigned sub15 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[7u] = pack_wide2(__uint_as_float(sub15 << 16u) * q_scale, __uint_as_float(sub15 & 4294901760u) * q_scale);
-        const unsigned sub16 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[8u] = pack_wide2(__uint_as_float(sub16 << 16u) * q_scale, __uint_as_float(sub16 & 4294901760u) * q_scale);
-        const unsigned sub17 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[9u] = pack_wide2(__uint_as_float(sub17 << 16u) * q_scale, __uint_as_float(sub17 & 4294901760u) * q_scale);
-        const unsigned sub18 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[10u] = pack_wide2(__uint_as_float(sub18 << 16u) * q_scale, __uint_as_float(sub18 & 4294901760u) * q_scale);
-        const unsigned sub19 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[11u] = pack_wide2(__uint_as_float(sub19 << 16u) * q_scale, __uint_as_float(sub19 & 4294901760u) * q_scale);
-        const unsigned sub20 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[12u] = pack_wide2(__uint_as_float(sub20 << 16u) * q_scale, __uint_as_float(sub20 & 4294901760u) * q_scale);
-        const unsigned sub21 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
-        q_tile_a0_bf16[13u] = pack_wide2(__uint_as_float(sub21 << 16u) * q_scale, __uint_as_float(sub21 & 4294901760u) * q_scale);
-        const unsigned sub22 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[14u] = pack_wide2(__uint_as_float(sub22 << 16u) * q_scale, __uint_as_float(sub22 & 4294901760u) * q_scale);
-        const unsigned sub23 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a0_bf16[15u] = pack_wide2(__uint_as_float(sub23 << 16u) * q_scale, __uint_as_float(sub23 & 4294901760u) * q_scale);
-        const unsigned sub24 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[0u] = pack_wide2(__uint_as_float(sub24 << 16u) * q_scale, __uint_as_float(sub24 & 4294901760u) * q_scale);
-        const unsigned sub25 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[1u] = pack_wide2(__uint_as_float(sub25 << 16u) * q_scale, __uint_as_float(sub25 & 4294901760u) * q_scale);
-        const unsigned sub26 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[2u] = pack_wide2(__uint_as_float(sub26 << 16u) * q_scale, __uint_as_float(sub26 & 4294901760u) * q_scale);
-        const unsigned sub27 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[3u] = pack_wide2(__uint_as_float(sub27 << 16u) * q_scale, __uint_as_float(sub27 & 4294901760u) * q_scale);
-        const unsigned sub28 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[4u] = pack_wide2(__uint_as_float(sub28 << 16u) * q_scale, __uint_as_float(sub28 & 4294901760u) * q_scale);
-        const unsigned sub29 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[5u] = pack_wide2(__uint_as_float(sub29 << 16u) * q_scale, __uint_as_float(sub29 & 4294901760u) * q_scale);
-        const unsigned sub30 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[6u] = pack_wide2(__uint_as_float(sub30 << 16u) * q_scale, __uint_as_float(sub30 & 4294901760u) * q_scale);
-        const unsigned sub31 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[7u] = pack_wide2(__uint_as_float(sub31 << 16u) * q_scale, __uint_as_float(sub31 & 4294901760u) * q_scale);
-        const unsigned sub32 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[8u] = pack_wide2(__uint_as_float(sub32 << 16u) * q_scale, __uint_as_float(sub32 & 4294901760u) * q_scale);
-        const unsigned sub33 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[9u] = pack_wide2(__uint_as_float(sub33 << 16u) * q_scale, __uint_as_float(sub33 & 4294901760u) * q_scale);
-        const unsigned sub34 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[10u] = pack_wide2(__uint_as_float(sub34 << 16u) * q_scale, __uint_as_float(sub34 & 4294901760u) * q_scale);
-        const unsigned sub35 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[11u] = pack_wide2(__uint_as_float(sub35 << 16u) * q_scale, __uint_as_float(sub35 & 4294901760u) * q_scale);
-        const unsigned sub36 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[12u] = pack_wide2(__uint_as_float(sub36 << 16u) * q_scale, __uint_as_float(sub36 & 4294901760u) * q_scale);
-        const unsigned sub37 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a1_bf16[13u] = pack_wide2(__uint_as_float(sub37 << 16u) * q_scale, __uint_as_float(sub37 & 4294901760u) * q_scale);
-        const unsigned sub38 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[14u] = pack_wide2(__uint_as_float(sub38 << 16u) * q_scale, __uint_as_float(sub38 & 4294901760u) * q_scale);
-        const unsigned sub39 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a1_bf16[15u] = pack_wide2(__uint_as_float(sub39 << 16u) * q_scale, __uint_as_float(sub39 & 4294901760u) * q_scale);
-        const unsigned sub40 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[0u] = pack_wide2(__uint_as_float(sub40 << 16u) * q_scale, __uint_as_float(sub40 & 4294901760u) * q_scale);
-        const unsigned sub41 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[1u] = pack_wide2(__uint_as_float(sub41 << 16u) * q_scale, __uint_as_float(sub41 & 4294901760u) * q_scale);
-        const unsigned sub42 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[2u] = pack_wide2(__uint_as_float(sub42 << 16u) * q_scale, __uint_as_float(sub42 & 4294901760u) * q_scale);
-        const unsigned sub43 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[3u] = pack_wide2(__uint_as_float(sub43 << 16u) * q_scale, __uint_as_float(sub43 & 4294901760u) * q_scale);
-        const unsigned sub44 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[4u] = pack_wide2(__uint_as_float(sub44 << 16u) * q_scale, __uint_as_float(sub44 & 4294901760u) * q_scale);
-        const unsigned sub45 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[5u] = pack_wide2(__uint_as_float(sub45 << 16u) * q_scale, __uint_as_float(sub45 & 4294901760u) * q_scale);
-        const unsigned sub46 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[6u] = pack_wide2(__uint_as_float(sub46 << 16u) * q_scale, __uint_as_float(sub46 & 4294901760u) * q_scale);
-        const unsigned sub47 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[7u] = pack_wide2(__uint_as_float(sub47 << 16u) * q_scale, __uint_as_float(sub47 & 4294901760u) * q_scale);
-        const unsigned sub48 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[8u] = pack_wide2(__uint_as_float(sub48 << 16u) * q_scale, __uint_as_float(sub48 & 4294901760u) * q_scale);
-        const unsigned sub49 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[9u] = pack_wide2(__uint_as_float(sub49 << 16u) * q_scale, __uint_as_float(sub49 & 4294901760u) * q_scale);
-        const unsigned sub50 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[10u] = pack_wide2(__uint_as_float(sub50 << 16u) * q_scale, __uint_as_float(sub50 & 4294901760u) * q_scale);
-        const unsigned sub51 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[11u] = pack_wide2(__uint_as_float(sub51 << 16u) * q_scale, __uint_as_float(sub51 & 4294901760u) * q_scale);
-        const unsigned sub52 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[12u] = pack_wide2(__uint_as_float(sub52 << 16u) * q_scale, __uint_as_float(sub52 & 4294901760u) * q_scale);
-        const unsigned sub53 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a2_bf16[13u] = pack_wide2(__uint_as_float(sub53 << 16u) * q_scale, __uint_as_float(sub53 & 4294901760u) * q_scale);
-        const unsigned sub54 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[14u] = pack_wide2(__uint_as_float(sub54 << 16u) * q_scale, __uint_as_float(sub54 & 4294901760u) * q_scale);
-        const unsigned sub55 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a2_bf16[15u] = pack_wide2(__uint_as_float(sub55 << 16u) * q_scale, __uint_as_float(sub55 & 4294901760u) * q_scale);
-        const unsigned sub56 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[0u] = pack_wide2(__uint_as_float(sub56 << 16u) * q_scale, __uint_as_float(sub56 & 4294901760u) * q_scale);
-        const unsigned sub57 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[1u] = pack_wide2(__uint_as_float(sub57 << 16u) * q_scale, __uint_as_float(sub57 & 4294901760u) * q_scale);
-        const unsigned sub58 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[2u] = pack_wide2(__uint_as_float(sub58 << 16u) * q_scale, __uint_as_float(sub58 & 4294901760u) * q_scale);
-        const unsigned sub59 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[3u] = pack_wide2(__uint_as_float(sub59 << 16u) * q_scale, __uint_as_float(sub59 & 4294901760u) * q_scale);
-        const unsigned sub60 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[4u] = pack_wide2(__uint_as_float(sub60 << 16u) * q_scale, __uint_as_float(sub60 & 4294901760u) * q_scale);
-        const unsigned sub61 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[5u] = pack_wide2(__uint_as_float(sub61 << 16u) * q_scale, __uint_as_float(sub61 & 4294901760u) * q_scale);
-        const unsigned sub62 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[6u] = pack_wide2(__uint_as_float(sub62 << 16u) * q_scale, __uint_as_float(sub62 & 4294901760u) * q_scale);
-        const unsigned sub63 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[7u] = pack_wide2(__uint_as_float(sub63 << 16u) * q_scale, __uint_as_float(sub63 & 4294901760u) * q_scale);
-        const unsigned sub64 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[8u] = pack_wide2(__uint_as_float(sub64 << 16u) * q_scale, __uint_as_float(sub64 & 4294901760u) * q_scale);
-        const unsigned sub65 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[9u] = pack_wide2(__uint_as_float(sub65 << 16u) * q_scale, __uint_as_float(sub65 & 4294901760u) * q_scale);
-        const unsigned sub66 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[10u] = pack_wide2(__uint_as_float(sub66 << 16u) * q_scale, __uint_as_float(sub66 & 4294901760u) * q_scale);
-        const unsigned sub67 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[11u] = pack_wide2(__uint_as_float(sub67 << 16u) * q_scale, __uint_as_float(sub67 & 4294901760u) * q_scale);
-        const unsigned sub68 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[12u] = pack_wide2(__uint_as_float(sub68 << 16u) * q_scale, __uint_as_float(sub68 & 4294901760u) * q_scale);
-        const unsigned sub69 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
-        q_tile_a3_bf16[13u] = pack_wide2(__uint_as_float(sub69 << 16u) * q_scale, __uint_as_float(sub69 & 4294901760u) * q_scale);
-        const unsigned sub70 = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[14u] = pack_wide2(__uint_as_float(sub70 << 16u) * q_scale, __uint_as_float(sub70 & 4294901760u) * q_scale);
-        const unsigned sub71 = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
-        q_tile_a3_bf16[15u] = pack_wide2(__uint_as_float(sub71 << 16u) * q_scale, __uint_as_float(sub71 & 4294901760u) * q_scale);
+        q_tile_unscale[0u] = 1.0f;
+        q_tile_a0_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))] : 0u;
+        q_tile_a0_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a0_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a1_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a1_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a2_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a2_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[8u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[9u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[10u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[11u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[12u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[13u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))] : 0u;
+        q_tile_a3_bf16[14u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a3_bf16[15u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))] : 0u;
+        q_tile_a4[0u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[1u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[2u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[3u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[4u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[5u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)] : 0u;
+        q_tile_a4[6u] = (q_tile_row_src >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
+        q_tile_a4[7u] = (q_tile_row_src0 >= 0) ? ((const unsigned*)q)[((unsigned)q_tile_row_src0) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))] : 0u;
     }
     #pragma unroll 4
     for (unsigned r = group_tid; r < 16u; r += 128u) {
@@ -1228,15 +1146,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj312 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk310) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
                         const unsigned e4m3_pair314 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag309[0u] = e4m3x2_wide(e4m3_pair);
-                        b_frag309[1u] = e4m3x2_wide(e4m3_pair314);
+                        b_frag309[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag309[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair314), e4m3x2_hi(e4m3_pair314));
                         #pragma unroll
                         for (unsigned mi311 = 0u; mi311 < 1u; mi311 += 1u) {
                             a_frag308[0u] = q_tile_a0_bf16[((mi311 * 4u) + kk310) * 4u];
                             a_frag308[1u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 1u];
                             a_frag308[2u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 2u];
                             a_frag308[3u] = q_tile_a0_bf16[(((mi311 * 4u) + kk310) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain * 8u) + (((mi311 * 2u) + nj312) * 4u)], &a_frag308[0u], &b_frag309[0u]);
+                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi311 * 2u) + nj312) * 4u)], &a_frag308[0u], &b_frag309[0u]);
                         }
                     }
                 }
@@ -1296,15 +1214,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw327[0u], kv_rows + (stage * 5248u) + (((n_first318 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first324 + kk328) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair334 = e4m3x2_prep(b_raw327[0u] & 65535u);
                         const unsigned e4m3_pair335 = e4m3x2_prep(b_raw327[0u] >> 16u);
-                        b_frag326[0u] = e4m3x2_wide(e4m3_pair334);
-                        b_frag326[1u] = e4m3x2_wide(e4m3_pair335);
+                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair334), e4m3x2_hi(e4m3_pair334));
+                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair335), e4m3x2_hi(e4m3_pair335));
                         #pragma unroll
                         for (unsigned mi329 = 0u; mi329 < 1u; mi329 += 1u) {
                             a_frag325[0u] = q_tile_a1_bf16[((mi329 * 4u) + kk328) * 4u];
                             a_frag325[1u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 1u];
                             a_frag325[2u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 2u];
                             a_frag325[3u] = q_tile_a1_bf16[(((mi329 * 4u) + kk328) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain332 * 8u) + (((mi329 * 2u) + nj330) * 4u)], &a_frag325[0u], &b_frag326[0u]);
+                            mma_bf16_16816(&scores_term[(chain332 * 8u) + (((mi329 * 2u) + nj330) * 4u)], &a_frag325[0u], &b_frag326[0u]);
                         }
                     }
                 }
@@ -1364,15 +1282,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw350[0u], kv_rows + (stage * 5248u) + (((n_first341 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first347 + kk351) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair357 = e4m3x2_prep(b_raw350[0u] & 65535u);
                         const unsigned e4m3_pair358 = e4m3x2_prep(b_raw350[0u] >> 16u);
-                        b_frag349[0u] = e4m3x2_wide(e4m3_pair357);
-                        b_frag349[1u] = e4m3x2_wide(e4m3_pair358);
+                        b_frag349[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair357), e4m3x2_hi(e4m3_pair357));
+                        b_frag349[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair358), e4m3x2_hi(e4m3_pair358));
                         #pragma unroll
                         for (unsigned mi352 = 0u; mi352 < 1u; mi352 += 1u) {
                             a_frag348[0u] = q_tile_a2_bf16[((mi352 * 4u) + kk351) * 4u];
                             a_frag348[1u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 1u];
                             a_frag348[2u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 2u];
                             a_frag348[3u] = q_tile_a2_bf16[(((mi352 * 4u) + kk351) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain355 * 8u) + (((mi352 * 2u) + nj353) * 4u)], &a_frag348[0u], &b_frag349[0u]);
+                            mma_bf16_16816(&scores_term[(chain355 * 8u) + (((mi352 * 2u) + nj353) * 4u)], &a_frag348[0u], &b_frag349[0u]);
                         }
                     }
                 }
@@ -1432,15 +1350,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         ldmatrix_x1(&b_raw373[0u], kv_rows + (stage * 5248u) + (((n_first364 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first370 + kk374) * 4u) + (warp_group * 10496u));
                         const unsigned e4m3_pair380 = e4m3x2_prep(b_raw373[0u] & 65535u);
                         const unsigned e4m3_pair381 = e4m3x2_prep(b_raw373[0u] >> 16u);
-                        b_frag372[0u] = e4m3x2_wide(e4m3_pair380);
-                        b_frag372[1u] = e4m3x2_wide(e4m3_pair381);
+                        b_frag372[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair380), e4m3x2_hi(e4m3_pair380));
+                        b_frag372[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair381), e4m3x2_hi(e4m3_pair381));
                         #pragma unroll
                         for (unsigned mi375 = 0u; mi375 < 1u; mi375 += 1u) {
                             a_frag371[0u] = q_tile_a3_bf16[((mi375 * 4u) + kk374) * 4u];
                             a_frag371[1u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 1u];
                             a_frag371[2u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 2u];
                             a_frag371[3u] = q_tile_a3_bf16[(((mi375 * 4u) + kk374) * 4u) + 3u];
-                            mma_wide_16816(&scores_term[(chain378 * 8u) + (((mi375 * 2u) + nj376) * 4u)], &a_frag371[0u], &b_frag372[0u]);
+                            mma_bf16_16816(&scores_term[(chain378 * 8u) + (((mi375 * 2u) + nj376) * 4u)], &a_frag371[0u], &b_frag372[0u]);
                         }
                     }
                 }
@@ -1686,8 +1604,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
                     const unsigned row430 = (scores_row0 + ((frag432 / 2u) * 16u)) + ((half433 * 8u) + lane_group);
                     const unsigned col431 = (scores_col0 + ((frag432 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub72 = (frag432 * 4u) + (half433 * 2u);
-                    p_tile[((row430 * 20u) + (col431 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub72], scores[sub72 + 1u]);
+                    const unsigned sub8 = (frag432 * 4u) + (half433 * 2u);
+                    p_tile[((row430 * 20u) + (col431 >> 1u)) + (warp_group * 320u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -2074,10 +1992,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
                     const unsigned row551 = (o_acc_row0 + ((frag553 / 2u) * 16u)) + ((half554 * 8u) + lane_group);
                     const unsigned col552 = (o_acc_col0 + ((frag553 % 2u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
-                    const unsigned sub73 = ((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) * 4u) + ((half554 * 2u) + e555);
-                    o_acc[sub73] = (o_acc[sub73] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + col552]));
-                    const unsigned sub74 = (((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555);
-                    o_acc[sub74] = (o_acc[sub74] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + (col552 + 1u)]));
+                    const unsigned sub9 = ((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) * 4u) + ((half554 * 2u) + e555);
+                    o_acc[sub9] = (o_acc[sub9] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + col552]));
+                    const unsigned sub10 = (((((frag553 / 2u) * 4u) + ((frag553 % 2u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555);
+                    o_acc[sub10] = (o_acc[sub10] * group_factor[row551]) + (group_factor[16u + row551] * __uint_as_float(kv_rows[(row551 * 128u) + (col552 + 1u)]));
                 }
             }
         }
@@ -2089,10 +2007,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
                     const unsigned row556 = (o_acc_1_row0 + ((frag558 / 2u) * 16u)) + ((half559 * 8u) + lane_group);
                     const unsigned col557 = (o_acc_1_col0 + ((frag558 % 2u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    const unsigned sub75 = ((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) * 4u) + ((half559 * 2u) + e560);
-                    o_acc_1[sub75] = (o_acc_1[sub75] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + col557]));
-                    const unsigned sub76 = (((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560);
-                    o_acc_1[sub76] = (o_acc_1[sub76] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + (col557 + 1u)]));
+                    const unsigned sub11 = ((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) * 4u) + ((half559 * 2u) + e560);
+                    o_acc_1[sub11] = (o_acc_1[sub11] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + col557]));
+                    const unsigned sub12 = (((((frag558 / 2u) * 4u) + ((frag558 % 2u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560);
+                    o_acc_1[sub12] = (o_acc_1[sub12] * group_factor[row556]) + (group_factor[16u + row556] * __uint_as_float(kv_rows[(2048u + (row556 * 128u)) + (col557 + 1u)]));
                 }
             }
         }
@@ -2104,10 +2022,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
                     const unsigned row561 = (o_acc_2_row0 + ((frag563 / 2u) * 16u)) + ((half564 * 8u) + lane_group);
                     const unsigned col562 = (o_acc_2_col0 + ((frag563 % 2u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
-                    const unsigned sub77 = ((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565);
-                    o_acc_2[sub77] = (o_acc_2[sub77] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + col562]));
-                    const unsigned sub78 = (((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565);
-                    o_acc_2[sub78] = (o_acc_2[sub78] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + (col562 + 1u)]));
+                    const unsigned sub13 = ((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) * 4u) + ((half564 * 2u) + e565);
+                    o_acc_2[sub13] = (o_acc_2[sub13] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + col562]));
+                    const unsigned sub14 = (((((frag563 / 2u) * 4u) + ((frag563 % 2u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565);
+                    o_acc_2[sub14] = (o_acc_2[sub14] * group_factor[row561]) + (group_factor[16u + row561] * __uint_as_float(kv_rows[(4096u + (row561 * 128u)) + (col562 + 1u)]));
                 }
             }
         }
@@ -2119,10 +2037,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
                     const unsigned row566 = (o_acc_3_row0 + ((frag568 / 2u) * 16u)) + ((half569 * 8u) + lane_group);
                     const unsigned col567 = (o_acc_3_col0 + ((frag568 % 2u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
-                    const unsigned sub79 = ((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570);
-                    o_acc_3[sub79] = (o_acc_3[sub79] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + col567]));
-                    const unsigned sub80 = (((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570);
-                    o_acc_3[sub80] = (o_acc_3[sub80] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + (col567 + 1u)]));
+                    const unsigned sub15 = ((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) * 4u) + ((half569 * 2u) + e570);
+                    o_acc_3[sub15] = (o_acc_3[sub15] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + col567]));
+                    const unsigned sub16 = (((((frag568 / 2u) * 4u) + ((frag568 % 2u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570);
+                    o_acc_3[sub16] = (o_acc_3[sub16] * group_factor[row566]) + (group_factor[16u + row566] * __uint_as_float(kv_rows[(6144u + (row566 * 128u)) + (col567 + 1u)]));
                 }
             }
         }

@@ -6,12 +6,12 @@
 //! for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
 //! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed and
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel), the same
-//! with the sm_80 paths (e4m3 scores as bf16 products), copies landing at issue and the choice
-//! made for 64 SMs (fp8 at T <= 4 on v7, small bf16 calls on v6), and
+//! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
+//! 64 SMs (fp8 at T <= 4 on v7, small bf16 calls on v6), and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,
-//! which the emulator reports) as for sm_90 (e4m3 scores as f16 products). Fragment layouts, ldmatrix
+//! which the emulator reports). Fragment layouts, ldmatrix
 //! addressing, helper operand orders, the copy pipeline and its synchronisation are all
 //! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
 //! picks cases by name. The four runs go at once, a thread each (their lines tagged `emuN`),

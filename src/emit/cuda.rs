@@ -202,14 +202,6 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         called.push('\n');
         called.push_str(E4M3_OPERAND_HELPERS);
     }
-    if helpers_text.is_none()
-        && ["mma_wide_16816(", "e4m3x2_wide(", "pack_wide2("]
-            .iter()
-            .any(|f| unit.contains(f))
-    {
-        called.push('\n');
-        called.push_str(WIDE_HELPERS);
-    }
     let min_max: Vec<_> = MIN_MAX_HELPERS
         .iter()
         .filter(|(name, _)| unit.contains(&format!("{name}(")))
@@ -394,37 +386,6 @@ SPARSE_MLA_HELPER float e4m3x2_lo(unsigned pair) {
 }
 SPARSE_MLA_HELPER float e4m3x2_hi(unsigned pair) {
     return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
-}
-#endif
-"#;
-
-/// The wide operand type of the e4m3 scores' product where the GPU has no e4m3 `mma`
-/// ([`Intrinsic::MmaWide`], [`Func::E4m3x2Wide`], [`Func::PackWide2`]), printed (after
-/// [`PAIR_HELPERS`]) only into the kernels that use it.
-const WIDE_HELPERS: &str = r#"// The wide operand type of e4m3 products without an e4m3 mma: f16 where e4m3x2_prep
-// gives f16 pairs (sm_89+; so on sm_90 a pair is the B operand as converted), bf16 before.
-// Every e4m3 value is exact in either; the A operand is packed into the same type.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned halves) { return halves; }
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-#else
-SPARSE_MLA_HELPER unsigned e4m3x2_wide(unsigned pair) {
-    return pack_bf16x2(e4m3x2_lo(pair), e4m3x2_hi(pair));
-}
-SPARSE_MLA_HELPER unsigned pack_wide2(float lo, float hi) { return pack_bf16x2(lo, hi); }
-SPARSE_MLA_HELPER void mma_wide_16816(float* c, const unsigned* a, const unsigned* b) {
-    mma_bf16_16816(c, a, b);
 }
 #endif
 "#;
@@ -733,19 +694,6 @@ impl Printer<'_> {
                 self.expr(a0),
                 self.expr(b0)
             ),
-            Intrinsic::MmaWide {
-                c,
-                c0,
-                a,
-                a0,
-                b,
-                b0,
-            } => format!(
-                "mma_wide_16816(&{c}[{}], &{a}[{}], &{b}[{}]);",
-                self.expr(c0),
-                self.expr(a0),
-                self.expr(b0)
-            ),
             Intrinsic::MmaE4m3 {
                 c,
                 c0,
@@ -963,8 +911,6 @@ impl Printer<'_> {
                     Func::E4m3x2Hi => format!("e4m3x2_hi({})", a[0]),
                     Func::PackE4m3x4 => format!("pack_e4m3x4({})", a.join(", ")),
                     Func::E4m3MmaNative => "E4M3_MMA_NATIVE".to_string(),
-                    Func::E4m3x2Wide => format!("e4m3x2_wide({})", a[0]),
-                    Func::PackWide2 => format!("pack_wide2({}, {})", a[0], a[1]),
                 }
             }
             Expr::Load { buf, elem, index } => {

@@ -264,8 +264,6 @@ impl Printer<'_> {
                     // CUDA only (tensor-core operands): left undefined, so naga refuses it
                     Func::PackE4m3x4 => format!("pack_e4m3x4({})", a.join(", ")),
                     Func::E4m3MmaNative => "e4m3_mma_native()".to_string(),
-                    Func::E4m3x2Wide => format!("e4m3x2_wide({})", a[0]),
-                    Func::PackWide2 => format!("pack_wide2({}, {})", a[0], a[1]),
                 }
             }
             Expr::Load { buf, elem, index } => {

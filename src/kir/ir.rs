@@ -260,14 +260,6 @@ pub enum Func {
     /// to e4m3 → f16 conversions and two f16 products (its fp8 tensor cores are wgmma's only),
     /// so code picks the bf16 form there. CUDA only.
     E4m3MmaNative,
-    /// The two values of an [`Func::E4m3x2Prep`] result as one register of the *wide*
-    /// operand type of [`Intrinsic::MmaWide`]: f16x2 where the pair converts to f16 in one
-    /// instruction (CUDA sm_89+: the prep result as it is), bf16x2 elsewhere (decoded and
-    /// packed). Every e4m3 value is exact in either. CUDA only.
-    E4m3x2Wide,
-    /// Two f32 (low, high) as one register of the wide type of [`Intrinsic::MmaWide`], each
-    /// rounded to nearest even. CUDA only.
-    PackWide2,
 }
 
 /// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
@@ -351,12 +343,7 @@ impl Expr {
             Expr::Select(_, a, _) => a.ty(),
             Expr::Cvt(t, _) => *t,
             Expr::Call(f, args) => match f {
-                Func::PackBf16x2
-                | Func::F32Bits
-                | Func::E4m3x2Prep
-                | Func::PackE4m3x4
-                | Func::E4m3x2Wide
-                | Func::PackWide2 => Ty::U32,
+                Func::PackBf16x2 | Func::F32Bits | Func::E4m3x2Prep | Func::PackE4m3x4 => Ty::U32,
                 Func::E4m3MmaNative => Ty::Bool,
                 Func::F32FromBits | Func::E4m3x2Lo | Func::E4m3x2Hi => Ty::F32,
                 _ => args.first().map(|a| a.ty()).unwrap_or(Ty::F32),
@@ -647,18 +634,6 @@ pub enum Intrinsic {
         b: String,
         b0: Expr,
     },
-    /// [`Intrinsic::MmaBf16`] with operands of the wide type ([`Func::E4m3x2Wide`],
-    /// [`Func::PackWide2`]): f16 on CUDA sm_89+, bf16 before. The e4m3 scores' product where
-    /// the GPU has no e4m3 `mma` (sm_90): its pairs converted to f16 are the B operand as
-    /// they are, where a bf16 product took two more conversions and a pack per pair.
-    MmaWide {
-        c: String,
-        c0: Expr,
-        a: String,
-        a0: Expr,
-        b: String,
-        b0: Expr,
-    },
     /// Warp-collective `mma.sync` m16n8k32, e4m3 operands (four per u32), f32 accumulate, in
     /// the PTX fragment layouts: `a0`/`a2` row g, `a1`/`a3` row g + 8, k `4q..4q+3` (`a0`,
     /// `a1`) and `16 + 4q..` (`a2`, `a3`); `b0` / `b1` k `4q..` / `16 + 4q..` of column g.
@@ -791,21 +766,6 @@ impl Intrinsic {
                 b,
                 b0,
             } => MmaBf16 {
-                c,
-                c0: f(c0),
-                a,
-                a0: f(a0),
-                b,
-                b0: f(b0),
-            },
-            MmaWide {
-                c,
-                c0,
-                a,
-                a0,
-                b,
-                b0,
-            } => MmaWide {
                 c,
                 c0: f(c0),
                 a,

@@ -72,11 +72,10 @@ impl EmuConfig {
     /// Mode 3: v7 with a one-stage ring (900, late); the test runs it on the decode cases.
     pub fn mode(i: u32, seed: u64) -> Self {
         EmuConfig {
-            // run 0 as sm_120 (its e4m3 products native), runs 2 and 3 as sm_90 (run 3's
-            // v7: e4m3 scores as f16 products), run 1 as sm_80 (e4m3 scores as bf16 products)
+            // run 0 as sm_120 (its e4m3 products native), run 2 as sm_90
             arch: match i {
                 0 => 1200,
-                2 | 3 => 900,
+                2 => 900,
                 _ => 800,
             },
             land_at_issue: i % 2 == 1,

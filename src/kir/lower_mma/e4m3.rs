@@ -41,48 +41,43 @@ pub(super) fn interleaved(cx: &Cx, acc: &str) -> bool {
         })
 }
 
-/// The widening of one register of 4 e4m3 bytes (`x`) of an `[N, K]` product's B operand
-/// into two registers of the wide type of [`Intrinsic::MmaWide`], bytes (0, 1) and (2, 3):
-/// each pair converted at once ([`Func::E4m3x2Prep`]) into the lets `prep`, then
-/// [`Func::E4m3x2Wide`] — on sm_89+ the converted f16 pair is the operand as it is, one
-/// instruction a pair where the bf16 form took three conversions and a pack.
-pub(super) fn widen_wide(x: Expr, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
-    let stmts = vec![
-        let_(
-            prep[0],
-            Expr::Call(
-                Func::E4m3x2Prep,
-                vec![bin(BinOp::BitAnd, x.clone(), u(0xFFFF))],
-            ),
-        ),
-        let_(
-            prep[1],
-            Expr::Call(Func::E4m3x2Prep, vec![bin(BinOp::Shr, x, u(16))]),
-        ),
-    ];
-    let wide = |name: &str| Expr::Call(Func::E4m3x2Wide, vec![var(name, Ty::U32)]);
-    (stmts, wide(prep[0]), wide(prep[1]))
+/// The widening of one register of 4 e4m3 bytes (`x`) into two bf16x2: bytes (0, 1) and
+/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3). Each pair is converted at once
+/// ([`Func::E4m3x2Prep`]: one `cvt.rn.f16x2.e4m3x2` on sm_89+) into the lets `prep`, then
+/// its halves to f32 and the two packed as bf16x2; byte by byte it took two shifts, two masks
+/// and two single-value conversions more per pair, the largest share of the fp8 step's
+/// issued instructions (ncu, H200, benches/NOTES.md).
+pub(super) fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
+    widen_scaled(x, interleave, prep, None)
 }
 
-/// The widening of one register of 4 e4m3 bytes (`x`) of a `[K, N]` product's B operand
-/// into two bf16x2: bytes (0, 2) and (1, 3) (`ldmatrix.trans` gives a lane bytes of two
-/// columns; see [`interleaved`]). Each pair is converted at once ([`Func::E4m3x2Prep`]: one
-/// `cvt.rn.f16x2.e4m3x2` on sm_89+) into the lets `prep`, then its halves to f32, times
-/// `scales` (f32, low and high value: both outputs hold the same two k rows, so one pair of
-/// scales serves) if given, and the two packed as bf16x2; byte by byte it took two shifts,
-/// two masks and two single-value conversions more per pair, the largest share of the fp8
-/// step's issued instructions (ncu, H200, benches/NOTES.md).
-fn widen_scaled(x: Expr, prep: [&str; 2], scales: Option<(Expr, Expr)>) -> (Vec<Stmt>, Expr, Expr) {
-    let p0 = bin(
-        BinOp::BitOr,
-        bin(BinOp::BitAnd, x.clone(), u(0xFF)),
-        bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF00)),
-    );
-    let p1 = bin(
-        BinOp::BitOr,
-        bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF)),
-        bin(BinOp::BitAnd, bin(BinOp::Shr, x, u(16)), u(0xFF00)),
-    );
+/// [`widen`], each bf16x2 output's low and high value times `scales` (f32) first: in a
+/// `[K, N]` product both outputs hold the same two k rows, so one pair of scales serves.
+fn widen_scaled(
+    x: Expr,
+    interleave: bool,
+    prep: [&str; 2],
+    scales: Option<(Expr, Expr)>,
+) -> (Vec<Stmt>, Expr, Expr) {
+    let (p0, p1) = if interleave {
+        (
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, x.clone(), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF00)),
+            ),
+            bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x, u(16)), u(0xFF00)),
+            ),
+        )
+    } else {
+        (
+            bin(BinOp::BitAnd, x.clone(), u(0xFFFF)),
+            bin(BinOp::Shr, x, u(16)),
+        )
+    };
     let stmts = vec![
         let_(prep[0], Expr::Call(Func::E4m3x2Prep, vec![p0])),
         let_(prep[1], Expr::Call(Func::E4m3x2Prep, vec![p1])),
@@ -248,8 +243,18 @@ impl Cx<'_> {
                 .as_ref()
                 .map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))
         };
-        let (l0, e0, o0) = widen_scaled(priv_load_u(raw, u(0)), [&names[0], &names[1]], pair(0));
-        let (l1, e1, o1) = widen_scaled(priv_load_u(raw, u(1)), [&names[2], &names[3]], pair(1));
+        let (l0, e0, o0) = widen_scaled(
+            priv_load_u(raw, u(0)),
+            true,
+            [&names[0], &names[1]],
+            pair(0),
+        );
+        let (l1, e1, o1) = widen_scaled(
+            priv_load_u(raw, u(1)),
+            true,
+            [&names[2], &names[3]],
+            pair(1),
+        );
         out.extend(l0);
         out.extend(l1);
         for (k, v) in [(0, e0), (1, e1), (2, o0), (3, o1)] {

@@ -12,7 +12,7 @@
 //! The A operands of these products may live in registers ([`super::resident`]) and their B
 //! operands may be e4m3 ([`super::e4m3`]).
 
-use super::e4m3::{scale_at, widen_wide};
+use super::e4m3::{scale_at, widen};
 use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, Cx};
 use crate::kir::expr::priv_load_u;
 use crate::kir::ir::*;
@@ -294,9 +294,8 @@ impl Cx<'_> {
                 slice.clone(),
             );
         }
-        // the k16 form: bf16 operands — the only one for bf16 B — or, e4m3's where the GPU
-        // has no e4m3 product, wide ones (f16 on sm_90: the B pairs as converted, the A view
-        // in the same type; [`Intrinsic::MmaWide`])
+        // the k16 form: bf16 operands (an e4m3 B widened pair by pair, the A view in its bf16
+        // form) — the only one for bf16 B, and e4m3's where the GPU has no e4m3 product
         let k16 = |cx: &mut Self, body: &mut Vec<Stmt>, e4m3: bool| -> Result<()> {
             let k_first = cx.fresh("k_first");
             body.push(let_(&k_first, mul(slice, u(steps))));
@@ -344,7 +343,7 @@ impl Cx<'_> {
                     dst0: u(0),
                 }));
                 let names = [cx.fresh("e4m3_pair"), cx.fresh("e4m3_pair")];
-                let (lets, lo, hi) = widen_wide(priv_load_u(&raw, u(0)), [&names[0], &names[1]]);
+                let (lets, lo, hi) = widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
                 n_body.extend(lets);
                 n_body.push(Stmt::PrivateStore {
                     arr: bf.clone(),
@@ -424,31 +423,13 @@ impl Cx<'_> {
             } else {
                 u(0)
             };
-            let (c, c0, a, b) = (
-                target.clone(),
-                add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
-                af.clone(),
-                bf.clone(),
-            );
-            m_body.push(intr(if e4m3 {
-                // the widened pairs and the resident A in the wide type
-                Intrinsic::MmaWide {
-                    c,
-                    c0,
-                    a,
-                    a0: u(0),
-                    b,
-                    b0: u(0),
-                }
-            } else {
-                Intrinsic::MmaBf16 {
-                    c,
-                    c0,
-                    a,
-                    a0: u(0),
-                    b,
-                    b0: u(0),
-                }
+            m_body.push(intr(Intrinsic::MmaBf16 {
+                c: target.clone(),
+                c0: add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
+                a: af.clone(),
+                a0: u(0),
+                b: bf.clone(),
+                b0: u(0),
             }));
             n_body.push(for_const(&i, fm, m_body));
             k_body.push(for_const(&j, ng, n_body));

@@ -313,8 +313,7 @@ impl Cx<'_> {
         let gk = r.views.first().map_or(1, |v| v.gk);
         let slice = bin(BinOp::Rem, self.lane.warp.clone(), u(gk));
         // a bf16 view's registers (k16 steps), times `sigma` if given; `permuted`: the K
-        // order of a widened e4m3 B operand (logical pair q, 4 + q stored as words 2q, 2q + 1),
-        // each pair packed into the wide type of [`Intrinsic::MmaWide`]
+        // order of a widened e4m3 B operand (logical pair q, 4 + q stored as words 2q, 2q + 1)
         let bf16_view =
             |cx: &Cx, regs: &str, v: &ResidentView, permuted: bool, sigma: Option<&Expr>| {
                 let steps = v.cols / 16 / v.gk;
@@ -332,16 +331,7 @@ impl Cx<'_> {
                                 add(cx.lane.quad.clone(), u(4 * hi_k))
                             };
                             let mut value = load(h, add(kstep_word, word_in_step));
-                            if permuted {
-                                let sg = sigma.cloned().unwrap_or(Expr::F32(1.0));
-                                value = Expr::Call(
-                                    Func::PackWide2,
-                                    vec![
-                                        mul(bf16_lo(value.clone()), sg.clone()),
-                                        mul(bf16_hi(value), sg),
-                                    ],
-                                );
-                            } else if let Some(sg) = sigma {
+                            if let Some(sg) = sigma {
                                 value = scale_pair(value, sg.clone(), sg.clone());
                             }
                             st.push(Stmt::PrivateStore {
@@ -360,7 +350,7 @@ impl Cx<'_> {
             }
             return Ok(out);
         };
-        // -- both forms: every word of the e4m3 views loaded once, their largest |x|, σ
+        // -- the e4m3 form: every word of the e4m3 views loaded once, their largest |x|
         let mut native = Vec::new();
         let mx = self.fresh("q_absmax");
         native.push(Stmt::Var {
@@ -458,13 +448,9 @@ impl Cx<'_> {
                 vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), fv), u(23))],
             ),
         });
-        for v in r.views.iter().filter(|v| !v.permuted) {
-            native.extend(bf16_view(self, &v.regs, v, false, Some(&sg)));
-        }
-        out.append(&mut native);
-        // -- the e4m3 form (hi and lo terms of the loaded words)
         for (v, vw) in r.views.iter().zip(&words) {
             if !v.permuted {
+                native.extend(bf16_view(self, &v.regs, v, false, Some(&sg)));
                 continue;
             }
             for (at, pair) in vw.iter().enumerate() {
@@ -514,12 +500,18 @@ impl Cx<'_> {
                 });
             }
         }
-        // -- the wide form (f16 on sm_89+, bf16 before): the e4m3 views permuted, times σ
-        // (f16's range: max·σ < 256 cannot overflow it, and bf16 values that far below the
-        // max are exact in f16 down to 2^-21 of it)
-        let mut fallback = Vec::new();
-        for v in r.views.iter().filter(|v| v.permuted) {
-            fallback.extend(bf16_view(self, &v.bf_regs, v, true, Some(&sg)));
+        // -- the bf16 form: the e4m3 views permuted, nothing scaled
+        let mut fallback = vec![Stmt::PrivateStore {
+            arr: unscale,
+            index: u(0),
+            value: Expr::F32(1.0),
+        }];
+        for v in &r.views {
+            if v.permuted {
+                fallback.extend(bf16_view(self, &v.bf_regs, v, true, None));
+            } else {
+                fallback.extend(bf16_view(self, &v.regs, v, false, None));
+            }
         }
         out.push(Stmt::If {
             cond: Expr::Call(Func::E4m3MmaNative, vec![]),

@@ -765,9 +765,9 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             Intrinsic::LdMatrix {
                 arr, word, dst0, ..
             } => hit(arr) || expr(word) || expr(dst0),
-            Intrinsic::MmaBf16 { c0, a0, b0, .. }
-            | Intrinsic::MmaWide { c0, a0, b0, .. }
-            | Intrinsic::MmaE4m3 { c0, a0, b0, .. } => expr(c0) || expr(a0) || expr(b0),
+            Intrinsic::MmaBf16 { c0, a0, b0, .. } | Intrinsic::MmaE4m3 { c0, a0, b0, .. } => {
+                expr(c0) || expr(a0) || expr(b0)
+            }
             Intrinsic::ShflXor { value, .. } => expr(value),
             Intrinsic::StoreF32x2 { index, v0, v1, .. } => expr(index) || expr(v0) || expr(v1),
             Intrinsic::PrefetchL2 { word, .. } => expr(word),
