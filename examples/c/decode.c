@@ -129,7 +129,7 @@ static int run_case(const char* dir, CUdevice dev, const decode_case* c, unsigne
     } else {
         v6_per_sm = 1; /* fp8_ds_mla runs v7 at any v6 occupancy */
     }
-    err = sparse_mla_decode_variant(c->format, H, T, sms, v6_per_sm, &plan);
+    err = sparse_mla_decode_variant(c->format, H, T, K, sms, v6_per_sm, &plan);
     if (err) { fprintf(stderr, "case %u: %s\n", case_no, err); return 1; }
     first = get_function(dir, plan.split_kernel, plan.dynamic_smem);
     CK(sparse_mla_resident(first, &plan, dev, &resident));
@@ -329,7 +329,8 @@ int main(int argc, char** argv) {
                 printf("%s\n", p.split_kernel);
             for (g = 0; g < 2; ++g)
                 for (v6 = 1; v6 <= 2; ++v6)
-                    if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, sms[g], v6, &p) == 0)
+                    if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, cases[i].topk, sms[g],
+                                                  v6, &p) == 0)
                         printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
         }
         return 0;

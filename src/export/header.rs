@@ -353,13 +353,13 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "//   Except for a large batch (T * ceil(H / 16) * 2 >= SM count) at\n\
+            "//   Except for a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
              //   below); and a small call (16 * T * ceil(H / 16) <= SM count) with a bf16 cache runs\n\
              //   the v6 kernel of H at any v6_per_sm (its step beats v7's where each workgroup takes a\n\
              //   few steps). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
-             //   sparse_mla_decode_variant(format, H, T, sms, v6_per_sm, ...) and\n\
+             //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and\n\
              //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor\n\
              //   count `sms` and `v6_per_sm`.",
             ranges.join(", ")
@@ -470,6 +470,13 @@ fn plan_code(
         .last()
         .unwrap_or(0);
     let wide_h = v7_block(narrow_max + 1);
+    // the bf16 large-batch kernel's blocks and its head range (DecodeConfig::is_large_batch)
+    let batch_cfg = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 1)
+        .ok_or_else(|| Error::arg("heads", "a bf16 large-batch kernel at 1 head", 1))?;
+    let batch_max = (1..=SCAN_HEADS)
+        .take_while(|&h| DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, h).is_some())
+        .last()
+        .unwrap_or(0);
     let mut s = String::new();
     let _ = write!(
         s,
@@ -515,16 +522,69 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }}
 
-/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms`
+/* The split count of the runtime's cost model (DecodePlan::model_splits in
+   src/kernels/sparse_mla_decode/mod.rs) for a kernel of p->block_h x p->block_n: time in
+   workgroup steps, for each wave of workgroups slow(k) x (steps + 2), k the workgroups the wave
+   puts on one multiprocessor (each co-resident one worth half a workgroup's speed:
+   slow(k) = k / (1 + (k - 1) / 2)), plus for splits > 1 the combine (a launch, the partials'
+   bytes written and read, at half a gathered byte: they stay in L2); the smallest count wins
+   ties. `resident`: workgroups the GPU runs at once, `sms`: its multiprocessors. */
+static inline double sparse_mla_wave_time(unsigned long long per_sm) {{
+    return per_sm <= 1u ? 1.0 : (double)per_sm / (1.0 + 0.5 * (double)(per_sm - 1u));
+}}
+
+static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, int format, unsigned heads,
+                                               unsigned tokens, unsigned topk, unsigned resident,
+                                               unsigned sms) {{
+    const double fixed = 2.0;
+    unsigned long long res = resident ? resident : 1u;
+    unsigned long long m = sms ? sms : 1u;
+    unsigned blocks = (topk + p->block_n - 1u) / p->block_n;
+    unsigned long long base = (unsigned long long)tokens * ((heads + p->block_h - 1u) / p->block_h);
+    double full_wave, step_bytes;
+    double rows = (double)tokens * (double)heads;
+    double best_t = 1.7976931348623157e308;
+    unsigned best = 1u, s, max_s;
+    if (m > res) m = res;
+    full_wave = sparse_mla_wave_time((res + m - 1u) / m);
+    step_bytes = (double)res * (double)(p->block_n * sparse_mla_row_bytes(format)) / full_wave;
+    if (blocks == 0u) blocks = 1u;
+    max_s = blocks < 128u ? blocks : 128u;
+    for (s = 1u; s <= max_s; ++s) {{
+        double steps = (double)((blocks + s - 1u) / s);
+        unsigned long long wg = base * s, rest = wg % res;
+        double waves = (double)(wg / res) * full_wave + (rest ? sparse_mla_wave_time((rest + m - 1u) / m) : 0.0);
+        double t = waves * (steps + fixed);
+        if (s > 1u) {{
+            double partial_bytes = rows * (double)s * ((double)SPARSE_MLA_D_V + 1.0) * 4.0 * 2.0;
+            t += 1.0 + 0.5 * partial_bytes / step_bytes;
+        }}
+        if (t < best_t - 1e-9) {{ best_t = t; best = s; }}
+    }}
+    return best;
+}}
+
+/* Is a call of `tokens` tokens and `heads` heads (top-k `topk`) a large batch on a GPU of `sms`
    multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 when its 16-head blocks, tokens x ceil(heads / 16), fill half the multiprocessors or
-   more where one bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), four fifths of them
-   where two or more fit; fp8_ds_mla when it is not a small call (v6_per_sm not read). */
-static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned sms,
-                                            unsigned v6_per_sm) {{
+   bf16 when its 16-head blocks, tokens x ceil(heads / 16), fill four fifths of the
+   multiprocessors or more; where one bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1)
+   also when they fill half of them, or when the call is not a small one and the split model
+   gives each workgroup of the large-batch kernel ({batch_h} x {batch_n}, one per multiprocessor)
+   at least {min_steps} steps; fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned topk,
+                                            unsigned sms, unsigned v6_per_sm) {{
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    sparse_mla_decode_plan b;
+    unsigned splits;
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    return 5u * blocks >= 4u * (unsigned long long)sms || (2u * blocks >= (unsigned long long)sms && v6_per_sm < 2u);
+    if (5u * blocks >= 4u * (unsigned long long)sms) return 1;
+    if (v6_per_sm >= 2u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
+    if (2u * blocks >= (unsigned long long)sms) return 1;
+    if (heads > {batch_max}u) return 0;
+    b.block_h = {batch_h}u;
+    b.block_n = {batch_n}u;
+    splits = sparse_mla_model_splits(&b, format, heads, tokens, topk, sms, sms);
+    return ((topk + {batch_n}u - 1u) / {batch_n}u + splits - 1u) / splits >= {min_steps}u;
 }}
 
 /* Does a call of more than 16 heads fill the multiprocessors in one wave of v7's 32-head
@@ -539,12 +599,14 @@ static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, 
 }}
 
 {v6_fn}/* The kernel of one call{batch_doc}
-   `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of the GPU. `v6_per_sm`: workgroups of the
+   `topk`: indices per token, as given to sparse_mla_plan_decode (whether a call is a large
+   batch depends on the steps a workgroup walks). `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+   of the GPU. `v6_per_sm`: workgroups of the
    bf16 v6 split kernel for `heads` one multiprocessor holds ({v6_doc}).
    Fills the kernel names, block sizes, threads and shared memory. Returns 0 on success, else a
    message naming the argument. */
-static inline const char* sparse_mla_decode_variant(int format, unsigned heads, unsigned tokens, unsigned sms,
-                                                    unsigned v6_per_sm, sparse_mla_decode_plan* p) {{
+static inline const char* sparse_mla_decode_variant(int format, unsigned heads, unsigned tokens, unsigned topk,
+                                                    unsigned sms, unsigned v6_per_sm, sparse_mla_decode_plan* p) {{
     if (format != SPARSE_MLA_CACHE_BF16 && format != SPARSE_MLA_CACHE_FP8_DS_MLA)
         return "format: expected SPARSE_MLA_CACHE_BF16 or SPARSE_MLA_CACHE_FP8_DS_MLA";
     if (heads == 0) return "heads: expected at least 1";
@@ -553,6 +615,10 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
 "#,
         d_qk = dims.d_qk(),
         d_v = dims.d_v(),
+        batch_h = batch_cfg.block_h,
+        batch_n = batch_cfg.block_n,
+        batch_max = batch_max,
+        min_steps = DecodeConfig::BATCH_MIN_STEPS,
         wide_h = wide_h,
         narrow_max = narrow_max,
         fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
@@ -565,7 +631,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)); for bf16 v6 for a small call\n   \
+             when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for bf16 v6 for a small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)), v7 for a call v7 fills the GPU with in\n   \
              one wave (sparse_mla_v7_fills_one_wave(heads, tokens, sms)), else by v6_per_sm (v6\n   \
              where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one);\n   \
@@ -602,9 +668,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         plan_fill(s, indent, &cond, v);
     };
     if batch.is_empty() {
-        s.push_str("    (void)tokens; /* no large-batch kernel in this export */\n");
+        s.push_str(
+            "    (void)tokens; /* no large-batch kernel in this export */\n    (void)topk;\n",
+        );
     } else {
-        s.push_str("    if (sparse_mla_is_large_batch(format, heads, tokens, sms, v6_per_sm)) {\n");
+        s.push_str(
+            "    if (sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)) {\n",
+        );
         for v in batch {
             case(&mut s, v, "        ");
         }
@@ -635,50 +705,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         r#"    return "heads: no kernel of this export serves this format and head count (exported: {ranges})";
 }}
 
-/* The split count of the runtime's cost model (DecodePlan::model_splits in
-   src/kernels/sparse_mla_decode/mod.rs): time in workgroup steps, for each wave of workgroups
-   slow(k) x (steps + 2), k the workgroups the wave puts on one multiprocessor (each co-resident
-   one worth half a workgroup's speed: slow(k) = k / (1 + (k - 1) / 2)), plus for splits > 1
-   the combine (a launch, the partials' bytes written and read, at half a gathered byte: they
-   stay in L2); the smallest count wins ties. `resident`: workgroups the GPU runs at once,
-   `sms`: its multiprocessors. */
-static inline double sparse_mla_wave_time(unsigned long long per_sm) {{
-    return per_sm <= 1u ? 1.0 : (double)per_sm / (1.0 + 0.5 * (double)(per_sm - 1u));
-}}
-
-static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, int format, unsigned heads,
-                                               unsigned tokens, unsigned topk, unsigned resident,
-                                               unsigned sms) {{
-    const double fixed = 2.0;
-    unsigned long long res = resident ? resident : 1u;
-    unsigned long long m = sms ? sms : 1u;
-    unsigned blocks = (topk + p->block_n - 1u) / p->block_n;
-    unsigned long long base = (unsigned long long)tokens * ((heads + p->block_h - 1u) / p->block_h);
-    double full_wave, step_bytes;
-    double rows = (double)tokens * (double)heads;
-    double best_t = 1.7976931348623157e308;
-    unsigned best = 1u, s, max_s;
-    if (m > res) m = res;
-    full_wave = sparse_mla_wave_time((res + m - 1u) / m);
-    step_bytes = (double)res * (double)(p->block_n * sparse_mla_row_bytes(format)) / full_wave;
-    if (blocks == 0u) blocks = 1u;
-    max_s = blocks < 128u ? blocks : 128u;
-    for (s = 1u; s <= max_s; ++s) {{
-        double steps = (double)((blocks + s - 1u) / s);
-        unsigned long long wg = base * s, rest = wg % res;
-        double waves = (double)(wg / res) * full_wave + (rest ? sparse_mla_wave_time((rest + m - 1u) / m) : 0.0);
-        double t = waves * (steps + fixed);
-        if (s > 1u) {{
-            double partial_bytes = rows * (double)s * ((double)SPARSE_MLA_D_V + 1.0) * 4.0 * 2.0;
-            t += 1.0 + 0.5 * partial_bytes / step_bytes;
-        }}
-        if (t < best_t - 1e-9) {{ best_t = t; best = s; }}
-    }}
-    return best;
-}}
-
 /* Everything one decode call needs: kernel, splits, chunk, grids, scratch sizes; limits checked.
-   The kernel is sparse_mla_decode_variant(format, heads, tokens, sms, v6_per_sm). `sms`: the
+   The kernel is sparse_mla_decode_variant(format, heads, tokens, topk, sms, v6_per_sm). `sms`: the
    GPU's CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT; `v6_per_sm`: as there. `resident`:
    workgroups of that kernel the GPU runs at once (sparse_mla_resident() on its function).
    splits = 0: the cost model for `resident` workgroups; else that many (capped at the blocks
@@ -687,7 +715,7 @@ static inline const char* sparse_mla_plan_decode(int format, unsigned heads, uns
                                                  unsigned long long num_slots, unsigned lse_s_q, unsigned sms,
                                                  unsigned v6_per_sm, unsigned resident, unsigned splits,
                                                  sparse_mla_decode_plan* p) {{
-    const char* err = sparse_mla_decode_variant(format, heads, tokens, sms, v6_per_sm, p);
+    const char* err = sparse_mla_decode_variant(format, heads, tokens, topk, sms, v6_per_sm, p);
     unsigned blocks, want;
     unsigned long long words;
     if (err) return err;
@@ -958,8 +986,10 @@ fn batch_rules(batch: &[DecodeVariant]) -> String {
     let mut s = String::from(
         "//\n\
          // LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head\n\
-         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count;\n\
-         // where two v6 workgroups fit an SM, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),\n\
+         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),\n\
+         // or where the split model gives each of its workgroups 20 steps or more (one workgroup\n\
+         // per SM; its two groups walk alternate steps, and a short walk leaves one idle); both\n\
+         // where one v6 workgroup fills an SM; where two fit, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),\n\
          // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7\n\
          // ring in two warp groups of 4 warps, each walking every other step with its own ring\n\
          // (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM\n\
@@ -1068,7 +1098,7 @@ fn one_kernel_note(
         };
         let _ = write!(
             s,
-            "// For a large batch at {}, T * ceil(H / 16) * 2 >= SM count, the CUDA backend runs\n\
+            "// For a large batch at {} (sparse_mla_is_large_batch in cuda/sparse_mla.h), the CUDA backend runs\n\
              // the large-batch kernel instead{example}:\n\
              //   {}\n\
              // It is not in this export. It is in the standard set (`mla-export --all`, cuda/NAME.cu),\n\

@@ -164,11 +164,18 @@ impl DecodeConfig {
 
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
     /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
-    /// - bf16: its head blocks fill half the multiprocessors or more without splitting,
-    ///   `2 · T · ⌈H/16⌉ ≥ SMs`, where one bf16 v6 workgroup fills a multiprocessor (SM120);
-    ///   where two or more fit (`v6_per_sm`, H100/H200) v6 keeps the call until its blocks
-    ///   fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6 was 6–8 % faster
-    ///   at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md, v14);
+    /// - bf16, where one bf16 v6 workgroup fills a multiprocessor (SM120): its head blocks
+    ///   fill half the multiprocessors or more without splitting, `2 · T · ⌈H/16⌉ ≥ SMs`, or
+    ///   the split model ([`DecodePlan::model_splits`], one workgroup per SM) gives each of
+    ///   its workgroups at least [`Self::BATCH_MIN_STEPS`] steps. Its two warp groups walk
+    ///   alternate steps, so a short or odd walk leaves one group idle at the end: at SM120's
+    ///   occupancy on the H200 (132 SMs, topk 2048) it beat v7 by 2–9 % where the model split
+    ///   a call 2 or 3 ways (21–32 steps: T 36–44, 56–64), was level at 4 (16 steps: T 28–32)
+    ///   and 1–4 % slower at 5 or more (≤ 13 steps: T 16–24, 48–52) (benches/NOTES.md, v22);
+    /// - bf16 where two or more v6 workgroups fit (`v6_per_sm`, H100/H200): v6 keeps the call
+    ///   until its blocks fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6
+    ///   was 6–8 % faster at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md,
+    ///   v14; the crossover measured again with the batch kernel's L2 prefetch, v22);
     /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
     ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.15x at T 8–80
     ///   on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14).
@@ -177,9 +184,32 @@ impl DecodeConfig {
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
         let (blocks, sms) = (Self::blocks16(shape), sm_count as u64);
         match shape.format {
-            CacheFormat::Bf16 => 5 * blocks >= 4 * sms || (2 * blocks >= sms && v6_per_sm < 2),
+            CacheFormat::Bf16 if 5 * blocks >= 4 * sms => true,
+            CacheFormat::Bf16 => {
+                v6_per_sm < 2
+                    && !Self::is_small_call(shape, sm_count)
+                    && (2 * blocks >= sms
+                        || Self::batch_steps(shape, sm_count) >= Self::BATCH_MIN_STEPS)
+            }
             CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
         }
+    }
+
+    /// The fewest steps a workgroup of the bf16 large-batch kernel walks where one v6
+    /// workgroup fills a multiprocessor and the head blocks alone fill less than half of
+    /// them ([`Self::is_large_batch`]).
+    pub const BATCH_MIN_STEPS: u32 = 20;
+
+    /// Steps each workgroup of the large-batch kernel walks for `shape` under the split
+    /// model's choice at one workgroup per multiprocessor (its register budget: 255 a
+    /// thread, 256 threads): `⌈⌈topk / block_n⌉ / splits⌉`; 0 where no batch kernel exists
+    /// for the head count.
+    fn batch_steps(shape: &DecodeShape, sm_count: u32) -> u32 {
+        let Some(batch) = Self::tensor_core_batch(shape.dims, shape.format, shape.heads) else {
+            return 0;
+        };
+        let splits = DecodePlan::model_splits(&batch, shape, sm_count, sm_count);
+        shape.topk.div_ceil(batch.block_n).div_ceil(splits.max(1))
     }
 
     /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
@@ -1126,10 +1156,25 @@ mod tests {
             assert_eq!(pick(Fp8DsMla, 8, 9, v6), "batch");
             assert_eq!(pick(Fp8DsMla, 32, 100, v6), "v7");
         }
-        // a bf16 large batch at H <= 16: at one v6 workgroup per SM from 2 T ceil(H/16) >= SMs,
-        // at two from 5 T ceil(H/16) >= 4 SMs
-        assert_eq!(pick(Bf16, 16, 65, 1), "v7");
+        // a bf16 large batch at H <= 16: at one v6 workgroup per SM from 2 T ceil(H/16) >= SMs
+        // (T 66 on 132 SMs), and below it where the split model gives each workgroup 20 steps
+        // or more (2 or 3 splits of topk 2048's 64 steps: T 34-44 and 53-65 on 132 SMs; 4 at
+        // T 27-33, 5 at T 45-52); at two from 5 T ceil(H/16) >= 4 SMs
+        for (t, want) in [
+            (33, "v7"),
+            (34, "batch"),
+            (44, "batch"),
+            (45, "v7"),
+            (52, "v7"),
+        ] {
+            assert_eq!(pick(Bf16, 16, t, 1), want, "H 16 T {t}");
+            assert_eq!(pick(Bf16, 8, t, 1), want, "H 8 T {t}");
+        }
+        assert_eq!(pick(Bf16, 16, 53, 1), "batch");
+        assert_eq!(pick(Bf16, 16, 65, 1), "batch");
         assert_eq!(pick(Bf16, 16, 66, 1), "batch");
+        assert_eq!(pick(Bf16, 16, 72, 1), "batch");
+        assert_eq!(pick(Bf16, 16, 44, 2), "v6");
         assert_eq!(pick(Bf16, 8, 66, 2), "v6");
         assert_eq!(pick(Bf16, 16, 105, 2), "v6");
         assert_eq!(pick(Bf16, 16, 106, 2), "batch");
