@@ -356,9 +356,10 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             "//   Except for a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
-             //   below); and a small call (16 * T * ceil(H / 16) <= SM count) with a bf16 cache runs\n\
-             //   the v6 kernel of H at any v6_per_sm (its step beats v7's where each workgroup takes a\n\
-             //   few steps). The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
+             //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *\n\
+             //   ceil(H / 16) <= SM count, f 32 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)\n\
+             //   run the v6 kernel of H (its step beats v7's where each workgroup takes a few steps),\n\
+             //   the other small calls v7. The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
              //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and\n\
              //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor\n\
              //   count `sms` and `v6_per_sm`.",
@@ -522,6 +523,17 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }}
 
+/* Does a bf16 call run the v6 kernel of its head count (DecodeConfig::is_v6_call):
+   f x tokens x ceil(heads / 16) <= sms, f = 32 above {narrow_max} heads (v7's 32-head blocks), else 16
+   where two or more v6 workgroups fit a multiprocessor (v6_per_sm >= 2) and 20 where one does.
+   Each such call is a small one; past it v7 is the faster (measured on the H200 at both
+   occupancies, benches/NOTES.md v23). */
+static inline int sparse_mla_is_v6_call(unsigned heads, unsigned tokens, unsigned sms, unsigned v6_per_sm) {{
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    unsigned f = heads > {narrow_max}u ? 32u : (v6_per_sm >= 2u ? 16u : 20u);
+    return f * blocks <= (unsigned long long)sms;
+}}
+
 /* The split count of the runtime's cost model (DecodePlan::model_splits in
    src/kernels/sparse_mla_decode/mod.rs) for a kernel of p->block_h x p->block_n: time in
    workgroup steps, for each wave of workgroups slow(k) x (steps + 2), k the workgroups the wave
@@ -589,12 +601,12 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
 
 /* Does a call of more than 16 heads fill the multiprocessors in one wave of v7's 32-head
    blocks (DecodeConfig::v7_fills_one_wave): b = tokens x ceil(heads / 32) <= sms and
-   b x floor(sms / b) >= 7/8 x sms, and not a small call. Then bf16 runs v7 at any v6_per_sm
+   b x floor(sms / b) >= 7/8 x sms, and not a v6 call. Then bf16 runs v7 at any v6_per_sm
    (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
 static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {{
     unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + {wide_h}u - 1u) / {wide_h}u);
     unsigned long long m = sms;
-    if (heads <= {narrow_max}u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
+    if (heads <= {narrow_max}u || sparse_mla_is_v6_call(heads, tokens, sms, 1u)) return 0;
     return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
 }}
 
@@ -631,8 +643,9 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         } else {
             ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for bf16 v6 for a small call\n   \
-             (sparse_mla_is_small_call(heads, tokens, sms)), v7 for a call v7 fills the GPU with in\n   \
+             when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
+             (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,\n   \
+             sms, v6_per_sm), else v7; v7 for a call v7 fills the GPU with in\n   \
              one wave (sparse_mla_v7_fills_one_wave(heads, tokens, sms)), else by v6_per_sm (v6\n   \
              where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one);\n   \
              fp8_ds_mla runs v7 at any v6_per_sm."
@@ -681,11 +694,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         s.push_str("    }\n");
     }
     if v6_probe.is_some() {
-        // bf16 small calls: the v6 kernel of the head count, at any v6_per_sm; calls v7
-        // fills in one wave: the choice at one v6 workgroup per multiprocessor
+        // bf16 small calls: the v6 kernel of the head count where is_v6_call, else v7 (the
+        // choice at one v6 workgroup per multiprocessor); calls v7 fills in one wave: the same
         s.push_str(
-            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms))\n        \
-             return sparse_mla_v6_kernel(heads, p);\n    \
+            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {\n        \
+             if (sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm)) return sparse_mla_v6_kernel(heads, p);\n        \
+             v6_per_sm = 1u;\n    \
+             }\n    \
              if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v7_fills_one_wave(heads, tokens, sms))\n        \
              v6_per_sm = 1u;\n",
         );

@@ -120,8 +120,8 @@ impl DecodeConfig {
     /// - bf16: v6 where two of its workgroups fit a multiprocessor (it hides its step's
     ///   latency behind the other one), v7 where only one does (SM120: 100 KB of shared
     ///   memory per multiprocessor). At the H200's default occupancy v6 was faster on most
-    ///   bf16 rows; held to SM120's occupancy, v7 on every row but the small calls, which
-    ///   [`Self::for_call`] sends to v6 ([`Self::is_small_call`]).
+    ///   bf16 rows; held to SM120's occupancy, v7 on every row but the smallest calls, which
+    ///   [`Self::for_call`] sends to v6 ([`Self::is_v6_call`]).
     ///
     /// `v6_per_sm` is asked only for bf16 (it compiles the v6 kernel to ask the driver).
     pub fn tensor_core_on<E>(
@@ -229,12 +229,37 @@ impl DecodeConfig {
         16 * Self::blocks16(shape) <= sm_count as u64
     }
 
+    /// Does a bf16 call run the v6 kernel of its head count, `f · T · ⌈H/16⌉ ≤ SMs`, with
+    /// `f` by the block v7 would take and the v6 residency `v6_per_sm`:
+    /// - 32 where v7 takes 32-head blocks (H > 16), at any residency;
+    /// - 16 at H ≤ 16 where two or more v6 workgroups fit a multiprocessor (H100/H200): every
+    ///   small call ([`Self::is_small_call`]);
+    /// - 20 at H ≤ 16 where one fits (SM120).
+    ///
+    /// Each of them a small call. Past it v7 is the faster: measured on the H200, same binary,
+    /// both occupancies (benches/NOTES.md, v23), v7 beat v6 1.02–1.04× on every call of more
+    /// than 16 heads and 6–8 blocks (H 32 T 3–4, H 48 T 2, H 64 T 2, H 96 / 128 T 1) and v6 won
+    /// 1.04–1.05× at 2–4 blocks (H 32 T 1–2, H 48 / 64 T 1); at H ≤ 16 v6 won at T ≤ 6
+    /// (1.01–1.05×) and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own
+    /// occupancy the two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8).
+    pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
+        let wide = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h > 16;
+        let f = match (wide, v6_per_sm >= 2) {
+            (true, _) => 32,
+            (false, true) => 16,
+            (false, false) => 20,
+        };
+        f * Self::blocks16(shape) <= sm_count as u64
+    }
+
     /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
-    /// large batch ([`Self::is_large_batch`]); for bf16 a small call
-    /// ([`Self::is_small_call`]) v6 at any v6 residency, and v7 for a call of more than 16
-    /// heads that v7 fills the GPU with in one wave ([`Self::v7_fills_one_wave`]); else
-    /// [`Self::tensor_core_on`]. `v6_per_sm` is asked at most once, and only for bf16 calls
-    /// the answer decides: none of those, and not a large batch at every v6 residency.
+    /// large batch ([`Self::is_large_batch`]); for a bf16 small call
+    /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
+    /// more than 16 heads that v7 fills the GPU with in one wave
+    /// ([`Self::v7_fills_one_wave`]); else [`Self::tensor_core_on`]. `v6_per_sm` is asked at
+    /// most once, and only for bf16 calls the answer decides: none of those but the small
+    /// calls at H ≤ 16 between `is_v6_call`'s two factors, and not a large batch at every v6
+    /// residency.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -242,7 +267,20 @@ impl DecodeConfig {
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
-            return Ok(Self::tensor_core_v6(dims, format, heads));
+            // v6 or v7 by Self::is_v6_call; the residency decides only at H <= 16 between
+            // its two factors
+            let per_sm = if Self::is_v6_call(shape, sm_count, 1)
+                || !Self::is_v6_call(shape, sm_count, u32::MAX)
+            {
+                1
+            } else {
+                v6_per_sm()?
+            };
+            return Ok(if Self::is_v6_call(shape, sm_count, per_sm) {
+                Self::tensor_core_v6(dims, format, heads)
+            } else {
+                Self::tensor_core_v7(dims, format, heads)
+            });
         }
         let batch = Self::tensor_core_batch(dims, format, heads);
         // large at the strictest residency rule: large whatever the GPU holds
@@ -275,7 +313,7 @@ impl DecodeConfig {
     pub fn v7_fills_one_wave(shape: &DecodeShape, sm_count: u32) -> bool {
         // the head block v7 takes for this head count: the rule is for its 32-head blocks
         let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
-        if block <= 16 || Self::is_small_call(shape, sm_count) {
+        if block <= 16 || Self::is_v6_call(shape, sm_count, 1) {
             return false;
         }
         let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;
@@ -1053,6 +1091,46 @@ mod tests {
     }
 
     #[test]
+    fn bf16_small_calls_run_v6_where_it_measured_faster() {
+        // (H, T, v6 at two v6 workgroups per SM, v6 at one) on 132 SMs: the rows of
+        // benches/h200-v23.txt where the faster kernel differs by more than 1.5 %, and the
+        // edges of each factor
+        for (heads, tokens, at_two, at_one) in [
+            (8, 1, true, true),
+            (8, 4, true, true),
+            (16, 4, true, true),
+            (16, 6, true, true),
+            (8, 7, true, false),
+            (8, 8, true, false),
+            (16, 8, true, false),
+            (32, 1, true, true),
+            (32, 2, true, true),
+            (64, 1, true, true),
+            (32, 3, false, false),
+            (32, 4, false, false),
+            (48, 2, false, false),
+            (64, 2, false, false),
+            (96, 1, false, false),
+            (128, 1, false, false),
+        ] {
+            for (per_sm, want) in [(2, at_two), (1, at_one)] {
+                let got = pick(CacheFormat::Bf16, heads, tokens, per_sm);
+                let expect = if want { "v6" } else { "v7" };
+                assert_eq!(got, expect, "H {heads} T {tokens} at {per_sm} v6 per SM");
+                let s = shape(CacheFormat::Bf16, heads, tokens);
+                assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
+                assert!(DecodeConfig::is_small_call(&s, 132), "H {heads} T {tokens}");
+            }
+        }
+        // every v6 call is a small one: past T 8 at H <= 16 the other rules decide
+        let s = shape(CacheFormat::Bf16, 8, 9);
+        assert!(!DecodeConfig::is_small_call(&s, 132));
+        assert!((1..=4).all(|p| !DecodeConfig::is_v6_call(&s, 132, p)));
+        // fp8_ds_mla keeps its own choice: v7 for the small calls
+        assert_eq!(pick(CacheFormat::Fp8DsMla, 16, 8, 2), "v7");
+    }
+
+    #[test]
     fn bf16_runs_v7_where_its_one_wave_fills_the_gpu() {
         // (H, T, v7 on 132 SMs): the H200 rows of benches/h200-v17.txt (call 2) where the two
         // kernels differ by more than 2 %, v7 the faster (true) or v6 (false), and the small
@@ -1135,8 +1213,9 @@ mod tests {
     #[test]
     fn the_backend_choice_at_one_and_two_v6_workgroups_per_sm() {
         use CacheFormat::{Bf16, Fp8DsMla};
-        // one v6 workgroup per SM (SM120): v6 only for small bf16 calls, 16 T ceil(H/16) <= SMs
-        for (heads, small, next) in [(16, 8, 9), (32, 4, 5), (64, 2, 3), (128, 1, 2)] {
+        // one v6 workgroup per SM (SM120): v6 only for the smallest bf16 calls,
+        // f T ceil(H/16) <= SMs with f 20 at H <= 16 and 32 above (is_v6_call)
+        for (heads, small, next) in [(16, 6, 7), (8, 6, 7), (32, 2, 3), (64, 1, 2)] {
             assert_eq!(pick(Bf16, heads, small, 1), "v6", "H {heads} T {small}");
             assert_eq!(pick(Bf16, heads, next, 1), "v7", "H {heads} T {next}");
             assert_eq!(
@@ -1145,6 +1224,7 @@ mod tests {
                 "fp8 H {heads} T {small}"
             );
         }
+        assert_eq!(pick(Bf16, 128, 1, 1), "v7");
         // two per SM (H100/H200): bf16 v6 below the large batch
         assert_eq!(pick(Bf16, 16, 9, 2), "v6");
         assert_eq!(pick(Bf16, 128, 40, 2), "v6");
