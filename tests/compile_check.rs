@@ -14,8 +14,6 @@ use sparse_mla::kir::Kernel;
 use sparse_mla::mla::{CacheFormat, MlaDims};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
-const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
-
 #[test]
 fn every_cuda_kernel_compiles_for_every_arch() {
     if let Some(why) = nvrtc_unavailable() {
@@ -41,48 +39,23 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
         }
     }
-    let sources: Vec<String> = kernels
-        .iter()
-        .map(|kernel| {
-            let src = cuda::emit(kernel).expect("emit");
-            assert!(
-                !src.contains("#include"),
-                "{}: CUDA C must be self-contained",
-                kernel.name
-            );
-            src
-        })
-        .collect();
     // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
-    let jobs: Vec<(usize, &str)> = (0..kernels.len())
-        .flat_map(|i| ARCHS.map(|arch| (i, arch)))
-        .collect();
-    let compiled = common::par_map(&jobs, |&(i, arch)| {
-        compile(&kernels[i].name, &sources[i], arch, true)
-    });
     let mut failures = Vec::new();
     let mut count = 0;
-    for (&(i, arch), result) in jobs.iter().zip(compiled) {
+    for (i, arch, result) in common::compile_every_arch(&kernels) {
         let kernel = &kernels[i];
         match result {
             Ok(c) => {
                 count += 1;
                 assert!(!c.cubin.is_empty());
-                let report: Vec<&str> = c
-                    .log
-                    .lines()
-                    .filter(|l| l.contains("registers") || l.contains("spill"))
-                    .map(str::trim)
-                    .collect();
+                let (report, spills) = common::ptxas_report(&c.log);
                 let (_, smem) = shared_layout(&kernel.shared);
                 eprintln!(
                     "NVRTC {major}.{minor} {arch} {}: {} | shared {smem} B",
                     kernel.name,
                     report.join(" | ")
                 );
-                if report.iter().any(|l| {
-                    l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")
-                }) {
+                if spills {
                     failures.push(format!(
                         "{arch} {}: spills: {}",
                         kernel.name,
@@ -111,7 +84,10 @@ fn every_cuda_kernel_compiles_for_every_arch() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    assert!(count >= ARCHS.len(), "no CUDA kernel was compiled");
+    assert!(
+        count >= common::NVRTC_ARCHS.len(),
+        "no CUDA kernel was compiled"
+    );
 }
 
 #[test]

@@ -4,11 +4,9 @@
 
 mod common;
 
-use sparse_mla::emit::{cuda, wgsl};
+use sparse_mla::emit::wgsl;
 use sparse_mla::kernels::model_set::model_kernels;
-use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable};
-
-const ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
+use sparse_mla::runtime::cuda::nvrtc_unavailable;
 
 #[test]
 fn every_model_kernel_compiles_for_every_arch() {
@@ -17,36 +15,15 @@ fn every_model_kernel_compiles_for_every_arch() {
         return;
     }
     let kernels = model_kernels().expect("model kernels");
-    let sources: Vec<String> = kernels
-        .iter()
-        .map(|k| {
-            let src = cuda::emit(k).expect("emit");
-            assert!(!src.contains("#include"), "{}: not self-contained", k.name);
-            src
-        })
-        .collect();
     // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
-    let jobs: Vec<(usize, &str)> = (0..kernels.len())
-        .flat_map(|i| ARCHS.map(|arch| (i, arch)))
-        .collect();
-    let compiled = common::par_map(&jobs, |&(i, arch)| {
-        compile(&kernels[i].name, &sources[i], arch, true)
-    });
     let mut failures = Vec::new();
-    for (&(i, arch), result) in jobs.iter().zip(compiled) {
+    for (i, arch, result) in common::compile_every_arch(&kernels) {
         let k = &kernels[i];
         match result {
             Ok(c) => {
-                let report: Vec<&str> = c
-                    .log
-                    .lines()
-                    .filter(|l| l.contains("registers") || l.contains("spill"))
-                    .map(str::trim)
-                    .collect();
+                let (report, spills) = common::ptxas_report(&c.log);
                 eprintln!("{arch} {}: {}", k.name, report.join(" | "));
-                if report.iter().any(|l| {
-                    l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")
-                }) {
+                if spills {
                     failures.push(format!("{arch} {}: spills: {}", k.name, report.join(" | ")));
                 }
             }

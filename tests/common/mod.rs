@@ -116,3 +116,54 @@ pub fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec
         .map(|r| r.expect("every item mapped"))
         .collect()
 }
+
+/// The architectures every emitted CUDA kernel must compile for (NVRTC, no spills).
+pub const NVRTC_ARCHS: [&str; 4] = ["sm_80", "sm_89", "sm_90", "sm_120"];
+
+/// Every kernel emitted as CUDA C (which must be self-contained: no `#include`) and compiled
+/// by NVRTC for every arch of [`NVRTC_ARCHS`] with ptxas's report, each (kernel, arch) its own
+/// program, on all cores: `(kernel index, arch, result)` in the kernels' then the archs' order.
+pub fn compile_every_arch(
+    kernels: &[sparse_mla::kir::Kernel],
+) -> Vec<(
+    usize,
+    &'static str,
+    sparse_mla::Result<sparse_mla::runtime::cuda::Compiled>,
+)> {
+    let sources: Vec<String> = kernels
+        .iter()
+        .map(|kernel| {
+            let src = sparse_mla::emit::cuda::emit(kernel).expect("emit");
+            assert!(
+                !src.contains("#include"),
+                "{}: CUDA C must be self-contained",
+                kernel.name
+            );
+            src
+        })
+        .collect();
+    let jobs: Vec<(usize, &'static str)> = (0..kernels.len())
+        .flat_map(|i| NVRTC_ARCHS.map(|arch| (i, arch)))
+        .collect();
+    let compiled = par_map(&jobs, |&(i, arch)| {
+        sparse_mla::runtime::cuda::compile(&kernels[i].name, &sources[i], arch, true)
+    });
+    jobs.into_iter()
+        .zip(compiled)
+        .map(|((i, arch), r)| (i, arch, r))
+        .collect()
+}
+
+/// ptxas's register and spill lines of an NVRTC log, trimmed, and whether any of them
+/// reports a spill.
+pub fn ptxas_report(log: &str) -> (Vec<&str>, bool) {
+    let report: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("registers") || l.contains("spill"))
+        .map(str::trim)
+        .collect();
+    let spills = report
+        .iter()
+        .any(|l| l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads"));
+    (report, spills)
+}

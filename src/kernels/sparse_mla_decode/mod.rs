@@ -267,16 +267,18 @@ impl DecodeConfig {
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
-            // v6 or v7 by Self::is_v6_call; the residency decides only at H <= 16 between
-            // its two factors
-            let per_sm = if Self::is_v6_call(shape, sm_count, 1)
-                || !Self::is_v6_call(shape, sm_count, u32::MAX)
-            {
-                1
+            // v6 or v7 by Self::is_v6_call; the residency is asked only where it decides (at
+            // H <= 16 between the call's two factors)
+            let (at_one, at_more) = (
+                Self::is_v6_call(shape, sm_count, 1),
+                Self::is_v6_call(shape, sm_count, 2),
+            );
+            let v6 = if at_one == at_more {
+                at_one
             } else {
-                v6_per_sm()?
+                v6_per_sm()? >= 2
             };
-            return Ok(if Self::is_v6_call(shape, sm_count, per_sm) {
+            return Ok(if v6 {
                 Self::tensor_core_v6(dims, format, heads)
             } else {
                 Self::tensor_core_v7(dims, format, heads)
