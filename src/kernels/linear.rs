@@ -218,9 +218,9 @@ const UNROLL: u32 = 1;
 /// This thread's share of one K chunk: for each of its words of each weight row `r` (`rows[r]`
 /// = the row's first word and, for FP8, its scale row), `acc[r][t] += Σ_e W · xs[t, e]`
 /// (times the word's block scale for FP8), each x value read once for all the rows. `kc` is
-/// the chunk's first element; `row_words` bounds the row. Words are taken [`UNROLL`] at a time, all
-/// loads first; a word past the chunk or the row reads as zero (its index clamped, never
-/// out of bounds).
+/// the chunk's first element; `row_words` (≤ the row's words) ends the walk. Words
+/// are taken [`UNROLL`] at a time, all loads first; a word past the chunk or the row (an
+/// unrolled one past the end) reads as zero (its index clamped, never out of bounds).
 #[allow(clippy::too_many_arguments)]
 fn chunk_dot(
     b: &mut KernelBuilder,
@@ -243,90 +243,91 @@ fn chunk_dot(
         UNROLL
     };
     let tb = acc[0].len() as u32;
-    b.for_(
-        "wi",
-        lane.clone(),
-        u(chunk_words),
-        u(LANES * unroll),
-        |b, wi| {
-            let mut words = Vec::new();
-            for q in 0..unroll {
-                let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
-                let gw = b.let_(&format!("gw{q}"), kc.clone() / u(pw) + cw.clone());
-                let ok = b.let_(
-                    &format!("ok{q}"),
-                    cw.clone()
-                        .lt(u(chunk_words))
-                        .and(gw.clone().lt(row_words.clone())),
-                );
-                let raws: Vec<Expr> = rows
-                    .iter()
+    // The walk ends at the row's last word: a chunk longer than what is left of K (every
+    // chunk of a K below the stage, e.g. the absorbed per-head weights of 128-192 columns)
+    // would otherwise load and multiply words of zeros up to the stage's end.
+    let end = b.let_(
+        "chunk_end",
+        u(chunk_words).min(row_words.clone() - kc.clone() / u(pw)),
+    );
+    b.for_("wi", lane.clone(), end, u(LANES * unroll), |b, wi| {
+        let mut words = Vec::new();
+        for q in 0..unroll {
+            let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
+            let gw = b.let_(&format!("gw{q}"), kc.clone() / u(pw) + cw.clone());
+            let ok = b.let_(
+                &format!("ok{q}"),
+                cw.clone()
+                    .lt(u(chunk_words))
+                    .and(gw.clone().lt(row_words.clone())),
+            );
+            let raws: Vec<Expr> = rows
+                .iter()
+                .enumerate()
+                .map(|(r, (wbase, _))| {
+                    let idx = select(ok.clone(), wbase.clone() + gw.clone(), wbase.clone());
+                    b.let_(&format!("raw{q}_{r}"), w.word(idx))
+                })
+                .collect();
+            words.push((cw, ok, raws));
+        }
+        for (q, (cw, ok, raws)) in words.into_iter().enumerate() {
+            let xcol = b.let_(
+                &format!("xcol{q}"),
+                select(ok.clone(), cw.clone() * u(pw), u(0)),
+            );
+            // x of this word's columns, read once for all the warp's rows
+            let xv: Vec<Vec<Expr>> = (0..tb)
+                .map(|t| {
+                    (0..pw)
+                        .map(|e| {
+                            b.let_(
+                                &format!("x{q}_{t}_{e}"),
+                                xs.at(u(t * chunk) + xcol.clone() + u(e)),
+                            )
+                        })
+                        .collect()
+                })
+                .collect();
+            for (r, ((_, sbase), raw)) in rows.iter().zip(raws).enumerate() {
+                let word = b.let_(&format!("word{q}_{r}"), select(ok.clone(), raw, u(0)));
+                let vals: Vec<Expr> = word_values(b, wt, &word, &format!("{q}_{r}"))
+                    .into_iter()
                     .enumerate()
-                    .map(|(r, (wbase, _))| {
-                        let idx = select(ok.clone(), wbase.clone() + gw.clone(), wbase.clone());
-                        b.let_(&format!("raw{q}_{r}"), w.word(idx))
-                    })
+                    .map(|(e, v)| b.let_(&format!("w{q}_{r}_{e}"), v))
                     .collect();
-                words.push((cw, ok, raws));
-            }
-            for (q, (cw, ok, raws)) in words.into_iter().enumerate() {
-                let xcol = b.let_(
-                    &format!("xcol{q}"),
-                    select(ok.clone(), cw.clone() * u(pw), u(0)),
-                );
-                // x of this word's columns, read once for all the warp's rows
-                let xv: Vec<Vec<Expr>> = (0..tb)
-                    .map(|t| {
-                        (0..pw)
-                            .map(|e| {
-                                b.let_(
-                                    &format!("x{q}_{t}_{e}"),
-                                    xs.at(u(t * chunk) + xcol.clone() + u(e)),
-                                )
-                            })
-                            .collect()
-                    })
-                    .collect();
-                for (r, ((_, sbase), raw)) in rows.iter().zip(raws).enumerate() {
-                    let word = b.let_(&format!("word{q}_{r}"), select(ok.clone(), raw, u(0)));
-                    let vals: Vec<Expr> = word_values(b, wt, &word, &format!("{q}_{r}"))
-                        .into_iter()
-                        .enumerate()
-                        .map(|(e, v)| b.let_(&format!("w{q}_{r}_{e}"), v))
-                        .collect();
-                    let scale = fp8.zip(sbase.as_ref()).map(|(f, sbase)| {
-                        let col = kc.clone() + xcol.clone();
-                        b.let_(
-                            &format!("s{q}_{r}"),
-                            f.scale.at(sbase.clone()
-                                + if baseline() {
-                                    col / f.block_cols.clone()
-                                } else {
-                                    ((col.as_f32() + crate::kir::builder::f(0.5))
-                                        * f.inv_block_cols.clone())
-                                    .as_u32()
-                                }),
-                        )
-                    });
-                    for (t, a) in acc[r].iter().enumerate() {
-                        let mut part: Option<Expr> = None;
-                        for (v, x) in vals.iter().zip(&xv[t]) {
-                            part = Some(match part {
-                                None => v.clone() * x.clone(),
-                                Some(p) => fma(v.clone(), x.clone(), p),
-                            });
-                        }
-                        let part = part.unwrap_or_else(|| f(0.0));
-                        let part = match &scale {
-                            Some(s) => part * s.clone(),
-                            None => part,
-                        };
-                        b.set(a, a.clone() + part);
+                let scale = fp8.zip(sbase.as_ref()).map(|(f, sbase)| {
+                    let col = kc.clone() + xcol.clone();
+                    b.let_(
+                        &format!("s{q}_{r}"),
+                        f.scale.at(sbase.clone()
+                            + if baseline() {
+                                col / f.block_cols.clone()
+                            } else {
+                                ((col.as_f32() + crate::kir::builder::f(0.5))
+                                    * f.inv_block_cols.clone())
+                                .as_u32()
+                            }),
+                    )
+                });
+                for (t, a) in acc[r].iter().enumerate() {
+                    let mut part: Option<Expr> = None;
+                    for (v, x) in vals.iter().zip(&xv[t]) {
+                        part = Some(match part {
+                            None => v.clone() * x.clone(),
+                            Some(p) => fma(v.clone(), x.clone(), p),
+                        });
                     }
+                    let part = part.unwrap_or_else(|| f(0.0));
+                    let part = match &scale {
+                        Some(s) => part * s.clone(),
+                        None => part,
+                    };
+                    b.set(a, a.clone() + part);
                 }
             }
-        },
-    );
+        }
+    });
 }
 
 /// The dense linear kernel.
@@ -429,12 +430,16 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
 
     let k0 = b.let_("k0", workgroup_id(2) * k_split.clone());
     let k1 = b.let_("k1", (k0.clone() + k_split.clone()).min(k_in.clone()));
+    // the split's last weight word + 1 (the row's when not split)
+    let end_words = b.let_("end_words", k1.clone() / u(pw));
     b.comment("walk K in chunks: stage x[t0 .. t0 + TB, chunk] in workgroup memory, then each lane takes every 32nd word of its weight row");
     b.for_("kc", k0, k1.clone(), u(chunk), |b, kc| {
         b.barrier();
+        // only the columns the chunk has (K below the stage: the rest is never read)
+        let staged = b.let_("staged", u(chunk).min(k1.clone() - kc.clone()));
         for t in 0..tb {
             let tt = t0.clone() + u(t);
-            b.for_threads("i", u(chunk), |b, i_| {
+            b.for_threads("i", staged.clone(), |b, i_| {
                 let k = b.let_("k", kc.clone() + i_.clone());
                 let ok = tt.clone().lt(tokens.clone()).and(k.clone().lt(k1.clone()));
                 let dst = u(t * chunk) + i_;
@@ -457,7 +462,7 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
                 fp8.as_ref(),
                 &rows,
                 &kc,
-                &row_words,
+                &end_words,
                 &xs,
                 chunk,
                 &lane,
@@ -696,16 +701,12 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
         let part = b.var("part", f(0.0));
         b.for_("kc", u(0), k_in.clone(), u(chunk), |b, kc| {
             b.barrier();
-            b.for_threads("i", u(chunk), |b, i_| {
+            // only the columns the chunk has (K below the stage: the rest is never read)
+            let staged = b.let_("staged", u(chunk).min(k_in.clone() - kc.clone()));
+            b.for_threads("i", staged, |b, i_| {
                 let k = b.let_("k", kc.clone() + i_.clone());
-                b.if_else(
-                    k.clone().lt(k_in.clone()),
-                    |b| {
-                        let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k.clone()));
-                        b.shared_store(&xs, i_.clone(), v)
-                    },
-                    |b| b.shared_store(&xs, i_.clone(), f(0.0)),
-                );
+                let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k));
+                b.shared_store(&xs, i_, v)
             });
             b.barrier();
             b.if_(n_ok.clone().and(valid.clone()), |b| {
