@@ -45,6 +45,20 @@ pub fn chunk_for(tokens_per_wg: u32) -> u32 {
     (STAGE / tokens_per_wg.max(1)).max(THREADS) / THREADS * THREADS
 }
 
+/// The chunk of the dense linear for `tokens_per_wg` tokens and a K of `k_in` columns: a K
+/// that fits in [`THREADS`] elements takes the 256-element chunk (every variant has it), so
+/// that the walk over a chunk — whose trip count is the chunk's, a constant the CUDA compiler
+/// unrolls — is not mostly words past K: the absorbed per-head weights (K = 128-192 on the
+/// real models, 48 on the tiny one) walked 2048 columns for 128-192 (8-16x the work; lavapipe
+/// ran the tiny model's decode step 4x slower).
+pub fn chunk_for_k(tokens_per_wg: u32, k_in: u32) -> u32 {
+    if k_in <= THREADS {
+        THREADS
+    } else {
+        chunk_for(tokens_per_wg)
+    }
+}
+
 static BASELINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Benchmarks only: 0 = the policy of [`rows_per_warp`], otherwise that many rows per warp.
@@ -218,9 +232,9 @@ const UNROLL: u32 = 1;
 /// This thread's share of one K chunk: for each of its words of each weight row `r` (`rows[r]`
 /// = the row's first word and, for FP8, its scale row), `acc[r][t] += Σ_e W · xs[t, e]`
 /// (times the word's block scale for FP8), each x value read once for all the rows. `kc` is
-/// the chunk's first element; `row_words` (≤ the row's words) ends the walk. Words
-/// are taken [`UNROLL`] at a time, all loads first; a word past the chunk or the row (an
-/// unrolled one past the end) reads as zero (its index clamped, never out of bounds).
+/// the chunk's first element; `row_words` bounds the row. Words are taken [`UNROLL`] at a time, all
+/// loads first; a word past the chunk or the row reads as zero (its index clamped, never
+/// out of bounds).
 #[allow(clippy::too_many_arguments)]
 fn chunk_dot(
     b: &mut KernelBuilder,
@@ -243,118 +257,89 @@ fn chunk_dot(
         UNROLL
     };
     let tb = acc[0].len() as u32;
-    let body = |b: &mut KernelBuilder, wi: Expr| {
-        let mut words = Vec::new();
-        for q in 0..unroll {
-            let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
-            let gw = b.let_(&format!("gw{q}"), kc.clone() / u(pw) + cw.clone());
-            let ok = b.let_(
-                &format!("ok{q}"),
-                cw.clone()
-                    .lt(u(chunk_words))
-                    .and(gw.clone().lt(row_words.clone())),
-            );
-            let raws: Vec<Expr> = rows
-                .iter()
-                .enumerate()
-                .map(|(r, (wbase, _))| {
-                    let idx = select(ok.clone(), wbase.clone() + gw.clone(), wbase.clone());
-                    b.let_(&format!("raw{q}_{r}"), w.word(idx))
-                })
-                .collect();
-            words.push((cw, ok, raws));
-        }
-        for (q, (cw, ok, raws)) in words.into_iter().enumerate() {
-            let xcol = b.let_(
-                &format!("xcol{q}"),
-                select(ok.clone(), cw.clone() * u(pw), u(0)),
-            );
-            // x of this word's columns, read once for all the warp's rows
-            let xv: Vec<Vec<Expr>> = (0..tb)
-                .map(|t| {
-                    (0..pw)
-                        .map(|e| {
-                            b.let_(
-                                &format!("x{q}_{t}_{e}"),
-                                xs.at(u(t * chunk) + xcol.clone() + u(e)),
-                            )
-                        })
-                        .collect()
-                })
-                .collect();
-            for (r, ((_, sbase), raw)) in rows.iter().zip(raws).enumerate() {
-                let word = b.let_(&format!("word{q}_{r}"), select(ok.clone(), raw, u(0)));
-                let vals: Vec<Expr> = word_values(b, wt, &word, &format!("{q}_{r}"))
-                    .into_iter()
+    b.for_(
+        "wi",
+        lane.clone(),
+        u(chunk_words),
+        u(LANES * unroll),
+        |b, wi| {
+            let mut words = Vec::new();
+            for q in 0..unroll {
+                let cw = b.let_(&format!("cw{q}"), wi.clone() + u(LANES * q));
+                let gw = b.let_(&format!("gw{q}"), kc.clone() / u(pw) + cw.clone());
+                let ok = b.let_(
+                    &format!("ok{q}"),
+                    cw.clone()
+                        .lt(u(chunk_words))
+                        .and(gw.clone().lt(row_words.clone())),
+                );
+                let raws: Vec<Expr> = rows
+                    .iter()
                     .enumerate()
-                    .map(|(e, v)| b.let_(&format!("w{q}_{r}_{e}"), v))
+                    .map(|(r, (wbase, _))| {
+                        let idx = select(ok.clone(), wbase.clone() + gw.clone(), wbase.clone());
+                        b.let_(&format!("raw{q}_{r}"), w.word(idx))
+                    })
                     .collect();
-                let scale = fp8.zip(sbase.as_ref()).map(|(f, sbase)| {
-                    let col = kc.clone() + xcol.clone();
-                    b.let_(
-                        &format!("s{q}_{r}"),
-                        f.scale.at(sbase.clone()
-                            + if baseline() {
-                                col / f.block_cols.clone()
-                            } else {
-                                ((col.as_f32() + crate::kir::builder::f(0.5))
-                                    * f.inv_block_cols.clone())
-                                .as_u32()
-                            }),
-                    )
-                });
-                for (t, a) in acc[r].iter().enumerate() {
-                    let mut part: Option<Expr> = None;
-                    for (v, x) in vals.iter().zip(&xv[t]) {
-                        part = Some(match part {
-                            None => v.clone() * x.clone(),
-                            Some(p) => fma(v.clone(), x.clone(), p),
-                        });
+                words.push((cw, ok, raws));
+            }
+            for (q, (cw, ok, raws)) in words.into_iter().enumerate() {
+                let xcol = b.let_(
+                    &format!("xcol{q}"),
+                    select(ok.clone(), cw.clone() * u(pw), u(0)),
+                );
+                // x of this word's columns, read once for all the warp's rows
+                let xv: Vec<Vec<Expr>> = (0..tb)
+                    .map(|t| {
+                        (0..pw)
+                            .map(|e| {
+                                b.let_(
+                                    &format!("x{q}_{t}_{e}"),
+                                    xs.at(u(t * chunk) + xcol.clone() + u(e)),
+                                )
+                            })
+                            .collect()
+                    })
+                    .collect();
+                for (r, ((_, sbase), raw)) in rows.iter().zip(raws).enumerate() {
+                    let word = b.let_(&format!("word{q}_{r}"), select(ok.clone(), raw, u(0)));
+                    let vals: Vec<Expr> = word_values(b, wt, &word, &format!("{q}_{r}"))
+                        .into_iter()
+                        .enumerate()
+                        .map(|(e, v)| b.let_(&format!("w{q}_{r}_{e}"), v))
+                        .collect();
+                    let scale = fp8.zip(sbase.as_ref()).map(|(f, sbase)| {
+                        let col = kc.clone() + xcol.clone();
+                        b.let_(
+                            &format!("s{q}_{r}"),
+                            f.scale.at(sbase.clone()
+                                + if baseline() {
+                                    col / f.block_cols.clone()
+                                } else {
+                                    ((col.as_f32() + crate::kir::builder::f(0.5))
+                                        * f.inv_block_cols.clone())
+                                    .as_u32()
+                                }),
+                        )
+                    });
+                    for (t, a) in acc[r].iter().enumerate() {
+                        let mut part: Option<Expr> = None;
+                        for (v, x) in vals.iter().zip(&xv[t]) {
+                            part = Some(match part {
+                                None => v.clone() * x.clone(),
+                                Some(p) => fma(v.clone(), x.clone(), p),
+                            });
+                        }
+                        let part = part.unwrap_or_else(|| f(0.0));
+                        let part = match &scale {
+                            Some(s) => part * s.clone(),
+                            None => part,
+                        };
+                        b.set(a, a.clone() + part);
                     }
-                    let part = part.unwrap_or_else(|| f(0.0));
-                    let part = match &scale {
-                        Some(s) => part * s.clone(),
-                        None => part,
-                    };
-                    b.set(a, a.clone() + part);
                 }
             }
-        }
-    };
-    // The walk ends at the row's last word: a chunk longer than what is left of K (every
-    // chunk of a K below the stage, e.g. the absorbed per-head weights of 128-192 columns)
-    // would otherwise load and multiply words of zeros up to the stage's end. A whole chunk
-    // keeps its constant trip count, which the CUDA compiler unrolls (with the bound read at
-    // run time, the H200's bf16 expert GEMVs at batch 8 ran ~15 % slower).
-    let end = b.let_(
-        "chunk_end",
-        u(chunk_words).min(row_words.clone() - kc.clone() / u(pw)),
-    );
-    let step = u(LANES * unroll);
-    b.if_else(
-        end.clone().eq_(u(chunk_words)),
-        |b| b.for_("wi", lane.clone(), u(chunk_words), step.clone(), body),
-        |b| b.for_("wi", lane.clone(), end, step.clone(), body),
-    );
-}
-
-/// Stages a chunk of x through `stage(b, columns)`, each column below K: a whole chunk
-/// (`left` ≥ `chunk` columns of K left) with the constant count, whose loads the CUDA
-/// compiler unrolls and issues at once (read at run time, the H200's bf16 expert GEMVs at
-/// batch 8 ran 7 % slower); a chunk at the end of K with only its columns (lavapipe ran the
-/// tiny model's K of 48-96 2x slower staging all 2048 and zeroing the rest; chunk_dot never
-/// reads past them).
-fn stage_chunk(
-    b: &mut KernelBuilder,
-    chunk: u32,
-    left: Expr,
-    stage: impl Fn(&mut KernelBuilder, Expr),
-) {
-    let left = b.let_("k_left", left);
-    b.if_else(
-        left.clone().ge(u(chunk)),
-        |b| stage(b, u(chunk)),
-        |b| stage(b, left.clone()),
+        },
     );
 }
 
@@ -458,29 +443,25 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
 
     let k0 = b.let_("k0", workgroup_id(2) * k_split.clone());
     let k1 = b.let_("k1", (k0.clone() + k_split.clone()).min(k_in.clone()));
-    // the split's last weight word + 1 (the row's when not split)
-    let end_words = b.let_("end_words", k1.clone() / u(pw));
     b.comment("walk K in chunks: stage x[t0 .. t0 + TB, chunk] in workgroup memory, then each lane takes every 32nd word of its weight row");
     b.for_("kc", k0, k1.clone(), u(chunk), |b, kc| {
         b.barrier();
-        let stage = |b: &mut KernelBuilder, staged: Expr| {
-            for t in 0..tb {
-                let tt = t0.clone() + u(t);
-                b.for_threads("i", staged.clone(), |b, i_| {
-                    let k = b.let_("k", kc.clone() + i_.clone());
-                    let dst = u(t * chunk) + i_;
-                    b.if_else(
-                        tt.clone().lt(tokens.clone()),
-                        |b| {
-                            let v = load_f32(&x, cfg.x, xv.at(tt.clone(), k.clone()));
-                            b.shared_store(&xs, dst.clone(), v)
-                        },
-                        |b| b.shared_store(&xs, dst.clone(), f(0.0)),
-                    );
-                });
-            }
-        };
-        stage_chunk(b, chunk, k1.clone() - kc.clone(), stage);
+        for t in 0..tb {
+            let tt = t0.clone() + u(t);
+            b.for_threads("i", u(chunk), |b, i_| {
+                let k = b.let_("k", kc.clone() + i_.clone());
+                let ok = tt.clone().lt(tokens.clone()).and(k.clone().lt(k1.clone()));
+                let dst = u(t * chunk) + i_;
+                b.if_else(
+                    ok,
+                    |b| {
+                        let v = load_f32(&x, cfg.x, xv.at(tt.clone(), k.clone()));
+                        b.shared_store(&xs, dst.clone(), v)
+                    },
+                    |b| b.shared_store(&xs, dst.clone(), f(0.0)),
+                );
+            });
+        }
         b.barrier();
         b.if_(n_oks[0].clone(), |b| {
             chunk_dot(
@@ -490,7 +471,7 @@ pub fn linear_kernel(cfg: &LinearConfig) -> Result<Kernel> {
                 fp8.as_ref(),
                 &rows,
                 &kc,
-                &end_words,
+                &row_words,
                 &xs,
                 chunk,
                 &lane,
@@ -729,14 +710,17 @@ pub fn grouped_kernel(cfg: &GroupedConfig) -> Result<Kernel> {
         let part = b.var("part", f(0.0));
         b.for_("kc", u(0), k_in.clone(), u(chunk), |b, kc| {
             b.barrier();
-            let stage = |b: &mut KernelBuilder, staged: Expr| {
-                b.for_threads("i", staged, |b, i_| {
-                    let k = b.let_("k", kc.clone() + i_.clone());
-                    let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k));
-                    b.shared_store(&xs, i_, v)
-                });
-            };
-            stage_chunk(b, chunk, k_in.clone() - kc.clone(), stage);
+            b.for_threads("i", u(chunk), |b, i_| {
+                let k = b.let_("k", kc.clone() + i_.clone());
+                b.if_else(
+                    k.clone().lt(k_in.clone()),
+                    |b| {
+                        let v = load_f32(&x, cfg.x, xv.at(xrow.clone(), k.clone()));
+                        b.shared_store(&xs, i_.clone(), v)
+                    },
+                    |b| b.shared_store(&xs, i_.clone(), f(0.0)),
+                );
+            });
             b.barrier();
             b.if_(n_ok.clone().and(valid.clone()), |b| {
                 chunk_dot(
@@ -880,7 +864,7 @@ impl LinearOp {
             x: self.x_dtype,
             tokens_per_wg: self.tokens_per_wg(),
             accumulate: self.accumulate,
-            chunk: chunk_for(self.tokens_per_wg()),
+            chunk: chunk_for_k(self.tokens_per_wg(), self.w.cols),
             split: self.splits > 1,
             rows_per_warp: rows_per_warp(self.tokens_per_wg()),
         }
@@ -901,13 +885,13 @@ impl LinearOp {
         if wgs >= workgroups {
             return 1;
         }
-        let chunks = w.cols.div_ceil(chunk_for(tb));
+        let chunks = w.cols.div_ceil(chunk_for_k(tb, w.cols));
         workgroups.div_ceil(wgs.max(1)).min(16).min(chunks).max(1)
     }
 
     /// K columns per split (whole chunks).
     fn k_split(&self) -> u32 {
-        let chunk = chunk_for(self.tokens_per_wg());
+        let chunk = chunk_for_k(self.tokens_per_wg(), self.w.cols);
         let chunks = self.w.cols.div_ceil(chunk);
         chunks.div_ceil(self.splits.max(1)) * chunk
     }
@@ -1119,7 +1103,12 @@ impl GroupedLinearOp {
             select: self.select,
             combine: self.combine.is_some(),
             accumulate: self.accumulate,
-            chunk: if baseline() { THREADS } else { 0 },
+            // a K that fits in 256 columns walks 256, not the whole stage (see chunk_for_k)
+            chunk: if baseline() || self.w.cols <= THREADS {
+                THREADS
+            } else {
+                0
+            },
         }
     }
 }
@@ -1294,6 +1283,70 @@ pub fn all_variants() -> Result<Vec<Kernel>> {
     }
     v.push(lower(dequant_kernel(&())?)?);
     Ok(v)
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    /// Every chunk a dense or grouped linear picks for its K — the short-K chunk included —
+    /// is one of [`all_variants`], so the NVRTC compile check covers the kernels that run.
+    #[test]
+    fn every_picked_chunk_is_a_checked_variant() {
+        let names: Vec<String> = all_variants()
+            .unwrap()
+            .into_iter()
+            .map(|k| k.name)
+            .collect();
+        for wtype in [
+            WeightType::F32,
+            WeightType::Bf16,
+            WeightType::Fp8 { block: [128, 128] },
+        ] {
+            for k in [16, 48, 128, 192, 256, 260, 512, 2048, 5000, 7168] {
+                for rows in [1, 3, 8, 32] {
+                    for accumulate in [false, true] {
+                        let w = WeightLayout::new(wtype, 64, k);
+                        let splits = LinearOp::splits_for(rows, &w, 1024);
+                        let op = LinearOp {
+                            x: View::packed(rows, k),
+                            x_dtype: DType::F32,
+                            w,
+                            y: View::packed(rows, 64),
+                            accumulate: accumulate && splits == 1,
+                            splits,
+                        };
+                        let name = op.config().name();
+                        assert!(
+                            names.contains(&name),
+                            "{name} (K {k}, {rows} rows) unchecked"
+                        );
+                        let chunk = op.config().chunk;
+                        assert!(
+                            chunk == chunk_for(op.tokens_per_wg()) || k <= chunk,
+                            "{name}"
+                        );
+                    }
+                }
+                let g = GroupedLinearOp {
+                    x: View::packed(4, k),
+                    x_dtype: DType::F32,
+                    x_div: 1,
+                    w: WeightLayout::new(wtype, 4 * 64, k),
+                    n_out: 64,
+                    select: GroupSelect::Heads,
+                    groups: 4,
+                    rows: 4,
+                    combine: None,
+                    y: View::packed(4, 64),
+                    accumulate: false,
+                };
+                let name = g.config().name();
+                assert!(names.contains(&name), "{name} (K {k}) unchecked");
+                assert_eq!(g.config().chunk == THREADS, k <= THREADS, "{name}");
+            }
+        }
+    }
 }
 
 #[cfg(test)]
