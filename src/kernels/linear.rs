@@ -45,7 +45,7 @@ pub fn chunk_for(tokens_per_wg: u32) -> u32 {
     (STAGE / tokens_per_wg.max(1)).max(THREADS) / THREADS * THREADS
 }
 
-/// The chunk of the dense linear for `tokens_per_wg` tokens and a K of `k_in` columns: a K
+/// The chunk of a linear (dense, or grouped at one token) for `tokens_per_wg` tokens and a K of `k_in` columns: a K
 /// that fits in [`THREADS`] elements takes the 256-element chunk (every variant has it), so
 /// that the walk over a chunk — whose trip count is the chunk's, a constant the CUDA compiler
 /// unrolls — is not mostly words past K: the absorbed per-head weights (K = 128-192 on the
@@ -1103,11 +1103,10 @@ impl GroupedLinearOp {
             select: self.select,
             combine: self.combine.is_some(),
             accumulate: self.accumulate,
-            // a K that fits in 256 columns walks 256, not the whole stage (see chunk_for_k)
-            chunk: if baseline() || self.w.cols <= THREADS {
-                THREADS
-            } else {
-                0
+            // one token's chunk (the whole stage, named 0), short K and the v1 baseline included
+            chunk: match chunk_for_k(1, self.w.cols) {
+                STAGE => 0,
+                c => c,
             },
         }
     }
@@ -1316,12 +1315,13 @@ mod chunk_tests {
                             accumulate: accumulate && splits == 1,
                             splits,
                         };
-                        let name = op.config().name();
+                        let cfg = op.config();
+                        let name = cfg.name();
                         assert!(
                             names.contains(&name),
                             "{name} (K {k}, {rows} rows) unchecked"
                         );
-                        let chunk = op.config().chunk;
+                        let chunk = cfg.chunk;
                         assert!(
                             chunk == chunk_for(op.tokens_per_wg()) || k <= chunk,
                             "{name}"
