@@ -13,7 +13,9 @@
 //! - [`serve`]: `mla-serve`, the OpenAI-compatible server with continuous batching;
 //! - [`cli`]: what the model binaries share (model directory, device, loading).
 
+#[cfg(feature = "cli")]
 pub mod chat;
+#[cfg(feature = "cli")]
 pub mod cli;
 pub mod conformance;
 pub mod emit;

@@ -349,6 +349,18 @@ fn axis(a: u8) -> &'static str {
 }
 
 /// Validate WGSL with naga (parse + full validation), returning naga's message on failure.
+/// A build without the `wgpu` feature has no naga: there it refuses (never passes unchecked).
+#[cfg(not(feature = "wgpu"))]
+pub fn validate(name: &str, _source: &str) -> Result<()> {
+    Err(Error::Compile {
+        kernel: name.into(),
+        target: "WGSL (naga)".into(),
+        log: "this build of sparse-mla has no naga (built without the `wgpu` feature)".into(),
+    })
+}
+
+/// Validate WGSL with naga (parse + full validation), returning naga's message on failure.
+#[cfg(feature = "wgpu")]
 pub fn validate(name: &str, source: &str) -> Result<naga::Module> {
     let module = naga::front::wgsl::parse_str(source).map_err(|e| Error::Compile {
         kernel: name.into(),

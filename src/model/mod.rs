@@ -26,6 +26,7 @@ pub mod rope;
 pub mod sampler;
 pub mod shard;
 pub mod synthetic;
+#[cfg(feature = "cli")]
 pub mod tokenizer;
 pub mod weights;
 
@@ -34,4 +35,5 @@ pub use config::{Arch, ModelConfig};
 pub use forward::{ForwardTrace, Logits, Model, Sequence, StepInput};
 pub use sampler::{Sampler, SamplerConfig};
 pub use shard::{ShardedCache, ShardedModel, ShardedSequence};
+#[cfg(feature = "cli")]
 pub use tokenizer::TextTokenizer;

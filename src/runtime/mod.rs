@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod gpu;
 pub mod op;
+#[cfg(feature = "wgpu")]
 pub mod wgpu;
 
 pub use op::{Binding, HostBuffers, Op};
@@ -501,6 +502,15 @@ pub fn check_topk_length(values: &[i32], topk: u32) -> Result<()> {
     Ok(())
 }
 
+/// Why wgpu is not there in a build without the `wgpu` feature (the Python wheel's).
+#[cfg(not(feature = "wgpu"))]
+pub(crate) fn no_wgpu() -> Error {
+    Error::unavailable(
+        "wgpu",
+        "this build of sparse-mla has no wgpu backend (built without the `wgpu` feature)",
+    )
+}
+
 /// Every backend present on this machine, each `Ok` or the reason it is not available:
 /// the CPU reference, each wgpu adapter, each CUDA device.
 pub fn discover(kinds: &[BackendKind]) -> Vec<(String, Result<Box<dyn Backend>>)> {
@@ -508,6 +518,11 @@ pub fn discover(kinds: &[BackendKind]) -> Vec<(String, Result<Box<dyn Backend>>)
     if kinds.contains(&BackendKind::Cpu) {
         out.push(("cpu".into(), Ok(Box::new(cpu::CpuBackend::new()))));
     }
+    #[cfg(not(feature = "wgpu"))]
+    if kinds.contains(&BackendKind::Wgpu) {
+        out.push(("wgpu".into(), Err(no_wgpu())));
+    }
+    #[cfg(feature = "wgpu")]
     if kinds.contains(&BackendKind::Wgpu) {
         match wgpu::WgpuDevice::all() {
             Ok(devs) => {
@@ -590,6 +605,9 @@ pub fn open_device(spec: DeviceSpec) -> Result<(std::sync::Arc<dyn Backend>, Str
         let dev = devs.swap_remove(n)?;
         Ok(Arc::new(gpu::GpuBackend::new(dev)))
     };
+    #[cfg(not(feature = "wgpu"))]
+    let wgpu_first = |_gpu_only: bool| -> Result<Arc<dyn Backend>> { Err(no_wgpu()) };
+    #[cfg(feature = "wgpu")]
     let wgpu_first = |gpu_only: bool| -> Result<Arc<dyn Backend>> {
         for d in wgpu::WgpuDevice::all()? {
             match d {
