@@ -148,6 +148,76 @@ fn user_errors_are_one_line_not_panics() {
     }
 }
 
+/// `--bench --profile` on the CPU reference: a row per op of the timed steps, the decode and
+/// the linears among them, calls that are whole multiples of the steps, shares that add up.
+#[test]
+fn bench_profile_tables_every_op_of_the_timed_steps() {
+    let steps = 4;
+    let out = mla_run(&[
+        "--device",
+        "cpu",
+        "--prompt-ids",
+        "1,2,3",
+        "-n",
+        &steps.to_string(),
+        "--bench",
+        "--profile",
+        "--output",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value =
+        serde_json::from_str(text(&out.stdout).trim()).expect("one JSON object");
+    let rows = v["profile"].as_array().expect("a profile array");
+    let names: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    for want in ["sparse_mla_decode", "linear", "norm", "sample"] {
+        assert!(
+            names.iter().any(|n| n.contains(want)),
+            "no `{want}` row: {names:?}"
+        );
+    }
+    // the tiny GLM-5 has 4 layers: one decode call each, every timed step
+    let decodes: u64 = rows
+        .iter()
+        .filter(|r| r["op"].as_str().unwrap().starts_with("sparse_mla_decode"))
+        .map(|r| r["calls"].as_u64().unwrap())
+        .sum();
+    assert_eq!(decodes, 4 * steps, "{rows:?}");
+    let mut total = 0.0;
+    for r in rows {
+        let calls = r["calls"].as_u64().unwrap();
+        assert!(calls > 0, "{r}");
+        let ms = r["ms_per_step"].as_f64().unwrap();
+        let us = r["us_per_call"].as_f64().unwrap();
+        assert!(ms > 0.0 && us > 0.0, "{r}");
+        let per_step = calls as f64 / steps as f64;
+        assert!(
+            (us * per_step / 1e3 - ms).abs() <= 1e-6 * ms.max(1.0),
+            "{r}"
+        );
+        total += ms;
+    }
+    // the ops are most of the step (the rest is the host's loop around them)
+    let step = v["median_ms_per_token"].as_f64().unwrap();
+    assert!(
+        total > 0.3 * step && total < 3.0 * step,
+        "{total} ms of ops in a {step} ms step"
+    );
+    // rows are sorted, the most time first
+    let ms: Vec<f64> = rows
+        .iter()
+        .map(|r| r["ms_per_step"].as_f64().unwrap())
+        .collect();
+    assert!(ms.windows(2).all(|w| w[0] >= w[1]), "{ms:?}");
+
+    let out = mla_run(&["--profile"]);
+    let stderr = text(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--bench"),
+        "{stderr}"
+    );
+}
+
 /// `mla-run --tp 2` and `--tp 4` (the shards on one device, sums through host memory) on the
 /// CPU reference generate the unsharded run's greedy tokens on both fixtures.
 #[test]

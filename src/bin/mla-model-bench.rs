@@ -17,9 +17,11 @@ use sparse_mla::model::synthetic::{self, Shape};
 use sparse_mla::model::{
     CacheOptions, KvCache, Logits, Model, Sampler, SamplerConfig, SeqId, StepInput,
 };
+use sparse_mla::runtime::profile::{format_rows, ProfileRow, Profiled};
 use sparse_mla::runtime::{open_device, Backend, CacheWriteBuffers, DeviceSpec};
 use sparse_mla::{Error, Result};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Decode speed of a true-width GLM-5 / DeepSeek-V3.2 stack on one GPU, projected to the
@@ -70,6 +72,11 @@ struct Args {
     #[arg(long, default_value = "auto",
           value_parser = clap::builder::PossibleValuesParser::new(["auto", "kernels", "cublas"]))]
     gemm: String,
+    /// Also time every operation of 3 steps per row (each between two waits for the GPU)
+    /// and print, after the table, each row's ops with the most time first: which op of a
+    /// step to look at (the main columns are timed without it).
+    #[arg(long)]
+    profile_ops: bool,
 }
 
 fn parse_shape(s: &str) -> Result<Shape> {
@@ -256,6 +263,8 @@ struct Row {
     dense_s: f64,
     moe_s: f64,
     other_s: f64,
+    /// Each op's total over 3 steps (`--profile-ops`).
+    ops: Vec<ProfileRow>,
 }
 
 /// Milliseconds to 2 decimals, `-` for a row not timed.
@@ -308,6 +317,7 @@ fn run_row(
     format: CacheFormat,
     context: usize,
     batch: usize,
+    ops: Option<&Profiled>,
 ) -> Result<Row> {
     // Eager, kernels-only, cuBLAS-only, v1, graph and profiled passes each add their steps
     // to every sequence.
@@ -359,6 +369,17 @@ fn run_row(
         Ok(_) => None,
         Err(e) => return Err(e),
     };
+    let ops = match ops {
+        Some(p) => {
+            p.reset();
+            p.set_on(true);
+            let t = time_steps(model, &mut cache, &seqs, 0, 3);
+            p.set_on(false);
+            t?;
+            p.rows()
+        }
+        None => Vec::new(),
+    };
     model.device().set_profiling(true);
     let profiled = time_steps(model, &mut cache, &seqs, 0, 3);
     let profile = model.device().set_profiling(false).unwrap_or_default();
@@ -396,6 +417,7 @@ fn run_row(
         dense_s: dense * f / n_dense.max(1) as f64,
         moe_s: moe * f / n_moe.max(1) as f64,
         other_s: other * f,
+        ops,
     })
 }
 
@@ -406,6 +428,16 @@ fn run(args: &Args) -> Result<()> {
         println!("dense linear: {r} weight row(s) per warp at every batch (--linear-rows)");
     }
     let (backend, _) = open_device(spec)?;
+    let profiled = args.profile_ops.then(|| {
+        let p = Arc::new(Profiled::new(backend.clone()));
+        p.set_on(false);
+        p
+    });
+    let backend = match &profiled {
+        Some(p) => p.clone() as Arc<dyn Backend>,
+        None => backend,
+    };
+    let mut op_tables = String::new();
     println!("device: {}", backend.device_name());
     println!(
         "dense linears: --gemm {} (cuBLAS: {})",
@@ -444,7 +476,14 @@ fn run(args: &Args) -> Result<()> {
             );
             for &ctx in &args.context {
                 for &batch in &args.batch {
-                    let row = run_row(&model, args, format, ctx, batch)?;
+                    let row = run_row(&model, args, format, ctx, batch, profiled.as_deref())?;
+                    if profiled.is_some() {
+                        op_tables += &format!(
+                            "\nops of {} {wt} ctx {ctx} batch {batch}, 3 eager steps, each op between two waits:\n{}",
+                            shape.name(),
+                            format_rows(&row.ops, 3)
+                        );
+                    }
                     let (other_b, layers_b) = step_bytes(&model, batch, ctx, format);
                     let total_b = other_b + layers_b.iter().sum::<f64>();
                     let roof = total_b / bw;
@@ -506,6 +545,7 @@ fn run(args: &Args) -> Result<()> {
             }
         }
     }
+    print!("{op_tables}");
     Ok(())
 }
 

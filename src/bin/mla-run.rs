@@ -19,6 +19,7 @@ use sparse_mla::model::{
     CacheOptions, Logits, Model, ModelConfig, Sampler, SamplerConfig, Sequence, ShardedModel,
     ShardedSequence, TextTokenizer,
 };
+use sparse_mla::runtime::profile::{format_rows, Profiled};
 use sparse_mla::runtime::{Backend, DeviceSpec};
 use sparse_mla::{Error, Result};
 use std::sync::Arc;
@@ -138,6 +139,13 @@ struct Cli {
     /// prints the median step time, tokens/s and the host waits per step.
     #[arg(long)]
     bench: bool,
+
+    /// With --bench: time every operation of the timed steps (the device waited for before
+    /// and after each, CUDA graphs off) and print a table of where a step's time goes — op,
+    /// calls, ms per step, µs per call, share. Each row includes one launch and one wait, so
+    /// the steps run slower than without; it shows which op to look at, on any device.
+    #[arg(long, requires = "bench")]
+    profile: bool,
 
     /// Chat: read a message per line from stdin, answer it with the model's chat template
     /// (tokenizer_config.json or chat_template.jinja), and keep the conversation's cache
@@ -360,6 +368,14 @@ struct Summary {
 fn run(cli: &Cli) -> Result<()> {
     let plan = plan(cli)?;
     let (backend, ckpt) = open(&plan)?;
+    let profiled = cli
+        .profile
+        .then(|| Arc::new(Profiled::new(backend.clone())));
+    let backend = match &profiled {
+        Some(p) => p.clone() as Arc<dyn Backend>,
+        None => backend,
+    };
+    let profile = profiled.as_deref();
     if let Some(n) = cli.tp {
         let model = load_sharded_with_progress(&plan.config, backend, &ckpt, n)?;
         drop(ckpt);
@@ -369,7 +385,7 @@ fn run(cli: &Cli) -> Result<()> {
             model.collective_name()
         );
         if cli.bench {
-            return bench(cli, &plan, &model);
+            return bench(cli, &plan, &model, profile);
         }
         return generate(cli, &plan, &model);
     }
@@ -382,7 +398,7 @@ fn run(cli: &Cli) -> Result<()> {
             "--gemm", &cli.gemm,
         )?)?;
     if cli.bench {
-        return bench(cli, &plan, &model);
+        return bench(cli, &plan, &model, profile);
     }
     if cli.chat {
         return chat::run(cli, &plan, &model);
@@ -475,7 +491,12 @@ fn generate<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
 }
 
 /// `--bench`: the decode loop timed step by step.
-fn bench<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
+fn bench<G: Generator>(
+    cli: &Cli,
+    plan: &Plan,
+    model: &G,
+    profile: Option<&Profiled>,
+) -> Result<()> {
     let steps = cli.n.max(1);
     let need = plan.prompt.len() + steps + 4;
     if need > plan.cache.max_seq_len {
@@ -498,6 +519,13 @@ fn bench<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
     let backend = model.device().backend();
     let mut waits = 0;
     for i in 0..steps + 3 {
+        if i == 3 {
+            // the prefill's and the warm-up steps' rows are not the timed steps'
+            backend.synchronize()?;
+            if let Some(p) = profile {
+                p.reset();
+            }
+        }
         let t = Instant::now();
         let w0 = backend.host_syncs();
         let id = sampler.sample(model.device(), &logits)?[0].id;
@@ -523,11 +551,26 @@ fn bench<G: Generator>(cli: &Cli, plan: &Plan, model: &G) -> Result<()> {
         1.0 / q(0.5),
         waits as f64 / steps as f64
     );
+    let rows = profile.map(|p| p.rows()).unwrap_or_default();
     match cli.output {
-        Output::Text => println!("{line}"),
+        Output::Text => {
+            println!("{line}");
+            if profile.is_some() {
+                println!(
+                    "profile of the {steps} timed steps (each op between two waits for the device; graphs off):"
+                );
+                print!("{}", format_rows(&rows, steps as u64));
+            }
+        }
         Output::Json => println!(
             "{}",
             serde_json::json!({
+                "profile": profile.map(|_| rows.iter().map(|r| serde_json::json!({
+                    "op": r.name,
+                    "calls": r.calls,
+                    "ms_per_step": r.total.as_secs_f64() * 1e3 / steps as f64,
+                    "us_per_call": r.total.as_secs_f64() * 1e6 / r.calls.max(1) as f64,
+                })).collect::<Vec<_>>()),
                 "device": backend.device_name(),
                 "prompt_tokens": plan.prompt.len(),
                 "steps": steps,

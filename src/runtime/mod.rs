@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod gpu;
 pub mod op;
+pub mod profile;
 #[cfg(feature = "wgpu")]
 pub mod wgpu;
 
