@@ -26,7 +26,9 @@
 //   and for splits > 1 the combine sparse_mla_decode_combine_d512_t256.
 //   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself
 //   (no combine), with more it writes per-split partials for the combine.
-//   Except for a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
+//   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and
+//   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at
+//   any cache format and v6_per_sm, and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
 //     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
 //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES
 //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *
@@ -259,6 +261,15 @@ static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, 
     return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
 }
 
+/* Is a call a narrow one (DecodeConfig::is_narrow_call): at least 17 heads and
+   11 x tokens x ceil(heads / 16) <= sms. The runtime runs v7 in 16-head blocks there,
+   whatever the cache format and v6_per_sm (on the H200 1.01-1.29x the kernels before,
+   benches/NOTES.md v24). */
+static inline int sparse_mla_is_narrow_call(unsigned heads, unsigned tokens, unsigned sms) {
+    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
+    return heads >= 17u && 11u * blocks <= (unsigned long long)sms;
+}
+
 /* The kernel whose occupancy is `v6_per_sm`: the bf16 v6 split kernel for `heads`
    (DecodeConfig::tensor_core_v6), whatever format the calls use (the runtime asks the same).
    Fills split_kernel, threads and dynamic_smem (and the other kernel facts): load
@@ -280,7 +291,8 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
     return "heads: no v6 kernel for this head count";
 }
 
-/* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): by cache format
+/* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): v7 in 16-head blocks
+   for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
    when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call
    (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,
@@ -303,6 +315,18 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
+    if (sparse_mla_is_narrow_call(heads, tokens, sms)) {
+        if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;
+            return 0;
+        }
+        if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 0u;
+            return 0;
+        }
+    }
     if (sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)) {
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
@@ -771,6 +795,39 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 81472 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
+struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

@@ -39,6 +39,10 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
         }
     }
+    // bf16's narrow-call kernel (fp8's is its H <= 16 v7 kernel, merged above)
+    let narrow = DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, CacheFormat::Bf16, 64)
+        .expect("a narrow configuration above 16 heads");
+    kernels.push((*lowered_merged(&narrow).expect("merged kernel")).clone());
     // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
     let mut failures = Vec::new();
     let mut count = 0;

@@ -271,6 +271,8 @@ fn c_plan_matches_the_runtime_plan() {
         let dims = MlaDims::PRODUCTION;
         let family = if Some(config) == DecodeConfig::tensor_core_batch(dims, format, heads) {
             "batch"
+        } else if Some(config) == DecodeConfig::tensor_core_narrow(dims, format, heads) {
+            "narrow"
         } else if config == DecodeConfig::tensor_core_v6(dims, format, heads) {
             "v6"
         } else if config == DecodeConfig::tensor_core_v7(dims, format, heads) {
@@ -302,6 +304,14 @@ fn c_plan_matches_the_runtime_plan() {
                 );
             }
         }
+    }
+    // narrow calls (v7 in 16-head blocks above 16 heads) in both formats
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let n: u32 = [1u32, 2, 3]
+            .iter()
+            .map(|&v6| count((format, "narrow", false, v6)))
+            .sum();
+        assert!(n > 10, "{format:?}: {n} narrow calls");
     }
     let tail = &lines[cases.len()..];
     assert!(tail[0].starts_with("error tokens:"), "{}", tail[0]);

@@ -235,6 +235,15 @@ pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
     })
 }
 
+/// The narrow-call variants for `format` (`DecodeConfig::tensor_core_narrow`, which the CUDA
+/// backend runs first when `DecodeConfig::is_narrow_call`, at any v6 residency), by scanning
+/// the configuration choice over head counts like [`batch_variants`] (H > 16).
+pub fn narrow_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
+    scan_heads(format, (1, None), |h| {
+        DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, format, h)
+    })
+}
+
 /// Shared memory per multiprocessor of an arch (bytes), for the resident-workgroup estimate
 /// of an export made without the GPU (the runtime asks the driver instead).
 fn smem_per_sm(arch: &str) -> Option<u32> {
@@ -353,7 +362,9 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "//   Except for a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
+            "//   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and\n\
+             //   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at\n\
+             //   any cache format and v6_per_sm, and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
              //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *\n\
@@ -457,6 +468,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
 fn plan_code(
     variants: &[DecodeVariant],
     batch: &[DecodeVariant],
+    narrow: &[DecodeVariant],
     v6_probe: Option<&[DecodeVariant]>,
 ) -> Result<String> {
     let first = variants
@@ -610,7 +622,7 @@ static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, 
     return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
 }}
 
-{v6_fn}/* The kernel of one call{batch_doc}
+{narrow_fn}{v6_fn}/* The kernel of one call{batch_doc}
    `topk`: indices per token, as given to sparse_mla_plan_decode (whether a call is a large
    batch depends on the steps a workgroup walks). `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
    of the GPU. `v6_per_sm`: workgroups of the
@@ -641,7 +653,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
              `sms` and `v6_per_sm` do not change the choice here, where the runtime and\n   \
              sparse_mla.h of the standard set can pick another kernel."
         } else {
-            ", as the runtime picks it (DecodeConfig::for_call): by cache format\n   \
+            ", as the runtime picks it (DecodeConfig::for_call): v7 in 16-head blocks\n   \
+             for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
              when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,\n   \
@@ -654,6 +667,21 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             "sparse_mla_v6_per_sm() on\n   the function of sparse_mla_v6_kernel(heads); any value >= 1 for fp8_ds_mla, whose choice\n   does not depend on it"
         } else {
             "not read by this\n   export, but checked: at least 1"
+        },
+        narrow_fn = match narrow.first() {
+            Some(n) => format!(
+                "/* Is a call a narrow one (DecodeConfig::is_narrow_call): at least {min} heads and\n   \
+                 {f} x tokens x ceil(heads / 16) <= sms. The runtime runs v7 in 16-head blocks there,\n   \
+                 whatever the cache format and v6_per_sm (on the H200 1.01-1.29x the kernels before,\n   \
+                 benches/NOTES.md v24). */\n\
+                 static inline int sparse_mla_is_narrow_call(unsigned heads, unsigned tokens, unsigned sms) {{\n    \
+                 unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);\n    \
+                 return heads >= {min}u && {f}u * blocks <= (unsigned long long)sms;\n\
+                 }}\n\n",
+                min = n.heads_min,
+                f = DecodeConfig::NARROW_FACTOR,
+            ),
+            None => String::new(),
         },
         v6_fn = match v6_probe {
             Some(v6) => v6_kernel_fn(v6),
@@ -680,6 +708,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         plan_fill(s, indent, &cond, v);
     };
+    if !narrow.is_empty() {
+        s.push_str("    if (sparse_mla_is_narrow_call(heads, tokens, sms)) {\n");
+        for v in narrow {
+            case(&mut s, v, "        ");
+        }
+        s.push_str("    }\n");
+    }
     if batch.is_empty() {
         s.push_str(
             "    (void)tokens; /* no large-batch kernel in this export */\n    (void)topk;\n",
@@ -1050,7 +1085,14 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
     h.push_str(&launch_rules(&variants, &batch));
     h.push_str(&batch_rules(&batch));
     h.push_str("\n#pragma once\n\n");
-    h.push_str(&plan_code(&variants, &batch, Some(&v6_probe_variants()?))?);
+    let mut narrow = narrow_variants(CacheFormat::Bf16)?;
+    narrow.extend(narrow_variants(CacheFormat::Fp8DsMla)?);
+    h.push_str(&plan_code(
+        &variants,
+        &batch,
+        &narrow,
+        Some(&v6_probe_variants()?),
+    )?);
     h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");
     h.push_str(&kernel_structs(kernels));
     Ok(h)
@@ -1200,7 +1242,7 @@ pub fn config_header(
             0
         },
     );
-    h.push_str(&plan_code(std::slice::from_ref(variant), &[], None)?);
+    h.push_str(&plan_code(std::slice::from_ref(variant), &[], &[], None)?);
     h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
     h.push_str(&kernel_structs(&[&variant.split, &variant.combine]));
     Ok(h)

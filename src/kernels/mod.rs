@@ -225,6 +225,17 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
             });
         }
     }
+    // v7 in 16-head blocks for narrow calls above 16 heads (DecodeConfig::is_narrow_call);
+    // fp8's is its H <= 16 v7 kernel, exported below
+    if let Some(config) =
+        DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, CacheFormat::Bf16, 64)
+    {
+        out.push(StandardKernel {
+            target: Target::Cuda,
+            kernel: lower(&split_kernel(&config)?, config.lowering)?,
+            note: "sparse decode, bf16 cache, tensor cores v7 in 16-head blocks without the L2 prefetch, the CUDA backend's kernel for narrow calls (H > 16, 11 * T * ceil(H / 16) <= SMs)".into(),
+        });
+    }
     for (version, choose) in versions {
         for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
             for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {

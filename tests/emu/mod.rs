@@ -53,8 +53,10 @@ pub struct EmuConfig {
     pub one_stage: bool,
     /// The multiprocessors the backend's kernel choice (`DecodeConfig::for_call`) is made
     /// for; the splits are planned for the device's own few resident workgroups either way.
-    /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 64 leaves those of
-    /// 16 T ceil(H/16) <= 64 on v7, and bf16 takes the batch kernel from T 32.
+    /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 96 leaves those of
+    /// 16 T ceil(H/16) <= 96 on v7, bf16 takes the batch kernel from T 48, and the calls of
+    /// more than 16 heads with 11 T ceil(H/16) <= 96 (H 128 T 1, H 64 T 1-2) run the
+    /// narrow-call kernel.
     pub choice_sms: u32,
     /// Calls of several splits and at least this many heads take the merged kernel (split
     /// and combine in one cooperative launch, its blocks run at once on OS threads) wherever
@@ -82,7 +84,7 @@ impl EmuConfig {
             seed,
             v7: i < 2 || i == 3,
             one_stage: i == 3,
-            choice_sms: if i == 1 { 64 } else { 6 },
+            choice_sms: if i == 1 { 96 } else { 6 },
             // run 1 merges every call that can (v6's small bf16 calls, v7's); run 2 (v6)
             // merges the calls of several head blocks and keeps two launches for the others;
             // runs 0 and 3 keep v7's two launches
@@ -133,6 +135,9 @@ pub struct EmuDevice {
     /// Resident workgroups the split heuristic plans for (a small "GPU").
     pub resident: u32,
     pub config: EmuConfig,
+    /// Decode calls planned on the narrow-call kernel (`DecodeConfig::tensor_core_narrow`),
+    /// [bf16, fp8_ds_mla].
+    pub narrow_plans: [AtomicU64; 2],
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -314,7 +319,11 @@ impl EmuDevice {
     }
 
     pub fn with(resident: u32, config: EmuConfig) -> Self {
-        EmuDevice { resident, config }
+        EmuDevice {
+            resident,
+            config,
+            narrow_plans: Default::default(),
+        }
     }
 
     /// The C++ translation unit for `kernel`: prelude.h, the emitted CUDA C (helpers as
@@ -413,6 +422,10 @@ impl Device for EmuDevice {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };
         lowered_kernels(&config)?;
+        if Some(config) == DecodeConfig::tensor_core_narrow(shape.dims, shape.format, shape.heads) {
+            let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
+            self.narrow_plans[i].fetch_add(1, Ordering::Relaxed);
+        }
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
         Ok(match self.config.merge {

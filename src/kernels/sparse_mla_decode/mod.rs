@@ -136,6 +136,31 @@ impl DecodeConfig {
         })
     }
 
+    /// v7 in 16-head blocks for a call of more than 16 heads (none at 16 or fewer, where
+    /// [`Self::tensor_core_v7`] already takes them): the configuration of a narrow call
+    /// ([`Self::is_narrow_call`]). No L2 prefetch: with it these calls ran 0–4 % slower.
+    pub fn tensor_core_narrow(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
+        (heads > 16).then(|| Self::tensor_core_custom(dims, format, 16, 32, 2))
+    }
+
+    /// Is `shape` a narrow call: more than 16 heads and `NARROW_FACTOR · T · ⌈H/16⌉ ≤ SMs`
+    /// (at most 12 blocks of 16 heads on 132 SMs)? [`Self::for_call`] runs such a call on
+    /// [`Self::tensor_core_narrow`], whatever the cache format and the v6 residency. Twice
+    /// the head blocks of v7's 32-head ones leave each of them half the splits, so the
+    /// partials to merge halve and each workgroup walks twice the steps. Measured on the
+    /// H200 at both occupancies, same binary (benches/NOTES.md, v24), against what ran
+    /// before (v6 for bf16 at ≤ 4 blocks, else v7 in 32-head blocks): 1.01–1.10x on every
+    /// bf16 call of ≤ 12 blocks (H 32 T 1–6, H 48 T 1–4, H 64 T 1–3, H 96 T 1–2, H 128
+    /// T 1), 1.04–1.29x on fp8_ds_mla; 0.92–0.96x at 16–18 blocks (H 64 T 4, H 128 T 2,
+    /// H 48 T 6, H 96 T 3), where the rule stops.
+    pub fn is_narrow_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        shape.heads > 16 && Self::NARROW_FACTOR * Self::blocks16(shape) <= sm_count as u64
+    }
+
+    /// The factor of [`Self::is_narrow_call`]: 12 blocks of 16 heads on the H200's 132
+    /// multiprocessors won, 16 lost.
+    pub const NARROW_FACTOR: u64 = 11;
+
     /// The large-batch configuration for `heads` ≤ 16 (none above): two warp groups of 4 warps
     /// in one workgroup, each walking every other 32-slot step with its own ring of 32-row
     /// stages — one stage for bf16 (2 x 37 KB of rings, 87744 B in all), two for fp8_ds_mla
@@ -242,6 +267,10 @@ impl DecodeConfig {
     /// 1.04–1.05× at 2–4 blocks (H 32 T 1–2, H 48 / 64 T 1); at H ≤ 16 v6 won at T ≤ 6
     /// (1.01–1.05×) and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own
     /// occupancy the two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8).
+    ///
+    /// Above 16 heads every such call is a narrow one ([`Self::is_narrow_call`]), which
+    /// [`Self::for_call`] takes first: there the rule only keeps them out of
+    /// [`Self::v7_fills_one_wave`].
     pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
         let wide = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h > 16;
         let f = match (wide, v6_per_sm >= 2) {
@@ -252,7 +281,8 @@ impl DecodeConfig {
         f * Self::blocks16(shape) <= sm_count as u64
     }
 
-    /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_batch`] for a
+    /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_narrow`] for
+    /// a narrow call ([`Self::is_narrow_call`]); [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
     /// more than 16 heads that v7 fills the GPU with in one wave
@@ -266,6 +296,11 @@ impl DecodeConfig {
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        if let Some(narrow) = Self::tensor_core_narrow(dims, format, heads)
+            .filter(|_| Self::is_narrow_call(shape, sm_count))
+        {
+            return Ok(narrow);
+        }
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
             // v6 or v7 by Self::is_v6_call; the residency is asked only where it decides (at
             // H <= 16 between the call's two factors)
@@ -1117,7 +1152,9 @@ mod tests {
         ] {
             for (per_sm, want) in [(2, at_two), (1, at_one)] {
                 let got = pick(CacheFormat::Bf16, heads, tokens, per_sm);
-                let expect = if want { "v6" } else { "v7" };
+                // above 16 heads these are narrow calls now, run by v7 in 16-head blocks
+                // (is_narrow_call, v24), which beat both
+                let expect = if want && heads <= 16 { "v6" } else { "v7" };
                 assert_eq!(got, expect, "H {heads} T {tokens} at {per_sm} v6 per SM");
                 let s = shape(CacheFormat::Bf16, heads, tokens);
                 assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
@@ -1130,6 +1167,65 @@ mod tests {
         assert!((1..=4).all(|p| !DecodeConfig::is_v6_call(&s, 132, p)));
         // fp8_ds_mla keeps its own choice: v7 for the small calls
         assert_eq!(pick(CacheFormat::Fp8DsMla, 16, 8, 2), "v7");
+    }
+
+    #[test]
+    fn narrow_calls_run_v7_in_16_head_blocks_where_it_measured_faster() {
+        // (H, T, narrow) on 132 SMs: the H200 rows of benches/h200-v24.txt, both formats,
+        // both occupancies; 16-head v7 won every call of <= 12 blocks of 16 heads (b) and lost
+        // from 16 (H 64 T 4, H 128 T 2: 0.93-0.95x) and 18 (H 48 T 6, H 96 T 3)
+        for (heads, tokens, narrow) in [
+            (32, 1, true),
+            (32, 2, true),
+            (32, 4, true),
+            (32, 6, true),
+            (48, 1, true),
+            (48, 4, true),
+            (64, 1, true),
+            (64, 3, true),
+            (96, 2, true),
+            (128, 1, true),
+            (32, 8, false),
+            (48, 6, false),
+            (64, 4, false),
+            (96, 3, false),
+            (128, 2, false),
+            (16, 1, false),
+            (8, 1, false),
+        ] {
+            for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+                let s = shape(format, heads, tokens);
+                assert_eq!(
+                    DecodeConfig::is_narrow_call(&s, 132),
+                    narrow,
+                    "H {heads} T {tokens}"
+                );
+                for per_sm in [1, 2] {
+                    let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
+                    if narrow {
+                        assert_eq!(
+                            c,
+                            DecodeConfig::tensor_core_narrow(s.dims, format, heads).unwrap()
+                        );
+                        assert_eq!((c.family(), c.block_h, c.l2_ahead()), ("v7", 16, 0));
+                    } else {
+                        assert!(
+                            c.block_h > 16 || heads <= 16,
+                            "{format:?} H {heads} T {tokens}: {}",
+                            c.split_name()
+                        );
+                    }
+                }
+            }
+        }
+        // the factor scales with the GPU: 170 SMs (RTX 5090) take 15 blocks
+        let s = shape(CacheFormat::Bf16, 80, 3);
+        assert!(!DecodeConfig::is_narrow_call(&s, 132));
+        assert!(DecodeConfig::is_narrow_call(&s, 170));
+        // no narrow configuration at 16 heads or fewer
+        assert!(
+            DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, CacheFormat::Bf16, 16).is_none()
+        );
     }
 
     #[test]
@@ -1155,8 +1251,6 @@ mod tests {
             (128, 32, true),
             (128, 64, false),
             (128, 128, false),
-            (32, 1, false),
-            (64, 1, false),
             (16, 32, false),
         ] {
             let s = shape(CacheFormat::Bf16, heads, tokens);
@@ -1217,7 +1311,7 @@ mod tests {
         use CacheFormat::{Bf16, Fp8DsMla};
         // one v6 workgroup per SM (SM120): v6 only for the smallest bf16 calls,
         // f T ceil(H/16) <= SMs with f 20 at H <= 16 and 32 above (is_v6_call)
-        for (heads, small, next) in [(16, 6, 7), (8, 6, 7), (32, 2, 3), (64, 1, 2)] {
+        for (heads, small, next) in [(16, 6, 7), (8, 6, 7)] {
             assert_eq!(pick(Bf16, heads, small, 1), "v6", "H {heads} T {small}");
             assert_eq!(pick(Bf16, heads, next, 1), "v7", "H {heads} T {next}");
             assert_eq!(
