@@ -151,7 +151,7 @@ impl DecodeConfig {
     /// H200 at both occupancies, same binary (benches/NOTES.md, v24), against what ran
     /// before (v6 for bf16 at ≤ 4 blocks, else v7 in 32-head blocks): 1.01–1.10x on every
     /// bf16 call of ≤ 12 blocks (H 32 T 1–6, H 48 T 1–4, H 64 T 1–3, H 96 T 1–2, H 128
-    /// T 1), 1.04–1.29x on fp8_ds_mla; 0.92–0.96x at 16–18 blocks (H 64 T 4, H 128 T 2,
+    /// T 1), 1.04–1.29x on fp8_ds_mla; 0.92–0.99x at 16–18 blocks (H 64 T 4, H 128 T 2,
     /// H 48 T 6, H 96 T 3), where the rule stops.
     pub fn is_narrow_call(shape: &DecodeShape, sm_count: u32) -> bool {
         shape.heads > 16 && Self::NARROW_FACTOR * Self::blocks16(shape) <= sm_count as u64
