@@ -52,8 +52,8 @@ fi
 tools/mutate.sh --check
 
 # The Python wheel (python/, a cargo workspace of its own) builds in the background, at the
-# lowest priority, while the main build and the tests run: it takes the cores they leave
-# idle (their serial stretches, lavapipe's waits) instead of ~220 s of its own at the end.
+# lowest priority, while the tests run: it takes the cores they leave idle (their serial
+# stretches, lavapipe's waits) instead of ~220 s of its own at the end.
 # It cannot reuse the main build's crates: pyo3's macros turn on syn's `visit-mut`, so every
 # crate downstream of a derive (serde, thiserror... nearly all) hashes differently, and the
 # features the main crate's dev-dependencies turn on differ too. It builds the main crate
@@ -62,6 +62,10 @@ tools/mutate.sh --check
 # lock on target/ nor changes a crate the main build uses.
 WHEEL_PID=
 if [ $# -eq 0 ]; then
+    # The test binaries first, alone: with the wheel's compile beside it the main build took
+    # 574-597 s against ~410 s alone (CI runs 47-48: nice does not keep the wheel's LLVM
+    # threads off the shared caches), and the wheel now needs too little to wait for.
+    cargo test --release --no-run
     PY_TOOLS=$PWD/target/py-tools
     if [ ! -x "$PY_TOOLS/bin/maturin" ]; then
         echo "== installing maturin from PyPI into $PY_TOOLS"
