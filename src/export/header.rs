@@ -363,7 +363,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
         let _ = writeln!(
             s,
             "//   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and\n\
-             //   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at\n\
+             //   {narrow_f} * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at\n\
              //   any cache format and v6_per_sm, and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
@@ -374,7 +374,8 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
              //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and\n\
              //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor\n\
              //   count `sms` and `v6_per_sm`.",
-            ranges.join(", ")
+            ranges.join(", "),
+            narrow_f = DecodeConfig::NARROW_FACTOR,
         );
     }
     s.push_str(

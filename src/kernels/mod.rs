@@ -233,7 +233,10 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
         out.push(StandardKernel {
             target: Target::Cuda,
             kernel: lower(&split_kernel(&config)?, config.lowering)?,
-            note: "sparse decode, bf16 cache, tensor cores v7 in 16-head blocks without the L2 prefetch, the CUDA backend's kernel for narrow calls (H > 16, 11 * T * ceil(H / 16) <= SMs)".into(),
+            note: format!(
+                "sparse decode, bf16 cache, tensor cores v7 in 16-head blocks without the L2 prefetch, the CUDA backend's kernel for narrow calls (H > 16, {} * T * ceil(H / 16) <= SMs)",
+                DecodeConfig::NARROW_FACTOR
+            ),
         });
     }
     for (version, choose) in versions {

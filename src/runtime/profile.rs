@@ -32,6 +32,18 @@ pub struct ProfileRow {
     pub total: Duration,
 }
 
+impl ProfileRow {
+    /// Milliseconds a step over `steps` steps.
+    pub fn ms_per_step(&self, steps: u64) -> f64 {
+        self.total.as_secs_f64() * 1e3 / steps.max(1) as f64
+    }
+
+    /// Microseconds a call.
+    pub fn us_per_call(&self) -> f64 {
+        self.total.as_secs_f64() * 1e6 / self.calls.max(1) as f64
+    }
+}
+
 /// A [`Backend`] that times every operation it forwards (see the module's doc).
 pub struct Profiled {
     inner: Arc<dyn Backend>,
@@ -102,7 +114,6 @@ impl Profiled {
 /// The rows as a plain-text table: op, calls, total ms, µs a call, share of the total.
 pub fn format_rows(rows: &[ProfileRow], steps: u64) -> String {
     let total: f64 = rows.iter().map(|r| r.total.as_secs_f64()).sum();
-    let steps = steps.max(1) as f64;
     let width = rows.iter().map(|r| r.name.len()).max().unwrap_or(2).max(2);
     let mut s = format!(
         "{:<width$}  {:>7}  {:>11}  {:>10}  {:>6}\n",
@@ -114,8 +125,8 @@ pub fn format_rows(rows: &[ProfileRow], steps: u64) -> String {
             "{:<width$}  {:>7}  {:>11.3}  {:>10.1}  {:>5.1}%\n",
             r.name,
             r.calls,
-            t * 1e3 / steps,
-            t * 1e6 / r.calls.max(1) as f64,
+            r.ms_per_step(steps),
+            r.us_per_call(),
             if total > 0.0 { 100.0 * t / total } else { 0.0 }
         );
     }
@@ -123,7 +134,7 @@ pub fn format_rows(rows: &[ProfileRow], steps: u64) -> String {
         "{:<width$}  {:>7}  {:>11.3}\n",
         "all",
         "",
-        total * 1e3 / steps
+        total * 1e3 / steps.max(1) as f64
     );
     s
 }

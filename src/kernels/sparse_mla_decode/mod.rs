@@ -154,7 +154,8 @@ impl DecodeConfig {
     /// T 1), 1.04–1.29x on fp8_ds_mla; 0.92–0.99x at 16–18 blocks (H 64 T 4, H 128 T 2,
     /// H 48 T 6, H 96 T 3), where the rule stops.
     pub fn is_narrow_call(shape: &DecodeShape, sm_count: u32) -> bool {
-        shape.heads > 16 && Self::NARROW_FACTOR * Self::blocks16(shape) <= sm_count as u64
+        Self::tensor_core_narrow(shape.dims, shape.format, shape.heads).is_some()
+            && Self::NARROW_FACTOR * Self::blocks16(shape) <= sm_count as u64
     }
 
     /// The factor of [`Self::is_narrow_call`]: 12 blocks of 16 heads on the H200's 132
