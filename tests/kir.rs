@@ -101,6 +101,7 @@ fn tile_aliases_share_their_parents_rows() {
         Lowering::Mma {
             stages: 1,
             min_workgroups: 0,
+            l2_ahead: 0,
         },
     )
     .expect("the tensor-core lowering places it");
@@ -474,6 +475,71 @@ fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
                     split.name
                 );
             }
+        }
+    }
+}
+
+/// With `l2_ahead` = k, v6's ring (every thread gathers) asks L2, right after each
+/// iteration's copies, for the rows of the step k past them, from addresses computed one
+/// iteration before (a queue of k + 1 address registers per gather row, shifted each
+/// iteration), guarded by the step count; without it nothing is prefetched. Production's v6
+/// asks for none (slower on the H200, benches/NOTES.md v25): the prefetch is a bench variant.
+#[test]
+fn v6_asks_l2_for_rows_ahead_only_when_told() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    for heads in [16, 64] {
+        let config = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
+        assert_eq!(config.l2_ahead(), 0, "{config:?}");
+        let (split, _) = lowered_kernels(&config).expect("lowers");
+        let src = cuda::emit(&split).expect("emits");
+        assert!(!src.contains("prefetch_l2("), "{}", split.name);
+        assert!(!src.contains("_src_ahead"), "{}", split.name);
+        for ahead in [1u32, 2] {
+            let (split, _) = lowered_kernels(&config.with_l2_ahead(ahead)).expect("lowers");
+            assert!(split.name.contains(&format!("p{ahead}_")), "{}", split.name);
+            let src = cuda::emit(&split).expect("emits");
+            let body = &src[src.find("__global__").expect("a kernel")..];
+            let in_loop = body.find("for (unsigned step_i").expect("the ring loop");
+            let (pro, lp) = body.split_at(in_loop);
+            assert!(
+                !pro.contains("prefetch_l2("),
+                "{}: none before the loop",
+                split.name
+            );
+            assert_eq!(lp.matches("prefetch_l2(").count(), 1, "{}", split.name);
+            // after this iteration's copies, before its wait for them
+            let copy = lp.find("cp_async_16(").expect("copies");
+            let ask = lp.find("prefetch_l2(").expect("prefetch");
+            let wait = lp.find("cp_async_wait<").expect("wait");
+            assert!(
+                copy < ask && ask < wait,
+                "{}: copies, prefetch, wait",
+                split.name
+            );
+            let stages = match config.lowering {
+                sparse_mla::kir::Lowering::Mma { stages, .. } => stages,
+                _ => unreachable!("v6 is Lowering::Mma"),
+            };
+            assert!(
+                lp.contains(&format!("(step_i + {}u) < step_count", stages - 1 + ahead)),
+                "{}: the prefetch guarded by the step count",
+                split.name
+            );
+            // the queue: `ahead` arrays past the copies' own, each shifted once an iteration
+            assert!(
+                pro.matches("_src_ahead").count() >= ahead as usize,
+                "{}: the prologue fills the queue",
+                split.name
+            );
+            let shifts = lp
+                .lines()
+                .filter(|l| {
+                    l.contains("[queue_pass") && l.contains("] = ") && l.contains("_src_ahead")
+                })
+                .count();
+            assert_eq!(shifts, ahead as usize, "{}: queue shifts", split.name);
         }
     }
 }

@@ -197,6 +197,7 @@ fn run(dev: &emu::EmuDevice, layout: Layout, mode: Mode, seed: u64) -> Result<()
         Lowering::Mma {
             stages: 2,
             min_workgroups: 0,
+            l2_ahead: 0,
         },
     )
     .map_err(|e| e.to_string())?;

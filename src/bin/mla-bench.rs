@@ -94,7 +94,8 @@ struct Args {
     /// `Lowering::MmaWs`) and pAHEAD (the producers ask L2 for the rows AHEAD steps past
     /// the ring's copies), of the baseline (v6) as
     /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
-    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,v6:16x16x2x2.
+    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,v6:16x16x2x2,v6:16x32x2x2p1 (pAHEAD: L2 asked for the
+    /// rows AHEAD steps past the copies).
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
@@ -576,14 +577,14 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS, e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 16x32x2p2, v6:16x16x2x2";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
     };
     // pL2_AHEAD: the producers ask L2 for the rows that many steps past the copies
     let (body, l2_ahead) = match body.split_once('p') {
-        Some((b, p)) if !v6 => (
+        Some((b, p)) => (
             b,
             p.parse::<u32>()
                 .ok()
@@ -637,6 +638,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
             c.lowering = Lowering::Mma {
                 stages,
                 min_workgroups,
+                l2_ahead,
             };
             Ok(c)
         }

@@ -34,7 +34,13 @@ pub enum Lowering {
     /// instruction set (sm_80 and later); at most [`shared_plan::MAX_SHARED_BYTES`] of shared
     /// memory per block.
     /// `min_workgroups`: the register-allocation hint of the lowered kernel (0: none).
-    Mma { stages: u32, min_workgroups: u32 },
+    /// `l2_ahead` > 0: each step also asks L2 for the rows `l2_ahead` steps past the copies
+    /// it issues (0: no prefetch).
+    Mma {
+        stages: u32,
+        min_workgroups: u32,
+        l2_ahead: u32,
+    },
     /// CUDA tensor cores with a producer warp (`v7`): one extra warp gathers each pipeline
     /// step into a `stages`-deep ring (`cp.async.bulk` + mbarrier transaction counts on sm_90
     /// and later, `cp.async` arriving on the mbarrier before), the other warps compute, stages
@@ -76,7 +82,8 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
         Lowering::Mma {
             stages,
             min_workgroups,
-        } => lower_mma::lower(kernel, stages, min_workgroups),
+            l2_ahead,
+        } => lower_mma::lower(kernel, stages, min_workgroups, l2_ahead),
         Lowering::MmaWs {
             stages,
             groups,

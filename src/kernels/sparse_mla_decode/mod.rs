@@ -382,26 +382,30 @@ impl DecodeConfig {
         }
     }
 
-    /// This configuration with the producers asking L2 for the rows `l2_ahead` steps past
-    /// the ring's copies (v7 and the large-batch kernel; see [`Lowering::MmaWs`]); other
-    /// lowerings as they are.
+    /// This configuration asking L2 for the rows `l2_ahead` steps past the ring's copies
+    /// (the producers of v7 and the large-batch kernel, [`Lowering::MmaWs`]; every thread of
+    /// a row's gather in v6, [`Lowering::Mma`]); the scalar lowering as it is.
     pub fn with_l2_ahead(mut self, l2_ahead: u32) -> Self {
-        if let Lowering::MmaWs {
-            l2_ahead: ref mut a,
-            ..
-        } = self.lowering
-        {
-            *a = l2_ahead;
+        match self.lowering {
+            Lowering::MmaWs {
+                l2_ahead: ref mut a,
+                ..
+            }
+            | Lowering::Mma {
+                l2_ahead: ref mut a,
+                ..
+            } => *a = l2_ahead,
+            Lowering::Scalar => {}
         }
         self
     }
 
-    /// Steps past the ring's copies whose rows the producers ask L2 for (0: none, and for
-    /// every lowering but [`Lowering::MmaWs`]).
+    /// Steps past the ring's copies whose rows are asked of L2 (0: none, and always for the
+    /// scalar lowering).
     pub fn l2_ahead(&self) -> u32 {
         match self.lowering {
-            Lowering::MmaWs { l2_ahead, .. } => l2_ahead,
-            _ => 0,
+            Lowering::MmaWs { l2_ahead, .. } | Lowering::Mma { l2_ahead, .. } => l2_ahead,
+            Lowering::Scalar => 0,
         }
     }
 
@@ -480,6 +484,9 @@ impl DecodeConfig {
             lowering: Lowering::Mma {
                 stages,
                 min_workgroups,
+                // L2 asked for the next step's rows (`v6:…p1` in mla-bench) was 1-5 % slower
+                // on the H200 at H <= 16, 5-8 % at H > 16 (benches/NOTES.md, v25)
+                l2_ahead: 0,
             },
         }
     }
@@ -495,13 +502,19 @@ impl DecodeConfig {
             Lowering::Mma {
                 stages,
                 min_workgroups,
+                l2_ahead,
             } => {
                 let occupancy = if min_workgroups > 0 {
                     format!("o{min_workgroups}")
                 } else {
                     String::new()
                 };
-                format!("mma{stages}w{}{occupancy}", self.threads / 32)
+                let p = if l2_ahead > 0 {
+                    format!("p{l2_ahead}")
+                } else {
+                    String::new()
+                };
+                format!("mma{stages}w{}{occupancy}{p}", self.threads / 32)
             }
             Lowering::MmaWs {
                 stages,

@@ -216,6 +216,54 @@ impl Cx<'_> {
         Ok(for_const(&p, plan.passes, body))
     }
 
+    /// Ask L2 for the rows whose source words the address phase left in `srcs` (one thread
+    /// per row, the first of the row's `tpr`, one `prefetch.global.L2` per 128-byte line of
+    /// its `words` words; rows without a source are skipped). A hint: no value changes.
+    pub(super) fn gather_l2(
+        &mut self,
+        plan: &GatherPlan,
+        src: &str,
+        srcs: &str,
+        words: u32,
+    ) -> Stmt {
+        let p = self.fresh("gather_pass");
+        let r = self.fresh("gather_row");
+        let n = self.fresh("l2_src");
+        let nv = var(&n, Ty::I32);
+        let first = bin(
+            BinOp::And,
+            lt(var(&r, Ty::U32), u(plan.rows)),
+            bin(BinOp::Eq, bin(BinOp::Rem, local_id(), u(plan.tpr)), u(0)),
+        );
+        let body = vec![
+            let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
+            Stmt::If {
+                cond: first,
+                then: vec![
+                    let_(
+                        &n,
+                        Expr::PrivateLoad {
+                            arr: srcs.into(),
+                            ty: Ty::I32,
+                            index: Box::new(var(&p, Ty::U32)),
+                        },
+                    ),
+                    Stmt::If {
+                        cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
+                        then: vec![intr(Intrinsic::PrefetchL2 {
+                            buf: src.to_string(),
+                            word: Expr::Cvt(Ty::U32, Box::new(nv)),
+                            bytes: 4 * words,
+                        })],
+                        els: vec![],
+                    },
+                ],
+                els: vec![],
+            },
+        ];
+        for_const(&p, plan.passes, body)
+    }
+
     /// Issue the copies of one `GatherRows` (no commit, no wait).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gather(

@@ -13,6 +13,11 @@ impl Cx<'_> {
     /// `wait_group(stages - 1)` always means "this step's copies have landed". The source
     /// addresses of each load are computed one iteration before its copies are issued, so
     /// the index loads they need are off the critical path.
+    ///
+    /// With `l2_ahead` = k > 0 the addresses are computed k iterations earlier still, and
+    /// each iteration, right after issuing its copies, asks L2 for the rows of the step k
+    /// past them: a queue of k + 1 address registers per gather row (`a[0]` the copies',
+    /// `a[k]` the prefetch's), shifted by one each iteration.
     pub(super) fn pipeline(
         &mut self,
         v: &str,
@@ -29,6 +34,8 @@ impl Cx<'_> {
         struct G<'a> {
             plan: GatherPlan,
             srcs: String,
+            // the address queue past `srcs` (`l2_ahead` arrays; empty without the prefetch)
+            queue: Vec<String>,
             dst: &'a str,
             dst_word0: u32,
             words: u32,
@@ -53,9 +60,13 @@ impl Cx<'_> {
                 }) => {
                     let plan = self.gather_plan(dst, *dst_word0, *words)?;
                     let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
+                    let queue = (0..self.l2_ahead)
+                        .map(|_| self.private(&format!("{dst}_src_ahead"), Ty::I32, plan.passes))
+                        .collect();
                     gathers.push(G {
                         plan,
                         srcs,
+                        queue,
                         dst,
                         dst_word0: *dst_word0,
                         words: *words,
@@ -74,11 +85,19 @@ impl Cx<'_> {
                 }
             }
         }
-        // address phase of step `at`, if it exists
-        let addr = |cx: &mut Self, at: Expr| -> Result<Stmt> {
+        let k = self.l2_ahead;
+        // the address array `j` of a gather's queue: 0 the copies', k the newest
+        let slot = |g: &G, j: u32| -> String {
+            match j {
+                0 => g.srcs.clone(),
+                j => g.queue[j as usize - 1].clone(),
+            }
+        };
+        // address phase of step `at` into queue entry `j`, if the step exists
+        let addr_into = |cx: &mut Self, at: Expr, j: u32| -> Result<Stmt> {
             let mut body = vec![let_(v, at.clone())];
             for g in &gathers {
-                body.push(cx.gather_addr(&g.plan, g.row, g.src_word, &g.srcs)?);
+                body.push(cx.gather_addr(&g.plan, g.row, g.src_word, &slot(g, j))?);
             }
             Ok(Stmt::If {
                 cond: lt(at, count.clone()),
@@ -128,13 +147,15 @@ impl Cx<'_> {
         if s > 1 {
             let pre = self.fresh("prefetch");
             let body = vec![
-                addr(self, var(&pre, Ty::U32))?,
+                addr_into(self, var(&pre, Ty::U32), 0)?,
                 copy(self, var(&pre, Ty::U32))?,
                 intr(Intrinsic::CpAsyncCommit),
             ];
             out.push(for_const(&pre, s - 1, body));
         }
-        out.push(addr(self, u(s - 1))?);
+        for j in 0..=k {
+            out.push(addr_into(self, u(s - 1 + j), j)?);
+        }
         let it = self.fresh(&format!("{v}_i"));
         let itv = var(&it, Ty::U32);
         let mut body = vec![Stmt::Comment(format!(
@@ -142,7 +163,41 @@ impl Cx<'_> {
             s - 1
         ))];
         body.push(copy(self, add(itv.clone(), u(s - 1)))?);
-        body.push(addr(self, add(itv.clone(), u(s)))?);
+        if k > 0 {
+            body.push(Stmt::Comment(format!(
+                "pipeline {v}: ask L2 for the rows {k} steps past the copies"
+            )));
+            let far = add(itv.clone(), u(s - 1 + k));
+            let mut ask = Vec::new();
+            for g in &gathers {
+                ask.push(self.gather_l2(&g.plan, g.src, &slot(g, k), g.words));
+            }
+            body.push(Stmt::If {
+                cond: lt(far, count.clone()),
+                then: ask,
+                els: vec![],
+            });
+            // shift the queue: entry j takes entry j + 1's addresses
+            for g in &gathers {
+                for j in 0..k {
+                    let p = self.fresh("queue_pass");
+                    body.push(for_const(
+                        &p,
+                        g.plan.passes,
+                        vec![Stmt::PrivateStore {
+                            arr: slot(g, j),
+                            index: var(&p, Ty::U32),
+                            value: Expr::PrivateLoad {
+                                arr: slot(g, j + 1),
+                                ty: Ty::I32,
+                                index: Box::new(var(&p, Ty::U32)),
+                            },
+                        }],
+                    ));
+                }
+            }
+        }
+        body.push(addr_into(self, add(itv.clone(), u(s + k)), k)?);
         body.push(intr(Intrinsic::CpAsyncCommit));
         body.push(intr(Intrinsic::CpAsyncWait { pending: s - 1 }));
         body.push(Stmt::Barrier);

@@ -66,7 +66,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Res
         .iter()
         .position(|s| matches!(s, Stmt::Tile(TileOp::Pipeline { .. })));
     let Some(_) = at else {
-        return super::lower(kernel, stages, 0);
+        return super::lower(kernel, stages, 0, 0);
     };
     let pipelines = kernel
         .body
