@@ -174,14 +174,15 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }
 
-/* Does a bf16 call run the v6 kernel of its head count (DecodeConfig::is_v6_call):
-   f x tokens x ceil(heads / 16) <= sms, f = 32 above 16 heads (v7's 32-head blocks), else 16
-   where two or more v6 workgroups fit a multiprocessor (v6_per_sm >= 2) and 20 where one does.
-   Each such call is a small one; past it v7 is the faster (measured on the H200 at both
-   occupancies, benches/NOTES.md v23). */
+/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call):
+   f x tokens x ceil(heads / 16) <= sms, f = 16 at up to 16 heads where two or more v6
+   workgroups fit a multiprocessor (v6_per_sm >= 2), else 20. Above 16 heads such a call
+   runs v6 in 16-head blocks (sparse_mla_v6_kernel(16u, p)). Each such call is a small
+   one; past it v7 is the faster (measured on the H200 at both occupancies, benches/NOTES.md
+   v23, v25). */
 static inline int sparse_mla_is_v6_call(unsigned heads, unsigned tokens, unsigned sms, unsigned v6_per_sm) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    unsigned f = heads > 16u ? 32u : (v6_per_sm >= 2u ? 16u : 20u);
+    unsigned f = (heads <= 16u && v6_per_sm >= 2u) ? 16u : 20u;
     return f * blocks <= (unsigned long long)sms;
 }
 
@@ -264,7 +265,7 @@ static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, 
 /* Is a call a narrow one (DecodeConfig::is_narrow_call): at least 17 heads and
    11 x tokens x ceil(heads / 16) <= sms. The runtime runs v7 in 16-head blocks there,
    whatever the cache format and v6_per_sm (on the H200 1.01-1.29x the kernels before,
-   benches/NOTES.md v24). */
+   benches/NOTES.md v24), except the bf16 v6 calls (sparse_mla_is_v6_call). */
 static inline int sparse_mla_is_narrow_call(unsigned heads, unsigned tokens, unsigned sms) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     return heads >= 17u && 11u * blocks <= (unsigned long long)sms;
@@ -291,8 +292,9 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
     return "heads: no v6 kernel for this head count";
 }
 
-/* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): v7 in 16-head blocks
-   for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format
+/* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): for bf16 above 16 heads
+   v6 in 16-head blocks where sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm); v7 in
+   16-head blocks for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format
    and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
    when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call
    (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,
@@ -315,6 +317,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
+    if (format == SPARSE_MLA_CACHE_BF16 && heads > 16u && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))
+        return sparse_mla_v6_kernel(16u, p);
     if (sparse_mla_is_narrow_call(heads, tokens, sms)) {
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
             p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";

@@ -273,6 +273,8 @@ fn c_plan_matches_the_runtime_plan() {
             "batch"
         } else if Some(config) == DecodeConfig::tensor_core_narrow(dims, format, heads) {
             "narrow"
+        } else if Some(config) == DecodeConfig::tensor_core_v6_narrow(dims, format, heads) {
+            "v6 narrow"
         } else if config == DecodeConfig::tensor_core_v6(dims, format, heads) {
             "v6"
         } else if config == DecodeConfig::tensor_core_v7(dims, format, heads) {
@@ -313,6 +315,21 @@ fn c_plan_matches_the_runtime_plan() {
             .sum();
         assert!(n > 10, "{format:?}: {n} narrow calls");
     }
+    // and bf16 v6 in 16-head blocks above 16 heads, at any residency
+    for v6 in [1u32, 2, 3] {
+        let n = count((CacheFormat::Bf16, "v6 narrow", false, v6));
+        assert!(
+            n > 5,
+            "v6_per_sm {v6}: {n} bf16 calls on v6 in 16-head blocks"
+        );
+    }
+    assert_eq!(
+        [1u32, 2, 3]
+            .iter()
+            .map(|&v6| count((CacheFormat::Fp8DsMla, "v6 narrow", false, v6)))
+            .sum::<u32>(),
+        0
+    );
     let tail = &lines[cases.len()..];
     assert!(tail[0].starts_with("error tokens:"), "{}", tail[0]);
     assert!(tail[1].starts_with("error tokens:"), "{}", tail[1]);

@@ -7,7 +7,8 @@
 //! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed and
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel), the same
 //! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
-//! 64 SMs (fp8 at T <= 4 on v7, small bf16 calls on v6), and
+//! 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks, small bf16 calls on
+//! v6, above 16 heads in 16-head blocks; the run fails if it planned none of the last two), and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,
@@ -132,6 +133,17 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
     if mode == 1 && all_decode && narrow.contains(&0) {
         failed.push(format!(
             "run {mode} ({}): narrow-call kernels planned [bf16, fp8] {narrow:?}: each should be",
+            config.describe()
+        ));
+    }
+    // and bf16 v6 in 16-head blocks above 16 heads (the suite's H 40 T 1 case)
+    let v6_narrow = backend
+        .device()
+        .v6_narrow_plans
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if mode == 1 && all_decode && v6_narrow == 0 {
+        failed.push(format!(
+            "run {mode} ({}): no call planned bf16 v6 in 16-head blocks above 16 heads",
             config.describe()
         ));
     }

@@ -304,6 +304,7 @@ int main(int argc, char** argv) {
         {SPARSE_MLA_CACHE_BF16, 16, 128, 1024, 64, 512, 0, 1},  /* a large batch on <= 160 SMs */
         {SPARSE_MLA_CACHE_BF16, 128, 3, 777, 53, 300, 0, 1},
         {SPARSE_MLA_CACHE_BF16, 64, 2, 100, 1, 20000, 0, 0},
+        {SPARSE_MLA_CACHE_BF16, 40, 1, 2048, 64, 256, 0, 0},     /* v6 in 16-head blocks above 16 heads */
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 16, 2, 2048, 64, 256, 0, 1},
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 3, 130, 500, 53, 400, 0, 0},   /* a large batch below 2080 SMs */
         {SPARSE_MLA_CACHE_FP8_DS_MLA, 128, 5, 300, 1, 40000, 0, 0},
@@ -319,18 +320,19 @@ int main(int argc, char** argv) {
 
     if (argc > 1 && strcmp(argv[1], "--list") == 0) {
         /* the kernels every case may load on any GPU: for bf16 the v6 kernel whose occupancy
-           is asked, and its split kernel and the combine on a GPU of 1 SM (a large batch at
-           H <= 16) and of very many (never one), holding one v6 workgroup per SM or two */
+           is asked, and its split kernel and the combine on a GPU of any SM count from 1 to
+           4096 (each rule's band of sizes: large batch, narrow, small call, ...) and of very
+           many, holding one v6 workgroup per SM or two (duplicates are printed: sort -u) */
         for (i = 0; i < n; ++i) {
-            static const unsigned sms[2] = {1u, 0xFFFFFFFFu};
-            unsigned g, v6;
+            unsigned long long sms;
+            unsigned v6;
             sparse_mla_decode_plan p;
             if (cases[i].format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v6_kernel(cases[i].heads, &p) == 0)
                 printf("%s\n", p.split_kernel);
-            for (g = 0; g < 2; ++g)
+            for (sms = 1u; sms <= 0xFFFFFFFFull; sms = sms < 4096u ? sms + 1u : sms * 0x100000ull - 1u)
                 for (v6 = 1; v6 <= 2; ++v6)
-                    if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, cases[i].topk, sms[g],
-                                                  v6, &p) == 0)
+                    if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, cases[i].topk,
+                                                  (unsigned)sms, v6, &p) == 0)
                         printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
         }
         return 0;

@@ -222,6 +222,9 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         // one token's 32 splits merged in the kernel where a backend merges (32 workgroups
         // meet; token 0's topk_length would be 0, so none here)
         DecodeCase::new(1, 16, 2048, 64, 40, Mixed, false, Some(32)),
+        // a bf16 call of more than 16 heads small enough for v6 in 16-head blocks
+        // (DecodeConfig::tensor_core_v6_narrow), its last block half full
+        DecodeCase::new(1, 40, 2048, 64, 40, Mixed, false, None),
         // fp8_ds_mla rows
         DecodeCase::new(4, 1, 1, 1, 64, Valid, false, None).fp8(Pow2),
         DecodeCase::new(5, 3, 7, 16, 4, Mixed, false, None).fp8(Arbitrary),

@@ -484,6 +484,21 @@ fn plan_code(
         .last()
         .unwrap_or(0);
     let wide_h = v7_block(narrow_max + 1);
+    // bf16 v6 in 16-head blocks above `v6n_max` heads (DecodeConfig::tensor_core_v6_narrow)
+    let v6n = |h| DecodeConfig::tensor_core_v6_narrow(dims, CacheFormat::Bf16, h);
+    let v6n_max = (1..=SCAN_HEADS)
+        .take_while(|&h| v6n(h).is_none())
+        .last()
+        .unwrap_or(0);
+    let v6n_block = v6n(v6n_max + 1)
+        .ok_or_else(|| {
+            Error::arg(
+                "heads",
+                "a bf16 v6 configuration in 16-head blocks",
+                v6n_max + 1,
+            )
+        })?
+        .block_h;
     // the bf16 large-batch kernel's blocks and its head range (DecodeConfig::is_large_batch)
     let batch_cfg = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 1)
         .ok_or_else(|| Error::arg("heads", "a bf16 large-batch kernel at 1 head", 1))?;
@@ -536,14 +551,15 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }}
 
-/* Does a bf16 call run the v6 kernel of its head count (DecodeConfig::is_v6_call):
-   f x tokens x ceil(heads / 16) <= sms, f = 32 above {narrow_max} heads (v7's 32-head blocks), else 16
-   where two or more v6 workgroups fit a multiprocessor (v6_per_sm >= 2) and 20 where one does.
-   Each such call is a small one; past it v7 is the faster (measured on the H200 at both
-   occupancies, benches/NOTES.md v23). */
+/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call):
+   f x tokens x ceil(heads / 16) <= sms, f = 16 at up to {v6n_max} heads where two or more v6
+   workgroups fit a multiprocessor (v6_per_sm >= 2), else 20. Above {v6n_max} heads such a call
+   runs v6 in {v6n_block}-head blocks (sparse_mla_v6_kernel({v6n_block}u, p)). Each such call is a small
+   one; past it v7 is the faster (measured on the H200 at both occupancies, benches/NOTES.md
+   v23, v25). */
 static inline int sparse_mla_is_v6_call(unsigned heads, unsigned tokens, unsigned sms, unsigned v6_per_sm) {{
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    unsigned f = heads > {narrow_max}u ? 32u : (v6_per_sm >= 2u ? 16u : 20u);
+    unsigned f = (heads <= {v6n_max}u && v6_per_sm >= 2u) ? 16u : 20u;
     return f * blocks <= (unsigned long long)sms;
 }}
 
@@ -646,6 +662,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         min_steps = DecodeConfig::BATCH_MIN_STEPS,
         wide_h = wide_h,
         narrow_max = narrow_max,
+        v6n_max = v6n_max,
+        v6n_block = v6n_block,
         fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
         bf16 = CacheFormat::Bf16.row_bytes(dims),
         batch_doc = if batch.is_empty() {
@@ -654,8 +672,9 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
              `sms` and `v6_per_sm` do not change the choice here, where the runtime and\n   \
              sparse_mla.h of the standard set can pick another kernel."
         } else {
-            ", as the runtime picks it (DecodeConfig::for_call): v7 in 16-head blocks\n   \
-             for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format\n   \
+            ", as the runtime picks it (DecodeConfig::for_call): for bf16 above 16 heads\n   \
+             v6 in 16-head blocks where sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm); v7 in\n   \
+             16-head blocks for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format\n   \
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
              when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,\n   \
@@ -674,7 +693,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
                 "/* Is a call a narrow one (DecodeConfig::is_narrow_call): at least {min} heads and\n   \
                  {f} x tokens x ceil(heads / 16) <= sms. The runtime runs v7 in 16-head blocks there,\n   \
                  whatever the cache format and v6_per_sm (on the H200 1.01-1.29x the kernels before,\n   \
-                 benches/NOTES.md v24). */\n\
+                 benches/NOTES.md v24), except the bf16 v6 calls (sparse_mla_is_v6_call). */\n\
                  static inline int sparse_mla_is_narrow_call(unsigned heads, unsigned tokens, unsigned sms) {{\n    \
                  unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);\n    \
                  return heads >= {min}u && {f}u * blocks <= (unsigned long long)sms;\n\
@@ -709,6 +728,15 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         plan_fill(s, indent, &cond, v);
     };
+    if v6_probe.is_some() {
+        // bf16 above 16 heads: v6 in 16-head blocks (DecodeConfig::tensor_core_v6_narrow)
+        // where is_v6_call, whose answer there does not depend on v6_per_sm
+        let _ = write!(
+            s,
+            "    if (format == SPARSE_MLA_CACHE_BF16 && heads > {v6n_max}u && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))\n        \
+             return sparse_mla_v6_kernel({v6n_block}u, p);\n"
+        );
+    }
     if !narrow.is_empty() {
         s.push_str("    if (sparse_mla_is_narrow_call(heads, tokens, sms)) {\n");
         for v in narrow {

@@ -138,6 +138,9 @@ pub struct EmuDevice {
     /// Decode calls planned on the narrow-call kernel (`DecodeConfig::tensor_core_narrow`),
     /// [bf16, fp8_ds_mla].
     pub narrow_plans: [AtomicU64; 2],
+    /// Decode calls of the backend's choice planned on bf16 v6 in 16-head blocks above 16
+    /// heads (`DecodeConfig::tensor_core_v6_narrow`).
+    pub v6_narrow_plans: AtomicU64,
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -323,6 +326,7 @@ impl EmuDevice {
             resident,
             config,
             narrow_plans: Default::default(),
+            v6_narrow_plans: Default::default(),
         }
     }
 
@@ -425,6 +429,12 @@ impl Device for EmuDevice {
         if Some(config) == DecodeConfig::tensor_core_narrow(shape.dims, shape.format, shape.heads) {
             let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
             self.narrow_plans[i].fetch_add(1, Ordering::Relaxed);
+        }
+        if self.config.v7
+            && Some(config)
+                == DecodeConfig::tensor_core_v6_narrow(shape.dims, shape.format, shape.heads)
+        {
+            self.v6_narrow_plans.fetch_add(1, Ordering::Relaxed);
         }
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;

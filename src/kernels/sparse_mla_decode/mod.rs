@@ -145,7 +145,8 @@ impl DecodeConfig {
 
     /// Is `shape` a narrow call: more than 16 heads and `NARROW_FACTOR · T · ⌈H/16⌉ ≤ SMs`
     /// (at most 12 blocks of 16 heads on 132 SMs)? [`Self::for_call`] runs such a call on
-    /// [`Self::tensor_core_narrow`], whatever the cache format and the v6 residency. Twice
+    /// [`Self::tensor_core_narrow`], whatever the cache format and the v6 residency, unless
+    /// it is one of bf16's v6 calls ([`Self::is_v6_call`], taken before). Twice
     /// the head blocks of v7's 32-head ones leave each of them half the splits, so the
     /// partials to merge halve and each workgroup walks twice the steps. Measured on the
     /// H200 at both occupancies, same binary (benches/NOTES.md, v24), against what ran
@@ -255,34 +256,42 @@ impl DecodeConfig {
         16 * Self::blocks16(shape) <= sm_count as u64
     }
 
-    /// Does a bf16 call run the v6 kernel of its head count, `f · T · ⌈H/16⌉ ≤ SMs`, with
-    /// `f` by the block v7 would take and the v6 residency `v6_per_sm`:
-    /// - 32 where v7 takes 32-head blocks (H > 16), at any residency;
+    /// Does a bf16 call run a v6 kernel, `f · T · ⌈H/16⌉ ≤ SMs`, with `f` by the head count
+    /// and the v6 residency `v6_per_sm`:
     /// - 16 at H ≤ 16 where two or more v6 workgroups fit a multiprocessor (H100/H200): every
     ///   small call ([`Self::is_small_call`]);
-    /// - 20 at H ≤ 16 where one fits (SM120).
+    /// - 20 at H ≤ 16 where one fits (SM120), and above 16 heads at any residency, where the
+    ///   call runs v6 in 16-head blocks ([`Self::tensor_core_v6_narrow`]).
     ///
-    /// Each of them a small call. Past it v7 is the faster: measured on the H200, same binary,
-    /// both occupancies (benches/NOTES.md, v23), v7 beat v6 1.02–1.04× on every call of more
-    /// than 16 heads and 6–8 blocks (H 32 T 3–4, H 48 T 2, H 64 T 2, H 96 / 128 T 1) and v6 won
-    /// 1.04–1.05× at 2–4 blocks (H 32 T 1–2, H 48 / 64 T 1); at H ≤ 16 v6 won at T ≤ 6
-    /// (1.01–1.05×) and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own
-    /// occupancy the two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8).
-    ///
-    /// Above 16 heads every such call is a narrow one ([`Self::is_narrow_call`]), which
-    /// [`Self::for_call`] takes first: there the rule only keeps them out of
-    /// [`Self::v7_fills_one_wave`].
+    /// Each of them a small call. Past it v7 is the faster: at H ≤ 16 measured on the H200,
+    /// same binary, both occupancies (benches/NOTES.md, v23): v6 won at T ≤ 6 (1.01–1.05×)
+    /// and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own occupancy the
+    /// two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8). Above 16 heads
+    /// (v25), against v7 in 16-head blocks (the narrow calls' kernel), v6 in 16-head blocks won
+    /// on every call of ≤ 6 blocks at both occupancies (H 32 T 1–3 1.02–1.05×, H 48 T 1–2
+    /// 1.01–1.04×, H 64 T 1 1.04–1.05×, H 96 T 1 level), and at 8 blocks lost at SM120's
+    /// (H 32 T 4 0.98×, H 64 T 2 0.97×) and at H 128 T 1 on the H200 (0.99×).
     pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
-        let wide = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h > 16;
-        let f = match (wide, v6_per_sm >= 2) {
-            (true, _) => 32,
-            (false, true) => 16,
-            (false, false) => 20,
+        let f = if shape.heads <= 16 && v6_per_sm >= 2 {
+            16
+        } else {
+            20
         };
         f * Self::blocks16(shape) <= sm_count as u64
     }
 
-    /// The configuration the CUDA backend runs for one call: [`Self::tensor_core_narrow`] for
+    /// The bf16 v6 configuration in 16-head blocks for a call of more than 16 heads (none at
+    /// 16 or fewer, where [`Self::tensor_core_v6`] takes them, nor for fp8_ds_mla, whose v6 is
+    /// slower than v7): what [`Self::for_call`] runs where such a call is a v6 call
+    /// ([`Self::is_v6_call`]). Its v6 kernel for H ≤ 16, so no new kernel.
+    pub fn tensor_core_v6_narrow(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
+        (heads > 16 && format == CacheFormat::Bf16)
+            .then(|| Self::tensor_core_v6(dims, CacheFormat::Bf16, 16))
+    }
+
+    /// The configuration the CUDA backend runs for one call: for a bf16 call of more than 16
+    /// heads that is a v6 call ([`Self::is_v6_call`]) v6 in 16-head blocks
+    /// ([`Self::tensor_core_v6_narrow`]); [`Self::tensor_core_narrow`] for
     /// a narrow call ([`Self::is_narrow_call`]); [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
@@ -297,6 +306,12 @@ impl DecodeConfig {
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        // (above 16 heads is_v6_call does not depend on the residency)
+        if let Some(v6) = Self::tensor_core_v6_narrow(dims, format, heads)
+            .filter(|_| Self::is_v6_call(shape, sm_count, 1))
+        {
+            return Ok(v6);
+        }
         if let Some(narrow) = Self::tensor_core_narrow(dims, format, heads)
             .filter(|_| Self::is_narrow_call(shape, sm_count))
         {
@@ -1154,26 +1169,58 @@ mod tests {
             (8, 7, true, false),
             (8, 8, true, false),
             (16, 8, true, false),
-            (32, 1, true, true),
-            (32, 2, true, true),
-            (64, 1, true, true),
-            (32, 3, false, false),
-            (32, 4, false, false),
-            (48, 2, false, false),
-            (64, 2, false, false),
-            (96, 1, false, false),
-            (128, 1, false, false),
         ] {
             for (per_sm, want) in [(2, at_two), (1, at_one)] {
                 let got = pick(CacheFormat::Bf16, heads, tokens, per_sm);
-                // above 16 heads these are narrow calls now, run by v7 in 16-head blocks
-                // (is_narrow_call, v24), which beat both
-                let expect = if want && heads <= 16 { "v6" } else { "v7" };
+                let expect = if want { "v6" } else { "v7" };
                 assert_eq!(got, expect, "H {heads} T {tokens} at {per_sm} v6 per SM");
                 let s = shape(CacheFormat::Bf16, heads, tokens);
                 assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
                 assert!(DecodeConfig::is_small_call(&s, 132), "H {heads} T {tokens}");
             }
+        }
+        // above 16 heads, at either residency: v6 in 16-head blocks against v7 in 16-head
+        // blocks (benches/h200-v25.txt call 2, both occupancies, two runs): v6 won every call
+        // of <= 6 blocks; at 8, v7 won at SM120's occupancy (H 32 T 4, H 64 T 2) or at the
+        // H200's (H 128 T 1)
+        for (heads, tokens, want) in [
+            (32, 1, true),
+            (32, 2, true),
+            (32, 3, true),
+            (48, 1, true),
+            (48, 2, true),
+            (64, 1, true),
+            (96, 1, true),
+            (32, 4, false),
+            (64, 2, false),
+            (128, 1, false),
+        ] {
+            let s = shape(CacheFormat::Bf16, heads, tokens);
+            for per_sm in [1, 2] {
+                assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
+                let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
+                let expect = if want { ("v6", 16) } else { ("v7", 16) };
+                assert_eq!(
+                    (c.family(), c.block_h),
+                    expect,
+                    "H {heads} T {tokens} at {per_sm} v6 per SM"
+                );
+                if want {
+                    assert_eq!(
+                        Some(c),
+                        DecodeConfig::tensor_core_v6_narrow(s.dims, s.format, heads)
+                    );
+                    assert_eq!(c, DecodeConfig::tensor_core_v6(s.dims, s.format, 16));
+                }
+            }
+            // fp8_ds_mla keeps v7 in 16-head blocks there (its v6 is slower)
+            let s = shape(CacheFormat::Fp8DsMla, heads, tokens);
+            let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(2)).unwrap();
+            assert_eq!(
+                (c.family(), c.block_h),
+                ("v7", 16),
+                "fp8 H {heads} T {tokens}"
+            );
         }
         // every v6 call is a small one: past T 8 at H <= 16 the other rules decide
         let s = shape(CacheFormat::Bf16, 8, 9);
@@ -1216,7 +1263,17 @@ mod tests {
                 );
                 for per_sm in [1, 2] {
                     let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
-                    if narrow {
+                    // bf16's smallest narrow calls run v6 in 16-head blocks (is_v6_call, v25)
+                    if format == CacheFormat::Bf16
+                        && heads > 16
+                        && DecodeConfig::is_v6_call(&s, 132, per_sm)
+                    {
+                        assert!(
+                            narrow,
+                            "H {heads} T {tokens}: such a v6 call is a narrow one"
+                        );
+                        assert_eq!((c.family(), c.block_h), ("v6", 16));
+                    } else if narrow {
                         assert_eq!(
                             c,
                             DecodeConfig::tensor_core_narrow(s.dims, format, heads).unwrap()
@@ -1324,7 +1381,7 @@ mod tests {
     fn the_backend_choice_at_one_and_two_v6_workgroups_per_sm() {
         use CacheFormat::{Bf16, Fp8DsMla};
         // one v6 workgroup per SM (SM120): v6 only for the smallest bf16 calls,
-        // f T ceil(H/16) <= SMs with f 20 at H <= 16 and 32 above (is_v6_call)
+        // f T ceil(H/16) <= SMs with f 20 (is_v6_call)
         for (heads, small, next) in [(16, 6, 7), (8, 6, 7)] {
             assert_eq!(pick(Bf16, heads, small, 1), "v6", "H {heads} T {small}");
             assert_eq!(pick(Bf16, heads, next, 1), "v7", "H {heads} T {next}");
