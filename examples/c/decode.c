@@ -324,16 +324,17 @@ int main(int argc, char** argv) {
            4096 (each rule's band of sizes: large batch, narrow, small call, ...) and of very
            many, holding one v6 workgroup per SM or two (duplicates are printed: sort -u) */
         for (i = 0; i < n; ++i) {
-            unsigned long long sms;
-            unsigned v6;
+            unsigned g, v6;
             sparse_mla_decode_plan p;
             if (cases[i].format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v6_kernel(cases[i].heads, &p) == 0)
                 printf("%s\n", p.split_kernel);
-            for (sms = 1u; sms <= 0xFFFFFFFFull; sms = sms < 4096u ? sms + 1u : sms * 0x100000ull - 1u)
+            for (g = 1u; g <= 4097u; ++g) {
+                unsigned sms = g <= 4096u ? g : 0xFFFFFFFFu; /* the last: very many */
                 for (v6 = 1; v6 <= 2; ++v6)
                     if (sparse_mla_decode_variant(cases[i].format, cases[i].heads, cases[i].tokens, cases[i].topk,
-                                                  (unsigned)sms, v6, &p) == 0)
+                                                  sms, v6, &p) == 0)
                         printf("%s\n%s\n", p.split_kernel, p.combine_kernel);
+            }
         }
         return 0;
     }

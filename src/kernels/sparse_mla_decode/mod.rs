@@ -272,7 +272,9 @@ impl DecodeConfig {
     /// 1.01–1.04×, H 64 T 1 1.04–1.05×, H 96 T 1 level), and at 8 blocks lost at SM120's
     /// (H 32 T 4 0.98×, H 64 T 2 0.97×) and at H 128 T 1 on the H200 (0.99×).
     pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
-        let f = if shape.heads <= 16 && v6_per_sm >= 2 {
+        // above 16 heads the call runs v6 in 16-head blocks, at any residency
+        let blocks16 = Self::tensor_core_v6_narrow(shape.dims, CacheFormat::Bf16, shape.heads);
+        let f = if blocks16.is_none() && v6_per_sm >= 2 {
             16
         } else {
             20

@@ -216,6 +216,26 @@ impl Cx<'_> {
         Ok(for_const(&p, plan.passes, body))
     }
 
+    /// `let n = src;` and, where `n` (a source word, −1 for a row without a source) is a
+    /// row, ask L2 for its `words` words ([`Intrinsic::PrefetchL2`]): one row's L2 prefetch,
+    /// for v6's gathers ([`Self::gather_l2`]) and v7's producers alike.
+    pub(super) fn l2_prefetch_row(&mut self, buf: &str, src: Expr, words: u32) -> Vec<Stmt> {
+        let n = self.fresh("l2_src");
+        let nv = var(&n, Ty::I32);
+        vec![
+            let_(&n, src),
+            Stmt::If {
+                cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
+                then: vec![intr(Intrinsic::PrefetchL2 {
+                    buf: buf.to_string(),
+                    word: Expr::Cvt(Ty::U32, Box::new(nv)),
+                    bytes: 4 * words,
+                })],
+                els: vec![],
+            },
+        ]
+    }
+
     /// Ask L2 for the rows whose source words the address phase left in `srcs` (one thread
     /// per row, the first of the row's `tpr`, one `prefetch.global.L2` per 128-byte line of
     /// its `words` words; rows without a source are skipped). A hint: no value changes.
@@ -228,36 +248,21 @@ impl Cx<'_> {
     ) -> Stmt {
         let p = self.fresh("gather_pass");
         let r = self.fresh("gather_row");
-        let n = self.fresh("l2_src");
-        let nv = var(&n, Ty::I32);
         let first = bin(
             BinOp::And,
             lt(var(&r, Ty::U32), u(plan.rows)),
             bin(BinOp::Eq, bin(BinOp::Rem, local_id(), u(plan.tpr)), u(0)),
         );
+        let word = Expr::PrivateLoad {
+            arr: srcs.into(),
+            ty: Ty::I32,
+            index: Box::new(var(&p, Ty::U32)),
+        };
         let body = vec![
             let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
             Stmt::If {
                 cond: first,
-                then: vec![
-                    let_(
-                        &n,
-                        Expr::PrivateLoad {
-                            arr: srcs.into(),
-                            ty: Ty::I32,
-                            index: Box::new(var(&p, Ty::U32)),
-                        },
-                    ),
-                    Stmt::If {
-                        cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
-                        then: vec![intr(Intrinsic::PrefetchL2 {
-                            buf: src.to_string(),
-                            word: Expr::Cvt(Ty::U32, Box::new(nv)),
-                            bytes: 4 * words,
-                        })],
-                        els: vec![],
-                    },
-                ],
+                then: self.l2_prefetch_row(src, word, words),
                 els: vec![],
             },
         ];

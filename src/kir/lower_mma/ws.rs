@@ -467,26 +467,10 @@ impl Cx<'_> {
                 let slot = cx.fresh("slot");
                 let r = cx.fresh("gather_row");
                 let rv = var(&r, Ty::U32);
-                let n = cx.fresh("l2_src");
-                let nv = var(&n, Ty::I32);
                 let src = source(e, if loaded { pairs } else { &[] }, &slot);
-                body.push(lane_rows(
-                    &slot,
-                    &r,
-                    vec![
-                        let_(g.row, rv),
-                        let_(&n, src),
-                        Stmt::If {
-                            cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),
-                            then: vec![intr(Intrinsic::PrefetchL2 {
-                                buf: g.src.to_string(),
-                                word: Expr::Cvt(Ty::U32, Box::new(nv)),
-                                bytes: 4 * g.words,
-                            })],
-                            els: vec![],
-                        },
-                    ],
-                ));
+                let mut row = vec![let_(g.row, rv)];
+                row.extend(cx.l2_prefetch_row(g.src, src, g.words));
+                body.push(lane_rows(&slot, &r, row));
             }
             Stmt::If {
                 cond: lt(at, countv.clone()),
