@@ -44,7 +44,7 @@ MUTATIONS=(
   "V x scale (sm_80/90 P . V): the k+8 scales used for k#src/kir/lower_mma/e4m3.rs#'.map(|k| (k[2 * i].clone(), k[2 * i + 1].clone()))'#'.map(|k| (k[2 - 2 * i].clone(), k[3 - 2 * i].clone()))'#--test mma_emulated"
   "fp8 whole row: the scales window 16 bytes late (inside the rope)#src/kernels/sparse_mla_decode/split.rs#'                TileElem::F32,\n                latent,'#'                TileElem::F32,\n                latent + 16,'#--test mma_emulated"
   "ring: a row without a source is not zeroed (NaN garbage reaches P . V)#src/kir/lower_mma/ws.rs#'                    els: zero_row,'#'                    els: { let _ = zero_row; vec![] },'#--test mma_emulated"
-  "L2 prefetch: rows without a source asked for too (an address outside the cache)#src/kir/lower_mma/ws.rs#'cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),'#'cond: bin(BinOp::Ge, nv.clone(), Expr::I32(i32::MIN)),'#--test mma_emulated"
+  "L2 prefetch: rows without a source asked for too (an address outside the cache)#src/kir/lower_mma/gather.rs#'cond: bin(BinOp::Ge, nv.clone(), Expr::I32(0)),'#'cond: bin(BinOp::Ge, nv.clone(), Expr::I32(i32::MIN)),'#--test mma_emulated"
   "epilogue: the rows read l, not its reciprocal#src/kernels/sparse_mla_decode/io.rs#'if per_row { l } else { inv_of(l) }'#'if per_row { inv_of(l) } else { inv_of(l) }'#--test mma_emulated"
   "pair store: the partial pair's second value written as its first#src/kernels/sparse_mla_decode/io.rs#'b.store_f32x2(&io.o_part, at, y0, y1);'#'b.store_f32x2(&io.o_part, at, y0.clone(), y0);'#--test mma_emulated"
   "merge: a workgroup merges without waiting for the token's others#src/emit/cuda.rs#'            } while (now == gen);'#'            } while (false && now == gen);'#--test mma_emulated"
