@@ -526,14 +526,17 @@ impl CudaDevice {
         if !config.has_merged_form() {
             return Ok(None);
         }
-        let kernel = lowered_merged(config)?;
         // The merge adds 4 KB of shared memory: a configuration with no room left for it
         // within SM120's budget (a custom `mla-bench --variants` shape; every production one
         // has room, tests/compile_check.rs) has no merged form, and its calls take the two
-        // launches, as fp8_ds_mla's v6 kernels do.
-        if crate::kir::shared_plan::check_fits(&kernel).is_err() {
-            return Ok(None);
-        }
+        // launches, as fp8_ds_mla's v6 kernels do. The lowering refuses such a kernel
+        // (`shared_plan::check_fits`); until this caught it, `mla-bench` refused the whole
+        // variant, rows of one split included.
+        let kernel = match lowered_merged(config) {
+            Ok(kernel) => kernel,
+            Err(Error::ResourceLimit { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         let resident = self.resident_workgroups(&kernel)?;
         Ok(Some((kernel, resident)))
     }
