@@ -55,7 +55,7 @@
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 0 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 64192 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64: 256 threads, dynamic shared memory 96064 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -120,15 +120,16 @@
 // or where the split model gives each of its workgroups 20 steps or more (one workgroup
 // per SM; its two groups walk alternate steps, and a short walk leaves one idle); both
 // where one v6 workgroup fills an SM; where two fit, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),
-// for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7
-// ring in two warp groups of 4 warps, each walking every other step with its own ring
-// (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM
-// then overlaps two step chains). Same parameters, buffers, grid and
-// split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds
+// for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs). For
+// bf16 the v7 ring in two warp groups of 4 warps, each walking every other step with its
+// own one-stage ring of 32 rows (a GPU holding one workgroup per SM then overlaps two
+// step chains); for fp8_ds_mla v7 with 64-row steps in a two-stage ring (fewer, larger
+// steps: fewer chains of waits). Same parameters, buffers, grid and split rules as the
+// variants above (block_h 16; block_n as listed above); its own occupancy feeds
 // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
 // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
 //   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
-//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32: 256 threads, dynamic shared memory 97280 B
+//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64: 256 threads, dynamic shared memory 96064 B
 
 #pragma once
 
@@ -338,8 +339,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 97280u;
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96064u;
             return 0;
         }
     }
@@ -776,8 +777,8 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32
-//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64
+//   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 64 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
@@ -786,10 +787,9 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
-//   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
-//   mbarrier ring per group: 2 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 97280 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
+//   threads per block: 256; dynamic shared memory: 96064 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -798,7 +798,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8g2_h16n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

@@ -43,6 +43,10 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     let narrow = DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, CacheFormat::Bf16, 64)
         .expect("a narrow configuration above 16 heads");
     kernels.push((*lowered_merged(&narrow).expect("merged kernel")).clone());
+    // fp8's large-batch kernel (v7 with 64-row steps) merges too
+    let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, CacheFormat::Fp8DsMla, 16)
+        .expect("an fp8_ds_mla large-batch configuration at 16 heads");
+    kernels.push((*lowered_merged(&batch).expect("merged kernel")).clone());
     // every (kernel, arch) is its own NVRTC program: compiled on all cores, reported in order
     let mut failures = Vec::new();
     let mut count = 0;

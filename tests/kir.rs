@@ -194,8 +194,13 @@ fn the_first_index_loads_go_out_before_q_and_the_ring_set_up() {
 fn resident_q_is_staged_through_the_ring_in_v7_only() {
     use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
     use sparse_mla::mla::{CacheFormat, MlaDims};
-    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        let v7 = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, 16);
+    let dims = MlaDims::PRODUCTION;
+    for v7 in [
+        DecodeConfig::tensor_core_v7(dims, CacheFormat::Bf16, 16),
+        DecodeConfig::tensor_core_v7(dims, CacheFormat::Fp8DsMla, 16),
+        // fp8's large-batch kernel is v7 with 64-row steps
+        DecodeConfig::tensor_core_batch(dims, CacheFormat::Fp8DsMla, 16).expect("batch"),
+    ] {
         let (split, _) = lowered_kernels(&v7).expect("lowers");
         let src = cuda::emit(&split).expect("emits");
         assert!(
@@ -213,8 +218,9 @@ fn resident_q_is_staged_through_the_ring_in_v7_only() {
             "{}: q takes no memory of its own",
             split.name
         );
-        let batch =
-            DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16).expect("batch");
+    }
+    {
+        let batch = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 16).expect("batch");
         let (split, _) = lowered_kernels(&batch).expect("lowers");
         let src = cuda::emit(&split).expect("emits");
         assert!(

@@ -92,7 +92,7 @@ impl DecodeVariant {
     pub fn family(&self) -> &'static str {
         match self.config.lowering {
             Lowering::Mma { .. } => "v6",
-            Lowering::MmaWs { groups, .. } if groups > 1 => "the large-batch kernel",
+            Lowering::MmaWs { .. } if self.config.is_batch() => "the large-batch kernel",
             Lowering::MmaWs { .. } => "v7",
             Lowering::Scalar => "the scalar kernel",
         }
@@ -1069,11 +1069,12 @@ fn batch_rules(batch: &[DecodeVariant]) -> String {
          // or where the split model gives each of its workgroups 20 steps or more (one workgroup\n\
          // per SM; its two groups walk alternate steps, and a short walk leaves one idle); both\n\
          // where one v6 workgroup fills an SM; where two fit, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),\n\
-         // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs): the v7\n\
-         // ring in two warp groups of 4 warps, each walking every other step with its own ring\n\
-         // (one 32-row stage for bf16, two for fp8_ds_mla; a GPU holding one workgroup per SM\n\
-         // then overlaps two step chains). Same parameters, buffers, grid and\n\
-         // split rules as the variants above (block_h 16, block_n 32); its own occupancy feeds\n\
+         // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs). For\n\
+         // bf16 the v7 ring in two warp groups of 4 warps, each walking every other step with its\n\
+         // own one-stage ring of 32 rows (a GPU holding one workgroup per SM then overlaps two\n\
+         // step chains); for fp8_ds_mla v7 with 64-row steps in a two-stage ring (fewer, larger\n\
+         // steps: fewer chains of waits). Same parameters, buffers, grid and split rules as the\n\
+         // variants above (block_h 16; block_n as listed above); its own occupancy feeds\n\
          // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and\n\
          // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):\n",
     );

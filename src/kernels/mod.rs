@@ -212,14 +212,18 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
             DecodeConfig::tensor_core_v7,
         ),
     ];
-    // the large-batch kernels (warp groups; H <= 16 only)
+    // the large-batch kernels (H <= 16 only): bf16 in two warp groups, fp8 with 64-row steps
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         if let Some(config) = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16) {
+            let form = match format {
+                CacheFormat::Bf16 => "v7 in two warp groups",
+                CacheFormat::Fp8DsMla => "v7 with 64-row steps",
+            };
             out.push(StandardKernel {
                 target: Target::Cuda,
                 kernel: lower(&split_kernel(&config)?, config.lowering)?,
                 note: format!(
-                    "sparse decode, {} cache, tensor cores v7 in two warp groups, the CUDA backend's large-batch kernel (H <= 16)",
+                    "sparse decode, {} cache, tensor cores {form}, the CUDA backend's large-batch kernel (H <= 16)",
                     format.name()
                 ),
             });

@@ -163,29 +163,30 @@ impl DecodeConfig {
     /// multiprocessors won, 16 lost.
     pub const NARROW_FACTOR: u64 = 11;
 
-    /// The large-batch configuration for `heads` ≤ 16 (none above): two warp groups of 4 warps
-    /// in one workgroup, each walking every other 32-slot step with its own ring of 32-row
-    /// stages — one stage for bf16 (2 x 37 KB of rings, 87744 B in all), two for fp8_ds_mla
-    /// (2 x 2 x 21 KB, 101376 B in all: SM120's limit exactly): one workgroup per
-    /// multiprocessor within SM120's budget. Where the batch fills the GPU
-    /// without splits, one workgroup's step is a chain of waits (the rows, the split-K sum,
-    /// the row max, P); two chains on the multiprocessor hide each other's. Measured on the
-    /// H200 at SM120's occupancy (benches/NOTES.md, v11, v14): bf16 1.10x v7 at T = 128, level
-    /// at T = 32, 0.85x at T = 1 (where v7 stays); fp8's second stage 1.10–1.13x its one-stage
-    /// ring at T 64–256, where a group waited for its rows a third of the time.
-    ///
-    /// bf16: the producers also ask L2 for the rows of each group's next step, after the
-    /// step's first barrier (its own rows have landed by then): 1.045–1.061x at T 64–256 on
-    /// the H200 (T 128 120.4 -> 113.5 µs). Asked at the top of the step, next to the copies the
-    /// step waits for, it was 0.93–0.95x; two steps ahead 1.01–1.02x; fp8's two-stage kernel
-    /// ran slower with it (benches/NOTES.md, v21).
+    /// The large-batch configuration for `heads` ≤ 16 (none above), one workgroup per
+    /// multiprocessor within SM120's budget:
+    /// - bf16: two warp groups of 4 warps in one workgroup, each walking every other 32-slot
+    ///   step with its own one-stage ring of 32 rows (2 x 37 KB of rings, 87744 B in all).
+    ///   Where the batch fills the GPU without splits, one workgroup's step is a chain of
+    ///   waits (the rows, the split-K sum, the row max, P); two chains on the multiprocessor
+    ///   hide each other's. Measured on the H200 at SM120's occupancy (benches/NOTES.md, v11,
+    ///   v14): 1.10x v7 at T = 128, level at T = 32, 0.85x at T = 1 (where v7 stays). The
+    ///   producers also ask L2 for the rows of each group's next step, after the step's first
+    ///   barrier (its own rows have landed by then): 1.045–1.061x at T 64–256 on the H200
+    ///   (T 128 120.4 -> 113.5 µs). Asked at the top of the step, next to the copies the step
+    ///   waits for, it was 0.93–0.95x; two steps ahead 1.01–1.02x (benches/NOTES.md, v21).
+    /// - fp8_ds_mla: v7 (one group of 8 warps) with 64-row steps in a two-stage ring
+    ///   (2 x 42 KB of 656-byte rows, 96064 B in all). The fewer, larger steps halve the
+    ///   chains of waits a workgroup walks where fp8's two groups of 32-row steps each walked
+    ///   theirs: on the H200, same binary, both occupancies (benches/NOTES.md, v26), 0.997–1.094x
+    ///   the two-group kernel on every call it takes at H 8 / 16 from T 10 to 512 (T 12–16
+    ///   1.06–1.09x, T 96 and 160 1.06–1.08x, T 128 and 256–512 level to 1.01x).
     pub fn tensor_core_batch(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        let (stages, l2_ahead) = match format {
-            CacheFormat::Bf16 => (1, 1),
-            CacheFormat::Fp8DsMla => (2, 0),
-        };
-        (heads <= 16).then(|| {
-            Self::tensor_core_grouped(dims, format, (16, 32, stages), 4, 2).with_l2_ahead(l2_ahead)
+        (heads <= 16).then(|| match format {
+            CacheFormat::Bf16 => {
+                Self::tensor_core_grouped(dims, format, (16, 32, 1), 4, 2).with_l2_ahead(1)
+            }
+            CacheFormat::Fp8DsMla => Self::tensor_core_custom(dims, format, 16, 64, 2),
         })
     }
 
@@ -204,8 +205,9 @@ impl DecodeConfig {
     ///   was 6–8 % faster at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md,
     ///   v14; the crossover measured again with the batch kernel's L2 prefetch, v22);
     /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
-    ///   `16 · T · ⌈H/16⌉ > SMs`: its two-stage rings beat v7 from T = 8 (1.02–1.15x at T 8–80
-    ///   on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14).
+    ///   `16 · T · ⌈H/16⌉ > SMs`: the two-group kernel of before beat v7 from T = 8 (1.02–1.15x
+    ///   at T 8–80 on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14), and the 64-row
+    ///   kernel that replaced it beats both past T 10 (v26).
     ///
     /// `v6_per_sm` is read only for bf16 calls between the two bf16 thresholds.
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
@@ -427,14 +429,21 @@ impl DecodeConfig {
     }
 
     /// The kernel family, in the words of benches/NOTES.md: `v6`, `v7`, `batch` (the
-    /// large-batch kernel, v7 in warp groups) or `scalar`.
+    /// large-batch kernel, [`Self::is_batch`]) or `scalar`.
     pub fn family(&self) -> &'static str {
         match self.lowering {
             Lowering::Mma { .. } => "v6",
-            Lowering::MmaWs { groups, .. } if groups > 1 => "batch",
+            Lowering::MmaWs { .. } if self.is_batch() => "batch",
             Lowering::MmaWs { .. } => "v7",
             Lowering::Scalar => "scalar",
         }
+    }
+
+    /// Is this a large-batch configuration: [`Self::tensor_core_batch`]'s (bf16: v7 in two
+    /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
+    pub fn is_batch(&self) -> bool {
+        matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
+            || Some(*self) == Self::tensor_core_batch(self.dims, self.format, self.block_h)
     }
 
     /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.
@@ -581,9 +590,9 @@ impl DecodeConfig {
 
     /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
     /// tensor-core kernels (the backend's small bf16 calls) and v7 in one warp group (fp8's
-    /// small calls, bf16 where its one wave fills the GPU). fp8_ds_mla's v6 kernels have no
-    /// room left for the merge's 4 KB of shared memory within SM120's 101376 bytes; the
-    /// large-batch kernel (warp groups) runs one split.
+    /// small calls and its large-batch kernel, bf16 where its one wave fills the GPU).
+    /// fp8_ds_mla's v6 kernels have no room left for the merge's 4 KB of shared memory within
+    /// SM120's 101376 bytes; bf16's large-batch kernel (warp groups) runs one split.
     pub fn has_merged_form(&self) -> bool {
         match self.lowering {
             Lowering::Mma { .. } => self.format == CacheFormat::Bf16,
@@ -1112,8 +1121,8 @@ mod tests {
         // a grid the GPU does not hold at once (4 x 64 > 132)
         assert!(!merged(CacheFormat::Bf16, 16, 4, 64, 132));
         assert!(merged(CacheFormat::Bf16, 16, 4, 33, 132));
-        // fp8_ds_mla's v6 kernels have no merged form; its v7 kernels (and bf16's) do, the
-        // large-batch kernel not
+        // fp8_ds_mla's v6 kernels have no merged form; its v7 kernels (and bf16's) do, its
+        // large-batch kernel (v7 with 64-row steps) too, bf16's (warp groups) not
         assert!(!merged(CacheFormat::Fp8DsMla, 16, 4, 8, 264));
         let s = shape(CacheFormat::Fp8DsMla, 16, 2);
         for (config, has) in [
@@ -1124,6 +1133,10 @@ mod tests {
             ),
             (
                 DecodeConfig::tensor_core_batch(s.dims, s.format, 16).unwrap(),
+                true,
+            ),
+            (
+                DecodeConfig::tensor_core_batch(s.dims, CacheFormat::Bf16, 16).unwrap(),
                 false,
             ),
         ] {
