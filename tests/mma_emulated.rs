@@ -12,7 +12,8 @@
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,
-//! which the emulator reports). Fragment layouts, ldmatrix
+//! which the emulator reports); and one small fp8 case on v7 in 32-head blocks of 64-row
+//! steps (its split-K scores summed by warps of two m fragments). Fragment layouts, ldmatrix
 //! addressing, helper operand orders, the copy pipeline and its synchronisation are all
 //! checked here without a GPU. `SPARSE_MLA_SEED` replays a run; `SPARSE_MLA_EMU_CASE`
 //! picks cases by name. The four runs go at once, a thread each (their lines tagged `emuN`),
@@ -155,4 +156,41 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
         config.describe()
     );
     (failed, summary)
+}
+
+/// v7 in 32-head blocks of 64-row steps (fp8_ds_mla, one stage): the split-K scores are
+/// summed by 4 warps of 2 x 2 fragments each, two m fragments a warp — the sum once covered
+/// only a warp's first m fragment, and heads 16-31 of every block took unsummed scores
+/// (rel L2 ~0.5-0.7, on the H200 too). One small case; the kernel compile is most of its time.
+#[test]
+fn split_k_scores_summed_over_two_m_fragments_a_warp() {
+    if let Some(why) = emu::gxx_unavailable() {
+        common::skip("g++", &why);
+        return;
+    }
+    let seed = test_seed();
+    let config = emu::EmuConfig {
+        arch: 900,
+        block: Some((32, 64, 1)),
+        ..emu::EmuConfig::mode(3, seed)
+    };
+    let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
+    let name = "decode/fp8_t2_h128_k64_p64_mixed_s1";
+    let case = decode_cases()
+        .into_iter()
+        .find(|c| c.name() == name)
+        .unwrap_or_else(|| panic!("no case {name}"));
+    let o = case
+        .run(&backend, seed)
+        .unwrap_or_else(|e| panic!("{name} ({}): {e}", config.describe()));
+    eprintln!(
+        "{} rel_l2 {:.2e} lse_err {:.2e} {}",
+        o.case, o.rel_l2, o.lse_err, o.detail
+    );
+    assert!(
+        o.passed(),
+        "{name} (SPARSE_MLA_SEED={seed}, {}): {}",
+        config.describe(),
+        o.failures.join("; ")
+    );
 }

@@ -51,6 +51,9 @@ pub struct EmuConfig {
     pub v7: bool,
     /// v7 with a one-stage ring (the producers issue a step's own rows before its wait).
     pub one_stage: bool,
+    /// With `one_stage`: this `(block_h, block_n, stages)` instead of v7's block and one
+    /// stage (`DecodeConfig::tensor_core_custom`).
+    pub block: Option<(u32, u32, u32)>,
     /// The multiprocessors the backend's kernel choice (`DecodeConfig::for_call`) is made
     /// for; the splits are planned for the device's own few resident workgroups either way.
     /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 96 leaves those of
@@ -84,6 +87,7 @@ impl EmuConfig {
             seed,
             v7: i < 2 || i == 3,
             one_stage: i == 3,
+            block: None,
             choice_sms: if i == 1 { 96 } else { 6 },
             // run 1 merges every call that can (v6's small bf16 calls, v7's); run 2 (v6)
             // merges the calls of several head blocks and keeps two launches for the others;
@@ -99,7 +103,9 @@ impl EmuConfig {
     pub fn describe(&self) -> String {
         format!(
             "{}{}, sm_{} helpers, copies land {}, schedule seed {}",
-            if self.one_stage {
+            if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
+                format!("v7 {h}x{n}x{s}")
+            } else if self.one_stage {
                 "v7 (one-stage ring)".to_string()
             } else if self.v7 {
                 format!("the backend's kernel for {} SMs", self.choice_sms)
@@ -414,8 +420,10 @@ impl Device for EmuDevice {
     fn decode_plan(&self, shape: &DecodeShape, splits: Option<u32>) -> Result<DecodePlan> {
         let config = if self.config.one_stage {
             let v7 = DecodeConfig::tensor_core_v7(shape.dims, shape.format, shape.heads);
+            let (block_h, block_n, stages) =
+                self.config.block.unwrap_or((v7.block_h, v7.block_n, 1));
             // (its L2 prefetch too, which with one stage starts past step 0)
-            DecodeConfig::tensor_core_custom(v7.dims, v7.format, v7.block_h, v7.block_n, 1)
+            DecodeConfig::tensor_core_custom(v7.dims, v7.format, block_h, block_n, stages)
                 .with_l2_ahead(v7.l2_ahead())
         } else if self.config.v7 {
             // the backend's choice on a GPU of `choice_sms` SMs holding one v6 workgroup per SM:

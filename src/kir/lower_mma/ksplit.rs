@@ -596,7 +596,9 @@ impl Cx<'_> {
             )],
         ));
         out.push(Stmt::Barrier);
-        // the holders of S's rows add the slices into their fragments
+        // the holders of S's rows add the slices into their fragments: each holder warp's
+        // whole `[fmw, fnw]` fragment grid (a warp may hold several m fragments: S
+        // [32 x 64] on 4 holder warps is 2 x 2 fragments each)
         let (f2, h2, e2, g2) = (
             self.fresh("frag"),
             self.fresh("half"),
@@ -604,12 +606,24 @@ impl Cx<'_> {
             self.fresh("g"),
         );
         let (fv2, hv2, ev2) = (var(&f2, Ty::U32), var(&h2, Ty::U32), var(&e2, Ty::U32));
+        // m and n fragment of fragment `f2` within the warp's grid
+        let (m2, n2) = if info.fmw == 1 {
+            (u(0), fv2.clone())
+        } else {
+            (
+                bin(BinOp::Div, fv2.clone(), u(info.fnw)),
+                bin(BinOp::Rem, fv2.clone(), u(info.fnw)),
+            )
+        };
         let row2 = add(
-            add(info.row0.clone(), mul(hv2.clone(), u(8))),
+            add(
+                add(info.row0.clone(), mul(m2, u(16))),
+                mul(hv2.clone(), u(8)),
+            ),
             self.lane.group.clone(),
         );
         let col2 = add(
-            add(info.col0.clone(), mul(fv2.clone(), u(8))),
+            add(info.col0.clone(), mul(n2, u(8))),
             add(mul(self.lane.quad.clone(), u(2)), ev2.clone()),
         );
         let idx = add(add(mul(fv2, u(4)), mul(hv2, u(2))), ev2);
@@ -647,7 +661,7 @@ impl Cx<'_> {
         });
         let lp = for_const(
             &f2,
-            info.fnw,
+            info.frags(),
             vec![for_const(&h2, 2, vec![for_const(&e2, 2, inner)])],
         );
         out.extend(self.for_used_warps(&info, vec![lp]));
