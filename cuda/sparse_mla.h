@@ -28,11 +28,12 @@
 //   (no combine), with more it writes per-split partials for the combine.
 //   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and
 //   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at
-//   any cache format and v6_per_sm, and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
+//   any cache format and v6_per_sm (fp8_ds_mla from 6 such blocks, T * ceil(H / 16) >= 6:
+//   its large-batch kernel, 64-row steps, in 16-head blocks), and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
 //     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
 //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES
 //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *
-//   ceil(H / 16) <= SM count, f 32 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)
+//   ceil(H / 16) <= SM count, f 20 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)
 //   run the v6 kernel of H (its step beats v7's where each workgroup takes a few steps),
 //   the other small calls v7. The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):
 //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and
@@ -321,6 +322,11 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (format == SPARSE_MLA_CACHE_BF16 && heads > 16u && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))
         return sparse_mla_v6_kernel(16u, p);
     if (sparse_mla_is_narrow_call(heads, tokens, sms)) {
+        if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u) >= 6ull) {
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96064u;
+            return 0;
+        }
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
             p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;

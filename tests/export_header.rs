@@ -271,6 +271,8 @@ fn c_plan_matches_the_runtime_plan() {
         let dims = MlaDims::PRODUCTION;
         let family = if Some(config) == DecodeConfig::tensor_core_batch(dims, format, heads) {
             "batch"
+        } else if Some(config) == DecodeConfig::tensor_core_narrow_wide(&shape_of(case)) {
+            "narrow wide"
         } else if Some(config) == DecodeConfig::tensor_core_narrow(dims, format, heads) {
             "narrow"
         } else if Some(config) == DecodeConfig::tensor_core_v6_narrow(dims, format, heads) {
@@ -315,6 +317,12 @@ fn c_plan_matches_the_runtime_plan() {
             .sum();
         assert!(n > 10, "{format:?}: {n} narrow calls");
     }
+    // and fp8's of 6 blocks or more on its large-batch kernel (64-row steps)
+    let n: u32 = [1u32, 2, 3]
+        .iter()
+        .map(|&v6| count((CacheFormat::Fp8DsMla, "narrow wide", false, v6)))
+        .sum();
+    assert!(n > 5, "{n} fp8_ds_mla narrow calls on 64-row steps");
     // and bf16 v6 in 16-head blocks above 16 heads, at any residency
     for v6 in [1u32, 2, 3] {
         let n = count((CacheFormat::Bf16, "v6 narrow", false, v6));

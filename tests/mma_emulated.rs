@@ -2,13 +2,14 @@
 //! printed as CUDA C, compiled by g++ against an emulator of CUDA and of the PTX
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
 //! against the float64 reference — three times: the kernels the backend picks on a GPU of one
-//! v6 workgroup per SM (`DecodeConfig::for_call`: v7, the large-batch kernel in two warp groups
-//! for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
+//! v6 workgroup per SM (`DecodeConfig::for_call`: v7, the large-batch kernel — bf16 in two warp
+//! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
 //! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed and
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel), the same
 //! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
 //! 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks, small bf16 calls on
-//! v6, above 16 heads in 16-head blocks; the run fails if it planned none of the last two), and
+//! v6, above 16 heads in 16-head blocks, fp8's narrow calls of 6 blocks or more on 64-row
+//! steps; the run fails if it planned none of the last three), and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,
@@ -145,6 +146,17 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
     if mode == 1 && all_decode && v6_narrow == 0 {
         failed.push(format!(
             "run {mode} ({}): no call planned bf16 v6 in 16-head blocks above 16 heads",
+            config.describe()
+        ));
+    }
+    // and fp8's narrow calls of 6 blocks or more on its 64-row kernel (the H 128 T 1 case)
+    let narrow_wide = backend
+        .device()
+        .narrow_wide_plans
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if mode == 1 && all_decode && narrow_wide == 0 {
+        failed.push(format!(
+            "run {mode} ({}): no fp8_ds_mla narrow call planned on 64-row steps",
             config.describe()
         ));
     }

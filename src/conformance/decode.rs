@@ -233,6 +233,9 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         DecodeCase::new(2, 128, 64, 64, 2, Mixed, false, Some(1)).fp8(Arbitrary),
         DecodeCase::new(2, 8, 2048, 64, 40, Mixed, false, None).fp8(Arbitrary),
         DecodeCase::new(1, 64, 2048, 64, 40, Valid, false, None).fp8(Pow2),
+        // an fp8_ds_mla narrow call of 8 16-head blocks: its large-batch kernel (64-row steps)
+        // in 16-head blocks (DecodeConfig::tensor_core_narrow_wide)
+        DecodeCase::new(1, 128, 2048, 64, 40, Mixed, false, None).fp8(Arbitrary),
         // multi-token decode (MTP): tokens = batch · s_q, lse [batch, heads, s_q]
         DecodeCase::new(4, 16, 64, 16, 16, Mixed, true, None).mtp(2),
         DecodeCase::new(6, 8, 128, 64, 8, Mixed, false, Some(1)).mtp(2),

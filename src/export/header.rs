@@ -364,11 +364,12 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             s,
             "//   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and\n\
              //   {narrow_f} * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at\n\
-             //   any cache format and v6_per_sm, and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
+             //   any cache format and v6_per_sm (fp8_ds_mla from {wide_b} such blocks, T * ceil(H / 16) >= {wide_b}:\n\
+             //   its large-batch kernel, 64-row steps, in 16-head blocks), and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
              //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *\n\
-             //   ceil(H / 16) <= SM count, f 32 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)\n\
+             //   ceil(H / 16) <= SM count, f 20 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)\n\
              //   run the v6 kernel of H (its step beats v7's where each workgroup takes a few steps),\n\
              //   the other small calls v7. The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
              //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and\n\
@@ -376,6 +377,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
              //   count `sms` and `v6_per_sm`.",
             ranges.join(", "),
             narrow_f = DecodeConfig::NARROW_FACTOR,
+            wide_b = DecodeConfig::NARROW_WIDE_MIN_BLOCKS,
         );
     }
     s.push_str(
@@ -739,6 +741,26 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     }
     if !narrow.is_empty() {
         s.push_str("    if (sparse_mla_is_narrow_call(heads, tokens, sms)) {\n");
+        // fp8_ds_mla's narrow calls of NARROW_WIDE_MIN_BLOCKS or more: its large-batch kernel
+        // (64-row steps) in 16-head blocks (DecodeConfig::tensor_core_narrow_wide)
+        let wide = DecodeConfig::tensor_core_narrow_wide(&DecodeShape {
+            tokens: DecodeConfig::NARROW_WIDE_MIN_BLOCKS as u32,
+            heads: 17,
+            topk: 2048,
+            num_pages: 1,
+            page_size: 64,
+            dims,
+            format: CacheFormat::Fp8DsMla,
+            scale: 1.0,
+            has_topk_length: false,
+        });
+        if let Some(v) = batch.iter().find(|v| Some(v.config) == wide) {
+            let cond = format!(
+                "format == SPARSE_MLA_CACHE_FP8_DS_MLA && (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u) >= {}ull",
+                DecodeConfig::NARROW_WIDE_MIN_BLOCKS
+            );
+            plan_fill(&mut s, "        ", &cond, v);
+        }
         for v in narrow {
             case(&mut s, v, "        ");
         }

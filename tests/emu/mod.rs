@@ -147,6 +147,9 @@ pub struct EmuDevice {
     /// Decode calls of the backend's choice planned on bf16 v6 in 16-head blocks above 16
     /// heads (`DecodeConfig::tensor_core_v6_narrow`).
     pub v6_narrow_plans: AtomicU64,
+    /// fp8_ds_mla narrow calls planned on its 64-row large-batch kernel in 16-head blocks
+    /// (`DecodeConfig::tensor_core_narrow_wide`).
+    pub narrow_wide_plans: AtomicU64,
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -333,6 +336,7 @@ impl EmuDevice {
             config,
             narrow_plans: Default::default(),
             v6_narrow_plans: Default::default(),
+            narrow_wide_plans: Default::default(),
         }
     }
 
@@ -443,6 +447,9 @@ impl Device for EmuDevice {
                 == DecodeConfig::tensor_core_v6_narrow(shape.dims, shape.format, shape.heads)
         {
             self.v6_narrow_plans.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.config.v7 && Some(config) == DecodeConfig::tensor_core_narrow_wide(shape) {
+            self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
