@@ -35,6 +35,7 @@ MUTATIONS=(
   "e4m3 widening: bytes of the k pairs swapped#src/kir/lower_mma/e4m3.rs#'    (stmts, pack(prep[0]), pack(prep[1]))'#'    (stmts, pack(prep[1]), pack(prep[0]))'#--test mma_emulated"
   "P x scale: the k+8 scales used for k#src/kir/lower_mma/e4m3.rs#'                (sv(0), sv(1))\n            } else {\n                (sv(2), sv(3))'#'                (sv(2), sv(3))\n            } else {\n                (sv(0), sv(1))'#--test mma_emulated"
   "split-K sum drops the last slice#src/kir/lower_mma/ksplit.rs#'            &g2,\n            ks.gk,'#'            &g2,\n            ks.gk - 1,'#--test mma_emulated"
+  "split-K sum: a holder warp sums its first m fragment only (S 32 x 64 on 4 warps)#src/kir/lower_mma/ksplit.rs#'            info.frags(),'#'            info.fnw,'#--test mma_emulated"
   "mask ignores the recorded validity#src/kernels/sparse_mla_decode/split.rs#'.gt(f(0.5));'#'.gt(f(-0.5));'#--test mma_emulated --test conformance"
   "lse never written (v7 description)#src/kernels/sparse_mla_decode/io.rs#'                    b.store(&io.lse_out, at, v);'#'                    let _ = (at, v);'#--test formats_fp8_decode --test mma_emulated"
   "fp8 scale of tile k+1 used for tile k#src/kernels/sparse_mla_decode/split.rs#'|_, r| scales.at(r, u(k)),'#'|_, r| scales.at(r, u((k + 1) % 4)),'#--test mma_emulated --test conformance"
