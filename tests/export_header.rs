@@ -271,7 +271,7 @@ fn c_plan_matches_the_runtime_plan() {
         let dims = MlaDims::PRODUCTION;
         let family = if Some(config) == DecodeConfig::tensor_core_batch(dims, format, heads) {
             "batch"
-        } else if Some(config) == DecodeConfig::tensor_core_narrow_wide(&shape_of(case)) {
+        } else if Some(config) == DecodeConfig::tensor_core_narrow_wide(dims, format, heads) {
             "narrow wide"
         } else if Some(config) == DecodeConfig::tensor_core_narrow(dims, format, heads) {
             "narrow"

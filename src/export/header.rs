@@ -742,18 +742,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if !narrow.is_empty() {
         s.push_str("    if (sparse_mla_is_narrow_call(heads, tokens, sms)) {\n");
         // fp8_ds_mla's narrow calls of NARROW_WIDE_MIN_BLOCKS or more: its large-batch kernel
-        // (64-row steps) in 16-head blocks (DecodeConfig::tensor_core_narrow_wide)
-        let wide = DecodeConfig::tensor_core_narrow_wide(&DecodeShape {
-            tokens: DecodeConfig::NARROW_WIDE_MIN_BLOCKS as u32,
-            heads: 17,
-            topk: 2048,
-            num_pages: 1,
-            page_size: 64,
-            dims,
-            format: CacheFormat::Fp8DsMla,
-            scale: 1.0,
-            has_topk_length: false,
-        });
+        // (64-row steps) in 16-head blocks (DecodeConfig::is_narrow_wide_call)
+        let wide = DecodeConfig::tensor_core_narrow_wide(dims, CacheFormat::Fp8DsMla, 17);
         if let Some(v) = batch.iter().find(|v| Some(v.config) == wide) {
             let cond = format!(
                 "format == SPARSE_MLA_CACHE_FP8_DS_MLA && (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u) >= {}ull",

@@ -448,7 +448,10 @@ impl Device for EmuDevice {
         {
             self.v6_narrow_plans.fetch_add(1, Ordering::Relaxed);
         }
-        if self.config.v7 && Some(config) == DecodeConfig::tensor_core_narrow_wide(shape) {
+        if self.config.v7
+            && Some(config)
+                == DecodeConfig::tensor_core_narrow_wide(shape.dims, shape.format, shape.heads)
+        {
             self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
         // one workgroup per multiprocessor

@@ -163,20 +163,28 @@ impl DecodeConfig {
     /// multiprocessors won, 16 lost.
     pub const NARROW_FACTOR: u64 = 11;
 
-    /// The configuration of an fp8_ds_mla narrow call ([`Self::is_narrow_call`]) of at least
-    /// [`Self::NARROW_WIDE_MIN_BLOCKS`] 16-head blocks: fp8's large-batch kernel (v7 with
+    /// The configuration of an fp8_ds_mla narrow call of at least
+    /// [`Self::NARROW_WIDE_MIN_BLOCKS`] 16-head blocks ([`Self::is_narrow_wide_call`]; none
+    /// at 16 heads or fewer, nor for bf16): fp8's large-batch kernel (v7 with
     /// 64-row steps, [`Self::tensor_core_batch`]) in 16-head blocks, in place of
-    /// [`Self::tensor_core_narrow`]'s 32-row steps; none for other calls. Measured on the H200
+    /// [`Self::tensor_core_narrow`]'s 32-row steps. Measured on the H200
     /// at both occupancies, same binary, two runs (benches/NOTES.md, v26): 1.01–1.06x at 6–12
     /// blocks (H 32 T 3–6, H 48 T 2–4, H 64 T 2–3, H 96 T 1–2, H 128 T 1) but for H 24 T 5
     /// (0.94x: its split count leaves the 64-row plan unmerged where the 32-row one merges);
     /// level at 4 blocks and 0.95x at 2, where each workgroup walks one or two steps.
-    pub fn tensor_core_narrow_wide(shape: &DecodeShape) -> Option<Self> {
-        (shape.format == CacheFormat::Fp8DsMla
-            && Self::tensor_core_narrow(shape.dims, shape.format, shape.heads).is_some()
-            && Self::blocks16(shape) >= Self::NARROW_WIDE_MIN_BLOCKS)
-            .then(|| Self::tensor_core_batch(shape.dims, shape.format, 16))
+    pub fn tensor_core_narrow_wide(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
+        (format == CacheFormat::Fp8DsMla && heads > 16)
+            .then(|| Self::tensor_core_batch(dims, format, 16))
             .flatten()
+    }
+
+    /// Is `shape` a narrow call ([`Self::is_narrow_call`]) that runs
+    /// [`Self::tensor_core_narrow_wide`]: an fp8_ds_mla one of at least
+    /// [`Self::NARROW_WIDE_MIN_BLOCKS`] 16-head blocks?
+    pub fn is_narrow_wide_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        Self::tensor_core_narrow_wide(shape.dims, shape.format, shape.heads).is_some()
+            && Self::is_narrow_call(shape, sm_count)
+            && Self::blocks16(shape) >= Self::NARROW_WIDE_MIN_BLOCKS
     }
 
     /// The fewest 16-head blocks, `T · ⌈H/16⌉`, of an fp8_ds_mla narrow call that runs
@@ -316,8 +324,8 @@ impl DecodeConfig {
     /// The configuration the CUDA backend runs for one call: for a bf16 call of more than 16
     /// heads that is a v6 call ([`Self::is_v6_call`]) v6 in 16-head blocks
     /// ([`Self::tensor_core_v6_narrow`]); [`Self::tensor_core_narrow`] for
-    /// a narrow call ([`Self::is_narrow_call`]; for fp8_ds_mla of 6 blocks or more
-    /// [`Self::tensor_core_narrow_wide`]); [`Self::tensor_core_batch`] for a
+    /// a narrow call ([`Self::is_narrow_call`]; [`Self::tensor_core_narrow_wide`] where
+    /// [`Self::is_narrow_wide_call`]); [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
     /// more than 16 heads that v7 fills the GPU with in one wave
@@ -337,10 +345,15 @@ impl DecodeConfig {
         {
             return Ok(v6);
         }
+        if let Some(wide) = Self::tensor_core_narrow_wide(dims, format, heads)
+            .filter(|_| Self::is_narrow_wide_call(shape, sm_count))
+        {
+            return Ok(wide);
+        }
         if let Some(narrow) = Self::tensor_core_narrow(dims, format, heads)
             .filter(|_| Self::is_narrow_call(shape, sm_count))
         {
-            return Ok(Self::tensor_core_narrow_wide(shape).unwrap_or(narrow));
+            return Ok(narrow);
         }
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
             // v6 or v7 by Self::is_v6_call; the residency is asked only where it decides (at
@@ -1253,11 +1266,12 @@ mod tests {
             // below 6 blocks, its large-batch kernel's 64-row steps from 6
             let s = shape(CacheFormat::Fp8DsMla, heads, tokens);
             let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(2)).unwrap();
-            let (family, rows) = if DecodeConfig::blocks16(&s) >= 6 {
-                ("batch", 64)
-            } else {
-                ("v7", 32)
-            };
+            let (family, rows) =
+                if DecodeConfig::blocks16(&s) >= DecodeConfig::NARROW_WIDE_MIN_BLOCKS {
+                    ("batch", 64)
+                } else {
+                    ("v7", 32)
+                };
             assert_eq!(
                 (c.family(), c.block_h, c.block_n),
                 (family, 16, rows),
@@ -1320,7 +1334,11 @@ mod tests {
                         && DecodeConfig::blocks16(&s) >= DecodeConfig::NARROW_WIDE_MIN_BLOCKS
                     {
                         // fp8's of 6 blocks or more: its large-batch kernel (v26)
-                        assert_eq!(Some(c), DecodeConfig::tensor_core_narrow_wide(&s));
+                        assert!(DecodeConfig::is_narrow_wide_call(&s, 132));
+                        assert_eq!(
+                            Some(c),
+                            DecodeConfig::tensor_core_narrow_wide(s.dims, format, heads)
+                        );
                         assert_eq!(Some(c), DecodeConfig::tensor_core_batch(s.dims, format, 16));
                         assert_eq!((c.block_h, c.block_n), (16, 64));
                     } else if narrow {
