@@ -67,6 +67,22 @@ pub struct DecodeCase {
     pub s_q: u32,
     /// Rows and pages of the cache padded (strides larger than packed).
     pub strided: bool,
+    /// fp8_ds_mla scales drawn from another band than the flavour's.
+    pub band: ScaleBand,
+}
+
+/// Where a case's hand-built fp8_ds_mla scales lie (the flavours keep them in a narrow band
+/// near 2^-8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleBand {
+    /// The flavour's own.
+    Flavour,
+    /// Log-uniform over 2^-14 .. 2^4 (18 binades, above 1 too), the softmax scale / 256 so
+    /// the scores stay moderate: the f16 `P · V` of the tensor-core kernels lowers its
+    /// running scale within a call.
+    Wide,
+    /// Log-uniform over 2^-36 .. 2^-30: that running scale rises from its start.
+    Tiny,
 }
 
 impl DecodeCase {
@@ -95,6 +111,7 @@ impl DecodeCase {
             splits,
             s_q: 1,
             strided: false,
+            band: ScaleBand::Flavour,
         }
         .named()
     }
@@ -110,6 +127,10 @@ impl DecodeCase {
 
     fn mtp(self, s_q: u32) -> Self {
         DecodeCase { s_q, ..self }.named()
+    }
+
+    fn band(self, band: ScaleBand) -> Self {
+        DecodeCase { band, ..self }.named()
     }
 
     fn strided(self) -> Self {
@@ -146,6 +167,11 @@ impl DecodeCase {
         if self.strided {
             name.push_str("_strided");
         }
+        name.push_str(match self.band {
+            ScaleBand::Flavour => "",
+            ScaleBand::Wide => "_wide",
+            ScaleBand::Tiny => "_tiny",
+        });
         if let Some(s) = self.splits {
             name.push_str(&format!("_s{s}"));
         }
@@ -236,6 +262,17 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         // an fp8_ds_mla narrow call of 8 16-head blocks: its large-batch kernel (64-row steps)
         // in 16-head blocks (DecodeConfig::tensor_core_narrow_wide)
         DecodeCase::new(1, 128, 2048, 64, 40, Mixed, false, None).fp8(Arbitrary),
+        // scales far from the flavours' band: the tensor-core kernels' f16 P . V changes
+        // its running scale within a call (down, and up)
+        DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, None)
+            .fp8(Arbitrary)
+            .band(ScaleBand::Wide),
+        DecodeCase::new(3, 64, 2048, 16, 160, Mixed, true, None)
+            .fp8(Arbitrary)
+            .band(ScaleBand::Wide),
+        DecodeCase::new(2, 8, 2048, 64, 40, Mixed, false, None)
+            .fp8(Arbitrary)
+            .band(ScaleBand::Tiny),
         // multi-token decode (MTP): tokens = batch · s_q, lse [batch, heads, s_q]
         DecodeCase::new(4, 16, 64, 16, 16, Mixed, true, None).mtp(2),
         DecodeCase::new(6, 8, 128, 64, 8, Mixed, false, Some(1)).mtp(2),
@@ -264,7 +301,7 @@ pub struct DecodeData {
 
 /// One `fp8_ds_mla` row built from the published layout: 512 random e4m3 bytes (never the
 /// NaN codes 0x7F / 0xFF), four f32 scales of the flavour, 64 random bf16 rope values.
-fn hand_built_fp8_row(rng: &mut Rng, flavour: ScaleFlavour) -> Vec<u8> {
+fn hand_built_fp8_row(rng: &mut Rng, flavour: ScaleFlavour, band: ScaleBand) -> Vec<u8> {
     let dims = MlaDims::PRODUCTION;
     let mut row = Vec::with_capacity(CacheFormat::Fp8DsMla.row_bytes(dims) as usize);
     for _ in 0..dims.latent {
@@ -275,9 +312,11 @@ fn hand_built_fp8_row(rng: &mut Rng, flavour: ScaleFlavour) -> Vec<u8> {
         row.push(b);
     }
     for _ in 0..dims.latent / FP8_TILE {
-        let s = match flavour {
-            ScaleFlavour::Pow2 => (2.0f32).powi(-9 + rng.below(3) as i32),
-            ScaleFlavour::Arbitrary => rng.uniform(0.001, 0.006),
+        let s = match (band, flavour) {
+            (ScaleBand::Wide, _) => (2.0f32).powf(rng.uniform(-14.0, 4.0)),
+            (ScaleBand::Tiny, _) => (2.0f32).powf(rng.uniform(-36.0, -30.0)),
+            (_, ScaleFlavour::Pow2) => (2.0f32).powi(-9 + rng.below(3) as i32),
+            (_, ScaleFlavour::Arbitrary) => rng.uniform(0.001, 0.006),
         };
         row.extend_from_slice(&s.to_le_bytes());
     }
@@ -291,6 +330,11 @@ fn hand_built_fp8_row(rng: &mut Rng, flavour: ScaleFlavour) -> Vec<u8> {
 pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
     let mut rng = Rng::new(seed);
     let scale = rng.uniform(0.03, 0.1);
+    let scale = if case.band == ScaleBand::Wide {
+        scale / 256.0
+    } else {
+        scale
+    };
     let shape = case.shape(scale);
     let layout = case.layout();
     let (t_n, k_n) = (case.tokens as usize, case.topk as usize);
@@ -352,7 +396,9 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
                     cache.extend_from_slice(&bf16_bits(rng.normal()).to_le_bytes());
                 }
             }
-            CacheFormat::Fp8DsMla => cache.extend(hand_built_fp8_row(&mut rng, case.flavour)),
+            CacheFormat::Fp8DsMla => {
+                cache.extend(hand_built_fp8_row(&mut rng, case.flavour, case.band))
+            }
         }
     }
     // NaN in every row that no valid entry references: 0xFF bytes are NaN as e4m3, as f32
@@ -507,7 +553,7 @@ pub fn check_decode_case(
     }
     let mut max_abs = 0.0f64;
     // On an f32 path (P kept in f32) every element is the f32 result rounded once to bf16.
-    let strict = !run.p_bf16;
+    let strict = !run.p_rounded;
     let mut off_by_more = 0;
     for (o, r) in out.iter().zip(&reference.out) {
         let d = (o - r).abs();

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::decode::{check_decode_case, prepare_decode_case, DecodeCase, IndexPattern};
+use super::decode::{check_decode_case, prepare_decode_case, DecodeCase, IndexPattern, ScaleBand};
 use crate::mla::{CacheFormat, ScaleFlavour};
 use crate::runtime::Backend;
 use crate::util::Rng;
@@ -111,9 +111,15 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
             splits,
             s_q,
             strided: rng.below(6) == 0,
+            // a quarter of the fp8 cases with scales over 18 binades (ScaleBand::Wide)
+            band: if format == CacheFormat::Fp8DsMla && rng.below(4) == 0 {
+                ScaleBand::Wide
+            } else {
+                ScaleBand::Flavour
+            },
         };
         case.name = format!(
-            "stress_t{tokens}_h{heads}_k{topk}_p{page_size}{}{}{}{}{}{}",
+            "stress_t{tokens}_h{heads}_k{topk}_p{page_size}{}{}{}{}{}{}{}",
             match (format, flavour) {
                 (CacheFormat::Bf16, _) => "",
                 (_, ScaleFlavour::Pow2) => "_fp8pow2",
@@ -127,6 +133,11 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
             if case.topk_length { "_len" } else { "" },
             if s_q > 1 { "_sq2" } else { "" },
             if case.strided { "_strided" } else { "" },
+            if case.band == ScaleBand::Wide {
+                "_wide"
+            } else {
+                ""
+            },
             splits.map(|s| format!("_s{s}")).unwrap_or_default(),
         );
         return case;

@@ -202,6 +202,22 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         called.push('\n');
         called.push_str(E4M3_OPERAND_HELPERS);
     }
+    if helpers_text.is_none()
+        && [
+            "pack_f16x2(",
+            "f16_lo(",
+            "f16_hi(",
+            "mul_f16x2(",
+            "e4m3x2_f16(",
+            "E4M3_F16_UNIT",
+            "mma_f16_16816(",
+        ]
+        .iter()
+        .any(|f| unit.contains(f))
+    {
+        called.push('\n');
+        called.push_str(F16_HELPERS);
+    }
     let min_max: Vec<_> = MIN_MAX_HELPERS
         .iter()
         .filter(|(name, _)| unit.contains(&format!("{name}(")))
@@ -388,6 +404,57 @@ SPARSE_MLA_HELPER float e4m3x2_hi(unsigned pair) {
     return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
 }
 #endif
+"#;
+
+/// f16 values and products ([`Func::PackF16x2`], [`Func::MulF16x2`], [`Func::E4m3x2F16`],
+/// [`Intrinsic::MmaF16`], ...), printed only into the kernels that use them.
+const F16_HELPERS: &str = r#"// f16 pairs: the operands of fp8_ds_mla's P . V (P in f16, the e4m3 rows as f16 times
+// their scales). Every e4m3 value is exact in f16: sm_89 and later convert a pair in one
+// instruction; before, its bits are moved into place, which is the value times 2^-8
+// (E4M3_F16_UNIT says which).
+SPARSE_MLA_HELPER unsigned pack_f16x2(float lo, float hi) {
+    unsigned h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+SPARSE_MLA_HELPER float f16_lo(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h & 0xffffu)));
+    return v;
+}
+SPARSE_MLA_HELPER float f16_hi(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h >> 16)));
+    return v;
+}
+SPARSE_MLA_HELPER unsigned mul_f16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define E4M3_F16_UNIT 1.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+#else
+#define E4M3_F16_UNIT 256.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    // s eeee mmm -> s 0 eeee mmm 0000000 (bias 7 read as 15: the value times 2^-8, exact,
+    // subnormals included)
+    return ((pair & 0x7fu) << 7) | ((pair & 0x80u) << 8) | ((pair & 0x7f00u) << 15)
+        | ((pair & 0x8000u) << 16);
+}
+#endif
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
+SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 "#;
 
 const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
@@ -707,6 +774,19 @@ impl Printer<'_> {
                 self.expr(a0),
                 self.expr(b0)
             ),
+            Intrinsic::MmaF16 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => format!(
+                "mma_f16_16816(&{c}[{}], &{a}[{}], &{b}[{}]);",
+                self.expr(c0),
+                self.expr(a0),
+                self.expr(b0)
+            ),
             Intrinsic::ShflXor {
                 dst,
                 value,
@@ -714,6 +794,10 @@ impl Printer<'_> {
             } => format!(
                 "const float {dst} = shfl_xor_f32({}, {lane_mask});",
                 self.expr(value)
+            ),
+            Intrinsic::VoteAny { dst, pred } => format!(
+                "const bool {dst} = __any_sync(0xffffffffu, {});",
+                self.expr(pred)
             ),
             Intrinsic::NamedBarrier { id, threads } => {
                 format!("named_barrier_sync<{id}u, {threads}u>();")
@@ -911,6 +995,12 @@ impl Printer<'_> {
                     Func::E4m3x2Hi => format!("e4m3x2_hi({})", a[0]),
                     Func::PackE4m3x4 => format!("pack_e4m3x4({})", a.join(", ")),
                     Func::E4m3MmaNative => "E4M3_MMA_NATIVE".to_string(),
+                    Func::PackF16x2 => format!("pack_f16x2({}, {})", a[0], a[1]),
+                    Func::F16Lo => format!("f16_lo({})", a[0]),
+                    Func::F16Hi => format!("f16_hi({})", a[0]),
+                    Func::MulF16x2 => format!("mul_f16x2({}, {})", a[0], a[1]),
+                    Func::E4m3x2F16 => format!("e4m3x2_f16({})", a[0]),
+                    Func::E4m3F16Unit => "E4M3_F16_UNIT".to_string(),
                 }
             }
             Expr::Load { buf, elem, index } => {

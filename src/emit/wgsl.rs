@@ -264,6 +264,18 @@ impl Printer<'_> {
                     // CUDA only (tensor-core operands): left undefined, so naga refuses it
                     Func::PackE4m3x4 => format!("pack_e4m3x4({})", a.join(", ")),
                     Func::E4m3MmaNative => "e4m3_mma_native()".to_string(),
+                    Func::PackF16x2 => format!("pack2x16float(vec2<f32>({}, {}))", a[0], a[1]),
+                    Func::F16Lo => format!("unpack2x16float({}).x", a[0]),
+                    Func::F16Hi => format!("unpack2x16float({}).y", a[0]),
+                    Func::MulF16x2 => format!(
+                        "pack2x16float(unpack2x16float({}) * unpack2x16float({}))",
+                        a[0], a[1]
+                    ),
+                    Func::E4m3x2F16 => format!(
+                        "pack2x16float(vec2<f32>(e4m3_to_f32(({0}) & 0xffu), e4m3_to_f32((({0}) >> 8u) & 0xffu)))",
+                        a[0]
+                    ),
+                    Func::E4m3F16Unit => "1.0".to_string(),
                 }
             }
             Expr::Load { buf, elem, index } => {

@@ -176,22 +176,27 @@ pub fn acc_pair_update(
 }
 
 /// The stores of an accumulator element pair `(v0, v1)` at row `row`, even column `col` of
-/// the shared tile `dst` (row stride `stride` words): one packed word for a bf16 tile, two
+/// the shared tile `dst` (row stride `stride` words): one packed word for a bf16 or f16 tile, two
 /// f32 words otherwise.
 pub fn tile_pair_store(
     dst: &str,
-    bf16: bool,
+    elem: TileElem,
     row: Expr,
     stride: u32,
     col: Expr,
     v0: Expr,
     v1: Expr,
 ) -> Vec<Stmt> {
-    if bf16 {
+    let pack = match elem {
+        TileElem::Bf16 => Some(Func::PackBf16x2),
+        TileElem::F16 => Some(Func::PackF16x2),
+        _ => None,
+    };
+    if let Some(pack) = pack {
         vec![Stmt::SharedStore {
             arr: dst.to_string(),
             index: add(mul(row, u(stride)), bin(BinOp::Shr, col, u(1))),
-            value: Expr::Call(Func::PackBf16x2, vec![v0, v1]),
+            value: Expr::Call(pack, vec![v0, v1]),
         }]
     } else {
         let at = add(mul(row, u(stride)), col);

@@ -139,13 +139,17 @@ pub enum TileElem {
     /// by [`Expr::TileLoad`]; as an mma operand exact in bf16, so a product with it needs no
     /// rounding of the tile.
     E4m3,
+    /// IEEE binary16, two per 32-bit word (written rounded to nearest even). Where P of an
+    /// fp8_ds_mla `P · V` lives: P is in [0, 1], where f16 keeps 11 bits (bf16 8), and the
+    /// tensor-core lowering multiplies it with the e4m3 rows as f16 (see `lower_mma::e4m3`).
+    F16,
 }
 
 impl TileElem {
     pub fn bytes(&self) -> u32 {
         match self {
             TileElem::F32 => 4,
-            TileElem::Bf16 => 2,
+            TileElem::Bf16 | TileElem::F16 => 2,
             TileElem::U8 | TileElem::E4m3 => 1,
         }
     }
@@ -260,6 +264,20 @@ pub enum Func {
     /// to e4m3 → f16 conversions and two f16 products (its fp8 tensor cores are wgmma's only),
     /// so code picks the bf16 form there. CUDA only.
     E4m3MmaNative,
+    /// Pack two f32 into a u32 holding two f16 (round to nearest even; `a` in the low half).
+    PackF16x2,
+    /// The low / high f16 of a u32, as f32.
+    F16Lo,
+    F16Hi,
+    /// Two f16 pairs multiplied lane by lane (f16 result, round to nearest even).
+    MulF16x2,
+    /// Two e4m3 values (bits 0..16 of a u32) as an f16 pair, each times
+    /// 1 / [`Func::E4m3F16Unit`]: exact (on CUDA sm_89+ one `cvt`; before, the bits moved
+    /// into place, which is the value times 2^-8).
+    E4m3x2F16,
+    /// No arguments, f32: the factor [`Func::E4m3x2F16`]'s values are short of the e4m3
+    /// values (1 where the conversion is exact, 256 where it moves bits).
+    E4m3F16Unit,
 }
 
 /// An expression. Every node knows its type ([`Expr::ty`]) without an environment.
@@ -343,9 +361,20 @@ impl Expr {
             Expr::Select(_, a, _) => a.ty(),
             Expr::Cvt(t, _) => *t,
             Expr::Call(f, args) => match f {
-                Func::PackBf16x2 | Func::F32Bits | Func::E4m3x2Prep | Func::PackE4m3x4 => Ty::U32,
+                Func::PackBf16x2
+                | Func::F32Bits
+                | Func::E4m3x2Prep
+                | Func::PackE4m3x4
+                | Func::PackF16x2
+                | Func::MulF16x2
+                | Func::E4m3x2F16 => Ty::U32,
                 Func::E4m3MmaNative => Ty::Bool,
-                Func::F32FromBits | Func::E4m3x2Lo | Func::E4m3x2Hi => Ty::F32,
+                Func::F32FromBits
+                | Func::E4m3x2Lo
+                | Func::E4m3x2Hi
+                | Func::F16Lo
+                | Func::F16Hi
+                | Func::E4m3F16Unit => Ty::F32,
                 _ => args.first().map(|a| a.ty()).unwrap_or(Ty::F32),
             },
             Expr::Load { elem, .. } => elem.value_ty(),
@@ -646,12 +675,24 @@ pub enum Intrinsic {
         b: String,
         b0: Expr,
     },
+    /// [`Intrinsic::MmaBf16`] with f16 operands (`mma.sync` m16n8k16 f16, f32 accumulate).
+    MmaF16 {
+        c: String,
+        c0: Expr,
+        a: String,
+        a0: Expr,
+        b: String,
+        b0: Expr,
+    },
     /// Warp-collective: `let dst = value` of lane `lane ^ lane_mask` (f32).
     ShflXor {
         dst: String,
         value: Expr,
         lane_mask: u32,
     },
+    /// Warp-collective: `let dst = any lane's pred` (bool; CUDA's `__any_sync` over the full
+    /// warp).
+    VoteAny { dst: String, pred: Expr },
     /// `bar.sync id, threads`: a barrier among `threads` threads (whole warps) of the
     /// workgroup, with workgroup-memory ordering; id 0 with every thread is [`Stmt::Barrier`].
     /// The id is a constant (an immediate in the instruction): a grouped lowering gives each
@@ -788,6 +829,21 @@ impl Intrinsic {
                 b,
                 b0: f(b0),
             },
+            MmaF16 {
+                c,
+                c0,
+                a,
+                a0,
+                b,
+                b0,
+            } => MmaF16 {
+                c,
+                c0: f(c0),
+                a,
+                a0: f(a0),
+                b,
+                b0: f(b0),
+            },
             ShflXor {
                 dst,
                 value,
@@ -797,6 +853,7 @@ impl Intrinsic {
                 value: f(value),
                 lane_mask,
             },
+            VoteAny { dst, pred } => VoteAny { dst, pred: f(pred) },
             NamedBarrier { id, threads } => NamedBarrier { id, threads },
             MbarInit { bars, index, count } => MbarInit {
                 bars,

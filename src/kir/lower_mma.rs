@@ -245,6 +245,7 @@ impl Rewrite for Cx<'_> {
                 load,
                 compute,
             } => {
+                self.units_begin(compute, out)?;
                 if self.ws.is_some() {
                     // the q gather (cp.async) is waited for before the loop
                     if !self.pending.is_empty() {
@@ -252,6 +253,8 @@ impl Rewrite for Cx<'_> {
                         out.push(Stmt::Barrier);
                         self.pending.clear();
                     }
+                    // (the f16 products' running scale is resolved inside, before the
+                    // warp groups merge their accumulators)
                     return self.consumer_loop(v, (count, bound.as_ref()), load, compute, out);
                 }
                 // Tiles still in flight are older than the ring's groups, so the first
@@ -259,6 +262,7 @@ impl Rewrite for Cx<'_> {
                 let in_flight = !self.pending.is_empty();
                 self.pending.clear();
                 self.pipeline(v, count, load, compute, out)?;
+                self.units_end(out)?;
                 if in_flight {
                     out.push(Stmt::Barrier);
                 }

@@ -146,7 +146,7 @@ impl Rewrite for Cx<'_> {
                     let v1 = priv_load(&acc_name, add(mul(i, u(2)), u(1)));
                     Ok(tile_pair_store(
                         &dst_name,
-                        elem == TileElem::Bf16,
+                        elem,
                         rv.clone(),
                         stride,
                         cv,
@@ -789,6 +789,7 @@ impl<'k> Cx<'k> {
         let word_value = match elem {
             TileElem::F32 => col_plus(0),
             TileElem::Bf16 => Expr::Call(Func::PackBf16x2, vec![col_plus(0), col_plus(1)]),
+            TileElem::F16 => Expr::Call(Func::PackF16x2, vec![col_plus(0), col_plus(1)]),
             TileElem::U8 | TileElem::E4m3 => {
                 let mut w = bin(BinOp::BitAnd, col_plus(0), u(0xFF));
                 for k in 1..4 {
@@ -869,6 +870,15 @@ fn tile_elem(info: &TileInfo, row: Expr, col: Expr) -> Expr {
                 u(16),
             ))
         }
+        TileElem::F16 => {
+            let word = shared_load(
+                name,
+                Ty::U32,
+                add(mul(row, u(info.stride)), bin(BinOp::Shr, col.clone(), u(1))),
+            );
+            let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
+            Expr::Call(Func::F16Lo, vec![bin(BinOp::Shr, word, shift)])
+        }
         TileElem::U8 | TileElem::E4m3 => {
             let word = shared_load(
                 name,
@@ -927,6 +937,17 @@ fn pair_along_row(tile: &str, stride: u32, elem: TileElem, row: Expr, col: Expr)
             (
                 f32_from_bits(bin(BinOp::Shl, word.clone(), u(16))),
                 f32_from_bits(bin(BinOp::BitAnd, word, u(0xFFFF_0000))),
+            )
+        }
+        TileElem::F16 => {
+            let word = shared_load(
+                tile,
+                Ty::U32,
+                add(mul(row, u(stride)), bin(BinOp::Shr, col, u(1))),
+            );
+            (
+                Expr::Call(Func::F16Lo, vec![word.clone()]),
+                Expr::Call(Func::F16Hi, vec![word]),
             )
         }
         _ => {

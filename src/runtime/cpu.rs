@@ -221,7 +221,7 @@ impl Backend for CpuBackend {
         self.put(bufs.lse, "lse", &lse)?;
         Ok(DecodeRun {
             splits: 1,
-            p_bf16: false,
+            p_rounded: false,
             kernels: vec!["reference::sparse_mla::decode".into()],
             merged: false,
         })

@@ -388,7 +388,7 @@ impl<D: Device> Backend for GpuBackend<D> {
         }
         Ok(DecodeRun {
             splits: plan.splits,
-            p_bf16: plan.config.p_elem == crate::kir::ir::TileElem::Bf16,
+            p_rounded: plan.config.p_elem != crate::kir::ir::TileElem::F32,
             kernels: launches.iter().map(|l| l.kernel.name.clone()).collect(),
             merged: plan.runs_merged(),
         })

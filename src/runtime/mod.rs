@@ -159,8 +159,9 @@ pub struct DecodeOptions {
 #[derive(Clone, Debug)]
 pub struct DecodeRun {
     pub splits: u32,
-    /// P was rounded to bf16 for P · V (tensor-core paths); otherwise everything is f32.
-    pub p_bf16: bool,
+    /// P was rounded for P · V (to bf16, or f16 for fp8_ds_mla: tensor-core paths);
+    /// otherwise everything is f32.
+    pub p_rounded: bool,
     /// The kernels launched, by name.
     pub kernels: Vec<String>,
     /// Split and combine ran as one launch (the merged split kernel).

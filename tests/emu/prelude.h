@@ -148,7 +148,7 @@ inline float e4m3_value(unsigned b) {
     const float mag = e == 0u ? (float)m * (1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
     return (b & 0x80u) ? -mag : mag;
 }
-// f32 -> f16 bits, round to nearest even (every value reaching it here is exact in f16)
+// f32 -> f16 bits, round to nearest even (subnormals too; past f16's range: infinity)
 inline unsigned f32_to_f16(float f) {
     unsigned u = __float_as_uint(f);
     unsigned sign = (u >> 16) & 0x8000u;
@@ -183,6 +183,13 @@ inline void cvt_rn_f16x2_e4m3x2(unsigned& d, unsigned short a) {
     d = f32_to_f16(e4m3_value(a & 0xff)) | (f32_to_f16(e4m3_value(a >> 8)) << 16);
 }
 inline void cvt_f32_f16(float& d, unsigned short a) { d = f16_to_f32(a); }
+// d = {f16(a) upper half, f16(b) lower half}
+inline void cvt_rn_f16x2_f32(unsigned& d, float a, float b) { d = f32_to_f16(b) | (f32_to_f16(a) << 16); }
+// d = a * b per f16 half, round to nearest even (the f32 product of two f16 is exact)
+inline void mul_rn_f16x2(unsigned& d, unsigned a, unsigned b) {
+    d = f32_to_f16(f16_to_f32(a & 0xffffu) * f16_to_f32(b & 0xffffu)) |
+        (f32_to_f16(f16_to_f32(a >> 16) * f16_to_f32(b >> 16)) << 16);
+}
 // f32 -> e4m3 "fn" by search (runtime.cpp)
 unsigned f32_to_e4m3_ref(float f);
 // d = {e4m3(a) upper byte, e4m3(b) lower byte}
@@ -232,6 +239,9 @@ void ldmatrix_sync_aligned_m8n8_x1_trans_shared_b16(unsigned& a, Mem m);
 void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
                                                         unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
                                                         float c0, float c1, float c2, float c3);
+void mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
+                                                      unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                                                      float c0, float c1, float c2, float c3);
 void mma_sync_aligned_m16n8k32_row_col_f32_e4m3_e4m3_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
                                                         unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
                                                         float c0, float c1, float c2, float c3);
@@ -302,3 +312,6 @@ inline void ld_relaxed_gpu_global_u32(unsigned& d, Mem m) {
 void nanosleep_u32(unsigned ns);
 
 }  // namespace ptx
+
+// CUDA's warp vote over the full warp (runtime.cpp)
+bool __any_sync(unsigned mask, bool pred);

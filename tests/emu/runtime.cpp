@@ -829,12 +829,13 @@ inline void mma_sums(const float (&A)[2][K], const float (&B)[2][K], float c0, f
     d0 = (float)s0, d1 = (float)s1, d2 = (float)s2, d3 = (float)s3;
 }
 
-// ---- mma.sync m16n8k16 row.col bf16 -> f32, by the PTX fragment layouts:
+// ---- mma.sync m16n8k16 row.col bf16 / f16 -> f32, by the PTX fragment layouts:
 // A: a0 (g, 2q..), a1 (g+8, 2q..), a2 (g, 2q+8..), a3 (g+8, 2q+8..)
 // B: b0 (k 2q.., n g), b1 (k 2q+8.., n g);  C, D: d0,d1 (g, 2q..), d2,d3 (g+8, 2q..)
-void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
-                                                        unsigned a1, unsigned a2, unsigned a3, unsigned b0,
-                                                        unsigned b1, float c0, float c1, float c2, float c3) {
+// `lo` / `hi` read the low / high 16-bit value of a register.
+static void mma_m16n8k16(float (*lo)(unsigned), float (*hi)(unsigned), float& d0, float& d1, float& d2,
+                         float& d3, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                         float c0, float c1, float c2, float c3) {
     emu::WarpDeposit& d = emu::deposit_begin();
     unsigned l = emu::lane();
     unsigned in[6] = {a0, a1, a2, a3, b0, b1};
@@ -847,18 +848,33 @@ void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float& d1, f
     for (unsigned j = 0; j < 4; j++) {
         const unsigned* u = d.u[4 * g + j];
         for (unsigned h = 0; h < 2; h++) {
-            A[h][2 * j] = bf16_lo(u[h]);
-            A[h][2 * j + 1] = bf16_hi(u[h]);
-            A[h][2 * j + 8] = bf16_lo(u[2 + h]);
-            A[h][2 * j + 9] = bf16_hi(u[2 + h]);
+            A[h][2 * j] = lo(u[h]);
+            A[h][2 * j + 1] = hi(u[h]);
+            A[h][2 * j + 8] = lo(u[2 + h]);
+            A[h][2 * j + 9] = hi(u[2 + h]);
             const unsigned* v = d.u[4 * (2 * q + h) + j];
-            B[h][2 * j] = bf16_lo(v[4]);
-            B[h][2 * j + 1] = bf16_hi(v[4]);
-            B[h][2 * j + 8] = bf16_lo(v[5]);
-            B[h][2 * j + 9] = bf16_hi(v[5]);
+            B[h][2 * j] = lo(v[4]);
+            B[h][2 * j + 1] = hi(v[4]);
+            B[h][2 * j + 8] = lo(v[5]);
+            B[h][2 * j + 9] = hi(v[5]);
         }
     }
     mma_sums(A, B, c0, c1, c2, c3, d0, d1, d2, d3);
+}
+
+static float f16_lo_value(unsigned r) { return f16_to_f32(r & 0xffffu); }
+static float f16_hi_value(unsigned r) { return f16_to_f32(r >> 16); }
+
+void mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
+                                                        unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                                        unsigned b1, float c0, float c1, float c2, float c3) {
+    mma_m16n8k16(bf16_lo, bf16_hi, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
+}
+
+void mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(float& d0, float& d1, float& d2, float& d3, unsigned a0,
+                                                      unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                                      unsigned b1, float c0, float c1, float c2, float c3) {
+    mma_m16n8k16(f16_lo_value, f16_hi_value, d0, d1, d2, d3, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3);
 }
 
 // ---- mma.sync m16n8k32 row.col e4m3 -> f32, by the PTX fragment layouts (4 bytes a register):
@@ -911,6 +927,21 @@ void shfl_sync_bfly_b32(unsigned& d, unsigned a, unsigned b, unsigned c, unsigne
     d = __float_as_uint(x);
 }
 
+}  // namespace ptx
+
+// ---- vote.sync.any over the full warp (CUDA's __any_sync)
+bool __any_sync(unsigned mask, bool pred) {
+    emu::WarpDeposit& dep = emu::deposit_begin();
+    unsigned l = emu::lane();
+    dep.u[l][0] = pred ? 1u : 0u;
+    emu::deposit_sync();
+    if (mask != 0xffffffffu) emu::error("emu: __any_sync with a partial mask not modelled");
+    bool any = false;
+    for (unsigned i = 0; i < 32; i++) any = any || dep.u[i][0] != 0u;
+    return any;
+}
+
+namespace ptx {
 // ---- mbarrier
 inline emu::Mbar& mbar(Mem m, bool init = false) {
     Block& b = block();

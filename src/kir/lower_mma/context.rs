@@ -134,6 +134,8 @@ pub(super) struct Cx<'k> {
     pub(super) l2_ahead: u32,
     /// With warp groups: what [`groups::replicate`] needs.
     pub(super) group: Option<groups::GroupPlan>,
+    /// The running scale of the f16 `P · V` products of the pipeline being lowered.
+    pub(super) units: Option<super::e4m3::Units>,
 }
 
 impl Cx<'_> {

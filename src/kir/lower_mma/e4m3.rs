@@ -22,7 +22,7 @@
 
 use super::ksplit::all_products;
 use super::resident::ResidentView;
-use super::{add, bin, for_const, intr, let_, mul, u, var, Cx, TileInfo};
+use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, Cx, TileInfo, WARP};
 use crate::kir::expr::priv_load_u;
 use crate::kir::ir::*;
 use crate::Result;
@@ -213,25 +213,7 @@ impl Cx<'_> {
         bf: &str,
         k_scales: Option<&[Expr; 4]>,
     ) -> Vec<Stmt> {
-        // matrices (k 0-7, 16 columns), (k 8-15, same columns): lanes 0-15 give the rows
-        let word = add(
-            add(
-                base,
-                mul(
-                    add(k_row, bin(BinOp::BitAnd, self.lane.r16.clone(), u(15))),
-                    u(tb.stride),
-                ),
-            ),
-            bin(BinOp::Shr, n_byte, u(2)),
-        );
-        let mut out = vec![intr(Intrinsic::LdMatrix {
-            count: 2,
-            trans: true,
-            arr: tb.decl.name.clone(),
-            word,
-            dst: raw.to_string(),
-            dst0: u(0),
-        })];
+        let mut out = vec![self.kn_b_ldmatrix(tb, base, k_row, n_byte, raw)];
         // even fragment: b0 = bytes (0, 2) of the k 0-7 matrix, b1 = of the k 8-15 one;
         // odd fragment: bytes (1, 3)
         let names: Vec<String> = (0..4).map(|_| self.fresh("e4m3_pair")).collect();
@@ -445,5 +427,499 @@ impl Cx<'_> {
         body.push(for_const(&kk, a.cols / 16, k_body));
         out.extend(self.for_used_warps(&info, body));
         Ok(())
+    }
+}
+
+/// The running scale of an fp8_ds_mla `P · V` in f16 ([`Cx::mma_e4m3_kn_f16`]): the
+/// accumulators of its products hold `O · K` rather than `O`, for one per-thread f32 `K`
+/// (private `k[0]`) that makes every operand fit f16.
+///
+/// A product `acc += P · (E · s)` (E the e4m3 rows, s their per-row scales) runs as
+/// `acc += P · (E · r)` with `r = s · K` rounded to f16, so `V · r ≤ 448 · LIMIT` cannot
+/// overflow f16 (65504), and `K` is chosen so the largest scale seen so far meets `LIMIT`:
+/// rows with scales far below the largest lose f16's subnormal precision only below
+/// `2^-14 / LIMIT` of it. At the top of each step each lane takes the largest `|s|` of one
+/// row and the warp votes; where the step's largest `m` is past `LIMIT / K`, or below
+/// `LOW · LIMIT / K` (`K` starts at `K0`), `K` becomes `LIMIT / m` and the accumulators are
+/// multiplied by the ratio: rare, and never for scales in [2^-12, 1].
+/// Within the pipeline the accumulators are read only by the online softmax's per-row
+/// rescale (linear, so it commutes with `K`); after it they are divided by `K` once
+/// ([`Cx::units_end`]), so everything downstream sees `O`.
+pub(super) struct Units {
+    /// The products of the set, in program order: accumulator, B view, scale.
+    pub(super) ops: Vec<(String, TileView, (String, Expr))>,
+    /// Rows of the products' K dimension.
+    pub(super) k_rows: u32,
+    /// Private f32 `[1]`: `K` (−1: not set).
+    pub(super) k: String,
+}
+
+/// `K · max|s| ≤ LIMIT`: `V · r ≤ 448 · 128 = 57344`, below f16's 65504.
+const UNITS_LIMIT: f32 = 128.0;
+/// `K` re-chosen also where a step's largest scale is below `LOW · LIMIT / K`, so `r` stays
+/// in f16's normal range for the scales the cache has now.
+const UNITS_LOW: f32 = 1.0 / 4096.0;
+/// `K` before the first step: the scales in [2^-12, 1] (an fp8_ds_mla scale is a tile's
+/// largest magnitude / 448) run without a change of `K`, so a call of one step pays no
+/// shuffles (measured 2-4 % at T <= 8 with `K` set on the first step).
+const UNITS_K0: f32 = UNITS_LIMIT;
+
+fn fbin(op: BinOp, a: Expr, b: Expr) -> Expr {
+    bin(op, a, b)
+}
+
+impl Cx<'_> {
+    /// The `[K, N]` e4m3 products with a scale and an f16 A tile (P) among `stmts`: `(acc,
+    /// a, b, scale)`.
+    fn f16_kn_products(&self, stmts: &[Stmt]) -> Vec<(String, TileView, TileView, (String, Expr))> {
+        let mut out = Vec::new();
+        crate::kir::walk::visit_tile_ops_with(stmts, false, &mut |op| {
+            if let TileOp::MmaScaled {
+                acc,
+                a,
+                b,
+                b_layout: BLayout::KN,
+                row,
+                scale,
+            } = op
+            {
+                let f16_a = self
+                    .tiles
+                    .get(&a.tile)
+                    .is_some_and(|t| t.store == TileElem::F16);
+                let e4m3_b = self
+                    .tiles
+                    .get(&b.tile)
+                    .is_some_and(|t| t.decl.elem == TileElem::E4m3);
+                if f16_a && e4m3_b {
+                    out.push((
+                        acc.clone(),
+                        a.clone(),
+                        b.clone(),
+                        (row.clone(), scale.clone()),
+                    ));
+                }
+            }
+        });
+        out
+    }
+
+    /// Before a pipeline whose steps run f16 `P · V` products: their running scale (see
+    /// [`Units`]), `K` not set yet. The accumulators may be read inside the steps only by
+    /// those products and the online softmax.
+    pub(super) fn units_begin(&mut self, compute: &[Stmt], out: &mut Vec<Stmt>) -> Result<()> {
+        let products = self.f16_kn_products(compute);
+        if products.is_empty() {
+            return Ok(());
+        }
+        let k_rows = products[0].1.cols;
+        if products.iter().any(|p| p.1.cols != k_rows) {
+            return Err(
+                self.err("f16 [K, N] e4m3 products of one pipeline step must share their K".into())
+            );
+        }
+        let accs: Vec<String> = products.iter().map(|p| p.0.clone()).collect();
+        let mut bad = None;
+        crate::kir::walk::visit_tile_ops_with(compute, false, &mut |op| {
+            let named = match op {
+                TileOp::AccFill { acc, .. }
+                | TileOp::Mma { acc, .. }
+                | TileOp::AccForEach { acc, .. }
+                | TileOp::AccRowReduce { acc, .. }
+                | TileOp::AccToShared { acc, .. } => Some(acc),
+                _ => None,
+            };
+            if let Some(a) = named.filter(|a| accs.contains(a)) {
+                bad = Some(a.clone());
+            }
+        });
+        if let Some(a) = bad {
+            return Err(self.err(format!(
+                "{a} takes f16 P . V products (held times a running scale inside the \
+                 pipeline) and is read or written by another op inside the same steps; read \
+                 it after the pipeline"
+            )));
+        }
+        let k = self.private("units_k", Ty::F32, 1);
+        out.push(Stmt::Comment(
+            "f16 P . V: the accumulators hold O times K, a running scale".into(),
+        ));
+        out.push(Stmt::PrivateStore {
+            arr: k.clone(),
+            index: u(0),
+            value: Expr::F32(UNITS_K0),
+        });
+        let units = Units {
+            ops: products
+                .into_iter()
+                .map(|(acc, _, b, sc)| (acc, b, sc))
+                .collect(),
+            k_rows,
+            k,
+        };
+        // the accumulators as they are, times K
+        out.extend(self.units_scale_all(&units, Expr::F32(UNITS_K0))?);
+        self.units = Some(units);
+        Ok(())
+    }
+
+    /// At the top of a pipeline step (its rows landed), before its compute is lowered: the
+    /// running scale's update ([`Cx::units_update`]). Nothing without f16 products.
+    pub(super) fn units_step(&mut self) -> Result<Vec<Stmt>> {
+        let Some(units) = self.units.take() else {
+            return Ok(Vec::new());
+        };
+        let update = self.units_update(&units);
+        self.units = Some(units);
+        update
+    }
+
+    /// After the pipeline: the accumulators of the f16 products back to `O` (divided by `K`;
+    /// unchanged where it was never set).
+    pub(super) fn units_end(&mut self, out: &mut Vec<Stmt>) -> Result<()> {
+        let Some(units) = self.units.take() else {
+            return Ok(());
+        };
+        let kv = priv_load(&units.k, u(0));
+        let inv = self.fresh("units_inv");
+        out.push(Stmt::Comment(
+            "f16 P . V: the accumulators back to O".into(),
+        ));
+        out.push(let_(&inv, fbin(BinOp::Div, Expr::F32(1.0), kv)));
+        out.extend(self.units_scale_all(&units, var(&inv, Ty::F32))?);
+        Ok(())
+    }
+
+    /// Every accumulator of the set times `f`.
+    fn units_scale_all(&mut self, units: &Units, f: Expr) -> Result<Vec<Stmt>> {
+        let mut out = Vec::new();
+        let mut seen: Vec<&str> = Vec::new();
+        for (acc, _, _) in &units.ops {
+            if seen.contains(&acc.as_str()) {
+                continue;
+            }
+            seen.push(acc);
+            let info = self.acc(acc)?.clone();
+            let i = self.fresh("units_i");
+            let at = var(&i, Ty::U32);
+            let lp = for_const(
+                &i,
+                4 * info.frags(),
+                vec![Stmt::PrivateStore {
+                    arr: acc.clone(),
+                    index: at.clone(),
+                    value: fbin(BinOp::Mul, priv_load(acc, at), f.clone()),
+                }],
+            );
+            out.extend(self.for_used_warps(&info, vec![lp]));
+        }
+        Ok(out)
+    }
+
+    /// `K` brought down to `LIMIT / m` where the step's largest scale `m` would pass
+    /// `LIMIT`, or set on the first nonzero one (see [`Units`]), the accumulators rescaled
+    /// with it. The test is a lane's own row and one vote (no shuffle chain, no division):
+    /// its cost sits on every step's chain, where its rare branch does not.
+    fn units_update(&mut self, units: &Units) -> Result<Vec<Stmt>> {
+        let mut out = vec![Stmt::Comment(
+            "f16 P . V: K lowered where this step's largest scale would overflow".into(),
+        )];
+        let m = self.fresh("units_m");
+        let mv = var(&m, Ty::F32);
+        out.push(Stmt::Var {
+            name: m.clone(),
+            value: Expr::F32(0.0),
+        });
+        let base_row = units.ops[0].1.row0;
+        for pass in 0..units.k_rows.div_ceil(WARP) {
+            // rows past the step's (lanes of a last partial pass) read its last row again
+            let r = add(self.lane.lane.clone(), u(pass * WARP));
+            let r = if (pass + 1) * WARP > units.k_rows {
+                bin(BinOp::Min, r, u(units.k_rows - 1))
+            } else {
+                r
+            };
+            for (_, b, sc) in &units.ops {
+                if b.row0 != base_row {
+                    return Err(self.err(
+                        "f16 [K, N] e4m3 products of one step must read the same rows".into(),
+                    ));
+                }
+                let s = self.expr(&scale_at(sc, add(u(base_row), r.clone())))?;
+                out.push(Stmt::Assign {
+                    name: m.clone(),
+                    value: fbin(BinOp::Max, mv.clone(), Expr::Call(Func::Abs, vec![s])),
+                });
+            }
+        }
+        let (kc, mk, vote) = (
+            self.fresh("units_k_old"),
+            self.fresh("units_mk"),
+            self.fresh("units_vote"),
+        );
+        let kcv = var(&kc, Ty::F32);
+        let mkv = var(&mk, Ty::F32);
+        out.push(let_(&kc, priv_load(&units.k, u(0))));
+        out.push(let_(&mk, fbin(BinOp::Mul, mv.clone(), kcv.clone())));
+        out.push(intr(Intrinsic::VoteAny {
+            dst: vote.clone(),
+            pred: fbin(
+                BinOp::And,
+                fbin(BinOp::Gt, mv.clone(), Expr::F32(0.0)),
+                fbin(
+                    BinOp::Or,
+                    fbin(BinOp::Gt, mkv.clone(), Expr::F32(UNITS_LIMIT)),
+                    fbin(BinOp::Lt, mkv, Expr::F32(UNITS_LIMIT * UNITS_LOW)),
+                ),
+            ),
+        }));
+        // the rare branch (the first step, a new largest scale): the warp's largest scale
+        let mut then = Vec::new();
+        for mask in [16u32, 8, 4, 2, 1] {
+            let t = self.fresh("units_other");
+            then.push(intr(Intrinsic::ShflXor {
+                dst: t.clone(),
+                value: mv.clone(),
+                lane_mask: mask,
+            }));
+            then.push(Stmt::Assign {
+                name: m.clone(),
+                value: fbin(BinOp::Max, mv.clone(), var(&t, Ty::F32)),
+            });
+        }
+        let (kn, ratio) = (self.fresh("units_k_new"), self.fresh("units_ratio"));
+        then.push(let_(
+            &kn,
+            fbin(
+                BinOp::Min,
+                fbin(BinOp::Div, Expr::F32(UNITS_LIMIT), mv),
+                Expr::F32(2f32.powi(100)),
+            ),
+        ));
+        then.push(let_(&ratio, fbin(BinOp::Div, var(&kn, Ty::F32), kcv)));
+        then.extend(self.units_scale_all(units, var(&ratio, Ty::F32))?);
+        then.push(Stmt::PrivateStore {
+            arr: units.k.clone(),
+            index: u(0),
+            value: var(&kn, Ty::F32),
+        });
+        out.push(Stmt::If {
+            cond: var(&vote, Ty::Bool),
+            then,
+            els: vec![],
+        });
+        Ok(out)
+    }
+
+    /// `acc += P · (E · s)`, P an f16 tile, E an e4m3 `[K, N]` view scaled per k row: as f16
+    /// products, `E`'s pairs converted in one instruction each and multiplied by `s · K` in
+    /// f16 (see [`Units`]). Outside a pipeline that set up the running scale, the product sets
+    /// up and resolves its own.
+    pub(super) fn mma_e4m3_kn_f16(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        scale: (String, Expr),
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let own = self.units.is_none();
+        if own {
+            let op = vec![Stmt::Tile(TileOp::MmaScaled {
+                acc: acc.to_string(),
+                a: a.clone(),
+                b: b.clone(),
+                b_layout: BLayout::KN,
+                row: scale.0.clone(),
+                scale: scale.1.clone(),
+            })];
+            self.units_begin(&op, out)?;
+            let step = self.units_step()?;
+            out.extend(step);
+        }
+        let units = self
+            .units
+            .take()
+            .ok_or_else(|| self.err("f16 P . V without its running scale".into()))?;
+        let result = self.mma_e4m3_kn_f16_in(acc, a, b, &scale, &units, out);
+        self.units = Some(units);
+        result?;
+        if own {
+            self.units_end(out)?;
+        }
+        Ok(())
+    }
+
+    fn mma_e4m3_kn_f16_in(
+        &mut self,
+        acc: &str,
+        a: &TileView,
+        b: &TileView,
+        scale: &(String, Expr),
+        units: &Units,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let info = self.acc(acc)?.clone();
+        if !info.interleave {
+            return Err(self.err(format!(
+                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
+            )));
+        }
+        if !units.ops.iter().any(|o| o.0 == acc) {
+            return Err(self.err(format!("{acc}: not among the f16 products of this step")));
+        }
+        let ta = self.tile(&a.tile)?.clone();
+        let tb = self.tile(&b.tile)?.clone();
+        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
+            )));
+        }
+        let (fmw, fnw) = (info.fmw, info.fnw);
+        let ab = self.tile_base(&ta)?;
+        let bb = self.tile_base(&tb)?;
+        let af = self.private("a_frag", Ty::U32, 4 * fmw);
+        let bf = self.private("b_frag", Ty::U32, 4);
+        let raw = self.private("b_raw", Ty::U32, 2);
+        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
+        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
+        let a_base = self.fresh("a_lane_word");
+        let k_unit = self.fresh("units_kq");
+        let mut body = vec![
+            let_(
+                &a_base,
+                add(
+                    add(
+                        ab,
+                        mul(
+                            add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
+                            u(ta.stride),
+                        ),
+                    ),
+                    bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
+                ),
+            ),
+            // s · K in the units of the conversion (times 256 where it moves bits)
+            let_(
+                &k_unit,
+                fbin(
+                    BinOp::Mul,
+                    priv_load(&units.k, u(0)),
+                    Expr::Call(Func::E4m3F16Unit, vec![]),
+                ),
+            ),
+        ];
+        let mut k_body = vec![for_const(
+            &i,
+            fmw,
+            vec![intr(Intrinsic::LdMatrix {
+                count: 4,
+                trans: false,
+                arr: a.tile.clone(),
+                word: add(
+                    var(&a_base, Ty::U32),
+                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
+                ),
+                dst: af.clone(),
+                dst0: mul(iv.clone(), u(4)),
+            })],
+        )];
+        let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
+        // the lane's k rows 2q, 2q + 1 (matrix 0) and 2q + 8, 2q + 9 (matrix 1), as f16 pairs
+        let ks = self.k_scales(scale, k_row.clone())?;
+        let kq = var(&k_unit, Ty::F32);
+        let r = [self.fresh("units_r01"), self.fresh("units_r89")];
+        for (h, name) in r.iter().enumerate() {
+            k_body.push(let_(
+                name,
+                Expr::Call(
+                    Func::PackF16x2,
+                    vec![
+                        fbin(BinOp::Mul, ks[2 * h].clone(), kq.clone()),
+                        fbin(BinOp::Mul, ks[2 * h + 1].clone(), kq.clone()),
+                    ],
+                ),
+            ));
+        }
+        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
+        let mut pair_body = vec![self.kn_b_ldmatrix(&tb, bb, k_row, n_byte, &raw)];
+        // even fragment: bytes (0, 2) of each matrix's register, odd: (1, 3)
+        for (m, rp) in r.iter().enumerate() {
+            let x = priv_load_u(&raw, u(m as u32));
+            let even = bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, x.clone(), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF00)),
+            );
+            let odd = bin(
+                BinOp::BitOr,
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x.clone(), u(8)), u(0xFF)),
+                bin(BinOp::BitAnd, bin(BinOp::Shr, x, u(16)), u(0xFF00)),
+            );
+            for (slot, pair) in [(m as u32, even), (2 + m as u32, odd)] {
+                pair_body.push(Stmt::PrivateStore {
+                    arr: bf.clone(),
+                    index: u(slot),
+                    value: Expr::Call(
+                        Func::MulF16x2,
+                        vec![Expr::Call(Func::E4m3x2F16, vec![pair]), var(rp, Ty::U32)],
+                    ),
+                });
+            }
+        }
+        for (half, b0) in [(0u32, 0u32), (1, 2)] {
+            pair_body.push(for_const(
+                &i,
+                fmw,
+                vec![intr(Intrinsic::MmaF16 {
+                    c: acc.to_string(),
+                    c0: mul(
+                        add(
+                            mul(iv.clone(), u(fnw)),
+                            add(mul(jpv.clone(), u(2)), u(half)),
+                        ),
+                        u(4),
+                    ),
+                    a: af.clone(),
+                    a0: mul(iv.clone(), u(4)),
+                    b: bf.clone(),
+                    b0: u(b0),
+                })],
+            ));
+        }
+        k_body.push(for_const(&jp, fnw / 2, pair_body));
+        body.push(for_const(&kk, a.cols / 16, k_body));
+        out.extend(self.for_used_warps(&info, body));
+        Ok(())
+    }
+
+    /// The `ldmatrix.x2.trans` of an e4m3 `[K, N]` B pair: matrices (k 0-7, 16 columns
+    /// from `n_byte`), (k 8-15, same columns), lanes 0-15 giving the rows.
+    fn kn_b_ldmatrix(
+        &self,
+        tb: &TileInfo,
+        base: Expr,
+        k_row: Expr,
+        n_byte: Expr,
+        raw: &str,
+    ) -> Stmt {
+        let word = add(
+            add(
+                base,
+                mul(
+                    add(k_row, bin(BinOp::BitAnd, self.lane.r16.clone(), u(15))),
+                    u(tb.stride),
+                ),
+            ),
+            bin(BinOp::Shr, n_byte, u(2)),
+        );
+        intr(Intrinsic::LdMatrix {
+            count: 2,
+            trans: true,
+            arr: tb.decl.name.clone(),
+            word,
+            dst: raw.to_string(),
+            dst0: u(0),
+        })
     }
 }

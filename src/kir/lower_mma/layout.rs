@@ -109,6 +109,7 @@ impl<'k> Cx<'k> {
             resident_a: HashMap::new(),
             groups: groups.max(1),
             group: None,
+            units: None,
             l2_ahead: 0,
         };
         cx.bind_lane();
@@ -443,6 +444,15 @@ pub(super) fn bf16_elem(info: &TileInfo, base: Expr, row: Expr, col: Expr) -> Ex
                 bin(BinOp::BitAnd, bin(BinOp::Shr, word, shift), u(0xFFFF)),
                 u(16),
             ))
+        }
+        TileElem::F16 => {
+            let word = shared_load(
+                name,
+                Ty::U32,
+                add(row_word, bin(BinOp::Shr, col.clone(), u(1))),
+            );
+            let shift = bin(BinOp::Mul, bin(BinOp::BitAnd, col, u(1)), u(16));
+            Expr::Call(Func::F16Lo, vec![bin(BinOp::Shr, word, shift)])
         }
         TileElem::U8 | TileElem::E4m3 => {
             let word = shared_load(

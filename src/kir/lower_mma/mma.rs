@@ -21,6 +21,14 @@ impl Cx<'_> {
         }
         let ta = self.tile(&a.tile)?.clone();
         let tb = self.tile(&b.tile)?.clone();
+        if tb.decl.elem == TileElem::E4m3 && layout == BLayout::KN && ta.store == TileElem::F16 {
+            let scale = scale.ok_or_else(|| {
+                self.err(format!(
+                    "mma into {acc}: an f16 A with e4m3 B is the scaled P . V form only"
+                ))
+            })?;
+            return self.mma_e4m3_kn_f16(acc, a, b, scale, out);
+        }
         if tb.decl.elem == TileElem::E4m3 && layout == BLayout::KN && ta.store == TileElem::Bf16 {
             return self.mma_e4m3_kn(acc, a, b, scale, out);
         }

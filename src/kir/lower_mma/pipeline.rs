@@ -208,6 +208,7 @@ impl Cx<'_> {
             body.push(let_(&stage_name, bin(BinOp::Rem, itv, u(s))));
         }
         let saved = self.stage.replace(var(&stage_name, Ty::U32));
+        body.extend(self.units_step()?);
         body.extend(self.stmts(compute)?);
         self.stage = saved;
         // Barrier: the next iteration's load overwrites the stage computed on one step ago.

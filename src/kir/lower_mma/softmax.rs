@@ -765,10 +765,11 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             Intrinsic::LdMatrix {
                 arr, word, dst0, ..
             } => hit(arr) || expr(word) || expr(dst0),
-            Intrinsic::MmaBf16 { c0, a0, b0, .. } | Intrinsic::MmaE4m3 { c0, a0, b0, .. } => {
-                expr(c0) || expr(a0) || expr(b0)
-            }
+            Intrinsic::MmaBf16 { c0, a0, b0, .. }
+            | Intrinsic::MmaE4m3 { c0, a0, b0, .. }
+            | Intrinsic::MmaF16 { c0, a0, b0, .. } => expr(c0) || expr(a0) || expr(b0),
             Intrinsic::ShflXor { value, .. } => expr(value),
+            Intrinsic::VoteAny { pred, .. } => expr(pred),
             Intrinsic::StoreF32x2 { index, v0, v1, .. } => expr(index) || expr(v0) || expr(v1),
             Intrinsic::PrefetchL2 { word, .. } => expr(word),
             Intrinsic::GroupSync { group, count, .. } => expr(group) || expr(count),

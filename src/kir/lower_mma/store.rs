@@ -120,15 +120,7 @@ impl Cx<'_> {
                     let names = split.clone().unwrap_or_default();
                     split_store(&dst_name, at, plane, v0, v1, &names)
                 }
-                e => tile_pair_store(
-                    &dst_name,
-                    e == TileElem::Bf16,
-                    rv.clone(),
-                    stride,
-                    cv,
-                    v0,
-                    v1,
-                ),
+                e => tile_pair_store(&dst_name, e, rv.clone(), stride, cv, v0, v1),
             })
         })?;
         Ok(s)
@@ -174,6 +166,7 @@ impl Cx<'_> {
         let word_value = match elem {
             TileElem::F32 => col_plus(0),
             TileElem::Bf16 => Expr::Call(Func::PackBf16x2, vec![col_plus(0), col_plus(1)]),
+            TileElem::F16 => Expr::Call(Func::PackF16x2, vec![col_plus(0), col_plus(1)]),
             TileElem::U8 | TileElem::E4m3 => {
                 let mut w = bin(BinOp::BitAnd, col_plus(0), u(0xFF));
                 for k in 1..4 {
