@@ -338,6 +338,54 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
+// f16 pairs: the operands of fp8_ds_mla's P . V (P in f16, the e4m3 rows as f16 times
+// their scales). Every e4m3 value is exact in f16: sm_89 and later convert a pair in one
+// instruction; before, its bits are moved into place, which is the value times 2^-8
+// (E4M3_F16_UNIT says which).
+SPARSE_MLA_HELPER unsigned pack_f16x2(float lo, float hi) {
+    unsigned h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+SPARSE_MLA_HELPER float f16_lo(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h & 0xffffu)));
+    return v;
+}
+SPARSE_MLA_HELPER float f16_hi(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h >> 16)));
+    return v;
+}
+SPARSE_MLA_HELPER unsigned mul_f16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define E4M3_F16_UNIT 1.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+#else
+#define E4M3_F16_UNIT 256.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    // s eeee mmm -> s 0 eeee mmm 0000000 (bias 7 read as 15: the value times 2^-8, exact,
+    // subnormals included)
+    return ((pair & 0x7fu) << 7) | ((pair & 0x80u) << 8) | ((pair & 0x7f00u) << 15)
+        | ((pair & 0x8000u) << 16);
+}
+#endif
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
+SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -377,44 +425,45 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned q_tile_a3_bf16[16];
     unsigned q_tile_a4[8];
     int q_tile_src[1];
+    float units_k[1];
     int kv_rows_pre[1];
     float row_alpha[2];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag314[4];
-    unsigned b_frag315[4];
-    unsigned b_raw[2];
     unsigned a_frag325[4];
-    unsigned b_frag326[2];
-    unsigned a_frag331[4];
-    unsigned b_frag332[4];
-    unsigned b_raw333[2];
-    unsigned a_frag348[4];
-    unsigned b_frag349[2];
-    unsigned a_frag354[4];
-    unsigned b_frag355[4];
-    unsigned b_raw356[2];
-    unsigned a_frag371[4];
-    unsigned b_frag372[2];
-    unsigned a_frag377[4];
-    unsigned b_frag378[4];
-    unsigned b_raw379[2];
-    unsigned a_frag394[4];
-    unsigned b_frag395[4];
-    unsigned a_frag440[4];
-    unsigned b_frag441[4];
-    unsigned b_raw442[2];
-    unsigned a_frag460[4];
-    unsigned b_frag461[4];
-    unsigned b_raw462[2];
-    unsigned a_frag483[4];
-    unsigned b_frag484[4];
-    unsigned b_raw485[2];
-    unsigned a_frag506[4];
-    unsigned b_frag507[4];
-    unsigned b_raw508[2];
+    unsigned b_frag326[4];
+    unsigned b_raw[2];
+    unsigned a_frag336[4];
+    unsigned b_frag337[2];
+    unsigned a_frag342[4];
+    unsigned b_frag343[4];
+    unsigned b_raw344[2];
+    unsigned a_frag359[4];
+    unsigned b_frag360[2];
+    unsigned a_frag365[4];
+    unsigned b_frag366[4];
+    unsigned b_raw367[2];
+    unsigned a_frag382[4];
+    unsigned b_frag383[2];
+    unsigned a_frag388[4];
+    unsigned b_frag389[4];
+    unsigned b_raw390[2];
+    unsigned a_frag405[4];
+    unsigned b_frag406[4];
+    unsigned a_frag451[4];
+    unsigned b_frag452[4];
+    unsigned b_raw453[2];
+    unsigned a_frag456[4];
+    unsigned b_frag457[4];
+    unsigned b_raw458[2];
+    unsigned a_frag466[4];
+    unsigned b_frag467[4];
+    unsigned b_raw468[2];
+    unsigned a_frag476[4];
+    unsigned b_frag477[4];
+    unsigned b_raw478[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -460,9 +509,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row296 < 64u) {
-                    const unsigned row_1 = gather_row296;
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row299 < 64u) {
+                    const unsigned row_1 = gather_row299;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -482,18 +531,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
-                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
-                if (gather_row298 < 64u) {
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 64u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row298;
-                    const int src_i32299 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 68u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rows + (load_stage * 10496u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row301;
+                    const int src_i32302 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                    row_valid[(load_stage * 68u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32302 >= 0) {
+                        copy_async(kv_rows + (load_stage * 10496u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 10496u) + (gather_row298 * 164u)) + zero_w] = 0u;
+                            kv_rows[((load_stage * 10496u) + (gather_row301 * 164u)) + zero_w] = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -504,11 +553,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 64u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
+            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                if (gather_row304 < 64u) {
+                    const unsigned row_1 = gather_row304;
+                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1100,6 +1149,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc_3[fill_i295] = 0.0f;
     }
 
+    // f16 P . V: the accumulators hold O times K, a running scale
+    units_k[0u] = 128.0f;
+    #pragma unroll
+    for (unsigned units_i = 0u; units_i < 8u; units_i += 1u) {
+        o_acc[units_i] = o_acc[units_i] * 128.0f;
+    }
+    #pragma unroll
+    for (unsigned units_i296 = 0u; units_i296 < 8u; units_i296 += 1u) {
+        o_acc_1[units_i296] = o_acc_1[units_i296] * 128.0f;
+    }
+    #pragma unroll
+    for (unsigned units_i297 = 0u; units_i297 < 8u; units_i297 += 1u) {
+        o_acc_2[units_i297] = o_acc_2[units_i297] * 128.0f;
+    }
+    #pragma unroll
+    for (unsigned units_i298 = 0u; units_i298 < 8u; units_i298 += 1u) {
+        o_acc_3[units_i298] = o_acc_3[units_i298] * 128.0f;
+    }
+
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
 
     // online softmax: row state row_max / row_sum into registers
@@ -1112,10 +1180,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi302 = 0u; mi302 < 1u; mi302 += 1u) {
+        for (unsigned mi305 = 0u; mi305 < 1u; mi305 += 1u) {
             #pragma unroll
-            for (unsigned half303 = 0u; half303 < 2u; half303 += 1u) {
-                row_sum_part[(mi302 * 2u) + half303] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi302 * 16u)) + ((half303 * 8u) + lane_group)] : 0.0f;
+            for (unsigned half306 = 0u; half306 < 2u; half306 += 1u) {
+                row_sum_part[(mi305 * 2u) + half306] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi305 * 16u)) + ((half306 * 8u) + lane_group)] : 0.0f;
             }
         }
     }
@@ -1125,18 +1193,63 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // pipeline step: wait for this step's rows, compute
         mbar_wait(ring_barriers + (stage * 2u), (step_i / 2u) & 1u);
 
+        // f16 P . V: K lowered where this step's largest scale would overflow
+        float units_m = 0.0f;
+        units_m = fmaxf(units_m, fabsf(kv_scales[(stage * 10496u) + (lane * 164u)]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 1u]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 2u]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 3u]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[(stage * 10496u) + ((lane + 32u) * 164u)]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 1u]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 2u]));
+        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 3u]));
+        const float units_k_old = units_k[0u];
+        const float units_mk = units_m * units_k_old;
+        const bool units_vote = __any_sync(0xffffffffu, (units_m > 0.0f) && ((units_mk > 128.0f) || (units_mk < 0.03125f)));
+        if (units_vote) {
+            const float units_other = shfl_xor_f32(units_m, 16);
+            units_m = fmaxf(units_m, units_other);
+            const float units_other314 = shfl_xor_f32(units_m, 8);
+            units_m = fmaxf(units_m, units_other314);
+            const float units_other315 = shfl_xor_f32(units_m, 4);
+            units_m = fmaxf(units_m, units_other315);
+            const float units_other316 = shfl_xor_f32(units_m, 2);
+            units_m = fmaxf(units_m, units_other316);
+            const float units_other317 = shfl_xor_f32(units_m, 1);
+            units_m = fmaxf(units_m, units_other317);
+            const float units_k_new = fminf(128.0f / units_m, 1.2676506e30f);
+            const float units_ratio = units_k_new / units_k_old;
+            #pragma unroll
+            for (unsigned units_i318 = 0u; units_i318 < 8u; units_i318 += 1u) {
+                o_acc[units_i318] = o_acc[units_i318] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i319 = 0u; units_i319 < 8u; units_i319 += 1u) {
+                o_acc_1[units_i319] = o_acc_1[units_i319] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i320 = 0u; units_i320 < 8u; units_i320 += 1u) {
+                o_acc_2[units_i320] = o_acc_2[units_i320] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i321 = 0u; units_i321 < 8u; units_i321 += 1u) {
+                o_acc_3[units_i321] = o_acc_3[units_i321] * units_ratio;
+            }
+            units_k[0u] = units_k_new;
+        }
+
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i311 = 0u; fill_i311 < 8u; fill_i311 += 1u) {
-            scores[fill_i311] = 0.0f;
+        for (unsigned fill_i322 = 0u; fill_i322 < 8u; fill_i322 += 1u) {
+            scores[fill_i322] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 8u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e312 = 0u; e312 < 8u; e312 += 1u) {
-            scores_term[e312] = 0.0f;
+        for (unsigned e323 = 0u; e323 < 8u; e323 += 1u) {
+            scores_term[e323] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1146,306 +1259,306 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 10496u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi313 = 0u; mi313 < 1u; mi313 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi313 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi313 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi313 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi313 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi324 = 0u; mi324 < 1u; mi324 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi324 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi324 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e319 = 0u; e319 < 8u; e319 += 1u) {
-                scores_term[8u + e319] = 0.0f;
+            for (unsigned e330 = 0u; e330 < 8u; e330 += 1u) {
+                scores_term[8u + e330] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk316 = (kk_pair * 2u) + chain;
+                    const unsigned kk327 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj318 = 0u; nj318 < 2u; nj318 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (((n_first + (nj318 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk316) * 4u));
+                    for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (((n_first + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk327) * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair320 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag315[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag315[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair320), e4m3x2_hi(e4m3_pair320));
+                        const unsigned e4m3_pair331 = e4m3x2_prep(b_raw[0u] >> 16u);
+                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
+                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair331), e4m3x2_hi(e4m3_pair331));
                         #pragma unroll
-                        for (unsigned mi317 = 0u; mi317 < 1u; mi317 += 1u) {
-                            a_frag314[0u] = q_tile_a0_bf16[((mi317 * 4u) + kk316) * 4u];
-                            a_frag314[1u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 1u];
-                            a_frag314[2u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 2u];
-                            a_frag314[3u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi317 * 2u) + nj318) * 4u)], &a_frag314[0u], &b_frag315[0u]);
+                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
+                            a_frag325[0u] = q_tile_a0_bf16[((mi328 * 4u) + kk327) * 4u];
+                            a_frag325[1u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
+                            a_frag325[2u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
+                            a_frag325[3u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi328 * 2u) + nj329) * 4u)], &a_frag325[0u], &b_frag326[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e321 = 0u; e321 < 8u; e321 += 1u) {
-                scores_term[e321] = scores_term[e321] + scores_term[8u + e321];
+            for (unsigned e332 = 0u; e332 < 8u; e332 += 1u) {
+                scores_term[e332] = scores_term[e332] + scores_term[8u + e332];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
-            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
-                const float row_scale = kv_scales[(stage * 10496u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e322 & 1u))) * 164u)];
-                scores_part[(frag * 4u) + e322] = fmaf(scores_term[(frag * 4u) + e322], row_scale, scores_part[(frag * 4u) + e322]);
+            for (unsigned e333 = 0u; e333 < 4u; e333 += 1u) {
+                const float row_scale = kv_scales[(stage * 10496u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e333 & 1u))) * 164u)];
+                scores_part[(frag * 4u) + e333] = fmaf(scores_term[(frag * 4u) + e333], row_scale, scores_part[(frag * 4u) + e333]);
             }
         }
         #pragma unroll
-        for (unsigned e323 = 0u; e323 < 8u; e323 += 1u) {
-            scores_term[e323] = 0.0f;
+        for (unsigned e334 = 0u; e334 < 8u; e334 += 1u) {
+            scores_term[e334] = 0.0f;
         }
-        const unsigned n_first324 = (warp / 2u) * 16u;
+        const unsigned n_first335 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk327 = 0u; kk327 < 2u; kk327 += 1u) {
+            for (unsigned kk338 = 0u; kk338 < 2u; kk338 += 1u) {
                 #pragma unroll
-                for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
-                    ldmatrix_x2(&b_frag326[0u], kv_rows + (stage * 10496u) + (((n_first324 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk327) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj340 = 0u; nj340 < 2u; nj340 += 1u) {
+                    ldmatrix_x2(&b_frag337[0u], kv_rows + (stage * 10496u) + (((n_first335 + (nj340 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk338) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
-                        a_frag325[0u] = q_tile_a1[((mi328 * 2u) + kk327) * 4u];
-                        a_frag325[1u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 1u];
-                        a_frag325[2u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 2u];
-                        a_frag325[3u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi328 * 2u) + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
-                        a_frag325[0u] = q_tile_a1_lo[((mi328 * 2u) + kk327) * 4u];
-                        a_frag325[1u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 1u];
-                        a_frag325[2u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 2u];
-                        a_frag325[3u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi328 * 2u) + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
+                    for (unsigned mi339 = 0u; mi339 < 1u; mi339 += 1u) {
+                        a_frag336[0u] = q_tile_a1[((mi339 * 2u) + kk338) * 4u];
+                        a_frag336[1u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 1u];
+                        a_frag336[2u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 2u];
+                        a_frag336[3u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi339 * 2u) + nj340) * 4u], &a_frag336[0u], &b_frag337[0u]);
+                        a_frag336[0u] = q_tile_a1_lo[((mi339 * 2u) + kk338) * 4u];
+                        a_frag336[1u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 1u];
+                        a_frag336[2u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 2u];
+                        a_frag336[3u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi339 * 2u) + nj340) * 4u], &a_frag336[0u], &b_frag337[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first330 = (warp % 2u) * 4u;
+            const unsigned k_first341 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e339 = 0u; e339 < 8u; e339 += 1u) {
-                scores_term[8u + e339] = 0.0f;
+            for (unsigned e350 = 0u; e350 < 8u; e350 += 1u) {
+                scores_term[8u + e350] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair337 = 0u; kk_pair337 < 2u; kk_pair337 += 1u) {
+            for (unsigned kk_pair348 = 0u; kk_pair348 < 2u; kk_pair348 += 1u) {
                 #pragma unroll
-                for (unsigned chain338 = 0u; chain338 < 2u; chain338 += 1u) {
-                    const unsigned kk334 = (kk_pair337 * 2u) + chain338;
+                for (unsigned chain349 = 0u; chain349 < 2u; chain349 += 1u) {
+                    const unsigned kk345 = (kk_pair348 * 2u) + chain349;
                     #pragma unroll
-                    for (unsigned nj336 = 0u; nj336 < 2u; nj336 += 1u) {
-                        ldmatrix_x1(&b_raw333[0u], kv_rows + (stage * 10496u) + (((n_first324 + (nj336 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first330 + kk334) * 4u));
-                        const unsigned e4m3_pair340 = e4m3x2_prep(b_raw333[0u] & 65535u);
-                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw333[0u] >> 16u);
-                        b_frag332[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair340), e4m3x2_hi(e4m3_pair340));
-                        b_frag332[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
+                    for (unsigned nj347 = 0u; nj347 < 2u; nj347 += 1u) {
+                        ldmatrix_x1(&b_raw344[0u], kv_rows + (stage * 10496u) + (((n_first335 + (nj347 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first341 + kk345) * 4u));
+                        const unsigned e4m3_pair351 = e4m3x2_prep(b_raw344[0u] & 65535u);
+                        const unsigned e4m3_pair352 = e4m3x2_prep(b_raw344[0u] >> 16u);
+                        b_frag343[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair351), e4m3x2_hi(e4m3_pair351));
+                        b_frag343[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair352), e4m3x2_hi(e4m3_pair352));
                         #pragma unroll
-                        for (unsigned mi335 = 0u; mi335 < 1u; mi335 += 1u) {
-                            a_frag331[0u] = q_tile_a1_bf16[((mi335 * 4u) + kk334) * 4u];
-                            a_frag331[1u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 1u];
-                            a_frag331[2u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 2u];
-                            a_frag331[3u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain338 * 8u) + (((mi335 * 2u) + nj336) * 4u)], &a_frag331[0u], &b_frag332[0u]);
+                        for (unsigned mi346 = 0u; mi346 < 1u; mi346 += 1u) {
+                            a_frag342[0u] = q_tile_a1_bf16[((mi346 * 4u) + kk345) * 4u];
+                            a_frag342[1u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 1u];
+                            a_frag342[2u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 2u];
+                            a_frag342[3u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain349 * 8u) + (((mi346 * 2u) + nj347) * 4u)], &a_frag342[0u], &b_frag343[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e342 = 0u; e342 < 8u; e342 += 1u) {
-                scores_term[e342] = scores_term[e342] + scores_term[8u + e342];
+            for (unsigned e353 = 0u; e353 < 8u; e353 += 1u) {
+                scores_term[e353] = scores_term[e353] + scores_term[8u + e353];
             }
         }
         #pragma unroll
-        for (unsigned frag343 = 0u; frag343 < 2u; frag343 += 1u) {
+        for (unsigned frag354 = 0u; frag354 < 2u; frag354 += 1u) {
             #pragma unroll
-            for (unsigned e344 = 0u; e344 < 4u; e344 += 1u) {
-                const float row_scale345 = kv_scales[((stage * 10496u) + (((n_first324 + ((frag343 % 2u) * 8u)) + ((lane_quad * 2u) + (e344 & 1u))) * 164u)) + 1u];
-                scores_part[(frag343 * 4u) + e344] = fmaf(scores_term[(frag343 * 4u) + e344], row_scale345, scores_part[(frag343 * 4u) + e344]);
+            for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
+                const float row_scale356 = kv_scales[((stage * 10496u) + (((n_first335 + ((frag354 % 2u) * 8u)) + ((lane_quad * 2u) + (e355 & 1u))) * 164u)) + 1u];
+                scores_part[(frag354 * 4u) + e355] = fmaf(scores_term[(frag354 * 4u) + e355], row_scale356, scores_part[(frag354 * 4u) + e355]);
             }
         }
         #pragma unroll
-        for (unsigned e346 = 0u; e346 < 8u; e346 += 1u) {
-            scores_term[e346] = 0.0f;
+        for (unsigned e357 = 0u; e357 < 8u; e357 += 1u) {
+            scores_term[e357] = 0.0f;
         }
-        const unsigned n_first347 = (warp / 2u) * 16u;
+        const unsigned n_first358 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk350 = 0u; kk350 < 2u; kk350 += 1u) {
+            for (unsigned kk361 = 0u; kk361 < 2u; kk361 += 1u) {
                 #pragma unroll
-                for (unsigned nj352 = 0u; nj352 < 2u; nj352 += 1u) {
-                    ldmatrix_x2(&b_frag349[0u], kv_rows + (stage * 10496u) + (((n_first347 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk350) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj363 = 0u; nj363 < 2u; nj363 += 1u) {
+                    ldmatrix_x2(&b_frag360[0u], kv_rows + (stage * 10496u) + (((n_first358 + (nj363 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk361) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
-                        a_frag348[0u] = q_tile_a2[((mi351 * 2u) + kk350) * 4u];
-                        a_frag348[1u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 1u];
-                        a_frag348[2u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 2u];
-                        a_frag348[3u] = q_tile_a2[(((mi351 * 2u) + kk350) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi351 * 2u) + nj352) * 4u], &a_frag348[0u], &b_frag349[0u]);
-                        a_frag348[0u] = q_tile_a2_lo[((mi351 * 2u) + kk350) * 4u];
-                        a_frag348[1u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 1u];
-                        a_frag348[2u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 2u];
-                        a_frag348[3u] = q_tile_a2_lo[(((mi351 * 2u) + kk350) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi351 * 2u) + nj352) * 4u], &a_frag348[0u], &b_frag349[0u]);
+                    for (unsigned mi362 = 0u; mi362 < 1u; mi362 += 1u) {
+                        a_frag359[0u] = q_tile_a2[((mi362 * 2u) + kk361) * 4u];
+                        a_frag359[1u] = q_tile_a2[(((mi362 * 2u) + kk361) * 4u) + 1u];
+                        a_frag359[2u] = q_tile_a2[(((mi362 * 2u) + kk361) * 4u) + 2u];
+                        a_frag359[3u] = q_tile_a2[(((mi362 * 2u) + kk361) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi362 * 2u) + nj363) * 4u], &a_frag359[0u], &b_frag360[0u]);
+                        a_frag359[0u] = q_tile_a2_lo[((mi362 * 2u) + kk361) * 4u];
+                        a_frag359[1u] = q_tile_a2_lo[(((mi362 * 2u) + kk361) * 4u) + 1u];
+                        a_frag359[2u] = q_tile_a2_lo[(((mi362 * 2u) + kk361) * 4u) + 2u];
+                        a_frag359[3u] = q_tile_a2_lo[(((mi362 * 2u) + kk361) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi362 * 2u) + nj363) * 4u], &a_frag359[0u], &b_frag360[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first353 = (warp % 2u) * 4u;
+            const unsigned k_first364 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e362 = 0u; e362 < 8u; e362 += 1u) {
-                scores_term[8u + e362] = 0.0f;
+            for (unsigned e373 = 0u; e373 < 8u; e373 += 1u) {
+                scores_term[8u + e373] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair360 = 0u; kk_pair360 < 2u; kk_pair360 += 1u) {
+            for (unsigned kk_pair371 = 0u; kk_pair371 < 2u; kk_pair371 += 1u) {
                 #pragma unroll
-                for (unsigned chain361 = 0u; chain361 < 2u; chain361 += 1u) {
-                    const unsigned kk357 = (kk_pair360 * 2u) + chain361;
+                for (unsigned chain372 = 0u; chain372 < 2u; chain372 += 1u) {
+                    const unsigned kk368 = (kk_pair371 * 2u) + chain372;
                     #pragma unroll
-                    for (unsigned nj359 = 0u; nj359 < 2u; nj359 += 1u) {
-                        ldmatrix_x1(&b_raw356[0u], kv_rows + (stage * 10496u) + (((n_first347 + (nj359 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first353 + kk357) * 4u));
-                        const unsigned e4m3_pair363 = e4m3x2_prep(b_raw356[0u] & 65535u);
-                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw356[0u] >> 16u);
-                        b_frag355[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair363), e4m3x2_hi(e4m3_pair363));
-                        b_frag355[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                    for (unsigned nj370 = 0u; nj370 < 2u; nj370 += 1u) {
+                        ldmatrix_x1(&b_raw367[0u], kv_rows + (stage * 10496u) + (((n_first358 + (nj370 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first364 + kk368) * 4u));
+                        const unsigned e4m3_pair374 = e4m3x2_prep(b_raw367[0u] & 65535u);
+                        const unsigned e4m3_pair375 = e4m3x2_prep(b_raw367[0u] >> 16u);
+                        b_frag366[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair374), e4m3x2_hi(e4m3_pair374));
+                        b_frag366[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair375), e4m3x2_hi(e4m3_pair375));
                         #pragma unroll
-                        for (unsigned mi358 = 0u; mi358 < 1u; mi358 += 1u) {
-                            a_frag354[0u] = q_tile_a2_bf16[((mi358 * 4u) + kk357) * 4u];
-                            a_frag354[1u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 1u];
-                            a_frag354[2u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 2u];
-                            a_frag354[3u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain361 * 8u) + (((mi358 * 2u) + nj359) * 4u)], &a_frag354[0u], &b_frag355[0u]);
+                        for (unsigned mi369 = 0u; mi369 < 1u; mi369 += 1u) {
+                            a_frag365[0u] = q_tile_a2_bf16[((mi369 * 4u) + kk368) * 4u];
+                            a_frag365[1u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 1u];
+                            a_frag365[2u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 2u];
+                            a_frag365[3u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain372 * 8u) + (((mi369 * 2u) + nj370) * 4u)], &a_frag365[0u], &b_frag366[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e365 = 0u; e365 < 8u; e365 += 1u) {
-                scores_term[e365] = scores_term[e365] + scores_term[8u + e365];
+            for (unsigned e376 = 0u; e376 < 8u; e376 += 1u) {
+                scores_term[e376] = scores_term[e376] + scores_term[8u + e376];
             }
         }
         #pragma unroll
-        for (unsigned frag366 = 0u; frag366 < 2u; frag366 += 1u) {
+        for (unsigned frag377 = 0u; frag377 < 2u; frag377 += 1u) {
             #pragma unroll
-            for (unsigned e367 = 0u; e367 < 4u; e367 += 1u) {
-                const float row_scale368 = kv_scales[((stage * 10496u) + (((n_first347 + ((frag366 % 2u) * 8u)) + ((lane_quad * 2u) + (e367 & 1u))) * 164u)) + 2u];
-                scores_part[(frag366 * 4u) + e367] = fmaf(scores_term[(frag366 * 4u) + e367], row_scale368, scores_part[(frag366 * 4u) + e367]);
+            for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
+                const float row_scale379 = kv_scales[((stage * 10496u) + (((n_first358 + ((frag377 % 2u) * 8u)) + ((lane_quad * 2u) + (e378 & 1u))) * 164u)) + 2u];
+                scores_part[(frag377 * 4u) + e378] = fmaf(scores_term[(frag377 * 4u) + e378], row_scale379, scores_part[(frag377 * 4u) + e378]);
             }
         }
         #pragma unroll
-        for (unsigned e369 = 0u; e369 < 8u; e369 += 1u) {
-            scores_term[e369] = 0.0f;
+        for (unsigned e380 = 0u; e380 < 8u; e380 += 1u) {
+            scores_term[e380] = 0.0f;
         }
-        const unsigned n_first370 = (warp / 2u) * 16u;
+        const unsigned n_first381 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk373 = 0u; kk373 < 2u; kk373 += 1u) {
+            for (unsigned kk384 = 0u; kk384 < 2u; kk384 += 1u) {
                 #pragma unroll
-                for (unsigned nj375 = 0u; nj375 < 2u; nj375 += 1u) {
-                    ldmatrix_x2(&b_frag372[0u], kv_rows + (stage * 10496u) + (((n_first370 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk373) * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj386 = 0u; nj386 < 2u; nj386 += 1u) {
+                    ldmatrix_x2(&b_frag383[0u], kv_rows + (stage * 10496u) + (((n_first381 + (nj386 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk384) * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
-                        a_frag371[0u] = q_tile_a3[((mi374 * 2u) + kk373) * 4u];
-                        a_frag371[1u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 1u];
-                        a_frag371[2u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 2u];
-                        a_frag371[3u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi374 * 2u) + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
-                        a_frag371[0u] = q_tile_a3_lo[((mi374 * 2u) + kk373) * 4u];
-                        a_frag371[1u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 1u];
-                        a_frag371[2u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 2u];
-                        a_frag371[3u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi374 * 2u) + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
+                    for (unsigned mi385 = 0u; mi385 < 1u; mi385 += 1u) {
+                        a_frag382[0u] = q_tile_a3[((mi385 * 2u) + kk384) * 4u];
+                        a_frag382[1u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 1u];
+                        a_frag382[2u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 2u];
+                        a_frag382[3u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi385 * 2u) + nj386) * 4u], &a_frag382[0u], &b_frag383[0u]);
+                        a_frag382[0u] = q_tile_a3_lo[((mi385 * 2u) + kk384) * 4u];
+                        a_frag382[1u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 1u];
+                        a_frag382[2u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 2u];
+                        a_frag382[3u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi385 * 2u) + nj386) * 4u], &a_frag382[0u], &b_frag383[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first376 = (warp % 2u) * 4u;
+            const unsigned k_first387 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e385 = 0u; e385 < 8u; e385 += 1u) {
-                scores_term[8u + e385] = 0.0f;
+            for (unsigned e396 = 0u; e396 < 8u; e396 += 1u) {
+                scores_term[8u + e396] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair383 = 0u; kk_pair383 < 2u; kk_pair383 += 1u) {
+            for (unsigned kk_pair394 = 0u; kk_pair394 < 2u; kk_pair394 += 1u) {
                 #pragma unroll
-                for (unsigned chain384 = 0u; chain384 < 2u; chain384 += 1u) {
-                    const unsigned kk380 = (kk_pair383 * 2u) + chain384;
+                for (unsigned chain395 = 0u; chain395 < 2u; chain395 += 1u) {
+                    const unsigned kk391 = (kk_pair394 * 2u) + chain395;
                     #pragma unroll
-                    for (unsigned nj382 = 0u; nj382 < 2u; nj382 += 1u) {
-                        ldmatrix_x1(&b_raw379[0u], kv_rows + (stage * 10496u) + (((n_first370 + (nj382 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first376 + kk380) * 4u));
-                        const unsigned e4m3_pair386 = e4m3x2_prep(b_raw379[0u] & 65535u);
-                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw379[0u] >> 16u);
-                        b_frag378[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair386), e4m3x2_hi(e4m3_pair386));
-                        b_frag378[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                    for (unsigned nj393 = 0u; nj393 < 2u; nj393 += 1u) {
+                        ldmatrix_x1(&b_raw390[0u], kv_rows + (stage * 10496u) + (((n_first381 + (nj393 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first387 + kk391) * 4u));
+                        const unsigned e4m3_pair397 = e4m3x2_prep(b_raw390[0u] & 65535u);
+                        const unsigned e4m3_pair398 = e4m3x2_prep(b_raw390[0u] >> 16u);
+                        b_frag389[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair397), e4m3x2_hi(e4m3_pair397));
+                        b_frag389[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair398), e4m3x2_hi(e4m3_pair398));
                         #pragma unroll
-                        for (unsigned mi381 = 0u; mi381 < 1u; mi381 += 1u) {
-                            a_frag377[0u] = q_tile_a3_bf16[((mi381 * 4u) + kk380) * 4u];
-                            a_frag377[1u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 1u];
-                            a_frag377[2u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 2u];
-                            a_frag377[3u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain384 * 8u) + (((mi381 * 2u) + nj382) * 4u)], &a_frag377[0u], &b_frag378[0u]);
+                        for (unsigned mi392 = 0u; mi392 < 1u; mi392 += 1u) {
+                            a_frag388[0u] = q_tile_a3_bf16[((mi392 * 4u) + kk391) * 4u];
+                            a_frag388[1u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 1u];
+                            a_frag388[2u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 2u];
+                            a_frag388[3u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 3u];
+                            mma_bf16_16816(&scores_term[(chain395 * 8u) + (((mi392 * 2u) + nj393) * 4u)], &a_frag388[0u], &b_frag389[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e388 = 0u; e388 < 8u; e388 += 1u) {
-                scores_term[e388] = scores_term[e388] + scores_term[8u + e388];
+            for (unsigned e399 = 0u; e399 < 8u; e399 += 1u) {
+                scores_term[e399] = scores_term[e399] + scores_term[8u + e399];
             }
         }
         #pragma unroll
-        for (unsigned frag389 = 0u; frag389 < 2u; frag389 += 1u) {
+        for (unsigned frag400 = 0u; frag400 < 2u; frag400 += 1u) {
             #pragma unroll
-            for (unsigned e390 = 0u; e390 < 4u; e390 += 1u) {
-                const float row_scale391 = kv_scales[((stage * 10496u) + (((n_first370 + ((frag389 % 2u) * 8u)) + ((lane_quad * 2u) + (e390 & 1u))) * 164u)) + 3u];
-                scores_part[(frag389 * 4u) + e390] = fmaf(scores_term[(frag389 * 4u) + e390], row_scale391, scores_part[(frag389 * 4u) + e390]);
+            for (unsigned e401 = 0u; e401 < 4u; e401 += 1u) {
+                const float row_scale402 = kv_scales[((stage * 10496u) + (((n_first381 + ((frag400 % 2u) * 8u)) + ((lane_quad * 2u) + (e401 & 1u))) * 164u)) + 3u];
+                scores_part[(frag400 * 4u) + e401] = fmaf(scores_term[(frag400 * 4u) + e401], row_scale402, scores_part[(frag400 * 4u) + e401]);
             }
         }
-        const unsigned n_first392 = (warp / 2u) * 16u;
-        const unsigned k_first393 = (warp % 2u) * 2u;
+        const unsigned n_first403 = (warp / 2u) * 16u;
+        const unsigned k_first404 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e402 = 0u; e402 < 8u; e402 += 1u) {
-            scores_part[8u + e402] = 0.0f;
+        for (unsigned e413 = 0u; e413 < 8u; e413 += 1u) {
+            scores_part[8u + e413] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair400 = 0u; kk_pair400 < 1u; kk_pair400 += 1u) {
+        for (unsigned kk_pair411 = 0u; kk_pair411 < 1u; kk_pair411 += 1u) {
             #pragma unroll
-            for (unsigned chain401 = 0u; chain401 < 2u; chain401 += 1u) {
-                const unsigned kk397 = (kk_pair400 * 2u) + chain401;
+            for (unsigned chain412 = 0u; chain412 < 2u; chain412 += 1u) {
+                const unsigned kk408 = (kk_pair411 * 2u) + chain412;
                 #pragma unroll
-                for (unsigned nj399 = 0u; nj399 < 2u; nj399 += 1u) {
-                    ldmatrix_x2(&b_frag395[0u], kv_rope + (stage * 10496u) + (((n_first392 + (nj399 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first393 + kk397) * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj410 = 0u; nj410 < 2u; nj410 += 1u) {
+                    ldmatrix_x2(&b_frag406[0u], kv_rope + (stage * 10496u) + (((n_first403 + (nj410 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first404 + kk408) * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi398 = 0u; mi398 < 1u; mi398 += 1u) {
-                        a_frag394[0u] = q_tile_a4[((mi398 * 2u) + kk397) * 4u];
-                        a_frag394[1u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 1u];
-                        a_frag394[2u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 2u];
-                        a_frag394[3u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain401 * 8u) + (((mi398 * 2u) + nj399) * 4u)], &a_frag394[0u], &b_frag395[0u]);
+                    for (unsigned mi409 = 0u; mi409 < 1u; mi409 += 1u) {
+                        a_frag405[0u] = q_tile_a4[((mi409 * 2u) + kk408) * 4u];
+                        a_frag405[1u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 1u];
+                        a_frag405[2u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 2u];
+                        a_frag405[3u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain412 * 8u) + (((mi409 * 2u) + nj410) * 4u)], &a_frag405[0u], &b_frag406[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e403 = 0u; e403 < 8u; e403 += 1u) {
-            scores_part[e403] = scores_part[e403] + scores_part[8u + e403];
+        for (unsigned e414 = 0u; e414 < 8u; e414 += 1u) {
+            scores_part[e414] = scores_part[e414] + scores_part[8u + e414];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag404 = 0u; frag404 < 2u; frag404 += 1u) {
+        for (unsigned frag415 = 0u; frag415 < 2u; frag415 += 1u) {
             #pragma unroll
-            for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
+            for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
                 #pragma unroll
-                for (unsigned e406 = 0u; e406 < 2u; e406 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag404 / 2u) * 16u) + (half405 * 8u)) + lane_group)) * 68u) + ((((warp / 2u) * 16u) + ((frag404 % 2u) * 8u)) + ((lane_quad * 2u) + e406))] = scores_part[((frag404 * 4u) + (half405 * 2u)) + e406] * q_tile_unscale[0u];
+                for (unsigned e417 = 0u; e417 < 2u; e417 += 1u) {
+                    split_k_partials[((((warp % 2u) * 16u) + ((((frag415 / 2u) * 16u) + (half416 * 8u)) + lane_group)) * 68u) + ((((warp / 2u) * 16u) + ((frag415 % 2u) * 8u)) + ((lane_quad * 2u) + e417))] = scores_part[((frag415 * 4u) + (half416 * 2u)) + e417] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1455,34 +1568,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage304 = ahead % 2u;
+                const unsigned load_stage307 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot305 = 0u; slot305 < 1u; slot305 += 1u) {
-                    const unsigned gather_row306 = ((warp - 4u) + (lane * 4u)) + (slot305 * 128u);
-                    if (gather_row306 < 64u) {
+                for (unsigned slot308 = 0u; slot308 < 1u; slot308 += 1u) {
+                    const unsigned gather_row309 = ((warp - 4u) + (lane * 4u)) + (slot308 * 128u);
+                    if (gather_row309 < 64u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row306;
-                        const int src_i32307 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot305] >= 0)) && (((unsigned)kv_rows_pre[slot305]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot305]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot305]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage304 * 68u) + gather_row306] = (src_i32307 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32307 >= 0) {
-                            copy_async(kv_rows + (load_stage304 * 10496u) + (gather_row306 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32307), 656u, ring_barriers + (load_stage304 * 2u));
+                        const unsigned row_1 = gather_row309;
+                        const int src_i32310 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot308] >= 0)) && (((unsigned)kv_rows_pre[slot308]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot308]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot308]) % p.page_size) * p.row_stride_w))) : (-1);
+                        row_valid[(load_stage307 * 68u) + gather_row309] = (src_i32310 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32310 >= 0) {
+                            copy_async(kv_rows + (load_stage307 * 10496u) + (gather_row309 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32310), 656u, ring_barriers + (load_stage307 * 2u));
                         } else {
-                            for (unsigned zero_w308 = 0u; zero_w308 < 164u; zero_w308 += 1u) {
-                                kv_rows[((load_stage304 * 10496u) + (gather_row306 * 164u)) + zero_w308] = 0u;
+                            for (unsigned zero_w311 = 0u; zero_w311 < 164u; zero_w311 += 1u) {
+                                kv_rows[((load_stage307 * 10496u) + (gather_row309 * 164u)) + zero_w311] = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage304 * 2u));
+                copy_arrive(ring_barriers + (load_stage307 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
-                        const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
-                        if (gather_row310 < 64u) {
-                            const unsigned row_1 = gather_row310;
-                            kv_rows_pre[slot309] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot312 = 0u; slot312 < 1u; slot312 += 1u) {
+                        const unsigned gather_row313 = ((warp - 4u) + (lane * 4u)) + (slot312 * 128u);
+                        if (gather_row313 < 64u) {
+                            const unsigned row_1 = gather_row313;
+                            kv_rows_pre[slot312] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1490,34 +1603,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag407 = 0u; frag407 < 2u; frag407 += 1u) {
+            for (unsigned frag418 = 0u; frag418 < 2u; frag418 += 1u) {
                 #pragma unroll
-                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
+                for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
                     #pragma unroll
-                    for (unsigned e409 = 0u; e409 < 2u; e409 += 1u) {
-                        float sum = scores[((frag407 * 4u) + (half408 * 2u)) + e409];
-                        const unsigned cell = (((scores_row0 + (half408 * 8u)) + lane_group) * 68u) + ((scores_col0 + (frag407 * 8u)) + ((lane_quad * 2u) + e409));
+                    for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
+                        float sum = scores[((frag418 * 4u) + (half419 * 2u)) + e420];
+                        const unsigned cell = (((scores_row0 + (half419 * 8u)) + lane_group) * 68u) + ((scores_col0 + (frag418 * 8u)) + ((lane_quad * 2u) + e420));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + split_k_partials[(g * 1088u) + cell];
                         }
-                        scores[((frag407 * 4u) + (half408 * 2u)) + e409] = sum;
+                        scores[((frag418 * 4u) + (half419 * 2u)) + e420] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag410 = 0u; frag410 < 2u; frag410 += 1u) {
+            for (unsigned frag421 = 0u; frag421 < 2u; frag421 += 1u) {
                 #pragma unroll
-                for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag410 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag410 * 4u) + (half411 * 2u)];
-                    float v1 = scores[((frag410 * 4u) + (half411 * 2u)) + 1u];
+                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag421 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag421 * 4u) + (half422 * 2u)];
+                    float v1 = scores[((frag421 * 4u) + (half422 * 2u)) + 1u];
                     v0 = (row_valid[(stage * 68u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (row_valid[(stage * 68u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag410 * 4u) + (half411 * 2u)] = v0;
-                    scores[((frag410 * 4u) + (half411 * 2u)) + 1u] = v1;
+                    scores[(frag421 * 4u) + (half422 * 2u)] = v0;
+                    scores[((frag421 * 4u) + (half422 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1527,18 +1640,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
+            for (unsigned mi423 = 0u; mi423 < 1u; mi423 += 1u) {
                 #pragma unroll
-                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi412 * 2u) * 4u) + (half413 * 2u)], scores[((mi412 * 2u) * 4u) + ((half413 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi412 * 2u) + 1u) * 4u) + (half413 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi412 * 2u) + 1u) * 4u) + ((half413 * 2u) + 1u)]);
+                for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi423 * 2u) * 4u) + (half424 * 2u)], scores[((mi423 * 2u) * 4u) + ((half424 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi423 * 2u) + 1u) * 4u) + (half424 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi423 * 2u) + 1u) * 4u) + ((half424 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other414 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other414);
+                    const float other425 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other425);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        row_exchange[(((scores_row0 + (mi423 * 16u)) + ((half424 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
                     }
                 }
             }
@@ -1547,86 +1660,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi417 = 0u; mi417 < 1u; mi417 += 1u) {
+        for (unsigned mi428 = 0u; mi428 < 1u; mi428 += 1u) {
             #pragma unroll
-            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
-                const float m_old415 = row_max_reg[(mi417 * 2u) + half418];
-                float m_new416 = m_old415;
-                m_new416 = fmaxf(m_new416, row_exchange[((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi417 * 2u) + half418] = expf(m_old415 - m_new416);
-                row_max_reg[(mi417 * 2u) + half418] = m_new416;
+            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
+                const float m_old426 = row_max_reg[(mi428 * 2u) + half429];
+                float m_new427 = m_old426;
+                m_new427 = fmaxf(m_new427, row_exchange[((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u]);
+                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 1u]);
+                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 2u]);
+                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 3u]);
+                row_alpha[(mi428 * 2u) + half429] = expf(m_old426 - m_new427);
+                row_max_reg[(mi428 * 2u) + half429] = m_new427;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi422 = 0u; mi422 < 1u; mi422 += 1u) {
+            for (unsigned mi433 = 0u; mi433 < 1u; mi433 += 1u) {
                 #pragma unroll
-                for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
+                for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj419 = 0u; nj419 < 2u; nj419 += 1u) {
+                    for (unsigned nj430 = 0u; nj430 < 2u; nj430 += 1u) {
                         #pragma unroll
-                        for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
-                            const unsigned at421 = (((mi422 * 2u) + nj419) * 4u) + ((half423 * 2u) + e420);
-                            const float p = (scores[at421] < (-1e38f)) ? 0.0f : expf(scores[at421] - row_max_reg[(mi422 * 2u) + half423]);
-                            scores[at421] = p;
+                        for (unsigned e431 = 0u; e431 < 2u; e431 += 1u) {
+                            const unsigned at432 = (((mi433 * 2u) + nj430) * 4u) + ((half434 * 2u) + e431);
+                            const float p = (scores[at432] < (-1e38f)) ? 0.0f : expf(scores[at432] - row_max_reg[(mi433 * 2u) + half434]);
+                            scores[at432] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi422 * 2u) + half423] = (row_sum_part[(mi422 * 2u) + half423] * row_alpha[(mi422 * 2u) + half423]) + p_sum;
+                    row_sum_part[(mi433 * 2u) + half434] = (row_sum_part[(mi433 * 2u) + half434] * row_alpha[(mi433 * 2u) + half434]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag424 = 0u; frag424 < 2u; frag424 += 1u) {
+        for (unsigned frag435 = 0u; frag435 < 2u; frag435 += 1u) {
             #pragma unroll
-            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
-                const float alpha426 = row_alpha[((frag424 / 2u) * 2u) + half425];
-                o_acc[(frag424 * 4u) + (half425 * 2u)] = o_acc[(frag424 * 4u) + (half425 * 2u)] * alpha426;
-                o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
+            for (unsigned half436 = 0u; half436 < 2u; half436 += 1u) {
+                const float alpha437 = row_alpha[((frag435 / 2u) * 2u) + half436];
+                o_acc[(frag435 * 4u) + (half436 * 2u)] = o_acc[(frag435 * 4u) + (half436 * 2u)] * alpha437;
+                o_acc[((frag435 * 4u) + (half436 * 2u)) + 1u] = o_acc[((frag435 * 4u) + (half436 * 2u)) + 1u] * alpha437;
             }
         }
         #pragma unroll
-        for (unsigned frag427 = 0u; frag427 < 2u; frag427 += 1u) {
+        for (unsigned frag438 = 0u; frag438 < 2u; frag438 += 1u) {
             #pragma unroll
-            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
-                const float alpha429 = row_alpha[((frag427 / 2u) * 2u) + half428];
-                o_acc_1[(frag427 * 4u) + (half428 * 2u)] = o_acc_1[(frag427 * 4u) + (half428 * 2u)] * alpha429;
-                o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
+            for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
+                const float alpha440 = row_alpha[((frag438 / 2u) * 2u) + half439];
+                o_acc_1[(frag438 * 4u) + (half439 * 2u)] = o_acc_1[(frag438 * 4u) + (half439 * 2u)] * alpha440;
+                o_acc_1[((frag438 * 4u) + (half439 * 2u)) + 1u] = o_acc_1[((frag438 * 4u) + (half439 * 2u)) + 1u] * alpha440;
             }
         }
         #pragma unroll
-        for (unsigned frag430 = 0u; frag430 < 2u; frag430 += 1u) {
+        for (unsigned frag441 = 0u; frag441 < 2u; frag441 += 1u) {
             #pragma unroll
-            for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
-                const float alpha432 = row_alpha[((frag430 / 2u) * 2u) + half431];
-                o_acc_2[(frag430 * 4u) + (half431 * 2u)] = o_acc_2[(frag430 * 4u) + (half431 * 2u)] * alpha432;
-                o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
+            for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
+                const float alpha443 = row_alpha[((frag441 / 2u) * 2u) + half442];
+                o_acc_2[(frag441 * 4u) + (half442 * 2u)] = o_acc_2[(frag441 * 4u) + (half442 * 2u)] * alpha443;
+                o_acc_2[((frag441 * 4u) + (half442 * 2u)) + 1u] = o_acc_2[((frag441 * 4u) + (half442 * 2u)) + 1u] * alpha443;
             }
         }
         #pragma unroll
-        for (unsigned frag433 = 0u; frag433 < 2u; frag433 += 1u) {
+        for (unsigned frag444 = 0u; frag444 < 2u; frag444 += 1u) {
             #pragma unroll
-            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha[((frag433 / 2u) * 2u) + half434];
-                o_acc_3[(frag433 * 4u) + (half434 * 2u)] = o_acc_3[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+            for (unsigned half445 = 0u; half445 < 2u; half445 += 1u) {
+                const float alpha446 = row_alpha[((frag444 / 2u) * 2u) + half445];
+                o_acc_3[(frag444 * 4u) + (half445 * 2u)] = o_acc_3[(frag444 * 4u) + (half445 * 2u)] * alpha446;
+                o_acc_3[((frag444 * 4u) + (half445 * 2u)) + 1u] = o_acc_3[((frag444 * 4u) + (half445 * 2u)) + 1u] * alpha446;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag438 = 0u; frag438 < 2u; frag438 += 1u) {
+            for (unsigned frag449 = 0u; frag449 < 2u; frag449 += 1u) {
                 #pragma unroll
-                for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
-                    const unsigned row436 = (scores_row0 + ((frag438 / 2u) * 16u)) + ((half439 * 8u) + lane_group);
-                    const unsigned col437 = (scores_col0 + ((frag438 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag438 * 4u) + (half439 * 2u);
-                    p_tile[(row436 * 36u) + (col437 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half450 = 0u; half450 < 2u; half450 += 1u) {
+                    const unsigned row447 = (scores_row0 + ((frag449 / 2u) * 16u)) + ((half450 * 8u) + lane_group);
+                    const unsigned col448 = (scores_col0 + ((frag449 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub8 = (frag449 * 4u) + (half450 * 2u);
+                    p_tile[(row447 * 36u) + (col448 >> 1u)] = pack_f16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1634,272 +1747,155 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk443 = 0u; kk443 < 4u; kk443 += 1u) {
+        for (unsigned kk454 = 0u; kk454 < 4u; kk454 += 1u) {
             #pragma unroll
-            for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                ldmatrix_x4(&a_frag440[mi444 * 4u], p_tile + a_lane_word + (mi444 * 576u) + (kk443 * 8u));
+            for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
+                ldmatrix_x4(&a_frag451[mi455 * 4u], p_tile + a_lane_word + (mi455 * 576u) + (kk454 * 8u));
             }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale452 = kv_scales[(stage * 10496u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale453 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale454 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale455 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                a_frag440[0u] = pack_bf16x2(__uint_as_float(a_frag440[0u] << 16u) * k_scale452, __uint_as_float(a_frag440[0u] & 4294901760u) * k_scale453);
-                a_frag440[1u] = pack_bf16x2(__uint_as_float(a_frag440[1u] << 16u) * k_scale452, __uint_as_float(a_frag440[1u] & 4294901760u) * k_scale453);
-                a_frag440[2u] = pack_bf16x2(__uint_as_float(a_frag440[2u] << 16u) * k_scale454, __uint_as_float(a_frag440[2u] & 4294901760u) * k_scale455);
-                a_frag440[3u] = pack_bf16x2(__uint_as_float(a_frag440[3u] << 16u) * k_scale454, __uint_as_float(a_frag440[3u] & 4294901760u) * k_scale455);
+            const unsigned sub9 = (kk454 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01 = pack_f16x2(kv_scales[(stage * 10496u) + (sub9 * 164u)] * units_kq, kv_scales[(stage * 10496u) + ((sub9 + 1u) * 164u)] * units_kq);
+            const unsigned sub10 = (kk454 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89 = pack_f16x2(kv_scales[(stage * 10496u) + ((sub10 + 8u) * 164u)] * units_kq, kv_scales[(stage * 10496u) + ((sub10 + 9u) * 164u)] * units_kq);
+            #pragma unroll
+            for (unsigned np = 0u; np < 1u; np += 1u) {
+                ldmatrix_x2_trans(&b_raw453[0u], kv_rows + (stage * 10496u) + (((kk454 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag452[0u] = mul_f16x2(e4m3x2_f16((b_raw453[0u] & 255u) | ((b_raw453[0u] >> 8u) & 65280u)), units_r01);
+                b_frag452[2u] = mul_f16x2(e4m3x2_f16(((b_raw453[0u] >> 8u) & 255u) | ((b_raw453[0u] >> 16u) & 65280u)), units_r01);
+                b_frag452[1u] = mul_f16x2(e4m3x2_f16((b_raw453[1u] & 255u) | ((b_raw453[1u] >> 8u) & 65280u)), units_r89);
+                b_frag452[3u] = mul_f16x2(e4m3x2_f16(((b_raw453[1u] >> 8u) & 255u) | ((b_raw453[1u] >> 16u) & 65280u)), units_r89);
                 #pragma unroll
-                for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 10496u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
-                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456), e4m3x2_hi(e4m3_pair456));
-                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
-                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
-                    #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
-                    }
+                for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
+                    mma_f16_16816(&o_acc[((mi455 * 2u) + (np * 2u)) * 4u], &a_frag451[mi455 * 4u], &b_frag452[0u]);
                 }
-            } else {
                 #pragma unroll
-                for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 10496u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 10496u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale449 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale450 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale451 = kv_scales[(stage * 10496u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
-                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair447 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair448 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
-                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale, e4m3x2_hi(e4m3_pair445) * k_scale449);
-                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale450, e4m3x2_hi(e4m3_pair447) * k_scale451);
-                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale, e4m3x2_hi(e4m3_pair446) * k_scale449);
-                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale450, e4m3x2_hi(e4m3_pair448) * k_scale451);
-                    #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
-                    }
+                for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
+                    mma_f16_16816(&o_acc[((mi455 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag451[mi455 * 4u], &b_frag452[2u]);
                 }
             }
         }
-        const unsigned a_lane_word466 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word462 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq463 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk463 = 0u; kk463 < 4u; kk463 += 1u) {
+        for (unsigned kk459 = 0u; kk459 < 4u; kk459 += 1u) {
             #pragma unroll
-            for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                ldmatrix_x4(&a_frag460[mi464 * 4u], p_tile + a_lane_word466 + (mi464 * 576u) + (kk463 * 8u));
+            for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
+                ldmatrix_x4(&a_frag456[mi460 * 4u], p_tile + a_lane_word462 + (mi460 * 576u) + (kk459 * 8u));
             }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale475 = kv_scales[((stage * 10496u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale476 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale477 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale478 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                a_frag460[0u] = pack_bf16x2(__uint_as_float(a_frag460[0u] << 16u) * k_scale475, __uint_as_float(a_frag460[0u] & 4294901760u) * k_scale476);
-                a_frag460[1u] = pack_bf16x2(__uint_as_float(a_frag460[1u] << 16u) * k_scale475, __uint_as_float(a_frag460[1u] & 4294901760u) * k_scale476);
-                a_frag460[2u] = pack_bf16x2(__uint_as_float(a_frag460[2u] << 16u) * k_scale477, __uint_as_float(a_frag460[2u] & 4294901760u) * k_scale478);
-                a_frag460[3u] = pack_bf16x2(__uint_as_float(a_frag460[3u] << 16u) * k_scale477, __uint_as_float(a_frag460[3u] & 4294901760u) * k_scale478);
+            const unsigned sub11 = (kk459 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01464 = pack_f16x2(kv_scales[((stage * 10496u) + (sub11 * 164u)) + 1u] * units_kq463, kv_scales[((stage * 10496u) + ((sub11 + 1u) * 164u)) + 1u] * units_kq463);
+            const unsigned sub12 = (kk459 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89465 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub12 + 8u) * 164u)) + 1u] * units_kq463, kv_scales[((stage * 10496u) + ((sub12 + 9u) * 164u)) + 1u] * units_kq463);
+            #pragma unroll
+            for (unsigned np461 = 0u; np461 < 1u; np461 += 1u) {
+                ldmatrix_x2_trans(&b_raw458[0u], kv_rows + (stage * 10496u) + (((kk459 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np461 * 16u)) >> 2u));
+                b_frag457[0u] = mul_f16x2(e4m3x2_f16((b_raw458[0u] & 255u) | ((b_raw458[0u] >> 8u) & 65280u)), units_r01464);
+                b_frag457[2u] = mul_f16x2(e4m3x2_f16(((b_raw458[0u] >> 8u) & 255u) | ((b_raw458[0u] >> 16u) & 65280u)), units_r01464);
+                b_frag457[1u] = mul_f16x2(e4m3x2_f16((b_raw458[1u] & 255u) | ((b_raw458[1u] >> 8u) & 65280u)), units_r89465);
+                b_frag457[3u] = mul_f16x2(e4m3x2_f16(((b_raw458[1u] >> 8u) & 255u) | ((b_raw458[1u] >> 16u) & 65280u)), units_r89465);
                 #pragma unroll
-                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 10496u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
-                    const unsigned e4m3_pair479 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair481 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair482 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
-                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479), e4m3x2_hi(e4m3_pair479));
-                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
-                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
-                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
-                    }
+                for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi460 * 2u) + (np461 * 2u)) * 4u], &a_frag456[mi460 * 4u], &b_frag457[0u]);
                 }
-            } else {
                 #pragma unroll
-                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 10496u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
-                    const float k_scale471 = kv_scales[((stage * 10496u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale472 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale473 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale474 = kv_scales[((stage * 10496u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
-                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
-                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467) * k_scale471, e4m3x2_hi(e4m3_pair467) * k_scale472);
-                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
-                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468) * k_scale471, e4m3x2_hi(e4m3_pair468) * k_scale472);
-                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
-                    }
+                for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi460 * 2u) + ((np461 * 2u) + 1u)) * 4u], &a_frag456[mi460 * 4u], &b_frag457[2u]);
                 }
             }
         }
-        const unsigned a_lane_word489 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word472 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq473 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk486 = 0u; kk486 < 4u; kk486 += 1u) {
+        for (unsigned kk469 = 0u; kk469 < 4u; kk469 += 1u) {
             #pragma unroll
-            for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                ldmatrix_x4(&a_frag483[mi487 * 4u], p_tile + a_lane_word489 + (mi487 * 576u) + (kk486 * 8u));
+            for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
+                ldmatrix_x4(&a_frag466[mi470 * 4u], p_tile + a_lane_word472 + (mi470 * 576u) + (kk469 * 8u));
             }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale498 = kv_scales[((stage * 10496u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale499 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale500 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale501 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                a_frag483[0u] = pack_bf16x2(__uint_as_float(a_frag483[0u] << 16u) * k_scale498, __uint_as_float(a_frag483[0u] & 4294901760u) * k_scale499);
-                a_frag483[1u] = pack_bf16x2(__uint_as_float(a_frag483[1u] << 16u) * k_scale498, __uint_as_float(a_frag483[1u] & 4294901760u) * k_scale499);
-                a_frag483[2u] = pack_bf16x2(__uint_as_float(a_frag483[2u] << 16u) * k_scale500, __uint_as_float(a_frag483[2u] & 4294901760u) * k_scale501);
-                a_frag483[3u] = pack_bf16x2(__uint_as_float(a_frag483[3u] << 16u) * k_scale500, __uint_as_float(a_frag483[3u] & 4294901760u) * k_scale501);
+            const unsigned sub13 = (kk469 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01474 = pack_f16x2(kv_scales[((stage * 10496u) + (sub13 * 164u)) + 2u] * units_kq473, kv_scales[((stage * 10496u) + ((sub13 + 1u) * 164u)) + 2u] * units_kq473);
+            const unsigned sub14 = (kk469 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89475 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub14 + 8u) * 164u)) + 2u] * units_kq473, kv_scales[((stage * 10496u) + ((sub14 + 9u) * 164u)) + 2u] * units_kq473);
+            #pragma unroll
+            for (unsigned np471 = 0u; np471 < 1u; np471 += 1u) {
+                ldmatrix_x2_trans(&b_raw468[0u], kv_rows + (stage * 10496u) + (((kk469 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np471 * 16u)) >> 2u));
+                b_frag467[0u] = mul_f16x2(e4m3x2_f16((b_raw468[0u] & 255u) | ((b_raw468[0u] >> 8u) & 65280u)), units_r01474);
+                b_frag467[2u] = mul_f16x2(e4m3x2_f16(((b_raw468[0u] >> 8u) & 255u) | ((b_raw468[0u] >> 16u) & 65280u)), units_r01474);
+                b_frag467[1u] = mul_f16x2(e4m3x2_f16((b_raw468[1u] & 255u) | ((b_raw468[1u] >> 8u) & 65280u)), units_r89475);
+                b_frag467[3u] = mul_f16x2(e4m3x2_f16(((b_raw468[1u] >> 8u) & 255u) | ((b_raw468[1u] >> 16u) & 65280u)), units_r89475);
                 #pragma unroll
-                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 10496u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair504 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
-                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
-                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
-                    #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
-                    }
+                for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi470 * 2u) + (np471 * 2u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[0u]);
                 }
-            } else {
                 #pragma unroll
-                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 10496u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
-                    const float k_scale494 = kv_scales[((stage * 10496u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale495 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale496 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale497 = kv_scales[((stage * 10496u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
-                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair492 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair493 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
-                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490) * k_scale494, e4m3x2_hi(e4m3_pair490) * k_scale495);
-                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492) * k_scale496, e4m3x2_hi(e4m3_pair492) * k_scale497);
-                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491) * k_scale494, e4m3x2_hi(e4m3_pair491) * k_scale495);
-                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493) * k_scale496, e4m3x2_hi(e4m3_pair493) * k_scale497);
-                    #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
-                    }
+                for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi470 * 2u) + ((np471 * 2u) + 1u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[2u]);
                 }
             }
         }
-        const unsigned a_lane_word512 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word482 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq483 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk509 = 0u; kk509 < 4u; kk509 += 1u) {
+        for (unsigned kk479 = 0u; kk479 < 4u; kk479 += 1u) {
             #pragma unroll
-            for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                ldmatrix_x4(&a_frag506[mi510 * 4u], p_tile + a_lane_word512 + (mi510 * 576u) + (kk509 * 8u));
+            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 576u) + (kk479 * 8u));
             }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale521 = kv_scales[((stage * 10496u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale522 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale523 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale524 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                a_frag506[0u] = pack_bf16x2(__uint_as_float(a_frag506[0u] << 16u) * k_scale521, __uint_as_float(a_frag506[0u] & 4294901760u) * k_scale522);
-                a_frag506[1u] = pack_bf16x2(__uint_as_float(a_frag506[1u] << 16u) * k_scale521, __uint_as_float(a_frag506[1u] & 4294901760u) * k_scale522);
-                a_frag506[2u] = pack_bf16x2(__uint_as_float(a_frag506[2u] << 16u) * k_scale523, __uint_as_float(a_frag506[2u] & 4294901760u) * k_scale524);
-                a_frag506[3u] = pack_bf16x2(__uint_as_float(a_frag506[3u] << 16u) * k_scale523, __uint_as_float(a_frag506[3u] & 4294901760u) * k_scale524);
+            const unsigned sub15 = (kk479 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01484 = pack_f16x2(kv_scales[((stage * 10496u) + (sub15 * 164u)) + 3u] * units_kq483, kv_scales[((stage * 10496u) + ((sub15 + 1u) * 164u)) + 3u] * units_kq483);
+            const unsigned sub16 = (kk479 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89485 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub16 + 8u) * 164u)) + 3u] * units_kq483, kv_scales[((stage * 10496u) + ((sub16 + 9u) * 164u)) + 3u] * units_kq483);
+            #pragma unroll
+            for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
+                ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 10496u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np481 * 16u)) >> 2u));
+                b_frag477[0u] = mul_f16x2(e4m3x2_f16((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u)), units_r01484);
+                b_frag477[2u] = mul_f16x2(e4m3x2_f16(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u)), units_r01484);
+                b_frag477[1u] = mul_f16x2(e4m3x2_f16((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u)), units_r89485);
+                b_frag477[3u] = mul_f16x2(e4m3x2_f16(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u)), units_r89485);
                 #pragma unroll
-                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 10496u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair527 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair528 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
-                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525), e4m3x2_hi(e4m3_pair525));
-                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
-                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
-                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
-                    #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
-                    }
+                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
                 }
-            } else {
                 #pragma unroll
-                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 10496u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
-                    const float k_scale517 = kv_scales[((stage * 10496u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale518 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale519 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale520 = kv_scales[((stage * 10496u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
-                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair516 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
-                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513) * k_scale517, e4m3x2_hi(e4m3_pair513) * k_scale518);
-                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale519, e4m3x2_hi(e4m3_pair515) * k_scale520);
-                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale517, e4m3x2_hi(e4m3_pair514) * k_scale518);
-                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516) * k_scale519, e4m3x2_hi(e4m3_pair516) * k_scale520);
-                    #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
-                    }
+                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
                 }
             }
         }
     }
 
+    // f16 P . V: the accumulators back to O
+    const float units_inv = 1.0f / units_k[0u];
+    #pragma unroll
+    for (unsigned units_i486 = 0u; units_i486 < 8u; units_i486 += 1u) {
+        o_acc[units_i486] = o_acc[units_i486] * units_inv;
+    }
+    #pragma unroll
+    for (unsigned units_i487 = 0u; units_i487 < 8u; units_i487 += 1u) {
+        o_acc_1[units_i487] = o_acc_1[units_i487] * units_inv;
+    }
+    #pragma unroll
+    for (unsigned units_i488 = 0u; units_i488 < 8u; units_i488 += 1u) {
+        o_acc_2[units_i488] = o_acc_2[units_i488] * units_inv;
+    }
+    #pragma unroll
+    for (unsigned units_i489 = 0u; units_i489 < 8u; units_i489 += 1u) {
+        o_acc_3[units_i489] = o_acc_3[units_i489] * units_inv;
+    }
+
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi530 = 0u; mi530 < 1u; mi530 += 1u) {
+        for (unsigned mi491 = 0u; mi491 < 1u; mi491 += 1u) {
             #pragma unroll
-            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
-                float row_sum529 = row_sum_part[(mi530 * 2u) + half531];
-                const float other532 = shfl_xor_f32(row_sum529, 1);
-                row_sum529 = row_sum529 + other532;
-                const float other533 = shfl_xor_f32(row_sum529, 2);
-                row_sum529 = row_sum529 + other533;
+            for (unsigned half492 = 0u; half492 < 2u; half492 += 1u) {
+                float row_sum490 = row_sum_part[(mi491 * 2u) + half492];
+                const float other493 = shfl_xor_f32(row_sum490, 1);
+                row_sum490 = row_sum490 + other493;
+                const float other494 = shfl_xor_f32(row_sum490, 2);
+                row_sum490 = row_sum490 + other494;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi530 * 16u)) + ((half531 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum529;
+                    row_exchange[(((scores_row0 + (mi491 * 16u)) + ((half492 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum490;
                 }
             }
         }
@@ -1907,16 +1903,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi535 = 0u; mi535 < 1u; mi535 += 1u) {
+        for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
             #pragma unroll
-            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
+            for (unsigned half497 = 0u; half497 < 2u; half497 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum534 = row_exchange[((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_sum534;
-                    row_max[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_max_reg[(mi535 * 2u) + half536];
+                    float row_sum495 = row_exchange[((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u];
+                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 1u];
+                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 2u];
+                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 3u];
+                    row_sum[(scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)] = row_sum495;
+                    row_max[(scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)] = row_max_reg[(mi496 * 2u) + half497];
                 }
             }
         }
@@ -1937,82 +1933,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag537 = 0u; frag537 < 1u; frag537 += 1u) {
+        for (unsigned frag498 = 0u; frag498 < 1u; frag498 += 1u) {
             #pragma unroll
-            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
+            for (unsigned half499 = 0u; half499 < 2u; half499 += 1u) {
                 #pragma unroll
-                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag537 / 1u) * 16u)) + ((half538 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
-                    float v0_6 = o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
-                    float v1_6 = o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
+                for (unsigned e500 = 0u; e500 < 2u; e500 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag498 / 1u) * 16u)) + ((half499 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag498 % 1u) * 16u)) + ((lane_quad * 4u) + (e500 * 2u));
+                    float v0_6 = o_acc[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)];
+                    float v1_6 = o_acc[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_6;
-                    o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_6;
+                    o_acc[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)] = v0_6;
+                    o_acc[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag540 = 0u; frag540 < 1u; frag540 += 1u) {
+        for (unsigned frag501 = 0u; frag501 < 1u; frag501 += 1u) {
             #pragma unroll
-            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
+            for (unsigned half502 = 0u; half502 < 2u; half502 += 1u) {
                 #pragma unroll
-                for (unsigned e542 = 0u; e542 < 2u; e542 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag540 / 1u) * 16u)) + ((half541 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
-                    float v0_7 = o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
-                    float v1_7 = o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
+                for (unsigned e503 = 0u; e503 < 2u; e503 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag501 / 1u) * 16u)) + ((half502 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag501 % 1u) * 16u)) + ((lane_quad * 4u) + (e503 * 2u));
+                    float v0_7 = o_acc_1[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)];
+                    float v1_7 = o_acc_1[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_7;
-                    o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_7;
+                    o_acc_1[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)] = v0_7;
+                    o_acc_1[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
+        for (unsigned frag504 = 0u; frag504 < 1u; frag504 += 1u) {
             #pragma unroll
-            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
+            for (unsigned half505 = 0u; half505 < 2u; half505 += 1u) {
                 #pragma unroll
-                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag543 / 1u) * 16u)) + ((half544 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
-                    float v0_8 = o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
-                    float v1_8 = o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
+                for (unsigned e506 = 0u; e506 < 2u; e506 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag504 / 1u) * 16u)) + ((half505 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag504 % 1u) * 16u)) + ((lane_quad * 4u) + (e506 * 2u));
+                    float v0_8 = o_acc_2[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)];
+                    float v1_8 = o_acc_2[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)] = v0_8;
-                    o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)] = v1_8;
+                    o_acc_2[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)] = v0_8;
+                    o_acc_2[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
+        for (unsigned frag507 = 0u; frag507 < 1u; frag507 += 1u) {
             #pragma unroll
-            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
+            for (unsigned half508 = 0u; half508 < 2u; half508 += 1u) {
                 #pragma unroll
-                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
-                    float v0_9 = o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
-                    float v1_9 = o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
+                for (unsigned e509 = 0u; e509 < 2u; e509 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag507 / 1u) * 16u)) + ((half508 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag507 % 1u) * 16u)) + ((lane_quad * 4u) + (e509 * 2u));
+                    float v0_9 = o_acc_3[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)];
+                    float v1_9 = o_acc_3[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_9;
-                    o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_9;
+                    o_acc_3[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)] = v0_9;
+                    o_acc_3[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)] = v1_9;
                 }
             }
         }
@@ -2030,15 +2026,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
+        for (unsigned frag510 = 0u; frag510 < 1u; frag510 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+            for (unsigned half511 = 0u; half511 < 2u; half511 += 1u) {
                 #pragma unroll
-                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
-                    float v0_10 = o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
-                    float v1_10 = o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
+                for (unsigned e512 = 0u; e512 < 2u; e512 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag510 / 1u) * 16u)) + ((half511 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag510 % 1u) * 16u)) + ((lane_quad * 4u) + (e512 * 2u));
+                    float v0_10 = o_acc[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)];
+                    float v1_10 = o_acc[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2046,21 +2042,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_10;
-                    o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_10;
+                    o_acc[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)] = v0_10;
+                    o_acc[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
+        for (unsigned frag513 = 0u; frag513 < 1u; frag513 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half514 = 0u; half514 < 2u; half514 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    float v0_11 = o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
-                    float v1_11 = o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
+                for (unsigned e515 = 0u; e515 < 2u; e515 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag513 / 1u) * 16u)) + ((half514 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag513 % 1u) * 16u)) + ((lane_quad * 4u) + (e515 * 2u));
+                    float v0_11 = o_acc_1[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)];
+                    float v1_11 = o_acc_1[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2068,21 +2064,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_11;
-                    o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_11;
+                    o_acc_1[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)] = v0_11;
+                    o_acc_1[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag555 = 0u; frag555 < 1u; frag555 += 1u) {
+        for (unsigned frag516 = 0u; frag516 < 1u; frag516 += 1u) {
             #pragma unroll
-            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
+            for (unsigned half517 = 0u; half517 < 2u; half517 += 1u) {
                 #pragma unroll
-                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
-                    float v0_12 = o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
-                    float v1_12 = o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
+                for (unsigned e518 = 0u; e518 < 2u; e518 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag516 / 1u) * 16u)) + ((half517 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag516 % 1u) * 16u)) + ((lane_quad * 4u) + (e518 * 2u));
+                    float v0_12 = o_acc_2[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)];
+                    float v1_12 = o_acc_2[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2090,21 +2086,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_12;
-                    o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_12;
+                    o_acc_2[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)] = v0_12;
+                    o_acc_2[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag558 = 0u; frag558 < 1u; frag558 += 1u) {
+        for (unsigned frag519 = 0u; frag519 < 1u; frag519 += 1u) {
             #pragma unroll
-            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
+            for (unsigned half520 = 0u; half520 < 2u; half520 += 1u) {
                 #pragma unroll
-                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    float v0_13 = o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
-                    float v1_13 = o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
+                for (unsigned e521 = 0u; e521 < 2u; e521 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag519 / 1u) * 16u)) + ((half520 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag519 % 1u) * 16u)) + ((lane_quad * 4u) + (e521 * 2u));
+                    float v0_13 = o_acc_3[((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) * 4u) + ((half520 * 2u) + e521)];
+                    float v1_13 = o_acc_3[(((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) + 1u) * 4u) + ((half520 * 2u) + e521)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2112,8 +2108,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_13;
-                    o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_13;
+                    o_acc_3[((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) * 4u) + ((half520 * 2u) + e521)] = v0_13;
+                    o_acc_3[(((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) + 1u) * 4u) + ((half520 * 2u) + e521)] = v1_13;
                 }
             }
         }

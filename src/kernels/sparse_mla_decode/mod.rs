@@ -214,7 +214,15 @@ impl DecodeConfig {
             CacheFormat::Bf16 => {
                 Self::tensor_core_grouped(dims, format, (16, 32, 1), 4, 2).with_l2_ahead(1)
             }
-            CacheFormat::Fp8DsMla => Self::tensor_core_custom(dims, format, 16, 64, 2),
+            // P in f16: its P . V multiplies P with the e4m3 rows as f16 (one conversion a
+            // pair, no f32 step; kir::lower_mma::e4m3's running scale keeps them in f16's
+            // range). 1.02-1.03x at T 128, level at T 32 and on its narrow calls (H200, both
+            // occupancies); the 16- and 32-head v7 kernels keep bf16 P: their fixed cost a
+            // step (one vote) made the small calls 1-4 % slower (benches/NOTES.md v27).
+            CacheFormat::Fp8DsMla => Self {
+                p_elem: TileElem::F16,
+                ..Self::tensor_core_custom(dims, format, 16, 64, 2)
+            },
         })
     }
 
