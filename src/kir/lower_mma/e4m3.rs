@@ -22,7 +22,7 @@
 
 use super::ksplit::all_products;
 use super::resident::ResidentView;
-use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, Cx, TileInfo, WARP};
+use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, AccInfo, Cx, TileInfo, WARP};
 use crate::kir::expr::priv_load_u;
 use crate::kir::ir::*;
 use crate::Result;
@@ -309,84 +309,29 @@ impl Cx<'_> {
         scale: Option<(String, Expr)>,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
-        let info = self.acc(acc)?.clone();
-        if !info.interleave {
-            return Err(self.err(format!(
-                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
-            )));
-        }
-        let ta = self.tile(&a.tile)?.clone();
-        let tb = self.tile(&b.tile)?.clone();
-        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
-            return Err(self.err(format!(
-                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
-            )));
-        }
+        let KnFrame {
+            info,
+            tb,
+            bb,
+            af,
+            bf,
+            raw,
+            kk,
+            i,
+            jp,
+            mut body,
+            mut k_body,
+            k_row,
+            n_byte,
+        } = self.kn_frame(acc, a, b)?;
         let (fmw, fnw) = (info.fmw, info.fnw);
-        let ab = self.tile_base(&ta)?;
-        let bb = self.tile_base(&tb)?;
-        let af = self.private("a_frag", Ty::U32, 4 * fmw);
-        let bf = self.private("b_frag", Ty::U32, 4);
-        let raw = self.private("b_raw", Ty::U32, 2);
-        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
-        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
-        let a_base = self.fresh("a_lane_word");
-        let mut body = vec![let_(
-            &a_base,
-            add(
-                add(
-                    ab,
-                    mul(
-                        add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
-                        u(ta.stride),
-                    ),
-                ),
-                bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
-            ),
-        )];
-        let mut k_body = vec![for_const(
-            &i,
-            fmw,
-            vec![intr(Intrinsic::LdMatrix {
-                count: 4,
-                trans: false,
-                arr: a.tile.clone(),
-                word: add(
-                    var(&a_base, Ty::U32),
-                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
-                ),
-                dst: af.clone(),
-                dst0: mul(iv.clone(), u(4)),
-            })],
-        )];
-        let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
-        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
-        let mma_pairs = |pair_body: &mut Vec<Stmt>| {
-            for (half, b0) in [(0u32, 0u32), (1, 2)] {
-                pair_body.push(for_const(
-                    &i,
-                    fmw,
-                    vec![intr(Intrinsic::MmaBf16 {
-                        c: acc.to_string(),
-                        c0: mul(
-                            add(
-                                mul(iv.clone(), u(fnw)),
-                                add(mul(jpv.clone(), u(2)), u(half)),
-                            ),
-                            u(4),
-                        ),
-                        a: af.clone(),
-                        a0: mul(iv.clone(), u(4)),
-                        b: bf.clone(),
-                        b0: u(b0),
-                    })],
-                ));
-            }
+        let mma_pairs = |cx: &Self, pair_body: &mut Vec<Stmt>| {
+            cx.kn_mma_pairs(acc, &info, (&af, &bf, &i, &jp), false, pair_body)
         };
         match &scale {
             None => {
                 let mut pair_body = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
-                mma_pairs(&mut pair_body);
+                mma_pairs(self, &mut pair_body);
                 k_body.push(for_const(&jp, fnw / 2, pair_body));
             }
             Some(sc) => {
@@ -408,14 +353,14 @@ impl Cx<'_> {
                     &bf,
                     Some(&ks),
                 );
-                mma_pairs(&mut pair_b);
+                mma_pairs(self, &mut pair_b);
                 on_b.push(for_const(&jp, fnw / 2, pair_b));
                 let mut on_a = Vec::new();
                 for m in 0..fmw {
                     on_a.extend(self.scale_a_frag(&af, u(4 * m), sc, k_row.clone())?);
                 }
                 let mut pair_a = self.e4m3_kn_b(&tb, bb, k_row, n_byte, &raw, &bf, None);
-                mma_pairs(&mut pair_a);
+                mma_pairs(self, &mut pair_a);
                 on_a.push(for_const(&jp, fnw / 2, pair_a));
                 k_body.push(Stmt::If {
                     cond: Expr::Call(Func::E4m3MmaNative, vec![]),
@@ -428,6 +373,26 @@ impl Cx<'_> {
         out.extend(self.for_used_warps(&info, body));
         Ok(())
     }
+}
+
+/// The shared frame of an e4m3 `[K, N]` product ([`Cx::kn_frame`]).
+struct KnFrame {
+    info: AccInfo,
+    tb: TileInfo,
+    /// B's tile base (the ring stage's).
+    bb: Expr,
+    /// Private registers: A fragments, B fragments, B's raw bytes.
+    af: String,
+    bf: String,
+    raw: String,
+    /// Loop names: k step, m fragment, n fragment pair.
+    kk: String,
+    i: String,
+    jp: String,
+    body: Vec<Stmt>,
+    k_body: Vec<Stmt>,
+    k_row: Expr,
+    n_byte: Expr,
 }
 
 /// The running scale of an fp8_ds_mla `P · V` in f16 ([`Cx::mma_e4m3_kn_f16`]): the
@@ -759,72 +724,34 @@ impl Cx<'_> {
         units: &Units,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
-        let info = self.acc(acc)?.clone();
-        if !info.interleave {
-            return Err(self.err(format!(
-                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
-            )));
-        }
         if !units.ops.iter().any(|o| o.0 == acc) {
             return Err(self.err(format!("{acc}: not among the f16 products of this step")));
         }
-        let ta = self.tile(&a.tile)?.clone();
-        let tb = self.tile(&b.tile)?.clone();
-        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
-            return Err(self.err(format!(
-                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
-            )));
-        }
-        let (fmw, fnw) = (info.fmw, info.fnw);
-        let ab = self.tile_base(&ta)?;
-        let bb = self.tile_base(&tb)?;
-        let af = self.private("a_frag", Ty::U32, 4 * fmw);
-        let bf = self.private("b_frag", Ty::U32, 4);
-        let raw = self.private("b_raw", Ty::U32, 2);
-        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
-        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
-        let a_base = self.fresh("a_lane_word");
+        let KnFrame {
+            info,
+            tb,
+            bb,
+            af,
+            bf,
+            raw,
+            kk,
+            i,
+            jp,
+            mut body,
+            mut k_body,
+            k_row,
+            n_byte,
+        } = self.kn_frame(acc, a, b)?;
         let k_unit = self.fresh("units_kq");
-        let mut body = vec![
-            let_(
-                &a_base,
-                add(
-                    add(
-                        ab,
-                        mul(
-                            add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
-                            u(ta.stride),
-                        ),
-                    ),
-                    bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
-                ),
+        // s · K in the units of the conversion (times 256 where it moves bits)
+        body.push(let_(
+            &k_unit,
+            fbin(
+                BinOp::Mul,
+                priv_load(&units.k, u(0)),
+                Expr::Call(Func::E4m3F16Unit, vec![]),
             ),
-            // s · K in the units of the conversion (times 256 where it moves bits)
-            let_(
-                &k_unit,
-                fbin(
-                    BinOp::Mul,
-                    priv_load(&units.k, u(0)),
-                    Expr::Call(Func::E4m3F16Unit, vec![]),
-                ),
-            ),
-        ];
-        let mut k_body = vec![for_const(
-            &i,
-            fmw,
-            vec![intr(Intrinsic::LdMatrix {
-                count: 4,
-                trans: false,
-                arr: a.tile.clone(),
-                word: add(
-                    var(&a_base, Ty::U32),
-                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
-                ),
-                dst: af.clone(),
-                dst0: mul(iv.clone(), u(4)),
-            })],
-        )];
-        let k_row = add(u(b.row0), mul(kkv.clone(), u(16)));
+        ));
         // the lane's k rows 2q, 2q + 1 (matrix 0) and 2q + 8, 2q + 9 (matrix 1), as f16 pairs
         let ks = self.k_scales(scale, k_row.clone())?;
         let kq = var(&k_unit, Ty::F32);
@@ -841,7 +768,6 @@ impl Cx<'_> {
                 ),
             ));
         }
-        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv.clone(), u(16)));
         let mut pair_body = vec![self.kn_b_ldmatrix(&tb, bb, k_row, n_byte, &raw)];
         // even fragment: bytes (0, 2) of each matrix's register, odd: (1, 3)
         for (m, rp) in r.iter().enumerate() {
@@ -867,30 +793,127 @@ impl Cx<'_> {
                 });
             }
         }
-        for (half, b0) in [(0u32, 0u32), (1, 2)] {
-            pair_body.push(for_const(
-                &i,
-                fmw,
-                vec![intr(Intrinsic::MmaF16 {
-                    c: acc.to_string(),
-                    c0: mul(
-                        add(
-                            mul(iv.clone(), u(fnw)),
-                            add(mul(jpv.clone(), u(2)), u(half)),
-                        ),
-                        u(4),
-                    ),
-                    a: af.clone(),
-                    a0: mul(iv.clone(), u(4)),
-                    b: bf.clone(),
-                    b0: u(b0),
-                })],
-            ));
-        }
-        k_body.push(for_const(&jp, fnw / 2, pair_body));
+        self.kn_mma_pairs(acc, &info, (&af, &bf, &i, &jp), true, &mut pair_body);
+        k_body.push(for_const(&jp, info.fnw / 2, pair_body));
         body.push(for_const(&kk, a.cols / 16, k_body));
         out.extend(self.for_used_warps(&info, body));
         Ok(())
+    }
+
+    /// What the bf16 and f16 forms of an e4m3 `[K, N]` product share: the checks, the
+    /// registers and loop names, the lane's A row (`body`), each k step's A fragments
+    /// (`k_body`), and the k row and n byte of the step and fragment pair.
+    fn kn_frame(&mut self, acc: &str, a: &TileView, b: &TileView) -> Result<KnFrame> {
+        let info = self.acc(acc)?.clone();
+        if !info.interleave {
+            return Err(self.err(format!(
+                "{acc}: an e4m3 [K, N] product needs an interleaved accumulator"
+            )));
+        }
+        let ta = self.tile(&a.tile)?.clone();
+        let tb = self.tile(&b.tile)?.clone();
+        if a.cols % 16 != 0 || a.col0 % 8 != 0 || b.col0 % 16 != 0 {
+            return Err(self.err(format!(
+                "mma into {acc}: K must be a multiple of 16 and the e4m3 columns start on 16 bytes"
+            )));
+        }
+        let ab = self.tile_base(&ta)?;
+        let bb = self.tile_base(&tb)?;
+        let af = self.private("a_frag", Ty::U32, 4 * info.fmw);
+        let bf = self.private("b_frag", Ty::U32, 4);
+        let raw = self.private("b_raw", Ty::U32, 2);
+        let (kk, i, jp) = (self.fresh("kk"), self.fresh("mi"), self.fresh("np"));
+        let (kkv, iv, jpv) = (var(&kk, Ty::U32), var(&i, Ty::U32), var(&jp, Ty::U32));
+        let a_base = self.fresh("a_lane_word");
+        let body = vec![let_(
+            &a_base,
+            add(
+                add(
+                    ab,
+                    mul(
+                        add(add(u(a.row0), info.row0.clone()), self.lane.r16.clone()),
+                        u(ta.stride),
+                    ),
+                ),
+                bin(BinOp::Shr, add(u(a.col0), self.lane.c8.clone()), u(1)),
+            ),
+        )];
+        let k_body = vec![for_const(
+            &i,
+            info.fmw,
+            vec![intr(Intrinsic::LdMatrix {
+                count: 4,
+                trans: false,
+                arr: a.tile.clone(),
+                word: add(
+                    var(&a_base, Ty::U32),
+                    add(mul(iv.clone(), u(16 * ta.stride)), mul(kkv.clone(), u(8))),
+                ),
+                dst: af.clone(),
+                dst0: mul(iv, u(4)),
+            })],
+        )];
+        let k_row = add(u(b.row0), mul(kkv, u(16)));
+        let n_byte = add(add(u(b.col0), info.col0.clone()), mul(jpv, u(16)));
+        Ok(KnFrame {
+            info,
+            tb,
+            bb,
+            af,
+            bf,
+            raw,
+            kk,
+            i,
+            jp,
+            body,
+            k_body,
+            k_row,
+            n_byte,
+        })
+    }
+
+    /// The two mma of a fragment pair (even, odd columns: B registers 0-1, 2-3) for every m
+    /// fragment, bf16 or f16 operands.
+    fn kn_mma_pairs(
+        &self,
+        acc: &str,
+        info: &AccInfo,
+        (af, bf, i, jp): (&str, &str, &str, &str),
+        f16: bool,
+        pair_body: &mut Vec<Stmt>,
+    ) {
+        let (iv, jpv) = (var(i, Ty::U32), var(jp, Ty::U32));
+        for (half, b0) in [(0u32, 0u32), (1, 2)] {
+            let (c, a, b) = (acc.to_string(), af.to_string(), bf.to_string());
+            let c0 = mul(
+                add(
+                    mul(iv.clone(), u(info.fnw)),
+                    add(mul(jpv.clone(), u(2)), u(half)),
+                ),
+                u(4),
+            );
+            let (a0, b0) = (mul(iv.clone(), u(4)), u(b0));
+            let mma = if f16 {
+                Intrinsic::MmaF16 {
+                    c,
+                    c0,
+                    a,
+                    a0,
+                    b,
+                    b0,
+                }
+            } else {
+                Intrinsic::MmaBf16 {
+                    c,
+                    c0,
+                    a,
+                    a0,
+                    b,
+                    b0,
+                }
+            };
+            pair_body.push(for_const(i, info.fmw, vec![intr(mma)]));
+        }
     }
 
     /// The `ldmatrix.x2.trans` of an e4m3 `[K, N]` B pair: matrices (k 0-7, 16 columns
