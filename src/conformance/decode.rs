@@ -555,13 +555,17 @@ pub fn check_decode_case(
     // On an f32 path (P kept in f32) every element is the f32 result rounded once to bf16.
     let strict = !run.p_rounded;
     let mut off_by_more = 0;
+    // f32 accumulation's slack scales with the outputs' magnitude (at least 1): an element
+    // near 0 that sums terms of ~10^3 (scales far above the flavours', ScaleBand::Wide) is
+    // off by more than 1e-5 in any f32 order
+    let magnitude = reference.out.iter().fold(1.0f64, |m, r| m.max(r.abs()));
     for (o, r) in out.iter().zip(&reference.out) {
         let d = (o - r).abs();
         if d > max_abs || d.is_nan() {
             max_abs = d;
         }
         // one bf16 ulp of the value (ulp > |r|·2^-8), plus slack for f32 accumulation
-        let step = r.abs() / 256.0 + 1e-5;
+        let step = r.abs() / 256.0 + 1e-5 * magnitude;
         if strict && !within(d, step) {
             off_by_more += 1;
         }
