@@ -429,10 +429,6 @@ const UNITS_LOW: f32 = 1.0 / 4096.0;
 /// shuffles (measured 2-4 % at T <= 8 with `K` set on the first step).
 const UNITS_K0: f32 = UNITS_LIMIT;
 
-fn fbin(op: BinOp, a: Expr, b: Expr) -> Expr {
-    bin(op, a, b)
-}
-
 impl Cx<'_> {
     /// The `[K, N]` e4m3 products with a scale and an f16 A tile (P) among `stmts`: `(acc,
     /// a, b, scale)`.
@@ -550,7 +546,7 @@ impl Cx<'_> {
         out.push(Stmt::Comment(
             "f16 P . V: the accumulators back to O".into(),
         ));
-        out.push(let_(&inv, fbin(BinOp::Div, Expr::F32(1.0), kv)));
+        out.push(let_(&inv, bin(BinOp::Div, Expr::F32(1.0), kv)));
         out.extend(self.units_scale_all(&units, var(&inv, Ty::F32))?);
         Ok(())
     }
@@ -573,7 +569,7 @@ impl Cx<'_> {
                 vec![Stmt::PrivateStore {
                     arr: acc.clone(),
                     index: at.clone(),
-                    value: fbin(BinOp::Mul, priv_load(acc, at), f.clone()),
+                    value: bin(BinOp::Mul, priv_load(acc, at), f.clone()),
                 }],
             );
             out.extend(self.for_used_warps(&info, vec![lp]));
@@ -613,7 +609,7 @@ impl Cx<'_> {
                 let s = self.expr(&scale_at(sc, add(u(base_row), r.clone())))?;
                 out.push(Stmt::Assign {
                     name: m.clone(),
-                    value: fbin(BinOp::Max, mv.clone(), Expr::Call(Func::Abs, vec![s])),
+                    value: bin(BinOp::Max, mv.clone(), Expr::Call(Func::Abs, vec![s])),
                 });
             }
         }
@@ -625,16 +621,16 @@ impl Cx<'_> {
         let kcv = var(&kc, Ty::F32);
         let mkv = var(&mk, Ty::F32);
         out.push(let_(&kc, priv_load(&units.k, u(0))));
-        out.push(let_(&mk, fbin(BinOp::Mul, mv.clone(), kcv.clone())));
+        out.push(let_(&mk, bin(BinOp::Mul, mv.clone(), kcv.clone())));
         out.push(intr(Intrinsic::VoteAny {
             dst: vote.clone(),
-            pred: fbin(
+            pred: bin(
                 BinOp::And,
-                fbin(BinOp::Gt, mv.clone(), Expr::F32(0.0)),
-                fbin(
+                bin(BinOp::Gt, mv.clone(), Expr::F32(0.0)),
+                bin(
                     BinOp::Or,
-                    fbin(BinOp::Gt, mkv.clone(), Expr::F32(UNITS_LIMIT)),
-                    fbin(BinOp::Lt, mkv, Expr::F32(UNITS_LIMIT * UNITS_LOW)),
+                    bin(BinOp::Gt, mkv.clone(), Expr::F32(UNITS_LIMIT)),
+                    bin(BinOp::Lt, mkv, Expr::F32(UNITS_LIMIT * UNITS_LOW)),
                 ),
             ),
         }));
@@ -649,19 +645,19 @@ impl Cx<'_> {
             }));
             then.push(Stmt::Assign {
                 name: m.clone(),
-                value: fbin(BinOp::Max, mv.clone(), var(&t, Ty::F32)),
+                value: bin(BinOp::Max, mv.clone(), var(&t, Ty::F32)),
             });
         }
         let (kn, ratio) = (self.fresh("units_k_new"), self.fresh("units_ratio"));
         then.push(let_(
             &kn,
-            fbin(
+            bin(
                 BinOp::Min,
-                fbin(BinOp::Div, Expr::F32(UNITS_LIMIT), mv),
+                bin(BinOp::Div, Expr::F32(UNITS_LIMIT), mv),
                 Expr::F32(2f32.powi(100)),
             ),
         ));
-        then.push(let_(&ratio, fbin(BinOp::Div, var(&kn, Ty::F32), kcv)));
+        then.push(let_(&ratio, bin(BinOp::Div, var(&kn, Ty::F32), kcv)));
         then.extend(self.units_scale_all(units, var(&ratio, Ty::F32))?);
         then.push(Stmt::PrivateStore {
             arr: units.k.clone(),
@@ -746,7 +742,7 @@ impl Cx<'_> {
         // s · K in the units of the conversion (times 256 where it moves bits)
         body.push(let_(
             &k_unit,
-            fbin(
+            bin(
                 BinOp::Mul,
                 priv_load(&units.k, u(0)),
                 Expr::Call(Func::E4m3F16Unit, vec![]),
@@ -762,8 +758,8 @@ impl Cx<'_> {
                 Expr::Call(
                     Func::PackF16x2,
                     vec![
-                        fbin(BinOp::Mul, ks[2 * h].clone(), kq.clone()),
-                        fbin(BinOp::Mul, ks[2 * h + 1].clone(), kq.clone()),
+                        bin(BinOp::Mul, ks[2 * h].clone(), kq.clone()),
+                        bin(BinOp::Mul, ks[2 * h + 1].clone(), kq.clone()),
                     ],
                 ),
             ));
