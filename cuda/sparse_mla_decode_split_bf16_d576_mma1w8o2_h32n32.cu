@@ -96,6 +96,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -471,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 1u]);
                 m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 2u]);
                 m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 3u]);
-                row_alpha[(mi31 * 2u) + half32] = expf(m_old29 - m_new30);
+                row_alpha[(mi31 * 2u) + half32] = exp_fast(m_old29 - m_new30);
                 row_max_reg[(mi31 * 2u) + half32] = m_new30;
             }
         }
@@ -485,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 1u]);
                 m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 2u]);
                 m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 3u]);
-                row_alpha5[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+                row_alpha5[(mi35 * 2u) + half36] = exp_fast(m_old33 - m_new34);
             }
         }
 
@@ -500,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                     #pragma unroll
                     for (unsigned e38 = 0u; e38 < 2u; e38 += 1u) {
                         const unsigned at39 = ((mi40 + nj37) * 4u) + ((half41 * 2u) + e38);
-                        const float p = (scores[at39] < (-1e38f)) ? 0.0f : expf(scores[at39] - row_max_reg[(mi40 * 2u) + half41]);
+                        const float p = (scores[at39] < (-1e38f)) ? 0.0f : exp_fast(scores[at39] - row_max_reg[(mi40 * 2u) + half41]);
                         scores[at39] = p;
                         p_sum = p_sum + p;
                     }

@@ -96,6 +96,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -525,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 1u]);
                 m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 2u]);
                 m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi43 * 2u) + half44] = expf(m_old41 - m_new42);
+                row_alpha[(mi43 * 2u) + half44] = exp_fast(m_old41 - m_new42);
                 row_max_reg[(mi43 * 2u) + half44] = m_new42;
             }
         }
@@ -542,7 +550,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                         #pragma unroll
                         for (unsigned e46 = 0u; e46 < 2u; e46 += 1u) {
                             const unsigned at47 = ((mi48 + nj45) * 4u) + ((half49 * 2u) + e46);
-                            const float p = (scores[at47] < (-1e38f)) ? 0.0f : expf(scores[at47] - row_max_reg[(mi48 * 2u) + half49]);
+                            const float p = (scores[at47] < (-1e38f)) ? 0.0f : exp_fast(scores[at47] - row_max_reg[(mi48 * 2u) + half49]);
                             scores[at47] = p;
                             p_sum = p_sum + p;
                         }

@@ -98,6 +98,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -709,7 +717,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 float m_new28 = m_old27;
                 m_new28 = fmaxf(m_new28, row_exchange[(((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 2u) + (warp_group * 32u)]);
                 m_new28 = fmaxf(m_new28, row_exchange[((((mi29 * 16u) + ((half30 * 8u) + lane_group)) * 2u) + 1u) + (warp_group * 32u)]);
-                row_alpha[(mi29 * 2u) + half30] = expf(m_old27 - m_new28);
+                row_alpha[(mi29 * 2u) + half30] = exp_fast(m_old27 - m_new28);
                 row_max_reg[(mi29 * 2u) + half30] = m_new28;
             }
         }
@@ -726,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         #pragma unroll
                         for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
                             const unsigned at33 = (((mi34 * 2u) + nj31) * 4u) + ((half35 * 2u) + e32);
-                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : expf(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
+                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : exp_fast(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
                             scores[at33] = p;
                             p_sum = p_sum + p;
                         }

@@ -97,6 +97,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -705,7 +713,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 1u]);
                 m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 2u]);
                 m_new35 = fmaxf(m_new35, row_exchange[(((mi36 * 16u) + ((half37 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi36 * 2u) + half37] = expf(m_old34 - m_new35);
+                row_alpha[(mi36 * 2u) + half37] = exp_fast(m_old34 - m_new35);
                 row_max_reg[(mi36 * 2u) + half37] = m_new35;
             }
         }
@@ -722,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         #pragma unroll
                         for (unsigned e39 = 0u; e39 < 2u; e39 += 1u) {
                             const unsigned at40 = ((mi41 + nj38) * 4u) + ((half42 * 2u) + e39);
-                            const float p = (scores[at40] < (-1e38f)) ? 0.0f : expf(scores[at40] - row_max_reg[(mi41 * 2u) + half42]);
+                            const float p = (scores[at40] < (-1e38f)) ? 0.0f : exp_fast(scores[at40] - row_max_reg[(mi41 * 2u) + half42]);
                             scores[at40] = p;
                             p_sum = p_sum + p;
                         }

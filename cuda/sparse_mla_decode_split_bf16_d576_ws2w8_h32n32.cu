@@ -97,6 +97,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -697,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     float m_new34 = m_old33;
                     m_new34 = fmaxf(m_new34, row_exchange[((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u]);
                     m_new34 = fmaxf(m_new34, row_exchange[(((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi35 * 2u) + half36] = expf(m_old33 - m_new34);
+                    row_alpha[(mi35 * 2u) + half36] = exp_fast(m_old33 - m_new34);
                     row_max_reg[(mi35 * 2u) + half36] = m_new34;
                 }
             }
@@ -710,7 +718,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 float m_new38 = m_old37;
                 m_new38 = fmaxf(m_new38, row_exchange[((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u]);
                 m_new38 = fmaxf(m_new38, row_exchange[(((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha11[(mi39 * 2u) + half40] = expf(m_old37 - m_new38);
+                row_alpha11[(mi39 * 2u) + half40] = exp_fast(m_old37 - m_new38);
             }
         }
 
@@ -726,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         #pragma unroll
                         for (unsigned e42 = 0u; e42 < 2u; e42 += 1u) {
                             const unsigned at43 = (((mi44 * 2u) + nj41) * 4u) + ((half45 * 2u) + e42);
-                            const float p = (scores[at43] < (-1e38f)) ? 0.0f : expf(scores[at43] - row_max_reg[(mi44 * 2u) + half45]);
+                            const float p = (scores[at43] < (-1e38f)) ? 0.0f : exp_fast(scores[at43] - row_max_reg[(mi44 * 2u) + half45]);
                             scores[at43] = p;
                             p_sum = p_sum + p;
                         }

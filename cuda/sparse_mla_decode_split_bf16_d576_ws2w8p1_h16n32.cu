@@ -97,6 +97,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -774,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 1u]);
                 m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 2u]);
                 m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi45 * 2u) + half46] = expf(m_old43 - m_new44);
+                row_alpha[(mi45 * 2u) + half46] = exp_fast(m_old43 - m_new44);
                 row_max_reg[(mi45 * 2u) + half46] = m_new44;
             }
         }
@@ -791,7 +799,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         #pragma unroll
                         for (unsigned e48 = 0u; e48 < 2u; e48 += 1u) {
                             const unsigned at49 = ((mi50 + nj47) * 4u) + ((half51 * 2u) + e48);
-                            const float p = (scores[at49] < (-1e38f)) ? 0.0f : expf(scores[at49] - row_max_reg[(mi50 * 2u) + half51]);
+                            const float p = (scores[at49] < (-1e38f)) ? 0.0f : exp_fast(scores[at49] - row_max_reg[(mi50 * 2u) + half51]);
                             scores[at49] = p;
                             p_sum = p_sum + p;
                         }

@@ -98,6 +98,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -625,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     float m_new50 = m_old49;
                     m_new50 = fmaxf(m_new50, row_exchange[((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u]);
                     m_new50 = fmaxf(m_new50, row_exchange[(((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi51 * 2u) + half52] = expf(m_old49 - m_new50);
+                    row_alpha[(mi51 * 2u) + half52] = exp_fast(m_old49 - m_new50);
                     row_max_reg[(mi51 * 2u) + half52] = m_new50;
                 }
             }
@@ -638,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 float m_new54 = m_old53;
                 m_new54 = fmaxf(m_new54, row_exchange[((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u]);
                 m_new54 = fmaxf(m_new54, row_exchange[(((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha5[(mi55 * 2u) + half56] = expf(m_old53 - m_new54);
+                row_alpha5[(mi55 * 2u) + half56] = exp_fast(m_old53 - m_new54);
             }
         }
 
@@ -654,7 +662,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                         #pragma unroll
                         for (unsigned e58 = 0u; e58 < 2u; e58 += 1u) {
                             const unsigned at59 = ((mi60 + nj57) * 4u) + ((half61 * 2u) + e58);
-                            const float p = (scores[at59] < (-1e38f)) ? 0.0f : expf(scores[at59] - row_max_reg[(mi60 * 2u) + half61]);
+                            const float p = (scores[at59] < (-1e38f)) ? 0.0f : exp_fast(scores[at59] - row_max_reg[(mi60 * 2u) + half61]);
                             scores[at59] = p;
                             p_sum = p_sum + p;
                         }

@@ -98,6 +98,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -621,7 +629,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 float m_new49 = m_old48;
                 m_new49 = fmaxf(m_new49, row_exchange[((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u]);
                 m_new49 = fmaxf(m_new49, row_exchange[(((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u) + 1u]);
-                row_alpha[(mi50 * 2u) + half51] = expf(m_old48 - m_new49);
+                row_alpha[(mi50 * 2u) + half51] = exp_fast(m_old48 - m_new49);
                 row_max_reg[(mi50 * 2u) + half51] = m_new49;
             }
         }
@@ -638,7 +646,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                         #pragma unroll
                         for (unsigned e53 = 0u; e53 < 2u; e53 += 1u) {
                             const unsigned at54 = ((mi55 + nj52) * 4u) + ((half56 * 2u) + e53);
-                            const float p = (scores[at54] < (-1e38f)) ? 0.0f : expf(scores[at54] - row_max_reg[(mi55 * 2u) + half56]);
+                            const float p = (scores[at54] < (-1e38f)) ? 0.0f : exp_fast(scores[at54] - row_max_reg[(mi55 * 2u) + half56]);
                             scores[at54] = p;
                             p_sum = p_sum + p;
                         }

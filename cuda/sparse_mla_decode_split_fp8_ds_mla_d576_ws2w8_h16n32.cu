@@ -99,6 +99,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -1552,7 +1560,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 1u]);
                 m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 2u]);
                 m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi417 * 2u) + half418] = expf(m_old415 - m_new416);
+                row_alpha[(mi417 * 2u) + half418] = exp_fast(m_old415 - m_new416);
                 row_max_reg[(mi417 * 2u) + half418] = m_new416;
             }
         }
@@ -1569,7 +1577,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         #pragma unroll
                         for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
                             const unsigned at421 = ((mi422 + nj419) * 4u) + ((half423 * 2u) + e420);
-                            const float p = (scores[at421] < (-1e38f)) ? 0.0f : expf(scores[at421] - row_max_reg[(mi422 * 2u) + half423]);
+                            const float p = (scores[at421] < (-1e38f)) ? 0.0f : exp_fast(scores[at421] - row_max_reg[(mi422 * 2u) + half423]);
                             scores[at421] = p;
                             p_sum = p_sum + p;
                         }

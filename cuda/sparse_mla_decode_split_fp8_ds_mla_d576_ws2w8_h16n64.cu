@@ -100,6 +100,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -1669,7 +1677,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 1u]);
                 m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 2u]);
                 m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 3u]);
-                row_alpha[(mi428 * 2u) + half429] = expf(m_old426 - m_new427);
+                row_alpha[(mi428 * 2u) + half429] = exp_fast(m_old426 - m_new427);
                 row_max_reg[(mi428 * 2u) + half429] = m_new427;
             }
         }
@@ -1686,7 +1694,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         #pragma unroll
                         for (unsigned e431 = 0u; e431 < 2u; e431 += 1u) {
                             const unsigned at432 = (((mi433 * 2u) + nj430) * 4u) + ((half434 * 2u) + e431);
-                            const float p = (scores[at432] < (-1e38f)) ? 0.0f : expf(scores[at432] - row_max_reg[(mi433 * 2u) + half434]);
+                            const float p = (scores[at432] < (-1e38f)) ? 0.0f : exp_fast(scores[at432] - row_max_reg[(mi433 * 2u) + half434]);
                             scores[at432] = p;
                             p_sum = p_sum + p;
                         }

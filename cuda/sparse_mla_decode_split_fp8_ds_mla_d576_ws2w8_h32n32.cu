@@ -100,6 +100,14 @@ SPARSE_MLA_HELPER float e4m3_to_f32(unsigned char bits) {
 // Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -1546,7 +1554,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     float m_new415 = m_old414;
                     m_new415 = fmaxf(m_new415, row_exchange[((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u]);
                     m_new415 = fmaxf(m_new415, row_exchange[(((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
-                    row_alpha[(mi416 * 2u) + half417] = expf(m_old414 - m_new415);
+                    row_alpha[(mi416 * 2u) + half417] = exp_fast(m_old414 - m_new415);
                     row_max_reg[(mi416 * 2u) + half417] = m_new415;
                 }
             }
@@ -1559,7 +1567,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 float m_new419 = m_old418;
                 m_new419 = fmaxf(m_new419, row_exchange[((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u]);
                 m_new419 = fmaxf(m_new419, row_exchange[(((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u) + 1u]);
-                row_alpha302[(mi420 * 2u) + half421] = expf(m_old418 - m_new419);
+                row_alpha302[(mi420 * 2u) + half421] = exp_fast(m_old418 - m_new419);
             }
         }
 
@@ -1575,7 +1583,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         #pragma unroll
                         for (unsigned e423 = 0u; e423 < 2u; e423 += 1u) {
                             const unsigned at424 = (((mi425 * 2u) + nj422) * 4u) + ((half426 * 2u) + e423);
-                            const float p = (scores[at424] < (-1e38f)) ? 0.0f : expf(scores[at424] - row_max_reg[(mi425 * 2u) + half426]);
+                            const float p = (scores[at424] < (-1e38f)) ? 0.0f : exp_fast(scores[at424] - row_max_reg[(mi425 * 2u) + half426]);
                             scores[at424] = p;
                             p_sum = p_sum + p;
                         }

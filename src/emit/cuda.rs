@@ -460,6 +460,14 @@ SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned
 const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).
 SPARSE_MLA_HELPER unsigned smem_addr(const void* p) {
@@ -982,6 +990,7 @@ impl Printer<'_> {
                 let a: Vec<String> = args.iter().map(|x| self.expr(x)).collect();
                 match func {
                     Func::Exp => format!("expf({})", a[0]),
+                    Func::ExpFast => format!("exp_fast({})", a[0]),
                     Func::Log => format!("logf({})", a[0]),
                     Func::Sqrt => format!("sqrtf({})", a[0]),
                     Func::Abs => format!("fabsf({})", a[0]),

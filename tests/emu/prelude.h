@@ -183,6 +183,13 @@ inline void cvt_rn_f16x2_e4m3x2(unsigned& d, unsigned short a) {
     d = f32_to_f16(e4m3_value(a & 0xff)) | (f32_to_f16(e4m3_value(a >> 8)) << 16);
 }
 inline void cvt_f32_f16(float& d, unsigned short a) { d = f16_to_f32(a); }
+// d = 2^a, to the float nearest (the hardware's is within about 2^-22 of it); subnormal
+// inputs and results flushed to zero, as .ftz does
+inline void ex2_approx_ftz_f32(float& d, float a) {
+    if (std::fpclassify(a) == FP_SUBNORMAL) a = 0.0f;
+    d = std::exp2(a);
+    if (std::fpclassify(d) == FP_SUBNORMAL) d = std::signbit(d) ? -0.0f : 0.0f;
+}
 // d = {f16(a) upper half, f16(b) lower half}
 inline void cvt_rn_f16x2_f32(unsigned& d, float a, float b) { d = f32_to_f16(b) | (f32_to_f16(a) << 16); }
 // d = a * b per f16 half, round to nearest even (the f32 product of two f16 is exact)
