@@ -478,7 +478,7 @@ fn plan_code(
         .first()
         .ok_or_else(|| Error::arg("variants", "at least one", 0))?;
     let dims = first.config.dims;
-    // v7's head blocks (DecodeConfig::v7_fills_one_wave): the 16-head block up to
+    // v7's head blocks (DecodeConfig::bf16_wide_runs_v7): the 16-head block up to
     // `narrow_max` heads, then `wide_h`
     let v7_block = |h| DecodeConfig::tensor_core_v7(dims, CacheFormat::Bf16, h).block_h;
     let narrow_max = (1..=SCAN_HEADS)
@@ -630,15 +630,15 @@ static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned
     return ((topk + {batch_n}u - 1u) / {batch_n}u + splits - 1u) / splits >= {min_steps}u;
 }}
 
-/* Does a call of more than 16 heads fill the multiprocessors in one wave of v7's 32-head
-   blocks (DecodeConfig::v7_fills_one_wave): b = tokens x ceil(heads / 32) <= sms and
-   b x floor(sms / b) >= 7/8 x sms, and not a v6 call. Then bf16 runs v7 at any v6_per_sm
-   (on the H200 1.03-1.11x v6 there; v6 where the wave would leave SMs idle or take several). */
-static inline int sparse_mla_v7_fills_one_wave(unsigned heads, unsigned tokens, unsigned sms) {{
+/* Does a bf16 call of more than 16 heads run v7 at any v6_per_sm (DecodeConfig::bf16_wide_runs_v7):
+   not a v6 call, and v7's 32-head blocks b = tokens x ceil(heads / 32) take more than one wave
+   (b > sms) or fill one (b x floor(sms / b) >= 7/8 x sms). On the H200 v7 was 1.03-1.13x v6
+   there; v6 where v7's one partial wave would leave SMs idle. */
+static inline int sparse_mla_bf16_wide_runs_v7(unsigned heads, unsigned tokens, unsigned sms) {{
     unsigned long long b = (unsigned long long)tokens * (((unsigned long long)heads + {wide_h}u - 1u) / {wide_h}u);
     unsigned long long m = sms;
     if (heads <= {narrow_max}u || sparse_mla_is_v6_call(heads, tokens, sms, 1u)) return 0;
-    return b >= 1u && b <= m && 8u * b * (m / b) >= 7u * m;
+    return b >= 1u && (b > m || 8u * b * (m / b) >= 7u * m);
 }}
 
 {narrow_fn}{v6_fn}/* The kernel of one call{batch_doc}
@@ -680,8 +680,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
              and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
              when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,\n   \
-             sms, v6_per_sm), else v7; v7 for a call v7 fills the GPU with in\n   \
-             one wave (sparse_mla_v7_fills_one_wave(heads, tokens, sms)), else by v6_per_sm (v6\n   \
+             sms, v6_per_sm), else v7; v7 for a call v7's blocks fill in\n   \
+             one wave or more (sparse_mla_bf16_wide_runs_v7(heads, tokens, sms)), else by v6_per_sm (v6\n   \
              where the GPU holds two or more v6 workgroups per multiprocessor, v7 where one);\n   \
              fp8_ds_mla runs v7 at any v6_per_sm."
         },
@@ -777,7 +777,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
              if (sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm)) return sparse_mla_v6_kernel(heads, p);\n        \
              v6_per_sm = 1u;\n    \
              }\n    \
-             if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_v7_fills_one_wave(heads, tokens, sms))\n        \
+             if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_bf16_wide_runs_v7(heads, tokens, sms))\n        \
              v6_per_sm = 1u;\n",
         );
     }

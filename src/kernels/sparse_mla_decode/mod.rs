@@ -336,8 +336,8 @@ impl DecodeConfig {
     /// [`Self::is_narrow_wide_call`]); [`Self::tensor_core_batch`] for a
     /// large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
-    /// more than 16 heads that v7 fills the GPU with in one wave
-    /// ([`Self::v7_fills_one_wave`]); else [`Self::tensor_core_on`]. `v6_per_sm` is asked at
+    /// more than 16 heads whose v7 blocks fill one wave or take several
+    /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. `v6_per_sm` is asked at
     /// most once, and only for bf16 calls the answer decides: none of those but the small
     /// calls at H ≤ 16 between `is_v6_call`'s two factors, and not a large batch at every v6
     /// residency.
@@ -386,7 +386,7 @@ impl DecodeConfig {
         if let Some(batch) = batch.filter(|_| Self::is_large_batch(shape, sm_count, u32::MAX)) {
             return Ok(batch);
         }
-        if format == CacheFormat::Bf16 && Self::v7_fills_one_wave(shape, sm_count) {
+        if format == CacheFormat::Bf16 && Self::bf16_wide_runs_v7(shape, sm_count) {
             // v7 at any v6 residency: the one-workgroup-per-SM choice
             return Self::tensor_core_on(dims, format, heads, || Ok(1));
         }
@@ -400,16 +400,19 @@ impl DecodeConfig {
         }
     }
 
-    /// Does a call of more than 16 heads fill the GPU's multiprocessors in one wave of v7's
-    /// 32-head blocks, `b = T · ⌈H/32⌉ ≤ SMs` and `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can
-    /// give each multiprocessor one workgroup and leave at most an eighth idle)? Where two
-    /// bf16 v6 workgroups fit a multiprocessor (H100/H200), [`Self::for_call`] then runs v7
-    /// for bf16, not v6: on the H200 v7 was 1.03–1.11× faster on such calls (H 32 T 8–128,
-    /// H 64 T 4–64, H 128 T 2–32), while v6, with twice the workgroups to place, was the
-    /// faster where v7's wave left SMs idle (H 32 T 48: 0.94×) or took several waves
-    /// (H 64 / 128 T 128: 0.95×) (benches/NOTES.md, v17). At H ≤ 16 v6 stays (v7 0.96× at
-    /// H 16 T 32).
-    pub fn v7_fills_one_wave(shape: &DecodeShape, sm_count: u32) -> bool {
+    /// Does a bf16 call of more than 16 heads run v7 whatever the GPU's v6 residency: not a
+    /// v6 call, and v7's 32-head blocks `b = T · ⌈H/32⌉` either take more than one wave
+    /// (`b > SMs`) or fill one, `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can give each
+    /// multiprocessor one workgroup and leave at most an eighth idle)? Where two bf16 v6
+    /// workgroups fit a multiprocessor (H100/H200), [`Self::for_call`] then runs v7 for bf16,
+    /// not v6. On the H200 v7 was 1.03–1.11× faster on one-wave calls (H 32 T 8–128, H 64
+    /// T 4–64, H 128 T 2–32; benches/NOTES.md, v17), and since its softmax's exponentials
+    /// went to `ex2.approx` (v28) 1.03–1.13× faster on every call of several waves measured
+    /// (H 32 T 192–256, H 64 T 96–256, H 128 T 48–256), where v6 had been 1.05× faster. v6
+    /// stays where v7's single partial wave leaves SMs idle: H 32 T 48 0.93× with v7 (but
+    /// H 32 T 96 and H 64 T 48, also partial, ran 1.05× faster on v7: kept on v6, not
+    /// special-cased). At H ≤ 16 v6 stays (v7 0.96× at H 16 T 32).
+    pub fn bf16_wide_runs_v7(shape: &DecodeShape, sm_count: u32) -> bool {
         // the head block v7 takes for this head count: the rule is for its 32-head blocks
         let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
         if block <= 16 || Self::is_v6_call(shape, sm_count, 1) {
@@ -417,7 +420,7 @@ impl DecodeConfig {
         }
         let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;
         let sms = sm_count as u64;
-        b >= 1 && b <= sms && 8 * b * (sms / b) >= 7 * sms
+        b >= 1 && (b > sms || 8 * b * (sms / b) >= 7 * sms)
     }
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
@@ -632,7 +635,7 @@ impl DecodeConfig {
 
     /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
     /// tensor-core kernels (the backend's small bf16 calls) and v7 in one warp group (fp8's
-    /// small calls and its large-batch kernel, bf16 where its one wave fills the GPU).
+    /// small calls and its large-batch kernel, bf16 above 16 heads where its blocks fill a wave).
     /// fp8_ds_mla's v6 kernels have no room left for the merge's 4 KB of shared memory within
     /// SM120's 101376 bytes; bf16's large-batch kernel (warp groups) runs one split.
     pub fn has_merged_form(&self) -> bool {
@@ -1205,11 +1208,11 @@ mod tests {
         assert_eq!(ask(CacheFormat::Bf16, 16, 128), ("batch", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 16, 64), ("batch", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 64, 64), ("v7", false));
-        // bf16 calls v7 fills in one wave: never
+        // bf16 calls v7 fills in one wave or more: never
         assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v7", false));
-        // between the bf16 thresholds, and above 16 heads past one wave
+        assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v7", false));
+        // between the bf16 thresholds, and above 16 heads in one partial wave
         assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v6", true));
-        assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v6", true));
         assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
     }
 
@@ -1390,10 +1393,12 @@ mod tests {
     }
 
     #[test]
-    fn bf16_runs_v7_where_its_one_wave_fills_the_gpu() {
-        // (H, T, v7 on 132 SMs): the H200 rows of benches/h200-v17.txt (call 2) where the two
-        // kernels differ by more than 2 %, v7 the faster (true) or v6 (false), and the small
-        // calls and H <= 16, which the rule leaves alone
+    fn bf16_above_16_heads_runs_v7_unless_its_one_wave_leaves_sms_idle() {
+        // (H, T, v7 on 132 SMs): H200 rows where the two kernels differ by more than 2 %, v7
+        // the faster (true) or v6 (false) — benches/h200-v17.txt call 2 for one wave, and
+        // benches/h200-v28.txt call h3 for several (v7 1.03-1.13x since v28) — and the small
+        // calls and H <= 16, which the rule leaves alone. Misses, not listed: H 32 T 96 and
+        // H 64 T 48 (a partial wave, v7 1.05x faster in h3, the rule keeps v6).
         for (heads, tokens, want) in [
             (32, 8, true),
             (32, 16, true),
@@ -1401,22 +1406,30 @@ mod tests {
             (32, 48, false),
             (32, 64, true),
             (32, 128, true),
+            (32, 192, true),
+            (32, 256, true),
             (64, 4, true),
             (64, 8, true),
             (64, 16, true),
             (64, 64, true),
-            (64, 128, false),
+            (64, 96, true),
+            (64, 128, true),
+            (64, 192, true),
+            (64, 256, true),
             (128, 2, true),
             (128, 4, true),
             (128, 8, true),
             (128, 32, true),
-            (128, 64, false),
-            (128, 128, false),
+            (128, 48, true),
+            (128, 64, true),
+            (128, 96, true),
+            (128, 128, true),
+            (128, 256, true),
             (16, 32, false),
         ] {
             let s = shape(CacheFormat::Bf16, heads, tokens);
             assert_eq!(
-                DecodeConfig::v7_fills_one_wave(&s, 132),
+                DecodeConfig::bf16_wide_runs_v7(&s, 132),
                 want,
                 "H {heads} T {tokens}"
             );
@@ -1482,9 +1495,11 @@ mod tests {
             );
         }
         assert_eq!(pick(Bf16, 128, 1, 1), "v7");
-        // two per SM (H100/H200): bf16 v6 below the large batch
+        // two per SM (H100/H200): bf16 v6 below the large batch, and above 16 heads where
+        // v7's one partial wave would leave SMs idle; v7 where its blocks take several waves
         assert_eq!(pick(Bf16, 16, 9, 2), "v6");
-        assert_eq!(pick(Bf16, 128, 40, 2), "v6");
+        assert_eq!(pick(Bf16, 32, 48, 2), "v6");
+        assert_eq!(pick(Bf16, 128, 40, 2), "v7");
         // fp8_ds_mla: the large-batch kernel for every call at H <= 16 past the small ones,
         // v7 above 16 heads
         for v6 in [1, 2] {
