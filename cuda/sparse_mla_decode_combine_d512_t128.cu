@@ -84,6 +84,15 @@ SPARSE_MLA_HELPER void grid_launch_dependents() {
 #endif
 }
 
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors, the split
+// merge's weights.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_u32(a, b) ((a) > (b) ? (a) : (b))
@@ -124,8 +133,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
         const float o_1 = o_part[at + lanes];
         const bool valid = !(part_lse < (-1e38f));
         const float nm = valid ? fmaxf(m, part_lse) : m;
-        const float keep = expf(m - nm);
-        const float w = valid ? expf(part_lse - nm) : 0.0f;
+        const float keep = exp_fast(m - nm);
+        const float w = valid ? exp_fast(part_lse - nm) : 0.0f;
         l = (l * keep) + w;
         acc0 = (acc0 * keep) + (w * o);
         acc1 = (acc1 * keep) + (w * o_1);
@@ -148,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
     float lse_sum = 0.0f;
     #pragma unroll 4
     for (unsigned gi_1 = 0u; gi_1 < groups_1; gi_1 += 1u) {
-        lse_sum = lse_sum + (group_sum[gi_1] * expf(group_max[gi_1] - lse_max));
+        lse_sum = lse_sum + (group_sum[gi_1] * exp_fast(group_max[gi_1] - lse_max));
     }
     const bool all_empty = lse_sum <= 0.0f;
     const float inv_sum = all_empty ? 0.0f : (1.0f / lse_sum);
@@ -158,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
         float y1 = 0.0f;
         #pragma unroll 4
         for (unsigned gi_2 = 0u; gi_2 < groups_1; gi_2 += 1u) {
-            const float wg = expf(group_max[gi_2] - lse_max);
+            const float wg = exp_fast(group_max[gi_2] - lse_max);
             const unsigned at_1 = (gi_2 * chunk) + c;
             y0 = y0 + (wg * group_out[at_1]);
             y1 = y1 + (wg * group_out[at_1 + 1u]);

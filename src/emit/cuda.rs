@@ -218,6 +218,10 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         called.push('\n');
         called.push_str(F16_HELPERS);
     }
+    if unit.contains("exp_fast(") {
+        called.push('\n');
+        called.push_str(EXP_FAST_HELPERS);
+    }
     let min_max: Vec<_> = MIN_MAX_HELPERS
         .iter()
         .filter(|(name, _)| unit.contains(&format!("{name}(")))
@@ -233,6 +237,17 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
     }
     Ok(Printer { kernel }.unit(&format!("{h}{called}")))
 }
+
+/// [`Func::ExpFast`], printed into the kernels that call it.
+const EXP_FAST_HELPERS: &str = r#"// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
+// 2^-126 flush to 0). The online softmax's probabilities and rescale factors, the split
+// merge's weights.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+"#;
 
 /// Integer min / max by name, printed into the kernels that call them. Macros, not functions:
 /// the compiler then sees the very ternaries it was given before these names existed (the
@@ -459,14 +474,6 @@ SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned
 
 const MMA_HELPERS: &str = r#"// Tensor-core lowering helpers: one PTX instruction each (sm_80 and later; the SM120
 // common set: no wgmma, tcgen05 or clusters).
-
-// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
-// 2^-126 flush to 0). The online softmax's probabilities and rescale factors.
-SPARSE_MLA_HELPER float exp_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-    return y;
-}
 
 // Generic -> shared-window address, as the PTX shared-memory instructions take it (a
 // builtin, not asm, so that constant offsets fold into the instructions' immediates).

@@ -41,6 +41,10 @@ pub fn select(cond: Expr, a: Expr, b: Expr) -> Expr {
 pub fn exp(x: Expr) -> Expr {
     Expr::Call(Func::Exp, vec![x])
 }
+/// [`Func::ExpFast`]: e^x to about 2^-21 relative.
+pub fn exp_fast(x: Expr) -> Expr {
+    Expr::Call(Func::ExpFast, vec![x])
+}
 pub fn log(x: Expr) -> Expr {
     Expr::Call(Func::Log, vec![x])
 }

@@ -238,7 +238,7 @@ pub enum Func {
     /// 2^-126 flushed to 0): CUDA's `ex2.approx.ftz` of `x · log2 e`, two instructions where
     /// [`Func::Exp`] (`expf`) is about eight; WGSL's `exp`. For the online softmax's
     /// probabilities and rescale factors, which are rounded to bf16 / f16 (P) or feed f32
-    /// sums whose tolerance is far above it.
+    /// sums whose tolerance is far above it, and the split merge's weights.
     ExpFast,
     /// Natural logarithm, f32.
     Log,
