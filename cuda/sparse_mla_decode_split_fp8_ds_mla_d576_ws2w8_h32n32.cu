@@ -338,9 +338,10 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
-// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-21; results below
-// 2^-126 flush to 0). The online softmax's probabilities and rescale factors, the split
-// merge's weights.
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-22 plus
+// |x| * 2^-24 from rounding the product; results below 2^-126 flush to 0). The online
+// softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
+// the terms with large |x| are the negligible ones.
 SPARSE_MLA_HELPER float exp_fast(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));

@@ -41,7 +41,7 @@ pub fn select(cond: Expr, a: Expr, b: Expr) -> Expr {
 pub fn exp(x: Expr) -> Expr {
     Expr::Call(Func::Exp, vec![x])
 }
-/// [`Func::ExpFast`]: e^x to about 2^-21 relative.
+/// [`Func::ExpFast`]: e^x, approximate (about 2^-22 + |x| · 2^-24 relative).
 pub fn exp_fast(x: Expr) -> Expr {
     Expr::Call(Func::ExpFast, vec![x])
 }

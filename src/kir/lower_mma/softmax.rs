@@ -17,8 +17,9 @@
 //!
 //! Both exponentials (P and alpha) are [`Func::ExpFast`], `ex2.approx`: two instructions where
 //! `expf` is about eight, on the chain of every step. P is rounded to bf16 / f16 right after
-//! and alpha rescales f32 sums, so its ~2^-21 relative error is far below what the outputs
-//! keep; on the H200 the decode kernels ran 1.03–1.14× faster with it, rel L2 and lse as
+//! and alpha rescales f32 sums, so its relative error (about 2^-22 + |x| · 2^-24 for the
+//! exponent x ≤ 0; the terms with large |x| are negligible anyway) is far below what they
+//! keep. On the H200 the decode kernels ran 1.03–1.14× faster with it, rel L2 and lse as
 //! before (benches/NOTES.md, v28).
 //!
 //! The shared `m` and `l` arrays hold the state only between loops: the registers are read
