@@ -13,8 +13,8 @@ use std::ops;
 
 // The constructors are shared with the lowerings (one set, folded the same way).
 pub use super::expr::{
-    abs, clz, exp, f, f32_bits, f32_from_bits, fma, i, local_id, log, num_workgroups, pack_bf16x2,
-    select, sqrt, u, workgroup_id,
+    abs, clz, exp, exp_fast, f, f32_bits, f32_from_bits, fma, i, local_id, log, num_workgroups,
+    pack_bf16x2, select, sqrt, u, workgroup_id,
 };
 
 /// The two e4m3 values in bits 0..16 of a u32 as f32 (low byte first), converted as a pair

@@ -12,7 +12,6 @@
 
 use super::DecodeConfig;
 use crate::kir::builder::*;
-use crate::kir::expr::exp_fast;
 use crate::kir::ir::{Access, Elem, Expr, Kernel, Ty};
 use crate::kir::ops::{is_masked, MASKED};
 use crate::{Error, Result};
