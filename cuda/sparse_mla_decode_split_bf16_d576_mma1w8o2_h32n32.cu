@@ -311,14 +311,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + scores_row0 + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     #pragma unroll
     for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
         #pragma unroll
         for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
-            row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
+            row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi6 * 16u) + (half7 * 8u) + lane_group) : 0.0f;
         }
     }
     if (0u < step_count) {
@@ -413,9 +413,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             }
             #pragma unroll
             for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
-                ldmatrix_x4(&a_frag[mi23 * 4u], q_tile + a_lane_word + (mi23 * 4672u) + (((kk * 2u) + 1u) * 8u));
+                ldmatrix_x4(&a_frag[mi23 * 4u], q_tile + a_lane_word + (mi23 * 4672u) + ((kk * 2u) * 8u) + 8u);
             }
-            ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 2u) + 1u) * 8u));
+            ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 2u) * 8u) + 8u);
             #pragma unroll
             for (unsigned mi23 = 0u; mi23 < 1u; mi23 += 1u) {
                 #pragma unroll
@@ -461,9 +461,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const float other28 = shfl_xor_f32(row_max_part, 2);
                 row_max_part = fmaxf(row_max_part, other28);
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 5u) + scores_wn] = row_max_part;
+                    *(row_exchange + (scores_row0 * 5u) + ((mi26 * 16u) * 5u) + ((half27 * 8u) * 5u) + (lane_group * 5u) + scores_wn) = row_max_part;
                     if (scores_wn == 0u) {
-                        row_exchange[(((scores_row0 + (mi26 * 16u)) + ((half27 * 8u) + lane_group)) * 5u) + 4u] = row_max_reg[(mi26 * 2u) + half27];
+                        *(row_exchange + (scores_row0 * 5u) + ((mi26 * 16u) * 5u) + ((half27 * 8u) * 5u) + (lane_group * 5u) + 4u) = row_max_reg[(mi26 * 2u) + half27];
                     }
                 }
             }
@@ -477,10 +477,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             for (unsigned half32 = 0u; half32 < 2u; half32 += 1u) {
                 const float m_old29 = row_max_reg[(mi31 * 2u) + half32];
                 float m_new30 = m_old29;
-                m_new30 = fmaxf(m_new30, row_exchange[((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u]);
-                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 1u]);
-                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 2u]);
-                m_new30 = fmaxf(m_new30, row_exchange[(((scores_row0 + (mi31 * 16u)) + ((half32 * 8u) + lane_group)) * 5u) + 3u]);
+                m_new30 = fmaxf(m_new30, *(row_exchange + (scores_row0 * 5u) + ((mi31 * 16u) * 5u) + ((half32 * 8u) * 5u) + (lane_group * 5u)));
+                m_new30 = fmaxf(m_new30, *(row_exchange + (scores_row0 * 5u) + ((mi31 * 16u) * 5u) + ((half32 * 8u) * 5u) + (lane_group * 5u) + 1u));
+                m_new30 = fmaxf(m_new30, *(row_exchange + (scores_row0 * 5u) + ((mi31 * 16u) * 5u) + ((half32 * 8u) * 5u) + (lane_group * 5u) + 2u));
+                m_new30 = fmaxf(m_new30, *(row_exchange + (scores_row0 * 5u) + ((mi31 * 16u) * 5u) + ((half32 * 8u) * 5u) + (lane_group * 5u) + 3u));
                 row_alpha[(mi31 * 2u) + half32] = exp_fast(m_old29 - m_new30);
                 row_max_reg[(mi31 * 2u) + half32] = m_new30;
             }
@@ -489,12 +489,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         for (unsigned mi35 = 0u; mi35 < 2u; mi35 += 1u) {
             #pragma unroll
             for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
-                const float m_old33 = row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 4u];
+                const float m_old33 = *(row_exchange + ((mi35 * 16u) * 5u) + ((half36 * 8u) * 5u) + (lane_group * 5u) + 4u);
                 float m_new34 = m_old33;
-                m_new34 = fmaxf(m_new34, row_exchange[((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u]);
-                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 1u]);
-                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 2u]);
-                m_new34 = fmaxf(m_new34, row_exchange[(((mi35 * 16u) + ((half36 * 8u) + lane_group)) * 5u) + 3u]);
+                m_new34 = fmaxf(m_new34, *(row_exchange + ((mi35 * 16u) * 5u) + ((half36 * 8u) * 5u) + (lane_group * 5u)));
+                m_new34 = fmaxf(m_new34, *(row_exchange + ((mi35 * 16u) * 5u) + ((half36 * 8u) * 5u) + (lane_group * 5u) + 1u));
+                m_new34 = fmaxf(m_new34, *(row_exchange + ((mi35 * 16u) * 5u) + ((half36 * 8u) * 5u) + (lane_group * 5u) + 2u));
+                m_new34 = fmaxf(m_new34, *(row_exchange + ((mi35 * 16u) * 5u) + ((half36 * 8u) * 5u) + (lane_group * 5u) + 3u));
                 row_alpha5[(mi35 * 2u) + half36] = exp_fast(m_old33 - m_new34);
             }
         }
@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const unsigned row45 = (scores_row0 + ((frag47 / 1u) * 16u)) + ((half48 * 8u) + lane_group);
                 const unsigned col46 = (scores_col0 + ((frag47 % 1u) * 8u)) + (lane_quad * 2u);
                 const unsigned sub6 = (frag47 * 4u) + (half48 * 2u);
-                p_tile[(row45 * 20u) + (col46 >> 1u)] = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
+                *(p_tile + (row45 * 20u) + (col46 >> 1u)) = pack_bf16x2(scores[sub6], scores[sub6 + 1u]);
             }
         }
         __syncthreads();
@@ -575,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             const float other61 = shfl_xor_f32(row_sum57, 2);
             row_sum57 = row_sum57 + other61;
             if (lane_quad == 0u) {
-                row_exchange[(((scores_row0 + (mi58 * 16u)) + ((half59 * 8u) + lane_group)) * 5u) + scores_wn] = row_sum57;
+                *(row_exchange + (scores_row0 * 5u) + ((mi58 * 16u) * 5u) + ((half59 * 8u) * 5u) + (lane_group * 5u) + scores_wn) = row_sum57;
             }
         }
     }
@@ -585,12 +585,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         #pragma unroll
         for (unsigned half64 = 0u; half64 < 2u; half64 += 1u) {
             if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                float row_sum62 = row_exchange[((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 5u];
-                row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 5u) + 1u];
-                row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 5u) + 2u];
-                row_sum62 = row_sum62 + row_exchange[(((scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)) * 5u) + 3u];
-                row_sum[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_sum62;
-                row_max[(scores_row0 + (mi63 * 16u)) + ((half64 * 8u) + lane_group)] = row_max_reg[(mi63 * 2u) + half64];
+                float row_sum62 = *(row_exchange + (scores_row0 * 5u) + ((mi63 * 16u) * 5u) + ((half64 * 8u) * 5u) + (lane_group * 5u));
+                row_sum62 = row_sum62 + *(row_exchange + (scores_row0 * 5u) + ((mi63 * 16u) * 5u) + ((half64 * 8u) * 5u) + (lane_group * 5u) + 1u);
+                row_sum62 = row_sum62 + *(row_exchange + (scores_row0 * 5u) + ((mi63 * 16u) * 5u) + ((half64 * 8u) * 5u) + (lane_group * 5u) + 2u);
+                row_sum62 = row_sum62 + *(row_exchange + (scores_row0 * 5u) + ((mi63 * 16u) * 5u) + ((half64 * 8u) * 5u) + (lane_group * 5u) + 3u);
+                *(row_sum + scores_row0 + (mi63 * 16u) + (half64 * 8u) + lane_group) = row_sum62;
+                *(row_max + scores_row0 + (mi63 * 16u) + (half64 * 8u) + lane_group) = row_max_reg[(mi63 * 2u) + half64];
             }
         }
     }

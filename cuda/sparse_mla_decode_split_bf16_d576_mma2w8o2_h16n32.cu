@@ -313,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     if (warp < 4u) {
@@ -321,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
             #pragma unroll
             for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
-                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi5 * 16u) + (half6 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -465,9 +465,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 }
                 #pragma unroll
                 for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
-                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + (((kk * 2u) + 1u) * 8u));
+                    ldmatrix_x4(&a_frag[mi35 * 4u], q_tile + a_lane_word + (mi35 * 4672u) + ((kk * 2u) * 8u) + 8u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 2u) + 1u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 2u) * 8u) + 8u);
                 #pragma unroll
                 for (unsigned mi35 = 0u; mi35 < 1u; mi35 += 1u) {
                     #pragma unroll
@@ -517,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                     const float other40 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other40);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi38 * 16u)) + ((half39 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi38 * 16u) * 4u) + ((half39 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -531,10 +531,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             for (unsigned half44 = 0u; half44 < 2u; half44 += 1u) {
                 const float m_old41 = row_max_reg[(mi43 * 2u) + half44];
                 float m_new42 = m_old41;
-                m_new42 = fmaxf(m_new42, row_exchange[((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u]);
-                m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new42 = fmaxf(m_new42, row_exchange[(((mi43 * 16u) + ((half44 * 8u) + lane_group)) * 4u) + 3u]);
+                m_new42 = fmaxf(m_new42, *(row_exchange + ((mi43 * 16u) * 4u) + ((half44 * 8u) * 4u) + (lane_group * 4u)));
+                m_new42 = fmaxf(m_new42, *(row_exchange + ((mi43 * 16u) * 4u) + ((half44 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new42 = fmaxf(m_new42, *(row_exchange + ((mi43 * 16u) * 4u) + ((half44 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new42 = fmaxf(m_new42, *(row_exchange + ((mi43 * 16u) * 4u) + ((half44 * 8u) * 4u) + (lane_group * 4u) + 3u));
                 row_alpha[(mi43 * 2u) + half44] = exp_fast(m_old41 - m_new42);
                 row_max_reg[(mi43 * 2u) + half44] = m_new42;
             }
@@ -578,7 +578,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                     const unsigned row53 = (scores_row0 + ((frag55 / 1u) * 16u)) + ((half56 * 8u) + lane_group);
                     const unsigned col54 = (scores_col0 + ((frag55 % 1u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub8 = (frag55 * 4u) + (half56 * 2u);
-                    p_tile[(row53 * 20u) + (col54 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                    *(p_tile + (row53 * 20u) + (col54 >> 1u)) = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -621,7 +621,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
                 const float other69 = shfl_xor_f32(row_sum65, 2);
                 row_sum65 = row_sum65 + other69;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi66 * 16u)) + ((half67 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum65;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi66 * 16u) * 4u) + ((half67 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum65;
                 }
             }
         }
@@ -633,12 +633,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             #pragma unroll
             for (unsigned half72 = 0u; half72 < 2u; half72 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum70 = row_exchange[((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)] = row_sum70;
-                    row_max[(scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)] = row_max_reg[(mi71 * 2u) + half72];
+                    float row_sum70 = *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi71 * 16u) + (half72 * 8u) + lane_group) = row_sum70;
+                    *(row_max + scores_row0 + (mi71 * 16u) + (half72 * 8u) + lane_group) = row_max_reg[(mi71 * 2u) + half72];
                 }
             }
         }

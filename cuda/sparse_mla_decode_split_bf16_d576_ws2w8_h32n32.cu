@@ -384,12 +384,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row7;
                     const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
+                    *(row_valid + (load_stage * 36u) + gather_row7) = (src_i328 >= 0) ? 1.0f : 0.0f;
                     if (src_i328 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
+                            *(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -448,78 +448,78 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
-    q_tile_a0[0u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
-    q_tile_a0[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
-    q_tile_a0[2u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[4u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[6u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[8u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[10u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[12u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[14u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[16u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[17u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[18u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[19u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[20u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[21u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[22u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[23u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[24u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[25u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[26u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[27u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[28u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[29u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[30u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[31u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[32u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[33u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[34u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[35u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[36u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
-    q_tile_a0[37u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + lane_quad)];
-    q_tile_a0[38u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[39u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[40u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[41u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[42u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[43u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[44u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[45u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[46u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[47u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[48u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[49u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[50u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[51u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[52u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[53u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[54u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[55u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[56u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[57u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[58u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[59u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[60u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[61u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[62u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[63u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[64u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[65u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[66u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[67u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[68u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[69u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[70u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[71u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 9u) + 8u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[0u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad);
+    q_tile_a0[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad);
+    q_tile_a0[2u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad + 4u);
+    q_tile_a0[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad + 4u);
+    q_tile_a0[4u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad);
+    q_tile_a0[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad);
+    q_tile_a0[6u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[8u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad);
+    q_tile_a0[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad);
+    q_tile_a0[10u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[12u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad);
+    q_tile_a0[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad);
+    q_tile_a0[14u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[16u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad);
+    q_tile_a0[17u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad);
+    q_tile_a0[18u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[19u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[20u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad);
+    q_tile_a0[21u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad);
+    q_tile_a0[22u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[23u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[24u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad);
+    q_tile_a0[25u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad);
+    q_tile_a0[26u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[27u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[28u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad);
+    q_tile_a0[29u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad);
+    q_tile_a0[30u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[31u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[32u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad);
+    q_tile_a0[33u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad);
+    q_tile_a0[34u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad + 4u);
+    q_tile_a0[35u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad + 4u);
+    q_tile_a0[36u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad);
+    q_tile_a0[37u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad);
+    q_tile_a0[38u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad + 4u);
+    q_tile_a0[39u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + lane_quad + 4u);
+    q_tile_a0[40u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad);
+    q_tile_a0[41u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad);
+    q_tile_a0[42u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[43u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[44u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad);
+    q_tile_a0[45u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad);
+    q_tile_a0[46u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[47u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[48u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad);
+    q_tile_a0[49u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad);
+    q_tile_a0[50u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[51u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[52u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad);
+    q_tile_a0[53u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad);
+    q_tile_a0[54u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[55u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[56u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad);
+    q_tile_a0[57u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad);
+    q_tile_a0[58u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[59u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[60u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad);
+    q_tile_a0[61u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad);
+    q_tile_a0[62u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[63u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[64u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad);
+    q_tile_a0[65u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad);
+    q_tile_a0[66u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[67u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[68u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad);
+    q_tile_a0[69u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad);
+    q_tile_a0[70u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad + 4u);
+    q_tile_a0[71u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 9u) * 8u) + 64u + lane_quad + 4u);
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
         row_max[r] = -3e38f;
@@ -539,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
             for (unsigned half = 0u; half < 2u; half += 1u) {
-                row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+                row_max_reg[(mi * 2u) + half] = *(row_max + scores_row0 + (mi * 16u) + (half * 8u) + lane_group);
             }
         }
     }
@@ -548,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned mi12 = 0u; mi12 < 1u; mi12 += 1u) {
             #pragma unroll
             for (unsigned half13 = 0u; half13 < 2u; half13 += 1u) {
-                row_sum_part[(mi12 * 2u) + half13] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi12 * 16u)) + ((half13 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi12 * 2u) + half13] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi12 * 16u) + (half13 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -573,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned kk = 0u; kk < 9u; kk += 1u) {
             #pragma unroll
             for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (n_first * 292u) + ((nj * 8u) * 292u) + ((lane_r16 & 7u) * 292u) + (k_first * 8u) + (kk * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
                 for (unsigned mi22 = 0u; mi22 < 2u; mi22 += 1u) {
                     a_frag[0u] = q_tile_a0[((mi22 * 9u) + kk) * 4u];
@@ -594,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned half23 = 0u; half23 < 2u; half23 += 1u) {
                 #pragma unroll
                 for (unsigned e24 = 0u; e24 < 2u; e24 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag / 2u) * 16u) + (half23 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + e24))] = scores_part[((frag * 4u) + (half23 * 2u)) + e24];
+                    *(split_k_partials + (((warp % 4u) * 32u) * 36u) + (((frag / 2u) * 16u) * 36u) + ((half23 * 8u) * 36u) + (lane_group * 36u) + ((warp / 4u) * 16u) + ((frag % 2u) * 8u) + (lane_quad * 2u) + e24) = scores_part[((frag * 4u) + (half23 * 2u)) + e24];
                 }
             }
         }
@@ -612,12 +612,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row16;
                         const int src_i3217 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot15] >= 0)) && (((unsigned)kv_tile_pre[slot15]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot15]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot15]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage14 * 36u) + gather_row16] = (src_i3217 >= 0) ? 1.0f : 0.0f;
+                        *(row_valid + (load_stage14 * 36u) + gather_row16) = (src_i3217 >= 0) ? 1.0f : 0.0f;
                         if (src_i3217 >= 0) {
                             copy_async(kv_tile + (load_stage14 * 9344u) + (gather_row16 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3217), 1152u, ring_barriers + (load_stage14 * 2u));
                         } else {
                             for (unsigned zero_w18 = 0u; zero_w18 < 288u; zero_w18 += 1u) {
-                                kv_tile[((load_stage14 * 9344u) + (gather_row16 * 292u)) + zero_w18] = 0u;
+                                *(kv_tile + (load_stage14 * 9344u) + (gather_row16 * 292u) + zero_w18) = 0u;
                             }
                             fence_proxy_async();
                         }
@@ -648,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned cell = (((scores_row0 + (half26 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag25 * 8u)) + ((lane_quad * 2u) + e27));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 1152u) + cell];
+                            sum = sum + *(split_k_partials + (g * 1152u) + cell);
                         }
                         scores[((frag25 * 4u) + (half26 * 2u)) + e27] = sum;
                     }
@@ -663,8 +663,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned col = (scores_col0 + ((frag28 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag28 * 4u) + (half29 * 2u)];
                     float v1 = scores[((frag28 * 4u) + (half29 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                    v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                    v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag28 * 4u) + (half29 * 2u)] = v0;
                     scores[((frag28 * 4u) + (half29 * 2u)) + 1u] = v1;
                 }
@@ -687,9 +687,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const float other32 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other32);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 3u) + ((mi30 * 16u) * 3u) + ((half31 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi30 * 16u)) + ((half31 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi30 * 2u) + half31];
+                            *(row_exchange + (scores_row0 * 3u) + ((mi30 * 16u) * 3u) + ((half31 * 8u) * 3u) + (lane_group * 3u) + 2u) = row_max_reg[(mi30 * 2u) + half31];
                         }
                     }
                 }
@@ -705,8 +705,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 for (unsigned half36 = 0u; half36 < 2u; half36 += 1u) {
                     const float m_old33 = row_max_reg[(mi35 * 2u) + half36];
                     float m_new34 = m_old33;
-                    m_new34 = fmaxf(m_new34, row_exchange[((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u]);
-                    m_new34 = fmaxf(m_new34, row_exchange[(((scores_row0 + (mi35 * 16u)) + ((half36 * 8u) + lane_group)) * 3u) + 1u]);
+                    m_new34 = fmaxf(m_new34, *(row_exchange + (scores_row0 * 3u) + ((mi35 * 16u) * 3u) + ((half36 * 8u) * 3u) + (lane_group * 3u)));
+                    m_new34 = fmaxf(m_new34, *(row_exchange + (scores_row0 * 3u) + ((mi35 * 16u) * 3u) + ((half36 * 8u) * 3u) + (lane_group * 3u) + 1u));
                     row_alpha[(mi35 * 2u) + half36] = exp_fast(m_old33 - m_new34);
                     row_max_reg[(mi35 * 2u) + half36] = m_new34;
                 }
@@ -716,10 +716,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned mi39 = 0u; mi39 < 2u; mi39 += 1u) {
             #pragma unroll
             for (unsigned half40 = 0u; half40 < 2u; half40 += 1u) {
-                const float m_old37 = row_exchange[(((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u) + 2u];
+                const float m_old37 = *(row_exchange + ((mi39 * 16u) * 3u) + ((half40 * 8u) * 3u) + (lane_group * 3u) + 2u);
                 float m_new38 = m_old37;
-                m_new38 = fmaxf(m_new38, row_exchange[((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u]);
-                m_new38 = fmaxf(m_new38, row_exchange[(((mi39 * 16u) + ((half40 * 8u) + lane_group)) * 3u) + 1u]);
+                m_new38 = fmaxf(m_new38, *(row_exchange + ((mi39 * 16u) * 3u) + ((half40 * 8u) * 3u) + (lane_group * 3u)));
+                m_new38 = fmaxf(m_new38, *(row_exchange + ((mi39 * 16u) * 3u) + ((half40 * 8u) * 3u) + (lane_group * 3u) + 1u));
                 row_alpha11[(mi39 * 2u) + half40] = exp_fast(m_old37 - m_new38);
             }
         }
@@ -762,7 +762,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned row49 = (scores_row0 + ((frag51 / 2u) * 16u)) + ((half52 * 8u) + lane_group);
                     const unsigned col50 = (scores_col0 + ((frag51 % 2u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub0 = (frag51 * 4u) + (half52 * 2u);
-                    p_tile[(row49 * 20u) + (col50 >> 1u)] = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
+                    *(p_tile + (row49 * 20u) + (col50 >> 1u)) = pack_bf16x2(scores[sub0], scores[sub0 + 1u]);
                 }
             }
         }
@@ -803,7 +803,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const float other63 = shfl_xor_f32(row_sum59, 2);
                 row_sum59 = row_sum59 + other63;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi60 * 16u)) + ((half61 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum59;
+                    *(row_exchange + (scores_row0 * 3u) + ((mi60 * 16u) * 3u) + ((half61 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_sum59;
                 }
             }
         }
@@ -815,10 +815,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             #pragma unroll
             for (unsigned half66 = 0u; half66 < 2u; half66 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum64 = row_exchange[((scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)) * 3u];
-                    row_sum64 = row_sum64 + row_exchange[(((scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)] = row_sum64;
-                    row_max[(scores_row0 + (mi65 * 16u)) + ((half66 * 8u) + lane_group)] = row_max_reg[(mi65 * 2u) + half66];
+                    float row_sum64 = *(row_exchange + (scores_row0 * 3u) + ((mi65 * 16u) * 3u) + ((half66 * 8u) * 3u) + (lane_group * 3u));
+                    row_sum64 = row_sum64 + *(row_exchange + (scores_row0 * 3u) + ((mi65 * 16u) * 3u) + ((half66 * 8u) * 3u) + (lane_group * 3u) + 1u);
+                    *(row_sum + scores_row0 + (mi65 * 16u) + (half66 * 8u) + lane_group) = row_sum64;
+                    *(row_max + scores_row0 + (mi65 * 16u) + (half66 * 8u) + lane_group) = row_max_reg[(mi65 * 2u) + half66];
                 }
             }
         }

@@ -396,12 +396,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row7;
                     const int src_i328 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot6] >= 0)) && (((unsigned)kv_tile_pre[slot6]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot6]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot6]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row7] = (src_i328 >= 0) ? 1.0f : 0.0f;
+                    *(row_valid + (load_stage * 36u) + gather_row7) = (src_i328 >= 0) ? 1.0f : 0.0f;
                     if (src_i328 >= 0) {
                         copy_async(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i328), 1152u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
-                            kv_tile[((load_stage * 9344u) + (gather_row7 * 292u)) + zero_w] = 0u;
+                            *(kv_tile + (load_stage * 9344u) + (gather_row7 * 292u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -463,78 +463,78 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
-    q_tile_a0[0u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 18u) * 8u) + lane_quad)];
-    q_tile_a0[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 18u) * 8u) + lane_quad)];
-    q_tile_a0[2u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 18u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[4u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + lane_quad)];
-    q_tile_a0[6u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 1u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[8u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + lane_quad)];
-    q_tile_a0[10u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 2u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[12u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + lane_quad)];
-    q_tile_a0[14u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 3u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[16u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[17u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + lane_quad)];
-    q_tile_a0[18u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[19u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 4u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[20u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[21u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + lane_quad)];
-    q_tile_a0[22u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[23u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 5u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[24u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[25u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + lane_quad)];
-    q_tile_a0[26u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[27u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 6u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[28u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[29u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + lane_quad)];
-    q_tile_a0[30u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[31u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 7u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[32u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[33u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + lane_quad)];
-    q_tile_a0[34u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[35u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 8u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[36u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)];
-    q_tile_a0[37u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + lane_quad)];
-    q_tile_a0[38u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[39u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 9u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[40u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)];
-    q_tile_a0[41u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + lane_quad)];
-    q_tile_a0[42u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[43u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 10u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[44u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)];
-    q_tile_a0[45u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + lane_quad)];
-    q_tile_a0[46u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[47u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 11u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[48u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)];
-    q_tile_a0[49u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + lane_quad)];
-    q_tile_a0[50u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[51u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 12u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[52u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)];
-    q_tile_a0[53u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + lane_quad)];
-    q_tile_a0[54u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[55u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 13u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[56u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)];
-    q_tile_a0[57u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + lane_quad)];
-    q_tile_a0[58u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[59u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 14u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[60u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)];
-    q_tile_a0[61u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + lane_quad)];
-    q_tile_a0[62u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[63u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 15u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[64u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)];
-    q_tile_a0[65u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + lane_quad)];
-    q_tile_a0[66u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[67u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 16u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[68u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)];
-    q_tile_a0[69u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + lane_quad)];
-    q_tile_a0[70u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))];
-    q_tile_a0[71u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 18u) + 17u) * 8u) + (lane_quad + 4u))];
+    q_tile_a0[0u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + lane_quad);
+    q_tile_a0[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + lane_quad);
+    q_tile_a0[2u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + lane_quad + 4u);
+    q_tile_a0[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + lane_quad + 4u);
+    q_tile_a0[4u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 8u + lane_quad);
+    q_tile_a0[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 8u + lane_quad);
+    q_tile_a0[6u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 8u + lane_quad + 4u);
+    q_tile_a0[8u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 16u + lane_quad);
+    q_tile_a0[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 16u + lane_quad);
+    q_tile_a0[10u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 16u + lane_quad + 4u);
+    q_tile_a0[12u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 24u + lane_quad);
+    q_tile_a0[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 24u + lane_quad);
+    q_tile_a0[14u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 24u + lane_quad + 4u);
+    q_tile_a0[16u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 32u + lane_quad);
+    q_tile_a0[17u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 32u + lane_quad);
+    q_tile_a0[18u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[19u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 32u + lane_quad + 4u);
+    q_tile_a0[20u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 40u + lane_quad);
+    q_tile_a0[21u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 40u + lane_quad);
+    q_tile_a0[22u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[23u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 40u + lane_quad + 4u);
+    q_tile_a0[24u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 48u + lane_quad);
+    q_tile_a0[25u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 48u + lane_quad);
+    q_tile_a0[26u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[27u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 48u + lane_quad + 4u);
+    q_tile_a0[28u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 56u + lane_quad);
+    q_tile_a0[29u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 56u + lane_quad);
+    q_tile_a0[30u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[31u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 56u + lane_quad + 4u);
+    q_tile_a0[32u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 64u + lane_quad);
+    q_tile_a0[33u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 64u + lane_quad);
+    q_tile_a0[34u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 64u + lane_quad + 4u);
+    q_tile_a0[35u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 64u + lane_quad + 4u);
+    q_tile_a0[36u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 72u + lane_quad);
+    q_tile_a0[37u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 72u + lane_quad);
+    q_tile_a0[38u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 72u + lane_quad + 4u);
+    q_tile_a0[39u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 72u + lane_quad + 4u);
+    q_tile_a0[40u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 80u + lane_quad);
+    q_tile_a0[41u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 80u + lane_quad);
+    q_tile_a0[42u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 80u + lane_quad + 4u);
+    q_tile_a0[43u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 80u + lane_quad + 4u);
+    q_tile_a0[44u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 88u + lane_quad);
+    q_tile_a0[45u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 88u + lane_quad);
+    q_tile_a0[46u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 88u + lane_quad + 4u);
+    q_tile_a0[47u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 88u + lane_quad + 4u);
+    q_tile_a0[48u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 96u + lane_quad);
+    q_tile_a0[49u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 96u + lane_quad);
+    q_tile_a0[50u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 96u + lane_quad + 4u);
+    q_tile_a0[51u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 96u + lane_quad + 4u);
+    q_tile_a0[52u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 104u + lane_quad);
+    q_tile_a0[53u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 104u + lane_quad);
+    q_tile_a0[54u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 104u + lane_quad + 4u);
+    q_tile_a0[55u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 104u + lane_quad + 4u);
+    q_tile_a0[56u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 112u + lane_quad);
+    q_tile_a0[57u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 112u + lane_quad);
+    q_tile_a0[58u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 112u + lane_quad + 4u);
+    q_tile_a0[59u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 112u + lane_quad + 4u);
+    q_tile_a0[60u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 120u + lane_quad);
+    q_tile_a0[61u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 120u + lane_quad);
+    q_tile_a0[62u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 120u + lane_quad + 4u);
+    q_tile_a0[63u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 120u + lane_quad + 4u);
+    q_tile_a0[64u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 128u + lane_quad);
+    q_tile_a0[65u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 128u + lane_quad);
+    q_tile_a0[66u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 128u + lane_quad + 4u);
+    q_tile_a0[67u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 128u + lane_quad + 4u);
+    q_tile_a0[68u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 136u + lane_quad);
+    q_tile_a0[69u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 136u + lane_quad);
+    q_tile_a0[70u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 136u + lane_quad + 4u);
+    q_tile_a0[71u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 18u) * 8u) + 136u + lane_quad + 4u);
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
         row_max[r] = -3e38f;
@@ -584,7 +584,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     if (warp < 4u) {
@@ -592,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         for (unsigned mi15 = 0u; mi15 < 1u; mi15 += 1u) {
             #pragma unroll
             for (unsigned half16 = 0u; half16 < 2u; half16 += 1u) {
-                row_sum_part[(mi15 * 2u) + half16] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi15 * 16u)) + ((half16 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi15 * 2u) + half16] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi15 * 16u) + (half16 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -624,7 +624,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned kk = (kk_pair * 2u) + chain;
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u));
+                    ldmatrix_x2(&b_frag[0u], kv_tile + (stage * 9344u) + (n_first * 292u) + ((nj * 8u) * 292u) + ((lane_r16 & 7u) * 292u) + (k_first * 8u) + (kk * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
                     for (unsigned mi30 = 0u; mi30 < 1u; mi30 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi30 * 18u) + kk) * 4u];
@@ -650,7 +650,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned half33 = 0u; half33 < 2u; half33 += 1u) {
                 #pragma unroll
                 for (unsigned e34 = 0u; e34 < 2u; e34 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag / 1u) * 16u) + (half33 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + e34))] = scores_part[((frag * 4u) + (half33 * 2u)) + e34];
+                    *(split_k_partials + (((warp % 2u) * 16u) * 36u) + (((frag / 1u) * 16u) * 36u) + ((half33 * 8u) * 36u) + (lane_group * 36u) + ((warp / 2u) * 8u) + ((frag % 1u) * 8u) + (lane_quad * 2u) + e34) = scores_part[((frag * 4u) + (half33 * 2u)) + e34];
                 }
             }
         }
@@ -668,12 +668,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row19;
                         const int src_i3220 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot18] >= 0)) && (((unsigned)kv_tile_pre[slot18]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot18]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot18]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage17 * 36u) + gather_row19] = (src_i3220 >= 0) ? 1.0f : 0.0f;
+                        *(row_valid + (load_stage17 * 36u) + gather_row19) = (src_i3220 >= 0) ? 1.0f : 0.0f;
                         if (src_i3220 >= 0) {
                             copy_async(kv_tile + (load_stage17 * 9344u) + (gather_row19 * 292u), (const unsigned*)kv_cache + ((unsigned)src_i3220), 1152u, ring_barriers + (load_stage17 * 2u));
                         } else {
                             for (unsigned zero_w21 = 0u; zero_w21 < 288u; zero_w21 += 1u) {
-                                kv_tile[((load_stage17 * 9344u) + (gather_row19 * 292u)) + zero_w21] = 0u;
+                                *(kv_tile + (load_stage17 * 9344u) + (gather_row19 * 292u) + zero_w21) = 0u;
                             }
                             fence_proxy_async();
                         }
@@ -729,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const unsigned cell = (((scores_row0 + (half36 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag35 * 8u)) + ((lane_quad * 2u) + e37));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 576u) + cell];
+                            sum = sum + *(split_k_partials + (g * 576u) + cell);
                         }
                         scores[((frag35 * 4u) + (half36 * 2u)) + e37] = sum;
                     }
@@ -744,8 +744,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned col = (scores_col0 + ((frag38 % 1u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag38 * 4u) + (half39 * 2u)];
                     float v1 = scores[((frag38 * 4u) + (half39 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                    v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                    v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag38 * 4u) + (half39 * 2u)] = v0;
                     scores[((frag38 * 4u) + (half39 * 2u)) + 1u] = v1;
                 }
@@ -766,7 +766,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const float other42 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other42);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi40 * 16u)) + ((half41 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi40 * 16u) * 4u) + ((half41 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -780,10 +780,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned half46 = 0u; half46 < 2u; half46 += 1u) {
                 const float m_old43 = row_max_reg[(mi45 * 2u) + half46];
                 float m_new44 = m_old43;
-                m_new44 = fmaxf(m_new44, row_exchange[((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u]);
-                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new44 = fmaxf(m_new44, row_exchange[(((mi45 * 16u) + ((half46 * 8u) + lane_group)) * 4u) + 3u]);
+                m_new44 = fmaxf(m_new44, *(row_exchange + ((mi45 * 16u) * 4u) + ((half46 * 8u) * 4u) + (lane_group * 4u)));
+                m_new44 = fmaxf(m_new44, *(row_exchange + ((mi45 * 16u) * 4u) + ((half46 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new44 = fmaxf(m_new44, *(row_exchange + ((mi45 * 16u) * 4u) + ((half46 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new44 = fmaxf(m_new44, *(row_exchange + ((mi45 * 16u) * 4u) + ((half46 * 8u) * 4u) + (lane_group * 4u) + 3u));
                 row_alpha[(mi45 * 2u) + half46] = exp_fast(m_old43 - m_new44);
                 row_max_reg[(mi45 * 2u) + half46] = m_new44;
             }
@@ -827,7 +827,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                     const unsigned row55 = (scores_row0 + ((frag57 / 1u) * 16u)) + ((half58 * 8u) + lane_group);
                     const unsigned col56 = (scores_col0 + ((frag57 % 1u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub2 = (frag57 * 4u) + (half58 * 2u);
-                    p_tile[(row55 * 20u) + (col56 >> 1u)] = pack_bf16x2(scores[sub2], scores[sub2 + 1u]);
+                    *(p_tile + (row55 * 20u) + (col56 >> 1u)) = pack_bf16x2(scores[sub2], scores[sub2 + 1u]);
                 }
             }
         }
@@ -868,7 +868,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const float other69 = shfl_xor_f32(row_sum65, 2);
                 row_sum65 = row_sum65 + other69;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi66 * 16u)) + ((half67 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum65;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi66 * 16u) * 4u) + ((half67 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum65;
                 }
             }
         }
@@ -880,12 +880,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             #pragma unroll
             for (unsigned half72 = 0u; half72 < 2u; half72 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum70 = row_exchange[((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum70 = row_sum70 + row_exchange[(((scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)] = row_sum70;
-                    row_max[(scores_row0 + (mi71 * 16u)) + ((half72 * 8u) + lane_group)] = row_max_reg[(mi71 * 2u) + half72];
+                    float row_sum70 = *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum70 = row_sum70 + *(row_exchange + (scores_row0 * 4u) + ((mi71 * 16u) * 4u) + ((half72 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi71 * 16u) + (half72 * 8u) + lane_group) = row_sum70;
+                    *(row_max + scores_row0 + (mi71 * 16u) + (half72 * 8u) + lane_group) = row_max_reg[(mi71 * 2u) + half72];
                 }
             }
         }

@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
             for (unsigned half = 0u; half < 2u; half += 1u) {
-                row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+                row_max_reg[(mi * 2u) + half] = *(row_max + scores_row0 + (mi * 16u) + (half * 8u) + lane_group);
             }
         }
     }
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         for (unsigned mi6 = 0u; mi6 < 1u; mi6 += 1u) {
             #pragma unroll
             for (unsigned half7 = 0u; half7 < 2u; half7 += 1u) {
-                row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi6 * 16u)) + ((half7 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi6 * 2u) + half7] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi6 * 16u) + (half7 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -450,12 +450,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned col_word = word_i % 256u;
             const unsigned col = col_word * 2u;
             const unsigned sub6 = (stage * 2624u) + (row_2 * 164u);
-            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[sub6 + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub6 + (128u + (col / 128u))]);
+            const float x0 = e4m3_to_f32(((unsigned char)((*(raw_rows + sub6 + (col >> 2u)) >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(*(raw_rows + sub6 + 128u + (col / 128u)));
             const unsigned sub7 = (stage * 2624u) + (row_2 * 164u);
-            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[sub7 + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub7 + (128u + ((col + 1u) / 128u))]);
+            const float x1 = e4m3_to_f32(((unsigned char)((*(raw_rows + sub7 + ((col + 1u) >> 2u)) >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(*(raw_rows + sub7 + 128u + ((col + 1u) / 128u)));
             const unsigned hi = pack_bf16x2(x0, x1);
-            kv_tile[(row_2 * 292u) + col_word] = hi;
-            kv_tile[((row_2 * 292u) + col_word) + 4672u] = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
+            *(kv_tile + (row_2 * 292u) + col_word) = hi;
+            *(kv_tile + (row_2 * 292u) + col_word + 4672u) = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
         }
         __syncthreads();
         #pragma unroll 4
@@ -463,11 +463,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned row_3 = word_i35 / 32u;
             const unsigned col_word36 = (word_i35 % 32u) + 256u;
             const unsigned col_1 = col_word36 * 2u;
-            const float x037 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const float x138 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x037 = __uint_as_float(((*(raw_rows + (stage * 2624u) + (row_3 * 164u) + 132u + ((col_1 - 512u) / 2u)) >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x138 = __uint_as_float(((*(raw_rows + (stage * 2624u) + (row_3 * 164u) + 132u + (((col_1 + 1u) - 512u) / 2u)) >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
             const unsigned hi39 = pack_bf16x2(x037, x138);
-            kv_tile[(row_3 * 292u) + col_word36] = hi39;
-            kv_tile[((row_3 * 292u) + col_word36) + 4672u] = pack_bf16x2(x037 - __uint_as_float(hi39 << 16u), x138 - __uint_as_float(hi39 & 4294901760u));
+            *(kv_tile + (row_3 * 292u) + col_word36) = hi39;
+            *(kv_tile + (row_3 * 292u) + col_word36 + 4672u) = pack_bf16x2(x037 - __uint_as_float(hi39 << 16u), x138 - __uint_as_float(hi39 & 4294901760u));
         }
         __syncthreads();
 
@@ -515,10 +515,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
-                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 1u) * 8u));
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + ((kk * 4u) * 8u) + 8u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 1u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 1u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 8u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 8u);
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
@@ -535,10 +535,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
-                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 2u) * 8u));
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + ((kk * 4u) * 8u) + 16u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 2u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 2u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 16u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 16u);
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
@@ -555,10 +555,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
-                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + (((kk * 4u) + 3u) * 8u));
+                    ldmatrix_x4(&a_frag[mi41 * 4u], q_tile + a_lane_word + (mi41 * 4672u) + ((kk * 4u) * 8u) + 24u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 3u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 3u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 24u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 24u);
                 #pragma unroll
                 for (unsigned mi41 = 0u; mi41 < 1u; mi41 += 1u) {
                     #pragma unroll
@@ -615,9 +615,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const float other48 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other48);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi46 * 16u)) + ((half47 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 3u) + ((mi46 * 16u) * 3u) + ((half47 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi46 * 16u)) + ((half47 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi46 * 2u) + half47];
+                            *(row_exchange + (scores_row0 * 3u) + ((mi46 * 16u) * 3u) + ((half47 * 8u) * 3u) + (lane_group * 3u) + 2u) = row_max_reg[(mi46 * 2u) + half47];
                         }
                     }
                 }
@@ -633,8 +633,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 for (unsigned half52 = 0u; half52 < 2u; half52 += 1u) {
                     const float m_old49 = row_max_reg[(mi51 * 2u) + half52];
                     float m_new50 = m_old49;
-                    m_new50 = fmaxf(m_new50, row_exchange[((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u]);
-                    m_new50 = fmaxf(m_new50, row_exchange[(((scores_row0 + (mi51 * 16u)) + ((half52 * 8u) + lane_group)) * 3u) + 1u]);
+                    m_new50 = fmaxf(m_new50, *(row_exchange + (scores_row0 * 3u) + ((mi51 * 16u) * 3u) + ((half52 * 8u) * 3u) + (lane_group * 3u)));
+                    m_new50 = fmaxf(m_new50, *(row_exchange + (scores_row0 * 3u) + ((mi51 * 16u) * 3u) + ((half52 * 8u) * 3u) + (lane_group * 3u) + 1u));
                     row_alpha[(mi51 * 2u) + half52] = exp_fast(m_old49 - m_new50);
                     row_max_reg[(mi51 * 2u) + half52] = m_new50;
                 }
@@ -644,10 +644,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         for (unsigned mi55 = 0u; mi55 < 2u; mi55 += 1u) {
             #pragma unroll
             for (unsigned half56 = 0u; half56 < 2u; half56 += 1u) {
-                const float m_old53 = row_exchange[(((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u) + 2u];
+                const float m_old53 = *(row_exchange + ((mi55 * 16u) * 3u) + ((half56 * 8u) * 3u) + (lane_group * 3u) + 2u);
                 float m_new54 = m_old53;
-                m_new54 = fmaxf(m_new54, row_exchange[((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u]);
-                m_new54 = fmaxf(m_new54, row_exchange[(((mi55 * 16u) + ((half56 * 8u) + lane_group)) * 3u) + 1u]);
+                m_new54 = fmaxf(m_new54, *(row_exchange + ((mi55 * 16u) * 3u) + ((half56 * 8u) * 3u) + (lane_group * 3u)));
+                m_new54 = fmaxf(m_new54, *(row_exchange + ((mi55 * 16u) * 3u) + ((half56 * 8u) * 3u) + (lane_group * 3u) + 1u));
                 row_alpha5[(mi55 * 2u) + half56] = exp_fast(m_old53 - m_new54);
             }
         }
@@ -690,7 +690,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const unsigned row65 = (scores_row0 + ((frag67 / 1u) * 16u)) + ((half68 * 8u) + lane_group);
                     const unsigned col66 = (scores_col0 + ((frag67 % 1u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub10 = (frag67 * 4u) + (half68 * 2u);
-                    p_tile[(row65 * 12u) + (col66 >> 1u)] = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
+                    *(p_tile + (row65 * 12u) + (col66 >> 1u)) = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
                 }
             }
         }
@@ -741,7 +741,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const float other81 = shfl_xor_f32(row_sum77, 2);
                 row_sum77 = row_sum77 + other81;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi78 * 16u)) + ((half79 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum77;
+                    *(row_exchange + (scores_row0 * 3u) + ((mi78 * 16u) * 3u) + ((half79 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_sum77;
                 }
             }
         }
@@ -753,10 +753,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned half84 = 0u; half84 < 2u; half84 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum82 = row_exchange[((scores_row0 + (mi83 * 16u)) + ((half84 * 8u) + lane_group)) * 3u];
-                    row_sum82 = row_sum82 + row_exchange[(((scores_row0 + (mi83 * 16u)) + ((half84 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi83 * 16u)) + ((half84 * 8u) + lane_group)] = row_sum82;
-                    row_max[(scores_row0 + (mi83 * 16u)) + ((half84 * 8u) + lane_group)] = row_max_reg[(mi83 * 2u) + half84];
+                    float row_sum82 = *(row_exchange + (scores_row0 * 3u) + ((mi83 * 16u) * 3u) + ((half84 * 8u) * 3u) + (lane_group * 3u));
+                    row_sum82 = row_sum82 + *(row_exchange + (scores_row0 * 3u) + ((mi83 * 16u) * 3u) + ((half84 * 8u) * 3u) + (lane_group * 3u) + 1u);
+                    *(row_sum + scores_row0 + (mi83 * 16u) + (half84 * 8u) + lane_group) = row_sum82;
+                    *(row_max + scores_row0 + (mi83 * 16u) + (half84 * 8u) + lane_group) = row_max_reg[(mi83 * 2u) + half84];
                 }
             }
         }

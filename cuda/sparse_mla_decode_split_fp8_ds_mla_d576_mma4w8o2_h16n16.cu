@@ -306,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     if (warp < 2u) {
@@ -314,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
         for (unsigned mi5 = 0u; mi5 < 1u; mi5 += 1u) {
             #pragma unroll
             for (unsigned half6 = 0u; half6 < 2u; half6 += 1u) {
-                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi5 * 16u)) + ((half6 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi5 * 2u) + half6] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi5 * 16u) + (half6 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -450,12 +450,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned col_word = word_i % 256u;
             const unsigned col = col_word * 2u;
             const unsigned sub6 = (stage * 2624u) + (row_2 * 164u);
-            const float x0 = e4m3_to_f32(((unsigned char)((raw_rows[sub6 + (col >> 2u)] >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub6 + (128u + (col / 128u))]);
+            const float x0 = e4m3_to_f32(((unsigned char)((*(raw_rows + sub6 + (col >> 2u)) >> ((col & 3u) * 8u)) & 255u))) * __uint_as_float(*(raw_rows + sub6 + 128u + (col / 128u)));
             const unsigned sub7 = (stage * 2624u) + (row_2 * 164u);
-            const float x1 = e4m3_to_f32(((unsigned char)((raw_rows[sub7 + ((col + 1u) >> 2u)] >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(raw_rows[sub7 + (128u + ((col + 1u) / 128u))]);
+            const float x1 = e4m3_to_f32(((unsigned char)((*(raw_rows + sub7 + ((col + 1u) >> 2u)) >> (((col + 1u) & 3u) * 8u)) & 255u))) * __uint_as_float(*(raw_rows + sub7 + 128u + ((col + 1u) / 128u)));
             const unsigned hi = pack_bf16x2(x0, x1);
-            kv_tile[(row_2 * 292u) + col_word] = hi;
-            kv_tile[((row_2 * 292u) + col_word) + 4672u] = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
+            *(kv_tile + (row_2 * 292u) + col_word) = hi;
+            *(kv_tile + (row_2 * 292u) + col_word + 4672u) = pack_bf16x2(x0 - __uint_as_float(hi << 16u), x1 - __uint_as_float(hi & 4294901760u));
         }
         __syncthreads();
         #pragma unroll 4
@@ -463,11 +463,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             const unsigned row_3 = word_i34 / 32u;
             const unsigned col_word35 = (word_i34 % 32u) + 256u;
             const unsigned col_1 = col_word35 * 2u;
-            const float x036 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + ((col_1 - 512u) / 2u))] >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
-            const float x137 = __uint_as_float(((raw_rows[((stage * 2624u) + (row_3 * 164u)) + (132u + (((col_1 + 1u) - 512u) / 2u))] >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x036 = __uint_as_float(((*(raw_rows + (stage * 2624u) + (row_3 * 164u) + 132u + ((col_1 - 512u) / 2u)) >> (((col_1 - 512u) & 1u) * 16u)) & 65535u) << 16u);
+            const float x137 = __uint_as_float(((*(raw_rows + (stage * 2624u) + (row_3 * 164u) + 132u + (((col_1 + 1u) - 512u) / 2u)) >> ((((col_1 + 1u) - 512u) & 1u) * 16u)) & 65535u) << 16u);
             const unsigned hi38 = pack_bf16x2(x036, x137);
-            kv_tile[(row_3 * 292u) + col_word35] = hi38;
-            kv_tile[((row_3 * 292u) + col_word35) + 4672u] = pack_bf16x2(x036 - __uint_as_float(hi38 << 16u), x137 - __uint_as_float(hi38 & 4294901760u));
+            *(kv_tile + (row_3 * 292u) + col_word35) = hi38;
+            *(kv_tile + (row_3 * 292u) + col_word35 + 4672u) = pack_bf16x2(x036 - __uint_as_float(hi38 << 16u), x137 - __uint_as_float(hi38 & 4294901760u));
         }
         __syncthreads();
 
@@ -515,10 +515,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
-                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 1u) * 8u));
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + ((kk * 4u) * 8u) + 8u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 1u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 1u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 8u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 8u);
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
@@ -535,10 +535,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
-                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 2u) * 8u));
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + ((kk * 4u) * 8u) + 16u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 2u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 2u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 16u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 16u);
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
@@ -555,10 +555,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 }
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
-                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + (((kk * 4u) + 3u) * 8u));
+                    ldmatrix_x4(&a_frag[mi40 * 4u], q_tile + a_lane_word + (mi40 * 4672u) + ((kk * 4u) * 8u) + 24u);
                 }
-                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + (((kk * 4u) + 3u) * 8u));
-                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + (((kk * 4u) + 3u) * 8u));
+                ldmatrix_x2(&b_frag[0u], kv_tile + b_lane_word + ((kk * 4u) * 8u) + 24u);
+                ldmatrix_x2(&b_frag[4u], kv_tile + b_lane_word + 4672u + ((kk * 4u) * 8u) + 24u);
                 #pragma unroll
                 for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
                     #pragma unroll
@@ -615,7 +615,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const float other47 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other47);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi45 * 16u)) + ((half46 * 8u) + lane_group)) * 2u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 2u) + ((mi45 * 16u) * 2u) + ((half46 * 8u) * 2u) + (lane_group * 2u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -629,8 +629,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
                 const float m_old48 = row_max_reg[(mi50 * 2u) + half51];
                 float m_new49 = m_old48;
-                m_new49 = fmaxf(m_new49, row_exchange[((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u]);
-                m_new49 = fmaxf(m_new49, row_exchange[(((mi50 * 16u) + ((half51 * 8u) + lane_group)) * 2u) + 1u]);
+                m_new49 = fmaxf(m_new49, *(row_exchange + ((mi50 * 16u) * 2u) + ((half51 * 8u) * 2u) + (lane_group * 2u)));
+                m_new49 = fmaxf(m_new49, *(row_exchange + ((mi50 * 16u) * 2u) + ((half51 * 8u) * 2u) + (lane_group * 2u) + 1u));
                 row_alpha[(mi50 * 2u) + half51] = exp_fast(m_old48 - m_new49);
                 row_max_reg[(mi50 * 2u) + half51] = m_new49;
             }
@@ -674,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                     const unsigned row60 = (scores_row0 + ((frag62 / 1u) * 16u)) + ((half63 * 8u) + lane_group);
                     const unsigned col61 = (scores_col0 + ((frag62 % 1u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub10 = (frag62 * 4u) + (half63 * 2u);
-                    p_tile[(row60 * 12u) + (col61 >> 1u)] = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
+                    *(p_tile + (row60 * 12u) + (col61 >> 1u)) = pack_bf16x2(scores[sub10], scores[sub10 + 1u]);
                 }
             }
         }
@@ -725,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
                 const float other76 = shfl_xor_f32(row_sum72, 2);
                 row_sum72 = row_sum72 + other76;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi73 * 16u)) + ((half74 * 8u) + lane_group)) * 2u) + scores_wn] = row_sum72;
+                    *(row_exchange + (scores_row0 * 2u) + ((mi73 * 16u) * 2u) + ((half74 * 8u) * 2u) + (lane_group * 2u) + scores_wn) = row_sum72;
                 }
             }
         }
@@ -737,10 +737,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned half79 = 0u; half79 < 2u; half79 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum77 = row_exchange[((scores_row0 + (mi78 * 16u)) + ((half79 * 8u) + lane_group)) * 2u];
-                    row_sum77 = row_sum77 + row_exchange[(((scores_row0 + (mi78 * 16u)) + ((half79 * 8u) + lane_group)) * 2u) + 1u];
-                    row_sum[(scores_row0 + (mi78 * 16u)) + ((half79 * 8u) + lane_group)] = row_sum77;
-                    row_max[(scores_row0 + (mi78 * 16u)) + ((half79 * 8u) + lane_group)] = row_max_reg[(mi78 * 2u) + half79];
+                    float row_sum77 = *(row_exchange + (scores_row0 * 2u) + ((mi78 * 16u) * 2u) + ((half79 * 8u) * 2u) + (lane_group * 2u));
+                    row_sum77 = row_sum77 + *(row_exchange + (scores_row0 * 2u) + ((mi78 * 16u) * 2u) + ((half79 * 8u) * 2u) + (lane_group * 2u) + 1u);
+                    *(row_sum + scores_row0 + (mi78 * 16u) + (half79 * 8u) + lane_group) = row_sum77;
+                    *(row_max + scores_row0 + (mi78 * 16u) + (half79 * 8u) + lane_group) = row_max_reg[(mi78 * 2u) + half79];
                 }
             }
         }

@@ -496,12 +496,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row298;
                     const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
+                    *(row_valid + (load_stage * 36u) + gather_row298) = (src_i32299 >= 0) ? 1.0f : 0.0f;
                     if (src_i32299 >= 0) {
                         copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
+                            *(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -565,133 +565,133 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // q_tile: this warp's A fragments from its staging rows into registers
     if (E4M3_MMA_NATIVE) {
         float q_absmax = 0.0f;
-        const unsigned q_pair = q_tile[(lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = q_tile[(lane_group * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = q_tile[((8u + lane_group) * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = q_tile[(lane_group * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = q_tile[(lane_group * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = q_tile[((8u + lane_group) * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = q_tile[(lane_group * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = q_tile[(lane_group * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = q_tile[((8u + lane_group) * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = q_tile[(lane_group * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = q_tile[(lane_group * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = q_tile[((8u + lane_group) * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
@@ -994,96 +994,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
         q_tile_a3[7u] = q_hi290;
         q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
-        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        const unsigned sub0 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        const unsigned sub1 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
         q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub2 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
         q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub3 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
         q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-        const unsigned sub4 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        const unsigned sub4 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
         q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-        const unsigned sub5 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        const unsigned sub5 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
         q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-        const unsigned sub6 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub6 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-        const unsigned sub7 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub7 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
         q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[8u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[10u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[12u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[14u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[8u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[10u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[12u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[14u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[8u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[10u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[12u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[14u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[8u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[10u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[12u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[14u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
-        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
-        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[4u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
-        q_tile_a4[5u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
-        q_tile_a4[6u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[7u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[8u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a0_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a0_bf16[10u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[12u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a0_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a0_bf16[14u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[8u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a1_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a1_bf16[10u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[12u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a1_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a1_bf16[14u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[8u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a2_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a2_bf16[10u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[12u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a2_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a2_bf16[14u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[8u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a3_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a3_bf16[10u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[12u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a3_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a3_bf16[14u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[4u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[5u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[6u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[7u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
@@ -1115,7 +1115,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     if (warp < 4u) {
@@ -1123,7 +1123,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned mi302 = 0u; mi302 < 1u; mi302 += 1u) {
             #pragma unroll
             for (unsigned half303 = 0u; half303 < 2u; half303 += 1u) {
-                row_sum_part[(mi302 * 2u) + half303] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi302 * 16u)) + ((half303 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi302 * 2u) + half303] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi302 * 16u) + (half303 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1152,7 +1152,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 2u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (((warp % 2u) * 2u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi313 = 0u; mi313 < 1u; mi313 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi313 * 2u) + kk) * 4u];
@@ -1181,7 +1181,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk316 = (kk_pair * 2u) + chain;
                     #pragma unroll
                     for (unsigned nj318 = 0u; nj318 < 1u; nj318 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj318 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk316) * 4u));
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj318 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk316 * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
                         const unsigned e4m3_pair320 = e4m3x2_prep(b_raw[0u] >> 16u);
                         b_frag315[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
@@ -1206,7 +1206,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
             for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 1u) * 8u)) + ((lane_quad * 2u) + (e322 & 1u))) * 164u)];
+                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e322 & 1u) * 164u));
                 scores_part[(frag * 4u) + e322] = fmaf(scores_term[(frag * 4u) + e322], row_scale, scores_part[(frag * 4u) + e322]);
             }
         }
@@ -1220,7 +1220,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk327 = 0u; kk327 < 2u; kk327 += 1u) {
                 #pragma unroll
                 for (unsigned nj329 = 0u; nj329 < 1u; nj329 += 1u) {
-                    ldmatrix_x2(&b_frag326[0u], kv_rows + (stage * 5248u) + (((n_first324 + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk327) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag326[0u], kv_rows + (stage * 5248u) + (n_first324 * 164u) + ((nj329 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk327 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
                         a_frag325[0u] = q_tile_a1[((mi328 * 2u) + kk327) * 4u];
@@ -1249,7 +1249,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk334 = (kk_pair337 * 2u) + chain338;
                     #pragma unroll
                     for (unsigned nj336 = 0u; nj336 < 1u; nj336 += 1u) {
-                        ldmatrix_x1(&b_raw333[0u], kv_rows + (stage * 5248u) + (((n_first324 + (nj336 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first330 + kk334) * 4u));
+                        ldmatrix_x1(&b_raw333[0u], kv_rows + (stage * 5248u) + (n_first324 * 164u) + ((nj336 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first330 * 4u) + (kk334 * 4u));
                         const unsigned e4m3_pair340 = e4m3x2_prep(b_raw333[0u] & 65535u);
                         const unsigned e4m3_pair341 = e4m3x2_prep(b_raw333[0u] >> 16u);
                         b_frag332[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair340), e4m3x2_hi(e4m3_pair340));
@@ -1274,7 +1274,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag343 = 0u; frag343 < 1u; frag343 += 1u) {
             #pragma unroll
             for (unsigned e344 = 0u; e344 < 4u; e344 += 1u) {
-                const float row_scale345 = kv_scales[((stage * 5248u) + (((n_first324 + ((frag343 % 1u) * 8u)) + ((lane_quad * 2u) + (e344 & 1u))) * 164u)) + 1u];
+                const float row_scale345 = *(kv_scales + (stage * 5248u) + (n_first324 * 164u) + (((frag343 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e344 & 1u) * 164u) + 1u);
                 scores_part[(frag343 * 4u) + e344] = fmaf(scores_term[(frag343 * 4u) + e344], row_scale345, scores_part[(frag343 * 4u) + e344]);
             }
         }
@@ -1288,7 +1288,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk350 = 0u; kk350 < 2u; kk350 += 1u) {
                 #pragma unroll
                 for (unsigned nj352 = 0u; nj352 < 1u; nj352 += 1u) {
-                    ldmatrix_x2(&b_frag349[0u], kv_rows + (stage * 5248u) + (((n_first347 + (nj352 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk350) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag349[0u], kv_rows + (stage * 5248u) + (n_first347 * 164u) + ((nj352 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (((warp % 2u) * 2u) * 8u) + (kk350 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi351 = 0u; mi351 < 1u; mi351 += 1u) {
                         a_frag348[0u] = q_tile_a2[((mi351 * 2u) + kk350) * 4u];
@@ -1317,7 +1317,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk357 = (kk_pair360 * 2u) + chain361;
                     #pragma unroll
                     for (unsigned nj359 = 0u; nj359 < 1u; nj359 += 1u) {
-                        ldmatrix_x1(&b_raw356[0u], kv_rows + (stage * 5248u) + (((n_first347 + (nj359 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first353 + kk357) * 4u));
+                        ldmatrix_x1(&b_raw356[0u], kv_rows + (stage * 5248u) + (n_first347 * 164u) + ((nj359 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first353 * 4u) + (kk357 * 4u));
                         const unsigned e4m3_pair363 = e4m3x2_prep(b_raw356[0u] & 65535u);
                         const unsigned e4m3_pair364 = e4m3x2_prep(b_raw356[0u] >> 16u);
                         b_frag355[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair363), e4m3x2_hi(e4m3_pair363));
@@ -1342,7 +1342,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag366 = 0u; frag366 < 1u; frag366 += 1u) {
             #pragma unroll
             for (unsigned e367 = 0u; e367 < 4u; e367 += 1u) {
-                const float row_scale368 = kv_scales[((stage * 5248u) + (((n_first347 + ((frag366 % 1u) * 8u)) + ((lane_quad * 2u) + (e367 & 1u))) * 164u)) + 2u];
+                const float row_scale368 = *(kv_scales + (stage * 5248u) + (n_first347 * 164u) + (((frag366 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e367 & 1u) * 164u) + 2u);
                 scores_part[(frag366 * 4u) + e367] = fmaf(scores_term[(frag366 * 4u) + e367], row_scale368, scores_part[(frag366 * 4u) + e367]);
             }
         }
@@ -1356,7 +1356,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk373 = 0u; kk373 < 2u; kk373 += 1u) {
                 #pragma unroll
                 for (unsigned nj375 = 0u; nj375 < 1u; nj375 += 1u) {
-                    ldmatrix_x2(&b_frag372[0u], kv_rows + (stage * 5248u) + (((n_first370 + (nj375 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk373) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag372[0u], kv_rows + (stage * 5248u) + (n_first370 * 164u) + ((nj375 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk373 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
                         a_frag371[0u] = q_tile_a3[((mi374 * 2u) + kk373) * 4u];
@@ -1385,7 +1385,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk380 = (kk_pair383 * 2u) + chain384;
                     #pragma unroll
                     for (unsigned nj382 = 0u; nj382 < 1u; nj382 += 1u) {
-                        ldmatrix_x1(&b_raw379[0u], kv_rows + (stage * 5248u) + (((n_first370 + (nj382 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first376 + kk380) * 4u));
+                        ldmatrix_x1(&b_raw379[0u], kv_rows + (stage * 5248u) + (n_first370 * 164u) + ((nj382 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first376 * 4u) + (kk380 * 4u));
                         const unsigned e4m3_pair386 = e4m3x2_prep(b_raw379[0u] & 65535u);
                         const unsigned e4m3_pair387 = e4m3x2_prep(b_raw379[0u] >> 16u);
                         b_frag378[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair386), e4m3x2_hi(e4m3_pair386));
@@ -1410,7 +1410,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag389 = 0u; frag389 < 1u; frag389 += 1u) {
             #pragma unroll
             for (unsigned e390 = 0u; e390 < 4u; e390 += 1u) {
-                const float row_scale391 = kv_scales[((stage * 5248u) + (((n_first370 + ((frag389 % 1u) * 8u)) + ((lane_quad * 2u) + (e390 & 1u))) * 164u)) + 3u];
+                const float row_scale391 = *(kv_scales + (stage * 5248u) + (n_first370 * 164u) + (((frag389 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e390 & 1u) * 164u) + 3u);
                 scores_part[(frag389 * 4u) + e390] = fmaf(scores_term[(frag389 * 4u) + e390], row_scale391, scores_part[(frag389 * 4u) + e390]);
             }
         }
@@ -1427,7 +1427,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned kk397 = (kk_pair400 * 2u) + chain401;
                 #pragma unroll
                 for (unsigned nj399 = 0u; nj399 < 1u; nj399 += 1u) {
-                    ldmatrix_x2(&b_frag395[0u], kv_rope + (stage * 5248u) + (((n_first392 + (nj399 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first393 + kk397) * 8u) + (lane_k8 >> 1u));
+                    ldmatrix_x2(&b_frag395[0u], kv_rope + (stage * 5248u) + (n_first392 * 164u) + ((nj399 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first393 * 8u) + (kk397 * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
                     for (unsigned mi398 = 0u; mi398 < 1u; mi398 += 1u) {
                         a_frag394[0u] = q_tile_a4[((mi398 * 2u) + kk397) * 4u];
@@ -1453,7 +1453,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
                 #pragma unroll
                 for (unsigned e406 = 0u; e406 < 2u; e406 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag404 / 1u) * 16u) + (half405 * 8u)) + lane_group)) * 36u) + ((((warp / 2u) * 8u) + ((frag404 % 1u) * 8u)) + ((lane_quad * 2u) + e406))] = scores_part[((frag404 * 4u) + (half405 * 2u)) + e406] * q_tile_unscale[0u];
+                    *(split_k_partials + (((warp % 2u) * 16u) * 36u) + (((frag404 / 1u) * 16u) * 36u) + ((half405 * 8u) * 36u) + (lane_group * 36u) + ((warp / 2u) * 8u) + ((frag404 % 1u) * 8u) + (lane_quad * 2u) + e406) = scores_part[((frag404 * 4u) + (half405 * 2u)) + e406] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1471,12 +1471,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row306;
                         const int src_i32307 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot305] >= 0)) && (((unsigned)kv_rows_pre[slot305]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot305]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot305]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage304 * 36u) + gather_row306] = (src_i32307 >= 0) ? 1.0f : 0.0f;
+                        *(row_valid + (load_stage304 * 36u) + gather_row306) = (src_i32307 >= 0) ? 1.0f : 0.0f;
                         if (src_i32307 >= 0) {
                             copy_async(kv_rows + (load_stage304 * 5248u) + (gather_row306 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32307), 656u, ring_barriers + (load_stage304 * 2u));
                         } else {
                             for (unsigned zero_w308 = 0u; zero_w308 < 164u; zero_w308 += 1u) {
-                                kv_rows[((load_stage304 * 5248u) + (gather_row306 * 164u)) + zero_w308] = 0u;
+                                *(kv_rows + (load_stage304 * 5248u) + (gather_row306 * 164u) + zero_w308) = 0u;
                             }
                             fence_proxy_async();
                         }
@@ -1507,7 +1507,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned cell = (((scores_row0 + (half408 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag407 * 8u)) + ((lane_quad * 2u) + e409));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 576u) + cell];
+                            sum = sum + *(split_k_partials + (g * 576u) + cell);
                         }
                         scores[((frag407 * 4u) + (half408 * 2u)) + e409] = sum;
                     }
@@ -1522,8 +1522,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag410 % 1u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag410 * 4u) + (half411 * 2u)];
                     float v1 = scores[((frag410 * 4u) + (half411 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                    v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                    v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag410 * 4u) + (half411 * 2u)] = v0;
                     scores[((frag410 * 4u) + (half411 * 2u)) + 1u] = v1;
                 }
@@ -1544,7 +1544,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const float other414 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other414);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi412 * 16u)) + ((half413 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi412 * 16u) * 4u) + ((half413 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -1558,10 +1558,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
                 const float m_old415 = row_max_reg[(mi417 * 2u) + half418];
                 float m_new416 = m_old415;
-                m_new416 = fmaxf(m_new416, row_exchange[((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new416 = fmaxf(m_new416, row_exchange[(((mi417 * 16u) + ((half418 * 8u) + lane_group)) * 4u) + 3u]);
+                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u)));
+                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 3u));
                 row_alpha[(mi417 * 2u) + half418] = exp_fast(m_old415 - m_new416);
                 row_max_reg[(mi417 * 2u) + half418] = m_new416;
             }
@@ -1632,7 +1632,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned row436 = (scores_row0 + ((frag438 / 1u) * 16u)) + ((half439 * 8u) + lane_group);
                     const unsigned col437 = (scores_col0 + ((frag438 % 1u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub8 = (frag438 * 4u) + (half439 * 2u);
-                    p_tile[(row436 * 20u) + (col437 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                    *(p_tile + (row436 * 20u) + (col437 >> 1u)) = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1647,17 +1647,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag440[mi444 * 4u], p_tile + a_lane_word + (mi444 * 320u) + (kk443 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale452 = kv_scales[(stage * 5248u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale455 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                const float k_scale452 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale453 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale454 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale455 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
                 a_frag440[0u] = pack_bf16x2(__uint_as_float(a_frag440[0u] << 16u) * k_scale452, __uint_as_float(a_frag440[0u] & 4294901760u) * k_scale453);
                 a_frag440[1u] = pack_bf16x2(__uint_as_float(a_frag440[1u] << 16u) * k_scale452, __uint_as_float(a_frag440[1u] & 4294901760u) * k_scale453);
                 a_frag440[2u] = pack_bf16x2(__uint_as_float(a_frag440[2u] << 16u) * k_scale454, __uint_as_float(a_frag440[2u] & 4294901760u) * k_scale455);
                 a_frag440[3u] = pack_bf16x2(__uint_as_float(a_frag440[3u] << 16u) * k_scale454, __uint_as_float(a_frag440[3u] & 4294901760u) * k_scale455);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
                     const unsigned e4m3_pair456 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair458 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
@@ -1678,11 +1678,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + (((kk443 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk443 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale449 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale450 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale451 = kv_scales[(stage * 5248u) + ((((kk443 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                    const float k_scale449 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                    const float k_scale450 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                    const float k_scale451 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
                     const unsigned e4m3_pair445 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair447 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
@@ -1710,17 +1710,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag460[mi464 * 4u], p_tile + a_lane_word466 + (mi464 * 320u) + (kk463 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale475 = kv_scales[((stage * 5248u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale476 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale477 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale478 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                const float k_scale475 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale476 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale477 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale478 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
                 a_frag460[0u] = pack_bf16x2(__uint_as_float(a_frag460[0u] << 16u) * k_scale475, __uint_as_float(a_frag460[0u] & 4294901760u) * k_scale476);
                 a_frag460[1u] = pack_bf16x2(__uint_as_float(a_frag460[1u] << 16u) * k_scale475, __uint_as_float(a_frag460[1u] & 4294901760u) * k_scale476);
                 a_frag460[2u] = pack_bf16x2(__uint_as_float(a_frag460[2u] << 16u) * k_scale477, __uint_as_float(a_frag460[2u] & 4294901760u) * k_scale478);
                 a_frag460[3u] = pack_bf16x2(__uint_as_float(a_frag460[3u] << 16u) * k_scale477, __uint_as_float(a_frag460[3u] & 4294901760u) * k_scale478);
                 #pragma unroll
                 for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
                     const unsigned e4m3_pair479 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair481 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
@@ -1741,11 +1741,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + (((kk463 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
-                    const float k_scale471 = kv_scales[((stage * 5248u) + (((kk463 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale472 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale473 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale474 = kv_scales[((stage * 5248u) + ((((kk463 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
+                    const float k_scale471 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                    const float k_scale472 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                    const float k_scale473 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                    const float k_scale474 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
                     const unsigned e4m3_pair467 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair469 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
@@ -1773,17 +1773,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag483[mi487 * 4u], p_tile + a_lane_word489 + (mi487 * 320u) + (kk486 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale498 = kv_scales[((stage * 5248u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale499 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale500 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale501 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                const float k_scale498 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale499 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale500 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale501 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
                 a_frag483[0u] = pack_bf16x2(__uint_as_float(a_frag483[0u] << 16u) * k_scale498, __uint_as_float(a_frag483[0u] & 4294901760u) * k_scale499);
                 a_frag483[1u] = pack_bf16x2(__uint_as_float(a_frag483[1u] << 16u) * k_scale498, __uint_as_float(a_frag483[1u] & 4294901760u) * k_scale499);
                 a_frag483[2u] = pack_bf16x2(__uint_as_float(a_frag483[2u] << 16u) * k_scale500, __uint_as_float(a_frag483[2u] & 4294901760u) * k_scale501);
                 a_frag483[3u] = pack_bf16x2(__uint_as_float(a_frag483[3u] << 16u) * k_scale500, __uint_as_float(a_frag483[3u] & 4294901760u) * k_scale501);
                 #pragma unroll
                 for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
                     const unsigned e4m3_pair502 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair504 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
@@ -1804,11 +1804,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + (((kk486 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
-                    const float k_scale494 = kv_scales[((stage * 5248u) + (((kk486 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale495 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale496 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale497 = kv_scales[((stage * 5248u) + ((((kk486 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
+                    const float k_scale494 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                    const float k_scale495 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                    const float k_scale496 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                    const float k_scale497 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
                     const unsigned e4m3_pair490 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair492 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
@@ -1836,17 +1836,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag506[mi510 * 4u], p_tile + a_lane_word512 + (mi510 * 320u) + (kk509 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale521 = kv_scales[((stage * 5248u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale522 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale523 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale524 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                const float k_scale521 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale522 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale523 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale524 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
                 a_frag506[0u] = pack_bf16x2(__uint_as_float(a_frag506[0u] << 16u) * k_scale521, __uint_as_float(a_frag506[0u] & 4294901760u) * k_scale522);
                 a_frag506[1u] = pack_bf16x2(__uint_as_float(a_frag506[1u] << 16u) * k_scale521, __uint_as_float(a_frag506[1u] & 4294901760u) * k_scale522);
                 a_frag506[2u] = pack_bf16x2(__uint_as_float(a_frag506[2u] << 16u) * k_scale523, __uint_as_float(a_frag506[2u] & 4294901760u) * k_scale524);
                 a_frag506[3u] = pack_bf16x2(__uint_as_float(a_frag506[3u] << 16u) * k_scale523, __uint_as_float(a_frag506[3u] & 4294901760u) * k_scale524);
                 #pragma unroll
                 for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
                     const unsigned e4m3_pair525 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair527 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
@@ -1867,11 +1867,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + (((kk509 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
-                    const float k_scale517 = kv_scales[((stage * 5248u) + (((kk509 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale518 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale519 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale520 = kv_scales[((stage * 5248u) + ((((kk509 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
+                    const float k_scale517 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                    const float k_scale518 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                    const float k_scale519 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                    const float k_scale520 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
                     const unsigned e4m3_pair513 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair515 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
@@ -1905,7 +1905,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const float other533 = shfl_xor_f32(row_sum529, 2);
                 row_sum529 = row_sum529 + other533;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi530 * 16u)) + ((half531 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum529;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum529;
                 }
             }
         }
@@ -1917,12 +1917,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum534 = row_exchange[((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum534 = row_sum534 + row_exchange[(((scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_sum534;
-                    row_max[(scores_row0 + (mi535 * 16u)) + ((half536 * 8u) + lane_group)] = row_max_reg[(mi535 * 2u) + half536];
+                    float row_sum534 = *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi535 * 16u) + (half536 * 8u) + lane_group) = row_sum534;
+                    *(row_max + scores_row0 + (mi535 * 16u) + (half536 * 8u) + lane_group) = row_max_reg[(mi535 * 2u) + half536];
                 }
             }
         }

@@ -547,12 +547,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row301;
                     const int src_i32302 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 68u) + gather_row301] = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                    *(row_valid + (load_stage * 68u) + gather_row301) = (src_i32302 >= 0) ? 1.0f : 0.0f;
                     if (src_i32302 >= 0) {
                         copy_async(kv_rows + (load_stage * 10496u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 10496u) + (gather_row301 * 164u)) + zero_w] = 0u;
+                            *(kv_rows + (load_stage * 10496u) + (gather_row301 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -616,133 +616,133 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // q_tile: this warp's A fragments from its staging rows into registers
     if (E4M3_MMA_NATIVE) {
         float q_absmax = 0.0f;
-        const unsigned q_pair = q_tile[(lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = q_tile[(lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = q_tile[(lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = q_tile[(lane_group * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = q_tile[((8u + lane_group) * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = q_tile[((8u + lane_group) * 292u) + ((((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = q_tile[(lane_group * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = q_tile[(lane_group * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = q_tile[((8u + lane_group) * 292u) + (64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = q_tile[(lane_group * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = q_tile[(lane_group * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = q_tile[((8u + lane_group) * 292u) + (64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = q_tile[(lane_group * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = q_tile[(lane_group * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = q_tile[((8u + lane_group) * 292u) + (128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = q_tile[(lane_group * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = q_tile[(lane_group * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = q_tile[((8u + lane_group) * 292u) + (128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = q_tile[(lane_group * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = q_tile[(lane_group * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = q_tile[((8u + lane_group) * 292u) + (192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = q_tile[(lane_group * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = q_tile[(lane_group * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = q_tile[((8u + lane_group) * 292u) + (192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
@@ -1045,96 +1045,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
         q_tile_a3[7u] = q_hi290;
         q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
-        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        const unsigned sub0 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
+        const unsigned sub1 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
         q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub2 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
         q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub3 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
         q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-        const unsigned sub4 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        const unsigned sub4 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
         q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-        const unsigned sub5 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
+        const unsigned sub5 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
         q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-        const unsigned sub6 = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub6 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-        const unsigned sub7 = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub7 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
         q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 2u) * 4u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[8u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[9u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[10u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[11u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[12u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[13u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[14u] = q_tile[(lane_group * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[15u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 2u) * 4u) + 3u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[8u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[10u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[12u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[14u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[8u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[10u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[12u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[14u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 2u) * 4u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[8u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[9u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[10u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[11u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[12u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[13u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[14u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[15u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 2u) * 4u) + 3u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
-        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + lane_quad)];
-        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + (((warp % 2u) * 2u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[4u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
-        q_tile_a4[5u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + lane_quad)];
-        q_tile_a4[6u] = q_tile[(lane_group * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[7u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((((warp % 2u) * 2u) + 1u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[8u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a0_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a0_bf16[10u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[12u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a0_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a0_bf16[14u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[8u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a1_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a1_bf16[10u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[12u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a1_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a1_bf16[14u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[8u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a2_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a2_bf16[10u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[12u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a2_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a2_bf16[14u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[8u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a3_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
+        q_tile_a3_bf16[10u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[12u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a3_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
+        q_tile_a3_bf16[14u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
+        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[4u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[5u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[6u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[7u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
@@ -1185,7 +1185,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     for (unsigned mi = 0u; mi < 1u; mi += 1u) {
         #pragma unroll
         for (unsigned half = 0u; half < 2u; half += 1u) {
-            row_max_reg[(mi * 2u) + half] = row_max[(mi * 16u) + ((half * 8u) + lane_group)];
+            row_max_reg[(mi * 2u) + half] = *(row_max + (mi * 16u) + (half * 8u) + lane_group);
         }
     }
     if (warp < 4u) {
@@ -1193,7 +1193,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned mi305 = 0u; mi305 < 1u; mi305 += 1u) {
             #pragma unroll
             for (unsigned half306 = 0u; half306 < 2u; half306 += 1u) {
-                row_sum_part[(mi305 * 2u) + half306] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi305 * 16u)) + ((half306 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi305 * 2u) + half306] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi305 * 16u) + (half306 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1205,14 +1205,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // f16 P . V: K lowered where this step's largest scale would overflow
         float units_m = 0.0f;
-        units_m = fmaxf(units_m, fabsf(kv_scales[(stage * 10496u) + (lane * 164u)]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 1u]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 2u]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + (lane * 164u)) + 3u]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[(stage * 10496u) + ((lane + 32u) * 164u)]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 1u]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 2u]));
-        units_m = fmaxf(units_m, fabsf(kv_scales[((stage * 10496u) + ((lane + 32u) * 164u)) + 3u]));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u))));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 1u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 2u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 3u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 5248u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 5248u + 1u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 5248u + 2u)));
+        units_m = fmaxf(units_m, fabsf(*(kv_scales + (stage * 10496u) + (lane * 164u) + 5248u + 3u)));
         const float units_k_old = units_k[0u];
         const float units_mk = units_m * units_k_old;
         const bool units_vote = __any_sync(0xffffffffu, (units_m > 0.0f) && ((units_mk > 128.0f) || (units_mk < 0.03125f)));
@@ -1267,7 +1267,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 2u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 10496u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + ((((warp % 2u) * 2u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 10496u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (((warp % 2u) * 2u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi324 = 0u; mi324 < 1u; mi324 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi324 * 2u) + kk) * 4u];
@@ -1296,7 +1296,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk327 = (kk_pair * 2u) + chain;
                     #pragma unroll
                     for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (((n_first + (nj329 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk327) * 4u));
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (n_first * 164u) + ((nj329 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk327 * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
                         const unsigned e4m3_pair331 = e4m3x2_prep(b_raw[0u] >> 16u);
                         b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
@@ -1321,7 +1321,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
             for (unsigned e333 = 0u; e333 < 4u; e333 += 1u) {
-                const float row_scale = kv_scales[(stage * 10496u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e333 & 1u))) * 164u)];
+                const float row_scale = *(kv_scales + (stage * 10496u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e333 & 1u) * 164u));
                 scores_part[(frag * 4u) + e333] = fmaf(scores_term[(frag * 4u) + e333], row_scale, scores_part[(frag * 4u) + e333]);
             }
         }
@@ -1335,7 +1335,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk338 = 0u; kk338 < 2u; kk338 += 1u) {
                 #pragma unroll
                 for (unsigned nj340 = 0u; nj340 < 2u; nj340 += 1u) {
-                    ldmatrix_x2(&b_frag337[0u], kv_rows + (stage * 10496u) + (((n_first335 + (nj340 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((((warp % 2u) * 2u) + kk338) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag337[0u], kv_rows + (stage * 10496u) + (n_first335 * 164u) + ((nj340 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk338 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi339 = 0u; mi339 < 1u; mi339 += 1u) {
                         a_frag336[0u] = q_tile_a1[((mi339 * 2u) + kk338) * 4u];
@@ -1364,7 +1364,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk345 = (kk_pair348 * 2u) + chain349;
                     #pragma unroll
                     for (unsigned nj347 = 0u; nj347 < 2u; nj347 += 1u) {
-                        ldmatrix_x1(&b_raw344[0u], kv_rows + (stage * 10496u) + (((n_first335 + (nj347 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first341 + kk345) * 4u));
+                        ldmatrix_x1(&b_raw344[0u], kv_rows + (stage * 10496u) + (n_first335 * 164u) + ((nj347 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first341 * 4u) + (kk345 * 4u));
                         const unsigned e4m3_pair351 = e4m3x2_prep(b_raw344[0u] & 65535u);
                         const unsigned e4m3_pair352 = e4m3x2_prep(b_raw344[0u] >> 16u);
                         b_frag343[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair351), e4m3x2_hi(e4m3_pair351));
@@ -1389,7 +1389,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag354 = 0u; frag354 < 2u; frag354 += 1u) {
             #pragma unroll
             for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
-                const float row_scale356 = kv_scales[((stage * 10496u) + (((n_first335 + ((frag354 % 2u) * 8u)) + ((lane_quad * 2u) + (e355 & 1u))) * 164u)) + 1u];
+                const float row_scale356 = *(kv_scales + (stage * 10496u) + (n_first335 * 164u) + (((frag354 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e355 & 1u) * 164u) + 1u);
                 scores_part[(frag354 * 4u) + e355] = fmaf(scores_term[(frag354 * 4u) + e355], row_scale356, scores_part[(frag354 * 4u) + e355]);
             }
         }
@@ -1403,7 +1403,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk361 = 0u; kk361 < 2u; kk361 += 1u) {
                 #pragma unroll
                 for (unsigned nj363 = 0u; nj363 < 2u; nj363 += 1u) {
-                    ldmatrix_x2(&b_frag360[0u], kv_rows + (stage * 10496u) + (((n_first358 + (nj363 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((((warp % 2u) * 2u) + kk361) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag360[0u], kv_rows + (stage * 10496u) + (n_first358 * 164u) + ((nj363 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (((warp % 2u) * 2u) * 8u) + (kk361 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi362 = 0u; mi362 < 1u; mi362 += 1u) {
                         a_frag359[0u] = q_tile_a2[((mi362 * 2u) + kk361) * 4u];
@@ -1432,7 +1432,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk368 = (kk_pair371 * 2u) + chain372;
                     #pragma unroll
                     for (unsigned nj370 = 0u; nj370 < 2u; nj370 += 1u) {
-                        ldmatrix_x1(&b_raw367[0u], kv_rows + (stage * 10496u) + (((n_first358 + (nj370 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first364 + kk368) * 4u));
+                        ldmatrix_x1(&b_raw367[0u], kv_rows + (stage * 10496u) + (n_first358 * 164u) + ((nj370 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first364 * 4u) + (kk368 * 4u));
                         const unsigned e4m3_pair374 = e4m3x2_prep(b_raw367[0u] & 65535u);
                         const unsigned e4m3_pair375 = e4m3x2_prep(b_raw367[0u] >> 16u);
                         b_frag366[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair374), e4m3x2_hi(e4m3_pair374));
@@ -1457,7 +1457,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag377 = 0u; frag377 < 2u; frag377 += 1u) {
             #pragma unroll
             for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
-                const float row_scale379 = kv_scales[((stage * 10496u) + (((n_first358 + ((frag377 % 2u) * 8u)) + ((lane_quad * 2u) + (e378 & 1u))) * 164u)) + 2u];
+                const float row_scale379 = *(kv_scales + (stage * 10496u) + (n_first358 * 164u) + (((frag377 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e378 & 1u) * 164u) + 2u);
                 scores_part[(frag377 * 4u) + e378] = fmaf(scores_term[(frag377 * 4u) + e378], row_scale379, scores_part[(frag377 * 4u) + e378]);
             }
         }
@@ -1471,7 +1471,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk384 = 0u; kk384 < 2u; kk384 += 1u) {
                 #pragma unroll
                 for (unsigned nj386 = 0u; nj386 < 2u; nj386 += 1u) {
-                    ldmatrix_x2(&b_frag383[0u], kv_rows + (stage * 10496u) + (((n_first381 + (nj386 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((((warp % 2u) * 2u) + kk384) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag383[0u], kv_rows + (stage * 10496u) + (n_first381 * 164u) + ((nj386 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk384 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi385 = 0u; mi385 < 1u; mi385 += 1u) {
                         a_frag382[0u] = q_tile_a3[((mi385 * 2u) + kk384) * 4u];
@@ -1500,7 +1500,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk391 = (kk_pair394 * 2u) + chain395;
                     #pragma unroll
                     for (unsigned nj393 = 0u; nj393 < 2u; nj393 += 1u) {
-                        ldmatrix_x1(&b_raw390[0u], kv_rows + (stage * 10496u) + (((n_first381 + (nj393 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first387 + kk391) * 4u));
+                        ldmatrix_x1(&b_raw390[0u], kv_rows + (stage * 10496u) + (n_first381 * 164u) + ((nj393 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first387 * 4u) + (kk391 * 4u));
                         const unsigned e4m3_pair397 = e4m3x2_prep(b_raw390[0u] & 65535u);
                         const unsigned e4m3_pair398 = e4m3x2_prep(b_raw390[0u] >> 16u);
                         b_frag389[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair397), e4m3x2_hi(e4m3_pair397));
@@ -1525,7 +1525,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag400 = 0u; frag400 < 2u; frag400 += 1u) {
             #pragma unroll
             for (unsigned e401 = 0u; e401 < 4u; e401 += 1u) {
-                const float row_scale402 = kv_scales[((stage * 10496u) + (((n_first381 + ((frag400 % 2u) * 8u)) + ((lane_quad * 2u) + (e401 & 1u))) * 164u)) + 3u];
+                const float row_scale402 = *(kv_scales + (stage * 10496u) + (n_first381 * 164u) + (((frag400 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e401 & 1u) * 164u) + 3u);
                 scores_part[(frag400 * 4u) + e401] = fmaf(scores_term[(frag400 * 4u) + e401], row_scale402, scores_part[(frag400 * 4u) + e401]);
             }
         }
@@ -1542,7 +1542,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const unsigned kk408 = (kk_pair411 * 2u) + chain412;
                 #pragma unroll
                 for (unsigned nj410 = 0u; nj410 < 2u; nj410 += 1u) {
-                    ldmatrix_x2(&b_frag406[0u], kv_rope + (stage * 10496u) + (((n_first403 + (nj410 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first404 + kk408) * 8u) + (lane_k8 >> 1u));
+                    ldmatrix_x2(&b_frag406[0u], kv_rope + (stage * 10496u) + (n_first403 * 164u) + ((nj410 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first404 * 8u) + (kk408 * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
                     for (unsigned mi409 = 0u; mi409 < 1u; mi409 += 1u) {
                         a_frag405[0u] = q_tile_a4[((mi409 * 2u) + kk408) * 4u];
@@ -1568,7 +1568,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
                 #pragma unroll
                 for (unsigned e417 = 0u; e417 < 2u; e417 += 1u) {
-                    split_k_partials[((((warp % 2u) * 16u) + ((((frag415 / 2u) * 16u) + (half416 * 8u)) + lane_group)) * 68u) + ((((warp / 2u) * 16u) + ((frag415 % 2u) * 8u)) + ((lane_quad * 2u) + e417))] = scores_part[((frag415 * 4u) + (half416 * 2u)) + e417] * q_tile_unscale[0u];
+                    *(split_k_partials + (((warp % 2u) * 16u) * 68u) + (((frag415 / 2u) * 16u) * 68u) + ((half416 * 8u) * 68u) + (lane_group * 68u) + ((warp / 2u) * 16u) + ((frag415 % 2u) * 8u) + (lane_quad * 2u) + e417) = scores_part[((frag415 * 4u) + (half416 * 2u)) + e417] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1586,12 +1586,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row309;
                         const int src_i32310 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot308] >= 0)) && (((unsigned)kv_rows_pre[slot308]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot308]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot308]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage307 * 68u) + gather_row309] = (src_i32310 >= 0) ? 1.0f : 0.0f;
+                        *(row_valid + (load_stage307 * 68u) + gather_row309) = (src_i32310 >= 0) ? 1.0f : 0.0f;
                         if (src_i32310 >= 0) {
                             copy_async(kv_rows + (load_stage307 * 10496u) + (gather_row309 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32310), 656u, ring_barriers + (load_stage307 * 2u));
                         } else {
                             for (unsigned zero_w311 = 0u; zero_w311 < 164u; zero_w311 += 1u) {
-                                kv_rows[((load_stage307 * 10496u) + (gather_row309 * 164u)) + zero_w311] = 0u;
+                                *(kv_rows + (load_stage307 * 10496u) + (gather_row309 * 164u) + zero_w311) = 0u;
                             }
                             fence_proxy_async();
                         }
@@ -1622,7 +1622,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned cell = (((scores_row0 + (half419 * 8u)) + lane_group) * 68u) + ((scores_col0 + (frag418 * 8u)) + ((lane_quad * 2u) + e420));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 1088u) + cell];
+                            sum = sum + *(split_k_partials + (g * 1088u) + cell);
                         }
                         scores[((frag418 * 4u) + (half419 * 2u)) + e420] = sum;
                     }
@@ -1637,8 +1637,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag421 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag421 * 4u) + (half422 * 2u)];
                     float v1 = scores[((frag421 * 4u) + (half422 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 68u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                    v1 = (row_valid[(stage * 68u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                    v0 = (*(row_valid + (stage * 68u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v1 = (*(row_valid + (stage * 68u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag421 * 4u) + (half422 * 2u)] = v0;
                     scores[((frag421 * 4u) + (half422 * 2u)) + 1u] = v1;
                 }
@@ -1661,7 +1661,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const float other425 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other425);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi423 * 16u)) + ((half424 * 8u) + lane_group)) * 4u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi423 * 16u) * 4u) + ((half424 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -1675,10 +1675,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
                 const float m_old426 = row_max_reg[(mi428 * 2u) + half429];
                 float m_new427 = m_old426;
-                m_new427 = fmaxf(m_new427, row_exchange[((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u]);
-                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 1u]);
-                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 2u]);
-                m_new427 = fmaxf(m_new427, row_exchange[(((mi428 * 16u) + ((half429 * 8u) + lane_group)) * 4u) + 3u]);
+                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u)));
+                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 3u));
                 row_alpha[(mi428 * 2u) + half429] = exp_fast(m_old426 - m_new427);
                 row_max_reg[(mi428 * 2u) + half429] = m_new427;
             }
@@ -1749,7 +1749,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned row447 = (scores_row0 + ((frag449 / 2u) * 16u)) + ((half450 * 8u) + lane_group);
                     const unsigned col448 = (scores_col0 + ((frag449 % 2u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub8 = (frag449 * 4u) + (half450 * 2u);
-                    p_tile[(row447 * 36u) + (col448 >> 1u)] = pack_f16x2(scores[sub8], scores[sub8 + 1u]);
+                    *(p_tile + (row447 * 36u) + (col448 >> 1u)) = pack_f16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1765,12 +1765,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag451[mi455 * 4u], p_tile + a_lane_word + (mi455 * 576u) + (kk454 * 8u));
             }
             const unsigned sub9 = (kk454 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01 = pack_f16x2(kv_scales[(stage * 10496u) + (sub9 * 164u)] * units_kq, kv_scales[(stage * 10496u) + ((sub9 + 1u) * 164u)] * units_kq);
+            const unsigned units_r01 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub9 * 164u)) * units_kq, *(kv_scales + (stage * 10496u) + (sub9 * 164u) + 164u) * units_kq);
             const unsigned sub10 = (kk454 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89 = pack_f16x2(kv_scales[(stage * 10496u) + ((sub10 + 8u) * 164u)] * units_kq, kv_scales[(stage * 10496u) + ((sub10 + 9u) * 164u)] * units_kq);
+            const unsigned units_r89 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub10 * 164u) + 1312u) * units_kq, *(kv_scales + (stage * 10496u) + (sub10 * 164u) + 1476u) * units_kq);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw453[0u], kv_rows + (stage * 10496u) + (((kk454 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                ldmatrix_x2_trans(&b_raw453[0u], kv_rows + (stage * 10496u) + ((kk454 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
                 b_frag452[0u] = mul_f16x2(e4m3x2_f16((b_raw453[0u] & 255u) | ((b_raw453[0u] >> 8u) & 65280u)), units_r01);
                 b_frag452[2u] = mul_f16x2(e4m3x2_f16(((b_raw453[0u] >> 8u) & 255u) | ((b_raw453[0u] >> 16u) & 65280u)), units_r01);
                 b_frag452[1u] = mul_f16x2(e4m3x2_f16((b_raw453[1u] & 255u) | ((b_raw453[1u] >> 8u) & 65280u)), units_r89);
@@ -1794,12 +1794,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag456[mi460 * 4u], p_tile + a_lane_word462 + (mi460 * 576u) + (kk459 * 8u));
             }
             const unsigned sub11 = (kk459 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01464 = pack_f16x2(kv_scales[((stage * 10496u) + (sub11 * 164u)) + 1u] * units_kq463, kv_scales[((stage * 10496u) + ((sub11 + 1u) * 164u)) + 1u] * units_kq463);
+            const unsigned units_r01464 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub11 * 164u) + 1u) * units_kq463, *(kv_scales + (stage * 10496u) + (sub11 * 164u) + 164u + 1u) * units_kq463);
             const unsigned sub12 = (kk459 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89465 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub12 + 8u) * 164u)) + 1u] * units_kq463, kv_scales[((stage * 10496u) + ((sub12 + 9u) * 164u)) + 1u] * units_kq463);
+            const unsigned units_r89465 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub12 * 164u) + 1312u + 1u) * units_kq463, *(kv_scales + (stage * 10496u) + (sub12 * 164u) + 1476u + 1u) * units_kq463);
             #pragma unroll
             for (unsigned np461 = 0u; np461 < 1u; np461 += 1u) {
-                ldmatrix_x2_trans(&b_raw458[0u], kv_rows + (stage * 10496u) + (((kk459 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np461 * 16u)) >> 2u));
+                ldmatrix_x2_trans(&b_raw458[0u], kv_rows + (stage * 10496u) + ((kk459 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np461 * 16u)) >> 2u));
                 b_frag457[0u] = mul_f16x2(e4m3x2_f16((b_raw458[0u] & 255u) | ((b_raw458[0u] >> 8u) & 65280u)), units_r01464);
                 b_frag457[2u] = mul_f16x2(e4m3x2_f16(((b_raw458[0u] >> 8u) & 255u) | ((b_raw458[0u] >> 16u) & 65280u)), units_r01464);
                 b_frag457[1u] = mul_f16x2(e4m3x2_f16((b_raw458[1u] & 255u) | ((b_raw458[1u] >> 8u) & 65280u)), units_r89465);
@@ -1823,12 +1823,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag466[mi470 * 4u], p_tile + a_lane_word472 + (mi470 * 576u) + (kk469 * 8u));
             }
             const unsigned sub13 = (kk469 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01474 = pack_f16x2(kv_scales[((stage * 10496u) + (sub13 * 164u)) + 2u] * units_kq473, kv_scales[((stage * 10496u) + ((sub13 + 1u) * 164u)) + 2u] * units_kq473);
+            const unsigned units_r01474 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub13 * 164u) + 2u) * units_kq473, *(kv_scales + (stage * 10496u) + (sub13 * 164u) + 164u + 2u) * units_kq473);
             const unsigned sub14 = (kk469 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89475 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub14 + 8u) * 164u)) + 2u] * units_kq473, kv_scales[((stage * 10496u) + ((sub14 + 9u) * 164u)) + 2u] * units_kq473);
+            const unsigned units_r89475 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub14 * 164u) + 1312u + 2u) * units_kq473, *(kv_scales + (stage * 10496u) + (sub14 * 164u) + 1476u + 2u) * units_kq473);
             #pragma unroll
             for (unsigned np471 = 0u; np471 < 1u; np471 += 1u) {
-                ldmatrix_x2_trans(&b_raw468[0u], kv_rows + (stage * 10496u) + (((kk469 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np471 * 16u)) >> 2u));
+                ldmatrix_x2_trans(&b_raw468[0u], kv_rows + (stage * 10496u) + ((kk469 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np471 * 16u)) >> 2u));
                 b_frag467[0u] = mul_f16x2(e4m3x2_f16((b_raw468[0u] & 255u) | ((b_raw468[0u] >> 8u) & 65280u)), units_r01474);
                 b_frag467[2u] = mul_f16x2(e4m3x2_f16(((b_raw468[0u] >> 8u) & 255u) | ((b_raw468[0u] >> 16u) & 65280u)), units_r01474);
                 b_frag467[1u] = mul_f16x2(e4m3x2_f16((b_raw468[1u] & 255u) | ((b_raw468[1u] >> 8u) & 65280u)), units_r89475);
@@ -1852,12 +1852,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 576u) + (kk479 * 8u));
             }
             const unsigned sub15 = (kk479 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01484 = pack_f16x2(kv_scales[((stage * 10496u) + (sub15 * 164u)) + 3u] * units_kq483, kv_scales[((stage * 10496u) + ((sub15 + 1u) * 164u)) + 3u] * units_kq483);
+            const unsigned units_r01484 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub15 * 164u) + 3u) * units_kq483, *(kv_scales + (stage * 10496u) + (sub15 * 164u) + 164u + 3u) * units_kq483);
             const unsigned sub16 = (kk479 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89485 = pack_f16x2(kv_scales[((stage * 10496u) + ((sub16 + 8u) * 164u)) + 3u] * units_kq483, kv_scales[((stage * 10496u) + ((sub16 + 9u) * 164u)) + 3u] * units_kq483);
+            const unsigned units_r89485 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub16 * 164u) + 1312u + 3u) * units_kq483, *(kv_scales + (stage * 10496u) + (sub16 * 164u) + 1476u + 3u) * units_kq483);
             #pragma unroll
             for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
-                ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 10496u) + (((kk479 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np481 * 16u)) >> 2u));
+                ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 10496u) + ((kk479 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np481 * 16u)) >> 2u));
                 b_frag477[0u] = mul_f16x2(e4m3x2_f16((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u)), units_r01484);
                 b_frag477[2u] = mul_f16x2(e4m3x2_f16(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u)), units_r01484);
                 b_frag477[1u] = mul_f16x2(e4m3x2_f16((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u)), units_r89485);
@@ -1905,7 +1905,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const float other494 = shfl_xor_f32(row_sum490, 2);
                 row_sum490 = row_sum490 + other494;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi491 * 16u)) + ((half492 * 8u) + lane_group)) * 4u) + scores_wn] = row_sum490;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi491 * 16u) * 4u) + ((half492 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum490;
                 }
             }
         }
@@ -1917,12 +1917,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned half497 = 0u; half497 < 2u; half497 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum495 = row_exchange[((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u];
-                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 1u];
-                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 2u];
-                    row_sum495 = row_sum495 + row_exchange[(((scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)) * 4u) + 3u];
-                    row_sum[(scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)] = row_sum495;
-                    row_max[(scores_row0 + (mi496 * 16u)) + ((half497 * 8u) + lane_group)] = row_max_reg[(mi496 * 2u) + half497];
+                    float row_sum495 = *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi496 * 16u) + (half497 * 8u) + lane_group) = row_sum495;
+                    *(row_max + scores_row0 + (mi496 * 16u) + (half497 * 8u) + lane_group) = row_max_reg[(mi496 * 2u) + half497];
                 }
             }
         }

@@ -519,133 +519,133 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // q_tile: this warp's A fragments from its staging rows into registers
     if (E4M3_MMA_NATIVE) {
         float q_absmax = 0.0f;
-        const unsigned q_pair = q_tile[(lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = q_tile[(lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = q_tile[(lane_group * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = q_tile[((8u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair12 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair13 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair14 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair15 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair16 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = q_tile[((16u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair17 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)];
+        const unsigned q_pair18 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = q_tile[((24u + lane_group) * 292u) + ((((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u)];
+        const unsigned q_pair19 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = q_tile[(lane_group * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = q_tile[((8u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = q_tile[(lane_group * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = q_tile[(lane_group * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = q_tile[((8u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = q_tile[((8u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = q_tile[((16u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair28 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair29 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = q_tile[((24u + lane_group) * 292u) + (64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair30 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair31 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = q_tile[((16u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair32 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = q_tile[((16u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair33 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = q_tile[((24u + lane_group) * 292u) + (64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair34 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = q_tile[((24u + lane_group) * 292u) + ((64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair35 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = q_tile[(lane_group * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = q_tile[((8u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = q_tile[(lane_group * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = q_tile[(lane_group * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = q_tile[((8u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = q_tile[((8u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = q_tile[((16u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair44 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair45 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = q_tile[((24u + lane_group) * 292u) + (128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair46 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair47 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = q_tile[((16u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair48 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = q_tile[((16u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair49 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = q_tile[((24u + lane_group) * 292u) + (128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair50 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = q_tile[((24u + lane_group) * 292u) + ((128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair51 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = q_tile[(lane_group * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = q_tile[((8u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = q_tile[(lane_group * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = q_tile[(lane_group * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = q_tile[((8u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = q_tile[((8u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = q_tile[((16u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair60 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair61 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = q_tile[((24u + lane_group) * 292u) + (192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair62 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair63 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = q_tile[((16u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair64 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = q_tile[((16u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair65 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = q_tile[((24u + lane_group) * 292u) + (192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u))];
+        const unsigned q_pair66 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = q_tile[((24u + lane_group) * 292u) + ((192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u)) + 1u)];
+        const unsigned q_pair67 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
         q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
         const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
         q_absmax = fmaxf(q_absmax, q_absmax_peer);
@@ -948,96 +948,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned q_hi_pair292 = e4m3x2_prep(q_hi290 >> 16u);
         q_tile_a3[7u] = q_hi290;
         q_tile_a3_lo[7u] = pack_e4m3x4(q_x286 - e4m3x2_lo(q_hi_pair291), q_x287 - e4m3x2_hi(q_hi_pair291), q_x288 - e4m3x2_lo(q_hi_pair292), q_x289 - e4m3x2_hi(q_hi_pair292));
-        const unsigned sub0 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        const unsigned sub0 = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
         q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub0 << 16u) * q_scale, __uint_as_float(sub0 & 4294901760u) * q_scale);
-        const unsigned sub1 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        const unsigned sub1 = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
         q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub1 << 16u) * q_scale, __uint_as_float(sub1 & 4294901760u) * q_scale);
-        const unsigned sub2 = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub2 = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
         q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub2 << 16u) * q_scale, __uint_as_float(sub2 & 4294901760u) * q_scale);
-        const unsigned sub3 = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub3 = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
         q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub3 << 16u) * q_scale, __uint_as_float(sub3 & 4294901760u) * q_scale);
-        const unsigned sub4 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        const unsigned sub4 = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
         q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub4 << 16u) * q_scale, __uint_as_float(sub4 & 4294901760u) * q_scale);
-        const unsigned sub5 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
+        const unsigned sub5 = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
         q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub5 << 16u) * q_scale, __uint_as_float(sub5 & 4294901760u) * q_scale);
-        const unsigned sub6 = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub6 = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
         q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub6 << 16u) * q_scale, __uint_as_float(sub6 & 4294901760u) * q_scale);
-        const unsigned sub7 = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        const unsigned sub7 = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
         q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[2u] = q_tile[(lane_group * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[4u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[5u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[6u] = q_tile[(lane_group * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[7u] = q_tile[((8u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((((warp % 4u) * 2u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[12u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[13u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + (lane_quad * 2u))];
-        q_tile_a0_bf16[14u] = q_tile[((16u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a0_bf16[15u] = q_tile[((24u + lane_group) * 292u) + (((((warp % 4u) * 2u) + 1u) * 8u) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[0u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[2u] = q_tile[(lane_group * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[4u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[6u] = q_tile[(lane_group * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((64u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a1_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a1_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((64u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[0u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[2u] = q_tile[(lane_group * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[4u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[6u] = q_tile[(lane_group * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((128u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a2_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a2_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((128u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[0u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[1u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[2u] = q_tile[(lane_group * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[3u] = q_tile[((8u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[4u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[5u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[6u] = q_tile[(lane_group * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[7u] = q_tile[((8u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[8u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[9u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[10u] = q_tile[((16u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[11u] = q_tile[((24u + lane_group) * 292u) + ((192u + (((warp % 4u) * 2u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[12u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[13u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + (lane_quad * 2u))];
-        q_tile_a3_bf16[14u] = q_tile[((16u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a3_bf16[15u] = q_tile[((24u + lane_group) * 292u) + ((192u + ((((warp % 4u) * 2u) + 1u) * 8u)) + ((lane_quad * 2u) + 1u))];
-        q_tile_a4[0u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-        q_tile_a4[1u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-        q_tile_a4[2u] = q_tile[(lane_group * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[3u] = q_tile[((8u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[4u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-        q_tile_a4[5u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + lane_quad)];
-        q_tile_a4[6u] = q_tile[((16u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
-        q_tile_a4[7u] = q_tile[((24u + lane_group) * 292u) + ((256u + ((warp % 4u) * 8u)) + (lane_quad + 4u))];
+        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a0_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a0_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a0_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a1_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a1_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a1_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a2_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a2_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a2_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
+        q_tile_a3_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
+        q_tile_a3_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a3_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
+        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[4u] = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[5u] = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[6u] = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[7u] = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
@@ -1084,12 +1084,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned step = 0u;
                     const unsigned row_1 = gather_row298;
                     const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    row_valid[(load_stage * 36u) + gather_row298] = (src_i32299 >= 0) ? 1.0f : 0.0f;
+                    *(row_valid + (load_stage * 36u) + gather_row298) = (src_i32299 >= 0) ? 1.0f : 0.0f;
                     if (src_i32299 >= 0) {
                         copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            kv_rows[((load_stage * 5248u) + (gather_row298 * 164u)) + zero_w] = 0u;
+                            *(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1116,7 +1116,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned mi = 0u; mi < 1u; mi += 1u) {
             #pragma unroll
             for (unsigned half = 0u; half < 2u; half += 1u) {
-                row_max_reg[(mi * 2u) + half] = row_max[(scores_row0 + (mi * 16u)) + ((half * 8u) + lane_group)];
+                row_max_reg[(mi * 2u) + half] = *(row_max + scores_row0 + (mi * 16u) + (half * 8u) + lane_group);
             }
         }
     }
@@ -1125,7 +1125,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned mi303 = 0u; mi303 < 1u; mi303 += 1u) {
             #pragma unroll
             for (unsigned half304 = 0u; half304 < 2u; half304 += 1u) {
-                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? row_sum[(scores_row0 + (mi303 * 16u)) + ((half304 * 8u) + lane_group)] : 0.0f;
+                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi303 * 16u) + (half304 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1154,7 +1154,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk = 0u; kk < 1u; kk += 1u) {
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 164u) + (((warp % 4u) + kk) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + ((warp % 4u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi314 = 0u; mi314 < 2u; mi314 += 1u) {
                         a_frag[0u] = q_tile_a0[(mi314 + kk) * 4u];
@@ -1183,7 +1183,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk317 = (kk_pair * 2u) + chain;
                     #pragma unroll
                     for (unsigned nj319 = 0u; nj319 < 2u; nj319 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (((n_first + (nj319 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first + kk317) * 4u));
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj319 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk317 * 4u));
                         const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
                         const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
                         b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
@@ -1208,7 +1208,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
             for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
-                const float row_scale = kv_scales[(stage * 5248u) + (((n_first + ((frag % 2u) * 8u)) + ((lane_quad * 2u) + (e323 & 1u))) * 164u)];
+                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e323 & 1u) * 164u));
                 scores_part[(frag * 4u) + e323] = fmaf(scores_term[(frag * 4u) + e323], row_scale, scores_part[(frag * 4u) + e323]);
             }
         }
@@ -1222,7 +1222,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk328 = 0u; kk328 < 1u; kk328 += 1u) {
                 #pragma unroll
                 for (unsigned nj330 = 0u; nj330 < 2u; nj330 += 1u) {
-                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj330 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + (((warp % 4u) + kk328) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (n_first325 * 164u) + ((nj330 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + ((warp % 4u) * 8u) + (kk328 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi329 = 0u; mi329 < 2u; mi329 += 1u) {
                         a_frag326[0u] = q_tile_a1[(mi329 + kk328) * 4u];
@@ -1251,7 +1251,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk335 = (kk_pair338 * 2u) + chain339;
                     #pragma unroll
                     for (unsigned nj337 = 0u; nj337 < 2u; nj337 += 1u) {
-                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (((n_first325 + (nj337 * 8u)) + (lane_r16 & 7u)) * 164u) + 32u + ((k_first331 + kk335) * 4u));
+                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (n_first325 * 164u) + ((nj337 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first331 * 4u) + (kk335 * 4u));
                         const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
                         const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
                         b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
@@ -1276,7 +1276,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag344 = 0u; frag344 < 4u; frag344 += 1u) {
             #pragma unroll
             for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
-                const float row_scale346 = kv_scales[((stage * 5248u) + (((n_first325 + ((frag344 % 2u) * 8u)) + ((lane_quad * 2u) + (e345 & 1u))) * 164u)) + 1u];
+                const float row_scale346 = *(kv_scales + (stage * 5248u) + (n_first325 * 164u) + (((frag344 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e345 & 1u) * 164u) + 1u);
                 scores_part[(frag344 * 4u) + e345] = fmaf(scores_term[(frag344 * 4u) + e345], row_scale346, scores_part[(frag344 * 4u) + e345]);
             }
         }
@@ -1290,7 +1290,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk351 = 0u; kk351 < 1u; kk351 += 1u) {
                 #pragma unroll
                 for (unsigned nj353 = 0u; nj353 < 2u; nj353 += 1u) {
-                    ldmatrix_x2(&b_frag350[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj353 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + (((warp % 4u) + kk351) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag350[0u], kv_rows + (stage * 5248u) + (n_first348 * 164u) + ((nj353 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + ((warp % 4u) * 8u) + (kk351 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi352 = 0u; mi352 < 2u; mi352 += 1u) {
                         a_frag349[0u] = q_tile_a2[(mi352 + kk351) * 4u];
@@ -1319,7 +1319,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk358 = (kk_pair361 * 2u) + chain362;
                     #pragma unroll
                     for (unsigned nj360 = 0u; nj360 < 2u; nj360 += 1u) {
-                        ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (((n_first348 + (nj360 * 8u)) + (lane_r16 & 7u)) * 164u) + 64u + ((k_first354 + kk358) * 4u));
+                        ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (n_first348 * 164u) + ((nj360 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first354 * 4u) + (kk358 * 4u));
                         const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
                         const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
                         b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
@@ -1344,7 +1344,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag367 = 0u; frag367 < 4u; frag367 += 1u) {
             #pragma unroll
             for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
-                const float row_scale369 = kv_scales[((stage * 5248u) + (((n_first348 + ((frag367 % 2u) * 8u)) + ((lane_quad * 2u) + (e368 & 1u))) * 164u)) + 2u];
+                const float row_scale369 = *(kv_scales + (stage * 5248u) + (n_first348 * 164u) + (((frag367 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e368 & 1u) * 164u) + 2u);
                 scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
             }
         }
@@ -1358,7 +1358,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned kk374 = 0u; kk374 < 1u; kk374 += 1u) {
                 #pragma unroll
                 for (unsigned nj376 = 0u; nj376 < 2u; nj376 += 1u) {
-                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj376 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + (((warp % 4u) + kk374) * 8u) + ((lane_r16 >> 3u) * 4u));
+                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (n_first371 * 164u) + ((nj376 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + ((warp % 4u) * 8u) + (kk374 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
                     for (unsigned mi375 = 0u; mi375 < 2u; mi375 += 1u) {
                         a_frag372[0u] = q_tile_a3[(mi375 + kk374) * 4u];
@@ -1387,7 +1387,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned kk381 = (kk_pair384 * 2u) + chain385;
                     #pragma unroll
                     for (unsigned nj383 = 0u; nj383 < 2u; nj383 += 1u) {
-                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (((n_first371 + (nj383 * 8u)) + (lane_r16 & 7u)) * 164u) + 96u + ((k_first377 + kk381) * 4u));
+                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (n_first371 * 164u) + ((nj383 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first377 * 4u) + (kk381 * 4u));
                         const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
                         const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
                         b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
@@ -1412,7 +1412,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag390 = 0u; frag390 < 4u; frag390 += 1u) {
             #pragma unroll
             for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
-                const float row_scale392 = kv_scales[((stage * 5248u) + (((n_first371 + ((frag390 % 2u) * 8u)) + ((lane_quad * 2u) + (e391 & 1u))) * 164u)) + 3u];
+                const float row_scale392 = *(kv_scales + (stage * 5248u) + (n_first371 * 164u) + (((frag390 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e391 & 1u) * 164u) + 3u);
                 scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
             }
         }
@@ -1422,7 +1422,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned kk398 = 0u; kk398 < 1u; kk398 += 1u) {
             #pragma unroll
             for (unsigned nj400 = 0u; nj400 < 2u; nj400 += 1u) {
-                ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (((n_first393 + (nj400 * 8u)) + (lane_r16 & 7u)) * 164u) + ((k_first394 + kk398) * 8u) + (lane_k8 >> 1u));
+                ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (n_first393 * 164u) + ((nj400 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first394 * 8u) + (kk398 * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
                 for (unsigned mi399 = 0u; mi399 < 2u; mi399 += 1u) {
                     a_frag395[0u] = q_tile_a4[(mi399 + kk398) * 4u];
@@ -1443,7 +1443,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
                 #pragma unroll
                 for (unsigned e405 = 0u; e405 < 2u; e405 += 1u) {
-                    split_k_partials[((((warp % 4u) * 32u) + ((((frag403 / 2u) * 16u) + (half404 * 8u)) + lane_group)) * 36u) + ((((warp / 4u) * 16u) + ((frag403 % 2u) * 8u)) + ((lane_quad * 2u) + e405))] = scores_part[((frag403 * 4u) + (half404 * 2u)) + e405] * q_tile_unscale[0u];
+                    *(split_k_partials + (((warp % 4u) * 32u) * 36u) + (((frag403 / 2u) * 16u) * 36u) + ((half404 * 8u) * 36u) + (lane_group * 36u) + ((warp / 4u) * 16u) + ((frag403 % 2u) * 8u) + (lane_quad * 2u) + e405) = scores_part[((frag403 * 4u) + (half404 * 2u)) + e405] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1461,12 +1461,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned step = ahead;
                         const unsigned row_1 = gather_row307;
                         const int src_i32308 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot306] >= 0)) && (((unsigned)kv_rows_pre[slot306]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot306]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot306]) % p.page_size) * p.row_stride_w))) : (-1);
-                        row_valid[(load_stage305 * 36u) + gather_row307] = (src_i32308 >= 0) ? 1.0f : 0.0f;
+                        *(row_valid + (load_stage305 * 36u) + gather_row307) = (src_i32308 >= 0) ? 1.0f : 0.0f;
                         if (src_i32308 >= 0) {
                             copy_async(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32308), 656u, ring_barriers + (load_stage305 * 2u));
                         } else {
                             for (unsigned zero_w309 = 0u; zero_w309 < 164u; zero_w309 += 1u) {
-                                kv_rows[((load_stage305 * 5248u) + (gather_row307 * 164u)) + zero_w309] = 0u;
+                                *(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u) + zero_w309) = 0u;
                             }
                             fence_proxy_async();
                         }
@@ -1497,7 +1497,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         const unsigned cell = (((scores_row0 + (half407 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag406 * 8u)) + ((lane_quad * 2u) + e408));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
-                            sum = sum + split_k_partials[(g * 1152u) + cell];
+                            sum = sum + *(split_k_partials + (g * 1152u) + cell);
                         }
                         scores[((frag406 * 4u) + (half407 * 2u)) + e408] = sum;
                     }
@@ -1512,8 +1512,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned col = (scores_col0 + ((frag409 % 2u) * 8u)) + (lane_quad * 2u);
                     float v0 = scores[(frag409 * 4u) + (half410 * 2u)];
                     float v1 = scores[((frag409 * 4u) + (half410 * 2u)) + 1u];
-                    v0 = (row_valid[(stage * 36u) + col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                    v1 = (row_valid[(stage * 36u) + (col + 1u)] > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                    v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
+                    v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
                     scores[(frag409 * 4u) + (half410 * 2u)] = v0;
                     scores[((frag409 * 4u) + (half410 * 2u)) + 1u] = v1;
                 }
@@ -1536,9 +1536,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const float other413 = shfl_xor_f32(row_max_part, 2);
                     row_max_part = fmaxf(row_max_part, other413);
                     if (lane_quad == 0u) {
-                        row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + scores_wn] = row_max_part;
+                        *(row_exchange + (scores_row0 * 3u) + ((mi411 * 16u) * 3u) + ((half412 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_max_part;
                         if (scores_wn == 0u) {
-                            row_exchange[(((scores_row0 + (mi411 * 16u)) + ((half412 * 8u) + lane_group)) * 3u) + 2u] = row_max_reg[(mi411 * 2u) + half412];
+                            *(row_exchange + (scores_row0 * 3u) + ((mi411 * 16u) * 3u) + ((half412 * 8u) * 3u) + (lane_group * 3u) + 2u) = row_max_reg[(mi411 * 2u) + half412];
                         }
                     }
                 }
@@ -1554,8 +1554,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
                     const float m_old414 = row_max_reg[(mi416 * 2u) + half417];
                     float m_new415 = m_old414;
-                    m_new415 = fmaxf(m_new415, row_exchange[((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u]);
-                    m_new415 = fmaxf(m_new415, row_exchange[(((scores_row0 + (mi416 * 16u)) + ((half417 * 8u) + lane_group)) * 3u) + 1u]);
+                    m_new415 = fmaxf(m_new415, *(row_exchange + (scores_row0 * 3u) + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u)));
+                    m_new415 = fmaxf(m_new415, *(row_exchange + (scores_row0 * 3u) + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u) + 1u));
                     row_alpha[(mi416 * 2u) + half417] = exp_fast(m_old414 - m_new415);
                     row_max_reg[(mi416 * 2u) + half417] = m_new415;
                 }
@@ -1565,10 +1565,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned mi420 = 0u; mi420 < 2u; mi420 += 1u) {
             #pragma unroll
             for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
-                const float m_old418 = row_exchange[(((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u) + 2u];
+                const float m_old418 = *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u) + 2u);
                 float m_new419 = m_old418;
-                m_new419 = fmaxf(m_new419, row_exchange[((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u]);
-                m_new419 = fmaxf(m_new419, row_exchange[(((mi420 * 16u) + ((half421 * 8u) + lane_group)) * 3u) + 1u]);
+                m_new419 = fmaxf(m_new419, *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u)));
+                m_new419 = fmaxf(m_new419, *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u) + 1u));
                 row_alpha302[(mi420 * 2u) + half421] = exp_fast(m_old418 - m_new419);
             }
         }
@@ -1638,7 +1638,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     const unsigned row439 = (scores_row0 + ((frag441 / 2u) * 16u)) + ((half442 * 8u) + lane_group);
                     const unsigned col440 = (scores_col0 + ((frag441 % 2u) * 8u)) + (lane_quad * 2u);
                     const unsigned sub8 = (frag441 * 4u) + (half442 * 2u);
-                    p_tile[(row439 * 20u) + (col440 >> 1u)] = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                    *(p_tile + (row439 * 20u) + (col440 >> 1u)) = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
                 }
             }
         }
@@ -1653,25 +1653,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag443[mi447 * 4u], p_tile + a_lane_word + (mi447 * 320u) + (kk446 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale455 = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale456 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale457 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale458 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                const float k_scale455 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale456 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale457 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale458 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
                 a_frag443[0u] = pack_bf16x2(__uint_as_float(a_frag443[0u] << 16u) * k_scale455, __uint_as_float(a_frag443[0u] & 4294901760u) * k_scale456);
                 a_frag443[1u] = pack_bf16x2(__uint_as_float(a_frag443[1u] << 16u) * k_scale455, __uint_as_float(a_frag443[1u] & 4294901760u) * k_scale456);
                 a_frag443[2u] = pack_bf16x2(__uint_as_float(a_frag443[2u] << 16u) * k_scale457, __uint_as_float(a_frag443[2u] & 4294901760u) * k_scale458);
                 a_frag443[3u] = pack_bf16x2(__uint_as_float(a_frag443[3u] << 16u) * k_scale457, __uint_as_float(a_frag443[3u] & 4294901760u) * k_scale458);
-                const float k_scale459 = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
-                const float k_scale460 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                const float k_scale461 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                const float k_scale462 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                const float k_scale459 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale460 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale461 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale462 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
                 a_frag443[4u] = pack_bf16x2(__uint_as_float(a_frag443[4u] << 16u) * k_scale459, __uint_as_float(a_frag443[4u] & 4294901760u) * k_scale460);
                 a_frag443[5u] = pack_bf16x2(__uint_as_float(a_frag443[5u] << 16u) * k_scale459, __uint_as_float(a_frag443[5u] & 4294901760u) * k_scale460);
                 a_frag443[6u] = pack_bf16x2(__uint_as_float(a_frag443[6u] << 16u) * k_scale461, __uint_as_float(a_frag443[6u] & 4294901760u) * k_scale462);
                 a_frag443[7u] = pack_bf16x2(__uint_as_float(a_frag443[7u] << 16u) * k_scale461, __uint_as_float(a_frag443[7u] & 4294901760u) * k_scale462);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + (((kk446 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
                     const unsigned e4m3_pair463 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair465 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
@@ -1692,11 +1692,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + (((kk446 * 16u) + (lane_r16 & 15u)) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = kv_scales[(stage * 5248u) + (((kk446 * 16u) + (lane_quad * 2u)) * 164u)];
-                    const float k_scale452 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 1u) * 164u)];
-                    const float k_scale453 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 8u) * 164u)];
-                    const float k_scale454 = kv_scales[(stage * 5248u) + ((((kk446 * 16u) + (lane_quad * 2u)) + 9u) * 164u)];
+                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                    const float k_scale452 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                    const float k_scale453 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                    const float k_scale454 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
                     const unsigned e4m3_pair448 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair449 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair450 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
@@ -1724,25 +1724,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag467[mi471 * 4u], p_tile + a_lane_word473 + (mi471 * 320u) + (kk470 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale482 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale483 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale484 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale485 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                const float k_scale482 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale483 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale484 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale485 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
                 a_frag467[0u] = pack_bf16x2(__uint_as_float(a_frag467[0u] << 16u) * k_scale482, __uint_as_float(a_frag467[0u] & 4294901760u) * k_scale483);
                 a_frag467[1u] = pack_bf16x2(__uint_as_float(a_frag467[1u] << 16u) * k_scale482, __uint_as_float(a_frag467[1u] & 4294901760u) * k_scale483);
                 a_frag467[2u] = pack_bf16x2(__uint_as_float(a_frag467[2u] << 16u) * k_scale484, __uint_as_float(a_frag467[2u] & 4294901760u) * k_scale485);
                 a_frag467[3u] = pack_bf16x2(__uint_as_float(a_frag467[3u] << 16u) * k_scale484, __uint_as_float(a_frag467[3u] & 4294901760u) * k_scale485);
-                const float k_scale486 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                const float k_scale487 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                const float k_scale488 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                const float k_scale489 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                const float k_scale486 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale487 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale488 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale489 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
                 a_frag467[4u] = pack_bf16x2(__uint_as_float(a_frag467[4u] << 16u) * k_scale486, __uint_as_float(a_frag467[4u] & 4294901760u) * k_scale487);
                 a_frag467[5u] = pack_bf16x2(__uint_as_float(a_frag467[5u] << 16u) * k_scale486, __uint_as_float(a_frag467[5u] & 4294901760u) * k_scale487);
                 a_frag467[6u] = pack_bf16x2(__uint_as_float(a_frag467[6u] << 16u) * k_scale488, __uint_as_float(a_frag467[6u] & 4294901760u) * k_scale489);
                 a_frag467[7u] = pack_bf16x2(__uint_as_float(a_frag467[7u] << 16u) * k_scale488, __uint_as_float(a_frag467[7u] & 4294901760u) * k_scale489);
                 #pragma unroll
                 for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
-                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + (((kk470 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
                     const unsigned e4m3_pair490 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair492 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
@@ -1763,11 +1763,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
-                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + (((kk470 * 16u) + (lane_r16 & 15u)) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
-                    const float k_scale478 = kv_scales[((stage * 5248u) + (((kk470 * 16u) + (lane_quad * 2u)) * 164u)) + 1u];
-                    const float k_scale479 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 1u];
-                    const float k_scale480 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 1u];
-                    const float k_scale481 = kv_scales[((stage * 5248u) + ((((kk470 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 1u];
+                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
+                    const float k_scale478 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                    const float k_scale479 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                    const float k_scale480 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                    const float k_scale481 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
                     const unsigned e4m3_pair474 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair476 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
@@ -1795,25 +1795,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag494[mi498 * 4u], p_tile + a_lane_word500 + (mi498 * 320u) + (kk497 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale509 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale510 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale511 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale512 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                const float k_scale509 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale510 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale511 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale512 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
                 a_frag494[0u] = pack_bf16x2(__uint_as_float(a_frag494[0u] << 16u) * k_scale509, __uint_as_float(a_frag494[0u] & 4294901760u) * k_scale510);
                 a_frag494[1u] = pack_bf16x2(__uint_as_float(a_frag494[1u] << 16u) * k_scale509, __uint_as_float(a_frag494[1u] & 4294901760u) * k_scale510);
                 a_frag494[2u] = pack_bf16x2(__uint_as_float(a_frag494[2u] << 16u) * k_scale511, __uint_as_float(a_frag494[2u] & 4294901760u) * k_scale512);
                 a_frag494[3u] = pack_bf16x2(__uint_as_float(a_frag494[3u] << 16u) * k_scale511, __uint_as_float(a_frag494[3u] & 4294901760u) * k_scale512);
-                const float k_scale513 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                const float k_scale514 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                const float k_scale515 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                const float k_scale516 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                const float k_scale513 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale514 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale515 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale516 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
                 a_frag494[4u] = pack_bf16x2(__uint_as_float(a_frag494[4u] << 16u) * k_scale513, __uint_as_float(a_frag494[4u] & 4294901760u) * k_scale514);
                 a_frag494[5u] = pack_bf16x2(__uint_as_float(a_frag494[5u] << 16u) * k_scale513, __uint_as_float(a_frag494[5u] & 4294901760u) * k_scale514);
                 a_frag494[6u] = pack_bf16x2(__uint_as_float(a_frag494[6u] << 16u) * k_scale515, __uint_as_float(a_frag494[6u] & 4294901760u) * k_scale516);
                 a_frag494[7u] = pack_bf16x2(__uint_as_float(a_frag494[7u] << 16u) * k_scale515, __uint_as_float(a_frag494[7u] & 4294901760u) * k_scale516);
                 #pragma unroll
                 for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
-                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + (((kk497 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
                     const unsigned e4m3_pair517 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair518 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair519 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
@@ -1834,11 +1834,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
-                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + (((kk497 * 16u) + (lane_r16 & 15u)) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
-                    const float k_scale505 = kv_scales[((stage * 5248u) + (((kk497 * 16u) + (lane_quad * 2u)) * 164u)) + 2u];
-                    const float k_scale506 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 2u];
-                    const float k_scale507 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 2u];
-                    const float k_scale508 = kv_scales[((stage * 5248u) + ((((kk497 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 2u];
+                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
+                    const float k_scale505 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                    const float k_scale506 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                    const float k_scale507 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                    const float k_scale508 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
                     const unsigned e4m3_pair501 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair503 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
@@ -1866,25 +1866,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 ldmatrix_x4(&a_frag521[mi525 * 4u], p_tile + a_lane_word527 + (mi525 * 320u) + (kk524 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale536 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale537 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale538 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale539 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                const float k_scale536 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale537 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale538 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale539 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
                 a_frag521[0u] = pack_bf16x2(__uint_as_float(a_frag521[0u] << 16u) * k_scale536, __uint_as_float(a_frag521[0u] & 4294901760u) * k_scale537);
                 a_frag521[1u] = pack_bf16x2(__uint_as_float(a_frag521[1u] << 16u) * k_scale536, __uint_as_float(a_frag521[1u] & 4294901760u) * k_scale537);
                 a_frag521[2u] = pack_bf16x2(__uint_as_float(a_frag521[2u] << 16u) * k_scale538, __uint_as_float(a_frag521[2u] & 4294901760u) * k_scale539);
                 a_frag521[3u] = pack_bf16x2(__uint_as_float(a_frag521[3u] << 16u) * k_scale538, __uint_as_float(a_frag521[3u] & 4294901760u) * k_scale539);
-                const float k_scale540 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                const float k_scale541 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                const float k_scale542 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                const float k_scale543 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                const float k_scale540 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale541 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale542 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale543 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
                 a_frag521[4u] = pack_bf16x2(__uint_as_float(a_frag521[4u] << 16u) * k_scale540, __uint_as_float(a_frag521[4u] & 4294901760u) * k_scale541);
                 a_frag521[5u] = pack_bf16x2(__uint_as_float(a_frag521[5u] << 16u) * k_scale540, __uint_as_float(a_frag521[5u] & 4294901760u) * k_scale541);
                 a_frag521[6u] = pack_bf16x2(__uint_as_float(a_frag521[6u] << 16u) * k_scale542, __uint_as_float(a_frag521[6u] & 4294901760u) * k_scale543);
                 a_frag521[7u] = pack_bf16x2(__uint_as_float(a_frag521[7u] << 16u) * k_scale542, __uint_as_float(a_frag521[7u] & 4294901760u) * k_scale543);
                 #pragma unroll
                 for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
-                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + (((kk524 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
+                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
                     const unsigned e4m3_pair544 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair545 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair546 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
@@ -1905,11 +1905,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             } else {
                 #pragma unroll
                 for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
-                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + (((kk524 * 16u) + (lane_r16 & 15u)) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
-                    const float k_scale532 = kv_scales[((stage * 5248u) + (((kk524 * 16u) + (lane_quad * 2u)) * 164u)) + 3u];
-                    const float k_scale533 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 1u) * 164u)) + 3u];
-                    const float k_scale534 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 8u) * 164u)) + 3u];
-                    const float k_scale535 = kv_scales[((stage * 5248u) + ((((kk524 * 16u) + (lane_quad * 2u)) + 9u) * 164u)) + 3u];
+                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
+                    const float k_scale532 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                    const float k_scale533 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                    const float k_scale534 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                    const float k_scale535 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
                     const unsigned e4m3_pair528 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
                     const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
                     const unsigned e4m3_pair530 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
@@ -1943,7 +1943,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 const float other552 = shfl_xor_f32(row_sum548, 2);
                 row_sum548 = row_sum548 + other552;
                 if (lane_quad == 0u) {
-                    row_exchange[(((scores_row0 + (mi549 * 16u)) + ((half550 * 8u) + lane_group)) * 3u) + scores_wn] = row_sum548;
+                    *(row_exchange + (scores_row0 * 3u) + ((mi549 * 16u) * 3u) + ((half550 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_sum548;
                 }
             }
         }
@@ -1955,10 +1955,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             #pragma unroll
             for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum553 = row_exchange[((scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)) * 3u];
-                    row_sum553 = row_sum553 + row_exchange[(((scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)) * 3u) + 1u];
-                    row_sum[(scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)] = row_sum553;
-                    row_max[(scores_row0 + (mi554 * 16u)) + ((half555 * 8u) + lane_group)] = row_max_reg[(mi554 * 2u) + half555];
+                    float row_sum553 = *(row_exchange + (scores_row0 * 3u) + ((mi554 * 16u) * 3u) + ((half555 * 8u) * 3u) + (lane_group * 3u));
+                    row_sum553 = row_sum553 + *(row_exchange + (scores_row0 * 3u) + ((mi554 * 16u) * 3u) + ((half555 * 8u) * 3u) + (lane_group * 3u) + 1u);
+                    *(row_sum + scores_row0 + (mi554 * 16u) + (half555 * 8u) + lane_group) = row_sum553;
+                    *(row_max + scores_row0 + (mi554 * 16u) + (half555 * 8u) + lane_group) = row_max_reg[(mi554 * 2u) + half555];
                 }
             }
         }

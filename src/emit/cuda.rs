@@ -885,20 +885,20 @@ impl Printer<'_> {
     /// one, so that 32-bit wrap-around of the sum does not stop the compiler from folding
     /// constant terms into the instruction's immediate offset.
     fn pointer_terms(&self, index: &Expr) -> String {
-        fn terms<'e>(e: &'e Expr, out: &mut Vec<&'e Expr>) {
-            match e {
-                Expr::Bin(BinOp::Add, a, b) if e.ty() == Ty::U32 => {
-                    terms(a, out);
-                    terms(b, out);
-                }
-                other => out.push(other),
-            }
-        }
-        let mut t = Vec::new();
-        terms(index, &mut t);
-        t.iter()
+        index_terms(index)
+            .iter()
             .map(|e| format!(" + {}", self.operand(e)))
             .collect()
+    }
+
+    /// Element `index` of shared array `arr`: where the kernel asks for it and the index has
+    /// several terms, `*(arr + t0 + t1 ...)`, each term added to the pointer on its own (see
+    /// [`index_terms`]); else `arr[index]`.
+    fn shared_ref(&self, arr: &str, index: &Expr) -> String {
+        if !self.kernel.shared_index_terms || index_terms(index).len() < 2 {
+            return format!("{arr}[{}]", self.expr(index));
+        }
+        format!("*({arr}{})", self.pointer_terms(index))
     }
 
     fn operand(&self, e: &Expr) -> String {
@@ -1030,7 +1030,8 @@ impl Printer<'_> {
             Expr::LoadWord { buf, index } => {
                 format!("((const unsigned*){buf})[{}]", self.expr(index))
             }
-            Expr::SharedLoad { arr, index, .. } | Expr::PrivateLoad { arr, index, .. } => {
+            Expr::SharedLoad { arr, index, .. } => self.shared_ref(arr, index),
+            Expr::PrivateLoad { arr, index, .. } => {
                 format!("{arr}[{}]", self.expr(index))
             }
             Expr::TileLoad { tile, .. } => format!("/* unlowered tile load {tile} */ 0.0f"),
@@ -1042,6 +1043,9 @@ impl Printer<'_> {
 impl Dialect for Printer<'_> {
     fn expr(&self, e: &Expr) -> String {
         Printer::expr(self, e)
+    }
+    fn shared_elem(&self, arr: &str, index: &Expr) -> String {
+        self.shared_ref(arr, index)
     }
 
     fn decl(&self, name: &str, value: &Expr, mutable: bool) -> String {
@@ -1210,5 +1214,45 @@ fn without_unused_arrays(unit: String, k: &Kernel) -> String {
     }
     let mut out = lines.join("\n");
     out.push('\n');
+    out
+}
+
+/// The u32 terms of an element index (of a shared array, or of a buffer an intrinsic takes
+/// a pointer into), each added to the pointer on its own: a sum's terms, and a sum times a
+/// constant, `(a + b) * k`, as `a * k` and `b * k`. Each pointer addition widens its own term
+/// to 64 bits, so constant terms become the instruction's immediate offset and the terms
+/// that do not change in a loop are added once; `p + (a + c) * k` instead makes the compiler
+/// form the 32-bit index and widen it at every access, since it cannot assume the 32-bit sum
+/// does not wrap (ncu on the H200: address arithmetic was about a tenth of the 32-head
+/// kernel's instructions, in the chains before its `ldmatrix`). Whenever the original index
+/// does not wrap — every index of an access that is in bounds — the address is the same.
+/// 1.02–1.09× on the 32-head kernels (benches/NOTES.md, v29).
+fn index_terms(index: &Expr) -> Vec<Expr> {
+    fn terms(e: &Expr, k: u32, out: &mut Vec<Expr>) {
+        match e {
+            Expr::Bin(BinOp::Add, a, b) if e.ty() == Ty::U32 => {
+                terms(a, k, out);
+                terms(b, k, out);
+            }
+            Expr::Bin(BinOp::Mul, a, b) if e.ty() == Ty::U32 => match (&**a, &**b) {
+                (x, Expr::U32(c)) | (Expr::U32(c), x)
+                    if matches!(x, Expr::Bin(BinOp::Add, ..)) && k.checked_mul(*c).is_some() =>
+                {
+                    terms(x, k * c, out)
+                }
+                _ => out.push(scaled(e, k)),
+            },
+            other => out.push(scaled(other, k)),
+        }
+    }
+    fn scaled(e: &Expr, k: u32) -> Expr {
+        match (e, k) {
+            (_, 1) => e.clone(),
+            (Expr::U32(v), _) => Expr::U32(v.wrapping_mul(k)),
+            _ => Expr::Bin(BinOp::Mul, Box::new(e.clone()), Box::new(Expr::U32(k))),
+        }
+    }
+    let mut out = Vec::new();
+    terms(index, 1, &mut out);
     out
 }

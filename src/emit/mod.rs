@@ -95,6 +95,10 @@ pub(crate) trait Dialect {
     ) -> Vec<String>;
     fn barrier(&self) -> &'static str;
     fn intrinsic(&self, i: &Intrinsic) -> String;
+    /// Element `index` of shared array `arr`, as an lvalue.
+    fn shared_elem(&self, arr: &str, index: &Expr) -> String {
+        format!("{arr}[{}]", self.expr(index))
+    }
 }
 
 /// Indented output of a generated file.
@@ -214,7 +218,12 @@ impl Writer {
                 self.line(&format!("{buf}[{}] = {};", d.expr(index), d.expr(value)))
             }
             Stmt::StoreWord { buf, index, value } => self.line(&d.store_word(buf, index, value)),
-            Stmt::SharedStore { arr, index, value } | Stmt::PrivateStore { arr, index, value } => {
+            Stmt::SharedStore { arr, index, value } => self.line(&format!(
+                "{} = {};",
+                d.shared_elem(arr, index),
+                d.expr(value)
+            )),
+            Stmt::PrivateStore { arr, index, value } => {
                 self.line(&format!("{arr}[{}] = {};", d.expr(index), d.expr(value)))
             }
             Stmt::If { cond, then, els } => {

@@ -75,6 +75,7 @@ template <class T>
 struct Sh {
     T* p;
     Ref<T> operator[](long long i) const { return Ref<T>{p + i}; }
+    Ref<T> operator*() const { return Ref<T>{p}; }
     Sh operator+(long long o) const { return Sh{p + o}; }
     template <class U>
     operator U*() const {
