@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(128) cache_write_fp8_ds_mla_d576(co
             unsigned amax = 0u;
             #pragma unroll
             for (unsigned p_1 = 0u; p_1 < 32u; p_1 += 1u) {
-                amax = max_u32(amax, *(amax_part + (threadIdx.x * 32u) + p_1));
+                amax = max_u32(amax, amax_part[(threadIdx.x * 32u) + p_1]);
             }
             const unsigned div_a = amax << 16u;
             const unsigned div_d = 1138753536u;

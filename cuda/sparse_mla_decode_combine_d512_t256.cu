@@ -141,8 +141,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_combine_d512
         acc1 = (acc1 * keep) + (w * o_1);
         m = nm;
     }
-    *(group_out + (g * chunk) + lane) = acc0;
-    *(group_out + (g * chunk) + lane + lanes) = acc1;
+    group_out[(g * chunk) + lane] = acc0;
+    group_out[((g * chunk) + lane) + lanes] = acc1;
     if (lane == 0u) {
         group_max[g] = m;
         group_sum[g] = l;
@@ -171,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_decode_combine_d512
             const float wg = exp_fast(group_max[gi_2] - lse_max);
             const unsigned at_1 = (gi_2 * chunk) + c;
             y0 = y0 + (wg * group_out[at_1]);
-            y1 = y1 + (wg * *(group_out + at_1 + 1u));
+            y1 = y1 + (wg * group_out[at_1 + 1u]);
         }
         ((unsigned*)out)[(((row * 512u) + c0) + c) / 2u] = pack_bf16x2(y0 * inv_sum, y1 * inv_sum);
     }

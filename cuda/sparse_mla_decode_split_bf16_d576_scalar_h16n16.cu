@@ -154,7 +154,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
         if (base5 >= 0) {
             word6 = ((const unsigned*)q)[((unsigned)base5) + w4];
         }
-        *(q_tile + (r3 * 288u) + w4) = word6;
+        q_tile[(r3 * 288u) + w4] = word6;
     }
     __syncthreads();
     #pragma unroll 4
@@ -190,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (base12 >= 0) {
                 word13 = ((const unsigned*)kv_cache)[((unsigned)base12) + w11];
             }
-            *(kv_tile + (r10 * 288u) + w11) = word13;
+            kv_tile[(r10 * 288u) + w11] = word13;
         }
         __syncthreads();
 
@@ -211,68 +211,68 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float dot118 = scores[(pair_i68 * 2u) + 1u];
                 #pragma unroll
                 for (unsigned k19 = 0u; k19 < 576u; k19 += 16u) {
-                    const float op20 = __uint_as_float(*(q_tile + (row15 * 288u) + (k19 >> 1u)) << 16u);
-                    const float op21 = __uint_as_float(*(q_tile + (row15 * 288u) + (k19 >> 1u)) & 4294901760u);
-                    const float op22 = __uint_as_float(*(kv_tile + (col16 * 288u) + (k19 >> 1u)) << 16u);
-                    const float op23 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + (k19 >> 1u)) << 16u);
-                    const float op24 = __uint_as_float(*(kv_tile + (col16 * 288u) + (k19 >> 1u)) & 4294901760u);
-                    const float op25 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + (k19 >> 1u)) & 4294901760u);
+                    const float op20 = __uint_as_float(q_tile[(row15 * 288u) + (k19 >> 1u)] << 16u);
+                    const float op21 = __uint_as_float(q_tile[(row15 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    const float op22 = __uint_as_float(kv_tile[(col16 * 288u) + (k19 >> 1u)] << 16u);
+                    const float op23 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] << 16u);
+                    const float op24 = __uint_as_float(kv_tile[(col16 * 288u) + (k19 >> 1u)] & 4294901760u);
+                    const float op25 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + (k19 >> 1u)] & 4294901760u);
                     dot017 = fmaf(op21, op24, fmaf(op20, op22, dot017));
                     dot118 = fmaf(op21, op25, fmaf(op20, op23, dot118));
-                    const float op26 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 2u) >> 1u)) << 16u);
-                    const float op27 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 2u) >> 1u)) & 4294901760u);
-                    const float op28 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 2u) >> 1u)) << 16u);
-                    const float op29 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 2u) >> 1u)) << 16u);
-                    const float op30 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 2u) >> 1u)) & 4294901760u);
-                    const float op31 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 2u) >> 1u)) & 4294901760u);
+                    const float op26 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op27 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    const float op28 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op29 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] << 16u);
+                    const float op30 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
+                    const float op31 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 2u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op27, op30, fmaf(op26, op28, dot017));
                     dot118 = fmaf(op27, op31, fmaf(op26, op29, dot118));
-                    const float op32 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 4u) >> 1u)) << 16u);
-                    const float op33 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 4u) >> 1u)) & 4294901760u);
-                    const float op34 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 4u) >> 1u)) << 16u);
-                    const float op35 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 4u) >> 1u)) << 16u);
-                    const float op36 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 4u) >> 1u)) & 4294901760u);
-                    const float op37 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 4u) >> 1u)) & 4294901760u);
+                    const float op32 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op33 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    const float op34 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op35 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] << 16u);
+                    const float op36 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
+                    const float op37 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 4u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op33, op36, fmaf(op32, op34, dot017));
                     dot118 = fmaf(op33, op37, fmaf(op32, op35, dot118));
-                    const float op38 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 6u) >> 1u)) << 16u);
-                    const float op39 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 6u) >> 1u)) & 4294901760u);
-                    const float op40 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 6u) >> 1u)) << 16u);
-                    const float op41 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 6u) >> 1u)) << 16u);
-                    const float op42 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 6u) >> 1u)) & 4294901760u);
-                    const float op43 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 6u) >> 1u)) & 4294901760u);
+                    const float op38 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op39 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    const float op40 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op41 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] << 16u);
+                    const float op42 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
+                    const float op43 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 6u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op39, op42, fmaf(op38, op40, dot017));
                     dot118 = fmaf(op39, op43, fmaf(op38, op41, dot118));
-                    const float op44 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 8u) >> 1u)) << 16u);
-                    const float op45 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 8u) >> 1u)) & 4294901760u);
-                    const float op46 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 8u) >> 1u)) << 16u);
-                    const float op47 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 8u) >> 1u)) << 16u);
-                    const float op48 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 8u) >> 1u)) & 4294901760u);
-                    const float op49 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 8u) >> 1u)) & 4294901760u);
+                    const float op44 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op45 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    const float op46 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op47 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] << 16u);
+                    const float op48 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
+                    const float op49 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 8u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op45, op48, fmaf(op44, op46, dot017));
                     dot118 = fmaf(op45, op49, fmaf(op44, op47, dot118));
-                    const float op50 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 10u) >> 1u)) << 16u);
-                    const float op51 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 10u) >> 1u)) & 4294901760u);
-                    const float op52 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 10u) >> 1u)) << 16u);
-                    const float op53 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 10u) >> 1u)) << 16u);
-                    const float op54 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 10u) >> 1u)) & 4294901760u);
-                    const float op55 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 10u) >> 1u)) & 4294901760u);
+                    const float op50 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op51 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    const float op52 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op53 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] << 16u);
+                    const float op54 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
+                    const float op55 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 10u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op51, op54, fmaf(op50, op52, dot017));
                     dot118 = fmaf(op51, op55, fmaf(op50, op53, dot118));
-                    const float op56 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 12u) >> 1u)) << 16u);
-                    const float op57 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 12u) >> 1u)) & 4294901760u);
-                    const float op58 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 12u) >> 1u)) << 16u);
-                    const float op59 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 12u) >> 1u)) << 16u);
-                    const float op60 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 12u) >> 1u)) & 4294901760u);
-                    const float op61 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 12u) >> 1u)) & 4294901760u);
+                    const float op56 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op57 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    const float op58 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op59 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] << 16u);
+                    const float op60 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
+                    const float op61 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 12u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op57, op60, fmaf(op56, op58, dot017));
                     dot118 = fmaf(op57, op61, fmaf(op56, op59, dot118));
-                    const float op62 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 14u) >> 1u)) << 16u);
-                    const float op63 = __uint_as_float(*(q_tile + (row15 * 288u) + ((k19 + 14u) >> 1u)) & 4294901760u);
-                    const float op64 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 14u) >> 1u)) << 16u);
-                    const float op65 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 14u) >> 1u)) << 16u);
-                    const float op66 = __uint_as_float(*(kv_tile + (col16 * 288u) + ((k19 + 14u) >> 1u)) & 4294901760u);
-                    const float op67 = __uint_as_float(*(kv_tile + (col16 * 288u) + 288u + ((k19 + 14u) >> 1u)) & 4294901760u);
+                    const float op62 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op63 = __uint_as_float(q_tile[(row15 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    const float op64 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op65 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] << 16u);
+                    const float op66 = __uint_as_float(kv_tile[(col16 * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
+                    const float op67 = __uint_as_float(kv_tile[((col16 + 1u) * 288u) + ((k19 + 14u) >> 1u)] & 4294901760u);
                     dot017 = fmaf(op63, op66, fmaf(op62, op64, dot017));
                     dot118 = fmaf(op63, op67, fmaf(op62, op65, dot118));
                 }
@@ -290,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float v0 = scores[pair_i70 * 2u];
                 float v1 = scores[(pair_i70 * 2u) + 1u];
                 v0 = (row_valid[col] > 0.5f) ? (v0 * p.scale) : (-3e38f);
-                v1 = (*(row_valid + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
+                v1 = (row_valid[col + 1u] > 0.5f) ? (v1 * p.scale) : (-3e38f);
                 scores[pair_i70 * 2u] = v0;
                 scores[(pair_i70 * 2u) + 1u] = v1;
             }
@@ -304,8 +304,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (pair75 < 128u) {
                 const unsigned row72 = (pair75 * 2u) / 16u;
                 const unsigned col73 = (pair75 * 2u) % 16u;
-                *(reduce_scratch0 + (row72 * 16u) + col73) = scores[pair_i74 * 2u];
-                *(reduce_scratch0 + (row72 * 16u) + col73 + 1u) = scores[(pair_i74 * 2u) + 1u];
+                reduce_scratch0[(row72 * 16u) + col73] = scores[pair_i74 * 2u];
+                reduce_scratch0[((row72 * 16u) + col73) + 1u] = scores[(pair_i74 * 2u) + 1u];
             }
         }
         __syncthreads();
@@ -313,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             float red78 = reduce_scratch0[r76 * 16u];
             #pragma unroll
             for (unsigned c77 = 1u; c77 < 16u; c77 += 1u) {
-                red78 = fmaxf(red78, *(reduce_scratch0 + (r76 * 16u) + c77));
+                red78 = fmaxf(red78, reduce_scratch0[(r76 * 16u) + c77]);
             }
             block_reduce[r76] = red78;
         }
@@ -347,8 +347,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (pair84 < 128u) {
                 const unsigned row81 = (pair84 * 2u) / 16u;
                 const unsigned col82 = (pair84 * 2u) % 16u;
-                *(reduce_scratch0 + (row81 * 16u) + col82) = scores[pair_i83 * 2u];
-                *(reduce_scratch0 + (row81 * 16u) + col82 + 1u) = scores[(pair_i83 * 2u) + 1u];
+                reduce_scratch0[(row81 * 16u) + col82] = scores[pair_i83 * 2u];
+                reduce_scratch0[((row81 * 16u) + col82) + 1u] = scores[(pair_i83 * 2u) + 1u];
             }
         }
         __syncthreads();
@@ -356,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             float red87 = 0.0f;
             #pragma unroll
             for (unsigned c86 = 0u; c86 < 16u; c86 += 1u) {
-                red87 = red87 + *(reduce_scratch0 + (r85 * 16u) + c86);
+                red87 = red87 + reduce_scratch0[(r85 * 16u) + c86];
             }
             block_reduce[r85] = red87;
         }
@@ -387,8 +387,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
             if (pair93 < 128u) {
                 const unsigned row90 = (pair93 * 2u) / 16u;
                 const unsigned col91 = (pair93 * 2u) % 16u;
-                *(p_tile + (row90 * 16u) + col91) = scores[pair_i92 * 2u];
-                *(p_tile + (row90 * 16u) + col91 + 1u) = scores[(pair_i92 * 2u) + 1u];
+                p_tile[(row90 * 16u) + col91] = scores[pair_i92 * 2u];
+                p_tile[((row90 * 16u) + col91) + 1u] = scores[(pair_i92 * 2u) + 1u];
             }
         }
         __syncthreads();
@@ -404,68 +404,68 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_split_bf16_d
                 float dot197 = o_acc[(pair_i147 * 2u) + 1u];
                 #pragma unroll
                 for (unsigned k98 = 0u; k98 < 16u; k98 += 16u) {
-                    const float op99 = *(p_tile + (row94 * 16u) + k98);
-                    const float op100 = *(p_tile + (row94 * 16u) + k98 + 1u);
-                    const float op101 = __uint_as_float(*(kv_tile + (k98 * 288u) + (col95 >> 1u)) << 16u);
-                    const float op102 = __uint_as_float(*(kv_tile + (k98 * 288u) + (col95 >> 1u)) & 4294901760u);
-                    const float op103 = __uint_as_float(*(kv_tile + (k98 * 288u) + 288u + (col95 >> 1u)) << 16u);
-                    const float op104 = __uint_as_float(*(kv_tile + (k98 * 288u) + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op99 = p_tile[(row94 * 16u) + k98];
+                    const float op100 = p_tile[((row94 * 16u) + k98) + 1u];
+                    const float op101 = __uint_as_float(kv_tile[(k98 * 288u) + (col95 >> 1u)] << 16u);
+                    const float op102 = __uint_as_float(kv_tile[(k98 * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op103 = __uint_as_float(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op104 = __uint_as_float(kv_tile[((k98 + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op100, op103, fmaf(op99, op101, dot096));
                     dot197 = fmaf(op100, op104, fmaf(op99, op102, dot197));
-                    const float op105 = *(p_tile + (row94 * 16u) + k98 + 2u);
-                    const float op106 = *(p_tile + (row94 * 16u) + k98 + 2u + 1u);
-                    const float op107 = __uint_as_float(*(kv_tile + (k98 * 288u) + 576u + (col95 >> 1u)) << 16u);
-                    const float op108 = __uint_as_float(*(kv_tile + (k98 * 288u) + 576u + (col95 >> 1u)) & 4294901760u);
-                    const float op109 = __uint_as_float(*(kv_tile + (k98 * 288u) + 576u + 288u + (col95 >> 1u)) << 16u);
-                    const float op110 = __uint_as_float(*(kv_tile + (k98 * 288u) + 576u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op105 = p_tile[(row94 * 16u) + (k98 + 2u)];
+                    const float op106 = p_tile[((row94 * 16u) + (k98 + 2u)) + 1u];
+                    const float op107 = __uint_as_float(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op108 = __uint_as_float(kv_tile[((k98 + 2u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op109 = __uint_as_float(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op110 = __uint_as_float(kv_tile[(((k98 + 2u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op106, op109, fmaf(op105, op107, dot096));
                     dot197 = fmaf(op106, op110, fmaf(op105, op108, dot197));
-                    const float op111 = *(p_tile + (row94 * 16u) + k98 + 4u);
-                    const float op112 = *(p_tile + (row94 * 16u) + k98 + 4u + 1u);
-                    const float op113 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1152u + (col95 >> 1u)) << 16u);
-                    const float op114 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1152u + (col95 >> 1u)) & 4294901760u);
-                    const float op115 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1152u + 288u + (col95 >> 1u)) << 16u);
-                    const float op116 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1152u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op111 = p_tile[(row94 * 16u) + (k98 + 4u)];
+                    const float op112 = p_tile[((row94 * 16u) + (k98 + 4u)) + 1u];
+                    const float op113 = __uint_as_float(kv_tile[((k98 + 4u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op114 = __uint_as_float(kv_tile[((k98 + 4u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op115 = __uint_as_float(kv_tile[(((k98 + 4u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op116 = __uint_as_float(kv_tile[(((k98 + 4u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op112, op115, fmaf(op111, op113, dot096));
                     dot197 = fmaf(op112, op116, fmaf(op111, op114, dot197));
-                    const float op117 = *(p_tile + (row94 * 16u) + k98 + 6u);
-                    const float op118 = *(p_tile + (row94 * 16u) + k98 + 6u + 1u);
-                    const float op119 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1728u + (col95 >> 1u)) << 16u);
-                    const float op120 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1728u + (col95 >> 1u)) & 4294901760u);
-                    const float op121 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1728u + 288u + (col95 >> 1u)) << 16u);
-                    const float op122 = __uint_as_float(*(kv_tile + (k98 * 288u) + 1728u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op117 = p_tile[(row94 * 16u) + (k98 + 6u)];
+                    const float op118 = p_tile[((row94 * 16u) + (k98 + 6u)) + 1u];
+                    const float op119 = __uint_as_float(kv_tile[((k98 + 6u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op120 = __uint_as_float(kv_tile[((k98 + 6u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op121 = __uint_as_float(kv_tile[(((k98 + 6u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op122 = __uint_as_float(kv_tile[(((k98 + 6u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op118, op121, fmaf(op117, op119, dot096));
                     dot197 = fmaf(op118, op122, fmaf(op117, op120, dot197));
-                    const float op123 = *(p_tile + (row94 * 16u) + k98 + 8u);
-                    const float op124 = *(p_tile + (row94 * 16u) + k98 + 8u + 1u);
-                    const float op125 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2304u + (col95 >> 1u)) << 16u);
-                    const float op126 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2304u + (col95 >> 1u)) & 4294901760u);
-                    const float op127 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2304u + 288u + (col95 >> 1u)) << 16u);
-                    const float op128 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2304u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op123 = p_tile[(row94 * 16u) + (k98 + 8u)];
+                    const float op124 = p_tile[((row94 * 16u) + (k98 + 8u)) + 1u];
+                    const float op125 = __uint_as_float(kv_tile[((k98 + 8u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op126 = __uint_as_float(kv_tile[((k98 + 8u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op127 = __uint_as_float(kv_tile[(((k98 + 8u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op128 = __uint_as_float(kv_tile[(((k98 + 8u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op124, op127, fmaf(op123, op125, dot096));
                     dot197 = fmaf(op124, op128, fmaf(op123, op126, dot197));
-                    const float op129 = *(p_tile + (row94 * 16u) + k98 + 10u);
-                    const float op130 = *(p_tile + (row94 * 16u) + k98 + 10u + 1u);
-                    const float op131 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2880u + (col95 >> 1u)) << 16u);
-                    const float op132 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2880u + (col95 >> 1u)) & 4294901760u);
-                    const float op133 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2880u + 288u + (col95 >> 1u)) << 16u);
-                    const float op134 = __uint_as_float(*(kv_tile + (k98 * 288u) + 2880u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op129 = p_tile[(row94 * 16u) + (k98 + 10u)];
+                    const float op130 = p_tile[((row94 * 16u) + (k98 + 10u)) + 1u];
+                    const float op131 = __uint_as_float(kv_tile[((k98 + 10u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op132 = __uint_as_float(kv_tile[((k98 + 10u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op133 = __uint_as_float(kv_tile[(((k98 + 10u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op134 = __uint_as_float(kv_tile[(((k98 + 10u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op130, op133, fmaf(op129, op131, dot096));
                     dot197 = fmaf(op130, op134, fmaf(op129, op132, dot197));
-                    const float op135 = *(p_tile + (row94 * 16u) + k98 + 12u);
-                    const float op136 = *(p_tile + (row94 * 16u) + k98 + 12u + 1u);
-                    const float op137 = __uint_as_float(*(kv_tile + (k98 * 288u) + 3456u + (col95 >> 1u)) << 16u);
-                    const float op138 = __uint_as_float(*(kv_tile + (k98 * 288u) + 3456u + (col95 >> 1u)) & 4294901760u);
-                    const float op139 = __uint_as_float(*(kv_tile + (k98 * 288u) + 3456u + 288u + (col95 >> 1u)) << 16u);
-                    const float op140 = __uint_as_float(*(kv_tile + (k98 * 288u) + 3456u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op135 = p_tile[(row94 * 16u) + (k98 + 12u)];
+                    const float op136 = p_tile[((row94 * 16u) + (k98 + 12u)) + 1u];
+                    const float op137 = __uint_as_float(kv_tile[((k98 + 12u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op138 = __uint_as_float(kv_tile[((k98 + 12u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op139 = __uint_as_float(kv_tile[(((k98 + 12u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op140 = __uint_as_float(kv_tile[(((k98 + 12u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op136, op139, fmaf(op135, op137, dot096));
                     dot197 = fmaf(op136, op140, fmaf(op135, op138, dot197));
-                    const float op141 = *(p_tile + (row94 * 16u) + k98 + 14u);
-                    const float op142 = *(p_tile + (row94 * 16u) + k98 + 14u + 1u);
-                    const float op143 = __uint_as_float(*(kv_tile + (k98 * 288u) + 4032u + (col95 >> 1u)) << 16u);
-                    const float op144 = __uint_as_float(*(kv_tile + (k98 * 288u) + 4032u + (col95 >> 1u)) & 4294901760u);
-                    const float op145 = __uint_as_float(*(kv_tile + (k98 * 288u) + 4032u + 288u + (col95 >> 1u)) << 16u);
-                    const float op146 = __uint_as_float(*(kv_tile + (k98 * 288u) + 4032u + 288u + (col95 >> 1u)) & 4294901760u);
+                    const float op141 = p_tile[(row94 * 16u) + (k98 + 14u)];
+                    const float op142 = p_tile[((row94 * 16u) + (k98 + 14u)) + 1u];
+                    const float op143 = __uint_as_float(kv_tile[((k98 + 14u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op144 = __uint_as_float(kv_tile[((k98 + 14u) * 288u) + (col95 >> 1u)] & 4294901760u);
+                    const float op145 = __uint_as_float(kv_tile[(((k98 + 14u) + 1u) * 288u) + (col95 >> 1u)] << 16u);
+                    const float op146 = __uint_as_float(kv_tile[(((k98 + 14u) + 1u) * 288u) + (col95 >> 1u)] & 4294901760u);
                     dot096 = fmaf(op142, op145, fmaf(op141, op143, dot096));
                     dot197 = fmaf(op142, op146, fmaf(op141, op144, dot197));
                 }

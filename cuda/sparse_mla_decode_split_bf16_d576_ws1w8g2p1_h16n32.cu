@@ -476,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
     // the ring's mbarriers initialised
     if (group_tid == 0u) {
         mbar_init(ring_barriers + ((warp_group * 2u) * 2u), 64);
-        mbar_init(ring_barriers + 2u + ((warp_group * 2u) * 2u), 128);
+        mbar_init(ring_barriers + ((1u + (warp_group * 2u)) * 2u), 128);
     }
     fence_proxy_async();
     __syncthreads();
@@ -522,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             const unsigned ahead = step_i;
             if (ahead < step_group_count) {
                 if (step_i >= 1u) {
-                    mbar_wait(ring_barriers + 2u + ((warp_group * 2u) * 2u), (step_i - 1u) & 1u);
+                    mbar_wait(ring_barriers + ((1u + (warp_group * 2u)) * 2u), (step_i - 1u) & 1u);
                 }
                 const unsigned load_stage = 0u;
                 #pragma unroll
@@ -534,7 +534,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         const int src_i32 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_tile_pre[slot5] >= 0)) && (((unsigned)kv_tile_pre[slot5]) < p.num_slots)) ? ((int)(((((unsigned)kv_tile_pre[slot5]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_tile_pre[slot5]) % p.page_size) * p.row_stride_w))) : (-1);
                         row_valid[gather_row6 + (warp_group * 36u)] = (src_i32 >= 0) ? 1.0f : 0.0f;
                         if (src_i32 >= 0) {
-                            copy_async(kv_tile + (gather_row6 * 292u) + (warp_group * 9344u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + (load_stage * 2u) + ((warp_group * 2u) * 2u));
+                            copy_async(kv_tile + (gather_row6 * 292u) + (warp_group * 9344u), (const unsigned*)kv_cache + ((unsigned)src_i32), 1152u, ring_barriers + ((load_stage + (warp_group * 2u)) * 2u));
                         } else {
                             for (unsigned zero_w = 0u; zero_w < 288u; zero_w += 1u) {
                                 kv_tile[((gather_row6 * 292u) + zero_w) + (warp_group * 9344u)] = 0u;
@@ -543,7 +543,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage * 2u) + ((warp_group * 2u) * 2u));
+                copy_arrive(ring_barriers + ((load_stage + (warp_group * 2u)) * 2u));
                 if ((ahead + 1u) < step_group_bound) {
                     const unsigned step = warp_group + ((ahead + 1u) * 2u);
                     #pragma unroll
@@ -560,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
         const unsigned stage = 0u;
 
         // pipeline step: wait for this step's rows, compute
-        mbar_wait(ring_barriers + (stage * 2u) + ((warp_group * 2u) * 2u), (step_i / 1u) & 1u);
+        mbar_wait(ring_barriers + ((stage + (warp_group * 2u)) * 2u), (step_i / 1u) & 1u);
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
@@ -584,7 +584,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
                 const unsigned kk = (kk_pair * 2u) + chain;
                 #pragma unroll
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
-                    ldmatrix_x2(&b_frag[0u], kv_tile + (n_first * 292u) + ((nj * 8u) * 292u) + ((lane_r16 & 7u) * 292u) + (k_first * 8u) + (kk * 8u) + (lane_k8 >> 1u) + (warp_group * 9344u));
+                    ldmatrix_x2(&b_frag[0u], kv_tile + (((n_first + (nj * 8u)) + (lane_r16 & 7u)) * 292u) + ((k_first + kk) * 8u) + (lane_k8 >> 1u) + (warp_group * 9344u));
                     #pragma unroll
                     for (unsigned mi14 = 0u; mi14 < 1u; mi14 += 1u) {
                         a_frag[0u] = q_tile_a0[((mi14 * 18u) + kk) * 4u];
@@ -796,7 +796,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
 
         // pipeline step: release the stage to the producer
         if ((step_i + 1u) < step_group_count) {
-            mbar_arrive(ring_barriers + 2u + (stage * 2u) + ((warp_group * 2u) * 2u));
+            mbar_arrive(ring_barriers + (((1u + stage) + (warp_group * 2u)) * 2u));
         }
     }
 

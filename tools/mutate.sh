@@ -58,7 +58,7 @@ MUTATIONS=(
   "staged q in the ring's last stage: staged at its start, the first copies still ahead of it#src/kir/lower_mma/layout.rs#'                    (stages - 1) * stage_words * 4'#'                    0 * stage_words * 4'#--test mma_emulated"
   "softmax: exp_fast computes 2^x, not e^x (the log2 e factor dropped)#src/emit/cuda.rs#'\"f\"(x * 1.4426950408889634f)'#'\"f\"(x)'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
-  "index terms: a sum times a constant split into terms that lose the constant#src/emit/cuda.rs#'                    terms(x, k * c, out)'#'                    terms(x, k, out)'#--test mma_emulated"
+  "index terms: a sum times a constant split into terms that lose the constant#src/emit/cuda.rs#'                    terms(x, k * c, distribute, out)'#'                    terms(x, k, distribute, out)'#--test mma_emulated"
 )
 
 results=()

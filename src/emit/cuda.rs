@@ -885,7 +885,7 @@ impl Printer<'_> {
     /// one, so that 32-bit wrap-around of the sum does not stop the compiler from folding
     /// constant terms into the instruction's immediate offset.
     fn pointer_terms(&self, index: &Expr) -> String {
-        index_terms(index)
+        index_terms(index, self.kernel.index_terms)
             .iter()
             .map(|e| format!(" + {}", self.operand(e)))
             .collect()
@@ -895,7 +895,7 @@ impl Printer<'_> {
     /// several terms, `*(arr + t0 + t1 ...)`, each term added to the pointer on its own (see
     /// [`index_terms`]); else `arr[index]`.
     fn shared_ref(&self, arr: &str, index: &Expr) -> String {
-        if !self.kernel.shared_index_terms || index_terms(index).len() < 2 {
+        if !self.kernel.index_terms || index_terms(index, true).len() < 2 {
             return format!("{arr}[{}]", self.expr(index));
         }
         format!("*({arr}{})", self.pointer_terms(index))
@@ -1218,8 +1218,9 @@ fn without_unused_arrays(unit: String, k: &Kernel) -> String {
 }
 
 /// The u32 terms of an element index (of a shared array, or of a buffer an intrinsic takes
-/// a pointer into), each added to the pointer on its own: a sum's terms, and a sum times a
-/// constant, `(a + b) * k`, as `a * k` and `b * k`. Each pointer addition widens its own term
+/// a pointer into), each added to the pointer on its own: a sum's terms, and with
+/// `distribute` (the kernel's [`Kernel::index_terms`]) a sum times a constant, `(a + b) * k`,
+/// as `a * k` and `b * k`. Each pointer addition widens its own term
 /// to 64 bits, so constant terms become the instruction's immediate offset and the terms
 /// that do not change in a loop are added once; `p + (a + c) * k` instead makes the compiler
 /// form the 32-bit index and widen it at every access, since it cannot assume the 32-bit sum
@@ -1227,18 +1228,18 @@ fn without_unused_arrays(unit: String, k: &Kernel) -> String {
 /// kernel's instructions, in the chains before its `ldmatrix`). Whenever the original index
 /// does not wrap — every index of an access that is in bounds — the address is the same.
 /// 1.02–1.09× on the 32-head kernels (benches/NOTES.md, v29).
-fn index_terms(index: &Expr) -> Vec<Expr> {
-    fn terms(e: &Expr, k: u32, out: &mut Vec<Expr>) {
+fn index_terms(index: &Expr, distribute: bool) -> Vec<Expr> {
+    fn terms(e: &Expr, k: u32, distribute: bool, out: &mut Vec<Expr>) {
         match e {
             Expr::Bin(BinOp::Add, a, b) if e.ty() == Ty::U32 => {
-                terms(a, k, out);
-                terms(b, k, out);
+                terms(a, k, distribute, out);
+                terms(b, k, distribute, out);
             }
-            Expr::Bin(BinOp::Mul, a, b) if e.ty() == Ty::U32 => match (&**a, &**b) {
+            Expr::Bin(BinOp::Mul, a, b) if distribute && e.ty() == Ty::U32 => match (&**a, &**b) {
                 (x, Expr::U32(c)) | (Expr::U32(c), x)
                     if matches!(x, Expr::Bin(BinOp::Add, ..)) && k.checked_mul(*c).is_some() =>
                 {
-                    terms(x, k * c, out)
+                    terms(x, k * c, distribute, out)
                 }
                 _ => out.push(scaled(e, k)),
             },
@@ -1253,6 +1254,6 @@ fn index_terms(index: &Expr) -> Vec<Expr> {
         }
     }
     let mut out = Vec::new();
-    terms(index, 1, &mut out);
+    terms(index, 1, distribute, &mut out);
     out
 }

@@ -351,7 +351,7 @@ impl KernelBuilder {
                 acc_tiles: Vec::new(),
                 body: Vec::new(),
                 min_workgroups: 0,
-                shared_index_terms: true,
+                index_terms: false,
                 // Every kernel waits for its predecessor first and lets its successor launch
                 // early: a stream of them (a decode step) keeps its order and hides each
                 // launch behind the kernel before it.

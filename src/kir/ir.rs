@@ -1105,11 +1105,13 @@ pub struct Kernel {
     pub min_workgroups: u32,
     /// How the kernel overlaps its launch with the kernel before or after it in the stream.
     pub grid_dependency: GridDependency,
-    /// CUDA: shared-memory elements are addressed as the array's pointer plus each term of
-    /// the index (a sum times a constant distributed), `*(arr + a + b * 4u + 8u)`, not
-    /// `arr[a + (b + 2u) * 4u]`, so that constant terms become instructions' immediate
-    /// offsets (see `emit::cuda`). Off: plain subscripts.
-    pub shared_index_terms: bool,
+    /// CUDA: shared-memory elements, and the pointers intrinsics take, are addressed as the
+    /// pointer plus each term of the index with a sum times a constant distributed,
+    /// `*(arr + a * 4u + 8u)` for `arr[(a + 2u) * 4u]`, so that constant terms become
+    /// instructions' immediate offsets (see `emit::cuda`). Off: plain subscripts, and
+    /// intrinsics' pointers split at sums only. The tensor-core decode lowerings set it
+    /// (measured there: benches/NOTES.md, v29).
+    pub index_terms: bool,
 }
 
 /// Overlap of a kernel's launch with its neighbours in a CUDA stream (programmatic dependent

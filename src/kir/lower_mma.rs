@@ -75,6 +75,7 @@ pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32, l2_ahead: u32) -
     let body = cx.stmts(&kernel.body)?;
     let mut out = kernel.clone();
     out.min_workgroups = min_workgroups;
+    out.index_terms = true;
     let mut full = std::mem::take(&mut cx.prelude);
     full.extend(body);
     out.body = dedupe_barriers(full);

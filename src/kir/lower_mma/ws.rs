@@ -104,6 +104,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Res
 
     let mut out = kernel.clone();
     out.min_workgroups = 1;
+    out.index_terms = true;
     out.body = body;
     out.shared_tiles.clear();
     out.acc_tiles.clear();
@@ -123,10 +124,10 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Res
         out.body = dedupe_barriers(body);
         out.shared = shared;
         out.workgroup_size = threads * groups;
-        // Plain subscripts for its shared arrays: the bf16 two-group kernel ran 0.98x with
-        // them addressed as pointer + terms (H200, H 16 T 128; its intrinsics' pointers keep
-        // the terms, 1.00x), where every one-group kernel gained (benches/NOTES.md, v29).
-        out.shared_index_terms = false;
+        // Plain subscripts: the bf16 two-group kernel ran 0.98x with its shared arrays
+        // addressed as pointer + terms (H200, H 16 T 128), where every one-group kernel
+        // gained (benches/NOTES.md, v29).
+        out.index_terms = false;
         out.doc.push(format!(
             "{groups} warp groups of {warps} warps, each with its own ring: group g walks steps g, g + {groups}, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0."
         ));
