@@ -549,3 +549,35 @@ fn v6_asks_l2_for_rows_ahead_only_when_told() {
         }
     }
 }
+
+#[test]
+fn shared_addresses_are_pointer_terms_only_where_the_kernel_asks() {
+    // (i + 2) * 4: with the kernel's index_terms, the constant part is its own term (an
+    // immediate offset for the compiler) and the product is distributed; without, a subscript
+    let mut b = KernelBuilder::new("terms", 64);
+    let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[64]");
+    let sh = b.shared("sh", Ty::F32, 4 * 66);
+    let at = (local_id() + u(2)) * u(4);
+    b.shared_store(&sh, at.clone(), f(1.0));
+    b.barrier();
+    b.store(&out, local_id(), sh.at(at));
+    let plain = lower(&b.finish().expect("valid"), Lowering::Scalar).expect("lowers");
+    assert!(!plain.index_terms, "off by default");
+    let text = cuda::emit(&plain).expect("emits");
+    assert!(
+        text.contains("sh[(threadIdx.x + 2u) * 4u] = 1.0f;"),
+        "{text}"
+    );
+    let mut termed = plain.clone();
+    termed.index_terms = true;
+    let text = cuda::emit(&termed).expect("emits");
+    assert!(
+        text.contains("*(sh + (threadIdx.x * 4u) + 8u) = 1.0f;"),
+        "{text}"
+    );
+    assert!(
+        text.contains("= *(sh + (threadIdx.x * 4u) + 8u);"),
+        "{text}"
+    );
+    assert!(!text.contains("sh[(threadIdx"), "{text}");
+}
