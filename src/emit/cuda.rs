@@ -881,24 +881,31 @@ impl Printer<'_> {
         }
     }
 
-    /// ` + (a) + (b)...` for the terms of an index that is a sum: added to a pointer one by
-    /// one, so that 32-bit wrap-around of the sum does not stop the compiler from folding
-    /// constant terms into the instruction's immediate offset.
+    /// ` + (a) + (b)...` for the terms of an index (see [`index_terms`]): added to a pointer
+    /// one by one, so that 32-bit wrap-around of the sum does not stop the compiler from
+    /// folding constant terms into the instruction's immediate offset.
     fn pointer_terms(&self, index: &Expr) -> String {
-        index_terms(index, self.kernel.index_terms)
+        self.terms_text(&index_terms(index, self.kernel.index_terms))
+    }
+
+    fn terms_text(&self, terms: &[Expr]) -> String {
+        terms
             .iter()
             .map(|e| format!(" + {}", self.operand(e)))
             .collect()
     }
 
-    /// Element `index` of shared array `arr`: where the kernel asks for it and the index has
-    /// several terms, `*(arr + t0 + t1 ...)`, each term added to the pointer on its own (see
-    /// [`index_terms`]); else `arr[index]`.
+    /// Element `index` of shared array `arr`: where the kernel asks for it
+    /// ([`Kernel::index_terms`]) and the index has several terms, `*(arr + t0 + t1 ...)`,
+    /// each term added to the pointer on its own; else `arr[index]`.
     fn shared_ref(&self, arr: &str, index: &Expr) -> String {
-        if !self.kernel.index_terms || index_terms(index, true).len() < 2 {
-            return format!("{arr}[{}]", self.expr(index));
+        if self.kernel.index_terms {
+            let terms = index_terms(index, true);
+            if terms.len() > 1 {
+                return format!("*({arr}{})", self.terms_text(&terms));
+            }
         }
-        format!("*({arr}{})", self.pointer_terms(index))
+        format!("{arr}[{}]", self.expr(index))
     }
 
     fn operand(&self, e: &Expr) -> String {
@@ -1220,14 +1227,14 @@ fn without_unused_arrays(unit: String, k: &Kernel) -> String {
 /// The u32 terms of an element index (of a shared array, or of a buffer an intrinsic takes
 /// a pointer into), each added to the pointer on its own: a sum's terms, and with
 /// `distribute` (the kernel's [`Kernel::index_terms`]) a sum times a constant, `(a + b) * k`,
-/// as `a * k` and `b * k`. Each pointer addition widens its own term
-/// to 64 bits, so constant terms become the instruction's immediate offset and the terms
-/// that do not change in a loop are added once; `p + (a + c) * k` instead makes the compiler
-/// form the 32-bit index and widen it at every access, since it cannot assume the 32-bit sum
-/// does not wrap (ncu on the H200: address arithmetic was about a tenth of the 32-head
-/// kernel's instructions, in the chains before its `ldmatrix`). Whenever the original index
-/// does not wrap — every index of an access that is in bounds — the address is the same.
-/// 1.02–1.09× on the 32-head kernels (benches/NOTES.md, v29).
+/// as `a * k` and `b * k`. Each pointer addition widens its own term to 64 bits, so constant
+/// terms become the instruction's immediate offset and the terms that do not change in a
+/// loop are added once; `p + (a + c) * k` instead makes the compiler form the 32-bit index
+/// and widen it at every access, since it cannot assume the 32-bit sum does not wrap (ncu on
+/// the H200: address arithmetic was about a tenth of the 32-head kernel's instructions, in
+/// the chains before its `ldmatrix`). Whenever the original index does not wrap — every
+/// index of an access that is in bounds — the address is the same. 1.02–1.10× on the
+/// 32-head kernels (benches/NOTES.md, v29).
 fn index_terms(index: &Expr, distribute: bool) -> Vec<Expr> {
     fn terms(e: &Expr, k: u32, distribute: bool, out: &mut Vec<Expr>) {
         match e {

@@ -235,8 +235,9 @@ pub enum Func {
     /// Natural exponential, f32.
     Exp,
     /// Natural exponential, f32, approximate (relative error about 2^-22 plus |x| · 2^-24
-    /// from rounding `x · log2 e`, results below 2^-126 flushed to 0): CUDA's `ex2.approx.ftz` of `x · log2 e`, two instructions where
-    /// [`Func::Exp`] (`expf`) is about eight; WGSL's `exp`. For the online softmax's
+    /// from rounding `x · log2 e`, results below 2^-126 flushed to 0): CUDA's
+    /// `ex2.approx.ftz` of `x · log2 e`, two instructions where [`Func::Exp`] (`expf`) is
+    /// about eight; WGSL's `exp`. For the online softmax's
     /// probabilities and rescale factors, which are rounded to bf16 / f16 (P) or feed f32
     /// sums whose tolerance is far above it, and the split merge's weights.
     ExpFast,

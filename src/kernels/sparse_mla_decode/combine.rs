@@ -317,9 +317,10 @@ pub(super) fn merge_segment(
         let valid = b.let_("valid", is_masked(ls.clone()).not());
         (ls, os, valid)
     };
-    // The weights' exponentials are `exp_fast` (`ex2.approx` on CUDA, ~2^-22 + |x| · 2^-24 relative): they
-    // sit on the call's last chain at small T, where `expf` ran 1.01-1.03x slower on the
-    // H200 (benches/NOTES.md, v28); lse and the outputs are unchanged to within 1e-7.
+    // The weights' exponentials are `exp_fast` (`ex2.approx` on CUDA, ~2^-22 + |x| · 2^-24
+    // relative): they sit on the call's last chain at small T, where `expf` ran 1.01-1.03x
+    // slower on the H200 (benches/NOTES.md, v28); lse and the outputs are unchanged to
+    // within 1e-7.
     let fold = |b: &mut KernelBuilder, (ls, os, valid): (Expr, Vec<Expr>, Expr)| {
         let nm = b.let_(
             "nm",

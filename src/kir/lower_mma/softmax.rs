@@ -30,7 +30,7 @@
 //! than the definition's, so `l` may differ from it by rounding.
 
 use super::{
-    add, bin, for_const, intr, let_, lt, mul, priv_load, shared_load, u, var, AccInfo, Cx,
+    add, bin, exp_fast, for_const, intr, let_, lt, mul, priv_load, shared_load, u, var, AccInfo, Cx,
 };
 use crate::kir::ir::*;
 use crate::kir::ops::MASKED_BELOW;
@@ -619,7 +619,7 @@ impl Cx<'_> {
                 b.push(Stmt::PrivateStore {
                     arr: set.alpha.clone(),
                     index: slot.clone(),
-                    value: Expr::Call(Func::ExpFast, vec![bin(BinOp::Sub, ov.clone(), mv.clone())]),
+                    value: exp_fast(bin(BinOp::Sub, ov.clone(), mv.clone())),
                 });
                 if own {
                     b.push(Stmt::PrivateStore {
@@ -657,10 +657,11 @@ impl Cx<'_> {
             let prob = Expr::Select(
                 Box::new(bin(BinOp::Lt, v.clone(), Expr::F32(MASKED_BELOW))),
                 Box::new(Expr::F32(0.0)),
-                Box::new(Expr::Call(
-                    Func::ExpFast,
-                    vec![bin(BinOp::Sub, v, priv_load(&r.m_reg, slot.clone()))],
-                )),
+                Box::new(exp_fast(bin(
+                    BinOp::Sub,
+                    v,
+                    priv_load(&r.m_reg, slot.clone()),
+                ))),
             );
             let per_elem = vec![
                 let_(&at, s_elem(ra, jv.clone(), ev.clone())),
