@@ -337,6 +337,54 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
+// f16 pairs: the operands of fp8_ds_mla's P . V (P in f16, the e4m3 rows as f16 times
+// their scales). Every e4m3 value is exact in f16: sm_89 and later convert a pair in one
+// instruction; before, its bits are moved into place, which is the value times 2^-8
+// (E4M3_F16_UNIT says which).
+SPARSE_MLA_HELPER unsigned pack_f16x2(float lo, float hi) {
+    unsigned h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+SPARSE_MLA_HELPER float f16_lo(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h & 0xffffu)));
+    return v;
+}
+SPARSE_MLA_HELPER float f16_hi(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h >> 16)));
+    return v;
+}
+SPARSE_MLA_HELPER unsigned mul_f16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define E4M3_F16_UNIT 1.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+#else
+#define E4M3_F16_UNIT 256.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    // s eeee mmm -> s 0 eeee mmm 0000000 (bias 7 read as 15: the value times 2^-8, exact,
+    // subnormals included)
+    return ((pair & 0x7fu) << 7) | ((pair & 0x80u) << 8) | ((pair & 0x7f00u) << 15)
+        | ((pair & 0x8000u) << 16);
+}
+#endif
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
+SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-22 plus
 // |x| * 2^-24 from rounding the product; results below 2^-126 flush to 0). The online
 // softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
@@ -372,17 +420,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float scores_term[8];
     unsigned q_tile_a0[8];
     unsigned q_tile_a0_lo[8];
-    unsigned q_tile_a0_bf16[16];
+    unsigned q_tile_a0_f16[16];
     float q_tile_unscale[1];
     unsigned q_tile_a1[8];
     unsigned q_tile_a1_lo[8];
-    unsigned q_tile_a1_bf16[16];
+    unsigned q_tile_a1_f16[16];
     unsigned q_tile_a2[8];
     unsigned q_tile_a2_lo[8];
-    unsigned q_tile_a2_bf16[16];
+    unsigned q_tile_a2_f16[16];
     unsigned q_tile_a3[8];
     unsigned q_tile_a3_lo[8];
-    unsigned q_tile_a3_bf16[16];
+    unsigned q_tile_a3_f16[16];
     unsigned q_tile_a4[8];
     int q_tile_src[1];
     int kv_rows_pre[1];
@@ -391,38 +439,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag314[4];
-    unsigned b_frag315[4];
+    unsigned a_frag317[4];
+    unsigned b_frag318[4];
     unsigned b_raw[2];
-    unsigned a_frag325[4];
-    unsigned b_frag326[2];
-    unsigned a_frag331[4];
-    unsigned b_frag332[4];
-    unsigned b_raw333[2];
+    unsigned a_frag327[4];
+    unsigned b_frag328[2];
+    unsigned a_frag333[4];
+    unsigned b_frag334[4];
+    unsigned b_raw335[2];
     unsigned a_frag348[4];
     unsigned b_frag349[2];
     unsigned a_frag354[4];
     unsigned b_frag355[4];
     unsigned b_raw356[2];
-    unsigned a_frag371[4];
-    unsigned b_frag372[2];
-    unsigned a_frag377[4];
-    unsigned b_frag378[4];
-    unsigned b_raw379[2];
-    unsigned a_frag394[4];
-    unsigned b_frag395[4];
-    unsigned a_frag440[4];
-    unsigned b_frag441[4];
-    unsigned b_raw442[2];
-    unsigned a_frag460[4];
-    unsigned b_frag461[4];
-    unsigned b_raw462[2];
-    unsigned a_frag483[4];
-    unsigned b_frag484[4];
-    unsigned b_raw485[2];
-    unsigned a_frag506[4];
-    unsigned b_frag507[4];
-    unsigned b_raw508[2];
+    unsigned a_frag369[4];
+    unsigned b_frag370[2];
+    unsigned a_frag375[4];
+    unsigned b_frag376[4];
+    unsigned b_raw377[2];
+    unsigned a_frag390[4];
+    unsigned b_frag391[4];
+    unsigned a_frag436[4];
+    unsigned b_frag437[4];
+    unsigned b_raw438[2];
+    unsigned a_frag455[4];
+    unsigned b_frag456[4];
+    unsigned b_raw457[2];
+    unsigned a_frag478[4];
+    unsigned b_frag479[4];
+    unsigned b_raw480[2];
+    unsigned a_frag501[4];
+    unsigned b_frag502[4];
+    unsigned b_raw503[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -468,9 +516,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row296 < 32u) {
-                    const unsigned row_1 = gather_row296;
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row299 < 32u) {
+                    const unsigned row_1 = gather_row299;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -490,18 +538,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
-                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
-                if (gather_row298 < 32u) {
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row298;
-                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    *(row_valid + (load_stage * 36u) + gather_row298) = (src_i32299 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row301;
+                    const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                    *(row_valid + (load_stage * 36u) + gather_row301) = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32302 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            *(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u) + zero_w) = 0u;
+                            *(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -512,11 +560,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 32u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                if (gather_row304 < 32u) {
+                    const unsigned row_1 = gather_row304;
+                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -563,147 +611,148 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
+    float q_absmax = 0.0f;
+    const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+    const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+    const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+    const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+    const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+    const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+    const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+    const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+    const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+    const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+    const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+    const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+    const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+    const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+    const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+    const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+    const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+    const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+    const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+    const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+    const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+    const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+    const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+    const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+    const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+    const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+    const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+    const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+    const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+    const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+    const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+    const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+    const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+    const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+    const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+    const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+    const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+    const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+    const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+    const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+    const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+    const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+    const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+    const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+    const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+    const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+    const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+    const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+    const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+    const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+    const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+    const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+    const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+    const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+    const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+    const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+    const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+    const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+    const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+    const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+    const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+    const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+    const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+    const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+    const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer);
+    const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+    const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+    const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+    const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+    const unsigned q_absmax_exp = (__float_as_uint(q_absmax) >> 23u) & 255u;
     if (E4M3_MMA_NATIVE) {
-        float q_absmax = 0.0f;
-        const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
-        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
-        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
-        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const unsigned q_scale_exp = (q_absmax_exp < 8u) ? 253u : (261u - q_absmax_exp);
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
@@ -1011,79 +1060,90 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned sub7 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[8u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a0_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a0_bf16[10u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[12u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a0_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a0_bf16[14u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[8u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a1_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a1_bf16[10u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[12u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a1_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a1_bf16[14u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[8u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a2_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a2_bf16[10u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[12u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a2_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a2_bf16[14u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[8u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a3_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a3_bf16[10u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[12u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a3_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a3_bf16[14u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
-        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
-        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
-        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
-        q_tile_a4[4u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
-        q_tile_a4[5u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
-        q_tile_a4[6u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
-        q_tile_a4[7u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        const unsigned q_scale_exp293 = (q_absmax_exp < 15u) ? 253u : (268u - q_absmax_exp);
+        const float q_scale294 = __uint_as_float(q_scale_exp293 << 23u);
+        const float q_scale295 = q_scale294 / E4M3_F16_UNIT;
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp293) << 23u) * E4M3_F16_UNIT;
+        q_tile_a0_f16[0u] = pack_f16x2(__uint_as_float(q_pair << 16u) * q_scale294, __uint_as_float(q_pair & 4294901760u) * q_scale294);
+        q_tile_a0_f16[2u] = pack_f16x2(__uint_as_float(q_pair5 << 16u) * q_scale294, __uint_as_float(q_pair5 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[1u] = pack_f16x2(__uint_as_float(q_pair6 << 16u) * q_scale294, __uint_as_float(q_pair6 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[3u] = pack_f16x2(__uint_as_float(q_pair7 << 16u) * q_scale294, __uint_as_float(q_pair7 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[4u] = pack_f16x2(__uint_as_float(q_pair8 << 16u) * q_scale294, __uint_as_float(q_pair8 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[6u] = pack_f16x2(__uint_as_float(q_pair9 << 16u) * q_scale294, __uint_as_float(q_pair9 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[5u] = pack_f16x2(__uint_as_float(q_pair10 << 16u) * q_scale294, __uint_as_float(q_pair10 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[7u] = pack_f16x2(__uint_as_float(q_pair11 << 16u) * q_scale294, __uint_as_float(q_pair11 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[8u] = pack_f16x2(__uint_as_float(q_pair12 << 16u) * q_scale294, __uint_as_float(q_pair12 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[10u] = pack_f16x2(__uint_as_float(q_pair13 << 16u) * q_scale294, __uint_as_float(q_pair13 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[9u] = pack_f16x2(__uint_as_float(q_pair14 << 16u) * q_scale294, __uint_as_float(q_pair14 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[11u] = pack_f16x2(__uint_as_float(q_pair15 << 16u) * q_scale294, __uint_as_float(q_pair15 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[12u] = pack_f16x2(__uint_as_float(q_pair16 << 16u) * q_scale294, __uint_as_float(q_pair16 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[14u] = pack_f16x2(__uint_as_float(q_pair17 << 16u) * q_scale294, __uint_as_float(q_pair17 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[13u] = pack_f16x2(__uint_as_float(q_pair18 << 16u) * q_scale294, __uint_as_float(q_pair18 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[15u] = pack_f16x2(__uint_as_float(q_pair19 << 16u) * q_scale294, __uint_as_float(q_pair19 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[0u] = pack_f16x2(__uint_as_float(q_pair20 << 16u) * q_scale294, __uint_as_float(q_pair20 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[2u] = pack_f16x2(__uint_as_float(q_pair21 << 16u) * q_scale294, __uint_as_float(q_pair21 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[1u] = pack_f16x2(__uint_as_float(q_pair22 << 16u) * q_scale294, __uint_as_float(q_pair22 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[3u] = pack_f16x2(__uint_as_float(q_pair23 << 16u) * q_scale294, __uint_as_float(q_pair23 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[4u] = pack_f16x2(__uint_as_float(q_pair24 << 16u) * q_scale294, __uint_as_float(q_pair24 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[6u] = pack_f16x2(__uint_as_float(q_pair25 << 16u) * q_scale294, __uint_as_float(q_pair25 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[5u] = pack_f16x2(__uint_as_float(q_pair26 << 16u) * q_scale294, __uint_as_float(q_pair26 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[7u] = pack_f16x2(__uint_as_float(q_pair27 << 16u) * q_scale294, __uint_as_float(q_pair27 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[8u] = pack_f16x2(__uint_as_float(q_pair28 << 16u) * q_scale294, __uint_as_float(q_pair28 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[10u] = pack_f16x2(__uint_as_float(q_pair29 << 16u) * q_scale294, __uint_as_float(q_pair29 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[9u] = pack_f16x2(__uint_as_float(q_pair30 << 16u) * q_scale294, __uint_as_float(q_pair30 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[11u] = pack_f16x2(__uint_as_float(q_pair31 << 16u) * q_scale294, __uint_as_float(q_pair31 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[12u] = pack_f16x2(__uint_as_float(q_pair32 << 16u) * q_scale294, __uint_as_float(q_pair32 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[14u] = pack_f16x2(__uint_as_float(q_pair33 << 16u) * q_scale294, __uint_as_float(q_pair33 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[13u] = pack_f16x2(__uint_as_float(q_pair34 << 16u) * q_scale294, __uint_as_float(q_pair34 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[15u] = pack_f16x2(__uint_as_float(q_pair35 << 16u) * q_scale294, __uint_as_float(q_pair35 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[0u] = pack_f16x2(__uint_as_float(q_pair36 << 16u) * q_scale294, __uint_as_float(q_pair36 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[2u] = pack_f16x2(__uint_as_float(q_pair37 << 16u) * q_scale294, __uint_as_float(q_pair37 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[1u] = pack_f16x2(__uint_as_float(q_pair38 << 16u) * q_scale294, __uint_as_float(q_pair38 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[3u] = pack_f16x2(__uint_as_float(q_pair39 << 16u) * q_scale294, __uint_as_float(q_pair39 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[4u] = pack_f16x2(__uint_as_float(q_pair40 << 16u) * q_scale294, __uint_as_float(q_pair40 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[6u] = pack_f16x2(__uint_as_float(q_pair41 << 16u) * q_scale294, __uint_as_float(q_pair41 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[5u] = pack_f16x2(__uint_as_float(q_pair42 << 16u) * q_scale294, __uint_as_float(q_pair42 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[7u] = pack_f16x2(__uint_as_float(q_pair43 << 16u) * q_scale294, __uint_as_float(q_pair43 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[8u] = pack_f16x2(__uint_as_float(q_pair44 << 16u) * q_scale294, __uint_as_float(q_pair44 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[10u] = pack_f16x2(__uint_as_float(q_pair45 << 16u) * q_scale294, __uint_as_float(q_pair45 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[9u] = pack_f16x2(__uint_as_float(q_pair46 << 16u) * q_scale294, __uint_as_float(q_pair46 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[11u] = pack_f16x2(__uint_as_float(q_pair47 << 16u) * q_scale294, __uint_as_float(q_pair47 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[12u] = pack_f16x2(__uint_as_float(q_pair48 << 16u) * q_scale294, __uint_as_float(q_pair48 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[14u] = pack_f16x2(__uint_as_float(q_pair49 << 16u) * q_scale294, __uint_as_float(q_pair49 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[13u] = pack_f16x2(__uint_as_float(q_pair50 << 16u) * q_scale294, __uint_as_float(q_pair50 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[15u] = pack_f16x2(__uint_as_float(q_pair51 << 16u) * q_scale294, __uint_as_float(q_pair51 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[0u] = pack_f16x2(__uint_as_float(q_pair52 << 16u) * q_scale294, __uint_as_float(q_pair52 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[2u] = pack_f16x2(__uint_as_float(q_pair53 << 16u) * q_scale294, __uint_as_float(q_pair53 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[1u] = pack_f16x2(__uint_as_float(q_pair54 << 16u) * q_scale294, __uint_as_float(q_pair54 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[3u] = pack_f16x2(__uint_as_float(q_pair55 << 16u) * q_scale294, __uint_as_float(q_pair55 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[4u] = pack_f16x2(__uint_as_float(q_pair56 << 16u) * q_scale294, __uint_as_float(q_pair56 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[6u] = pack_f16x2(__uint_as_float(q_pair57 << 16u) * q_scale294, __uint_as_float(q_pair57 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[5u] = pack_f16x2(__uint_as_float(q_pair58 << 16u) * q_scale294, __uint_as_float(q_pair58 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[7u] = pack_f16x2(__uint_as_float(q_pair59 << 16u) * q_scale294, __uint_as_float(q_pair59 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[8u] = pack_f16x2(__uint_as_float(q_pair60 << 16u) * q_scale294, __uint_as_float(q_pair60 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[10u] = pack_f16x2(__uint_as_float(q_pair61 << 16u) * q_scale294, __uint_as_float(q_pair61 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[9u] = pack_f16x2(__uint_as_float(q_pair62 << 16u) * q_scale294, __uint_as_float(q_pair62 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[11u] = pack_f16x2(__uint_as_float(q_pair63 << 16u) * q_scale294, __uint_as_float(q_pair63 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[12u] = pack_f16x2(__uint_as_float(q_pair64 << 16u) * q_scale294, __uint_as_float(q_pair64 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[14u] = pack_f16x2(__uint_as_float(q_pair65 << 16u) * q_scale294, __uint_as_float(q_pair65 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[13u] = pack_f16x2(__uint_as_float(q_pair66 << 16u) * q_scale294, __uint_as_float(q_pair66 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[15u] = pack_f16x2(__uint_as_float(q_pair67 << 16u) * q_scale294, __uint_as_float(q_pair67 & 4294901760u) * q_scale294);
+        const unsigned sub8 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub8 << 16u) * q_scale295, __uint_as_float(sub8 & 4294901760u) * q_scale295);
+        const unsigned sub9 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub9 << 16u) * q_scale295, __uint_as_float(sub9 & 4294901760u) * q_scale295);
+        const unsigned sub10 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub10 << 16u) * q_scale295, __uint_as_float(sub10 & 4294901760u) * q_scale295);
+        const unsigned sub11 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub11 << 16u) * q_scale295, __uint_as_float(sub11 & 4294901760u) * q_scale295);
+        const unsigned sub12 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub12 << 16u) * q_scale295, __uint_as_float(sub12 & 4294901760u) * q_scale295);
+        const unsigned sub13 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub13 << 16u) * q_scale295, __uint_as_float(sub13 & 4294901760u) * q_scale295);
+        const unsigned sub14 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub14 << 16u) * q_scale295, __uint_as_float(sub14 & 4294901760u) * q_scale295);
+        const unsigned sub15 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub15 << 16u) * q_scale295, __uint_as_float(sub15 & 4294901760u) * q_scale295);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
@@ -1096,16 +1156,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i293 = 0u; fill_i293 < 8u; fill_i293 += 1u) {
-        o_acc_1[fill_i293] = 0.0f;
+    for (unsigned fill_i296 = 0u; fill_i296 < 8u; fill_i296 += 1u) {
+        o_acc_1[fill_i296] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i294 = 0u; fill_i294 < 8u; fill_i294 += 1u) {
-        o_acc_2[fill_i294] = 0.0f;
+    for (unsigned fill_i297 = 0u; fill_i297 < 8u; fill_i297 += 1u) {
+        o_acc_2[fill_i297] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i295 = 0u; fill_i295 < 8u; fill_i295 += 1u) {
-        o_acc_3[fill_i295] = 0.0f;
+    for (unsigned fill_i298 = 0u; fill_i298 < 8u; fill_i298 += 1u) {
+        o_acc_3[fill_i298] = 0.0f;
     }
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
@@ -1120,10 +1180,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi302 = 0u; mi302 < 1u; mi302 += 1u) {
+        for (unsigned mi305 = 0u; mi305 < 1u; mi305 += 1u) {
             #pragma unroll
-            for (unsigned half303 = 0u; half303 < 2u; half303 += 1u) {
-                row_sum_part[(mi302 * 2u) + half303] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi302 * 16u) + (half303 * 8u) + lane_group) : 0.0f;
+            for (unsigned half306 = 0u; half306 < 2u; half306 += 1u) {
+                row_sum_part[(mi305 * 2u) + half306] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi305 * 16u) + (half306 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1135,16 +1195,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i311 = 0u; fill_i311 < 4u; fill_i311 += 1u) {
-            scores[fill_i311] = 0.0f;
+        for (unsigned fill_i314 = 0u; fill_i314 < 4u; fill_i314 += 1u) {
+            scores[fill_i314] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 4u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e312 = 0u; e312 < 4u; e312 += 1u) {
-            scores_term[e312] = 0.0f;
+        for (unsigned e315 = 0u; e315 < 4u; e315 += 1u) {
+            scores_term[e315] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
@@ -1154,113 +1214,109 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 1u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (((warp % 2u) * 2u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi313 = 0u; mi313 < 1u; mi313 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi313 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi313 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi313 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi313 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi313 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi313 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi316 = 0u; mi316 < 1u; mi316 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi316 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi316 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi316 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi316 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi316 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi316 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi316 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi316 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi316 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi316 + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e319 = 0u; e319 < 4u; e319 += 1u) {
-                scores_term[4u + e319] = 0.0f;
+            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
+                scores_term[4u + e322] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk316 = (kk_pair * 2u) + chain;
+                    const unsigned kk319 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj318 = 0u; nj318 < 1u; nj318 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj318 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk316 * 4u));
-                        const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair320 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag315[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag315[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair320), e4m3x2_hi(e4m3_pair320));
+                    for (unsigned nj321 = 0u; nj321 < 1u; nj321 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj321 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk319 * 4u));
+                        b_frag318[0u] = e4m3x2_f16(b_raw[0u] & 65535u);
+                        b_frag318[1u] = e4m3x2_f16(b_raw[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi317 = 0u; mi317 < 1u; mi317 += 1u) {
-                            a_frag314[0u] = q_tile_a0_bf16[((mi317 * 4u) + kk316) * 4u];
-                            a_frag314[1u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 1u];
-                            a_frag314[2u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 2u];
-                            a_frag314[3u] = q_tile_a0_bf16[(((mi317 * 4u) + kk316) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 4u) + ((mi317 + nj318) * 4u)], &a_frag314[0u], &b_frag315[0u]);
+                        for (unsigned mi320 = 0u; mi320 < 1u; mi320 += 1u) {
+                            a_frag317[0u] = q_tile_a0_f16[((mi320 * 4u) + kk319) * 4u];
+                            a_frag317[1u] = q_tile_a0_f16[(((mi320 * 4u) + kk319) * 4u) + 1u];
+                            a_frag317[2u] = q_tile_a0_f16[(((mi320 * 4u) + kk319) * 4u) + 2u];
+                            a_frag317[3u] = q_tile_a0_f16[(((mi320 * 4u) + kk319) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain * 4u) + ((mi320 + nj321) * 4u)], &a_frag317[0u], &b_frag318[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e321 = 0u; e321 < 4u; e321 += 1u) {
-                scores_term[e321] = scores_term[e321] + scores_term[4u + e321];
+            for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
+                scores_term[e323] = scores_term[e323] + scores_term[4u + e323];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 1u; frag += 1u) {
             #pragma unroll
-            for (unsigned e322 = 0u; e322 < 4u; e322 += 1u) {
-                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e322 & 1u) * 164u));
-                scores_part[(frag * 4u) + e322] = fmaf(scores_term[(frag * 4u) + e322], row_scale, scores_part[(frag * 4u) + e322]);
+            for (unsigned e324 = 0u; e324 < 4u; e324 += 1u) {
+                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e324 & 1u) * 164u));
+                scores_part[(frag * 4u) + e324] = fmaf(scores_term[(frag * 4u) + e324], row_scale, scores_part[(frag * 4u) + e324]);
             }
         }
         #pragma unroll
-        for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
-            scores_term[e323] = 0.0f;
+        for (unsigned e325 = 0u; e325 < 4u; e325 += 1u) {
+            scores_term[e325] = 0.0f;
         }
-        const unsigned n_first324 = (warp / 2u) * 8u;
+        const unsigned n_first326 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk327 = 0u; kk327 < 2u; kk327 += 1u) {
+            for (unsigned kk329 = 0u; kk329 < 2u; kk329 += 1u) {
                 #pragma unroll
-                for (unsigned nj329 = 0u; nj329 < 1u; nj329 += 1u) {
-                    ldmatrix_x2(&b_frag326[0u], kv_rows + (stage * 5248u) + (n_first324 * 164u) + ((nj329 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk327 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj331 = 0u; nj331 < 1u; nj331 += 1u) {
+                    ldmatrix_x2(&b_frag328[0u], kv_rows + (stage * 5248u) + (n_first326 * 164u) + ((nj331 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk329 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
-                        a_frag325[0u] = q_tile_a1[((mi328 * 2u) + kk327) * 4u];
-                        a_frag325[1u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 1u];
-                        a_frag325[2u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 2u];
-                        a_frag325[3u] = q_tile_a1[(((mi328 * 2u) + kk327) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi328 + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
-                        a_frag325[0u] = q_tile_a1_lo[((mi328 * 2u) + kk327) * 4u];
-                        a_frag325[1u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 1u];
-                        a_frag325[2u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 2u];
-                        a_frag325[3u] = q_tile_a1_lo[(((mi328 * 2u) + kk327) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi328 + nj329) * 4u], &a_frag325[0u], &b_frag326[0u]);
+                    for (unsigned mi330 = 0u; mi330 < 1u; mi330 += 1u) {
+                        a_frag327[0u] = q_tile_a1[((mi330 * 2u) + kk329) * 4u];
+                        a_frag327[1u] = q_tile_a1[(((mi330 * 2u) + kk329) * 4u) + 1u];
+                        a_frag327[2u] = q_tile_a1[(((mi330 * 2u) + kk329) * 4u) + 2u];
+                        a_frag327[3u] = q_tile_a1[(((mi330 * 2u) + kk329) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi330 + nj331) * 4u], &a_frag327[0u], &b_frag328[0u]);
+                        a_frag327[0u] = q_tile_a1_lo[((mi330 * 2u) + kk329) * 4u];
+                        a_frag327[1u] = q_tile_a1_lo[(((mi330 * 2u) + kk329) * 4u) + 1u];
+                        a_frag327[2u] = q_tile_a1_lo[(((mi330 * 2u) + kk329) * 4u) + 2u];
+                        a_frag327[3u] = q_tile_a1_lo[(((mi330 * 2u) + kk329) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi330 + nj331) * 4u], &a_frag327[0u], &b_frag328[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first330 = (warp % 2u) * 4u;
+            const unsigned k_first332 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e339 = 0u; e339 < 4u; e339 += 1u) {
-                scores_term[4u + e339] = 0.0f;
+            for (unsigned e341 = 0u; e341 < 4u; e341 += 1u) {
+                scores_term[4u + e341] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair337 = 0u; kk_pair337 < 2u; kk_pair337 += 1u) {
+            for (unsigned kk_pair339 = 0u; kk_pair339 < 2u; kk_pair339 += 1u) {
                 #pragma unroll
-                for (unsigned chain338 = 0u; chain338 < 2u; chain338 += 1u) {
-                    const unsigned kk334 = (kk_pair337 * 2u) + chain338;
+                for (unsigned chain340 = 0u; chain340 < 2u; chain340 += 1u) {
+                    const unsigned kk336 = (kk_pair339 * 2u) + chain340;
                     #pragma unroll
-                    for (unsigned nj336 = 0u; nj336 < 1u; nj336 += 1u) {
-                        ldmatrix_x1(&b_raw333[0u], kv_rows + (stage * 5248u) + (n_first324 * 164u) + ((nj336 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first330 * 4u) + (kk334 * 4u));
-                        const unsigned e4m3_pair340 = e4m3x2_prep(b_raw333[0u] & 65535u);
-                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw333[0u] >> 16u);
-                        b_frag332[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair340), e4m3x2_hi(e4m3_pair340));
-                        b_frag332[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
+                    for (unsigned nj338 = 0u; nj338 < 1u; nj338 += 1u) {
+                        ldmatrix_x1(&b_raw335[0u], kv_rows + (stage * 5248u) + (n_first326 * 164u) + ((nj338 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first332 * 4u) + (kk336 * 4u));
+                        b_frag334[0u] = e4m3x2_f16(b_raw335[0u] & 65535u);
+                        b_frag334[1u] = e4m3x2_f16(b_raw335[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi335 = 0u; mi335 < 1u; mi335 += 1u) {
-                            a_frag331[0u] = q_tile_a1_bf16[((mi335 * 4u) + kk334) * 4u];
-                            a_frag331[1u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 1u];
-                            a_frag331[2u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 2u];
-                            a_frag331[3u] = q_tile_a1_bf16[(((mi335 * 4u) + kk334) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain338 * 4u) + ((mi335 + nj336) * 4u)], &a_frag331[0u], &b_frag332[0u]);
+                        for (unsigned mi337 = 0u; mi337 < 1u; mi337 += 1u) {
+                            a_frag333[0u] = q_tile_a1_f16[((mi337 * 4u) + kk336) * 4u];
+                            a_frag333[1u] = q_tile_a1_f16[(((mi337 * 4u) + kk336) * 4u) + 1u];
+                            a_frag333[2u] = q_tile_a1_f16[(((mi337 * 4u) + kk336) * 4u) + 2u];
+                            a_frag333[3u] = q_tile_a1_f16[(((mi337 * 4u) + kk336) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain340 * 4u) + ((mi337 + nj338) * 4u)], &a_frag333[0u], &b_frag334[0u]);
                         }
                     }
                 }
@@ -1274,7 +1330,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag343 = 0u; frag343 < 1u; frag343 += 1u) {
             #pragma unroll
             for (unsigned e344 = 0u; e344 < 4u; e344 += 1u) {
-                const float row_scale345 = *(kv_scales + (stage * 5248u) + (n_first324 * 164u) + (((frag343 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e344 & 1u) * 164u) + 1u);
+                const float row_scale345 = *(kv_scales + (stage * 5248u) + (n_first326 * 164u) + (((frag343 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e344 & 1u) * 164u) + 1u);
                 scores_part[(frag343 * 4u) + e344] = fmaf(scores_term[(frag343 * 4u) + e344], row_scale345, scores_part[(frag343 * 4u) + e344]);
             }
         }
@@ -1318,142 +1374,138 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     #pragma unroll
                     for (unsigned nj359 = 0u; nj359 < 1u; nj359 += 1u) {
                         ldmatrix_x1(&b_raw356[0u], kv_rows + (stage * 5248u) + (n_first347 * 164u) + ((nj359 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first353 * 4u) + (kk357 * 4u));
-                        const unsigned e4m3_pair363 = e4m3x2_prep(b_raw356[0u] & 65535u);
-                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw356[0u] >> 16u);
-                        b_frag355[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair363), e4m3x2_hi(e4m3_pair363));
-                        b_frag355[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
+                        b_frag355[0u] = e4m3x2_f16(b_raw356[0u] & 65535u);
+                        b_frag355[1u] = e4m3x2_f16(b_raw356[0u] >> 16u);
                         #pragma unroll
                         for (unsigned mi358 = 0u; mi358 < 1u; mi358 += 1u) {
-                            a_frag354[0u] = q_tile_a2_bf16[((mi358 * 4u) + kk357) * 4u];
-                            a_frag354[1u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 1u];
-                            a_frag354[2u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 2u];
-                            a_frag354[3u] = q_tile_a2_bf16[(((mi358 * 4u) + kk357) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain361 * 4u) + ((mi358 + nj359) * 4u)], &a_frag354[0u], &b_frag355[0u]);
+                            a_frag354[0u] = q_tile_a2_f16[((mi358 * 4u) + kk357) * 4u];
+                            a_frag354[1u] = q_tile_a2_f16[(((mi358 * 4u) + kk357) * 4u) + 1u];
+                            a_frag354[2u] = q_tile_a2_f16[(((mi358 * 4u) + kk357) * 4u) + 2u];
+                            a_frag354[3u] = q_tile_a2_f16[(((mi358 * 4u) + kk357) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain361 * 4u) + ((mi358 + nj359) * 4u)], &a_frag354[0u], &b_frag355[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e365 = 0u; e365 < 4u; e365 += 1u) {
-                scores_term[e365] = scores_term[e365] + scores_term[4u + e365];
+            for (unsigned e363 = 0u; e363 < 4u; e363 += 1u) {
+                scores_term[e363] = scores_term[e363] + scores_term[4u + e363];
             }
         }
         #pragma unroll
-        for (unsigned frag366 = 0u; frag366 < 1u; frag366 += 1u) {
+        for (unsigned frag364 = 0u; frag364 < 1u; frag364 += 1u) {
             #pragma unroll
-            for (unsigned e367 = 0u; e367 < 4u; e367 += 1u) {
-                const float row_scale368 = *(kv_scales + (stage * 5248u) + (n_first347 * 164u) + (((frag366 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e367 & 1u) * 164u) + 2u);
-                scores_part[(frag366 * 4u) + e367] = fmaf(scores_term[(frag366 * 4u) + e367], row_scale368, scores_part[(frag366 * 4u) + e367]);
+            for (unsigned e365 = 0u; e365 < 4u; e365 += 1u) {
+                const float row_scale366 = *(kv_scales + (stage * 5248u) + (n_first347 * 164u) + (((frag364 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e365 & 1u) * 164u) + 2u);
+                scores_part[(frag364 * 4u) + e365] = fmaf(scores_term[(frag364 * 4u) + e365], row_scale366, scores_part[(frag364 * 4u) + e365]);
             }
         }
         #pragma unroll
-        for (unsigned e369 = 0u; e369 < 4u; e369 += 1u) {
-            scores_term[e369] = 0.0f;
+        for (unsigned e367 = 0u; e367 < 4u; e367 += 1u) {
+            scores_term[e367] = 0.0f;
         }
-        const unsigned n_first370 = (warp / 2u) * 8u;
+        const unsigned n_first368 = (warp / 2u) * 8u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk373 = 0u; kk373 < 2u; kk373 += 1u) {
+            for (unsigned kk371 = 0u; kk371 < 2u; kk371 += 1u) {
                 #pragma unroll
-                for (unsigned nj375 = 0u; nj375 < 1u; nj375 += 1u) {
-                    ldmatrix_x2(&b_frag372[0u], kv_rows + (stage * 5248u) + (n_first370 * 164u) + ((nj375 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk373 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj373 = 0u; nj373 < 1u; nj373 += 1u) {
+                    ldmatrix_x2(&b_frag370[0u], kv_rows + (stage * 5248u) + (n_first368 * 164u) + ((nj373 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk371 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi374 = 0u; mi374 < 1u; mi374 += 1u) {
-                        a_frag371[0u] = q_tile_a3[((mi374 * 2u) + kk373) * 4u];
-                        a_frag371[1u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 1u];
-                        a_frag371[2u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 2u];
-                        a_frag371[3u] = q_tile_a3[(((mi374 * 2u) + kk373) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi374 + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
-                        a_frag371[0u] = q_tile_a3_lo[((mi374 * 2u) + kk373) * 4u];
-                        a_frag371[1u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 1u];
-                        a_frag371[2u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 2u];
-                        a_frag371[3u] = q_tile_a3_lo[(((mi374 * 2u) + kk373) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[(mi374 + nj375) * 4u], &a_frag371[0u], &b_frag372[0u]);
+                    for (unsigned mi372 = 0u; mi372 < 1u; mi372 += 1u) {
+                        a_frag369[0u] = q_tile_a3[((mi372 * 2u) + kk371) * 4u];
+                        a_frag369[1u] = q_tile_a3[(((mi372 * 2u) + kk371) * 4u) + 1u];
+                        a_frag369[2u] = q_tile_a3[(((mi372 * 2u) + kk371) * 4u) + 2u];
+                        a_frag369[3u] = q_tile_a3[(((mi372 * 2u) + kk371) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi372 + nj373) * 4u], &a_frag369[0u], &b_frag370[0u]);
+                        a_frag369[0u] = q_tile_a3_lo[((mi372 * 2u) + kk371) * 4u];
+                        a_frag369[1u] = q_tile_a3_lo[(((mi372 * 2u) + kk371) * 4u) + 1u];
+                        a_frag369[2u] = q_tile_a3_lo[(((mi372 * 2u) + kk371) * 4u) + 2u];
+                        a_frag369[3u] = q_tile_a3_lo[(((mi372 * 2u) + kk371) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[(mi372 + nj373) * 4u], &a_frag369[0u], &b_frag370[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first376 = (warp % 2u) * 4u;
+            const unsigned k_first374 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e385 = 0u; e385 < 4u; e385 += 1u) {
-                scores_term[4u + e385] = 0.0f;
+            for (unsigned e383 = 0u; e383 < 4u; e383 += 1u) {
+                scores_term[4u + e383] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair383 = 0u; kk_pair383 < 2u; kk_pair383 += 1u) {
+            for (unsigned kk_pair381 = 0u; kk_pair381 < 2u; kk_pair381 += 1u) {
                 #pragma unroll
-                for (unsigned chain384 = 0u; chain384 < 2u; chain384 += 1u) {
-                    const unsigned kk380 = (kk_pair383 * 2u) + chain384;
+                for (unsigned chain382 = 0u; chain382 < 2u; chain382 += 1u) {
+                    const unsigned kk378 = (kk_pair381 * 2u) + chain382;
                     #pragma unroll
-                    for (unsigned nj382 = 0u; nj382 < 1u; nj382 += 1u) {
-                        ldmatrix_x1(&b_raw379[0u], kv_rows + (stage * 5248u) + (n_first370 * 164u) + ((nj382 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first376 * 4u) + (kk380 * 4u));
-                        const unsigned e4m3_pair386 = e4m3x2_prep(b_raw379[0u] & 65535u);
-                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw379[0u] >> 16u);
-                        b_frag378[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair386), e4m3x2_hi(e4m3_pair386));
-                        b_frag378[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
+                    for (unsigned nj380 = 0u; nj380 < 1u; nj380 += 1u) {
+                        ldmatrix_x1(&b_raw377[0u], kv_rows + (stage * 5248u) + (n_first368 * 164u) + ((nj380 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first374 * 4u) + (kk378 * 4u));
+                        b_frag376[0u] = e4m3x2_f16(b_raw377[0u] & 65535u);
+                        b_frag376[1u] = e4m3x2_f16(b_raw377[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi381 = 0u; mi381 < 1u; mi381 += 1u) {
-                            a_frag377[0u] = q_tile_a3_bf16[((mi381 * 4u) + kk380) * 4u];
-                            a_frag377[1u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 1u];
-                            a_frag377[2u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 2u];
-                            a_frag377[3u] = q_tile_a3_bf16[(((mi381 * 4u) + kk380) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain384 * 4u) + ((mi381 + nj382) * 4u)], &a_frag377[0u], &b_frag378[0u]);
+                        for (unsigned mi379 = 0u; mi379 < 1u; mi379 += 1u) {
+                            a_frag375[0u] = q_tile_a3_f16[((mi379 * 4u) + kk378) * 4u];
+                            a_frag375[1u] = q_tile_a3_f16[(((mi379 * 4u) + kk378) * 4u) + 1u];
+                            a_frag375[2u] = q_tile_a3_f16[(((mi379 * 4u) + kk378) * 4u) + 2u];
+                            a_frag375[3u] = q_tile_a3_f16[(((mi379 * 4u) + kk378) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain382 * 4u) + ((mi379 + nj380) * 4u)], &a_frag375[0u], &b_frag376[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e388 = 0u; e388 < 4u; e388 += 1u) {
-                scores_term[e388] = scores_term[e388] + scores_term[4u + e388];
+            for (unsigned e384 = 0u; e384 < 4u; e384 += 1u) {
+                scores_term[e384] = scores_term[e384] + scores_term[4u + e384];
             }
         }
         #pragma unroll
-        for (unsigned frag389 = 0u; frag389 < 1u; frag389 += 1u) {
+        for (unsigned frag385 = 0u; frag385 < 1u; frag385 += 1u) {
             #pragma unroll
-            for (unsigned e390 = 0u; e390 < 4u; e390 += 1u) {
-                const float row_scale391 = *(kv_scales + (stage * 5248u) + (n_first370 * 164u) + (((frag389 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e390 & 1u) * 164u) + 3u);
-                scores_part[(frag389 * 4u) + e390] = fmaf(scores_term[(frag389 * 4u) + e390], row_scale391, scores_part[(frag389 * 4u) + e390]);
+            for (unsigned e386 = 0u; e386 < 4u; e386 += 1u) {
+                const float row_scale387 = *(kv_scales + (stage * 5248u) + (n_first368 * 164u) + (((frag385 % 1u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e386 & 1u) * 164u) + 3u);
+                scores_part[(frag385 * 4u) + e386] = fmaf(scores_term[(frag385 * 4u) + e386], row_scale387, scores_part[(frag385 * 4u) + e386]);
             }
         }
-        const unsigned n_first392 = (warp / 2u) * 8u;
-        const unsigned k_first393 = (warp % 2u) * 2u;
+        const unsigned n_first388 = (warp / 2u) * 8u;
+        const unsigned k_first389 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e402 = 0u; e402 < 4u; e402 += 1u) {
-            scores_part[4u + e402] = 0.0f;
+        for (unsigned e398 = 0u; e398 < 4u; e398 += 1u) {
+            scores_part[4u + e398] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair400 = 0u; kk_pair400 < 1u; kk_pair400 += 1u) {
+        for (unsigned kk_pair396 = 0u; kk_pair396 < 1u; kk_pair396 += 1u) {
             #pragma unroll
-            for (unsigned chain401 = 0u; chain401 < 2u; chain401 += 1u) {
-                const unsigned kk397 = (kk_pair400 * 2u) + chain401;
+            for (unsigned chain397 = 0u; chain397 < 2u; chain397 += 1u) {
+                const unsigned kk393 = (kk_pair396 * 2u) + chain397;
                 #pragma unroll
-                for (unsigned nj399 = 0u; nj399 < 1u; nj399 += 1u) {
-                    ldmatrix_x2(&b_frag395[0u], kv_rope + (stage * 5248u) + (n_first392 * 164u) + ((nj399 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first393 * 8u) + (kk397 * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj395 = 0u; nj395 < 1u; nj395 += 1u) {
+                    ldmatrix_x2(&b_frag391[0u], kv_rope + (stage * 5248u) + (n_first388 * 164u) + ((nj395 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first389 * 8u) + (kk393 * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi398 = 0u; mi398 < 1u; mi398 += 1u) {
-                        a_frag394[0u] = q_tile_a4[((mi398 * 2u) + kk397) * 4u];
-                        a_frag394[1u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 1u];
-                        a_frag394[2u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 2u];
-                        a_frag394[3u] = q_tile_a4[(((mi398 * 2u) + kk397) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain401 * 4u) + ((mi398 + nj399) * 4u)], &a_frag394[0u], &b_frag395[0u]);
+                    for (unsigned mi394 = 0u; mi394 < 1u; mi394 += 1u) {
+                        a_frag390[0u] = q_tile_a4[((mi394 * 2u) + kk393) * 4u];
+                        a_frag390[1u] = q_tile_a4[(((mi394 * 2u) + kk393) * 4u) + 1u];
+                        a_frag390[2u] = q_tile_a4[(((mi394 * 2u) + kk393) * 4u) + 2u];
+                        a_frag390[3u] = q_tile_a4[(((mi394 * 2u) + kk393) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain397 * 4u) + ((mi394 + nj395) * 4u)], &a_frag390[0u], &b_frag391[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e403 = 0u; e403 < 4u; e403 += 1u) {
-            scores_part[e403] = scores_part[e403] + scores_part[4u + e403];
+        for (unsigned e399 = 0u; e399 < 4u; e399 += 1u) {
+            scores_part[e399] = scores_part[e399] + scores_part[4u + e399];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag404 = 0u; frag404 < 1u; frag404 += 1u) {
+        for (unsigned frag400 = 0u; frag400 < 1u; frag400 += 1u) {
             #pragma unroll
-            for (unsigned half405 = 0u; half405 < 2u; half405 += 1u) {
+            for (unsigned half401 = 0u; half401 < 2u; half401 += 1u) {
                 #pragma unroll
-                for (unsigned e406 = 0u; e406 < 2u; e406 += 1u) {
-                    *(split_k_partials + (((warp % 2u) * 16u) * 36u) + (((frag404 / 1u) * 16u) * 36u) + ((half405 * 8u) * 36u) + (lane_group * 36u) + ((warp / 2u) * 8u) + ((frag404 % 1u) * 8u) + (lane_quad * 2u) + e406) = scores_part[((frag404 * 4u) + (half405 * 2u)) + e406] * q_tile_unscale[0u];
+                for (unsigned e402 = 0u; e402 < 2u; e402 += 1u) {
+                    *(split_k_partials + (((warp % 2u) * 16u) * 36u) + (((frag400 / 1u) * 16u) * 36u) + ((half401 * 8u) * 36u) + (lane_group * 36u) + ((warp / 2u) * 8u) + ((frag400 % 1u) * 8u) + (lane_quad * 2u) + e402) = scores_part[((frag400 * 4u) + (half401 * 2u)) + e402] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1463,34 +1515,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage304 = ahead % 2u;
+                const unsigned load_stage307 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot305 = 0u; slot305 < 1u; slot305 += 1u) {
-                    const unsigned gather_row306 = ((warp - 4u) + (lane * 4u)) + (slot305 * 128u);
-                    if (gather_row306 < 32u) {
+                for (unsigned slot308 = 0u; slot308 < 1u; slot308 += 1u) {
+                    const unsigned gather_row309 = ((warp - 4u) + (lane * 4u)) + (slot308 * 128u);
+                    if (gather_row309 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row306;
-                        const int src_i32307 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot305] >= 0)) && (((unsigned)kv_rows_pre[slot305]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot305]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot305]) % p.page_size) * p.row_stride_w))) : (-1);
-                        *(row_valid + (load_stage304 * 36u) + gather_row306) = (src_i32307 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32307 >= 0) {
-                            copy_async(kv_rows + (load_stage304 * 5248u) + (gather_row306 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32307), 656u, ring_barriers + (load_stage304 * 2u));
+                        const unsigned row_1 = gather_row309;
+                        const int src_i32310 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot308] >= 0)) && (((unsigned)kv_rows_pre[slot308]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot308]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot308]) % p.page_size) * p.row_stride_w))) : (-1);
+                        *(row_valid + (load_stage307 * 36u) + gather_row309) = (src_i32310 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32310 >= 0) {
+                            copy_async(kv_rows + (load_stage307 * 5248u) + (gather_row309 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32310), 656u, ring_barriers + (load_stage307 * 2u));
                         } else {
-                            for (unsigned zero_w308 = 0u; zero_w308 < 164u; zero_w308 += 1u) {
-                                *(kv_rows + (load_stage304 * 5248u) + (gather_row306 * 164u) + zero_w308) = 0u;
+                            for (unsigned zero_w311 = 0u; zero_w311 < 164u; zero_w311 += 1u) {
+                                *(kv_rows + (load_stage307 * 5248u) + (gather_row309 * 164u) + zero_w311) = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage304 * 2u));
+                copy_arrive(ring_barriers + (load_stage307 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
-                        const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
-                        if (gather_row310 < 32u) {
-                            const unsigned row_1 = gather_row310;
-                            kv_rows_pre[slot309] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot312 = 0u; slot312 < 1u; slot312 += 1u) {
+                        const unsigned gather_row313 = ((warp - 4u) + (lane * 4u)) + (slot312 * 128u);
+                        if (gather_row313 < 32u) {
+                            const unsigned row_1 = gather_row313;
+                            kv_rows_pre[slot312] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1498,34 +1550,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag407 = 0u; frag407 < 1u; frag407 += 1u) {
+            for (unsigned frag403 = 0u; frag403 < 1u; frag403 += 1u) {
                 #pragma unroll
-                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
+                for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
                     #pragma unroll
-                    for (unsigned e409 = 0u; e409 < 2u; e409 += 1u) {
-                        float sum = scores[((frag407 * 4u) + (half408 * 2u)) + e409];
-                        const unsigned cell = (((scores_row0 + (half408 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag407 * 8u)) + ((lane_quad * 2u) + e409));
+                    for (unsigned e405 = 0u; e405 < 2u; e405 += 1u) {
+                        float sum = scores[((frag403 * 4u) + (half404 * 2u)) + e405];
+                        const unsigned cell = (((scores_row0 + (half404 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag403 * 8u)) + ((lane_quad * 2u) + e405));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + *(split_k_partials + (g * 576u) + cell);
                         }
-                        scores[((frag407 * 4u) + (half408 * 2u)) + e409] = sum;
+                        scores[((frag403 * 4u) + (half404 * 2u)) + e405] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag410 = 0u; frag410 < 1u; frag410 += 1u) {
+            for (unsigned frag406 = 0u; frag406 < 1u; frag406 += 1u) {
                 #pragma unroll
-                for (unsigned half411 = 0u; half411 < 2u; half411 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag410 % 1u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag410 * 4u) + (half411 * 2u)];
-                    float v1 = scores[((frag410 * 4u) + (half411 * 2u)) + 1u];
+                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag406 % 1u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag406 * 4u) + (half407 * 2u)];
+                    float v1 = scores[((frag406 * 4u) + (half407 * 2u)) + 1u];
                     v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag410 * 4u) + (half411 * 2u)] = v0;
-                    scores[((frag410 * 4u) + (half411 * 2u)) + 1u] = v1;
+                    scores[(frag406 * 4u) + (half407 * 2u)] = v0;
+                    scores[((frag406 * 4u) + (half407 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1535,16 +1587,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
+            for (unsigned mi408 = 0u; mi408 < 1u; mi408 += 1u) {
                 #pragma unroll
-                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
-                    float row_max_part = fmaxf(scores[(mi412 * 4u) + (half413 * 2u)], scores[(mi412 * 4u) + ((half413 * 2u) + 1u)]);
+                for (unsigned half409 = 0u; half409 < 2u; half409 += 1u) {
+                    float row_max_part = fmaxf(scores[(mi408 * 4u) + (half409 * 2u)], scores[(mi408 * 4u) + ((half409 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other414 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other414);
+                    const float other410 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other410);
                     if (lane_quad == 0u) {
-                        *(row_exchange + (scores_row0 * 4u) + ((mi412 * 16u) * 4u) + ((half413 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi408 * 16u) * 4u) + ((half409 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -1553,86 +1605,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi417 = 0u; mi417 < 1u; mi417 += 1u) {
+        for (unsigned mi413 = 0u; mi413 < 1u; mi413 += 1u) {
             #pragma unroll
-            for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
-                const float m_old415 = row_max_reg[(mi417 * 2u) + half418];
-                float m_new416 = m_old415;
-                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u)));
-                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 1u));
-                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 2u));
-                m_new416 = fmaxf(m_new416, *(row_exchange + ((mi417 * 16u) * 4u) + ((half418 * 8u) * 4u) + (lane_group * 4u) + 3u));
-                row_alpha[(mi417 * 2u) + half418] = exp_fast(m_old415 - m_new416);
-                row_max_reg[(mi417 * 2u) + half418] = m_new416;
+            for (unsigned half414 = 0u; half414 < 2u; half414 += 1u) {
+                const float m_old411 = row_max_reg[(mi413 * 2u) + half414];
+                float m_new412 = m_old411;
+                m_new412 = fmaxf(m_new412, *(row_exchange + ((mi413 * 16u) * 4u) + ((half414 * 8u) * 4u) + (lane_group * 4u)));
+                m_new412 = fmaxf(m_new412, *(row_exchange + ((mi413 * 16u) * 4u) + ((half414 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new412 = fmaxf(m_new412, *(row_exchange + ((mi413 * 16u) * 4u) + ((half414 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new412 = fmaxf(m_new412, *(row_exchange + ((mi413 * 16u) * 4u) + ((half414 * 8u) * 4u) + (lane_group * 4u) + 3u));
+                row_alpha[(mi413 * 2u) + half414] = exp_fast(m_old411 - m_new412);
+                row_max_reg[(mi413 * 2u) + half414] = m_new412;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi422 = 0u; mi422 < 1u; mi422 += 1u) {
+            for (unsigned mi418 = 0u; mi418 < 1u; mi418 += 1u) {
                 #pragma unroll
-                for (unsigned half423 = 0u; half423 < 2u; half423 += 1u) {
+                for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj419 = 0u; nj419 < 1u; nj419 += 1u) {
+                    for (unsigned nj415 = 0u; nj415 < 1u; nj415 += 1u) {
                         #pragma unroll
-                        for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
-                            const unsigned at421 = ((mi422 + nj419) * 4u) + ((half423 * 2u) + e420);
-                            const float p = (scores[at421] < (-1e38f)) ? 0.0f : exp_fast(scores[at421] - row_max_reg[(mi422 * 2u) + half423]);
-                            scores[at421] = p;
+                        for (unsigned e416 = 0u; e416 < 2u; e416 += 1u) {
+                            const unsigned at417 = ((mi418 + nj415) * 4u) + ((half419 * 2u) + e416);
+                            const float p = (scores[at417] < (-1e38f)) ? 0.0f : exp_fast(scores[at417] - row_max_reg[(mi418 * 2u) + half419]);
+                            scores[at417] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi422 * 2u) + half423] = (row_sum_part[(mi422 * 2u) + half423] * row_alpha[(mi422 * 2u) + half423]) + p_sum;
+                    row_sum_part[(mi418 * 2u) + half419] = (row_sum_part[(mi418 * 2u) + half419] * row_alpha[(mi418 * 2u) + half419]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag424 = 0u; frag424 < 2u; frag424 += 1u) {
+        for (unsigned frag420 = 0u; frag420 < 2u; frag420 += 1u) {
             #pragma unroll
-            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
-                const float alpha426 = row_alpha[((frag424 / 2u) * 2u) + half425];
-                o_acc[(frag424 * 4u) + (half425 * 2u)] = o_acc[(frag424 * 4u) + (half425 * 2u)] * alpha426;
-                o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] = o_acc[((frag424 * 4u) + (half425 * 2u)) + 1u] * alpha426;
+            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
+                const float alpha422 = row_alpha[((frag420 / 2u) * 2u) + half421];
+                o_acc[(frag420 * 4u) + (half421 * 2u)] = o_acc[(frag420 * 4u) + (half421 * 2u)] * alpha422;
+                o_acc[((frag420 * 4u) + (half421 * 2u)) + 1u] = o_acc[((frag420 * 4u) + (half421 * 2u)) + 1u] * alpha422;
             }
         }
         #pragma unroll
-        for (unsigned frag427 = 0u; frag427 < 2u; frag427 += 1u) {
+        for (unsigned frag423 = 0u; frag423 < 2u; frag423 += 1u) {
             #pragma unroll
-            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
-                const float alpha429 = row_alpha[((frag427 / 2u) * 2u) + half428];
-                o_acc_1[(frag427 * 4u) + (half428 * 2u)] = o_acc_1[(frag427 * 4u) + (half428 * 2u)] * alpha429;
-                o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc_1[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float alpha425 = row_alpha[((frag423 / 2u) * 2u) + half424];
+                o_acc_1[(frag423 * 4u) + (half424 * 2u)] = o_acc_1[(frag423 * 4u) + (half424 * 2u)] * alpha425;
+                o_acc_1[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc_1[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
         }
         #pragma unroll
-        for (unsigned frag430 = 0u; frag430 < 2u; frag430 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 2u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
-                const float alpha432 = row_alpha[((frag430 / 2u) * 2u) + half431];
-                o_acc_2[(frag430 * 4u) + (half431 * 2u)] = o_acc_2[(frag430 * 4u) + (half431 * 2u)] * alpha432;
-                o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc_2[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
+                const float alpha428 = row_alpha[((frag426 / 2u) * 2u) + half427];
+                o_acc_2[(frag426 * 4u) + (half427 * 2u)] = o_acc_2[(frag426 * 4u) + (half427 * 2u)] * alpha428;
+                o_acc_2[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_2[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
         }
         #pragma unroll
-        for (unsigned frag433 = 0u; frag433 < 2u; frag433 += 1u) {
+        for (unsigned frag429 = 0u; frag429 < 2u; frag429 += 1u) {
             #pragma unroll
-            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha[((frag433 / 2u) * 2u) + half434];
-                o_acc_3[(frag433 * 4u) + (half434 * 2u)] = o_acc_3[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_3[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+            for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
+                const float alpha431 = row_alpha[((frag429 / 2u) * 2u) + half430];
+                o_acc_3[(frag429 * 4u) + (half430 * 2u)] = o_acc_3[(frag429 * 4u) + (half430 * 2u)] * alpha431;
+                o_acc_3[((frag429 * 4u) + (half430 * 2u)) + 1u] = o_acc_3[((frag429 * 4u) + (half430 * 2u)) + 1u] * alpha431;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag438 = 0u; frag438 < 1u; frag438 += 1u) {
+            for (unsigned frag434 = 0u; frag434 < 1u; frag434 += 1u) {
                 #pragma unroll
-                for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
-                    const unsigned row436 = (scores_row0 + ((frag438 / 1u) * 16u)) + ((half439 * 8u) + lane_group);
-                    const unsigned col437 = (scores_col0 + ((frag438 % 1u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag438 * 4u) + (half439 * 2u);
-                    *(p_tile + (row436 * 20u) + (col437 >> 1u)) = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
+                    const unsigned row432 = (scores_row0 + ((frag434 / 1u) * 16u)) + ((half435 * 8u) + lane_group);
+                    const unsigned col433 = (scores_col0 + ((frag434 % 1u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub16 = (frag434 * 4u) + (half435 * 2u);
+                    *(p_tile + (row432 * 20u) + (col433 >> 1u)) = pack_bf16x2(scores[sub16], scores[sub16 + 1u]);
                 }
             }
         }
@@ -1641,252 +1693,252 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk443 = 0u; kk443 < 2u; kk443 += 1u) {
+        for (unsigned kk439 = 0u; kk439 < 2u; kk439 += 1u) {
             #pragma unroll
-            for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                ldmatrix_x4(&a_frag440[mi444 * 4u], p_tile + a_lane_word + (mi444 * 320u) + (kk443 * 8u));
+            for (unsigned mi440 = 0u; mi440 < 1u; mi440 += 1u) {
+                ldmatrix_x4(&a_frag436[mi440 * 4u], p_tile + a_lane_word + (mi440 * 320u) + (kk439 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale452 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
-                const float k_scale453 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
-                const float k_scale454 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
-                const float k_scale455 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
-                a_frag440[0u] = pack_bf16x2(__uint_as_float(a_frag440[0u] << 16u) * k_scale452, __uint_as_float(a_frag440[0u] & 4294901760u) * k_scale453);
-                a_frag440[1u] = pack_bf16x2(__uint_as_float(a_frag440[1u] << 16u) * k_scale452, __uint_as_float(a_frag440[1u] & 4294901760u) * k_scale453);
-                a_frag440[2u] = pack_bf16x2(__uint_as_float(a_frag440[2u] << 16u) * k_scale454, __uint_as_float(a_frag440[2u] & 4294901760u) * k_scale455);
-                a_frag440[3u] = pack_bf16x2(__uint_as_float(a_frag440[3u] << 16u) * k_scale454, __uint_as_float(a_frag440[3u] & 4294901760u) * k_scale455);
+                const float k_scale447 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale448 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale449 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale450 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
+                a_frag436[0u] = pack_bf16x2(__uint_as_float(a_frag436[0u] << 16u) * k_scale447, __uint_as_float(a_frag436[0u] & 4294901760u) * k_scale448);
+                a_frag436[1u] = pack_bf16x2(__uint_as_float(a_frag436[1u] << 16u) * k_scale447, __uint_as_float(a_frag436[1u] & 4294901760u) * k_scale448);
+                a_frag436[2u] = pack_bf16x2(__uint_as_float(a_frag436[2u] << 16u) * k_scale449, __uint_as_float(a_frag436[2u] & 4294901760u) * k_scale450);
+                a_frag436[3u] = pack_bf16x2(__uint_as_float(a_frag436[3u] << 16u) * k_scale449, __uint_as_float(a_frag436[3u] & 4294901760u) * k_scale450);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair456 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair457 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
-                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair456), e4m3x2_hi(e4m3_pair456));
-                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
-                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair457), e4m3x2_hi(e4m3_pair457));
-                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
+                    ldmatrix_x2_trans(&b_raw438[0u], kv_rows + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair451 = e4m3x2_prep((b_raw438[0u] & 255u) | ((b_raw438[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair452 = e4m3x2_prep(((b_raw438[0u] >> 8u) & 255u) | ((b_raw438[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair453 = e4m3x2_prep((b_raw438[1u] & 255u) | ((b_raw438[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair454 = e4m3x2_prep(((b_raw438[1u] >> 8u) & 255u) | ((b_raw438[1u] >> 16u) & 65280u));
+                    b_frag437[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451), e4m3x2_hi(e4m3_pair451));
+                    b_frag437[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair453), e4m3x2_hi(e4m3_pair453));
+                    b_frag437[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair452), e4m3x2_hi(e4m3_pair452));
+                    b_frag437[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair454), e4m3x2_hi(e4m3_pair454));
                     #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
+                    for (unsigned mi440 = 0u; mi440 < 1u; mi440 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi440 * 2u) + (np * 2u)) * 4u], &a_frag436[mi440 * 4u], &b_frag437[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
+                    for (unsigned mi440 = 0u; mi440 < 1u; mi440 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi440 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag436[mi440 * 4u], &b_frag437[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw442[0u], kv_rows + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
-                    const float k_scale449 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
-                    const float k_scale450 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
-                    const float k_scale451 = *(kv_scales + (stage * 5248u) + ((kk443 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
-                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw442[0u] & 255u) | ((b_raw442[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw442[0u] >> 8u) & 255u) | ((b_raw442[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair447 = e4m3x2_prep((b_raw442[1u] & 255u) | ((b_raw442[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair448 = e4m3x2_prep(((b_raw442[1u] >> 8u) & 255u) | ((b_raw442[1u] >> 16u) & 65280u));
-                    b_frag441[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale, e4m3x2_hi(e4m3_pair445) * k_scale449);
-                    b_frag441[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair447) * k_scale450, e4m3x2_hi(e4m3_pair447) * k_scale451);
-                    b_frag441[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale, e4m3x2_hi(e4m3_pair446) * k_scale449);
-                    b_frag441[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale450, e4m3x2_hi(e4m3_pair448) * k_scale451);
+                    ldmatrix_x2_trans(&b_raw438[0u], kv_rows + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                    const float k_scale444 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                    const float k_scale445 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                    const float k_scale446 = *(kv_scales + (stage * 5248u) + ((kk439 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
+                    const unsigned e4m3_pair = e4m3x2_prep((b_raw438[0u] & 255u) | ((b_raw438[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair441 = e4m3x2_prep(((b_raw438[0u] >> 8u) & 255u) | ((b_raw438[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair442 = e4m3x2_prep((b_raw438[1u] & 255u) | ((b_raw438[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair443 = e4m3x2_prep(((b_raw438[1u] >> 8u) & 255u) | ((b_raw438[1u] >> 16u) & 65280u));
+                    b_frag437[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair) * k_scale, e4m3x2_hi(e4m3_pair) * k_scale444);
+                    b_frag437[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair442) * k_scale445, e4m3x2_hi(e4m3_pair442) * k_scale446);
+                    b_frag437[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair441) * k_scale, e4m3x2_hi(e4m3_pair441) * k_scale444);
+                    b_frag437[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair443) * k_scale445, e4m3x2_hi(e4m3_pair443) * k_scale446);
                     #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + (np * 2u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[0u]);
+                    for (unsigned mi440 = 0u; mi440 < 1u; mi440 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi440 * 2u) + (np * 2u)) * 4u], &a_frag436[mi440 * 4u], &b_frag437[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi444 = 0u; mi444 < 1u; mi444 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi444 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag440[mi444 * 4u], &b_frag441[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word466 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk463 = 0u; kk463 < 2u; kk463 += 1u) {
-            #pragma unroll
-            for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                ldmatrix_x4(&a_frag460[mi464 * 4u], p_tile + a_lane_word466 + (mi464 * 320u) + (kk463 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale475 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
-                const float k_scale476 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
-                const float k_scale477 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
-                const float k_scale478 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
-                a_frag460[0u] = pack_bf16x2(__uint_as_float(a_frag460[0u] << 16u) * k_scale475, __uint_as_float(a_frag460[0u] & 4294901760u) * k_scale476);
-                a_frag460[1u] = pack_bf16x2(__uint_as_float(a_frag460[1u] << 16u) * k_scale475, __uint_as_float(a_frag460[1u] & 4294901760u) * k_scale476);
-                a_frag460[2u] = pack_bf16x2(__uint_as_float(a_frag460[2u] << 16u) * k_scale477, __uint_as_float(a_frag460[2u] & 4294901760u) * k_scale478);
-                a_frag460[3u] = pack_bf16x2(__uint_as_float(a_frag460[3u] << 16u) * k_scale477, __uint_as_float(a_frag460[3u] & 4294901760u) * k_scale478);
-                #pragma unroll
-                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
-                    const unsigned e4m3_pair479 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair480 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair481 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair482 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
-                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair479), e4m3x2_hi(e4m3_pair479));
-                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair481), e4m3x2_hi(e4m3_pair481));
-                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair480), e4m3x2_hi(e4m3_pair480));
-                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair482), e4m3x2_hi(e4m3_pair482));
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np465 = 0u; np465 < 1u; np465 += 1u) {
-                    ldmatrix_x2_trans(&b_raw462[0u], kv_rows + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np465 * 16u)) >> 2u));
-                    const float k_scale471 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
-                    const float k_scale472 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
-                    const float k_scale473 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
-                    const float k_scale474 = *(kv_scales + (stage * 5248u) + ((kk463 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
-                    const unsigned e4m3_pair467 = e4m3x2_prep((b_raw462[0u] & 255u) | ((b_raw462[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair468 = e4m3x2_prep(((b_raw462[0u] >> 8u) & 255u) | ((b_raw462[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw462[1u] & 255u) | ((b_raw462[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw462[1u] >> 8u) & 255u) | ((b_raw462[1u] >> 16u) & 65280u));
-                    b_frag461[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair467) * k_scale471, e4m3x2_hi(e4m3_pair467) * k_scale472);
-                    b_frag461[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
-                    b_frag461[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair468) * k_scale471, e4m3x2_hi(e4m3_pair468) * k_scale472);
-                    b_frag461[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + (np465 * 2u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi464 = 0u; mi464 < 1u; mi464 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi464 * 2u) + ((np465 * 2u) + 1u)) * 4u], &a_frag460[mi464 * 4u], &b_frag461[2u]);
+                    for (unsigned mi440 = 0u; mi440 < 1u; mi440 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi440 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag436[mi440 * 4u], &b_frag437[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word489 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word461 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk486 = 0u; kk486 < 2u; kk486 += 1u) {
+        for (unsigned kk458 = 0u; kk458 < 2u; kk458 += 1u) {
             #pragma unroll
-            for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                ldmatrix_x4(&a_frag483[mi487 * 4u], p_tile + a_lane_word489 + (mi487 * 320u) + (kk486 * 8u));
+            for (unsigned mi459 = 0u; mi459 < 1u; mi459 += 1u) {
+                ldmatrix_x4(&a_frag455[mi459 * 4u], p_tile + a_lane_word461 + (mi459 * 320u) + (kk458 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale498 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
-                const float k_scale499 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
-                const float k_scale500 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
-                const float k_scale501 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
-                a_frag483[0u] = pack_bf16x2(__uint_as_float(a_frag483[0u] << 16u) * k_scale498, __uint_as_float(a_frag483[0u] & 4294901760u) * k_scale499);
-                a_frag483[1u] = pack_bf16x2(__uint_as_float(a_frag483[1u] << 16u) * k_scale498, __uint_as_float(a_frag483[1u] & 4294901760u) * k_scale499);
-                a_frag483[2u] = pack_bf16x2(__uint_as_float(a_frag483[2u] << 16u) * k_scale500, __uint_as_float(a_frag483[2u] & 4294901760u) * k_scale501);
-                a_frag483[3u] = pack_bf16x2(__uint_as_float(a_frag483[3u] << 16u) * k_scale500, __uint_as_float(a_frag483[3u] & 4294901760u) * k_scale501);
+                const float k_scale470 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale471 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale472 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale473 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
+                a_frag455[0u] = pack_bf16x2(__uint_as_float(a_frag455[0u] << 16u) * k_scale470, __uint_as_float(a_frag455[0u] & 4294901760u) * k_scale471);
+                a_frag455[1u] = pack_bf16x2(__uint_as_float(a_frag455[1u] << 16u) * k_scale470, __uint_as_float(a_frag455[1u] & 4294901760u) * k_scale471);
+                a_frag455[2u] = pack_bf16x2(__uint_as_float(a_frag455[2u] << 16u) * k_scale472, __uint_as_float(a_frag455[2u] & 4294901760u) * k_scale473);
+                a_frag455[3u] = pack_bf16x2(__uint_as_float(a_frag455[3u] << 16u) * k_scale472, __uint_as_float(a_frag455[3u] & 4294901760u) * k_scale473);
                 #pragma unroll
-                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair503 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair504 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair505 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
-                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502), e4m3x2_hi(e4m3_pair502));
-                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504), e4m3x2_hi(e4m3_pair504));
-                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503), e4m3x2_hi(e4m3_pair503));
-                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair505), e4m3x2_hi(e4m3_pair505));
+                for (unsigned np460 = 0u; np460 < 1u; np460 += 1u) {
+                    ldmatrix_x2_trans(&b_raw457[0u], kv_rows + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np460 * 16u)) >> 2u));
+                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw457[0u] & 255u) | ((b_raw457[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw457[0u] >> 8u) & 255u) | ((b_raw457[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw457[1u] & 255u) | ((b_raw457[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw457[1u] >> 8u) & 255u) | ((b_raw457[1u] >> 16u) & 65280u));
+                    b_frag456[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474), e4m3x2_hi(e4m3_pair474));
+                    b_frag456[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476), e4m3x2_hi(e4m3_pair476));
+                    b_frag456[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475), e4m3x2_hi(e4m3_pair475));
+                    b_frag456[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477), e4m3x2_hi(e4m3_pair477));
                     #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
+                    for (unsigned mi459 = 0u; mi459 < 1u; mi459 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi459 * 2u) + (np460 * 2u)) * 4u], &a_frag455[mi459 * 4u], &b_frag456[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
+                    for (unsigned mi459 = 0u; mi459 < 1u; mi459 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi459 * 2u) + ((np460 * 2u) + 1u)) * 4u], &a_frag455[mi459 * 4u], &b_frag456[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np488 = 0u; np488 < 1u; np488 += 1u) {
-                    ldmatrix_x2_trans(&b_raw485[0u], kv_rows + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np488 * 16u)) >> 2u));
-                    const float k_scale494 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
-                    const float k_scale495 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
-                    const float k_scale496 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
-                    const float k_scale497 = *(kv_scales + (stage * 5248u) + ((kk486 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
-                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw485[0u] & 255u) | ((b_raw485[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw485[0u] >> 8u) & 255u) | ((b_raw485[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair492 = e4m3x2_prep((b_raw485[1u] & 255u) | ((b_raw485[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair493 = e4m3x2_prep(((b_raw485[1u] >> 8u) & 255u) | ((b_raw485[1u] >> 16u) & 65280u));
-                    b_frag484[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490) * k_scale494, e4m3x2_hi(e4m3_pair490) * k_scale495);
-                    b_frag484[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492) * k_scale496, e4m3x2_hi(e4m3_pair492) * k_scale497);
-                    b_frag484[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491) * k_scale494, e4m3x2_hi(e4m3_pair491) * k_scale495);
-                    b_frag484[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493) * k_scale496, e4m3x2_hi(e4m3_pair493) * k_scale497);
+                for (unsigned np460 = 0u; np460 < 1u; np460 += 1u) {
+                    ldmatrix_x2_trans(&b_raw457[0u], kv_rows + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np460 * 16u)) >> 2u));
+                    const float k_scale466 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                    const float k_scale467 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                    const float k_scale468 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                    const float k_scale469 = *(kv_scales + (stage * 5248u) + ((kk458 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
+                    const unsigned e4m3_pair462 = e4m3x2_prep((b_raw457[0u] & 255u) | ((b_raw457[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair463 = e4m3x2_prep(((b_raw457[0u] >> 8u) & 255u) | ((b_raw457[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair464 = e4m3x2_prep((b_raw457[1u] & 255u) | ((b_raw457[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair465 = e4m3x2_prep(((b_raw457[1u] >> 8u) & 255u) | ((b_raw457[1u] >> 16u) & 65280u));
+                    b_frag456[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair462) * k_scale466, e4m3x2_hi(e4m3_pair462) * k_scale467);
+                    b_frag456[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464) * k_scale468, e4m3x2_hi(e4m3_pair464) * k_scale469);
+                    b_frag456[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463) * k_scale466, e4m3x2_hi(e4m3_pair463) * k_scale467);
+                    b_frag456[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465) * k_scale468, e4m3x2_hi(e4m3_pair465) * k_scale469);
                     #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + (np488 * 2u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[0u]);
+                    for (unsigned mi459 = 0u; mi459 < 1u; mi459 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi459 * 2u) + (np460 * 2u)) * 4u], &a_frag455[mi459 * 4u], &b_frag456[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi487 * 2u) + ((np488 * 2u) + 1u)) * 4u], &a_frag483[mi487 * 4u], &b_frag484[2u]);
+                    for (unsigned mi459 = 0u; mi459 < 1u; mi459 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi459 * 2u) + ((np460 * 2u) + 1u)) * 4u], &a_frag455[mi459 * 4u], &b_frag456[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word512 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word484 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk509 = 0u; kk509 < 2u; kk509 += 1u) {
+        for (unsigned kk481 = 0u; kk481 < 2u; kk481 += 1u) {
             #pragma unroll
-            for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                ldmatrix_x4(&a_frag506[mi510 * 4u], p_tile + a_lane_word512 + (mi510 * 320u) + (kk509 * 8u));
+            for (unsigned mi482 = 0u; mi482 < 1u; mi482 += 1u) {
+                ldmatrix_x4(&a_frag478[mi482 * 4u], p_tile + a_lane_word484 + (mi482 * 320u) + (kk481 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale521 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
-                const float k_scale522 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
-                const float k_scale523 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
-                const float k_scale524 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
-                a_frag506[0u] = pack_bf16x2(__uint_as_float(a_frag506[0u] << 16u) * k_scale521, __uint_as_float(a_frag506[0u] & 4294901760u) * k_scale522);
-                a_frag506[1u] = pack_bf16x2(__uint_as_float(a_frag506[1u] << 16u) * k_scale521, __uint_as_float(a_frag506[1u] & 4294901760u) * k_scale522);
-                a_frag506[2u] = pack_bf16x2(__uint_as_float(a_frag506[2u] << 16u) * k_scale523, __uint_as_float(a_frag506[2u] & 4294901760u) * k_scale524);
-                a_frag506[3u] = pack_bf16x2(__uint_as_float(a_frag506[3u] << 16u) * k_scale523, __uint_as_float(a_frag506[3u] & 4294901760u) * k_scale524);
+                const float k_scale493 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale494 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale495 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale496 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
+                a_frag478[0u] = pack_bf16x2(__uint_as_float(a_frag478[0u] << 16u) * k_scale493, __uint_as_float(a_frag478[0u] & 4294901760u) * k_scale494);
+                a_frag478[1u] = pack_bf16x2(__uint_as_float(a_frag478[1u] << 16u) * k_scale493, __uint_as_float(a_frag478[1u] & 4294901760u) * k_scale494);
+                a_frag478[2u] = pack_bf16x2(__uint_as_float(a_frag478[2u] << 16u) * k_scale495, __uint_as_float(a_frag478[2u] & 4294901760u) * k_scale496);
+                a_frag478[3u] = pack_bf16x2(__uint_as_float(a_frag478[3u] << 16u) * k_scale495, __uint_as_float(a_frag478[3u] & 4294901760u) * k_scale496);
                 #pragma unroll
-                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
-                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair527 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair528 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
-                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525), e4m3x2_hi(e4m3_pair525));
-                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair527), e4m3x2_hi(e4m3_pair527));
-                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526), e4m3x2_hi(e4m3_pair526));
-                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528), e4m3x2_hi(e4m3_pair528));
+                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
+                    ldmatrix_x2_trans(&b_raw480[0u], kv_rows + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np483 * 16u)) >> 2u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair500 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
+                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497), e4m3x2_hi(e4m3_pair497));
+                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499), e4m3x2_hi(e4m3_pair499));
+                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498), e4m3x2_hi(e4m3_pair498));
+                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair500), e4m3x2_hi(e4m3_pair500));
                     #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
+                    for (unsigned mi482 = 0u; mi482 < 1u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
+                    for (unsigned mi482 = 0u; mi482 < 1u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np511 = 0u; np511 < 1u; np511 += 1u) {
-                    ldmatrix_x2_trans(&b_raw508[0u], kv_rows + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np511 * 16u)) >> 2u));
-                    const float k_scale517 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
-                    const float k_scale518 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
-                    const float k_scale519 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
-                    const float k_scale520 = *(kv_scales + (stage * 5248u) + ((kk509 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
-                    const unsigned e4m3_pair513 = e4m3x2_prep((b_raw508[0u] & 255u) | ((b_raw508[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair514 = e4m3x2_prep(((b_raw508[0u] >> 8u) & 255u) | ((b_raw508[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair515 = e4m3x2_prep((b_raw508[1u] & 255u) | ((b_raw508[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair516 = e4m3x2_prep(((b_raw508[1u] >> 8u) & 255u) | ((b_raw508[1u] >> 16u) & 65280u));
-                    b_frag507[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513) * k_scale517, e4m3x2_hi(e4m3_pair513) * k_scale518);
-                    b_frag507[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515) * k_scale519, e4m3x2_hi(e4m3_pair515) * k_scale520);
-                    b_frag507[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514) * k_scale517, e4m3x2_hi(e4m3_pair514) * k_scale518);
-                    b_frag507[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair516) * k_scale519, e4m3x2_hi(e4m3_pair516) * k_scale520);
+                for (unsigned np483 = 0u; np483 < 1u; np483 += 1u) {
+                    ldmatrix_x2_trans(&b_raw480[0u], kv_rows + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np483 * 16u)) >> 2u));
+                    const float k_scale489 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                    const float k_scale490 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                    const float k_scale491 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                    const float k_scale492 = *(kv_scales + (stage * 5248u) + ((kk481 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw480[0u] & 255u) | ((b_raw480[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw480[0u] >> 8u) & 255u) | ((b_raw480[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw480[1u] & 255u) | ((b_raw480[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw480[1u] >> 8u) & 255u) | ((b_raw480[1u] >> 16u) & 65280u));
+                    b_frag479[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485) * k_scale489, e4m3x2_hi(e4m3_pair485) * k_scale490);
+                    b_frag479[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487) * k_scale491, e4m3x2_hi(e4m3_pair487) * k_scale492);
+                    b_frag479[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486) * k_scale489, e4m3x2_hi(e4m3_pair486) * k_scale490);
+                    b_frag479[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488) * k_scale491, e4m3x2_hi(e4m3_pair488) * k_scale492);
                     #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + (np511 * 2u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[0u]);
+                    for (unsigned mi482 = 0u; mi482 < 1u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi482 * 2u) + (np483 * 2u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi510 = 0u; mi510 < 1u; mi510 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi510 * 2u) + ((np511 * 2u) + 1u)) * 4u], &a_frag506[mi510 * 4u], &b_frag507[2u]);
+                    for (unsigned mi482 = 0u; mi482 < 1u; mi482 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi482 * 2u) + ((np483 * 2u) + 1u)) * 4u], &a_frag478[mi482 * 4u], &b_frag479[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word507 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk504 = 0u; kk504 < 2u; kk504 += 1u) {
+            #pragma unroll
+            for (unsigned mi505 = 0u; mi505 < 1u; mi505 += 1u) {
+                ldmatrix_x4(&a_frag501[mi505 * 4u], p_tile + a_lane_word507 + (mi505 * 320u) + (kk504 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale516 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale517 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale518 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale519 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
+                a_frag501[0u] = pack_bf16x2(__uint_as_float(a_frag501[0u] << 16u) * k_scale516, __uint_as_float(a_frag501[0u] & 4294901760u) * k_scale517);
+                a_frag501[1u] = pack_bf16x2(__uint_as_float(a_frag501[1u] << 16u) * k_scale516, __uint_as_float(a_frag501[1u] & 4294901760u) * k_scale517);
+                a_frag501[2u] = pack_bf16x2(__uint_as_float(a_frag501[2u] << 16u) * k_scale518, __uint_as_float(a_frag501[2u] & 4294901760u) * k_scale519);
+                a_frag501[3u] = pack_bf16x2(__uint_as_float(a_frag501[3u] << 16u) * k_scale518, __uint_as_float(a_frag501[3u] & 4294901760u) * k_scale519);
+                #pragma unroll
+                for (unsigned np506 = 0u; np506 < 1u; np506 += 1u) {
+                    ldmatrix_x2_trans(&b_raw503[0u], kv_rows + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np506 * 16u)) >> 2u));
+                    const unsigned e4m3_pair520 = e4m3x2_prep((b_raw503[0u] & 255u) | ((b_raw503[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair521 = e4m3x2_prep(((b_raw503[0u] >> 8u) & 255u) | ((b_raw503[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair522 = e4m3x2_prep((b_raw503[1u] & 255u) | ((b_raw503[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair523 = e4m3x2_prep(((b_raw503[1u] >> 8u) & 255u) | ((b_raw503[1u] >> 16u) & 65280u));
+                    b_frag502[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                    b_frag502[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair522), e4m3x2_hi(e4m3_pair522));
+                    b_frag502[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair521), e4m3x2_hi(e4m3_pair521));
+                    b_frag502[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523), e4m3x2_hi(e4m3_pair523));
+                    #pragma unroll
+                    for (unsigned mi505 = 0u; mi505 < 1u; mi505 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi505 * 2u) + (np506 * 2u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi505 = 0u; mi505 < 1u; mi505 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi505 * 2u) + ((np506 * 2u) + 1u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np506 = 0u; np506 < 1u; np506 += 1u) {
+                    ldmatrix_x2_trans(&b_raw503[0u], kv_rows + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np506 * 16u)) >> 2u));
+                    const float k_scale512 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                    const float k_scale513 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                    const float k_scale514 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                    const float k_scale515 = *(kv_scales + (stage * 5248u) + ((kk504 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
+                    const unsigned e4m3_pair508 = e4m3x2_prep((b_raw503[0u] & 255u) | ((b_raw503[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair509 = e4m3x2_prep(((b_raw503[0u] >> 8u) & 255u) | ((b_raw503[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair510 = e4m3x2_prep((b_raw503[1u] & 255u) | ((b_raw503[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair511 = e4m3x2_prep(((b_raw503[1u] >> 8u) & 255u) | ((b_raw503[1u] >> 16u) & 65280u));
+                    b_frag502[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair508) * k_scale512, e4m3x2_hi(e4m3_pair508) * k_scale513);
+                    b_frag502[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair510) * k_scale514, e4m3x2_hi(e4m3_pair510) * k_scale515);
+                    b_frag502[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair509) * k_scale512, e4m3x2_hi(e4m3_pair509) * k_scale513);
+                    b_frag502[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair511) * k_scale514, e4m3x2_hi(e4m3_pair511) * k_scale515);
+                    #pragma unroll
+                    for (unsigned mi505 = 0u; mi505 < 1u; mi505 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi505 * 2u) + (np506 * 2u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi505 = 0u; mi505 < 1u; mi505 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi505 * 2u) + ((np506 * 2u) + 1u)) * 4u], &a_frag501[mi505 * 4u], &b_frag502[2u]);
                     }
                 }
             }
@@ -1896,16 +1948,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi530 = 0u; mi530 < 1u; mi530 += 1u) {
+        for (unsigned mi525 = 0u; mi525 < 1u; mi525 += 1u) {
             #pragma unroll
-            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
-                float row_sum529 = row_sum_part[(mi530 * 2u) + half531];
-                const float other532 = shfl_xor_f32(row_sum529, 1);
-                row_sum529 = row_sum529 + other532;
-                const float other533 = shfl_xor_f32(row_sum529, 2);
-                row_sum529 = row_sum529 + other533;
+            for (unsigned half526 = 0u; half526 < 2u; half526 += 1u) {
+                float row_sum524 = row_sum_part[(mi525 * 2u) + half526];
+                const float other527 = shfl_xor_f32(row_sum524, 1);
+                row_sum524 = row_sum524 + other527;
+                const float other528 = shfl_xor_f32(row_sum524, 2);
+                row_sum524 = row_sum524 + other528;
                 if (lane_quad == 0u) {
-                    *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum529;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi525 * 16u) * 4u) + ((half526 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum524;
                 }
             }
         }
@@ -1913,16 +1965,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi535 = 0u; mi535 < 1u; mi535 += 1u) {
+        for (unsigned mi530 = 0u; mi530 < 1u; mi530 += 1u) {
             #pragma unroll
-            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
+            for (unsigned half531 = 0u; half531 < 2u; half531 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum534 = *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u));
-                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 1u);
-                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 2u);
-                    row_sum534 = row_sum534 + *(row_exchange + (scores_row0 * 4u) + ((mi535 * 16u) * 4u) + ((half536 * 8u) * 4u) + (lane_group * 4u) + 3u);
-                    *(row_sum + scores_row0 + (mi535 * 16u) + (half536 * 8u) + lane_group) = row_sum534;
-                    *(row_max + scores_row0 + (mi535 * 16u) + (half536 * 8u) + lane_group) = row_max_reg[(mi535 * 2u) + half536];
+                    float row_sum529 = *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum529 = row_sum529 + *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum529 = row_sum529 + *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum529 = row_sum529 + *(row_exchange + (scores_row0 * 4u) + ((mi530 * 16u) * 4u) + ((half531 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi530 * 16u) + (half531 * 8u) + lane_group) = row_sum529;
+                    *(row_max + scores_row0 + (mi530 * 16u) + (half531 * 8u) + lane_group) = row_max_reg[(mi530 * 2u) + half531];
                 }
             }
         }
@@ -1943,82 +1995,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag537 = 0u; frag537 < 1u; frag537 += 1u) {
+        for (unsigned frag532 = 0u; frag532 < 1u; frag532 += 1u) {
             #pragma unroll
-            for (unsigned half538 = 0u; half538 < 2u; half538 += 1u) {
+            for (unsigned half533 = 0u; half533 < 2u; half533 += 1u) {
                 #pragma unroll
-                for (unsigned e539 = 0u; e539 < 2u; e539 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag537 / 1u) * 16u)) + ((half538 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag537 % 1u) * 16u)) + ((lane_quad * 4u) + (e539 * 2u));
-                    float v0_6 = o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)];
-                    float v1_6 = o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)];
+                for (unsigned e534 = 0u; e534 < 2u; e534 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag532 / 1u) * 16u)) + ((half533 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag532 % 1u) * 16u)) + ((lane_quad * 4u) + (e534 * 2u));
+                    float v0_6 = o_acc[((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) * 4u) + ((half533 * 2u) + e534)];
+                    float v1_6 = o_acc[(((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) * 4u) + ((half538 * 2u) + e539)] = v0_6;
-                    o_acc[(((((frag537 / 1u) * 2u) + ((frag537 % 1u) * 2u)) + 1u) * 4u) + ((half538 * 2u) + e539)] = v1_6;
+                    o_acc[((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) * 4u) + ((half533 * 2u) + e534)] = v0_6;
+                    o_acc[(((((frag532 / 1u) * 2u) + ((frag532 % 1u) * 2u)) + 1u) * 4u) + ((half533 * 2u) + e534)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag540 = 0u; frag540 < 1u; frag540 += 1u) {
+        for (unsigned frag535 = 0u; frag535 < 1u; frag535 += 1u) {
             #pragma unroll
-            for (unsigned half541 = 0u; half541 < 2u; half541 += 1u) {
+            for (unsigned half536 = 0u; half536 < 2u; half536 += 1u) {
                 #pragma unroll
-                for (unsigned e542 = 0u; e542 < 2u; e542 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag540 / 1u) * 16u)) + ((half541 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag540 % 1u) * 16u)) + ((lane_quad * 4u) + (e542 * 2u));
-                    float v0_7 = o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)];
-                    float v1_7 = o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)];
+                for (unsigned e537 = 0u; e537 < 2u; e537 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag535 / 1u) * 16u)) + ((half536 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag535 % 1u) * 16u)) + ((lane_quad * 4u) + (e537 * 2u));
+                    float v0_7 = o_acc_1[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)];
+                    float v1_7 = o_acc_1[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) * 4u) + ((half541 * 2u) + e542)] = v0_7;
-                    o_acc_1[(((((frag540 / 1u) * 2u) + ((frag540 % 1u) * 2u)) + 1u) * 4u) + ((half541 * 2u) + e542)] = v1_7;
+                    o_acc_1[((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) * 4u) + ((half536 * 2u) + e537)] = v0_7;
+                    o_acc_1[(((((frag535 / 1u) * 2u) + ((frag535 % 1u) * 2u)) + 1u) * 4u) + ((half536 * 2u) + e537)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag543 = 0u; frag543 < 1u; frag543 += 1u) {
+        for (unsigned frag538 = 0u; frag538 < 1u; frag538 += 1u) {
             #pragma unroll
-            for (unsigned half544 = 0u; half544 < 2u; half544 += 1u) {
+            for (unsigned half539 = 0u; half539 < 2u; half539 += 1u) {
                 #pragma unroll
-                for (unsigned e545 = 0u; e545 < 2u; e545 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag543 / 1u) * 16u)) + ((half544 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag543 % 1u) * 16u)) + ((lane_quad * 4u) + (e545 * 2u));
-                    float v0_8 = o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)];
-                    float v1_8 = o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)];
+                for (unsigned e540 = 0u; e540 < 2u; e540 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag538 / 1u) * 16u)) + ((half539 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag538 % 1u) * 16u)) + ((lane_quad * 4u) + (e540 * 2u));
+                    float v0_8 = o_acc_2[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)];
+                    float v1_8 = o_acc_2[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) * 4u) + ((half544 * 2u) + e545)] = v0_8;
-                    o_acc_2[(((((frag543 / 1u) * 2u) + ((frag543 % 1u) * 2u)) + 1u) * 4u) + ((half544 * 2u) + e545)] = v1_8;
+                    o_acc_2[((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) * 4u) + ((half539 * 2u) + e540)] = v0_8;
+                    o_acc_2[(((((frag538 / 1u) * 2u) + ((frag538 % 1u) * 2u)) + 1u) * 4u) + ((half539 * 2u) + e540)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag546 = 0u; frag546 < 1u; frag546 += 1u) {
+        for (unsigned frag541 = 0u; frag541 < 1u; frag541 += 1u) {
             #pragma unroll
-            for (unsigned half547 = 0u; half547 < 2u; half547 += 1u) {
+            for (unsigned half542 = 0u; half542 < 2u; half542 += 1u) {
                 #pragma unroll
-                for (unsigned e548 = 0u; e548 < 2u; e548 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag546 / 1u) * 16u)) + ((half547 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag546 % 1u) * 16u)) + ((lane_quad * 4u) + (e548 * 2u));
-                    float v0_9 = o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)];
-                    float v1_9 = o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)];
+                for (unsigned e543 = 0u; e543 < 2u; e543 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag541 / 1u) * 16u)) + ((half542 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag541 % 1u) * 16u)) + ((lane_quad * 4u) + (e543 * 2u));
+                    float v0_9 = o_acc_3[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)];
+                    float v1_9 = o_acc_3[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) * 4u) + ((half547 * 2u) + e548)] = v0_9;
-                    o_acc_3[(((((frag546 / 1u) * 2u) + ((frag546 % 1u) * 2u)) + 1u) * 4u) + ((half547 * 2u) + e548)] = v1_9;
+                    o_acc_3[((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) * 4u) + ((half542 * 2u) + e543)] = v0_9;
+                    o_acc_3[(((((frag541 / 1u) * 2u) + ((frag541 % 1u) * 2u)) + 1u) * 4u) + ((half542 * 2u) + e543)] = v1_9;
                 }
             }
         }
@@ -2036,15 +2088,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag549 = 0u; frag549 < 1u; frag549 += 1u) {
+        for (unsigned frag544 = 0u; frag544 < 1u; frag544 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
                 #pragma unroll
-                for (unsigned e551 = 0u; e551 < 2u; e551 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag549 / 1u) * 16u)) + ((half550 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag549 % 1u) * 16u)) + ((lane_quad * 4u) + (e551 * 2u));
-                    float v0_10 = o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)];
-                    float v1_10 = o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)];
+                for (unsigned e546 = 0u; e546 < 2u; e546 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag544 / 1u) * 16u)) + ((half545 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag544 % 1u) * 16u)) + ((lane_quad * 4u) + (e546 * 2u));
+                    float v0_10 = o_acc[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)];
+                    float v1_10 = o_acc[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2052,21 +2104,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) * 4u) + ((half550 * 2u) + e551)] = v0_10;
-                    o_acc[(((((frag549 / 1u) * 2u) + ((frag549 % 1u) * 2u)) + 1u) * 4u) + ((half550 * 2u) + e551)] = v1_10;
+                    o_acc[((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) * 4u) + ((half545 * 2u) + e546)] = v0_10;
+                    o_acc[(((((frag544 / 1u) * 2u) + ((frag544 % 1u) * 2u)) + 1u) * 4u) + ((half545 * 2u) + e546)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag552 = 0u; frag552 < 1u; frag552 += 1u) {
+        for (unsigned frag547 = 0u; frag547 < 1u; frag547 += 1u) {
             #pragma unroll
-            for (unsigned half553 = 0u; half553 < 2u; half553 += 1u) {
+            for (unsigned half548 = 0u; half548 < 2u; half548 += 1u) {
                 #pragma unroll
-                for (unsigned e554 = 0u; e554 < 2u; e554 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag552 / 1u) * 16u)) + ((half553 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag552 % 1u) * 16u)) + ((lane_quad * 4u) + (e554 * 2u));
-                    float v0_11 = o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)];
-                    float v1_11 = o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)];
+                for (unsigned e549 = 0u; e549 < 2u; e549 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag547 / 1u) * 16u)) + ((half548 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag547 % 1u) * 16u)) + ((lane_quad * 4u) + (e549 * 2u));
+                    float v0_11 = o_acc_1[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)];
+                    float v1_11 = o_acc_1[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2074,21 +2126,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) * 4u) + ((half553 * 2u) + e554)] = v0_11;
-                    o_acc_1[(((((frag552 / 1u) * 2u) + ((frag552 % 1u) * 2u)) + 1u) * 4u) + ((half553 * 2u) + e554)] = v1_11;
+                    o_acc_1[((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) * 4u) + ((half548 * 2u) + e549)] = v0_11;
+                    o_acc_1[(((((frag547 / 1u) * 2u) + ((frag547 % 1u) * 2u)) + 1u) * 4u) + ((half548 * 2u) + e549)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag555 = 0u; frag555 < 1u; frag555 += 1u) {
+        for (unsigned frag550 = 0u; frag550 < 1u; frag550 += 1u) {
             #pragma unroll
-            for (unsigned half556 = 0u; half556 < 2u; half556 += 1u) {
+            for (unsigned half551 = 0u; half551 < 2u; half551 += 1u) {
                 #pragma unroll
-                for (unsigned e557 = 0u; e557 < 2u; e557 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag555 / 1u) * 16u)) + ((half556 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag555 % 1u) * 16u)) + ((lane_quad * 4u) + (e557 * 2u));
-                    float v0_12 = o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)];
-                    float v1_12 = o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)];
+                for (unsigned e552 = 0u; e552 < 2u; e552 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag550 / 1u) * 16u)) + ((half551 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag550 % 1u) * 16u)) + ((lane_quad * 4u) + (e552 * 2u));
+                    float v0_12 = o_acc_2[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)];
+                    float v1_12 = o_acc_2[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2096,21 +2148,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) * 4u) + ((half556 * 2u) + e557)] = v0_12;
-                    o_acc_2[(((((frag555 / 1u) * 2u) + ((frag555 % 1u) * 2u)) + 1u) * 4u) + ((half556 * 2u) + e557)] = v1_12;
+                    o_acc_2[((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) * 4u) + ((half551 * 2u) + e552)] = v0_12;
+                    o_acc_2[(((((frag550 / 1u) * 2u) + ((frag550 % 1u) * 2u)) + 1u) * 4u) + ((half551 * 2u) + e552)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag558 = 0u; frag558 < 1u; frag558 += 1u) {
+        for (unsigned frag553 = 0u; frag553 < 1u; frag553 += 1u) {
             #pragma unroll
-            for (unsigned half559 = 0u; half559 < 2u; half559 += 1u) {
+            for (unsigned half554 = 0u; half554 < 2u; half554 += 1u) {
                 #pragma unroll
-                for (unsigned e560 = 0u; e560 < 2u; e560 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag558 / 1u) * 16u)) + ((half559 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag558 % 1u) * 16u)) + ((lane_quad * 4u) + (e560 * 2u));
-                    float v0_13 = o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)];
-                    float v1_13 = o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)];
+                for (unsigned e555 = 0u; e555 < 2u; e555 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag553 / 1u) * 16u)) + ((half554 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag553 % 1u) * 16u)) + ((lane_quad * 4u) + (e555 * 2u));
+                    float v0_13 = o_acc_3[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)];
+                    float v1_13 = o_acc_3[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2118,8 +2170,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) * 4u) + ((half559 * 2u) + e560)] = v0_13;
-                    o_acc_3[(((((frag558 / 1u) * 2u) + ((frag558 % 1u) * 2u)) + 1u) * 4u) + ((half559 * 2u) + e560)] = v1_13;
+                    o_acc_3[((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) * 4u) + ((half554 * 2u) + e555)] = v0_13;
+                    o_acc_3[(((((frag553 / 1u) * 2u) + ((frag553 % 1u) * 2u)) + 1u) * 4u) + ((half554 * 2u) + e555)] = v1_13;
                 }
             }
         }

@@ -422,17 +422,17 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float scores_term[16];
     unsigned q_tile_a0[8];
     unsigned q_tile_a0_lo[8];
-    unsigned q_tile_a0_bf16[16];
+    unsigned q_tile_a0_f16[16];
     float q_tile_unscale[1];
     unsigned q_tile_a1[8];
     unsigned q_tile_a1_lo[8];
-    unsigned q_tile_a1_bf16[16];
+    unsigned q_tile_a1_f16[16];
     unsigned q_tile_a2[8];
     unsigned q_tile_a2_lo[8];
-    unsigned q_tile_a2_bf16[16];
+    unsigned q_tile_a2_f16[16];
     unsigned q_tile_a3[8];
     unsigned q_tile_a3_lo[8];
-    unsigned q_tile_a3_bf16[16];
+    unsigned q_tile_a3_f16[16];
     unsigned q_tile_a4[8];
     int q_tile_src[1];
     float units_k[1];
@@ -442,38 +442,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag325[4];
-    unsigned b_frag326[4];
+    unsigned a_frag328[4];
+    unsigned b_frag329[4];
     unsigned b_raw[2];
-    unsigned a_frag336[4];
-    unsigned b_frag337[2];
-    unsigned a_frag342[4];
-    unsigned b_frag343[4];
-    unsigned b_raw344[2];
+    unsigned a_frag338[4];
+    unsigned b_frag339[2];
+    unsigned a_frag344[4];
+    unsigned b_frag345[4];
+    unsigned b_raw346[2];
     unsigned a_frag359[4];
     unsigned b_frag360[2];
     unsigned a_frag365[4];
     unsigned b_frag366[4];
     unsigned b_raw367[2];
-    unsigned a_frag382[4];
-    unsigned b_frag383[2];
-    unsigned a_frag388[4];
-    unsigned b_frag389[4];
-    unsigned b_raw390[2];
-    unsigned a_frag405[4];
-    unsigned b_frag406[4];
-    unsigned a_frag451[4];
-    unsigned b_frag452[4];
-    unsigned b_raw453[2];
-    unsigned a_frag456[4];
-    unsigned b_frag457[4];
-    unsigned b_raw458[2];
-    unsigned a_frag466[4];
-    unsigned b_frag467[4];
-    unsigned b_raw468[2];
-    unsigned a_frag476[4];
-    unsigned b_frag477[4];
-    unsigned b_raw478[2];
+    unsigned a_frag380[4];
+    unsigned b_frag381[2];
+    unsigned a_frag386[4];
+    unsigned b_frag387[4];
+    unsigned b_raw388[2];
+    unsigned a_frag401[4];
+    unsigned b_frag402[4];
+    unsigned a_frag447[4];
+    unsigned b_frag448[4];
+    unsigned b_raw449[2];
+    unsigned a_frag452[4];
+    unsigned b_frag453[4];
+    unsigned b_raw454[2];
+    unsigned a_frag462[4];
+    unsigned b_frag463[4];
+    unsigned b_raw464[2];
+    unsigned a_frag472[4];
+    unsigned b_frag473[4];
+    unsigned b_raw474[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -519,9 +519,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row299 < 64u) {
-                    const unsigned row_1 = gather_row299;
+                const unsigned gather_row302 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row302 < 64u) {
+                    const unsigned row_1 = gather_row302;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -541,18 +541,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 64u) {
+            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                if (gather_row304 < 64u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row301;
-                    const int src_i32302 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
-                    *(row_valid + (load_stage * 68u) + gather_row301) = (src_i32302 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32302 >= 0) {
-                        copy_async(kv_rows + (load_stage * 10496u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row304;
+                    const int src_i32305 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot303] >= 0)) && (((unsigned)kv_rows_pre[slot303]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot303]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot303]) % p.page_size) * p.row_stride_w))) : (-1);
+                    *(row_valid + (load_stage * 68u) + gather_row304) = (src_i32305 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32305 >= 0) {
+                        copy_async(kv_rows + (load_stage * 10496u) + (gather_row304 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32305), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            *(kv_rows + (load_stage * 10496u) + (gather_row301 * 164u) + zero_w) = 0u;
+                            *(kv_rows + (load_stage * 10496u) + (gather_row304 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -563,11 +563,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
-                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
-                if (gather_row304 < 64u) {
-                    const unsigned row_1 = gather_row304;
-                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
+            for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
+                const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
+                if (gather_row307 < 64u) {
+                    const unsigned row_1 = gather_row307;
+                    kv_rows_pre[slot306] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -614,147 +614,148 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
+    float q_absmax = 0.0f;
+    const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+    const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+    const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+    const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+    const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+    const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+    const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+    const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+    const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+    const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+    const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+    const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+    const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+    const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+    const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+    const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+    const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+    const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+    const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+    const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+    const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+    const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+    const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+    const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+    const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+    const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+    const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+    const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+    const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+    const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+    const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+    const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+    const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+    const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+    const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+    const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+    const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+    const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+    const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+    const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+    const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+    const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+    const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+    const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+    const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+    const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+    const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+    const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+    const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+    const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+    const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+    const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+    const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+    const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+    const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+    const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+    const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+    const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+    const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+    const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+    const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+    const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+    const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+    const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+    const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer);
+    const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+    const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+    const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+    const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+    const unsigned q_absmax_exp = (__float_as_uint(q_absmax) >> 23u) & 255u;
     if (E4M3_MMA_NATIVE) {
-        float q_absmax = 0.0f;
-        const unsigned q_pair = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = *(q_tile + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = *(q_tile + 2336u + (lane_group * 292u) + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = *(q_tile + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = *(q_tile + 2336u + (lane_group * 292u) + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = *(q_tile + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = *(q_tile + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = *(q_tile + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = *(q_tile + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 2u) * 2u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = *(q_tile + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((((warp % 2u) * 2u) + 1u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = *(q_tile + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((((warp % 2u) * 2u) + 1u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
-        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
-        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
-        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const unsigned q_scale_exp = (q_absmax_exp < 8u) ? 253u : (261u - q_absmax_exp);
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
@@ -1062,79 +1063,90 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned sub7 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[8u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a0_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a0_bf16[10u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[12u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a0_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a0_bf16[14u] = *(q_tile + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[8u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a1_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a1_bf16[10u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[12u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a1_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a1_bf16[14u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[8u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a2_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a2_bf16[10u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[12u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a2_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a2_bf16[14u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[8u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a3_bf16[9u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u));
-        q_tile_a3_bf16[10u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[11u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 16u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[12u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a3_bf16[13u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u));
-        q_tile_a3_bf16[14u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[15u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 2u) * 4u) * 8u) + 24u + (lane_quad * 2u) + 1u);
-        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
-        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
-        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
-        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
-        q_tile_a4[4u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
-        q_tile_a4[5u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
-        q_tile_a4[6u] = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
-        q_tile_a4[7u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        const unsigned q_scale_exp293 = (q_absmax_exp < 15u) ? 253u : (268u - q_absmax_exp);
+        const float q_scale294 = __uint_as_float(q_scale_exp293 << 23u);
+        const float q_scale295 = q_scale294 / E4M3_F16_UNIT;
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp293) << 23u) * E4M3_F16_UNIT;
+        q_tile_a0_f16[0u] = pack_f16x2(__uint_as_float(q_pair << 16u) * q_scale294, __uint_as_float(q_pair & 4294901760u) * q_scale294);
+        q_tile_a0_f16[2u] = pack_f16x2(__uint_as_float(q_pair5 << 16u) * q_scale294, __uint_as_float(q_pair5 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[1u] = pack_f16x2(__uint_as_float(q_pair6 << 16u) * q_scale294, __uint_as_float(q_pair6 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[3u] = pack_f16x2(__uint_as_float(q_pair7 << 16u) * q_scale294, __uint_as_float(q_pair7 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[4u] = pack_f16x2(__uint_as_float(q_pair8 << 16u) * q_scale294, __uint_as_float(q_pair8 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[6u] = pack_f16x2(__uint_as_float(q_pair9 << 16u) * q_scale294, __uint_as_float(q_pair9 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[5u] = pack_f16x2(__uint_as_float(q_pair10 << 16u) * q_scale294, __uint_as_float(q_pair10 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[7u] = pack_f16x2(__uint_as_float(q_pair11 << 16u) * q_scale294, __uint_as_float(q_pair11 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[8u] = pack_f16x2(__uint_as_float(q_pair12 << 16u) * q_scale294, __uint_as_float(q_pair12 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[10u] = pack_f16x2(__uint_as_float(q_pair13 << 16u) * q_scale294, __uint_as_float(q_pair13 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[9u] = pack_f16x2(__uint_as_float(q_pair14 << 16u) * q_scale294, __uint_as_float(q_pair14 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[11u] = pack_f16x2(__uint_as_float(q_pair15 << 16u) * q_scale294, __uint_as_float(q_pair15 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[12u] = pack_f16x2(__uint_as_float(q_pair16 << 16u) * q_scale294, __uint_as_float(q_pair16 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[14u] = pack_f16x2(__uint_as_float(q_pair17 << 16u) * q_scale294, __uint_as_float(q_pair17 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[13u] = pack_f16x2(__uint_as_float(q_pair18 << 16u) * q_scale294, __uint_as_float(q_pair18 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[15u] = pack_f16x2(__uint_as_float(q_pair19 << 16u) * q_scale294, __uint_as_float(q_pair19 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[0u] = pack_f16x2(__uint_as_float(q_pair20 << 16u) * q_scale294, __uint_as_float(q_pair20 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[2u] = pack_f16x2(__uint_as_float(q_pair21 << 16u) * q_scale294, __uint_as_float(q_pair21 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[1u] = pack_f16x2(__uint_as_float(q_pair22 << 16u) * q_scale294, __uint_as_float(q_pair22 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[3u] = pack_f16x2(__uint_as_float(q_pair23 << 16u) * q_scale294, __uint_as_float(q_pair23 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[4u] = pack_f16x2(__uint_as_float(q_pair24 << 16u) * q_scale294, __uint_as_float(q_pair24 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[6u] = pack_f16x2(__uint_as_float(q_pair25 << 16u) * q_scale294, __uint_as_float(q_pair25 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[5u] = pack_f16x2(__uint_as_float(q_pair26 << 16u) * q_scale294, __uint_as_float(q_pair26 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[7u] = pack_f16x2(__uint_as_float(q_pair27 << 16u) * q_scale294, __uint_as_float(q_pair27 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[8u] = pack_f16x2(__uint_as_float(q_pair28 << 16u) * q_scale294, __uint_as_float(q_pair28 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[10u] = pack_f16x2(__uint_as_float(q_pair29 << 16u) * q_scale294, __uint_as_float(q_pair29 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[9u] = pack_f16x2(__uint_as_float(q_pair30 << 16u) * q_scale294, __uint_as_float(q_pair30 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[11u] = pack_f16x2(__uint_as_float(q_pair31 << 16u) * q_scale294, __uint_as_float(q_pair31 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[12u] = pack_f16x2(__uint_as_float(q_pair32 << 16u) * q_scale294, __uint_as_float(q_pair32 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[14u] = pack_f16x2(__uint_as_float(q_pair33 << 16u) * q_scale294, __uint_as_float(q_pair33 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[13u] = pack_f16x2(__uint_as_float(q_pair34 << 16u) * q_scale294, __uint_as_float(q_pair34 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[15u] = pack_f16x2(__uint_as_float(q_pair35 << 16u) * q_scale294, __uint_as_float(q_pair35 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[0u] = pack_f16x2(__uint_as_float(q_pair36 << 16u) * q_scale294, __uint_as_float(q_pair36 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[2u] = pack_f16x2(__uint_as_float(q_pair37 << 16u) * q_scale294, __uint_as_float(q_pair37 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[1u] = pack_f16x2(__uint_as_float(q_pair38 << 16u) * q_scale294, __uint_as_float(q_pair38 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[3u] = pack_f16x2(__uint_as_float(q_pair39 << 16u) * q_scale294, __uint_as_float(q_pair39 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[4u] = pack_f16x2(__uint_as_float(q_pair40 << 16u) * q_scale294, __uint_as_float(q_pair40 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[6u] = pack_f16x2(__uint_as_float(q_pair41 << 16u) * q_scale294, __uint_as_float(q_pair41 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[5u] = pack_f16x2(__uint_as_float(q_pair42 << 16u) * q_scale294, __uint_as_float(q_pair42 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[7u] = pack_f16x2(__uint_as_float(q_pair43 << 16u) * q_scale294, __uint_as_float(q_pair43 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[8u] = pack_f16x2(__uint_as_float(q_pair44 << 16u) * q_scale294, __uint_as_float(q_pair44 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[10u] = pack_f16x2(__uint_as_float(q_pair45 << 16u) * q_scale294, __uint_as_float(q_pair45 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[9u] = pack_f16x2(__uint_as_float(q_pair46 << 16u) * q_scale294, __uint_as_float(q_pair46 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[11u] = pack_f16x2(__uint_as_float(q_pair47 << 16u) * q_scale294, __uint_as_float(q_pair47 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[12u] = pack_f16x2(__uint_as_float(q_pair48 << 16u) * q_scale294, __uint_as_float(q_pair48 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[14u] = pack_f16x2(__uint_as_float(q_pair49 << 16u) * q_scale294, __uint_as_float(q_pair49 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[13u] = pack_f16x2(__uint_as_float(q_pair50 << 16u) * q_scale294, __uint_as_float(q_pair50 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[15u] = pack_f16x2(__uint_as_float(q_pair51 << 16u) * q_scale294, __uint_as_float(q_pair51 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[0u] = pack_f16x2(__uint_as_float(q_pair52 << 16u) * q_scale294, __uint_as_float(q_pair52 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[2u] = pack_f16x2(__uint_as_float(q_pair53 << 16u) * q_scale294, __uint_as_float(q_pair53 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[1u] = pack_f16x2(__uint_as_float(q_pair54 << 16u) * q_scale294, __uint_as_float(q_pair54 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[3u] = pack_f16x2(__uint_as_float(q_pair55 << 16u) * q_scale294, __uint_as_float(q_pair55 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[4u] = pack_f16x2(__uint_as_float(q_pair56 << 16u) * q_scale294, __uint_as_float(q_pair56 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[6u] = pack_f16x2(__uint_as_float(q_pair57 << 16u) * q_scale294, __uint_as_float(q_pair57 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[5u] = pack_f16x2(__uint_as_float(q_pair58 << 16u) * q_scale294, __uint_as_float(q_pair58 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[7u] = pack_f16x2(__uint_as_float(q_pair59 << 16u) * q_scale294, __uint_as_float(q_pair59 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[8u] = pack_f16x2(__uint_as_float(q_pair60 << 16u) * q_scale294, __uint_as_float(q_pair60 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[10u] = pack_f16x2(__uint_as_float(q_pair61 << 16u) * q_scale294, __uint_as_float(q_pair61 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[9u] = pack_f16x2(__uint_as_float(q_pair62 << 16u) * q_scale294, __uint_as_float(q_pair62 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[11u] = pack_f16x2(__uint_as_float(q_pair63 << 16u) * q_scale294, __uint_as_float(q_pair63 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[12u] = pack_f16x2(__uint_as_float(q_pair64 << 16u) * q_scale294, __uint_as_float(q_pair64 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[14u] = pack_f16x2(__uint_as_float(q_pair65 << 16u) * q_scale294, __uint_as_float(q_pair65 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[13u] = pack_f16x2(__uint_as_float(q_pair66 << 16u) * q_scale294, __uint_as_float(q_pair66 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[15u] = pack_f16x2(__uint_as_float(q_pair67 << 16u) * q_scale294, __uint_as_float(q_pair67 & 4294901760u) * q_scale294);
+        const unsigned sub8 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub8 << 16u) * q_scale295, __uint_as_float(sub8 & 4294901760u) * q_scale295);
+        const unsigned sub9 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad);
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub9 << 16u) * q_scale295, __uint_as_float(sub9 & 4294901760u) * q_scale295);
+        const unsigned sub10 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub10 << 16u) * q_scale295, __uint_as_float(sub10 & 4294901760u) * q_scale295);
+        const unsigned sub11 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub11 << 16u) * q_scale295, __uint_as_float(sub11 & 4294901760u) * q_scale295);
+        const unsigned sub12 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub12 << 16u) * q_scale295, __uint_as_float(sub12 & 4294901760u) * q_scale295);
+        const unsigned sub13 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad);
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub13 << 16u) * q_scale295, __uint_as_float(sub13 & 4294901760u) * q_scale295);
+        const unsigned sub14 = *(q_tile + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub14 << 16u) * q_scale295, __uint_as_float(sub14 & 4294901760u) * q_scale295);
+        const unsigned sub15 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub15 << 16u) * q_scale295, __uint_as_float(sub15 & 4294901760u) * q_scale295);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 16u; r += 256u) {
@@ -1147,16 +1159,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i293 = 0u; fill_i293 < 8u; fill_i293 += 1u) {
-        o_acc_1[fill_i293] = 0.0f;
+    for (unsigned fill_i296 = 0u; fill_i296 < 8u; fill_i296 += 1u) {
+        o_acc_1[fill_i296] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i294 = 0u; fill_i294 < 8u; fill_i294 += 1u) {
-        o_acc_2[fill_i294] = 0.0f;
+    for (unsigned fill_i297 = 0u; fill_i297 < 8u; fill_i297 += 1u) {
+        o_acc_2[fill_i297] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i295 = 0u; fill_i295 < 8u; fill_i295 += 1u) {
-        o_acc_3[fill_i295] = 0.0f;
+    for (unsigned fill_i298 = 0u; fill_i298 < 8u; fill_i298 += 1u) {
+        o_acc_3[fill_i298] = 0.0f;
     }
 
     // f16 P . V: the accumulators hold O times K, a running scale
@@ -1166,16 +1178,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[units_i] = o_acc[units_i] * 128.0f;
     }
     #pragma unroll
-    for (unsigned units_i296 = 0u; units_i296 < 8u; units_i296 += 1u) {
-        o_acc_1[units_i296] = o_acc_1[units_i296] * 128.0f;
+    for (unsigned units_i299 = 0u; units_i299 < 8u; units_i299 += 1u) {
+        o_acc_1[units_i299] = o_acc_1[units_i299] * 128.0f;
     }
     #pragma unroll
-    for (unsigned units_i297 = 0u; units_i297 < 8u; units_i297 += 1u) {
-        o_acc_2[units_i297] = o_acc_2[units_i297] * 128.0f;
+    for (unsigned units_i300 = 0u; units_i300 < 8u; units_i300 += 1u) {
+        o_acc_2[units_i300] = o_acc_2[units_i300] * 128.0f;
     }
     #pragma unroll
-    for (unsigned units_i298 = 0u; units_i298 < 8u; units_i298 += 1u) {
-        o_acc_3[units_i298] = o_acc_3[units_i298] * 128.0f;
+    for (unsigned units_i301 = 0u; units_i301 < 8u; units_i301 += 1u) {
+        o_acc_3[units_i301] = o_acc_3[units_i301] * 128.0f;
     }
 
     // pipeline step: 2-stage mbarrier ring; the producer warps issue the first 1 steps
@@ -1190,10 +1202,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi305 = 0u; mi305 < 1u; mi305 += 1u) {
+        for (unsigned mi308 = 0u; mi308 < 1u; mi308 += 1u) {
             #pragma unroll
-            for (unsigned half306 = 0u; half306 < 2u; half306 += 1u) {
-                row_sum_part[(mi305 * 2u) + half306] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi305 * 16u) + (half306 * 8u) + lane_group) : 0.0f;
+            for (unsigned half309 = 0u; half309 < 2u; half309 += 1u) {
+                row_sum_part[(mi308 * 2u) + half309] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi308 * 16u) + (half309 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1219,47 +1231,47 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (units_vote) {
             const float units_other = shfl_xor_f32(units_m, 16);
             units_m = fmaxf(units_m, units_other);
-            const float units_other314 = shfl_xor_f32(units_m, 8);
-            units_m = fmaxf(units_m, units_other314);
-            const float units_other315 = shfl_xor_f32(units_m, 4);
-            units_m = fmaxf(units_m, units_other315);
-            const float units_other316 = shfl_xor_f32(units_m, 2);
-            units_m = fmaxf(units_m, units_other316);
-            const float units_other317 = shfl_xor_f32(units_m, 1);
+            const float units_other317 = shfl_xor_f32(units_m, 8);
             units_m = fmaxf(units_m, units_other317);
+            const float units_other318 = shfl_xor_f32(units_m, 4);
+            units_m = fmaxf(units_m, units_other318);
+            const float units_other319 = shfl_xor_f32(units_m, 2);
+            units_m = fmaxf(units_m, units_other319);
+            const float units_other320 = shfl_xor_f32(units_m, 1);
+            units_m = fmaxf(units_m, units_other320);
             const float units_k_new = fminf(128.0f / units_m, 1.2676506e30f);
             const float units_ratio = units_k_new / units_k_old;
             #pragma unroll
-            for (unsigned units_i318 = 0u; units_i318 < 8u; units_i318 += 1u) {
-                o_acc[units_i318] = o_acc[units_i318] * units_ratio;
-            }
-            #pragma unroll
-            for (unsigned units_i319 = 0u; units_i319 < 8u; units_i319 += 1u) {
-                o_acc_1[units_i319] = o_acc_1[units_i319] * units_ratio;
-            }
-            #pragma unroll
-            for (unsigned units_i320 = 0u; units_i320 < 8u; units_i320 += 1u) {
-                o_acc_2[units_i320] = o_acc_2[units_i320] * units_ratio;
-            }
-            #pragma unroll
             for (unsigned units_i321 = 0u; units_i321 < 8u; units_i321 += 1u) {
-                o_acc_3[units_i321] = o_acc_3[units_i321] * units_ratio;
+                o_acc[units_i321] = o_acc[units_i321] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i322 = 0u; units_i322 < 8u; units_i322 += 1u) {
+                o_acc_1[units_i322] = o_acc_1[units_i322] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i323 = 0u; units_i323 < 8u; units_i323 += 1u) {
+                o_acc_2[units_i323] = o_acc_2[units_i323] * units_ratio;
+            }
+            #pragma unroll
+            for (unsigned units_i324 = 0u; units_i324 < 8u; units_i324 += 1u) {
+                o_acc_3[units_i324] = o_acc_3[units_i324] * units_ratio;
             }
             units_k[0u] = units_k_new;
         }
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i322 = 0u; fill_i322 < 8u; fill_i322 += 1u) {
-            scores[fill_i322] = 0.0f;
+        for (unsigned fill_i325 = 0u; fill_i325 < 8u; fill_i325 += 1u) {
+            scores[fill_i325] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 8u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e323 = 0u; e323 < 8u; e323 += 1u) {
-            scores_term[e323] = 0.0f;
+        for (unsigned e326 = 0u; e326 < 8u; e326 += 1u) {
+            scores_term[e326] = 0.0f;
         }
         const unsigned n_first = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1269,113 +1281,109 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 10496u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (((warp % 2u) * 2u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi324 = 0u; mi324 < 1u; mi324 += 1u) {
-                        a_frag[0u] = q_tile_a0[((mi324 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[(((mi324 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[((mi324 * 2u) + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[(((mi324 * 2u) + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi324 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi327 = 0u; mi327 < 1u; mi327 += 1u) {
+                        a_frag[0u] = q_tile_a0[((mi327 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[(((mi327 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[(((mi327 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[(((mi327 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi327 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[((mi327 * 2u) + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[(((mi327 * 2u) + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[(((mi327 * 2u) + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[(((mi327 * 2u) + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi327 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e330 = 0u; e330 < 8u; e330 += 1u) {
-                scores_term[8u + e330] = 0.0f;
+            for (unsigned e333 = 0u; e333 < 8u; e333 += 1u) {
+                scores_term[8u + e333] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 2u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk327 = (kk_pair * 2u) + chain;
+                    const unsigned kk330 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj329 = 0u; nj329 < 2u; nj329 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (n_first * 164u) + ((nj329 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk327 * 4u));
-                        const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair331 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag326[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag326[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair331), e4m3x2_hi(e4m3_pair331));
+                    for (unsigned nj332 = 0u; nj332 < 2u; nj332 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 10496u) + (n_first * 164u) + ((nj332 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk330 * 4u));
+                        b_frag329[0u] = e4m3x2_f16(b_raw[0u] & 65535u);
+                        b_frag329[1u] = e4m3x2_f16(b_raw[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi328 = 0u; mi328 < 1u; mi328 += 1u) {
-                            a_frag325[0u] = q_tile_a0_bf16[((mi328 * 4u) + kk327) * 4u];
-                            a_frag325[1u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 1u];
-                            a_frag325[2u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 2u];
-                            a_frag325[3u] = q_tile_a0_bf16[(((mi328 * 4u) + kk327) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 8u) + (((mi328 * 2u) + nj329) * 4u)], &a_frag325[0u], &b_frag326[0u]);
+                        for (unsigned mi331 = 0u; mi331 < 1u; mi331 += 1u) {
+                            a_frag328[0u] = q_tile_a0_f16[((mi331 * 4u) + kk330) * 4u];
+                            a_frag328[1u] = q_tile_a0_f16[(((mi331 * 4u) + kk330) * 4u) + 1u];
+                            a_frag328[2u] = q_tile_a0_f16[(((mi331 * 4u) + kk330) * 4u) + 2u];
+                            a_frag328[3u] = q_tile_a0_f16[(((mi331 * 4u) + kk330) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain * 8u) + (((mi331 * 2u) + nj332) * 4u)], &a_frag328[0u], &b_frag329[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e332 = 0u; e332 < 8u; e332 += 1u) {
-                scores_term[e332] = scores_term[e332] + scores_term[8u + e332];
+            for (unsigned e334 = 0u; e334 < 8u; e334 += 1u) {
+                scores_term[e334] = scores_term[e334] + scores_term[8u + e334];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 2u; frag += 1u) {
             #pragma unroll
-            for (unsigned e333 = 0u; e333 < 4u; e333 += 1u) {
-                const float row_scale = *(kv_scales + (stage * 10496u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e333 & 1u) * 164u));
-                scores_part[(frag * 4u) + e333] = fmaf(scores_term[(frag * 4u) + e333], row_scale, scores_part[(frag * 4u) + e333]);
+            for (unsigned e335 = 0u; e335 < 4u; e335 += 1u) {
+                const float row_scale = *(kv_scales + (stage * 10496u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e335 & 1u) * 164u));
+                scores_part[(frag * 4u) + e335] = fmaf(scores_term[(frag * 4u) + e335], row_scale, scores_part[(frag * 4u) + e335]);
             }
         }
         #pragma unroll
-        for (unsigned e334 = 0u; e334 < 8u; e334 += 1u) {
-            scores_term[e334] = 0.0f;
+        for (unsigned e336 = 0u; e336 < 8u; e336 += 1u) {
+            scores_term[e336] = 0.0f;
         }
-        const unsigned n_first335 = (warp / 2u) * 16u;
+        const unsigned n_first337 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk338 = 0u; kk338 < 2u; kk338 += 1u) {
+            for (unsigned kk340 = 0u; kk340 < 2u; kk340 += 1u) {
                 #pragma unroll
-                for (unsigned nj340 = 0u; nj340 < 2u; nj340 += 1u) {
-                    ldmatrix_x2(&b_frag337[0u], kv_rows + (stage * 10496u) + (n_first335 * 164u) + ((nj340 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk338 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj342 = 0u; nj342 < 2u; nj342 += 1u) {
+                    ldmatrix_x2(&b_frag339[0u], kv_rows + (stage * 10496u) + (n_first337 * 164u) + ((nj342 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (((warp % 2u) * 2u) * 8u) + (kk340 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi339 = 0u; mi339 < 1u; mi339 += 1u) {
-                        a_frag336[0u] = q_tile_a1[((mi339 * 2u) + kk338) * 4u];
-                        a_frag336[1u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 1u];
-                        a_frag336[2u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 2u];
-                        a_frag336[3u] = q_tile_a1[(((mi339 * 2u) + kk338) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi339 * 2u) + nj340) * 4u], &a_frag336[0u], &b_frag337[0u]);
-                        a_frag336[0u] = q_tile_a1_lo[((mi339 * 2u) + kk338) * 4u];
-                        a_frag336[1u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 1u];
-                        a_frag336[2u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 2u];
-                        a_frag336[3u] = q_tile_a1_lo[(((mi339 * 2u) + kk338) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi339 * 2u) + nj340) * 4u], &a_frag336[0u], &b_frag337[0u]);
+                    for (unsigned mi341 = 0u; mi341 < 1u; mi341 += 1u) {
+                        a_frag338[0u] = q_tile_a1[((mi341 * 2u) + kk340) * 4u];
+                        a_frag338[1u] = q_tile_a1[(((mi341 * 2u) + kk340) * 4u) + 1u];
+                        a_frag338[2u] = q_tile_a1[(((mi341 * 2u) + kk340) * 4u) + 2u];
+                        a_frag338[3u] = q_tile_a1[(((mi341 * 2u) + kk340) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi341 * 2u) + nj342) * 4u], &a_frag338[0u], &b_frag339[0u]);
+                        a_frag338[0u] = q_tile_a1_lo[((mi341 * 2u) + kk340) * 4u];
+                        a_frag338[1u] = q_tile_a1_lo[(((mi341 * 2u) + kk340) * 4u) + 1u];
+                        a_frag338[2u] = q_tile_a1_lo[(((mi341 * 2u) + kk340) * 4u) + 2u];
+                        a_frag338[3u] = q_tile_a1_lo[(((mi341 * 2u) + kk340) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi341 * 2u) + nj342) * 4u], &a_frag338[0u], &b_frag339[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first341 = (warp % 2u) * 4u;
+            const unsigned k_first343 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e350 = 0u; e350 < 8u; e350 += 1u) {
-                scores_term[8u + e350] = 0.0f;
+            for (unsigned e352 = 0u; e352 < 8u; e352 += 1u) {
+                scores_term[8u + e352] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair348 = 0u; kk_pair348 < 2u; kk_pair348 += 1u) {
+            for (unsigned kk_pair350 = 0u; kk_pair350 < 2u; kk_pair350 += 1u) {
                 #pragma unroll
-                for (unsigned chain349 = 0u; chain349 < 2u; chain349 += 1u) {
-                    const unsigned kk345 = (kk_pair348 * 2u) + chain349;
+                for (unsigned chain351 = 0u; chain351 < 2u; chain351 += 1u) {
+                    const unsigned kk347 = (kk_pair350 * 2u) + chain351;
                     #pragma unroll
-                    for (unsigned nj347 = 0u; nj347 < 2u; nj347 += 1u) {
-                        ldmatrix_x1(&b_raw344[0u], kv_rows + (stage * 10496u) + (n_first335 * 164u) + ((nj347 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first341 * 4u) + (kk345 * 4u));
-                        const unsigned e4m3_pair351 = e4m3x2_prep(b_raw344[0u] & 65535u);
-                        const unsigned e4m3_pair352 = e4m3x2_prep(b_raw344[0u] >> 16u);
-                        b_frag343[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair351), e4m3x2_hi(e4m3_pair351));
-                        b_frag343[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair352), e4m3x2_hi(e4m3_pair352));
+                    for (unsigned nj349 = 0u; nj349 < 2u; nj349 += 1u) {
+                        ldmatrix_x1(&b_raw346[0u], kv_rows + (stage * 10496u) + (n_first337 * 164u) + ((nj349 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first343 * 4u) + (kk347 * 4u));
+                        b_frag345[0u] = e4m3x2_f16(b_raw346[0u] & 65535u);
+                        b_frag345[1u] = e4m3x2_f16(b_raw346[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi346 = 0u; mi346 < 1u; mi346 += 1u) {
-                            a_frag342[0u] = q_tile_a1_bf16[((mi346 * 4u) + kk345) * 4u];
-                            a_frag342[1u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 1u];
-                            a_frag342[2u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 2u];
-                            a_frag342[3u] = q_tile_a1_bf16[(((mi346 * 4u) + kk345) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain349 * 8u) + (((mi346 * 2u) + nj347) * 4u)], &a_frag342[0u], &b_frag343[0u]);
+                        for (unsigned mi348 = 0u; mi348 < 1u; mi348 += 1u) {
+                            a_frag344[0u] = q_tile_a1_f16[((mi348 * 4u) + kk347) * 4u];
+                            a_frag344[1u] = q_tile_a1_f16[(((mi348 * 4u) + kk347) * 4u) + 1u];
+                            a_frag344[2u] = q_tile_a1_f16[(((mi348 * 4u) + kk347) * 4u) + 2u];
+                            a_frag344[3u] = q_tile_a1_f16[(((mi348 * 4u) + kk347) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain351 * 8u) + (((mi348 * 2u) + nj349) * 4u)], &a_frag344[0u], &b_frag345[0u]);
                         }
                     }
                 }
@@ -1389,7 +1397,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag354 = 0u; frag354 < 2u; frag354 += 1u) {
             #pragma unroll
             for (unsigned e355 = 0u; e355 < 4u; e355 += 1u) {
-                const float row_scale356 = *(kv_scales + (stage * 10496u) + (n_first335 * 164u) + (((frag354 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e355 & 1u) * 164u) + 1u);
+                const float row_scale356 = *(kv_scales + (stage * 10496u) + (n_first337 * 164u) + (((frag354 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e355 & 1u) * 164u) + 1u);
                 scores_part[(frag354 * 4u) + e355] = fmaf(scores_term[(frag354 * 4u) + e355], row_scale356, scores_part[(frag354 * 4u) + e355]);
             }
         }
@@ -1433,142 +1441,138 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     #pragma unroll
                     for (unsigned nj370 = 0u; nj370 < 2u; nj370 += 1u) {
                         ldmatrix_x1(&b_raw367[0u], kv_rows + (stage * 10496u) + (n_first358 * 164u) + ((nj370 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first364 * 4u) + (kk368 * 4u));
-                        const unsigned e4m3_pair374 = e4m3x2_prep(b_raw367[0u] & 65535u);
-                        const unsigned e4m3_pair375 = e4m3x2_prep(b_raw367[0u] >> 16u);
-                        b_frag366[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair374), e4m3x2_hi(e4m3_pair374));
-                        b_frag366[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair375), e4m3x2_hi(e4m3_pair375));
+                        b_frag366[0u] = e4m3x2_f16(b_raw367[0u] & 65535u);
+                        b_frag366[1u] = e4m3x2_f16(b_raw367[0u] >> 16u);
                         #pragma unroll
                         for (unsigned mi369 = 0u; mi369 < 1u; mi369 += 1u) {
-                            a_frag365[0u] = q_tile_a2_bf16[((mi369 * 4u) + kk368) * 4u];
-                            a_frag365[1u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 1u];
-                            a_frag365[2u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 2u];
-                            a_frag365[3u] = q_tile_a2_bf16[(((mi369 * 4u) + kk368) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain372 * 8u) + (((mi369 * 2u) + nj370) * 4u)], &a_frag365[0u], &b_frag366[0u]);
+                            a_frag365[0u] = q_tile_a2_f16[((mi369 * 4u) + kk368) * 4u];
+                            a_frag365[1u] = q_tile_a2_f16[(((mi369 * 4u) + kk368) * 4u) + 1u];
+                            a_frag365[2u] = q_tile_a2_f16[(((mi369 * 4u) + kk368) * 4u) + 2u];
+                            a_frag365[3u] = q_tile_a2_f16[(((mi369 * 4u) + kk368) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain372 * 8u) + (((mi369 * 2u) + nj370) * 4u)], &a_frag365[0u], &b_frag366[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e376 = 0u; e376 < 8u; e376 += 1u) {
-                scores_term[e376] = scores_term[e376] + scores_term[8u + e376];
+            for (unsigned e374 = 0u; e374 < 8u; e374 += 1u) {
+                scores_term[e374] = scores_term[e374] + scores_term[8u + e374];
             }
         }
         #pragma unroll
-        for (unsigned frag377 = 0u; frag377 < 2u; frag377 += 1u) {
+        for (unsigned frag375 = 0u; frag375 < 2u; frag375 += 1u) {
             #pragma unroll
-            for (unsigned e378 = 0u; e378 < 4u; e378 += 1u) {
-                const float row_scale379 = *(kv_scales + (stage * 10496u) + (n_first358 * 164u) + (((frag377 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e378 & 1u) * 164u) + 2u);
-                scores_part[(frag377 * 4u) + e378] = fmaf(scores_term[(frag377 * 4u) + e378], row_scale379, scores_part[(frag377 * 4u) + e378]);
+            for (unsigned e376 = 0u; e376 < 4u; e376 += 1u) {
+                const float row_scale377 = *(kv_scales + (stage * 10496u) + (n_first358 * 164u) + (((frag375 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e376 & 1u) * 164u) + 2u);
+                scores_part[(frag375 * 4u) + e376] = fmaf(scores_term[(frag375 * 4u) + e376], row_scale377, scores_part[(frag375 * 4u) + e376]);
             }
         }
         #pragma unroll
-        for (unsigned e380 = 0u; e380 < 8u; e380 += 1u) {
-            scores_term[e380] = 0.0f;
+        for (unsigned e378 = 0u; e378 < 8u; e378 += 1u) {
+            scores_term[e378] = 0.0f;
         }
-        const unsigned n_first381 = (warp / 2u) * 16u;
+        const unsigned n_first379 = (warp / 2u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk384 = 0u; kk384 < 2u; kk384 += 1u) {
+            for (unsigned kk382 = 0u; kk382 < 2u; kk382 += 1u) {
                 #pragma unroll
-                for (unsigned nj386 = 0u; nj386 < 2u; nj386 += 1u) {
-                    ldmatrix_x2(&b_frag383[0u], kv_rows + (stage * 10496u) + (n_first381 * 164u) + ((nj386 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk384 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj384 = 0u; nj384 < 2u; nj384 += 1u) {
+                    ldmatrix_x2(&b_frag381[0u], kv_rows + (stage * 10496u) + (n_first379 * 164u) + ((nj384 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (((warp % 2u) * 2u) * 8u) + (kk382 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi385 = 0u; mi385 < 1u; mi385 += 1u) {
-                        a_frag382[0u] = q_tile_a3[((mi385 * 2u) + kk384) * 4u];
-                        a_frag382[1u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 1u];
-                        a_frag382[2u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 2u];
-                        a_frag382[3u] = q_tile_a3[(((mi385 * 2u) + kk384) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi385 * 2u) + nj386) * 4u], &a_frag382[0u], &b_frag383[0u]);
-                        a_frag382[0u] = q_tile_a3_lo[((mi385 * 2u) + kk384) * 4u];
-                        a_frag382[1u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 1u];
-                        a_frag382[2u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 2u];
-                        a_frag382[3u] = q_tile_a3_lo[(((mi385 * 2u) + kk384) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi385 * 2u) + nj386) * 4u], &a_frag382[0u], &b_frag383[0u]);
+                    for (unsigned mi383 = 0u; mi383 < 1u; mi383 += 1u) {
+                        a_frag380[0u] = q_tile_a3[((mi383 * 2u) + kk382) * 4u];
+                        a_frag380[1u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 1u];
+                        a_frag380[2u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 2u];
+                        a_frag380[3u] = q_tile_a3[(((mi383 * 2u) + kk382) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi383 * 2u) + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
+                        a_frag380[0u] = q_tile_a3_lo[((mi383 * 2u) + kk382) * 4u];
+                        a_frag380[1u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 1u];
+                        a_frag380[2u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 2u];
+                        a_frag380[3u] = q_tile_a3_lo[(((mi383 * 2u) + kk382) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi383 * 2u) + nj384) * 4u], &a_frag380[0u], &b_frag381[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first387 = (warp % 2u) * 4u;
+            const unsigned k_first385 = (warp % 2u) * 4u;
             #pragma unroll
-            for (unsigned e396 = 0u; e396 < 8u; e396 += 1u) {
-                scores_term[8u + e396] = 0.0f;
+            for (unsigned e394 = 0u; e394 < 8u; e394 += 1u) {
+                scores_term[8u + e394] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair394 = 0u; kk_pair394 < 2u; kk_pair394 += 1u) {
+            for (unsigned kk_pair392 = 0u; kk_pair392 < 2u; kk_pair392 += 1u) {
                 #pragma unroll
-                for (unsigned chain395 = 0u; chain395 < 2u; chain395 += 1u) {
-                    const unsigned kk391 = (kk_pair394 * 2u) + chain395;
+                for (unsigned chain393 = 0u; chain393 < 2u; chain393 += 1u) {
+                    const unsigned kk389 = (kk_pair392 * 2u) + chain393;
                     #pragma unroll
-                    for (unsigned nj393 = 0u; nj393 < 2u; nj393 += 1u) {
-                        ldmatrix_x1(&b_raw390[0u], kv_rows + (stage * 10496u) + (n_first381 * 164u) + ((nj393 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first387 * 4u) + (kk391 * 4u));
-                        const unsigned e4m3_pair397 = e4m3x2_prep(b_raw390[0u] & 65535u);
-                        const unsigned e4m3_pair398 = e4m3x2_prep(b_raw390[0u] >> 16u);
-                        b_frag389[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair397), e4m3x2_hi(e4m3_pair397));
-                        b_frag389[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair398), e4m3x2_hi(e4m3_pair398));
+                    for (unsigned nj391 = 0u; nj391 < 2u; nj391 += 1u) {
+                        ldmatrix_x1(&b_raw388[0u], kv_rows + (stage * 10496u) + (n_first379 * 164u) + ((nj391 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first385 * 4u) + (kk389 * 4u));
+                        b_frag387[0u] = e4m3x2_f16(b_raw388[0u] & 65535u);
+                        b_frag387[1u] = e4m3x2_f16(b_raw388[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi392 = 0u; mi392 < 1u; mi392 += 1u) {
-                            a_frag388[0u] = q_tile_a3_bf16[((mi392 * 4u) + kk391) * 4u];
-                            a_frag388[1u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 1u];
-                            a_frag388[2u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 2u];
-                            a_frag388[3u] = q_tile_a3_bf16[(((mi392 * 4u) + kk391) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain395 * 8u) + (((mi392 * 2u) + nj393) * 4u)], &a_frag388[0u], &b_frag389[0u]);
+                        for (unsigned mi390 = 0u; mi390 < 1u; mi390 += 1u) {
+                            a_frag386[0u] = q_tile_a3_f16[((mi390 * 4u) + kk389) * 4u];
+                            a_frag386[1u] = q_tile_a3_f16[(((mi390 * 4u) + kk389) * 4u) + 1u];
+                            a_frag386[2u] = q_tile_a3_f16[(((mi390 * 4u) + kk389) * 4u) + 2u];
+                            a_frag386[3u] = q_tile_a3_f16[(((mi390 * 4u) + kk389) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain393 * 8u) + (((mi390 * 2u) + nj391) * 4u)], &a_frag386[0u], &b_frag387[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e399 = 0u; e399 < 8u; e399 += 1u) {
-                scores_term[e399] = scores_term[e399] + scores_term[8u + e399];
+            for (unsigned e395 = 0u; e395 < 8u; e395 += 1u) {
+                scores_term[e395] = scores_term[e395] + scores_term[8u + e395];
             }
         }
         #pragma unroll
-        for (unsigned frag400 = 0u; frag400 < 2u; frag400 += 1u) {
+        for (unsigned frag396 = 0u; frag396 < 2u; frag396 += 1u) {
             #pragma unroll
-            for (unsigned e401 = 0u; e401 < 4u; e401 += 1u) {
-                const float row_scale402 = *(kv_scales + (stage * 10496u) + (n_first381 * 164u) + (((frag400 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e401 & 1u) * 164u) + 3u);
-                scores_part[(frag400 * 4u) + e401] = fmaf(scores_term[(frag400 * 4u) + e401], row_scale402, scores_part[(frag400 * 4u) + e401]);
+            for (unsigned e397 = 0u; e397 < 4u; e397 += 1u) {
+                const float row_scale398 = *(kv_scales + (stage * 10496u) + (n_first379 * 164u) + (((frag396 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e397 & 1u) * 164u) + 3u);
+                scores_part[(frag396 * 4u) + e397] = fmaf(scores_term[(frag396 * 4u) + e397], row_scale398, scores_part[(frag396 * 4u) + e397]);
             }
         }
-        const unsigned n_first403 = (warp / 2u) * 16u;
-        const unsigned k_first404 = (warp % 2u) * 2u;
+        const unsigned n_first399 = (warp / 2u) * 16u;
+        const unsigned k_first400 = (warp % 2u) * 2u;
         #pragma unroll
-        for (unsigned e413 = 0u; e413 < 8u; e413 += 1u) {
-            scores_part[8u + e413] = 0.0f;
+        for (unsigned e409 = 0u; e409 < 8u; e409 += 1u) {
+            scores_part[8u + e409] = 0.0f;
         }
         #pragma unroll
-        for (unsigned kk_pair411 = 0u; kk_pair411 < 1u; kk_pair411 += 1u) {
+        for (unsigned kk_pair407 = 0u; kk_pair407 < 1u; kk_pair407 += 1u) {
             #pragma unroll
-            for (unsigned chain412 = 0u; chain412 < 2u; chain412 += 1u) {
-                const unsigned kk408 = (kk_pair411 * 2u) + chain412;
+            for (unsigned chain408 = 0u; chain408 < 2u; chain408 += 1u) {
+                const unsigned kk404 = (kk_pair407 * 2u) + chain408;
                 #pragma unroll
-                for (unsigned nj410 = 0u; nj410 < 2u; nj410 += 1u) {
-                    ldmatrix_x2(&b_frag406[0u], kv_rope + (stage * 10496u) + (n_first403 * 164u) + ((nj410 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first404 * 8u) + (kk408 * 8u) + (lane_k8 >> 1u));
+                for (unsigned nj406 = 0u; nj406 < 2u; nj406 += 1u) {
+                    ldmatrix_x2(&b_frag402[0u], kv_rope + (stage * 10496u) + (n_first399 * 164u) + ((nj406 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first400 * 8u) + (kk404 * 8u) + (lane_k8 >> 1u));
                     #pragma unroll
-                    for (unsigned mi409 = 0u; mi409 < 1u; mi409 += 1u) {
-                        a_frag405[0u] = q_tile_a4[((mi409 * 2u) + kk408) * 4u];
-                        a_frag405[1u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 1u];
-                        a_frag405[2u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 2u];
-                        a_frag405[3u] = q_tile_a4[(((mi409 * 2u) + kk408) * 4u) + 3u];
-                        mma_bf16_16816(&scores_part[(chain412 * 8u) + (((mi409 * 2u) + nj410) * 4u)], &a_frag405[0u], &b_frag406[0u]);
+                    for (unsigned mi405 = 0u; mi405 < 1u; mi405 += 1u) {
+                        a_frag401[0u] = q_tile_a4[((mi405 * 2u) + kk404) * 4u];
+                        a_frag401[1u] = q_tile_a4[(((mi405 * 2u) + kk404) * 4u) + 1u];
+                        a_frag401[2u] = q_tile_a4[(((mi405 * 2u) + kk404) * 4u) + 2u];
+                        a_frag401[3u] = q_tile_a4[(((mi405 * 2u) + kk404) * 4u) + 3u];
+                        mma_bf16_16816(&scores_part[(chain408 * 8u) + (((mi405 * 2u) + nj406) * 4u)], &a_frag401[0u], &b_frag402[0u]);
                     }
                 }
             }
         }
         #pragma unroll
-        for (unsigned e414 = 0u; e414 < 8u; e414 += 1u) {
-            scores_part[e414] = scores_part[e414] + scores_part[8u + e414];
+        for (unsigned e410 = 0u; e410 < 8u; e410 += 1u) {
+            scores_part[e410] = scores_part[e410] + scores_part[8u + e410];
         }
 
         // scale, and mask the entries whose rows had no source
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag415 = 0u; frag415 < 2u; frag415 += 1u) {
+        for (unsigned frag411 = 0u; frag411 < 2u; frag411 += 1u) {
             #pragma unroll
-            for (unsigned half416 = 0u; half416 < 2u; half416 += 1u) {
+            for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
                 #pragma unroll
-                for (unsigned e417 = 0u; e417 < 2u; e417 += 1u) {
-                    *(split_k_partials + (((warp % 2u) * 16u) * 68u) + (((frag415 / 2u) * 16u) * 68u) + ((half416 * 8u) * 68u) + (lane_group * 68u) + ((warp / 2u) * 16u) + ((frag415 % 2u) * 8u) + (lane_quad * 2u) + e417) = scores_part[((frag415 * 4u) + (half416 * 2u)) + e417] * q_tile_unscale[0u];
+                for (unsigned e413 = 0u; e413 < 2u; e413 += 1u) {
+                    *(split_k_partials + (((warp % 2u) * 16u) * 68u) + (((frag411 / 2u) * 16u) * 68u) + ((half412 * 8u) * 68u) + (lane_group * 68u) + ((warp / 2u) * 16u) + ((frag411 % 2u) * 8u) + (lane_quad * 2u) + e413) = scores_part[((frag411 * 4u) + (half412 * 2u)) + e413] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1578,34 +1582,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage307 = ahead % 2u;
+                const unsigned load_stage310 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot308 = 0u; slot308 < 1u; slot308 += 1u) {
-                    const unsigned gather_row309 = ((warp - 4u) + (lane * 4u)) + (slot308 * 128u);
-                    if (gather_row309 < 64u) {
+                for (unsigned slot311 = 0u; slot311 < 1u; slot311 += 1u) {
+                    const unsigned gather_row312 = ((warp - 4u) + (lane * 4u)) + (slot311 * 128u);
+                    if (gather_row312 < 64u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row309;
-                        const int src_i32310 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot308] >= 0)) && (((unsigned)kv_rows_pre[slot308]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot308]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot308]) % p.page_size) * p.row_stride_w))) : (-1);
-                        *(row_valid + (load_stage307 * 68u) + gather_row309) = (src_i32310 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32310 >= 0) {
-                            copy_async(kv_rows + (load_stage307 * 10496u) + (gather_row309 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32310), 656u, ring_barriers + (load_stage307 * 2u));
+                        const unsigned row_1 = gather_row312;
+                        const int src_i32313 = (((((j_begin + (step * 64u)) + row_1) < j_end) && (kv_rows_pre[slot311] >= 0)) && (((unsigned)kv_rows_pre[slot311]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot311]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot311]) % p.page_size) * p.row_stride_w))) : (-1);
+                        *(row_valid + (load_stage310 * 68u) + gather_row312) = (src_i32313 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32313 >= 0) {
+                            copy_async(kv_rows + (load_stage310 * 10496u) + (gather_row312 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32313), 656u, ring_barriers + (load_stage310 * 2u));
                         } else {
-                            for (unsigned zero_w311 = 0u; zero_w311 < 164u; zero_w311 += 1u) {
-                                *(kv_rows + (load_stage307 * 10496u) + (gather_row309 * 164u) + zero_w311) = 0u;
+                            for (unsigned zero_w314 = 0u; zero_w314 < 164u; zero_w314 += 1u) {
+                                *(kv_rows + (load_stage310 * 10496u) + (gather_row312 * 164u) + zero_w314) = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage307 * 2u));
+                copy_arrive(ring_barriers + (load_stage310 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot312 = 0u; slot312 < 1u; slot312 += 1u) {
-                        const unsigned gather_row313 = ((warp - 4u) + (lane * 4u)) + (slot312 * 128u);
-                        if (gather_row313 < 64u) {
-                            const unsigned row_1 = gather_row313;
-                            kv_rows_pre[slot312] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot315 = 0u; slot315 < 1u; slot315 += 1u) {
+                        const unsigned gather_row316 = ((warp - 4u) + (lane * 4u)) + (slot315 * 128u);
+                        if (gather_row316 < 64u) {
+                            const unsigned row_1 = gather_row316;
+                            kv_rows_pre[slot315] = indices[(t * p.topk) + min_u32((j_begin + (step * 64u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1613,34 +1617,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag418 = 0u; frag418 < 2u; frag418 += 1u) {
+            for (unsigned frag414 = 0u; frag414 < 2u; frag414 += 1u) {
                 #pragma unroll
-                for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
+                for (unsigned half415 = 0u; half415 < 2u; half415 += 1u) {
                     #pragma unroll
-                    for (unsigned e420 = 0u; e420 < 2u; e420 += 1u) {
-                        float sum = scores[((frag418 * 4u) + (half419 * 2u)) + e420];
-                        const unsigned cell = (((scores_row0 + (half419 * 8u)) + lane_group) * 68u) + ((scores_col0 + (frag418 * 8u)) + ((lane_quad * 2u) + e420));
+                    for (unsigned e416 = 0u; e416 < 2u; e416 += 1u) {
+                        float sum = scores[((frag414 * 4u) + (half415 * 2u)) + e416];
+                        const unsigned cell = (((scores_row0 + (half415 * 8u)) + lane_group) * 68u) + ((scores_col0 + (frag414 * 8u)) + ((lane_quad * 2u) + e416));
                         #pragma unroll
                         for (unsigned g = 0u; g < 2u; g += 1u) {
                             sum = sum + *(split_k_partials + (g * 1088u) + cell);
                         }
-                        scores[((frag418 * 4u) + (half419 * 2u)) + e420] = sum;
+                        scores[((frag414 * 4u) + (half415 * 2u)) + e416] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag421 = 0u; frag421 < 2u; frag421 += 1u) {
+            for (unsigned frag417 = 0u; frag417 < 2u; frag417 += 1u) {
                 #pragma unroll
-                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag421 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag421 * 4u) + (half422 * 2u)];
-                    float v1 = scores[((frag421 * 4u) + (half422 * 2u)) + 1u];
+                for (unsigned half418 = 0u; half418 < 2u; half418 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag417 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag417 * 4u) + (half418 * 2u)];
+                    float v1 = scores[((frag417 * 4u) + (half418 * 2u)) + 1u];
                     v0 = (*(row_valid + (stage * 68u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (*(row_valid + (stage * 68u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag421 * 4u) + (half422 * 2u)] = v0;
-                    scores[((frag421 * 4u) + (half422 * 2u)) + 1u] = v1;
+                    scores[(frag417 * 4u) + (half418 * 2u)] = v0;
+                    scores[((frag417 * 4u) + (half418 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1650,18 +1654,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi423 = 0u; mi423 < 1u; mi423 += 1u) {
+            for (unsigned mi419 = 0u; mi419 < 1u; mi419 += 1u) {
                 #pragma unroll
-                for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi423 * 2u) * 4u) + (half424 * 2u)], scores[((mi423 * 2u) * 4u) + ((half424 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi423 * 2u) + 1u) * 4u) + (half424 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi423 * 2u) + 1u) * 4u) + ((half424 * 2u) + 1u)]);
+                for (unsigned half420 = 0u; half420 < 2u; half420 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi419 * 2u) * 4u) + (half420 * 2u)], scores[((mi419 * 2u) * 4u) + ((half420 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi419 * 2u) + 1u) * 4u) + (half420 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi419 * 2u) + 1u) * 4u) + ((half420 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other425 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other425);
+                    const float other421 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other421);
                     if (lane_quad == 0u) {
-                        *(row_exchange + (scores_row0 * 4u) + ((mi423 * 16u) * 4u) + ((half424 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
+                        *(row_exchange + (scores_row0 * 4u) + ((mi419 * 16u) * 4u) + ((half420 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
                 }
             }
@@ -1670,86 +1674,86 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi428 = 0u; mi428 < 1u; mi428 += 1u) {
+        for (unsigned mi424 = 0u; mi424 < 1u; mi424 += 1u) {
             #pragma unroll
-            for (unsigned half429 = 0u; half429 < 2u; half429 += 1u) {
-                const float m_old426 = row_max_reg[(mi428 * 2u) + half429];
-                float m_new427 = m_old426;
-                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u)));
-                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 1u));
-                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 2u));
-                m_new427 = fmaxf(m_new427, *(row_exchange + ((mi428 * 16u) * 4u) + ((half429 * 8u) * 4u) + (lane_group * 4u) + 3u));
-                row_alpha[(mi428 * 2u) + half429] = exp_fast(m_old426 - m_new427);
-                row_max_reg[(mi428 * 2u) + half429] = m_new427;
+            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
+                const float m_old422 = row_max_reg[(mi424 * 2u) + half425];
+                float m_new423 = m_old422;
+                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u)));
+                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 3u));
+                row_alpha[(mi424 * 2u) + half425] = exp_fast(m_old422 - m_new423);
+                row_max_reg[(mi424 * 2u) + half425] = m_new423;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi433 = 0u; mi433 < 1u; mi433 += 1u) {
+            for (unsigned mi429 = 0u; mi429 < 1u; mi429 += 1u) {
                 #pragma unroll
-                for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
+                for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj430 = 0u; nj430 < 2u; nj430 += 1u) {
+                    for (unsigned nj426 = 0u; nj426 < 2u; nj426 += 1u) {
                         #pragma unroll
-                        for (unsigned e431 = 0u; e431 < 2u; e431 += 1u) {
-                            const unsigned at432 = (((mi433 * 2u) + nj430) * 4u) + ((half434 * 2u) + e431);
-                            const float p = (scores[at432] < (-1e38f)) ? 0.0f : exp_fast(scores[at432] - row_max_reg[(mi433 * 2u) + half434]);
-                            scores[at432] = p;
+                        for (unsigned e427 = 0u; e427 < 2u; e427 += 1u) {
+                            const unsigned at428 = (((mi429 * 2u) + nj426) * 4u) + ((half430 * 2u) + e427);
+                            const float p = (scores[at428] < (-1e38f)) ? 0.0f : exp_fast(scores[at428] - row_max_reg[(mi429 * 2u) + half430]);
+                            scores[at428] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi433 * 2u) + half434] = (row_sum_part[(mi433 * 2u) + half434] * row_alpha[(mi433 * 2u) + half434]) + p_sum;
+                    row_sum_part[(mi429 * 2u) + half430] = (row_sum_part[(mi429 * 2u) + half430] * row_alpha[(mi429 * 2u) + half430]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag435 = 0u; frag435 < 2u; frag435 += 1u) {
+        for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
             #pragma unroll
-            for (unsigned half436 = 0u; half436 < 2u; half436 += 1u) {
-                const float alpha437 = row_alpha[((frag435 / 2u) * 2u) + half436];
-                o_acc[(frag435 * 4u) + (half436 * 2u)] = o_acc[(frag435 * 4u) + (half436 * 2u)] * alpha437;
-                o_acc[((frag435 * 4u) + (half436 * 2u)) + 1u] = o_acc[((frag435 * 4u) + (half436 * 2u)) + 1u] * alpha437;
+            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
+                const float alpha433 = row_alpha[((frag431 / 2u) * 2u) + half432];
+                o_acc[(frag431 * 4u) + (half432 * 2u)] = o_acc[(frag431 * 4u) + (half432 * 2u)] * alpha433;
+                o_acc[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
             }
         }
         #pragma unroll
-        for (unsigned frag438 = 0u; frag438 < 2u; frag438 += 1u) {
+        for (unsigned frag434 = 0u; frag434 < 2u; frag434 += 1u) {
             #pragma unroll
-            for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
-                const float alpha440 = row_alpha[((frag438 / 2u) * 2u) + half439];
-                o_acc_1[(frag438 * 4u) + (half439 * 2u)] = o_acc_1[(frag438 * 4u) + (half439 * 2u)] * alpha440;
-                o_acc_1[((frag438 * 4u) + (half439 * 2u)) + 1u] = o_acc_1[((frag438 * 4u) + (half439 * 2u)) + 1u] * alpha440;
+            for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
+                const float alpha436 = row_alpha[((frag434 / 2u) * 2u) + half435];
+                o_acc_1[(frag434 * 4u) + (half435 * 2u)] = o_acc_1[(frag434 * 4u) + (half435 * 2u)] * alpha436;
+                o_acc_1[((frag434 * 4u) + (half435 * 2u)) + 1u] = o_acc_1[((frag434 * 4u) + (half435 * 2u)) + 1u] * alpha436;
             }
         }
         #pragma unroll
-        for (unsigned frag441 = 0u; frag441 < 2u; frag441 += 1u) {
+        for (unsigned frag437 = 0u; frag437 < 2u; frag437 += 1u) {
             #pragma unroll
-            for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
-                const float alpha443 = row_alpha[((frag441 / 2u) * 2u) + half442];
-                o_acc_2[(frag441 * 4u) + (half442 * 2u)] = o_acc_2[(frag441 * 4u) + (half442 * 2u)] * alpha443;
-                o_acc_2[((frag441 * 4u) + (half442 * 2u)) + 1u] = o_acc_2[((frag441 * 4u) + (half442 * 2u)) + 1u] * alpha443;
+            for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
+                const float alpha439 = row_alpha[((frag437 / 2u) * 2u) + half438];
+                o_acc_2[(frag437 * 4u) + (half438 * 2u)] = o_acc_2[(frag437 * 4u) + (half438 * 2u)] * alpha439;
+                o_acc_2[((frag437 * 4u) + (half438 * 2u)) + 1u] = o_acc_2[((frag437 * 4u) + (half438 * 2u)) + 1u] * alpha439;
             }
         }
         #pragma unroll
-        for (unsigned frag444 = 0u; frag444 < 2u; frag444 += 1u) {
+        for (unsigned frag440 = 0u; frag440 < 2u; frag440 += 1u) {
             #pragma unroll
-            for (unsigned half445 = 0u; half445 < 2u; half445 += 1u) {
-                const float alpha446 = row_alpha[((frag444 / 2u) * 2u) + half445];
-                o_acc_3[(frag444 * 4u) + (half445 * 2u)] = o_acc_3[(frag444 * 4u) + (half445 * 2u)] * alpha446;
-                o_acc_3[((frag444 * 4u) + (half445 * 2u)) + 1u] = o_acc_3[((frag444 * 4u) + (half445 * 2u)) + 1u] * alpha446;
+            for (unsigned half441 = 0u; half441 < 2u; half441 += 1u) {
+                const float alpha442 = row_alpha[((frag440 / 2u) * 2u) + half441];
+                o_acc_3[(frag440 * 4u) + (half441 * 2u)] = o_acc_3[(frag440 * 4u) + (half441 * 2u)] * alpha442;
+                o_acc_3[((frag440 * 4u) + (half441 * 2u)) + 1u] = o_acc_3[((frag440 * 4u) + (half441 * 2u)) + 1u] * alpha442;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag449 = 0u; frag449 < 2u; frag449 += 1u) {
+            for (unsigned frag445 = 0u; frag445 < 2u; frag445 += 1u) {
                 #pragma unroll
-                for (unsigned half450 = 0u; half450 < 2u; half450 += 1u) {
-                    const unsigned row447 = (scores_row0 + ((frag449 / 2u) * 16u)) + ((half450 * 8u) + lane_group);
-                    const unsigned col448 = (scores_col0 + ((frag449 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag449 * 4u) + (half450 * 2u);
-                    *(p_tile + (row447 * 36u) + (col448 >> 1u)) = pack_f16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half446 = 0u; half446 < 2u; half446 += 1u) {
+                    const unsigned row443 = (scores_row0 + ((frag445 / 2u) * 16u)) + ((half446 * 8u) + lane_group);
+                    const unsigned col444 = (scores_col0 + ((frag445 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub16 = (frag445 * 4u) + (half446 * 2u);
+                    *(p_tile + (row443 * 36u) + (col444 >> 1u)) = pack_f16x2(scores[sub16], scores[sub16 + 1u]);
                 }
             }
         }
@@ -1759,116 +1763,116 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
         const float units_kq = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk454 = 0u; kk454 < 4u; kk454 += 1u) {
+        for (unsigned kk450 = 0u; kk450 < 4u; kk450 += 1u) {
             #pragma unroll
-            for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
-                ldmatrix_x4(&a_frag451[mi455 * 4u], p_tile + a_lane_word + (mi455 * 576u) + (kk454 * 8u));
+            for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
+                ldmatrix_x4(&a_frag447[mi451 * 4u], p_tile + a_lane_word + (mi451 * 576u) + (kk450 * 8u));
             }
-            const unsigned sub9 = (kk454 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub9 * 164u)) * units_kq, *(kv_scales + (stage * 10496u) + (sub9 * 164u) + 164u) * units_kq);
-            const unsigned sub10 = (kk454 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub10 * 164u) + 1312u) * units_kq, *(kv_scales + (stage * 10496u) + (sub10 * 164u) + 1476u) * units_kq);
+            const unsigned sub17 = (kk450 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub17 * 164u)) * units_kq, *(kv_scales + (stage * 10496u) + (sub17 * 164u) + 164u) * units_kq);
+            const unsigned sub18 = (kk450 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub18 * 164u) + 1312u) * units_kq, *(kv_scales + (stage * 10496u) + (sub18 * 164u) + 1476u) * units_kq);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw453[0u], kv_rows + (stage * 10496u) + ((kk454 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag452[0u] = mul_f16x2(e4m3x2_f16((b_raw453[0u] & 255u) | ((b_raw453[0u] >> 8u) & 65280u)), units_r01);
-                b_frag452[2u] = mul_f16x2(e4m3x2_f16(((b_raw453[0u] >> 8u) & 255u) | ((b_raw453[0u] >> 16u) & 65280u)), units_r01);
-                b_frag452[1u] = mul_f16x2(e4m3x2_f16((b_raw453[1u] & 255u) | ((b_raw453[1u] >> 8u) & 65280u)), units_r89);
-                b_frag452[3u] = mul_f16x2(e4m3x2_f16(((b_raw453[1u] >> 8u) & 255u) | ((b_raw453[1u] >> 16u) & 65280u)), units_r89);
+                ldmatrix_x2_trans(&b_raw449[0u], kv_rows + (stage * 10496u) + ((kk450 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag448[0u] = mul_f16x2(e4m3x2_f16((b_raw449[0u] & 255u) | ((b_raw449[0u] >> 8u) & 65280u)), units_r01);
+                b_frag448[2u] = mul_f16x2(e4m3x2_f16(((b_raw449[0u] >> 8u) & 255u) | ((b_raw449[0u] >> 16u) & 65280u)), units_r01);
+                b_frag448[1u] = mul_f16x2(e4m3x2_f16((b_raw449[1u] & 255u) | ((b_raw449[1u] >> 8u) & 65280u)), units_r89);
+                b_frag448[3u] = mul_f16x2(e4m3x2_f16(((b_raw449[1u] >> 8u) & 255u) | ((b_raw449[1u] >> 16u) & 65280u)), units_r89);
                 #pragma unroll
-                for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
-                    mma_f16_16816(&o_acc[((mi455 * 2u) + (np * 2u)) * 4u], &a_frag451[mi455 * 4u], &b_frag452[0u]);
+                for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
+                    mma_f16_16816(&o_acc[((mi451 * 2u) + (np * 2u)) * 4u], &a_frag447[mi451 * 4u], &b_frag448[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi455 = 0u; mi455 < 1u; mi455 += 1u) {
-                    mma_f16_16816(&o_acc[((mi455 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag451[mi455 * 4u], &b_frag452[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word462 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq463 = units_k[0u] * E4M3_F16_UNIT;
-        #pragma unroll
-        for (unsigned kk459 = 0u; kk459 < 4u; kk459 += 1u) {
-            #pragma unroll
-            for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
-                ldmatrix_x4(&a_frag456[mi460 * 4u], p_tile + a_lane_word462 + (mi460 * 576u) + (kk459 * 8u));
-            }
-            const unsigned sub11 = (kk459 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01464 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub11 * 164u) + 1u) * units_kq463, *(kv_scales + (stage * 10496u) + (sub11 * 164u) + 164u + 1u) * units_kq463);
-            const unsigned sub12 = (kk459 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89465 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub12 * 164u) + 1312u + 1u) * units_kq463, *(kv_scales + (stage * 10496u) + (sub12 * 164u) + 1476u + 1u) * units_kq463);
-            #pragma unroll
-            for (unsigned np461 = 0u; np461 < 1u; np461 += 1u) {
-                ldmatrix_x2_trans(&b_raw458[0u], kv_rows + (stage * 10496u) + ((kk459 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np461 * 16u)) >> 2u));
-                b_frag457[0u] = mul_f16x2(e4m3x2_f16((b_raw458[0u] & 255u) | ((b_raw458[0u] >> 8u) & 65280u)), units_r01464);
-                b_frag457[2u] = mul_f16x2(e4m3x2_f16(((b_raw458[0u] >> 8u) & 255u) | ((b_raw458[0u] >> 16u) & 65280u)), units_r01464);
-                b_frag457[1u] = mul_f16x2(e4m3x2_f16((b_raw458[1u] & 255u) | ((b_raw458[1u] >> 8u) & 65280u)), units_r89465);
-                b_frag457[3u] = mul_f16x2(e4m3x2_f16(((b_raw458[1u] >> 8u) & 255u) | ((b_raw458[1u] >> 16u) & 65280u)), units_r89465);
-                #pragma unroll
-                for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
-                    mma_f16_16816(&o_acc_1[((mi460 * 2u) + (np461 * 2u)) * 4u], &a_frag456[mi460 * 4u], &b_frag457[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi460 = 0u; mi460 < 1u; mi460 += 1u) {
-                    mma_f16_16816(&o_acc_1[((mi460 * 2u) + ((np461 * 2u) + 1u)) * 4u], &a_frag456[mi460 * 4u], &b_frag457[2u]);
+                for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
+                    mma_f16_16816(&o_acc[((mi451 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag447[mi451 * 4u], &b_frag448[2u]);
                 }
             }
         }
-        const unsigned a_lane_word472 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq473 = units_k[0u] * E4M3_F16_UNIT;
+        const unsigned a_lane_word458 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq459 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk469 = 0u; kk469 < 4u; kk469 += 1u) {
+        for (unsigned kk455 = 0u; kk455 < 4u; kk455 += 1u) {
             #pragma unroll
-            for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
-                ldmatrix_x4(&a_frag466[mi470 * 4u], p_tile + a_lane_word472 + (mi470 * 576u) + (kk469 * 8u));
+            for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
+                ldmatrix_x4(&a_frag452[mi456 * 4u], p_tile + a_lane_word458 + (mi456 * 576u) + (kk455 * 8u));
             }
-            const unsigned sub13 = (kk469 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01474 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub13 * 164u) + 2u) * units_kq473, *(kv_scales + (stage * 10496u) + (sub13 * 164u) + 164u + 2u) * units_kq473);
-            const unsigned sub14 = (kk469 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89475 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub14 * 164u) + 1312u + 2u) * units_kq473, *(kv_scales + (stage * 10496u) + (sub14 * 164u) + 1476u + 2u) * units_kq473);
+            const unsigned sub19 = (kk455 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01460 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub19 * 164u) + 1u) * units_kq459, *(kv_scales + (stage * 10496u) + (sub19 * 164u) + 164u + 1u) * units_kq459);
+            const unsigned sub20 = (kk455 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89461 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1312u + 1u) * units_kq459, *(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1476u + 1u) * units_kq459);
             #pragma unroll
-            for (unsigned np471 = 0u; np471 < 1u; np471 += 1u) {
-                ldmatrix_x2_trans(&b_raw468[0u], kv_rows + (stage * 10496u) + ((kk469 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np471 * 16u)) >> 2u));
-                b_frag467[0u] = mul_f16x2(e4m3x2_f16((b_raw468[0u] & 255u) | ((b_raw468[0u] >> 8u) & 65280u)), units_r01474);
-                b_frag467[2u] = mul_f16x2(e4m3x2_f16(((b_raw468[0u] >> 8u) & 255u) | ((b_raw468[0u] >> 16u) & 65280u)), units_r01474);
-                b_frag467[1u] = mul_f16x2(e4m3x2_f16((b_raw468[1u] & 255u) | ((b_raw468[1u] >> 8u) & 65280u)), units_r89475);
-                b_frag467[3u] = mul_f16x2(e4m3x2_f16(((b_raw468[1u] >> 8u) & 255u) | ((b_raw468[1u] >> 16u) & 65280u)), units_r89475);
+            for (unsigned np457 = 0u; np457 < 1u; np457 += 1u) {
+                ldmatrix_x2_trans(&b_raw454[0u], kv_rows + (stage * 10496u) + ((kk455 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np457 * 16u)) >> 2u));
+                b_frag453[0u] = mul_f16x2(e4m3x2_f16((b_raw454[0u] & 255u) | ((b_raw454[0u] >> 8u) & 65280u)), units_r01460);
+                b_frag453[2u] = mul_f16x2(e4m3x2_f16(((b_raw454[0u] >> 8u) & 255u) | ((b_raw454[0u] >> 16u) & 65280u)), units_r01460);
+                b_frag453[1u] = mul_f16x2(e4m3x2_f16((b_raw454[1u] & 255u) | ((b_raw454[1u] >> 8u) & 65280u)), units_r89461);
+                b_frag453[3u] = mul_f16x2(e4m3x2_f16(((b_raw454[1u] >> 8u) & 255u) | ((b_raw454[1u] >> 16u) & 65280u)), units_r89461);
                 #pragma unroll
-                for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
-                    mma_f16_16816(&o_acc_2[((mi470 * 2u) + (np471 * 2u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[0u]);
+                for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi456 * 2u) + (np457 * 2u)) * 4u], &a_frag452[mi456 * 4u], &b_frag453[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi470 = 0u; mi470 < 1u; mi470 += 1u) {
-                    mma_f16_16816(&o_acc_2[((mi470 * 2u) + ((np471 * 2u) + 1u)) * 4u], &a_frag466[mi470 * 4u], &b_frag467[2u]);
+                for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi456 * 2u) + ((np457 * 2u) + 1u)) * 4u], &a_frag452[mi456 * 4u], &b_frag453[2u]);
                 }
             }
         }
-        const unsigned a_lane_word482 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq483 = units_k[0u] * E4M3_F16_UNIT;
+        const unsigned a_lane_word468 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq469 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk479 = 0u; kk479 < 4u; kk479 += 1u) {
+        for (unsigned kk465 = 0u; kk465 < 4u; kk465 += 1u) {
             #pragma unroll
-            for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                ldmatrix_x4(&a_frag476[mi480 * 4u], p_tile + a_lane_word482 + (mi480 * 576u) + (kk479 * 8u));
+            for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
+                ldmatrix_x4(&a_frag462[mi466 * 4u], p_tile + a_lane_word468 + (mi466 * 576u) + (kk465 * 8u));
             }
-            const unsigned sub15 = (kk479 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01484 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub15 * 164u) + 3u) * units_kq483, *(kv_scales + (stage * 10496u) + (sub15 * 164u) + 164u + 3u) * units_kq483);
-            const unsigned sub16 = (kk479 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89485 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub16 * 164u) + 1312u + 3u) * units_kq483, *(kv_scales + (stage * 10496u) + (sub16 * 164u) + 1476u + 3u) * units_kq483);
+            const unsigned sub21 = (kk465 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01470 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub21 * 164u) + 2u) * units_kq469, *(kv_scales + (stage * 10496u) + (sub21 * 164u) + 164u + 2u) * units_kq469);
+            const unsigned sub22 = (kk465 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89471 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1312u + 2u) * units_kq469, *(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1476u + 2u) * units_kq469);
             #pragma unroll
-            for (unsigned np481 = 0u; np481 < 1u; np481 += 1u) {
-                ldmatrix_x2_trans(&b_raw478[0u], kv_rows + (stage * 10496u) + ((kk479 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np481 * 16u)) >> 2u));
-                b_frag477[0u] = mul_f16x2(e4m3x2_f16((b_raw478[0u] & 255u) | ((b_raw478[0u] >> 8u) & 65280u)), units_r01484);
-                b_frag477[2u] = mul_f16x2(e4m3x2_f16(((b_raw478[0u] >> 8u) & 255u) | ((b_raw478[0u] >> 16u) & 65280u)), units_r01484);
-                b_frag477[1u] = mul_f16x2(e4m3x2_f16((b_raw478[1u] & 255u) | ((b_raw478[1u] >> 8u) & 65280u)), units_r89485);
-                b_frag477[3u] = mul_f16x2(e4m3x2_f16(((b_raw478[1u] >> 8u) & 255u) | ((b_raw478[1u] >> 16u) & 65280u)), units_r89485);
+            for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
+                ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 10496u) + ((kk465 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np467 * 16u)) >> 2u));
+                b_frag463[0u] = mul_f16x2(e4m3x2_f16((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u)), units_r01470);
+                b_frag463[2u] = mul_f16x2(e4m3x2_f16(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u)), units_r01470);
+                b_frag463[1u] = mul_f16x2(e4m3x2_f16((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u)), units_r89471);
+                b_frag463[3u] = mul_f16x2(e4m3x2_f16(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u)), units_r89471);
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_f16_16816(&o_acc_3[((mi480 * 2u) + (np481 * 2u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[0u]);
+                for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi480 = 0u; mi480 < 1u; mi480 += 1u) {
-                    mma_f16_16816(&o_acc_3[((mi480 * 2u) + ((np481 * 2u) + 1u)) * 4u], &a_frag476[mi480 * 4u], &b_frag477[2u]);
+                for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word478 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq479 = units_k[0u] * E4M3_F16_UNIT;
+        #pragma unroll
+        for (unsigned kk475 = 0u; kk475 < 4u; kk475 += 1u) {
+            #pragma unroll
+            for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
+                ldmatrix_x4(&a_frag472[mi476 * 4u], p_tile + a_lane_word478 + (mi476 * 576u) + (kk475 * 8u));
+            }
+            const unsigned sub23 = (kk475 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01480 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub23 * 164u) + 3u) * units_kq479, *(kv_scales + (stage * 10496u) + (sub23 * 164u) + 164u + 3u) * units_kq479);
+            const unsigned sub24 = (kk475 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89481 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1312u + 3u) * units_kq479, *(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1476u + 3u) * units_kq479);
+            #pragma unroll
+            for (unsigned np477 = 0u; np477 < 1u; np477 += 1u) {
+                ldmatrix_x2_trans(&b_raw474[0u], kv_rows + (stage * 10496u) + ((kk475 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np477 * 16u)) >> 2u));
+                b_frag473[0u] = mul_f16x2(e4m3x2_f16((b_raw474[0u] & 255u) | ((b_raw474[0u] >> 8u) & 65280u)), units_r01480);
+                b_frag473[2u] = mul_f16x2(e4m3x2_f16(((b_raw474[0u] >> 8u) & 255u) | ((b_raw474[0u] >> 16u) & 65280u)), units_r01480);
+                b_frag473[1u] = mul_f16x2(e4m3x2_f16((b_raw474[1u] & 255u) | ((b_raw474[1u] >> 8u) & 65280u)), units_r89481);
+                b_frag473[3u] = mul_f16x2(e4m3x2_f16(((b_raw474[1u] >> 8u) & 255u) | ((b_raw474[1u] >> 16u) & 65280u)), units_r89481);
+                #pragma unroll
+                for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi476 * 2u) + (np477 * 2u)) * 4u], &a_frag472[mi476 * 4u], &b_frag473[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi476 * 2u) + ((np477 * 2u) + 1u)) * 4u], &a_frag472[mi476 * 4u], &b_frag473[2u]);
                 }
             }
         }
@@ -1877,35 +1881,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // f16 P . V: the accumulators back to O
     const float units_inv = 1.0f / units_k[0u];
     #pragma unroll
-    for (unsigned units_i486 = 0u; units_i486 < 8u; units_i486 += 1u) {
-        o_acc[units_i486] = o_acc[units_i486] * units_inv;
+    for (unsigned units_i482 = 0u; units_i482 < 8u; units_i482 += 1u) {
+        o_acc[units_i482] = o_acc[units_i482] * units_inv;
     }
     #pragma unroll
-    for (unsigned units_i487 = 0u; units_i487 < 8u; units_i487 += 1u) {
-        o_acc_1[units_i487] = o_acc_1[units_i487] * units_inv;
+    for (unsigned units_i483 = 0u; units_i483 < 8u; units_i483 += 1u) {
+        o_acc_1[units_i483] = o_acc_1[units_i483] * units_inv;
     }
     #pragma unroll
-    for (unsigned units_i488 = 0u; units_i488 < 8u; units_i488 += 1u) {
-        o_acc_2[units_i488] = o_acc_2[units_i488] * units_inv;
+    for (unsigned units_i484 = 0u; units_i484 < 8u; units_i484 += 1u) {
+        o_acc_2[units_i484] = o_acc_2[units_i484] * units_inv;
     }
     #pragma unroll
-    for (unsigned units_i489 = 0u; units_i489 < 8u; units_i489 += 1u) {
-        o_acc_3[units_i489] = o_acc_3[units_i489] * units_inv;
+    for (unsigned units_i485 = 0u; units_i485 < 8u; units_i485 += 1u) {
+        o_acc_3[units_i485] = o_acc_3[units_i485] * units_inv;
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi491 = 0u; mi491 < 1u; mi491 += 1u) {
+        for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
             #pragma unroll
-            for (unsigned half492 = 0u; half492 < 2u; half492 += 1u) {
-                float row_sum490 = row_sum_part[(mi491 * 2u) + half492];
-                const float other493 = shfl_xor_f32(row_sum490, 1);
-                row_sum490 = row_sum490 + other493;
-                const float other494 = shfl_xor_f32(row_sum490, 2);
-                row_sum490 = row_sum490 + other494;
+            for (unsigned half488 = 0u; half488 < 2u; half488 += 1u) {
+                float row_sum486 = row_sum_part[(mi487 * 2u) + half488];
+                const float other489 = shfl_xor_f32(row_sum486, 1);
+                row_sum486 = row_sum486 + other489;
+                const float other490 = shfl_xor_f32(row_sum486, 2);
+                row_sum486 = row_sum486 + other490;
                 if (lane_quad == 0u) {
-                    *(row_exchange + (scores_row0 * 4u) + ((mi491 * 16u) * 4u) + ((half492 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum490;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi487 * 16u) * 4u) + ((half488 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum486;
                 }
             }
         }
@@ -1913,16 +1917,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi496 = 0u; mi496 < 1u; mi496 += 1u) {
+        for (unsigned mi492 = 0u; mi492 < 1u; mi492 += 1u) {
             #pragma unroll
-            for (unsigned half497 = 0u; half497 < 2u; half497 += 1u) {
+            for (unsigned half493 = 0u; half493 < 2u; half493 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum495 = *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u));
-                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 1u);
-                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 2u);
-                    row_sum495 = row_sum495 + *(row_exchange + (scores_row0 * 4u) + ((mi496 * 16u) * 4u) + ((half497 * 8u) * 4u) + (lane_group * 4u) + 3u);
-                    *(row_sum + scores_row0 + (mi496 * 16u) + (half497 * 8u) + lane_group) = row_sum495;
-                    *(row_max + scores_row0 + (mi496 * 16u) + (half497 * 8u) + lane_group) = row_max_reg[(mi496 * 2u) + half497];
+                    float row_sum491 = *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi492 * 16u) + (half493 * 8u) + lane_group) = row_sum491;
+                    *(row_max + scores_row0 + (mi492 * 16u) + (half493 * 8u) + lane_group) = row_max_reg[(mi492 * 2u) + half493];
                 }
             }
         }
@@ -1943,82 +1947,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag498 = 0u; frag498 < 1u; frag498 += 1u) {
+        for (unsigned frag494 = 0u; frag494 < 1u; frag494 += 1u) {
             #pragma unroll
-            for (unsigned half499 = 0u; half499 < 2u; half499 += 1u) {
+            for (unsigned half495 = 0u; half495 < 2u; half495 += 1u) {
                 #pragma unroll
-                for (unsigned e500 = 0u; e500 < 2u; e500 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag498 / 1u) * 16u)) + ((half499 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag498 % 1u) * 16u)) + ((lane_quad * 4u) + (e500 * 2u));
-                    float v0_6 = o_acc[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)];
-                    float v1_6 = o_acc[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)];
+                for (unsigned e496 = 0u; e496 < 2u; e496 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag494 / 1u) * 16u)) + ((half495 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag494 % 1u) * 16u)) + ((lane_quad * 4u) + (e496 * 2u));
+                    float v0_6 = o_acc[((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) * 4u) + ((half495 * 2u) + e496)];
+                    float v1_6 = o_acc[(((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) + 1u) * 4u) + ((half495 * 2u) + e496)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)] = v0_6;
-                    o_acc[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)] = v1_6;
+                    o_acc[((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) * 4u) + ((half495 * 2u) + e496)] = v0_6;
+                    o_acc[(((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) + 1u) * 4u) + ((half495 * 2u) + e496)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag501 = 0u; frag501 < 1u; frag501 += 1u) {
+        for (unsigned frag497 = 0u; frag497 < 1u; frag497 += 1u) {
             #pragma unroll
-            for (unsigned half502 = 0u; half502 < 2u; half502 += 1u) {
+            for (unsigned half498 = 0u; half498 < 2u; half498 += 1u) {
                 #pragma unroll
-                for (unsigned e503 = 0u; e503 < 2u; e503 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag501 / 1u) * 16u)) + ((half502 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag501 % 1u) * 16u)) + ((lane_quad * 4u) + (e503 * 2u));
-                    float v0_7 = o_acc_1[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)];
-                    float v1_7 = o_acc_1[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)];
+                for (unsigned e499 = 0u; e499 < 2u; e499 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag497 / 1u) * 16u)) + ((half498 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag497 % 1u) * 16u)) + ((lane_quad * 4u) + (e499 * 2u));
+                    float v0_7 = o_acc_1[((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) * 4u) + ((half498 * 2u) + e499)];
+                    float v1_7 = o_acc_1[(((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) + 1u) * 4u) + ((half498 * 2u) + e499)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)] = v0_7;
-                    o_acc_1[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)] = v1_7;
+                    o_acc_1[((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) * 4u) + ((half498 * 2u) + e499)] = v0_7;
+                    o_acc_1[(((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) + 1u) * 4u) + ((half498 * 2u) + e499)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag504 = 0u; frag504 < 1u; frag504 += 1u) {
+        for (unsigned frag500 = 0u; frag500 < 1u; frag500 += 1u) {
             #pragma unroll
-            for (unsigned half505 = 0u; half505 < 2u; half505 += 1u) {
+            for (unsigned half501 = 0u; half501 < 2u; half501 += 1u) {
                 #pragma unroll
-                for (unsigned e506 = 0u; e506 < 2u; e506 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag504 / 1u) * 16u)) + ((half505 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag504 % 1u) * 16u)) + ((lane_quad * 4u) + (e506 * 2u));
-                    float v0_8 = o_acc_2[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)];
-                    float v1_8 = o_acc_2[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)];
+                for (unsigned e502 = 0u; e502 < 2u; e502 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag500 / 1u) * 16u)) + ((half501 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag500 % 1u) * 16u)) + ((lane_quad * 4u) + (e502 * 2u));
+                    float v0_8 = o_acc_2[((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) * 4u) + ((half501 * 2u) + e502)];
+                    float v1_8 = o_acc_2[(((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) + 1u) * 4u) + ((half501 * 2u) + e502)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)] = v0_8;
-                    o_acc_2[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)] = v1_8;
+                    o_acc_2[((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) * 4u) + ((half501 * 2u) + e502)] = v0_8;
+                    o_acc_2[(((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) + 1u) * 4u) + ((half501 * 2u) + e502)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag507 = 0u; frag507 < 1u; frag507 += 1u) {
+        for (unsigned frag503 = 0u; frag503 < 1u; frag503 += 1u) {
             #pragma unroll
-            for (unsigned half508 = 0u; half508 < 2u; half508 += 1u) {
+            for (unsigned half504 = 0u; half504 < 2u; half504 += 1u) {
                 #pragma unroll
-                for (unsigned e509 = 0u; e509 < 2u; e509 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag507 / 1u) * 16u)) + ((half508 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag507 % 1u) * 16u)) + ((lane_quad * 4u) + (e509 * 2u));
-                    float v0_9 = o_acc_3[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)];
-                    float v1_9 = o_acc_3[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)];
+                for (unsigned e505 = 0u; e505 < 2u; e505 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag503 / 1u) * 16u)) + ((half504 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag503 % 1u) * 16u)) + ((lane_quad * 4u) + (e505 * 2u));
+                    float v0_9 = o_acc_3[((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) * 4u) + ((half504 * 2u) + e505)];
+                    float v1_9 = o_acc_3[(((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) + 1u) * 4u) + ((half504 * 2u) + e505)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)] = v0_9;
-                    o_acc_3[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)] = v1_9;
+                    o_acc_3[((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) * 4u) + ((half504 * 2u) + e505)] = v0_9;
+                    o_acc_3[(((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) + 1u) * 4u) + ((half504 * 2u) + e505)] = v1_9;
                 }
             }
         }
@@ -2036,15 +2040,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag510 = 0u; frag510 < 1u; frag510 += 1u) {
+        for (unsigned frag506 = 0u; frag506 < 1u; frag506 += 1u) {
             #pragma unroll
-            for (unsigned half511 = 0u; half511 < 2u; half511 += 1u) {
+            for (unsigned half507 = 0u; half507 < 2u; half507 += 1u) {
                 #pragma unroll
-                for (unsigned e512 = 0u; e512 < 2u; e512 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag510 / 1u) * 16u)) + ((half511 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag510 % 1u) * 16u)) + ((lane_quad * 4u) + (e512 * 2u));
-                    float v0_10 = o_acc[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)];
-                    float v1_10 = o_acc[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)];
+                for (unsigned e508 = 0u; e508 < 2u; e508 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag506 / 1u) * 16u)) + ((half507 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag506 % 1u) * 16u)) + ((lane_quad * 4u) + (e508 * 2u));
+                    float v0_10 = o_acc[((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) * 4u) + ((half507 * 2u) + e508)];
+                    float v1_10 = o_acc[(((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) + 1u) * 4u) + ((half507 * 2u) + e508)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2052,21 +2056,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)] = v0_10;
-                    o_acc[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)] = v1_10;
+                    o_acc[((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) * 4u) + ((half507 * 2u) + e508)] = v0_10;
+                    o_acc[(((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) + 1u) * 4u) + ((half507 * 2u) + e508)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag513 = 0u; frag513 < 1u; frag513 += 1u) {
+        for (unsigned frag509 = 0u; frag509 < 1u; frag509 += 1u) {
             #pragma unroll
-            for (unsigned half514 = 0u; half514 < 2u; half514 += 1u) {
+            for (unsigned half510 = 0u; half510 < 2u; half510 += 1u) {
                 #pragma unroll
-                for (unsigned e515 = 0u; e515 < 2u; e515 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag513 / 1u) * 16u)) + ((half514 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag513 % 1u) * 16u)) + ((lane_quad * 4u) + (e515 * 2u));
-                    float v0_11 = o_acc_1[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)];
-                    float v1_11 = o_acc_1[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)];
+                for (unsigned e511 = 0u; e511 < 2u; e511 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag509 / 1u) * 16u)) + ((half510 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag509 % 1u) * 16u)) + ((lane_quad * 4u) + (e511 * 2u));
+                    float v0_11 = o_acc_1[((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) * 4u) + ((half510 * 2u) + e511)];
+                    float v1_11 = o_acc_1[(((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) + 1u) * 4u) + ((half510 * 2u) + e511)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2074,21 +2078,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)] = v0_11;
-                    o_acc_1[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)] = v1_11;
+                    o_acc_1[((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) * 4u) + ((half510 * 2u) + e511)] = v0_11;
+                    o_acc_1[(((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) + 1u) * 4u) + ((half510 * 2u) + e511)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag516 = 0u; frag516 < 1u; frag516 += 1u) {
+        for (unsigned frag512 = 0u; frag512 < 1u; frag512 += 1u) {
             #pragma unroll
-            for (unsigned half517 = 0u; half517 < 2u; half517 += 1u) {
+            for (unsigned half513 = 0u; half513 < 2u; half513 += 1u) {
                 #pragma unroll
-                for (unsigned e518 = 0u; e518 < 2u; e518 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag516 / 1u) * 16u)) + ((half517 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag516 % 1u) * 16u)) + ((lane_quad * 4u) + (e518 * 2u));
-                    float v0_12 = o_acc_2[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)];
-                    float v1_12 = o_acc_2[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)];
+                for (unsigned e514 = 0u; e514 < 2u; e514 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag512 / 1u) * 16u)) + ((half513 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag512 % 1u) * 16u)) + ((lane_quad * 4u) + (e514 * 2u));
+                    float v0_12 = o_acc_2[((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) * 4u) + ((half513 * 2u) + e514)];
+                    float v1_12 = o_acc_2[(((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) + 1u) * 4u) + ((half513 * 2u) + e514)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2096,21 +2100,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)] = v0_12;
-                    o_acc_2[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)] = v1_12;
+                    o_acc_2[((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) * 4u) + ((half513 * 2u) + e514)] = v0_12;
+                    o_acc_2[(((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) + 1u) * 4u) + ((half513 * 2u) + e514)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag519 = 0u; frag519 < 1u; frag519 += 1u) {
+        for (unsigned frag515 = 0u; frag515 < 1u; frag515 += 1u) {
             #pragma unroll
-            for (unsigned half520 = 0u; half520 < 2u; half520 += 1u) {
+            for (unsigned half516 = 0u; half516 < 2u; half516 += 1u) {
                 #pragma unroll
-                for (unsigned e521 = 0u; e521 < 2u; e521 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag519 / 1u) * 16u)) + ((half520 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag519 % 1u) * 16u)) + ((lane_quad * 4u) + (e521 * 2u));
-                    float v0_13 = o_acc_3[((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) * 4u) + ((half520 * 2u) + e521)];
-                    float v1_13 = o_acc_3[(((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) + 1u) * 4u) + ((half520 * 2u) + e521)];
+                for (unsigned e517 = 0u; e517 < 2u; e517 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag515 / 1u) * 16u)) + ((half516 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag515 % 1u) * 16u)) + ((lane_quad * 4u) + (e517 * 2u));
+                    float v0_13 = o_acc_3[((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) * 4u) + ((half516 * 2u) + e517)];
+                    float v1_13 = o_acc_3[(((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) + 1u) * 4u) + ((half516 * 2u) + e517)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2118,8 +2122,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) * 4u) + ((half520 * 2u) + e521)] = v0_13;
-                    o_acc_3[(((((frag519 / 1u) * 2u) + ((frag519 % 1u) * 2u)) + 1u) * 4u) + ((half520 * 2u) + e521)] = v1_13;
+                    o_acc_3[((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) * 4u) + ((half516 * 2u) + e517)] = v0_13;
+                    o_acc_3[(((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) + 1u) * 4u) + ((half516 * 2u) + e517)] = v1_13;
                 }
             }
         }

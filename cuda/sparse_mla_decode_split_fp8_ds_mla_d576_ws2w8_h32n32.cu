@@ -338,6 +338,54 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 #endif
 }
 
+// f16 pairs: the operands of fp8_ds_mla's P . V (P in f16, the e4m3 rows as f16 times
+// their scales). Every e4m3 value is exact in f16: sm_89 and later convert a pair in one
+// instruction; before, its bits are moved into place, which is the value times 2^-8
+// (E4M3_F16_UNIT says which).
+SPARSE_MLA_HELPER unsigned pack_f16x2(float lo, float hi) {
+    unsigned h;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+    return h;
+}
+SPARSE_MLA_HELPER float f16_lo(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h & 0xffffu)));
+    return v;
+}
+SPARSE_MLA_HELPER float f16_hi(unsigned h) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(h >> 16)));
+    return v;
+}
+SPARSE_MLA_HELPER unsigned mul_f16x2(unsigned a, unsigned b) {
+    unsigned r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define E4M3_F16_UNIT 1.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    unsigned halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)pair));
+    return halves;
+}
+#else
+#define E4M3_F16_UNIT 256.0f
+SPARSE_MLA_HELPER unsigned e4m3x2_f16(unsigned pair) {
+    // s eeee mmm -> s 0 eeee mmm 0000000 (bias 7 read as 15: the value times 2^-8, exact,
+    // subnormals included)
+    return ((pair & 0x7fu) << 7) | ((pair & 0x80u) << 8) | ((pair & 0x7f00u) << 15)
+        | ((pair & 0x8000u) << 16);
+}
+#endif
+// c[0..4] += a[0..4] . b[0..2]: one m16n8k16 tile, f16 in, f32 accumulate.
+SPARSE_MLA_HELPER void mma_f16_16816(float* c, const unsigned* a, const unsigned* b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-22 plus
 // |x| * 2^-24 from rounding the product; results below 2^-126 flush to 0). The online
 // softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
@@ -374,58 +422,58 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     float scores_term[32];
     unsigned q_tile_a0[8];
     unsigned q_tile_a0_lo[8];
-    unsigned q_tile_a0_bf16[16];
+    unsigned q_tile_a0_f16[16];
     float q_tile_unscale[1];
     unsigned q_tile_a1[8];
     unsigned q_tile_a1_lo[8];
-    unsigned q_tile_a1_bf16[16];
+    unsigned q_tile_a1_f16[16];
     unsigned q_tile_a2[8];
     unsigned q_tile_a2_lo[8];
-    unsigned q_tile_a2_bf16[16];
+    unsigned q_tile_a2_f16[16];
     unsigned q_tile_a3[8];
     unsigned q_tile_a3_lo[8];
-    unsigned q_tile_a3_bf16[16];
+    unsigned q_tile_a3_f16[16];
     unsigned q_tile_a4[8];
     int q_tile_src[1];
     int kv_rows_pre[1];
     float row_alpha[2];
-    float row_alpha302[4];
+    float row_alpha305[4];
     float row_max_reg[2];
     float row_sum_part[2];
     unsigned a_frag[4];
     unsigned b_frag[2];
-    unsigned a_frag315[4];
-    unsigned b_frag316[4];
+    unsigned a_frag318[4];
+    unsigned b_frag319[4];
     unsigned b_raw[2];
-    unsigned a_frag326[4];
-    unsigned b_frag327[2];
-    unsigned a_frag332[4];
-    unsigned b_frag333[4];
-    unsigned b_raw334[2];
+    unsigned a_frag328[4];
+    unsigned b_frag329[2];
+    unsigned a_frag334[4];
+    unsigned b_frag335[4];
+    unsigned b_raw336[2];
     unsigned a_frag349[4];
     unsigned b_frag350[2];
     unsigned a_frag355[4];
     unsigned b_frag356[4];
     unsigned b_raw357[2];
-    unsigned a_frag372[4];
-    unsigned b_frag373[2];
-    unsigned a_frag378[4];
-    unsigned b_frag379[4];
-    unsigned b_raw380[2];
-    unsigned a_frag395[4];
-    unsigned b_frag396[4];
-    unsigned a_frag443[8];
-    unsigned b_frag444[4];
-    unsigned b_raw445[2];
-    unsigned a_frag467[8];
-    unsigned b_frag468[4];
-    unsigned b_raw469[2];
-    unsigned a_frag494[8];
-    unsigned b_frag495[4];
-    unsigned b_raw496[2];
-    unsigned a_frag521[8];
-    unsigned b_frag522[4];
-    unsigned b_raw523[2];
+    unsigned a_frag370[4];
+    unsigned b_frag371[2];
+    unsigned a_frag376[4];
+    unsigned b_frag377[4];
+    unsigned b_raw378[2];
+    unsigned a_frag391[4];
+    unsigned b_frag392[4];
+    unsigned a_frag439[8];
+    unsigned b_frag440[4];
+    unsigned b_raw441[2];
+    unsigned a_frag462[8];
+    unsigned b_frag463[4];
+    unsigned b_raw464[2];
+    unsigned a_frag489[8];
+    unsigned b_frag490[4];
+    unsigned b_raw491[2];
+    unsigned a_frag516[8];
+    unsigned b_frag517[4];
+    unsigned b_raw518[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -470,9 +518,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             const unsigned step = 0u;
             #pragma unroll
             for (unsigned slot = 0u; slot < 1u; slot += 1u) {
-                const unsigned gather_row296 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
-                if (gather_row296 < 32u) {
-                    const unsigned row_1 = gather_row296;
+                const unsigned gather_row299 = ((warp - 4u) + (lane * 4u)) + (slot * 128u);
+                if (gather_row299 < 32u) {
+                    const unsigned row_1 = gather_row299;
                     kv_rows_pre[slot] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
@@ -517,147 +565,148 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
 
     // q_tile: this warp's A fragments from its staging rows into registers
+    float q_absmax = 0.0f;
+    const unsigned q_pair = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
+    const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
+    const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
+    const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
+    const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
+    const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
+    const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
+    const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
+    const unsigned q_pair12 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
+    const unsigned q_pair13 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
+    const unsigned q_pair14 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
+    const unsigned q_pair15 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
+    const unsigned q_pair16 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
+    const unsigned q_pair17 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
+    const unsigned q_pair18 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
+    const unsigned q_pair19 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
+    const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
+    const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
+    const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
+    const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
+    const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
+    const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
+    const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
+    const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
+    const unsigned q_pair28 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
+    const unsigned q_pair29 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
+    const unsigned q_pair30 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
+    const unsigned q_pair31 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
+    const unsigned q_pair32 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
+    const unsigned q_pair33 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
+    const unsigned q_pair34 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
+    const unsigned q_pair35 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
+    const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
+    const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
+    const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
+    const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
+    const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
+    const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
+    const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
+    const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
+    const unsigned q_pair44 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
+    const unsigned q_pair45 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
+    const unsigned q_pair46 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
+    const unsigned q_pair47 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
+    const unsigned q_pair48 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
+    const unsigned q_pair49 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
+    const unsigned q_pair50 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
+    const unsigned q_pair51 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
+    const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
+    const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
+    const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
+    const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
+    const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
+    const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
+    const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
+    const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
+    const unsigned q_pair60 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
+    const unsigned q_pair61 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
+    const unsigned q_pair62 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
+    const unsigned q_pair63 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
+    const unsigned q_pair64 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
+    const unsigned q_pair65 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
+    const unsigned q_pair66 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
+    const unsigned q_pair67 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
+    q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
+    const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer);
+    const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer68);
+    const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer69);
+    const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer70);
+    const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
+    q_absmax = fmaxf(q_absmax, q_absmax_peer71);
+    const unsigned q_absmax_exp = (__float_as_uint(q_absmax) >> 23u) & 255u;
     if (E4M3_MMA_NATIVE) {
-        float q_absmax = 0.0f;
-        const unsigned q_pair = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair << 16u)), fabsf(__uint_as_float(q_pair & 4294901760u))));
-        const unsigned q_pair5 = *(q_tile + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair5 << 16u)), fabsf(__uint_as_float(q_pair5 & 4294901760u))));
-        const unsigned q_pair6 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair6 << 16u)), fabsf(__uint_as_float(q_pair6 & 4294901760u))));
-        const unsigned q_pair7 = *(q_tile + 2336u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair7 << 16u)), fabsf(__uint_as_float(q_pair7 & 4294901760u))));
-        const unsigned q_pair8 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair8 << 16u)), fabsf(__uint_as_float(q_pair8 & 4294901760u))));
-        const unsigned q_pair9 = *(q_tile + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair9 << 16u)), fabsf(__uint_as_float(q_pair9 & 4294901760u))));
-        const unsigned q_pair10 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair10 << 16u)), fabsf(__uint_as_float(q_pair10 & 4294901760u))));
-        const unsigned q_pair11 = *(q_tile + 2336u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair11 << 16u)), fabsf(__uint_as_float(q_pair11 & 4294901760u))));
-        const unsigned q_pair12 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair12 << 16u)), fabsf(__uint_as_float(q_pair12 & 4294901760u))));
-        const unsigned q_pair13 = *(q_tile + 4672u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair13 << 16u)), fabsf(__uint_as_float(q_pair13 & 4294901760u))));
-        const unsigned q_pair14 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair14 << 16u)), fabsf(__uint_as_float(q_pair14 & 4294901760u))));
-        const unsigned q_pair15 = *(q_tile + 7008u + (lane_group * 292u) + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair15 << 16u)), fabsf(__uint_as_float(q_pair15 & 4294901760u))));
-        const unsigned q_pair16 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair16 << 16u)), fabsf(__uint_as_float(q_pair16 & 4294901760u))));
-        const unsigned q_pair17 = *(q_tile + 4672u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair17 << 16u)), fabsf(__uint_as_float(q_pair17 & 4294901760u))));
-        const unsigned q_pair18 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair18 << 16u)), fabsf(__uint_as_float(q_pair18 & 4294901760u))));
-        const unsigned q_pair19 = *(q_tile + 7008u + (lane_group * 292u) + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair19 << 16u)), fabsf(__uint_as_float(q_pair19 & 4294901760u))));
-        const unsigned q_pair20 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair20 << 16u)), fabsf(__uint_as_float(q_pair20 & 4294901760u))));
-        const unsigned q_pair21 = *(q_tile + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair21 << 16u)), fabsf(__uint_as_float(q_pair21 & 4294901760u))));
-        const unsigned q_pair22 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair22 << 16u)), fabsf(__uint_as_float(q_pair22 & 4294901760u))));
-        const unsigned q_pair23 = *(q_tile + 2336u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair23 << 16u)), fabsf(__uint_as_float(q_pair23 & 4294901760u))));
-        const unsigned q_pair24 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair24 << 16u)), fabsf(__uint_as_float(q_pair24 & 4294901760u))));
-        const unsigned q_pair25 = *(q_tile + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair25 << 16u)), fabsf(__uint_as_float(q_pair25 & 4294901760u))));
-        const unsigned q_pair26 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair26 << 16u)), fabsf(__uint_as_float(q_pair26 & 4294901760u))));
-        const unsigned q_pair27 = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair27 << 16u)), fabsf(__uint_as_float(q_pair27 & 4294901760u))));
-        const unsigned q_pair28 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair28 << 16u)), fabsf(__uint_as_float(q_pair28 & 4294901760u))));
-        const unsigned q_pair29 = *(q_tile + 4672u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair29 << 16u)), fabsf(__uint_as_float(q_pair29 & 4294901760u))));
-        const unsigned q_pair30 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair30 << 16u)), fabsf(__uint_as_float(q_pair30 & 4294901760u))));
-        const unsigned q_pair31 = *(q_tile + 7008u + (lane_group * 292u) + 64u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair31 << 16u)), fabsf(__uint_as_float(q_pair31 & 4294901760u))));
-        const unsigned q_pair32 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair32 << 16u)), fabsf(__uint_as_float(q_pair32 & 4294901760u))));
-        const unsigned q_pair33 = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair33 << 16u)), fabsf(__uint_as_float(q_pair33 & 4294901760u))));
-        const unsigned q_pair34 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair34 << 16u)), fabsf(__uint_as_float(q_pair34 & 4294901760u))));
-        const unsigned q_pair35 = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair35 << 16u)), fabsf(__uint_as_float(q_pair35 & 4294901760u))));
-        const unsigned q_pair36 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair36 << 16u)), fabsf(__uint_as_float(q_pair36 & 4294901760u))));
-        const unsigned q_pair37 = *(q_tile + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair37 << 16u)), fabsf(__uint_as_float(q_pair37 & 4294901760u))));
-        const unsigned q_pair38 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair38 << 16u)), fabsf(__uint_as_float(q_pair38 & 4294901760u))));
-        const unsigned q_pair39 = *(q_tile + 2336u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair39 << 16u)), fabsf(__uint_as_float(q_pair39 & 4294901760u))));
-        const unsigned q_pair40 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair40 << 16u)), fabsf(__uint_as_float(q_pair40 & 4294901760u))));
-        const unsigned q_pair41 = *(q_tile + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair41 << 16u)), fabsf(__uint_as_float(q_pair41 & 4294901760u))));
-        const unsigned q_pair42 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair42 << 16u)), fabsf(__uint_as_float(q_pair42 & 4294901760u))));
-        const unsigned q_pair43 = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair43 << 16u)), fabsf(__uint_as_float(q_pair43 & 4294901760u))));
-        const unsigned q_pair44 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair44 << 16u)), fabsf(__uint_as_float(q_pair44 & 4294901760u))));
-        const unsigned q_pair45 = *(q_tile + 4672u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair45 << 16u)), fabsf(__uint_as_float(q_pair45 & 4294901760u))));
-        const unsigned q_pair46 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair46 << 16u)), fabsf(__uint_as_float(q_pair46 & 4294901760u))));
-        const unsigned q_pair47 = *(q_tile + 7008u + (lane_group * 292u) + 128u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair47 << 16u)), fabsf(__uint_as_float(q_pair47 & 4294901760u))));
-        const unsigned q_pair48 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair48 << 16u)), fabsf(__uint_as_float(q_pair48 & 4294901760u))));
-        const unsigned q_pair49 = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair49 << 16u)), fabsf(__uint_as_float(q_pair49 & 4294901760u))));
-        const unsigned q_pair50 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair50 << 16u)), fabsf(__uint_as_float(q_pair50 & 4294901760u))));
-        const unsigned q_pair51 = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair51 << 16u)), fabsf(__uint_as_float(q_pair51 & 4294901760u))));
-        const unsigned q_pair52 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair52 << 16u)), fabsf(__uint_as_float(q_pair52 & 4294901760u))));
-        const unsigned q_pair53 = *(q_tile + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair53 << 16u)), fabsf(__uint_as_float(q_pair53 & 4294901760u))));
-        const unsigned q_pair54 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair54 << 16u)), fabsf(__uint_as_float(q_pair54 & 4294901760u))));
-        const unsigned q_pair55 = *(q_tile + 2336u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair55 << 16u)), fabsf(__uint_as_float(q_pair55 & 4294901760u))));
-        const unsigned q_pair56 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair56 << 16u)), fabsf(__uint_as_float(q_pair56 & 4294901760u))));
-        const unsigned q_pair57 = *(q_tile + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair57 << 16u)), fabsf(__uint_as_float(q_pair57 & 4294901760u))));
-        const unsigned q_pair58 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair58 << 16u)), fabsf(__uint_as_float(q_pair58 & 4294901760u))));
-        const unsigned q_pair59 = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair59 << 16u)), fabsf(__uint_as_float(q_pair59 & 4294901760u))));
-        const unsigned q_pair60 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair60 << 16u)), fabsf(__uint_as_float(q_pair60 & 4294901760u))));
-        const unsigned q_pair61 = *(q_tile + 4672u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair61 << 16u)), fabsf(__uint_as_float(q_pair61 & 4294901760u))));
-        const unsigned q_pair62 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair62 << 16u)), fabsf(__uint_as_float(q_pair62 & 4294901760u))));
-        const unsigned q_pair63 = *(q_tile + 7008u + (lane_group * 292u) + 192u + ((((warp % 4u) * 32u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair63 << 16u)), fabsf(__uint_as_float(q_pair63 & 4294901760u))));
-        const unsigned q_pair64 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair64 << 16u)), fabsf(__uint_as_float(q_pair64 & 4294901760u))));
-        const unsigned q_pair65 = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair65 << 16u)), fabsf(__uint_as_float(q_pair65 & 4294901760u))));
-        const unsigned q_pair66 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u));
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair66 << 16u)), fabsf(__uint_as_float(q_pair66 & 4294901760u))));
-        const unsigned q_pair67 = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((((warp % 4u) * 32u) + 16u) + (lane_quad * 4u)) >> 1u) + 1u);
-        q_absmax = fmaxf(q_absmax, fmaxf(fabsf(__uint_as_float(q_pair67 << 16u)), fabsf(__uint_as_float(q_pair67 & 4294901760u))));
-        const float q_absmax_peer = shfl_xor_f32(q_absmax, 1);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer);
-        const float q_absmax_peer68 = shfl_xor_f32(q_absmax, 2);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer68);
-        const float q_absmax_peer69 = shfl_xor_f32(q_absmax, 4);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer69);
-        const float q_absmax_peer70 = shfl_xor_f32(q_absmax, 8);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer70);
-        const float q_absmax_peer71 = shfl_xor_f32(q_absmax, 16);
-        q_absmax = fmaxf(q_absmax, q_absmax_peer71);
-        const unsigned q_scale_exp = (((__float_as_uint(q_absmax) >> 23u) & 255u) < 8u) ? 253u : (261u - ((__float_as_uint(q_absmax) >> 23u) & 255u));
+        const unsigned q_scale_exp = (q_absmax_exp < 8u) ? 253u : (261u - q_absmax_exp);
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
@@ -965,79 +1014,90 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned sub7 = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        q_tile_unscale[0u] = 1.0f;
-        q_tile_a0_bf16[0u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[2u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[4u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[6u] = *(q_tile + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a0_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a0_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a0_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[0u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[2u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[4u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[6u] = *(q_tile + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a1_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a1_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a1_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 64u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[0u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[2u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[4u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[6u] = *(q_tile + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a2_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a2_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a2_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 128u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[0u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[1u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[2u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[3u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[4u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[5u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[6u] = *(q_tile + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[7u] = *(q_tile + 2336u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[8u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[9u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u));
-        q_tile_a3_bf16[10u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[11u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[12u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[13u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u));
-        q_tile_a3_bf16[14u] = *(q_tile + 4672u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a3_bf16[15u] = *(q_tile + 7008u + (lane_group * 292u) + 192u + (((warp % 4u) * 2u) * 8u) + 8u + (lane_quad * 2u) + 1u);
-        q_tile_a4[0u] = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
-        q_tile_a4[1u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
-        q_tile_a4[2u] = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
-        q_tile_a4[3u] = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
-        q_tile_a4[4u] = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
-        q_tile_a4[5u] = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
-        q_tile_a4[6u] = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
-        q_tile_a4[7u] = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        const unsigned q_scale_exp293 = (q_absmax_exp < 15u) ? 253u : (268u - q_absmax_exp);
+        const float q_scale294 = __uint_as_float(q_scale_exp293 << 23u);
+        const float q_scale295 = q_scale294 / E4M3_F16_UNIT;
+        q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp293) << 23u) * E4M3_F16_UNIT;
+        q_tile_a0_f16[0u] = pack_f16x2(__uint_as_float(q_pair << 16u) * q_scale294, __uint_as_float(q_pair & 4294901760u) * q_scale294);
+        q_tile_a0_f16[2u] = pack_f16x2(__uint_as_float(q_pair5 << 16u) * q_scale294, __uint_as_float(q_pair5 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[1u] = pack_f16x2(__uint_as_float(q_pair6 << 16u) * q_scale294, __uint_as_float(q_pair6 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[3u] = pack_f16x2(__uint_as_float(q_pair7 << 16u) * q_scale294, __uint_as_float(q_pair7 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[4u] = pack_f16x2(__uint_as_float(q_pair8 << 16u) * q_scale294, __uint_as_float(q_pair8 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[6u] = pack_f16x2(__uint_as_float(q_pair9 << 16u) * q_scale294, __uint_as_float(q_pair9 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[5u] = pack_f16x2(__uint_as_float(q_pair10 << 16u) * q_scale294, __uint_as_float(q_pair10 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[7u] = pack_f16x2(__uint_as_float(q_pair11 << 16u) * q_scale294, __uint_as_float(q_pair11 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[8u] = pack_f16x2(__uint_as_float(q_pair12 << 16u) * q_scale294, __uint_as_float(q_pair12 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[10u] = pack_f16x2(__uint_as_float(q_pair13 << 16u) * q_scale294, __uint_as_float(q_pair13 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[9u] = pack_f16x2(__uint_as_float(q_pair14 << 16u) * q_scale294, __uint_as_float(q_pair14 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[11u] = pack_f16x2(__uint_as_float(q_pair15 << 16u) * q_scale294, __uint_as_float(q_pair15 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[12u] = pack_f16x2(__uint_as_float(q_pair16 << 16u) * q_scale294, __uint_as_float(q_pair16 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[14u] = pack_f16x2(__uint_as_float(q_pair17 << 16u) * q_scale294, __uint_as_float(q_pair17 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[13u] = pack_f16x2(__uint_as_float(q_pair18 << 16u) * q_scale294, __uint_as_float(q_pair18 & 4294901760u) * q_scale294);
+        q_tile_a0_f16[15u] = pack_f16x2(__uint_as_float(q_pair19 << 16u) * q_scale294, __uint_as_float(q_pair19 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[0u] = pack_f16x2(__uint_as_float(q_pair20 << 16u) * q_scale294, __uint_as_float(q_pair20 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[2u] = pack_f16x2(__uint_as_float(q_pair21 << 16u) * q_scale294, __uint_as_float(q_pair21 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[1u] = pack_f16x2(__uint_as_float(q_pair22 << 16u) * q_scale294, __uint_as_float(q_pair22 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[3u] = pack_f16x2(__uint_as_float(q_pair23 << 16u) * q_scale294, __uint_as_float(q_pair23 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[4u] = pack_f16x2(__uint_as_float(q_pair24 << 16u) * q_scale294, __uint_as_float(q_pair24 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[6u] = pack_f16x2(__uint_as_float(q_pair25 << 16u) * q_scale294, __uint_as_float(q_pair25 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[5u] = pack_f16x2(__uint_as_float(q_pair26 << 16u) * q_scale294, __uint_as_float(q_pair26 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[7u] = pack_f16x2(__uint_as_float(q_pair27 << 16u) * q_scale294, __uint_as_float(q_pair27 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[8u] = pack_f16x2(__uint_as_float(q_pair28 << 16u) * q_scale294, __uint_as_float(q_pair28 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[10u] = pack_f16x2(__uint_as_float(q_pair29 << 16u) * q_scale294, __uint_as_float(q_pair29 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[9u] = pack_f16x2(__uint_as_float(q_pair30 << 16u) * q_scale294, __uint_as_float(q_pair30 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[11u] = pack_f16x2(__uint_as_float(q_pair31 << 16u) * q_scale294, __uint_as_float(q_pair31 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[12u] = pack_f16x2(__uint_as_float(q_pair32 << 16u) * q_scale294, __uint_as_float(q_pair32 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[14u] = pack_f16x2(__uint_as_float(q_pair33 << 16u) * q_scale294, __uint_as_float(q_pair33 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[13u] = pack_f16x2(__uint_as_float(q_pair34 << 16u) * q_scale294, __uint_as_float(q_pair34 & 4294901760u) * q_scale294);
+        q_tile_a1_f16[15u] = pack_f16x2(__uint_as_float(q_pair35 << 16u) * q_scale294, __uint_as_float(q_pair35 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[0u] = pack_f16x2(__uint_as_float(q_pair36 << 16u) * q_scale294, __uint_as_float(q_pair36 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[2u] = pack_f16x2(__uint_as_float(q_pair37 << 16u) * q_scale294, __uint_as_float(q_pair37 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[1u] = pack_f16x2(__uint_as_float(q_pair38 << 16u) * q_scale294, __uint_as_float(q_pair38 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[3u] = pack_f16x2(__uint_as_float(q_pair39 << 16u) * q_scale294, __uint_as_float(q_pair39 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[4u] = pack_f16x2(__uint_as_float(q_pair40 << 16u) * q_scale294, __uint_as_float(q_pair40 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[6u] = pack_f16x2(__uint_as_float(q_pair41 << 16u) * q_scale294, __uint_as_float(q_pair41 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[5u] = pack_f16x2(__uint_as_float(q_pair42 << 16u) * q_scale294, __uint_as_float(q_pair42 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[7u] = pack_f16x2(__uint_as_float(q_pair43 << 16u) * q_scale294, __uint_as_float(q_pair43 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[8u] = pack_f16x2(__uint_as_float(q_pair44 << 16u) * q_scale294, __uint_as_float(q_pair44 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[10u] = pack_f16x2(__uint_as_float(q_pair45 << 16u) * q_scale294, __uint_as_float(q_pair45 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[9u] = pack_f16x2(__uint_as_float(q_pair46 << 16u) * q_scale294, __uint_as_float(q_pair46 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[11u] = pack_f16x2(__uint_as_float(q_pair47 << 16u) * q_scale294, __uint_as_float(q_pair47 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[12u] = pack_f16x2(__uint_as_float(q_pair48 << 16u) * q_scale294, __uint_as_float(q_pair48 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[14u] = pack_f16x2(__uint_as_float(q_pair49 << 16u) * q_scale294, __uint_as_float(q_pair49 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[13u] = pack_f16x2(__uint_as_float(q_pair50 << 16u) * q_scale294, __uint_as_float(q_pair50 & 4294901760u) * q_scale294);
+        q_tile_a2_f16[15u] = pack_f16x2(__uint_as_float(q_pair51 << 16u) * q_scale294, __uint_as_float(q_pair51 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[0u] = pack_f16x2(__uint_as_float(q_pair52 << 16u) * q_scale294, __uint_as_float(q_pair52 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[2u] = pack_f16x2(__uint_as_float(q_pair53 << 16u) * q_scale294, __uint_as_float(q_pair53 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[1u] = pack_f16x2(__uint_as_float(q_pair54 << 16u) * q_scale294, __uint_as_float(q_pair54 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[3u] = pack_f16x2(__uint_as_float(q_pair55 << 16u) * q_scale294, __uint_as_float(q_pair55 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[4u] = pack_f16x2(__uint_as_float(q_pair56 << 16u) * q_scale294, __uint_as_float(q_pair56 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[6u] = pack_f16x2(__uint_as_float(q_pair57 << 16u) * q_scale294, __uint_as_float(q_pair57 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[5u] = pack_f16x2(__uint_as_float(q_pair58 << 16u) * q_scale294, __uint_as_float(q_pair58 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[7u] = pack_f16x2(__uint_as_float(q_pair59 << 16u) * q_scale294, __uint_as_float(q_pair59 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[8u] = pack_f16x2(__uint_as_float(q_pair60 << 16u) * q_scale294, __uint_as_float(q_pair60 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[10u] = pack_f16x2(__uint_as_float(q_pair61 << 16u) * q_scale294, __uint_as_float(q_pair61 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[9u] = pack_f16x2(__uint_as_float(q_pair62 << 16u) * q_scale294, __uint_as_float(q_pair62 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[11u] = pack_f16x2(__uint_as_float(q_pair63 << 16u) * q_scale294, __uint_as_float(q_pair63 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[12u] = pack_f16x2(__uint_as_float(q_pair64 << 16u) * q_scale294, __uint_as_float(q_pair64 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[14u] = pack_f16x2(__uint_as_float(q_pair65 << 16u) * q_scale294, __uint_as_float(q_pair65 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[13u] = pack_f16x2(__uint_as_float(q_pair66 << 16u) * q_scale294, __uint_as_float(q_pair66 & 4294901760u) * q_scale294);
+        q_tile_a3_f16[15u] = pack_f16x2(__uint_as_float(q_pair67 << 16u) * q_scale294, __uint_as_float(q_pair67 & 4294901760u) * q_scale294);
+        const unsigned sub8 = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[0u] = pack_bf16x2(__uint_as_float(sub8 << 16u) * q_scale295, __uint_as_float(sub8 & 4294901760u) * q_scale295);
+        const unsigned sub9 = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[1u] = pack_bf16x2(__uint_as_float(sub9 << 16u) * q_scale295, __uint_as_float(sub9 & 4294901760u) * q_scale295);
+        const unsigned sub10 = *(q_tile + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[2u] = pack_bf16x2(__uint_as_float(sub10 << 16u) * q_scale295, __uint_as_float(sub10 & 4294901760u) * q_scale295);
+        const unsigned sub11 = *(q_tile + 2336u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[3u] = pack_bf16x2(__uint_as_float(sub11 << 16u) * q_scale295, __uint_as_float(sub11 & 4294901760u) * q_scale295);
+        const unsigned sub12 = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[4u] = pack_bf16x2(__uint_as_float(sub12 << 16u) * q_scale295, __uint_as_float(sub12 & 4294901760u) * q_scale295);
+        const unsigned sub13 = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad);
+        q_tile_a4[5u] = pack_bf16x2(__uint_as_float(sub13 << 16u) * q_scale295, __uint_as_float(sub13 & 4294901760u) * q_scale295);
+        const unsigned sub14 = *(q_tile + 4672u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[6u] = pack_bf16x2(__uint_as_float(sub14 << 16u) * q_scale295, __uint_as_float(sub14 & 4294901760u) * q_scale295);
+        const unsigned sub15 = *(q_tile + 7008u + (lane_group * 292u) + 256u + ((warp % 4u) * 8u) + lane_quad + 4u);
+        q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub15 << 16u) * q_scale295, __uint_as_float(sub15 & 4294901760u) * q_scale295);
     }
     #pragma unroll 4
     for (unsigned r = threadIdx.x; r < 32u; r += 256u) {
@@ -1050,16 +1110,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         o_acc[fill_i] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i293 = 0u; fill_i293 < 16u; fill_i293 += 1u) {
-        o_acc_1[fill_i293] = 0.0f;
+    for (unsigned fill_i296 = 0u; fill_i296 < 16u; fill_i296 += 1u) {
+        o_acc_1[fill_i296] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i294 = 0u; fill_i294 < 16u; fill_i294 += 1u) {
-        o_acc_2[fill_i294] = 0.0f;
+    for (unsigned fill_i297 = 0u; fill_i297 < 16u; fill_i297 += 1u) {
+        o_acc_2[fill_i297] = 0.0f;
     }
     #pragma unroll
-    for (unsigned fill_i295 = 0u; fill_i295 < 16u; fill_i295 += 1u) {
-        o_acc_3[fill_i295] = 0.0f;
+    for (unsigned fill_i298 = 0u; fill_i298 < 16u; fill_i298 += 1u) {
+        o_acc_3[fill_i298] = 0.0f;
     }
     const unsigned step_count = steps;
 
@@ -1078,18 +1138,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (0u < step_count) {
             const unsigned load_stage = 0u % 2u;
             #pragma unroll
-            for (unsigned slot297 = 0u; slot297 < 1u; slot297 += 1u) {
-                const unsigned gather_row298 = ((warp - 4u) + (lane * 4u)) + (slot297 * 128u);
-                if (gather_row298 < 32u) {
+            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
+                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
+                if (gather_row301 < 32u) {
                     const unsigned step = 0u;
-                    const unsigned row_1 = gather_row298;
-                    const int src_i32299 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot297] >= 0)) && (((unsigned)kv_rows_pre[slot297]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot297]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot297]) % p.page_size) * p.row_stride_w))) : (-1);
-                    *(row_valid + (load_stage * 36u) + gather_row298) = (src_i32299 >= 0) ? 1.0f : 0.0f;
-                    if (src_i32299 >= 0) {
-                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32299), 656u, ring_barriers + (load_stage * 2u));
+                    const unsigned row_1 = gather_row301;
+                    const int src_i32302 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot300] >= 0)) && (((unsigned)kv_rows_pre[slot300]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot300]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot300]) % p.page_size) * p.row_stride_w))) : (-1);
+                    *(row_valid + (load_stage * 36u) + gather_row301) = (src_i32302 >= 0) ? 1.0f : 0.0f;
+                    if (src_i32302 >= 0) {
+                        copy_async(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32302), 656u, ring_barriers + (load_stage * 2u));
                     } else {
                         for (unsigned zero_w = 0u; zero_w < 164u; zero_w += 1u) {
-                            *(kv_rows + (load_stage * 5248u) + (gather_row298 * 164u) + zero_w) = 0u;
+                            *(kv_rows + (load_stage * 5248u) + (gather_row301 * 164u) + zero_w) = 0u;
                         }
                         fence_proxy_async();
                     }
@@ -1100,11 +1160,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (1u < step_bound) {
             const unsigned step = 1u;
             #pragma unroll
-            for (unsigned slot300 = 0u; slot300 < 1u; slot300 += 1u) {
-                const unsigned gather_row301 = ((warp - 4u) + (lane * 4u)) + (slot300 * 128u);
-                if (gather_row301 < 32u) {
-                    const unsigned row_1 = gather_row301;
-                    kv_rows_pre[slot300] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+            for (unsigned slot303 = 0u; slot303 < 1u; slot303 += 1u) {
+                const unsigned gather_row304 = ((warp - 4u) + (lane * 4u)) + (slot303 * 128u);
+                if (gather_row304 < 32u) {
+                    const unsigned row_1 = gather_row304;
+                    kv_rows_pre[slot303] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                 }
             }
         }
@@ -1122,10 +1182,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     }
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi303 = 0u; mi303 < 1u; mi303 += 1u) {
+        for (unsigned mi306 = 0u; mi306 < 1u; mi306 += 1u) {
             #pragma unroll
-            for (unsigned half304 = 0u; half304 < 2u; half304 += 1u) {
-                row_sum_part[(mi303 * 2u) + half304] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi303 * 16u) + (half304 * 8u) + lane_group) : 0.0f;
+            for (unsigned half307 = 0u; half307 < 2u; half307 += 1u) {
+                row_sum_part[(mi306 * 2u) + half307] = ((scores_wn == 0u) && (lane_quad == 0u)) ? *(row_sum + scores_row0 + (mi306 * 16u) + (half307 * 8u) + lane_group) : 0.0f;
             }
         }
     }
@@ -1137,16 +1197,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores S = q . K^T over the full d_qk
         #pragma unroll
-        for (unsigned fill_i312 = 0u; fill_i312 < 8u; fill_i312 += 1u) {
-            scores[fill_i312] = 0.0f;
+        for (unsigned fill_i315 = 0u; fill_i315 < 8u; fill_i315 += 1u) {
+            scores[fill_i315] = 0.0f;
         }
         #pragma unroll
         for (unsigned e = 0u; e < 16u; e += 1u) {
             scores_part[e] = 0.0f;
         }
         #pragma unroll
-        for (unsigned e313 = 0u; e313 < 16u; e313 += 1u) {
-            scores_term[e313] = 0.0f;
+        for (unsigned e316 = 0u; e316 < 16u; e316 += 1u) {
+            scores_term[e316] = 0.0f;
         }
         const unsigned n_first = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
@@ -1156,113 +1216,109 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                 for (unsigned nj = 0u; nj < 2u; nj += 1u) {
                     ldmatrix_x2(&b_frag[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + ((warp % 4u) * 8u) + (kk * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi314 = 0u; mi314 < 2u; mi314 += 1u) {
-                        a_frag[0u] = q_tile_a0[(mi314 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0[((mi314 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0[((mi314 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0[((mi314 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi314 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
-                        a_frag[0u] = q_tile_a0_lo[(mi314 + kk) * 4u];
-                        a_frag[1u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 1u];
-                        a_frag[2u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 2u];
-                        a_frag[3u] = q_tile_a0_lo[((mi314 + kk) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi314 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                    for (unsigned mi317 = 0u; mi317 < 2u; mi317 += 1u) {
+                        a_frag[0u] = q_tile_a0[(mi317 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0[((mi317 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0[((mi317 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0[((mi317 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
+                        a_frag[0u] = q_tile_a0_lo[(mi317 + kk) * 4u];
+                        a_frag[1u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 1u];
+                        a_frag[2u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 2u];
+                        a_frag[3u] = q_tile_a0_lo[((mi317 + kk) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi317 * 2u) + nj) * 4u], &a_frag[0u], &b_frag[0u]);
                     }
                 }
             }
         } else {
             const unsigned k_first = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e320 = 0u; e320 < 16u; e320 += 1u) {
-                scores_term[16u + e320] = 0.0f;
+            for (unsigned e323 = 0u; e323 < 16u; e323 += 1u) {
+                scores_term[16u + e323] = 0.0f;
             }
             #pragma unroll
             for (unsigned kk_pair = 0u; kk_pair < 1u; kk_pair += 1u) {
                 #pragma unroll
                 for (unsigned chain = 0u; chain < 2u; chain += 1u) {
-                    const unsigned kk317 = (kk_pair * 2u) + chain;
+                    const unsigned kk320 = (kk_pair * 2u) + chain;
                     #pragma unroll
-                    for (unsigned nj319 = 0u; nj319 < 2u; nj319 += 1u) {
-                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj319 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk317 * 4u));
-                        const unsigned e4m3_pair = e4m3x2_prep(b_raw[0u] & 65535u);
-                        const unsigned e4m3_pair321 = e4m3x2_prep(b_raw[0u] >> 16u);
-                        b_frag316[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair), e4m3x2_hi(e4m3_pair));
-                        b_frag316[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair321), e4m3x2_hi(e4m3_pair321));
+                    for (unsigned nj322 = 0u; nj322 < 2u; nj322 += 1u) {
+                        ldmatrix_x1(&b_raw[0u], kv_rows + (stage * 5248u) + (n_first * 164u) + ((nj322 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first * 4u) + (kk320 * 4u));
+                        b_frag319[0u] = e4m3x2_f16(b_raw[0u] & 65535u);
+                        b_frag319[1u] = e4m3x2_f16(b_raw[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi318 = 0u; mi318 < 2u; mi318 += 1u) {
-                            a_frag315[0u] = q_tile_a0_bf16[((mi318 * 2u) + kk317) * 4u];
-                            a_frag315[1u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 1u];
-                            a_frag315[2u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 2u];
-                            a_frag315[3u] = q_tile_a0_bf16[(((mi318 * 2u) + kk317) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain * 16u) + (((mi318 * 2u) + nj319) * 4u)], &a_frag315[0u], &b_frag316[0u]);
+                        for (unsigned mi321 = 0u; mi321 < 2u; mi321 += 1u) {
+                            a_frag318[0u] = q_tile_a0_f16[((mi321 * 2u) + kk320) * 4u];
+                            a_frag318[1u] = q_tile_a0_f16[(((mi321 * 2u) + kk320) * 4u) + 1u];
+                            a_frag318[2u] = q_tile_a0_f16[(((mi321 * 2u) + kk320) * 4u) + 2u];
+                            a_frag318[3u] = q_tile_a0_f16[(((mi321 * 2u) + kk320) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain * 16u) + (((mi321 * 2u) + nj322) * 4u)], &a_frag318[0u], &b_frag319[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e322 = 0u; e322 < 16u; e322 += 1u) {
-                scores_term[e322] = scores_term[e322] + scores_term[16u + e322];
+            for (unsigned e324 = 0u; e324 < 16u; e324 += 1u) {
+                scores_term[e324] = scores_term[e324] + scores_term[16u + e324];
             }
         }
         #pragma unroll
         for (unsigned frag = 0u; frag < 4u; frag += 1u) {
             #pragma unroll
-            for (unsigned e323 = 0u; e323 < 4u; e323 += 1u) {
-                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e323 & 1u) * 164u));
-                scores_part[(frag * 4u) + e323] = fmaf(scores_term[(frag * 4u) + e323], row_scale, scores_part[(frag * 4u) + e323]);
+            for (unsigned e325 = 0u; e325 < 4u; e325 += 1u) {
+                const float row_scale = *(kv_scales + (stage * 5248u) + (n_first * 164u) + (((frag % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e325 & 1u) * 164u));
+                scores_part[(frag * 4u) + e325] = fmaf(scores_term[(frag * 4u) + e325], row_scale, scores_part[(frag * 4u) + e325]);
             }
         }
         #pragma unroll
-        for (unsigned e324 = 0u; e324 < 16u; e324 += 1u) {
-            scores_term[e324] = 0.0f;
+        for (unsigned e326 = 0u; e326 < 16u; e326 += 1u) {
+            scores_term[e326] = 0.0f;
         }
-        const unsigned n_first325 = (warp / 4u) * 16u;
+        const unsigned n_first327 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk328 = 0u; kk328 < 1u; kk328 += 1u) {
+            for (unsigned kk330 = 0u; kk330 < 1u; kk330 += 1u) {
                 #pragma unroll
-                for (unsigned nj330 = 0u; nj330 < 2u; nj330 += 1u) {
-                    ldmatrix_x2(&b_frag327[0u], kv_rows + (stage * 5248u) + (n_first325 * 164u) + ((nj330 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + ((warp % 4u) * 8u) + (kk328 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj332 = 0u; nj332 < 2u; nj332 += 1u) {
+                    ldmatrix_x2(&b_frag329[0u], kv_rows + (stage * 5248u) + (n_first327 * 164u) + ((nj332 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + ((warp % 4u) * 8u) + (kk330 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi329 = 0u; mi329 < 2u; mi329 += 1u) {
-                        a_frag326[0u] = q_tile_a1[(mi329 + kk328) * 4u];
-                        a_frag326[1u] = q_tile_a1[((mi329 + kk328) * 4u) + 1u];
-                        a_frag326[2u] = q_tile_a1[((mi329 + kk328) * 4u) + 2u];
-                        a_frag326[3u] = q_tile_a1[((mi329 + kk328) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi329 * 2u) + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
-                        a_frag326[0u] = q_tile_a1_lo[(mi329 + kk328) * 4u];
-                        a_frag326[1u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 1u];
-                        a_frag326[2u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 2u];
-                        a_frag326[3u] = q_tile_a1_lo[((mi329 + kk328) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi329 * 2u) + nj330) * 4u], &a_frag326[0u], &b_frag327[0u]);
+                    for (unsigned mi331 = 0u; mi331 < 2u; mi331 += 1u) {
+                        a_frag328[0u] = q_tile_a1[(mi331 + kk330) * 4u];
+                        a_frag328[1u] = q_tile_a1[((mi331 + kk330) * 4u) + 1u];
+                        a_frag328[2u] = q_tile_a1[((mi331 + kk330) * 4u) + 2u];
+                        a_frag328[3u] = q_tile_a1[((mi331 + kk330) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi331 * 2u) + nj332) * 4u], &a_frag328[0u], &b_frag329[0u]);
+                        a_frag328[0u] = q_tile_a1_lo[(mi331 + kk330) * 4u];
+                        a_frag328[1u] = q_tile_a1_lo[((mi331 + kk330) * 4u) + 1u];
+                        a_frag328[2u] = q_tile_a1_lo[((mi331 + kk330) * 4u) + 2u];
+                        a_frag328[3u] = q_tile_a1_lo[((mi331 + kk330) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi331 * 2u) + nj332) * 4u], &a_frag328[0u], &b_frag329[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first331 = (warp % 4u) * 2u;
+            const unsigned k_first333 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e340 = 0u; e340 < 16u; e340 += 1u) {
-                scores_term[16u + e340] = 0.0f;
+            for (unsigned e342 = 0u; e342 < 16u; e342 += 1u) {
+                scores_term[16u + e342] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair338 = 0u; kk_pair338 < 1u; kk_pair338 += 1u) {
+            for (unsigned kk_pair340 = 0u; kk_pair340 < 1u; kk_pair340 += 1u) {
                 #pragma unroll
-                for (unsigned chain339 = 0u; chain339 < 2u; chain339 += 1u) {
-                    const unsigned kk335 = (kk_pair338 * 2u) + chain339;
+                for (unsigned chain341 = 0u; chain341 < 2u; chain341 += 1u) {
+                    const unsigned kk337 = (kk_pair340 * 2u) + chain341;
                     #pragma unroll
-                    for (unsigned nj337 = 0u; nj337 < 2u; nj337 += 1u) {
-                        ldmatrix_x1(&b_raw334[0u], kv_rows + (stage * 5248u) + (n_first325 * 164u) + ((nj337 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first331 * 4u) + (kk335 * 4u));
-                        const unsigned e4m3_pair341 = e4m3x2_prep(b_raw334[0u] & 65535u);
-                        const unsigned e4m3_pair342 = e4m3x2_prep(b_raw334[0u] >> 16u);
-                        b_frag333[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair341), e4m3x2_hi(e4m3_pair341));
-                        b_frag333[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair342), e4m3x2_hi(e4m3_pair342));
+                    for (unsigned nj339 = 0u; nj339 < 2u; nj339 += 1u) {
+                        ldmatrix_x1(&b_raw336[0u], kv_rows + (stage * 5248u) + (n_first327 * 164u) + ((nj339 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 32u + (k_first333 * 4u) + (kk337 * 4u));
+                        b_frag335[0u] = e4m3x2_f16(b_raw336[0u] & 65535u);
+                        b_frag335[1u] = e4m3x2_f16(b_raw336[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi336 = 0u; mi336 < 2u; mi336 += 1u) {
-                            a_frag332[0u] = q_tile_a1_bf16[((mi336 * 2u) + kk335) * 4u];
-                            a_frag332[1u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 1u];
-                            a_frag332[2u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 2u];
-                            a_frag332[3u] = q_tile_a1_bf16[(((mi336 * 2u) + kk335) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain339 * 16u) + (((mi336 * 2u) + nj337) * 4u)], &a_frag332[0u], &b_frag333[0u]);
+                        for (unsigned mi338 = 0u; mi338 < 2u; mi338 += 1u) {
+                            a_frag334[0u] = q_tile_a1_f16[((mi338 * 2u) + kk337) * 4u];
+                            a_frag334[1u] = q_tile_a1_f16[(((mi338 * 2u) + kk337) * 4u) + 1u];
+                            a_frag334[2u] = q_tile_a1_f16[(((mi338 * 2u) + kk337) * 4u) + 2u];
+                            a_frag334[3u] = q_tile_a1_f16[(((mi338 * 2u) + kk337) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain341 * 16u) + (((mi338 * 2u) + nj339) * 4u)], &a_frag334[0u], &b_frag335[0u]);
                         }
                     }
                 }
@@ -1276,7 +1332,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         for (unsigned frag344 = 0u; frag344 < 4u; frag344 += 1u) {
             #pragma unroll
             for (unsigned e345 = 0u; e345 < 4u; e345 += 1u) {
-                const float row_scale346 = *(kv_scales + (stage * 5248u) + (n_first325 * 164u) + (((frag344 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e345 & 1u) * 164u) + 1u);
+                const float row_scale346 = *(kv_scales + (stage * 5248u) + (n_first327 * 164u) + (((frag344 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e345 & 1u) * 164u) + 1u);
                 scores_part[(frag344 * 4u) + e345] = fmaf(scores_term[(frag344 * 4u) + e345], row_scale346, scores_part[(frag344 * 4u) + e345]);
             }
         }
@@ -1320,116 +1376,112 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     #pragma unroll
                     for (unsigned nj360 = 0u; nj360 < 2u; nj360 += 1u) {
                         ldmatrix_x1(&b_raw357[0u], kv_rows + (stage * 5248u) + (n_first348 * 164u) + ((nj360 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 64u + (k_first354 * 4u) + (kk358 * 4u));
-                        const unsigned e4m3_pair364 = e4m3x2_prep(b_raw357[0u] & 65535u);
-                        const unsigned e4m3_pair365 = e4m3x2_prep(b_raw357[0u] >> 16u);
-                        b_frag356[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair364), e4m3x2_hi(e4m3_pair364));
-                        b_frag356[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair365), e4m3x2_hi(e4m3_pair365));
+                        b_frag356[0u] = e4m3x2_f16(b_raw357[0u] & 65535u);
+                        b_frag356[1u] = e4m3x2_f16(b_raw357[0u] >> 16u);
                         #pragma unroll
                         for (unsigned mi359 = 0u; mi359 < 2u; mi359 += 1u) {
-                            a_frag355[0u] = q_tile_a2_bf16[((mi359 * 2u) + kk358) * 4u];
-                            a_frag355[1u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 1u];
-                            a_frag355[2u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 2u];
-                            a_frag355[3u] = q_tile_a2_bf16[(((mi359 * 2u) + kk358) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
+                            a_frag355[0u] = q_tile_a2_f16[((mi359 * 2u) + kk358) * 4u];
+                            a_frag355[1u] = q_tile_a2_f16[(((mi359 * 2u) + kk358) * 4u) + 1u];
+                            a_frag355[2u] = q_tile_a2_f16[(((mi359 * 2u) + kk358) * 4u) + 2u];
+                            a_frag355[3u] = q_tile_a2_f16[(((mi359 * 2u) + kk358) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain362 * 16u) + (((mi359 * 2u) + nj360) * 4u)], &a_frag355[0u], &b_frag356[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e366 = 0u; e366 < 16u; e366 += 1u) {
-                scores_term[e366] = scores_term[e366] + scores_term[16u + e366];
+            for (unsigned e364 = 0u; e364 < 16u; e364 += 1u) {
+                scores_term[e364] = scores_term[e364] + scores_term[16u + e364];
             }
         }
         #pragma unroll
-        for (unsigned frag367 = 0u; frag367 < 4u; frag367 += 1u) {
+        for (unsigned frag365 = 0u; frag365 < 4u; frag365 += 1u) {
             #pragma unroll
-            for (unsigned e368 = 0u; e368 < 4u; e368 += 1u) {
-                const float row_scale369 = *(kv_scales + (stage * 5248u) + (n_first348 * 164u) + (((frag367 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e368 & 1u) * 164u) + 2u);
-                scores_part[(frag367 * 4u) + e368] = fmaf(scores_term[(frag367 * 4u) + e368], row_scale369, scores_part[(frag367 * 4u) + e368]);
+            for (unsigned e366 = 0u; e366 < 4u; e366 += 1u) {
+                const float row_scale367 = *(kv_scales + (stage * 5248u) + (n_first348 * 164u) + (((frag365 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e366 & 1u) * 164u) + 2u);
+                scores_part[(frag365 * 4u) + e366] = fmaf(scores_term[(frag365 * 4u) + e366], row_scale367, scores_part[(frag365 * 4u) + e366]);
             }
         }
         #pragma unroll
-        for (unsigned e370 = 0u; e370 < 16u; e370 += 1u) {
-            scores_term[e370] = 0.0f;
+        for (unsigned e368 = 0u; e368 < 16u; e368 += 1u) {
+            scores_term[e368] = 0.0f;
         }
-        const unsigned n_first371 = (warp / 4u) * 16u;
+        const unsigned n_first369 = (warp / 4u) * 16u;
         if (E4M3_MMA_NATIVE) {
             #pragma unroll
-            for (unsigned kk374 = 0u; kk374 < 1u; kk374 += 1u) {
+            for (unsigned kk372 = 0u; kk372 < 1u; kk372 += 1u) {
                 #pragma unroll
-                for (unsigned nj376 = 0u; nj376 < 2u; nj376 += 1u) {
-                    ldmatrix_x2(&b_frag373[0u], kv_rows + (stage * 5248u) + (n_first371 * 164u) + ((nj376 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + ((warp % 4u) * 8u) + (kk374 * 8u) + ((lane_r16 >> 3u) * 4u));
+                for (unsigned nj374 = 0u; nj374 < 2u; nj374 += 1u) {
+                    ldmatrix_x2(&b_frag371[0u], kv_rows + (stage * 5248u) + (n_first369 * 164u) + ((nj374 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + ((warp % 4u) * 8u) + (kk372 * 8u) + ((lane_r16 >> 3u) * 4u));
                     #pragma unroll
-                    for (unsigned mi375 = 0u; mi375 < 2u; mi375 += 1u) {
-                        a_frag372[0u] = q_tile_a3[(mi375 + kk374) * 4u];
-                        a_frag372[1u] = q_tile_a3[((mi375 + kk374) * 4u) + 1u];
-                        a_frag372[2u] = q_tile_a3[((mi375 + kk374) * 4u) + 2u];
-                        a_frag372[3u] = q_tile_a3[((mi375 + kk374) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
-                        a_frag372[0u] = q_tile_a3_lo[(mi375 + kk374) * 4u];
-                        a_frag372[1u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 1u];
-                        a_frag372[2u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 2u];
-                        a_frag372[3u] = q_tile_a3_lo[((mi375 + kk374) * 4u) + 3u];
-                        mma_e4m3_16832(&scores_term[((mi375 * 2u) + nj376) * 4u], &a_frag372[0u], &b_frag373[0u]);
+                    for (unsigned mi373 = 0u; mi373 < 2u; mi373 += 1u) {
+                        a_frag370[0u] = q_tile_a3[(mi373 + kk372) * 4u];
+                        a_frag370[1u] = q_tile_a3[((mi373 + kk372) * 4u) + 1u];
+                        a_frag370[2u] = q_tile_a3[((mi373 + kk372) * 4u) + 2u];
+                        a_frag370[3u] = q_tile_a3[((mi373 + kk372) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi373 * 2u) + nj374) * 4u], &a_frag370[0u], &b_frag371[0u]);
+                        a_frag370[0u] = q_tile_a3_lo[(mi373 + kk372) * 4u];
+                        a_frag370[1u] = q_tile_a3_lo[((mi373 + kk372) * 4u) + 1u];
+                        a_frag370[2u] = q_tile_a3_lo[((mi373 + kk372) * 4u) + 2u];
+                        a_frag370[3u] = q_tile_a3_lo[((mi373 + kk372) * 4u) + 3u];
+                        mma_e4m3_16832(&scores_term[((mi373 * 2u) + nj374) * 4u], &a_frag370[0u], &b_frag371[0u]);
                     }
                 }
             }
         } else {
-            const unsigned k_first377 = (warp % 4u) * 2u;
+            const unsigned k_first375 = (warp % 4u) * 2u;
             #pragma unroll
-            for (unsigned e386 = 0u; e386 < 16u; e386 += 1u) {
-                scores_term[16u + e386] = 0.0f;
+            for (unsigned e384 = 0u; e384 < 16u; e384 += 1u) {
+                scores_term[16u + e384] = 0.0f;
             }
             #pragma unroll
-            for (unsigned kk_pair384 = 0u; kk_pair384 < 1u; kk_pair384 += 1u) {
+            for (unsigned kk_pair382 = 0u; kk_pair382 < 1u; kk_pair382 += 1u) {
                 #pragma unroll
-                for (unsigned chain385 = 0u; chain385 < 2u; chain385 += 1u) {
-                    const unsigned kk381 = (kk_pair384 * 2u) + chain385;
+                for (unsigned chain383 = 0u; chain383 < 2u; chain383 += 1u) {
+                    const unsigned kk379 = (kk_pair382 * 2u) + chain383;
                     #pragma unroll
-                    for (unsigned nj383 = 0u; nj383 < 2u; nj383 += 1u) {
-                        ldmatrix_x1(&b_raw380[0u], kv_rows + (stage * 5248u) + (n_first371 * 164u) + ((nj383 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first377 * 4u) + (kk381 * 4u));
-                        const unsigned e4m3_pair387 = e4m3x2_prep(b_raw380[0u] & 65535u);
-                        const unsigned e4m3_pair388 = e4m3x2_prep(b_raw380[0u] >> 16u);
-                        b_frag379[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair387), e4m3x2_hi(e4m3_pair387));
-                        b_frag379[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair388), e4m3x2_hi(e4m3_pair388));
+                    for (unsigned nj381 = 0u; nj381 < 2u; nj381 += 1u) {
+                        ldmatrix_x1(&b_raw378[0u], kv_rows + (stage * 5248u) + (n_first369 * 164u) + ((nj381 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + 96u + (k_first375 * 4u) + (kk379 * 4u));
+                        b_frag377[0u] = e4m3x2_f16(b_raw378[0u] & 65535u);
+                        b_frag377[1u] = e4m3x2_f16(b_raw378[0u] >> 16u);
                         #pragma unroll
-                        for (unsigned mi382 = 0u; mi382 < 2u; mi382 += 1u) {
-                            a_frag378[0u] = q_tile_a3_bf16[((mi382 * 2u) + kk381) * 4u];
-                            a_frag378[1u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 1u];
-                            a_frag378[2u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 2u];
-                            a_frag378[3u] = q_tile_a3_bf16[(((mi382 * 2u) + kk381) * 4u) + 3u];
-                            mma_bf16_16816(&scores_term[(chain385 * 16u) + (((mi382 * 2u) + nj383) * 4u)], &a_frag378[0u], &b_frag379[0u]);
+                        for (unsigned mi380 = 0u; mi380 < 2u; mi380 += 1u) {
+                            a_frag376[0u] = q_tile_a3_f16[((mi380 * 2u) + kk379) * 4u];
+                            a_frag376[1u] = q_tile_a3_f16[(((mi380 * 2u) + kk379) * 4u) + 1u];
+                            a_frag376[2u] = q_tile_a3_f16[(((mi380 * 2u) + kk379) * 4u) + 2u];
+                            a_frag376[3u] = q_tile_a3_f16[(((mi380 * 2u) + kk379) * 4u) + 3u];
+                            mma_f16_16816(&scores_term[(chain383 * 16u) + (((mi380 * 2u) + nj381) * 4u)], &a_frag376[0u], &b_frag377[0u]);
                         }
                     }
                 }
             }
             #pragma unroll
-            for (unsigned e389 = 0u; e389 < 16u; e389 += 1u) {
-                scores_term[e389] = scores_term[e389] + scores_term[16u + e389];
+            for (unsigned e385 = 0u; e385 < 16u; e385 += 1u) {
+                scores_term[e385] = scores_term[e385] + scores_term[16u + e385];
             }
         }
         #pragma unroll
-        for (unsigned frag390 = 0u; frag390 < 4u; frag390 += 1u) {
+        for (unsigned frag386 = 0u; frag386 < 4u; frag386 += 1u) {
             #pragma unroll
-            for (unsigned e391 = 0u; e391 < 4u; e391 += 1u) {
-                const float row_scale392 = *(kv_scales + (stage * 5248u) + (n_first371 * 164u) + (((frag390 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e391 & 1u) * 164u) + 3u);
-                scores_part[(frag390 * 4u) + e391] = fmaf(scores_term[(frag390 * 4u) + e391], row_scale392, scores_part[(frag390 * 4u) + e391]);
+            for (unsigned e387 = 0u; e387 < 4u; e387 += 1u) {
+                const float row_scale388 = *(kv_scales + (stage * 5248u) + (n_first369 * 164u) + (((frag386 % 2u) * 8u) * 164u) + ((lane_quad * 2u) * 164u) + ((e387 & 1u) * 164u) + 3u);
+                scores_part[(frag386 * 4u) + e387] = fmaf(scores_term[(frag386 * 4u) + e387], row_scale388, scores_part[(frag386 * 4u) + e387]);
             }
         }
-        const unsigned n_first393 = (warp / 4u) * 16u;
-        const unsigned k_first394 = warp % 4u;
+        const unsigned n_first389 = (warp / 4u) * 16u;
+        const unsigned k_first390 = warp % 4u;
         #pragma unroll
-        for (unsigned kk398 = 0u; kk398 < 1u; kk398 += 1u) {
+        for (unsigned kk394 = 0u; kk394 < 1u; kk394 += 1u) {
             #pragma unroll
-            for (unsigned nj400 = 0u; nj400 < 2u; nj400 += 1u) {
-                ldmatrix_x2(&b_frag396[0u], kv_rope + (stage * 5248u) + (n_first393 * 164u) + ((nj400 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first394 * 8u) + (kk398 * 8u) + (lane_k8 >> 1u));
+            for (unsigned nj396 = 0u; nj396 < 2u; nj396 += 1u) {
+                ldmatrix_x2(&b_frag392[0u], kv_rope + (stage * 5248u) + (n_first389 * 164u) + ((nj396 * 8u) * 164u) + ((lane_r16 & 7u) * 164u) + (k_first390 * 8u) + (kk394 * 8u) + (lane_k8 >> 1u));
                 #pragma unroll
-                for (unsigned mi399 = 0u; mi399 < 2u; mi399 += 1u) {
-                    a_frag395[0u] = q_tile_a4[(mi399 + kk398) * 4u];
-                    a_frag395[1u] = q_tile_a4[((mi399 + kk398) * 4u) + 1u];
-                    a_frag395[2u] = q_tile_a4[((mi399 + kk398) * 4u) + 2u];
-                    a_frag395[3u] = q_tile_a4[((mi399 + kk398) * 4u) + 3u];
-                    mma_bf16_16816(&scores_part[((mi399 * 2u) + nj400) * 4u], &a_frag395[0u], &b_frag396[0u]);
+                for (unsigned mi395 = 0u; mi395 < 2u; mi395 += 1u) {
+                    a_frag391[0u] = q_tile_a4[(mi395 + kk394) * 4u];
+                    a_frag391[1u] = q_tile_a4[((mi395 + kk394) * 4u) + 1u];
+                    a_frag391[2u] = q_tile_a4[((mi395 + kk394) * 4u) + 2u];
+                    a_frag391[3u] = q_tile_a4[((mi395 + kk394) * 4u) + 3u];
+                    mma_bf16_16816(&scores_part[((mi395 * 2u) + nj396) * 4u], &a_frag391[0u], &b_frag392[0u]);
                 }
             }
         }
@@ -1438,12 +1490,12 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // scores: split-K partials to shared memory, summed by the warps that hold its rows
         #pragma unroll
-        for (unsigned frag403 = 0u; frag403 < 4u; frag403 += 1u) {
+        for (unsigned frag399 = 0u; frag399 < 4u; frag399 += 1u) {
             #pragma unroll
-            for (unsigned half404 = 0u; half404 < 2u; half404 += 1u) {
+            for (unsigned half400 = 0u; half400 < 2u; half400 += 1u) {
                 #pragma unroll
-                for (unsigned e405 = 0u; e405 < 2u; e405 += 1u) {
-                    *(split_k_partials + (((warp % 4u) * 32u) * 36u) + (((frag403 / 2u) * 16u) * 36u) + ((half404 * 8u) * 36u) + (lane_group * 36u) + ((warp / 4u) * 16u) + ((frag403 % 2u) * 8u) + (lane_quad * 2u) + e405) = scores_part[((frag403 * 4u) + (half404 * 2u)) + e405] * q_tile_unscale[0u];
+                for (unsigned e401 = 0u; e401 < 2u; e401 += 1u) {
+                    *(split_k_partials + (((warp % 4u) * 32u) * 36u) + (((frag399 / 2u) * 16u) * 36u) + ((half400 * 8u) * 36u) + (lane_group * 36u) + ((warp / 4u) * 16u) + ((frag399 % 2u) * 8u) + (lane_quad * 2u) + e401) = scores_part[((frag399 * 4u) + (half400 * 2u)) + e401] * q_tile_unscale[0u];
                 }
             }
         }
@@ -1453,34 +1505,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         if (warp >= 4u) {
             const unsigned ahead = step_i + 1u;
             if (ahead < step_count) {
-                const unsigned load_stage305 = ahead % 2u;
+                const unsigned load_stage308 = ahead % 2u;
                 #pragma unroll
-                for (unsigned slot306 = 0u; slot306 < 1u; slot306 += 1u) {
-                    const unsigned gather_row307 = ((warp - 4u) + (lane * 4u)) + (slot306 * 128u);
-                    if (gather_row307 < 32u) {
+                for (unsigned slot309 = 0u; slot309 < 1u; slot309 += 1u) {
+                    const unsigned gather_row310 = ((warp - 4u) + (lane * 4u)) + (slot309 * 128u);
+                    if (gather_row310 < 32u) {
                         const unsigned step = ahead;
-                        const unsigned row_1 = gather_row307;
-                        const int src_i32308 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot306] >= 0)) && (((unsigned)kv_rows_pre[slot306]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot306]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot306]) % p.page_size) * p.row_stride_w))) : (-1);
-                        *(row_valid + (load_stage305 * 36u) + gather_row307) = (src_i32308 >= 0) ? 1.0f : 0.0f;
-                        if (src_i32308 >= 0) {
-                            copy_async(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32308), 656u, ring_barriers + (load_stage305 * 2u));
+                        const unsigned row_1 = gather_row310;
+                        const int src_i32311 = (((((j_begin + (step * 32u)) + row_1) < j_end) && (kv_rows_pre[slot309] >= 0)) && (((unsigned)kv_rows_pre[slot309]) < p.num_slots)) ? ((int)(((((unsigned)kv_rows_pre[slot309]) / p.page_size) * p.page_stride_w) + ((((unsigned)kv_rows_pre[slot309]) % p.page_size) * p.row_stride_w))) : (-1);
+                        *(row_valid + (load_stage308 * 36u) + gather_row310) = (src_i32311 >= 0) ? 1.0f : 0.0f;
+                        if (src_i32311 >= 0) {
+                            copy_async(kv_rows + (load_stage308 * 5248u) + (gather_row310 * 164u), (const unsigned*)kv_cache + ((unsigned)src_i32311), 656u, ring_barriers + (load_stage308 * 2u));
                         } else {
-                            for (unsigned zero_w309 = 0u; zero_w309 < 164u; zero_w309 += 1u) {
-                                *(kv_rows + (load_stage305 * 5248u) + (gather_row307 * 164u) + zero_w309) = 0u;
+                            for (unsigned zero_w312 = 0u; zero_w312 < 164u; zero_w312 += 1u) {
+                                *(kv_rows + (load_stage308 * 5248u) + (gather_row310 * 164u) + zero_w312) = 0u;
                             }
                             fence_proxy_async();
                         }
                     }
                 }
-                copy_arrive(ring_barriers + (load_stage305 * 2u));
+                copy_arrive(ring_barriers + (load_stage308 * 2u));
                 if ((ahead + 1u) < step_bound) {
                     const unsigned step = ahead + 1u;
                     #pragma unroll
-                    for (unsigned slot310 = 0u; slot310 < 1u; slot310 += 1u) {
-                        const unsigned gather_row311 = ((warp - 4u) + (lane * 4u)) + (slot310 * 128u);
-                        if (gather_row311 < 32u) {
-                            const unsigned row_1 = gather_row311;
-                            kv_rows_pre[slot310] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
+                    for (unsigned slot313 = 0u; slot313 < 1u; slot313 += 1u) {
+                        const unsigned gather_row314 = ((warp - 4u) + (lane * 4u)) + (slot313 * 128u);
+                        if (gather_row314 < 32u) {
+                            const unsigned row_1 = gather_row314;
+                            kv_rows_pre[slot313] = indices[(t * p.topk) + min_u32((j_begin + (step * 32u)) + row_1, p.topk - 1u)];
                         }
                     }
                 }
@@ -1488,34 +1540,34 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag406 = 0u; frag406 < 2u; frag406 += 1u) {
+            for (unsigned frag402 = 0u; frag402 < 2u; frag402 += 1u) {
                 #pragma unroll
-                for (unsigned half407 = 0u; half407 < 2u; half407 += 1u) {
+                for (unsigned half403 = 0u; half403 < 2u; half403 += 1u) {
                     #pragma unroll
-                    for (unsigned e408 = 0u; e408 < 2u; e408 += 1u) {
-                        float sum = scores[((frag406 * 4u) + (half407 * 2u)) + e408];
-                        const unsigned cell = (((scores_row0 + (half407 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag406 * 8u)) + ((lane_quad * 2u) + e408));
+                    for (unsigned e404 = 0u; e404 < 2u; e404 += 1u) {
+                        float sum = scores[((frag402 * 4u) + (half403 * 2u)) + e404];
+                        const unsigned cell = (((scores_row0 + (half403 * 8u)) + lane_group) * 36u) + ((scores_col0 + (frag402 * 8u)) + ((lane_quad * 2u) + e404));
                         #pragma unroll
                         for (unsigned g = 0u; g < 4u; g += 1u) {
                             sum = sum + *(split_k_partials + (g * 1152u) + cell);
                         }
-                        scores[((frag406 * 4u) + (half407 * 2u)) + e408] = sum;
+                        scores[((frag402 * 4u) + (half403 * 2u)) + e404] = sum;
                     }
                 }
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag409 = 0u; frag409 < 2u; frag409 += 1u) {
+            for (unsigned frag405 = 0u; frag405 < 2u; frag405 += 1u) {
                 #pragma unroll
-                for (unsigned half410 = 0u; half410 < 2u; half410 += 1u) {
-                    const unsigned col = (scores_col0 + ((frag409 % 2u) * 8u)) + (lane_quad * 2u);
-                    float v0 = scores[(frag409 * 4u) + (half410 * 2u)];
-                    float v1 = scores[((frag409 * 4u) + (half410 * 2u)) + 1u];
+                for (unsigned half406 = 0u; half406 < 2u; half406 += 1u) {
+                    const unsigned col = (scores_col0 + ((frag405 % 2u) * 8u)) + (lane_quad * 2u);
+                    float v0 = scores[(frag405 * 4u) + (half406 * 2u)];
+                    float v1 = scores[((frag405 * 4u) + (half406 * 2u)) + 1u];
                     v0 = (*(row_valid + (stage * 36u) + col) > 0.5f) ? (v0 * p.scale) : (-3e38f);
                     v1 = (*(row_valid + (stage * 36u) + col + 1u) > 0.5f) ? (v1 * p.scale) : (-3e38f);
-                    scores[(frag409 * 4u) + (half410 * 2u)] = v0;
-                    scores[((frag409 * 4u) + (half410 * 2u)) + 1u] = v1;
+                    scores[(frag405 * 4u) + (half406 * 2u)] = v0;
+                    scores[((frag405 * 4u) + (half406 * 2u)) + 1u] = v1;
                 }
             }
         }
@@ -1525,20 +1577,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax (registers): row max of this thread's scores and its quad
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi411 = 0u; mi411 < 1u; mi411 += 1u) {
+            for (unsigned mi407 = 0u; mi407 < 1u; mi407 += 1u) {
                 #pragma unroll
-                for (unsigned half412 = 0u; half412 < 2u; half412 += 1u) {
-                    float row_max_part = fmaxf(scores[((mi411 * 2u) * 4u) + (half412 * 2u)], scores[((mi411 * 2u) * 4u) + ((half412 * 2u) + 1u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi411 * 2u) + 1u) * 4u) + (half412 * 2u)]);
-                    row_max_part = fmaxf(row_max_part, scores[(((mi411 * 2u) + 1u) * 4u) + ((half412 * 2u) + 1u)]);
+                for (unsigned half408 = 0u; half408 < 2u; half408 += 1u) {
+                    float row_max_part = fmaxf(scores[((mi407 * 2u) * 4u) + (half408 * 2u)], scores[((mi407 * 2u) * 4u) + ((half408 * 2u) + 1u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + (half408 * 2u)]);
+                    row_max_part = fmaxf(row_max_part, scores[(((mi407 * 2u) + 1u) * 4u) + ((half408 * 2u) + 1u)]);
                     const float other = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other);
-                    const float other413 = shfl_xor_f32(row_max_part, 2);
-                    row_max_part = fmaxf(row_max_part, other413);
+                    const float other409 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other409);
                     if (lane_quad == 0u) {
-                        *(row_exchange + (scores_row0 * 3u) + ((mi411 * 16u) * 3u) + ((half412 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_max_part;
+                        *(row_exchange + (scores_row0 * 3u) + ((mi407 * 16u) * 3u) + ((half408 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_max_part;
                         if (scores_wn == 0u) {
-                            *(row_exchange + (scores_row0 * 3u) + ((mi411 * 16u) * 3u) + ((half412 * 8u) * 3u) + (lane_group * 3u) + 2u) = row_max_reg[(mi411 * 2u) + half412];
+                            *(row_exchange + (scores_row0 * 3u) + ((mi407 * 16u) * 3u) + ((half408 * 8u) * 3u) + (lane_group * 3u) + 2u) = row_max_reg[(mi407 * 2u) + half408];
                         }
                     }
                 }
@@ -1549,96 +1601,96 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // online softmax: new row max and rescale, in every thread that holds the row
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi416 = 0u; mi416 < 1u; mi416 += 1u) {
+            for (unsigned mi412 = 0u; mi412 < 1u; mi412 += 1u) {
                 #pragma unroll
-                for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
-                    const float m_old414 = row_max_reg[(mi416 * 2u) + half417];
-                    float m_new415 = m_old414;
-                    m_new415 = fmaxf(m_new415, *(row_exchange + (scores_row0 * 3u) + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u)));
-                    m_new415 = fmaxf(m_new415, *(row_exchange + (scores_row0 * 3u) + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u) + 1u));
-                    row_alpha[(mi416 * 2u) + half417] = exp_fast(m_old414 - m_new415);
-                    row_max_reg[(mi416 * 2u) + half417] = m_new415;
+                for (unsigned half413 = 0u; half413 < 2u; half413 += 1u) {
+                    const float m_old410 = row_max_reg[(mi412 * 2u) + half413];
+                    float m_new411 = m_old410;
+                    m_new411 = fmaxf(m_new411, *(row_exchange + (scores_row0 * 3u) + ((mi412 * 16u) * 3u) + ((half413 * 8u) * 3u) + (lane_group * 3u)));
+                    m_new411 = fmaxf(m_new411, *(row_exchange + (scores_row0 * 3u) + ((mi412 * 16u) * 3u) + ((half413 * 8u) * 3u) + (lane_group * 3u) + 1u));
+                    row_alpha[(mi412 * 2u) + half413] = exp_fast(m_old410 - m_new411);
+                    row_max_reg[(mi412 * 2u) + half413] = m_new411;
                 }
             }
         }
         #pragma unroll
-        for (unsigned mi420 = 0u; mi420 < 2u; mi420 += 1u) {
+        for (unsigned mi416 = 0u; mi416 < 2u; mi416 += 1u) {
             #pragma unroll
-            for (unsigned half421 = 0u; half421 < 2u; half421 += 1u) {
-                const float m_old418 = *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u) + 2u);
-                float m_new419 = m_old418;
-                m_new419 = fmaxf(m_new419, *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u)));
-                m_new419 = fmaxf(m_new419, *(row_exchange + ((mi420 * 16u) * 3u) + ((half421 * 8u) * 3u) + (lane_group * 3u) + 1u));
-                row_alpha302[(mi420 * 2u) + half421] = exp_fast(m_old418 - m_new419);
+            for (unsigned half417 = 0u; half417 < 2u; half417 += 1u) {
+                const float m_old414 = *(row_exchange + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u) + 2u);
+                float m_new415 = m_old414;
+                m_new415 = fmaxf(m_new415, *(row_exchange + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u)));
+                m_new415 = fmaxf(m_new415, *(row_exchange + ((mi416 * 16u) * 3u) + ((half417 * 8u) * 3u) + (lane_group * 3u) + 1u));
+                row_alpha305[(mi416 * 2u) + half417] = exp_fast(m_old414 - m_new415);
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi425 = 0u; mi425 < 1u; mi425 += 1u) {
+            for (unsigned mi421 = 0u; mi421 < 1u; mi421 += 1u) {
                 #pragma unroll
-                for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
+                for (unsigned half422 = 0u; half422 < 2u; half422 += 1u) {
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj422 = 0u; nj422 < 2u; nj422 += 1u) {
+                    for (unsigned nj418 = 0u; nj418 < 2u; nj418 += 1u) {
                         #pragma unroll
-                        for (unsigned e423 = 0u; e423 < 2u; e423 += 1u) {
-                            const unsigned at424 = (((mi425 * 2u) + nj422) * 4u) + ((half426 * 2u) + e423);
-                            const float p = (scores[at424] < (-1e38f)) ? 0.0f : exp_fast(scores[at424] - row_max_reg[(mi425 * 2u) + half426]);
-                            scores[at424] = p;
+                        for (unsigned e419 = 0u; e419 < 2u; e419 += 1u) {
+                            const unsigned at420 = (((mi421 * 2u) + nj418) * 4u) + ((half422 * 2u) + e419);
+                            const float p = (scores[at420] < (-1e38f)) ? 0.0f : exp_fast(scores[at420] - row_max_reg[(mi421 * 2u) + half422]);
+                            scores[at420] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi425 * 2u) + half426] = (row_sum_part[(mi425 * 2u) + half426] * row_alpha[(mi425 * 2u) + half426]) + p_sum;
+                    row_sum_part[(mi421 * 2u) + half422] = (row_sum_part[(mi421 * 2u) + half422] * row_alpha[(mi421 * 2u) + half422]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag427 = 0u; frag427 < 4u; frag427 += 1u) {
+        for (unsigned frag423 = 0u; frag423 < 4u; frag423 += 1u) {
             #pragma unroll
-            for (unsigned half428 = 0u; half428 < 2u; half428 += 1u) {
-                const float alpha429 = row_alpha302[((frag427 / 2u) * 2u) + half428];
-                o_acc[(frag427 * 4u) + (half428 * 2u)] = o_acc[(frag427 * 4u) + (half428 * 2u)] * alpha429;
-                o_acc[((frag427 * 4u) + (half428 * 2u)) + 1u] = o_acc[((frag427 * 4u) + (half428 * 2u)) + 1u] * alpha429;
+            for (unsigned half424 = 0u; half424 < 2u; half424 += 1u) {
+                const float alpha425 = row_alpha305[((frag423 / 2u) * 2u) + half424];
+                o_acc[(frag423 * 4u) + (half424 * 2u)] = o_acc[(frag423 * 4u) + (half424 * 2u)] * alpha425;
+                o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] = o_acc[((frag423 * 4u) + (half424 * 2u)) + 1u] * alpha425;
             }
         }
         #pragma unroll
-        for (unsigned frag430 = 0u; frag430 < 4u; frag430 += 1u) {
+        for (unsigned frag426 = 0u; frag426 < 4u; frag426 += 1u) {
             #pragma unroll
-            for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
-                const float alpha432 = row_alpha302[((frag430 / 2u) * 2u) + half431];
-                o_acc_1[(frag430 * 4u) + (half431 * 2u)] = o_acc_1[(frag430 * 4u) + (half431 * 2u)] * alpha432;
-                o_acc_1[((frag430 * 4u) + (half431 * 2u)) + 1u] = o_acc_1[((frag430 * 4u) + (half431 * 2u)) + 1u] * alpha432;
+            for (unsigned half427 = 0u; half427 < 2u; half427 += 1u) {
+                const float alpha428 = row_alpha305[((frag426 / 2u) * 2u) + half427];
+                o_acc_1[(frag426 * 4u) + (half427 * 2u)] = o_acc_1[(frag426 * 4u) + (half427 * 2u)] * alpha428;
+                o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] = o_acc_1[((frag426 * 4u) + (half427 * 2u)) + 1u] * alpha428;
             }
         }
         #pragma unroll
-        for (unsigned frag433 = 0u; frag433 < 4u; frag433 += 1u) {
+        for (unsigned frag429 = 0u; frag429 < 4u; frag429 += 1u) {
             #pragma unroll
-            for (unsigned half434 = 0u; half434 < 2u; half434 += 1u) {
-                const float alpha435 = row_alpha302[((frag433 / 2u) * 2u) + half434];
-                o_acc_2[(frag433 * 4u) + (half434 * 2u)] = o_acc_2[(frag433 * 4u) + (half434 * 2u)] * alpha435;
-                o_acc_2[((frag433 * 4u) + (half434 * 2u)) + 1u] = o_acc_2[((frag433 * 4u) + (half434 * 2u)) + 1u] * alpha435;
+            for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
+                const float alpha431 = row_alpha305[((frag429 / 2u) * 2u) + half430];
+                o_acc_2[(frag429 * 4u) + (half430 * 2u)] = o_acc_2[(frag429 * 4u) + (half430 * 2u)] * alpha431;
+                o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] = o_acc_2[((frag429 * 4u) + (half430 * 2u)) + 1u] * alpha431;
             }
         }
         #pragma unroll
-        for (unsigned frag436 = 0u; frag436 < 4u; frag436 += 1u) {
+        for (unsigned frag432 = 0u; frag432 < 4u; frag432 += 1u) {
             #pragma unroll
-            for (unsigned half437 = 0u; half437 < 2u; half437 += 1u) {
-                const float alpha438 = row_alpha302[((frag436 / 2u) * 2u) + half437];
-                o_acc_3[(frag436 * 4u) + (half437 * 2u)] = o_acc_3[(frag436 * 4u) + (half437 * 2u)] * alpha438;
-                o_acc_3[((frag436 * 4u) + (half437 * 2u)) + 1u] = o_acc_3[((frag436 * 4u) + (half437 * 2u)) + 1u] * alpha438;
+            for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                const float alpha434 = row_alpha305[((frag432 / 2u) * 2u) + half433];
+                o_acc_3[(frag432 * 4u) + (half433 * 2u)] = o_acc_3[(frag432 * 4u) + (half433 * 2u)] * alpha434;
+                o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] = o_acc_3[((frag432 * 4u) + (half433 * 2u)) + 1u] * alpha434;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag441 = 0u; frag441 < 2u; frag441 += 1u) {
+            for (unsigned frag437 = 0u; frag437 < 2u; frag437 += 1u) {
                 #pragma unroll
-                for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
-                    const unsigned row439 = (scores_row0 + ((frag441 / 2u) * 16u)) + ((half442 * 8u) + lane_group);
-                    const unsigned col440 = (scores_col0 + ((frag441 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub8 = (frag441 * 4u) + (half442 * 2u);
-                    *(p_tile + (row439 * 20u) + (col440 >> 1u)) = pack_bf16x2(scores[sub8], scores[sub8 + 1u]);
+                for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
+                    const unsigned row435 = (scores_row0 + ((frag437 / 2u) * 16u)) + ((half438 * 8u) + lane_group);
+                    const unsigned col436 = (scores_col0 + ((frag437 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub16 = (frag437 * 4u) + (half438 * 2u);
+                    *(p_tile + (row435 * 20u) + (col436 >> 1u)) = pack_bf16x2(scores[sub16], scores[sub16 + 1u]);
                 }
             }
         }
@@ -1647,284 +1699,284 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         // O += P . V, V = the first d_v columns of the gathered rows
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk446 = 0u; kk446 < 2u; kk446 += 1u) {
+        for (unsigned kk442 = 0u; kk442 < 2u; kk442 += 1u) {
             #pragma unroll
-            for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
-                ldmatrix_x4(&a_frag443[mi447 * 4u], p_tile + a_lane_word + (mi447 * 320u) + (kk446 * 8u));
+            for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                ldmatrix_x4(&a_frag439[mi443 * 4u], p_tile + a_lane_word + (mi443 * 320u) + (kk442 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale455 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
-                const float k_scale456 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
-                const float k_scale457 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
-                const float k_scale458 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
-                a_frag443[0u] = pack_bf16x2(__uint_as_float(a_frag443[0u] << 16u) * k_scale455, __uint_as_float(a_frag443[0u] & 4294901760u) * k_scale456);
-                a_frag443[1u] = pack_bf16x2(__uint_as_float(a_frag443[1u] << 16u) * k_scale455, __uint_as_float(a_frag443[1u] & 4294901760u) * k_scale456);
-                a_frag443[2u] = pack_bf16x2(__uint_as_float(a_frag443[2u] << 16u) * k_scale457, __uint_as_float(a_frag443[2u] & 4294901760u) * k_scale458);
-                a_frag443[3u] = pack_bf16x2(__uint_as_float(a_frag443[3u] << 16u) * k_scale457, __uint_as_float(a_frag443[3u] & 4294901760u) * k_scale458);
-                const float k_scale459 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
-                const float k_scale460 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
-                const float k_scale461 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
-                const float k_scale462 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
-                a_frag443[4u] = pack_bf16x2(__uint_as_float(a_frag443[4u] << 16u) * k_scale459, __uint_as_float(a_frag443[4u] & 4294901760u) * k_scale460);
-                a_frag443[5u] = pack_bf16x2(__uint_as_float(a_frag443[5u] << 16u) * k_scale459, __uint_as_float(a_frag443[5u] & 4294901760u) * k_scale460);
-                a_frag443[6u] = pack_bf16x2(__uint_as_float(a_frag443[6u] << 16u) * k_scale461, __uint_as_float(a_frag443[6u] & 4294901760u) * k_scale462);
-                a_frag443[7u] = pack_bf16x2(__uint_as_float(a_frag443[7u] << 16u) * k_scale461, __uint_as_float(a_frag443[7u] & 4294901760u) * k_scale462);
+                const float k_scale450 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale451 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale452 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale453 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
+                a_frag439[0u] = pack_bf16x2(__uint_as_float(a_frag439[0u] << 16u) * k_scale450, __uint_as_float(a_frag439[0u] & 4294901760u) * k_scale451);
+                a_frag439[1u] = pack_bf16x2(__uint_as_float(a_frag439[1u] << 16u) * k_scale450, __uint_as_float(a_frag439[1u] & 4294901760u) * k_scale451);
+                a_frag439[2u] = pack_bf16x2(__uint_as_float(a_frag439[2u] << 16u) * k_scale452, __uint_as_float(a_frag439[2u] & 4294901760u) * k_scale453);
+                a_frag439[3u] = pack_bf16x2(__uint_as_float(a_frag439[3u] << 16u) * k_scale452, __uint_as_float(a_frag439[3u] & 4294901760u) * k_scale453);
+                const float k_scale454 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                const float k_scale455 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                const float k_scale456 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                const float k_scale457 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
+                a_frag439[4u] = pack_bf16x2(__uint_as_float(a_frag439[4u] << 16u) * k_scale454, __uint_as_float(a_frag439[4u] & 4294901760u) * k_scale455);
+                a_frag439[5u] = pack_bf16x2(__uint_as_float(a_frag439[5u] << 16u) * k_scale454, __uint_as_float(a_frag439[5u] & 4294901760u) * k_scale455);
+                a_frag439[6u] = pack_bf16x2(__uint_as_float(a_frag439[6u] << 16u) * k_scale456, __uint_as_float(a_frag439[6u] & 4294901760u) * k_scale457);
+                a_frag439[7u] = pack_bf16x2(__uint_as_float(a_frag439[7u] << 16u) * k_scale456, __uint_as_float(a_frag439[7u] & 4294901760u) * k_scale457);
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const unsigned e4m3_pair463 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair464 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair465 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair466 = e4m3x2_prep(((b_raw445[1u] >> 8u) & 255u) | ((b_raw445[1u] >> 16u) & 65280u));
-                    b_frag444[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair463), e4m3x2_hi(e4m3_pair463));
-                    b_frag444[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair465), e4m3x2_hi(e4m3_pair465));
-                    b_frag444[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair464), e4m3x2_hi(e4m3_pair464));
-                    b_frag444[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair466), e4m3x2_hi(e4m3_pair466));
+                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const unsigned e4m3_pair458 = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair459 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair460 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair461 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
+                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair458), e4m3x2_hi(e4m3_pair458));
+                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair460), e4m3x2_hi(e4m3_pair460));
+                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair459), e4m3x2_hi(e4m3_pair459));
+                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair461), e4m3x2_hi(e4m3_pair461));
                     #pragma unroll
-                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi447 * 2u) + (np * 2u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[0u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi447 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[2u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (unsigned np = 0u; np < 1u; np += 1u) {
-                    ldmatrix_x2_trans(&b_raw445[0u], kv_rows + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
-                    const float k_scale452 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
-                    const float k_scale453 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
-                    const float k_scale454 = *(kv_scales + (stage * 5248u) + ((kk446 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
-                    const unsigned e4m3_pair448 = e4m3x2_prep((b_raw445[0u] & 255u) | ((b_raw445[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair449 = e4m3x2_prep(((b_raw445[0u] >> 8u) & 255u) | ((b_raw445[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair450 = e4m3x2_prep((b_raw445[1u] & 255u) | ((b_raw445[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair451 = e4m3x2_prep(((b_raw445[1u] >> 8u) & 255u) | ((b_raw445[1u] >> 16u) & 65280u));
-                    b_frag444[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair448) * k_scale, e4m3x2_hi(e4m3_pair448) * k_scale452);
-                    b_frag444[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair450) * k_scale453, e4m3x2_hi(e4m3_pair450) * k_scale454);
-                    b_frag444[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair449) * k_scale, e4m3x2_hi(e4m3_pair449) * k_scale452);
-                    b_frag444[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair451) * k_scale453, e4m3x2_hi(e4m3_pair451) * k_scale454);
+                    ldmatrix_x2_trans(&b_raw441[0u], kv_rows + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                    const float k_scale = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u));
+                    const float k_scale447 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u);
+                    const float k_scale448 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u);
+                    const float k_scale449 = *(kv_scales + (stage * 5248u) + ((kk442 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u);
+                    const unsigned e4m3_pair = e4m3x2_prep((b_raw441[0u] & 255u) | ((b_raw441[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair444 = e4m3x2_prep(((b_raw441[0u] >> 8u) & 255u) | ((b_raw441[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair445 = e4m3x2_prep((b_raw441[1u] & 255u) | ((b_raw441[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair446 = e4m3x2_prep(((b_raw441[1u] >> 8u) & 255u) | ((b_raw441[1u] >> 16u) & 65280u));
+                    b_frag440[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair) * k_scale, e4m3x2_hi(e4m3_pair) * k_scale447);
+                    b_frag440[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair445) * k_scale448, e4m3x2_hi(e4m3_pair445) * k_scale449);
+                    b_frag440[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair444) * k_scale, e4m3x2_hi(e4m3_pair444) * k_scale447);
+                    b_frag440[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair446) * k_scale448, e4m3x2_hi(e4m3_pair446) * k_scale449);
                     #pragma unroll
-                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi447 * 2u) + (np * 2u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[0u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + (np * 2u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi447 = 0u; mi447 < 2u; mi447 += 1u) {
-                        mma_bf16_16816(&o_acc[((mi447 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag443[mi447 * 4u], &b_frag444[2u]);
-                    }
-                }
-            }
-        }
-        const unsigned a_lane_word473 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
-        #pragma unroll
-        for (unsigned kk470 = 0u; kk470 < 2u; kk470 += 1u) {
-            #pragma unroll
-            for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
-                ldmatrix_x4(&a_frag467[mi471 * 4u], p_tile + a_lane_word473 + (mi471 * 320u) + (kk470 * 8u));
-            }
-            if (E4M3_MMA_NATIVE) {
-                const float k_scale482 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
-                const float k_scale483 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
-                const float k_scale484 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
-                const float k_scale485 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
-                a_frag467[0u] = pack_bf16x2(__uint_as_float(a_frag467[0u] << 16u) * k_scale482, __uint_as_float(a_frag467[0u] & 4294901760u) * k_scale483);
-                a_frag467[1u] = pack_bf16x2(__uint_as_float(a_frag467[1u] << 16u) * k_scale482, __uint_as_float(a_frag467[1u] & 4294901760u) * k_scale483);
-                a_frag467[2u] = pack_bf16x2(__uint_as_float(a_frag467[2u] << 16u) * k_scale484, __uint_as_float(a_frag467[2u] & 4294901760u) * k_scale485);
-                a_frag467[3u] = pack_bf16x2(__uint_as_float(a_frag467[3u] << 16u) * k_scale484, __uint_as_float(a_frag467[3u] & 4294901760u) * k_scale485);
-                const float k_scale486 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
-                const float k_scale487 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
-                const float k_scale488 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
-                const float k_scale489 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
-                a_frag467[4u] = pack_bf16x2(__uint_as_float(a_frag467[4u] << 16u) * k_scale486, __uint_as_float(a_frag467[4u] & 4294901760u) * k_scale487);
-                a_frag467[5u] = pack_bf16x2(__uint_as_float(a_frag467[5u] << 16u) * k_scale486, __uint_as_float(a_frag467[5u] & 4294901760u) * k_scale487);
-                a_frag467[6u] = pack_bf16x2(__uint_as_float(a_frag467[6u] << 16u) * k_scale488, __uint_as_float(a_frag467[6u] & 4294901760u) * k_scale489);
-                a_frag467[7u] = pack_bf16x2(__uint_as_float(a_frag467[7u] << 16u) * k_scale488, __uint_as_float(a_frag467[7u] & 4294901760u) * k_scale489);
-                #pragma unroll
-                for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
-                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
-                    const unsigned e4m3_pair490 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair491 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair492 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair493 = e4m3x2_prep(((b_raw469[1u] >> 8u) & 255u) | ((b_raw469[1u] >> 16u) & 65280u));
-                    b_frag468[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair490), e4m3x2_hi(e4m3_pair490));
-                    b_frag468[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair492), e4m3x2_hi(e4m3_pair492));
-                    b_frag468[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair491), e4m3x2_hi(e4m3_pair491));
-                    b_frag468[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair493), e4m3x2_hi(e4m3_pair493));
-                    #pragma unroll
-                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + (np472 * 2u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + ((np472 * 2u) + 1u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[2u]);
-                    }
-                }
-            } else {
-                #pragma unroll
-                for (unsigned np472 = 0u; np472 < 1u; np472 += 1u) {
-                    ldmatrix_x2_trans(&b_raw469[0u], kv_rows + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np472 * 16u)) >> 2u));
-                    const float k_scale478 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
-                    const float k_scale479 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
-                    const float k_scale480 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
-                    const float k_scale481 = *(kv_scales + (stage * 5248u) + ((kk470 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
-                    const unsigned e4m3_pair474 = e4m3x2_prep((b_raw469[0u] & 255u) | ((b_raw469[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair475 = e4m3x2_prep(((b_raw469[0u] >> 8u) & 255u) | ((b_raw469[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair476 = e4m3x2_prep((b_raw469[1u] & 255u) | ((b_raw469[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair477 = e4m3x2_prep(((b_raw469[1u] >> 8u) & 255u) | ((b_raw469[1u] >> 16u) & 65280u));
-                    b_frag468[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair474) * k_scale478, e4m3x2_hi(e4m3_pair474) * k_scale479);
-                    b_frag468[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair476) * k_scale480, e4m3x2_hi(e4m3_pair476) * k_scale481);
-                    b_frag468[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair475) * k_scale478, e4m3x2_hi(e4m3_pair475) * k_scale479);
-                    b_frag468[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair477) * k_scale480, e4m3x2_hi(e4m3_pair477) * k_scale481);
-                    #pragma unroll
-                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + (np472 * 2u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[0u]);
-                    }
-                    #pragma unroll
-                    for (unsigned mi471 = 0u; mi471 < 2u; mi471 += 1u) {
-                        mma_bf16_16816(&o_acc_1[((mi471 * 2u) + ((np472 * 2u) + 1u)) * 4u], &a_frag467[mi471 * 4u], &b_frag468[2u]);
+                    for (unsigned mi443 = 0u; mi443 < 2u; mi443 += 1u) {
+                        mma_bf16_16816(&o_acc[((mi443 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag439[mi443 * 4u], &b_frag440[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word500 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word468 = ((o_acc_1_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk497 = 0u; kk497 < 2u; kk497 += 1u) {
+        for (unsigned kk465 = 0u; kk465 < 2u; kk465 += 1u) {
             #pragma unroll
-            for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
-                ldmatrix_x4(&a_frag494[mi498 * 4u], p_tile + a_lane_word500 + (mi498 * 320u) + (kk497 * 8u));
+            for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                ldmatrix_x4(&a_frag462[mi466 * 4u], p_tile + a_lane_word468 + (mi466 * 320u) + (kk465 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale509 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
-                const float k_scale510 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
-                const float k_scale511 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
-                const float k_scale512 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
-                a_frag494[0u] = pack_bf16x2(__uint_as_float(a_frag494[0u] << 16u) * k_scale509, __uint_as_float(a_frag494[0u] & 4294901760u) * k_scale510);
-                a_frag494[1u] = pack_bf16x2(__uint_as_float(a_frag494[1u] << 16u) * k_scale509, __uint_as_float(a_frag494[1u] & 4294901760u) * k_scale510);
-                a_frag494[2u] = pack_bf16x2(__uint_as_float(a_frag494[2u] << 16u) * k_scale511, __uint_as_float(a_frag494[2u] & 4294901760u) * k_scale512);
-                a_frag494[3u] = pack_bf16x2(__uint_as_float(a_frag494[3u] << 16u) * k_scale511, __uint_as_float(a_frag494[3u] & 4294901760u) * k_scale512);
-                const float k_scale513 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
-                const float k_scale514 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
-                const float k_scale515 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
-                const float k_scale516 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
-                a_frag494[4u] = pack_bf16x2(__uint_as_float(a_frag494[4u] << 16u) * k_scale513, __uint_as_float(a_frag494[4u] & 4294901760u) * k_scale514);
-                a_frag494[5u] = pack_bf16x2(__uint_as_float(a_frag494[5u] << 16u) * k_scale513, __uint_as_float(a_frag494[5u] & 4294901760u) * k_scale514);
-                a_frag494[6u] = pack_bf16x2(__uint_as_float(a_frag494[6u] << 16u) * k_scale515, __uint_as_float(a_frag494[6u] & 4294901760u) * k_scale516);
-                a_frag494[7u] = pack_bf16x2(__uint_as_float(a_frag494[7u] << 16u) * k_scale515, __uint_as_float(a_frag494[7u] & 4294901760u) * k_scale516);
+                const float k_scale477 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale478 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale479 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale480 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
+                a_frag462[0u] = pack_bf16x2(__uint_as_float(a_frag462[0u] << 16u) * k_scale477, __uint_as_float(a_frag462[0u] & 4294901760u) * k_scale478);
+                a_frag462[1u] = pack_bf16x2(__uint_as_float(a_frag462[1u] << 16u) * k_scale477, __uint_as_float(a_frag462[1u] & 4294901760u) * k_scale478);
+                a_frag462[2u] = pack_bf16x2(__uint_as_float(a_frag462[2u] << 16u) * k_scale479, __uint_as_float(a_frag462[2u] & 4294901760u) * k_scale480);
+                a_frag462[3u] = pack_bf16x2(__uint_as_float(a_frag462[3u] << 16u) * k_scale479, __uint_as_float(a_frag462[3u] & 4294901760u) * k_scale480);
+                const float k_scale481 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                const float k_scale482 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                const float k_scale483 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                const float k_scale484 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
+                a_frag462[4u] = pack_bf16x2(__uint_as_float(a_frag462[4u] << 16u) * k_scale481, __uint_as_float(a_frag462[4u] & 4294901760u) * k_scale482);
+                a_frag462[5u] = pack_bf16x2(__uint_as_float(a_frag462[5u] << 16u) * k_scale481, __uint_as_float(a_frag462[5u] & 4294901760u) * k_scale482);
+                a_frag462[6u] = pack_bf16x2(__uint_as_float(a_frag462[6u] << 16u) * k_scale483, __uint_as_float(a_frag462[6u] & 4294901760u) * k_scale484);
+                a_frag462[7u] = pack_bf16x2(__uint_as_float(a_frag462[7u] << 16u) * k_scale483, __uint_as_float(a_frag462[7u] & 4294901760u) * k_scale484);
                 #pragma unroll
-                for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
-                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
-                    const unsigned e4m3_pair517 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair518 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair519 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair520 = e4m3x2_prep(((b_raw496[1u] >> 8u) & 255u) | ((b_raw496[1u] >> 16u) & 65280u));
-                    b_frag495[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair517), e4m3x2_hi(e4m3_pair517));
-                    b_frag495[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair519), e4m3x2_hi(e4m3_pair519));
-                    b_frag495[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair518), e4m3x2_hi(e4m3_pair518));
-                    b_frag495[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair520), e4m3x2_hi(e4m3_pair520));
+                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
+                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
+                    const unsigned e4m3_pair485 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair486 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair487 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair488 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
+                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair485), e4m3x2_hi(e4m3_pair485));
+                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair487), e4m3x2_hi(e4m3_pair487));
+                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair486), e4m3x2_hi(e4m3_pair486));
+                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair488), e4m3x2_hi(e4m3_pair488));
                     #pragma unroll
-                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + (np499 * 2u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[0u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + ((np499 * 2u) + 1u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[2u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np499 = 0u; np499 < 1u; np499 += 1u) {
-                    ldmatrix_x2_trans(&b_raw496[0u], kv_rows + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np499 * 16u)) >> 2u));
-                    const float k_scale505 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
-                    const float k_scale506 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
-                    const float k_scale507 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
-                    const float k_scale508 = *(kv_scales + (stage * 5248u) + ((kk497 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
-                    const unsigned e4m3_pair501 = e4m3x2_prep((b_raw496[0u] & 255u) | ((b_raw496[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair502 = e4m3x2_prep(((b_raw496[0u] >> 8u) & 255u) | ((b_raw496[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair503 = e4m3x2_prep((b_raw496[1u] & 255u) | ((b_raw496[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair504 = e4m3x2_prep(((b_raw496[1u] >> 8u) & 255u) | ((b_raw496[1u] >> 16u) & 65280u));
-                    b_frag495[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair501) * k_scale505, e4m3x2_hi(e4m3_pair501) * k_scale506);
-                    b_frag495[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair503) * k_scale507, e4m3x2_hi(e4m3_pair503) * k_scale508);
-                    b_frag495[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair502) * k_scale505, e4m3x2_hi(e4m3_pair502) * k_scale506);
-                    b_frag495[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair504) * k_scale507, e4m3x2_hi(e4m3_pair504) * k_scale508);
+                for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
+                    ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np467 * 16u)) >> 2u));
+                    const float k_scale473 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1u);
+                    const float k_scale474 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 1u);
+                    const float k_scale475 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 1u);
+                    const float k_scale476 = *(kv_scales + (stage * 5248u) + ((kk465 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 1u);
+                    const unsigned e4m3_pair469 = e4m3x2_prep((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair470 = e4m3x2_prep(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair471 = e4m3x2_prep((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair472 = e4m3x2_prep(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u));
+                    b_frag463[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair469) * k_scale473, e4m3x2_hi(e4m3_pair469) * k_scale474);
+                    b_frag463[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair471) * k_scale475, e4m3x2_hi(e4m3_pair471) * k_scale476);
+                    b_frag463[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair470) * k_scale473, e4m3x2_hi(e4m3_pair470) * k_scale474);
+                    b_frag463[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair472) * k_scale475, e4m3x2_hi(e4m3_pair472) * k_scale476);
                     #pragma unroll
-                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + (np499 * 2u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[0u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi498 = 0u; mi498 < 2u; mi498 += 1u) {
-                        mma_bf16_16816(&o_acc_2[((mi498 * 2u) + ((np499 * 2u) + 1u)) * 4u], &a_frag494[mi498 * 4u], &b_frag495[2u]);
+                    for (unsigned mi466 = 0u; mi466 < 2u; mi466 += 1u) {
+                        mma_bf16_16816(&o_acc_1[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
                     }
                 }
             }
         }
-        const unsigned a_lane_word527 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        const unsigned a_lane_word495 = ((o_acc_2_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
         #pragma unroll
-        for (unsigned kk524 = 0u; kk524 < 2u; kk524 += 1u) {
+        for (unsigned kk492 = 0u; kk492 < 2u; kk492 += 1u) {
             #pragma unroll
-            for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
-                ldmatrix_x4(&a_frag521[mi525 * 4u], p_tile + a_lane_word527 + (mi525 * 320u) + (kk524 * 8u));
+            for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                ldmatrix_x4(&a_frag489[mi493 * 4u], p_tile + a_lane_word495 + (mi493 * 320u) + (kk492 * 8u));
             }
             if (E4M3_MMA_NATIVE) {
-                const float k_scale536 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
-                const float k_scale537 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
-                const float k_scale538 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
-                const float k_scale539 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
-                a_frag521[0u] = pack_bf16x2(__uint_as_float(a_frag521[0u] << 16u) * k_scale536, __uint_as_float(a_frag521[0u] & 4294901760u) * k_scale537);
-                a_frag521[1u] = pack_bf16x2(__uint_as_float(a_frag521[1u] << 16u) * k_scale536, __uint_as_float(a_frag521[1u] & 4294901760u) * k_scale537);
-                a_frag521[2u] = pack_bf16x2(__uint_as_float(a_frag521[2u] << 16u) * k_scale538, __uint_as_float(a_frag521[2u] & 4294901760u) * k_scale539);
-                a_frag521[3u] = pack_bf16x2(__uint_as_float(a_frag521[3u] << 16u) * k_scale538, __uint_as_float(a_frag521[3u] & 4294901760u) * k_scale539);
-                const float k_scale540 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
-                const float k_scale541 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
-                const float k_scale542 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
-                const float k_scale543 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
-                a_frag521[4u] = pack_bf16x2(__uint_as_float(a_frag521[4u] << 16u) * k_scale540, __uint_as_float(a_frag521[4u] & 4294901760u) * k_scale541);
-                a_frag521[5u] = pack_bf16x2(__uint_as_float(a_frag521[5u] << 16u) * k_scale540, __uint_as_float(a_frag521[5u] & 4294901760u) * k_scale541);
-                a_frag521[6u] = pack_bf16x2(__uint_as_float(a_frag521[6u] << 16u) * k_scale542, __uint_as_float(a_frag521[6u] & 4294901760u) * k_scale543);
-                a_frag521[7u] = pack_bf16x2(__uint_as_float(a_frag521[7u] << 16u) * k_scale542, __uint_as_float(a_frag521[7u] & 4294901760u) * k_scale543);
+                const float k_scale504 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale505 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale506 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale507 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
+                a_frag489[0u] = pack_bf16x2(__uint_as_float(a_frag489[0u] << 16u) * k_scale504, __uint_as_float(a_frag489[0u] & 4294901760u) * k_scale505);
+                a_frag489[1u] = pack_bf16x2(__uint_as_float(a_frag489[1u] << 16u) * k_scale504, __uint_as_float(a_frag489[1u] & 4294901760u) * k_scale505);
+                a_frag489[2u] = pack_bf16x2(__uint_as_float(a_frag489[2u] << 16u) * k_scale506, __uint_as_float(a_frag489[2u] & 4294901760u) * k_scale507);
+                a_frag489[3u] = pack_bf16x2(__uint_as_float(a_frag489[3u] << 16u) * k_scale506, __uint_as_float(a_frag489[3u] & 4294901760u) * k_scale507);
+                const float k_scale508 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                const float k_scale509 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                const float k_scale510 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                const float k_scale511 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
+                a_frag489[4u] = pack_bf16x2(__uint_as_float(a_frag489[4u] << 16u) * k_scale508, __uint_as_float(a_frag489[4u] & 4294901760u) * k_scale509);
+                a_frag489[5u] = pack_bf16x2(__uint_as_float(a_frag489[5u] << 16u) * k_scale508, __uint_as_float(a_frag489[5u] & 4294901760u) * k_scale509);
+                a_frag489[6u] = pack_bf16x2(__uint_as_float(a_frag489[6u] << 16u) * k_scale510, __uint_as_float(a_frag489[6u] & 4294901760u) * k_scale511);
+                a_frag489[7u] = pack_bf16x2(__uint_as_float(a_frag489[7u] << 16u) * k_scale510, __uint_as_float(a_frag489[7u] & 4294901760u) * k_scale511);
                 #pragma unroll
-                for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
-                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
-                    const unsigned e4m3_pair544 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair545 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair546 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair547 = e4m3x2_prep(((b_raw523[1u] >> 8u) & 255u) | ((b_raw523[1u] >> 16u) & 65280u));
-                    b_frag522[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair544), e4m3x2_hi(e4m3_pair544));
-                    b_frag522[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair546), e4m3x2_hi(e4m3_pair546));
-                    b_frag522[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair545), e4m3x2_hi(e4m3_pair545));
-                    b_frag522[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair547), e4m3x2_hi(e4m3_pair547));
+                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
+                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
+                    const unsigned e4m3_pair512 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair513 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair514 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair515 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
+                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair512), e4m3x2_hi(e4m3_pair512));
+                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair514), e4m3x2_hi(e4m3_pair514));
+                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair513), e4m3x2_hi(e4m3_pair513));
+                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair515), e4m3x2_hi(e4m3_pair515));
                     #pragma unroll
-                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + (np526 * 2u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[0u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + ((np526 * 2u) + 1u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[2u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
                     }
                 }
             } else {
                 #pragma unroll
-                for (unsigned np526 = 0u; np526 < 1u; np526 += 1u) {
-                    ldmatrix_x2_trans(&b_raw523[0u], kv_rows + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np526 * 16u)) >> 2u));
-                    const float k_scale532 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
-                    const float k_scale533 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
-                    const float k_scale534 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
-                    const float k_scale535 = *(kv_scales + (stage * 5248u) + ((kk524 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
-                    const unsigned e4m3_pair528 = e4m3x2_prep((b_raw523[0u] & 255u) | ((b_raw523[0u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair529 = e4m3x2_prep(((b_raw523[0u] >> 8u) & 255u) | ((b_raw523[0u] >> 16u) & 65280u));
-                    const unsigned e4m3_pair530 = e4m3x2_prep((b_raw523[1u] & 255u) | ((b_raw523[1u] >> 8u) & 65280u));
-                    const unsigned e4m3_pair531 = e4m3x2_prep(((b_raw523[1u] >> 8u) & 255u) | ((b_raw523[1u] >> 16u) & 65280u));
-                    b_frag522[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair528) * k_scale532, e4m3x2_hi(e4m3_pair528) * k_scale533);
-                    b_frag522[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair530) * k_scale534, e4m3x2_hi(e4m3_pair530) * k_scale535);
-                    b_frag522[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair529) * k_scale532, e4m3x2_hi(e4m3_pair529) * k_scale533);
-                    b_frag522[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair531) * k_scale534, e4m3x2_hi(e4m3_pair531) * k_scale535);
+                for (unsigned np494 = 0u; np494 < 1u; np494 += 1u) {
+                    ldmatrix_x2_trans(&b_raw491[0u], kv_rows + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np494 * 16u)) >> 2u));
+                    const float k_scale500 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 2u);
+                    const float k_scale501 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 2u);
+                    const float k_scale502 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 2u);
+                    const float k_scale503 = *(kv_scales + (stage * 5248u) + ((kk492 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 2u);
+                    const unsigned e4m3_pair496 = e4m3x2_prep((b_raw491[0u] & 255u) | ((b_raw491[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair497 = e4m3x2_prep(((b_raw491[0u] >> 8u) & 255u) | ((b_raw491[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair498 = e4m3x2_prep((b_raw491[1u] & 255u) | ((b_raw491[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair499 = e4m3x2_prep(((b_raw491[1u] >> 8u) & 255u) | ((b_raw491[1u] >> 16u) & 65280u));
+                    b_frag490[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair496) * k_scale500, e4m3x2_hi(e4m3_pair496) * k_scale501);
+                    b_frag490[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair498) * k_scale502, e4m3x2_hi(e4m3_pair498) * k_scale503);
+                    b_frag490[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair497) * k_scale500, e4m3x2_hi(e4m3_pair497) * k_scale501);
+                    b_frag490[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair499) * k_scale502, e4m3x2_hi(e4m3_pair499) * k_scale503);
                     #pragma unroll
-                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + (np526 * 2u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[0u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + (np494 * 2u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[0u]);
                     }
                     #pragma unroll
-                    for (unsigned mi525 = 0u; mi525 < 2u; mi525 += 1u) {
-                        mma_bf16_16816(&o_acc_3[((mi525 * 2u) + ((np526 * 2u) + 1u)) * 4u], &a_frag521[mi525 * 4u], &b_frag522[2u]);
+                    for (unsigned mi493 = 0u; mi493 < 2u; mi493 += 1u) {
+                        mma_bf16_16816(&o_acc_2[((mi493 * 2u) + ((np494 * 2u) + 1u)) * 4u], &a_frag489[mi493 * 4u], &b_frag490[2u]);
+                    }
+                }
+            }
+        }
+        const unsigned a_lane_word522 = ((o_acc_3_row0 + lane_r16) * 20u) + (lane_c8 >> 1u);
+        #pragma unroll
+        for (unsigned kk519 = 0u; kk519 < 2u; kk519 += 1u) {
+            #pragma unroll
+            for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                ldmatrix_x4(&a_frag516[mi520 * 4u], p_tile + a_lane_word522 + (mi520 * 320u) + (kk519 * 8u));
+            }
+            if (E4M3_MMA_NATIVE) {
+                const float k_scale531 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale532 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale533 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale534 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
+                a_frag516[0u] = pack_bf16x2(__uint_as_float(a_frag516[0u] << 16u) * k_scale531, __uint_as_float(a_frag516[0u] & 4294901760u) * k_scale532);
+                a_frag516[1u] = pack_bf16x2(__uint_as_float(a_frag516[1u] << 16u) * k_scale531, __uint_as_float(a_frag516[1u] & 4294901760u) * k_scale532);
+                a_frag516[2u] = pack_bf16x2(__uint_as_float(a_frag516[2u] << 16u) * k_scale533, __uint_as_float(a_frag516[2u] & 4294901760u) * k_scale534);
+                a_frag516[3u] = pack_bf16x2(__uint_as_float(a_frag516[3u] << 16u) * k_scale533, __uint_as_float(a_frag516[3u] & 4294901760u) * k_scale534);
+                const float k_scale535 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                const float k_scale536 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                const float k_scale537 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                const float k_scale538 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
+                a_frag516[4u] = pack_bf16x2(__uint_as_float(a_frag516[4u] << 16u) * k_scale535, __uint_as_float(a_frag516[4u] & 4294901760u) * k_scale536);
+                a_frag516[5u] = pack_bf16x2(__uint_as_float(a_frag516[5u] << 16u) * k_scale535, __uint_as_float(a_frag516[5u] & 4294901760u) * k_scale536);
+                a_frag516[6u] = pack_bf16x2(__uint_as_float(a_frag516[6u] << 16u) * k_scale537, __uint_as_float(a_frag516[6u] & 4294901760u) * k_scale538);
+                a_frag516[7u] = pack_bf16x2(__uint_as_float(a_frag516[7u] << 16u) * k_scale537, __uint_as_float(a_frag516[7u] & 4294901760u) * k_scale538);
+                #pragma unroll
+                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
+                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
+                    const unsigned e4m3_pair539 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair540 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair541 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair542 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
+                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair539), e4m3x2_hi(e4m3_pair539));
+                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair541), e4m3x2_hi(e4m3_pair541));
+                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair540), e4m3x2_hi(e4m3_pair540));
+                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair542), e4m3x2_hi(e4m3_pair542));
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (unsigned np521 = 0u; np521 < 1u; np521 += 1u) {
+                    ldmatrix_x2_trans(&b_raw518[0u], kv_rows + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np521 * 16u)) >> 2u));
+                    const float k_scale527 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 3u);
+                    const float k_scale528 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 164u + 3u);
+                    const float k_scale529 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1312u + 3u);
+                    const float k_scale530 = *(kv_scales + (stage * 5248u) + ((kk519 * 16u) * 164u) + ((lane_quad * 2u) * 164u) + 1476u + 3u);
+                    const unsigned e4m3_pair523 = e4m3x2_prep((b_raw518[0u] & 255u) | ((b_raw518[0u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair524 = e4m3x2_prep(((b_raw518[0u] >> 8u) & 255u) | ((b_raw518[0u] >> 16u) & 65280u));
+                    const unsigned e4m3_pair525 = e4m3x2_prep((b_raw518[1u] & 255u) | ((b_raw518[1u] >> 8u) & 65280u));
+                    const unsigned e4m3_pair526 = e4m3x2_prep(((b_raw518[1u] >> 8u) & 255u) | ((b_raw518[1u] >> 16u) & 65280u));
+                    b_frag517[0u] = pack_bf16x2(e4m3x2_lo(e4m3_pair523) * k_scale527, e4m3x2_hi(e4m3_pair523) * k_scale528);
+                    b_frag517[1u] = pack_bf16x2(e4m3x2_lo(e4m3_pair525) * k_scale529, e4m3x2_hi(e4m3_pair525) * k_scale530);
+                    b_frag517[2u] = pack_bf16x2(e4m3x2_lo(e4m3_pair524) * k_scale527, e4m3x2_hi(e4m3_pair524) * k_scale528);
+                    b_frag517[3u] = pack_bf16x2(e4m3x2_lo(e4m3_pair526) * k_scale529, e4m3x2_hi(e4m3_pair526) * k_scale530);
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + (np521 * 2u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[0u]);
+                    }
+                    #pragma unroll
+                    for (unsigned mi520 = 0u; mi520 < 2u; mi520 += 1u) {
+                        mma_bf16_16816(&o_acc_3[((mi520 * 2u) + ((np521 * 2u) + 1u)) * 4u], &a_frag516[mi520 * 4u], &b_frag517[2u]);
                     }
                 }
             }
@@ -1934,16 +1986,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi549 = 0u; mi549 < 1u; mi549 += 1u) {
+        for (unsigned mi544 = 0u; mi544 < 1u; mi544 += 1u) {
             #pragma unroll
-            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
-                float row_sum548 = row_sum_part[(mi549 * 2u) + half550];
-                const float other551 = shfl_xor_f32(row_sum548, 1);
-                row_sum548 = row_sum548 + other551;
-                const float other552 = shfl_xor_f32(row_sum548, 2);
-                row_sum548 = row_sum548 + other552;
+            for (unsigned half545 = 0u; half545 < 2u; half545 += 1u) {
+                float row_sum543 = row_sum_part[(mi544 * 2u) + half545];
+                const float other546 = shfl_xor_f32(row_sum543, 1);
+                row_sum543 = row_sum543 + other546;
+                const float other547 = shfl_xor_f32(row_sum543, 2);
+                row_sum543 = row_sum543 + other547;
                 if (lane_quad == 0u) {
-                    *(row_exchange + (scores_row0 * 3u) + ((mi549 * 16u) * 3u) + ((half550 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_sum548;
+                    *(row_exchange + (scores_row0 * 3u) + ((mi544 * 16u) * 3u) + ((half545 * 8u) * 3u) + (lane_group * 3u) + scores_wn) = row_sum543;
                 }
             }
         }
@@ -1951,14 +2003,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi554 = 0u; mi554 < 1u; mi554 += 1u) {
+        for (unsigned mi549 = 0u; mi549 < 1u; mi549 += 1u) {
             #pragma unroll
-            for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
+            for (unsigned half550 = 0u; half550 < 2u; half550 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum553 = *(row_exchange + (scores_row0 * 3u) + ((mi554 * 16u) * 3u) + ((half555 * 8u) * 3u) + (lane_group * 3u));
-                    row_sum553 = row_sum553 + *(row_exchange + (scores_row0 * 3u) + ((mi554 * 16u) * 3u) + ((half555 * 8u) * 3u) + (lane_group * 3u) + 1u);
-                    *(row_sum + scores_row0 + (mi554 * 16u) + (half555 * 8u) + lane_group) = row_sum553;
-                    *(row_max + scores_row0 + (mi554 * 16u) + (half555 * 8u) + lane_group) = row_max_reg[(mi554 * 2u) + half555];
+                    float row_sum548 = *(row_exchange + (scores_row0 * 3u) + ((mi549 * 16u) * 3u) + ((half550 * 8u) * 3u) + (lane_group * 3u));
+                    row_sum548 = row_sum548 + *(row_exchange + (scores_row0 * 3u) + ((mi549 * 16u) * 3u) + ((half550 * 8u) * 3u) + (lane_group * 3u) + 1u);
+                    *(row_sum + scores_row0 + (mi549 * 16u) + (half550 * 8u) + lane_group) = row_sum548;
+                    *(row_max + scores_row0 + (mi549 * 16u) + (half550 * 8u) + lane_group) = row_max_reg[(mi549 * 2u) + half550];
                 }
             }
         }
@@ -1979,82 +2031,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag556 = 0u; frag556 < 2u; frag556 += 1u) {
+        for (unsigned frag551 = 0u; frag551 < 2u; frag551 += 1u) {
             #pragma unroll
-            for (unsigned half557 = 0u; half557 < 2u; half557 += 1u) {
+            for (unsigned half552 = 0u; half552 < 2u; half552 += 1u) {
                 #pragma unroll
-                for (unsigned e558 = 0u; e558 < 2u; e558 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag556 / 1u) * 16u)) + ((half557 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag556 % 1u) * 16u)) + ((lane_quad * 4u) + (e558 * 2u));
-                    float v0_6 = o_acc[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)];
-                    float v1_6 = o_acc[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)];
+                for (unsigned e553 = 0u; e553 < 2u; e553 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag551 / 1u) * 16u)) + ((half552 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag551 % 1u) * 16u)) + ((lane_quad * 4u) + (e553 * 2u));
+                    float v0_6 = o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)];
+                    float v1_6 = o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) * 4u) + ((half557 * 2u) + e558)] = v0_6;
-                    o_acc[(((((frag556 / 1u) * 2u) + ((frag556 % 1u) * 2u)) + 1u) * 4u) + ((half557 * 2u) + e558)] = v1_6;
+                    o_acc[((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) * 4u) + ((half552 * 2u) + e553)] = v0_6;
+                    o_acc[(((((frag551 / 1u) * 2u) + ((frag551 % 1u) * 2u)) + 1u) * 4u) + ((half552 * 2u) + e553)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag559 = 0u; frag559 < 2u; frag559 += 1u) {
+        for (unsigned frag554 = 0u; frag554 < 2u; frag554 += 1u) {
             #pragma unroll
-            for (unsigned half560 = 0u; half560 < 2u; half560 += 1u) {
+            for (unsigned half555 = 0u; half555 < 2u; half555 += 1u) {
                 #pragma unroll
-                for (unsigned e561 = 0u; e561 < 2u; e561 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag559 / 1u) * 16u)) + ((half560 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag559 % 1u) * 16u)) + ((lane_quad * 4u) + (e561 * 2u));
-                    float v0_7 = o_acc_1[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)];
-                    float v1_7 = o_acc_1[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)];
+                for (unsigned e556 = 0u; e556 < 2u; e556 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag554 / 1u) * 16u)) + ((half555 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag554 % 1u) * 16u)) + ((lane_quad * 4u) + (e556 * 2u));
+                    float v0_7 = o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)];
+                    float v1_7 = o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) * 4u) + ((half560 * 2u) + e561)] = v0_7;
-                    o_acc_1[(((((frag559 / 1u) * 2u) + ((frag559 % 1u) * 2u)) + 1u) * 4u) + ((half560 * 2u) + e561)] = v1_7;
+                    o_acc_1[((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) * 4u) + ((half555 * 2u) + e556)] = v0_7;
+                    o_acc_1[(((((frag554 / 1u) * 2u) + ((frag554 % 1u) * 2u)) + 1u) * 4u) + ((half555 * 2u) + e556)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag562 = 0u; frag562 < 2u; frag562 += 1u) {
+        for (unsigned frag557 = 0u; frag557 < 2u; frag557 += 1u) {
             #pragma unroll
-            for (unsigned half563 = 0u; half563 < 2u; half563 += 1u) {
+            for (unsigned half558 = 0u; half558 < 2u; half558 += 1u) {
                 #pragma unroll
-                for (unsigned e564 = 0u; e564 < 2u; e564 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag562 / 1u) * 16u)) + ((half563 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag562 % 1u) * 16u)) + ((lane_quad * 4u) + (e564 * 2u));
-                    float v0_8 = o_acc_2[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)];
-                    float v1_8 = o_acc_2[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)];
+                for (unsigned e559 = 0u; e559 < 2u; e559 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag557 / 1u) * 16u)) + ((half558 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag557 % 1u) * 16u)) + ((lane_quad * 4u) + (e559 * 2u));
+                    float v0_8 = o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)];
+                    float v1_8 = o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) * 4u) + ((half563 * 2u) + e564)] = v0_8;
-                    o_acc_2[(((((frag562 / 1u) * 2u) + ((frag562 % 1u) * 2u)) + 1u) * 4u) + ((half563 * 2u) + e564)] = v1_8;
+                    o_acc_2[((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) * 4u) + ((half558 * 2u) + e559)] = v0_8;
+                    o_acc_2[(((((frag557 / 1u) * 2u) + ((frag557 % 1u) * 2u)) + 1u) * 4u) + ((half558 * 2u) + e559)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag565 = 0u; frag565 < 2u; frag565 += 1u) {
+        for (unsigned frag560 = 0u; frag560 < 2u; frag560 += 1u) {
             #pragma unroll
-            for (unsigned half566 = 0u; half566 < 2u; half566 += 1u) {
+            for (unsigned half561 = 0u; half561 < 2u; half561 += 1u) {
                 #pragma unroll
-                for (unsigned e567 = 0u; e567 < 2u; e567 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag565 / 1u) * 16u)) + ((half566 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag565 % 1u) * 16u)) + ((lane_quad * 4u) + (e567 * 2u));
-                    float v0_9 = o_acc_3[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)];
-                    float v1_9 = o_acc_3[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)];
+                for (unsigned e562 = 0u; e562 < 2u; e562 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag560 / 1u) * 16u)) + ((half561 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag560 % 1u) * 16u)) + ((lane_quad * 4u) + (e562 * 2u));
+                    float v0_9 = o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)];
+                    float v1_9 = o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) * 4u) + ((half566 * 2u) + e567)] = v0_9;
-                    o_acc_3[(((((frag565 / 1u) * 2u) + ((frag565 % 1u) * 2u)) + 1u) * 4u) + ((half566 * 2u) + e567)] = v1_9;
+                    o_acc_3[((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) * 4u) + ((half561 * 2u) + e562)] = v0_9;
+                    o_acc_3[(((((frag560 / 1u) * 2u) + ((frag560 % 1u) * 2u)) + 1u) * 4u) + ((half561 * 2u) + e562)] = v1_9;
                 }
             }
         }
@@ -2072,15 +2124,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag568 = 0u; frag568 < 2u; frag568 += 1u) {
+        for (unsigned frag563 = 0u; frag563 < 2u; frag563 += 1u) {
             #pragma unroll
-            for (unsigned half569 = 0u; half569 < 2u; half569 += 1u) {
+            for (unsigned half564 = 0u; half564 < 2u; half564 += 1u) {
                 #pragma unroll
-                for (unsigned e570 = 0u; e570 < 2u; e570 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag568 / 1u) * 16u)) + ((half569 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag568 % 1u) * 16u)) + ((lane_quad * 4u) + (e570 * 2u));
-                    float v0_10 = o_acc[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)];
-                    float v1_10 = o_acc[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)];
+                for (unsigned e565 = 0u; e565 < 2u; e565 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag563 / 1u) * 16u)) + ((half564 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag563 % 1u) * 16u)) + ((lane_quad * 4u) + (e565 * 2u));
+                    float v0_10 = o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)];
+                    float v1_10 = o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2088,21 +2140,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) * 4u) + ((half569 * 2u) + e570)] = v0_10;
-                    o_acc[(((((frag568 / 1u) * 2u) + ((frag568 % 1u) * 2u)) + 1u) * 4u) + ((half569 * 2u) + e570)] = v1_10;
+                    o_acc[((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) * 4u) + ((half564 * 2u) + e565)] = v0_10;
+                    o_acc[(((((frag563 / 1u) * 2u) + ((frag563 % 1u) * 2u)) + 1u) * 4u) + ((half564 * 2u) + e565)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag571 = 0u; frag571 < 2u; frag571 += 1u) {
+        for (unsigned frag566 = 0u; frag566 < 2u; frag566 += 1u) {
             #pragma unroll
-            for (unsigned half572 = 0u; half572 < 2u; half572 += 1u) {
+            for (unsigned half567 = 0u; half567 < 2u; half567 += 1u) {
                 #pragma unroll
-                for (unsigned e573 = 0u; e573 < 2u; e573 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag571 / 1u) * 16u)) + ((half572 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag571 % 1u) * 16u)) + ((lane_quad * 4u) + (e573 * 2u));
-                    float v0_11 = o_acc_1[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)];
-                    float v1_11 = o_acc_1[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)];
+                for (unsigned e568 = 0u; e568 < 2u; e568 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag566 / 1u) * 16u)) + ((half567 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag566 % 1u) * 16u)) + ((lane_quad * 4u) + (e568 * 2u));
+                    float v0_11 = o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)];
+                    float v1_11 = o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2110,21 +2162,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) * 4u) + ((half572 * 2u) + e573)] = v0_11;
-                    o_acc_1[(((((frag571 / 1u) * 2u) + ((frag571 % 1u) * 2u)) + 1u) * 4u) + ((half572 * 2u) + e573)] = v1_11;
+                    o_acc_1[((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) * 4u) + ((half567 * 2u) + e568)] = v0_11;
+                    o_acc_1[(((((frag566 / 1u) * 2u) + ((frag566 % 1u) * 2u)) + 1u) * 4u) + ((half567 * 2u) + e568)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag574 = 0u; frag574 < 2u; frag574 += 1u) {
+        for (unsigned frag569 = 0u; frag569 < 2u; frag569 += 1u) {
             #pragma unroll
-            for (unsigned half575 = 0u; half575 < 2u; half575 += 1u) {
+            for (unsigned half570 = 0u; half570 < 2u; half570 += 1u) {
                 #pragma unroll
-                for (unsigned e576 = 0u; e576 < 2u; e576 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag574 / 1u) * 16u)) + ((half575 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag574 % 1u) * 16u)) + ((lane_quad * 4u) + (e576 * 2u));
-                    float v0_12 = o_acc_2[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)];
-                    float v1_12 = o_acc_2[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)];
+                for (unsigned e571 = 0u; e571 < 2u; e571 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag569 / 1u) * 16u)) + ((half570 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag569 % 1u) * 16u)) + ((lane_quad * 4u) + (e571 * 2u));
+                    float v0_12 = o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)];
+                    float v1_12 = o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2132,21 +2184,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) * 4u) + ((half575 * 2u) + e576)] = v0_12;
-                    o_acc_2[(((((frag574 / 1u) * 2u) + ((frag574 % 1u) * 2u)) + 1u) * 4u) + ((half575 * 2u) + e576)] = v1_12;
+                    o_acc_2[((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) * 4u) + ((half570 * 2u) + e571)] = v0_12;
+                    o_acc_2[(((((frag569 / 1u) * 2u) + ((frag569 % 1u) * 2u)) + 1u) * 4u) + ((half570 * 2u) + e571)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag577 = 0u; frag577 < 2u; frag577 += 1u) {
+        for (unsigned frag572 = 0u; frag572 < 2u; frag572 += 1u) {
             #pragma unroll
-            for (unsigned half578 = 0u; half578 < 2u; half578 += 1u) {
+            for (unsigned half573 = 0u; half573 < 2u; half573 += 1u) {
                 #pragma unroll
-                for (unsigned e579 = 0u; e579 < 2u; e579 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag577 / 1u) * 16u)) + ((half578 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag577 % 1u) * 16u)) + ((lane_quad * 4u) + (e579 * 2u));
-                    float v0_13 = o_acc_3[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)];
-                    float v1_13 = o_acc_3[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)];
+                for (unsigned e574 = 0u; e574 < 2u; e574 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag572 / 1u) * 16u)) + ((half573 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag572 % 1u) * 16u)) + ((lane_quad * 4u) + (e574 * 2u));
+                    float v0_13 = o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)];
+                    float v1_13 = o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2154,8 +2206,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) * 4u) + ((half578 * 2u) + e579)] = v0_13;
-                    o_acc_3[(((((frag577 / 1u) * 2u) + ((frag577 % 1u) * 2u)) + 1u) * 4u) + ((half578 * 2u) + e579)] = v1_13;
+                    o_acc_3[((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) * 4u) + ((half573 * 2u) + e574)] = v0_13;
+                    o_acc_3[(((((frag572 / 1u) * 2u) + ((frag572 % 1u) * 2u)) + 1u) * 4u) + ((half573 * 2u) + e574)] = v1_13;
                 }
             }
         }

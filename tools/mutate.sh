@@ -59,6 +59,8 @@ MUTATIONS=(
   "softmax: exp_fast computes 2^x, not e^x (the log2 e factor dropped)#src/emit/cuda.rs#'\"f\"(x * 1.4426950408889634f)'#'\"f\"(x)'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
   "index terms: a sum times a constant split into terms that lose the constant#src/emit/cuda.rs#'                    terms(x, k * c, distribute, out)'#'                    terms(x, k, distribute, out)'#--test mma_emulated"
+  "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'                unit,'#'                Expr::F32(1.0),'#--test mma_emulated"
+  "f16 scores: q's f16 registers in the unpermuted K order#src/kir/lower_mma/resident.rs#'(i * 2 * steps + 2 * kk + reg / 2) * 4 + reg % 2'#'(i * 2 * steps + 2 * kk + reg % 2) * 4 + reg / 2'#--test mma_emulated"
 )
 
 results=()

@@ -5,9 +5,11 @@
 //! `ldmatrix.x2` gives each lane the m16n8k32 layout directly, nothing converted — and the
 //! resident A tile is held as two e4m3 terms (`hi`, `lo`, times a per-warp power of
 //! two: [`Cx::resident_gather`]), two m16n8k32 products per 32 k. Elsewhere (sm_80, and sm_90,
-//! whose ptxas turns that instruction into conversions and two f16 products), and in every
-//! `[K, N]` product, an e4m3 tile is multiplied as bf16 (every e4m3 value is exact in bf16):
-//! `ldmatrix` reads its bytes as 16-bit pairs and each register is widened to two bf16x2.
+//! whose ptxas turns that instruction into conversions and two f16 products) the `[N, K]`
+//! product is an f16 one (every e4m3 value is exact in f16; the resident A tile is held as
+//! f16 times a per-warp power of two), and every `[K, N]` product multiplies the e4m3 tile as
+//! bf16 (exact too): `ldmatrix` reads the bytes as 16-bit pairs and each register is widened
+//! to two f16x2 (one `cvt` a pair) or bf16x2 (four instructions more a pair).
 //! Read that way a lane holds 4 consecutive bytes, so the K order inside each 16-wide k step
 //! is permuted — logical k `2q, 2q+1` is stored k `4q, 4q+1` and `2q+8, 2q+9` is `4q+2, 4q+3`
 //! — and the A fragments are loaded with the same permutation (`[N, K]` products). In a
@@ -42,17 +44,13 @@ pub(super) fn interleaved(cx: &Cx, acc: &str) -> bool {
 }
 
 /// The widening of one register of 4 e4m3 bytes (`x`) into two bf16x2: bytes (0, 1) and
-/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3). Each pair is converted at once
+/// (2, 3), or with `interleave` bytes (0, 2) and (1, 3), each output's low and high value
+/// times `scales` (f32) first if given: in a `[K, N]` product both outputs hold the same two
+/// k rows, so one pair of scales serves. Each pair is converted at once
 /// ([`Func::E4m3x2Prep`]: one `cvt.rn.f16x2.e4m3x2` on sm_89+) into the lets `prep`, then
 /// its halves to f32 and the two packed as bf16x2; byte by byte it took two shifts, two masks
 /// and two single-value conversions more per pair, the largest share of the fp8 step's
 /// issued instructions (ncu, H200, benches/NOTES.md).
-pub(super) fn widen(x: Expr, interleave: bool, prep: [&str; 2]) -> (Vec<Stmt>, Expr, Expr) {
-    widen_scaled(x, interleave, prep, None)
-}
-
-/// [`widen`], each bf16x2 output's low and high value times `scales` (f32) first: in a
-/// `[K, N]` product both outputs hold the same two k rows, so one pair of scales serves.
 fn widen_scaled(
     x: Expr,
     interleave: bool,

@@ -12,7 +12,7 @@
 //! The A operands of these products may live in registers ([`super::resident`]) and their B
 //! operands may be e4m3 ([`super::e4m3`]).
 
-use super::e4m3::{scale_at, widen};
+use super::e4m3::scale_at;
 use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, Cx};
 use crate::kir::expr::priv_load_u;
 use crate::kir::ir::*;
@@ -294,8 +294,8 @@ impl Cx<'_> {
                 slice.clone(),
             );
         }
-        // the k16 form: bf16 operands (an e4m3 B widened pair by pair, the A view in its bf16
-        // form) — the only one for bf16 B, and e4m3's where the GPU has no e4m3 product
+        // the k16 form: bf16 operands — the only one for bf16 B — or, for e4m3 B where the GPU
+        // has no e4m3 product, f16 ones (B widened a pair at a time, the A view's f16 form)
         let k16 = |cx: &mut Self, body: &mut Vec<Stmt>, e4m3: bool| -> Result<()> {
             let k_first = cx.fresh("k_first");
             body.push(let_(&k_first, mul(slice, u(steps))));
@@ -342,19 +342,21 @@ impl Cx<'_> {
                     dst: raw.clone(),
                     dst0: u(0),
                 }));
-                let names = [cx.fresh("e4m3_pair"), cx.fresh("e4m3_pair")];
-                let (lets, lo, hi) = widen(priv_load_u(&raw, u(0)), false, [&names[0], &names[1]]);
-                n_body.extend(lets);
-                n_body.push(Stmt::PrivateStore {
-                    arr: bf.clone(),
-                    index: u(0),
-                    value: lo,
-                });
-                n_body.push(Stmt::PrivateStore {
-                    arr: bf.clone(),
-                    index: u(1),
-                    value: hi,
-                });
+                // bytes (0, 1) and (2, 3) as f16 pairs: the A view is f16 here
+                let x = priv_load_u(&raw, u(0));
+                for (k, pair) in [
+                    bin(BinOp::BitAnd, x.clone(), u(0xFFFF)),
+                    bin(BinOp::Shr, x, u(16)),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    n_body.push(Stmt::PrivateStore {
+                        arr: bf.clone(),
+                        index: u(k as u32),
+                        value: Expr::Call(Func::E4m3x2F16, vec![pair]),
+                    });
+                }
             } else {
                 // bf16 [N, K]: matrices (n 0-7, k 0-7), (n 0-7, k 8-15) via x2
                 let word = add(
@@ -384,7 +386,7 @@ impl Cx<'_> {
                             arr: af.clone(),
                             index: u(r),
                             value: priv_load_u(
-                                if e4m3 { &v.bf_regs } else { &v.regs },
+                                if e4m3 { &v.f16_regs } else { &v.regs },
                                 add(mul(add(mul(iv.clone(), u(steps)), kkv.clone()), u(4)), u(r)),
                             ),
                         })
@@ -423,13 +425,29 @@ impl Cx<'_> {
             } else {
                 u(0)
             };
-            m_body.push(intr(Intrinsic::MmaBf16 {
-                c: target.clone(),
-                c0: add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
-                a: af.clone(),
-                a0: u(0),
-                b: bf.clone(),
-                b0: u(0),
+            let (c, c0) = (
+                target.clone(),
+                add(chain0, mul(add(mul(iv.clone(), u(ng)), jv.clone()), u(4))),
+            );
+            let (a, b) = (af.clone(), bf.clone());
+            m_body.push(intr(if e4m3 {
+                Intrinsic::MmaF16 {
+                    c,
+                    c0,
+                    a,
+                    a0: u(0),
+                    b,
+                    b0: u(0),
+                }
+            } else {
+                Intrinsic::MmaBf16 {
+                    c,
+                    c0,
+                    a,
+                    a0: u(0),
+                    b,
+                    b0: u(0),
+                }
             }));
             n_body.push(for_const(&i, fm, m_body));
             k_body.push(for_const(&j, ng, n_body));

@@ -6,7 +6,7 @@
 //! it per step.
 //!
 //! An A view multiplied by an e4m3 B operand is held as e4m3 terms where the GPU has the
-//! e4m3 product, else as bf16 in the K order of the widened bytes ([`Cx::resident_gather`]).
+//! e4m3 product, else as f16 in the K order of the widened bytes ([`Cx::resident_gather`]).
 
 use super::e4m3::{bf16_hi, bf16_lo, scale_pair};
 use super::ksplit::{all_products, split_shape};
@@ -27,10 +27,10 @@ pub(super) struct ResidentView {
     pub regs: String,
     /// The e4m3 view's `lo` terms, shaped like `regs` (empty for bf16).
     pub lo_regs: String,
-    /// The e4m3 view's bf16 form where the GPU has no e4m3 product ([`Func::E4m3MmaNative`]
+    /// The e4m3 view's f16 form where the GPU has no e4m3 product ([`Func::E4m3MmaNative`]
     /// false): `[fm, k16 steps, 4]`, K order permuted to match the widened B bytes (empty for
     /// bf16 views).
-    pub bf_regs: String,
+    pub f16_regs: String,
     pub gk: u32,
 }
 
@@ -186,11 +186,11 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
             let k = if permuted { 32 } else { 16 };
             let len = fm * (a.cols / k / gk) * 4;
             let regs = cx.private(&format!("{t}_a{}", r.views.len()), Ty::U32, len);
-            let (lo_regs, bf_regs) = if permuted {
+            let (lo_regs, f16_regs) = if permuted {
                 (
                     cx.private(&format!("{t}_a{}_lo", r.views.len()), Ty::U32, len),
                     cx.private(
-                        &format!("{t}_a{}_bf16", r.views.len()),
+                        &format!("{t}_a{}_f16", r.views.len()),
                         Ty::U32,
                         fm * (a.cols / 16 / gk) * 4,
                     ),
@@ -207,7 +207,7 @@ pub(super) fn declare(cx: &mut Cx) -> Result<()> {
                 permuted,
                 regs,
                 lo_regs,
-                bf_regs,
+                f16_regs,
                 gk,
             });
         }
@@ -250,8 +250,11 @@ impl Cx<'_> {
     /// [128, 256), well inside e4m3's ±448, and e4m3 keeps its relative precision for values
     /// within 2^10 of it. The tile's bf16 views are scaled by the same σ, exactly, so every
     /// product into the split-K partials is σ times the true one; [`Cx::materialize`]
-    /// multiplies by `unscale = 1/σ`. Elsewhere the view is bf16, its K order permuted to
-    /// match the widened e4m3 bytes, and `unscale = 1`.
+    /// multiplies by `unscale = 1/σ`. Elsewhere the view is f16 times a power of two σ' (the
+    /// largest |x| in [2^14, 2^15)), its K order permuted to match the e4m3 bytes widened to
+    /// f16 (one `cvt` a pair, where bf16 took four instructions more), the bf16 views are
+    /// scaled by σ' / unit (the widened bytes are the values over `unit`,
+    /// [`Func::E4m3F16Unit`]), and `unscale = unit / σ'`.
     pub(super) fn resident_gather(
         &mut self,
         dst: &str,
@@ -312,48 +315,41 @@ impl Cx<'_> {
         };
         let gk = r.views.first().map_or(1, |v| v.gk);
         let slice = bin(BinOp::Rem, self.lane.warp.clone(), u(gk));
-        // a bf16 view's registers (k16 steps), times `sigma` if given; `permuted`: the K
-        // order of a widened e4m3 B operand (logical pair q, 4 + q stored as words 2q, 2q + 1)
-        let bf16_view =
-            |cx: &Cx, regs: &str, v: &ResidentView, permuted: bool, sigma: Option<&Expr>| {
-                let steps = v.cols / 16 / v.gk;
-                let k0 = mul(slice.clone(), u(steps));
-                let mut st = Vec::new();
-                for i in 0..fm {
-                    for kk in 0..steps {
-                        for reg in 0..4u32 {
-                            let h = 2 * i + reg % 2; // a0, a2: row g; a1, a3: row g + 8
-                            let hi_k = reg / 2; // a2, a3: k + 8
-                            let kstep_word = add(u(v.col0 / 2), mul(add(k0.clone(), u(kk)), u(8)));
-                            let word_in_step = if permuted {
-                                add(mul(cx.lane.quad.clone(), u(2)), u(hi_k))
-                            } else {
-                                add(cx.lane.quad.clone(), u(4 * hi_k))
-                            };
-                            let mut value = load(h, add(kstep_word, word_in_step));
-                            if let Some(sg) = sigma {
-                                value = scale_pair(value, sg.clone(), sg.clone());
-                            }
-                            st.push(Stmt::PrivateStore {
-                                arr: regs.to_string(),
-                                index: u((i * steps + kk) * 4 + reg),
-                                value,
-                            });
+        // a bf16 view's registers (k16 steps), times `sigma` if given
+        let bf16_view = |cx: &Cx, regs: &str, v: &ResidentView, sigma: Option<&Expr>| {
+            let steps = v.cols / 16 / v.gk;
+            let k0 = mul(slice.clone(), u(steps));
+            let mut st = Vec::new();
+            for i in 0..fm {
+                for kk in 0..steps {
+                    for reg in 0..4u32 {
+                        let h = 2 * i + reg % 2; // a0, a2: row g; a1, a3: row g + 8
+                        let hi_k = reg / 2; // a2, a3: k + 8
+                        let kstep_word = add(u(v.col0 / 2), mul(add(k0.clone(), u(kk)), u(8)));
+                        let word_in_step = add(cx.lane.quad.clone(), u(4 * hi_k));
+                        let mut value = load(h, add(kstep_word, word_in_step));
+                        if let Some(sg) = sigma {
+                            value = scale_pair(value, sg.clone(), sg.clone());
                         }
+                        st.push(Stmt::PrivateStore {
+                            arr: regs.to_string(),
+                            index: u((i * steps + kk) * 4 + reg),
+                            value,
+                        });
                     }
                 }
-                st
-            };
+            }
+            st
+        };
         let Some(unscale) = r.unscale.clone() else {
             for v in &r.views {
-                out.extend(bf16_view(self, &v.regs, v, false, None));
+                out.extend(bf16_view(self, &v.regs, v, None));
             }
             return Ok(out);
         };
-        // -- the e4m3 form: every word of the e4m3 views loaded once, their largest |x|
-        let mut native = Vec::new();
+        // -- both forms: every word of the e4m3 views loaded once, their largest |x| over the warp
         let mx = self.fresh("q_absmax");
-        native.push(Stmt::Var {
+        out.push(Stmt::Var {
             name: mx.clone(),
             value: Expr::F32(0.0),
         });
@@ -378,9 +374,9 @@ impl Cx<'_> {
                             let w0 = add(u(v.col0 / 2), bin(BinOp::Shr, k, u(1)));
                             let pair = [self.fresh("q_pair"), self.fresh("q_pair")];
                             for (n, w) in [w0.clone(), add(w0, u(1))].into_iter().enumerate() {
-                                native.push(let_(&pair[n], load(h, w)));
+                                out.push(let_(&pair[n], load(h, w)));
                                 let xv = var(&pair[n], Ty::U32);
-                                native.push(Stmt::Assign {
+                                out.push(Stmt::Assign {
                                     name: mx.clone(),
                                     value: bin(
                                         BinOp::Max,
@@ -403,18 +399,16 @@ impl Cx<'_> {
         // the whole warp: its lanes hold the slice between them
         for mask in [1u32, 2, 4, 8, 16] {
             let other = self.fresh("q_absmax_peer");
-            native.push(intr(Intrinsic::ShflXor {
+            out.push(intr(Intrinsic::ShflXor {
                 dst: other.clone(),
                 value: var(&mx, Ty::F32),
                 lane_mask: mask,
             }));
-            native.push(Stmt::Assign {
+            out.push(Stmt::Assign {
                 name: mx.clone(),
                 value: bin(BinOp::Max, var(&mx, Ty::F32), var(&other, Ty::F32)),
             });
         }
-        // σ = 2^(134 - e) for the max's biased exponent e (max·σ in [128, 256)), at most
-        // 2^126 so that 1/σ stays a normal f32
         let e = bin(
             BinOp::BitAnd,
             bin(
@@ -424,15 +418,22 @@ impl Cx<'_> {
             ),
             u(0xFF),
         );
-        let field = self.fresh("q_scale_exp");
-        native.push(let_(
-            &field,
+        let e_name = self.fresh("q_absmax_exp");
+        out.push(let_(&e_name, e));
+        let e = var(&e_name, Ty::U32);
+        // σ = 2^(top - e) for the max's biased exponent e (max·σ in [2^(top-127),
+        // 2^(top-126))), at most 2^126 so that 1/σ stays a normal f32: its biased exponent
+        let sigma_field = |top: u32| {
             Expr::Select(
-                Box::new(lt(e.clone(), u(8))),
+                Box::new(lt(e.clone(), u(top + 127 - 253))),
                 Box::new(u(253)),
-                Box::new(bin(BinOp::Sub, u(261), e)),
-            ),
-        ));
+                Box::new(bin(BinOp::Sub, u(top + 127), e.clone())),
+            )
+        };
+        // -- the e4m3 form (σ: the max in [128, 256), well inside e4m3's ±448)
+        let mut native = Vec::new();
+        let field = self.fresh("q_scale_exp");
+        native.push(let_(&field, sigma_field(134)));
         let fv = var(&field, Ty::U32);
         let sg_name = self.fresh("q_scale");
         native.push(let_(
@@ -450,7 +451,7 @@ impl Cx<'_> {
         });
         for (v, vw) in r.views.iter().zip(&words) {
             if !v.permuted {
-                native.extend(bf16_view(self, &v.regs, v, false, Some(&sg)));
+                native.extend(bf16_view(self, &v.regs, v, Some(&sg)));
                 continue;
             }
             for (at, pair) in vw.iter().enumerate() {
@@ -500,17 +501,65 @@ impl Cx<'_> {
                 });
             }
         }
-        // -- the bf16 form: the e4m3 views permuted, nothing scaled
-        let mut fallback = vec![Stmt::PrivateStore {
+        // -- the f16 form, where the GPU has no e4m3 product: the e4m3 views as f16 times σ
+        // (the max in [2^14, 2^15): every bf16 value within 2^28 of it is exact in f16), in
+        // the K order of the widened bytes. The widened bytes are the values over `unit`
+        // (E4M3_F16_UNIT), so those products are σ / unit times the true ones, and the bf16
+        // views are scaled by σ / unit too (powers of two: exact)
+        let mut fallback = Vec::new();
+        let f16_field = self.fresh("q_scale_exp");
+        fallback.push(let_(&f16_field, sigma_field(141)));
+        let ffv = var(&f16_field, Ty::U32);
+        let f16_sigma = self.fresh("q_scale");
+        fallback.push(let_(
+            &f16_sigma,
+            Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, ffv.clone(), u(23))]),
+        ));
+        let f16_sg = var(&f16_sigma, Ty::F32);
+        let unit = Expr::Call(Func::E4m3F16Unit, vec![]);
+        let bf16_sigma = self.fresh("q_scale");
+        fallback.push(let_(
+            &bf16_sigma,
+            bin(BinOp::Div, f16_sg.clone(), unit.clone()),
+        ));
+        fallback.push(Stmt::PrivateStore {
             arr: unscale,
             index: u(0),
-            value: Expr::F32(1.0),
-        }];
-        for v in &r.views {
-            if v.permuted {
-                fallback.extend(bf16_view(self, &v.bf_regs, v, true, None));
-            } else {
-                fallback.extend(bf16_view(self, &v.regs, v, false, None));
+            value: mul(
+                Expr::Call(
+                    Func::F32FromBits,
+                    vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), ffv), u(23))],
+                ),
+                unit,
+            ),
+        });
+        for (v, vw) in r.views.iter().zip(&words) {
+            if !v.permuted {
+                let sg = var(&bf16_sigma, Ty::F32);
+                fallback.extend(bf16_view(self, &v.regs, v, Some(&sg)));
+                continue;
+            }
+            // the words of register `reg` of k32 step `kk` hold k 4q..4q+3 of k16 step
+            // 2·kk + reg / 2: that step's registers reg % 2 (k 4q, 4q+1) and reg % 2 + 2
+            let steps = v.cols / 32 / v.gk;
+            for (at, pair) in vw.iter().enumerate() {
+                let (at, reg) = (at as u32 / 4, at as u32 % 4);
+                let (i, kk) = (at / steps, at % steps);
+                let base = (i * 2 * steps + 2 * kk + reg / 2) * 4 + reg % 2;
+                for (n, w) in pair.iter().enumerate() {
+                    let pv = var(w, Ty::U32);
+                    fallback.push(Stmt::PrivateStore {
+                        arr: v.f16_regs.clone(),
+                        index: u(base + 2 * n as u32),
+                        value: Expr::Call(
+                            Func::PackF16x2,
+                            vec![
+                                mul(bf16_lo(pv.clone()), f16_sg.clone()),
+                                mul(bf16_hi(pv), f16_sg.clone()),
+                            ],
+                        ),
+                    });
+                }
             }
         }
         out.push(Stmt::If {
