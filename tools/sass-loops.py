@@ -6,7 +6,8 @@
 Compiles each file with NVRTC (the options the runtime uses), disassembles the cubin with
 cuobjdump and prints, per kernel: its instructions, the step loop's instructions (the
 smallest backward-branch region holding the most HMMA: a static proxy for one pipeline step,
-both warp roles' code included) and the loop's opcode mix. With --base REV the same files
+both warp roles' code included; the instructions of loops nested in it, which run many times
+a step, are shown apart) and the loop's opcode mix. With --base REV the same files
 as of git revision REV are compiled too and each row shows REV -> working tree.
 
 Default files: the checked-in decode split kernels (cuda/sparse_mla_decode_split_*.cu).
@@ -98,25 +99,43 @@ def instructions(cuobjdump, cubin):
     return ins
 
 
-def step_loop(ins):
+def loops(ins):
+    """Backward-branch regions: (first, last) instruction indices."""
     at = {a: i for i, (a, _, _) in enumerate(ins)}
-    best = []
+    out = []
     for i, (a, op, rest) in enumerate(ins):
         t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if not t or int(t.group(1), 16) >= a or int(t.group(1), 16) not in at:
+        if t and int(t.group(1), 16) < a and int(t.group(1), 16) in at:
+            out.append((at[int(t.group(1), 16)], i))
+    return out
+
+
+def step_loop(ins):
+    """The step loop's instructions, and those of the loops nested in it (a loop the
+    compiler kept rolled, e.g. over rows: run many times a step, counted once here)."""
+    regions = loops(ins)
+    best = None
+    for j, i in regions:
+        h = sum(o == "HMMA" for _, o, _ in ins[j:i + 1])
+        if not h:
             continue
-        body = ins[at[int(t.group(1), 16)]:i + 1]
-        h = sum(o == "HMMA" for _, o, _ in body)
-        bh = sum(o == "HMMA" for _, o, _ in best)
-        if h and (h > bh or (h == bh and len(body) < len(best))):
-            best = body
-    return best
+        key = (h, -(i - j))
+        if best is None or key > best[0]:
+            best = (key, (j, i))
+    if best is None:
+        return [], 0
+    j, i = best[1]
+    inner = [(a, b) for a, b in regions if j <= a and b <= i and (a, b) != (j, i)]
+    covered = set()
+    for a, b in inner:
+        covered.update(range(a, b + 1))
+    return ins[j:i + 1], len(covered)
 
 
 def stats(nv, cuobjdump, src, arch, name):
     ins = instructions(cuobjdump, compile_cubin(nv, src, arch, name))
-    loop = step_loop(ins)
-    return len(ins), len(loop), collections.Counter(o for _, o, _ in loop)
+    loop, inner = step_loop(ins)
+    return len(ins), len(loop), collections.Counter(o for _, o, _ in loop), inner
 
 
 def main():
@@ -136,7 +155,8 @@ def main():
         new = stats(nv, cuobjdump, open(f).read(), args.arch, name)
         if not args.base:
             mix = ", ".join(f"{k} {v}" for k, v in new[2].most_common(args.top))
-            print(f"{name} [{args.arch}]: {new[0]} instructions, step loop {new[1]}: {mix}")
+            print(f"{name} [{args.arch}]: {new[0]} instructions, step loop {new[1]} "
+                  f"({new[3]} in inner loops): {mix}")
             continue
         rel = os.path.relpath(os.path.abspath(f), ROOT)
         old_src = subprocess.run(["git", "-C", ROOT, "show", f"{args.base}:{rel}"],
@@ -152,7 +172,7 @@ def main():
         mix = ", ".join(f"{k} {v:+d}" for v, k in moved[:args.top]) or "no opcode moved"
         ratio = f"{new[1] / old[1]:.3f}" if old[1] else "no HMMA loop"
         print(f"{name} [{args.arch}]: {old[0]} -> {new[0]} instructions, step loop "
-              f"{old[1]} -> {new[1]} ({ratio}): {mix}")
+              f"{old[1]} -> {new[1]} ({ratio}; in inner loops {old[3]} -> {new[3]}): {mix}")
 
 
 if __name__ == "__main__":
