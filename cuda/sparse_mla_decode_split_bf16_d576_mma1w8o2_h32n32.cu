@@ -203,6 +203,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -504,13 +513,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
         for (unsigned mi40 = 0u; mi40 < 1u; mi40 += 1u) {
             #pragma unroll
             for (unsigned half41 = 0u; half41 < 2u; half41 += 1u) {
+                const float neg_m_log2e = ((row_max_reg[(mi40 * 2u) + half41] < (-1e38f)) ? 0.0f : row_max_reg[(mi40 * 2u) + half41]) * (-1.442695f);
                 float p_sum = 0.0f;
                 #pragma unroll
                 for (unsigned nj37 = 0u; nj37 < 1u; nj37 += 1u) {
                     #pragma unroll
                     for (unsigned e38 = 0u; e38 < 2u; e38 += 1u) {
                         const unsigned at39 = ((mi40 + nj37) * 4u) + ((half41 * 2u) + e38);
-                        const float p = (scores[at39] < (-1e38f)) ? 0.0f : exp_fast(scores[at39] - row_max_reg[(mi40 * 2u) + half41]);
+                        const float p = exp2_fast(fmaf(scores[at39], 1.442695f, neg_m_log2e));
                         scores[at39] = p;
                         p_sum = p_sum + p;
                     }

@@ -203,6 +203,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -546,13 +555,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_bf1
             for (unsigned mi48 = 0u; mi48 < 1u; mi48 += 1u) {
                 #pragma unroll
                 for (unsigned half49 = 0u; half49 < 2u; half49 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi48 * 2u) + half49] < (-1e38f)) ? 0.0f : row_max_reg[(mi48 * 2u) + half49]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj45 = 0u; nj45 < 1u; nj45 += 1u) {
                         #pragma unroll
                         for (unsigned e46 = 0u; e46 < 2u; e46 += 1u) {
                             const unsigned at47 = ((mi48 + nj45) * 4u) + ((half49 * 2u) + e46);
-                            const float p = (scores[at47] < (-1e38f)) ? 0.0f : exp_fast(scores[at47] - row_max_reg[(mi48 * 2u) + half49]);
+                            const float p = exp2_fast(fmaf(scores[at47], 1.442695f, neg_m_log2e));
                             scores[at47] = p;
                             p_sum = p_sum + p;
                         }

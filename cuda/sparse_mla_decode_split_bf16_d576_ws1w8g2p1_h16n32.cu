@@ -304,6 +304,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -730,13 +739,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned mi34 = 0u; mi34 < 1u; mi34 += 1u) {
                 #pragma unroll
                 for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi34 * 2u) + half35] < (-1e38f)) ? 0.0f : row_max_reg[(mi34 * 2u) + half35]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj31 = 0u; nj31 < 2u; nj31 += 1u) {
                         #pragma unroll
                         for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
                             const unsigned at33 = (((mi34 * 2u) + nj31) * 4u) + ((half35 * 2u) + e32);
-                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : exp_fast(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
+                            const float p = exp2_fast(fmaf(scores[at33], 1.442695f, neg_m_log2e));
                             scores[at33] = p;
                             p_sum = p_sum + p;
                         }

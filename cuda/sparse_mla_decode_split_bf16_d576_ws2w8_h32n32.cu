@@ -291,6 +291,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -730,13 +739,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned mi44 = 0u; mi44 < 1u; mi44 += 1u) {
                 #pragma unroll
                 for (unsigned half45 = 0u; half45 < 2u; half45 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi44 * 2u) + half45] < (-1e38f)) ? 0.0f : row_max_reg[(mi44 * 2u) + half45]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj41 = 0u; nj41 < 2u; nj41 += 1u) {
                         #pragma unroll
                         for (unsigned e42 = 0u; e42 < 2u; e42 += 1u) {
                             const unsigned at43 = (((mi44 * 2u) + nj41) * 4u) + ((half45 * 2u) + e42);
-                            const float p = (scores[at43] < (-1e38f)) ? 0.0f : exp_fast(scores[at43] - row_max_reg[(mi44 * 2u) + half45]);
+                            const float p = exp2_fast(fmaf(scores[at43], 1.442695f, neg_m_log2e));
                             scores[at43] = p;
                             p_sum = p_sum + p;
                         }

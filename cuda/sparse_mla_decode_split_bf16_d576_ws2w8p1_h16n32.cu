@@ -303,6 +303,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -795,13 +804,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned mi50 = 0u; mi50 < 1u; mi50 += 1u) {
                 #pragma unroll
                 for (unsigned half51 = 0u; half51 < 2u; half51 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi50 * 2u) + half51] < (-1e38f)) ? 0.0f : row_max_reg[(mi50 * 2u) + half51]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj47 = 0u; nj47 < 1u; nj47 += 1u) {
                         #pragma unroll
                         for (unsigned e48 = 0u; e48 < 2u; e48 += 1u) {
                             const unsigned at49 = ((mi50 + nj47) * 4u) + ((half51 * 2u) + e48);
-                            const float p = (scores[at49] < (-1e38f)) ? 0.0f : exp_fast(scores[at49] - row_max_reg[(mi50 * 2u) + half51]);
+                            const float p = exp2_fast(fmaf(scores[at49], 1.442695f, neg_m_log2e));
                             scores[at49] = p;
                             p_sum = p_sum + p;
                         }

@@ -193,6 +193,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -658,13 +667,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
             for (unsigned mi60 = 0u; mi60 < 1u; mi60 += 1u) {
                 #pragma unroll
                 for (unsigned half61 = 0u; half61 < 2u; half61 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi60 * 2u) + half61] < (-1e38f)) ? 0.0f : row_max_reg[(mi60 * 2u) + half61]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj57 = 0u; nj57 < 1u; nj57 += 1u) {
                         #pragma unroll
                         for (unsigned e58 = 0u; e58 < 2u; e58 += 1u) {
                             const unsigned at59 = ((mi60 + nj57) * 4u) + ((half61 * 2u) + e58);
-                            const float p = (scores[at59] < (-1e38f)) ? 0.0f : exp_fast(scores[at59] - row_max_reg[(mi60 * 2u) + half61]);
+                            const float p = exp2_fast(fmaf(scores[at59], 1.442695f, neg_m_log2e));
                             scores[at59] = p;
                             p_sum = p_sum + p;
                         }

@@ -395,6 +395,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -1625,13 +1634,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned mi418 = 0u; mi418 < 1u; mi418 += 1u) {
                 #pragma unroll
                 for (unsigned half419 = 0u; half419 < 2u; half419 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi418 * 2u) + half419] < (-1e38f)) ? 0.0f : row_max_reg[(mi418 * 2u) + half419]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj415 = 0u; nj415 < 1u; nj415 += 1u) {
                         #pragma unroll
                         for (unsigned e416 = 0u; e416 < 2u; e416 += 1u) {
                             const unsigned at417 = ((mi418 + nj415) * 4u) + ((half419 * 2u) + e416);
-                            const float p = (scores[at417] < (-1e38f)) ? 0.0f : exp_fast(scores[at417] - row_max_reg[(mi418 * 2u) + half419]);
+                            const float p = exp2_fast(fmaf(scores[at417], 1.442695f, neg_m_log2e));
                             scores[at417] = p;
                             p_sum = p_sum + p;
                         }

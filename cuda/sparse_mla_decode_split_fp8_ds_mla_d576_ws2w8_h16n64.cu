@@ -396,6 +396,15 @@ SPARSE_MLA_HELPER float exp_fast(float x) {
     return y;
 }
 
+// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).
 #define min_u32(a, b) ((a) < (b) ? (a) : (b))
 #define max_i32(a, b) ((a) > (b) ? (a) : (b))
@@ -1694,13 +1703,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
             for (unsigned mi429 = 0u; mi429 < 1u; mi429 += 1u) {
                 #pragma unroll
                 for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi429 * 2u) + half430] < (-1e38f)) ? 0.0f : row_max_reg[(mi429 * 2u) + half430]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj426 = 0u; nj426 < 2u; nj426 += 1u) {
                         #pragma unroll
                         for (unsigned e427 = 0u; e427 < 2u; e427 += 1u) {
                             const unsigned at428 = (((mi429 * 2u) + nj426) * 4u) + ((half430 * 2u) + e427);
-                            const float p = (scores[at428] < (-1e38f)) ? 0.0f : exp_fast(scores[at428] - row_max_reg[(mi429 * 2u) + half430]);
+                            const float p = exp2_fast(fmaf(scores[at428], 1.442695f, neg_m_log2e));
                             scores[at428] = p;
                             p_sum = p_sum + p;
                         }

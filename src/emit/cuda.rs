@@ -222,6 +222,10 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         called.push('\n');
         called.push_str(EXP_FAST_HELPERS);
     }
+    if unit.contains("exp2_fast(") {
+        called.push('\n');
+        called.push_str(EXP2_FAST_HELPERS);
+    }
     let min_max: Vec<_> = MIN_MAX_HELPERS
         .iter()
         .filter(|(name, _)| unit.contains(&format!("{name}(")))
@@ -246,6 +250,17 @@ const EXP_FAST_HELPERS: &str = r#"// e^x, approximate: ex2.approx.ftz of x * log
 SPARSE_MLA_HELPER float exp_fast(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
+"#;
+
+/// [`Func::Exp2Fast`], printed into the kernels that call it.
+const EXP2_FAST_HELPERS: &str = r#"// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
+// flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
+// s * log2(e) - m * log2(e) is one FMA.
+SPARSE_MLA_HELPER float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 "#;
@@ -1006,6 +1021,7 @@ impl Printer<'_> {
                 match func {
                     Func::Exp => format!("expf({})", a[0]),
                     Func::ExpFast => format!("exp_fast({})", a[0]),
+                    Func::Exp2Fast => format!("exp2_fast({})", a[0]),
                     Func::Log => format!("logf({})", a[0]),
                     Func::Sqrt => format!("sqrtf({})", a[0]),
                     Func::Abs => format!("fabsf({})", a[0]),

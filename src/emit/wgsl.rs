@@ -250,6 +250,7 @@ impl Printer<'_> {
                 let a: Vec<String> = args.iter().map(|x| self.expr(x)).collect();
                 match func {
                     Func::Exp | Func::ExpFast => format!("exp({})", a[0]),
+                    Func::Exp2Fast => format!("exp2({})", a[0]),
                     Func::Log => format!("log({})", a[0]),
                     Func::Sqrt => format!("sqrt({})", a[0]),
                     Func::Abs => format!("abs({})", a[0]),

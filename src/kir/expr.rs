@@ -45,6 +45,10 @@ pub fn exp(x: Expr) -> Expr {
 pub fn exp_fast(x: Expr) -> Expr {
     Expr::Call(Func::ExpFast, vec![x])
 }
+/// [`Func::Exp2Fast`]: 2^x, approximate (about 2^-22 relative).
+pub fn exp2_fast(x: Expr) -> Expr {
+    Expr::Call(Func::Exp2Fast, vec![x])
+}
 pub fn log(x: Expr) -> Expr {
     Expr::Call(Func::Log, vec![x])
 }

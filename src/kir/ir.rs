@@ -241,6 +241,10 @@ pub enum Func {
     /// probabilities and rescale factors, which are rounded to bf16 / f16 (P) or feed f32
     /// sums whose tolerance is far above it, and the split merge's weights.
     ExpFast,
+    /// 2^x, f32, approximate (relative error about 2^-22, results below 2^-126 flushed to 0,
+    /// 2^-inf = 0): CUDA's `ex2.approx.ftz`, one instruction; WGSL's `exp2`. For exponents a
+    /// lowering has already multiplied by log2 e, folded into an FMA with what it subtracts.
+    Exp2Fast,
     /// Natural logarithm, f32.
     Log,
     Sqrt,

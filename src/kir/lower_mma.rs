@@ -35,8 +35,8 @@
 
 // the constructors the job files take from here
 use super::expr::{
-    acc_pair_update, add, bin, exp_fast, for_const, intr, let_, local_id, lt, mul, priv_load,
-    shared_load, u, var,
+    acc_pair_update, add, bin, exp2_fast, exp_fast, for_const, intr, let_, local_id, lt, mul,
+    priv_load, shared_load, u, var,
 };
 use super::ir::*;
 use super::shared_plan;

@@ -20,7 +20,9 @@
 //! and alpha rescales f32 sums, so its relative error (about 2^-22 + |x| · 2^-24 for the
 //! exponent x ≤ 0; the terms with large |x| are negligible anyway) is far below what they
 //! keep. On the H200 the decode kernels ran 1.03–1.14× faster with it, rel L2 and lse as
-//! before (benches/NOTES.md, v28).
+//! before (benches/NOTES.md, v28). P's exponent is one FMA, `s · log2 e − m · log2 e`, into
+//! `ex2` itself ([`Func::Exp2Fast`]); a masked score makes it −inf, so P is 0 without a select
+//! (benches/NOTES.md, v30).
 //!
 //! The shared `m` and `l` arrays hold the state only between loops: the registers are read
 //! from them before the pipeline whose compute stage holds the op and written back after it
@@ -30,7 +32,8 @@
 //! than the definition's, so `l` may differ from it by rounding.
 
 use super::{
-    add, bin, exp_fast, for_const, intr, let_, lt, mul, priv_load, shared_load, u, var, AccInfo, Cx,
+    add, bin, exp2_fast, exp_fast, for_const, intr, let_, lt, mul, priv_load, shared_load, u, var,
+    AccInfo, Cx,
 };
 use crate::kir::ir::*;
 use crate::kir::ops::MASKED_BELOW;
@@ -651,18 +654,27 @@ impl Cx<'_> {
             var(&p, Ty::F32),
             var(&sum, Ty::F32),
         );
+        let neg_m = self.fresh("neg_m_log2e");
+        let neg_mv = var(&neg_m, Ty::F32);
         out.extend(self.rows_loop((&s.row0, s.fmw, s.used), |_, ra| {
             let slot = ra.slot.clone();
-            let v = priv_load(&r.s, atv.clone());
-            let prob = Expr::Select(
-                Box::new(bin(BinOp::Lt, v.clone(), Expr::F32(MASKED_BELOW))),
+            // p = 2^(s·log2 e − m·log2 e): one FMA and `ex2` an element. A masked score
+            // (MASKED, −3e38) makes the FMA −inf, so p = 0 with no select, as long as
+            // m·log2 e is finite: a row masked so far (m = MASKED) takes m = 0.
+            let m = priv_load(&r.m_reg, slot.clone());
+            let m_safe = Expr::Select(
+                Box::new(bin(BinOp::Lt, m.clone(), Expr::F32(MASKED_BELOW))),
                 Box::new(Expr::F32(0.0)),
-                Box::new(exp_fast(bin(
-                    BinOp::Sub,
-                    v,
-                    priv_load(&r.m_reg, slot.clone()),
-                ))),
+                Box::new(m),
             );
+            let prob = exp2_fast(Expr::Call(
+                Func::Fma,
+                vec![
+                    priv_load(&r.s, atv.clone()),
+                    Expr::F32(std::f32::consts::LOG2_E),
+                    neg_mv.clone(),
+                ],
+            ));
             let per_elem = vec![
                 let_(&at, s_elem(ra, jv.clone(), ev.clone())),
                 let_(&p, prob),
@@ -677,6 +689,10 @@ impl Cx<'_> {
                 },
             ];
             Ok(vec![
+                let_(
+                    &neg_m,
+                    bin(BinOp::Mul, m_safe, Expr::F32(-std::f32::consts::LOG2_E)),
+                ),
                 Stmt::Var {
                     name: sum.clone(),
                     value: Expr::F32(0.0),
