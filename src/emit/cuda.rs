@@ -409,7 +409,9 @@ SPARSE_MLA_HELPER void mma_e4m3_16832(float* c, const unsigned* a, const unsigne
 /// kernels that call it.
 const PAIR_HELPERS: &str = r#"// Two e4m3 values (bits 0..16) converted as a pair: e4m3x2_prep once, then _lo and _hi of
 // its result. sm_89 and later convert the pair to two f16 in one instruction (exact, as is
-// f16 -> f32); older archs keep the bytes and decode each by bits.
+// f16 -> f32); older archs move the bits into f16 places (the values times 2^-8, undone
+// after f16 -> f32): a few logic instructions a pair, where decoding each byte took
+// branches.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 SPARSE_MLA_HELPER unsigned e4m3x2_prep(unsigned pair) {
     unsigned halves;
@@ -427,12 +429,21 @@ SPARSE_MLA_HELPER float e4m3x2_hi(unsigned halves) {
     return v;
 }
 #else
-SPARSE_MLA_HELPER unsigned e4m3x2_prep(unsigned pair) { return pair & 0xffffu; }
-SPARSE_MLA_HELPER float e4m3x2_lo(unsigned pair) {
-    return e4m3_to_f32((unsigned char)(pair & 0xffu));
+SPARSE_MLA_HELPER unsigned e4m3x2_prep(unsigned pair) {
+    // s eeee mmm -> s 0 eeee mmm 0000000 (bias 7 read as 15: the value times 2^-8, exact,
+    // subnormals included; the NaN codes read as +-480)
+    return ((pair & 0x7fu) << 7) | ((pair & 0x80u) << 8) | ((pair & 0x7f00u) << 15)
+        | ((pair & 0x8000u) << 16);
 }
-SPARSE_MLA_HELPER float e4m3x2_hi(unsigned pair) {
-    return e4m3_to_f32((unsigned char)((pair >> 8) & 0xffu));
+SPARSE_MLA_HELPER float e4m3x2_lo(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves & 0xffffu)));
+    return v * 256.0f;
+}
+SPARSE_MLA_HELPER float e4m3x2_hi(unsigned halves) {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"((unsigned short)(halves >> 16)));
+    return v * 256.0f;
 }
 #endif
 "#;
