@@ -72,15 +72,17 @@ pub struct EmuConfig {
 pub const MERGED_BLOCKS: u32 = 64;
 
 impl EmuConfig {
-    /// Both copy modes and both helper paths, by a run index: v7 (900, late), v7 (800, at
-    /// issue), v6 (900, late).
-    /// Mode 3: v7 with a one-stage ring (900, late); the test runs it on the decode cases.
+    /// Both copy modes and the three helper paths, by a run index: v7 (1200, late), v7 (800,
+    /// at issue), v6 (900, late).
+    /// Mode 3: v7 with a one-stage ring (900, at issue); the test runs it on the decode cases.
+    /// So v7's e4m3 score product runs in all three forms: native (sm_120), f16 after one
+    /// `cvt` a pair (sm_90) and f16 from moved bits (sm_80).
     pub fn mode(i: u32, seed: u64) -> Self {
         EmuConfig {
-            // run 0 as sm_120 (its e4m3 products native), run 2 as sm_90
+            // run 0 as sm_120 (its e4m3 products native), runs 2 and 3 as sm_90, run 1 as sm_80
             arch: match i {
                 0 => 1200,
-                2 => 900,
+                2 | 3 => 900,
                 _ => 800,
             },
             land_at_issue: i % 2 == 1,
