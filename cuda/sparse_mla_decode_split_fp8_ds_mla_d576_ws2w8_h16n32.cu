@@ -772,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     q_absmax = fmaxf(q_absmax, q_absmax_peer71);
     const unsigned q_absmax_exp = (__float_as_uint(q_absmax) >> 23u) & 255u;
     if (E4M3_MMA_NATIVE) {
-        const unsigned q_scale_exp = (q_absmax_exp < 8u) ? 253u : (261u - q_absmax_exp);
+        const unsigned q_scale_exp = (q_absmax_exp < 70u) ? 191u : (261u - q_absmax_exp);
         const float q_scale = __uint_as_float(q_scale_exp << 23u);
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp) << 23u);
         const float q_x = __uint_as_float(q_pair << 16u) * q_scale;
@@ -1080,7 +1080,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned sub7 = *(q_tile + 2336u + (lane_group * 292u) + 256u + (((warp % 2u) * 2u) * 8u) + 8u + lane_quad + 4u);
         q_tile_a4[7u] = pack_bf16x2(__uint_as_float(sub7 << 16u) * q_scale, __uint_as_float(sub7 & 4294901760u) * q_scale);
     } else {
-        const unsigned q_scale_exp293 = (q_absmax_exp < 15u) ? 253u : (268u - q_absmax_exp);
+        const unsigned q_scale_exp293 = (q_absmax_exp < 77u) ? 191u : (268u - q_absmax_exp);
         const float q_scale294 = __uint_as_float(q_scale_exp293 << 23u);
         const float q_scale295 = q_scale294 / E4M3_F16_UNIT;
         q_tile_unscale[0u] = __uint_as_float((254u - q_scale_exp293) << 23u) * E4M3_F16_UNIT;

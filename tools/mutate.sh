@@ -62,6 +62,7 @@ MUTATIONS=(
   "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'                unit,'#'                Expr::F32(1.0),'#--test mma_emulated"
   "softmax: a row masked so far keeps m = MASKED in P's exponent (-m log2 e overflows)#src/kir/lower_mma/softmax.rs#'Box::new(Expr::F32(0.0)),\n                Box::new(m),'#'Box::new(m.clone()),\n                Box::new(m),'#--test online_softmax_emulated --test mma_emulated"
   "e4m3 pairs before sm_89: the low value's 2^8 not put back#src/emit/cuda.rs#'    return v * 256.0f;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#'    return v;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#--test mma_emulated"
+  "resident q: sigma up to 2^126 again (the rope, not in its max, overflows when the latent is 0)#src/kir/lower_mma/resident.rs#'const SIGMA_MAX_FIELD: u32 = 127 + 64;'#'const SIGMA_MAX_FIELD: u32 = 253;'#--test mma_emulated"
   "f16 scores: q's f16 registers in the unpermuted K order#src/kir/lower_mma/resident.rs#'(i * 2 * steps + 2 * kk + reg / 2) * 4 + reg % 2'#'(i * 2 * steps + 2 * kk + reg % 2) * 4 + reg / 2'#--test mma_emulated"
 )
 

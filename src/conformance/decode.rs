@@ -69,6 +69,22 @@ pub struct DecodeCase {
     pub strided: bool,
     /// fp8_ds_mla scales drawn from another band than the flavour's.
     pub band: ScaleBand,
+    /// How q's values are drawn.
+    pub q_range: QRange,
+}
+
+/// How a case's q is drawn (the tensor-core kernels hold q scaled by a power of two per warp,
+/// chosen from its largest |q|: these reach the ends of that choice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QRange {
+    /// Standard normal.
+    Normal,
+    /// The latent part (the first 512 of 576) all zero, the rope part normal times 8: the
+    /// largest |q| of the latent is 0.
+    LatentZero,
+    /// Each head's q normal times its own 2^u, u uniform in [-10, 6]: heads of one warp
+    /// 16 binades apart.
+    HeadsWide,
 }
 
 /// Where a case's hand-built fp8_ds_mla scales lie (the flavours keep them in a narrow band
@@ -112,6 +128,7 @@ impl DecodeCase {
             s_q: 1,
             strided: false,
             band: ScaleBand::Flavour,
+            q_range: QRange::Normal,
         }
         .named()
     }
@@ -131,6 +148,10 @@ impl DecodeCase {
 
     fn band(self, band: ScaleBand) -> Self {
         DecodeCase { band, ..self }.named()
+    }
+
+    fn q_range(self, q_range: QRange) -> Self {
+        DecodeCase { q_range, ..self }.named()
     }
 
     fn strided(self) -> Self {
@@ -171,6 +192,11 @@ impl DecodeCase {
             ScaleBand::Flavour => "",
             ScaleBand::Wide => "_wide",
             ScaleBand::Tiny => "_tiny",
+        });
+        name.push_str(match self.q_range {
+            QRange::Normal => "",
+            QRange::LatentZero => "_q_latent0",
+            QRange::HeadsWide => "_q_wide",
         });
         if let Some(s) = self.splits {
             name.push_str(&format!("_s{s}"));
@@ -273,6 +299,15 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         DecodeCase::new(2, 8, 2048, 64, 40, Mixed, false, None)
             .fp8(Arbitrary)
             .band(ScaleBand::Tiny),
+        // q at the ends of the tensor-core kernels' per-warp power of two: a latent of zeros
+        // (its largest |q| is 0, the rope's is not), and heads 16 binades apart
+        DecodeCase::new(2, 16, 64, 16, 16, Mixed, false, None)
+            .fp8(Arbitrary)
+            .q_range(QRange::LatentZero),
+        DecodeCase::new(2, 32, 128, 16, 16, Mixed, false, None)
+            .fp8(Arbitrary)
+            .q_range(QRange::HeadsWide),
+        DecodeCase::new(2, 16, 64, 16, 16, Mixed, false, None).q_range(QRange::HeadsWide),
         // multi-token decode (MTP): tokens = batch · s_q, lse [batch, heads, s_q]
         DecodeCase::new(4, 16, 64, 16, 16, Mixed, true, None).mtp(2),
         DecodeCase::new(6, 8, 128, 64, 8, Mixed, false, Some(1)).mtp(2),
@@ -339,8 +374,24 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
     let layout = case.layout();
     let (t_n, k_n) = (case.tokens as usize, case.topk as usize);
     let slots = shape.num_slots();
+    let head_gain: Vec<f32> = (0..case.tokens * case.heads)
+        .map(|_| match case.q_range {
+            QRange::HeadsWide => 2f32.powf(rng.uniform(-10.0, 6.0).round()),
+            _ => 1.0,
+        })
+        .collect();
+    let (d_qk, d_v) = (shape.dims.d_qk() as u64, shape.dims.d_v() as u64);
     let q: Vec<f32> = (0..shape.q_elems())
-        .map(|_| round_bf16(rng.normal()))
+        .map(|i| {
+            let (head, d) = ((i / d_qk) as usize, i % d_qk);
+            let x = rng.normal();
+            round_bf16(match case.q_range {
+                QRange::Normal => x,
+                QRange::LatentZero if d < d_v => 0.0,
+                QRange::LatentZero => 8.0 * x,
+                QRange::HeadsWide => x * head_gain[head],
+            })
+        })
         .collect();
     let mut indices = vec![-1i32; t_n * k_n];
     for t in 0..t_n {

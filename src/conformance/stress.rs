@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::decode::{check_decode_case, prepare_decode_case, DecodeCase, IndexPattern, ScaleBand};
+use super::decode::{
+    check_decode_case, prepare_decode_case, DecodeCase, IndexPattern, QRange, ScaleBand,
+};
 use crate::mla::{CacheFormat, ScaleFlavour};
 use crate::runtime::Backend;
 use crate::util::Rng;
@@ -117,9 +119,15 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
             } else {
                 ScaleBand::Flavour
             },
+            // a tenth each with q's latent all zero and with heads 16 binades apart
+            q_range: match rng.below(10) {
+                0 => QRange::LatentZero,
+                1 => QRange::HeadsWide,
+                _ => QRange::Normal,
+            },
         };
         case.name = format!(
-            "stress_t{tokens}_h{heads}_k{topk}_p{page_size}{}{}{}{}{}{}{}",
+            "stress_t{tokens}_h{heads}_k{topk}_p{page_size}{}{}{}{}{}{}{}{}",
             match (format, flavour) {
                 (CacheFormat::Bf16, _) => "",
                 (_, ScaleFlavour::Pow2) => "_fp8pow2",
@@ -137,6 +145,11 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
                 "_wide"
             } else {
                 ""
+            },
+            match case.q_range {
+                QRange::Normal => "",
+                QRange::LatentZero => "_q_latent0",
+                QRange::HeadsWide => "_q_wide",
             },
             splits.map(|s| format!("_s{s}")).unwrap_or_default(),
         );

@@ -15,6 +15,13 @@ use crate::kir::ir::*;
 use crate::Result;
 use std::collections::HashSet;
 
+/// The largest biased f32 exponent of σ, the per-warp power of two a resident q is scaled by
+/// (σ ≤ 2^64). The bf16 views (q's rope) are scaled by σ too but are not in the max σ is
+/// chosen from: with σ up to 2^126 a latent of zeros overflowed them to inf; with 2^64 they
+/// stay finite for every |x| < 2^64. A latent whose largest |q| is below 2^-50 (the f16 form)
+/// or 2^-57 (the e4m3 terms) keeps less precision, on scores that small.
+const SIGMA_MAX_FIELD: u32 = 127 + 64;
+
 /// The A fragments of one view of a resident tile, for this warp's slice.
 #[derive(Clone, Debug)]
 pub(super) struct ResidentView {
@@ -422,11 +429,11 @@ impl Cx<'_> {
         out.push(let_(&e_name, e));
         let e = var(&e_name, Ty::U32);
         // σ = 2^(top - e) for the max's biased exponent e (max·σ in [2^(top-127),
-        // 2^(top-126))), at most 2^126 so that 1/σ stays a normal f32: its biased exponent
+        // 2^(top-126))), at most 2^64 (SIGMA_MAX_FIELD); its biased exponent
         let sigma_field = |top: u32| {
             Expr::Select(
-                Box::new(lt(e.clone(), u(top + 127 - 253))),
-                Box::new(u(253)),
+                Box::new(lt(e.clone(), u(top + 127 - SIGMA_MAX_FIELD))),
+                Box::new(u(SIGMA_MAX_FIELD)),
                 Box::new(bin(BinOp::Sub, u(top + 127), e.clone())),
             )
         };
