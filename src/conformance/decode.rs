@@ -301,7 +301,7 @@ pub fn decode_cases() -> Vec<DecodeCase> {
             .band(ScaleBand::Tiny),
         // q at the ends of the tensor-core kernels' per-warp power of two: a latent of zeros
         // (its largest |q| is 0, the rope's is not), and heads 16 binades apart
-        DecodeCase::new(2, 16, 64, 16, 16, Mixed, false, None)
+        DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, None)
             .fp8(Arbitrary)
             .q_range(QRange::LatentZero),
         DecodeCase::new(2, 32, 128, 16, 16, Mixed, false, None)
