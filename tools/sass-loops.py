@@ -4,7 +4,9 @@
     tools/sass-loops.py [--arch sm_90] [--base REV] [FILE.cu ...]
 
 Compiles each file with NVRTC (the options the runtime uses), disassembles the cubin with
-cuobjdump and prints, per kernel: its instructions, the step loop's instructions (the
+cuobjdump and prints, per kernel: its instructions, those laid out before the step loop
+(the prologue, roughly: the compiler may place other code there too), the step loop's
+instructions (the
 smallest backward-branch region holding the most HMMA: a static proxy for one pipeline step,
 both warp roles' code included; the instructions of loops nested in it, which run many times
 a step, are shown apart) and the loop's opcode mix. With --base REV the same files
@@ -111,8 +113,10 @@ def loops(ins):
 
 
 def step_loop(ins):
-    """The step loop's instructions, and those of the loops nested in it (a loop the
-    compiler kept rolled, e.g. over rows: run many times a step, counted once here)."""
+    """The step loop's instructions, those of the loops nested in it (a loop the compiler
+    kept rolled, e.g. over rows: run many times a step, counted once here), and the
+    instructions laid out before it (the prologue, with whatever else the compiler placed
+    there)."""
     regions = loops(ins)
     best = None
     for j, i in regions:
@@ -123,19 +127,19 @@ def step_loop(ins):
         if best is None or key > best[0]:
             best = (key, (j, i))
     if best is None:
-        return [], 0
+        return [], 0, 0
     j, i = best[1]
     inner = [(a, b) for a, b in regions if j <= a and b <= i and (a, b) != (j, i)]
     covered = set()
     for a, b in inner:
         covered.update(range(a, b + 1))
-    return ins[j:i + 1], len(covered)
+    return ins[j:i + 1], len(covered), j
 
 
 def stats(nv, cuobjdump, src, arch, name):
     ins = instructions(cuobjdump, compile_cubin(nv, src, arch, name))
-    loop, inner = step_loop(ins)
-    return len(ins), len(loop), collections.Counter(o for _, o, _ in loop), inner
+    loop, inner, before = step_loop(ins)
+    return len(ins), len(loop), collections.Counter(o for _, o, _ in loop), inner, before
 
 
 def main():
@@ -155,15 +159,15 @@ def main():
         new = stats(nv, cuobjdump, open(f).read(), args.arch, name)
         if not args.base:
             mix = ", ".join(f"{k} {v}" for k, v in new[2].most_common(args.top))
-            print(f"{name} [{args.arch}]: {new[0]} instructions, step loop {new[1]} "
-                  f"({new[3]} in inner loops): {mix}")
+            print(f"{name} [{args.arch}]: {new[0]} instructions, {new[4]} before the step "
+                  f"loop, step loop {new[1]} ({new[3]} in inner loops): {mix}")
             continue
         rel = os.path.relpath(os.path.abspath(f), ROOT)
         old_src = subprocess.run(["git", "-C", ROOT, "show", f"{args.base}:{rel}"],
                                  capture_output=True, text=True)
         if old_src.returncode:
             print(f"{name} [{args.arch}]: not in {args.base}; now {new[0]} instructions, "
-                  f"step loop {new[1]}")
+                  f"{new[4]} before the step loop, step loop {new[1]}")
             continue
         old = stats(nv, cuobjdump, old_src.stdout, args.arch, name)
         delta = new[2].copy()
@@ -171,8 +175,9 @@ def main():
         moved = sorted(((v, k) for k, v in delta.items() if v), key=lambda x: -abs(x[0]))
         mix = ", ".join(f"{k} {v:+d}" for v, k in moved[:args.top]) or "no opcode moved"
         ratio = f"{new[1] / old[1]:.3f}" if old[1] else "no HMMA loop"
-        print(f"{name} [{args.arch}]: {old[0]} -> {new[0]} instructions, step loop "
-              f"{old[1]} -> {new[1]} ({ratio}; in inner loops {old[3]} -> {new[3]}): {mix}")
+        print(f"{name} [{args.arch}]: {old[0]} -> {new[0]} instructions, before the step "
+              f"loop {old[4]} -> {new[4]}, step loop {old[1]} -> {new[1]} ({ratio}; in inner "
+              f"loops {old[3]} -> {new[3]}): {mix}")
 
 
 if __name__ == "__main__":
