@@ -59,7 +59,7 @@ MUTATIONS=(
   "softmax: exp_fast computes 2^x, not e^x (the log2 e factor dropped)#src/emit/cuda.rs#'\"f\"(x * 1.4426950408889634f)'#'\"f\"(x)'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
   "index terms: a sum times a constant split into terms that lose the constant#src/emit/cuda.rs#'                    terms(x, k * c, distribute, out)'#'                    terms(x, k, distribute, out)'#--test mma_emulated"
-  "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'                unit,'#'                Expr::F32(1.0),'#--test mma_emulated"
+  "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'value: mul(inverse, unit),'#'value: inverse,'#--test mma_emulated"
   "softmax: a row masked so far keeps m = MASKED in P's exponent (-m log2 e overflows)#src/kir/lower_mma/softmax.rs#'Box::new(Expr::F32(0.0)),\n                Box::new(m),'#'Box::new(m.clone()),\n                Box::new(m),'#--test online_softmax_emulated --test mma_emulated"
   "e4m3 pairs before sm_89: the low value's 2^8 not put back#src/emit/cuda.rs#'    return v * 256.0f;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#'    return v;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#--test mma_emulated"
   "resident q: sigma up to 2^126 again (the rope, not in its max, overflows when the latent is 0)#src/kir/lower_mma/resident.rs#'const SIGMA_MAX_FIELD: u32 = 127 + 64;'#'const SIGMA_MAX_FIELD: u32 = 253;'#--test mma_emulated"

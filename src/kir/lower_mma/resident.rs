@@ -429,32 +429,37 @@ impl Cx<'_> {
         out.push(let_(&e_name, e));
         let e = var(&e_name, Ty::U32);
         // σ = 2^(top - e) for the max's biased exponent e (max·σ in [2^(top-127),
-        // 2^(top-126))), at most 2^64 (SIGMA_MAX_FIELD); its biased exponent
-        let sigma_field = |top: u32| {
-            Expr::Select(
-                Box::new(lt(e.clone(), u(top + 127 - SIGMA_MAX_FIELD))),
-                Box::new(u(SIGMA_MAX_FIELD)),
-                Box::new(bin(BinOp::Sub, u(top + 127), e.clone())),
-            )
+        // 2^(top-126))), at most 2^64 (SIGMA_MAX_FIELD): lets of its biased exponent and its
+        // value pushed to `out`; σ and 1/σ
+        let sigma = |cx: &mut Self, top: u32, out: &mut Vec<Stmt>| {
+            let field = cx.fresh("q_scale_exp");
+            out.push(let_(
+                &field,
+                Expr::Select(
+                    Box::new(lt(e.clone(), u(top + 127 - SIGMA_MAX_FIELD))),
+                    Box::new(u(SIGMA_MAX_FIELD)),
+                    Box::new(bin(BinOp::Sub, u(top + 127), e.clone())),
+                ),
+            ));
+            let fv = var(&field, Ty::U32);
+            let name = cx.fresh("q_scale");
+            out.push(let_(
+                &name,
+                Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, fv.clone(), u(23))]),
+            ));
+            let inverse = Expr::Call(
+                Func::F32FromBits,
+                vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), fv), u(23))],
+            );
+            (var(&name, Ty::F32), inverse)
         };
         // -- the e4m3 form (σ: the max in [128, 256), well inside e4m3's ±448)
         let mut native = Vec::new();
-        let field = self.fresh("q_scale_exp");
-        native.push(let_(&field, sigma_field(134)));
-        let fv = var(&field, Ty::U32);
-        let sg_name = self.fresh("q_scale");
-        native.push(let_(
-            &sg_name,
-            Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, fv.clone(), u(23))]),
-        ));
-        let sg = var(&sg_name, Ty::F32);
+        let (sg, inverse) = sigma(self, 134, &mut native);
         native.push(Stmt::PrivateStore {
             arr: unscale.clone(),
             index: u(0),
-            value: Expr::Call(
-                Func::F32FromBits,
-                vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), fv), u(23))],
-            ),
+            value: inverse,
         });
         for (v, vw) in r.views.iter().zip(&words) {
             if !v.permuted {
@@ -514,15 +519,7 @@ impl Cx<'_> {
         // (E4M3_F16_UNIT), so those products are σ / unit times the true ones, and the bf16
         // views are scaled by σ / unit too (powers of two: exact)
         let mut fallback = Vec::new();
-        let f16_field = self.fresh("q_scale_exp");
-        fallback.push(let_(&f16_field, sigma_field(141)));
-        let ffv = var(&f16_field, Ty::U32);
-        let f16_sigma = self.fresh("q_scale");
-        fallback.push(let_(
-            &f16_sigma,
-            Expr::Call(Func::F32FromBits, vec![bin(BinOp::Shl, ffv.clone(), u(23))]),
-        ));
-        let f16_sg = var(&f16_sigma, Ty::F32);
+        let (f16_sg, inverse) = sigma(self, 141, &mut fallback);
         let unit = Expr::Call(Func::E4m3F16Unit, vec![]);
         let bf16_sigma = self.fresh("q_scale");
         fallback.push(let_(
@@ -532,13 +529,7 @@ impl Cx<'_> {
         fallback.push(Stmt::PrivateStore {
             arr: unscale,
             index: u(0),
-            value: mul(
-                Expr::Call(
-                    Func::F32FromBits,
-                    vec![bin(BinOp::Shl, bin(BinOp::Sub, u(254), ffv), u(23))],
-                ),
-                unit,
-            ),
+            value: mul(inverse, unit),
         });
         for (v, vw) in r.views.iter().zip(&words) {
             if !v.permuted {
