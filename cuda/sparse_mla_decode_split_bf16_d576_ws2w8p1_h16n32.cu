@@ -293,16 +293,6 @@ SPARSE_MLA_HELPER void grid_launch_dependents() {
 #endif
 }
 
-// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-22 plus
-// |x| * 2^-24 from rounding the product; results below 2^-126 flush to 0). The online
-// softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
-// the terms with large |x| are the negligible ones.
-SPARSE_MLA_HELPER float exp_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-    return y;
-}
-
 // 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
 // flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
 // s * log2(e) - m * log2(e) is one FMA.
@@ -310,6 +300,13 @@ SPARSE_MLA_HELPER float exp2_fast(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+// e^x, approximate: ex2.approx.ftz of x * log2(e) (relative error about 2^-22 plus
+// |x| * 2^-24 from rounding the product; results below 2^-126 flush to 0). The online
+// softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
+// the terms with large |x| are the negligible ones.
+SPARSE_MLA_HELPER float exp_fast(float x) {
+    return exp2_fast(x * 1.4426950408889634f);
 }
 
 // Integer min / max (u32, i32; f32 has fminf / fmaxf).

@@ -56,7 +56,7 @@ MUTATIONS=(
   "pair store helper: the second value lands 4 bytes late#src/emit/cuda.rs#'    *reinterpret_cast<sparse_mla_f32x2*>(p) = v;'#'    p[0] = v.x; p[2] = v.y;'#--test mma_emulated"
   "staged q: rows g + 8 read from row g#src/kir/lower_mma/resident.rs#'let r = add(u(16 * (h / 2) + 8 * (h % 2)), lane_group.clone());'#'let r = add(u(16 * (h / 2)), lane_group.clone());'#--test mma_emulated"
   "staged q in the ring's last stage: staged at its start, the first copies still ahead of it#src/kir/lower_mma/layout.rs#'                    (stages - 1) * stage_words * 4'#'                    0 * stage_words * 4'#--test mma_emulated"
-  "softmax: exp_fast computes 2^x, not e^x (the log2 e factor dropped)#src/emit/cuda.rs#'\"f\"(x * 1.4426950408889634f)'#'\"f\"(x)'#--test mma_emulated"
+  "softmax: exp_fast computes 2^x, not e^x (the log2 e factor dropped)#src/emit/cuda.rs#'return exp2_fast(x * 1.4426950408889634f);'#'return exp2_fast(x);'#--test mma_emulated"
   "warp groups: every group walks group 0's steps#src/kir/lower_mma/groups.rs#'add(group.clone(), mul(at, u(groups)))'#'mul(at, u(groups))'#--test mma_emulated"
   "index terms: a sum times a constant split into terms that lose the constant#src/emit/cuda.rs#'                    terms(x, k * c, distribute, out)'#'                    terms(x, k, distribute, out)'#--test mma_emulated"
   "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'value: mul(inverse, unit),'#'value: inverse,'#--test mma_emulated"

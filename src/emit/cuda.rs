@@ -218,13 +218,14 @@ pub fn emit_with_helpers(kernel: &Kernel, helpers_text: Option<&str>) -> Result<
         called.push('\n');
         called.push_str(F16_HELPERS);
     }
-    if unit.contains("exp_fast(") {
-        called.push('\n');
-        called.push_str(EXP_FAST_HELPERS);
-    }
-    if unit.contains("exp2_fast(") {
+    // exp_fast is exp2_fast of x · log2 e: the one `ex2.approx` is printed once
+    let exp_fast = unit.contains("exp_fast(");
+    if exp_fast || unit.contains("exp2_fast(") {
         called.push('\n');
         called.push_str(EXP2_FAST_HELPERS);
+    }
+    if exp_fast {
+        called.push_str(EXP_FAST_HELPERS);
     }
     let min_max: Vec<_> = MIN_MAX_HELPERS
         .iter()
@@ -248,13 +249,11 @@ const EXP_FAST_HELPERS: &str = r#"// e^x, approximate: ex2.approx.ftz of x * log
 // softmax's probabilities and rescale factors, the split merge's weights: x <= 0 there, and
 // the terms with large |x| are the negligible ones.
 SPARSE_MLA_HELPER float exp_fast(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-    return y;
+    return exp2_fast(x * 1.4426950408889634f);
 }
 "#;
 
-/// [`Func::Exp2Fast`], printed into the kernels that call it.
+/// [`Func::Exp2Fast`], printed into the kernels that call it or `exp_fast`.
 const EXP2_FAST_HELPERS: &str = r#"// 2^x, approximate: ex2.approx.ftz (relative error about 2^-22; results below 2^-126
 // flush to 0, and 2^-inf is 0). The online softmax's probabilities, whose exponent
 // s * log2(e) - m * log2(e) is one FMA.

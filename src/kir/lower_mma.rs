@@ -35,7 +35,7 @@
 
 // the constructors the job files take from here
 use super::expr::{
-    acc_pair_update, add, bin, exp2_fast, exp_fast, for_const, intr, let_, local_id, lt, mul,
+    acc_pair_update, add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, local_id, lt, mul,
     priv_load, shared_load, u, var,
 };
 use super::ir::*;

@@ -13,7 +13,7 @@
 //! operands may be e4m3 ([`super::e4m3`]).
 
 use super::e4m3::scale_at;
-use super::{add, bin, for_const, intr, let_, mul, priv_load, u, var, Cx};
+use super::{add, bin, fma, for_const, intr, let_, mul, priv_load, u, var, Cx};
 use crate::kir::expr::priv_load_u;
 use crate::kir::ir::*;
 use crate::kir::walk::visit_tile_ops_with;
@@ -510,13 +510,10 @@ impl Cx<'_> {
                         Stmt::PrivateStore {
                             arr: ks.part.clone(),
                             index: at.clone(),
-                            value: Expr::Call(
-                                Func::Fma,
-                                vec![
-                                    priv_load(&ks.temp, at.clone()),
-                                    var(&sc_name, Ty::F32),
-                                    priv_load(&ks.part, at),
-                                ],
+                            value: fma(
+                                priv_load(&ks.temp, at.clone()),
+                                var(&sc_name, Ty::F32),
+                                priv_load(&ks.part, at),
                             ),
                         },
                     ],

@@ -32,8 +32,8 @@
 //! than the definition's, so `l` may differ from it by rounding.
 
 use super::{
-    add, bin, exp2_fast, exp_fast, for_const, intr, let_, lt, mul, priv_load, shared_load, u, var,
-    AccInfo, Cx,
+    add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, lt, mul, priv_load, shared_load, u,
+    var, AccInfo, Cx,
 };
 use crate::kir::ir::*;
 use crate::kir::ops::MASKED_BELOW;
@@ -667,13 +667,10 @@ impl Cx<'_> {
                 Box::new(Expr::F32(0.0)),
                 Box::new(m),
             );
-            let prob = exp2_fast(Expr::Call(
-                Func::Fma,
-                vec![
-                    priv_load(&r.s, atv.clone()),
-                    Expr::F32(std::f32::consts::LOG2_E),
-                    neg_mv.clone(),
-                ],
+            let prob = exp2_fast(fma(
+                priv_load(&r.s, atv.clone()),
+                Expr::F32(std::f32::consts::LOG2_E),
+                neg_mv.clone(),
             ));
             let per_elem = vec![
                 let_(&at, s_elem(ra, jv.clone(), ev.clone())),
