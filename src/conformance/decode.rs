@@ -82,8 +82,9 @@ pub enum QRange {
     /// The latent part (the first 512 of 576) all zero, the rope part normal times 8: the
     /// largest |q| of the latent is 0.
     LatentZero,
-    /// Each head's q normal times its own 2^u, u uniform in [-10, 6]: heads of one warp
-    /// 16 binades apart.
+    /// Each head's q normal times its own 2^u, u uniform in [-12, 2]: heads of one warp
+    /// 14 binades apart. Gains stay small: with 2^6 and the wide scale band lse reached
+    /// ~1100, where f32 cannot hold the suite's 1e-3 absolute tolerance (a stress case).
     HeadsWide,
 }
 
@@ -300,7 +301,7 @@ pub fn decode_cases() -> Vec<DecodeCase> {
             .fp8(Arbitrary)
             .band(ScaleBand::Tiny),
         // q at the ends of the tensor-core kernels' per-warp power of two: a latent of zeros
-        // (its largest |q| is 0, the rope's is not), and heads 16 binades apart
+        // (its largest |q| is 0, the rope's is not), and heads 14 binades apart
         DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, None)
             .fp8(Arbitrary)
             .q_range(QRange::LatentZero),
@@ -376,7 +377,7 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
     let slots = shape.num_slots();
     let head_gain: Vec<f32> = (0..case.tokens * case.heads)
         .map(|_| match case.q_range {
-            QRange::HeadsWide => 2f32.powf(rng.uniform(-10.0, 6.0).round()),
+            QRange::HeadsWide => 2f32.powf(rng.uniform(-12.0, 2.0).round()),
             _ => 1.0,
         })
         .collect();

@@ -119,7 +119,7 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
             } else {
                 ScaleBand::Flavour
             },
-            // a tenth each with q's latent all zero and with heads 16 binades apart
+            // a tenth each with q's latent all zero and with heads 14 binades apart
             q_range: match rng.below(10) {
                 0 => QRange::LatentZero,
                 1 => QRange::HeadsWide,
