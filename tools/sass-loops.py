@@ -2,6 +2,7 @@
 """Static SASS of generated CUDA kernels: a measurement for machines without a GPU.
 
     tools/sass-loops.py [--arch sm_90] [--base REV] [FILE.cu ...]
+    tools/sass-loops.py [--arch sm_90] --pairs OLD.cu NEW.cu [OLD.cu NEW.cu ...]
 
 Compiles each file with NVRTC (the options the runtime uses), disassembles the cubin with
 cuobjdump and prints, per kernel: its instructions, those laid out before the step loop
@@ -10,7 +11,9 @@ instructions (the
 smallest backward-branch region holding the most HMMA: a static proxy for one pipeline step,
 both warp roles' code included; the instructions of loops nested in it, which run many times
 a step, are shown apart) and the loop's opcode mix. With --base REV the same files
-as of git revision REV are compiled too and each row shows REV -> working tree.
+as of git revision REV are compiled too and each row shows REV -> working tree; with
+--pairs the files are taken two at a time, each row OLD -> NEW (two forms of one kernel,
+e.g. a lowering option's, written by a test or mla-export).
 
 Default files: the checked-in decode split kernels (cuda/sparse_mla_decode_split_*.cu).
 
@@ -147,13 +150,24 @@ def main():
     ap.add_argument("--arch", default="sm_90", help="NVRTC target (sm_80, sm_89, sm_90, sm_120)")
     ap.add_argument("--base", help="git revision to compare against (the same files there)")
     ap.add_argument("--top", type=int, default=10, help="opcodes shown per loop")
+    ap.add_argument("--pairs", action="store_true",
+                    help="files are OLD NEW pairs: compare each pair, not against a revision")
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()
+    if args.pairs and (args.base or not args.files or len(args.files) % 2):
+        sys.exit("sass-loops: --pairs takes OLD.cu NEW.cu pairs (an even number of files) "
+                 "and no --base")
     files = args.files or sorted(glob.glob(os.path.join(ROOT, "cuda/sparse_mla_decode_split_*.cu")))
     for f in files:
         if not os.path.isfile(f):
             sys.exit(f"sass-loops: no file {f} (FILE.cu: a generated kernel, e.g. under cuda/)")
     nv, cuobjdump = find_nvrtc(), find_cuobjdump()
+    if args.pairs:
+        for o, f in zip(files[::2], files[1::2]):
+            old = stats(nv, cuobjdump, open(o).read(), args.arch, os.path.basename(o))
+            new = stats(nv, cuobjdump, open(f).read(), args.arch, os.path.basename(f))
+            compare(f"{os.path.basename(o)} -> {os.path.basename(f)}", args, old, new)
+        return
     for f in files:
         name = os.path.basename(f)
         new = stats(nv, cuobjdump, open(f).read(), args.arch, name)
@@ -170,14 +184,18 @@ def main():
                   f"{new[4]} before the step loop, step loop {new[1]}")
             continue
         old = stats(nv, cuobjdump, old_src.stdout, args.arch, name)
-        delta = new[2].copy()
-        delta.subtract(old[2])
-        moved = sorted(((v, k) for k, v in delta.items() if v), key=lambda x: -abs(x[0]))
-        mix = ", ".join(f"{k} {v:+d}" for v, k in moved[:args.top]) or "no opcode moved"
-        ratio = f"{new[1] / old[1]:.3f}" if old[1] else "no HMMA loop"
-        print(f"{name} [{args.arch}]: {old[0]} -> {new[0]} instructions, before the step "
-              f"loop {old[4]} -> {new[4]}, step loop {old[1]} -> {new[1]} ({ratio}; in inner "
-              f"loops {old[3]} -> {new[3]}): {mix}")
+        compare(name, args, old, new)
+
+
+def compare(name, args, old, new):
+    delta = new[2].copy()
+    delta.subtract(old[2])
+    moved = sorted(((v, k) for k, v in delta.items() if v), key=lambda x: -abs(x[0]))
+    mix = ", ".join(f"{k} {v:+d}" for v, k in moved[:args.top]) or "no opcode moved"
+    ratio = f"{new[1] / old[1]:.3f}" if old[1] else "no HMMA loop"
+    print(f"{name} [{args.arch}]: {old[0]} -> {new[0]} instructions, before the step "
+          f"loop {old[4]} -> {new[4]}, step loop {old[1]} -> {new[1]} ({ratio}; in inner "
+          f"loops {old[3]} -> {new[3]}): {mix}")
 
 
 if __name__ == "__main__":
