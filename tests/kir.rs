@@ -581,3 +581,67 @@ fn shared_addresses_are_pointer_terms_only_where_the_kernel_asks() {
     );
     assert!(!text.contains("sh[(threadIdx"), "{text}");
 }
+
+/// Scores held in rows (`with_row_softmax`): every v7 and large-batch kernel's step loop has
+/// one workgroup barrier fewer (no exchange of row maxima between warps), its row maxima
+/// and sums go over the row's lanes only, and the default form is untouched by the option's
+/// existence (same name, same text as before the option is asked for).
+#[test]
+fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    let loop_of = |src: &str| -> String {
+        let body = &src[src.find("__global__").expect("a kernel")..];
+        let at = body.find("for (unsigned step_i").expect("the ring loop");
+        // the loop ends where the softmax state goes back to shared memory
+        let end = body[at..]
+            .find("back to shared memory")
+            .expect("the state stored after the loop");
+        body[at..at + end].to_string()
+    };
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        for config in [
+            DecodeConfig::tensor_core_v7(dims, format, 16),
+            DecodeConfig::tensor_core_v7(dims, format, 128),
+            DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
+        ] {
+            let (frag, _) = lowered_kernels(&config).expect("lowers");
+            let (rows, _) = lowered_kernels(&config.with_row_softmax(true)).expect("lowers");
+            assert_ne!(frag.name, rows.name);
+            assert_eq!(
+                lowered_kernels(&config.with_row_softmax(false))
+                    .expect("lowers")
+                    .0
+                    .name,
+                frag.name
+            );
+            assert_eq!(
+                config.with_row_softmax(true).is_batch(),
+                config.is_batch(),
+                "{}: the large-batch kernel stays one",
+                rows.name
+            );
+            let (a, b) = (
+                loop_of(&cuda::emit(&frag).expect("emits")),
+                loop_of(&cuda::emit(&rows).expect("emits")),
+            );
+            // a grouped kernel's barriers are named, one id per group (printed once a group)
+            let barriers = |s: &str| {
+                s.matches("__syncthreads()").count() + s.matches("named_barrier_sync<").count()
+            };
+            assert_eq!(
+                barriers(&b) + config.groups() as usize,
+                barriers(&a),
+                "{}: one barrier a step fewer\n{b}",
+                rows.name
+            );
+            assert!(a.contains("row_exchange"), "{}", frag.name);
+            // the exchange table now holds only the rescale factors: one write a row (by its
+            // first lane), read after P's barrier by the outputs' holders
+            let writes = b.matches("row_exchange[").count() + b.matches("*(row_exchange").count();
+            assert_eq!(b.matches("] = alpha").count(), 1, "{}:\n{b}", rows.name);
+            assert!(writes >= 2, "{}:\n{b}", rows.name);
+        }
+    }
+}

@@ -69,7 +69,7 @@ pub use ws::lower_ws;
 /// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint), asking
 /// L2 for the rows `l2_ahead` steps past each step's copies (0: no prefetch).
 pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32, l2_ahead: u32) -> Result<Kernel> {
-    let mut cx = Cx::new(kernel, stages, false, 1)?;
+    let mut cx = Cx::new(kernel, stages, false, 1, false)?;
     cx.min_workgroups = min_workgroups;
     cx.l2_ahead = l2_ahead;
     let body = cx.stmts(&kernel.body)?;
@@ -112,7 +112,8 @@ impl Rewrite for Cx<'_> {
         match op {
             TileOp::AccFill { acc, value } => {
                 self.partial_live.remove(acc);
-                let len = 4 * self.acc(acc)?.frags();
+                self.summed.remove(acc);
+                let len = self.acc(acc)?.elems();
                 let i = self.fresh("fill_i");
                 out.push(for_const(
                     &i,
@@ -226,10 +227,12 @@ impl Rewrite for Cx<'_> {
                 ..
             } => {
                 self.materialize(s, out)?;
+                // S's split-K sum, since its last fill, ended in a workgroup barrier
+                let after_barrier = self.summed.remove(s);
                 for o in outs {
                     self.materialize(o, out)?;
                 }
-                self.online_softmax(s, (m, l), outs, p_tile, out)?
+                self.online_softmax(s, (m, l), outs, p_tile, after_barrier, out)?
             }
             TileOp::SharedMap {
                 dst,

@@ -58,10 +58,16 @@ pub enum Lowering {
     /// `l2_ahead` > 0: the producer warps also ask L2 for the rows of the step `l2_ahead`
     /// steps past the last one whose copies are in flight, so those copies wait for L2, not
     /// DRAM, and a stage's shared memory is held for a shorter time (0: no prefetch).
+    ///
+    /// `row_softmax`: a split-K accumulator that the online softmax reads is held in rows
+    /// (each row's columns over a few adjacent lanes of the holder warps) instead of mma
+    /// fragments, so its row maxima need no shared-memory exchange and no barrier; the
+    /// outputs' rescale factors go out with P (see `lower_mma::softmax`).
     MmaWs {
         stages: u32,
         groups: u32,
         l2_ahead: u32,
+        row_softmax: bool,
     },
 }
 
@@ -88,6 +94,7 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             stages,
             groups,
             l2_ahead,
-        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead),
+            row_softmax,
+        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead, row_softmax),
     }
 }

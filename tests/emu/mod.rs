@@ -66,6 +66,9 @@ pub struct EmuConfig {
     /// it can run — the grid at most [`MERGED_BLOCKS`] blocks — not only where the backend
     /// finds it pays (`DecodePlan::merged_where_it_can`); `None`: never.
     pub merge: Option<u32>,
+    /// v7 and the large-batch kernel with their scores held in rows for the softmax
+    /// (`DecodeConfig::with_row_softmax`).
+    pub row_softmax: bool,
 }
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
@@ -99,12 +102,15 @@ impl EmuConfig {
                 2 => Some(17),
                 _ => None,
             },
+            // run 0 holds the scores in rows: both softmax forms of v7 run, each on every
+            // kernel the backend picks for its SM count
+            row_softmax: i == 0,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -118,6 +124,11 @@ impl EmuConfig {
                 Some(0) => " (merged wherever it can)".to_string(),
                 Some(h) => format!(" (merged wherever it can at H >= {h})"),
                 None => String::new(),
+            },
+            if self.row_softmax {
+                " (scores held in rows)"
+            } else {
+                ""
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -388,10 +399,11 @@ impl EmuDevice {
         }
         let c = self.config;
         let path = format!(
-            "{path}.sm{}{}{}",
+            "{path}.sm{}{}{}{}",
             c.arch,
             if c.v7 { "v7" } else { "v6" },
-            if c.one_stage { "1s" } else { "" }
+            if c.one_stage { "1s" } else { "" },
+            if c.row_softmax { "r" } else { "" }
         );
         let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
         std::fs::OpenOptions::new()
@@ -456,6 +468,8 @@ impl Device for EmuDevice {
         {
             self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
+        let config = config.with_row_softmax(self.config.row_softmax);
+        lowered_kernels(&config)?;
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
         Ok(match self.config.merge {

@@ -442,6 +442,7 @@ impl DecodeConfig {
                 stages,
                 groups: 1,
                 l2_ahead: 0,
+                row_softmax: false,
             },
         }
     }
@@ -460,6 +461,19 @@ impl DecodeConfig {
                 ..
             } => *a = l2_ahead,
             Lowering::Scalar => {}
+        }
+        self
+    }
+
+    /// This configuration with its scores held in rows for the online softmax
+    /// ([`Lowering::MmaWs`]'s `row_softmax`); other lowerings as they are.
+    pub fn with_row_softmax(mut self, on: bool) -> Self {
+        if let Lowering::MmaWs {
+            row_softmax: ref mut r,
+            ..
+        } = self.lowering
+        {
+            *r = on;
         }
         self
     }
@@ -488,7 +502,8 @@ impl DecodeConfig {
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
     pub fn is_batch(&self) -> bool {
         matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
-            || Some(*self) == Self::tensor_core_batch(self.dims, self.format, self.block_h)
+            || Some(self.with_row_softmax(false))
+                == Self::tensor_core_batch(self.dims, self.format, self.block_h)
     }
 
     /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.
@@ -515,6 +530,7 @@ impl DecodeConfig {
                 stages,
                 groups,
                 l2_ahead: 0,
+                row_softmax: false,
             },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
@@ -591,6 +607,7 @@ impl DecodeConfig {
                 stages,
                 groups,
                 l2_ahead,
+                row_softmax,
             } => {
                 let g = if groups > 1 {
                     format!("g{groups}")
@@ -602,7 +619,8 @@ impl DecodeConfig {
                 } else {
                     String::new()
                 };
-                format!("ws{stages}w{}{g}{p}", self.threads / 32)
+                let r = if row_softmax { "r" } else { "" };
+                format!("ws{stages}w{}{g}{p}{r}", self.threads / 32)
             }
         };
         format!(

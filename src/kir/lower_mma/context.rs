@@ -56,12 +56,40 @@ pub(super) struct AccInfo {
     pub(super) interleave: bool,
     /// The product into this accumulator is split along K over the warps (see `ksplit`).
     pub(super) ksplit: Option<ksplit::KSplit>,
+    /// Held in rows, not fragments (a split-K accumulator whose sum the softmax reads; see
+    /// [`RowsForm`]).
+    pub(super) rows: Option<RowsForm>,
 }
 
 impl AccInfo {
     pub(super) fn frags(&self) -> u32 {
         self.fmw * self.fnw
     }
+
+    /// Registers per thread (the length of its private array).
+    pub(super) fn elems(&self) -> u32 {
+        match &self.rows {
+            Some(r) => r.cols,
+            None => 4 * self.frags(),
+        }
+    }
+}
+
+/// A split-K accumulator `[rows, cols]` held in rows ([`crate::kir::Lowering::MmaWs`]'s
+/// `row_softmax`): in warps below `used`, `lanes` adjacent lanes hold one row, each `cols`
+/// adjacent columns of it — lane `l` of warp `w` row `w · (32 / lanes) + l / lanes`, columns
+/// from `(l % lanes) · cols`. Its split-K sum reads whole 16-byte runs of the partials, and
+/// a row's maximum and sum are `log2(lanes)` shuffles, with no shared table between warps.
+#[derive(Clone, Debug)]
+pub(super) struct RowsForm {
+    pub(super) lanes: u32,
+    pub(super) cols: u32,
+    pub(super) used: u32,
+    /// This thread's row and first column (u32 variables).
+    pub(super) row: Expr,
+    pub(super) col0: Expr,
+    /// `lane % lanes == 0`: the lane that writes the row's shared state.
+    pub(super) first: Expr,
 }
 
 /// Per-lane values every warp-level op uses, bound once at the top of the kernel.
@@ -125,6 +153,8 @@ pub(super) struct Cx<'k> {
     pub(super) ws: Option<ws::WsInfo>,
     /// Split-K accumulators whose partials hold products not yet summed.
     pub(super) partial_live: HashSet<String>,
+    /// Split-K accumulators summed (a workgroup barrier, then the sum) since their last fill.
+    pub(super) summed: HashSet<String>,
     /// A operands kept in registers (tile name -> per-op registers).
     pub(super) resident_a: HashMap<String, resident::ResidentA>,
     /// Warp groups of the workgroup (1: none); `w` and `warps` then count one group's.
@@ -136,6 +166,8 @@ pub(super) struct Cx<'k> {
     pub(super) group: Option<groups::GroupPlan>,
     /// The running scale of the f16 `P · V` products of the pipeline being lowered.
     pub(super) units: Option<super::e4m3::Units>,
+    /// Split-K accumulators that an online softmax reads are held in rows ([`RowsForm`]).
+    pub(super) row_softmax: bool,
 }
 
 impl Cx<'_> {
@@ -209,11 +241,12 @@ impl Cx<'_> {
 
     /// Wrap warp-level code so that only the warps holding fragments of `acc` run it.
     pub(super) fn for_used_warps(&self, acc: &AccInfo, body: Vec<Stmt>) -> Vec<Stmt> {
-        if acc.used == self.warps {
+        let used = acc.rows.as_ref().map_or(acc.used, |r| r.used);
+        if used == self.warps {
             body
         } else {
             vec![Stmt::If {
-                cond: lt(self.lane.warp.clone(), u(acc.used)),
+                cond: lt(self.lane.warp.clone(), u(used)),
                 then: body,
                 els: vec![],
             }]

@@ -611,6 +611,38 @@ impl Cx<'_> {
             )],
         ));
         out.push(Stmt::Barrier);
+        self.summed.insert(acc.to_string());
+        if let Some(rf) = info.rows.clone() {
+            // held in rows: each thread adds its `cols` adjacent columns of every slice (whole
+            // 16-byte runs of a row), column by column
+            let (c, g) = (self.fresh("c"), self.fresh("g"));
+            let cv = var(&c, Ty::U32);
+            let sum = self.fresh("sum");
+            let sv = var(&sum, Ty::F32);
+            let cell = self.fresh("cell");
+            let body = vec![
+                Stmt::Var {
+                    name: sum.clone(),
+                    value: priv_load(acc, cv.clone()),
+                },
+                let_(
+                    &cell,
+                    add(
+                        mul(rf.row.clone(), u(stride)),
+                        add(rf.col0.clone(), cv.clone()),
+                    ),
+                ),
+                slices_sum(&scratch, &sum, &g, ks.gk, rows * stride, &cell),
+                Stmt::PrivateStore {
+                    arr: acc.to_string(),
+                    index: cv,
+                    value: sv,
+                },
+            ];
+            let lp = for_const(&c, rf.cols, body);
+            out.extend(self.for_used_warps(&info, vec![lp]));
+            return Ok(());
+        }
         // the holders of S's rows add the slices into their fragments: each holder warp's
         // whole `[fmw, fnw]` fragment grid (a warp may hold several m fragments: S
         // [32 x 64] on 4 holder warps is 2 x 2 fragments each)
@@ -650,25 +682,7 @@ impl Cx<'_> {
         }];
         let cell = self.fresh("cell");
         inner.push(let_(&cell, add(mul(row2, u(stride)), col2)));
-        inner.push(for_const(
-            &g2,
-            ks.gk,
-            vec![Stmt::Assign {
-                name: sum.clone(),
-                value: bin(
-                    BinOp::Add,
-                    sv.clone(),
-                    Expr::SharedLoad {
-                        arr: scratch.clone(),
-                        ty: Ty::F32,
-                        index: Box::new(add(
-                            mul(var(&g2, Ty::U32), u(rows * stride)),
-                            var(&cell, Ty::U32),
-                        )),
-                    },
-                ),
-            }],
-        ));
+        inner.push(slices_sum(&scratch, &sum, &g2, ks.gk, rows * stride, &cell));
         inner.push(Stmt::PrivateStore {
             arr: acc.to_string(),
             index: idx,
@@ -682,4 +696,27 @@ impl Cx<'_> {
         out.extend(self.for_used_warps(&info, vec![lp]));
         Ok(())
     }
+}
+
+/// `sum += scratch[g · slice_words + cell]` for each slice `g < gk` of a split-K scratch.
+fn slices_sum(scratch: &str, sum: &str, g: &str, gk: u32, slice_words: u32, cell: &str) -> Stmt {
+    for_const(
+        g,
+        gk,
+        vec![Stmt::Assign {
+            name: sum.to_string(),
+            value: bin(
+                BinOp::Add,
+                var(sum, Ty::F32),
+                Expr::SharedLoad {
+                    arr: scratch.to_string(),
+                    ty: Ty::F32,
+                    index: Box::new(add(
+                        mul(var(g, Ty::U32), u(slice_words)),
+                        var(cell, Ty::U32),
+                    )),
+                },
+            ),
+        }],
+    )
 }

@@ -31,6 +31,7 @@
 //! reads or writes, does the same around itself, every time. Sums are added in another order
 //! than the definition's, so `l` may differ from it by rounding.
 
+use super::context::RowsForm;
 use super::{
     add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, lt, mul, priv_load, shared_load, u,
     var, AccInfo, Cx,
@@ -85,6 +86,9 @@ pub(super) struct SoftmaxRegs {
     exchange: bool,
     /// Without the exchange: this step's row max of S (private array).
     row_max: String,
+    /// S held in rows ([`RowsForm`]): its state is one row a thread, `m_reg[0]` / `l_part[0]`,
+    /// and `sets` are the outputs' only.
+    rows: Option<RowsForm>,
 }
 
 impl SoftmaxRegs {
@@ -199,6 +203,11 @@ impl Cx<'_> {
         });
         let mut len = 0;
         for (s, outs) in ops {
+            if self.acc(&s)?.rows.is_some() {
+                // the rescale factors, one a row
+                len = len.max(self.acc(&s)?.decl.rows);
+                continue;
+            }
             let layout = self.softmax_layout(&s, &outs)?;
             if layout.exchange {
                 len = len.max(self.acc(&s)?.decl.rows * layout.stride);
@@ -235,6 +244,9 @@ impl Cx<'_> {
                     )))
                 }
             }
+        }
+        if let Some(rf) = self.acc(s)?.rows.clone() {
+            return self.softmax_regs_rows(s, (m, l), outs, rf);
         }
         let Layout {
             sets,
@@ -273,6 +285,65 @@ impl Cx<'_> {
             stride,
             exchange,
             row_max,
+            rows: None,
+        })
+    }
+
+    /// [`Self::softmax_regs`] of an S held in rows: registers for one row a thread, and row
+    /// sets for the outputs' rescale factors.
+    fn softmax_regs_rows(
+        &mut self,
+        s: &str,
+        (m, l): (&str, &str),
+        outs: &[String],
+        rf: RowsForm,
+    ) -> Result<SoftmaxRegs> {
+        let rows = self.acc(s)?.decl.rows;
+        let mut shapes: Vec<SetShape> = Vec::new();
+        let mut out_sets = Vec::new();
+        for o in outs {
+            let oi = self.acc(o)?;
+            if oi.decl.rows != rows {
+                return Err(self.err(format!(
+                    "online softmax of {s} ({rows} rows): output {o} has {} rows",
+                    oi.decl.rows
+                )));
+            }
+            let shape = set_shape(oi);
+            out_sets.push(match shapes.iter().position(|x| x.key == shape.key) {
+                Some(k) => {
+                    shapes[k].used = shapes[k].used.max(shape.used);
+                    k
+                }
+                None => {
+                    shapes.push(shape);
+                    shapes.len() - 1
+                }
+            });
+        }
+        let sets = shapes
+            .into_iter()
+            .map(|x| RowSet {
+                row0: x.row0,
+                fmw: x.fmw,
+                used: x.used,
+                alpha: self.private("row_alpha", Ty::F32, 2 * x.fmw),
+            })
+            .collect();
+        Ok(SoftmaxRegs {
+            m: m.to_string(),
+            l: l.to_string(),
+            s: s.to_string(),
+            outs: outs.to_vec(),
+            sets,
+            s_set: 0,
+            out_sets,
+            m_reg: self.private(&format!("{m}_reg"), Ty::F32, 1),
+            l_part: self.private(&format!("{l}_part"), Ty::F32, 1),
+            stride: 1,
+            exchange: false,
+            row_max: String::new(),
+            rows: Some(rf),
         })
     }
 
@@ -313,23 +384,27 @@ impl Cx<'_> {
     }
 
     /// Lower one [`TileOp::OnlineSoftmax`].
+    ///
+    /// `after_barrier`: a workgroup barrier was just placed before it (S's split-K sum) with
+    /// no other op between.
     pub(super) fn online_softmax(
         &mut self,
         s: &str,
         (m, l): (&str, &str),
         outs: &[String],
         p_tile: &str,
+        after_barrier: bool,
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
         if let Some(r) = self.resident.get(m).cloned() {
             if r.s == s && r.l == l && r.outs == outs {
-                out.extend(self.softmax_step(&r, p_tile)?);
+                out.extend(self.softmax_step(&r, p_tile, after_barrier)?);
                 return Ok(());
             }
         }
         let r = self.softmax_regs(s, (m, l), outs)?;
         out.extend(self.softmax_load(&r)?);
-        out.extend(self.softmax_step(&r, p_tile)?);
+        out.extend(self.softmax_step(&r, p_tile, after_barrier)?);
         out.extend(self.softmax_store(&r)?);
         Ok(())
     }
@@ -368,6 +443,30 @@ impl Cx<'_> {
             "online softmax: row state {} / {} into registers",
             r.m, r.l
         ))];
+        if let Some(rf) = &r.rows {
+            // one row a thread: its max in every lane of the row, its sum in the first
+            let s = self.acc(&r.s)?.clone();
+            out.extend(self.for_used_warps(
+                &s,
+                vec![
+                    Stmt::PrivateStore {
+                        arr: r.m_reg.clone(),
+                        index: u(0),
+                        value: shared_load(&r.m, Ty::F32, rf.row.clone()),
+                    },
+                    Stmt::PrivateStore {
+                        arr: r.l_part.clone(),
+                        index: u(0),
+                        value: Expr::Select(
+                            Box::new(rf.first.clone()),
+                            Box::new(shared_load(&r.l, Ty::F32, rf.row.clone())),
+                            Box::new(Expr::F32(0.0)),
+                        ),
+                    },
+                ],
+            ));
+            return Ok(out);
+        }
         let set = r.sets[r.s_set].clone();
         out.extend(self.rows_loop((&set.row0, set.fmw, set.used), |_, at| {
             Ok(vec![Stmt::PrivateStore {
@@ -405,6 +504,38 @@ impl Cx<'_> {
             "online softmax: row state {} / {} back to shared memory (partial sums added up)",
             r.m, r.l
         ))];
+        if let Some(rf) = &r.rows {
+            // the row's partial sums over its lanes; its first lane writes the state, after
+            // the warp's lanes meet (they read it at the start, and a loop of no steps has no
+            // barrier between)
+            let x = self.fresh("row_sum");
+            let xv = var(&x, Ty::F32);
+            let mut b = vec![Stmt::Var {
+                name: x.clone(),
+                value: priv_load(&r.l_part, u(0)),
+            }];
+            b.extend(self.lanes_reduce(&x, rf.lanes, fadd));
+            b.push(intr(Intrinsic::SyncWarp));
+            b.push(Stmt::If {
+                cond: rf.first.clone(),
+                then: vec![
+                    Stmt::SharedStore {
+                        arr: r.l.clone(),
+                        index: rf.row.clone(),
+                        value: xv,
+                    },
+                    Stmt::SharedStore {
+                        arr: r.m.clone(),
+                        index: rf.row.clone(),
+                        value: priv_load(&m_s, u(0)),
+                    },
+                ],
+                els: vec![],
+            });
+            out.extend(self.for_used_warps(&s, b));
+            out.push(Stmt::Barrier);
+            return Ok(out);
+        }
         let cross = s.gn > 1;
         let table = if cross { self.table()? } else { String::new() };
         if !cross {
@@ -434,18 +565,7 @@ impl Cx<'_> {
                 name: x.clone(),
                 value: priv_load(&r.l_part, slot.clone()),
             }];
-            for mask in [1, 2] {
-                let o = cx.fresh("other");
-                b.push(intr(Intrinsic::ShflXor {
-                    dst: o.clone(),
-                    value: xv.clone(),
-                    lane_mask: mask,
-                }));
-                b.push(Stmt::Assign {
-                    name: x.clone(),
-                    value: fadd(xv.clone(), var(&o, Ty::F32)),
-                });
-            }
+            b.extend(cx.lanes_reduce(&x, 4, fadd));
             let then = if cross {
                 vec![Stmt::SharedStore {
                     arr: table.clone(),
@@ -497,7 +617,15 @@ impl Cx<'_> {
     }
 
     /// One step on the registers (see the module comment).
-    fn softmax_step(&mut self, r: &SoftmaxRegs, p_tile: &str) -> Result<Vec<Stmt>> {
+    fn softmax_step(
+        &mut self,
+        r: &SoftmaxRegs,
+        p_tile: &str,
+        after_barrier: bool,
+    ) -> Result<Vec<Stmt>> {
+        if r.rows.is_some() {
+            return self.softmax_step_rows(r, p_tile, after_barrier);
+        }
         let s = self.acc(&r.s)?.clone();
         let sset = r.sets[r.s_set].clone();
         let table = if r.exchange {
@@ -534,18 +662,7 @@ impl Cx<'_> {
                     });
                 }
             }
-            for mask in [1, 2] {
-                let o = cx.fresh("other");
-                b.push(intr(Intrinsic::ShflXor {
-                    dst: o.clone(),
-                    value: xv.clone(),
-                    lane_mask: mask,
-                }));
-                b.push(Stmt::Assign {
-                    name: x.clone(),
-                    value: fmax(xv.clone(), var(&o, Ty::F32)),
-                });
-            }
+            b.extend(cx.lanes_reduce(&x, 4, fmax));
             b.push(if r.exchange {
                 let at = mul(row, u(r.stride));
                 let mut then = vec![Stmt::SharedStore {
@@ -709,6 +826,20 @@ impl Cx<'_> {
                 },
             ])
         })?);
+        out.extend(self.rescale_outs(r)?);
+        // 4. P for P · V
+        if !r.exchange {
+            // Barrier: P · V of the previous step may still read p_tile (write-after-read).
+            out.push(Stmt::Barrier);
+        }
+        out.extend(self.acc_to_shared_stores(&r.s, p_tile)?);
+        out.push(Stmt::Barrier);
+        Ok(out)
+    }
+
+    /// Every output accumulator times its rows' `alpha` (in the row sets' registers).
+    fn rescale_outs(&mut self, r: &SoftmaxRegs) -> Result<Vec<Stmt>> {
+        let mut out = Vec::new();
         for (o, &k) in r.outs.iter().zip(&r.out_sets) {
             let oi = self.acc(o)?.clone();
             let alpha = r.sets[k].alpha.clone();
@@ -733,13 +864,168 @@ impl Cx<'_> {
             let lp = for_const(&f, oi.frags(), vec![for_const(&h, 2, body)]);
             out.extend(self.for_used_warps(&oi, vec![lp]));
         }
-        // 4. P for P · V
-        if !r.exchange {
-            // Barrier: P · V of the previous step may still read p_tile (write-after-read).
+        Ok(out)
+    }
+
+    /// `x = op(x, x of lane ^ mask)` for the masks below `lanes`: the value over `lanes`
+    /// adjacent lanes (a power of two), in each of them.
+    fn lanes_reduce(&mut self, x: &str, lanes: u32, op: fn(Expr, Expr) -> Expr) -> Vec<Stmt> {
+        let xv = var(x, Ty::F32);
+        let mut b = Vec::new();
+        let mut mask = 1;
+        while mask < lanes {
+            let o = self.fresh("other");
+            b.push(intr(Intrinsic::ShflXor {
+                dst: o.clone(),
+                value: xv.clone(),
+                lane_mask: mask,
+            }));
+            b.push(Stmt::Assign {
+                name: x.to_string(),
+                value: op(xv.clone(), var(&o, Ty::F32)),
+            });
+            mask *= 2;
+        }
+        b
+    }
+
+    /// One step with S held in rows ([`RowsForm`]): each holder thread has one row's `cols`
+    /// adjacent columns, so the row max is its own then `log2(lanes)` shuffles — no exchange
+    /// between warps, no barrier before P. Each row's first lane writes its `alpha` to the
+    /// table beside P; after P's barrier every output holder reads the factors of its rows
+    /// and rescales. The table and `p_tile` were last read before the barrier at S's split-K
+    /// sum (else one is placed here).
+    fn softmax_step_rows(
+        &mut self,
+        r: &SoftmaxRegs,
+        p_tile: &str,
+        after_barrier: bool,
+    ) -> Result<Vec<Stmt>> {
+        let s = self.acc(&r.s)?.clone();
+        let rf = r
+            .rows
+            .clone()
+            .ok_or_else(|| self.err("row softmax without its row form".into()))?;
+        let table = self.table()?;
+        let mut out = Vec::new();
+        if !after_barrier {
+            // Barrier: the previous step's P · V and rescale may still read p_tile and the
+            // table (write-after-read).
             out.push(Stmt::Barrier);
         }
+        out.push(Stmt::Comment(
+            "online softmax (rows): row max over the row's lanes, alpha, P, partial row sum".into(),
+        ));
+        let at = |c: u32| priv_load(&r.s, u(c));
+        let x = self.fresh("row_max_part");
+        let xv = var(&x, Ty::F32);
+        let mut b = vec![Stmt::Var {
+            name: x.clone(),
+            value: fmax(at(0), at(1)),
+        }];
+        for c in 2..rf.cols {
+            b.push(Stmt::Assign {
+                name: x.clone(),
+                value: fmax(xv.clone(), at(c)),
+            });
+        }
+        b.extend(self.lanes_reduce(&x, rf.lanes, fmax));
+        let (mo, mx, al) = (
+            self.fresh("m_old"),
+            self.fresh("m_new"),
+            self.fresh("alpha"),
+        );
+        let (ov, mv, alv) = (var(&mo, Ty::F32), var(&mx, Ty::F32), var(&al, Ty::F32));
+        b.push(let_(&mo, priv_load(&r.m_reg, u(0))));
+        b.push(let_(&mx, fmax(ov.clone(), xv)));
+        b.push(let_(&al, exp_fast(bin(BinOp::Sub, ov, mv.clone()))));
+        b.push(Stmt::PrivateStore {
+            arr: r.m_reg.clone(),
+            index: u(0),
+            value: mv.clone(),
+        });
+        // p = 2^(s·log2 e − m·log2 e), as in the fragment form (a row masked so far takes
+        // m = 0, so a masked score gives −inf and p = 0)
+        let neg_m = self.fresh("neg_m_log2e");
+        let neg_mv = var(&neg_m, Ty::F32);
+        b.push(let_(
+            &neg_m,
+            bin(
+                BinOp::Mul,
+                Expr::Select(
+                    Box::new(bin(BinOp::Lt, mv.clone(), Expr::F32(MASKED_BELOW))),
+                    Box::new(Expr::F32(0.0)),
+                    Box::new(mv),
+                ),
+                Expr::F32(-std::f32::consts::LOG2_E),
+            ),
+        ));
+        let (c, p, sum) = (self.fresh("c"), self.fresh("p"), self.fresh("p_sum"));
+        let (cv, pv, sumv) = (var(&c, Ty::U32), var(&p, Ty::F32), var(&sum, Ty::F32));
+        b.push(Stmt::Var {
+            name: sum.clone(),
+            value: Expr::F32(0.0),
+        });
+        b.push(for_const(
+            &c,
+            rf.cols,
+            vec![
+                let_(
+                    &p,
+                    exp2_fast(fma(
+                        priv_load(&r.s, cv.clone()),
+                        Expr::F32(std::f32::consts::LOG2_E),
+                        neg_mv,
+                    )),
+                ),
+                Stmt::PrivateStore {
+                    arr: r.s.clone(),
+                    index: cv,
+                    value: pv.clone(),
+                },
+                Stmt::Assign {
+                    name: sum.clone(),
+                    value: fadd(sumv.clone(), pv),
+                },
+            ],
+        ));
+        b.push(Stmt::PrivateStore {
+            arr: r.l_part.clone(),
+            index: u(0),
+            value: fadd(
+                bin(BinOp::Mul, priv_load(&r.l_part, u(0)), alv.clone()),
+                sumv,
+            ),
+        });
+        b.push(Stmt::If {
+            cond: rf.first.clone(),
+            then: vec![Stmt::SharedStore {
+                arr: table.clone(),
+                index: rf.row.clone(),
+                value: alv,
+            }],
+            els: vec![],
+        });
+        out.extend(self.for_used_warps(&s, b));
+        // P for P · V, then the barrier after which the table and P are read
         out.extend(self.acc_to_shared_stores(&r.s, p_tile)?);
         out.push(Stmt::Barrier);
+        out.push(Stmt::Comment(
+            "online softmax (rows): the outputs rescaled by their rows' alpha".into(),
+        ));
+        for (k, set) in r.sets.clone().into_iter().enumerate() {
+            if !r.out_sets.contains(&k) {
+                continue;
+            }
+            out.extend(self.rows_loop((&set.row0, set.fmw, set.used), |_, ra| {
+                Ok(vec![Stmt::PrivateStore {
+                    arr: set.alpha.clone(),
+                    index: ra.slot.clone(),
+                    value: shared_load(&table, Ty::F32, ra.row.clone()),
+                }])
+            })?);
+        }
+        out.extend(self.rescale_outs(r)?);
         Ok(out)
     }
 }

@@ -21,6 +21,19 @@ impl Cx<'_> {
         body: impl FnOnce(&mut Self, Expr, Expr) -> Result<Vec<Stmt>>,
     ) -> Result<Vec<Stmt>> {
         let info = self.acc(acc)?.clone();
+        if let Some(rf) = info.rows.clone() {
+            // held in rows: the thread's columns two at a time
+            let k = self.fresh("pair");
+            let kv = var(&k, Ty::U32);
+            let at = mul(kv.clone(), u(2));
+            let mut inner = vec![
+                let_(row, rf.row.clone()),
+                let_(col, add(rf.col0.clone(), at.clone())),
+            ];
+            inner.extend(body(self, at.clone(), add(at, u(1)))?);
+            let lp = for_const(&k, rf.cols / 2, inner);
+            return Ok(self.for_used_warps(&info, vec![lp]));
+        }
         let (f, h) = (self.fresh("frag"), self.fresh("half"));
         let (fv, hv) = (var(&f, Ty::U32), var(&h, Ty::U32));
         if info.interleave {

@@ -60,7 +60,16 @@ impl WsInfo {
 ///
 /// `groups` > 1: `kernel` is one group's work and the workgroup holds `groups` copies of it
 /// (see [`super::groups`]).
-pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Result<Kernel> {
+///
+/// `row_softmax`: split-K accumulators that an online softmax reads are held in rows (see
+/// [`crate::kir::Lowering::MmaWs`]).
+pub fn lower_ws(
+    kernel: &Kernel,
+    stages: u32,
+    groups: u32,
+    l2_ahead: u32,
+    row_softmax: bool,
+) -> Result<Kernel> {
     let at = kernel
         .body
         .iter()
@@ -82,7 +91,7 @@ pub fn lower_ws(kernel: &Kernel, stages: u32, groups: u32, l2_ahead: u32) -> Res
             "the producer/consumer lowering takes exactly one pipeline, at the top level".into(),
         ));
     }
-    let mut cx = Cx::new(kernel, stages, true, groups)?;
+    let mut cx = Cx::new(kernel, stages, true, groups, row_softmax)?;
     cx.min_workgroups = 1;
     cx.l2_ahead = l2_ahead;
     if groups > 1 {
