@@ -4,8 +4,10 @@
 //! against the float64 reference — three times: the kernels the backend picks on a GPU of one
 //! v6 workgroup per SM (`DecodeConfig::for_call`: v7, the large-batch kernel — bf16 in two warp
 //! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
-//! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed and
-//! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel), the same
+//! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed,
+//! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel) and the
+//! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`; the other runs take
+//! the fragment form the backend runs by default), the same
 //! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
 //! 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks, small bf16 calls on
 //! v6, above 16 heads in 16-head blocks, fp8's narrow calls of 6 blocks or more on 64-row
