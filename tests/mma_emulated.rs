@@ -208,3 +208,49 @@ fn split_k_scores_summed_over_two_m_fragments_a_warp() {
         o.failures.join("; ")
     );
 }
+
+/// The merged kernels (split and combine in one launch) with the scores held in rows
+/// (`DecodeConfig::with_row_softmax`): the suite's run 0 takes that form but keeps two
+/// launches, and run 1 merges in the fragment form. Here run 1's setting (sm_80 helpers, the
+/// choice for 96 SMs, merged wherever it can) on the long top-k lists, in rows (its fp8 calls
+/// run v7 there; its small bf16 calls v6, which has no row form); at least one case must have
+/// run merged.
+#[test]
+fn merged_kernels_with_the_scores_held_in_rows() {
+    if let Some(why) = emu::gxx_unavailable() {
+        common::skip("g++", &why);
+        return;
+    }
+    let seed = test_seed();
+    let config = emu::EmuConfig {
+        row_softmax: true,
+        ..emu::EmuConfig::mode(1, seed)
+    };
+    let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
+    let (mut merged, mut failed) = (0, Vec::new());
+    for case in decode_cases()
+        .into_iter()
+        .filter(|c| c.name().contains("k2048"))
+    {
+        match case.run(&backend, seed) {
+            Ok(o) => {
+                merged += o.detail.ends_with(" merged") as u32;
+                eprintln!(
+                    "{} rel_l2 {:.2e} lse_err {:.2e} {}",
+                    o.case, o.rel_l2, o.lse_err, o.detail
+                );
+                if !o.passed() {
+                    failed.push(format!("{}: {}", o.case, o.failures.join("; ")));
+                }
+            }
+            Err(e) => failed.push(format!("{}: error: {e}", case.name())),
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "SPARSE_MLA_SEED={seed}, {}: {}",
+        config.describe(),
+        failed.join("\n")
+    );
+    assert!(merged > 0, "{}: no case ran merged", config.describe());
+}
