@@ -916,19 +916,14 @@ impl Cx<'_> {
         out.push(Stmt::Comment(
             "online softmax (rows): row max over the row's lanes, alpha, P, partial row sum".into(),
         ));
-        let at = |c: u32| priv_load(&r.s, u(c));
+        // the thread's max and (below) its sum of P as trees: log2(cols) dependent
+        // instructions, not cols - 1, on the chain of the step
         let x = self.fresh("row_max_part");
         let xv = var(&x, Ty::F32);
         let mut b = vec![Stmt::Var {
             name: x.clone(),
-            value: fmax(at(0), at(1)),
+            value: tree(&r.s, rf.cols, fmax),
         }];
-        for c in 2..rf.cols {
-            b.push(Stmt::Assign {
-                name: x.clone(),
-                value: fmax(xv.clone(), at(c)),
-            });
-        }
         b.extend(self.lanes_reduce(&x, rf.lanes, fmax));
         let (mo, mx, al) = (
             self.fresh("m_old"),
@@ -960,35 +955,22 @@ impl Cx<'_> {
                 Expr::F32(-std::f32::consts::LOG2_E),
             ),
         ));
-        let (c, p, sum) = (self.fresh("c"), self.fresh("p"), self.fresh("p_sum"));
-        let (cv, pv, sumv) = (var(&c, Ty::U32), var(&p, Ty::F32), var(&sum, Ty::F32));
-        b.push(Stmt::Var {
-            name: sum.clone(),
-            value: Expr::F32(0.0),
-        });
+        let (c, sum) = (self.fresh("c"), self.fresh("p_sum"));
+        let (cv, sumv) = (var(&c, Ty::U32), var(&sum, Ty::F32));
         b.push(for_const(
             &c,
             rf.cols,
-            vec![
-                let_(
-                    &p,
-                    exp2_fast(fma(
-                        priv_load(&r.s, cv.clone()),
-                        Expr::F32(std::f32::consts::LOG2_E),
-                        neg_mv,
-                    )),
-                ),
-                Stmt::PrivateStore {
-                    arr: r.s.clone(),
-                    index: cv,
-                    value: pv.clone(),
-                },
-                Stmt::Assign {
-                    name: sum.clone(),
-                    value: fadd(sumv.clone(), pv),
-                },
-            ],
+            vec![Stmt::PrivateStore {
+                arr: r.s.clone(),
+                index: cv.clone(),
+                value: exp2_fast(fma(
+                    priv_load(&r.s, cv),
+                    Expr::F32(std::f32::consts::LOG2_E),
+                    neg_mv,
+                )),
+            }],
         ));
+        b.push(let_(&sum, tree(&r.s, rf.cols, fadd)));
         b.push(Stmt::PrivateStore {
             arr: r.l_part.clone(),
             index: u(0),
@@ -1028,6 +1010,21 @@ impl Cx<'_> {
         out.extend(self.rescale_outs(r)?);
         Ok(out)
     }
+}
+
+/// `op` over `arr[0 .. n]` (n a power of two) as a balanced tree.
+fn tree(arr: &str, n: u32, op: fn(Expr, Expr) -> Expr) -> Expr {
+    fn span(arr: &str, lo: u32, n: u32, op: fn(Expr, Expr) -> Expr) -> Expr {
+        if n == 1 {
+            priv_load(arr, u(lo))
+        } else {
+            op(
+                span(arr, lo, n / 2, op),
+                span(arr, lo + n / 2, n - n / 2, op),
+            )
+        }
+    }
+    span(arr, 0, n, op)
 }
 
 /// Does `s` read or write any of the shared arrays `names` (tile ops and their expansions
