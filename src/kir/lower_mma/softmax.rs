@@ -24,6 +24,13 @@
 //! `ex2` itself ([`Func::Exp2Fast`]); a masked score makes it −inf, so P is 0 without a select
 //! (benches/NOTES.md, v30).
 //!
+//! **Scores held in rows** ([`RowsForm`], `Lowering::MmaWs`'s `row_softmax`): when S is a
+//! split-K sum held one row a thread (a few adjacent lanes a row), step 1 needs no table: the
+//! row max is the thread's own and a few shuffles, and each row's holders compute `m_new`,
+//! `alpha` and P at once. The outputs' holders need `alpha` of their rows: each row's first
+//! lane writes it to the table beside P, and they read it after P's barrier — one workgroup
+//! barrier a step instead of two (benches/NOTES.md, v31).
+//!
 //! The shared `m` and `l` arrays hold the state only between loops: the registers are read
 //! from them before the pipeline whose compute stage holds the op and written back after it
 //! (the partials summed across the quad and the warps), so the code after the loop reads them
