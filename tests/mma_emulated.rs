@@ -211,8 +211,9 @@ fn split_k_scores_summed_over_two_m_fragments_a_warp() {
 
 /// The merged kernels (split and combine in one launch) with the scores held in rows
 /// (`DecodeConfig::with_row_softmax`): the suite's run 0 takes that form but keeps two
-/// launches, and run 1 merges in the fragment form. Here run 1's setting (sm_80 helpers, the
-/// choice for 96 SMs, merged wherever it can) on the long top-k lists, in rows (its fp8 calls
+/// launches, and run 1 merges in the fragment form. Here run 1's setting (the choice for 96
+/// SMs, merged wherever it can) with sm_90's helpers — the H200's path, where run 0 takes
+/// sm_120's — on the long top-k lists, in rows (its fp8 calls
 /// run v7 there; its small bf16 calls v6, which has no row form); at least one case must have
 /// run merged.
 #[test]
@@ -224,6 +225,7 @@ fn merged_kernels_with_the_scores_held_in_rows() {
     let seed = test_seed();
     let config = emu::EmuConfig {
         row_softmax: true,
+        arch: 900,
         ..emu::EmuConfig::mode(1, seed)
     };
     let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
