@@ -30,8 +30,8 @@
 //! gathers in flight); each job has its file: [`context`] (the lowering's state), [`layout`]
 //! (where tiles and accumulators live), [`gather`], [`pipeline`], [`mma`], [`reduce`],
 //! [`store`] (writes into shared tiles), [`softmax`], [`ksplit`] (split-K products),
-//! [`resident`] (A operands in registers), [`e4m3`] (e4m3 operands), [`ws`] (the
-//! producer/consumer form) and [`barriers`].
+//! [`resident`] (A operands in registers), [`e4m3`] (e4m3 operands), [`rows`] (a split-K
+//! accumulator held in rows), [`ws`] (the producer/consumer form) and [`barriers`].
 
 // the constructors the job files take from here
 use super::expr::{
@@ -59,6 +59,7 @@ mod mma;
 mod pipeline;
 mod reduce;
 mod resident;
+mod rows;
 mod softmax;
 mod store;
 mod ws;

@@ -58,7 +58,7 @@ pub(super) struct AccInfo {
     pub(super) ksplit: Option<ksplit::KSplit>,
     /// Held in rows, not fragments (a split-K accumulator whose sum the softmax reads; see
     /// [`RowsForm`]).
-    pub(super) rows: Option<RowsForm>,
+    pub(super) rows: Option<super::rows::RowsForm>,
 }
 
 impl AccInfo {
@@ -73,23 +73,6 @@ impl AccInfo {
             None => 4 * self.frags(),
         }
     }
-}
-
-/// A split-K accumulator `[rows, cols]` held in rows ([`crate::kir::Lowering::MmaWs`]'s
-/// `row_softmax`): in warps below `used`, `lanes` adjacent lanes hold one row, each `cols`
-/// adjacent columns of it — lane `l` of warp `w` row `w · (32 / lanes) + l / lanes`, columns
-/// from `(l % lanes) · cols`. Its split-K sum reads whole 16-byte runs of the partials, and
-/// a row's maximum and sum are `log2(lanes)` shuffles, with no shared table between warps.
-#[derive(Clone, Debug)]
-pub(super) struct RowsForm {
-    pub(super) lanes: u32,
-    pub(super) cols: u32,
-    pub(super) used: u32,
-    /// This thread's row and first column (u32 variables).
-    pub(super) row: Expr,
-    pub(super) col0: Expr,
-    /// `lane % lanes == 0`: the lane that writes the row's shared state.
-    pub(super) first: Expr,
 }
 
 /// Per-lane values every warp-level op uses, bound once at the top of the kernel.

@@ -613,34 +613,8 @@ impl Cx<'_> {
         out.push(Stmt::Barrier);
         self.summed.insert(acc.to_string());
         if let Some(rf) = info.rows.clone() {
-            // held in rows: each thread adds its `cols` adjacent columns of every slice (whole
-            // 16-byte runs of a row), column by column
-            let (c, g) = (self.fresh("c"), self.fresh("g"));
-            let cv = var(&c, Ty::U32);
-            let sum = self.fresh("sum");
-            let sv = var(&sum, Ty::F32);
-            let cell = self.fresh("cell");
-            let body = vec![
-                Stmt::Var {
-                    name: sum.clone(),
-                    value: priv_load(acc, cv.clone()),
-                },
-                let_(
-                    &cell,
-                    add(
-                        mul(rf.row.clone(), u(stride)),
-                        add(rf.col0.clone(), cv.clone()),
-                    ),
-                ),
-                slices_sum(&scratch, &sum, &g, ks.gk, rows * stride, &cell),
-                Stmt::PrivateStore {
-                    arr: acc.to_string(),
-                    index: cv,
-                    value: sv,
-                },
-            ];
-            let lp = for_const(&c, rf.cols, body);
-            out.extend(self.for_used_warps(&info, vec![lp]));
+            let sum = self.rows_sum(acc, &rf, &scratch, (ks.gk, rows, stride));
+            out.extend(self.for_used_warps(&info, sum));
             return Ok(());
         }
         // the holders of S's rows add the slices into their fragments: each holder warp's
@@ -699,7 +673,14 @@ impl Cx<'_> {
 }
 
 /// `sum += scratch[g · slice_words + cell]` for each slice `g < gk` of a split-K scratch.
-fn slices_sum(scratch: &str, sum: &str, g: &str, gk: u32, slice_words: u32, cell: &str) -> Stmt {
+pub(super) fn slices_sum(
+    scratch: &str,
+    sum: &str,
+    g: &str,
+    gk: u32,
+    slice_words: u32,
+    cell: &str,
+) -> Stmt {
     for_const(
         g,
         gk,

@@ -4,7 +4,6 @@
 use super::context::AccInfo;
 use super::context::Cx;
 use super::context::Lane;
-use super::context::RowsForm;
 use super::context::TileInfo;
 use super::{e4m3, ksplit, resident, ws, WARP};
 use crate::kir::expr::{add, bin, f32_from_bits, let_, local_id, mul, shared_load, u, var};
@@ -501,69 +500,6 @@ pub(super) fn tile_word(info: &TileInfo, base: Expr, row: Expr, word: Expr) -> E
             Expr::Call(Func::F32Bits, vec![tile_elem(info, row_word, u(0), word)])
         }
         _ => shared_load(name, Ty::U32, add(row_word, word)),
-    }
-}
-
-impl Cx<'_> {
-    /// The row form of split-K accumulator `a` ([`RowsForm`]), where it is asked for and fits:
-    /// the op reading its sum is an online softmax of it (or a per-element map), never a row
-    /// reduction, a store to shared memory or a softmax's output; the holder warps — the
-    /// lower half, as for fragments (the upper half issues the copies meanwhile, see `ws`) —
-    /// give each row a power of two of lanes, each an even number of columns.
-    fn rows_form(&mut self, a: &AccTileDecl) -> Option<RowsForm> {
-        if !self.row_softmax {
-            return None;
-        }
-        let mut softmax = false;
-        let mut other = false;
-        visit_tile_ops_with(&self.kernel.body, false, &mut |op| match op {
-            TileOp::OnlineSoftmax { s, outs, .. } => {
-                softmax |= *s == a.name;
-                other |= outs.contains(&a.name);
-            }
-            TileOp::AccRowReduce { acc, .. } | TileOp::AccToShared { acc, .. } => {
-                other |= *acc == a.name
-            }
-            _ => {}
-        });
-        if !softmax || other {
-            return None;
-        }
-        let used = self.warps - ws::producer_warps(self.warps);
-        let threads = used * WARP;
-        if used == 0 || threads % a.rows != 0 {
-            return None;
-        }
-        let lanes = threads / a.rows;
-        if !lanes.is_power_of_two() || lanes > WARP || a.cols % lanes != 0 {
-            return None;
-        }
-        let cols = a.cols / lanes;
-        if cols % 2 != 0 {
-            return None;
-        }
-        let (row, col0) = (
-            self.fresh(&format!("{}_row", a.name)),
-            self.fresh(&format!("{}_col", a.name)),
-        );
-        let lane = self.lane.lane.clone();
-        self.prelude.push(let_(
-            &row,
-            add(
-                mul(self.lane.warp.clone(), u(WARP / lanes)),
-                bin(BinOp::Div, lane.clone(), u(lanes)),
-            ),
-        ));
-        let within = bin(BinOp::Rem, lane, u(lanes));
-        self.prelude.push(let_(&col0, mul(within.clone(), u(cols))));
-        Some(RowsForm {
-            lanes,
-            cols,
-            used,
-            row: var(&row, Ty::U32),
-            col0: var(&col0, Ty::U32),
-            first: bin(BinOp::Eq, within, u(0)),
-        })
     }
 }
 

@@ -38,7 +38,7 @@
 //! reads or writes, does the same around itself, every time. Sums are added in another order
 //! than the definition's, so `l` may differ from it by rounding.
 
-use super::context::RowsForm;
+use super::rows::RowsForm;
 use super::{
     add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, lt, mul, priv_load, shared_load, u,
     var, AccInfo, Cx,
@@ -51,21 +51,21 @@ use crate::Result;
 /// `i < fmw`, `h < 2`, in the warps below `used`. Register arrays of the state are indexed
 /// `2·i + h`.
 #[derive(Clone)]
-struct RowSet {
-    row0: Expr,
-    fmw: u32,
-    used: u32,
+pub(super) struct RowSet {
+    pub(super) row0: Expr,
+    pub(super) fmw: u32,
+    pub(super) used: u32,
     /// This step's rescale factor of these rows (private array).
-    alpha: String,
+    pub(super) alpha: String,
 }
 
 /// One row of a [`rows_loop`](Cx::rows_loop): fragment row `i`, half `h`.
-struct RowAt {
-    i: Expr,
-    h: Expr,
+pub(super) struct RowAt {
+    pub(super) i: Expr,
+    pub(super) h: Expr,
     /// `2·i + h`: the row's index in the registers of its row set.
-    slot: Expr,
-    row: Expr,
+    pub(super) slot: Expr,
+    pub(super) row: Expr,
 }
 
 /// The register state of one online softmax and how its rows are spread.
@@ -73,29 +73,29 @@ struct RowAt {
 pub(super) struct SoftmaxRegs {
     /// The shared row max and row sum of the definition.
     pub(super) m: String,
-    l: String,
-    s: String,
-    outs: Vec<String>,
-    sets: Vec<RowSet>,
+    pub(super) l: String,
+    pub(super) s: String,
+    pub(super) outs: Vec<String>,
+    pub(super) sets: Vec<RowSet>,
     /// The row set of S, and of each output.
-    s_set: usize,
-    out_sets: Vec<usize>,
+    pub(super) s_set: usize,
+    pub(super) out_sets: Vec<usize>,
     /// Running max of the rows of S's row set (private array), kept by every warp that
     /// holds that set. Threads of other row sets read the old max from the table.
-    m_reg: String,
+    pub(super) m_reg: String,
     /// Partial row sums over this thread's columns of S (private array).
-    l_part: String,
+    pub(super) l_part: String,
     /// Words per row of the exchange table: the maxima of the warps along N, then (when an
     /// output's rows are spread otherwise than S's) the old running max.
-    stride: u32,
+    pub(super) stride: u32,
     /// Row maxima go through the shared table (else each S warp holds whole rows and every
     /// thread needs only rows it holds of S).
-    exchange: bool,
+    pub(super) exchange: bool,
     /// Without the exchange: this step's row max of S (private array).
-    row_max: String,
+    pub(super) row_max: String,
     /// S held in rows ([`RowsForm`]): its state is one row a thread, `m_reg[0]` / `l_part[0]`,
     /// and `sets` are the outputs' only.
-    rows: Option<RowsForm>,
+    pub(super) rows: Option<RowsForm>,
 }
 
 impl SoftmaxRegs {
@@ -114,12 +114,12 @@ impl SoftmaxRegs {
 }
 
 /// A row set before registers are given to it.
-struct SetShape {
+pub(super) struct SetShape {
     /// Layouts with the same key hold the same rows in the same threads.
-    key: (u32, u32, u32),
-    row0: Expr,
-    fmw: u32,
-    used: u32,
+    pub(super) key: (u32, u32, u32),
+    pub(super) row0: Expr,
+    pub(super) fmw: u32,
+    pub(super) used: u32,
 }
 
 /// How an online softmax's rows are spread over the threads.
@@ -132,7 +132,7 @@ struct Layout {
     stride: u32,
 }
 
-fn set_shape(a: &AccInfo) -> SetShape {
+pub(super) fn set_shape(a: &AccInfo) -> SetShape {
     let gm = a.used / a.gn;
     if gm == 1 {
         // one warp along M: every warp that holds fragments holds all rows
@@ -152,11 +152,11 @@ fn set_shape(a: &AccInfo) -> SetShape {
     }
 }
 
-fn fmax(a: Expr, b: Expr) -> Expr {
+pub(super) fn fmax(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Max, a, b)
 }
 
-fn fadd(a: Expr, b: Expr) -> Expr {
+pub(super) fn fadd(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Add, a, b)
 }
 
@@ -296,72 +296,14 @@ impl Cx<'_> {
         })
     }
 
-    /// [`Self::softmax_regs`] of an S held in rows: registers for one row a thread, and row
-    /// sets for the outputs' rescale factors.
-    fn softmax_regs_rows(
-        &mut self,
-        s: &str,
-        (m, l): (&str, &str),
-        outs: &[String],
-        rf: RowsForm,
-    ) -> Result<SoftmaxRegs> {
-        let rows = self.acc(s)?.decl.rows;
-        let mut shapes: Vec<SetShape> = Vec::new();
-        let mut out_sets = Vec::new();
-        for o in outs {
-            let oi = self.acc(o)?;
-            if oi.decl.rows != rows {
-                return Err(self.err(format!(
-                    "online softmax of {s} ({rows} rows): output {o} has {} rows",
-                    oi.decl.rows
-                )));
-            }
-            let shape = set_shape(oi);
-            out_sets.push(match shapes.iter().position(|x| x.key == shape.key) {
-                Some(k) => {
-                    shapes[k].used = shapes[k].used.max(shape.used);
-                    k
-                }
-                None => {
-                    shapes.push(shape);
-                    shapes.len() - 1
-                }
-            });
-        }
-        let sets = shapes
-            .into_iter()
-            .map(|x| RowSet {
-                row0: x.row0,
-                fmw: x.fmw,
-                used: x.used,
-                alpha: self.private("row_alpha", Ty::F32, 2 * x.fmw),
-            })
-            .collect();
-        Ok(SoftmaxRegs {
-            m: m.to_string(),
-            l: l.to_string(),
-            s: s.to_string(),
-            outs: outs.to_vec(),
-            sets,
-            s_set: 0,
-            out_sets,
-            m_reg: self.private(&format!("{m}_reg"), Ty::F32, 1),
-            l_part: self.private(&format!("{l}_part"), Ty::F32, 1),
-            stride: 1,
-            exchange: false,
-            row_max: String::new(),
-            rows: Some(rf),
-        })
-    }
-
-    fn table(&self) -> Result<String> {
+    pub(super) fn table(&self) -> Result<String> {
         self.softmax_table
             .clone()
             .ok_or_else(|| self.err("online softmax without its exchange table".into()))
     }
 
     /// `body` for every row this thread holds of a row set, in the warps that hold it.
-    fn rows_loop(
+    pub(super) fn rows_loop(
         &mut self,
         (row0, fmw, used): (&Expr, u32, u32),
         body: impl FnOnce(&mut Self, &RowAt) -> Result<Vec<Stmt>>,
@@ -451,27 +393,7 @@ impl Cx<'_> {
             r.m, r.l
         ))];
         if let Some(rf) = &r.rows {
-            // one row a thread: its max in every lane of the row, its sum in the first
-            let s = self.acc(&r.s)?.clone();
-            out.extend(self.for_used_warps(
-                &s,
-                vec![
-                    Stmt::PrivateStore {
-                        arr: r.m_reg.clone(),
-                        index: u(0),
-                        value: shared_load(&r.m, Ty::F32, rf.row.clone()),
-                    },
-                    Stmt::PrivateStore {
-                        arr: r.l_part.clone(),
-                        index: u(0),
-                        value: Expr::Select(
-                            Box::new(rf.first.clone()),
-                            Box::new(shared_load(&r.l, Ty::F32, rf.row.clone())),
-                            Box::new(Expr::F32(0.0)),
-                        ),
-                    },
-                ],
-            ));
+            out.extend(self.softmax_load_rows(r, rf)?);
             return Ok(out);
         }
         let set = r.sets[r.s_set].clone();
@@ -512,35 +434,7 @@ impl Cx<'_> {
             r.m, r.l
         ))];
         if let Some(rf) = &r.rows {
-            // the row's partial sums over its lanes; its first lane writes the state, after
-            // the warp's lanes meet (they read it at the start, and a loop of no steps has no
-            // barrier between)
-            let x = self.fresh("row_sum");
-            let xv = var(&x, Ty::F32);
-            let mut b = vec![Stmt::Var {
-                name: x.clone(),
-                value: priv_load(&r.l_part, u(0)),
-            }];
-            b.extend(self.lanes_reduce(&x, rf.lanes, fadd));
-            b.push(intr(Intrinsic::SyncWarp));
-            b.push(Stmt::If {
-                cond: rf.first.clone(),
-                then: vec![
-                    Stmt::SharedStore {
-                        arr: r.l.clone(),
-                        index: rf.row.clone(),
-                        value: xv,
-                    },
-                    Stmt::SharedStore {
-                        arr: r.m.clone(),
-                        index: rf.row.clone(),
-                        value: priv_load(&m_s, u(0)),
-                    },
-                ],
-                els: vec![],
-            });
-            out.extend(self.for_used_warps(&s, b));
-            out.push(Stmt::Barrier);
+            out.extend(self.softmax_store_rows(r, rf, &m_s)?);
             return Ok(out);
         }
         let cross = s.gn > 1;
@@ -845,7 +739,7 @@ impl Cx<'_> {
     }
 
     /// Every output accumulator times its rows' `alpha` (in the row sets' registers).
-    fn rescale_outs(&mut self, r: &SoftmaxRegs) -> Result<Vec<Stmt>> {
+    pub(super) fn rescale_outs(&mut self, r: &SoftmaxRegs) -> Result<Vec<Stmt>> {
         let mut out = Vec::new();
         for (o, &k) in r.outs.iter().zip(&r.out_sets) {
             let oi = self.acc(o)?.clone();
@@ -876,7 +770,12 @@ impl Cx<'_> {
 
     /// `x = op(x, x of lane ^ mask)` for the masks below `lanes`: the value over `lanes`
     /// adjacent lanes (a power of two), in each of them.
-    fn lanes_reduce(&mut self, x: &str, lanes: u32, op: fn(Expr, Expr) -> Expr) -> Vec<Stmt> {
+    pub(super) fn lanes_reduce(
+        &mut self,
+        x: &str,
+        lanes: u32,
+        op: fn(Expr, Expr) -> Expr,
+    ) -> Vec<Stmt> {
         let xv = var(x, Ty::F32);
         let mut b = Vec::new();
         let mut mask = 1;
@@ -895,143 +794,6 @@ impl Cx<'_> {
         }
         b
     }
-
-    /// One step with S held in rows ([`RowsForm`]): each holder thread has one row's `cols`
-    /// adjacent columns, so the row max is its own then `log2(lanes)` shuffles — no exchange
-    /// between warps, no barrier before P. Each row's first lane writes its `alpha` to the
-    /// table beside P; after P's barrier every output holder reads the factors of its rows
-    /// and rescales. The table and `p_tile` were last read before the barrier at S's split-K
-    /// sum (else one is placed here).
-    fn softmax_step_rows(
-        &mut self,
-        r: &SoftmaxRegs,
-        p_tile: &str,
-        after_barrier: bool,
-    ) -> Result<Vec<Stmt>> {
-        let s = self.acc(&r.s)?.clone();
-        let rf = r
-            .rows
-            .clone()
-            .ok_or_else(|| self.err("row softmax without its row form".into()))?;
-        let table = self.table()?;
-        let mut out = Vec::new();
-        if !after_barrier {
-            // Barrier: the previous step's P · V and rescale may still read p_tile and the
-            // table (write-after-read).
-            out.push(Stmt::Barrier);
-        }
-        out.push(Stmt::Comment(
-            "online softmax (rows): row max over the row's lanes, alpha, P, partial row sum".into(),
-        ));
-        // the thread's max and (below) its sum of P as trees: log2(cols) dependent
-        // instructions, not cols - 1, on the chain of the step
-        let x = self.fresh("row_max_part");
-        let xv = var(&x, Ty::F32);
-        let mut b = vec![Stmt::Var {
-            name: x.clone(),
-            value: tree(&r.s, rf.cols, fmax),
-        }];
-        b.extend(self.lanes_reduce(&x, rf.lanes, fmax));
-        let (mo, mx, al) = (
-            self.fresh("m_old"),
-            self.fresh("m_new"),
-            self.fresh("alpha"),
-        );
-        let (ov, mv, alv) = (var(&mo, Ty::F32), var(&mx, Ty::F32), var(&al, Ty::F32));
-        b.push(let_(&mo, priv_load(&r.m_reg, u(0))));
-        b.push(let_(&mx, fmax(ov.clone(), xv)));
-        b.push(let_(&al, exp_fast(bin(BinOp::Sub, ov, mv.clone()))));
-        b.push(Stmt::PrivateStore {
-            arr: r.m_reg.clone(),
-            index: u(0),
-            value: mv.clone(),
-        });
-        // p = 2^(s·log2 e − m·log2 e), as in the fragment form (a row masked so far takes
-        // m = 0, so a masked score gives −inf and p = 0)
-        let neg_m = self.fresh("neg_m_log2e");
-        let neg_mv = var(&neg_m, Ty::F32);
-        b.push(let_(
-            &neg_m,
-            bin(
-                BinOp::Mul,
-                Expr::Select(
-                    Box::new(bin(BinOp::Lt, mv.clone(), Expr::F32(MASKED_BELOW))),
-                    Box::new(Expr::F32(0.0)),
-                    Box::new(mv),
-                ),
-                Expr::F32(-std::f32::consts::LOG2_E),
-            ),
-        ));
-        let (c, sum) = (self.fresh("c"), self.fresh("p_sum"));
-        let (cv, sumv) = (var(&c, Ty::U32), var(&sum, Ty::F32));
-        b.push(for_const(
-            &c,
-            rf.cols,
-            vec![Stmt::PrivateStore {
-                arr: r.s.clone(),
-                index: cv.clone(),
-                value: exp2_fast(fma(
-                    priv_load(&r.s, cv),
-                    Expr::F32(std::f32::consts::LOG2_E),
-                    neg_mv,
-                )),
-            }],
-        ));
-        b.push(let_(&sum, tree(&r.s, rf.cols, fadd)));
-        b.push(Stmt::PrivateStore {
-            arr: r.l_part.clone(),
-            index: u(0),
-            value: fadd(
-                bin(BinOp::Mul, priv_load(&r.l_part, u(0)), alv.clone()),
-                sumv,
-            ),
-        });
-        b.push(Stmt::If {
-            cond: rf.first.clone(),
-            then: vec![Stmt::SharedStore {
-                arr: table.clone(),
-                index: rf.row.clone(),
-                value: alv,
-            }],
-            els: vec![],
-        });
-        out.extend(self.for_used_warps(&s, b));
-        // P for P · V, then the barrier after which the table and P are read
-        out.extend(self.acc_to_shared_stores(&r.s, p_tile)?);
-        out.push(Stmt::Barrier);
-        out.push(Stmt::Comment(
-            "online softmax (rows): the outputs rescaled by their rows' alpha".into(),
-        ));
-        for (k, set) in r.sets.clone().into_iter().enumerate() {
-            if !r.out_sets.contains(&k) {
-                continue;
-            }
-            out.extend(self.rows_loop((&set.row0, set.fmw, set.used), |_, ra| {
-                Ok(vec![Stmt::PrivateStore {
-                    arr: set.alpha.clone(),
-                    index: ra.slot.clone(),
-                    value: shared_load(&table, Ty::F32, ra.row.clone()),
-                }])
-            })?);
-        }
-        out.extend(self.rescale_outs(r)?);
-        Ok(out)
-    }
-}
-
-/// `op` over `arr[0 .. n]` (n a power of two) as a balanced tree.
-fn tree(arr: &str, n: u32, op: fn(Expr, Expr) -> Expr) -> Expr {
-    fn span(arr: &str, lo: u32, n: u32, op: fn(Expr, Expr) -> Expr) -> Expr {
-        if n == 1 {
-            priv_load(arr, u(lo))
-        } else {
-            op(
-                span(arr, lo, n / 2, op),
-                span(arr, lo + n / 2, n - n / 2, op),
-            )
-        }
-    }
-    span(arr, 0, n, op)
 }
 
 /// Does `s` read or write any of the shared arrays `names` (tile ops and their expansions

@@ -22,16 +22,7 @@ impl Cx<'_> {
     ) -> Result<Vec<Stmt>> {
         let info = self.acc(acc)?.clone();
         if let Some(rf) = info.rows.clone() {
-            // held in rows: the thread's columns two at a time
-            let k = self.fresh("pair");
-            let kv = var(&k, Ty::U32);
-            let at = mul(kv.clone(), u(2));
-            let mut inner = vec![
-                let_(row, rf.row.clone()),
-                let_(col, add(rf.col0.clone(), at.clone())),
-            ];
-            inner.extend(body(self, at.clone(), add(at, u(1)))?);
-            let lp = for_const(&k, rf.cols / 2, inner);
+            let lp = self.rows_pairs(&rf, row, col, body)?;
             return Ok(self.for_used_warps(&info, vec![lp]));
         }
         let (f, h) = (self.fresh("frag"), self.fresh("half"));
