@@ -10,7 +10,7 @@ use sparse_mla::emit::{cuda, wgsl};
 use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, lowered_merged, DecodeConfig};
 use sparse_mla::kernels::{standard_set, Target};
 use sparse_mla::kir::shared_plan::{shared_layout, MAX_SHARED_BYTES};
-use sparse_mla::kir::{Kernel, Lowering};
+use sparse_mla::kir::{Kernel, Lowering, RowSoftmax};
 use sparse_mla::mla::{CacheFormat, MlaDims};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
@@ -47,8 +47,8 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, CacheFormat::Fp8DsMla, 16)
         .expect("an fp8_ds_mla large-batch configuration at 16 heads");
     kernels.push((*lowered_merged(&batch).expect("merged kernel")).clone());
-    // the scores held in rows for the softmax (`SPARSE_MLA_ROW_SOFTMAX=1`): every v7 and
-    // large-batch kernel, split and merged
+    // the scores held in rows for the softmax (`SPARSE_MLA_ROW_SOFTMAX=1|lazy`): every v7 and
+    // large-batch kernel, split and merged, in both row forms
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         let dims = MlaDims::PRODUCTION;
         let mut configs = vec![
@@ -62,11 +62,14 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             if !matches!(config.lowering, Lowering::MmaWs { .. }) {
                 continue;
             }
-            let rows = config.with_row_softmax(true);
-            let (split, _) = lowered_kernels(&rows).expect("row-form split kernel");
-            let mut forms = vec![(*split).clone()];
-            if rows.has_merged_form() {
-                forms.push((*lowered_merged(&rows).expect("merged kernel")).clone());
+            let mut forms = Vec::new();
+            for form in [RowSoftmax::Rows, RowSoftmax::RowsLazy] {
+                let rows = config.with_row_softmax(form);
+                let (split, _) = lowered_kernels(&rows).expect("row-form split kernel");
+                forms.push((*split).clone());
+                if rows.has_merged_form() {
+                    forms.push((*lowered_merged(&rows).expect("merged kernel")).clone());
+                }
             }
             for k in forms {
                 if !kernels.iter().any(|x| x.name == k.name) {

@@ -589,6 +589,7 @@ fn shared_addresses_are_pointer_terms_only_where_the_kernel_asks() {
 #[test]
 fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
     use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::kir::RowSoftmax;
     use sparse_mla::mla::{CacheFormat, MlaDims};
     let dims = MlaDims::PRODUCTION;
     let loop_of = |src: &str| -> String {
@@ -607,17 +608,20 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
         ] {
             let (frag, _) = lowered_kernels(&config).expect("lowers");
-            let (rows, _) = lowered_kernels(&config.with_row_softmax(true)).expect("lowers");
+            let (rows, _) =
+                lowered_kernels(&config.with_row_softmax(RowSoftmax::Rows)).expect("lowers");
+            let (lazy, _) =
+                lowered_kernels(&config.with_row_softmax(RowSoftmax::RowsLazy)).expect("lowers");
             assert_ne!(frag.name, rows.name);
             assert_eq!(
-                lowered_kernels(&config.with_row_softmax(false))
+                lowered_kernels(&config.with_row_softmax(RowSoftmax::Off))
                     .expect("lowers")
                     .0
                     .name,
                 frag.name
             );
             assert_eq!(
-                config.with_row_softmax(true).is_batch(),
+                config.with_row_softmax(RowSoftmax::Rows).is_batch(),
                 config.is_batch(),
                 "{}: the large-batch kernel stays one",
                 rows.name
@@ -642,6 +646,14 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             let writes = b.matches("row_exchange[").count() + b.matches("*(row_exchange").count();
             assert_eq!(b.matches("] = alpha").count(), 1, "{}:\n{b}", rows.name);
             assert!(writes >= 2, "{}:\n{b}", rows.name);
+            assert!(!b.contains("rescale_vote"), "{}", rows.name);
+            // the lazy max: the same barriers, the max moved only past the margin, and the
+            // outputs' rescale behind a warp vote
+            let c = loop_of(&cuda::emit(&lazy).expect("emits"));
+            assert!(lazy.name.contains("rl_"), "{}", lazy.name);
+            assert_eq!(barriers(&c), barriers(&b), "{}", lazy.name);
+            assert!(c.contains("5.5451775f"), "{}: the margin\n{c}", lazy.name);
+            assert!(c.contains("rescale_vote"), "{}: the vote\n{c}", lazy.name);
         }
     }
 }

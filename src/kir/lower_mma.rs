@@ -70,7 +70,7 @@ pub use ws::lower_ws;
 /// gather, for `min_workgroups` workgroups per multiprocessor (0: no occupancy hint), asking
 /// L2 for the rows `l2_ahead` steps past each step's copies (0: no prefetch).
 pub fn lower(kernel: &Kernel, stages: u32, min_workgroups: u32, l2_ahead: u32) -> Result<Kernel> {
-    let mut cx = Cx::new(kernel, stages, false, 1, false)?;
+    let mut cx = Cx::new(kernel, stages, false, 1, crate::kir::RowSoftmax::Off)?;
     cx.min_workgroups = min_workgroups;
     cx.l2_ahead = l2_ahead;
     let body = cx.stmts(&kernel.body)?;

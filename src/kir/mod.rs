@@ -59,16 +59,56 @@ pub enum Lowering {
     /// steps past the last one whose copies are in flight, so those copies wait for L2, not
     /// DRAM, and a stage's shared memory is held for a shorter time (0: no prefetch).
     ///
-    /// `row_softmax`: a split-K accumulator that the online softmax reads is held in rows
-    /// (each row's columns over a few adjacent lanes of the holder warps) instead of mma
-    /// fragments, so its row maxima need no shared-memory exchange and no barrier; the
-    /// outputs' rescale factors go out with P (see `lower_mma::softmax`).
+    /// `row_softmax`: how a split-K accumulator that the online softmax reads is held
+    /// ([`RowSoftmax`]).
     MmaWs {
         stages: u32,
         groups: u32,
         l2_ahead: u32,
-        row_softmax: bool,
+        row_softmax: RowSoftmax,
     },
+}
+
+/// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum RowSoftmax {
+    /// In mma fragments: a row's columns on several warps, its maxima exchanged through
+    /// shared memory behind a workgroup barrier.
+    #[default]
+    Off,
+    /// In rows (each row's columns over a few adjacent lanes of the holder warps): the row
+    /// maxima need no exchange and no barrier; the outputs' rescale factors go out with P
+    /// and are applied after P's barrier (see `lower_mma::rows`).
+    Rows,
+    /// [`Self::Rows`], the running max moved only when a row's max passes it by more than
+    /// ln 256 (P then stays below 256): after the first steps the factors are 1, and a warp
+    /// whose rows all kept theirs skips the outputs' rescale.
+    RowsLazy,
+}
+
+impl RowSoftmax {
+    /// The kernel-name suffix: "", "r" or "rl".
+    pub fn suffix(self) -> &'static str {
+        match self {
+            RowSoftmax::Off => "",
+            RowSoftmax::Rows => "r",
+            RowSoftmax::RowsLazy => "rl",
+        }
+    }
+
+    /// `SPARSE_MLA_ROW_SOFTMAX`'s value: `0` (or unset), `1` or `lazy`.
+    pub fn from_env() -> crate::Result<Self> {
+        match std::env::var("SPARSE_MLA_ROW_SOFTMAX").as_deref() {
+            Err(_) | Ok("") | Ok("0") => Ok(RowSoftmax::Off),
+            Ok("1") => Ok(RowSoftmax::Rows),
+            Ok("lazy") => Ok(RowSoftmax::RowsLazy),
+            Ok(other) => Err(crate::Error::arg(
+                "SPARSE_MLA_ROW_SOFTMAX",
+                "0, 1 or lazy",
+                other,
+            )),
+        }
+    }
 }
 
 impl Lowering {

@@ -624,15 +624,11 @@ impl CudaDevice {
 /// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::for_call`] with this
 /// GPU's multiprocessors and its occupancy of the bf16 v6 split kernel, or the version forced
 /// with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel where one
-/// exists for the head count, else v7). `SPARSE_MLA_ROW_SOFTMAX=1` holds v7's and the
+/// exists for the head count, else v7). `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's and the
 /// large-batch kernel's scores in rows for the softmax ([`DecodeConfig::with_row_softmax`]:
 /// one workgroup barrier a step fewer; not yet measured faster, so off by default).
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
-    let rows = match std::env::var("SPARSE_MLA_ROW_SOFTMAX").as_deref() {
-        Err(_) | Ok("") | Ok("0") => false,
-        Ok("1") => true,
-        Ok(other) => return Err(Error::arg("SPARSE_MLA_ROW_SOFTMAX", "0 or 1", other)),
-    };
+    let rows = crate::kir::RowSoftmax::from_env()?;
     Ok(decode_kernel_version(dev, shape)?.with_row_softmax(rows))
 }
 

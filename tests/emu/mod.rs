@@ -20,6 +20,7 @@
 use sparse_mla::emit::cuda;
 use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
 use sparse_mla::kir::Kernel;
+pub use sparse_mla::kir::RowSoftmax;
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::runtime::gpu::Device;
 use sparse_mla::runtime::BackendKind;
@@ -66,9 +67,9 @@ pub struct EmuConfig {
     /// it can run — the grid at most [`MERGED_BLOCKS`] blocks — not only where the backend
     /// finds it pays (`DecodePlan::merged_where_it_can`); `None`: never.
     pub merge: Option<u32>,
-    /// v7 and the large-batch kernel with their scores held in rows for the softmax
+    /// How v7 and the large-batch kernel hold their scores for the softmax
     /// (`DecodeConfig::with_row_softmax`).
-    pub row_softmax: bool,
+    pub row_softmax: RowSoftmax,
 }
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
@@ -104,7 +105,11 @@ impl EmuConfig {
             },
             // run 0 holds the scores in rows: both softmax forms of v7 run, each on every
             // kernel the backend picks for its SM count
-            row_softmax: i == 0,
+            row_softmax: if i == 0 {
+                RowSoftmax::Rows
+            } else {
+                RowSoftmax::Off
+            },
         }
     }
 
@@ -125,10 +130,10 @@ impl EmuConfig {
                 Some(h) => format!(" (merged wherever it can at H >= {h})"),
                 None => String::new(),
             },
-            if self.row_softmax {
-                " (scores held in rows)"
-            } else {
-                ""
+            match self.row_softmax {
+                RowSoftmax::Off => "",
+                RowSoftmax::Rows => " (scores held in rows)",
+                RowSoftmax::RowsLazy => " (scores held in rows, lazy max)",
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -403,7 +408,7 @@ impl EmuDevice {
             c.arch,
             if c.v7 { "v7" } else { "v6" },
             if c.one_stage { "1s" } else { "" },
-            if c.row_softmax { "r" } else { "" }
+            c.row_softmax.suffix()
         );
         let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
         std::fs::OpenOptions::new()

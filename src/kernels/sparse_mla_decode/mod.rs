@@ -14,7 +14,7 @@
 
 use super::{pack_params, Launch, ParamValue};
 use crate::kir::ir::{Kernel, TileElem};
-use crate::kir::Lowering;
+use crate::kir::{Lowering, RowSoftmax};
 use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -442,7 +442,7 @@ impl DecodeConfig {
                 stages,
                 groups: 1,
                 l2_ahead: 0,
-                row_softmax: false,
+                row_softmax: RowSoftmax::Off,
             },
         }
     }
@@ -465,15 +465,15 @@ impl DecodeConfig {
         self
     }
 
-    /// This configuration with its scores held in rows for the online softmax
+    /// This configuration with its scores held as `form` says for the online softmax
     /// ([`Lowering::MmaWs`]'s `row_softmax`); other lowerings as they are.
-    pub fn with_row_softmax(mut self, on: bool) -> Self {
+    pub fn with_row_softmax(mut self, form: RowSoftmax) -> Self {
         if let Lowering::MmaWs {
             row_softmax: ref mut r,
             ..
         } = self.lowering
         {
-            *r = on;
+            *r = form;
         }
         self
     }
@@ -502,7 +502,7 @@ impl DecodeConfig {
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
     pub fn is_batch(&self) -> bool {
         matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
-            || Some(self.with_row_softmax(false))
+            || Some(self.with_row_softmax(RowSoftmax::Off))
                 == Self::tensor_core_batch(self.dims, self.format, self.block_h)
     }
 
@@ -530,7 +530,7 @@ impl DecodeConfig {
                 stages,
                 groups,
                 l2_ahead: 0,
-                row_softmax: false,
+                row_softmax: RowSoftmax::Off,
             },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
@@ -619,7 +619,7 @@ impl DecodeConfig {
                 } else {
                     String::new()
                 };
-                let r = if row_softmax { "r" } else { "" };
+                let r = row_softmax.suffix();
                 format!("ws{stages}w{}{g}{p}{r}", self.threads / 32)
             }
         };

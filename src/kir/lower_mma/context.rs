@@ -150,7 +150,7 @@ pub(super) struct Cx<'k> {
     /// The running scale of the f16 `P · V` products of the pipeline being lowered.
     pub(super) units: Option<super::e4m3::Units>,
     /// Split-K accumulators that an online softmax reads are held in rows ([`RowsForm`]).
-    pub(super) row_softmax: bool,
+    pub(super) row_softmax: crate::kir::RowSoftmax,
 }
 
 impl Cx<'_> {

@@ -47,7 +47,7 @@ impl<'k> Cx<'k> {
         stages: u32,
         ws_mode: bool,
         groups: u32,
-        row_softmax: bool,
+        row_softmax: crate::kir::RowSoftmax,
     ) -> Result<Self> {
         let err = |message: String| Error::Kir {
             kernel: kernel.name.clone(),

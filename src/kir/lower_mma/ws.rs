@@ -68,7 +68,7 @@ pub fn lower_ws(
     stages: u32,
     groups: u32,
     l2_ahead: u32,
-    row_softmax: bool,
+    row_softmax: crate::kir::RowSoftmax,
 ) -> Result<Kernel> {
     let at = kernel
         .body
