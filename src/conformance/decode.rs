@@ -17,6 +17,7 @@ use crate::mla::{
     CacheFormat, CacheGeometry, CacheStrides, DecodeLayout, DecodeShape, LseLayout, MlaDims,
     ScaleFlavour, FP8_TILE,
 };
+use crate::reference::cache::decode_row;
 use crate::reference::numerics::{bf16_bits, bf16_from_bits, round_bf16};
 use crate::reference::sparse_mla::{decode, slot_of, DecodeInputs};
 use crate::runtime::{Backend, DecodeBuffers, DecodeOptions};
@@ -43,6 +44,11 @@ pub enum IndexPattern {
     Mixed,
     /// Every other token has no valid index at all.
     SomeRowsEmpty,
+    /// Distinct valid slots in the order of head 0's score, lowest first, with q times 32:
+    /// that row's running max grows at almost every step, by a hundred nats or more over a
+    /// long list — far past where P = exp(s − m) would overflow (f16 at 11, f32 at 88) if a
+    /// kernel kept a stale max.
+    Rising,
 }
 
 /// One conformance case.
@@ -182,6 +188,7 @@ impl DecodeCase {
             IndexPattern::Valid => {}
             IndexPattern::Mixed => name.push_str("_mixed"),
             IndexPattern::SomeRowsEmpty => name.push_str("_empty_rows"),
+            IndexPattern::Rising => name.push_str("_rising"),
         }
         if self.topk_length {
             name.push_str("_len");
@@ -309,6 +316,11 @@ pub fn decode_cases() -> Vec<DecodeCase> {
             .fp8(Arbitrary)
             .q_range(QRange::HeadsWide),
         DecodeCase::new(2, 16, 64, 16, 16, Mixed, false, None).q_range(QRange::HeadsWide),
+        // a row whose running max grows at almost every step, by hundreds of nats over the
+        // list: the online softmax's rescale on every step, and no stale max survives (one
+        // split: the whole list's growth, over 88 nats for every softmax scale drawn)
+        DecodeCase::new(2, 16, 2048, 64, 40, Rising, false, Some(1)),
+        DecodeCase::new(2, 16, 2048, 64, 40, Rising, false, None).fp8(Arbitrary),
         // multi-token decode (MTP): tokens = batch · s_q, lse [batch, heads, s_q]
         DecodeCase::new(4, 16, 64, 16, 16, Mixed, true, None).mtp(2),
         DecodeCase::new(6, 8, 128, 64, 8, Mixed, false, Some(1)).mtp(2),
@@ -386,6 +398,11 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
         .map(|i| {
             let (head, d) = ((i / d_qk) as usize, i % d_qk);
             let x = rng.normal();
+            let x = if case.pattern == IndexPattern::Rising {
+                32.0 * x
+            } else {
+                x
+            };
             round_bf16(match case.q_range {
                 QRange::Normal => x,
                 QRange::LatentZero if d < d_v => 0.0,
@@ -402,7 +419,7 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
             *v = distinct.get(j).map(|&s| s as i32).unwrap_or(-1);
         }
         match case.pattern {
-            IndexPattern::Valid => {}
+            IndexPattern::Valid | IndexPattern::Rising => {}
             IndexPattern::Mixed => {
                 for j in 0..k_n {
                     match rng.below(8) {
@@ -450,6 +467,28 @@ pub fn make_inputs(case: &DecodeCase, seed: u64) -> Result<DecodeData> {
             }
             CacheFormat::Fp8DsMla => {
                 cache.extend(hand_built_fp8_row(&mut rng, case.flavour, case.band))
+            }
+        }
+    }
+    if case.pattern == IndexPattern::Rising {
+        // each token's list in the order of its head 0's score (as the reference computes
+        // it: the decoded row, q in f64), lowest first
+        let d = d_qk as usize;
+        for t in 0..t_n {
+            let qt = &q[t * case.heads as usize * d..][..d];
+            let row = &mut indices[t * k_n..(t + 1) * k_n];
+            let mut keyed: Vec<(f64, i32)> = row
+                .iter()
+                .map(|&s| {
+                    let bytes = &cache[s as usize * row_bytes..(s as usize + 1) * row_bytes];
+                    let k = decode_row(case.format, shape.dims, bytes);
+                    let score: f64 = qt.iter().zip(&k).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    (score, s)
+                })
+                .collect();
+            keyed.sort_by(|a, b| a.0.total_cmp(&b.0));
+            for (v, (_, s)) in row.iter_mut().zip(keyed) {
+                *v = s;
             }
         }
     }

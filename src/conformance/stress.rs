@@ -137,6 +137,7 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
                 IndexPattern::Valid => "",
                 IndexPattern::Mixed => "_mixed",
                 IndexPattern::SomeRowsEmpty => "_empty_rows",
+                IndexPattern::Rising => "_rising",
             },
             if case.topk_length { "_len" } else { "" },
             if s_q > 1 { "_sq2" } else { "" },
