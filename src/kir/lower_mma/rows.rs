@@ -6,7 +6,7 @@
 //! partials' scratch) is as in the fragment form ([`super::ksplit`]).
 
 use super::ksplit::slices_sum;
-use super::softmax::{fadd, fmax, set_shape, RowSet, SetShape, SoftmaxRegs};
+use super::softmax::{fadd, fmax, SetShape, SoftmaxRegs};
 use super::{
     add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, mul, priv_load, shared_load, u, var,
     ws, Cx, WARP,
@@ -169,38 +169,9 @@ impl Cx<'_> {
         outs: &[String],
         rf: RowsForm,
     ) -> Result<SoftmaxRegs> {
-        let rows = self.acc(s)?.decl.rows;
         let mut shapes: Vec<SetShape> = Vec::new();
-        let mut out_sets = Vec::new();
-        for o in outs {
-            let oi = self.acc(o)?;
-            if oi.decl.rows != rows {
-                return Err(self.err(format!(
-                    "online softmax of {s} ({rows} rows): output {o} has {} rows",
-                    oi.decl.rows
-                )));
-            }
-            let shape = set_shape(oi);
-            out_sets.push(match shapes.iter().position(|x| x.key == shape.key) {
-                Some(k) => {
-                    shapes[k].used = shapes[k].used.max(shape.used);
-                    k
-                }
-                None => {
-                    shapes.push(shape);
-                    shapes.len() - 1
-                }
-            });
-        }
-        let sets = shapes
-            .into_iter()
-            .map(|x| RowSet {
-                row0: x.row0,
-                fmw: x.fmw,
-                used: x.used,
-                alpha: self.private("row_alpha", Ty::F32, 2 * x.fmw),
-            })
-            .collect();
+        let out_sets = self.out_sets(s, outs, &mut shapes)?;
+        let sets = self.row_sets(shapes);
         Ok(SoftmaxRegs {
             m: m.to_string(),
             l: l.to_string(),

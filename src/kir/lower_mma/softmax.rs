@@ -132,7 +132,7 @@ struct Layout {
     stride: u32,
 }
 
-pub(super) fn set_shape(a: &AccInfo) -> SetShape {
+fn set_shape(a: &AccInfo) -> SetShape {
     let gm = a.used / a.gn;
     if gm == 1 {
         // one warp along M: every warp that holds fragments holds all rows
@@ -160,35 +160,62 @@ pub(super) fn fadd(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Add, a, b)
 }
 
+/// The index of `a`'s row set in `sets` (added if new; a set's warps the most any member has).
+fn set_of(sets: &mut Vec<SetShape>, a: &AccInfo) -> usize {
+    let shape = set_shape(a);
+    match sets.iter().position(|x| x.key == shape.key) {
+        Some(k) => {
+            sets[k].used = sets[k].used.max(shape.used);
+            k
+        }
+        None => {
+            sets.push(shape);
+            sets.len() - 1
+        }
+    }
+}
+
 impl Cx<'_> {
+    /// The row set of each output of the online softmax of `s` (added to `sets`); each must
+    /// have S's rows.
+    pub(super) fn out_sets(
+        &self,
+        s: &str,
+        outs: &[String],
+        sets: &mut Vec<SetShape>,
+    ) -> Result<Vec<usize>> {
+        let rows = self.acc(s)?.decl.rows;
+        let mut out = Vec::new();
+        for o in outs {
+            let oi = self.acc(o)?;
+            if oi.decl.rows != rows {
+                return Err(self.err(format!(
+                    "online softmax of {s} ({rows} rows): output {o} has {} rows",
+                    oi.decl.rows
+                )));
+            }
+            out.push(set_of(sets, oi));
+        }
+        Ok(out)
+    }
+
+    /// Registers for the rescale factors of each row set.
+    pub(super) fn row_sets(&mut self, sets: Vec<SetShape>) -> Vec<RowSet> {
+        sets.into_iter()
+            .map(|x| RowSet {
+                row0: x.row0,
+                fmw: x.fmw,
+                used: x.used,
+                alpha: self.private("row_alpha", Ty::F32, 2 * x.fmw),
+            })
+            .collect()
+    }
+
     fn softmax_layout(&self, s: &str, outs: &[String]) -> Result<Layout> {
         let si = self.acc(s)?;
         let mut sets: Vec<SetShape> = Vec::new();
-        let mut set_of = |a: &AccInfo| {
-            let shape = set_shape(a);
-            match sets.iter().position(|x| x.key == shape.key) {
-                Some(k) => {
-                    sets[k].used = sets[k].used.max(shape.used);
-                    k
-                }
-                None => {
-                    sets.push(shape);
-                    sets.len() - 1
-                }
-            }
-        };
-        let s_set = set_of(si);
-        let mut out_sets = Vec::new();
-        for o in outs {
-            let oi = self.acc(o)?;
-            if oi.decl.rows != si.decl.rows {
-                return Err(self.err(format!(
-                    "online softmax of {s} ({} rows): output {o} has {} rows",
-                    si.decl.rows, oi.decl.rows
-                )));
-            }
-            out_sets.push(set_of(oi));
-        }
+        let s_set = set_of(&mut sets, si);
+        let out_sets = self.out_sets(s, outs, &mut sets)?;
         let other_rows = out_sets.iter().any(|&k| k != s_set);
         let exchange = si.gn > 1 || other_rows || sets[s_set].used != si.used;
         Ok(Layout {
@@ -262,15 +289,7 @@ impl Cx<'_> {
             exchange,
             stride,
         } = self.softmax_layout(s, outs)?;
-        let sets = sets
-            .into_iter()
-            .map(|x| RowSet {
-                row0: x.row0,
-                fmw: x.fmw,
-                used: x.used,
-                alpha: self.private("row_alpha", Ty::F32, 2 * x.fmw),
-            })
-            .collect::<Vec<_>>();
+        let sets = self.row_sets(sets);
         let fmw_s = sets[s_set].fmw;
         let m_reg = self.private(&format!("{m}_reg"), Ty::F32, 2 * fmw_s);
         let l_part = self.private(&format!("{l}_part"), Ty::F32, 2 * fmw_s);
