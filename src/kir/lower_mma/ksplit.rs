@@ -648,20 +648,13 @@ impl Cx<'_> {
             add(mul(self.lane.quad.clone(), u(2)), ev2.clone()),
         );
         let idx = add(add(mul(fv2, u(4)), mul(hv2, u(2))), ev2);
-        let sum = self.fresh("sum");
-        let sv = var(&sum, Ty::F32);
-        let mut inner = vec![Stmt::Var {
-            name: sum.clone(),
-            value: priv_load(acc, idx.clone()),
-        }];
-        let cell = self.fresh("cell");
-        inner.push(let_(&cell, add(mul(row2, u(stride)), col2)));
-        inner.push(slices_sum(&scratch, &sum, &g2, ks.gk, rows * stride, &cell));
-        inner.push(Stmt::PrivateStore {
-            arr: acc.to_string(),
-            index: idx,
-            value: sv,
-        });
+        let (sum, cell) = (self.fresh("sum"), self.fresh("cell"));
+        let inner = add_slices(
+            (&scratch, acc, idx),
+            (&sum, &cell, &g2),
+            add(mul(row2, u(stride)), col2),
+            (ks.gk, rows * stride),
+        );
         let lp = for_const(
             &f2,
             info.frags(),
@@ -672,32 +665,43 @@ impl Cx<'_> {
     }
 }
 
-/// `sum += scratch[g · slice_words + cell]` for each slice `g < gk` of a split-K scratch.
-pub(super) fn slices_sum(
-    scratch: &str,
-    sum: &str,
-    g: &str,
-    gk: u32,
-    slice_words: u32,
-    cell: &str,
-) -> Stmt {
-    for_const(
-        g,
-        gk,
-        vec![Stmt::Assign {
+/// `acc[idx] += Σ_g scratch[g · slice_words + cell]` over the `gk` slices of a split-K
+/// scratch, with `cell` bound to `cell_at` first; `sum`, `cell` and `g` are fresh names.
+pub(super) fn add_slices(
+    (scratch, acc, idx): (&str, &str, Expr),
+    (sum, cell, g): (&str, &str, &str),
+    cell_at: Expr,
+    (gk, slice_words): (u32, u32),
+) -> Vec<Stmt> {
+    vec![
+        Stmt::Var {
             name: sum.to_string(),
-            value: bin(
-                BinOp::Add,
-                var(sum, Ty::F32),
-                Expr::SharedLoad {
-                    arr: scratch.to_string(),
-                    ty: Ty::F32,
-                    index: Box::new(add(
-                        mul(var(g, Ty::U32), u(slice_words)),
-                        var(cell, Ty::U32),
-                    )),
-                },
-            ),
-        }],
-    )
+            value: priv_load(acc, idx.clone()),
+        },
+        let_(cell, cell_at),
+        for_const(
+            g,
+            gk,
+            vec![Stmt::Assign {
+                name: sum.to_string(),
+                value: bin(
+                    BinOp::Add,
+                    var(sum, Ty::F32),
+                    Expr::SharedLoad {
+                        arr: scratch.to_string(),
+                        ty: Ty::F32,
+                        index: Box::new(add(
+                            mul(var(g, Ty::U32), u(slice_words)),
+                            var(cell, Ty::U32),
+                        )),
+                    },
+                ),
+            }],
+        ),
+        Stmt::PrivateStore {
+            arr: acc.to_string(),
+            index: idx,
+            value: var(sum, Ty::F32),
+        },
+    ]
 }

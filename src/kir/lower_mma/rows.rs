@@ -5,14 +5,13 @@
 //! are in [`super::softmax`]). Everything else about the accumulator (its products, their
 //! partials' scratch) is as in the fragment form ([`super::ksplit`]).
 
-use super::ksplit::slices_sum;
-use super::softmax::{fadd, fmax, SetShape, SoftmaxRegs};
+use super::ksplit::add_slices;
+use super::softmax::{fadd, fmax, neg_m_log2e, SetShape, SoftmaxRegs};
 use super::{
     add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, mul, priv_load, shared_load, u, var,
     ws, Cx, WARP,
 };
 use crate::kir::ir::*;
-use crate::kir::ops::MASKED_BELOW;
 use crate::kir::walk::visit_tile_ops_with;
 use crate::kir::RowSoftmax;
 use crate::Result;
@@ -117,27 +116,13 @@ impl Cx<'_> {
     ) -> Vec<Stmt> {
         let (c, g) = (self.fresh("c"), self.fresh("g"));
         let cv = var(&c, Ty::U32);
-        let sum = self.fresh("sum");
-        let cell = self.fresh("cell");
-        let body = vec![
-            Stmt::Var {
-                name: sum.clone(),
-                value: priv_load(acc, cv.clone()),
-            },
-            let_(
-                &cell,
-                add(
-                    mul(rf.row.clone(), u(stride)),
-                    add(rf.col0.clone(), cv.clone()),
-                ),
-            ),
-            slices_sum(scratch, &sum, &g, gk, rows * stride, &cell),
-            Stmt::PrivateStore {
-                arr: acc.to_string(),
-                index: cv,
-                value: var(&sum, Ty::F32),
-            },
-        ];
+        let (sum, cell) = (self.fresh("sum"), self.fresh("cell"));
+        let body = add_slices(
+            (scratch, acc, cv.clone()),
+            (&sum, &cell, &g),
+            add(mul(rf.row.clone(), u(stride)), add(rf.col0.clone(), cv)),
+            (gk, rows * stride),
+        );
         vec![for_const(&c, rf.cols, body)]
     }
 
@@ -340,18 +325,7 @@ impl Cx<'_> {
         // m = 0, so a masked score gives −inf and p = 0)
         let neg_m = self.fresh("neg_m_log2e");
         let neg_mv = var(&neg_m, Ty::F32);
-        b.push(let_(
-            &neg_m,
-            bin(
-                BinOp::Mul,
-                Expr::Select(
-                    Box::new(bin(BinOp::Lt, mv.clone(), Expr::F32(MASKED_BELOW))),
-                    Box::new(Expr::F32(0.0)),
-                    Box::new(mv),
-                ),
-                Expr::F32(-std::f32::consts::LOG2_E),
-            ),
-        ));
+        b.push(let_(&neg_m, neg_m_log2e(mv)));
         let (c, sum) = (self.fresh("c"), self.fresh("p_sum"));
         let (cv, sumv) = (var(&c, Ty::U32), var(&sum, Ty::F32));
         b.push(for_const(
@@ -394,10 +368,8 @@ impl Cx<'_> {
         ));
         let mut changed: Option<Expr> = None;
         let mut every_warp = true;
-        for (k, set) in r.sets.clone().into_iter().enumerate() {
-            if !r.out_sets.contains(&k) {
-                continue;
-            }
+        // (the row form's sets are the outputs' only)
+        for set in r.sets.clone() {
             out.extend(self.rows_loop((&set.row0, set.fmw, set.used), |_, ra| {
                 Ok(vec![Stmt::PrivateStore {
                     arr: set.alpha.clone(),

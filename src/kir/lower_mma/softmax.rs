@@ -156,6 +156,17 @@ pub(super) fn fmax(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Max, a, b)
 }
 
+/// `−m · log2 e` for P's exponent `s · log2 e − m · log2 e`, with a row masked so far (m =
+/// MASKED) taking m = 0, so the product stays finite and a masked score still gives −inf.
+pub(super) fn neg_m_log2e(m: Expr) -> Expr {
+    let m_safe = Expr::Select(
+        Box::new(bin(BinOp::Lt, m.clone(), Expr::F32(MASKED_BELOW))),
+        Box::new(Expr::F32(0.0)),
+        Box::new(m),
+    );
+    bin(BinOp::Mul, m_safe, Expr::F32(-std::f32::consts::LOG2_E))
+}
+
 pub(super) fn fadd(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Add, a, b)
 }
@@ -698,12 +709,6 @@ impl Cx<'_> {
             // p = 2^(s·log2 e − m·log2 e): one FMA and `ex2` an element. A masked score
             // (MASKED, −3e38) makes the FMA −inf, so p = 0 with no select, as long as
             // m·log2 e is finite: a row masked so far (m = MASKED) takes m = 0.
-            let m = priv_load(&r.m_reg, slot.clone());
-            let m_safe = Expr::Select(
-                Box::new(bin(BinOp::Lt, m.clone(), Expr::F32(MASKED_BELOW))),
-                Box::new(Expr::F32(0.0)),
-                Box::new(m),
-            );
             let prob = exp2_fast(fma(
                 priv_load(&r.s, atv.clone()),
                 Expr::F32(std::f32::consts::LOG2_E),
@@ -723,10 +728,7 @@ impl Cx<'_> {
                 },
             ];
             Ok(vec![
-                let_(
-                    &neg_m,
-                    bin(BinOp::Mul, m_safe, Expr::F32(-std::f32::consts::LOG2_E)),
-                ),
+                let_(&neg_m, neg_m_log2e(priv_load(&r.m_reg, slot.clone()))),
                 Stmt::Var {
                     name: sum.clone(),
                     value: Expr::F32(0.0),
