@@ -70,6 +70,9 @@ pub enum Lowering {
 }
 
 /// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
+///
+/// The row forms are an experiment: on the H200 they ran level with [`Self::Off`]
+/// (benches/NOTES.md v32), and the kernels ship in fragments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum RowSoftmax {
     /// In mma fragments: a row's columns on several warps, its maxima exchanged through

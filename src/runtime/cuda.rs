@@ -624,12 +624,29 @@ impl CudaDevice {
 /// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::for_call`] with this
 /// GPU's multiprocessors and its occupancy of the bf16 v6 split kernel, or the version forced
 /// with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel where one
-/// exists for the head count, else v7). `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's and the
-/// large-batch kernel's scores in rows for the softmax ([`DecodeConfig::with_row_softmax`]:
-/// one workgroup barrier a step fewer; not yet measured faster, so off by default).
+/// exists for the head count, else v7). `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's scores in
+/// rows for the softmax ([`DecodeConfig::with_row_softmax`]: one workgroup barrier a step
+/// fewer). It is an experiment, off by default: on the H200 it measured level with the
+/// fragment form (benches/NOTES.md v32), and a call planned on a large-batch kernel is
+/// refused with it, because compute-sanitizer's racecheck reports hazards in the two-group
+/// kernel's row forms that are not yet explained.
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
     let rows = crate::kir::RowSoftmax::from_env()?;
-    Ok(decode_kernel_version(dev, shape)?.with_row_softmax(rows))
+    let config = decode_kernel_version(dev, shape)?;
+    if rows != crate::kir::RowSoftmax::Off && config.is_batch() {
+        return Err(Error::arg(
+            "SPARSE_MLA_ROW_SOFTMAX",
+            "0 for a call on a large-batch kernel (its row forms have an unexplained \
+             compute-sanitizer racecheck report, benches/NOTES.md v32)",
+            format!(
+                "{} for {} heads x {} tokens",
+                std::env::var("SPARSE_MLA_ROW_SOFTMAX").unwrap_or_default(),
+                shape.heads,
+                shape.tokens
+            ),
+        ));
+    }
+    Ok(config.with_row_softmax(rows))
 }
 
 fn decode_kernel_version(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
