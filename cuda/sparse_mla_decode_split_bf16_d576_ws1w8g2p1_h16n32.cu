@@ -736,14 +736,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_bf1
             for (unsigned mi34 = 0u; mi34 < 1u; mi34 += 1u) {
                 #pragma unroll
                 for (unsigned half35 = 0u; half35 < 2u; half35 += 1u) {
-                    const float neg_m_log2e = ((row_max_reg[(mi34 * 2u) + half35] < (-1e38f)) ? 0.0f : row_max_reg[(mi34 * 2u) + half35]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
                     for (unsigned nj31 = 0u; nj31 < 2u; nj31 += 1u) {
                         #pragma unroll
                         for (unsigned e32 = 0u; e32 < 2u; e32 += 1u) {
                             const unsigned at33 = (((mi34 * 2u) + nj31) * 4u) + ((half35 * 2u) + e32);
-                            const float p = exp2_fast(fmaf(scores[at33], 1.442695f, neg_m_log2e));
+                            const float p = (scores[at33] < (-1e38f)) ? 0.0f : exp_fast(scores[at33] - row_max_reg[(mi34 * 2u) + half35]);
                             scores[at33] = p;
                             p_sum = p_sum + p;
                         }

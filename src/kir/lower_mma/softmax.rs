@@ -704,16 +704,33 @@ impl Cx<'_> {
         );
         let neg_m = self.fresh("neg_m_log2e");
         let neg_mv = var(&neg_m, Ty::F32);
+        // The bf16 two-group kernel keeps P as exp(s − m) behind a select: with the FMA form
+        // below its loop lost 22 of 1126 instructions but ran 0.98x at T 128, where every
+        // one-group kernel gained 1.01-1.14x (H200, benches/NOTES.md v32).
+        let fma_exponent = self.groups <= 1;
         out.extend(self.rows_loop((&s.row0, s.fmw, s.used), |_, ra| {
             let slot = ra.slot.clone();
             // p = 2^(s·log2 e − m·log2 e): one FMA and `ex2` an element. A masked score
             // (MASKED, −3e38) makes the FMA −inf, so p = 0 with no select, as long as
             // m·log2 e is finite: a row masked so far (m = MASKED) takes m = 0.
-            let prob = exp2_fast(fma(
-                priv_load(&r.s, atv.clone()),
-                Expr::F32(std::f32::consts::LOG2_E),
-                neg_mv.clone(),
-            ));
+            let score = priv_load(&r.s, atv.clone());
+            let prob = if fma_exponent {
+                exp2_fast(fma(
+                    score,
+                    Expr::F32(std::f32::consts::LOG2_E),
+                    neg_mv.clone(),
+                ))
+            } else {
+                Expr::Select(
+                    Box::new(bin(BinOp::Lt, score.clone(), Expr::F32(MASKED_BELOW))),
+                    Box::new(Expr::F32(0.0)),
+                    Box::new(exp_fast(bin(
+                        BinOp::Sub,
+                        score,
+                        priv_load(&r.m_reg, slot.clone()),
+                    ))),
+                )
+            };
             let per_elem = vec![
                 let_(&at, s_elem(ra, jv.clone(), ev.clone())),
                 let_(&p, prob),
@@ -727,8 +744,11 @@ impl Cx<'_> {
                     value: fadd(sumv.clone(), pv.clone()),
                 },
             ];
-            Ok(vec![
-                let_(&neg_m, neg_m_log2e(priv_load(&r.m_reg, slot.clone()))),
+            let mut b = Vec::new();
+            if fma_exponent {
+                b.push(let_(&neg_m, neg_m_log2e(priv_load(&r.m_reg, slot.clone()))));
+            }
+            b.extend([
                 Stmt::Var {
                     name: sum.clone(),
                     value: Expr::F32(0.0),
@@ -746,7 +766,8 @@ impl Cx<'_> {
                         sumv.clone(),
                     ),
                 },
-            ])
+            ]);
+            Ok(b)
         })?);
         out.extend(self.rescale_outs(r)?);
         // 4. P for P · V
