@@ -99,17 +99,23 @@ impl RowSoftmax {
         }
     }
 
+    /// The form's value of `SPARSE_MLA_ROW_SOFTMAX`: "0", "1" or "lazy".
+    pub fn env_value(self) -> &'static str {
+        match self {
+            RowSoftmax::Off => "0",
+            RowSoftmax::Rows => "1",
+            RowSoftmax::RowsLazy => "lazy",
+        }
+    }
+
     /// `SPARSE_MLA_ROW_SOFTMAX`'s value: `0` (or unset), `1` or `lazy`.
     pub fn from_env() -> crate::Result<Self> {
         match std::env::var("SPARSE_MLA_ROW_SOFTMAX").as_deref() {
-            Err(_) | Ok("") | Ok("0") => Ok(RowSoftmax::Off),
-            Ok("1") => Ok(RowSoftmax::Rows),
-            Ok("lazy") => Ok(RowSoftmax::RowsLazy),
-            Ok(other) => Err(crate::Error::arg(
-                "SPARSE_MLA_ROW_SOFTMAX",
-                "0, 1 or lazy",
-                other,
-            )),
+            Err(_) | Ok("") => Ok(RowSoftmax::Off),
+            Ok(v) => [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy]
+                .into_iter()
+                .find(|r| r.env_value() == v)
+                .ok_or_else(|| crate::Error::arg("SPARSE_MLA_ROW_SOFTMAX", "0, 1 or lazy", v)),
         }
     }
 }

@@ -640,7 +640,7 @@ fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeC
              compute-sanitizer racecheck report, benches/NOTES.md v32)",
             format!(
                 "{} for {} heads x {} tokens",
-                std::env::var("SPARSE_MLA_ROW_SOFTMAX").unwrap_or_default(),
+                rows.env_value(),
                 shape.heads,
                 shape.tokens
             ),

@@ -2,7 +2,7 @@
 //! the warps of a row through shared memory.
 
 use super::context::Cx;
-use crate::kir::expr::{add, bin, for_const, intr, local_id, mul, priv_load, shared_load, u, var};
+use crate::kir::expr::{add, bin, for_const, local_id, mul, priv_load, shared_load, u, var};
 use crate::kir::ir::*;
 use crate::Result;
 
@@ -50,18 +50,8 @@ impl Cx<'_> {
                 });
             }
         }
-        for mask in [1, 2] {
-            let o = self.fresh("other");
-            inner.push(intr(Intrinsic::ShflXor {
-                dst: o.clone(),
-                value: xv.clone(),
-                lane_mask: mask,
-            }));
-            inner.push(Stmt::Assign {
-                name: x.clone(),
-                value: bin(combine, xv.clone(), var(&o, Ty::F32)),
-            });
-        }
+        // the quad's four lanes hold the row's columns
+        inner.extend(self.lanes_reduce(&x, 4, combine));
         let row = add(
             add(info.row0.clone(), mul(iv, u(16))),
             add(mul(hv, u(8)), self.lane.group.clone()),

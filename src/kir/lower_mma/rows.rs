@@ -221,7 +221,7 @@ impl Cx<'_> {
             name: x.clone(),
             value: priv_load(&r.l_part, u(0)),
         }];
-        b.extend(self.lanes_reduce(&x, rf.lanes, fadd));
+        b.extend(self.lanes_reduce(&x, rf.lanes, BinOp::Add));
         b.push(intr(Intrinsic::SyncWarp));
         b.push(Stmt::If {
             cond: rf.first.clone(),
@@ -279,7 +279,7 @@ impl Cx<'_> {
             name: x.clone(),
             value: tree(&r.s, rf.cols, fmax),
         }];
-        b.extend(self.lanes_reduce(&x, rf.lanes, fmax));
+        b.extend(self.lanes_reduce(&x, rf.lanes, BinOp::Max));
         let (mo, mx, al) = (
             self.fresh("m_old"),
             self.fresh("m_new"),

@@ -43,8 +43,9 @@ use super::{
     add, bin, exp2_fast, exp_fast, fma, for_const, intr, let_, lt, mul, priv_load, shared_load, u,
     var, AccInfo, Cx,
 };
+use crate::kir::expr::select;
 use crate::kir::ir::*;
-use crate::kir::ops::MASKED_BELOW;
+use crate::kir::ops::is_masked;
 use crate::Result;
 
 /// The rows a thread holds of an accumulator layout: `row0 + 16·i + 8·h + lane_group` for
@@ -159,11 +160,7 @@ pub(super) fn fmax(a: Expr, b: Expr) -> Expr {
 /// `−m · log2 e` for P's exponent `s · log2 e − m · log2 e`, with a row masked so far (m =
 /// MASKED) taking m = 0, so the product stays finite and a masked score still gives −inf.
 pub(super) fn neg_m_log2e(m: Expr) -> Expr {
-    let m_safe = Expr::Select(
-        Box::new(bin(BinOp::Lt, m.clone(), Expr::F32(MASKED_BELOW))),
-        Box::new(Expr::F32(0.0)),
-        Box::new(m),
-    );
+    let m_safe = select(is_masked(m.clone()), Expr::F32(0.0), m);
     bin(BinOp::Mul, m_safe, Expr::F32(-std::f32::consts::LOG2_E))
 }
 
@@ -496,7 +493,7 @@ impl Cx<'_> {
                 name: x.clone(),
                 value: priv_load(&r.l_part, slot.clone()),
             }];
-            b.extend(cx.lanes_reduce(&x, 4, fadd));
+            b.extend(cx.lanes_reduce(&x, 4, BinOp::Add));
             let then = if cross {
                 vec![Stmt::SharedStore {
                     arr: table.clone(),
@@ -593,7 +590,7 @@ impl Cx<'_> {
                     });
                 }
             }
-            b.extend(cx.lanes_reduce(&x, 4, fmax));
+            b.extend(cx.lanes_reduce(&x, 4, BinOp::Max));
             b.push(if r.exchange {
                 let at = mul(row, u(r.stride));
                 let mut then = vec![Stmt::SharedStore {
@@ -721,14 +718,10 @@ impl Cx<'_> {
                     neg_mv.clone(),
                 ))
             } else {
-                Expr::Select(
-                    Box::new(bin(BinOp::Lt, score.clone(), Expr::F32(MASKED_BELOW))),
-                    Box::new(Expr::F32(0.0)),
-                    Box::new(exp_fast(bin(
-                        BinOp::Sub,
-                        score,
-                        priv_load(&r.m_reg, slot.clone()),
-                    ))),
+                select(
+                    is_masked(score.clone()),
+                    Expr::F32(0.0),
+                    exp_fast(bin(BinOp::Sub, score, priv_load(&r.m_reg, slot.clone()))),
                 )
             };
             let per_elem = vec![
@@ -812,12 +805,7 @@ impl Cx<'_> {
 
     /// `x = op(x, x of lane ^ mask)` for the masks below `lanes`: the value over `lanes`
     /// adjacent lanes (a power of two), in each of them.
-    pub(super) fn lanes_reduce(
-        &mut self,
-        x: &str,
-        lanes: u32,
-        op: fn(Expr, Expr) -> Expr,
-    ) -> Vec<Stmt> {
+    pub(super) fn lanes_reduce(&mut self, x: &str, lanes: u32, op: BinOp) -> Vec<Stmt> {
         let xv = var(x, Ty::F32);
         let mut b = Vec::new();
         let mut mask = 1;
@@ -830,7 +818,7 @@ impl Cx<'_> {
             }));
             b.push(Stmt::Assign {
                 name: x.to_string(),
-                value: op(xv.clone(), var(&o, Ty::F32)),
+                value: bin(op, xv.clone(), var(&o, Ty::F32)),
             });
             mask *= 2;
         }
