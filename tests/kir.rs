@@ -657,3 +657,133 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
         }
     }
 }
+
+/// P · V deferred (`DecodeConfig::with_defer_pv`): with `DeferPv::Top` a bf16 v7 kernel
+/// runs step i - 1's O += P · V at the top of step i, after the step's wait and before its
+/// scores, with P zeroed before the loop; with `DeferPv::Early` (bf16 and fp8 one-group
+/// kernels) before the step's wait, skipped at step 0. Either way the last step's product
+/// follows the loop and a step holds one P · V, not two. Where a form does not apply (the
+/// warp-group kernel's one-stage ring, the row forms, fp8 under `Top`) the configuration and
+/// its kernel stay as they are; the default kernels are untouched by the option.
+#[test]
+fn deferred_p_v_runs_in_the_next_step() {
+    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
+    use sparse_mla::kir::{DeferPv, RowSoftmax};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    let text = |c: &DecodeConfig| {
+        let (split, _) = lowered_kernels(c).expect("lowers");
+        let src = cuda::emit(&split).expect("emits");
+        let body = src[src.find("__global__").expect("a kernel")..].to_string();
+        (split.name.clone(), body)
+    };
+    let deferred = "P . V of the previous step";
+    let (bf16, fp8) = (CacheFormat::Bf16, CacheFormat::Fp8DsMla);
+    let v7 = |format, heads| DecodeConfig::tensor_core_v7(dims, format, heads);
+    let fp8_batch = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
+    let cases = [
+        (v7(bf16, 16), DeferPv::Top),
+        (v7(bf16, 128), DeferPv::Top),
+        (v7(bf16, 128), DeferPv::Early),
+        (v7(fp8, 16), DeferPv::Early),
+        (v7(fp8, 128), DeferPv::Early),
+        (fp8_batch, DeferPv::Early),
+    ];
+    for (base, form) in cases {
+        let config = base.with_defer_pv(form);
+        assert_eq!(config.defer_pv(), form);
+        assert_eq!(config.is_batch(), base.is_batch());
+        let (name, body) = text(&config);
+        assert!(
+            name.ends_with(&format!(
+                "{}_h{}n{}",
+                form.suffix(),
+                config.block_h,
+                config.block_n
+            )),
+            "{name}"
+        );
+        let at = body.find("for (unsigned step_i").expect("the ring loop");
+        let last = body
+            .find("P . V of the last step")
+            .expect("the last step's P . V");
+        let step = &body[at..last];
+        let (wait, pv, scores) = (
+            step.find("mbar_wait(").expect("the step's wait"),
+            step.find(deferred).expect("the deferred P . V"),
+            step.find("scores S = q . K^T").expect("the scores"),
+        );
+        let zeroed = body.find("zeros, the P of the deferred");
+        match form {
+            DeferPv::Top => {
+                assert!(
+                    wait < pv && pv < scores,
+                    "{name}: wait, P . V, scores\n{step}"
+                );
+                assert!(
+                    zeroed.is_some_and(|z| z < at),
+                    "{name}: P zeroed before the loop"
+                );
+                assert!(
+                    step.contains("(step_i == 0u) ? stage :"),
+                    "{name}: step 0's own rows"
+                );
+            }
+            _ => {
+                assert!(
+                    pv < wait && wait < scores,
+                    "{name}: P . V, wait, scores\n{step}"
+                );
+                assert!(
+                    zeroed.is_none(),
+                    "{name}: step 0's product is skipped, P not zeroed"
+                );
+                assert!(
+                    step.contains("if (step_i > 0u)"),
+                    "{name}: skipped at step 0"
+                );
+            }
+        }
+        // one product a step (its transposed B loads: bf16's x4, fp8's e4m3 bytes' x2)
+        let products = |s: &str| {
+            s.matches("ldmatrix_x4_trans(").count() + s.matches("ldmatrix_x2_trans(").count()
+        };
+        assert!(products(step) > 0, "{name}");
+        assert_eq!(
+            products(step),
+            products(&body[last..]),
+            "{name}: the last step's P . V after the loop"
+        );
+    }
+    for base in [
+        v7(bf16, 16),
+        v7(fp8, 128),
+        fp8_batch,
+        DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch"),
+    ] {
+        let (name, body) = text(&base);
+        assert!(
+            !body.contains(deferred),
+            "{name}: the default keeps P . V at the step's end"
+        );
+        assert_eq!(base.defer_pv(), DeferPv::Off);
+    }
+    for (base, form) in [
+        (
+            DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch"),
+            DeferPv::Early,
+        ),
+        (v7(fp8, 128), DeferPv::Top),
+        (
+            v7(bf16, 128).with_row_softmax(RowSoftmax::Rows),
+            DeferPv::Top,
+        ),
+    ] {
+        assert_eq!(
+            base.with_defer_pv(form),
+            base,
+            "{}: the form does not apply",
+            base.split_name()
+        );
+    }
+}

@@ -67,6 +67,9 @@ MUTATIONS=(
   "f16 scores: the unscale drops E4M3_F16_UNIT (sm_80's widened bytes are the values times 2^-8)#src/kir/lower_mma/resident.rs#'value: mul(inverse, unit),'#'value: inverse,'#--test mma_emulated"
   "softmax: a row masked so far keeps m = MASKED in P's exponent (-m log2 e overflows; both forms)#src/kir/lower_mma/softmax.rs#'select(is_masked(m.clone()), Expr::F32(0.0), m)'#'select(is_masked(m.clone()), m.clone(), m)'#--test online_softmax_emulated --test mma_emulated"
   "e4m3 pairs before sm_89: the low value's 2^8 not put back#src/emit/cuda.rs#'    return v * 256.0f;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#'    return v;\n}\nSPARSE_MLA_HELPER float e4m3x2_hi'#--test mma_emulated"
+  "deferred P . V: step i's own stage read as step i - 1's (both forms)#src/kir/lower_mma/ws.rs#'let before = bin(BinOp::Rem, add(itv.clone(), u(s - 1)), u(s));'#'let before = stage.clone();'#--test mma_emulated"
+  "deferred P . V beside the scores: P not zeroed before the first step (NaN garbage times step 0's rows)#src/kir/lower_mma/ws.rs#'            out.extend(sh.zero_p.iter().cloned());'#'            let _ = &sh.zero_p;'#--test mma_emulated"
+  "deferred P . V: the last step's product not run after the loop#src/kir/lower_mma/ws.rs#'                then: last,'#'                then: { let _ = last; vec![] },'#--test mma_emulated"
   "resident q: sigma up to 2^126 again (the rope, not in its max, overflows when the latent is 0)#src/kir/lower_mma/resident.rs#'const SIGMA_MAX_FIELD: u32 = 127 + 64;'#'const SIGMA_MAX_FIELD: u32 = 253;'#--test mma_emulated"
   "f16 scores: q's f16 registers in the unpermuted K order#src/kir/lower_mma/resident.rs#'(i * 2 * steps + 2 * kk + reg / 2) * 4 + reg % 2'#'(i * 2 * steps + 2 * kk + reg % 2) * 4 + reg / 2'#--test mma_emulated"
 )

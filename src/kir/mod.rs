@@ -61,12 +61,67 @@ pub enum Lowering {
     ///
     /// `row_softmax`: how a split-K accumulator that the online softmax reads is held
     /// ([`RowSoftmax`]).
+    ///
+    /// `defer_pv`: where a step's closing `O += P · V` runs ([`DeferPv`]).
     MmaWs {
         stages: u32,
         groups: u32,
         l2_ahead: u32,
         row_softmax: RowSoftmax,
+        defer_pv: DeferPv,
     },
+}
+
+/// Where [`Lowering::MmaWs`] runs the `O += P · V` that closes each pipeline step.
+///
+/// The deferred forms are an experiment, not yet timed on a GPU (benches/NOTES.md v33); the
+/// shipped kernels keep [`Self::Off`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DeferPv {
+    /// After the step's last workgroup barrier, as the step's last phase.
+    #[default]
+    Off,
+    /// Step `i - 1`'s product at the top of step `i`, right after its wait and before its
+    /// score products, in one block with them: each warp has two independent chains of
+    /// products in flight where the step otherwise runs them one phase after another. P is
+    /// zeroed before the loop, so step 0's product (over its own, landed rows) adds exactly 0
+    /// without a branch. bf16 rows only: fp8's rows of step 0 times a running scale not yet
+    /// fitted to them may overflow f16, and 0 · inf is NaN.
+    Top,
+    /// Step `i - 1`'s product before step `i`'s wait, skipped at step 0: it overlaps the
+    /// wait for the step's rows instead of the scores. bf16 and fp8 rows.
+    Early,
+}
+
+impl DeferPv {
+    /// The kernel-name suffix: "", "d" or "de".
+    pub fn suffix(self) -> &'static str {
+        match self {
+            DeferPv::Off => "",
+            DeferPv::Top => "d",
+            DeferPv::Early => "de",
+        }
+    }
+
+    /// The form's value of `SPARSE_MLA_DEFER_PV`: "0", "1" or "early".
+    pub fn env_value(self) -> &'static str {
+        match self {
+            DeferPv::Off => "0",
+            DeferPv::Top => "1",
+            DeferPv::Early => "early",
+        }
+    }
+
+    /// `SPARSE_MLA_DEFER_PV`'s value: `0` (or unset), `1` or `early`.
+    pub fn from_env() -> crate::Result<Self> {
+        match std::env::var("SPARSE_MLA_DEFER_PV").as_deref() {
+            Err(_) | Ok("") => Ok(DeferPv::Off),
+            Ok(v) => [DeferPv::Off, DeferPv::Top, DeferPv::Early]
+                .into_iter()
+                .find(|r| r.env_value() == v)
+                .ok_or_else(|| crate::Error::arg("SPARSE_MLA_DEFER_PV", "0, 1 or early", v)),
+        }
+    }
 }
 
 /// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
@@ -144,6 +199,7 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             groups,
             l2_ahead,
             row_softmax,
-        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead, row_softmax),
+            defer_pv,
+        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead, (row_softmax, defer_pv)),
     }
 }

@@ -629,8 +629,13 @@ impl CudaDevice {
 /// fewer). It is an experiment, off by default: on the H200 it measured level with the
 /// fragment form (benches/NOTES.md v32), and a call planned on a large-batch kernel is
 /// refused with it, because compute-sanitizer's racecheck reports hazards in the two-group
-/// kernel's row forms that are not yet explained.
+/// kernel's row forms that are not yet explained. `SPARSE_MLA_DEFER_PV=1|early` runs each
+/// step's `O += P · V` in the next step, beside its scores (`1`, bf16) or before its wait
+/// (`early`) ([`DecodeConfig::with_defer_pv`]), on the kernels where the form applies (the
+/// kernel's name ends in `d` or `de`); an experiment, off by default and not yet timed
+/// (benches/NOTES.md v33).
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
+    let defer = crate::kir::DeferPv::from_env()?;
     let rows = crate::kir::RowSoftmax::from_env()?;
     let config = decode_kernel_version(dev, shape)?;
     if rows != crate::kir::RowSoftmax::Off && config.is_batch() {
@@ -646,7 +651,7 @@ fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeC
             ),
         ));
     }
-    Ok(config.with_row_softmax(rows))
+    Ok(config.with_row_softmax(rows).with_defer_pv(defer))
 }
 
 fn decode_kernel_version(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {

@@ -20,7 +20,7 @@
 use sparse_mla::emit::cuda;
 use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
 use sparse_mla::kir::Kernel;
-pub use sparse_mla::kir::RowSoftmax;
+pub use sparse_mla::kir::{DeferPv, RowSoftmax};
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::runtime::gpu::Device;
 use sparse_mla::runtime::BackendKind;
@@ -70,6 +70,9 @@ pub struct EmuConfig {
     /// How v7 and the large-batch kernel hold their scores for the softmax
     /// (`DecodeConfig::with_row_softmax`).
     pub row_softmax: RowSoftmax,
+    /// Where v7's steps run their closing P · V (`DecodeConfig::with_defer_pv`: on the
+    /// kernels where the form applies).
+    pub defer_pv: DeferPv,
 }
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
@@ -110,12 +113,13 @@ impl EmuConfig {
             } else {
                 RowSoftmax::Off
             },
+            defer_pv: DeferPv::Off,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -134,6 +138,11 @@ impl EmuConfig {
                 RowSoftmax::Off => "",
                 RowSoftmax::Rows => " (scores held in rows)",
                 RowSoftmax::RowsLazy => " (scores held in rows, lazy max)",
+            },
+            match self.defer_pv {
+                DeferPv::Off => "",
+                DeferPv::Top => " (P . V deferred beside the next step's scores)",
+                DeferPv::Early => " (P . V deferred before the next step's wait)",
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -168,6 +177,9 @@ pub struct EmuDevice {
     /// fp8_ds_mla narrow calls planned on its 64-row large-batch kernel in 16-head blocks
     /// (`DecodeConfig::tensor_core_narrow_wide`).
     pub narrow_wide_plans: AtomicU64,
+    /// Calls planned on a kernel whose steps defer their P · V (`DecodeConfig::defer_pv`),
+    /// bf16 and fp8_ds_mla.
+    pub deferred_plans: [AtomicU64; 2],
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -355,6 +367,7 @@ impl EmuDevice {
             narrow_plans: Default::default(),
             v6_narrow_plans: Default::default(),
             narrow_wide_plans: Default::default(),
+            deferred_plans: Default::default(),
         }
     }
 
@@ -404,11 +417,12 @@ impl EmuDevice {
         }
         let c = self.config;
         let path = format!(
-            "{path}.sm{}{}{}{}",
+            "{path}.sm{}{}{}{}{}",
             c.arch,
             if c.v7 { "v7" } else { "v6" },
             if c.one_stage { "1s" } else { "" },
-            c.row_softmax.suffix()
+            c.row_softmax.suffix(),
+            c.defer_pv.suffix()
         );
         let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
         std::fs::OpenOptions::new()
@@ -473,7 +487,13 @@ impl Device for EmuDevice {
         {
             self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
-        let config = config.with_row_softmax(self.config.row_softmax);
+        let config = config
+            .with_row_softmax(self.config.row_softmax)
+            .with_defer_pv(self.config.defer_pv);
+        if config.defer_pv() != DeferPv::Off {
+            let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
+            self.deferred_plans[i].fetch_add(1, Ordering::Relaxed);
+        }
         lowered_kernels(&config)?;
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;

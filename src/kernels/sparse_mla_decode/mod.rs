@@ -14,7 +14,7 @@
 
 use super::{pack_params, Launch, ParamValue};
 use crate::kir::ir::{Kernel, TileElem};
-use crate::kir::{Lowering, RowSoftmax};
+use crate::kir::{DeferPv, Lowering, RowSoftmax};
 use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -443,6 +443,7 @@ impl DecodeConfig {
                 groups: 1,
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
+                defer_pv: DeferPv::Off,
             },
         }
     }
@@ -478,6 +479,50 @@ impl DecodeConfig {
         self
     }
 
+    /// This configuration with each step's closing `O += P · V` run where `form` says
+    /// ([`Lowering::MmaWs`]'s `defer_pv`) — where the form applies: a v7 kernel in one warp
+    /// group with a ring of two or more stages and its scores in fragments, and for
+    /// [`DeferPv::Top`] bf16 rows. Any other configuration is returned as it is (its name
+    /// says so: a deferred kernel's ends in `d` or `de`).
+    pub fn with_defer_pv(mut self, form: DeferPv) -> Self {
+        let bf16 = self.format == CacheFormat::Bf16;
+        if let Lowering::MmaWs {
+            defer_pv: ref mut d,
+            stages,
+            groups,
+            row_softmax,
+            ..
+        } = self.lowering
+        {
+            let fits = groups == 1 && stages >= 2 && row_softmax == RowSoftmax::Off;
+            if fits && (bf16 || form != DeferPv::Top) {
+                *d = form;
+            }
+        }
+        self
+    }
+
+    /// This configuration with each step's `O += P · V` at its end ([`DeferPv::Off`]).
+    pub fn without_defer_pv(mut self) -> Self {
+        if let Lowering::MmaWs {
+            defer_pv: ref mut d,
+            ..
+        } = self.lowering
+        {
+            *d = DeferPv::Off;
+        }
+        self
+    }
+
+    /// Where this configuration runs each step's `O += P · V` ([`DeferPv::Off`] outside
+    /// [`Lowering::MmaWs`]).
+    pub fn defer_pv(&self) -> DeferPv {
+        match self.lowering {
+            Lowering::MmaWs { defer_pv, .. } => defer_pv,
+            _ => DeferPv::Off,
+        }
+    }
+
     /// Steps past the ring's copies whose rows are asked of L2 (0: none, and always for the
     /// scalar lowering).
     pub fn l2_ahead(&self) -> u32 {
@@ -502,7 +547,7 @@ impl DecodeConfig {
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
     pub fn is_batch(&self) -> bool {
         matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
-            || Some(self.with_row_softmax(RowSoftmax::Off))
+            || Some(self.with_row_softmax(RowSoftmax::Off).without_defer_pv())
                 == Self::tensor_core_batch(self.dims, self.format, self.block_h)
     }
 
@@ -531,6 +576,7 @@ impl DecodeConfig {
                 groups,
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
+                defer_pv: DeferPv::Off,
             },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
@@ -608,6 +654,7 @@ impl DecodeConfig {
                 groups,
                 l2_ahead,
                 row_softmax,
+                defer_pv,
             } => {
                 let g = if groups > 1 {
                     format!("g{groups}")
@@ -620,7 +667,8 @@ impl DecodeConfig {
                     String::new()
                 };
                 let r = row_softmax.suffix();
-                format!("ws{stages}w{}{g}{p}{r}", self.threads / 32)
+                let d = defer_pv.suffix();
+                format!("ws{stages}w{}{g}{p}{r}{d}", self.threads / 32)
             }
         };
         format!(
