@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Same-binary A/B of a kernel switch on a GPU machine (an environment variable such as
+# SPARSE_MLA_DEFER_PV or SPARSE_MLA_ROW_SOFTMAX): mla-bench with the variable unset ("off")
+# and at each value, RUNS rounds with the order rotated each round, then the gate of each
+# value (mla-check's decode cases with the kernel forced, compute-sanitizer on them), then
+# the same-run table (tools/ab-table.py: minimum of each form's medians, speed-up against
+# off, both occupancies). Logs and CSVs go to $OUT (or gpu-logs) as one tar; the table last.
+#
+#   tools/gpu-env-ab.sh BIN_DIR VAR VALUE [VALUE ...]
+# env: AB_ARGS (mla-bench shape args), RUNS (3), GATE_KERNELS (v7: SPARSE_MLA_DECODE_KERNEL
+#      values the gate forces, empty for none), SAN_TOOLS (memcheck racecheck synccheck),
+#      BENCH_TIMEOUT (150 s a run), SAN_TIMEOUT (100 s a tool)
+set -u
+cd "$(dirname "$0")/.."
+[ $# -ge 3 ] || { sed -n 2,13p "$0"; exit 2; }
+BIN=$1 VAR=$2
+shift 2
+VALUES=("$@")
+OUTD=${OUT:-$PWD/gpu-logs}
+W=$(mktemp -d)
+export SPARSE_MLA_CACHE_DIR=${SPARSE_MLA_CACHE_DIR:-/tmp/sparse-mla-nvrtc}
+AB_ARGS=${AB_ARGS:---heads 8,16,32,64,128 --tokens 1,8,32,128 --cache bf16,fp8_ds_mla}
+for f in "$BIN"/*.xz; do [ -f "$f" ] && xz -d -f "$f"; done
+chmod +x "$BIN"/mla-bench "$BIN"/mla-check
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+# `form NAME CMD...`: CMD with VAR unset (off) or at NAME
+form() { local v=$1; shift; if [ "$v" = off ]; then env -u "$VAR" "$@"; else env "$VAR=$v" "$@"; fi; }
+forms=(off "${VALUES[@]}")
+# warm the NVRTC cache of every form, untimed
+for v in "${forms[@]}"; do form "$v" timeout 120 "$BIN/mla-bench" $AB_ARGS --no-peer --reps 3 >/dev/null 2>&1; done
+n=${#forms[@]}
+for r in $(seq 1 "${RUNS:-3}"); do
+    for i in $(seq 0 $((n - 1))); do
+        v=${forms[$(( (i + r - 1) % n ))]}
+        form "$v" timeout "${BENCH_TIMEOUT:-150}" "$BIN/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
+            --format csv >"$W/ab-$r-$v.csv" 2>"$W/ab-$r-$v.err"
+        echo "bench run $r $VAR=$v: rc $? $(grep -c ',true,' "$W/ab-$r-$v.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$v.csv") wrong"
+    done
+done
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+for v in "${VALUES[@]}"; do
+    for k in ${GATE_KERNELS-v7}; do
+        form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
+            >"$W/check-$v-$k.txt" 2>&1
+        echo "gate $VAR=$v $k: mla-check rc $? $(tail -1 "$W/check-$v-$k.txt")"
+        for tool in ${SAN_TOOLS-memcheck racecheck synccheck}; do
+            extra=()
+            [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+            [ "$tool" = synccheck ] && extra=(--num-cuda-barriers 65536)
+            form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout "${SAN_TIMEOUT:-100}" "$SAN" --tool "$tool" \
+                "${extra[@]}" --error-exitcode 7 --print-limit 20 "$BIN/mla-check" --backend cuda \
+                --case decode/ --no-model >"$W/san-$tool-$v-$k.txt" 2>&1
+            echo "gate $VAR=$v $k: $tool rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$W/san-$tool-$v-$k.txt" | tail -1)"
+        done
+    done
+done
+mkdir -p "$OUTD"
+python3 tools/ab-table.py "$W" off "${VALUES[@]}" | tee "$W/table.txt"
+tar -cJf "$OUTD/env-ab.tar.xz" -C "$W" .
+cp "$W/table.txt" "$OUTD/env-ab-table.txt"
