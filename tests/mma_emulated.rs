@@ -27,7 +27,7 @@
 mod common;
 mod emu;
 
-use sparse_mla::conformance::{all_cases, decode_cases, Case};
+use sparse_mla::conformance::{all_cases, decode_cases, Case, DecodeCase};
 use sparse_mla::runtime::gpu::GpuBackend;
 use sparse_mla::testing::test_seed;
 
@@ -242,12 +242,31 @@ fn merged_in_rows(form: emu::RowSoftmax) {
         ..emu::EmuConfig::mode(1, seed)
     };
     let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
-    let (mut merged, mut failed) = (0, Vec::new());
-    for case in decode_cases()
+    let mut failed = Vec::new();
+    let long = decode_cases()
         .into_iter()
-        .filter(|c| c.name().contains("k2048"))
-    {
-        match case.run(&backend, seed) {
+        .filter(|c| c.name().contains("k2048"));
+    let merged = run_cases(&backend, long, seed, &mut failed);
+    assert!(
+        failed.is_empty(),
+        "SPARSE_MLA_SEED={seed}, {}: {}",
+        config.describe(),
+        failed.join("\n")
+    );
+    assert!(merged > 0, "{}: no case ran merged", config.describe());
+}
+
+/// Runs `cases` on `backend`, a line each; what failed (with why) into `failed`. Returns
+/// how many ran merged.
+fn run_cases(
+    backend: &GpuBackend<emu::EmuDevice>,
+    cases: impl IntoIterator<Item = DecodeCase>,
+    seed: u64,
+    failed: &mut Vec<String>,
+) -> u32 {
+    let mut merged = 0;
+    for case in cases {
+        match case.run(backend, seed) {
             Ok(o) => {
                 merged += o.detail.ends_with(" merged") as u32;
                 eprintln!(
@@ -261,13 +280,7 @@ fn merged_in_rows(form: emu::RowSoftmax) {
             Err(e) => failed.push(format!("{}: error: {e}", case.name())),
         }
     }
-    assert!(
-        failed.is_empty(),
-        "SPARSE_MLA_SEED={seed}, {}: {}",
-        config.describe(),
-        failed.join("\n")
-    );
-    assert!(merged > 0, "{}: no case ran merged", config.describe());
+    merged
 }
 
 /// Each step's closing P · V deferred into the next step (`DecodeConfig::with_defer_pv`), on
@@ -297,20 +310,13 @@ fn deferred_p_v_on_the_decode_cases() {
             ..emu::EmuConfig::mode(mode, seed)
         };
         let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
-        for case in decode_cases() {
-            match case.run(&backend, seed) {
-                Ok(o) => {
-                    eprintln!(
-                        "{} rel_l2 {:.2e} lse_err {:.2e} {}",
-                        o.case, o.rel_l2, o.lse_err, o.detail
-                    );
-                    if !o.passed() {
-                        failed.push(format!("{}: {}", o.case, o.failures.join("; ")));
-                    }
-                }
-                Err(e) => failed.push(format!("{}: error: {e}", case.name())),
-            }
-        }
+        let mut wrong = Vec::new();
+        run_cases(&backend, decode_cases(), seed, &mut wrong);
+        failed.extend(
+            wrong
+                .into_iter()
+                .map(|w| format!("{}: {w}", config.describe())),
+        );
         // bf16 under both forms; fp8 under the early one (its v7 and 64-row kernels)
         let plans = &backend.device().deferred_plans;
         let [bf16, fp8] = [0, 1].map(|i| plans[i].load(std::sync::atomic::Ordering::Relaxed));

@@ -114,13 +114,30 @@ impl DeferPv {
 
     /// `SPARSE_MLA_DEFER_PV`'s value: `0` (or unset), `1` or `early`.
     pub fn from_env() -> crate::Result<Self> {
-        match std::env::var("SPARSE_MLA_DEFER_PV").as_deref() {
-            Err(_) | Ok("") => Ok(DeferPv::Off),
-            Ok(v) => [DeferPv::Off, DeferPv::Top, DeferPv::Early]
-                .into_iter()
-                .find(|r| r.env_value() == v)
-                .ok_or_else(|| crate::Error::arg("SPARSE_MLA_DEFER_PV", "0, 1 or early", v)),
-        }
+        let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
+        form_from_env("SPARSE_MLA_DEFER_PV", &forms, Self::env_value)
+    }
+}
+
+/// The form of a lowering switch that the environment variable `var` names: `forms[0]` when
+/// it is unset or empty, else the form whose `value` it is; any other value is an error
+/// naming the variable and listing the values.
+fn form_from_env<T: Copy>(
+    var: &str,
+    forms: &[T],
+    value: fn(T) -> &'static str,
+) -> crate::Result<T> {
+    match std::env::var(var).as_deref() {
+        Err(_) | Ok("") => Ok(forms[0]),
+        Ok(v) => forms
+            .iter()
+            .copied()
+            .find(|f| value(*f) == v)
+            .ok_or_else(|| {
+                let names: Vec<&str> = forms.iter().map(|f| value(*f)).collect();
+                let (last, rest) = names.split_last().expect("at least one form");
+                crate::Error::arg(var, format!("{} or {last}", rest.join(", ")), v)
+            }),
     }
 }
 
@@ -165,13 +182,8 @@ impl RowSoftmax {
 
     /// `SPARSE_MLA_ROW_SOFTMAX`'s value: `0` (or unset), `1` or `lazy`.
     pub fn from_env() -> crate::Result<Self> {
-        match std::env::var("SPARSE_MLA_ROW_SOFTMAX").as_deref() {
-            Err(_) | Ok("") => Ok(RowSoftmax::Off),
-            Ok(v) => [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy]
-                .into_iter()
-                .find(|r| r.env_value() == v)
-                .ok_or_else(|| crate::Error::arg("SPARSE_MLA_ROW_SOFTMAX", "0, 1 or lazy", v)),
-        }
+        let forms = [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy];
+        form_from_env("SPARSE_MLA_ROW_SOFTMAX", &forms, Self::env_value)
     }
 }
 
@@ -201,5 +213,40 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             row_softmax,
             defer_pv,
         } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead, (row_softmax, defer_pv)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A switch's variable: unset or empty is the first form, each form's value is that form,
+    /// anything else an error that names the variable and lists the values. (A variable of
+    /// its own: the process's environment is shared by every test thread.)
+    #[test]
+    fn a_switch_reads_its_variable_and_refuses_other_values() {
+        let var = "SPARSE_MLA_TEST_KIR_SWITCH";
+        let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
+        std::env::remove_var(var);
+        assert_eq!(
+            form_from_env(var, &forms, DeferPv::env_value).ok(),
+            Some(DeferPv::Off)
+        );
+        for (v, want) in [
+            ("", DeferPv::Off),
+            ("1", DeferPv::Top),
+            ("early", DeferPv::Early),
+        ] {
+            std::env::set_var(var, v);
+            assert_eq!(
+                form_from_env(var, &forms, DeferPv::env_value).ok(),
+                Some(want)
+            );
+        }
+        std::env::set_var(var, "late");
+        let e = form_from_env(var, &forms, DeferPv::env_value).expect_err("refused");
+        let text = e.to_string();
+        assert!(text.contains(var) && text.contains("0, 1 or early") && text.contains("late"));
+        std::env::remove_var(var);
     }
 }
