@@ -13,6 +13,19 @@ pub(super) struct GatherPlan {
     pub(super) passes: u32,
 }
 
+/// One row gather of a pipeline's load stage ([`TileOp::GatherRows`]), by reference, with
+/// the comment that came before it.
+pub(super) struct Gather<'a> {
+    pub(super) dst: &'a str,
+    pub(super) dst_word0: u32,
+    pub(super) words: u32,
+    pub(super) src: &'a str,
+    pub(super) row: &'a str,
+    pub(super) src_word: &'a Expr,
+    pub(super) flags: Option<&'a str>,
+    pub(super) comment: Option<String>,
+}
+
 pub(super) fn floor_pow2(x: u32) -> u32 {
     if x == 0 {
         0
@@ -22,6 +35,41 @@ pub(super) fn floor_pow2(x: u32) -> u32 {
 }
 
 impl Cx<'_> {
+    /// The gathers of pipeline `v`'s load stage, which may hold only those (and comments).
+    pub(super) fn load_gathers<'a>(&self, v: &str, load: &'a [Stmt]) -> Result<Vec<Gather<'a>>> {
+        let mut gathers = Vec::new();
+        let mut comment = None;
+        for st in load {
+            match st {
+                Stmt::Tile(TileOp::GatherRows {
+                    dst,
+                    dst_word0,
+                    words,
+                    src,
+                    row,
+                    src_word,
+                    flags,
+                }) => gathers.push(Gather {
+                    dst,
+                    dst_word0: *dst_word0,
+                    words: *words,
+                    src,
+                    row,
+                    src_word,
+                    flags: flags.as_deref(),
+                    comment: comment.take(),
+                }),
+                Stmt::Comment(c) => comment = Some(c.clone()),
+                other => {
+                    return Err(self.err(format!(
+                        "pipeline {v}: the load stage may hold only gathers, found {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(gathers)
+    }
+
     /// How a gather spreads over the threads: `tpr` consecutive threads share a row, each
     /// taking every `tpr`-th 16-byte chunk (so a warp reads contiguous runs); `passes` rounds
     /// of `W / tpr` rows.

@@ -2,7 +2,7 @@
 //! step computes.
 
 use super::context::Cx;
-use super::gather::GatherPlan;
+use super::gather::{Gather, GatherPlan};
 use crate::kir::expr::{add, bin, for_const, intr, let_, lt, u, var};
 use crate::kir::ir::*;
 use crate::Result;
@@ -32,58 +32,25 @@ impl Cx<'_> {
         let count = var(&count_name, Ty::U32);
         // the gathers of the load stage, each with its source-word registers
         struct G<'a> {
+            op: Gather<'a>,
             plan: GatherPlan,
             srcs: String,
             // the address queue past `srcs` (`l2_ahead` arrays; empty without the prefetch)
             queue: Vec<String>,
-            dst: &'a str,
-            dst_word0: u32,
-            words: u32,
-            src: &'a str,
-            row: &'a str,
-            src_word: &'a Expr,
-            flags: Option<&'a str>,
-            comment: Option<String>,
         }
         let mut gathers = Vec::new();
-        let mut comment = None;
-        for st in load {
-            match st {
-                Stmt::Tile(TileOp::GatherRows {
-                    dst,
-                    dst_word0,
-                    words,
-                    src,
-                    row,
-                    src_word,
-                    flags,
-                }) => {
-                    let plan = self.gather_plan(dst, *dst_word0, *words)?;
-                    let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
-                    let queue = (0..self.l2_ahead)
-                        .map(|_| self.private(&format!("{dst}_src_ahead"), Ty::I32, plan.passes))
-                        .collect();
-                    gathers.push(G {
-                        plan,
-                        srcs,
-                        queue,
-                        dst,
-                        dst_word0: *dst_word0,
-                        words: *words,
-                        src,
-                        row,
-                        src_word,
-                        flags: flags.as_deref(),
-                        comment: comment.take(),
-                    });
-                }
-                Stmt::Comment(c) => comment = Some(c.clone()),
-                other => {
-                    return Err(self.err(format!(
-                        "pipeline {v}: the load stage may hold only gathers, found {other:?}"
-                    )))
-                }
-            }
+        for op in self.load_gathers(v, load)? {
+            let plan = self.gather_plan(op.dst, op.dst_word0, op.words)?;
+            let srcs = self.private(&format!("{}_src", op.dst), Ty::I32, plan.passes);
+            let queue = (0..self.l2_ahead)
+                .map(|_| self.private(&format!("{}_src_ahead", op.dst), Ty::I32, plan.passes))
+                .collect();
+            gathers.push(G {
+                op,
+                plan,
+                srcs,
+                queue,
+            });
         }
         let k = self.l2_ahead;
         // the address array `j` of a gather's queue: 0 the copies', k the newest
@@ -97,7 +64,7 @@ impl Cx<'_> {
         let addr_into = |cx: &mut Self, at: Expr, j: u32| -> Result<Stmt> {
             let mut body = vec![let_(v, at.clone())];
             for g in &gathers {
-                body.push(cx.gather_addr(&g.plan, g.row, g.src_word, &slot(g, j))?);
+                body.push(cx.gather_addr(&g.plan, g.op.row, g.op.src_word, &slot(g, j))?);
             }
             Ok(Stmt::If {
                 cond: lt(at, count.clone()),
@@ -114,16 +81,16 @@ impl Cx<'_> {
             }
             let saved = cx.stage.replace(var(&stage_name, Ty::U32));
             for g in &gathers {
-                if let Some(c) = &g.comment {
+                if let Some(c) = &g.op.comment {
                     body.push(Stmt::Comment(c.clone()));
                 }
                 body.push(cx.gather_copy(
                     &g.plan,
-                    g.dst,
-                    (g.dst_word0, g.words),
-                    g.src,
+                    g.op.dst,
+                    (g.op.dst_word0, g.op.words),
+                    g.op.src,
                     &g.srcs,
-                    g.flags,
+                    g.op.flags,
                 )?);
             }
             cx.stage = saved;
@@ -170,7 +137,7 @@ impl Cx<'_> {
             let far = add(itv.clone(), u(s - 1 + k));
             let mut ask = Vec::new();
             for g in &gathers {
-                ask.push(self.gather_l2(&g.plan, g.src, &slot(g, k), g.words));
+                ask.push(self.gather_l2(&g.plan, g.op.src, &slot(g, k), g.op.words));
             }
             body.push(Stmt::If {
                 cond: lt(far, count.clone()),

@@ -19,13 +19,13 @@
 //! The ring starts zeroed, so a row without a source holds finite values (see
 //! [`TileOp::GatherRows`] with flags).
 
-use super::{
-    add, bin, dedupe_barriers, for_const, intr, let_, local_id, lt, mul, u, var, Cx, Error, Result,
-    WARP,
-};
-use crate::kir::expr::select;
+use super::{add, bin, dedupe_barriers, intr, let_, local_id, lt, u, var, Cx, Error, Result, WARP};
 use crate::kir::ir::*;
+use producer::{Producers, RingCounts};
 use std::collections::HashSet;
+
+mod defer;
+mod producer;
 
 /// Warps that issue the ring's copies: the upper half (the split-K holders, which run the
 /// softmax while the copies are issued, are at most the lower half; see `Cx::new`). One warp
@@ -206,30 +206,6 @@ fn nested_pipeline(stmts: &[Stmt]) -> bool {
     })
 }
 
-/// The global loads of `e` whose own index reads no buffer (each once, in order of
-/// appearance): what a gather's source expression can have in flight before it is needed.
-fn leaf_global_loads(e: &Expr, out: &mut Vec<Expr>) {
-    e.visit(&mut |x| {
-        if let Expr::Load { index, .. } | Expr::LoadWord { index, .. } = x {
-            let mut reads = false;
-            index.visit(&mut |y| reads |= matches!(y, Expr::Load { .. } | Expr::LoadWord { .. }));
-            if !reads && !out.contains(x) {
-                out.push(x.clone());
-            }
-        }
-    });
-}
-
-struct Gather<'a> {
-    dst: &'a str,
-    dst_word0: u32,
-    words: u32,
-    src: &'a str,
-    row: &'a str,
-    src_word: &'a Expr,
-    flags: Option<&'a String>,
-}
-
 impl Cx<'_> {
     /// Shared arrays of the ring (tiles a pipeline's load stage writes).
     pub(super) fn ring_arrays(&self) -> Vec<String> {
@@ -286,40 +262,6 @@ impl Cx<'_> {
         Ok(body)
     }
 
-    fn ws_gathers<'a>(&mut self, load: &'a [Stmt]) -> Result<Vec<Gather<'a>>> {
-        let mut out = Vec::new();
-        for s in load {
-            match s {
-                Stmt::Tile(TileOp::GatherRows {
-                    dst,
-                    dst_word0,
-                    words,
-                    src,
-                    row,
-                    src_word,
-                    flags,
-                }) => {
-                    out.push(Gather {
-                        dst,
-                        dst_word0: *dst_word0,
-                        words: *words,
-                        src,
-                        row,
-                        src_word,
-                        flags: flags.as_ref(),
-                    });
-                }
-                Stmt::Comment(_) => {}
-                other => {
-                    return Err(self.err(format!(
-                        "pipeline load stage may hold only gathers, found {other:?}"
-                    )))
-                }
-            }
-        }
-        Ok(out)
-    }
-
     /// The ring loop: every warp's wait, compute and release of step `i`, with the producer
     /// warps' issue of step `i + stages - 1` after the compute's first barrier.
     pub(super) fn consumer_loop(
@@ -330,49 +272,52 @@ impl Cx<'_> {
         compute: &[Stmt],
         out: &mut Vec<Stmt>,
     ) -> Result<()> {
-        let info = self
-            .ws
-            .clone()
-            .ok_or_else(|| self.err("no ring plan".into()))?;
-        let s = self.stages;
-        let gathers = self.ws_gathers(load)?;
-        let rows = match gathers.first() {
-            Some(g) => self.tile(g.dst)?.decl.rows,
-            None => return Err(self.err(format!("pipeline {v} gathers nothing"))),
+        let bars = match &self.ws {
+            Some(info) => info.bars.clone(),
+            None => return Err(self.err("no ring plan".into())),
         };
-        let pw = producer_warps(self.warps);
-        let first_producer = self.warps - pw;
-        let slots = rows.div_ceil(pw * WARP);
-        let producer = bin(BinOp::Ge, self.lane.warp.clone(), u(first_producer));
-        // row of producer lane `lane` of producer warp `warp - first_producer`, slot `slot`:
-        // consecutive rows on consecutive warps, so each warp's lanes 0.. take rows / pw
-        let lane = add(
-            bin(BinOp::Sub, self.lane.warp.clone(), u(first_producer)),
-            mul(self.lane.lane.clone(), u(pw)),
-        );
-        let slot_rows = pw * WARP;
-        // `then` for each row `r` of this producer lane (`lane + slot_rows * slot`, below `rows`)
-        let lane_rows = |slot: &str, r: &str, then: Vec<Stmt>| {
-            for_const(
-                slot,
-                slots,
-                vec![
-                    let_(r, add(lane.clone(), mul(var(slot, Ty::U32), u(slot_rows)))),
-                    Stmt::If {
-                        cond: lt(var(r, Ty::U32), u(rows)),
-                        then,
-                        els: vec![],
-                    },
-                ],
-            )
-        };
-        // The first step's index loads go where their names allow (see below); with q
-        // staged in the ring's last stage (`layout`), the ring's set-up and the first steps'
-        // copies too, with the step count they read, ahead of q's staging: nothing they write
-        // is read before the first step, and the last stage is not filled before it.
-        // (`staged_late` implies one warp group and two or more stages: see `layout`)
+        let gathers = self.load_gathers(v, load)?;
+        // The first step's index loads go where their names allow (see `ring_prologue`); with
+        // q staged in the ring's last stage (`layout`), the ring's set-up and the first
+        // steps' copies too, with the step count they read, ahead of q's staging: nothing
+        // they write is read before the first step, and the last stage is not filled before
+        // it. (`staged_late` implies one warp group and two or more stages: see `layout`)
         let hoisted = bound.is_some() && self.hoist.is_empty();
         let early = hoisted && self.staged_late;
+        let (counts, prefetch_lets) = self.ring_counts(v, (count, bound), early, out)?;
+        let producers = Producers::plan(self, v, gathers, counts, bars)?;
+        out.push(Stmt::Comment(format!(
+            "pipeline {v}: {}-stage mbarrier ring; the producer warps issue the first {} steps",
+            self.stages,
+            self.stages - 1
+        )));
+        self.ring_prologue(&producers, (hoisted, early), prefetch_lets, out)?;
+        let resident = self.resident_softmax(load, compute)?;
+        for r in &resident {
+            out.extend(self.softmax_load(r)?);
+            self.resident.insert(r.m.clone(), r.clone());
+        }
+        self.ring_steps(&producers, compute, out)?;
+        self.units_end(out)?;
+        for r in &resident {
+            self.resident.remove(&r.m);
+            out.extend(self.softmax_store(r)?);
+        }
+        if self.groups > 1 {
+            out.extend(self.group_merge(&resident)?);
+        }
+        Ok(())
+    }
+
+    /// The ring's step counts, their lets into `out` (or the hoisted prologue, `early`), and
+    /// the lets of the prefetch bound, which go with the first step's index loads.
+    fn ring_counts(
+        &mut self,
+        v: &str,
+        (count, bound): (&Expr, Option<&Expr>),
+        early: bool,
+        out: &mut Vec<Stmt>,
+    ) -> Result<(RingCounts, Vec<Stmt>)> {
         let count_name = self.fresh(&format!("{v}_count"));
         let count_let = let_(&count_name, self.expr(count)?);
         self.place(early, out, [count_let]);
@@ -390,7 +335,7 @@ impl Cx<'_> {
         // where it gives one (so the first step's index loads need not wait for a load that
         // `count` reads, e.g. topk_length), else below `count`.
         let mut prefetch_lets = Vec::new();
-        let prefetch_countv = match bound {
+        let prefetch = match bound {
             Some(b) => {
                 let n = self.fresh(&format!("{v}_bound"));
                 prefetch_lets.push(let_(&n, self.expr(b)?));
@@ -405,209 +350,30 @@ impl Cx<'_> {
             }
             None => countv.clone(),
         };
+        let counts = RingCounts {
+            count: countv,
+            prefetch,
+            step_of: Box::new(step_of),
+        };
+        Ok((counts, prefetch_lets))
+    }
 
-        // The index loads of step `at`, issued a step before its copies: each producer lane
-        // loads the raw words its rows' source expressions read (rows lane + 32 * slot) into
-        // registers and does not use them until the copies of step `at` are issued, a whole
-        // step later. Computing the source right after the load made the producer warp (a
-        // consumer too) wait for the load at every step, and the others wait at the next
-        // workgroup barrier.
-        let mut prefetched: Vec<Vec<(Expr, String)>> = Vec::new();
-        // with `l2_ahead`, the words of the step whose rows the producers ask L2 for next
-        let mut l2_words: Vec<Vec<(Expr, String)>> = Vec::new();
-        let l2_ahead = self.l2_ahead;
-        let mut src_exprs: Vec<Expr> = Vec::new();
-        for g in &gathers {
-            let e = self.expr(g.src_word)?;
-            let mut loads = Vec::new();
-            leaf_global_loads(&e, &mut loads);
-            let mut pairs = Vec::new();
-            let mut l2_pairs = Vec::new();
-            for l in loads {
-                let arr = self.private(&format!("{}_pre", g.dst), l.ty(), slots);
-                pairs.push((l.clone(), arr));
-                if l2_ahead > 0 {
-                    let arr = self.private(&format!("{}_l2", g.dst), l.ty(), slots);
-                    l2_pairs.push((l, arr));
-                }
-            }
-            src_exprs.push(e);
-            prefetched.push(pairs);
-            l2_words.push(l2_pairs);
-        }
-        // the leaf loads of step `at`'s sources into the registers of `words`
-        let load_words = |cx: &mut Cx, at: Expr, words: &[Vec<(Expr, String)>]| -> Result<Stmt> {
-            let mut body = vec![let_(v, step_of(at.clone()))];
-            for (g, pairs) in gathers.iter().zip(words) {
-                if pairs.is_empty() {
-                    continue;
-                }
-                let slot = cx.fresh("slot");
-                let r = cx.fresh("gather_row");
-                let rv = var(&r, Ty::U32);
-                let mut then = vec![let_(g.row, rv.clone())];
-                for (load, arr) in pairs {
-                    then.push(Stmt::PrivateStore {
-                        arr: arr.clone(),
-                        index: var(&slot, Ty::U32),
-                        value: load.clone(),
-                    });
-                }
-                body.push(lane_rows(&slot, &r, then));
-            }
-            Ok(Stmt::If {
-                cond: lt(at, prefetch_countv.clone()),
-                then: body,
-                els: vec![],
-            })
-        };
-        let addr = |cx: &mut Cx, at: Expr| load_words(cx, at, &prefetched);
-        // a source expression over the words of `pairs` loaded for slot `slot` (with none,
-        // the expression as it is, its loads in place)
-        let source = |e: &Expr, pairs: &[(Expr, String)], slot: &str| {
-            e.clone()
-                .map(&mut |x| match pairs.iter().find(|(load, _)| *load == x) {
-                    Some((load, arr)) => Expr::PrivateLoad {
-                        arr: arr.clone(),
-                        ty: load.ty(),
-                        index: Box::new(var(slot, Ty::U32)),
-                    },
-                    None => x,
-                })
-        };
-        // L2 prefetches of step `at`'s valid rows, from the words of `l2_words` (`loaded`)
-        // or with the source's loads in place
-        let l2_prefetch = |cx: &mut Cx, at: Expr, loaded: bool| -> Stmt {
-            let mut body = vec![let_(v, step_of(at.clone()))];
-            for ((g, e), pairs) in gathers.iter().zip(&src_exprs).zip(&l2_words) {
-                let slot = cx.fresh("slot");
-                let r = cx.fresh("gather_row");
-                let rv = var(&r, Ty::U32);
-                let src = source(e, if loaded { pairs } else { &[] }, &slot);
-                let mut row = vec![let_(g.row, rv)];
-                row.extend(cx.l2_prefetch_row(g.src, src, g.words));
-                body.push(lane_rows(&slot, &r, row));
-            }
-            Stmt::If {
-                cond: lt(at, countv.clone()),
-                then: body,
-                els: vec![],
-            }
-        };
-        // flags and row copies of step `at` into its stage, then the arrival on full[stage]
-        let issue = |cx: &mut Cx, at: Expr| -> Result<Vec<Stmt>> {
-            let stage_name = cx.fresh("load_stage");
-            let stage = var(&stage_name, Ty::U32);
-            let mut body = vec![let_(
-                &stage_name,
-                if s > 1 {
-                    bin(BinOp::Rem, at.clone(), u(s))
-                } else {
-                    u(0)
-                },
-            )];
-            let saved = cx.stage.replace(stage.clone());
-            let slot = cx.fresh("slot");
-            let r = cx.fresh("gather_row");
-            let rv = var(&r, Ty::U32);
-            let mut row_body = Vec::new();
-            let sw_names: Vec<String> = gathers.iter().map(|_| cx.fresh("src_i32")).collect();
-            row_body.push(let_(v, step_of(at.clone())));
-            for (((g, n), e), pairs) in gathers
-                .iter()
-                .zip(&sw_names)
-                .zip(&src_exprs)
-                .zip(&prefetched)
-            {
-                // the source expression over the words prefetched a step ago
-                let src = source(e, pairs, &slot);
-                row_body.push(let_(g.row, rv.clone()));
-                row_body.push(let_(n, src));
-            }
-            let mut flagged = HashSet::new();
-            for (g, n) in gathers.iter().zip(&sw_names) {
-                let swv = var(n, Ty::I32);
-                let valid = bin(BinOp::Ge, swv.clone(), Expr::I32(0));
-                if let Some(flags) = g.flags {
-                    if flagged.insert(flags.clone()) {
-                        let ft = cx.tile(flags)?.clone();
-                        let base = cx.tile_base(&ft)?;
-                        row_body.push(Stmt::SharedStore {
-                            arr: flags.clone(),
-                            index: add(base, rv.clone()),
-                            value: Expr::Select(
-                                Box::new(valid.clone()),
-                                Box::new(Expr::F32(1.0)),
-                                Box::new(Expr::F32(0.0)),
-                            ),
-                        });
-                    }
-                }
-                let t = cx.tile(g.dst)?.clone();
-                let base = cx.tile_base(&t)?;
-                let dst_word = add(add(base, mul(rv.clone(), u(t.stride))), u(g.dst_word0));
-                // A row without a source is zeroed here, so that it stays finite (its
-                // scores are masked and P is 0 there, but 0 · NaN is NaN): no stage is
-                // zeroed up front. The fence orders these generic writes before the bulk
-                // copies that later steps issue into the same row, through the full and
-                // empty barriers.
-                let zi = cx.fresh("zero_w");
-                let ty = cx
-                    .new_shared
-                    .iter()
-                    .find(|d| d.name == g.dst)
-                    .map_or(Ty::U32, |d| d.ty);
-                let zero_row = vec![
-                    Stmt::For {
-                        var: zi.clone(),
-                        start: u(0),
-                        end: u(g.words),
-                        step: u(1),
-                        body: vec![Stmt::SharedStore {
-                            arr: g.dst.to_string(),
-                            index: add(dst_word.clone(), var(&zi, Ty::U32)),
-                            value: if ty == Ty::F32 { Expr::F32(0.0) } else { u(0) },
-                        }],
-                    },
-                    intr(Intrinsic::FenceProxyAsync),
-                ];
-                row_body.push(Stmt::If {
-                    cond: valid,
-                    then: vec![intr(Intrinsic::CopyAsync {
-                        bytes: 4 * g.words,
-                        dst: g.dst.to_string(),
-                        dst_word,
-                        src: g.src.to_string(),
-                        src_word: Expr::Cvt(Ty::U32, Box::new(swv)),
-                        bars: info.bars.clone(),
-                        index: stage.clone(),
-                    })],
-                    els: zero_row,
-                });
-            }
-            cx.stage = saved;
-            body.push(lane_rows(&slot, &r, row_body));
-            body.push(intr(Intrinsic::CopyArrive {
-                bars: info.bars.clone(),
-                index: stage,
-            }));
-            Ok(body)
-        };
-
-        out.push(Stmt::Comment(format!(
-            "pipeline {v}: {s}-stage mbarrier ring; the producer warps issue the first {} steps",
-            s - 1
-        )));
+    /// Before the loop: the first step's index loads, the ring's set-up, the copies of the
+    /// first `stages - 1` steps and, with `l2_ahead`, the first L2 prefetches.
+    fn ring_prologue(
+        &mut self,
+        p: &Producers,
+        (hoisted, early): (bool, bool),
+        prefetch_lets: Vec<Stmt>,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let s = self.stages;
         // Step 0's index loads: with a load-free bound they need nothing the kernel computes
         // after its first lets, so they are hoisted there (`lower_ws`), ahead of q's loads and
         // the ring's set-up, whose latency they then overlap (at T = 1 a workgroup's whole
         // time is the chain index load -> row copy -> step). Without one, right before the
         // ring's set-up.
-        let first_addr = Stmt::If {
-            cond: producer.clone(),
-            then: vec![addr(self, u(0))?],
-            els: vec![],
-        };
+        let first_addr = p.on_producers(vec![p.addr(self, u(0))]);
         if hoisted {
             self.hoist.extend(prefetch_lets);
             self.hoist.push(first_addr);
@@ -620,23 +386,20 @@ impl Cx<'_> {
         let mut first = Vec::new();
         for k in 0..s - 1 {
             if k > 0 {
-                first.push(addr(self, u(k))?);
+                first.push(p.addr(self, u(k)));
             }
             first.push(Stmt::If {
-                cond: lt(u(k), countv.clone()),
-                then: issue(self, u(k))?,
+                cond: lt(u(k), p.counts.count.clone()),
+                then: p.issue(self, u(k))?,
                 els: vec![],
             });
         }
         if s > 1 {
-            first.push(addr(self, u(s - 1))?);
+            first.push(p.addr(self, u(s - 1)));
         }
-        let first = Stmt::If {
-            cond: producer.clone(),
-            then: first,
-            els: vec![],
-        };
+        let first = p.on_producers(first);
         self.place(early, out, [first]);
+        let l2_ahead = self.l2_ahead;
         if l2_ahead > 0 {
             // the steps whose copies the first `l2_ahead` loop steps issue: asked for with
             // their loads in place (after q's staging, so those loads do not delay it), then
@@ -645,23 +408,23 @@ impl Cx<'_> {
             // no time for L2 to help)
             let mut warm = Vec::new();
             for at in (s - 1..s - 1 + l2_ahead).filter(|&at| at > 0) {
-                warm.push(l2_prefetch(self, u(at), false));
+                warm.push(p.l2_prefetch(self, u(at), false));
             }
-            warm.push(load_words(self, u(s - 1 + l2_ahead), &l2_words)?);
+            warm.push(p.l2_addr(self, u(s - 1 + l2_ahead)));
             out.push(Stmt::Comment(format!(
-                "pipeline {v}: the producer warps ask L2 for the rows {l2_ahead} steps past the copies"
+                "pipeline {}: the producer warps ask L2 for the rows {l2_ahead} steps past the copies",
+                p.v()
             )));
-            out.push(Stmt::If {
-                cond: producer.clone(),
-                then: warm,
-                els: vec![],
-            });
+            out.push(p.on_producers(warm));
         }
-        let resident = self.resident_softmax(load, compute)?;
-        for r in &resident {
-            out.extend(self.softmax_load(r)?);
-            self.resident.insert(r.m.clone(), r.clone());
-        }
+        Ok(())
+    }
+
+    /// The loop over the ring's steps (and, with P · V deferred, the last step's product
+    /// after it).
+    fn ring_steps(&mut self, p: &Producers, compute: &[Stmt], out: &mut Vec<Stmt>) -> Result<()> {
+        let (s, v, bars) = (self.stages, p.v(), p.bars().to_string());
+        let countv = p.counts.count.clone();
         let it = self.fresh(&format!("{v}_i"));
         let itv = var(&it, Ty::U32);
         let stage_name = self.fresh("stage");
@@ -685,21 +448,21 @@ impl Cx<'_> {
         let empty_wait = Stmt::If {
             cond: bin(BinOp::Ge, itv.clone(), u(1)),
             then: vec![intr(Intrinsic::MbarWait {
-                bars: info.bars.clone(),
+                bars: bars.clone(),
                 index: empty_index,
                 parity: empty_parity,
             })],
             els: vec![],
         };
-        let mut rest = issue(self, aheadv.clone())?;
-        rest.push(addr(self, add(aheadv.clone(), u(1)))?);
+        let mut rest = p.issue(self, aheadv.clone())?;
+        rest.push(p.addr(self, add(aheadv.clone(), u(1))));
         let mut l2_part = Vec::new();
-        if l2_ahead > 0 {
+        if self.l2_ahead > 0 {
             // L2 is asked for the rows of step `ahead + l2_ahead` from the words loaded at the
             // previous issue, then for the next one's words
-            let far = add(aheadv.clone(), u(l2_ahead));
-            l2_part.push(l2_prefetch(self, far.clone(), true));
-            l2_part.push(load_words(self, add(far, u(1)), &l2_words)?);
+            let far = add(aheadv.clone(), u(self.l2_ahead));
+            l2_part.push(p.l2_prefetch(self, far.clone(), true));
+            l2_part.push(p.l2_addr(self, add(far, u(1))));
         }
         let saved = self.stage.replace(stage.clone());
         // The f16 products' running scale first (the rows have landed): its loads and vote
@@ -708,12 +471,9 @@ impl Cx<'_> {
         let mut computed = self.units_step()?;
         computed.extend(self.stmts(compute)?);
         self.stage = saved;
-        // where each step's closing P · V runs (`deferred_pv`)
-        let deferred = self.deferred_pv(v, compute, &computed)?;
-        let tail = match &deferred {
-            Some(sh) => computed.split_off(sh.last_barrier + 1),
-            None => Vec::new(),
-        };
+        // where each step's closing P · V runs (`deferred_pv`): split off `computed` if
+        // deferred
+        let deferred = self.deferred_pv(v, compute, &mut computed)?;
         let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
         // With one stage the copies go out at the top of the step, and the step waits for
         // them: L2 is asked for the later rows after the step's first barrier instead, when
@@ -724,17 +484,15 @@ impl Cx<'_> {
         }
         // `then` on the producer warps, for step `ahead` (`stages - 1` past this one) if it
         // exists
-        let on_producers = |then: Vec<Stmt>| Stmt::If {
-            cond: producer.clone(),
-            then: vec![
+        let on_producers = |then: Vec<Stmt>| {
+            p.on_producers(vec![
                 let_(&ahead, add(itv.clone(), u(s - 1))),
                 Stmt::If {
                     cond: lt(aheadv.clone(), countv.clone()),
                     then,
                     els: vec![],
                 },
-            ],
-            els: vec![],
+            ])
         };
         // `wait`: the producer waits for the stage's release (see below for when it need not)
         let produce = |wait: bool| {
@@ -753,7 +511,7 @@ impl Cx<'_> {
             ]
         };
         let mut body = vec![
-            let_(v, step_of(itv.clone())),
+            let_(v, (p.counts.step_of)(itv.clone())),
             let_(
                 &stage_name,
                 if s > 1 {
@@ -764,44 +522,13 @@ impl Cx<'_> {
             ),
             Stmt::Comment(format!("pipeline {v}: wait for this step's rows, compute")),
             intr(Intrinsic::MbarWait {
-                bars: info.bars.clone(),
+                bars: bars.clone(),
                 index: stage.clone(),
                 parity: bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)),
             }),
         ];
-        if let Some(sh) = &deferred {
-            let prev = self.fresh("prev_stage");
-            let before = bin(BinOp::Rem, add(itv.clone(), u(s - 1)), u(s));
-            let mut pv = vec![Stmt::Comment(format!(
-                "pipeline {v}: O += P . V of the previous step{}",
-                if sh.early {
-                    ""
-                } else {
-                    " (P is 0 before the first)"
-                }
-            ))];
-            if sh.early {
-                // before the wait, in its own block: skipped at step 0
-                let wait = body.pop();
-                pv.push(let_(&prev, before));
-                pv.extend(rename_var(&tail, &stage_name, &prev));
-                body.push(Stmt::If {
-                    cond: bin(BinOp::Gt, itv.clone(), u(0)),
-                    then: pv,
-                    els: vec![],
-                });
-                body.extend(wait);
-            } else {
-                // step i - 1's stage; at step 0, this step's own (landed, finite) rows under
-                // a P that is all zeros, so the product adds exactly 0 without a branch that
-                // would keep it apart from the scores
-                pv.push(let_(
-                    &prev,
-                    select(bin(BinOp::Eq, itv.clone(), u(0)), stage.clone(), before),
-                ));
-                pv.extend(rename_var(&tail, &stage_name, &prev));
-                body.extend(pv);
-            }
+        if let Some(d) = &deferred {
+            self.deferred_pv_in_step((v, &itv, &stage_name), d, &mut body);
         }
         // The producer's issue goes right after the step's first workgroup barrier (the
         // split-K sum): the warps that do not hold S — the producer among them — wait there
@@ -847,14 +574,14 @@ impl Cx<'_> {
             body.push(Stmt::If {
                 cond: lt(add(itv.clone(), u(s)), countv.clone()),
                 then: vec![intr(Intrinsic::MbarArrive {
-                    bars: info.bars.clone(),
+                    bars,
                     index: add(u(s), stage),
                 })],
                 els: vec![],
             });
         }
-        if let Some(sh) = &deferred {
-            out.extend(sh.zero_p.iter().cloned());
+        if let Some(d) = &deferred {
+            out.extend(d.zero_p.iter().cloned());
         }
         out.push(Stmt::For {
             var: it,
@@ -863,180 +590,9 @@ impl Cx<'_> {
             step: u(1),
             body,
         });
-        if deferred.is_some() {
-            // the last step's P · V, on the stage the loop's last step computed on
-            let mut last = vec![let_(
-                &stage_name,
-                bin(BinOp::Rem, bin(BinOp::Sub, countv.clone(), u(1)), u(s)),
-            )];
-            last.extend(tail);
-            out.push(Stmt::Comment(format!(
-                "pipeline {v}: O += P . V of the last step"
-            )));
-            out.push(Stmt::If {
-                cond: bin(BinOp::Gt, countv, u(0)),
-                then: last,
-                els: vec![],
-            });
-        }
-        self.units_end(out)?;
-        for r in &resident {
-            self.resident.remove(&r.m);
-            out.extend(self.softmax_store(r)?);
-        }
-        if self.groups > 1 {
-            out.extend(self.group_merge(&resident)?);
+        if let Some(d) = deferred {
+            self.deferred_pv_last((v, countv, &stage_name), d, out);
         }
         Ok(())
-    }
-}
-
-/// The deferred P · V of a ring loop ([`Cx::deferred_pv`]).
-pub(super) struct DeferredPv {
-    /// Index in the lowered step of its last workgroup barrier: what follows it is P · V.
-    pub last_barrier: usize,
-    /// P's tile zeroed, then a barrier: what step 0's deferred product reads as P (empty for
-    /// [`crate::kir::DeferPv::Early`], which skips step 0's).
-    pub zero_p: Vec<Stmt>,
-    /// [`crate::kir::DeferPv::Early`]: before the step's wait, skipped at step 0.
-    pub early: bool,
-}
-
-/// `stmts` with every read of the variable `from` reading `to` instead.
-fn rename_var(stmts: &[Stmt], from: &str, to: &str) -> Vec<Stmt> {
-    stmts
-        .iter()
-        .cloned()
-        .map(|st| {
-            st.map(
-                &mut |e| match e {
-                    Expr::Var(n, t) if n == from => Expr::Var(to.to_string(), t),
-                    e => e,
-                },
-                &mut |s| s,
-            )
-        })
-        .collect()
-}
-
-/// Does `stmts` hold a barrier of any kind, at any depth?
-fn has_barrier(stmts: &[Stmt]) -> bool {
-    stmts.iter().any(|s| match s {
-        Stmt::Barrier => true,
-        Stmt::Intrinsic(
-            Intrinsic::NamedBarrier { .. }
-            | Intrinsic::MbarWait { .. }
-            | Intrinsic::MbarArrive { .. }
-            | Intrinsic::MbarInit { .. },
-        ) => true,
-        Stmt::If { then, els, .. } => has_barrier(then) || has_barrier(els),
-        Stmt::For { body, .. } => has_barrier(body),
-        _ => false,
-    })
-}
-
-impl Cx<'_> {
-    /// Where the ring loop runs each step's closing P · V ([`crate::kir::DeferPv`]): `None`
-    /// at the end of the step; else the lowered step's split point, and what goes before the
-    /// loop. Deferred, step `i - 1`'s product runs in step `i`, before its first workgroup
-    /// barrier: the stage it reads is refilled only after that barrier, and P is rewritten
-    /// only after the step's later ones, so neither needs another barrier; the last step's
-    /// product follows the loop.
-    ///
-    /// It needs a step that ends in `O += P · V` alone after its last barrier, in one warp
-    /// group with a ring of two or more stages and the scores in fragments: with one stage the
-    /// next step's copies overwrite the rows the product reads; warp groups release each
-    /// stage through an mbarrier at the end of the step, which would have to follow the
-    /// product (not built: bf16's grouped kernel has one stage); and the row forms apply O's
-    /// rescale after P's barrier, from factors that do not exist before the first step. [`crate::kir::DeferPv::Top`] needs bf16 rows too. A kernel
-    /// outside that is an error (`DecodeConfig::with_defer_pv` asks only where it holds).
-    pub(super) fn deferred_pv(
-        &mut self,
-        v: &str,
-        compute: &[Stmt],
-        lowered: &[Stmt],
-    ) -> Result<Option<DeferredPv>> {
-        use crate::kir::DeferPv;
-        let form = self.defer_pv;
-        if form == DeferPv::Off {
-            return Ok(None);
-        }
-        let refuse = |cx: &Self, why: &str| -> Result<Option<DeferredPv>> {
-            Err(cx.err(format!(
-                "P . V deferred ({}: SPARSE_MLA_DEFER_PV={}) needs {why}",
-                form.suffix(),
-                form.env_value()
-            )))
-        };
-        if self.groups > 1 || self.stages < 2 {
-            return refuse(self, "one warp group and a ring of two or more stages");
-        }
-        if self.row_softmax != crate::kir::RowSoftmax::Off {
-            return refuse(self, "the scores in fragments");
-        }
-        if form == DeferPv::Top && self.units.is_some() {
-            return refuse(self, "bf16 rows (fp8's f16 products take `early`)");
-        }
-        let last_op = compute.iter().rfind(|s| !matches!(s, Stmt::Comment(_)));
-        let a = match last_op {
-            Some(Stmt::Tile(TileOp::Mma { a, .. } | TileOp::MmaScaled { a, .. })) => a,
-            _ => return refuse(self, "a step that ends in a product"),
-        };
-        let ringed = self.tile(&a.tile)?.ringed;
-        let decl = self.new_shared.iter().find(|d| d.name == a.tile).cloned();
-        let Some(decl) = decl.filter(|d| d.alias.is_none() && !ringed) else {
-            return refuse(self, "the product's A operand in a tile of its own (P)");
-        };
-        let Some(last_barrier) = lowered.iter().rposition(|s| matches!(s, Stmt::Barrier)) else {
-            return refuse(self, "a workgroup barrier before the step's product");
-        };
-        let tail = &lowered[last_barrier + 1..];
-        if tail.is_empty() || has_barrier(tail) {
-            return refuse(self, "a product after the step's last barrier");
-        }
-        // the product may read only what is bound before the loop (and the stage, renamed)
-        let mut reads = HashSet::new();
-        crate::kir::walk::free_reads(tail, &mut reads);
-        let mut head = HashSet::new();
-        crate::kir::walk::collect_names(&lowered[..=last_barrier], &mut head);
-        if let Some(n) = reads.iter().find(|n| *n == v || head.contains(*n)) {
-            let why = format!("a product that reads nothing the step computes (it reads `{n}`)");
-            return refuse(self, &why);
-        }
-        if form == DeferPv::Early {
-            return Ok(Some(DeferredPv {
-                last_barrier,
-                zero_p: Vec::new(),
-                early: true,
-            }));
-        }
-        let z = self.fresh("zero_p");
-        let zero_p = vec![
-            Stmt::Comment(format!(
-                "{}: zeros, the P of the deferred P . V before the first step",
-                decl.name
-            )),
-            Stmt::For {
-                var: z.clone(),
-                start: local_id(),
-                end: u(decl.len),
-                step: u(self.w),
-                body: vec![Stmt::SharedStore {
-                    arr: decl.name.clone(),
-                    index: var(&z, Ty::U32),
-                    value: if decl.ty == Ty::F32 {
-                        Expr::F32(0.0)
-                    } else {
-                        u(0)
-                    },
-                }],
-            },
-            Stmt::Barrier,
-        ];
-        Ok(Some(DeferredPv {
-            last_barrier,
-            zero_p,
-            early: false,
-        }))
     }
 }
