@@ -479,18 +479,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     unsigned b_raw388[2];
     unsigned a_frag401[4];
     unsigned b_frag402[4];
-    unsigned a_frag447[4];
-    unsigned b_frag448[4];
-    unsigned b_raw449[2];
-    unsigned a_frag452[4];
-    unsigned b_frag453[4];
-    unsigned b_raw454[2];
-    unsigned a_frag462[4];
-    unsigned b_frag463[4];
-    unsigned b_raw464[2];
-    unsigned a_frag472[4];
-    unsigned b_frag473[4];
-    unsigned b_raw474[2];
+    unsigned a_frag448[4];
+    unsigned b_frag449[4];
+    unsigned b_raw450[2];
+    unsigned a_frag453[4];
+    unsigned b_frag454[4];
+    unsigned b_raw455[2];
+    unsigned a_frag463[4];
+    unsigned b_frag464[4];
+    unsigned b_raw465[2];
+    unsigned a_frag473[4];
+    unsigned b_frag474[4];
+    unsigned b_raw475[2];
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
 
@@ -1246,16 +1246,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const float units_mk = units_m * units_k_old;
         const bool units_vote = __any_sync(0xffffffffu, (units_m > 0.0f) && ((units_mk > 128.0f) || (units_mk < 0.03125f)));
         if (units_vote) {
-            const float units_other = shfl_xor_f32(units_m, 16);
-            units_m = fmaxf(units_m, units_other);
-            const float units_other317 = shfl_xor_f32(units_m, 8);
-            units_m = fmaxf(units_m, units_other317);
-            const float units_other318 = shfl_xor_f32(units_m, 4);
-            units_m = fmaxf(units_m, units_other318);
-            const float units_other319 = shfl_xor_f32(units_m, 2);
-            units_m = fmaxf(units_m, units_other319);
-            const float units_other320 = shfl_xor_f32(units_m, 1);
-            units_m = fmaxf(units_m, units_other320);
+            const float other = shfl_xor_f32(units_m, 1);
+            units_m = fmaxf(units_m, other);
+            const float other317 = shfl_xor_f32(units_m, 2);
+            units_m = fmaxf(units_m, other317);
+            const float other318 = shfl_xor_f32(units_m, 4);
+            units_m = fmaxf(units_m, other318);
+            const float other319 = shfl_xor_f32(units_m, 8);
+            units_m = fmaxf(units_m, other319);
+            const float other320 = shfl_xor_f32(units_m, 16);
+            units_m = fmaxf(units_m, other320);
             const float units_k_new = fminf(128.0f / units_m, 1.2676506e30f);
             const float units_ratio = units_k_new / units_k_old;
             #pragma unroll
@@ -1677,10 +1677,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                     float row_max_part = fmaxf(scores[((mi419 * 2u) * 4u) + (half420 * 2u)], scores[((mi419 * 2u) * 4u) + ((half420 * 2u) + 1u)]);
                     row_max_part = fmaxf(row_max_part, scores[(((mi419 * 2u) + 1u) * 4u) + (half420 * 2u)]);
                     row_max_part = fmaxf(row_max_part, scores[(((mi419 * 2u) + 1u) * 4u) + ((half420 * 2u) + 1u)]);
-                    const float other = shfl_xor_f32(row_max_part, 1);
-                    row_max_part = fmaxf(row_max_part, other);
-                    const float other421 = shfl_xor_f32(row_max_part, 2);
+                    const float other421 = shfl_xor_f32(row_max_part, 1);
                     row_max_part = fmaxf(row_max_part, other421);
+                    const float other422 = shfl_xor_f32(row_max_part, 2);
+                    row_max_part = fmaxf(row_max_part, other422);
                     if (lane_quad == 0u) {
                         *(row_exchange + (scores_row0 * 4u) + ((mi419 * 16u) * 4u) + ((half420 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_max_part;
                     }
@@ -1691,87 +1691,87 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
 
         // online softmax: new row max and rescale, in every thread that holds the row
         #pragma unroll
-        for (unsigned mi424 = 0u; mi424 < 1u; mi424 += 1u) {
+        for (unsigned mi425 = 0u; mi425 < 1u; mi425 += 1u) {
             #pragma unroll
-            for (unsigned half425 = 0u; half425 < 2u; half425 += 1u) {
-                const float m_old422 = row_max_reg[(mi424 * 2u) + half425];
-                float m_new423 = m_old422;
-                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u)));
-                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 1u));
-                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 2u));
-                m_new423 = fmaxf(m_new423, *(row_exchange + ((mi424 * 16u) * 4u) + ((half425 * 8u) * 4u) + (lane_group * 4u) + 3u));
-                row_alpha[(mi424 * 2u) + half425] = exp_fast(m_old422 - m_new423);
-                row_max_reg[(mi424 * 2u) + half425] = m_new423;
+            for (unsigned half426 = 0u; half426 < 2u; half426 += 1u) {
+                const float m_old423 = row_max_reg[(mi425 * 2u) + half426];
+                float m_new424 = m_old423;
+                m_new424 = fmaxf(m_new424, *(row_exchange + ((mi425 * 16u) * 4u) + ((half426 * 8u) * 4u) + (lane_group * 4u)));
+                m_new424 = fmaxf(m_new424, *(row_exchange + ((mi425 * 16u) * 4u) + ((half426 * 8u) * 4u) + (lane_group * 4u) + 1u));
+                m_new424 = fmaxf(m_new424, *(row_exchange + ((mi425 * 16u) * 4u) + ((half426 * 8u) * 4u) + (lane_group * 4u) + 2u));
+                m_new424 = fmaxf(m_new424, *(row_exchange + ((mi425 * 16u) * 4u) + ((half426 * 8u) * 4u) + (lane_group * 4u) + 3u));
+                row_alpha[(mi425 * 2u) + half426] = exp_fast(m_old423 - m_new424);
+                row_max_reg[(mi425 * 2u) + half426] = m_new424;
             }
         }
 
         // online softmax: P = exp(s - m_new) (0 where masked), partial row sums, outputs rescaled
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned mi429 = 0u; mi429 < 1u; mi429 += 1u) {
+            for (unsigned mi430 = 0u; mi430 < 1u; mi430 += 1u) {
                 #pragma unroll
-                for (unsigned half430 = 0u; half430 < 2u; half430 += 1u) {
-                    const float neg_m_log2e = ((row_max_reg[(mi429 * 2u) + half430] < (-1e38f)) ? 0.0f : row_max_reg[(mi429 * 2u) + half430]) * (-1.442695f);
+                for (unsigned half431 = 0u; half431 < 2u; half431 += 1u) {
+                    const float neg_m_log2e = ((row_max_reg[(mi430 * 2u) + half431] < (-1e38f)) ? 0.0f : row_max_reg[(mi430 * 2u) + half431]) * (-1.442695f);
                     float p_sum = 0.0f;
                     #pragma unroll
-                    for (unsigned nj426 = 0u; nj426 < 2u; nj426 += 1u) {
+                    for (unsigned nj427 = 0u; nj427 < 2u; nj427 += 1u) {
                         #pragma unroll
-                        for (unsigned e427 = 0u; e427 < 2u; e427 += 1u) {
-                            const unsigned at428 = (((mi429 * 2u) + nj426) * 4u) + ((half430 * 2u) + e427);
-                            const float p = exp2_fast(fmaf(scores[at428], 1.442695f, neg_m_log2e));
-                            scores[at428] = p;
+                        for (unsigned e428 = 0u; e428 < 2u; e428 += 1u) {
+                            const unsigned at429 = (((mi430 * 2u) + nj427) * 4u) + ((half431 * 2u) + e428);
+                            const float p = exp2_fast(fmaf(scores[at429], 1.442695f, neg_m_log2e));
+                            scores[at429] = p;
                             p_sum = p_sum + p;
                         }
                     }
-                    row_sum_part[(mi429 * 2u) + half430] = (row_sum_part[(mi429 * 2u) + half430] * row_alpha[(mi429 * 2u) + half430]) + p_sum;
+                    row_sum_part[(mi430 * 2u) + half431] = (row_sum_part[(mi430 * 2u) + half431] * row_alpha[(mi430 * 2u) + half431]) + p_sum;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag431 = 0u; frag431 < 2u; frag431 += 1u) {
+        for (unsigned frag432 = 0u; frag432 < 2u; frag432 += 1u) {
             #pragma unroll
-            for (unsigned half432 = 0u; half432 < 2u; half432 += 1u) {
-                const float alpha433 = row_alpha[((frag431 / 2u) * 2u) + half432];
-                o_acc[(frag431 * 4u) + (half432 * 2u)] = o_acc[(frag431 * 4u) + (half432 * 2u)] * alpha433;
-                o_acc[((frag431 * 4u) + (half432 * 2u)) + 1u] = o_acc[((frag431 * 4u) + (half432 * 2u)) + 1u] * alpha433;
+            for (unsigned half433 = 0u; half433 < 2u; half433 += 1u) {
+                const float alpha434 = row_alpha[((frag432 / 2u) * 2u) + half433];
+                o_acc[(frag432 * 4u) + (half433 * 2u)] = o_acc[(frag432 * 4u) + (half433 * 2u)] * alpha434;
+                o_acc[((frag432 * 4u) + (half433 * 2u)) + 1u] = o_acc[((frag432 * 4u) + (half433 * 2u)) + 1u] * alpha434;
             }
         }
         #pragma unroll
-        for (unsigned frag434 = 0u; frag434 < 2u; frag434 += 1u) {
+        for (unsigned frag435 = 0u; frag435 < 2u; frag435 += 1u) {
             #pragma unroll
-            for (unsigned half435 = 0u; half435 < 2u; half435 += 1u) {
-                const float alpha436 = row_alpha[((frag434 / 2u) * 2u) + half435];
-                o_acc_1[(frag434 * 4u) + (half435 * 2u)] = o_acc_1[(frag434 * 4u) + (half435 * 2u)] * alpha436;
-                o_acc_1[((frag434 * 4u) + (half435 * 2u)) + 1u] = o_acc_1[((frag434 * 4u) + (half435 * 2u)) + 1u] * alpha436;
+            for (unsigned half436 = 0u; half436 < 2u; half436 += 1u) {
+                const float alpha437 = row_alpha[((frag435 / 2u) * 2u) + half436];
+                o_acc_1[(frag435 * 4u) + (half436 * 2u)] = o_acc_1[(frag435 * 4u) + (half436 * 2u)] * alpha437;
+                o_acc_1[((frag435 * 4u) + (half436 * 2u)) + 1u] = o_acc_1[((frag435 * 4u) + (half436 * 2u)) + 1u] * alpha437;
             }
         }
         #pragma unroll
-        for (unsigned frag437 = 0u; frag437 < 2u; frag437 += 1u) {
+        for (unsigned frag438 = 0u; frag438 < 2u; frag438 += 1u) {
             #pragma unroll
-            for (unsigned half438 = 0u; half438 < 2u; half438 += 1u) {
-                const float alpha439 = row_alpha[((frag437 / 2u) * 2u) + half438];
-                o_acc_2[(frag437 * 4u) + (half438 * 2u)] = o_acc_2[(frag437 * 4u) + (half438 * 2u)] * alpha439;
-                o_acc_2[((frag437 * 4u) + (half438 * 2u)) + 1u] = o_acc_2[((frag437 * 4u) + (half438 * 2u)) + 1u] * alpha439;
+            for (unsigned half439 = 0u; half439 < 2u; half439 += 1u) {
+                const float alpha440 = row_alpha[((frag438 / 2u) * 2u) + half439];
+                o_acc_2[(frag438 * 4u) + (half439 * 2u)] = o_acc_2[(frag438 * 4u) + (half439 * 2u)] * alpha440;
+                o_acc_2[((frag438 * 4u) + (half439 * 2u)) + 1u] = o_acc_2[((frag438 * 4u) + (half439 * 2u)) + 1u] * alpha440;
             }
         }
         #pragma unroll
-        for (unsigned frag440 = 0u; frag440 < 2u; frag440 += 1u) {
+        for (unsigned frag441 = 0u; frag441 < 2u; frag441 += 1u) {
             #pragma unroll
-            for (unsigned half441 = 0u; half441 < 2u; half441 += 1u) {
-                const float alpha442 = row_alpha[((frag440 / 2u) * 2u) + half441];
-                o_acc_3[(frag440 * 4u) + (half441 * 2u)] = o_acc_3[(frag440 * 4u) + (half441 * 2u)] * alpha442;
-                o_acc_3[((frag440 * 4u) + (half441 * 2u)) + 1u] = o_acc_3[((frag440 * 4u) + (half441 * 2u)) + 1u] * alpha442;
+            for (unsigned half442 = 0u; half442 < 2u; half442 += 1u) {
+                const float alpha443 = row_alpha[((frag441 / 2u) * 2u) + half442];
+                o_acc_3[(frag441 * 4u) + (half442 * 2u)] = o_acc_3[(frag441 * 4u) + (half442 * 2u)] * alpha443;
+                o_acc_3[((frag441 * 4u) + (half442 * 2u)) + 1u] = o_acc_3[((frag441 * 4u) + (half442 * 2u)) + 1u] * alpha443;
             }
         }
         if (warp < 4u) {
             #pragma unroll
-            for (unsigned frag445 = 0u; frag445 < 2u; frag445 += 1u) {
+            for (unsigned frag446 = 0u; frag446 < 2u; frag446 += 1u) {
                 #pragma unroll
-                for (unsigned half446 = 0u; half446 < 2u; half446 += 1u) {
-                    const unsigned row443 = (scores_row0 + ((frag445 / 2u) * 16u)) + ((half446 * 8u) + lane_group);
-                    const unsigned col444 = (scores_col0 + ((frag445 % 2u) * 8u)) + (lane_quad * 2u);
-                    const unsigned sub16 = (frag445 * 4u) + (half446 * 2u);
-                    *(p_tile + (row443 * 36u) + (col444 >> 1u)) = pack_f16x2(scores[sub16], scores[sub16 + 1u]);
+                for (unsigned half447 = 0u; half447 < 2u; half447 += 1u) {
+                    const unsigned row444 = (scores_row0 + ((frag446 / 2u) * 16u)) + ((half447 * 8u) + lane_group);
+                    const unsigned col445 = (scores_col0 + ((frag446 % 2u) * 8u)) + (lane_quad * 2u);
+                    const unsigned sub16 = (frag446 * 4u) + (half447 * 2u);
+                    *(p_tile + (row444 * 36u) + (col445 >> 1u)) = pack_f16x2(scores[sub16], scores[sub16 + 1u]);
                 }
             }
         }
@@ -1781,116 +1781,116 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         const unsigned a_lane_word = ((o_acc_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
         const float units_kq = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk450 = 0u; kk450 < 4u; kk450 += 1u) {
+        for (unsigned kk451 = 0u; kk451 < 4u; kk451 += 1u) {
             #pragma unroll
-            for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
-                ldmatrix_x4(&a_frag447[mi451 * 4u], p_tile + a_lane_word + (mi451 * 576u) + (kk450 * 8u));
+            for (unsigned mi452 = 0u; mi452 < 1u; mi452 += 1u) {
+                ldmatrix_x4(&a_frag448[mi452 * 4u], p_tile + a_lane_word + (mi452 * 576u) + (kk451 * 8u));
             }
-            const unsigned sub17 = (kk450 * 16u) + (lane_quad * 2u);
+            const unsigned sub17 = (kk451 * 16u) + (lane_quad * 2u);
             const unsigned units_r01 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub17 * 164u)) * units_kq, *(kv_scales + (stage * 10496u) + (sub17 * 164u) + 164u) * units_kq);
-            const unsigned sub18 = (kk450 * 16u) + (lane_quad * 2u);
+            const unsigned sub18 = (kk451 * 16u) + (lane_quad * 2u);
             const unsigned units_r89 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub18 * 164u) + 1312u) * units_kq, *(kv_scales + (stage * 10496u) + (sub18 * 164u) + 1476u) * units_kq);
             #pragma unroll
             for (unsigned np = 0u; np < 1u; np += 1u) {
-                ldmatrix_x2_trans(&b_raw449[0u], kv_rows + (stage * 10496u) + ((kk450 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
-                b_frag448[0u] = mul_f16x2(e4m3x2_f16((b_raw449[0u] & 255u) | ((b_raw449[0u] >> 8u) & 65280u)), units_r01);
-                b_frag448[2u] = mul_f16x2(e4m3x2_f16(((b_raw449[0u] >> 8u) & 255u) | ((b_raw449[0u] >> 16u) & 65280u)), units_r01);
-                b_frag448[1u] = mul_f16x2(e4m3x2_f16((b_raw449[1u] & 255u) | ((b_raw449[1u] >> 8u) & 65280u)), units_r89);
-                b_frag448[3u] = mul_f16x2(e4m3x2_f16(((b_raw449[1u] >> 8u) & 255u) | ((b_raw449[1u] >> 16u) & 65280u)), units_r89);
+                ldmatrix_x2_trans(&b_raw450[0u], kv_rows + (stage * 10496u) + ((kk451 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + ((o_acc_col0 + (np * 16u)) >> 2u));
+                b_frag449[0u] = mul_f16x2(e4m3x2_f16((b_raw450[0u] & 255u) | ((b_raw450[0u] >> 8u) & 65280u)), units_r01);
+                b_frag449[2u] = mul_f16x2(e4m3x2_f16(((b_raw450[0u] >> 8u) & 255u) | ((b_raw450[0u] >> 16u) & 65280u)), units_r01);
+                b_frag449[1u] = mul_f16x2(e4m3x2_f16((b_raw450[1u] & 255u) | ((b_raw450[1u] >> 8u) & 65280u)), units_r89);
+                b_frag449[3u] = mul_f16x2(e4m3x2_f16(((b_raw450[1u] >> 8u) & 255u) | ((b_raw450[1u] >> 16u) & 65280u)), units_r89);
                 #pragma unroll
-                for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
-                    mma_f16_16816(&o_acc[((mi451 * 2u) + (np * 2u)) * 4u], &a_frag447[mi451 * 4u], &b_frag448[0u]);
+                for (unsigned mi452 = 0u; mi452 < 1u; mi452 += 1u) {
+                    mma_f16_16816(&o_acc[((mi452 * 2u) + (np * 2u)) * 4u], &a_frag448[mi452 * 4u], &b_frag449[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi451 = 0u; mi451 < 1u; mi451 += 1u) {
-                    mma_f16_16816(&o_acc[((mi451 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag447[mi451 * 4u], &b_frag448[2u]);
-                }
-            }
-        }
-        const unsigned a_lane_word458 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq459 = units_k[0u] * E4M3_F16_UNIT;
-        #pragma unroll
-        for (unsigned kk455 = 0u; kk455 < 4u; kk455 += 1u) {
-            #pragma unroll
-            for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
-                ldmatrix_x4(&a_frag452[mi456 * 4u], p_tile + a_lane_word458 + (mi456 * 576u) + (kk455 * 8u));
-            }
-            const unsigned sub19 = (kk455 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01460 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub19 * 164u) + 1u) * units_kq459, *(kv_scales + (stage * 10496u) + (sub19 * 164u) + 164u + 1u) * units_kq459);
-            const unsigned sub20 = (kk455 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89461 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1312u + 1u) * units_kq459, *(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1476u + 1u) * units_kq459);
-            #pragma unroll
-            for (unsigned np457 = 0u; np457 < 1u; np457 += 1u) {
-                ldmatrix_x2_trans(&b_raw454[0u], kv_rows + (stage * 10496u) + ((kk455 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np457 * 16u)) >> 2u));
-                b_frag453[0u] = mul_f16x2(e4m3x2_f16((b_raw454[0u] & 255u) | ((b_raw454[0u] >> 8u) & 65280u)), units_r01460);
-                b_frag453[2u] = mul_f16x2(e4m3x2_f16(((b_raw454[0u] >> 8u) & 255u) | ((b_raw454[0u] >> 16u) & 65280u)), units_r01460);
-                b_frag453[1u] = mul_f16x2(e4m3x2_f16((b_raw454[1u] & 255u) | ((b_raw454[1u] >> 8u) & 65280u)), units_r89461);
-                b_frag453[3u] = mul_f16x2(e4m3x2_f16(((b_raw454[1u] >> 8u) & 255u) | ((b_raw454[1u] >> 16u) & 65280u)), units_r89461);
-                #pragma unroll
-                for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
-                    mma_f16_16816(&o_acc_1[((mi456 * 2u) + (np457 * 2u)) * 4u], &a_frag452[mi456 * 4u], &b_frag453[0u]);
-                }
-                #pragma unroll
-                for (unsigned mi456 = 0u; mi456 < 1u; mi456 += 1u) {
-                    mma_f16_16816(&o_acc_1[((mi456 * 2u) + ((np457 * 2u) + 1u)) * 4u], &a_frag452[mi456 * 4u], &b_frag453[2u]);
+                for (unsigned mi452 = 0u; mi452 < 1u; mi452 += 1u) {
+                    mma_f16_16816(&o_acc[((mi452 * 2u) + ((np * 2u) + 1u)) * 4u], &a_frag448[mi452 * 4u], &b_frag449[2u]);
                 }
             }
         }
-        const unsigned a_lane_word468 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq469 = units_k[0u] * E4M3_F16_UNIT;
+        const unsigned a_lane_word459 = ((o_acc_1_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq460 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk465 = 0u; kk465 < 4u; kk465 += 1u) {
+        for (unsigned kk456 = 0u; kk456 < 4u; kk456 += 1u) {
             #pragma unroll
-            for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
-                ldmatrix_x4(&a_frag462[mi466 * 4u], p_tile + a_lane_word468 + (mi466 * 576u) + (kk465 * 8u));
+            for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                ldmatrix_x4(&a_frag453[mi457 * 4u], p_tile + a_lane_word459 + (mi457 * 576u) + (kk456 * 8u));
             }
-            const unsigned sub21 = (kk465 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01470 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub21 * 164u) + 2u) * units_kq469, *(kv_scales + (stage * 10496u) + (sub21 * 164u) + 164u + 2u) * units_kq469);
-            const unsigned sub22 = (kk465 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89471 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1312u + 2u) * units_kq469, *(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1476u + 2u) * units_kq469);
+            const unsigned sub19 = (kk456 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01461 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub19 * 164u) + 1u) * units_kq460, *(kv_scales + (stage * 10496u) + (sub19 * 164u) + 164u + 1u) * units_kq460);
+            const unsigned sub20 = (kk456 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89462 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1312u + 1u) * units_kq460, *(kv_scales + (stage * 10496u) + (sub20 * 164u) + 1476u + 1u) * units_kq460);
             #pragma unroll
-            for (unsigned np467 = 0u; np467 < 1u; np467 += 1u) {
-                ldmatrix_x2_trans(&b_raw464[0u], kv_rows + (stage * 10496u) + ((kk465 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np467 * 16u)) >> 2u));
-                b_frag463[0u] = mul_f16x2(e4m3x2_f16((b_raw464[0u] & 255u) | ((b_raw464[0u] >> 8u) & 65280u)), units_r01470);
-                b_frag463[2u] = mul_f16x2(e4m3x2_f16(((b_raw464[0u] >> 8u) & 255u) | ((b_raw464[0u] >> 16u) & 65280u)), units_r01470);
-                b_frag463[1u] = mul_f16x2(e4m3x2_f16((b_raw464[1u] & 255u) | ((b_raw464[1u] >> 8u) & 65280u)), units_r89471);
-                b_frag463[3u] = mul_f16x2(e4m3x2_f16(((b_raw464[1u] >> 8u) & 255u) | ((b_raw464[1u] >> 16u) & 65280u)), units_r89471);
+            for (unsigned np458 = 0u; np458 < 1u; np458 += 1u) {
+                ldmatrix_x2_trans(&b_raw455[0u], kv_rows + (stage * 10496u) + ((kk456 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((128u + o_acc_1_col0) + (np458 * 16u)) >> 2u));
+                b_frag454[0u] = mul_f16x2(e4m3x2_f16((b_raw455[0u] & 255u) | ((b_raw455[0u] >> 8u) & 65280u)), units_r01461);
+                b_frag454[2u] = mul_f16x2(e4m3x2_f16(((b_raw455[0u] >> 8u) & 255u) | ((b_raw455[0u] >> 16u) & 65280u)), units_r01461);
+                b_frag454[1u] = mul_f16x2(e4m3x2_f16((b_raw455[1u] & 255u) | ((b_raw455[1u] >> 8u) & 65280u)), units_r89462);
+                b_frag454[3u] = mul_f16x2(e4m3x2_f16(((b_raw455[1u] >> 8u) & 255u) | ((b_raw455[1u] >> 16u) & 65280u)), units_r89462);
                 #pragma unroll
-                for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
-                    mma_f16_16816(&o_acc_2[((mi466 * 2u) + (np467 * 2u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[0u]);
+                for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi457 * 2u) + (np458 * 2u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi466 = 0u; mi466 < 1u; mi466 += 1u) {
-                    mma_f16_16816(&o_acc_2[((mi466 * 2u) + ((np467 * 2u) + 1u)) * 4u], &a_frag462[mi466 * 4u], &b_frag463[2u]);
+                for (unsigned mi457 = 0u; mi457 < 1u; mi457 += 1u) {
+                    mma_f16_16816(&o_acc_1[((mi457 * 2u) + ((np458 * 2u) + 1u)) * 4u], &a_frag453[mi457 * 4u], &b_frag454[2u]);
                 }
             }
         }
-        const unsigned a_lane_word478 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
-        const float units_kq479 = units_k[0u] * E4M3_F16_UNIT;
+        const unsigned a_lane_word469 = ((o_acc_2_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq470 = units_k[0u] * E4M3_F16_UNIT;
         #pragma unroll
-        for (unsigned kk475 = 0u; kk475 < 4u; kk475 += 1u) {
+        for (unsigned kk466 = 0u; kk466 < 4u; kk466 += 1u) {
             #pragma unroll
-            for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
-                ldmatrix_x4(&a_frag472[mi476 * 4u], p_tile + a_lane_word478 + (mi476 * 576u) + (kk475 * 8u));
+            for (unsigned mi467 = 0u; mi467 < 1u; mi467 += 1u) {
+                ldmatrix_x4(&a_frag463[mi467 * 4u], p_tile + a_lane_word469 + (mi467 * 576u) + (kk466 * 8u));
             }
-            const unsigned sub23 = (kk475 * 16u) + (lane_quad * 2u);
-            const unsigned units_r01480 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub23 * 164u) + 3u) * units_kq479, *(kv_scales + (stage * 10496u) + (sub23 * 164u) + 164u + 3u) * units_kq479);
-            const unsigned sub24 = (kk475 * 16u) + (lane_quad * 2u);
-            const unsigned units_r89481 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1312u + 3u) * units_kq479, *(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1476u + 3u) * units_kq479);
+            const unsigned sub21 = (kk466 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01471 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub21 * 164u) + 2u) * units_kq470, *(kv_scales + (stage * 10496u) + (sub21 * 164u) + 164u + 2u) * units_kq470);
+            const unsigned sub22 = (kk466 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89472 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1312u + 2u) * units_kq470, *(kv_scales + (stage * 10496u) + (sub22 * 164u) + 1476u + 2u) * units_kq470);
             #pragma unroll
-            for (unsigned np477 = 0u; np477 < 1u; np477 += 1u) {
-                ldmatrix_x2_trans(&b_raw474[0u], kv_rows + (stage * 10496u) + ((kk475 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np477 * 16u)) >> 2u));
-                b_frag473[0u] = mul_f16x2(e4m3x2_f16((b_raw474[0u] & 255u) | ((b_raw474[0u] >> 8u) & 65280u)), units_r01480);
-                b_frag473[2u] = mul_f16x2(e4m3x2_f16(((b_raw474[0u] >> 8u) & 255u) | ((b_raw474[0u] >> 16u) & 65280u)), units_r01480);
-                b_frag473[1u] = mul_f16x2(e4m3x2_f16((b_raw474[1u] & 255u) | ((b_raw474[1u] >> 8u) & 65280u)), units_r89481);
-                b_frag473[3u] = mul_f16x2(e4m3x2_f16(((b_raw474[1u] >> 8u) & 255u) | ((b_raw474[1u] >> 16u) & 65280u)), units_r89481);
+            for (unsigned np468 = 0u; np468 < 1u; np468 += 1u) {
+                ldmatrix_x2_trans(&b_raw465[0u], kv_rows + (stage * 10496u) + ((kk466 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((256u + o_acc_2_col0) + (np468 * 16u)) >> 2u));
+                b_frag464[0u] = mul_f16x2(e4m3x2_f16((b_raw465[0u] & 255u) | ((b_raw465[0u] >> 8u) & 65280u)), units_r01471);
+                b_frag464[2u] = mul_f16x2(e4m3x2_f16(((b_raw465[0u] >> 8u) & 255u) | ((b_raw465[0u] >> 16u) & 65280u)), units_r01471);
+                b_frag464[1u] = mul_f16x2(e4m3x2_f16((b_raw465[1u] & 255u) | ((b_raw465[1u] >> 8u) & 65280u)), units_r89472);
+                b_frag464[3u] = mul_f16x2(e4m3x2_f16(((b_raw465[1u] >> 8u) & 255u) | ((b_raw465[1u] >> 16u) & 65280u)), units_r89472);
                 #pragma unroll
-                for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
-                    mma_f16_16816(&o_acc_3[((mi476 * 2u) + (np477 * 2u)) * 4u], &a_frag472[mi476 * 4u], &b_frag473[0u]);
+                for (unsigned mi467 = 0u; mi467 < 1u; mi467 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi467 * 2u) + (np468 * 2u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[0u]);
                 }
                 #pragma unroll
-                for (unsigned mi476 = 0u; mi476 < 1u; mi476 += 1u) {
-                    mma_f16_16816(&o_acc_3[((mi476 * 2u) + ((np477 * 2u) + 1u)) * 4u], &a_frag472[mi476 * 4u], &b_frag473[2u]);
+                for (unsigned mi467 = 0u; mi467 < 1u; mi467 += 1u) {
+                    mma_f16_16816(&o_acc_2[((mi467 * 2u) + ((np468 * 2u) + 1u)) * 4u], &a_frag463[mi467 * 4u], &b_frag464[2u]);
+                }
+            }
+        }
+        const unsigned a_lane_word479 = ((o_acc_3_row0 + lane_r16) * 36u) + (lane_c8 >> 1u);
+        const float units_kq480 = units_k[0u] * E4M3_F16_UNIT;
+        #pragma unroll
+        for (unsigned kk476 = 0u; kk476 < 4u; kk476 += 1u) {
+            #pragma unroll
+            for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                ldmatrix_x4(&a_frag473[mi477 * 4u], p_tile + a_lane_word479 + (mi477 * 576u) + (kk476 * 8u));
+            }
+            const unsigned sub23 = (kk476 * 16u) + (lane_quad * 2u);
+            const unsigned units_r01481 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub23 * 164u) + 3u) * units_kq480, *(kv_scales + (stage * 10496u) + (sub23 * 164u) + 164u + 3u) * units_kq480);
+            const unsigned sub24 = (kk476 * 16u) + (lane_quad * 2u);
+            const unsigned units_r89482 = pack_f16x2(*(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1312u + 3u) * units_kq480, *(kv_scales + (stage * 10496u) + (sub24 * 164u) + 1476u + 3u) * units_kq480);
+            #pragma unroll
+            for (unsigned np478 = 0u; np478 < 1u; np478 += 1u) {
+                ldmatrix_x2_trans(&b_raw475[0u], kv_rows + (stage * 10496u) + ((kk476 * 16u) * 164u) + ((lane_r16 & 15u) * 164u) + (((384u + o_acc_3_col0) + (np478 * 16u)) >> 2u));
+                b_frag474[0u] = mul_f16x2(e4m3x2_f16((b_raw475[0u] & 255u) | ((b_raw475[0u] >> 8u) & 65280u)), units_r01481);
+                b_frag474[2u] = mul_f16x2(e4m3x2_f16(((b_raw475[0u] >> 8u) & 255u) | ((b_raw475[0u] >> 16u) & 65280u)), units_r01481);
+                b_frag474[1u] = mul_f16x2(e4m3x2_f16((b_raw475[1u] & 255u) | ((b_raw475[1u] >> 8u) & 65280u)), units_r89482);
+                b_frag474[3u] = mul_f16x2(e4m3x2_f16(((b_raw475[1u] >> 8u) & 255u) | ((b_raw475[1u] >> 16u) & 65280u)), units_r89482);
+                #pragma unroll
+                for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi477 * 2u) + (np478 * 2u)) * 4u], &a_frag473[mi477 * 4u], &b_frag474[0u]);
+                }
+                #pragma unroll
+                for (unsigned mi477 = 0u; mi477 < 1u; mi477 += 1u) {
+                    mma_f16_16816(&o_acc_3[((mi477 * 2u) + ((np478 * 2u) + 1u)) * 4u], &a_frag473[mi477 * 4u], &b_frag474[2u]);
                 }
             }
         }
@@ -1899,35 +1899,35 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     // f16 P . V: the accumulators back to O
     const float units_inv = 1.0f / units_k[0u];
     #pragma unroll
-    for (unsigned units_i482 = 0u; units_i482 < 8u; units_i482 += 1u) {
-        o_acc[units_i482] = o_acc[units_i482] * units_inv;
-    }
-    #pragma unroll
     for (unsigned units_i483 = 0u; units_i483 < 8u; units_i483 += 1u) {
-        o_acc_1[units_i483] = o_acc_1[units_i483] * units_inv;
+        o_acc[units_i483] = o_acc[units_i483] * units_inv;
     }
     #pragma unroll
     for (unsigned units_i484 = 0u; units_i484 < 8u; units_i484 += 1u) {
-        o_acc_2[units_i484] = o_acc_2[units_i484] * units_inv;
+        o_acc_1[units_i484] = o_acc_1[units_i484] * units_inv;
     }
     #pragma unroll
     for (unsigned units_i485 = 0u; units_i485 < 8u; units_i485 += 1u) {
-        o_acc_3[units_i485] = o_acc_3[units_i485] * units_inv;
+        o_acc_2[units_i485] = o_acc_2[units_i485] * units_inv;
+    }
+    #pragma unroll
+    for (unsigned units_i486 = 0u; units_i486 < 8u; units_i486 += 1u) {
+        o_acc_3[units_i486] = o_acc_3[units_i486] * units_inv;
     }
 
     // online softmax: row state row_max / row_sum back to shared memory (partial sums added up)
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi487 = 0u; mi487 < 1u; mi487 += 1u) {
+        for (unsigned mi488 = 0u; mi488 < 1u; mi488 += 1u) {
             #pragma unroll
-            for (unsigned half488 = 0u; half488 < 2u; half488 += 1u) {
-                float row_sum486 = row_sum_part[(mi487 * 2u) + half488];
-                const float other489 = shfl_xor_f32(row_sum486, 1);
-                row_sum486 = row_sum486 + other489;
-                const float other490 = shfl_xor_f32(row_sum486, 2);
-                row_sum486 = row_sum486 + other490;
+            for (unsigned half489 = 0u; half489 < 2u; half489 += 1u) {
+                float row_sum487 = row_sum_part[(mi488 * 2u) + half489];
+                const float other490 = shfl_xor_f32(row_sum487, 1);
+                row_sum487 = row_sum487 + other490;
+                const float other491 = shfl_xor_f32(row_sum487, 2);
+                row_sum487 = row_sum487 + other491;
                 if (lane_quad == 0u) {
-                    *(row_exchange + (scores_row0 * 4u) + ((mi487 * 16u) * 4u) + ((half488 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum486;
+                    *(row_exchange + (scores_row0 * 4u) + ((mi488 * 16u) * 4u) + ((half489 * 8u) * 4u) + (lane_group * 4u) + scores_wn) = row_sum487;
                 }
             }
         }
@@ -1935,16 +1935,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
     __syncthreads();
     if (warp < 4u) {
         #pragma unroll
-        for (unsigned mi492 = 0u; mi492 < 1u; mi492 += 1u) {
+        for (unsigned mi493 = 0u; mi493 < 1u; mi493 += 1u) {
             #pragma unroll
-            for (unsigned half493 = 0u; half493 < 2u; half493 += 1u) {
+            for (unsigned half494 = 0u; half494 < 2u; half494 += 1u) {
                 if ((scores_wn == 0u) && (lane_quad == 0u)) {
-                    float row_sum491 = *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u));
-                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 1u);
-                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 2u);
-                    row_sum491 = row_sum491 + *(row_exchange + (scores_row0 * 4u) + ((mi492 * 16u) * 4u) + ((half493 * 8u) * 4u) + (lane_group * 4u) + 3u);
-                    *(row_sum + scores_row0 + (mi492 * 16u) + (half493 * 8u) + lane_group) = row_sum491;
-                    *(row_max + scores_row0 + (mi492 * 16u) + (half493 * 8u) + lane_group) = row_max_reg[(mi492 * 2u) + half493];
+                    float row_sum492 = *(row_exchange + (scores_row0 * 4u) + ((mi493 * 16u) * 4u) + ((half494 * 8u) * 4u) + (lane_group * 4u));
+                    row_sum492 = row_sum492 + *(row_exchange + (scores_row0 * 4u) + ((mi493 * 16u) * 4u) + ((half494 * 8u) * 4u) + (lane_group * 4u) + 1u);
+                    row_sum492 = row_sum492 + *(row_exchange + (scores_row0 * 4u) + ((mi493 * 16u) * 4u) + ((half494 * 8u) * 4u) + (lane_group * 4u) + 2u);
+                    row_sum492 = row_sum492 + *(row_exchange + (scores_row0 * 4u) + ((mi493 * 16u) * 4u) + ((half494 * 8u) * 4u) + (lane_group * 4u) + 3u);
+                    *(row_sum + scores_row0 + (mi493 * 16u) + (half494 * 8u) + lane_group) = row_sum492;
+                    *(row_max + scores_row0 + (mi493 * 16u) + (half494 * 8u) + lane_group) = row_max_reg[(mi493 * 2u) + half494];
                 }
             }
         }
@@ -1965,82 +1965,82 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag494 = 0u; frag494 < 1u; frag494 += 1u) {
+        for (unsigned frag495 = 0u; frag495 < 1u; frag495 += 1u) {
             #pragma unroll
-            for (unsigned half495 = 0u; half495 < 2u; half495 += 1u) {
+            for (unsigned half496 = 0u; half496 < 2u; half496 += 1u) {
                 #pragma unroll
-                for (unsigned e496 = 0u; e496 < 2u; e496 += 1u) {
-                    const unsigned row_16 = (o_acc_row0 + ((frag494 / 1u) * 16u)) + ((half495 * 8u) + lane_group);
-                    const unsigned col_6 = (o_acc_col0 + ((frag494 % 1u) * 16u)) + ((lane_quad * 4u) + (e496 * 2u));
-                    float v0_6 = o_acc[((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) * 4u) + ((half495 * 2u) + e496)];
-                    float v1_6 = o_acc[(((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) + 1u) * 4u) + ((half495 * 2u) + e496)];
+                for (unsigned e497 = 0u; e497 < 2u; e497 += 1u) {
+                    const unsigned row_16 = (o_acc_row0 + ((frag495 / 1u) * 16u)) + ((half496 * 8u) + lane_group);
+                    const unsigned col_6 = (o_acc_col0 + ((frag495 % 1u) * 16u)) + ((lane_quad * 4u) + (e497 * 2u));
+                    float v0_6 = o_acc[((((frag495 / 1u) * 2u) + ((frag495 % 1u) * 2u)) * 4u) + ((half496 * 2u) + e497)];
+                    float v1_6 = o_acc[(((((frag495 / 1u) * 2u) + ((frag495 % 1u) * 2u)) + 1u) * 4u) + ((half496 * 2u) + e497)];
                     const unsigned h_1 = h0 + row_16;
                     if (h_1 < p.heads) {
                         const float inv_l = row_sum[row_16];
                         ((unsigned*)out)[((((t * p.heads) + h_1) * 512u) + col_6) / 2u] = pack_bf16x2(v0_6 * inv_l, v1_6 * inv_l);
                     }
-                    o_acc[((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) * 4u) + ((half495 * 2u) + e496)] = v0_6;
-                    o_acc[(((((frag494 / 1u) * 2u) + ((frag494 % 1u) * 2u)) + 1u) * 4u) + ((half495 * 2u) + e496)] = v1_6;
+                    o_acc[((((frag495 / 1u) * 2u) + ((frag495 % 1u) * 2u)) * 4u) + ((half496 * 2u) + e497)] = v0_6;
+                    o_acc[(((((frag495 / 1u) * 2u) + ((frag495 % 1u) * 2u)) + 1u) * 4u) + ((half496 * 2u) + e497)] = v1_6;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag497 = 0u; frag497 < 1u; frag497 += 1u) {
+        for (unsigned frag498 = 0u; frag498 < 1u; frag498 += 1u) {
             #pragma unroll
-            for (unsigned half498 = 0u; half498 < 2u; half498 += 1u) {
+            for (unsigned half499 = 0u; half499 < 2u; half499 += 1u) {
                 #pragma unroll
-                for (unsigned e499 = 0u; e499 < 2u; e499 += 1u) {
-                    const unsigned row_17 = (o_acc_1_row0 + ((frag497 / 1u) * 16u)) + ((half498 * 8u) + lane_group);
-                    const unsigned col_7 = (o_acc_1_col0 + ((frag497 % 1u) * 16u)) + ((lane_quad * 4u) + (e499 * 2u));
-                    float v0_7 = o_acc_1[((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) * 4u) + ((half498 * 2u) + e499)];
-                    float v1_7 = o_acc_1[(((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) + 1u) * 4u) + ((half498 * 2u) + e499)];
+                for (unsigned e500 = 0u; e500 < 2u; e500 += 1u) {
+                    const unsigned row_17 = (o_acc_1_row0 + ((frag498 / 1u) * 16u)) + ((half499 * 8u) + lane_group);
+                    const unsigned col_7 = (o_acc_1_col0 + ((frag498 % 1u) * 16u)) + ((lane_quad * 4u) + (e500 * 2u));
+                    float v0_7 = o_acc_1[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)];
+                    float v1_7 = o_acc_1[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)];
                     const unsigned h_2 = h0 + row_17;
                     if (h_2 < p.heads) {
                         const float inv_l_1 = row_sum[row_17];
                         ((unsigned*)out)[((((t * p.heads) + h_2) * 512u) + (col_7 + 128u)) / 2u] = pack_bf16x2(v0_7 * inv_l_1, v1_7 * inv_l_1);
                     }
-                    o_acc_1[((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) * 4u) + ((half498 * 2u) + e499)] = v0_7;
-                    o_acc_1[(((((frag497 / 1u) * 2u) + ((frag497 % 1u) * 2u)) + 1u) * 4u) + ((half498 * 2u) + e499)] = v1_7;
+                    o_acc_1[((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) * 4u) + ((half499 * 2u) + e500)] = v0_7;
+                    o_acc_1[(((((frag498 / 1u) * 2u) + ((frag498 % 1u) * 2u)) + 1u) * 4u) + ((half499 * 2u) + e500)] = v1_7;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag500 = 0u; frag500 < 1u; frag500 += 1u) {
+        for (unsigned frag501 = 0u; frag501 < 1u; frag501 += 1u) {
             #pragma unroll
-            for (unsigned half501 = 0u; half501 < 2u; half501 += 1u) {
+            for (unsigned half502 = 0u; half502 < 2u; half502 += 1u) {
                 #pragma unroll
-                for (unsigned e502 = 0u; e502 < 2u; e502 += 1u) {
-                    const unsigned row_18 = (o_acc_2_row0 + ((frag500 / 1u) * 16u)) + ((half501 * 8u) + lane_group);
-                    const unsigned col_8 = (o_acc_2_col0 + ((frag500 % 1u) * 16u)) + ((lane_quad * 4u) + (e502 * 2u));
-                    float v0_8 = o_acc_2[((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) * 4u) + ((half501 * 2u) + e502)];
-                    float v1_8 = o_acc_2[(((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) + 1u) * 4u) + ((half501 * 2u) + e502)];
+                for (unsigned e503 = 0u; e503 < 2u; e503 += 1u) {
+                    const unsigned row_18 = (o_acc_2_row0 + ((frag501 / 1u) * 16u)) + ((half502 * 8u) + lane_group);
+                    const unsigned col_8 = (o_acc_2_col0 + ((frag501 % 1u) * 16u)) + ((lane_quad * 4u) + (e503 * 2u));
+                    float v0_8 = o_acc_2[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)];
+                    float v1_8 = o_acc_2[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)];
                     const unsigned h_3 = h0 + row_18;
                     if (h_3 < p.heads) {
                         const float inv_l_2 = row_sum[row_18];
                         ((unsigned*)out)[((((t * p.heads) + h_3) * 512u) + (col_8 + 256u)) / 2u] = pack_bf16x2(v0_8 * inv_l_2, v1_8 * inv_l_2);
                     }
-                    o_acc_2[((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) * 4u) + ((half501 * 2u) + e502)] = v0_8;
-                    o_acc_2[(((((frag500 / 1u) * 2u) + ((frag500 % 1u) * 2u)) + 1u) * 4u) + ((half501 * 2u) + e502)] = v1_8;
+                    o_acc_2[((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) * 4u) + ((half502 * 2u) + e503)] = v0_8;
+                    o_acc_2[(((((frag501 / 1u) * 2u) + ((frag501 % 1u) * 2u)) + 1u) * 4u) + ((half502 * 2u) + e503)] = v1_8;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag503 = 0u; frag503 < 1u; frag503 += 1u) {
+        for (unsigned frag504 = 0u; frag504 < 1u; frag504 += 1u) {
             #pragma unroll
-            for (unsigned half504 = 0u; half504 < 2u; half504 += 1u) {
+            for (unsigned half505 = 0u; half505 < 2u; half505 += 1u) {
                 #pragma unroll
-                for (unsigned e505 = 0u; e505 < 2u; e505 += 1u) {
-                    const unsigned row_19 = (o_acc_3_row0 + ((frag503 / 1u) * 16u)) + ((half504 * 8u) + lane_group);
-                    const unsigned col_9 = (o_acc_3_col0 + ((frag503 % 1u) * 16u)) + ((lane_quad * 4u) + (e505 * 2u));
-                    float v0_9 = o_acc_3[((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) * 4u) + ((half504 * 2u) + e505)];
-                    float v1_9 = o_acc_3[(((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) + 1u) * 4u) + ((half504 * 2u) + e505)];
+                for (unsigned e506 = 0u; e506 < 2u; e506 += 1u) {
+                    const unsigned row_19 = (o_acc_3_row0 + ((frag504 / 1u) * 16u)) + ((half505 * 8u) + lane_group);
+                    const unsigned col_9 = (o_acc_3_col0 + ((frag504 % 1u) * 16u)) + ((lane_quad * 4u) + (e506 * 2u));
+                    float v0_9 = o_acc_3[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)];
+                    float v1_9 = o_acc_3[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)];
                     const unsigned h_4 = h0 + row_19;
                     if (h_4 < p.heads) {
                         const float inv_l_3 = row_sum[row_19];
                         ((unsigned*)out)[((((t * p.heads) + h_4) * 512u) + (col_9 + 384u)) / 2u] = pack_bf16x2(v0_9 * inv_l_3, v1_9 * inv_l_3);
                     }
-                    o_acc_3[((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) * 4u) + ((half504 * 2u) + e505)] = v0_9;
-                    o_acc_3[(((((frag503 / 1u) * 2u) + ((frag503 % 1u) * 2u)) + 1u) * 4u) + ((half504 * 2u) + e505)] = v1_9;
+                    o_acc_3[((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) * 4u) + ((half505 * 2u) + e506)] = v0_9;
+                    o_acc_3[(((((frag504 / 1u) * 2u) + ((frag504 % 1u) * 2u)) + 1u) * 4u) + ((half505 * 2u) + e506)] = v1_9;
                 }
             }
         }
@@ -2058,15 +2058,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
         }
         __syncthreads();
         #pragma unroll
-        for (unsigned frag506 = 0u; frag506 < 1u; frag506 += 1u) {
+        for (unsigned frag507 = 0u; frag507 < 1u; frag507 += 1u) {
             #pragma unroll
-            for (unsigned half507 = 0u; half507 < 2u; half507 += 1u) {
+            for (unsigned half508 = 0u; half508 < 2u; half508 += 1u) {
                 #pragma unroll
-                for (unsigned e508 = 0u; e508 < 2u; e508 += 1u) {
-                    const unsigned row_20 = (o_acc_row0 + ((frag506 / 1u) * 16u)) + ((half507 * 8u) + lane_group);
-                    const unsigned col_10 = (o_acc_col0 + ((frag506 % 1u) * 16u)) + ((lane_quad * 4u) + (e508 * 2u));
-                    float v0_10 = o_acc[((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) * 4u) + ((half507 * 2u) + e508)];
-                    float v1_10 = o_acc[(((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) + 1u) * 4u) + ((half507 * 2u) + e508)];
+                for (unsigned e509 = 0u; e509 < 2u; e509 += 1u) {
+                    const unsigned row_20 = (o_acc_row0 + ((frag507 / 1u) * 16u)) + ((half508 * 8u) + lane_group);
+                    const unsigned col_10 = (o_acc_col0 + ((frag507 % 1u) * 16u)) + ((lane_quad * 4u) + (e509 * 2u));
+                    float v0_10 = o_acc[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)];
+                    float v1_10 = o_acc[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)];
                     const unsigned h_6 = h0 + row_20;
                     if (h_6 < p.heads) {
                         const float inv_l_4 = row_sum[row_20];
@@ -2074,21 +2074,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at] = v0_10 * inv_l_4;
                         o_part[at + 1u] = v1_10 * inv_l_4;
                     }
-                    o_acc[((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) * 4u) + ((half507 * 2u) + e508)] = v0_10;
-                    o_acc[(((((frag506 / 1u) * 2u) + ((frag506 % 1u) * 2u)) + 1u) * 4u) + ((half507 * 2u) + e508)] = v1_10;
+                    o_acc[((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) * 4u) + ((half508 * 2u) + e509)] = v0_10;
+                    o_acc[(((((frag507 / 1u) * 2u) + ((frag507 % 1u) * 2u)) + 1u) * 4u) + ((half508 * 2u) + e509)] = v1_10;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag509 = 0u; frag509 < 1u; frag509 += 1u) {
+        for (unsigned frag510 = 0u; frag510 < 1u; frag510 += 1u) {
             #pragma unroll
-            for (unsigned half510 = 0u; half510 < 2u; half510 += 1u) {
+            for (unsigned half511 = 0u; half511 < 2u; half511 += 1u) {
                 #pragma unroll
-                for (unsigned e511 = 0u; e511 < 2u; e511 += 1u) {
-                    const unsigned row_21 = (o_acc_1_row0 + ((frag509 / 1u) * 16u)) + ((half510 * 8u) + lane_group);
-                    const unsigned col_11 = (o_acc_1_col0 + ((frag509 % 1u) * 16u)) + ((lane_quad * 4u) + (e511 * 2u));
-                    float v0_11 = o_acc_1[((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) * 4u) + ((half510 * 2u) + e511)];
-                    float v1_11 = o_acc_1[(((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) + 1u) * 4u) + ((half510 * 2u) + e511)];
+                for (unsigned e512 = 0u; e512 < 2u; e512 += 1u) {
+                    const unsigned row_21 = (o_acc_1_row0 + ((frag510 / 1u) * 16u)) + ((half511 * 8u) + lane_group);
+                    const unsigned col_11 = (o_acc_1_col0 + ((frag510 % 1u) * 16u)) + ((lane_quad * 4u) + (e512 * 2u));
+                    float v0_11 = o_acc_1[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)];
+                    float v1_11 = o_acc_1[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)];
                     const unsigned h_7 = h0 + row_21;
                     if (h_7 < p.heads) {
                         const float inv_l_5 = row_sum[row_21];
@@ -2096,21 +2096,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_1] = v0_11 * inv_l_5;
                         o_part[at_1 + 1u] = v1_11 * inv_l_5;
                     }
-                    o_acc_1[((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) * 4u) + ((half510 * 2u) + e511)] = v0_11;
-                    o_acc_1[(((((frag509 / 1u) * 2u) + ((frag509 % 1u) * 2u)) + 1u) * 4u) + ((half510 * 2u) + e511)] = v1_11;
+                    o_acc_1[((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) * 4u) + ((half511 * 2u) + e512)] = v0_11;
+                    o_acc_1[(((((frag510 / 1u) * 2u) + ((frag510 % 1u) * 2u)) + 1u) * 4u) + ((half511 * 2u) + e512)] = v1_11;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag512 = 0u; frag512 < 1u; frag512 += 1u) {
+        for (unsigned frag513 = 0u; frag513 < 1u; frag513 += 1u) {
             #pragma unroll
-            for (unsigned half513 = 0u; half513 < 2u; half513 += 1u) {
+            for (unsigned half514 = 0u; half514 < 2u; half514 += 1u) {
                 #pragma unroll
-                for (unsigned e514 = 0u; e514 < 2u; e514 += 1u) {
-                    const unsigned row_22 = (o_acc_2_row0 + ((frag512 / 1u) * 16u)) + ((half513 * 8u) + lane_group);
-                    const unsigned col_12 = (o_acc_2_col0 + ((frag512 % 1u) * 16u)) + ((lane_quad * 4u) + (e514 * 2u));
-                    float v0_12 = o_acc_2[((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) * 4u) + ((half513 * 2u) + e514)];
-                    float v1_12 = o_acc_2[(((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) + 1u) * 4u) + ((half513 * 2u) + e514)];
+                for (unsigned e515 = 0u; e515 < 2u; e515 += 1u) {
+                    const unsigned row_22 = (o_acc_2_row0 + ((frag513 / 1u) * 16u)) + ((half514 * 8u) + lane_group);
+                    const unsigned col_12 = (o_acc_2_col0 + ((frag513 % 1u) * 16u)) + ((lane_quad * 4u) + (e515 * 2u));
+                    float v0_12 = o_acc_2[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)];
+                    float v1_12 = o_acc_2[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)];
                     const unsigned h_8 = h0 + row_22;
                     if (h_8 < p.heads) {
                         const float inv_l_6 = row_sum[row_22];
@@ -2118,21 +2118,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_2] = v0_12 * inv_l_6;
                         o_part[at_2 + 1u] = v1_12 * inv_l_6;
                     }
-                    o_acc_2[((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) * 4u) + ((half513 * 2u) + e514)] = v0_12;
-                    o_acc_2[(((((frag512 / 1u) * 2u) + ((frag512 % 1u) * 2u)) + 1u) * 4u) + ((half513 * 2u) + e514)] = v1_12;
+                    o_acc_2[((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) * 4u) + ((half514 * 2u) + e515)] = v0_12;
+                    o_acc_2[(((((frag513 / 1u) * 2u) + ((frag513 % 1u) * 2u)) + 1u) * 4u) + ((half514 * 2u) + e515)] = v1_12;
                 }
             }
         }
         #pragma unroll
-        for (unsigned frag515 = 0u; frag515 < 1u; frag515 += 1u) {
+        for (unsigned frag516 = 0u; frag516 < 1u; frag516 += 1u) {
             #pragma unroll
-            for (unsigned half516 = 0u; half516 < 2u; half516 += 1u) {
+            for (unsigned half517 = 0u; half517 < 2u; half517 += 1u) {
                 #pragma unroll
-                for (unsigned e517 = 0u; e517 < 2u; e517 += 1u) {
-                    const unsigned row_23 = (o_acc_3_row0 + ((frag515 / 1u) * 16u)) + ((half516 * 8u) + lane_group);
-                    const unsigned col_13 = (o_acc_3_col0 + ((frag515 % 1u) * 16u)) + ((lane_quad * 4u) + (e517 * 2u));
-                    float v0_13 = o_acc_3[((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) * 4u) + ((half516 * 2u) + e517)];
-                    float v1_13 = o_acc_3[(((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) + 1u) * 4u) + ((half516 * 2u) + e517)];
+                for (unsigned e518 = 0u; e518 < 2u; e518 += 1u) {
+                    const unsigned row_23 = (o_acc_3_row0 + ((frag516 / 1u) * 16u)) + ((half517 * 8u) + lane_group);
+                    const unsigned col_13 = (o_acc_3_col0 + ((frag516 % 1u) * 16u)) + ((lane_quad * 4u) + (e518 * 2u));
+                    float v0_13 = o_acc_3[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)];
+                    float v1_13 = o_acc_3[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)];
                     const unsigned h_9 = h0 + row_23;
                     if (h_9 < p.heads) {
                         const float inv_l_7 = row_sum[row_23];
@@ -2140,8 +2140,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_decode_split_fp8
                         o_part[at_3] = v0_13 * inv_l_7;
                         o_part[at_3 + 1u] = v1_13 * inv_l_7;
                     }
-                    o_acc_3[((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) * 4u) + ((half516 * 2u) + e517)] = v0_13;
-                    o_acc_3[(((((frag515 / 1u) * 2u) + ((frag515 % 1u) * 2u)) + 1u) * 4u) + ((half516 * 2u) + e517)] = v1_13;
+                    o_acc_3[((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) * 4u) + ((half517 * 2u) + e518)] = v0_13;
+                    o_acc_3[(((((frag516 / 1u) * 2u) + ((frag516 % 1u) * 2u)) + 1u) * 4u) + ((half517 * 2u) + e518)] = v1_13;
                 }
             }
         }

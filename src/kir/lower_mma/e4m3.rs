@@ -633,19 +633,7 @@ impl Cx<'_> {
             ),
         }));
         // the rare branch (the first step, a new largest scale): the warp's largest scale
-        let mut then = Vec::new();
-        for mask in [16u32, 8, 4, 2, 1] {
-            let t = self.fresh("units_other");
-            then.push(intr(Intrinsic::ShflXor {
-                dst: t.clone(),
-                value: mv.clone(),
-                lane_mask: mask,
-            }));
-            then.push(Stmt::Assign {
-                name: m.clone(),
-                value: bin(BinOp::Max, mv.clone(), var(&t, Ty::F32)),
-            });
-        }
+        let mut then = self.lanes_reduce(&m, WARP, BinOp::Max);
         let (kn, ratio) = (self.fresh("units_k_new"), self.fresh("units_ratio"));
         then.push(let_(
             &kn,
