@@ -20,17 +20,12 @@ for k in v6 v7 batch; do
     SPARSE_MLA_DECODE_KERNEL=$k timeout 100 "$BIN/mla-check" --backend cuda --case decode/ \
         >"$OUTD/check-$k.txt" 2>&1; echo "check decode $k: rc $? $(tail -1 "$OUTD/check-$k.txt")" >>"$sum"
 done
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+. tools/gpu-lib.sh
 for k in ${SAN_KERNELS:-v7 batch}; do
     for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
-        extra=""
-        [ "$tool" = racecheck ] && extra="--racecheck-report all"
-        # synccheck tracks a limited number of mbarriers per launch: raise it
-        [ "$tool" = synccheck ] && extra="--num-cuda-barriers 65536"
-        SPARSE_MLA_DECODE_KERNEL=$k timeout ${SAN_TIMEOUT:-100} "$SAN" --tool $tool $extra --error-exitcode 7 \
-            --print-limit 20 "$BIN/mla-check" --backend cuda --case decode/ --no-model >"$OUTD/san-$tool-$k.txt" 2>&1
-        rc=$?
-        echo "sanitizer $tool ($k, decode cases): rc $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUTD/san-$tool-$k.txt" | tail -1); $(grep -E '[0-9]+ passed' "$OUTD/san-$tool-$k.txt" | tail -1)" >>"$sum"
+        log="$OUTD/san-$tool-$k.txt"
+        r=$(SPARSE_MLA_DECODE_KERNEL=$k san_decode "$BIN" "$tool" "$log")
+        echo "sanitizer $tool ($k, decode cases): $r; $(grep -E '[0-9]+ passed' "$log" | tail -1)" >>"$sum"
     done
 done
 timeout 200 "$BIN/mla-check" --backend cuda --stress ${STRESS_N:-3000} --watchdog 30 \

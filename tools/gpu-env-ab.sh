@@ -37,20 +37,16 @@ for r in $(seq 1 "${RUNS:-3}"); do
         echo "bench run $r $VAR=$v: rc $? $(grep -c ',true,' "$W/ab-$r-$v.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$v.csv") wrong"
     done
 done
-SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+. tools/gpu-lib.sh
 for v in "${VALUES[@]}"; do
     for k in ${GATE_KERNELS-v7}; do
         form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
             >"$W/check-$v-$k.txt" 2>&1
         echo "gate $VAR=$v $k: mla-check rc $? $(tail -1 "$W/check-$v-$k.txt")"
         for tool in ${SAN_TOOLS-memcheck racecheck synccheck}; do
-            extra=()
-            [ "$tool" = racecheck ] && extra=(--racecheck-report all)
-            [ "$tool" = synccheck ] && extra=(--num-cuda-barriers 65536)
-            form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout "${SAN_TIMEOUT:-100}" "$SAN" --tool "$tool" \
-                "${extra[@]}" --error-exitcode 7 --print-limit 20 "$BIN/mla-check" --backend cuda \
-                --case decode/ --no-model >"$W/san-$tool-$v-$k.txt" 2>&1
-            echo "gate $VAR=$v $k: $tool rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$W/san-$tool-$v-$k.txt" | tail -1)"
+            # (a subshell: form's `env` cannot run a shell function)
+            r=$(export "$VAR=$v" SPARSE_MLA_DECODE_KERNEL=$k; san_decode "$BIN" "$tool" "$W/san-$tool-$v-$k.txt")
+            echo "gate $VAR=$v $k: $tool $r"
         done
     done
 done

@@ -117,6 +117,34 @@ impl DeferPv {
         let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
         form_from_env("SPARSE_MLA_DEFER_PV", &forms, Self::env_value)
     }
+
+    /// What a ring of `stages` stages in `groups` warp groups, with its scores held as
+    /// `row_softmax` says and P · V as f16 products or not, lacks for this form; `None` where
+    /// the form applies ([`Self::Off`] always does). The one rule for both the configuration,
+    /// which asks for a form only where it applies, and the lowering, which refuses it
+    /// elsewhere. With one stage the next step's copies overwrite the rows the product reads;
+    /// warp groups release each stage at the end of the step, which would have to follow the
+    /// product; the row forms rescale O after P's barrier, from factors that do not exist
+    /// before the first step; [`Self::Top`]'s step-0 product over rows times a running scale
+    /// not yet fitted to them may overflow f16.
+    pub fn unmet(
+        self,
+        (stages, groups): (u32, u32),
+        row_softmax: RowSoftmax,
+        f16_products: bool,
+    ) -> Option<&'static str> {
+        if self == DeferPv::Off {
+            None
+        } else if groups > 1 || stages < 2 {
+            Some("one warp group and a ring of two or more stages")
+        } else if row_softmax != RowSoftmax::Off {
+            Some("the scores in fragments")
+        } else if self == DeferPv::Top && f16_products {
+            Some("bf16 rows (fp8's f16 products take `early`)")
+        } else {
+            None
+        }
+    }
 }
 
 /// The form of a lowering switch that the environment variable `var` names: `forms[0]` when

@@ -480,12 +480,13 @@ impl DecodeConfig {
     }
 
     /// This configuration with each step's closing `O += P · V` run where `form` says
-    /// ([`Lowering::MmaWs`]'s `defer_pv`) — where the form applies: a v7 kernel in one warp
-    /// group with a ring of two or more stages and its scores in fragments, and for
-    /// [`DeferPv::Top`] bf16 rows. Any other configuration is returned as it is (its name
-    /// says so: a deferred kernel's ends in `d` or `de`).
+    /// ([`Lowering::MmaWs`]'s `defer_pv`) — where the form applies ([`DeferPv::unmet`]: a v7
+    /// kernel in one warp group with a ring of two or more stages and its scores in
+    /// fragments, and for [`DeferPv::Top`] bf16 rows; fp8_ds_mla's ring kernels take f16
+    /// products). Any other configuration is returned as it is (its name says so: a deferred
+    /// kernel's ends in `d` or `de`). [`DeferPv::Off`] applies to every configuration.
     pub fn with_defer_pv(mut self, form: DeferPv) -> Self {
-        let bf16 = self.format == CacheFormat::Bf16;
+        let f16_products = self.format != CacheFormat::Bf16;
         if let Lowering::MmaWs {
             defer_pv: ref mut d,
             stages,
@@ -494,22 +495,12 @@ impl DecodeConfig {
             ..
         } = self.lowering
         {
-            let fits = groups == 1 && stages >= 2 && row_softmax == RowSoftmax::Off;
-            if fits && (bf16 || form != DeferPv::Top) {
+            if form
+                .unmet((stages, groups), row_softmax, f16_products)
+                .is_none()
+            {
                 *d = form;
             }
-        }
-        self
-    }
-
-    /// This configuration with each step's `O += P · V` at its end ([`DeferPv::Off`]).
-    pub fn without_defer_pv(mut self) -> Self {
-        if let Lowering::MmaWs {
-            defer_pv: ref mut d,
-            ..
-        } = self.lowering
-        {
-            *d = DeferPv::Off;
         }
         self
     }
@@ -547,8 +538,10 @@ impl DecodeConfig {
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
     pub fn is_batch(&self) -> bool {
         matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
-            || Some(self.with_row_softmax(RowSoftmax::Off).without_defer_pv())
-                == Self::tensor_core_batch(self.dims, self.format, self.block_h)
+            || Some(
+                self.with_row_softmax(RowSoftmax::Off)
+                    .with_defer_pv(DeferPv::Off),
+            ) == Self::tensor_core_batch(self.dims, self.format, self.block_h)
     }
 
     /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.

@@ -60,13 +60,9 @@ impl Cx<'_> {
     /// barrier, and P is rewritten only after the step's later ones, so neither needs another
     /// barrier; the last step's product follows the loop.
     ///
-    /// It needs a step that ends in `O += P · V` alone after its last barrier, in one warp
-    /// group with a ring of two or more stages and the scores in fragments: with one stage the
-    /// next step's copies overwrite the rows the product reads; warp groups release each
-    /// stage through an mbarrier at the end of the step, which would have to follow the
-    /// product (not built: bf16's grouped kernel has one stage); and the row forms apply O's
-    /// rescale after P's barrier, from factors that do not exist before the first step.
-    /// [`crate::kir::DeferPv::Top`] needs bf16 rows too. A kernel outside that is an error
+    /// It needs a ring the form applies to ([`crate::kir::DeferPv::unmet`]; warp groups are not
+    /// built, as bf16's grouped kernel has one stage) and a step that ends in `O += P · V`
+    /// alone after its last barrier. A kernel outside that is an error
     /// (`DecodeConfig::with_defer_pv` asks only where it holds).
     pub(in super::super) fn deferred_pv(
         &mut self,
@@ -86,14 +82,9 @@ impl Cx<'_> {
                 form.env_value()
             )))
         };
-        if self.groups > 1 || self.stages < 2 {
-            return refuse(self, "one warp group and a ring of two or more stages");
-        }
-        if self.row_softmax != crate::kir::RowSoftmax::Off {
-            return refuse(self, "the scores in fragments");
-        }
-        if form == DeferPv::Top && self.units.is_some() {
-            return refuse(self, "bf16 rows (fp8's f16 products take `early`)");
+        let ring = (self.stages, self.groups);
+        if let Some(why) = form.unmet(ring, self.row_softmax, self.units.is_some()) {
+            return refuse(self, why);
         }
         let last_op = compute.iter().rfind(|s| !matches!(s, Stmt::Comment(_)));
         let a = match last_op {
