@@ -25,6 +25,9 @@ pub struct DecodeInputs<'a> {
 pub struct DecodeOutputs {
     pub out: Vec<f64>,
     pub lse: Vec<f64>,
+    /// Per output element, `Σ_j P_j · |v_j|`: what a relative error of the weights P moves
+    /// that element by, at most (an element near 0 can sum terms far larger than itself).
+    pub out_abs: Vec<f64>,
 }
 
 /// Is `indices[t][j]` a slot to read? The one place the validity rule is written for the host.
@@ -53,6 +56,7 @@ pub fn decode(inp: &DecodeInputs) -> DecodeOutputs {
     assert!(inp.cache.len() as u64 >= s.cache_bytes(), "cache");
     let mut out = vec![0.0f64; t_n * h_n * dv];
     let mut lse = vec![f64::INFINITY; t_n * h_n];
+    let mut out_abs = vec![0.0f64; t_n * h_n * dv];
     for t in 0..t_n {
         let rows: Vec<Vec<f64>> = (0..k_n)
             .filter_map(|j| slot_of(inp, t, j))
@@ -76,14 +80,16 @@ pub fn decode(inp: &DecodeInputs) -> DecodeOutputs {
             let sum: f64 = scores.iter().map(|x| (x - m).exp()).sum();
             let l = m + sum.ln();
             lse[t * h_n + h] = l;
-            let o = &mut out[(t * h_n + h) * dv..(t * h_n + h + 1) * dv];
+            let at = (t * h_n + h) * dv..(t * h_n + h + 1) * dv;
+            let (o, abs) = (&mut out[at.clone()], &mut out_abs[at]);
             for (k, sc) in rows.iter().zip(&scores) {
                 let p = (sc - l).exp();
-                for (oi, ki) in o.iter_mut().zip(k) {
+                for ((oi, ai), ki) in o.iter_mut().zip(abs.iter_mut()).zip(k) {
                     *oi += p * ki;
+                    *ai += p * ki.abs();
                 }
             }
         }
     }
-    DecodeOutputs { out, lse }
+    DecodeOutputs { out, lse, out_abs }
 }
