@@ -800,7 +800,7 @@ impl KernelBuilder {
                 row_words
             ));
         }
-        self.push(Stmt::Tile(TileOp::GatherRows {
+        self.push(Stmt::Tile(TileOp::GatherRows(RowGather {
             dst: dst.name.clone(),
             dst_word0,
             words,
@@ -808,7 +808,7 @@ impl KernelBuilder {
             row,
             src_word: e,
             flags,
-        }));
+        })));
     }
 
     pub fn acc_fill(&mut self, acc: &Acc, value: f32) {

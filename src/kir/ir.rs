@@ -508,32 +508,36 @@ pub enum Reduce {
     Sum,
 }
 
+/// Gather rows of 32-bit words from a buffer into a shared tile:
+/// for each tile row `r < dst.rows`, with `row` bound to `r`:
+/// if `src_word(r)` is `>= 0` (i32), `dst[r, words starting at dst_word0]` =
+/// `src[src_word(r) .. + words]`, else those words are zero-filled and `src` is not read.
+/// Widths in 32-bit words; `dst_word0 + words` fits the tile's row.
+///
+/// With `flags` (an F32 tile `[1, dst.rows]`): `flags[0, r]` = 1.0 when row `r` had a
+/// source, else 0.0 — the row's validity, computed once where the gather is; and a row
+/// without a source then holds unspecified *finite* values instead of zeros (what an
+/// earlier gather of this workgroup left there, or zeros), so a reader must look at the
+/// flag.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowGather {
+    pub dst: String,
+    pub dst_word0: u32,
+    pub words: u32,
+    pub src: String,
+    pub row: String,
+    pub src_word: Expr,
+    pub flags: Option<String>,
+}
+
 /// Tile-level operations. Each is defined by its effect on whole tiles; lowerings choose the
 /// thread mapping. Unless noted, a tile op is a workgroup-wide collective: every thread of the
 /// workgroup reaches it (uniform control flow) and its results are visible to all threads
 /// afterwards.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TileOp {
-    /// Gather rows of 32-bit words from a buffer into a shared tile:
-    /// for each tile row `r < dst.rows`, with `row` bound to `r`:
-    /// if `src_word(r)` is `>= 0` (i32), `dst[r, words starting at dst_word0]` =
-    /// `src[src_word(r) .. + words]`, else those words are zero-filled and `src` is not read.
-    /// Widths in 32-bit words; `dst_word0 + words` fits the tile's row.
-    ///
-    /// With `flags` (an F32 tile `[1, dst.rows]`): `flags[0, r]` = 1.0 when row `r` had a
-    /// source, else 0.0 — the row's validity, computed once where the gather is; and a row
-    /// without a source then holds unspecified *finite* values instead of zeros (what an
-    /// earlier gather of this workgroup left there, or zeros), so a reader must look at the
-    /// flag.
-    GatherRows {
-        dst: String,
-        dst_word0: u32,
-        words: u32,
-        src: String,
-        row: String,
-        src_word: Expr,
-        flags: Option<String>,
-    },
+    /// Gather rows of 32-bit words from a buffer into a shared tile: see [`RowGather`].
+    GatherRows(RowGather),
     /// `acc = value` everywhere.
     AccFill { acc: String, value: f32 },
     /// `acc[M, N] += A[M, K] · B` with f32 accumulation; `a` a `[M, K]` view, `b` a `[N, K]` or

@@ -126,42 +126,30 @@ impl Rewrite for Cx<'_> {
                     }],
                 ));
             }
-            TileOp::GatherRows {
-                dst,
-                dst_word0,
-                words,
-                src,
-                row,
-                src_word,
-                flags,
-            } => {
+            TileOp::GatherRows(g) => {
+                let dst = &g.dst;
                 if self.resident_a.contains_key(dst) {
+                    // (resident candidates are whole-row gathers without flags: `resident`)
+                    if g.flags.is_some() {
+                        return Err(self.err(format!("{dst}: a resident tile's gather has flags")));
+                    }
                     if self.is_staged(dst) {
                         // the whole tile into its staging rows (16-byte copies, missing rows
                         // zero-filled), then each warp's fragments from there
                         out.push(Stmt::Barrier);
-                        self.gather(dst, *dst_word0, *words, src, row, src_word, None, out)?;
+                        self.gather(g, out)?;
                         out.push(intr(Intrinsic::CpAsyncCommit));
                         out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));
                         out.push(Stmt::Barrier);
                     }
-                    let loads = self.resident_gather(dst, src, row, src_word)?;
+                    let loads = self.resident_gather(g)?;
                     out.extend(loads);
                     return Ok(());
                 }
                 // Barrier: earlier readers of the tile (write-after-read). The wait comes
                 // when something first uses the tile, so other work overlaps the copies.
                 out.push(Stmt::Barrier);
-                self.gather(
-                    dst,
-                    *dst_word0,
-                    *words,
-                    src,
-                    row,
-                    src_word,
-                    flags.as_deref(),
-                    out,
-                )?;
+                self.gather(g, out)?;
                 out.push(intr(Intrinsic::CpAsyncCommit));
                 if self.stage.is_some() {
                     out.push(intr(Intrinsic::CpAsyncWait { pending: 0 }));

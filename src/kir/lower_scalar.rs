@@ -78,23 +78,7 @@ impl Rewrite for Cx<'_> {
                     }],
                 });
             }
-            TileOp::GatherRows {
-                dst,
-                dst_word0,
-                words,
-                src,
-                row,
-                src_word,
-                flags,
-            } => self.gather(
-                dst,
-                (*dst_word0, *words),
-                src,
-                row,
-                src_word,
-                flags.as_deref(),
-                out,
-            )?,
+            TileOp::GatherRows(g) => self.gather(g, out)?,
             TileOp::Mma {
                 acc,
                 a,
@@ -378,17 +362,10 @@ impl<'k> Cx<'k> {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gather(
-        &mut self,
-        dst: &str,
-        (dst_word0, words): (u32, u32),
-        src: &str,
-        row: &str,
-        src_word: &Expr,
-        flags: Option<&str>,
-        out: &mut Vec<Stmt>,
-    ) -> Result<()> {
+    fn gather(&mut self, g: &RowGather, out: &mut Vec<Stmt>) -> Result<()> {
+        let (dst, src, row) = (g.dst.as_str(), g.src.as_str(), g.row.as_str());
+        let (dst_word0, words, src_word, flags) =
+            (g.dst_word0, g.words, &g.src_word, g.flags.as_deref());
         let info = self.tile(dst)?;
         let (rows, stride, f32_tile) =
             (info.decl.rows, info.stride, info.decl.elem == TileElem::F32);

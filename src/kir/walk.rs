@@ -144,7 +144,7 @@ pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
                     }
                     collect_names(body, used);
                 }
-                TileOp::GatherRows { row, .. } | TileOp::MmaScaled { row, .. } => {
+                TileOp::GatherRows(RowGather { row, .. }) | TileOp::MmaScaled { row, .. } => {
                     used.insert(row.clone());
                 }
                 TileOp::SharedMap { row, col, .. } => {

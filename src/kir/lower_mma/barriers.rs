@@ -35,7 +35,7 @@ pub(super) fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
         Stmt::Comment(_) | Stmt::Barrier => false,
         Stmt::Intrinsic(_) => true,
         Stmt::Tile(op) => match op {
-            TileOp::GatherRows { dst, src_word, .. } => hit(dst) || expr_hit(src_word),
+            TileOp::GatherRows(g) => hit(&g.dst) || expr_hit(&g.src_word),
             TileOp::AccFill { .. } | TileOp::AccRowReduce { .. } => false,
             TileOp::Mma { a, b, .. } => hit(&a.tile) || hit(&b.tile),
             TileOp::MmaScaled { a, b, scale, .. } => {

@@ -14,16 +14,17 @@ pub(super) struct GatherPlan {
 }
 
 /// One row gather of a pipeline's load stage ([`TileOp::GatherRows`]), by reference, with
-/// the comment that came before it.
+/// the comment that came before it; reads as the [`RowGather`] it wraps.
 pub(super) struct Gather<'a> {
-    pub(super) dst: &'a str,
-    pub(super) dst_word0: u32,
-    pub(super) words: u32,
-    pub(super) src: &'a str,
-    pub(super) row: &'a str,
-    pub(super) src_word: &'a Expr,
-    pub(super) flags: Option<&'a str>,
+    pub(super) op: &'a RowGather,
     pub(super) comment: Option<String>,
+}
+
+impl std::ops::Deref for Gather<'_> {
+    type Target = RowGather;
+    fn deref(&self) -> &RowGather {
+        self.op
+    }
 }
 
 pub(super) fn floor_pow2(x: u32) -> u32 {
@@ -41,22 +42,8 @@ impl Cx<'_> {
         let mut comment = None;
         for st in load {
             match st {
-                Stmt::Tile(TileOp::GatherRows {
-                    dst,
-                    dst_word0,
-                    words,
-                    src,
-                    row,
-                    src_word,
-                    flags,
-                }) => gathers.push(Gather {
-                    dst,
-                    dst_word0: *dst_word0,
-                    words: *words,
-                    src,
-                    row,
-                    src_word,
-                    flags: flags.as_deref(),
+                Stmt::Tile(TileOp::GatherRows(op)) => gathers.push(Gather {
+                    op,
                     comment: comment.take(),
                 }),
                 Stmt::Comment(c) => comment = Some(c.clone()),
@@ -73,7 +60,8 @@ impl Cx<'_> {
     /// How a gather spreads over the threads: `tpr` consecutive threads share a row, each
     /// taking every `tpr`-th 16-byte chunk (so a warp reads contiguous runs); `passes` rounds
     /// of `W / tpr` rows.
-    pub(super) fn gather_plan(&self, dst: &str, dst_word0: u32, words: u32) -> Result<GatherPlan> {
+    pub(super) fn gather_plan(&self, g: &RowGather) -> Result<GatherPlan> {
+        let (dst, dst_word0, words) = (&g.dst, g.dst_word0, g.words);
         let info = self.tile(dst)?;
         let rows = info.decl.rows;
         if dst_word0 + words > info.stride {
@@ -107,8 +95,7 @@ impl Cx<'_> {
     pub(super) fn gather_addr(
         &mut self,
         plan: &GatherPlan,
-        row: &str,
-        src_word: &Expr,
+        g: &RowGather,
         srcs: &str,
     ) -> Result<Stmt> {
         let p = self.fresh("gather_pass");
@@ -123,7 +110,7 @@ impl Cx<'_> {
             let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
             Stmt::If {
                 cond: lt(rv.clone(), u(plan.rows)),
-                then: vec![let_(row, rv), store(self.expr(src_word)?)],
+                then: vec![let_(&g.row, rv), store(self.expr(&g.src_word)?)],
                 els: vec![store(Expr::I32(-1))],
             },
         ];
@@ -132,16 +119,14 @@ impl Cx<'_> {
 
     /// The copy phase of a gather: issue the copies (no commit, no wait) from the source
     /// words in `srcs`.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn gather_copy(
         &mut self,
         plan: &GatherPlan,
-        dst: &str,
-        (dst_word0, words): (u32, u32),
-        src: &str,
+        g: &RowGather,
         srcs: &str,
-        flags: Option<&str>,
     ) -> Result<Stmt> {
+        let (dst, src, flags) = (g.dst.as_str(), g.src.as_str(), g.flags.as_deref());
+        let (dst_word0, words) = (g.dst_word0, g.words);
         let info = self.tile(dst)?.clone();
         let flag_at = match flags {
             Some(f) => {
@@ -318,22 +303,11 @@ impl Cx<'_> {
     }
 
     /// Issue the copies of one `GatherRows` (no commit, no wait).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gather(
-        &mut self,
-        dst: &str,
-        dst_word0: u32,
-        words: u32,
-        src: &str,
-        row: &str,
-        src_word: &Expr,
-        flags: Option<&str>,
-        out: &mut Vec<Stmt>,
-    ) -> Result<()> {
-        let plan = self.gather_plan(dst, dst_word0, words)?;
-        let srcs = self.private(&format!("{dst}_src"), Ty::I32, plan.passes);
-        out.push(self.gather_addr(&plan, row, src_word, &srcs)?);
-        out.push(self.gather_copy(&plan, dst, (dst_word0, words), src, &srcs, flags)?);
+    pub(super) fn gather(&mut self, g: &RowGather, out: &mut Vec<Stmt>) -> Result<()> {
+        let plan = self.gather_plan(g)?;
+        let srcs = self.private(&format!("{}_src", g.dst), Ty::I32, plan.passes);
+        out.push(self.gather_addr(&plan, g, &srcs)?);
+        out.push(self.gather_copy(&plan, g, &srcs)?);
         Ok(())
     }
 }

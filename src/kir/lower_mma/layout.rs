@@ -131,9 +131,9 @@ impl<'k> Cx<'k> {
         visit_tile_ops_with(&kernel.body, false, &mut |op| {
             if let TileOp::Pipeline { load, .. } = op {
                 visit_tile_ops_with(load, false, &mut |inner| {
-                    if let TileOp::GatherRows { dst, flags, .. } = inner {
-                        ringed.insert(dst.clone());
-                        if let Some(f) = flags {
+                    if let TileOp::GatherRows(g) = inner {
+                        ringed.insert(g.dst.clone());
+                        if let Some(f) = &g.flags {
                             ringed.insert(f.clone());
                         }
                     }
@@ -147,8 +147,8 @@ impl<'k> Cx<'k> {
                 operands.insert(a.tile.clone());
                 operands.insert(b.tile.clone());
             }
-            TileOp::GatherRows { dst, .. } => {
-                gathered.insert(dst.clone());
+            TileOp::GatherRows(g) => {
+                gathered.insert(g.dst.clone());
             }
             _ => {}
         });

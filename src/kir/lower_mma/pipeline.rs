@@ -40,7 +40,7 @@ impl Cx<'_> {
         }
         let mut gathers = Vec::new();
         for op in self.load_gathers(v, load)? {
-            let plan = self.gather_plan(op.dst, op.dst_word0, op.words)?;
+            let plan = self.gather_plan(&op)?;
             let srcs = self.private(&format!("{}_src", op.dst), Ty::I32, plan.passes);
             let queue = (0..self.l2_ahead)
                 .map(|_| self.private(&format!("{}_src_ahead", op.dst), Ty::I32, plan.passes))
@@ -64,7 +64,7 @@ impl Cx<'_> {
         let addr_into = |cx: &mut Self, at: Expr, j: u32| -> Result<Stmt> {
             let mut body = vec![let_(v, at.clone())];
             for g in &gathers {
-                body.push(cx.gather_addr(&g.plan, g.op.row, g.op.src_word, &slot(g, j))?);
+                body.push(cx.gather_addr(&g.plan, &g.op, &slot(g, j))?);
             }
             Ok(Stmt::If {
                 cond: lt(at, count.clone()),
@@ -84,14 +84,7 @@ impl Cx<'_> {
                 if let Some(c) = &g.op.comment {
                     body.push(Stmt::Comment(c.clone()));
                 }
-                body.push(cx.gather_copy(
-                    &g.plan,
-                    g.op.dst,
-                    (g.op.dst_word0, g.op.words),
-                    g.op.src,
-                    &g.srcs,
-                    g.op.flags,
-                )?);
+                body.push(cx.gather_copy(&g.plan, &g.op, &g.srcs)?);
             }
             cx.stage = saved;
             Ok(Stmt::If {
@@ -137,7 +130,7 @@ impl Cx<'_> {
             let far = add(itv.clone(), u(s - 1 + k));
             let mut ask = Vec::new();
             for g in &gathers {
-                ask.push(self.gather_l2(&g.plan, g.op.src, &slot(g, k), g.op.words));
+                ask.push(self.gather_l2(&g.plan, &g.op.src, &slot(g, k), g.op.words));
             }
             body.push(Stmt::If {
                 cond: lt(far, count.clone()),

@@ -126,20 +126,13 @@ fn check_uses(stmts: &[Stmt], tile: &str, row_words: u32, in_pipeline: bool, ok:
                 *ok &= !expr_uses(index) && !expr_uses(value)
             }
             Stmt::Tile(op) => match op {
-                TileOp::GatherRows {
-                    dst,
-                    dst_word0,
-                    words,
-                    src_word,
-                    flags,
-                    ..
-                } => {
-                    *ok &= !expr_uses(src_word);
-                    if dst == tile {
+                TileOp::GatherRows(g) => {
+                    *ok &= !expr_uses(&g.src_word);
+                    if g.dst == tile {
                         *ok &= !in_pipeline
-                            && *dst_word0 == 0
-                            && *words == row_words
-                            && flags.is_none();
+                            && g.dst_word0 == 0
+                            && g.words == row_words
+                            && g.flags.is_none();
                     }
                 }
                 TileOp::AccForEach { body, .. } => {
@@ -262,13 +255,9 @@ impl Cx<'_> {
     /// f16 (one `cvt` a pair, where bf16 took four instructions more), the bf16 views are
     /// scaled by σ' / unit (the widened bytes are the values over `unit`,
     /// [`Func::E4m3F16Unit`]), and `unscale = unit / σ'`.
-    pub(super) fn resident_gather(
-        &mut self,
-        dst: &str,
-        src: &str,
-        row: &str,
-        src_word: &Expr,
-    ) -> Result<Vec<Stmt>> {
+    pub(super) fn resident_gather(&mut self, g: &RowGather) -> Result<Vec<Stmt>> {
+        let (dst, src, row, src_word) =
+            (g.dst.as_str(), g.src.as_str(), g.row.as_str(), &g.src_word);
         let r = self.resident_a.get(dst).cloned().unwrap_or_default();
         let info = self.tile(dst)?.clone();
         let fm = info.decl.rows / 16;

@@ -899,7 +899,7 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             | Intrinsic::FenceProxyAsync => false,
         },
         Stmt::Tile(op) => match op {
-            TileOp::GatherRows { src_word, .. } => expr(src_word),
+            TileOp::GatherRows(g) => expr(&g.src_word),
             TileOp::AccFill { .. } | TileOp::Mma { .. } | TileOp::AccToShared { .. } => false,
             TileOp::MmaScaled { scale, .. } => expr(scale),
             TileOp::AccForEach { body, .. } => all(body),

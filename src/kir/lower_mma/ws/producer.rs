@@ -76,7 +76,7 @@ impl<'a> Producers<'a> {
         bars: String,
     ) -> Result<Self> {
         let rows = match gathers.first() {
-            Some(g) => cx.tile(g.dst)?.decl.rows,
+            Some(g) => cx.tile(&g.dst)?.decl.rows,
             None => return Err(cx.err(format!("pipeline {v} gathers nothing"))),
         };
         let pw = producer_warps(cx.warps);
@@ -93,7 +93,7 @@ impl<'a> Producers<'a> {
         let mut l2_words = Vec::new();
         let mut src_exprs = Vec::new();
         for g in &gathers {
-            let e = cx.expr(g.src_word)?;
+            let e = cx.expr(&g.src_word)?;
             let mut loads = Vec::new();
             leaf_global_loads(&e, &mut loads);
             let mut pairs = Vec::new();
@@ -177,7 +177,7 @@ impl<'a> Producers<'a> {
             let slot = cx.fresh("slot");
             let r = cx.fresh("gather_row");
             let rv = var(&r, Ty::U32);
-            let mut then = vec![let_(g.row, rv.clone())];
+            let mut then = vec![let_(&g.row, rv.clone())];
             for (load, arr) in pairs {
                 then.push(Stmt::PrivateStore {
                     arr: arr.clone(),
@@ -217,8 +217,8 @@ impl<'a> Producers<'a> {
             let r = cx.fresh("gather_row");
             let rv = var(&r, Ty::U32);
             let src = source(e, if loaded { pairs } else { &[] }, &slot);
-            let mut row = vec![let_(g.row, rv)];
-            row.extend(cx.l2_prefetch_row(g.src, src, g.words));
+            let mut row = vec![let_(&g.row, rv)];
+            row.extend(cx.l2_prefetch_row(&g.src, src, g.words));
             body.push(self.lane_rows(&slot, &r, row));
         }
         Stmt::If {
@@ -257,14 +257,14 @@ impl<'a> Producers<'a> {
         {
             // the source expression over the words prefetched a step ago
             let src = source(e, pairs, &slot);
-            row_body.push(let_(g.row, rv.clone()));
+            row_body.push(let_(&g.row, rv.clone()));
             row_body.push(let_(n, src));
         }
         let mut flagged = HashSet::new();
         for (g, n) in self.gathers.iter().zip(&sw_names) {
             let swv = var(n, Ty::I32);
             let valid = bin(BinOp::Ge, swv.clone(), Expr::I32(0));
-            if let Some(flags) = g.flags {
+            if let Some(flags) = &g.flags {
                 if flagged.insert(flags) {
                     let ft = cx.tile(flags)?.clone();
                     let base = cx.tile_base(&ft)?;
@@ -279,7 +279,7 @@ impl<'a> Producers<'a> {
                     });
                 }
             }
-            let t = cx.tile(g.dst)?.clone();
+            let t = cx.tile(&g.dst)?.clone();
             let base = cx.tile_base(&t)?;
             let dst_word = add(add(base, mul(rv.clone(), u(t.stride))), u(g.dst_word0));
             // A row without a source is zeroed here, so that it stays finite (its scores are
