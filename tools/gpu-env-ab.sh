@@ -9,9 +9,14 @@
 #   tools/gpu-env-ab.sh BIN_DIR VAR VALUE [VALUE ...]
 # env: AB_ARGS (mla-bench shape args), RUNS (3), GATE_KERNELS (v7: SPARSE_MLA_DECODE_KERNEL
 #      values the gate forces, empty for none), SAN_TOOLS (memcheck racecheck synccheck),
-#      BENCH_TIMEOUT (150 s a run), SAN_TIMEOUT (100 s a tool)
+#      BENCH_TIMEOUT (150 s a run), SAN_TIMEOUT (100 s a tool), AB_DEADLINE (seconds from the
+#      start after which no further bench round or gate starts: the table is still made
+#      from the rounds that ran, so a call's time limit loses the tail, not the result)
 set -u
 cd "$(dirname "$0")/.."
+START=$(date +%s)
+# `late`: true once AB_DEADLINE (if set) has passed
+late() { [ -n "${AB_DEADLINE:-}" ] && [ $(($(date +%s) - START)) -ge "$AB_DEADLINE" ]; }
 [ $# -ge 3 ] || { sed -n 2,13p "$0"; exit 2; }
 BIN=$1 VAR=$2
 shift 2
@@ -30,6 +35,8 @@ forms=(off "${VALUES[@]}")
 for v in "${forms[@]}"; do form "$v" timeout 120 "$BIN/mla-bench" $AB_ARGS --no-peer --reps 3 >/dev/null 2>&1; done
 n=${#forms[@]}
 for r in $(seq 1 "${RUNS:-3}"); do
+    # a round runs whole or not at all, so every form has as many runs as the others
+    if [ "$r" -gt 1 ] && late; then echo "AB_DEADLINE: rounds $r.. skipped"; break; fi
     for i in $(seq 0 $((n - 1))); do
         v=${forms[$(( (i + r - 1) % n ))]}
         form "$v" timeout "${BENCH_TIMEOUT:-150}" "$BIN/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
@@ -40,6 +47,7 @@ done
 . tools/gpu-lib.sh
 for v in "${VALUES[@]}"; do
     for k in ${GATE_KERNELS-v7}; do
+        if late; then echo "AB_DEADLINE: gate $VAR=$v $k skipped"; continue; fi
         form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
             >"$W/check-$v-$k.txt" 2>&1
         echo "gate $VAR=$v $k: mla-check rc $? $(tail -1 "$W/check-$v-$k.txt")"
