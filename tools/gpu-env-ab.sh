@@ -11,7 +11,10 @@
 #      values the gate forces, empty for none), SAN_TOOLS (memcheck racecheck synccheck),
 #      BENCH_TIMEOUT (150 s a run), SAN_TIMEOUT (100 s a tool), AB_DEADLINE (seconds from the
 #      start after which no further bench round or gate starts: the table is still made
-#      from the rounds that ran, so a call's time limit loses the tail, not the result)
+#      from the rounds that ran, so a call's time limit loses the tail, not the result),
+#      NCU_SHAPE (mla-bench shape args: each form's kernel profiled once under ncu, its
+#      time, instructions, issue activity and stall reasons side by side, tools/ncu-table.py),
+#      NCU_KERNEL (ncu's kernel-name regex, default `_ws`: the warp-specialised kernels)
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -44,6 +47,20 @@ for r in $(seq 1 "${RUNS:-3}"); do
         echo "bench run $r $VAR=$v: rc $? $(grep -c ',true,' "$W/ab-$r-$v.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$v.csv") wrong"
     done
 done
+if [ -n "${NCU_SHAPE:-}" ]; then
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+    metrics=gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
+    metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
+    metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+    for v in "${forms[@]}"; do
+        if late; then echo "AB_DEADLINE: ncu of $VAR=$v skipped"; continue; fi
+        # launch 4 of the kernel: past the warm-up, the L2 flushed before it like every rep
+        form "$v" timeout 150 "$NCU" -k "regex:${NCU_KERNEL:-_ws}" --launch-skip 3 --launch-count 1 --csv \
+            --metrics "$metrics" "$BIN/mla-bench" $NCU_SHAPE --reps 4 --warmup 1 --no-peer --no-baseline \
+            >"$W/ncu-$v.csv" 2>&1
+        echo "ncu $VAR=$v: rc $? $(grep -c '^"' "$W/ncu-$v.csv") CSV lines"
+    done
+fi
 . tools/gpu-lib.sh
 for v in "${VALUES[@]}"; do
     for k in ${GATE_KERNELS-v7}; do
@@ -59,6 +76,7 @@ for v in "${VALUES[@]}"; do
     done
 done
 mkdir -p "$OUTD"
+[ -n "${NCU_SHAPE:-}" ] && python3 tools/ncu-table.py "$W" "${forms[@]}" | tee "$W/ncu-table.txt"
 python3 tools/ab-table.py "$W" off "${VALUES[@]}" | tee "$W/table.txt"
 tar -cJf "$OUTD/env-ab.tar.xz" -C "$W" .
 cp "$W/table.txt" "$OUTD/env-ab-table.txt"
