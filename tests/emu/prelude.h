@@ -289,9 +289,9 @@ inline void prefetch_global_L2(Mem m) {
 }
 
 
-// proxy fences: nothing to model (the emulator has one proxy)
-inline void fence_proxy_async_shared__cta() {}
-inline void fence_mbarrier_init_release_cluster() {}
+// proxy fences: recorded for the bulk copies' proxy check (runtime.cpp)
+void fence_proxy_async_shared__cta();
+void fence_mbarrier_init_release_cluster();
 
 // programmatic dependent launch: grids run one after another here, so nothing to wait for
 inline void griddepcontrol_wait() {}

@@ -17,7 +17,10 @@
 //   every shared-memory word (last write, reads since), ordering only through barriers,
 //   named barriers, __syncwarp, mbarrier arrive/wait and cp.async.wait_group; an access not
 //   ordered after a conflicting one (read-after-write, write-after-read, write-after-write,
-//   or a read of a copy's destination before the copy is known to have landed) is a race.
+//   or a read of a copy's destination before the copy is known to have landed) is a race;
+// - the proxies of a bulk copy: its writes, and its complete_tx on an mbarrier, must come
+//   after a proxy fence of the thread whose plain store or mbarrier.init was there before
+//   (`proxy_copy_check`, `proxy_mbar_check`).
 // Errors (races, deadlocks, misaligned copies, bad shared addresses) are collected and
 // returned by the launch; nothing aborts the host process.
 //
@@ -121,6 +124,9 @@ struct Thread {
     std::vector<Copy> arrive_pending;       // cp.async copies an async arrive waits for
     std::vector<AsyncArrive> async_arrives;
     unsigned copy_clk = 0;
+    // the thread's clock at each of its proxy fences, oldest first: fence.proxy.async, and
+    // (for mbarrier inits only) fence.mbarrier_init
+    std::vector<unsigned> proxy_fences, init_fences;
 };
 
 struct Barrier {
@@ -144,6 +150,7 @@ struct Read {
 struct Shadow {
     unsigned w_actor = ~0u, w_clk = 0;
     unsigned long long w_seq = 0;
+    unsigned w_fences = 0;  // the writing thread's proxy fences before the write
     std::vector<Read> reads;
     bool sync_object = false;  // an mbarrier: accessed only through mbarrier ops
 };
@@ -153,6 +160,8 @@ struct Mbar {
     long long tx = 0;
     unsigned phase = 0;  // completed phases
     std::vector<unsigned> acc;                  // clock released into the current phase
+    unsigned init_actor = ~0u;                  // the thread whose mbarrier.init made it
+    unsigned init_fences[2] = {0, 0};           // its proxy and init fences before the init
     std::map<unsigned, std::vector<unsigned>> done;  // phase number -> clock at completion
     std::vector<Copy> bulk;                     // bulk copies not landed, completing tx here
     std::vector<unsigned> bulk_issuer;
@@ -337,6 +346,7 @@ inline void check_write(unsigned word) {
     s.w_actor = me;
     s.w_clk = vc[me];
     s.w_seq = ++b.seq;
+    s.w_fences = (unsigned)b.threads[me].proxy_fences.size();
 }
 
 void sh_read(const void* p, unsigned bytes) {
@@ -364,6 +374,52 @@ inline void copy_issue_check(unsigned dst, unsigned bytes) {
             }
     }
 }
+// Proxies. A thread's plain stores to shared memory are in the generic proxy, a bulk copy's
+// writes (cp.async.bulk) in the async proxy, and an mbarrier's complete_tx by a bulk copy is
+// an async-proxy access of it. A generic write and a later async-proxy access of the same
+// memory are ordered only through a proxy fence of the writing thread after the write that
+// is itself ordered before the access (`fence.proxy.async`; for an mbarrier's init also
+// `fence.mbarrier_init`). Not modelled, as the hardware needs none in practice: generic
+// reads before an async write (ordered by the mbarrier hand-off) and the copies of the
+// non-bulk cp.async.
+//
+// The first of `fences` (a thread's fence clocks) after the `before`-th, if any, ordered
+// before this thread's next event.
+inline bool fenced_for_me(const std::vector<unsigned>& fences, unsigned before, unsigned actor) {
+    if (before >= fences.size()) return false;
+    return ordered(my_vc(), tid(), actor, fences[before]);
+}
+inline void proxy_error(const char* what, unsigned byte_off, unsigned writer) {
+    char buf[320];
+    Block& b = block();
+    snprintf(buf, sizeof buf,
+             "emu: async-proxy access without a proxy fence at %s: thread %u's bulk copy %s of %s, and no proxy "
+             "fence of that thread after it is ordered before the copy (block %u,%u,%u)",
+             where(byte_off).c_str(), tid(), what, actor_name(writer).c_str(), b.bidx.x, b.bidx.y, b.bidx.z);
+    error(buf);
+}
+// a bulk copy into [dst, dst + bytes), issued by this thread
+inline void proxy_copy_check(unsigned dst, unsigned bytes) {
+    Block& b = block();
+    for (unsigned w = dst / 4; w < (dst + bytes) / 4; w++) {
+        Shadow& s = b.shadow[w];
+        if (s.w_actor >= b.nthreads) continue;  // nobody, or a copy
+        if (!fenced_for_me(b.threads[s.w_actor].proxy_fences, s.w_fences, s.w_actor)) {
+            proxy_error("writes over a plain store", w * 4, s.w_actor);
+            return;
+        }
+    }
+}
+// an mbarrier (at byte `at`) that a bulk copy completes tx on, from this thread's issue
+inline void proxy_mbar_check(const Mbar& mb, unsigned at) {
+    Block& b = block();
+    if (mb.init_actor >= b.nthreads) return;
+    const Thread& t = b.threads[mb.init_actor];
+    if (!fenced_for_me(t.proxy_fences, mb.init_fences[0], mb.init_actor) &&
+        !fenced_for_me(t.init_fences, mb.init_fences[1], mb.init_actor))
+        proxy_error("completes tx on the mbarrier.init", at, mb.init_actor);
+}
+
 inline void copy_land(const Copy& c, unsigned issuer) {
     Block& b = block();
     if (c.valid) memcpy(smem + c.dst, c.src, c.bytes);
@@ -971,6 +1027,9 @@ void mbarrier_init_shared_b64(Mem m, unsigned count) {
     emu::Mbar& mb = mbar(m, true);
     mb = emu::Mbar{};
     mb.expected = mb.pending = count;
+    mb.init_actor = emu::tid();
+    mb.init_fences[0] = (unsigned)b.threads[emu::tid()].proxy_fences.size();
+    mb.init_fences[1] = (unsigned)b.threads[emu::tid()].init_fences.size();
     mb.acc.assign(b.vc[0].size(), 0);
     for (unsigned w = (unsigned)m.a / 4; w < (unsigned)m.a / 4 + 2; w++) emu::shadow_at(b, w).sync_object = true;
 }
@@ -1102,9 +1161,11 @@ void cp_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes(Mem dst, 
         return;
     }
     emu::copy_issue_check(d, size);
+    emu::proxy_copy_check(d, size);
     emu::Thread* t = b.cur;
     emu::Copy c{d, gptr(src.a), size, true, ++t->copy_clk, ++b.seq};
     emu::Mbar& mb = mbar(bar);
+    emu::proxy_mbar_check(mb, (unsigned)bar.a);
     if (emu::st().cfg.land_at_issue) {
         emu::copy_land(c, emu::tid());
         auto& slot = mb.acc[b.nthreads + emu::tid()];
@@ -1120,5 +1181,9 @@ void cp_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes(Mem dst, 
 void cp_async_bulk_shared__cta_global_mbarrier__complete_tx__bytes(Mem dst, Mem src, unsigned size, Mem bar) {
     cp_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes(dst, src, size, bar);
 }
+
+// proxy fences: the thread's clock now (its next release covers the fence)
+void fence_proxy_async_shared__cta() { block().threads[emu::tid()].proxy_fences.push_back(emu::my_vc()[emu::tid()]); }
+void fence_mbarrier_init_release_cluster() { block().threads[emu::tid()].init_fences.push_back(emu::my_vc()[emu::tid()]); }
 
 }  // namespace ptx
