@@ -693,6 +693,12 @@ fn deferred_p_v_runs_in_the_next_step() {
         let config = base.with_defer_pv(form);
         assert_eq!(config.defer_pv(), form);
         assert_eq!(config.is_batch(), base.is_batch());
+        // a benchmark's label names the form, so an A/B of it shows which kernel ran
+        assert_eq!(
+            config.label(),
+            format!("{} {}", base.family(), form.suffix())
+        );
+        assert_eq!(base.label(), base.family());
         let (name, body) = text(&config);
         assert!(
             name.ends_with(&format!(

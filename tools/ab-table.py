@@ -69,9 +69,21 @@ def main():
         print(line + ("   SM120: " + " ".join(tail) if tail else ""))
     for f in forms:
         r = ratios[f]
+        # rows whose backend ran another kernel (label) than BASE's: where the form applies
+        keys = [k for k in runs[base][0] if k in runs[f][0]]
+        other = [k for k in keys if runs[f][0][k]["backend"] != runs[base][0][k]["backend"]]
         if r:
             g = math.exp(sum(map(math.log, r)) / len(r))
-            print(f"{f}: geomean {g:.3f}, min {min(r):.3f}, max {max(r):.3f} over {len(r)} rows")
+            print(f"{f}: geomean {g:.3f}, min {min(r):.3f}, max {max(r):.3f} over {len(r)} rows; "
+                  f"another kernel than {base}'s on {len(other)} of {len(keys)} rows")
+            if other:
+                ro = [best(base, k, "backend_us") / best(f, k, "backend_us") for k in other]
+                g = math.exp(sum(map(math.log, ro)) / len(ro))
+                print(f"{f} where it ran another kernel: geomean {g:.3f}, min {min(ro):.3f}, "
+                      f"max {max(ro):.3f}")
+            else:
+                print(f"WARNING: {f} ran {base}'s kernel on every row (an A/A comparison: is the "
+                      f"switch applied by the benchmark?)")
     if len(runs[base]) > 1:
         spread = []
         for k in runs[base][0]:

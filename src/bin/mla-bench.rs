@@ -24,7 +24,9 @@ use std::process::ExitCode;
 /// rotated; report the median against the roofline (4.3 TB/s, 645 TFLOP/s mma.sync bf16),
 /// beside the scalar lowering and a PyTorch peer (tools/peer_bench.py) on the same shapes.
 /// The first timed column is the kernel the CUDA backend runs for the call (v6, v7 or the
-/// large-batch kernel, `DecodeConfig::for_call`); with --sm120-occupancy also the one it runs
+/// large-batch kernel, `DecodeConfig::for_call_from_env`: the backend's switches
+/// SPARSE_MLA_DECODE_KERNEL, SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_DEFER_PV apply, and the
+/// label names the forms taken, e.g. `v7 d`); with --sm120-occupancy also the one it runs
 /// on an SM120 GPU of the same SM count, timed at SM120's occupancy.
 /// Each row carries a check of that run's output against the float64 reference (a few
 /// tokens, all heads).
@@ -1031,10 +1033,10 @@ fn run(args: &Args) -> Result<()> {
                 let v6_here = (v6_resident / sms.max(1)).max(1);
                 let v6_sm120 =
                     (sm120_resident(&v6_probe, &v6_kernel, v6_resident, sms) / sms.max(1)).max(1);
-                let choice_here =
-                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_here))?;
-                let choice_sm120 =
-                    DecodeConfig::for_call(&shape, sms, || Ok::<u32, Error>(v6_sm120))?;
+                // (with the environment's switches, as the backend plans: an A/B of a switch
+                // times the kernels it selects)
+                let choice_here = DecodeConfig::for_call_from_env(&shape, sms, || Ok(v6_here))?;
+                let choice_sm120 = DecodeConfig::for_call_from_env(&shape, sms, || Ok(v6_sm120))?;
                 if !args.sweep_splits.is_empty() {
                     // the split counts of the kernel the backend runs for this call here
                     let config = choice_here;
@@ -1068,7 +1070,7 @@ fn run(args: &Args) -> Result<()> {
                     let line = format!(
                         "sweep {:<10} {:<5} H {:>3} T {:>3} roof {:>6.1} us  model s{:<3} {}",
                         format.name(),
-                        config.family(),
+                        config.label(),
                         h,
                         t,
                         roof_us,
@@ -1121,7 +1123,7 @@ fn run(args: &Args) -> Result<()> {
                 let backend = Backend {
                     kernel: format!(
                         "{}{}",
-                        choice_here.family(),
+                        choice_here.label(),
                         if here.merged { " merged" } else { "" }
                     ),
                     us: here.us,
@@ -1133,7 +1135,7 @@ fn run(args: &Args) -> Result<()> {
                     Backend {
                         kernel_sm120: Some(format!(
                             "{}{}",
-                            choice_sm120.family(),
+                            choice_sm120.label(),
                             if t120.merged_sm120 { " merged" } else { "" }
                         )),
                         us_sm120: t120.us_sm120,

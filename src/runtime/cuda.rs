@@ -621,57 +621,14 @@ impl CudaDevice {
     }
 }
 
-/// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::for_call`] with this
-/// GPU's multiprocessors and its occupancy of the bf16 v6 split kernel, or the version forced
-/// with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel where one
-/// exists for the head count, else v7). `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's scores in
-/// rows for the softmax ([`DecodeConfig::with_row_softmax`]: one workgroup barrier a step
-/// fewer). It is an experiment, off by default: on the H200 it measured level with the
-/// fragment form (benches/NOTES.md v32), and a call planned on a large-batch kernel is
-/// refused with it, because compute-sanitizer's racecheck reports hazards in the two-group
-/// kernel's row forms that are not yet explained. `SPARSE_MLA_DEFER_PV=1|early` runs each
-/// step's `O += P · V` in the next step, beside its scores (`1`, bf16) or before its wait
-/// (`early`) ([`DecodeConfig::with_defer_pv`]), on the kernels where the form applies (the
-/// kernel's name ends in `d` or `de`); an experiment, off by default and not yet timed
-/// (benches/NOTES.md v33).
+/// The decode kernel the CUDA backend runs for `shape`: [`DecodeConfig::for_call_from_env`]
+/// with this GPU's multiprocessors and its occupancy of the bf16 v6 split kernel.
 fn decode_kernel_choice(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
-    let defer = crate::kir::DeferPv::from_env()?;
-    let rows = crate::kir::RowSoftmax::from_env()?;
-    let config = decode_kernel_version(dev, shape)?;
-    if rows != crate::kir::RowSoftmax::Off && config.is_batch() {
-        return Err(Error::arg(
-            "SPARSE_MLA_ROW_SOFTMAX",
-            "0 for a call on a large-batch kernel (its row forms have an unexplained \
-             compute-sanitizer racecheck report, benches/NOTES.md v32)",
-            format!(
-                "{} for {} heads x {} tokens",
-                rows.env_value(),
-                shape.heads,
-                shape.tokens
-            ),
-        ));
-    }
-    Ok(config.with_row_softmax(rows).with_defer_pv(defer))
-}
-
-fn decode_kernel_version(dev: &CudaDevice, shape: &DecodeShape) -> Result<DecodeConfig> {
-    let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
-    match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => DecodeConfig::for_call(shape, dev.sm_count, || {
-            let v6 = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, heads);
-            let (split, _) = lowered_kernels(&v6)?;
-            Ok(dev.resident_workgroups(&split)? / dev.sm_count.max(1))
-        }),
-        Ok("v6") => Ok(DecodeConfig::tensor_core_v6(dims, format, heads)),
-        Ok("v7") => Ok(DecodeConfig::tensor_core_v7(dims, format, heads)),
-        Ok("batch") => Ok(DecodeConfig::tensor_core_batch(dims, format, heads)
-            .unwrap_or_else(|| DecodeConfig::tensor_core_v7(dims, format, heads))),
-        Ok(other) => Err(Error::arg(
-            "SPARSE_MLA_DECODE_KERNEL",
-            "auto, v6, v7 or batch",
-            other,
-        )),
-    }
+    DecodeConfig::for_call_from_env(shape, dev.sm_count, || {
+        let v6 = DecodeConfig::tensor_core_v6(shape.dims, CacheFormat::Bf16, shape.heads);
+        let (split, _) = lowered_kernels(&v6)?;
+        Ok(dev.resident_workgroups(&split)? / dev.sm_count.max(1))
+    })
 }
 
 /// The parameter block as a kernel argument: the driver copies as many bytes as the

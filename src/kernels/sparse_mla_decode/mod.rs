@@ -400,6 +400,78 @@ impl DecodeConfig {
         }
     }
 
+    /// The decode kernel a GPU backend runs for `shape` on `sm_count` multiprocessors, with the
+    /// run-time switches of the environment: [`Self::for_call`] (`v6_per_sm`: the GPU's
+    /// residency of the bf16 v6 split kernel, asked only where it decides), or the version
+    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel
+    /// where one exists for the head count, else v7); then the experiments, off by default:
+    /// - `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's scores in rows for the softmax
+    ///   ([`Self::with_row_softmax`]: one workgroup barrier a step fewer). A call planned on
+    ///   a large-batch kernel is refused with it: compute-sanitizer's racecheck reports
+    ///   hazards in the two-group kernel's row forms that are not yet explained.
+    /// - `SPARSE_MLA_DEFER_PV=1|early` runs each step's `O += P · V` in the next step, beside
+    ///   its scores (`1`, bf16) or before its wait (`early`) ([`Self::with_defer_pv`]), on the
+    ///   kernels where the form applies (the kernel's name ends in `d` or `de`).
+    ///
+    /// The CUDA backend and `mla-bench` both plan through this, so that a benchmark of a
+    /// switch times the kernels the switch selects.
+    pub fn for_call_from_env(
+        shape: &DecodeShape,
+        sm_count: u32,
+        v6_per_sm: impl FnOnce() -> Result<u32>,
+    ) -> Result<Self> {
+        let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        let defer = DeferPv::from_env()?;
+        let rows = RowSoftmax::from_env()?;
+        let config = match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => Self::for_call(shape, sm_count, v6_per_sm)?,
+            Ok("v6") => Self::tensor_core_v6(dims, format, heads),
+            Ok("v7") => Self::tensor_core_v7(dims, format, heads),
+            Ok("batch") => Self::tensor_core_batch(dims, format, heads)
+                .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
+            Ok(other) => {
+                return Err(Error::arg(
+                    "SPARSE_MLA_DECODE_KERNEL",
+                    "auto, v6, v7 or batch",
+                    other,
+                ))
+            }
+        };
+        if rows != RowSoftmax::Off && config.is_batch() {
+            return Err(Error::arg(
+                "SPARSE_MLA_ROW_SOFTMAX",
+                "0 for a call on a large-batch kernel (its row forms have an unexplained \
+                 compute-sanitizer racecheck report, benches/NOTES.md v32)",
+                format!(
+                    "{} for {} heads x {} tokens",
+                    rows.env_value(),
+                    heads,
+                    shape.tokens
+                ),
+            ));
+        }
+        Ok(config.with_row_softmax(rows).with_defer_pv(defer))
+    }
+
+    /// The kernel's family ([`Self::family`]) and the experiments' forms it takes, as a
+    /// benchmark labels it: `v7`, `v7 d` (P · V deferred), `v7 r de`, ...
+    pub fn label(&self) -> String {
+        let mut s = self.family().to_string();
+        if let Lowering::MmaWs {
+            row_softmax,
+            defer_pv,
+            ..
+        } = self.lowering
+        {
+            for f in [row_softmax.suffix(), defer_pv.suffix()] {
+                if !f.is_empty() {
+                    s = format!("{s} {f}");
+                }
+            }
+        }
+        s
+    }
+
     /// Does a bf16 call of more than 16 heads run v7 whatever the GPU's v6 residency: not a
     /// v6 call, and v7's 32-head blocks `b = T · ⌈H/32⌉` either take more than one wave
     /// (`b > SMs`) or fill one, `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can give each
