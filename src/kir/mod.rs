@@ -171,8 +171,8 @@ fn form_from_env<T: Copy>(
 
 /// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
 ///
-/// The row forms are an experiment: on the H200 they ran level with [`Self::Off`]
-/// (benches/NOTES.md v32), and the kernels ship in fragments.
+/// The row forms are an experiment, not yet timed (the A/B of benches/NOTES.md v32 ran the
+/// default kernel under every name: v34), and the kernels ship in fragments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum RowSoftmax {
     /// In mma fragments: a row's columns on several warps, its maxima exchanged through
