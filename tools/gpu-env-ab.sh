@@ -18,6 +18,7 @@
 set -u
 cd "$(dirname "$0")/.."
 START=$(date +%s)
+. tools/gpu-lib.sh
 # `late`: true once AB_DEADLINE (if set) has passed
 late() { [ -n "${AB_DEADLINE:-}" ] && [ $(($(date +%s) - START)) -ge "$AB_DEADLINE" ]; }
 [ $# -ge 3 ] || { sed -n 2,13p "$0"; exit 2; }
@@ -47,8 +48,9 @@ for r in $(seq 1 "${RUNS:-3}"); do
         echo "bench run $r $VAR=$v: rc $? $(grep -c ',true,' "$W/ab-$r-$v.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$v.csv") wrong"
     done
 done
-if [ -n "${NCU_SHAPE:-}" ]; then
-    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+NCU=
+[ -n "${NCU_SHAPE:-}" ] && NCU=$(cuda_tool ncu)
+if [ -n "$NCU" ]; then
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
     metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
     metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
@@ -61,7 +63,6 @@ if [ -n "${NCU_SHAPE:-}" ]; then
         echo "ncu $VAR=$v: rc $? $(grep -c '^"' "$W/ncu-$v.csv") CSV lines"
     done
 fi
-. tools/gpu-lib.sh
 for v in "${VALUES[@]}"; do
     for k in ${GATE_KERNELS-v7}; do
         if late; then echo "AB_DEADLINE: gate $VAR=$v $k skipped"; continue; fi
@@ -76,7 +77,7 @@ for v in "${VALUES[@]}"; do
     done
 done
 mkdir -p "$OUTD"
-[ -n "${NCU_SHAPE:-}" ] && python3 tools/ncu-table.py "$W" "${forms[@]}" | tee "$W/ncu-table.txt"
+[ -n "$NCU" ] && python3 tools/ncu-table.py "$W" "${forms[@]}" | tee "$W/ncu-table.txt"
 python3 tools/ab-table.py "$W" off "${VALUES[@]}" | tee "$W/table.txt"
 tar -cJf "$OUTD/env-ab.tar.xz" -C "$W" .
 cp "$W/table.txt" "$OUTD/env-ab-table.txt"
