@@ -269,16 +269,10 @@ impl Cx<'_> {
         ]
     }
 
-    /// Ask L2 for the rows whose source words the address phase left in `srcs` (one thread
-    /// per row, the first of the row's `tpr`, one `prefetch.global.L2` per 128-byte line of
-    /// its `words` words; rows without a source are skipped). A hint: no value changes.
-    pub(super) fn gather_l2(
-        &mut self,
-        plan: &GatherPlan,
-        src: &str,
-        srcs: &str,
-        words: u32,
-    ) -> Stmt {
+    /// Ask L2 for the rows of gather `g` whose source words the address phase left in `srcs`
+    /// (one thread per row, the first of the row's `tpr`, one `prefetch.global.L2` per 128-byte
+    /// line of its words; rows without a source are skipped). A hint: no value changes.
+    pub(super) fn gather_l2(&mut self, plan: &GatherPlan, g: &RowGather, srcs: &str) -> Stmt {
         let p = self.fresh("gather_pass");
         let r = self.fresh("gather_row");
         let first = bin(
@@ -295,7 +289,7 @@ impl Cx<'_> {
             let_(&r, Self::gather_row(plan, var(&p, Ty::U32))),
             Stmt::If {
                 cond: first,
-                then: self.l2_prefetch_row(src, word, words),
+                then: self.l2_prefetch_row(&g.src, word, g.words),
                 els: vec![],
             },
         ];

@@ -130,7 +130,7 @@ impl Cx<'_> {
             let far = add(itv.clone(), u(s - 1 + k));
             let mut ask = Vec::new();
             for g in &gathers {
-                ask.push(self.gather_l2(&g.plan, &g.op.src, &slot(g, k), g.op.words));
+                ask.push(self.gather_l2(&g.plan, &g.op, &slot(g, k)));
             }
             body.push(Stmt::If {
                 cond: lt(far, count.clone()),
