@@ -17,17 +17,17 @@
 //   (cuOccupancyMaxActiveBlocksPerMultiprocessor at its threads and SMEM: 2 on an H100/H200,
 //   1 on SM120 and sm_86/89; sparse_mla_v6_kernel() names that kernel for H whatever the
 //   call's format, sparse_mla_v6_per_sm() asks the driver; fp8_ds_mla does not depend on it):
-//   bf16       1 <= H <= 16   v6_per_sm = 1    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32
-//   bf16       H >= 17        v6_per_sm = 1    block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
+//   bf16       1 <= H <= 16   v6_per_sm = 1    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32
+//   bf16       H >= 17        v6_per_sm = 1    block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32
 //   bf16       1 <= H <= 16   v6_per_sm >= 2   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
 //   bf16       H >= 17        v6_per_sm >= 2   block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
-//   fp8_ds_mla 1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32
-//   fp8_ds_mla H >= 17        any v6_per_sm    block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32
+//   fp8_ds_mla 1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32
+//   fp8_ds_mla H >= 17        any v6_per_sm    block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32
 //   and for splits > 1 the combine sparse_mla_decode_combine_d512_t256.
 //   Each variant has one split kernel NAME: with splits == 1 it writes out and lse itself
 //   (no combine), with more it writes per-split partials for the combine.
 //   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and
-//   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at
+//   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8r_h16n32) at
 //   any cache format and v6_per_sm (fp8_ds_mla from 6 such blocks, T * ceil(H / 16) >= 6:
 //   its large-batch kernel, 64-row steps, in 16-head blocks), and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
 //     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
@@ -49,12 +49,12 @@
 //   cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM)
 //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))
 // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.
-//   sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32: 256 threads, dynamic shared memory 81472 B
-//   sparse_mla_decode_split_bf16_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 96960 B
+//   sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32: 256 threads, dynamic shared memory 81280 B
+//   sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 96704 B
 //   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32: 256 threads, dynamic shared memory 0 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32: 256 threads, dynamic shared memory 64192 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32: 256 threads, dynamic shared memory 0 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 63936 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64: 256 threads, dynamic shared memory 96064 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
@@ -328,12 +328,12 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
-            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;
+            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81280u;
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
-            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 0u;
             return 0;
         }
@@ -357,13 +357,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_bf16_wide_runs_v7(heads, tokens, sms))
         v6_per_sm = 1u;
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm <= 1u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81472u;
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81280u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u && v6_per_sm <= 1u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96960u;
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96704u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm >= 2u) {
@@ -377,13 +377,13 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 0u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 17u) {
-        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 64192u;
+        p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 63936u;
         return 0;
     }
     return "heads: no kernel of this export serves this format and head count (exported: bf16 1 <= H <= 16, bf16 H >= 17, fp8_ds_mla 1 <= H <= 16, fp8_ds_mla H >= 17)";
@@ -819,7 +819,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_bf16_d576_ws2w8_h16n32
+// sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -827,8 +827,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 81472 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   threads per block: 256; dynamic shared memory: 81280 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
@@ -837,7 +837,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws2w8_h16n32_params {
+struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -984,7 +984,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32
+// sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -992,8 +992,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 81472 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   threads per block: 256; dynamic shared memory: 81280 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
@@ -1002,7 +1002,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params {
+struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -1017,7 +1017,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_bf16_d576_ws2w8_h32n32
+// sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32
 //   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -1025,8 +1025,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params {
 //   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 96960 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   threads per block: 256; dynamic shared memory: 96704 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
 //     indices      [tokens, topk] slots
@@ -1035,7 +1035,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
+struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -1050,7 +1050,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -1062,7 +1062,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 0 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -1071,7 +1071,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8_h32n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token
@@ -1086,7 +1086,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 32 heads x 32 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -1097,8 +1097,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 64192 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   threads per block: 256; dynamic shared memory: 63936 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -1107,7 +1107,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h32n32_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

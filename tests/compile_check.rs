@@ -47,8 +47,9 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, CacheFormat::Fp8DsMla, 16)
         .expect("an fp8_ds_mla large-batch configuration at 16 heads");
     kernels.push((*lowered_merged(&batch).expect("merged kernel")).clone());
-    // the scores held in rows for the softmax (`SPARSE_MLA_ROW_SOFTMAX=1|lazy`): every v7 and
-    // large-batch kernel, split and merged, in both row forms; P . V deferred likewise
+    // the other ways to hold the scores for the softmax (`SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`):
+    // every v7 and large-batch kernel, split and merged, in fragments and both row forms; P . V
+    // deferred likewise
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         let dims = MlaDims::PRODUCTION;
         let mut configs = vec![
@@ -63,9 +64,11 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                 continue;
             }
             let mut forms = Vec::new();
-            // and P . V deferred (`SPARSE_MLA_DEFER_PV=1|early`) where each form applies
+            // and P . V deferred (`SPARSE_MLA_DEFER_PV=1|early`) where each form applies: on
+            // the scores in fragments (v7's under `SPARSE_MLA_ROW_SOFTMAX=0`)
+            let fragments = config.with_row_softmax(RowSoftmax::Off);
             let deferred = [DeferPv::Top, DeferPv::Early]
-                .map(|form| config.with_defer_pv(form))
+                .map(|form| fragments.with_defer_pv(form))
                 .into_iter()
                 .filter(|d| d.defer_pv() != DeferPv::Off);
             for d in deferred {
@@ -75,7 +78,7 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                     forms.push((*lowered_merged(&d).expect("merged kernel")).clone());
                 }
             }
-            for form in [RowSoftmax::Rows, RowSoftmax::RowsLazy] {
+            for form in [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy] {
                 let rows = config.with_row_softmax(form);
                 let (split, _) = lowered_kernels(&rows).expect("row-form split kernel");
                 forms.push((*split).clone());

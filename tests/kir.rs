@@ -447,7 +447,10 @@ fn the_producers_ask_l2_for_rows_ahead_only_when_told() {
             for ahead in [1u32, 3] {
                 let config = config.with_l2_ahead(ahead);
                 let (split, _) = lowered_kernels(&config).expect("lowers");
-                assert!(split.name.contains(&format!("p{ahead}_")), "{}", split.name);
+                // (v7 holds its scores in rows: `p1r_`)
+                let rows = config.label().contains(" r");
+                let tag = format!("p{ahead}{}_", if rows { "r" } else { "" });
+                assert!(split.name.contains(&tag), "{}", split.name);
                 let src = cuda::emit(&split).expect("emits");
                 let body = &src[src.find("__global__").expect("a kernel")..];
                 let in_loop = body.find("for (unsigned step_i").expect("the ring loop");
@@ -607,6 +610,14 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             DecodeConfig::tensor_core_v7(dims, format, 128),
             DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
         ] {
+            // production holds v7's scores in rows (v35), the large-batch kernel's in fragments
+            let production = if config.is_batch() {
+                RowSoftmax::Off
+            } else {
+                RowSoftmax::Rows
+            };
+            assert_eq!(config.row_softmax(), production, "{config:?}");
+            let config = config.with_row_softmax(RowSoftmax::Off);
             let (frag, _) = lowered_kernels(&config).expect("lowers");
             let (rows, _) =
                 lowered_kernels(&config.with_row_softmax(RowSoftmax::Rows)).expect("lowers");
@@ -679,7 +690,10 @@ fn deferred_p_v_runs_in_the_next_step() {
     };
     let deferred = "P . V of the previous step";
     let (bf16, fp8) = (CacheFormat::Bf16, CacheFormat::Fp8DsMla);
-    let v7 = |format, heads| DecodeConfig::tensor_core_v7(dims, format, heads);
+    // in fragments: the row forms, v7's default, take no deferral (below)
+    let v7 = |format, heads| {
+        DecodeConfig::tensor_core_v7(dims, format, heads).with_row_softmax(RowSoftmax::Off)
+    };
     let fp8_batch = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
     let cases = [
         (v7(bf16, 16), DeferPv::Top),
@@ -764,6 +778,7 @@ fn deferred_p_v_runs_in_the_next_step() {
     for base in [
         v7(bf16, 16),
         v7(fp8, 128),
+        DecodeConfig::tensor_core_v7(dims, bf16, 128),
         fp8_batch,
         DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch"),
     ] {
@@ -780,10 +795,7 @@ fn deferred_p_v_runs_in_the_next_step() {
             DeferPv::Early,
         ),
         (v7(fp8, 128), DeferPv::Top),
-        (
-            v7(bf16, 128).with_row_softmax(RowSoftmax::Rows),
-            DeferPv::Top,
-        ),
+        (DecodeConfig::tensor_core_v7(dims, bf16, 128), DeferPv::Top),
     ] {
         assert_eq!(
             base.with_defer_pv(form),

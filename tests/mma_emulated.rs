@@ -6,9 +6,10 @@
 //! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
 //! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed,
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel) and the
-//! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`; the other runs take
-//! the fragment form the backend runs by default), the same
-//! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue and the choice made for
+//! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`: v7's form, and here
+//! the large-batch kernels' too, which the backend keeps in fragments), the same
+//! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue, v7's scores in
+//! fragments (its form under `SPARSE_MLA_ROW_SOFTMAX=0`) and the choice made for
 //! 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks, small bf16 calls on
 //! v6, above 16 heads in 16-head blocks, fp8's narrow calls of 6 blocks or more on 64-row
 //! steps; the run fails if it planned none of the last three), and
@@ -210,8 +211,8 @@ fn split_k_scores_summed_over_two_m_fragments_a_warp() {
 }
 
 /// The merged kernels (split and combine in one launch) with the scores held in rows
-/// (`DecodeConfig::with_row_softmax`): the suite's run 0 takes that form but keeps two
-/// launches, and run 1 merges in the fragment form. Here run 1's setting (the choice for 96
+/// (`DecodeConfig::with_row_softmax`, v7's default): the suite's run 0 takes that form but
+/// keeps two launches, and run 1 merges in the fragment form. Here run 1's setting (the choice for 96
 /// SMs, merged wherever it can) with sm_90's helpers — the H200's path, where run 0 takes
 /// sm_120's — on the long top-k lists, in rows (its fp8 calls
 /// run v7 there; its small bf16 calls v6, which has no row form); at least one case must have
@@ -237,7 +238,7 @@ fn merged_in_rows(form: emu::RowSoftmax) {
     }
     let seed = test_seed();
     let config = emu::EmuConfig {
-        row_softmax: form,
+        row_softmax: Some(form),
         arch: 900,
         ..emu::EmuConfig::mode(1, seed)
     };
@@ -305,7 +306,7 @@ fn deferred_p_v_on_the_decode_cases() {
     ] {
         let config = emu::EmuConfig {
             defer_pv: form,
-            row_softmax: emu::RowSoftmax::Off,
+            row_softmax: Some(emu::RowSoftmax::Off),
             arch,
             ..emu::EmuConfig::mode(mode, seed)
         };

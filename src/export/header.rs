@@ -356,6 +356,13 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   (no combine), with more it writes per-split partials for the combine.\n",
     );
     if !batch.is_empty() {
+        // the narrow kernel's name past its format and dims (`ws2w8r_h16n32`)
+        let narrow = DecodeConfig::tensor_core_narrow(batch[0].config.dims, CacheFormat::Bf16, 17)
+            .expect("a narrow configuration above 16 heads")
+            .split_name();
+        let mut parts = narrow.rsplit('_');
+        let (shape, form) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let narrow_tag = format!("{form}_{shape}");
         let ranges: Vec<String> = batch
             .iter()
             .map(|v| format!("{} {}", v.format.name(), v.range_text()))
@@ -363,7 +370,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
         let _ = writeln!(
             s,
             "//   Except for a narrow call (sparse_mla_is_narrow_call: more than 16 heads and\n\
-             //   {narrow_f} * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8_h16n32) at\n\
+             //   {narrow_f} * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_{narrow_tag}) at\n\
              //   any cache format and v6_per_sm (fp8_ds_mla from {wide_b} such blocks, T * ceil(H / 16) >= {wide_b}:\n\
              //   its large-batch kernel, 64-row steps, in 16-head blocks), and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at\n\
              //     {}:\n\

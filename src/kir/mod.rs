@@ -115,7 +115,7 @@ impl DeferPv {
     /// `SPARSE_MLA_DEFER_PV`'s value: `0` (or unset), `1` or `early`.
     pub fn from_env() -> crate::Result<Self> {
         let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
-        form_from_env("SPARSE_MLA_DEFER_PV", &forms, Self::env_value)
+        Ok(form_from_env("SPARSE_MLA_DEFER_PV", &forms, Self::env_value)?.unwrap_or_default())
     }
 
     /// What a ring of `stages` stages in `groups` warp groups, with its scores held as
@@ -154,13 +154,14 @@ fn form_from_env<T: Copy>(
     var: &str,
     forms: &[T],
     value: fn(T) -> &'static str,
-) -> crate::Result<T> {
+) -> crate::Result<Option<T>> {
     match std::env::var(var).as_deref() {
-        Err(_) | Ok("") => Ok(forms[0]),
+        Err(_) | Ok("") => Ok(None),
         Ok(v) => forms
             .iter()
             .copied()
             .find(|f| value(*f) == v)
+            .map(Some)
             .ok_or_else(|| {
                 let names: Vec<&str> = forms.iter().map(|f| value(*f)).collect();
                 let (last, rest) = names.split_last().expect("at least one form");
@@ -171,8 +172,8 @@ fn form_from_env<T: Copy>(
 
 /// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
 ///
-/// The row forms are an experiment, not yet timed (the A/B of benches/NOTES.md v32 ran the
-/// default kernel under every name: v34), and the kernels ship in fragments.
+/// v7's kernels hold it in rows (`DecodeConfig::V7_ROW_SOFTMAX`, timed in benches/NOTES.md
+/// v35); the large-batch kernels in fragments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum RowSoftmax {
     /// In mma fragments: a row's columns on several warps, its maxima exchanged through
@@ -208,8 +209,9 @@ impl RowSoftmax {
         }
     }
 
-    /// `SPARSE_MLA_ROW_SOFTMAX`'s value: `0` (or unset), `1` or `lazy`.
-    pub fn from_env() -> crate::Result<Self> {
+    /// `SPARSE_MLA_ROW_SOFTMAX`'s value, `0`, `1` or `lazy`; `None` where it is unset or
+    /// empty (each kernel then keeps its own form: rows for v7, fragments elsewhere).
+    pub fn from_env() -> crate::Result<Option<Self>> {
         let forms = [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy];
         form_from_env("SPARSE_MLA_ROW_SOFTMAX", &forms, Self::env_value)
     }
@@ -248,7 +250,7 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
 mod tests {
     use super::*;
 
-    /// A switch's variable: unset or empty is the first form, each form's value is that form,
+    /// A switch's variable: unset or empty is none, each form's value is that form,
     /// anything else an error that names the variable and lists the values. (A variable of
     /// its own: the process's environment is shared by every test thread.)
     #[test]
@@ -258,12 +260,13 @@ mod tests {
         std::env::remove_var(var);
         assert_eq!(
             form_from_env(var, &forms, DeferPv::env_value).ok(),
-            Some(DeferPv::Off)
+            Some(None)
         );
         for (v, want) in [
-            ("", DeferPv::Off),
-            ("1", DeferPv::Top),
-            ("early", DeferPv::Early),
+            ("", None),
+            ("0", Some(DeferPv::Off)),
+            ("1", Some(DeferPv::Top)),
+            ("early", Some(DeferPv::Early)),
         ] {
             std::env::set_var(var, v);
             assert_eq!(

@@ -68,8 +68,9 @@ pub struct EmuConfig {
     /// finds it pays (`DecodePlan::merged_where_it_can`); `None`: never.
     pub merge: Option<u32>,
     /// How v7 and the large-batch kernel hold their scores for the softmax
-    /// (`DecodeConfig::with_row_softmax`).
-    pub row_softmax: RowSoftmax,
+    /// (`DecodeConfig::with_row_softmax`); `None`: as the backend plans them (v7 in rows,
+    /// the large-batch kernels in fragments).
+    pub row_softmax: Option<RowSoftmax>,
     /// Where v7's steps run their closing P · V (`DecodeConfig::with_defer_pv`: on the
     /// kernels where the form applies).
     pub defer_pv: DeferPv,
@@ -106,12 +107,13 @@ impl EmuConfig {
                 2 => Some(17),
                 _ => None,
             },
-            // run 0 holds the scores in rows: both softmax forms of v7 run, each on every
-            // kernel the backend picks for its SM count
-            row_softmax: if i == 0 {
-                RowSoftmax::Rows
-            } else {
-                RowSoftmax::Off
+            // run 0 holds every kernel's scores in rows (the large-batch kernels' too, which
+            // the backend keeps in fragments); run 1 holds v7's in fragments (its form under
+            // SPARSE_MLA_ROW_SOFTMAX=0); runs 2 and 3 plan as the backend does
+            row_softmax: match i {
+                0 => Some(RowSoftmax::Rows),
+                1 => Some(RowSoftmax::Off),
+                _ => None,
             },
             defer_pv: DeferPv::Off,
         }
@@ -135,9 +137,10 @@ impl EmuConfig {
                 None => String::new(),
             },
             match self.row_softmax {
-                RowSoftmax::Off => "",
-                RowSoftmax::Rows => " (scores held in rows)",
-                RowSoftmax::RowsLazy => " (scores held in rows, lazy max)",
+                None => "",
+                Some(RowSoftmax::Off) => " (scores held in fragments)",
+                Some(RowSoftmax::Rows) => " (scores held in rows)",
+                Some(RowSoftmax::RowsLazy) => " (scores held in rows, lazy max)",
             },
             match self.defer_pv {
                 DeferPv::Off => "",
@@ -421,7 +424,7 @@ impl EmuDevice {
             c.arch,
             if c.v7 { "v7" } else { "v6" },
             if c.one_stage { "1s" } else { "" },
-            c.row_softmax.suffix(),
+            c.row_softmax.map_or("", RowSoftmax::suffix),
             c.defer_pv.suffix()
         );
         let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
@@ -487,9 +490,11 @@ impl Device for EmuDevice {
         {
             self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
-        let config = config
-            .with_row_softmax(self.config.row_softmax)
-            .with_defer_pv(self.config.defer_pv);
+        let config = match self.config.row_softmax {
+            Some(form) => config.with_row_softmax(form),
+            None => config,
+        }
+        .with_defer_pv(self.config.defer_pv);
         if config.defer_pv() != DeferPv::Off {
             let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
             self.deferred_plans[i].fetch_add(1, Ordering::Relaxed);

@@ -95,10 +95,14 @@ impl DecodeConfig {
     /// they copy ([`Lowering::MmaWs`]'s `l2_ahead` 1), 1.025–1.066x on the H200 at T 8–128;
     /// further ahead, fp8, 32-head blocks and the large-batch kernel ran slower with it
     /// (benches/NOTES.md, v21).
+    ///
+    /// The scores are held in rows for the softmax ([`Self::V7_ROW_SOFTMAX`]).
     pub fn tensor_core_v7(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         let block_h = if heads <= 16 { 16 } else { 32 };
         let l2_ahead = u32::from(heads <= 16 && format == CacheFormat::Bf16);
-        Self::tensor_core_custom(dims, format, block_h, 32, 2).with_l2_ahead(l2_ahead)
+        Self::tensor_core_custom(dims, format, block_h, 32, 2)
+            .with_l2_ahead(l2_ahead)
+            .with_row_softmax(Self::V7_ROW_SOFTMAX)
     }
 
     /// The tensor-core configuration for `heads` query heads on a GPU that holds two v6
@@ -140,7 +144,9 @@ impl DecodeConfig {
     /// [`Self::tensor_core_v7`] already takes them): the configuration of a narrow call
     /// ([`Self::is_narrow_call`]). No L2 prefetch: with it these calls ran 0–4 % slower.
     pub fn tensor_core_narrow(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        (heads > 16).then(|| Self::tensor_core_custom(dims, format, 16, 32, 2))
+        (heads > 16).then(|| {
+            Self::tensor_core_custom(dims, format, 16, 32, 2).with_row_softmax(Self::V7_ROW_SOFTMAX)
+        })
     }
 
     /// Is `shape` a narrow call: more than 16 heads and `NARROW_FACTOR · T · ⌈H/16⌉ ≤ SMs`
@@ -404,12 +410,14 @@ impl DecodeConfig {
     /// run-time switches of the environment: [`Self::for_call`] (`v6_per_sm`: the GPU's
     /// residency of the bf16 v6 split kernel, asked only where it decides), or the version
     /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel
-    /// where one exists for the head count, else v7); then the experiments, off by default:
-    /// - `SPARSE_MLA_ROW_SOFTMAX=1|lazy` holds v7's scores in rows for the softmax
-    ///   ([`Self::with_row_softmax`]: one workgroup barrier a step fewer). A call planned on
-    ///   a large-batch kernel is refused with it: compute-sanitizer's racecheck reports
+    /// where one exists for the head count, else v7); then the forms:
+    /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
+    ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
+    ///   [`Self::V7_ROW_SOFTMAX`]; the large-batch kernels in fragments). `0` holds v7's in
+    ///   fragments, `lazy` moves the running max only past a margin. A row form on a call
+    ///   planned on a large-batch kernel is refused: compute-sanitizer's racecheck reports
     ///   hazards in the two-group kernel's row forms that are not yet explained.
-    /// - `SPARSE_MLA_DEFER_PV=1|early` runs each step's `O += P · V` in the next step, beside
+    /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the next step, beside
     ///   its scores (`1`, bf16) or before its wait (`early`) ([`Self::with_defer_pv`]), on the
     ///   kernels where the form applies (the kernel's name ends in `d` or `de`).
     ///
@@ -421,8 +429,6 @@ impl DecodeConfig {
         v6_per_sm: impl FnOnce() -> Result<u32>,
     ) -> Result<Self> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
-        let defer = DeferPv::from_env()?;
-        let rows = RowSoftmax::from_env()?;
         let config = match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
             Err(_) | Ok("") | Ok("auto") => Self::for_call(shape, sm_count, v6_per_sm)?,
             Ok("v6") => Self::tensor_core_v6(dims, format, heads),
@@ -437,20 +443,34 @@ impl DecodeConfig {
                 ))
             }
         };
-        if rows != RowSoftmax::Off && config.is_batch() {
+        config.with_env_forms(shape)
+    }
+
+    /// This configuration with the forms the environment asks for,
+    /// `SPARSE_MLA_ROW_SOFTMAX` (where set) and `SPARSE_MLA_DEFER_PV` (where the form applies);
+    /// a row form on a large-batch kernel is refused ([`Self::for_call_from_env`]). `shape`
+    /// names the call in that error.
+    pub fn with_env_forms(self, shape: &DecodeShape) -> Result<Self> {
+        let defer = DeferPv::from_env()?;
+        let rows = RowSoftmax::from_env()?;
+        if rows.is_some_and(|r| r != RowSoftmax::Off) && self.is_batch() {
             return Err(Error::arg(
                 "SPARSE_MLA_ROW_SOFTMAX",
                 "0 for a call on a large-batch kernel (its row forms have an unexplained \
                  compute-sanitizer racecheck report, benches/NOTES.md v32)",
                 format!(
                     "{} for {} heads x {} tokens",
-                    rows.env_value(),
-                    heads,
+                    rows.map_or("", RowSoftmax::env_value),
+                    shape.heads,
                     shape.tokens
                 ),
             ));
         }
-        Ok(config.with_row_softmax(rows).with_defer_pv(defer))
+        let config = match rows {
+            Some(r) => self.with_row_softmax(r),
+            None => self,
+        };
+        Ok(config.with_defer_pv(defer))
     }
 
     /// The kernel's family ([`Self::family`]) and the experiments' forms it takes, as a
@@ -494,6 +514,17 @@ impl DecodeConfig {
         let sms = sm_count as u64;
         b >= 1 && (b > sms || 8 * b * (sms / b) >= 7 * sms)
     }
+
+    /// How v7's one-group kernels ([`Self::tensor_core_v7`], [`Self::tensor_core_narrow`])
+    /// hold their scores for the online softmax: in rows ([`RowSoftmax::Rows`]: each row's
+    /// max on its own lanes, no exchange of row maxima through shared memory, one workgroup
+    /// barrier a step fewer). Timed on an H100 against the fragment form, one binary,
+    /// interleaved runs, both occupancies (benches/NOTES.md, v35): bf16 1.06–1.10x at H 128
+    /// T 8–128 and 1.02–1.04x at H 64, fp8_ds_mla 1.05–1.22x at H 64–128 and 1.08x at H 32
+    /// T 128, level at H 32 T ≤ 32 and at H ≤ 16 (0.99–1.02x). `SPARSE_MLA_ROW_SOFTMAX=0`
+    /// runs the fragment form. The large-batch kernels keep fragments: racecheck reported
+    /// hazards in the two-group kernel's row forms that are not explained (v32).
+    pub const V7_ROW_SOFTMAX: RowSoftmax = RowSoftmax::Rows;
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
     pub fn tensor_core_custom(
@@ -592,6 +623,15 @@ impl DecodeConfig {
         match self.lowering {
             Lowering::MmaWs { l2_ahead, .. } | Lowering::Mma { l2_ahead, .. } => l2_ahead,
             Lowering::Scalar => 0,
+        }
+    }
+
+    /// How the kernel holds its scores for the online softmax ([`RowSoftmax::Off`] outside
+    /// [`Lowering::MmaWs`]).
+    pub fn row_softmax(&self) -> RowSoftmax {
+        match self.lowering {
+            Lowering::MmaWs { row_softmax, .. } => row_softmax,
+            _ => RowSoftmax::Off,
         }
     }
 
