@@ -12,8 +12,9 @@
 #      BENCH_TIMEOUT (150 s a run), SAN_TIMEOUT (100 s a tool), AB_DEADLINE (seconds from the
 #      start after which no further bench round or gate starts: the table is still made
 #      from the rounds that ran, so a call's time limit loses the tail, not the result),
-#      NCU_SHAPE (mla-bench shape args: each form's kernel profiled once under ncu, its
-#      time, instructions, issue activity and stall reasons side by side, tools/ncu-table.py),
+#      NCU_SHAPE (mla-bench shape args: each form's v7 kernel profiled once under ncu, its
+#      time, instructions, issue activity and stall reasons side by side, tools/ncu-table.py;
+#      mla-bench's v7 column runs first and takes the form, so launch 4 is the form's kernel),
 #      NCU_KERNEL (ncu's kernel-name regex, default `_ws`: the warp-specialised kernels)
 set -u
 cd "$(dirname "$0")/.."

@@ -27,7 +27,9 @@ use std::process::ExitCode;
 /// large-batch kernel, `DecodeConfig::for_call_from_env`: the backend's switches
 /// SPARSE_MLA_DECODE_KERNEL, SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_DEFER_PV apply, and the
 /// label names the forms taken, e.g. `v7 d`); with --sm120-occupancy also the one it runs
-/// on an SM120 GPU of the same SM count, timed at SM120's occupancy.
+/// on an SM120 GPU of the same SM count, timed at SM120's occupancy. The v7 column (csv:
+/// `kernel`, timed first) takes the forms of SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_DEFER_PV
+/// too.
 /// Each row carries a check of that run's output against the float64 reference (a few
 /// tokens, all heads).
 #[derive(Parser, Debug)]
@@ -1023,7 +1025,10 @@ fn run(args: &Args) -> Result<()> {
                             ok: tm.check.ok,
                         })
                     };
-                let config = DecodeConfig::tensor_core_v7(dims, format, h);
+                // v7 with the environment's forms (an A/B of a switch times them here too, and
+                // a profile of this column's kernel profiles the form's)
+                let config =
+                    DecodeConfig::tensor_core_v7(dims, format, h).with_env_forms(&shape)?;
                 // the backend's kernel here (this GPU's v6 residency) and on SM120 (one v6
                 // workgroup per SM)
                 let v6_probe = DecodeConfig::tensor_core_v6(dims, CacheFormat::Bf16, h);
