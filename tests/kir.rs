@@ -805,3 +805,72 @@ fn deferred_p_v_runs_in_the_next_step() {
         );
     }
 }
+
+/// The switches' forms on a planned kernel (`DecodeConfig::with_forms`, what
+/// `SPARSE_MLA_ROW_SOFTMAX` and `SPARSE_MLA_DEFER_PV` do): unset keeps the kernel's own form
+/// (v7 in rows, the large-batch kernels in fragments), `0` holds v7 in fragments (where the
+/// deferral applies again), and a row form is refused, with an error naming the variable, only
+/// on the two-group kernel (bf16's large batch); fp8's one-group large-batch kernel takes it.
+#[test]
+fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
+    use sparse_mla::kernels::sparse_mla_decode::DecodeConfig;
+    use sparse_mla::kir::{DeferPv, RowSoftmax};
+    use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    let shape = |format, heads, tokens| DecodeShape {
+        tokens,
+        heads,
+        topk: 2048,
+        num_pages: 1024,
+        page_size: 64,
+        dims,
+        format,
+        scale: 0.07,
+        has_topk_length: false,
+    };
+    let (bf16, fp8) = (CacheFormat::Bf16, CacheFormat::Fp8DsMla);
+    let v7 = DecodeConfig::tensor_core_v7(dims, bf16, 128);
+    let s = shape(bf16, 128, 64);
+    assert_eq!(v7.row_softmax(), DecodeConfig::V7_ROW_SOFTMAX);
+    assert_eq!(v7.with_forms(None, DeferPv::Off, &s).expect("kept"), v7);
+    let frag = v7
+        .with_forms(Some(RowSoftmax::Off), DeferPv::Top, &s)
+        .expect("fragments");
+    assert_eq!(frag.row_softmax(), RowSoftmax::Off);
+    assert_eq!(
+        frag.defer_pv(),
+        DeferPv::Top,
+        "the deferral applies to fragments"
+    );
+    assert_eq!(
+        v7.with_forms(None, DeferPv::Top, &s)
+            .expect("kept")
+            .defer_pv(),
+        DeferPv::Off,
+        "and not to rows"
+    );
+    let two = DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch");
+    assert_eq!((two.groups(), two.row_softmax()), (2, RowSoftmax::Off));
+    let s = shape(bf16, 16, 128);
+    for form in [RowSoftmax::Rows, RowSoftmax::RowsLazy] {
+        let e = two
+            .with_forms(Some(form), DeferPv::Off, &s)
+            .expect_err("refused");
+        let text = e.to_string();
+        assert!(
+            text.contains("SPARSE_MLA_ROW_SOFTMAX") && text.contains("16 heads x 128 tokens"),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        two.with_forms(Some(RowSoftmax::Off), DeferPv::Off, &s)
+            .expect("fragments"),
+        two
+    );
+    let one = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
+    assert_eq!((one.groups(), one.row_softmax()), (1, RowSoftmax::Off));
+    let rows = one
+        .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &shape(fp8, 16, 128))
+        .expect("one group takes rows");
+    assert!(rows.is_batch() && rows.row_softmax() == RowSoftmax::Rows);
+}

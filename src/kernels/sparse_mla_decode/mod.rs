@@ -415,8 +415,10 @@ impl DecodeConfig {
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
     ///   [`Self::V7_ROW_SOFTMAX`]; the large-batch kernels in fragments). `0` holds v7's in
     ///   fragments, `lazy` moves the running max only past a margin. A row form on a call
-    ///   planned on a large-batch kernel is refused: compute-sanitizer's racecheck reports
-    ///   hazards in the two-group kernel's row forms that are not yet explained.
+    ///   planned on bf16's large-batch kernel (two warp groups) is refused: compute-sanitizer's
+    ///   racecheck reports hazards in its row forms that are not yet explained (v32: only in
+    ///   bf16 cases; fp8's one-group large-batch kernel ran clean in rows and may take them,
+    ///   though it keeps fragments until they are timed there).
     /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the next step, beside
     ///   its scores (`1`, bf16) or before its wait (`early`) ([`Self::with_defer_pv`]), on the
     ///   kernels where the form applies (the kernel's name ends in `d` or `de`).
@@ -448,16 +450,25 @@ impl DecodeConfig {
 
     /// This configuration with the forms the environment asks for,
     /// `SPARSE_MLA_ROW_SOFTMAX` (where set) and `SPARSE_MLA_DEFER_PV` (where the form applies);
-    /// a row form on a large-batch kernel is refused ([`Self::for_call_from_env`]). `shape`
-    /// names the call in that error.
+    /// a row form on a kernel of several warp groups is refused ([`Self::for_call_from_env`]).
+    /// `shape` names the call in that error.
     pub fn with_env_forms(self, shape: &DecodeShape) -> Result<Self> {
-        let defer = DeferPv::from_env()?;
-        let rows = RowSoftmax::from_env()?;
-        if rows.is_some_and(|r| r != RowSoftmax::Off) && self.is_batch() {
+        self.with_forms(RowSoftmax::from_env()?, DeferPv::from_env()?, shape)
+    }
+
+    /// [`Self::with_env_forms`] with the switches' values given: `rows` where set (`None`:
+    /// the kernel's own form), `defer` where it applies.
+    pub fn with_forms(
+        self,
+        rows: Option<RowSoftmax>,
+        defer: DeferPv,
+        shape: &DecodeShape,
+    ) -> Result<Self> {
+        if rows.is_some_and(|r| r != RowSoftmax::Off) && self.groups() > 1 {
             return Err(Error::arg(
                 "SPARSE_MLA_ROW_SOFTMAX",
-                "0 for a call on a large-batch kernel (its row forms have an unexplained \
-                 compute-sanitizer racecheck report, benches/NOTES.md v32)",
+                "0 for a call on bf16's two-group large-batch kernel (its row forms have an \
+                 unexplained compute-sanitizer racecheck report, benches/NOTES.md v32)",
                 format!(
                     "{} for {} heads x {} tokens",
                     rows.map_or("", RowSoftmax::env_value),
@@ -523,7 +534,9 @@ impl DecodeConfig {
     /// T 8–128 and 1.02–1.04x at H 64, fp8_ds_mla 1.05–1.22x at H 64–128 and 1.08x at H 32
     /// T 128, level at H 32 T ≤ 32 and at H ≤ 16 (0.99–1.02x). `SPARSE_MLA_ROW_SOFTMAX=0`
     /// runs the fragment form. The large-batch kernels keep fragments: racecheck reported
-    /// hazards in the two-group kernel's row forms that are not explained (v32).
+    /// hazards in bf16's two-group kernel's row forms that are not explained (v32), and fp8's
+    /// one-group kernel (64-row steps) has not been timed in rows (`SPARSE_MLA_ROW_SOFTMAX=1`
+    /// runs it so).
     pub const V7_ROW_SOFTMAX: RowSoftmax = RowSoftmax::Rows;
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
