@@ -419,9 +419,10 @@ impl DecodeConfig {
     ///   racecheck reports hazards in its row forms that are not yet explained (v32: only in
     ///   bf16 cases; fp8's one-group large-batch kernel ran clean in rows and may take them,
     ///   though it keeps fragments until they are timed there).
-    /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the next step, beside
-    ///   its scores (`1`, bf16) or before its wait (`early`) ([`Self::with_defer_pv`]), on the
-    ///   kernels where the form applies (the kernel's name ends in `d` or `de`).
+    /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the
+    ///   next step, beside its scores (`1`, bf16) or before its wait (`early`)
+    ///   ([`Self::with_defer_pv`]), on the kernels where the form applies (scores in
+    ///   fragments; the kernel's name ends in `d` or `de`). Timed slower (v35).
     ///
     /// The CUDA backend and `mla-bench` both plan through this, so that a benchmark of a
     /// switch times the kernels the switch selects.
