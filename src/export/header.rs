@@ -356,13 +356,10 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   (no combine), with more it writes per-split partials for the combine.\n",
     );
     if !batch.is_empty() {
-        // the narrow kernel's name past its format and dims (`ws2w8r_h16n32`)
-        let narrow = DecodeConfig::tensor_core_narrow(batch[0].config.dims, CacheFormat::Bf16, 17)
-            .expect("a narrow configuration above 16 heads")
-            .split_name();
-        let mut parts = narrow.rsplit('_');
-        let (shape, form) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        let narrow_tag = format!("{form}_{shape}");
+        let narrow_tag =
+            DecodeConfig::tensor_core_narrow(batch[0].config.dims, CacheFormat::Bf16, 17)
+                .expect("a narrow configuration above 16 heads")
+                .kernel_tag();
         let ranges: Vec<String> = batch
             .iter()
             .map(|v| format!("{} {}", v.format.name(), v.range_text()))

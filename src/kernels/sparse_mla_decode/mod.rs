@@ -478,10 +478,7 @@ impl DecodeConfig {
                 ),
             ));
         }
-        let config = match rows {
-            Some(r) => self.with_row_softmax(r),
-            None => self,
-        };
+        let config = rows.map_or(self, |r| self.with_row_softmax(r));
         Ok(config.with_defer_pv(defer))
     }
 
@@ -748,7 +745,9 @@ impl DecodeConfig {
         self.format.row_bytes(self.dims) / 4
     }
 
-    fn suffix(&self) -> String {
+    /// The kernel's lowering and blocks, the part of its name past the format and dims (e.g.
+    /// `ws2w8r_h32n32`): what tells two kernels of one format apart.
+    pub fn kernel_tag(&self) -> String {
         let lowering = match self.lowering {
             Lowering::Scalar => "scalar".to_string(),
             Lowering::Mma {
@@ -790,13 +789,15 @@ impl DecodeConfig {
                 format!("ws{stages}w{}{g}{p}{r}{d}", self.threads / 32)
             }
         };
+        format!("{lowering}_h{}n{}", self.block_h, self.block_n)
+    }
+
+    fn suffix(&self) -> String {
         format!(
-            "{}_d{}_{}_h{}n{}",
+            "{}_d{}_{}",
             self.format.name(),
             self.dims.d_qk(),
-            lowering,
-            self.block_h,
-            self.block_n,
+            self.kernel_tag()
         )
     }
 
