@@ -56,7 +56,7 @@
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32: 256 threads, dynamic shared memory 0 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 63936 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
-//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64: 256 threads, dynamic shared memory 96064 B
+//   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64: 256 threads, dynamic shared memory 95872 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -130,7 +130,7 @@
 // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
 // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
 //   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
-//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64: 256 threads, dynamic shared memory 96064 B
+//   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64: 256 threads, dynamic shared memory 95872 B
 
 #pragma once
 
@@ -323,8 +323,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         return sparse_mla_v6_kernel(16u, p);
     if (sparse_mla_is_narrow_call(heads, tokens, sms)) {
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u) >= 6ull) {
-            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96064u;
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95872u;
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u) {
@@ -345,8 +345,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             return 0;
         }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96064u;
+            p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+            p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95872u;
             return 0;
         }
     }
@@ -783,7 +783,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
-// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64
+// sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64
 //   Sparse MLA decode, split stage: cache fp8_ds_mla (656 B/row), d_qk 576, d_v 512, 16 heads x 64 slots per step, mma-ws lowering.
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
@@ -794,8 +794,8 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 96064 B
-//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//   threads per block: 256; dynamic shared memory: 95872 B
+//   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
 //     q            [tokens, heads, 576]
 //     kv_cache     [num_pages, page_size, 656] fp8_ds_mla rows (strided)
 //     indices      [tokens, topk] slots
@@ -804,7 +804,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8_h16n64_params {
+struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

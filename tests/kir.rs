@@ -610,8 +610,9 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             DecodeConfig::tensor_core_v7(dims, format, 128),
             DecodeConfig::tensor_core_batch(dims, format, 16).expect("batch"),
         ] {
-            // production holds v7's scores in rows (v35), the large-batch kernel's in fragments
-            let production = if config.is_batch() {
+            // production holds v7's scores in rows (v35) and fp8's large-batch kernel's (v36),
+            // bf16's two-group kernel's in fragments
+            let production = if config.groups() > 1 {
                 RowSoftmax::Off
             } else {
                 RowSoftmax::Rows
@@ -694,7 +695,9 @@ fn deferred_p_v_runs_in_the_next_step() {
     let v7 = |format, heads| {
         DecodeConfig::tensor_core_v7(dims, format, heads).with_row_softmax(RowSoftmax::Off)
     };
-    let fp8_batch = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
+    let fp8_batch = DecodeConfig::tensor_core_batch(dims, fp8, 16)
+        .expect("batch")
+        .with_row_softmax(RowSoftmax::Off);
     let cases = [
         (v7(bf16, 16), DeferPv::Top),
         (v7(bf16, 128), DeferPv::Top),
@@ -808,9 +811,10 @@ fn deferred_p_v_runs_in_the_next_step() {
 
 /// The switches' forms on a planned kernel (`DecodeConfig::with_forms`, what
 /// `SPARSE_MLA_ROW_SOFTMAX` and `SPARSE_MLA_DEFER_PV` do): unset keeps the kernel's own form
-/// (v7 in rows, the large-batch kernels in fragments), `0` holds v7 in fragments (where the
-/// deferral applies again), and a row form is refused, with an error naming the variable, only
-/// on the two-group kernel (bf16's large batch); fp8's one-group large-batch kernel takes it.
+/// (v7 and fp8's large-batch kernel in rows, bf16's in fragments), `0` holds them in
+/// fragments (where the deferral applies again), and a row form is refused, with an error
+/// naming the variable, only on the two-group kernel (bf16's large batch); fp8's one-group
+/// large-batch kernel takes either.
 #[test]
 fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
     use sparse_mla::kernels::sparse_mla_decode::DecodeConfig;
@@ -868,9 +872,15 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
         two
     );
     let one = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
-    assert_eq!((one.groups(), one.row_softmax()), (1, RowSoftmax::Off));
-    let rows = one
-        .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &shape(fp8, 16, 128))
-        .expect("one group takes rows");
-    assert!(rows.is_batch() && rows.row_softmax() == RowSoftmax::Rows);
+    assert_eq!((one.groups(), one.row_softmax()), (1, RowSoftmax::Rows));
+    let s = shape(fp8, 16, 128);
+    assert_eq!(one.with_forms(None, DeferPv::Off, &s).expect("kept"), one);
+    let frag = one
+        .with_forms(Some(RowSoftmax::Off), DeferPv::Off, &s)
+        .expect("one group takes fragments");
+    assert!(frag.is_batch() && frag.row_softmax() == RowSoftmax::Off);
+    let lazy = one
+        .with_forms(Some(RowSoftmax::RowsLazy), DeferPv::Off, &s)
+        .expect("and the lazy rows");
+    assert!(lazy.is_batch() && lazy.row_softmax() == RowSoftmax::RowsLazy);
 }

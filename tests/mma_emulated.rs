@@ -6,13 +6,13 @@
 //! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
 //! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed,
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel) and the
-//! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`: v7's form, and here
-//! the large-batch kernels' too, which the backend keeps in fragments), the same
-//! with the sm_80 paths (e4m3 widened to bf16), copies landing at issue, v7's scores in
-//! fragments (its form under `SPARSE_MLA_ROW_SOFTMAX=0`) and the choice made for
-//! 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks, small bf16 calls on
-//! v6, above 16 heads in 16-head blocks, fp8's narrow calls of 6 blocks or more on 64-row
-//! steps; the run fails if it planned none of the last three), and
+//! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`: v7's and fp8's
+//! large-batch form, and here bf16's two-group kernel's too, which the backend keeps in
+//! fragments), the same with the sm_80 paths (e4m3 widened to bf16), copies landing at issue,
+//! every kernel's scores in fragments (their form under `SPARSE_MLA_ROW_SOFTMAX=0`) and the
+//! choice made for 96 SMs (fp8 at T <= 4 on v7, the narrow calls on v7 in 16-head blocks,
+//! small bf16 calls on v6, above 16 heads in 16-head blocks, fp8's narrow calls of 6 blocks
+//! or more on 64-row steps; the run fails if it planned none of the last three), and
 //! the v6 kernels as for sm_90, each under a random warp schedule and the shared-memory race
 //! detector — and a fourth time on the decode cases only, v7 with a one-stage ring (whose
 //! producers must issue a step's rows before that step's wait: a misplaced issue deadlocks,

@@ -172,8 +172,9 @@ fn form_from_env<T: Copy>(
 
 /// How [`Lowering::MmaWs`] holds a split-K accumulator that an online softmax reads.
 ///
-/// v7's kernels hold it in rows (`DecodeConfig::V7_ROW_SOFTMAX`, timed in benches/NOTES.md
-/// v35); the large-batch kernels in fragments.
+/// v7's kernels and fp8_ds_mla's large-batch kernel hold it in rows
+/// (`DecodeConfig::V7_ROW_SOFTMAX`, timed in benches/NOTES.md v35 and v36); bf16's two-group
+/// large-batch kernel in fragments.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum RowSoftmax {
     /// In mma fragments: a row's columns on several warps, its maxima exchanged through

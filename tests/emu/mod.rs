@@ -69,7 +69,7 @@ pub struct EmuConfig {
     pub merge: Option<u32>,
     /// How v7 and the large-batch kernel hold their scores for the softmax
     /// (`DecodeConfig::with_row_softmax`); `None`: as the backend plans them (v7 in rows,
-    /// the large-batch kernels in fragments).
+    /// fp8's large-batch kernel in rows, bf16's in fragments).
     pub row_softmax: Option<RowSoftmax>,
     /// Where v7's steps run their closing P · V (`DecodeConfig::with_defer_pv`: on the
     /// kernels where the form applies).
@@ -107,9 +107,10 @@ impl EmuConfig {
                 2 => Some(17),
                 _ => None,
             },
-            // run 0 holds every kernel's scores in rows (the large-batch kernels' too, which
-            // the backend keeps in fragments); run 1 holds v7's in fragments (its form under
-            // SPARSE_MLA_ROW_SOFTMAX=0); runs 2 and 3 plan as the backend does
+            // run 0 holds every kernel's scores in rows (bf16's two-group kernel's too, which
+            // the backend keeps in fragments); run 1 holds every kernel's in fragments (v7's
+            // and fp8's large-batch form under SPARSE_MLA_ROW_SOFTMAX=0); runs 2 and 3 plan as
+            // the backend does
             row_softmax: match i {
                 0 => Some(RowSoftmax::Rows),
                 1 => Some(RowSoftmax::Off),

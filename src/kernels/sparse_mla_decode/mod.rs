@@ -225,10 +225,13 @@ impl DecodeConfig {
             // range). 1.02-1.03x at T 128, level at T 32 and on its narrow calls (H200, both
             // occupancies); the 16- and 32-head v7 kernels keep bf16 P: their fixed cost a
             // step (one vote) made the small calls 1-4 % slower (benches/NOTES.md v27).
+            // Scores held in rows, as v7's: 1.004-1.036x on an H100 at H 8 / 16 T 32 / 128
+            // (fp8 H 16 T 128 103.3 -> 100.0 µs), both occupancies (benches/NOTES.md v36).
             CacheFormat::Fp8DsMla => Self {
                 p_elem: TileElem::F16,
                 ..Self::tensor_core_custom(dims, format, 16, 64, 2)
-            },
+            }
+            .with_row_softmax(RowSoftmax::Rows),
         })
     }
 
@@ -413,12 +416,12 @@ impl DecodeConfig {
     /// where one exists for the head count, else v7); then the forms:
     /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
-    ///   [`Self::V7_ROW_SOFTMAX`]; the large-batch kernels in fragments). `0` holds v7's in
-    ///   fragments, `lazy` moves the running max only past a margin. A row form on a call
-    ///   planned on bf16's large-batch kernel (two warp groups) is refused: compute-sanitizer's
-    ///   racecheck reports hazards in its row forms that are not yet explained (v32: only in
-    ///   bf16 cases; fp8's one-group large-batch kernel ran clean in rows and may take them,
-    ///   though it keeps fragments until they are timed there).
+    ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
+    ///   one in fragments). `0` holds them in fragments, `lazy` moves the running max only
+    ///   past a margin. A row form on a call planned on bf16's large-batch kernel (two warp
+    ///   groups) is refused: compute-sanitizer's racecheck reports hazards in its row forms
+    ///   that are not yet explained (v32: only in bf16 cases; fp8's one-group large-batch
+    ///   kernel ran clean in rows, v32 and v36).
     /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the
     ///   next step, beside its scores (`1`, bf16) or before its wait (`early`)
     ///   ([`Self::with_defer_pv`]), on the kernels where the form applies (scores in
@@ -531,10 +534,9 @@ impl DecodeConfig {
     /// interleaved runs, both occupancies (benches/NOTES.md, v35): bf16 1.06–1.10x at H 128
     /// T 8–128 and 1.02–1.04x at H 64, fp8_ds_mla 1.05–1.22x at H 64–128 and 1.08x at H 32
     /// T 128, level at H 32 T ≤ 32 and at H ≤ 16 (0.99–1.02x). `SPARSE_MLA_ROW_SOFTMAX=0`
-    /// runs the fragment form. The large-batch kernels keep fragments: racecheck reported
-    /// hazards in bf16's two-group kernel's row forms that are not explained (v32), and fp8's
-    /// one-group kernel (64-row steps) has not been timed in rows (`SPARSE_MLA_ROW_SOFTMAX=1`
-    /// runs it so).
+    /// runs the fragment form. fp8's one-group large-batch kernel (64-row steps) holds its
+    /// scores in rows too ([`Self::tensor_core_batch`], v36); bf16's two-group one keeps
+    /// fragments: racecheck reported hazards in its row forms that are not explained (v32).
     pub const V7_ROW_SOFTMAX: RowSoftmax = RowSoftmax::Rows;
 
     /// A v7 tensor-core configuration with the given head block, step and ring depth.
@@ -660,11 +662,13 @@ impl DecodeConfig {
     /// Is this a large-batch configuration: [`Self::tensor_core_batch`]'s (bf16: v7 in two
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
     pub fn is_batch(&self) -> bool {
+        let plain = |c: Self| {
+            c.with_row_softmax(RowSoftmax::Off)
+                .with_defer_pv(DeferPv::Off)
+        };
         matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
-            || Some(
-                self.with_row_softmax(RowSoftmax::Off)
-                    .with_defer_pv(DeferPv::Off),
-            ) == Self::tensor_core_batch(self.dims, self.format, self.block_h)
+            || Some(plain(*self))
+                == Self::tensor_core_batch(self.dims, self.format, self.block_h).map(plain)
     }
 
     /// Warp groups of a grouped v7 configuration ([`Lowering::MmaWs`]); 1 otherwise.
