@@ -108,10 +108,12 @@ struct Args {
 }
 
 /// The bf16 `mma.sync` m16n8k16 peak (f32 accumulate) by GPU name: what the kernels' FLOP
-/// roofline is (they use no wgmma / tcgen05). H200: measured (docs/hardware.md); SM120 parts:
+/// roofline is (they use no wgmma / tcgen05). H200: measured (docs/hardware.md); the H100
+/// SXM (named "H100 80GB HBM3"): the H200's, the same 132 SMs at the same clocks; SM120 parts:
 /// datasheet dense FP16/BF16 tensor rates with f32 accumulate, unmeasured.
 const MMA_PEAKS: &[(&str, f64, &str)] = &[
     ("H200", 645e12, "measured"),
+    ("H100 80GB HBM3", 645e12, "the H200's: same SMs and clocks"),
     ("RTX PRO 6000", 500e12, "datasheet"),
     ("RTX 5090", 209e12, "datasheet"),
 ];
