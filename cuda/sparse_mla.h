@@ -232,21 +232,21 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
 
 /* Is a call of `tokens` tokens and `heads` heads (top-k `topk`) a large batch on a GPU of `sms`
    multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 when its 16-head blocks, tokens x ceil(heads / 16), fill four fifths of the
-   multiprocessors or more; where one bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1)
-   also when they fill half of them, or when the call is not a small one and the split model
-   gives each workgroup of the large-batch kernel (16 x 32, one per multiprocessor)
-   at least 20 steps; fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+   bf16 only when the split model gives each workgroup of the large-batch kernel (16 x
+   32, one per multiprocessor) at least 20 steps (its two warp groups walk
+   alternate steps, and a short walk leaves one idle), and then when its 16-head blocks,
+   tokens x ceil(heads / 16), fill four fifths of the multiprocessors or more, or, where one
+   bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), when the call is not a small one;
+   fp8_ds_mla when it is not a small call (v6_per_sm not read). */
 static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned topk,
                                             unsigned sms, unsigned v6_per_sm) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
     sparse_mla_decode_plan b;
     unsigned splits;
     if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    if (5u * blocks >= 4u * (unsigned long long)sms) return 1;
-    if (v6_per_sm >= 2u || sparse_mla_is_small_call(heads, tokens, sms)) return 0;
-    if (2u * blocks >= (unsigned long long)sms) return 1;
     if (heads > 16u) return 0;
+    if (5u * blocks < 4u * (unsigned long long)sms
+        && (v6_per_sm >= 2u || sparse_mla_is_small_call(heads, tokens, sms))) return 0;
     b.block_h = 16u;
     b.block_n = 32u;
     splits = sparse_mla_model_splits(&b, format, heads, tokens, topk, sms, sms);

@@ -212,7 +212,7 @@ fn c_plan_matches_the_runtime_plan() {
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         for heads in [1u32, 3, 8, 16, 17, 32, 64, 100, 128] {
             // around T * ceil(H / 16) * 2 = SMs for 84, 132 and 188 SMs
-            for tokens in [1u32, 2, 8, 33, 41, 42, 65, 66, 93, 94, 128, 1000] {
+            for tokens in [1u32, 2, 8, 33, 41, 42, 65, 66, 93, 94, 128, 144, 1000] {
                 for topk in [1u32, 31, 64, 100, 2048, 2049] {
                     for sms in [132u32, 188, 84] {
                         // bf16 v6 workgroups per SM: SM120 / sm_86/89 (1), H100/H200 (2), and

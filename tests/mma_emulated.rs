@@ -3,8 +3,10 @@
 //! instructions its helpers use (tests/emu), and the whole conformance suite runs on it
 //! against the float64 reference — three times: the kernels the backend picks on a GPU of one
 //! v6 workgroup per SM (`DecodeConfig::for_call`: v7, the large-batch kernel — bf16 in two warp
-//! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call) compiled as for sm_120 (the sm_90+
-//! copy paths, e4m3 products as m16n8k32 e4m3 mma) with copies landing as late as allowed,
+//! groups, fp8 on 64-row steps — for a large batch at H <= 16, v6 for a small bf16 call; bf16's
+//! two-group kernel also on the shorter walks the backend took it for before v36, tests/emu)
+//! compiled as for sm_120 (the sm_90+ copy paths, e4m3 products as m16n8k32 e4m3 mma) with
+//! copies landing as late as allowed,
 //! the choice made for 6 SMs (every fp8 call at H <= 16 on the large-batch kernel) and the
 //! scores held in rows for the softmax (`DecodeConfig::with_row_softmax`: v7's and fp8's
 //! large-batch form, and here bf16's two-group kernel's too, which the backend keeps in

@@ -58,7 +58,8 @@ pub struct EmuConfig {
     /// The multiprocessors the backend's kernel choice (`DecodeConfig::for_call`) is made
     /// for; the splits are planned for the device's own few resident workgroups either way.
     /// 6 makes every fp8_ds_mla call at H <= 16 a large batch; 96 leaves those of
-    /// 16 T ceil(H/16) <= 96 on v7, bf16 takes the batch kernel from T 48, and the calls of
+    /// 16 T ceil(H/16) <= 96 on v7, bf16 takes the batch kernel from T 48 (here: the backend
+    /// only where its workgroups walk 20 steps or more, `decode_plan`), and the calls of
     /// more than 16 heads with 11 T ceil(H/16) <= 96 (H 128 T 1, H 64 T 1-2) run the
     /// narrow-call kernel.
     pub choice_sms: u32,
@@ -470,7 +471,24 @@ impl Device for EmuDevice {
             // the backend's choice on a GPU of `choice_sms` SMs holding one v6 workgroup per SM:
             // v7, the large-batch kernel (warp groups) for a large batch at H <= 16, v6 for a
             // small bf16 call
-            DecodeConfig::for_call(shape, self.config.choice_sms, || Ok::<u32, Error>(1))?
+            let planned =
+                DecodeConfig::for_call(shape, self.config.choice_sms, || Ok::<u32, Error>(1))?;
+            // ... except that bf16's two-group kernel also runs where the backend's rule of
+            // before v36 took it (a call past the small ones whose 16-head blocks fill half
+            // the SMs), whatever the steps a workgroup walks: the backend now leaves walks
+            // of fewer than BATCH_MIN_STEPS steps to v7, and these cases' short and odd walks
+            // (a warp group with no step) are where the kernel's merge is tested
+            let blocks16 = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
+            match DecodeConfig::tensor_core_batch(shape.dims, shape.format, shape.heads) {
+                Some(batch)
+                    if shape.format == CacheFormat::Bf16
+                        && !DecodeConfig::is_small_call(shape, self.config.choice_sms)
+                        && 2 * blocks16 >= self.config.choice_sms as u64 =>
+                {
+                    batch
+                }
+                _ => planned,
+            }
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };

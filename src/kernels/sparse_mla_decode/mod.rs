@@ -237,14 +237,17 @@ impl DecodeConfig {
 
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
     /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
-    /// - bf16, where one bf16 v6 workgroup fills a multiprocessor (SM120): its head blocks
-    ///   fill half the multiprocessors or more without splitting, `2 · T · ⌈H/16⌉ ≥ SMs`, or
-    ///   the split model ([`DecodePlan::model_splits`], one workgroup per SM) gives each of
-    ///   its workgroups at least [`Self::BATCH_MIN_STEPS`] steps. Its two warp groups walk
-    ///   alternate steps, so a short or odd walk leaves one group idle at the end: at SM120's
-    ///   occupancy on the H200 (132 SMs, topk 2048) it beat v7 by 2–9 % where the model split
-    ///   a call 2 or 3 ways (21–32 steps: T 36–44, 56–64), was level at 4 (16 steps: T 28–32)
-    ///   and 1–4 % slower at 5 or more (≤ 13 steps: T 16–24, 48–52) (benches/NOTES.md, v22);
+    /// - bf16, only where the split model ([`DecodePlan::model_splits`], one workgroup per SM)
+    ///   gives each of its workgroups at least [`Self::BATCH_MIN_STEPS`] steps. Its two warp
+    ///   groups walk alternate steps, so a short or odd walk leaves one group idle at the end:
+    ///   at SM120's occupancy on the H200 (132 SMs, topk 2048) it beat v7 by 2–9 % where the
+    ///   model split a call 2 or 3 ways (21–32 steps: T 36–44, 56–64), was level at 4 (16
+    ///   steps: T 28–32) and 1–4 % slower at 5 or more (≤ 13 steps: T 16–24, 48–52)
+    ///   (benches/NOTES.md, v22). Past one wave the model splits again (T 133–165: 16 steps),
+    ///   and there v7 was 1.07x and v6 1.11x the batch kernel on an H100, as v7 was 1.04–1.08x
+    ///   at 13–16 steps below one wave (T 80–96) at SM120's occupancy (v36). Given the steps:
+    /// - bf16 where one bf16 v6 workgroup fills a multiprocessor (SM120): every call that is
+    ///   not a small one ([`Self::is_small_call`]);
     /// - bf16 where two or more v6 workgroups fit (`v6_per_sm`, H100/H200): v6 keeps the call
     ///   until its blocks fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6
     ///   was 6–8 % faster at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md,
@@ -258,20 +261,16 @@ impl DecodeConfig {
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
         let (blocks, sms) = (Self::blocks16(shape), sm_count as u64);
         match shape.format {
-            CacheFormat::Bf16 if 5 * blocks >= 4 * sms => true,
             CacheFormat::Bf16 => {
-                v6_per_sm < 2
-                    && !Self::is_small_call(shape, sm_count)
-                    && (2 * blocks >= sms
-                        || Self::batch_steps(shape, sm_count) >= Self::BATCH_MIN_STEPS)
+                (5 * blocks >= 4 * sms || (v6_per_sm < 2 && !Self::is_small_call(shape, sm_count)))
+                    && Self::batch_steps(shape, sm_count) >= Self::BATCH_MIN_STEPS
             }
             CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
         }
     }
 
-    /// The fewest steps a workgroup of the bf16 large-batch kernel walks where one v6
-    /// workgroup fills a multiprocessor and the head blocks alone fill less than half of
-    /// them ([`Self::is_large_batch`]).
+    /// The fewest steps a workgroup of the bf16 large-batch kernel walks on a call it runs
+    /// ([`Self::is_large_batch`]), at any v6 residency.
     pub const BATCH_MIN_STEPS: u32 = 20;
 
     /// Steps each workgroup of the large-batch kernel walks for `shape` under the split
@@ -1698,28 +1697,42 @@ mod tests {
             assert_eq!(pick(Fp8DsMla, 8, 9, v6), "batch");
             assert_eq!(pick(Fp8DsMla, 32, 100, v6), "v7");
         }
-        // a bf16 large batch at H <= 16: at one v6 workgroup per SM from 2 T ceil(H/16) >= SMs
-        // (T 66 on 132 SMs), and below it where the split model gives each workgroup 20 steps
-        // or more (2 or 3 splits of topk 2048's 64 steps: T 34-44 and 53-65 on 132 SMs; 4 at
-        // T 27-33, 5 at T 45-52); at two from 5 T ceil(H/16) >= 4 SMs
+        // a bf16 large batch at H <= 16, only where the split model gives each workgroup 20
+        // steps or more (of topk 2048's 64 on 132 SMs: 2 or 3 splits at T 34-44, 53-66,
+        // 80-88, 166-220, 1 at T 106-132 and 221-264; 4 or 5 splits, 13-16 steps, at T 27-33,
+        // 45-52, 67-79, 89-105 and 133-165): past the small calls at one v6 workgroup per SM,
+        // from 5 T ceil(H/16) >= 4 SMs at two
         for (t, want) in [
             (33, "v7"),
             (34, "batch"),
             (44, "batch"),
             (45, "v7"),
             (52, "v7"),
+            (53, "batch"),
+            (66, "batch"),
+            (67, "v7"),
+            (79, "v7"),
+            (80, "batch"),
+            (88, "batch"),
+            (96, "v7"),
+            (106, "batch"),
+            (132, "batch"),
+            (144, "v7"),
+            (192, "batch"),
+            (264, "batch"),
         ] {
             assert_eq!(pick(Bf16, 16, t, 1), want, "H 16 T {t}");
             assert_eq!(pick(Bf16, 8, t, 1), want, "H 8 T {t}");
         }
-        assert_eq!(pick(Bf16, 16, 53, 1), "batch");
-        assert_eq!(pick(Bf16, 16, 65, 1), "batch");
-        assert_eq!(pick(Bf16, 16, 66, 1), "batch");
-        assert_eq!(pick(Bf16, 16, 72, 1), "batch");
         assert_eq!(pick(Bf16, 16, 44, 2), "v6");
         assert_eq!(pick(Bf16, 8, 66, 2), "v6");
         assert_eq!(pick(Bf16, 16, 105, 2), "v6");
         assert_eq!(pick(Bf16, 16, 106, 2), "batch");
         assert_eq!(pick(Bf16, 8, 106, 3), "batch");
+        // past one wave with 16-step splits: v6 where two fit (1.11x the batch kernel at
+        // H 16 T 144 on an H100), v7 at one (1.07x; benches/NOTES.md v36)
+        assert_eq!(pick(Bf16, 16, 144, 2), "v6");
+        assert_eq!(pick(Bf16, 16, 160, 1), "v7");
+        assert_eq!(pick(Bf16, 16, 192, 2), "batch");
     }
 }
