@@ -102,3 +102,40 @@ fn files_go_to_the_current_directory_and_are_not_overwritten_without_force() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--all` into a folder that holds a kernel it wrote before under another name (a renamed
+/// kernel) and a file of the user's: without `--force` the old kernel stays, named on
+/// stderr; with it, it is removed and the user's file is kept; `--check` is then clean.
+#[test]
+fn a_renamed_kernel_is_removed_with_force_and_nothing_else() {
+    let dir = temp("stale");
+    let o = export(&dir, &["--all"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cuda = dir.join("cuda");
+    let kept = std::fs::read_dir(&cuda)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "cu"))
+        .expect("a kernel");
+    let text = std::fs::read_to_string(&kept).unwrap();
+    let old = cuda.join("sparse_mla_decode_split_old_name.cu");
+    std::fs::write(&old, &text).unwrap();
+    let mine = cuda.join("my_kernel.cu");
+    std::fs::write(&mine, "// my own kernel\n").unwrap();
+    let o = export(&dir, &["--all"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(old.exists() && stderr(&o).contains("sparse_mla_decode_split_old_name.cu"));
+    assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
+    let o = export(&dir, &["--all", "--force"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!old.exists(), "the renamed kernel is removed");
+    assert_eq!(
+        std::fs::read_to_string(&mine).unwrap(),
+        "// my own kernel\n"
+    );
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), text);
+    std::fs::remove_file(&mine).unwrap();
+    let o = export(&dir, &["--check", "--out", "."]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(&dir);
+}

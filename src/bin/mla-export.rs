@@ -3,8 +3,8 @@
 
 use clap::{Parser, ValueEnum};
 use sparse_mla::export::{
-    config_files, stale_files, standard_files, write_files, ConfigRequest, ExportFile,
-    ExportLowering, Lang, Written, ARCHES,
+    config_files, remove_stale, stale_files, standard_files, write_files, ConfigRequest,
+    ExportFile, ExportLowering, Lang, Written, ARCHES,
 };
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::Error;
@@ -43,7 +43,8 @@ enum LoweringArg {
 /// `--lang wgsl`). PTX and cubin are compiled by NVRTC for `--arch`.
 ///
 /// Existing files with other contents are replaced only with `--force`; every file is written
-/// to a temporary name and renamed into place. The launch rules are in cuda/sparse_mla.h and
+/// to a temporary name and renamed into place. `--all --force` also removes the kernel files
+/// it wrote before that the set no longer has (a renamed kernel); other files are kept. The launch rules are in cuda/sparse_mla.h and
 /// docs/integration.md.
 #[derive(Parser, Debug)]
 #[command(version, verbatim_doc_comment)]
@@ -158,6 +159,22 @@ fn run(args: &Args) -> sparse_mla::Result<ExitCode> {
         }
         let written = write_files(&root, &files, args.force)?;
         report(&root, &files, &written);
+        // kernels this tool wrote that the set no longer has (a renamed kernel): removed
+        // with --force, like the files it replaces
+        for rel in remove_stale(&root, &files, args.force)? {
+            if args.force {
+                println!(
+                    "removed {} (not in the standard set)",
+                    root.join(rel).display()
+                );
+            } else {
+                eprintln!(
+                    "stale: {} was written by mla-export and is not in the standard set; \
+                     --force removes it",
+                    root.join(rel).display()
+                );
+            }
+        }
         return Ok(ExitCode::SUCCESS);
     }
     let heads = args.heads.unwrap_or(0);

@@ -395,6 +395,39 @@ pub fn write_files(root: &Path, files: &[ExportFile], force: bool) -> Result<Vec
     Ok(outcome)
 }
 
+/// Kernel files under `root`'s `shaders/` and `cuda/` that `mla-export` wrote (their first
+/// line carries [`crate::emit::GENERATED_MARK`]) and `files` no longer contains, such as a kernel whose name changed: removed
+/// where `remove`, else only listed. Other files there are left alone (and
+/// [`stale_files`] still reports them). Returns the paths, relative to `root`, sorted.
+pub fn remove_stale(root: &Path, files: &[ExportFile], remove: bool) -> Result<Vec<PathBuf>> {
+    let mut gone = Vec::new();
+    for d in ["shaders", "cuda"] {
+        let Ok(entries) = std::fs::read_dir(root.join(d)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let rel = Path::new(d).join(e.file_name());
+            if files.iter().any(|f| f.path == rel) || !e.path().is_file() {
+                continue;
+            }
+            let text = std::fs::read(e.path()).unwrap_or_default();
+            let first = text.split(|&b| b == b'\n').next().unwrap_or_default();
+            if !String::from_utf8_lossy(first).contains(crate::emit::GENERATED_MARK) {
+                continue;
+            }
+            if remove {
+                std::fs::remove_file(e.path()).map_err(|err| Error::Io {
+                    path: e.path().display().to_string(),
+                    source: err,
+                })?;
+            }
+            gone.push(rel);
+        }
+    }
+    gone.sort();
+    Ok(gone)
+}
+
 /// Files under `root` that differ from (or are missing for) `files`, plus generated files in
 /// `shaders/` and `cuda/` that the set no longer contains.
 pub fn stale_files(root: &Path, files: &[ExportFile]) -> Vec<String> {
