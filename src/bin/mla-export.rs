@@ -44,8 +44,8 @@ enum LoweringArg {
 ///
 /// Existing files with other contents are replaced only with `--force`; every file is written
 /// to a temporary name and renamed into place. `--all --force` also removes the kernel files
-/// it wrote before that the set no longer has (a renamed kernel); other files are kept. The launch rules are in cuda/sparse_mla.h and
-/// docs/integration.md.
+/// it wrote before that the set no longer has (a renamed kernel); other files are kept. The
+/// launch rules are in cuda/sparse_mla.h and docs/integration.md.
 #[derive(Parser, Debug)]
 #[command(version, verbatim_doc_comment)]
 struct Args {

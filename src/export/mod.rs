@@ -395,36 +395,51 @@ pub fn write_files(root: &Path, files: &[ExportFile], force: bool) -> Result<Vec
     Ok(outcome)
 }
 
-/// Kernel files under `root`'s `shaders/` and `cuda/` that `mla-export` wrote (their first
-/// line carries [`crate::emit::GENERATED_MARK`]) and `files` no longer contains, such as a kernel whose name changed: removed
-/// where `remove`, else only listed. Other files there are left alone (and
-/// [`stale_files`] still reports them). Returns the paths, relative to `root`, sorted.
-pub fn remove_stale(root: &Path, files: &[ExportFile], remove: bool) -> Result<Vec<PathBuf>> {
-    let mut gone = Vec::new();
+/// Entries of `root`'s `shaders/` and `cuda/` that `files` does not contain, relative to
+/// `root`, sorted: what [`stale_files`] reports and [`remove_stale`] picks from.
+fn unlisted(root: &Path, files: &[ExportFile]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
     for d in ["shaders", "cuda"] {
-        let Ok(entries) = std::fs::read_dir(root.join(d)) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            let rel = Path::new(d).join(e.file_name());
-            if files.iter().any(|f| f.path == rel) || !e.path().is_file() {
-                continue;
+        if let Ok(entries) = std::fs::read_dir(root.join(d)) {
+            for e in entries.flatten() {
+                let rel = Path::new(d).join(e.file_name());
+                if !files.iter().any(|f| f.path == rel) {
+                    out.push(rel);
+                }
             }
-            let text = std::fs::read(e.path()).unwrap_or_default();
-            let first = text.split(|&b| b == b'\n').next().unwrap_or_default();
-            if !String::from_utf8_lossy(first).contains(crate::emit::GENERATED_MARK) {
-                continue;
-            }
-            if remove {
-                std::fs::remove_file(e.path()).map_err(|err| Error::Io {
-                    path: e.path().display().to_string(),
-                    source: err,
-                })?;
-            }
-            gone.push(rel);
         }
     }
-    gone.sort();
+    out.sort();
+    out
+}
+
+/// Kernel files under `root`'s `shaders/` and `cuda/` that `mla-export` wrote (their first
+/// line carries [`crate::emit::GENERATED_MARK`]) and `files` no longer contains, such as a
+/// kernel whose name changed: removed where `remove`, else only listed. Other files there
+/// are left alone (and [`stale_files`] still reports them). Returns the paths, relative to
+/// `root`, sorted.
+pub fn remove_stale(root: &Path, files: &[ExportFile], remove: bool) -> Result<Vec<PathBuf>> {
+    let mut gone = Vec::new();
+    for rel in unlisted(root, files) {
+        let path = root.join(&rel);
+        let Ok(f) = std::fs::File::open(&path) else {
+            continue;
+        };
+        // the first line only (a folder fails to read and is skipped)
+        let mut first = String::new();
+        if std::io::BufRead::read_line(&mut std::io::BufReader::new(f), &mut first).is_err()
+            || !first.contains(crate::emit::GENERATED_MARK)
+        {
+            continue;
+        }
+        if remove {
+            std::fs::remove_file(&path).map_err(|source| Error::Io {
+                path: path.display().to_string(),
+                source,
+            })?;
+        }
+        gone.push(rel);
+    }
     Ok(gone)
 }
 
@@ -439,15 +454,8 @@ pub fn stale_files(root: &Path, files: &[ExportFile]) -> Vec<String> {
             Err(_) => stale.push(format!("{} is missing", f.path.display())),
         }
     }
-    for d in ["shaders", "cuda"] {
-        if let Ok(entries) = std::fs::read_dir(root.join(d)) {
-            for e in entries.flatten() {
-                let rel = Path::new(d).join(e.file_name());
-                if !files.iter().any(|f| f.path == rel) {
-                    stale.push(format!("{} is not in the standard set", rel.display()));
-                }
-            }
-        }
+    for rel in unlisted(root, files) {
+        stale.push(format!("{} is not in the standard set", rel.display()));
     }
     stale.sort();
     stale

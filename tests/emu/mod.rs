@@ -478,7 +478,7 @@ impl Device for EmuDevice {
             // the SMs), whatever the steps a workgroup walks: the backend now leaves walks
             // of fewer than BATCH_MIN_STEPS steps to v7, and these cases' short and odd walks
             // (a warp group with no step) are where the kernel's merge is tested
-            let blocks16 = shape.tokens as u64 * shape.heads.div_ceil(16) as u64;
+            let blocks16 = DecodeConfig::blocks16(shape);
             match DecodeConfig::tensor_core_batch(shape.dims, shape.format, shape.heads) {
                 Some(batch)
                     if shape.format == CacheFormat::Bf16
@@ -509,11 +509,11 @@ impl Device for EmuDevice {
         {
             self.narrow_wide_plans.fetch_add(1, Ordering::Relaxed);
         }
-        let config = match self.config.row_softmax {
-            Some(form) => config.with_row_softmax(form),
-            None => config,
-        }
-        .with_defer_pv(self.config.defer_pv);
+        let config = self
+            .config
+            .row_softmax
+            .map_or(config, |form| config.with_row_softmax(form))
+            .with_defer_pv(self.config.defer_pv);
         if config.defer_pv() != DeferPv::Off {
             let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
             self.deferred_plans[i].fetch_add(1, Ordering::Relaxed);

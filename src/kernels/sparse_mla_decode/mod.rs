@@ -287,7 +287,7 @@ impl DecodeConfig {
 
     /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
     /// ([`Self::is_large_batch`], [`Self::is_small_call`]).
-    fn blocks16(shape: &DecodeShape) -> u64 {
+    pub fn blocks16(shape: &DecodeShape) -> u64 {
         shape.tokens as u64 * shape.heads.div_ceil(16) as u64
     }
 
