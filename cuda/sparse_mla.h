@@ -72,6 +72,9 @@
 //   1 for each tensor-core kernel on SM120 and sm_86/89);
 //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.
 //   Any splits in 1..blocks give the same result up to rounding; only speed differs.
+//   (The sparse-mla runtime also runs batches just past a whole number of waves as full
+//   waves of whole tokens and the rest split, with split kernels of another grid that
+//   are not exported; the plans here split every token alike, 1.1-1.3x slower there.)
 //
 // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):
 //   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.
@@ -492,7 +495,7 @@ typedef struct sparse_mla_decode_params {
 } sparse_mla_decode_params;
 
 /* The combine's parameters. */
-typedef struct sparse_mla_combine_params { unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; } sparse_mla_combine_params;
+typedef struct sparse_mla_combine_params { unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; unsigned whole_tokens; } sparse_mla_combine_params;
 
 /* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
    kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
@@ -574,6 +577,7 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
         sparse_mla_combine_params c;
         void* cargs[5];
         c.heads = prm.heads; c.splits = p->splits; c.lse_s_q = prm.lse_s_q; c.groups = p->combine_groups;
+        c.whole_tokens = 0u; /* this header's plans split every token alike */
         cargs[0] = &c; cargs[1] = (void*)&b->o_part; cargs[2] = (void*)&b->lse_part; cargs[3] = (void*)&b->out; cargs[4] = (void*)&b->lse;
         return cuLaunchKernel(combine, p->combine_grid[0], p->combine_grid[1], p->combine_grid[2], p->combine_threads, 1, 1, 0,
                               stream, cargs, 0);
@@ -588,7 +592,7 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 128; dynamic shared memory: 0 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -598,8 +602,8 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -620,10 +624,11 @@ struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
 //   Grid: x = heads, y = tokens, z = ceil(512 / (256 / G)) column chunks; G = groups (a power of two <= 8).
 //   lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   Grid y covers the split tokens only: token whole_tokens + y, whose partials are row block y (the split kernel wrote the whole tokens' out and lse).
 //   threads per block: 128; dynamic shared memory: 0 B
 //   arguments: (sparse_mla_decode_combine_d512_t128_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     o_part       [tokens - whole_tokens, heads, splits, 512]
+//     lse_part     [tokens - whole_tokens, heads, splits]
 //     out          [tokens, heads, 512]
 //     lse          [tokens / lse_s_q, heads, lse_s_q]
 struct sparse_mla_decode_combine_d512_t128_params {
@@ -631,6 +636,7 @@ struct sparse_mla_decode_combine_d512_t128_params {
     unsigned splits; // S
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+    unsigned whole_tokens; // W, tokens the split kernel ran whole before the split ones (0: none)
 };
 
 // cache_write_bf16_d576
@@ -660,7 +666,7 @@ struct cache_write_bf16_d576_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   threads per block: 128; dynamic shared memory: 0 B
@@ -671,8 +677,8 @@ struct cache_write_bf16_d576_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -736,10 +742,11 @@ struct vbt_positions_to_slots_params {
 //   Grid: x = heads, y = tokens, z = ceil(512 / (512 / G)) column chunks; G = groups (a power of two <= 16).
 //   lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   Grid y covers the split tokens only: token whole_tokens + y, whose partials are row block y (the split kernel wrote the whole tokens' out and lse).
 //   threads per block: 256; dynamic shared memory: 0 B
 //   arguments: (sparse_mla_decode_combine_d512_t256_params p, const float* __restrict__ o_part, const float* __restrict__ lse_part, unsigned short* __restrict__ out, float* __restrict__ lse)
-//     o_part       [tokens, heads, splits, 512]
-//     lse_part     [tokens, heads, splits]
+//     o_part       [tokens - whole_tokens, heads, splits, 512]
+//     lse_part     [tokens - whole_tokens, heads, splits]
 //     out          [tokens, heads, 512]
 //     lse          [tokens / lse_s_q, heads, lse_s_q]
 struct sparse_mla_decode_combine_d512_t256_params {
@@ -747,6 +754,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
     unsigned splits; // S
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+    unsigned whole_tokens; // W, tokens the split kernel ran whole before the split ones (0: none)
 };
 
 // sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32
@@ -754,7 +762,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
 //   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -766,8 +774,8 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -790,7 +798,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -802,8 +810,8 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -824,7 +832,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81280 B
@@ -835,8 +843,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -857,7 +865,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 95232 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -867,8 +875,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -889,7 +897,7 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 78464 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -899,8 +907,8 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -923,7 +931,7 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 99200 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -933,8 +941,8 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -957,7 +965,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 98176 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -967,8 +975,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -989,7 +997,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81280 B
@@ -1000,8 +1008,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1022,7 +1030,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 96704 B
@@ -1033,8 +1041,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1057,7 +1065,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -1069,8 +1077,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1093,7 +1101,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -1105,8 +1113,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
+//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads

@@ -5,6 +5,7 @@
 // Grid: x = heads, y = tokens, z = ceil(512 / (256 / G)) column chunks; G = groups (a power of two <= 8).
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+// Grid y covers the split tokens only: token whole_tokens + y, whose partials are row block y (the split kernel wrote the whole tokens' out and lse).
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 1088 bytes.
 //
@@ -13,10 +14,11 @@
 //   splits           u32  S
 //   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 //   groups           u32  G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+//   whole_tokens     u32  W, tokens the split kernel ran whole before the split ones (0: none)
 //
 // Buffers (kernel arguments after the parameter struct):
-//   0  o_part         f32   read       [tokens, heads, splits, 512]
-//   1  lse_part       f32   read       [tokens, heads, splits]
+//   0  o_part         f32   read       [tokens - whole_tokens, heads, splits, 512]
+//   1  lse_part       f32   read       [tokens - whole_tokens, heads, splits]
 //   2  out            bf16  read_write [tokens, heads, 512]
 //   3  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Launch: blockDim = (128, 1, 1), gridDim = workgroup counts above, dynamic shared memory 0.
@@ -29,6 +31,7 @@ struct sparse_mla_decode_combine_d512_t128_params {
     unsigned splits; // S
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+    unsigned whole_tokens; // W, tokens the split kernel ran whole before the split ones (0: none)
 };
 
 // Every helper is a static inline device function; `unused`: a kernel that does not call
@@ -111,9 +114,10 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
     grid_wait_previous(); // before any read or write of global memory
     grid_launch_dependents(); // the next kernel may launch now (it waits for this one)
     const unsigned h = blockIdx.x;
-    const unsigned t = blockIdx.y;
+    const unsigned t = blockIdx.y + p.whole_tokens;
     const unsigned lid = threadIdx.x;
     const unsigned row = (t * p.heads) + h;
+    const unsigned part_row = ((t - p.whole_tokens) * p.heads) + h;
     const unsigned lse_at = ((((t / p.lse_s_q) * p.heads) + h) * p.lse_s_q) + (t % p.lse_s_q);
 
     // G split groups of W / G lanes; a chunk of 2W / G columns
@@ -133,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_decode_combine_d512
     float acc1 = 0.0f;
     #pragma unroll 4
     for (unsigned sp = g; sp < p.splits; sp += groups_1) {
-        const unsigned part = (row * p.splits) + sp;
+        const unsigned part = (part_row * p.splits) + sp;
         const float part_lse = lse_part[part];
         const unsigned at = ((part * 512u) + c0) + lane;
         const float o = o_part[at];

@@ -5,6 +5,7 @@
 // Grid: x = heads, y = tokens, z = ceil(512 / (256 / G)) column chunks; G = groups (a power of two <= 8).
 // lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+// Grid y covers the split tokens only: token whole_tokens + y, whose partials are row block y (the split kernel wrote the whole tokens' out and lse).
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 1088 bytes.
 //
@@ -13,10 +14,11 @@
 //   splits           u32  S
 //   lse_s_q          u32  lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
 //   groups           u32  G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
+//   whole_tokens     u32  W, tokens the split kernel ran whole before the split ones (0: none)
 //
 // Buffers (group 0; binding 0 is `params`, buffer i is binding i + 1):
-//   0  o_part         f32   read       [tokens, heads, splits, 512]
-//   1  lse_part       f32   read       [tokens, heads, splits]
+//   0  o_part         f32   read       [tokens - whole_tokens, heads, splits, 512]
+//   1  lse_part       f32   read       [tokens - whole_tokens, heads, splits]
 //   2  out            bf16  read_write [tokens, heads, 512]
 //   3  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q]
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
@@ -26,11 +28,15 @@ struct Params {
     splits: u32,
     lse_s_q: u32,
     groups: u32,
+    whole_tokens: u32,
+    pad5: u32,
+    pad6: u32,
+    pad7: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
-@group(0) @binding(1) var<storage, read> o_part: array<f32>; // f32 [tokens, heads, splits, 512]
-@group(0) @binding(2) var<storage, read> lse_part: array<f32>; // f32 [tokens, heads, splits]
+@group(0) @binding(1) var<storage, read> o_part: array<f32>; // f32 [tokens - whole_tokens, heads, splits, 512]
+@group(0) @binding(2) var<storage, read> lse_part: array<f32>; // f32 [tokens - whole_tokens, heads, splits]
 @group(0) @binding(3) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512]
 @group(0) @binding(4) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q]
 
@@ -79,9 +85,10 @@ fn f32_from_const_bits(bits: u32) -> f32 {
 @compute @workgroup_size(128)
 fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id: u32, @builtin(workgroup_id) wg_id: vec3<u32>, @builtin(num_workgroups) wg_count: vec3<u32>) {
     let h: u32 = wg_id.x;
-    let t: u32 = wg_id.y;
+    let t: u32 = wg_id.y + params.whole_tokens;
     let lid: u32 = local_id;
     let row: u32 = (t * params.heads) + h;
+    let part_row: u32 = ((t - params.whole_tokens) * params.heads) + h;
     let lse_at: u32 = ((((t / params.lse_s_q) * params.heads) + h) * params.lse_s_q) + (t % params.lse_s_q);
 
     // G split groups of W / G lanes; a chunk of 2W / G columns
@@ -100,7 +107,7 @@ fn sparse_mla_decode_combine_d512_t128(@builtin(local_invocation_index) local_id
     var acc0: f32 = 0.0;
     var acc1: f32 = 0.0;
     for (var sp: u32 = g; sp < params.splits; sp = sp + groups_1) {
-        let part: u32 = (row * params.splits) + sp;
+        let part: u32 = (part_row * params.splits) + sp;
         let part_lse: f32 = lse_part[part];
         let at: u32 = ((part * 512u) + c0) + lane;
         let o: f32 = o_part[at];

@@ -7,7 +7,9 @@
 mod common;
 
 use sparse_mla::emit::{cuda, wgsl};
-use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, lowered_merged, DecodeConfig};
+use sparse_mla::kernels::sparse_mla_decode::{
+    lowered_kernels, lowered_merged, lowered_whole, DecodeConfig,
+};
 use sparse_mla::kernels::{standard_set, Target};
 use sparse_mla::kir::shared_plan::{shared_layout, MAX_SHARED_BYTES};
 use sparse_mla::kir::{DeferPv, Kernel, Lowering, RowSoftmax};
@@ -37,6 +39,27 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             DecodeConfig::tensor_core_v7(dims, CacheFormat::Fp8DsMla, heads),
         ] {
             kernels.push((*lowered_merged(&config).expect("merged kernel")).clone());
+        }
+    }
+    // the whole-token split kernels the backend runs at batches just past a wave (not
+    // exported either): every tensor-core configuration the plan picks
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let dims = MlaDims::PRODUCTION;
+        let mut configs = vec![
+            DecodeConfig::tensor_core_v6(dims, format, 16),
+            DecodeConfig::tensor_core_v6(dims, format, 128),
+            DecodeConfig::tensor_core_v7(dims, format, 16),
+            DecodeConfig::tensor_core_v7(dims, format, 128),
+        ];
+        configs.extend(DecodeConfig::tensor_core_batch(dims, format, 16));
+        configs.extend(DecodeConfig::tensor_core_narrow(dims, format, 64));
+        configs.extend(DecodeConfig::tensor_core_narrow_wide(dims, format, 64));
+        configs.extend(DecodeConfig::tensor_core_v6_narrow(dims, format, 64));
+        for config in configs {
+            let k = (*lowered_whole(&config).expect("whole-token kernel")).clone();
+            if !kernels.iter().any(|x| x.name == k.name) {
+                kernels.push(k);
+            }
         }
     }
     // bf16's narrow-call kernel (fp8's is its H <= 16 v7 kernel, merged above)

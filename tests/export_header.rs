@@ -12,7 +12,7 @@
 use sparse_mla::emit::cuda::dynamic_shared_bytes;
 use sparse_mla::export::{c_header, config_files, ConfigRequest, ExportLowering, Lang};
 use sparse_mla::kernels::sparse_mla_decode::{
-    combine_grid, combine_groups, lowered_kernels, DecodeConfig, DecodePlan,
+    combine_grid, combine_groups, lowered_kernels, DecodeConfig, DecodePlan, WholeTokens,
 };
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::testing::test_seed;
@@ -152,12 +152,15 @@ fn expected_line(case: &Case, config: DecodeConfig) -> (String, DecodePlan) {
     let &(_, heads, tokens, _, sms, _, resident, splits) = case;
     let shape = shape_of(case);
     let (split, combine) = lowered_kernels(&config).unwrap();
-    let plan = DecodePlan::with_config(
+    // the header's plans split every token alike (the runtime's whole-token kernels are not
+    // exported)
+    let plan = DecodePlan::with_config_whole(
         config,
         &shape,
         resident,
         sms,
         (splits > 0).then_some(splits),
+        WholeTokens::Off,
     )
     .unwrap();
     let grid = plan.grid_split(&shape);

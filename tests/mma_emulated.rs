@@ -143,6 +143,19 @@ fn run(mode: u32, filter: Option<&str>) -> (Vec<String>, String) {
             config.describe()
         ));
     }
+    // runs 0 and 2 (whole tokens forced) must have run the whole-token kernels of both
+    // formats, or that path went untested
+    let whole = backend
+        .device()
+        .whole_plans
+        .each_ref()
+        .map(|n| n.load(std::sync::atomic::Ordering::Relaxed));
+    if matches!(mode, 0 | 2) && all_decode && whole.contains(&0) {
+        failed.push(format!(
+            "run {mode} ({}): calls planned with whole tokens [bf16, fp8] {whole:?}: each should be",
+            config.describe()
+        ));
+    }
     // and bf16 v6 in 16-head blocks above 16 heads (the suite's H 40 T 1 case)
     let v6_narrow = backend
         .device()

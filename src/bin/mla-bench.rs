@@ -353,6 +353,8 @@ struct Inputs {
 struct Timing {
     median_us: f64,
     splits: u32,
+    /// Tokens run whole before the split ones ([`DecodePlan::whole_tokens`]).
+    whole: u32,
     /// One launch of the kernel that merges its own partials.
     merged: bool,
     check: Check,
@@ -574,6 +576,7 @@ impl Bench<'_> {
         Ok(Timing {
             median_us: us[us.len() / 2],
             splits: plan.splits,
+            whole: plan.whole_tokens,
             merged: plan.runs_merged(),
             check: check(shape, row.reference, &out, &lse),
         })
@@ -963,9 +966,7 @@ fn run(args: &Args) -> Result<()> {
                         let split_kernel =
                             sparse_mla::kernels::sparse_mla_decode::lowered_kernels(&config)?.0;
                         let resident = bench.gpu.dev.resident_workgroups(&split_kernel)?;
-                        let s = args.splits.unwrap_or_else(|| {
-                            DecodePlan::model_splits(&config, &shape, resident, sms)
-                        });
+
                         // the merged form where the backend would take it: the grid within
                         // what the GPU (or SM120) holds of the merged kernel at once
                         let merged = if policy == MergePolicy::Off {
@@ -983,8 +984,10 @@ fn run(args: &Args) -> Result<()> {
                             }
                             None => plan,
                         };
+                        // planned as the backend plans (the cost model's splits and whole
+                        // tokens, SPARSE_MLA_WHOLE_TOKENS; or --splits)
                         let plan = merge(
-                            DecodePlan::new(config, &shape, resident, Some(s), None)?,
+                            DecodePlan::with_config(config, &shape, resident, sms, args.splits)?,
                             false,
                         );
                         let tm = bench.time(&row, &plan, -1)?;
@@ -996,25 +999,29 @@ fn run(args: &Args) -> Result<()> {
                                 resident,
                                 bench.gpu.dev.sm_count(),
                             );
-                            let s120 = args.splits.unwrap_or_else(|| {
-                                DecodePlan::model_splits(&config, &shape, r120, sms)
-                            });
                             let plan120 = merge(
-                                DecodePlan::new(config, &shape, r120, Some(s120), None)?,
+                                DecodePlan::with_config(config, &shape, r120, sms, args.splits)?,
                                 true,
                             );
                             let t2 = bench.time(&row, &plan120, 44)?;
                             failed |= !t2.check.ok;
-                            Some((t2.median_us, t2.splits, t2.merged))
+                            Some((t2.median_us, t2.splits, t2.merged, t2.whole))
                         } else {
                             None
                         };
                         failed |= !tm.check.ok;
+                        // whole tokens (here | at SM120's occupancy), where either plan has them
+                        let whole120 = sm120.map_or(0, |x| x.3);
+                        let whole = if tm.whole > 0 || whole120 > 0 {
+                            format!(" whole {}|{}", tm.whole, whole120)
+                        } else {
+                            String::new()
+                        };
                         Ok(Timed {
                             kernel: if tm.merged {
-                                format!("{label} merged")
+                                format!("{label} merged{whole}")
                             } else {
-                                label.to_string()
+                                format!("{label}{whole}")
                             },
                             splits: tm.splits,
                             us: tm.median_us,

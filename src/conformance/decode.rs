@@ -714,8 +714,13 @@ pub fn check_decode_case(
         max_abs,
         lse_err,
         detail: format!(
-            "splits {}{}",
+            "splits {}{}{}",
             run.splits,
+            if run.whole_tokens > 0 {
+                format!(" whole {}", run.whole_tokens)
+            } else {
+                String::new()
+            },
             if run.merged { " merged" } else { "" }
         ),
         seconds,

@@ -419,6 +419,9 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   1 for each tensor-core kernel on SM120 and sm_86/89);\n\
          //   sparse_mla_model_splits() below is that model, exactly as the runtime computes it.\n\
          //   Any splits in 1..blocks give the same result up to rounding; only speed differs.\n\
+         //   (The sparse-mla runtime also runs batches just past a whole number of waves as full\n\
+         //   waves of whole tokens and the rest split, with split kernels of another grid that\n\
+         //   are not exported; the plans here split every token alike, 1.1-1.3x slower there.)\n\
          //\n\
          // LAUNCHES (blockDim = (threads, 1, 1) of each kernel):\n\
          //   NAME, grid (ceil(H / block_h), splits, T). splits == 1: it writes out and lse.\n\
@@ -972,7 +975,7 @@ static inline CUresult sparse_mla_v6_per_sm(CUfunction v6, const sparse_mla_deco
 /* Every split kernel's NAME_params, field for field. */
 {params}
 /* The combine's parameters. */
-typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; }} sparse_mla_combine_params;
+typedef struct sparse_mla_combine_params {{ unsigned heads; unsigned splits; unsigned lse_s_q; unsigned groups; unsigned whole_tokens; }} sparse_mla_combine_params;
 
 /* Device pointers of one call. topk_length = 0: none (indices is passed in its place, the
    kernel reads one word of it). o_part / lse_part: scratch of plan->o_part_bytes /
@@ -1038,6 +1041,7 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
         sparse_mla_combine_params c;
         void* cargs[5];
         c.heads = prm.heads; c.splits = p->splits; c.lse_s_q = prm.lse_s_q; c.groups = p->combine_groups;
+        c.whole_tokens = 0u; /* this header's plans split every token alike */
         cargs[0] = &c; cargs[1] = (void*)&b->o_part; cargs[2] = (void*)&b->lse_part; cargs[3] = (void*)&b->out; cargs[4] = (void*)&b->lse;
         return cuLaunchKernel(combine, p->combine_grid[0], p->combine_grid[1], p->combine_grid[2], p->combine_threads, 1, 1, 0,
                               stream, cargs, 0);

@@ -5,7 +5,7 @@
 pub mod header;
 
 use crate::emit::{cuda, wgsl};
-use crate::kernels::sparse_mla_decode::{check_shape, DecodeConfig, DecodePlan};
+use crate::kernels::sparse_mla_decode::{check_shape, DecodeConfig, DecodePlan, WholeTokens};
 use crate::kernels::{standard_set, Target};
 use crate::kir::Kernel;
 use crate::mla::DecodeShape;
@@ -212,8 +212,15 @@ pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
             ));
         }
     }
-    let plan =
-        DecodePlan::with_config(variant.config, shape, req.sms * per_sm, req.sms, req.splits)?;
+    // the exported kernels take the plain grid: every token split alike
+    let plan = DecodePlan::with_config_whole(
+        variant.config,
+        shape,
+        req.sms * per_sm,
+        req.sms,
+        req.splits,
+        WholeTokens::Off,
+    )?;
     let mut files = Vec::new();
     for k in [&variant.split, &variant.combine] {
         let src = render(k, Target::Cuda)?;

@@ -224,6 +224,7 @@ impl Backend for CpuBackend {
             p_rounded: false,
             kernels: vec!["reference::sparse_mla::decode".into()],
             merged: false,
+            whole_tokens: 0,
         })
     }
 

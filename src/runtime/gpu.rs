@@ -351,11 +351,7 @@ impl<D: Device> Backend for GpuBackend<D> {
         // The split kernel binds the partials' scratch in every call; with one split it does
         // not touch it (a word each is enough, and no buffer is bound twice).
         let mut ws = self.workspace.lock().map_err(|_| poisoned())?;
-        let rows = if plan.splits > 1 {
-            shape.tokens as u64 * shape.heads as u64 * plan.splits as u64
-        } else {
-            0
-        };
+        let rows = plan.partial_rows(shape);
         let (o_len, l_len) = (
             (rows * shape.dims.d_v() as u64 * 4).max(4),
             (rows * 4).max(4),
@@ -391,6 +387,7 @@ impl<D: Device> Backend for GpuBackend<D> {
             p_rounded: plan.config.p_elem != crate::kir::ir::TileElem::F32,
             kernels: launches.iter().map(|l| l.kernel.name.clone()).collect(),
             merged: plan.runs_merged(),
+            whole_tokens: plan.whole_tokens,
         })
     }
 

@@ -166,6 +166,8 @@ pub struct DecodeRun {
     pub kernels: Vec<String>,
     /// Split and combine ran as one launch (the merged split kernel).
     pub merged: bool,
+    /// Tokens run whole before the split ones (`DecodePlan::whole_tokens`).
+    pub whole_tokens: u32,
 }
 
 /// A place kernels run.

@@ -18,7 +18,9 @@
 #![allow(dead_code)]
 
 use sparse_mla::emit::cuda;
-use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig, DecodePlan};
+use sparse_mla::kernels::sparse_mla_decode::{
+    lowered_kernels, DecodeConfig, DecodePlan, WholeTokens,
+};
 use sparse_mla::kir::Kernel;
 pub use sparse_mla::kir::{DeferPv, RowSoftmax};
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
@@ -75,6 +77,9 @@ pub struct EmuConfig {
     /// Where v7's steps run their closing P · V (`DecodeConfig::with_defer_pv`: on the
     /// kernels where the form applies).
     pub defer_pv: DeferPv,
+    /// Whole tokens before the split ones (`DecodePlan::with_config_whole`): the cost model's
+    /// choice, or forced wherever a call has more tokens than splits.
+    pub whole: WholeTokens,
 }
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
@@ -118,12 +123,19 @@ impl EmuConfig {
                 _ => None,
             },
             defer_pv: DeferPv::Off,
+            // runs 0 and 2 run whole tokens before split ones wherever T exceeds the splits
+            // (v7 and the large-batch kernels, v6): the cost model takes them only at batches
+            // of several waves, which the suite's small ones rarely are
+            whole: match i {
+                0 | 2 => WholeTokens::Forced(u32::MAX),
+                _ => WholeTokens::Model,
+            },
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -148,6 +160,10 @@ impl EmuConfig {
                 DeferPv::Off => "",
                 DeferPv::Top => " (P . V deferred beside the next step's scores)",
                 DeferPv::Early => " (P . V deferred before the next step's wait)",
+            },
+            match self.whole {
+                WholeTokens::Forced(_) => " (whole tokens before split ones)",
+                _ => "",
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -185,6 +201,9 @@ pub struct EmuDevice {
     /// Calls planned on a kernel whose steps defer their P · V (`DecodeConfig::defer_pv`),
     /// bf16 and fp8_ds_mla.
     pub deferred_plans: [AtomicU64; 2],
+    /// Calls planned with whole tokens before the split ones (`DecodePlan::whole_tokens`),
+    /// bf16 and fp8_ds_mla.
+    pub whole_plans: [AtomicU64; 2],
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -371,6 +390,7 @@ impl EmuDevice {
             config,
             narrow_plans: Default::default(),
             v6_narrow_plans: Default::default(),
+            whole_plans: Default::default(),
             narrow_wide_plans: Default::default(),
             deferred_plans: Default::default(),
         }
@@ -520,7 +540,18 @@ impl Device for EmuDevice {
         }
         lowered_kernels(&config)?;
         // one workgroup per multiprocessor
-        let plan = DecodePlan::with_config(config, shape, self.resident, self.resident, splits)?;
+        let plan = DecodePlan::with_config_whole(
+            config,
+            shape,
+            self.resident,
+            self.resident,
+            splits,
+            self.config.whole,
+        )?;
+        if plan.whole_tokens > 0 {
+            let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
+            self.whole_plans[i].fetch_add(1, Ordering::Relaxed);
+        }
         Ok(match self.config.merge {
             Some(h) if shape.heads >= h => plan.merged_where_it_can(shape, MERGED_BLOCKS),
             _ => plan,

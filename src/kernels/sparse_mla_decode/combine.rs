@@ -65,6 +65,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     ));
     b.doc("lse = logsumexp_s lse_s; out = sum_s exp(lse_s - lse) o_s; all splits empty: out 0, lse +inf.".to_string());
     b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
+    b.doc("Grid y covers the split tokens only: token whole_tokens + y, whose partials are row block y (the split kernel wrote the whole tokens' out and lse).".to_string());
     let heads = b.param("heads", Ty::U32, "H");
     let splits = b.param("splits", Ty::U32, "S");
     let lse_s_q = b.param(
@@ -77,17 +78,22 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         Ty::U32,
         "G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)",
     );
+    let whole_tokens = b.param(
+        "whole_tokens",
+        Ty::U32,
+        "W, tokens the split kernel ran whole before the split ones (0: none)",
+    );
     let o_part = b.buffer(
         "o_part",
         Elem::F32,
         Access::Read,
-        &format!("[tokens, heads, splits, {dv}]"),
+        &format!("[tokens - whole_tokens, heads, splits, {dv}]"),
     );
     let lse_part = b.buffer(
         "lse_part",
         Elem::F32,
         Access::Read,
-        "[tokens, heads, splits]",
+        "[tokens - whole_tokens, heads, splits]",
     );
     let out = b.buffer(
         "out",
@@ -104,6 +110,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
     let io = MergeIo {
         heads,
         splits,
+        whole_tokens: Some(whole_tokens.clone()),
         lse_s_q,
         groups: groups_param,
         o_part,
@@ -113,7 +120,7 @@ pub fn combine_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         sh: merge_shared(&mut b, MergeForm::COMBINE, threads),
     };
     let h = b.let_("h", workgroup_id(0));
-    let t = b.let_("t", workgroup_id(1));
+    let t = b.let_("t", workgroup_id(1) + whole_tokens);
     merge_segment(
         &mut b,
         cfg,
@@ -153,6 +160,8 @@ impl MergeForm {
 pub(super) struct MergeIo {
     pub heads: Expr,
     pub splits: Expr,
+    /// W: token `t`'s partials are row block `t - W` (`None`: W = 0).
+    pub whole_tokens: Option<Expr>,
     pub lse_s_q: Expr,
     /// G, the split groups asked for (clamped in the kernel).
     pub groups: Expr,
@@ -238,6 +247,7 @@ pub(super) fn merge_segment(
     let MergeIo {
         heads,
         splits,
+        whole_tokens,
         lse_s_q,
         o_part,
         lse_part,
@@ -249,6 +259,13 @@ pub(super) fn merge_segment(
     let (sh_m, sh_l, sh_o) = sh;
     let lid = b.let_("lid", local_id());
     let row = b.let_("row", t.clone() * heads.clone() + h.clone());
+    let part_row = match whole_tokens {
+        Some(w) => b.let_(
+            "part_row",
+            (t.clone() - w.clone()) * heads.clone() + h.clone(),
+        ),
+        None => row.clone(),
+    };
     let lse_at = b.let_(
         "lse_at",
         (t.clone() / lse_s_q.clone() * heads.clone() + h) * lse_s_q.clone() + t % lse_s_q.clone(),
@@ -290,7 +307,7 @@ pub(super) fn merge_segment(
         .collect();
     // split `sp`'s lse and columns (`real` false: nothing loaded, weight 0)
     let load = |b: &mut KernelBuilder, sp: Expr, real: Option<Expr>| {
-        let part = b.let_("part", row.clone() * splits.clone() + sp);
+        let part = b.let_("part", part_row.clone() * splits.clone() + sp);
         let ls = lse_part.at(part.clone());
         let ls = b.let_(
             "part_lse",

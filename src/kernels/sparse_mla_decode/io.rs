@@ -14,6 +14,9 @@ pub(super) struct SplitIo {
     pub num_slots: Expr,
     pub splits: Expr,
     pub chunk: Expr,
+    /// W, the tokens run whole before the split ones (a multiple of `splits`): only in the
+    /// whole-token form ([`super::DecodeConfig::whole_name`]).
+    pub whole_tokens: Option<Expr>,
     pub has_len: Expr,
     pub scale: Expr,
     pub page_size: Expr,
@@ -30,8 +33,9 @@ pub(super) struct SplitIo {
     pub lse_part: Buf,
 }
 
-/// Header lines, parameters and buffers of the split kernel of `cfg`.
-pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
+/// Header lines, parameters and buffers of the split kernel of `cfg`; `whole`: its
+/// whole-token form (a `whole_tokens` parameter and the grid that goes with it).
+pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig, whole: bool) -> SplitIo {
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     b.doc(format!(
         "Sparse MLA decode, split stage: cache {} ({} B/row), d_qk {d}, d_v {dv}, {} heads x {} slots per step, {} lowering.",
@@ -41,7 +45,12 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         cfg.block_n,
         cfg.lowering.name()
     ));
-    b.doc("Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.".to_string());
+    if !whole {
+        b.doc("Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.".to_string());
+    } else {
+        b.doc("Grid: x = ceil(heads / block_h) head blocks, y = splits, z = whole_tokens / splits + tokens - whole_tokens.".to_string());
+        b.doc("Tokens [0, whole_tokens) run whole, one workgroup each (z < whole_tokens / splits: token z * splits + y), and write out and lse; token whole_tokens + z' (z' = z - whole_tokens / splits) is split, split y. whole_tokens = 0: z = token.".to_string());
+    }
     b.doc(
         "Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read."
             .to_string(),
@@ -51,7 +60,7 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         b.doc("fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.".to_string());
         b.doc("Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.".to_string());
     }
-    b.doc("splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.".to_string());
+    b.doc("splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.".to_string());
     b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
 
     let tokens = b.param("tokens", Ty::U32, "T, query tokens (batch x s_q)");
@@ -64,6 +73,13 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         Ty::U32,
         "top-k entries per split (multiple of block_n)",
     );
+    let whole_tokens = whole.then(|| {
+        b.param(
+            "whole_tokens",
+            Ty::U32,
+            "W, tokens run whole before the split ones: a multiple of splits, less than tokens",
+        )
+    });
     let has_len = b.param("has_topk_length", Ty::U32, "1: topk_length is given");
     let scale = b.param("scale", Ty::F32, "softmax scale");
     let page_size = b.param("page_size", Ty::U32, "slots per page");
@@ -127,13 +143,13 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         "o_part",
         Elem::F32,
         Access::ReadWrite,
-        &format!("[tokens, heads, splits, {dv}] (splits > 1)"),
+        &format!("[tokens - whole_tokens, heads, splits, {dv}] (splits > 1)"),
     );
     let lse_part = b.buffer(
         "lse_part",
         Elem::F32,
         Access::ReadWrite,
-        "[tokens, heads, splits] (splits > 1)",
+        "[tokens - whole_tokens, heads, splits] (splits > 1)",
     );
 
     SplitIo {
@@ -142,6 +158,7 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
         num_slots,
         splits,
         chunk,
+        whole_tokens,
         has_len,
         scale,
         page_size,
@@ -159,22 +176,96 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig) -> SplitIo {
     }
 }
 
+/// Which token and split a split-kernel workgroup owns.
+#[derive(Clone)]
+pub(super) struct Owner {
+    /// The token.
+    pub t: Expr,
+    /// Its split (0 for a whole token).
+    pub split: Expr,
+    /// The token runs whole: this workgroup writes out and lse itself.
+    pub whole: Expr,
+    /// The token's row block in the partials, `t - whole_tokens` (split tokens only).
+    pub part_t: Expr,
+}
+
+/// The token and split of this workgroup: tokens [0, W) whole, `splits` of them a z-index
+/// (token `z · splits + y`); the rest split, token `W + z - W / splits`, split `y`. With
+/// `W` = 0 that is the plain grid (z the token, y the split).
+///
+/// Only the whole-token form maps (its own kernel, launched only for plans with whole
+/// tokens): in every kernel a token that is not `blockIdx.z` cost the 32-head v7 kernel 5 %
+/// at H 128 on an H100 (the same registers, another schedule of its loop; benches/NOTES.md
+/// v37), so the plain kernels keep the plain grid.
+pub(super) fn owner(b: &mut KernelBuilder, io: &SplitIo) -> Owner {
+    let Some(w) = io.whole_tokens.clone() else {
+        b.comment("which token and split this workgroup owns");
+        let t = b.let_("t", workgroup_id(2));
+        return Owner {
+            t: t.clone(),
+            split: b.let_("split", workgroup_id(1)),
+            whole: Expr::Bool(false),
+            part_t: t,
+        };
+    };
+    b.comment("which token and split this workgroup owns: the first whole_tokens tokens whole, splits of them per z; the rest split, one split per y");
+    let (z, y) = (workgroup_id(2), workgroup_id(1));
+    let whole_z = b.let_("whole_z", w.clone() / io.splits.clone());
+    let whole = b.let_("whole", z.clone().lt(whole_z.clone()));
+    let t = b.let_(
+        "t",
+        select(
+            whole.clone(),
+            z.clone() * io.splits.clone() + y.clone(),
+            w.clone() + z - whole_z,
+        ),
+    );
+    let split = b.let_("split", select(whole.clone(), u(0), y));
+    Owner {
+        part_t: t.clone() - w,
+        t,
+        split,
+        whole,
+    }
+}
+
 /// Normalise the output accumulators (`(acc, first output column)`) and write this split's
-/// rows and lse.
+/// rows and lse. Of [`owner`]'s values only the token `t` is carried across the step loop:
+/// the rest is worked out again here (whole: `t < W`; split: y), since carried they cost the
+/// 255-register kernels a spill on sm_120. Returns them (for the merge).
 pub(super) fn write_outputs(
     b: &mut KernelBuilder,
     cfg: &DecodeConfig,
     io: &SplitIo,
-    (t, split, h0): (&Expr, &Expr, &Expr),
+    (own, h0): (&Owner, &Expr),
     st: &SoftmaxState,
     outs: &[(&Acc, u32)],
-) {
+) -> Owner {
+    let t = &own.t;
+    let own = match &io.whole_tokens {
+        None => own.clone(),
+        Some(w) => Owner {
+            t: t.clone(),
+            // a split token's split (not read for a whole one)
+            split: workgroup_id(1),
+            whole: b.let_("whole_token", t.clone().lt(w.clone())),
+            part_t: b.let_("part_t", t.clone() - w.clone()),
+        },
+    };
     let dv = cfg.dims.d_v();
     let (heads, splits) = (&io.heads, &io.splits);
     // One kernel for both cases (no `_final` copy): the branch is uniform over the grid, and
     // each side is whole (one branch per element kept the fp8 scalar kernel, at its register
     // cap, 4 bytes over on sm_120).
-    let single = b.let_("single", splits.clone().eq_(u(1)));
+    let (t, split, part_t) = (&own.t, &own.split, &own.part_t);
+    let single = splits.clone().eq_(u(1));
+    let single = b.let_(
+        "single",
+        match io.whole_tokens {
+            Some(_) => single.or(own.whole.clone()),
+            None => single,
+        },
+    );
     // The tensor-core kernels write each row's lse first, then l's reciprocal in l's place
     // (l is not read again), so that the rows multiply instead of each element dividing:
     // one division per row, not one per element pair (at T = 1 the epilogue was a fifth of
@@ -206,7 +297,7 @@ pub(super) fn write_outputs(
                 } else {
                     b.store(
                         &io.lse_part,
-                        (t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
+                        (part_t.clone() * heads.clone() + h) * splits.clone() + split.clone(),
                         v,
                     );
                 }
@@ -245,7 +336,8 @@ pub(super) fn write_outputs(
                         let at = (t.clone() * heads.clone() + h) * u(dv) + col;
                         b.store_word(&io.out, at / u(2), pack_bf16x2(y0, y1));
                     } else {
-                        let at = ((t.clone() * heads.clone() + h) * splits.clone() + split.clone())
+                        let at = ((part_t.clone() * heads.clone() + h) * splits.clone()
+                            + split.clone())
                             * u(dv)
                             + col;
                         let at = b.let_("at", at);
@@ -277,4 +369,5 @@ pub(super) fn write_outputs(
         }
     };
     b.if_else(single, |b| both(b, true), |b| both(b, false));
+    own
 }

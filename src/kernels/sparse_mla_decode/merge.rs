@@ -19,7 +19,7 @@
 use super::combine::{
     max_combine_groups, merge_segment, merge_shared, MergeForm, MergeGeom, MergeIo,
 };
-use super::io::SplitIo;
+use super::io::{Owner, SplitIo};
 use super::DecodeConfig;
 use crate::kir::builder::*;
 use crate::kir::ir::{Access, Elem, Expr, Ty};
@@ -55,18 +55,20 @@ pub(super) fn declare(b: &mut KernelBuilder) -> MergeExtra {
     MergeExtra { sync, groups }
 }
 
-/// The merge at the end of the split kernel: with more than one split, the token's
-/// workgroups meet, then merge its (head, chunk) segments round-robin.
+/// The merge at the end of the split kernel: with more than one split, the workgroups of a
+/// split token meet, then merge its (head, chunk) segments round-robin.
 pub(super) fn merge_in_kernel(
     b: &mut KernelBuilder,
     cfg: &DecodeConfig,
     io: &SplitIo,
     extra: &MergeExtra,
-    (t, split): (&Expr, &Expr),
+    own: &Owner,
 ) {
+    let (t, split) = (&own.t, &own.split);
     let mio = MergeIo {
         heads: io.heads.clone(),
         splits: io.splits.clone(),
+        whole_tokens: io.whole_tokens.clone(),
         lse_s_q: io.lse_s_q.clone(),
         groups: extra.groups.clone(),
         o_part: io.o_part.clone(),
@@ -77,6 +79,7 @@ pub(super) fn merge_in_kernel(
     };
     let block_h = cfg.block_h;
     let dv = cfg.dims.d_v();
+    // (the merged form has no whole tokens: the plan never gives it any)
     b.if_(io.splits.clone().gt(u(1)), |b| {
         b.comment("the token's workgroups meet: every partial of the token is written");
         let head_blocks = b.let_(

@@ -813,13 +813,25 @@ impl DecodeConfig {
         format!("{}_merged", self.split_name())
     }
 
-    /// [`Self::merged_name`] or [`Self::split_name`].
-    pub fn split_kernel_name(&self, merged: bool) -> String {
-        if merged {
-            self.merged_name()
-        } else {
-            self.split_name()
+    /// The split kernel that runs whole tokens before the split ones ([`DecodePlan::whole_tokens`]).
+    pub fn whole_name(&self) -> String {
+        format!("{}_whole", self.split_name())
+    }
+
+    /// The name of the split kernel in `form`.
+    pub fn split_kernel_name(&self, form: SplitForm) -> String {
+        match form {
+            SplitForm::Plain => self.split_name(),
+            SplitForm::Merged => self.merged_name(),
+            SplitForm::Whole => self.whole_name(),
         }
+    }
+
+    /// Does this configuration have a whole-token form ([`whole_kernel`])? Every tensor-core
+    /// one; the scalar lowering's plans never take whole tokens (on wgpu a device's loop limit
+    /// caps the steps a workgroup walks).
+    pub fn has_whole_form(&self) -> bool {
+        self.lowering != Lowering::Scalar
     }
 
     /// Does this configuration have a merged form ([`merged_kernel`])? The bf16 v6
@@ -873,6 +885,49 @@ impl MergePolicy {
     }
 }
 
+/// The least gain (model time of the best uniform split over the whole-token plan's) for
+/// which [`DecodePlan::model_whole`] takes whole tokens: the model's terms are fitted to
+/// within a few percent, so a smaller gain is not worth a plan of another shape.
+pub const WHOLE_MIN_GAIN: f64 = 1.05;
+
+/// Whole tokens before the split ones, as `SPARSE_MLA_WHOLE_TOKENS` asks: unset, the cost
+/// model's choice ([`DecodePlan::model_whole`]); `0`, never (every token split alike); N,
+/// the largest multiple of the splits ≤ min(N, T - 1) (tests: whole and split tokens in
+/// one call wherever T exceeds the splits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WholeTokens {
+    Model,
+    Off,
+    Forced(u32),
+}
+
+impl WholeTokens {
+    /// The policy `SPARSE_MLA_WHOLE_TOKENS` asks for.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("SPARSE_MLA_WHOLE_TOKENS").as_deref() {
+            Err(_) | Ok("") => Ok(WholeTokens::Model),
+            Ok("0") => Ok(WholeTokens::Off),
+            Ok(n) => n.parse::<u32>().map(WholeTokens::Forced).map_err(|_| {
+                Error::arg(
+                    "SPARSE_MLA_WHOLE_TOKENS",
+                    "unset (the cost model), 0 (off) or a token count",
+                    n,
+                )
+            }),
+        }
+    }
+}
+
+/// Which split kernel of a configuration: the plain one, the one that merges its own partials
+/// ([`merge`]), or the one that runs whole tokens before the split ones
+/// ([`DecodePlan::whole_tokens`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitForm {
+    Plain,
+    Merged,
+    Whole,
+}
+
 /// A config plus the run-time choice of splits for one call.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecodePlan {
@@ -884,6 +939,11 @@ pub struct DecodePlan {
     /// ([`merge`]) instead of the split kernel and the combine. Set by a backend that can
     /// launch it cooperatively and has checked that the grid fits the GPU at once.
     pub merged: bool,
+    /// Tokens run whole, one workgroup per head block, before the split ones (a multiple of
+    /// `splits`; 0: every token split alike). Where a batch just misses a whole number of
+    /// waves, full waves of whole tokens and the rest split finish sooner than any uniform
+    /// split ([`Self::model_whole`]).
+    pub whole_tokens: u32,
 }
 
 impl DecodePlan {
@@ -930,12 +990,62 @@ impl DecodePlan {
             splits,
             chunk,
             merged: false,
+            whole_tokens: 0,
         })
+    }
+
+    /// The plan with its first `whole` tokens run whole: a multiple of the splits, at most
+    /// the tokens, not with the merged form (whose workgroups of a token all meet).
+    pub fn with_whole_tokens(self, shape: &DecodeShape, whole: u32) -> Result<Self> {
+        if whole % self.splits != 0 || whole > shape.tokens {
+            return Err(Error::arg(
+                "whole_tokens",
+                format!(
+                    "a multiple of the splits ({}) and at most the tokens ({})",
+                    self.splits, shape.tokens
+                ),
+                whole,
+            ));
+        }
+        if whole > 0 && !self.config.has_whole_form() {
+            return Err(Error::arg(
+                "whole_tokens",
+                "0 with the scalar lowering (it has no whole-token form)",
+                whole,
+            ));
+        }
+        if whole > 0 && self.merged {
+            return Err(Error::arg("whole_tokens", "0 with the merged form", whole));
+        }
+        Ok(DecodePlan {
+            whole_tokens: whole,
+            ..self
+        })
+    }
+
+    /// Tokens whose rows go through the partials: `tokens - whole_tokens` with more than one
+    /// split, else 0.
+    pub fn split_tokens(&self, shape: &DecodeShape) -> u32 {
+        if self.splits > 1 {
+            shape.tokens - self.whole_tokens.min(shape.tokens)
+        } else {
+            0
+        }
+    }
+
+    /// Rows of the partials (`o_part`, `lse_part`): split tokens x heads x splits.
+    pub fn partial_rows(&self, shape: &DecodeShape) -> u64 {
+        self.split_tokens(shape) as u64 * shape.heads as u64 * self.splits as u64
     }
 
     /// The plan of a tensor-core configuration (v6, v7 or the large-batch kernel) with splits
     /// from a cost model of the GPU ([`Self::model_splits`]): `resident` split workgroups run
     /// at once on `sms` multiprocessors. `splits` overrides the model.
+    ///
+    /// Without `splits`, the model may also run full waves of whole tokens before the rest
+    /// split ([`Self::model_whole`]); `SPARSE_MLA_WHOLE_TOKENS=0` turns that off (a
+    /// comparison run), a number N takes the model's uniform splits and, of the tokens, the
+    /// largest multiple of them ≤ min(N, T - 1) whole (a test of both kinds in one call).
     pub fn with_config(
         config: DecodeConfig,
         shape: &DecodeShape,
@@ -943,11 +1053,111 @@ impl DecodePlan {
         sms: u32,
         splits: Option<u32>,
     ) -> Result<Self> {
-        let splits = match splits {
-            Some(s) => Some(s),
-            None => Some(Self::model_splits(&config, shape, resident, sms)),
+        Self::with_config_whole(
+            config,
+            shape,
+            resident,
+            sms,
+            splits,
+            WholeTokens::from_env()?,
+        )
+    }
+
+    /// [`Self::with_config`] with whole tokens as `whole` says, not the environment.
+    pub fn with_config_whole(
+        config: DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        sms: u32,
+        splits: Option<u32>,
+        whole: WholeTokens,
+    ) -> Result<Self> {
+        if let Some(s) = splits {
+            return Self::new(config, shape, resident, Some(s), None);
+        }
+        if !config.has_whole_form() {
+            let uniform = Self::model_splits(&config, shape, resident, sms);
+            return Self::new(config, shape, resident, Some(uniform), None);
+        }
+        let uniform = Self::model_splits(&config, shape, resident, sms);
+        match whole {
+            WholeTokens::Off => Self::new(config, shape, resident, Some(uniform), None),
+            WholeTokens::Model => match Self::model_whole(&config, shape, resident, sms) {
+                Some((whole, s)) => Self::new(config, shape, resident, Some(s), None)?
+                    .with_whole_tokens(shape, whole),
+                None => Self::new(config, shape, resident, Some(uniform), None),
+            },
+            WholeTokens::Forced(n) => {
+                let plan = Self::new(config, shape, resident, Some(uniform), None)?;
+                let whole = n.min(shape.tokens - 1) / plan.splits * plan.splits;
+                plan.with_whole_tokens(shape, whole)
+            }
+        }
+    }
+
+    /// The cost model's time of a call (in its step units) that runs `whole` tokens whole and
+    /// the rest in `s` splits ([`Self::model_splits`] says what the units and terms are).
+    fn model_cost(
+        config: &DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        sms: u32,
+        whole: u32,
+        s: u32,
+    ) -> f64 {
+        // Per-workgroup cost outside the step loop: q load, pipeline fill, epilogue.
+        const FIXED: f64 = 2.0;
+        let resident = resident.max(1) as u64;
+        let sms = (sms.max(1) as u64).min(resident);
+        // a wave's time, in steps of one workgroup alone on its multiprocessor
+        let slow = |k: u64| {
+            if k <= 1 {
+                1.0
+            } else {
+                k as f64 / (1.0 + 0.5 * (k - 1) as f64)
+            }
         };
-        Self::new(config, shape, resident, splits, None)
+        let full_wave = slow(resident.div_ceil(sms));
+        // waves of `n` equal workgroups, in units of one workgroup's time
+        let waves = |n: u64| {
+            let (full, rest) = (n / resident, n % resident);
+            full as f64 * full_wave
+                + if rest > 0 {
+                    slow(rest.div_ceil(sms))
+                } else {
+                    0.0
+                }
+        };
+        let blocks = shape.topk.div_ceil(config.block_n).max(1);
+        let head_blocks = shape.heads.div_ceil(config.block_h) as u64;
+        let whole = whole.min(shape.tokens);
+        let split_tokens = (shape.tokens - whole) as u64;
+        let s = s.max(1);
+        let piece = blocks.div_ceil(s) as f64 + FIXED;
+        let mut t = 0.0;
+        let mut pieces = split_tokens * head_blocks * s as u64;
+        if whole > 0 {
+            let n = whole as u64 * head_blocks;
+            let len = blocks as f64 + FIXED;
+            t += waves(n) * len;
+            // the last whole wave's idle slots take pieces meanwhile
+            let idle = n.div_ceil(resident) * resident - n;
+            pieces = pieces.saturating_sub(idle * (len / piece).floor() as u64);
+        }
+        t += waves(pieces) * piece;
+        if s > 1 && split_tokens > 0 {
+            // the combine: a launch and the partials written and read back (its
+            // workgroups load a row's splits at once: no walk that grows with s). The
+            // partials stay in L2, so their bytes count half a gathered byte (fitted to
+            // the H200's split sweeps at T = 1, benches/NOTES.md).
+            let step_bytes = resident as f64
+                * (config.block_n * config.format.row_bytes(config.dims)) as f64
+                / full_wave;
+            let rows = split_tokens as f64 * shape.heads as f64;
+            let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
+            t += 1.0 + 0.5 * partial_bytes / step_bytes;
+        }
+        t
     }
 
     /// The split count of the cost model: `resident` workgroups of the split kernel run at
@@ -969,52 +1179,63 @@ impl DecodePlan {
         resident: u32,
         sms: u32,
     ) -> u32 {
-        // Per-workgroup cost outside the step loop: q load, pipeline fill, epilogue.
-        const FIXED: f64 = 2.0;
-        let resident = resident.max(1) as u64;
-        let sms = (sms.max(1) as u64).min(resident);
-        // a wave's time, in steps of one workgroup alone on its multiprocessor
-        let slow = |k: u64| {
-            if k <= 1 {
-                1.0
-            } else {
-                k as f64 / (1.0 + 0.5 * (k - 1) as f64)
-            }
-        };
-        let full_wave = slow(resident.div_ceil(sms));
         let blocks = shape.topk.div_ceil(config.block_n).max(1);
-        let base = shape.tokens as u64 * shape.heads.div_ceil(config.block_h) as u64;
-        // bytes a full wave gathers per unit of time
-        let step_bytes = resident as f64
-            * (config.block_n * config.format.row_bytes(config.dims)) as f64
-            / full_wave;
-        let rows = shape.tokens as f64 * shape.heads as f64;
         let mut best = (f64::MAX, 1);
         for s in 1..=blocks.min(128) {
-            let steps = blocks.div_ceil(s) as f64;
-            let workgroups = base * s as u64;
-            let (full, rest) = (workgroups / resident, workgroups % resident);
-            let waves = full as f64 * full_wave
-                + if rest > 0 {
-                    slow(rest.div_ceil(sms))
-                } else {
-                    0.0
-                };
-            let mut t = waves * (steps + FIXED);
-            if s > 1 {
-                // the combine: a launch and the partials written and read back (its
-                // workgroups load a row's splits at once: no walk that grows with s). The
-                // partials stay in L2, so their bytes count half a gathered byte (fitted to
-                // the H200's split sweeps at T = 1, benches/NOTES.md).
-                let partial_bytes = rows * s as f64 * (config.dims.d_v() as f64 + 1.0) * 4.0 * 2.0;
-                t += 1.0 + 0.5 * partial_bytes / step_bytes;
-            }
+            let t = Self::model_cost(config, shape, resident, sms, 0, s);
             // a smaller count wins ties: less combine traffic for the same time
             if t < best.0 - 1e-9 {
                 best = (t, s);
             }
         }
         best.1
+    }
+
+    /// Whole tokens and the splits of the rest, where the model has them faster than every
+    /// uniform split ([`Self::model_splits`]) by at least [`WHOLE_MIN_GAIN`]; `None` elsewhere.
+    ///
+    /// A batch just past a whole number of waves of unsplit workgroups (T 133–165 at one
+    /// 16-head workgroup per SM on 132 SMs) splits every token alike today, into as many
+    /// waves as the splits allow: at T 144 four splits of 16 steps make 5 waves of 18 (the
+    /// wave cliff, benches/NOTES.md v36). Here `m` full waves run whole tokens and the
+    /// remaining tokens split finely enough to fill one more short wave: 66 + 8 units where
+    /// the uniform plan takes 90. `m` is the most full waves the batch has, or one fewer;
+    /// the whole tokens are `m` waves' worth, rounded down to a multiple of the splits.
+    pub fn model_whole(
+        config: &DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        sms: u32,
+    ) -> Option<(u32, u32)> {
+        let blocks = shape.topk.div_ceil(config.block_n).max(1);
+        let head_blocks = shape.heads.div_ceil(config.block_h).max(1);
+        let per_wave = resident.max(1) / head_blocks;
+        if per_wave == 0 || blocks < 2 {
+            return None;
+        }
+        let uniform = Self::model_splits(config, shape, resident, sms);
+        let base = Self::model_cost(config, shape, resident, sms, 0, uniform);
+        let mut best: Option<(f64, u32, u32)> = None;
+        // the most full waves, or one fewer (a longer tail split finer)
+        let most = shape.tokens / per_wave;
+        for m in most.saturating_sub(1).max(1)..=most {
+            for s in 2..=blocks.min(128) {
+                // only counts the plan makes as asked (33 of 64 blocks would be 32 chunks of 2)
+                if blocks.div_ceil(blocks.div_ceil(s)) != s {
+                    continue;
+                }
+                let whole = m * per_wave / s * s;
+                if whole == 0 || whole >= shape.tokens {
+                    continue;
+                }
+                let t = Self::model_cost(config, shape, resident, sms, whole, s);
+                if best.is_none_or(|(b, _, _)| t < b - 1e-9) {
+                    best = Some((t, whole, s));
+                }
+            }
+        }
+        best.filter(|&(t, _, _)| t * WHOLE_MIN_GAIN < base)
+            .map(|(_, whole, s)| (whole, s))
     }
 
     /// The plan with the merged form taken where it can run ([`merge`]): more than one
@@ -1030,6 +1251,7 @@ impl DecodePlan {
             .product::<u64>();
         DecodePlan {
             merged: self.splits > 1
+                && self.whole_tokens == 0
                 && self.config.has_merged_form()
                 && blocks <= resident_merged as u64,
             ..self
@@ -1076,11 +1298,13 @@ impl DecodePlan {
         shape.heads.div_ceil(self.config.block_h) * self.splits
     }
 
+    /// The split kernel's grid: (head blocks, splits, whole tokens / splits + split tokens).
     pub fn grid_split(&self, shape: &DecodeShape) -> [u32; 3] {
+        let whole = self.whole_tokens.min(shape.tokens);
         [
             shape.heads.div_ceil(self.config.block_h),
             self.splits,
-            shape.tokens,
+            whole / self.splits.max(1) + shape.tokens - whole,
         ]
     }
 }
@@ -1163,6 +1387,8 @@ pub fn launches(
     let (split, combine) = lowered_kernels(&plan.config)?;
     let split = if merged {
         lowered_merged(&plan.config)?
+    } else if plan.whole_tokens > 0 {
+        lowered_whole(&plan.config)?
     } else {
         split
     };
@@ -1173,6 +1399,7 @@ pub fn launches(
         ("num_slots", ParamValue::U32(shape.num_slots() as u32)),
         ("splits", ParamValue::U32(plan.splits)),
         ("chunk", ParamValue::U32(plan.chunk)),
+        ("whole_tokens", ParamValue::U32(plan.whole_tokens)),
         (
             "has_topk_length",
             ParamValue::U32(shape.has_topk_length as u32),
@@ -1202,19 +1429,21 @@ pub fn launches(
         grid: plan.grid_split(shape),
         params: split_params,
     }];
-    if plan.splits > 1 && !merged {
+    let split_tokens = plan.split_tokens(shape);
+    if split_tokens > 0 && !merged {
         let threads = combine.workgroup_size;
-        let groups = combine_groups(shape.tokens * shape.heads, plan.splits, threads);
+        let groups = combine_groups(split_tokens * shape.heads, plan.splits, threads);
         let params = pack_params(
             &combine,
             &[
                 ("heads", ParamValue::U32(shape.heads)),
                 ("splits", ParamValue::U32(plan.splits)),
+                ("whole_tokens", ParamValue::U32(plan.whole_tokens)),
                 ("lse_s_q", ParamValue::U32(layout.lse.s_q())),
                 ("groups", ParamValue::U32(groups)),
             ],
         )?;
-        let grid = combine_grid(shape.heads, shape.tokens, shape.dims.d_v(), groups, threads);
+        let grid = combine_grid(shape.heads, split_tokens, shape.dims.d_v(), groups, threads);
         out.push(Launch {
             kernel: combine,
             grid,
@@ -1271,17 +1500,48 @@ pub fn merged_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
         ));
     }
     match cfg.lowering {
-        Lowering::Mma { .. } => split_kernel_v6_with(cfg, true),
-        _ => split_kernel_v7_with(cfg, true),
+        Lowering::Mma { .. } => split_kernel_v6_with(cfg, SplitForm::Merged),
+        _ => split_kernel_v7_with(cfg, SplitForm::Merged),
     }
+}
+
+/// The split kernel of a config that runs whole tokens before the split ones
+/// ([`DecodePlan::whole_tokens`]): the configurations of [`DecodeConfig::has_whole_form`].
+pub fn whole_kernel(cfg: &DecodeConfig) -> Result<Kernel> {
+    if !cfg.has_whole_form() {
+        return Err(Error::arg(
+            "config",
+            "a tensor-core configuration (the whole-token form is built for those)",
+            cfg.lowering.name(),
+        ));
+    }
+    match cfg.lowering {
+        Lowering::Mma { .. } => split_kernel_v6_with(cfg, SplitForm::Whole),
+        _ => split_kernel_v7_with(cfg, SplitForm::Whole),
+    }
+}
+
+/// The lowered whole-token kernel of a config ([`whole_kernel`]), built once per process.
+pub fn lowered_whole(config: &DecodeConfig) -> Result<Arc<Kernel>> {
+    static CACHE: KernelCache<Arc<Kernel>> = OnceLock::new();
+    lowered_by(&CACHE, config, whole_kernel)
 }
 
 /// The lowered merged kernel of a config ([`merged_kernel`]), built once per process.
 pub fn lowered_merged(config: &DecodeConfig) -> Result<Arc<Kernel>> {
     static CACHE: KernelCache<Arc<Kernel>> = OnceLock::new();
-    cached(&CACHE, config, || {
+    lowered_by(&CACHE, config, merged_kernel)
+}
+
+/// `cache`'s lowered kernel for `config`, described by `describe` the first time.
+fn lowered_by(
+    cache: &KernelCache<Arc<Kernel>>,
+    config: &DecodeConfig,
+    describe: fn(&DecodeConfig) -> Result<Kernel>,
+) -> Result<Arc<Kernel>> {
+    cached(cache, config, || {
         Ok(Arc::new(crate::kir::lower(
-            &merged_kernel(config)?,
+            &describe(config)?,
             config.lowering,
         )?))
     })
@@ -1667,6 +1927,126 @@ mod tests {
                 "{format:?} H {heads} T {tokens} at {per_sm} per SM"
             );
         }
+    }
+
+    #[test]
+    fn whole_tokens_fill_the_wave_a_batch_just_misses() {
+        use CacheFormat::{Bf16, Fp8DsMla};
+        let dims = MlaDims::PRODUCTION;
+        let v7 = DecodeConfig::tensor_core_v7(dims, Bf16, 16);
+        let fp8 = DecodeConfig::tensor_core_batch(dims, Fp8DsMla, 16).unwrap();
+        let v6 = DecodeConfig::tensor_core_v6(dims, Bf16, 16);
+        // (config, format, T, resident): whole tokens and splits of the rest, or none
+        for (config, format, tokens, resident, want) in [
+            // one 16-head workgroup per SM on 132 SMs: past T 132 the uniform plan takes 5
+            // waves of 18 steps (the wave cliff); a full wave of whole tokens, then the rest
+            // in one short wave
+            (v7, Bf16, 144, 132, Some((132, 11))),
+            (v7, Bf16, 133, 132, Some((128, 32))),
+            (v7, Bf16, 160, 132, Some((132, 4))),
+            (fp8, Fp8DsMla, 144, 132, Some((132, 11))),
+            // whole waves, or below one: the uniform plan
+            (v7, Bf16, 132, 132, None),
+            (v7, Bf16, 128, 132, None),
+            (v7, Bf16, 264, 132, None),
+            // two v6 workgroups per SM: 5 splits fill 2.7 waves of 264, within 5 % of the best
+            (v6, Bf16, 144, 264, None),
+        ] {
+            let sh = shape(format, 16, tokens);
+            assert_eq!(
+                DecodePlan::model_whole(&config, &sh, resident, 132),
+                want,
+                "{format:?} T {tokens} resident {resident}"
+            );
+        }
+        // every choice: whole tokens a multiple of splits the plan makes as asked, fewer than
+        // T, and the model's time at least WHOLE_MIN_GAIN below the best uniform split's
+        for tokens in (100..700).step_by(7) {
+            for (config, format, resident) in
+                [(v7, Bf16, 132), (fp8, Fp8DsMla, 132), (v6, Bf16, 264)]
+            {
+                let sh = shape(format, 16, tokens);
+                let Some((whole, s)) = DecodePlan::model_whole(&config, &sh, resident, 132) else {
+                    continue;
+                };
+                let plan = DecodePlan::new(config, &sh, resident, Some(s), None).unwrap();
+                assert_eq!(plan.splits, s, "T {tokens}");
+                assert!(
+                    whole % s == 0 && whole > 0 && whole < tokens,
+                    "T {tokens}: {whole} {s}"
+                );
+                let u = DecodePlan::model_splits(&config, &sh, resident, 132);
+                let t = DecodePlan::model_cost(&config, &sh, resident, 132, whole, s);
+                assert!(
+                    t * WHOLE_MIN_GAIN < DecodePlan::model_cost(&config, &sh, resident, 132, 0, u)
+                );
+            }
+        }
+        // the plan: grid z = W / S + the split tokens, partials for the split tokens only
+        let sh = shape(Bf16, 16, 144);
+        let plan = DecodePlan::new(v7, &sh, 132, Some(11), None)
+            .unwrap()
+            .with_whole_tokens(&sh, 132)
+            .unwrap();
+        assert_eq!(plan.grid_split(&sh), [1, 11, 12 + 12]);
+        assert_eq!(plan.split_tokens(&sh), 12);
+        assert_eq!(plan.partial_rows(&sh), 12 * 16 * 11);
+        let launches = launches(&sh, &DecodeLayout::default(), &plan).unwrap();
+        assert_eq!(launches.len(), 2);
+        assert_eq!(
+            launches[0].kernel.name,
+            v7.whole_name(),
+            "the whole-token form"
+        );
+        assert_eq!(launches[0].grid, plan.grid_split(&sh));
+        assert_eq!(
+            launches[1].grid[1], 12,
+            "the combine covers the split tokens"
+        );
+        // the plain kernel keeps the plain grid: no whole_tokens parameter
+        let (plain, _) = lowered_kernels(&v7).unwrap();
+        assert!(plain.params.iter().all(|p| p.name != "whole_tokens"));
+        let whole = lowered_whole(&v7).unwrap();
+        assert!(whole.params.iter().any(|p| p.name == "whole_tokens"));
+        // all tokens whole: no combine
+        let all = DecodePlan::new(v7, &sh, 132, Some(4), None)
+            .unwrap()
+            .with_whole_tokens(&sh, 144)
+            .unwrap();
+        assert_eq!(all.partial_rows(&sh), 0);
+        assert_eq!(launches_len(&sh, &all), 1);
+        // refused: not a multiple of the splits, more than the tokens, with the merged form
+        let base = DecodePlan::new(v7, &sh, 132, Some(11), None).unwrap();
+        for bad in [131, 154] {
+            let e = base.with_whole_tokens(&sh, bad).unwrap_err().to_string();
+            assert!(e.contains("whole_tokens"), "{e}");
+        }
+        let merged = DecodePlan {
+            merged: true,
+            ..base
+        };
+        assert!(merged.with_whole_tokens(&sh, 132).is_err());
+        let scalar = DecodeConfig::portable(MlaDims::PRODUCTION, Bf16);
+        let scalar_plan = DecodePlan::new(scalar, &sh, 132, Some(2), None).unwrap();
+        assert!(scalar_plan.with_whole_tokens(&sh, 132).is_err());
+        assert_eq!(
+            DecodePlan::with_config_whole(scalar, &sh, 132, 132, None, WholeTokens::Forced(100))
+                .unwrap()
+                .whole_tokens,
+            0,
+            "the scalar lowering has no whole-token form"
+        );
+        assert!(
+            !base
+                .with_whole_tokens(&sh, 132)
+                .unwrap()
+                .merged_where_it_can(&sh, 100_000)
+                .merged
+        );
+    }
+
+    fn launches_len(sh: &DecodeShape, plan: &DecodePlan) -> usize {
+        launches(sh, &DecodeLayout::default(), plan).unwrap().len()
     }
 
     #[test]

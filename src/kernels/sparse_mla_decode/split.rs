@@ -11,9 +11,9 @@
 //! `O_tile += P · (E_tile · scale_tile)` ([`KernelBuilder::mma_scaled`]), so the scores stay
 //! f32-exact up to the accumulation and the bytes a step moves are the row's 656.
 
-use super::io::{declare, write_outputs};
+use super::io::{declare, owner, write_outputs};
 use super::merge;
-use super::DecodeConfig;
+use super::{DecodeConfig, SplitForm};
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
 use crate::kir::ops::{online_softmax_update, SoftmaxState, MASKED};
@@ -23,18 +23,18 @@ use crate::Result;
 
 /// The v7 split kernel.
 pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
-    split_kernel_v7_with(cfg, false)
+    split_kernel_v7_with(cfg, SplitForm::Plain)
 }
 
-/// The v7 split kernel; `merged`: it merges its own partials ([`super::merge`]; one warp
-/// group only).
-pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> {
+/// The v7 split kernel in `form` (merged: one warp group only).
+pub fn split_kernel_v7_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kernel> {
+    let merged = form == SplitForm::Merged;
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
     let (bh, bn) = (cfg.block_h, cfg.block_n);
     // with warp groups, the description is one group's work (the lowering replicates it)
-    let mut b = KernelBuilder::new(cfg.split_kernel_name(merged), cfg.threads / cfg.groups());
-    let io = declare(&mut b, cfg);
+    let mut b = KernelBuilder::new(cfg.split_kernel_name(form), cfg.threads / cfg.groups());
+    let io = declare(&mut b, cfg, form == SplitForm::Whole);
     let extra = merged.then(|| merge::declare(&mut b));
     if cfg.format == CacheFormat::Fp8DsMla {
         b.doc("fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.".to_string());
@@ -100,9 +100,8 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
     };
     let st = SoftmaxState::declare(&mut b, bh);
 
-    b.comment("which token, split and head block this workgroup owns");
-    let t = b.let_("t", workgroup_id(2));
-    let split = b.let_("split", workgroup_id(1));
+    let own = owner(&mut b, &io);
+    let (t, split) = (own.t.clone(), own.split.clone());
     let h0 = b.let_("h0", workgroup_id(0) * u(bh));
     let (topk, has_len) = (io.topk.clone(), io.has_len.clone());
     // topk_length[t] clamped to [0, topk]; read at index 0 of the dummy when absent.
@@ -120,9 +119,14 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
         ),
     );
     let j_begin = b.let_("j_begin", split.clone() * io.chunk.clone());
+    let chunk_end = (j_begin.clone() + io.chunk.clone()).min(topk.clone());
+    // a whole token's workgroup walks the whole list
     let chunk_end = b.let_(
         "chunk_end",
-        (j_begin.clone() + io.chunk.clone()).min(topk.clone()),
+        match io.whole_tokens {
+            Some(_) => select(own.whole.clone(), topk.clone(), chunk_end),
+            None => chunk_end,
+        },
     );
     // entries past topk_length are invalid: the chunk stops there
     let j_end = b.let_("j_end", chunk_end.clone().min(valid_len));
@@ -268,9 +272,9 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
     );
 
     let outs: Vec<(&Acc, u32)> = outs.iter().map(|(o, c)| (o, *c)).collect();
-    write_outputs(&mut b, cfg, &io, (&t, &split, &h0), &st, &outs);
+    let own = write_outputs(&mut b, cfg, &io, (&own, &h0), &st, &outs);
     if let Some(extra) = &extra {
-        merge::merge_in_kernel(&mut b, cfg, &io, extra, (&t, &split));
+        merge::merge_in_kernel(&mut b, cfg, &io, extra, &own);
     }
     let _ = Ty::U32;
     b.finish()

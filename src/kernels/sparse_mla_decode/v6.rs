@@ -4,9 +4,9 @@
 //! v6 tensor-core configurations ([`super::DecodeConfig::tensor_core_v6`]) lower it with
 //! [`crate::kir::Lowering::Mma`].
 
-use super::io::{declare, write_outputs, SplitIo};
+use super::io::{declare, owner, write_outputs, SplitIo};
 use super::merge;
-use super::DecodeConfig;
+use super::{DecodeConfig, SplitForm};
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
 use crate::kir::ops::{online_softmax_update, SoftmaxState, MASKED};
@@ -15,15 +15,16 @@ use crate::Result;
 
 /// The v6 split kernel.
 pub fn split_kernel_v6(cfg: &DecodeConfig) -> Result<Kernel> {
-    split_kernel_v6_with(cfg, false)
+    split_kernel_v6_with(cfg, SplitForm::Plain)
 }
 
 /// The v6 split kernel; `merged`: it merges its own partials ([`super::merge`]).
-pub fn split_kernel_v6_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> {
+pub fn split_kernel_v6_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kernel> {
+    let merged = form == SplitForm::Merged;
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let row_words = cfg.row_words();
-    let mut b = KernelBuilder::new(cfg.split_kernel_name(merged), cfg.threads);
-    let io = declare(&mut b, cfg);
+    let mut b = KernelBuilder::new(cfg.split_kernel_name(form), cfg.threads);
+    let io = declare(&mut b, cfg, form == SplitForm::Whole);
     let extra = merged.then(|| merge::declare(&mut b));
     let SplitIo {
         heads,
@@ -70,12 +71,20 @@ pub fn split_kernel_v6_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
     let o = b.acc_tile("o_acc", cfg.block_h, dv);
     let st = SoftmaxState::declare(&mut b, cfg.block_h);
 
-    b.comment("which token, split and head block this workgroup owns");
-    let t = b.let_("t", workgroup_id(2));
-    let split = b.let_("split", workgroup_id(1));
+    let own = owner(&mut b, &io);
+    let (t, split) = (own.t.clone(), own.split.clone());
     let h0 = b.let_("h0", workgroup_id(0) * u(cfg.block_h));
     let j_begin = b.let_("j_begin", split.clone() * chunk.clone());
-    let j_end = b.let_("j_end", (j_begin.clone() + chunk).min(topk.clone()));
+    let chunk_end = j_begin.clone() + chunk;
+    // a whole token's workgroup walks the whole list
+    let j_end = b.let_(
+        "j_end",
+        match io.whole_tokens {
+            Some(_) => select(own.whole.clone(), topk.clone(), chunk_end),
+            None => chunk_end,
+        }
+        .min(topk.clone()),
+    );
     let steps = b.let_(
         "steps",
         select(
@@ -164,9 +173,9 @@ pub fn split_kernel_v6_with(cfg: &DecodeConfig, merged: bool) -> Result<Kernel> 
         },
     );
 
-    write_outputs(&mut b, cfg, &io, (&t, &split, &h0), &st, &[(&o, 0)]);
+    let own = write_outputs(&mut b, cfg, &io, (&own, &h0), &st, &[(&o, 0)]);
     if let Some(extra) = &extra {
-        merge::merge_in_kernel(&mut b, cfg, &io, extra, (&t, &split));
+        merge::merge_in_kernel(&mut b, cfg, &io, extra, &own);
     }
     b.finish()
 }
