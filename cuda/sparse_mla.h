@@ -592,7 +592,7 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 128; dynamic shared memory: 0 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_scalar_h16n16_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -602,8 +602,8 @@ static inline CUresult sparse_mla_launch_decode(const sparse_mla_decode_plan* p,
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_scalar_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -666,7 +666,7 @@ struct cache_write_bf16_d576_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   threads per block: 128; dynamic shared memory: 0 B
@@ -677,8 +677,8 @@ struct cache_write_bf16_d576_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_scalar_h8n8_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -762,7 +762,7 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
 //   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -774,8 +774,8 @@ struct sparse_mla_decode_combine_d512_t256_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -798,7 +798,7 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -810,8 +810,8 @@ struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -832,7 +832,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81280 B
@@ -843,8 +843,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -865,7 +865,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 95232 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -875,8 +875,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -897,7 +897,7 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 78464 B
 //   arguments: (sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -907,8 +907,8 @@ struct sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -931,7 +931,7 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 99200 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -941,8 +941,8 @@ struct sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -965,7 +965,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   threads per block: 256; dynamic shared memory: 98176 B
 //   arguments: (sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params p, const unsigned short* __restrict__ q, const unsigned char* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
@@ -975,8 +975,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma4w8o2_h16n16_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -997,7 +997,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 81280 B
@@ -1008,8 +1008,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_mma2w8o2_h32n16_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1030,7 +1030,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
 //   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 //   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
 //   threads per block: 256; dynamic shared memory: 96704 B
@@ -1041,8 +1041,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1065,7 +1065,7 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -1077,8 +1077,8 @@ struct sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
@@ -1101,7 +1101,7 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
 //   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 //   fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 //   Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 //   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //   fp8_ds_mla as one product: e4m3 bytes are the operand (exact in bf16), each tile's scale folded into S and into P . V.
 //   mbarrier ring: 2 stages; warps 4-7 also issue the gathers (cp.async.bulk on sm_90 and later, cp.async before).
@@ -1113,8 +1113,8 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32_params {
 //     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
 //     out          [tokens, heads, 512] (splits = 1)
 //     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens - whole_tokens, heads, splits] (splits > 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads

@@ -7,7 +7,7 @@
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
 // fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.
 // Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.
-// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 256 threads (1-D); workgroup memory: 99200 bytes.
@@ -33,8 +33,8 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//   6  o_part         f32   read_write [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//   7  lse_part       f32   read_write [tokens - whole_tokens, heads, splits] (splits > 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Launch: blockDim = (256, 1, 1), gridDim = workgroup counts above, dynamic shared memory 99200 bytes
 // (set CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to it first: above the 48 KB default).
 // sm_90 and later: may be launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuLaunchKernelEx):
@@ -245,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) sparse_mla_decode_split_fp8
     const unsigned o_acc_row0 = (warp / 8u) * 16u;
     const unsigned o_acc_col0 = o_acc_wn * 64u;
 
-    // which token and split this workgroup owns
+    // which token, split and head block this workgroup owns
     const unsigned t = blockIdx.z;
     const unsigned split = blockIdx.y;
     const unsigned h0 = blockIdx.x * 16u;

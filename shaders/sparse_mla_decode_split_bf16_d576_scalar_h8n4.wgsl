@@ -5,7 +5,7 @@
 // Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
 // Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
 // Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.
+// splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
 // lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
 //
 // Workgroup: 128 threads (1-D); workgroup memory: 14272 bytes.
@@ -31,8 +31,8 @@
 //   3  topk_length    i32   read       [tokens] (any 1-element buffer when has_topk_length = 0)
 //   4  out            bf16  read_write [tokens, heads, 512] (splits = 1)
 //   5  lse            f32   read_write [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//   6  o_part         f32   read_write [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-//   7  lse_part       f32   read_write [tokens - whole_tokens, heads, splits] (splits > 1)
+//   6  o_part         f32   read_write [tokens, heads, splits, 512] (splits > 1)
+//   7  lse_part       f32   read_write [tokens, heads, splits] (splits > 1)
 // Dispatch: workgroup ids (x, y, z) as described above; one invocation per thread.
 
 struct Params {
@@ -57,8 +57,8 @@ struct Params {
 @group(0) @binding(4) var<storage, read> topk_length: array<i32>; // i32 [tokens] (any 1-element buffer when has_topk_length = 0)
 @group(0) @binding(5) var<storage, read_write> out: array<u32>; // bf16 [tokens, heads, 512] (splits = 1)
 @group(0) @binding(6) var<storage, read_write> lse: array<f32>; // f32 [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-@group(0) @binding(7) var<storage, read_write> o_part: array<f32>; // f32 [tokens - whole_tokens, heads, splits, 512] (splits > 1)
-@group(0) @binding(8) var<storage, read_write> lse_part: array<f32>; // f32 [tokens - whole_tokens, heads, splits] (splits > 1)
+@group(0) @binding(7) var<storage, read_write> o_part: array<f32>; // f32 [tokens, heads, splits, 512] (splits > 1)
+@group(0) @binding(8) var<storage, read_write> lse_part: array<f32>; // f32 [tokens, heads, splits] (splits > 1)
 
 var<workgroup> row_max: array<f32, 8>;
 var<workgroup> row_sum: array<f32, 8>;
@@ -115,7 +115,7 @@ fn sparse_mla_decode_split_bf16_d576_scalar_h8n4(@builtin(local_invocation_index
     var scores: array<f32, 2>;
     var o_acc: array<f32, 32>;
 
-    // which token and split this workgroup owns
+    // which token, split and head block this workgroup owns
     let t: u32 = wg_id.z;
     let split: u32 = wg_id.y;
     let h0: u32 = wg_id.x * 8u;

@@ -60,7 +60,7 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig, whole: bool) ->
         b.doc("fp8_ds_mla row, 656 bytes: [0,512) 512 x e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values | [528,656) 64 x bf16 rope, unquantised.".to_string());
         b.doc("Dequant: c[i] = e4m3(byte[i]) * scale[i / 128] in f32 (e4m3fn: no infinities, 0x7f/0xff NaN, max 448); both scale flavours (pow2, arbitrary) read the same.".to_string());
     }
-    b.doc("splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) of the split tokens, token whole_tokens + i at partial row i (whole_tokens 0 without that form), for the combine. The buffers of the other case are bound but not touched.".to_string());
+    b.doc(format!("splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty){} for the combine. The buffers of the other case are bound but not touched.", if whole { " of the split tokens, token whole_tokens + i at partial row i," } else { "" }));
     b.doc("lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].".to_string());
 
     let tokens = b.param("tokens", Ty::U32, "T, query tokens (batch x s_q)");
@@ -139,17 +139,22 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig, whole: bool) ->
         Access::ReadWrite,
         "[tokens / lse_s_q, heads, lse_s_q] (splits = 1)",
     );
+    let part_tokens = if whole {
+        "tokens - whole_tokens"
+    } else {
+        "tokens"
+    };
     let o_part = b.buffer(
         "o_part",
         Elem::F32,
         Access::ReadWrite,
-        &format!("[tokens - whole_tokens, heads, splits, {dv}] (splits > 1)"),
+        &format!("[{part_tokens}, heads, splits, {dv}] (splits > 1)"),
     );
     let lse_part = b.buffer(
         "lse_part",
         Elem::F32,
         Access::ReadWrite,
-        "[tokens - whole_tokens, heads, splits] (splits > 1)",
+        &format!("[{part_tokens}, heads, splits] (splits > 1)"),
     );
 
     SplitIo {
@@ -199,7 +204,7 @@ pub(super) struct Owner {
 /// v37), so the plain kernels keep the plain grid.
 pub(super) fn owner(b: &mut KernelBuilder, io: &SplitIo) -> Owner {
     let Some(w) = io.whole_tokens.clone() else {
-        b.comment("which token and split this workgroup owns");
+        b.comment("which token, split and head block this workgroup owns");
         let t = b.let_("t", workgroup_id(2));
         return Owner {
             t: t.clone(),
