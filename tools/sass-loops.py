@@ -23,7 +23,9 @@ instructions it meant to, before a GPU is at hand.
 
 Needs NVRTC 12.8 (tools/test.sh puts it in target/nvrtc) and cuobjdump, from PyPI:
     python3 -m pip install --target target/cuobjdump nvidia-cuda-cuobjdump
-(or on PATH, or CUOBJDUMP=path).
+(or on PATH, or CUOBJDUMP=path); cuobjdump -sass runs nvdisasm, which must be on PATH:
+    python3 -m pip install --target target/nvdisasm nvidia-cuda-nvdisasm
+    PATH=$PWD/target/nvdisasm/nvidia/cu13/bin:$PATH
 """
 import argparse
 import collections
