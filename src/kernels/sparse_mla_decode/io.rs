@@ -77,7 +77,7 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig, whole: bool) ->
         b.param(
             "whole_tokens",
             Ty::U32,
-            "W, tokens run whole before the split ones: a multiple of splits, less than tokens",
+            "W, tokens run whole before the split ones: a multiple of splits, at most tokens",
         )
     });
     let has_len = b.param("has_topk_length", Ty::U32, "1: topk_length is given");

@@ -1075,11 +1075,10 @@ impl DecodePlan {
         if let Some(s) = splits {
             return Self::new(config, shape, resident, Some(s), None);
         }
+        let uniform = Self::model_splits(&config, shape, resident, sms);
         if !config.has_whole_form() {
-            let uniform = Self::model_splits(&config, shape, resident, sms);
             return Self::new(config, shape, resident, Some(uniform), None);
         }
-        let uniform = Self::model_splits(&config, shape, resident, sms);
         match whole {
             WholeTokens::Off => Self::new(config, shape, resident, Some(uniform), None),
             WholeTokens::Model => match Self::model_whole(&config, shape, resident, sms) {
