@@ -1081,11 +1081,13 @@ impl DecodePlan {
         }
         match whole {
             WholeTokens::Off => Self::new(config, shape, resident, Some(uniform), None),
-            WholeTokens::Model => match Self::model_whole(&config, shape, resident, sms) {
-                Some((whole, s)) => Self::new(config, shape, resident, Some(s), None)?
-                    .with_whole_tokens(shape, whole),
-                None => Self::new(config, shape, resident, Some(uniform), None),
-            },
+            WholeTokens::Model => {
+                match Self::model_whole_against(&config, shape, resident, sms, uniform) {
+                    Some((whole, s)) => Self::new(config, shape, resident, Some(s), None)?
+                        .with_whole_tokens(shape, whole),
+                    None => Self::new(config, shape, resident, Some(uniform), None),
+                }
+            }
             WholeTokens::Forced(n) => {
                 let plan = Self::new(config, shape, resident, Some(uniform), None)?;
                 let whole = n.min(shape.tokens - 1) / plan.splits * plan.splits;
@@ -1206,13 +1208,25 @@ impl DecodePlan {
         resident: u32,
         sms: u32,
     ) -> Option<(u32, u32)> {
+        let uniform = Self::model_splits(config, shape, resident, sms);
+        Self::model_whole_against(config, shape, resident, sms, uniform)
+    }
+
+    /// [`Self::model_whole`] against `uniform`, the model's uniform split count (the plan has
+    /// it already: [`Self::model_splits`] is not walked twice a call).
+    fn model_whole_against(
+        config: &DecodeConfig,
+        shape: &DecodeShape,
+        resident: u32,
+        sms: u32,
+        uniform: u32,
+    ) -> Option<(u32, u32)> {
         let blocks = shape.topk.div_ceil(config.block_n).max(1);
         let head_blocks = shape.heads.div_ceil(config.block_h).max(1);
         let per_wave = resident.max(1) / head_blocks;
         if per_wave == 0 || blocks < 2 {
             return None;
         }
-        let uniform = Self::model_splits(config, shape, resident, sms);
         let base = Self::model_cost(config, shape, resident, sms, 0, uniform);
         let mut best: Option<(f64, u32, u32)> = None;
         // the most full waves, or one fewer (a longer tail split finer)
