@@ -21,8 +21,10 @@ use std::process::ExitCode;
 
 /// Time sparse MLA decode (topk 2048, page 64) over a cache of random rows at random distinct
 /// slots (≥ 2 GiB), with CUDA events around each call, L2 flushed before each, input sets
-/// rotated; report the median against the roofline (4.3 TB/s, 645 TFLOP/s mma.sync bf16),
-/// beside the scalar lowering and a PyTorch peer (tools/peer_bench.py) on the same shapes.
+/// rotated; report the median against the roofline of this GPU (its device-to-device copy
+/// bandwidth, measured at start, and its bf16 mma.sync peak from a table of parts: 645
+/// TFLOP/s on an H200), beside the scalar lowering and a PyTorch peer (tools/peer_bench.py)
+/// on the same shapes.
 /// The first timed column is the kernel the CUDA backend runs for the call (v6, v7 or the
 /// large-batch kernel, `DecodeConfig::for_call_from_env`: the backend's switches
 /// SPARSE_MLA_DECODE_KERNEL, SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_DEFER_PV apply, and the

@@ -1,0 +1,273 @@
+//! Which decode configuration a call runs: the size rules ([`DecodeConfig::for_call`] and the
+//! predicates it asks, each with the measurement that set it) and the environment's
+//! overrides ([`DecodeConfig::for_call_from_env`]). The configurations themselves are built
+//! in the parent module; the call's splits are [`super::DecodePlan`]'s.
+
+use super::{DecodeConfig, DecodePlan};
+use crate::mla::{CacheFormat, DecodeShape};
+use crate::{Error, Result};
+
+impl DecodeConfig {
+    /// Is `shape` a narrow call: more than 16 heads and `NARROW_FACTOR · T · ⌈H/16⌉ ≤ SMs`
+    /// (at most 12 blocks of 16 heads on 132 SMs)? [`Self::for_call`] runs such a call on
+    /// [`Self::tensor_core_narrow`], whatever the cache format and the v6 residency, unless
+    /// it is one of bf16's v6 calls ([`Self::is_v6_call`], taken before). Twice
+    /// the head blocks of v7's 32-head ones leave each of them half the splits, so the
+    /// partials to merge halve and each workgroup walks twice the steps. Measured on the
+    /// H200 at both occupancies, same binary (benches/NOTES.md, v24), against what ran
+    /// before (v6 for bf16 at ≤ 4 blocks, else v7 in 32-head blocks): 1.01–1.10x on every
+    /// bf16 call of ≤ 12 blocks (H 32 T 1–6, H 48 T 1–4, H 64 T 1–3, H 96 T 1–2, H 128
+    /// T 1), 1.04–1.29x on fp8_ds_mla; 0.92–0.99x at 16–18 blocks (H 64 T 4, H 128 T 2,
+    /// H 48 T 6, H 96 T 3), where the rule stops.
+    pub fn is_narrow_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        Self::tensor_core_narrow(shape.dims, shape.format, shape.heads).is_some()
+            && Self::NARROW_FACTOR * Self::blocks16(shape) <= sm_count as u64
+    }
+
+    /// The factor of [`Self::is_narrow_call`]: 12 blocks of 16 heads on the H200's 132
+    /// multiprocessors won, 16 lost.
+    pub const NARROW_FACTOR: u64 = 11;
+
+    /// Is `shape` a narrow call ([`Self::is_narrow_call`]) that runs
+    /// [`Self::tensor_core_narrow_wide`]: an fp8_ds_mla one of at least
+    /// [`Self::NARROW_WIDE_MIN_BLOCKS`] 16-head blocks?
+    pub fn is_narrow_wide_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        Self::tensor_core_narrow_wide(shape.dims, shape.format, shape.heads).is_some()
+            && Self::is_narrow_call(shape, sm_count)
+            && Self::blocks16(shape) >= Self::NARROW_WIDE_MIN_BLOCKS
+    }
+
+    /// The fewest 16-head blocks, `T · ⌈H/16⌉`, of an fp8_ds_mla narrow call that runs
+    /// [`Self::tensor_core_narrow_wide`].
+    pub const NARROW_WIDE_MIN_BLOCKS: u64 = 6;
+
+    /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
+    /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
+    /// - bf16, only where the split model ([`DecodePlan::model_splits`], one workgroup per SM)
+    ///   gives each of its workgroups at least [`Self::BATCH_MIN_STEPS`] steps. Its two warp
+    ///   groups walk alternate steps, so a short or odd walk leaves one group idle at the end:
+    ///   at SM120's occupancy on the H200 (132 SMs, topk 2048) it beat v7 by 2–9 % where the
+    ///   model split a call 2 or 3 ways (21–32 steps: T 36–44, 56–64), was level at 4 (16
+    ///   steps: T 28–32) and 1–4 % slower at 5 or more (≤ 13 steps: T 16–24, 48–52)
+    ///   (benches/NOTES.md, v22). Past one wave the model splits again (T 133–165: 16 steps),
+    ///   and there v7 was 1.07x and v6 1.11x the batch kernel on an H100, as v7 was 1.04–1.08x
+    ///   at 13–16 steps below one wave (T 80–96) at SM120's occupancy (v36). Given the steps:
+    /// - bf16 where one bf16 v6 workgroup fills a multiprocessor (SM120): every call that is
+    ///   not a small one ([`Self::is_small_call`]);
+    /// - bf16 where two or more v6 workgroups fit (`v6_per_sm`, H100/H200): v6 keeps the call
+    ///   until its blocks fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6
+    ///   was 6–8 % faster at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md,
+    ///   v14; the crossover measured again with the batch kernel's L2 prefetch, v22);
+    /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
+    ///   `16 · T · ⌈H/16⌉ > SMs`: the two-group kernel of before beat v7 from T = 8 (1.02–1.15x
+    ///   at T 8–80 on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14), and the 64-row
+    ///   kernel that replaced it beats both past T 10 (v26).
+    ///
+    /// `v6_per_sm` is read only for bf16 calls between the two bf16 thresholds.
+    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
+        let (blocks, sms) = (Self::blocks16(shape), sm_count as u64);
+        match shape.format {
+            CacheFormat::Bf16 => {
+                (5 * blocks >= 4 * sms || (v6_per_sm < 2 && !Self::is_small_call(shape, sm_count)))
+                    && Self::batch_steps(shape, sm_count) >= Self::BATCH_MIN_STEPS
+            }
+            CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
+        }
+    }
+
+    /// The fewest steps a workgroup of the bf16 large-batch kernel walks on a call it runs
+    /// ([`Self::is_large_batch`]), at any v6 residency.
+    pub const BATCH_MIN_STEPS: u32 = 20;
+
+    /// Steps each workgroup of the large-batch kernel walks for `shape` under the split
+    /// model's choice at one workgroup per multiprocessor (its register budget: 255 a
+    /// thread, 256 threads): `⌈⌈topk / block_n⌉ / splits⌉`; 0 where no batch kernel exists
+    /// for the head count.
+    fn batch_steps(shape: &DecodeShape, sm_count: u32) -> u32 {
+        let Some(batch) = Self::tensor_core_batch(shape.dims, shape.format, shape.heads) else {
+            return 0;
+        };
+        let splits = DecodePlan::model_splits(&batch, shape, sm_count, sm_count);
+        shape.topk.div_ceil(batch.block_n).div_ceil(splits.max(1))
+    }
+
+    /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
+    /// ([`Self::is_large_batch`], [`Self::is_small_call`]).
+    pub fn blocks16(shape: &DecodeShape) -> u64 {
+        shape.tokens as u64 * shape.heads.div_ceil(16) as u64
+    }
+
+    /// Is `shape` a small call for a GPU of `sm_count` multiprocessors: 16 times its 16-head
+    /// blocks at most the multiprocessors, `16 · T · ⌈H/16⌉ ≤ SMs` (T ≤ 8 at H ≤ 16 on 132
+    /// SMs). The split model then gives each workgroup a few steps (≤ 4 of topk 2048's 64),
+    /// where v6's step, with no ring to fill, beats v7's even at one v6 workgroup per
+    /// multiprocessor: bf16 at SM120's occupancy on the H200, 0.83–0.98× v7's time at
+    /// H ≤ 16 T ≤ 8, H 32 T ≤ 4, H 64 T ≤ 2, H 128 T = 1, and 1.09–1.33× past that
+    /// (benches/NOTES.md, v13).
+    pub fn is_small_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        16 * Self::blocks16(shape) <= sm_count as u64
+    }
+
+    /// Does a bf16 call run a v6 kernel, `f · T · ⌈H/16⌉ ≤ SMs`, with `f` by the head count
+    /// and the v6 residency `v6_per_sm`:
+    /// - 16 at H ≤ 16 where two or more v6 workgroups fit a multiprocessor (H100/H200): every
+    ///   small call ([`Self::is_small_call`]);
+    /// - 20 at H ≤ 16 where one fits (SM120), and above 16 heads at any residency, where the
+    ///   call runs v6 in 16-head blocks ([`Self::tensor_core_v6_narrow`]).
+    ///
+    /// Each of them a small call. Past it v7 is the faster: at H ≤ 16 measured on the H200,
+    /// same binary, both occupancies (benches/NOTES.md, v23): v6 won at T ≤ 6 (1.01–1.05×)
+    /// and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own occupancy the
+    /// two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8). Above 16 heads
+    /// (v25), against v7 in 16-head blocks (the narrow calls' kernel), v6 in 16-head blocks won
+    /// on every call of ≤ 6 blocks at both occupancies (H 32 T 1–3 1.02–1.05×, H 48 T 1–2
+    /// 1.01–1.04×, H 64 T 1 1.04–1.05×, H 96 T 1 level), and at 8 blocks lost at SM120's
+    /// (H 32 T 4 0.98×, H 64 T 2 0.97×) and at H 128 T 1 on the H200 (0.99×).
+    pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
+        // above 16 heads the call runs v6 in 16-head blocks, at any residency
+        let blocks16 = Self::tensor_core_v6_narrow(shape.dims, CacheFormat::Bf16, shape.heads);
+        let f = if blocks16.is_none() && v6_per_sm >= 2 {
+            16
+        } else {
+            20
+        };
+        f * Self::blocks16(shape) <= sm_count as u64
+    }
+
+    /// The configuration the CUDA backend runs for one call: for a bf16 call of more than 16
+    /// heads that is a v6 call ([`Self::is_v6_call`]) v6 in 16-head blocks
+    /// ([`Self::tensor_core_v6_narrow`]); [`Self::tensor_core_narrow`] for
+    /// a narrow call ([`Self::is_narrow_call`]; [`Self::tensor_core_narrow_wide`] where
+    /// [`Self::is_narrow_wide_call`]); [`Self::tensor_core_batch`] for a
+    /// large batch ([`Self::is_large_batch`]); for a bf16 small call
+    /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
+    /// more than 16 heads whose v7 blocks fill one wave or take several
+    /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. `v6_per_sm` is asked at
+    /// most once, and only for bf16 calls the answer decides: none of those but the small
+    /// calls at H ≤ 16 between `is_v6_call`'s two factors, and not a large batch at every v6
+    /// residency.
+    pub fn for_call<E>(
+        shape: &DecodeShape,
+        sm_count: u32,
+        v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
+    ) -> std::result::Result<Self, E> {
+        let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        // (above 16 heads is_v6_call does not depend on the residency)
+        if let Some(v6) = Self::tensor_core_v6_narrow(dims, format, heads)
+            .filter(|_| Self::is_v6_call(shape, sm_count, 1))
+        {
+            return Ok(v6);
+        }
+        if let Some(wide) = Self::tensor_core_narrow_wide(dims, format, heads)
+            .filter(|_| Self::is_narrow_wide_call(shape, sm_count))
+        {
+            return Ok(wide);
+        }
+        if let Some(narrow) = Self::tensor_core_narrow(dims, format, heads)
+            .filter(|_| Self::is_narrow_call(shape, sm_count))
+        {
+            return Ok(narrow);
+        }
+        if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
+            // v6 or v7 by Self::is_v6_call; the residency is asked only where it decides (at
+            // H <= 16 between the call's two factors)
+            let (at_one, at_more) = (
+                Self::is_v6_call(shape, sm_count, 1),
+                Self::is_v6_call(shape, sm_count, 2),
+            );
+            let v6 = if at_one == at_more {
+                at_one
+            } else {
+                v6_per_sm()? >= 2
+            };
+            return Ok(if v6 {
+                Self::tensor_core_v6(dims, format, heads)
+            } else {
+                Self::tensor_core_v7(dims, format, heads)
+            });
+        }
+        let batch = Self::tensor_core_batch(dims, format, heads);
+        // large at the strictest residency rule: large whatever the GPU holds
+        if let Some(batch) = batch.filter(|_| Self::is_large_batch(shape, sm_count, u32::MAX)) {
+            return Ok(batch);
+        }
+        if format == CacheFormat::Bf16 && Self::bf16_wide_runs_v7(shape, sm_count) {
+            // v7 at any v6 residency: the one-workgroup-per-SM choice
+            return Self::tensor_core_on(dims, format, heads, || Ok(1));
+        }
+        let per_sm = match format {
+            CacheFormat::Bf16 => v6_per_sm()?,
+            CacheFormat::Fp8DsMla => 1,
+        };
+        match batch {
+            Some(batch) if Self::is_large_batch(shape, sm_count, per_sm) => Ok(batch),
+            _ => Self::tensor_core_on(dims, format, heads, || Ok(per_sm)),
+        }
+    }
+
+    /// The decode kernel a GPU backend runs for `shape` on `sm_count` multiprocessors, with the
+    /// run-time switches of the environment: [`Self::for_call`] (`v6_per_sm`: the GPU's
+    /// residency of the bf16 v6 split kernel, asked only where it decides), or the version
+    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel
+    /// where one exists for the head count, else v7); then the forms:
+    /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
+    ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
+    ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
+    ///   one in fragments). `0` holds them in fragments, `lazy` moves the running max only
+    ///   past a margin. A row form on a call planned on bf16's large-batch kernel (two warp
+    ///   groups) is refused: compute-sanitizer's racecheck reports hazards in its row forms
+    ///   that are not yet explained (v32: only in bf16 cases; fp8's one-group large-batch
+    ///   kernel ran clean in rows, v32 and v36).
+    /// - `SPARSE_MLA_DEFER_PV=1|early` (off by default) runs each step's `O += P · V` in the
+    ///   next step, beside its scores (`1`, bf16) or before its wait (`early`)
+    ///   ([`Self::with_defer_pv`]), on the kernels where the form applies (scores in
+    ///   fragments; the kernel's name ends in `d` or `de`). Timed slower (v35).
+    ///
+    /// The CUDA backend and `mla-bench` both plan through this, so that a benchmark of a
+    /// switch times the kernels the switch selects.
+    pub fn for_call_from_env(
+        shape: &DecodeShape,
+        sm_count: u32,
+        v6_per_sm: impl FnOnce() -> Result<u32>,
+    ) -> Result<Self> {
+        let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        let config = match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
+            Err(_) | Ok("") | Ok("auto") => Self::for_call(shape, sm_count, v6_per_sm)?,
+            Ok("v6") => Self::tensor_core_v6(dims, format, heads),
+            Ok("v7") => Self::tensor_core_v7(dims, format, heads),
+            Ok("batch") => Self::tensor_core_batch(dims, format, heads)
+                .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
+            Ok(other) => {
+                return Err(Error::arg(
+                    "SPARSE_MLA_DECODE_KERNEL",
+                    "auto, v6, v7 or batch",
+                    other,
+                ))
+            }
+        };
+        config.with_env_forms(shape)
+    }
+
+    /// Does a bf16 call of more than 16 heads run v7 whatever the GPU's v6 residency: not a
+    /// v6 call, and v7's 32-head blocks `b = T · ⌈H/32⌉` either take more than one wave
+    /// (`b > SMs`) or fill one, `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can give each
+    /// multiprocessor one workgroup and leave at most an eighth idle)? Where two bf16 v6
+    /// workgroups fit a multiprocessor (H100/H200), [`Self::for_call`] then runs v7 for bf16,
+    /// not v6. On the H200 v7 was 1.03–1.11× faster on one-wave calls (H 32 T 8–128, H 64
+    /// T 4–64, H 128 T 2–32; benches/NOTES.md, v17), and since its softmax's exponentials
+    /// went to `ex2.approx` (v28) 1.03–1.13× faster on every call of several waves measured
+    /// (H 32 T 192–256, H 64 T 96–256, H 128 T 48–256), where v6 had been 1.05× faster. v6
+    /// stays where v7's single partial wave leaves SMs idle: H 32 T 48 0.93× with v7 (but
+    /// H 32 T 96 and H 64 T 48, also partial, ran 1.05× faster on v7: kept on v6, not
+    /// special-cased). At H ≤ 16 v6 stays (v7 0.96× at H 16 T 32).
+    pub fn bf16_wide_runs_v7(shape: &DecodeShape, sm_count: u32) -> bool {
+        // the head block v7 takes for this head count: the rule is for its 32-head blocks
+        let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
+        if block <= 16 || Self::is_v6_call(shape, sm_count, 1) {
+            return false;
+        }
+        let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;
+        let sms = sm_count as u64;
+        b >= 1 && (b > sms || 8 * b * (sms / b) >= 7 * sms)
+    }
+}
