@@ -62,6 +62,22 @@ fn every_cuda_kernel_compiles_for_every_arch() {
             }
         }
     }
+    // v7's 32-head blocks as two 16-head warp groups over one ring (`SPARSE_MLA_DECODE_KERNEL=
+    // heads`, an experiment): split and whole-token kernels of both formats, bf16 in fragments
+    // too (`SPARSE_MLA_ROW_SOFTMAX=0`)
+    for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+        let heads = DecodeConfig::tensor_core_v7_heads(MlaDims::PRODUCTION, format, 128)
+            .expect("a head-group configuration above 16 heads");
+        let mut configs = vec![heads];
+        if format == CacheFormat::Bf16 {
+            configs.push(heads.with_row_softmax(RowSoftmax::Off));
+        }
+        for config in configs {
+            let (split, _) = lowered_kernels(&config).expect("head-group split kernel");
+            kernels.push((*split).clone());
+            kernels.push((*lowered_whole(&config).expect("whole-token kernel")).clone());
+        }
+    }
     // bf16's narrow-call kernel (fp8's is its H <= 16 v7 kernel, merged above)
     let narrow = DecodeConfig::tensor_core_narrow(MlaDims::PRODUCTION, CacheFormat::Bf16, 64)
         .expect("a narrow configuration above 16 heads");

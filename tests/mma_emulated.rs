@@ -350,3 +350,50 @@ fn deferred_p_v_on_the_decode_cases() {
         failed.join("\n")
     );
 }
+
+/// v7's 32-head blocks as two 16-head warp groups over one shared ring
+/// (`DecodeConfig::tensor_core_v7_heads`, `SPARSE_MLA_DECODE_KERNEL=heads`) on the decode
+/// cases of more than 16 heads: as run 0 (sm_120's helpers, copies landing late, whole tokens
+/// before split ones) and as run 1 (sm_80's helpers, copies landing at issue). The groups walk
+/// the same steps apart: group 0's producers refill a stage only once every thread of both
+/// groups has released it, which the race detector checks, and each group writes its own
+/// heads. Both formats must run it.
+#[test]
+fn two_head_groups_over_one_ring_on_the_decode_cases() {
+    if let Some(why) = emu::gxx_unavailable() {
+        common::skip("g++", &why);
+        return;
+    }
+    let seed = test_seed();
+    let mut failed = Vec::new();
+    for mode in [0, 1] {
+        let config = emu::EmuConfig {
+            heads: true,
+            merge: None,
+            row_softmax: None,
+            ..emu::EmuConfig::mode(mode, seed)
+        };
+        let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
+        let mut wrong = Vec::new();
+        let wide = decode_cases().into_iter().filter(|c| c.heads > 16);
+        run_cases(&backend, wide, seed, &mut wrong);
+        failed.extend(
+            wrong
+                .into_iter()
+                .map(|w| format!("{}: {w}", config.describe())),
+        );
+        let plans = &backend.device().heads_plans;
+        let [bf16, fp8] = [0, 1].map(|i| plans[i].load(std::sync::atomic::Ordering::Relaxed));
+        if bf16 == 0 || fp8 == 0 {
+            failed.push(format!(
+                "{}: calls planned on two head groups: bf16 {bf16}, fp8_ds_mla {fp8}",
+                config.describe()
+            ));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "SPARSE_MLA_SEED={seed}: {}",
+        failed.join("\n")
+    );
+}

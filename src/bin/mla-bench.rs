@@ -97,11 +97,12 @@ struct Args {
     sweep_splits: Vec<u32>,
     /// Also time these variants: of the current kernel (v7) as BLOCK_H x BLOCK_N x STAGES,
     /// optionally wWARPS (8 unless given) and gGROUPS (warp groups of WARPS warps each, see
-    /// `Lowering::MmaWs`) and pAHEAD (the producers ask L2 for the rows AHEAD steps past
-    /// the ring's copies), of the baseline (v6) as
-    /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
-    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,v6:16x16x2x2,v6:16x32x2x2p1 (pAHEAD: L2 asked for the
-    /// rows AHEAD steps past the copies).
+    /// `Lowering::MmaWs`, dealing out the steps) or hGROUPS (warp groups of WARPS warps each
+    /// splitting the BLOCK_H heads over one shared ring, `GroupBy::Heads`) and pAHEAD (the
+    /// producers ask L2 for the rows AHEAD steps past the ring's copies), of the baseline
+    /// (v6) as v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
+    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,32x32x2w4h2,v6:16x16x2x2,v6:16x32x2x2p1 (pAHEAD: L2
+    /// asked for the rows AHEAD steps past the copies).
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
@@ -588,7 +589,7 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS, WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
@@ -604,15 +605,21 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         ),
         _ => (body, 0),
     };
-    let (body, groups) = match body.split_once('g') {
-        Some((b, g)) if !v6 => (
+    // gGROUPS: warp groups that deal out the steps; hGROUPS: that split the heads
+    let (body, groups, heads) = match body
+        .split_once('g')
+        .map(|x| (x, false))
+        .or_else(|| body.split_once('h').map(|x| (x, true)))
+    {
+        Some(((b, g), heads)) if !v6 => (
             b,
             g.parse::<u32>()
                 .ok()
                 .filter(|g| (2..=8).contains(g))
                 .ok_or_else(|| Error::arg("variants", FORM, s))?,
+            heads,
         ),
-        _ => (body, 1),
+        _ => (body, 1, false),
     };
     let (body, warps) = match body.split_once('w') {
         Some((b, w)) if !v6 => (
@@ -630,6 +637,21 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .collect::<std::result::Result<_, _>>()
         .map_err(|_| Error::arg("variants", FORM, s))?;
     match (v6, v.as_slice()) {
+        (false, &[h, _, _]) if heads && (h % groups != 0 || (h / groups) % 16 != 0) => {
+            Err(Error::arg(
+                "variants",
+                "BLOCK_H a multiple of 16 x GROUPS with hGROUPS (16 heads a group at least: an mma tile's rows)",
+                s,
+            ))
+        }
+        (false, &[h, n, stages]) if heads => Ok(DecodeConfig::tensor_core_heads(
+            dims,
+            format,
+            (h, n, stages),
+            warps,
+            groups,
+        )
+        .with_l2_ahead(l2_ahead)),
         (false, &[h, n, stages]) if groups > 1 => {
             Ok(
                 DecodeConfig::tensor_core_grouped(dims, format, (h, n, stages), warps, groups)

@@ -63,13 +63,34 @@ pub enum Lowering {
     /// ([`RowSoftmax`]).
     ///
     /// `defer_pv`: where a step's closing `O += P · V` runs ([`DeferPv`]).
+    ///
+    /// `group_by`: what the warp groups split ([`GroupBy`]): the steps (above), or the heads.
     MmaWs {
         stages: u32,
         groups: u32,
         l2_ahead: u32,
         row_softmax: RowSoftmax,
         defer_pv: DeferPv,
+        group_by: GroupBy,
     },
+}
+
+/// What the warp groups of [`Lowering::MmaWs`] split between them (with `groups` > 1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GroupBy {
+    /// The pipeline's steps: each group walks every `groups`-th step with its own ring, and
+    /// the groups' softmax states and accumulators meet after the pipeline (see
+    /// `lower_mma::groups`).
+    #[default]
+    Steps,
+    /// The workgroup's rows of output (heads): group `g` is the description's workgroup
+    /// `groups · x + g` along x (the head block), so each group computes its own rows over
+    /// every step, and the groups share one ring: each row is gathered once for all of them,
+    /// group 0's producer warps issue the copies, and a stage is refilled once every thread
+    /// of every group has released it. Nothing meets after the pipeline: each group writes
+    /// its own rows. Two independent step chains over the same rows, with no more registers
+    /// a thread than one group's (benches/NOTES.md, v38).
+    Heads,
 }
 
 /// Where [`Lowering::MmaWs`] runs the `O += P · V` that closes each pipeline step.
@@ -243,7 +264,14 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             l2_ahead,
             row_softmax,
             defer_pv,
-        } => lower_mma::lower_ws(kernel, stages, groups, l2_ahead, (row_softmax, defer_pv)),
+            group_by,
+        } => lower_mma::lower_ws(
+            kernel,
+            stages,
+            (groups, group_by),
+            l2_ahead,
+            (row_softmax, defer_pv),
+        ),
     }
 }
 

@@ -80,6 +80,9 @@ pub struct EmuConfig {
     /// Whole tokens before the split ones (`DecodePlan::with_config_whole`): the cost model's
     /// choice, or forced wherever a call has more tokens than splits.
     pub whole: WholeTokens,
+    /// Every call of more than 16 heads on v7's 32-head blocks as two 16-head warp groups
+    /// over one ring (`DecodeConfig::tensor_core_v7_heads`, `SPARSE_MLA_DECODE_KERNEL=heads`).
+    pub heads: bool,
 }
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
@@ -130,12 +133,13 @@ impl EmuConfig {
                 0 | 2 => WholeTokens::Forced(u32::MAX),
                 _ => WholeTokens::Model,
             },
+            heads: false,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -164,6 +168,11 @@ impl EmuConfig {
             match self.whole {
                 WholeTokens::Forced(_) => " (whole tokens before split ones)",
                 _ => "",
+            },
+            if self.heads {
+                " (above 16 heads: two 16-head warp groups over one ring)"
+            } else {
+                ""
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -204,6 +213,9 @@ pub struct EmuDevice {
     /// Calls planned with whole tokens before the split ones (`DecodePlan::whole_tokens`),
     /// bf16 and fp8_ds_mla.
     pub whole_plans: [AtomicU64; 2],
+    /// Calls planned on two 16-head warp groups over one ring
+    /// (`DecodeConfig::tensor_core_v7_heads`), bf16 and fp8_ds_mla.
+    pub heads_plans: [AtomicU64; 2],
 }
 
 pub struct EmuBuf(UnsafeCell<Vec<u8>>);
@@ -391,6 +403,7 @@ impl EmuDevice {
             narrow_plans: Default::default(),
             v6_narrow_plans: Default::default(),
             whole_plans: Default::default(),
+            heads_plans: Default::default(),
             narrow_wide_plans: Default::default(),
             deferred_plans: Default::default(),
         }
@@ -511,6 +524,15 @@ impl Device for EmuDevice {
             }
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
+        };
+        let config = match DecodeConfig::tensor_core_v7_heads(shape.dims, shape.format, shape.heads)
+        {
+            Some(heads) if self.config.heads => {
+                let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
+                self.heads_plans[i].fetch_add(1, Ordering::Relaxed);
+                heads
+            }
+            _ => config,
         };
         lowered_kernels(&config)?;
         if Some(config) == DecodeConfig::tensor_core_narrow(shape.dims, shape.format, shape.heads) {

@@ -208,8 +208,10 @@ impl DecodeConfig {
     /// The decode kernel a GPU backend runs for `shape` on `sm_count` multiprocessors, with the
     /// run-time switches of the environment: [`Self::for_call`] (`v6_per_sm`: the GPU's
     /// residency of the bf16 v6 split kernel, asked only where it decides), or the version
-    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch` (`batch`: the large-batch kernel
-    /// where one exists for the head count, else v7); then the forms:
+    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch|heads` (`batch`: the large-batch
+    /// kernel where one exists for the head count, else v7; `heads`: above 16 heads v7's
+    /// 32-head blocks as two 16-head warp groups over one ring,
+    /// [`Self::tensor_core_v7_heads`], an experiment; else v7); then the forms:
     /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
     ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
@@ -237,10 +239,12 @@ impl DecodeConfig {
             Ok("v7") => Self::tensor_core_v7(dims, format, heads),
             Ok("batch") => Self::tensor_core_batch(dims, format, heads)
                 .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
+            Ok("heads") => Self::tensor_core_v7_heads(dims, format, heads)
+                .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
             Ok(other) => {
                 return Err(Error::arg(
                     "SPARSE_MLA_DECODE_KERNEL",
-                    "auto, v6, v7 or batch",
+                    "auto, v6, v7, batch or heads",
                     other,
                 ))
             }

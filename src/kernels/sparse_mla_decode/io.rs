@@ -41,7 +41,8 @@ pub(super) fn declare(b: &mut KernelBuilder, cfg: &DecodeConfig, whole: bool) ->
         "Sparse MLA decode, split stage: cache {} ({} B/row), d_qk {d}, d_v {dv}, {} heads x {} slots per step, {} lowering.",
         cfg.format.name(),
         cfg.format.row_bytes(cfg.dims),
-        cfg.block_h,
+        // (a description of one group of heads: the workgroup's)
+        cfg.block_h * cfg.head_groups(),
         cfg.block_n,
         cfg.lowering.name()
     ));

@@ -19,7 +19,7 @@
 
 use super::{pack_params, Launch, ParamValue};
 use crate::kir::ir::{Kernel, TileElem};
-use crate::kir::{DeferPv, Lowering, RowSoftmax};
+use crate::kir::{DeferPv, GroupBy, Lowering, RowSoftmax};
 use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -232,7 +232,7 @@ impl DecodeConfig {
         defer: DeferPv,
         shape: &DecodeShape,
     ) -> Result<Self> {
-        if rows.is_some_and(|r| r != RowSoftmax::Off) && self.groups() > 1 {
+        if rows.is_some_and(|r| r != RowSoftmax::Off) && self.groups() > self.head_groups() {
             return Err(Error::arg(
                 "SPARSE_MLA_ROW_SOFTMAX",
                 "0 for a call on bf16's two-group large-batch kernel (its row forms have an \
@@ -253,6 +253,9 @@ impl DecodeConfig {
     /// benchmark labels it: `v7`, `v7 d` (P · V deferred), `v7 r de`, ...
     pub fn label(&self) -> String {
         let mut s = self.family().to_string();
+        if self.head_groups() > 1 {
+            s = format!("{s} h{}", self.head_groups());
+        }
         if let Lowering::MmaWs {
             row_softmax,
             defer_pv,
@@ -301,6 +304,7 @@ impl DecodeConfig {
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
                 defer_pv: DeferPv::Off,
+                group_by: GroupBy::Steps,
             },
         }
     }
@@ -401,13 +405,14 @@ impl DecodeConfig {
     }
 
     /// Is this a large-batch configuration: [`Self::tensor_core_batch`]'s (bf16: v7 in two
-    /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 in warp groups?
+    /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 whose warp groups deal out
+    /// the steps? (Groups that split the heads are v7's 32-head blocks, [`GroupBy::Heads`].)
     pub fn is_batch(&self) -> bool {
         let plain = |c: Self| {
             c.with_row_softmax(RowSoftmax::Off)
                 .with_defer_pv(DeferPv::Off)
         };
-        matches!(self.lowering, Lowering::MmaWs { groups, .. } if groups > 1)
+        matches!(self.lowering, Lowering::MmaWs { groups, group_by: GroupBy::Steps, .. } if groups > 1)
             || Some(plain(*self))
                 == Self::tensor_core_batch(self.dims, self.format, self.block_h).map(plain)
     }
@@ -417,6 +422,70 @@ impl DecodeConfig {
         match self.lowering {
             Lowering::MmaWs { groups, .. } => groups.max(1),
             _ => 1,
+        }
+    }
+
+    /// Warp groups that split the workgroup's heads ([`GroupBy::Heads`]); 1 otherwise.
+    pub fn head_groups(&self) -> u32 {
+        match self.lowering {
+            Lowering::MmaWs {
+                groups,
+                group_by: GroupBy::Heads,
+                ..
+            } => groups.max(1),
+            _ => 1,
+        }
+    }
+
+    /// The configuration as one warp group's description sees it: `block_h` the group's
+    /// heads where the groups split them ([`Self::head_groups`]), else as it is. The host
+    /// plans with `block_h`, the workgroup's heads.
+    pub fn group_view(&self) -> Self {
+        Self {
+            block_h: self.block_h / self.head_groups(),
+            ..*self
+        }
+    }
+
+    /// v7's 32-head blocks (above 16 heads) as two groups of 4 warps with 16 heads each over
+    /// one shared ring ([`Self::tensor_core_heads`]): what `SPARSE_MLA_DECODE_KERNEL=heads`
+    /// runs, to time it against the backend's choice. None at 16 heads or fewer. bf16 holds
+    /// its scores in rows, as v7 does; fp8_ds_mla in fragments: in rows it spills 8 bytes on
+    /// sm_120 (255 registers), in fragments none on any arch.
+    pub fn tensor_core_v7_heads(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
+        (heads > 16).then(|| {
+            let rows = match format {
+                CacheFormat::Bf16 => RowSoftmax::Rows,
+                CacheFormat::Fp8DsMla => RowSoftmax::Off,
+            };
+            Self::tensor_core_heads(dims, format, (32, 32, 2), 4, 2).with_row_softmax(rows)
+        })
+    }
+
+    /// A v7 configuration whose workgroup of `block_h` heads is `groups` groups of `warps`
+    /// warps, each with `block_h / groups` of the heads over every step, sharing one
+    /// `stages`-deep ring of `block_n`-slot steps ([`GroupBy::Heads`]): each row gathered once
+    /// for all the workgroup's heads, as in one group of `block_h` heads, but two step chains
+    /// instead of one, each holding the registers of `block_h / groups` heads (benches/NOTES.md
+    /// v38; an experiment, not yet timed: `SPARSE_MLA_DECODE_KERNEL=heads`).
+    pub fn tensor_core_heads(
+        dims: MlaDims,
+        format: CacheFormat,
+        (block_h, block_n, stages): (u32, u32, u32),
+        warps: u32,
+        groups: u32,
+    ) -> Self {
+        DecodeConfig {
+            threads: 32 * warps * groups,
+            lowering: Lowering::MmaWs {
+                stages,
+                groups,
+                l2_ahead: 0,
+                row_softmax: RowSoftmax::Rows,
+                defer_pv: DeferPv::Off,
+                group_by: GroupBy::Heads,
+            },
+            ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
     }
 
@@ -438,6 +507,7 @@ impl DecodeConfig {
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
                 defer_pv: DeferPv::Off,
+                group_by: GroupBy::Steps,
             },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
         }
@@ -518,11 +588,12 @@ impl DecodeConfig {
                 l2_ahead,
                 row_softmax,
                 defer_pv,
+                group_by,
             } => {
-                let g = if groups > 1 {
-                    format!("g{groups}")
-                } else {
-                    String::new()
+                let g = match group_by {
+                    _ if groups <= 1 => String::new(),
+                    GroupBy::Steps => format!("g{groups}"),
+                    GroupBy::Heads => format!("h{groups}"),
                 };
                 let p = if l2_ahead > 0 {
                     format!("p{l2_ahead}")
@@ -1406,5 +1477,48 @@ mod tests {
         assert_eq!(pick(Bf16, 16, 144, 2), "v6");
         assert_eq!(pick(Bf16, 16, 160, 1), "v7");
         assert_eq!(pick(Bf16, 16, 192, 2), "batch");
+    }
+
+    #[test]
+    fn head_groups_split_v7s_32_head_block_over_one_ring() {
+        let dims = MlaDims::PRODUCTION;
+        for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+            assert_eq!(DecodeConfig::tensor_core_v7_heads(dims, format, 16), None);
+            let c = DecodeConfig::tensor_core_v7_heads(dims, format, 64).unwrap();
+            let v7 = DecodeConfig::tensor_core_v7(dims, format, 64);
+            // the host plans the workgroup's 32 heads, the description one group's 16
+            assert_eq!(
+                (c.block_h, c.block_n, c.threads),
+                (v7.block_h, v7.block_n, 256)
+            );
+            assert_eq!(
+                (c.groups(), c.head_groups(), c.group_view().block_h),
+                (2, 2, 16)
+            );
+            assert_eq!(c.family(), "v7");
+            assert!(!c.is_batch() && !c.has_merged_form() && c.has_whole_form());
+            // the plan is v7's: the same head blocks, splits and whole tokens
+            let sh = shape(format, 64, 150);
+            let plan =
+                |c| DecodePlan::with_config_whole(c, &sh, 132, 132, None, WholeTokens::Model);
+            let (a, b) = (plan(c).unwrap(), plan(v7).unwrap());
+            assert_eq!(
+                (a.splits, a.whole_tokens, a.grid_split(&sh)),
+                (b.splits, b.whole_tokens, b.grid_split(&sh))
+            );
+            // the row forms are not refused, as they are on the groups that deal out steps
+            assert!(c
+                .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
+                .is_ok());
+            let batch = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 16).unwrap();
+            assert!(batch
+                .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
+                .is_err());
+        }
+        let bf16 = DecodeConfig::tensor_core_v7_heads(dims, CacheFormat::Bf16, 128).unwrap();
+        assert_eq!(bf16.label(), "v7 h2 r");
+        assert!(bf16.split_name().contains("_ws2w8h2r_h32n32"));
+        let fp8 = DecodeConfig::tensor_core_v7_heads(dims, CacheFormat::Fp8DsMla, 128).unwrap();
+        assert_eq!(fp8.label(), "v7 h2");
     }
 }

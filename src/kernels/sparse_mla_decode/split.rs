@@ -29,11 +29,13 @@ pub fn split_kernel_v7(cfg: &DecodeConfig) -> Result<Kernel> {
 /// The v7 split kernel in `form` (merged: one warp group only).
 pub fn split_kernel_v7_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kernel> {
     let merged = form == SplitForm::Merged;
+    // with warp groups, the description is one group's work (the lowering replicates it):
+    // its threads, and, where the groups split the heads, its heads
+    let mut b = KernelBuilder::new(cfg.split_kernel_name(form), cfg.threads / cfg.groups());
+    let cfg = &cfg.group_view();
     let (d, dv) = (cfg.dims.d_qk(), cfg.dims.d_v());
     let (latent, rope) = (cfg.dims.latent, cfg.dims.rope);
     let (bh, bn) = (cfg.block_h, cfg.block_n);
-    // with warp groups, the description is one group's work (the lowering replicates it)
-    let mut b = KernelBuilder::new(cfg.split_kernel_name(form), cfg.threads / cfg.groups());
     let io = declare(&mut b, cfg, form == SplitForm::Whole);
     let extra = merged.then(|| merge::declare(&mut b));
     if cfg.format == CacheFormat::Fp8DsMla {

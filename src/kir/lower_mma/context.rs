@@ -142,6 +142,8 @@ pub(super) struct Cx<'k> {
     pub(super) resident_a: HashMap<String, resident::ResidentA>,
     /// Warp groups of the workgroup (1: none); `w` and `warps` then count one group's.
     pub(super) groups: u32,
+    /// What the warp groups split: the steps or the heads ([`crate::kir::GroupBy`]).
+    pub(super) group_by: crate::kir::GroupBy,
     /// Steps past the ring's copies whose rows the producers ask L2 for (0: none; see
     /// [`crate::kir::Lowering::MmaWs`]).
     pub(super) l2_ahead: u32,

@@ -31,6 +31,7 @@ use super::softmax::SoftmaxRegs;
 use super::{add, bin, intr, let_, local_id, mul, priv_load, u, var, Cx, Result};
 use crate::kir::expr::{exp, f32_bits, f32_from_bits, select, shared_load};
 use crate::kir::ir::*;
+use crate::kir::GroupBy;
 use std::collections::HashMap;
 
 /// Comments that mark where [`replicate`] splits the lowered body: the per-group code before
@@ -68,15 +69,30 @@ impl GroupPlan {
 }
 
 impl Cx<'_> {
+    /// Do warp groups deal out the pipeline's steps ([`GroupBy::Steps`] with more than one
+    /// group)?
+    pub(super) fn deals_steps(&self) -> bool {
+        self.groups > 1 && self.group_by == GroupBy::Steps
+    }
+
+    /// Do warp groups split the heads and share one ring ([`GroupBy::Heads`])?
+    pub(super) fn shares_ring(&self) -> bool {
+        self.groups > 1 && self.group_by == GroupBy::Heads
+    }
+
     /// The group of this thread (u32), in a grouped lowering.
     pub(super) fn group_expr(&self) -> Option<Expr> {
         self.group.as_ref().map(|g| var(&g.group_var, Ty::U32))
     }
 
     /// Steps `0..count` dealt out to the groups: how many this thread's group takes, and the
-    /// global step of its local step `at`.
+    /// global step of its local step `at`. Groups that split the heads walk every step.
     pub(super) fn group_steps(&self, count: Expr) -> (Expr, impl Fn(Expr) -> Expr) {
-        let groups = self.groups;
+        let groups = if self.group_by == GroupBy::Heads {
+            1
+        } else {
+            self.groups
+        };
         let group = self.group_expr().unwrap_or(u(0));
         let local = if groups > 1 {
             select(
@@ -275,6 +291,7 @@ pub(super) fn replicate(
         tid: var(&plan.tid_var, Ty::U32),
         group_threads,
         groups,
+        heads: false,
     };
     let mark = |text: &str| {
         body.iter()
@@ -410,6 +427,68 @@ pub(super) fn replicate(
     Ok((out, decls))
 }
 
+/// Make `groups` copies of the body of a kernel lowered for one group of `group_threads`
+/// threads whose groups split the heads ([`GroupBy::Heads`]): group `g` is the description's
+/// workgroup `groups · x + g` along x, every shared array but the ring's (`ring`: its tiles
+/// and mbarriers, which every group reads and group 0's producers fill) one copy per group,
+/// each barrier inside a statement a named barrier of the group (the groups walk the same
+/// steps, but apart), the barriers at the top level the workgroup's. Nothing meets after
+/// the pipeline: each group writes its own rows. Returns the new body and shared
+/// declarations.
+pub(super) fn replicate_heads(
+    body: Vec<Stmt>,
+    shared: &[SharedDecl],
+    (ring, mbarriers): (&[String], &[String]),
+    group_threads: u32,
+    groups: u32,
+    plan: &GroupPlan,
+) -> std::result::Result<(Vec<Stmt>, Vec<SharedDecl>), String> {
+    let in_ring = |d: &SharedDecl| {
+        ring.contains(&d.name) || d.alias.as_ref().is_some_and(|(p, _)| ring.contains(p))
+    };
+    if let Some(d) = shared.iter().find(|d| d.alias.is_some() && !in_ring(d)) {
+        return Err(format!(
+            "warp groups over heads: shared array {} is a window of {}, which is copied per group",
+            d.name,
+            d.alias.as_ref().map_or("", |(p, _)| p.as_str())
+        ));
+    }
+    // only the copied arrays have a length here: the ring's keep their indices
+    let lens: HashMap<String, u32> = shared
+        .iter()
+        .filter(|d| !in_ring(d))
+        .map(|d| (d.name.clone(), d.len))
+        .collect();
+    let rw = Replicas {
+        lens: &lens,
+        mbarriers,
+        group: var(&plan.group_var, Ty::U32),
+        tid: var(&plan.tid_var, Ty::U32),
+        group_threads,
+        groups,
+        heads: true,
+    };
+    let mut out = vec![
+        Stmt::Comment(format!(
+            "{groups} warp groups of {group_threads} threads, each with its own heads over every step: group g is head block {groups} x + g"
+        )),
+        let_(&plan.group_var, bin(BinOp::Div, local_id(), u(group_threads))),
+        let_(&plan.tid_var, bin(BinOp::Rem, local_id(), u(group_threads))),
+    ];
+    out.extend(body.iter().map(|s| match s {
+        Stmt::Barrier => Stmt::Barrier,
+        other => rw.stmt(other),
+    }));
+    let decls = shared
+        .iter()
+        .map(|d| SharedDecl {
+            len: if in_ring(d) { d.len } else { d.len * groups },
+            ..d.clone()
+        })
+        .collect();
+    Ok((out, decls))
+}
+
 /// The per-group view of a lowered body.
 struct Replicas<'a> {
     lens: &'a HashMap<String, u32>,
@@ -418,6 +497,8 @@ struct Replicas<'a> {
     tid: Expr,
     group_threads: u32,
     groups: u32,
+    /// The groups split the heads: the description's workgroup along x is `groups · x + g`.
+    heads: bool,
 }
 
 impl Replicas<'_> {
@@ -466,6 +547,13 @@ impl Replicas<'_> {
     fn node(&self, x: Expr) -> Expr {
         match x {
             Expr::Builtin(Builtin::LocalId) => self.tid.clone(),
+            Expr::Builtin(Builtin::WorkgroupId(0)) if self.heads => add(
+                mul(Expr::Builtin(Builtin::WorkgroupId(0)), u(self.groups)),
+                self.group.clone(),
+            ),
+            Expr::Builtin(Builtin::NumWorkgroups(0)) if self.heads => {
+                mul(Expr::Builtin(Builtin::NumWorkgroups(0)), u(self.groups))
+            }
             Expr::SharedLoad { arr, ty, index } => match self.offset(&arr) {
                 Some(off) => Expr::SharedLoad {
                     arr,

@@ -115,6 +115,7 @@ impl<'k> Cx<'k> {
             summed: HashSet::new(),
             resident_a: HashMap::new(),
             groups: groups.max(1),
+            group_by: crate::kir::GroupBy::Steps,
             group: None,
             units: None,
             l2_ahead: 0,

@@ -60,14 +60,14 @@ impl WsInfo {
 /// module doc); a kernel without a pipeline gets the plain tensor-core lowering.
 ///
 /// `groups` > 1: `kernel` is one group's work and the workgroup holds `groups` copies of it
-/// (see [`super::groups`]).
+/// (see [`super::groups`]), which deal out the steps or split the heads (`group_by`).
 ///
 /// `row_softmax`: split-K accumulators that an online softmax reads are held in rows (see
 /// [`crate::kir::Lowering::MmaWs`]).
 pub fn lower_ws(
     kernel: &Kernel,
     stages: u32,
-    groups: u32,
+    (groups, group_by): (u32, crate::kir::GroupBy),
     l2_ahead: u32,
     (row_softmax, defer_pv): (crate::kir::RowSoftmax, crate::kir::DeferPv),
 ) -> Result<Kernel> {
@@ -96,12 +96,14 @@ pub fn lower_ws(
     cx.min_workgroups = 1;
     cx.l2_ahead = l2_ahead;
     cx.defer_pv = defer_pv;
+    cx.group_by = group_by;
     if groups > 1 {
         let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
         cx.group = Some(super::groups::GroupPlan::new(group_var, tid_var));
     }
     let info = cx.ws.clone().ok_or_else(|| err("no ring plan".into()))?;
     let threads = cx.w;
+    let shares_ring = cx.shares_ring();
     let mut lowered = cx.stmts(&kernel.body)?;
     let hoist = std::mem::take(&mut cx.hoist);
     if !hoist.is_empty() {
@@ -113,6 +115,7 @@ pub fn lower_ws(
     body.extend(lowered);
     let body = dedupe_barriers(body);
 
+    let ring_arrays = cx.ring_arrays();
     let mut out = kernel.clone();
     out.min_workgroups = 1;
     out.index_terms = true;
@@ -122,6 +125,32 @@ pub fn lower_ws(
     out.shared.extend(cx.new_shared);
     out.privates.extend(cx.new_privates);
     let warps = threads / WARP;
+    if let Some(plan) = cx.group.as_ref().filter(|_| shares_ring) {
+        let mut ring = ring_arrays;
+        ring.push(info.bars.clone());
+        let (body, shared) = super::groups::replicate_heads(
+            std::mem::take(&mut out.body),
+            &out.shared,
+            (&ring, std::slice::from_ref(&info.bars)),
+            threads,
+            groups,
+            plan,
+        )
+        .map_err(err)?;
+        out.body = dedupe_barriers(body);
+        out.shared = shared;
+        out.workgroup_size = threads * groups;
+        out.doc.push(format!(
+            "{groups} warp groups of {warps} warps, each with its own heads (group g: head block {groups} x + g of the grid's x), walking every step over one shared ring; each group writes its own rows."
+        ));
+        out.doc.push(format!(
+            "mbarrier ring: {stages} stages, shared by the groups; warps {}-{} of group 0 issue the gathers (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it.",
+            warps - producer_warps(warps),
+            warps - 1
+        ));
+        crate::kir::shared_plan::check_fits(&out)?;
+        return Ok(out);
+    }
     if let Some(plan) = cx.group.as_ref().filter(|_| groups > 1) {
         let (body, shared) = super::groups::replicate(
             std::mem::take(&mut out.body),
@@ -246,14 +275,28 @@ impl Cx<'_> {
                 index: u(s),
                 count: WARP * producer_warps(threads / WARP),
             }));
+            // the release: every thread of every group that reads the ring
+            let readers = if self.shares_ring() {
+                threads * self.groups
+            } else {
+                threads
+            };
             init.push(intr(Intrinsic::MbarInit {
                 bars: info.bars.clone(),
                 index: u(stages + s),
-                count: threads,
+                count: readers,
             }));
         }
+        // (groups that share the ring: once, by group 0's first thread)
+        let mut first = bin(BinOp::Eq, local_id(), u(0));
+        if self.shares_ring() {
+            let group = self
+                .group_expr()
+                .ok_or_else(|| self.err("a shared ring without warp groups".into()))?;
+            first = bin(BinOp::And, first, bin(BinOp::Eq, group, u(0)));
+        }
         body.push(Stmt::If {
-            cond: bin(BinOp::Eq, local_id(), u(0)),
+            cond: first,
             then: init,
             els: vec![],
         });
@@ -303,7 +346,7 @@ impl Cx<'_> {
             self.resident.remove(&r.m);
             out.extend(self.softmax_store(r)?);
         }
-        if self.groups > 1 {
+        if self.deals_steps() {
             out.extend(self.group_merge(&resident)?);
         }
         Ok(())
@@ -324,7 +367,7 @@ impl Cx<'_> {
         // with warp groups, this group's steps: `countv` of them, local step `at` being
         // pipeline step `step_of(at)`; the ring and its parities count local steps
         let (local, step_of) = self.group_steps(var(&count_name, Ty::U32));
-        let countv = if self.groups > 1 {
+        let countv = if self.deals_steps() {
             let n = self.fresh(&format!("{v}_group_count"));
             out.push(let_(&n, local));
             var(&n, Ty::U32)
@@ -340,7 +383,7 @@ impl Cx<'_> {
                 let n = self.fresh(&format!("{v}_bound"));
                 prefetch_lets.push(let_(&n, self.expr(b)?));
                 let (local, _) = self.group_steps(var(&n, Ty::U32));
-                if self.groups > 1 {
+                if self.deals_steps() {
                     let g = self.fresh(&format!("{v}_group_bound"));
                     prefetch_lets.push(let_(&g, local));
                     var(&g, Ty::U32)

@@ -81,7 +81,14 @@ impl<'a> Producers<'a> {
         };
         let pw = producer_warps(cx.warps);
         let first_producer = cx.warps - pw;
-        let cond = bin(BinOp::Ge, cx.lane.warp.clone(), u(first_producer));
+        let mut cond = bin(BinOp::Ge, cx.lane.warp.clone(), u(first_producer));
+        if cx.shares_ring() {
+            // one group fills the ring that every group reads
+            let group = cx
+                .group_expr()
+                .ok_or_else(|| cx.err("a shared ring without warp groups".into()))?;
+            cond = bin(BinOp::And, cond, bin(BinOp::Eq, group, u(0)));
+        }
         // row of producer lane `lane` of producer warp `warp - first_producer`, slot `slot`:
         // consecutive rows on consecutive warps, so each warp's lanes 0.. take rows / pw
         let lane = add(
