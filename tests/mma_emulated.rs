@@ -31,6 +31,7 @@ mod common;
 mod emu;
 
 use sparse_mla::conformance::{all_cases, decode_cases, Case, DecodeCase};
+use sparse_mla::mla::CacheFormat;
 use sparse_mla::runtime::gpu::GpuBackend;
 use sparse_mla::testing::test_seed;
 
@@ -357,7 +358,9 @@ fn deferred_p_v_on_the_decode_cases() {
 /// before split ones) and as run 1 (sm_80's helpers, copies landing at issue). The groups walk
 /// the same steps apart: group 0's producers refill a stage only once every thread of both
 /// groups has released it, which the race detector checks, and each group writes its own
-/// heads. Both formats must run it.
+/// heads. Both formats must run it. Then, as run 0, the forms mla-bench's variants time next
+/// to it: 64 heads as four groups of 2 warps (`64x32x2w2h4`, each row read once per 64
+/// heads) and three stages (`32x32x3w4h2`, which fits fp8_ds_mla's rows only: fp8 cases).
 #[test]
 fn two_head_groups_over_one_ring_on_the_decode_cases() {
     if let Some(why) = emu::gxx_unavailable() {
@@ -366,16 +369,23 @@ fn two_head_groups_over_one_ring_on_the_decode_cases() {
     }
     let seed = test_seed();
     let mut failed = Vec::new();
-    for mode in [0, 1] {
+    for (mode, form, fp8_only) in [
+        (0, None, false),
+        (1, None, false),
+        (0, Some(((64, 32, 2), 2, 4)), false),
+        (0, Some(((32, 32, 3), 4, 2)), true),
+    ] {
         let config = emu::EmuConfig {
-            heads: true,
+            heads: Some(form),
             merge: None,
             row_softmax: None,
             ..emu::EmuConfig::mode(mode, seed)
         };
         let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
         let mut wrong = Vec::new();
-        let wide = decode_cases().into_iter().filter(|c| c.heads > 16);
+        let wide = decode_cases()
+            .into_iter()
+            .filter(|c| c.heads > 16 && (!fp8_only || c.format == CacheFormat::Fp8DsMla));
         run_cases(&backend, wide, seed, &mut wrong);
         failed.extend(
             wrong
@@ -384,7 +394,7 @@ fn two_head_groups_over_one_ring_on_the_decode_cases() {
         );
         let plans = &backend.device().heads_plans;
         let [bf16, fp8] = [0, 1].map(|i| plans[i].load(std::sync::atomic::Ordering::Relaxed));
-        if bf16 == 0 || fp8 == 0 {
+        if (bf16 == 0 && !fp8_only) || fp8 == 0 {
             failed.push(format!(
                 "{}: calls planned on two head groups: bf16 {bf16}, fp8_ds_mla {fp8}",
                 config.describe()

@@ -80,10 +80,16 @@ pub struct EmuConfig {
     /// Whole tokens before the split ones (`DecodePlan::with_config_whole`): the cost model's
     /// choice, or forced wherever a call has more tokens than splits.
     pub whole: WholeTokens,
-    /// Every call of more than 16 heads on v7's 32-head blocks as two 16-head warp groups
-    /// over one ring (`DecodeConfig::tensor_core_v7_heads`, `SPARSE_MLA_DECODE_KERNEL=heads`).
-    pub heads: bool,
+    /// Every call of more than 16 heads on warp groups of 16 heads over one ring
+    /// (`GroupBy::Heads`): `Some(None)` v7's 32-head blocks as two groups
+    /// (`DecodeConfig::tensor_core_v7_heads`, `SPARSE_MLA_DECODE_KERNEL=heads`), `Some(Some((
+    /// (block_h, block_n, stages), warps, groups)))` that form (`DecodeConfig::tensor_core_heads`,
+    /// mla-bench's `--variants HxNxSwWhG`); bf16 in rows, fp8_ds_mla in fragments.
+    pub heads: Option<Option<HeadsForm>>,
 }
+
+/// A head-group form: `((block_h, block_n, stages), warps a group, groups)`.
+pub type HeadsForm = ((u32, u32, u32), u32, u32);
 
 /// The most blocks of a merged launch here: each is an OS thread of the emulator.
 pub const MERGED_BLOCKS: u32 = 64;
@@ -133,7 +139,7 @@ impl EmuConfig {
                 0 | 2 => WholeTokens::Forced(u32::MAX),
                 _ => WholeTokens::Model,
             },
-            heads: false,
+            heads: None,
         }
     }
 
@@ -169,10 +175,12 @@ impl EmuConfig {
                 WholeTokens::Forced(_) => " (whole tokens before split ones)",
                 _ => "",
             },
-            if self.heads {
-                " (above 16 heads: two 16-head warp groups over one ring)"
-            } else {
-                ""
+            match self.heads {
+                None => String::new(),
+                Some(None) => " (above 16 heads: two 16-head warp groups over one ring)".into(),
+                Some(Some(((h, n, s), w, g))) => {
+                    format!(" (above 16 heads: {h}x{n}x{s}w{w}h{g}, head groups over one ring)")
+                }
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -525,9 +533,22 @@ impl Device for EmuDevice {
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };
-        let config = match DecodeConfig::tensor_core_v7_heads(shape.dims, shape.format, shape.heads)
-        {
-            Some(heads) if self.config.heads => {
+        let heads = match self.config.heads {
+            Some(None) => DecodeConfig::tensor_core_v7_heads(shape.dims, shape.format, shape.heads),
+            Some(Some((block, warps, groups))) if shape.heads > 16 => {
+                let rows = match shape.format {
+                    CacheFormat::Bf16 => sparse_mla::kir::RowSoftmax::Rows,
+                    CacheFormat::Fp8DsMla => sparse_mla::kir::RowSoftmax::Off,
+                };
+                Some(
+                    DecodeConfig::tensor_core_heads(shape.dims, shape.format, block, warps, groups)
+                        .with_row_softmax(rows),
+                )
+            }
+            _ => None,
+        };
+        let config = match heads {
+            Some(heads) => {
                 let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
                 self.heads_plans[i].fetch_add(1, Ordering::Relaxed);
                 heads
