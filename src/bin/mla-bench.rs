@@ -1429,3 +1429,32 @@ fn sm120_resident(config: &DecodeConfig, kernel: &Kernel, resident: u32, sm_coun
     let per_sm = sparse_mla::export::header::estimate_per_sm(config, kernel, "sm_120");
     resident.min(per_sm * sm_count).max(1)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variants_parse_to_the_forms_they_name() {
+        let dims = MlaDims::PRODUCTION;
+        let v = |s: &str| parse_variant(s, dims, CacheFormat::Bf16);
+        let heads = v("32x32x2w4h2").unwrap();
+        assert_eq!(
+            (heads.block_h, heads.head_groups(), heads.threads),
+            (32, 2, 256)
+        );
+        assert!(heads.split_name().contains("_ws2w8h2r_h32n32"));
+        let four = v("64x32x2w2h4p1").unwrap();
+        assert_eq!(
+            (four.block_h, four.head_groups(), four.threads),
+            (64, 4, 256)
+        );
+        assert_eq!(four.l2_ahead(), 1);
+        let steps = v("16x32x1w4g2").unwrap();
+        assert_eq!((steps.groups(), steps.head_groups()), (2, 1));
+        // a group of fewer than 16 heads (an mma tile's rows) is refused, as are both kinds
+        for bad in ["32x32x2w4h4", "24x32x2w4h2", "32x32x2w4g2h2", "32x32x2w4h1"] {
+            assert!(v(bad).is_err(), "{bad}");
+        }
+    }
+}
