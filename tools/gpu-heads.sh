@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # One GPU call for the head-group forms (`GroupBy::Heads`, benches/NOTES.md v38): v7's
 # 32-head blocks as two 16-head warp groups over one ring, and the forms beside it.
-#   1. correctness first: mla-check's decode cases with SPARSE_MLA_DECODE_KERNEL=heads, and
-#      compute-sanitizer memcheck / racecheck / synccheck on them (the cross-group release of
-#      the shared ring is what racecheck and synccheck must pass);
+#   1. mla-check's decode cases with SPARSE_MLA_DECODE_KERNEL=heads (a wrong result or a hang
+#      shows here first);
 #   2. mla-bench with --variants beside v7 (its current column), RUNS rounds, both
 #      occupancies, every row checked against float64;
-#   3. with NCU=1, Nsight Compute on v7 and the two-group kernel at bf16 H 128 T 128.
+#   3. compute-sanitizer memcheck / racecheck / synccheck on the decode cases with heads
+#      forced (the cross-group release of the shared ring is what racecheck and synccheck
+#      must pass);
+#   4. with NCU=1, Nsight Compute on v7 and the two-group kernel at bf16 H 128 T 128.
 # Logs tarred into $OUT/heads.tar.xz; the summary and the table print last.
 #
 #   tools/gpu-heads.sh BIN_DIR
 # env: BENCH_ARGS (mla-bench shapes; default H 32/64/128 x T 1/8/32/128, both caches),
 #      VARIANTS (default 32x32x2w4h2,64x32x2w2h4,32x32x3w4h2: the last fits fp8 only, bf16
-#      rows print why not), RUNS (2), NCU (0), SAN_TIMEOUT (100 s a tool)
+#      rows print why not), RUNS (2), NCU (0), SAN_TIMEOUT (100 s a tool), SAN_TOOLS,
+#      DEADLINE (540 s from the start: no later part starts past it, so a call's limit
+#      loses the tail, not the table)
 set -u
 cd "$(dirname "$0")/.."
+START=$(date +%s)
+late() { [ $(($(date +%s) - START)) -ge "${DEADLINE:-540}" ]; }
 BIN=$1
 RESULT=${OUT:-$PWD/gpu-logs}
 L=$(mktemp -d)
@@ -28,22 +34,25 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 SPARSE_MLA_DECODE_KERNEL=heads timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
     >"$L/check-heads.txt" 2>&1
 echo "mla-check decode, heads forced: rc $? $(tail -1 "$L/check-heads.txt")" >>"$S"
-for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
-    r=$(SPARSE_MLA_DECODE_KERNEL=heads san_decode "$BIN" "$tool" "$L/san-$tool.txt")
-    echo "sanitizer $tool (decode cases, heads forced): $r" >>"$S"
-done
 B=${BENCH_ARGS:---heads 32,64,128 --tokens 1,8,32,128 --cache bf16,fp8_ds_mla}
 V=${VARIANTS:-32x32x2w4h2,64x32x2w2h4,32x32x3w4h2}
 for r in $(seq 1 "${RUNS:-2}"); do
+    if late; then echo "DEADLINE: mla-bench rounds $r.. skipped" >>"$S"; break; fi
     timeout 280 "$BIN/mla-bench" $B --variants "$V" --sm120-occupancy --no-peer --no-baseline \
         --format csv >"$L/bench-$r.csv" 2>"$L/bench-$r.err"
     echo "mla-bench round $r: rc $? $(grep -c ',true,' "$L/bench-$r.csv") rows right, $(grep -c ',false,' "$L/bench-$r.csv") wrong" >>"$S"
+done
+for tool in ${SAN_TOOLS-memcheck racecheck synccheck}; do
+    if late; then echo "DEADLINE: sanitizer $tool skipped" >>"$S"; continue; fi
+    r=$(SPARSE_MLA_DECODE_KERNEL=heads san_decode "$BIN" "$tool" "$L/san-$tool.txt")
+    echo "sanitizer $tool (decode cases, heads forced): $r" >>"$S"
 done
 if [ "${NCU:-0}" = 1 ] && NCUB=$(cuda_tool ncu) && [ -n "$NCUB" ]; then
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
     metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
     metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
     for k in ws2w8r_h32n32 ws2w8h2r_h32n32; do
+        if late; then echo "DEADLINE: ncu $k skipped" >>"$S"; continue; fi
         timeout 150 "$NCUB" -k "regex:$k" --launch-skip 3 --launch-count 1 --csv --metrics "$metrics" \
             "$BIN/mla-bench" --heads 128 --tokens 128 --cache bf16 --variants 32x32x2w4h2 \
             --reps 4 --warmup 1 --no-peer --no-baseline >"$L/ncu-$k.csv" 2>&1
