@@ -86,8 +86,8 @@ pub enum GroupBy {
     /// The workgroup's rows of output (heads): group `g` is the description's workgroup
     /// `groups · x + g` along x (the head block), so each group computes its own rows over
     /// every step, and the groups share one ring: each row is gathered once for all of them,
-    /// group 0's producer warps issue the copies, and a stage is refilled once every thread
-    /// of every group has released it. Nothing meets after the pipeline: each group writes
+    /// each group's producer warps issue every `groups`-th row of a step, and a stage is
+    /// refilled once every thread of every group has released it. Nothing meets after the pipeline: each group writes
     /// its own rows. Two independent step chains over the same rows, with no more registers
     /// a thread than one group's (benches/NOTES.md, v38).
     Heads,

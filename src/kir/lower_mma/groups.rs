@@ -430,7 +430,8 @@ pub(super) fn replicate(
 /// Make `groups` copies of the body of a kernel lowered for one group of `group_threads`
 /// threads whose groups split the heads ([`GroupBy::Heads`]): group `g` is the description's
 /// workgroup `groups · x + g` along x, every shared array but the ring's (`ring`: its tiles
-/// and mbarriers, which every group reads and group 0's producers fill) one copy per group,
+/// and mbarriers, which every group reads and fills, row `g` mod `groups` by group `g`) one
+/// copy per group,
 /// each barrier inside a statement a named barrier of the group (the groups walk the same
 /// steps, but apart), the barriers at the top level the workgroup's. Nothing meets after
 /// the pipeline: each group writes its own rows. Returns the new body and shared

@@ -144,7 +144,7 @@ pub fn lower_ws(
             "{groups} warp groups of {warps} warps, each with its own heads (group g: head block {groups} x + g of the grid's x), walking every step over one shared ring; each group writes its own rows."
         ));
         out.doc.push(format!(
-            "mbarrier ring: {stages} stages, shared by the groups; warps {}-{} of group 0 issue the gathers (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it.",
+            "mbarrier ring: {stages} stages, shared by the groups; warps {}-{} of each group issue every {groups}-th row's gather from the group's own (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it.",
             warps - producer_warps(warps),
             warps - 1
         ));
@@ -270,17 +270,15 @@ impl Cx<'_> {
         let mut body = vec![Stmt::Comment("the ring's mbarriers initialised".into())];
         let mut init = Vec::new();
         for s in 0..stages {
+            // the copies: every producer lane of every group that fills the ring; the
+            // release: every thread of every group that reads it
+            let groups = if self.shares_ring() { self.groups } else { 1 };
             init.push(intr(Intrinsic::MbarInit {
                 bars: info.bars.clone(),
                 index: u(s),
-                count: WARP * producer_warps(threads / WARP),
+                count: WARP * producer_warps(threads / WARP) * groups,
             }));
-            // the release: every thread of every group that reads the ring
-            let readers = if self.shares_ring() {
-                threads * self.groups
-            } else {
-                threads
-            };
+            let readers = threads * groups;
             init.push(intr(Intrinsic::MbarInit {
                 bars: info.bars.clone(),
                 index: u(stages + s),

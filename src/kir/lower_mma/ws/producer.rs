@@ -81,21 +81,25 @@ impl<'a> Producers<'a> {
         };
         let pw = producer_warps(cx.warps);
         let first_producer = cx.warps - pw;
-        let mut cond = bin(BinOp::Ge, cx.lane.warp.clone(), u(first_producer));
-        if cx.shares_ring() {
-            // one group fills the ring that every group reads
-            let group = cx
-                .group_expr()
-                .ok_or_else(|| cx.err("a shared ring without warp groups".into()))?;
-            cond = bin(BinOp::And, cond, bin(BinOp::Eq, group, u(0)));
-        }
+        let cond = bin(BinOp::Ge, cx.lane.warp.clone(), u(first_producer));
         // row of producer lane `lane` of producer warp `warp - first_producer`, slot `slot`:
         // consecutive rows on consecutive warps, so each warp's lanes 0.. take rows / pw
-        let lane = add(
+        let mut lane = add(
             bin(BinOp::Sub, cx.lane.warp.clone(), u(first_producer)),
             mul(cx.lane.lane.clone(), u(pw)),
         );
-        let slots = rows.div_ceil(pw * WARP);
+        // groups that share the ring each fill every `groups`-th row of it, from their own:
+        // the issue (one bulk copy at a time a warp) is split as v7 splits it over its warps
+        let fillers = if cx.shares_ring() {
+            let group = cx
+                .group_expr()
+                .ok_or_else(|| cx.err("a shared ring without warp groups".into()))?;
+            lane = add(mul(lane, u(cx.groups)), group);
+            cx.groups
+        } else {
+            1
+        };
+        let slots = rows.div_ceil(pw * WARP * fillers);
         let mut prefetched = Vec::new();
         let mut l2_words = Vec::new();
         let mut src_exprs = Vec::new();
@@ -122,7 +126,7 @@ impl<'a> Producers<'a> {
             gathers,
             rows,
             slots,
-            slot_rows: pw * WARP,
+            slot_rows: pw * WARP * fillers,
             cond,
             lane,
             counts,
