@@ -535,16 +535,9 @@ impl Device for EmuDevice {
         };
         let heads = match self.config.heads {
             Some(None) => DecodeConfig::tensor_core_v7_heads(shape.dims, shape.format, shape.heads),
-            Some(Some((block, warps, groups))) if shape.heads > 16 => {
-                let rows = match shape.format {
-                    CacheFormat::Bf16 => sparse_mla::kir::RowSoftmax::Rows,
-                    CacheFormat::Fp8DsMla => sparse_mla::kir::RowSoftmax::Off,
-                };
-                Some(
-                    DecodeConfig::tensor_core_heads(shape.dims, shape.format, block, warps, groups)
-                        .with_row_softmax(rows),
-                )
-            }
+            Some(Some((block, warps, groups))) if shape.heads > 16 => Some(
+                DecodeConfig::tensor_core_heads(shape.dims, shape.format, block, warps, groups),
+            ),
             _ => None,
         };
         let config = match heads {

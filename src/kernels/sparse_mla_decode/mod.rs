@@ -449,17 +449,9 @@ impl DecodeConfig {
 
     /// v7's 32-head blocks (above 16 heads) as two groups of 4 warps with 16 heads each over
     /// one shared ring ([`Self::tensor_core_heads`]): what `SPARSE_MLA_DECODE_KERNEL=heads`
-    /// runs, to time it against the backend's choice. None at 16 heads or fewer. bf16 holds
-    /// its scores in rows, as v7 does; fp8_ds_mla in fragments: in rows it spills 8 bytes on
-    /// sm_120 (255 registers), in fragments none on any arch.
+    /// runs, to time it against the backend's choice. None at 16 heads or fewer.
     pub fn tensor_core_v7_heads(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        (heads > 16).then(|| {
-            let rows = match format {
-                CacheFormat::Bf16 => RowSoftmax::Rows,
-                CacheFormat::Fp8DsMla => RowSoftmax::Off,
-            };
-            Self::tensor_core_heads(dims, format, (32, 32, 2), 4, 2).with_row_softmax(rows)
-        })
+        (heads > 16).then(|| Self::tensor_core_heads(dims, format, (32, 32, 2), 4, 2))
     }
 
     /// A v7 configuration whose workgroup of `block_h` heads is `groups` groups of `warps`
@@ -467,7 +459,9 @@ impl DecodeConfig {
     /// `stages`-deep ring of `block_n`-slot steps ([`GroupBy::Heads`]): each row gathered once
     /// for all the workgroup's heads, as in one group of `block_h` heads, but two step chains
     /// instead of one, each holding the registers of `block_h / groups` heads (benches/NOTES.md
-    /// v38; an experiment, not yet timed: `SPARSE_MLA_DECODE_KERNEL=heads`).
+    /// v38; an experiment, not yet timed: `SPARSE_MLA_DECODE_KERNEL=heads`). bf16 holds its
+    /// scores in rows, as v7 does; fp8_ds_mla in fragments (v7's 32-head form in rows spills
+    /// 8 bytes on sm_120 at 255 registers, in fragments none on any arch).
     pub fn tensor_core_heads(
         dims: MlaDims,
         format: CacheFormat,
@@ -481,7 +475,10 @@ impl DecodeConfig {
                 stages,
                 groups,
                 l2_ahead: 0,
-                row_softmax: RowSoftmax::Rows,
+                row_softmax: match format {
+                    CacheFormat::Bf16 => RowSoftmax::Rows,
+                    CacheFormat::Fp8DsMla => RowSoftmax::Off,
+                },
                 defer_pv: DeferPv::Off,
                 group_by: GroupBy::Heads,
             },
