@@ -469,21 +469,18 @@ impl DecodeConfig {
         warps: u32,
         groups: u32,
     ) -> Self {
-        DecodeConfig {
-            threads: 32 * warps * groups,
-            lowering: Lowering::MmaWs {
-                stages,
-                groups,
-                l2_ahead: 0,
-                row_softmax: match format {
-                    CacheFormat::Bf16 => RowSoftmax::Rows,
-                    CacheFormat::Fp8DsMla => RowSoftmax::Off,
-                },
-                defer_pv: DeferPv::Off,
-                group_by: GroupBy::Heads,
-            },
-            ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
+        let mut c =
+            Self::tensor_core_grouped(dims, format, (block_h, block_n, stages), warps, groups);
+        if let Lowering::MmaWs {
+            ref mut group_by, ..
+        } = c.lowering
+        {
+            *group_by = GroupBy::Heads;
         }
+        c.with_row_softmax(match format {
+            CacheFormat::Bf16 => RowSoftmax::Rows,
+            CacheFormat::Fp8DsMla => RowSoftmax::Off,
+        })
     }
 
     /// A v7 configuration whose workgroup is `groups` independent groups of `warps` warps

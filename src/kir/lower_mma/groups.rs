@@ -88,11 +88,7 @@ impl Cx<'_> {
     /// Steps `0..count` dealt out to the groups: how many this thread's group takes, and the
     /// global step of its local step `at`. Groups that split the heads walk every step.
     pub(super) fn group_steps(&self, count: Expr) -> (Expr, impl Fn(Expr) -> Expr) {
-        let groups = if self.group_by == GroupBy::Heads {
-            1
-        } else {
-            self.groups
-        };
+        let groups = if self.deals_steps() { self.groups } else { 1 };
         let group = self.group_expr().unwrap_or(u(0));
         let local = if groups > 1 {
             select(

@@ -125,57 +125,52 @@ pub fn lower_ws(
     out.shared.extend(cx.new_shared);
     out.privates.extend(cx.new_privates);
     let warps = threads / WARP;
-    if let Some(plan) = cx.group.as_ref().filter(|_| shares_ring) {
-        let mut ring = ring_arrays;
-        ring.push(info.bars.clone());
-        let (body, shared) = super::groups::replicate_heads(
-            std::mem::take(&mut out.body),
-            &out.shared,
-            (&ring, std::slice::from_ref(&info.bars)),
-            threads,
-            groups,
-            plan,
-        )
-        .map_err(err)?;
-        out.body = dedupe_barriers(body);
-        out.shared = shared;
-        out.workgroup_size = threads * groups;
-        out.doc.push(format!(
-            "{groups} warp groups of {warps} warps, each with its own heads (group g: head block {groups} x + g of the grid's x), walking every step over one shared ring; each group writes its own rows."
-        ));
-        out.doc.push(format!(
-            "mbarrier ring: {stages} stages, shared by the groups; warps {}-{} of each group issue every {groups}-th row's gather from the group's own (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it.",
-            warps - producer_warps(warps),
-            warps - 1
-        ));
-        crate::kir::shared_plan::check_fits(&out)?;
-        return Ok(out);
-    }
     if let Some(plan) = cx.group.as_ref().filter(|_| groups > 1) {
-        let (body, shared) = super::groups::replicate(
-            std::mem::take(&mut out.body),
-            &out.shared,
-            std::slice::from_ref(&info.bars),
-            threads,
-            groups,
-            plan,
-        )
-        .map_err(err)?;
+        let producers = format!("{}-{}", warps - producer_warps(warps), warps - 1);
+        let (replicated, docs) = if shares_ring {
+            let mut ring = ring_arrays;
+            ring.push(info.bars.clone());
+            (
+                super::groups::replicate_heads(
+                    std::mem::take(&mut out.body),
+                    &out.shared,
+                    (&ring, std::slice::from_ref(&info.bars)),
+                    threads,
+                    groups,
+                    plan,
+                ),
+                [
+                    format!("{groups} warp groups of {warps} warps, each with its own heads (group g: head block {groups} x + g of the grid's x), walking every step over one shared ring; each group writes its own rows."),
+                    format!("mbarrier ring: {stages} stages, shared by the groups; warps {producers} of each group issue every {groups}-th row's gather from the group's own (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it."),
+                ],
+            )
+        } else {
+            (
+                super::groups::replicate(
+                    std::mem::take(&mut out.body),
+                    &out.shared,
+                    std::slice::from_ref(&info.bars),
+                    threads,
+                    groups,
+                    plan,
+                ),
+                [
+                    format!("{groups} warp groups of {warps} warps, each with its own ring: group g walks steps g, g + {groups}, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0."),
+                    format!("mbarrier ring per group: {stages} stages; warps {producers} of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before)."),
+                ],
+            )
+        };
+        let (body, shared) = replicated.map_err(err)?;
         out.body = dedupe_barriers(body);
         out.shared = shared;
         out.workgroup_size = threads * groups;
-        // Plain subscripts: the bf16 two-group kernel ran 0.98x with its shared arrays
-        // addressed as pointer + terms (H200, H 16 T 128), where every one-group kernel
-        // gained (benches/NOTES.md, v29).
-        out.index_terms = false;
-        out.doc.push(format!(
-            "{groups} warp groups of {warps} warps, each with its own ring: group g walks steps g, g + {groups}, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0."
-        ));
-        out.doc.push(format!(
-            "mbarrier ring per group: {stages} stages; warps {}-{} of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).",
-            warps - producer_warps(warps),
-            warps - 1
-        ));
+        if !shares_ring {
+            // Plain subscripts: the bf16 two-group kernel ran 0.98x with its shared arrays
+            // addressed as pointer + terms (H200, H 16 T 128), where every one-group kernel
+            // gained (benches/NOTES.md, v29).
+            out.index_terms = false;
+        }
+        out.doc.extend(docs);
         crate::kir::shared_plan::check_fits(&out)?;
         return Ok(out);
     }
