@@ -6,7 +6,7 @@
 //! - [`kir`]: the kernel description language (scalar IR + tile ops) and its lowerings;
 //! - [`emit`]: WGSL and CUDA C printers of lowered kir (they know nothing about MLA);
 //! - [`kernels`]: each kernel described once (sparse MLA decode split + combine, ...);
-//! - [`reference`]: plain-Rust float64 references of every kernel;
+//! - [`reference`](mod@reference): plain-Rust float64 references of every kernel;
 //! - [`runtime`]: CPU reference, wgpu and CUDA behind one small trait;
 //! - [`model`]: GLM-5 / DeepSeek-V3.2 forward pass;
 //! - [`chat`]: chat templates (Jinja, from the model's tokenizer_config.json);

@@ -21,17 +21,17 @@
 //! - **row reductions**: within a thread, then the four lanes of a row (`shfl.xor` 1, 2), then
 //!   across the warps of a row through shared memory.
 //! - **online softmax**: row state in registers, one exchange of row maxima between the warps
-//!   and one barrier per step (see [`softmax`]).
+//!   and one barrier per step (see `softmax`).
 //! - **gathers**: 16-byte `cp.async.cg` with zero-fill (src-size 0) for rows without a source;
 //!   a few consecutive threads per row so each row is read in contiguous runs. Inside a
 //!   pipeline the loads of the next `stages - 1` steps are in flight while a step computes.
 //!
-//! This file drives the lowering (a [`Rewrite`] pass: which tile op goes where, the waits for
-//! gathers in flight); each job has its file: [`context`] (the lowering's state), [`layout`]
-//! (where tiles and accumulators live), [`gather`], [`pipeline`], [`mma`], [`reduce`],
-//! [`store`] (writes into shared tiles), [`softmax`], [`ksplit`] (split-K products),
-//! [`resident`] (A operands in registers), [`e4m3`] (e4m3 operands), [`rows`] (a split-K
-//! accumulator held in rows), [`ws`] (the producer/consumer form) and [`barriers`].
+//! This file drives the lowering (a `Rewrite` pass: which tile op goes where, the waits for
+//! gathers in flight); each job has its file: `context` (the lowering's state), `layout`
+//! (where tiles and accumulators live), `gather`, `pipeline`, `mma`, `reduce`,
+//! `store` (writes into shared tiles), `softmax`, `ksplit` (split-K products),
+//! `resident` (A operands in registers), `e4m3` (e4m3 operands), `rows` (a split-K
+//! accumulator held in rows), `ws` (the producer/consumer form) and `barriers`.
 
 // the constructors the job files take from here
 use super::expr::{

@@ -1,5 +1,5 @@
 //! The walks over a kernel body that every lowering shares: the rewrite a lowering is
-//! ([`Rewrite`]: each statement rebuilt as it is, tile ops and tile element reads replaced by
+//! (`Rewrite`: each statement rebuilt as it is, tile ops and tile element reads replaced by
 //! the pass), and the read-only visits (every tile op, every name in use).
 
 use super::ir::*;

@@ -60,7 +60,7 @@ impl WsInfo {
 /// module doc); a kernel without a pipeline gets the plain tensor-core lowering.
 ///
 /// `groups` > 1: `kernel` is one group's work and the workgroup holds `groups` copies of it
-/// (see [`super::groups`]), which deal out the steps or split the heads (`group_by`).
+/// (see `lower_mma/groups.rs`), which deal out the steps or split the heads (`group_by`).
 ///
 /// `row_softmax`: split-K accumulators that an online softmax reads are held in rows (see
 /// [`crate::kir::Lowering::MmaWs`]).
