@@ -223,6 +223,7 @@ SPARSE_MLA_HELPER void copy_async(void* dst, const void* src, unsigned bytes, vo
         asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                      :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
     } else {
+        #pragma unroll 1
         for (unsigned o = 0; o < bytes; o += 4) {
             ((unsigned*)dst)[o / 4] = ((const unsigned*)src)[o / 4];
         }
@@ -233,6 +234,7 @@ SPARSE_MLA_HELPER void copy_async(void* dst, const void* src, unsigned bytes, vo
             cp_async_16((char*)dst + o, (const char*)src + o, true);
         }
     } else {
+        #pragma unroll 1
         for (unsigned o = 0; o < bytes; o += 4) {
             cp_async_4((char*)dst + o, (const char*)src + o, true);
         }
