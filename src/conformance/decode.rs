@@ -71,8 +71,11 @@ pub struct DecodeCase {
     /// Multi-token decode: `tokens = batch · s_q`, lse written in FlashMLA's
     /// `[batch, heads, s_q]` layout. 1: one token per request, lse `[tokens, heads]`.
     pub s_q: u32,
-    /// Rows and pages of the cache padded (strides larger than packed).
-    pub strided: bool,
+    /// Bytes of padding after each cache row (0: packed). Pages are padded too when it is not
+    /// 0. 16 keeps every row 16-byte aligned; 4 (a stride of whole words, what the kernels
+    /// accept) leaves most rows off 16 bytes, so the tensor-core kernels take their word-wise
+    /// copies instead of 16-byte and bulk ones.
+    pub stride_pad: u32,
     /// fp8_ds_mla scales drawn from another band than the flavour's.
     pub band: ScaleBand,
     /// How q's values are drawn.
@@ -133,7 +136,7 @@ impl DecodeCase {
             topk_length,
             splits,
             s_q: 1,
-            strided: false,
+            stride_pad: 0,
             band: ScaleBand::Flavour,
             q_range: QRange::Normal,
         }
@@ -161,12 +164,8 @@ impl DecodeCase {
         DecodeCase { q_range, ..self }.named()
     }
 
-    fn strided(self) -> Self {
-        DecodeCase {
-            strided: true,
-            ..self
-        }
-        .named()
+    fn strided(self, stride_pad: u32) -> Self {
+        DecodeCase { stride_pad, ..self }.named()
     }
 
     fn named(mut self) -> Self {
@@ -193,8 +192,10 @@ impl DecodeCase {
         if self.topk_length {
             name.push_str("_len");
         }
-        if self.strided {
-            name.push_str("_strided");
+        match self.stride_pad {
+            0 => {}
+            16 => name.push_str("_strided"),
+            pad => name.push_str(&format!("_strided{pad}")),
         }
         name.push_str(match self.band {
             ScaleBand::Flavour => "",
@@ -227,12 +228,12 @@ impl DecodeCase {
         }
     }
 
-    /// The buffer layout of the case: padded strides when `strided`, FlashMLA's lse layout
+    /// The buffer layout of the case: strides padded by `stride_pad`, FlashMLA's lse layout
     /// when `s_q > 1`.
     pub fn layout(&self) -> DecodeLayout {
         let row_bytes = self.format.row_bytes(MlaDims::PRODUCTION) as u64;
-        let cache = if self.strided {
-            let row = row_bytes + 16;
+        let cache = if self.stride_pad > 0 {
+            let row = row_bytes + self.stride_pad as u64;
             CacheStrides {
                 row,
                 page: row * self.page_size as u64 + 64,
@@ -327,11 +328,17 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         DecodeCase::new(6, 8, 128, 64, 8, Mixed, true, Some(3))
             .fp8(Pow2)
             .mtp(2),
-        // padded row and page strides
-        DecodeCase::new(5, 8, 64, 16, 8, Mixed, false, None).strided(),
+        // padded row and page strides: rows 16-byte aligned, and rows one word apart (most of
+        // them off 16 bytes: the kernels' word-wise copies), also above 16 heads
+        DecodeCase::new(5, 8, 64, 16, 8, Mixed, false, None).strided(16),
         DecodeCase::new(5, 8, 64, 16, 8, Mixed, true, Some(2))
             .fp8(Arbitrary)
-            .strided(),
+            .strided(16),
+        DecodeCase::new(5, 8, 64, 16, 8, Mixed, false, None).strided(4),
+        DecodeCase::new(3, 64, 2048, 16, 160, Mixed, true, None).strided(4),
+        DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, Some(2))
+            .fp8(Arbitrary)
+            .strided(4),
     ]
 }
 
