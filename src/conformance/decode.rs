@@ -336,7 +336,7 @@ pub fn decode_cases() -> Vec<DecodeCase> {
             .strided(16),
         DecodeCase::new(5, 8, 64, 16, 8, Mixed, false, None).strided(4),
         DecodeCase::new(3, 64, 2048, 16, 160, Mixed, true, None).strided(4),
-        DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, Some(2))
+        DecodeCase::new(2, 16, 2048, 64, 40, Mixed, false, Some(4))
             .fp8(Arbitrary)
             .strided(4),
     ]
