@@ -168,6 +168,16 @@ impl DecodeCase {
         DecodeCase { stride_pad, ..self }.named()
     }
 
+    /// The name's part for the strides: none when packed, `_strided` for rows padded by 16
+    /// bytes, `_strided{pad}` otherwise (the decode cases' and the stress cases' names).
+    pub(crate) fn stride_tag(&self) -> String {
+        match self.stride_pad {
+            0 => String::new(),
+            16 => "_strided".to_string(),
+            pad => format!("_strided{pad}"),
+        }
+    }
+
     fn named(mut self) -> Self {
         let mut name = String::new();
         if self.format == CacheFormat::Fp8DsMla {
@@ -192,11 +202,7 @@ impl DecodeCase {
         if self.topk_length {
             name.push_str("_len");
         }
-        match self.stride_pad {
-            0 => {}
-            16 => name.push_str("_strided"),
-            pad => name.push_str(&format!("_strided{pad}")),
-        }
+        name.push_str(&self.stride_tag());
         name.push_str(match self.band {
             ScaleBand::Flavour => "",
             ScaleBand::Wide => "_wide",

@@ -146,11 +146,7 @@ pub fn random_case(rng: &mut Rng, max_pairs: u64) -> DecodeCase {
             },
             if case.topk_length { "_len" } else { "" },
             if s_q > 1 { "_sq2" } else { "" },
-            match case.stride_pad {
-                0 => String::new(),
-                16 => "_strided".to_string(),
-                pad => format!("_strided{pad}"),
-            },
+            case.stride_tag(),
             if case.band == ScaleBand::Wide {
                 "_wide"
             } else {
