@@ -39,6 +39,10 @@
 //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and
 //   sparse_mla_plan_decode(..., sms, v6_per_sm, resident, ...) take the multiprocessor
 //   count `sms` and `v6_per_sm`.
+//   A wide call (sparse_mla_is_wide_call: bf16, H a multiple of 64 and
+//   11 * T * H / 64 >= SM count) runs v7 in 64-head blocks at any v6_per_sm, before
+//   every rule above: four warp groups of 16 heads over one ring, each row read once for
+//   64 heads (sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32, block_h 64).
 //
 // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or
 // NVRTC with --gpu-architecture=sm_XX, for sm_80 or later (sm_120 needs CUDA >= 12.8).
@@ -57,6 +61,7 @@
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 63936 B
 //   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64: 256 threads, dynamic shared memory 95872 B
+//   sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32: 256 threads, dynamic shared memory 99904 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
 //   Every kernel fits SM120's 101376 B per block; none needs more than the 48 KB default
 //   unless listed above with a non-zero size.
@@ -297,6 +302,15 @@ static inline const char* sparse_mla_v6_kernel(unsigned heads, sparse_mla_decode
     return "heads: no v6 kernel for this head count";
 }
 
+/* Is a call a wide one (DecodeConfig::is_wide_call): bf16, heads a multiple of 64 and
+   11 x tokens x heads / 64 >= sms. The runtime runs v7 in 64-head blocks there
+   (sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32), at any v6_per_sm (on an H100
+   1.05-1.42x the 32-head kernels from 12 such blocks on 132 SMs, benches/NOTES.md v40). */
+static inline int sparse_mla_is_wide_call(int format, unsigned heads, unsigned tokens, unsigned sms) {
+    return format == SPARSE_MLA_CACHE_BF16 && heads % 64u == 0u
+        && 11ull * tokens * (heads / 64u) >= (unsigned long long)sms;
+}
+
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): for bf16 above 16 heads
    v6 in 16-head blocks where sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm); v7 in
    16-head blocks for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format
@@ -322,6 +336,11 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (heads == 0) return "heads: expected at least 1";
     if (sms == 0u) return "sms: expected the multiprocessor count of the GPU (at least 1)";
     if (v6_per_sm == 0u) return "v6_per_sm: expected the workgroups of the bf16 v6 split kernel one multiprocessor holds (at least 1)";
+    if (sparse_mla_is_wide_call(format, heads, tokens, sms)) {
+        p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
+        p->block_h = 64u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 99904u;
+        return 0;
+    }
     if (format == SPARSE_MLA_CACHE_BF16 && heads > 16u && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))
         return sparse_mla_v6_kernel(16u, p);
     if (sparse_mla_is_narrow_call(heads, tokens, sms)) {
@@ -846,6 +865,40 @@ struct sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64_params {
 //     o_part       [tokens, heads, splits, 512] (splits > 1)
 //     lse_part     [tokens, heads, splits] (splits > 1)
 struct sparse_mla_decode_split_bf16_d576_ws2w8r_h16n32_params {
+    unsigned tokens; // T, query tokens (batch x s_q)
+    unsigned heads; // H, query heads
+    unsigned topk; // top-k entries per token
+    unsigned num_slots; // num_pages x page_size
+    unsigned splits; // S, splits of the top-k list
+    unsigned chunk; // top-k entries per split (multiple of block_n)
+    unsigned has_topk_length; // 1: topk_length is given
+    float scale; // softmax scale
+    unsigned page_size; // slots per page
+    unsigned row_stride_w; // 32-bit words from one cache row to the next
+    unsigned page_stride_w; // 32-bit words from one cache page to the next
+    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
+};
+
+// sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32
+//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 64 heads x 32 slots per step, mma-ws lowering.
+//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
+//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
+//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
+//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
+//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
+//   4 warp groups of 2 warps, each with its own heads (group g: head block 4 x + g of the grid's x), walking every step over one shared ring; each group writes its own rows.
+//   mbarrier ring: 2 stages, shared by the groups; warps 1-1 of each group issue every 4-th row's gather from the group's own (cp.async.bulk on sm_90 and later, cp.async before); a stage is refilled once every thread of every group has released it.
+//   threads per block: 256; dynamic shared memory: 99904 B
+//   arguments: (sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
+//     q            [tokens, heads, 576]
+//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
+//     indices      [tokens, topk] slots
+//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
+//     out          [tokens, heads, 512] (splits = 1)
+//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
+//     o_part       [tokens, heads, splits, 512] (splits > 1)
+//     lse_part     [tokens, heads, splits] (splits > 1)
+struct sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32_params {
     unsigned tokens; // T, query tokens (batch x s_q)
     unsigned heads; // H, query heads
     unsigned topk; // top-k entries per token

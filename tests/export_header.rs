@@ -274,6 +274,8 @@ fn c_plan_matches_the_runtime_plan() {
         let dims = MlaDims::PRODUCTION;
         let family = if Some(config) == DecodeConfig::tensor_core_batch(dims, format, heads) {
             "batch"
+        } else if Some(config) == DecodeConfig::tensor_core_wide(dims, format) {
+            "wide"
         } else if Some(config) == DecodeConfig::tensor_core_narrow_wide(dims, format, heads) {
             "narrow wide"
         } else if Some(config) == DecodeConfig::tensor_core_narrow(dims, format, heads) {
@@ -326,6 +328,13 @@ fn c_plan_matches_the_runtime_plan() {
         .map(|&v6| count((CacheFormat::Fp8DsMla, "narrow wide", false, v6)))
         .sum();
     assert!(n > 5, "{n} fp8_ds_mla narrow calls on 64-row steps");
+    // and bf16's wide calls on v7 in 64-head blocks (H 64 and 128), at every residency (where
+    // v6 would not keep the call), and never fp8_ds_mla's
+    for v6 in [1u32, 2, 3] {
+        let n = count((CacheFormat::Bf16, "wide", false, v6));
+        assert!(n > 20, "v6_per_sm {v6}: {n} bf16 wide calls");
+        assert_eq!(count((CacheFormat::Fp8DsMla, "wide", false, v6)), 0);
+    }
     // and bf16 v6 in 16-head blocks above 16 heads, at any residency
     for v6 in [1u32, 2, 3] {
         let n = count((CacheFormat::Bf16, "v6 narrow", false, v6));

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One GPU call for the head-group forms (`GroupBy::Heads`, benches/NOTES.md v38): v7's
-# 32-head blocks as two 16-head warp groups over one ring, and the forms beside it.
-#   1. mla-check's decode cases with SPARSE_MLA_DECODE_KERNEL=heads (a wrong result or a hang
+# One GPU call for the head-group forms (`GroupBy::Heads`, benches/NOTES.md v38, v40): bf16's
+# wide-call kernel (v7 in 64-head blocks, four 16-head warp groups over one ring) and the
+# forms beside it.
+#   1. mla-check's decode cases with SPARSE_MLA_DECODE_KERNEL=wide (a wrong result or a hang
 #      shows here first);
 #   2. mla-bench with --variants beside v7 (its current column), RUNS rounds, both
 #      occupancies, every row checked against float64;
-#   3. compute-sanitizer memcheck / racecheck / synccheck on the decode cases with heads
-#      forced (the cross-group release of the shared ring is what racecheck and synccheck
-#      must pass);
-#   4. with NCU=1, Nsight Compute on v7 and the two-group kernel at bf16 H 128 T 128.
+#   3. compute-sanitizer memcheck / racecheck / synccheck on the decode cases with the wide
+#      kernel forced (the cross-group release of the shared ring is what racecheck and
+#      synccheck must pass);
+#   4. with NCU=1, Nsight Compute on v7 (forced) and the wide kernel at bf16 H 128 T 128.
 # Logs tarred into $OUT/heads.tar.xz; the summary and the table print last.
 #
 #   tools/gpu-heads.sh BIN_DIR
@@ -31,9 +32,9 @@ chmod +x "$BIN"/mla-bench "$BIN"/mla-check
 . tools/gpu-lib.sh
 S=$L/summary.txt
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader >"$S"
-SPARSE_MLA_DECODE_KERNEL=heads timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
+SPARSE_MLA_DECODE_KERNEL=wide timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
     >"$L/check-heads.txt" 2>&1
-echo "mla-check decode, heads forced: rc $? $(tail -1 "$L/check-heads.txt")" >>"$S"
+echo "mla-check decode, wide forced: rc $? $(tail -1 "$L/check-heads.txt")" >>"$S"
 B=${BENCH_ARGS:---heads 32,64,128 --tokens 1,8,32,128 --cache bf16,fp8_ds_mla}
 V=${VARIANTS:-32x32x2w4h2,64x32x2w2h4,32x32x3w4h2}
 for r in $(seq 1 "${RUNS:-2}"); do
@@ -44,17 +45,18 @@ for r in $(seq 1 "${RUNS:-2}"); do
 done
 for tool in ${SAN_TOOLS-memcheck racecheck synccheck}; do
     if late; then echo "DEADLINE: sanitizer $tool skipped" >>"$S"; continue; fi
-    r=$(SPARSE_MLA_DECODE_KERNEL=heads san_decode "$BIN" "$tool" "$L/san-$tool.txt")
-    echo "sanitizer $tool (decode cases, heads forced): $r" >>"$S"
+    r=$(SPARSE_MLA_DECODE_KERNEL=wide san_decode "$BIN" "$tool" "$L/san-$tool.txt")
+    echo "sanitizer $tool (decode cases, wide forced): $r" >>"$S"
 done
 if [ "${NCU:-0}" = 1 ] && NCUB=$(cuda_tool ncu) && [ -n "$NCUB" ]; then
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
     metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
     metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
-    for k in ws2w8r_h32n32 ws2w8h2r_h32n32; do
+    for k in v7 wide; do
         if late; then echo "DEADLINE: ncu $k skipped" >>"$S"; continue; fi
-        timeout 150 "$NCUB" -k "regex:$k" --launch-skip 3 --launch-count 1 --csv --metrics "$metrics" \
-            "$BIN/mla-bench" --heads 128 --tokens 128 --cache bf16 --variants 32x32x2w4h2 \
+        SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$NCUB" -k "regex:sparse_mla_decode_split" \
+            --launch-skip 3 --launch-count 1 --csv --metrics "$metrics" \
+            "$BIN/mla-bench" --heads 128 --tokens 128 --cache bf16 \
             --reps 4 --warmup 1 --no-peer --no-baseline >"$L/ncu-$k.csv" 2>&1
         echo "ncu $k: rc $? $(grep -c '^"' "$L/ncu-$k.csv") CSV lines" >>"$S"
     done

@@ -292,6 +292,10 @@ pub fn decode_cases() -> Vec<DecodeCase> {
         // a bf16 call of more than 16 heads small enough for v6 in 16-head blocks
         // (DecodeConfig::tensor_core_v6_narrow), its last block half full
         DecodeCase::new(1, 40, 2048, 64, 40, Mixed, false, None),
+        // bf16 wide calls (12 blocks of 64 heads: DecodeConfig::is_wide_call on up to 132
+        // SMs): v7 in 64-head blocks, four warp groups over one ring
+        DecodeCase::new(12, 64, 256, 16, 200, Mixed, true, None),
+        DecodeCase::new(6, 128, 512, 64, 40, Mixed, false, None),
         // fp8_ds_mla rows
         DecodeCase::new(4, 1, 1, 1, 64, Valid, false, None).fp8(Pow2),
         DecodeCase::new(5, 3, 7, 16, 4, Mixed, false, None).fp8(Arbitrary),

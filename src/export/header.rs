@@ -244,6 +244,27 @@ pub fn narrow_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
     })
 }
 
+/// bf16's kernel for wide calls (`DecodeConfig::tensor_core_wide`, which the CUDA backend
+/// runs where `DecodeConfig::is_wide_call`, at any v6 residency): v7 in 64-head blocks, for
+/// H >= 64 (whole blocks only, by the rule).
+pub fn wide_variant() -> Result<Option<DecodeVariant>> {
+    let Some(config) = DecodeConfig::tensor_core_wide(MlaDims::PRODUCTION, CacheFormat::Bf16)
+    else {
+        return Ok(None);
+    };
+    let (split, combine) = lowered_kernels(&config)?;
+    Ok(Some(DecodeVariant {
+        format: CacheFormat::Bf16,
+        heads_min: config.block_h,
+        heads_max: None,
+        v6_per_sm_min: 1,
+        v6_per_sm_max: None,
+        config,
+        split,
+        combine,
+    }))
+}
+
 /// Shared memory per multiprocessor of an arch (bytes), for the resident-workgroup estimate
 /// of an export made without the GPU (the runtime asks the driver instead).
 fn smem_per_sm(arch: &str) -> Option<u32> {
@@ -301,7 +322,11 @@ fn plan_fill(s: &mut String, indent: &str, cond: &str, v: &DecodeVariant) {
 /// The comment block every C header of an export opens with: conventions, buffers, launch
 /// rules and limits, with the variant table of `variants` and the large-batch kernels of
 /// `batch` (none in a per-configuration header).
-fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
+fn launch_rules(
+    variants: &[DecodeVariant],
+    batch: &[DecodeVariant],
+    wide: Option<&DecodeVariant>,
+) -> String {
     let mut s = String::new();
     let by_v6 = variants
         .iter()
@@ -384,6 +409,18 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
             wide_b = DecodeConfig::NARROW_WIDE_MIN_BLOCKS,
         );
     }
+    if let Some(w) = wide {
+        let _ = writeln!(
+            s,
+            "//   A wide call (sparse_mla_is_wide_call: bf16, H a multiple of {h} and\n\
+             //   {f} * T * H / {h} >= SM count) runs v7 in {h}-head blocks at any v6_per_sm, before\n\
+             //   every rule above: four warp groups of 16 heads over one ring, each row read once for\n\
+             //   {h} heads ({}, block_h {h}).",
+            w.split.name,
+            h = w.config.block_h,
+            f = DecodeConfig::WIDE_FACTOR,
+        );
+    }
     s.push_str(
         "//\n\
          // COMPILE. Each .cu is self-contained (no #include): `nvcc -cubin -arch=sm_90 FILE.cu`, or\n\
@@ -396,7 +433,7 @@ fn launch_rules(variants: &[DecodeVariant], batch: &[DecodeVariant]) -> String {
          //   (runtime API: cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM))\n\
          // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.\n",
     );
-    for v in variants.iter().chain(batch) {
+    for v in variants.iter().chain(batch).chain(wide) {
         let _ = writeln!(s, "//   {}", kernel_facts(&v.split));
     }
     for c in &combines {
@@ -480,6 +517,7 @@ fn plan_code(
     batch: &[DecodeVariant],
     narrow: &[DecodeVariant],
     v6_probe: Option<&[DecodeVariant]>,
+    wide: Option<&DecodeVariant>,
 ) -> Result<String> {
     let first = variants
         .first()
@@ -648,7 +686,7 @@ static inline int sparse_mla_bf16_wide_runs_v7(unsigned heads, unsigned tokens, 
     return b >= 1u && (b > m || 8u * b * (m / b) >= 7u * m);
 }}
 
-{narrow_fn}{v6_fn}/* The kernel of one call{batch_doc}
+{narrow_fn}{v6_fn}{wide_fn}/* The kernel of one call{batch_doc}
    `topk`: indices per token, as given to sparse_mla_plan_decode (whether a call is a large
    batch depends on the steps a workgroup walks). `sms`: CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
    of the GPU. `v6_per_sm`: workgroups of the
@@ -712,6 +750,22 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             ),
             None => String::new(),
         },
+        wide_fn = match wide {
+            Some(w) => format!(
+                "/* Is a call a wide one (DecodeConfig::is_wide_call): bf16, heads a multiple of {h} and\n   \
+                 {f} x tokens x heads / {h} >= sms. The runtime runs v7 in {h}-head blocks there\n   \
+                 ({name}), at any v6_per_sm (on an H100\n   \
+                 1.05-1.42x the 32-head kernels from 12 such blocks on 132 SMs, benches/NOTES.md v40). */\n\
+                 static inline int sparse_mla_is_wide_call(int format, unsigned heads, unsigned tokens, unsigned sms) {{\n    \
+                 return format == SPARSE_MLA_CACHE_BF16 && heads % {h}u == 0u\n        \
+                 && {f}ull * tokens * (heads / {h}u) >= (unsigned long long)sms;\n\
+                 }}\n\n",
+                h = w.config.block_h,
+                f = DecodeConfig::WIDE_FACTOR,
+                name = w.split.name,
+            ),
+            None => String::new(),
+        },
         v6_fn = match v6_probe {
             Some(v6) => v6_kernel_fn(v6),
             None => String::new(),
@@ -737,6 +791,16 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
         plan_fill(s, indent, &cond, v);
     };
+    if let Some(w) = wide {
+        // bf16's wide calls: its 64-head kernel at any v6_per_sm, before the other rules
+        // (DecodeConfig::for_call)
+        plan_fill(
+            &mut s,
+            "    ",
+            "sparse_mla_is_wide_call(format, heads, tokens, sms)",
+            w,
+        );
+    }
     if v6_probe.is_some() {
         // bf16 above 16 heads: v6 in 16-head blocks (DecodeConfig::tensor_core_v6_narrow)
         // where is_v6_call, whose answer there does not depend on v6_per_sm
@@ -1132,7 +1196,8 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
          // launch by the same rules with the block_h x block_n in their names. Cache write and\n\
          // block-table conversion: see their structs at the end.\n//\n",
     );
-    h.push_str(&launch_rules(&variants, &batch));
+    let wide = wide_variant()?;
+    h.push_str(&launch_rules(&variants, &batch, wide.as_ref()));
     h.push_str(&batch_rules(&batch));
     h.push_str("\n#pragma once\n\n");
     let mut narrow = narrow_variants(CacheFormat::Bf16)?;
@@ -1142,6 +1207,7 @@ pub fn c_header(kernels: &[&Kernel]) -> Result<String> {
         &batch,
         &narrow,
         Some(&v6_probe_variants()?),
+        wide.as_ref(),
     )?);
     h.push_str("\n/* ---- every kernel's parameter struct ---- */\n\n");
     h.push_str(&kernel_structs(kernels));
@@ -1255,7 +1321,7 @@ pub fn config_header(
         }
     );
     h.push_str(&one_kernel_note(shape, lowering, variant, sms, arch)?);
-    h.push_str(&launch_rules(std::slice::from_ref(variant), &[]));
+    h.push_str(&launch_rules(std::slice::from_ref(variant), &[], None));
     h.push_str("\n#pragma once\n\n");
     let _ = write!(
         h,
@@ -1292,7 +1358,13 @@ pub fn config_header(
             0
         },
     );
-    h.push_str(&plan_code(std::slice::from_ref(variant), &[], &[], None)?);
+    h.push_str(&plan_code(
+        std::slice::from_ref(variant),
+        &[],
+        &[],
+        None,
+        None,
+    )?);
     h.push_str("\n/* ---- the exported kernels' parameter structs ---- */\n\n");
     h.push_str(&kernel_structs(&[&variant.split, &variant.combine]));
     Ok(h)

@@ -243,6 +243,17 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
             ),
         });
     }
+    // bf16 v7 in 64-head blocks for wide calls (DecodeConfig::is_wide_call)
+    if let Some(config) = DecodeConfig::tensor_core_wide(MlaDims::PRODUCTION, CacheFormat::Bf16) {
+        out.push(StandardKernel {
+            target: Target::Cuda,
+            kernel: lower(&split_kernel(&config)?, config.lowering)?,
+            note: format!(
+                "sparse decode, bf16 cache, tensor cores v7 in 64-head blocks (four warp groups of 16 heads over one ring), the CUDA backend's kernel for wide calls (H a multiple of 64, {} * T * H / 64 >= SMs)",
+                DecodeConfig::WIDE_FACTOR
+            ),
+        });
+    }
     for (version, choose) in versions {
         for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
             for (heads, range) in [(16, "H <= 16"), (64, "H > 16")] {

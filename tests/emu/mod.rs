@@ -81,11 +81,12 @@ pub struct EmuConfig {
     /// choice, or forced wherever a call has more tokens than splits.
     pub whole: WholeTokens,
     /// Every call of more than 16 heads on warp groups of 16 heads over one ring
-    /// (`GroupBy::Heads`): `Some(None)` v7's 32-head blocks as two groups
-    /// (`DecodeConfig::tensor_core_v7_heads`, `SPARSE_MLA_DECODE_KERNEL=heads`), `Some(Some((
-    /// (block_h, block_n, stages), warps, groups)))` that form (`DecodeConfig::tensor_core_heads`,
-    /// mla-bench's `--variants HxNxSwWhG`); bf16 in rows, fp8_ds_mla in fragments.
-    pub heads: Option<Option<HeadsForm>>,
+    /// (`GroupBy::Heads`): `Some(((block_h, block_n, stages), warps, groups))` that form
+    /// (`DecodeConfig::tensor_core_heads`, mla-bench's `--variants HxNxSwWhG`; bf16's
+    /// wide-call kernel, `SPARSE_MLA_DECODE_KERNEL=wide`, is `((64, 32, 2), 2, 4)`); bf16 in
+    /// rows, fp8_ds_mla in fragments. None: the planned kernel (itself a head-group one on
+    /// wide calls).
+    pub heads: Option<HeadsForm>,
 }
 
 /// A head-group form: `((block_h, block_n, stages), warps a group, groups)`.
@@ -177,8 +178,7 @@ impl EmuConfig {
             },
             match self.heads {
                 None => String::new(),
-                Some(None) => " (above 16 heads: two 16-head warp groups over one ring)".into(),
-                Some(Some(((h, n, s), w, g))) => {
+                Some(((h, n, s), w, g)) => {
                     format!(" (above 16 heads: {h}x{n}x{s}w{w}h{g}, head groups over one ring)")
                 }
             },
@@ -221,8 +221,9 @@ pub struct EmuDevice {
     /// Calls planned with whole tokens before the split ones (`DecodePlan::whole_tokens`),
     /// bf16 and fp8_ds_mla.
     pub whole_plans: [AtomicU64; 2],
-    /// Calls planned on two 16-head warp groups over one ring
-    /// (`DecodeConfig::tensor_core_v7_heads`), bf16 and fp8_ds_mla.
+    /// Calls planned on warp groups of 16 heads over one ring (`GroupBy::Heads`: bf16's
+    /// wide-call kernel, `DecodeConfig::tensor_core_wide`, or a forced form), bf16 and
+    /// fp8_ds_mla.
     pub heads_plans: [AtomicU64; 2],
 }
 
@@ -533,21 +534,16 @@ impl Device for EmuDevice {
         } else {
             DecodeConfig::tensor_core_v6(shape.dims, shape.format, shape.heads)
         };
-        let heads = match self.config.heads {
-            Some(None) => DecodeConfig::tensor_core_v7_heads(shape.dims, shape.format, shape.heads),
-            Some(Some((block, warps, groups))) if shape.heads > 16 => Some(
-                DecodeConfig::tensor_core_heads(shape.dims, shape.format, block, warps, groups),
-            ),
-            _ => None,
-        };
-        let config = match heads {
-            Some(heads) => {
-                let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
-                self.heads_plans[i].fetch_add(1, Ordering::Relaxed);
-                heads
+        let config = match self.config.heads {
+            Some((block, warps, groups)) if shape.heads > 16 => {
+                DecodeConfig::tensor_core_heads(shape.dims, shape.format, block, warps, groups)
             }
             _ => config,
         };
+        if config.head_groups() > 1 {
+            let i = usize::from(shape.format == CacheFormat::Fp8DsMla);
+            self.heads_plans[i].fetch_add(1, Ordering::Relaxed);
+        }
         lowered_kernels(&config)?;
         if Some(config) == DecodeConfig::tensor_core_narrow(shape.dims, shape.format, shape.heads) {
             let i = usize::from(shape.format == CacheFormat::Fp8DsMla);

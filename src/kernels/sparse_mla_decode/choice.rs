@@ -41,6 +41,27 @@ impl DecodeConfig {
     /// [`Self::tensor_core_narrow_wide`].
     pub const NARROW_WIDE_MIN_BLOCKS: u64 = 6;
 
+    /// Is `shape` a wide call: bf16, whole 64-head blocks (`H` a multiple of 64) and
+    /// `WIDE_FACTOR · T · H/64 ≥ SMs` (at least 12 such blocks on 132 SMs)? [`Self::for_call`]
+    /// runs [`Self::tensor_core_wide`] there, at any v6 residency. Measured on an H100
+    /// (132 SMs), same binary (benches/NOTES.md, v40): against v7 in 32-head blocks, both
+    /// occupancies, 1.05–1.42x from 12 blocks at H 64 (T 12–128) and from 16 at H 128
+    /// (T 8–128), level at 10–12 (H 64 T 10, H 128 T 6), 0.83–0.94x at 4–8 (H 64 T 4–8,
+    /// H 128 T 4); against v6 in 32-head blocks, which the backend ran on the H100's own
+    /// occupancy where v7's one wave is partial, 1.22–1.42x (H 64 T 24–56, H 128 T 12–24).
+    /// Head counts between multiples of 64 are not measured and keep 32-head blocks.
+    pub fn is_wide_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        Self::tensor_core_wide(shape.dims, shape.format).is_some_and(|w| {
+            shape.heads % w.block_h == 0
+                && Self::WIDE_FACTOR * shape.tokens as u64 * (shape.heads / w.block_h) as u64
+                    >= sm_count as u64
+        })
+    }
+
+    /// The factor of [`Self::is_wide_call`]: 12 blocks of 64 heads on 132 multiprocessors
+    /// were level or faster, 8 slower.
+    pub const WIDE_FACTOR: u64 = 11;
+
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
     /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
     /// - bf16, only where the split model ([`DecodePlan::model_splits`], one workgroup per SM)
@@ -142,16 +163,22 @@ impl DecodeConfig {
     /// large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
     /// more than 16 heads whose v7 blocks fill one wave or take several
-    /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. `v6_per_sm` is asked at
-    /// most once, and only for bf16 calls the answer decides: none of those but the small
-    /// calls at H ≤ 16 between `is_v6_call`'s two factors, and not a large batch at every v6
-    /// residency.
+    /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. Before all of these, a
+    /// wide call ([`Self::is_wide_call`]) runs bf16's 64-head kernel
+    /// ([`Self::tensor_core_wide`]). `v6_per_sm` is asked at most once, and only for bf16
+    /// calls the answer decides: none of those but the small calls at H ≤ 16 between
+    /// `is_v6_call`'s two factors, and not a large batch at every v6 residency.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
+        if let Some(wide) =
+            Self::tensor_core_wide(dims, format).filter(|_| Self::is_wide_call(shape, sm_count))
+        {
+            return Ok(wide);
+        }
         // (above 16 heads is_v6_call does not depend on the residency)
         if let Some(v6) = Self::tensor_core_v6_narrow(dims, format, heads)
             .filter(|_| Self::is_v6_call(shape, sm_count, 1))
@@ -208,10 +235,9 @@ impl DecodeConfig {
     /// The decode kernel a GPU backend runs for `shape` on `sm_count` multiprocessors, with the
     /// run-time switches of the environment: [`Self::for_call`] (`v6_per_sm`: the GPU's
     /// residency of the bf16 v6 split kernel, asked only where it decides), or the version
-    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch|heads` (`batch`: the large-batch
-    /// kernel where one exists for the head count, else v7; `heads`: above 16 heads v7's
-    /// 32-head blocks as two 16-head warp groups over one ring,
-    /// [`Self::tensor_core_v7_heads`], an experiment; else v7); then the forms:
+    /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch|wide` (`batch`: the large-batch
+    /// kernel where one exists for the head count, else v7; `wide`: for bf16 above 16 heads
+    /// [`Self::tensor_core_wide`], else v7); then the forms:
     /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
     ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
@@ -239,12 +265,13 @@ impl DecodeConfig {
             Ok("v7") => Self::tensor_core_v7(dims, format, heads),
             Ok("batch") => Self::tensor_core_batch(dims, format, heads)
                 .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
-            Ok("heads") => Self::tensor_core_v7_heads(dims, format, heads)
+            Ok("wide") => Self::tensor_core_wide(dims, format)
+                .filter(|_| heads > 16)
                 .unwrap_or_else(|| Self::tensor_core_v7(dims, format, heads)),
             Ok(other) => {
                 return Err(Error::arg(
                     "SPARSE_MLA_DECODE_KERNEL",
-                    "auto, v6, v7, batch or heads",
+                    "auto, v6, v7, batch or wide",
                     other,
                 ))
             }

@@ -447,11 +447,22 @@ impl DecodeConfig {
         }
     }
 
-    /// v7's 32-head blocks (above 16 heads) as two groups of 4 warps with 16 heads each over
-    /// one shared ring ([`Self::tensor_core_heads`]): what `SPARSE_MLA_DECODE_KERNEL=heads`
-    /// runs, to time it against the backend's choice. None at 16 heads or fewer.
-    pub fn tensor_core_v7_heads(dims: MlaDims, format: CacheFormat, heads: u32) -> Option<Self> {
-        (heads > 16).then(|| Self::tensor_core_heads(dims, format, (32, 32, 2), 4, 2))
+    /// bf16's kernel for wide calls ([`Self::is_wide_call`]; none for fp8_ds_mla): v7 in
+    /// 64-head blocks, four warp groups of 2 warps with 16 heads each over one shared 2-stage
+    /// ring of 32-slot steps ([`Self::tensor_core_heads`]), scores in rows. Each gathered row
+    /// serves 64 heads where 32-head blocks read it twice, and each group's chain holds the
+    /// registers of 16 heads (255 a thread: q's fragments and 128 of the output; on sm_120
+    /// ptxas keeps one word on the stack, stored before the step loop and read after it;
+    /// 99904 B of shared memory, within SM120's 101376). Measured on an H100, same binary,
+    /// two rounds (benches/NOTES.md, v40): against v7, both occupancies, 1.05–1.42x at
+    /// H 64 T 12–128 and H 128 T 8–128, level at H 64 T 10 and H 128 T 6, 0.83–0.94x below
+    /// (H 64 T 4–8, H 128 T 4); against v6, where the backend ran it at the H100's own
+    /// occupancy, 1.22–1.42x (H 64 T 24–56, H 128 T 12–24). The other head-group forms lost:
+    /// 32-head blocks as two groups 0.84–0.99x, 16-row steps, and every fp8_ds_mla form
+    /// (0.37–0.89x).
+    pub fn tensor_core_wide(dims: MlaDims, format: CacheFormat) -> Option<Self> {
+        (format == CacheFormat::Bf16)
+            .then(|| Self::tensor_core_heads(dims, format, (64, 32, 2), 2, 4))
     }
 
     /// A v7 configuration whose workgroup of `block_h` heads is `groups` groups of `warps`
@@ -459,7 +470,7 @@ impl DecodeConfig {
     /// `stages`-deep ring of `block_n`-slot steps ([`GroupBy::Heads`]): each row gathered once
     /// for all the workgroup's heads, as in one group of `block_h` heads, but two step chains
     /// instead of one, each holding the registers of `block_h / groups` heads (benches/NOTES.md
-    /// v38; an experiment, not yet timed: `SPARSE_MLA_DECODE_KERNEL=heads`). bf16 holds its
+    /// v38, timed in v40: [`Self::tensor_core_wide`] is the form adopted). bf16 holds its
     /// scores in rows, as v7 does; fp8_ds_mla in fragments (v7's 32-head form in rows spills
     /// 8 bytes on sm_120 at 255 registers, in fragments none on any arch).
     pub fn tensor_core_heads(
@@ -1474,45 +1485,75 @@ mod tests {
     }
 
     #[test]
-    fn head_groups_split_v7s_32_head_block_over_one_ring() {
+    fn wide_calls_run_bf16_in_64_head_blocks_over_one_ring() {
         let dims = MlaDims::PRODUCTION;
-        for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-            assert_eq!(DecodeConfig::tensor_core_v7_heads(dims, format, 16), None);
-            let c = DecodeConfig::tensor_core_v7_heads(dims, format, 64).unwrap();
-            let v7 = DecodeConfig::tensor_core_v7(dims, format, 64);
-            // the host plans the workgroup's 32 heads, the description one group's 16
+        assert_eq!(
+            DecodeConfig::tensor_core_wide(dims, CacheFormat::Fp8DsMla),
+            None
+        );
+        let c = DecodeConfig::tensor_core_wide(dims, CacheFormat::Bf16).unwrap();
+        // the host plans the workgroup's 64 heads, the description one group's 16
+        assert_eq!((c.block_h, c.block_n, c.threads), (64, 32, 256));
+        assert_eq!(
+            (c.groups(), c.head_groups(), c.group_view().block_h),
+            (4, 4, 16)
+        );
+        assert_eq!(c.family(), "v7");
+        assert_eq!(c.label(), "v7 h4 r");
+        assert!(c.split_name().contains("_ws2w8h4r_h64n32"));
+        assert!(!c.is_batch() && !c.has_merged_form() && c.has_whole_form());
+        // the row forms are not refused, as they are on the groups that deal out steps
+        let sh = shape(CacheFormat::Bf16, 128, 150);
+        assert!(c
+            .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
+            .is_ok());
+        let batch = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 16).unwrap();
+        assert!(batch
+            .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
+            .is_err());
+        // the calls as measured (benches/NOTES.md v40, 132 SMs): from 12 blocks of 64 heads,
+        // at whole blocks only, bf16 only, at either v6 residency
+        let pick = |format, heads, tokens, per_sm| {
+            let s = shape(format, heads, tokens);
+            let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
             assert_eq!(
-                (c.block_h, c.block_n, c.threads),
-                (v7.block_h, v7.block_n, 256)
+                DecodeConfig::is_wide_call(&s, 132),
+                format == CacheFormat::Bf16 && heads % 64 == 0 && 11 * tokens * heads / 64 >= 132
             );
-            assert_eq!(
-                (c.groups(), c.head_groups(), c.group_view().block_h),
-                (2, 2, 16)
-            );
-            assert_eq!(c.family(), "v7");
-            assert!(!c.is_batch() && !c.has_merged_form() && c.has_whole_form());
-            // the plan is v7's: the same head blocks, splits and whole tokens
-            let sh = shape(format, 64, 150);
-            let plan =
-                |c| DecodePlan::with_config_whole(c, &sh, 132, 132, None, WholeTokens::Model);
-            let (a, b) = (plan(c).unwrap(), plan(v7).unwrap());
-            assert_eq!(
-                (a.splits, a.whole_tokens, a.grid_split(&sh)),
-                (b.splits, b.whole_tokens, b.grid_split(&sh))
-            );
-            // the row forms are not refused, as they are on the groups that deal out steps
-            assert!(c
-                .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
-                .is_ok());
-            let batch = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 16).unwrap();
-            assert!(batch
-                .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
-                .is_err());
+            Some(c) == DecodeConfig::tensor_core_wide(dims, format)
+        };
+        for per_sm in [1, 2] {
+            for (heads, tokens) in [(64, 12), (64, 16), (64, 32), (64, 128), (128, 6), (128, 8)] {
+                assert!(
+                    pick(CacheFormat::Bf16, heads, tokens, per_sm),
+                    "H {heads} T {tokens}"
+                );
+            }
+            for (heads, tokens) in [(128, 128), (256, 3), (64, 256), (128, 1000)] {
+                assert!(
+                    pick(CacheFormat::Bf16, heads, tokens, 1),
+                    "H {heads} T {tokens}"
+                );
+            }
+            for (heads, tokens) in [(64, 8), (64, 10), (128, 4), (128, 5), (96, 64), (80, 128)] {
+                assert!(
+                    !pick(CacheFormat::Bf16, heads, tokens, per_sm),
+                    "H {heads} T {tokens}"
+                );
+            }
+            for (heads, tokens) in [(64, 128), (128, 128), (128, 8)] {
+                assert!(!pick(CacheFormat::Fp8DsMla, heads, tokens, per_sm));
+            }
         }
-        let bf16 = DecodeConfig::tensor_core_v7_heads(dims, CacheFormat::Bf16, 128).unwrap();
-        assert_eq!(bf16.label(), "v7 h2 r");
-        assert!(bf16.split_name().contains("_ws2w8h2r_h32n32"));
-        let fp8 = DecodeConfig::tensor_core_v7_heads(dims, CacheFormat::Fp8DsMla, 128).unwrap();
-        assert_eq!(fp8.label(), "v7 h2");
+        // also where v6 kept a partial wave at two v6 workgroups per SM (1.22-1.42x there);
+        // the factor scales with the SMs (170: 16 blocks)
+        for (heads, tokens) in [(64, 24), (64, 48), (128, 12), (128, 24)] {
+            assert!(
+                pick(CacheFormat::Bf16, heads, tokens, 2),
+                "H {heads} T {tokens}"
+            );
+        }
+        let s = shape(CacheFormat::Bf16, 64, 14);
+        assert!(DecodeConfig::is_wide_call(&s, 132) && !DecodeConfig::is_wide_call(&s, 170));
     }
 }
