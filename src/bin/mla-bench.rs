@@ -8,7 +8,7 @@ use sparse_mla::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan,
 use sparse_mla::kernels::{pack_params, Launch, ParamValue};
 use sparse_mla::kir::builder::*;
 use sparse_mla::kir::ir::{Access, Elem, Kernel, Ty};
-use sparse_mla::kir::Lowering;
+use sparse_mla::kir::{Lowering, RowSoftmax};
 use sparse_mla::mla::{CacheFormat, DecodeLayout, DecodeShape, MlaDims};
 use sparse_mla::reference::numerics::{bf16_bits, bf16_from_bits};
 use sparse_mla::reference::sparse_mla::{decode as reference_decode, DecodeInputs};
@@ -589,11 +589,34 @@ impl Bench<'_> {
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
+    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD][r|f] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies; r / f: the scores held in rows / fragments, else the form's own) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 64x16x2w2h4r, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
     };
+    // r / f: the scores held in rows / in fragments for the softmax
+    let (body, scores) = match (v6, body.strip_suffix('r'), body.strip_suffix('f')) {
+        (false, Some(b), _) => (b, Some(RowSoftmax::Rows)),
+        (false, _, Some(b)) => (b, Some(RowSoftmax::Off)),
+        _ => (body, None),
+    };
+    let config = parse_variant_blocks(v6, body, s, FORM, dims, format)?;
+    Ok(match scores {
+        Some(form) => config.with_row_softmax(form),
+        None => config,
+    })
+}
+
+/// [`parse_variant`] past its prefix and suffix.
+fn parse_variant_blocks(
+    v6: bool,
+    body: &str,
+    s: &str,
+    form: &'static str,
+    dims: MlaDims,
+    format: CacheFormat,
+) -> Result<DecodeConfig> {
+    let err = || Error::arg("variants", form, s);
     // pL2_AHEAD: the producers ask L2 for the rows that many steps past the copies
     let (body, l2_ahead) = match body.split_once('p') {
         Some((b, p)) => (
@@ -601,7 +624,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
             p.parse::<u32>()
                 .ok()
                 .filter(|p| (1..=8).contains(p))
-                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+                .ok_or_else(err)?,
         ),
         _ => (body, 0),
     };
@@ -616,7 +639,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
             g.parse::<u32>()
                 .ok()
                 .filter(|g| (2..=8).contains(g))
-                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+                .ok_or_else(err)?,
             heads,
         ),
         _ => (body, 1, false),
@@ -627,7 +650,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
             w.parse::<u32>()
                 .ok()
                 .filter(|w| (1..=32).contains(w))
-                .ok_or_else(|| Error::arg("variants", FORM, s))?,
+                .ok_or_else(err)?,
         ),
         _ => (body, 8 / groups),
     };
@@ -635,7 +658,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         .split('x')
         .map(|p| p.parse::<u32>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::arg("variants", FORM, s))?;
+        .map_err(|_| err())?;
     match (v6, v.as_slice()) {
         (false, &[h, _, _]) if heads && (h % groups != 0 || (h / groups) % 16 != 0) => {
             Err(Error::arg(
@@ -675,7 +698,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
             };
             Ok(c)
         }
-        _ => Err(Error::arg("variants", FORM, s)),
+        _ => Err(err()),
     }
 }
 
@@ -1452,8 +1475,25 @@ mod tests {
         assert_eq!(four.l2_ahead(), 1);
         let steps = v("16x32x1w4g2").unwrap();
         assert_eq!((steps.groups(), steps.head_groups()), (2, 1));
+        // r / f: the scores in rows / fragments, whatever the form's own
+        let fp8 = |s: &str| parse_variant(s, dims, CacheFormat::Fp8DsMla).unwrap();
+        assert!(fp8("64x16x2w2h4r")
+            .split_name()
+            .contains("_ws2w8h4r_h64n16"));
+        assert!(fp8("64x16x2w2h4").split_name().contains("_ws2w8h4_h64n16"));
+        assert!(v("32x32x2f")
+            .unwrap()
+            .split_name()
+            .contains("_ws2w8_h32n32"));
         // a group of fewer than 16 heads (an mma tile's rows) is refused, as are both kinds
-        for bad in ["32x32x2w4h4", "24x32x2w4h2", "32x32x2w4g2h2", "32x32x2w4h1"] {
+        for bad in [
+            "32x32x2w4h4",
+            "24x32x2w4h2",
+            "32x32x2w4g2h2",
+            "32x32x2w4h1",
+            "v6:16x32x2x2r",
+            "32x32x2rf",
+        ] {
             assert!(v(bad).is_err(), "{bad}");
         }
     }
