@@ -9,7 +9,8 @@
 #   3. compute-sanitizer memcheck / racecheck / synccheck on the decode cases with the wide
 #      kernel forced (the cross-group release of the shared ring is what racecheck and
 #      synccheck must pass);
-#   4. with NCU=1, Nsight Compute on v7 (forced) and the wide kernel at bf16 H 128 T 128.
+#   4. with NCU=1, Nsight Compute at H 128 T 128 on v7 and the wide kernel (bf16), and on v7
+#      and the 64-head form in rows (fp8_ds_mla: where its time goes, NOTES v40).
 # Logs tarred into $OUT/heads.tar.xz; the summary and the table print last.
 #
 #   tools/gpu-heads.sh BIN_DIR
@@ -52,13 +53,19 @@ if [ "${NCU:-0}" = 1 ] && NCUB=$(cuda_tool ncu) && [ -n "$NCUB" ]; then
     metrics=gpu__time_duration.sum,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active
     metrics+=,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
     metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
-    for k in v7 wide; do
-        if late; then echo "DEADLINE: ncu $k skipped" >>"$S"; continue; fi
-        SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$NCUB" -k "regex:sparse_mla_decode_split" \
-            --launch-skip 3 --launch-count 1 --csv --metrics "$metrics" \
-            "$BIN/mla-bench" --heads 128 --tokens 128 --cache bf16 \
-            --reps 4 --warmup 1 --no-peer --no-baseline >"$L/ncu-$k.csv" 2>&1
-        echo "ncu $k: rc $? $(grep -c '^"' "$L/ncu-$k.csv") CSV lines" >>"$S"
+    # label, the split kernel's name (its own regex: mla-bench times v7's column first), cache,
+    # variant: v7 and the wide kernel for bf16; v7 and the 64-head form in rows for fp8
+    for row in "v7-bf16 bf16_d576_ws2w8r_h32n32 bf16 -" "wide-bf16 bf16_d576_ws2w8h4r_h64n32 bf16 -" \
+        "v7-fp8 fp8_ds_mla_d576_ws2w8r_h32n32 fp8_ds_mla -" \
+        "h4r-fp8 fp8_ds_mla_d576_ws2w8h4r_h64n32 fp8_ds_mla 64x32x2w2h4r"; do
+        set -- $row
+        if late; then echo "DEADLINE: ncu $1 skipped" >>"$S"; continue; fi
+        var=()
+        [ "$4" != - ] && var=(--variants "$4")
+        timeout 150 "$NCUB" -k "regex:split_$2\$" --launch-skip 3 --launch-count 1 --csv \
+            --metrics "$metrics" "$BIN/mla-bench" --heads 128 --tokens 128 --cache "$3" "${var[@]}" \
+            --reps 4 --warmup 1 --no-peer --no-baseline >"$L/ncu-$1.csv" 2>&1
+        echo "ncu $1: rc $? $(grep -c '^"' "$L/ncu-$1.csv") CSV lines" >>"$S"
     done
 fi
 python3 tools/variant-table.py "$L"/bench-*.csv >"$L/table.txt" 2>&1
