@@ -84,25 +84,13 @@ fn every_cuda_kernel_compiles_for_every_arch() {
         configs.extend(DecodeConfig::tensor_core_narrow(dims, format, 64));
         configs.extend(DecodeConfig::tensor_core_narrow_wide(dims, format, 64));
         configs.extend(DecodeConfig::tensor_core_v6_narrow(dims, format, 64));
+        // bf16's wide-call kernel (its split form is in the standard set). Its scores in
+        // fragments, `SPARSE_MLA_ROW_SOFTMAX=0`, spill 24 B and reload 288 B on sm_120, with a
+        // lazy max, `=lazy`, 16 B in the whole-token form: forms the backend never picks, not
+        // checked here.
+        configs.extend(DecodeConfig::tensor_core_wide(dims, format));
         for config in configs {
             let k = (*lowered_whole(&config).expect("whole-token kernel")).clone();
-            if !kernels.iter().any(|x| x.name == k.name) {
-                kernels.push(k);
-            }
-        }
-    }
-    // bf16's wide-call kernel (v7 in 64-head blocks, four warp groups over one ring): its
-    // whole-token form. (Its scores in fragments, `SPARSE_MLA_ROW_SOFTMAX=0`, spill 24 B and
-    // reload 288 B on sm_120, with a lazy max, `=lazy`, 16 B in the whole-token form: forms
-    // the backend never picks, not checked here.)
-    let wide = DecodeConfig::tensor_core_wide(MlaDims::PRODUCTION, CacheFormat::Bf16)
-        .expect("a bf16 wide-call configuration");
-    {
-        let (split, _) = lowered_kernels(&wide).expect("wide split kernel");
-        for k in [
-            (*split).clone(),
-            (*lowered_whole(&wide).expect("whole-token kernel")).clone(),
-        ] {
             if !kernels.iter().any(|x| x.name == k.name) {
                 kernels.push(k);
             }

@@ -588,10 +588,12 @@ impl Bench<'_> {
     }
 }
 
+/// The form of a variant, for [`parse_variant`]'s errors.
+const VARIANT_FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD][r|f] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies; r / f: the scores held in rows / fragments, else the form's own) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 64x16x2w2h4r, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
+
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
 fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeConfig> {
-    const FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD][r|f] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies; r / f: the scores held in rows / fragments, else the form's own) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 64x16x2w2h4r, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
@@ -602,7 +604,7 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
         (false, _, Some(b)) => (b, Some(RowSoftmax::Off)),
         _ => (body, None),
     };
-    let config = parse_variant_blocks(v6, body, s, FORM, dims, format)?;
+    let config = parse_variant_blocks(v6, body, s, dims, format)?;
     Ok(match scores {
         Some(form) => config.with_row_softmax(form),
         None => config,
@@ -614,11 +616,10 @@ fn parse_variant_blocks(
     v6: bool,
     body: &str,
     s: &str,
-    form: &'static str,
     dims: MlaDims,
     format: CacheFormat,
 ) -> Result<DecodeConfig> {
-    let err = || Error::arg("variants", form, s);
+    let err = || Error::arg("variants", VARIANT_FORM, s);
     // pL2_AHEAD: the producers ask L2 for the rows that many steps past the copies
     let (body, l2_ahead) = match body.split_once('p') {
         Some((b, p)) => (
