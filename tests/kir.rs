@@ -884,3 +884,28 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
         .expect("and the lazy rows");
     assert!(lazy.is_batch() && lazy.row_softmax() == RowSoftmax::RowsLazy);
 }
+
+/// `dequant_rows` takes an e4m3 tile into a bf16 one and says so otherwise; the scalar
+/// lowering prints it (as the `SharedMap` that defines it) as WGSL that naga accepts.
+#[test]
+fn dequant_rows_is_checked_and_lowers_to_wgsl() {
+    let build = |dst_elem: TileElem, per: u32| {
+        let mut b = KernelBuilder::new("dequant", 64);
+        let out = b.buffer("out", Elem::F32, Access::ReadWrite, "[8]");
+        let raw = b.shared_tile("raw", TileElem::E4m3, 4, 16);
+        let scales = b.shared_tile("scales", TileElem::F32, 4, 2);
+        let dst = b.shared_tile("dst", dst_elem, 4, 8);
+        b.shared_map(&scales, |_, r, c| (r * u(2) + c).as_f32() + f(0.5));
+        b.dequant_rows(&dst, &raw, per, |_, r, g| scales.at(r, g));
+        b.store(&out, local_id().min(u(7)), dst.at(u(1), u(3)));
+        b.finish()
+    };
+    let err = build(TileElem::F32, 4).expect_err("an f32 destination").to_string();
+    assert!(err.contains("dequant_rows into dst"), "{err}");
+    let err = build(TileElem::Bf16, 6).expect_err("a group of 6").to_string();
+    assert!(err.contains("not a multiple of 4"), "{err}");
+    let k = build(TileElem::Bf16, 4).expect("valid description");
+    let lowered = lower(&k, Lowering::Scalar).expect("lowers");
+    let text = wgsl::emit(&lowered).expect("emits");
+    wgsl::validate(&lowered.name, &text).expect("naga accepts it");
+}

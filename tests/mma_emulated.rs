@@ -370,6 +370,11 @@ fn deferred_p_v_on_the_decode_cases() {
 /// a form mla-bench's variants time, not one the backend picks). The groups walk the same
 /// steps apart: group 0's producers refill a stage only once every thread of every group has
 /// released it, which the race detector checks, and each group writes its own heads.
+///
+/// fp8_ds_mla's values decoded once a step into a shared tile (`Fp8Values::Shared`, the
+/// variants' `v`), a form the backend does not pick either: in the 64-head form as run 0,
+/// where every thread of every group decodes its share of the one tile between workgroup
+/// barriers, and on the planned kernels (one warp group) as run 1.
 #[test]
 fn head_groups_over_one_ring_on_the_decode_cases() {
     if let Some(why) = emu::gxx_unavailable() {
@@ -379,15 +384,24 @@ fn head_groups_over_one_ring_on_the_decode_cases() {
     let seed = test_seed();
     let mut failed = Vec::new();
     let wide = ((64, 32, 2), 2, 4);
-    for (mode, form, format) in [
-        (0, wide, CacheFormat::Bf16),
-        (1, wide, CacheFormat::Bf16),
-        (0, ((32, 32, 2), 4, 2), CacheFormat::Fp8DsMla),
+    let (per_warp, shared) = (emu::Fp8Values::PerWarp, emu::Fp8Values::Shared);
+    for (mode, form, format, values) in [
+        (0, Some(wide), CacheFormat::Bf16, per_warp),
+        (1, Some(wide), CacheFormat::Bf16, per_warp),
+        (
+            0,
+            Some(((32, 32, 2), 4, 2)),
+            CacheFormat::Fp8DsMla,
+            per_warp,
+        ),
+        (0, Some(wide), CacheFormat::Fp8DsMla, shared),
+        (1, None, CacheFormat::Fp8DsMla, shared),
     ] {
         let config = emu::EmuConfig {
-            heads: Some(form),
+            heads: form,
             merge: None,
             row_softmax: None,
+            fp8_values: values,
             ..emu::EmuConfig::mode(mode, seed)
         };
         let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
@@ -403,7 +417,9 @@ fn head_groups_over_one_ring_on_the_decode_cases() {
         );
         let plans = &backend.device().heads_plans;
         let [bf16, fp8] = [0, 1].map(|i| plans[i].load(std::sync::atomic::Ordering::Relaxed));
-        if (bf16 > 0) != (format == CacheFormat::Bf16) || (fp8 > 0) != (format != CacheFormat::Bf16)
+        let grouped = form.is_some();
+        if (bf16 > 0) != (grouped && format == CacheFormat::Bf16)
+            || (fp8 > 0) != (grouped && format != CacheFormat::Bf16)
         {
             failed.push(format!(
                 "{}: calls planned on head groups: bf16 {bf16}, fp8_ds_mla {fp8}",

@@ -78,6 +78,9 @@ MUTATIONS=(
   "deferred P . V: step i's own stage read as step i - 1's (both forms)#src/kir/lower_mma/ws/defer.rs#'let before = bin(BinOp::Rem, add(it.clone(), u(s - 1)), u(s));'#'let before = var(stage, Ty::U32);'#--test mma_emulated"
   "deferred P . V beside the scores: P not zeroed before the first step (NaN garbage times step 0's rows)#src/kir/lower_mma/ws.rs#'            out.extend(d.zero_p.iter().cloned());'#'            let _ = &d.zero_p;'#--test mma_emulated"
   "deferred P . V: the last step's product not run after the loop#src/kir/lower_mma/ws/defer.rs#'            then: last,'#'            then: { let _ = last; vec![] },'#--test mma_emulated"
+  "decoded fp8 values: no barrier after the decode (P . V reads a tile still being written)#src/kir/lower_mma/store.rs#'        out.push(barrier);\n        Ok(())'#'        Ok(())'#--test mma_emulated head_groups_over_one_ring"
+  "decoded fp8 values: a word's scale group from its word index, not its column#src/kir/lower_mma/store.rs#'let_(group, bin(BinOp::Div, mul(cv.clone(), u(4)), u(per))),'#'let_(group, bin(BinOp::Div, cv.clone(), u(per))),'#--test mma_emulated head_groups_over_one_ring"
+  "decoded fp8 values, head groups: the decode strides one group's threads (rows left undecoded)#src/kir/lower_mma/store.rs#'                    total,\n                    intr('#'                    self.w,\n                    intr('#--test mma_emulated head_groups_over_one_ring"
   "resident q: sigma up to 2^126 again (the rope, not in its max, overflows when the latent is 0)#src/kir/lower_mma/resident.rs#'const SIGMA_MAX_FIELD: u32 = 127 + 64;'#'const SIGMA_MAX_FIELD: u32 = 253;'#--test mma_emulated"
   "f16 scores: q's f16 registers in the unpermuted K order#src/kir/lower_mma/resident.rs#'(i * 2 * steps + 2 * kk + reg / 2) * 4 + reg % 2'#'(i * 2 * steps + 2 * kk + reg % 2) * 4 + reg / 2'#--test mma_emulated"
 )

@@ -4,7 +4,9 @@
 
 use clap::Parser;
 use cudarc::driver::{result as drv, sys as drv_sys, CudaEvent, CudaSlice};
-use sparse_mla::kernels::sparse_mla_decode::{launches, DecodeConfig, DecodePlan, MergePolicy};
+use sparse_mla::kernels::sparse_mla_decode::{
+    launches, DecodeConfig, DecodePlan, Fp8Values, MergePolicy,
+};
 use sparse_mla::kernels::{pack_params, Launch, ParamValue};
 use sparse_mla::kir::builder::*;
 use sparse_mla::kir::ir::{Access, Elem, Kernel, Ty};
@@ -589,7 +591,7 @@ impl Bench<'_> {
 }
 
 /// The form of a variant, for [`parse_variant`]'s errors.
-const VARIANT_FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD][r|f] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies; r / f: the scores held in rows / fragments, else the form's own) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 64x16x2w2h4r, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
+const VARIANT_FORM: &str = "BLOCK_HxBLOCK_NxSTAGES[wWARPS][gGROUPS|hGROUPS][pAHEAD][r|f][v] (v7; 8 warps unless given; with gGROUPS (groups dealing out the steps) or hGROUPS (groups splitting the BLOCK_H heads over one ring), WARPS per group, 8 in all unless given; pAHEAD, 1-8: L2 asked for the rows AHEAD steps past the copies; r / f: the scores held in rows / fragments, else the form's own; v: fp8_ds_mla's P . V values decoded once a step into a shared bf16 tile, not widened by each warp (bf16 ignores it)) or v6:BLOCK_HxBLOCK_NxSTAGESxMIN_WORKGROUPS[pAHEAD], e.g. 16x16x4, 16x32x2w16, 16x32x1w4g2, 32x32x2w4h2, 64x16x2w2h4r, 64x32x2w2h4rv, 16x32x2p2, v6:16x16x2x2, v6:16x32x2x2p1";
 
 /// A variant: `BLOCK_H x BLOCK_N x STAGES` of the current kernel (v7), or
 /// `v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS` of the baseline (its occupancy hint).
@@ -597,6 +599,11 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
     let (v6, body) = match s.strip_prefix("v6:") {
         Some(rest) => (true, rest),
         None => (false, s),
+    };
+    // v: fp8_ds_mla's values for P . V decoded once a step into shared memory
+    let (body, values) = match (v6, body.strip_suffix('v')) {
+        (false, Some(b)) => (b, Fp8Values::Shared),
+        _ => (body, Fp8Values::PerWarp),
     };
     // r / f: the scores held in rows / in fragments for the softmax
     let (body, scores) = match (v6, body.strip_suffix('r'), body.strip_suffix('f')) {
@@ -608,7 +615,8 @@ fn parse_variant(s: &str, dims: MlaDims, format: CacheFormat) -> Result<DecodeCo
     Ok(match scores {
         Some(form) => config.with_row_softmax(form),
         None => config,
-    })
+    }
+    .with_fp8_values(values))
 }
 
 /// [`parse_variant`] past its prefix and suffix.

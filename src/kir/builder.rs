@@ -986,6 +986,57 @@ impl KernelBuilder {
         }));
     }
 
+    /// `dst[r, c] = e4m3(src[r, c]) · scale(r, c / per)` for the whole bf16 tile `dst`
+    /// (see [`TileOp::DequantRows`]): e4m3 rows decoded once into a tile every warp reads.
+    pub fn dequant_rows(
+        &mut self,
+        dst: &STile,
+        src: &STile,
+        per: u32,
+        scale: impl FnOnce(&mut Self, Expr, Expr) -> Expr,
+    ) {
+        let (row, group) = (self.fresh("row"), self.fresh("group"));
+        let v = scale(
+            self,
+            Expr::Var(row.clone(), Ty::U32),
+            Expr::Var(group.clone(), Ty::U32),
+        );
+        self.check_bin(&v);
+        if v.ty() != Ty::F32 {
+            self.error(format!(
+                "dequant_rows into {}: the scale must be f32",
+                dst.name
+            ));
+        }
+        if dst.elem != TileElem::Bf16 || src.elem != TileElem::E4m3 {
+            self.error(format!(
+                "dequant_rows into {}: takes an e4m3 tile into a bf16 one, got {:?} into {:?}",
+                dst.name, src.elem, dst.elem
+            ));
+        }
+        if dst.rows != src.rows || dst.cols > src.cols || dst.cols % 4 != 0 {
+            self.error(format!(
+                "dequant_rows into {}: [{}x{}] from [{}x{}] (same rows, at most the source's \
+                 columns, a multiple of 4)",
+                dst.name, dst.rows, dst.cols, src.rows, src.cols
+            ));
+        }
+        if per == 0 || per % 4 != 0 {
+            self.error(format!(
+                "dequant_rows into {}: the scale's column group {per} is not a multiple of 4",
+                dst.name
+            ));
+        }
+        self.push(Stmt::Tile(TileOp::DequantRows {
+            dst: dst.name.clone(),
+            src: src.name.clone(),
+            row,
+            group,
+            per,
+            scale: v,
+        }));
+    }
+
     /// `dst[r, c] = value(r, c)` for the whole shared tile.
     pub fn shared_map(&mut self, dst: &STile, value: impl FnOnce(&mut Self, Expr, Expr) -> Expr) {
         self.shared_map_cols(dst, 0, dst.cols, value);

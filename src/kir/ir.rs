@@ -592,6 +592,20 @@ pub enum TileOp {
         cols: u32,
         value: Expr,
     },
+    /// `dst[r, c] = e4m3(src[r, c]) · scale` for every element of `dst` (a bf16 tile of at
+    /// most `src`'s columns; `src` an e4m3 tile with the same rows), `scale` an f32
+    /// expression with `row` bound to `r` and `group` to `c / per` (u32): a per-row scale for
+    /// each `per` consecutive columns (fp8_ds_mla: one per 128-value tile), `per` a multiple
+    /// of 4. The values are rounded to bf16 once, after the scale. Values outside `dst`'s
+    /// columns are left as they are.
+    DequantRows {
+        dst: String,
+        src: String,
+        row: String,
+        group: String,
+        per: u32,
+        scale: Expr,
+    },
     /// One step of the online softmax over the scores `s [rows, n]` (scaled; masked elements
     /// below `ops::MASKED_BELOW`), with the running row max `m` and row sum `l` in shared f32
     /// arrays (`len ≥ rows`):
@@ -630,6 +644,45 @@ pub enum TileOp {
         load: Vec<Stmt>,
         compute: Vec<Stmt>,
     },
+}
+
+impl TileOp {
+    /// A [`TileOp::DequantRows`] as the [`TileOp::SharedMap`] that defines it, over `dst`'s
+    /// `cols` columns (`col` a name unused in the kernel): what a lowering without a form of
+    /// its own runs.
+    pub fn dequant_as_map(&self, col: &str, cols: u32) -> Option<TileOp> {
+        let TileOp::DequantRows {
+            dst,
+            src,
+            row,
+            group,
+            per,
+            scale,
+        } = self
+        else {
+            return None;
+        };
+        let c = Expr::Var(col.to_string(), Ty::U32);
+        let group_of = Expr::Bin(BinOp::Div, Box::new(c.clone()), Box::new(Expr::U32(*per)));
+        let scale = scale.clone().map(&mut |x| match x {
+            Expr::Var(ref n, Ty::U32) if n == group => group_of.clone(),
+            other => other,
+        });
+        let value = Expr::TileLoad {
+            tile: src.clone(),
+            elem: TileElem::E4m3,
+            row: Box::new(Expr::Var(row.clone(), Ty::U32)),
+            col: Box::new(c),
+        };
+        Some(TileOp::SharedMap {
+            dst: dst.clone(),
+            row: row.clone(),
+            col: col.to_string(),
+            col0: 0,
+            cols,
+            value: Expr::Bin(BinOp::Mul, Box::new(value), Box::new(scale)),
+        })
+    }
 }
 
 /// Target intrinsics that a target-specific lowering ([`super::lower_mma`]) emits: async

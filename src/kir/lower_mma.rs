@@ -231,6 +231,14 @@ impl Rewrite for Cx<'_> {
                 cols,
                 value,
             } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
+            TileOp::DequantRows {
+                dst,
+                src,
+                row,
+                group,
+                per,
+                scale,
+            } => self.dequant_rows((dst, src), (row, group, *per), scale, out)?,
             TileOp::Pipeline {
                 var: v,
                 count,

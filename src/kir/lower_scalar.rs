@@ -150,6 +150,14 @@ impl Rewrite for Cx<'_> {
                 cols,
                 value,
             } => self.shared_map(dst, row, col, (*col0, *cols), value, out)?,
+            TileOp::DequantRows { dst, .. } => {
+                let cols = self.tile(dst)?.decl.cols;
+                let col = self.fresh("col");
+                let map = op
+                    .dequant_as_map(&col, cols)
+                    .expect("a DequantRows op has a SharedMap form");
+                self.tile_op(&map, out)?;
+            }
             TileOp::Pipeline {
                 var: v,
                 count,

@@ -151,6 +151,10 @@ pub(crate) fn collect_names(stmts: &[Stmt], used: &mut HashSet<String>) {
                     used.insert(row.clone());
                     used.insert(col.clone());
                 }
+                TileOp::DequantRows { row, group, .. } => {
+                    used.insert(row.clone());
+                    used.insert(group.clone());
+                }
                 TileOp::Pipeline {
                     var, load, compute, ..
                 } => {

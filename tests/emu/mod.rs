@@ -18,6 +18,7 @@
 #![allow(dead_code)]
 
 use sparse_mla::emit::cuda;
+pub use sparse_mla::kernels::sparse_mla_decode::Fp8Values;
 use sparse_mla::kernels::sparse_mla_decode::{
     lowered_kernels, DecodeConfig, DecodePlan, WholeTokens,
 };
@@ -87,6 +88,10 @@ pub struct EmuConfig {
     /// rows, fp8_ds_mla in fragments. None: the planned kernel (itself a head-group one on
     /// wide calls).
     pub heads: Option<HeadsForm>,
+    /// How fp8_ds_mla's v7 kernels take their `P · V` values
+    /// (`DecodeConfig::with_fp8_values`): widened by each warp (the planned form) or decoded
+    /// once a step into a shared tile.
+    pub fp8_values: Fp8Values,
 }
 
 /// A head-group form: `((block_h, block_n, stages), warps a group, groups)`.
@@ -141,12 +146,13 @@ impl EmuConfig {
                 _ => WholeTokens::Model,
             },
             heads: None,
+            fp8_values: Fp8Values::PerWarp,
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -181,6 +187,10 @@ impl EmuConfig {
                 Some(((h, n, s), w, g)) => {
                     format!(" (above 16 heads: {h}x{n}x{s}w{w}h{g}, head groups over one ring)")
                 }
+            },
+            match self.fp8_values {
+                Fp8Values::PerWarp => "",
+                Fp8Values::Shared => " (fp8 values decoded once a step into shared memory)",
             },
             self.arch / 10,
             if self.land_at_issue {
@@ -565,7 +575,8 @@ impl Device for EmuDevice {
             .config
             .row_softmax
             .map_or(config, |form| config.with_row_softmax(form))
-            .with_defer_pv(self.config.defer_pv);
+            .with_defer_pv(self.config.defer_pv)
+            .with_fp8_values(self.config.fp8_values);
         if config.defer_pv() != DeferPv::Off {
             let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
             self.deferred_plans[i].fetch_add(1, Ordering::Relaxed);

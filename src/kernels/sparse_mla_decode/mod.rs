@@ -39,6 +39,26 @@ pub struct DecodeConfig {
     /// Element type of P (the A operand of P · V): f32 keeps the scalar path exact to f32.
     pub p_elem: TileElem,
     pub lowering: Lowering,
+    /// How fp8_ds_mla's `P · V` takes its e4m3 values (tensor-core lowerings).
+    pub fp8_values: Fp8Values,
+}
+
+/// How fp8_ds_mla's `P · V` takes the step's e4m3 values in a tensor-core kernel. The scores
+/// take them as they are either way (exact, each tile's scale folded into its partial).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fp8Values {
+    /// Every warp widens the values it multiplies in registers, each times its tile's scale,
+    /// and rounds them to bf16: the work is done once per warp that reads a row.
+    #[default]
+    PerWarp,
+    /// The step's values are decoded once, `bf16(e4m3 × scale)`, into a shared bf16 tile
+    /// that every warp (of every warp group) reads: the same values, converted once per row,
+    /// between two workgroup barriers. mla-bench's variants take it (`…v`); the backend does
+    /// not: on an H100 it ran 0.76–0.97× v7 as v7's own 32-head blocks, and 0.78–0.96× in
+    /// 64-head blocks at H 64 and 128 (benches/NOTES.md v41). (On sm_90 the scores' e4m3 product is still
+    /// converted per warp; on SM120 it is native, and this would leave no per-warp
+    /// conversion at all: not measurable here.)
+    Shared,
 }
 
 impl DecodeConfig {
@@ -56,6 +76,7 @@ impl DecodeConfig {
             },
             threads: 128,
             p_elem: TileElem::F32,
+            fp8_values: Fp8Values::PerWarp,
             lowering: Lowering::Scalar,
         }
     }
@@ -78,6 +99,7 @@ impl DecodeConfig {
             },
             threads: 128,
             p_elem: TileElem::F32,
+            fp8_values: Fp8Values::PerWarp,
             lowering: Lowering::Scalar,
         }
     }
@@ -201,6 +223,7 @@ impl DecodeConfig {
             // (fp8 H 16 T 128 103.3 -> 100.0 µs), both occupancies (benches/NOTES.md v36).
             CacheFormat::Fp8DsMla => Self {
                 p_elem: TileElem::F16,
+                fp8_values: Fp8Values::PerWarp,
                 ..Self::tensor_core_custom(dims, format, 16, 64, 2)
             }
             .with_row_softmax(RowSoftmax::Rows),
@@ -298,6 +321,7 @@ impl DecodeConfig {
             block_n,
             threads: 256,
             p_elem: TileElem::Bf16,
+            fp8_values: Fp8Values::PerWarp,
             lowering: Lowering::MmaWs {
                 stages,
                 groups: 1,
@@ -336,6 +360,19 @@ impl DecodeConfig {
         } = self.lowering
         {
             *r = form;
+        }
+        self
+    }
+
+    /// This configuration with fp8_ds_mla's `P · V` values taken as `form` says (a v7
+    /// tensor-core configuration whose P is bf16; any other is returned as it is: the narrow
+    /// kernels multiply P in f16, [`Self::tensor_core_narrow`]).
+    pub fn with_fp8_values(mut self, form: Fp8Values) -> Self {
+        if matches!(self.lowering, Lowering::MmaWs { .. })
+            && self.format == CacheFormat::Fp8DsMla
+            && self.p_elem == TileElem::Bf16
+        {
+            self.fp8_values = form;
         }
         self
     }
@@ -550,6 +587,7 @@ impl DecodeConfig {
             block_n,
             threads,
             p_elem: TileElem::Bf16,
+            fp8_values: Fp8Values::PerWarp,
             lowering: Lowering::Mma {
                 stages,
                 min_workgroups,
@@ -607,7 +645,11 @@ impl DecodeConfig {
                 };
                 let r = row_softmax.suffix();
                 let d = defer_pv.suffix();
-                format!("ws{stages}w{}{g}{p}{r}{d}", self.threads / 32)
+                let v = match self.fp8_values {
+                    Fp8Values::Shared if self.format == CacheFormat::Fp8DsMla => "v",
+                    _ => "",
+                };
+                format!("ws{stages}w{}{g}{p}{r}{d}{v}", self.threads / 32)
             }
         };
         format!("{lowering}_h{}n{}", self.block_h, self.block_n)

@@ -13,7 +13,7 @@
 
 use super::io::{declare, owner, write_outputs};
 use super::merge;
-use super::{DecodeConfig, SplitForm};
+use super::{DecodeConfig, Fp8Values, SplitForm};
 use crate::kir::builder::*;
 use crate::kir::ir::{BLayout, Expr, Kernel, TileElem, Ty};
 use crate::kir::ops::{online_softmax_update, SoftmaxState, MASKED};
@@ -92,10 +92,21 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kerne
             whole: false,
         },
     };
+    // fp8_ds_mla's values for P . V decoded once a step, bf16(e4m3 x scale), into a tile
+    // that every warp reads (`Fp8Values::Shared`): the values each warp otherwise widens
+    // from the raw rows itself, the same rounding. (The scores keep the raw bytes: rounded
+    // to bf16 with an arbitrary scale, K misses the lse tolerance, benches/NOTES.md v4.)
+    let v_tile = match &rows {
+        Rows::Fp8 { whole: true, .. } if cfg.fp8_values == Fp8Values::Shared => {
+            Some(b.shared_tile("v_tile", TileElem::Bf16, bn, dv))
+        }
+        _ => None,
+    };
     let p_tile = b.shared_tile("p_tile", cfg.p_elem, bh, bn);
     let s = b.acc_tile("scores", bh, bn);
     let outs: Vec<(Acc, u32)> = match cfg.format {
         CacheFormat::Bf16 => vec![(b.acc_tile("o_acc", bh, dv), 0)],
+        _ if v_tile.is_some() => vec![(b.acc_tile("o_acc", bh, dv), 0)],
         CacheFormat::Fp8DsMla => (0..latent / FP8_TILE)
             .map(|k| (b.acc_tile("o_acc", bh, FP8_TILE), k * FP8_TILE))
             .collect(),
@@ -254,11 +265,24 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kerne
             let out_accs: Vec<&Acc> = outs.iter().map(|(o, _)| o).collect();
             online_softmax_update(b, &st, &s, &out_accs, &p_tile);
             b.comment("O += P . V, V = the first d_v columns of the gathered rows");
-            match &rows {
-                Rows::Bf16(kv) => b.mma(&outs[0].0, p_tile.all(), kv.cols(0, dv), BLayout::KN),
-                Rows::Fp8 {
-                    latent: lt, scales, ..
-                } => {
+            match (&rows, &v_tile) {
+                (Rows::Bf16(kv), _) => b.mma(&outs[0].0, p_tile.all(), kv.cols(0, dv), BLayout::KN),
+                (
+                    Rows::Fp8 {
+                        latent: lt, scales, ..
+                    },
+                    Some(vt),
+                ) => {
+                    b.comment("the step's values decoded once, for every warp");
+                    b.dequant_rows(vt, lt, FP8_TILE, |_, r, g| scales.at(r, g));
+                    b.mma(&outs[0].0, p_tile.all(), vt.all(), BLayout::KN);
+                }
+                (
+                    Rows::Fp8 {
+                        latent: lt, scales, ..
+                    },
+                    None,
+                ) => {
                     for (k, (o, c0)) in outs.iter().enumerate() {
                         b.mma_scaled(
                             o,

@@ -44,6 +44,9 @@ pub(super) fn stmt_mentions(s: &Stmt, names: &[String]) -> bool {
             TileOp::AccForEach { body, .. } => all(body),
             TileOp::AccToShared { dst, .. } => hit(dst),
             TileOp::SharedMap { dst, value, .. } => hit(dst) || expr_hit(value),
+            TileOp::DequantRows {
+                dst, src, scale, ..
+            } => hit(dst) || hit(src) || expr_hit(scale),
             TileOp::Pipeline { load, .. } => all(load),
             TileOp::OnlineSoftmax { p_tile, .. } => hit(p_tile),
         },

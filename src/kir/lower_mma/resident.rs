@@ -140,6 +140,9 @@ fn check_uses(stmts: &[Stmt], tile: &str, row_words: u32, in_pipeline: bool, ok:
                 }
                 TileOp::AccToShared { dst, .. } => *ok &= dst != tile,
                 TileOp::SharedMap { dst, value, .. } => *ok &= dst != tile && !expr_uses(value),
+                TileOp::DequantRows {
+                    dst, src, scale, ..
+                } => *ok &= dst != tile && src != tile && !expr_uses(scale),
                 TileOp::OnlineSoftmax { p_tile, .. } => *ok &= p_tile != tile,
                 TileOp::MmaScaled { scale, .. } => *ok &= !expr_uses(scale),
                 TileOp::Pipeline {

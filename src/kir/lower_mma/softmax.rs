@@ -905,6 +905,7 @@ fn uses_shared(s: &Stmt, names: &[&str]) -> bool {
             TileOp::AccForEach { body, .. } => all(body),
             TileOp::AccRowReduce { dst, .. } => hit(dst),
             TileOp::SharedMap { value, .. } => expr(value),
+            TileOp::DequantRows { scale, .. } => expr(scale),
             TileOp::Pipeline {
                 count,
                 load,

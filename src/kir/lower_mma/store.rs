@@ -1,9 +1,11 @@
 //! Writes into shared tiles: an accumulator's element pairs ([`TileOp::AccToShared`],
-//! [`TileOp::AccForEach`]), [`TileOp::SharedMap`], and the split `hi + lo` bf16 planes.
+//! [`TileOp::AccForEach`]), [`TileOp::SharedMap`], [`TileOp::DequantRows`], and the split
+//! `hi + lo` bf16 planes.
 
 use super::context::Cx;
 use crate::kir::expr::{
-    add, bin, f32_from_bits, for_const, let_, local_id, mul, priv_load, tile_pair_store, u, var,
+    add, bin, f32_from_bits, for_const, intr, let_, local_id, mul, priv_load, shared_load,
+    tile_pair_store, u, var,
 };
 use crate::kir::ir::*;
 use crate::Result;
@@ -217,6 +219,113 @@ impl Cx<'_> {
             .concat(),
         });
         out.push(Stmt::Barrier);
+        Ok(())
+    }
+}
+
+impl Cx<'_> {
+    /// [`TileOp::DequantRows`]: each thread takes one word of the source (four e4m3 values)
+    /// at a time — two pair conversions ([`Func::E4m3x2Prep`]), one scale, two bf16x2 words
+    /// stored — between two barriers. Where warp groups split the heads over one ring, the
+    /// destination is one tile for the whole workgroup (not a copy per group: see
+    /// `ws::lower_ws`): every thread of every group takes its share, and the barriers are the
+    /// workgroup's, so each row is decoded once for all the groups' warps.
+    pub(super) fn dequant_rows(
+        &mut self,
+        (dst, src): (&str, &str),
+        (row, group, per): (&str, &str, u32),
+        scale: &Expr,
+        out: &mut Vec<Stmt>,
+    ) -> Result<()> {
+        let (d, sr) = (self.tile(dst)?.clone(), self.tile(src)?.clone());
+        if d.store != TileElem::Bf16 || d.split || sr.store != TileElem::E4m3 {
+            return Err(self.err(format!(
+                "dequant_rows into {dst}: the tensor-core lowering decodes an e4m3 tile into a \
+                 plain bf16 one"
+            )));
+        }
+        let (db, sb) = (self.tile_base(&d)?, self.tile_base(&sr)?);
+        let units_per_row = d.decl.cols / 4;
+        let units = d.decl.rows * units_per_row;
+        let scale = self.expr(scale)?;
+        let (start, step, barrier) = match self.group_expr().filter(|_| self.shares_ring()) {
+            Some(g) => {
+                let total = self.w * self.groups;
+                (
+                    add(mul(g, u(self.w)), local_id()),
+                    total,
+                    intr(Intrinsic::NamedBarrier {
+                        id: 0,
+                        threads: total,
+                    }),
+                )
+            }
+            None => (local_id(), self.w, Stmt::Barrier),
+        };
+        let (i, c4, x) = (
+            self.fresh("unit"),
+            self.fresh("unit_col"),
+            self.fresh("e4m3x4"),
+        );
+        let (sc, p0, p1) = (
+            self.fresh("unit_scale"),
+            self.fresh("prep"),
+            self.fresh("prep"),
+        );
+        let iv = var(&i, Ty::U32);
+        let (rv, cv, xv) = (var(row, Ty::U32), var(&c4, Ty::U32), var(&x, Ty::U32));
+        let scaled = |x: Expr| bin(BinOp::Mul, x, var(&sc, Ty::F32));
+        let pack = |p: &str| {
+            let pv = var(p, Ty::U32);
+            Expr::Call(
+                Func::PackBf16x2,
+                vec![
+                    scaled(Expr::Call(Func::E4m3x2Lo, vec![pv.clone()])),
+                    scaled(Expr::Call(Func::E4m3x2Hi, vec![pv])),
+                ],
+            )
+        };
+        let at = add(add(db, mul(rv.clone(), u(d.stride))), mul(cv.clone(), u(2)));
+        let body = vec![
+            let_(row, bin(BinOp::Div, iv.clone(), u(units_per_row))),
+            let_(&c4, bin(BinOp::Rem, iv, u(units_per_row))),
+            let_(group, bin(BinOp::Div, mul(cv.clone(), u(4)), u(per))),
+            let_(
+                &x,
+                shared_load(src, Ty::U32, add(add(sb, mul(rv, u(sr.stride))), cv)),
+            ),
+            let_(&sc, scale),
+            let_(
+                &p0,
+                Expr::Call(
+                    Func::E4m3x2Prep,
+                    vec![bin(BinOp::BitAnd, xv.clone(), u(0xFFFF))],
+                ),
+            ),
+            let_(
+                &p1,
+                Expr::Call(Func::E4m3x2Prep, vec![bin(BinOp::Shr, xv, u(16))]),
+            ),
+            Stmt::SharedStore {
+                arr: dst.into(),
+                index: at.clone(),
+                value: pack(&p0),
+            },
+            Stmt::SharedStore {
+                arr: dst.into(),
+                index: add(at, u(1)),
+                value: pack(&p1),
+            },
+        ];
+        out.push(barrier.clone());
+        out.push(Stmt::For {
+            var: i,
+            start,
+            end: u(units),
+            step: u(step),
+            body,
+        });
+        out.push(barrier);
         Ok(())
     }
 }

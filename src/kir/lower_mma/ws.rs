@@ -130,6 +130,13 @@ pub fn lower_ws(
         let (replicated, docs) = if shares_ring {
             let mut ring = ring_arrays;
             ring.push(info.bars.clone());
+            // a tile rows are decoded into is the workgroup's, like the ring (see
+            // `Cx::dequant_rows`)
+            crate::kir::walk::visit_tile_ops_with(&kernel.body, false, &mut |op| {
+                if let TileOp::DequantRows { dst, .. } = op {
+                    ring.push(dst.clone());
+                }
+            });
             (
                 super::groups::replicate_heads(
                     std::mem::take(&mut out.body),
