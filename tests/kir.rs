@@ -900,12 +900,51 @@ fn dequant_rows_is_checked_and_lowers_to_wgsl() {
         b.store(&out, local_id().min(u(7)), dst.at(u(1), u(3)));
         b.finish()
     };
-    let err = build(TileElem::F32, 4).expect_err("an f32 destination").to_string();
+    let err = build(TileElem::F32, 4)
+        .expect_err("an f32 destination")
+        .to_string();
     assert!(err.contains("dequant_rows into dst"), "{err}");
-    let err = build(TileElem::Bf16, 6).expect_err("a group of 6").to_string();
+    let err = build(TileElem::Bf16, 6)
+        .expect_err("a group of 6")
+        .to_string();
     assert!(err.contains("not a multiple of 4"), "{err}");
     let k = build(TileElem::Bf16, 4).expect("valid description");
     let lowered = lower(&k, Lowering::Scalar).expect("lowers");
     let text = wgsl::emit(&lowered).expect("emits");
     wgsl::validate(&lowered.name, &text).expect("naga accepts it");
+}
+
+/// `Fp8Values::Shared` (`SPARSE_MLA_FP8_VALUES=shared`) takes fp8_ds_mla's v7 kernels whose
+/// P is bf16, and its kernel names say so; bf16, v6 and fp8's large-batch kernel (P in
+/// f16) are left as they are.
+#[test]
+fn shared_fp8_values_apply_to_fp8_v7_kernels_only() {
+    use sparse_mla::kernels::sparse_mla_decode::{DecodeConfig, Fp8Values};
+    use sparse_mla::mla::{CacheFormat, MlaDims};
+    let dims = MlaDims::PRODUCTION;
+    let (bf16, fp8) = (CacheFormat::Bf16, CacheFormat::Fp8DsMla);
+    let v7 = DecodeConfig::tensor_core_v7(dims, fp8, 128);
+    let shared = v7.with_fp8_values(Fp8Values::Shared);
+    assert_eq!(shared.fp8_values, Fp8Values::Shared);
+    assert!(
+        shared.split_name().ends_with("v_h32n32"),
+        "{}",
+        shared.split_name()
+    );
+    assert!(shared.label().ends_with(" v"), "{}", shared.label());
+    assert_ne!(shared.split_name(), v7.split_name());
+    for kept in [
+        DecodeConfig::tensor_core_v7(dims, bf16, 128),
+        DecodeConfig::tensor_core_v6(dims, fp8, 128),
+    ]
+    .into_iter()
+    .chain(DecodeConfig::tensor_core_batch(dims, fp8, 16))
+    {
+        assert_eq!(
+            kept.with_fp8_values(Fp8Values::Shared),
+            kept,
+            "{}",
+            kept.split_name()
+        );
+    }
 }

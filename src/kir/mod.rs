@@ -171,7 +171,7 @@ impl DeferPv {
 /// The form of a lowering switch that the environment variable `var` names: `forms[0]` when
 /// it is unset or empty, else the form whose `value` it is; any other value is an error
 /// naming the variable and listing the values.
-fn form_from_env<T: Copy>(
+pub(crate) fn form_from_env<T: Copy>(
     var: &str,
     forms: &[T],
     value: fn(T) -> &'static str,

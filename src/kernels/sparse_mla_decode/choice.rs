@@ -250,6 +250,9 @@ impl DecodeConfig {
     ///   next step, beside its scores (`1`, bf16) or before its wait (`early`)
     ///   ([`Self::with_defer_pv`]), on the kernels where the form applies (scores in
     ///   fragments; the kernel's name ends in `d` or `de`). Timed slower (v35).
+    /// - `SPARSE_MLA_FP8_VALUES=shared` (`per-warp` by default) decodes fp8_ds_mla's values
+    ///   for `P · V` once a step into a shared tile ([`Self::with_fp8_values`]; the kernel's
+    ///   name ends in `v`). Timed slower (v41).
     ///
     /// The CUDA backend and `mla-bench` both plan through this, so that a benchmark of a
     /// switch times the kernels the switch selects.

@@ -61,6 +61,25 @@ pub enum Fp8Values {
     Shared,
 }
 
+impl Fp8Values {
+    /// The form's value of `SPARSE_MLA_FP8_VALUES`: `per-warp` or `shared`.
+    pub fn env_value(self) -> &'static str {
+        match self {
+            Fp8Values::PerWarp => "per-warp",
+            Fp8Values::Shared => "shared",
+        }
+    }
+
+    /// `SPARSE_MLA_FP8_VALUES`'s value: `per-warp` (or unset) or `shared`.
+    pub fn from_env() -> Result<Self> {
+        let forms = [Fp8Values::PerWarp, Fp8Values::Shared];
+        Ok(
+            crate::kir::form_from_env("SPARSE_MLA_FP8_VALUES", &forms, Self::env_value)?
+                .unwrap_or_default(),
+        )
+    }
+}
+
 impl DecodeConfig {
     /// The portable configuration: fits WebGPU's 16 KiB of workgroup memory and 256 threads.
     /// fp8 rows need a byte tile for the raw rows next to the f32 tile of dequantised ones,
@@ -244,7 +263,9 @@ impl DecodeConfig {
     /// a row form on a kernel of several warp groups is refused ([`Self::for_call_from_env`]).
     /// `shape` names the call in that error.
     pub fn with_env_forms(self, shape: &DecodeShape) -> Result<Self> {
-        self.with_forms(RowSoftmax::from_env()?, DeferPv::from_env()?, shape)
+        Ok(self
+            .with_forms(RowSoftmax::from_env()?, DeferPv::from_env()?, shape)?
+            .with_fp8_values(Fp8Values::from_env()?))
     }
 
     /// [`Self::with_env_forms`] with the switches' values given: `rows` where set (`None`:
@@ -285,7 +306,11 @@ impl DecodeConfig {
             ..
         } = self.lowering
         {
-            for f in [row_softmax.suffix(), defer_pv.suffix()] {
+            let v = match self.fp8_values {
+                Fp8Values::Shared => "v",
+                Fp8Values::PerWarp => "",
+            };
+            for f in [row_softmax.suffix(), defer_pv.suffix(), v] {
                 if !f.is_empty() {
                     s = format!("{s} {f}");
                 }
@@ -365,8 +390,8 @@ impl DecodeConfig {
     }
 
     /// This configuration with fp8_ds_mla's `P · V` values taken as `form` says (a v7
-    /// tensor-core configuration whose P is bf16; any other is returned as it is: the narrow
-    /// kernels multiply P in f16, [`Self::tensor_core_narrow`]).
+    /// tensor-core configuration whose P is bf16; any other is returned as it is: fp8's
+    /// large-batch kernel multiplies P in f16, [`Self::tensor_core_batch`]).
     pub fn with_fp8_values(mut self, form: Fp8Values) -> Self {
         if matches!(self.lowering, Lowering::MmaWs { .. })
             && self.format == CacheFormat::Fp8DsMla
