@@ -17,9 +17,8 @@
 //   (cuOccupancyMaxActiveBlocksPerMultiprocessor at its threads and SMEM: 2 on an H100/H200,
 //   1 on SM120 and sm_86/89; sparse_mla_v6_kernel() names that kernel for H whatever the
 //   call's format, sparse_mla_v6_per_sm() asks the driver; fp8_ds_mla does not depend on it):
-//   bf16       1 <= H <= 16   v6_per_sm = 1    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32
+//   bf16       1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32
 //   bf16       H >= 17        v6_per_sm = 1    block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32
-//   bf16       1 <= H <= 16   v6_per_sm >= 2   block_h 16, block_n 32: sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32
 //   bf16       H >= 17        v6_per_sm >= 2   block_h 32, block_n 32: sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32
 //   fp8_ds_mla 1 <= H <= 16   any v6_per_sm    block_h 16, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32
 //   fp8_ds_mla H >= 17        any v6_per_sm    block_h 32, block_n 32: sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32
@@ -55,7 +54,6 @@
 // and launch with sharedMemBytes = SMEM. Launching with 0 is an illegal memory access.
 //   sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32: 256 threads, dynamic shared memory 81280 B
 //   sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 96704 B
-//   sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32: 256 threads, dynamic shared memory 95232 B
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32: 256 threads, dynamic shared memory 0 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 63936 B
@@ -378,7 +376,7 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     }
     if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_bf16_wide_runs_v7(heads, tokens, sms))
         v6_per_sm = 1u;
-    if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm <= 1u) {
+    if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81280u;
         return 0;
@@ -386,11 +384,6 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u && v6_per_sm <= 1u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8r_h32n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 32u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 96704u;
-        return 0;
-    }
-    if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u && v6_per_sm >= 2u) {
-        p->split_kernel = "sparse_mla_decode_split_bf16_d576_mma2w8o2_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-        p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95232u;
         return 0;
     }
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 17u && v6_per_sm >= 2u) {

@@ -202,12 +202,21 @@ pub fn decode_variants(
             _ => runs.push((n, n, t)),
         }
     }
-    let mut variants = Vec::new();
+    let mut variants: Vec<DecodeVariant> = Vec::new();
     for (lo, hi, _) in runs {
         let max = (hi != SCAN_V6_PER_SM).then_some(hi);
-        variants.extend(scan_heads(format, (lo, max), |h| {
+        for v in scan_heads(format, (lo, max), |h| {
             Some(cuda_config_on(lowering, format, h, lo))
-        })?);
+        })? {
+            // a head range with the same kernel at the residencies just below: one variant
+            match variants.iter_mut().find(|m| {
+                (m.heads_min, m.heads_max, m.config) == (v.heads_min, v.heads_max, v.config)
+                    && m.v6_per_sm_max.is_some_and(|x| x + 1 == v.v6_per_sm_min)
+            }) {
+                Some(m) => m.v6_per_sm_max = v.v6_per_sm_max,
+                None => variants.push(v),
+            }
+        }
     }
     Ok(variants)
 }

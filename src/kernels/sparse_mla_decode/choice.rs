@@ -293,7 +293,8 @@ impl DecodeConfig {
     /// (H 32 T 192–256, H 64 T 96–256, H 128 T 48–256), where v6 had been 1.05× faster. v6
     /// stays where v7's single partial wave leaves SMs idle: H 32 T 48 0.93× with v7 (but
     /// H 32 T 96 and H 64 T 48, also partial, ran 1.05× faster on v7: kept on v6, not
-    /// special-cased). At H ≤ 16 v6 stays (v7 0.96× at H 16 T 32).
+    /// special-cased). At H ≤ 16 [`Self::tensor_core_on`] takes v7 at any residency (since
+    /// v41; the H200 had v7 0.96× at H 16 T 32 in v17, 1.04× in v37).
     pub fn bf16_wide_runs_v7(shape: &DecodeShape, sm_count: u32) -> bool {
         // the head block v7 takes for this head count: the rule is for its 32-head blocks
         let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;

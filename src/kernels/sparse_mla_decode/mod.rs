@@ -167,13 +167,19 @@ impl DecodeConfig {
     /// bf16 v6 split kernel ([`Self::tensor_core_v6`]) the GPU holds per multiprocessor:
     /// - fp8_ds_mla: v7 ([`Self::tensor_core_v7`]), faster than v6 on every measured row on
     ///   the H200 at either occupancy (benches/NOTES.md, v8);
-    /// - bf16: v6 where two of its workgroups fit a multiprocessor (it hides its step's
-    ///   latency behind the other one), v7 where only one does (SM120: 100 KB of shared
-    ///   memory per multiprocessor). At the H200's default occupancy v6 was faster on most
-    ///   bf16 rows; held to SM120's occupancy, v7 on every row but the smallest calls, which
-    ///   [`Self::for_call`] sends to v6 ([`Self::is_v6_call`]).
+    /// - bf16 above 16 heads: v6 where two of its workgroups fit a multiprocessor (it hides
+    ///   its step's latency behind the other one), v7 where only one does (SM120: 100 KB of
+    ///   shared memory per multiprocessor). At the H200's default occupancy v6 was faster on
+    ///   most bf16 rows; held to SM120's occupancy, v7 on every row but the smallest calls,
+    ///   which [`Self::for_call`] sends to v6 ([`Self::is_v6_call`]).
+    /// - bf16 at 16 heads or fewer: v7 at any residency (the smallest calls aside, as above).
+    ///   At two v6 workgroups an SM, v7 was 1.02–1.18× faster than v6 on an H100, two rounds
+    ///   (H 8 / 16 at T 16, 32, 133 and 160; benches/NOTES.md v41), and 1.04–1.06× on the
+    ///   H200 in one round (v37: H 16 T 8 and 32); v6 had been 1–5 % ahead before v7's
+    ///   exponentials and scores in rows (v23).
     ///
-    /// `v6_per_sm` is asked only for bf16 (it compiles the v6 kernel to ask the driver).
+    /// `v6_per_sm` is asked only for bf16 above 16 heads (it compiles the v6 kernel to ask
+    /// the driver).
     pub fn tensor_core_on<E>(
         dims: MlaDims,
         format: CacheFormat,
@@ -181,7 +187,9 @@ impl DecodeConfig {
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
         Ok(match format {
-            CacheFormat::Bf16 if v6_per_sm()? >= 2 => Self::tensor_core_v6(dims, format, heads),
+            CacheFormat::Bf16 if heads > 16 && v6_per_sm()? >= 2 => {
+                Self::tensor_core_v6(dims, format, heads)
+            }
             _ => Self::tensor_core_v7(dims, format, heads),
         })
     }
@@ -1095,8 +1103,9 @@ mod tests {
         // bf16 calls v7 fills in one wave or more: never
         assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v7", false));
         assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v7", false));
-        // between the bf16 thresholds, and above 16 heads in one partial wave
-        assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v6", true));
+        // between the bf16 thresholds (where the residency decides the large batch; below it
+        // v7 at any residency since v41), and above 16 heads in one partial wave
+        assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v7", true));
         assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
     }
 
@@ -1320,7 +1329,8 @@ mod tests {
             let family = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(2))
                 .unwrap()
                 .family();
-            let expect = if want { "v7" } else { "v6" };
+            // (at H <= 16 v7 at any residency past the small calls, v41)
+            let expect = if want || heads <= 16 { "v7" } else { "v6" };
             assert_eq!(family, expect, "H {heads} T {tokens}");
         }
         // one v6 workgroup per SM: v7 past the small calls anyway
@@ -1499,9 +1509,11 @@ mod tests {
             );
         }
         assert_eq!(pick(Bf16, 128, 1, 1), "v7");
-        // two per SM (H100/H200): bf16 v6 below the large batch, and above 16 heads where
-        // v7's one partial wave would leave SMs idle; v7 where its blocks take several waves
-        assert_eq!(pick(Bf16, 16, 9, 2), "v6");
+        // two per SM (H100/H200): bf16 v6 above 16 heads where v7's one partial wave would
+        // leave SMs idle, v7 where its blocks take several waves; at H <= 16 v7 past the
+        // small calls (v41)
+        assert_eq!(pick(Bf16, 16, 8, 2), "v6");
+        assert_eq!(pick(Bf16, 16, 9, 2), "v7");
         assert_eq!(pick(Bf16, 32, 48, 2), "v6");
         assert_eq!(pick(Bf16, 128, 40, 2), "v7");
         // fp8_ds_mla: the large-batch kernel for every call at H <= 16 past the small ones,
@@ -1539,14 +1551,15 @@ mod tests {
             assert_eq!(pick(Bf16, 16, t, 1), want, "H 16 T {t}");
             assert_eq!(pick(Bf16, 8, t, 1), want, "H 8 T {t}");
         }
-        assert_eq!(pick(Bf16, 16, 44, 2), "v6");
-        assert_eq!(pick(Bf16, 8, 66, 2), "v6");
-        assert_eq!(pick(Bf16, 16, 105, 2), "v6");
+        // two v6 workgroups an SM: v7 below the large batch (v6 before v41)
+        assert_eq!(pick(Bf16, 16, 44, 2), "v7");
+        assert_eq!(pick(Bf16, 8, 66, 2), "v7");
+        assert_eq!(pick(Bf16, 16, 105, 2), "v7");
         assert_eq!(pick(Bf16, 16, 106, 2), "batch");
         assert_eq!(pick(Bf16, 8, 106, 3), "batch");
-        // past one wave with 16-step splits: v6 where two fit (1.11x the batch kernel at
-        // H 16 T 144 on an H100), v7 at one (1.07x; benches/NOTES.md v36)
-        assert_eq!(pick(Bf16, 16, 144, 2), "v6");
+        // past one wave with 16-step splits: v7 (where two fit v6 had been 1.11x the batch
+        // kernel at H 16 T 144 on an H100, v36; v7 1.18x v6 at T 133, v41)
+        assert_eq!(pick(Bf16, 16, 144, 2), "v7");
         assert_eq!(pick(Bf16, 16, 160, 1), "v7");
         assert_eq!(pick(Bf16, 16, 192, 2), "batch");
     }
