@@ -103,10 +103,11 @@ struct Args {
     /// splitting the BLOCK_H heads over one shared ring, `GroupBy::Heads`) and pAHEAD (the
     /// producers ask L2 for the rows AHEAD steps past the ring's copies), then r or f (the
     /// scores held in rows or in fragments for the softmax; else fragments, but rows for
-    /// bf16 head groups); of the baseline (v6) as
+    /// bf16 head groups), then v (fp8_ds_mla's values for P . V decoded once a step into a
+    /// shared bf16 tile, `Fp8Values::Shared`; bf16 ignores it); of the baseline (v6) as
     /// v6:BLOCK_H x BLOCK_N x STAGES x MIN_WORKGROUPS (the occupancy hint), e.g.
-    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,64x32x2w2h4,64x32x2w2h4r,v6:16x16x2x2,v6:16x32x2x2p1.
-    /// bf16's wide-call kernel is 64x32x2w2h4.
+    /// 16x16x4,16x32x2w16,16x32x1w4g2p2,64x32x2w2h4,64x32x2w2h4r,64x32x2w2h4rv,v6:16x16x2x2,
+    /// v6:16x32x2x2p1. bf16's wide-call kernel is 64x32x2w2h4.
     #[arg(long, value_delimiter = ',')]
     variants: Vec<String>,
     /// Output: table (comfy-table), json (one object per row), csv.
