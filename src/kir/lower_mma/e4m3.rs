@@ -51,7 +51,7 @@ pub(super) fn interleaved(cx: &Cx, acc: &str) -> bool {
 /// its halves to f32 and the two packed as bf16x2; byte by byte it took two shifts, two masks
 /// and two single-value conversions more per pair, the largest share of the fp8 step's
 /// issued instructions (ncu, H200, benches/NOTES.md).
-fn widen_scaled(
+pub(super) fn widen_scaled(
     x: Expr,
     interleave: bool,
     prep: [&str; 2],

@@ -3,6 +3,7 @@
 //! `hi + lo` bf16 planes.
 
 use super::context::Cx;
+use super::e4m3::widen_scaled;
 use crate::kir::expr::{
     add, bin, f32_from_bits, for_const, intr, let_, local_id, mul, priv_load, shared_load,
     tile_pair_store, u, var,
@@ -274,19 +275,11 @@ impl Cx<'_> {
         );
         let iv = var(&i, Ty::U32);
         let (rv, cv, xv) = (var(row, Ty::U32), var(&c4, Ty::U32), var(&x, Ty::U32));
-        let scaled = |x: Expr| bin(BinOp::Mul, x, var(&sc, Ty::F32));
-        let pack = |p: &str| {
-            let pv = var(p, Ty::U32);
-            Expr::Call(
-                Func::PackBf16x2,
-                vec![
-                    scaled(Expr::Call(Func::E4m3x2Lo, vec![pv.clone()])),
-                    scaled(Expr::Call(Func::E4m3x2Hi, vec![pv])),
-                ],
-            )
-        };
+        let scv = var(&sc, Ty::F32);
+        // the operands' own widening of four bytes into two bf16x2, each value times its scale
+        let (prep, w0, w1) = widen_scaled(xv, false, [&p0, &p1], Some((scv.clone(), scv)));
         let at = add(add(db, mul(rv.clone(), u(d.stride))), mul(cv.clone(), u(2)));
-        let body = vec![
+        let mut body = vec![
             let_(row, bin(BinOp::Div, iv.clone(), u(units_per_row))),
             let_(&c4, bin(BinOp::Rem, iv, u(units_per_row))),
             let_(group, bin(BinOp::Div, mul(cv.clone(), u(4)), u(per))),
@@ -295,28 +288,18 @@ impl Cx<'_> {
                 shared_load(src, Ty::U32, add(add(sb, mul(rv, u(sr.stride))), cv)),
             ),
             let_(&sc, scale),
-            let_(
-                &p0,
-                Expr::Call(
-                    Func::E4m3x2Prep,
-                    vec![bin(BinOp::BitAnd, xv.clone(), u(0xFFFF))],
-                ),
-            ),
-            let_(
-                &p1,
-                Expr::Call(Func::E4m3x2Prep, vec![bin(BinOp::Shr, xv, u(16))]),
-            ),
-            Stmt::SharedStore {
-                arr: dst.into(),
-                index: at.clone(),
-                value: pack(&p0),
-            },
-            Stmt::SharedStore {
-                arr: dst.into(),
-                index: add(at, u(1)),
-                value: pack(&p1),
-            },
         ];
+        body.extend(prep);
+        body.push(Stmt::SharedStore {
+            arr: dst.into(),
+            index: at.clone(),
+            value: w0,
+        });
+        body.push(Stmt::SharedStore {
+            arr: dst.into(),
+            index: add(at, u(1)),
+            value: w1,
+        });
         out.push(barrier.clone());
         out.push(Stmt::For {
             var: i,
