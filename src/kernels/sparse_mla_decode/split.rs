@@ -104,12 +104,13 @@ pub fn split_kernel_v7_with(cfg: &DecodeConfig, form: SplitForm) -> Result<Kerne
     };
     let p_tile = b.shared_tile("p_tile", cfg.p_elem, bh, bn);
     let s = b.acc_tile("scores", bh, bn);
-    let outs: Vec<(Acc, u32)> = match cfg.format {
-        CacheFormat::Bf16 => vec![(b.acc_tile("o_acc", bh, dv), 0)],
-        _ if v_tile.is_some() => vec![(b.acc_tile("o_acc", bh, dv), 0)],
-        CacheFormat::Fp8DsMla => (0..latent / FP8_TILE)
+    // one accumulator where V is a bf16 tile; for fp8's raw rows one per scale tile
+    let outs: Vec<(Acc, u32)> = if cfg.format == CacheFormat::Bf16 || v_tile.is_some() {
+        vec![(b.acc_tile("o_acc", bh, dv), 0)]
+    } else {
+        (0..latent / FP8_TILE)
             .map(|k| (b.acc_tile("o_acc", bh, FP8_TILE), k * FP8_TILE))
-            .collect(),
+            .collect()
     };
     let st = SoftmaxState::declare(&mut b, bh);
 
