@@ -29,7 +29,7 @@
 //   11 * T * ceil(H / 16) <= SM count), which runs v7 in 16-head blocks (*_ws2w8r_h16n32) at
 //   any cache format and v6_per_sm (fp8_ds_mla from 6 such blocks, T * ceil(H / 16) >= 6:
 //   its large-batch kernel, 64-row steps, in 16-head blocks), and a large batch (sparse_mla_is_large_batch; LARGE BATCHES below) at
-//     bf16 1 <= H <= 16, fp8_ds_mla 1 <= H <= 16:
+//     fp8_ds_mla 1 <= H <= 16:
 //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES
 //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *
 //   ceil(H / 16) <= SM count, f 20 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)
@@ -57,7 +57,6 @@
 //   sparse_mla_decode_split_bf16_d576_mma1w8o2_h32n32: 256 threads, dynamic shared memory 78464 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n32: 256 threads, dynamic shared memory 0 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h32n32: 256 threads, dynamic shared memory 63936 B
-//   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
 //   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64: 256 threads, dynamic shared memory 95872 B
 //   sparse_mla_decode_split_bf16_d576_ws2w8h4r_h64n32: 256 threads, dynamic shared memory 99904 B
 //   sparse_mla_decode_combine_d512_t256: 256 threads, dynamic shared memory 0 B
@@ -122,20 +121,14 @@
 // fp8_ds_mla = [0,512) e4m3fn latent | [512,528) 4 x f32 scales, one per 128 values |
 // [528,656) 64 x bf16 rope: 656 bytes; c[i] = e4m3(byte[i]) * scale[i / 128].
 //
-// LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head
-// blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),
-// or where the split model gives each of its workgroups 20 steps or more (one workgroup
-// per SM; its two groups walk alternate steps, and a short walk leaves one idle); both
-// where one v6 workgroup fills an SM; where two fit, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),
-// for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs). For
-// bf16 the v7 ring in two warp groups of 4 warps, each walking every other step with its
-// own one-stage ring of 32 rows (a GPU holding one workgroup per SM then overlaps two
-// step chains); for fp8_ds_mla v7 with 64-row steps in a two-stage ring (fewer, larger
-// steps: fewer chains of waits). Same parameters, buffers, grid and split rules as the
-// variants above (block_h 16; block_n as listed above); its own occupancy feeds
-// `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and
-// sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):
-//   bf16       1 <= H <= 16   sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32: 256 threads, dynamic shared memory 87744 B
+// LARGE BATCHES. For H <= 16 the backend runs a third kernel for fp8_ds_mla on every call
+// that is not a small one (16 * T * ceil(H / 16) > SMs): v7 with 64-row steps in a
+// two-stage ring (fewer, larger steps: fewer chains of waits). Same parameters, buffers,
+// grid and split rules as the variants above (block_h 16; block_n as listed below); its
+// own occupancy feeds `resident` (sparse_mla_resident on its function).
+// sparse_mla_decode_variant and sparse_mla_plan_decode pick it from T and the SM count
+// (sparse_mla_is_large_batch). bf16 runs the variants above at every T: its large-batch
+// kernel (two warp groups) is no longer planned or exported, v7 being level or faster:
 //   fp8_ds_mla 1 <= H <= 16   sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64: 256 threads, dynamic shared memory 95872 B
 
 #pragma once
@@ -236,27 +229,17 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
     return best;
 }
 
-/* Is a call of `tokens` tokens and `heads` heads (top-k `topk`) a large batch on a GPU of `sms`
-   multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 only when the split model gives each workgroup of the large-batch kernel (16 x
-   32, one per multiprocessor) at least 20 steps (its two warp groups walk
-   alternate steps, and a short walk leaves one idle), and then when its 16-head blocks,
-   tokens x ceil(heads / 16), fill four fifths of the multiprocessors or more, or, where one
-   bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), when the call is not a small one;
-   fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms` multiprocessors
+   (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16: fp8_ds_mla when it
+   is not a small call. Never for bf16: v7 was level with its large-batch kernel or faster at
+   every batch measured on the H200 (benches/NOTES.md v41 (3)), and that kernel is not exported.
+   `topk` and `v6_per_sm` are not read (headers before v42 read them for bf16; kept so that
+   their callers compile). */
 static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned topk,
                                             unsigned sms, unsigned v6_per_sm) {
-    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    sparse_mla_decode_plan b;
-    unsigned splits;
-    if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    if (heads > 16u) return 0;
-    if (5u * blocks < 4u * (unsigned long long)sms
-        && (v6_per_sm >= 2u || sparse_mla_is_small_call(heads, tokens, sms))) return 0;
-    b.block_h = 16u;
-    b.block_n = 32u;
-    splits = sparse_mla_model_splits(&b, format, heads, tokens, topk, sms, sms);
-    return ((topk + 32u - 1u) / 32u + splits - 1u) / splits >= 20u;
+    (void)topk;
+    (void)v6_per_sm;
+    return format == SPARSE_MLA_CACHE_FP8_DS_MLA && !sparse_mla_is_small_call(heads, tokens, sms);
 }
 
 /* Does a bf16 call of more than 16 heads run v7 at any v6_per_sm (DecodeConfig::bf16_wide_runs_v7):
@@ -312,8 +295,8 @@ static inline int sparse_mla_is_wide_call(int format, unsigned heads, unsigned t
 /* The kernel of one call, as the runtime picks it (DecodeConfig::for_call): for bf16 above 16 heads
    v6 in 16-head blocks where sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm); v7 in
    16-head blocks for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format
-   and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel
-   when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call
+   and head count, for fp8_ds_mla at H <= 16 by the call's size on the GPU (its large-batch
+   kernel when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call
    (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,
    sms, v6_per_sm), else v7; v7 for a call v7's blocks fill in
    one wave or more (sparse_mla_bf16_wide_runs_v7(heads, tokens, sms)), else by v6_per_sm (v6
@@ -359,11 +342,6 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         }
     }
     if (sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)) {
-        if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
-            p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
-            p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 87744u;
-            return 0;
-        }
         if (format == SPARSE_MLA_CACHE_FP8_DS_MLA && heads >= 1u && heads <= 16u) {
             p->split_kernel = "sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
             p->block_h = 16u; p->block_n = 64u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 95872u;
@@ -767,40 +745,6 @@ struct sparse_mla_decode_combine_d512_t256_params {
     unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads]
     unsigned groups; // G, split groups per workgroup: a power of two, at most W / 16 (grid z follows it)
     unsigned whole_tokens; // W, tokens the split kernel ran whole before the split ones (0: none)
-};
-
-// sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32
-//   Sparse MLA decode, split stage: cache bf16 (1152 B/row), d_qk 576, d_v 512, 16 heads x 32 slots per step, mma-ws lowering.
-//   Grid: x = ceil(heads / block_h) head blocks, y = splits, z = tokens.
-//   Invalid index (< 0, >= num_slots, or j >= topk_length[t]): masked, never read.
-//   Row of slot s at word (s / page_size) * page_stride_w + (s % page_size) * row_stride_w of kv_cache.
-//   splits = 1: writes out (bf16) and lse (f32; +inf for a row with no valid index) itself; splits > 1: per-split o_part (normalised, f32) and lse_part (-3e38 when the split is empty) for the combine. The buffers of the other case are bound but not touched.
-//   lse[t, h] goes to ((t / lse_s_q) * heads + h) * lse_s_q + t % lse_s_q: lse_s_q = 1 gives [tokens, heads], lse_s_q = s_q FlashMLA's [batch, heads, s_q].
-//   2 warp groups of 4 warps, each with its own ring: group g walks steps g, g + 2, ...; their softmax states and accumulators merged after the pipeline, the epilogue in group 0.
-//   mbarrier ring per group: 1 stages; warps 2-3 of a group also issue its gathers (cp.async.bulk on sm_90 and later, cp.async before).
-//   threads per block: 256; dynamic shared memory: 87744 B
-//   arguments: (sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params p, const unsigned short* __restrict__ q, const unsigned short* __restrict__ kv_cache, const int* __restrict__ indices, const int* __restrict__ topk_length, unsigned short* __restrict__ out, float* __restrict__ lse, float* __restrict__ o_part, float* __restrict__ lse_part)
-//     q            [tokens, heads, 576]
-//     kv_cache     [num_pages, page_size, 1152] bf16 rows (strided)
-//     indices      [tokens, topk] slots
-//     topk_length  [tokens] (any 1-element buffer when has_topk_length = 0)
-//     out          [tokens, heads, 512] (splits = 1)
-//     lse          [tokens / lse_s_q, heads, lse_s_q] (splits = 1)
-//     o_part       [tokens, heads, splits, 512] (splits > 1)
-//     lse_part     [tokens, heads, splits] (splits > 1)
-struct sparse_mla_decode_split_bf16_d576_ws1w8g2p1_h16n32_params {
-    unsigned tokens; // T, query tokens (batch x s_q)
-    unsigned heads; // H, query heads
-    unsigned topk; // top-k entries per token
-    unsigned num_slots; // num_pages x page_size
-    unsigned splits; // S, splits of the top-k list
-    unsigned chunk; // top-k entries per split (multiple of block_n)
-    unsigned has_topk_length; // 1: topk_length is given
-    float scale; // softmax scale
-    unsigned page_size; // slots per page
-    unsigned row_stride_w; // 32-bit words from one cache row to the next
-    unsigned page_stride_w; // 32-bit words from one cache page to the next
-    unsigned lse_s_q; // lse layout [tokens / lse_s_q, heads, lse_s_q]; 1 = [tokens, heads] (splits = 1)
 };
 
 // sparse_mla_decode_split_fp8_ds_mla_d576_ws2w8r_h16n64

@@ -181,8 +181,8 @@ fn check_decode(
 }
 
 fn plan_of(call: &DecodeCall, splits: Option<u32>) -> PyResult<DecodePlan> {
-    // the CUDA backend's choice: the large-batch kernel, v6 for a small bf16 call, else v6
-    // or v7 by this GPU's occupancy of v6
+    // the CUDA backend's choice (fp8's large-batch kernel, v6 for a small bf16 call, v6 or
+    // v7 by this GPU's occupancy of v6 above 16 heads): the residency is asked where it decides
     let (dims, heads) = (call.shape.dims, call.shape.heads);
     let sm_count = device::sm_count(call.device).map_err(lib_err)?;
     let config = DecodeConfig::for_call(&call.shape, sm_count, || -> PyResult<u32> {

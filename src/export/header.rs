@@ -6,7 +6,8 @@
 //! Everything here is derived from the kernel configurations and the plan code of
 //! [`crate::kernels::sparse_mla_decode`]: the variant table comes from scanning
 //! [`DecodeConfig::tensor_core_on`] over head counts and v6 occupancies (`v6_per_sm`: bf16 v6 or
-//! v7), the large-batch kernels from [`DecodeConfig::tensor_core_batch`]; the choice between
+//! v7), the large-batch kernels the plan takes from [`DecodeConfig::tensor_core_batch`]
+//! ([`DecodeConfig::plans_large_batch`]: fp8_ds_mla's); the choice between
 //! them ([`DecodeConfig::for_call`]: [`DecodeConfig::is_large_batch`] on the SM count, else
 //! `v6_per_sm`) and the split rule
 //! ([`DecodePlan::model_splits`]) are written again in C (tests/export_header.rs compiles them
@@ -237,8 +238,12 @@ pub fn v6_probe_variants() -> Result<Vec<DecodeVariant>> {
 /// The large-batch variants for `format` (`DecodeConfig::tensor_core_batch`, which the CUDA
 /// backend runs instead of the head-count variant when `DecodeConfig::is_large_batch`, at any
 /// v6 residency), by scanning the configuration choice over head counts like
-/// [`decode_variants`]: the head ranges that have one (H <= 16 today).
+/// [`decode_variants`]: the head ranges that have one (H <= 16 today); none for a format whose
+/// large-batch kernel the plan never takes (`DecodeConfig::plans_large_batch`: bf16).
 pub fn batch_variants(format: CacheFormat) -> Result<Vec<DecodeVariant>> {
+    if !DecodeConfig::plans_large_batch(format) {
+        return Ok(Vec::new());
+    }
     scan_heads(format, (1, None), |h| {
         DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, h)
     })
@@ -555,13 +560,6 @@ fn plan_code(
             )
         })?
         .block_h;
-    // the bf16 large-batch kernel's blocks and its head range (DecodeConfig::is_large_batch)
-    let batch_cfg = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 1)
-        .ok_or_else(|| Error::arg("heads", "a bf16 large-batch kernel at 1 head", 1))?;
-    let batch_max = (1..=SCAN_HEADS)
-        .take_while(|&h| DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, h).is_some())
-        .last()
-        .unwrap_or(0);
     let mut s = String::new();
     let _ = write!(
         s,
@@ -661,27 +659,17 @@ static inline unsigned sparse_mla_model_splits(const sparse_mla_decode_plan* p, 
     return best;
 }}
 
-/* Is a call of `tokens` tokens and `heads` heads (top-k `topk`) a large batch on a GPU of `sms`
-   multiprocessors (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16:
-   bf16 only when the split model gives each workgroup of the large-batch kernel ({batch_h} x
-   {batch_n}, one per multiprocessor) at least {min_steps} steps (its two warp groups walk
-   alternate steps, and a short walk leaves one idle), and then when its 16-head blocks,
-   tokens x ceil(heads / 16), fill four fifths of the multiprocessors or more, or, where one
-   bf16 v6 workgroup fills a multiprocessor (v6_per_sm 1), when the call is not a small one;
-   fp8_ds_mla when it is not a small call (v6_per_sm not read). */
+/* Is a call of `tokens` tokens and `heads` heads a large batch on a GPU of `sms` multiprocessors
+   (DecodeConfig::is_large_batch), one the large-batch kernel runs at H <= 16: fp8_ds_mla when it
+   is not a small call. Never for bf16: v7 was level with its large-batch kernel or faster at
+   every batch measured on the H200 (benches/NOTES.md v41 (3)), and that kernel is not exported.
+   `topk` and `v6_per_sm` are not read (headers before v42 read them for bf16; kept so that
+   their callers compile). */
 static inline int sparse_mla_is_large_batch(int format, unsigned heads, unsigned tokens, unsigned topk,
                                             unsigned sms, unsigned v6_per_sm) {{
-    unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    sparse_mla_decode_plan b;
-    unsigned splits;
-    if (format == SPARSE_MLA_CACHE_FP8_DS_MLA) return !sparse_mla_is_small_call(heads, tokens, sms);
-    if (heads > {batch_max}u) return 0;
-    if (5u * blocks < 4u * (unsigned long long)sms
-        && (v6_per_sm >= 2u || sparse_mla_is_small_call(heads, tokens, sms))) return 0;
-    b.block_h = {batch_h}u;
-    b.block_n = {batch_n}u;
-    splits = sparse_mla_model_splits(&b, format, heads, tokens, topk, sms, sms);
-    return ((topk + {batch_n}u - 1u) / {batch_n}u + splits - 1u) / splits >= {min_steps}u;
+    (void)topk;
+    (void)v6_per_sm;
+    return format == SPARSE_MLA_CACHE_FP8_DS_MLA && !sparse_mla_is_small_call(heads, tokens, sms);
 }}
 
 /* Does a bf16 call of more than 16 heads run v7 at any v6_per_sm (DecodeConfig::bf16_wide_runs_v7):
@@ -712,10 +700,6 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
 "#,
         d_qk = dims.d_qk(),
         d_v = dims.d_v(),
-        batch_h = batch_cfg.block_h,
-        batch_n = batch_cfg.block_n,
-        batch_max = batch_max,
-        min_steps = DecodeConfig::BATCH_MIN_STEPS,
         wide_h = wide_h,
         narrow_max = narrow_max,
         v6n_max = v6n_max,
@@ -731,8 +715,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             ", as the runtime picks it (DecodeConfig::for_call): for bf16 above 16 heads\n   \
              v6 in 16-head blocks where sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm); v7 in\n   \
              16-head blocks for a narrow call (sparse_mla_is_narrow_call(heads, tokens, sms)); else by cache format\n   \
-             and head count, at H <= 16 by the call's size on the GPU (the large-batch kernel\n   \
-             when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
+             and head count, for fp8_ds_mla at H <= 16 by the call's size on the GPU (its large-batch\n   \
+             kernel when sparse_mla_is_large_batch(format, heads, tokens, topk, sms, v6_per_sm)); for a bf16 small call\n   \
              (sparse_mla_is_small_call(heads, tokens, sms)) v6 where sparse_mla_is_v6_call(heads, tokens,\n   \
              sms, v6_per_sm), else v7; v7 for a call v7's blocks fill in\n   \
              one wave or more (sparse_mla_bf16_wide_runs_v7(heads, tokens, sms)), else by v6_per_sm (v6\n   \
@@ -1157,19 +1141,14 @@ fn kernel_structs(kernels: &[&Kernel]) -> String {
 fn batch_rules(batch: &[DecodeVariant]) -> String {
     let mut s = String::from(
         "//\n\
-         // LARGE BATCHES. For H <= 16 the backend runs a third kernel for bf16 when the call's head\n\
-         // blocks fill half the SMs or more without splitting (T * ceil(H / 16) * 2 >= SM count),\n\
-         // or where the split model gives each of its workgroups 20 steps or more (one workgroup\n\
-         // per SM; its two groups walk alternate steps, and a short walk leaves one idle); both\n\
-         // where one v6 workgroup fills an SM; where two fit, four fifths: 5 * T * ceil(H / 16) >= 4 * SMs),\n\
-         // for fp8_ds_mla on every call that is not a small one (16 * T * ceil(H / 16) > SMs). For\n\
-         // bf16 the v7 ring in two warp groups of 4 warps, each walking every other step with its\n\
-         // own one-stage ring of 32 rows (a GPU holding one workgroup per SM then overlaps two\n\
-         // step chains); for fp8_ds_mla v7 with 64-row steps in a two-stage ring (fewer, larger\n\
-         // steps: fewer chains of waits). Same parameters, buffers, grid and split rules as the\n\
-         // variants above (block_h 16; block_n as listed above); its own occupancy feeds\n\
-         // `resident` (sparse_mla_resident on its function). sparse_mla_decode_variant and\n\
-         // sparse_mla_plan_decode pick it from T and the SM count (sparse_mla_is_large_batch):\n",
+         // LARGE BATCHES. For H <= 16 the backend runs a third kernel for fp8_ds_mla on every call\n\
+         // that is not a small one (16 * T * ceil(H / 16) > SMs): v7 with 64-row steps in a\n\
+         // two-stage ring (fewer, larger steps: fewer chains of waits). Same parameters, buffers,\n\
+         // grid and split rules as the variants above (block_h 16; block_n as listed below); its\n\
+         // own occupancy feeds `resident` (sparse_mla_resident on its function).\n\
+         // sparse_mla_decode_variant and sparse_mla_plan_decode pick it from T and the SM count\n\
+         // (sparse_mla_is_large_batch). bf16 runs the variants above at every T: its large-batch\n\
+         // kernel (two warp groups) is no longer planned or exported, v7 being level or faster:\n",
     );
     for v in batch {
         let _ = writeln!(
@@ -1272,7 +1251,7 @@ fn one_kernel_note(
     };
     for b in batch_variants(shape.format)?.iter().filter(|b| overlaps(b)) {
         // on a GPU of the v6 occupancy this export's variant serves
-        let large = DecodeConfig::is_large_batch(shape, sms, variant.v6_per_sm_min);
+        let large = DecodeConfig::is_large_batch(shape, sms);
         let example = if b.contains(shape.heads) && large {
             format!(" (the example call below is one, on {sms} SMs)")
         } else {

@@ -212,22 +212,23 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
             DecodeConfig::tensor_core_v7,
         ),
     ];
-    // the large-batch kernels (H <= 16 only): bf16 in two warp groups, fp8 with 64-row steps
+    // the large-batch kernels the backend plans (H <= 16 only): fp8's, v7 with 64-row steps
+    // (bf16's two-group kernel is not planned since v42, and not exported)
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
-        if let Some(config) = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16) {
-            let form = match format {
-                CacheFormat::Bf16 => "v7 in two warp groups",
-                CacheFormat::Fp8DsMla => "v7 with 64-row steps",
-            };
-            out.push(StandardKernel {
-                target: Target::Cuda,
-                kernel: lower(&split_kernel(&config)?, config.lowering)?,
-                note: format!(
-                    "sparse decode, {} cache, tensor cores {form}, the CUDA backend's large-batch kernel (H <= 16)",
-                    format.name()
-                ),
-            });
-        }
+        let Some(config) = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, format, 16)
+            .filter(|_| DecodeConfig::plans_large_batch(format))
+        else {
+            continue;
+        };
+        out.push(StandardKernel {
+            target: Target::Cuda,
+            kernel: lower(&split_kernel(&config)?, config.lowering)?,
+            note: format!(
+                "sparse decode, {} cache, tensor cores v7 with {}-row steps, the CUDA backend's large-batch kernel (H <= 16)",
+                format.name(),
+                config.block_n
+            ),
+        });
     }
     // v7 in 16-head blocks for narrow calls above 16 heads (DecodeConfig::is_narrow_call);
     // fp8's is its H <= 16 v7 kernel, exported below

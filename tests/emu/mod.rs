@@ -521,15 +521,15 @@ impl Device for EmuDevice {
                 .with_l2_ahead(v7.l2_ahead())
         } else if self.config.v7 {
             // the backend's choice on a GPU of `choice_sms` SMs holding one v6 workgroup per SM:
-            // v7, the large-batch kernel (warp groups) for a large batch at H <= 16, v6 for a
-            // small bf16 call
+            // v7, fp8's large-batch kernel for a large batch at H <= 16, v6 for a small bf16
+            // call
             let planned =
                 DecodeConfig::for_call(shape, self.config.choice_sms, || Ok::<u32, Error>(1))?;
-            // ... except that bf16's two-group kernel also runs where the backend's rule of
-            // before v36 took it (a call past the small ones whose 16-head blocks fill half
-            // the SMs), whatever the steps a workgroup walks: the backend now leaves walks
-            // of fewer than BATCH_MIN_STEPS steps to v7, and these cases' short and odd walks
-            // (a warp group with no step) are where the kernel's merge is tested
+            // ... except that bf16's two-group kernel runs where the backend's rule of before
+            // v36 took it (a call past the small ones whose 16-head blocks fill half the SMs):
+            // the backend no longer plans it (v42), but SPARSE_MLA_DECODE_KERNEL=batch still
+            // runs it, and these cases' short and odd walks (a warp group with no step) are
+            // where the kernel's merge is tested
             let blocks16 = DecodeConfig::blocks16(shape);
             match DecodeConfig::tensor_core_batch(shape.dims, shape.format, shape.heads) {
                 Some(batch)

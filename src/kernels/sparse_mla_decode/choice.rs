@@ -3,7 +3,7 @@
 //! overrides ([`DecodeConfig::for_call_from_env`]). The configurations themselves are built
 //! in the parent module; the call's splits are [`super::DecodePlan`]'s.
 
-use super::{DecodeConfig, DecodePlan};
+use super::DecodeConfig;
 use crate::mla::{CacheFormat, DecodeShape};
 use crate::{Error, Result};
 
@@ -63,53 +63,29 @@ impl DecodeConfig {
     pub const WIDE_FACTOR: u64 = 11;
 
     /// Is `shape` a large batch for a GPU of `sm_count` multiprocessors, one the large-batch
-    /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16:
-    /// - bf16, only where the split model ([`DecodePlan::model_splits`], one workgroup per SM)
-    ///   gives each of its workgroups at least [`Self::BATCH_MIN_STEPS`] steps. Its two warp
-    ///   groups walk alternate steps, so a short or odd walk leaves one group idle at the end:
-    ///   at SM120's occupancy on the H200 (132 SMs, topk 2048) it beat v7 by 2–9 % where the
-    ///   model split a call 2 or 3 ways (21–32 steps: T 36–44, 56–64), was level at 4 (16
-    ///   steps: T 28–32) and 1–4 % slower at 5 or more (≤ 13 steps: T 16–24, 48–52)
-    ///   (benches/NOTES.md, v22). Past one wave the model splits again (T 133–165: 16 steps),
-    ///   and there v7 was 1.07x and v6 1.11x the batch kernel on an H100, as v7 was 1.04–1.08x
-    ///   at 13–16 steps below one wave (T 80–96) at SM120's occupancy (v36). Given the steps:
-    /// - bf16 where one bf16 v6 workgroup fills a multiprocessor (SM120): every call that is
-    ///   not a small one ([`Self::is_small_call`]);
-    /// - bf16 where two or more v6 workgroups fit (`v6_per_sm`, H100/H200): v6 keeps the call
-    ///   until its blocks fill four fifths of them, `5 · T · ⌈H/16⌉ ≥ 4 · SMs`: on the H200 v6
-    ///   was 6–8 % faster at T 80–96, the batch kernel 5–7 % at T 112–128 (benches/NOTES.md,
-    ///   v14; the crossover measured again with the batch kernel's L2 prefetch, v22);
-    /// - fp8_ds_mla: any call that is not a small one ([`Self::is_small_call`]),
-    ///   `16 · T · ⌈H/16⌉ > SMs`: the two-group kernel of before beat v7 from T = 8 (1.02–1.15x
-    ///   at T 8–80 on the H200, 0.87–0.96x at T 1–4; benches/NOTES.md, v14), and the 64-row
-    ///   kernel that replaced it beats both past T 10 (v26).
+    /// kernel ([`Self::tensor_core_batch`]) runs at H ≤ 16: an fp8_ds_mla call that is not a
+    /// small one ([`Self::is_small_call`]), `16 · T · ⌈H/16⌉ > SMs`. The two-group kernel of
+    /// before beat v7 from T = 8 (1.02–1.15x at T 8–80 on the H200, 0.87–0.96x at T 1–4;
+    /// benches/NOTES.md, v14), and the 64-row kernel that replaced it beats both past T 10
+    /// (v26); on the H200 it still led v7 by 1.13–1.19x at H 8 / 16, T 40–512 (v41 (3)).
     ///
-    /// `v6_per_sm` is read only for bf16 calls between the two bf16 thresholds.
-    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
-        let (blocks, sms) = (Self::blocks16(shape), sm_count as u64);
-        match shape.format {
-            CacheFormat::Bf16 => {
-                (5 * blocks >= 4 * sms || (v6_per_sm < 2 && !Self::is_small_call(shape, sm_count)))
-                    && Self::batch_steps(shape, sm_count) >= Self::BATCH_MIN_STEPS
-            }
-            CacheFormat::Fp8DsMla => !Self::is_small_call(shape, sm_count),
-        }
+    /// Never for bf16: its large-batch kernel (two warp groups walking alternate steps) is
+    /// still built and can be forced (`SPARSE_MLA_DECODE_KERNEL=batch`), but v7 has caught it
+    /// up (scores held in rows, v35; the 16-head prefetch). On the H200 v7 was level with it or
+    /// faster at every T measured at H 8 / 16, at both occupancies: at SM120's, 1.06–1.08x at
+    /// T 40–64, 1.03x at T 128, 1.04x at T 200, 1.01x at T 256, level at T 512 (v41 (3)); the
+    /// H100 said the same at T 128–200 (v41 (2)). The rule it had (20 steps or more a
+    /// workgroup under the split model, and the call's blocks filling four fifths of the SMs
+    /// where two v6 workgroups fit one) was set when it led v7 by 2–9 % (v14, v22, v36).
+    pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
+        Self::plans_large_batch(shape.format) && !Self::is_small_call(shape, sm_count)
     }
 
-    /// The fewest steps a workgroup of the bf16 large-batch kernel walks on a call it runs
-    /// ([`Self::is_large_batch`]), at any v6 residency.
-    pub const BATCH_MIN_STEPS: u32 = 20;
-
-    /// Steps each workgroup of the large-batch kernel walks for `shape` under the split
-    /// model's choice at one workgroup per multiprocessor (its register budget: 255 a
-    /// thread, 256 threads): `⌈⌈topk / block_n⌉ / splits⌉`; 0 where no batch kernel exists
-    /// for the head count.
-    fn batch_steps(shape: &DecodeShape, sm_count: u32) -> u32 {
-        let Some(batch) = Self::tensor_core_batch(shape.dims, shape.format, shape.heads) else {
-            return 0;
-        };
-        let splits = DecodePlan::model_splits(&batch, shape, sm_count, sm_count);
-        shape.topk.div_ceil(batch.block_n).div_ceil(splits.max(1))
+    /// Does [`Self::for_call`] run the large-batch kernel of `format` on any call
+    /// ([`Self::is_large_batch`])? fp8_ds_mla's only: bf16's is built but never planned. The
+    /// standard export set and `cuda/sparse_mla.h` carry the kernels this answers yes for.
+    pub fn plans_large_batch(format: CacheFormat) -> bool {
+        format == CacheFormat::Fp8DsMla
     }
 
     /// The 16-head blocks of a call, `T · ⌈H/16⌉`: the unit of the size rules
@@ -159,15 +135,16 @@ impl DecodeConfig {
     /// heads that is a v6 call ([`Self::is_v6_call`]) v6 in 16-head blocks
     /// ([`Self::tensor_core_v6_narrow`]); [`Self::tensor_core_narrow`] for
     /// a narrow call ([`Self::is_narrow_call`]; [`Self::tensor_core_narrow_wide`] where
-    /// [`Self::is_narrow_wide_call`]); [`Self::tensor_core_batch`] for a
-    /// large batch ([`Self::is_large_batch`]); for a bf16 small call
+    /// [`Self::is_narrow_wide_call`]); fp8_ds_mla's [`Self::tensor_core_batch`]
+    /// for a large batch ([`Self::is_large_batch`]); for a bf16 small call
     /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
     /// more than 16 heads whose v7 blocks fill one wave or take several
     /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. Before all of these, a
     /// wide call ([`Self::is_wide_call`]) runs bf16's 64-head kernel
     /// ([`Self::tensor_core_wide`]). `v6_per_sm` is asked at most once, and only for bf16
     /// calls the answer decides: none of those but the small calls at H ≤ 16 between
-    /// `is_v6_call`'s two factors, and not a large batch at every v6 residency.
+    /// `is_v6_call`'s two factors, and the calls of more than 16 heads left to
+    /// [`Self::tensor_core_on`].
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -213,23 +190,17 @@ impl DecodeConfig {
                 Self::tensor_core_v7(dims, format, heads)
             });
         }
-        let batch = Self::tensor_core_batch(dims, format, heads);
-        // large at the strictest residency rule: large whatever the GPU holds
-        if let Some(batch) = batch.filter(|_| Self::is_large_batch(shape, sm_count, u32::MAX)) {
+        if let Some(batch) = Self::tensor_core_batch(dims, format, heads)
+            .filter(|_| Self::is_large_batch(shape, sm_count))
+        {
             return Ok(batch);
         }
         if format == CacheFormat::Bf16 && Self::bf16_wide_runs_v7(shape, sm_count) {
             // v7 at any v6 residency: the one-workgroup-per-SM choice
             return Self::tensor_core_on(dims, format, heads, || Ok(1));
         }
-        let per_sm = match format {
-            CacheFormat::Bf16 => v6_per_sm()?,
-            CacheFormat::Fp8DsMla => 1,
-        };
-        match batch {
-            Some(batch) if Self::is_large_batch(shape, sm_count, per_sm) => Ok(batch),
-            _ => Self::tensor_core_on(dims, format, heads, || Ok(per_sm)),
-        }
+        // asks the residency only for bf16 above 16 heads
+        Self::tensor_core_on(dims, format, heads, v6_per_sm)
     }
 
     /// The decode kernel a GPU backend runs for `shape` on `sm_count` multiprocessors, with the

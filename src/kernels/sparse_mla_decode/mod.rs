@@ -287,8 +287,8 @@ impl DecodeConfig {
         if rows.is_some_and(|r| r != RowSoftmax::Off) && self.groups() > self.head_groups() {
             return Err(Error::arg(
                 "SPARSE_MLA_ROW_SOFTMAX",
-                "0 for a call on bf16's two-group large-batch kernel (its row forms have an \
-                 unexplained compute-sanitizer racecheck report, benches/NOTES.md v32)",
+                "0 for a call forced onto bf16's two-group large-batch kernel (its row forms \
+                 have an unexplained compute-sanitizer racecheck report, benches/NOTES.md v32)",
                 format!(
                     "{} for {} heads x {} tokens",
                     rows.map_or("", RowSoftmax::env_value),
@@ -1095,17 +1095,19 @@ mod tests {
             .family();
             (family, asked)
         };
-        // small bf16 calls, bf16 batches large at any residency, fp8: never
+        // small bf16 calls, bf16 at H <= 16 past them (v7 at any residency: no large batch
+        // since v42), fp8: never
         assert_eq!(ask(CacheFormat::Bf16, 16, 4), ("v6", false));
-        assert_eq!(ask(CacheFormat::Bf16, 16, 128), ("batch", false));
+        assert_eq!(ask(CacheFormat::Bf16, 16, 128), ("v7", false));
+        assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v7", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 16, 64), ("batch", false));
         assert_eq!(ask(CacheFormat::Fp8DsMla, 64, 64), ("v7", false));
         // bf16 calls v7 fills in one wave or more: never
         assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v7", false));
         assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v7", false));
-        // between the bf16 thresholds (where the residency decides the large batch; below it
-        // v7 at any residency since v41), and above 16 heads in one partial wave
-        assert_eq!(ask(CacheFormat::Bf16, 16, 80), ("v7", true));
+        // between the bf16 small-call factors at H <= 16, and above 16 heads in one partial
+        // wave
+        assert_eq!(ask(CacheFormat::Bf16, 16, 7), ("v6", true));
         assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
     }
 
@@ -1524,44 +1526,16 @@ mod tests {
             assert_eq!(pick(Fp8DsMla, 8, 9, v6), "batch");
             assert_eq!(pick(Fp8DsMla, 32, 100, v6), "v7");
         }
-        // a bf16 large batch at H <= 16, only where the split model gives each workgroup 20
-        // steps or more (of topk 2048's 64 on 132 SMs: 2 or 3 splits at T 34-44, 53-66,
-        // 80-88, 166-220, 1 at T 106-132 and 221-264; 4 or 5 splits, 13-16 steps, at T 27-33,
-        // 45-52, 67-79, 89-105 and 133-165): past the small calls at one v6 workgroup per SM,
-        // from 5 T ceil(H/16) >= 4 SMs at two
-        for (t, want) in [
-            (33, "v7"),
-            (34, "batch"),
-            (44, "batch"),
-            (45, "v7"),
-            (52, "v7"),
-            (53, "batch"),
-            (66, "batch"),
-            (67, "v7"),
-            (79, "v7"),
-            (80, "batch"),
-            (88, "batch"),
-            (96, "v7"),
-            (106, "batch"),
-            (132, "batch"),
-            (144, "v7"),
-            (192, "batch"),
-            (264, "batch"),
-        ] {
-            assert_eq!(pick(Bf16, 16, t, 1), want, "H 16 T {t}");
-            assert_eq!(pick(Bf16, 8, t, 1), want, "H 8 T {t}");
+        // bf16 at H <= 16 past the small calls: v7 at every T and v6 residency, never its
+        // large-batch kernel (v42: v7 level or 1.01-1.08x faster at T 40-512 on the H200,
+        // benches/NOTES.md v41 (3)), which took T 34-44, 53-66, 80-88 and 106-132 before
+        for v6 in [1, 2, 3] {
+            for t in [9, 34, 44, 53, 66, 80, 88, 106, 132, 192, 264, 512, 4096] {
+                assert_eq!(pick(Bf16, 16, t, v6), "v7", "H 16 T {t} v6_per_sm {v6}");
+                assert_eq!(pick(Bf16, 8, t, v6), "v7", "H 8 T {t} v6_per_sm {v6}");
+                assert_eq!(pick(Bf16, 1, t, v6), "v7", "H 1 T {t} v6_per_sm {v6}");
+            }
         }
-        // two v6 workgroups an SM: v7 below the large batch (v6 before v41)
-        assert_eq!(pick(Bf16, 16, 44, 2), "v7");
-        assert_eq!(pick(Bf16, 8, 66, 2), "v7");
-        assert_eq!(pick(Bf16, 16, 105, 2), "v7");
-        assert_eq!(pick(Bf16, 16, 106, 2), "batch");
-        assert_eq!(pick(Bf16, 8, 106, 3), "batch");
-        // past one wave with 16-step splits: v7 (where two fit v6 had been 1.11x the batch
-        // kernel at H 16 T 144 on an H100, v36; v7 1.18x v6 at T 133, v41)
-        assert_eq!(pick(Bf16, 16, 144, 2), "v7");
-        assert_eq!(pick(Bf16, 16, 160, 1), "v7");
-        assert_eq!(pick(Bf16, 16, 192, 2), "batch");
     }
 
     #[test]
