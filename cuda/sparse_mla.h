@@ -32,7 +32,7 @@
 //     fp8_ds_mla 1 <= H <= 16:
 //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES
 //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *
-//   ceil(H / 16) <= SM count, f 20 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)
+//   ceil(H / 16) <= SM count, f 20 above 16 heads, else 32, at any v6_per_sm)
 //   run the v6 kernel of H (its step beats v7's where each workgroup takes a few steps),
 //   the other small calls v7. The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):
 //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and
@@ -175,15 +175,16 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }
 
-/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call):
-   f x tokens x ceil(heads / 16) <= sms, f = 16 at up to 16 heads where two or more v6
-   workgroups fit a multiprocessor (v6_per_sm >= 2), else 20. Above 16 heads such a call
-   runs v6 in 16-head blocks (sparse_mla_v6_kernel(16u, p)). Each such call is a small
-   one; past it v7 is the faster (measured on the H200 at both occupancies, benches/NOTES.md
-   v23, v25). */
+/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call), at any v6_per_sm:
+   f x tokens x ceil(heads / 16) <= sms, f = 32 at up to 16 heads, else 20. Above 16 heads
+   such a call runs v6 in 16-head blocks (sparse_mla_v6_kernel(16u, p)). Each such call
+   is a small one; past it v7 is the faster (measured at both occupancies, benches/NOTES.md
+   v25, v42). `v6_per_sm` is not read (headers before v42 read it at up to 16 heads; kept so
+   that their callers compile). */
 static inline int sparse_mla_is_v6_call(unsigned heads, unsigned tokens, unsigned sms, unsigned v6_per_sm) {
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    unsigned f = (heads <= 16u && v6_per_sm >= 2u) ? 16u : 20u;
+    unsigned long long f = heads <= 16u ? 32u : 20u;
+    (void)v6_per_sm;
     return f * blocks <= (unsigned long long)sms;
 }
 

@@ -412,7 +412,7 @@ fn launch_rules(
              //     {}:\n\
              //   it runs the large-batch kernel of its format instead, at any v6_per_sm (LARGE BATCHES\n\
              //   below); and the smallest calls with a bf16 cache (sparse_mla_is_v6_call: f * T *\n\
-             //   ceil(H / 16) <= SM count, f 20 above 16 heads, else 16 at v6_per_sm >= 2 and 20 at 1)\n\
+             //   ceil(H / 16) <= SM count, f {v6n_f} above 16 heads, else {v6_f}, at any v6_per_sm)\n\
              //   run the v6 kernel of H (its step beats v7's where each workgroup takes a few steps),\n\
              //   the other small calls v7. The plan helpers decide all of it as the runtime does (DecodeConfig::for_call):\n\
              //   sparse_mla_decode_variant(format, H, T, topk, sms, v6_per_sm, ...) and\n\
@@ -420,6 +420,8 @@ fn launch_rules(
              //   count `sms` and `v6_per_sm`.",
             ranges.join(", "),
             narrow_f = DecodeConfig::NARROW_FACTOR,
+            v6_f = DecodeConfig::V6_FACTOR,
+            v6n_f = DecodeConfig::V6_NARROW_FACTOR,
             wide_b = DecodeConfig::NARROW_WIDE_MIN_BLOCKS,
         );
     }
@@ -605,15 +607,16 @@ static inline int sparse_mla_is_small_call(unsigned heads, unsigned tokens, unsi
     return 16u * blocks <= (unsigned long long)sms;
 }}
 
-/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call):
-   f x tokens x ceil(heads / 16) <= sms, f = 16 at up to {v6n_max} heads where two or more v6
-   workgroups fit a multiprocessor (v6_per_sm >= 2), else 20. Above {v6n_max} heads such a call
-   runs v6 in {v6n_block}-head blocks (sparse_mla_v6_kernel({v6n_block}u, p)). Each such call is a small
-   one; past it v7 is the faster (measured on the H200 at both occupancies, benches/NOTES.md
-   v23, v25). */
+/* Does a bf16 call run a v6 kernel (DecodeConfig::is_v6_call), at any v6_per_sm:
+   f x tokens x ceil(heads / 16) <= sms, f = {v6_f} at up to {v6n_max} heads, else {v6n_f}. Above {v6n_max} heads
+   such a call runs v6 in {v6n_block}-head blocks (sparse_mla_v6_kernel({v6n_block}u, p)). Each such call
+   is a small one; past it v7 is the faster (measured at both occupancies, benches/NOTES.md
+   v25, v42). `v6_per_sm` is not read (headers before v42 read it at up to {v6n_max} heads; kept so
+   that their callers compile). */
 static inline int sparse_mla_is_v6_call(unsigned heads, unsigned tokens, unsigned sms, unsigned v6_per_sm) {{
     unsigned long long blocks = (unsigned long long)tokens * (((unsigned long long)heads + 15u) / 16u);
-    unsigned f = (heads <= {v6n_max}u && v6_per_sm >= 2u) ? 16u : 20u;
+    unsigned long long f = heads <= {v6n_max}u ? {v6_f}u : {v6n_f}u;
+    (void)v6_per_sm;
     return f * blocks <= (unsigned long long)sms;
 }}
 
@@ -704,6 +707,8 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         narrow_max = narrow_max,
         v6n_max = v6n_max,
         v6n_block = v6n_block,
+        v6_f = DecodeConfig::V6_FACTOR,
+        v6n_f = DecodeConfig::V6_NARROW_FACTOR,
         fp8 = CacheFormat::Fp8DsMla.row_bytes(dims),
         bf16 = CacheFormat::Bf16.row_bytes(dims),
         batch_doc = if batch.is_empty() {

@@ -105,31 +105,41 @@ impl DecodeConfig {
         16 * Self::blocks16(shape) <= sm_count as u64
     }
 
-    /// Does a bf16 call run a v6 kernel, `f · T · ⌈H/16⌉ ≤ SMs`, with `f` by the head count
-    /// and the v6 residency `v6_per_sm`:
-    /// - 16 at H ≤ 16 where two or more v6 workgroups fit a multiprocessor (H100/H200): every
-    ///   small call ([`Self::is_small_call`]);
-    /// - 20 at H ≤ 16 where one fits (SM120), and above 16 heads at any residency, where the
-    ///   call runs v6 in 16-head blocks ([`Self::tensor_core_v6_narrow`]).
+    /// Does a bf16 call run a v6 kernel, `f · T · ⌈H/16⌉ ≤ SMs`, at any v6 residency, with
+    /// `f` by the head count:
+    /// - [`Self::V6_FACTOR`] (32) at H ≤ 16: T ≤ 4 on 132 SMs, where the split model gives each
+    ///   workgroup at most 2 of topk 2048's 64 steps;
+    /// - [`Self::V6_NARROW_FACTOR`] (20) above 16 heads, where the call runs v6 in 16-head
+    ///   blocks ([`Self::tensor_core_v6_narrow`]).
     ///
-    /// Each of them a small call. Past it v7 is the faster: at H ≤ 16 measured on the H200,
-    /// same binary, both occupancies (benches/NOTES.md, v23): v6 won at T ≤ 6 (1.01–1.05×)
-    /// and at SM120's occupancy v7 at T 7–8 (1.03–1.05×), where on the H200's own occupancy the
-    /// two were within 4 % either way (v6 ahead at H 8, v7 at H 16 T 8). Above 16 heads
-    /// (v25), against v7 in 16-head blocks (the narrow calls' kernel), v6 in 16-head blocks won
-    /// on every call of ≤ 6 blocks at both occupancies (H 32 T 1–3 1.02–1.05×, H 48 T 1–2
-    /// 1.01–1.04×, H 64 T 1 1.04–1.05×, H 96 T 1 level), and at 8 blocks lost at SM120's
-    /// (H 32 T 4 0.98×, H 64 T 2 0.97×) and at H 128 T 1 on the H200 (0.99×).
-    pub fn is_v6_call(shape: &DecodeShape, sm_count: u32, v6_per_sm: u32) -> bool {
-        // above 16 heads the call runs v6 in 16-head blocks, at any residency
-        let blocks16 = Self::tensor_core_v6_narrow(shape.dims, CacheFormat::Bf16, shape.heads);
-        let f = if blocks16.is_none() && v6_per_sm >= 2 {
-            16
+    /// Each of them a small call. Past it v7 is the faster. At H ≤ 16 (v42, an H100, same
+    /// binary, v6 against v7 forced, 3–4 interleaved rounds, both occupancies): v7 1.01–1.06×
+    /// at T 5–8 at the H100's own occupancy (H 16 T 8 23.7 → 22.6 µs) and 1.01–1.07× at T 5–6 at
+    /// SM120's, level at H 1–2 T 7–8; v6 kept at T ≤ 4 (v7 0.96–1.02×). The factors before
+    /// (16 where two v6 workgroups fit a multiprocessor, 20 where one does) were set on the H200
+    /// in v23, when v6 won at T ≤ 6 by 1–5 %; v7 has gained since (scores in rows, the 16-head
+    /// prefetch). Above 16 heads (v25), against v7 in 16-head blocks (the narrow calls' kernel),
+    /// v6 in 16-head blocks won on every call of ≤ 6 blocks at both occupancies (H 32 T 1–3
+    /// 1.02–1.05×, H 48 T 1–2 1.01–1.04×, H 64 T 1 1.04–1.05×, H 96 T 1 level), and at 8
+    /// blocks lost at SM120's (H 32 T 4 0.98×, H 64 T 2 0.97×) and at H 128 T 1 on the H200
+    /// (0.99×).
+    pub fn is_v6_call(shape: &DecodeShape, sm_count: u32) -> bool {
+        // above 16 heads the call runs v6 in 16-head blocks
+        let f = if Self::tensor_core_v6_narrow(shape.dims, CacheFormat::Bf16, shape.heads).is_some()
+        {
+            Self::V6_NARROW_FACTOR
         } else {
-            20
+            Self::V6_FACTOR
         };
         f * Self::blocks16(shape) <= sm_count as u64
     }
+
+    /// The factor of [`Self::is_v6_call`] at H ≤ 16: v6 won at 4 blocks, lost at 5.
+    pub const V6_FACTOR: u64 = 32;
+
+    /// The factor of [`Self::is_v6_call`] above 16 heads (v6 in 16-head blocks): v6 won at 6
+    /// blocks, lost at 8.
+    pub const V6_NARROW_FACTOR: u64 = 20;
 
     /// The configuration the CUDA backend runs for one call: for a bf16 call of more than 16
     /// heads that is a v6 call ([`Self::is_v6_call`]) v6 in 16-head blocks
@@ -142,9 +152,8 @@ impl DecodeConfig {
     /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. Before all of these, a
     /// wide call ([`Self::is_wide_call`]) runs bf16's 64-head kernel
     /// ([`Self::tensor_core_wide`]). `v6_per_sm` is asked at most once, and only for bf16
-    /// calls the answer decides: none of those but the small calls at H ≤ 16 between
-    /// `is_v6_call`'s two factors, and the calls of more than 16 heads left to
-    /// [`Self::tensor_core_on`].
+    /// calls the answer decides: those of more than 16 heads left to
+    /// [`Self::tensor_core_on`]. At H ≤ 16 no rule reads it (since v42).
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -156,9 +165,8 @@ impl DecodeConfig {
         {
             return Ok(wide);
         }
-        // (above 16 heads is_v6_call does not depend on the residency)
         if let Some(v6) = Self::tensor_core_v6_narrow(dims, format, heads)
-            .filter(|_| Self::is_v6_call(shape, sm_count, 1))
+            .filter(|_| Self::is_v6_call(shape, sm_count))
         {
             return Ok(v6);
         }
@@ -173,18 +181,8 @@ impl DecodeConfig {
             return Ok(narrow);
         }
         if format == CacheFormat::Bf16 && Self::is_small_call(shape, sm_count) {
-            // v6 or v7 by Self::is_v6_call; the residency is asked only where it decides (at
-            // H <= 16 between the call's two factors)
-            let (at_one, at_more) = (
-                Self::is_v6_call(shape, sm_count, 1),
-                Self::is_v6_call(shape, sm_count, 2),
-            );
-            let v6 = if at_one == at_more {
-                at_one
-            } else {
-                v6_per_sm()? >= 2
-            };
-            return Ok(if v6 {
+            // at any v6 residency
+            return Ok(if Self::is_v6_call(shape, sm_count) {
                 Self::tensor_core_v6(dims, format, heads)
             } else {
                 Self::tensor_core_v7(dims, format, heads)
@@ -269,7 +267,7 @@ impl DecodeConfig {
     pub fn bf16_wide_runs_v7(shape: &DecodeShape, sm_count: u32) -> bool {
         // the head block v7 takes for this head count: the rule is for its 32-head blocks
         let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
-        if block <= 16 || Self::is_v6_call(shape, sm_count, 1) {
+        if block <= 16 || Self::is_v6_call(shape, sm_count) {
             return false;
         }
         let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;

@@ -1105,34 +1105,38 @@ mod tests {
         // bf16 calls v7 fills in one wave or more: never
         assert_eq!(ask(CacheFormat::Bf16, 64, 64), ("v7", false));
         assert_eq!(ask(CacheFormat::Bf16, 64, 128), ("v7", false));
-        // between the bf16 small-call factors at H <= 16, and above 16 heads in one partial
-        // wave
-        assert_eq!(ask(CacheFormat::Bf16, 16, 7), ("v6", true));
+        // bf16 small calls at H <= 16 (v42): at any residency
+        assert_eq!(ask(CacheFormat::Bf16, 16, 5), ("v7", false));
+        assert_eq!(ask(CacheFormat::Bf16, 16, 8), ("v7", false));
+        // above 16 heads in one partial wave: v6 or v7 by the residency
         assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
     }
 
     #[test]
     fn bf16_small_calls_run_v6_where_it_measured_faster() {
-        // (H, T, v6 at two v6 workgroups per SM, v6 at one) on 132 SMs: the rows of
-        // benches/h200-v23.txt where the faster kernel differs by more than 1.5 %, and the
-        // edges of each factor
-        for (heads, tokens, at_two, at_one) in [
-            (8, 1, true, true),
-            (8, 4, true, true),
-            (16, 4, true, true),
-            (16, 6, true, true),
-            (8, 7, true, false),
-            (8, 8, true, false),
-            (16, 8, true, false),
+        // (H, T, v6) on 132 SMs at any residency: an H100, v6 against v7 forced, both
+        // occupancies (benches/NOTES.md v42): v6 at T <= 4, v7 1.01-1.07x at T 5-8 (level at
+        // H 1-2 T 7-8)
+        for (heads, tokens, want) in [
+            (1, 1, true),
+            (8, 1, true),
+            (8, 4, true),
+            (16, 4, true),
+            (1, 5, false),
+            (16, 5, false),
+            (16, 6, false),
+            (8, 7, false),
+            (8, 8, false),
+            (16, 8, false),
         ] {
-            for (per_sm, want) in [(2, at_two), (1, at_one)] {
+            for per_sm in [1, 2, 3] {
                 let got = pick(CacheFormat::Bf16, heads, tokens, per_sm);
                 let expect = if want { "v6" } else { "v7" };
                 assert_eq!(got, expect, "H {heads} T {tokens} at {per_sm} v6 per SM");
-                let s = shape(CacheFormat::Bf16, heads, tokens);
-                assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
-                assert!(DecodeConfig::is_small_call(&s, 132), "H {heads} T {tokens}");
             }
+            let s = shape(CacheFormat::Bf16, heads, tokens);
+            assert_eq!(DecodeConfig::is_v6_call(&s, 132), want);
+            assert!(DecodeConfig::is_small_call(&s, 132), "H {heads} T {tokens}");
         }
         // above 16 heads, at either residency: v6 in 16-head blocks against v7 in 16-head
         // blocks (benches/h200-v25.txt call 2, both occupancies, two runs): v6 won every call
@@ -1151,8 +1155,8 @@ mod tests {
             (128, 1, false),
         ] {
             let s = shape(CacheFormat::Bf16, heads, tokens);
+            assert_eq!(DecodeConfig::is_v6_call(&s, 132), want);
             for per_sm in [1, 2] {
-                assert_eq!(DecodeConfig::is_v6_call(&s, 132, per_sm), want);
                 let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
                 let expect = if want { ("v6", 16) } else { ("v7", 16) };
                 assert_eq!(
@@ -1187,7 +1191,7 @@ mod tests {
         // every v6 call is a small one: past T 8 at H <= 16 the other rules decide
         let s = shape(CacheFormat::Bf16, 8, 9);
         assert!(!DecodeConfig::is_small_call(&s, 132));
-        assert!((1..=4).all(|p| !DecodeConfig::is_v6_call(&s, 132, p)));
+        assert!(!DecodeConfig::is_v6_call(&s, 132));
         // fp8_ds_mla keeps its own choice: v7 for the small calls
         assert_eq!(pick(CacheFormat::Fp8DsMla, 16, 8, 2), "v7");
     }
@@ -1228,7 +1232,7 @@ mod tests {
                     // bf16's smallest narrow calls run v6 in 16-head blocks (is_v6_call, v25)
                     if format == CacheFormat::Bf16
                         && heads > 16
-                        && DecodeConfig::is_v6_call(&s, 132, per_sm)
+                        && DecodeConfig::is_v6_call(&s, 132)
                     {
                         assert!(
                             narrow,
@@ -1500,8 +1504,8 @@ mod tests {
     fn the_backend_choice_at_one_and_two_v6_workgroups_per_sm() {
         use CacheFormat::{Bf16, Fp8DsMla};
         // one v6 workgroup per SM (SM120): v6 only for the smallest bf16 calls,
-        // f T ceil(H/16) <= SMs with f 20 (is_v6_call)
-        for (heads, small, next) in [(16, 6, 7), (8, 6, 7)] {
+        // f T ceil(H/16) <= SMs with f 32 at H <= 16 (is_v6_call)
+        for (heads, small, next) in [(16, 4, 5), (8, 4, 5)] {
             assert_eq!(pick(Bf16, heads, small, 1), "v6", "H {heads} T {small}");
             assert_eq!(pick(Bf16, heads, next, 1), "v7", "H {heads} T {next}");
             assert_eq!(
@@ -1513,8 +1517,9 @@ mod tests {
         assert_eq!(pick(Bf16, 128, 1, 1), "v7");
         // two per SM (H100/H200): bf16 v6 above 16 heads where v7's one partial wave would
         // leave SMs idle, v7 where its blocks take several waves; at H <= 16 v7 past the
-        // small calls (v41)
-        assert_eq!(pick(Bf16, 16, 8, 2), "v6");
+        // smallest calls (v41, v42)
+        assert_eq!(pick(Bf16, 16, 4, 2), "v6");
+        assert_eq!(pick(Bf16, 16, 5, 2), "v7");
         assert_eq!(pick(Bf16, 16, 9, 2), "v7");
         assert_eq!(pick(Bf16, 32, 48, 2), "v6");
         assert_eq!(pick(Bf16, 128, 40, 2), "v7");
