@@ -296,17 +296,21 @@ fn c_plan_matches_the_runtime_plan() {
     // the grid must exercise both the one-split and the combine paths
     assert!(multi_split > 20 && (multi_split as usize) < cases.len() - 20);
     // and every side of the rules: fp8's large batch at H <= 16 (bf16's large-batch kernel is
-    // never planned); for bf16 v7 at one v6 workgroup per SM and v6 at two or more, in each
-    // head range; fp8 v7 at any
+    // never planned); v7 in each head range at any v6_per_sm for both formats (since v42), and
+    // bf16's smallest calls at H <= 16 on v6
     let count = |k: (CacheFormat, &str, bool, u32)| picked.get(&k).copied().unwrap_or(0);
     for v6 in [1u32, 2, 3] {
         let n = count((CacheFormat::Fp8DsMla, "batch", true, v6));
         assert!(n > 20, "fp8_ds_mla v6_per_sm {v6}: {n} large batches");
         let n = count((CacheFormat::Bf16, "batch", true, v6));
         assert_eq!(n, 0, "bf16 v6_per_sm {v6}: {n} large batches");
-        let bf16 = if v6 >= 2 { "v6" } else { "v7" };
+        let n = count((CacheFormat::Bf16, "v6", true, v6));
+        assert!(n > 5, "bf16 v6 v6_per_sm {v6} H <= 16: {n} calls");
+        let n = count((CacheFormat::Bf16, "v6", false, v6));
+        assert_eq!(n, 0, "bf16 v6 in 32-head blocks, v6_per_sm {v6}: {n} calls");
         for small in [true, false] {
-            for (format, family) in [(CacheFormat::Bf16, bf16), (CacheFormat::Fp8DsMla, "v7")] {
+            for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
+                let family = "v7";
                 let n = count((format, family, small, v6));
                 assert!(
                     n > 50,
@@ -426,24 +430,13 @@ fn config_header_plans_its_one_kernel() {
             text.contains("ONE KERNEL.") && text.contains(&split.name),
             "{name}"
         );
-        // it says plainly which kernel it is, and for bf16 above 16 heads (v6) which one the
-        // backend runs instead where one v6 workgroup fills an SM; at 16 heads or fewer bf16
-        // is v7 at any residency, as fp8 is
+        // it says plainly which kernel it is: v7 for both formats at any residency (bf16 above
+        // 16 heads since v42), and no other variant of the standard set at its head count
         let v7 = DecodeConfig::tensor_core_v7(MlaDims::PRODUCTION, format, heads);
         let (v7_split, _) = lowered_kernels(&v7).unwrap();
-        if format == CacheFormat::Bf16 && heads > 16 {
-            assert!(
-                text.contains("one fixed decode kernel, v6,")
-                    && text.contains(&format!(
-                        "it runs v7 instead, in the standard set, not here:\n//   {}\n",
-                        v7_split.name
-                    )),
-                "{name}"
-            );
-        } else {
-            assert_eq!(split.name, v7_split.name, "{name}");
-            assert!(text.contains("one fixed decode kernel, v7,"), "{name}");
-        }
+        assert_eq!(split.name, v7_split.name, "{name}");
+        assert!(text.contains("one fixed decode kernel, v7,"), "{name}");
+        assert!(!text.contains("it runs v7 instead"), "{name}");
         if let Some(b) = batch {
             let (b_split, _) = lowered_kernels(&b).unwrap();
             assert!(

@@ -187,8 +187,8 @@ pub fn config_files(req: &ConfigRequest) -> Result<Vec<ExportFile>> {
         }
         return wgsl_config_files(req);
     }
-    // the variant at two v6 workgroups per multiprocessor (DecodeConfig::tensor_core): for
-    // bf16 tensor cores v6, which the backend runs on an H100/H200 (its header says so)
+    // the head count's variant outside the size rules (DecodeConfig::tensor_core): v7 with
+    // tensor cores, on every GPU since v42
     let config = header::cuda_config(req.lowering, shape.format, shape.heads);
     let variants = decode_variants(req.lowering, shape.format)?;
     let variant = variants

@@ -203,15 +203,24 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
     });
     type Choose = fn(MlaDims, CacheFormat, u32) -> DecodeConfig;
     let versions: [(&str, Choose); 2] = [
-        (
-            "v6, the CUDA backend's bf16 default on H100/H200",
-            DecodeConfig::tensor_core_v6,
-        ),
-        (
-            "v7, mbarrier ring, the CUDA backend's fp8 default (and bf16 on SM120)",
-            DecodeConfig::tensor_core_v7,
-        ),
+        ("v6", DecodeConfig::tensor_core_v6),
+        ("v7, mbarrier ring", DecodeConfig::tensor_core_v7),
     ];
+    // what the backend does with each (DecodeConfig::for_call)
+    let role = |v6: bool, format: CacheFormat, heads: u32| {
+        match (v6, format, heads <= 16) {
+        (false, ..) => "the CUDA backend's default",
+        (true, CacheFormat::Bf16, true) => {
+            "the CUDA backend's kernel for the smallest bf16 calls (above 16 heads too, in 16-head blocks)"
+        }
+        (true, CacheFormat::Bf16, false) => {
+            "not planned by the CUDA backend since v42 (v7 is faster; SPARSE_MLA_DECODE_KERNEL=v6 runs it)"
+        }
+        (true, CacheFormat::Fp8DsMla, _) => {
+            "not planned by the CUDA backend (v7 is faster since v8; SPARSE_MLA_DECODE_KERNEL=v6 runs it)"
+        }
+    }
+    };
     // the large-batch kernels the backend plans (H <= 16 only): fp8's, v7 with 64-row steps
     // (bf16's two-group kernel is not planned since v42, and not exported)
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
@@ -263,8 +272,9 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
                     target: Target::Cuda,
                     kernel: lower(&split_kernel(&config)?, config.lowering)?,
                     note: format!(
-                        "sparse decode, {} cache, tensor cores {version} ({range})",
-                        format.name()
+                        "sparse decode, {} cache, tensor cores {version} ({range}), {}",
+                        format.name(),
+                        role(version == "v6", format, heads)
                     ),
                 });
             }

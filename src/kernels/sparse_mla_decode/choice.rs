@@ -147,13 +147,16 @@ impl DecodeConfig {
     /// a narrow call ([`Self::is_narrow_call`]; [`Self::tensor_core_narrow_wide`] where
     /// [`Self::is_narrow_wide_call`]); fp8_ds_mla's [`Self::tensor_core_batch`]
     /// for a large batch ([`Self::is_large_batch`]); for a bf16 small call
-    /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for a call of
-    /// more than 16 heads whose v7 blocks fill one wave or take several
-    /// ([`Self::bf16_wide_runs_v7`]); else [`Self::tensor_core_on`]. Before all of these, a
-    /// wide call ([`Self::is_wide_call`]) runs bf16's 64-head kernel
-    /// ([`Self::tensor_core_wide`]). `v6_per_sm` is asked at most once, and only for bf16
-    /// calls the answer decides: those of more than 16 heads left to
-    /// [`Self::tensor_core_on`]. At H ≤ 16 no rule reads it (since v42).
+    /// ([`Self::is_small_call`]) v6 where [`Self::is_v6_call`], else v7; v7 for every other
+    /// call of more than 16 heads ([`Self::bf16_wide_runs_v7`]); else
+    /// [`Self::tensor_core_on`] (v7). Before all of these, a wide call
+    /// ([`Self::is_wide_call`]) runs bf16's 64-head kernel ([`Self::tensor_core_wide`]).
+    ///
+    /// `v6_per_sm` (the GPU's residency of the bf16 v6 split kernel) is asked only where it
+    /// would decide, and since v42 no rule leaves it a call to decide: v7 caught v6 up on the
+    /// calls it had kept on the H100/H200 (bf16 H ≤ 16 past T 4, and above 16 heads in one
+    /// partial wave), so the choice is the same on every GPU. It stays a parameter so that a
+    /// later measurement can bring a residency rule back without changing the callers.
     pub fn for_call<E>(
         shape: &DecodeShape,
         sm_count: u32,
@@ -197,7 +200,8 @@ impl DecodeConfig {
             // v7 at any v6 residency: the one-workgroup-per-SM choice
             return Self::tensor_core_on(dims, format, heads, || Ok(1));
         }
-        // asks the residency only for bf16 above 16 heads
+        // (bf16 above 16 heads is a v6 call, a narrow or wide one, or bf16_wide_runs_v7: the
+        // residency is asked by no call today)
         Self::tensor_core_on(dims, format, heads, v6_per_sm)
     }
 
@@ -251,27 +255,20 @@ impl DecodeConfig {
         config.with_env_forms(shape)
     }
 
-    /// Does a bf16 call of more than 16 heads run v7 whatever the GPU's v6 residency: not a
-    /// v6 call, and v7's 32-head blocks `b = T · ⌈H/32⌉` either take more than one wave
-    /// (`b > SMs`) or fill one, `b · ⌊SMs/b⌋ ≥ 7/8 · SMs` (its splits can give each
-    /// multiprocessor one workgroup and leave at most an eighth idle)? Where two bf16 v6
-    /// workgroups fit a multiprocessor (H100/H200), [`Self::for_call`] then runs v7 for bf16,
-    /// not v6. On the H200 v7 was 1.03–1.11× faster on one-wave calls (H 32 T 8–128, H 64
-    /// T 4–64, H 128 T 2–32; benches/NOTES.md, v17), and since its softmax's exponentials
-    /// went to `ex2.approx` (v28) 1.03–1.13× faster on every call of several waves measured
-    /// (H 32 T 192–256, H 64 T 96–256, H 128 T 48–256), where v6 had been 1.05× faster. v6
-    /// stays where v7's single partial wave leaves SMs idle: H 32 T 48 0.93× with v7 (but
-    /// H 32 T 96 and H 64 T 48, also partial, ran 1.05× faster on v7: kept on v6, not
-    /// special-cased). At H ≤ 16 [`Self::tensor_core_on`] takes v7 at any residency (since
-    /// v41; the H200 had v7 0.96× at H 16 T 32 in v17, 1.04× in v37).
+    /// Does a bf16 call of more than 16 heads run v7 whatever the GPU's v6 residency: every
+    /// one that is not a v6 call ([`Self::is_v6_call`], v6 in 16-head blocks) since v42. Where
+    /// two bf16 v6 workgroups fit a multiprocessor (H100/H200), v6 in 32-head blocks had kept
+    /// the calls whose v7 blocks `b = T · ⌈H/32⌉` fill less than one wave
+    /// (`b · ⌊SMs/b⌋ < 7/8 · SMs`): on the H200 v7 had been 0.93x there at H 32 T 48 (v17).
+    /// v7 has gained since (scores in rows, the 16-head prefetch). On an H100 (benches/NOTES.md
+    /// v42 (3)), the binary before against this one, two rounds: 1.023x geomean on the 16
+    /// calls that moved (H 24 / 32 / 48 / 96, T 16–112). Above 32 heads every one gained or
+    /// held, 1.00–1.18x (H 96 T 36 151.3 → 128.2 µs, H 48 T 48 132.5 → 124.2); at 24–32 heads
+    /// it is a wash: 1.02–1.05x at T 36, 96 and 112, but 0.92–0.94x at T 48 (H 32 79.3 → 86.6
+    /// µs, as in v17) and 0.97x at T 80. Not special-cased: one rule for every GPU, where the
+    /// old one was no better at those head counts. Before that v7 had won 1.03–1.13× on
+    /// one-wave calls (v17) and on several (v28).
     pub fn bf16_wide_runs_v7(shape: &DecodeShape, sm_count: u32) -> bool {
-        // the head block v7 takes for this head count: the rule is for its 32-head blocks
-        let block = Self::tensor_core_v7(shape.dims, CacheFormat::Bf16, shape.heads).block_h;
-        if block <= 16 || Self::is_v6_call(shape, sm_count) {
-            return false;
-        }
-        let b = shape.tokens as u64 * shape.heads.div_ceil(block) as u64;
-        let sms = sm_count as u64;
-        b >= 1 && (b > sms || 8 * b * (sms / b) >= 7 * sms)
+        shape.heads > 16 && !Self::is_v6_call(shape, sm_count)
     }
 }

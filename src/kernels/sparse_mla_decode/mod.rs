@@ -151,9 +151,9 @@ impl DecodeConfig {
             .with_row_softmax(Self::V7_ROW_SOFTMAX)
     }
 
-    /// The tensor-core configuration for `heads` query heads on a GPU that holds two v6
-    /// workgroups per multiprocessor (H100, H200): [`Self::tensor_core_on`] with 2. What
-    /// `mla-export` writes as the production kernels.
+    /// The tensor-core configuration for `heads` query heads outside the size rules of
+    /// [`Self::for_call`]: [`Self::tensor_core_on`], v7 on every GPU. What `mla-export` writes
+    /// as a configuration's production kernel.
     pub fn tensor_core(dims: MlaDims, format: CacheFormat, heads: u32) -> Self {
         match Self::tensor_core_on(dims, format, heads, || {
             Ok::<u32, std::convert::Infallible>(2)
@@ -163,35 +163,32 @@ impl DecodeConfig {
         }
     }
 
-    /// The tensor-core configuration the CUDA backend runs, given how many workgroups of the
-    /// bf16 v6 split kernel ([`Self::tensor_core_v6`]) the GPU holds per multiprocessor:
-    /// - fp8_ds_mla: v7 ([`Self::tensor_core_v7`]), faster than v6 on every measured row on
-    ///   the H200 at either occupancy (benches/NOTES.md, v8);
-    /// - bf16 above 16 heads: v6 where two of its workgroups fit a multiprocessor (it hides
-    ///   its step's latency behind the other one), v7 where only one does (SM120: 100 KB of
-    ///   shared memory per multiprocessor). At the H200's default occupancy v6 was faster on
-    ///   most bf16 rows; held to SM120's occupancy, v7 on every row but the smallest calls,
-    ///   which [`Self::for_call`] sends to v6 ([`Self::is_v6_call`]).
-    /// - bf16 at 16 heads or fewer: v7 at any residency (the smallest calls aside, as above).
-    ///   At two v6 workgroups an SM, v7 was 1.02–1.18× faster than v6 on an H100, two rounds
-    ///   (H 8 / 16 at T 16, 32, 133 and 160; benches/NOTES.md v41), and 1.04–1.06× on the
-    ///   H200 in one round (v37: H 16 T 8 and 32); v6 had been 1–5 % ahead before v7's
-    ///   exponentials and scores in rows (v23).
+    /// The tensor-core configuration the CUDA backend runs outside the size rules of
+    /// [`Self::for_call`], given how many workgroups of the bf16 v6 split kernel
+    /// ([`Self::tensor_core_v6`]) the GPU holds per multiprocessor: v7
+    /// ([`Self::tensor_core_v7`]) at any residency since v42, so `v6_per_sm` is not asked.
+    /// - fp8_ds_mla: v7, faster than v6 on every measured row on the H200 at either occupancy
+    ///   (benches/NOTES.md, v8);
+    /// - bf16 at 16 heads or fewer: v7 at any residency since v41 (the smallest calls aside,
+    ///   [`Self::is_v6_call`]). At two v6 workgroups an SM, v7 was 1.02–1.18× faster than v6
+    ///   on an H100, two rounds (H 8 / 16 at T 16, 32, 133 and 160; benches/NOTES.md v41), and
+    ///   1.04–1.06× on the H200 in one round (v37: H 16 T 8 and 32).
+    /// - bf16 above 16 heads: v6 had kept the calls v7's 32-head blocks fill in less than one
+    ///   wave where two v6 workgroups fit a multiprocessor (H100/H200), hiding its step's
+    ///   latency behind the other workgroup; v7 has caught it up there (1.023x geomean on an
+    ///   H100, 0.92–1.18x, benches/NOTES.md v42 (3); [`Self::bf16_wide_runs_v7`]).
     ///
-    /// `v6_per_sm` is asked only for bf16 above 16 heads (it compiles the v6 kernel to ask
-    /// the driver).
+    /// The residency stays a parameter of the plan ([`Self::for_call`], the C header's
+    /// `v6_per_sm`) so that a rule that reads it can come back without changing callers.
     pub fn tensor_core_on<E>(
         dims: MlaDims,
         format: CacheFormat,
         heads: u32,
         v6_per_sm: impl FnOnce() -> std::result::Result<u32, E>,
     ) -> std::result::Result<Self, E> {
-        Ok(match format {
-            CacheFormat::Bf16 if heads > 16 && v6_per_sm()? >= 2 => {
-                Self::tensor_core_v6(dims, format, heads)
-            }
-            _ => Self::tensor_core_v7(dims, format, heads),
-        })
+        // no rule reads the residency since v42
+        drop(v6_per_sm);
+        Ok(Self::tensor_core_v7(dims, format, heads))
     }
 
     /// v7 in 16-head blocks for a call of more than 16 heads (none at 16 or fewer, where
@@ -1108,8 +1105,9 @@ mod tests {
         // bf16 small calls at H <= 16 (v42): at any residency
         assert_eq!(ask(CacheFormat::Bf16, 16, 5), ("v7", false));
         assert_eq!(ask(CacheFormat::Bf16, 16, 8), ("v7", false));
-        // above 16 heads in one partial wave: v6 or v7 by the residency
-        assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v6", true));
+        // above 16 heads in one partial wave: v7 at any residency (v42), so no call asks
+        assert_eq!(ask(CacheFormat::Bf16, 32, 48), ("v7", false));
+        assert_eq!(ask(CacheFormat::Bf16, 96, 36), ("v7", false));
     }
 
     #[test]
@@ -1292,57 +1290,48 @@ mod tests {
     }
 
     #[test]
-    fn bf16_above_16_heads_runs_v7_unless_its_one_wave_leaves_sms_idle() {
-        // (H, T, v7 on 132 SMs): H200 rows where the two kernels differ by more than 2 %, v7
-        // the faster (true) or v6 (false) — benches/h200-v17.txt call 2 for one wave, and
-        // benches/h200-v28.txt call h3 for several (v7 1.03-1.13x since v28) — and the small
-        // calls and H <= 16, which the rule leaves alone. Misses, not listed: H 32 T 96 and
-        // H 64 T 48 (a partial wave, v7 1.05x faster in h3, the rule keeps v6).
-        for (heads, tokens, want) in [
-            (32, 8, true),
-            (32, 16, true),
-            (32, 32, true),
-            (32, 48, false),
-            (32, 64, true),
-            (32, 128, true),
-            (32, 192, true),
-            (32, 256, true),
-            (64, 4, true),
-            (64, 8, true),
-            (64, 16, true),
-            (64, 64, true),
-            (64, 96, true),
-            (64, 128, true),
-            (64, 192, true),
-            (64, 256, true),
-            (128, 2, true),
-            (128, 4, true),
-            (128, 8, true),
-            (128, 32, true),
-            (128, 48, true),
-            (128, 64, true),
-            (128, 96, true),
-            (128, 128, true),
-            (128, 256, true),
-            (16, 32, false),
+    fn bf16_above_16_heads_runs_v7_at_any_residency_past_the_v6_calls() {
+        // (H, T) on 132 SMs: the calls the rule before v42 gave v6 where two v6 workgroups fit
+        // an SM (v7's one partial wave), where v7 was 1.023x geomean on an H100 (benches/
+        // NOTES.md v42 (3); slower at H 24 / 32 T 48, 0.92-0.94x, and T 80), and calls of one wave
+        // or more, where v7 had won since v17 / v28
+        for (heads, tokens) in [
+            (32, 16),
+            (32, 36),
+            (32, 48),
+            (32, 80),
+            (32, 112),
+            (48, 24),
+            (48, 48),
+            (96, 16),
+            (96, 36),
+            (32, 8),
+            (32, 256),
+            (64, 4),
+            (128, 2),
         ] {
             let s = shape(CacheFormat::Bf16, heads, tokens);
-            assert_eq!(
+            assert!(
                 DecodeConfig::bf16_wide_runs_v7(&s, 132),
-                want,
                 "H {heads} T {tokens}"
             );
-            let family = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(2))
-                .unwrap()
-                .family();
-            // (at H <= 16 v7 at any residency past the small calls, v41)
-            let expect = if want || heads <= 16 { "v7" } else { "v6" };
-            assert_eq!(family, expect, "H {heads} T {tokens}");
+            for per_sm in [1, 2, 3] {
+                let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(per_sm)).unwrap();
+                assert_eq!(
+                    (c.family(), c.block_h),
+                    ("v7", 32),
+                    "H {heads} T {tokens} at {per_sm}"
+                );
+            }
         }
-        // one v6 workgroup per SM: v7 past the small calls anyway
-        let s = shape(CacheFormat::Bf16, 32, 48);
-        let c = DecodeConfig::for_call(&s, 132, || Ok::<u32, ()>(1)).unwrap();
-        assert_eq!(c.family(), "v7");
+        // not the v6 calls (v6 in 16-head blocks), nor H <= 16
+        for (heads, tokens) in [(32, 1), (96, 1), (16, 32), (8, 128)] {
+            let s = shape(CacheFormat::Bf16, heads, tokens);
+            assert!(
+                !DecodeConfig::bf16_wide_runs_v7(&s, 132),
+                "H {heads} T {tokens}"
+            );
+        }
     }
 
     #[test]
@@ -1515,13 +1504,11 @@ mod tests {
             );
         }
         assert_eq!(pick(Bf16, 128, 1, 1), "v7");
-        // two per SM (H100/H200): bf16 v6 above 16 heads where v7's one partial wave would
-        // leave SMs idle, v7 where its blocks take several waves; at H <= 16 v7 past the
-        // smallest calls (v41, v42)
+        // two per SM (H100/H200): the same (v42): v7 past the smallest calls
         assert_eq!(pick(Bf16, 16, 4, 2), "v6");
         assert_eq!(pick(Bf16, 16, 5, 2), "v7");
         assert_eq!(pick(Bf16, 16, 9, 2), "v7");
-        assert_eq!(pick(Bf16, 32, 48, 2), "v6");
+        assert_eq!(pick(Bf16, 32, 48, 2), "v7");
         assert_eq!(pick(Bf16, 128, 40, 2), "v7");
         // fp8_ds_mla: the large-batch kernel for every call at H <= 16 past the small ones,
         // v7 above 16 heads
