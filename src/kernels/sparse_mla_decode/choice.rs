@@ -77,6 +77,9 @@ impl DecodeConfig {
     /// H100 said the same at T 128–200 (v41 (2)). The rule it had (20 steps or more a
     /// workgroup under the split model, and the call's blocks filling four fifths of the SMs
     /// where two v6 workgroups fit one) was set when it led v7 by 2–9 % (v14, v22, v36).
+    /// Dropping it (v42, the binary before against this one on the H200, two rounds):
+    /// 1.01–1.05x on the calls it had taken at the H200's occupancy (T 128 112.3 → 110.2 µs),
+    /// 1.01–1.09x at SM120's.
     pub fn is_large_batch(shape: &DecodeShape, sm_count: u32) -> bool {
         Self::plans_large_batch(shape.format) && !Self::is_small_call(shape, sm_count)
     }
@@ -100,7 +103,8 @@ impl DecodeConfig {
     /// where v6's step, with no ring to fill, beats v7's even at one v6 workgroup per
     /// multiprocessor: bf16 at SM120's occupancy on the H200, 0.83–0.98× v7's time at
     /// H ≤ 16 T ≤ 8, H 32 T ≤ 4, H 64 T ≤ 2, H 128 T = 1, and 1.09–1.33× past that
-    /// (benches/NOTES.md, v13).
+    /// (benches/NOTES.md, v13). Since v42 v6 takes only the smallest of them at H ≤ 16
+    /// (T ≤ 4; [`Self::is_v6_call`]).
     pub fn is_small_call(shape: &DecodeShape, sm_count: u32) -> bool {
         16 * Self::blocks16(shape) <= sm_count as u64
     }
