@@ -337,12 +337,9 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
             return 0;
         }
     }
-    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {
-        if (sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm)) return sparse_mla_v6_kernel(heads, p);
-        v6_per_sm = 1u;
-    }
-    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_bf16_wide_runs_v7(heads, tokens, sms))
-        v6_per_sm = 1u;
+    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)
+        && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))
+        return sparse_mla_v6_kernel(heads, p);
     if (format == SPARSE_MLA_CACHE_BF16 && heads >= 1u && heads <= 16u) {
         p->split_kernel = "sparse_mla_decode_split_bf16_d576_ws2w8p1r_h16n32"; p->combine_kernel = "sparse_mla_decode_combine_d512_t256";
         p->block_h = 16u; p->block_n = 32u; p->threads = 256u; p->combine_threads = 256u; p->dynamic_smem = 81280u;

@@ -832,16 +832,25 @@ static inline const char* sparse_mla_decode_variant(int format, unsigned heads, 
         s.push_str("    }\n");
     }
     if v6_probe.is_some() {
-        // bf16 small calls: the v6 kernel of the head count where is_v6_call, else v7 (the
-        // choice at one v6 workgroup per multiprocessor); calls v7 fills in one wave: the same
+        // bf16 small calls: the v6 kernel of the head count where is_v6_call, else the
+        // variant table's v7
         s.push_str(
-            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)) {\n        \
-             if (sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm)) return sparse_mla_v6_kernel(heads, p);\n        \
-             v6_per_sm = 1u;\n    \
-             }\n    \
-             if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_bf16_wide_runs_v7(heads, tokens, sms))\n        \
-             v6_per_sm = 1u;\n",
+            "    if (format == SPARSE_MLA_CACHE_BF16 && sparse_mla_is_small_call(heads, tokens, sms)\n        \
+             && sparse_mla_is_v6_call(heads, tokens, sms, v6_per_sm))\n        \
+             return sparse_mla_v6_kernel(heads, p);\n",
         );
+        // the calls that run v7 at any residency (small ones, bf16_wide_runs_v7) take the
+        // table's one-workgroup-per-SM variant, where the table still depends on it
+        if variants
+            .iter()
+            .any(|v| v.v6_per_sm_min > 1 || v.v6_per_sm_max.is_some())
+        {
+            s.push_str(
+                "    if (format == SPARSE_MLA_CACHE_BF16 && (sparse_mla_is_small_call(heads, tokens, sms)\n        \
+                 || sparse_mla_bf16_wide_runs_v7(heads, tokens, sms)))\n        \
+                 v6_per_sm = 1u;\n",
+            );
+        }
     }
     for v in variants {
         case(&mut s, v, "    ");

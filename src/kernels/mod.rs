@@ -206,20 +206,21 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
         ("v6", DecodeConfig::tensor_core_v6),
         ("v7, mbarrier ring", DecodeConfig::tensor_core_v7),
     ];
-    // what the backend does with each (DecodeConfig::for_call)
-    let role = |v6: bool, format: CacheFormat, heads: u32| {
-        match (v6, format, heads <= 16) {
-        (false, ..) => "the CUDA backend's default",
-        (true, CacheFormat::Bf16, true) => {
-            "the CUDA backend's kernel for the smallest bf16 calls (above 16 heads too, in 16-head blocks)"
+    // what the backend does with each (DecodeConfig::for_call): v6 is the `Mma` lowering
+    let role = |config: &DecodeConfig| {
+        const SMALLEST: &str = "the CUDA backend's kernel for the smallest bf16 calls \
+                                (above 16 heads too, in 16-head blocks)";
+        const NOT_SINCE_V42: &str = "not planned by the CUDA backend since v42 \
+                                     (v7 is faster; SPARSE_MLA_DECODE_KERNEL=v6 runs it)";
+        const NOT_FP8: &str = "not planned by the CUDA backend \
+                               (v7 is faster since v8; SPARSE_MLA_DECODE_KERNEL=v6 runs it)";
+        let v6 = matches!(config.lowering, Lowering::Mma { .. });
+        match (v6, config.format, config.block_h <= 16) {
+            (false, ..) => "the CUDA backend's default",
+            (true, CacheFormat::Bf16, true) => SMALLEST,
+            (true, CacheFormat::Bf16, false) => NOT_SINCE_V42,
+            (true, CacheFormat::Fp8DsMla, _) => NOT_FP8,
         }
-        (true, CacheFormat::Bf16, false) => {
-            "not planned by the CUDA backend since v42 (v7 is faster; SPARSE_MLA_DECODE_KERNEL=v6 runs it)"
-        }
-        (true, CacheFormat::Fp8DsMla, _) => {
-            "not planned by the CUDA backend (v7 is faster since v8; SPARSE_MLA_DECODE_KERNEL=v6 runs it)"
-        }
-    }
     };
     // the large-batch kernels the backend plans (H <= 16 only): fp8's, v7 with 64-row steps
     // (bf16's two-group kernel is not planned since v42, and not exported)
@@ -274,7 +275,7 @@ fn tensor_core_set() -> Result<Vec<StandardKernel>> {
                     note: format!(
                         "sparse decode, {} cache, tensor cores {version} ({range}), {}",
                         format.name(),
-                        role(version == "v6", format, heads)
+                        role(&config)
                     ),
                 });
             }

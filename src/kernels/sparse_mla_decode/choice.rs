@@ -200,12 +200,8 @@ impl DecodeConfig {
         {
             return Ok(batch);
         }
-        if format == CacheFormat::Bf16 && Self::bf16_wide_runs_v7(shape, sm_count) {
-            // v7 at any v6 residency: the one-workgroup-per-SM choice
-            return Self::tensor_core_on(dims, format, heads, || Ok(1));
-        }
-        // (bf16 above 16 heads is a v6 call, a narrow or wide one, or bf16_wide_runs_v7: the
-        // residency is asked by no call today)
+        // v7 at any residency: for bf16 above 16 heads every call left is one of
+        // bf16_wide_runs_v7's, and tensor_core_on asks the residency for no call today
         Self::tensor_core_on(dims, format, heads, v6_per_sm)
     }
 
