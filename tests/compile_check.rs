@@ -12,7 +12,7 @@ use sparse_mla::kernels::sparse_mla_decode::{
 };
 use sparse_mla::kernels::{standard_set, Target};
 use sparse_mla::kir::shared_plan::{shared_layout, MAX_SHARED_BYTES};
-use sparse_mla::kir::{DeferPv, Kernel, Lowering, RowSoftmax};
+use sparse_mla::kir::{Kernel, Lowering, RowSoftmax};
 use sparse_mla::mla::{CacheFormat, MlaDims};
 use sparse_mla::runtime::cuda::{compile, nvrtc_unavailable, nvrtc_version};
 
@@ -105,8 +105,7 @@ fn every_cuda_kernel_compiles_for_every_arch() {
         .expect("an fp8_ds_mla large-batch configuration at 16 heads");
     kernels.push((*lowered_merged(&batch).expect("merged kernel")).clone());
     // the other ways to hold the scores for the softmax (`SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`):
-    // every v7 and large-batch kernel, split and merged, in fragments and both row forms; P . V
-    // deferred likewise
+    // every v7 and large-batch kernel, split and merged, in fragments and both row forms
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         let dims = MlaDims::PRODUCTION;
         let mut configs = vec![
@@ -121,20 +120,6 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                 continue;
             }
             let mut forms = Vec::new();
-            // and P . V deferred (`SPARSE_MLA_DEFER_PV=1|early`) where each form applies: on
-            // the scores in fragments (v7's under `SPARSE_MLA_ROW_SOFTMAX=0`)
-            let fragments = config.with_row_softmax(RowSoftmax::Off);
-            let deferred = [DeferPv::Top, DeferPv::Early]
-                .map(|form| fragments.with_defer_pv(form))
-                .into_iter()
-                .filter(|d| d.defer_pv() != DeferPv::Off);
-            for d in deferred {
-                let (split, _) = lowered_kernels(&d).expect("deferred split kernel");
-                forms.push((*split).clone());
-                if d.has_merged_form() {
-                    forms.push((*lowered_merged(&d).expect("merged kernel")).clone());
-                }
-            }
             for form in [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy] {
                 let rows = config.with_row_softmax(form);
                 let (split, _) = lowered_kernels(&rows).expect("row-form split kernel");

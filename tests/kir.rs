@@ -670,155 +670,16 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
     }
 }
 
-/// P · V deferred (`DecodeConfig::with_defer_pv`): with `DeferPv::Top` a bf16 v7 kernel
-/// runs step i - 1's O += P · V at the top of step i, after the step's wait and before its
-/// scores, with P zeroed before the loop; with `DeferPv::Early` (bf16 and fp8 one-group
-/// kernels) before the step's wait, skipped at step 0. Either way the last step's product
-/// follows the loop and a step holds one P · V, not two. Where a form does not apply (the
-/// warp-group kernel's one-stage ring, the row forms, fp8 under `Top`) the configuration and
-/// its kernel stay as they are; the default kernels are untouched by the option.
-#[test]
-fn deferred_p_v_runs_in_the_next_step() {
-    use sparse_mla::kernels::sparse_mla_decode::{lowered_kernels, DecodeConfig};
-    use sparse_mla::kir::{DeferPv, RowSoftmax};
-    use sparse_mla::mla::{CacheFormat, MlaDims};
-    let dims = MlaDims::PRODUCTION;
-    let text = |c: &DecodeConfig| {
-        let (split, _) = lowered_kernels(c).expect("lowers");
-        let src = cuda::emit(&split).expect("emits");
-        let body = src[src.find("__global__").expect("a kernel")..].to_string();
-        (split.name.clone(), body)
-    };
-    let deferred = "P . V of the previous step";
-    let (bf16, fp8) = (CacheFormat::Bf16, CacheFormat::Fp8DsMla);
-    // in fragments: the row forms, v7's default, take no deferral (below)
-    let v7 = |format, heads| {
-        DecodeConfig::tensor_core_v7(dims, format, heads).with_row_softmax(RowSoftmax::Off)
-    };
-    let fp8_batch = DecodeConfig::tensor_core_batch(dims, fp8, 16)
-        .expect("batch")
-        .with_row_softmax(RowSoftmax::Off);
-    let cases = [
-        (v7(bf16, 16), DeferPv::Top),
-        (v7(bf16, 128), DeferPv::Top),
-        (v7(bf16, 128), DeferPv::Early),
-        (v7(fp8, 16), DeferPv::Early),
-        (v7(fp8, 128), DeferPv::Early),
-        (fp8_batch, DeferPv::Early),
-    ];
-    for (base, form) in cases {
-        let config = base.with_defer_pv(form);
-        assert_eq!(config.defer_pv(), form);
-        assert_eq!(config.is_batch(), base.is_batch());
-        // a benchmark's label names the form, so an A/B of it shows which kernel ran
-        assert_eq!(
-            config.label(),
-            format!("{} {}", base.family(), form.suffix())
-        );
-        assert_eq!(base.label(), base.family());
-        let (name, body) = text(&config);
-        assert!(
-            name.ends_with(&format!(
-                "{}_h{}n{}",
-                form.suffix(),
-                config.block_h,
-                config.block_n
-            )),
-            "{name}"
-        );
-        let at = body.find("for (unsigned step_i").expect("the ring loop");
-        let last = body
-            .find("P . V of the last step")
-            .expect("the last step's P . V");
-        let step = &body[at..last];
-        let (wait, pv, scores) = (
-            step.find("mbar_wait(").expect("the step's wait"),
-            step.find(deferred).expect("the deferred P . V"),
-            step.find("scores S = q . K^T").expect("the scores"),
-        );
-        let zeroed = body.find("zeros, the P of the deferred");
-        match form {
-            DeferPv::Top => {
-                assert!(
-                    wait < pv && pv < scores,
-                    "{name}: wait, P . V, scores\n{step}"
-                );
-                assert!(
-                    zeroed.is_some_and(|z| z < at),
-                    "{name}: P zeroed before the loop"
-                );
-                assert!(
-                    step.contains("(step_i == 0u) ? stage :"),
-                    "{name}: step 0's own rows"
-                );
-            }
-            _ => {
-                assert!(
-                    pv < wait && wait < scores,
-                    "{name}: P . V, wait, scores\n{step}"
-                );
-                assert!(
-                    zeroed.is_none(),
-                    "{name}: step 0's product is skipped, P not zeroed"
-                );
-                assert!(
-                    step.contains("if (step_i > 0u)"),
-                    "{name}: skipped at step 0"
-                );
-            }
-        }
-        // one product a step (its transposed B loads: bf16's x4, fp8's e4m3 bytes' x2)
-        let products = |s: &str| {
-            s.matches("ldmatrix_x4_trans(").count() + s.matches("ldmatrix_x2_trans(").count()
-        };
-        assert!(products(step) > 0, "{name}");
-        assert_eq!(
-            products(step),
-            products(&body[last..]),
-            "{name}: the last step's P . V after the loop"
-        );
-    }
-    for base in [
-        v7(bf16, 16),
-        v7(fp8, 128),
-        DecodeConfig::tensor_core_v7(dims, bf16, 128),
-        fp8_batch,
-        DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch"),
-    ] {
-        let (name, body) = text(&base);
-        assert!(
-            !body.contains(deferred),
-            "{name}: the default keeps P . V at the step's end"
-        );
-        assert_eq!(base.defer_pv(), DeferPv::Off);
-    }
-    for (base, form) in [
-        (
-            DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch"),
-            DeferPv::Early,
-        ),
-        (v7(fp8, 128), DeferPv::Top),
-        (DecodeConfig::tensor_core_v7(dims, bf16, 128), DeferPv::Top),
-    ] {
-        assert_eq!(
-            base.with_defer_pv(form),
-            base,
-            "{}: the form does not apply",
-            base.split_name()
-        );
-    }
-}
-
 /// The switches' forms on a planned kernel (`DecodeConfig::with_forms`, what
-/// `SPARSE_MLA_ROW_SOFTMAX` and `SPARSE_MLA_DEFER_PV` do): unset keeps the kernel's own form
-/// (v7 and fp8's large-batch kernel in rows, bf16's in fragments), `0` holds them in
-/// fragments (where the deferral applies again), and a row form is refused, with an error
+/// `SPARSE_MLA_ROW_SOFTMAX` does): unset keeps the kernel's own form (v7 and fp8's
+/// large-batch kernel in rows, bf16's in fragments), `0` holds them in fragments, and a row
+/// form is refused, with an error
 /// naming the variable, only on the two-group kernel (bf16's large batch); fp8's one-group
 /// large-batch kernel takes either.
 #[test]
 fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
     use sparse_mla::kernels::sparse_mla_decode::DecodeConfig;
-    use sparse_mla::kir::{DeferPv, RowSoftmax};
+    use sparse_mla::kir::RowSoftmax;
     use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
     let dims = MlaDims::PRODUCTION;
     let shape = |format, heads, tokens| DecodeShape {
@@ -836,30 +697,16 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
     let v7 = DecodeConfig::tensor_core_v7(dims, bf16, 128);
     let s = shape(bf16, 128, 64);
     assert_eq!(v7.row_softmax(), DecodeConfig::V7_ROW_SOFTMAX);
-    assert_eq!(v7.with_forms(None, DeferPv::Off, &s).expect("kept"), v7);
-    let frag = v7
-        .with_forms(Some(RowSoftmax::Off), DeferPv::Top, &s)
-        .expect("fragments");
+    assert_eq!(v7.with_forms(None, &s).expect("kept"), v7);
+    let frag = v7.with_forms(Some(RowSoftmax::Off), &s).expect("fragments");
     assert_eq!(frag.row_softmax(), RowSoftmax::Off);
-    assert_eq!(
-        frag.defer_pv(),
-        DeferPv::Top,
-        "the deferral applies to fragments"
-    );
-    assert_eq!(
-        v7.with_forms(None, DeferPv::Top, &s)
-            .expect("kept")
-            .defer_pv(),
-        DeferPv::Off,
-        "and not to rows"
-    );
+    assert_eq!(frag.label(), "v7", "the fragment form is v7's plain label");
+    assert_eq!(v7.label(), "v7 r");
     let two = DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch");
     assert_eq!((two.groups(), two.row_softmax()), (2, RowSoftmax::Off));
     let s = shape(bf16, 16, 128);
     for form in [RowSoftmax::Rows, RowSoftmax::RowsLazy] {
-        let e = two
-            .with_forms(Some(form), DeferPv::Off, &s)
-            .expect_err("refused");
+        let e = two.with_forms(Some(form), &s).expect_err("refused");
         let text = e.to_string();
         assert!(
             text.contains("SPARSE_MLA_ROW_SOFTMAX") && text.contains("16 heads x 128 tokens"),
@@ -867,20 +714,20 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
         );
     }
     assert_eq!(
-        two.with_forms(Some(RowSoftmax::Off), DeferPv::Off, &s)
+        two.with_forms(Some(RowSoftmax::Off), &s)
             .expect("fragments"),
         two
     );
     let one = DecodeConfig::tensor_core_batch(dims, fp8, 16).expect("batch");
     assert_eq!((one.groups(), one.row_softmax()), (1, RowSoftmax::Rows));
     let s = shape(fp8, 16, 128);
-    assert_eq!(one.with_forms(None, DeferPv::Off, &s).expect("kept"), one);
+    assert_eq!(one.with_forms(None, &s).expect("kept"), one);
     let frag = one
-        .with_forms(Some(RowSoftmax::Off), DeferPv::Off, &s)
+        .with_forms(Some(RowSoftmax::Off), &s)
         .expect("one group takes fragments");
     assert!(frag.is_batch() && frag.row_softmax() == RowSoftmax::Off);
     let lazy = one
-        .with_forms(Some(RowSoftmax::RowsLazy), DeferPv::Off, &s)
+        .with_forms(Some(RowSoftmax::RowsLazy), &s)
         .expect("and the lazy rows");
     assert!(lazy.is_batch() && lazy.row_softmax() == RowSoftmax::RowsLazy);
 }

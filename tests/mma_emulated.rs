@@ -309,58 +309,6 @@ fn run_cases(
     merged
 }
 
-/// Each step's closing P · V deferred into the next step (`DecodeConfig::with_defer_pv`), on
-/// the decode cases: beside the next step's scores with P zeroed before the first step
-/// (`DeferPv::Top`, bf16's v7 kernels) as run 0 without the row form (sm_120's helpers, the
-/// choice for 6 SMs) and as run 1 (sm_80's helpers, copies landing at issue, the choice for
-/// 96 SMs, merged wherever it can); and before the next step's wait (`DeferPv::Early`, bf16's
-/// v7 and fp8's one-group kernels: v7 and its 64-row large-batch kernel) as run 0 with sm_90's
-/// helpers. Some bf16 calls must run each form, and fp8 calls the early one only.
-#[test]
-fn deferred_p_v_on_the_decode_cases() {
-    if let Some(why) = emu::gxx_unavailable() {
-        common::skip("g++", &why);
-        return;
-    }
-    let seed = test_seed();
-    let mut failed = Vec::new();
-    for (form, arch, mode) in [
-        (emu::DeferPv::Top, 1200, 0),
-        (emu::DeferPv::Early, 900, 0),
-        (emu::DeferPv::Top, 800, 1),
-    ] {
-        let config = emu::EmuConfig {
-            defer_pv: form,
-            row_softmax: Some(emu::RowSoftmax::Off),
-            arch,
-            ..emu::EmuConfig::mode(mode, seed)
-        };
-        let backend = GpuBackend::new(emu::EmuDevice::with(6, config));
-        let mut wrong = Vec::new();
-        run_cases(&backend, decode_cases(), seed, &mut wrong);
-        failed.extend(
-            wrong
-                .into_iter()
-                .map(|w| format!("{}: {w}", config.describe())),
-        );
-        // bf16 under both forms; fp8 under the early one (its v7 and 64-row kernels)
-        let plans = &backend.device().deferred_plans;
-        let [bf16, fp8] = [0, 1].map(|i| plans[i].load(std::sync::atomic::Ordering::Relaxed));
-        let fp8_wanted = form == emu::DeferPv::Early;
-        if bf16 == 0 || (fp8 > 0) != fp8_wanted {
-            failed.push(format!(
-                "{}: calls planned deferred: bf16 {bf16}, fp8_ds_mla {fp8}",
-                config.describe()
-            ));
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "SPARSE_MLA_SEED={seed}: {}",
-        failed.join("\n")
-    );
-}
-
 /// Head-group kernels forced on every decode case of more than 16 heads, each head count
 /// (not only whole 64-head blocks: a last block part empty): bf16's wide-call kernel
 /// (`DecodeConfig::tensor_core_wide`, `SPARSE_MLA_DECODE_KERNEL=wide`: 64 heads as four

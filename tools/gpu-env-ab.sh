@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Same-binary A/B of a kernel switch on a GPU machine (an environment variable such as
-# SPARSE_MLA_DEFER_PV or SPARSE_MLA_ROW_SOFTMAX): mla-bench with the variable unset ("off")
+# SPARSE_MLA_ROW_SOFTMAX or SPARSE_MLA_FP8_VALUES): mla-bench with the variable unset ("off")
 # and at each value, RUNS rounds with the order rotated each round, then the gate of each
 # value (mla-check's decode cases with the kernel forced, compute-sanitizer on them), then
 # the same-run table (tools/ab-table.py: minimum of each form's medians, speed-up against

@@ -29,11 +29,11 @@ use std::process::ExitCode;
 /// on the same shapes.
 /// The first timed column is the kernel the CUDA backend runs for the call (v6, v7 or the
 /// large-batch kernel, `DecodeConfig::for_call_from_env`: the backend's switches
-/// SPARSE_MLA_DECODE_KERNEL, SPARSE_MLA_ROW_SOFTMAX, SPARSE_MLA_DEFER_PV and
-/// SPARSE_MLA_FP8_VALUES apply, and the label names the forms taken, e.g. `v7 d`); with
+/// SPARSE_MLA_DECODE_KERNEL, SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_FP8_VALUES apply, and
+/// the label names the forms taken, e.g. `v7 r`); with
 /// --sm120-occupancy also the one it runs on an SM120 GPU of the same SM count, timed at
 /// SM120's occupancy. The v7 column (csv: `kernel`, timed first) takes the forms of
-/// SPARSE_MLA_ROW_SOFTMAX, SPARSE_MLA_DEFER_PV and SPARSE_MLA_FP8_VALUES too.
+/// SPARSE_MLA_ROW_SOFTMAX and SPARSE_MLA_FP8_VALUES too.
 /// Each row carries a check of that run's output against the float64 reference (a few
 /// tokens, all heads).
 #[derive(Parser, Debug)]

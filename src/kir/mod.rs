@@ -62,15 +62,12 @@ pub enum Lowering {
     /// `row_softmax`: how a split-K accumulator that the online softmax reads is held
     /// ([`RowSoftmax`]).
     ///
-    /// `defer_pv`: where a step's closing `O += P · V` runs ([`DeferPv`]).
-    ///
     /// `group_by`: what the warp groups split ([`GroupBy`]): the steps (above), or the heads.
     MmaWs {
         stages: u32,
         groups: u32,
         l2_ahead: u32,
         row_softmax: RowSoftmax,
-        defer_pv: DeferPv,
         group_by: GroupBy,
     },
 }
@@ -91,81 +88,6 @@ pub enum GroupBy {
     /// its own rows. Two independent step chains over the same rows, with no more registers
     /// a thread than one group's (benches/NOTES.md, v38).
     Heads,
-}
-
-/// Where [`Lowering::MmaWs`] runs the `O += P · V` that closes each pipeline step.
-///
-/// The deferred forms are an experiment, not yet timed on a GPU (benches/NOTES.md v33); the
-/// shipped kernels keep [`Self::Off`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum DeferPv {
-    /// After the step's last workgroup barrier, as the step's last phase.
-    #[default]
-    Off,
-    /// Step `i - 1`'s product at the top of step `i`, right after its wait and before its
-    /// score products, in one block with them: each warp has two independent chains of
-    /// products in flight where the step otherwise runs them one phase after another. P is
-    /// zeroed before the loop, so step 0's product (over its own, landed rows) adds exactly 0
-    /// without a branch. bf16 rows only: fp8's rows of step 0 times a running scale not yet
-    /// fitted to them may overflow f16, and 0 · inf is NaN.
-    Top,
-    /// Step `i - 1`'s product before step `i`'s wait, skipped at step 0: it overlaps the
-    /// wait for the step's rows instead of the scores. bf16 and fp8 rows.
-    Early,
-}
-
-impl DeferPv {
-    /// The kernel-name suffix: "", "d" or "de".
-    pub fn suffix(self) -> &'static str {
-        match self {
-            DeferPv::Off => "",
-            DeferPv::Top => "d",
-            DeferPv::Early => "de",
-        }
-    }
-
-    /// The form's value of `SPARSE_MLA_DEFER_PV`: "0", "1" or "early".
-    pub fn env_value(self) -> &'static str {
-        match self {
-            DeferPv::Off => "0",
-            DeferPv::Top => "1",
-            DeferPv::Early => "early",
-        }
-    }
-
-    /// `SPARSE_MLA_DEFER_PV`'s value: `0` (or unset), `1` or `early`.
-    pub fn from_env() -> crate::Result<Self> {
-        let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
-        Ok(form_from_env("SPARSE_MLA_DEFER_PV", &forms, Self::env_value)?.unwrap_or_default())
-    }
-
-    /// What a ring of `stages` stages in `groups` warp groups, with its scores held as
-    /// `row_softmax` says and P · V as f16 products or not, lacks for this form; `None` where
-    /// the form applies ([`Self::Off`] always does). The one rule for both the configuration,
-    /// which asks for a form only where it applies, and the lowering, which refuses it
-    /// elsewhere. With one stage the next step's copies overwrite the rows the product reads;
-    /// warp groups release each stage at the end of the step, which would have to follow the
-    /// product; the row forms rescale O after P's barrier, from factors that do not exist
-    /// before the first step; [`Self::Top`]'s step-0 product over rows times a running scale
-    /// not yet fitted to them may overflow f16.
-    pub fn unmet(
-        self,
-        (stages, groups): (u32, u32),
-        row_softmax: RowSoftmax,
-        f16_products: bool,
-    ) -> Option<&'static str> {
-        if self == DeferPv::Off {
-            None
-        } else if groups > 1 || stages < 2 {
-            Some("one warp group and a ring of two or more stages")
-        } else if row_softmax != RowSoftmax::Off {
-            Some("the scores in fragments")
-        } else if self == DeferPv::Top && f16_products {
-            Some("bf16 rows (fp8's f16 products take `early`)")
-        } else {
-            None
-        }
-    }
 }
 
 /// The form of a lowering switch that the environment variable `var` names: `forms[0]` when
@@ -263,15 +185,8 @@ pub fn lower(kernel: &Kernel, lowering: Lowering) -> crate::Result<Kernel> {
             groups,
             l2_ahead,
             row_softmax,
-            defer_pv,
             group_by,
-        } => lower_mma::lower_ws(
-            kernel,
-            stages,
-            (groups, group_by),
-            l2_ahead,
-            (row_softmax, defer_pv),
-        ),
+        } => lower_mma::lower_ws(kernel, stages, (groups, group_by), l2_ahead, row_softmax),
     }
 }
 
@@ -285,28 +200,28 @@ mod tests {
     #[test]
     fn a_switch_reads_its_variable_and_refuses_other_values() {
         let var = "SPARSE_MLA_TEST_KIR_SWITCH";
-        let forms = [DeferPv::Off, DeferPv::Top, DeferPv::Early];
+        let forms = [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy];
         std::env::remove_var(var);
         assert_eq!(
-            form_from_env(var, &forms, DeferPv::env_value).ok(),
+            form_from_env(var, &forms, RowSoftmax::env_value).ok(),
             Some(None)
         );
         for (v, want) in [
             ("", None),
-            ("0", Some(DeferPv::Off)),
-            ("1", Some(DeferPv::Top)),
-            ("early", Some(DeferPv::Early)),
+            ("0", Some(RowSoftmax::Off)),
+            ("1", Some(RowSoftmax::Rows)),
+            ("lazy", Some(RowSoftmax::RowsLazy)),
         ] {
             std::env::set_var(var, v);
             assert_eq!(
-                form_from_env(var, &forms, DeferPv::env_value).ok(),
+                form_from_env(var, &forms, RowSoftmax::env_value).ok(),
                 Some(want)
             );
         }
         std::env::set_var(var, "late");
-        let e = form_from_env(var, &forms, DeferPv::env_value).expect_err("refused");
+        let e = form_from_env(var, &forms, RowSoftmax::env_value).expect_err("refused");
         let text = e.to_string();
-        assert!(text.contains(var) && text.contains("0, 1 or early") && text.contains("late"));
+        assert!(text.contains(var) && text.contains("0, 1 or lazy") && text.contains("late"));
         std::env::remove_var(var);
     }
 }

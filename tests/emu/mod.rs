@@ -23,7 +23,7 @@ use sparse_mla::kernels::sparse_mla_decode::{
     lowered_kernels, DecodeConfig, DecodePlan, WholeTokens,
 };
 use sparse_mla::kir::Kernel;
-pub use sparse_mla::kir::{DeferPv, RowSoftmax};
+pub use sparse_mla::kir::RowSoftmax;
 use sparse_mla::mla::{CacheFormat, DecodeShape, MlaDims};
 use sparse_mla::runtime::gpu::Device;
 use sparse_mla::runtime::BackendKind;
@@ -75,9 +75,6 @@ pub struct EmuConfig {
     /// (`DecodeConfig::with_row_softmax`); `None`: as the backend plans them (v7 in rows,
     /// fp8's large-batch kernel in rows, bf16's in fragments).
     pub row_softmax: Option<RowSoftmax>,
-    /// Where v7's steps run their closing P · V (`DecodeConfig::with_defer_pv`: on the
-    /// kernels where the form applies).
-    pub defer_pv: DeferPv,
     /// Whole tokens before the split ones (`DecodePlan::with_config_whole`): the cost model's
     /// choice, or forced wherever a call has more tokens than splits.
     pub whole: WholeTokens,
@@ -137,7 +134,6 @@ impl EmuConfig {
                 1 => Some(RowSoftmax::Off),
                 _ => None,
             },
-            defer_pv: DeferPv::Off,
             // runs 0 and 2 run whole tokens before split ones wherever T exceeds the splits
             // (v7 and the large-batch kernels, v6): the cost model takes them only at batches
             // of several waves, which the suite's small ones rarely are
@@ -152,7 +148,7 @@ impl EmuConfig {
 
     pub fn describe(&self) -> String {
         format!(
-            "{}{}{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
+            "{}{}{}{}{}{}, sm_{} helpers, copies land {}, schedule seed {}",
             if let (true, Some((h, n, s))) = (self.one_stage, self.block) {
                 format!("v7 {h}x{n}x{s}")
             } else if self.one_stage {
@@ -172,11 +168,6 @@ impl EmuConfig {
                 Some(RowSoftmax::Off) => " (scores held in fragments)",
                 Some(RowSoftmax::Rows) => " (scores held in rows)",
                 Some(RowSoftmax::RowsLazy) => " (scores held in rows, lazy max)",
-            },
-            match self.defer_pv {
-                DeferPv::Off => "",
-                DeferPv::Top => " (P . V deferred beside the next step's scores)",
-                DeferPv::Early => " (P . V deferred before the next step's wait)",
             },
             match self.whole {
                 WholeTokens::Forced(_) => " (whole tokens before split ones)",
@@ -225,9 +216,6 @@ pub struct EmuDevice {
     /// fp8_ds_mla narrow calls planned on its 64-row large-batch kernel in 16-head blocks
     /// (`DecodeConfig::tensor_core_narrow_wide`).
     pub narrow_wide_plans: AtomicU64,
-    /// Calls planned on a kernel whose steps defer their P · V (`DecodeConfig::defer_pv`),
-    /// bf16 and fp8_ds_mla.
-    pub deferred_plans: [AtomicU64; 2],
     /// Calls planned with whole tokens before the split ones (`DecodePlan::whole_tokens`),
     /// bf16 and fp8_ds_mla.
     pub whole_plans: [AtomicU64; 2],
@@ -424,7 +412,6 @@ impl EmuDevice {
             whole_plans: Default::default(),
             heads_plans: Default::default(),
             narrow_wide_plans: Default::default(),
-            deferred_plans: Default::default(),
         }
     }
 
@@ -474,12 +461,11 @@ impl EmuDevice {
         }
         let c = self.config;
         let path = format!(
-            "{path}.sm{}{}{}{}{}",
+            "{path}.sm{}{}{}{}",
             c.arch,
             if c.v7 { "v7" } else { "v6" },
             if c.one_stage { "1s" } else { "" },
-            c.row_softmax.map_or("", RowSoftmax::suffix),
-            c.defer_pv.suffix()
+            c.row_softmax.map_or("", RowSoftmax::suffix)
         );
         let line = format!("{} {} {h:016x}\n", c.arch, bytes.len());
         std::fs::OpenOptions::new()
@@ -575,12 +561,7 @@ impl Device for EmuDevice {
             .config
             .row_softmax
             .map_or(config, |form| config.with_row_softmax(form))
-            .with_defer_pv(self.config.defer_pv)
             .with_fp8_values(self.config.fp8_values);
-        if config.defer_pv() != DeferPv::Off {
-            let i = (shape.format != sparse_mla::mla::CacheFormat::Bf16) as usize;
-            self.deferred_plans[i].fetch_add(1, Ordering::Relaxed);
-        }
         lowered_kernels(&config)?;
         // one workgroup per multiprocessor
         let plan = DecodePlan::with_config_whole(

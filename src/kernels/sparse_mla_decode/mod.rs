@@ -19,7 +19,7 @@
 
 use super::{pack_params, Launch, ParamValue};
 use crate::kir::ir::{Kernel, TileElem};
-use crate::kir::{DeferPv, GroupBy, Lowering, RowSoftmax};
+use crate::kir::{GroupBy, Lowering, RowSoftmax};
 use crate::mla::{CacheFormat, CacheGeometry, DecodeLayout, DecodeShape, MlaDims};
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -264,23 +264,18 @@ impl DecodeConfig {
     }
 
     /// This configuration with the forms the environment asks for,
-    /// `SPARSE_MLA_ROW_SOFTMAX` (where set) and `SPARSE_MLA_DEFER_PV` (where the form applies);
-    /// a row form on a kernel of several warp groups is refused ([`Self::for_call_from_env`]).
-    /// `shape` names the call in that error.
+    /// `SPARSE_MLA_ROW_SOFTMAX` (where set) and `SPARSE_MLA_FP8_VALUES` (where the form
+    /// applies); a row form on a kernel of several warp groups is refused
+    /// ([`Self::for_call_from_env`]). `shape` names the call in that error.
     pub fn with_env_forms(self, shape: &DecodeShape) -> Result<Self> {
         Ok(self
-            .with_forms(RowSoftmax::from_env()?, DeferPv::from_env()?, shape)?
+            .with_forms(RowSoftmax::from_env()?, shape)?
             .with_fp8_values(Fp8Values::from_env()?))
     }
 
-    /// [`Self::with_env_forms`] with the switches' values given: `rows` where set (`None`:
-    /// the kernel's own form), `defer` where it applies.
-    pub fn with_forms(
-        self,
-        rows: Option<RowSoftmax>,
-        defer: DeferPv,
-        shape: &DecodeShape,
-    ) -> Result<Self> {
+    /// [`Self::with_env_forms`]'s row form given: `rows` where set (`None`: the kernel's own
+    /// form).
+    pub fn with_forms(self, rows: Option<RowSoftmax>, shape: &DecodeShape) -> Result<Self> {
         if rows.is_some_and(|r| r != RowSoftmax::Off) && self.groups() > self.head_groups() {
             return Err(Error::arg(
                 "SPARSE_MLA_ROW_SOFTMAX",
@@ -294,28 +289,22 @@ impl DecodeConfig {
                 ),
             ));
         }
-        let config = rows.map_or(self, |r| self.with_row_softmax(r));
-        Ok(config.with_defer_pv(defer))
+        Ok(rows.map_or(self, |r| self.with_row_softmax(r)))
     }
 
     /// The kernel's family ([`Self::family`]) and the experiments' forms it takes, as a
-    /// benchmark labels it: `v7`, `v7 d` (P · V deferred), `v7 r de`, ...
+    /// benchmark labels it: `v7`, `v7 r` (scores in rows), `v7 h4 r`, `batch r v`, ...
     pub fn label(&self) -> String {
         let mut s = self.family().to_string();
         if self.head_groups() > 1 {
             s = format!("{s} h{}", self.head_groups());
         }
-        if let Lowering::MmaWs {
-            row_softmax,
-            defer_pv,
-            ..
-        } = self.lowering
-        {
+        if let Lowering::MmaWs { row_softmax, .. } = self.lowering {
             let v = match self.fp8_values {
                 Fp8Values::Shared => "v",
                 Fp8Values::PerWarp => "",
             };
-            for f in [row_softmax.suffix(), defer_pv.suffix(), v] {
+            for f in [row_softmax.suffix(), v] {
                 if !f.is_empty() {
                     s = format!("{s} {f}");
                 }
@@ -357,7 +346,6 @@ impl DecodeConfig {
                 groups: 1,
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
-                defer_pv: DeferPv::Off,
                 group_by: GroupBy::Steps,
             },
         }
@@ -407,41 +395,6 @@ impl DecodeConfig {
         self
     }
 
-    /// This configuration with each step's closing `O += P · V` run where `form` says
-    /// ([`Lowering::MmaWs`]'s `defer_pv`) — where the form applies ([`DeferPv::unmet`]: a v7
-    /// kernel in one warp group with a ring of two or more stages and its scores in
-    /// fragments, and for [`DeferPv::Top`] bf16 rows; fp8_ds_mla's ring kernels take f16
-    /// products). Any other configuration is returned as it is (its name says so: a deferred
-    /// kernel's ends in `d` or `de`). [`DeferPv::Off`] applies to every configuration.
-    pub fn with_defer_pv(mut self, form: DeferPv) -> Self {
-        let f16_products = self.format != CacheFormat::Bf16;
-        if let Lowering::MmaWs {
-            defer_pv: ref mut d,
-            stages,
-            groups,
-            row_softmax,
-            ..
-        } = self.lowering
-        {
-            if form
-                .unmet((stages, groups), row_softmax, f16_products)
-                .is_none()
-            {
-                *d = form;
-            }
-        }
-        self
-    }
-
-    /// Where this configuration runs each step's `O += P · V` ([`DeferPv::Off`] outside
-    /// [`Lowering::MmaWs`]).
-    pub fn defer_pv(&self) -> DeferPv {
-        match self.lowering {
-            Lowering::MmaWs { defer_pv, .. } => defer_pv,
-            _ => DeferPv::Off,
-        }
-    }
-
     /// Steps past the ring's copies whose rows are asked of L2 (0: none, and always for the
     /// scalar lowering).
     pub fn l2_ahead(&self) -> u32 {
@@ -475,10 +428,7 @@ impl DecodeConfig {
     /// warp groups; fp8_ds_mla: v7 with 64-row steps), or any v7 whose warp groups deal out
     /// the steps? (Groups that split the heads are v7's 32-head blocks, [`GroupBy::Heads`].)
     pub fn is_batch(&self) -> bool {
-        let plain = |c: Self| {
-            c.with_row_softmax(RowSoftmax::Off)
-                .with_defer_pv(DeferPv::Off)
-        };
+        let plain = |c: Self| c.with_row_softmax(RowSoftmax::Off);
         matches!(self.lowering, Lowering::MmaWs { groups, group_by: GroupBy::Steps, .. } if groups > 1)
             || Some(plain(*self))
                 == Self::tensor_core_batch(self.dims, self.format, self.block_h).map(plain)
@@ -578,7 +528,6 @@ impl DecodeConfig {
                 groups,
                 l2_ahead: 0,
                 row_softmax: RowSoftmax::Off,
-                defer_pv: DeferPv::Off,
                 group_by: GroupBy::Steps,
             },
             ..Self::tensor_core_custom(dims, format, block_h, block_n, stages)
@@ -660,7 +609,6 @@ impl DecodeConfig {
                 groups,
                 l2_ahead,
                 row_softmax,
-                defer_pv,
                 group_by,
             } => {
                 let g = match group_by {
@@ -674,12 +622,11 @@ impl DecodeConfig {
                     String::new()
                 };
                 let r = row_softmax.suffix();
-                let d = defer_pv.suffix();
                 let v = match self.fp8_values {
                     Fp8Values::Shared if self.format == CacheFormat::Fp8DsMla => "v",
                     _ => "",
                 };
-                format!("ws{stages}w{}{g}{p}{r}{d}{v}", self.threads / 32)
+                format!("ws{stages}w{}{g}{p}{r}{v}", self.threads / 32)
             }
         };
         format!("{lowering}_h{}n{}", self.block_h, self.block_n)
@@ -1550,13 +1497,9 @@ mod tests {
         assert!(!c.is_batch() && !c.has_merged_form() && c.has_whole_form());
         // the row forms are not refused, as they are on the groups that deal out steps
         let sh = shape(CacheFormat::Bf16, 128, 150);
-        assert!(c
-            .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
-            .is_ok());
+        assert!(c.with_forms(Some(RowSoftmax::Rows), &sh).is_ok());
         let batch = DecodeConfig::tensor_core_batch(dims, CacheFormat::Bf16, 16).unwrap();
-        assert!(batch
-            .with_forms(Some(RowSoftmax::Rows), DeferPv::Off, &sh)
-            .is_err());
+        assert!(batch.with_forms(Some(RowSoftmax::Rows), &sh).is_err());
         // the calls as measured (benches/NOTES.md v40, 132 SMs): from 12 blocks of 64 heads,
         // at whole blocks only, bf16 only, at either v6 residency
         let pick = |format, heads, tokens, per_sm| {

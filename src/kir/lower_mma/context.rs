@@ -153,8 +153,6 @@ pub(super) struct Cx<'k> {
     pub(super) units: Option<super::e4m3::Units>,
     /// Split-K accumulators that an online softmax reads are held in rows ([`RowsForm`]).
     pub(super) row_softmax: crate::kir::RowSoftmax,
-    /// Where a ring step's closing P · V runs (`ws::deferred_pv`).
-    pub(super) defer_pv: crate::kir::DeferPv,
 }
 
 impl Cx<'_> {

@@ -120,7 +120,6 @@ impl<'k> Cx<'k> {
             units: None,
             l2_ahead: 0,
             row_softmax,
-            defer_pv: crate::kir::DeferPv::Off,
         };
         cx.bind_lane();
         if ws_mode {

@@ -24,7 +24,6 @@ use crate::kir::ir::*;
 use producer::{Producers, RingCounts};
 use std::collections::HashSet;
 
-mod defer;
 mod producer;
 
 /// Warps that issue the ring's copies: the upper half (the split-K holders, which run the
@@ -69,7 +68,7 @@ pub fn lower_ws(
     stages: u32,
     (groups, group_by): (u32, crate::kir::GroupBy),
     l2_ahead: u32,
-    (row_softmax, defer_pv): (crate::kir::RowSoftmax, crate::kir::DeferPv),
+    row_softmax: crate::kir::RowSoftmax,
 ) -> Result<Kernel> {
     let at = kernel
         .body
@@ -95,7 +94,6 @@ pub fn lower_ws(
     let mut cx = Cx::new(kernel, stages, true, groups, row_softmax)?;
     cx.min_workgroups = 1;
     cx.l2_ahead = l2_ahead;
-    cx.defer_pv = defer_pv;
     cx.group_by = group_by;
     if groups > 1 {
         let (group_var, tid_var) = (cx.fresh("warp_group"), cx.fresh("group_tid"));
@@ -463,8 +461,7 @@ impl Cx<'_> {
         Ok(())
     }
 
-    /// The loop over the ring's steps (and, with P · V deferred, the last step's product
-    /// after it).
+    /// The loop over the ring's steps.
     fn ring_steps(&mut self, p: &Producers, compute: &[Stmt], out: &mut Vec<Stmt>) -> Result<()> {
         let (s, v, bars) = (self.stages, p.v(), p.bars().to_string());
         let countv = p.counts.count.clone();
@@ -514,9 +511,6 @@ impl Cx<'_> {
         let mut computed = self.units_step()?;
         computed.extend(self.stmts(compute)?);
         self.stage = saved;
-        // where each step's closing P · V runs (`deferred_pv`): split off `computed` if
-        // deferred
-        let deferred = self.deferred_pv(v, compute, &mut computed)?;
         let first_barrier = computed.iter().position(|s| matches!(s, Stmt::Barrier));
         // With one stage the copies go out at the top of the step, and the step waits for
         // them: L2 is asked for the later rows after the step's first barrier instead, when
@@ -570,9 +564,6 @@ impl Cx<'_> {
                 parity: bin(BinOp::BitAnd, bin(BinOp::Div, itv.clone(), u(s)), u(1)),
             }),
         ];
-        if let Some(d) = &deferred {
-            self.deferred_pv_in_step((v, &itv, &stage_name), d, &mut body);
-        }
         // The producer's issue goes right after the step's first workgroup barrier (the
         // split-K sum): the warps that do not hold S — the producer among them — wait there
         // for the holders' sum and softmax anyway. Issued at the top of the step instead, its
@@ -623,9 +614,6 @@ impl Cx<'_> {
                 els: vec![],
             });
         }
-        if let Some(d) = &deferred {
-            out.extend(d.zero_p.iter().cloned());
-        }
         out.push(Stmt::For {
             var: it,
             start: u(0),
@@ -633,9 +621,6 @@ impl Cx<'_> {
             step: u(1),
             body,
         });
-        if let Some(d) = deferred {
-            self.deferred_pv_last((v, countv, &stage_name), d, out);
-        }
         Ok(())
     }
 }
