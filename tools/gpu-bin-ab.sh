@@ -12,8 +12,7 @@
 #      the rounds that ran)
 set -u
 cd "$(dirname "$0")/.."
-START=$(date +%s)
-late() { [ -n "${AB_DEADLINE:-}" ] && [ $(($(date +%s) - START)) -ge "$AB_DEADLINE" ]; }
+. tools/gpu-lib.sh
 [ $# -ge 2 ] || { sed -n 2,12p "$0"; exit 2; }
 DIRS=("$@")
 OUTD=${OUT:-$PWD/gpu-logs}
@@ -21,26 +20,22 @@ W=$(mktemp -d)
 export SPARSE_MLA_CACHE_DIR=${SPARSE_MLA_CACHE_DIR:-/tmp/sparse-mla-nvrtc}
 AB_ARGS=${AB_ARGS:---heads 8,16 --tokens 32,64,128,256 --cache bf16,fp8_ds_mla}
 labels=()
+declare -A DIR_OF
 for d in "${DIRS[@]}"; do
     for f in "$d"/*.xz; do [ -f "$f" ] && xz -d -f "$f"; done
     chmod +x "$d"/mla-bench
     labels+=("$(basename "$d")")
+    DIR_OF[$(basename "$d")]=$d
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 # warm each binary's NVRTC cache (its kernels may differ), untimed
 for d in "${DIRS[@]}"; do timeout 150 "$d/mla-bench" $AB_ARGS --no-peer --reps 3 >/dev/null 2>&1; done
-n=${#DIRS[@]}
-for r in $(seq 1 "${RUNS:-2}"); do
-    # a round runs whole or not at all, so every binary has as many runs as the others
-    if [ "$r" -gt 1 ] && late; then echo "AB_DEADLINE: rounds $r.. skipped"; break; fi
-    for i in $(seq 0 $((n - 1))); do
-        j=$(( (i + r - 1) % n ))
-        d=${DIRS[$j]} l=${labels[$j]}
-        timeout "${BENCH_TIMEOUT:-150}" "$d/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
-            --format csv >"$W/ab-$r-$l.csv" 2>"$W/ab-$r-$l.err"
-        echo "bench run $r $l: rc $? $(grep -c ',true,' "$W/ab-$r-$l.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$l.csv") wrong"
-    done
-done
+# `ab_run LABEL CSV ERR` for ab_rounds: the binary of that directory
+ab_run() {
+    timeout "${BENCH_TIMEOUT:-150}" "${DIR_OF[$1]}/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
+        --format csv >"$2" 2>"$3"
+}
+ab_rounds "${RUNS:-2}" "$W" "${labels[@]}"
 mkdir -p "$OUTD"
 python3 tools/ab-table.py "$W" "${labels[@]}" | tee "$W/table.txt"
 tar -cJf "$OUTD/bin-ab.tar.xz" -C "$W" .

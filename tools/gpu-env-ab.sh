@@ -18,10 +18,7 @@
 #      NCU_KERNEL (ncu's kernel-name regex, default `_ws`: the warp-specialised kernels)
 set -u
 cd "$(dirname "$0")/.."
-START=$(date +%s)
 . tools/gpu-lib.sh
-# `late`: true once AB_DEADLINE (if set) has passed
-late() { [ -n "${AB_DEADLINE:-}" ] && [ $(($(date +%s) - START)) -ge "$AB_DEADLINE" ]; }
 [ $# -ge 3 ] || { sed -n 2,13p "$0"; exit 2; }
 BIN=$1 VAR=$2
 shift 2
@@ -38,17 +35,12 @@ form() { local v=$1; shift; if [ "$v" = off ]; then env -u "$VAR" "$@"; else env
 forms=(off "${VALUES[@]}")
 # warm the NVRTC cache of every form, untimed
 for v in "${forms[@]}"; do form "$v" timeout 120 "$BIN/mla-bench" $AB_ARGS --no-peer --reps 3 >/dev/null 2>&1; done
-n=${#forms[@]}
-for r in $(seq 1 "${RUNS:-3}"); do
-    # a round runs whole or not at all, so every form has as many runs as the others
-    if [ "$r" -gt 1 ] && late; then echo "AB_DEADLINE: rounds $r.. skipped"; break; fi
-    for i in $(seq 0 $((n - 1))); do
-        v=${forms[$(( (i + r - 1) % n ))]}
-        form "$v" timeout "${BENCH_TIMEOUT:-150}" "$BIN/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
-            --format csv >"$W/ab-$r-$v.csv" 2>"$W/ab-$r-$v.err"
-        echo "bench run $r $VAR=$v: rc $? $(grep -c ',true,' "$W/ab-$r-$v.csv") rows right, $(grep -c ',false,' "$W/ab-$r-$v.csv") wrong"
-    done
-done
+# `ab_run FORM CSV ERR` for ab_rounds: the binary with VAR unset (off) or at FORM
+ab_run() {
+    form "$1" timeout "${BENCH_TIMEOUT:-150}" "$BIN/mla-bench" $AB_ARGS --sm120-occupancy --no-peer \
+        --format csv >"$2" 2>"$3"
+}
+ab_rounds "${RUNS:-3}" "$W" "${forms[@]}"
 NCU=
 [ -n "${NCU_SHAPE:-}" ] && NCU=$(cuda_tool ncu)
 if [ -n "$NCU" ]; then
@@ -56,7 +48,7 @@ if [ -n "$NCU" ]; then
     metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum
     metrics+=,"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
     for v in "${forms[@]}"; do
-        if late; then echo "AB_DEADLINE: ncu of $VAR=$v skipped"; continue; fi
+        if ab_late; then echo "AB_DEADLINE: ncu of $VAR=$v skipped"; continue; fi
         # launch 4 of the kernel: past the warm-up, the L2 flushed before it like every rep
         form "$v" timeout 150 "$NCU" -k "regex:${NCU_KERNEL:-_ws}" --launch-skip 3 --launch-count 1 --csv \
             --metrics "$metrics" "$BIN/mla-bench" $NCU_SHAPE --reps 4 --warmup 1 --no-peer --no-baseline \
@@ -66,7 +58,7 @@ if [ -n "$NCU" ]; then
 fi
 for v in "${VALUES[@]}"; do
     for k in ${GATE_KERNELS-v7}; do
-        if late; then echo "AB_DEADLINE: gate $VAR=$v $k skipped"; continue; fi
+        if ab_late; then echo "AB_DEADLINE: gate $VAR=$v $k skipped"; continue; fi
         form "$v" env SPARSE_MLA_DECODE_KERNEL=$k timeout 150 "$BIN/mla-check" --backend cuda --case decode/ \
             >"$W/check-$v-$k.txt" 2>&1
         echo "gate $VAR=$v $k: mla-check rc $? $(tail -1 "$W/check-$v-$k.txt")"

@@ -27,3 +27,28 @@ san_decode() {
     echo "rc $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     return $rc
 }
+
+# The A/B scripts' clock: `ab_late` is true once AB_DEADLINE (seconds, if set) has passed
+# since this file was sourced, so a call's time limit loses the tail of a run, not its table.
+AB_START=$(date +%s)
+ab_late() { [ -n "${AB_DEADLINE:-}" ] && [ $(($(date +%s) - AB_START)) -ge "$AB_DEADLINE" ]; }
+
+# `ab_rounds RUNS DIR LABEL...`: RUNS rounds of the caller's `ab_run LABEL CSV ERR` (one
+# mla-bench --format csv run of that form into CSV, its stderr into ERR) for every label, the
+# order rotated each round so no form always runs first; CSVs are DIR/ab-ROUND-LABEL.csv, as
+# tools/ab-table.py reads them. A round runs whole or not at all (every form keeps as many
+# runs as the others): none starts after AB_DEADLINE but the first.
+ab_rounds() {
+    local runs=$1 dir=$2 r i l
+    shift 2
+    local labels=("$@")
+    local n=${#labels[@]}
+    for r in $(seq 1 "$runs"); do
+        if [ "$r" -gt 1 ] && ab_late; then echo "AB_DEADLINE: rounds $r.. skipped"; break; fi
+        for i in $(seq 0 $((n - 1))); do
+            l=${labels[$(( (i + r - 1) % n ))]}
+            ab_run "$l" "$dir/ab-$r-$l.csv" "$dir/ab-$r-$l.err"
+            echo "bench run $r $l: rc $? $(grep -c ',true,' "$dir/ab-$r-$l.csv") rows right, $(grep -c ',false,' "$dir/ab-$r-$l.csv") wrong"
+        done
+    done
+}
