@@ -85,9 +85,8 @@ fn every_cuda_kernel_compiles_for_every_arch() {
         configs.extend(DecodeConfig::tensor_core_narrow_wide(dims, format, 64));
         configs.extend(DecodeConfig::tensor_core_v6_narrow(dims, format, 64));
         // bf16's wide-call kernel (its split form is in the standard set). Its scores in
-        // fragments, `SPARSE_MLA_ROW_SOFTMAX=0`, spill 24 B and reload 288 B on sm_120, with a
-        // lazy max, `=lazy`, 16 B in the whole-token form: forms the backend never picks, not
-        // checked here.
+        // fragments, `SPARSE_MLA_ROW_SOFTMAX=0`, spill 24 B and reload 288 B on sm_120: a form
+        // the backend never picks, not checked here.
         configs.extend(DecodeConfig::tensor_core_wide(dims, format));
         for config in configs {
             let k = (*lowered_whole(&config).expect("whole-token kernel")).clone();
@@ -104,8 +103,8 @@ fn every_cuda_kernel_compiles_for_every_arch() {
     let batch = DecodeConfig::tensor_core_batch(MlaDims::PRODUCTION, CacheFormat::Fp8DsMla, 16)
         .expect("an fp8_ds_mla large-batch configuration at 16 heads");
     kernels.push((*lowered_merged(&batch).expect("merged kernel")).clone());
-    // the other ways to hold the scores for the softmax (`SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`):
-    // every v7 and large-batch kernel, split and merged, in fragments and both row forms
+    // the other way to hold the scores for the softmax (`SPARSE_MLA_ROW_SOFTMAX=0|1`): every
+    // v7 and large-batch kernel, split and merged, in fragments and in rows
     for format in [CacheFormat::Bf16, CacheFormat::Fp8DsMla] {
         let dims = MlaDims::PRODUCTION;
         let mut configs = vec![
@@ -120,7 +119,7 @@ fn every_cuda_kernel_compiles_for_every_arch() {
                 continue;
             }
             let mut forms = Vec::new();
-            for form in [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy] {
+            for form in [RowSoftmax::Off, RowSoftmax::Rows] {
                 let rows = config.with_row_softmax(form);
                 let (split, _) = lowered_kernels(&rows).expect("row-form split kernel");
                 forms.push((*split).clone());

@@ -622,8 +622,6 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             let (frag, _) = lowered_kernels(&config).expect("lowers");
             let (rows, _) =
                 lowered_kernels(&config.with_row_softmax(RowSoftmax::Rows)).expect("lowers");
-            let (lazy, _) =
-                lowered_kernels(&config.with_row_softmax(RowSoftmax::RowsLazy)).expect("lowers");
             assert_ne!(frag.name, rows.name);
             assert_eq!(
                 lowered_kernels(&config.with_row_softmax(RowSoftmax::Off))
@@ -659,13 +657,6 @@ fn scores_held_in_rows_drop_the_row_max_exchange_and_its_barrier() {
             assert_eq!(b.matches("] = alpha").count(), 1, "{}:\n{b}", rows.name);
             assert!(writes >= 2, "{}:\n{b}", rows.name);
             assert!(!b.contains("rescale_vote"), "{}", rows.name);
-            // the lazy max: the same barriers, the max moved only past the margin, and the
-            // outputs' rescale behind a warp vote
-            let c = loop_of(&cuda::emit(&lazy).expect("emits"));
-            assert!(lazy.name.contains("rl_"), "{}", lazy.name);
-            assert_eq!(barriers(&c), barriers(&b), "{}", lazy.name);
-            assert!(c.contains("5.5451775f"), "{}: the margin\n{c}", lazy.name);
-            assert!(c.contains("rescale_vote"), "{}: the vote\n{c}", lazy.name);
         }
     }
 }
@@ -705,14 +696,14 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
     let two = DecodeConfig::tensor_core_batch(dims, bf16, 16).expect("batch");
     assert_eq!((two.groups(), two.row_softmax()), (2, RowSoftmax::Off));
     let s = shape(bf16, 16, 128);
-    for form in [RowSoftmax::Rows, RowSoftmax::RowsLazy] {
-        let e = two.with_forms(Some(form), &s).expect_err("refused");
-        let text = e.to_string();
-        assert!(
-            text.contains("SPARSE_MLA_ROW_SOFTMAX") && text.contains("16 heads x 128 tokens"),
-            "{text}"
-        );
-    }
+    let e = two
+        .with_forms(Some(RowSoftmax::Rows), &s)
+        .expect_err("refused");
+    let text = e.to_string();
+    assert!(
+        text.contains("SPARSE_MLA_ROW_SOFTMAX") && text.contains("16 heads x 128 tokens"),
+        "{text}"
+    );
     assert_eq!(
         two.with_forms(Some(RowSoftmax::Off), &s)
             .expect("fragments"),
@@ -726,10 +717,6 @@ fn the_switches_set_a_kernels_forms_and_refuse_rows_on_two_groups() {
         .with_forms(Some(RowSoftmax::Off), &s)
         .expect("one group takes fragments");
     assert!(frag.is_batch() && frag.row_softmax() == RowSoftmax::Off);
-    let lazy = one
-        .with_forms(Some(RowSoftmax::RowsLazy), &s)
-        .expect("and the lazy rows");
-    assert!(lazy.is_batch() && lazy.row_softmax() == RowSoftmax::RowsLazy);
 }
 
 /// `dequant_rows` takes an e4m3 tile into a bf16 one and says so otherwise; the scalar

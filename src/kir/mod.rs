@@ -128,35 +128,30 @@ pub enum RowSoftmax {
     /// maxima need no exchange and no barrier; the outputs' rescale factors go out with P
     /// and are applied after P's barrier (see `lower_mma::rows`).
     Rows,
-    /// [`Self::Rows`], the running max moved only when a row's max passes it by more than
-    /// ln 256 (P then stays below 256): after the first steps the factors are 1, and a warp
-    /// whose rows all kept theirs skips the outputs' rescale.
-    RowsLazy,
 }
 
 impl RowSoftmax {
-    /// The kernel-name suffix: "", "r" or "rl".
+    /// The kernel-name suffix: "" or "r".
     pub fn suffix(self) -> &'static str {
         match self {
             RowSoftmax::Off => "",
             RowSoftmax::Rows => "r",
-            RowSoftmax::RowsLazy => "rl",
         }
     }
 
-    /// The form's value of `SPARSE_MLA_ROW_SOFTMAX`: "0", "1" or "lazy".
+    /// The form's value of `SPARSE_MLA_ROW_SOFTMAX`: "0" or "1".
     pub fn env_value(self) -> &'static str {
         match self {
             RowSoftmax::Off => "0",
             RowSoftmax::Rows => "1",
-            RowSoftmax::RowsLazy => "lazy",
         }
     }
 
-    /// `SPARSE_MLA_ROW_SOFTMAX`'s value, `0`, `1` or `lazy`; `None` where it is unset or
-    /// empty (each kernel then keeps its own form: rows for v7, fragments elsewhere).
+    /// `SPARSE_MLA_ROW_SOFTMAX`'s value, `0` or `1`; `None` where it is unset or empty (each
+    /// kernel then keeps its own form: rows for v7, fragments elsewhere). The lazy running max
+    /// (`lazy`, v35) was removed in v43: it timed below the plain row form.
     pub fn from_env() -> crate::Result<Option<Self>> {
-        let forms = [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy];
+        let forms = [RowSoftmax::Off, RowSoftmax::Rows];
         form_from_env("SPARSE_MLA_ROW_SOFTMAX", &forms, Self::env_value)
     }
 }
@@ -200,7 +195,7 @@ mod tests {
     #[test]
     fn a_switch_reads_its_variable_and_refuses_other_values() {
         let var = "SPARSE_MLA_TEST_KIR_SWITCH";
-        let forms = [RowSoftmax::Off, RowSoftmax::Rows, RowSoftmax::RowsLazy];
+        let forms = [RowSoftmax::Off, RowSoftmax::Rows];
         std::env::remove_var(var);
         assert_eq!(
             form_from_env(var, &forms, RowSoftmax::env_value).ok(),
@@ -210,7 +205,6 @@ mod tests {
             ("", None),
             ("0", Some(RowSoftmax::Off)),
             ("1", Some(RowSoftmax::Rows)),
-            ("lazy", Some(RowSoftmax::RowsLazy)),
         ] {
             std::env::set_var(var, v);
             assert_eq!(
@@ -218,10 +212,10 @@ mod tests {
                 Some(want)
             );
         }
-        std::env::set_var(var, "late");
+        std::env::set_var(var, "lazy");
         let e = form_from_env(var, &forms, RowSoftmax::env_value).expect_err("refused");
         let text = e.to_string();
-        assert!(text.contains(var) && text.contains("0, 1 or lazy") && text.contains("late"));
+        assert!(text.contains(var) && text.contains("0 or 1") && text.contains("lazy"));
         std::env::remove_var(var);
     }
 }

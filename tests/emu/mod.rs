@@ -167,7 +167,6 @@ impl EmuConfig {
                 None => "",
                 Some(RowSoftmax::Off) => " (scores held in fragments)",
                 Some(RowSoftmax::Rows) => " (scores held in rows)",
-                Some(RowSoftmax::RowsLazy) => " (scores held in rows, lazy max)",
             },
             match self.whole {
                 WholeTokens::Forced(_) => " (whole tokens before split ones)",

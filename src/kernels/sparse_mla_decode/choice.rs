@@ -211,12 +211,11 @@ impl DecodeConfig {
     /// forced with `SPARSE_MLA_DECODE_KERNEL=v6|v7|batch|wide` (`batch`: the large-batch
     /// kernel where one exists for the head count, else v7; `wide`: for bf16 above 16 heads
     /// [`Self::tensor_core_wide`], else v7); then the forms:
-    /// - `SPARSE_MLA_ROW_SOFTMAX=0|1|lazy`: how the scores are held for the softmax
+    /// - `SPARSE_MLA_ROW_SOFTMAX=0|1`: how the scores are held for the softmax
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
     ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
-    ///   one in fragments). `0` holds them in fragments, `lazy` moves the running max only
-    ///   past a margin. A row form on a call planned on bf16's large-batch kernel (two warp
-    ///   groups) is refused: compute-sanitizer's racecheck reports hazards in its row forms
+    ///   one in fragments). `0` holds them in fragments. The row form on a call planned on
+    ///   bf16's large-batch kernel (two warp groups) is refused: compute-sanitizer's racecheck reports hazards in its row forms
     ///   that are not yet explained (v32: only in bf16 cases; fp8's one-group large-batch
     ///   kernel ran clean in rows, v32 and v36).
     /// - `SPARSE_MLA_FP8_VALUES=shared` (`per-warp` by default) decodes fp8_ds_mla's values

@@ -31,15 +31,7 @@ pub(super) struct RowsForm {
     pub(super) col0: Expr,
     /// `lane % lanes == 0`: the lane that writes the row's shared state.
     pub(super) first: Expr,
-    /// The running max moves only past [`LAZY_MARGIN`] ([`RowSoftmax::RowsLazy`]).
-    pub(super) lazy: bool,
 }
-
-/// [`RowSoftmax::RowsLazy`]: a row's running max moves only when the step's max passes it by
-/// more than this (ln 256), so P = exp(s − m) ≤ 256: exact to bf16's / f16's 8 / 11 bits as
-/// any P, within f16's range for the f16 P · V (its operand `V · r` ≤ 57344 is apart), and
-/// the sums in f32 grow by at most 2^8.
-pub(super) const LAZY_MARGIN: f32 = 5.545_177_4;
 
 impl Cx<'_> {
     /// The row form of split-K accumulator `a` ([`RowsForm`]), where it is asked for and fits:
@@ -100,7 +92,6 @@ impl Cx<'_> {
             row: var(&row, Ty::U32),
             col0: var(&col0, Ty::U32),
             first: bin(BinOp::Eq, within, u(0)),
-            lazy: self.row_softmax == RowSoftmax::RowsLazy,
         })
     }
     /// The split-K sum of `acc` held in rows (after the partials' barrier): each holder thread
@@ -287,35 +278,8 @@ impl Cx<'_> {
         );
         let (ov, mv, alv) = (var(&mo, Ty::F32), var(&mx, Ty::F32), var(&al, Ty::F32));
         b.push(let_(&mo, priv_load(&r.m_reg, u(0))));
-        if rf.lazy {
-            // the max moves only past the margin (a row masked so far, m = MASKED, moves at
-            // its first real score); alpha is exactly 1 where it stays
-            let grow = self.fresh("grow");
-            let gv = var(&grow, Ty::Bool);
-            b.push(let_(
-                &grow,
-                bin(
-                    BinOp::Gt,
-                    xv.clone(),
-                    bin(BinOp::Add, ov.clone(), Expr::F32(LAZY_MARGIN)),
-                ),
-            ));
-            b.push(let_(
-                &mx,
-                Expr::Select(Box::new(gv.clone()), Box::new(xv), Box::new(ov.clone())),
-            ));
-            b.push(let_(
-                &al,
-                Expr::Select(
-                    Box::new(gv),
-                    Box::new(exp_fast(bin(BinOp::Sub, ov, mv.clone()))),
-                    Box::new(Expr::F32(1.0)),
-                ),
-            ));
-        } else {
-            b.push(let_(&mx, fmax(ov.clone(), xv)));
-            b.push(let_(&al, exp_fast(bin(BinOp::Sub, ov, mv.clone()))));
-        }
+        b.push(let_(&mx, fmax(ov.clone(), xv)));
+        b.push(let_(&al, exp_fast(bin(BinOp::Sub, ov, mv.clone()))));
         b.push(Stmt::PrivateStore {
             arr: r.m_reg.clone(),
             index: u(0),
@@ -366,8 +330,6 @@ impl Cx<'_> {
         out.push(Stmt::Comment(
             "online softmax (rows): the outputs rescaled by their rows' alpha".into(),
         ));
-        let mut changed: Option<Expr> = None;
-        let mut every_warp = true;
         // (the row form's sets are the outputs' only)
         for set in r.sets.clone() {
             out.extend(self.rows_loop((&set.row0, set.fmw, set.used), |_, ra| {
@@ -377,33 +339,8 @@ impl Cx<'_> {
                     value: shared_load(&table, Ty::F32, ra.row.clone()),
                 }])
             })?);
-            every_warp &= set.used == self.warps;
-            for slot in 0..2 * set.fmw {
-                let ne = bin(BinOp::Ne, priv_load(&set.alpha, u(slot)), Expr::F32(1.0));
-                changed = Some(match changed {
-                    Some(c) => bin(BinOp::Or, c, ne),
-                    None => ne,
-                });
-            }
         }
-        let rescale = self.rescale_outs(r)?;
-        match changed {
-            // lazy, and every warp holds outputs (each reads its factors): a warp whose rows
-            // all kept their max skips the rescale
-            Some(pred) if rf.lazy && every_warp => {
-                let vote = self.fresh("rescale_vote");
-                out.push(intr(Intrinsic::VoteAny {
-                    dst: vote.clone(),
-                    pred,
-                }));
-                out.push(Stmt::If {
-                    cond: var(&vote, Ty::Bool),
-                    then: rescale,
-                    els: vec![],
-                });
-            }
-            _ => out.extend(rescale),
-        }
+        out.extend(self.rescale_outs(r)?);
         Ok(out)
     }
 }
