@@ -215,34 +215,21 @@ impl DecodeConfig {
     ///   ([`Self::with_row_softmax`]); unset, each kernel keeps its own (v7 in rows,
     ///   [`Self::V7_ROW_SOFTMAX`], and fp8's one-group large-batch kernel; bf16's two-group
     ///   one in fragments). `0` holds them in fragments. The row form on a call planned on
-    ///   bf16's large-batch kernel (two warp groups) is refused: compute-sanitizer's racecheck reports hazards in its row forms
-    ///   that are not yet explained (v32: only in bf16 cases; fp8's one-group large-batch
-    ///   kernel ran clean in rows, v32 and v36).
+    ///   bf16's large-batch kernel (two warp groups) is refused: compute-sanitizer's
+    ///   racecheck reports hazards in its row forms that are not yet explained (v32: only in
+    ///   bf16 cases; fp8's one-group large-batch kernel ran clean in rows, v32 and v36).
     /// - `SPARSE_MLA_FP8_VALUES=shared` (`per-warp` by default) decodes fp8_ds_mla's values
     ///   for `P · V` once a step into a shared tile ([`Self::with_fp8_values`]; the kernel's
     ///   name ends in `v`). Timed slower (v41).
     ///
     /// The CUDA backend and `mla-bench` both plan through this, so that a benchmark of a
-    /// switch times the kernels the switch selects. `SPARSE_MLA_DEFER_PV` (each step's
-    /// `O += P · V` deferred into the next step: timed slower in v35, removed in v43) is
-    /// refused unless unset, empty or `0`, so a script that still sets it does not time the
-    /// default under another name.
+    /// switch times the kernels the switch selects.
     pub fn for_call_from_env(
         shape: &DecodeShape,
         sm_count: u32,
         v6_per_sm: impl FnOnce() -> Result<u32>,
     ) -> Result<Self> {
         let (dims, format, heads) = (shape.dims, shape.format, shape.heads);
-        if let Ok(v) = std::env::var("SPARSE_MLA_DEFER_PV") {
-            if !matches!(v.as_str(), "" | "0") {
-                return Err(Error::arg(
-                    "SPARSE_MLA_DEFER_PV",
-                    "unset: the deferred P . V was timed slower and removed (benches/NOTES.md \
-                     v35, v43)",
-                    v,
-                ));
-            }
-        }
         let config = match std::env::var("SPARSE_MLA_DECODE_KERNEL").as_deref() {
             Err(_) | Ok("") | Ok("auto") => Self::for_call(shape, sm_count, v6_per_sm)?,
             Ok("v6") => Self::tensor_core_v6(dims, format, heads),

@@ -267,7 +267,20 @@ impl DecodeConfig {
     /// `SPARSE_MLA_ROW_SOFTMAX` (where set) and `SPARSE_MLA_FP8_VALUES` (where the form
     /// applies); a row form on a kernel of several warp groups is refused
     /// ([`Self::for_call_from_env`]). `shape` names the call in that error.
+    /// `SPARSE_MLA_DEFER_PV` (each step's `O += P · V` deferred into the next step: timed
+    /// slower in v35, removed in v43) is refused unless unset, empty or `0`, so a script that
+    /// still sets it does not time the default under another name.
     pub fn with_env_forms(self, shape: &DecodeShape) -> Result<Self> {
+        if let Ok(v) = std::env::var("SPARSE_MLA_DEFER_PV") {
+            if !matches!(v.as_str(), "" | "0") {
+                return Err(Error::arg(
+                    "SPARSE_MLA_DEFER_PV",
+                    "unset: the deferred P . V was timed slower and removed (benches/NOTES.md \
+                     v35, v43)",
+                    v,
+                ));
+            }
+        }
         Ok(self
             .with_forms(RowSoftmax::from_env()?, shape)?
             .with_fp8_values(Fp8Values::from_env()?))

@@ -617,7 +617,7 @@ impl Cx<'_> {
         out.push(Stmt::For {
             var: it,
             start: u(0),
-            end: countv.clone(),
+            end: countv,
             step: u(1),
             body,
         });
